@@ -1,0 +1,192 @@
+//! The `Backend` trait: every operation the ViT needs, with explicit shapes, implemented once
+//! per device. `cpu` (f32, threaded) is always built and is the reference every other backend
+//! is tested against.
+//!
+//! Conventions, for every method:
+//! - Buffers are row-major; shapes are given in the doc comment with the glossary of
+//!   `model::spec` (B batch, N tokens, C width, H heads, D head dim, F MLP width, K classes).
+//! - **Parameter gradients accumulate (`+=`); activation gradients overwrite (`=`).** So one
+//!   zeroing of the flat gradient buffer per optimizer step makes gradient accumulation over
+//!   micro-batches free.
+//! - Parameters live in one flat buffer and are addressed by a [`Span`] (offset, length) into
+//!   it; their gradients live at the same spans in the flat gradient buffer.
+//! - Methods return `Result` so device backends can report failed launches; the CPU backend
+//!   only fails on shape mismatches, which are bugs, reported as errors rather than panics.
+
+pub mod cpu;
+
+use crate::config::{DecaySkip, OptimizerConfig};
+
+/// A window of a flat buffer, in elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Span {
+    pub off: usize,
+    pub len: usize,
+}
+
+impl Span {
+    pub fn range(self) -> std::ops::Range<usize> {
+        self.off..self.off + self.len
+    }
+}
+
+/// Errors a backend reports.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("{op}: {msg}")]
+    Shape { op: &'static str, msg: String },
+    #[error("{0}")]
+    Device(String),
+}
+
+pub type BResult<T> = Result<T, BackendError>;
+
+/// Hyper-parameters of one optimizer step, as the engine resolved them for this step.
+#[derive(Clone, Copy, Debug)]
+pub struct StepHyper {
+    /// Learning rate for this step (after the schedule).
+    pub lr: f32,
+    /// 1-based optimizer step (Adam bias correction).
+    pub step: u64,
+    /// Multiplies every gradient before use (1/loss-scale, gradient clipping).
+    pub grad_scale: f32,
+}
+
+/// Which parameters an optimizer step decays: one weight-decay factor per parameter span.
+#[derive(Clone, Debug)]
+pub struct DecayGroups {
+    /// (span, decays) for each named parameter, in table order.
+    pub spans: Vec<(Span, bool)>,
+}
+
+impl DecayGroups {
+    /// Builds the groups from the parameter table and the `train.weight_decay_skip` setting.
+    pub fn new(table: &crate::model::ParamTable, skip: &DecaySkip) -> Self {
+        let spans = table
+            .entries
+            .iter()
+            .map(|e| (e.span, !e.kind.skips_decay(skip)))
+            .collect();
+        DecayGroups { spans }
+    }
+}
+
+/// One device's implementation of every op. See the module doc for the conventions.
+pub trait Backend: Send + Sync {
+    /// A device buffer of elements (f32 on the CPU).
+    type Buf: Send + Sync;
+
+    /// Short name for logs ("cpu", "cuda:0 NVIDIA H200").
+    fn name(&self) -> String;
+
+    // ---- memory -------------------------------------------------------------------------
+    /// A zero-filled buffer of `len` elements in the compute dtype (activations, their
+    /// gradients, the compute copy of the weights): f32 on the CPU, bf16 on a GPU.
+    fn alloc(&self, len: usize) -> BResult<Self::Buf>;
+    /// A zero-filled f32 buffer: master weights, parameter gradients, optimizer state, losses,
+    /// targets.
+    fn alloc_f32(&self, len: usize) -> BResult<Self::Buf>;
+    /// Whether the forward pass needs a compute-dtype copy of the f32 master weights (false
+    /// when the compute dtype is f32: the master buffer is used directly).
+    fn needs_compute_copy(&self) -> bool {
+        false
+    }
+    /// `dst = src` converting between the buffers' dtypes (master → compute copy).
+    fn cast(&self, dst: &mut Self::Buf, src: &Self::Buf) -> BResult<()>;
+    fn len(&self, buf: &Self::Buf) -> usize;
+    /// Copies host f32 data into `dst[off..off + src.len()]`.
+    fn upload(&self, dst: &mut Self::Buf, off: usize, src: &[f32]) -> BResult<()>;
+    /// Copies the whole buffer to the host as f32.
+    fn download(&self, src: &Self::Buf) -> BResult<Vec<f32>>;
+    fn fill(&self, buf: &mut Self::Buf, value: f32) -> BResult<()>;
+    /// `dst = src` (same length).
+    fn copy(&self, dst: &mut Self::Buf, src: &Self::Buf) -> BResult<()>;
+    /// Waits for all queued work (no-op on the CPU).
+    fn synchronize(&self) -> BResult<()>;
+
+    // ---- embedding ----------------------------------------------------------------------
+    /// Cuts images into flattened patches, each in (channel, row, col) order so that a patch
+    /// times the conv weight `[C, 3, P, P]` read as `(C, 3·P·P)` is the convolution.
+    /// `img` (B, 3, S, S) → `out` (B·NP, 3·P·P).
+    fn patchify(&self, out: &mut Self::Buf, img: &Self::Buf, b: usize, chans: usize, size: usize, patch: usize) -> BResult<()>;
+
+    /// Builds the token sequence: `out[b, 0] = cls + pos[0]` (when `cls` is given), then
+    /// `out[b, prefix + p] = patches[b, p] + pos[prefix + p]`.
+    /// `patches` (B·NP, C), `pos` (N, C), `cls` (C) → `out` (B·N, C).
+    #[allow(clippy::too_many_arguments)]
+    fn embed_forward(&self, out: &mut Self::Buf, patches: &Self::Buf, params: &Self::Buf, pos: Span, cls: Option<Span>, b: usize, np: usize, c: usize) -> BResult<()>;
+    /// Backward of `embed_forward`: `dpatches =`, `dpos +=`, `dcls +=`.
+    #[allow(clippy::too_many_arguments)]
+    fn embed_backward(&self, dpatches: &mut Self::Buf, dparams: &mut Self::Buf, dout: &Self::Buf, pos: Span, cls: Option<Span>, b: usize, np: usize, c: usize) -> BResult<()>;
+
+    // ---- dense layers -------------------------------------------------------------------
+    /// `out = inp · Wᵀ + bias`, W (OC, IC) as stored by timm's `nn.Linear`.
+    /// `inp` (R, IC) → `out` (R, OC). With `gelu_pre = Some(pre)`, `pre` receives the
+    /// pre-activation and `out = gelu(pre)` (erf GELU): the MLP's fused epilogue.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_forward(&self, out: &mut Self::Buf, gelu_pre: Option<&mut Self::Buf>, inp: &Self::Buf, params: &Self::Buf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()>;
+    /// Backward of `matmul_forward` (without the GELU; see `dgelu_pre`):
+    /// `dinp = dout · W` (then `dinp *= gelu'(pre)` when `dgelu_pre` is given: the backward of
+    /// the GELU that produced `inp`), `dW += doutᵀ · inp`, `dbias += Σ_rows dout`.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_backward(&self, dinp: &mut Self::Buf, dparams: &mut Self::Buf, dout: &Self::Buf, inp: &Self::Buf, dgelu_pre: Option<&Self::Buf>, params: &Self::Buf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()>;
+
+    // ---- normalization ------------------------------------------------------------------
+    /// LayerNorm over the last dim (eps = `model::LN_EPS`), saving per-row mean and 1/std.
+    /// `inp` (R, C) → `out` (R, C), `mean` (R), `rstd` (R).
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_forward(&self, out: &mut Self::Buf, mean: &mut Self::Buf, rstd: &mut Self::Buf, inp: &Self::Buf, params: &Self::Buf, w: Span, b: Span, rows: usize, c: usize) -> BResult<()>;
+    /// Backward of LayerNorm: `dinp = dresidual + ∂LN/∂inp · dout` (the residual-stream
+    /// gradient is folded in; `None` means zero), `dw +=`, `db +=`.
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_backward(&self, dinp: &mut Self::Buf, dparams: &mut Self::Buf, dout: &Self::Buf, dresidual: Option<&Self::Buf>, inp: &Self::Buf, mean: &Self::Buf, rstd: &Self::Buf, params: &Self::Buf, w: Span, b: Span, rows: usize, c: usize) -> BResult<()>;
+
+    // ---- attention ----------------------------------------------------------------------
+    /// Multi-head self-attention core: `qkv` (B, N, 3, H, D) as timm lays it out →
+    /// `out` (B, N, H·D) = softmax(q·kᵀ/√D)·v per head; `probs` (B, H, N, N) saved for backward.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_forward(&self, out: &mut Self::Buf, probs: &mut Self::Buf, qkv: &Self::Buf, b: usize, n: usize, h: usize, d: usize) -> BResult<()>;
+    /// Backward of `attention_forward`: `dqkv =` from `dout` (B, N, H·D).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(&self, dqkv: &mut Self::Buf, dout: &Self::Buf, qkv: &Self::Buf, probs: &Self::Buf, b: usize, n: usize, h: usize, d: usize) -> BResult<()>;
+
+    // ---- residual, pooling ----------------------------------------------------------------
+    /// `out = a + b`, elementwise.
+    fn add(&self, out: &mut Self::Buf, a: &Self::Buf, b: &Self::Buf) -> BResult<()>;
+    /// Pools the token sequence `inp` (B, N, C) into `out` (B, C): token 0 (`avg = false`) or
+    /// the mean of tokens `prefix..N` (`avg = true`).
+    #[allow(clippy::too_many_arguments)]
+    fn pool_forward(&self, out: &mut Self::Buf, inp: &Self::Buf, b: usize, n: usize, c: usize, prefix: usize, avg: bool) -> BResult<()>;
+    /// Backward of `pool_forward`: `dinp =` (zero where the pool did not read).
+    #[allow(clippy::too_many_arguments)]
+    fn pool_backward(&self, dinp: &mut Self::Buf, dout: &Self::Buf, b: usize, n: usize, c: usize, prefix: usize, avg: bool) -> BResult<()>;
+
+    // ---- loss ---------------------------------------------------------------------------
+    /// Softmax cross-entropy against soft targets: `logits` (B, K), `targets` (B, K) rows
+    /// summing to 1 (one-hot, label-smoothed or mixed). Writes `losses` (B) per row, and
+    /// `dlogits = (softmax − targets) · dloss_scale` (the caller passes 1/global-batch).
+    #[allow(clippy::too_many_arguments)]
+    fn cross_entropy(&self, losses: &mut Self::Buf, dlogits: Option<&mut Self::Buf>, logits: &Self::Buf, targets: &Self::Buf, b: usize, k: usize, dloss_scale: f32) -> BResult<()>;
+
+    // ---- optimizer ----------------------------------------------------------------------
+    /// Σ g² over the whole gradient buffer (for the global norm; f64 accumulation on CPU).
+    fn sum_squares(&self, buf: &Self::Buf) -> BResult<f64>;
+    /// `buf *= s`.
+    fn scale(&self, buf: &mut Self::Buf, s: f32) -> BResult<()>;
+    /// One optimizer step over the flat f32 buffers: master `params` updated in place from
+    /// `grads` (each gradient multiplied by `hyper.grad_scale` first), `state` holds the
+    /// optimizer's moments (see `optimizer_state_len`; zero-initialized, and for SGD the
+    /// momentum buffer is set to the gradient on step 1 as torch does). Weight decay applies
+    /// only to spans flagged in `decay`.
+    #[allow(clippy::too_many_arguments)]
+    fn optimizer_step(&self, params: &mut Self::Buf, grads: &Self::Buf, state: &mut Self::Buf, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()>;
+}
+
+/// Elements of f32 optimizer state per parameter, in this order in the state buffer:
+/// Adam: m then v (2·P); SGD: the momentum buffer (P).
+pub fn optimizer_state_len(opt: &OptimizerConfig, num_params: usize) -> usize {
+    match opt {
+        OptimizerConfig::Adam { .. } => 2 * num_params,
+        OptimizerConfig::Sgd { .. } => num_params,
+    }
+}

@@ -1,0 +1,213 @@
+//! The validated, typed run configuration that the rest of the crate consumes.
+//!
+//! Everything here is already checked: the parser in `config::parse` turns a DeepSpeed JSON
+//! plus the `model` / `data` / `train` sections into these types or into an error naming the
+//! key. Nothing downstream re-validates user input.
+
+use std::path::PathBuf;
+
+use serde::Serialize;
+
+use crate::model::ModelConfig;
+
+/// The DeepSpeed batch triple, resolved for a world size:
+/// `train_batch_size = micro_batch_per_gpu × gradient_accumulation_steps × world_size`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct BatchConfig {
+    pub train_batch_size: usize,
+    pub micro_batch_per_gpu: usize,
+    pub gradient_accumulation_steps: usize,
+    pub world_size: usize,
+}
+
+/// `optimizer.type` with DeepSpeed's meaning and defaults.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "type")]
+pub enum OptimizerConfig {
+    /// `Adam` / `AdamW` (DeepSpeed FusedAdam): `adam_w_mode` true = decoupled weight decay
+    /// (AdamW), false = L2 penalty added to the gradient (classic Adam).
+    Adam {
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+        adam_w_mode: bool,
+        bias_correction: bool,
+    },
+    /// `SGD` (torch.optim.SGD semantics).
+    Sgd {
+        lr: f64,
+        momentum: f64,
+        dampening: f64,
+        weight_decay: f64,
+        nesterov: bool,
+    },
+}
+
+impl OptimizerConfig {
+    /// The learning rate the optimizer was configured with (the base that schedules scale).
+    pub fn lr(&self) -> f64 {
+        match self {
+            OptimizerConfig::Adam { lr, .. } | OptimizerConfig::Sgd { lr, .. } => *lr,
+        }
+    }
+}
+
+/// DeepSpeed's `warmup_type`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WarmupType {
+    Log,
+    Linear,
+}
+
+/// `scheduler.type` with DeepSpeed's parameter names and defaults. No scheduler = constant LR.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "type")]
+pub enum SchedulerConfig {
+    WarmupLR {
+        warmup_min_lr: f64,
+        warmup_max_lr: f64,
+        warmup_num_steps: u64,
+        warmup_type: WarmupType,
+    },
+    WarmupDecayLR {
+        warmup_min_lr: f64,
+        warmup_max_lr: f64,
+        warmup_num_steps: u64,
+        warmup_type: WarmupType,
+        total_num_steps: u64,
+    },
+    WarmupCosineLR {
+        total_num_steps: u64,
+        warmup_min_ratio: f64,
+        warmup_num_steps: u64,
+        cos_min_ratio: f64,
+        warmup_type: WarmupType,
+    },
+}
+
+/// Numeric format for compute (DeepSpeed `bf16` / `fp16` blocks). CPU always computes in f32.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+pub enum Precision {
+    Fp32,
+    Bf16,
+    /// DeepSpeed `fp16` block: `loss_scale` 0 = dynamic.
+    Fp16 {
+        loss_scale: f64,
+        initial_scale_power: u32,
+        loss_scale_window: u64,
+        hysteresis: u32,
+        min_loss_scale: f64,
+    },
+}
+
+/// `data.dataset`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DatasetKind {
+    /// Procedurally generated, deterministic, learnable, 10 classes, no files.
+    Builtin,
+    /// Random tensors (benchmarks).
+    Synthetic,
+    Cifar10,
+    Cifar100,
+}
+
+impl DatasetKind {
+    pub const NAMES: &'static [&'static str] = &["builtin", "synthetic", "cifar10", "cifar100"];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DatasetKind::Builtin => "builtin",
+            DatasetKind::Synthetic => "synthetic",
+            DatasetKind::Cifar10 => "cifar10",
+            DatasetKind::Cifar100 => "cifar100",
+        }
+    }
+    /// Classes in the dataset (synthetic: taken from the model).
+    pub fn num_classes(self) -> Option<usize> {
+        match self {
+            DatasetKind::Builtin | DatasetKind::Cifar10 => Some(10),
+            DatasetKind::Cifar100 => Some(100),
+            DatasetKind::Synthetic => None,
+        }
+    }
+}
+
+/// `data.augment`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Augment {
+    /// No augmentation: images go to the model as stored (normalized).
+    None,
+    /// The dataset's usual training augmentation (CIFAR: random crop with 4-px padding +
+    /// horizontal flip; built-in: horizontal flip).
+    Default,
+}
+
+/// The `data` section.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct DataConfig {
+    pub dataset: DatasetKind,
+    pub path: Option<PathBuf>,
+    /// Per-channel normalization applied after scaling pixels to [0, 1].
+    pub mean: [f32; 3],
+    pub std: [f32; 3],
+    pub augment: Augment,
+    pub shuffle: bool,
+    /// Loader worker threads (0 = all cores).
+    pub num_workers: usize,
+    /// Images in the built-in / synthetic training split.
+    pub train_size: usize,
+    /// Images in the built-in / synthetic validation split.
+    pub val_size: usize,
+}
+
+/// `train.weight_decay_skip`: kinds of parameters that get no weight decay.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct DecaySkip {
+    pub bias: bool,
+    pub norm: bool,
+    pub pos_embed: bool,
+    pub cls_token: bool,
+}
+
+/// The `train` section.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TrainConfig {
+    /// Length of the run: whole epochs, or optimizer steps when `steps` is set (wins).
+    pub epochs: usize,
+    pub steps: Option<u64>,
+    pub seed: u64,
+    /// Evaluate every this many optimizer steps (0 = at the end of each epoch only).
+    pub eval_every: u64,
+    /// Write a checkpoint every this many optimizer steps (0 = never).
+    pub checkpoint_every: u64,
+    pub label_smoothing: f32,
+    pub weight_decay_skip: DecaySkip,
+    /// Print / log a metrics line every this many optimizer steps.
+    pub log_every: u64,
+    /// Batch size for evaluation (defaults to the micro batch).
+    pub eval_batch_size: usize,
+}
+
+/// A complete, validated run configuration.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RunConfig {
+    pub batch: BatchConfig,
+    pub optimizer: OptimizerConfig,
+    pub scheduler: Option<SchedulerConfig>,
+    /// Clip the global gradient norm to this value (0 disables), DeepSpeed `gradient_clipping`.
+    pub gradient_clipping: f64,
+    pub precision: Precision,
+    /// DeepSpeed `zero_optimization.stage`.
+    pub zero_stage: u8,
+    pub model: ModelConfig,
+    pub data: DataConfig,
+    pub train: TrainConfig,
+    /// Keys that were accepted but whose feature is not implemented (yet), one line each.
+    #[serde(skip)]
+    pub warnings: Vec<String>,
+}
