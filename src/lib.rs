@@ -4,7 +4,9 @@
 //! - `config`  — defines: the run configuration (DeepSpeed JSON + model/data/train), parsing and validation.
 //! - `model`   — defines: the ViT shape, parameter table, forward/backward over a backend, timm weights I/O.
 //! - `backend` — defines: the `Backend` trait (every op with explicit shapes) and the CPU reference backend.
+//! - `util`    — defines: atomic file writes.
 
 pub mod backend;
 pub mod config;
 pub mod model;
+pub mod util;
