@@ -118,6 +118,17 @@ impl<B: Backend> Activations<B> {
     }
 }
 
+/// One-hot targets with label smoothing ε: (1 − ε)·onehot + ε/K, as torch's cross-entropy.
+pub fn smoothed_targets(labels: &[u32], k: usize, eps: f32) -> Vec<f32> {
+    let mut t = vec![eps / k as f32; labels.len() * k];
+    for (row, &l) in t.chunks_mut(k).zip(labels) {
+        if let Some(v) = row.get_mut(l as usize) {
+            *v += 1.0 - eps;
+        }
+    }
+    t
+}
+
 /// What one forward pass returns to the host.
 #[derive(Clone, Debug)]
 pub struct ForwardOut {
