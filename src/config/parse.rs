@@ -1099,7 +1099,12 @@ fn parse_zero(v: Option<&Value>, cx: &mut Cx) -> Result<u8> {
     };
     check_keys("zero_optimization", block, &[ZERO_STAGE], ZERO_TUNING)?;
     let stage = get_int(Some(block), "zero_optimization", &ZERO_STAGE, cx)? as u8;
-    let present: Vec<&str> = ZERO_TUNING.iter().copied().filter(|k| block.get(*k).is_some_and(|v| !v.is_null())).collect();
+    // In the file's order, so the warning reads like the config.
+    let present: Vec<&str> = block
+        .iter()
+        .filter(|(k, v)| ZERO_TUNING.contains(&k.as_str()) && !v.is_null())
+        .map(|(k, _)| k.as_str())
+        .collect();
     for off in ["offload_optimizer", "offload_param"] {
         if let Some(dev) = block.get(off).and_then(|o| o.get("device")).and_then(Value::as_str) {
             if dev != "none" {
