@@ -271,6 +271,8 @@ fn unknown_keys_are_named_with_a_suggestion() {
     let e = err_names(json!({"data": {"datset": "cifar10"}}), "data.datset");
     assert!(e.contains("dataset"), "{e}");
     err_names(json!({"train": {"epoch": 3}}), "train.epoch");
+    let e = err_names(json!({"train": {"checkpoint": 3}}), "train.checkpoint");
+    assert!(e.contains("did you mean \"checkpoint_every\""), "{e}");
     err_names(json!({"optimizer": {"type": "AdamW", "params": {"beta": [0.9, 0.99]}}}), "optimizer.params.beta");
     err_names(json!({"optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.99]}}}), "optimizer.params.betas");
     err_names(json!({"scheduler": {"type": "WarmupLR", "params": {"total_num_steps": 10}}}), "scheduler.params.total_num_steps");

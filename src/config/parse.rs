@@ -543,6 +543,11 @@ fn edit_distance(a: &str, b: &str) -> usize {
 
 fn suggest<'a>(word: &str, known: impl IntoIterator<Item = &'a str>) -> String {
     let lw = word.to_lowercase();
+    let known: Vec<&str> = known.into_iter().collect();
+    // A key that extends the word (`checkpoint` → `checkpoint_every`) is the likeliest meaning.
+    if let Some(k) = known.iter().find(|k| lw.len() >= 4 && k.to_lowercase().starts_with(&lw)) {
+        return format!(" (did you mean \"{k}\"?)");
+    }
     let best = known
         .into_iter()
         .map(|k| (edit_distance(&lw, &k.to_lowercase()), k))
