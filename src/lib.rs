@@ -16,5 +16,5 @@ pub mod config;
 // pub mod data;
 pub mod metrics;
 pub mod model;
-// pub mod train;
+pub mod train;
 pub mod util;

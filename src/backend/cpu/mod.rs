@@ -479,8 +479,7 @@ impl Backend for Cpu {
         let n = params.len();
         check("optimizer_step", "grads", grads, n)?;
         check("optimizer_step", "state", state, super::optimizer_state_len(opt, n))?;
-        optim::optimizer_step(params, grads, state, opt, decay, hyper);
-        Ok(())
+        optim::optimizer_step(params, grads, state, opt, decay, hyper)
     }
 }
 
