@@ -11,9 +11,9 @@
 //! - `util`    — defines: atomic file writes.
 
 pub mod backend;
-// pub mod cli;
+pub mod cli;
 pub mod config;
-// pub mod data;
+pub mod data;
 pub mod metrics;
 pub mod model;
 pub mod train;
