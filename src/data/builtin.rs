@@ -2,11 +2,12 @@
 //! no files and still learns something real.
 //!
 //! Each image is one shape — the class — on a background. Everything else is nuisance drawn per
-//! image: background colour and a linear gradient across it, shape colour (at a minimum contrast
-//! to the background, but brighter or darker at random), centre, size, and per-pixel noise.
+//! image: background colour and a linear gradient across it, shape colour (dark on light or
+//! light on dark at random, hue random), centre, size, and per-pixel noise.
 //! Colour is independent of class, so the mean colour says nothing about the label and a linear
-//! classifier on raw pixels is far from perfect; shape is visible at 16 px, so a small ViT learns
-//! it in a few epochs. Every shape is mirror-symmetric about its vertical axis, so a horizontal
+//! classifier on raw pixels is far from perfect (≈ 30 % val top-1, measured with PyTorch); shape is
+//! visible at 16 px, so the `vit_builtin_default` ViT learns it in a few epochs (≈ 99 % val top-1
+//! after 5 epochs of 10 000 images with AdamW 1e-3, batch 128, in the same measurement). Every shape is mirror-symmetric about its vertical axis, so a horizontal
 //! flip never changes the class.
 //!
 //! Shapes are rendered with 3×3 supersampling (anti-aliased coverage), which keeps small shapes
@@ -76,31 +77,24 @@ fn render(rng_seed: u64, index: usize, side: usize, out: &mut [u8]) -> u16 {
     let mut rng = SplitMix::new(rng_seed);
     let s = side as f32;
 
-    let bg0 = [rng.f32(), rng.f32(), rng.f32()];
+    // Colours: one of the pair is dark (every channel in [0, 0.35]), the other light (every
+    // channel in [0.65, 1]); which one is the shape is a coin flip. The luminance gap keeps the
+    // shape visible after patch embedding (fully random colour pairs left a small ViT at ~65 %
+    // after 10 epochs), the random polarity and hue keep colour useless for the label.
+    let dark = [rng.f32() * 0.35, rng.f32() * 0.35, rng.f32() * 0.35];
+    let light = [1.0 - rng.f32() * 0.35, 1.0 - rng.f32() * 0.35, 1.0 - rng.f32() * 0.35];
+    let (bg0, fg) = if rng.coin() { (dark, light) } else { (light, dark) };
     // A linear gradient of random direction and strength across the background.
     let angle = rng.range_f32(0.0, std::f32::consts::TAU);
     let (gx, gy) = (angle.cos(), angle.sin());
     let strength = rng.range_f32(0.0, 0.35);
     let grad = [rng.range_f32(-1.0, 1.0) * strength, rng.range_f32(-1.0, 1.0) * strength, rng.range_f32(-1.0, 1.0) * strength];
-    // Foreground: any colour far enough from the background mean (rejection sampling with a
-    // bounded number of tries; the last try is pushed away from the background if needed).
-    let mut fg = [0f32; 3];
-    for attempt in 0..16 {
-        fg = [rng.f32(), rng.f32(), rng.f32()];
-        let d2: f32 = (0..3).map(|c| (fg[c] - bg0[c]).powi(2)).sum();
-        if d2 >= 0.45 * 0.45 {
-            break;
-        }
-        if attempt == 15 {
-            for c in 0..3 {
-                fg[c] = if bg0[c] > 0.5 { bg0[c] - 0.5 } else { bg0[c] + 0.5 };
-            }
-        }
-    }
-    // Shape half-size and centre: the [−1, 1]² box always fits inside the image.
-    let r = s * rng.range_f32(0.27, 0.45);
-    let cx = rng.range_f32(r, s - r);
-    let cy = rng.range_f32(r, s - r);
+    // Shape half-size and centre: the [−1, 1]² box always fits inside the image; the centre
+    // moves by up to half the free room (more jitter slowed learning at 16 px markedly).
+    let r = s * rng.range_f32(0.35, 0.48);
+    let room = 0.5 * (s * 0.5 - r);
+    let cx = s * 0.5 + rng.range_f32(-1.0, 1.0) * room;
+    let cy = s * 0.5 + rng.range_f32(-1.0, 1.0) * room;
     let noise = rng.range_f32(0.01, 0.06);
 
     const SUB: usize = 3;
