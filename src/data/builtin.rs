@@ -5,10 +5,10 @@
 //! image: background colour and a linear gradient across it, shape colour (dark on light or
 //! light on dark at random, hue random), centre, size, and per-pixel noise.
 //! Colour is independent of class, so the mean colour says nothing about the label and a linear
-//! classifier on raw pixels is far from perfect (≈ 30 % val top-1, measured with PyTorch); shape is
-//! visible at 16 px, so the `vit_builtin_default` ViT learns it in a few epochs (≈ 99 % val top-1
-//! after 5 epochs of 10 000 images with AdamW 1e-3, batch 128, in the same measurement). Every shape is mirror-symmetric about its vertical axis, so a horizontal
-//! flip never changes the class.
+//! classifier on raw pixels is far from perfect (≈ 30 % val top-1 for a PyTorch linear probe on a
+//! prototype of this generator, against ≈ 26 % with fully random colour pairs); shape is visible at
+//! 16 px, so `vitscale train` with its defaults (`vit_builtin_default`, 10 000 images, 10 epochs)
+//! reaches 97.9 % val top-1 after 2 epochs and 100 % after 9, in 60 s on 2 CPU cores.
 //!
 //! Shapes are rendered with 3×3 supersampling (anti-aliased coverage), which keeps small shapes
 //! from turning into a handful of class-ambiguous pixels.
