@@ -63,7 +63,7 @@ fn empty_config_gives_every_default() {
             augment: Augment::Default,
             shuffle: true,
             num_workers: 0,
-            train_size: 10000,
+            train_size: 6000,
             val_size: 2000,
         }
     );
@@ -145,9 +145,9 @@ fn scheduler_defaults_are_deepspeeds() {
         })
     );
     err_names(json!({"scheduler": {"type": "WarmupDecayLR"}}), "scheduler.params.total_num_steps");
-    // "auto" = the run's length: 10 epochs × floor(10000 / 64) steps.
+    // "auto" = the run's length: 10 epochs × floor(6000 / 64) steps.
     let c = ok(json!({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": "auto"}}}));
-    assert!(matches!(c.scheduler, Some(SchedulerConfig::WarmupCosineLR { total_num_steps: 1560, .. })));
+    assert!(matches!(c.scheduler, Some(SchedulerConfig::WarmupCosineLR { total_num_steps: 930, .. })));
     let c = ok(json!({"train": {"steps": 77}, "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto", "warmup_num_steps": 7}}}));
     assert!(matches!(c.scheduler, Some(SchedulerConfig::WarmupDecayLR { total_num_steps: 77, .. })));
     // Unknown warmup_type: DeepSpeed's fallback to log, with a warning.
@@ -449,11 +449,11 @@ fn hf_bf16_zero2_with_auto_values() {
         c.optimizer,
         OptimizerConfig::Adam { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, adam_w_mode: true, bias_correction: true }
     );
-    // "auto" total_num_steps = 10 epochs × floor(10000 / 128).
+    // "auto" total_num_steps = 10 epochs × floor(6000 / 128).
     assert_eq!(
         c.scheduler,
         Some(SchedulerConfig::WarmupDecayLR {
-            warmup_min_lr: 0.0, warmup_max_lr: 0.001, warmup_num_steps: 1000, warmup_type: WarmupType::Log, total_num_steps: 780
+            warmup_min_lr: 0.0, warmup_max_lr: 0.001, warmup_num_steps: 1000, warmup_type: WarmupType::Log, total_num_steps: 460
         })
     );
     for key in [
@@ -468,7 +468,7 @@ fn hf_bf16_zero2_with_auto_values() {
         "train_micro_batch_size_per_gpu: \"auto\"",
         "gradient_accumulation_steps: \"auto\"",
         "zero_optimization: offload_optimizer, allgather_partitions, allgather_bucket_size, overlap_comm, reduce_scatter, reduce_bucket_size, contiguous_gradients accepted",
-        "total_num_steps 780 is less than warmup_num_steps 1000",
+        "total_num_steps 460 is less than warmup_num_steps 1000",
     ] {
         assert!(has_warning(&c, key), "missing warning {key}: {:#?}", c.warnings);
     }
