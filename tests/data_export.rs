@@ -1,0 +1,30 @@
+//! Not a check: writes the built-in dataset as raw files for inspection and for the
+//! learnability experiment in `reference/` (run with
+//! `VITSCALE_EXPORT=dir cargo test --test data_export -- --ignored`).
+
+use vitscale::config::{Augment, DataConfig, DatasetKind};
+
+#[test]
+#[ignore]
+fn export_builtin() {
+    let Ok(dir) = std::env::var("VITSCALE_EXPORT") else { return };
+    let side: usize = std::env::var("VITSCALE_EXPORT_SIDE").ok().and_then(|s| s.parse().ok()).unwrap_or(16);
+    let cfg = DataConfig {
+        dataset: DatasetKind::Builtin,
+        path: None,
+        mean: [0.5; 3],
+        std: [0.5; 3],
+        augment: Augment::Default,
+        shuffle: true,
+        num_workers: 0,
+        train_size: 10_000,
+        val_size: 2_000,
+    };
+    let d = vitscale::data::open(&cfg, side, 10, 0).expect("open builtin");
+    std::fs::create_dir_all(&dir).expect("create export dir");
+    for (name, set) in [("train", &d.train), ("val", &d.val)] {
+        std::fs::write(format!("{dir}/{name}_images_{side}.u8"), &set.images).expect("write images");
+        let labels: Vec<u8> = set.labels.iter().map(|&l| l as u8).collect();
+        std::fs::write(format!("{dir}/{name}_labels_{side}.u8"), labels).expect("write labels");
+    }
+}
