@@ -4,7 +4,11 @@
 //! - `config`  — defines: the run configuration (DeepSpeed JSON + model/data/train), parsing and validation.
 //! - `model`   — defines: the ViT shape, parameter table, forward/backward over a backend, timm weights I/O.
 //! - `backend` — defines: the `Backend` trait (every op with explicit shapes) and the CPU reference backend.
+//! - `comm`    — defines: the `Comm` trait (collectives on flat buffers), the TCP ring for CPU ranks, rendezvous, `DistEnv`.
+//! - `launch`  — defines: `vitscale launch`, spawning workers locally or over ssh from a hostfile.
 
 pub mod backend;
+pub mod comm;
 pub mod config;
+pub mod launch;
 pub mod model;
