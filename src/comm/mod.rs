@@ -238,7 +238,7 @@ pub(crate) fn check_args(op: Collective, span: Span, buf_len: usize, world: usiz
         return Err(CommError::OutOfRange { op: op.name(), off: span.off, end, buf_len });
     }
     match op {
-        Collective::ReduceScatter(_) | Collective::AllGather if span.len % world != 0 => {
+        Collective::ReduceScatter(_) | Collective::AllGather if !span.len.is_multiple_of(world) => {
             Err(CommError::Uneven { op: op.name(), len: span.len, world })
         }
         Collective::Broadcast { root } if root >= world => Err(CommError::BadRoot { root, world }),

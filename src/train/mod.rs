@@ -1,0 +1,3 @@
+//! Training: checkpoints (`checkpoint`).
+
+pub mod checkpoint;
