@@ -2,6 +2,8 @@
 //! `model`, `data` and `train` sections, `--set key.path=JSON` overrides, and the validated
 //! typed result.
 
+mod parse;
 mod types;
 
+pub use parse::*;
 pub use types::*;

@@ -1,0 +1,335 @@
+//! CPU optimizer kernels: one Adam/AdamW/SGD step over the flat f32 buffers, and the f64
+//! sum of squares behind the global gradient norm. Both run on all cores (rayon) over
+//! fixed-size chunks, and both are deterministic: every element is updated independently,
+//! and partial sums are added in chunk order, whatever the thread schedule.
+//!
+//! The Adam update is DeepSpeed FusedAdam's (`multi_tensor_adam.cu`), in f32:
+//! `m̂ = m / (1 − β1ᵗ)`, `v̂ = v / (1 − β2ᵗ)`, `update = m̂ / (√v̂ + ε)`, plus `wd·p` in AdamW
+//! mode (decoupled decay, the same as torch's `p *= 1 − lr·wd` before the step), or with
+//! `wd·p` added to the gradient in L2 mode; `p −= lr·update`. SGD is `torch.optim.SGD`.
+
+use rayon::prelude::*;
+
+use crate::backend::{optimizer_state_len, BResult, BackendError, DecayGroups, StepHyper};
+use crate::config::OptimizerConfig;
+
+/// Elements per parallel work item: large enough to amortize scheduling, small enough to
+/// spread a ViT-Tiny's parameters over many cores.
+const CHUNK: usize = 1 << 14;
+
+fn shape_err(msg: String) -> BackendError {
+    BackendError::Shape { op: "optimizer_step", msg }
+}
+
+/// Cuts `0..n` into pieces of at most `CHUNK` elements that never straddle a decay-group
+/// boundary: (length, decays). Elements not covered by any span are updated without decay.
+fn pieces(n: usize, decay: &DecayGroups) -> BResult<Vec<(usize, bool)>> {
+    let mut spans: Vec<_> = decay.spans.iter().filter(|(s, _)| s.len > 0).copied().collect();
+    spans.sort_by_key(|(s, _)| s.off);
+    let mut out = Vec::new();
+    let mut push = |mut len: usize, decays: bool| {
+        while len > 0 {
+            let l = len.min(CHUNK);
+            out.push((l, decays));
+            len -= l;
+        }
+    };
+    let mut at = 0;
+    for (span, decays) in spans {
+        if span.off < at || span.off + span.len > n {
+            return Err(shape_err(format!(
+                "decay span {}..{} overlaps another span or exceeds the {n} parameters",
+                span.off,
+                span.off + span.len
+            )));
+        }
+        push(span.off - at, false);
+        push(span.len, decays);
+        at = span.off + span.len;
+    }
+    push(n - at, false);
+    Ok(out)
+}
+
+/// Splits `s` into consecutive mutable pieces of the given lengths.
+fn split_mut<'a, T>(mut s: &'a mut [T], lens: &[(usize, bool)]) -> Vec<&'a mut [T]> {
+    let mut out = Vec::with_capacity(lens.len());
+    for &(len, _) in lens {
+        let (head, tail) = std::mem::take(&mut s).split_at_mut(len);
+        out.push(head);
+        s = tail;
+    }
+    out
+}
+
+fn split<'a, T>(mut s: &'a [T], lens: &[(usize, bool)]) -> Vec<&'a [T]> {
+    let mut out = Vec::with_capacity(lens.len());
+    for &(len, _) in lens {
+        let (head, tail) = s.split_at(len);
+        out.push(head);
+        s = tail;
+    }
+    out
+}
+
+/// One optimizer step (see `Backend::optimizer_step`): `params` updated in place from
+/// `grads · hyper.grad_scale`; `state` is Adam's m then v, or SGD's momentum buffer
+/// (zero-initialized; SGD sets it to the gradient when `hyper.step == 1`, as torch does on
+/// its first step). Weight decay applies only to spans flagged in `decay`.
+pub fn optimizer_step(
+    params: &mut [f32],
+    grads: &[f32],
+    state: &mut [f32],
+    opt: &OptimizerConfig,
+    decay: &DecayGroups,
+    hyper: StepHyper,
+) -> BResult<()> {
+    let n = params.len();
+    if grads.len() != n {
+        return Err(shape_err(format!("{} gradients for {n} parameters", grads.len())));
+    }
+    let want = optimizer_state_len(opt, n);
+    if state.len() != want {
+        return Err(shape_err(format!("optimizer state has {} elements, expected {want}", state.len())));
+    }
+    if hyper.step == 0 {
+        return Err(shape_err("hyper.step is 1-based; got 0".into()));
+    }
+    let lens = pieces(n, decay)?;
+    let gs = hyper.grad_scale;
+    let lr = hyper.lr;
+    let ps = split_mut(params, &lens);
+    let gr = split(grads, &lens);
+    match *opt {
+        OptimizerConfig::Adam { beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, .. } => {
+            let (m, v) = state.split_at_mut(n);
+            let ms = split_mut(m, &lens);
+            let vs = split_mut(v, &lens);
+            // Corrections in f64 (as the host computes them), applied in f32.
+            let (bc1, bc2) = if bias_correction {
+                let t = hyper.step as i32;
+                ((1.0 - beta1.powi(t)) as f32, (1.0 - beta2.powi(t)) as f32)
+            } else {
+                (1.0, 1.0)
+            };
+            let (b1, b2, eps) = (beta1 as f32, beta2 as f32, eps as f32);
+            ps.into_par_iter().zip(gr).zip(ms).zip(vs).zip(lens.par_iter()).for_each(|((((p, g), m), v), &(_, decays))| {
+                let wd = if decays { weight_decay as f32 } else { 0.0 };
+                for i in 0..p.len() {
+                    let mut gi = g[i] * gs;
+                    if !adam_w_mode {
+                        gi += wd * p[i];
+                    }
+                    m[i] = b1 * m[i] + (1.0 - b1) * gi;
+                    v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
+                    let denom = (v[i] / bc2).sqrt() + eps;
+                    let mut update = (m[i] / bc1) / denom;
+                    if adam_w_mode {
+                        update += wd * p[i];
+                    }
+                    p[i] -= lr * update;
+                }
+            });
+        }
+        OptimizerConfig::Sgd { momentum, dampening, weight_decay, nesterov, .. } => {
+            let bufs = split_mut(state, &lens);
+            let (mom, damp) = (momentum as f32, dampening as f32);
+            let first = hyper.step == 1;
+            ps.into_par_iter().zip(gr).zip(bufs).zip(lens.par_iter()).for_each(|(((p, g), buf), &(_, decays))| {
+                let wd = if decays { weight_decay as f32 } else { 0.0 };
+                for i in 0..p.len() {
+                    let mut d = g[i] * gs + wd * p[i];
+                    if mom != 0.0 {
+                        buf[i] = if first { d } else { mom * buf[i] + (1.0 - damp) * d };
+                        d = if nesterov { d + mom * buf[i] } else { buf[i] };
+                    }
+                    p[i] -= lr * d;
+                }
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Σ x² accumulated in f64; partial sums are added in chunk order so the result does not
+/// depend on the thread schedule.
+pub fn sum_squares(x: &[f32]) -> f64 {
+    let parts: Vec<f64> = x.par_chunks(CHUNK).map(|c| c.iter().map(|&v| (v as f64) * (v as f64)).sum()).collect();
+    parts.iter().sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Span;
+    use rand::{Rng, SeedableRng};
+
+    fn random(n: usize, rng: &mut impl Rng) -> Vec<f32> {
+        (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect()
+    }
+
+    /// Decay groups over `n` elements: several spans of both kinds, one larger than CHUNK,
+    /// and an uncovered tail (no decay).
+    fn groups(n: usize) -> (DecayGroups, Vec<bool>) {
+        let cuts = [0, 7, 300, 301, 300 + CHUNK + 5, n - 11];
+        let mut spans = Vec::new();
+        let mut flags = vec![false; n];
+        for (i, w) in cuts.windows(2).enumerate() {
+            let decays = i % 2 == 0;
+            spans.push((Span { off: w[0], len: w[1] - w[0] }, decays));
+            flags[w[0]..w[1]].iter_mut().for_each(|f| *f = decays);
+        }
+        (DecayGroups { spans }, flags)
+    }
+
+    /// torch.optim.Adam / AdamW as in the torch docs' pseudo-code, in f64.
+    #[allow(clippy::too_many_arguments)]
+    fn adam_ref(p: &mut [f64], g: &[f64], m: &mut [f64], v: &mut [f64], t: i32, lr: f64, b1: f64, b2: f64, eps: f64, wd: &[f64], adamw: bool, bc: bool) {
+        for i in 0..p.len() {
+            let mut gi = g[i];
+            if adamw {
+                p[i] -= lr * wd[i] * p[i];
+            } else {
+                gi += wd[i] * p[i];
+            }
+            m[i] = b1 * m[i] + (1.0 - b1) * gi;
+            v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
+            let (mh, vh) = if bc { (m[i] / (1.0 - b1.powi(t)), v[i] / (1.0 - b2.powi(t))) } else { (m[i], v[i]) };
+            p[i] -= lr * mh / (vh.sqrt() + eps);
+        }
+    }
+
+    /// torch.optim.SGD as in the torch docs' pseudo-code, in f64.
+    #[allow(clippy::too_many_arguments)]
+    fn sgd_ref(p: &mut [f64], g: &[f64], b: &mut [f64], t: u64, lr: f64, mu: f64, tau: f64, wd: &[f64], nesterov: bool) {
+        for i in 0..p.len() {
+            let mut gi = g[i] + wd[i] * p[i];
+            if mu != 0.0 {
+                b[i] = if t > 1 { mu * b[i] + (1.0 - tau) * gi } else { gi };
+                gi = if nesterov { gi + mu * b[i] } else { b[i] };
+            }
+            p[i] -= lr * gi;
+        }
+    }
+
+    fn assert_close(got: &[f32], want: &[f64], what: &str) {
+        for (i, (a, b)) in got.iter().zip(want).enumerate() {
+            // Relative f32 error, plus an absolute floor for values that cancel to near zero
+            // from operands of order 1.
+            let tol = 2e-5 * b.abs() + 2e-6;
+            assert!(a.is_finite() && ((*a as f64) - b).abs() <= tol, "{what}[{i}]: {a} vs {b}");
+        }
+    }
+
+    fn run_adam(adamw: bool, bc: bool, seed: u64) {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let n = 2 * CHUNK + 777;
+        let (decay, flags) = groups(n);
+        let (lr, b1, b2, eps, wd) = (1e-2, 0.9, 0.95, 1e-6, 0.1);
+        let opt = OptimizerConfig::Adam { lr, beta1: b1, beta2: b2, eps, weight_decay: wd, adam_w_mode: adamw, bias_correction: bc };
+        let mut p = random(n, &mut rng);
+        let mut state = vec![0.0f32; 2 * n];
+        let mut pr: Vec<f64> = p.iter().map(|&x| x as f64).collect();
+        let (mut mr, mut vr) = (vec![0.0; n], vec![0.0; n]);
+        let wdv: Vec<f64> = flags.iter().map(|&f| if f { wd } else { 0.0 }).collect();
+        let scale = 0.5f32;
+        for t in 1..=4u64 {
+            let g = random(n, &mut rng);
+            let gr: Vec<f64> = g.iter().map(|&x| (x * scale) as f64).collect();
+            optimizer_step(&mut p, &g, &mut state, &opt, &decay, StepHyper { lr: lr as f32, step: t, grad_scale: scale }).unwrap();
+            adam_ref(&mut pr, &gr, &mut mr, &mut vr, t as i32, lr, b1, b2, eps, &wdv, adamw, bc);
+            assert_close(&p, &pr, "params");
+            assert_close(&state[..n], &mr, "m");
+            assert_close(&state[n..], &vr, "v");
+        }
+    }
+
+    #[test]
+    fn adamw_matches_reference() {
+        run_adam(true, true, 1);
+    }
+
+    #[test]
+    fn adam_l2_matches_reference() {
+        run_adam(false, true, 2);
+    }
+
+    #[test]
+    fn adam_without_bias_correction_matches_reference() {
+        run_adam(true, false, 3);
+    }
+
+    fn run_sgd(mu: f64, tau: f64, nesterov: bool, seed: u64) {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let n = CHUNK + 1234;
+        let (decay, flags) = groups(n);
+        let (lr, wd) = (0.05, 0.01);
+        let opt = OptimizerConfig::Sgd { lr, momentum: mu, dampening: tau, weight_decay: wd, nesterov };
+        let mut p = random(n, &mut rng);
+        let mut buf = vec![0.0f32; n];
+        let mut pr: Vec<f64> = p.iter().map(|&x| x as f64).collect();
+        let mut br = vec![0.0; n];
+        let wdv: Vec<f64> = flags.iter().map(|&f| if f { wd } else { 0.0 }).collect();
+        for t in 1..=4u64 {
+            let g = random(n, &mut rng);
+            let gr: Vec<f64> = g.iter().map(|&x| (x * 2.0) as f64).collect();
+            optimizer_step(&mut p, &g, &mut buf, &opt, &decay, StepHyper { lr: lr as f32, step: t, grad_scale: 2.0 }).unwrap();
+            sgd_ref(&mut pr, &gr, &mut br, t, lr, mu, tau, &wdv, nesterov);
+            assert_close(&p, &pr, "params");
+            if mu != 0.0 {
+                assert_close(&buf, &br, "momentum buffer");
+            }
+        }
+    }
+
+    #[test]
+    fn sgd_plain_matches_reference() {
+        run_sgd(0.0, 0.0, false, 4);
+    }
+
+    #[test]
+    fn sgd_momentum_dampening_matches_reference() {
+        run_sgd(0.9, 0.1, false, 5);
+    }
+
+    #[test]
+    fn sgd_nesterov_matches_reference() {
+        run_sgd(0.9, 0.0, true, 6);
+    }
+
+    #[test]
+    fn first_adam_step_moves_by_lr() {
+        // With bias correction, step 1 gives m̂/√v̂ = sign(g): every weight moves by ~lr.
+        let opt = OptimizerConfig::Adam { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, adam_w_mode: true, bias_correction: true };
+        let mut p = vec![1.0f32, 1.0, 1.0];
+        let g = vec![3.0f32, -0.5, 1e-3];
+        let mut s = vec![0.0f32; 6];
+        let d = DecayGroups { spans: vec![] };
+        optimizer_step(&mut p, &g, &mut s, &opt, &d, StepHyper { lr: 0.1, step: 1, grad_scale: 1.0 }).unwrap();
+        assert!((p[0] - 0.9).abs() < 1e-6 && (p[1] - 1.1).abs() < 1e-6 && (p[2] - 0.9).abs() < 1e-4, "{p:?}");
+    }
+
+    #[test]
+    fn mismatched_lengths_are_errors() {
+        let opt = OptimizerConfig::Sgd { lr: 0.1, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false };
+        let d = DecayGroups { spans: vec![] };
+        let h = StepHyper { lr: 0.1, step: 1, grad_scale: 1.0 };
+        assert!(optimizer_step(&mut [0.0; 4], &[0.0; 3], &mut [0.0; 4], &opt, &d, h).is_err());
+        assert!(optimizer_step(&mut [0.0; 4], &[0.0; 4], &mut [0.0; 3], &opt, &d, h).is_err());
+        let bad = DecayGroups { spans: vec![(Span { off: 2, len: 5 }, true)] };
+        assert!(optimizer_step(&mut [0.0; 4], &[0.0; 4], &mut [0.0; 4], &opt, &bad, h).is_err());
+    }
+
+    #[test]
+    fn sum_squares_is_exact_in_f64() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        let x = random(3 * CHUNK + 17, &mut rng);
+        let want: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        let got = sum_squares(&x);
+        assert!((got - want).abs() <= 1e-12 * want, "{got} vs {want}");
+        assert_eq!(sum_squares(&[]), 0.0);
+        assert_eq!(sum_squares(&[3.0, 4.0]), 25.0);
+        // Same result every call (chunk-ordered reduction).
+        assert_eq!(got.to_bits(), sum_squares(&x).to_bits());
+    }
+}

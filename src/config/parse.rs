@@ -1,0 +1,1381 @@
+//! From JSON to a validated [`RunConfig`]: reading the file, applying `--set key.path=JSON`
+//! overrides, and resolving every key with DeepSpeed's meaning.
+//!
+//! **One definition per option.** Every key we read is a [`KeyDef`] (name, type and accepted
+//! values, default, doc, support level) in one of the tables below ([`TOP_KEYS`],
+//! [`ADAM_KEYS`], [`MODEL_KEYS`], [`DATA_KEYS`], …). The getters take the definition, so the
+//! default applied, the error text ("expected …") and the help text ([`help_text`]) all come
+//! from the same place. To add a key: add a `KeyDef` constant, put it in its section's table,
+//! and read it with the getter of its type.
+//!
+//! Rules that are not DeepSpeed's own, all documented on their keys:
+//! - no batch key at all → `train_micro_batch_size_per_gpu = 64`, `gradient_accumulation_steps = 1`;
+//! - no `optimizer` block → AdamW, lr 1e-3, weight_decay 0.05 (training from scratch);
+//! - `"auto"` (as Hugging Face writes it) counts as "not given", with a warning;
+//! - DeepSpeed keys whose feature we do not implement are accepted and listed in
+//!   `RunConfig::warnings` (never silently dropped); unknown keys are errors naming the key
+//!   and the closest known one.
+
+use std::path::Path;
+
+use serde_json::{json, Map, Value};
+
+use super::types::*;
+use crate::model::spec::{GlobalPool, ModelConfig, PRESET_NAMES};
+
+// ---- errors -------------------------------------------------------------------------------
+
+/// Why a configuration was rejected. Every message names the file, the `--set` argument or
+/// the dotted key, and what would have been accepted.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("config file {path} is not valid JSON: {msg} (line {line}, column {column})")]
+    Json { path: String, line: usize, column: usize, msg: String },
+    #[error("--set {arg}: {msg}")]
+    Set { arg: String, msg: String },
+    #[error("{key}: {msg}")]
+    Key { key: String, msg: String },
+}
+
+type Result<T> = std::result::Result<T, ConfigError>;
+
+fn key_err(key: impl Into<String>, msg: impl Into<String>) -> ConfigError {
+    ConfigError::Key { key: key.into(), msg: msg.into() }
+}
+
+// ---- key definitions ----------------------------------------------------------------------
+
+/// The type of a key's value, and so the values it accepts.
+#[derive(Clone, Copy, Debug)]
+pub enum Ty {
+    Bool,
+    /// An integer in `[lo, hi]`.
+    Int { lo: u64, hi: u64 },
+    /// A number in the interval; `lo_open` / `hi_open` exclude the bound.
+    Num { lo: f64, hi: f64, lo_open: bool, hi_open: bool },
+    Str,
+    /// One of these strings.
+    Choice(&'static [&'static str]),
+    /// A list of exactly `n` numbers.
+    Nums(usize),
+    /// A list of distinct strings, each one of these.
+    StrList(&'static [&'static str]),
+    /// A JSON object read by its own table.
+    Section,
+    /// Any JSON value (a DeepSpeed key we accept but do not interpret).
+    Any,
+}
+
+impl Ty {
+    /// "expected …" text for error messages.
+    pub fn describe(&self) -> String {
+        fn bound(x: f64) -> String {
+            if x.is_infinite() { if x > 0.0 { "inf".into() } else { "-inf".into() } } else { format!("{x}") }
+        }
+        match self {
+            Ty::Bool => "true or false".into(),
+            Ty::Int { lo, hi } if *hi == u64::MAX => format!("an integer >= {lo}"),
+            Ty::Int { lo, hi } => format!("an integer in [{lo}, {hi}]"),
+            Ty::Num { lo, hi, lo_open, hi_open } => format!(
+                "a number in {}{}, {}{}",
+                if *lo_open { "(" } else { "[" },
+                bound(*lo),
+                bound(*hi),
+                if *hi_open { ")" } else { "]" }
+            ),
+            Ty::Str => "a string".into(),
+            Ty::Choice(c) => format!("one of {}", quoted(c)),
+            Ty::Nums(n) => format!("a list of {n} numbers"),
+            Ty::StrList(c) => format!("a list of distinct strings from {}", quoted(c)),
+            Ty::Section => "an object".into(),
+            Ty::Any => "any value".into(),
+        }
+    }
+}
+
+/// A key's default, typed, so the value applied is the value documented.
+#[derive(Clone, Copy, Debug)]
+pub enum Dflt {
+    Bool(bool),
+    Int(u64),
+    Num(f64),
+    Str(&'static str),
+    Nums(&'static [f64]),
+    StrList(&'static [&'static str]),
+    /// Computed from other keys; the text says how.
+    Derived(&'static str),
+    /// Must be given.
+    Required,
+    /// Absent means off / not used.
+    Unset,
+}
+
+impl Dflt {
+    fn describe(&self) -> String {
+        match self {
+            Dflt::Bool(b) => b.to_string(),
+            Dflt::Int(i) => i.to_string(),
+            Dflt::Num(x) => format!("{x}"),
+            Dflt::Str(s) => format!("\"{s}\""),
+            Dflt::Nums(v) => format!("{v:?}"),
+            Dflt::StrList(v) => format!("[{}]", quoted(v)),
+            Dflt::Derived(d) => (*d).to_string(),
+            Dflt::Required => "required".into(),
+            Dflt::Unset => "unset".into(),
+        }
+    }
+}
+
+/// How far vitscale implements a key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Support {
+    /// Read and honoured.
+    Yes,
+    /// A DeepSpeed feature we do not implement: accepted, and a warning is recorded whenever
+    /// the value asks for the feature (differs from the default / block not disabled).
+    Warn,
+    /// Accepted, and has no effect in vitscale for the reason in the doc (no warning).
+    NoEffect,
+}
+
+/// One configuration key: the single place its name, type, default and doc live.
+#[derive(Clone, Copy, Debug)]
+pub struct KeyDef {
+    pub name: &'static str,
+    pub ty: Ty,
+    pub default: Dflt,
+    pub doc: &'static str,
+    pub support: Support,
+}
+
+const fn key(name: &'static str, ty: Ty, default: Dflt, doc: &'static str) -> KeyDef {
+    KeyDef { name, ty, default, doc, support: Support::Yes }
+}
+const fn ds_warn(name: &'static str, default: Dflt, doc: &'static str) -> KeyDef {
+    KeyDef { name, ty: Ty::Any, default, doc, support: Support::Warn }
+}
+const fn ds_noop(name: &'static str, doc: &'static str) -> KeyDef {
+    KeyDef { name, ty: Ty::Any, default: Dflt::Unset, doc, support: Support::NoEffect }
+}
+
+const POS_INT: Ty = Ty::Int { lo: 1, hi: u64::MAX };
+const NONNEG_INT: Ty = Ty::Int { lo: 0, hi: u64::MAX };
+const NONNEG: Ty = Ty::Num { lo: 0.0, hi: f64::INFINITY, lo_open: false, hi_open: true };
+const POSITIVE: Ty = Ty::Num { lo: 0.0, hi: f64::INFINITY, lo_open: true, hi_open: true };
+const UNIT_HALF_OPEN: Ty = Ty::Num { lo: 0.0, hi: 1.0, lo_open: false, hi_open: true };
+const UNIT: Ty = Ty::Num { lo: 0.0, hi: 1.0, lo_open: false, hi_open: false };
+
+// -- top level (DeepSpeed keys plus our three sections) --
+
+const TRAIN_BATCH_SIZE: KeyDef = key("train_batch_size", NONNEG_INT, Dflt::Derived("micro × GAS × world size"),
+    "Images per optimizer step over all ranks. Any two of the batch triple derive the third (DeepSpeed rules).");
+const MICRO_BATCH: KeyDef = key("train_micro_batch_size_per_gpu", NONNEG_INT, Dflt::Derived("64 when no batch key is given (vitscale extension), else derived"),
+    "Images per forward/backward on one rank.");
+const GAS: KeyDef = key("gradient_accumulation_steps", NONNEG_INT, Dflt::Derived("1 when only one batch key is given, else derived"),
+    "Micro-batches accumulated per optimizer step.");
+const GRADIENT_CLIPPING: KeyDef = key("gradient_clipping", NONNEG, Dflt::Num(0.0),
+    "Clip the global gradient L2 norm to this value; 0 disables.");
+const STEPS_PER_PRINT: KeyDef = key("steps_per_print", POS_INT, Dflt::Int(10),
+    "DeepSpeed's print interval; used as the default of train.log_every.");
+
+/// Every key allowed at the top level.
+pub const TOP_KEYS: &[KeyDef] = &[
+    TRAIN_BATCH_SIZE,
+    MICRO_BATCH,
+    GAS,
+    key("optimizer", Ty::Section, Dflt::Derived("AdamW, lr 1e-3, weight_decay 0.05"), "DeepSpeed optimizer block: {\"type\": Adam|AdamW|SGD, \"params\": {...}}."),
+    key("scheduler", Ty::Section, Dflt::Unset, "DeepSpeed LR scheduler block: WarmupLR, WarmupDecayLR or WarmupCosineLR; absent = constant LR."),
+    GRADIENT_CLIPPING,
+    key("fp16", Ty::Section, Dflt::Unset, "DeepSpeed fp16 block (dynamic loss scaling when loss_scale is 0)."),
+    key("bf16", Ty::Section, Dflt::Unset, "DeepSpeed bf16 block: {\"enabled\": true} computes in bf16 on GPUs."),
+    key("bfloat16", Ty::Section, Dflt::Unset, "Older DeepSpeed spelling of bf16."),
+    key("zero_optimization", Ty::Section, Dflt::Unset, "DeepSpeed ZeRO block; `stage` 0-3 is honoured, the tuning keys are accepted."),
+    STEPS_PER_PRINT,
+    key("model", Ty::Section, Dflt::Derived("preset chosen from the dataset"), "The ViT: a timm preset and/or fields."),
+    key("data", Ty::Section, Dflt::Derived("built-in dataset"), "The dataset and its preprocessing."),
+    key("train", Ty::Section, Dflt::Derived("10 epochs"), "Run length, seed, evaluation and logging."),
+    ds_noop("wall_clock_breakdown", "vitscale always records per-phase timings in metrics.jsonl."),
+    ds_noop("zero_allow_untested_optimizer", "Only concerns client optimizers; every vitscale optimizer supports ZeRO."),
+    ds_noop("zero_force_ds_cpu_optimizer", "Only concerns ZeRO-Offload, which is not implemented (warned there)."),
+    ds_noop("aio", "Async I/O settings, used only by NVMe offload (not implemented, warned there)."),
+    ds_noop("seq_parallel_communication_data_type", "Sequence parallelism is not used by a ViT trainer."),
+    ds_noop("timers", "Timer settings of DeepSpeed's own engine; vitscale's timers are always on."),
+    ds_warn("communication_data_type", Dflt::Unset, "Gradient reduction dtype; not implemented yet (reductions use fp32)."),
+    ds_warn("prescale_gradients", Dflt::Bool(false), "Divide gradients before the all-reduce; not implemented (the averaged gradient is the same up to rounding)."),
+    ds_warn("gradient_predivide_factor", Dflt::Num(1.0), "Pre-divide factor for the all-reduce; not implemented."),
+    ds_warn("sparse_gradients", Dflt::Bool(false), "Sparse gradient all-reduce; not implemented."),
+    ds_warn("amp", Dflt::Unset, "NVIDIA Apex AMP; not implemented (use bf16 or fp16)."),
+    ds_warn("flops_profiler", Dflt::Unset, "DeepSpeed's FLOPs profiler; not implemented (vitscale reports MFU in metrics.jsonl)."),
+    ds_warn("tensorboard", Dflt::Unset, "TensorBoard monitor; not implemented (metrics go to metrics.jsonl)."),
+    ds_warn("wandb", Dflt::Unset, "Weights & Biases monitor; not implemented (metrics go to metrics.jsonl)."),
+    ds_warn("csv_monitor", Dflt::Unset, "CSV monitor; not implemented (metrics go to metrics.jsonl)."),
+    ds_warn("comet", Dflt::Unset, "Comet monitor; not implemented."),
+    ds_warn("comms_logger", Dflt::Unset, "Communication logger; not implemented (bytes and bus bandwidth are in metrics.jsonl)."),
+    ds_warn("activation_checkpointing", Dflt::Unset, "Activation checkpointing; not implemented."),
+    ds_warn("checkpoint", Dflt::Unset, "DeepSpeed checkpoint options; not implemented (vitscale writes its own checkpoints)."),
+    ds_warn("data_types", Dflt::Unset, "grad_accum_dtype; not implemented (gradients accumulate in fp32)."),
+    ds_warn("memory_breakdown", Dflt::Bool(false), "Memory breakdown logging; not implemented (peak memory is in metrics.jsonl)."),
+    ds_warn("dump_state", Dflt::Bool(false), "Dump engine state; not implemented."),
+    ds_warn("disable_allgather", Dflt::Bool(false), "Not implemented."),
+    ds_warn("elasticity", Dflt::Unset, "Elastic training; not implemented."),
+    ds_warn("autotuning", Dflt::Unset, "DeepSpeed autotuner; not implemented (see `vitscale sweep`)."),
+    ds_warn("pipeline", Dflt::Unset, "Pipeline parallelism; not implemented."),
+    ds_warn("sparse_attention", Dflt::Unset, "Sparse attention; not implemented."),
+    ds_warn("curriculum_learning", Dflt::Unset, "Curriculum learning; not implemented."),
+    ds_warn("data_efficiency", Dflt::Unset, "Data efficiency library; not implemented."),
+    ds_warn("compression_training", Dflt::Unset, "Compression training; not implemented."),
+    ds_warn("quantize_training", Dflt::Unset, "Quantized training; not implemented."),
+    ds_warn("progressive_layer_drop", Dflt::Unset, "Progressive layer drop; not implemented."),
+    ds_warn("eigenvalue", Dflt::Unset, "Eigenvalue computation; not implemented."),
+    ds_warn("hybrid_engine", Dflt::Unset, "RLHF hybrid engine; not implemented."),
+    ds_warn("compile", Dflt::Unset, "torch.compile settings; not applicable, not implemented."),
+    ds_warn("tensor_parallel", Dflt::Unset, "Tensor parallelism; not implemented."),
+    ds_warn("weight_quantization", Dflt::Unset, "Weight quantization; not implemented."),
+    ds_warn("nebula", Dflt::Unset, "Nebula checkpointing; not implemented."),
+    ds_warn("load_universal_checkpoint", Dflt::Bool(false), "Universal checkpoints; not implemented."),
+    ds_warn("use_node_local_storage", Dflt::Bool(false), "Not implemented."),
+    ds_warn("graph_harvesting", Dflt::Bool(false), "Not implemented."),
+];
+
+// -- optimizer --
+
+/// `optimizer.type` values we implement (compared case-insensitively).
+pub const OPTIMIZER_TYPES: &[&str] = &["Adam", "AdamW", "SGD"];
+
+const OPT_TYPE: KeyDef = key("type", Ty::Choice(OPTIMIZER_TYPES), Dflt::Str("AdamW"), "Optimizer (case-insensitive, as DeepSpeed).");
+const OPT_BLOCK_KEYS: &[KeyDef] = &[
+    OPT_TYPE,
+    key("params", Ty::Section, Dflt::Unset, "Optimizer arguments (DeepSpeed / torch names)."),
+    ds_noop("legacy_fusion", "Selects DeepSpeed's fp16 optimizer wrapper; the update is the same."),
+];
+
+const ADAM_LR: KeyDef = key("lr", NONNEG, Dflt::Num(1e-3), "Learning rate (the schedule's base).");
+const ADAM_BETAS: KeyDef = key("betas", Ty::Nums(2), Dflt::Nums(&[0.9, 0.999]), "Adam (beta1, beta2), each in [0, 1).");
+const ADAM_EPS: KeyDef = key("eps", POSITIVE, Dflt::Num(1e-8), "Added to the denominator.");
+const ADAM_WD: KeyDef = key("weight_decay", NONNEG, Dflt::Derived("0 (FusedAdam); 0.01 for AdamW with torch_adam=true (torch's default)"), "Weight decay: decoupled (AdamW) or L2 (Adam with adam_w_mode=false).");
+const ADAM_W_MODE: KeyDef = key("adam_w_mode", Ty::Bool, Dflt::Bool(true), "true = decoupled weight decay (AdamW). Type AdamW forces true, as DeepSpeed does.");
+const ADAM_BIAS_CORR: KeyDef = key("bias_correction", Ty::Bool, Dflt::Bool(true), "Adam bias correction (FusedAdam).");
+const ADAM_TORCH: KeyDef = key("torch_adam", Ty::Bool, Dflt::Bool(false), "Use torch.optim.Adam/AdamW in DeepSpeed: same update, torch's defaults.");
+const ADAM_AMSGRAD: KeyDef = key("amsgrad", Ty::Bool, Dflt::Bool(false), "Not supported (FusedAdam rejects it too); must be false.");
+/// Keys of `optimizer.params` for Adam / AdamW.
+pub const ADAM_KEYS: &[KeyDef] = &[ADAM_LR, ADAM_BETAS, ADAM_EPS, ADAM_WD, ADAM_W_MODE, ADAM_BIAS_CORR, ADAM_TORCH, ADAM_AMSGRAD];
+
+const SGD_LR: KeyDef = key("lr", NONNEG, Dflt::Num(1e-3), "Learning rate (torch.optim.SGD's default since torch 2.0).");
+const SGD_MOMENTUM: KeyDef = key("momentum", NONNEG, Dflt::Num(0.0), "Momentum factor.");
+const SGD_DAMPENING: KeyDef = key("dampening", NONNEG, Dflt::Num(0.0), "Dampening for momentum.");
+const SGD_WD: KeyDef = key("weight_decay", NONNEG, Dflt::Num(0.0), "L2 penalty added to the gradient (torch semantics).");
+const SGD_NESTEROV: KeyDef = key("nesterov", Ty::Bool, Dflt::Bool(false), "Nesterov momentum; needs momentum > 0 and dampening = 0.");
+/// Keys of `optimizer.params` for SGD.
+pub const SGD_KEYS: &[KeyDef] = &[SGD_LR, SGD_MOMENTUM, SGD_DAMPENING, SGD_WD, SGD_NESTEROV];
+
+/// Weight decay used when the config has no `optimizer` block.
+pub const DEFAULT_WEIGHT_DECAY: f64 = 0.05;
+
+// -- scheduler --
+
+/// `scheduler.type` values we implement (case-sensitive, as DeepSpeed).
+pub const SCHEDULER_TYPES: &[&str] = &["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"];
+const SCHED_BLOCK_KEYS: &[KeyDef] = &[
+    key("type", Ty::Choice(SCHEDULER_TYPES), Dflt::Required, "LR schedule."),
+    key("params", Ty::Section, Dflt::Unset, "Schedule arguments (DeepSpeed names)."),
+];
+const WARMUP_TYPES: &[&str] = &["log", "linear"];
+const W_MIN_LR: KeyDef = key("warmup_min_lr", NONNEG, Dflt::Num(0.0), "LR at the start of warmup.");
+const W_MAX_LR_WLR: KeyDef = key("warmup_max_lr", NONNEG, Dflt::Derived("the optimizer lr"), "LR at the end of warmup (replaces the optimizer lr).");
+const W_MAX_LR_WDLR: KeyDef = key("warmup_max_lr", NONNEG, Dflt::Num(0.001), "LR at the end of warmup (replaces the optimizer lr).");
+const W_NUM_STEPS: KeyDef = key("warmup_num_steps", POS_INT, Dflt::Int(1000), "Warmup length in optimizer steps (at least 2 are used, as DeepSpeed).");
+const W_TYPE: KeyDef = key("warmup_type", Ty::Str, Dflt::Str("log"), "\"log\" or \"linear\"; anything else falls back to log with a warning (DeepSpeed behaviour).");
+const TOTAL_STEPS: KeyDef = key("total_num_steps", POS_INT, Dflt::Required, "Schedule length in optimizer steps; \"auto\" = the run's length.");
+const W_MIN_RATIO: KeyDef = key("warmup_min_ratio", UNIT, Dflt::Num(0.0), "Warmup start as a fraction of the optimizer lr.");
+const COS_MIN_RATIO: KeyDef = key("cos_min_ratio", UNIT, Dflt::Num(0.0001), "Final LR as a fraction of the optimizer lr.");
+const WARMUP_LR_KEYS: &[KeyDef] = &[W_MIN_LR, W_MAX_LR_WLR, W_NUM_STEPS, W_TYPE];
+const WARMUP_DECAY_KEYS: &[KeyDef] = &[TOTAL_STEPS, W_MIN_LR, W_MAX_LR_WDLR, W_NUM_STEPS, W_TYPE];
+const WARMUP_COSINE_KEYS: &[KeyDef] = &[TOTAL_STEPS, W_MIN_RATIO, W_NUM_STEPS, COS_MIN_RATIO, W_TYPE];
+
+// -- precision --
+
+const FP_ENABLED: KeyDef = key("enabled", Ty::Bool, Dflt::Bool(false), "Turn the mode on.");
+const FP16_LOSS_SCALE: KeyDef = key("loss_scale", NONNEG, Dflt::Num(0.0), "Static loss scale; 0 = dynamic.");
+const FP16_INIT_POWER: KeyDef = key("initial_scale_power", Ty::Int { lo: 0, hi: 63 }, Dflt::Int(16), "Dynamic scaling starts at 2^power.");
+const FP16_WINDOW: KeyDef = key("loss_scale_window", POS_INT, Dflt::Int(1000), "Steps without overflow before the scale doubles.");
+const FP16_HYSTERESIS: KeyDef = key("hysteresis", POS_INT, Dflt::Int(2), "Overflows tolerated before the scale halves.");
+const FP16_MIN_SCALE: KeyDef = key("min_loss_scale", POSITIVE, Dflt::Num(1.0), "Lower bound of the dynamic scale.");
+const FP16_KEYS: &[KeyDef] = &[
+    FP_ENABLED, FP16_LOSS_SCALE, FP16_INIT_POWER, FP16_WINDOW, FP16_HYSTERESIS, FP16_MIN_SCALE,
+    ds_warn("auto_cast", Dflt::Bool(false), "Cast module inputs to fp16; not implemented."),
+    ds_warn("consecutive_hysteresis", Dflt::Bool(false), "Refill hysteresis on non-overflow steps; not implemented."),
+    ds_warn("fp16_master_weights_and_grads", Dflt::Bool(false), "fp16 master weights; not implemented (masters are fp32)."),
+];
+const BF16_KEYS: &[KeyDef] = &[
+    FP_ENABLED,
+    ds_warn("immediate_grad_update", Dflt::Unset, "Not implemented (gradients are reduced at the accumulation boundary)."),
+    ds_warn("check_grad_overflow", Dflt::Bool(false), "Overflow checks in bf16; not implemented."),
+    ds_warn("bf16_master_weights_and_grads", Dflt::Bool(false), "bf16 master weights; not implemented (masters are fp32)."),
+    ds_warn("bf16_optimizer_states", Dflt::Bool(false), "bf16 optimizer states; not implemented (states are fp32)."),
+    ds_noop("auto_cast", "Inputs are always cast to the compute dtype."),
+];
+
+// -- zero --
+
+const ZERO_STAGE: KeyDef = key("stage", Ty::Int { lo: 0, hi: 3 }, Dflt::Int(0),
+    "0 = plain data parallel, 1 = shard optimizer states, 2 = + gradients, 3 = + parameters.");
+/// `zero_optimization` tuning keys (DeepSpeed names, current and legacy): accepted, not
+/// implemented; listed in the warnings when present.
+const ZERO_TUNING: &[&str] = &[
+    "contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size", "allgather_partitions",
+    "allgather_bucket_size", "load_from_fp32_weights", "elastic_checkpoint", "offload_param", "offload_optimizer",
+    "sub_group_size", "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory", "prefetch_bucket_size",
+    "stage3_prefetch_bucket_size", "param_persistence_threshold", "stage3_param_persistence_threshold",
+    "model_persistence_threshold", "stage3_model_persistence_threshold", "max_live_parameters",
+    "stage3_max_live_parameters", "max_reuse_distance", "stage3_max_reuse_distance",
+    "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save", "ignore_unused_parameters", "legacy_stage1", "round_robin_gradients",
+    "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+    "zero_quantized_gradients", "zeropp_loco_param", "mics_shard_size", "mics_hierarchical_params_gather",
+    "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply",
+    "use_all_reduce_for_fetch_params", "log_trace_cache_warnings", "module_granularity_threshold",
+    "use_multi_rank_bucket_allreduce", "allgather_sequential", "stage3_use_all_reduce_for_fetch_params",
+    "save_muon_momentum_buffer_in_memory", "cpu_offload_pin_memory",
+];
+
+// -- model --
+
+const M_PRESET: KeyDef = key("preset", Ty::Choice(PRESET_NAMES),
+    Dflt::Derived("\"vit_builtin_default\" for builtin/synthetic data, \"vit_tiny_patch4_32\" for cifar10/cifar100"),
+    "A timm ViT name; the fields below override it.");
+const M_IMAGE: KeyDef = key("image_size", POS_INT, Dflt::Derived("from the preset"), "Input resolution (square).");
+const M_PATCH: KeyDef = key("patch_size", POS_INT, Dflt::Derived("from the preset"), "Patch side; must divide image_size.");
+const M_CHANS: KeyDef = key("in_chans", Ty::Int { lo: 3, hi: 3 }, Dflt::Int(3), "Input channels (datasets are RGB).");
+const M_WIDTH: KeyDef = key("embed_dim", POS_INT, Dflt::Derived("from the preset"), "Token width C.");
+const M_DEPTH: KeyDef = key("depth", POS_INT, Dflt::Derived("from the preset"), "Transformer blocks.");
+const M_HEADS: KeyDef = key("num_heads", POS_INT, Dflt::Derived("from the preset"), "Attention heads; must divide embed_dim.");
+const M_MLP: KeyDef = key("mlp_ratio", POSITIVE, Dflt::Derived("from the preset (4.0)"), "MLP hidden width / embed_dim.");
+const M_CLASSES: KeyDef = key("num_classes", POS_INT, Dflt::Derived("the dataset's class count"), "Classifier outputs; must equal the dataset's class count.");
+const M_QKV_BIAS: KeyDef = key("qkv_bias", Ty::Bool, Dflt::Derived("from the preset (true)"), "Bias on the qkv projection.");
+const M_CLS: KeyDef = key("class_token", Ty::Bool, Dflt::Derived("from the preset (true)"), "Prepend a class token.");
+const M_POOL: KeyDef = key("global_pool", Ty::Choice(&["token", "avg"]), Dflt::Derived("from the preset (\"token\")"), "Head input: the class token or the mean of patch tokens.");
+/// Keys of the `model` section.
+pub const MODEL_KEYS: &[KeyDef] = &[M_PRESET, M_IMAGE, M_PATCH, M_CHANS, M_WIDTH, M_DEPTH, M_HEADS, M_MLP, M_CLASSES, M_QKV_BIAS, M_CLS, M_POOL];
+
+// -- data --
+
+const D_DATASET: KeyDef = key("dataset", Ty::Choice(DatasetKind::NAMES), Dflt::Str("builtin"), "Which dataset.");
+const D_PATH: KeyDef = key("path", Ty::Str, Dflt::Derived("required for cifar10/cifar100, not used otherwise"), "Dataset directory.");
+const D_MEAN: KeyDef = key("mean", Ty::Nums(3), Dflt::Derived("builtin/synthetic 0.5; cifar10 (0.4914, 0.4822, 0.4465); cifar100 (0.5071, 0.4865, 0.4409)"), "Per-channel mean subtracted after scaling to [0, 1].");
+const D_STD: KeyDef = key("std", Ty::Nums(3), Dflt::Derived("builtin/synthetic 0.5; cifar10 (0.2470, 0.2435, 0.2616); cifar100 (0.2673, 0.2564, 0.2762)"), "Per-channel std divided by; each > 0.");
+const D_AUGMENT: KeyDef = key("augment", Ty::Choice(&["none", "default"]), Dflt::Str("default"), "Training augmentation.");
+const D_SHUFFLE: KeyDef = key("shuffle", Ty::Bool, Dflt::Bool(true), "Shuffle the training set every epoch.");
+const D_WORKERS: KeyDef = key("num_workers", NONNEG_INT, Dflt::Int(0), "Loader threads; 0 = all cores.");
+const D_TRAIN_SIZE: KeyDef = key("train_size", POS_INT, Dflt::Int(10000), "Training images (builtin/synthetic only).");
+const D_VAL_SIZE: KeyDef = key("val_size", POS_INT, Dflt::Int(2000), "Validation images (builtin/synthetic only).");
+/// Keys of the `data` section (extend here).
+pub const DATA_KEYS: &[KeyDef] = &[D_DATASET, D_PATH, D_MEAN, D_STD, D_AUGMENT, D_SHUFFLE, D_WORKERS, D_TRAIN_SIZE, D_VAL_SIZE];
+
+// -- train --
+
+const SKIP_KINDS: &[&str] = &["bias", "norm", "pos_embed", "cls_token"];
+const T_EPOCHS: KeyDef = key("epochs", POS_INT, Dflt::Int(10), "Run length in epochs (ignored when steps is set).");
+const T_STEPS: KeyDef = key("steps", POS_INT, Dflt::Unset, "Run length in optimizer steps; wins over epochs.");
+const T_SEED: KeyDef = key("seed", NONNEG_INT, Dflt::Int(0), "Seed for initialization, shuffling and augmentation.");
+const T_EVAL_EVERY: KeyDef = key("eval_every", NONNEG_INT, Dflt::Int(0), "Evaluate every N optimizer steps; 0 = at the end of each epoch.");
+const T_CKPT_EVERY: KeyDef = key("checkpoint_every", NONNEG_INT, Dflt::Int(0), "Checkpoint every N optimizer steps; 0 = never.");
+const T_SMOOTHING: KeyDef = key("label_smoothing", UNIT_HALF_OPEN, Dflt::Num(0.0), "Label smoothing of the cross-entropy targets.");
+const T_DECAY_SKIP: KeyDef = key("weight_decay_skip", Ty::StrList(SKIP_KINDS), Dflt::StrList(SKIP_KINDS), "Parameter kinds without weight decay; [] decays everything.");
+const T_LOG_EVERY: KeyDef = key("log_every", POS_INT, Dflt::Derived("steps_per_print (10)"), "Log a metrics line every N optimizer steps.");
+const T_EVAL_BATCH: KeyDef = key("eval_batch_size", POS_INT, Dflt::Derived("train_micro_batch_size_per_gpu"), "Evaluation batch size.");
+/// Keys of the `train` section.
+pub const TRAIN_KEYS: &[KeyDef] = &[T_EPOCHS, T_STEPS, T_SEED, T_EVAL_EVERY, T_CKPT_EVERY, T_SMOOTHING, T_DECAY_SKIP, T_LOG_EVERY, T_EVAL_BATCH];
+
+/// Help text for every key, generated from the tables.
+pub fn help_text() -> String {
+    let mut out = String::new();
+    let sections: &[(&str, &[KeyDef])] = &[
+        ("", TOP_KEYS),
+        ("optimizer", OPT_BLOCK_KEYS),
+        ("optimizer.params (Adam, AdamW)", ADAM_KEYS),
+        ("optimizer.params (SGD)", SGD_KEYS),
+        ("scheduler", SCHED_BLOCK_KEYS),
+        ("scheduler.params (WarmupLR)", WARMUP_LR_KEYS),
+        ("scheduler.params (WarmupDecayLR)", WARMUP_DECAY_KEYS),
+        ("scheduler.params (WarmupCosineLR)", WARMUP_COSINE_KEYS),
+        ("fp16", FP16_KEYS),
+        ("bf16", BF16_KEYS),
+        ("zero_optimization", &[ZERO_STAGE]),
+        ("model", MODEL_KEYS),
+        ("data", DATA_KEYS),
+        ("train", TRAIN_KEYS),
+    ];
+    for (name, table) in sections {
+        out.push_str(if name.is_empty() { "[top level]\n" } else { "" });
+        if !name.is_empty() {
+            out.push_str(&format!("[{name}]\n"));
+        }
+        for d in *table {
+            let support = match d.support {
+                Support::Yes => "",
+                Support::Warn => " (accepted, not implemented: warns)",
+                Support::NoEffect => " (accepted, no effect)",
+            };
+            out.push_str(&format!("  {:<32} {}{}\n", d.name, d.doc, support));
+            if !matches!(d.ty, Ty::Section | Ty::Any) {
+                out.push_str(&format!("  {:<32} {}; default {}\n", "", d.ty.describe(), d.default.describe()));
+            }
+        }
+    }
+    out.push_str(&format!("[zero_optimization] also accepts (not implemented: warns): {}\n", ZERO_TUNING.join(", ")));
+    out
+}
+
+// ---- reading the file and --set ----------------------------------------------------------
+
+/// Reads the config file (or starts from `{}`) and applies `--set key.path=JSON` overrides in
+/// order. A value that is not valid JSON is taken as a plain string
+/// (`--set data.dataset=cifar10`).
+pub fn load_json(path: Option<&Path>, sets: &[String]) -> Result<Value> {
+    let mut root = match path {
+        None => Value::Object(Map::new()),
+        Some(p) => {
+            let shown = p.display().to_string();
+            let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read { path: shown.clone(), source })?;
+            let v: Value = serde_json::from_str(&text).map_err(|e| ConfigError::Json {
+                path: shown.clone(),
+                line: e.line(),
+                column: e.column(),
+                msg: e.to_string(),
+            })?;
+            if !v.is_object() {
+                return Err(ConfigError::Json { path: shown, line: 1, column: 1, msg: "the top level must be a JSON object".into() });
+            }
+            v
+        }
+    };
+    for arg in sets {
+        apply_set(&mut root, arg)?;
+    }
+    Ok(root)
+}
+
+/// Applies one `key.path=value` override to `root`.
+pub fn apply_set(root: &mut Value, arg: &str) -> Result<()> {
+    let set_err = |msg: String| ConfigError::Set { arg: arg.to_string(), msg };
+    let (path, raw) = arg
+        .split_once('=')
+        .ok_or_else(|| set_err("expected key.path=value (e.g. --set optimizer.params.lr=3e-4)".into()))?;
+    let parts: Vec<&str> = path.trim().split('.').collect();
+    if parts.iter().any(|p| p.is_empty()) {
+        return Err(set_err(format!("`{path}` is not a dotted key path (e.g. data.dataset)")));
+    }
+    let value = serde_json::from_str::<Value>(raw).unwrap_or_else(|_| Value::String(raw.to_string()));
+    let mut node = root;
+    for (i, part) in parts.iter().enumerate() {
+        let here = parts[..i].join(".");
+        let obj = match node {
+            Value::Object(m) => m,
+            other => {
+                return Err(set_err(format!("`{here}` holds {}, not an object, so `{path}` cannot be set", kind_of(other))))
+            }
+        };
+        if i + 1 == parts.len() {
+            obj.insert(part.to_string(), value);
+            return Ok(());
+        }
+        node = obj.entry(part.to_string()).or_insert_with(|| Value::Object(Map::new()));
+    }
+    Ok(())
+}
+
+// ---- resolving ----------------------------------------------------------------------------
+
+/// Resolution context: collects warnings.
+#[derive(Default)]
+struct Cx {
+    warnings: Vec<String>,
+}
+
+impl Cx {
+    fn warn(&mut self, w: String) {
+        self.warnings.push(w);
+    }
+}
+
+fn full(path: &str, name: &str) -> String {
+    if path.is_empty() { name.to_string() } else { format!("{path}.{name}") }
+}
+
+fn quoted(c: &[&str]) -> String {
+    c.iter().map(|s| format!("\"{s}\"")).collect::<Vec<_>>().join(", ")
+}
+
+fn kind_of(v: &Value) -> String {
+    match v {
+        Value::Null => "null".into(),
+        Value::Bool(b) => b.to_string(),
+        Value::Number(n) => n.to_string(),
+        Value::String(s) => format!("\"{s}\""),
+        Value::Array(_) => "a list".into(),
+        Value::Object(_) => "an object".into(),
+    }
+}
+
+fn is_auto(v: &Value) -> bool {
+    v.as_str() == Some("auto")
+}
+
+/// Edit distance, for "did you mean" suggestions.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1; b.len() + 1];
+        for (j, cb) in b.iter().enumerate() {
+            cur[j + 1] = (prev[j] + usize::from(ca != *cb)).min(prev[j + 1] + 1).min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+fn suggest<'a>(word: &str, known: impl IntoIterator<Item = &'a str>) -> String {
+    let lw = word.to_lowercase();
+    let known: Vec<&str> = known.into_iter().collect();
+    // A key that extends the word (`checkpoint` → `checkpoint_every`) is the likeliest meaning.
+    if let Some(k) = known.iter().find(|k| lw.len() >= 4 && k.to_lowercase().starts_with(&lw)) {
+        return format!(" (did you mean \"{k}\"?)");
+    }
+    let best = known
+        .into_iter()
+        .map(|k| (edit_distance(&lw, &k.to_lowercase()), k))
+        .min_by_key(|(d, _)| *d);
+    match best {
+        Some((d, k)) if d <= (word.len() / 3).max(2) => format!(" (did you mean \"{k}\"?)"),
+        _ => String::new(),
+    }
+}
+
+/// Rejects keys of `obj` that are neither in `table` nor in `extra`.
+fn check_keys(path: &str, obj: &Map<String, Value>, table: &[KeyDef], extra: &[&str]) -> Result<()> {
+    for k in obj.keys() {
+        if table.iter().any(|d| d.name == k) || extra.contains(&k.as_str()) {
+            continue;
+        }
+        let names = table.iter().map(|d| d.name).chain(extra.iter().copied());
+        let hint = suggest(k, names);
+        let known: Vec<&str> = table.iter().map(|d| d.name).collect();
+        let where_ = if path.is_empty() { "at the top level".to_string() } else { format!("in `{path}`") };
+        let list = if known.len() <= 16 { format!("; known keys: {}", known.join(", ")) } else { String::new() };
+        return Err(key_err(full(path, k), format!("unknown key {where_}{hint}{list}")));
+    }
+    Ok(())
+}
+
+/// An optional JSON object at `path` (absent or null = None).
+fn section<'v>(v: Option<&'v Value>, path: &str) -> Result<Option<&'v Map<String, Value>>> {
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Object(m)) => Ok(Some(m)),
+        Some(other) => Err(key_err(path, format!("expected an object, got {}", kind_of(other)))),
+    }
+}
+
+/// The value of `def` in `obj`, or None when absent, null or `"auto"` (warned).
+fn given<'v>(obj: Option<&'v Map<String, Value>>, path: &str, def: &KeyDef, cx: &mut Cx) -> Option<&'v Value> {
+    let v = obj?.get(def.name)?;
+    if v.is_null() {
+        return None;
+    }
+    if is_auto(v) && !def_accepts_auto(def) {
+        cx.warn(format!("{}: \"auto\" taken as not given (default: {})", full(path, def.name), def.default.describe()));
+        return None;
+    }
+    Some(v)
+}
+
+fn def_accepts_auto(def: &KeyDef) -> bool {
+    matches!(def.ty, Ty::Choice(c) if c.contains(&"auto"))
+}
+
+fn bad(path: &str, def: &KeyDef, v: &Value) -> ConfigError {
+    key_err(full(path, def.name), format!("expected {}, got {}", def.ty.describe(), kind_of(v)))
+}
+
+fn num_in(def: &KeyDef, x: f64) -> bool {
+    match def.ty {
+        Ty::Num { lo, hi, lo_open, hi_open } => {
+            x.is_finite() && (if lo_open { x > lo } else { x >= lo }) && (if hi_open { x < hi } else { x <= hi })
+        }
+        _ => x.is_finite(),
+    }
+}
+
+fn parse_bool(path: &str, def: &KeyDef, v: &Value) -> Result<bool> {
+    v.as_bool().ok_or_else(|| bad(path, def, v))
+}
+
+fn parse_int(path: &str, def: &KeyDef, v: &Value) -> Result<u64> {
+    // Accept 64.0 as 64 (JSON writers differ), reject 64.5.
+    let i = v
+        .as_u64()
+        .or_else(|| v.as_f64().filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f < 1.8e19).map(|f| f as u64))
+        .ok_or_else(|| bad(path, def, v))?;
+    if let Ty::Int { lo, hi } = def.ty {
+        if i < lo || i > hi {
+            return Err(bad(path, def, v));
+        }
+    }
+    Ok(i)
+}
+
+fn parse_num(path: &str, def: &KeyDef, v: &Value) -> Result<f64> {
+    let x = v.as_f64().ok_or_else(|| bad(path, def, v))?;
+    if !num_in(def, x) {
+        return Err(bad(path, def, v));
+    }
+    Ok(x)
+}
+
+fn get_bool(obj: Option<&Map<String, Value>>, path: &str, def: &KeyDef, cx: &mut Cx) -> Result<bool> {
+    match given(obj, path, def, cx) {
+        Some(v) => parse_bool(path, def, v),
+        None => match def.default {
+            Dflt::Bool(b) => Ok(b),
+            _ => Err(key_err(full(path, def.name), "is required")),
+        },
+    }
+}
+
+fn opt_bool(obj: Option<&Map<String, Value>>, path: &str, def: &KeyDef, cx: &mut Cx) -> Result<Option<bool>> {
+    given(obj, path, def, cx).map(|v| parse_bool(path, def, v)).transpose()
+}
+
+fn opt_int(obj: Option<&Map<String, Value>>, path: &str, def: &KeyDef, cx: &mut Cx) -> Result<Option<u64>> {
+    given(obj, path, def, cx).map(|v| parse_int(path, def, v)).transpose()
+}
+
+fn get_int(obj: Option<&Map<String, Value>>, path: &str, def: &KeyDef, cx: &mut Cx) -> Result<u64> {
+    match opt_int(obj, path, def, cx)? {
+        Some(i) => Ok(i),
+        None => match def.default {
+            Dflt::Int(i) => Ok(i),
+            _ => Err(key_err(full(path, def.name), format!("is required ({})", def.ty.describe()))),
+        },
+    }
+}
+
+fn opt_num(obj: Option<&Map<String, Value>>, path: &str, def: &KeyDef, cx: &mut Cx) -> Result<Option<f64>> {
+    given(obj, path, def, cx).map(|v| parse_num(path, def, v)).transpose()
+}
+
+fn get_num(obj: Option<&Map<String, Value>>, path: &str, def: &KeyDef, cx: &mut Cx) -> Result<f64> {
+    match opt_num(obj, path, def, cx)? {
+        Some(x) => Ok(x),
+        None => match def.default {
+            Dflt::Num(x) => Ok(x),
+            Dflt::Int(i) => Ok(i as f64),
+            _ => Err(key_err(full(path, def.name), format!("is required ({})", def.ty.describe()))),
+        },
+    }
+}
+
+fn opt_str<'v>(obj: Option<&'v Map<String, Value>>, path: &str, def: &KeyDef, cx: &mut Cx) -> Result<Option<&'v str>> {
+    let Some(v) = given(obj, path, def, cx) else { return Ok(None) };
+    let s = v.as_str().ok_or_else(|| bad(path, def, v))?;
+    if let Ty::Choice(c) = def.ty {
+        if !c.contains(&s) {
+            let hint = suggest(s, c.iter().copied());
+            return Err(key_err(full(path, def.name), format!("unknown value \"{s}\"{hint}; expected {}", def.ty.describe())));
+        }
+    }
+    Ok(Some(s))
+}
+
+fn get_str<'v>(obj: Option<&'v Map<String, Value>>, path: &str, def: &KeyDef, cx: &mut Cx) -> Result<&'v str> {
+    match opt_str(obj, path, def, cx)? {
+        Some(s) => Ok(s),
+        None => match def.default {
+            Dflt::Str(s) => Ok(s),
+            _ => Err(key_err(full(path, def.name), format!("is required ({})", def.ty.describe()))),
+        },
+    }
+}
+
+fn opt_nums(obj: Option<&Map<String, Value>>, path: &str, def: &KeyDef, cx: &mut Cx) -> Result<Option<Vec<f64>>> {
+    let Some(v) = given(obj, path, def, cx) else { return Ok(None) };
+    let n = match def.ty {
+        Ty::Nums(n) => n,
+        _ => 0,
+    };
+    let arr = v.as_array().filter(|a| a.len() == n).ok_or_else(|| bad(path, def, v))?;
+    let xs: Option<Vec<f64>> = arr.iter().map(|x| x.as_f64().filter(|f| f.is_finite())).collect();
+    xs.map(Some).ok_or_else(|| bad(path, def, v))
+}
+
+/// Whether a value asks for a feature: null/false/0/""/{}/[] and `{"enabled": false}` do not.
+fn active(v: &Value) -> bool {
+    match v {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::Number(n) => n.as_f64() != Some(0.0),
+        Value::String(s) => !s.is_empty() && s != "none",
+        Value::Array(a) => !a.is_empty(),
+        Value::Object(m) => match m.get("enabled") {
+            Some(e) => e.as_bool().unwrap_or(false) || e.as_str() == Some("true"),
+            None => m.values().any(active),
+        },
+    }
+}
+
+/// Whether `v` differs from the documented default of a warn-only key.
+fn asks_for_feature(def: &KeyDef, v: &Value) -> bool {
+    match def.default {
+        Dflt::Bool(b) => !v.is_null() && v.as_bool() != Some(b),
+        Dflt::Num(x) => v.as_f64() != Some(x),
+        Dflt::Int(i) => v.as_u64() != Some(i),
+        _ => active(v),
+    }
+}
+
+fn note_unimplemented(path: &str, obj: &Map<String, Value>, table: &[KeyDef], cx: &mut Cx) {
+    for def in table.iter().filter(|d| d.support == Support::Warn) {
+        if let Some(v) = obj.get(def.name) {
+            if asks_for_feature(def, v) {
+                let shown = serde_json::to_string(v).unwrap_or_default();
+                let shown = if shown.len() > 60 { format!("{}…", &shown[..shown.char_indices().nth(57).map(|(i, _)| i).unwrap_or(57)]) } else { shown };
+                cx.warn(format!("{} = {shown}: accepted but not implemented, no effect. {}", full(path, def.name), def.doc));
+            }
+        }
+    }
+}
+
+/// Parses a whole configuration (as returned by [`load_json`]) for `world_size` data-parallel
+/// ranks into a validated [`RunConfig`].
+pub fn resolve(value: &Value, world_size: usize) -> Result<RunConfig> {
+    let root = value
+        .as_object()
+        .ok_or_else(|| key_err("(top level)", format!("expected a JSON object, got {}", kind_of(value))))?;
+    let mut cx = Cx::default();
+    check_keys("", root, TOP_KEYS, &[])?;
+    note_unimplemented("", root, TOP_KEYS, &mut cx);
+
+    let batch = resolve_batch_keys(root, world_size, &mut cx)?;
+    let gradient_clipping = get_num(Some(root), "", &GRADIENT_CLIPPING, &mut cx)?;
+    let precision = parse_precision(root, &mut cx)?;
+    let zero_stage = parse_zero(root.get("zero_optimization"), &mut cx)?;
+    let data = parse_data(section(root.get("data"), "data")?, &mut cx)?;
+    let model = parse_model(section(root.get("model"), "model")?, data.dataset, &mut cx)?;
+    let steps_per_print = get_int(Some(root), "", &STEPS_PER_PRINT, &mut cx)?;
+    let train = parse_train(section(root.get("train"), "train")?, &batch, steps_per_print, &mut cx)?;
+    let optimizer = parse_optimizer(section(root.get("optimizer"), "optimizer")?, &mut cx)?;
+    let run_steps = planned_steps(&train, &data, &batch);
+    let scheduler = parse_scheduler(section(root.get("scheduler"), "scheduler")?, &optimizer, run_steps, &mut cx)?;
+
+    Ok(RunConfig {
+        batch,
+        optimizer,
+        scheduler,
+        gradient_clipping,
+        precision,
+        zero_stage,
+        model,
+        data,
+        train,
+        warnings: cx.warnings,
+    })
+}
+
+/// Images in the training split, when known without reading files.
+fn train_len(data: &DataConfig) -> usize {
+    match data.dataset {
+        DatasetKind::Builtin | DatasetKind::Synthetic => data.train_size,
+        DatasetKind::Cifar10 | DatasetKind::Cifar100 => 50_000,
+    }
+}
+
+/// Optimizer steps the run will take: `train.steps`, else epochs × full global batches per
+/// epoch (the last partial batch dropped). Used for `total_num_steps: "auto"`.
+fn planned_steps(train: &TrainConfig, data: &DataConfig, batch: &BatchConfig) -> u64 {
+    train.steps.unwrap_or_else(|| {
+        let per_epoch = (train_len(data) / batch.train_batch_size.max(1)).max(1) as u64;
+        per_epoch * train.epochs as u64
+    })
+}
+
+// -- batch --
+
+fn batch_key(root: &Map<String, Value>, def: &KeyDef, cx: &mut Cx) -> Result<Option<usize>> {
+    Ok(opt_int(Some(root), "", def, cx)?.map(|i| i as usize))
+}
+
+fn resolve_batch_keys(root: &Map<String, Value>, world_size: usize, cx: &mut Cx) -> Result<BatchConfig> {
+    let train = batch_key(root, &TRAIN_BATCH_SIZE, cx)?;
+    let micro = batch_key(root, &MICRO_BATCH, cx)?;
+    let gas = batch_key(root, &GAS, cx)?;
+    resolve_batch(train, micro, gas, world_size)
+}
+
+/// Micro batch used when none of the three batch keys is given (vitscale extension).
+pub const DEFAULT_MICRO_BATCH: usize = 64;
+
+/// DeepSpeed's batch triple rules (`_set_batch_related_parameters` then `_batch_assertion`),
+/// with one extension: none given → micro 64, GAS 1.
+///
+/// - all three given: checked as given;
+/// - train + micro: GAS = train / micro / world (integer division, then checked);
+/// - train + GAS: micro = train / world / GAS;
+/// - micro + GAS: train = micro × GAS × world;
+/// - only train: GAS = 1, micro = train / world; only micro: GAS = 1, train = micro × world;
+/// - only GAS: DeepSpeed's error.
+pub fn resolve_batch(train: Option<usize>, micro: Option<usize>, gas: Option<usize>, world_size: usize) -> Result<BatchConfig> {
+    if world_size == 0 {
+        return Err(key_err("world_size", "must be at least 1"));
+    }
+    let w = world_size;
+    // Zero inputs would divide by zero below where DeepSpeed's assertions would fire first.
+    let positive = |k: &str, v: Option<usize>, what: &str| match v {
+        Some(0) => Err(key_err(k, format!("{what}: 0 has to be greater than 0"))),
+        _ => Ok(()),
+    };
+    positive("train_micro_batch_size_per_gpu", micro, "Micro batch size per gpu")?;
+    positive("gradient_accumulation_steps", gas, "Gradient accumulation steps")?;
+    let (t, m, g) = match (train, micro, gas) {
+        (Some(t), Some(m), Some(g)) => (t, m, g),
+        (Some(t), Some(m), None) => (t, m, t / m / w),
+        (Some(t), None, Some(g)) => (t, t / w / g, g),
+        (None, Some(m), Some(g)) => (m * g * w, m, g),
+        (Some(t), None, None) => (t, t / w, 1),
+        (None, Some(m), None) => (m * w, m, 1),
+        (None, None, None) => (DEFAULT_MICRO_BATCH * w, DEFAULT_MICRO_BATCH, 1),
+        (None, None, Some(_)) => {
+            return Err(key_err(
+                "train_batch_size",
+                "Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided",
+            ))
+        }
+    };
+    if t == 0 {
+        return Err(key_err("train_batch_size", format!("Train batch size: {t} has to be greater than 0")));
+    }
+    if m == 0 {
+        return Err(key_err("train_micro_batch_size_per_gpu", format!("Micro batch size per gpu: {m} has to be greater than 0")));
+    }
+    if g == 0 {
+        return Err(key_err("gradient_accumulation_steps", format!("Gradient accumulation steps: {g} has to be greater than 0")));
+    }
+    if t != m * g * w {
+        return Err(key_err(
+            "train_batch_size",
+            format!(
+                "Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size {t} != {m} * {g} * {w}"
+            ),
+        ));
+    }
+    Ok(BatchConfig { train_batch_size: t, micro_batch_per_gpu: m, gradient_accumulation_steps: g, world_size: w })
+}
+
+// -- optimizer --
+
+fn parse_optimizer(block: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<OptimizerConfig> {
+    let Some(block) = block else {
+        return Ok(OptimizerConfig::Adam {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: DEFAULT_WEIGHT_DECAY,
+            adam_w_mode: true,
+            bias_correction: true,
+        });
+    };
+    check_keys("optimizer", block, OPT_BLOCK_KEYS, &[])?;
+    let ty_v = block.get("type").filter(|v| !v.is_null()).ok_or_else(|| {
+        key_err("optimizer.type", format!("is required; expected {}", OPT_TYPE.ty.describe()))
+    })?;
+    let ty = ty_v.as_str().ok_or_else(|| bad("optimizer", &OPT_TYPE, ty_v))?;
+    let params = section(block.get("params"), "optimizer.params")?;
+    let path = "optimizer.params";
+    if params.is_some_and(|p| p.contains_key("max_grad_norm")) {
+        // DeepSpeed raises here too rather than silently clipping twice.
+        return Err(key_err(
+            "optimizer.params.max_grad_norm",
+            "is not supported as an optimizer parameter; use the top-level `gradient_clipping`",
+        ));
+    }
+    match ty.to_ascii_lowercase().as_str() {
+        "adam" | "adamw" => {
+            check_keys(path, params.unwrap_or(&Map::new()), ADAM_KEYS, &[])?;
+            let is_adamw = ty.eq_ignore_ascii_case("adamw");
+            let lr = get_num(params, path, &ADAM_LR, cx)?;
+            let betas = opt_nums(params, path, &ADAM_BETAS, cx)?.unwrap_or_else(|| vec![0.9, 0.999]);
+            if betas.iter().any(|b| !(0.0..1.0).contains(b)) {
+                return Err(key_err(full(path, "betas"), format!("each beta must be in [0, 1), got {betas:?}")));
+            }
+            let eps = get_num(params, path, &ADAM_EPS, cx)?;
+            let adam_w_mode_given = get_bool(params, path, &ADAM_W_MODE, cx)?;
+            let adam_w_mode = is_adamw || adam_w_mode_given;
+            if is_adamw && !adam_w_mode_given {
+                cx.warn("optimizer.params.adam_w_mode = false has no effect with type AdamW (DeepSpeed forces decoupled weight decay)".into());
+            }
+            let torch_adam = get_bool(params, path, &ADAM_TORCH, cx)?;
+            if get_bool(params, path, &ADAM_AMSGRAD, cx)? {
+                return Err(key_err(full(path, "amsgrad"), "amsgrad is not supported; expected false"));
+            }
+            let bias_correction = get_bool(params, path, &ADAM_BIAS_CORR, cx)?;
+            if torch_adam && !bias_correction {
+                return Err(key_err(full(path, "bias_correction"), "torch.optim.Adam/AdamW (torch_adam=true) always bias-correct; expected true"));
+            }
+            // torch.optim.AdamW's own default weight decay is 0.01; FusedAdam's is 0.
+            let wd_default = if torch_adam && adam_w_mode { 0.01 } else { 0.0 };
+            let weight_decay = opt_num(params, path, &ADAM_WD, cx)?.unwrap_or(wd_default);
+            Ok(OptimizerConfig::Adam { lr, beta1: betas[0], beta2: betas[1], eps, weight_decay, adam_w_mode, bias_correction })
+        }
+        "sgd" => {
+            check_keys(path, params.unwrap_or(&Map::new()), SGD_KEYS, &[])?;
+            let lr = get_num(params, path, &SGD_LR, cx)?;
+            let momentum = get_num(params, path, &SGD_MOMENTUM, cx)?;
+            let dampening = get_num(params, path, &SGD_DAMPENING, cx)?;
+            let weight_decay = get_num(params, path, &SGD_WD, cx)?;
+            let nesterov = get_bool(params, path, &SGD_NESTEROV, cx)?;
+            if nesterov && (momentum <= 0.0 || dampening != 0.0) {
+                return Err(key_err(
+                    full(path, "nesterov"),
+                    format!("Nesterov momentum requires a momentum > 0 and zero dampening (got momentum {momentum}, dampening {dampening})"),
+                ));
+            }
+            Ok(OptimizerConfig::Sgd { lr, momentum, dampening, weight_decay, nesterov })
+        }
+        _ => {
+            let known_ds = ["OneBitAdam", "OneBitLamb", "ZeroOneAdam", "Lamb", "Adagrad", "Lion", "Muon", "MuAdam", "MuAdamW", "MuSGD"];
+            let why = if known_ds.iter().any(|k| k.eq_ignore_ascii_case(ty)) {
+                "is a DeepSpeed optimizer vitscale does not implement".to_string()
+            } else {
+                format!("is not a known optimizer{}", suggest(ty, OPTIMIZER_TYPES.iter().copied()))
+            };
+            Err(key_err("optimizer.type", format!("\"{ty}\" {why}; supported: {}", quoted(OPTIMIZER_TYPES))))
+        }
+    }
+}
+
+// -- scheduler --
+
+fn warmup_type(params: Option<&Map<String, Value>>, path: &str, cx: &mut Cx) -> Result<WarmupType> {
+    let s = get_str(params, path, &W_TYPE, cx)?;
+    Ok(match s {
+        "linear" => WarmupType::Linear,
+        "log" => WarmupType::Log,
+        other => {
+            // DeepSpeed logs a warning and falls back to log; we keep its behaviour.
+            cx.warn(format!("{path}.warmup_type = \"{other}\" is unknown (expected {}); using \"log\" as DeepSpeed does", quoted(WARMUP_TYPES)));
+            WarmupType::Log
+        }
+    })
+}
+
+fn total_steps(params: Option<&Map<String, Value>>, path: &str, run_steps: u64, cx: &mut Cx) -> Result<u64> {
+    let raw = params.and_then(|p| p.get("total_num_steps"));
+    if raw.is_some_and(is_auto) {
+        cx.warn(format!("{path}.total_num_steps = \"auto\": using the run's length, {run_steps} optimizer steps"));
+        return Ok(run_steps);
+    }
+    get_int(params, path, &TOTAL_STEPS, cx)
+}
+
+fn parse_scheduler(block: Option<&Map<String, Value>>, opt: &OptimizerConfig, run_steps: u64, cx: &mut Cx) -> Result<Option<SchedulerConfig>> {
+    let Some(block) = block else { return Ok(None) };
+    check_keys("scheduler", block, SCHED_BLOCK_KEYS, &[])?;
+    let ty_v = block.get("type").ok_or_else(|| key_err("scheduler.type", format!("is required; expected one of {}", quoted(SCHEDULER_TYPES))))?;
+    let ty = ty_v.as_str().ok_or_else(|| key_err("scheduler.type", format!("expected one of {}, got {}", quoted(SCHEDULER_TYPES), kind_of(ty_v))))?;
+    let params = section(block.get("params"), "scheduler.params")?;
+    let path = "scheduler.params";
+    let empty = Map::new();
+    let sched = match ty {
+        "WarmupLR" => {
+            check_keys(path, params.unwrap_or(&empty), WARMUP_LR_KEYS, &[])?;
+            SchedulerConfig::WarmupLR {
+                warmup_min_lr: get_num(params, path, &W_MIN_LR, cx)?,
+                // Current DeepSpeed: WarmupLR's max defaults to the optimizer's lr.
+                warmup_max_lr: opt_num(params, path, &W_MAX_LR_WLR, cx)?.unwrap_or(opt.lr()),
+                warmup_num_steps: get_int(params, path, &W_NUM_STEPS, cx)?,
+                warmup_type: warmup_type(params, path, cx)?,
+            }
+        }
+        "WarmupDecayLR" => {
+            check_keys(path, params.unwrap_or(&empty), WARMUP_DECAY_KEYS, &[])?;
+            let total_num_steps = total_steps(params, path, run_steps, cx)?;
+            let warmup_num_steps = get_int(params, path, &W_NUM_STEPS, cx)?;
+            if total_num_steps < warmup_num_steps.max(2) {
+                cx.warn(format!("{path}.total_num_steps {total_num_steps} is less than warmup_num_steps {warmup_num_steps}"));
+            }
+            SchedulerConfig::WarmupDecayLR {
+                warmup_min_lr: get_num(params, path, &W_MIN_LR, cx)?,
+                warmup_max_lr: get_num(params, path, &W_MAX_LR_WDLR, cx)?,
+                warmup_num_steps,
+                warmup_type: warmup_type(params, path, cx)?,
+                total_num_steps,
+            }
+        }
+        "WarmupCosineLR" => {
+            check_keys(path, params.unwrap_or(&empty), WARMUP_COSINE_KEYS, &[])?;
+            let total_num_steps = total_steps(params, path, run_steps, cx)?;
+            let warmup_num_steps = get_int(params, path, &W_NUM_STEPS, cx)?;
+            if total_num_steps < warmup_num_steps.max(2) {
+                cx.warn(format!("{path}.total_num_steps {total_num_steps} is less than warmup_num_steps {warmup_num_steps}"));
+            }
+            SchedulerConfig::WarmupCosineLR {
+                total_num_steps,
+                warmup_min_ratio: get_num(params, path, &W_MIN_RATIO, cx)?,
+                warmup_num_steps,
+                cos_min_ratio: get_num(params, path, &COS_MIN_RATIO, cx)?,
+                warmup_type: warmup_type(params, path, cx)?,
+            }
+        }
+        "OneCycle" | "LRRangeTest" => {
+            return Err(key_err(
+                "scheduler.type",
+                format!("\"{ty}\" is a DeepSpeed schedule vitscale does not implement; supported: {}", quoted(SCHEDULER_TYPES)),
+            ))
+        }
+        other => {
+            let hint = suggest(other, SCHEDULER_TYPES.iter().copied());
+            return Err(key_err("scheduler.type", format!("unknown schedule \"{other}\"{hint}; supported: {}", quoted(SCHEDULER_TYPES))));
+        }
+    };
+    Ok(Some(sched))
+}
+
+// -- precision --
+
+fn parse_precision(root: &Map<String, Value>, cx: &mut Cx) -> Result<Precision> {
+    let bf16_key = if root.contains_key("bf16") { "bf16" } else { "bfloat16" };
+    if root.contains_key("bf16") && root.contains_key("bfloat16") {
+        return Err(key_err("bfloat16", "give either bf16 or its older spelling bfloat16, not both"));
+    }
+    let bf16 = section(root.get(bf16_key), bf16_key)?;
+    let fp16 = section(root.get("fp16"), "fp16")?;
+    if let Some(b) = bf16 {
+        check_keys(bf16_key, b, BF16_KEYS, &[])?;
+    }
+    if let Some(f) = fp16 {
+        check_keys("fp16", f, FP16_KEYS, &[])?;
+    }
+    let bf16_on = get_bool(bf16, bf16_key, &FP_ENABLED, cx)?;
+    let fp16_on = get_bool(fp16, "fp16", &FP_ENABLED, cx)?;
+    if bf16_on && fp16_on {
+        return Err(key_err("fp16.enabled", "bfloat16 and fp16 modes cannot be simultaneously enabled"));
+    }
+    if bf16_on {
+        if let Some(b) = bf16 {
+            note_unimplemented(bf16_key, b, BF16_KEYS, cx);
+        }
+        return Ok(Precision::Bf16);
+    }
+    if fp16_on {
+        let f = fp16;
+        if let Some(m) = f {
+            note_unimplemented("fp16", m, FP16_KEYS, cx);
+        }
+        return Ok(Precision::Fp16 {
+            loss_scale: get_num(f, "fp16", &FP16_LOSS_SCALE, cx)?,
+            initial_scale_power: get_int(f, "fp16", &FP16_INIT_POWER, cx)? as u32,
+            loss_scale_window: get_int(f, "fp16", &FP16_WINDOW, cx)?,
+            hysteresis: get_int(f, "fp16", &FP16_HYSTERESIS, cx)? as u32,
+            min_loss_scale: get_num(f, "fp16", &FP16_MIN_SCALE, cx)?,
+        });
+    }
+    Ok(Precision::Fp32)
+}
+
+// -- zero --
+
+fn parse_zero(v: Option<&Value>, cx: &mut Cx) -> Result<u8> {
+    let block = match v {
+        None | Some(Value::Null) => return Ok(0),
+        // Legacy form: `"zero_optimization": true` meant stage 1.
+        Some(Value::Bool(b)) => {
+            cx.warn("zero_optimization = true/false is DeepSpeed's deprecated form; use {\"stage\": N}".into());
+            return Ok(u8::from(*b));
+        }
+        Some(Value::Object(m)) => m,
+        Some(other) => return Err(key_err("zero_optimization", format!("expected an object, got {}", kind_of(other)))),
+    };
+    check_keys("zero_optimization", block, &[ZERO_STAGE], ZERO_TUNING)?;
+    let stage = get_int(Some(block), "zero_optimization", &ZERO_STAGE, cx)? as u8;
+    // In the file's order, so the warning reads like the config.
+    let present: Vec<&str> = block
+        .iter()
+        .filter(|(k, v)| ZERO_TUNING.contains(&k.as_str()) && !v.is_null())
+        .map(|(k, _)| k.as_str())
+        .collect();
+    for off in ["offload_optimizer", "offload_param"] {
+        if let Some(dev) = block.get(off).and_then(|o| o.get("device")).and_then(Value::as_str) {
+            if dev != "none" {
+                cx.warn(format!("zero_optimization.{off}.device = \"{dev}\": ZeRO-Offload is not implemented; everything stays on the GPU"));
+            }
+        }
+    }
+    if block.get("cpu_offload").is_some_and(active) {
+        cx.warn("zero_optimization.cpu_offload: ZeRO-Offload is not implemented; everything stays on the GPU".into());
+    }
+    if !present.is_empty() {
+        cx.warn(format!(
+            "zero_optimization: {} accepted but not implemented (vitscale uses its own bucketing and communication schedule)",
+            present.join(", ")
+        ));
+    }
+    Ok(stage)
+}
+
+// -- model --
+
+fn parse_model(sec: Option<&Map<String, Value>>, dataset: DatasetKind, cx: &mut Cx) -> Result<ModelConfig> {
+    let p = "model";
+    if let Some(s) = sec {
+        check_keys(p, s, MODEL_KEYS, &[])?;
+    }
+    let preset_name = match opt_str(sec, p, &M_PRESET, cx)? {
+        Some(n) => n,
+        None => match dataset {
+            DatasetKind::Cifar10 | DatasetKind::Cifar100 => "vit_tiny_patch4_32",
+            DatasetKind::Builtin | DatasetKind::Synthetic => crate::model::spec::DEFAULT_PRESET,
+        },
+    };
+    let mut m = ModelConfig::preset(preset_name)
+        .ok_or_else(|| key_err("model.preset", format!("unknown preset \"{preset_name}\"; expected one of {}", quoted(PRESET_NAMES))))?;
+    let int = |def: &KeyDef, cx: &mut Cx| opt_int(sec, p, def, cx).map(|o| o.map(|i| i as usize));
+    if let Some(v) = int(&M_IMAGE, cx)? { m.image_size = v; }
+    if let Some(v) = int(&M_PATCH, cx)? { m.patch_size = v; }
+    if let Some(v) = int(&M_CHANS, cx)? { m.in_chans = v; }
+    if let Some(v) = int(&M_WIDTH, cx)? { m.embed_dim = v; }
+    if let Some(v) = int(&M_DEPTH, cx)? { m.depth = v; }
+    if let Some(v) = int(&M_HEADS, cx)? { m.num_heads = v; }
+    if let Some(v) = opt_num(sec, p, &M_MLP, cx)? { m.mlp_ratio = v; }
+    if let Some(v) = opt_bool(sec, p, &M_QKV_BIAS, cx)? { m.qkv_bias = v; }
+    if let Some(v) = opt_bool(sec, p, &M_CLS, cx)? { m.class_token = v; }
+    if let Some(v) = opt_str(sec, p, &M_POOL, cx)? {
+        m.global_pool = if v == "avg" { GlobalPool::Avg } else { GlobalPool::Token };
+    }
+    let given_classes = int(&M_CLASSES, cx)?;
+    m.num_classes = match (given_classes, dataset.num_classes()) {
+        (Some(k), Some(d)) if k != d => {
+            return Err(key_err(
+                "model.num_classes",
+                format!("is {k} but data.dataset \"{}\" has {d} classes; leave it out or set it to {d}", dataset.as_str()),
+            ))
+        }
+        (Some(k), _) => k,
+        (None, Some(d)) => d,
+        (None, None) => m.num_classes,
+    };
+    m.validate().map_err(|msg| {
+        let key: String = msg.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == '.').collect();
+        let key = if key.starts_with("model.") { key } else { "model".into() };
+        key_err(key, msg)
+    })?;
+    Ok(m)
+}
+
+// -- data --
+
+fn parse_data(sec: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<DataConfig> {
+    let p = "data";
+    if let Some(s) = sec {
+        check_keys(p, s, DATA_KEYS, &[])?;
+    }
+    let dataset = match get_str(sec, p, &D_DATASET, cx)? {
+        "synthetic" => DatasetKind::Synthetic,
+        "cifar10" => DatasetKind::Cifar10,
+        "cifar100" => DatasetKind::Cifar100,
+        _ => DatasetKind::Builtin,
+    };
+    let is_cifar = matches!(dataset, DatasetKind::Cifar10 | DatasetKind::Cifar100);
+    let path = opt_str(sec, p, &D_PATH, cx)?.map(std::path::PathBuf::from);
+    match (&path, is_cifar) {
+        (None, true) => {
+            return Err(key_err("data.path", format!("is required for data.dataset \"{}\" (the directory holding the dataset)", dataset.as_str())))
+        }
+        (Some(_), false) => {
+            return Err(key_err("data.path", format!("is only used by cifar10/cifar100; data.dataset \"{}\" reads no files", dataset.as_str())))
+        }
+        _ => {}
+    }
+    let (dmean, dstd): ([f32; 3], [f32; 3]) = match dataset {
+        DatasetKind::Builtin | DatasetKind::Synthetic => ([0.5; 3], [0.5; 3]),
+        DatasetKind::Cifar10 => ([0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616]),
+        DatasetKind::Cifar100 => ([0.5071, 0.4865, 0.4409], [0.2673, 0.2564, 0.2762]),
+    };
+    let to3 = |v: Vec<f64>| [v[0] as f32, v[1] as f32, v[2] as f32];
+    let mean = opt_nums(sec, p, &D_MEAN, cx)?.map(to3).unwrap_or(dmean);
+    let std = opt_nums(sec, p, &D_STD, cx)?.map(to3).unwrap_or(dstd);
+    if std.iter().any(|s| *s <= 0.0) {
+        return Err(key_err("data.std", format!("each value must be > 0, got {std:?}")));
+    }
+    let augment = match get_str(sec, p, &D_AUGMENT, cx)? {
+        "none" => Augment::None,
+        _ => Augment::Default,
+    };
+    let shuffle = get_bool(sec, p, &D_SHUFFLE, cx)?;
+    let num_workers = get_int(sec, p, &D_WORKERS, cx)? as usize;
+    if is_cifar {
+        for def in [&D_TRAIN_SIZE, &D_VAL_SIZE] {
+            if sec.is_some_and(|s| s.contains_key(def.name)) {
+                return Err(key_err(full(p, def.name), "is only used by the builtin and synthetic datasets (CIFAR has fixed splits)"));
+            }
+        }
+    }
+    let train_size = get_int(sec, p, &D_TRAIN_SIZE, cx)? as usize;
+    let val_size = get_int(sec, p, &D_VAL_SIZE, cx)? as usize;
+    Ok(DataConfig { dataset, path, mean, std, augment, shuffle, num_workers, train_size, val_size })
+}
+
+// -- train --
+
+fn parse_train(sec: Option<&Map<String, Value>>, batch: &BatchConfig, steps_per_print: u64, cx: &mut Cx) -> Result<TrainConfig> {
+    let p = "train";
+    if let Some(s) = sec {
+        check_keys(p, s, TRAIN_KEYS, &[])?;
+    }
+    let skip = match given(sec, p, &T_DECAY_SKIP, cx) {
+        None => SKIP_KINDS.to_vec(),
+        Some(v) => {
+            let arr = v.as_array().ok_or_else(|| bad(p, &T_DECAY_SKIP, v))?;
+            let mut out = Vec::new();
+            for item in arr {
+                let s = item.as_str().filter(|s| SKIP_KINDS.contains(s)).ok_or_else(|| {
+                    key_err("train.weight_decay_skip", format!("unknown entry {}; expected entries from {}", kind_of(item), quoted(SKIP_KINDS)))
+                })?;
+                if out.contains(&s) {
+                    return Err(key_err("train.weight_decay_skip", format!("\"{s}\" is listed twice")));
+                }
+                out.push(s);
+            }
+            out
+        }
+    };
+    Ok(TrainConfig {
+        epochs: get_int(sec, p, &T_EPOCHS, cx)? as usize,
+        steps: opt_int(sec, p, &T_STEPS, cx)?,
+        seed: get_int(sec, p, &T_SEED, cx)?,
+        eval_every: get_int(sec, p, &T_EVAL_EVERY, cx)?,
+        checkpoint_every: get_int(sec, p, &T_CKPT_EVERY, cx)?,
+        label_smoothing: get_num(sec, p, &T_SMOOTHING, cx)? as f32,
+        weight_decay_skip: DecaySkip {
+            bias: skip.contains(&"bias"),
+            norm: skip.contains(&"norm"),
+            pos_embed: skip.contains(&"pos_embed"),
+            cls_token: skip.contains(&"cls_token"),
+        },
+        log_every: opt_int(sec, p, &T_LOG_EVERY, cx)?.unwrap_or(steps_per_print),
+        eval_batch_size: opt_int(sec, p, &T_EVAL_BATCH, cx)?.map(|i| i as usize).unwrap_or(batch.micro_batch_per_gpu),
+    })
+}
+
+// ---- writing ------------------------------------------------------------------------------
+
+/// The resolved configuration as a DeepSpeed-shaped JSON with every value explicit: written
+/// into run directories, and loadable again with [`resolve`] (same world size) to the same
+/// `RunConfig`.
+pub fn resolved_json(cfg: &RunConfig) -> Value {
+    let optimizer = match &cfg.optimizer {
+        OptimizerConfig::Adam { lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction } => json!({
+            "type": if *adam_w_mode { "AdamW" } else { "Adam" },
+            "params": {
+                "lr": lr, "betas": [beta1, beta2], "eps": eps, "weight_decay": weight_decay,
+                "adam_w_mode": adam_w_mode, "bias_correction": bias_correction
+            }
+        }),
+        OptimizerConfig::Sgd { lr, momentum, dampening, weight_decay, nesterov } => json!({
+            "type": "SGD",
+            "params": { "lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay, "nesterov": nesterov }
+        }),
+    };
+    let wt = |w: WarmupType| match w {
+        WarmupType::Log => "log",
+        WarmupType::Linear => "linear",
+    };
+    let scheduler = cfg.scheduler.as_ref().map(|s| match s {
+        SchedulerConfig::WarmupLR { warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type } => json!({
+            "type": "WarmupLR",
+            "params": { "warmup_min_lr": warmup_min_lr, "warmup_max_lr": warmup_max_lr,
+                        "warmup_num_steps": warmup_num_steps, "warmup_type": wt(*warmup_type) }
+        }),
+        SchedulerConfig::WarmupDecayLR { warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, total_num_steps } => json!({
+            "type": "WarmupDecayLR",
+            "params": { "total_num_steps": total_num_steps, "warmup_min_lr": warmup_min_lr, "warmup_max_lr": warmup_max_lr,
+                        "warmup_num_steps": warmup_num_steps, "warmup_type": wt(*warmup_type) }
+        }),
+        SchedulerConfig::WarmupCosineLR { total_num_steps, warmup_min_ratio, warmup_num_steps, cos_min_ratio, warmup_type } => json!({
+            "type": "WarmupCosineLR",
+            "params": { "total_num_steps": total_num_steps, "warmup_min_ratio": warmup_min_ratio,
+                        "warmup_num_steps": warmup_num_steps, "cos_min_ratio": cos_min_ratio, "warmup_type": wt(*warmup_type) }
+        }),
+    });
+    let m = &cfg.model;
+    let d = &cfg.data;
+    let t = &cfg.train;
+    let mut out = json!({
+        "train_batch_size": cfg.batch.train_batch_size,
+        "train_micro_batch_size_per_gpu": cfg.batch.micro_batch_per_gpu,
+        "gradient_accumulation_steps": cfg.batch.gradient_accumulation_steps,
+        "optimizer": optimizer,
+        "gradient_clipping": cfg.gradient_clipping,
+        "zero_optimization": { "stage": cfg.zero_stage },
+        "model": {
+            "image_size": m.image_size, "patch_size": m.patch_size, "in_chans": m.in_chans, "embed_dim": m.embed_dim,
+            "depth": m.depth, "num_heads": m.num_heads, "mlp_ratio": m.mlp_ratio, "num_classes": m.num_classes,
+            "qkv_bias": m.qkv_bias, "class_token": m.class_token, "global_pool": m.global_pool.as_str()
+        },
+        "data": {
+            "dataset": d.dataset.as_str(), "mean": d.mean, "std": d.std,
+            "augment": match d.augment { Augment::None => "none", Augment::Default => "default" },
+            "shuffle": d.shuffle, "num_workers": d.num_workers
+        },
+        "train": {
+            "epochs": t.epochs, "seed": t.seed, "eval_every": t.eval_every, "checkpoint_every": t.checkpoint_every,
+            "label_smoothing": t.label_smoothing,
+            "weight_decay_skip": SKIP_KINDS.iter().copied().filter(|k| match *k {
+                "bias" => t.weight_decay_skip.bias,
+                "norm" => t.weight_decay_skip.norm,
+                "pos_embed" => t.weight_decay_skip.pos_embed,
+                _ => t.weight_decay_skip.cls_token,
+            }).collect::<Vec<_>>(),
+            "log_every": t.log_every, "eval_batch_size": t.eval_batch_size
+        }
+    });
+    // `json!` always yields an object here; the if-lets only avoid an unwrap.
+    if let Some(o) = out.as_object_mut() {
+        if let Some(s) = scheduler {
+            o.insert("scheduler".into(), s);
+        }
+        match &cfg.precision {
+            Precision::Fp32 => {}
+            Precision::Bf16 => {
+                o.insert("bf16".into(), json!({ "enabled": true }));
+            }
+            Precision::Fp16 { loss_scale, initial_scale_power, loss_scale_window, hysteresis, min_loss_scale } => {
+                o.insert("fp16".into(), json!({
+                    "enabled": true, "loss_scale": loss_scale, "initial_scale_power": initial_scale_power,
+                    "loss_scale_window": loss_scale_window, "hysteresis": hysteresis, "min_loss_scale": min_loss_scale
+                }));
+            }
+        }
+        if let Some(data) = o.get_mut("data").and_then(Value::as_object_mut) {
+            match &d.path {
+                Some(path) => {
+                    data.insert("path".into(), json!(path.display().to_string()));
+                }
+                None => {
+                    data.insert("train_size".into(), json!(d.train_size));
+                    data.insert("val_size".into(), json!(d.val_size));
+                }
+            }
+        }
+        if let (Some(steps), Some(train)) = (t.steps, o.get_mut("train").and_then(Value::as_object_mut)) {
+            train.insert("steps".into(), json!(steps));
+        }
+    }
+    out
+}
