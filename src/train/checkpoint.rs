@@ -390,6 +390,91 @@ pub fn load(spec: &Path) -> Result<Checkpoint> {
     Ok(Checkpoint { dir, step: manifest.step, weights, optimizer, state })
 }
 
+// ---- the engine's flat buffers ↔ named tensors ----------------------------------------------
+
+/// Where each named tensor lives in a flat buffer: (name, shape, span).
+pub type Layout = Vec<(String, Vec<usize>, crate::backend::Span)>;
+
+/// The weights by timm key, in table order.
+pub fn param_layout(table: &crate::model::ParamTable) -> Layout {
+    table.entries.iter().map(|e| (e.name.clone(), e.shape.clone(), e.span)).collect()
+}
+
+/// The optimizer state buffer by torch's state names (`exp_avg.<key>`, `exp_avg_sq.<key>` for
+/// Adam; `momentum_buffer.<key>` for SGD), following `backend::optimizer_state_len`'s layout.
+pub fn optimizer_layout(opt: &crate::config::OptimizerConfig, table: &crate::model::ParamTable) -> Layout {
+    let parts: &[&str] = match opt {
+        crate::config::OptimizerConfig::Adam { .. } => &["exp_avg", "exp_avg_sq"],
+        crate::config::OptimizerConfig::Sgd { .. } => &["momentum_buffer"],
+    };
+    let mut out = Vec::new();
+    for (k, part) in parts.iter().enumerate() {
+        for e in &table.entries {
+            let span = crate::backend::Span { off: k * table.total + e.span.off, len: e.span.len };
+            out.push((format!("{part}.{}", e.name), e.shape.clone(), span));
+        }
+    }
+    out
+}
+
+/// Borrowed views of `flat` by `layout`, for [`save`].
+pub fn views<'a>(layout: &'a Layout, flat: &'a [f32]) -> Vec<TensorRef<'a>> {
+    layout.iter().map(|(n, s, sp)| TensorRef { name: n, shape: s, data: &flat[sp.range()] }).collect()
+}
+
+/// Rebuilds a flat buffer of `len` from loaded tensors; every tensor of the layout must be
+/// there with its shape (an error names the first that is not, and the file).
+pub fn assemble(layout: &Layout, tensors: &[Tensor], len: usize, dir: &Path, file: &str) -> Result<Vec<f32>> {
+    let by_name: BTreeMap<&str, &Tensor> = tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+    let mut flat = vec![0f32; len];
+    for (name, shape, span) in layout {
+        let bad = |why: String| CheckpointError::Incomplete { dir: dir.to_path_buf(), file: file.to_string(), why };
+        let t = by_name.get(name.as_str()).ok_or_else(|| bad(format!("has no tensor {name:?} (different model or optimizer?)")))?;
+        if &t.shape != shape {
+            return Err(bad(format!("tensor {name:?} has shape {:?}, the model needs {shape:?}", t.shape)));
+        }
+        flat[span.range()].copy_from_slice(&t.data);
+    }
+    Ok(flat)
+}
+
+/// Saves the engine's training state after optimizer step `step` (1-based count of steps
+/// done): weights and optimizer state from host copies of the flat buffers, and `state`.
+#[allow(clippy::too_many_arguments)]
+pub fn save_training(
+    root: &Path,
+    step: u64,
+    table: &crate::model::ParamTable,
+    params: &[f32],
+    opt: &crate::config::OptimizerConfig,
+    opt_state: &[f32],
+    state: &serde_json::Value,
+    keep_last: usize,
+) -> Result<PathBuf> {
+    let pl = param_layout(table);
+    let ol = optimizer_layout(opt, table);
+    save(root, step, &views(&pl, params), &views(&ol, opt_state), state, keep_last)
+}
+
+/// What a resumed run continues from.
+#[derive(Clone, Debug)]
+pub struct Restored {
+    pub step: u64,
+    pub params: Vec<f32>,
+    pub opt_state: Vec<f32>,
+    pub state: serde_json::Value,
+    pub dir: PathBuf,
+}
+
+/// Loads `spec` (see [`resolve`]) into flat buffers laid out for `table` and `opt`.
+pub fn restore(spec: &Path, table: &crate::model::ParamTable, opt: &crate::config::OptimizerConfig) -> Result<Restored> {
+    let ck = load(spec)?;
+    let params = assemble(&param_layout(table), &ck.weights, table.total, &ck.dir, MODEL_FILE)?;
+    let olen = crate::backend::optimizer_state_len(opt, table.total);
+    let opt_state = assemble(&optimizer_layout(opt, table), &ck.optimizer, olen, &ck.dir, OPTIMIZER_FILE)?;
+    Ok(Restored { step: ck.step, params, opt_state, state: ck.state, dir: ck.dir })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -487,6 +572,27 @@ mod tests {
 
         let e = load(tmp.path().join("nothing").as_path()).unwrap_err();
         assert!(matches!(e, CheckpointError::NotACheckpoint { .. }), "{e}");
+    }
+
+    #[test]
+    fn engine_buffers_round_trip_by_timm_key() {
+        let cfg = crate::model::ModelConfig::preset(crate::model::spec::DEFAULT_PRESET).expect("default preset");
+        let table = crate::model::ParamTable::new(&cfg);
+        let opt = crate::config::OptimizerConfig::Adam {
+            lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, adam_w_mode: true, bias_correction: true,
+        };
+        let params: Vec<f32> = (0..table.total).map(|i| i as f32 * 0.5).collect();
+        let state: Vec<f32> = (0..2 * table.total).map(|i| -(i as f32)).collect();
+        let tmp = tempfile::tempdir().unwrap();
+        save_training(tmp.path(), 7, &table, &params, &opt, &state, &json!({"epoch": 0}), 0).unwrap();
+        let r = restore(tmp.path(), &table, &opt).unwrap();
+        assert_eq!((r.step, r.params == params, r.opt_state == state), (7, true, true));
+        let ck = load(tmp.path()).unwrap();
+        assert!(ck.weight("cls_token").is_some() && ck.optimizer_tensor("exp_avg_sq.head.weight").is_some());
+        // An SGD run cannot resume from Adam state: the error names the file and tensor.
+        let sgd = crate::config::OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, dampening: 0.0, weight_decay: 0.0, nesterov: false };
+        let e = restore(tmp.path(), &table, &sgd).unwrap_err().to_string();
+        assert!(e.contains("optimizer.safetensors") && e.contains("momentum_buffer."), "{e}");
     }
 
     #[test]
