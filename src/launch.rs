@@ -272,6 +272,7 @@ fn run_local(args: &LaunchArgs) -> Result<i32, LaunchError> {
         None => std::env::current_exe().map_err(LaunchError::CurrentExe)?,
     };
     let master_addr = args.master_addr.clone().unwrap_or_else(|| "127.0.0.1".into());
+    let run_id = run_id();
     // Workers share the cores: give each an equal share unless the user chose.
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).div_ceil(nproc).max(1);
 
@@ -299,6 +300,7 @@ fn run_local(args: &LaunchArgs) -> Result<i32, LaunchError> {
         if std::env::var_os("RAYON_NUM_THREADS").is_none() {
             cmd.env("RAYON_NUM_THREADS", threads.to_string());
         }
+        cmd.env(RUN_ID_VAR, &run_id);
         if let Some(v) = &args.visible_devices {
             cmd.env("CUDA_VISIBLE_DEVICES", v);
         }
@@ -445,6 +447,17 @@ fn stop_all(procs: &mut [Proc], sig: i32) {
             libc::kill(-pid, sig);
         }
     }
+}
+
+/// Names the run for every worker, so all ranks choose the same default run directory.
+pub const RUN_ID_VAR: &str = "VITSCALE_RUN_ID";
+
+fn run_id() -> String {
+    if let Some(id) = std::env::var(RUN_ID_VAR).ok().filter(|s| !s.is_empty()) {
+        return id;
+    }
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    format!("{secs}-{}", std::process::id())
 }
 
 // ---- signals --------------------------------------------------------------------------------
@@ -740,7 +753,10 @@ fn run_hosts(args: &LaunchArgs, hosts: &[Host]) -> Result<i32, LaunchError> {
         files.push(PathBuf::from(home).join(".vitscale_env"));
     }
     files.push(cwd.join(".vitscale_env"));
-    let env = forwarded_env(std::env::vars(), &files)?;
+    let mut env = forwarded_env(std::env::vars(), &files)?;
+    if !env.iter().any(|(k, _)| k == RUN_ID_VAR) {
+        env.push((RUN_ID_VAR.to_string(), run_id()));
+    }
     let master = args.master_addr.clone().unwrap_or_else(|| hosts[0].name.clone());
     let world: usize = hosts.iter().map(|h| h.slots.len()).sum();
     let ssh: Vec<&str> = args.ssh.split_whitespace().collect();
