@@ -248,6 +248,8 @@ struct Proc {
     label: Label,
     child: Child,
     status: Option<ExitStatus>,
+    /// SIGTERM already sent: a worker's graceful shutdown must not be interrupted by repeats.
+    termed: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -317,7 +319,7 @@ fn run_local(args: &LaunchArgs) -> Result<i32, LaunchError> {
             }
         };
         outputs.extend(forward_output(&mut child, rank, args.output));
-        procs.push(Proc { label: Label::Rank(rank), child, status: None });
+        procs.push(Proc { label: Label::Rank(rank), child, status: None, termed: false });
     }
     supervise(procs, outputs, args.kill_grace, &signals, stop_on_eof)
 }
@@ -439,6 +441,12 @@ fn stop_all(procs: &mut [Proc], sig: i32) {
         if let Ok(Some(st)) = p.child.try_wait() {
             p.status = Some(st);
             continue;
+        }
+        if sig == libc::SIGTERM {
+            if p.termed {
+                continue;
+            }
+            p.termed = true;
         }
         let pid = p.child.id() as libc::pid_t;
         // SAFETY: kill(2) with a process group id we created (process_group(0) makes the
@@ -795,7 +803,7 @@ fn run_hosts(args: &LaunchArgs, hosts: &[Host]) -> Result<i32, LaunchError> {
         if let Some(err) = child.stderr.take() {
             outputs.push(std::thread::spawn(move || copy_lines(err, Some(String::new()), true)));
         }
-        procs.push(Proc { label: Label::Node(node, host.name.clone()), child, status: None });
+        procs.push(Proc { label: Label::Node(node, host.name.clone()), child, status: None, termed: false });
     }
     supervise(procs, outputs, args.kill_grace, &signals, None)
 }
