@@ -150,6 +150,27 @@ fn async_collectives_complete_in_order_and_spans_are_checked() {
 }
 
 #[test]
+fn rank_0_blob_reaches_every_rank_with_the_ring() {
+    let port = free_port();
+    let out: Vec<Vec<u8>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..3)
+            .map(|r| {
+                s.spawn(move || {
+                    let blob = if r == 0 { b"unique-id".to_vec() } else { b"ignored".to_vec() };
+                    let (mut c, got) = TcpComm::connect_sharing(&env(r, 3, port), &opts(5.0), "cfg", blob).expect("connect");
+                    let mut v = [1.0f64];
+                    c.all_reduce_host(&mut v).expect("host all-reduce");
+                    assert_eq!(v, [3.0]);
+                    got
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    });
+    assert!(out.iter().all(|b| b == b"unique-id"), "{out:?}");
+}
+
+#[test]
 fn single_rank_is_a_no_op() {
     let mut c = SingleComm::new();
     let mut buf = vec![1.0f32, 2.0, 3.0];

@@ -104,6 +104,13 @@ impl std::fmt::Debug for TcpComm {
 impl TcpComm {
     /// Rendezvous as `env` describes, then connect the ring.
     pub fn connect(env: &DistEnv, opts: &CommOptions, config_hash: &str) -> CResult<Self> {
+        Self::connect_sharing(env, opts, config_hash, Vec::new()).map(|(c, _)| c)
+    }
+
+    /// As `connect`, also handing every rank rank 0's `blob` (ignored on other ranks). A GPU
+    /// communicator uses this to spread the NCCL unique id, and keeps the ring for host-side
+    /// values (`all_reduce_host`).
+    pub fn connect_sharing(env: &DistEnv, opts: &CommOptions, config_hash: &str, blob: Vec<u8>) -> CResult<(Self, Vec<u8>)> {
         let listener = bind_listener(env.rank, &env.master_addr)?;
         let data_port = listener.local_addr().map_err(|e| io_err(env.rank, env.rank, "reading the ring listener address", e))?.port();
         let rv = rendezvous::rendezvous(&RendezvousRequest {
@@ -114,9 +121,10 @@ impl TcpComm {
             timeout: opts.rendezvous_timeout,
             config_hash: config_hash.to_string(),
             data_port,
-            blob: Vec::new(),
+            blob,
         })?;
-        Self::from_rendezvous(rv, listener, opts)
+        let blob = rv.blob.clone();
+        Ok((Self::from_rendezvous(rv, listener, opts)?, blob))
     }
 
     /// Connects the ring after rendezvous; `listener` is the one whose port went to
