@@ -49,6 +49,15 @@ pub struct TrainArgs {
     /// Write the final weights here (safetensors, timm key names).
     #[arg(long)]
     pub save_weights: Option<PathBuf>,
+    // [dist] checkpoints
+    /// Resume from a checkpoint: a step directory, a checkpoint root, or `latest` (the newest
+    /// under `<run dir>/checkpoints`; needs --run-dir). Checkpoints are written every
+    /// `train.checkpoint_every` steps.
+    #[arg(long, value_name = "DIR|latest")]
+    pub resume: Option<String>,
+    /// Checkpoint step directories to keep (0 = all).
+    #[arg(long, default_value_t = 3)]
+    pub keep_checkpoints: usize,
 }
 
 #[derive(Args, Debug)]
@@ -112,22 +121,50 @@ fn check_device(device: DeviceArg) -> anyhow::Result<()> {
     }
 }
 
-fn default_run_dir() -> PathBuf {
+fn default_run_dir(env: &crate::comm::DistEnv) -> PathBuf {
+    // [dist] every rank must pick the same directory without talking: `vitscale launch` sets
+    // VITSCALE_RUN_ID; under other launchers use what the ranks share.
+    if let Some(id) = std::env::var("VITSCALE_RUN_ID").ok().filter(|s| !s.is_empty()) {
+        return PathBuf::from("runs").join(id);
+    }
+    if env.is_distributed() {
+        let id = match std::env::var("SLURM_JOB_ID") {
+            Ok(job) => format!("slurm-{job}"),
+            Err(_) => format!("dist-{}-{}", env.master_addr, env.master_port),
+        };
+        return PathBuf::from("runs").join(id);
+    }
     let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     PathBuf::from("runs").join(format!("{secs}-{}", std::process::id()))
 }
 
 pub fn train_cmd(args: TrainArgs) -> anyhow::Result<()> {
     check_device(args.common.device)?;
-    let cfg = load_config(&args.common, args.init.as_deref(), 1)?;
+    // [dist] this process's place in the job (one process when no launcher variables are set);
+    // the config resolves the DeepSpeed batch triple for that world size.
+    let env = crate::comm::DistEnv::detect()?;
+    let cfg = load_config(&args.common, args.init.as_deref(), env.world_size)?;
+    if args.resume.as_deref() == Some("latest") && args.run_dir.is_none() {
+        anyhow::bail!("--resume latest needs --run-dir: the run directory whose checkpoints/ to continue from");
+    }
+    let run_dir = args.run_dir.clone().unwrap_or_else(|| default_run_dir(&env));
+    let hash = config_hash(&cfg)?;
+    let mut comm = crate::comm::init_cpu(&env, &crate::comm::CommOptions::from_env()?, &hash)?;
+    let rank = env.rank;
     let opts = TrainOptions {
-        run_dir: args.run_dir.clone().unwrap_or_else(default_run_dir),
+        // Rank 0 owns the run directory; the others log beside it.
+        run_dir: if rank == 0 { run_dir.clone() } else { run_dir.join(format!("rank{rank}")) },
         init: args.init.clone(),
-        save_weights: args.save_weights.clone(),
-        progress_bar: std::io::stderr().is_terminal(),
-        quiet: false,
+        save_weights: if rank == 0 { args.save_weights.clone() } else { None },
+        progress_bar: rank == 0 && std::io::stderr().is_terminal(),
+        quiet: rank != 0,
+        resume: args.resume.as_deref().map(|s| crate::train::checkpoint::resume_path(s, &run_dir.join("checkpoints"))),
+        keep_checkpoints: args.keep_checkpoints,
     };
-    let summary = engine::train(&Cpu::new(), &cfg, &opts)?;
+    let summary = engine::train_with(&Cpu::new(), &cfg, &opts, comm.as_mut())?;
+    if rank != 0 {
+        return Ok(());
+    }
     eprintln!(
         "done: val_top1 {:.4} val_loss {:.4} train_loss {:.4} | {} images in {:.1} s ({:.0} img/s) | run dir {}",
         summary.val_top1, summary.val_loss, summary.train_loss, summary.images, summary.wall_s, summary.images_per_s, summary.run_dir
@@ -136,6 +173,14 @@ pub fn train_cmd(args: TrainArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&summary)?);
     }
     Ok(())
+}
+
+/// [dist] Identifies the resolved configuration, so ranks started with different configs
+/// refuse to train together (rendezvous names the rank and both hashes).
+fn config_hash(cfg: &RunConfig) -> anyhow::Result<String> {
+    use sha2::{Digest, Sha256};
+    let bytes = serde_json::to_vec(cfg)?;
+    Ok(Sha256::digest(&bytes).iter().take(8).map(|b| format!("{b:02x}")).collect())
 }
 
 pub fn eval_cmd(args: EvalArgs) -> anyhow::Result<()> {

@@ -17,11 +17,21 @@ enum Command {
     Train(TrainArgs),
     /// Evaluate weights on a dataset split.
     Eval(EvalArgs),
+    /// Start a data-parallel run: N workers here, or one launcher per host of a hostfile.
+    Launch(vitscale::launch::LaunchArgs),
 }
 
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
+        // The launcher's exit code is its workers' (the failing rank's status, 128 + signal).
+        Command::Launch(args) => match vitscale::launch::run(args) {
+            Ok(code) => std::process::exit(code),
+            Err(e) => {
+                eprintln!("error: {e}");
+                std::process::exit(e.exit_code());
+            }
+        },
         Command::Train(args) => cli::train_cmd(args),
         Command::Eval(args) => cli::eval_cmd(args),
     };
