@@ -110,7 +110,29 @@ pub fn load_config(args: &ConfigArgs, weights_path: Option<&Path>, world_size: u
     }
     let mut cfg = config::resolve(&value, world_size)?;
     cfg.warnings.extend(notes);
+    cfg.warnings.extend(engine_warnings(&cfg));
     Ok(cfg)
+}
+
+/// Settings the configuration accepts but the engine does not honour yet (on the CPU backend,
+/// which is the only one these commands drive today): each becomes a warning, never a silent
+/// no-op.
+fn engine_warnings(cfg: &RunConfig) -> Vec<String> {
+    let mut w = Vec::new();
+    match cfg.precision {
+        config::Precision::Fp32 => {}
+        config::Precision::Bf16 => w.push("bf16.enabled: the CPU backend computes in f32; bf16 applies on GPUs".into()),
+        config::Precision::Fp16 { .. } => {
+            w.push("fp16.enabled: the CPU backend computes in f32 (no loss scaling); fp16 applies on GPUs".into())
+        }
+    }
+    if cfg.zero_stage > 0 {
+        w.push(format!(
+            "zero_optimization.stage {}: ZeRO partitioning is not implemented yet; every rank keeps the full optimizer state and gradients (stage 0)",
+            cfg.zero_stage
+        ));
+    }
+    w
 }
 
 /// Resolves `--device` to a backend and runs `f` with it.
