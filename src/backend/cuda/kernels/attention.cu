@@ -1,0 +1,61 @@
+// Attention helpers around the cuBLASLt batched GEMMs: moving heads between the token layout
+// (B, N, S, H, D) and the per-head layout [S][B][H][N][D], and row softmax forward/backward
+// over (B·H·N, N) in fp32. All bf16.
+
+// src (B, N, S, H, D) → dst [S][B][H][N][D]
+extern "C" __global__ void tokens_to_heads(bf16* dst, const bf16* src, int b, int n, int s, int h, int d) {
+    i64 total = (i64)b * n * s * h * d;
+    i64 bhnd = (i64)b * h * n * d;
+    GRID_STRIDE(e, total) {
+        int di = (int)(e % d);
+        i64 r = e / d;
+        int hi = (int)(r % h); r /= h;
+        int si = (int)(r % s); r /= s;
+        int ni = (int)(r % n);
+        i64 bi = r / n;
+        dst[si * bhnd + ((bi * h + hi) * n + ni) * d + di] = src[e];
+    }
+}
+
+// src [S][B][H][N][D] → dst (B, N, S, H, D)
+extern "C" __global__ void heads_to_tokens(bf16* dst, const bf16* src, int b, int n, int s, int h, int d) {
+    i64 total = (i64)b * n * s * h * d;
+    i64 bhnd = (i64)b * h * n * d;
+    GRID_STRIDE(e, total) {
+        int di = (int)(e % d);
+        i64 r = e / d;
+        int hi = (int)(r % h); r /= h;
+        int si = (int)(r % s); r /= s;
+        int ni = (int)(r % n);
+        i64 bi = r / n;
+        dst[e] = src[si * bhnd + ((bi * h + hi) * n + ni) * d + di];
+    }
+}
+
+// In place: each row of `x` (rows, n) becomes softmax(row). One warp per row.
+extern "C" __global__ void softmax_fwd_kernel(bf16* x, i64 rows, int n) {
+    int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+    for (i64 r = (i64)blockIdx.x * warps + (threadIdx.x >> 5); r < rows; r += (i64)gridDim.x * warps) {
+        bf16* row = x + r * n;
+        float m = -INFINITY;
+        for (int i = lane; i < n; i += 32) m = fmaxf(m, bf2f(row[i]));
+        m = warp_max(m);
+        float s = 0.f;
+        for (int i = lane; i < n; i += 32) s += __expf(bf2f(row[i]) - m);
+        float inv = 1.f / warp_sum(s);
+        for (int i = lane; i < n; i += 32) row[i] = f2bf(__expf(bf2f(row[i]) - m) * inv);
+    }
+}
+
+// In place: dp ← p ⊙ (dp − Σ_j dp·p), rows of length n.
+extern "C" __global__ void softmax_bwd_kernel(bf16* dp, const bf16* p, i64 rows, int n) {
+    int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+    for (i64 r = (i64)blockIdx.x * warps + (threadIdx.x >> 5); r < rows; r += (i64)gridDim.x * warps) {
+        bf16* g = dp + r * n;
+        const bf16* pr = p + r * n;
+        float s = 0.f;
+        for (int i = lane; i < n; i += 32) s += bf2f(g[i]) * bf2f(pr[i]);
+        s = warp_sum(s);
+        for (int i = lane; i < n; i += 32) { float pv = bf2f(pr[i]); g[i] = f2bf(pv * (bf2f(g[i]) - s)); }
+    }
+}

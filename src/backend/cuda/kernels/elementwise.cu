@@ -1,0 +1,85 @@
+// Elementwise ops over whole buffers: cast, fill, add, scale, GELU and its backward, and the
+// sum of squares used for the global gradient norm.
+
+extern "C" __global__ void cast_kernel(void* dst, int dtd, const void* src, int dts, i64 n) {
+    GRID_STRIDE(i, n) stx(dst, dtd, i, ldx(src, dts, i));
+}
+
+extern "C" __global__ void fill_kernel(void* dst, int dt, i64 n, float v) {
+    GRID_STRIDE(i, n) stx(dst, dt, i, v);
+}
+
+// out = a + b
+extern "C" __global__ void add_kernel(void* out, int dto, const void* a, int dta, const void* b, int dtb, i64 n) {
+    GRID_STRIDE(i, n) stx(out, dto, i, ldx(a, dta, i) + ldx(b, dtb, i));
+}
+
+// buf *= s
+extern "C" __global__ void scale_kernel(void* buf, int dt, i64 n, float s) {
+    GRID_STRIDE(i, n) stx(buf, dt, i, ldx(buf, dt, i) * s);
+}
+
+// out = gelu(pre), both bf16, 2 elements per thread (n even).
+extern "C" __global__ void gelu_fwd_bf16(unsigned* out, const unsigned* pre, i64 n2) {
+    GRID_STRIDE(i, n2) {
+        unsigned p = pre[i];
+        float a = bf2f((bf16)(p & 0xffffu)), b = bf2f((bf16)(p >> 16));
+        out[i] = (unsigned)f2bf(gelu_f(a)) | ((unsigned)f2bf(gelu_f(b)) << 16);
+    }
+}
+
+// dx *= gelu'(pre), both bf16, 2 elements per thread.
+extern "C" __global__ void gelu_bwd_bf16(unsigned* dx, const unsigned* pre, i64 n2) {
+    GRID_STRIDE(i, n2) {
+        unsigned p = pre[i], d = dx[i];
+        float a = bf2f((bf16)(d & 0xffffu)) * dgelu_f(bf2f((bf16)(p & 0xffffu)));
+        float b = bf2f((bf16)(d >> 16)) * dgelu_f(bf2f((bf16)(p >> 16)));
+        dx[i] = (unsigned)f2bf(a) | ((unsigned)f2bf(b) << 16);
+    }
+}
+
+// Generic-dtype versions for odd lengths.
+extern "C" __global__ void gelu_fwd(void* out, int dto, const void* pre, int dtp, i64 n) {
+    GRID_STRIDE(i, n) stx(out, dto, i, gelu_f(ldx(pre, dtp, i)));
+}
+extern "C" __global__ void gelu_bwd(void* dx, int dtx, const void* pre, int dtp, i64 n) {
+    GRID_STRIDE(i, n) stx(dx, dtx, i, ldx(dx, dtx, i) * dgelu_f(ldx(pre, dtp, i)));
+}
+
+// *out += Σ x², f64 accumulation per block.
+extern "C" __global__ void sum_squares_kernel(double* out, const void* x, int dt, i64 n) {
+    __shared__ double part[32];
+    double acc = 0.0;
+    GRID_STRIDE(i, n) { double v = (double)ldx(x, dt, i); acc += v * v; }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    if (l == 0) part[w] = acc;
+    __syncthreads();
+    if (w == 0) {
+        acc = l < (int)(blockDim.x >> 5) ? part[l] : 0.0;
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (l == 0) atomicAdd(out, acc);
+    }
+}
+
+// dbias[c] += Σ_r dout[r, c]: dout (R, OC) in dtype dt, dbias f32 at `dbias`.
+// Block (32, 8): x picks a column, y strides rows; grid (ceil(OC/32), splits).
+extern "C" __global__ void bias_grad_kernel(float* dbias, const void* dout, int dt, i64 rows, int oc) {
+    __shared__ float part[8][33];
+    int c = blockIdx.x * 32 + threadIdx.x;
+    float acc = 0.f;
+    if (c < oc) {
+        for (i64 r = (i64)blockIdx.y * 8 + threadIdx.y; r < rows; r += (i64)gridDim.y * 8)
+            acc += ldx(dout, dt, r * oc + c);
+    }
+    part[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < oc) {
+        float s = 0.f;
+        #pragma unroll
+        for (int k = 0; k < 8; k++) s += part[k][threadIdx.x];
+        atomicAdd(dbias + c, s);
+    }
+}

@@ -1,0 +1,66 @@
+// LayerNorm over the last dim with fp32 statistics. One warp per row.
+
+// inp (R, C) → out (R, C), mean (R), rstd (R). w/b are element offsets into params.
+extern "C" __global__ void layernorm_fwd_kernel(void* out, int dto, void* mean, void* rstd, int dts,
+                                                const void* inp, int dti, const void* params, int dtw,
+                                                i64 w, i64 bo, i64 rows, int c, float eps) {
+    int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+    for (i64 r = (i64)blockIdx.x * warps + (threadIdx.x >> 5); r < rows; r += (i64)gridDim.x * warps) {
+        i64 base = r * c;
+        float s = 0.f;
+        for (int i = lane; i < c; i += 32) s += ldx(inp, dti, base + i);
+        float mu = warp_sum(s) / c;
+        float v = 0.f;
+        for (int i = lane; i < c; i += 32) { float d = ldx(inp, dti, base + i) - mu; v += d * d; }
+        float rs = rsqrtf(warp_sum(v) / c + eps);
+        for (int i = lane; i < c; i += 32) {
+            float xh = (ldx(inp, dti, base + i) - mu) * rs;
+            stx(out, dto, base + i, xh * ldx(params, dtw, w + i) + ldx(params, dtw, bo + i));
+        }
+        if (lane == 0) { stx(mean, dts, r, mu); stx(rstd, dts, r, rs); }
+    }
+}
+
+// dinp = dres + rstd·(dn − mean(dn) − x̂·mean(dn·x̂)), dn = dout·w; dw += Σ dout·x̂; db += Σ dout.
+// Dynamic shared memory: 2·C floats (per-block partial dw, db), flushed with atomics.
+extern "C" __global__ void layernorm_bwd_kernel(void* dinp, int dtd, float* dparams, const void* dout, int dto,
+                                                const void* dres, int dtr, const void* inp, int dti,
+                                                const void* mean, const void* rstd, int dts,
+                                                const void* params, int dtw, i64 w, i64 bo,
+                                                i64 rows, int c) {
+    extern __shared__ float sh[];
+    float* sdw = sh;
+    float* sdb = sh + c;
+    for (int i = threadIdx.x; i < 2 * c; i += blockDim.x) sh[i] = 0.f;
+    __syncthreads();
+    int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+    for (i64 r = (i64)blockIdx.x * warps + (threadIdx.x >> 5); r < rows; r += (i64)gridDim.x * warps) {
+        i64 base = r * c;
+        float mu = ldx(mean, dts, r), rs = ldx(rstd, dts, r);
+        float a = 0.f, bsum = 0.f;
+        for (int i = lane; i < c; i += 32) {
+            float g = ldx(dout, dto, base + i);
+            float xh = (ldx(inp, dti, base + i) - mu) * rs;
+            float dn = g * ldx(params, dtw, w + i);
+            a += dn;
+            bsum += dn * xh;
+            atomicAdd(sdw + i, g * xh);
+            atomicAdd(sdb + i, g);
+        }
+        a = warp_sum(a) / c;
+        bsum = warp_sum(bsum) / c;
+        for (int i = lane; i < c; i += 32) {
+            float g = ldx(dout, dto, base + i);
+            float xh = (ldx(inp, dti, base + i) - mu) * rs;
+            float dn = g * ldx(params, dtw, w + i);
+            float d = rs * (dn - a - xh * bsum);
+            if (dres) d += ldx(dres, dtr, base + i);
+            stx(dinp, dtd, base + i, d);
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < c; i += blockDim.x) {
+        atomicAdd(dparams + w + i, sdw[i]);
+        atomicAdd(dparams + bo + i, sdb[i]);
+    }
+}
