@@ -2,9 +2,19 @@
 //!
 //! Module map:
 //! - `config`  — defines: the run configuration (DeepSpeed JSON + model/data/train), parsing and validation.
-//! - `model`   — defines: the ViT shape, parameter table, forward/backward over a backend, timm weights I/O.
+//! - `model`   — defines: the ViT shape, parameter table, init, forward/backward over a backend, timm weights I/O.
 //! - `backend` — defines: the `Backend` trait (every op with explicit shapes) and the CPU reference backend.
+//! - `data`    — defines: datasets (built-in, synthetic, CIFAR), augmentation, sampling into global batches.
+//! - `train`   — defines: the training step and loop, learning-rate schedules.
+//! - `metrics` — defines: phase timers and the `metrics.jsonl` records.
+//! - `cli`     — defines: the subcommands behind `vitscale`.
+//! - `util`    — defines: atomic file writes.
 
 pub mod backend;
+// pub mod cli;
 pub mod config;
+// pub mod data;
+pub mod metrics;
 pub mod model;
+// pub mod train;
+pub mod util;

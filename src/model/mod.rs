@@ -1,9 +1,13 @@
-//! The timm Vision Transformer: its shape (`spec`), its parameter table (`params`), its
-//! forward and manual backward over any `Backend` (`vit`), and timm-compatible weights
-//! (`weights`).
+//! The timm Vision Transformer: its shape (`spec`), its parameter table (`params`), random
+//! initialization (`init`), its forward and manual backward over any `Backend` (`vit`), and
+//! timm-compatible weights (`weights`).
 
+pub mod init;
 pub mod params;
 pub mod spec;
+pub mod vit;
+pub mod weights;
 
 pub use params::{ParamEntry, ParamKind, ParamTable};
 pub use spec::{GlobalPool, ModelConfig, LN_EPS};
+pub use vit::{smoothed_targets, ForwardOut, Vit};

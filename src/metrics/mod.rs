@@ -1,0 +1,81 @@
+//! Step metrics: wall-clock phase timers and the run directory's `metrics.jsonl` writer. The
+//! scaling lab reads only what is written here.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+use std::time::Instant;
+
+use serde::Serialize;
+
+/// Seconds spent in each phase of the optimizer steps since the last reset.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct PhaseTimes {
+    /// Waiting for / building the batch on the host.
+    pub data_s: f64,
+    pub forward_s: f64,
+    pub backward_s: f64,
+    /// Gradient reduction not hidden behind compute.
+    pub comm_s: f64,
+    /// Norm, clipping and the optimizer update.
+    pub optimizer_s: f64,
+}
+
+impl PhaseTimes {
+    pub fn total(&self) -> f64 {
+        self.data_s + self.forward_s + self.backward_s + self.comm_s + self.optimizer_s
+    }
+}
+
+/// Times a closure and adds the seconds to `slot`.
+pub fn timed<T>(slot: &mut f64, f: impl FnOnce() -> T) -> T {
+    let t = Instant::now();
+    let out = f();
+    *slot += t.elapsed().as_secs_f64();
+    out
+}
+
+/// One line of `metrics.jsonl`.
+#[derive(Clone, Debug, Serialize)]
+pub struct StepRecord {
+    pub step: u64,
+    pub epoch: u64,
+    pub lr: f64,
+    /// Mean training loss over the steps since the previous record.
+    pub loss: f64,
+    pub grad_norm: f64,
+    /// Global images per second over the steps since the previous record.
+    pub images_per_s: f64,
+    pub images_per_s_per_rank: f64,
+    pub mfu: Option<f64>,
+    #[serde(flatten)]
+    pub phases: PhaseTimes,
+    pub wall_s: f64,
+}
+
+/// An evaluation result line of `metrics.jsonl` (`"kind": "eval"`).
+#[derive(Clone, Debug, Serialize)]
+pub struct EvalRecord {
+    pub kind: &'static str,
+    pub step: u64,
+    pub epoch: u64,
+    pub val_loss: f64,
+    pub val_top1: f64,
+    pub images: usize,
+}
+
+/// Appends JSON lines to a file, flushing each so a killed run keeps its history.
+pub struct JsonlWriter {
+    out: BufWriter<File>,
+}
+
+impl JsonlWriter {
+    pub fn create(path: &Path) -> std::io::Result<Self> {
+        Ok(JsonlWriter { out: BufWriter::new(File::create(path)?) })
+    }
+    pub fn write<T: Serialize>(&mut self, record: &T) -> std::io::Result<()> {
+        serde_json::to_writer(&mut self.out, record).map_err(std::io::Error::other)?;
+        self.out.write_all(b"\n")?;
+        self.out.flush()
+    }
+}

@@ -1,0 +1,183 @@
+//! timm-compatible weights: safetensors files with timm `state_dict` key names, read into and
+//! written from the flat parameter buffer, plus inference of the architecture from a file's
+//! shapes (so `--init` of an unseen timm model needs at most `model.num_heads`).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::{Dtype, TensorView};
+use safetensors::SafeTensors;
+
+use super::params::ParamTable;
+use super::spec::ModelConfig;
+
+#[derive(Debug, thiserror::Error)]
+pub enum WeightsError {
+    #[error("cannot read weights file {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path} is not a valid safetensors file: {msg}")]
+    Format { path: PathBuf, msg: String },
+    #[error("{path}: tensor `{key}` {msg}")]
+    Tensor { path: PathBuf, key: String, msg: String },
+    #[error("{path}: missing tensors for this model: {keys}")]
+    Missing { path: PathBuf, keys: String },
+    #[error("{path}: tensors this model does not have: {keys} (is the `model` config right?)")]
+    Unexpected { path: PathBuf, keys: String },
+    #[error("{path}: cannot infer the architecture: {msg}")]
+    Infer { path: PathBuf, msg: String },
+}
+
+/// Prefixes that wrappers put before timm keys (DDP `module.`, timm checkpoints' `model.`).
+const STRIP_PREFIXES: &[&str] = &["module.", "model."];
+
+fn read_file(path: &Path) -> Result<Vec<u8>, WeightsError> {
+    std::fs::read(path).map_err(|source| WeightsError::Io { path: path.to_path_buf(), source })
+}
+
+fn parse<'a>(path: &Path, bytes: &'a [u8]) -> Result<SafeTensors<'a>, WeightsError> {
+    SafeTensors::deserialize(bytes).map_err(|e| WeightsError::Format { path: path.to_path_buf(), msg: e.to_string() })
+}
+
+/// The tensor names of a file with wrapper prefixes removed, mapped to the stored names.
+fn key_map(st: &SafeTensors<'_>) -> BTreeMap<String, String> {
+    st.names()
+        .into_iter()
+        .map(|name| {
+            let mut key = name.as_str();
+            for p in STRIP_PREFIXES {
+                if let Some(rest) = key.strip_prefix(p) {
+                    key = rest;
+                }
+            }
+            (key.to_string(), name.clone())
+        })
+        .collect()
+}
+
+/// Converts a stored tensor (f32, f16, bf16, f64) to f32.
+pub fn to_f32(path: &Path, key: &str, view: &TensorView<'_>) -> Result<Vec<f32>, WeightsError> {
+    let data = view.data();
+    let bad = |msg: String| WeightsError::Tensor { path: path.to_path_buf(), key: key.to_string(), msg };
+    let out = match view.dtype() {
+        Dtype::F32 => data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+        Dtype::F16 => data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        Dtype::BF16 => data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        Dtype::F64 => data
+            .chunks_exact(8)
+            .map(|b| f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32)
+            .collect(),
+        other => return Err(bad(format!("has dtype {other:?}; expected F32, F16, BF16 or F64"))),
+    };
+    Ok(out)
+}
+
+/// Loads a timm weights file into a flat host vector laid out by `table`. Every table key must
+/// be present with its exact shape, and no other key may be (timm's `strict=True`).
+pub fn load(path: &Path, table: &ParamTable) -> Result<Vec<f32>, WeightsError> {
+    let bytes = read_file(path)?;
+    let st = parse(path, &bytes)?;
+    let keys = key_map(&st);
+    let mut out = vec![0.0f32; table.total];
+    let mut missing = Vec::new();
+    for e in &table.entries {
+        let Some(stored) = keys.get(&e.name) else {
+            missing.push(e.name.clone());
+            continue;
+        };
+        let view = st.tensor(stored).map_err(|err| WeightsError::Format { path: path.to_path_buf(), msg: err.to_string() })?;
+        if view.shape() != e.shape.as_slice() {
+            return Err(WeightsError::Tensor {
+                path: path.to_path_buf(),
+                key: e.name.clone(),
+                msg: format!("has shape {:?}; the configured model needs {:?}", view.shape(), e.shape),
+            });
+        }
+        out[e.span.range()].copy_from_slice(&to_f32(path, &e.name, &view)?);
+    }
+    if !missing.is_empty() {
+        return Err(WeightsError::Missing { path: path.to_path_buf(), keys: missing.join(", ") });
+    }
+    let unexpected: Vec<&str> = keys.keys().filter(|k| table.get(k).is_none()).map(String::as_str).collect();
+    if !unexpected.is_empty() {
+        return Err(WeightsError::Unexpected { path: path.to_path_buf(), keys: unexpected.join(", ") });
+    }
+    Ok(out)
+}
+
+/// Writes the flat weights as an f32 safetensors file with timm keys, atomically (temporary
+/// file, fsync, rename), with the model config as metadata.
+pub fn save(path: &Path, table: &ParamTable, cfg: &ModelConfig, params: &[f32]) -> Result<(), WeightsError> {
+    let io = |source| WeightsError::Io { path: path.to_path_buf(), source };
+    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = table
+        .entries
+        .iter()
+        .map(|e| (e.name.clone(), e.shape.clone(), bytemuck::cast_slice(&params[e.span.range()]).to_vec()))
+        .collect();
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(name, shape, data)| {
+            TensorView::new(Dtype::F32, shape.clone(), data)
+                .map(|v| (name.clone(), v))
+                .map_err(|e| WeightsError::Format { path: path.to_path_buf(), msg: e.to_string() })
+        })
+        .collect::<Result<_, _>>()?;
+    let mut meta = std::collections::HashMap::new();
+    meta.insert("format".to_string(), "pt".to_string());
+    meta.insert("vitscale_model".to_string(), serde_json::to_string(cfg).unwrap_or_default());
+    let bytes = safetensors::serialize(views, &Some(meta))
+        .map_err(|e| WeightsError::Format { path: path.to_path_buf(), msg: e.to_string() })?;
+    crate::util::write_atomic(path, &bytes).map_err(io)
+}
+
+/// Architecture fields read off a timm weights file's shapes. `num_heads` cannot be read from
+/// shapes; it is `None` unless the width is a multiple of 64 (timm's head width for every
+/// standard ViT), in which case `width / 64` is offered as a guess.
+#[derive(Clone, Debug, PartialEq)]
+pub struct InferredModel {
+    pub fields: serde_json::Map<String, serde_json::Value>,
+    pub guessed_num_heads: Option<usize>,
+}
+
+pub fn infer(path: &Path) -> Result<InferredModel, WeightsError> {
+    let bytes = read_file(path)?;
+    let st = parse(path, &bytes)?;
+    let keys = key_map(&st);
+    let fail = |msg: String| WeightsError::Infer { path: path.to_path_buf(), msg };
+    let shape = |key: &str| -> Result<Vec<usize>, WeightsError> {
+        let stored = keys.get(key).ok_or_else(|| fail(format!("no `{key}` tensor")))?;
+        st.tensor(stored).map(|v| v.shape().to_vec()).map_err(|e| fail(e.to_string()))
+    };
+    let pw = shape("patch_embed.proj.weight")?;
+    if pw.len() != 4 || pw[2] != pw[3] {
+        return Err(fail(format!("patch_embed.proj.weight has shape {pw:?}; expected [C, 3, P, P]")));
+    }
+    let (c, in_chans, p) = (pw[0], pw[1], pw[2]);
+    let class_token = keys.contains_key("cls_token");
+    let pos = shape("pos_embed")?;
+    let n = *pos.get(1).ok_or_else(|| fail(format!("pos_embed has shape {pos:?}")))?;
+    let np = n.checked_sub(usize::from(class_token)).ok_or_else(|| fail("pos_embed has no patch positions".into()))?;
+    let grid = (np as f64).sqrt().round() as usize;
+    if grid * grid != np {
+        return Err(fail(format!("pos_embed holds {np} patch positions, not a square grid")));
+    }
+    let depth = (0..).take_while(|i| keys.contains_key(&format!("blocks.{i}.norm1.weight"))).count();
+    if depth == 0 {
+        return Err(fail("no `blocks.0.*` tensors".into()));
+    }
+    let fc1 = shape("blocks.0.mlp.fc1.weight")?;
+    let head = shape("head.weight")?;
+    let global_pool = if keys.contains_key("fc_norm.weight") { "avg" } else { "token" };
+    let mut fields = serde_json::Map::new();
+    fields.insert("image_size".into(), (grid * p).into());
+    fields.insert("patch_size".into(), p.into());
+    fields.insert("in_chans".into(), in_chans.into());
+    fields.insert("embed_dim".into(), c.into());
+    fields.insert("depth".into(), depth.into());
+    fields.insert("mlp_ratio".into(), (fc1[0] as f64 / c as f64).into());
+    fields.insert("num_classes".into(), head[0].into());
+    fields.insert("qkv_bias".into(), keys.contains_key("blocks.0.attn.qkv.bias").into());
+    fields.insert("class_token".into(), class_token.into());
+    fields.insert("global_pool".into(), global_pool.into());
+    let guessed_num_heads = (c % 64 == 0).then_some(c / 64);
+    Ok(InferredModel { fields, guessed_num_heads })
+}

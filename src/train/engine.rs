@@ -1,0 +1,295 @@
+//! The training step and loop, readable top to bottom:
+//!
+//! for each optimizer step: for each of the GAS micro-batches this rank feeds, build the batch
+//! (augment + normalize), forward with the loss gradient scaled by 1/global-batch, backward
+//! (parameter gradients accumulate) — no communication in between; at the boundary: reduce
+//! gradients across ranks, global norm + clipping, learning rate from the schedule, one
+//! optimizer update over the flat buffer, zero the gradients. Evaluation, metrics lines,
+//! progress output and the run directory are around that loop.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::backend::{optimizer_state_len, Backend, DecayGroups, StepHyper};
+use crate::config::RunConfig;
+use crate::data::{self, Datasets, ImageSet, Sampler};
+use crate::metrics::{timed, EvalRecord, JsonlWriter, PhaseTimes, StepRecord};
+use crate::model::{init, smoothed_targets, weights, Vit};
+use crate::train::schedule;
+
+/// Largest number of images one forward/backward pass processes on the host backend; a larger
+/// micro-batch is run as several passes whose gradients add up (same math, bounded memory).
+pub const MAX_IMAGES_PER_PASS: usize = 512;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error(transparent)]
+    Backend(#[from] crate::backend::BackendError),
+    #[error(transparent)]
+    Data(#[from] crate::data::DataError),
+    #[error(transparent)]
+    Weights(#[from] crate::model::weights::WeightsError),
+    #[error("run directory {path}: {source}")]
+    RunDir { path: PathBuf, source: std::io::Error },
+    #[error("{0}")]
+    Config(String),
+    #[error("training diverged at step {step}: loss is {loss}")]
+    Diverged { step: u64, loss: f64 },
+}
+
+/// Where a run writes, and what it loads/saves besides.
+#[derive(Clone, Debug, Default)]
+pub struct TrainOptions {
+    pub run_dir: PathBuf,
+    pub init: Option<PathBuf>,
+    pub save_weights: Option<PathBuf>,
+    /// Draw a progress bar (terminal) instead of plain periodic lines.
+    pub progress_bar: bool,
+    /// Print nothing but errors (the caller prints the summary).
+    pub quiet: bool,
+}
+
+/// The result of a training run (`--json` prints it; `summary.json` holds it).
+#[derive(Clone, Debug, Serialize)]
+pub struct TrainSummary {
+    pub val_top1: f64,
+    pub val_loss: f64,
+    /// Mean training loss over the last epoch's steps (or the whole run if shorter).
+    pub train_loss: f64,
+    /// Training images processed, counted on the global batch.
+    pub images: u64,
+    pub steps: u64,
+    pub wall_s: f64,
+    pub images_per_s: f64,
+    pub device: String,
+    pub params: usize,
+    pub run_dir: String,
+}
+
+/// Result of evaluating a model on a split.
+#[derive(Clone, Debug, Serialize)]
+pub struct EvalSummary {
+    pub loss: f64,
+    pub top1: f64,
+    pub images: usize,
+}
+
+/// Evaluates `vit` on every image of `set` (no augmentation, no smoothing).
+pub fn evaluate<B: Backend>(be: &B, vit: &mut Vit<B>, set: &ImageSet, cfg: &RunConfig, batch: usize) -> Result<EvalSummary, TrainError> {
+    let k = vit.cfg.num_classes;
+    let (mut loss_sum, mut correct) = (0.0f64, 0usize);
+    let n = set.len();
+    let batch = batch.clamp(1, MAX_IMAGES_PER_PASS);
+    let mut start = 0;
+    while start < n {
+        let idx: Vec<usize> = (start..(start + batch).min(n)).collect();
+        let b = idx.len();
+        let batch_data = data::make_batch(set, &idx, &cfg.data, false, 0, cfg.train.seed);
+        let targets = smoothed_targets(&batch_data.labels, k, 0.0);
+        let out = vit.forward(be, &batch_data.images, &targets, b, None)?;
+        loss_sum += out.losses.iter().map(|&v| v as f64).sum::<f64>();
+        for (row, &label) in out.logits.chunks(k).zip(&batch_data.labels) {
+            // First maximal index, as torch.argmax.
+            let pred = row.iter().enumerate().fold(0, |best, (j, v)| if *v > row[best] { j } else { best });
+            correct += usize::from(pred == label as usize);
+        }
+        start += b;
+    }
+    Ok(EvalSummary { loss: loss_sum / n.max(1) as f64, top1: correct as f64 / n.max(1) as f64, images: n })
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
+    move |source| TrainError::RunDir { path: path.to_path_buf(), source }
+}
+
+/// Builds the model with its initial weights: `--init` file or a seeded timm-style init.
+pub fn build_model<B: Backend>(be: &B, cfg: &RunConfig, init_path: Option<&Path>) -> Result<Vit<B>, TrainError> {
+    let mut vit = Vit::new(be, cfg.model.clone())?;
+    let host = match init_path {
+        Some(p) => weights::load(p, &vit.table)?,
+        None => init::init_params(&vit.table, cfg.train.seed),
+    };
+    vit.set_params(be, &host)?;
+    Ok(vit)
+}
+
+/// Trains a model as `cfg` says on one rank (world size 1).
+pub fn train<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions) -> Result<TrainSummary, TrainError> {
+    let t_start = Instant::now();
+    let (rank, world) = (0usize, cfg.batch.world_size);
+    std::fs::create_dir_all(&opts.run_dir).map_err(io_err(&opts.run_dir))?;
+    let resolved = serde_json::to_vec_pretty(cfg).map_err(|e| TrainError::Config(e.to_string()))?;
+    crate::util::write_atomic(&opts.run_dir.join("config.json"), &resolved).map_err(io_err(&opts.run_dir))?;
+    let metrics_path = opts.run_dir.join("metrics.jsonl");
+    let mut metrics = JsonlWriter::create(&metrics_path).map_err(io_err(&metrics_path))?;
+
+    // ---- data, model, optimizer state
+    let Datasets { train: train_set, val: val_set, description, .. } =
+        data::open(&cfg.data, cfg.model.image_size, cfg.model.num_classes, cfg.train.seed)?;
+    let global_batch = cfg.batch.train_batch_size;
+    if train_set.len() < global_batch {
+        return Err(TrainError::Config(format!(
+            "train_batch_size ({global_batch}) is larger than the training set ({} images in {description})",
+            train_set.len()
+        )));
+    }
+    let sampler = Sampler::new(train_set.len(), global_batch, cfg.data.shuffle, cfg.train.seed, true);
+    let steps_per_epoch = sampler.steps_per_epoch() as u64;
+    let total_steps = cfg.train.steps.unwrap_or(cfg.train.epochs as u64 * steps_per_epoch);
+
+    let mut vit = build_model(be, cfg, opts.init.as_deref())?;
+    let num_params = vit.table.total;
+    let decay = DecayGroups::new(&vit.table, &cfg.train.weight_decay_skip);
+    let mut opt_state = be.alloc_f32(optimizer_state_len(&cfg.optimizer, num_params))?;
+    vit.zero_grads(be)?;
+    let k = cfg.model.num_classes;
+    let (micro, gas) = (cfg.batch.micro_batch_per_gpu, cfg.batch.gradient_accumulation_steps);
+    let flops_per_image = cfg.model.train_flops_per_image();
+
+    if !opts.quiet {
+        eprintln!(
+            "vitscale: {} | model {} params | data {description} | {total_steps} steps of {global_batch} images ({micro} × {gas} GAS × {world} ranks)",
+            be.name(),
+            num_params
+        );
+        for w in &cfg.warnings {
+            eprintln!("warning: {w}");
+        }
+    }
+    let bar = (opts.progress_bar && !opts.quiet).then(|| {
+        let pb = indicatif::ProgressBar::new(total_steps);
+        pb.set_style(
+            indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps | {msg} | ETA {eta}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        pb
+    });
+
+    // ---- the loop
+    let mut phases = PhaseTimes::default();
+    let (mut window_loss, mut window_steps, mut window_start) = (0.0f64, 0u64, Instant::now());
+    let (mut epoch_loss, mut epoch_steps) = (0.0f64, 0u64);
+    let mut last_epoch_loss = f64::NAN;
+    let mut last_eval: Option<EvalSummary> = None;
+    let mut images_done = 0u64;
+    let train_wall = Instant::now();
+    for step in 0..total_steps {
+        let epoch = step / steps_per_epoch;
+        let global = sampler.global_batch(epoch, (step % steps_per_epoch) as usize);
+        let mut step_loss = 0.0f64;
+        for m in 0..gas {
+            let shard = data::shard(&global, rank, world, m, gas);
+            for pass in shard.chunks(MAX_IMAGES_PER_PASS) {
+                let batch = timed(&mut phases.data_s, || data::make_batch(&train_set, pass, &cfg.data, true, epoch, cfg.train.seed));
+                let targets = smoothed_targets(&batch.labels, k, cfg.train.label_smoothing);
+                let out = timed(&mut phases.forward_s, || vit.forward(be, &batch.images, &targets, pass.len(), Some(1.0 / global_batch as f32)))?;
+                step_loss += out.losses.iter().map(|&v| v as f64).sum::<f64>();
+                timed(&mut phases.backward_s, || vit.backward(be))?;
+            }
+        }
+        step_loss /= global_batch as f64;
+        if !step_loss.is_finite() {
+            return Err(TrainError::Diverged { step, loss: step_loss });
+        }
+
+        // ---- boundary: norm, clipping, schedule, update
+        let t_opt = Instant::now();
+        let grad_norm = be.sum_squares(&vit.grads)?.sqrt();
+        let clip = cfg.gradient_clipping;
+        let grad_scale = if clip > 0.0 && grad_norm > clip { (clip / (grad_norm + 1e-6)) as f32 } else { 1.0 };
+        let lr = schedule::lr_at(cfg.scheduler.as_ref(), cfg.optimizer.lr(), step);
+        let hyper = StepHyper { lr: lr as f32, step: step + 1, grad_scale };
+        be.optimizer_step(&mut vit.params, &vit.grads, &mut opt_state, &cfg.optimizer, &decay, hyper)?;
+        vit.params_changed(be)?;
+        vit.zero_grads(be)?;
+        be.synchronize()?;
+        phases.optimizer_s += t_opt.elapsed().as_secs_f64();
+
+        images_done += global_batch as u64;
+        window_loss += step_loss;
+        window_steps += 1;
+        epoch_loss += step_loss;
+        epoch_steps += 1;
+
+        // ---- metrics line
+        let last_step = step + 1 == total_steps;
+        if (step + 1) % cfg.train.log_every.max(1) == 0 || last_step {
+            let secs = window_start.elapsed().as_secs_f64();
+            let ips = (window_steps * global_batch as u64) as f64 / secs.max(1e-9);
+            let rec = StepRecord {
+                step: step + 1,
+                epoch,
+                lr,
+                loss: window_loss / window_steps as f64,
+                grad_norm,
+                images_per_s: ips,
+                images_per_s_per_rank: ips / world as f64,
+                mfu: None,
+                phases,
+                wall_s: t_start.elapsed().as_secs_f64(),
+            };
+            metrics.write(&rec).map_err(io_err(&metrics_path))?;
+            let msg = format!("epoch {epoch} loss {:.4} lr {lr:.2e} {ips:.0} img/s", rec.loss);
+            match &bar {
+                Some(pb) => pb.set_message(msg),
+                None if !opts.quiet => eprintln!("step {}/{total_steps} {msg}", step + 1),
+                None => {}
+            }
+            let _ = flops_per_image; // MFU needs a device ceiling: reported by `vitscale bench`
+            phases = PhaseTimes::default();
+            (window_loss, window_steps, window_start) = (0.0, 0, Instant::now());
+        }
+        if let Some(pb) = &bar {
+            pb.inc(1);
+        }
+
+        // ---- evaluation: every eval_every steps, or at each epoch end, and at the end
+        let epoch_end = (step + 1) % steps_per_epoch == 0;
+        let due = if cfg.train.eval_every > 0 { (step + 1) % cfg.train.eval_every == 0 } else { epoch_end };
+        if epoch_end || last_step {
+            last_epoch_loss = epoch_loss / epoch_steps.max(1) as f64;
+            (epoch_loss, epoch_steps) = (0.0, 0);
+        }
+        if due || last_step {
+            let ev = evaluate(be, &mut vit, &val_set, cfg, cfg.train.eval_batch_size)?;
+            let rec = EvalRecord { kind: "eval", step: step + 1, epoch, val_loss: ev.loss, val_top1: ev.top1, images: ev.images };
+            metrics.write(&rec).map_err(io_err(&metrics_path))?;
+            let line = format!("eval after step {}: val_loss {:.4} val_top1 {:.4}", step + 1, ev.loss, ev.top1);
+            match &bar {
+                Some(pb) => pb.println(line),
+                None if !opts.quiet => eprintln!("{line}"),
+                None => {}
+            }
+            last_eval = Some(ev);
+        }
+    }
+    if let Some(pb) = &bar {
+        pb.finish_and_clear();
+    }
+    let train_secs = train_wall.elapsed().as_secs_f64();
+
+    let ev = match last_eval {
+        Some(ev) => ev,
+        None => evaluate(be, &mut vit, &val_set, cfg, cfg.train.eval_batch_size)?,
+    };
+    if let Some(path) = &opts.save_weights {
+        weights::save(path, &vit.table, &vit.cfg, &vit.params_host(be)?)?;
+    }
+    let summary = TrainSummary {
+        val_top1: ev.top1,
+        val_loss: ev.loss,
+        train_loss: last_epoch_loss,
+        images: images_done,
+        steps: total_steps,
+        wall_s: t_start.elapsed().as_secs_f64(),
+        images_per_s: images_done as f64 / train_secs.max(1e-9),
+        device: be.name(),
+        params: num_params,
+        run_dir: opts.run_dir.display().to_string(),
+    };
+    let bytes = serde_json::to_vec_pretty(&summary).map_err(|e| TrainError::Config(e.to_string()))?;
+    crate::util::write_atomic(&opts.run_dir.join("summary.json"), &bytes).map_err(io_err(&opts.run_dir))?;
+    Ok(summary)
+}
