@@ -17,6 +17,11 @@ enum Command {
     Train(TrainArgs),
     /// Evaluate weights on a dataset split.
     Eval(EvalArgs),
+    // -- added by the cuda branch: backend parity checks and the throughput benchmark
+    /// Check every backend op and a short training run against the CPU reference.
+    Selftest(vitscale::selftest::SelftestArgs),
+    /// Training-step throughput, MFU and peak memory on synthetic device-resident data.
+    Bench(vitscale::bench::BenchArgs),
 }
 
 fn main() {
@@ -24,6 +29,8 @@ fn main() {
     let result = match cli.command {
         Command::Train(args) => cli::train_cmd(args),
         Command::Eval(args) => cli::eval_cmd(args),
+        Command::Selftest(args) => vitscale::selftest::selftest(&args).and_then(|ok| if ok { Ok(()) } else { Err(anyhow::anyhow!("selftest failed")) }),
+        Command::Bench(args) => vitscale::bench::bench(&args).map(|_| ()),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -270,6 +270,44 @@ impl Cuda {
         Ok(Graph { exec, graph, stream: self.stream.cu_stream(), ctx: self.ctx.clone() })
     }
 
+    /// Fills `buf` with deterministic pseudo-random values in [-scale, scale).
+    pub fn fill_random(&self, buf: &mut CudaBuf, seed: u32, scale: f32) -> BResult<()> {
+        let n = buf.len as i64;
+        self.launch1("fill_random_kernel", buf.len, &mut kargs![buf.ptr, buf.dt(), n, seed, scale])
+    }
+
+    /// Measures the bf16 GEMM ceiling: median TFLOP/s of `reps` n×n×n products on random data.
+    pub fn matmul_tflops(&self, n: usize, reps: usize) -> BResult<f64> {
+        let mut a = self.alloc(n * n)?;
+        let mut b = self.alloc(n * n)?;
+        let d = self.alloc(n * n)?;
+        self.fill_random(&mut a, 1, 1.0)?;
+        self.fill_random(&mut b, 2, 1.0)?;
+        let s = GemmShape {
+            ta: true, tb: false, m: n as u64, n: n as u64, k: n as u64,
+            a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
+            lda: n as i64, ldb: n as i64, ldd: n as i64,
+            batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
+            bias: false, accumulate: false, align: 0,
+        };
+        let ev = |op: &str| self.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| BackendError::Device(format!("{op}: {e}")));
+        for _ in 0..3 {
+            self.gemm("matmul_tflops", s, a.ptr, b.ptr, d.ptr, 0, 1.0, 0.0)?;
+        }
+        let mut times = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            let (e0, e1) = (ev("event")?, ev("event")?);
+            e0.record(&self.stream).map_err(dev("cuEventRecord"))?;
+            self.gemm("matmul_tflops", s, a.ptr, b.ptr, d.ptr, 0, 1.0, 0.0)?;
+            e1.record(&self.stream).map_err(dev("cuEventRecord"))?;
+            e1.synchronize().map_err(dev("cuEventSynchronize"))?;
+            times.push(e0.elapsed_ms(&e1).map_err(dev("cuEventElapsedTime"))? as f64);
+        }
+        times.sort_by(|x, y| x.total_cmp(y));
+        let ms = times[times.len() / 2];
+        Ok(2.0 * (n as f64).powi(3) / (ms * 1e-3) / 1e12)
+    }
+
     fn raw_alloc_with(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, mem: &Arc<MemStats>, len: usize, ty: Ty) -> BResult<CudaBuf> {
         ctx.bind_to_thread().map_err(dev("alloc"))?;
         let bytes = (len * ty.size()).max(1);

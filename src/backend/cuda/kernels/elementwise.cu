@@ -83,3 +83,13 @@ extern "C" __global__ void bias_grad_kernel(float* dbias, const void* dout, int 
         atomicAdd(dbias + c, s);
     }
 }
+
+// Deterministic pseudo-random values in [-scale, scale) from (seed, index): synthetic data and
+// non-zero benchmark operands without a host upload.
+extern "C" __global__ void fill_random_kernel(void* dst, int dt, i64 n, unsigned seed, float scale) {
+    GRID_STRIDE(i, n) {
+        unsigned x = (unsigned)i * 0x9E3779B1u ^ seed;
+        x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16;
+        stx(dst, dt, i, scale * ((float)(x >> 8) * (2.0f / 16777216.0f) - 1.0f));
+    }
+}
