@@ -358,6 +358,22 @@ impl Cuda {
         self.launch(name, (self.grid(n), 1, 1), (THREADS, 1, 1), 0, args)
     }
 
+    /// Moves heads between (B, N, S, H, D) and [S][B][H][N][D] (`to_heads` picks the direction).
+    #[allow(clippy::too_many_arguments)]
+    fn move_heads(&self, to_heads: bool, dst: CUdeviceptr, src: CUdeviceptr, b: usize, n: usize, s: usize, h: usize, d: usize) -> BResult<()> {
+        let total = b * n * s * h * d;
+        let (bb, nn, ss, hh) = (b as i32, n as i32, s as i32, h as i32);
+        if d % 8 == 0 && dst % 16 == 0 && src % 16 == 0 && total / 8 < u32::MAX as usize {
+            let d8 = (d / 8) as i32;
+            let name = if to_heads { "tokens_to_heads_v8" } else { "heads_to_tokens_v8" };
+            self.launch1(name, total / 8, &mut kargs![dst, src, bb, nn, ss, hh, d8])
+        } else {
+            let dd = d as i32;
+            let name = if to_heads { "tokens_to_heads" } else { "heads_to_tokens" };
+            self.launch1(name, total, &mut kargs![dst, src, bb, nn, ss, hh, dd])
+        }
+    }
+
     fn gemm(&self, op: &str, mut s: GemmShape, a: CUdeviceptr, b: CUdeviceptr, d: CUdeviceptr, bias: CUdeviceptr, alpha: f32, beta: f32) -> BResult<()> {
         let sz = |t: Ty| t.size() as u64;
         let mut addrs = vec![a, b, d, s.lda as u64 * sz(s.a_ty), s.ldb as u64 * sz(s.b_ty), s.ldd as u64 * sz(s.d_ty)];
@@ -677,8 +693,8 @@ impl Backend for Cuda {
         check_len(OP, "probs", probs, b * h * n * n)?;
         let heads = self.scratch("qkv_heads", 3 * bhnd)?;
         let oh = self.scratch("o_heads", bhnd)?;
-        let (bb, nn, hh, dd) = (b as i32, n as i32, h as i32, d as i32);
-        self.launch1("tokens_to_heads", 3 * bhnd, &mut kargs![heads, qkv.ptr, bb, nn, 3i32, hh, dd])?;
+        let nn = n as i32;
+        self.move_heads(true, heads, qkv.ptr, b, n, 3, h, d)?;
         let (q, k, v) = (heads, heads + 2 * bhnd as u64, heads + 4 * bhnd as u64);
         let nd = (n * d) as i64;
         let nn2 = (n * n) as i64;
@@ -704,7 +720,7 @@ impl Backend for Cuda {
             bias: false, accumulate: false, align: 0,
         };
         self.gemm("attention_forward (p·v)", s, v, probs.ptr, oh, 0, 1.0, 0.0)?;
-        self.launch1("heads_to_tokens", bhnd, &mut kargs![out.ptr, oh, bb, nn, 1i32, hh, dd])
+        self.move_heads(false, out.ptr, oh, b, n, 1, h, d)
     }
 
     fn attention_backward(&self, dqkv: &mut CudaBuf, dout: &CudaBuf, qkv: &CudaBuf, probs: &CudaBuf, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
@@ -722,9 +738,9 @@ impl Backend for Cuda {
         let dheads = self.scratch("dqkv_heads", 3 * bhnd)?;
         let doh = self.scratch("o_heads", bhnd)?;
         let dp = self.scratch("dprobs", b * h * n * n)?;
-        let (bb, nn, hh, dd) = (b as i32, n as i32, h as i32, d as i32);
-        self.launch1("tokens_to_heads", 3 * bhnd, &mut kargs![heads, qkv.ptr, bb, nn, 3i32, hh, dd])?;
-        self.launch1("tokens_to_heads", bhnd, &mut kargs![doh, dout.ptr, bb, nn, 1i32, hh, dd])?;
+        let nn = n as i32;
+        self.move_heads(true, heads, qkv.ptr, b, n, 3, h, d)?;
+        self.move_heads(true, doh, dout.ptr, b, n, 1, h, d)?;
         let off = |base: u64, i: usize| base + (2 * i * bhnd) as u64;
         let (q, k, v) = (off(heads, 0), off(heads, 1), off(heads, 2));
         let (dq, dk, dv) = (off(dheads, 0), off(dheads, 1), off(dheads, 2));
@@ -753,7 +769,7 @@ impl Backend for Cuda {
         // dK(N, D) = dSᵀ·Q/√D  (same form as pᵀ·dO).
         let s = GemmShape { tb: true, m: d as u64, n: n as u64, k: n as u64, lda: d as i64, ldb: n as i64, ldd: d as i64, stride_a: nd, stride_b: nn2, stride_d: nd, ..base };
         self.gemm("attention_backward (dSᵀ·q)", s, q, dp, dk, 0, scale, 0.0)?;
-        self.launch1("heads_to_tokens", 3 * bhnd, &mut kargs![dqkv.ptr, dheads, bb, nn, 3i32, hh, dd])
+        self.move_heads(false, dqkv.ptr, dheads, b, n, 3, h, d)
     }
 
     fn add(&self, out: &mut CudaBuf, a: &CudaBuf, b: &CudaBuf) -> BResult<()> {

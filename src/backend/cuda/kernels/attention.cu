@@ -59,3 +59,28 @@ extern "C" __global__ void softmax_bwd_kernel(bf16* dp, const bf16* p, i64 rows,
         for (int i = lane; i < n; i += 32) { float pv = bf2f(pr[i]); g[i] = f2bf(pv * (bf2f(g[i]) - s)); }
     }
 }
+
+// The same two moves, 8 bf16 (16 bytes) per thread and 32-bit index math; needs D % 8 == 0,
+// 16-byte aligned buffers and fewer than 2³² chunks (checked by the caller). d8 = D / 8.
+extern "C" __global__ void tokens_to_heads_v8(uint4* dst, const uint4* src, int b, int n, int s, int h, int d8) {
+    unsigned total = (unsigned)b * n * s * h * d8;
+    i64 bhnd8 = (i64)b * h * n * d8;
+    for (unsigned e = blockIdx.x * blockDim.x + threadIdx.x; e < total; e += gridDim.x * blockDim.x) {
+        unsigned di = e % d8, r = e / d8;
+        unsigned hi = r % h; r /= h;
+        unsigned si = r % s; r /= s;
+        unsigned ni = r % n, bi = r / n;
+        dst[si * bhnd8 + ((i64)(bi * h + hi) * n + ni) * d8 + di] = src[e];
+    }
+}
+extern "C" __global__ void heads_to_tokens_v8(uint4* dst, const uint4* src, int b, int n, int s, int h, int d8) {
+    unsigned total = (unsigned)b * n * s * h * d8;
+    i64 bhnd8 = (i64)b * h * n * d8;
+    for (unsigned e = blockIdx.x * blockDim.x + threadIdx.x; e < total; e += gridDim.x * blockDim.x) {
+        unsigned di = e % d8, r = e / d8;
+        unsigned hi = r % h; r /= h;
+        unsigned si = r % s; r /= s;
+        unsigned ni = r % n, bi = r / n;
+        dst[e] = src[si * bhnd8 + ((i64)(bi * h + hi) * n + ni) * d8 + di];
+    }
+}
