@@ -53,6 +53,9 @@ pub struct BenchArgs {
     /// Skip measuring the bf16 GEMM ceiling (MFU then uses 794 TFLOP/s, DEVICE.md).
     #[arg(long)]
     pub no_ceiling: bool,
+    /// After timing, run one eager step with every kernel and GEMM timed and print the table.
+    #[arg(long)]
+    pub profile: bool,
     /// Print one JSON object as the last line.
     #[arg(long)]
     pub json: bool,
@@ -244,6 +247,19 @@ fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     let ms = e0.elapsed_ms(&e1)? as f64 / args.steps as f64;
     let loss = mean_loss(&be, &m, args.micro)?;
     let peak = be.peak_bytes() as f64 / (1u64 << 30) as f64;
+    if args.profile {
+        be.set_profiling(true);
+        step += 1;
+        micro_part(&be, &mut m, args.micro)?;
+        optimizer_part(&be, &mut m, &mut state, &s.opt, &decay, step)?;
+        let prof = be.take_profile()?;
+        be.set_profiling(false);
+        let total: f64 = prof.iter().map(|p| p.1).sum();
+        println!("profile of one eager step ({total:.2} ms in kernels and GEMMs):");
+        for (name, ms, n) in prof.iter().take(40) {
+            println!("  {:>8.3} ms {:>5.1}% {:>4}×  {}", ms, 100.0 * ms / total, n, name);
+        }
+    }
     let compile_s = be.compile_seconds();
     Ok(result(args, s, be.name(), m.table.total, graph.is_some(), ms, ceiling, peak, loss, compile_s))
 }

@@ -194,6 +194,8 @@ pub struct Cuda {
     segments: Mutex<Option<(Vec<i64>, CudaBuf)>>,
     /// One f64 accumulator for `sum_squares`.
     acc: CudaBuf,
+    /// When set, every kernel and GEMM is bracketed by events (see `set_profiling`).
+    profile: Mutex<Option<Vec<(String, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>>>,
 }
 
 const THREADS: u32 = 256;
@@ -225,6 +227,7 @@ impl Cuda {
             scratch: Mutex::new(Scratch::default()),
             segments: Mutex::new(None),
             acc,
+            profile: Mutex::new(None),
         })
     }
 
@@ -251,6 +254,52 @@ impl Cuda {
     /// (free, total) bytes on the device as the driver reports them.
     pub fn mem_info(&self) -> BResult<(usize, usize)> {
         self.ctx.mem_get_info().map_err(dev("cuMemGetInfo"))
+    }
+
+    /// Turns per-launch timing on or off (benchmark diagnostics; never while capturing).
+    pub fn set_profiling(&self, on: bool) {
+        if let Ok(mut p) = self.profile.lock() {
+            *p = if on { Some(Vec::new()) } else { None };
+        }
+    }
+
+    /// Per-launch times recorded since `set_profiling(true)`, summed by name:
+    /// (name, total ms, launches), largest first. Synchronizes.
+    pub fn take_profile(&self) -> BResult<Vec<(String, f64, usize)>> {
+        self.synchronize()?;
+        let recs = match self.profile.lock() {
+            Ok(mut p) => p.as_mut().map(std::mem::take).unwrap_or_default(),
+            Err(_) => Vec::new(),
+        };
+        let mut sum: HashMap<String, (f64, usize)> = HashMap::new();
+        for (name, e0, e1) in recs {
+            let ms = e0.elapsed_ms(&e1).map_err(dev("cuEventElapsedTime"))? as f64;
+            let e = sum.entry(name).or_insert((0.0, 0));
+            e.0 += ms;
+            e.1 += 1;
+        }
+        let mut v: Vec<(String, f64, usize)> = sum.into_iter().map(|(k, (t, n))| (k, t, n)).collect();
+        v.sort_by(|a, b| b.1.total_cmp(&a.1));
+        Ok(v)
+    }
+
+    /// Runs `f` between two timing events when profiling is on.
+    fn timed(&self, name: &str, f: impl FnOnce() -> BResult<()>) -> BResult<()> {
+        let on = self.profile.lock().map(|p| p.is_some()).unwrap_or(false);
+        if !on {
+            return f();
+        }
+        let ev = || self.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(dev("cuEventCreate"));
+        let (e0, e1) = (ev()?, ev()?);
+        e0.record(&self.stream).map_err(dev("cuEventRecord"))?;
+        f()?;
+        e1.record(&self.stream).map_err(dev("cuEventRecord"))?;
+        if let Ok(mut p) = self.profile.lock() {
+            if let Some(v) = p.as_mut() {
+                v.push((name.to_string(), e0, e1));
+            }
+        }
+        Ok(())
     }
 
     /// Starts capturing every op queued on the backend's stream into a graph.
@@ -346,11 +395,13 @@ impl Cuda {
 
     fn launch(&self, name: &str, grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32, args: &mut [*mut c_void]) -> BResult<()> {
         let f = self.kernels.get(name)?;
-        // SAFETY: every launch site passes arguments whose types and order match the kernel's
-        // signature in kernels/*.cu, device pointers to live buffers whose lengths the caller
-        // checked against the shapes, and values that outlive this call.
-        unsafe { dr::launch_kernel(f.cu_function(), grid, block, smem, self.stream.cu_stream(), args) }
-            .map_err(|e| BackendError::Device(format!("launching {name}: {e}")))
+        self.timed(name, || {
+            // SAFETY: every launch site passes arguments whose types and order match the
+            // kernel's signature in kernels/*.cu, device pointers to live buffers whose lengths
+            // the caller checked against the shapes, and values that outlive this call.
+            unsafe { dr::launch_kernel(f.cu_function(), grid, block, smem, self.stream.cu_stream(), args) }
+                .map_err(|e| BackendError::Device(format!("launching {name}: {e}")))
+        })
     }
 
     /// 1-D grid-stride launch over `n` elements.
@@ -382,7 +433,8 @@ impl Cuda {
         }
         s.align = alignment(&addrs);
         s.accumulate = beta != 0.0;
-        self.gemm.run(op, &s, a, b, d, bias, alpha, beta, self.stream.cu_stream())
+        let label = format!("gemm {op} m{} n{} k{} b{}", s.m, s.n, s.k, s.batch);
+        self.timed(&label, || self.gemm.run(op, &s, a, b, d, bias, alpha, beta, self.stream.cu_stream()))
     }
 }
 
@@ -696,30 +748,34 @@ impl Backend for Cuda {
         let nn = n as i32;
         self.move_heads(true, heads, qkv.ptr, b, n, 3, h, d)?;
         let (q, k, v) = (heads, heads + 2 * bhnd as u64, heads + 4 * bhnd as u64);
+        // Scores in rows padded to a multiple of 8 so every GEMM operand is 16-byte aligned.
+        let ld = n.div_ceil(8) * 8;
+        let sp = self.scratch("scores", b * h * n * ld)?;
         let nd = (n * d) as i64;
-        let nn2 = (n * n) as i64;
+        let nld = (n * ld) as i64;
         let batch = (b * h) as i32;
         // S(N, N) = q·kᵀ/√D per head  ⇔  Sᵀ = K(D×N)ᵀ·Q(D×N), column-major.
         let s = GemmShape {
             ta: true, tb: false, m: n as u64, n: n as u64, k: d as u64,
             a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
-            lda: d as i64, ldb: d as i64, ldd: n as i64,
-            batch, stride_a: nd, stride_b: nd, stride_d: nn2,
+            lda: d as i64, ldb: d as i64, ldd: ld as i64,
+            batch, stride_a: nd, stride_b: nd, stride_d: nld,
             bias: false, accumulate: false, align: 0,
         };
-        self.gemm("attention_forward (q·kᵀ)", s, k, q, probs.ptr, 0, 1.0 / (d as f32).sqrt(), 0.0)?;
+        self.gemm("attention_forward (q·kᵀ)", s, k, q, sp, 0, 1.0 / (d as f32).sqrt(), 0.0)?;
         let rows = (b * h * n) as i64;
         let grid = (rows as usize).div_ceil(8).min(self.info.multiprocessors as usize * 16) as u32;
-        self.launch("softmax_fwd_kernel", (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![probs.ptr, rows, nn])?;
+        let ldi = ld as i32;
+        self.launch("softmax_fwd_pad", (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![sp, ldi, probs.ptr, rows, nn])?;
         // O(N, D) = P·V  ⇔  Oᵀ(D×N) = Vᵀ(D×N)·Pᵀ(N×N), column-major.
         let s = GemmShape {
             ta: false, tb: false, m: d as u64, n: n as u64, k: n as u64,
             a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
-            lda: d as i64, ldb: n as i64, ldd: d as i64,
-            batch, stride_a: nd, stride_b: nn2, stride_d: nd,
+            lda: d as i64, ldb: ld as i64, ldd: d as i64,
+            batch, stride_a: nd, stride_b: nld, stride_d: nd,
             bias: false, accumulate: false, align: 0,
         };
-        self.gemm("attention_forward (p·v)", s, v, probs.ptr, oh, 0, 1.0, 0.0)?;
+        self.gemm("attention_forward (p·v)", s, v, sp, oh, 0, 1.0, 0.0)?;
         self.move_heads(false, out.ptr, oh, b, n, 1, h, d)
     }
 
@@ -737,15 +793,20 @@ impl Backend for Cuda {
         let heads = self.scratch("qkv_heads", 3 * bhnd)?;
         let dheads = self.scratch("dqkv_heads", 3 * bhnd)?;
         let doh = self.scratch("o_heads", bhnd)?;
-        let dp = self.scratch("dprobs", b * h * n * n)?;
+        let ld = n.div_ceil(8) * 8;
+        let dp = self.scratch("dprobs", b * h * n * ld)?;
+        let pp = self.scratch("scores", b * h * n * ld)?;
         let nn = n as i32;
+        let ldi = ld as i32;
         self.move_heads(true, heads, qkv.ptr, b, n, 3, h, d)?;
         self.move_heads(true, doh, dout.ptr, b, n, 1, h, d)?;
+        let rows = (b * h * n) as i64;
+        self.launch1("pad_rows", b * h * n * ld, &mut kargs![pp, ldi, probs.ptr, rows, nn])?;
         let off = |base: u64, i: usize| base + (2 * i * bhnd) as u64;
         let (q, k, v) = (off(heads, 0), off(heads, 1), off(heads, 2));
         let (dq, dk, dv) = (off(dheads, 0), off(dheads, 1), off(dheads, 2));
         let nd = (n * d) as i64;
-        let nn2 = (n * n) as i64;
+        let nld = (n * ld) as i64;
         let batch = (b * h) as i32;
         let scale = 1.0 / (d as f32).sqrt();
         let base = GemmShape {
@@ -754,20 +815,19 @@ impl Backend for Cuda {
             lda: 0, ldb: 0, ldd: 0, batch, stride_a: 0, stride_b: 0, stride_d: 0,
             bias: false, accumulate: false, align: 0,
         };
-        // dP(N, N) = dO·Vᵀ  (same form as q·kᵀ).
-        let s = GemmShape { ta: true, m: n as u64, n: n as u64, k: d as u64, lda: d as i64, ldb: d as i64, ldd: n as i64, stride_a: nd, stride_b: nd, stride_d: nn2, ..base };
+        // dP(N, N) = dO·Vᵀ  (same form as q·kᵀ), rows padded to `ld`.
+        let s = GemmShape { ta: true, m: n as u64, n: n as u64, k: d as u64, lda: d as i64, ldb: d as i64, ldd: ld as i64, stride_a: nd, stride_b: nd, stride_d: nld, ..base };
         self.gemm("attention_backward (dO·vᵀ)", s, v, doh, dp, 0, 1.0, 0.0)?;
         // dV(N, D) = Pᵀ·dO  ⇔  dVᵀ(D×N) = dOᵀ(D×N)·P(N×N): P read transposed.
-        let s = GemmShape { tb: true, m: d as u64, n: n as u64, k: n as u64, lda: d as i64, ldb: n as i64, ldd: d as i64, stride_a: nd, stride_b: nn2, stride_d: nd, ..base };
-        self.gemm("attention_backward (pᵀ·dO)", s, doh, probs.ptr, dv, 0, 1.0, 0.0)?;
-        let rows = (b * h * n) as i64;
+        let s = GemmShape { tb: true, m: d as u64, n: n as u64, k: n as u64, lda: d as i64, ldb: ld as i64, ldd: d as i64, stride_a: nd, stride_b: nld, stride_d: nd, ..base };
+        self.gemm("attention_backward (pᵀ·dO)", s, doh, pp, dv, 0, 1.0, 0.0)?;
         let grid = (rows as usize).div_ceil(8).min(self.info.multiprocessors as usize * 16) as u32;
-        self.launch("softmax_bwd_kernel", (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![dp, probs.ptr, rows, nn])?;
+        self.launch("softmax_bwd_pad", (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![dp, pp, ldi, rows, nn])?;
         // dQ(N, D) = dS·K/√D  (same form as p·v).
-        let s = GemmShape { m: d as u64, n: n as u64, k: n as u64, lda: d as i64, ldb: n as i64, ldd: d as i64, stride_a: nd, stride_b: nn2, stride_d: nd, ..base };
+        let s = GemmShape { m: d as u64, n: n as u64, k: n as u64, lda: d as i64, ldb: ld as i64, ldd: d as i64, stride_a: nd, stride_b: nld, stride_d: nd, ..base };
         self.gemm("attention_backward (dS·k)", s, k, dp, dq, 0, scale, 0.0)?;
         // dK(N, D) = dSᵀ·Q/√D  (same form as pᵀ·dO).
-        let s = GemmShape { tb: true, m: d as u64, n: n as u64, k: n as u64, lda: d as i64, ldb: n as i64, ldd: d as i64, stride_a: nd, stride_b: nn2, stride_d: nd, ..base };
+        let s = GemmShape { tb: true, m: d as u64, n: n as u64, k: n as u64, lda: d as i64, ldb: ld as i64, ldd: d as i64, stride_a: nd, stride_b: nld, stride_d: nd, ..base };
         self.gemm("attention_backward (dSᵀ·q)", s, q, dp, dk, 0, scale, 0.0)?;
         self.move_heads(false, dqkv.ptr, dheads, b, n, 3, h, d)
     }
