@@ -67,7 +67,12 @@ struct Plan {
     b: lt::cublasLtMatrixLayout_t,
     d: lt::cublasLtMatrixLayout_t,
     algo: lt::cublasLtMatmulAlgo_t,
+    /// Heuristic's candidates, timed on first use (see `tune`).
+    candidates: Vec<lt::cublasLtMatmulAlgo_t>,
 }
+
+/// Algorithms the heuristic proposes per shape; each is timed once on first use.
+const CANDIDATES: usize = 8;
 
 pub struct Gemm {
     handle: lt::cublasLtHandle_t,
@@ -80,6 +85,15 @@ pub struct Gemm {
 // stream the backend owns; cuBLASLt handles may be shared across threads.
 unsafe impl Send for Gemm {}
 unsafe impl Sync for Gemm {}
+
+/// Whether `stream` is capturing a graph (no synchronizing work allowed then).
+fn capturing(stream: cudarc::driver::sys::CUstream) -> bool {
+    // SAFETY: the stream handle is live.
+    match unsafe { cudarc::driver::result::stream::is_capturing(stream) } {
+        Ok(st) => st != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE,
+        Err(_) => true,
+    }
+}
 
 fn lt_err(op: &str, s: lt::cublasStatus_t) -> BackendError {
     BackendError::Device(format!("{op}: cuBLASLt {s:?}"))
@@ -157,15 +171,16 @@ impl Gemm {
             ] {
                 check("cublasLtMatmulPreferenceSetAttribute", lt::cublasLtMatmulPreferenceSetAttribute(pref, attr, &s.align as *const u32 as *const c_void, 4))?;
             }
-            let mut heur: [lt::cublasLtMatmulHeuristicResult_t; 1] = std::mem::zeroed();
+            let mut heur: [lt::cublasLtMatmulHeuristicResult_t; CANDIDATES] = std::mem::zeroed();
             let mut count = 0i32;
-            let r = lt::cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, d, d, pref, 1, heur.as_mut_ptr(), &mut count);
+            let r = lt::cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, d, d, pref, CANDIDATES as i32, heur.as_mut_ptr(), &mut count);
             lt::cublasLtMatmulPreferenceDestroy(pref);
             check("cublasLtMatmulAlgoGetHeuristic", r)?;
             if count == 0 {
                 return Err(BackendError::Device(format!("cuBLASLt has no algorithm for {s:?}")));
             }
-            Ok(Plan { desc, a, b, d, algo: heur[0].algo })
+            let candidates = heur[..count as usize].iter().filter(|h| h.state == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS).map(|h| h.algo).collect();
+            Ok(Plan { desc, a, b, d, algo: heur[0].algo, candidates })
         }
     }
 
@@ -177,35 +192,85 @@ impl Gemm {
             let p = self.make_plan(s).map_err(|e| BackendError::Device(format!("{op}: {e}")))?;
             plans.insert(*s, p);
         }
-        let p = &plans[s];
+        let p = plans.get_mut(s).ok_or_else(|| BackendError::Device(format!("{op}: GEMM plan missing")))?;
         // SAFETY: the plan's objects live in the cache; pointers are device buffers the
         // caller checked against the shape; alpha/beta are host f32 (scale type 32F).
         unsafe {
             if s.bias {
                 check(op, lt::cublasLtMatmulDescSetAttribute(p.desc, lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias as *const u64 as *const c_void, 8))?;
             }
-            check(
-                op,
-                lt::cublasLtMatmul(
-                    self.handle,
-                    p.desc,
-                    &alpha as *const f32 as *const c_void,
-                    a as *const c_void,
-                    p.a,
-                    b as *const c_void,
-                    p.b,
-                    &beta as *const f32 as *const c_void,
-                    d as *const c_void,
-                    p.d,
-                    d as *mut c_void,
-                    p.d,
-                    &p.algo,
-                    self.workspace as *mut c_void,
-                    self.workspace_size,
-                    stream as _,
-                ),
-            )
+            // First use of an overwriting product outside graph capture: time every candidate
+            // on these operands (re-running it only rewrites the same output) and keep the fastest.
+            if p.candidates.len() > 1 && !s.accumulate && !capturing(stream) {
+                let cands = std::mem::take(&mut p.candidates);
+                let mut best = (f32::INFINITY, p.algo);
+                for algo in cands {
+                    if let Ok(ms) = self.time_algo(p, &algo, a, b, d, alpha, beta, stream) {
+                        if ms < best.0 {
+                            best = (ms, algo);
+                        }
+                    }
+                }
+                p.algo = best.1;
+            }
+            p.candidates.clear();
+            self.matmul(op, p, &p.algo, a, b, d, alpha, beta, stream)
         }
+    }
+
+    /// # Safety
+    /// As `run`: live plan objects and device pointers matching the plan's shape.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn matmul(&self, op: &str, p: &Plan, algo: &lt::cublasLtMatmulAlgo_t, a: CUdeviceptr, b: CUdeviceptr, d: CUdeviceptr, alpha: f32, beta: f32, stream: cudarc::driver::sys::CUstream) -> Result<(), BackendError> {
+        check(
+            op,
+            lt::cublasLtMatmul(
+                self.handle,
+                p.desc,
+                &alpha as *const f32 as *const c_void,
+                a as *const c_void,
+                p.a,
+                b as *const c_void,
+                p.b,
+                &beta as *const f32 as *const c_void,
+                d as *const c_void,
+                p.d,
+                d as *mut c_void,
+                p.d,
+                algo,
+                self.workspace as *mut c_void,
+                self.workspace_size,
+                stream as _,
+            ),
+        )
+    }
+
+    /// Median of 3 timed runs (after one warm-up) of `algo`, in ms.
+    ///
+    /// # Safety
+    /// As `run`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn time_algo(&self, p: &Plan, algo: &lt::cublasLtMatmulAlgo_t, a: CUdeviceptr, b: CUdeviceptr, d: CUdeviceptr, alpha: f32, beta: f32, stream: cudarc::driver::sys::CUstream) -> Result<f32, BackendError> {
+        use cudarc::driver::result::event;
+        use cudarc::driver::sys::CUevent_flags;
+        let e = |x| BackendError::Device(format!("GEMM tuning: {x}"));
+        self.matmul("GEMM tuning", p, algo, a, b, d, alpha, beta, stream)?;
+        let mut times = Vec::new();
+        for _ in 0..3 {
+            let e0 = event::create(CUevent_flags::CU_EVENT_DEFAULT).map_err(e)?;
+            let e1 = event::create(CUevent_flags::CU_EVENT_DEFAULT).map_err(e)?;
+            event::record(e0, stream).map_err(e)?;
+            let r = self.matmul("GEMM tuning", p, algo, a, b, d, alpha, beta, stream);
+            event::record(e1, stream).map_err(e)?;
+            event::synchronize(e1).map_err(e)?;
+            let t = event::elapsed(e0, e1).map_err(e);
+            let _ = event::destroy(e0);
+            let _ = event::destroy(e1);
+            r?;
+            times.push(t?);
+        }
+        times.sort_by(|x, y| x.total_cmp(y));
+        Ok(times[1])
     }
 }
 

@@ -728,10 +728,15 @@ impl Backend for Cuda {
             }
             None => (0u64, 0i32),
         };
-        let grid = (rows.div_ceil(8) as u32).min(self.info.multiprocessors * 2).max(1);
-        let smem = (2 * c * 4) as u32;
+        // Warps per block so that each warp's two C-wide accumulator rows fit in 48 KiB.
+        let warps = (48 * 1024 / (2 * c * 4)).clamp(1, 8) as u32;
+        if 2 * c * 4 > 48 * 1024 {
+            return Err(BackendError::Shape { op: OP, msg: format!("width {c} exceeds the 6144 this kernel supports") });
+        }
+        let grid = (rows.div_ceil(warps as usize * 8) as u32).min(self.info.multiprocessors * 4).max(1);
+        let smem = warps * (2 * c * 4) as u32;
         let (wo, bo, r, cc) = (w.off as i64, b.off as i64, rows as i64, c as i32);
-        self.launch("layernorm_bwd_kernel", (grid, 1, 1), (THREADS, 1, 1), smem, &mut kargs![dinp.ptr, dinp.dt(), dparams.ptr, dout.ptr, dout.dt(), dres, dtr, inp.ptr, inp.dt(), mean.ptr, rstd.ptr, mean.dt(), params.ptr, params.dt(), wo, bo, r, cc])
+        self.launch("layernorm_bwd_kernel", (grid, 1, 1), (32 * warps, 1, 1), smem, &mut kargs![dinp.ptr, dinp.dt(), dparams.ptr, dout.ptr, dout.dt(), dres, dtr, inp.ptr, inp.dt(), mean.ptr, rstd.ptr, mean.dt(), params.ptr, params.dt(), wo, bo, r, cc])
     }
 
     fn attention_forward(&self, out: &mut CudaBuf, probs: &mut CudaBuf, qkv: &CudaBuf, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {

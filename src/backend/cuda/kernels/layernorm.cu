@@ -22,19 +22,20 @@ extern "C" __global__ void layernorm_fwd_kernel(void* out, int dto, void* mean, 
 }
 
 // dinp = dres + rstd·(dn − mean(dn) − x̂·mean(dn·x̂)), dn = dout·w; dw += Σ dout·x̂; db += Σ dout.
-// Dynamic shared memory: 2·C floats (per-block partial dw, db), flushed with atomics.
+// Each warp accumulates dw/db for its rows in its own shared-memory row (no atomics); the
+// block sums its warps' rows and adds them to dparams with one atomic per column.
+// Dynamic shared memory: warps · 2 · C floats.
 extern "C" __global__ void layernorm_bwd_kernel(void* dinp, int dtd, float* dparams, const void* dout, int dto,
                                                 const void* dres, int dtr, const void* inp, int dti,
                                                 const void* mean, const void* rstd, int dts,
                                                 const void* params, int dtw, i64 w, i64 bo,
                                                 i64 rows, int c) {
     extern __shared__ float sh[];
-    float* sdw = sh;
-    float* sdb = sh + c;
-    for (int i = threadIdx.x; i < 2 * c; i += blockDim.x) sh[i] = 0.f;
-    __syncthreads();
-    int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
-    for (i64 r = (i64)blockIdx.x * warps + (threadIdx.x >> 5); r < rows; r += (i64)gridDim.x * warps) {
+    int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float* sdw = sh + (i64)warp * 2 * c;
+    float* sdb = sdw + c;
+    for (int i = lane; i < 2 * c; i += 32) sdw[i] = 0.f;
+    for (i64 r = (i64)blockIdx.x * warps + warp; r < rows; r += (i64)gridDim.x * warps) {
         i64 base = r * c;
         float mu = ldx(mean, dts, r), rs = ldx(rstd, dts, r);
         float a = 0.f, bsum = 0.f;
@@ -44,8 +45,8 @@ extern "C" __global__ void layernorm_bwd_kernel(void* dinp, int dtd, float* dpar
             float dn = g * ldx(params, dtw, w + i);
             a += dn;
             bsum += dn * xh;
-            atomicAdd(sdw + i, g * xh);
-            atomicAdd(sdb + i, g);
+            sdw[i] += g * xh;
+            sdb[i] += g;
         }
         a = warp_sum(a) / c;
         bsum = warp_sum(bsum) / c;
@@ -59,8 +60,9 @@ extern "C" __global__ void layernorm_bwd_kernel(void* dinp, int dtd, float* dpar
         }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < c; i += blockDim.x) {
-        atomicAdd(dparams + w + i, sdw[i]);
-        atomicAdd(dparams + bo + i, sdb[i]);
+    for (int i = threadIdx.x; i < 2 * c; i += blockDim.x) {
+        float s = 0.f;
+        for (int k = 0; k < warps; k++) s += sh[(i64)k * 2 * c + i];
+        atomicAdd(dparams + (i < c ? w + i : bo + (i - c)), s);
     }
 }
