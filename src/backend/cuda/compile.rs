@@ -162,11 +162,23 @@ impl Kernels {
 }
 
 /// Names of the `extern "C" __global__ void NAME(` functions in a source file.
+/// Kernels stamped out by the `LN_INSTANCE(J)` macro are listed from its uses.
 fn kernel_names(src: &str) -> Vec<String> {
     let mut out = Vec::new();
     for part in src.split("__global__ void ").skip(1) {
         if let Some(end) = part.find('(') {
-            out.push(part[..end].trim().to_string());
+            let name = part[..end].trim();
+            if !name.contains('#') {
+                out.push(name.to_string());
+            }
+        }
+    }
+    for part in src.split("LN_INSTANCE(").skip(1) {
+        if let Some(end) = part.find(')') {
+            if let Ok(j) = part[..end].trim().parse::<u32>() {
+                out.push(format!("layernorm_fwd_c{j}"));
+                out.push(format!("layernorm_bwd_c{j}"));
+            }
         }
     }
     out

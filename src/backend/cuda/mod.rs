@@ -466,6 +466,17 @@ fn check_span(op: &'static str, what: &str, buf: &CudaBuf, s: Span) -> BResult<(
     Ok(())
 }
 
+/// J (= C/32) of the register-resident LayerNorm kernels, when they apply: bf16 tensors,
+/// f32 statistics and a width with a compiled instance.
+fn ln_fast_j(c: usize, bf16s: &[&CudaBuf], f32s: &[&CudaBuf]) -> Option<usize> {
+    let j = c / 32;
+    let ok = c % 32 == 0
+        && [1, 2, 3, 4, 6, 8, 12, 16, 24, 32].contains(&j)
+        && bf16s.iter().all(|b| b.ty == Ty::Bf16)
+        && f32s.iter().all(|b| b.ty == Ty::F32);
+    ok.then_some(j)
+}
+
 fn bf16_bits(x: f32) -> u16 {
     half::bf16::from_f32(x).to_bits()
 }
@@ -707,6 +718,10 @@ impl Backend for Cuda {
             return Err(BackendError::Shape { op: OP, msg: "mean and rstd must share a dtype".into() });
         }
         let grid = (rows.div_ceil(8) as u32).min(self.info.multiprocessors * 16).max(1);
+        if let Some(j) = ln_fast_j(c, &[&*out, inp, params], &[&*mean, &*rstd]) {
+            let (wo, bo, r, eps) = (w.off as i64, b.off as i64, rows as i64, LN_EPS);
+            return self.launch(&format!("layernorm_fwd_c{j}"), (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![out.ptr, mean.ptr, rstd.ptr, inp.ptr, params.ptr, wo, bo, r, eps]);
+        }
         let (wo, bo, r, cc, eps) = (w.off as i64, b.off as i64, rows as i64, c as i32, LN_EPS);
         self.launch("layernorm_fwd_kernel", (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![out.ptr, out.dt(), mean.ptr, rstd.ptr, mean.dt(), inp.ptr, inp.dt(), params.ptr, params.dt(), wo, bo, r, cc, eps])
     }
@@ -728,6 +743,12 @@ impl Backend for Cuda {
             }
             None => (0u64, 0i32),
         };
+        let dres_bf16 = dresidual.is_none_or(|d| d.ty == Ty::Bf16);
+        if let (Some(j), true) = (ln_fast_j(c, &[&*dinp, dout, inp, params], &[mean, rstd]), dres_bf16) {
+            let grid = (rows.div_ceil(8) as u32).min(self.info.multiprocessors * 4).max(1);
+            let (wo, bo, r) = (w.off as i64, b.off as i64, rows as i64);
+            return self.launch(&format!("layernorm_bwd_c{j}"), (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![dinp.ptr, dparams.ptr, dout.ptr, dres, inp.ptr, mean.ptr, rstd.ptr, params.ptr, wo, bo, r]);
+        }
         // Warps per block so that each warp's two C-wide accumulator rows fit in 48 KiB.
         let warps = (48 * 1024 / (2 * c * 4)).clamp(1, 8) as u32;
         if 2 * c * 4 > 48 * 1024 {

@@ -66,3 +66,88 @@ extern "C" __global__ void layernorm_bwd_kernel(void* dinp, int dtd, float* dpar
         atomicAdd(dparams + (i < c ? w + i : bo + (i - c)), s);
     }
 }
+
+// ---- Fast path: bf16 activations and weights, f32 statistics, C = 32·J. Each lane keeps its
+// J columns of a row in registers, so all of a row's loads are in flight at once (the generic
+// kernels above are latency-bound at one dependent load per iteration).
+
+template <int J>
+__device__ __forceinline__ void ln_fwd_t(bf16* out, float* mean, float* rstd, const bf16* inp,
+                                         const bf16* params, i64 w, i64 bo, i64 rows, float eps) {
+    const int c = 32 * J;
+    int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+    float wv[J], bv[J];
+    #pragma unroll
+    for (int j = 0; j < J; j++) { wv[j] = bf2f(params[w + lane + 32 * j]); bv[j] = bf2f(params[bo + lane + 32 * j]); }
+    for (i64 r = (i64)blockIdx.x * warps + (threadIdx.x >> 5); r < rows; r += (i64)gridDim.x * warps) {
+        const bf16* x = inp + r * c;
+        float v[J];
+        float s = 0.f;
+        #pragma unroll
+        for (int j = 0; j < J; j++) { v[j] = bf2f(x[lane + 32 * j]); s += v[j]; }
+        float mu = warp_sum(s) / c;
+        float q = 0.f;
+        #pragma unroll
+        for (int j = 0; j < J; j++) { float d = v[j] - mu; q += d * d; }
+        float rs = rsqrtf(warp_sum(q) / c + eps);
+        bf16* o = out + r * c;
+        #pragma unroll
+        for (int j = 0; j < J; j++) o[lane + 32 * j] = f2bf((v[j] - mu) * rs * wv[j] + bv[j]);
+        if (lane == 0) { mean[r] = mu; rstd[r] = rs; }
+    }
+}
+
+template <int J>
+__device__ __forceinline__ void ln_bwd_t(bf16* dinp, float* dparams, const bf16* dout, const bf16* dres,
+                                         const bf16* inp, const float* mean, const float* rstd,
+                                         const bf16* params, i64 w, i64 bo, i64 rows) {
+    const int c = 32 * J;
+    __shared__ float sh[2 * 32 * 32];
+    int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+    for (int i = threadIdx.x; i < 2 * c; i += blockDim.x) sh[i] = 0.f;
+    __syncthreads();
+    float wv[J], aw[J], ab[J];
+    #pragma unroll
+    for (int j = 0; j < J; j++) { wv[j] = bf2f(params[w + lane + 32 * j]); aw[j] = 0.f; ab[j] = 0.f; }
+    for (i64 r = (i64)blockIdx.x * warps + (threadIdx.x >> 5); r < rows; r += (i64)gridDim.x * warps) {
+        const bf16* g = dout + r * c;
+        const bf16* x = inp + r * c;
+        float mu = mean[r], rs = rstd[r];
+        float gv[J], xh[J];
+        float a = 0.f, bs = 0.f;
+        #pragma unroll
+        for (int j = 0; j < J; j++) {
+            gv[j] = bf2f(g[lane + 32 * j]);
+            xh[j] = (bf2f(x[lane + 32 * j]) - mu) * rs;
+            float dn = gv[j] * wv[j];
+            a += dn;
+            bs += dn * xh[j];
+            aw[j] += gv[j] * xh[j];
+            ab[j] += gv[j];
+        }
+        a = warp_sum(a) / c;
+        bs = warp_sum(bs) / c;
+        bf16* dx = dinp + r * c;
+        const bf16* dr = dres ? dres + r * c : 0;
+        #pragma unroll
+        for (int j = 0; j < J; j++) {
+            float d = rs * (gv[j] * wv[j] - a - xh[j] * bs);
+            if (dr) d += bf2f(dr[lane + 32 * j]);
+            dx[lane + 32 * j] = f2bf(d);
+        }
+    }
+    #pragma unroll
+    for (int j = 0; j < J; j++) { atomicAdd(sh + lane + 32 * j, aw[j]); atomicAdd(sh + c + lane + 32 * j, ab[j]); }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 2 * c; i += blockDim.x)
+        atomicAdd(dparams + (i < c ? w + i : bo + (i - c)), sh[i]);
+}
+
+#define LN_INSTANCE(J) \
+extern "C" __global__ void layernorm_fwd_c##J(bf16* out, float* mean, float* rstd, const bf16* inp, \
+        const bf16* params, i64 w, i64 bo, i64 rows, float eps) { ln_fwd_t<J>(out, mean, rstd, inp, params, w, bo, rows, eps); } \
+extern "C" __global__ void layernorm_bwd_c##J(bf16* dinp, float* dparams, const bf16* dout, const bf16* dres, \
+        const bf16* inp, const float* mean, const float* rstd, const bf16* params, i64 w, i64 bo, i64 rows) { \
+    ln_bwd_t<J>(dinp, dparams, dout, dres, inp, mean, rstd, params, w, bo, rows); }
+LN_INSTANCE(1) LN_INSTANCE(2) LN_INSTANCE(3) LN_INSTANCE(4) LN_INSTANCE(6) LN_INSTANCE(8)
+LN_INSTANCE(12) LN_INSTANCE(16) LN_INSTANCE(24) LN_INSTANCE(32)
