@@ -701,7 +701,10 @@ impl Backend for Cuda {
             check_span(OP, "bias gradient", dparams, bs)?;
             let splits = (rows.div_ceil(64)).clamp(1, 256) as u32;
             let (r, o) = (rows as i64, oc as i32);
-            self.launch("bias_grad_kernel", (oc.div_ceil(32) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![dparams.at(bs.off), dout.ptr, dout.dt(), r, o])?;
+            let partial = self.scratch("bias_partials", 2 * splits as usize * oc)?;
+            self.launch("bias_grad_kernel", (oc.div_ceil(32) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![partial, dout.ptr, dout.dt(), r, o])?;
+            let (np, dst) = (splits as i32, dparams.at(bs.off));
+            self.launch1("reduce_partials", oc, &mut kargs![dst, dst, o, partial, np, o])?;
         }
         Ok(())
     }
@@ -747,7 +750,10 @@ impl Backend for Cuda {
         if let (Some(j), true) = (ln_fast_j(c, &[&*dinp, dout, inp, params], &[mean, rstd]), dres_bf16) {
             let grid = (rows.div_ceil(8) as u32).min(self.info.multiprocessors * 4).max(1);
             let (wo, bo, r) = (w.off as i64, b.off as i64, rows as i64);
-            return self.launch(&format!("layernorm_bwd_c{j}"), (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![dinp.ptr, dparams.ptr, dout.ptr, dres, inp.ptr, mean.ptr, rstd.ptr, params.ptr, wo, bo, r]);
+            let partial = self.scratch("ln_partials", 2 * grid as usize * 2 * c)?;
+            self.launch(&format!("layernorm_bwd_c{j}"), (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![dinp.ptr, partial, dout.ptr, dres, inp.ptr, mean.ptr, rstd.ptr, params.ptr, wo, bo, r])?;
+            let (cc, np, width) = (c as i32, grid as i32, (2 * c) as i32);
+            return self.launch1("reduce_partials", 2 * c, &mut kargs![dparams.at(w.off), dparams.at(b.off), cc, partial, np, width]);
         }
         // Warps per block so that each warp's two C-wide accumulator rows fit in 48 KiB.
         let warps = (48 * 1024 / (2 * c * 4)).clamp(1, 8) as u32;

@@ -64,7 +64,8 @@ extern "C" __global__ void sum_squares_kernel(double* out, const void* x, int dt
     }
 }
 
-// dbias[c] += Σ_r dout[r, c]: dout (R, OC) in dtype dt, dbias f32 at `dbias`.
+// Partial column sums of dout (R, OC) in dtype dt: row y of `dbias` (f32, splits × OC) gets the
+// sum over the rows block-row y visited.
 // Block (32, 8): x picks a column, y strides rows; grid (ceil(OC/32), splits).
 extern "C" __global__ void bias_grad_kernel(float* dbias, const void* dout, int dt, i64 rows, int oc) {
     __shared__ float part[8][33];
@@ -80,7 +81,17 @@ extern "C" __global__ void bias_grad_kernel(float* dbias, const void* dout, int 
         float s = 0.f;
         #pragma unroll
         for (int k = 0; k < 8; k++) s += part[k][threadIdx.x];
-        atomicAdd(dbias + c, s);
+        dbias[(i64)blockIdx.y * oc + c] = s;  // partial row blockIdx.y (see reduce_partials)
+    }
+}
+
+// dst[i] += Σ_p partial[p, i] for i < width, where dst is d1 for i < split and d2 - split after
+// (two parameter spans, e.g. a LayerNorm's weight and bias).
+extern "C" __global__ void reduce_partials(float* d1, float* d2, int split, const float* partial, int nparts, int width) {
+    GRID_STRIDE(i, (i64)width) {
+        float s = 0.f;
+        for (int p = 0; p < nparts; p++) s += partial[(i64)p * width + i];
+        if (i < split) d1[i] += s; else d2[i - split] += s;
     }
 }
 

@@ -98,7 +98,7 @@ __device__ __forceinline__ void ln_fwd_t(bf16* out, float* mean, float* rstd, co
 }
 
 template <int J>
-__device__ __forceinline__ void ln_bwd_t(bf16* dinp, float* dparams, const bf16* dout, const bf16* dres,
+__device__ __forceinline__ void ln_bwd_t(bf16* dinp, float* partial, const bf16* dout, const bf16* dres,
                                          const bf16* inp, const float* mean, const float* rstd,
                                          const bf16* params, i64 w, i64 bo, i64 rows) {
     const int c = 32 * J;
@@ -139,15 +139,16 @@ __device__ __forceinline__ void ln_bwd_t(bf16* dinp, float* dparams, const bf16*
     #pragma unroll
     for (int j = 0; j < J; j++) { atomicAdd(sh + lane + 32 * j, aw[j]); atomicAdd(sh + c + lane + 32 * j, ab[j]); }
     __syncthreads();
-    for (int i = threadIdx.x; i < 2 * c; i += blockDim.x)
-        atomicAdd(dparams + (i < c ? w + i : bo + (i - c)), sh[i]);
+    // One row of partial sums per block (reduce_partials adds them up): thousands of
+    // atomics on the same 2·C addresses would serialize in one L2 slice.
+    for (int i = threadIdx.x; i < 2 * c; i += blockDim.x) partial[(i64)blockIdx.x * 2 * c + i] = sh[i];
 }
 
 #define LN_INSTANCE(J) \
 extern "C" __global__ void layernorm_fwd_c##J(bf16* out, float* mean, float* rstd, const bf16* inp, \
         const bf16* params, i64 w, i64 bo, i64 rows, float eps) { ln_fwd_t<J>(out, mean, rstd, inp, params, w, bo, rows, eps); } \
-extern "C" __global__ void layernorm_bwd_c##J(bf16* dinp, float* dparams, const bf16* dout, const bf16* dres, \
+extern "C" __global__ void layernorm_bwd_c##J(bf16* dinp, float* partial, const bf16* dout, const bf16* dres, \
         const bf16* inp, const float* mean, const float* rstd, const bf16* params, i64 w, i64 bo, i64 rows) { \
-    ln_bwd_t<J>(dinp, dparams, dout, dres, inp, mean, rstd, params, w, bo, rows); }
+    ln_bwd_t<J>(dinp, partial, dout, dres, inp, mean, rstd, params, w, bo, rows); }
 LN_INSTANCE(1) LN_INSTANCE(2) LN_INSTANCE(3) LN_INSTANCE(4) LN_INSTANCE(6) LN_INSTANCE(8)
 LN_INSTANCE(12) LN_INSTANCE(16) LN_INSTANCE(24) LN_INSTANCE(32)
