@@ -11,6 +11,8 @@
 //! - `metrics` — defines: phase timers and the `metrics.jsonl` records.
 //! - `cli`     — defines: the subcommands behind `vitscale`.
 //! - `util`    — defines: atomic file writes.
+//! - `selftest` — defines: `vitscale selftest`, every backend op and a short training run against the CPU reference.
+//! - `bench`   — defines: `vitscale bench`, training-step throughput, MFU and peak memory on synthetic device-resident data.
 
 pub mod backend;
 pub mod cli;
@@ -22,3 +24,5 @@ pub mod metrics;
 pub mod model;
 pub mod train;
 pub mod util;
+pub mod selftest;
+pub mod bench;

@@ -19,6 +19,10 @@ enum Command {
     Eval(EvalArgs),
     /// Start a data-parallel run: N workers here, or one launcher per host of a hostfile.
     Launch(vitscale::launch::LaunchArgs),
+    /// Check every backend op and a short training run against the CPU reference.
+    Selftest(vitscale::selftest::SelftestArgs),
+    /// Training-step throughput, MFU and peak memory on synthetic device-resident data.
+    Bench(vitscale::bench::BenchArgs),
 }
 
 fn main() {
@@ -34,6 +38,8 @@ fn main() {
         },
         Command::Train(args) => cli::train_cmd(args),
         Command::Eval(args) => cli::eval_cmd(args),
+        Command::Selftest(args) => vitscale::selftest::selftest(&args).and_then(|ok| if ok { Ok(()) } else { Err(anyhow::anyhow!("selftest failed")) }),
+        Command::Bench(args) => vitscale::bench::bench(&args).map(|_| ()),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
