@@ -38,6 +38,7 @@ fn run(dir: &std::path::Path, name: &str, steps: u64, init: Option<&std::path::P
         save_weights: save.map(|p| p.to_path_buf()),
         progress_bar: false,
         quiet: true,
+        ..Default::default()
     };
     let s = engine::train(&Cpu::new(), &cfg(steps), &opts).unwrap();
     (losses(&opts.run_dir), s.val_loss)
