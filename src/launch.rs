@@ -58,9 +58,10 @@ pub struct LaunchArgs {
     /// Address of rank 0's rendezvous. Default 127.0.0.1; with --hostfile, the first host.
     #[arg(long)]
     pub master_addr: Option<String>,
-    /// Port of rank 0's rendezvous.
-    #[arg(long, default_value_t = DEFAULT_MASTER_PORT)]
-    pub master_port: u16,
+    /// Port of rank 0's rendezvous. Default: a free port when the whole run is on this node
+    /// (so concurrent runs do not collide), else 29500.
+    #[arg(long)]
+    pub master_port: Option<u16>,
     /// DeepSpeed-style hostfile: one `hostname slots=N` per line, `#` comments.
     #[arg(long)]
     pub hostfile: Option<PathBuf>,
@@ -108,7 +109,7 @@ impl LaunchArgs {
             nnodes: None,
             node_rank: 0,
             master_addr: None,
-            master_port: DEFAULT_MASTER_PORT,
+            master_port: None,
             hostfile: None,
             include: None,
             exclude: None,
@@ -274,6 +275,12 @@ fn run_local(args: &LaunchArgs) -> Result<i32, LaunchError> {
         None => std::env::current_exe().map_err(LaunchError::CurrentExe)?,
     };
     let master_addr = args.master_addr.clone().unwrap_or_else(|| "127.0.0.1".into());
+    let master_port = match args.master_port {
+        Some(p) => p,
+        // Single node: any free loopback port (rank 0 binds it moments later).
+        None if nnodes == 1 && args.rank_offset.is_none() => free_port().unwrap_or(DEFAULT_MASTER_PORT),
+        None => DEFAULT_MASTER_PORT,
+    };
     let run_id = run_id();
     // Workers share the cores: give each an equal share unless the user chose.
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).div_ceil(nproc).max(1);
@@ -294,7 +301,7 @@ fn run_local(args: &LaunchArgs) -> Result<i32, LaunchError> {
             .env("ROLE_RANK", rank.to_string())
             .env("ROLE_WORLD_SIZE", world.to_string())
             .env("MASTER_ADDR", &master_addr)
-            .env("MASTER_PORT", args.master_port.to_string())
+            .env("MASTER_PORT", master_port.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -455,6 +462,10 @@ fn stop_all(procs: &mut [Proc], sig: i32) {
             libc::kill(-pid, sig);
         }
     }
+}
+
+fn free_port() -> Option<u16> {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).ok()
 }
 
 /// Names the run for every worker, so all ranks choose the same default run directory.
@@ -727,7 +738,7 @@ fn remote_command(args: &LaunchArgs, exe: &Path, cwd: &Path, env: &[(String, Str
         "--master-addr".into(),
         master.to_string(),
         "--master-port".into(),
-        args.master_port.to_string(),
+        args.master_port.unwrap_or(DEFAULT_MASTER_PORT).to_string(),
         "--rank-offset".into(),
         offset.to_string(),
         "--world-size".into(),

@@ -18,7 +18,7 @@ fn workers_get_torchrun_variables() {
     let mut a = sh(3, &format!(
         "echo \"$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK $MASTER_ADDR $MASTER_PORT\" > '{d}'/r$RANK"
     ));
-    a.master_port = 31234;
+    a.master_port = Some(31234);
     a.nnodes = Some(2);
     a.node_rank = 1;
     a.master_addr = Some("10.1.2.3".into());
