@@ -14,7 +14,7 @@ for i in 1 2; do
   s=$(date +%s.%N)
   "$BIN" train --device cuda --run-dir "$OUT/first$i" --set train.steps=1 --set data.train_size=256 --set data.val_size=64 >/dev/null 2>&1
   e=$(date +%s.%N)
-  echo "run $i: $(echo "$e - $s" | bc) s for process start → 1 step + eval of 64 images"
+  echo "run $i: $(python3 -c "print(round($e - $s, 2))") s for process start → 1 step + eval of 64 images"
 done | tee "$OUT/first_step.txt"
 
 echo "== default built-in run on the GPU"
