@@ -12,6 +12,7 @@
 pub mod augment;
 pub mod builtin;
 pub mod cifar;
+pub mod pickle;
 pub mod rng;
 pub mod sampler;
 pub mod synthetic;
