@@ -4,7 +4,7 @@
 use std::fs;
 use std::path::Path;
 
-use vitscale::config::{Augment, DataConfig, DatasetKind};
+use vitscale::config::{Augment, DataConfig, DatasetKind, LabelKind};
 use vitscale::data::{make_batch, open, DataError};
 
 fn cfg(dataset: DatasetKind, path: &Path) -> DataConfig {
@@ -18,6 +18,13 @@ fn cfg(dataset: DatasetKind, path: &Path) -> DataConfig {
         num_workers: 0,
         train_size: 0,
         val_size: 0,
+        label: LabelKind::Fine,
+        skip_bad: false,
+        val_split: DataConfig::DEFAULT_VAL_SPLIT,
+        crop_pct: DataConfig::DEFAULT_CROP_PCT,
+        scale: DataConfig::DEFAULT_SCALE,
+        ratio: DataConfig::DEFAULT_RATIO,
+        prefetch: DataConfig::DEFAULT_PREFETCH,
     }
 }
 

@@ -2,7 +2,7 @@
 //! learnability experiment in `reference/` (run with
 //! `VITSCALE_EXPORT=dir cargo test --test data_export -- --ignored`).
 
-use vitscale::config::{Augment, DataConfig, DatasetKind};
+use vitscale::config::{Augment, DataConfig, DatasetKind, LabelKind};
 
 #[test]
 #[ignore]
@@ -19,6 +19,13 @@ fn export_builtin() {
         num_workers: 0,
         train_size: 10_000,
         val_size: 2_000,
+        label: LabelKind::Fine,
+        skip_bad: false,
+        val_split: DataConfig::DEFAULT_VAL_SPLIT,
+        crop_pct: DataConfig::DEFAULT_CROP_PCT,
+        scale: DataConfig::DEFAULT_SCALE,
+        ratio: DataConfig::DEFAULT_RATIO,
+        prefetch: DataConfig::DEFAULT_PREFETCH,
     };
     let d = vitscale::data::open(&cfg, side, 10, 0).expect("open builtin");
     std::fs::create_dir_all(&dir).expect("create export dir");

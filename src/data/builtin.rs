@@ -137,7 +137,7 @@ pub fn generate(n: usize, side: usize, seed: u64, stream: u64) -> ImageSet {
         .enumerate()
         .map(|(i, out)| render(hash(&[seed, stream, i as u64]), i, side, out))
         .collect();
-    ImageSet { images, labels, side, num_classes: NUM_CLASSES }
+    ImageSet::in_memory(images, labels, side, NUM_CLASSES)
 }
 
 #[cfg(test)]
