@@ -508,11 +508,19 @@ pub struct ArrayU8 {
     pub data: Rc<Vec<u8>>,
 }
 
-/// Reads a C-contiguous uint8 `numpy.ndarray` out of its pickled form
-/// (`_reconstruct(ndarray, (0,), b'b')` + BUILD state `(version, shape, dtype, fortran, bytes)`).
-/// The error says what was found instead.
+/// Reads a C-contiguous uint8 `numpy.ndarray` out of its pickled form: protocols ≤ 4 write
+/// `_reconstruct(ndarray, (0,), b'b')` + BUILD state `(version, shape, dtype, fortran, bytes)`;
+/// protocol 5 writes `_frombuffer(bytearray, dtype, shape, order)`. The error says what was found
+/// instead.
 pub fn ndarray_u8(v: &Value) -> Result<ArrayU8, String> {
-    let Value::Object { module, name, state, .. } = v else { return Err(format!("expected a numpy array, found a {}", v.kind())) };
+    let Value::Object { module, name, state, args } = v else { return Err(format!("expected a numpy array, found a {}", v.kind())) };
+    if module.starts_with("numpy") && name == "_frombuffer" {
+        let [data, dtype, shape, order] = args.as_slice() else { return Err(format!("numpy _frombuffer with {} arguments", args.len())) };
+        if order.as_text() == Some("F") {
+            return Err("numpy array is Fortran-ordered; expected C order".into());
+        }
+        return array_parts(shape, dtype, data);
+    }
     if !(module.starts_with("numpy") && name == "_reconstruct") {
         return Err(format!("expected a numpy array, found a {module}.{name} object"));
     }
@@ -521,6 +529,13 @@ pub fn ndarray_u8(v: &Value) -> Result<ArrayU8, String> {
     // (version, shape, dtype, is_fortran, data); version may be absent in very old pickles.
     let st: &[Value] = if st.len() == 5 { &st[1..] } else { st };
     let [shape, dtype, fortran, data] = st else { return Err(format!("numpy array state has {} fields", st.len())) };
+    if fortran.as_int() == Some(1) {
+        return Err("numpy array is Fortran-ordered; expected C order".into());
+    }
+    array_parts(shape, dtype, data)
+}
+
+fn array_parts(shape: &Value, dtype: &Value, data: &Value) -> Result<ArrayU8, String> {
     let Value::Tuple(dims) = shape else { return Err("numpy array shape is not a tuple".into()) };
     let shape: Vec<usize> = dims
         .iter()
@@ -534,9 +549,6 @@ pub fn ndarray_u8(v: &Value) -> Result<ArrayU8, String> {
             None => return Err("numpy dtype without a type code".into()),
         },
         other => return Err(format!("numpy array dtype is a {}", other.kind())),
-    }
-    if fortran.as_int() == Some(1) && shape.len() > 1 {
-        return Err("numpy array is Fortran-ordered; expected C order".into());
     }
     let Value::Bytes(data) = data else { return Err(format!("numpy array data is a {}", data.kind())) };
     let n: usize = shape.iter().product();
