@@ -221,3 +221,30 @@ fn loader_reports_errors_and_drops_cleanly() {
     assert!(loader.next().unwrap().is_ok());
     drop(loader);
 }
+
+#[test]
+#[ignore]
+fn profile_decode_vs_resample() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = vitscale::data::bench::write_jpegs(dir.path(), 32, 1).unwrap();
+    let t = std::time::Instant::now();
+    let mut imgs = Vec::new();
+    for _ in 0..4 {
+        imgs.clear();
+        for f in &files {
+            imgs.push(vitscale::data::decode(f).unwrap());
+        }
+    }
+    let dec = t.elapsed().as_secs_f64() / (4.0 * files.len() as f64);
+    let t = std::time::Instant::now();
+    let mut out = vec![0f32; 3 * 224 * 224];
+    let mut rng = vitscale::data::rng::SplitMix::new(1);
+    for _ in 0..4 {
+        for im in &imgs {
+            let r = vitscale::data::resize::random_resized_crop(&mut rng, 500, 375, [0.08, 1.0], [0.75, 4.0 / 3.0]);
+            vitscale::data::resize::resample(im.as_raw(), 500, 375, r, 224, true, [0.5; 3], [0.5; 3], &mut out);
+        }
+    }
+    let rs = t.elapsed().as_secs_f64() / (4.0 * files.len() as f64);
+    eprintln!("decode {:.2} ms, resample {:.2} ms per image", dec * 1e3, rs * 1e3);
+}

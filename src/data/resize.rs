@@ -69,46 +69,61 @@ pub fn draw_rrc(seed: u64, epoch: u64, index: usize, width: usize, height: usize
     (r, rng.coin())
 }
 
-/// Filter taps of one axis: for output i, source indices `start[i]..start[i] + n` with
-/// `weights[i * n ..]` (zero-padded to the widest tap count `n`).
+/// Filter taps of one axis: output i reads source indices `start[i]..start[i] + len[i]` with
+/// weights `weights[i * n..][..len[i]]` (rows padded to the widest tap count `n`). Zero-weight
+/// taps at the ends are trimmed so the inner loops do no useless work.
 struct Taps {
     start: Vec<usize>,
+    len: Vec<usize>,
     n: usize,
     weights: Vec<f32>,
 }
 
 fn taps(src_len: usize, r0: f32, rlen: f32, out_len: usize) -> Taps {
     let scale = rlen / out_len as f32;
+    // Triangle of radius 1 output pixel, widened by the downscale factor (antialiasing).
     let fscale = scale.max(1.0);
-    let support = fscale; // triangle of radius 1, widened by the downscale factor
+    let support = fscale;
     let n = (support.ceil() as usize) * 2 + 1;
     let mut start = Vec::with_capacity(out_len);
+    let mut len = Vec::with_capacity(out_len);
     let mut weights = vec![0f32; out_len * n];
     for i in 0..out_len {
         let center = r0 + (i as f32 + 0.5) * scale;
         let lo = ((center - support).floor().max(0.0) as usize).min(src_len - 1);
-        let hi = ((center + support).ceil().max(0.0) as usize).min(src_len);
+        let hi = ((center + support).ceil().max(0.0) as usize).clamp(lo + 1, src_len).min(lo + n);
         let w = &mut weights[i * n..(i + 1) * n];
         let mut sum = 0.0;
-        for (k, j) in (lo..hi.max(lo + 1)).take(n).enumerate() {
-            let t = 1.0 - ((j as f32 + 0.5 - center) / fscale).abs();
-            w[k] = t.max(0.0);
+        for (k, j) in (lo..hi).enumerate() {
+            w[k] = (1.0 - ((j as f32 + 0.5 - center) / fscale).abs()).max(0.0);
             sum += w[k];
         }
-        if sum > 0.0 {
-            w.iter_mut().for_each(|x| *x /= sum);
-        } else {
+        if sum <= 0.0 {
             // Window entirely outside the image (can't happen for valid regions): nearest pixel.
             w[0] = 1.0;
+            sum = 1.0;
         }
-        start.push(lo);
+        w.iter_mut().for_each(|x| *x /= sum);
+        // Trim zero weights at both ends.
+        let mut first = 0;
+        let mut last = hi - lo;
+        while last > first + 1 && w[last - 1] == 0.0 {
+            last -= 1;
+        }
+        while first + 1 < last && w[first] == 0.0 {
+            first += 1;
+        }
+        w.copy_within(first..last, 0);
+        start.push(lo + first);
+        len.push(last - first);
     }
-    Taps { start, n, weights }
+    Taps { start, len, n, weights }
 }
 
 thread_local! {
-    // One scratch row-buffer per worker thread, reused across images.
-    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    // Scratch buffers per worker thread (horizontal-pass rows, one accumulator row), reused
+    // across images.
+    static SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// Resamples `region` of the (height, width, 3) HWC image `src` to `out` (3, side, side) CHW,
@@ -121,26 +136,28 @@ pub fn resample(src: &[u8], width: usize, height: usize, region: Region, side: u
     let ty = taps(height, region.y0, region.h, side);
     // Source rows the vertical pass touches.
     let row_lo = ty.start[0];
-    let row_hi = (ty.start[side - 1] + ty.n).min(height);
+    let row_hi = (0..side).map(|i| ty.start[i] + ty.len[i]).max().unwrap_or(row_lo + 1).min(height);
     let rows = row_hi - row_lo;
+    let row_len = side * 3;
     SCRATCH.with(|cell| {
-        let mut tmp = cell.borrow_mut();
+        let mut guard = cell.borrow_mut();
+        let (tmp, acc) = &mut *guard;
         tmp.clear();
-        tmp.resize(rows * side * 3, 0.0);
-        // Horizontal pass: (rows, side, 3).
+        tmp.resize(rows * row_len, 0.0);
+        acc.clear();
+        acc.resize(row_len, 0.0);
+        // Horizontal pass into (rows, side, 3); the flip is applied here by reading output
+        // column side-1-ox's taps.
         for (r, y) in (row_lo..row_hi).enumerate() {
             let srow = &src[y * width * 3..(y + 1) * width * 3];
-            let trow = &mut tmp[r * side * 3..(r + 1) * side * 3];
+            let trow = &mut tmp[r * row_len..(r + 1) * row_len];
             for ox in 0..side {
                 let sx = if flip { side - 1 - ox } else { ox };
                 let s0 = tx.start[sx];
-                let w = &tx.weights[sx * tx.n..(sx + 1) * tx.n];
+                let w = &tx.weights[sx * tx.n..sx * tx.n + tx.len[sx]];
+                let px = &srow[s0 * 3..(s0 + w.len()) * 3];
                 let (mut a, mut b, mut c) = (0f32, 0f32, 0f32);
-                for (k, &wk) in w.iter().enumerate() {
-                    if wk == 0.0 {
-                        continue;
-                    }
-                    let p = &srow[(s0 + k) * 3..(s0 + k) * 3 + 3];
+                for (wk, p) in w.iter().zip(px.chunks_exact(3)) {
                     a += wk * p[0] as f32;
                     b += wk * p[1] as f32;
                     c += wk * p[2] as f32;
@@ -150,28 +167,26 @@ pub fn resample(src: &[u8], width: usize, height: usize, region: Region, side: u
                 trow[ox * 3 + 2] = c;
             }
         }
-        // Vertical pass and normalization into (3, side, side).
+        // Vertical pass, one output row at a time as a weighted sum of whole rows (contiguous,
+        // vectorizable), then normalization and HWC→CHW.
         let plane = side * side;
         let k = [1.0 / (255.0 * std[0]), 1.0 / (255.0 * std[1]), 1.0 / (255.0 * std[2])];
         let off = [mean[0] / std[0], mean[1] / std[1], mean[2] / std[2]];
         for oy in 0..side {
             let s0 = ty.start[oy] - row_lo;
-            let w = &ty.weights[oy * ty.n..(oy + 1) * ty.n];
-            for ox in 0..side {
-                let (mut a, mut b, mut c) = (0f32, 0f32, 0f32);
-                for (kk, &wk) in w.iter().enumerate() {
-                    if wk == 0.0 {
-                        continue;
-                    }
-                    let t = &tmp[((s0 + kk) * side + ox) * 3..((s0 + kk) * side + ox) * 3 + 3];
-                    a += wk * t[0];
-                    b += wk * t[1];
-                    c += wk * t[2];
+            let w = &ty.weights[oy * ty.n..oy * ty.n + ty.len[oy]];
+            acc.iter_mut().for_each(|v| *v = 0.0);
+            for (kk, &wk) in w.iter().enumerate() {
+                let row = &tmp[(s0 + kk) * row_len..(s0 + kk + 1) * row_len];
+                for (a, &t) in acc.iter_mut().zip(row) {
+                    *a += wk * t;
                 }
-                let o = oy * side + ox;
-                out[o] = a * k[0] - off[0];
-                out[plane + o] = b * k[1] - off[1];
-                out[2 * plane + o] = c * k[2] - off[2];
+            }
+            let o = oy * side;
+            for (ox, px) in acc.chunks_exact(3).enumerate() {
+                out[o + ox] = px[0] * k[0] - off[0];
+                out[plane + o + ox] = px[1] * k[1] - off[1];
+                out[2 * plane + o + ox] = px[2] * k[2] - off[2];
             }
         }
     });
