@@ -5,7 +5,20 @@
 //!
 //! Inputs are generated (no dataset download): 32-px random images for the CIFAR path, and
 //! 500×375 JPEGs (ImageNet's typical size and quality 90, smooth content plus noise so the
-//! entropy decoder has real work) written to a temporary folder for the JPEG path.
+//! entropy decoder has real work) written to a temporary folder for the JPEG path, or the JPEGs
+//! of a given folder.
+//!
+//! Measured 2026-11-30 on the H200 host (16 cores), same run as `shared/peers` torchvision +
+//! DataLoader on the same files (peer JPEGs: 500×375, q90, smooth), images/s:
+//!
+//! | pipeline | vitscale 1 thread | peer 1 worker | vitscale 16 | peer 16 |
+//! |---|---|---|---|---|
+//! | CIFAR 32 px crop+flip (memory) | 262 544 | 3 448 | 2 124 065 | 67 464 |
+//! | 224 px JPEG RRC+flip (peer files) | 649 | 228 | 5 513 | 3 693 |
+//! | 224 px JPEG RRC+flip (noisy generated) | 348 | – | 3 384 | – |
+//!
+//! (JPEG batches of 32 images in that run; one 224-px image costs ≈ 1.8 ms of JPEG decode and
+//! 0.64 ms of resampling on one core of the 2-core CPU machine.)
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -100,8 +113,24 @@ pub fn write_jpegs(dir: &Path, n: usize, seed: u64) -> Result<Vec<PathBuf>, Data
     Ok(files)
 }
 
+/// The `.jpg` files directly in `dir`, sorted.
+fn jpegs_in(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|source| DataError::Io { path: dir.to_path_buf(), source })?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e.eq_ignore_ascii_case("jpg") || e.eq_ignore_ascii_case("jpeg")))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(DataError::NotFound { dataset: "bench", split: "jpeg", dir: dir.to_path_buf(), expected: "*.jpg files".into() });
+    }
+    Ok(files)
+}
+
 /// Runs both pipelines at 1 thread and at `threads` (0 = all cores), each for `min_seconds`.
-pub fn run(threads: usize, min_seconds: f64) -> Result<Vec<BenchPoint>, DataError> {
+/// The JPEG pipeline reads the `.jpg` files of `jpeg_dir` when given (to compare with another
+/// loader on the very same files), else generated ones.
+pub fn run(threads: usize, min_seconds: f64, jpeg_dir: Option<&Path>) -> Result<Vec<BenchPoint>, DataError> {
     let all = if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
     let mut counts = vec![1];
     if all > 1 {
@@ -116,17 +145,22 @@ pub fn run(threads: usize, min_seconds: f64) -> Result<Vec<BenchPoint>, DataErro
     }
 
     let dir = std::env::temp_dir().join(format!("vitscale-bench-jpeg-{}", std::process::id()));
-    let files = write_jpegs(&dir, 64, 1)?;
+    let files = match jpeg_dir {
+        Some(d) => jpegs_in(d)?,
+        None => write_jpegs(&dir, 64, 1)?,
+    };
     let labels = vec![0u16; files.len()];
     let set = Arc::new(ImageSet::from_files(files, labels, 224, 1));
     let fcfg = config(DatasetKind::Folder);
     let result = (|| -> Result<(), DataError> {
         for &t in &counts {
-            out.push(measure("jpeg224_rrc_flip", &set, &fcfg, 32, t, min_seconds)?);
+            out.push(measure("jpeg224_rrc_flip", &set, &fcfg, 128, t, min_seconds)?);
         }
         Ok(())
     })();
-    let _ = std::fs::remove_dir_all(&dir);
+    if jpeg_dir.is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
     result?;
     Ok(out)
 }
