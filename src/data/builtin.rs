@@ -147,12 +147,12 @@ mod tests {
     #[test]
     fn every_shape_is_mirror_symmetric() {
         // The horizontal-flip augmentation relies on this.
-        for class in 0..NUM_CLASSES {
+        for (class, name) in CLASS_NAMES.iter().enumerate() {
             for i in 0..200 {
                 for j in 0..200 {
                     let u = -1.0 + 2.0 * (i as f32 + 0.5) / 200.0;
                     let v = -1.0 + 2.0 * (j as f32 + 0.5) / 200.0;
-                    assert_eq!(inside(class, u, v), inside(class, -u, v), "{} at ({u}, {v})", CLASS_NAMES[class]);
+                    assert_eq!(inside(class, u, v), inside(class, -u, v), "{name} at ({u}, {v})");
                 }
             }
         }

@@ -298,7 +298,7 @@ pub fn read_file(path: &Path, v: Variant, label: LabelKind, set: &mut ImageSet) 
 pub fn parse_records(bytes: &[u8], path: &Path, v: Variant, label: LabelKind, set: &mut ImageSet) -> Result<(), DataError> {
     let rec = v.record_len();
     let whole = bytes.len() / rec;
-    if bytes.len() % rec != 0 {
+    if !bytes.len().is_multiple_of(rec) {
         return Err(DataError::Truncated {
             path: path.to_path_buf(),
             offset: (whole * rec) as u64,

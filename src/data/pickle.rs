@@ -188,7 +188,7 @@ impl<'a> Machine<'a> {
         Ok(())
     }
     fn extend_dict(&mut self, kv: Vec<Value>) -> Result<(), PickleError> {
-        if kv.len() % 2 != 0 {
+        if !kv.len().is_multiple_of(2) {
             return self.err("SETITEMS with an odd number of items");
         }
         let at = self.op_at;
