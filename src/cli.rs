@@ -7,6 +7,9 @@ use std::path::{Path, PathBuf};
 use clap::{Args, ValueEnum};
 
 use crate::backend::cpu::Cpu;
+use crate::backend::cuda::{self, Cuda};
+use crate::backend::Backend;
+use crate::comm::SingleComm;
 use crate::config::{self, RunConfig};
 use crate::model::weights;
 use crate::train::engine::{self, TrainOptions};
@@ -49,6 +52,15 @@ pub struct TrainArgs {
     /// Write the final weights here (safetensors, timm key names).
     #[arg(long)]
     pub save_weights: Option<PathBuf>,
+    // [dist] checkpoints
+    /// Resume from a checkpoint: a step directory, a checkpoint root, or `latest` (the newest
+    /// under `<run dir>/checkpoints`; needs --run-dir). Checkpoints are written every
+    /// `train.checkpoint_every` steps.
+    #[arg(long, value_name = "DIR|latest")]
+    pub resume: Option<String>,
+    /// Checkpoint step directories to keep (0 = all).
+    #[arg(long, default_value_t = 3)]
+    pub keep_checkpoints: usize,
 }
 
 #[derive(Args, Debug)]
@@ -104,30 +116,117 @@ pub fn load_config(args: &ConfigArgs, weights_path: Option<&Path>, world_size: u
     Ok(cfg)
 }
 
-/// Resolves `--device` to a backend and runs `f` with it.
-fn check_device(device: DeviceArg) -> anyhow::Result<()> {
-    match device {
-        DeviceArg::Cpu | DeviceArg::Auto => Ok(()),
-        DeviceArg::Cuda => anyhow::bail!("--device cuda: this build has no CUDA backend yet; use --device cpu"),
+/// Settings the configuration accepts but the chosen device does not honour (yet): each
+/// becomes a warning, never a silent no-op.
+fn engine_warnings(cfg: &RunConfig, device: &Device) -> Vec<String> {
+    let mut w = Vec::new();
+    match (&cfg.precision, device) {
+        (config::Precision::Bf16, Device::Cuda(_)) => {}
+        (config::Precision::Fp32, Device::Cpu(_)) => {}
+        (config::Precision::Fp32, Device::Cuda(_)) => w.push(
+            "no bf16/fp16 block: the CUDA backend computes in bf16 with f32 master weights, optimizer state and gradient accumulation (f32 compute is CPU-only)".into(),
+        ),
+        (config::Precision::Fp16 { .. }, Device::Cuda(_)) => w.push(
+            "fp16.enabled: the CUDA backend computes in bf16 (no loss scaling needed); fp16 with dynamic loss scaling is not implemented".into(),
+        ),
+        (config::Precision::Bf16, Device::Cpu(_)) => w.push("bf16.enabled: the CPU backend computes in f32; bf16 applies on GPUs".into()),
+        (config::Precision::Fp16 { .. }, Device::Cpu(_)) => {
+            w.push("fp16.enabled: the CPU backend computes in f32 (no loss scaling); fp16 applies on GPUs".into())
+        }
+    }
+    if cfg.zero_stage > 0 {
+        w.push(format!(
+            "zero_optimization.stage {}: ZeRO partitioning is not implemented yet; every rank keeps the full optimizer state and gradients (stage 0)",
+            cfg.zero_stage
+        ));
+    }
+    w
+}
+
+/// The backend a command runs on.
+pub enum Device {
+    Cpu(Cpu),
+    Cuda(Cuda),
+}
+
+/// Resolves `--device`: `cuda` must find a usable GPU (the error says which library or driver
+/// call failed); `auto` takes the GPU of this process's local rank when there is one and
+/// otherwise says why it falls back to the CPU.
+pub fn open_device(arg: DeviceArg, local_rank: usize) -> anyhow::Result<Device> {
+    match arg {
+        DeviceArg::Cpu => Ok(Device::Cpu(Cpu::new())),
+        DeviceArg::Cuda => {
+            cuda::probe(local_rank).map_err(|e| anyhow::anyhow!("--device cuda: no usable GPU {local_rank}: {e}"))?;
+            Ok(Device::Cuda(Cuda::new(local_rank).map_err(|e| anyhow::anyhow!("--device cuda: GPU {local_rank}: {e}"))?))
+        }
+        DeviceArg::Auto => match cuda::probe(local_rank) {
+            Ok(_) => Ok(Device::Cuda(Cuda::new(local_rank).map_err(|e| anyhow::anyhow!("GPU {local_rank}: {e}"))?)),
+            Err(why) => {
+                eprintln!("notice: using the CPU (no usable GPU: {why})");
+                Ok(Device::Cpu(Cpu::new()))
+            }
+        },
     }
 }
 
-fn default_run_dir() -> PathBuf {
+fn default_run_dir(env: &crate::comm::DistEnv) -> PathBuf {
+    // [dist] every rank must pick the same directory without talking: `vitscale launch` sets
+    // VITSCALE_RUN_ID; under other launchers use what the ranks share.
+    if let Some(id) = std::env::var("VITSCALE_RUN_ID").ok().filter(|s| !s.is_empty()) {
+        return PathBuf::from("runs").join(id);
+    }
+    if env.is_distributed() {
+        let id = match std::env::var("SLURM_JOB_ID") {
+            Ok(job) => format!("slurm-{job}"),
+            Err(_) => format!("dist-{}-{}", env.master_addr, env.master_port),
+        };
+        return PathBuf::from("runs").join(id);
+    }
     let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     PathBuf::from("runs").join(format!("{secs}-{}", std::process::id()))
 }
 
 pub fn train_cmd(args: TrainArgs) -> anyhow::Result<()> {
-    check_device(args.common.device)?;
-    let cfg = load_config(&args.common, args.init.as_deref(), 1)?;
+    // [dist] this process's place in the job (one process when no launcher variables are set);
+    // the config resolves the DeepSpeed batch triple for that world size.
+    let env = crate::comm::DistEnv::detect()?;
+    let mut cfg = load_config(&args.common, args.init.as_deref(), env.world_size)?;
+    let device = open_device(args.common.device, env.local_rank)?;
+    cfg.warnings.extend(engine_warnings(&cfg, &device));
+    if args.resume.as_deref() == Some("latest") && args.run_dir.is_none() {
+        anyhow::bail!("--resume latest needs --run-dir: the run directory whose checkpoints/ to continue from");
+    }
+    let run_dir = args.run_dir.clone().unwrap_or_else(|| default_run_dir(&env));
+    let hash = config_hash(&cfg)?;
+    let rank = env.rank;
     let opts = TrainOptions {
-        run_dir: args.run_dir.clone().unwrap_or_else(default_run_dir),
+        // Rank 0 owns the run directory; the others log beside it.
+        run_dir: if rank == 0 { run_dir.clone() } else { run_dir.join(format!("rank{rank}")) },
         init: args.init.clone(),
-        save_weights: args.save_weights.clone(),
-        progress_bar: std::io::stderr().is_terminal(),
-        quiet: false,
+        save_weights: if rank == 0 { args.save_weights.clone() } else { None },
+        progress_bar: rank == 0 && std::io::stderr().is_terminal(),
+        quiet: rank != 0,
+        resume: args.resume.as_deref().map(|s| crate::train::checkpoint::resume_path(s, &run_dir.join("checkpoints"))),
+        keep_checkpoints: args.keep_checkpoints,
     };
-    let summary = engine::train(&Cpu::new(), &cfg, &opts)?;
+    let summary = match &device {
+        Device::Cpu(be) => {
+            let mut comm = crate::comm::init_cpu(&env, &crate::comm::CommOptions::from_env()?, &hash)?;
+            engine::train_with(be, &cfg, &opts, comm.as_mut())?
+        }
+        Device::Cuda(be) => {
+            if env.world_size > 1 {
+                anyhow::bail!(
+                    "rank {rank}: data parallel across GPUs needs the NCCL communicator, which is not implemented yet (world size {}); use --device cpu for multi-process runs",
+                    env.world_size
+                );
+            }
+            engine::train_with(be, &cfg, &opts, &mut SingleComm::new())?
+        }
+    };
+    if rank != 0 {
+        return Ok(());
+    }
     eprintln!(
         "done: val_top1 {:.4} val_loss {:.4} train_loss {:.4} | {} images in {:.1} s ({:.0} img/s) | run dir {}",
         summary.val_top1, summary.val_loss, summary.train_loss, summary.images, summary.wall_s, summary.images_per_s, summary.run_dir
@@ -138,20 +237,35 @@ pub fn train_cmd(args: TrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn evaluate_weights<B: Backend>(be: &B, cfg: &RunConfig, weights: &Path, set: &crate::data::ImageSet) -> anyhow::Result<engine::EvalSummary> {
+    let mut vit = engine::build_model(be, cfg, Some(weights))?;
+    Ok(engine::evaluate(be, &mut vit, set, cfg, cfg.train.eval_batch_size)?)
+}
+
+/// [dist] Identifies the resolved configuration, so ranks started with different configs
+/// refuse to train together (rendezvous names the rank and both hashes).
+fn config_hash(cfg: &RunConfig) -> anyhow::Result<String> {
+    use sha2::{Digest, Sha256};
+    let bytes = serde_json::to_vec(cfg)?;
+    Ok(Sha256::digest(&bytes).iter().take(8).map(|b| format!("{b:02x}")).collect())
+}
+
 pub fn eval_cmd(args: EvalArgs) -> anyhow::Result<()> {
-    check_device(args.common.device)?;
-    let cfg = load_config(&args.common, Some(&args.weights), 1)?;
+    let mut cfg = load_config(&args.common, Some(&args.weights), 1)?;
+    let device = open_device(args.common.device, 0)?;
+    cfg.warnings.extend(engine_warnings(&cfg, &device));
     for w in &cfg.warnings {
         eprintln!("warning: {w}");
     }
-    let be = Cpu::new();
-    let mut vit = engine::build_model(&be, &cfg, Some(&args.weights))?;
     let sets = crate::data::open(&cfg.data, cfg.model.image_size, cfg.model.num_classes, cfg.train.seed)?;
     let set = match args.split {
         SplitArg::Train => &sets.train,
         SplitArg::Val => &sets.val,
     };
-    let ev = engine::evaluate(&be, &mut vit, set, &cfg, cfg.train.eval_batch_size)?;
+    let ev = match &device {
+        Device::Cpu(be) => evaluate_weights(be, &cfg, &args.weights, set)?,
+        Device::Cuda(be) => evaluate_weights(be, &cfg, &args.weights, set)?,
+    };
     eprintln!("eval: loss {:.6} top1 {:.4} on {} images", ev.loss, ev.top1, ev.images);
     if args.common.json {
         println!("{}", serde_json::to_string(&ev)?);

@@ -5,16 +5,24 @@
 //! - `model`   — defines: the ViT shape, parameter table, init, forward/backward over a backend, timm weights I/O.
 //! - `backend` — defines: the `Backend` trait (every op with explicit shapes) and the CPU reference backend.
 //! - `data`    — defines: datasets (built-in, synthetic, CIFAR), augmentation, sampling into global batches.
-//! - `train`   — defines: the training step and loop, learning-rate schedules.
+//! - `train`   — defines: the training step and loop, learning-rate schedules, checkpoints.
+//! - `comm`    — defines: the `Comm` trait (collectives on flat buffers), the TCP ring for CPU ranks, rendezvous, `DistEnv`.
+//! - `launch`  — defines: `vitscale launch`, spawning workers locally or over ssh from a hostfile.
 //! - `metrics` — defines: phase timers and the `metrics.jsonl` records.
 //! - `cli`     — defines: the subcommands behind `vitscale`.
 //! - `util`    — defines: atomic file writes.
+//! - `selftest` — defines: `vitscale selftest`, every backend op and a short training run against the CPU reference.
+//! - `bench`   — defines: `vitscale bench`, training-step throughput, MFU and peak memory on synthetic device-resident data.
 
 pub mod backend;
 pub mod cli;
+pub mod comm;
 pub mod config;
 pub mod data;
+pub mod launch;
 pub mod metrics;
 pub mod model;
 pub mod train;
 pub mod util;
+pub mod selftest;
+pub mod bench;

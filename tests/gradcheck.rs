@@ -4,7 +4,7 @@
 //! Each op is checked through a scalar probe L = Σ out ⊙ R with a random R: the analytic
 //! gradient of L (from the op's backward with dout = R) is compared with central differences
 //! (eps 1e-2 on f32, computed in f64 from the f32 outputs) at every input element; tolerance:
-//! |fd − an| ≤ 2e-2·max(|an|, 1) … relative to the gradient's overall scale.
+//! |fd − an| ≤ 5e-3 × the largest |analytic| element of that gradient.
 
 use vitscale::backend::cpu::Cpu;
 use vitscale::backend::{Backend, Span};
@@ -42,7 +42,7 @@ fn compare(name: &str, seed: u64, x: &mut [f32], analytic: &[f32], probe: &mut d
         assert!(fd.is_finite() && analytic[i].is_finite(), "{name}: non-finite gradient at {i} (seed {seed})");
         let err = (fd - analytic[i]).abs() / scale;
         worst = worst.max(err);
-        assert!(err < 2e-2, "{name}[{i}]: finite difference {fd} vs analytic {} (scale {scale}, seed {seed})", analytic[i]);
+        assert!(err < 5e-3, "{name}[{i}]: finite difference {fd} vs analytic {} (scale {scale}, seed {seed})", analytic[i]);
     }
     eprintln!("{name}: worst relative error {worst:.2e}");
 }

@@ -201,3 +201,24 @@ fn architecture_is_inferred_from_timm_weights() {
         }
     }
 }
+
+/// Writes each fixture's initial weights through our import and export paths (weights::load →
+/// weights::save) into `$VITSCALE_EXPORT_DIR`, for `reference/make_fixtures.py --check-export`
+/// to prove timm loads what vitscale writes (run where torch + timm are installed; see
+/// reference/README.md).
+#[test]
+#[ignore = "produces files for the timm-side check"]
+fn export_for_timm_check() {
+    let Some(out) = std::env::var_os("VITSCALE_EXPORT_DIR") else {
+        panic!("set VITSCALE_EXPORT_DIR");
+    };
+    let out = std::path::PathBuf::from(out);
+    std::fs::create_dir_all(&out).unwrap();
+    for name in ["timm_cls", "timm_avg"] {
+        let fx = load_fixture(&format!("{name}.safetensors"));
+        let dir = tempfile::tempdir().unwrap();
+        let table = vitscale::model::ParamTable::new(&fx.model);
+        let host = weights::load(&fx.export("param", dir.path()), &table).unwrap();
+        weights::save(&out.join(format!("{name}_export.safetensors")), &table, &fx.model, &host).unwrap();
+    }
+}

@@ -14,6 +14,7 @@
 //!   only fails on shape mismatches, which are bugs, reported as errors rather than panics.
 
 pub mod cpu;
+pub mod cuda;
 
 use crate::config::{DecaySkip, OptimizerConfig};
 

@@ -6,10 +6,11 @@
 //! light on dark at random, hue random), centre, size, and per-pixel noise.
 //! Colour is independent of class, so the mean colour says nothing about the label and a linear
 //! classifier on raw pixels is far from perfect (softmax regression: 35 % val top-1,
-//! `tests/data_builtin.rs`; with one fixed polarity the same probe reached 85–100 % in a PyTorch
-//! prototype, which is why the polarity is random); shape is visible at 16 px, so `vitscale
-//! train` with its defaults (`vit_builtin_default`, 6 000 train images, 10 epochs) reached
-//! 98.8 % val top-1 after 3 epochs and 99.9 % after 10, in 55 s on 2 CPU cores (2026-11-30).
+//! `tests/data_builtin.rs`; with one fixed polarity the same kind of probe reached 85–100 % in a
+//! PyTorch prototype, which is why the polarity is random); shape is visible at 16 px, so
+//! `vitscale train` with its defaults (`vit_builtin_default`, 6000 images, 10 epochs) reaches
+//! ≈ 94–99 % val top-1 after 2–3 epochs and ≈ 99.9 % after 10 (configs/README.md has the
+//! measured run).
 //!
 //! Shapes are rendered with 3×3 supersampling (anti-aliased coverage), which keeps small shapes
 //! from turning into a handful of class-ambiguous pixels.

@@ -203,6 +203,22 @@ impl<B: Backend> Vit<B> {
     /// labels). With `dloss_scale = Some(s)` the loss gradient `s·(softmax − target)` is kept
     /// for the next `backward` (s is 1/global-batch for a mean loss over the global batch).
     pub fn forward(&mut self, be: &B, images: &[f32], targets: &[f32], b: usize, dloss_scale: Option<f32>) -> BResult<ForwardOut> {
+        self.stage_inputs(be, images, targets, b)?;
+        self.forward_staged(be, b, dloss_scale)?;
+        self.forward_out(be, b)
+    }
+
+    /// Copies a batch into the model's device input buffers, for `forward_staged`.
+    pub fn stage_inputs(&mut self, be: &B, images: &[f32], targets: &[f32], b: usize) -> BResult<()> {
+        self.ensure_capacity(be, b)?;
+        let a = self.acts.as_mut().ok_or_else(|| crate::backend::BackendError::Device("activations missing".into()))?;
+        be.upload(&mut a.img, 0, images)?;
+        be.upload(&mut a.targets, 0, targets)
+    }
+
+    /// The forward pass on the batch already staged on the device (`stage_inputs`), with no
+    /// host transfer, so a device backend can capture it into a graph (benchmarks).
+    pub fn forward_staged(&mut self, be: &B, b: usize, dloss_scale: Option<f32>) -> BResult<()> {
         self.ensure_capacity(be, b)?;
         let m = &self.cfg;
         let t = &self.table.spans;
@@ -213,8 +229,6 @@ impl<B: Backend> Vit<B> {
         let a = self.acts.as_mut().ok_or_else(|| crate::backend::BackendError::Device("activations missing".into()))?;
 
         // ---- embedding: patches → tokens
-        be.upload(&mut a.img, 0, images)?;
-        be.upload(&mut a.targets, 0, targets)?;
         be.patchify(&mut a.patches, &a.img, b, m.in_chans, m.image_size, m.patch_size)?;
         be.matmul_forward(&mut a.patch_emb, None, &a.patches, w, t.patch_w, Some(t.patch_b), b * np, m.patch_dim(), c)?;
         be.embed_forward(&mut a.x0, &a.patch_emb, w, t.pos_embed, t.cls_token, b, np, c)?;
@@ -255,7 +269,13 @@ impl<B: Backend> Vit<B> {
         let dl = dloss_scale.map(|_| &mut a.dlogits);
         be.cross_entropy(&mut a.losses, dl, &a.logits, &a.targets, b, k, dloss_scale.unwrap_or(0.0))?;
         self.pending_backward = if dloss_scale.is_some() { b } else { 0 };
+        Ok(())
+    }
 
+    /// Losses and logits of the last forward over `b` images, copied to the host.
+    pub fn forward_out(&self, be: &B, b: usize) -> BResult<ForwardOut> {
+        let k = self.cfg.num_classes;
+        let a = self.acts.as_ref().ok_or_else(|| crate::backend::BackendError::Device("activations missing".into()))?;
         let mut losses = be.download(&a.losses)?;
         losses.truncate(b);
         let mut logits = be.download(&a.logits)?;

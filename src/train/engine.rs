@@ -12,12 +12,13 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::backend::{optimizer_state_len, Backend, DecayGroups, StepHyper};
+use crate::backend::{optimizer_state_len, Backend, DecayGroups, Span, StepHyper};
+use crate::comm::{Comm, CommError, ReduceOp, SingleComm}; // [dist]
 use crate::config::RunConfig;
 use crate::data::{self, Datasets, ImageSet, Sampler};
 use crate::metrics::{timed, EvalRecord, JsonlWriter, PhaseTimes, StepRecord};
 use crate::model::{init, smoothed_targets, weights, Vit};
-use crate::train::schedule;
+use crate::train::{checkpoint, schedule}; // [dist] checkpoint
 
 /// Largest number of images one forward/backward pass processes on the host backend; a larger
 /// micro-batch is run as several passes whose gradients add up (same math, bounded memory).
@@ -37,6 +38,11 @@ pub enum TrainError {
     Config(String),
     #[error("training diverged at step {step}: loss is {loss}")]
     Diverged { step: u64, loss: f64 },
+    // [dist] collectives and checkpoints
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    #[error(transparent)]
+    Checkpoint(#[from] checkpoint::CheckpointError),
 }
 
 /// Where a run writes, and what it loads/saves besides.
@@ -49,6 +55,10 @@ pub struct TrainOptions {
     pub progress_bar: bool,
     /// Print nothing but errors (the caller prints the summary).
     pub quiet: bool,
+    // [dist] checkpoints: resume from this checkpoint (step dir, root or `latest` file), and
+    // how many step directories `<run dir>/checkpoints` keeps (0 = all).
+    pub resume: Option<PathBuf>,
+    pub keep_checkpoints: usize,
 }
 
 /// The result of a training run (`--json` prints it; `summary.json` holds it).
@@ -117,8 +127,18 @@ pub fn build_model<B: Backend>(be: &B, cfg: &RunConfig, init_path: Option<&Path>
 
 /// Trains a model as `cfg` says on one rank (world size 1).
 pub fn train<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions) -> Result<TrainSummary, TrainError> {
+    train_with(be, cfg, opts, &mut SingleComm::new())
+}
+
+/// Trains as this rank of `comm`'s world: every rank runs this same loop on its shard of each
+/// global batch; gradients are summed across ranks at accumulation boundaries only.
+pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm: &mut dyn Comm<B::Buf>) -> Result<TrainSummary, TrainError> {
     let t_start = Instant::now();
-    let (rank, world) = (0usize, cfg.batch.world_size);
+    // [dist] the rank layout comes from the communicator; the config was resolved for it.
+    let (rank, world) = (comm.rank(), comm.world_size());
+    if world != cfg.batch.world_size {
+        return Err(TrainError::Config(format!("the config was resolved for {} ranks but the job has {world}", cfg.batch.world_size)));
+    }
     std::fs::create_dir_all(&opts.run_dir).map_err(io_err(&opts.run_dir))?;
     let resolved = serde_json::to_vec_pretty(cfg).map_err(|e| TrainError::Config(e.to_string()))?;
     crate::util::write_atomic(&opts.run_dir.join("config.json"), &resolved).map_err(io_err(&opts.run_dir))?;
@@ -144,9 +164,36 @@ pub fn train<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions) -> Result
     let decay = DecayGroups::new(&vit.table, &cfg.train.weight_decay_skip);
     let mut opt_state = be.alloc_f32(optimizer_state_len(&cfg.optimizer, num_params))?;
     vit.zero_grads(be)?;
+
+    // [dist] resume, then make every rank start from rank 0's exact state.
+    let ckpt_root = opts.run_dir.join("checkpoints");
+    let mut start_step = 0u64;
+    if let Some(spec) = &opts.resume {
+        let r = checkpoint::restore(spec, &vit.table, &cfg.optimizer)?;
+        let saved_batch = r.state.get("global_batch").and_then(|v| v.as_u64());
+        if saved_batch != Some(global_batch as u64) {
+            return Err(TrainError::Config(format!(
+                "{}: saved with a global batch of {saved_batch:?}, this run has {global_batch}; set train_batch_size to resume with the same global batch",
+                r.dir.display()
+            )));
+        }
+        vit.set_params(be, &r.params)?;
+        be.upload(&mut opt_state, 0, &r.opt_state)?;
+        start_step = r.step;
+        if !opts.quiet {
+            eprintln!("resumed from {} at step {start_step}", r.dir.display());
+        }
+    }
+    if world > 1 {
+        comm.broadcast(&mut vit.params, Span { off: 0, len: num_params }, 0)?;
+        vit.params_changed(be)?;
+        if opts.resume.is_some() {
+            let olen = be.len(&opt_state);
+            comm.broadcast(&mut opt_state, Span { off: 0, len: olen }, 0)?;
+        }
+    }
     let k = cfg.model.num_classes;
     let (micro, gas) = (cfg.batch.micro_batch_per_gpu, cfg.batch.gradient_accumulation_steps);
-    let flops_per_image = cfg.model.train_flops_per_image();
 
     if !opts.quiet {
         eprintln!(
@@ -175,7 +222,7 @@ pub fn train<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions) -> Result
     let mut last_eval: Option<EvalSummary> = None;
     let mut images_done = 0u64;
     let train_wall = Instant::now();
-    for step in 0..total_steps {
+    for step in start_step..total_steps {
         let epoch = step / steps_per_epoch;
         let global = sampler.global_batch(epoch, (step % steps_per_epoch) as usize);
         let mut step_loss = 0.0f64;
@@ -188,6 +235,16 @@ pub fn train<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions) -> Result
                 step_loss += out.losses.iter().map(|&v| v as f64).sum::<f64>();
                 timed(&mut phases.backward_s, || vit.backward(be))?;
             }
+        }
+        // [dist] the step's only communication: sum gradients (each already scaled by
+        // 1/global batch) and the loss over ranks.
+        if world > 1 {
+            let t_comm = Instant::now();
+            comm.all_reduce(&mut vit.grads, Span { off: 0, len: num_params }, ReduceOp::Sum)?;
+            let mut loss = [step_loss];
+            comm.all_reduce_host(&mut loss)?;
+            step_loss = loss[0];
+            phases.comm_s += t_comm.elapsed().as_secs_f64();
         }
         step_loss /= global_batch as f64;
         if !step_loss.is_finite() {
@@ -206,6 +263,23 @@ pub fn train<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions) -> Result
         vit.zero_grads(be)?;
         be.synchronize()?;
         phases.optimizer_s += t_opt.elapsed().as_secs_f64();
+
+        // [dist] checkpoint (rank 0 writes; every rank holds the same state)
+        let every = cfg.train.checkpoint_every;
+        if rank == 0 && every > 0 && ((step + 1) % every == 0 || step + 1 == total_steps) {
+            let state = serde_json::json!({
+                "step": step + 1,
+                "epoch": (step + 1) / steps_per_epoch,
+                "step_in_epoch": (step + 1) % steps_per_epoch,
+                "scheduler_step": step + 1,
+                "global_batch": global_batch,
+                "world_size": world,
+                "seed": cfg.train.seed,
+                "config": cfg,
+            });
+            let (p, o) = (vit.params_host(be)?, be.download(&opt_state)?);
+            checkpoint::save_training(&ckpt_root, step + 1, &vit.table, &p, &cfg.optimizer, &o, &state, opts.keep_checkpoints)?;
+        }
 
         images_done += global_batch as u64;
         window_loss += step_loss;
@@ -226,6 +300,7 @@ pub fn train<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions) -> Result
                 grad_norm,
                 images_per_s: ips,
                 images_per_s_per_rank: ips / world as f64,
+                // MFU needs the device's measured matrix ceiling: `vitscale bench` reports it.
                 mfu: None,
                 phases,
                 wall_s: t_start.elapsed().as_secs_f64(),
@@ -237,7 +312,6 @@ pub fn train<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions) -> Result
                 None if !opts.quiet => eprintln!("step {}/{total_steps} {msg}", step + 1),
                 None => {}
             }
-            let _ = flops_per_image; // MFU needs a device ceiling: reported by `vitscale bench`
             phases = PhaseTimes::default();
             (window_loss, window_steps, window_start) = (0.0, 0, Instant::now());
         }

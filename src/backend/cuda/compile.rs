@@ -1,0 +1,185 @@
+//! Kernel sources (the `.cu` files beside this module, embedded in the binary), compiled by
+//! NVRTC for the device's architecture and cached on disk as cubins.
+//!
+//! Cache key: SHA-256 of (common header + source + arch + NVRTC version + options); the
+//! folder is `$VITSCALE_CACHE_DIR`, else `$XDG_CACHE_HOME/vitscale/kernels`, else
+//! `~/.cache/vitscale/kernels`. A cache that cannot be written only costs a recompile.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, CString};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::nvrtc::sys as nv;
+use sha2::{Digest, Sha256};
+
+use crate::backend::BackendError;
+
+const COMMON: &str = include_str!("kernels/common.cuh");
+
+/// (file name, source): each becomes one module.
+pub const SOURCES: &[(&str, &str)] = &[
+    ("elementwise.cu", include_str!("kernels/elementwise.cu")),
+    ("embed.cu", include_str!("kernels/embed.cu")),
+    ("layernorm.cu", include_str!("kernels/layernorm.cu")),
+    ("attention.cu", include_str!("kernels/attention.cu")),
+    ("loss.cu", include_str!("kernels/loss.cu")),
+    ("optim.cu", include_str!("kernels/optim.cu")),
+];
+
+fn dev_err(op: &str, e: impl std::fmt::Display) -> BackendError {
+    BackendError::Device(format!("{op}: {e}"))
+}
+
+pub fn cache_dir() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os("VITSCALE_CACHE_DIR") {
+        return Some(PathBuf::from(d).join("kernels"));
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return Some(PathBuf::from(d).join("vitscale").join("kernels"));
+    }
+    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache").join("vitscale").join("kernels"))
+}
+
+pub fn nvrtc_version() -> Result<(i32, i32), BackendError> {
+    let (mut major, mut minor): (c_int, c_int) = (0, 0);
+    // SAFETY: out-pointers to two live ints.
+    let r = unsafe { nv::nvrtcVersion(&mut major, &mut minor) };
+    if r != nv::nvrtcResult::NVRTC_SUCCESS {
+        return Err(dev_err("nvrtcVersion", format!("{r:?}")));
+    }
+    Ok((major, minor))
+}
+
+fn nvrtc_check(op: &str, r: nv::nvrtcResult) -> Result<(), BackendError> {
+    if r == nv::nvrtcResult::NVRTC_SUCCESS {
+        Ok(())
+    } else {
+        Err(dev_err(op, format!("{r:?}")))
+    }
+}
+
+/// Compiles `src` to a cubin for `arch` (e.g. "sm_90").
+fn nvrtc_cubin(name: &str, src: &str, arch: &str, opts: &[String]) -> Result<Vec<u8>, BackendError> {
+    let csrc = CString::new(src).map_err(|e| dev_err(name, e))?;
+    let cname = CString::new(name).map_err(|e| dev_err(name, e))?;
+    let mut prog: nv::nvrtcProgram = std::ptr::null_mut();
+    // SAFETY: valid C strings that outlive the program; no headers passed.
+    nvrtc_check("nvrtcCreateProgram", unsafe {
+        nv::nvrtcCreateProgram(&mut prog, csrc.as_ptr(), cname.as_ptr(), 0, std::ptr::null(), std::ptr::null())
+    })?;
+    let copts: Vec<CString> = opts.iter().map(|o| CString::new(o.as_str()).unwrap_or_default()).collect();
+    let ptrs: Vec<*const c_char> = copts.iter().map(|c| c.as_ptr()).collect();
+    // SAFETY: `prog` was created above; option pointers live until the call returns.
+    let r = unsafe { nv::nvrtcCompileProgram(prog, ptrs.len() as c_int, ptrs.as_ptr()) };
+    let result = if r != nv::nvrtcResult::NVRTC_SUCCESS {
+        let mut log_len = 0usize;
+        // SAFETY: `prog` is valid; the log buffer has the size NVRTC reported.
+        let log = unsafe {
+            nv::nvrtcGetProgramLogSize(prog, &mut log_len);
+            let mut buf = vec![0u8; log_len.max(1)];
+            nv::nvrtcGetProgramLog(prog, buf.as_mut_ptr() as *mut c_char);
+            String::from_utf8_lossy(&buf).trim_end_matches('\0').to_string()
+        };
+        Err(BackendError::Device(format!("NVRTC failed to compile {name} for {arch} ({r:?}):\n{log}")))
+    } else {
+        let mut size = 0usize;
+        // SAFETY: `prog` compiled successfully; the buffer has the size NVRTC reported.
+        unsafe {
+            nvrtc_check("nvrtcGetCUBINSize", nv::nvrtcGetCUBINSize(prog, &mut size)).and_then(|_| {
+                let mut buf = vec![0u8; size];
+                nvrtc_check("nvrtcGetCUBIN", nv::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut c_char)).map(|_| buf)
+            })
+        }
+    };
+    // SAFETY: destroys the program created above exactly once.
+    unsafe { nv::nvrtcDestroyProgram(&mut prog) };
+    result
+}
+
+/// Every kernel function by name.
+pub struct Kernels {
+    funcs: HashMap<String, CudaFunction>,
+    _modules: Vec<Arc<CudaModule>>,
+    /// Seconds spent compiling (0 when everything came from the cache).
+    pub compile_s: f64,
+}
+
+impl Kernels {
+    pub fn load(ctx: &Arc<CudaContext>, arch: &str) -> Result<Kernels, BackendError> {
+        let (maj, min) = nvrtc_version()?;
+        let opts = vec![
+            format!("--gpu-architecture={arch}"),
+            "--std=c++17".to_string(),
+            "-default-device".to_string(),
+            "--use_fast_math".to_string(),
+        ];
+        let dir = cache_dir();
+        let mut funcs = HashMap::new();
+        let mut modules = Vec::new();
+        let mut compile_s = 0.0;
+        for (name, body) in SOURCES {
+            let src = format!("{COMMON}\n#line 1 \"{name}\"\n{body}");
+            let mut h = Sha256::new();
+            h.update(src.as_bytes());
+            h.update(arch.as_bytes());
+            h.update(format!("nvrtc {maj}.{min} {opts:?}").as_bytes());
+            let key: String = h.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect();
+            let path = dir.as_ref().map(|d| d.join(format!("{}-{arch}-{key}.cubin", name.trim_end_matches(".cu"))));
+            let cached = path.as_ref().and_then(|p| std::fs::read(p).ok());
+            let cubin = match cached {
+                Some(c) => c,
+                None => {
+                    let t = std::time::Instant::now();
+                    let c = nvrtc_cubin(name, &src, arch, &opts)?;
+                    compile_s += t.elapsed().as_secs_f64();
+                    if let (Some(d), Some(p)) = (&dir, &path) {
+                        let _ = std::fs::create_dir_all(d);
+                        let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+                        if std::fs::write(&tmp, &c).is_ok() {
+                            let _ = std::fs::rename(&tmp, p);
+                        }
+                    }
+                    c
+                }
+            };
+            let module = ctx
+                .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+                .map_err(|e| dev_err(&format!("loading module {name}"), e))?;
+            for fname in kernel_names(body) {
+                let f = module.load_function(&fname).map_err(|e| dev_err(&format!("kernel {fname}"), e))?;
+                funcs.insert(fname, f);
+            }
+            modules.push(module);
+        }
+        Ok(Kernels { funcs, _modules: modules, compile_s })
+    }
+
+    pub fn get(&self, name: &str) -> Result<&CudaFunction, BackendError> {
+        self.funcs.get(name).ok_or_else(|| BackendError::Device(format!("kernel {name} not found in the compiled modules")))
+    }
+}
+
+/// Names of the `extern "C" __global__ void NAME(` functions in a source file.
+/// Kernels stamped out by the `LN_INSTANCE(J)` macro are listed from its uses.
+fn kernel_names(src: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for part in src.split("__global__ void ").skip(1) {
+        if let Some(end) = part.find('(') {
+            let name = part[..end].trim();
+            if !name.contains('#') {
+                out.push(name.to_string());
+            }
+        }
+    }
+    for part in src.split("LN_INSTANCE(").skip(1) {
+        if let Some(end) = part.find(')') {
+            if let Ok(j) = part[..end].trim().parse::<u32>() {
+                out.push(format!("layernorm_fwd_c{j}"));
+                out.push(format!("layernorm_bwd_c{j}"));
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,106 @@
+// Elementwise ops over whole buffers: cast, fill, add, scale, GELU and its backward, and the
+// sum of squares used for the global gradient norm.
+
+extern "C" __global__ void cast_kernel(void* dst, int dtd, const void* src, int dts, i64 n) {
+    GRID_STRIDE(i, n) stx(dst, dtd, i, ldx(src, dts, i));
+}
+
+extern "C" __global__ void fill_kernel(void* dst, int dt, i64 n, float v) {
+    GRID_STRIDE(i, n) stx(dst, dt, i, v);
+}
+
+// out = a + b
+extern "C" __global__ void add_kernel(void* out, int dto, const void* a, int dta, const void* b, int dtb, i64 n) {
+    GRID_STRIDE(i, n) stx(out, dto, i, ldx(a, dta, i) + ldx(b, dtb, i));
+}
+
+// buf *= s
+extern "C" __global__ void scale_kernel(void* buf, int dt, i64 n, float s) {
+    GRID_STRIDE(i, n) stx(buf, dt, i, ldx(buf, dt, i) * s);
+}
+
+// out = gelu(pre), both bf16, 2 elements per thread (n even).
+extern "C" __global__ void gelu_fwd_bf16(unsigned* out, const unsigned* pre, i64 n2) {
+    GRID_STRIDE(i, n2) {
+        unsigned p = pre[i];
+        float a = bf2f((bf16)(p & 0xffffu)), b = bf2f((bf16)(p >> 16));
+        out[i] = (unsigned)f2bf(gelu_f(a)) | ((unsigned)f2bf(gelu_f(b)) << 16);
+    }
+}
+
+// dx *= gelu'(pre), both bf16, 2 elements per thread.
+extern "C" __global__ void gelu_bwd_bf16(unsigned* dx, const unsigned* pre, i64 n2) {
+    GRID_STRIDE(i, n2) {
+        unsigned p = pre[i], d = dx[i];
+        float a = bf2f((bf16)(d & 0xffffu)) * dgelu_f(bf2f((bf16)(p & 0xffffu)));
+        float b = bf2f((bf16)(d >> 16)) * dgelu_f(bf2f((bf16)(p >> 16)));
+        dx[i] = (unsigned)f2bf(a) | ((unsigned)f2bf(b) << 16);
+    }
+}
+
+// Generic-dtype versions for odd lengths.
+extern "C" __global__ void gelu_fwd(void* out, int dto, const void* pre, int dtp, i64 n) {
+    GRID_STRIDE(i, n) stx(out, dto, i, gelu_f(ldx(pre, dtp, i)));
+}
+extern "C" __global__ void gelu_bwd(void* dx, int dtx, const void* pre, int dtp, i64 n) {
+    GRID_STRIDE(i, n) stx(dx, dtx, i, ldx(dx, dtx, i) * dgelu_f(ldx(pre, dtp, i)));
+}
+
+// *out += Σ x², f64 accumulation per block.
+extern "C" __global__ void sum_squares_kernel(double* out, const void* x, int dt, i64 n) {
+    __shared__ double part[32];
+    double acc = 0.0;
+    GRID_STRIDE(i, n) { double v = (double)ldx(x, dt, i); acc += v * v; }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    if (l == 0) part[w] = acc;
+    __syncthreads();
+    if (w == 0) {
+        acc = l < (int)(blockDim.x >> 5) ? part[l] : 0.0;
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (l == 0) atomicAdd(out, acc);
+    }
+}
+
+// Partial column sums of dout (R, OC) in dtype dt: row y of `dbias` (f32, splits × OC) gets the
+// sum over the rows block-row y visited.
+// Block (32, 8): x picks a column, y strides rows; grid (ceil(OC/32), splits).
+extern "C" __global__ void bias_grad_kernel(float* dbias, const void* dout, int dt, i64 rows, int oc) {
+    __shared__ float part[8][33];
+    int c = blockIdx.x * 32 + threadIdx.x;
+    float acc = 0.f;
+    if (c < oc) {
+        for (i64 r = (i64)blockIdx.y * 8 + threadIdx.y; r < rows; r += (i64)gridDim.y * 8)
+            acc += ldx(dout, dt, r * oc + c);
+    }
+    part[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < oc) {
+        float s = 0.f;
+        #pragma unroll
+        for (int k = 0; k < 8; k++) s += part[k][threadIdx.x];
+        dbias[(i64)blockIdx.y * oc + c] = s;  // partial row blockIdx.y (see reduce_partials)
+    }
+}
+
+// dst[i] += Σ_p partial[p, i] for i < width, where dst is d1 for i < split and d2 - split after
+// (two parameter spans, e.g. a LayerNorm's weight and bias).
+extern "C" __global__ void reduce_partials(float* d1, float* d2, int split, const float* partial, int nparts, int width) {
+    GRID_STRIDE(i, (i64)width) {
+        float s = 0.f;
+        for (int p = 0; p < nparts; p++) s += partial[(i64)p * width + i];
+        if (i < split) d1[i] += s; else d2[i - split] += s;
+    }
+}
+
+// Deterministic pseudo-random values in [-scale, scale) from (seed, index): synthetic data and
+// non-zero benchmark operands without a host upload.
+extern "C" __global__ void fill_random_kernel(void* dst, int dt, i64 n, unsigned seed, float scale) {
+    GRID_STRIDE(i, n) {
+        unsigned x = (unsigned)i * 0x9E3779B1u ^ seed;
+        x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16;
+        stx(dst, dt, i, scale * ((float)(x >> 8) * (2.0f / 16777216.0f) - 1.0f));
+    }
+}

@@ -1,0 +1,979 @@
+//! The CUDA backend: the `Backend` trait on one NVIDIA GPU.
+//!
+//! - Libraries are found at run time (`libs`): the binary builds and runs without CUDA.
+//! - Compute dtype is bf16 (`alloc`); master weights, gradients, optimizer state and losses
+//!   are f32 (`alloc_f32`). A buffer carries its dtype, and kernels that touch parameters,
+//!   statistics or losses accept either, so the model may choose.
+//! - GEMMs go through cuBLASLt (`gemm`): bf16 operands, fp32 accumulation, bias in the
+//!   epilogue; weight gradients accumulate into the f32 gradient buffer with beta = 1 (`+=`).
+//! - Every other op is a CUDA C kernel in `kernels/*.cu`, compiled by NVRTC for the device's
+//!   architecture and cached on disk (`compile`).
+//! - All work goes to one non-blocking stream, so a training step can be captured into a
+//!   CUDA graph (`begin_capture` / `end_capture`); nothing on the op paths synchronizes except
+//!   `download`, `upload` and `sum_squares`, which must.
+//!
+//! Attention materializes `probs` (B, H, N, N) as the trait asks: per-head layout copies,
+//! strided-batched cuBLASLt GEMMs for q·kᵀ and p·v, and a row-softmax kernel.
+
+mod compile;
+mod gemm;
+pub mod libs;
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr, CUstream};
+use cudarc::driver::{result as dr, CudaContext, CudaStream};
+
+use self::gemm::{alignment, Gemm, GemmShape, Ty};
+use super::{BResult, Backend, BackendError, DecayGroups, Span, StepHyper};
+use crate::config::OptimizerConfig;
+use crate::model::LN_EPS;
+
+/// What the probe found about a GPU.
+#[derive(Clone, Debug)]
+pub struct DeviceInfo {
+    pub index: usize,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub total_mem: usize,
+    pub multiprocessors: u32,
+    pub device_count: usize,
+}
+
+impl DeviceInfo {
+    /// NVRTC target, e.g. "sm_90".
+    pub fn arch(&self) -> String {
+        format!("sm_{}{}", self.compute_capability.0, self.compute_capability.1)
+    }
+}
+
+fn dev<E: std::fmt::Display>(op: &str) -> impl FnOnce(E) -> BackendError + '_ {
+    move |e| BackendError::Device(format!("{op}: {e}"))
+}
+
+fn probe_inner(index: usize) -> Result<DeviceInfo, String> {
+    libs::ensure_loaded()?;
+    let count = CudaContext::device_count().map_err(|e| format!("CUDA driver: {e}"))? as usize;
+    if count == 0 {
+        return Err("the CUDA driver reports no GPU".into());
+    }
+    if index >= count {
+        return Err(format!("GPU index {index} out of range: {count} GPU(s) present"));
+    }
+    let ctx = CudaContext::new(index).map_err(|e| format!("creating a context on GPU {index}: {e}"))?;
+    let name = ctx.name().map_err(|e| e.to_string())?;
+    let cc = ctx.compute_capability().map_err(|e| e.to_string())?;
+    let total_mem = ctx.total_mem().map_err(|e| e.to_string())?;
+    let sms = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(|e| e.to_string())?;
+    Ok(DeviceInfo { index, name, compute_capability: cc, total_mem, multiprocessors: sms as u32, device_count: count })
+}
+
+/// Whether GPU `index` is usable: loads the libraries and opens a context. Never panics
+/// (cudarc's loader panics on a missing library; that is caught and reported by name).
+pub fn probe(index: usize) -> Result<DeviceInfo, String> {
+    match std::panic::catch_unwind(|| probe_inner(index)) {
+        Ok(r) => r,
+        Err(p) => Err(p
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "CUDA initialization panicked".into())),
+    }
+}
+
+/// `probe(0)`: the check behind `--device auto`.
+pub fn cuda_available() -> Result<DeviceInfo, String> {
+    probe(0)
+}
+
+/// Live and peak bytes of device memory this backend allocated.
+#[derive(Default, Debug)]
+pub struct MemStats {
+    pub live: AtomicUsize,
+    pub peak: AtomicUsize,
+}
+
+/// A device buffer: raw allocation, element count and dtype. Freed on drop.
+pub struct CudaBuf {
+    ptr: CUdeviceptr,
+    len: usize,
+    ty: Ty,
+    ctx: Arc<CudaContext>,
+    mem: Arc<MemStats>,
+}
+
+// SAFETY: a device address is plain data; the allocation is only freed by Drop.
+unsafe impl Send for CudaBuf {}
+unsafe impl Sync for CudaBuf {}
+
+impl CudaBuf {
+    pub fn ptr(&self) -> CUdeviceptr {
+        self.ptr
+    }
+    pub fn is_bf16(&self) -> bool {
+        self.ty == Ty::Bf16
+    }
+    fn bytes(&self) -> usize {
+        self.len * self.ty.size()
+    }
+    fn dt(&self) -> i32 {
+        match self.ty {
+            Ty::F32 => 0,
+            Ty::Bf16 => 1,
+        }
+    }
+    /// Address of element `off`.
+    fn at(&self, off: usize) -> CUdeviceptr {
+        self.ptr + (off * self.ty.size()) as u64
+    }
+}
+
+impl Drop for CudaBuf {
+    fn drop(&mut self) {
+        if self.ptr != 0 {
+            let _ = self.ctx.bind_to_thread();
+            // SAFETY: `ptr` came from cuMemAlloc in `Cuda::raw_alloc` and is freed once. The
+            // driver waits for work using it when freeing (cuMemFree synchronizes).
+            let _ = unsafe { dr::free_sync(self.ptr) };
+            self.mem.live.fetch_sub(self.bytes(), Ordering::Relaxed);
+        }
+    }
+}
+
+/// Kernel arguments: pointers to each value, which must live until the launch returns
+/// (temporaries in the launching statement do).
+macro_rules! kargs {
+    ($($a:expr),* $(,)?) => { [$( &$a as *const _ as *mut c_void ),*] };
+}
+
+/// A captured CUDA graph, ready to replay on the backend's stream.
+pub struct Graph {
+    exec: cudarc::driver::sys::CUgraphExec,
+    graph: cudarc::driver::sys::CUgraph,
+    stream: CUstream,
+    ctx: Arc<CudaContext>,
+}
+
+impl Graph {
+    pub fn launch(&self) -> BResult<()> {
+        // SAFETY: exec was instantiated from a graph captured on this stream.
+        unsafe { dr::graph::launch(self.exec, self.stream) }.map_err(dev("cuGraphLaunch"))
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: created in end_capture, destroyed once.
+        unsafe {
+            let _ = dr::graph::exec_destroy(self.exec);
+            let _ = dr::graph::destroy(self.graph);
+        }
+    }
+}
+
+/// Scratch buffers the attention ops reuse between calls, grown on demand.
+#[derive(Default)]
+struct Scratch {
+    slots: HashMap<&'static str, CudaBuf>,
+}
+
+pub struct Cuda {
+    info: DeviceInfo,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    kernels: compile::Kernels,
+    gemm: Gemm,
+    _workspace: CudaBuf,
+    mem: Arc<MemStats>,
+    scratch: Mutex<Scratch>,
+    /// Uploaded optimizer segments (start, end, decays) for the last decay grouping seen.
+    segments: Mutex<Option<(Vec<i64>, CudaBuf)>>,
+    /// One f64 accumulator for `sum_squares`.
+    acc: CudaBuf,
+    /// When set, every kernel and GEMM is bracketed by events (see `set_profiling`).
+    profile: Mutex<Option<Vec<(String, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>>>,
+}
+
+const THREADS: u32 = 256;
+
+impl Cuda {
+    /// Opens GPU `index`: loads libraries, creates the context and stream, compiles (or loads
+    /// from the cache) every kernel, creates the cuBLASLt handle and workspace.
+    pub fn new(index: usize) -> BResult<Cuda> {
+        let info = probe(index).map_err(BackendError::Device)?;
+        let ctx = CudaContext::new(index).map_err(dev("cuCtxCreate"))?;
+        // One stream and raw allocations: cudarc's per-slice event tracking is not needed.
+        // SAFETY: no CudaSlice of this context is shared across streams.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(dev("cuStreamCreate"))?;
+        let kernels = compile::Kernels::load(&ctx, &info.arch())?;
+        let mem = Arc::new(MemStats::default());
+        let ws_size = 32usize << 20;
+        let workspace = Self::raw_alloc_with(&ctx, &stream, &mem, ws_size, Ty::Bf16)?;
+        let gemm = Gemm::new(workspace.ptr, ws_size)?;
+        let acc = Self::raw_alloc_with(&ctx, &stream, &mem, 2, Ty::F32)?;
+        Ok(Cuda {
+            info,
+            ctx,
+            stream,
+            kernels,
+            gemm,
+            _workspace: workspace,
+            mem,
+            scratch: Mutex::new(Scratch::default()),
+            segments: Mutex::new(None),
+            acc,
+            profile: Mutex::new(None),
+        })
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+    /// Seconds NVRTC spent compiling at start-up (0 when the disk cache had everything).
+    pub fn compile_seconds(&self) -> f64 {
+        self.kernels.compile_s
+    }
+    /// Peak bytes of device memory held by this backend's buffers (workspace included).
+    pub fn peak_bytes(&self) -> usize {
+        self.mem.peak.load(Ordering::Relaxed)
+    }
+    pub fn reset_peak(&self) {
+        self.mem.peak.store(self.mem.live.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+    /// (free, total) bytes on the device as the driver reports them.
+    pub fn mem_info(&self) -> BResult<(usize, usize)> {
+        self.ctx.mem_get_info().map_err(dev("cuMemGetInfo"))
+    }
+
+    /// Turns per-launch timing on or off (benchmark diagnostics; never while capturing).
+    pub fn set_profiling(&self, on: bool) {
+        if let Ok(mut p) = self.profile.lock() {
+            *p = if on { Some(Vec::new()) } else { None };
+        }
+    }
+
+    /// Per-launch times recorded since `set_profiling(true)`, summed by name:
+    /// (name, total ms, launches), largest first. Synchronizes.
+    pub fn take_profile(&self) -> BResult<Vec<(String, f64, usize)>> {
+        self.synchronize()?;
+        let recs = match self.profile.lock() {
+            Ok(mut p) => p.as_mut().map(std::mem::take).unwrap_or_default(),
+            Err(_) => Vec::new(),
+        };
+        let mut sum: HashMap<String, (f64, usize)> = HashMap::new();
+        for (name, e0, e1) in recs {
+            let ms = e0.elapsed_ms(&e1).map_err(dev("cuEventElapsedTime"))? as f64;
+            let e = sum.entry(name).or_insert((0.0, 0));
+            e.0 += ms;
+            e.1 += 1;
+        }
+        let mut v: Vec<(String, f64, usize)> = sum.into_iter().map(|(k, (t, n))| (k, t, n)).collect();
+        v.sort_by(|a, b| b.1.total_cmp(&a.1));
+        Ok(v)
+    }
+
+    /// Runs `f` between two timing events when profiling is on.
+    fn timed(&self, name: &str, f: impl FnOnce() -> BResult<()>) -> BResult<()> {
+        let on = self.profile.lock().map(|p| p.is_some()).unwrap_or(false);
+        if !on {
+            return f();
+        }
+        let ev = || self.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(dev("cuEventCreate"));
+        let (e0, e1) = (ev()?, ev()?);
+        e0.record(&self.stream).map_err(dev("cuEventRecord"))?;
+        f()?;
+        e1.record(&self.stream).map_err(dev("cuEventRecord"))?;
+        if let Ok(mut p) = self.profile.lock() {
+            if let Some(v) = p.as_mut() {
+                v.push((name.to_string(), e0, e1));
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts capturing every op queued on the backend's stream into a graph.
+    pub fn begin_capture(&self) -> BResult<()> {
+        self.ctx.bind_to_thread().map_err(dev("begin_capture"))?;
+        // SAFETY: the stream is ours and not already capturing.
+        unsafe { dr::stream::begin_capture(self.stream.cu_stream(), cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) }
+            .map_err(dev("cuStreamBeginCapture"))
+    }
+
+    /// Ends the capture begun by `begin_capture` and instantiates the graph.
+    pub fn end_capture(&self) -> BResult<Graph> {
+        // SAFETY: the stream is capturing (begin_capture succeeded).
+        let graph = unsafe { dr::stream::end_capture(self.stream.cu_stream()) }.map_err(dev("cuStreamEndCapture"))?;
+        // SAFETY: graph was just captured.
+        let exec = unsafe { dr::graph::instantiate(graph, cudarc::driver::sys::CUgraphInstantiate_flags(0)) }.map_err(dev("cuGraphInstantiate"))?;
+        Ok(Graph { exec, graph, stream: self.stream.cu_stream(), ctx: self.ctx.clone() })
+    }
+
+    /// Fills `buf` with deterministic pseudo-random values in [-scale, scale).
+    pub fn fill_random(&self, buf: &mut CudaBuf, seed: u32, scale: f32) -> BResult<()> {
+        let n = buf.len as i64;
+        self.launch1("fill_random_kernel", buf.len, &mut kargs![buf.ptr, buf.dt(), n, seed, scale])
+    }
+
+    /// Measures the bf16 GEMM ceiling: median TFLOP/s of `reps` n×n×n products on random data.
+    pub fn matmul_tflops(&self, n: usize, reps: usize) -> BResult<f64> {
+        let mut a = self.alloc(n * n)?;
+        let mut b = self.alloc(n * n)?;
+        let d = self.alloc(n * n)?;
+        self.fill_random(&mut a, 1, 1.0)?;
+        self.fill_random(&mut b, 2, 1.0)?;
+        let s = GemmShape {
+            ta: true, tb: false, m: n as u64, n: n as u64, k: n as u64,
+            a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
+            lda: n as i64, ldb: n as i64, ldd: n as i64,
+            batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
+            bias: false, accumulate: false, align: 0,
+        };
+        let ev = |op: &str| self.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| BackendError::Device(format!("{op}: {e}")));
+        for _ in 0..3 {
+            self.gemm("matmul_tflops", s, a.ptr, b.ptr, d.ptr, 0, 1.0, 0.0)?;
+        }
+        let mut times = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            let (e0, e1) = (ev("event")?, ev("event")?);
+            e0.record(&self.stream).map_err(dev("cuEventRecord"))?;
+            self.gemm("matmul_tflops", s, a.ptr, b.ptr, d.ptr, 0, 1.0, 0.0)?;
+            e1.record(&self.stream).map_err(dev("cuEventRecord"))?;
+            e1.synchronize().map_err(dev("cuEventSynchronize"))?;
+            times.push(e0.elapsed_ms(&e1).map_err(dev("cuEventElapsedTime"))? as f64);
+        }
+        times.sort_by(|x, y| x.total_cmp(y));
+        let ms = times[times.len() / 2];
+        Ok(2.0 * (n as f64).powi(3) / (ms * 1e-3) / 1e12)
+    }
+
+    fn raw_alloc_with(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, mem: &Arc<MemStats>, len: usize, ty: Ty) -> BResult<CudaBuf> {
+        ctx.bind_to_thread().map_err(dev("alloc"))?;
+        let bytes = (len * ty.size()).max(1);
+        // SAFETY: plain device allocation, zeroed on our stream before any use.
+        let ptr = unsafe { dr::malloc_sync(bytes) }.map_err(|e| BackendError::Device(format!("allocating {bytes} bytes on the GPU: {e}")))?;
+        // SAFETY: ptr points to `bytes` bytes just allocated.
+        unsafe { dr::memset_d8_async(ptr, 0, bytes, stream.cu_stream()) }.map_err(dev("cuMemsetD8Async"))?;
+        let live = mem.live.fetch_add(len * ty.size(), Ordering::Relaxed) + len * ty.size();
+        mem.peak.fetch_max(live, Ordering::Relaxed);
+        Ok(CudaBuf { ptr, len, ty, ctx: ctx.clone(), mem: mem.clone() })
+    }
+
+    fn raw_alloc(&self, len: usize, ty: Ty) -> BResult<CudaBuf> {
+        Self::raw_alloc_with(&self.ctx, &self.stream, &self.mem, len, ty)
+    }
+
+    /// Address of a scratch buffer of at least `len` bf16 elements (contents undefined).
+    fn scratch(&self, name: &'static str, len: usize) -> BResult<CUdeviceptr> {
+        let mut s = self.scratch.lock().map_err(|_| BackendError::Device("scratch lock poisoned".into()))?;
+        if s.slots.get(name).is_none_or(|b| b.len < len) {
+            // The old buffer may still be read by queued kernels: drain the stream first.
+            if s.slots.contains_key(name) {
+                self.synchronize()?;
+            }
+            s.slots.remove(name);
+            let b = self.raw_alloc(len, Ty::Bf16)?;
+            s.slots.insert(name, b);
+        }
+        Ok(s.slots[name].ptr)
+    }
+
+    fn grid(&self, n: usize) -> u32 {
+        let blocks = n.div_ceil(THREADS as usize).max(1);
+        blocks.min(self.info.multiprocessors as usize * 16) as u32
+    }
+
+    fn launch(&self, name: &str, grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32, args: &mut [*mut c_void]) -> BResult<()> {
+        let f = self.kernels.get(name)?;
+        self.timed(name, || {
+            // SAFETY: every launch site passes arguments whose types and order match the
+            // kernel's signature in kernels/*.cu, device pointers to live buffers whose lengths
+            // the caller checked against the shapes, and values that outlive this call.
+            unsafe { dr::launch_kernel(f.cu_function(), grid, block, smem, self.stream.cu_stream(), args) }
+                .map_err(|e| BackendError::Device(format!("launching {name}: {e}")))
+        })
+    }
+
+    /// 1-D grid-stride launch over `n` elements.
+    fn launch1(&self, name: &str, n: usize, args: &mut [*mut c_void]) -> BResult<()> {
+        self.launch(name, (self.grid(n), 1, 1), (THREADS, 1, 1), 0, args)
+    }
+
+    /// Moves heads between (B, N, S, H, D) and [S][B][H][N][D] (`to_heads` picks the direction).
+    #[allow(clippy::too_many_arguments)]
+    fn move_heads(&self, to_heads: bool, dst: CUdeviceptr, src: CUdeviceptr, b: usize, n: usize, s: usize, h: usize, d: usize) -> BResult<()> {
+        let total = b * n * s * h * d;
+        let (bb, nn, ss, hh) = (b as i32, n as i32, s as i32, h as i32);
+        if d % 8 == 0 && dst % 16 == 0 && src % 16 == 0 && total / 8 < u32::MAX as usize {
+            let d8 = (d / 8) as i32;
+            let name = if to_heads { "tokens_to_heads_v8" } else { "heads_to_tokens_v8" };
+            self.launch1(name, total / 8, &mut kargs![dst, src, bb, nn, ss, hh, d8])
+        } else {
+            let dd = d as i32;
+            let name = if to_heads { "tokens_to_heads" } else { "heads_to_tokens" };
+            self.launch1(name, total, &mut kargs![dst, src, bb, nn, ss, hh, dd])
+        }
+    }
+
+    fn gemm(&self, op: &str, mut s: GemmShape, a: CUdeviceptr, b: CUdeviceptr, d: CUdeviceptr, bias: CUdeviceptr, alpha: f32, beta: f32) -> BResult<()> {
+        let sz = |t: Ty| t.size() as u64;
+        let mut addrs = vec![a, b, d, s.lda as u64 * sz(s.a_ty), s.ldb as u64 * sz(s.b_ty), s.ldd as u64 * sz(s.d_ty)];
+        if s.batch > 1 {
+            addrs.extend([s.stride_a as u64 * sz(s.a_ty), s.stride_b as u64 * sz(s.b_ty), s.stride_d as u64 * sz(s.d_ty)]);
+        }
+        s.align = alignment(&addrs);
+        s.accumulate = beta != 0.0;
+        let label = format!("gemm {op} m{} n{} k{} b{}", s.m, s.n, s.k, s.batch);
+        self.timed(&label, || self.gemm.run(op, &s, a, b, d, bias, alpha, beta, self.stream.cu_stream()))
+    }
+}
+
+fn check_len(op: &'static str, what: &str, buf: &CudaBuf, want: usize) -> BResult<()> {
+    if buf.len < want {
+        return Err(BackendError::Shape { op, msg: format!("{what} holds {} elements, needs {want}", buf.len) });
+    }
+    Ok(())
+}
+
+fn check_bf16(op: &'static str, what: &str, buf: &CudaBuf) -> BResult<()> {
+    if buf.ty != Ty::Bf16 {
+        return Err(BackendError::Shape { op, msg: format!("{what} must be a compute-dtype (bf16) buffer") });
+    }
+    Ok(())
+}
+
+fn check_f32(op: &'static str, what: &str, buf: &CudaBuf) -> BResult<()> {
+    if buf.ty != Ty::F32 {
+        return Err(BackendError::Shape { op, msg: format!("{what} must be an f32 buffer (alloc_f32)") });
+    }
+    Ok(())
+}
+
+fn check_span(op: &'static str, what: &str, buf: &CudaBuf, s: Span) -> BResult<()> {
+    if s.off + s.len > buf.len {
+        return Err(BackendError::Shape { op, msg: format!("{what} span {}..{} outside a buffer of {}", s.off, s.off + s.len, buf.len) });
+    }
+    Ok(())
+}
+
+/// J (= C/32) of the register-resident LayerNorm kernels, when they apply: bf16 tensors,
+/// f32 statistics and a width with a compiled instance.
+fn ln_fast_j(c: usize, bf16s: &[&CudaBuf], f32s: &[&CudaBuf]) -> Option<usize> {
+    let j = c / 32;
+    let ok = c % 32 == 0
+        && [1, 2, 3, 4, 6, 8, 12, 16, 24, 32].contains(&j)
+        && bf16s.iter().all(|b| b.ty == Ty::Bf16)
+        && f32s.iter().all(|b| b.ty == Ty::F32);
+    ok.then_some(j)
+}
+
+fn bf16_bits(x: f32) -> u16 {
+    half::bf16::from_f32(x).to_bits()
+}
+
+impl Backend for Cuda {
+    type Buf = CudaBuf;
+
+    fn name(&self) -> String {
+        format!("cuda:{} {}", self.info.index, self.info.name)
+    }
+
+    fn alloc(&self, len: usize) -> BResult<CudaBuf> {
+        self.raw_alloc(len, Ty::Bf16)
+    }
+
+    fn alloc_f32(&self, len: usize) -> BResult<CudaBuf> {
+        self.raw_alloc(len, Ty::F32)
+    }
+
+    fn needs_compute_copy(&self) -> bool {
+        true
+    }
+
+    fn cast(&self, dst: &mut CudaBuf, src: &CudaBuf) -> BResult<()> {
+        check_len("cast", "dst", dst, src.len)?;
+        let n = src.len as i64;
+        self.launch1("cast_kernel", src.len, &mut kargs![dst.ptr, dst.dt(), src.ptr, src.dt(), n])
+    }
+
+    fn len(&self, buf: &CudaBuf) -> usize {
+        buf.len
+    }
+
+    fn upload(&self, dst: &mut CudaBuf, off: usize, src: &[f32]) -> BResult<()> {
+        check_len("upload", "dst", dst, off + src.len())?;
+        self.ctx.bind_to_thread().map_err(dev("upload"))?;
+        let s = self.stream.cu_stream();
+        // SAFETY: the destination range was checked; the host slice outlives the copy because
+        // the stream is synchronized before returning.
+        unsafe {
+            match dst.ty {
+                Ty::F32 => dr::memcpy_htod_async(dst.at(off), src, s).map_err(dev("upload"))?,
+                Ty::Bf16 => {
+                    let h: Vec<u16> = src.iter().map(|&x| bf16_bits(x)).collect();
+                    dr::memcpy_htod_async(dst.at(off), &h, s).map_err(dev("upload"))?;
+                    return self.synchronize();
+                }
+            }
+        }
+        self.synchronize()
+    }
+
+    fn download(&self, src: &CudaBuf) -> BResult<Vec<f32>> {
+        self.synchronize()?;
+        // SAFETY: the host vectors have exactly the buffer's byte size; the stream is idle.
+        unsafe {
+            match src.ty {
+                Ty::F32 => {
+                    let mut h = vec![0f32; src.len];
+                    dr::memcpy_dtoh_sync(&mut h, src.ptr).map_err(dev("download"))?;
+                    Ok(h)
+                }
+                Ty::Bf16 => {
+                    let mut h = vec![0u16; src.len];
+                    dr::memcpy_dtoh_sync(&mut h, src.ptr).map_err(dev("download"))?;
+                    Ok(h.into_iter().map(|b| half::bf16::from_bits(b).to_f32()).collect())
+                }
+            }
+        }
+    }
+
+    fn fill(&self, buf: &mut CudaBuf, value: f32) -> BResult<()> {
+        if value == 0.0 {
+            // SAFETY: the whole allocation of `buf`.
+            return unsafe { dr::memset_d8_async(buf.ptr, 0, buf.bytes(), self.stream.cu_stream()) }.map_err(dev("fill"));
+        }
+        let n = buf.len as i64;
+        self.launch1("fill_kernel", buf.len, &mut kargs![buf.ptr, buf.dt(), n, value])
+    }
+
+    fn copy(&self, dst: &mut CudaBuf, src: &CudaBuf) -> BResult<()> {
+        check_len("copy", "dst", dst, src.len)?;
+        if dst.ty == src.ty {
+            // SAFETY: both ranges hold src.bytes() bytes.
+            return unsafe { dr::memcpy_dtod_async(dst.ptr, src.ptr, src.bytes(), self.stream.cu_stream()) }.map_err(dev("copy"));
+        }
+        self.cast(dst, src)
+    }
+
+    fn synchronize(&self) -> BResult<()> {
+        self.stream.synchronize().map_err(dev("synchronize"))
+    }
+
+    fn patchify(&self, out: &mut CudaBuf, img: &CudaBuf, b: usize, chans: usize, size: usize, patch: usize) -> BResult<()> {
+        if patch == 0 || size % patch != 0 {
+            return Err(BackendError::Shape { op: "patchify", msg: format!("patch {patch} does not divide image size {size}") });
+        }
+        let n = b * chans * size * size;
+        check_len("patchify", "img", img, n)?;
+        check_len("patchify", "out", out, n)?;
+        let (b, c, s, p) = (b as i32, chans as i32, size as i32, patch as i32);
+        self.launch1("patchify_kernel", n, &mut kargs![out.ptr, out.dt(), img.ptr, img.dt(), b, c, s, p])
+    }
+
+    fn embed_forward(&self, out: &mut CudaBuf, patches: &CudaBuf, params: &CudaBuf, pos: Span, cls: Option<Span>, b: usize, np: usize, c: usize) -> BResult<()> {
+        let n_tok = np + usize::from(cls.is_some());
+        check_len("embed_forward", "patches", patches, b * np * c)?;
+        check_len("embed_forward", "out", out, b * n_tok * c)?;
+        check_span("embed_forward", "pos", params, pos)?;
+        let cls_off = cls.map_or(-1i64, |s| s.off as i64);
+        let (pos_off, bb, npp, cc) = (pos.off as i64, b as i32, np as i32, c as i32);
+        self.launch1("embed_fwd_kernel", b * n_tok * c, &mut kargs![out.ptr, out.dt(), patches.ptr, patches.dt(), params.ptr, params.dt(), pos_off, cls_off, bb, npp, cc])
+    }
+
+    fn embed_backward(&self, dpatches: &mut CudaBuf, dparams: &mut CudaBuf, dout: &CudaBuf, pos: Span, cls: Option<Span>, b: usize, np: usize, c: usize) -> BResult<()> {
+        let prefix = usize::from(cls.is_some());
+        let n_tok = np + prefix;
+        check_len("embed_backward", "dout", dout, b * n_tok * c)?;
+        check_len("embed_backward", "dpatches", dpatches, b * np * c)?;
+        check_f32("embed_backward", "dparams", dparams)?;
+        check_span("embed_backward", "pos", dparams, pos)?;
+        let (bb, npp, pre, cc, nt) = (b as i32, np as i32, prefix as i32, c as i32, n_tok as i32);
+        self.launch1("embed_bwd_patches", b * np * c, &mut kargs![dpatches.ptr, dpatches.dt(), dout.ptr, dout.dt(), bb, npp, pre, cc])?;
+        let cls_off = cls.map_or(-1i64, |s| s.off as i64);
+        let pos_off = pos.off as i64;
+        self.launch1("embed_bwd_params", n_tok * c, &mut kargs![dparams.ptr, dout.ptr, dout.dt(), pos_off, cls_off, bb, nt, cc])
+    }
+
+    fn matmul_forward(&self, out: &mut CudaBuf, gelu_pre: Option<&mut CudaBuf>, inp: &CudaBuf, params: &CudaBuf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
+        const OP: &str = "matmul_forward";
+        check_bf16(OP, "inp", inp)?;
+        check_bf16(OP, "out", out)?;
+        check_bf16(OP, "params (the compute copy)", params)?;
+        check_len(OP, "inp", inp, rows * ic)?;
+        check_len(OP, "out", out, rows * oc)?;
+        check_span(OP, "weight", params, w)?;
+        if w.len != ic * oc {
+            return Err(BackendError::Shape { op: OP, msg: format!("weight span has {} elements, expected {oc}×{ic}", w.len) });
+        }
+        let target = match &gelu_pre {
+            Some(pre) => {
+                check_bf16(OP, "gelu_pre", pre)?;
+                check_len(OP, "gelu_pre", pre, rows * oc)?;
+                pre.ptr
+            }
+            None => out.ptr,
+        };
+        let bias_ptr = match bias {
+            Some(s) => {
+                check_span(OP, "bias", params, s)?;
+                params.at(s.off)
+            }
+            None => 0,
+        };
+        // Row-major out(R, OC) = inp(R, IC)·Wᵀ  ⇔  column-major outᵀ(OC×R) = Wᵀ·inpᵀ with
+        // W read as column-major IC×OC (ld IC) transposed, inp as IC×R (ld IC).
+        let s = GemmShape {
+            ta: true, tb: false, m: oc as u64, n: rows as u64, k: ic as u64,
+            a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
+            lda: ic as i64, ldb: ic as i64, ldd: oc as i64,
+            batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
+            bias: bias.is_some(), accumulate: false, align: 0,
+        };
+        self.gemm(OP, s, params.at(w.off), inp.ptr, target, bias_ptr, 1.0, 0.0)?;
+        if gelu_pre.is_some() {
+            let n = rows * oc;
+            if n % 2 == 0 && target % 4 == 0 && out.ptr % 4 == 0 {
+                let n2 = (n / 2) as i64;
+                self.launch1("gelu_fwd_bf16", n / 2, &mut kargs![out.ptr, target, n2])?;
+            } else {
+                let nn = n as i64;
+                self.launch1("gelu_fwd", n, &mut kargs![out.ptr, 1i32, target, 1i32, nn])?;
+            }
+        }
+        Ok(())
+    }
+
+    fn matmul_backward(&self, dinp: &mut CudaBuf, dparams: &mut CudaBuf, dout: &CudaBuf, inp: &CudaBuf, dgelu_pre: Option<&CudaBuf>, params: &CudaBuf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
+        const OP: &str = "matmul_backward";
+        check_bf16(OP, "dinp", dinp)?;
+        check_bf16(OP, "dout", dout)?;
+        check_bf16(OP, "inp", inp)?;
+        check_bf16(OP, "params (the compute copy)", params)?;
+        check_f32(OP, "dparams", dparams)?;
+        check_len(OP, "dinp", dinp, rows * ic)?;
+        check_len(OP, "dout", dout, rows * oc)?;
+        check_len(OP, "inp", inp, rows * ic)?;
+        check_span(OP, "weight", params, w)?;
+        check_span(OP, "weight gradient", dparams, w)?;
+        // dinp(R, IC) = dout(R, OC)·W(OC, IC)  ⇔  dinpᵀ(IC×R) = W(IC×OC, ld IC)·doutᵀ(OC×R, ld OC).
+        let s = GemmShape {
+            ta: false, tb: false, m: ic as u64, n: rows as u64, k: oc as u64,
+            a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
+            lda: ic as i64, ldb: oc as i64, ldd: ic as i64,
+            batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
+            bias: false, accumulate: false, align: 0,
+        };
+        self.gemm("matmul_backward (dinp)", s, params.at(w.off), dout.ptr, dinp.ptr, 0, 1.0, 0.0)?;
+        if let Some(pre) = dgelu_pre {
+            check_bf16(OP, "dgelu_pre", pre)?;
+            check_len(OP, "dgelu_pre", pre, rows * ic)?;
+            let n = rows * ic;
+            if n % 2 == 0 {
+                let n2 = (n / 2) as i64;
+                self.launch1("gelu_bwd_bf16", n / 2, &mut kargs![dinp.ptr, pre.ptr, n2])?;
+            } else {
+                let nn = n as i64;
+                self.launch1("gelu_bwd", n, &mut kargs![dinp.ptr, 1i32, pre.ptr, 1i32, nn])?;
+            }
+        }
+        // dW(OC, IC) += doutᵀ·inp  ⇔  dWᵀ(IC×OC, ld IC) += inpᵀ(IC×R, ld IC)·dout(R×OC), dout read
+        // as column-major OC×R (ld OC) transposed. fp32 output, beta = 1.
+        let s = GemmShape {
+            ta: false, tb: true, m: ic as u64, n: oc as u64, k: rows as u64,
+            a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::F32,
+            lda: ic as i64, ldb: oc as i64, ldd: ic as i64,
+            batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
+            bias: false, accumulate: true, align: 0,
+        };
+        self.gemm("matmul_backward (dW)", s, inp.ptr, dout.ptr, dparams.at(w.off), 0, 1.0, 1.0)?;
+        if let Some(bs) = bias {
+            check_span(OP, "bias gradient", dparams, bs)?;
+            let splits = (rows.div_ceil(64)).clamp(1, 256) as u32;
+            let (r, o) = (rows as i64, oc as i32);
+            let partial = self.scratch("bias_partials", 2 * splits as usize * oc)?;
+            self.launch("bias_grad_kernel", (oc.div_ceil(32) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![partial, dout.ptr, dout.dt(), r, o])?;
+            let (np, dst) = (splits as i32, dparams.at(bs.off));
+            self.launch1("reduce_partials", oc, &mut kargs![dst, dst, o, partial, np, o])?;
+        }
+        Ok(())
+    }
+
+    fn layernorm_forward(&self, out: &mut CudaBuf, mean: &mut CudaBuf, rstd: &mut CudaBuf, inp: &CudaBuf, params: &CudaBuf, w: Span, b: Span, rows: usize, c: usize) -> BResult<()> {
+        const OP: &str = "layernorm_forward";
+        check_len(OP, "inp", inp, rows * c)?;
+        check_len(OP, "out", out, rows * c)?;
+        check_len(OP, "mean", mean, rows)?;
+        check_len(OP, "rstd", rstd, rows)?;
+        check_span(OP, "weight", params, w)?;
+        check_span(OP, "bias", params, b)?;
+        if mean.ty != rstd.ty {
+            return Err(BackendError::Shape { op: OP, msg: "mean and rstd must share a dtype".into() });
+        }
+        let grid = (rows.div_ceil(8) as u32).min(self.info.multiprocessors * 16).max(1);
+        if let Some(j) = ln_fast_j(c, &[&*out, inp, params], &[&*mean, &*rstd]) {
+            let (wo, bo, r, eps) = (w.off as i64, b.off as i64, rows as i64, LN_EPS);
+            return self.launch(&format!("layernorm_fwd_c{j}"), (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![out.ptr, mean.ptr, rstd.ptr, inp.ptr, params.ptr, wo, bo, r, eps]);
+        }
+        let (wo, bo, r, cc, eps) = (w.off as i64, b.off as i64, rows as i64, c as i32, LN_EPS);
+        self.launch("layernorm_fwd_kernel", (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![out.ptr, out.dt(), mean.ptr, rstd.ptr, mean.dt(), inp.ptr, inp.dt(), params.ptr, params.dt(), wo, bo, r, cc, eps])
+    }
+
+    fn layernorm_backward(&self, dinp: &mut CudaBuf, dparams: &mut CudaBuf, dout: &CudaBuf, dresidual: Option<&CudaBuf>, inp: &CudaBuf, mean: &CudaBuf, rstd: &CudaBuf, params: &CudaBuf, w: Span, b: Span, rows: usize, c: usize) -> BResult<()> {
+        const OP: &str = "layernorm_backward";
+        check_len(OP, "dinp", dinp, rows * c)?;
+        check_len(OP, "dout", dout, rows * c)?;
+        check_len(OP, "inp", inp, rows * c)?;
+        check_len(OP, "mean", mean, rows)?;
+        check_f32(OP, "dparams", dparams)?;
+        check_span(OP, "weight", params, w)?;
+        check_span(OP, "dweight", dparams, w)?;
+        check_span(OP, "dbias", dparams, b)?;
+        let (dres, dtr) = match dresidual {
+            Some(d) => {
+                check_len(OP, "dresidual", d, rows * c)?;
+                (d.ptr, d.dt())
+            }
+            None => (0u64, 0i32),
+        };
+        let dres_bf16 = dresidual.is_none_or(|d| d.ty == Ty::Bf16);
+        if let (Some(j), true) = (ln_fast_j(c, &[&*dinp, dout, inp, params], &[mean, rstd]), dres_bf16) {
+            let grid = (rows.div_ceil(8) as u32).min(self.info.multiprocessors * 4).max(1);
+            let (wo, bo, r) = (w.off as i64, b.off as i64, rows as i64);
+            let partial = self.scratch("ln_partials", 2 * grid as usize * 2 * c)?;
+            self.launch(&format!("layernorm_bwd_c{j}"), (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![dinp.ptr, partial, dout.ptr, dres, inp.ptr, mean.ptr, rstd.ptr, params.ptr, wo, bo, r])?;
+            let (cc, np, width) = (c as i32, grid as i32, (2 * c) as i32);
+            return self.launch1("reduce_partials", 2 * c, &mut kargs![dparams.at(w.off), dparams.at(b.off), cc, partial, np, width]);
+        }
+        // Warps per block so that each warp's two C-wide accumulator rows fit in 48 KiB.
+        let warps = (48 * 1024 / (2 * c * 4)).clamp(1, 8) as u32;
+        if 2 * c * 4 > 48 * 1024 {
+            return Err(BackendError::Shape { op: OP, msg: format!("width {c} exceeds the 6144 this kernel supports") });
+        }
+        let grid = (rows.div_ceil(warps as usize * 8) as u32).min(self.info.multiprocessors * 4).max(1);
+        let smem = warps * (2 * c * 4) as u32;
+        let (wo, bo, r, cc) = (w.off as i64, b.off as i64, rows as i64, c as i32);
+        self.launch("layernorm_bwd_kernel", (grid, 1, 1), (32 * warps, 1, 1), smem, &mut kargs![dinp.ptr, dinp.dt(), dparams.ptr, dout.ptr, dout.dt(), dres, dtr, inp.ptr, inp.dt(), mean.ptr, rstd.ptr, mean.dt(), params.ptr, params.dt(), wo, bo, r, cc])
+    }
+
+    fn attention_forward(&self, out: &mut CudaBuf, probs: &mut CudaBuf, qkv: &CudaBuf, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
+        const OP: &str = "attention_forward";
+        check_bf16(OP, "qkv", qkv)?;
+        check_bf16(OP, "out", out)?;
+        check_bf16(OP, "probs", probs)?;
+        let bhnd = b * h * n * d;
+        check_len(OP, "qkv", qkv, 3 * bhnd)?;
+        check_len(OP, "out", out, bhnd)?;
+        check_len(OP, "probs", probs, b * h * n * n)?;
+        let heads = self.scratch("qkv_heads", 3 * bhnd)?;
+        let oh = self.scratch("o_heads", bhnd)?;
+        let nn = n as i32;
+        self.move_heads(true, heads, qkv.ptr, b, n, 3, h, d)?;
+        let (q, k, v) = (heads, heads + 2 * bhnd as u64, heads + 4 * bhnd as u64);
+        // Scores in rows padded to a multiple of 8 so every GEMM operand is 16-byte aligned.
+        let ld = n.div_ceil(8) * 8;
+        let sp = self.scratch("scores", b * h * n * ld)?;
+        let nd = (n * d) as i64;
+        let nld = (n * ld) as i64;
+        let batch = (b * h) as i32;
+        // S(N, N) = q·kᵀ/√D per head  ⇔  Sᵀ = K(D×N)ᵀ·Q(D×N), column-major.
+        let s = GemmShape {
+            ta: true, tb: false, m: n as u64, n: n as u64, k: d as u64,
+            a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
+            lda: d as i64, ldb: d as i64, ldd: ld as i64,
+            batch, stride_a: nd, stride_b: nd, stride_d: nld,
+            bias: false, accumulate: false, align: 0,
+        };
+        self.gemm("attention_forward (q·kᵀ)", s, k, q, sp, 0, 1.0 / (d as f32).sqrt(), 0.0)?;
+        let rows = (b * h * n) as i64;
+        let grid = (rows as usize).div_ceil(8).min(self.info.multiprocessors as usize * 16) as u32;
+        let ldi = ld as i32;
+        self.launch("softmax_fwd_pad", (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![sp, ldi, probs.ptr, rows, nn])?;
+        // O(N, D) = P·V  ⇔  Oᵀ(D×N) = Vᵀ(D×N)·Pᵀ(N×N), column-major.
+        let s = GemmShape {
+            ta: false, tb: false, m: d as u64, n: n as u64, k: n as u64,
+            a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
+            lda: d as i64, ldb: ld as i64, ldd: d as i64,
+            batch, stride_a: nd, stride_b: nld, stride_d: nd,
+            bias: false, accumulate: false, align: 0,
+        };
+        self.gemm("attention_forward (p·v)", s, v, sp, oh, 0, 1.0, 0.0)?;
+        self.move_heads(false, out.ptr, oh, b, n, 1, h, d)
+    }
+
+    fn attention_backward(&self, dqkv: &mut CudaBuf, dout: &CudaBuf, qkv: &CudaBuf, probs: &CudaBuf, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
+        const OP: &str = "attention_backward";
+        check_bf16(OP, "dqkv", dqkv)?;
+        check_bf16(OP, "dout", dout)?;
+        check_bf16(OP, "qkv", qkv)?;
+        check_bf16(OP, "probs", probs)?;
+        let bhnd = b * h * n * d;
+        check_len(OP, "dqkv", dqkv, 3 * bhnd)?;
+        check_len(OP, "dout", dout, bhnd)?;
+        check_len(OP, "qkv", qkv, 3 * bhnd)?;
+        check_len(OP, "probs", probs, b * h * n * n)?;
+        let heads = self.scratch("qkv_heads", 3 * bhnd)?;
+        let dheads = self.scratch("dqkv_heads", 3 * bhnd)?;
+        let doh = self.scratch("o_heads", bhnd)?;
+        let ld = n.div_ceil(8) * 8;
+        let dp = self.scratch("dprobs", b * h * n * ld)?;
+        let pp = self.scratch("scores", b * h * n * ld)?;
+        let nn = n as i32;
+        let ldi = ld as i32;
+        self.move_heads(true, heads, qkv.ptr, b, n, 3, h, d)?;
+        self.move_heads(true, doh, dout.ptr, b, n, 1, h, d)?;
+        let rows = (b * h * n) as i64;
+        self.launch1("pad_rows", b * h * n * ld, &mut kargs![pp, ldi, probs.ptr, rows, nn])?;
+        let off = |base: u64, i: usize| base + (2 * i * bhnd) as u64;
+        let (q, k, v) = (off(heads, 0), off(heads, 1), off(heads, 2));
+        let (dq, dk, dv) = (off(dheads, 0), off(dheads, 1), off(dheads, 2));
+        let nd = (n * d) as i64;
+        let nld = (n * ld) as i64;
+        let batch = (b * h) as i32;
+        let scale = 1.0 / (d as f32).sqrt();
+        let base = GemmShape {
+            ta: false, tb: false, m: 0, n: 0, k: 0,
+            a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
+            lda: 0, ldb: 0, ldd: 0, batch, stride_a: 0, stride_b: 0, stride_d: 0,
+            bias: false, accumulate: false, align: 0,
+        };
+        // dP(N, N) = dO·Vᵀ  (same form as q·kᵀ), rows padded to `ld`.
+        let s = GemmShape { ta: true, m: n as u64, n: n as u64, k: d as u64, lda: d as i64, ldb: d as i64, ldd: ld as i64, stride_a: nd, stride_b: nd, stride_d: nld, ..base };
+        self.gemm("attention_backward (dO·vᵀ)", s, v, doh, dp, 0, 1.0, 0.0)?;
+        // dV(N, D) = Pᵀ·dO  ⇔  dVᵀ(D×N) = dOᵀ(D×N)·P(N×N): P read transposed.
+        let s = GemmShape { tb: true, m: d as u64, n: n as u64, k: n as u64, lda: d as i64, ldb: ld as i64, ldd: d as i64, stride_a: nd, stride_b: nld, stride_d: nd, ..base };
+        self.gemm("attention_backward (pᵀ·dO)", s, doh, pp, dv, 0, 1.0, 0.0)?;
+        let grid = (rows as usize).div_ceil(8).min(self.info.multiprocessors as usize * 16) as u32;
+        self.launch("softmax_bwd_pad", (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![dp, pp, ldi, rows, nn])?;
+        // dQ(N, D) = dS·K/√D  (same form as p·v).
+        let s = GemmShape { m: d as u64, n: n as u64, k: n as u64, lda: d as i64, ldb: ld as i64, ldd: d as i64, stride_a: nd, stride_b: nld, stride_d: nd, ..base };
+        self.gemm("attention_backward (dS·k)", s, k, dp, dq, 0, scale, 0.0)?;
+        // dK(N, D) = dSᵀ·Q/√D  (same form as pᵀ·dO).
+        let s = GemmShape { tb: true, m: d as u64, n: n as u64, k: n as u64, lda: d as i64, ldb: ld as i64, ldd: d as i64, stride_a: nd, stride_b: nld, stride_d: nd, ..base };
+        self.gemm("attention_backward (dSᵀ·q)", s, q, dp, dk, 0, scale, 0.0)?;
+        self.move_heads(false, dqkv.ptr, dheads, b, n, 3, h, d)
+    }
+
+    fn add(&self, out: &mut CudaBuf, a: &CudaBuf, b: &CudaBuf) -> BResult<()> {
+        let n = a.len.min(b.len);
+        check_len("add", "out", out, n)?;
+        if a.len != b.len {
+            return Err(BackendError::Shape { op: "add", msg: format!("operands differ in length: {} vs {}", a.len, b.len) });
+        }
+        let nn = n as i64;
+        self.launch1("add_kernel", n, &mut kargs![out.ptr, out.dt(), a.ptr, a.dt(), b.ptr, b.dt(), nn])
+    }
+
+    fn pool_forward(&self, out: &mut CudaBuf, inp: &CudaBuf, b: usize, n: usize, c: usize, prefix: usize, avg: bool) -> BResult<()> {
+        check_len("pool_forward", "inp", inp, b * n * c)?;
+        check_len("pool_forward", "out", out, b * c)?;
+        let (bb, nn, cc, pp, a) = (b as i32, n as i32, c as i32, prefix as i32, avg as i32);
+        self.launch1("pool_fwd_kernel", b * c, &mut kargs![out.ptr, out.dt(), inp.ptr, inp.dt(), bb, nn, cc, pp, a])
+    }
+
+    fn pool_backward(&self, dinp: &mut CudaBuf, dout: &CudaBuf, b: usize, n: usize, c: usize, prefix: usize, avg: bool) -> BResult<()> {
+        check_len("pool_backward", "dinp", dinp, b * n * c)?;
+        check_len("pool_backward", "dout", dout, b * c)?;
+        let (bb, nn, cc, pp, a) = (b as i32, n as i32, c as i32, prefix as i32, avg as i32);
+        self.launch1("pool_bwd_kernel", b * n * c, &mut kargs![dinp.ptr, dinp.dt(), dout.ptr, dout.dt(), bb, nn, cc, pp, a])
+    }
+
+    fn cross_entropy(&self, losses: &mut CudaBuf, dlogits: Option<&mut CudaBuf>, logits: &CudaBuf, targets: &CudaBuf, b: usize, k: usize, dloss_scale: f32) -> BResult<()> {
+        check_len("cross_entropy", "losses", losses, b)?;
+        check_len("cross_entropy", "logits", logits, b * k)?;
+        check_len("cross_entropy", "targets", targets, b * k)?;
+        let (dptr, ddt) = match dlogits {
+            Some(d) => {
+                check_len("cross_entropy", "dlogits", d, b * k)?;
+                (d.ptr, d.dt())
+            }
+            None => (0u64, 0i32),
+        };
+        let grid = b.div_ceil(8).max(1) as u32;
+        let (bb, kk) = (b as i32, k as i32);
+        self.launch("cross_entropy_kernel", (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![losses.ptr, losses.dt(), dptr, ddt, logits.ptr, logits.dt(), targets.ptr, targets.dt(), bb, kk, dloss_scale])
+    }
+
+    fn sum_squares(&self, buf: &CudaBuf) -> BResult<f64> {
+        // SAFETY: `acc` holds 8 bytes.
+        unsafe { dr::memset_d8_async(self.acc.ptr, 0, 8, self.stream.cu_stream()) }.map_err(dev("sum_squares"))?;
+        let n = buf.len as i64;
+        let grid = self.grid(buf.len).min(self.info.multiprocessors * 4);
+        self.launch("sum_squares_kernel", (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![self.acc.ptr, buf.ptr, buf.dt(), n])?;
+        self.synchronize()?;
+        let mut h = [0f64; 1];
+        // SAFETY: 8 bytes from `acc` into an f64; the stream is idle.
+        unsafe { dr::memcpy_dtoh_sync(&mut h, self.acc.ptr) }.map_err(dev("sum_squares"))?;
+        Ok(h[0])
+    }
+
+    fn scale(&self, buf: &mut CudaBuf, s: f32) -> BResult<()> {
+        let n = buf.len as i64;
+        self.launch1("scale_kernel", buf.len, &mut kargs![buf.ptr, buf.dt(), n, s])
+    }
+
+    fn optimizer_step(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()> {
+        const OP: &str = "optimizer_step";
+        check_f32(OP, "params", params)?;
+        check_f32(OP, "grads", grads)?;
+        check_f32(OP, "state", state)?;
+        let p = params.len;
+        check_len(OP, "grads", grads, p)?;
+        check_len(OP, "state", state, super::optimizer_state_len(opt, p))?;
+        // Merge neighbouring spans with the same decay flag into segments.
+        let mut segs: Vec<i64> = Vec::new();
+        for &(s, d) in &decay.spans {
+            check_span(OP, "decay group", params, s)?;
+            let n = segs.len();
+            if n >= 3 && segs[n - 2] == s.off as i64 && (segs[n - 1] != 0) == d {
+                segs[n - 2] = (s.off + s.len) as i64;
+            } else {
+                segs.extend([s.off as i64, (s.off + s.len) as i64, d as i64]);
+            }
+        }
+        if segs.is_empty() {
+            segs.extend([0, p as i64, 1]);
+        }
+        let nseg = segs.len() / 3;
+        let max_len = segs.chunks(3).map(|c| (c[1] - c[0]) as usize).max().unwrap_or(0);
+        let seg_ptr = {
+            let mut cache = self.segments.lock().map_err(|_| BackendError::Device("segment cache poisoned".into()))?;
+            if cache.as_ref().is_none_or(|(v, _)| *v != segs) {
+                // Stored as f32-sized pairs: i64 = 2 f32 slots.
+                let mut buf = self.raw_alloc(segs.len() * 2, Ty::F32)?;
+                // SAFETY: buf holds segs.len() i64 values; synchronized below.
+                unsafe { dr::memcpy_htod_async(buf.ptr, &segs, self.stream.cu_stream()) }.map_err(dev(OP))?;
+                self.synchronize()?;
+                buf.len = segs.len() * 2;
+                *cache = Some((segs.clone(), buf));
+            }
+            cache.as_ref().map(|(_, b)| b.ptr).unwrap_or(0)
+        };
+        let grid = ((max_len.div_ceil(THREADS as usize * 4)).clamp(1, 1024) as u32, nseg as u32, 1);
+        let m = state.ptr;
+        match *opt {
+            OptimizerConfig::Adam { beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, .. } => {
+                let t = hyper.step.max(1) as i32;
+                let (bc1, bc2) = if bias_correction { (1.0 - beta1.powi(t), 1.0 - beta2.powi(t)) } else { (1.0, 1.0) };
+                let v = state.at(p);
+                let (lr, b1, b2, e, wd, aw) = (hyper.lr, beta1 as f32, beta2 as f32, eps as f32, weight_decay as f32, adam_w_mode as i32);
+                let (c1, c2, gs) = (bc1 as f32, bc2 as f32, hyper.grad_scale);
+                self.launch("adam_kernel", grid, (THREADS, 1, 1), 0, &mut kargs![params.ptr, grads.ptr, m, v, seg_ptr, lr, b1, b2, e, wd, aw, c1, c2, gs])
+            }
+            OptimizerConfig::Sgd { momentum, dampening, weight_decay, nesterov, .. } => {
+                let (lr, mo, da, wd, ne, first, gs) = (hyper.lr, momentum as f32, dampening as f32, weight_decay as f32, nesterov as i32, (hyper.step <= 1) as i32, hyper.grad_scale);
+                self.launch("sgd_kernel", grid, (THREADS, 1, 1), 0, &mut kargs![params.ptr, grads.ptr, m, seg_ptr, lr, mo, da, wd, ne, first, gs])
+            }
+        }
+    }
+}

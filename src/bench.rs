@@ -1,0 +1,283 @@
+//! `vitscale bench`: training-step throughput on synthetic, device-resident data.
+//!
+//! The step is the one a training run takes (zero gradients → forward → backward → global
+//! gradient norm and clipping at 1.0 → AdamW (lr 1e-4, weight decay 0.05) → refresh the
+//! compute copy of the weights), the same work as `peers/vit_bench.py`. Data is drawn once and
+//! stays on the device, so the number measures the engine, not the loader.
+//!
+//! On CUDA the per-micro-batch part (weight cast, zeroing, forward, backward) is captured once
+//! into a CUDA graph and replayed (`--graph on|off|auto`); the norm (one 8-byte read back to
+//! the host) and the fused optimizer kernel run after it. Timing uses CUDA events over the
+//! timed steps after `--warmup` steps; MFU counts `ModelConfig::train_flops_per_image` against
+//! the bf16 GEMM rate measured in the same process (cuBLASLt, 8192³, random data).
+
+use std::time::Instant;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::backend::cpu::Cpu;
+use crate::backend::{optimizer_state_len, BResult, Backend, DecayGroups, StepHyper};
+use crate::config::{DecaySkip, OptimizerConfig};
+use crate::model::vit::{smoothed_targets, Vit};
+use crate::model::spec::PRESET_NAMES;
+use crate::model::ModelConfig;
+
+/// Command-line options of `vitscale bench`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Model preset (timm name).
+    #[arg(long, default_value = "vit_base_patch16_224")]
+    pub model: String,
+    /// Micro-batch size (images per step).
+    #[arg(long, default_value_t = 256)]
+    pub micro: usize,
+    /// Timed steps.
+    #[arg(long, default_value_t = 30)]
+    pub steps: usize,
+    /// Untimed warm-up steps.
+    #[arg(long, default_value_t = 10)]
+    pub warmup: usize,
+    /// cuda or cpu.
+    #[arg(long, default_value = "cuda")]
+    pub device: String,
+    /// GPU index.
+    #[arg(long, default_value_t = 0)]
+    pub gpu: usize,
+    /// Override the preset's class count (the peer script uses 10).
+    #[arg(long)]
+    pub classes: Option<usize>,
+    /// Capture forward+backward into a CUDA graph: on, off, or auto (on).
+    #[arg(long, default_value = "auto")]
+    pub graph: String,
+    /// Skip measuring the bf16 GEMM ceiling (MFU then uses 794 TFLOP/s, DEVICE.md).
+    #[arg(long)]
+    pub no_ceiling: bool,
+    /// After timing, run one eager step with every kernel and GEMM timed and print the table.
+    #[arg(long)]
+    pub profile: bool,
+    /// Print one JSON object as the last line.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// What one benchmark measured.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct BenchResult {
+    pub engine: String,
+    pub device: String,
+    pub model: String,
+    pub image_size: usize,
+    pub params: usize,
+    pub micro: usize,
+    pub steps: usize,
+    pub graph: bool,
+    pub step_ms: f64,
+    pub img_per_s: f64,
+    pub train_gflop_per_img: f64,
+    pub achieved_tflops: f64,
+    pub ceiling_tflops: f64,
+    pub mfu: f64,
+    pub peak_mem_gib: f64,
+    pub loss: f32,
+    pub kernel_compile_s: f64,
+}
+
+struct Setup {
+    cfg: ModelConfig,
+    opt: OptimizerConfig,
+    images: Vec<f32>,
+    targets: Vec<f32>,
+}
+
+fn setup(args: &BenchArgs) -> anyhow::Result<Setup> {
+    let mut cfg = ModelConfig::preset(&args.model)
+        .ok_or_else(|| anyhow::anyhow!("unknown --model {:?}; presets: {}", args.model, PRESET_NAMES.join(", ")))?;
+    if let Some(k) = args.classes {
+        cfg.num_classes = k;
+    }
+    cfg.validate().map_err(anyhow::Error::msg)?;
+    if args.micro == 0 || args.steps == 0 {
+        anyhow::bail!("--micro and --steps must be at least 1");
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(0);
+    let n = args.micro * cfg.in_chans * cfg.image_size * cfg.image_size;
+    let images: Vec<f32> = (0..n).map(|_| rng.gen_range(-2.0f32..2.0)).collect();
+    let labels: Vec<u32> = (0..args.micro).map(|_| rng.gen_range(0..cfg.num_classes as u32)).collect();
+    let targets = smoothed_targets(&labels, cfg.num_classes, 0.0);
+    let opt = OptimizerConfig::Adam { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.05, adam_w_mode: true, bias_correction: true };
+    Ok(Setup { cfg, opt, images, targets })
+}
+
+/// The optimizer part of a step: global norm, clip at 1.0, AdamW, refresh the compute copy.
+fn optimizer_part<B: Backend>(be: &B, m: &mut Vit<B>, state: &mut B::Buf, opt: &OptimizerConfig, decay: &DecayGroups, step: u64) -> BResult<()> {
+    let norm = be.sum_squares(&m.grads)?.sqrt();
+    let clip = if norm > 1.0 { (1.0 / (norm + 1e-6)) as f32 } else { 1.0 };
+    be.optimizer_step(&mut m.params, &m.grads, state, opt, decay, StepHyper { lr: opt.lr() as f32, step, grad_scale: clip })
+}
+
+/// The micro-batch part of a step: refresh weights, zero grads, forward, backward.
+fn micro_part<B: Backend>(be: &B, m: &mut Vit<B>, b: usize) -> BResult<()> {
+    m.params_changed(be)?;
+    m.zero_grads(be)?;
+    m.forward_staged(be, b, Some(1.0 / b as f32))?;
+    m.backward(be)
+}
+
+fn mean_loss<B: Backend>(be: &B, m: &Vit<B>, b: usize) -> BResult<f32> {
+    let out = m.forward_out(be, b)?;
+    Ok(out.losses.iter().sum::<f32>() / b as f32)
+}
+
+fn bench_cpu(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
+    let be = Cpu::new();
+    let mut m = Vit::new(&be, s.cfg.clone())?;
+    m.set_params(&be, &crate::model::init::init_params(&m.table, 0))?;
+    let decay = DecayGroups::new(&m.table, &DecaySkip { bias: false, norm: false, pos_embed: false, cls_token: false });
+    let mut state = be.alloc_f32(optimizer_state_len(&s.opt, m.table.total))?;
+    m.stage_inputs(&be, &s.images, &s.targets, args.micro)?;
+    let mut step = 0u64;
+    for _ in 0..args.warmup {
+        step += 1;
+        micro_part(&be, &mut m, args.micro)?;
+        optimizer_part(&be, &mut m, &mut state, &s.opt, &decay, step)?;
+    }
+    let t = Instant::now();
+    for _ in 0..args.steps {
+        step += 1;
+        micro_part(&be, &mut m, args.micro)?;
+        optimizer_part(&be, &mut m, &mut state, &s.opt, &decay, step)?;
+    }
+    let ms = t.elapsed().as_secs_f64() * 1e3 / args.steps as f64;
+    let loss = mean_loss(&be, &m, args.micro)?;
+    Ok(result(args, s, "cpu".into(), m.table.total, false, ms, 0.0, 0.0, loss, 0.0))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn result(args: &BenchArgs, s: &Setup, device: String, params: usize, graph: bool, step_ms: f64, ceiling: f64, peak: f64, loss: f32, compile_s: f64) -> BenchResult {
+    let img_per_s = args.micro as f64 / (step_ms * 1e-3);
+    let flops = s.cfg.train_flops_per_image();
+    let achieved = flops * img_per_s / 1e12;
+    BenchResult {
+        engine: "vitscale".into(),
+        device,
+        model: args.model.clone(),
+        image_size: s.cfg.image_size,
+        params,
+        micro: args.micro,
+        steps: args.steps,
+        graph,
+        step_ms,
+        img_per_s,
+        train_gflop_per_img: flops / 1e9,
+        achieved_tflops: achieved,
+        ceiling_tflops: ceiling,
+        mfu: if ceiling > 0.0 { achieved / ceiling } else { 0.0 },
+        peak_mem_gib: peak,
+        loss,
+        kernel_compile_s: compile_s,
+    }
+}
+
+fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
+    use crate::backend::cuda::Cuda;
+    let be = Cuda::new(args.gpu)?;
+    let ceiling = if args.no_ceiling { 794.0 } else { be.matmul_tflops(8192, 10)? };
+    be.synchronize()?;
+    be.reset_peak();
+    let mut m = Vit::new(&be, s.cfg.clone())?;
+    m.set_params(&be, &crate::model::init::init_params(&m.table, 0))?;
+    let decay = DecayGroups::new(&m.table, &DecaySkip { bias: false, norm: false, pos_embed: false, cls_token: false });
+    let mut state = be.alloc_f32(optimizer_state_len(&s.opt, m.table.total))?;
+    m.stage_inputs(&be, &s.images, &s.targets, args.micro)?;
+    let want_graph = match args.graph.as_str() {
+        "on" | "auto" => true,
+        "off" => false,
+        other => anyhow::bail!("--graph must be on, off or auto, got {other:?}"),
+    };
+    let mut step = 0u64;
+    // One eager step first: grows every scratch buffer and plans every GEMM.
+    step += 1;
+    micro_part(&be, &mut m, args.micro)?;
+    optimizer_part(&be, &mut m, &mut state, &s.opt, &decay, step)?;
+    be.synchronize()?;
+    let graph = if want_graph {
+        be.begin_capture()?;
+        let cap = micro_part(&be, &mut m, args.micro);
+        let g = be.end_capture();
+        match (cap, g) {
+            (Ok(()), Ok(g)) => Some(g),
+            (c, g) => {
+                let why = c.err().map(|e| e.to_string()).or(g.err().map(|e| e.to_string())).unwrap_or_default();
+                if args.graph == "on" {
+                    anyhow::bail!("CUDA graph capture failed: {why}");
+                }
+                eprintln!("note: CUDA graph capture failed ({why}); timing eager launches");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let run_step = |m: &mut Vit<Cuda>, state: &mut <Cuda as Backend>::Buf, step: u64| -> BResult<()> {
+        match &graph {
+            Some(g) => {
+                g.launch()?;
+                // The graph ran the forward with a training loss, so a backward is pending
+                // in the captured sequence; the model's host-side flag was consumed at capture.
+            }
+            None => micro_part(&be, m, args.micro)?,
+        }
+        optimizer_part(&be, m, state, &s.opt, &decay, step)
+    };
+    for _ in 0..args.warmup {
+        step += 1;
+        run_step(&mut m, &mut state, step)?;
+    }
+    be.synchronize()?;
+    let ev = || be.context().new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT));
+    let (e0, e1) = (ev()?, ev()?);
+    e0.record(be.stream())?;
+    for _ in 0..args.steps {
+        step += 1;
+        run_step(&mut m, &mut state, step)?;
+    }
+    e1.record(be.stream())?;
+    e1.synchronize()?;
+    let ms = e0.elapsed_ms(&e1)? as f64 / args.steps as f64;
+    let loss = mean_loss(&be, &m, args.micro)?;
+    let peak = be.peak_bytes() as f64 / (1u64 << 30) as f64;
+    if args.profile {
+        be.set_profiling(true);
+        step += 1;
+        micro_part(&be, &mut m, args.micro)?;
+        optimizer_part(&be, &mut m, &mut state, &s.opt, &decay, step)?;
+        let prof = be.take_profile()?;
+        be.set_profiling(false);
+        let total: f64 = prof.iter().map(|p| p.1).sum();
+        println!("profile of one eager step ({total:.2} ms in kernels and GEMMs):");
+        for (name, ms, n) in prof.iter().take(40) {
+            println!("  {:>8.3} ms {:>5.1}% {:>4}×  {}", ms, 100.0 * ms / total, n, name);
+        }
+    }
+    let compile_s = be.compile_seconds();
+    Ok(result(args, s, be.name(), m.table.total, graph.is_some(), ms, ceiling, peak, loss, compile_s))
+}
+
+/// `vitscale bench`.
+pub fn bench(args: &BenchArgs) -> anyhow::Result<BenchResult> {
+    let s = setup(args)?;
+    let r = match args.device.as_str() {
+        "cuda" | "gpu" => bench_cuda(args, &s)?,
+        "cpu" => bench_cpu(args, &s)?,
+        other => anyhow::bail!("--device must be cuda or cpu, got {other:?}"),
+    };
+    println!(
+        "{} on {}: micro {} | {:.2} ms/step | {:.1} img/s | {:.1} TFLOP/s of {:.0} measured ceiling = MFU {:.1}% | peak mem {:.2} GiB | graph {} | loss {:.4}",
+        r.model, r.device, r.micro, r.step_ms, r.img_per_s, r.achieved_tflops, r.ceiling_tflops, r.mfu * 100.0, r.peak_mem_gib, r.graph, r.loss
+    );
+    if args.json {
+        println!("{}", serde_json::to_string(&r)?);
+    }
+    Ok(r)
+}

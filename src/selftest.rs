@@ -1,0 +1,479 @@
+//! `vitscale selftest`: every backend op, and a short training run, against the CPU reference.
+//!
+//! Each check draws fresh random inputs (the seed is printed, `--seed` repeats a run), runs the
+//! same op on the device backend and on `backend::cpu::Cpu`, and compares the outputs by
+//! relative norm error ‖dev − cpu‖ / ‖cpu‖. Inputs that live in compute-dtype buffers are read
+//! back from the device first, so both backends see exactly the same (bf16-rounded) values and
+//! the error measures the op alone. Outputs written with `=` are poisoned with NaN first, so an
+//! element the device forgets to write fails; outputs accumulated with `+=` start random.
+//!
+//! Tolerances: outputs in the compute dtype, when that is bf16: 1e-2; f32 outputs: 1e-5, except
+//! f32 values derived from bf16 GEMMs with long reductions (documented per check). NaN never passes.
+//! The optimizer is checked against a float64 reference with torch semantics written here.
+//! The model check trains a small ViT for 20 SGD steps on both backends from the same weights
+//! and data and compares the loss sequences (bf16 tolerance: 2e-2 relative per step).
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::backend::cpu::Cpu;
+use crate::backend::{optimizer_state_len, BResult, Backend, DecayGroups, Span, StepHyper};
+use crate::config::{DecaySkip, OptimizerConfig};
+use crate::model::vit::Vit;
+use crate::model::{GlobalPool, ModelConfig, ParamTable};
+
+/// One comparison.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Check {
+    pub name: String,
+    pub rel_err: f64,
+    pub tol: f64,
+    pub pass: bool,
+}
+
+/// ‖a − b‖ / ‖b‖ (NaN if either holds a NaN or the lengths differ).
+pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    if a.len() != b.len() {
+        return f64::NAN;
+    }
+    let (mut num, mut den) = (0f64, 0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        if x.is_nan() || y.is_nan() {
+            return f64::NAN;
+        }
+        num += (x as f64 - y as f64).powi(2);
+        den += (y as f64).powi(2);
+    }
+    if den == 0.0 {
+        num.sqrt()
+    } else {
+        (num / den).sqrt()
+    }
+}
+
+struct Ctx<'a, B: Backend> {
+    be: &'a B,
+    cpu: Cpu,
+    rng: ChaCha8Rng,
+    checks: Vec<Check>,
+    /// Tolerance for compute-dtype outputs.
+    tol_c: f64,
+}
+
+/// A buffer on both backends.
+struct Both<B: Backend> {
+    d: B::Buf,
+    c: Vec<f32>,
+    compute: bool,
+}
+
+impl<'a, B: Backend> Ctx<'a, B> {
+    fn randn(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                // Box–Muller
+                let u1: f32 = self.rng.gen_range(1e-7f32..1.0);
+                let u2: f32 = self.rng.gen();
+                scale * (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
+            })
+            .collect()
+    }
+
+    /// Uploads `data` to a compute (`compute = true`) or f32 buffer on the device and gives the
+    /// CPU the values the device actually holds.
+    fn buf(&mut self, data: &[f32], compute: bool) -> BResult<Both<B>> {
+        let mut d = if compute { self.be.alloc(data.len())? } else { self.be.alloc_f32(data.len())? };
+        self.be.upload(&mut d, 0, data)?;
+        let c = self.be.download(&d)?;
+        Ok(Both { d, c, compute })
+    }
+    fn rand(&mut self, n: usize, scale: f32, compute: bool) -> BResult<Both<B>> {
+        let v = self.randn(n, scale);
+        self.buf(&v, compute)
+    }
+    /// An output buffer: NaN on the device (must be overwritten), zeros on the CPU.
+    fn out(&mut self, n: usize, compute: bool) -> BResult<Both<B>> {
+        let mut d = if compute { self.be.alloc(n)? } else { self.be.alloc_f32(n)? };
+        self.be.fill(&mut d, f32::NAN)?;
+        Ok(Both { d, c: vec![0.0; n], compute })
+    }
+    fn compare(&mut self, name: &str, b: &Both<B>, tol_f32: f64) -> BResult<()> {
+        let dev = self.be.download(&b.d)?;
+        let tol = if b.compute { self.tol_c.max(tol_f32) } else { tol_f32 };
+        let e = rel_err(&dev, &b.c);
+        self.checks.push(Check { name: name.to_string(), rel_err: e, tol, pass: e.is_finite() && e <= tol });
+        Ok(())
+    }
+}
+
+const F32_TOL: f64 = 1e-5;
+
+fn op_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
+    let cpu = cx.cpu;
+    // ---- memory ops
+    {
+        let src = cx.rand(1000, 1.0, false)?;
+        let mut dst = cx.out(1000, true)?;
+        cx.be.cast(&mut dst.d, &src.d)?;
+        dst.c = src.c.clone();
+        // bf16 rounding of f32 values: relative error ≤ 2⁻⁹.
+        cx.compare("cast f32→compute", &dst, 4e-3)?;
+        let mut back = cx.out(1000, false)?;
+        cx.be.cast(&mut back.d, &dst.d)?;
+        back.c = cx.be.download(&dst.d)?;
+        cx.compare("cast compute→f32", &back, F32_TOL)?;
+        let mut f = cx.out(777, true)?;
+        cx.be.fill(&mut f.d, 0.375)?;
+        f.c = vec![0.375; 777];
+        cx.compare("fill", &f, F32_TOL)?;
+        let mut cp = cx.out(1000, false)?;
+        cx.be.copy(&mut cp.d, &src.d)?;
+        cp.c = src.c.clone();
+        cx.compare("copy", &cp, F32_TOL)?;
+        let mut s = cx.rand(1001, 1.0, false)?;
+        cx.be.scale(&mut s.d, 0.7)?;
+        cpu.scale(&mut s.c, 0.7)?;
+        cx.compare("scale", &s, F32_TOL)?;
+        let g = cx.rand(100_003, 1.0, false)?;
+        let ss_d = cx.be.sum_squares(&g.d)?;
+        let ss_c = cpu.sum_squares(&g.c)?;
+        let e = ((ss_d - ss_c) / ss_c).abs();
+        cx.checks.push(Check { name: "sum_squares".into(), rel_err: e, tol: F32_TOL, pass: e.is_finite() && e <= F32_TOL });
+    }
+
+    // ---- shapes: a small odd one and a ViT-B/16 block at batch 2
+    for &(b, n_img, p, c, h, f, k) in &[(3usize, 12usize, 4usize, 48usize, 3usize, 96usize, 10usize), (2, 224, 16, 768, 12, 3072, 1000)] {
+        let tag = format!("[B{b} C{c}]");
+        let np = (n_img / p) * (n_img / p);
+        let n = np + 1;
+        let d = c / h;
+        let bn = b * n;
+        let pd = 3 * p * p;
+        // params: a flat compute buffer with every weight we use
+        let spans = {
+            let mut off = 0;
+            let mut take = |len: usize| {
+                let s = Span { off, len };
+                off += len;
+                s
+            };
+            (take(pd * c), take(c), take(n * c), take(c), take(c * c * 3), take(3 * c), take(f * c), take(f), take(c), take(c), off)
+        };
+        let (w_patch, b_patch, pos, cls, w_qkv, b_qkv, w_fc1, b_fc1, ln_w, ln_b, total) = spans;
+        let mut params_host = cx.randn(total, 0.05);
+        for i in 0..c {
+            params_host[ln_w.off + i] = 1.0 + 0.1 * params_host[ln_w.off + i];
+        }
+        let params = cx.buf(&params_host, true)?;
+        let grads_init = cx.randn(total, 0.01);
+
+        // patchify + embed
+        let img = cx.rand(b * 3 * n_img * n_img, 1.0, true)?;
+        let mut patches = cx.out(b * np * pd, true)?;
+        cx.be.patchify(&mut patches.d, &img.d, b, 3, n_img, p)?;
+        cpu.patchify(&mut patches.c, &img.c, b, 3, n_img, p)?;
+        cx.compare(&format!("patchify {tag}"), &patches, F32_TOL)?;
+        let pe = cx.rand(b * np * c, 1.0, true)?;
+        for with_cls in [true, false] {
+            let clsopt = with_cls.then_some(cls);
+            let nt = np + usize::from(with_cls);
+            let mut x = cx.out(b * nt * c, true)?;
+            cx.be.embed_forward(&mut x.d, &pe.d, &params.d, Span { off: pos.off, len: nt * c }, clsopt, b, np, c)?;
+            cpu.embed_forward(&mut x.c, &pe.c, &params.c, Span { off: pos.off, len: nt * c }, clsopt, b, np, c)?;
+            cx.compare(&format!("embed_forward cls={with_cls} {tag}"), &x, F32_TOL)?;
+            let dout = cx.rand(b * nt * c, 1.0, true)?;
+            let mut dpe = cx.out(b * np * c, true)?;
+            let mut dparams = cx.buf(&grads_init, false)?;
+            cx.be.embed_backward(&mut dpe.d, &mut dparams.d, &dout.d, Span { off: pos.off, len: nt * c }, clsopt, b, np, c)?;
+            cpu.embed_backward(&mut dpe.c, &mut dparams.c, &dout.c, Span { off: pos.off, len: nt * c }, clsopt, b, np, c)?;
+            cx.compare(&format!("embed_backward dpatches cls={with_cls} {tag}"), &dpe, F32_TOL)?;
+            cx.compare(&format!("embed_backward dparams(+=) cls={with_cls} {tag}"), &dparams, F32_TOL)?;
+        }
+
+        // dense layers: patch embedding (bias), qkv (bias), fc1 (bias + GELU)
+        let x = cx.rand(bn * c, 1.0, true)?;
+        for (name, w, bias, rows, ic, oc, gelu) in [
+            ("patch_embed", w_patch, Some(b_patch), b * np, pd, c, false),
+            ("qkv", w_qkv, Some(b_qkv), bn, c, 3 * c, false),
+            ("qkv (no bias)", w_qkv, None, bn, c, 3 * c, false),
+            ("fc1+gelu", w_fc1, Some(b_fc1), bn, c, f, true),
+        ] {
+            let inp = if ic == c { Both { d: { let mut t = cx.be.alloc(bn * c)?; cx.be.copy(&mut t, &x.d)?; t }, c: x.c.clone(), compute: true } } else { cx.rand(rows * ic, 1.0, true)? };
+            let mut out = cx.out(rows * oc, true)?;
+            let mut pre = cx.out(rows * oc, true)?;
+            cx.be.matmul_forward(&mut out.d, gelu.then_some(&mut pre.d), &inp.d, &params.d, w, bias, rows, ic, oc)?;
+            cpu.matmul_forward(&mut out.c, gelu.then_some(&mut pre.c), &inp.c, &params.c, w, bias, rows, ic, oc)?;
+            cx.compare(&format!("matmul_forward {name} {tag}"), &out, F32_TOL)?;
+            if gelu {
+                cx.compare(&format!("matmul_forward {name} pre {tag}"), &pre, F32_TOL)?;
+            }
+            // backward (with the GELU of the layer below when `gelu`: reuse `pre` as its input)
+            let dout = cx.rand(rows * oc, 1.0, true)?;
+            let mut dinp = cx.out(rows * ic, true)?;
+            let mut dparams = cx.buf(&grads_init, false)?;
+            let dg = if gelu { Some(cx.rand(rows * ic, 1.0, true)?) } else { None };
+            cx.be.matmul_backward(&mut dinp.d, &mut dparams.d, &dout.d, &inp.d, dg.as_ref().map(|g| &g.d), &params.d, w, bias, rows, ic, oc)?;
+            cpu.matmul_backward(&mut dinp.c, &mut dparams.c, &dout.c, &inp.c, dg.as_ref().map(|g| &g.c), &params.c, w, bias, rows, ic, oc)?;
+            cx.compare(&format!("matmul_backward {name} dinp {tag}"), &dinp, F32_TOL)?;
+            // dW/dbias are f32 sums over up to 400 bf16 products per row: the device sums in
+            // another order, so allow 1e-4.
+            cx.compare(&format!("matmul_backward {name} dW,dbias(+=) {tag}"), &dparams, 1e-4)?;
+        }
+
+        // layernorm
+        let mut ln = cx.out(bn * c, true)?;
+        let mut mean = cx.out(bn, false)?;
+        let mut rstd = cx.out(bn, false)?;
+        let xs = cx.rand(bn * c, 2.0, true)?;
+        cx.be.layernorm_forward(&mut ln.d, &mut mean.d, &mut rstd.d, &xs.d, &params.d, ln_w, ln_b, bn, c)?;
+        cpu.layernorm_forward(&mut ln.c, &mut mean.c, &mut rstd.c, &xs.c, &params.c, ln_w, ln_b, bn, c)?;
+        cx.compare(&format!("layernorm_forward out {tag}"), &ln, F32_TOL)?;
+        cx.compare(&format!("layernorm_forward mean {tag}"), &mean, F32_TOL)?;
+        cx.compare(&format!("layernorm_forward rstd {tag}"), &rstd, F32_TOL)?;
+        for with_res in [true, false] {
+            let dout = cx.rand(bn * c, 1.0, true)?;
+            let dres = cx.rand(bn * c, 1.0, true)?;
+            let mut dx = cx.out(bn * c, true)?;
+            let mut dparams = cx.buf(&grads_init, false)?;
+            cx.be.layernorm_backward(&mut dx.d, &mut dparams.d, &dout.d, with_res.then_some(&dres.d), &xs.d, &mean.d, &rstd.d, &params.d, ln_w, ln_b, bn, c)?;
+            cpu.layernorm_backward(&mut dx.c, &mut dparams.c, &dout.c, with_res.then_some(&dres.c), &xs.c, &mean.c, &rstd.c, &params.c, ln_w, ln_b, bn, c)?;
+            cx.compare(&format!("layernorm_backward dinp res={with_res} {tag}"), &dx, F32_TOL)?;
+            cx.compare(&format!("layernorm_backward dw,db(+=) res={with_res} {tag}"), &dparams, 1e-4)?;
+        }
+
+        // attention
+        let qkv = cx.rand(bn * 3 * c, 1.0, true)?;
+        let mut att = cx.out(bn * c, true)?;
+        let mut probs = cx.out(b * h * n * n, true)?;
+        cx.be.attention_forward(&mut att.d, &mut probs.d, &qkv.d, b, n, h, d)?;
+        cpu.attention_forward(&mut att.c, &mut probs.c, &qkv.c, b, n, h, d)?;
+        cx.compare(&format!("attention_forward out {tag}"), &att, F32_TOL)?;
+        cx.compare(&format!("attention_forward probs {tag}"), &probs, F32_TOL)?;
+        let datt = cx.rand(bn * c, 1.0, true)?;
+        let mut dqkv = cx.out(bn * 3 * c, true)?;
+        // Both backward passes read their own forward's probs.
+        cx.be.attention_backward(&mut dqkv.d, &datt.d, &qkv.d, &probs.d, b, n, h, d)?;
+        cpu.attention_backward(&mut dqkv.c, &datt.c, &qkv.c, &probs.c, b, n, h, d)?;
+        cx.compare(&format!("attention_backward dqkv {tag}"), &dqkv, F32_TOL)?;
+
+        // residual add, pooling
+        let a1 = cx.rand(bn * c, 1.0, true)?;
+        let a2 = cx.rand(bn * c, 1.0, true)?;
+        let mut sum = cx.out(bn * c, true)?;
+        cx.be.add(&mut sum.d, &a1.d, &a2.d)?;
+        cpu.add(&mut sum.c, &a1.c, &a2.c)?;
+        cx.compare(&format!("add {tag}"), &sum, F32_TOL)?;
+        for avg in [false, true] {
+            let mut pooled = cx.out(b * c, true)?;
+            cx.be.pool_forward(&mut pooled.d, &a1.d, b, n, c, 1, avg)?;
+            cpu.pool_forward(&mut pooled.c, &a1.c, b, n, c, 1, avg)?;
+            cx.compare(&format!("pool_forward avg={avg} {tag}"), &pooled, F32_TOL)?;
+            let dp = cx.rand(b * c, 1.0, true)?;
+            let mut dx = cx.out(bn * c, true)?;
+            cx.be.pool_backward(&mut dx.d, &dp.d, b, n, c, 1, avg)?;
+            cpu.pool_backward(&mut dx.c, &dp.c, b, n, c, 1, avg)?;
+            cx.compare(&format!("pool_backward avg={avg} {tag}"), &dx, F32_TOL)?;
+        }
+
+        // loss with soft targets
+        let logits = cx.rand(b * k, 3.0, true)?;
+        let mut t = cx.randn(b * k, 1.0).iter().map(|v| v.exp()).collect::<Vec<_>>();
+        for row in t.chunks_mut(k) {
+            let s: f32 = row.iter().sum();
+            row.iter_mut().for_each(|v| *v /= s);
+        }
+        let targets = cx.buf(&t, false)?;
+        let mut losses = cx.out(b, false)?;
+        let mut dlogits = cx.out(b * k, true)?;
+        cx.be.cross_entropy(&mut losses.d, Some(&mut dlogits.d), &logits.d, &targets.d, b, k, 1.0 / b as f32)?;
+        cpu.cross_entropy(&mut losses.c, Some(&mut dlogits.c), &logits.c, &targets.c, b, k, 1.0 / b as f32)?;
+        cx.compare(&format!("cross_entropy losses {tag}"), &losses, F32_TOL)?;
+        cx.compare(&format!("cross_entropy dlogits {tag}"), &dlogits, F32_TOL)?;
+    }
+    Ok(())
+}
+
+/// Float64 optimizer reference with torch semantics (AdamW / Adam+L2 / SGD).
+fn optimizer_reference(p: &mut [f64], g: &[f64], st: &mut [f64], opt: &OptimizerConfig, decays: &[bool], hyper: StepHyper) {
+    let np = p.len();
+    match *opt {
+        OptimizerConfig::Adam { beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, .. } => {
+            let t = hyper.step as i32;
+            let (bc1, bc2) = if bias_correction { (1.0 - beta1.powi(t), 1.0 - beta2.powi(t)) } else { (1.0, 1.0) };
+            let lr = hyper.lr as f64;
+            for i in 0..np {
+                let wd = if decays[i] { weight_decay } else { 0.0 };
+                let mut gi = g[i] * hyper.grad_scale as f64;
+                if !adam_w_mode {
+                    gi += wd * p[i];
+                }
+                st[i] = beta1 * st[i] + (1.0 - beta1) * gi;
+                st[np + i] = beta2 * st[np + i] + (1.0 - beta2) * gi * gi;
+                let upd = (st[i] / bc1) / ((st[np + i] / bc2).sqrt() + eps);
+                if adam_w_mode {
+                    p[i] -= lr * wd * p[i];
+                }
+                p[i] -= lr * upd;
+            }
+        }
+        OptimizerConfig::Sgd { momentum, dampening, weight_decay, nesterov, .. } => {
+            let lr = hyper.lr as f64;
+            for i in 0..np {
+                let wd = if decays[i] { weight_decay } else { 0.0 };
+                let mut gi = g[i] * hyper.grad_scale as f64 + wd * p[i];
+                if momentum != 0.0 {
+                    let b = if hyper.step <= 1 { gi } else { momentum * st[i] + (1.0 - dampening) * gi };
+                    st[i] = b;
+                    gi = if nesterov { gi + momentum * b } else { b };
+                }
+                p[i] -= lr * gi;
+            }
+        }
+    }
+}
+
+fn optimizer_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
+    let cfg = ModelConfig { image_size: 8, patch_size: 4, in_chans: 3, embed_dim: 32, depth: 2, num_heads: 2, mlp_ratio: 4.0, num_classes: 10, qkv_bias: true, class_token: true, global_pool: GlobalPool::Token };
+    let table = ParamTable::new(&cfg);
+    let decay = DecayGroups::new(&table, &DecaySkip { bias: true, norm: true, pos_embed: true, cls_token: true });
+    let mut decays = vec![true; table.total];
+    for &(s, d) in &decay.spans {
+        decays[s.range()].iter_mut().for_each(|x| *x = d);
+    }
+    let opts = [
+        ("adamw", OptimizerConfig::Adam { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.05, adam_w_mode: true, bias_correction: true }),
+        ("adam+l2", OptimizerConfig::Adam { lr: 1e-3, beta1: 0.8, beta2: 0.99, eps: 1e-6, weight_decay: 0.01, adam_w_mode: false, bias_correction: true }),
+        ("sgd nesterov", OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, dampening: 0.0, weight_decay: 1e-4, nesterov: true }),
+        ("sgd dampened", OptimizerConfig::Sgd { lr: 0.05, momentum: 0.9, dampening: 0.1, weight_decay: 0.0, nesterov: false }),
+    ];
+    for (name, opt) in opts {
+        let n = table.total;
+        let p0 = cx.randn(n, 0.1);
+        let mut pd = cx.be.alloc_f32(n)?;
+        cx.be.upload(&mut pd, 0, &p0)?;
+        let mut sd = cx.be.alloc_f32(optimizer_state_len(&opt, n))?;
+        let mut pr: Vec<f64> = p0.iter().map(|&v| v as f64).collect();
+        let mut sr = vec![0f64; optimizer_state_len(&opt, n)];
+        for step in 1..=3u64 {
+            let g = cx.randn(n, 1.0);
+            let mut gd = cx.be.alloc_f32(n)?;
+            cx.be.upload(&mut gd, 0, &g)?;
+            let hyper = StepHyper { lr: opt.lr() as f32 * (1.0 + 0.1 * step as f32), step, grad_scale: 0.5 };
+            cx.be.optimizer_step(&mut pd, &gd, &mut sd, &opt, &decay, hyper)?;
+            let g64: Vec<f64> = g.iter().map(|&v| v as f64).collect();
+            optimizer_reference(&mut pr, &g64, &mut sr, &opt, &decays, hyper);
+        }
+        let got = cx.be.download(&pd)?;
+        let want: Vec<f32> = pr.iter().map(|&v| v as f32).collect();
+        // Compare the update (p − p0), which is what the optimizer computes.
+        let du: Vec<f32> = got.iter().zip(&p0).map(|(a, b)| a - b).collect();
+        let dw: Vec<f32> = want.iter().zip(&p0).map(|(a, b)| a - b).collect();
+        let e = rel_err(&du, &dw);
+        // Update relative error: f32 arithmetic on values near p: 1e-4 of the update.
+        cx.checks.push(Check { name: format!("optimizer_step {name} (3 steps, vs f64 torch semantics)"), rel_err: e, tol: 1e-4, pass: e.is_finite() && e <= 1e-4 });
+    }
+    Ok(())
+}
+
+/// Trains a small ViT for `steps` SGD steps on both backends; returns (device, cpu) losses.
+pub fn training_losses<B: Backend>(be: &B, seed: u64, steps: usize) -> BResult<(Vec<f32>, Vec<f32>)> {
+    let cfg = ModelConfig { image_size: 32, patch_size: 4, in_chans: 3, embed_dim: 96, depth: 3, num_heads: 3, mlp_ratio: 4.0, num_classes: 10, qkv_bias: true, class_token: true, global_pool: GlobalPool::Token };
+    let b = 16;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5eed);
+    let init = crate::model::init::init_params(&ParamTable::new(&cfg), seed);
+    let opt = OptimizerConfig::Sgd { lr: 0.05, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false };
+    let decay = DecayGroups::new(&ParamTable::new(&cfg), &DecaySkip { bias: true, norm: true, pos_embed: true, cls_token: true });
+    // A fixed set of 4 batches, cycled: learnable, so the loss moves.
+    let batches: Vec<(Vec<f32>, Vec<f32>)> = (0..4)
+        .map(|_| {
+            let img: Vec<f32> = (0..b * 3 * 32 * 32).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+            let labels: Vec<u32> = (0..b).map(|_| rng.gen_range(0..10)).collect();
+            (img, crate::model::vit::smoothed_targets(&labels, 10, 0.1))
+        })
+        .collect();
+    fn run<B2: Backend>(be: &B2, cfg: &ModelConfig, init: &[f32], batches: &[(Vec<f32>, Vec<f32>)], opt: &OptimizerConfig, decay: &DecayGroups, b: usize, steps: usize) -> BResult<Vec<f32>> {
+        let mut m = Vit::new(be, cfg.clone())?;
+        m.set_params(be, init)?;
+        let mut state = be.alloc_f32(optimizer_state_len(opt, m.table.total))?;
+        let mut out = Vec::new();
+        for step in 0..steps {
+            let (img, t) = &batches[step % batches.len()];
+            m.zero_grads(be)?;
+            let f = m.forward(be, img, t, b, Some(1.0 / b as f32))?;
+            out.push(f.losses.iter().sum::<f32>() / b as f32);
+            m.backward(be)?;
+            be.optimizer_step(&mut m.params, &m.grads, &mut state, opt, decay, StepHyper { lr: opt.lr() as f32, step: step as u64 + 1, grad_scale: 1.0 })?;
+            m.params_changed(be)?;
+        }
+        Ok(out)
+    }
+    let dev = run(be, &cfg, &init, &batches, &opt, &decay, b, steps)?;
+    let cpu = run(&Cpu::new(), &cfg, &init, &batches, &opt, &decay, b, steps)?;
+    Ok((dev, cpu))
+}
+
+/// Runs every check on `be` against the CPU backend. `seed = None` draws a fresh seed.
+pub fn run_checks<B: Backend>(be: &B, seed: Option<u64>) -> BResult<(u64, Vec<Check>, Vec<f32>, Vec<f32>)> {
+    let seed = seed.unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
+    });
+    let tol_c = if be.needs_compute_copy() { 1e-2 } else { F32_TOL };
+    let mut cx = Ctx { be, cpu: Cpu::new(), rng: ChaCha8Rng::seed_from_u64(seed), checks: Vec::new(), tol_c };
+    op_checks(&mut cx)?;
+    optimizer_checks(&mut cx)?;
+    let (dev, cpu) = training_losses(be, seed, 20)?;
+    let tol = if be.needs_compute_copy() { 2e-2 } else { 1e-4 };
+    let worst = dev.iter().zip(&cpu).map(|(a, b)| if a.is_nan() { f64::NAN } else { ((a - b) / b).abs() as f64 }).fold(0f64, |m, e| if e.is_nan() || m.is_nan() { f64::NAN } else { m.max(e) });
+    cx.checks.push(Check { name: "training: 20 SGD steps, small ViT (32px/4, C96, depth 3), per-step loss".into(), rel_err: worst, tol, pass: worst.is_finite() && worst <= tol && dev.len() == cpu.len() });
+    Ok((seed, cx.checks, dev, cpu))
+}
+
+/// Command-line options of `vitscale selftest`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SelftestArgs {
+    /// Backend to check against the CPU reference: cuda (default) or cpu.
+    #[arg(long, default_value = "cuda")]
+    pub device: String,
+    /// GPU index.
+    #[arg(long, default_value_t = 0)]
+    pub gpu: usize,
+    /// Seed for the random inputs (default: fresh each run).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Print one JSON object as the last line.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn report(name: &str, seed: u64, checks: &[Check], dev: &[f32], cpu: &[f32], json: bool) -> bool {
+    let ok = checks.iter().all(|c| c.pass);
+    println!("selftest on {name} (seed {seed})");
+    for c in checks {
+        println!("  {} {:<78} rel err {:.2e} (tol {:.0e})", if c.pass { "ok  " } else { "FAIL" }, c.name, c.rel_err, c.tol);
+    }
+    println!("  losses device: {}", dev.iter().map(|v| format!("{v:.4}")).collect::<Vec<_>>().join(" "));
+    println!("  losses cpu:    {}", cpu.iter().map(|v| format!("{v:.4}")).collect::<Vec<_>>().join(" "));
+    let failed = checks.iter().filter(|c| !c.pass).count();
+    println!("{} checks, {} failed: {}", checks.len(), failed, if ok { "PASS" } else { "FAIL" });
+    if json {
+        println!("{}", serde_json::json!({"device": name, "seed": seed, "pass": ok, "checks": checks, "losses_device": dev, "losses_cpu": cpu}));
+    }
+    ok
+}
+
+/// `vitscale selftest`: returns whether every check passed.
+pub fn selftest(args: &SelftestArgs) -> anyhow::Result<bool> {
+    match args.device.as_str() {
+        "cuda" | "gpu" => {
+            let be = crate::backend::cuda::Cuda::new(args.gpu)?;
+            let (seed, checks, d, c) = run_checks(&be, args.seed)?;
+            Ok(report(&be.name(), seed, &checks, &d, &c, args.json))
+        }
+        "cpu" => {
+            let be = Cpu::new();
+            let (seed, checks, d, c) = run_checks(&be, args.seed)?;
+            Ok(report(&be.name(), seed, &checks, &d, &c, args.json))
+        }
+        other => anyhow::bail!("--device must be cuda or cpu, got {other:?}"),
+    }
+}

@@ -1,0 +1,188 @@
+//! The command line as a user drives it: the `vitscale` binary on a CIFAR-10-format directory
+//! with timm weights of a shape the defaults know nothing about (fixture made by
+//! `reference/make_cifar_fixture.py`), the run directory, and clear errors for bad input.
+//!
+//! Tolerances: 1e-4 relative (f32 against timm in f32).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use safetensors::SafeTensors;
+use vitscale::model::weights;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+fn vitscale(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_vitscale")).args(args).output().expect("the vitscale binary runs")
+}
+
+/// The last stdout line as JSON (the `--json` contract).
+fn last_json(out: &Output) -> serde_json::Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().last().unwrap_or_else(|| panic!("no stdout; stderr: {}", String::from_utf8_lossy(&out.stderr)));
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {line}"))
+}
+
+/// Tensors of the CIFAR fixture with the given prefix, as (key, shape, data).
+fn fixture_tensors(prefix: &str) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let path = fixtures().join("timm_cifar.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<_> = st
+        .tensors()
+        .into_iter()
+        .filter_map(|(k, v)| {
+            let key = k.strip_prefix(&format!("{prefix}."))?.to_string();
+            Some((key, v.shape().to_vec(), weights::to_f32(&path, &k, &v).unwrap()))
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+fn write_weights(tensors: &[(String, Vec<usize>, Vec<f32>)], path: &Path) {
+    let views: Vec<_> = tensors
+        .iter()
+        .map(|(k, shape, data)| {
+            (k.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytemuck::cast_slice(data)).unwrap())
+        })
+        .collect();
+    std::fs::write(path, safetensors::serialize(views, &None).unwrap()).unwrap();
+}
+
+fn fixture_scalar(name: &str) -> f64 {
+    let bytes = std::fs::read(fixtures().join("timm_cifar.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let v = st.tensor(name).unwrap();
+    f32::from_le_bytes(v.data()[..4].try_into().unwrap()) as f64
+}
+
+fn cifar_args(dir: &str) -> Vec<String> {
+    // num_heads cannot be read off the weights (width 48 is not a multiple of 64).
+    ["--set", "data.dataset=cifar10", "--set", &format!("data.path={dir}"), "--set", "model.num_heads=3", "--device", "cpu", "--json"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+}
+
+#[test]
+fn eval_of_unseen_timm_model_matches_timm_loss() {
+    let tmp = tempfile::tempdir().unwrap();
+    let w = tmp.path().join("init.safetensors");
+    write_weights(&fixture_tensors("param"), &w);
+    let data = fixtures().join("cifar_tiny");
+    let mut args = vec!["eval".to_string(), "--weights".into(), w.display().to_string()];
+    args.extend(cifar_args(&data.display().to_string()));
+    let out = vitscale(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(out.status.success(), "eval failed: {}", String::from_utf8_lossy(&out.stderr));
+    let j = last_json(&out);
+    let loss = j["loss"].as_f64().unwrap();
+    let want = fixture_scalar("eval_loss");
+    assert!(((loss - want) / want).abs() < 1e-4, "eval loss {loss} vs timm {want}");
+    assert_eq!(j["images"].as_u64(), Some(30));
+    assert!(j["top1"].as_f64().is_some());
+}
+
+#[test]
+fn one_sgd_step_over_the_whole_train_split_matches_torch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let w = tmp.path().join("init.safetensors");
+    let saved = tmp.path().join("after.safetensors");
+    write_weights(&fixture_tensors("param"), &w);
+    let data = fixtures().join("cifar_tiny");
+    let mut args: Vec<String> = vec!["train".into(), "--init".into(), w.display().to_string(), "--save-weights".into(), saved.display().to_string()];
+    args.extend(["--run-dir".into(), tmp.path().join("run").display().to_string()]);
+    for s in [
+        r#"optimizer={"type":"SGD","params":{"lr":0.1,"momentum":0}}"#,
+        "gradient_clipping=0",
+        "train_batch_size=40",
+        "data.shuffle=false",
+        "data.augment=none",
+        "train.steps=1",
+    ] {
+        args.extend(["--set".into(), s.into()]);
+    }
+    args.extend(cifar_args(&data.display().to_string()));
+    let out = vitscale(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(out.status.success(), "train failed: {}", String::from_utf8_lossy(&out.stderr));
+    let j = last_json(&out);
+    for key in ["val_top1", "val_loss", "train_loss", "images", "wall_s", "images_per_s"] {
+        assert!(j.get(key).is_some_and(|v| v.is_number()), "--json lacks {key}: {j}");
+    }
+    assert_eq!(j["images"].as_u64(), Some(40));
+
+    let ours = std::fs::read(&saved).unwrap();
+    let st = SafeTensors::deserialize(&ours).unwrap();
+    for (key, shape, want) in fixture_tensors("sgd1") {
+        let v = st.tensor(&key).unwrap_or_else(|_| panic!("saved weights lack {key}"));
+        assert_eq!(v.shape(), shape.as_slice(), "{key}");
+        let got = weights::to_f32(&saved, &key, &v).unwrap();
+        let num: f64 = got.iter().zip(&want).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>().sqrt();
+        let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum::<f64>().sqrt();
+        assert!(num / den < 1e-4, "{key}: rel err {:.2e}", num / den);
+    }
+}
+
+#[test]
+fn default_training_writes_the_run_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let out = vitscale(&[
+        "train", "--json", "--run-dir", run.to_str().unwrap(),
+        "--set", "data.train_size=512", "--set", "data.val_size=128", "--set", "train.steps=12", "--set", "train.log_every=4",
+    ]);
+    assert!(out.status.success(), "train failed: {}", String::from_utf8_lossy(&out.stderr));
+    let j = last_json(&out);
+    let top1 = j["val_top1"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&top1));
+    assert_eq!(j["images"].as_u64(), Some(12 * 64));
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let steps: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).filter(|v: &serde_json::Value| v.get("kind").is_none()).collect();
+    assert_eq!(steps.len(), 3, "one line every 4 steps");
+    for rec in &steps {
+        for key in ["step", "epoch", "lr", "loss", "grad_norm", "images_per_s", "data_s", "forward_s", "backward_s", "optimizer_s"] {
+            assert!(rec.get(key).is_some(), "metrics line lacks {key}: {rec}");
+        }
+    }
+    let summary: serde_json::Value = serde_json::from_slice(&std::fs::read(run.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["val_top1"], j["val_top1"]);
+    let resolved: serde_json::Value = serde_json::from_slice(&std::fs::read(run.join("config.json")).unwrap()).unwrap();
+    assert!(resolved.get("model").is_some());
+}
+
+/// Every bad input: non-zero exit, one message naming the culprit, never a panic.
+#[test]
+fn bad_input_gives_one_clear_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let garbage = tmp.path().join("garbage.safetensors");
+    std::fs::write(&garbage, b"not a safetensors file at all").unwrap();
+    let bad_json = tmp.path().join("bad.json");
+    std::fs::write(&bad_json, b"{\"train_batch_size\": 32,\n \"optimizer\": {\"type\": \"AdamW\",}}").unwrap();
+    let empty_dir = tmp.path().join("empty");
+    std::fs::create_dir(&empty_dir).unwrap();
+    let w = tmp.path().join("w.safetensors");
+    write_weights(&fixture_tensors("param"), &w);
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (vec!["train".into(), "--set".into(), "trian.epochs=3".into()], "trian"),
+        (vec!["train".into(), "--set".into(), "optimizer.type=Lamb".into()], "optimizer.type"),
+        (vec!["train".into(), "--set".into(), "train_batch_size=100".into(), "--set".into(), "train_micro_batch_size_per_gpu=3".into(), "--set".into(), "gradient_accumulation_steps=33".into()], "train_batch_size"),
+        (vec!["train".into(), "--config".into(), bad_json.display().to_string()], "bad.json"),
+        (vec!["train".into(), "--set".into(), "data.dataset=cifar10".into()], "data.path"),
+        (vec!["train".into(), "--set".into(), "data.dataset=cifar10".into(), "--set".into(), format!("data.path={}", empty_dir.display())], "empty"),
+        (vec!["train".into(), "--set".into(), "model.num_heads=5".into()], "model.num_heads"),
+        (vec!["eval".into(), "--weights".into(), garbage.display().to_string()], "garbage.safetensors"),
+        (vec!["eval".into(), "--weights".into(), tmp.path().join("missing.safetensors").display().to_string()], "missing.safetensors"),
+        // Weights of another shape than the named preset: the tensor is named.
+        (vec!["eval".into(), "--weights".into(), w.display().to_string(), "--set".into(), "model.preset=vit_tiny_patch4_32".into(), "--set".into(), "data.dataset=cifar10".into(), "--set".into(), format!("data.path={}", fixtures().join("cifar_tiny").display())], "shape"),
+        (vec!["train".into(), "--device".into(), "tpu".into()], "tpu"),
+    ];
+    for (args, needle) in cases {
+        let out = vitscale(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} should fail");
+        assert!(!stderr.contains("panicked"), "{args:?} panicked: {stderr}");
+        assert!(stderr.contains(needle), "{args:?}: error does not name `{needle}`: {stderr}");
+    }
+}
