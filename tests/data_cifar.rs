@@ -160,3 +160,20 @@ fn unreadable_path_is_an_error() {
     let e = open(&cfg(DatasetKind::Cifar10, dir.path()), 32, 10, 0).unwrap_err();
     assert!(e.to_string().contains("test_batch.bin"), "{e}");
 }
+
+#[test]
+fn skip_bad_drops_bad_records_and_counts_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut recs = vec![record(&[1], 0), record(&[12], 1), record(&[2], 2), record(&[3], 3)];
+    recs[3].truncate(100);
+    write(&dir.path().join("data_batch_1.bin"), &recs);
+    write(&dir.path().join("test_batch.bin"), &[record(&[2], 1)]);
+    let mut c = cfg(DatasetKind::Cifar10, dir.path());
+    assert!(open(&c, 32, 10, 0).is_err());
+    c.skip_bad = true;
+    let d = open(&c, 32, 10, 0).unwrap();
+    assert_eq!(d.train.labels, vec![1, 2]);
+    assert_eq!(d.train.image(1)[0], pixel(2, 0, 0, 0));
+    assert_eq!(d.train.skipped.load(std::sync::atomic::Ordering::Relaxed), 2);
+    assert!(d.description.contains("2 bad record(s) skipped"), "{}", d.description);
+}

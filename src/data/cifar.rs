@@ -21,6 +21,7 @@ use std::collections::HashMap;
 use std::fs;
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
 
 use super::pickle;
 use super::{DataError, ImageSet};
@@ -246,7 +247,9 @@ fn not_found(dir: &Path, v: Variant, split: &'static str) -> DataError {
 }
 
 /// Loads both splits from whatever form is under `path`.
-pub fn load(path: &Path, v: Variant, label: LabelKind) -> Result<Loaded, DataError> {
+/// With `skip_bad`, a truncated final record or a record with an out-of-range label is dropped
+/// and counted in the set's `skipped` instead of failing the load.
+pub fn load(path: &Path, v: Variant, label: LabelKind, skip_bad: bool) -> Result<Loaded, DataError> {
     if v == Variant::Cifar10 && label == LabelKind::Coarse {
         return Err(DataError::Invalid { key: "data.label", msg: "coarse labels exist only in cifar100".into() });
     }
@@ -262,11 +265,11 @@ pub fn load(path: &Path, v: Variant, label: LabelKind) -> Result<Loaded, DataErr
     let mut train = empty(v, label);
     for name in &train_names {
         let bytes = src.read(name)?;
-        parse(&bytes, &src.display(name), v, form, label, &mut train)?;
+        parse(&bytes, &src.display(name), v, form, label, skip_bad, &mut train)?;
     }
     let mut val = empty(v, label);
     let bytes = src.read(&test_name)?;
-    parse(&bytes, &src.display(&test_name), v, form, label, &mut val)?;
+    parse(&bytes, &src.display(&test_name), v, form, label, skip_bad, &mut val)?;
     Ok(Loaded {
         train,
         val,
@@ -281,24 +284,26 @@ fn empty(v: Variant, label: LabelKind) -> ImageSet {
     ImageSet::in_memory(Vec::new(), Vec::new(), SIDE, v.num_classes(label))
 }
 
-fn parse(bytes: &[u8], path: &Path, v: Variant, form: Form, label: LabelKind, set: &mut ImageSet) -> Result<(), DataError> {
+fn parse(bytes: &[u8], path: &Path, v: Variant, form: Form, label: LabelKind, skip_bad: bool, set: &mut ImageSet) -> Result<(), DataError> {
     match form {
-        Form::Binary => parse_records(bytes, path, v, label, set),
-        Form::Python => parse_pickle(bytes, path, v, label, set),
+        Form::Binary => parse_records(bytes, path, v, label, skip_bad, set),
+        Form::Python => parse_pickle(bytes, path, v, label, skip_bad, set),
     }
 }
 
 /// Appends every record of one binary file to `set`.
-pub fn read_file(path: &Path, v: Variant, label: LabelKind, set: &mut ImageSet) -> Result<(), DataError> {
+pub fn read_file(path: &Path, v: Variant, label: LabelKind, skip_bad: bool, set: &mut ImageSet) -> Result<(), DataError> {
     let bytes = fs::read(path).map_err(|source| DataError::Io { path: path.to_path_buf(), source })?;
-    parse_records(&bytes, path, v, label, set)
+    parse_records(&bytes, path, v, label, skip_bad, set)
 }
 
 /// Parses binary records from `bytes` (the content of `path`, named in errors).
-pub fn parse_records(bytes: &[u8], path: &Path, v: Variant, label: LabelKind, set: &mut ImageSet) -> Result<(), DataError> {
+pub fn parse_records(bytes: &[u8], path: &Path, v: Variant, label: LabelKind, skip_bad: bool, set: &mut ImageSet) -> Result<(), DataError> {
     let rec = v.record_len();
     let whole = bytes.len() / rec;
-    if !bytes.len().is_multiple_of(rec) {
+    if !bytes.len().is_multiple_of(rec) && skip_bad {
+        set.skipped.fetch_add(1, Ordering::Relaxed);
+    } else if !bytes.len().is_multiple_of(rec) {
         return Err(DataError::Truncated {
             path: path.to_path_buf(),
             offset: (whole * rec) as u64,
@@ -316,6 +321,10 @@ pub fn parse_records(bytes: &[u8], path: &Path, v: Variant, label: LabelKind, se
     let classes = v.num_classes(label);
     for (k, r) in bytes.chunks_exact(rec).enumerate() {
         let l = r[label_at] as usize;
+        if l >= classes && skip_bad {
+            set.skipped.fetch_add(1, Ordering::Relaxed);
+            continue;
+        }
         if l >= classes {
             return Err(DataError::LabelOutOfRange { path: path.to_path_buf(), offset: (k * rec + label_at) as u64, label: l, num_classes: classes });
         }
@@ -326,7 +335,7 @@ pub fn parse_records(bytes: &[u8], path: &Path, v: Variant, label: LabelKind, se
 }
 
 /// Parses one pickled batch (a dict with `data` and the label list) and appends it to `set`.
-pub fn parse_pickle(bytes: &[u8], path: &Path, v: Variant, label: LabelKind, set: &mut ImageSet) -> Result<(), DataError> {
+pub fn parse_pickle(bytes: &[u8], path: &Path, v: Variant, label: LabelKind, skip_bad: bool, set: &mut ImageSet) -> Result<(), DataError> {
     let bad = |msg: String| DataError::Format { path: path.to_path_buf(), msg };
     let root = pickle::loads(bytes).map_err(|e| DataError::Format { path: path.to_path_buf(), msg: e.to_string() })?;
     let key = match (v, label) {
@@ -352,6 +361,10 @@ pub fn parse_pickle(bytes: &[u8], path: &Path, v: Variant, label: LabelKind, set
     for (k, (l, img)) in labels.iter().zip(arr.data.chunks_exact(PIXELS)).enumerate() {
         match l.as_int() {
             Some(i) if (0..classes as i64).contains(&i) => set.labels.push(i as u16),
+            _ if skip_bad => {
+                set.skipped.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
             // No byte offset survives unpickling: name the entry instead.
             _ => return Err(bad(format!("'{key}'[{k}] = {l:?} is not a class index below {classes}"))),
         }

@@ -65,11 +65,6 @@ pub enum DataError {
     #[error("{}: cannot decode image: {msg} (set data.skip_bad=true to skip such files)", .path.display())]
     Decode { path: PathBuf, msg: String },
     #[error(
-        "data.dataset={dataset} stores {stored}x{stored} px images but model.image_size is {requested}; \
-         resizing is not supported for this dataset (set model.image_size={stored})"
-    )]
-    SizeMismatch { dataset: &'static str, stored: usize, requested: usize },
-    #[error(
         "data.dataset={dataset} has {dataset_classes} classes but model.num_classes is {model_classes} \
          (set model.num_classes={dataset_classes})"
     )]
@@ -259,10 +254,12 @@ pub fn open(cfg: &DataConfig, image_size: usize, num_classes: usize, seed: u64) 
         DatasetKind::Cifar10 | DatasetKind::Cifar100 => {
             let v = if cfg.dataset == DatasetKind::Cifar10 { cifar::Variant::Cifar10 } else { cifar::Variant::Cifar100 };
             let path = cfg.path.as_ref().ok_or(DataError::MissingPath { dataset: name })?;
-            let l = cifar::load(path, v, cfg.label)?;
+            let l = cifar::load(path, v, cfg.label, cfg.skip_bad)?;
+            let skipped = l.train.skipped.load(Ordering::Relaxed) + l.val.skipped.load(Ordering::Relaxed);
+            let skipped = if skipped > 0 { format!(", {skipped} bad record(s) skipped (data.skip_bad)") } else { String::new() };
             let resized = if image_size == cifar::SIDE { String::new() } else { format!(", resampled to {image_size} px") };
             let d = format!(
-                "{name} ({}, {}): {} train from {} file(s) / {} val, {} px{resized}, {} classes ({} labels)",
+                "{name} ({}, {}): {} train from {} file(s) / {} val, {} px{resized}, {} classes ({} labels){skipped}",
                 l.form.name(),
                 l.source.display(),
                 l.train.len(),
