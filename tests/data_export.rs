@@ -35,3 +35,18 @@ fn export_builtin() {
         std::fs::write(format!("{dir}/{name}_labels_{side}.u8"), labels).expect("write labels");
     }
 }
+
+/// Writes the built-in dataset as a PNG folder tree (`VITSCALE_EXPORT_FOLDER=dir`), for trying
+/// `data.dataset=folder` end to end.
+#[test]
+#[ignore]
+fn export_builtin_folder() {
+    let Ok(dir) = std::env::var("VITSCALE_EXPORT_FOLDER") else { return };
+    let set = vitscale::data::builtin::generate(3000, 16, 0, 1);
+    for i in 0..set.len() {
+        let name = vitscale::data::builtin::CLASS_NAMES[set.labels[i] as usize];
+        let p = std::path::Path::new(&dir).join(name).join(format!("{i:05}.png"));
+        std::fs::create_dir_all(p.parent().expect("parent")).expect("mkdir");
+        image::RgbImage::from_raw(16, 16, set.image(i).to_vec()).expect("16x16").save(&p).expect("save png");
+    }
+}

@@ -194,7 +194,8 @@ fn read_archive(path: &Path, v: Variant) -> Result<Source, DataError> {
         let member = entry.path().map_err(io)?.to_string_lossy().into_owned();
         let base = member.rsplit('/').next().unwrap_or(&member).to_string();
         if wanted.contains(&base) {
-            let mut bytes = Vec::with_capacity(entry.size() as usize);
+            // The header's size is untrusted: reserve at most what a CIFAR batch needs.
+            let mut bytes = Vec::with_capacity((entry.size() as usize).min(200 << 20));
             entry.read_to_end(&mut bytes).map_err(|source| DataError::Io { path: path.join(&member), source })?;
             members.insert(base, (member, bytes));
         }

@@ -11,6 +11,10 @@
 //! Supported: protocols 0–5 as written by Python 2's cPickle and Python 3's pickle for dicts,
 //! lists, tuples, ints, floats, strings, bytes and objects built by REDUCE/NEWOBJ/BUILD (no
 //! out-of-band buffers). Anything else is an error naming the opcode and its byte offset.
+//!
+//! Limitation, by design: the memo holds value snapshots, not shared references, so a container
+//! that is memoized, then filled, then fetched again from the memo appears as it was when
+//! memoized. CIFAR's files never re-reference a container (only the `_codecs.encode` global).
 
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -551,7 +555,7 @@ fn array_parts(shape: &Value, dtype: &Value, data: &Value) -> Result<ArrayU8, St
         other => return Err(format!("numpy array dtype is a {}", other.kind())),
     }
     let Value::Bytes(data) = data else { return Err(format!("numpy array data is a {}", data.kind())) };
-    let n: usize = shape.iter().product();
+    let n = shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).ok_or_else(|| format!("numpy array shape {shape:?} overflows"))?;
     if data.len() != n {
         return Err(format!("numpy array of shape {shape:?} holds {} bytes, expected {n}", data.len()));
     }
@@ -578,6 +582,25 @@ mod tests {
         let p0: &[u8] = b"(dp0\nVa\np1\n(lp2\nI1\naI-2\naI300\naI70000\naL1099511627776L\nasVb\np3\n(I01\nNF1.5\ntp4\nsVc\np5\nc_codecs\nencode\np6\n(Vxy\np7\nVlatin1\np8\ntp9\nRp10\ns.";
         for p in [p2, p4, p0] {
             expect_small(&loads(p).unwrap());
+        }
+    }
+
+    #[test]
+    fn corrupted_pickles_never_panic() {
+        let fixture = include_bytes!("../../tests/fixtures/cifar10_py3_protocol2.pkl");
+        let mut rng = crate::data::rng::SplitMix::new(7);
+        for _ in 0..3000 {
+            let mut b = fixture.to_vec();
+            for _ in 0..1 + rng.below(4) {
+                let i = rng.below(b.len() as u64) as usize;
+                b[i] = rng.next_u64() as u8;
+            }
+            let cut = b.len() - rng.below(b.len() as u64 / 4) as usize;
+            if let Ok(v) = loads(&b[..cut]) {
+                if let Some(d) = v.get("data") {
+                    let _ = ndarray_u8(d);
+                }
+            }
         }
     }
 
