@@ -56,6 +56,9 @@ pub struct BenchArgs {
     /// After timing, run one eager step with every kernel and GEMM timed and print the table.
     #[arg(long)]
     pub profile: bool,
+    /// CUDA attention path: fused or gemm (default: $VITSCALE_ATTENTION, else gemm).
+    #[arg(long)]
+    pub attention: Option<String>,
     /// Print one JSON object as the last line.
     #[arg(long)]
     pub json: bool,
@@ -182,6 +185,10 @@ fn result(args: &BenchArgs, s: &Setup, device: String, params: usize, graph: boo
 fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     use crate::backend::cuda::Cuda;
     let be = Cuda::new(args.gpu)?;
+    if let Some(a) = &args.attention {
+        be.set_attention_fused(crate::backend::cuda::parse_attention(a).map_err(|e| anyhow::anyhow!("--attention: {e}"))?);
+    }
+    eprintln!("attention path: {}", be.attention_path());
     let ceiling = if args.no_ceiling { 794.0 } else { be.matmul_tflops(8192, 10)? };
     be.synchronize()?;
     be.reset_peak();

@@ -1,0 +1,434 @@
+// Fused attention (flash-attention-2 style), forward and backward, on the tensor cores
+// (mma.sync m16n8k16, bf16 in, fp32 accumulate). Reads q, k, v straight from the interleaved
+// qkv layout (B, N, 3, H, D), writes out (B, N, H·D) and dqkv (B, N, 3, H, D): no head moves.
+//
+// Saved state: per (b, h, query row) the log-sum-exp of the scaled scores in base 2,
+// lse2 = m + log2(l) with m the row maximum of s·scale·log2(e) and l = Σ 2^(s·scale·log2e − m)
+// (f32, B·H·N values). The backward recomputes P = 2^(s·scale·log2e − lse2).
+//
+// Tiles: 64 query rows × 64 keys per block of 4 warps; each warp owns 16 rows of the tile.
+// Shared-memory rows are padded by 8 bf16 (16 bytes) so fragment loads hit 32 distinct banks.
+// Ragged N: rows ≥ N load as zeros; keys ≥ N get probability 0; rows ≥ N are never stored.
+//
+// Fragment layout of mma.m16n8k16 (PTX ISA), g = lane / 4, t = lane % 4:
+//   A (16×16, row-major): a[0] = (g, 2t..2t+1), a[1] = (g+8, 2t..), a[2] = (g, 2t+8..), a[3] = (g+8, 2t+8..)
+//   B (16×8, "col"):      b[0] = (k 2t..2t+1, n g), b[1] = (k 2t+8..2t+9, n g)
+//   C (16×8 f32):         c[0..1] = (g, 2t..2t+1), c[2..3] = (g+8, 2t..2t+1)
+// Lower column (lower k) in the low 16 bits of each register.
+
+#define FA_BR 64
+#define FA_BC 64
+#define FA_THREADS 128
+
+__device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, const unsigned* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Two f32 → bf16x2 (round to nearest even), `lo` in the low half.
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Two consecutive bf16 at p (4-byte aligned) as one register.
+__device__ __forceinline__ unsigned ld2(const bf16* p) { return *(const unsigned*)p; }
+// Two bf16 from different rows: p0 in the low half.
+__device__ __forceinline__ unsigned ld2t(const bf16* p0, const bf16* p1) {
+    return (unsigned)*p0 | ((unsigned)*p1 << 16);
+}
+
+// rows × D tile from global rows (stride `stride` elements, row `row0` first) into shared
+// memory with row stride D + 8; rows ≥ n are zero. 16-byte loads.
+template <int D, int ROWS>
+__device__ __forceinline__ void fa_load_tile(bf16* s, const bf16* g, i64 stride, int row0, int n) {
+    constexpr int CH = D / 8;
+    for (int i = threadIdx.x; i < ROWS * CH; i += FA_THREADS) {
+        int r = i / CH, c = i - r * CH;
+        uint4 v;
+        v.x = 0u; v.y = 0u; v.z = 0u; v.w = 0u;
+        if (row0 + r < n) v = *(const uint4*)(g + (i64)(row0 + r) * stride + c * 8);
+        *(uint4*)(s + r * (D + 8) + c * 8) = v;
+    }
+}
+
+// grid (ceil(N/64), B·H), block 128. out (B, N, H·D); lse2 (B·H, N) f32.
+template <int D>
+__device__ __forceinline__ void flash_fwd(bf16* __restrict__ out, float* __restrict__ lse2, const bf16* __restrict__ qkv, int n, int h, float scale_log2) {
+    constexpr int LD = D + 8;
+    constexpr int KT = D / 16;     // k-steps over the head dim
+    constexpr int NS = FA_BC / 8;  // n-tiles of a score row block
+    constexpr int NO = D / 8;      // n-tiles of the output
+    __shared__ __align__(16) bf16 sq[FA_BR * LD];
+    __shared__ __align__(16) bf16 sk[FA_BC * LD];
+    __shared__ __align__(16) bf16 sv[FA_BC * LD];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int bh = blockIdx.y, bi = bh / h, hi = bh - bi * h;
+    const int q0 = blockIdx.x * FA_BR;
+    const i64 stride = (i64)3 * h * D;
+    const bf16* qg = qkv + (i64)bi * n * stride + hi * D;
+    const bf16* kg = qg + h * D;
+    const bf16* vg = qg + 2 * h * D;
+
+    fa_load_tile<D, FA_BR>(sq, qg, stride, q0, n);
+    __syncthreads();
+    unsigned qa[KT][4];
+    const int r0 = warp * 16 + g;
+    #pragma unroll
+    for (int kt = 0; kt < KT; kt++) {
+        qa[kt][0] = ld2(sq + r0 * LD + kt * 16 + 2 * t);
+        qa[kt][1] = ld2(sq + (r0 + 8) * LD + kt * 16 + 2 * t);
+        qa[kt][2] = ld2(sq + r0 * LD + kt * 16 + 2 * t + 8);
+        qa[kt][3] = ld2(sq + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
+    }
+    float o[NO][4];
+    #pragma unroll
+    for (int j = 0; j < NO; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+    for (int k0 = 0; k0 < n; k0 += FA_BC) {
+        __syncthreads();  // every warp is done with the previous K, V tiles
+        fa_load_tile<D, FA_BC>(sk, kg, stride, k0, n);
+        fa_load_tile<D, FA_BC>(sv, vg, stride, k0, n);
+        __syncthreads();
+        // S = Q·Kᵀ for this warp's 16 rows × 64 keys
+        float s[NS][4];
+        #pragma unroll
+        for (int j = 0; j < NS; j++) {
+            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+            #pragma unroll
+            for (int kt = 0; kt < KT; kt++) {
+                unsigned b[2];
+                b[0] = ld2(sk + (j * 8 + g) * LD + kt * 16 + 2 * t);
+                b[1] = ld2(sk + (j * 8 + g) * LD + kt * 16 + 2 * t + 8);
+                mma_bf16(s[j], qa[kt], b);
+            }
+        }
+        // scale into the base-2 domain, mask keys ≥ n, row maxima over the quad
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+        #pragma unroll
+        for (int j = 0; j < NS; j++) {
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int key = k0 + j * 8 + 2 * t + (e & 1);
+                s[j][e] = key < n ? s[j][e] * scale_log2 : -INFINITY;
+            }
+            mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);  // finite: key k0 < n is valid
+        const float al0 = exp2f(m0 - mn0), al1 = exp2f(m1 - mn1);
+        m0 = mn0;
+        m1 = mn1;
+        float ps0 = 0.f, ps1 = 0.f;
+        #pragma unroll
+        for (int j = 0; j < NS; j++) {
+            s[j][0] = exp2f(s[j][0] - mn0);
+            s[j][1] = exp2f(s[j][1] - mn0);
+            s[j][2] = exp2f(s[j][2] - mn1);
+            s[j][3] = exp2f(s[j][3] - mn1);
+            ps0 += s[j][0] + s[j][1];
+            ps1 += s[j][2] + s[j][3];
+        }
+        l0 = l0 * al0 + ps0;  // per-thread partial row sums; the quad is summed at the end
+        l1 = l1 * al1 + ps1;
+        #pragma unroll
+        for (int j = 0; j < NO; j++) {
+            o[j][0] *= al0; o[j][1] *= al0;
+            o[j][2] *= al1; o[j][3] *= al1;
+        }
+        // O += P·V: P's accumulators become A fragments (keys are the k dimension)
+        #pragma unroll
+        for (int kk = 0; kk < FA_BC / 16; kk++) {
+            unsigned pa[4];
+            pa[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+            pa[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+            pa[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            const bf16* vr = sv + (kk * 16 + 2 * t) * LD + g;
+            #pragma unroll
+            for (int j = 0; j < NO; j++) {
+                unsigned b[2];
+                b[0] = ld2t(vr + j * 8, vr + LD + j * 8);
+                b[1] = ld2t(vr + 8 * LD + j * 8, vr + 9 * LD + j * 8);
+                mma_bf16(o[j], pa, b);
+            }
+        }
+    }
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+    const int row0 = q0 + r0, row1 = row0 + 8;
+    const i64 ostride = (i64)h * D;
+    bf16* og = out + (i64)bi * n * ostride + hi * D + 2 * t;
+    if (row0 < n) {
+        #pragma unroll
+        for (int j = 0; j < NO; j++) *(unsigned*)(og + row0 * ostride + j * 8) = pack_bf16(o[j][0] * inv0, o[j][1] * inv0);
+        if (t == 0) lse2[(i64)bh * n + row0] = m0 + log2f(l0);
+    }
+    if (row1 < n) {
+        #pragma unroll
+        for (int j = 0; j < NO; j++) *(unsigned*)(og + row1 * ostride + j * 8) = pack_bf16(o[j][2] * inv1, o[j][3] * inv1);
+        if (t == 0) lse2[(i64)bh * n + row1] = m1 + log2f(l1);
+    }
+}
+
+extern "C" __global__ void flash_fwd_d64(bf16* out, float* lse2, const bf16* qkv, int n, int h, float scale_log2) {
+    flash_fwd<64>(out, lse2, qkv, n, h, scale_log2);
+}
+extern "C" __global__ void flash_fwd_d32(bf16* out, float* lse2, const bf16* qkv, int n, int h, float scale_log2) {
+    flash_fwd<32>(out, lse2, qkv, n, h, scale_log2);
+}
+
+// Backward pre-pass: delta (B·H, N) = rowsum(dO ∘ O) per head, f32. One thread per
+// (b, n, h) row of D values, 16-byte loads. dout, out (B, N, H·D).
+template <int D>
+__device__ __forceinline__ void flash_bwd_pre(float* __restrict__ delta, const bf16* __restrict__ dout, const bf16* __restrict__ out, int b, int n, int h) {
+    i64 rows = (i64)b * n * h;
+    GRID_STRIDE(r, rows) {
+        const uint4* a = (const uint4*)(dout + r * D);
+        const uint4* o = (const uint4*)(out + r * D);
+        float acc = 0.f;
+        #pragma unroll
+        for (int c = 0; c < D / 8; c++) {
+            uint4 x = a[c], y = o[c];
+            const unsigned xs[4] = {x.x, x.y, x.z, x.w};
+            const unsigned ys[4] = {y.x, y.y, y.z, y.w};
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                acc += __uint_as_float(xs[e] << 16) * __uint_as_float(ys[e] << 16);
+                acc += __uint_as_float(xs[e] & 0xffff0000u) * __uint_as_float(ys[e] & 0xffff0000u);
+            }
+        }
+        int hi = (int)(r % h);
+        i64 tok = r / h;  // b·n + token
+        int ni = (int)(tok % n);
+        i64 bi = tok / n;
+        delta[(bi * h + hi) * n + ni] = acc;
+    }
+}
+
+extern "C" __global__ void flash_bwd_pre_d64(float* delta, const bf16* dout, const bf16* out, int b, int n, int h) {
+    flash_bwd_pre<64>(delta, dout, out, b, n, h);
+}
+extern "C" __global__ void flash_bwd_pre_d32(float* delta, const bf16* dout, const bf16* out, int b, int n, int h) {
+    flash_bwd_pre<32>(delta, dout, out, b, n, h);
+}
+
+// Backward main pass: grid (ceil(N/64), B·H), block 128; one block owns 64 keys of one head,
+// each warp 16 of them. Loops over query blocks: recomputes Pᵀ from K·Qᵀ and lse2, then
+// dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − delta), dK += dSᵀ·Q, and dQ += dS·K through
+// shared memory (dSᵀ) and f32 atomics into dq_acc (B, N, H·D) (zeroed by the caller, already
+// multiplied by the softmax scale). dK (scaled) and dV are written to dqkv (B, N, 3, H, D).
+template <int D>
+__device__ __forceinline__ void flash_bwd(bf16* __restrict__ dqkv, float* __restrict__ dq_acc, const bf16* __restrict__ dout, const bf16* __restrict__ qkv, const float* __restrict__ lse2, const float* __restrict__ delta, int n, int h, float scale, float scale_log2) {
+    constexpr int LD = D + 8;
+    constexpr int LDS = FA_BR + 8;
+    constexpr int KT = D / 16;
+    constexpr int NS = FA_BR / 8;  // n-tiles over the query block
+    constexpr int NO = D / 8;
+    __shared__ __align__(16) bf16 sk[FA_BC * LD];
+    __shared__ __align__(16) bf16 sv[FA_BC * LD];
+    __shared__ __align__(16) bf16 sq[FA_BR * LD];
+    __shared__ __align__(16) bf16 sdo[FA_BR * LD];
+    __shared__ __align__(16) bf16 sds[FA_BC * LDS];  // dSᵀ: keys × queries
+    __shared__ float slse[FA_BR];
+    __shared__ float sdelta[FA_BR];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int bh = blockIdx.y, bi = bh / h, hi = bh - bi * h;
+    const int k0 = blockIdx.x * FA_BC;
+    const i64 stride = (i64)3 * h * D;
+    const i64 ostride = (i64)h * D;
+    const bf16* qg = qkv + (i64)bi * n * stride + hi * D;
+    const bf16* kg = qg + h * D;
+    const bf16* vg = qg + 2 * h * D;
+    const bf16* dog = dout + (i64)bi * n * ostride + hi * D;
+
+    fa_load_tile<D, FA_BC>(sk, kg, stride, k0, n);
+    fa_load_tile<D, FA_BC>(sv, vg, stride, k0, n);
+    __syncthreads();
+    const int r0 = warp * 16 + g;  // this thread's key rows r0, r0 + 8 within the block
+    unsigned ka[KT][4], va[KT][4];
+    #pragma unroll
+    for (int kt = 0; kt < KT; kt++) {
+        ka[kt][0] = ld2(sk + r0 * LD + kt * 16 + 2 * t);
+        ka[kt][1] = ld2(sk + (r0 + 8) * LD + kt * 16 + 2 * t);
+        ka[kt][2] = ld2(sk + r0 * LD + kt * 16 + 2 * t + 8);
+        ka[kt][3] = ld2(sk + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
+        va[kt][0] = ld2(sv + r0 * LD + kt * 16 + 2 * t);
+        va[kt][1] = ld2(sv + (r0 + 8) * LD + kt * 16 + 2 * t);
+        va[kt][2] = ld2(sv + r0 * LD + kt * 16 + 2 * t + 8);
+        va[kt][3] = ld2(sv + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
+    }
+    const bool key0_ok = k0 + r0 < n, key1_ok = k0 + r0 + 8 < n;
+    float dk[NO][4], dv[NO][4];
+    #pragma unroll
+    for (int j = 0; j < NO; j++) {
+        dk[j][0] = dk[j][1] = dk[j][2] = dk[j][3] = 0.f;
+        dv[j][0] = dv[j][1] = dv[j][2] = dv[j][3] = 0.f;
+    }
+
+    for (int q0 = 0; q0 < n; q0 += FA_BR) {
+        __syncthreads();  // every warp is done with the previous Q, dO, dSᵀ tiles
+        fa_load_tile<D, FA_BR>(sq, qg, stride, q0, n);
+        fa_load_tile<D, FA_BR>(sdo, dog, ostride, q0, n);
+        for (int i = threadIdx.x; i < FA_BR; i += FA_THREADS) {
+            bool ok = q0 + i < n;
+            slse[i] = ok ? lse2[(i64)bh * n + q0 + i] : INFINITY;  // P = 0 for rows ≥ n
+            sdelta[i] = ok ? delta[(i64)bh * n + q0 + i] : 0.f;
+        }
+        __syncthreads();
+        // Sᵀ = K·Qᵀ (16 keys × 64 queries) and dPᵀ = V·dOᵀ
+        float p[NS][4], dp[NS][4];
+        #pragma unroll
+        for (int j = 0; j < NS; j++) {
+            p[j][0] = p[j][1] = p[j][2] = p[j][3] = 0.f;
+            dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.f;
+            #pragma unroll
+            for (int kt = 0; kt < KT; kt++) {
+                unsigned b[2];
+                b[0] = ld2(sq + (j * 8 + g) * LD + kt * 16 + 2 * t);
+                b[1] = ld2(sq + (j * 8 + g) * LD + kt * 16 + 2 * t + 8);
+                mma_bf16(p[j], ka[kt], b);
+                b[0] = ld2(sdo + (j * 8 + g) * LD + kt * 16 + 2 * t);
+                b[1] = ld2(sdo + (j * 8 + g) * LD + kt * 16 + 2 * t + 8);
+                mma_bf16(dp[j], va[kt], b);
+            }
+        }
+        // Pᵀ = 2^(s·scale·log2e − lse2[q]) (0 for keys ≥ n), dSᵀ = Pᵀ ∘ (dPᵀ − delta[q])
+        #pragma unroll
+        for (int j = 0; j < NS; j++) {
+            const int qc = j * 8 + 2 * t;
+            const float la = slse[qc], lb = slse[qc + 1];
+            const float da = sdelta[qc], db = sdelta[qc + 1];
+            p[j][0] = key0_ok ? exp2f(p[j][0] * scale_log2 - la) : 0.f;
+            p[j][1] = key0_ok ? exp2f(p[j][1] * scale_log2 - lb) : 0.f;
+            p[j][2] = key1_ok ? exp2f(p[j][2] * scale_log2 - la) : 0.f;
+            p[j][3] = key1_ok ? exp2f(p[j][3] * scale_log2 - lb) : 0.f;
+            dp[j][0] = p[j][0] * (dp[j][0] - da);
+            dp[j][1] = p[j][1] * (dp[j][1] - db);
+            dp[j][2] = p[j][2] * (dp[j][2] - da);
+            dp[j][3] = p[j][3] * (dp[j][3] - db);
+        }
+        // dV += Pᵀ·dO and dK += dSᵀ·Q (queries are the k dimension); dSᵀ to shared memory
+        #pragma unroll
+        for (int kk = 0; kk < FA_BR / 16; kk++) {
+            unsigned pa[4], sa[4];
+            pa[0] = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
+            pa[1] = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
+            pa[2] = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+            pa[3] = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+            sa[0] = pack_bf16(dp[2 * kk][0], dp[2 * kk][1]);
+            sa[1] = pack_bf16(dp[2 * kk][2], dp[2 * kk][3]);
+            sa[2] = pack_bf16(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
+            sa[3] = pack_bf16(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+            *(unsigned*)(sds + r0 * LDS + kk * 16 + 2 * t) = sa[0];
+            *(unsigned*)(sds + (r0 + 8) * LDS + kk * 16 + 2 * t) = sa[1];
+            *(unsigned*)(sds + r0 * LDS + kk * 16 + 8 + 2 * t) = sa[2];
+            *(unsigned*)(sds + (r0 + 8) * LDS + kk * 16 + 8 + 2 * t) = sa[3];
+            const bf16* dor = sdo + (kk * 16 + 2 * t) * LD + g;
+            const bf16* qr = sq + (kk * 16 + 2 * t) * LD + g;
+            #pragma unroll
+            for (int j = 0; j < NO; j++) {
+                unsigned b[2];
+                b[0] = ld2t(dor + j * 8, dor + LD + j * 8);
+                b[1] = ld2t(dor + 8 * LD + j * 8, dor + 9 * LD + j * 8);
+                mma_bf16(dv[j], pa, b);
+                b[0] = ld2t(qr + j * 8, qr + LD + j * 8);
+                b[1] = ld2t(qr + 8 * LD + j * 8, qr + 9 * LD + j * 8);
+                mma_bf16(dk[j], sa, b);
+            }
+        }
+        __syncthreads();  // dSᵀ complete
+        // dQ (64 queries × D) += dS·K over this block's 64 keys; warp w takes queries 16w..16w+15
+        float dq[NO][4];
+        #pragma unroll
+        for (int j = 0; j < NO; j++) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
+        #pragma unroll
+        for (int kk = 0; kk < FA_BC / 16; kk++) {
+            // A(q, key) = dSᵀ[key][q]
+            const bf16* sr = sds + (kk * 16 + 2 * t) * LDS + warp * 16 + g;
+            unsigned a[4];
+            a[0] = ld2t(sr, sr + LDS);
+            a[1] = ld2t(sr + 8, sr + LDS + 8);
+            a[2] = ld2t(sr + 8 * LDS, sr + 9 * LDS);
+            a[3] = ld2t(sr + 8 * LDS + 8, sr + 9 * LDS + 8);
+            const bf16* kr = sk + (kk * 16 + 2 * t) * LD + g;
+            #pragma unroll
+            for (int j = 0; j < NO; j++) {
+                unsigned b[2];
+                b[0] = ld2t(kr + j * 8, kr + LD + j * 8);
+                b[1] = ld2t(kr + 8 * LD + j * 8, kr + 9 * LD + j * 8);
+                mma_bf16(dq[j], a, b);
+            }
+        }
+        const int qa0 = q0 + warp * 16 + g, qa1 = qa0 + 8;
+        float* dqg = dq_acc + (i64)bi * n * ostride + hi * D + 2 * t;
+        if (qa0 < n) {
+            #pragma unroll
+            for (int j = 0; j < NO; j++) {
+                atomicAdd(dqg + qa0 * ostride + j * 8, dq[j][0] * scale);
+                atomicAdd(dqg + qa0 * ostride + j * 8 + 1, dq[j][1] * scale);
+            }
+        }
+        if (qa1 < n) {
+            #pragma unroll
+            for (int j = 0; j < NO; j++) {
+                atomicAdd(dqg + qa1 * ostride + j * 8, dq[j][2] * scale);
+                atomicAdd(dqg + qa1 * ostride + j * 8 + 1, dq[j][3] * scale);
+            }
+        }
+    }
+    // dK (scaled) and dV into dqkv
+    bf16* dkg = dqkv + (i64)bi * n * stride + h * D + hi * D + 2 * t;
+    bf16* dvg = dkg + h * D;
+    const i64 key0 = k0 + r0, key1 = key0 + 8;
+    if (key0_ok) {
+        #pragma unroll
+        for (int j = 0; j < NO; j++) {
+            *(unsigned*)(dkg + key0 * stride + j * 8) = pack_bf16(dk[j][0] * scale, dk[j][1] * scale);
+            *(unsigned*)(dvg + key0 * stride + j * 8) = pack_bf16(dv[j][0], dv[j][1]);
+        }
+    }
+    if (key1_ok) {
+        #pragma unroll
+        for (int j = 0; j < NO; j++) {
+            *(unsigned*)(dkg + key1 * stride + j * 8) = pack_bf16(dk[j][2] * scale, dk[j][3] * scale);
+            *(unsigned*)(dvg + key1 * stride + j * 8) = pack_bf16(dv[j][2], dv[j][3]);
+        }
+    }
+}
+
+extern "C" __global__ void flash_bwd_d64(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse2, const float* delta, int n, int h, float scale, float scale_log2) {
+    flash_bwd<64>(dqkv, dq_acc, dout, qkv, lse2, delta, n, h, scale, scale_log2);
+}
+extern "C" __global__ void flash_bwd_d32(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse2, const float* delta, int n, int h, float scale, float scale_log2) {
+    flash_bwd<32>(dqkv, dq_acc, dout, qkv, lse2, delta, n, h, scale, scale_log2);
+}
+
+// dq_acc (B·N, H·D) f32 → the q slot of dqkv (B, N, 3, H, D) bf16, 8 values per thread.
+// hd8 = H·D / 8; rows = B·N.
+extern "C" __global__ void flash_dq_store(bf16* dqkv, const float* dq_acc, i64 rows, int hd8) {
+    i64 total = rows * hd8;
+    GRID_STRIDE(e, total) {
+        i64 r = e / hd8;
+        int c = (int)(e - r * hd8);
+        const float4* src = (const float4*)(dq_acc + e * 8);
+        float4 x = src[0], y = src[1];
+        uint4 v;
+        v.x = pack_bf16(x.x, x.y);
+        v.y = pack_bf16(x.z, x.w);
+        v.z = pack_bf16(y.x, y.y);
+        v.w = pack_bf16(y.z, y.w);
+        *(uint4*)(dqkv + r * 3 * (i64)hd8 * 8 + (i64)c * 8) = v;
+    }
+}
