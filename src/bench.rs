@@ -56,7 +56,7 @@ pub struct BenchArgs {
     /// After timing, run one eager step with every kernel and GEMM timed and print the table.
     #[arg(long)]
     pub profile: bool,
-    /// CUDA attention path: fused or gemm (default: $VITSCALE_ATTENTION, else gemm).
+    /// CUDA attention path: gemm, fused or fused-plain (default: $VITSCALE_ATTENTION, else gemm).
     #[arg(long)]
     pub attention: Option<String>,
     /// Print one JSON object as the last line.
@@ -186,9 +186,9 @@ fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     use crate::backend::cuda::Cuda;
     let be = Cuda::new(args.gpu)?;
     if let Some(a) = &args.attention {
-        be.set_attention_fused(crate::backend::cuda::parse_attention(a).map_err(|e| anyhow::anyhow!("--attention: {e}"))?);
+        be.set_attention(crate::backend::cuda::parse_attention(a).map_err(|e| anyhow::anyhow!("--attention: {e}"))?);
     }
-    eprintln!("attention path: {}", be.attention_path());
+    eprintln!("attention path: {}", be.attention_path().name());
     let ceiling = if args.no_ceiling { 794.0 } else { be.matmul_tflops(8192, 10)? };
     be.synchronize()?;
     be.reset_peak();

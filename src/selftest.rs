@@ -495,17 +495,17 @@ pub fn selftest(args: &SelftestArgs) -> anyhow::Result<bool> {
             let be = crate::backend::cuda::Cuda::new(args.gpu)?;
             let chosen = be.attention_path();
             let (seed, mut checks, d, c) = run_checks(&be, args.seed)?;
-            // Both attention paths, whatever VITSCALE_ATTENTION chose for the checks above.
-            for (i, fused) in [false, true].into_iter().enumerate() {
-                be.set_attention_fused(fused);
-                let path = if fused { " fused" } else { " gemm" };
-                match attention_checks(&be, seed.wrapping_add(1 + i as u64), path) {
+            // Every attention path, whatever VITSCALE_ATTENTION chose for the checks above.
+            for (i, path) in crate::backend::cuda::AttentionPath::ALL.into_iter().enumerate() {
+                be.set_attention(path);
+                let label = format!(" {}", path.name());
+                match attention_checks(&be, seed.wrapping_add(1 + i as u64), &label) {
                     Ok(cs) => checks.extend(cs),
-                    Err(e) => checks.push(Check { name: format!("attention checks{path}: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false }),
+                    Err(e) => checks.push(Check { name: format!("attention checks{label}: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false }),
                 }
             }
-            be.set_attention_fused(chosen == "fused");
-            println!("attention path for the model checks: {chosen}");
+            be.set_attention(chosen);
+            println!("attention path for the model checks: {}", chosen.name());
             Ok(report(&be.name(), seed, &checks, &d, &c, args.json))
         }
         "cpu" => {

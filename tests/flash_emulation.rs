@@ -68,6 +68,57 @@ fn mma(c: &mut [[f32; 4]; 32], a: &[[R; 4]; 32], b: &[[R; 2]; 32]) {
     }
 }
 
+/// ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 as the PTX ISA defines it: lanes 8i..8i+7
+/// give the row addresses (elements) of matrix i; lane l receives, for each matrix i, the
+/// elements (row 2(l%4), col l/4) and (row 2(l%4)+1, col l/4).
+fn ldsm_x4_t(s: &[f32], addrs: &[usize; 32]) -> [[R; 4]; 32] {
+    let mut r = [[[f32::NAN; 2]; 4]; 32];
+    for &a in addrs.iter() {
+        assert!(a % 8 == 0, "ldmatrix row address {a} not 16-byte aligned");
+    }
+    for lane in 0..32 {
+        let (row, col) = (2 * (lane % 4), lane / 4);
+        for mi in 0..4 {
+            r[lane][mi] = [s[addrs[mi * 8 + row] + col], s[addrs[mi * 8 + row + 1] + col]];
+        }
+    }
+    r
+}
+
+/// The kernel's `ldb_t2<LDSM>`: B fragments of two n-tiles from a row-major [k][n] tile.
+fn ldb_t2(ldsm: bool, s: &[f32], ld: usize, k0: usize, c0: usize) -> [[R; 4]; 32] {
+    if ldsm {
+        let mut addrs = [0usize; 32];
+        for (lane, a) in addrs.iter_mut().enumerate() {
+            let mi = lane >> 3;
+            *a = (k0 + (mi & 1) * 8 + (lane & 7)) * ld + c0 + (mi >> 1) * 8;
+        }
+        ldsm_x4_t(s, &addrs)
+    } else {
+        let mut r = [[[0f32; 2]; 4]; 32];
+        for (lane, rl) in r.iter_mut().enumerate() {
+            let (g, t) = (lane >> 2, lane & 3);
+            let p = (k0 + 2 * t) * ld + c0 + g;
+            rl[0] = ld2t(s, p, p + ld);
+            rl[1] = ld2t(s, p + 8 * ld, p + 9 * ld);
+            rl[2] = ld2t(s, p + 8, p + ld + 8);
+            rl[3] = ld2t(s, p + 8 * ld + 8, p + 9 * ld + 8);
+        }
+        r
+    }
+}
+
+/// Splits two-tile fragments into the B operands of tile j (regs 0, 1) and j + 1 (regs 2, 3).
+fn split_b(r: &[[R; 4]; 32]) -> ([[R; 2]; 32], [[R; 2]; 32]) {
+    let mut lo = [[[0f32; 2]; 2]; 32];
+    let mut hi = [[[0f32; 2]; 2]; 32];
+    for lane in 0..32 {
+        lo[lane] = [r[lane][0], r[lane][1]];
+        hi[lane] = [r[lane][2], r[lane][3]];
+    }
+    (lo, hi)
+}
+
 /// Butterfly over the 4 lanes of a quad (xor 1 then xor 2), as the kernel's shuffles.
 fn quad_reduce(v: &mut [f32; 32], f: impl Fn(f32, f32) -> f32) {
     for m in [1usize, 2] {
@@ -89,7 +140,8 @@ fn load_tile(gl: &[f32], base: usize, stride: usize, row0: usize, n: usize, d: u
     s
 }
 
-fn flash_fwd(out: &mut [f32], lse2: &mut [f32], qkv: &[f32], b: usize, n: usize, h: usize, d: usize, scale_log2: f32) {
+#[allow(clippy::too_many_arguments)]
+fn flash_fwd(ldsm: bool, out: &mut [f32], lse2: &mut [f32], qkv: &[f32], b: usize, n: usize, h: usize, d: usize, scale_log2: f32) {
     let ld = d + 8;
     let (kt_n, ns, no) = (d / 16, BC / 8, d / 8);
     let stride = 3 * h * d;
@@ -174,15 +226,10 @@ fn flash_fwd(out: &mut [f32], lse2: &mut [f32], qkv: &[f32], b: usize, n: usize,
                             pa[lane][2] = pack(s[2 * kk + 1][lane][0], s[2 * kk + 1][lane][1]);
                             pa[lane][3] = pack(s[2 * kk + 1][lane][2], s[2 * kk + 1][lane][3]);
                         }
-                        for j in 0..no {
-                            let mut bb = [[[0f32; 2]; 2]; 32];
-                            for lane in 0..32 {
-                                let (g, t) = (lane / 4, lane % 4);
-                                let vr = (kk * 16 + 2 * t) * ld + g;
-                                bb[lane][0] = ld2t(&sv, vr + j * 8, vr + ld + j * 8);
-                                bb[lane][1] = ld2t(&sv, vr + 8 * ld + j * 8, vr + 9 * ld + j * 8);
-                            }
-                            mma(&mut o[j], &pa, &bb);
+                        for j in (0..no).step_by(2) {
+                            let (b0, b1) = split_b(&ldb_t2(ldsm, &sv, ld, kk * 16, j * 8));
+                            mma(&mut o[j], &pa, &b0);
+                            mma(&mut o[j + 1], &pa, &b1);
                         }
                     }
                 }
@@ -235,7 +282,7 @@ fn flash_bwd_pre(delta: &mut [f32], dout: &[f32], out: &[f32], b: usize, n: usiz
 }
 
 #[allow(clippy::too_many_arguments)]
-fn flash_bwd(dqkv: &mut [f32], dq_acc: &mut [f32], dout: &[f32], qkv: &[f32], lse2: &[f32], delta: &[f32], b: usize, n: usize, h: usize, d: usize, scale: f32, scale_log2: f32) {
+fn flash_bwd(ldsm: bool, dqkv: &mut [f32], dq_acc: &mut [f32], dout: &[f32], qkv: &[f32], lse2: &[f32], delta: &[f32], b: usize, n: usize, h: usize, d: usize, scale: f32, scale_log2: f32) {
     let ld = d + 8;
     let lds = BR + 8;
     let (kt_n, ns, no) = (d / 16, BR / 8, d / 8);
@@ -340,22 +387,13 @@ fn flash_bwd(dqkv: &mut [f32], dq_acc: &mut [f32], dout: &[f32], qkv: &[f32], ls
                                 sds[idx + 1] = sa[lane][i][1];
                             }
                         }
-                        for j in 0..no {
-                            let mut bb = [[[0f32; 2]; 2]; 32];
-                            for lane in 0..32 {
-                                let (g, t) = (lane / 4, lane % 4);
-                                let dor = (kk * 16 + 2 * t) * ld + g;
-                                bb[lane][0] = ld2t(&sdo, dor + j * 8, dor + ld + j * 8);
-                                bb[lane][1] = ld2t(&sdo, dor + 8 * ld + j * 8, dor + 9 * ld + j * 8);
-                            }
-                            mma(&mut dv[warp][j], &pa, &bb);
-                            for lane in 0..32 {
-                                let (g, t) = (lane / 4, lane % 4);
-                                let qr = (kk * 16 + 2 * t) * ld + g;
-                                bb[lane][0] = ld2t(&sq, qr + j * 8, qr + ld + j * 8);
-                                bb[lane][1] = ld2t(&sq, qr + 8 * ld + j * 8, qr + 9 * ld + j * 8);
-                            }
-                            mma(&mut dk[warp][j], &sa, &bb);
+                        for j in (0..no).step_by(2) {
+                            let (b0, b1) = split_b(&ldb_t2(ldsm, &sdo, ld, kk * 16, j * 8));
+                            mma(&mut dv[warp][j], &pa, &b0);
+                            mma(&mut dv[warp][j + 1], &pa, &b1);
+                            let (b0, b1) = split_b(&ldb_t2(ldsm, &sq, ld, kk * 16, j * 8));
+                            mma(&mut dk[warp][j], &sa, &b0);
+                            mma(&mut dk[warp][j + 1], &sa, &b1);
                         }
                     }
                 }
@@ -363,24 +401,15 @@ fn flash_bwd(dqkv: &mut [f32], dq_acc: &mut [f32], dout: &[f32], qkv: &[f32], ls
                 for warp in 0..4 {
                     let mut dq = vec![[[0f32; 4]; 32]; no];
                     for kk in 0..BC / 16 {
+                        let r = ldb_t2(ldsm, &sds, lds, kk * 16, warp * 16);
                         let mut a = [[[0f32; 2]; 4]; 32];
                         for lane in 0..32 {
-                            let (g, t) = (lane / 4, lane % 4);
-                            let sr = (kk * 16 + 2 * t) * lds + warp * 16 + g;
-                            a[lane][0] = ld2t(&sds, sr, sr + lds);
-                            a[lane][1] = ld2t(&sds, sr + 8, sr + lds + 8);
-                            a[lane][2] = ld2t(&sds, sr + 8 * lds, sr + 9 * lds);
-                            a[lane][3] = ld2t(&sds, sr + 8 * lds + 8, sr + 9 * lds + 8);
+                            a[lane] = [r[lane][0], r[lane][2], r[lane][1], r[lane][3]];
                         }
-                        for j in 0..no {
-                            let mut bb = [[[0f32; 2]; 2]; 32];
-                            for lane in 0..32 {
-                                let (g, t) = (lane / 4, lane % 4);
-                                let kr = (kk * 16 + 2 * t) * ld + g;
-                                bb[lane][0] = ld2t(&sk, kr + j * 8, kr + ld + j * 8);
-                                bb[lane][1] = ld2t(&sk, kr + 8 * ld + j * 8, kr + 9 * ld + j * 8);
-                            }
-                            mma(&mut dq[j], &a, &bb);
+                        for j in (0..no).step_by(2) {
+                            let (b0, b1) = split_b(&ldb_t2(ldsm, &sk, ld, kk * 16, j * 8));
+                            mma(&mut dq[j], &a, &b0);
+                            mma(&mut dq[j + 1], &a, &b1);
                         }
                     }
                     for lane in 0..32 {
@@ -454,7 +483,8 @@ fn fused_attention_kernels_match_cpu() {
     let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(7);
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let cpu = Cpu::new();
-    for &(b, n, h, d) in &[(2usize, 65usize, 2usize, 64usize), (1, 197, 2, 64), (2, 50, 2, 64), (2, 17, 3, 32), (1, 130, 1, 32), (1, 64, 1, 64)] {
+    let shapes = [(2usize, 65usize, 2usize, 64usize), (1, 197, 2, 64), (2, 50, 2, 64), (2, 17, 3, 32), (1, 130, 1, 32), (1, 64, 1, 64)];
+    for (ldsm, &(b, n, h, d)) in [false, true].into_iter().flat_map(|l| shapes.iter().map(move |s| (l, s))) {
         let c = h * d;
         let mut randn = |len: usize| -> Vec<f32> {
             (0..len)
@@ -478,7 +508,7 @@ fn fused_attention_kernels_match_cpu() {
         let scale_log2 = std::f32::consts::LOG2_E * scale;
         let mut out = vec![f32::NAN; b * n * c];
         let mut lse2 = vec![f32::NAN; b * h * n];
-        flash_fwd(&mut out, &mut lse2, &qkv, b, n, h, d, scale_log2);
+        flash_fwd(ldsm, &mut out, &mut lse2, &qkv, b, n, h, d, scale_log2);
         let e_out = rel_err(&out, &out_c);
         // lse2 against the reference: log2 Σ_j 2^(s_ij·scale·log2e)
         let mut lse_ref = vec![0f32; b * h * n];
@@ -503,13 +533,13 @@ fn fused_attention_kernels_match_cpu() {
         flash_bwd_pre(&mut delta, &dout, &out, b, n, h, d);
         let mut dq_acc = vec![0f32; b * n * c];
         let mut dqkv = vec![f32::NAN; b * n * 3 * c];
-        flash_bwd(&mut dqkv, &mut dq_acc, &dout, &qkv, &lse2, &delta, b, n, h, d, scale, scale_log2);
+        flash_bwd(ldsm, &mut dqkv, &mut dq_acc, &dout, &qkv, &lse2, &delta, b, n, h, d, scale, scale_log2);
         flash_dq_store(&mut dqkv, &dq_acc, b * n, c / 8);
         let e_dqkv = rel_err(&dqkv, &dqkv_c);
         // per slot (q, k, v) errors, to point at the failing part
         let slot = |v: &[f32], s: usize| -> Vec<f32> { v.chunks(c).skip(s).step_by(3).flatten().copied().collect() };
         let errs: Vec<f64> = (0..3).map(|s| rel_err(&slot(&dqkv, s), &slot(&dqkv_c, s))).collect();
-        println!("seed {seed} B{b} N{n} H{h} D{d}: out {e_out:.2e}, max |lse2 − ref| {max_lse:.2e}, dqkv {e_dqkv:.2e} (dq {:.2e} dk {:.2e} dv {:.2e})", errs[0], errs[1], errs[2]);
+        println!("ldsm={ldsm} seed {seed} B{b} N{n} H{h} D{d}: out {e_out:.2e}, max |lse2 − ref| {max_lse:.2e}, dqkv {e_dqkv:.2e} (dq {:.2e} dk {:.2e} dv {:.2e})", errs[0], errs[1], errs[2]);
         assert!(e_out.is_finite() && e_out < 1e-2, "seed {seed}: out rel err {e_out}");
         assert!(max_lse.is_finite() && max_lse < 1e-3, "seed {seed}: lse2 error {max_lse}");
         assert!(e_dqkv.is_finite() && e_dqkv < 1e-2, "seed {seed}: dqkv rel err {e_dqkv} (dq {:?})", errs);

@@ -12,14 +12,15 @@
 //!   CUDA graph (`begin_capture` / `end_capture`); nothing on the op paths synchronizes except
 //!   `download`, `upload` and `sum_squares`, which must.
 //!
-//! Attention has two paths, chosen at run time (`VITSCALE_ATTENTION=gemm|fused`, default gemm;
-//! `set_attention_fused`):
+//! Attention has two paths, chosen at run time (`VITSCALE_ATTENTION=gemm|fused|fused-plain`,
+//! default gemm; `set_attention`):
 //! - gemm: materializes `probs` (B, H, N, N): per-head layout copies, strided-batched cuBLASLt
 //!   GEMMs for q·kᵀ and p·v, and a row-softmax kernel.
 //! - fused (`kernels/flash.cu`, head dims 32 and 64): flash-attention-2 style tensor-core
 //!   kernels that read q, k, v from the interleaved qkv layout, keep only the per-row
 //!   log-sum-exp (B·H·N f32) in `probs`, and recompute the probabilities in the backward.
-//!   Other head dims take the gemm path.
+//!   Other head dims take the gemm path. `fused` loads transposed operands with ldmatrix;
+//!   `fused-plain` is the same algorithm with 16-bit shared-memory loads (kept to compare).
 
 mod compile;
 mod gemm;
@@ -27,7 +28,7 @@ pub mod libs;
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr, CUstream};
@@ -202,19 +203,50 @@ pub struct Cuda {
     acc: CudaBuf,
     /// When set, every kernel and GEMM is bracketed by events (see `set_profiling`).
     profile: Mutex<Option<Vec<(String, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>>>,
-    /// Attention path: fused kernels (true) or materialized probabilities through GEMMs.
-    attention_fused: AtomicBool,
+    /// Attention path (`AttentionPath as u8`).
+    attention: AtomicU8,
 }
 
-/// Environment variable that picks the attention path: `gemm` (default) or `fused`.
+/// Environment variable that picks the attention path: `gemm` (default), `fused` or `fused-plain`.
 pub const ATTENTION_ENV: &str = "VITSCALE_ATTENTION";
 
-/// Parses an attention path name: Ok(true) for fused, Ok(false) for gemm.
-pub fn parse_attention(v: &str) -> Result<bool, String> {
+/// How the CUDA backend computes attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionPath {
+    /// Materialized probabilities through cuBLASLt batched GEMMs and a softmax kernel.
+    Gemm = 0,
+    /// Fused tensor-core kernels, transposed operands through ldmatrix.
+    Fused = 1,
+    /// Fused tensor-core kernels, transposed operands through 16-bit shared loads.
+    FusedPlain = 2,
+}
+
+impl AttentionPath {
+    pub const ALL: [AttentionPath; 3] = [AttentionPath::Gemm, AttentionPath::Fused, AttentionPath::FusedPlain];
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionPath::Gemm => "gemm",
+            AttentionPath::Fused => "fused",
+            AttentionPath::FusedPlain => "fused-plain",
+        }
+    }
+    fn from_u8(v: u8) -> AttentionPath {
+        match v {
+            1 => AttentionPath::Fused,
+            2 => AttentionPath::FusedPlain,
+            _ => AttentionPath::Gemm,
+        }
+    }
+}
+
+/// Parses an attention path name (`gemm`, `fused`, `fused-plain`; empty = gemm).
+pub fn parse_attention(v: &str) -> Result<AttentionPath, String> {
     match v {
-        "fused" => Ok(true),
-        "gemm" | "" => Ok(false),
-        other => Err(format!("attention path must be fused or gemm, got {other:?}")),
+        "" => Ok(AttentionPath::Gemm),
+        other => AttentionPath::ALL
+            .into_iter()
+            .find(|p| p.name() == other)
+            .ok_or_else(|| format!("attention path must be gemm, fused or fused-plain, got {other:?}")),
     }
 }
 
@@ -239,9 +271,9 @@ impl Cuda {
         let workspace = Self::raw_alloc_with(&ctx, &stream, &mem, ws_size, Ty::Bf16)?;
         let gemm = Gemm::new(workspace.ptr, ws_size)?;
         let acc = Self::raw_alloc_with(&ctx, &stream, &mem, 2, Ty::F32)?;
-        let fused = match std::env::var(ATTENTION_ENV) {
+        let attention = match std::env::var(ATTENTION_ENV) {
             Ok(v) => parse_attention(v.trim()).map_err(|e| BackendError::Device(format!("{ATTENTION_ENV}: {e}")))?,
-            Err(_) => false,
+            Err(_) => AttentionPath::Gemm,
         };
         Ok(Cuda {
             info,
@@ -255,7 +287,7 @@ impl Cuda {
             segments: Mutex::new(None),
             acc,
             profile: Mutex::new(None),
-            attention_fused: AtomicBool::new(fused),
+            attention: AtomicU8::new(attention as u8),
         })
     }
 
@@ -284,24 +316,28 @@ impl Cuda {
         self.ctx.mem_get_info().map_err(dev("cuMemGetInfo"))
     }
 
-    /// Chooses the attention path for later calls: fused kernels or GEMMs. Buffers sized by
-    /// `attention_saved_len` under one path may be too small for the other.
-    pub fn set_attention_fused(&self, on: bool) {
-        self.attention_fused.store(on, Ordering::Relaxed);
+    /// Chooses the attention path for later calls. Buffers sized by `attention_saved_len`
+    /// under the gemm path are large enough for the fused paths, not the other way round.
+    pub fn set_attention(&self, path: AttentionPath) {
+        self.attention.store(path as u8, Ordering::Relaxed);
     }
 
-    /// "fused" or "gemm": the path chosen for head dim 64.
-    pub fn attention_path(&self) -> &'static str {
-        if self.use_fused_attention(64) {
-            "fused"
-        } else {
-            "gemm"
+    /// The chosen attention path (head dims the fused kernels lack still take the gemm path).
+    pub fn attention_path(&self) -> AttentionPath {
+        AttentionPath::from_u8(self.attention.load(Ordering::Relaxed))
+    }
+
+    /// Kernel-name suffix of the fused kernels for head dim `d` ("d64" or "d64_ldsm"), or
+    /// None when attention with this head dim takes the gemm path.
+    fn fused_attention(&self, d: usize) -> Option<String> {
+        if !FUSED_HEAD_DIMS.contains(&d) {
+            return None;
         }
-    }
-
-    /// Whether attention with head dim `d` runs fused (chosen, supported, and compiled).
-    fn use_fused_attention(&self, d: usize) -> bool {
-        self.attention_fused.load(Ordering::Relaxed) && FUSED_HEAD_DIMS.contains(&d)
+        match self.attention_path() {
+            AttentionPath::Gemm => None,
+            AttentionPath::Fused => Some(format!("d{d}_ldsm")),
+            AttentionPath::FusedPlain => Some(format!("d{d}")),
+        }
     }
 
     /// Turns per-launch timing on or off (benchmark diagnostics; never while capturing).
@@ -831,16 +867,16 @@ impl Backend for Cuda {
         check_len(OP, "qkv", qkv, 3 * bhnd)?;
         check_len(OP, "out", out, bhnd)?;
         check_len(OP, "probs", probs, self.attention_saved_len(b, n, h, d))?;
-        if self.use_fused_attention(d) {
+        if let Some(sfx) = self.fused_attention(d) {
             if n == 0 || b * h == 0 {
                 return Ok(());
             }
             check_grid(OP, b * h)?;
-            let name = if d == 64 { "flash_fwd_d64" } else { "flash_fwd_d32" };
+            let name = format!("flash_fwd_{sfx}");
             let grid = (n.div_ceil(64) as u32, (b * h) as u32, 1);
             let (nn, hh) = (n as i32, h as i32);
             let scale_log2 = std::f32::consts::LOG2_E / (d as f32).sqrt();
-            return self.launch(name, grid, (128, 1, 1), 0, &mut kargs![out.ptr, probs.ptr, qkv.ptr, nn, hh, scale_log2]);
+            return self.launch(&name, grid, (128, 1, 1), 0, &mut kargs![out.ptr, probs.ptr, qkv.ptr, nn, hh, scale_log2]);
         }
         let heads = self.scratch("qkv_heads", 3 * bhnd)?;
         let oh = self.scratch("o_heads", bhnd)?;
@@ -889,7 +925,7 @@ impl Backend for Cuda {
         check_len(OP, "dout", dout, bhnd)?;
         check_len(OP, "qkv", qkv, 3 * bhnd)?;
         check_len(OP, "probs", probs, self.attention_saved_len(b, n, h, d))?;
-        if self.use_fused_attention(d) {
+        if let Some(sfx) = self.fused_attention(d) {
             check_bf16(OP, "out", out)?;
             check_len(OP, "out", out, bhnd)?;
             if n == 0 || b * h == 0 {
@@ -902,10 +938,9 @@ impl Backend for Cuda {
             // SAFETY: dq_acc holds 2·bhnd bf16 slots = bhnd f32 values.
             unsafe { dr::memset_d8_async(dq_acc, 0, bhnd * 4, self.stream.cu_stream()) }.map_err(dev("cuMemsetD8Async"))?;
             let (bb, nn, hh) = (b as i32, n as i32, h as i32);
-            let sfx = if d == 64 { "d64" } else { "d32" };
             let rows = b * n * h;
             let grid = rows.div_ceil(THREADS as usize).clamp(1, self.info.multiprocessors as usize * 16) as u32;
-            self.launch(&format!("flash_bwd_pre_{sfx}"), (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![delta, dout.ptr, out.ptr, bb, nn, hh])?;
+            self.launch(&format!("flash_bwd_pre_d{d}"), (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![delta, dout.ptr, out.ptr, bb, nn, hh])?;
             let scale = 1.0 / (d as f32).sqrt();
             let scale_log2 = std::f32::consts::LOG2_E * scale;
             let g = (n.div_ceil(64) as u32, (b * h) as u32, 1);
@@ -956,7 +991,7 @@ impl Backend for Cuda {
     }
 
     fn attention_saved_len(&self, b: usize, n: usize, h: usize, d: usize) -> usize {
-        if self.use_fused_attention(d) {
+        if self.fused_attention(d).is_some() {
             // log-sum-exp per row: B·H·N f32 = 2·B·H·N bf16 slots (≤ B·H·N·N once N ≥ 2).
             (2 * b * h * n).min(b * h * n * n.max(2))
         } else {

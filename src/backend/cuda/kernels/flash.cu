@@ -41,6 +41,36 @@ __device__ __forceinline__ unsigned ld2t(const bf16* p0, const bf16* p1) {
     return (unsigned)*p0 | ((unsigned)*p1 << 16);
 }
 
+// Shared-memory address of a generic pointer into shared memory.
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+// Four 8×8 b16 matrices, transposed on the way (ldmatrix .trans): lanes 8i..8i+7 give the
+// row addresses of matrix i; lane l receives (row 2(l%4), col l/4) and (row 2(l%4)+1, col l/4).
+__device__ __forceinline__ void ldsm_x4_t(unsigned* r, const bf16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p))
+                 : "memory");
+}
+
+// B fragments of two n-tiles from a row-major [k][n] shared tile (row stride ld): k rows
+// k0..k0+15, columns c0..c0+7 into r[0..1] and c0+8..c0+15 into r[2..3]. LDSM: one ldmatrix
+// .x4.trans (rows 16-byte aligned); otherwise 16-bit loads.
+template <bool LDSM>
+__device__ __forceinline__ void ldb_t2(unsigned* r, const bf16* s, int ld, int k0, int c0, int lane) {
+    if (LDSM) {
+        const int mi = lane >> 3;
+        ldsm_x4_t(r, s + (k0 + (mi & 1) * 8 + (lane & 7)) * ld + c0 + (mi >> 1) * 8);
+    } else {
+        const int g = lane >> 2, t = lane & 3;
+        const bf16* p = s + (k0 + 2 * t) * ld + c0 + g;
+        r[0] = ld2t(p, p + ld);
+        r[1] = ld2t(p + 8 * ld, p + 9 * ld);
+        r[2] = ld2t(p + 8, p + ld + 8);
+        r[3] = ld2t(p + 8 * ld + 8, p + 9 * ld + 8);
+    }
+}
+
 // rows × D tile from global rows (stride `stride` elements, row `row0` first) into shared
 // memory with row stride D + 8; rows ≥ n are zero. 16-byte loads.
 template <int D, int ROWS>
@@ -56,7 +86,7 @@ __device__ __forceinline__ void fa_load_tile(bf16* s, const bf16* g, i64 stride,
 }
 
 // grid (ceil(N/64), B·H), block 128. out (B, N, H·D); lse2 (B·H, N) f32.
-template <int D>
+template <int D, bool LDSM>
 __device__ __forceinline__ void flash_fwd(bf16* __restrict__ out, float* __restrict__ lse2, const bf16* __restrict__ qkv, int n, int h, float scale_log2) {
     constexpr int LD = D + 8;
     constexpr int KT = D / 16;     // k-steps over the head dim
@@ -152,13 +182,12 @@ __device__ __forceinline__ void flash_fwd(bf16* __restrict__ out, float* __restr
             pa[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
             pa[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
             pa[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-            const bf16* vr = sv + (kk * 16 + 2 * t) * LD + g;
             #pragma unroll
-            for (int j = 0; j < NO; j++) {
-                unsigned b[2];
-                b[0] = ld2t(vr + j * 8, vr + LD + j * 8);
-                b[1] = ld2t(vr + 8 * LD + j * 8, vr + 9 * LD + j * 8);
+            for (int j = 0; j < NO; j += 2) {
+                unsigned b[4];
+                ldb_t2<LDSM>(b, sv, LD, kk * 16, j * 8, lane);
                 mma_bf16(o[j], pa, b);
+                mma_bf16(o[j + 1], pa, b + 2);
             }
         }
     }
@@ -183,10 +212,16 @@ __device__ __forceinline__ void flash_fwd(bf16* __restrict__ out, float* __restr
 }
 
 extern "C" __global__ void flash_fwd_d64(bf16* out, float* lse2, const bf16* qkv, int n, int h, float scale_log2) {
-    flash_fwd<64>(out, lse2, qkv, n, h, scale_log2);
+    flash_fwd<64, false>(out, lse2, qkv, n, h, scale_log2);
 }
 extern "C" __global__ void flash_fwd_d32(bf16* out, float* lse2, const bf16* qkv, int n, int h, float scale_log2) {
-    flash_fwd<32>(out, lse2, qkv, n, h, scale_log2);
+    flash_fwd<32, false>(out, lse2, qkv, n, h, scale_log2);
+}
+extern "C" __global__ void flash_fwd_d64_ldsm(bf16* out, float* lse2, const bf16* qkv, int n, int h, float scale_log2) {
+    flash_fwd<64, true>(out, lse2, qkv, n, h, scale_log2);
+}
+extern "C" __global__ void flash_fwd_d32_ldsm(bf16* out, float* lse2, const bf16* qkv, int n, int h, float scale_log2) {
+    flash_fwd<32, true>(out, lse2, qkv, n, h, scale_log2);
 }
 
 // Backward pre-pass: delta (B·H, N) = rowsum(dO ∘ O) per head, f32. One thread per
@@ -229,7 +264,7 @@ extern "C" __global__ void flash_bwd_pre_d32(float* delta, const bf16* dout, con
 // dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − delta), dK += dSᵀ·Q, and dQ += dS·K through
 // shared memory (dSᵀ) and f32 atomics into dq_acc (B, N, H·D) (zeroed by the caller, already
 // multiplied by the softmax scale). dK (scaled) and dV are written to dqkv (B, N, 3, H, D).
-template <int D>
+template <int D, bool LDSM>
 __device__ __forceinline__ void flash_bwd(bf16* __restrict__ dqkv, float* __restrict__ dq_acc, const bf16* __restrict__ dout, const bf16* __restrict__ qkv, const float* __restrict__ lse2, const float* __restrict__ delta, int n, int h, float scale, float scale_log2) {
     constexpr int LD = D + 8;
     constexpr int LDS = FA_BR + 8;
@@ -335,17 +370,15 @@ __device__ __forceinline__ void flash_bwd(bf16* __restrict__ dqkv, float* __rest
             *(unsigned*)(sds + (r0 + 8) * LDS + kk * 16 + 2 * t) = sa[1];
             *(unsigned*)(sds + r0 * LDS + kk * 16 + 8 + 2 * t) = sa[2];
             *(unsigned*)(sds + (r0 + 8) * LDS + kk * 16 + 8 + 2 * t) = sa[3];
-            const bf16* dor = sdo + (kk * 16 + 2 * t) * LD + g;
-            const bf16* qr = sq + (kk * 16 + 2 * t) * LD + g;
             #pragma unroll
-            for (int j = 0; j < NO; j++) {
-                unsigned b[2];
-                b[0] = ld2t(dor + j * 8, dor + LD + j * 8);
-                b[1] = ld2t(dor + 8 * LD + j * 8, dor + 9 * LD + j * 8);
+            for (int j = 0; j < NO; j += 2) {
+                unsigned b[4];
+                ldb_t2<LDSM>(b, sdo, LD, kk * 16, j * 8, lane);
                 mma_bf16(dv[j], pa, b);
-                b[0] = ld2t(qr + j * 8, qr + LD + j * 8);
-                b[1] = ld2t(qr + 8 * LD + j * 8, qr + 9 * LD + j * 8);
+                mma_bf16(dv[j + 1], pa, b + 2);
+                ldb_t2<LDSM>(b, sq, LD, kk * 16, j * 8, lane);
                 mma_bf16(dk[j], sa, b);
+                mma_bf16(dk[j + 1], sa, b + 2);
             }
         }
         __syncthreads();  // dSᵀ complete
@@ -355,20 +388,20 @@ __device__ __forceinline__ void flash_bwd(bf16* __restrict__ dqkv, float* __rest
         for (int j = 0; j < NO; j++) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
         #pragma unroll
         for (int kk = 0; kk < FA_BC / 16; kk++) {
-            // A(q, key) = dSᵀ[key][q]
-            const bf16* sr = sds + (kk * 16 + 2 * t) * LDS + warp * 16 + g;
-            unsigned a[4];
-            a[0] = ld2t(sr, sr + LDS);
-            a[1] = ld2t(sr + 8, sr + LDS + 8);
-            a[2] = ld2t(sr + 8 * LDS, sr + 9 * LDS);
-            a[3] = ld2t(sr + 8 * LDS + 8, sr + 9 * LDS + 8);
-            const bf16* kr = sk + (kk * 16 + 2 * t) * LD + g;
+            // A(q, key) = dSᵀ[key][q]: the two-tile transposed load over queries gives
+            // (keys lo, q lo), (keys hi, q lo), (keys lo, q hi), (keys hi, q hi)
+            unsigned r[4], a[4];
+            ldb_t2<LDSM>(r, sds, LDS, kk * 16, warp * 16, lane);
+            a[0] = r[0];
+            a[1] = r[2];
+            a[2] = r[1];
+            a[3] = r[3];
             #pragma unroll
-            for (int j = 0; j < NO; j++) {
-                unsigned b[2];
-                b[0] = ld2t(kr + j * 8, kr + LD + j * 8);
-                b[1] = ld2t(kr + 8 * LD + j * 8, kr + 9 * LD + j * 8);
+            for (int j = 0; j < NO; j += 2) {
+                unsigned b[4];
+                ldb_t2<LDSM>(b, sk, LD, kk * 16, j * 8, lane);
                 mma_bf16(dq[j], a, b);
+                mma_bf16(dq[j + 1], a, b + 2);
             }
         }
         const int qa0 = q0 + warp * 16 + g, qa1 = qa0 + 8;
@@ -409,10 +442,16 @@ __device__ __forceinline__ void flash_bwd(bf16* __restrict__ dqkv, float* __rest
 }
 
 extern "C" __global__ void flash_bwd_d64(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse2, const float* delta, int n, int h, float scale, float scale_log2) {
-    flash_bwd<64>(dqkv, dq_acc, dout, qkv, lse2, delta, n, h, scale, scale_log2);
+    flash_bwd<64, false>(dqkv, dq_acc, dout, qkv, lse2, delta, n, h, scale, scale_log2);
 }
 extern "C" __global__ void flash_bwd_d32(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse2, const float* delta, int n, int h, float scale, float scale_log2) {
-    flash_bwd<32>(dqkv, dq_acc, dout, qkv, lse2, delta, n, h, scale, scale_log2);
+    flash_bwd<32, false>(dqkv, dq_acc, dout, qkv, lse2, delta, n, h, scale, scale_log2);
+}
+extern "C" __global__ void flash_bwd_d64_ldsm(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse2, const float* delta, int n, int h, float scale, float scale_log2) {
+    flash_bwd<64, true>(dqkv, dq_acc, dout, qkv, lse2, delta, n, h, scale, scale_log2);
+}
+extern "C" __global__ void flash_bwd_d32_ldsm(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse2, const float* delta, int n, int h, float scale, float scale_log2) {
+    flash_bwd<32, true>(dqkv, dq_acc, dout, qkv, lse2, delta, n, h, scale, scale_log2);
 }
 
 // dq_acc (B·N, H·D) f32 → the q slot of dqkv (B, N, 3, H, D) bf16, 8 values per thread.
