@@ -168,8 +168,14 @@ fn flash_fwd(ldsm: bool, out: &mut [f32], lse2: &mut [f32], qkv: &[f32], b: usiz
                 for k0 in (0..n).step_by(BC) {
                     let sk = load_tile(qkv, kg, stride, k0, n, d, BC);
                     let sv = load_tile(qkv, vg, stride, k0, n, d, BC);
+                    if q0 + warp * 16 >= n {
+                        continue;
+                    }
                     let mut s = vec![[[0f32; 4]; 32]; ns];
                     for j in 0..ns {
+                        if k0 + j * 8 >= n {
+                            continue;
+                        }
                         for kt in 0..kt_n {
                             let mut bb = [[[0f32; 2]; 2]; 32];
                             for lane in 0..32 {
@@ -219,6 +225,9 @@ fn flash_fwd(ldsm: bool, out: &mut [f32], lse2: &mut [f32], qkv: &[f32], b: usiz
                         }
                     }
                     for kk in 0..BC / 16 {
+                        if k0 + kk * 16 >= n {
+                            continue;
+                        }
                         let mut pa = [[[0f32; 2]; 4]; 32];
                         for lane in 0..32 {
                             pa[lane][0] = pack(s[2 * kk][lane][0], s[2 * kk][lane][1]);
@@ -329,9 +338,15 @@ fn flash_bwd(ldsm: bool, dqkv: &mut [f32], dq_acc: &mut [f32], dout: &[f32], qkv
                 }
                 let mut sds = vec![f32::NAN; BC * lds];
                 for warp in 0..4 {
+                    if k0 + warp * 16 >= n {
+                        continue;
+                    }
                     let mut p = vec![[[0f32; 4]; 32]; ns];
                     let mut dp = vec![[[0f32; 4]; 32]; ns];
                     for j in 0..ns {
+                        if q0 + j * 8 >= n {
+                            continue;
+                        }
                         for kt in 0..kt_n {
                             let mut bb = [[[0f32; 2]; 2]; 32];
                             for lane in 0..32 {
@@ -368,6 +383,9 @@ fn flash_bwd(ldsm: bool, dqkv: &mut [f32], dq_acc: &mut [f32], dout: &[f32], qkv
                         }
                     }
                     for kk in 0..BR / 16 {
+                        if q0 + kk * 16 >= n {
+                            continue;
+                        }
                         let mut pa = [[[0f32; 2]; 4]; 32];
                         let mut sa = [[[0f32; 2]; 4]; 32];
                         for lane in 0..32 {
@@ -399,8 +417,14 @@ fn flash_bwd(ldsm: bool, dqkv: &mut [f32], dq_acc: &mut [f32], dout: &[f32], qkv
                 }
                 // __syncthreads(): dSᵀ complete
                 for warp in 0..4 {
+                    if q0 + warp * 16 >= n {
+                        continue;
+                    }
                     let mut dq = vec![[[0f32; 4]; 32]; no];
                     for kk in 0..BC / 16 {
+                        if k0 + kk * 16 >= n {
+                            continue;
+                        }
                         let r = ldb_t2(ldsm, &sds, lds, kk * 16, warp * 16);
                         let mut a = [[[0f32; 2]; 4]; 32];
                         for lane in 0..32 {
@@ -483,7 +507,7 @@ fn fused_attention_kernels_match_cpu() {
     let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(7);
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let cpu = Cpu::new();
-    let shapes = [(2usize, 65usize, 2usize, 64usize), (1, 197, 2, 64), (2, 50, 2, 64), (2, 17, 3, 32), (1, 130, 1, 32), (1, 64, 1, 64)];
+    let shapes = [(2usize, 65usize, 2usize, 64usize), (1, 197, 2, 64), (2, 50, 2, 64), (2, 17, 3, 32), (1, 130, 1, 32), (1, 64, 1, 64), (1, 80, 1, 64), (1, 100, 2, 32), (1, 257, 1, 64)];
     for (ldsm, &(b, n, h, d)) in [false, true].into_iter().flat_map(|l| shapes.iter().map(move |s| (l, s))) {
         let c = h * d;
         let mut randn = |len: usize| -> Vec<f32> {

@@ -124,11 +124,13 @@ __device__ __forceinline__ void flash_fwd(bf16* __restrict__ out, float* __restr
         fa_load_tile<D, FA_BC>(sk, kg, stride, k0, n);
         fa_load_tile<D, FA_BC>(sv, vg, stride, k0, n);
         __syncthreads();
-        // S = Q·Kᵀ for this warp's 16 rows × 64 keys
+        if (q0 + warp * 16 >= n) continue;  // all 16 rows past the end (warp-uniform)
+        // S = Q·Kᵀ for this warp's 16 rows × 64 keys; tiles of keys all ≥ n are skipped
         float s[NS][4];
         #pragma unroll
         for (int j = 0; j < NS; j++) {
             s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+            if (k0 + j * 8 >= n) continue;
             #pragma unroll
             for (int kt = 0; kt < KT; kt++) {
                 unsigned b[2];
@@ -174,9 +176,11 @@ __device__ __forceinline__ void flash_fwd(bf16* __restrict__ out, float* __restr
             o[j][0] *= al0; o[j][1] *= al0;
             o[j][2] *= al1; o[j][3] *= al1;
         }
-        // O += P·V: P's accumulators become A fragments (keys are the k dimension)
+        // O += P·V: P's accumulators become A fragments (keys are the k dimension); chunks of
+        // 16 keys all ≥ n have P = 0 and are skipped
         #pragma unroll
         for (int kk = 0; kk < FA_BC / 16; kk++) {
+            if (k0 + kk * 16 >= n) continue;
             unsigned pa[4];
             pa[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
             pa[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
@@ -322,12 +326,17 @@ __device__ __forceinline__ void flash_bwd(bf16* __restrict__ dqkv, float* __rest
             sdelta[i] = ok ? delta[(i64)bh * n + q0 + i] : 0.f;
         }
         __syncthreads();
+        // Skipped work (all warp-uniform): a warp whose 16 keys are all ≥ n skips to dQ (its
+        // dSᵀ rows are never read); query tiles all ≥ n are skipped (P = dS = 0 there), and a
+        // 16-query chunk of dSᵀ is written and read only when some query in it is < n.
+        if (k0 + warp * 16 < n) {
         // Sᵀ = K·Qᵀ (16 keys × 64 queries) and dPᵀ = V·dOᵀ
         float p[NS][4], dp[NS][4];
         #pragma unroll
         for (int j = 0; j < NS; j++) {
             p[j][0] = p[j][1] = p[j][2] = p[j][3] = 0.f;
             dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.f;
+            if (q0 + j * 8 >= n) continue;
             #pragma unroll
             for (int kt = 0; kt < KT; kt++) {
                 unsigned b[2];
@@ -357,6 +366,7 @@ __device__ __forceinline__ void flash_bwd(bf16* __restrict__ dqkv, float* __rest
         // dV += Pᵀ·dO and dK += dSᵀ·Q (queries are the k dimension); dSᵀ to shared memory
         #pragma unroll
         for (int kk = 0; kk < FA_BR / 16; kk++) {
+            if (q0 + kk * 16 >= n) continue;
             unsigned pa[4], sa[4];
             pa[0] = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
             pa[1] = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
@@ -381,13 +391,16 @@ __device__ __forceinline__ void flash_bwd(bf16* __restrict__ dqkv, float* __rest
                 mma_bf16(dk[j + 1], sa, b + 2);
             }
         }
+        }  // keys of this warp < n
         __syncthreads();  // dSᵀ complete
         // dQ (64 queries × D) += dS·K over this block's 64 keys; warp w takes queries 16w..16w+15
+        if (q0 + warp * 16 >= n) continue;
         float dq[NO][4];
         #pragma unroll
         for (int j = 0; j < NO; j++) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
         #pragma unroll
         for (int kk = 0; kk < FA_BC / 16; kk++) {
+            if (k0 + kk * 16 >= n) continue;
             // A(q, key) = dSᵀ[key][q]: the two-tile transposed load over queries gives
             // (keys lo, q lo), (keys hi, q lo), (keys lo, q hi), (keys hi, q hi)
             unsigned r[4], a[4];
