@@ -56,7 +56,7 @@ pub struct BenchArgs {
     /// After timing, run one eager step with every kernel and GEMM timed and print the table.
     #[arg(long)]
     pub profile: bool,
-    /// CUDA attention path: gemm, fused or fused-plain (default: $VITSCALE_ATTENTION, else gemm).
+    /// CUDA attention path: fused, fused-plain or gemm (default: $VITSCALE_ATTENTION, else fused).
     #[arg(long)]
     pub attention: Option<String>,
     /// Print one JSON object as the last line.

@@ -12,8 +12,8 @@
 //!   CUDA graph (`begin_capture` / `end_capture`); nothing on the op paths synchronizes except
 //!   `download`, `upload` and `sum_squares`, which must.
 //!
-//! Attention has two paths, chosen at run time (`VITSCALE_ATTENTION=gemm|fused|fused-plain`,
-//! default gemm; `set_attention`):
+//! Attention has two paths, chosen at run time (`VITSCALE_ATTENTION=fused|fused-plain|gemm`,
+//! default fused; `set_attention`):
 //! - gemm: materializes `probs` (B, H, N, N): per-head layout copies, strided-batched cuBLASLt
 //!   GEMMs for q·kᵀ and p·v, and a row-softmax kernel.
 //! - fused (`kernels/flash.cu`, head dims 32 and 64): flash-attention-2 style tensor-core
@@ -207,7 +207,7 @@ pub struct Cuda {
     attention: AtomicU8,
 }
 
-/// Environment variable that picks the attention path: `gemm` (default), `fused` or `fused-plain`.
+/// Environment variable that picks the attention path: `fused` (default), `fused-plain` or `gemm`.
 pub const ATTENTION_ENV: &str = "VITSCALE_ATTENTION";
 
 /// How the CUDA backend computes attention.
@@ -239,10 +239,10 @@ impl AttentionPath {
     }
 }
 
-/// Parses an attention path name (`gemm`, `fused`, `fused-plain`; empty = gemm).
+/// Parses an attention path name (`gemm`, `fused`, `fused-plain`; empty = the default, fused).
 pub fn parse_attention(v: &str) -> Result<AttentionPath, String> {
     match v {
-        "" => Ok(AttentionPath::Gemm),
+        "" => Ok(AttentionPath::Fused),
         other => AttentionPath::ALL
             .into_iter()
             .find(|p| p.name() == other)
@@ -273,7 +273,8 @@ impl Cuda {
         let acc = Self::raw_alloc_with(&ctx, &stream, &mem, 2, Ty::F32)?;
         let attention = match std::env::var(ATTENTION_ENV) {
             Ok(v) => parse_attention(v.trim()).map_err(|e| BackendError::Device(format!("{ATTENTION_ENV}: {e}")))?,
-            Err(_) => AttentionPath::Gemm,
+            // Fused by default: parity and a 1.24× step at ViT-B/16 micro 256 (BENCHMARKS.md).
+            Err(_) => AttentionPath::Fused,
         };
         Ok(Cuda {
             info,
