@@ -84,6 +84,8 @@ pub struct BenchResult {
     pub peak_mem_gib: f64,
     pub loss: f32,
     pub kernel_compile_s: f64,
+    /// Attention path on CUDA ("fused", "fused-plain", "gemm"); "cpu" on the CPU.
+    pub attention: String,
 }
 
 struct Setup {
@@ -179,6 +181,7 @@ fn result(args: &BenchArgs, s: &Setup, device: String, params: usize, graph: boo
         peak_mem_gib: peak,
         loss,
         kernel_compile_s: compile_s,
+        attention: "cpu".into(),
     }
 }
 
@@ -268,7 +271,9 @@ fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
         }
     }
     let compile_s = be.compile_seconds();
-    Ok(result(args, s, be.name(), m.table.total, graph.is_some(), ms, ceiling, peak, loss, compile_s))
+    let mut r = result(args, s, be.name(), m.table.total, graph.is_some(), ms, ceiling, peak, loss, compile_s);
+    r.attention = be.attention_path().name().to_string();
+    Ok(r)
 }
 
 /// `vitscale bench`.
