@@ -56,6 +56,9 @@ pub struct BenchArgs {
     /// After timing, run one eager step with every kernel and GEMM timed and print the table.
     #[arg(long)]
     pub profile: bool,
+    /// CUDA attention path: fused, fused-plain or gemm (default: $VITSCALE_ATTENTION, else fused).
+    #[arg(long)]
+    pub attention: Option<String>,
     /// Print one JSON object as the last line.
     #[arg(long)]
     pub json: bool,
@@ -81,6 +84,8 @@ pub struct BenchResult {
     pub peak_mem_gib: f64,
     pub loss: f32,
     pub kernel_compile_s: f64,
+    /// Attention path on CUDA ("fused", "fused-plain", "gemm"); "cpu" on the CPU.
+    pub attention: String,
 }
 
 struct Setup {
@@ -176,12 +181,17 @@ fn result(args: &BenchArgs, s: &Setup, device: String, params: usize, graph: boo
         peak_mem_gib: peak,
         loss,
         kernel_compile_s: compile_s,
+        attention: "cpu".into(),
     }
 }
 
 fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     use crate::backend::cuda::Cuda;
     let be = Cuda::new(args.gpu)?;
+    if let Some(a) = &args.attention {
+        be.set_attention(crate::backend::cuda::parse_attention(a).map_err(|e| anyhow::anyhow!("--attention: {e}"))?);
+    }
+    eprintln!("attention path: {}", be.attention_path().name());
     let ceiling = if args.no_ceiling { 794.0 } else { be.matmul_tflops(8192, 10)? };
     be.synchronize()?;
     be.reset_peak();
@@ -261,7 +271,9 @@ fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
         }
     }
     let compile_s = be.compile_seconds();
-    Ok(result(args, s, be.name(), m.table.total, graph.is_some(), ms, ceiling, peak, loss, compile_s))
+    let mut r = result(args, s, be.name(), m.table.total, graph.is_some(), ms, ceiling, peak, loss, compile_s);
+    r.attention = be.attention_path().name().to_string();
+    Ok(r)
 }
 
 /// `vitscale bench`.

@@ -242,19 +242,7 @@ fn op_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
         }
 
         // attention
-        let qkv = cx.rand(bn * 3 * c, 1.0, true)?;
-        let mut att = cx.out(bn * c, true)?;
-        let mut probs = cx.out(b * h * n * n, true)?;
-        cx.be.attention_forward(&mut att.d, &mut probs.d, &qkv.d, b, n, h, d)?;
-        cpu.attention_forward(&mut att.c, &mut probs.c, &qkv.c, b, n, h, d)?;
-        cx.compare(&format!("attention_forward out {tag}"), &att, F32_TOL)?;
-        cx.compare(&format!("attention_forward probs {tag}"), &probs, F32_TOL)?;
-        let datt = cx.rand(bn * c, 1.0, true)?;
-        let mut dqkv = cx.out(bn * 3 * c, true)?;
-        // Both backward passes read their own forward's probs.
-        cx.be.attention_backward(&mut dqkv.d, &datt.d, &qkv.d, &probs.d, b, n, h, d)?;
-        cpu.attention_backward(&mut dqkv.c, &datt.c, &qkv.c, &probs.c, b, n, h, d)?;
-        cx.compare(&format!("attention_backward dqkv {tag}"), &dqkv, F32_TOL)?;
+        attention_check(cx, b, n, h, d, "")?;
 
         // residual add, pooling
         let a1 = cx.rand(bn * c, 1.0, true)?;
@@ -291,6 +279,45 @@ fn op_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
         cx.compare(&format!("cross_entropy dlogits {tag}"), &dlogits, F32_TOL)?;
     }
     Ok(())
+}
+
+/// Attention forward and backward at one shape against the CPU. The saved state is compared
+/// only when the device keeps the probabilities; each backward reads its own forward's state
+/// and output.
+fn attention_check<B: Backend>(cx: &mut Ctx<B>, b: usize, n: usize, h: usize, d: usize, path: &str) -> BResult<()> {
+    let cpu = cx.cpu;
+    let c = h * d;
+    let bn = b * n;
+    let tag = format!("[B{b} N{n} H{h} D{d}]{path}");
+    let qkv = cx.rand(bn * 3 * c, 1.0, true)?;
+    let mut att = cx.out(bn * c, true)?;
+    let saved = cx.be.attention_saved_len(b, n, h, d);
+    let mut probs = cx.out(b * h * n * n, true)?;
+    cx.be.attention_forward(&mut att.d, &mut probs.d, &qkv.d, b, n, h, d)?;
+    cpu.attention_forward(&mut att.c, &mut probs.c, &qkv.c, b, n, h, d)?;
+    cx.compare(&format!("attention_forward out {tag}"), &att, F32_TOL)?;
+    if saved == b * h * n * n {
+        cx.compare(&format!("attention_forward probs {tag}"), &probs, F32_TOL)?;
+    }
+    // Each backward reads its own forward's output and saved state.
+    let datt = cx.rand(bn * c, 1.0, true)?;
+    let mut dqkv = cx.out(bn * 3 * c, true)?;
+    cx.be.attention_backward(&mut dqkv.d, &datt.d, &qkv.d, &att.d, &probs.d, b, n, h, d)?;
+    cpu.attention_backward(&mut dqkv.c, &datt.c, &qkv.c, &att.c, &probs.c, b, n, h, d)?;
+    cx.compare(&format!("attention_backward dqkv {tag}"), &dqkv, F32_TOL)?;
+    Ok(())
+}
+
+/// Attention shapes that matter for the fused kernels: CIFAR ViT-S/4 (N 65), 224-px/16
+/// (N 197), odd N (50, 17), D 32 and 64, long sequences (N 1025), and a batch large enough to
+/// fill the GPU (B·H = 384 heads × 4 query blocks). `path` labels the checks.
+pub fn attention_checks<B: Backend>(be: &B, seed: u64, path: &str) -> BResult<Vec<Check>> {
+    let tol_c = if be.needs_compute_copy() { 1e-2 } else { F32_TOL };
+    let mut cx = Ctx { be, cpu: Cpu::new(), rng: ChaCha8Rng::seed_from_u64(seed), checks: Vec::new(), tol_c };
+    for &(b, n, h, d) in &[(2usize, 65usize, 6usize, 64usize), (3, 197, 4, 64), (3, 50, 5, 64), (2, 17, 3, 32), (2, 65, 3, 32), (1, 1025, 2, 64), (32, 197, 12, 64)] {
+        attention_check(&mut cx, b, n, h, d, path)?;
+    }
+    Ok(cx.checks)
 }
 
 /// Float64 optimizer reference with torch semantics (AdamW / Adam+L2 / SGD).
@@ -466,7 +493,19 @@ pub fn selftest(args: &SelftestArgs) -> anyhow::Result<bool> {
     match args.device.as_str() {
         "cuda" | "gpu" => {
             let be = crate::backend::cuda::Cuda::new(args.gpu)?;
-            let (seed, checks, d, c) = run_checks(&be, args.seed)?;
+            let chosen = be.attention_path();
+            let (seed, mut checks, d, c) = run_checks(&be, args.seed)?;
+            // Every attention path, whatever VITSCALE_ATTENTION chose for the checks above.
+            for (i, path) in crate::backend::cuda::AttentionPath::ALL.into_iter().enumerate() {
+                be.set_attention(path);
+                let label = format!(" {}", path.name());
+                match attention_checks(&be, seed.wrapping_add(1 + i as u64), &label) {
+                    Ok(cs) => checks.extend(cs),
+                    Err(e) => checks.push(Check { name: format!("attention checks{label}: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false }),
+                }
+            }
+            be.set_attention(chosen);
+            println!("attention path for the model checks: {}", chosen.name());
             Ok(report(&be.name(), seed, &checks, &d, &c, args.json))
         }
         "cpu" => {

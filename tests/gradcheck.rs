@@ -144,7 +144,7 @@ fn attention_core() {
         assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-5, "softmax rows sum to 1");
     }
     let mut dqkv = vec![0.0; b * n * 3 * c];
-    be.attention_backward(&mut dqkv, &r, &qkv, &p, b, n, h, d).unwrap();
+    be.attention_backward(&mut dqkv, &r, &qkv, &out, &p, b, n, h, d).unwrap();
     compare("attention dqkv", seed, &mut qkv, &dqkv, &mut |x| dot(&fwd(x), &r));
 }
 

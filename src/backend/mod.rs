@@ -144,12 +144,21 @@ pub trait Backend: Send + Sync {
 
     // ---- attention ----------------------------------------------------------------------
     /// Multi-head self-attention core: `qkv` (B, N, 3, H, D) as timm lays it out →
-    /// `out` (B, N, H·D) = softmax(q·kᵀ/√D)·v per head; `probs` (B, H, N, N) saved for backward.
+    /// `out` (B, N, H·D) = softmax(q·kᵀ/√D)·v per head. `probs` is backend-defined saved
+    /// state for the backward, at most B·H·N·N elements (`attention_saved_len` says how many
+    /// the backend uses): the CPU backend and the CUDA GEMM path keep the probabilities
+    /// (B, H, N, N); the CUDA fused path keeps only the per-row log-sum-exp (B·H·N f32).
     #[allow(clippy::too_many_arguments)]
     fn attention_forward(&self, out: &mut Self::Buf, probs: &mut Self::Buf, qkv: &Self::Buf, b: usize, n: usize, h: usize, d: usize) -> BResult<()>;
-    /// Backward of `attention_forward`: `dqkv =` from `dout` (B, N, H·D).
+    /// Backward of `attention_forward`: `dqkv =` from `dout` (B, N, H·D), given the forward's
+    /// inputs `qkv`, its output `out` (B, N, H·D) and its saved state `probs`.
     #[allow(clippy::too_many_arguments)]
-    fn attention_backward(&self, dqkv: &mut Self::Buf, dout: &Self::Buf, qkv: &Self::Buf, probs: &Self::Buf, b: usize, n: usize, h: usize, d: usize) -> BResult<()>;
+    fn attention_backward(&self, dqkv: &mut Self::Buf, dout: &Self::Buf, qkv: &Self::Buf, out: &Self::Buf, probs: &Self::Buf, b: usize, n: usize, h: usize, d: usize) -> BResult<()>;
+    /// Elements of the compute-dtype `probs` buffer that `attention_forward` needs for these
+    /// shapes (never more than B·H·N·N). The probabilities themselves by default.
+    fn attention_saved_len(&self, b: usize, n: usize, h: usize, _d: usize) -> usize {
+        b * h * n * n
+    }
 
     // ---- residual, pooling ----------------------------------------------------------------
     /// `out = a + b`, elementwise.

@@ -17,7 +17,7 @@ struct BlockActs<B: Backend> {
     ln1_mean: B::Buf, // (B·N)
     ln1_rstd: B::Buf, // (B·N)
     qkv: B::Buf,      // (B·N, 3C)
-    probs: B::Buf,    // (B, H, N, N)
+    probs: B::Buf,    // attention saved state (backend-defined, ≤ B·H·N·N; the probabilities on CPU)
     att: B::Buf,      // (B·N, C) attention output before proj
     x1: B::Buf,       // residual stream after attention
     ln2: B::Buf,
@@ -71,7 +71,7 @@ impl<B: Backend> Activations<B> {
                 ln1_mean: be.alloc_f32(bn)?,
                 ln1_rstd: be.alloc_f32(bn)?,
                 qkv: be.alloc(bn * 3 * c)?,
-                probs: be.alloc(cap * m.num_heads * n * n)?,
+                probs: be.alloc(be.attention_saved_len(cap, n, m.num_heads, m.embed_dim / m.num_heads))?,
                 att: be.alloc(bn * c)?,
                 x1: be.alloc(bn * c)?,
                 ln2: be.alloc(bn * c)?,
@@ -329,7 +329,7 @@ impl<B: Backend> Vit<B> {
             be.layernorm_backward(&mut a.dres_b, g, &a.dln, Some(&a.dres_a), &blk.x1, &blk.ln2_mean, &blk.ln2_rstd, w, s.norm2_w, s.norm2_b, bn, c)?;
             // attention: proj, core, qkv, ln1 (+ residual) → dres_a = dx
             be.matmul_backward(&mut a.datt, g, &a.dres_b, &blk.att, None, w, s.proj_w, Some(s.proj_b), bn, c, c)?;
-            be.attention_backward(&mut a.dqkv, &a.datt, &blk.qkv, &blk.probs, b, n, h, d)?;
+            be.attention_backward(&mut a.dqkv, &a.datt, &blk.qkv, &blk.att, &blk.probs, b, n, h, d)?;
             be.matmul_backward(&mut a.dln, g, &a.dqkv, &blk.ln1, None, w, s.qkv_w, s.qkv_b, bn, c, 3 * c)?;
             be.layernorm_backward(&mut a.dres_a, g, &a.dln, Some(&a.dres_b), x, &blk.ln1_mean, &blk.ln1_rstd, w, s.norm1_w, s.norm1_b, bn, c)?;
         }

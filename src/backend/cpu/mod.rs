@@ -355,7 +355,7 @@ impl Backend for Cpu {
             })
     }
 
-    fn attention_backward(&self, dqkv: &mut Vec<f32>, dout: &Vec<f32>, qkv: &Vec<f32>, probs: &Vec<f32>, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
+    fn attention_backward(&self, dqkv: &mut Vec<f32>, dout: &Vec<f32>, qkv: &Vec<f32>, _out: &Vec<f32>, probs: &Vec<f32>, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
         let c = h * d;
         check("attention_backward", "qkv", qkv, b * n * 3 * c)?;
         check("attention_backward", "dqkv", dqkv, b * n * 3 * c)?;

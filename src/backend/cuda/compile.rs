@@ -28,6 +28,10 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("optim.cu", include_str!("kernels/optim.cu")),
 ];
 
+/// Modules whose compile failure is not fatal: their kernels are missing and `get` says why,
+/// so the paths that need them report the error while everything else keeps working.
+pub const OPTIONAL: &[(&str, &str)] = &[("flash.cu", include_str!("kernels/flash.cu"))];
+
 fn dev_err(op: &str, e: impl std::fmt::Display) -> BackendError {
     BackendError::Device(format!("{op}: {e}"))
 }
@@ -102,6 +106,8 @@ fn nvrtc_cubin(name: &str, src: &str, arch: &str, opts: &[String]) -> Result<Vec
 pub struct Kernels {
     funcs: HashMap<String, CudaFunction>,
     _modules: Vec<Arc<CudaModule>>,
+    /// Optional modules that failed to compile or load: (file name, error).
+    pub failed: Vec<(String, String)>,
     /// Seconds spent compiling (0 when everything came from the cache).
     pub compile_s: f64,
 }
@@ -119,7 +125,9 @@ impl Kernels {
         let mut funcs = HashMap::new();
         let mut modules = Vec::new();
         let mut compile_s = 0.0;
-        for (name, body) in SOURCES {
+        let mut failed = Vec::new();
+        let all = SOURCES.iter().map(|s| (s, false)).chain(OPTIONAL.iter().map(|s| (s, true)));
+        for ((name, body), optional) in all {
             let src = format!("{COMMON}\n#line 1 \"{name}\"\n{body}");
             let mut h = Sha256::new();
             h.update(src.as_bytes());
@@ -132,7 +140,14 @@ impl Kernels {
                 Some(c) => c,
                 None => {
                     let t = std::time::Instant::now();
-                    let c = nvrtc_cubin(name, &src, arch, &opts)?;
+                    let c = match nvrtc_cubin(name, &src, arch, &opts) {
+                        Ok(c) => c,
+                        Err(e) if optional => {
+                            failed.push((name.to_string(), e.to_string()));
+                            continue;
+                        }
+                        Err(e) => return Err(e),
+                    };
                     compile_s += t.elapsed().as_secs_f64();
                     if let (Some(d), Some(p)) = (&dir, &path) {
                         let _ = std::fs::create_dir_all(d);
@@ -144,21 +159,37 @@ impl Kernels {
                     c
                 }
             };
-            let module = ctx
-                .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
-                .map_err(|e| dev_err(&format!("loading module {name}"), e))?;
-            for fname in kernel_names(body) {
-                let f = module.load_function(&fname).map_err(|e| dev_err(&format!("kernel {fname}"), e))?;
-                funcs.insert(fname, f);
+            let loaded = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)).map_err(|e| dev_err(&format!("loading module {name}"), e)).and_then(|module| {
+                let mut fs = Vec::new();
+                for fname in kernel_names(body) {
+                    let f = module.load_function(&fname).map_err(|e| dev_err(&format!("kernel {fname}"), e))?;
+                    fs.push((fname, f));
+                }
+                Ok((module, fs))
+            });
+            match loaded {
+                Ok((module, fs)) => {
+                    funcs.extend(fs);
+                    modules.push(module);
+                }
+                Err(e) if optional => failed.push((name.to_string(), e.to_string())),
+                Err(e) => return Err(e),
             }
-            modules.push(module);
         }
-        Ok(Kernels { funcs, _modules: modules, compile_s })
+        Ok(Kernels { funcs, _modules: modules, failed, compile_s })
     }
 
     pub fn get(&self, name: &str) -> Result<&CudaFunction, BackendError> {
-        self.funcs.get(name).ok_or_else(|| BackendError::Device(format!("kernel {name} not found in the compiled modules")))
+        self.funcs.get(name).ok_or_else(|| {
+            let why: Vec<String> = self.failed.iter().map(|(f, e)| format!("{f}: {e}")).collect();
+            if why.is_empty() {
+                BackendError::Device(format!("kernel {name} not found in the compiled modules"))
+            } else {
+                BackendError::Device(format!("kernel {name} not found; optional modules that failed: {}", why.join("; ")))
+            }
+        })
     }
+
 }
 
 /// Names of the `extern "C" __global__ void NAME(` functions in a source file.

@@ -12,8 +12,15 @@
 //!   CUDA graph (`begin_capture` / `end_capture`); nothing on the op paths synchronizes except
 //!   `download`, `upload` and `sum_squares`, which must.
 //!
-//! Attention materializes `probs` (B, H, N, N) as the trait asks: per-head layout copies,
-//! strided-batched cuBLASLt GEMMs for q·kᵀ and p·v, and a row-softmax kernel.
+//! Attention has two paths, chosen at run time (`VITSCALE_ATTENTION=fused|fused-plain|gemm`,
+//! default fused; `set_attention`):
+//! - gemm: materializes `probs` (B, H, N, N): per-head layout copies, strided-batched cuBLASLt
+//!   GEMMs for q·kᵀ and p·v, and a row-softmax kernel.
+//! - fused (`kernels/flash.cu`, head dims 32 and 64): flash-attention-2 style tensor-core
+//!   kernels that read q, k, v from the interleaved qkv layout, keep only the per-row
+//!   log-sum-exp (B·H·N f32) in `probs`, and recompute the probabilities in the backward.
+//!   Other head dims take the gemm path. `fused` loads transposed operands with ldmatrix;
+//!   `fused-plain` is the same algorithm with 16-bit shared-memory loads (kept to compare).
 
 mod compile;
 mod gemm;
@@ -21,7 +28,7 @@ pub mod libs;
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr, CUstream};
@@ -196,7 +203,55 @@ pub struct Cuda {
     acc: CudaBuf,
     /// When set, every kernel and GEMM is bracketed by events (see `set_profiling`).
     profile: Mutex<Option<Vec<(String, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>>>,
+    /// Attention path (`AttentionPath as u8`).
+    attention: AtomicU8,
 }
+
+/// Environment variable that picks the attention path: `fused` (default), `fused-plain` or `gemm`.
+pub const ATTENTION_ENV: &str = "VITSCALE_ATTENTION";
+
+/// How the CUDA backend computes attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionPath {
+    /// Materialized probabilities through cuBLASLt batched GEMMs and a softmax kernel.
+    Gemm = 0,
+    /// Fused tensor-core kernels, transposed operands through ldmatrix.
+    Fused = 1,
+    /// Fused tensor-core kernels, transposed operands through 16-bit shared loads.
+    FusedPlain = 2,
+}
+
+impl AttentionPath {
+    pub const ALL: [AttentionPath; 3] = [AttentionPath::Gemm, AttentionPath::Fused, AttentionPath::FusedPlain];
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionPath::Gemm => "gemm",
+            AttentionPath::Fused => "fused",
+            AttentionPath::FusedPlain => "fused-plain",
+        }
+    }
+    fn from_u8(v: u8) -> AttentionPath {
+        match v {
+            1 => AttentionPath::Fused,
+            2 => AttentionPath::FusedPlain,
+            _ => AttentionPath::Gemm,
+        }
+    }
+}
+
+/// Parses an attention path name (`gemm`, `fused`, `fused-plain`; empty = the default, fused).
+pub fn parse_attention(v: &str) -> Result<AttentionPath, String> {
+    match v {
+        "" => Ok(AttentionPath::Fused),
+        other => AttentionPath::ALL
+            .into_iter()
+            .find(|p| p.name() == other)
+            .ok_or_else(|| format!("attention path must be gemm, fused or fused-plain, got {other:?}")),
+    }
+}
+
+/// Head dims the fused attention kernels are compiled for.
+const FUSED_HEAD_DIMS: [usize; 2] = [32, 64];
 
 const THREADS: u32 = 256;
 
@@ -216,6 +271,11 @@ impl Cuda {
         let workspace = Self::raw_alloc_with(&ctx, &stream, &mem, ws_size, Ty::Bf16)?;
         let gemm = Gemm::new(workspace.ptr, ws_size)?;
         let acc = Self::raw_alloc_with(&ctx, &stream, &mem, 2, Ty::F32)?;
+        let attention = match std::env::var(ATTENTION_ENV) {
+            Ok(v) => parse_attention(v.trim()).map_err(|e| BackendError::Device(format!("{ATTENTION_ENV}: {e}")))?,
+            // Fused by default: parity and a 1.24× step at ViT-B/16 micro 256 (BENCHMARKS.md).
+            Err(_) => AttentionPath::Fused,
+        };
         Ok(Cuda {
             info,
             ctx,
@@ -228,6 +288,7 @@ impl Cuda {
             segments: Mutex::new(None),
             acc,
             profile: Mutex::new(None),
+            attention: AtomicU8::new(attention as u8),
         })
     }
 
@@ -254,6 +315,30 @@ impl Cuda {
     /// (free, total) bytes on the device as the driver reports them.
     pub fn mem_info(&self) -> BResult<(usize, usize)> {
         self.ctx.mem_get_info().map_err(dev("cuMemGetInfo"))
+    }
+
+    /// Chooses the attention path for later calls. Buffers sized by `attention_saved_len`
+    /// under the gemm path are large enough for the fused paths, not the other way round.
+    pub fn set_attention(&self, path: AttentionPath) {
+        self.attention.store(path as u8, Ordering::Relaxed);
+    }
+
+    /// The chosen attention path (head dims the fused kernels lack still take the gemm path).
+    pub fn attention_path(&self) -> AttentionPath {
+        AttentionPath::from_u8(self.attention.load(Ordering::Relaxed))
+    }
+
+    /// Kernel-name suffix of the fused kernels for head dim `d` ("d64" or "d64_ldsm"), or
+    /// None when attention with this head dim takes the gemm path.
+    fn fused_attention(&self, d: usize) -> Option<String> {
+        if !FUSED_HEAD_DIMS.contains(&d) {
+            return None;
+        }
+        match self.attention_path() {
+            AttentionPath::Gemm => None,
+            AttentionPath::Fused => Some(format!("d{d}_ldsm")),
+            AttentionPath::FusedPlain => Some(format!("d{d}")),
+        }
     }
 
     /// Turns per-launch timing on or off (benchmark diagnostics; never while capturing).
@@ -441,6 +526,14 @@ impl Cuda {
 fn check_len(op: &'static str, what: &str, buf: &CudaBuf, want: usize) -> BResult<()> {
     if buf.len < want {
         return Err(BackendError::Shape { op, msg: format!("{what} holds {} elements, needs {want}", buf.len) });
+    }
+    Ok(())
+}
+
+/// The fused attention kernels put B·H on grid.y (at most 65535 blocks).
+fn check_grid(op: &'static str, bh: usize) -> BResult<()> {
+    if bh > 65535 {
+        return Err(BackendError::Shape { op, msg: format!("B·H = {bh} exceeds the 65535 the fused attention grid supports") });
     }
     Ok(())
 }
@@ -774,7 +867,18 @@ impl Backend for Cuda {
         let bhnd = b * h * n * d;
         check_len(OP, "qkv", qkv, 3 * bhnd)?;
         check_len(OP, "out", out, bhnd)?;
-        check_len(OP, "probs", probs, b * h * n * n)?;
+        check_len(OP, "probs", probs, self.attention_saved_len(b, n, h, d))?;
+        if let Some(sfx) = self.fused_attention(d) {
+            if n == 0 || b * h == 0 {
+                return Ok(());
+            }
+            check_grid(OP, b * h)?;
+            let name = format!("flash_fwd_{sfx}");
+            let grid = (n.div_ceil(64) as u32, (b * h) as u32, 1);
+            let (nn, hh) = (n as i32, h as i32);
+            let scale_log2 = std::f32::consts::LOG2_E / (d as f32).sqrt();
+            return self.launch(&name, grid, (128, 1, 1), 0, &mut kargs![out.ptr, probs.ptr, qkv.ptr, nn, hh, scale_log2]);
+        }
         let heads = self.scratch("qkv_heads", 3 * bhnd)?;
         let oh = self.scratch("o_heads", bhnd)?;
         let nn = n as i32;
@@ -811,7 +915,7 @@ impl Backend for Cuda {
         self.move_heads(false, out.ptr, oh, b, n, 1, h, d)
     }
 
-    fn attention_backward(&self, dqkv: &mut CudaBuf, dout: &CudaBuf, qkv: &CudaBuf, probs: &CudaBuf, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
+    fn attention_backward(&self, dqkv: &mut CudaBuf, dout: &CudaBuf, qkv: &CudaBuf, out: &CudaBuf, probs: &CudaBuf, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
         const OP: &str = "attention_backward";
         check_bf16(OP, "dqkv", dqkv)?;
         check_bf16(OP, "dout", dout)?;
@@ -821,7 +925,30 @@ impl Backend for Cuda {
         check_len(OP, "dqkv", dqkv, 3 * bhnd)?;
         check_len(OP, "dout", dout, bhnd)?;
         check_len(OP, "qkv", qkv, 3 * bhnd)?;
-        check_len(OP, "probs", probs, b * h * n * n)?;
+        check_len(OP, "probs", probs, self.attention_saved_len(b, n, h, d))?;
+        if let Some(sfx) = self.fused_attention(d) {
+            check_bf16(OP, "out", out)?;
+            check_len(OP, "out", out, bhnd)?;
+            if n == 0 || b * h == 0 {
+                return Ok(());
+            }
+            check_grid(OP, b * h)?;
+            // f32 scratch: dQ accumulator (B, N, H·D) and delta (B·H, N), in bf16-sized slots.
+            let dq_acc = self.scratch("flash_dq_acc", 2 * bhnd)?;
+            let delta = self.scratch("flash_delta", 2 * b * h * n)?;
+            // SAFETY: dq_acc holds 2·bhnd bf16 slots = bhnd f32 values.
+            unsafe { dr::memset_d8_async(dq_acc, 0, bhnd * 4, self.stream.cu_stream()) }.map_err(dev("cuMemsetD8Async"))?;
+            let (bb, nn, hh) = (b as i32, n as i32, h as i32);
+            let rows = b * n * h;
+            let grid = rows.div_ceil(THREADS as usize).clamp(1, self.info.multiprocessors as usize * 16) as u32;
+            self.launch(&format!("flash_bwd_pre_d{d}"), (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![delta, dout.ptr, out.ptr, bb, nn, hh])?;
+            let scale = 1.0 / (d as f32).sqrt();
+            let scale_log2 = std::f32::consts::LOG2_E * scale;
+            let g = (n.div_ceil(64) as u32, (b * h) as u32, 1);
+            self.launch(&format!("flash_bwd_{sfx}"), g, (128, 1, 1), 0, &mut kargs![dqkv.ptr, dq_acc, dout.ptr, qkv.ptr, probs.ptr, delta, nn, hh, scale, scale_log2])?;
+            let (brows, hd8) = ((b * n) as i64, (h * d / 8) as i32);
+            return self.launch1("flash_dq_store", bhnd / 8, &mut kargs![dqkv.ptr, dq_acc, brows, hd8]);
+        }
         let heads = self.scratch("qkv_heads", 3 * bhnd)?;
         let dheads = self.scratch("dqkv_heads", 3 * bhnd)?;
         let doh = self.scratch("o_heads", bhnd)?;
@@ -862,6 +989,15 @@ impl Backend for Cuda {
         let s = GemmShape { tb: true, m: d as u64, n: n as u64, k: n as u64, lda: d as i64, ldb: ld as i64, ldd: d as i64, stride_a: nd, stride_b: nld, stride_d: nd, ..base };
         self.gemm("attention_backward (dSᵀ·q)", s, q, dp, dk, 0, scale, 0.0)?;
         self.move_heads(false, dqkv.ptr, dheads, b, n, 3, h, d)
+    }
+
+    fn attention_saved_len(&self, b: usize, n: usize, h: usize, d: usize) -> usize {
+        if self.fused_attention(d).is_some() {
+            // log-sum-exp per row: B·H·N f32 = 2·B·H·N bf16 slots (≤ B·H·N·N once N ≥ 2).
+            (2 * b * h * n).min(b * h * n * n.max(2))
+        } else {
+            b * h * n * n
+        }
     }
 
     fn add(&self, out: &mut CudaBuf, a: &CudaBuf, b: &CudaBuf) -> BResult<()> {

@@ -1,0 +1,486 @@
+// Fused attention (flash-attention-2 style), forward and backward, on the tensor cores
+// (mma.sync m16n8k16, bf16 in, fp32 accumulate). Reads q, k, v straight from the interleaved
+// qkv layout (B, N, 3, H, D), writes out (B, N, H·D) and dqkv (B, N, 3, H, D): no head moves.
+//
+// Saved state: per (b, h, query row) the log-sum-exp of the scaled scores in base 2,
+// lse2 = m + log2(l) with m the row maximum of s·scale·log2(e) and l = Σ 2^(s·scale·log2e − m)
+// (f32, B·H·N values). The backward recomputes P = 2^(s·scale·log2e − lse2).
+//
+// Tiles: 64 query rows × 64 keys per block of 4 warps; each warp owns 16 rows of the tile.
+// Shared-memory rows are padded by 8 bf16 (16 bytes) so fragment loads hit 32 distinct banks.
+// Ragged N: rows ≥ N load as zeros; keys ≥ N get probability 0; rows ≥ N are never stored.
+//
+// Fragment layout of mma.m16n8k16 (PTX ISA), g = lane / 4, t = lane % 4:
+//   A (16×16, row-major): a[0] = (g, 2t..2t+1), a[1] = (g+8, 2t..), a[2] = (g, 2t+8..), a[3] = (g+8, 2t+8..)
+//   B (16×8, "col"):      b[0] = (k 2t..2t+1, n g), b[1] = (k 2t+8..2t+9, n g)
+//   C (16×8 f32):         c[0..1] = (g, 2t..2t+1), c[2..3] = (g+8, 2t..2t+1)
+// Lower column (lower k) in the low 16 bits of each register.
+
+#define FA_BR 64
+#define FA_BC 64
+#define FA_THREADS 128
+
+__device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, const unsigned* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Two f32 → bf16x2 (round to nearest even), `lo` in the low half.
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Two consecutive bf16 at p (4-byte aligned) as one register.
+__device__ __forceinline__ unsigned ld2(const bf16* p) { return *(const unsigned*)p; }
+// Two bf16 from different rows: p0 in the low half.
+__device__ __forceinline__ unsigned ld2t(const bf16* p0, const bf16* p1) {
+    return (unsigned)*p0 | ((unsigned)*p1 << 16);
+}
+
+// Shared-memory address of a generic pointer into shared memory.
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+// Four 8×8 b16 matrices, transposed on the way (ldmatrix .trans): lanes 8i..8i+7 give the
+// row addresses of matrix i; lane l receives (row 2(l%4), col l/4) and (row 2(l%4)+1, col l/4).
+__device__ __forceinline__ void ldsm_x4_t(unsigned* r, const bf16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p))
+                 : "memory");
+}
+
+// B fragments of two n-tiles from a row-major [k][n] shared tile (row stride ld): k rows
+// k0..k0+15, columns c0..c0+7 into r[0..1] and c0+8..c0+15 into r[2..3]. LDSM: one ldmatrix
+// .x4.trans (rows 16-byte aligned); otherwise 16-bit loads.
+template <bool LDSM>
+__device__ __forceinline__ void ldb_t2(unsigned* r, const bf16* s, int ld, int k0, int c0, int lane) {
+    if (LDSM) {
+        const int mi = lane >> 3;
+        ldsm_x4_t(r, s + (k0 + (mi & 1) * 8 + (lane & 7)) * ld + c0 + (mi >> 1) * 8);
+    } else {
+        const int g = lane >> 2, t = lane & 3;
+        const bf16* p = s + (k0 + 2 * t) * ld + c0 + g;
+        r[0] = ld2t(p, p + ld);
+        r[1] = ld2t(p + 8 * ld, p + 9 * ld);
+        r[2] = ld2t(p + 8, p + ld + 8);
+        r[3] = ld2t(p + 8 * ld + 8, p + 9 * ld + 8);
+    }
+}
+
+// rows × D tile from global rows (stride `stride` elements, row `row0` first) into shared
+// memory with row stride D + 8; rows ≥ n are zero. 16-byte loads.
+template <int D, int ROWS>
+__device__ __forceinline__ void fa_load_tile(bf16* s, const bf16* g, i64 stride, int row0, int n) {
+    constexpr int CH = D / 8;
+    for (int i = threadIdx.x; i < ROWS * CH; i += FA_THREADS) {
+        int r = i / CH, c = i - r * CH;
+        uint4 v;
+        v.x = 0u; v.y = 0u; v.z = 0u; v.w = 0u;
+        if (row0 + r < n) v = *(const uint4*)(g + (i64)(row0 + r) * stride + c * 8);
+        *(uint4*)(s + r * (D + 8) + c * 8) = v;
+    }
+}
+
+// grid (ceil(N/64), B·H), block 128. out (B, N, H·D); lse2 (B·H, N) f32.
+template <int D, bool LDSM>
+__device__ __forceinline__ void flash_fwd(bf16* __restrict__ out, float* __restrict__ lse2, const bf16* __restrict__ qkv, int n, int h, float scale_log2) {
+    constexpr int LD = D + 8;
+    constexpr int KT = D / 16;     // k-steps over the head dim
+    constexpr int NS = FA_BC / 8;  // n-tiles of a score row block
+    constexpr int NO = D / 8;      // n-tiles of the output
+    __shared__ __align__(16) bf16 sq[FA_BR * LD];
+    __shared__ __align__(16) bf16 sk[FA_BC * LD];
+    __shared__ __align__(16) bf16 sv[FA_BC * LD];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int bh = blockIdx.y, bi = bh / h, hi = bh - bi * h;
+    const int q0 = blockIdx.x * FA_BR;
+    const i64 stride = (i64)3 * h * D;
+    const bf16* qg = qkv + (i64)bi * n * stride + hi * D;
+    const bf16* kg = qg + h * D;
+    const bf16* vg = qg + 2 * h * D;
+
+    fa_load_tile<D, FA_BR>(sq, qg, stride, q0, n);
+    __syncthreads();
+    unsigned qa[KT][4];
+    const int r0 = warp * 16 + g;
+    #pragma unroll
+    for (int kt = 0; kt < KT; kt++) {
+        qa[kt][0] = ld2(sq + r0 * LD + kt * 16 + 2 * t);
+        qa[kt][1] = ld2(sq + (r0 + 8) * LD + kt * 16 + 2 * t);
+        qa[kt][2] = ld2(sq + r0 * LD + kt * 16 + 2 * t + 8);
+        qa[kt][3] = ld2(sq + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
+    }
+    float o[NO][4];
+    #pragma unroll
+    for (int j = 0; j < NO; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+    for (int k0 = 0; k0 < n; k0 += FA_BC) {
+        __syncthreads();  // every warp is done with the previous K, V tiles
+        fa_load_tile<D, FA_BC>(sk, kg, stride, k0, n);
+        fa_load_tile<D, FA_BC>(sv, vg, stride, k0, n);
+        __syncthreads();
+        if (q0 + warp * 16 >= n) continue;  // all 16 rows past the end (warp-uniform)
+        // S = Q·Kᵀ for this warp's 16 rows × 64 keys; tiles of keys all ≥ n are skipped
+        float s[NS][4];
+        #pragma unroll
+        for (int j = 0; j < NS; j++) {
+            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+            if (k0 + j * 8 >= n) continue;
+            #pragma unroll
+            for (int kt = 0; kt < KT; kt++) {
+                unsigned b[2];
+                b[0] = ld2(sk + (j * 8 + g) * LD + kt * 16 + 2 * t);
+                b[1] = ld2(sk + (j * 8 + g) * LD + kt * 16 + 2 * t + 8);
+                mma_bf16(s[j], qa[kt], b);
+            }
+        }
+        // scale into the base-2 domain, mask keys ≥ n, row maxima over the quad
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+        #pragma unroll
+        for (int j = 0; j < NS; j++) {
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int key = k0 + j * 8 + 2 * t + (e & 1);
+                s[j][e] = key < n ? s[j][e] * scale_log2 : -INFINITY;
+            }
+            mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);  // finite: key k0 < n is valid
+        const float al0 = exp2f(m0 - mn0), al1 = exp2f(m1 - mn1);
+        m0 = mn0;
+        m1 = mn1;
+        float ps0 = 0.f, ps1 = 0.f;
+        #pragma unroll
+        for (int j = 0; j < NS; j++) {
+            s[j][0] = exp2f(s[j][0] - mn0);
+            s[j][1] = exp2f(s[j][1] - mn0);
+            s[j][2] = exp2f(s[j][2] - mn1);
+            s[j][3] = exp2f(s[j][3] - mn1);
+            ps0 += s[j][0] + s[j][1];
+            ps1 += s[j][2] + s[j][3];
+        }
+        l0 = l0 * al0 + ps0;  // per-thread partial row sums; the quad is summed at the end
+        l1 = l1 * al1 + ps1;
+        #pragma unroll
+        for (int j = 0; j < NO; j++) {
+            o[j][0] *= al0; o[j][1] *= al0;
+            o[j][2] *= al1; o[j][3] *= al1;
+        }
+        // O += P·V: P's accumulators become A fragments (keys are the k dimension); chunks of
+        // 16 keys all ≥ n have P = 0 and are skipped
+        #pragma unroll
+        for (int kk = 0; kk < FA_BC / 16; kk++) {
+            if (k0 + kk * 16 >= n) continue;
+            unsigned pa[4];
+            pa[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+            pa[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+            pa[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            #pragma unroll
+            for (int j = 0; j < NO; j += 2) {
+                unsigned b[4];
+                ldb_t2<LDSM>(b, sv, LD, kk * 16, j * 8, lane);
+                mma_bf16(o[j], pa, b);
+                mma_bf16(o[j + 1], pa, b + 2);
+            }
+        }
+    }
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+    const int row0 = q0 + r0, row1 = row0 + 8;
+    const i64 ostride = (i64)h * D;
+    bf16* og = out + (i64)bi * n * ostride + hi * D + 2 * t;
+    if (row0 < n) {
+        #pragma unroll
+        for (int j = 0; j < NO; j++) *(unsigned*)(og + row0 * ostride + j * 8) = pack_bf16(o[j][0] * inv0, o[j][1] * inv0);
+        if (t == 0) lse2[(i64)bh * n + row0] = m0 + log2f(l0);
+    }
+    if (row1 < n) {
+        #pragma unroll
+        for (int j = 0; j < NO; j++) *(unsigned*)(og + row1 * ostride + j * 8) = pack_bf16(o[j][2] * inv1, o[j][3] * inv1);
+        if (t == 0) lse2[(i64)bh * n + row1] = m1 + log2f(l1);
+    }
+}
+
+extern "C" __global__ void flash_fwd_d64(bf16* out, float* lse2, const bf16* qkv, int n, int h, float scale_log2) {
+    flash_fwd<64, false>(out, lse2, qkv, n, h, scale_log2);
+}
+extern "C" __global__ void flash_fwd_d32(bf16* out, float* lse2, const bf16* qkv, int n, int h, float scale_log2) {
+    flash_fwd<32, false>(out, lse2, qkv, n, h, scale_log2);
+}
+extern "C" __global__ void flash_fwd_d64_ldsm(bf16* out, float* lse2, const bf16* qkv, int n, int h, float scale_log2) {
+    flash_fwd<64, true>(out, lse2, qkv, n, h, scale_log2);
+}
+extern "C" __global__ void flash_fwd_d32_ldsm(bf16* out, float* lse2, const bf16* qkv, int n, int h, float scale_log2) {
+    flash_fwd<32, true>(out, lse2, qkv, n, h, scale_log2);
+}
+
+// Backward pre-pass: delta (B·H, N) = rowsum(dO ∘ O) per head, f32. One thread per
+// (b, n, h) row of D values, 16-byte loads. dout, out (B, N, H·D).
+template <int D>
+__device__ __forceinline__ void flash_bwd_pre(float* __restrict__ delta, const bf16* __restrict__ dout, const bf16* __restrict__ out, int b, int n, int h) {
+    i64 rows = (i64)b * n * h;
+    GRID_STRIDE(r, rows) {
+        const uint4* a = (const uint4*)(dout + r * D);
+        const uint4* o = (const uint4*)(out + r * D);
+        float acc = 0.f;
+        #pragma unroll
+        for (int c = 0; c < D / 8; c++) {
+            uint4 x = a[c], y = o[c];
+            const unsigned xs[4] = {x.x, x.y, x.z, x.w};
+            const unsigned ys[4] = {y.x, y.y, y.z, y.w};
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                acc += __uint_as_float(xs[e] << 16) * __uint_as_float(ys[e] << 16);
+                acc += __uint_as_float(xs[e] & 0xffff0000u) * __uint_as_float(ys[e] & 0xffff0000u);
+            }
+        }
+        int hi = (int)(r % h);
+        i64 tok = r / h;  // b·n + token
+        int ni = (int)(tok % n);
+        i64 bi = tok / n;
+        delta[(bi * h + hi) * n + ni] = acc;
+    }
+}
+
+extern "C" __global__ void flash_bwd_pre_d64(float* delta, const bf16* dout, const bf16* out, int b, int n, int h) {
+    flash_bwd_pre<64>(delta, dout, out, b, n, h);
+}
+extern "C" __global__ void flash_bwd_pre_d32(float* delta, const bf16* dout, const bf16* out, int b, int n, int h) {
+    flash_bwd_pre<32>(delta, dout, out, b, n, h);
+}
+
+// Backward main pass: grid (ceil(N/64), B·H), block 128; one block owns 64 keys of one head,
+// each warp 16 of them. Loops over query blocks: recomputes Pᵀ from K·Qᵀ and lse2, then
+// dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − delta), dK += dSᵀ·Q, and dQ += dS·K through
+// shared memory (dSᵀ) and f32 atomics into dq_acc (B, N, H·D) (zeroed by the caller, already
+// multiplied by the softmax scale). dK (scaled) and dV are written to dqkv (B, N, 3, H, D).
+template <int D, bool LDSM>
+__device__ __forceinline__ void flash_bwd(bf16* __restrict__ dqkv, float* __restrict__ dq_acc, const bf16* __restrict__ dout, const bf16* __restrict__ qkv, const float* __restrict__ lse2, const float* __restrict__ delta, int n, int h, float scale, float scale_log2) {
+    constexpr int LD = D + 8;
+    constexpr int LDS = FA_BR + 8;
+    constexpr int KT = D / 16;
+    constexpr int NS = FA_BR / 8;  // n-tiles over the query block
+    constexpr int NO = D / 8;
+    __shared__ __align__(16) bf16 sk[FA_BC * LD];
+    __shared__ __align__(16) bf16 sv[FA_BC * LD];
+    __shared__ __align__(16) bf16 sq[FA_BR * LD];
+    __shared__ __align__(16) bf16 sdo[FA_BR * LD];
+    __shared__ __align__(16) bf16 sds[FA_BC * LDS];  // dSᵀ: keys × queries
+    __shared__ float slse[FA_BR];
+    __shared__ float sdelta[FA_BR];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int bh = blockIdx.y, bi = bh / h, hi = bh - bi * h;
+    const int k0 = blockIdx.x * FA_BC;
+    const i64 stride = (i64)3 * h * D;
+    const i64 ostride = (i64)h * D;
+    const bf16* qg = qkv + (i64)bi * n * stride + hi * D;
+    const bf16* kg = qg + h * D;
+    const bf16* vg = qg + 2 * h * D;
+    const bf16* dog = dout + (i64)bi * n * ostride + hi * D;
+
+    fa_load_tile<D, FA_BC>(sk, kg, stride, k0, n);
+    fa_load_tile<D, FA_BC>(sv, vg, stride, k0, n);
+    __syncthreads();
+    const int r0 = warp * 16 + g;  // this thread's key rows r0, r0 + 8 within the block
+    unsigned ka[KT][4], va[KT][4];
+    #pragma unroll
+    for (int kt = 0; kt < KT; kt++) {
+        ka[kt][0] = ld2(sk + r0 * LD + kt * 16 + 2 * t);
+        ka[kt][1] = ld2(sk + (r0 + 8) * LD + kt * 16 + 2 * t);
+        ka[kt][2] = ld2(sk + r0 * LD + kt * 16 + 2 * t + 8);
+        ka[kt][3] = ld2(sk + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
+        va[kt][0] = ld2(sv + r0 * LD + kt * 16 + 2 * t);
+        va[kt][1] = ld2(sv + (r0 + 8) * LD + kt * 16 + 2 * t);
+        va[kt][2] = ld2(sv + r0 * LD + kt * 16 + 2 * t + 8);
+        va[kt][3] = ld2(sv + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
+    }
+    const bool key0_ok = k0 + r0 < n, key1_ok = k0 + r0 + 8 < n;
+    float dk[NO][4], dv[NO][4];
+    #pragma unroll
+    for (int j = 0; j < NO; j++) {
+        dk[j][0] = dk[j][1] = dk[j][2] = dk[j][3] = 0.f;
+        dv[j][0] = dv[j][1] = dv[j][2] = dv[j][3] = 0.f;
+    }
+
+    for (int q0 = 0; q0 < n; q0 += FA_BR) {
+        __syncthreads();  // every warp is done with the previous Q, dO, dSᵀ tiles
+        fa_load_tile<D, FA_BR>(sq, qg, stride, q0, n);
+        fa_load_tile<D, FA_BR>(sdo, dog, ostride, q0, n);
+        for (int i = threadIdx.x; i < FA_BR; i += FA_THREADS) {
+            bool ok = q0 + i < n;
+            slse[i] = ok ? lse2[(i64)bh * n + q0 + i] : INFINITY;  // P = 0 for rows ≥ n
+            sdelta[i] = ok ? delta[(i64)bh * n + q0 + i] : 0.f;
+        }
+        __syncthreads();
+        // Skipped work (all warp-uniform): a warp whose 16 keys are all ≥ n skips to dQ (its
+        // dSᵀ rows are never read); query tiles all ≥ n are skipped (P = dS = 0 there), and a
+        // 16-query chunk of dSᵀ is written and read only when some query in it is < n.
+        if (k0 + warp * 16 < n) {
+        // Sᵀ = K·Qᵀ (16 keys × 64 queries) and dPᵀ = V·dOᵀ
+        float p[NS][4], dp[NS][4];
+        #pragma unroll
+        for (int j = 0; j < NS; j++) {
+            p[j][0] = p[j][1] = p[j][2] = p[j][3] = 0.f;
+            dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.f;
+            if (q0 + j * 8 >= n) continue;
+            #pragma unroll
+            for (int kt = 0; kt < KT; kt++) {
+                unsigned b[2];
+                b[0] = ld2(sq + (j * 8 + g) * LD + kt * 16 + 2 * t);
+                b[1] = ld2(sq + (j * 8 + g) * LD + kt * 16 + 2 * t + 8);
+                mma_bf16(p[j], ka[kt], b);
+                b[0] = ld2(sdo + (j * 8 + g) * LD + kt * 16 + 2 * t);
+                b[1] = ld2(sdo + (j * 8 + g) * LD + kt * 16 + 2 * t + 8);
+                mma_bf16(dp[j], va[kt], b);
+            }
+        }
+        // Pᵀ = 2^(s·scale·log2e − lse2[q]) (0 for keys ≥ n), dSᵀ = Pᵀ ∘ (dPᵀ − delta[q])
+        #pragma unroll
+        for (int j = 0; j < NS; j++) {
+            const int qc = j * 8 + 2 * t;
+            const float la = slse[qc], lb = slse[qc + 1];
+            const float da = sdelta[qc], db = sdelta[qc + 1];
+            p[j][0] = key0_ok ? exp2f(p[j][0] * scale_log2 - la) : 0.f;
+            p[j][1] = key0_ok ? exp2f(p[j][1] * scale_log2 - lb) : 0.f;
+            p[j][2] = key1_ok ? exp2f(p[j][2] * scale_log2 - la) : 0.f;
+            p[j][3] = key1_ok ? exp2f(p[j][3] * scale_log2 - lb) : 0.f;
+            dp[j][0] = p[j][0] * (dp[j][0] - da);
+            dp[j][1] = p[j][1] * (dp[j][1] - db);
+            dp[j][2] = p[j][2] * (dp[j][2] - da);
+            dp[j][3] = p[j][3] * (dp[j][3] - db);
+        }
+        // dV += Pᵀ·dO and dK += dSᵀ·Q (queries are the k dimension); dSᵀ to shared memory
+        #pragma unroll
+        for (int kk = 0; kk < FA_BR / 16; kk++) {
+            if (q0 + kk * 16 >= n) continue;
+            unsigned pa[4], sa[4];
+            pa[0] = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
+            pa[1] = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
+            pa[2] = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+            pa[3] = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+            sa[0] = pack_bf16(dp[2 * kk][0], dp[2 * kk][1]);
+            sa[1] = pack_bf16(dp[2 * kk][2], dp[2 * kk][3]);
+            sa[2] = pack_bf16(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
+            sa[3] = pack_bf16(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+            *(unsigned*)(sds + r0 * LDS + kk * 16 + 2 * t) = sa[0];
+            *(unsigned*)(sds + (r0 + 8) * LDS + kk * 16 + 2 * t) = sa[1];
+            *(unsigned*)(sds + r0 * LDS + kk * 16 + 8 + 2 * t) = sa[2];
+            *(unsigned*)(sds + (r0 + 8) * LDS + kk * 16 + 8 + 2 * t) = sa[3];
+            #pragma unroll
+            for (int j = 0; j < NO; j += 2) {
+                unsigned b[4];
+                ldb_t2<LDSM>(b, sdo, LD, kk * 16, j * 8, lane);
+                mma_bf16(dv[j], pa, b);
+                mma_bf16(dv[j + 1], pa, b + 2);
+                ldb_t2<LDSM>(b, sq, LD, kk * 16, j * 8, lane);
+                mma_bf16(dk[j], sa, b);
+                mma_bf16(dk[j + 1], sa, b + 2);
+            }
+        }
+        }  // keys of this warp < n
+        __syncthreads();  // dSᵀ complete
+        // dQ (64 queries × D) += dS·K over this block's 64 keys; warp w takes queries 16w..16w+15
+        if (q0 + warp * 16 >= n) continue;
+        float dq[NO][4];
+        #pragma unroll
+        for (int j = 0; j < NO; j++) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
+        #pragma unroll
+        for (int kk = 0; kk < FA_BC / 16; kk++) {
+            if (k0 + kk * 16 >= n) continue;
+            // A(q, key) = dSᵀ[key][q]: the two-tile transposed load over queries gives
+            // (keys lo, q lo), (keys hi, q lo), (keys lo, q hi), (keys hi, q hi)
+            unsigned r[4], a[4];
+            ldb_t2<LDSM>(r, sds, LDS, kk * 16, warp * 16, lane);
+            a[0] = r[0];
+            a[1] = r[2];
+            a[2] = r[1];
+            a[3] = r[3];
+            #pragma unroll
+            for (int j = 0; j < NO; j += 2) {
+                unsigned b[4];
+                ldb_t2<LDSM>(b, sk, LD, kk * 16, j * 8, lane);
+                mma_bf16(dq[j], a, b);
+                mma_bf16(dq[j + 1], a, b + 2);
+            }
+        }
+        const int qa0 = q0 + warp * 16 + g, qa1 = qa0 + 8;
+        float* dqg = dq_acc + (i64)bi * n * ostride + hi * D + 2 * t;
+        if (qa0 < n) {
+            #pragma unroll
+            for (int j = 0; j < NO; j++) {
+                atomicAdd(dqg + qa0 * ostride + j * 8, dq[j][0] * scale);
+                atomicAdd(dqg + qa0 * ostride + j * 8 + 1, dq[j][1] * scale);
+            }
+        }
+        if (qa1 < n) {
+            #pragma unroll
+            for (int j = 0; j < NO; j++) {
+                atomicAdd(dqg + qa1 * ostride + j * 8, dq[j][2] * scale);
+                atomicAdd(dqg + qa1 * ostride + j * 8 + 1, dq[j][3] * scale);
+            }
+        }
+    }
+    // dK (scaled) and dV into dqkv
+    bf16* dkg = dqkv + (i64)bi * n * stride + h * D + hi * D + 2 * t;
+    bf16* dvg = dkg + h * D;
+    const i64 key0 = k0 + r0, key1 = key0 + 8;
+    if (key0_ok) {
+        #pragma unroll
+        for (int j = 0; j < NO; j++) {
+            *(unsigned*)(dkg + key0 * stride + j * 8) = pack_bf16(dk[j][0] * scale, dk[j][1] * scale);
+            *(unsigned*)(dvg + key0 * stride + j * 8) = pack_bf16(dv[j][0], dv[j][1]);
+        }
+    }
+    if (key1_ok) {
+        #pragma unroll
+        for (int j = 0; j < NO; j++) {
+            *(unsigned*)(dkg + key1 * stride + j * 8) = pack_bf16(dk[j][2] * scale, dk[j][3] * scale);
+            *(unsigned*)(dvg + key1 * stride + j * 8) = pack_bf16(dv[j][2], dv[j][3]);
+        }
+    }
+}
+
+extern "C" __global__ void flash_bwd_d64(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse2, const float* delta, int n, int h, float scale, float scale_log2) {
+    flash_bwd<64, false>(dqkv, dq_acc, dout, qkv, lse2, delta, n, h, scale, scale_log2);
+}
+extern "C" __global__ void flash_bwd_d32(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse2, const float* delta, int n, int h, float scale, float scale_log2) {
+    flash_bwd<32, false>(dqkv, dq_acc, dout, qkv, lse2, delta, n, h, scale, scale_log2);
+}
+extern "C" __global__ void flash_bwd_d64_ldsm(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse2, const float* delta, int n, int h, float scale, float scale_log2) {
+    flash_bwd<64, true>(dqkv, dq_acc, dout, qkv, lse2, delta, n, h, scale, scale_log2);
+}
+extern "C" __global__ void flash_bwd_d32_ldsm(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse2, const float* delta, int n, int h, float scale, float scale_log2) {
+    flash_bwd<32, true>(dqkv, dq_acc, dout, qkv, lse2, delta, n, h, scale, scale_log2);
+}
+
+// dq_acc (B·N, H·D) f32 → the q slot of dqkv (B, N, 3, H, D) bf16, 8 values per thread.
+// hd8 = H·D / 8; rows = B·N.
+extern "C" __global__ void flash_dq_store(bf16* dqkv, const float* dq_acc, i64 rows, int hd8) {
+    i64 total = rows * hd8;
+    GRID_STRIDE(e, total) {
+        i64 r = e / hd8;
+        int c = (int)(e - r * hd8);
+        const float4* src = (const float4*)(dq_acc + e * 8);
+        float4 x = src[0], y = src[1];
+        uint4 v;
+        v.x = pack_bf16(x.x, x.y);
+        v.y = pack_bf16(x.z, x.w);
+        v.z = pack_bf16(y.x, y.y);
+        v.w = pack_bf16(y.z, y.w);
+        *(uint4*)(dqkv + r * 3 * (i64)hd8 * 8 + (i64)c * 8) = v;
+    }
+}

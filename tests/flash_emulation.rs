@@ -1,0 +1,573 @@
+//! The fused attention kernels of `src/backend/cuda/kernels/flash.cu`, emulated on the CPU lane
+//! by lane: the same tiles, fragment loads, online softmax, packing, shuffles, shared-memory
+//! indices and atomics, with `mma.sync.m16n8k16` rebuilt from the PTX ISA's fragment layout
+//! (written here independently of the kernel's own comments). bf16 rounding happens where the
+//! kernel rounds. Compared against the CPU backend's attention, so indexing and algorithm
+//! mistakes in the kernel show up without a GPU. Keep this file in step with flash.cu.
+// Index loops mirror the kernel's lane and tile indices on purpose.
+#![allow(clippy::needless_range_loop, clippy::manual_is_multiple_of)]
+
+use half::bf16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use vitscale::backend::cpu::Cpu;
+use vitscale::backend::Backend;
+
+const BR: usize = 64;
+const BC: usize = 64;
+
+/// One 32-bit register holding two bf16 (low half first).
+type R = [f32; 2];
+
+fn bf(x: f32) -> f32 {
+    bf16::from_f32(x).to_f32()
+}
+fn ld2(s: &[f32], i: usize) -> R {
+    assert!(i % 2 == 0, "unaligned 32-bit shared load at {i}");
+    [s[i], s[i + 1]]
+}
+fn ld2t(s: &[f32], i0: usize, i1: usize) -> R {
+    [s[i0], s[i1]]
+}
+fn pack(lo: f32, hi: f32) -> R {
+    [bf(lo), bf(hi)]
+}
+
+/// D(16×8) += A(16×16)·B(16×8) for one warp, from per-lane fragments (PTX ISA layout for
+/// .m16n8k16 with 16-bit A/B and f32 C/D; g = lane/4, t = lane%4).
+fn mma(c: &mut [[f32; 4]; 32], a: &[[R; 4]; 32], b: &[[R; 2]; 32]) {
+    let mut am = [[f32::NAN; 16]; 16];
+    let mut bm = [[f32::NAN; 8]; 16];
+    let mut cm = [[f32::NAN; 8]; 16];
+    for lane in 0..32 {
+        let (g, t) = (lane / 4, lane % 4);
+        for e in 0..2 {
+            am[g][2 * t + e] = a[lane][0][e];
+            am[g + 8][2 * t + e] = a[lane][1][e];
+            am[g][2 * t + 8 + e] = a[lane][2][e];
+            am[g + 8][2 * t + 8 + e] = a[lane][3][e];
+            bm[2 * t + e][g] = b[lane][0][e];
+            bm[2 * t + 8 + e][g] = b[lane][1][e];
+            cm[g][2 * t + e] = c[lane][e];
+            cm[g + 8][2 * t + e] = c[lane][2 + e];
+        }
+    }
+    for i in 0..16 {
+        for j in 0..8 {
+            let mut acc = cm[i][j];
+            for k in 0..16 {
+                acc += am[i][k] * bm[k][j];
+            }
+            cm[i][j] = acc;
+        }
+    }
+    for lane in 0..32 {
+        let (g, t) = (lane / 4, lane % 4);
+        for e in 0..2 {
+            c[lane][e] = cm[g][2 * t + e];
+            c[lane][2 + e] = cm[g + 8][2 * t + e];
+        }
+    }
+}
+
+/// ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 as the PTX ISA defines it: lanes 8i..8i+7
+/// give the row addresses (elements) of matrix i; lane l receives, for each matrix i, the
+/// elements (row 2(l%4), col l/4) and (row 2(l%4)+1, col l/4).
+fn ldsm_x4_t(s: &[f32], addrs: &[usize; 32]) -> [[R; 4]; 32] {
+    let mut r = [[[f32::NAN; 2]; 4]; 32];
+    for &a in addrs.iter() {
+        assert!(a % 8 == 0, "ldmatrix row address {a} not 16-byte aligned");
+    }
+    for lane in 0..32 {
+        let (row, col) = (2 * (lane % 4), lane / 4);
+        for mi in 0..4 {
+            r[lane][mi] = [s[addrs[mi * 8 + row] + col], s[addrs[mi * 8 + row + 1] + col]];
+        }
+    }
+    r
+}
+
+/// The kernel's `ldb_t2<LDSM>`: B fragments of two n-tiles from a row-major [k][n] tile.
+fn ldb_t2(ldsm: bool, s: &[f32], ld: usize, k0: usize, c0: usize) -> [[R; 4]; 32] {
+    if ldsm {
+        let mut addrs = [0usize; 32];
+        for (lane, a) in addrs.iter_mut().enumerate() {
+            let mi = lane >> 3;
+            *a = (k0 + (mi & 1) * 8 + (lane & 7)) * ld + c0 + (mi >> 1) * 8;
+        }
+        ldsm_x4_t(s, &addrs)
+    } else {
+        let mut r = [[[0f32; 2]; 4]; 32];
+        for (lane, rl) in r.iter_mut().enumerate() {
+            let (g, t) = (lane >> 2, lane & 3);
+            let p = (k0 + 2 * t) * ld + c0 + g;
+            rl[0] = ld2t(s, p, p + ld);
+            rl[1] = ld2t(s, p + 8 * ld, p + 9 * ld);
+            rl[2] = ld2t(s, p + 8, p + ld + 8);
+            rl[3] = ld2t(s, p + 8 * ld + 8, p + 9 * ld + 8);
+        }
+        r
+    }
+}
+
+/// Splits two-tile fragments into the B operands of tile j (regs 0, 1) and j + 1 (regs 2, 3).
+fn split_b(r: &[[R; 4]; 32]) -> ([[R; 2]; 32], [[R; 2]; 32]) {
+    let mut lo = [[[0f32; 2]; 2]; 32];
+    let mut hi = [[[0f32; 2]; 2]; 32];
+    for lane in 0..32 {
+        lo[lane] = [r[lane][0], r[lane][1]];
+        hi[lane] = [r[lane][2], r[lane][3]];
+    }
+    (lo, hi)
+}
+
+/// Butterfly over the 4 lanes of a quad (xor 1 then xor 2), as the kernel's shuffles.
+fn quad_reduce(v: &mut [f32; 32], f: impl Fn(f32, f32) -> f32) {
+    for m in [1usize, 2] {
+        let old = *v;
+        for lane in 0..32 {
+            v[lane] = f(old[lane], old[lane ^ m]);
+        }
+    }
+}
+
+/// fa_load_tile: rows × D from global rows (stride elements) into rows of D + 8; zero past n.
+fn load_tile(gl: &[f32], base: usize, stride: usize, row0: usize, n: usize, d: usize, rows: usize) -> Vec<f32> {
+    let mut s = vec![f32::NAN; rows * (d + 8)];
+    for r in 0..rows {
+        for c in 0..d {
+            s[r * (d + 8) + c] = if row0 + r < n { gl[base + (row0 + r) * stride + c] } else { 0.0 };
+        }
+    }
+    s
+}
+
+#[allow(clippy::too_many_arguments)]
+fn flash_fwd(ldsm: bool, out: &mut [f32], lse2: &mut [f32], qkv: &[f32], b: usize, n: usize, h: usize, d: usize, scale_log2: f32) {
+    let ld = d + 8;
+    let (kt_n, ns, no) = (d / 16, BC / 8, d / 8);
+    let stride = 3 * h * d;
+    for bh in 0..b * h {
+        let (bi, hi) = (bh / h, bh % h);
+        let qg = bi * n * stride + hi * d;
+        let (kg, vg) = (qg + h * d, qg + 2 * h * d);
+        for q0 in (0..n).step_by(BR) {
+            let sq = load_tile(qkv, qg, stride, q0, n, d, BR);
+            for warp in 0..4 {
+                let mut qa = vec![[[[0f32; 2]; 4]; 32]; kt_n];
+                for lane in 0..32 {
+                    let (g, t) = (lane / 4, lane % 4);
+                    let r0 = warp * 16 + g;
+                    for kt in 0..kt_n {
+                        qa[kt][lane][0] = ld2(&sq, r0 * ld + kt * 16 + 2 * t);
+                        qa[kt][lane][1] = ld2(&sq, (r0 + 8) * ld + kt * 16 + 2 * t);
+                        qa[kt][lane][2] = ld2(&sq, r0 * ld + kt * 16 + 2 * t + 8);
+                        qa[kt][lane][3] = ld2(&sq, (r0 + 8) * ld + kt * 16 + 2 * t + 8);
+                    }
+                }
+                let mut o = vec![[[0f32; 4]; 32]; no];
+                let (mut m0, mut m1, mut l0, mut l1) = ([f32::NEG_INFINITY; 32], [f32::NEG_INFINITY; 32], [0f32; 32], [0f32; 32]);
+                for k0 in (0..n).step_by(BC) {
+                    let sk = load_tile(qkv, kg, stride, k0, n, d, BC);
+                    let sv = load_tile(qkv, vg, stride, k0, n, d, BC);
+                    if q0 + warp * 16 >= n {
+                        continue;
+                    }
+                    let mut s = vec![[[0f32; 4]; 32]; ns];
+                    for j in 0..ns {
+                        if k0 + j * 8 >= n {
+                            continue;
+                        }
+                        for kt in 0..kt_n {
+                            let mut bb = [[[0f32; 2]; 2]; 32];
+                            for lane in 0..32 {
+                                let (g, t) = (lane / 4, lane % 4);
+                                bb[lane][0] = ld2(&sk, (j * 8 + g) * ld + kt * 16 + 2 * t);
+                                bb[lane][1] = ld2(&sk, (j * 8 + g) * ld + kt * 16 + 2 * t + 8);
+                            }
+                            mma(&mut s[j], &qa[kt], &bb);
+                        }
+                    }
+                    let (mut mx0, mut mx1) = ([f32::NEG_INFINITY; 32], [f32::NEG_INFINITY; 32]);
+                    for lane in 0..32 {
+                        let t = lane % 4;
+                        for j in 0..ns {
+                            for e in 0..4 {
+                                let key = k0 + j * 8 + 2 * t + (e & 1);
+                                s[j][lane][e] = if key < n { s[j][lane][e] * scale_log2 } else { f32::NEG_INFINITY };
+                            }
+                            mx0[lane] = mx0[lane].max(s[j][lane][0].max(s[j][lane][1]));
+                            mx1[lane] = mx1[lane].max(s[j][lane][2].max(s[j][lane][3]));
+                        }
+                    }
+                    quad_reduce(&mut mx0, f32::max);
+                    quad_reduce(&mut mx1, f32::max);
+                    for lane in 0..32 {
+                        let (mn0, mn1) = (m0[lane].max(mx0[lane]), m1[lane].max(mx1[lane]));
+                        assert!(mn0.is_finite() && mn1.is_finite());
+                        let (al0, al1) = ((m0[lane] - mn0).exp2(), (m1[lane] - mn1).exp2());
+                        m0[lane] = mn0;
+                        m1[lane] = mn1;
+                        let (mut ps0, mut ps1) = (0f32, 0f32);
+                        for j in 0..ns {
+                            s[j][lane][0] = (s[j][lane][0] - mn0).exp2();
+                            s[j][lane][1] = (s[j][lane][1] - mn0).exp2();
+                            s[j][lane][2] = (s[j][lane][2] - mn1).exp2();
+                            s[j][lane][3] = (s[j][lane][3] - mn1).exp2();
+                            ps0 += s[j][lane][0] + s[j][lane][1];
+                            ps1 += s[j][lane][2] + s[j][lane][3];
+                        }
+                        l0[lane] = l0[lane] * al0 + ps0;
+                        l1[lane] = l1[lane] * al1 + ps1;
+                        for oj in o.iter_mut() {
+                            oj[lane][0] *= al0;
+                            oj[lane][1] *= al0;
+                            oj[lane][2] *= al1;
+                            oj[lane][3] *= al1;
+                        }
+                    }
+                    for kk in 0..BC / 16 {
+                        if k0 + kk * 16 >= n {
+                            continue;
+                        }
+                        let mut pa = [[[0f32; 2]; 4]; 32];
+                        for lane in 0..32 {
+                            pa[lane][0] = pack(s[2 * kk][lane][0], s[2 * kk][lane][1]);
+                            pa[lane][1] = pack(s[2 * kk][lane][2], s[2 * kk][lane][3]);
+                            pa[lane][2] = pack(s[2 * kk + 1][lane][0], s[2 * kk + 1][lane][1]);
+                            pa[lane][3] = pack(s[2 * kk + 1][lane][2], s[2 * kk + 1][lane][3]);
+                        }
+                        for j in (0..no).step_by(2) {
+                            let (b0, b1) = split_b(&ldb_t2(ldsm, &sv, ld, kk * 16, j * 8));
+                            mma(&mut o[j], &pa, &b0);
+                            mma(&mut o[j + 1], &pa, &b1);
+                        }
+                    }
+                }
+                quad_reduce(&mut l0, |a, b| a + b);
+                quad_reduce(&mut l1, |a, b| a + b);
+                let ostride = h * d;
+                for lane in 0..32 {
+                    let (g, t) = (lane / 4, lane % 4);
+                    let (inv0, inv1) = (1.0 / l0[lane], 1.0 / l1[lane]);
+                    let row0 = q0 + warp * 16 + g;
+                    let row1 = row0 + 8;
+                    let og = bi * n * ostride + hi * d + 2 * t;
+                    if row0 < n {
+                        for j in 0..no {
+                            let p = pack(o[j][lane][0] * inv0, o[j][lane][1] * inv0);
+                            out[og + row0 * ostride + j * 8] = p[0];
+                            out[og + row0 * ostride + j * 8 + 1] = p[1];
+                        }
+                        if t == 0 {
+                            lse2[bh * n + row0] = m0[lane] + l0[lane].log2();
+                        }
+                    }
+                    if row1 < n {
+                        for j in 0..no {
+                            let p = pack(o[j][lane][2] * inv1, o[j][lane][3] * inv1);
+                            out[og + row1 * ostride + j * 8] = p[0];
+                            out[og + row1 * ostride + j * 8 + 1] = p[1];
+                        }
+                        if t == 0 {
+                            lse2[bh * n + row1] = m1[lane] + l1[lane].log2();
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn flash_bwd_pre(delta: &mut [f32], dout: &[f32], out: &[f32], b: usize, n: usize, h: usize, d: usize) {
+    for r in 0..b * n * h {
+        let mut acc = 0f32;
+        for c in 0..d {
+            acc += dout[r * d + c] * out[r * d + c];
+        }
+        let hi = r % h;
+        let tok = r / h;
+        let (ni, bi) = (tok % n, tok / n);
+        delta[(bi * h + hi) * n + ni] = acc;
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn flash_bwd(ldsm: bool, dqkv: &mut [f32], dq_acc: &mut [f32], dout: &[f32], qkv: &[f32], lse2: &[f32], delta: &[f32], b: usize, n: usize, h: usize, d: usize, scale: f32, scale_log2: f32) {
+    let ld = d + 8;
+    let lds = BR + 8;
+    let (kt_n, ns, no) = (d / 16, BR / 8, d / 8);
+    let stride = 3 * h * d;
+    let ostride = h * d;
+    for bh in 0..b * h {
+        let (bi, hi) = (bh / h, bh % h);
+        let qg = bi * n * stride + hi * d;
+        let (kg, vg) = (qg + h * d, qg + 2 * h * d);
+        let dog = bi * n * ostride + hi * d;
+        for k0 in (0..n).step_by(BC) {
+            let sk = load_tile(qkv, kg, stride, k0, n, d, BC);
+            let sv = load_tile(qkv, vg, stride, k0, n, d, BC);
+            // per warp, per lane state
+            let mut ka = vec![vec![[[[0f32; 2]; 4]; 32]; kt_n]; 4];
+            let mut va = vec![vec![[[[0f32; 2]; 4]; 32]; kt_n]; 4];
+            for warp in 0..4 {
+                for lane in 0..32 {
+                    let (g, t) = (lane / 4, lane % 4);
+                    let r0 = warp * 16 + g;
+                    for kt in 0..kt_n {
+                        ka[warp][kt][lane][0] = ld2(&sk, r0 * ld + kt * 16 + 2 * t);
+                        ka[warp][kt][lane][1] = ld2(&sk, (r0 + 8) * ld + kt * 16 + 2 * t);
+                        ka[warp][kt][lane][2] = ld2(&sk, r0 * ld + kt * 16 + 2 * t + 8);
+                        ka[warp][kt][lane][3] = ld2(&sk, (r0 + 8) * ld + kt * 16 + 2 * t + 8);
+                        va[warp][kt][lane][0] = ld2(&sv, r0 * ld + kt * 16 + 2 * t);
+                        va[warp][kt][lane][1] = ld2(&sv, (r0 + 8) * ld + kt * 16 + 2 * t);
+                        va[warp][kt][lane][2] = ld2(&sv, r0 * ld + kt * 16 + 2 * t + 8);
+                        va[warp][kt][lane][3] = ld2(&sv, (r0 + 8) * ld + kt * 16 + 2 * t + 8);
+                    }
+                }
+            }
+            let mut dk = vec![vec![[[0f32; 4]; 32]; no]; 4];
+            let mut dv = vec![vec![[[0f32; 4]; 32]; no]; 4];
+            for q0 in (0..n).step_by(BR) {
+                let sq = load_tile(qkv, qg, stride, q0, n, d, BR);
+                let sdo = load_tile(dout, dog, ostride, q0, n, d, BR);
+                let mut slse = vec![0f32; BR];
+                let mut sdelta = vec![0f32; BR];
+                for i in 0..BR {
+                    let ok = q0 + i < n;
+                    slse[i] = if ok { lse2[bh * n + q0 + i] } else { f32::INFINITY };
+                    sdelta[i] = if ok { delta[bh * n + q0 + i] } else { 0.0 };
+                }
+                let mut sds = vec![f32::NAN; BC * lds];
+                for warp in 0..4 {
+                    if k0 + warp * 16 >= n {
+                        continue;
+                    }
+                    let mut p = vec![[[0f32; 4]; 32]; ns];
+                    let mut dp = vec![[[0f32; 4]; 32]; ns];
+                    for j in 0..ns {
+                        if q0 + j * 8 >= n {
+                            continue;
+                        }
+                        for kt in 0..kt_n {
+                            let mut bb = [[[0f32; 2]; 2]; 32];
+                            for lane in 0..32 {
+                                let (g, t) = (lane / 4, lane % 4);
+                                bb[lane][0] = ld2(&sq, (j * 8 + g) * ld + kt * 16 + 2 * t);
+                                bb[lane][1] = ld2(&sq, (j * 8 + g) * ld + kt * 16 + 2 * t + 8);
+                            }
+                            mma(&mut p[j], &ka[warp][kt], &bb);
+                            for lane in 0..32 {
+                                let (g, t) = (lane / 4, lane % 4);
+                                bb[lane][0] = ld2(&sdo, (j * 8 + g) * ld + kt * 16 + 2 * t);
+                                bb[lane][1] = ld2(&sdo, (j * 8 + g) * ld + kt * 16 + 2 * t + 8);
+                            }
+                            mma(&mut dp[j], &va[warp][kt], &bb);
+                        }
+                    }
+                    for lane in 0..32 {
+                        let (g, t) = (lane / 4, lane % 4);
+                        let r0 = warp * 16 + g;
+                        let (key0_ok, key1_ok) = (k0 + r0 < n, k0 + r0 + 8 < n);
+                        for j in 0..ns {
+                            let qc = j * 8 + 2 * t;
+                            let (la, lb, da, db) = (slse[qc], slse[qc + 1], sdelta[qc], sdelta[qc + 1]);
+                            let pj = &mut p[j][lane];
+                            pj[0] = if key0_ok { (pj[0] * scale_log2 - la).exp2() } else { 0.0 };
+                            pj[1] = if key0_ok { (pj[1] * scale_log2 - lb).exp2() } else { 0.0 };
+                            pj[2] = if key1_ok { (pj[2] * scale_log2 - la).exp2() } else { 0.0 };
+                            pj[3] = if key1_ok { (pj[3] * scale_log2 - lb).exp2() } else { 0.0 };
+                            let dj = &mut dp[j][lane];
+                            dj[0] = pj[0] * (dj[0] - da);
+                            dj[1] = pj[1] * (dj[1] - db);
+                            dj[2] = pj[2] * (dj[2] - da);
+                            dj[3] = pj[3] * (dj[3] - db);
+                        }
+                    }
+                    for kk in 0..BR / 16 {
+                        if q0 + kk * 16 >= n {
+                            continue;
+                        }
+                        let mut pa = [[[0f32; 2]; 4]; 32];
+                        let mut sa = [[[0f32; 2]; 4]; 32];
+                        for lane in 0..32 {
+                            let (g, t) = (lane / 4, lane % 4);
+                            let r0 = warp * 16 + g;
+                            pa[lane][0] = pack(p[2 * kk][lane][0], p[2 * kk][lane][1]);
+                            pa[lane][1] = pack(p[2 * kk][lane][2], p[2 * kk][lane][3]);
+                            pa[lane][2] = pack(p[2 * kk + 1][lane][0], p[2 * kk + 1][lane][1]);
+                            pa[lane][3] = pack(p[2 * kk + 1][lane][2], p[2 * kk + 1][lane][3]);
+                            sa[lane][0] = pack(dp[2 * kk][lane][0], dp[2 * kk][lane][1]);
+                            sa[lane][1] = pack(dp[2 * kk][lane][2], dp[2 * kk][lane][3]);
+                            sa[lane][2] = pack(dp[2 * kk + 1][lane][0], dp[2 * kk + 1][lane][1]);
+                            sa[lane][3] = pack(dp[2 * kk + 1][lane][2], dp[2 * kk + 1][lane][3]);
+                            for (i, idx) in [r0 * lds + kk * 16 + 2 * t, (r0 + 8) * lds + kk * 16 + 2 * t, r0 * lds + kk * 16 + 8 + 2 * t, (r0 + 8) * lds + kk * 16 + 8 + 2 * t].into_iter().enumerate() {
+                                assert!(idx % 2 == 0);
+                                sds[idx] = sa[lane][i][0];
+                                sds[idx + 1] = sa[lane][i][1];
+                            }
+                        }
+                        for j in (0..no).step_by(2) {
+                            let (b0, b1) = split_b(&ldb_t2(ldsm, &sdo, ld, kk * 16, j * 8));
+                            mma(&mut dv[warp][j], &pa, &b0);
+                            mma(&mut dv[warp][j + 1], &pa, &b1);
+                            let (b0, b1) = split_b(&ldb_t2(ldsm, &sq, ld, kk * 16, j * 8));
+                            mma(&mut dk[warp][j], &sa, &b0);
+                            mma(&mut dk[warp][j + 1], &sa, &b1);
+                        }
+                    }
+                }
+                // __syncthreads(): dSᵀ complete
+                for warp in 0..4 {
+                    if q0 + warp * 16 >= n {
+                        continue;
+                    }
+                    let mut dq = vec![[[0f32; 4]; 32]; no];
+                    for kk in 0..BC / 16 {
+                        if k0 + kk * 16 >= n {
+                            continue;
+                        }
+                        let r = ldb_t2(ldsm, &sds, lds, kk * 16, warp * 16);
+                        let mut a = [[[0f32; 2]; 4]; 32];
+                        for lane in 0..32 {
+                            a[lane] = [r[lane][0], r[lane][2], r[lane][1], r[lane][3]];
+                        }
+                        for j in (0..no).step_by(2) {
+                            let (b0, b1) = split_b(&ldb_t2(ldsm, &sk, ld, kk * 16, j * 8));
+                            mma(&mut dq[j], &a, &b0);
+                            mma(&mut dq[j + 1], &a, &b1);
+                        }
+                    }
+                    for lane in 0..32 {
+                        let (g, t) = (lane / 4, lane % 4);
+                        let qa0 = q0 + warp * 16 + g;
+                        let qa1 = qa0 + 8;
+                        let dqg = bi * n * ostride + hi * d + 2 * t;
+                        if qa0 < n {
+                            for j in 0..no {
+                                dq_acc[dqg + qa0 * ostride + j * 8] += dq[j][lane][0] * scale;
+                                dq_acc[dqg + qa0 * ostride + j * 8 + 1] += dq[j][lane][1] * scale;
+                            }
+                        }
+                        if qa1 < n {
+                            for j in 0..no {
+                                dq_acc[dqg + qa1 * ostride + j * 8] += dq[j][lane][2] * scale;
+                                dq_acc[dqg + qa1 * ostride + j * 8 + 1] += dq[j][lane][3] * scale;
+                            }
+                        }
+                    }
+                }
+            }
+            for warp in 0..4 {
+                for lane in 0..32 {
+                    let (g, t) = (lane / 4, lane % 4);
+                    let r0 = warp * 16 + g;
+                    let dkg = bi * n * stride + h * d + hi * d + 2 * t;
+                    let dvg = dkg + h * d;
+                    let (key0, key1) = (k0 + r0, k0 + r0 + 8);
+                    for (key, e0) in [(key0, 0usize), (key1, 2)] {
+                        if key < n {
+                            for j in 0..no {
+                                let pk = pack(dk[warp][j][lane][e0] * scale, dk[warp][j][lane][e0 + 1] * scale);
+                                let pv = pack(dv[warp][j][lane][e0], dv[warp][j][lane][e0 + 1]);
+                                dqkv[dkg + key * stride + j * 8] = pk[0];
+                                dqkv[dkg + key * stride + j * 8 + 1] = pk[1];
+                                dqkv[dvg + key * stride + j * 8] = pv[0];
+                                dqkv[dvg + key * stride + j * 8 + 1] = pv[1];
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn flash_dq_store(dqkv: &mut [f32], dq_acc: &[f32], rows: usize, hd8: usize) {
+    for e in 0..rows * hd8 {
+        let (r, c) = (e / hd8, e % hd8);
+        for i in 0..8 {
+            dqkv[r * 3 * hd8 * 8 + c * 8 + i] = bf(dq_acc[e * 8 + i]);
+        }
+    }
+}
+
+fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    let (mut num, mut den) = (0f64, 0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        if x.is_nan() || y.is_nan() {
+            return f64::NAN;
+        }
+        num += (x as f64 - y as f64).powi(2);
+        den += (y as f64).powi(2);
+    }
+    (num / den).sqrt()
+}
+
+#[test]
+fn fused_attention_kernels_match_cpu() {
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(7);
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let cpu = Cpu::new();
+    let shapes = [(2usize, 65usize, 2usize, 64usize), (1, 197, 2, 64), (2, 50, 2, 64), (2, 17, 3, 32), (1, 130, 1, 32), (1, 64, 1, 64), (1, 80, 1, 64), (1, 100, 2, 32), (1, 257, 1, 64)];
+    for (ldsm, &(b, n, h, d)) in [false, true].into_iter().flat_map(|l| shapes.iter().map(move |s| (l, s))) {
+        let c = h * d;
+        let mut randn = |len: usize| -> Vec<f32> {
+            (0..len)
+                .map(|_| {
+                    let u1: f32 = rng.gen_range(1e-7f32..1.0);
+                    let u2: f32 = rng.gen();
+                    bf((-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos())
+                })
+                .collect()
+        };
+        let qkv = randn(b * n * 3 * c);
+        let dout = randn(b * n * c);
+        // reference
+        let mut out_c = vec![0f32; b * n * c];
+        let mut probs = vec![0f32; b * h * n * n];
+        cpu.attention_forward(&mut out_c, &mut probs, &qkv, b, n, h, d).unwrap();
+        let mut dqkv_c = vec![0f32; b * n * 3 * c];
+        cpu.attention_backward(&mut dqkv_c, &dout, &qkv, &out_c, &probs, b, n, h, d).unwrap();
+        // emulated kernels, outputs poisoned
+        let scale = 1.0 / (d as f32).sqrt();
+        let scale_log2 = std::f32::consts::LOG2_E * scale;
+        let mut out = vec![f32::NAN; b * n * c];
+        let mut lse2 = vec![f32::NAN; b * h * n];
+        flash_fwd(ldsm, &mut out, &mut lse2, &qkv, b, n, h, d, scale_log2);
+        let e_out = rel_err(&out, &out_c);
+        // lse2 against the reference: log2 Σ_j 2^(s_ij·scale·log2e)
+        let mut lse_ref = vec![0f32; b * h * n];
+        for bi in 0..b {
+            for hi in 0..h {
+                for i in 0..n {
+                    let mut row: Vec<f64> = Vec::with_capacity(n);
+                    for j in 0..n {
+                        let mut s = 0f64;
+                        for k in 0..d {
+                            s += qkv[((bi * n + i) * 3) * c + hi * d + k] as f64 * qkv[((bi * n + j) * 3 + 1) * c + hi * d + k] as f64;
+                        }
+                        row.push(s * scale_log2 as f64);
+                    }
+                    let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    lse_ref[(bi * h + hi) * n + i] = (m + row.iter().map(|v| (v - m).exp2()).sum::<f64>().log2()) as f32;
+                }
+            }
+        }
+        let max_lse = lse2.iter().zip(&lse_ref).map(|(a, b)| if a.is_nan() { f32::NAN } else { (a - b).abs() }).fold(0f32, |m, e| if e.is_nan() || m.is_nan() { f32::NAN } else { m.max(e) });
+        let mut delta = vec![f32::NAN; b * h * n];
+        flash_bwd_pre(&mut delta, &dout, &out, b, n, h, d);
+        let mut dq_acc = vec![0f32; b * n * c];
+        let mut dqkv = vec![f32::NAN; b * n * 3 * c];
+        flash_bwd(ldsm, &mut dqkv, &mut dq_acc, &dout, &qkv, &lse2, &delta, b, n, h, d, scale, scale_log2);
+        flash_dq_store(&mut dqkv, &dq_acc, b * n, c / 8);
+        let e_dqkv = rel_err(&dqkv, &dqkv_c);
+        // per slot (q, k, v) errors, to point at the failing part
+        let slot = |v: &[f32], s: usize| -> Vec<f32> { v.chunks(c).skip(s).step_by(3).flatten().copied().collect() };
+        let errs: Vec<f64> = (0..3).map(|s| rel_err(&slot(&dqkv, s), &slot(&dqkv_c, s))).collect();
+        println!("ldsm={ldsm} seed {seed} B{b} N{n} H{h} D{d}: out {e_out:.2e}, max |lse2 − ref| {max_lse:.2e}, dqkv {e_dqkv:.2e} (dq {:.2e} dk {:.2e} dv {:.2e})", errs[0], errs[1], errs[2]);
+        assert!(e_out.is_finite() && e_out < 1e-2, "seed {seed}: out rel err {e_out}");
+        assert!(max_lse.is_finite() && max_lse < 1e-3, "seed {seed}: lse2 error {max_lse}");
+        assert!(e_dqkv.is_finite() && e_dqkv < 1e-2, "seed {seed}: dqkv rel err {e_dqkv} (dq {:?})", errs);
+    }
+}
