@@ -294,6 +294,26 @@ pub fn open(cfg: &DataConfig, image_size: usize, num_classes: usize, seed: u64) 
     Ok(Datasets { num_classes, train: Arc::new(train), val: Arc::new(val), description })
 }
 
+/// Training images `open` will produce, computed cheaply (no decoding), for planning the run
+/// before the dataset is opened (`total_num_steps: "auto"`): the configured size for generated
+/// sets, the record count of CIFAR binary files (50 000 for the python and archive forms, where
+/// counting means unpacking), the listed files for folders. `data.skip_bad` can make the real
+/// count smaller.
+pub fn train_len(cfg: &DataConfig, seed: u64) -> Result<usize, DataError> {
+    match cfg.dataset {
+        DatasetKind::Builtin | DatasetKind::Synthetic => Ok(cfg.train_size),
+        DatasetKind::Cifar10 | DatasetKind::Cifar100 => {
+            let path = cfg.path.as_ref().ok_or(DataError::MissingPath { dataset: cfg.dataset.as_str() })?;
+            let v = if cfg.dataset == DatasetKind::Cifar10 { cifar::Variant::Cifar10 } else { cifar::Variant::Cifar100 };
+            cifar::count_train(path, v)
+        }
+        DatasetKind::Folder => {
+            let path = cfg.path.as_ref().ok_or(DataError::MissingPath { dataset: "folder" })?;
+            folder::count_train(path, cfg.val_split, seed)
+        }
+    }
+}
+
 /// The augmentation `cfg` asks for on a same-size in-memory set for a training (`train`) or
 /// eval batch. (Sets batched at another size use RandomResizedCrop / center crop instead.)
 pub fn policy(cfg: &DataConfig, train: bool) -> Policy {
@@ -535,6 +555,22 @@ mod tests {
         assert_ne!(make_batch(&d.train, &global, &c, true, 4, 1).images, whole.images);
         // Eval batches are not augmented: identical across epochs.
         assert_eq!(make_batch(&d.val, &[0, 1, 2], &c, false, 0, 1), make_batch(&d.val, &[0, 1, 2], &c, false, 9, 1));
+    }
+
+    #[test]
+    fn train_len_without_opening() {
+        let c = cfg(DatasetKind::Builtin);
+        assert_eq!(train_len(&c, 0).unwrap(), 500);
+        let dir = std::env::temp_dir().join(format!("vitscale-train-len-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("data_batch_1.bin"), vec![0u8; 3073 * 3]).unwrap();
+        std::fs::write(dir.join("data_batch_4.bin"), vec![0u8; 3073 * 2]).unwrap();
+        std::fs::write(dir.join("test_batch.bin"), vec![0u8; 3073]).unwrap();
+        let mut c10 = cfg(DatasetKind::Cifar10);
+        c10.path = Some(dir.clone());
+        assert_eq!(train_len(&c10, 0).unwrap(), 5);
+        assert_eq!(open(&c10, 32, 10, 0).unwrap().train.len(), 5);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
