@@ -27,7 +27,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::rng::{hash, SplitMix};
-use super::{fill_batch, synthetic, Batch, DataError, ImageSet};
+use super::{fill_batch, synthetic, Batch, DataError, ImageSet, Loader, LoaderPlan, Sampler};
 use crate::config::{Augment, DataConfig, DatasetKind, LabelKind};
 
 /// One measured point.
@@ -84,6 +84,49 @@ fn measure(pipeline: &str, set: &ImageSet, cfg: &DataConfig, batch: usize, threa
     let seconds = t.elapsed().as_secs_f64();
     let ips = images as f64 / seconds;
     Ok(BenchPoint { pipeline: pipeline.into(), threads, images, seconds, images_per_s: ips, images_per_s_per_core: ips / threads as f64 })
+}
+
+/// The same through a [`Loader`] (`num_workers = threads`, prefetch 4) consumed as fast as it
+/// produces: what a training loop would see.
+fn measure_loader(pipeline: &str, set: &Arc<ImageSet>, cfg: &DataConfig, batch: usize, threads: usize, min_seconds: f64) -> Result<BenchPoint, DataError> {
+    let mut cfg = cfg.clone();
+    cfg.num_workers = threads;
+    cfg.prefetch = 4;
+    let plan = LoaderPlan {
+        set: set.clone(),
+        sampler: Sampler::new(set.len(), batch, true, 0, false),
+        cfg,
+        train: true,
+        seed: 0,
+        rank: 0,
+        world: 1,
+        gas: 1,
+        start_epoch: 0,
+        start_step: 0,
+        steps: u64::MAX,
+    };
+    let mut loader = Loader::start(plan)?;
+    // Warm-up: the first window.
+    for _ in 0..4 {
+        if let Some(p) = loader.next() {
+            loader.recycle(p?.batch);
+        }
+    }
+    let t = Instant::now();
+    let mut images = 0;
+    while t.elapsed().as_secs_f64() < min_seconds {
+        match loader.next() {
+            Some(p) => {
+                let p = p?;
+                images += p.batch.len();
+                loader.recycle(p.batch);
+            }
+            None => break,
+        }
+    }
+    let seconds = t.elapsed().as_secs_f64();
+    let ips = images as f64 / seconds;
+    Ok(BenchPoint { pipeline: format!("{pipeline}_loader"), threads, images, seconds, images_per_s: ips, images_per_s_per_core: ips / threads as f64 })
 }
 
 /// Writes `n` synthetic 500×375 JPEGs (quality 90) into `dir`.
@@ -155,6 +198,7 @@ pub fn run(threads: usize, min_seconds: f64, jpeg_dir: Option<&Path>) -> Result<
     let result = (|| -> Result<(), DataError> {
         for &t in &counts {
             out.push(measure("jpeg224_rrc_flip", &set, &fcfg, 128, t, min_seconds)?);
+            out.push(measure_loader("jpeg224_rrc_flip", &set, &fcfg, 32, t, min_seconds)?);
         }
         Ok(())
     })();
