@@ -8,17 +8,20 @@
 //! entropy decoder has real work) written to a temporary folder for the JPEG path, or the JPEGs
 //! of a given folder.
 //!
-//! Measured 2026-11-30 on the H200 host (16 cores), same run as `shared/peers` torchvision +
-//! DataLoader on the same files (peer JPEGs: 500×375, q90, smooth), images/s:
+//! Measured 2026-11-30 on the H200 host (16 cores), each table from one run with
+//! torchvision + DataLoader (`shared/peers/loader_bench.py` transforms, RandAugment left out) on
+//! the same files (peer JPEGs: 500×375, q90, smooth), images/s:
 //!
 //! | pipeline | vitscale 1 thread | peer 1 worker | vitscale 16 | peer 16 |
 //! |---|---|---|---|---|
-//! | CIFAR 32 px crop+flip (memory) | 262 544 | 3 448 | 2 124 065 | 67 464 |
-//! | 224 px JPEG RRC+flip (peer files) | 649 | 228 | 5 513 | 3 693 |
-//! | 224 px JPEG RRC+flip (noisy generated) | 348 | – | 3 384 | – |
+//! | CIFAR 32 px crop+flip (memory, batch 256) | 262 544 | 3 448 | 2 124 065 | 67 464 |
+//! | 224 px JPEG RRC+flip, `Loader` (batch 32, prefetch 4) | 536 | 228 | 6 416 | 3 709 |
+//! | 224 px JPEG RRC+flip, one `fill_batch` of 128 | 453 | – | 6 650 | – |
+//! | same, noisy generated JPEGs (harder to decode), `Loader` | 367 | – | 4 110 | – |
 //!
-//! (JPEG batches of 32 images in that run; one 224-px image costs ≈ 1.8 ms of JPEG decode and
-//! 0.64 ms of resampling on one core of the 2-core CPU machine.)
+//! One 224-px image costs ≈ 1.8 ms of JPEG decode (noisy file) and 0.64 ms of resampling on
+//! one core of the 2-core CPU machine; numbers there swing ±50 % with the machine's load.
+//!
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
