@@ -8,7 +8,7 @@
 //! entropy decoder has real work) written to a temporary folder for the JPEG path, or the JPEGs
 //! of a given folder.
 //!
-//! Measured 2026-11-30 on the H200 host (16 cores), each table from one run with
+//! Measured 2026-11-30 on the H200 host (16 cores), each row in one run together with
 //! torchvision + DataLoader (`shared/peers/loader_bench.py` transforms, RandAugment left out) on
 //! the same files (peer JPEGs: 500×375, q90, smooth), images/s:
 //!
