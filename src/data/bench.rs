@@ -8,17 +8,20 @@
 //! entropy decoder has real work) written to a temporary folder for the JPEG path, or the JPEGs
 //! of a given folder.
 //!
-//! Measured 2026-11-30 on the H200 host (16 cores), same run as `shared/peers` torchvision +
-//! DataLoader on the same files (peer JPEGs: 500×375, q90, smooth), images/s:
+//! Measured 2026-11-30 on the H200 host (16 cores), each row in one run together with
+//! torchvision + DataLoader (`shared/peers/loader_bench.py` transforms, RandAugment left out) on
+//! the same files (peer JPEGs: 500×375, q90, smooth), images/s:
 //!
 //! | pipeline | vitscale 1 thread | peer 1 worker | vitscale 16 | peer 16 |
 //! |---|---|---|---|---|
-//! | CIFAR 32 px crop+flip (memory) | 262 544 | 3 448 | 2 124 065 | 67 464 |
-//! | 224 px JPEG RRC+flip (peer files) | 649 | 228 | 5 513 | 3 693 |
-//! | 224 px JPEG RRC+flip (noisy generated) | 348 | – | 3 384 | – |
+//! | CIFAR 32 px crop+flip (memory, batch 256) | 262 544 | 3 448 | 2 124 065 | 67 464 |
+//! | 224 px JPEG RRC+flip, `Loader` (batch 32, prefetch 4) | 536 | 228 | 6 416 | 3 709 |
+//! | 224 px JPEG RRC+flip, one `fill_batch` of 128 | 453 | – | 6 650 | – |
+//! | same, noisy generated JPEGs (harder to decode), `Loader` | 367 | – | 4 110 | – |
 //!
-//! (JPEG batches of 32 images in that run; one 224-px image costs ≈ 1.8 ms of JPEG decode and
-//! 0.64 ms of resampling on one core of the 2-core CPU machine.)
+//! One 224-px image costs ≈ 1.8 ms of JPEG decode (noisy file) and 0.64 ms of resampling on
+//! one core of the 2-core CPU machine; numbers there swing ±50 % with the machine's load.
+//!
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -27,7 +30,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::rng::{hash, SplitMix};
-use super::{fill_batch, synthetic, Batch, DataError, ImageSet};
+use super::{fill_batch, synthetic, Batch, DataError, ImageSet, Loader, LoaderPlan, Sampler};
 use crate::config::{Augment, DataConfig, DatasetKind, LabelKind};
 
 /// One measured point.
@@ -84,6 +87,49 @@ fn measure(pipeline: &str, set: &ImageSet, cfg: &DataConfig, batch: usize, threa
     let seconds = t.elapsed().as_secs_f64();
     let ips = images as f64 / seconds;
     Ok(BenchPoint { pipeline: pipeline.into(), threads, images, seconds, images_per_s: ips, images_per_s_per_core: ips / threads as f64 })
+}
+
+/// The same through a [`Loader`] (`num_workers = threads`, prefetch 4) consumed as fast as it
+/// produces: what a training loop would see.
+fn measure_loader(pipeline: &str, set: &Arc<ImageSet>, cfg: &DataConfig, batch: usize, threads: usize, min_seconds: f64) -> Result<BenchPoint, DataError> {
+    let mut cfg = cfg.clone();
+    cfg.num_workers = threads;
+    cfg.prefetch = 4;
+    let plan = LoaderPlan {
+        set: set.clone(),
+        sampler: Sampler::new(set.len(), batch, true, 0, false),
+        cfg,
+        train: true,
+        seed: 0,
+        rank: 0,
+        world: 1,
+        gas: 1,
+        start_epoch: 0,
+        start_step: 0,
+        steps: u64::MAX,
+    };
+    let mut loader = Loader::start(plan)?;
+    // Warm-up: the first window.
+    for _ in 0..4 {
+        if let Some(p) = loader.next() {
+            loader.recycle(p?.batch);
+        }
+    }
+    let t = Instant::now();
+    let mut images = 0;
+    while t.elapsed().as_secs_f64() < min_seconds {
+        match loader.next() {
+            Some(p) => {
+                let p = p?;
+                images += p.batch.len();
+                loader.recycle(p.batch);
+            }
+            None => break,
+        }
+    }
+    let seconds = t.elapsed().as_secs_f64();
+    let ips = images as f64 / seconds;
+    Ok(BenchPoint { pipeline: format!("{pipeline}_loader"), threads, images, seconds, images_per_s: ips, images_per_s_per_core: ips / threads as f64 })
 }
 
 /// Writes `n` synthetic 500×375 JPEGs (quality 90) into `dir`.
@@ -155,6 +201,7 @@ pub fn run(threads: usize, min_seconds: f64, jpeg_dir: Option<&Path>) -> Result<
     let result = (|| -> Result<(), DataError> {
         for &t in &counts {
             out.push(measure("jpeg224_rrc_flip", &set, &fcfg, 128, t, min_seconds)?);
+            out.push(measure_loader("jpeg224_rrc_flip", &set, &fcfg, 32, t, min_seconds)?);
         }
         Ok(())
     })();

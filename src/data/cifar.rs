@@ -247,6 +247,25 @@ fn not_found(dir: &Path, v: Variant, split: &'static str) -> DataError {
     DataError::NotFound { dataset: v.name(), split, dir: dir.to_path_buf(), expected }
 }
 
+/// Training records under `path` without reading pixels: binary file sizes ÷ record size; the
+/// python and archive forms are assumed complete (50 000).
+pub fn count_train(path: &Path, v: Variant) -> Result<usize, DataError> {
+    if path.is_dir() {
+        for d in [path.to_path_buf(), path.join(v.folder(Form::Binary))] {
+            let files: Vec<PathBuf> = v.train_files(Form::Binary).iter().map(|f| d.join(f)).filter(|p| p.is_file()).collect();
+            if !files.is_empty() {
+                let mut n = 0;
+                for f in files {
+                    let len = fs::metadata(&f).map_err(|source| DataError::Io { path: f.clone(), source })?.len();
+                    n += len as usize / v.record_len();
+                }
+                return Ok(n);
+            }
+        }
+    }
+    Ok(50_000)
+}
+
 /// Loads both splits from whatever form is under `path`.
 /// With `skip_bad`, a truncated final record or a record with an out-of-range label is dropped
 /// and counted in the set's `skipped` instead of failing the load.

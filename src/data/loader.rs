@@ -1,10 +1,12 @@
 //! A prefetching loader: builds one rank's micro-batches ahead of the training step on its own
 //! thread pool, so decoding and augmentation overlap the forward/backward.
 //!
-//! One producer thread walks the plan (epoch, step, micro-batch) in order and fills batches on a
-//! private rayon pool of `data.num_workers` threads (0 = all cores); finished batches wait in a
-//! bounded queue of `data.prefetch` entries, so memory stays fixed and a slow consumer stalls
-//! the producer rather than piling up batches. Buffers come back through [`Loader::recycle`] and
+//! One producer thread walks the plan (epoch, step, micro-batch) in order and fills the next
+//! `data.prefetch` batches together on a private rayon pool of `data.num_workers` threads
+//! (0 = all cores) — one parallel pass over all their images, so no thread idles at a per-batch
+//! barrier; finished batches wait in a bounded queue of `data.prefetch` entries, so memory stays
+//! fixed (at most about 3 × prefetch batches live) and a slow consumer stalls the producer
+//! rather than piling up batches. Buffers come back through [`Loader::recycle`] and
 //! are refilled in place. Batches are bit-identical to [`super::try_make_batch`] on the same
 //! indices: the producer only changes *when* a batch is built, never *what* it holds.
 
@@ -13,7 +15,7 @@ use std::sync::mpsc::{channel, sync_channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use super::{fill_batch, shard, Batch, DataError, ImageSet, Sampler};
+use super::{fill_batches, shard, Batch, DataError, ImageSet, Sampler};
 use crate::config::DataConfig;
 
 /// What one rank's loader produces: `steps` global steps from (`start_epoch`, `start_step`),
@@ -75,31 +77,43 @@ impl Loader {
                 if steps_per_epoch == 0 {
                     return;
                 }
+                // Plan order as (epoch, step, micro, indices), built lazily.
                 let (mut epoch, mut step) = (plan.start_epoch, plan.start_step);
-                // Normalize a start step past the end of its epoch.
                 epoch += (step / steps_per_epoch) as u64;
                 step %= steps_per_epoch;
                 let mut order = plan.sampler.epoch(epoch);
-                for _ in 0..plan.steps {
-                    for micro in 0..plan.gas {
-                        if stop2.load(Ordering::Relaxed) {
-                            return;
-                        }
-                        let idx = shard(order.batch(step), plan.rank, plan.world, micro, plan.gas);
-                        let mut batch = recycle_rx.try_recv().unwrap_or_default();
-                        let r = pool.install(|| fill_batch(&mut batch, &plan.set, idx, &plan.cfg, plan.train, epoch, plan.seed));
-                        let msg = r.map(|()| Prepared { epoch, step, micro, batch });
-                        let failed = msg.is_err();
-                        // A closed queue means the loader was dropped: just stop.
-                        if tx.send(msg).is_err() || failed {
-                            return;
+                let total = plan.steps as usize * plan.gas;
+                let mut positions = (0..total).map(move |k| {
+                    let micro = k % plan.gas;
+                    if k > 0 && micro == 0 {
+                        step += 1;
+                        if step == steps_per_epoch {
+                            step = 0;
+                            epoch += 1;
+                            order = plan.sampler.epoch(epoch);
                         }
                     }
-                    step += 1;
-                    if step == steps_per_epoch {
-                        step = 0;
-                        epoch += 1;
-                        order = plan.sampler.epoch(epoch);
+                    let idx = shard(order.batch(step), plan.rank, plan.world, micro, plan.gas).to_vec();
+                    (epoch, step, micro, idx)
+                });
+                // Build the prefetch window in one parallel pass, then hand it out in order.
+                let window = plan.cfg.prefetch.max(1);
+                loop {
+                    let group: Vec<(u64, usize, usize, Vec<usize>)> = positions.by_ref().take(window).collect();
+                    if group.is_empty() || stop2.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    let mut batches: Vec<Batch> = group.iter().map(|_| recycle_rx.try_recv().unwrap_or_default()).collect();
+                    let jobs: Vec<(&[usize], u64)> = group.iter().map(|(e, _, _, idx)| (idx.as_slice(), *e)).collect();
+                    if let Err(e) = pool.install(|| fill_batches(&mut batches, &jobs, &plan.set, &plan.cfg, plan.train, plan.seed)) {
+                        let _ = tx.send(Err(e));
+                        return;
+                    }
+                    for ((epoch, step, micro, _), batch) in group.into_iter().zip(batches) {
+                        // A closed queue means the loader was dropped: just stop.
+                        if tx.send(Ok(Prepared { epoch, step, micro, batch })).is_err() {
+                            return;
+                        }
                     }
                 }
             })

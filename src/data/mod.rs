@@ -294,6 +294,26 @@ pub fn open(cfg: &DataConfig, image_size: usize, num_classes: usize, seed: u64) 
     Ok(Datasets { num_classes, train: Arc::new(train), val: Arc::new(val), description })
 }
 
+/// Training images `open` will produce, computed cheaply (no decoding), for planning the run
+/// before the dataset is opened (`total_num_steps: "auto"`): the configured size for generated
+/// sets, the record count of CIFAR binary files (50 000 for the python and archive forms, where
+/// counting means unpacking), the listed files for folders. `data.skip_bad` can make the real
+/// count smaller.
+pub fn train_len(cfg: &DataConfig, seed: u64) -> Result<usize, DataError> {
+    match cfg.dataset {
+        DatasetKind::Builtin | DatasetKind::Synthetic => Ok(cfg.train_size),
+        DatasetKind::Cifar10 | DatasetKind::Cifar100 => {
+            let path = cfg.path.as_ref().ok_or(DataError::MissingPath { dataset: cfg.dataset.as_str() })?;
+            let v = if cfg.dataset == DatasetKind::Cifar10 { cifar::Variant::Cifar10 } else { cifar::Variant::Cifar100 };
+            cifar::count_train(path, v)
+        }
+        DatasetKind::Folder => {
+            let path = cfg.path.as_ref().ok_or(DataError::MissingPath { dataset: "folder" })?;
+            folder::count_train(path, cfg.val_split, seed)
+        }
+    }
+}
+
 /// The augmentation `cfg` asks for on a same-size in-memory set for a training (`train`) or
 /// eval batch. (Sets batched at another size use RandomResizedCrop / center crop instead.)
 pub fn policy(cfg: &DataConfig, train: bool) -> Policy {
@@ -333,24 +353,40 @@ pub fn try_make_batch(set: &ImageSet, indices: &[usize], cfg: &DataConfig, train
 /// [`try_make_batch`] into an existing batch, reusing its buffers.
 #[allow(clippy::too_many_arguments)]
 pub fn fill_batch(batch: &mut Batch, set: &ImageSet, indices: &[usize], cfg: &DataConfig, train: bool, epoch: u64, seed: u64) -> Result<(), DataError> {
+    fill_batches(std::slice::from_mut(batch), &[(indices, epoch)], set, cfg, train, seed)
+}
+
+/// Fills several batches — `jobs[k]` = (dataset indices, epoch) of `batches[k]` — in one
+/// parallel pass over all their images. One pass instead of one per batch removes the barrier
+/// at the end of each batch, where threads would idle behind the slowest image (224-px JPEG
+/// decode times vary by several ×); the loader uses it to build its prefetch window at once.
+pub fn fill_batches(batches: &mut [Batch], jobs: &[(&[usize], u64)], set: &ImageSet, cfg: &DataConfig, train: bool, seed: u64) -> Result<(), DataError> {
+    assert_eq!(batches.len(), jobs.len(), "fill_batches: one job per batch");
     let side = set.batch_side;
-    let per = 3 * side * side;
-    batch.images.resize(indices.len() * per, 0.0);
-    batch.labels.clear();
-    batch.labels.resize(indices.len(), 0);
-    let augment = train && cfg.augment == Augment::Default;
+    let per = (3 * side * side).max(1);
+    let mut tasks: Vec<(&mut [f32], &mut u32, usize, u64)> = Vec::new();
+    for (b, &(indices, epoch)) in batches.iter_mut().zip(jobs) {
+        b.images.resize(indices.len() * per, 0.0);
+        b.labels.clear();
+        b.labels.resize(indices.len(), 0);
+        let Batch { images, labels } = b;
+        for ((out, label), &i) in images.chunks_mut(per).zip(labels.iter_mut()).zip(indices) {
+            tasks.push((out, label, i, epoch));
+        }
+    }
     if !set.is_file_backed() && set.side == side {
         // Same size: pad-crop / flip / identity through a lookup table.
         let norm = Normalizer::new(cfg.mean, cfg.std);
         let policy = policy(cfg, train);
-        batch.images.par_chunks_mut(per.max(1)).zip(batch.labels.par_iter_mut()).zip(indices.par_iter()).for_each(|((out, label), &i)| {
+        tasks.into_par_iter().for_each(|(out, label, i, epoch)| {
             let d = policy.draw(seed, epoch, i);
             augment::transform(set.image(i), side, policy.pad(), d, &norm, out);
             *label = set.labels[i] as u32;
         });
         return Ok(());
     }
-    batch.images.par_chunks_mut(per.max(1)).zip(batch.labels.par_iter_mut()).zip(indices.par_iter()).try_for_each(|((out, label), &i)| {
+    let augment = train && cfg.augment == Augment::Default;
+    tasks.into_par_iter().try_for_each(|(out, label, i, epoch)| {
         let (j, img) = source_image(set, i, cfg.skip_bad)?;
         let (w, h, px) = match &img {
             Source::Memory(px) => (set.side, set.side, *px),
@@ -535,6 +571,22 @@ mod tests {
         assert_ne!(make_batch(&d.train, &global, &c, true, 4, 1).images, whole.images);
         // Eval batches are not augmented: identical across epochs.
         assert_eq!(make_batch(&d.val, &[0, 1, 2], &c, false, 0, 1), make_batch(&d.val, &[0, 1, 2], &c, false, 9, 1));
+    }
+
+    #[test]
+    fn train_len_without_opening() {
+        let c = cfg(DatasetKind::Builtin);
+        assert_eq!(train_len(&c, 0).unwrap(), 500);
+        let dir = std::env::temp_dir().join(format!("vitscale-train-len-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("data_batch_1.bin"), vec![0u8; 3073 * 3]).unwrap();
+        std::fs::write(dir.join("data_batch_4.bin"), vec![0u8; 3073 * 2]).unwrap();
+        std::fs::write(dir.join("test_batch.bin"), vec![0u8; 3073]).unwrap();
+        let mut c10 = cfg(DatasetKind::Cifar10);
+        c10.path = Some(dir.clone());
+        assert_eq!(train_len(&c10, 0).unwrap(), 5);
+        assert_eq!(open(&c10, 32, 10, 0).unwrap().train.len(), 5);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
