@@ -171,7 +171,9 @@ pub fn train_cmd(args: TrainArgs) -> anyhow::Result<()> {
     }
     let run_dir = args.run_dir.clone().unwrap_or_else(|| default_run_dir(&env));
     let hash = config_hash(&cfg)?;
-    let mut comm = crate::comm::init_cpu(&env, &crate::comm::CommOptions::from_env()?, &hash)?;
+    // [dist] collective timeout: train.comm_timeout_s, or VITSCALE_COMM_TIMEOUT when set.
+    let comm_opts = crate::comm::CommOptions::from_config_and_env(cfg.train.comm_timeout_s)?;
+    let mut comm = crate::comm::init_cpu(&env, &comm_opts, &hash)?;
     let rank = env.rank;
     let opts = TrainOptions {
         // Rank 0 owns the run directory; the others log beside it.
@@ -183,6 +185,9 @@ pub fn train_cmd(args: TrainArgs) -> anyhow::Result<()> {
         resume: args.resume.as_deref().map(|s| crate::train::checkpoint::resume_path(s, &run_dir.join("checkpoints"))),
         keep_checkpoints: args.keep_checkpoints,
     };
+    // [dist] SIGINT/SIGTERM from here on: finish the step on every rank, checkpoint it, exit
+    // with 128 + signal (see train::stop and `exit_code`).
+    let _stop = cfg.train.checkpoint_on_signal.then(crate::train::stop::StopGuard::install);
     let summary = engine::train_with(&Cpu::new(), &cfg, &opts, comm.as_mut())?;
     if rank != 0 {
         return Ok(());
@@ -195,6 +200,12 @@ pub fn train_cmd(args: TrainArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&summary)?);
     }
     Ok(())
+}
+
+/// [dist] The exit status for a command's error: 128 + signal when training stopped for
+/// SIGINT/SIGTERM (130 / 143), else 1.
+pub fn exit_code(e: &anyhow::Error) -> i32 {
+    e.downcast_ref::<engine::TrainError>().map_or(1, engine::TrainError::exit_code)
 }
 
 /// [dist] Identifies the resolved configuration, so ranks started with different configs
