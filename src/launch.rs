@@ -398,14 +398,23 @@ fn supervise(
             interrupted.get_or_insert(sig);
             kill_at.get_or_insert(Instant::now() + grace);
         }
+        // Workers that died since the last look. When several failed at once, one killed by a
+        // signal is named first: the others usually exited because it went away (a peer's
+        // collective fails at once when its connection closes).
+        let mut failed_now: Option<(Label, u32, ExitDesc)> = None;
         for p in procs.iter_mut().filter(|p| p.status.is_none()) {
             if let Ok(Some(st)) = p.child.try_wait() {
                 p.status = Some(st);
-                if !st.success() && failure.is_none() && interrupted.is_none() {
-                    failure = Some((p.label.clone(), p.child.id(), ExitDesc::of(st)));
-                    kill_at = Some(Instant::now() + grace);
+                let desc = ExitDesc::of(st);
+                let by_signal = matches!(desc, ExitDesc::Signal(_));
+                if !st.success() && (failed_now.is_none() || (by_signal && !matches!(failed_now, Some((_, _, ExitDesc::Signal(_)))))) {
+                    failed_now = Some((p.label.clone(), p.child.id(), desc));
                 }
             }
+        }
+        if failure.is_none() && interrupted.is_none() && failed_now.is_some() {
+            failure = failed_now;
+            kill_at = Some(Instant::now() + grace);
         }
         if failure.is_some() {
             stop_all(&mut procs, libc::SIGTERM);

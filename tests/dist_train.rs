@@ -220,9 +220,16 @@ const PATIENCE: Duration = Duration::from_secs(120);
 
 /// Starts `vitscale [launch --] train` like [`train`], stderr to `dir`.stderr.
 fn spawn_train(nproc: usize, steps: u64, extra: &[&str], dir: &Path) -> (Child, PathBuf) {
+    spawn_launch(&[], nproc, steps, extra, dir)
+}
+
+/// As [`spawn_train`], with extra launcher options.
+fn spawn_launch(launch_opts: &[&str], nproc: usize, steps: u64, extra: &[&str], dir: &Path) -> (Child, PathBuf) {
     let mut args = Vec::new();
     if nproc > 1 {
-        args.extend(["launch".to_string(), format!("--nproc-per-node={nproc}"), format!("--master-port={}", free_port()), "--".into()]);
+        args.extend(["launch".to_string(), format!("--nproc-per-node={nproc}"), format!("--master-port={}", free_port())]);
+        args.extend(launch_opts.iter().map(|s| s.to_string()));
+        args.push("--".into());
     }
     args.push("train".into());
     args.extend(common(steps));
@@ -460,4 +467,71 @@ fn every_rank_writes_its_own_step_timings() {
             assert!(steps.iter().all(|v| v[key].as_f64().is_some_and(|x| x >= 0.0)), "rank {r}: {key} missing in\n{m}");
         }
     }
+}
+
+/// The pid of the worker of `rank` among the launcher's children (Linux /proc).
+fn worker_pid(launcher: &Child, rank: usize) -> libc::pid_t {
+    let id = launcher.id();
+    let kids = std::fs::read_to_string(format!("/proc/{id}/task/{id}/children")).expect("/proc children");
+    let want = format!("RANK={rank}");
+    kids.split_whitespace()
+        .filter_map(|p| p.parse::<libc::pid_t>().ok())
+        .find(|p| std::fs::read(format!("/proc/{p}/environ")).is_ok_and(|e| e.split(|b| *b == 0).any(|v| v == want.as_bytes())))
+        .unwrap_or_else(|| panic!("no worker with {want} among {kids:?}"))
+}
+
+#[test]
+fn a_worker_killed_mid_training_ends_the_job_naming_it() {
+    let t = tmp();
+    let d = t.path().join("run");
+    let (mut child, log) = spawn_train(2, LONG, &[MICRO16, LONG_EVERY], &d);
+    wait_for_file(&mut child, &d.join("checkpoints/latest"), &log);
+    let t0 = Instant::now();
+    // SAFETY: kill(2) on a worker of the launcher we spawned.
+    unsafe {
+        libc::kill(worker_pid(&child, 1), libc::SIGKILL);
+    }
+    let st = wait_exit(&mut child, Duration::from_secs(10));
+    let took = t0.elapsed();
+    let err = std::fs::read_to_string(&log).unwrap_or_default();
+    eprintln!("launcher exited {took:?} after rank 1 was killed");
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+    assert_eq!(st.code(), Some(128 + libc::SIGKILL), "{err}");
+    assert!(err.contains("error: rank 1 ") && err.contains("SIGKILL"), "{err}");
+}
+
+#[test]
+fn a_stalled_rank_times_out_after_comm_timeout_naming_it() {
+    let t = tmp();
+    let d = t.path().join("run");
+    let (mut child, log) = spawn_launch(&["--kill-grace=1"], 2, LONG, &[MICRO16, LONG_EVERY, "--set=train.comm_timeout_s=2"], &d);
+    wait_for_file(&mut child, &d.join("checkpoints/latest"), &log);
+    let t0 = Instant::now();
+    let pid = worker_pid(&child, 1);
+    // SAFETY: kill(2) on a worker of the launcher we spawned: it stops taking part, alive.
+    unsafe {
+        libc::kill(pid, libc::SIGSTOP);
+    }
+    // If an assertion fails before the launcher reaps it, do not leave it stopped forever.
+    struct KillIfPanicking(libc::pid_t);
+    impl Drop for KillIfPanicking {
+        fn drop(&mut self) {
+            if std::thread::panicking() {
+                // SAFETY: kill(2) on the worker stopped above (not yet reaped: the test failed).
+                unsafe {
+                    libc::kill(self.0, libc::SIGKILL);
+                }
+            }
+        }
+    }
+    let _guard = KillIfPanicking(pid);
+    let st = wait_exit(&mut child, Duration::from_secs(30));
+    let took = t0.elapsed();
+    let err = std::fs::read_to_string(&log).unwrap_or_default();
+    eprintln!("launcher exited {took:?} after rank 1 was stopped:\n{}", err.lines().filter(|l| l.contains("error")).collect::<Vec<_>>().join("\n"));
+    // Rank 0 gives up after the configured 2 s (not the default 300 s), naming rank 1.
+    assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(20), "took {took:?}\n{err}");
+    assert_eq!(st.code(), Some(1), "{err}");
+    assert!(err.contains("[rank 0] error: rank 0: ") && err.contains("timed out") && err.contains("rank 1"), "{err}");
+    assert!(err.contains("error: rank 0 "), "{err}");
 }
