@@ -529,8 +529,9 @@ fn a_stalled_rank_times_out_after_comm_timeout_naming_it() {
     let took = t0.elapsed();
     let err = std::fs::read_to_string(&log).unwrap_or_default();
     eprintln!("launcher exited {took:?} after rank 1 was stopped:\n{}", err.lines().filter(|l| l.contains("error")).collect::<Vec<_>>().join("\n"));
-    // Rank 0 gives up after the configured 2 s (not the default 300 s), naming rank 1.
-    assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(20), "took {took:?}\n{err}");
+    // Rank 0 gives up after the configured 2 s (not the default 300 s), naming rank 1 (its
+    // wait may have begun a moment before the stop, hence the margin below 2 s).
+    assert!(took >= Duration::from_millis(1500) && took < Duration::from_secs(20), "took {took:?}\n{err}");
     assert_eq!(st.code(), Some(1), "{err}");
     assert!(err.contains("[rank 0] error: rank 0: ") && err.contains("timed out") && err.contains("rank 1"), "{err}");
     assert!(err.contains("error: rank 0 "), "{err}");

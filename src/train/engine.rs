@@ -5,7 +5,8 @@
 //! (parameter gradients accumulate) — no communication in between; at the boundary: reduce
 //! gradients across ranks, global norm + clipping, learning rate from the schedule, one
 //! optimizer update over the flat buffer, zero the gradients. Evaluation, metrics lines,
-//! progress output and the run directory are around that loop.
+//! progress output and the run directory are around that loop. A SIGINT / SIGTERM caught by
+//! `train::stop` is acted on at a boundary that every rank agrees on: checkpoint, then stop.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
