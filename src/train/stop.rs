@@ -61,13 +61,18 @@ pub fn agreed(own: i32, summed: [f64; 2]) -> i32 {
     }
 }
 
-/// Catches SIGINT / SIGTERM while alive; restores the previous actions on drop.
+/// Catches SIGINT / SIGTERM while alive; restores the previous actions on drop. A signal
+/// that arrives after the last step (during the final evaluation) is not acted on: the run
+/// is complete by then.
 pub struct StopGuard {
     old: Vec<(libc::c_int, libc::sigaction)>,
 }
 
 impl StopGuard {
+    /// Installs the handler; a signal left over from an earlier run in this process is
+    /// forgotten.
     pub fn install() -> Self {
+        PENDING.store(0, Ordering::SeqCst);
         let mut old = Vec::new();
         for &sig in &CAUGHT {
             // SAFETY: sigaction with a zeroed struct whose handler only touches an atomic
