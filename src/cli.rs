@@ -7,6 +7,9 @@ use std::path::{Path, PathBuf};
 use clap::{Args, ValueEnum};
 
 use crate::backend::cpu::Cpu;
+use crate::backend::cuda::{self, Cuda};
+use crate::backend::Backend;
+use crate::comm::SingleComm;
 use crate::config::{self, RunConfig};
 use crate::model::weights;
 use crate::train::engine::{self, TrainOptions};
@@ -110,19 +113,24 @@ pub fn load_config(args: &ConfigArgs, weights_path: Option<&Path>, world_size: u
     }
     let mut cfg = config::resolve(&value, world_size)?;
     cfg.warnings.extend(notes);
-    cfg.warnings.extend(engine_warnings(&cfg));
     Ok(cfg)
 }
 
-/// Settings the configuration accepts but the engine does not honour yet (on the CPU backend,
-/// which is the only one these commands drive today): each becomes a warning, never a silent
-/// no-op.
-fn engine_warnings(cfg: &RunConfig) -> Vec<String> {
+/// Settings the configuration accepts but the chosen device does not honour (yet): each
+/// becomes a warning, never a silent no-op.
+fn engine_warnings(cfg: &RunConfig, device: &Device) -> Vec<String> {
     let mut w = Vec::new();
-    match cfg.precision {
-        config::Precision::Fp32 => {}
-        config::Precision::Bf16 => w.push("bf16.enabled: the CPU backend computes in f32; bf16 applies on GPUs".into()),
-        config::Precision::Fp16 { .. } => {
+    match (&cfg.precision, device) {
+        (config::Precision::Bf16, Device::Cuda(_)) => {}
+        (config::Precision::Fp32, Device::Cpu(_)) => {}
+        (config::Precision::Fp32, Device::Cuda(_)) => w.push(
+            "no bf16/fp16 block: the CUDA backend computes in bf16 with f32 master weights, optimizer state and gradient accumulation (f32 compute is CPU-only)".into(),
+        ),
+        (config::Precision::Fp16 { .. }, Device::Cuda(_)) => w.push(
+            "fp16.enabled: the CUDA backend computes in bf16 (no loss scaling needed); fp16 with dynamic loss scaling is not implemented".into(),
+        ),
+        (config::Precision::Bf16, Device::Cpu(_)) => w.push("bf16.enabled: the CPU backend computes in f32; bf16 applies on GPUs".into()),
+        (config::Precision::Fp16 { .. }, Device::Cpu(_)) => {
             w.push("fp16.enabled: the CPU backend computes in f32 (no loss scaling); fp16 applies on GPUs".into())
         }
     }
@@ -135,11 +143,29 @@ fn engine_warnings(cfg: &RunConfig) -> Vec<String> {
     w
 }
 
-/// Resolves `--device` to a backend and runs `f` with it.
-fn check_device(device: DeviceArg) -> anyhow::Result<()> {
-    match device {
-        DeviceArg::Cpu | DeviceArg::Auto => Ok(()),
-        DeviceArg::Cuda => anyhow::bail!("--device cuda: this build has no CUDA backend yet; use --device cpu"),
+/// The backend a command runs on.
+pub enum Device {
+    Cpu(Cpu),
+    Cuda(Cuda),
+}
+
+/// Resolves `--device`: `cuda` must find a usable GPU (the error says which library or driver
+/// call failed); `auto` takes the GPU of this process's local rank when there is one and
+/// otherwise says why it falls back to the CPU.
+pub fn open_device(arg: DeviceArg, local_rank: usize) -> anyhow::Result<Device> {
+    match arg {
+        DeviceArg::Cpu => Ok(Device::Cpu(Cpu::new())),
+        DeviceArg::Cuda => {
+            cuda::probe(local_rank).map_err(|e| anyhow::anyhow!("--device cuda: no usable GPU {local_rank}: {e}"))?;
+            Ok(Device::Cuda(Cuda::new(local_rank).map_err(|e| anyhow::anyhow!("--device cuda: GPU {local_rank}: {e}"))?))
+        }
+        DeviceArg::Auto => match cuda::probe(local_rank) {
+            Ok(_) => Ok(Device::Cuda(Cuda::new(local_rank).map_err(|e| anyhow::anyhow!("GPU {local_rank}: {e}"))?)),
+            Err(why) => {
+                eprintln!("notice: using the CPU (no usable GPU: {why})");
+                Ok(Device::Cpu(Cpu::new()))
+            }
+        },
     }
 }
 
@@ -161,11 +187,12 @@ fn default_run_dir(env: &crate::comm::DistEnv) -> PathBuf {
 }
 
 pub fn train_cmd(args: TrainArgs) -> anyhow::Result<()> {
-    check_device(args.common.device)?;
     // [dist] this process's place in the job (one process when no launcher variables are set);
     // the config resolves the DeepSpeed batch triple for that world size.
     let env = crate::comm::DistEnv::detect()?;
-    let cfg = load_config(&args.common, args.init.as_deref(), env.world_size)?;
+    let mut cfg = load_config(&args.common, args.init.as_deref(), env.world_size)?;
+    let device = open_device(args.common.device, env.local_rank)?;
+    cfg.warnings.extend(engine_warnings(&cfg, &device));
     if args.resume.as_deref() == Some("latest") && args.run_dir.is_none() {
         anyhow::bail!("--resume latest needs --run-dir: the run directory whose checkpoints/ to continue from");
     }
@@ -173,7 +200,6 @@ pub fn train_cmd(args: TrainArgs) -> anyhow::Result<()> {
     let hash = config_hash(&cfg)?;
     // [dist] collective timeout: train.comm_timeout_s, or VITSCALE_COMM_TIMEOUT when set.
     let comm_opts = crate::comm::CommOptions::from_config_and_env(cfg.train.comm_timeout_s)?;
-    let mut comm = crate::comm::init_cpu(&env, &comm_opts, &hash)?;
     let rank = env.rank;
     let opts = TrainOptions {
         // Rank 0 owns the run directory; the others log beside it.
@@ -187,8 +213,24 @@ pub fn train_cmd(args: TrainArgs) -> anyhow::Result<()> {
     };
     // [dist] SIGINT/SIGTERM from here on: finish the step on every rank, checkpoint it, exit
     // with 128 + signal (see train::stop and `exit_code`).
-    let _stop = cfg.train.checkpoint_on_signal.then(crate::train::stop::StopGuard::install);
-    let summary = engine::train_with(&Cpu::new(), &cfg, &opts, comm.as_mut())?;
+    let _stop_guard;
+    let summary = match &device {
+        Device::Cpu(be) => {
+            let mut comm = crate::comm::init_cpu(&env, &comm_opts, &hash)?;
+            _stop_guard = cfg.train.checkpoint_on_signal.then(crate::train::stop::StopGuard::install); // [dist]
+            engine::train_with(be, &cfg, &opts, comm.as_mut())?
+        }
+        Device::Cuda(be) => {
+            if env.world_size > 1 {
+                anyhow::bail!(
+                    "rank {rank}: data parallel across GPUs needs the NCCL communicator, which is not implemented yet (world size {}); use --device cpu for multi-process runs",
+                    env.world_size
+                );
+            }
+            _stop_guard = cfg.train.checkpoint_on_signal.then(crate::train::stop::StopGuard::install); // [dist]
+            engine::train_with(be, &cfg, &opts, &mut SingleComm::new())?
+        }
+    };
     if rank != 0 {
         return Ok(());
     }
@@ -208,6 +250,11 @@ pub fn exit_code(e: &anyhow::Error) -> i32 {
     e.downcast_ref::<engine::TrainError>().map_or(1, engine::TrainError::exit_code)
 }
 
+fn evaluate_weights<B: Backend>(be: &B, cfg: &RunConfig, weights: &Path, set: &crate::data::ImageSet) -> anyhow::Result<engine::EvalSummary> {
+    let mut vit = engine::build_model(be, cfg, Some(weights))?;
+    Ok(engine::evaluate(be, &mut vit, set, cfg, cfg.train.eval_batch_size)?)
+}
+
 /// [dist] Identifies the resolved configuration, so ranks started with different configs
 /// refuse to train together (rendezvous names the rank and both hashes).
 fn config_hash(cfg: &RunConfig) -> anyhow::Result<String> {
@@ -217,19 +264,21 @@ fn config_hash(cfg: &RunConfig) -> anyhow::Result<String> {
 }
 
 pub fn eval_cmd(args: EvalArgs) -> anyhow::Result<()> {
-    check_device(args.common.device)?;
-    let cfg = load_config(&args.common, Some(&args.weights), 1)?;
+    let mut cfg = load_config(&args.common, Some(&args.weights), 1)?;
+    let device = open_device(args.common.device, 0)?;
+    cfg.warnings.extend(engine_warnings(&cfg, &device));
     for w in &cfg.warnings {
         eprintln!("warning: {w}");
     }
-    let be = Cpu::new();
-    let mut vit = engine::build_model(&be, &cfg, Some(&args.weights))?;
     let sets = crate::data::open(&cfg.data, cfg.model.image_size, cfg.model.num_classes, cfg.train.seed)?;
     let set = match args.split {
         SplitArg::Train => &sets.train,
         SplitArg::Val => &sets.val,
     };
-    let ev = engine::evaluate(&be, &mut vit, set, &cfg, cfg.train.eval_batch_size)?;
+    let ev = match &device {
+        Device::Cpu(be) => evaluate_weights(be, &cfg, &args.weights, set)?,
+        Device::Cuda(be) => evaluate_weights(be, &cfg, &args.weights, set)?,
+    };
     eprintln!("eval: loss {:.6} top1 {:.4} on {} images", ev.loss, ev.top1, ev.images);
     if args.common.json {
         println!("{}", serde_json::to_string(&ev)?);

@@ -65,6 +65,13 @@ fn empty_config_gives_every_default() {
             num_workers: 0,
             train_size: 6000,
             val_size: 2000,
+            label: LabelKind::Fine,
+            skip_bad: false,
+            val_split: 0.1,
+            crop_pct: 0.875,
+            scale: [0.08, 1.0],
+            ratio: [0.75, 4.0 / 3.0],
+            prefetch: 2,
         }
     );
     assert_eq!(

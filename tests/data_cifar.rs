@@ -4,7 +4,7 @@
 use std::fs;
 use std::path::Path;
 
-use vitscale::config::{Augment, DataConfig, DatasetKind};
+use vitscale::config::{Augment, DataConfig, DatasetKind, LabelKind};
 use vitscale::data::{make_batch, open, DataError};
 
 fn cfg(dataset: DatasetKind, path: &Path) -> DataConfig {
@@ -18,6 +18,13 @@ fn cfg(dataset: DatasetKind, path: &Path) -> DataConfig {
         num_workers: 0,
         train_size: 0,
         val_size: 0,
+        label: LabelKind::Fine,
+        skip_bad: false,
+        val_split: DataConfig::DEFAULT_VAL_SPLIT,
+        crop_pct: DataConfig::DEFAULT_CROP_PCT,
+        scale: DataConfig::DEFAULT_SCALE,
+        ratio: DataConfig::DEFAULT_RATIO,
+        prefetch: DataConfig::DEFAULT_PREFETCH,
     }
 }
 
@@ -152,4 +159,21 @@ fn unreadable_path_is_an_error() {
     write(&dir.path().join("data_batch_1.bin"), &[record(&[1], 0)]);
     let e = open(&cfg(DatasetKind::Cifar10, dir.path()), 32, 10, 0).unwrap_err();
     assert!(e.to_string().contains("test_batch.bin"), "{e}");
+}
+
+#[test]
+fn skip_bad_drops_bad_records_and_counts_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut recs = vec![record(&[1], 0), record(&[12], 1), record(&[2], 2), record(&[3], 3)];
+    recs[3].truncate(100);
+    write(&dir.path().join("data_batch_1.bin"), &recs);
+    write(&dir.path().join("test_batch.bin"), &[record(&[2], 1)]);
+    let mut c = cfg(DatasetKind::Cifar10, dir.path());
+    assert!(open(&c, 32, 10, 0).is_err());
+    c.skip_bad = true;
+    let d = open(&c, 32, 10, 0).unwrap();
+    assert_eq!(d.train.labels, vec![1, 2]);
+    assert_eq!(d.train.image(1)[0], pixel(2, 0, 0, 0));
+    assert_eq!(d.train.skipped.load(std::sync::atomic::Ordering::Relaxed), 2);
+    assert!(d.description.contains("2 bad record(s) skipped"), "{}", d.description);
 }

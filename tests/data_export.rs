@@ -2,7 +2,7 @@
 //! learnability experiment in `reference/` (run with
 //! `VITSCALE_EXPORT=dir cargo test --test data_export -- --ignored`).
 
-use vitscale::config::{Augment, DataConfig, DatasetKind};
+use vitscale::config::{Augment, DataConfig, DatasetKind, LabelKind};
 
 #[test]
 #[ignore]
@@ -19,6 +19,13 @@ fn export_builtin() {
         num_workers: 0,
         train_size: 10_000,
         val_size: 2_000,
+        label: LabelKind::Fine,
+        skip_bad: false,
+        val_split: DataConfig::DEFAULT_VAL_SPLIT,
+        crop_pct: DataConfig::DEFAULT_CROP_PCT,
+        scale: DataConfig::DEFAULT_SCALE,
+        ratio: DataConfig::DEFAULT_RATIO,
+        prefetch: DataConfig::DEFAULT_PREFETCH,
     };
     let d = vitscale::data::open(&cfg, side, 10, 0).expect("open builtin");
     std::fs::create_dir_all(&dir).expect("create export dir");
@@ -26,5 +33,20 @@ fn export_builtin() {
         std::fs::write(format!("{dir}/{name}_images_{side}.u8"), &set.images).expect("write images");
         let labels: Vec<u8> = set.labels.iter().map(|&l| l as u8).collect();
         std::fs::write(format!("{dir}/{name}_labels_{side}.u8"), labels).expect("write labels");
+    }
+}
+
+/// Writes the built-in dataset as a PNG folder tree (`VITSCALE_EXPORT_FOLDER=dir`), for trying
+/// `data.dataset=folder` end to end.
+#[test]
+#[ignore]
+fn export_builtin_folder() {
+    let Ok(dir) = std::env::var("VITSCALE_EXPORT_FOLDER") else { return };
+    let set = vitscale::data::builtin::generate(3000, 16, 0, 1);
+    for i in 0..set.len() {
+        let name = vitscale::data::builtin::CLASS_NAMES[set.labels[i] as usize];
+        let p = std::path::Path::new(&dir).join(name).join(format!("{i:05}.png"));
+        std::fs::create_dir_all(p.parent().expect("parent")).expect("mkdir");
+        image::RgbImage::from_raw(16, 16, set.image(i).to_vec()).expect("16x16").save(&p).expect("save png");
     }
 }

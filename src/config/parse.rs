@@ -807,6 +807,8 @@ fn train_len(data: &DataConfig) -> usize {
     match data.dataset {
         DatasetKind::Builtin | DatasetKind::Synthetic => data.train_size,
         DatasetKind::Cifar10 | DatasetKind::Cifar100 => 50_000,
+        // Not known before listing the folder (`data::folder::count_train`).
+        DatasetKind::Folder => 0,
     }
 }
 
@@ -1155,6 +1157,7 @@ fn parse_model(sec: Option<&Map<String, Value>>, dataset: DatasetKind, cx: &mut 
         None => match dataset {
             DatasetKind::Cifar10 | DatasetKind::Cifar100 => "vit_tiny_patch4_32",
             DatasetKind::Builtin | DatasetKind::Synthetic => crate::model::spec::DEFAULT_PRESET,
+            DatasetKind::Folder => "vit_tiny_patch16_224",
         },
     };
     let mut m = ModelConfig::preset(preset_name)
@@ -1203,16 +1206,17 @@ fn parse_data(sec: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<DataConfi
         "synthetic" => DatasetKind::Synthetic,
         "cifar10" => DatasetKind::Cifar10,
         "cifar100" => DatasetKind::Cifar100,
+        "folder" => DatasetKind::Folder,
         _ => DatasetKind::Builtin,
     };
-    let is_cifar = matches!(dataset, DatasetKind::Cifar10 | DatasetKind::Cifar100);
+    let is_cifar = matches!(dataset, DatasetKind::Cifar10 | DatasetKind::Cifar100 | DatasetKind::Folder);
     let path = opt_str(sec, p, &D_PATH, cx)?.map(std::path::PathBuf::from);
     match (&path, is_cifar) {
         (None, true) => {
             return Err(key_err("data.path", format!("is required for data.dataset \"{}\" (the directory holding the dataset)", dataset.as_str())))
         }
         (Some(_), false) => {
-            return Err(key_err("data.path", format!("is only used by cifar10/cifar100; data.dataset \"{}\" reads no files", dataset.as_str())))
+            return Err(key_err("data.path", format!("is only used by cifar10/cifar100/folder; data.dataset \"{}\" reads no files", dataset.as_str())))
         }
         _ => {}
     }
@@ -1220,6 +1224,8 @@ fn parse_data(sec: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<DataConfi
         DatasetKind::Builtin | DatasetKind::Synthetic => ([0.5; 3], [0.5; 3]),
         DatasetKind::Cifar10 => ([0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616]),
         DatasetKind::Cifar100 => ([0.5071, 0.4865, 0.4409], [0.2673, 0.2564, 0.2762]),
+        // timm's IMAGENET_DEFAULT_MEAN / _STD.
+        DatasetKind::Folder => ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
     };
     let to3 = |v: Vec<f64>| [v[0] as f32, v[1] as f32, v[2] as f32];
     let mean = opt_nums(sec, p, &D_MEAN, cx)?.map(to3).unwrap_or(dmean);
@@ -1242,7 +1248,25 @@ fn parse_data(sec: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<DataConfi
     }
     let train_size = get_int(sec, p, &D_TRAIN_SIZE, cx)? as usize;
     let val_size = get_int(sec, p, &D_VAL_SIZE, cx)? as usize;
-    Ok(DataConfig { dataset, path, mean, std, augment, shuffle, num_workers, train_size, val_size })
+    // Part-2 data options: defaults until their keys are added to DATA_KEYS.
+    Ok(DataConfig {
+        dataset,
+        path,
+        mean,
+        std,
+        augment,
+        shuffle,
+        num_workers,
+        train_size,
+        val_size,
+        label: LabelKind::Fine,
+        skip_bad: false,
+        val_split: DataConfig::DEFAULT_VAL_SPLIT,
+        crop_pct: DataConfig::DEFAULT_CROP_PCT,
+        scale: DataConfig::DEFAULT_SCALE,
+        ratio: DataConfig::DEFAULT_RATIO,
+        prefetch: DataConfig::DEFAULT_PREFETCH,
+    })
 }
 
 // -- train --

@@ -114,26 +114,40 @@ pub enum DatasetKind {
     Synthetic,
     Cifar10,
     Cifar100,
+    /// An image folder: `path/<class>/*.jpg|png` (or `path/train/<class>/…` + `path/val/<class>/…`).
+    Folder,
 }
 
 impl DatasetKind {
-    pub const NAMES: &'static [&'static str] = &["builtin", "synthetic", "cifar10", "cifar100"];
+    pub const NAMES: &'static [&'static str] = &["builtin", "synthetic", "cifar10", "cifar100", "folder"];
     pub fn as_str(self) -> &'static str {
         match self {
             DatasetKind::Builtin => "builtin",
             DatasetKind::Synthetic => "synthetic",
             DatasetKind::Cifar10 => "cifar10",
             DatasetKind::Cifar100 => "cifar100",
+            DatasetKind::Folder => "folder",
         }
     }
-    /// Classes in the dataset (synthetic: taken from the model).
+    /// Classes in the dataset (synthetic: taken from the model; folder: one per subfolder,
+    /// known once listed; CIFAR-100 with `data.label=coarse`: see [`DataConfig::num_classes`]).
     pub fn num_classes(self) -> Option<usize> {
         match self {
             DatasetKind::Builtin | DatasetKind::Cifar10 => Some(10),
             DatasetKind::Cifar100 => Some(100),
-            DatasetKind::Synthetic => None,
+            DatasetKind::Synthetic | DatasetKind::Folder => None,
         }
     }
+}
+
+/// `data.label`: which CIFAR-100 label to train on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LabelKind {
+    /// The 100 fine classes (the usual CIFAR-100 task; the only label CIFAR-10 has).
+    Fine,
+    /// The 20 coarse superclasses (CIFAR-100 only).
+    Coarse,
 }
 
 /// `data.augment`.
@@ -163,6 +177,39 @@ pub struct DataConfig {
     pub train_size: usize,
     /// Images in the built-in / synthetic validation split.
     pub val_size: usize,
+    /// `data.label` (default `fine`; `coarse` only with cifar100).
+    pub label: LabelKind,
+    /// `data.skip_bad` (default false): an image file that cannot be read or decoded is replaced
+    /// by the next good image of the split (and counted) instead of stopping the run.
+    pub skip_bad: bool,
+    /// `data.val_split` (default 0.1, in [0, 1)): for a folder with no `train/`+`val/`
+    /// subfolders, the fraction of each class held out (seeded) as the validation split.
+    pub val_split: f64,
+    /// `data.crop_pct` (default 0.875, in (0, 1]): eval resizes the shorter side to
+    /// `image_size / crop_pct` and center-crops `image_size` (timm's `crop_pct`).
+    pub crop_pct: f64,
+    /// `data.scale` (default [0.08, 1.0], 0 < lo ≤ hi ≤ 1): RandomResizedCrop area range.
+    pub scale: [f64; 2],
+    /// `data.ratio` (default [0.75, 1.3333], 0 < lo ≤ hi): RandomResizedCrop aspect range.
+    pub ratio: [f64; 2],
+    /// `data.prefetch` (default 2, ≥ 1): batches the loader prepares ahead of the training step.
+    pub prefetch: usize,
+}
+
+impl DataConfig {
+    pub const DEFAULT_VAL_SPLIT: f64 = 0.1;
+    pub const DEFAULT_CROP_PCT: f64 = 0.875;
+    pub const DEFAULT_SCALE: [f64; 2] = [0.08, 1.0];
+    pub const DEFAULT_RATIO: [f64; 2] = [3.0 / 4.0, 4.0 / 3.0];
+    pub const DEFAULT_PREFETCH: usize = 2;
+
+    /// Classes the labels range over, when known without reading files (CIFAR-100 coarse: 20).
+    pub fn num_classes(&self) -> Option<usize> {
+        match (self.dataset, self.label) {
+            (DatasetKind::Cifar100, LabelKind::Coarse) => Some(20),
+            (d, _) => d.num_classes(),
+        }
+    }
 }
 
 /// `train.weight_decay_skip`: kinds of parameters that get no weight decay.

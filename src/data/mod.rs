@@ -1,32 +1,48 @@
 //! Datasets and batches: what the training loop feeds the model.
 //!
-//! - [`open`] turns the `data` section into a train and a val [`ImageSet`] held in memory as
-//!   HWC u8 (the built-in and synthetic sets are generated; CIFAR is read from disk).
+//! - [`open`] turns the `data` section into a train and a val [`ImageSet`]: in memory as HWC u8
+//!   (built-in and synthetic sets are generated; CIFAR is read from any of its distributed
+//!   forms) or, for image folders, as a file list decoded per batch.
 //! - [`Sampler`] plans which dataset indices form each *global* batch, independent of the world
 //!   size; [`shard`] cuts out one rank's micro-batch.
-//! - [`make_batch`] decodes, augments and normalizes the chosen images in parallel into the
-//!   model's (B, 3, S, S) f32 input. Augmentation randomness is keyed by (seed, epoch, dataset
-//!   index) only, so an image looks the same whichever rank or micro-batch it lands in: N ranks
-//!   see exactly the images 1 rank would.
+//! - [`try_make_batch`] decodes, augments and normalizes the chosen images in parallel into the
+//!   model's (B, 3, S, S) f32 input; [`Loader`] does it ahead of the training step on its own
+//!   threads. Augmentation randomness is keyed by (seed, epoch, dataset index) only, so an image
+//!   looks the same whichever rank or micro-batch it lands in: N ranks see exactly the images
+//!   1 rank would.
+//!
+//! Transforms (timm/torchvision semantics, `data.augment=default`, training batches):
+//! stored side == model side (CIFAR at 32, built-in) → CIFAR: pad-4 random crop + flip,
+//! built-in: flip; otherwise (folders, CIFAR at 224) → RandomResizedCrop(`data.scale`,
+//! `data.ratio`) + flip. Evaluation (or `augment=none`): as stored, or resize the shorter side to
+//! `side / data.crop_pct` and center-crop.
 
 pub mod augment;
+pub mod bench;
 pub mod builtin;
 pub mod cifar;
+pub mod folder;
+pub mod loader;
+pub mod pickle;
+pub mod resize;
 pub mod rng;
 pub mod sampler;
 pub mod synthetic;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::config::{Augment, DataConfig, DatasetKind};
+use crate::config::{Augment, DataConfig, DatasetKind, LabelKind};
 
 pub use augment::{Normalizer, Policy};
+pub use loader::{Loader, LoaderPlan, Prepared};
 pub use sampler::{shard, EpochPlan, Sampler};
 
-/// Errors from opening a dataset. Each names the key, file and byte offset involved.
+/// Errors from opening a dataset or building a batch. Each names the key, file and byte offset
+/// involved.
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
     #[error("data.path is required for data.dataset={dataset}")]
@@ -42,11 +58,12 @@ pub enum DataError {
     Truncated { path: PathBuf, offset: u64, file_len: u64, record_len: usize },
     #[error("{}: label {label} at byte offset {offset} is out of range (dataset has {num_classes} classes)", .path.display())]
     LabelOutOfRange { path: PathBuf, offset: u64, label: usize, num_classes: usize },
-    #[error(
-        "data.dataset={dataset} stores {stored}x{stored} px images but model.image_size is {requested}; \
-         resizing is not supported for this dataset (set model.image_size={stored})"
-    )]
-    SizeMismatch { dataset: &'static str, stored: usize, requested: usize },
+    /// A file whose content is not what its name promises (a pickle without `data`, …).
+    #[error("{}: {msg}", .path.display())]
+    Format { path: PathBuf, msg: String },
+    /// An image file that could not be decoded (see `data.skip_bad`).
+    #[error("{}: cannot decode image: {msg} (set data.skip_bad=true to skip such files)", .path.display())]
+    Decode { path: PathBuf, msg: String },
     #[error(
         "data.dataset={dataset} has {dataset_classes} classes but model.num_classes is {model_classes} \
          (set model.num_classes={dataset_classes})"
@@ -54,21 +71,67 @@ pub enum DataError {
     ClassMismatch { dataset: &'static str, dataset_classes: usize, model_classes: usize },
     #[error("{key}: {msg}")]
     Invalid { key: &'static str, msg: String },
+    #[error("data.skip_bad: no readable image found in {tried} tries starting at {}", .first.display())]
+    NothingReadable { first: PathBuf, tried: usize },
 }
 
-/// One split in memory: `len` images of (S, S, 3) HWC u8, row-major, and their labels.
-#[derive(Clone, Debug, PartialEq)]
+/// One split: `len` images and their labels, either decoded in memory or as files decoded per
+/// batch.
+#[derive(Debug)]
 pub struct ImageSet {
-    /// (len, S, S, 3) HWC u8.
+    /// In-memory sets: (len, S, S, 3) HWC u8. Empty for file-backed sets.
     pub images: Vec<u8>,
     /// (len,) class index per image, each `< num_classes`.
     pub labels: Vec<u16>,
-    /// S: image side in pixels.
+    /// S: stored image side in pixels (in-memory sets; 0 for file-backed sets).
     pub side: usize,
     pub num_classes: usize,
+    /// File-backed sets: one image file per label. Empty for in-memory sets.
+    pub files: Vec<PathBuf>,
+    /// Side of the batches made from this set (`model.image_size`); equal to `side` unless the
+    /// images are resampled.
+    pub batch_side: usize,
+    /// Files replaced by a neighbour because they could not be decoded (`data.skip_bad`).
+    pub skipped: AtomicUsize,
+}
+
+impl Clone for ImageSet {
+    fn clone(&self) -> Self {
+        ImageSet {
+            images: self.images.clone(),
+            labels: self.labels.clone(),
+            side: self.side,
+            num_classes: self.num_classes,
+            files: self.files.clone(),
+            batch_side: self.batch_side,
+            skipped: AtomicUsize::new(self.skipped.load(Ordering::Relaxed)),
+        }
+    }
+}
+
+impl PartialEq for ImageSet {
+    /// Same content (the skip counter is bookkeeping, not content).
+    fn eq(&self, o: &Self) -> bool {
+        self.images == o.images
+            && self.labels == o.labels
+            && self.side == o.side
+            && self.num_classes == o.num_classes
+            && self.files == o.files
+            && self.batch_side == o.batch_side
+    }
 }
 
 impl ImageSet {
+    /// An in-memory set of (len, side, side, 3) HWC images, batched at `side`.
+    pub fn in_memory(images: Vec<u8>, labels: Vec<u16>, side: usize, num_classes: usize) -> Self {
+        ImageSet { images, labels, side, num_classes, files: Vec::new(), batch_side: side, skipped: AtomicUsize::new(0) }
+    }
+
+    /// A file-backed set batched at `batch_side`.
+    pub fn from_files(files: Vec<PathBuf>, labels: Vec<u16>, batch_side: usize, num_classes: usize) -> Self {
+        ImageSet { images: Vec::new(), labels, side: 0, num_classes, files, batch_side, skipped: AtomicUsize::new(0) }
+    }
+
     pub fn len(&self) -> usize {
         self.labels.len()
     }
@@ -77,12 +140,16 @@ impl ImageSet {
         self.labels.is_empty()
     }
 
-    /// Bytes of one image (S·S·3).
+    pub fn is_file_backed(&self) -> bool {
+        !self.files.is_empty()
+    }
+
+    /// Bytes of one stored image (S·S·3; in-memory sets).
     pub fn image_len(&self) -> usize {
         self.side * self.side * 3
     }
 
-    /// Image `i` as (S, S, 3) HWC u8.
+    /// Image `i` as (S, S, 3) HWC u8 (in-memory sets).
     pub fn image(&self, i: usize) -> &[u8] {
         let n = self.image_len();
         &self.images[i * n..(i + 1) * n]
@@ -127,17 +194,25 @@ impl Batch {
     }
 }
 
+fn check_classes(name: &'static str, dataset_classes: usize, model_classes: usize) -> Result<(), DataError> {
+    if dataset_classes != model_classes {
+        return Err(DataError::ClassMismatch { dataset: name, dataset_classes, model_classes });
+    }
+    Ok(())
+}
+
 /// Opens the dataset `cfg` describes, for a model of `image_size` px and `num_classes` classes.
-/// `seed` (the run seed) makes the generated datasets deterministic.
+/// `seed` (the run seed) makes the generated datasets and the folder split deterministic.
 pub fn open(cfg: &DataConfig, image_size: usize, num_classes: usize, seed: u64) -> Result<Datasets, DataError> {
     use rng::stream;
     let name = cfg.dataset.as_str();
-    if let Some(k) = cfg.dataset.num_classes() {
-        if k != num_classes {
-            return Err(DataError::ClassMismatch { dataset: name, dataset_classes: k, model_classes: num_classes });
-        }
+    if let Some(k) = cfg.num_classes() {
+        check_classes(name, k, num_classes)?;
     }
-    let (train, val, description) = match cfg.dataset {
+    if cfg.label == LabelKind::Coarse && cfg.dataset != DatasetKind::Cifar100 {
+        return Err(DataError::Invalid { key: "data.label", msg: format!("coarse labels exist only in cifar100, not {name}") });
+    }
+    let (mut train, mut val, description) = match cfg.dataset {
         DatasetKind::Builtin | DatasetKind::Synthetic => {
             for (key, n) in [("data.train_size", cfg.train_size), ("data.val_size", cfg.val_size)] {
                 if n == 0 {
@@ -179,26 +254,48 @@ pub fn open(cfg: &DataConfig, image_size: usize, num_classes: usize, seed: u64) 
         DatasetKind::Cifar10 | DatasetKind::Cifar100 => {
             let v = if cfg.dataset == DatasetKind::Cifar10 { cifar::Variant::Cifar10 } else { cifar::Variant::Cifar100 };
             let path = cfg.path.as_ref().ok_or(DataError::MissingPath { dataset: name })?;
-            if image_size != cifar::SIDE {
-                return Err(DataError::SizeMismatch { dataset: name, stored: cifar::SIDE, requested: image_size });
-            }
-            let l = cifar::load(path, v)?;
+            let l = cifar::load(path, v, cfg.label, cfg.skip_bad)?;
+            let skipped = l.train.skipped.load(Ordering::Relaxed) + l.val.skipped.load(Ordering::Relaxed);
+            let skipped = if skipped > 0 { format!(", {skipped} bad record(s) skipped (data.skip_bad)") } else { String::new() };
+            let resized = if image_size == cifar::SIDE { String::new() } else { format!(", resampled to {image_size} px") };
             let d = format!(
-                "{name} (binary, {}): {} train from {} file(s) / {} val, {} px, {} classes",
-                l.dir.display(),
+                "{name} ({}, {}): {} train from {} file(s) / {} val, {} px{resized}, {} classes ({} labels){skipped}",
+                l.form.name(),
+                l.source.display(),
                 l.train.len(),
                 l.train_files.len(),
                 l.val.len(),
                 cifar::SIDE,
-                v.num_classes()
+                v.num_classes(cfg.label),
+                if cfg.label == LabelKind::Coarse { "coarse" } else { "fine" }
+            );
+            (l.train, l.val, d)
+        }
+        DatasetKind::Folder => {
+            let path = cfg.path.as_ref().ok_or(DataError::MissingPath { dataset: name })?;
+            let l = folder::load(path, image_size, cfg.val_split, seed)?;
+            check_classes(name, l.classes.len(), num_classes)?;
+            let d = format!(
+                "folder ({}): {} train / {} val, decoded per batch at {image_size} px, {} classes ({}{})",
+                l.layout,
+                l.train.len(),
+                l.val.len(),
+                l.classes.len(),
+                l.classes.iter().take(3).cloned().collect::<Vec<_>>().join(", "),
+                if l.classes.len() > 3 { ", …" } else { "" }
             );
             (l.train, l.val, d)
         }
     };
-    Ok(Datasets { num_classes: train.num_classes, train: Arc::new(train), val: Arc::new(val), description })
+    // In-memory sets of another size are resampled per batch (CIFAR fine-tuning at 224 px).
+    train.batch_side = image_size;
+    val.batch_side = image_size;
+    let num_classes = train.num_classes;
+    Ok(Datasets { num_classes, train: Arc::new(train), val: Arc::new(val), description })
 }
 
-/// The augmentation `cfg` asks for on `dataset` for a training (`train`) or eval batch.
+/// The augmentation `cfg` asks for on a same-size in-memory set for a training (`train`) or
+/// eval batch. (Sets batched at another size use RandomResizedCrop / center crop instead.)
 pub fn policy(cfg: &DataConfig, train: bool) -> Policy {
     if !train || cfg.augment == Augment::None {
         return Policy::None;
@@ -207,33 +304,111 @@ pub fn policy(cfg: &DataConfig, train: bool) -> Policy {
         // timm/torchvision CIFAR recipe: RandomCrop(32, padding=4) + RandomHorizontalFlip.
         DatasetKind::Cifar10 | DatasetKind::Cifar100 => Policy::CropFlip { pad: 4 },
         // Every built-in shape is mirror-symmetric; a crop could cut the shape off.
-        DatasetKind::Builtin => Policy::Flip,
+        DatasetKind::Builtin | DatasetKind::Folder => Policy::Flip,
         DatasetKind::Synthetic => Policy::None,
     }
 }
 
-/// Builds the batch of dataset `indices`: each image is augmented (when `train`) and normalized
-/// in parallel. Deterministic in (seed, epoch, indices); independent of thread count and of how
-/// the global batch was split.
+/// Builds the batch of dataset `indices` from an in-memory set (the sets of every dataset but
+/// `folder`). Kept infallible for the training loop of in-memory datasets; for file-backed sets
+/// use [`try_make_batch`] or a [`Loader`], which report unreadable files as errors.
 pub fn make_batch(set: &ImageSet, indices: &[usize], cfg: &DataConfig, train: bool, epoch: u64, seed: u64) -> Batch {
     let mut batch = Batch::default();
-    fill_batch(&mut batch, set, indices, cfg, train, epoch, seed);
+    if let Err(e) = fill_batch(&mut batch, set, indices, cfg, train, epoch, seed) {
+        // Only file-backed sets can fail; reaching this is a caller bug, said plainly.
+        panic!("make_batch on a file-backed set failed ({e}); use try_make_batch or Loader for data.dataset=folder");
+    }
     batch
 }
 
-/// [`make_batch`] into an existing batch, reusing its buffers.
-pub fn fill_batch(batch: &mut Batch, set: &ImageSet, indices: &[usize], cfg: &DataConfig, train: bool, epoch: u64, seed: u64) {
-    let norm = Normalizer::new(cfg.mean, cfg.std);
-    let policy = policy(cfg, train);
-    let side = set.side;
-    let per = set.image_len();
+/// Builds the batch of dataset `indices`: each image is decoded (file-backed sets), augmented
+/// (when `train`) and normalized, in parallel on the current rayon pool. Deterministic in
+/// (seed, epoch, indices); independent of thread count and of how the global batch was split.
+pub fn try_make_batch(set: &ImageSet, indices: &[usize], cfg: &DataConfig, train: bool, epoch: u64, seed: u64) -> Result<Batch, DataError> {
+    let mut batch = Batch::default();
+    fill_batch(&mut batch, set, indices, cfg, train, epoch, seed)?;
+    Ok(batch)
+}
+
+/// [`try_make_batch`] into an existing batch, reusing its buffers.
+#[allow(clippy::too_many_arguments)]
+pub fn fill_batch(batch: &mut Batch, set: &ImageSet, indices: &[usize], cfg: &DataConfig, train: bool, epoch: u64, seed: u64) -> Result<(), DataError> {
+    let side = set.batch_side;
+    let per = 3 * side * side;
     batch.images.resize(indices.len() * per, 0.0);
     batch.labels.clear();
-    batch.labels.extend(indices.iter().map(|&i| set.labels[i] as u32));
-    batch.images.par_chunks_mut(per.max(1)).zip(indices.par_iter()).for_each(|(out, &i)| {
-        let d = policy.draw(seed, epoch, i);
-        augment::transform(set.image(i), side, policy.pad(), d, &norm, out);
-    });
+    batch.labels.resize(indices.len(), 0);
+    let augment = train && cfg.augment == Augment::Default;
+    if !set.is_file_backed() && set.side == side {
+        // Same size: pad-crop / flip / identity through a lookup table.
+        let norm = Normalizer::new(cfg.mean, cfg.std);
+        let policy = policy(cfg, train);
+        batch.images.par_chunks_mut(per.max(1)).zip(batch.labels.par_iter_mut()).zip(indices.par_iter()).for_each(|((out, label), &i)| {
+            let d = policy.draw(seed, epoch, i);
+            augment::transform(set.image(i), side, policy.pad(), d, &norm, out);
+            *label = set.labels[i] as u32;
+        });
+        return Ok(());
+    }
+    batch.images.par_chunks_mut(per.max(1)).zip(batch.labels.par_iter_mut()).zip(indices.par_iter()).try_for_each(|((out, label), &i)| {
+        let (j, img) = source_image(set, i, cfg.skip_bad)?;
+        let (w, h, px) = match &img {
+            Source::Memory(px) => (set.side, set.side, *px),
+            Source::Decoded(im) => (im.width() as usize, im.height() as usize, im.as_raw().as_slice()),
+        };
+        // Randomness is keyed by the index asked for, not the replacement, so skipping a bad
+        // file does not shift the augmentation of any other image.
+        let (region, flip) = if augment {
+            resize::draw_rrc(seed, epoch, i, w, h, cfg.scale, cfg.ratio)
+        } else {
+            (resize::center_crop(w, h, side, cfg.crop_pct), false)
+        };
+        resize::resample(px, w, h, region, side, flip, cfg.mean, cfg.std, out);
+        *label = set.labels[j] as u32;
+        Ok(())
+    })
+}
+
+enum Source<'a> {
+    Memory(&'a [u8]),
+    Decoded(image::RgbImage),
+}
+
+/// Decodes one image file to RGB8.
+pub fn decode(path: &Path) -> Result<image::RgbImage, DataError> {
+    let bytes = std::fs::read(path).map_err(|source| DataError::Io { path: path.to_path_buf(), source })?;
+    let img = image::load_from_memory(&bytes).map_err(|e| DataError::Decode { path: path.to_path_buf(), msg: e.to_string() })?;
+    Ok(img.into_rgb8())
+}
+
+/// Image `i` of `set` (or, with `skip_bad`, the next readable one after it), with the index it
+/// came from.
+fn source_image(set: &ImageSet, i: usize, skip_bad: bool) -> Result<(usize, Source<'_>), DataError> {
+    if !set.is_file_backed() {
+        return Ok((i, Source::Memory(set.image(i))));
+    }
+    // Bounded so a folder of unreadable files fails instead of spinning.
+    const TRIES: usize = 64;
+    let mut first_err = None;
+    for k in 0..TRIES.min(set.len()) {
+        let j = (i + k) % set.len();
+        match decode(&set.files[j]) {
+            Ok(img) => {
+                if k > 0 {
+                    set.skipped.fetch_add(k, Ordering::Relaxed);
+                }
+                return Ok((j, Source::Decoded(img)));
+            }
+            Err(e) if skip_bad => {
+                first_err.get_or_insert(e);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    match first_err {
+        Some(_) => Err(DataError::NothingReadable { first: set.files[i].clone(), tried: TRIES.min(set.len()) }),
+        None => Err(DataError::Invalid { key: "data", msg: "empty file-backed set".into() }),
+    }
 }
 
 #[cfg(test)]
@@ -251,6 +426,13 @@ mod tests {
             num_workers: 0,
             train_size: 500,
             val_size: 100,
+            label: LabelKind::Fine,
+            skip_bad: false,
+            val_split: DataConfig::DEFAULT_VAL_SPLIT,
+            crop_pct: DataConfig::DEFAULT_CROP_PCT,
+            scale: DataConfig::DEFAULT_SCALE,
+            ratio: DataConfig::DEFAULT_RATIO,
+            prefetch: DataConfig::DEFAULT_PREFETCH,
         }
     }
 
@@ -356,7 +538,7 @@ mod tests {
     }
 
     #[test]
-    fn class_and_size_mismatches_are_errors() {
+    fn class_mismatch_and_missing_path_are_errors() {
         let c = cfg(DatasetKind::Builtin);
         let e = open(&c, 16, 1000, 0).unwrap_err();
         assert!(e.to_string().contains("model.num_classes=10"), "{e}");
@@ -364,7 +546,14 @@ mod tests {
         let e = open(&c10, 32, 10, 0).unwrap_err();
         assert!(matches!(e, DataError::MissingPath { .. }), "{e}");
         c10.path = Some(PathBuf::from("/nonexistent"));
-        let e = open(&c10, 16, 10, 0).unwrap_err();
-        assert!(e.to_string().contains("model.image_size=32"), "{e}");
+        let e = open(&c10, 32, 10, 0).unwrap_err();
+        assert!(e.to_string().contains("/nonexistent"), "{e}");
+        let mut c100 = cfg(DatasetKind::Cifar100);
+        c100.label = LabelKind::Coarse;
+        let e = open(&c100, 32, 100, 0).unwrap_err();
+        assert!(e.to_string().contains("model.num_classes=20"), "{e}");
+        let mut bad = cfg(DatasetKind::Cifar10);
+        bad.label = LabelKind::Coarse;
+        assert!(open(&bad, 32, 10, 0).unwrap_err().to_string().contains("data.label"));
     }
 }

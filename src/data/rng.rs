@@ -27,8 +27,8 @@ pub fn hash(parts: &[u64]) -> u64 {
 
 /// Stream tags, so that e.g. the train split and the val split never share randomness.
 pub mod stream {
-    pub const TRAIN: u64 = 0x7472_6169_6e;
-    pub const VAL: u64 = 0x0076_616c;
+    pub const TRAIN: u64 = 0x74_7261_696e;
+    pub const VAL: u64 = 0x76_616c;
     pub const SHUFFLE: u64 = 0x7368_7566;
     pub const AUGMENT: u64 = 0x6175_676d;
     pub const LABELS: u64 = 0x6c61_6265;

@@ -19,5 +19,5 @@ pub fn generate(n: usize, side: usize, num_classes: usize, seed: u64, stream: u6
     });
     let mut rng = SplitMix::new(hash(&[seed, stream, tag::LABELS]));
     let labels = (0..n).map(|_| rng.below(num_classes as u64) as u16).collect();
-    ImageSet { images, labels, side, num_classes }
+    ImageSet::in_memory(images, labels, side, num_classes)
 }

@@ -235,7 +235,6 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     }
     let k = cfg.model.num_classes;
     let (micro, gas) = (cfg.batch.micro_batch_per_gpu, cfg.batch.gradient_accumulation_steps);
-    let flops_per_image = cfg.model.train_flops_per_image();
 
     if !opts.quiet {
         eprintln!(
@@ -348,6 +347,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
                 grad_norm,
                 images_per_s: ips,
                 images_per_s_per_rank: ips / world as f64,
+                // MFU needs the device's measured matrix ceiling: `vitscale bench` reports it.
                 mfu: None,
                 phases,
                 wall_s: t_start.elapsed().as_secs_f64(),
@@ -359,7 +359,6 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
                 None if !opts.quiet => eprintln!("step {}/{total_steps} {msg}", step + 1),
                 None => {}
             }
-            let _ = flops_per_image; // MFU needs a device ceiling: reported by `vitscale bench`
             phases = PhaseTimes::default();
             (window_loss, window_steps, window_start) = (0.0, 0, Instant::now());
         }

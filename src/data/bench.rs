@@ -1,0 +1,166 @@
+//! Loader throughput, for `vitscale bench data` and `cargo bench --bench data`: images per
+//! second (and per core) for the two pipelines that matter —
+//! CIFAR-style 32-px random crop + flip from memory, and 224-px RandomResizedCrop + flip from
+//! JPEG files (decode included) — at 1 thread and at every core.
+//!
+//! Inputs are generated (no dataset download): 32-px random images for the CIFAR path, and
+//! 500×375 JPEGs (ImageNet's typical size and quality 90, smooth content plus noise so the
+//! entropy decoder has real work) written to a temporary folder for the JPEG path, or the JPEGs
+//! of a given folder.
+//!
+//! Measured 2026-11-30 on the H200 host (16 cores), same run as `shared/peers` torchvision +
+//! DataLoader on the same files (peer JPEGs: 500×375, q90, smooth), images/s:
+//!
+//! | pipeline | vitscale 1 thread | peer 1 worker | vitscale 16 | peer 16 |
+//! |---|---|---|---|---|
+//! | CIFAR 32 px crop+flip (memory) | 262 544 | 3 448 | 2 124 065 | 67 464 |
+//! | 224 px JPEG RRC+flip (peer files) | 649 | 228 | 5 513 | 3 693 |
+//! | 224 px JPEG RRC+flip (noisy generated) | 348 | – | 3 384 | – |
+//!
+//! (JPEG batches of 32 images in that run; one 224-px image costs ≈ 1.8 ms of JPEG decode and
+//! 0.64 ms of resampling on one core of the 2-core CPU machine.)
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use super::rng::{hash, SplitMix};
+use super::{fill_batch, synthetic, Batch, DataError, ImageSet};
+use crate::config::{Augment, DataConfig, DatasetKind, LabelKind};
+
+/// One measured point.
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchPoint {
+    pub pipeline: String,
+    pub threads: usize,
+    pub images: usize,
+    pub seconds: f64,
+    pub images_per_s: f64,
+    pub images_per_s_per_core: f64,
+}
+
+fn config(dataset: DatasetKind) -> DataConfig {
+    DataConfig {
+        dataset,
+        path: None,
+        mean: [0.485, 0.456, 0.406],
+        std: [0.229, 0.224, 0.225],
+        augment: Augment::Default,
+        shuffle: true,
+        num_workers: 0,
+        train_size: 0,
+        val_size: 0,
+        label: LabelKind::Fine,
+        skip_bad: false,
+        val_split: DataConfig::DEFAULT_VAL_SPLIT,
+        crop_pct: DataConfig::DEFAULT_CROP_PCT,
+        scale: DataConfig::DEFAULT_SCALE,
+        ratio: DataConfig::DEFAULT_RATIO,
+        prefetch: DataConfig::DEFAULT_PREFETCH,
+    }
+}
+
+/// Batches of `batch` images from `set` on a pool of `threads`, for at least `min_seconds`.
+fn measure(pipeline: &str, set: &ImageSet, cfg: &DataConfig, batch: usize, threads: usize, min_seconds: f64) -> Result<BenchPoint, DataError> {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| DataError::Invalid { key: "bench", msg: format!("thread pool: {e}") })?;
+    let mut b = Batch::default();
+    let n = set.len();
+    let idx = |k: usize| -> Vec<usize> { (0..batch).map(|j| (k * batch + j) % n).collect() };
+    // Warm-up: first-touch allocation of the output buffer and thread start-up.
+    pool.install(|| fill_batch(&mut b, set, &idx(0), cfg, true, 0, 0))?;
+    let t = Instant::now();
+    let mut images = 0;
+    let mut k = 1;
+    while t.elapsed().as_secs_f64() < min_seconds {
+        pool.install(|| fill_batch(&mut b, set, &idx(k), cfg, true, 0, 0))?;
+        images += batch;
+        k += 1;
+    }
+    let seconds = t.elapsed().as_secs_f64();
+    let ips = images as f64 / seconds;
+    Ok(BenchPoint { pipeline: pipeline.into(), threads, images, seconds, images_per_s: ips, images_per_s_per_core: ips / threads as f64 })
+}
+
+/// Writes `n` synthetic 500×375 JPEGs (quality 90) into `dir`.
+pub fn write_jpegs(dir: &Path, n: usize, seed: u64) -> Result<Vec<PathBuf>, DataError> {
+    let (w, h) = (500u32, 375u32);
+    std::fs::create_dir_all(dir).map_err(|source| DataError::Io { path: dir.to_path_buf(), source })?;
+    let mut files = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut rng = SplitMix::new(hash(&[seed, i as u64]));
+        let (a, b, c) = (rng.f32() * 255.0, rng.f32() * 6.0, rng.f32() * 6.0);
+        let mut img = image::RgbImage::new(w, h);
+        for (x, y, p) in img.enumerate_pixels_mut() {
+            let (fx, fy) = (x as f32 / w as f32, y as f32 / h as f32);
+            let noise = rng.f32() * 40.0;
+            let r = (a + 80.0 * (b * fx).sin() + noise).clamp(0.0, 255.0) as u8;
+            let g = (128.0 + 90.0 * (c * fy).cos() + noise).clamp(0.0, 255.0) as u8;
+            let bl = (255.0 * fx * fy + noise).clamp(0.0, 255.0) as u8;
+            *p = image::Rgb([r, g, bl]);
+        }
+        let path = dir.join(format!("img_{i:05}.jpg"));
+        let mut out = std::io::BufWriter::new(std::fs::File::create(&path).map_err(|source| DataError::Io { path: path.clone(), source })?);
+        image::codecs::jpeg::JpegEncoder::new_with_quality(&mut out, 90)
+            .encode_image(&img)
+            .map_err(|e| DataError::Decode { path: path.clone(), msg: e.to_string() })?;
+        files.push(path);
+    }
+    Ok(files)
+}
+
+/// The `.jpg` files directly in `dir`, sorted.
+fn jpegs_in(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|source| DataError::Io { path: dir.to_path_buf(), source })?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e.eq_ignore_ascii_case("jpg") || e.eq_ignore_ascii_case("jpeg")))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(DataError::NotFound { dataset: "bench", split: "jpeg", dir: dir.to_path_buf(), expected: "*.jpg files".into() });
+    }
+    Ok(files)
+}
+
+/// Runs both pipelines at 1 thread and at `threads` (0 = all cores), each for `min_seconds`.
+/// The JPEG pipeline reads the `.jpg` files of `jpeg_dir` when given (to compare with another
+/// loader on the very same files), else generated ones.
+pub fn run(threads: usize, min_seconds: f64, jpeg_dir: Option<&Path>) -> Result<Vec<BenchPoint>, DataError> {
+    let all = if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
+    let mut counts = vec![1];
+    if all > 1 {
+        counts.push(all);
+    }
+    let mut out = Vec::new();
+
+    let cifar = synthetic::generate(10_000, 32, 10, 0, 0);
+    let ccfg = config(DatasetKind::Cifar10);
+    for &t in &counts {
+        out.push(measure("cifar32_crop_flip", &cifar, &ccfg, 256, t, min_seconds)?);
+    }
+
+    let dir = std::env::temp_dir().join(format!("vitscale-bench-jpeg-{}", std::process::id()));
+    let files = match jpeg_dir {
+        Some(d) => jpegs_in(d)?,
+        None => write_jpegs(&dir, 64, 1)?,
+    };
+    let labels = vec![0u16; files.len()];
+    let set = Arc::new(ImageSet::from_files(files, labels, 224, 1));
+    let fcfg = config(DatasetKind::Folder);
+    let result = (|| -> Result<(), DataError> {
+        for &t in &counts {
+            out.push(measure("jpeg224_rrc_flip", &set, &fcfg, 128, t, min_seconds)?);
+        }
+        Ok(())
+    })();
+    if jpeg_dir.is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    result?;
+    Ok(out)
+}

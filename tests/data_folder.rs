@@ -1,0 +1,250 @@
+//! Image folders (JPEG/PNG, class = sorted subfolder name), their split, per-batch decoding with
+//! RandomResizedCrop / center crop, `data.skip_bad`, and the prefetching loader.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use vitscale::config::{Augment, DataConfig, DatasetKind, LabelKind};
+use vitscale::data::{open, shard, try_make_batch, DataError, Loader, LoaderPlan, Sampler};
+
+fn cfg(path: &Path) -> DataConfig {
+    DataConfig {
+        dataset: DatasetKind::Folder,
+        path: Some(path.to_path_buf()),
+        mean: [0.0; 3],
+        std: [1.0 / 255.0; 3], // normalized value == pixel value
+        augment: Augment::Default,
+        shuffle: true,
+        num_workers: 2,
+        train_size: 0,
+        val_size: 0,
+        label: LabelKind::Fine,
+        skip_bad: false,
+        val_split: 0.25,
+        crop_pct: DataConfig::DEFAULT_CROP_PCT,
+        scale: DataConfig::DEFAULT_SCALE,
+        ratio: DataConfig::DEFAULT_RATIO,
+        prefetch: 2,
+    }
+}
+
+/// A solid image of `rgb`, `w`×`h`, saved as PNG or JPEG by extension.
+fn solid(path: &Path, w: u32, h: u32, rgb: [u8; 3]) {
+    fs::create_dir_all(path.parent().unwrap()).unwrap();
+    image::RgbImage::from_pixel(w, h, image::Rgb(rgb)).save(path).unwrap();
+}
+
+/// Classes dog, bird, cat (sorted: bird 0, cat 1, dog 2), `n` images each, colour = class.
+fn make_tree(root: &Path, n: usize) -> Vec<[u8; 3]> {
+    let colours = [[200, 10, 10], [10, 200, 10], [10, 10, 200]];
+    for (c, name) in ["bird", "cat", "dog"].iter().enumerate() {
+        for i in 0..n {
+            // Mixed formats, sizes and a nested folder, as real trees have.
+            let ext = if i % 2 == 0 { "png" } else { "JPG" };
+            let sub = if i % 3 == 0 { "nested/" } else { "" };
+            solid(&root.join(format!("{name}/{sub}img{i}.{ext}")), 40 + i as u32, 30, colours[c]);
+        }
+    }
+    fs::write(root.join("bird/notes.txt"), "not an image").unwrap();
+    colours.to_vec()
+}
+
+#[test]
+fn seeded_split_sorted_classes_and_pixels() {
+    let dir = tempfile::tempdir().unwrap();
+    let colours = make_tree(dir.path(), 8);
+    let c = cfg(dir.path());
+    let d = open(&c, 16, 3, 5).unwrap();
+    assert_eq!(d.num_classes, 3);
+    assert_eq!(d.train.len() + d.val.len(), 24);
+    assert_eq!(d.val.class_counts(), vec![2, 2, 2]); // 25 % of 8 per class
+    // Deterministic in the seed, disjoint.
+    let again = open(&c, 16, 3, 5).unwrap();
+    assert_eq!(d.val.files, again.val.files);
+    assert!(d.val.files.iter().all(|f| !d.train.files.contains(f)));
+    assert_ne!(open(&c, 16, 3, 6).unwrap().val.files, d.val.files);
+    // Eval batch: solid images stay solid, label = sorted class index.
+    let idx: Vec<usize> = (0..d.val.len()).collect();
+    let b = try_make_batch(&d.val, &idx, &c, false, 0, 0).unwrap();
+    for (k, &l) in b.labels.iter().enumerate() {
+        let img = &b.images[k * 3 * 256..(k + 1) * 3 * 256];
+        for ch in 0..3 {
+            let v = img[ch * 256 + 100];
+            // JPEG is lossy: allow a few levels.
+            assert!((v - colours[l as usize][ch] as f32).abs() < 8.0, "class {l} channel {ch}: {v}");
+        }
+    }
+    assert!(d.description.contains("bird, cat, dog"), "{}", d.description);
+}
+
+#[test]
+fn train_val_folders_and_class_mismatch() {
+    let dir = tempfile::tempdir().unwrap();
+    make_tree(&dir.path().join("train"), 3);
+    make_tree(&dir.path().join("val"), 2);
+    let c = cfg(dir.path());
+    let d = open(&c, 16, 3, 0).unwrap();
+    assert_eq!((d.train.len(), d.val.len()), (9, 6));
+    assert_eq!(d.val.class_counts(), vec![2, 2, 2]);
+    let e = open(&c, 16, 1000, 0).unwrap_err();
+    assert!(e.to_string().contains("model.num_classes=3"), "{e}");
+    solid(&dir.path().join("val/zebra/z.png"), 8, 8, [0, 0, 0]);
+    let e = open(&c, 16, 3, 0).unwrap_err();
+    assert!(e.to_string().contains("zebra"), "{e}");
+}
+
+#[test]
+fn empty_class_and_missing_folder_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = cfg(&dir.path().join("nope"));
+    assert!(open(&c, 16, 3, 0).unwrap_err().to_string().contains("nope"));
+    fs::create_dir_all(dir.path().join("a")).unwrap();
+    solid(&dir.path().join("b/x.png"), 8, 8, [1, 2, 3]);
+    let e = open(&cfg(dir.path()), 16, 2, 0).unwrap_err();
+    assert!(e.to_string().contains("at least one"), "{e}");
+}
+
+#[test]
+fn augmentation_is_deterministic_and_rank_independent() {
+    let dir = tempfile::tempdir().unwrap();
+    // Non-uniform images, so crops differ.
+    for i in 0..12 {
+        let img = image::RgbImage::from_fn(64, 48, |x, y| image::Rgb([(x * 4) as u8, (y * 5) as u8, (i * 20) as u8]));
+        let p = dir.path().join(format!("c{}/i{i}.png", i % 2));
+        fs::create_dir_all(p.parent().unwrap()).unwrap();
+        img.save(&p).unwrap();
+    }
+    let mut c = cfg(dir.path());
+    c.val_split = 0.0;
+    let d = open(&c, 24, 2, 0).unwrap();
+    let global = Sampler::new(d.train.len(), 8, true, 3, true).global_batch(1, 0);
+    let whole = try_make_batch(&d.train, &global, &c, true, 1, 3).unwrap();
+    assert_eq!(whole, try_make_batch(&d.train, &global, &c, true, 1, 3).unwrap());
+    let mut images = Vec::new();
+    for rank in 0..2 {
+        for micro in 0..2 {
+            images.extend(try_make_batch(&d.train, shard(&global, rank, 2, micro, 2), &c, true, 1, 3).unwrap().images);
+        }
+    }
+    assert_eq!(images, whole.images);
+    assert_ne!(try_make_batch(&d.train, &global, &c, true, 2, 3).unwrap().images, whole.images);
+}
+
+fn corrupt_tree(root: &Path) -> PathBuf {
+    make_tree(root, 4);
+    let bad = root.join("cat/img1.JPG");
+    fs::write(&bad, b"\xff\xd8\xff\xe0 this is not a jpeg").unwrap();
+    bad
+}
+
+#[test]
+fn bad_files_error_or_are_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = corrupt_tree(dir.path());
+    let mut c = cfg(dir.path());
+    c.val_split = 0.0;
+    let d = open(&c, 16, 3, 0).unwrap();
+    let k = d.train.files.iter().position(|f| f == &bad).unwrap();
+    let e = try_make_batch(&d.train, &[0, k], &c, true, 0, 0).unwrap_err();
+    assert!(matches!(e, DataError::Decode { .. }), "{e}");
+    assert!(e.to_string().contains("img1.JPG") && e.to_string().contains("skip_bad"), "{e}");
+    c.skip_bad = true;
+    let b = try_make_batch(&d.train, &[0, k], &c, true, 0, 0).unwrap();
+    assert_eq!(b.len(), 2);
+    // The replacement is the next file (same class here), and it was counted.
+    assert_eq!(b.labels[1] as u16, d.train.labels[k + 1]);
+    assert_eq!(d.train.skipped.load(std::sync::atomic::Ordering::Relaxed), 1);
+}
+
+fn plan(set: Arc<vitscale::data::ImageSet>, c: &DataConfig, rank: usize, steps: u64) -> LoaderPlan {
+    LoaderPlan {
+        sampler: Sampler::new(set.len(), 6, true, 1, true),
+        set,
+        cfg: c.clone(),
+        train: true,
+        seed: 1,
+        rank,
+        world: 2,
+        gas: 3,
+        start_epoch: 0,
+        start_step: 1,
+        steps,
+    }
+}
+
+#[test]
+fn loader_matches_direct_batches_across_epochs() {
+    let dir = tempfile::tempdir().unwrap();
+    make_tree(dir.path(), 5);
+    let mut c = cfg(dir.path());
+    c.val_split = 0.0;
+    let d = open(&c, 16, 3, 0).unwrap(); // 15 images: 2 steps of 6 per epoch
+    let sampler = Sampler::new(d.train.len(), 6, true, 1, true);
+    for rank in 0..2 {
+        let mut loader = Loader::start(plan(d.train.clone(), &c, rank, 4)).unwrap();
+        // From (epoch 0, step 1): steps (0,1), (1,0), (1,1), (2,0).
+        let expected_steps = [(0u64, 1usize), (1, 0), (1, 1), (2, 0)];
+        for &(epoch, step) in &expected_steps {
+            for micro in 0..3 {
+                let p = loader.next().unwrap().unwrap();
+                assert_eq!((p.epoch, p.step, p.micro), (epoch, step, micro));
+                let global = sampler.global_batch(epoch, step);
+                let direct = try_make_batch(&d.train, shard(&global, rank, 2, micro, 3), &c, true, epoch, 1).unwrap();
+                assert_eq!(p.batch, direct);
+                loader.recycle(p.batch);
+            }
+        }
+        assert!(loader.next().is_none());
+    }
+}
+
+#[test]
+fn loader_reports_errors_and_drops_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    corrupt_tree(dir.path());
+    let mut c = cfg(dir.path());
+    c.val_split = 0.0;
+    let d = open(&c, 16, 3, 0).unwrap();
+    let mut loader = Loader::start(plan(d.train.clone(), &c, 0, 100)).unwrap();
+    let mut saw_error = false;
+    for item in loader.by_ref() {
+        if let Err(e) = item {
+            assert!(e.to_string().contains("img1.JPG"), "{e}");
+            saw_error = true;
+        }
+    }
+    assert!(saw_error);
+    // Dropping a loader whose producer is blocked on a full queue must not hang.
+    c.skip_bad = true;
+    let mut loader = Loader::start(plan(d.train.clone(), &c, 0, 1000)).unwrap();
+    assert!(loader.next().unwrap().is_ok());
+    drop(loader);
+}
+
+#[test]
+#[ignore]
+fn profile_decode_vs_resample() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = vitscale::data::bench::write_jpegs(dir.path(), 32, 1).unwrap();
+    let t = std::time::Instant::now();
+    let mut imgs = Vec::new();
+    for _ in 0..4 {
+        imgs.clear();
+        for f in &files {
+            imgs.push(vitscale::data::decode(f).unwrap());
+        }
+    }
+    let dec = t.elapsed().as_secs_f64() / (4.0 * files.len() as f64);
+    let t = std::time::Instant::now();
+    let mut out = vec![0f32; 3 * 224 * 224];
+    let mut rng = vitscale::data::rng::SplitMix::new(1);
+    for _ in 0..4 {
+        for im in &imgs {
+            let r = vitscale::data::resize::random_resized_crop(&mut rng, 500, 375, [0.08, 1.0], [0.75, 4.0 / 3.0]);
+            vitscale::data::resize::resample(im.as_raw(), 500, 375, r, 224, true, [0.5; 3], [0.5; 3], &mut out);
+        }
+    }
+    let rs = t.elapsed().as_secs_f64() / (4.0 * files.len() as f64);
+    eprintln!("decode {:.2} ms, resample {:.2} ms per image", dec * 1e3, rs * 1e3);
+}

@@ -1,0 +1,266 @@
+//! CIFAR in every distributed form — binary folder, python-pickle folder, and the `.tar.gz`
+//! archive of each — must give identical image sets and batches; pickles written by real
+//! CPython + NumPy (tests/fixtures) must read; bad pickles are errors naming the file.
+
+use std::fs;
+use std::io::Write;
+use std::path::Path;
+
+use vitscale::config::{Augment, DataConfig, DatasetKind, LabelKind};
+use vitscale::data::{make_batch, open, DataError, Datasets};
+
+fn cfg(dataset: DatasetKind, path: &Path) -> DataConfig {
+    DataConfig {
+        dataset,
+        path: Some(path.to_path_buf()),
+        mean: [0.5; 3],
+        std: [0.25; 3],
+        augment: Augment::Default,
+        shuffle: true,
+        num_workers: 0,
+        train_size: 0,
+        val_size: 0,
+        label: LabelKind::Fine,
+        skip_bad: false,
+        val_split: DataConfig::DEFAULT_VAL_SPLIT,
+        crop_pct: DataConfig::DEFAULT_CROP_PCT,
+        scale: DataConfig::DEFAULT_SCALE,
+        ratio: DataConfig::DEFAULT_RATIO,
+        prefetch: DataConfig::DEFAULT_PREFETCH,
+    }
+}
+
+fn pixel(img: usize, c: usize, y: usize, x: usize) -> u8 {
+    ((img * 7 + c * 50 + y * 3 + x) % 256) as u8
+}
+
+/// (3072-byte CHW planes) of image `img`.
+fn planes(img: usize) -> Vec<u8> {
+    let mut r = Vec::with_capacity(3072);
+    for c in 0..3 {
+        for y in 0..32 {
+            for x in 0..32 {
+                r.push(pixel(img, c, y, x));
+            }
+        }
+    }
+    r
+}
+
+/// One split: (first image id, labels as (coarse, fine)).
+struct Split {
+    first: usize,
+    labels: Vec<(u8, u8)>,
+}
+
+fn binary(split: &Split, cifar100: bool) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (k, &(coarse, fine)) in split.labels.iter().enumerate() {
+        if cifar100 {
+            out.push(coarse);
+        }
+        out.push(fine);
+        out.extend(planes(split.first + k));
+    }
+    out
+}
+
+/// A protocol-2 pickle laid out exactly as the official Python-2 CIFAR files are: SHORT_BINSTRING
+/// keys, the array as `numpy.core.multiarray._reconstruct` + BUILD with a BINSTRING payload.
+fn py2_pickle(split: &Split, cifar100: bool) -> Vec<u8> {
+    let mut p = b"\x80\x02}q\x01(".to_vec();
+    let key = |p: &mut Vec<u8>, k: &str| {
+        p.push(b'U');
+        p.push(k.len() as u8);
+        p.extend(k.as_bytes());
+    };
+    key(&mut p, "batch_label");
+    key(&mut p, "training batch 1 of 1");
+    key(&mut p, "data");
+    p.extend(b"cnumpy.core.multiarray\n_reconstruct\nq\x05cnumpy\nndarray\nq\x06K\x00\x85U\x01b\x87Rq\x07(K\x01");
+    let n = split.labels.len() as u16;
+    p.push(b'M');
+    p.extend(n.to_le_bytes());
+    p.extend(b"M\x00\x0c\x86cnumpy\ndtype\nq\x08U\x02u1K\x00K\x01\x87Rq\t(K\x03U\x01|NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb\x89T");
+    let data: Vec<u8> = (0..split.labels.len()).flat_map(|k| planes(split.first + k)).collect();
+    p.extend((data.len() as u32).to_le_bytes());
+    p.extend(&data);
+    p.extend(b"tb");
+    let list = |p: &mut Vec<u8>, vals: Vec<u8>| {
+        p.extend(b"](");
+        for v in vals {
+            p.push(b'K');
+            p.push(v);
+        }
+        p.push(b'e');
+    };
+    if cifar100 {
+        key(&mut p, "fine_labels");
+        list(&mut p, split.labels.iter().map(|l| l.1).collect());
+        key(&mut p, "coarse_labels");
+        list(&mut p, split.labels.iter().map(|l| l.0).collect());
+    } else {
+        key(&mut p, "labels");
+        list(&mut p, split.labels.iter().map(|l| l.1).collect());
+    }
+    p.extend(b"u.");
+    p
+}
+
+fn write_tar_gz(path: &Path, files: &[(String, Vec<u8>)]) {
+    let gz = flate2::write::GzEncoder::new(fs::File::create(path).unwrap(), flate2::Compression::fast());
+    let mut tar = tar::Builder::new(gz);
+    for (name, bytes) in files {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(bytes.len() as u64);
+        h.set_mode(0o644);
+        h.set_cksum();
+        tar.append_data(&mut h, name, bytes.as_slice()).unwrap();
+    }
+    tar.into_inner().unwrap().finish().unwrap().flush().unwrap();
+}
+
+/// Writes CIFAR-10 (two train batches, one test) or CIFAR-100 in all four forms under `root`;
+/// returns the four paths to open.
+fn write_all_forms(root: &Path, cifar100: bool) -> Vec<std::path::PathBuf> {
+    let splits: Vec<(String, String, Split)> = if cifar100 {
+        vec![
+            ("train.bin".into(), "train".into(), Split { first: 0, labels: vec![(19, 99), (0, 42), (7, 3)] }),
+            ("test.bin".into(), "test".into(), Split { first: 3, labels: vec![(4, 7), (1, 0)] }),
+        ]
+    } else {
+        vec![
+            ("data_batch_1.bin".into(), "data_batch_1".into(), Split { first: 0, labels: vec![(0, 3), (0, 9)] }),
+            ("data_batch_2.bin".into(), "data_batch_2".into(), Split { first: 2, labels: vec![(0, 0), (0, 5), (0, 1)] }),
+            ("test_batch.bin".into(), "test_batch".into(), Split { first: 5, labels: vec![(0, 5), (0, 8)] }),
+        ]
+    };
+    let (bin_dir, py_dir) = if cifar100 { ("cifar-100-binary", "cifar-100-python") } else { ("cifar-10-batches-bin", "cifar-10-batches-py") };
+    let bin: Vec<(String, Vec<u8>)> = splits.iter().map(|(b, _, s)| (format!("{bin_dir}/{b}"), binary(s, cifar100))).collect();
+    let py: Vec<(String, Vec<u8>)> = splits.iter().map(|(_, p, s)| (format!("{py_dir}/{p}"), py2_pickle(s, cifar100))).collect();
+    for form in ["bin", "py"] {
+        let d = root.join(form);
+        for (name, bytes) in if form == "bin" { &bin } else { &py } {
+            let p = d.join(name);
+            fs::create_dir_all(p.parent().unwrap()).unwrap();
+            fs::write(p, bytes).unwrap();
+        }
+    }
+    write_tar_gz(&root.join("bin.tar.gz"), &bin);
+    write_tar_gz(&root.join("py.tar.gz"), &py);
+    vec![root.join("bin"), root.join("py"), root.join("bin.tar.gz"), root.join("py.tar.gz")]
+}
+
+fn assert_same(a: &Datasets, b: &Datasets, c: &DataConfig) {
+    assert_eq!(a.train.images, b.train.images);
+    assert_eq!(a.train.labels, b.train.labels);
+    assert_eq!(a.val.images, b.val.images);
+    assert_eq!(a.val.labels, b.val.labels);
+    let idx: Vec<usize> = (0..a.train.len()).rev().collect();
+    assert_eq!(make_batch(&a.train, &idx, c, true, 2, 9), make_batch(&b.train, &idx, c, true, 2, 9));
+}
+
+#[test]
+fn cifar10_all_forms_give_identical_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    let paths = write_all_forms(dir.path(), false);
+    let c = cfg(DatasetKind::Cifar10, dir.path());
+    let sets: Vec<Datasets> = paths.iter().map(|p| open(&cfg(DatasetKind::Cifar10, p), 32, 10, 0).unwrap()).collect();
+    assert_eq!(sets[0].train.labels, vec![3, 9, 0, 5, 1]);
+    assert_eq!(sets[0].val.labels, vec![5, 8]);
+    assert_eq!(sets[0].train.image(3)[(4 * 32 + 6) * 3 + 2], pixel(3, 2, 4, 6));
+    for s in &sets[1..] {
+        assert_same(&sets[0], s, &c);
+    }
+    assert!(sets[1].description.contains("python"), "{}", sets[1].description);
+    assert!(sets[3].description.contains("py.tar.gz"), "{}", sets[3].description);
+}
+
+#[test]
+fn cifar100_all_forms_and_both_labels() {
+    let dir = tempfile::tempdir().unwrap();
+    let paths = write_all_forms(dir.path(), true);
+    let c = cfg(DatasetKind::Cifar100, dir.path());
+    let fine: Vec<Datasets> = paths.iter().map(|p| open(&cfg(DatasetKind::Cifar100, p), 32, 100, 0).unwrap()).collect();
+    assert_eq!(fine[0].train.labels, vec![99, 42, 3]);
+    for s in &fine[1..] {
+        assert_same(&fine[0], s, &c);
+    }
+    for p in &paths {
+        let mut cc = cfg(DatasetKind::Cifar100, p);
+        cc.label = LabelKind::Coarse;
+        let d = open(&cc, 32, 20, 0).unwrap();
+        assert_eq!(d.train.labels, vec![19, 0, 7], "{}", p.display());
+        assert_eq!(d.val.labels, vec![4, 1]);
+        assert_eq!(d.num_classes, 20);
+    }
+}
+
+#[test]
+fn official_archive_found_inside_the_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    write_all_forms(scratch.path(), false);
+    fs::copy(scratch.path().join("py.tar.gz"), dir.path().join("cifar-10-python.tar.gz")).unwrap();
+    let d = open(&cfg(DatasetKind::Cifar10, dir.path()), 32, 10, 0).unwrap();
+    assert_eq!(d.train.len(), 5);
+}
+
+#[test]
+fn pickles_from_cpython_and_numpy_read() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    for proto in [2, 4, 5] {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes = fs::read(fixtures.join(format!("cifar10_py3_protocol{proto}.pkl"))).unwrap();
+        fs::write(dir.path().join("data_batch_1"), &bytes).unwrap();
+        fs::write(dir.path().join("test_batch"), &bytes).unwrap();
+        let d = open(&cfg(DatasetKind::Cifar10, dir.path()), 32, 10, 0).unwrap_or_else(|e| panic!("protocol {proto}: {e}"));
+        assert_eq!(d.train.labels, vec![3, 9, 0]);
+        for i in 0..3 {
+            for (y, x, c) in [(0, 0, 0), (5, 7, 2), (31, 31, 1)] {
+                assert_eq!(d.train.image(i)[(y * 32 + x) * 3 + c], pixel(i, c, y, x), "protocol {proto}");
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_pickles_are_errors_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = py2_pickle(&Split { first: 0, labels: vec![(0, 1), (0, 2)] }, false);
+    fs::write(dir.path().join("test_batch"), &good).unwrap();
+    // Truncated mid-array.
+    fs::write(dir.path().join("data_batch_1"), &good[..good.len() / 2]).unwrap();
+    let e = open(&cfg(DatasetKind::Cifar10, dir.path()), 32, 10, 0).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, DataError::Format { .. }) && msg.contains("data_batch_1") && msg.contains("byte offset"), "{msg}");
+    // Label out of range.
+    let bad = py2_pickle(&Split { first: 0, labels: vec![(0, 1), (0, 10)] }, false);
+    fs::write(dir.path().join("data_batch_1"), &bad).unwrap();
+    let msg = open(&cfg(DatasetKind::Cifar10, dir.path()), 32, 10, 0).unwrap_err().to_string();
+    assert!(msg.contains("data_batch_1") && msg.contains("'labels'[1]"), "{msg}");
+    // Not a pickle at all.
+    fs::write(dir.path().join("data_batch_1"), b"hello").unwrap();
+    let msg = open(&cfg(DatasetKind::Cifar10, dir.path()), 32, 10, 0).unwrap_err().to_string();
+    assert!(msg.contains("data_batch_1"), "{msg}");
+    // A corrupt archive.
+    let arch = dir.path().join("x.tar.gz");
+    fs::write(&arch, b"\x1f\x8b\x08\x00garbage").unwrap();
+    let msg = open(&cfg(DatasetKind::Cifar10, &arch), 32, 10, 0).unwrap_err().to_string();
+    assert!(msg.contains("x.tar.gz"), "{msg}");
+}
+
+#[test]
+fn cifar_at_224_is_resampled() {
+    let dir = tempfile::tempdir().unwrap();
+    let paths = write_all_forms(dir.path(), false);
+    let c = cfg(DatasetKind::Cifar10, &paths[0]);
+    let d = open(&c, 64, 10, 0).unwrap();
+    assert!(d.description.contains("resampled to 64"), "{}", d.description);
+    let b = make_batch(&d.val, &[0, 1], &c, false, 0, 0);
+    assert_eq!(b.images.len(), 2 * 3 * 64 * 64);
+    // Eval of a smooth image: the center of the output is the center of the source (2× up).
+    let t = make_batch(&d.train, &[0, 1, 2], &c, true, 0, 0);
+    assert_eq!(t.images.len(), 3 * 3 * 64 * 64);
+    assert!(t.images.iter().all(|v| v.is_finite()));
+}
