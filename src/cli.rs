@@ -198,6 +198,8 @@ pub fn train_cmd(args: TrainArgs) -> anyhow::Result<()> {
     }
     let run_dir = args.run_dir.clone().unwrap_or_else(|| default_run_dir(&env));
     let hash = config_hash(&cfg)?;
+    // [dist] collective timeout: train.comm_timeout_s, or VITSCALE_COMM_TIMEOUT when set.
+    let comm_opts = crate::comm::CommOptions::from_config_and_env(cfg.train.comm_timeout_s)?;
     let rank = env.rank;
     let opts = TrainOptions {
         // Rank 0 owns the run directory; the others log beside it.
@@ -209,9 +211,13 @@ pub fn train_cmd(args: TrainArgs) -> anyhow::Result<()> {
         resume: args.resume.as_deref().map(|s| crate::train::checkpoint::resume_path(s, &run_dir.join("checkpoints"))),
         keep_checkpoints: args.keep_checkpoints,
     };
+    // [dist] SIGINT/SIGTERM from here on: finish the step on every rank, checkpoint it, exit
+    // with 128 + signal (see train::stop and `exit_code`).
+    let _stop_guard;
     let summary = match &device {
         Device::Cpu(be) => {
-            let mut comm = crate::comm::init_cpu(&env, &crate::comm::CommOptions::from_env()?, &hash)?;
+            let mut comm = crate::comm::init_cpu(&env, &comm_opts, &hash)?;
+            _stop_guard = cfg.train.checkpoint_on_signal.then(crate::train::stop::StopGuard::install); // [dist]
             engine::train_with(be, &cfg, &opts, comm.as_mut())?
         }
         Device::Cuda(be) => {
@@ -221,6 +227,7 @@ pub fn train_cmd(args: TrainArgs) -> anyhow::Result<()> {
                     env.world_size
                 );
             }
+            _stop_guard = cfg.train.checkpoint_on_signal.then(crate::train::stop::StopGuard::install); // [dist]
             engine::train_with(be, &cfg, &opts, &mut SingleComm::new())?
         }
     };
@@ -235,6 +242,12 @@ pub fn train_cmd(args: TrainArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&summary)?);
     }
     Ok(())
+}
+
+/// [dist] The exit status for a command's error: 128 + signal when training stopped for
+/// SIGINT/SIGTERM (130 / 143), else 1.
+pub fn exit_code(e: &anyhow::Error) -> i32 {
+    e.downcast_ref::<engine::TrainError>().map_or(1, engine::TrainError::exit_code)
 }
 
 fn evaluate_weights<B: Backend>(be: &B, cfg: &RunConfig, weights: &Path, set: &crate::data::ImageSet) -> anyhow::Result<engine::EvalSummary> {

@@ -15,7 +15,8 @@
 //! Supervision: SIGINT / SIGTERM / SIGHUP are forwarded to every worker (each worker is in
 //! its own process group, so a terminal's Ctrl-C reaches them once, through us). When a worker
 //! exits non-zero or dies from a signal, the others get SIGTERM, then SIGKILL after
-//! `--kill-grace` seconds, and `run` returns an error naming the rank and its status — well
+//! `--kill-grace` seconds (after a forwarded signal: `--stop-grace`, time for the workers to
+//! checkpoint), and `run` returns an error naming the rank and its status — well
 //! within 10 s. Output: rank 0's stdout is passed through untouched (so `--json` still ends
 //! stdout with its JSON line); every rank's stderr is shown with a `[rank N] ` prefix; other
 //! ranks' stdout is shown only with `--output all`, prefixed. Each rank's full log is written
@@ -77,9 +78,14 @@ pub struct LaunchArgs {
     /// Which workers' stdout is shown.
     #[arg(long, value_enum, default_value_t = OutputMode::Rank0)]
     pub output: OutputMode,
-    /// Seconds between SIGTERM and SIGKILL when stopping workers.
+    /// Seconds between SIGTERM and SIGKILL when stopping workers after one failed.
     #[arg(long, default_value_t = 5.0)]
     pub kill_grace: f64,
+    /// Seconds workers get after a forwarded SIGINT / SIGTERM before SIGKILL: time to finish
+    /// the optimizer step and write a checkpoint (`train.checkpoint_on_signal`). A second
+    /// signal is forwarded at once (a worker then exits without checkpointing).
+    #[arg(long, default_value_t = 30.0)]
+    pub stop_grace: f64,
     /// (Set by the hostfile launcher for remote nodes.) Global rank of this node's first worker.
     #[arg(long, hide = true)]
     pub rank_offset: Option<usize>,
@@ -116,6 +122,7 @@ impl LaunchArgs {
             ssh: "ssh -o BatchMode=yes".into(),
             output: OutputMode::Rank0,
             kill_grace: 5.0,
+            stop_grace: 30.0,
             rank_offset: None,
             world_size: None,
             visible_devices: None,
@@ -215,6 +222,9 @@ impl LaunchError {
 pub fn run(args: LaunchArgs) -> Result<i32, LaunchError> {
     if !(args.kill_grace >= 0.0 && args.kill_grace.is_finite()) {
         return Err(LaunchError::Usage(format!("--kill-grace {} must be a non-negative number of seconds", args.kill_grace)));
+    }
+    if !(args.stop_grace >= 0.0 && args.stop_grace.is_finite()) {
+        return Err(LaunchError::Usage(format!("--stop-grace {} must be a non-negative number of seconds", args.stop_grace)));
     }
     if args.nproc_per_node == Some(0) || args.nnodes == Some(0) {
         return Err(LaunchError::Usage("--nproc-per-node and --nnodes must be at least 1".into()));
@@ -328,7 +338,7 @@ fn run_local(args: &LaunchArgs) -> Result<i32, LaunchError> {
         outputs.extend(forward_output(&mut child, rank, args.output));
         procs.push(Proc { label: Label::Rank(rank), child, status: None, termed: false });
     }
-    supervise(procs, outputs, args.kill_grace, &signals, stop_on_eof)
+    supervise(procs, outputs, (args.kill_grace, args.stop_grace), &signals, stop_on_eof)
 }
 
 /// Starts threads copying a worker's stdout / stderr to ours, per the output mode.
@@ -375,15 +385,16 @@ fn copy_lines(src: impl Read, prefix: Option<String>, to_stderr: bool) {
     }
 }
 
-/// Waits for every child; stops the rest on the first failure or on a signal.
+/// Waits for every child; stops the rest on the first failure or on a signal. `graces`:
+/// seconds until SIGKILL after a failure, and after a forwarded signal.
 fn supervise(
     mut procs: Vec<Proc>,
     outputs: Vec<std::thread::JoinHandle<()>>,
-    grace: f64,
+    graces: (f64, f64),
     signals: &SignalGuard,
     stdin_closed: Option<Arc<AtomicBool>>,
 ) -> Result<i32, LaunchError> {
-    let grace = Duration::from_secs_f64(grace);
+    let (grace, stop_grace) = (Duration::from_secs_f64(graces.0), Duration::from_secs_f64(graces.1));
     let mut failure: Option<(Label, u32, ExitDesc)> = None;
     let mut interrupted: Option<i32> = None;
     let mut kill_at: Option<Instant> = None;
@@ -396,16 +407,25 @@ fn supervise(
             // Forward every signal (a second Ctrl-C is forwarded too), then insist later.
             stop_all(&mut procs, sig);
             interrupted.get_or_insert(sig);
-            kill_at.get_or_insert(Instant::now() + grace);
+            kill_at.get_or_insert(Instant::now() + stop_grace);
         }
+        // Workers that died since the last look. When several failed at once, one killed by a
+        // signal is named first: the others usually exited because it went away (a peer's
+        // collective fails at once when its connection closes).
+        let mut failed_now: Option<(Label, u32, ExitDesc)> = None;
         for p in procs.iter_mut().filter(|p| p.status.is_none()) {
             if let Ok(Some(st)) = p.child.try_wait() {
                 p.status = Some(st);
-                if !st.success() && failure.is_none() && interrupted.is_none() {
-                    failure = Some((p.label.clone(), p.child.id(), ExitDesc::of(st)));
-                    kill_at = Some(Instant::now() + grace);
+                let desc = ExitDesc::of(st);
+                let by_signal = matches!(desc, ExitDesc::Signal(_));
+                if !st.success() && (failed_now.is_none() || (by_signal && !matches!(failed_now, Some((_, _, ExitDesc::Signal(_)))))) {
+                    failed_now = Some((p.label.clone(), p.child.id(), desc));
                 }
             }
+        }
+        if failure.is_none() && interrupted.is_none() && failed_now.is_some() {
+            failure = failed_now;
+            kill_at = Some(Instant::now() + grace);
         }
         if failure.is_some() {
             stop_all(&mut procs, libc::SIGTERM);
@@ -752,6 +772,8 @@ fn remote_command(args: &LaunchArgs, exe: &Path, cwd: &Path, env: &[(String, Str
         },
         "--kill-grace".into(),
         args.kill_grace.to_string(),
+        "--stop-grace".into(),
+        args.stop_grace.to_string(),
         "--exit-on-stdin-eof".into(),
     ];
     if let Some(p) = &args.worker_program {
@@ -816,7 +838,7 @@ fn run_hosts(args: &LaunchArgs, hosts: &[Host]) -> Result<i32, LaunchError> {
         }
         procs.push(Proc { label: Label::Node(node, host.name.clone()), child, status: None, termed: false });
     }
-    supervise(procs, outputs, args.kill_grace, &signals, None)
+    supervise(procs, outputs, (args.kill_grace, args.stop_grace), &signals, None)
 }
 
 #[cfg(test)]

@@ -43,6 +43,6 @@ fn main() {
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
-        std::process::exit(1);
+        std::process::exit(cli::exit_code(&e));
     }
 }

@@ -86,6 +86,8 @@ fn empty_config_gives_every_default() {
             weight_decay_skip: DecaySkip { bias: true, norm: true, pos_embed: true, cls_token: true },
             log_every: 10,
             eval_batch_size: 64,
+            checkpoint_on_signal: false,
+            comm_timeout_s: 300.0,
         }
     );
     assert!(c.warnings.is_empty(), "{:?}", c.warnings);
@@ -207,6 +209,21 @@ fn train_section_values() {
     let c = ok(json!({"train": {"log_every": 3, "eval_batch_size": 500, "weight_decay_skip": ["norm"]}}));
     assert_eq!((c.train.log_every, c.train.eval_batch_size), (3, 500));
     assert_eq!(c.train.weight_decay_skip, DecaySkip { bias: false, norm: true, pos_embed: false, cls_token: false });
+}
+
+#[test]
+fn signal_checkpoint_and_comm_timeout_keys() {
+    // checkpoint_on_signal follows checkpoint_every unless given.
+    let c = ok(json!({"train": {"checkpoint_every": 5}}));
+    assert!(c.train.checkpoint_on_signal);
+    assert_eq!(c.train.comm_timeout_s, 300.0);
+    let c = ok(json!({"train": {"checkpoint_every": 5, "checkpoint_on_signal": false, "comm_timeout_s": 2.5}}));
+    assert!(!c.train.checkpoint_on_signal);
+    assert_eq!(c.train.comm_timeout_s, 2.5);
+    assert!(ok(json!({"train": {"checkpoint_on_signal": true}})).train.checkpoint_on_signal);
+    let e = err_names(json!({"train": {"comm_timeout_s": 0}}), "train.comm_timeout_s");
+    assert!(e.contains("(0, inf)"), "{e}");
+    err_names(json!({"train": {"checkpoint_on_signal": "yes"}}), "train.checkpoint_on_signal");
 }
 
 #[test]

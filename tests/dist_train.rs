@@ -4,11 +4,15 @@
 //! size; the launcher reports and stops failing or interrupted runs.
 //!
 //! Runs are tiny (default model, 16-px built-in images, 4 steps of 32 images, 200 validation
-//! images): each takes about a second.
+//! images): each takes about a second. The fault tests (SIGTERM, SIGKILL, damaged
+//! checkpoints) use longer runs of the same kind ([`LONG`] steps, a few seconds) so that a
+//! signal lands mid-run; every wait there is bounded.
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 const EXE: &str = env!("CARGO_BIN_EXE_vitscale");
@@ -202,4 +206,333 @@ fn the_launcher_forwards_sigterm_and_stops_its_workers() {
         let alive = unsafe { libc::kill(pid, 0) } == 0;
         assert!(!alive, "worker {pid} survived");
     }
+}
+
+// ---- faults: signals, kill -9, damaged checkpoints ------------------------------------------
+
+/// Steps of the runs that get interrupted: long enough (a few seconds) that a signal sent
+/// after the first checkpoint lands mid-run; checkpoints every [`LONG_EVERY`].
+const LONG: u64 = 120;
+const LONG_EVERY: &str = "--set=train.checkpoint_every=10";
+const MICRO16: &str = "--set=train_micro_batch_size_per_gpu=16";
+/// Upper bound for any wait below (a run's own length included).
+const PATIENCE: Duration = Duration::from_secs(120);
+
+/// Starts `vitscale [launch --] train` like [`train`], stderr to `dir`.stderr.
+fn spawn_train(nproc: usize, steps: u64, extra: &[&str], dir: &Path) -> (Child, PathBuf) {
+    spawn_launch(&[], nproc, steps, extra, dir)
+}
+
+/// As [`spawn_train`], with extra launcher options.
+fn spawn_launch(launch_opts: &[&str], nproc: usize, steps: u64, extra: &[&str], dir: &Path) -> (Child, PathBuf) {
+    let mut args = Vec::new();
+    if nproc > 1 {
+        args.extend(["launch".to_string(), format!("--nproc-per-node={nproc}"), format!("--master-port={}", free_port())]);
+        args.extend(launch_opts.iter().map(|s| s.to_string()));
+        args.push("--".into());
+    }
+    args.push("train".into());
+    args.extend(common(steps));
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args.extend(["--run-dir".into(), dir.display().to_string()]);
+    let log = dir.with_extension("stderr");
+    let err = std::fs::File::create(&log).expect("stderr log");
+    let child = Command::new(EXE)
+        .args(&args)
+        .env_remove("VITSCALE_RUN_ID")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(err)
+        .spawn()
+        .expect("spawn vitscale");
+    (child, log)
+}
+
+fn signal(child: &Child, sig: libc::c_int) {
+    // SAFETY: kill(2) on a child we spawned and have not reaped.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, sig);
+    }
+}
+
+/// Waits (bounded) for `path` to exist while `child` runs.
+fn wait_for_file(child: &mut Child, path: &Path, log: &Path) {
+    let t0 = Instant::now();
+    while !path.exists() {
+        if let Ok(Some(st)) = child.try_wait() {
+            panic!("run ended ({st}) before {} appeared:\n{}", path.display(), std::fs::read_to_string(log).unwrap_or_default());
+        }
+        if t0.elapsed() > PATIENCE {
+            let _ = child.kill();
+            panic!("{} did not appear within {PATIENCE:?}", path.display());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn wait_exit(child: &mut Child, limit: Duration) -> ExitStatus {
+    let t0 = Instant::now();
+    loop {
+        if let Some(st) = child.try_wait().expect("wait") {
+            return st;
+        }
+        if t0.elapsed() > limit {
+            let _ = child.kill();
+            panic!("the run did not exit within {limit:?} of the signal");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// `N` in "stopped by SIGTERM after step N", from a stderr log.
+fn stopped_at(log: &str, sig: &str) -> u64 {
+    let pat = format!("stopped by {sig} after step ");
+    let at = log.find(&pat).unwrap_or_else(|| panic!("no `{pat}` in:\n{log}")) + pat.len();
+    log[at..].split(|c: char| !c.is_ascii_digit()).next().and_then(|n| n.parse().ok()).expect("step number")
+}
+
+fn latest(dir: &Path) -> String {
+    std::fs::read_to_string(dir.join("checkpoints/latest")).unwrap_or_default().trim().to_string()
+}
+
+/// The weights of an uninterrupted 1-process run of [`LONG`] steps (computed once per test
+/// binary, shared by the tests that compare against it).
+fn long_straight() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let d = tmp().keep().join("straight");
+        train(1, LONG, &[MICRO16, LONG_EVERY], &d);
+        d
+    })
+}
+
+#[test]
+fn sigterm_checkpoints_the_step_it_stops_at_and_resume_is_exact() {
+    let t = tmp();
+    let d = t.path().join("run");
+    let (mut child, log) = spawn_train(1, LONG, &[MICRO16, LONG_EVERY], &d);
+    wait_for_file(&mut child, &d.join("checkpoints/latest"), &log);
+    signal(&child, libc::SIGTERM);
+    let st = wait_exit(&mut child, Duration::from_secs(30));
+    let err = std::fs::read_to_string(&log).unwrap_or_default();
+    assert_eq!(st.code(), Some(128 + libc::SIGTERM), "{err}");
+    let step = stopped_at(&err, "SIGTERM");
+    assert!(step >= 10 && step < LONG, "stopped at step {step}");
+    assert!(err.contains("--resume latest"), "{err}");
+    // The checkpoint of exactly that step, complete, and `latest` names it.
+    assert_eq!(latest(&d), format!("step_{step:06}"));
+    assert!(d.join(format!("checkpoints/step_{step:06}/manifest.json")).is_file());
+    let out = train(1, LONG, &[MICRO16, LONG_EVERY, "--resume", "latest"], &d);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&format!("at step {step}")), "{err}");
+    assert_eq!(weights(&d), weights(long_straight()), "SIGTERM + resume differs from the uninterrupted run");
+    // The metrics history is kept across the resume.
+    let m = std::fs::read_to_string(d.join("metrics.jsonl")).unwrap_or_default();
+    assert!(m.contains("\"kind\":\"resume\"") && m.lines().next().is_some_and(|l| !l.contains("resume")), "{m}");
+}
+
+#[test]
+fn sigkill_mid_run_then_resume_latest_is_exact() {
+    let t = tmp();
+    let d = t.path().join("run");
+    let (mut child, log) = spawn_train(1, LONG, &[MICRO16, LONG_EVERY], &d);
+    wait_for_file(&mut child, &d.join("checkpoints/step_000020"), &log);
+    signal(&child, libc::SIGKILL);
+    let st = wait_exit(&mut child, Duration::from_secs(10));
+    assert_eq!(st.signal(), Some(libc::SIGKILL), "the run ended before it was killed");
+    // Whatever the moment of the kill (maybe mid-save), `latest` names a complete checkpoint.
+    let name = latest(&d);
+    assert!(name.starts_with("step_") && d.join("checkpoints").join(&name).join("manifest.json").is_file(), "latest = {name:?}");
+    let step: u64 = name["step_".len()..].parse().expect("step");
+    let out = train(1, LONG, &[MICRO16, LONG_EVERY, "--resume", "latest"], &d);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&format!("{name} at step {step}")), "{err}");
+    assert_eq!(weights(&d), weights(long_straight()), "kill -9 + resume differs from the uninterrupted run");
+}
+
+#[test]
+fn sigterm_under_launch_stops_every_rank_after_the_same_step() {
+    let t = tmp();
+    let d = t.path().join("run");
+    let (mut child, log) = spawn_train(2, LONG, &[MICRO16, LONG_EVERY], &d);
+    wait_for_file(&mut child, &d.join("checkpoints/latest"), &log);
+    let t0 = Instant::now();
+    signal(&child, libc::SIGTERM);
+    let st = wait_exit(&mut child, Duration::from_secs(30));
+    eprintln!("2 ranks stopped {:?} after SIGTERM", t0.elapsed());
+    let err = std::fs::read_to_string(&log).unwrap_or_default();
+    assert_eq!(st.code(), Some(128 + libc::SIGTERM), "{err}");
+    // Both ranks name the same step; rank 0 wrote its checkpoint.
+    let lines = |r: usize| err.lines().filter(|l| l.starts_with(&format!("[rank {r}] "))).collect::<Vec<_>>().join("\n");
+    let step = stopped_at(&lines(0), "SIGTERM");
+    assert_eq!(stopped_at(&lines(1), "SIGTERM"), step, "{err}");
+    assert_eq!(latest(&d), format!("step_{step:06}"));
+    // Resume on 2 ranks to the end: the same weights as one uninterrupted process, up to the
+    // summation order of the split.
+    let _ = train(2, LONG, &[MICRO16, LONG_EVERY, "--resume", "latest"], &d);
+    let diff = max_rel_diff(&d, long_straight());
+    eprintln!("2 ranks stopped at step {step} and resumed vs 1 process straight: {diff:e}");
+    assert!(diff < 1e-5, "{diff:e}");
+}
+
+/// `vitscale train … --resume spec` that must fail; returns stderr.
+fn resume_fails(dir: &Path, spec: &Path) -> String {
+    let mut args = vec!["train".to_string()];
+    args.extend(common(6));
+    args.extend([MICRO16.to_string(), "--resume".into(), spec.display().to_string(), "--run-dir".into(), dir.display().to_string()]);
+    let out = Command::new(EXE).args(&args).stdin(Stdio::null()).output().expect("run vitscale");
+    assert_eq!(out.status.code(), Some(1), "resuming from {} should fail", spec.display());
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn half_written_or_damaged_checkpoints_are_never_loaded() {
+    let t = tmp();
+    let d = t.path().join("run");
+    train(1, 4, &[MICRO16], &d); // checkpoints at steps 2 and 4
+    let ck = d.join("checkpoints");
+    // What a crash mid-save can leave: a temporary directory with part of the files. And a
+    // step directory without its manifest, and one with a truncated tensor file.
+    let tmpdir = ck.join(".tmp-step_000006-4242");
+    std::fs::create_dir(&tmpdir).expect("mkdir");
+    std::fs::write(tmpdir.join("model.safetensors"), b"partial").expect("write");
+    let no_manifest = ck.join("step_000008");
+    std::fs::create_dir(&no_manifest).expect("mkdir");
+    std::fs::copy(ck.join("step_000004/model.safetensors"), no_manifest.join("model.safetensors")).expect("copy");
+    let model2 = ck.join("step_000002/model.safetensors");
+    let bytes = std::fs::read(&model2).expect("read");
+    std::fs::write(&model2, &bytes[..bytes.len() / 2]).expect("truncate");
+
+    // Asked for explicitly, each is refused with an error naming the file.
+    let e = resume_fails(&d, &no_manifest);
+    assert!(e.contains("step_000008") && e.contains("manifest.json") && e.contains("did not finish"), "{e}");
+    let e = resume_fails(&d, &ck.join("step_000002"));
+    assert!(e.contains("model.safetensors") && e.contains("truncated"), "{e}");
+    let e = resume_fails(&d, &tmpdir);
+    assert!(e.contains(".tmp-step_000006-4242") && e.contains("not a checkpoint"), "{e}");
+
+    // `latest` still names the newest complete checkpoint; resuming uses it and the crash
+    // leftovers are cleared by the next save.
+    assert_eq!(latest(&d), "step_000004");
+    let out = train(1, 6, &[MICRO16, "--resume", "latest"], &d);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("step_000004 at step 4"), "{err}");
+    assert!(!tmpdir.exists(), "the temporary directory of the crashed save was not removed");
+    assert_eq!(latest(&d), "step_000006");
+}
+
+#[test]
+fn evaluation_is_sharded_over_ranks_with_the_one_rank_result() {
+    let t = tmp();
+    // lr 0 keeps the initial weights, so every world size evaluates the same model; 200
+    // images in batches of 16 = 13 batches, spread unevenly over 2 and 3 ranks.
+    let eval = |nproc: usize| -> (f64, f64, String) {
+        let dir = t.path().join(format!("n{nproc}"));
+        let mut args = Vec::new();
+        if nproc > 1 {
+            args.extend(["launch".to_string(), format!("--nproc-per-node={nproc}"), format!("--master-port={}", free_port()), "--".into()]);
+        }
+        args.extend([
+            "train", "--device=cpu", "--set=train.steps=1", "--set=train_batch_size=24", "--set=data.val_size=200",
+            "--set=train.eval_batch_size=16", "--set=optimizer={\"type\":\"SGD\",\"params\":{\"lr\":0.0}}", "--json",
+        ].map(String::from));
+        args.extend(["--run-dir".into(), dir.display().to_string()]);
+        let j = json_line(&run(&args));
+        let m = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap_or_default();
+        let ev = m.lines().find(|l| l.contains("\"kind\":\"eval\"")).unwrap_or_default().to_string();
+        (j["val_loss"].as_f64().unwrap_or(f64::NAN), j["val_top1"].as_f64().unwrap_or(f64::NAN), ev)
+    };
+    let (l1, a1, e1) = eval(1);
+    assert!(e1.contains("\"images\":200"), "{e1}");
+    for n in [2, 3] {
+        let (l, a, e) = eval(n);
+        eprintln!("{n} ranks: val_loss {l} (1 rank {l1}), val_top1 {a} (1 rank {a1})");
+        assert!((l - l1).abs() <= 1e-12 * l1.abs(), "{n} ranks: val_loss {l} vs {l1}");
+        assert_eq!(a, a1, "{n} ranks: val_top1");
+        assert!(e.contains("\"images\":200"), "{e}");
+    }
+}
+
+#[test]
+fn every_rank_writes_its_own_step_timings() {
+    let t = tmp();
+    let d = t.path().join("run");
+    train(2, 4, &["--set=train_micro_batch_size_per_gpu=8", "--set=train.log_every=1"], &d);
+    for (r, path) in [(0, d.join("metrics.jsonl")), (1, d.join("rank1").join("metrics.jsonl"))] {
+        let m = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("rank {r}: {}: {e}", path.display()));
+        let steps: Vec<serde_json::Value> =
+            m.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()).filter(|v| v.get("kind").is_none()).collect();
+        assert_eq!(steps.len(), 4, "rank {r}: one line per step with log_every 1:\n{m}");
+        for key in ["data_s", "forward_s", "backward_s", "comm_s", "optimizer_s"] {
+            assert!(steps.iter().all(|v| v[key].as_f64().is_some_and(|x| x >= 0.0)), "rank {r}: {key} missing in\n{m}");
+        }
+    }
+}
+
+/// The pid of the worker of `rank` among the launcher's children (Linux /proc).
+fn worker_pid(launcher: &Child, rank: usize) -> libc::pid_t {
+    let id = launcher.id();
+    let kids = std::fs::read_to_string(format!("/proc/{id}/task/{id}/children")).expect("/proc children");
+    let want = format!("RANK={rank}");
+    kids.split_whitespace()
+        .filter_map(|p| p.parse::<libc::pid_t>().ok())
+        .find(|p| std::fs::read(format!("/proc/{p}/environ")).is_ok_and(|e| e.split(|b| *b == 0).any(|v| v == want.as_bytes())))
+        .unwrap_or_else(|| panic!("no worker with {want} among {kids:?}"))
+}
+
+#[test]
+fn a_worker_killed_mid_training_ends_the_job_naming_it() {
+    let t = tmp();
+    let d = t.path().join("run");
+    let (mut child, log) = spawn_train(2, LONG, &[MICRO16, LONG_EVERY], &d);
+    wait_for_file(&mut child, &d.join("checkpoints/latest"), &log);
+    let t0 = Instant::now();
+    // SAFETY: kill(2) on a worker of the launcher we spawned.
+    unsafe {
+        libc::kill(worker_pid(&child, 1), libc::SIGKILL);
+    }
+    let st = wait_exit(&mut child, Duration::from_secs(10));
+    let took = t0.elapsed();
+    let err = std::fs::read_to_string(&log).unwrap_or_default();
+    eprintln!("launcher exited {took:?} after rank 1 was killed");
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+    assert_eq!(st.code(), Some(128 + libc::SIGKILL), "{err}");
+    assert!(err.contains("error: rank 1 ") && err.contains("SIGKILL"), "{err}");
+}
+
+#[test]
+fn a_stalled_rank_times_out_after_comm_timeout_naming_it() {
+    let t = tmp();
+    let d = t.path().join("run");
+    let (mut child, log) = spawn_launch(&["--kill-grace=1"], 2, LONG, &[MICRO16, LONG_EVERY, "--set=train.comm_timeout_s=2"], &d);
+    wait_for_file(&mut child, &d.join("checkpoints/latest"), &log);
+    let t0 = Instant::now();
+    let pid = worker_pid(&child, 1);
+    // SAFETY: kill(2) on a worker of the launcher we spawned: it stops taking part, alive.
+    unsafe {
+        libc::kill(pid, libc::SIGSTOP);
+    }
+    // If an assertion fails before the launcher reaps it, do not leave it stopped forever.
+    struct KillIfPanicking(libc::pid_t);
+    impl Drop for KillIfPanicking {
+        fn drop(&mut self) {
+            if std::thread::panicking() {
+                // SAFETY: kill(2) on the worker stopped above (not yet reaped: the test failed).
+                unsafe {
+                    libc::kill(self.0, libc::SIGKILL);
+                }
+            }
+        }
+    }
+    let _guard = KillIfPanicking(pid);
+    let st = wait_exit(&mut child, Duration::from_secs(30));
+    let took = t0.elapsed();
+    let err = std::fs::read_to_string(&log).unwrap_or_default();
+    eprintln!("launcher exited {took:?} after rank 1 was stopped:\n{}", err.lines().filter(|l| l.contains("error")).collect::<Vec<_>>().join("\n"));
+    // Rank 0 gives up after the configured 2 s (not the default 300 s), naming rank 1 (its
+    // wait may have begun a moment before the stop, hence the margin below 2 s).
+    assert!(took >= Duration::from_millis(1500) && took < Duration::from_secs(20), "took {took:?}\n{err}");
+    assert_eq!(st.code(), Some(1), "{err}");
+    assert!(err.contains("[rank 0] error: rank 0: ") && err.contains("timed out") && err.contains("rank 1"), "{err}");
+    assert!(err.contains("error: rank 0 "), "{err}");
 }

@@ -126,7 +126,19 @@ impl CommOptions {
 
     /// As `from_env`, reading variables through `get` (tests).
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Self, EnvError> {
-        let mut o = CommOptions::default();
+        Self::over(CommOptions::default(), get)
+    }
+
+    /// The run configuration's collective timeout (`train.comm_timeout_s`), overridden by
+    /// the variables as in `from_env`.
+    pub fn from_config_and_env(comm_timeout_s: f64) -> Result<Self, EnvError> {
+        let base = CommOptions { timeout: Duration::from_secs_f64(comm_timeout_s), ..CommOptions::default() };
+        Self::over(base, |k| std::env::var(k).ok())
+    }
+
+    /// `base` with whatever the variables read through `get` set.
+    pub fn over(base: CommOptions, get: impl Fn(&str) -> Option<String>) -> Result<Self, EnvError> {
+        let mut o = base;
         if let Some(t) = env::seconds_var(&get, ENV_COMM_TIMEOUT)? {
             o.timeout = t;
         }
@@ -295,4 +307,19 @@ pub fn init_cpu(env: &DistEnv, opts: &CommOptions, config_hash: &str) -> CResult
         return Ok(Box::new(SingleComm::new()));
     }
     Ok(Box::new(TcpComm::connect(env, opts, config_hash)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_variable_overrides_the_configured_timeout() {
+        let base = CommOptions { timeout: Duration::from_secs_f64(2.5), ..CommOptions::default() };
+        let o = CommOptions::over(base.clone(), |_| None).expect("no variables");
+        assert_eq!(o.timeout, Duration::from_secs_f64(2.5));
+        let o = CommOptions::over(base.clone(), |k| (k == ENV_COMM_TIMEOUT).then(|| "7".to_string())).expect("valid");
+        assert_eq!(o.timeout, Duration::from_secs(7));
+        assert!(CommOptions::over(base, |k| (k == ENV_COMM_TIMEOUT).then(|| "soon".to_string())).is_err());
+    }
 }

@@ -389,8 +389,22 @@ const T_SMOOTHING: KeyDef = key("label_smoothing", UNIT_HALF_OPEN, Dflt::Num(0.0
 const T_DECAY_SKIP: KeyDef = key("weight_decay_skip", Ty::StrList(SKIP_KINDS), Dflt::StrList(SKIP_KINDS), "Parameter kinds without weight decay; [] decays everything.");
 const T_LOG_EVERY: KeyDef = key("log_every", POS_INT, Dflt::Derived("steps_per_print (10)"), "Log a metrics line every N optimizer steps.");
 const T_EVAL_BATCH: KeyDef = key("eval_batch_size", POS_INT, Dflt::Derived("train_micro_batch_size_per_gpu"), "Evaluation batch size.");
+const T_CKPT_ON_SIGNAL: KeyDef = key(
+    "checkpoint_on_signal",
+    Ty::Bool,
+    Dflt::Derived("true when checkpoint_every > 0, else false"),
+    "On SIGINT/SIGTERM, finish the current optimizer step on every rank, write a checkpoint of it (rank 0) and exit with 130/143; false = the signal ends the process at once.",
+);
+const T_COMM_TIMEOUT: KeyDef = key(
+    "comm_timeout_s",
+    POSITIVE,
+    Dflt::Num(300.0),
+    "Seconds a collective waits for the other ranks before failing with an error naming the missing rank(s); the VITSCALE_COMM_TIMEOUT variable overrides it.",
+);
 /// Keys of the `train` section.
-pub const TRAIN_KEYS: &[KeyDef] = &[T_EPOCHS, T_STEPS, T_SEED, T_EVAL_EVERY, T_CKPT_EVERY, T_SMOOTHING, T_DECAY_SKIP, T_LOG_EVERY, T_EVAL_BATCH];
+pub const TRAIN_KEYS: &[KeyDef] = &[
+    T_EPOCHS, T_STEPS, T_SEED, T_EVAL_EVERY, T_CKPT_EVERY, T_SMOOTHING, T_DECAY_SKIP, T_LOG_EVERY, T_EVAL_BATCH, T_CKPT_ON_SIGNAL, T_COMM_TIMEOUT,
+];
 
 /// Help text for every key, generated from the tables.
 pub fn help_text() -> String {
@@ -1279,12 +1293,13 @@ fn parse_train(sec: Option<&Map<String, Value>>, batch: &BatchConfig, steps_per_
             out
         }
     };
+    let checkpoint_every = get_int(sec, p, &T_CKPT_EVERY, cx)?;
     Ok(TrainConfig {
         epochs: get_int(sec, p, &T_EPOCHS, cx)? as usize,
         steps: opt_int(sec, p, &T_STEPS, cx)?,
         seed: get_int(sec, p, &T_SEED, cx)?,
         eval_every: get_int(sec, p, &T_EVAL_EVERY, cx)?,
-        checkpoint_every: get_int(sec, p, &T_CKPT_EVERY, cx)?,
+        checkpoint_every,
         label_smoothing: get_num(sec, p, &T_SMOOTHING, cx)? as f32,
         weight_decay_skip: DecaySkip {
             bias: skip.contains(&"bias"),
@@ -1294,6 +1309,8 @@ fn parse_train(sec: Option<&Map<String, Value>>, batch: &BatchConfig, steps_per_
         },
         log_every: opt_int(sec, p, &T_LOG_EVERY, cx)?.unwrap_or(steps_per_print),
         eval_batch_size: opt_int(sec, p, &T_EVAL_BATCH, cx)?.map(|i| i as usize).unwrap_or(batch.micro_batch_per_gpu),
+        checkpoint_on_signal: opt_bool(sec, p, &T_CKPT_ON_SIGNAL, cx)?.unwrap_or(checkpoint_every > 0),
+        comm_timeout_s: get_num(sec, p, &T_COMM_TIMEOUT, cx)?,
     })
 }
 
@@ -1366,7 +1383,8 @@ pub fn resolved_json(cfg: &RunConfig) -> Value {
                 "pos_embed" => t.weight_decay_skip.pos_embed,
                 _ => t.weight_decay_skip.cls_token,
             }).collect::<Vec<_>>(),
-            "log_every": t.log_every, "eval_batch_size": t.eval_batch_size
+            "log_every": t.log_every, "eval_batch_size": t.eval_batch_size,
+            "checkpoint_on_signal": t.checkpoint_on_signal, "comm_timeout_s": t.comm_timeout_s
         }
     });
     // `json!` always yields an object here; the if-lets only avoid an unwrap.

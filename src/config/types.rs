@@ -238,6 +238,12 @@ pub struct TrainConfig {
     pub log_every: u64,
     /// Batch size for evaluation (defaults to the micro batch).
     pub eval_batch_size: usize,
+    /// SIGINT / SIGTERM: stop every rank after the same optimizer step, checkpoint it, exit
+    /// with 128 + signal (default: on when `checkpoint_every > 0`).
+    pub checkpoint_on_signal: bool,
+    /// How long a collective waits for the other ranks (seconds); `VITSCALE_COMM_TIMEOUT`
+    /// overrides it.
+    pub comm_timeout_s: f64,
 }
 
 /// A complete, validated run configuration.

@@ -73,6 +73,11 @@ impl JsonlWriter {
     pub fn create(path: &Path) -> std::io::Result<Self> {
         Ok(JsonlWriter { out: BufWriter::new(File::create(path)?) })
     }
+    /// Opens `path` for appending (created if missing): a resumed run keeps its history.
+    pub fn append(path: &Path) -> std::io::Result<Self> {
+        let f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
+        Ok(JsonlWriter { out: BufWriter::new(f) })
+    }
     pub fn write<T: Serialize>(&mut self, record: &T) -> std::io::Result<()> {
         serde_json::to_writer(&mut self.out, record).map_err(std::io::Error::other)?;
         self.out.write_all(b"\n")?;

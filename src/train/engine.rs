@@ -5,7 +5,8 @@
 //! (parameter gradients accumulate) — no communication in between; at the boundary: reduce
 //! gradients across ranks, global norm + clipping, learning rate from the schedule, one
 //! optimizer update over the flat buffer, zero the gradients. Evaluation, metrics lines,
-//! progress output and the run directory are around that loop.
+//! progress output and the run directory are around that loop. A SIGINT / SIGTERM caught by
+//! `train::stop` is acted on at a boundary that every rank agrees on: checkpoint, then stop.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -18,7 +19,7 @@ use crate::config::RunConfig;
 use crate::data::{self, Datasets, ImageSet, Sampler};
 use crate::metrics::{timed, EvalRecord, JsonlWriter, PhaseTimes, StepRecord};
 use crate::model::{init, smoothed_targets, weights, Vit};
-use crate::train::{checkpoint, schedule}; // [dist] checkpoint
+use crate::train::{checkpoint, schedule, stop}; // [dist] checkpoint, stop
 
 /// Largest number of images one forward/backward pass processes on the host backend; a larger
 /// micro-batch is run as several passes whose gradients add up (same math, bounded memory).
@@ -43,6 +44,20 @@ pub enum TrainError {
     Comm(#[from] CommError),
     #[error(transparent)]
     Checkpoint(#[from] checkpoint::CheckpointError),
+    /// SIGINT / SIGTERM acted on at a step boundary (see `train::stop`).
+    #[error("stopped by {} after step {step}: {detail}", stop::signal_name(*signal))]
+    Interrupted { signal: i32, step: u64, detail: String },
+}
+
+impl TrainError {
+    /// The process exit status this error calls for: 128 + signal for a graceful stop (130
+    /// SIGINT, 143 SIGTERM, as shells report them), else 1.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            TrainError::Interrupted { signal, .. } => 128 + signal,
+            _ => 1,
+        }
+    }
 }
 
 /// Where a run writes, and what it loads/saves besides.
@@ -88,11 +103,26 @@ pub struct EvalSummary {
 
 /// Evaluates `vit` on every image of `set` (no augmentation, no smoothing).
 pub fn evaluate<B: Backend>(be: &B, vit: &mut Vit<B>, set: &ImageSet, cfg: &RunConfig, batch: usize) -> Result<EvalSummary, TrainError> {
+    evaluate_with(be, vit, set, cfg, batch, &mut SingleComm::new())
+}
+
+/// [dist] `evaluate` shared by the ranks of `comm`: evaluation batch `i` (the same batches
+/// as on one rank) is run by rank `i mod world`, and the loss sums and correct counts are
+/// summed over ranks, so every rank gets the one-rank result up to the order of the f64 sum.
+pub fn evaluate_with<B: Backend>(
+    be: &B,
+    vit: &mut Vit<B>,
+    set: &ImageSet,
+    cfg: &RunConfig,
+    batch: usize,
+    comm: &mut dyn Comm<B::Buf>,
+) -> Result<EvalSummary, TrainError> {
     let k = vit.cfg.num_classes;
     let (mut loss_sum, mut correct) = (0.0f64, 0usize);
     let n = set.len();
     let batch = batch.clamp(1, MAX_IMAGES_PER_PASS);
-    let mut start = 0;
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let mut start = rank * batch;
     while start < n {
         let idx: Vec<usize> = (start..(start + batch).min(n)).collect();
         let b = idx.len();
@@ -105,8 +135,11 @@ pub fn evaluate<B: Backend>(be: &B, vit: &mut Vit<B>, set: &ImageSet, cfg: &RunC
             let pred = row.iter().enumerate().fold(0, |best, (j, v)| if *v > row[best] { j } else { best });
             correct += usize::from(pred == label as usize);
         }
-        start += b;
+        start += world * batch;
     }
+    let mut sums = [loss_sum, correct as f64];
+    comm.all_reduce_host(&mut sums)?;
+    let (loss_sum, correct) = (sums[0], sums[1]);
     Ok(EvalSummary { loss: loss_sum / n.max(1) as f64, top1: correct as f64 / n.max(1) as f64, images: n })
 }
 
@@ -143,7 +176,13 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     let resolved = serde_json::to_vec_pretty(cfg).map_err(|e| TrainError::Config(e.to_string()))?;
     crate::util::write_atomic(&opts.run_dir.join("config.json"), &resolved).map_err(io_err(&opts.run_dir))?;
     let metrics_path = opts.run_dir.join("metrics.jsonl");
-    let mut metrics = JsonlWriter::create(&metrics_path).map_err(io_err(&metrics_path))?;
+    // [dist] a resumed run appends, after a `{"kind": "resume"}` line, so the history before
+    // the interruption stays (steps after that line's `step` replace earlier lines).
+    let mut metrics = match opts.resume {
+        Some(_) => JsonlWriter::append(&metrics_path),
+        None => JsonlWriter::create(&metrics_path),
+    }
+    .map_err(io_err(&metrics_path))?;
 
     // ---- data, model, optimizer state
     let Datasets { train: train_set, val: val_set, description, .. } =
@@ -180,6 +219,8 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         vit.set_params(be, &r.params)?;
         be.upload(&mut opt_state, 0, &r.opt_state)?;
         start_step = r.step;
+        let mark = serde_json::json!({"kind": "resume", "step": start_step, "from": r.dir.display().to_string()});
+        metrics.write(&mark).map_err(io_err(&metrics_path))?;
         if !opts.quiet {
             eprintln!("resumed from {} at step {start_step}", r.dir.display());
         }
@@ -237,13 +278,16 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
             }
         }
         // [dist] the step's only communication: sum gradients (each already scaled by
-        // 1/global batch) and the loss over ranks.
+        // 1/global batch), the loss and the stop flags (SIGINT/SIGTERM seen) over ranks.
+        let mut stop_sig = stop::pending();
         if world > 1 {
             let t_comm = Instant::now();
             comm.all_reduce(&mut vit.grads, Span { off: 0, len: num_params }, ReduceOp::Sum)?;
-            let mut loss = [step_loss];
-            comm.all_reduce_host(&mut loss)?;
-            step_loss = loss[0];
+            let f = stop::flags(stop_sig);
+            let mut host = [step_loss, f[0], f[1]];
+            comm.all_reduce_host(&mut host)?;
+            step_loss = host[0];
+            stop_sig = stop::agreed(stop_sig, [host[1], host[2]]);
             phases.comm_s += t_comm.elapsed().as_secs_f64();
         }
         step_loss /= global_batch as f64;
@@ -264,9 +308,12 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         be.synchronize()?;
         phases.optimizer_s += t_opt.elapsed().as_secs_f64();
 
-        // [dist] checkpoint (rank 0 writes; every rank holds the same state)
+        // [dist] checkpoint (rank 0 writes; every rank holds the same state), also when
+        // stopping for a signal
         let every = cfg.train.checkpoint_every;
-        if rank == 0 && every > 0 && ((step + 1) % every == 0 || step + 1 == total_steps) {
+        let stop_ckpt = stop_sig != 0 && cfg.train.checkpoint_on_signal;
+        let mut saved = None;
+        if rank == 0 && (stop_ckpt || (every > 0 && ((step + 1) % every == 0 || step + 1 == total_steps))) {
             let state = serde_json::json!({
                 "step": step + 1,
                 "epoch": (step + 1) / steps_per_epoch,
@@ -278,7 +325,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
                 "config": cfg,
             });
             let (p, o) = (vit.params_host(be)?, be.download(&opt_state)?);
-            checkpoint::save_training(&ckpt_root, step + 1, &vit.table, &p, &cfg.optimizer, &o, &state, opts.keep_checkpoints)?;
+            saved = Some(checkpoint::save_training(&ckpt_root, step + 1, &vit.table, &p, &cfg.optimizer, &o, &state, opts.keep_checkpoints)?);
         }
 
         images_done += global_batch as u64;
@@ -289,7 +336,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
 
         // ---- metrics line
         let last_step = step + 1 == total_steps;
-        if (step + 1) % cfg.train.log_every.max(1) == 0 || last_step {
+        if (step + 1) % cfg.train.log_every.max(1) == 0 || last_step || stop_sig != 0 {
             let secs = window_start.elapsed().as_secs_f64();
             let ips = (window_steps * global_batch as u64) as f64 / secs.max(1e-9);
             let rec = StepRecord {
@@ -319,6 +366,27 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
             pb.inc(1);
         }
 
+        // [dist] stop for a signal: every rank agreed on this step; the others wait until
+        // rank 0's checkpoint is on disk, then all exit with 128 + signal.
+        if stop_sig != 0 {
+            if let Some(pb) = &bar {
+                pb.abandon();
+            }
+            if world > 1 {
+                comm.barrier()?;
+            }
+            let detail = match (&saved, stop_ckpt) {
+                (Some(dir), _) => format!(
+                    "checkpoint {} written; continue with --resume latest --run-dir {}",
+                    dir.display(),
+                    opts.run_dir.display()
+                ),
+                (None, true) => "rank 0 wrote the checkpoint".to_string(),
+                (None, false) => "no checkpoint written (train.checkpoint_on_signal is false)".to_string(),
+            };
+            return Err(TrainError::Interrupted { signal: stop_sig, step: step + 1, detail });
+        }
+
         // ---- evaluation: every eval_every steps, or at each epoch end, and at the end
         let epoch_end = (step + 1) % steps_per_epoch == 0;
         let due = if cfg.train.eval_every > 0 { (step + 1) % cfg.train.eval_every == 0 } else { epoch_end };
@@ -327,7 +395,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
             (epoch_loss, epoch_steps) = (0.0, 0);
         }
         if due || last_step {
-            let ev = evaluate(be, &mut vit, &val_set, cfg, cfg.train.eval_batch_size)?;
+            let ev = evaluate_with(be, &mut vit, &val_set, cfg, cfg.train.eval_batch_size, comm)?; // [dist] sharded
             let rec = EvalRecord { kind: "eval", step: step + 1, epoch, val_loss: ev.loss, val_top1: ev.top1, images: ev.images };
             metrics.write(&rec).map_err(io_err(&metrics_path))?;
             let line = format!("eval after step {}: val_loss {:.4} val_top1 {:.4}", step + 1, ev.loss, ev.top1);
@@ -346,7 +414,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
 
     let ev = match last_eval {
         Some(ev) => ev,
-        None => evaluate(be, &mut vit, &val_set, cfg, cfg.train.eval_batch_size)?,
+        None => evaluate_with(be, &mut vit, &val_set, cfg, cfg.train.eval_batch_size, comm)?,
     };
     if let Some(path) = &opts.save_weights {
         weights::save(path, &vit.table, &vit.cfg, &vit.params_host(be)?)?;
