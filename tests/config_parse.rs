@@ -72,6 +72,7 @@ fn empty_config_gives_every_default() {
             scale: [0.08, 1.0],
             ratio: [0.75, 4.0 / 3.0],
             prefetch: 2,
+            aug: Default::default(),
         }
     );
     assert_eq!(

@@ -26,6 +26,7 @@ fn export_builtin() {
         scale: DataConfig::DEFAULT_SCALE,
         ratio: DataConfig::DEFAULT_RATIO,
         prefetch: DataConfig::DEFAULT_PREFETCH,
+        aug: Default::default(),
     };
     let d = vitscale::data::open(&cfg, side, 10, 0).expect("open builtin");
     std::fs::create_dir_all(&dir).expect("create export dir");

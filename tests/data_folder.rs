@@ -26,6 +26,7 @@ fn cfg(path: &Path) -> DataConfig {
         scale: DataConfig::DEFAULT_SCALE,
         ratio: DataConfig::DEFAULT_RATIO,
         prefetch: 2,
+        aug: Default::default(),
     }
 }
 
@@ -170,6 +171,7 @@ fn plan(set: Arc<vitscale::data::ImageSet>, c: &DataConfig, rank: usize, steps: 
         start_epoch: 0,
         start_step: 1,
         steps,
+        mix: None,
     }
 }
 

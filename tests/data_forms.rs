@@ -27,6 +27,7 @@ fn cfg(dataset: DatasetKind, path: &Path) -> DataConfig {
         scale: DataConfig::DEFAULT_SCALE,
         ratio: DataConfig::DEFAULT_RATIO,
         prefetch: DataConfig::DEFAULT_PREFETCH,
+        aug: Default::default(),
     }
 }
 

@@ -25,6 +25,7 @@ fn cfg() -> DataConfig {
         scale: DataConfig::DEFAULT_SCALE,
         ratio: DataConfig::DEFAULT_RATIO,
         prefetch: 3,
+        aug: Default::default(),
     }
 }
 
@@ -44,6 +45,7 @@ fn batches_are_ready_after_the_consumer_was_busy() {
         start_epoch: 0,
         start_step: 0,
         steps: 20,
+        mix: None,
     };
     let mut loader = Loader::start(plan).unwrap();
     let first = loader.next().unwrap().unwrap();
@@ -79,6 +81,7 @@ fn eval_plan_covers_the_split_once() {
             start_epoch: 0,
             start_step: 0,
             steps: sampler.steps_per_epoch() as u64,
+            mix: None,
         };
         for p in Loader::start(plan).unwrap() {
             let p = p.unwrap();

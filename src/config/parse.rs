@@ -347,7 +347,7 @@ const ZERO_TUNING: &[&str] = &[
 // -- model --
 
 const M_PRESET: KeyDef = key("preset", Ty::Choice(PRESET_NAMES),
-    Dflt::Derived("\"vit_builtin_default\" for builtin/synthetic data, \"vit_tiny_patch4_32\" for cifar10/cifar100"),
+    Dflt::Derived("\"vit_builtin_default\" for builtin/synthetic data, \"vit_tiny_patch4_32\" for cifar10/cifar100, \"vit_tiny_patch16_224\" for folder"),
     "A timm ViT name; the fields below override it.");
 const M_IMAGE: KeyDef = key("image_size", POS_INT, Dflt::Derived("from the preset"), "Input resolution (square).");
 const M_PATCH: KeyDef = key("patch_size", POS_INT, Dflt::Derived("from the preset"), "Patch side; must divide image_size.");
@@ -365,17 +365,87 @@ pub const MODEL_KEYS: &[KeyDef] = &[M_PRESET, M_IMAGE, M_PATCH, M_CHANS, M_WIDTH
 
 // -- data --
 
-const D_DATASET: KeyDef = key("dataset", Ty::Choice(DatasetKind::NAMES), Dflt::Str("builtin"), "Which dataset.");
-const D_PATH: KeyDef = key("path", Ty::Str, Dflt::Derived("required for cifar10/cifar100, not used otherwise"), "Dataset directory.");
-const D_MEAN: KeyDef = key("mean", Ty::Nums(3), Dflt::Derived("builtin/synthetic 0.5; cifar10 (0.4914, 0.4822, 0.4465); cifar100 (0.5071, 0.4865, 0.4409)"), "Per-channel mean subtracted after scaling to [0, 1].");
-const D_STD: KeyDef = key("std", Ty::Nums(3), Dflt::Derived("builtin/synthetic 0.5; cifar10 (0.2470, 0.2435, 0.2616); cifar100 (0.2673, 0.2564, 0.2762)"), "Per-channel std divided by; each > 0.");
-const D_AUGMENT: KeyDef = key("augment", Ty::Choice(&["none", "default"]), Dflt::Str("default"), "Training augmentation.");
+const D_DATASET: KeyDef = key("dataset", Ty::Choice(DatasetKind::NAMES), Dflt::Str("builtin"),
+    "Which dataset: builtin (generated shapes), synthetic (random pixels), cifar10 / cifar100 (any of their distributed forms under data.path), folder (an image folder: path/<class>/*.jpg|png, or path/train/<class>/… + path/val/<class>/…).");
+const D_PATH: KeyDef = key("path", Ty::Str, Dflt::Derived("required for cifar10/cifar100/folder, not used otherwise"), "Dataset directory.");
+const D_MEAN: KeyDef = key("mean", Ty::Nums(3), Dflt::Derived("builtin/synthetic 0.5; cifar10 (0.4914, 0.4822, 0.4465); cifar100 (0.5071, 0.4865, 0.4409); folder ImageNet (0.485, 0.456, 0.406)"), "Per-channel mean subtracted after scaling to [0, 1].");
+const D_STD: KeyDef = key("std", Ty::Nums(3), Dflt::Derived("builtin/synthetic 0.5; cifar10 (0.2470, 0.2435, 0.2616); cifar100 (0.2673, 0.2564, 0.2762); folder ImageNet (0.229, 0.224, 0.225)"), "Per-channel std divided by; each > 0.");
+const D_AUGMENT: KeyDef = key("augment", Ty::Choice(&["none", "default"]), Dflt::Str("default"),
+    "Training augmentation: default = CIFAR pad-4 crop + flip, built-in flip, resampled sets RandomResizedCrop(scale, ratio) + flip; none = as stored / center crop. The options below add to it.");
 const D_SHUFFLE: KeyDef = key("shuffle", Ty::Bool, Dflt::Bool(true), "Shuffle the training set every epoch.");
 const D_WORKERS: KeyDef = key("num_workers", NONNEG_INT, Dflt::Int(0), "Loader threads; 0 = all cores.");
 const D_TRAIN_SIZE: KeyDef = key("train_size", POS_INT, Dflt::Int(6000), "Training images (builtin/synthetic only).");
 const D_VAL_SIZE: KeyDef = key("val_size", POS_INT, Dflt::Int(2000), "Validation images (builtin/synthetic only).");
+const D_LABEL: KeyDef = key("label", Ty::Choice(&["fine", "coarse"]), Dflt::Str("fine"),
+    "CIFAR-100 label: the 100 fine classes or the 20 coarse superclasses (coarse only with cifar100; model.num_classes follows).");
+const D_SKIP_BAD: KeyDef = key("skip_bad", Ty::Bool, Dflt::Bool(false),
+    "Replace an image file that cannot be read or decoded by the next good one of its split and count it (summary.json `skipped`), instead of stopping with an error naming the file.");
+const D_VAL_SPLIT: KeyDef = key("val_split", UNIT_HALF_OPEN, Dflt::Num(0.1),
+    "Folder without train/ + val/ subfolders: fraction of each class held out (seeded) for validation.");
+const D_CROP_PCT: KeyDef = key("crop_pct", Ty::Num { lo: 0.0, hi: 1.0, lo_open: true, hi_open: false }, Dflt::Num(0.875),
+    "Evaluation of resampled sets: resize the shorter side to image_size / crop_pct, center-crop image_size (timm's crop_pct).");
+const D_SCALE: KeyDef = key("scale", Ty::Nums(2), Dflt::Nums(&[0.08, 1.0]), "RandomResizedCrop area range [lo, hi], 0 < lo <= hi <= 1.");
+const D_RATIO: KeyDef = key("ratio", Ty::Nums(2), Dflt::Nums(&[0.75, 1.3333333333333333]), "RandomResizedCrop aspect-ratio range [lo, hi], 0 < lo <= hi.");
+const D_PREFETCH: KeyDef = key("prefetch", POS_INT, Dflt::Int(2), "Batches the loader builds ahead of the training step (bounded queue).");
+const D_AUTO_AUGMENT: KeyDef = key("auto_augment", Ty::Str, Dflt::Str("none"),
+    "RandAugment as a timm string, e.g. \"rand-m9-mstd0.5-inc1\": m magnitude (0-10), n ops per image (2), mstd magnitude noise, mmax clip (10), inc1 increasing ops, p op probability (0.5); \"none\" = off. Training batches only, after crop + flip.");
+const D_MIXUP: KeyDef = key("mixup", NONNEG, Dflt::Num(0.0), "Mixup Beta(α, α) parameter (timm --mixup); 0 = off. Needs an even micro batch.");
+const D_CUTMIX: KeyDef = key("cutmix", NONNEG, Dflt::Num(0.0), "CutMix Beta(α, α) parameter (timm --cutmix); 0 = off. Needs an even micro batch.");
+const D_MIXUP_PROB: KeyDef = key("mixup_prob", UNIT, Dflt::Num(1.0), "Probability a global batch is mixed (timm --mixup-prob).");
+const D_MIXUP_SWITCH: KeyDef = key("mixup_switch_prob", UNIT, Dflt::Num(0.5), "With mixup and cutmix both on: probability of cutmix (timm --mixup-switch-prob).");
+const D_MIXUP_MODE: KeyDef = key("mixup_mode", Ty::Choice(&["batch"]), Dflt::Str("batch"),
+    "One λ per global batch (timm mode \"batch\"); images are paired with their neighbour in the global batch order (0↔1, 2↔3, …), so the result does not depend on the rank split. train.label_smoothing is folded into the mixed targets.");
+const D_REPROB: KeyDef = key("reprob", UNIT, Dflt::Num(0.0), "Random erasing probability per training image (timm --reprob); 0 = off.");
+const D_REMODE: KeyDef = key("remode", Ty::Choice(&["pixel", "const", "rand"]), Dflt::Str("pixel"),
+    "Random erasing fill: pixel = per-pixel normal noise, const = 0 (the mean), rand = one normal value per channel (timm --remode).");
+const D_RECOUNT: KeyDef = key("recount", POS_INT, Dflt::Int(1), "Random erasing: up to this many boxes per image (timm --recount).");
 /// Keys of the `data` section (extend here).
-pub const DATA_KEYS: &[KeyDef] = &[D_DATASET, D_PATH, D_MEAN, D_STD, D_AUGMENT, D_SHUFFLE, D_WORKERS, D_TRAIN_SIZE, D_VAL_SIZE];
+pub const DATA_KEYS: &[KeyDef] = &[
+    D_DATASET, D_PATH, D_MEAN, D_STD, D_AUGMENT, D_SHUFFLE, D_WORKERS, D_TRAIN_SIZE, D_VAL_SIZE, D_LABEL, D_SKIP_BAD, D_VAL_SPLIT,
+    D_CROP_PCT, D_SCALE, D_RATIO, D_PREFETCH, D_AUTO_AUGMENT, D_MIXUP, D_CUTMIX, D_MIXUP_PROB, D_MIXUP_SWITCH, D_MIXUP_MODE,
+    D_REPROB, D_REMODE, D_RECOUNT,
+];
+
+/// Parses a timm RandAugment string (`rand-m9-n2-mstd0.5-mmax10-inc1-p0.5`; sections in any
+/// order after `rand`). `none` or `""` = off.
+pub fn parse_rand_augment(spec: &str) -> std::result::Result<Option<RandAugmentConfig>, String> {
+    if spec.is_empty() || spec == "none" {
+        return Ok(None);
+    }
+    let mut parts = spec.split('-');
+    if parts.next() != Some("rand") {
+        return Err(format!("\"{spec}\" is not supported: expected a RandAugment string starting with \"rand\" (e.g. \"rand-m9-mstd0.5-inc1\") or \"none\""));
+    }
+    let mut c = RandAugmentConfig {
+        spec: spec.to_string(),
+        magnitude: 10.0,
+        num_layers: 2,
+        magnitude_std: 0.0,
+        magnitude_max: 10.0,
+        increasing: false,
+        prob: 0.5,
+    };
+    for part in parts {
+        let split = part.find(|ch: char| ch.is_ascii_digit() || ch == '.' || ch == '-').unwrap_or(part.len());
+        let (name, val) = part.split_at(split);
+        let num = || -> std::result::Result<f64, String> {
+            let x = if val == "inf" || (name == "mstd" && val.is_empty()) { f64::NAN } else { val.parse::<f64>().map_err(|_| String::new())? };
+            Ok(x)
+        };
+        let bad = || format!("section \"{part}\" of \"{spec}\" is not a valid number for `{name}`");
+        match name {
+            "m" => c.magnitude = num().ok().filter(|x| (0.0..=30.0).contains(x)).ok_or_else(bad)?,
+            "n" => c.num_layers = val.parse::<usize>().ok().filter(|n| (1..=16).contains(n)).ok_or_else(bad)?,
+            "mstd" if val == "inf" || val == "101" => c.magnitude_std = f64::INFINITY,
+            "mstd" => c.magnitude_std = num().ok().filter(|x| *x >= 0.0).ok_or_else(bad)?,
+            "mmax" => c.magnitude_max = num().ok().filter(|x| *x > 0.0).ok_or_else(bad)?,
+            "inc" => c.increasing = val.parse::<u32>().map_err(|_| bad())? != 0,
+            "p" => c.prob = num().ok().filter(|x| (0.0..=1.0).contains(x)).ok_or_else(bad)?,
+            _ => return Err(format!("unknown section \"{part}\" in \"{spec}\"; expected m<magnitude>, n<layers>, mstd<std>, mmax<max>, inc<0|1>, p<prob>")),
+        }
+    }
+    Ok(Some(c))
+}
 
 // -- train --
 
@@ -781,12 +851,19 @@ pub fn resolve(value: &Value, world_size: usize) -> Result<RunConfig> {
     let precision = parse_precision(root, &mut cx)?;
     let zero_stage = parse_zero(root.get("zero_optimization"), &mut cx)?;
     let data = parse_data(section(root.get("data"), "data")?, &mut cx)?;
-    let model = parse_model(section(root.get("model"), "model")?, data.dataset, &mut cx)?;
+    let model = parse_model(section(root.get("model"), "model")?, &data, &mut cx)?;
     let steps_per_print = get_int(Some(root), "", &STEPS_PER_PRINT, &mut cx)?;
     let train = parse_train(section(root.get("train"), "train")?, &batch, steps_per_print, &mut cx)?;
     let optimizer = parse_optimizer(section(root.get("optimizer"), "optimizer")?, &mut cx)?;
-    let run_steps = planned_steps(&train, &data, &batch);
-    let scheduler = parse_scheduler(section(root.get("scheduler"), "scheduler")?, &optimizer, run_steps, &mut cx)?;
+    if data.aug.mixes() && batch.micro_batch_per_gpu % 2 != 0 {
+        let key = if data.aug.mixup > 0.0 { "data.mixup" } else { "data.cutmix" };
+        return Err(key_err(
+            key,
+            format!("mixing pairs neighbouring images, so train_micro_batch_size_per_gpu must be even (got {})", batch.micro_batch_per_gpu),
+        ));
+    }
+    let run_steps = || planned_steps(&train, &data, &batch);
+    let scheduler = parse_scheduler(section(root.get("scheduler"), "scheduler")?, &optimizer, &run_steps, &mut cx)?;
 
     Ok(RunConfig {
         batch,
@@ -802,23 +879,22 @@ pub fn resolve(value: &Value, world_size: usize) -> Result<RunConfig> {
     })
 }
 
-/// Images in the training split, when known without reading files.
-fn train_len(data: &DataConfig) -> usize {
-    match data.dataset {
-        DatasetKind::Builtin | DatasetKind::Synthetic => data.train_size,
-        DatasetKind::Cifar10 | DatasetKind::Cifar100 => 50_000,
-        // Not known before listing the folder (`data::folder::count_train`).
-        DatasetKind::Folder => 0,
-    }
-}
-
 /// Optimizer steps the run will take: `train.steps`, else epochs × full global batches per
-/// epoch (the last partial batch dropped). Used for `total_num_steps: "auto"`.
-fn planned_steps(train: &TrainConfig, data: &DataConfig, batch: &BatchConfig) -> u64 {
-    train.steps.unwrap_or_else(|| {
-        let per_epoch = (train_len(data) / batch.train_batch_size.max(1)).max(1) as u64;
-        per_epoch * train.epochs as u64
-    })
+/// epoch (the last partial batch dropped), counting the training images as `data::train_len`
+/// does (folders are listed, CIFAR binary files measured). Used for `total_num_steps: "auto"`.
+fn planned_steps(train: &TrainConfig, data: &DataConfig, batch: &BatchConfig) -> Result<u64> {
+    if let Some(s) = train.steps {
+        return Ok(s);
+    }
+    let n = crate::data::train_len(data, train.seed).map_err(|e| key_err("scheduler.params.total_num_steps", format!("\"auto\" needs the training set size: {e}")))?;
+    let per_epoch = (n / batch.train_batch_size.max(1)) as u64;
+    if per_epoch == 0 {
+        return Err(key_err(
+            "scheduler.params.total_num_steps",
+            format!("\"auto\": the training set ({n} images) holds no full global batch of {}", batch.train_batch_size),
+        ));
+    }
+    Ok(per_epoch * train.epochs as u64)
 }
 
 // -- batch --
@@ -991,16 +1067,17 @@ fn warmup_type(params: Option<&Map<String, Value>>, path: &str, cx: &mut Cx) -> 
     })
 }
 
-fn total_steps(params: Option<&Map<String, Value>>, path: &str, run_steps: u64, cx: &mut Cx) -> Result<u64> {
+fn total_steps(params: Option<&Map<String, Value>>, path: &str, run_steps: &dyn Fn() -> Result<u64>, cx: &mut Cx) -> Result<u64> {
     let raw = params.and_then(|p| p.get("total_num_steps"));
     if raw.is_some_and(is_auto) {
+        let run_steps = run_steps()?;
         cx.warn(format!("{path}.total_num_steps = \"auto\": using the run's length, {run_steps} optimizer steps"));
         return Ok(run_steps);
     }
     get_int(params, path, &TOTAL_STEPS, cx)
 }
 
-fn parse_scheduler(block: Option<&Map<String, Value>>, opt: &OptimizerConfig, run_steps: u64, cx: &mut Cx) -> Result<Option<SchedulerConfig>> {
+fn parse_scheduler(block: Option<&Map<String, Value>>, opt: &OptimizerConfig, run_steps: &dyn Fn() -> Result<u64>, cx: &mut Cx) -> Result<Option<SchedulerConfig>> {
     let Some(block) = block else { return Ok(None) };
     check_keys("scheduler", block, SCHED_BLOCK_KEYS, &[])?;
     let ty_v = block.get("type").ok_or_else(|| key_err("scheduler.type", format!("is required; expected one of {}", quoted(SCHEDULER_TYPES))))?;
@@ -1147,8 +1224,9 @@ fn parse_zero(v: Option<&Value>, cx: &mut Cx) -> Result<u8> {
 
 // -- model --
 
-fn parse_model(sec: Option<&Map<String, Value>>, dataset: DatasetKind, cx: &mut Cx) -> Result<ModelConfig> {
+fn parse_model(sec: Option<&Map<String, Value>>, data: &DataConfig, cx: &mut Cx) -> Result<ModelConfig> {
     let p = "model";
+    let dataset = data.dataset;
     if let Some(s) = sec {
         check_keys(p, s, MODEL_KEYS, &[])?;
     }
@@ -1176,11 +1254,15 @@ fn parse_model(sec: Option<&Map<String, Value>>, dataset: DatasetKind, cx: &mut 
         m.global_pool = if v == "avg" { GlobalPool::Avg } else { GlobalPool::Token };
     }
     let given_classes = int(&M_CLASSES, cx)?;
-    m.num_classes = match (given_classes, dataset.num_classes()) {
+    m.num_classes = match (given_classes, data.num_classes()) {
         (Some(k), Some(d)) if k != d => {
             return Err(key_err(
                 "model.num_classes",
-                format!("is {k} but data.dataset \"{}\" has {d} classes; leave it out or set it to {d}", dataset.as_str()),
+                format!(
+                    "is {k} but data.dataset \"{}\"{} has {d} classes; leave it out or set it to {d}",
+                    dataset.as_str(),
+                    if data.label == LabelKind::Coarse { " with data.label \"coarse\"" } else { "" }
+                ),
             ))
         }
         (Some(k), _) => k,
@@ -1242,13 +1324,45 @@ fn parse_data(sec: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<DataConfi
     if is_cifar {
         for def in [&D_TRAIN_SIZE, &D_VAL_SIZE] {
             if sec.is_some_and(|s| s.contains_key(def.name)) {
-                return Err(key_err(full(p, def.name), "is only used by the builtin and synthetic datasets (CIFAR has fixed splits)"));
+                return Err(key_err(full(p, def.name), format!("is only used by the builtin and synthetic datasets (\"{}\" has its own splits)", dataset.as_str())));
             }
         }
     }
     let train_size = get_int(sec, p, &D_TRAIN_SIZE, cx)? as usize;
     let val_size = get_int(sec, p, &D_VAL_SIZE, cx)? as usize;
-    // Part-2 data options: defaults until their keys are added to DATA_KEYS.
+    let label = match get_str(sec, p, &D_LABEL, cx)? {
+        "coarse" => LabelKind::Coarse,
+        _ => LabelKind::Fine,
+    };
+    if label == LabelKind::Coarse && dataset != DatasetKind::Cifar100 {
+        return Err(key_err("data.label", format!("\"coarse\" labels exist only in cifar100, not \"{}\"", dataset.as_str())));
+    }
+    let pair = |def: &KeyDef, dflt: [f64; 2], hi: f64, cx: &mut Cx| -> Result<[f64; 2]> {
+        match opt_nums(sec, p, def, cx)? {
+            None => Ok(dflt),
+            Some(v) if v[0] > 0.0 && v[0] <= v[1] && v[1] <= hi => Ok([v[0], v[1]]),
+            Some(v) => Err(key_err(full(p, def.name), format!("expected 0 < lo <= hi{}, got {v:?}", if hi.is_finite() { " <= 1" } else { "" }))),
+        }
+    };
+    let scale = pair(&D_SCALE, DataConfig::DEFAULT_SCALE, 1.0, cx)?;
+    let ratio = pair(&D_RATIO, DataConfig::DEFAULT_RATIO, f64::INFINITY, cx)?;
+    let auto_augment = parse_rand_augment(get_str(sec, p, &D_AUTO_AUGMENT, cx)?).map_err(|m| key_err("data.auto_augment", m))?;
+    let aug = AugmentOptions {
+        auto_augment,
+        mixup: get_num(sec, p, &D_MIXUP, cx)?,
+        cutmix: get_num(sec, p, &D_CUTMIX, cx)?,
+        mixup_prob: get_num(sec, p, &D_MIXUP_PROB, cx)?,
+        mixup_switch_prob: get_num(sec, p, &D_MIXUP_SWITCH, cx)?,
+        mixup_mode: MixMode::Batch,
+        reprob: get_num(sec, p, &D_REPROB, cx)?,
+        remode: match get_str(sec, p, &D_REMODE, cx)? {
+            "const" => EraseMode::Const,
+            "rand" => EraseMode::Rand,
+            _ => EraseMode::Pixel,
+        },
+        recount: get_int(sec, p, &D_RECOUNT, cx)? as usize,
+    };
+    get_str(sec, p, &D_MIXUP_MODE, cx)?;
     Ok(DataConfig {
         dataset,
         path,
@@ -1259,13 +1373,14 @@ fn parse_data(sec: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<DataConfi
         num_workers,
         train_size,
         val_size,
-        label: LabelKind::Fine,
-        skip_bad: false,
-        val_split: DataConfig::DEFAULT_VAL_SPLIT,
-        crop_pct: DataConfig::DEFAULT_CROP_PCT,
-        scale: DataConfig::DEFAULT_SCALE,
-        ratio: DataConfig::DEFAULT_RATIO,
-        prefetch: DataConfig::DEFAULT_PREFETCH,
+        label,
+        skip_bad: get_bool(sec, p, &D_SKIP_BAD, cx)?,
+        val_split: get_num(sec, p, &D_VAL_SPLIT, cx)?,
+        crop_pct: get_num(sec, p, &D_CROP_PCT, cx)?,
+        scale,
+        ratio,
+        prefetch: get_int(sec, p, &D_PREFETCH, cx)? as usize,
+        aug,
     })
 }
 
@@ -1372,7 +1487,16 @@ pub fn resolved_json(cfg: &RunConfig) -> Value {
         "data": {
             "dataset": d.dataset.as_str(), "mean": d.mean, "std": d.std,
             "augment": match d.augment { Augment::None => "none", Augment::Default => "default" },
-            "shuffle": d.shuffle, "num_workers": d.num_workers
+            "shuffle": d.shuffle, "num_workers": d.num_workers,
+            "label": match d.label { LabelKind::Fine => "fine", LabelKind::Coarse => "coarse" },
+            "skip_bad": d.skip_bad, "val_split": d.val_split, "crop_pct": d.crop_pct, "scale": d.scale, "ratio": d.ratio,
+            "prefetch": d.prefetch,
+            "auto_augment": d.aug.auto_augment.as_ref().map_or("none", |r| r.spec.as_str()),
+            "mixup": d.aug.mixup, "cutmix": d.aug.cutmix, "mixup_prob": d.aug.mixup_prob,
+            "mixup_switch_prob": d.aug.mixup_switch_prob, "mixup_mode": "batch",
+            "reprob": d.aug.reprob,
+            "remode": match d.aug.remode { EraseMode::Pixel => "pixel", EraseMode::Const => "const", EraseMode::Rand => "rand" },
+            "recount": d.aug.recount
         },
         "train": {
             "epochs": t.epochs, "seed": t.seed, "eval_every": t.eval_every, "checkpoint_every": t.checkpoint_every,

@@ -194,6 +194,91 @@ pub struct DataConfig {
     pub ratio: [f64; 2],
     /// `data.prefetch` (default 2, ≥ 1): batches the loader prepares ahead of the training step.
     pub prefetch: usize,
+    /// Extra training augmentations with timm names (all off by default).
+    pub aug: AugmentOptions,
+}
+
+/// `data.auto_augment` parsed from a timm string such as `"rand-m9-mstd0.5-inc1"`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RandAugmentConfig {
+    /// The string as given (written back into the resolved config).
+    pub spec: String,
+    /// `m`: magnitude on timm's 0..10 scale (default 10 when the string names none).
+    pub magnitude: f64,
+    /// `n`: ops applied per image (default 2).
+    pub num_layers: usize,
+    /// `mstd`: std of the Gaussian noise on the magnitude per op (inf = uniform in [0, m]).
+    pub magnitude_std: f64,
+    /// `mmax`: upper clip of the noisy magnitude (default 10).
+    pub magnitude_max: f64,
+    /// `inc`: the "increasing" op set, whose strength grows with the magnitude.
+    pub increasing: bool,
+    /// `p`: probability that each chosen op is applied (default 0.5).
+    pub prob: f64,
+}
+
+/// `data.mixup_mode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MixMode {
+    /// One λ (and one box) per global batch, as timm's `Mixup(mode="batch")`.
+    Batch,
+}
+
+/// `data.remode`: what random erasing fills the box with (timm names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EraseMode {
+    /// Per-pixel normal(0, 1) noise (in normalized units).
+    Pixel,
+    /// Zeros, i.e. the dataset mean.
+    Const,
+    /// One normal(0, 1) value per channel.
+    Rand,
+}
+
+/// RandAugment, mixup/cutmix and random erasing (timm's names and meanings). `Default` is
+/// every one off, which keeps `data.augment = "default"` to crop + flip.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct AugmentOptions {
+    pub auto_augment: Option<RandAugmentConfig>,
+    /// `data.mixup`: Beta(α, α) of mixup; 0 = off.
+    pub mixup: f64,
+    /// `data.cutmix`: Beta(α, α) of cutmix; 0 = off.
+    pub cutmix: f64,
+    /// `data.mixup_prob`: probability a batch is mixed at all.
+    pub mixup_prob: f64,
+    /// `data.mixup_switch_prob`: with both on, probability of cutmix instead of mixup.
+    pub mixup_switch_prob: f64,
+    pub mixup_mode: MixMode,
+    /// `data.reprob`: probability an image gets random erasing; 0 = off.
+    pub reprob: f64,
+    pub remode: EraseMode,
+    /// `data.recount`: erased boxes per image, at most (drawn in 1..=recount).
+    pub recount: usize,
+}
+
+impl Default for AugmentOptions {
+    fn default() -> Self {
+        AugmentOptions {
+            auto_augment: None,
+            mixup: 0.0,
+            cutmix: 0.0,
+            mixup_prob: 1.0,
+            mixup_switch_prob: 0.5,
+            mixup_mode: MixMode::Batch,
+            reprob: 0.0,
+            remode: EraseMode::Pixel,
+            recount: 1,
+        }
+    }
+}
+
+impl AugmentOptions {
+    /// Whether batches carry soft targets (mixup or cutmix on).
+    pub fn mixes(&self) -> bool {
+        self.mixup > 0.0 || self.cutmix > 0.0
+    }
 }
 
 impl DataConfig {

@@ -62,6 +62,7 @@ fn config(dataset: DatasetKind) -> DataConfig {
         scale: DataConfig::DEFAULT_SCALE,
         ratio: DataConfig::DEFAULT_RATIO,
         prefetch: DataConfig::DEFAULT_PREFETCH,
+        aug: Default::default(),
     }
 }
 
@@ -107,6 +108,7 @@ fn measure_loader(pipeline: &str, set: &Arc<ImageSet>, cfg: &DataConfig, batch: 
         start_epoch: 0,
         start_step: 0,
         steps: u64::MAX,
+        mix: None,
     };
     let mut loader = Loader::start(plan)?;
     // Warm-up: the first window.

@@ -15,7 +15,7 @@ use std::sync::mpsc::{channel, sync_channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use super::{fill_batches, shard, Batch, DataError, ImageSet, Sampler};
+use super::{fill_batches, mix, shard, Batch, DataError, ImageSet, Sampler};
 use crate::config::DataConfig;
 
 /// What one rank's loader produces: `steps` global steps from (`start_epoch`, `start_step`),
@@ -35,6 +35,16 @@ pub struct LoaderPlan {
     pub start_step: usize,
     /// Global steps to produce in total (they run on into later epochs).
     pub steps: u64,
+    /// Soft targets for training batches when `cfg.aug` asks for mixup / CutMix: the class
+    /// count and the label smoothing folded into them. `None`: no mixing.
+    pub mix: Option<MixTargets>,
+}
+
+/// What mixed targets need besides the data config.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MixTargets {
+    pub num_classes: usize,
+    pub label_smoothing: f32,
 }
 
 /// One micro-batch and where it belongs.
@@ -108,6 +118,17 @@ impl Loader {
                     if let Err(e) = pool.install(|| fill_batches(&mut batches, &jobs, &plan.set, &plan.cfg, plan.train, plan.seed)) {
                         let _ = tx.send(Err(e));
                         return;
+                    }
+                    // Mixup / CutMix: one draw per global step, applied to this rank's slice.
+                    if let Some(mt) = plan.mix.filter(|_| plan.train && plan.cfg.aug.mixes()) {
+                        let side = plan.set.batch_side;
+                        pool.install(|| {
+                            use rayon::prelude::*;
+                            batches.par_iter_mut().zip(group.par_iter()).for_each(|(batch, (epoch, step, _, _))| {
+                                let d = mix::draw(&plan.cfg.aug, plan.seed, *epoch, *step, side);
+                                mix::apply(batch, d, side, mt.num_classes, mt.label_smoothing);
+                            })
+                        });
                     }
                     for ((epoch, step, micro, _), batch) in group.into_iter().zip(batches) {
                         // A closed queue means the loader was dropped: just stop.

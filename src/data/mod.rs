@@ -15,15 +15,21 @@
 //! stored side == model side (CIFAR at 32, built-in) → CIFAR: pad-4 random crop + flip,
 //! built-in: flip; otherwise (folders, CIFAR at 224) → RandomResizedCrop(`data.scale`,
 //! `data.ratio`) + flip. Evaluation (or `augment=none`): as stored, or resize the shorter side to
-//! `side / data.crop_pct` and center-crop.
+//! `side / data.crop_pct` and center-crop. Optional, timm-named, off by default (training only):
+//! RandAugment after crop + flip (`data.auto_augment`, [`randaug`]), random erasing after
+//! normalization (`data.reprob`, [`erase`]), and mixup / CutMix with soft targets per global
+//! batch (`data.mixup`, `data.cutmix`, [`mix`], applied by the [`Loader`]).
 
 pub mod augment;
 pub mod bench;
 pub mod builtin;
 pub mod cifar;
+pub mod erase;
 pub mod folder;
 pub mod loader;
+pub mod mix;
 pub mod pickle;
+pub mod randaug;
 pub mod resize;
 pub mod rng;
 pub mod sampler;
@@ -38,7 +44,7 @@ use rayon::prelude::*;
 use crate::config::{Augment, DataConfig, DatasetKind, LabelKind};
 
 pub use augment::{Normalizer, Policy};
-pub use loader::{Loader, LoaderPlan, Prepared};
+pub use loader::{Loader, LoaderPlan, MixTargets, Prepared};
 pub use sampler::{shard, EpochPlan, Sampler};
 
 /// Errors from opening a dataset or building a batch. Each names the key, file and byte offset
@@ -182,6 +188,9 @@ pub struct Batch {
     pub images: Vec<f32>,
     /// (B,) class indices.
     pub labels: Vec<u32>,
+    /// (B, K) soft targets, rows summing to 1, when mixup / CutMix made them (label smoothing
+    /// folded in); `None` = one-hot `labels` (the trainer smooths them).
+    pub targets: Option<Vec<f32>>,
 }
 
 impl Batch {
@@ -369,23 +378,53 @@ pub fn fill_batches(batches: &mut [Batch], jobs: &[(&[usize], u64)], set: &Image
         b.images.resize(indices.len() * per, 0.0);
         b.labels.clear();
         b.labels.resize(indices.len(), 0);
-        let Batch { images, labels } = b;
+        b.targets = None;
+        let Batch { images, labels, .. } = b;
         for ((out, label), &i) in images.chunks_mut(per).zip(labels.iter_mut()).zip(indices) {
             tasks.push((out, label, i, epoch));
         }
     }
+    let extra = train && cfg.augment == Augment::Default;
+    let ra = cfg.aug.auto_augment.as_ref().filter(|_| extra);
+    let reprob = if extra { cfg.aug.reprob } else { 0.0 };
+    // RandAugment works on u8 pixels: build the crop in pixel units, augment, then normalize.
+    let (mean, std) = if ra.is_some() { ([0.0; 3], [1.0 / 255.0; 3]) } else { (cfg.mean, cfg.std) };
+    let finish = |out: &mut [f32], i: usize, epoch: u64| {
+        if let Some(ra) = ra {
+            let fill = [0, 1, 2].map(|c| (cfg.mean[c] * 255.0).round().clamp(0.0, 255.0) as u8);
+            let mut px: Vec<u8> = vec![0; per];
+            let plane = side * side;
+            for (p, rgb) in px.chunks_exact_mut(3).enumerate() {
+                for c in 0..3 {
+                    rgb[c] = out[c * plane + p].round().clamp(0.0, 255.0) as u8;
+                }
+            }
+            let mut scratch = Vec::new();
+            randaug::apply(ra, &mut px, side, fill, seed, epoch, i, &mut scratch);
+            let norm = Normalizer::new(cfg.mean, cfg.std);
+            for (p, rgb) in px.chunks_exact(3).enumerate() {
+                for c in 0..3 {
+                    out[c * plane + p] = norm.get(c, rgb[c]);
+                }
+            }
+        }
+        if reprob > 0.0 {
+            erase::apply(out, side, reprob, cfg.aug.remode, cfg.aug.recount, seed, epoch, i);
+        }
+    };
     if !set.is_file_backed() && set.side == side {
         // Same size: pad-crop / flip / identity through a lookup table.
-        let norm = Normalizer::new(cfg.mean, cfg.std);
+        let norm = Normalizer::new(mean, std);
         let policy = policy(cfg, train);
         tasks.into_par_iter().for_each(|(out, label, i, epoch)| {
             let d = policy.draw(seed, epoch, i);
             augment::transform(set.image(i), side, policy.pad(), d, &norm, out);
+            finish(out, i, epoch);
             *label = set.labels[i] as u32;
         });
         return Ok(());
     }
-    let augment = train && cfg.augment == Augment::Default;
+    let augment = extra;
     tasks.into_par_iter().try_for_each(|(out, label, i, epoch)| {
         let (j, img) = source_image(set, i, cfg.skip_bad)?;
         let (w, h, px) = match &img {
@@ -399,7 +438,8 @@ pub fn fill_batches(batches: &mut [Batch], jobs: &[(&[usize], u64)], set: &Image
         } else {
             (resize::center_crop(w, h, side, cfg.crop_pct), false)
         };
-        resize::resample(px, w, h, region, side, flip, cfg.mean, cfg.std, out);
+        resize::resample(px, w, h, region, side, flip, mean, std, out);
+        finish(out, i, epoch);
         *label = set.labels[j] as u32;
         Ok(())
     })
@@ -469,6 +509,7 @@ mod tests {
             scale: DataConfig::DEFAULT_SCALE,
             ratio: DataConfig::DEFAULT_RATIO,
             prefetch: DataConfig::DEFAULT_PREFETCH,
+            aug: Default::default(),
         }
     }
 

@@ -33,6 +33,9 @@ pub mod stream {
     pub const AUGMENT: u64 = 0x6175_676d;
     pub const LABELS: u64 = 0x6c61_6265;
     pub const SPLIT: u64 = 0x7370_6c74;
+    pub const RANDAUG: u64 = 0x7261_6e64;
+    pub const ERASE: u64 = 0x6572_6173;
+    pub const MIX: u64 = 0x6d69_78;
 }
 
 /// A SplitMix64 generator.
@@ -83,6 +86,47 @@ impl SplitMix {
     pub fn coin(&mut self) -> bool {
         self.next_u64() >> 63 == 1
     }
+
+    /// Uniform in [0, 1) with 53 bits of precision.
+    #[inline]
+    pub fn f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+
+    /// Standard normal (Box–Muller; one of the pair is used).
+    pub fn normal(&mut self) -> f64 {
+        let u1 = 1.0 - self.f64(); // (0, 1]
+        let u2 = self.f64();
+        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+    }
+
+    /// Gamma(shape, 1) by Marsaglia–Tsang (shape < 1 through the `U^(1/shape)` boost).
+    pub fn gamma(&mut self, shape: f64) -> f64 {
+        if shape < 1.0 {
+            let u = 1.0 - self.f64();
+            return self.gamma(shape + 1.0) * u.powf(1.0 / shape);
+        }
+        let d = shape - 1.0 / 3.0;
+        let c = 1.0 / (9.0 * d).sqrt();
+        loop {
+            let x = self.normal();
+            let v = (1.0 + c * x).powi(3);
+            if v <= 0.0 {
+                continue;
+            }
+            let u = 1.0 - self.f64();
+            if u.ln() < 0.5 * x * x + d - d * v + d * v.ln() {
+                return d * v;
+            }
+        }
+    }
+
+    /// Beta(a, b) from two gamma draws.
+    pub fn beta(&mut self, a: f64, b: f64) -> f64 {
+        let x = self.gamma(a);
+        let y = self.gamma(b);
+        if x + y > 0.0 { x / (x + y) } else { 0.5 }
+    }
 }
 
 #[cfg(test)]
@@ -106,6 +150,24 @@ mod tests {
             assert!((0.0..1.0).contains(&x));
             assert!(r.below(9) < 9);
             assert!(r.below_usize(5) < 5);
+        }
+    }
+
+    #[test]
+    fn normal_and_beta_moments() {
+        let mut r = SplitMix::new(11);
+        let n = 40_000;
+        let xs: Vec<f64> = (0..n).map(|_| r.normal()).collect();
+        let mean = xs.iter().sum::<f64>() / n as f64;
+        let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n as f64;
+        assert!(mean.abs() < 0.03 && (var - 1.0).abs() < 0.05, "normal mean {mean} var {var}");
+        // Beta(a, a): mean 1/2, variance 1 / (4 (2a + 1)); a = 0.8 → 0.0962, a = 0.2 → 0.1786.
+        for (a, want) in [(0.8, 1.0 / (4.0 * 2.6)), (0.2, 1.0 / (4.0 * 1.4))] {
+            let bs: Vec<f64> = (0..n).map(|_| r.beta(a, a)).collect();
+            assert!(bs.iter().all(|b| (0.0..=1.0).contains(b)));
+            let m = bs.iter().sum::<f64>() / n as f64;
+            let v = bs.iter().map(|x| (x - m).powi(2)).sum::<f64>() / n as f64;
+            assert!((m - 0.5).abs() < 0.01 && (v - want).abs() < 0.01, "beta({a}) mean {m} var {v}, want var {want}");
         }
     }
 }

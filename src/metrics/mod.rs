@@ -11,7 +11,8 @@ use serde::Serialize;
 /// Seconds spent in each phase of the optimizer steps since the last reset.
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct PhaseTimes {
-    /// Waiting for / building the batch on the host.
+    /// Data-wait: time the step was blocked waiting for its batch from the prefetching loader
+    /// (building the batch happens ahead, on the loader threads, and is not counted).
     pub data_s: f64,
     pub forward_s: f64,
     pub backward_s: f64,

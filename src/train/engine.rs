@@ -1,7 +1,8 @@
 //! The training step and loop, readable top to bottom:
 //!
-//! for each optimizer step: for each of the GAS micro-batches this rank feeds, build the batch
-//! (augment + normalize), forward with the loss gradient scaled by 1/global-batch, backward
+//! for each optimizer step: for each of the GAS micro-batches this rank feeds, take the batch
+//! the prefetching `data::Loader` built ahead (decode, augment, normalize, mixup/CutMix on its
+//! own threads; the time spent *waiting* for it is `data_s`), forward with the loss gradient scaled by 1/global-batch, backward
 //! (parameter gradients accumulate) — no communication in between; at the boundary: reduce
 //! gradients across ranks, global norm + clipping, learning rate from the schedule, one
 //! optimizer update over the flat buffer, zero the gradients. Evaluation, metrics lines,
@@ -16,7 +17,7 @@ use serde::Serialize;
 use crate::backend::{optimizer_state_len, Backend, DecayGroups, Span, StepHyper};
 use crate::comm::{Comm, CommError, ReduceOp, SingleComm}; // [dist]
 use crate::config::RunConfig;
-use crate::data::{self, Datasets, ImageSet, Sampler};
+use crate::data::{self, Datasets, ImageSet, Loader, LoaderPlan, MixTargets, Sampler};
 use crate::metrics::{timed, EvalRecord, JsonlWriter, PhaseTimes, StepRecord};
 use crate::model::{init, smoothed_targets, weights, Vit};
 use crate::train::{checkpoint, schedule, stop}; // [dist] checkpoint, stop
@@ -91,6 +92,10 @@ pub struct TrainSummary {
     pub device: String,
     pub params: usize,
     pub run_dir: String,
+    /// Image files replaced by a neighbour because they could not be read (`data.skip_bad`,
+    /// train and val together); present only when `data.skip_bad` is on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skipped: Option<usize>,
 }
 
 /// Result of evaluating a model on a split.
@@ -126,7 +131,7 @@ pub fn evaluate_with<B: Backend>(
     while start < n {
         let idx: Vec<usize> = (start..(start + batch).min(n)).collect();
         let b = idx.len();
-        let batch_data = data::make_batch(set, &idx, &cfg.data, false, 0, cfg.train.seed);
+        let batch_data = data::try_make_batch(set, &idx, &cfg.data, false, 0, cfg.train.seed)?;
         let targets = smoothed_targets(&batch_data.labels, k, 0.0);
         let out = vit.forward(be, &batch_data.images, &targets, b, None)?;
         loss_sum += out.losses.iter().map(|&v| v as f64).sum::<f64>();
@@ -263,19 +268,50 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     let mut last_eval: Option<EvalSummary> = None;
     let mut images_done = 0u64;
     let train_wall = Instant::now();
+    // [dist] this rank's shard of every global batch from `start_step` on, built ahead.
+    let mut loader = Loader::start(LoaderPlan {
+        set: train_set.clone(),
+        cfg: cfg.data.clone(),
+        sampler: sampler.clone(),
+        train: true,
+        seed: cfg.train.seed,
+        rank,
+        world,
+        gas,
+        start_epoch: 0,
+        start_step: start_step as usize,
+        steps: total_steps.saturating_sub(start_step),
+        mix: Some(MixTargets { num_classes: k, label_smoothing: cfg.train.label_smoothing }),
+    })?;
+    let per_image = 3 * cfg.model.image_size * cfg.model.image_size;
     for step in start_step..total_steps {
         let epoch = step / steps_per_epoch;
-        let global = sampler.global_batch(epoch, (step % steps_per_epoch) as usize);
         let mut step_loss = 0.0f64;
         for m in 0..gas {
-            let shard = data::shard(&global, rank, world, m, gas);
-            for pass in shard.chunks(MAX_IMAGES_PER_PASS) {
-                let batch = timed(&mut phases.data_s, || data::make_batch(&train_set, pass, &cfg.data, true, epoch, cfg.train.seed));
-                let targets = smoothed_targets(&batch.labels, k, cfg.train.label_smoothing);
-                let out = timed(&mut phases.forward_s, || vit.forward(be, &batch.images, &targets, pass.len(), Some(1.0 / global_batch as f32)))?;
+            // data-wait: only the time this step is blocked on the loader.
+            let t_wait = Instant::now();
+            let next = loader.next();
+            phases.data_s += t_wait.elapsed().as_secs_f64();
+            let prepared = match next {
+                Some(p) => p?,
+                None => return Err(TrainError::Config(format!("the data loader stopped before step {step}, micro-batch {m}"))),
+            };
+            debug_assert_eq!((prepared.epoch, prepared.step as u64, prepared.micro), (epoch, step % steps_per_epoch, m));
+            let batch = prepared.batch;
+            let b = batch.len();
+            for start in (0..b).step_by(MAX_IMAGES_PER_PASS) {
+                let n = (b - start).min(MAX_IMAGES_PER_PASS);
+                let images = &batch.images[start * per_image..(start + n) * per_image];
+                // Mixup / CutMix soft targets when the loader made them, else smoothed one-hot.
+                let targets = match &batch.targets {
+                    Some(t) => t[start * k..(start + n) * k].to_vec(),
+                    None => smoothed_targets(&batch.labels[start..start + n], k, cfg.train.label_smoothing),
+                };
+                let out = timed(&mut phases.forward_s, || vit.forward(be, images, &targets, n, Some(1.0 / global_batch as f32)))?;
                 step_loss += out.losses.iter().map(|&v| v as f64).sum::<f64>();
                 timed(&mut phases.backward_s, || vit.backward(be))?;
             }
+            loader.recycle(batch);
         }
         // [dist] the step's only communication: sum gradients (each already scaled by
         // 1/global batch), the loss and the stop flags (SIGINT/SIGTERM seen) over ranks.
@@ -430,6 +466,10 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         device: be.name(),
         params: num_params,
         run_dir: opts.run_dir.display().to_string(),
+        skipped: cfg.data.skip_bad.then(|| {
+            use std::sync::atomic::Ordering::Relaxed;
+            train_set.skipped.load(Relaxed) + val_set.skipped.load(Relaxed)
+        }),
     };
     let bytes = serde_json::to_vec_pretty(&summary).map_err(|e| TrainError::Config(e.to_string()))?;
     crate::util::write_atomic(&opts.run_dir.join("summary.json"), &bytes).map_err(io_err(&opts.run_dir))?;
