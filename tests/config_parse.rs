@@ -577,3 +577,99 @@ fn help_text_covers_every_key() {
     }
     assert!(h.contains("default 0.0001") || h.contains("default 0.0001\n"), "cos_min_ratio default shown");
 }
+
+// ---- data pipeline keys ---------------------------------------------------------------------
+
+#[test]
+fn data_pipeline_keys_defaults_values_and_errors() {
+    let c = ok(json!({}));
+    let d = &c.data;
+    assert_eq!((d.label, d.skip_bad, d.val_split, d.crop_pct, d.scale, d.ratio, d.prefetch), (LabelKind::Fine, false, 0.1, 0.875, [0.08, 1.0], [0.75, 4.0 / 3.0], 2));
+    assert_eq!(d.aug, AugmentOptions::default());
+    assert!(!d.aug.mixes() && d.aug.auto_augment.is_none() && d.aug.reprob == 0.0);
+
+    let c = ok(json!({"data": {"dataset": "cifar100", "path": "x", "label": "coarse", "skip_bad": true, "crop_pct": 0.9,
+        "scale": [0.35, 1.0], "ratio": [0.5, 2.0], "prefetch": 6}}));
+    assert_eq!(c.data.label, LabelKind::Coarse);
+    assert_eq!(c.model.num_classes, 20, "coarse CIFAR-100 has 20 classes");
+    assert!(c.data.skip_bad);
+    assert_eq!((c.data.crop_pct, c.data.scale, c.data.ratio, c.data.prefetch), (0.9, [0.35, 1.0], [0.5, 2.0], 6));
+    let e = err_names(json!({"data": {"dataset": "cifar100", "path": "x", "label": "coarse"}, "model": {"num_classes": 100}}), "model.num_classes");
+    assert!(e.contains("20"), "{e}");
+    err_names(json!({"data": {"dataset": "cifar10", "path": "x", "label": "coarse"}}), "data.label");
+    err_names(json!({"data": {"label": "medium"}}), "data.label");
+    for (v, key) in [
+        (json!({"data": {"val_split": 1.0}}), "data.val_split"),
+        (json!({"data": {"val_split": -0.1}}), "data.val_split"),
+        (json!({"data": {"crop_pct": 0.0}}), "data.crop_pct"),
+        (json!({"data": {"crop_pct": 1.2}}), "data.crop_pct"),
+        (json!({"data": {"scale": [0.5, 0.2]}}), "data.scale"),
+        (json!({"data": {"scale": [0.0, 1.0]}}), "data.scale"),
+        (json!({"data": {"scale": [0.5, 1.5]}}), "data.scale"),
+        (json!({"data": {"ratio": [2.0, 1.0]}}), "data.ratio"),
+        (json!({"data": {"ratio": [0.0, 1.0]}}), "data.ratio"),
+        (json!({"data": {"prefetch": 0}}), "data.prefetch"),
+        (json!({"data": {"skip_bad": "yes"}}), "data.skip_bad"),
+        (json!({"data": {"dataset": "folder", "path": "x", "train_size": 5}}), "data.train_size"),
+        (json!({"data": {"dataset": "folder", "path": "x", "val_size": 5}}), "data.val_size"),
+        (json!({"data": {"auto_augment": "augmix-m5"}}), "data.auto_augment"),
+        (json!({"data": {"auto_augment": "rand-m9-zz"}}), "data.auto_augment"),
+        (json!({"data": {"mixup": -1}}), "data.mixup"),
+        (json!({"data": {"mixup_prob": 1.5}}), "data.mixup_prob"),
+        (json!({"data": {"mixup_mode": "pair"}}), "data.mixup_mode"),
+        (json!({"data": {"remode": "zeros"}}), "data.remode"),
+        (json!({"data": {"recount": 0}}), "data.recount"),
+        (json!({"data": {"reprob": 2}}), "data.reprob"),
+        (json!({"data": {"cutmix": 1.0}, "train_micro_batch_size_per_gpu": 7}), "data.cutmix"),
+        (json!({"data": {"prefetchh": 2}}), "data.prefetchh"),
+    ] {
+        err_names(v, key);
+    }
+}
+
+#[test]
+fn folder_defaults_and_timm_augment_keys() {
+    let c = ok(json!({"data": {"dataset": "folder", "path": "x"}}));
+    assert_eq!((c.data.mean, c.data.std), ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]));
+    assert_eq!(c.model.image_size, 224);
+    assert_eq!(c.model, vitscale::model::ModelConfig { num_classes: c.model.num_classes, ..vitscale::model::ModelConfig::preset("vit_tiny_patch16_224").unwrap() });
+    let c = ok(json!({"data": {"auto_augment": "rand-m9-mstd0.5-inc1", "mixup": 0.8, "cutmix": 1.0, "mixup_prob": 0.9,
+        "mixup_switch_prob": 0.4, "reprob": 0.25, "remode": "const", "recount": 2}}));
+    let a = &c.data.aug;
+    let ra = a.auto_augment.as_ref().unwrap();
+    assert_eq!((ra.magnitude, ra.num_layers, ra.magnitude_std, ra.increasing), (9.0, 2, 0.5, true));
+    assert_eq!((a.mixup, a.cutmix, a.mixup_prob, a.mixup_switch_prob), (0.8, 1.0, 0.9, 0.4));
+    assert_eq!((a.reprob, a.remode, a.recount), (0.25, EraseMode::Const, 2));
+    // The resolved config reads back to the same options.
+    assert_eq!(RunConfig { warnings: vec![], ..c.clone() }, resolve(&resolved_json(&c), 1).unwrap());
+    let h = help_text();
+    for key in ["label", "skip_bad", "val_split", "crop_pct", "scale", "ratio", "prefetch", "auto_augment", "mixup_switch_prob", "reprob", "remode", "recount", "folder"] {
+        assert!(h.contains(key), "help text lacks {key}");
+    }
+}
+
+#[test]
+fn total_num_steps_auto_counts_the_real_training_set() {
+    // A folder of 2 classes × 10 files, val_split 0.2 → 16 train images; batch 4 → 4 steps/epoch.
+    let dir = tempfile::tempdir().unwrap();
+    for class in ["a", "b"] {
+        std::fs::create_dir_all(dir.path().join(class)).unwrap();
+        for i in 0..10 {
+            std::fs::write(dir.path().join(class).join(format!("{i}.png")), b"not decoded for counting").unwrap();
+        }
+    }
+    let v = json!({"train_batch_size": 4, "data": {"dataset": "folder", "path": dir.path(), "val_split": 0.2},
+        "train": {"epochs": 3}, "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": "auto", "warmup_num_steps": 2}}});
+    let c = ok(v);
+    assert!(matches!(c.scheduler, Some(SchedulerConfig::WarmupCosineLR { total_num_steps: 12, .. })), "{:?}", c.scheduler);
+    // CIFAR binary files are measured: 9 records of 3073 bytes → 2 steps of 4 per epoch.
+    let cdir = tempfile::tempdir().unwrap();
+    std::fs::write(cdir.path().join("data_batch_1.bin"), vec![0u8; 3073 * 9]).unwrap();
+    let c = ok(json!({"train_batch_size": 4, "data": {"dataset": "cifar10", "path": cdir.path()}, "train": {"epochs": 5},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto", "warmup_num_steps": 2}}}));
+    assert!(matches!(c.scheduler, Some(SchedulerConfig::WarmupDecayLR { total_num_steps: 10, .. })), "{:?}", c.scheduler);
+    // No full global batch in the set: an error naming the key.
+    let e = err_names(json!({"train_batch_size": 64, "data": {"dataset": "folder", "path": dir.path()},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}}), "total_num_steps");
+    assert!(e.contains("18 images"), "{e}");
+}

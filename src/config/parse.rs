@@ -426,21 +426,24 @@ pub fn parse_rand_augment(spec: &str) -> std::result::Result<Option<RandAugmentC
         prob: 0.5,
     };
     for part in parts {
-        let split = part.find(|ch: char| ch.is_ascii_digit() || ch == '.' || ch == '-').unwrap_or(part.len());
-        let (name, val) = part.split_at(split);
-        let num = || -> std::result::Result<f64, String> {
-            let x = if val == "inf" || (name == "mstd" && val.is_empty()) { f64::NAN } else { val.parse::<f64>().map_err(|_| String::new())? };
-            Ok(x)
-        };
+        let (name, val) = ["mstd", "mmax", "inc", "m", "n", "p"]
+            .iter()
+            .find(|n| part.starts_with(**n))
+            .map_or((part, ""), |n| (*n, &part[n.len()..]));
+        let num = || val.parse::<f64>().ok().filter(|x| x.is_finite());
         let bad = || format!("section \"{part}\" of \"{spec}\" is not a valid number for `{name}`");
         match name {
-            "m" => c.magnitude = num().ok().filter(|x| (0.0..=30.0).contains(x)).ok_or_else(bad)?,
+            "m" => c.magnitude = num().filter(|x| (0.0..=30.0).contains(x)).ok_or_else(bad)?,
             "n" => c.num_layers = val.parse::<usize>().ok().filter(|n| (1..=16).contains(n)).ok_or_else(bad)?,
-            "mstd" if val == "inf" || val == "101" => c.magnitude_std = f64::INFINITY,
-            "mstd" => c.magnitude_std = num().ok().filter(|x| *x >= 0.0).ok_or_else(bad)?,
-            "mmax" => c.magnitude_max = num().ok().filter(|x| *x > 0.0).ok_or_else(bad)?,
+            // timm: mstd > 100 (or inf) means a uniform magnitude in [0, m].
+            "mstd" if val == "inf" => c.magnitude_std = f64::INFINITY,
+            "mstd" => {
+                let x = num().filter(|x| *x >= 0.0).ok_or_else(bad)?;
+                c.magnitude_std = if x > 100.0 { f64::INFINITY } else { x };
+            }
+            "mmax" => c.magnitude_max = num().filter(|x| *x > 0.0).ok_or_else(bad)?,
             "inc" => c.increasing = val.parse::<u32>().map_err(|_| bad())? != 0,
-            "p" => c.prob = num().ok().filter(|x| (0.0..=1.0).contains(x)).ok_or_else(bad)?,
+            "p" => c.prob = num().filter(|x| (0.0..=1.0).contains(x)).ok_or_else(bad)?,
             _ => return Err(format!("unknown section \"{part}\" in \"{spec}\"; expected m<magnitude>, n<layers>, mstd<std>, mmax<max>, inc<0|1>, p<prob>")),
         }
     }
