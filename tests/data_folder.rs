@@ -250,3 +250,57 @@ fn profile_decode_vs_resample() {
     let rs = t.elapsed().as_secs_f64() / (4.0 * files.len() as f64);
     eprintln!("decode {:.2} ms, resample {:.2} ms per image", dec * 1e3, rs * 1e3);
 }
+
+/// `vitscale train` on a folder with `extra` settings; (exit ok, stderr, summary.json).
+fn train_folder(root: &Path, run_dir: &Path, extra: &[&str]) -> (bool, String, Option<serde_json::Value>) {
+    let mut args: Vec<String> = [
+        "train", "--device=cpu", "--set=data.dataset=folder", "--set=model.image_size=16", "--set=model.patch_size=8",
+        "--set=model.depth=1", "--set=train_batch_size=4", "--set=train.steps=3", "--set=data.val_split=0.25",
+        "--set=data.num_workers=1", "--set=model.num_classes=3",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.push(format!("--set=data.path={}", root.display()));
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args.extend(["--run-dir".to_string(), run_dir.display().to_string()]);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_vitscale")).args(&args).output().unwrap();
+    let summary = fs::read(run_dir.join("summary.json")).ok().and_then(|b| serde_json::from_slice(&b).ok());
+    (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned(), summary)
+}
+
+#[test]
+fn training_on_a_bad_file_fails_naming_it_or_skips_and_counts_it() {
+    let dir = tempfile::tempdir().unwrap();
+    make_tree(dir.path(), 6);
+    // Every file of one class is broken, so whichever split or batch meets one first fails.
+    for i in 0..6 {
+        for ext in ["png", "JPG"] {
+            let sub = if i % 3 == 0 { "nested/" } else { "" };
+            let p = dir.path().join(format!("cat/{sub}img{i}.{ext}"));
+            if p.exists() {
+                fs::write(&p, b"\x89PNG broken").unwrap();
+            }
+        }
+    }
+    let runs = tempfile::tempdir().unwrap();
+    let (ok, err, _) = train_folder(dir.path(), &runs.path().join("a"), &[]);
+    assert!(!ok, "training on broken files succeeded");
+    assert!(!err.contains("panicked"), "a bad file panicked: {err}");
+    assert!(err.contains("cannot decode image") && err.contains("/cat/") && err.contains("data.skip_bad"), "{err}");
+    let (ok, err, summary) = train_folder(dir.path(), &runs.path().join("b"), &["--set=data.skip_bad=true"]);
+    assert!(ok, "{err}");
+    let skipped = summary.and_then(|s| s["skipped"].as_u64()).unwrap_or(0);
+    assert!(skipped >= 1, "summary.json does not count the skipped files");
+    // Without skip_bad, summary.json has no `skipped` field.
+    let good = tempfile::tempdir().unwrap();
+    make_tree(good.path(), 4);
+    let (ok, err, summary) = train_folder(good.path(), &runs.path().join("c"), &["--set=data.auto_augment=rand-m9-mstd0.5-inc1", "--set=data.reprob=0.25"]);
+    assert!(ok, "{err}");
+    assert!(summary.is_some_and(|s| s.get("skipped").is_none()));
+    // data_s is the data-wait, a part of each logged window, never more than its wall time.
+    let lines = fs::read_to_string(runs.path().join("c/metrics.jsonl")).unwrap();
+    let step: serde_json::Value = lines.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()).find(|v| v.get("data_s").is_some()).unwrap();
+    let data_s = step["data_s"].as_f64().unwrap();
+    assert!(data_s >= 0.0 && data_s <= step["wall_s"].as_f64().unwrap(), "{step}");
+}

@@ -536,3 +536,27 @@ fn a_stalled_rank_times_out_after_comm_timeout_naming_it() {
     assert!(err.contains("[rank 0] error: rank 0: ") && err.contains("timed out") && err.contains("rank 1"), "{err}");
     assert!(err.contains("error: rank 0 "), "{err}");
 }
+
+#[test]
+fn augmented_and_mixed_batches_match_one_process() {
+    // RandAugment, random erasing, mixup/CutMix soft targets with label smoothing: every draw is
+    // keyed by (seed, epoch, step or image), and pairs never straddle ranks, so 2 ranks train
+    // the same weights as 1 process.
+    let t = tmp();
+    let aug = [
+        "--set=train_micro_batch_size_per_gpu=8",
+        "--set=data.auto_augment=rand-m9-mstd0.5-inc1",
+        "--set=data.reprob=0.25",
+        "--set=data.mixup=0.8",
+        "--set=data.cutmix=1.0",
+        "--set=train.label_smoothing=0.1",
+    ];
+    train(1, 4, &aug, &t.path().join("one"));
+    train(2, 4, &aug, &t.path().join("two"));
+    let d = max_rel_diff(&t.path().join("two"), &t.path().join("one"));
+    eprintln!("augmented + mixed: max relative weight difference 2 ranks vs 1 process: {d:e}");
+    assert!(d < SPLIT_TOL, "{d:e}");
+    // And the augmentation changed the training: plain runs end elsewhere.
+    train(1, 4, &["--set=train_micro_batch_size_per_gpu=8"], &t.path().join("plain"));
+    assert!(max_rel_diff(&t.path().join("plain"), &t.path().join("one")) > 1e-4);
+}
