@@ -62,6 +62,20 @@ pub struct BenchArgs {
     /// Print one JSON object as the last line.
     #[arg(long)]
     pub json: bool,
+    /// Measure the data loader instead of the model (`data::bench`): CIFAR 32-px crop+flip,
+    /// 224-px JPEG RandomResizedCrop+flip, and the same + RandAugment, at 1 thread and at
+    /// --threads. Model options are ignored.
+    #[arg(long)]
+    pub data: bool,
+    /// With --data: loader threads for the parallel points (0 = every core).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// With --data: read the `.jpg` files of this folder instead of generated ones.
+    #[arg(long)]
+    pub jpeg_dir: Option<std::path::PathBuf>,
+    /// With --data: seconds per measured point.
+    #[arg(long, default_value_t = 3.0)]
+    pub secs: f64,
 }
 
 /// What one benchmark measured.

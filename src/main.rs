@@ -21,7 +21,8 @@ enum Command {
     Launch(vitscale::launch::LaunchArgs),
     /// Check every backend op and a short training run against the CPU reference.
     Selftest(vitscale::selftest::SelftestArgs),
-    /// Training-step throughput, MFU and peak memory on synthetic device-resident data.
+    /// Training-step throughput, MFU and peak memory on synthetic device-resident data
+    /// (`--data`: data-loader throughput instead).
     Bench(vitscale::bench::BenchArgs),
 }
 
@@ -39,6 +40,7 @@ fn main() {
         Command::Train(args) => cli::train_cmd(args),
         Command::Eval(args) => cli::eval_cmd(args),
         Command::Selftest(args) => vitscale::selftest::selftest(&args).and_then(|ok| if ok { Ok(()) } else { Err(anyhow::anyhow!("selftest failed")) }),
+        Command::Bench(args) if args.data => vitscale::data::bench::command(args.threads, args.secs, args.jpeg_dir.as_deref(), args.json),
         Command::Bench(args) => vitscale::bench::bench(&args).map(|_| ()),
     };
     if let Err(e) = result {

@@ -1,13 +1,15 @@
-//! Loader throughput, for `vitscale bench data` and `cargo bench --bench data`: images per
-//! second (and per core) for the two pipelines that matter —
-//! CIFAR-style 32-px random crop + flip from memory, and 224-px RandomResizedCrop + flip from
-//! JPEG files (decode included) — at 1 thread and at every core.
+//! Loader throughput, for `vitscale bench --data` and `cargo bench --bench data`: images per
+//! second (and per core) for the pipelines that matter —
+//! CIFAR-style 32-px random crop + flip from memory, 224-px RandomResizedCrop + flip from
+//! JPEG files (decode included), and the same + RandAugment (`rand-m9-mstd0.5-inc1`, timm's
+//! ViT recipe) — at 1 thread and at every core. BENCHMARKS.md keeps the measured numbers.
 //!
 //! Inputs are generated (no dataset download): 32-px random images for the CIFAR path, and
 //! 500×375 JPEGs (ImageNet's typical size and quality 90, smooth content plus noise so the
 //! entropy decoder has real work) written to a temporary folder for the JPEG path, or the JPEGs
 //! of a given folder.
 //!
+//! BENCHMARKS.md ("Data loader") has these numbers and later ones with RandAugment.
 //! Measured 2026-11-30 on the H200 host (16 cores), each row in one run together with
 //! torchvision + DataLoader (`shared/peers/loader_bench.py` transforms, RandAugment left out) on
 //! the same files (peer JPEGs: 500×375, q90, smooth), images/s:
@@ -200,10 +202,14 @@ pub fn run(threads: usize, min_seconds: f64, jpeg_dir: Option<&Path>) -> Result<
     let labels = vec![0u16; files.len()];
     let set = Arc::new(ImageSet::from_files(files, labels, 224, 1));
     let fcfg = config(DatasetKind::Folder);
+    let mut racfg = fcfg.clone();
+    racfg.aug.auto_augment = crate::config::parse_rand_augment("rand-m9-mstd0.5-inc1")
+        .map_err(|msg| DataError::Invalid { key: "data.auto_augment", msg })?;
     let result = (|| -> Result<(), DataError> {
         for &t in &counts {
             out.push(measure("jpeg224_rrc_flip", &set, &fcfg, 128, t, min_seconds)?);
             out.push(measure_loader("jpeg224_rrc_flip", &set, &fcfg, 32, t, min_seconds)?);
+            out.push(measure_loader("jpeg224_rrc_flip_randaug", &set, &racfg, 32, t, min_seconds)?);
         }
         Ok(())
     })();
@@ -212,4 +218,21 @@ pub fn run(threads: usize, min_seconds: f64, jpeg_dir: Option<&Path>) -> Result<
     }
     result?;
     Ok(out)
+}
+
+/// `vitscale bench --data`: runs [`run`] and prints a table (and with `json`, one JSON object
+/// `{"machine": …, "points": […]}` as the last line).
+pub fn command(threads: usize, min_seconds: f64, jpeg_dir: Option<&Path>, json: bool) -> anyhow::Result<()> {
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let load = std::fs::read_to_string("/proc/loadavg").ok().and_then(|l| l.split_whitespace().next().map(str::to_string));
+    eprintln!("data loader benchmark: {cores} cores, load average {}", load.as_deref().unwrap_or("unknown"));
+    let points = run(threads, min_seconds, jpeg_dir)?;
+    println!("{:<34} {:>7} {:>12} {:>14}", "pipeline", "threads", "images/s", "images/s/core");
+    for p in &points {
+        println!("{:<34} {:>7} {:>12.0} {:>14.0}", p.pipeline, p.threads, p.images_per_s, p.images_per_s_per_core);
+    }
+    if json {
+        println!("{}", serde_json::json!({ "cores": cores, "load_average": load, "points": points }));
+    }
+    Ok(())
 }

@@ -615,6 +615,27 @@ mod tests {
     }
 
     #[test]
+    fn randaugment_and_erasing_are_keyed_per_image_and_off_for_eval() {
+        let mut c = cfg(DatasetKind::Builtin);
+        let d = open(&c, 16, 10, 1).unwrap();
+        let idx: Vec<usize> = (0..24).collect();
+        let plain = make_batch(&d.train, &idx, &c, true, 0, 1);
+        c.aug.auto_augment = crate::config::parse_rand_augment("rand-m9-mstd0.5-inc1").unwrap();
+        c.aug.reprob = 0.5;
+        let aug = make_batch(&d.train, &idx, &c, true, 0, 1);
+        assert_eq!(aug, make_batch(&d.train, &idx, &c, true, 0, 1));
+        assert_eq!(aug.labels, plain.labels);
+        let per = 3 * 16 * 16;
+        let changed = (0..24).filter(|&i| aug.images[i * per..(i + 1) * per] != plain.images[i * per..(i + 1) * per]).count();
+        assert!(changed >= 12, "only {changed} of 24 images changed");
+        // Split-independent: the second half alone is the second half of the whole.
+        let half = make_batch(&d.train, &idx[12..], &c, true, 0, 1);
+        assert_eq!(half.images, aug.images[12 * per..]);
+        // Evaluation batches ignore the training augmentations.
+        assert_eq!(make_batch(&d.val, &idx, &c, false, 0, 1), make_batch(&d.val, &idx, &cfg(DatasetKind::Builtin), false, 0, 1));
+    }
+
+    #[test]
     fn train_len_without_opening() {
         let c = cfg(DatasetKind::Builtin);
         assert_eq!(train_len(&c, 0).unwrap(), 500);
