@@ -61,6 +61,7 @@ fn negate(rng: &mut SplitMix, v: f64) -> f64 {
 
 /// Applies RandAugment to `img` ((side, side, 3) HWC u8) in place. `fill` is the mean colour
 /// for pixels that geometric ops uncover; `scratch` is reused between calls.
+#[allow(clippy::too_many_arguments)]
 pub fn apply(cfg: &RandAugmentConfig, img: &mut [u8], side: usize, fill: [u8; 3], seed: u64, epoch: u64, index: usize, scratch: &mut Vec<u8>) {
     let mut rng = SplitMix::new(hash(&[seed, stream::RANDAUG, epoch, index as u64]));
     for _ in 0..cfg.num_layers {
@@ -70,7 +71,7 @@ pub fn apply(cfg: &RandAugmentConfig, img: &mut [u8], side: usize, fill: [u8; 3]
         }
         let mut m = cfg.magnitude;
         if cfg.magnitude_std.is_infinite() {
-            m = rng.f64() * m;
+            m *= rng.f64();
         } else if cfg.magnitude_std > 0.0 {
             m += cfg.magnitude_std * rng.normal();
         }

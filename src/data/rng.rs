@@ -35,7 +35,7 @@ pub mod stream {
     pub const SPLIT: u64 = 0x7370_6c74;
     pub const RANDAUG: u64 = 0x7261_6e64;
     pub const ERASE: u64 = 0x6572_6173;
-    pub const MIX: u64 = 0x6d69_78;
+    pub const MIX: u64 = 0x006d_6978;
 }
 
 /// A SplitMix64 generator.
