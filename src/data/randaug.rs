@@ -130,11 +130,11 @@ pub fn apply_op(op: Op, m: f64, increasing: bool, rng: &mut SplitMix, img: &mut 
             let n = (img.len() / 3).max(1) as f64;
             let mean = img.chunks_exact(3).map(|p| luma(p[0], p[1], p[2]) as f64).sum::<f64>() / n;
             let g = (mean + 0.5) as u8 as f32;
-            blend_with(img, f, |_| [g, g, g]);
+            blend_const(img, f, g);
         }
         Op::Brightness => {
             let f = enhance(rng);
-            blend_with(img, f, |_| [0.0; 3]);
+            blend_const(img, f, 0.0);
         }
         Op::Sharpness => {
             let f = enhance(rng);
@@ -170,9 +170,16 @@ fn blend_with(img: &mut [u8], f: f64, degenerate: impl Fn(&[u8]) -> [f32; 3]) {
     for px in img.chunks_exact_mut(3) {
         let d = degenerate(px);
         for c in 0..3 {
-            px[c] = (d[c] + f * (px[c] as f32 - d[c])).round().clamp(0.0, 255.0) as u8;
+            px[c] = to_u8(d[c] + f * (px[c] as f32 - d[c]));
         }
     }
+}
+
+/// [`blend_with`] for a uniform degenerate image of value `g`, through a 256-entry table.
+fn blend_const(img: &mut [u8], f: f64, g: f32) {
+    let f = f as f32;
+    let lut: [u8; 256] = std::array::from_fn(|v| to_u8(g + f * (v as f32 - g)));
+    img.iter_mut().for_each(|v| *v = lut[*v as usize]);
 }
 
 /// `ImageOps.autocontrast` (no cutoff): stretch each channel's [min, max] to [0, 255].
@@ -189,8 +196,9 @@ fn auto_contrast(img: &mut [u8]) {
         // In f64, as PIL computes the table in Python floats.
         let scale = 255.0 / (hi - lo) as f64;
         let offset = -(lo as f64) * scale;
+        let lut: [u8; 256] = std::array::from_fn(|v| (v as f64 * scale + offset).clamp(0.0, 255.0) as u8);
         for px in img.chunks_exact_mut(3) {
-            px[c] = (px[c] as f64 * scale + offset).clamp(0.0, 255.0) as u8;
+            px[c] = lut[px[c] as usize];
         }
     }
 }
@@ -230,20 +238,16 @@ fn sharpness(img: &mut [u8], side: usize, f: f32, scratch: &mut Vec<u8>) {
     if side < 3 {
         return;
     }
+    let w = side * 3;
     for y in 1..side - 1 {
-        for x in 1..side - 1 {
-            for c in 0..3 {
-                let mut acc = 0u32;
-                for dy in 0..3 {
-                    for dx in 0..3 {
-                        let w = if dy == 1 && dx == 1 { 5 } else { 1 };
-                        acc += w * scratch[((y + dy - 1) * side + x + dx - 1) * 3 + c] as u32;
-                    }
-                }
-                let d = (acc as f32 / 13.0).round();
-                let i = (y * side + x) * 3 + c;
-                img[i] = (d + f * (scratch[i] as f32 - d)).round().clamp(0.0, 255.0) as u8;
-            }
+        let (up, mid, down) = (&scratch[(y - 1) * w..y * w], &scratch[y * w..(y + 1) * w], &scratch[(y + 1) * w..(y + 2) * w]);
+        let out = &mut img[y * w..(y + 1) * w];
+        for i in 3..w - 3 {
+            let acc = up[i - 3] as u32 + up[i] as u32 + up[i + 3] as u32 + mid[i - 3] as u32 + 5 * mid[i] as u32 + mid[i + 3] as u32
+                + down[i - 3] as u32 + down[i] as u32 + down[i + 3] as u32;
+            // round(acc / 13), ties up
+            let d = ((2 * acc + 13) / 26) as f32;
+            out[i] = to_u8(d + f * (mid[i] as f32 - d));
         }
     }
 }
@@ -253,30 +257,45 @@ fn sharpness(img: &mut [u8], side: usize, f: f32, scratch: &mut Vec<u8>) {
 fn affine(img: &mut [u8], side: usize, fill: [u8; 3], scratch: &mut Vec<u8>, m: [f64; 6]) {
     scratch.clear();
     scratch.extend_from_slice(img);
-    let s = side as f64;
+    let src = &scratch[..];
+    let s = side as f32;
+    let last = side - 1;
+    let [a, b, c, d, e, f] = m.map(|v| v as f32);
     for y in 0..side {
-        for x in 0..side {
-            let (ox, oy) = (x as f64 + 0.5, y as f64 + 0.5);
-            let ix = m[0] * ox + m[1] * oy + m[2];
-            let iy = m[3] * ox + m[4] * oy + m[5];
-            let o = (y * side + x) * 3;
+        let oy = y as f32 + 0.5;
+        let (rx, ry) = (b * oy + c, e * oy + f);
+        let row = &mut img[y * side * 3..(y + 1) * side * 3];
+        for (x, out) in row.chunks_exact_mut(3).enumerate() {
+            let ox = x as f32 + 0.5;
+            let (ix, iy) = (a * ox + rx, d * ox + ry);
             if !(0.0..s).contains(&ix) || !(0.0..s).contains(&iy) {
-                img[o..o + 3].copy_from_slice(&fill);
+                out.copy_from_slice(&fill);
                 continue;
             }
+            // Pixel-index coordinates (≥ −0.5); a cast instead of floor(), which is a library
+            // call without SSE4.1.
             let (fx, fy) = (ix - 0.5, iy - 0.5);
-            let (x0, y0) = (fx.floor(), fy.floor());
-            let (wx, wy) = ((fx - x0) as f32, (fy - y0) as f32);
-            let clampi = |v: f64| (v.max(0.0) as usize).min(side - 1);
-            let (xa, xb, ya, yb) = (clampi(x0), clampi(x0 + 1.0), clampi(y0), clampi(y0 + 1.0));
-            for c in 0..3 {
-                let p = |yy: usize, xx: usize| scratch[(yy * side + xx) * 3 + c] as f32;
-                let top = p(ya, xa) * (1.0 - wx) + p(ya, xb) * wx;
-                let bot = p(yb, xa) * (1.0 - wx) + p(yb, xb) * wx;
-                img[o + c] = (top * (1.0 - wy) + bot * wy).round().clamp(0.0, 255.0) as u8;
+            let xi = if fx < 0.0 { -1 } else { fx as i64 };
+            let yi = if fy < 0.0 { -1 } else { fy as i64 };
+            let (wx, wy) = (fx - xi as f32, fy - yi as f32);
+            let (xa, ya) = (xi.max(0) as usize, yi.max(0) as usize);
+            let (xb, yb) = (((xi + 1) as usize).min(last), ((yi + 1) as usize).min(last));
+            let (p00, p01) = ((ya * side + xa) * 3, (ya * side + xb) * 3);
+            let (p10, p11) = ((yb * side + xa) * 3, (yb * side + xb) * 3);
+            let (w00, w01, w10, w11) = ((1.0 - wx) * (1.0 - wy), wx * (1.0 - wy), (1.0 - wx) * wy, wx * wy);
+            for ch in 0..3 {
+                let v = src[p00 + ch] as f32 * w00 + src[p01 + ch] as f32 * w01 + src[p10 + ch] as f32 * w10 + src[p11 + ch] as f32 * w11;
+                out[ch] = to_u8(v);
             }
         }
     }
+}
+
+/// Round half up and saturate to a byte (what `.round().clamp(0, 255)` gives for these values,
+/// without the library call).
+#[inline]
+fn to_u8(v: f32) -> u8 {
+    (v.max(0.0) + 0.5).min(255.0) as u8
 }
 
 #[cfg(test)]
@@ -373,5 +392,28 @@ mod tests {
         }
         // p = 0.5 per op, 2 ops: about 3/4 of images change.
         assert!((25..50).contains(&changed), "{changed} of 50 changed");
+    }
+}
+
+#[cfg(test)]
+mod timing {
+    use super::*;
+
+    /// Per-op cost on a 224-px image (`cargo test --lib op_timings -- --ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn op_timings() {
+        let side = 224;
+        let src: Vec<u8> = (0..side * side * 3).map(|i| (i * 31 % 251) as u8).collect();
+        let mut scratch = Vec::new();
+        for op in OPS {
+            let mut img = src.clone();
+            let t = std::time::Instant::now();
+            for k in 0..50 {
+                let mut rng = SplitMix::new(k);
+                apply_op(op, 9.0, true, &mut rng, &mut img, side, [124, 116, 104], &mut scratch);
+            }
+            eprintln!("{op:?}: {:.3} ms", t.elapsed().as_secs_f64() * 1e3 / 50.0);
+        }
     }
 }
