@@ -642,6 +642,8 @@ fn folder_defaults_and_timm_augment_keys() {
     assert_eq!((a.reprob, a.remode, a.recount), (0.25, EraseMode::Const, 2));
     // The resolved config reads back to the same options.
     assert_eq!(RunConfig { warnings: vec![], ..c.clone() }, resolve(&resolved_json(&c), 1).unwrap());
+    let c = ok(json!({"data": {"augment": "none", "mixup": 0.8}}));
+    assert!(has_warning(&c, "not applied"), "{:?}", c.warnings);
     let h = help_text();
     for key in ["label", "skip_bad", "val_split", "crop_pct", "scale", "ratio", "prefetch", "auto_augment", "mixup_switch_prob", "reprob", "remode", "recount", "folder"] {
         assert!(h.contains(key), "help text lacks {key}");

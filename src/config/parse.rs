@@ -1366,6 +1366,9 @@ fn parse_data(sec: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<DataConfi
         recount: get_int(sec, p, &D_RECOUNT, cx)? as usize,
     };
     get_str(sec, p, &D_MIXUP_MODE, cx)?;
+    if augment == Augment::None && (aug.auto_augment.is_some() || aug.reprob > 0.0 || aug.mixes()) {
+        cx.warn("data.augment = \"none\": data.auto_augment, data.reprob, data.mixup and data.cutmix are not applied".into());
+    }
     Ok(DataConfig {
         dataset,
         path,
