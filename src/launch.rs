@@ -514,42 +514,16 @@ const FORWARDED: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
 /// Catches the forwarded signals while alive; restores the previous handlers on drop (the
 /// launcher may run inside a test process).
 struct SignalGuard {
-    old: Vec<(libc::c_int, libc::sigaction)>,
+    _handlers: crate::util::SignalHandlers,
 }
 
 impl SignalGuard {
     fn install() -> Self {
-        let mut old = Vec::new();
-        for &sig in &FORWARDED {
-            // SAFETY: sigaction with a zeroed struct whose handler only stores to an atomic
-            // (async-signal-safe); the previous action is saved for restoration.
-            unsafe {
-                let mut act: libc::sigaction = std::mem::zeroed();
-                act.sa_sigaction = on_signal as *const () as libc::sighandler_t;
-                act.sa_flags = libc::SA_RESTART;
-                libc::sigemptyset(&mut act.sa_mask);
-                let mut prev: libc::sigaction = std::mem::zeroed();
-                if libc::sigaction(sig, &act, &mut prev) == 0 {
-                    old.push((sig, prev));
-                }
-            }
-        }
-        SignalGuard { old }
+        SignalGuard { _handlers: crate::util::SignalHandlers::install(&FORWARDED, on_signal) }
     }
 
     fn take(&self) -> i32 {
         PENDING_SIGNAL.swap(0, Ordering::SeqCst)
-    }
-}
-
-impl Drop for SignalGuard {
-    fn drop(&mut self) {
-        for (sig, prev) in &self.old {
-            // SAFETY: restores the action saved by `install`.
-            unsafe {
-                libc::sigaction(*sig, prev, std::ptr::null_mut());
-            }
-        }
     }
 }
 

@@ -10,7 +10,7 @@
 //! - `launch`  — defines: `vitscale launch`, spawning workers locally or over ssh from a hostfile.
 //! - `metrics` — defines: phase timers and the `metrics.jsonl` records.
 //! - `cli`     — defines: the subcommands behind `vitscale`.
-//! - `util`    — defines: atomic file writes.
+//! - `util`    — defines: atomic file writes, scoped signal handlers.
 //! - `selftest` — defines: `vitscale selftest`, every backend op and a short training run against the CPU reference.
 //! - `bench`   — defines: `vitscale bench`, training-step throughput, MFU and peak memory on synthetic device-resident data.
 

@@ -141,8 +141,9 @@ fn op_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
         cx.checks.push(Check { name: "sum_squares".into(), rel_err: e, tol: F32_TOL, pass: e.is_finite() && e <= F32_TOL });
     }
 
-    // ---- shapes: a small odd one and a ViT-B/16 block at batch 2
-    for &(b, n_img, p, c, h, f, k) in &[(3usize, 12usize, 4usize, 48usize, 3usize, 96usize, 10usize), (2, 224, 16, 768, 12, 3072, 1000)] {
+    // ---- shapes: a small odd one, a ViT-S/4 CIFAR block (C = 384: the 8-byte vector
+    // LayerNorm path) and a ViT-B/16 block at batch 2 (C = 768: the 16-byte path)
+    for &(b, n_img, p, c, h, f, k) in &[(3usize, 12usize, 4usize, 48usize, 3usize, 96usize, 10usize), (3, 32, 4, 384, 6, 1536, 10), (2, 224, 16, 768, 12, 3072, 1000)] {
         let tag = format!("[B{b} C{c}]");
         let np = (n_img / p) * (n_img / p);
         let n = np + 1;

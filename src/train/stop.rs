@@ -65,7 +65,7 @@ pub fn agreed(own: i32, summed: [f64; 2]) -> i32 {
 /// that arrives after the last step (during the final evaluation) is not acted on: the run
 /// is complete by then.
 pub struct StopGuard {
-    old: Vec<(libc::c_int, libc::sigaction)>,
+    _handlers: crate::util::SignalHandlers,
 }
 
 impl StopGuard {
@@ -73,34 +73,7 @@ impl StopGuard {
     /// forgotten.
     pub fn install() -> Self {
         PENDING.store(0, Ordering::SeqCst);
-        let mut old = Vec::new();
-        for &sig in &CAUGHT {
-            // SAFETY: sigaction with a zeroed struct whose handler only touches an atomic
-            // (and, on a second signal, async-signal-safe calls); the previous action is
-            // saved for restoration.
-            unsafe {
-                let mut act: libc::sigaction = std::mem::zeroed();
-                act.sa_sigaction = on_signal as *const () as libc::sighandler_t;
-                act.sa_flags = libc::SA_RESTART;
-                libc::sigemptyset(&mut act.sa_mask);
-                let mut prev: libc::sigaction = std::mem::zeroed();
-                if libc::sigaction(sig, &act, &mut prev) == 0 {
-                    old.push((sig, prev));
-                }
-            }
-        }
-        StopGuard { old }
-    }
-}
-
-impl Drop for StopGuard {
-    fn drop(&mut self) {
-        for (sig, prev) in &self.old {
-            // SAFETY: restores the action saved by `install`.
-            unsafe {
-                libc::sigaction(*sig, prev, std::ptr::null_mut());
-            }
-        }
+        StopGuard { _handlers: crate::util::SignalHandlers::install(&CAUGHT, on_signal) }
     }
 }
 

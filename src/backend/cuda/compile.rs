@@ -192,25 +192,69 @@ impl Kernels {
 
 }
 
-/// Names of the `extern "C" __global__ void NAME(` functions in a source file.
-/// Kernels stamped out by the `LN_INSTANCE(J)` macro are listed from its uses.
+/// Names of the `extern "C" __global__ void NAME(` functions in a source file (an optional
+/// `__launch_bounds__(…)` before the name is skipped). Kernels stamped out by the
+/// `LN_INSTANCE(J)` and `LNV_INSTANCE(J)` macros are listed from their uses.
 fn kernel_names(src: &str) -> Vec<String> {
     let mut out = Vec::new();
     for part in src.split("__global__ void ").skip(1) {
+        let mut part = part.trim_start();
+        if let Some(rest) = part.strip_prefix("__launch_bounds__") {
+            match rest.find(')') {
+                Some(close) => part = rest[close + 1..].trim_start(),
+                None => continue,
+            }
+        }
         if let Some(end) = part.find('(') {
             let name = part[..end].trim();
-            if !name.contains('#') {
+            if !name.contains('#') && !name.is_empty() {
                 out.push(name.to_string());
             }
         }
     }
-    for part in src.split("LN_INSTANCE(").skip(1) {
-        if let Some(end) = part.find(')') {
-            if let Ok(j) = part[..end].trim().parse::<u32>() {
-                out.push(format!("layernorm_fwd_c{j}"));
-                out.push(format!("layernorm_bwd_c{j}"));
+    for (mac, suffix) in [("LN_INSTANCE(", "c"), ("LNV_INSTANCE(", "v")] {
+        for part in src.split(mac).skip(1) {
+            if let Some(end) = part.find(')') {
+                if let Ok(j) = part[..end].trim().parse::<u32>() {
+                    out.push(format!("layernorm_fwd_{suffix}{j}"));
+                    out.push(format!("layernorm_bwd_{suffix}{j}"));
+                }
             }
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every listed name must be a plain identifier (a launch-bounds attribute once came back as
+    /// a kernel name, and every module load then failed on the device), and the launch sites'
+    /// kernels must all be listed.
+    #[test]
+    fn kernel_names_are_identifiers_and_complete() {
+        let mut all = Vec::new();
+        for (_, src) in SOURCES.iter().chain(OPTIONAL.iter()) {
+            for n in kernel_names(src) {
+                assert!(!n.is_empty() && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') && !n.starts_with("__"), "bad kernel name {n:?}");
+                all.push(n);
+            }
+        }
+        for want in ["layernorm_fwd_v24", "layernorm_bwd_v24", "layernorm_bwd_v12", "layernorm_fwd_c24", "layernorm_bwd_c3",
+                     "gelu_fwd_v8", "gelu_bwd_v8", "add_v8", "bias_grad_v8", "reduce_partials_t", "add_kernel"] {
+            assert!(all.iter().any(|n| n == want), "{want} not listed");
+        }
+        let mod_rs = include_str!("mod.rs");
+        for pat in ["self.launch1(\"", "self.launch(\""] {
+            for part in mod_rs.split(pat).skip(1) {
+                if let Some(end) = part.find('"') {
+                    let name = &part[..end];
+                    if !name.contains('{') {
+                        assert!(all.iter().any(|n| n == name), "launched kernel {name} is not listed");
+                    }
+                }
+            }
+        }
+    }
 }

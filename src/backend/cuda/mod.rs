@@ -489,6 +489,14 @@ impl Cuda {
         })
     }
 
+    /// dst1[i] += Σ_p partial[p·width + i] for i < split, dst2[i − split] likewise after.
+    /// Block (32, 32): 32 columns per block, the parts split over 32 rows of threads, summed in
+    /// a fixed order (deterministic).
+    fn reduce_partials(&self, dst1: CUdeviceptr, dst2: CUdeviceptr, split: usize, partial: CUdeviceptr, nparts: usize, width: usize) -> BResult<()> {
+        let (sp, np, wd) = (split as i32, nparts as i32, width as i32);
+        self.launch("reduce_partials_t", (width.div_ceil(32) as u32, 1, 1), (32, 32, 1), 0, &mut kargs![dst1, dst2, sp, partial, np, wd])
+    }
+
     /// 1-D grid-stride launch over `n` elements.
     fn launch1(&self, name: &str, n: usize, args: &mut [*mut c_void]) -> BResult<()> {
         self.launch(name, (self.grid(n), 1, 1), (THREADS, 1, 1), 0, args)
@@ -568,6 +576,13 @@ fn ln_fast_j(c: usize, bf16s: &[&CudaBuf], f32s: &[&CudaBuf]) -> Option<usize> {
         && bf16s.iter().all(|b| b.ty == Ty::Bf16)
         && f32s.iter().all(|b| b.ty == Ty::F32);
     ok.then_some(j)
+}
+
+/// The vectorized LayerNorm kernels (`layernorm_{fwd,bwd}_v{J}`): even J, and every row
+/// pointer aligned to the vector width the kernel uses for that J (0 = absent is fine).
+fn ln_vec_ok(j: usize, ptrs: &[CUdeviceptr]) -> bool {
+    let vw = if j % 8 == 0 { 8 } else if j % 4 == 0 { 4 } else { 2 };
+    j % 2 == 0 && [2, 4, 6, 8, 12, 16, 24, 32].contains(&j) && ptrs.iter().all(|&p| p % (2 * vw) as u64 == 0)
 }
 
 fn bf16_bits(x: f32) -> u16 {
@@ -736,7 +751,10 @@ impl Backend for Cuda {
         self.gemm(OP, s, params.at(w.off), inp.ptr, target, bias_ptr, 1.0, 0.0)?;
         if gelu_pre.is_some() {
             let n = rows * oc;
-            if n % 2 == 0 && target % 4 == 0 && out.ptr % 4 == 0 {
+            if n % 8 == 0 && target % 16 == 0 && out.ptr % 16 == 0 {
+                let n8 = (n / 8) as i64;
+                self.launch1("gelu_fwd_v8", n / 8, &mut kargs![out.ptr, target, n8])?;
+            } else if n % 2 == 0 && target % 4 == 0 && out.ptr % 4 == 0 {
                 let n2 = (n / 2) as i64;
                 self.launch1("gelu_fwd_bf16", n / 2, &mut kargs![out.ptr, target, n2])?;
             } else {
@@ -772,7 +790,10 @@ impl Backend for Cuda {
             check_bf16(OP, "dgelu_pre", pre)?;
             check_len(OP, "dgelu_pre", pre, rows * ic)?;
             let n = rows * ic;
-            if n % 2 == 0 {
+            if n % 8 == 0 && dinp.ptr % 16 == 0 && pre.ptr % 16 == 0 {
+                let n8 = (n / 8) as i64;
+                self.launch1("gelu_bwd_v8", n / 8, &mut kargs![dinp.ptr, pre.ptr, n8])?;
+            } else if n % 2 == 0 {
                 let n2 = (n / 2) as i64;
                 self.launch1("gelu_bwd_bf16", n / 2, &mut kargs![dinp.ptr, pre.ptr, n2])?;
             } else {
@@ -795,9 +816,13 @@ impl Backend for Cuda {
             let splits = (rows.div_ceil(64)).clamp(1, 256) as u32;
             let (r, o) = (rows as i64, oc as i32);
             let partial = self.scratch("bias_partials", 2 * splits as usize * oc)?;
-            self.launch("bias_grad_kernel", (oc.div_ceil(32) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![partial, dout.ptr, dout.dt(), r, o])?;
-            let (np, dst) = (splits as i32, dparams.at(bs.off));
-            self.launch1("reduce_partials", oc, &mut kargs![dst, dst, o, partial, np, o])?;
+            if oc % 8 == 0 && dout.ptr % 16 == 0 {
+                self.launch("bias_grad_v8", (oc.div_ceil(256) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![partial, dout.ptr, r, o])?;
+            } else {
+                self.launch("bias_grad_kernel", (oc.div_ceil(32) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![partial, dout.ptr, dout.dt(), r, o])?;
+            }
+            let dst = dparams.at(bs.off);
+            self.reduce_partials(dst, dst, oc, partial, splits as usize, oc)?;
         }
         Ok(())
     }
@@ -816,6 +841,10 @@ impl Backend for Cuda {
         let grid = (rows.div_ceil(8) as u32).min(self.info.multiprocessors * 16).max(1);
         if let Some(j) = ln_fast_j(c, &[&*out, inp, params], &[&*mean, &*rstd]) {
             let (wo, bo, r, eps) = (w.off as i64, b.off as i64, rows as i64, LN_EPS);
+            if ln_vec_ok(j, &[out.ptr, inp.ptr]) {
+                let grid = (rows.div_ceil(8) as u32).min(self.info.multiprocessors * 2).max(1);
+                return self.launch(&format!("layernorm_fwd_v{j}"), (grid, 1, 1), (256, 1, 1), 0, &mut kargs![out.ptr, mean.ptr, rstd.ptr, inp.ptr, params.ptr, wo, bo, r, eps]);
+            }
             return self.launch(&format!("layernorm_fwd_c{j}"), (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![out.ptr, mean.ptr, rstd.ptr, inp.ptr, params.ptr, wo, bo, r, eps]);
         }
         let (wo, bo, r, cc, eps) = (w.off as i64, b.off as i64, rows as i64, c as i32, LN_EPS);
@@ -841,12 +870,19 @@ impl Backend for Cuda {
         };
         let dres_bf16 = dresidual.is_none_or(|d| d.ty == Ty::Bf16);
         if let (Some(j), true) = (ln_fast_j(c, &[&*dinp, dout, inp, params], &[mean, rstd]), dres_bf16) {
+            if ln_vec_ok(j, &[dinp.ptr, dout.ptr, inp.ptr, dres]) {
+                // 4 warps per block, one row per warp at a time; 4 blocks per SM fit (128 registers).
+                let grid = (rows.div_ceil(4 * 8) as u32).min(self.info.multiprocessors * 4).max(1);
+                let (wo, bo, r) = (w.off as i64, b.off as i64, rows as i64);
+                let partial = self.scratch("ln_partials", 2 * grid as usize * 2 * c)?;
+                self.launch(&format!("layernorm_bwd_v{j}"), (grid, 1, 1), (128, 1, 1), 0, &mut kargs![dinp.ptr, partial, dout.ptr, dres, inp.ptr, mean.ptr, rstd.ptr, params.ptr, wo, bo, r])?;
+                return self.reduce_partials(dparams.at(w.off), dparams.at(b.off), c, partial, grid as usize, 2 * c);
+            }
             let grid = (rows.div_ceil(8) as u32).min(self.info.multiprocessors * 4).max(1);
             let (wo, bo, r) = (w.off as i64, b.off as i64, rows as i64);
             let partial = self.scratch("ln_partials", 2 * grid as usize * 2 * c)?;
             self.launch(&format!("layernorm_bwd_c{j}"), (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![dinp.ptr, partial, dout.ptr, dres, inp.ptr, mean.ptr, rstd.ptr, params.ptr, wo, bo, r])?;
-            let (cc, np, width) = (c as i32, grid as i32, (2 * c) as i32);
-            return self.launch1("reduce_partials", 2 * c, &mut kargs![dparams.at(w.off), dparams.at(b.off), cc, partial, np, width]);
+            return self.reduce_partials(dparams.at(w.off), dparams.at(b.off), c, partial, grid as usize, 2 * c);
         }
         // Warps per block so that each warp's two C-wide accumulator rows fit in 48 KiB.
         let warps = (48 * 1024 / (2 * c * 4)).clamp(1, 8) as u32;
@@ -1005,6 +1041,10 @@ impl Backend for Cuda {
         check_len("add", "out", out, n)?;
         if a.len != b.len {
             return Err(BackendError::Shape { op: "add", msg: format!("operands differ in length: {} vs {}", a.len, b.len) });
+        }
+        if n % 8 == 0 && [out.ty, a.ty, b.ty].iter().all(|&t| t == Ty::Bf16) && [out.ptr, a.ptr, b.ptr].iter().all(|&p| p % 16 == 0) {
+            let n8 = (n / 8) as i64;
+            return self.launch1("add_v8", n / 8, &mut kargs![out.ptr, a.ptr, b.ptr, n8]);
         }
         let nn = n as i64;
         self.launch1("add_kernel", n, &mut kargs![out.ptr, out.dt(), a.ptr, a.dt(), b.ptr, b.dt(), nn])

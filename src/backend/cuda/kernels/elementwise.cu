@@ -104,3 +104,85 @@ extern "C" __global__ void fill_random_kernel(void* dst, int dt, i64 n, unsigned
         stx(dst, dt, i, scale * ((float)(x >> 8) * (2.0f / 16777216.0f) - 1.0f));
     }
 }
+
+// Same sums as reduce_partials, block (32, 32): x picks a column of a 32-wide tile, y strides
+// the parts; partial sums combine in a fixed order.
+extern "C" __global__ void reduce_partials_t(float* d1, float* d2, int split, const float* partial, int nparts, int width) {
+    __shared__ float part[32][33];
+    int i = blockIdx.x * 32 + threadIdx.x;
+    float s = 0.f;
+    if (i < width) {
+        #pragma unroll 4
+        for (int p = threadIdx.y; p < nparts; p += 32) s += partial[(i64)p * width + i];
+    }
+    part[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && i < width) {
+        float t = 0.f;
+        #pragma unroll
+        for (int k = 0; k < 32; k++) t += part[k][threadIdx.x];
+        if (i < split) d1[i] += t; else d2[i - split] += t;
+    }
+}
+
+// ---- 16-byte versions (8 bf16 per access) of the bf16 elementwise passes; the launch site
+// checks n % 8 == 0 and 16-byte alignment. Same arithmetic and rounding as the scalar kernels.
+__device__ __forceinline__ float lo16(unsigned w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float hi16(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ unsigned pk16(float a, float b) { return (unsigned)f2bf(a) | ((unsigned)f2bf(b) << 16); }
+
+extern "C" __global__ void gelu_fwd_v8(uint4* out, const uint4* pre, i64 n8) {
+    GRID_STRIDE(i, n8) {
+        uint4 p = pre[i];
+        out[i] = make_uint4(pk16(gelu_f(lo16(p.x)), gelu_f(hi16(p.x))), pk16(gelu_f(lo16(p.y)), gelu_f(hi16(p.y))),
+                            pk16(gelu_f(lo16(p.z)), gelu_f(hi16(p.z))), pk16(gelu_f(lo16(p.w)), gelu_f(hi16(p.w))));
+    }
+}
+
+__device__ __forceinline__ unsigned dgelu_w(unsigned d, unsigned p) {
+    return pk16(lo16(d) * dgelu_f(lo16(p)), hi16(d) * dgelu_f(hi16(p)));
+}
+extern "C" __global__ void gelu_bwd_v8(uint4* dx, const uint4* pre, i64 n8) {
+    GRID_STRIDE(i, n8) {
+        uint4 p = pre[i], d = dx[i];
+        dx[i] = make_uint4(dgelu_w(d.x, p.x), dgelu_w(d.y, p.y), dgelu_w(d.z, p.z), dgelu_w(d.w, p.w));
+    }
+}
+
+__device__ __forceinline__ unsigned add_w(unsigned a, unsigned b) { return pk16(lo16(a) + lo16(b), hi16(a) + hi16(b)); }
+extern "C" __global__ void add_v8(uint4* out, const uint4* a, const uint4* b, i64 n8) {
+    GRID_STRIDE(i, n8) {
+        uint4 x = a[i], y = b[i];
+        out[i] = make_uint4(add_w(x.x, y.x), add_w(x.y, y.y), add_w(x.z, y.z), add_w(x.w, y.w));
+    }
+}
+
+// bias_grad_kernel for bf16 dout with OC % 8 == 0: each thread sums 8 adjacent columns with
+// 16-byte loads. Block (32, 8) covers 256 columns; grid (ceil(OC/256), splits); row y of
+// `dbias` (splits × OC) gets block-row y's partial sums.
+extern "C" __global__ void bias_grad_v8(float* dbias, const bf16* dout, i64 rows, int oc) {
+    __shared__ float part[8][256 + 4];
+    int c0 = (blockIdx.x * 32 + threadIdx.x) * 8;
+    float acc[8];
+    #pragma unroll
+    for (int k = 0; k < 8; k++) acc[k] = 0.f;
+    if (c0 < oc) {
+        #pragma unroll 4
+        for (i64 r = (i64)blockIdx.y * 8 + threadIdx.y; r < rows; r += (i64)gridDim.y * 8) {
+            uint4 u = *(const uint4*)(dout + r * oc + c0);
+            acc[0] += lo16(u.x); acc[1] += hi16(u.x); acc[2] += lo16(u.y); acc[3] += hi16(u.y);
+            acc[4] += lo16(u.z); acc[5] += hi16(u.z); acc[6] += lo16(u.w); acc[7] += hi16(u.w);
+        }
+    }
+    #pragma unroll
+    for (int k = 0; k < 8; k++) part[threadIdx.y][threadIdx.x * 8 + k] = acc[k];
+    __syncthreads();
+    int t = threadIdx.y * 32 + threadIdx.x;
+    int c = blockIdx.x * 256 + t;
+    if (c < oc) {
+        float s = 0.f;
+        #pragma unroll
+        for (int k = 0; k < 8; k++) s += part[k][t];
+        dbias[(i64)blockIdx.y * oc + c] = s;
+    }
+}

@@ -152,3 +152,178 @@ extern "C" __global__ void layernorm_bwd_c##J(bf16* dinp, float* partial, const 
     ln_bwd_t<J>(dinp, partial, dout, dres, inp, mean, rstd, params, w, bo, rows); }
 LN_INSTANCE(1) LN_INSTANCE(2) LN_INSTANCE(3) LN_INSTANCE(4) LN_INSTANCE(6) LN_INSTANCE(8)
 LN_INSTANCE(12) LN_INSTANCE(16) LN_INSTANCE(24) LN_INSTANCE(32)
+
+// ---- Vectorized path (even J, rows aligned to the vector width). The J=24 register-row
+// backward above holds 166 registers (one 256-thread block per SM, 8 warps: too few loads in
+// flight for HBM) and issues 2-byte loads. Here each lane owns NV chunks of VW consecutive
+// columns, loads each chunk as one vector, keeps rows packed as bf16 pairs (J/2 registers per
+// tensor instead of J), and the kernels are capped at 128 registers so that two 256-thread
+// blocks share an SM. Lane l's chunk k covers columns (32k + l)·VW … +VW.
+
+template <int WPV> __device__ __forceinline__ void ldw(const bf16* p, unsigned* w) {
+    if constexpr (WPV == 4) { uint4 u = *(const uint4*)p; w[0] = u.x; w[1] = u.y; w[2] = u.z; w[3] = u.w; }
+    else if constexpr (WPV == 2) { uint2 u = *(const uint2*)p; w[0] = u.x; w[1] = u.y; }
+    else { w[0] = *(const unsigned*)p; }
+}
+template <int WPV> __device__ __forceinline__ void stw(bf16* p, const unsigned* w) {
+    if constexpr (WPV == 4) { *(uint4*)p = make_uint4(w[0], w[1], w[2], w[3]); }
+    else if constexpr (WPV == 2) { *(uint2*)p = make_uint2(w[0], w[1]); }
+    else { *(unsigned*)p = w[0]; }
+}
+__device__ __forceinline__ float wlo(unsigned w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float whi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ float wel(const unsigned* w, int e) { return (e & 1) ? whi(w[e >> 1]) : wlo(w[e >> 1]); }
+__device__ __forceinline__ unsigned wpack(float a, float b) { return (unsigned)f2bf(a) | ((unsigned)f2bf(b) << 16); }
+
+template <int J> struct LnV {
+    static constexpr int VW = (J % 8 == 0) ? 8 : (J % 4 == 0) ? 4 : 2;  // bf16 per vector
+    static constexpr int NV = J / VW;                                  // vectors per lane
+    static constexpr int WPV = VW / 2;                                 // 32-bit words per vector
+    static constexpr int NW = J / 2;
+    __device__ static __forceinline__ int col(int e, int lane) { return ((e / VW) * 32 + lane) * VW + (e % VW); }
+};
+
+template <int J>
+__device__ __forceinline__ void ln_fwd_v(bf16* out, float* mean, float* rstd, const bf16* inp,
+                                         const bf16* params, i64 w, i64 bo, i64 rows, float eps) {
+    typedef LnV<J> L;
+    const int c = 32 * J;
+    int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+    unsigned wp[L::NW], bp[L::NW];
+    #pragma unroll
+    for (int e = 0; e < J; e += 2) {
+        int k = L::col(e, lane);
+        wp[e >> 1] = (unsigned)params[w + k] | ((unsigned)params[w + k + 1] << 16);
+        bp[e >> 1] = (unsigned)params[bo + k] | ((unsigned)params[bo + k + 1] << 16);
+    }
+    for (i64 r = (i64)blockIdx.x * warps + (threadIdx.x >> 5); r < rows; r += (i64)gridDim.x * warps) {
+        const bf16* x = inp + r * c;
+        unsigned xw[L::NW];
+        #pragma unroll
+        for (int k = 0; k < L::NV; k++) ldw<L::WPV>(x + (k * 32 + lane) * L::VW, xw + k * L::WPV);
+        float s = 0.f;
+        #pragma unroll
+        for (int e = 0; e < J; e++) s += wel(xw, e);
+        float mu = warp_sum(s) / c;
+        float q = 0.f;
+        #pragma unroll
+        for (int e = 0; e < J; e++) { float d = wel(xw, e) - mu; q += d * d; }
+        float rs = rsqrtf(warp_sum(q) / c + eps);
+        unsigned ow[L::NW];
+        #pragma unroll
+        for (int e = 0; e < J; e += 2)
+            ow[e >> 1] = wpack((wel(xw, e) - mu) * rs * wel(wp, e) + wel(bp, e),
+                               (wel(xw, e + 1) - mu) * rs * wel(wp, e + 1) + wel(bp, e + 1));
+        bf16* o = out + r * c;
+        #pragma unroll
+        for (int k = 0; k < L::NV; k++) stw<L::WPV>(o + (k * 32 + lane) * L::VW, ow + k * L::WPV);
+        if (lane == 0) { mean[r] = mu; rstd[r] = rs; }
+    }
+}
+
+// dw/db accumulate in per-warp shared-memory rows (each lane owns its slots, laid out so that
+// a warp's vector accesses are conflict-free) rather than 2·J registers: with them in registers
+// J = 24 needs > 128 registers and spills. Fixed 4 warps per block.
+template <int J>
+__device__ __forceinline__ void ln_bwd_v(bf16* dinp, float* partial, const bf16* dout, const bf16* dres,
+                                         const bf16* inp, const float* mean, const float* rstd,
+                                         const bf16* params, i64 w, i64 bo, i64 rows) {
+    typedef LnV<J> L;
+    const int c = 32 * J;
+    constexpr int SW = (J % 4 == 0) ? 4 : 2;  // floats per accumulator access
+    __shared__ __align__(16) float acc[4 * 2 * 32 * J];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int i = threadIdx.x; i < 4 * 2 * c; i += blockDim.x) acc[i] = 0.f;
+    __syncthreads();
+    float* aw = acc + warp * 2 * c;
+    float* ab = aw + c;
+    unsigned wp[L::NW];
+    #pragma unroll
+    for (int e = 0; e < J; e += 2) {
+        int k = L::col(e, lane);
+        wp[e >> 1] = (unsigned)params[w + k] | ((unsigned)params[w + k + 1] << 16);
+    }
+    for (i64 r = (i64)blockIdx.x * 4 + warp; r < rows; r += (i64)gridDim.x * 4) {
+        const bf16* g = dout + r * c;
+        const bf16* x = inp + r * c;
+        unsigned gw[L::NW], xw[L::NW], rw[L::NW];
+        #pragma unroll
+        for (int k = 0; k < L::NV; k++) {
+            ldw<L::WPV>(g + (k * 32 + lane) * L::VW, gw + k * L::WPV);
+            ldw<L::WPV>(x + (k * 32 + lane) * L::VW, xw + k * L::WPV);
+        }
+        if (dres) {
+            const bf16* dr = dres + r * c;
+            #pragma unroll
+            for (int k = 0; k < L::NV; k++) ldw<L::WPV>(dr + (k * 32 + lane) * L::VW, rw + k * L::WPV);
+        } else {
+            #pragma unroll
+            for (int i = 0; i < L::NW; i++) rw[i] = 0u;
+        }
+        float mu = mean[r], rs = rstd[r];
+        float a = 0.f, bs = 0.f;
+        #pragma unroll
+        for (int q = 0; q < J / SW; q++) {
+            float tw[SW], tb[SW];
+            float* pw = aw + (q * 32 + lane) * SW;
+            float* pb = ab + (q * 32 + lane) * SW;
+            if constexpr (SW == 4) {
+                float4 u = *(float4*)pw, v = *(float4*)pb;
+                tw[0] = u.x; tw[1] = u.y; tw[2] = u.z; tw[3] = u.w;
+                tb[0] = v.x; tb[1] = v.y; tb[2] = v.z; tb[3] = v.w;
+            } else {
+                float2 u = *(float2*)pw, v = *(float2*)pb;
+                tw[0] = u.x; tw[1] = u.y; tb[0] = v.x; tb[1] = v.y;
+            }
+            #pragma unroll
+            for (int i = 0; i < SW; i++) {
+                int e = q * SW + i;
+                float gv = wel(gw, e), xh = (wel(xw, e) - mu) * rs;
+                float dn = gv * wel(wp, e);
+                a += dn;
+                bs += dn * xh;
+                tw[i] += gv * xh;
+                tb[i] += gv;
+            }
+            if constexpr (SW == 4) {
+                *(float4*)pw = make_float4(tw[0], tw[1], tw[2], tw[3]);
+                *(float4*)pb = make_float4(tb[0], tb[1], tb[2], tb[3]);
+            } else {
+                *(float2*)pw = make_float2(tw[0], tw[1]);
+                *(float2*)pb = make_float2(tb[0], tb[1]);
+            }
+        }
+        a = warp_sum(a) / c;
+        bs = warp_sum(bs) / c;
+        unsigned ow[L::NW];
+        #pragma unroll
+        for (int e = 0; e < J; e += 2) {
+            float d0 = rs * (wel(gw, e) * wel(wp, e) - a - (wel(xw, e) - mu) * rs * bs) + wel(rw, e);
+            float d1 = rs * (wel(gw, e + 1) * wel(wp, e + 1) - a - (wel(xw, e + 1) - mu) * rs * bs) + wel(rw, e + 1);
+            ow[e >> 1] = wpack(d0, d1);
+        }
+        bf16* dx = dinp + r * c;
+        #pragma unroll
+        for (int k = 0; k < L::NV; k++) stw<L::WPV>(dx + (k * 32 + lane) * L::VW, ow + k * L::WPV);
+    }
+    __syncthreads();
+    // Column i of the block's partial row: the warps' slots for it, summed in warp order.
+    for (int i = threadIdx.x; i < c; i += blockDim.x) {
+        int k = i / (32 * L::VW), ln = (i / L::VW) % 32, e = k * L::VW + i % L::VW;
+        int slot = ((e / SW) * 32 + ln) * SW + e % SW;
+        float sw = 0.f, sb = 0.f;
+        #pragma unroll
+        for (int wi = 0; wi < 4; wi++) { sw += acc[wi * 2 * c + slot]; sb += acc[wi * 2 * c + c + slot]; }
+        partial[(i64)blockIdx.x * 2 * c + i] = sw;
+        partial[(i64)blockIdx.x * 2 * c + c + i] = sb;
+    }
+}
+
+#define LNV_INSTANCE(J) \
+extern "C" __global__ void __launch_bounds__(256, 2) layernorm_fwd_v##J(bf16* out, float* mean, float* rstd, const bf16* inp, \
+        const bf16* params, i64 w, i64 bo, i64 rows, float eps) { ln_fwd_v<J>(out, mean, rstd, inp, params, w, bo, rows, eps); } \
+extern "C" __global__ void __launch_bounds__(128, 4) layernorm_bwd_v##J(bf16* dinp, float* partial, const bf16* dout, const bf16* dres, \
+        const bf16* inp, const float* mean, const float* rstd, const bf16* params, i64 w, i64 bo, i64 rows) { \
+    ln_bwd_v<J>(dinp, partial, dout, dres, inp, mean, rstd, params, w, bo, rows); }
+LNV_INSTANCE(2) LNV_INSTANCE(4) LNV_INSTANCE(6) LNV_INSTANCE(8) LNV_INSTANCE(12) LNV_INSTANCE(16)
+LNV_INSTANCE(24) LNV_INSTANCE(32)
