@@ -52,7 +52,6 @@ pub struct TrainArgs {
     /// Write the final weights here (safetensors, timm key names).
     #[arg(long)]
     pub save_weights: Option<PathBuf>,
-    // [dist] checkpoints
     /// Resume from a checkpoint: a step directory, a checkpoint root, or `latest` (the newest
     /// under `<run dir>/checkpoints`; needs --run-dir). Checkpoints are written every
     /// `train.checkpoint_every` steps.
@@ -170,7 +169,7 @@ pub fn open_device(arg: DeviceArg, local_rank: usize) -> anyhow::Result<Device> 
 }
 
 fn default_run_dir(env: &crate::comm::DistEnv) -> PathBuf {
-    // [dist] every rank must pick the same directory without talking: `vitscale launch` sets
+    // every rank must pick the same directory without talking: `vitscale launch` sets
     // VITSCALE_RUN_ID; under other launchers use what the ranks share.
     if let Some(id) = std::env::var("VITSCALE_RUN_ID").ok().filter(|s| !s.is_empty()) {
         return PathBuf::from("runs").join(id);
@@ -187,7 +186,7 @@ fn default_run_dir(env: &crate::comm::DistEnv) -> PathBuf {
 }
 
 pub fn train_cmd(args: TrainArgs) -> anyhow::Result<()> {
-    // [dist] this process's place in the job (one process when no launcher variables are set);
+    // this process's place in the job (one process when no launcher variables are set);
     // the config resolves the DeepSpeed batch triple for that world size.
     let env = crate::comm::DistEnv::detect()?;
     let mut cfg = load_config(&args.common, args.init.as_deref(), env.world_size)?;
@@ -198,7 +197,7 @@ pub fn train_cmd(args: TrainArgs) -> anyhow::Result<()> {
     }
     let run_dir = args.run_dir.clone().unwrap_or_else(|| default_run_dir(&env));
     let hash = config_hash(&cfg)?;
-    // [dist] collective timeout: train.comm_timeout_s, or VITSCALE_COMM_TIMEOUT when set.
+    // collective timeout: train.comm_timeout_s, or VITSCALE_COMM_TIMEOUT when set.
     let comm_opts = crate::comm::CommOptions::from_config_and_env(cfg.train.comm_timeout_s)?;
     let rank = env.rank;
     let opts = TrainOptions {
@@ -211,13 +210,13 @@ pub fn train_cmd(args: TrainArgs) -> anyhow::Result<()> {
         resume: args.resume.as_deref().map(|s| crate::train::checkpoint::resume_path(s, &run_dir.join("checkpoints"))),
         keep_checkpoints: args.keep_checkpoints,
     };
-    // [dist] SIGINT/SIGTERM from here on: finish the step on every rank, checkpoint it, exit
+    // SIGINT/SIGTERM from here on: finish the step on every rank, checkpoint it, exit
     // with 128 + signal (see train::stop and `exit_code`).
     let _stop_guard;
     let summary = match &device {
         Device::Cpu(be) => {
             let mut comm = crate::comm::init_cpu(&env, &comm_opts, &hash)?;
-            _stop_guard = cfg.train.checkpoint_on_signal.then(crate::train::stop::StopGuard::install); // [dist]
+            _stop_guard = cfg.train.checkpoint_on_signal.then(crate::train::stop::StopGuard::install);
             engine::train_with(be, &cfg, &opts, comm.as_mut())?
         }
         Device::Cuda(be) => {
@@ -227,7 +226,7 @@ pub fn train_cmd(args: TrainArgs) -> anyhow::Result<()> {
                     env.world_size
                 );
             }
-            _stop_guard = cfg.train.checkpoint_on_signal.then(crate::train::stop::StopGuard::install); // [dist]
+            _stop_guard = cfg.train.checkpoint_on_signal.then(crate::train::stop::StopGuard::install);
             engine::train_with(be, &cfg, &opts, &mut SingleComm::new())?
         }
     };
@@ -244,7 +243,7 @@ pub fn train_cmd(args: TrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// [dist] The exit status for a command's error: 128 + signal when training stopped for
+/// The exit status for a command's error: 128 + signal when training stopped for
 /// SIGINT/SIGTERM (130 / 143), else 1.
 pub fn exit_code(e: &anyhow::Error) -> i32 {
     e.downcast_ref::<engine::TrainError>().map_or(1, engine::TrainError::exit_code)
@@ -255,7 +254,7 @@ fn evaluate_weights<B: Backend>(be: &B, cfg: &RunConfig, weights: &Path, set: &c
     Ok(engine::evaluate(be, &mut vit, set, cfg, cfg.train.eval_batch_size)?)
 }
 
-/// [dist] Identifies the resolved configuration, so ranks started with different configs
+/// Identifies the resolved configuration, so ranks started with different configs
 /// refuse to train together (rendezvous names the rank and both hashes).
 fn config_hash(cfg: &RunConfig) -> anyhow::Result<String> {
     use sha2::{Digest, Sha256};

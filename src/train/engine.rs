@@ -15,12 +15,12 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::backend::{optimizer_state_len, Backend, DecayGroups, Span, StepHyper};
-use crate::comm::{Comm, CommError, ReduceOp, SingleComm}; // [dist]
+use crate::comm::{Comm, CommError, ReduceOp, SingleComm};
 use crate::config::RunConfig;
 use crate::data::{self, Datasets, ImageSet, Loader, LoaderPlan, MixTargets, Sampler};
 use crate::metrics::{timed, EvalRecord, JsonlWriter, PhaseTimes, StepRecord};
 use crate::model::{init, smoothed_targets, weights, Vit};
-use crate::train::{checkpoint, schedule, stop}; // [dist] checkpoint, stop
+use crate::train::{checkpoint, schedule, stop};
 
 /// Largest number of images one forward/backward pass processes on the host backend; a larger
 /// micro-batch is run as several passes whose gradients add up (same math, bounded memory).
@@ -40,7 +40,7 @@ pub enum TrainError {
     Config(String),
     #[error("training diverged at step {step}: loss is {loss}")]
     Diverged { step: u64, loss: f64 },
-    // [dist] collectives and checkpoints
+    // collectives and checkpoints
     #[error(transparent)]
     Comm(#[from] CommError),
     #[error(transparent)]
@@ -71,7 +71,7 @@ pub struct TrainOptions {
     pub progress_bar: bool,
     /// Print nothing but errors (the caller prints the summary).
     pub quiet: bool,
-    // [dist] checkpoints: resume from this checkpoint (step dir, root or `latest` file), and
+    // checkpoints: resume from this checkpoint (step dir, root or `latest` file), and
     // how many step directories `<run dir>/checkpoints` keeps (0 = all).
     pub resume: Option<PathBuf>,
     pub keep_checkpoints: usize,
@@ -111,7 +111,7 @@ pub fn evaluate<B: Backend>(be: &B, vit: &mut Vit<B>, set: &ImageSet, cfg: &RunC
     evaluate_with(be, vit, set, cfg, batch, &mut SingleComm::new())
 }
 
-/// [dist] `evaluate` shared by the ranks of `comm`: evaluation batch `i` (the same batches
+/// `evaluate` shared by the ranks of `comm`: evaluation batch `i` (the same batches
 /// as on one rank) is run by rank `i mod world`, and the loss sums and correct counts are
 /// summed over ranks, so every rank gets the one-rank result up to the order of the f64 sum.
 pub fn evaluate_with<B: Backend>(
@@ -172,7 +172,7 @@ pub fn train<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions) -> Result
 /// global batch; gradients are summed across ranks at accumulation boundaries only.
 pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm: &mut dyn Comm<B::Buf>) -> Result<TrainSummary, TrainError> {
     let t_start = Instant::now();
-    // [dist] the rank layout comes from the communicator; the config was resolved for it.
+    // the rank layout comes from the communicator; the config was resolved for it.
     let (rank, world) = (comm.rank(), comm.world_size());
     if world != cfg.batch.world_size {
         return Err(TrainError::Config(format!("the config was resolved for {} ranks but the job has {world}", cfg.batch.world_size)));
@@ -181,7 +181,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     let resolved = serde_json::to_vec_pretty(cfg).map_err(|e| TrainError::Config(e.to_string()))?;
     crate::util::write_atomic(&opts.run_dir.join("config.json"), &resolved).map_err(io_err(&opts.run_dir))?;
     let metrics_path = opts.run_dir.join("metrics.jsonl");
-    // [dist] a resumed run appends, after a `{"kind": "resume"}` line, so the history before
+    // a resumed run appends, after a `{"kind": "resume"}` line, so the history before
     // the interruption stays (steps after that line's `step` replace earlier lines).
     let mut metrics = match opts.resume {
         Some(_) => JsonlWriter::append(&metrics_path),
@@ -209,7 +209,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     let mut opt_state = be.alloc_f32(optimizer_state_len(&cfg.optimizer, num_params))?;
     vit.zero_grads(be)?;
 
-    // [dist] resume, then make every rank start from rank 0's exact state.
+    // resume, then make every rank start from rank 0's exact state.
     let ckpt_root = opts.run_dir.join("checkpoints");
     let mut start_step = 0u64;
     if let Some(spec) = &opts.resume {
@@ -268,7 +268,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     let mut last_eval: Option<EvalSummary> = None;
     let mut images_done = 0u64;
     let train_wall = Instant::now();
-    // [dist] this rank's shard of every global batch from `start_step` on, built ahead.
+    // this rank's shard of every global batch from `start_step` on, built ahead.
     let mut loader = Loader::start(LoaderPlan {
         set: train_set.clone(),
         cfg: cfg.data.clone(),
@@ -313,7 +313,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
             }
             loader.recycle(batch);
         }
-        // [dist] the step's only communication: sum gradients (each already scaled by
+        // the step's only communication: sum gradients (each already scaled by
         // 1/global batch), the loss and the stop flags (SIGINT/SIGTERM seen) over ranks.
         let mut stop_sig = stop::pending();
         if world > 1 {
@@ -344,7 +344,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         be.synchronize()?;
         phases.optimizer_s += t_opt.elapsed().as_secs_f64();
 
-        // [dist] checkpoint (rank 0 writes; every rank holds the same state), also when
+        // checkpoint (rank 0 writes; every rank holds the same state), also when
         // stopping for a signal
         let every = cfg.train.checkpoint_every;
         let stop_ckpt = stop_sig != 0 && cfg.train.checkpoint_on_signal;
@@ -402,7 +402,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
             pb.inc(1);
         }
 
-        // [dist] stop for a signal: every rank agreed on this step; the others wait until
+        // stop for a signal: every rank agreed on this step; the others wait until
         // rank 0's checkpoint is on disk, then all exit with 128 + signal.
         if stop_sig != 0 {
             if let Some(pb) = &bar {
@@ -431,7 +431,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
             (epoch_loss, epoch_steps) = (0.0, 0);
         }
         if due || last_step {
-            let ev = evaluate_with(be, &mut vit, &val_set, cfg, cfg.train.eval_batch_size, comm)?; // [dist] sharded
+            let ev = evaluate_with(be, &mut vit, &val_set, cfg, cfg.train.eval_batch_size, comm)?;
             let rec = EvalRecord { kind: "eval", step: step + 1, epoch, val_loss: ev.loss, val_top1: ev.top1, images: ev.images };
             metrics.write(&rec).map_err(io_err(&metrics_path))?;
             let line = format!("eval after step {}: val_loss {:.4} val_top1 {:.4}", step + 1, ev.loss, ev.top1);
