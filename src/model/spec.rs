@@ -137,13 +137,13 @@ impl ModelConfig {
                 return Err(format!("{key} must be a positive integer, got 0"));
             }
         }
-        if self.image_size % self.patch_size != 0 {
+        if !self.image_size.is_multiple_of(self.patch_size) {
             return Err(format!(
                 "model.patch_size ({}) must divide model.image_size ({})",
                 self.patch_size, self.image_size
             ));
         }
-        if self.embed_dim % self.num_heads != 0 {
+        if !self.embed_dim.is_multiple_of(self.num_heads) {
             return Err(format!(
                 "model.num_heads ({}) must divide model.embed_dim ({})",
                 self.num_heads, self.embed_dim

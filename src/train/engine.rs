@@ -145,7 +145,7 @@ pub fn evaluate_with<B: Backend>(
     let mut sums = [loss_sum, correct as f64];
     comm.all_reduce_host(&mut sums)?;
     let (loss_sum, correct) = (sums[0], sums[1]);
-    Ok(EvalSummary { loss: loss_sum / n.max(1) as f64, top1: correct as f64 / n.max(1) as f64, images: n })
+    Ok(EvalSummary { loss: loss_sum / n.max(1) as f64, top1: correct / n.max(1) as f64, images: n })
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
