@@ -110,9 +110,32 @@ pub fn load_config(args: &ConfigArgs, weights_path: Option<&Path>, world_size: u
             }
         }
     }
+    default_folder_classes(&mut value, &mut notes)?;
     let mut cfg = config::resolve(&value, world_size)?;
     cfg.warnings.extend(notes);
     Ok(cfg)
+}
+
+/// For an image-folder dataset whose config (and weights) leave `model.num_classes` out, the
+/// class count is the number of class subfolders, as a user of timm's ImageFolder expects.
+fn default_folder_classes(value: &mut serde_json::Value, notes: &mut Vec<String>) -> anyhow::Result<()> {
+    if value["data"]["dataset"].as_str() != Some("folder") || !value["model"]["num_classes"].is_null() {
+        return Ok(());
+    }
+    let Some(path) = value["data"]["path"].as_str().map(str::to_string) else {
+        return Ok(()); // the config check reports the missing data.path
+    };
+    let classes = crate::data::folder::class_names(Path::new(&path))?;
+    if classes.is_empty() {
+        return Ok(()); // opening the dataset names the empty folder
+    }
+    let root = value.as_object_mut().ok_or_else(|| anyhow::anyhow!("the config must be a JSON object"))?;
+    let model = root.entry("model").or_insert_with(|| serde_json::json!({}));
+    if let Some(model) = model.as_object_mut() {
+        model.insert("num_classes".into(), classes.len().into());
+        notes.push(format!("model.num_classes not given: {} class folders in {path}", classes.len()));
+    }
+    Ok(())
 }
 
 /// Settings the configuration accepts but the chosen device does not honour (yet): each

@@ -186,3 +186,27 @@ fn bad_input_gives_one_clear_error() {
         assert!(stderr.contains(needle), "{args:?}: error does not name `{needle}`: {stderr}");
     }
 }
+
+/// An image folder whose config names no class count trains with one class per subfolder.
+#[test]
+fn folder_class_count_defaults_to_the_subfolders() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (class, rgb) in [("ants", [200u8, 30, 30]), ("bees", [30, 30, 200]), ("wasps", [30, 200, 30])] {
+        std::fs::create_dir_all(tmp.path().join("data").join(class)).unwrap();
+        for i in 0..6 {
+            image::RgbImage::from_pixel(12, 10, image::Rgb(rgb)).save(tmp.path().join("data").join(class).join(format!("{i}.png"))).unwrap();
+        }
+    }
+    let data = tmp.path().join("data");
+    let run = tmp.path().join("run");
+    let out = vitscale(&[
+        "train", "--device", "cpu", "--json", "--run-dir", run.to_str().unwrap(),
+        "--set", "data.dataset=folder", "--set", &format!("data.path={}", data.display()),
+        "--set", "model.preset=vit_builtin_default", "--set", "train_batch_size=4", "--set", "train.steps=2",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("3 class folders"), "{stderr}");
+    let resolved: serde_json::Value = serde_json::from_slice(&std::fs::read(run.join("config.json")).unwrap()).unwrap();
+    assert_eq!(resolved["model"]["num_classes"], 3);
+}

@@ -158,6 +158,12 @@ pub fn load(path: &Path, side: usize, val_split: f64, seed: u64) -> Result<Loade
     Ok(Loaded { train: file_set(train, k, side), val: file_set(val, k, side), classes, layout })
 }
 
+/// Class names of a folder dataset (sorted subfolder names of `path/train`, or of `path`), read
+/// before the model is built so `model.num_classes` can default to their count.
+pub fn class_names(path: &Path) -> Result<Vec<String>, DataError> {
+    Ok(class_dirs(&train_root(path))?.into_iter().map(|(name, _)| name).collect())
+}
+
 /// Training images a folder dataset will have, listing files only (for planning steps before
 /// the dataset is opened, e.g. `total_num_steps: "auto"`).
 pub fn count_train(path: &Path, val_split: f64, seed: u64) -> Result<usize, DataError> {
