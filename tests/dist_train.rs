@@ -466,6 +466,11 @@ fn every_rank_writes_its_own_step_timings() {
         for key in ["data_s", "forward_s", "backward_s", "comm_s", "optimizer_s"] {
             assert!(steps.iter().all(|v| v[key].as_f64().is_some_and(|x| x >= 0.0)), "rank {r}: {key} missing in\n{m}");
         }
+        // One f32 all-reduce of every gradient per step, and a bus bandwidth for it.
+        let grads = steps[0]["comm_bytes"].as_u64().unwrap_or(0);
+        assert!(grads > 0 && grads % 4 == 0, "rank {r}: comm_bytes {grads}");
+        assert!(steps.iter().all(|v| v["comm_bytes"].as_u64() == Some(grads)), "rank {r}: bytes per step differ\n{m}");
+        assert!(steps.iter().all(|v| v["bus_gb_s"].as_f64().is_some_and(|x| x > 0.0)), "rank {r}: bus_gb_s missing\n{m}");
     }
 }
 

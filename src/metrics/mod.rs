@@ -51,7 +51,18 @@ pub struct StepRecord {
     pub mfu: Option<f64>,
     #[serde(flatten)]
     pub phases: PhaseTimes,
+    /// Bytes of gradients this rank all-reduced since the previous record.
+    pub comm_bytes: u64,
+    /// Bus bandwidth of those all-reduces in GB/s, by NCCL-tests' convention
+    /// (bytes · 2(W−1)/W / time), with the time as seen by this rank (waiting included); absent on
+    /// one rank.
+    pub bus_gb_s: Option<f64>,
     pub wall_s: f64,
+}
+
+/// NCCL-tests' bus bandwidth of an all-reduce of `bytes` over `world` ranks taking `secs`.
+pub fn allreduce_bus_gb_s(bytes: u64, world: usize, secs: f64) -> Option<f64> {
+    (world > 1 && secs > 0.0).then(|| bytes as f64 * 2.0 * (world - 1) as f64 / world as f64 / secs / 1e9)
 }
 
 /// An evaluation result line of `metrics.jsonl` (`"kind": "eval"`).

@@ -18,7 +18,7 @@ use crate::backend::{optimizer_state_len, Backend, DecayGroups, Span, StepHyper}
 use crate::comm::{Comm, CommError, ReduceOp, SingleComm};
 use crate::config::RunConfig;
 use crate::data::{self, Datasets, ImageSet, Loader, LoaderPlan, MixTargets, Sampler};
-use crate::metrics::{timed, EvalRecord, JsonlWriter, PhaseTimes, StepRecord};
+use crate::metrics::{allreduce_bus_gb_s, timed, EvalRecord, JsonlWriter, PhaseTimes, StepRecord};
 use crate::model::{init, smoothed_targets, weights, Vit};
 use crate::train::{checkpoint, schedule, stop};
 
@@ -262,6 +262,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
 
     // ---- the loop
     let mut phases = PhaseTimes::default();
+    let mut window_comm_bytes = 0u64;
     let (mut window_loss, mut window_steps, mut window_start) = (0.0f64, 0u64, Instant::now());
     let (mut epoch_loss, mut epoch_steps) = (0.0f64, 0u64);
     let mut last_epoch_loss = f64::NAN;
@@ -319,6 +320,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         if world > 1 {
             let t_comm = Instant::now();
             comm.all_reduce(&mut vit.grads, Span { off: 0, len: num_params }, ReduceOp::Sum)?;
+            window_comm_bytes += (num_params * std::mem::size_of::<f32>()) as u64;
             let f = stop::flags(stop_sig);
             let mut host = [step_loss, f[0], f[1]];
             comm.all_reduce_host(&mut host)?;
@@ -386,8 +388,11 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
                 // MFU needs the device's measured matrix ceiling: `vitscale bench` reports it.
                 mfu: None,
                 phases,
+                comm_bytes: window_comm_bytes,
+                bus_gb_s: allreduce_bus_gb_s(window_comm_bytes, world, phases.comm_s),
                 wall_s: t_start.elapsed().as_secs_f64(),
             };
+            window_comm_bytes = 0;
             metrics.write(&rec).map_err(io_err(&metrics_path))?;
             let msg = format!("epoch {epoch} loss {:.4} lr {lr:.2e} {ips:.0} img/s", rec.loss);
             match &bar {
