@@ -209,4 +209,7 @@ fn folder_class_count_defaults_to_the_subfolders() {
     assert!(stderr.contains("3 class folders"), "{stderr}");
     let resolved: serde_json::Value = serde_json::from_slice(&std::fs::read(run.join("config.json")).unwrap()).unwrap();
     assert_eq!(resolved["model"]["num_classes"], 3);
+    // Class index order = sorted folder names, recorded in the run directory.
+    let classes: Vec<String> = serde_json::from_slice(&std::fs::read(run.join("classes.json")).unwrap()).unwrap();
+    assert_eq!(classes, ["ants", "bees", "wasps"]);
 }

@@ -177,9 +177,16 @@ pub struct Datasets {
     pub train: Arc<ImageSet>,
     pub val: Arc<ImageSet>,
     pub num_classes: usize,
+    /// Name of each class index (folder: sorted subfolder names; CIFAR-10 and built-in: their
+    /// class names; otherwise the index as text). Written to the run directory.
+    pub class_names: Vec<String>,
     /// One line for logs: what was loaded, from where, how many images.
     pub description: String,
 }
+
+/// CIFAR-10's class names in label order.
+pub const CIFAR10_CLASSES: [&str; 10] =
+    ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"];
 
 /// A model input batch.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -221,6 +228,7 @@ pub fn open(cfg: &DataConfig, image_size: usize, num_classes: usize, seed: u64) 
     if cfg.label == LabelKind::Coarse && cfg.dataset != DatasetKind::Cifar100 {
         return Err(DataError::Invalid { key: "data.label", msg: format!("coarse labels exist only in cifar100, not {name}") });
     }
+    let mut class_names: Option<Vec<String>> = None;
     let (mut train, mut val, description) = match cfg.dataset {
         DatasetKind::Builtin | DatasetKind::Synthetic => {
             for (key, n) in [("data.train_size", cfg.train_size), ("data.val_size", cfg.val_size)] {
@@ -251,6 +259,9 @@ pub fn open(cfg: &DataConfig, image_size: usize, num_classes: usize, seed: u64) 
                     synthetic::generate(cfg.val_size, image_size, num_classes, seed, stream::VAL),
                 )
             };
+            if cfg.dataset == DatasetKind::Builtin {
+                class_names = Some(builtin::CLASS_NAMES.iter().map(|s| s.to_string()).collect());
+            }
             let what = if cfg.dataset == DatasetKind::Builtin { "built-in shapes" } else { "synthetic random pixels" };
             let d = format!(
                 "{name} ({what}, seed {seed}): {} train / {} val, {image_size} px, {} classes",
@@ -278,6 +289,9 @@ pub fn open(cfg: &DataConfig, image_size: usize, num_classes: usize, seed: u64) 
                 v.num_classes(cfg.label),
                 if cfg.label == LabelKind::Coarse { "coarse" } else { "fine" }
             );
+            if cfg.dataset == DatasetKind::Cifar10 {
+                class_names = Some(CIFAR10_CLASSES.iter().map(|s| s.to_string()).collect());
+            }
             (l.train, l.val, d)
         }
         DatasetKind::Folder => {
@@ -293,6 +307,7 @@ pub fn open(cfg: &DataConfig, image_size: usize, num_classes: usize, seed: u64) 
                 l.classes.iter().take(3).cloned().collect::<Vec<_>>().join(", "),
                 if l.classes.len() > 3 { ", …" } else { "" }
             );
+            class_names = Some(l.classes.clone());
             (l.train, l.val, d)
         }
     };
@@ -300,7 +315,8 @@ pub fn open(cfg: &DataConfig, image_size: usize, num_classes: usize, seed: u64) 
     train.batch_side = image_size;
     val.batch_side = image_size;
     let num_classes = train.num_classes;
-    Ok(Datasets { num_classes, train: Arc::new(train), val: Arc::new(val), description })
+    let class_names = class_names.unwrap_or_else(|| (0..num_classes).map(|i| i.to_string()).collect());
+    Ok(Datasets { num_classes, class_names, train: Arc::new(train), val: Arc::new(val), description })
 }
 
 /// Training images `open` will produce, computed cheaply (no decoding), for planning the run

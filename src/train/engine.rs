@@ -190,8 +190,11 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     .map_err(io_err(&metrics_path))?;
 
     // ---- data, model, optimizer state
-    let Datasets { train: train_set, val: val_set, description, .. } =
+    let Datasets { train: train_set, val: val_set, description, class_names, .. } =
         data::open(&cfg.data, cfg.model.image_size, cfg.model.num_classes, cfg.train.seed)?;
+    // Class index → name, so predictions and exported weights can be read later.
+    let names = serde_json::to_vec_pretty(&class_names).map_err(|e| TrainError::Config(e.to_string()))?;
+    crate::util::write_atomic(&opts.run_dir.join("classes.json"), &names).map_err(io_err(&opts.run_dir))?;
     let global_batch = cfg.batch.train_batch_size;
     if train_set.len() < global_batch {
         return Err(TrainError::Config(format!(
