@@ -86,12 +86,16 @@ pub enum SplitArg {
 pub fn load_config(args: &ConfigArgs, weights_path: Option<&Path>, world_size: usize) -> anyhow::Result<RunConfig> {
     let mut value = config::load_json(args.config.as_deref(), &args.sets)?;
     let mut notes = Vec::new();
+    let mut classes_from_weights: Option<(std::path::PathBuf, u64)> = None;
     if let Some(path) = weights_path {
         let inferred = weights::infer(path)?;
         let root = value.as_object_mut().ok_or_else(|| anyhow::anyhow!("the config must be a JSON object"))?;
         let model = root.entry("model").or_insert_with(|| serde_json::json!({}));
         let model = model.as_object_mut().ok_or_else(|| anyhow::anyhow!("`model` must be a JSON object"))?;
         if !model.contains_key("preset") {
+            if !model.contains_key("num_classes") {
+                classes_from_weights = inferred.fields.get("num_classes").and_then(|v| v.as_u64()).map(|k| (path.to_path_buf(), k));
+            }
             for (k, v) in inferred.fields {
                 model.entry(k).or_insert(v);
             }
@@ -111,7 +115,17 @@ pub fn load_config(args: &ConfigArgs, weights_path: Option<&Path>, world_size: u
         }
     }
     default_folder_classes(&mut value, &mut notes)?;
-    let mut cfg = config::resolve(&value, world_size)?;
+    let resolved = config::resolve(&value, world_size);
+    let mut cfg = match (resolved, classes_from_weights) {
+        (Err(e), Some((path, k))) if e.to_string().contains("model.num_classes") => {
+            // The class count was read from the weights, not written by the user: say so.
+            return Err(anyhow::Error::new(e).context(format!(
+                "{}: the weights' head has {k} outputs, so model.num_classes was read as {k} from them",
+                path.display()
+            )));
+        }
+        (r, _) => r?,
+    };
     cfg.warnings.extend(notes);
     Ok(cfg)
 }

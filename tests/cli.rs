@@ -177,6 +177,8 @@ fn bad_input_gives_one_clear_error() {
         // Weights of another shape than the named preset: the tensor is named.
         (vec!["eval".into(), "--weights".into(), w.display().to_string(), "--set".into(), "model.preset=vit_tiny_patch4_32".into(), "--set".into(), "data.dataset=cifar10".into(), "--set".into(), format!("data.path={}", fixtures().join("cifar_tiny").display())], "shape"),
         (vec!["train".into(), "--device".into(), "tpu".into()], "tpu"),
+        // A head of another class count than the dataset: the message says it came from the weights.
+        (vec!["eval".into(), "--weights".into(), w.display().to_string(), "--set".into(), "model.num_heads=3".into(), "--set".into(), "data.dataset=cifar100".into(), "--set".into(), format!("data.path={}", fixtures().join("cifar_tiny").display())], "head has 10 outputs"),
     ];
     for (args, needle) in cases {
         let out = vitscale(&args.iter().map(String::as_str).collect::<Vec<_>>());
