@@ -4,29 +4,12 @@
 use std::fs;
 use std::path::Path;
 
-use vitscale::config::{Augment, DataConfig, DatasetKind, LabelKind};
+use vitscale::config::{DataConfig, DatasetKind};
 use vitscale::data::{make_batch, open, DataError};
 
 fn cfg(dataset: DatasetKind, path: &Path) -> DataConfig {
-    DataConfig {
-        dataset,
-        path: Some(path.to_path_buf()),
-        mean: [0.0; 3],
-        std: [1.0 / 255.0; 3], // normalized value == byte value
-        augment: Augment::Default,
-        shuffle: true,
-        num_workers: 0,
-        train_size: 0,
-        val_size: 0,
-        label: LabelKind::Fine,
-        skip_bad: false,
-        val_split: DataConfig::DEFAULT_VAL_SPLIT,
-        crop_pct: DataConfig::DEFAULT_CROP_PCT,
-        scale: DataConfig::DEFAULT_SCALE,
-        ratio: DataConfig::DEFAULT_RATIO,
-        prefetch: DataConfig::DEFAULT_PREFETCH,
-        aug: Default::default(),
-    }
+    // Normalized value == byte value.
+    DataConfig::for_dataset(dataset, Some(path.to_path_buf()), [0.0; 3], [1.0 / 255.0; 3])
 }
 
 /// A recognizable pixel: depends on (image, channel, y, x).

@@ -2,32 +2,14 @@
 //! learnability experiment in `reference/` (run with
 //! `VITSCALE_EXPORT=dir cargo test --test data_export -- --ignored`).
 
-use vitscale::config::{Augment, DataConfig, DatasetKind, LabelKind};
+use vitscale::config::{DataConfig, DatasetKind};
 
 #[test]
 #[ignore]
 fn export_builtin() {
     let Ok(dir) = std::env::var("VITSCALE_EXPORT") else { return };
     let side: usize = std::env::var("VITSCALE_EXPORT_SIDE").ok().and_then(|s| s.parse().ok()).unwrap_or(16);
-    let cfg = DataConfig {
-        dataset: DatasetKind::Builtin,
-        path: None,
-        mean: [0.5; 3],
-        std: [0.5; 3],
-        augment: Augment::Default,
-        shuffle: true,
-        num_workers: 0,
-        train_size: 10_000,
-        val_size: 2_000,
-        label: LabelKind::Fine,
-        skip_bad: false,
-        val_split: DataConfig::DEFAULT_VAL_SPLIT,
-        crop_pct: DataConfig::DEFAULT_CROP_PCT,
-        scale: DataConfig::DEFAULT_SCALE,
-        ratio: DataConfig::DEFAULT_RATIO,
-        prefetch: DataConfig::DEFAULT_PREFETCH,
-        aug: Default::default(),
-    };
+    let cfg = DataConfig { train_size: 10_000, val_size: 2_000, ..DataConfig::for_dataset(DatasetKind::Builtin, None, [0.5; 3], [0.5; 3]) };
     let d = vitscale::data::open(&cfg, side, 10, 0).expect("open builtin");
     std::fs::create_dir_all(&dir).expect("create export dir");
     for (name, set) in [("train", &d.train), ("val", &d.val)] {

@@ -5,28 +5,16 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use vitscale::config::{Augment, DataConfig, DatasetKind, LabelKind};
+use vitscale::config::{DataConfig, DatasetKind};
 use vitscale::data::{open, shard, try_make_batch, DataError, Loader, LoaderPlan, Sampler};
 
 fn cfg(path: &Path) -> DataConfig {
     DataConfig {
-        dataset: DatasetKind::Folder,
-        path: Some(path.to_path_buf()),
-        mean: [0.0; 3],
-        std: [1.0 / 255.0; 3], // normalized value == pixel value
-        augment: Augment::Default,
-        shuffle: true,
         num_workers: 2,
-        train_size: 0,
-        val_size: 0,
-        label: LabelKind::Fine,
-        skip_bad: false,
         val_split: 0.25,
-        crop_pct: DataConfig::DEFAULT_CROP_PCT,
-        scale: DataConfig::DEFAULT_SCALE,
-        ratio: DataConfig::DEFAULT_RATIO,
         prefetch: 2,
-        aug: Default::default(),
+        // Normalized value == pixel value.
+        ..DataConfig::for_dataset(DatasetKind::Folder, Some(path.to_path_buf()), [0.0; 3], [1.0 / 255.0; 3])
     }
 }
 

@@ -6,29 +6,11 @@ use std::fs;
 use std::io::Write;
 use std::path::Path;
 
-use vitscale::config::{Augment, DataConfig, DatasetKind, LabelKind};
+use vitscale::config::{DataConfig, DatasetKind, LabelKind};
 use vitscale::data::{make_batch, open, DataError, Datasets};
 
 fn cfg(dataset: DatasetKind, path: &Path) -> DataConfig {
-    DataConfig {
-        dataset,
-        path: Some(path.to_path_buf()),
-        mean: [0.5; 3],
-        std: [0.25; 3],
-        augment: Augment::Default,
-        shuffle: true,
-        num_workers: 0,
-        train_size: 0,
-        val_size: 0,
-        label: LabelKind::Fine,
-        skip_bad: false,
-        val_split: DataConfig::DEFAULT_VAL_SPLIT,
-        crop_pct: DataConfig::DEFAULT_CROP_PCT,
-        scale: DataConfig::DEFAULT_SCALE,
-        ratio: DataConfig::DEFAULT_RATIO,
-        prefetch: DataConfig::DEFAULT_PREFETCH,
-        aug: Default::default(),
-    }
+    DataConfig::for_dataset(dataset, Some(path.to_path_buf()), [0.5; 3], [0.25; 3])
 }
 
 fn pixel(img: usize, c: usize, y: usize, x: usize) -> u8 {

@@ -4,28 +4,16 @@
 
 use std::time::{Duration, Instant};
 
-use vitscale::config::{Augment, DataConfig, DatasetKind, LabelKind};
+use vitscale::config::{DataConfig, DatasetKind};
 use vitscale::data::{make_batch, open, shard, Loader, LoaderPlan, Sampler};
 
 fn cfg() -> DataConfig {
     DataConfig {
-        dataset: DatasetKind::Builtin,
-        path: None,
-        mean: [0.5; 3],
-        std: [0.5; 3],
-        augment: Augment::Default,
-        shuffle: true,
         num_workers: 1,
         train_size: 2000,
         val_size: 250,
-        label: LabelKind::Fine,
-        skip_bad: false,
-        val_split: DataConfig::DEFAULT_VAL_SPLIT,
-        crop_pct: DataConfig::DEFAULT_CROP_PCT,
-        scale: DataConfig::DEFAULT_SCALE,
-        ratio: DataConfig::DEFAULT_RATIO,
         prefetch: 3,
-        aug: Default::default(),
+        ..DataConfig::for_dataset(DatasetKind::Builtin, None, [0.5; 3], [0.5; 3])
     }
 }
 

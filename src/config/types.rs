@@ -288,6 +288,32 @@ impl DataConfig {
     pub const DEFAULT_RATIO: [f64; 2] = [3.0 / 4.0, 4.0 / 3.0];
     pub const DEFAULT_PREFETCH: usize = 2;
 
+    /// A `data` section for `dataset` with the given normalization and every other option at
+    /// its default (the constants above, augmentation "default", no extra augmentations,
+    /// shuffling on, loader threads = cores) and no built-in/synthetic split sizes: the start
+    /// for code that opens data without a config file (benchmarks, tests).
+    pub fn for_dataset(dataset: DatasetKind, path: Option<PathBuf>, mean: [f32; 3], std: [f32; 3]) -> Self {
+        DataConfig {
+            dataset,
+            path,
+            mean,
+            std,
+            augment: Augment::Default,
+            shuffle: true,
+            num_workers: 0,
+            train_size: 0,
+            val_size: 0,
+            label: LabelKind::Fine,
+            skip_bad: false,
+            val_split: Self::DEFAULT_VAL_SPLIT,
+            crop_pct: Self::DEFAULT_CROP_PCT,
+            scale: Self::DEFAULT_SCALE,
+            ratio: Self::DEFAULT_RATIO,
+            prefetch: Self::DEFAULT_PREFETCH,
+            aug: Default::default(),
+        }
+    }
+
     /// Classes the labels range over, when known without reading files (CIFAR-100 coarse: 20).
     pub fn num_classes(&self) -> Option<usize> {
         match (self.dataset, self.label) {

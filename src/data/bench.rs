@@ -33,7 +33,7 @@ use serde::Serialize;
 
 use super::rng::{hash, SplitMix};
 use super::{fill_batch, synthetic, Batch, DataError, ImageSet, Loader, LoaderPlan, Sampler};
-use crate::config::{Augment, DataConfig, DatasetKind, LabelKind};
+use crate::config::{DataConfig, DatasetKind};
 
 /// One measured point.
 #[derive(Clone, Debug, Serialize)]
@@ -47,25 +47,7 @@ pub struct BenchPoint {
 }
 
 fn config(dataset: DatasetKind) -> DataConfig {
-    DataConfig {
-        dataset,
-        path: None,
-        mean: [0.485, 0.456, 0.406],
-        std: [0.229, 0.224, 0.225],
-        augment: Augment::Default,
-        shuffle: true,
-        num_workers: 0,
-        train_size: 0,
-        val_size: 0,
-        label: LabelKind::Fine,
-        skip_bad: false,
-        val_split: DataConfig::DEFAULT_VAL_SPLIT,
-        crop_pct: DataConfig::DEFAULT_CROP_PCT,
-        scale: DataConfig::DEFAULT_SCALE,
-        ratio: DataConfig::DEFAULT_RATIO,
-        prefetch: DataConfig::DEFAULT_PREFETCH,
-        aug: Default::default(),
-    }
+    DataConfig::for_dataset(dataset, None, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
 }
 
 /// Batches of `batch` images from `set` on a pool of `threads`, for at least `min_seconds`.

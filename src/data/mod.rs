@@ -508,25 +508,7 @@ mod tests {
     use super::*;
 
     pub(crate) fn cfg(dataset: DatasetKind) -> DataConfig {
-        DataConfig {
-            dataset,
-            path: None,
-            mean: [0.5, 0.5, 0.5],
-            std: [0.25, 0.25, 0.25],
-            augment: Augment::Default,
-            shuffle: true,
-            num_workers: 0,
-            train_size: 500,
-            val_size: 100,
-            label: LabelKind::Fine,
-            skip_bad: false,
-            val_split: DataConfig::DEFAULT_VAL_SPLIT,
-            crop_pct: DataConfig::DEFAULT_CROP_PCT,
-            scale: DataConfig::DEFAULT_SCALE,
-            ratio: DataConfig::DEFAULT_RATIO,
-            prefetch: DataConfig::DEFAULT_PREFETCH,
-            aug: Default::default(),
-        }
+        DataConfig { train_size: 500, val_size: 100, ..DataConfig::for_dataset(dataset, None, [0.5; 3], [0.25; 3]) }
     }
 
     #[test]
