@@ -15,8 +15,8 @@ def key_peer(r):
 
 print("\n".join("- " + e for e in env))
 print()
-print("| model | micro | vitscale img/s | step ms | MFU | graph | peak GiB | peer | peer img/s | peer GiB | ratio |")
-print("|---|---|---|---|---|---|---|---|---|---|---|")
+print("| model | micro | vitscale img/s | step ms | MFU | graph | recompute | peak GiB | peer | peer img/s | peer GiB | ratio |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in ours:
     k = key_ours(r)
     ps = [p for p in peer if key_peer(p) == k] or [None]
@@ -26,7 +26,7 @@ for r in ours:
         pi = f"{p['img_per_s']:.0f}" if p else "–"
         pm = f"{p['max_mem_gib']:.2f}" if p else "–"
         ratio = f"{r['img_per_s'] / p['img_per_s']:.2f}×" if p else "–"
-        print(f"| {name} | {r['micro']} | {r['img_per_s']:.0f} | {r['step_ms']:.2f} | {100*r['mfu']:.1f}% | {r['graph']} | {r['peak_mem_gib']:.2f} | {pc} | {pi} | {pm} | {ratio} |")
+        print(f"| {name} | {r['micro']} | {r['img_per_s']:.0f} | {r['step_ms']:.2f} | {100*r['mfu']:.1f}% | {r['graph']} | {r.get('recomputed', False)} | {r['peak_mem_gib']:.2f} | {pc} | {pi} | {pm} | {ratio} |")
 print()
 ceil = [r["ceiling_tflops"] for r in ours if r["ceiling_tflops"]]
 if ceil:

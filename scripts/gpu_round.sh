@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One short device round (fits in 200 s after the machine start): selftest, vitscale bench for
-# ViT-B/16 micro 256 (with a profile of one eager step), micro 16, ViT-S/4 32 px micro 512, and the
-# PyTorch eager peer for the same three, then the table. BIN, PEER and OUT from the environment.
+# One device round: selftest, vitscale bench for ViT-B/16 micro 256 and ViT-S/4 32 px micro 512
+# (each with a profile of one eager step), micro 16 (activation recompute auto, then never), the
+# PyTorch eager peer for the same three, torch.compile at micro 256, then the table (~5 min after
+# the machine start; COMPILE=0 skips torch.compile). BIN, PEER and OUT from the environment.
 here=$(cd "$(dirname "$0")" && pwd)
 BIN=${BIN:-target/release/vitscale}; PEER=${PEER:-peers/vit_bench.py}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -21,9 +22,14 @@ b() { local to=$1 tag=$2; shift 2
 b 40 b16_256 --model vit_base_patch16_224 --classes 10 --micro 256 --steps 20 --profile
 grep -E "profile of|layernorm|gelu|bias_grad|add_|reduce_partials" "$O/b_b16_256.log" | head -14
 b 25 b16_16 --model vit_base_patch16_224 --classes 10 --micro 16 --steps 50 --no-ceiling
-b 25 s4_512 --model vit_small_patch4_32 --micro 512 --steps 50 --no-ceiling
+b 25 b16_16_keep --model vit_base_patch16_224 --classes 10 --micro 16 --steps 50 --no-ceiling --recompute never
+b 30 s4_512 --model vit_small_patch4_32 --micro 512 --steps 50 --no-ceiling --profile
+grep -E "profile of" -A12 "$O/b_s4_512.log" | head -13
 : > "$O/peer.jsonl"
 timeout 45 python3 "$PEER" --mode torch --micro 16,256 2>/tmp/peer.err | tee -a "$O/peer.jsonl" | cut -c1-200; echo "peer rc $? ($((SECONDS-t0)) s)"
 timeout 25 python3 "$PEER" --mode torch --model vit_small_patch16_224 --img 32 --patch 4 --micro 512 2>>/tmp/peer.err | tee -a "$O/peer.jsonl" | cut -c1-200; echo "peer cifar rc $? ($((SECONDS-t0)) s)"
+if [ "${COMPILE:-1}" != 0 ]; then
+  timeout 240 python3 "$PEER" --mode torch --compile --micro 256 2>>/tmp/peer.err | tee -a "$O/peer.jsonl" | cut -c1-200; echo "peer compile rc $? ($((SECONDS-t0)) s)"
+fi
 tail -3 /tmp/peer.err | cut -c1-300
 python3 "$here/bench_table.py" "$O" | tee "$O/table.md"

@@ -19,7 +19,7 @@ use rand_chacha::ChaCha8Rng;
 use crate::backend::cpu::Cpu;
 use crate::backend::{optimizer_state_len, BResult, Backend, DecayGroups, StepHyper};
 use crate::config::{DecaySkip, OptimizerConfig};
-use crate::model::vit::{smoothed_targets, Vit};
+use crate::model::vit::{smoothed_targets, Recompute, Vit};
 use crate::model::spec::PRESET_NAMES;
 use crate::model::ModelConfig;
 
@@ -59,6 +59,10 @@ pub struct BenchArgs {
     /// CUDA attention path: fused, fused-plain or gemm (default: $VITSCALE_ATTENTION, else fused).
     #[arg(long)]
     pub attention: Option<String>,
+    /// Activation memory policy: auto (regenerate LayerNorm/GELU outputs in the backward when
+    /// the backend says it is nearly free), never, always.
+    #[arg(long, default_value = "auto")]
+    pub recompute: String,
     /// Print one JSON object as the last line.
     #[arg(long)]
     pub json: bool,
@@ -100,6 +104,8 @@ pub struct BenchResult {
     pub kernel_compile_s: f64,
     /// Attention path on CUDA ("fused", "fused-plain", "gemm"); "cpu" on the CPU.
     pub attention: String,
+    /// Whether the backward regenerated LayerNorm/GELU outputs (`--recompute`).
+    pub recomputed: bool,
 }
 
 struct Setup {
@@ -151,6 +157,7 @@ fn mean_loss<B: Backend>(be: &B, m: &Vit<B>, b: usize) -> BResult<f32> {
 fn bench_cpu(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     let be = Cpu::new();
     let mut m = Vit::new(&be, s.cfg.clone())?;
+    m.set_recompute(Recompute::parse(&args.recompute).map_err(|e| anyhow::anyhow!("--recompute: {e}"))?);
     m.set_params(&be, &crate::model::init::init_params(&m.table, 0))?;
     let decay = DecayGroups::new(&m.table, &DecaySkip { bias: false, norm: false, pos_embed: false, cls_token: false });
     let mut state = be.alloc_f32(optimizer_state_len(&s.opt, m.table.total))?;
@@ -169,7 +176,9 @@ fn bench_cpu(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     }
     let ms = t.elapsed().as_secs_f64() * 1e3 / args.steps as f64;
     let loss = mean_loss(&be, &m, args.micro)?;
-    Ok(result(args, s, "cpu".into(), m.table.total, false, ms, 0.0, 0.0, loss, 0.0))
+    let mut r = result(args, s, "cpu".into(), m.table.total, false, ms, 0.0, 0.0, loss, 0.0);
+    r.recomputed = m.recomputing().unwrap_or(false);
+    Ok(r)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -196,6 +205,7 @@ fn result(args: &BenchArgs, s: &Setup, device: String, params: usize, graph: boo
         loss,
         kernel_compile_s: compile_s,
         attention: "cpu".into(),
+        recomputed: false,
     }
 }
 
@@ -210,6 +220,7 @@ fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     be.synchronize()?;
     be.reset_peak();
     let mut m = Vit::new(&be, s.cfg.clone())?;
+    m.set_recompute(Recompute::parse(&args.recompute).map_err(|e| anyhow::anyhow!("--recompute: {e}"))?);
     m.set_params(&be, &crate::model::init::init_params(&m.table, 0))?;
     let decay = DecayGroups::new(&m.table, &DecaySkip { bias: false, norm: false, pos_embed: false, cls_token: false });
     let mut state = be.alloc_f32(optimizer_state_len(&s.opt, m.table.total))?;
@@ -287,6 +298,7 @@ fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     let compile_s = be.compile_seconds();
     let mut r = result(args, s, be.name(), m.table.total, graph.is_some(), ms, ceiling, peak, loss, compile_s);
     r.attention = be.attention_path().name().to_string();
+    r.recomputed = m.recomputing().unwrap_or(false);
     Ok(r)
 }
 
@@ -299,8 +311,8 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<BenchResult> {
         other => anyhow::bail!("--device must be cuda or cpu, got {other:?}"),
     };
     println!(
-        "{} on {}: micro {} | {:.2} ms/step | {:.1} img/s | {:.1} TFLOP/s of {:.0} measured ceiling = MFU {:.1}% | peak mem {:.2} GiB | graph {} | loss {:.4}",
-        r.model, r.device, r.micro, r.step_ms, r.img_per_s, r.achieved_tflops, r.ceiling_tflops, r.mfu * 100.0, r.peak_mem_gib, r.graph, r.loss
+        "{} on {}: micro {} | {:.2} ms/step | {:.1} img/s | {:.1} TFLOP/s of {:.0} measured ceiling = MFU {:.1}% | peak mem {:.2} GiB | graph {} | recompute {} | loss {:.4}",
+        r.model, r.device, r.micro, r.step_ms, r.img_per_s, r.achieved_tflops, r.ceiling_tflops, r.mfu * 100.0, r.peak_mem_gib, r.graph, r.recomputed, r.loss
     );
     if args.json {
         println!("{}", serde_json::to_string(&r)?);

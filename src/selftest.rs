@@ -19,7 +19,7 @@ use rand_chacha::ChaCha8Rng;
 use crate::backend::cpu::Cpu;
 use crate::backend::{optimizer_state_len, BResult, Backend, DecayGroups, Span, StepHyper};
 use crate::config::{DecaySkip, OptimizerConfig};
-use crate::model::vit::Vit;
+use crate::model::vit::{Recompute, Vit};
 use crate::model::{GlobalPool, ModelConfig, ParamTable};
 
 /// One comparison.
@@ -221,6 +221,27 @@ fn op_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
             cx.compare(&format!("matmul_backward {name} dW,dbias(+=) {tag}"), &dparams, 1e-4)?;
         }
 
+        // projections with the residual add folded in (attention proj C→C, MLP fc2 F→C; the
+        // weights reuse the qkv/fc1 spans), and the GELU regenerated in the backward
+        for (name, w, bias, ic) in [
+            ("proj", Span { off: w_qkv.off, len: c * c }, Span { off: b_qkv.off, len: c }, c),
+            ("fc2", w_fc1, Span { off: b_qkv.off, len: c }, f),
+        ] {
+            let inp = cx.rand(bn * ic, 1.0, true)?;
+            let res = cx.rand(bn * c, 1.0, true)?;
+            let mut out = cx.out(bn * c, true)?;
+            cx.be.matmul_forward_residual(&mut out.d, &res.d, &inp.d, &params.d, w, Some(bias), bn, ic, c)?;
+            cpu.matmul_forward_residual(&mut out.c, &res.c, &inp.c, &params.c, w, Some(bias), bn, ic, c)?;
+            cx.compare(&format!("matmul_forward_residual {name} {tag}"), &out, F32_TOL)?;
+        }
+        {
+            let pre = cx.rand(bn * f, 3.0, true)?;
+            let mut act = cx.out(bn * f, true)?;
+            cx.be.gelu_forward(&mut act.d, &pre.d, bn * f)?;
+            cpu.gelu_forward(&mut act.c, &pre.c, bn * f)?;
+            cx.compare(&format!("gelu_forward {tag}"), &act, F32_TOL)?;
+        }
+
         // layernorm
         let mut ln = cx.out(bn * c, true)?;
         let mut mean = cx.out(bn, false)?;
@@ -405,6 +426,24 @@ fn optimizer_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
 
 /// Trains a small ViT for `steps` SGD steps on both backends; returns (device, cpu) losses.
 pub fn training_losses<B: Backend>(be: &B, seed: u64, steps: usize) -> BResult<(Vec<f32>, Vec<f32>)> {
+    let (cfg, init, batches, opt, decay, b) = small_training_setup(seed);
+    let dev = train_small(be, &cfg, &init, &batches, &opt, &decay, b, steps, Recompute::Auto)?;
+    let cpu = train_small(&Cpu::new(), &cfg, &init, &batches, &opt, &decay, b, steps, Recompute::Auto)?;
+    Ok((dev, cpu))
+}
+
+/// The same training on `be` keeping every activation and regenerating LayerNorm/GELU outputs:
+/// (never, always) losses, which must be identical (same kernels on the same inputs).
+pub fn recompute_losses<B: Backend>(be: &B, seed: u64, steps: usize) -> BResult<(Vec<f32>, Vec<f32>)> {
+    let (cfg, init, batches, opt, decay, b) = small_training_setup(seed);
+    let never = train_small(be, &cfg, &init, &batches, &opt, &decay, b, steps, Recompute::Never)?;
+    let always = train_small(be, &cfg, &init, &batches, &opt, &decay, b, steps, Recompute::Always)?;
+    Ok((never, always))
+}
+
+type Batches = Vec<(Vec<f32>, Vec<f32>)>;
+
+fn small_training_setup(seed: u64) -> (ModelConfig, Vec<f32>, Batches, OptimizerConfig, DecayGroups, usize) {
     let cfg = ModelConfig { image_size: 32, patch_size: 4, in_chans: 3, embed_dim: 96, depth: 3, num_heads: 3, mlp_ratio: 4.0, num_classes: 10, qkv_bias: true, class_token: true, global_pool: GlobalPool::Token };
     let b = 16;
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5eed);
@@ -412,32 +451,33 @@ pub fn training_losses<B: Backend>(be: &B, seed: u64, steps: usize) -> BResult<(
     let opt = OptimizerConfig::Sgd { lr: 0.05, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false };
     let decay = DecayGroups::new(&ParamTable::new(&cfg), &DecaySkip { bias: true, norm: true, pos_embed: true, cls_token: true });
     // A fixed set of 4 batches, cycled: learnable, so the loss moves.
-    let batches: Vec<(Vec<f32>, Vec<f32>)> = (0..4)
+    let batches: Batches = (0..4)
         .map(|_| {
             let img: Vec<f32> = (0..b * 3 * 32 * 32).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
             let labels: Vec<u32> = (0..b).map(|_| rng.gen_range(0..10)).collect();
             (img, crate::model::vit::smoothed_targets(&labels, 10, 0.1))
         })
         .collect();
-    fn run<B2: Backend>(be: &B2, cfg: &ModelConfig, init: &[f32], batches: &[(Vec<f32>, Vec<f32>)], opt: &OptimizerConfig, decay: &DecayGroups, b: usize, steps: usize) -> BResult<Vec<f32>> {
-        let mut m = Vit::new(be, cfg.clone())?;
-        m.set_params(be, init)?;
-        let mut state = be.alloc_f32(optimizer_state_len(opt, m.table.total))?;
-        let mut out = Vec::new();
-        for step in 0..steps {
-            let (img, t) = &batches[step % batches.len()];
-            m.zero_grads(be)?;
-            let f = m.forward(be, img, t, b, Some(1.0 / b as f32))?;
-            out.push(f.losses.iter().sum::<f32>() / b as f32);
-            m.backward(be)?;
-            be.optimizer_step(&mut m.params, &m.grads, &mut state, opt, decay, StepHyper { lr: opt.lr() as f32, step: step as u64 + 1, grad_scale: 1.0 })?;
-            m.params_changed(be)?;
-        }
-        Ok(out)
+    (cfg, init, batches, opt, decay, b)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn train_small<B2: Backend>(be: &B2, cfg: &ModelConfig, init: &[f32], batches: &[(Vec<f32>, Vec<f32>)], opt: &OptimizerConfig, decay: &DecayGroups, b: usize, steps: usize, policy: Recompute) -> BResult<Vec<f32>> {
+    let mut m = Vit::new(be, cfg.clone())?;
+    m.set_recompute(policy);
+    m.set_params(be, init)?;
+    let mut state = be.alloc_f32(optimizer_state_len(opt, m.table.total))?;
+    let mut out = Vec::new();
+    for step in 0..steps {
+        let (img, t) = &batches[step % batches.len()];
+        m.zero_grads(be)?;
+        let f = m.forward(be, img, t, b, Some(1.0 / b as f32))?;
+        out.push(f.losses.iter().sum::<f32>() / b as f32);
+        m.backward(be)?;
+        be.optimizer_step(&mut m.params, &m.grads, &mut state, opt, decay, StepHyper { lr: opt.lr() as f32, step: step as u64 + 1, grad_scale: 1.0 })?;
+        m.params_changed(be)?;
     }
-    let dev = run(be, &cfg, &init, &batches, &opt, &decay, b, steps)?;
-    let cpu = run(&Cpu::new(), &cfg, &init, &batches, &opt, &decay, b, steps)?;
-    Ok((dev, cpu))
+    Ok(out)
 }
 
 /// Runs every check on `be` against the CPU backend. `seed = None` draws a fresh seed.
@@ -453,6 +493,10 @@ pub fn run_checks<B: Backend>(be: &B, seed: Option<u64>) -> BResult<(u64, Vec<Ch
     let tol = if be.needs_compute_copy() { 2e-2 } else { 1e-4 };
     let worst = dev.iter().zip(&cpu).map(|(a, b)| if a.is_nan() { f64::NAN } else { ((a - b) / b).abs() as f64 }).fold(0f64, |m, e| if e.is_nan() || m.is_nan() { f64::NAN } else { m.max(e) });
     cx.checks.push(Check { name: "training: 20 SGD steps, small ViT (32px/4, C96, depth 3), per-step loss".into(), rel_err: worst, tol, pass: worst.is_finite() && worst <= tol && dev.len() == cpu.len() });
+    let (never, always) = recompute_losses(be, seed, 5)?;
+    let same = never.len() == 5 && never.iter().zip(&always).all(|(a, b)| a.to_bits() == b.to_bits());
+    let diff = never.iter().zip(&always).map(|(a, b)| ((a - b) / b).abs() as f64).fold(0f64, f64::max);
+    cx.checks.push(Check { name: "training: 5 steps keeping vs regenerating LayerNorm/GELU outputs, bitwise".into(), rel_err: diff, tol: 0.0, pass: same });
     Ok((seed, cx.checks, dev, cpu))
 }
 

@@ -126,6 +126,22 @@ pub trait Backend: Send + Sync {
     /// pre-activation and `out = gelu(pre)` (erf GELU): the MLP's fused epilogue.
     #[allow(clippy::too_many_arguments)]
     fn matmul_forward(&self, out: &mut Self::Buf, gelu_pre: Option<&mut Self::Buf>, inp: &Self::Buf, params: &Self::Buf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()>;
+    /// `out = residual + inp · Wᵀ + bias`: a block's projection and its residual add in one
+    /// pass (a device backend folds the add into the GEMM epilogue, saving a read and a write
+    /// of the residual stream). Its backward is `matmul_backward`; the residual's gradient is
+    /// `dout` itself.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_forward_residual(&self, out: &mut Self::Buf, residual: &Self::Buf, inp: &Self::Buf, params: &Self::Buf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()>;
+    /// `out = gelu(pre)` (erf GELU) over the first `n` elements: regenerates the MLP's
+    /// activation in the backward when the forward did not keep it.
+    fn gelu_forward(&self, out: &mut Self::Buf, pre: &Self::Buf, n: usize) -> BResult<()>;
+    /// Largest MLP activation (rows × hidden elements) for which the model recomputes
+    /// LayerNorm outputs and the GELU output in the backward instead of keeping them per
+    /// block (`model::Recompute::Auto`). 0 = never: recomputing costs the CPU real time, while
+    /// a GPU running kernels this small is bound by launches, not bandwidth.
+    fn recompute_below(&self) -> usize {
+        0
+    }
     /// Backward of `matmul_forward` (without the GELU; see `dgelu_pre`):
     /// `dinp = dout · W` (then `dinp *= gelu'(pre)` when `dgelu_pre` is given: the backward of
     /// the GELU that produced `inp`), `dW += doutᵀ · inp`, `dbias += Σ_rows dout`.

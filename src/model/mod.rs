@@ -10,4 +10,4 @@ pub mod weights;
 
 pub use params::{ParamEntry, ParamKind, ParamTable};
 pub use spec::{GlobalPool, ModelConfig, LN_EPS};
-pub use vit::{smoothed_targets, ForwardOut, Vit};
+pub use vit::{smoothed_targets, ForwardOut, Recompute, Vit};

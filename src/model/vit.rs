@@ -5,32 +5,73 @@
 //! Every layer's forward saves what its backward needs in `Activations`; backward walks the
 //! same list in reverse. Parameter gradients accumulate into `grads` (so micro-batches of a
 //! gradient-accumulation window add up), activation gradients overwrite.
+//!
+//! Memory policy (`Recompute`): the LayerNorm outputs and the GELU output are cheap to
+//! regenerate from what is kept anyway (the block input, the saved mean/rstd, the GELU's
+//! pre-activation). When recomputing, one shared buffer of each replaces the per-block copies
+//! (2·C + F of the 7·C + 2·F values kept per token and block).
 
 use crate::backend::{BResult, Backend};
 
 use super::params::ParamTable;
 use super::spec::{GlobalPool, ModelConfig};
 
-/// Saved activations of one transformer block (B·N rows of width C unless noted).
+/// Which activations the backward regenerates instead of keeping one copy per block.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Recompute {
+    /// Regenerate when the backend says it is nearly free at this size
+    /// (`Backend::recompute_below`): small batches on a GPU, never on the CPU.
+    #[default]
+    Auto,
+    /// Keep every block's LayerNorm and GELU outputs (fastest when bandwidth-bound).
+    Never,
+    /// Always regenerate them in the backward (least memory).
+    Always,
+}
+
+impl Recompute {
+    pub fn parse(v: &str) -> Result<Recompute, String> {
+        match v {
+            "auto" => Ok(Recompute::Auto),
+            "never" | "none" => Ok(Recompute::Never),
+            "always" => Ok(Recompute::Always),
+            other => Err(format!("unknown recompute policy {other:?} (auto, never, always)")),
+        }
+    }
+}
+
+/// Saved activations of one transformer block (B·N rows of width C unless noted). The
+/// LayerNorm and GELU outputs are `None` when they are regenerated (see `Regen`).
 struct BlockActs<B: Backend> {
-    ln1: B::Buf,
+    ln1: Option<B::Buf>,
     ln1_mean: B::Buf, // (B·N)
     ln1_rstd: B::Buf, // (B·N)
     qkv: B::Buf,      // (B·N, 3C)
     probs: B::Buf,    // attention saved state (backend-defined, ≤ B·H·N·N; the probabilities on CPU)
     att: B::Buf,      // (B·N, C) attention output before proj
     x1: B::Buf,       // residual stream after attention
-    ln2: B::Buf,
+    ln2: Option<B::Buf>,
     ln2_mean: B::Buf,
     ln2_rstd: B::Buf,
     fc1_pre: B::Buf, // (B·N, F) before GELU
-    fc1_act: B::Buf, // (B·N, F) after GELU
+    fc1_act: Option<B::Buf>, // (B·N, F) after GELU
     x2: B::Buf,      // residual stream after the MLP = block output
+}
+
+/// Shared buffers standing in for the per-block LayerNorm and GELU outputs when they are
+/// regenerated: the forward writes them just before their consumer reads them, and the
+/// backward recomputes them just before the weight gradient that needs them.
+struct Regen<B: Backend> {
+    ln: B::Buf,   // (B·N, C) ln1 or ln2 output
+    mean: B::Buf, // (B·N) f32, rewritten with the values the forward saved
+    rstd: B::Buf, // (B·N) f32
+    act: B::Buf,  // (B·N, F) GELU output
 }
 
 /// Every buffer of one forward/backward at a given batch capacity.
 struct Activations<B: Backend> {
     cap: usize,
+    regen: Option<Regen<B>>,
     img: B::Buf,       // (B, 3, S, S)
     patches: B::Buf,   // (B·NP, 3·P·P)
     patch_emb: B::Buf, // (B·NP, C)
@@ -55,30 +96,40 @@ struct Activations<B: Backend> {
     dqkv: B::Buf,        // (B·N, 3C)
     datt: B::Buf,        // (B·N, C)
     dfc: B::Buf,         // (B·N, F)
-    scratch: B::Buf,     // (B·N, C) proj / fc2 outputs before the residual add
     dpatch_emb: B::Buf,  // (B·NP, C)
     dpatches: B::Buf,    // (B·NP, 3·P·P), computed by the generic matmul backward, unused
 }
 
 impl<B: Backend> Activations<B> {
-    fn new(be: &B, m: &ModelConfig, cap: usize) -> BResult<Self> {
+    fn new(be: &B, m: &ModelConfig, cap: usize, policy: Recompute) -> BResult<Self> {
         let (n, np, c, f, k) = (m.num_tokens(), m.num_patches(), m.embed_dim, m.mlp_hidden(), m.num_classes);
         let bn = cap * n;
+        let regenerate = match policy {
+            Recompute::Auto => bn * f <= be.recompute_below(),
+            Recompute::Never => false,
+            Recompute::Always => true,
+        };
+        let kept = |len: usize| -> BResult<Option<B::Buf>> { if regenerate { Ok(None) } else { be.alloc(len).map(Some) } };
+        let regen = if regenerate {
+            Some(Regen { ln: be.alloc(bn * c)?, mean: be.alloc_f32(bn)?, rstd: be.alloc_f32(bn)?, act: be.alloc(bn * f)? })
+        } else {
+            None
+        };
         let mut blocks = Vec::with_capacity(m.depth);
         for _ in 0..m.depth {
             blocks.push(BlockActs {
-                ln1: be.alloc(bn * c)?,
+                ln1: kept(bn * c)?,
                 ln1_mean: be.alloc_f32(bn)?,
                 ln1_rstd: be.alloc_f32(bn)?,
                 qkv: be.alloc(bn * 3 * c)?,
                 probs: be.alloc(be.attention_saved_len(cap, n, m.num_heads, m.embed_dim / m.num_heads))?,
                 att: be.alloc(bn * c)?,
                 x1: be.alloc(bn * c)?,
-                ln2: be.alloc(bn * c)?,
+                ln2: kept(bn * c)?,
                 ln2_mean: be.alloc_f32(bn)?,
                 ln2_rstd: be.alloc_f32(bn)?,
                 fc1_pre: be.alloc(bn * f)?,
-                fc1_act: be.alloc(bn * f)?,
+                fc1_act: kept(bn * f)?,
                 x2: be.alloc(bn * c)?,
             });
         }
@@ -88,6 +139,7 @@ impl<B: Backend> Activations<B> {
         };
         Ok(Activations {
             cap,
+            regen,
             img: be.alloc(cap * m.in_chans * m.image_size * m.image_size)?,
             patches: be.alloc(cap * np * m.patch_dim())?,
             patch_emb: be.alloc(cap * np * c)?,
@@ -111,10 +163,24 @@ impl<B: Backend> Activations<B> {
             dqkv: be.alloc(bn * 3 * c)?,
             datt: be.alloc(bn * c)?,
             dfc: be.alloc(bn * f)?,
-            scratch: be.alloc(bn * c)?,
             dpatch_emb: be.alloc(cap * np * c)?,
             dpatches: be.alloc(cap * np * m.patch_dim())?,
         })
+    }
+}
+
+/// The block's own copy of an activation, or the shared regeneration buffer.
+fn kept_or_shared<'a, T>(own: &'a mut Option<T>, shared: Option<&'a mut T>) -> BResult<&'a mut T> {
+    match own.as_mut() {
+        Some(b) => Ok(b),
+        None => shared.ok_or_else(|| crate::backend::BackendError::Device("activation neither kept nor regenerated".into())),
+    }
+}
+
+fn kept_or_regen<'a, T>(own: &'a Option<T>, shared: Option<&'a T>) -> BResult<&'a T> {
+    match own.as_ref() {
+        Some(b) => Ok(b),
+        None => shared.ok_or_else(|| crate::backend::BackendError::Device("activation neither kept nor regenerated".into())),
     }
 }
 
@@ -149,6 +215,7 @@ pub struct Vit<B: Backend> {
     /// Parameter gradients (f32), same layout as `params`.
     pub grads: B::Buf,
     acts: Option<Activations<B>>,
+    recompute: Recompute,
     /// Batch of the last forward that computed `dlogits` (0 = none pending).
     pending_backward: usize,
 }
@@ -160,7 +227,7 @@ impl<B: Backend> Vit<B> {
         let params = be.alloc_f32(table.total)?;
         let grads = be.alloc_f32(table.total)?;
         let compute = if be.needs_compute_copy() { Some(be.alloc(table.total)?) } else { None };
-        Ok(Vit { cfg, table, params, compute, grads, acts: None, pending_backward: 0 })
+        Ok(Vit { cfg, table, params, compute, grads, acts: None, recompute: Recompute::Auto, pending_backward: 0 })
     }
 
     /// Replaces all weights from a host vector in table layout.
@@ -187,6 +254,21 @@ impl<B: Backend> Vit<B> {
         be.download(&self.params)
     }
 
+    /// Sets the activation-memory policy; takes effect when the activations are next allocated
+    /// (the next forward after this call).
+    pub fn set_recompute(&mut self, policy: Recompute) {
+        if policy != self.recompute {
+            self.recompute = policy;
+            self.acts = None;
+        }
+    }
+
+    /// Whether the current activations regenerate LayerNorm/GELU outputs (None before the
+    /// first forward).
+    pub fn recomputing(&self) -> Option<bool> {
+        self.acts.as_ref().map(|a| a.regen.is_some())
+    }
+
     pub fn zero_grads(&mut self, be: &B) -> BResult<()> {
         be.fill(&mut self.grads, 0.0)
     }
@@ -194,7 +276,7 @@ impl<B: Backend> Vit<B> {
     fn ensure_capacity(&mut self, be: &B, b: usize) -> BResult<()> {
         if self.acts.as_ref().is_none_or(|a| a.cap < b) {
             self.acts = None; // free the old set before allocating the larger one
-            self.acts = Some(Activations::new(be, &self.cfg, b)?);
+            self.acts = Some(Activations::new(be, &self.cfg, b, self.recompute)?);
         }
         Ok(())
     }
@@ -239,15 +321,20 @@ impl<B: Backend> Vit<B> {
             let x = if i == 0 { &a.x0 } else { &done[i - 1].x2 };
             let blk = &mut rest[0];
             let s = &t.blocks[i];
-            be.layernorm_forward(&mut blk.ln1, &mut blk.ln1_mean, &mut blk.ln1_rstd, x, w, s.norm1_w, s.norm1_b, bn, c)?;
-            be.matmul_forward(&mut blk.qkv, None, &blk.ln1, w, s.qkv_w, s.qkv_b, bn, c, 3 * c)?;
+            let (mut shared_ln, mut shared_act) = match a.regen.as_mut() {
+                Some(r) => (Some(&mut r.ln), Some(&mut r.act)),
+                None => (None, None),
+            };
+            let ln1 = kept_or_shared(&mut blk.ln1, shared_ln.as_deref_mut())?;
+            be.layernorm_forward(ln1, &mut blk.ln1_mean, &mut blk.ln1_rstd, x, w, s.norm1_w, s.norm1_b, bn, c)?;
+            be.matmul_forward(&mut blk.qkv, None, ln1, w, s.qkv_w, s.qkv_b, bn, c, 3 * c)?;
             be.attention_forward(&mut blk.att, &mut blk.probs, &blk.qkv, b, n, h, d)?;
-            be.matmul_forward(&mut a.scratch, None, &blk.att, w, s.proj_w, Some(s.proj_b), bn, c, c)?;
-            be.add(&mut blk.x1, x, &a.scratch)?;
-            be.layernorm_forward(&mut blk.ln2, &mut blk.ln2_mean, &mut blk.ln2_rstd, &blk.x1, w, s.norm2_w, s.norm2_b, bn, c)?;
-            be.matmul_forward(&mut blk.fc1_act, Some(&mut blk.fc1_pre), &blk.ln2, w, s.fc1_w, Some(s.fc1_b), bn, c, f)?;
-            be.matmul_forward(&mut a.scratch, None, &blk.fc1_act, w, s.fc2_w, Some(s.fc2_b), bn, f, c)?;
-            be.add(&mut blk.x2, &blk.x1, &a.scratch)?;
+            be.matmul_forward_residual(&mut blk.x1, x, &blk.att, w, s.proj_w, Some(s.proj_b), bn, c, c)?;
+            let ln2 = kept_or_shared(&mut blk.ln2, shared_ln.as_deref_mut())?;
+            be.layernorm_forward(ln2, &mut blk.ln2_mean, &mut blk.ln2_rstd, &blk.x1, w, s.norm2_w, s.norm2_b, bn, c)?;
+            let act = kept_or_shared(&mut blk.fc1_act, shared_act.as_deref_mut())?;
+            be.matmul_forward(act, Some(&mut blk.fc1_pre), ln2, w, s.fc1_w, Some(s.fc1_b), bn, c, f)?;
+            be.matmul_forward_residual(&mut blk.x2, &blk.x1, act, w, s.fc2_w, Some(s.fc2_b), bn, f, c)?;
         }
         let x_last = a.blocks.last().map_or(&a.x0, |blk| &blk.x2);
 
@@ -324,13 +411,25 @@ impl<B: Backend> Vit<B> {
             let blk = &rest[0];
             let s = &t.blocks[i];
             // MLP: fc2 (with the GELU backward fused), fc1, ln2 (+ residual) → dres_b = dx1
-            be.matmul_backward(&mut a.dfc, g, &a.dres_a, &blk.fc1_act, Some(&blk.fc1_pre), w, s.fc2_w, Some(s.fc2_b), bn, f, c)?;
-            be.matmul_backward(&mut a.dln, g, &a.dfc, &blk.ln2, None, w, s.fc1_w, Some(s.fc1_b), bn, c, f)?;
+            if let Some(r) = a.regen.as_mut() {
+                be.gelu_forward(&mut r.act, &blk.fc1_pre, bn * f)?;
+            }
+            let act = kept_or_regen(&blk.fc1_act, a.regen.as_ref().map(|r| &r.act))?;
+            be.matmul_backward(&mut a.dfc, g, &a.dres_a, act, Some(&blk.fc1_pre), w, s.fc2_w, Some(s.fc2_b), bn, f, c)?;
+            if let Some(r) = a.regen.as_mut() {
+                be.layernorm_forward(&mut r.ln, &mut r.mean, &mut r.rstd, &blk.x1, w, s.norm2_w, s.norm2_b, bn, c)?;
+            }
+            let ln2 = kept_or_regen(&blk.ln2, a.regen.as_ref().map(|r| &r.ln))?;
+            be.matmul_backward(&mut a.dln, g, &a.dfc, ln2, None, w, s.fc1_w, Some(s.fc1_b), bn, c, f)?;
             be.layernorm_backward(&mut a.dres_b, g, &a.dln, Some(&a.dres_a), &blk.x1, &blk.ln2_mean, &blk.ln2_rstd, w, s.norm2_w, s.norm2_b, bn, c)?;
             // attention: proj, core, qkv, ln1 (+ residual) → dres_a = dx
             be.matmul_backward(&mut a.datt, g, &a.dres_b, &blk.att, None, w, s.proj_w, Some(s.proj_b), bn, c, c)?;
             be.attention_backward(&mut a.dqkv, &a.datt, &blk.qkv, &blk.att, &blk.probs, b, n, h, d)?;
-            be.matmul_backward(&mut a.dln, g, &a.dqkv, &blk.ln1, None, w, s.qkv_w, s.qkv_b, bn, c, 3 * c)?;
+            if let Some(r) = a.regen.as_mut() {
+                be.layernorm_forward(&mut r.ln, &mut r.mean, &mut r.rstd, x, w, s.norm1_w, s.norm1_b, bn, c)?;
+            }
+            let ln1 = kept_or_regen(&blk.ln1, a.regen.as_ref().map(|r| &r.ln))?;
+            be.matmul_backward(&mut a.dln, g, &a.dqkv, ln1, None, w, s.qkv_w, s.qkv_b, bn, c, 3 * c)?;
             be.layernorm_backward(&mut a.dres_a, g, &a.dln, Some(&a.dres_b), x, &blk.ln1_mean, &blk.ln1_rstd, w, s.norm1_w, s.norm1_b, bn, c)?;
         }
 

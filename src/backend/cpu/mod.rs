@@ -200,6 +200,20 @@ impl Backend for Cpu {
         matmul_bias(target, inp, params, w, bias, rows, ic, oc)
     }
 
+    fn matmul_forward_residual(&self, out: &mut Vec<f32>, residual: &Vec<f32>, inp: &Vec<f32>, params: &Vec<f32>, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
+        check("matmul_forward_residual", "residual", residual, rows * oc)?;
+        self.matmul_forward(out, None, inp, params, w, bias, rows, ic, oc)?;
+        out[..rows * oc].par_iter_mut().zip(&residual[..rows * oc]).for_each(|(o, &r)| *o += r);
+        Ok(())
+    }
+
+    fn gelu_forward(&self, out: &mut Vec<f32>, pre: &Vec<f32>, n: usize) -> BResult<()> {
+        check("gelu_forward", "pre", pre, n)?;
+        check("gelu_forward", "out", out, n)?;
+        out[..n].par_iter_mut().zip(&pre[..n]).for_each(|(o, &x)| *o = gelu(x));
+        Ok(())
+    }
+
     fn matmul_backward(&self, dinp: &mut Vec<f32>, dparams: &mut Vec<f32>, dout: &Vec<f32>, inp: &Vec<f32>, dgelu_pre: Option<&Vec<f32>>, params: &Vec<f32>, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
         check_span("matmul_backward", "weight", params, w, oc * ic)?;
         check_span("matmul_backward", "dweight", dparams, w, oc * ic)?;

@@ -36,7 +36,8 @@ impl Ty {
     }
 }
 
-/// One column-major product D = alpha·op(A)·op(B) + beta·C (+ bias per row of D), C = D.
+/// One column-major product D = alpha·op(A)·op(B) + beta·C (+ bias per row of D); C has D's
+/// type and layout and is either D itself (accumulate) or another buffer (a residual input).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct GemmShape {
     pub ta: bool,
@@ -186,7 +187,7 @@ impl Gemm {
 
     /// Runs the product on `stream`. Pointers are device addresses matching `s`.
     #[allow(clippy::too_many_arguments)]
-    pub fn run(&self, op: &str, s: &GemmShape, a: CUdeviceptr, b: CUdeviceptr, d: CUdeviceptr, bias: CUdeviceptr, alpha: f32, beta: f32, stream: cudarc::driver::sys::CUstream) -> Result<(), BackendError> {
+    pub fn run(&self, op: &str, s: &GemmShape, a: CUdeviceptr, b: CUdeviceptr, c: CUdeviceptr, d: CUdeviceptr, bias: CUdeviceptr, alpha: f32, beta: f32, stream: cudarc::driver::sys::CUstream) -> Result<(), BackendError> {
         let mut plans = self.plans.lock().map_err(|_| BackendError::Device(format!("{op}: GEMM plan cache poisoned")))?;
         if !plans.contains_key(s) {
             let p = self.make_plan(s).map_err(|e| BackendError::Device(format!("{op}: {e}")))?;
@@ -199,13 +200,14 @@ impl Gemm {
             if s.bias {
                 check(op, lt::cublasLtMatmulDescSetAttribute(p.desc, lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias as *const u64 as *const c_void, 8))?;
             }
-            // First use of an overwriting product outside graph capture: time every candidate
-            // on these operands (re-running it only rewrites the same output) and keep the fastest.
-            if p.candidates.len() > 1 && !s.accumulate && !capturing(stream) {
+            // First use of a product that does not read its own output, outside graph capture:
+            // time every candidate on these operands (re-running it only rewrites the same
+            // output) and keep the fastest.
+            if p.candidates.len() > 1 && (!s.accumulate || c != d) && !capturing(stream) {
                 let cands = std::mem::take(&mut p.candidates);
                 let mut best = (f32::INFINITY, p.algo);
                 for algo in cands {
-                    if let Ok(ms) = self.time_algo(p, &algo, a, b, d, alpha, beta, stream) {
+                    if let Ok(ms) = self.time_algo(p, &algo, a, b, c, d, alpha, beta, stream) {
                         if ms < best.0 {
                             best = (ms, algo);
                         }
@@ -214,14 +216,14 @@ impl Gemm {
                 p.algo = best.1;
             }
             p.candidates.clear();
-            self.matmul(op, p, &p.algo, a, b, d, alpha, beta, stream)
+            self.matmul(op, p, &p.algo, a, b, c, d, alpha, beta, stream)
         }
     }
 
     /// # Safety
     /// As `run`: live plan objects and device pointers matching the plan's shape.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn matmul(&self, op: &str, p: &Plan, algo: &lt::cublasLtMatmulAlgo_t, a: CUdeviceptr, b: CUdeviceptr, d: CUdeviceptr, alpha: f32, beta: f32, stream: cudarc::driver::sys::CUstream) -> Result<(), BackendError> {
+    unsafe fn matmul(&self, op: &str, p: &Plan, algo: &lt::cublasLtMatmulAlgo_t, a: CUdeviceptr, b: CUdeviceptr, c: CUdeviceptr, d: CUdeviceptr, alpha: f32, beta: f32, stream: cudarc::driver::sys::CUstream) -> Result<(), BackendError> {
         check(
             op,
             lt::cublasLtMatmul(
@@ -233,7 +235,7 @@ impl Gemm {
                 b as *const c_void,
                 p.b,
                 &beta as *const f32 as *const c_void,
-                d as *const c_void,
+                c as *const c_void,
                 p.d,
                 d as *mut c_void,
                 p.d,
@@ -250,17 +252,17 @@ impl Gemm {
     /// # Safety
     /// As `run`.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn time_algo(&self, p: &Plan, algo: &lt::cublasLtMatmulAlgo_t, a: CUdeviceptr, b: CUdeviceptr, d: CUdeviceptr, alpha: f32, beta: f32, stream: cudarc::driver::sys::CUstream) -> Result<f32, BackendError> {
+    unsafe fn time_algo(&self, p: &Plan, algo: &lt::cublasLtMatmulAlgo_t, a: CUdeviceptr, b: CUdeviceptr, c: CUdeviceptr, d: CUdeviceptr, alpha: f32, beta: f32, stream: cudarc::driver::sys::CUstream) -> Result<f32, BackendError> {
         use cudarc::driver::result::event;
         use cudarc::driver::sys::CUevent_flags;
         let e = |x| BackendError::Device(format!("GEMM tuning: {x}"));
-        self.matmul("GEMM tuning", p, algo, a, b, d, alpha, beta, stream)?;
+        self.matmul("GEMM tuning", p, algo, a, b, c, d, alpha, beta, stream)?;
         let mut times = Vec::new();
         for _ in 0..3 {
             let e0 = event::create(CUevent_flags::CU_EVENT_DEFAULT).map_err(e)?;
             let e1 = event::create(CUevent_flags::CU_EVENT_DEFAULT).map_err(e)?;
             event::record(e0, stream).map_err(e)?;
-            let r = self.matmul("GEMM tuning", p, algo, a, b, d, alpha, beta, stream);
+            let r = self.matmul("GEMM tuning", p, algo, a, b, c, d, alpha, beta, stream);
             event::record(e1, stream).map_err(e)?;
             event::synchronize(e1).map_err(e)?;
             let t = event::elapsed(e0, e1).map_err(e);

@@ -518,16 +518,36 @@ impl Cuda {
         }
     }
 
-    fn gemm(&self, op: &str, mut s: GemmShape, a: CUdeviceptr, b: CUdeviceptr, d: CUdeviceptr, bias: CUdeviceptr, alpha: f32, beta: f32) -> BResult<()> {
+    /// out = gelu(pre) over n bf16 elements, the widest vector kernel the alignment allows.
+    fn gelu_fwd_launch(&self, out: CUdeviceptr, pre: CUdeviceptr, n: usize) -> BResult<()> {
+        if n % 8 == 0 && pre % 16 == 0 && out % 16 == 0 {
+            let n8 = (n / 8) as i64;
+            self.launch1("gelu_fwd_v8", n / 8, &mut kargs![out, pre, n8])
+        } else if n % 2 == 0 && pre % 4 == 0 && out % 4 == 0 {
+            let n2 = (n / 2) as i64;
+            self.launch1("gelu_fwd_bf16", n / 2, &mut kargs![out, pre, n2])
+        } else {
+            let nn = n as i64;
+            self.launch1("gelu_fwd", n, &mut kargs![out, 1i32, pre, 1i32, nn])
+        }
+    }
+
+    fn gemm(&self, op: &str, s: GemmShape, a: CUdeviceptr, b: CUdeviceptr, d: CUdeviceptr, bias: CUdeviceptr, alpha: f32, beta: f32) -> BResult<()> {
+        self.gemm_c(op, s, a, b, d, d, bias, alpha, beta)
+    }
+
+    /// `gemm` with C read from its own buffer (D's type and layout): D = alpha·A·B + beta·C + bias.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_c(&self, op: &str, mut s: GemmShape, a: CUdeviceptr, b: CUdeviceptr, c: CUdeviceptr, d: CUdeviceptr, bias: CUdeviceptr, alpha: f32, beta: f32) -> BResult<()> {
         let sz = |t: Ty| t.size() as u64;
-        let mut addrs = vec![a, b, d, s.lda as u64 * sz(s.a_ty), s.ldb as u64 * sz(s.b_ty), s.ldd as u64 * sz(s.d_ty)];
+        let mut addrs = vec![a, b, c, d, s.lda as u64 * sz(s.a_ty), s.ldb as u64 * sz(s.b_ty), s.ldd as u64 * sz(s.d_ty)];
         if s.batch > 1 {
             addrs.extend([s.stride_a as u64 * sz(s.a_ty), s.stride_b as u64 * sz(s.b_ty), s.stride_d as u64 * sz(s.d_ty)]);
         }
         s.align = alignment(&addrs);
         s.accumulate = beta != 0.0;
         let label = format!("gemm {op} m{} n{} k{} b{}", s.m, s.n, s.k, s.batch);
-        self.timed(&label, || self.gemm.run(op, &s, a, b, d, bias, alpha, beta, self.stream.cu_stream()))
+        self.timed(&label, || self.gemm.run(op, &s, a, b, c, d, bias, alpha, beta, self.stream.cu_stream()))
     }
 }
 
@@ -750,19 +770,55 @@ impl Backend for Cuda {
         };
         self.gemm(OP, s, params.at(w.off), inp.ptr, target, bias_ptr, 1.0, 0.0)?;
         if gelu_pre.is_some() {
-            let n = rows * oc;
-            if n % 8 == 0 && target % 16 == 0 && out.ptr % 16 == 0 {
-                let n8 = (n / 8) as i64;
-                self.launch1("gelu_fwd_v8", n / 8, &mut kargs![out.ptr, target, n8])?;
-            } else if n % 2 == 0 && target % 4 == 0 && out.ptr % 4 == 0 {
-                let n2 = (n / 2) as i64;
-                self.launch1("gelu_fwd_bf16", n / 2, &mut kargs![out.ptr, target, n2])?;
-            } else {
-                let nn = n as i64;
-                self.launch1("gelu_fwd", n, &mut kargs![out.ptr, 1i32, target, 1i32, nn])?;
-            }
+            self.gelu_fwd_launch(out.ptr, target, rows * oc)?;
         }
         Ok(())
+    }
+
+    fn matmul_forward_residual(&self, out: &mut CudaBuf, residual: &CudaBuf, inp: &CudaBuf, params: &CudaBuf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
+        const OP: &str = "matmul_forward_residual";
+        check_bf16(OP, "inp", inp)?;
+        check_bf16(OP, "out", out)?;
+        check_bf16(OP, "residual", residual)?;
+        check_bf16(OP, "params (the compute copy)", params)?;
+        check_len(OP, "inp", inp, rows * ic)?;
+        check_len(OP, "out", out, rows * oc)?;
+        check_len(OP, "residual", residual, rows * oc)?;
+        check_span(OP, "weight", params, w)?;
+        if w.len != ic * oc {
+            return Err(BackendError::Shape { op: OP, msg: format!("weight span has {} elements, expected {oc}×{ic}", w.len) });
+        }
+        let bias_ptr = match bias {
+            Some(s) => {
+                check_span(OP, "bias", params, s)?;
+                params.at(s.off)
+            }
+            None => 0,
+        };
+        // As matmul_forward, with beta = 1 and C = the residual (same layout as out): cuBLASLt
+        // adds it before the bias epilogue, in f32, and rounds once to bf16.
+        let s = GemmShape {
+            ta: true, tb: false, m: oc as u64, n: rows as u64, k: ic as u64,
+            a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
+            lda: ic as i64, ldb: ic as i64, ldd: oc as i64,
+            batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
+            bias: bias.is_some(), accumulate: true, align: 0,
+        };
+        self.gemm_c(OP, s, params.at(w.off), inp.ptr, residual.ptr, out.ptr, bias_ptr, 1.0, 1.0)
+    }
+
+    fn gelu_forward(&self, out: &mut CudaBuf, pre: &CudaBuf, n: usize) -> BResult<()> {
+        check_bf16("gelu_forward", "out", out)?;
+        check_bf16("gelu_forward", "pre", pre)?;
+        check_len("gelu_forward", "pre", pre, n)?;
+        check_len("gelu_forward", "out", out, n)?;
+        self.gelu_fwd_launch(out.ptr, pre.ptr, n)
+    }
+
+    fn recompute_below(&self) -> usize {
+        // 16 Mi elements (32 MiB of bf16): at and below this an elementwise kernel takes a few
+        // microseconds on an H200, so regenerating an activation costs less than a launch gap.
+        1 << 24
     }
 
     fn matmul_backward(&self, dinp: &mut CudaBuf, dparams: &mut CudaBuf, dout: &CudaBuf, inp: &CudaBuf, dgelu_pre: Option<&CudaBuf>, params: &CudaBuf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
