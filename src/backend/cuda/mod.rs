@@ -215,38 +215,45 @@ pub const ATTENTION_ENV: &str = "VITSCALE_ATTENTION";
 pub enum AttentionPath {
     /// Materialized probabilities through cuBLASLt batched GEMMs and a softmax kernel.
     Gemm = 0,
-    /// Fused tensor-core kernels, transposed operands through ldmatrix.
+    /// Fused tensor-core kernels, transposed operands through ldmatrix, the tiles of the inner
+    /// loop double-buffered through cp.async (the default).
     Fused = 1,
-    /// Fused tensor-core kernels, transposed operands through 16-bit shared loads.
+    /// Fused tensor-core kernels, transposed operands through 16-bit shared loads, tiles
+    /// loaded synchronously.
     FusedPlain = 2,
+    /// As `Fused` with the tiles loaded synchronously (the kernel before the pipelining).
+    FusedSync = 3,
 }
 
 impl AttentionPath {
-    pub const ALL: [AttentionPath; 3] = [AttentionPath::Gemm, AttentionPath::Fused, AttentionPath::FusedPlain];
+    pub const ALL: [AttentionPath; 4] = [AttentionPath::Gemm, AttentionPath::Fused, AttentionPath::FusedPlain, AttentionPath::FusedSync];
     pub fn name(self) -> &'static str {
         match self {
             AttentionPath::Gemm => "gemm",
             AttentionPath::Fused => "fused",
             AttentionPath::FusedPlain => "fused-plain",
+            AttentionPath::FusedSync => "fused-sync",
         }
     }
     fn from_u8(v: u8) -> AttentionPath {
         match v {
             1 => AttentionPath::Fused,
             2 => AttentionPath::FusedPlain,
+            3 => AttentionPath::FusedSync,
             _ => AttentionPath::Gemm,
         }
     }
 }
 
-/// Parses an attention path name (`gemm`, `fused`, `fused-plain`; empty = the default, fused).
+/// Parses an attention path name (`gemm`, `fused`, `fused-plain`, `fused-sync`; empty = the
+/// default, fused).
 pub fn parse_attention(v: &str) -> Result<AttentionPath, String> {
     match v {
         "" => Ok(AttentionPath::Fused),
         other => AttentionPath::ALL
             .into_iter()
             .find(|p| p.name() == other)
-            .ok_or_else(|| format!("attention path must be gemm, fused or fused-plain, got {other:?}")),
+            .ok_or_else(|| format!("attention path must be gemm, fused, fused-plain or fused-sync, got {other:?}")),
     }
 }
 
@@ -330,15 +337,33 @@ impl Cuda {
 
     /// Kernel-name suffix of the fused kernels for head dim `d` ("d64" or "d64_ldsm"), or
     /// None when attention with this head dim takes the gemm path.
-    fn fused_attention(&self, d: usize) -> Option<String> {
+    /// Kernel-name suffix of the fused attention for head dim `d` and the dynamic shared
+    /// memory (bytes) of its (forward, backward) kernels; None = the GEMM path.
+    fn fused_attention(&self, d: usize) -> Option<(String, u32, u32)> {
         if !FUSED_HEAD_DIMS.contains(&d) {
             return None;
         }
+        // Mirrors fa_fwd_pipe_smem / fa_bwd_pipe_smem in flash.cu (64-row tiles, rows padded by 8).
+        let ld = (d + 8) * 2;
+        let (fwd, bwd) = ((64 + 4 * 64) * ld, (2 * 64 + 4 * 64) * ld + 64 * (64 + 8) * 2 + 4 * 64 * 4);
         match self.attention_path() {
             AttentionPath::Gemm => None,
-            AttentionPath::Fused => Some(format!("d{d}_ldsm")),
-            AttentionPath::FusedPlain => Some(format!("d{d}")),
+            AttentionPath::Fused => Some((format!("d{d}_pipe"), fwd as u32, bwd as u32)),
+            AttentionPath::FusedSync => Some((format!("d{d}_ldsm"), 0, 0)),
+            AttentionPath::FusedPlain => Some((format!("d{d}"), 0, 0)),
         }
+    }
+
+    /// `launch` for a kernel using `smem` bytes of dynamic shared memory, raising the kernel's
+    /// limit above the default 48 KiB first (a function attribute, not a stream operation, so
+    /// it is allowed during graph capture).
+    fn launch_dyn(&self, name: &str, grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32, args: &mut [*mut c_void]) -> BResult<()> {
+        if smem > 48 * 1024 {
+            let f = self.kernels.get(name)?;
+            f.set_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+                .map_err(|e| BackendError::Device(format!("{name}: raising dynamic shared memory to {smem} bytes: {e}")))?;
+        }
+        self.launch(name, grid, block, smem, args)
     }
 
     /// Turns per-launch timing on or off (benchmark diagnostics; never while capturing).
@@ -960,7 +985,7 @@ impl Backend for Cuda {
         check_len(OP, "qkv", qkv, 3 * bhnd)?;
         check_len(OP, "out", out, bhnd)?;
         check_len(OP, "probs", probs, self.attention_saved_len(b, n, h, d))?;
-        if let Some(sfx) = self.fused_attention(d) {
+        if let Some((sfx, smem, _)) = self.fused_attention(d) {
             if n == 0 || b * h == 0 {
                 return Ok(());
             }
@@ -969,7 +994,7 @@ impl Backend for Cuda {
             let grid = (n.div_ceil(64) as u32, (b * h) as u32, 1);
             let (nn, hh) = (n as i32, h as i32);
             let scale_log2 = std::f32::consts::LOG2_E / (d as f32).sqrt();
-            return self.launch(&name, grid, (128, 1, 1), 0, &mut kargs![out.ptr, probs.ptr, qkv.ptr, nn, hh, scale_log2]);
+            return self.launch_dyn(&name, grid, (128, 1, 1), smem, &mut kargs![out.ptr, probs.ptr, qkv.ptr, nn, hh, scale_log2]);
         }
         let heads = self.scratch("qkv_heads", 3 * bhnd)?;
         let oh = self.scratch("o_heads", bhnd)?;
@@ -1018,7 +1043,7 @@ impl Backend for Cuda {
         check_len(OP, "dout", dout, bhnd)?;
         check_len(OP, "qkv", qkv, 3 * bhnd)?;
         check_len(OP, "probs", probs, self.attention_saved_len(b, n, h, d))?;
-        if let Some(sfx) = self.fused_attention(d) {
+        if let Some((sfx, _, smem)) = self.fused_attention(d) {
             check_bf16(OP, "out", out)?;
             check_len(OP, "out", out, bhnd)?;
             if n == 0 || b * h == 0 {
@@ -1037,7 +1062,7 @@ impl Backend for Cuda {
             let scale = 1.0 / (d as f32).sqrt();
             let scale_log2 = std::f32::consts::LOG2_E * scale;
             let g = (n.div_ceil(64) as u32, (b * h) as u32, 1);
-            self.launch(&format!("flash_bwd_{sfx}"), g, (128, 1, 1), 0, &mut kargs![dqkv.ptr, dq_acc, dout.ptr, qkv.ptr, probs.ptr, delta, nn, hh, scale, scale_log2])?;
+            self.launch_dyn(&format!("flash_bwd_{sfx}"), g, (128, 1, 1), smem, &mut kargs![dqkv.ptr, dq_acc, dout.ptr, qkv.ptr, probs.ptr, delta, nn, hh, scale, scale_log2])?;
             let (brows, hd8) = ((b * n) as i64, (h * d / 8) as i32);
             return self.launch1("flash_dq_store", bhnd / 8, &mut kargs![dqkv.ptr, dq_acc, brows, hd8]);
         }

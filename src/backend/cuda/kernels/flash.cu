@@ -484,3 +484,391 @@ extern "C" __global__ void flash_dq_store(bf16* dqkv, const float* dq_acc, i64 r
         *(uint4*)(dqkv + r * 3 * (i64)hd8 * 8 + (i64)c * 8) = v;
     }
 }
+
+// ---- Pipelined variants (the default): the same arithmetic, fragments and skipping rules as
+// flash_fwd / flash_bwd above, but the tiles the loop walks over (K, V in the forward; Q, dO,
+// lse2, delta in the backward) are double-buffered in dynamic shared memory and fetched with
+// cp.async one step ahead, so a block computes on tile i while tile i + 1 is in flight. Rows
+// ≥ n are zero-filled by the copy engine (src-size 0); the backward masks those queries' P
+// explicitly instead of relying on an infinite lse2.
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(valid ? 4 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// fa_load_tile through cp.async (not waited for here).
+template <int D, int ROWS>
+__device__ __forceinline__ void fa_load_tile_async(bf16* s, const bf16* g, i64 stride, int row0, int n) {
+    constexpr int CH = D / 8;
+    for (int i = threadIdx.x; i < ROWS * CH; i += FA_THREADS) {
+        int r = i / CH, c = i - r * CH;
+        bool ok = row0 + r < n;
+        cp_async16(s + r * (D + 8) + c * 8, ok ? g + (i64)(row0 + r) * stride + c * 8 : g, ok);
+    }
+}
+
+// Dynamic shared memory of the pipelined kernels, in bytes (the host passes the same sums).
+// forward: Q tile + 2 stages × (K, V); backward: K, V, dSᵀ + 2 stages × (Q, dO) + 2 × 2 × 64 f32.
+template <int D> constexpr int fa_fwd_pipe_smem() { return (FA_BR + 4 * FA_BC) * (D + 8) * 2; }
+template <int D> constexpr int fa_bwd_pipe_smem() { return (2 * FA_BC + 4 * FA_BR) * (D + 8) * 2 + FA_BC * (FA_BR + 8) * 2 + 4 * FA_BR * 4; }
+
+template <int D>
+__device__ __forceinline__ void flash_fwd_pipe(bf16* __restrict__ out, float* __restrict__ lse2, const bf16* __restrict__ qkv, int n, int h, float scale_log2) {
+    constexpr int LD = D + 8;
+    constexpr int KT = D / 16;
+    constexpr int NS = FA_BC / 8;
+    constexpr int NO = D / 8;
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    bf16* sq = (bf16*)fa_smem;
+    bf16* stages = sq + FA_BR * LD;  // stage s: K at stages + 2s·FA_BC·LD, V right after
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int bh = blockIdx.y, bi = bh / h, hi = bh - bi * h;
+    const int q0 = blockIdx.x * FA_BR;
+    const i64 stride = (i64)3 * h * D;
+    const bf16* qg = qkv + (i64)bi * n * stride + hi * D;
+    const bf16* kg = qg + h * D;
+    const bf16* vg = qg + 2 * h * D;
+    const int nk = (n + FA_BC - 1) / FA_BC;
+
+    fa_load_tile_async<D, FA_BR>(sq, qg, stride, q0, n);
+    fa_load_tile_async<D, FA_BC>(stages, kg, stride, 0, n);
+    fa_load_tile_async<D, FA_BC>(stages + FA_BC * LD, vg, stride, 0, n);
+    cp_async_commit();
+
+    unsigned qa[KT][4];
+    const int r0 = warp * 16 + g;
+    float o[NO][4];
+    #pragma unroll
+    for (int j = 0; j < NO; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+    for (int kb = 0; kb < nk; kb++) {
+        const int k0 = kb * FA_BC;
+        __syncthreads();  // every warp is done with the stage refilled next
+        if (kb + 1 < nk) {
+            bf16* nxt = stages + ((kb + 1) & 1) * 2 * FA_BC * LD;
+            fa_load_tile_async<D, FA_BC>(nxt, kg, stride, k0 + FA_BC, n);
+            fa_load_tile_async<D, FA_BC>(nxt + FA_BC * LD, vg, stride, k0 + FA_BC, n);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();  // this stage (and, at kb = 0, the Q tile) is in shared memory
+        const bf16* sk = stages + (kb & 1) * 2 * FA_BC * LD;
+        const bf16* sv = sk + FA_BC * LD;
+        if (q0 + warp * 16 >= n) continue;  // all 16 rows past the end (warp-uniform)
+        if (kb == 0) {
+            #pragma unroll
+            for (int kt = 0; kt < KT; kt++) {
+                qa[kt][0] = ld2(sq + r0 * LD + kt * 16 + 2 * t);
+                qa[kt][1] = ld2(sq + (r0 + 8) * LD + kt * 16 + 2 * t);
+                qa[kt][2] = ld2(sq + r0 * LD + kt * 16 + 2 * t + 8);
+                qa[kt][3] = ld2(sq + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
+            }
+        }
+        float s[NS][4];
+        #pragma unroll
+        for (int j = 0; j < NS; j++) {
+            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+            if (k0 + j * 8 >= n) continue;
+            #pragma unroll
+            for (int kt = 0; kt < KT; kt++) {
+                unsigned b[2];
+                b[0] = ld2(sk + (j * 8 + g) * LD + kt * 16 + 2 * t);
+                b[1] = ld2(sk + (j * 8 + g) * LD + kt * 16 + 2 * t + 8);
+                mma_bf16(s[j], qa[kt], b);
+            }
+        }
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+        #pragma unroll
+        for (int j = 0; j < NS; j++) {
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int key = k0 + j * 8 + 2 * t + (e & 1);
+                s[j][e] = key < n ? s[j][e] * scale_log2 : -INFINITY;
+            }
+            mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        const float al0 = exp2f(m0 - mn0), al1 = exp2f(m1 - mn1);
+        m0 = mn0;
+        m1 = mn1;
+        float ps0 = 0.f, ps1 = 0.f;
+        #pragma unroll
+        for (int j = 0; j < NS; j++) {
+            s[j][0] = exp2f(s[j][0] - mn0);
+            s[j][1] = exp2f(s[j][1] - mn0);
+            s[j][2] = exp2f(s[j][2] - mn1);
+            s[j][3] = exp2f(s[j][3] - mn1);
+            ps0 += s[j][0] + s[j][1];
+            ps1 += s[j][2] + s[j][3];
+        }
+        l0 = l0 * al0 + ps0;
+        l1 = l1 * al1 + ps1;
+        #pragma unroll
+        for (int j = 0; j < NO; j++) {
+            o[j][0] *= al0; o[j][1] *= al0;
+            o[j][2] *= al1; o[j][3] *= al1;
+        }
+        #pragma unroll
+        for (int kk = 0; kk < FA_BC / 16; kk++) {
+            if (k0 + kk * 16 >= n) continue;
+            unsigned pa[4];
+            pa[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+            pa[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+            pa[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            #pragma unroll
+            for (int j = 0; j < NO; j += 2) {
+                unsigned b[4];
+                ldb_t2<true>(b, sv, LD, kk * 16, j * 8, lane);
+                mma_bf16(o[j], pa, b);
+                mma_bf16(o[j + 1], pa, b + 2);
+            }
+        }
+    }
+    if (q0 + warp * 16 >= n) return;
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+    const int row0 = q0 + r0, row1 = row0 + 8;
+    const i64 ostride = (i64)h * D;
+    bf16* og = out + (i64)bi * n * ostride + hi * D + 2 * t;
+    if (row0 < n) {
+        #pragma unroll
+        for (int j = 0; j < NO; j++) *(unsigned*)(og + row0 * ostride + j * 8) = pack_bf16(o[j][0] * inv0, o[j][1] * inv0);
+        if (t == 0) lse2[(i64)bh * n + row0] = m0 + log2f(l0);
+    }
+    if (row1 < n) {
+        #pragma unroll
+        for (int j = 0; j < NO; j++) *(unsigned*)(og + row1 * ostride + j * 8) = pack_bf16(o[j][2] * inv1, o[j][3] * inv1);
+        if (t == 0) lse2[(i64)bh * n + row1] = m1 + log2f(l1);
+    }
+}
+
+extern "C" __global__ void flash_fwd_d64_pipe(bf16* out, float* lse2, const bf16* qkv, int n, int h, float scale_log2) {
+    flash_fwd_pipe<64>(out, lse2, qkv, n, h, scale_log2);
+}
+extern "C" __global__ void flash_fwd_d32_pipe(bf16* out, float* lse2, const bf16* qkv, int n, int h, float scale_log2) {
+    flash_fwd_pipe<32>(out, lse2, qkv, n, h, scale_log2);
+}
+
+template <int D>
+__device__ __forceinline__ void flash_bwd_pipe(bf16* __restrict__ dqkv, float* __restrict__ dq_acc, const bf16* __restrict__ dout, const bf16* __restrict__ qkv, const float* __restrict__ lse2, const float* __restrict__ delta, int n, int h, float scale, float scale_log2) {
+    constexpr int LD = D + 8;
+    constexpr int LDS = FA_BR + 8;
+    constexpr int KT = D / 16;
+    constexpr int NS = FA_BR / 8;
+    constexpr int NO = D / 8;
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    bf16* sk = (bf16*)fa_smem;                // FA_BC × LD
+    bf16* sv = sk + FA_BC * LD;               // FA_BC × LD
+    bf16* sds = sv + FA_BC * LD;              // dSᵀ: FA_BC × LDS
+    bf16* stages = sds + FA_BC * LDS;         // stage s: Q at stages + 2s·FA_BR·LD, dO right after
+    float* sstat = (float*)(stages + 4 * FA_BR * LD);  // stage s: lse2 at 2s·FA_BR, delta after
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int bh = blockIdx.y, bi = bh / h, hi = bh - bi * h;
+    const int k0 = blockIdx.x * FA_BC;
+    const i64 stride = (i64)3 * h * D;
+    const i64 ostride = (i64)h * D;
+    const bf16* qg = qkv + (i64)bi * n * stride + hi * D;
+    const bf16* kg = qg + h * D;
+    const bf16* vg = qg + 2 * h * D;
+    const bf16* dog = dout + (i64)bi * n * ostride + hi * D;
+    const float* lg = lse2 + (i64)bh * n;
+    const float* dg = delta + (i64)bh * n;
+    const int nq = (n + FA_BR - 1) / FA_BR;
+
+    auto prefetch = [&](int qi) {
+        const int q0 = qi * FA_BR;
+        bf16* st = stages + (qi & 1) * 2 * FA_BR * LD;
+        float* ss = sstat + (qi & 1) * 2 * FA_BR;
+        fa_load_tile_async<D, FA_BR>(st, qg, stride, q0, n);
+        fa_load_tile_async<D, FA_BR>(st + FA_BR * LD, dog, ostride, q0, n);
+        for (int i = threadIdx.x; i < FA_BR; i += FA_THREADS) {
+            const bool ok = q0 + i < n;
+            cp_async4(ss + i, ok ? lg + q0 + i : lg, ok);
+            cp_async4(ss + FA_BR + i, ok ? dg + q0 + i : dg, ok);
+        }
+        cp_async_commit();
+    };
+    fa_load_tile_async<D, FA_BC>(sk, kg, stride, k0, n);
+    fa_load_tile_async<D, FA_BC>(sv, vg, stride, k0, n);
+    prefetch(0);  // one group: K, V and query tile 0
+
+    const int r0 = warp * 16 + g;
+    unsigned ka[KT][4], va[KT][4];
+    const bool key0_ok = k0 + r0 < n, key1_ok = k0 + r0 + 8 < n;
+    float dk[NO][4], dv[NO][4];
+    #pragma unroll
+    for (int j = 0; j < NO; j++) {
+        dk[j][0] = dk[j][1] = dk[j][2] = dk[j][3] = 0.f;
+        dv[j][0] = dv[j][1] = dv[j][2] = dv[j][3] = 0.f;
+    }
+
+    for (int qi = 0; qi < nq; qi++) {
+        const int q0 = qi * FA_BR;
+        __syncthreads();  // every warp is done with the previous dSᵀ and the stage refilled next
+        if (qi + 1 < nq) {
+            prefetch(qi + 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();  // query tile qi (and, at qi = 0, K and V) is in shared memory
+        const bf16* sq = stages + (qi & 1) * 2 * FA_BR * LD;
+        const bf16* sdo = sq + FA_BR * LD;
+        const float* slse = sstat + (qi & 1) * 2 * FA_BR;
+        const float* sdelta = slse + FA_BR;
+        if (qi == 0) {
+            #pragma unroll
+            for (int kt = 0; kt < KT; kt++) {
+                ka[kt][0] = ld2(sk + r0 * LD + kt * 16 + 2 * t);
+                ka[kt][1] = ld2(sk + (r0 + 8) * LD + kt * 16 + 2 * t);
+                ka[kt][2] = ld2(sk + r0 * LD + kt * 16 + 2 * t + 8);
+                ka[kt][3] = ld2(sk + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
+                va[kt][0] = ld2(sv + r0 * LD + kt * 16 + 2 * t);
+                va[kt][1] = ld2(sv + (r0 + 8) * LD + kt * 16 + 2 * t);
+                va[kt][2] = ld2(sv + r0 * LD + kt * 16 + 2 * t + 8);
+                va[kt][3] = ld2(sv + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
+            }
+        }
+        if (k0 + warp * 16 < n) {
+        float p[NS][4], dp[NS][4];
+        #pragma unroll
+        for (int j = 0; j < NS; j++) {
+            p[j][0] = p[j][1] = p[j][2] = p[j][3] = 0.f;
+            dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.f;
+            if (q0 + j * 8 >= n) continue;
+            #pragma unroll
+            for (int kt = 0; kt < KT; kt++) {
+                unsigned b[2];
+                b[0] = ld2(sq + (j * 8 + g) * LD + kt * 16 + 2 * t);
+                b[1] = ld2(sq + (j * 8 + g) * LD + kt * 16 + 2 * t + 8);
+                mma_bf16(p[j], ka[kt], b);
+                b[0] = ld2(sdo + (j * 8 + g) * LD + kt * 16 + 2 * t);
+                b[1] = ld2(sdo + (j * 8 + g) * LD + kt * 16 + 2 * t + 8);
+                mma_bf16(dp[j], va[kt], b);
+            }
+        }
+        #pragma unroll
+        for (int j = 0; j < NS; j++) {
+            const int qc = j * 8 + 2 * t;
+            const bool qa_ok = q0 + qc < n, qb_ok = q0 + qc + 1 < n;
+            const float la = slse[qc], lb = slse[qc + 1];
+            const float da = sdelta[qc], db = sdelta[qc + 1];
+            p[j][0] = key0_ok && qa_ok ? exp2f(p[j][0] * scale_log2 - la) : 0.f;
+            p[j][1] = key0_ok && qb_ok ? exp2f(p[j][1] * scale_log2 - lb) : 0.f;
+            p[j][2] = key1_ok && qa_ok ? exp2f(p[j][2] * scale_log2 - la) : 0.f;
+            p[j][3] = key1_ok && qb_ok ? exp2f(p[j][3] * scale_log2 - lb) : 0.f;
+            dp[j][0] = p[j][0] * (dp[j][0] - da);
+            dp[j][1] = p[j][1] * (dp[j][1] - db);
+            dp[j][2] = p[j][2] * (dp[j][2] - da);
+            dp[j][3] = p[j][3] * (dp[j][3] - db);
+        }
+        #pragma unroll
+        for (int kk = 0; kk < FA_BR / 16; kk++) {
+            if (q0 + kk * 16 >= n) continue;
+            unsigned pa[4], sa[4];
+            pa[0] = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
+            pa[1] = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
+            pa[2] = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+            pa[3] = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+            sa[0] = pack_bf16(dp[2 * kk][0], dp[2 * kk][1]);
+            sa[1] = pack_bf16(dp[2 * kk][2], dp[2 * kk][3]);
+            sa[2] = pack_bf16(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
+            sa[3] = pack_bf16(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+            *(unsigned*)(sds + r0 * LDS + kk * 16 + 2 * t) = sa[0];
+            *(unsigned*)(sds + (r0 + 8) * LDS + kk * 16 + 2 * t) = sa[1];
+            *(unsigned*)(sds + r0 * LDS + kk * 16 + 8 + 2 * t) = sa[2];
+            *(unsigned*)(sds + (r0 + 8) * LDS + kk * 16 + 8 + 2 * t) = sa[3];
+            #pragma unroll
+            for (int j = 0; j < NO; j += 2) {
+                unsigned b[4];
+                ldb_t2<true>(b, sdo, LD, kk * 16, j * 8, lane);
+                mma_bf16(dv[j], pa, b);
+                mma_bf16(dv[j + 1], pa, b + 2);
+                ldb_t2<true>(b, sq, LD, kk * 16, j * 8, lane);
+                mma_bf16(dk[j], sa, b);
+                mma_bf16(dk[j + 1], sa, b + 2);
+            }
+        }
+        }  // keys of this warp < n
+        __syncthreads();  // dSᵀ complete
+        if (q0 + warp * 16 >= n) continue;
+        float dq[NO][4];
+        #pragma unroll
+        for (int j = 0; j < NO; j++) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
+        #pragma unroll
+        for (int kk = 0; kk < FA_BC / 16; kk++) {
+            if (k0 + kk * 16 >= n) continue;
+            unsigned r[4], a[4];
+            ldb_t2<true>(r, sds, LDS, kk * 16, warp * 16, lane);
+            a[0] = r[0];
+            a[1] = r[2];
+            a[2] = r[1];
+            a[3] = r[3];
+            #pragma unroll
+            for (int j = 0; j < NO; j += 2) {
+                unsigned b[4];
+                ldb_t2<true>(b, sk, LD, kk * 16, j * 8, lane);
+                mma_bf16(dq[j], a, b);
+                mma_bf16(dq[j + 1], a, b + 2);
+            }
+        }
+        const int qa0 = q0 + warp * 16 + g, qa1 = qa0 + 8;
+        float* dqg = dq_acc + (i64)bi * n * ostride + hi * D + 2 * t;
+        if (qa0 < n) {
+            #pragma unroll
+            for (int j = 0; j < NO; j++) {
+                atomicAdd(dqg + qa0 * ostride + j * 8, dq[j][0] * scale);
+                atomicAdd(dqg + qa0 * ostride + j * 8 + 1, dq[j][1] * scale);
+            }
+        }
+        if (qa1 < n) {
+            #pragma unroll
+            for (int j = 0; j < NO; j++) {
+                atomicAdd(dqg + qa1 * ostride + j * 8, dq[j][2] * scale);
+                atomicAdd(dqg + qa1 * ostride + j * 8 + 1, dq[j][3] * scale);
+            }
+        }
+    }
+    bf16* dkg = dqkv + (i64)bi * n * stride + h * D + hi * D + 2 * t;
+    bf16* dvg = dkg + h * D;
+    const i64 key0 = k0 + r0, key1 = key0 + 8;
+    if (key0_ok) {
+        #pragma unroll
+        for (int j = 0; j < NO; j++) {
+            *(unsigned*)(dkg + key0 * stride + j * 8) = pack_bf16(dk[j][0] * scale, dk[j][1] * scale);
+            *(unsigned*)(dvg + key0 * stride + j * 8) = pack_bf16(dv[j][0], dv[j][1]);
+        }
+    }
+    if (key1_ok) {
+        #pragma unroll
+        for (int j = 0; j < NO; j++) {
+            *(unsigned*)(dkg + key1 * stride + j * 8) = pack_bf16(dk[j][2] * scale, dk[j][3] * scale);
+            *(unsigned*)(dvg + key1 * stride + j * 8) = pack_bf16(dv[j][2], dv[j][3]);
+        }
+    }
+}
+
+extern "C" __global__ void flash_bwd_d64_pipe(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse2, const float* delta, int n, int h, float scale, float scale_log2) {
+    flash_bwd_pipe<64>(dqkv, dq_acc, dout, qkv, lse2, delta, n, h, scale, scale_log2);
+}
+extern "C" __global__ void flash_bwd_d32_pipe(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse2, const float* delta, int n, int h, float scale, float scale_log2) {
+    flash_bwd_pipe<32>(dqkv, dq_acc, dout, qkv, lse2, delta, n, h, scale, scale_log2);
+}
