@@ -331,12 +331,13 @@ fn attention_check<B: Backend>(cx: &mut Ctx<B>, b: usize, n: usize, h: usize, d:
 }
 
 /// Attention shapes that matter for the fused kernels: CIFAR ViT-S/4 (N 65), 224-px/16
-/// (N 197), odd N (50, 17), D 32 and 64, long sequences (N 1025), and a batch large enough to
-/// fill the GPU (B·H = 384 heads × 4 query blocks). `path` labels the checks.
+/// (N 197), odd N (50, 17), D 32 and 64, long sequences (N 1025, past the short-sequence
+/// backward), a batch large enough to fill the GPU (B·H = 384 heads × 4 query blocks), and the
+/// short backward's edges (N 256: two full key passes; N 129: a second pass of one key). `path` labels the checks.
 pub fn attention_checks<B: Backend>(be: &B, seed: u64, path: &str) -> BResult<Vec<Check>> {
     let tol_c = if be.needs_compute_copy() { 1e-2 } else { F32_TOL };
     let mut cx = Ctx { be, cpu: Cpu::new(), rng: ChaCha8Rng::seed_from_u64(seed), checks: Vec::new(), tol_c };
-    for &(b, n, h, d) in &[(2usize, 65usize, 6usize, 64usize), (3, 197, 4, 64), (3, 50, 5, 64), (2, 17, 3, 32), (2, 65, 3, 32), (1, 1025, 2, 64), (32, 197, 12, 64)] {
+    for &(b, n, h, d) in &[(2usize, 65usize, 6usize, 64usize), (3, 197, 4, 64), (3, 50, 5, 64), (2, 17, 3, 32), (2, 65, 3, 32), (1, 1025, 2, 64), (32, 197, 12, 64), (2, 256, 2, 64), (2, 129, 3, 32)] {
         attention_check(&mut cx, b, n, h, d, path)?;
     }
     Ok(cx.checks)

@@ -223,16 +223,20 @@ pub enum AttentionPath {
     FusedPlain = 2,
     /// As `Fused` with the tiles loaded synchronously (the kernel before the pipelining).
     FusedSync = 3,
+    /// As `Fused` without the short-sequence backward: the key-block backward with dQ atomics
+    /// for every N.
+    FusedPipe = 4,
 }
 
 impl AttentionPath {
-    pub const ALL: [AttentionPath; 4] = [AttentionPath::Gemm, AttentionPath::Fused, AttentionPath::FusedPlain, AttentionPath::FusedSync];
+    pub const ALL: [AttentionPath; 5] = [AttentionPath::Gemm, AttentionPath::Fused, AttentionPath::FusedPlain, AttentionPath::FusedSync, AttentionPath::FusedPipe];
     pub fn name(self) -> &'static str {
         match self {
             AttentionPath::Gemm => "gemm",
             AttentionPath::Fused => "fused",
             AttentionPath::FusedPlain => "fused-plain",
             AttentionPath::FusedSync => "fused-sync",
+            AttentionPath::FusedPipe => "fused-pipe",
         }
     }
     fn from_u8(v: u8) -> AttentionPath {
@@ -240,22 +244,26 @@ impl AttentionPath {
             1 => AttentionPath::Fused,
             2 => AttentionPath::FusedPlain,
             3 => AttentionPath::FusedSync,
+            4 => AttentionPath::FusedPipe,
             _ => AttentionPath::Gemm,
         }
     }
 }
 
-/// Parses an attention path name (`gemm`, `fused`, `fused-plain`, `fused-sync`; empty = the
-/// default, fused).
+/// Parses an attention path name (`gemm`, `fused`, `fused-plain`, `fused-sync`, `fused-pipe`;
+/// empty = the default, fused).
 pub fn parse_attention(v: &str) -> Result<AttentionPath, String> {
     match v {
         "" => Ok(AttentionPath::Fused),
         other => AttentionPath::ALL
             .into_iter()
             .find(|p| p.name() == other)
-            .ok_or_else(|| format!("attention path must be gemm, fused, fused-plain or fused-sync, got {other:?}")),
+            .ok_or_else(|| format!("attention path must be gemm, fused, fused-plain, fused-sync or fused-pipe, got {other:?}")),
     }
 }
+
+/// Opt-in shared memory per block on sm_90 (227 KiB).
+const SHORT_BWD_SMEM_MAX: usize = 227 * 1024;
 
 /// Head dims the fused attention kernels are compiled for.
 const FUSED_HEAD_DIMS: [usize; 2] = [32, 64];
@@ -348,10 +356,23 @@ impl Cuda {
         let (fwd, bwd) = ((64 + 4 * 64) * ld, (2 * 64 + 4 * 64) * ld + 64 * (64 + 8) * 2 + 4 * 64 * 4);
         match self.attention_path() {
             AttentionPath::Gemm => None,
-            AttentionPath::Fused => Some((format!("d{d}_pipe"), fwd as u32, bwd as u32)),
+            AttentionPath::Fused | AttentionPath::FusedPipe => Some((format!("d{d}_pipe"), fwd as u32, bwd as u32)),
             AttentionPath::FusedSync => Some((format!("d{d}_ldsm"), 0, 0)),
             AttentionPath::FusedPlain => Some((format!("d{d}"), 0, 0)),
         }
+    }
+
+    /// Dynamic shared memory of `flash_bwd_short_d{d}` for sequence length `n`, when the
+    /// short-sequence backward applies (path `fused`, N ≤ 256, fits the block's shared memory).
+    /// Mirrors fa_short_smem in flash.cu.
+    fn short_backward_smem(&self, n: usize, d: usize) -> Option<u32> {
+        if self.attention_path() != AttentionPath::Fused || n > 256 {
+            return None;
+        }
+        let nqp = n.div_ceil(64) * 64;
+        let ld = d + 8;
+        let bytes = 2 * nqp * ld * 2 + 2 * nqp * 4 + nqp * ld * 4 + 2 * 128 * ld * 2 + 128 * (64 + 8) * 2;
+        (bytes <= SHORT_BWD_SMEM_MAX).then_some(bytes as u32)
     }
 
     /// `launch` for a kernel using `smem` bytes of dynamic shared memory, raising the kernel's
@@ -1050,6 +1071,13 @@ impl Backend for Cuda {
                 return Ok(());
             }
             check_grid(OP, b * h)?;
+            let scale = 1.0 / (d as f32).sqrt();
+            let scale_log2 = std::f32::consts::LOG2_E * scale;
+            if let Some(smem) = self.short_backward_smem(n, d) {
+                // One block per (b, h): delta, dQ accumulation and the dQ store happen inside.
+                let (nn, hh) = (n as i32, h as i32);
+                return self.launch_dyn(&format!("flash_bwd_short_d{d}"), ((b * h) as u32, 1, 1), (256, 1, 1), smem, &mut kargs![dqkv.ptr, out.ptr, dout.ptr, qkv.ptr, probs.ptr, nn, hh, scale, scale_log2]);
+            }
             // f32 scratch: dQ accumulator (B, N, H·D) and delta (B·H, N), in bf16-sized slots.
             let dq_acc = self.scratch("flash_dq_acc", 2 * bhnd)?;
             let delta = self.scratch("flash_delta", 2 * b * h * n)?;
@@ -1059,8 +1087,6 @@ impl Backend for Cuda {
             let rows = b * n * h;
             let grid = rows.div_ceil(THREADS as usize).clamp(1, self.info.multiprocessors as usize * 16) as u32;
             self.launch(&format!("flash_bwd_pre_d{d}"), (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![delta, dout.ptr, out.ptr, bb, nn, hh])?;
-            let scale = 1.0 / (d as f32).sqrt();
-            let scale_log2 = std::f32::consts::LOG2_E * scale;
             let g = (n.div_ceil(64) as u32, (b * h) as u32, 1);
             self.launch_dyn(&format!("flash_bwd_{sfx}"), g, (128, 1, 1), smem, &mut kargs![dqkv.ptr, dq_acc, dout.ptr, qkv.ptr, probs.ptr, delta, nn, hh, scale, scale_log2])?;
             let (brows, hd8) = ((b * n) as i64, (h * d / 8) as i32);

@@ -872,3 +872,259 @@ extern "C" __global__ void flash_bwd_d64_pipe(bf16* dqkv, float* dq_acc, const b
 extern "C" __global__ void flash_bwd_d32_pipe(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse2, const float* delta, int n, int h, float scale, float scale_log2) {
     flash_bwd_pipe<32>(dqkv, dq_acc, dout, qkv, lse2, delta, n, h, scale, scale_log2);
 }
+
+// ---- Backward for short sequences (N ≤ 256, every ViT at 224/16 or 32/4): one block of 8 warps
+// per (b, h) owns every key and every query of the head, so nothing leaves the block until the
+// end. All of Q, dO and lse2 stay in shared memory for the whole kernel; delta = rowsum(dO ∘ O)
+// is computed here (no pre-pass); dQ accumulates in shared f32 rows that each warp owns
+// exclusively during its phase (no atomics, no global accumulator, no store pass). Keys go in
+// passes of 128 (warp w owns keys 16w..16w+15 of the pass, dK and dV in registers as in
+// flash_bwd); queries in steps of 64 as in flash_bwd. In the dQ phase warp w takes the 16
+// queries 16·(w mod 4)… of the step and half (w / 4) of the head dim.
+#define FS_KB 128
+#define FS_THREADS 256
+
+// Shared-memory bytes of flash_bwd_short for `nqp` padded query rows (the host mirrors this).
+template <int D> constexpr int fa_short_smem(int nqp) {
+    return 2 * nqp * (D + 8) * 2 + 2 * nqp * 4 + nqp * (D + 8) * 4 + 2 * FS_KB * (D + 8) * 2 + FS_KB * (FA_BR + 8) * 2;
+}
+
+// `rows` rows of D values into shared rows of D + 8 (rows ≥ n zero-filled), by all 256 threads.
+template <int D>
+__device__ __forceinline__ void fs_load_rows_async(bf16* s, const bf16* g, i64 stride, int rows, int n) {
+    constexpr int CH = D / 8;
+    for (int i = threadIdx.x; i < rows * CH; i += FS_THREADS) {
+        int r = i / CH, c = i - r * CH;
+        bool ok = r < n;
+        cp_async16(s + r * (D + 8) + c * 8, ok ? g + (i64)r * stride + c * 8 : g, ok);
+    }
+}
+
+template <int D>
+__device__ __forceinline__ void flash_bwd_short(bf16* __restrict__ dqkv, const bf16* __restrict__ out, const bf16* __restrict__ dout, const bf16* __restrict__ qkv, const float* __restrict__ lse2, int n, int h, float scale, float scale_log2) {
+    constexpr int LD = D + 8;
+    constexpr int LDQ = D + 8;  // f32 dQ rows: float2 accesses of a half-warp hit distinct banks
+    constexpr int LDS = FA_BR + 8;
+    constexpr int KT = D / 16;
+    constexpr int NS = FA_BR / 8;
+    constexpr int NO = D / 8;
+    constexpr int NH = NO / 2;  // n-tiles of one half of the head dim
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    const int nq = (n + FA_BR - 1) / FA_BR, nqp = nq * FA_BR;
+    bf16* sQ = (bf16*)fa_smem;               // nqp × LD
+    bf16* sdO = sQ + nqp * LD;                // nqp × LD
+    bf16* sK = sdO + nqp * LD;                // FS_KB × LD
+    bf16* sV = sK + FS_KB * LD;               // FS_KB × LD
+    bf16* sds = sV + FS_KB * LD;              // dSᵀ: FS_KB × LDS
+    float* slse = (float*)(sds + FS_KB * LDS);  // nqp
+    float* sdelta = slse + nqp;                 // nqp
+    float* sdQ = sdelta + nqp;                  // nqp × LDQ
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int bh = blockIdx.x, bi = bh / h, hi = bh - bi * h;
+    const i64 stride = (i64)3 * h * D;
+    const i64 ostride = (i64)h * D;
+    const bf16* qg = qkv + (i64)bi * n * stride + hi * D;
+    const bf16* kg = qg + h * D;
+    const bf16* vg = qg + 2 * h * D;
+    const bf16* dog = dout + (i64)bi * n * ostride + hi * D;
+    const bf16* og = out + (i64)bi * n * ostride + hi * D;
+
+    fs_load_rows_async<D>(sQ, qg, stride, nqp, n);
+    fs_load_rows_async<D>(sdO, dog, ostride, nqp, n);
+    for (int i = threadIdx.x; i < nqp; i += FS_THREADS) {
+        const bool ok = i < n;
+        cp_async4(slse + i, ok ? lse2 + (i64)bh * n + i : lse2, ok);
+    }
+    cp_async_commit();
+    // delta and the zeroed dQ accumulator while the copies fly; dO·O in f32 from global rows
+    for (int r = threadIdx.x; r < nqp; r += FS_THREADS) {
+        float acc = 0.f;
+        if (r < n) {
+            const uint4* a = (const uint4*)(dog + (i64)r * ostride);
+            const uint4* o = (const uint4*)(og + (i64)r * ostride);
+            #pragma unroll
+            for (int c = 0; c < D / 8; c++) {
+                uint4 x = a[c], y = o[c];
+                const unsigned xs[4] = {x.x, x.y, x.z, x.w};
+                const unsigned ys[4] = {y.x, y.y, y.z, y.w};
+                #pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    acc += __uint_as_float(xs[e] << 16) * __uint_as_float(ys[e] << 16);
+                    acc += __uint_as_float(xs[e] & 0xffff0000u) * __uint_as_float(ys[e] & 0xffff0000u);
+                }
+            }
+        }
+        sdelta[r] = acc;
+    }
+    for (int i = threadIdx.x; i < nqp * LDQ; i += FS_THREADS) sdQ[i] = 0.f;
+
+    const int r0 = warp * 16 + g;    // this thread's key rows r0, r0 + 8 within a pass
+    const int qw = (warp & 3) * 16;  // dQ phase: this warp's 16 queries within a step
+    const int dh = (warp >> 2) * (D / 2);  // … and its half of the head dim
+    for (int k0 = 0; k0 < n; k0 += FS_KB) {
+        __syncthreads();  // the previous pass is done with sK, sV, sds
+        fs_load_rows_async<D>(sK, kg + (i64)k0 * stride, stride, FS_KB, n - k0);
+        fs_load_rows_async<D>(sV, vg + (i64)k0 * stride, stride, FS_KB, n - k0);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+        const bool active = k0 + warp * 16 < n;  // some of this warp's keys exist (warp-uniform)
+        const bool key0_ok = k0 + r0 < n, key1_ok = k0 + r0 + 8 < n;
+        unsigned ka[KT][4], va[KT][4];
+        #pragma unroll
+        for (int kt = 0; kt < KT; kt++) {
+            ka[kt][0] = ld2(sK + r0 * LD + kt * 16 + 2 * t);
+            ka[kt][1] = ld2(sK + (r0 + 8) * LD + kt * 16 + 2 * t);
+            ka[kt][2] = ld2(sK + r0 * LD + kt * 16 + 2 * t + 8);
+            ka[kt][3] = ld2(sK + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
+            va[kt][0] = ld2(sV + r0 * LD + kt * 16 + 2 * t);
+            va[kt][1] = ld2(sV + (r0 + 8) * LD + kt * 16 + 2 * t);
+            va[kt][2] = ld2(sV + r0 * LD + kt * 16 + 2 * t + 8);
+            va[kt][3] = ld2(sV + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
+        }
+        float dk[NO][4], dv[NO][4];
+        #pragma unroll
+        for (int j = 0; j < NO; j++) {
+            dk[j][0] = dk[j][1] = dk[j][2] = dk[j][3] = 0.f;
+            dv[j][0] = dv[j][1] = dv[j][2] = dv[j][3] = 0.f;
+        }
+        for (int q0 = 0; q0 < n; q0 += FA_BR) {
+            const bf16* sq = sQ + q0 * LD;
+            const bf16* sdo = sdO + q0 * LD;
+            if (active) {
+            float p[NS][4], dp[NS][4];
+            #pragma unroll
+            for (int j = 0; j < NS; j++) {
+                p[j][0] = p[j][1] = p[j][2] = p[j][3] = 0.f;
+                dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.f;
+                if (q0 + j * 8 >= n) continue;
+                #pragma unroll
+                for (int kt = 0; kt < KT; kt++) {
+                    unsigned b[2];
+                    b[0] = ld2(sq + (j * 8 + g) * LD + kt * 16 + 2 * t);
+                    b[1] = ld2(sq + (j * 8 + g) * LD + kt * 16 + 2 * t + 8);
+                    mma_bf16(p[j], ka[kt], b);
+                    b[0] = ld2(sdo + (j * 8 + g) * LD + kt * 16 + 2 * t);
+                    b[1] = ld2(sdo + (j * 8 + g) * LD + kt * 16 + 2 * t + 8);
+                    mma_bf16(dp[j], va[kt], b);
+                }
+            }
+            #pragma unroll
+            for (int j = 0; j < NS; j++) {
+                const int qc = q0 + j * 8 + 2 * t;
+                const bool qa_ok = qc < n, qb_ok = qc + 1 < n;
+                const float la = slse[qc], lb = slse[qc + 1];
+                const float da = sdelta[qc], db = sdelta[qc + 1];
+                p[j][0] = key0_ok && qa_ok ? exp2f(p[j][0] * scale_log2 - la) : 0.f;
+                p[j][1] = key0_ok && qb_ok ? exp2f(p[j][1] * scale_log2 - lb) : 0.f;
+                p[j][2] = key1_ok && qa_ok ? exp2f(p[j][2] * scale_log2 - la) : 0.f;
+                p[j][3] = key1_ok && qb_ok ? exp2f(p[j][3] * scale_log2 - lb) : 0.f;
+                dp[j][0] = p[j][0] * (dp[j][0] - da);
+                dp[j][1] = p[j][1] * (dp[j][1] - db);
+                dp[j][2] = p[j][2] * (dp[j][2] - da);
+                dp[j][3] = p[j][3] * (dp[j][3] - db);
+            }
+            #pragma unroll
+            for (int kk = 0; kk < FA_BR / 16; kk++) {
+                if (q0 + kk * 16 >= n) continue;
+                unsigned pa[4], sa[4];
+                pa[0] = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
+                pa[1] = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
+                pa[2] = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+                pa[3] = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+                sa[0] = pack_bf16(dp[2 * kk][0], dp[2 * kk][1]);
+                sa[1] = pack_bf16(dp[2 * kk][2], dp[2 * kk][3]);
+                sa[2] = pack_bf16(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
+                sa[3] = pack_bf16(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+                *(unsigned*)(sds + r0 * LDS + kk * 16 + 2 * t) = sa[0];
+                *(unsigned*)(sds + (r0 + 8) * LDS + kk * 16 + 2 * t) = sa[1];
+                *(unsigned*)(sds + r0 * LDS + kk * 16 + 8 + 2 * t) = sa[2];
+                *(unsigned*)(sds + (r0 + 8) * LDS + kk * 16 + 8 + 2 * t) = sa[3];
+                #pragma unroll
+                for (int j = 0; j < NO; j += 2) {
+                    unsigned b[4];
+                    ldb_t2<true>(b, sdo, LD, kk * 16, j * 8, lane);
+                    mma_bf16(dv[j], pa, b);
+                    mma_bf16(dv[j + 1], pa, b + 2);
+                    ldb_t2<true>(b, sq, LD, kk * 16, j * 8, lane);
+                    mma_bf16(dk[j], sa, b);
+                    mma_bf16(dk[j + 1], sa, b + 2);
+                }
+            }
+            }  // active
+            __syncthreads();  // dSᵀ of this step complete
+            if (q0 + qw < n) {
+                float dq[NH][4];
+                #pragma unroll
+                for (int j = 0; j < NH; j++) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
+                #pragma unroll
+                for (int kk = 0; kk < FS_KB / 16; kk++) {
+                    if (k0 + kk * 16 >= n) continue;
+                    unsigned r[4], a[4];
+                    ldb_t2<true>(r, sds, LDS, kk * 16, qw, lane);
+                    a[0] = r[0];
+                    a[1] = r[2];
+                    a[2] = r[1];
+                    a[3] = r[3];
+                    #pragma unroll
+                    for (int j = 0; j < NH; j += 2) {
+                        unsigned b[4];
+                        ldb_t2<true>(b, sK, LD, kk * 16, dh + j * 8, lane);
+                        mma_bf16(dq[j], a, b);
+                        mma_bf16(dq[j + 1], a, b + 2);
+                    }
+                }
+                // rows q0 + qw + g (+ 8) belong to this warp alone in this phase
+                float* d0 = sdQ + (q0 + qw + g) * LDQ + dh + 2 * t;
+                float* d1 = d0 + 8 * LDQ;
+                #pragma unroll
+                for (int j = 0; j < NH; j++) {
+                    float2 x = *(float2*)(d0 + j * 8), y = *(float2*)(d1 + j * 8);
+                    x.x += dq[j][0]; x.y += dq[j][1];
+                    y.x += dq[j][2]; y.y += dq[j][3];
+                    *(float2*)(d0 + j * 8) = x;
+                    *(float2*)(d1 + j * 8) = y;
+                }
+            }
+            __syncthreads();  // dSᵀ consumed before the next step overwrites it
+        }
+        bf16* dkg = dqkv + (i64)bi * n * stride + h * D + hi * D + 2 * t;
+        bf16* dvg = dkg + h * D;
+        const i64 key0 = k0 + r0, key1 = key0 + 8;
+        if (key0_ok) {
+            #pragma unroll
+            for (int j = 0; j < NO; j++) {
+                *(unsigned*)(dkg + key0 * stride + j * 8) = pack_bf16(dk[j][0] * scale, dk[j][1] * scale);
+                *(unsigned*)(dvg + key0 * stride + j * 8) = pack_bf16(dv[j][0], dv[j][1]);
+            }
+        }
+        if (key1_ok) {
+            #pragma unroll
+            for (int j = 0; j < NO; j++) {
+                *(unsigned*)(dkg + key1 * stride + j * 8) = pack_bf16(dk[j][2] * scale, dk[j][3] * scale);
+                *(unsigned*)(dvg + key1 * stride + j * 8) = pack_bf16(dv[j][2], dv[j][3]);
+            }
+        }
+    }
+    __syncthreads();  // every dQ contribution is in sdQ
+    bf16* dqg = dqkv + (i64)bi * n * stride + hi * D;
+    constexpr int CH = D / 8;
+    for (int i = threadIdx.x; i < n * CH; i += FS_THREADS) {
+        const int r = i / CH, c = i - r * CH;
+        const float* s = sdQ + r * LDQ + c * 8;
+        uint4 v;
+        v.x = pack_bf16(s[0] * scale, s[1] * scale);
+        v.y = pack_bf16(s[2] * scale, s[3] * scale);
+        v.z = pack_bf16(s[4] * scale, s[5] * scale);
+        v.w = pack_bf16(s[6] * scale, s[7] * scale);
+        *(uint4*)(dqg + (i64)r * stride + c * 8) = v;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(FS_THREADS, 1) flash_bwd_short_d64(bf16* dqkv, const bf16* out, const bf16* dout, const bf16* qkv, const float* lse2, int n, int h, float scale, float scale_log2) {
+    flash_bwd_short<64>(dqkv, out, dout, qkv, lse2, n, h, scale, scale_log2);
+}
+extern "C" __global__ void __launch_bounds__(FS_THREADS, 1) flash_bwd_short_d32(bf16* dqkv, const bf16* out, const bf16* dout, const bf16* qkv, const float* lse2, int n, int h, float scale, float scale_log2) {
+    flash_bwd_short<32>(dqkv, out, dout, qkv, lse2, n, h, scale, scale_log2);
+}
