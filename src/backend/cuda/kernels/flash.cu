@@ -502,6 +502,9 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
+// A compile-time bool as a value, to instantiate a generic lambda for full and ragged tiles.
+template <bool B> struct BoolC { static constexpr bool value = B; };
+
 // fa_load_tile through cp.async (not waited for here).
 template <int D, int ROWS>
 __device__ __forceinline__ void fa_load_tile_async(bf16* s, const bf16* g, i64 stride, int row0, int n) {
@@ -573,71 +576,80 @@ __device__ __forceinline__ void flash_fwd_pipe(bf16* __restrict__ out, float* __
                 qa[kt][3] = ld2(sq + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
             }
         }
-        float s[NS][4];
-        #pragma unroll
-        for (int j = 0; j < NS; j++) {
-            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-            if (k0 + j * 8 >= n) continue;
+        // A key block entirely < n compiles without any key test, so the tensor-core work of
+        // the block is one branch-free stretch the scheduler can interleave; only the last,
+        // ragged block takes the checked variant.
+        auto block = [&](auto full_tag) {
+            constexpr bool FULL = decltype(full_tag)::value;
+            float s[NS][4];
+            #pragma unroll
+            for (int j = 0; j < NS; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
             #pragma unroll
             for (int kt = 0; kt < KT; kt++) {
-                unsigned b[2];
-                b[0] = ld2(sk + (j * 8 + g) * LD + kt * 16 + 2 * t);
-                b[1] = ld2(sk + (j * 8 + g) * LD + kt * 16 + 2 * t + 8);
-                mma_bf16(s[j], qa[kt], b);
+                #pragma unroll
+                for (int j = 0; j < NS; j++) {
+                    if (!FULL && k0 + j * 8 >= n) continue;
+                    unsigned b[2];
+                    b[0] = ld2(sk + (j * 8 + g) * LD + kt * 16 + 2 * t);
+                    b[1] = ld2(sk + (j * 8 + g) * LD + kt * 16 + 2 * t + 8);
+                    mma_bf16(s[j], qa[kt], b);
+                }
             }
-        }
-        float mx0 = -INFINITY, mx1 = -INFINITY;
-        #pragma unroll
-        for (int j = 0; j < NS; j++) {
+            float mx0 = -INFINITY, mx1 = -INFINITY;
             #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int key = k0 + j * 8 + 2 * t + (e & 1);
-                s[j][e] = key < n ? s[j][e] * scale_log2 : -INFINITY;
+            for (int j = 0; j < NS; j++) {
+                #pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    int key = k0 + j * 8 + 2 * t + (e & 1);
+                    s[j][e] = (FULL || key < n) ? s[j][e] * scale_log2 : -INFINITY;
+                }
+                mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+                mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
             }
-            mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
-            mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-        const float al0 = exp2f(m0 - mn0), al1 = exp2f(m1 - mn1);
-        m0 = mn0;
-        m1 = mn1;
-        float ps0 = 0.f, ps1 = 0.f;
-        #pragma unroll
-        for (int j = 0; j < NS; j++) {
-            s[j][0] = exp2f(s[j][0] - mn0);
-            s[j][1] = exp2f(s[j][1] - mn0);
-            s[j][2] = exp2f(s[j][2] - mn1);
-            s[j][3] = exp2f(s[j][3] - mn1);
-            ps0 += s[j][0] + s[j][1];
-            ps1 += s[j][2] + s[j][3];
-        }
-        l0 = l0 * al0 + ps0;
-        l1 = l1 * al1 + ps1;
-        #pragma unroll
-        for (int j = 0; j < NO; j++) {
-            o[j][0] *= al0; o[j][1] *= al0;
-            o[j][2] *= al1; o[j][3] *= al1;
-        }
-        #pragma unroll
-        for (int kk = 0; kk < FA_BC / 16; kk++) {
-            if (k0 + kk * 16 >= n) continue;
-            unsigned pa[4];
-            pa[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-            pa[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-            pa[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+            const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+            const float al0 = exp2f(m0 - mn0), al1 = exp2f(m1 - mn1);
+            m0 = mn0;
+            m1 = mn1;
+            float ps0 = 0.f, ps1 = 0.f;
             #pragma unroll
-            for (int j = 0; j < NO; j += 2) {
-                unsigned b[4];
-                ldb_t2<true>(b, sv, LD, kk * 16, j * 8, lane);
-                mma_bf16(o[j], pa, b);
-                mma_bf16(o[j + 1], pa, b + 2);
+            for (int j = 0; j < NS; j++) {
+                s[j][0] = exp2f(s[j][0] - mn0);
+                s[j][1] = exp2f(s[j][1] - mn0);
+                s[j][2] = exp2f(s[j][2] - mn1);
+                s[j][3] = exp2f(s[j][3] - mn1);
+                ps0 += s[j][0] + s[j][1];
+                ps1 += s[j][2] + s[j][3];
             }
-        }
+            l0 = l0 * al0 + ps0;
+            l1 = l1 * al1 + ps1;
+            #pragma unroll
+            for (int j = 0; j < NO; j++) {
+                o[j][0] *= al0; o[j][1] *= al0;
+                o[j][2] *= al1; o[j][3] *= al1;
+            }
+            #pragma unroll
+            for (int kk = 0; kk < FA_BC / 16; kk++) {
+                if (!FULL && k0 + kk * 16 >= n) continue;
+                unsigned pa[4];
+                pa[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+                pa[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+                pa[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                pa[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+                #pragma unroll
+                for (int j = 0; j < NO; j += 2) {
+                    unsigned b[4];
+                    ldb_t2<true>(b, sv, LD, kk * 16, j * 8, lane);
+                    mma_bf16(o[j], pa, b);
+                    mma_bf16(o[j + 1], pa, b + 2);
+                }
+            }
+        };
+        if (k0 + FA_BC <= n) block(BoolC<true>{});
+        else block(BoolC<false>{});
     }
     if (q0 + warp * 16 >= n) return;
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
@@ -989,18 +1001,22 @@ __device__ __forceinline__ void flash_bwd_short(bf16* __restrict__ dqkv, const b
             dk[j][0] = dk[j][1] = dk[j][2] = dk[j][3] = 0.f;
             dv[j][0] = dv[j][1] = dv[j][2] = dv[j][3] = 0.f;
         }
-        for (int q0 = 0; q0 < n; q0 += FA_BR) {
+        // Query steps and key passes entirely < n compile without row tests (see flash_fwd_pipe).
+        auto phase1 = [&](auto full_tag, int q0) {
+            constexpr bool FQ = decltype(full_tag)::value;
             const bf16* sq = sQ + q0 * LD;
             const bf16* sdo = sdO + q0 * LD;
-            if (active) {
             float p[NS][4], dp[NS][4];
             #pragma unroll
             for (int j = 0; j < NS; j++) {
                 p[j][0] = p[j][1] = p[j][2] = p[j][3] = 0.f;
                 dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.f;
-                if (q0 + j * 8 >= n) continue;
+            }
+            #pragma unroll
+            for (int kt = 0; kt < KT; kt++) {
                 #pragma unroll
-                for (int kt = 0; kt < KT; kt++) {
+                for (int j = 0; j < NS; j++) {
+                    if (!FQ && q0 + j * 8 >= n) continue;
                     unsigned b[2];
                     b[0] = ld2(sq + (j * 8 + g) * LD + kt * 16 + 2 * t);
                     b[1] = ld2(sq + (j * 8 + g) * LD + kt * 16 + 2 * t + 8);
@@ -1013,7 +1029,7 @@ __device__ __forceinline__ void flash_bwd_short(bf16* __restrict__ dqkv, const b
             #pragma unroll
             for (int j = 0; j < NS; j++) {
                 const int qc = q0 + j * 8 + 2 * t;
-                const bool qa_ok = qc < n, qb_ok = qc + 1 < n;
+                const bool qa_ok = FQ || qc < n, qb_ok = FQ || qc + 1 < n;
                 const float la = slse[qc], lb = slse[qc + 1];
                 const float da = sdelta[qc], db = sdelta[qc + 1];
                 p[j][0] = key0_ok && qa_ok ? exp2f(p[j][0] * scale_log2 - la) : 0.f;
@@ -1027,7 +1043,7 @@ __device__ __forceinline__ void flash_bwd_short(bf16* __restrict__ dqkv, const b
             }
             #pragma unroll
             for (int kk = 0; kk < FA_BR / 16; kk++) {
-                if (q0 + kk * 16 >= n) continue;
+                if (!FQ && q0 + kk * 16 >= n) continue;
                 unsigned pa[4], sa[4];
                 pa[0] = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
                 pa[1] = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
@@ -1052,40 +1068,51 @@ __device__ __forceinline__ void flash_bwd_short(bf16* __restrict__ dqkv, const b
                     mma_bf16(dk[j + 1], sa, b + 2);
                 }
             }
-            }  // active
+        };
+        auto phase2 = [&](auto full_tag, int q0) {
+            constexpr bool FK = decltype(full_tag)::value;
+            float dq[NH][4];
+            #pragma unroll
+            for (int j = 0; j < NH; j++) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
+            #pragma unroll
+            for (int kk = 0; kk < FS_KB / 16; kk++) {
+                if (!FK && k0 + kk * 16 >= n) continue;
+                unsigned r[4], a[4];
+                ldb_t2<true>(r, sds, LDS, kk * 16, qw, lane);
+                a[0] = r[0];
+                a[1] = r[2];
+                a[2] = r[1];
+                a[3] = r[3];
+                #pragma unroll
+                for (int j = 0; j < NH; j += 2) {
+                    unsigned b[4];
+                    ldb_t2<true>(b, sK, LD, kk * 16, dh + j * 8, lane);
+                    mma_bf16(dq[j], a, b);
+                    mma_bf16(dq[j + 1], a, b + 2);
+                }
+            }
+            // rows q0 + qw + g (+ 8) belong to this warp alone in this phase
+            float* d0 = sdQ + (q0 + qw + g) * LDQ + dh + 2 * t;
+            float* d1 = d0 + 8 * LDQ;
+            #pragma unroll
+            for (int j = 0; j < NH; j++) {
+                float2 x = *(float2*)(d0 + j * 8), y = *(float2*)(d1 + j * 8);
+                x.x += dq[j][0]; x.y += dq[j][1];
+                y.x += dq[j][2]; y.y += dq[j][3];
+                *(float2*)(d0 + j * 8) = x;
+                *(float2*)(d1 + j * 8) = y;
+            }
+        };
+        const bool full_pass = k0 + FS_KB <= n;
+        for (int q0 = 0; q0 < n; q0 += FA_BR) {
+            if (active) {
+                if (q0 + FA_BR <= n) phase1(BoolC<true>{}, q0);
+                else phase1(BoolC<false>{}, q0);
+            }
             __syncthreads();  // dSᵀ of this step complete
             if (q0 + qw < n) {
-                float dq[NH][4];
-                #pragma unroll
-                for (int j = 0; j < NH; j++) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
-                #pragma unroll
-                for (int kk = 0; kk < FS_KB / 16; kk++) {
-                    if (k0 + kk * 16 >= n) continue;
-                    unsigned r[4], a[4];
-                    ldb_t2<true>(r, sds, LDS, kk * 16, qw, lane);
-                    a[0] = r[0];
-                    a[1] = r[2];
-                    a[2] = r[1];
-                    a[3] = r[3];
-                    #pragma unroll
-                    for (int j = 0; j < NH; j += 2) {
-                        unsigned b[4];
-                        ldb_t2<true>(b, sK, LD, kk * 16, dh + j * 8, lane);
-                        mma_bf16(dq[j], a, b);
-                        mma_bf16(dq[j + 1], a, b + 2);
-                    }
-                }
-                // rows q0 + qw + g (+ 8) belong to this warp alone in this phase
-                float* d0 = sdQ + (q0 + qw + g) * LDQ + dh + 2 * t;
-                float* d1 = d0 + 8 * LDQ;
-                #pragma unroll
-                for (int j = 0; j < NH; j++) {
-                    float2 x = *(float2*)(d0 + j * 8), y = *(float2*)(d1 + j * 8);
-                    x.x += dq[j][0]; x.y += dq[j][1];
-                    y.x += dq[j][2]; y.y += dq[j][3];
-                    *(float2*)(d0 + j * 8) = x;
-                    *(float2*)(d1 + j * 8) = y;
-                }
+                if (full_pass) phase2(BoolC<true>{}, q0);
+                else phase2(BoolC<false>{}, q0);
             }
             __syncthreads();  // dSᵀ consumed before the next step overwrites it
         }
