@@ -126,6 +126,18 @@ fn op_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
         cx.be.fill(&mut f.d, 0.375)?;
         f.c = vec![0.375; 777];
         cx.compare("fill", &f, F32_TOL)?;
+        // batch inputs through the pinned staging buffers: three rounds reuse both buffers
+        for round in 0..3 {
+            for compute in [true, false] {
+                let n = 70_000 + 1000 * round;
+                let host = cx.randn(n, 1.0);
+                let mut dst = cx.out(n, compute)?;
+                cx.be.upload_input(&mut dst.d, &host)?;
+                dst.c = host;
+                let what = if compute { "compute" } else { "f32" };
+                cx.compare(&format!("upload_input {what} round {round}"), &dst, F32_TOL)?;
+            }
+        }
         let mut cp = cx.out(1000, false)?;
         cx.be.copy(&mut cp.d, &src.d)?;
         cp.c = src.c.clone();

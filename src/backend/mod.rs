@@ -97,6 +97,14 @@ pub trait Backend: Send + Sync {
     fn len(&self, buf: &Self::Buf) -> usize;
     /// Copies host f32 data into `dst[off..off + src.len()]`.
     fn upload(&self, dst: &mut Self::Buf, off: usize, src: &[f32]) -> BResult<()>;
+    /// Copies a batch input (images, targets) into `dst[..src.len()]` without waiting for it:
+    /// a device backend converts into pinned staging memory and copies on its own stream,
+    /// ordered before every kernel launched afterwards, while earlier work keeps running. The
+    /// caller guarantees that no queued work still reads `dst` (the model's inputs are read
+    /// only by the forward, whose loss was read back before the next batch is staged).
+    fn upload_input(&self, dst: &mut Self::Buf, src: &[f32]) -> BResult<()> {
+        self.upload(dst, 0, src)
+    }
     /// Copies the whole buffer to the host as f32.
     fn download(&self, src: &Self::Buf) -> BResult<Vec<f32>>;
     fn fill(&self, buf: &mut Self::Buf, value: f32) -> BResult<()>;

@@ -294,8 +294,8 @@ impl<B: Backend> Vit<B> {
     pub fn stage_inputs(&mut self, be: &B, images: &[f32], targets: &[f32], b: usize) -> BResult<()> {
         self.ensure_capacity(be, b)?;
         let a = self.acts.as_mut().ok_or_else(|| crate::backend::BackendError::Device("activations missing".into()))?;
-        be.upload(&mut a.img, 0, images)?;
-        be.upload(&mut a.targets, 0, targets)
+        be.upload_input(&mut a.img, images)?;
+        be.upload_input(&mut a.targets, targets)
     }
 
     /// The forward pass on the batch already staged on the device (`stage_inputs`), with no

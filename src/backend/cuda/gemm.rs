@@ -88,6 +88,10 @@ unsafe impl Send for Gemm {}
 unsafe impl Sync for Gemm {}
 
 /// Whether `stream` is capturing a graph (no synchronizing work allowed then).
+pub fn capturing_stream(stream: cudarc::driver::sys::CUstream) -> bool {
+    capturing(stream)
+}
+
 fn capturing(stream: cudarc::driver::sys::CUstream) -> bool {
     // SAFETY: the stream handle is live.
     match unsafe { cudarc::driver::result::stream::is_capturing(stream) } {

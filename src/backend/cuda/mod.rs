@@ -33,6 +33,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr, CUstream};
 use cudarc::driver::{result as dr, CudaContext, CudaStream};
+use rayon::prelude::*;
 
 use self::gemm::{alignment, Gemm, GemmShape, Ty};
 use super::{BResult, Backend, BackendError, DecayGroups, Span, StepHyper};
@@ -182,6 +183,39 @@ impl Drop for Graph {
     }
 }
 
+/// Pinned host memory a batch input is converted into before its copy (`upload_input`), and
+/// the event recorded on the copy stream once that copy is done (the buffer may be reused
+/// after it).
+struct Staging {
+    host: *mut c_void,
+    bytes: usize,
+    done: cudarc::driver::sys::CUevent,
+    in_flight: bool,
+}
+
+// SAFETY: the pinned pointer and the event are plain handles, used under the staging lock.
+unsafe impl Send for Staging {}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        // SAFETY: the event was created in `Cuda::new`; the host memory (if any) by
+        // cuMemHostAlloc in `upload_input`; both are released once. Waiting on the event first
+        // keeps an in-flight copy from reading freed memory.
+        unsafe {
+            if self.in_flight {
+                let _ = cudarc::driver::result::event::synchronize(self.done);
+            }
+            if !self.host.is_null() {
+                let _ = dr::free_host(self.host);
+            }
+            let _ = cudarc::driver::result::event::destroy(self.done);
+        }
+    }
+}
+
+/// Inputs below this many elements take the plain synchronous `upload`.
+const STAGED_MIN: usize = 1 << 16;
+
 /// Scratch buffers the attention ops reuse between calls, grown on demand.
 #[derive(Default)]
 struct Scratch {
@@ -189,6 +223,14 @@ struct Scratch {
 }
 
 pub struct Cuda {
+    // Fields drop in declaration order: the staging buffers (pinned memory, events) and the
+    // copy stream go while the context is certainly alive.
+    /// Two pinned staging buffers used in turn, so converting batch k + 1 never waits for
+    /// the copy of batch k.
+    staging: Mutex<[Staging; 2]>,
+    next_staging: AtomicUsize,
+    /// Stream for batch-input copies (`upload_input`), so they overlap the compute stream.
+    copy_stream: Arc<CudaStream>,
     info: DeviceInfo,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -280,6 +322,12 @@ impl Cuda {
         // SAFETY: no CudaSlice of this context is shared across streams.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(dev("cuStreamCreate"))?;
+        let copy_stream = ctx.new_stream().map_err(dev("cuStreamCreate"))?;
+        let new_staging = || -> BResult<Staging> {
+            let done = cudarc::driver::result::event::create(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(dev("cuEventCreate"))?;
+            Ok(Staging { host: std::ptr::null_mut(), bytes: 0, done, in_flight: false })
+        };
+        let staging = Mutex::new([new_staging()?, new_staging()?]);
         let kernels = compile::Kernels::load(&ctx, &info.arch())?;
         let mem = Arc::new(MemStats::default());
         let ws_size = 32usize << 20;
@@ -304,6 +352,9 @@ impl Cuda {
             acc,
             profile: Mutex::new(None),
             attention: AtomicU8::new(attention as u8),
+            copy_stream,
+            staging,
+            next_staging: AtomicUsize::new(0),
         })
     }
 
@@ -701,6 +752,62 @@ impl Backend for Cuda {
             }
         }
         self.synchronize()
+    }
+
+    fn upload_input(&self, dst: &mut CudaBuf, src: &[f32]) -> BResult<()> {
+        check_len("upload_input", "dst", dst, src.len())?;
+        if src.len() < STAGED_MIN || gemm::capturing_stream(self.stream.cu_stream()) {
+            return self.upload(dst, 0, src);
+        }
+        self.ctx.bind_to_thread().map_err(dev("upload_input"))?;
+        let bytes = src.len() * dst.ty.size();
+        let i = self.next_staging.fetch_add(1, Ordering::Relaxed) % 2;
+        let mut slots = self.staging.lock().map_err(|_| BackendError::Device("upload_input: staging lock poisoned".into()))?;
+        let slot = &mut slots[i];
+        // SAFETY: `done` is a live event; waiting on it means the copy that last read this
+        // pinned buffer has finished, so it may be freed or rewritten.
+        unsafe {
+            if slot.in_flight {
+                cudarc::driver::result::event::synchronize(slot.done).map_err(dev("cuEventSynchronize"))?;
+                slot.in_flight = false;
+            }
+            if slot.bytes < bytes {
+                if !slot.host.is_null() {
+                    dr::free_host(slot.host).map_err(dev("cuMemFreeHost"))?;
+                    slot.host = std::ptr::null_mut();
+                    slot.bytes = 0;
+                }
+                slot.host = dr::malloc_host(bytes, 0).map_err(|e| BackendError::Device(format!("allocating {bytes} bytes of pinned host memory: {e}")))?;
+                slot.bytes = bytes;
+            }
+        }
+        let (copy, compute) = (self.copy_stream.cu_stream(), self.stream.cu_stream());
+        // SAFETY: `host` holds `slot.bytes ≥ bytes` bytes of pinned memory that nothing else
+        // touches until `done` fires; the destination range was checked; the compute stream
+        // waits for `done` before any later kernel, and the caller guarantees no queued kernel
+        // reads `dst` (the trait's contract).
+        unsafe {
+            match dst.ty {
+                Ty::Bf16 => {
+                    let h = std::slice::from_raw_parts_mut(slot.host as *mut u16, src.len());
+                    h.par_chunks_mut(1 << 16).zip(src.par_chunks(1 << 16)).for_each(|(o, i)| {
+                        for (o, &x) in o.iter_mut().zip(i) {
+                            *o = bf16_bits(x);
+                        }
+                    });
+                    dr::memcpy_htod_async(dst.ptr, &h[..], copy).map_err(dev("upload_input"))?;
+                }
+                Ty::F32 => {
+                    let h = std::slice::from_raw_parts_mut(slot.host as *mut f32, src.len());
+                    h.par_chunks_mut(1 << 16).zip(src.par_chunks(1 << 16)).for_each(|(o, i)| o.copy_from_slice(i));
+                    dr::memcpy_htod_async(dst.ptr, &h[..], copy).map_err(dev("upload_input"))?;
+                }
+            }
+            cudarc::driver::result::event::record(slot.done, copy).map_err(dev("cuEventRecord"))?;
+            cudarc::driver::result::stream::wait_event(compute, slot.done, cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT).map_err(dev("cuStreamWaitEvent"))?;
+        }
+        slot.in_flight = true;
+        Ok(())
     }
 
     fn download(&self, src: &CudaBuf) -> BResult<Vec<f32>> {
