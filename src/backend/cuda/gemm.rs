@@ -56,9 +56,6 @@ pub struct GemmShape {
     pub stride_b: i64,
     pub stride_d: i64,
     pub bias: bool,
-    /// Bias-gradient epilogue (BGRADB): the column sums of B over k (the rows reduced by a
-    /// weight-gradient product) written as f32 to the bias pointer. Exclusive with `bias`.
-    pub bgrad: bool,
     /// beta ≠ 0 (accumulate into D).
     pub accumulate: bool,
     /// Smallest pointer alignment in bytes across A, B, D (power of two, ≤ 256).
@@ -152,11 +149,6 @@ impl Gemm {
                 set(lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE, &epi as *const _ as *const c_void, std::mem::size_of_val(&epi))?;
                 let bt = s.d_ty.cuda();
                 set(lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt as *const _ as *const c_void, std::mem::size_of_val(&bt))?;
-            } else if s.bgrad {
-                let epi = lt::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADB;
-                set(lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE, &epi as *const _ as *const c_void, std::mem::size_of_val(&epi))?;
-                let bt = Ty::F32.cuda();
-                set(lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt as *const _ as *const c_void, std::mem::size_of_val(&bt))?;
             }
             let layout = |ty: Ty, rows: u64, cols: u64, ld: i64, stride: i64| -> Result<lt::cublasLtMatrixLayout_t, BackendError> {
                 let mut l = std::ptr::null_mut();
@@ -209,7 +201,7 @@ impl Gemm {
         // SAFETY: the plan's objects live in the cache; pointers are device buffers the
         // caller checked against the shape; alpha/beta are host f32 (scale type 32F).
         unsafe {
-            if s.bias || s.bgrad {
+            if s.bias {
                 check(op, lt::cublasLtMatmulDescSetAttribute(p.desc, lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias as *const u64 as *const c_void, 8))?;
             }
             // First use of a product that does not read its own output, outside graph capture:

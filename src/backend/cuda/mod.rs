@@ -247,8 +247,6 @@ pub struct Cuda {
     profile: Mutex<Option<Vec<(String, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>>>,
     /// Attention path (`AttentionPath as u8`).
     attention: AtomicU8,
-    /// Weight-gradient shapes (m, n, k) for which cuBLASLt refused the BGRADB epilogue.
-    bgrad_unsupported: Mutex<std::collections::HashSet<(u64, u64, u64)>>,
 }
 
 /// Environment variable that picks the attention path: `fused` (default), `fused-plain` or `gemm`.
@@ -354,7 +352,6 @@ impl Cuda {
             acc,
             profile: Mutex::new(None),
             attention: AtomicU8::new(attention as u8),
-            bgrad_unsupported: Mutex::new(std::collections::HashSet::new()),
             copy_stream,
             staging,
             next_staging: AtomicUsize::new(0),
@@ -522,7 +519,7 @@ impl Cuda {
             a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
             lda: n as i64, ldb: n as i64, ldd: n as i64,
             batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
-            bias: false, bgrad: false, accumulate: false, align: 0,
+            bias: false, accumulate: false, align: 0,
         };
         let ev = |op: &str| self.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| BackendError::Device(format!("{op}: {e}")));
         for _ in 0..3 {
@@ -922,7 +919,7 @@ impl Backend for Cuda {
             a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
             lda: ic as i64, ldb: ic as i64, ldd: oc as i64,
             batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
-            bias: bias.is_some(), bgrad: false, accumulate: false, align: 0,
+            bias: bias.is_some(), accumulate: false, align: 0,
         };
         self.gemm(OP, s, params.at(w.off), inp.ptr, target, bias_ptr, 1.0, 0.0)?;
         if gelu_pre.is_some() {
@@ -958,7 +955,7 @@ impl Backend for Cuda {
             a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
             lda: ic as i64, ldb: ic as i64, ldd: oc as i64,
             batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
-            bias: bias.is_some(), bgrad: false, accumulate: true, align: 0,
+            bias: bias.is_some(), accumulate: true, align: 0,
         };
         self.gemm_c(OP, s, params.at(w.off), inp.ptr, residual.ptr, out.ptr, bias_ptr, 1.0, 1.0)
     }
@@ -995,7 +992,7 @@ impl Backend for Cuda {
             a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
             lda: ic as i64, ldb: oc as i64, ldd: ic as i64,
             batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
-            bias: false, bgrad: false, accumulate: false, align: 0,
+            bias: false, accumulate: false, align: 0,
         };
         self.gemm("matmul_backward (dinp)", s, params.at(w.off), dout.ptr, dinp.ptr, 0, 1.0, 0.0)?;
         if let Some(pre) = dgelu_pre {
@@ -1014,50 +1011,29 @@ impl Backend for Cuda {
             }
         }
         // dW(OC, IC) += doutᵀ·inp  ⇔  dWᵀ(IC×OC, ld IC) += inpᵀ(IC×R, ld IC)·dout(R×OC), dout read
-        // as column-major OC×R (ld OC) transposed. fp32 output, beta = 1. With a bias, the bias
-        // gradient Σ_rows dout comes from the same product's BGRADB epilogue (the reduction over
-        // k of B = dout) into f32 scratch, then is added to dbias: dout is read once, not twice.
-        let mut s = GemmShape {
+        // as column-major OC×R (ld OC) transposed. fp32 output, beta = 1.
+        let s = GemmShape {
             ta: false, tb: true, m: ic as u64, n: oc as u64, k: rows as u64,
             a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::F32,
             lda: ic as i64, ldb: oc as i64, ldd: ic as i64,
             batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
-            bias: false, bgrad: false, accumulate: true, align: 0,
+            bias: false, accumulate: true, align: 0,
         };
-        let Some(bs) = bias else {
-            return self.gemm("matmul_backward (dW)", s, inp.ptr, dout.ptr, dparams.at(w.off), 0, 1.0, 1.0);
-        };
-        check_span(OP, "bias gradient", dparams, bs)?;
-        let dst = dparams.at(bs.off);
-        s.bgrad = true;
-        let key = (s.m, s.n, s.k);
-        let bgrad_ok = self.bgrad_unsupported.lock().map(|u| !u.contains(&key)).unwrap_or(false);
-        if bgrad_ok {
-            let db = self.scratch("bias_grad_f32", 2 * oc)?; // oc f32 in bf16-sized slots
-            match self.gemm("matmul_backward (dW+dbias)", s, inp.ptr, dout.ptr, dparams.at(w.off), db, 1.0, 1.0) {
-                Ok(()) => return self.reduce_partials(dst, dst, oc, db, 1, oc),
-                // cuBLASLt refused this epilogue for this shape (the product did not run):
-                // remember, and take the separate reduction below from now on (a profile shows
-                // which: "(dW+dbias)" or "(dW)" plus bias_grad).
-                Err(_) if !gemm::capturing_stream(self.stream.cu_stream()) => {
-                    if let Ok(mut u) = self.bgrad_unsupported.lock() {
-                        u.insert(key);
-                    }
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        s.bgrad = false;
         self.gemm("matmul_backward (dW)", s, inp.ptr, dout.ptr, dparams.at(w.off), 0, 1.0, 1.0)?;
-        let splits = (rows.div_ceil(64)).clamp(1, 256) as u32;
-        let (r, o) = (rows as i64, oc as i32);
-        let partial = self.scratch("bias_partials", 2 * splits as usize * oc)?;
-        if oc % 8 == 0 && dout.ptr % 16 == 0 {
-            self.launch("bias_grad_v8", (oc.div_ceil(256) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![partial, dout.ptr, r, o])?;
-        } else {
-            self.launch("bias_grad_kernel", (oc.div_ceil(32) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![partial, dout.ptr, dout.dt(), r, o])?;
+        if let Some(bs) = bias {
+            check_span(OP, "bias gradient", dparams, bs)?;
+            let splits = (rows.div_ceil(64)).clamp(1, 256) as u32;
+            let (r, o) = (rows as i64, oc as i32);
+            let partial = self.scratch("bias_partials", 2 * splits as usize * oc)?;
+            if oc % 8 == 0 && dout.ptr % 16 == 0 {
+                self.launch("bias_grad_v8", (oc.div_ceil(256) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![partial, dout.ptr, r, o])?;
+            } else {
+                self.launch("bias_grad_kernel", (oc.div_ceil(32) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![partial, dout.ptr, dout.dt(), r, o])?;
+            }
+            let dst = dparams.at(bs.off);
+            self.reduce_partials(dst, dst, oc, partial, splits as usize, oc)?;
         }
-        self.reduce_partials(dst, dst, oc, partial, splits as usize, oc)
+        Ok(())
     }
 
     fn layernorm_forward(&self, out: &mut CudaBuf, mean: &mut CudaBuf, rstd: &mut CudaBuf, inp: &CudaBuf, params: &CudaBuf, w: Span, b: Span, rows: usize, c: usize) -> BResult<()> {
@@ -1165,7 +1141,7 @@ impl Backend for Cuda {
             a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
             lda: d as i64, ldb: d as i64, ldd: ld as i64,
             batch, stride_a: nd, stride_b: nd, stride_d: nld,
-            bias: false, bgrad: false, accumulate: false, align: 0,
+            bias: false, accumulate: false, align: 0,
         };
         self.gemm("attention_forward (q·kᵀ)", s, k, q, sp, 0, 1.0 / (d as f32).sqrt(), 0.0)?;
         let rows = (b * h * n) as i64;
@@ -1178,7 +1154,7 @@ impl Backend for Cuda {
             a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
             lda: d as i64, ldb: ld as i64, ldd: d as i64,
             batch, stride_a: nd, stride_b: nld, stride_d: nd,
-            bias: false, bgrad: false, accumulate: false, align: 0,
+            bias: false, accumulate: false, align: 0,
         };
         self.gemm("attention_forward (p·v)", s, v, sp, oh, 0, 1.0, 0.0)?;
         self.move_heads(false, out.ptr, oh, b, n, 1, h, d)
@@ -1246,7 +1222,7 @@ impl Backend for Cuda {
             ta: false, tb: false, m: 0, n: 0, k: 0,
             a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
             lda: 0, ldb: 0, ldd: 0, batch, stride_a: 0, stride_b: 0, stride_d: 0,
-            bias: false, bgrad: false, accumulate: false, align: 0,
+            bias: false, accumulate: false, align: 0,
         };
         // dP(N, N) = dO·Vᵀ  (same form as q·kᵀ), rows padded to `ld`.
         let s = GemmShape { ta: true, m: n as u64, n: n as u64, k: d as u64, lda: d as i64, ldb: d as i64, ldd: ld as i64, stride_a: nd, stride_b: nd, stride_d: nld, ..base };
