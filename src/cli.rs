@@ -100,6 +100,11 @@ pub fn load_config(args: &ConfigArgs, weights_path: Option<&Path>, world_size: u
                 model.entry(k).or_insert(v);
             }
             if !model.contains_key("num_heads") {
+                if let Some(h) = inferred.num_heads {
+                    model.insert("num_heads".into(), h.into());
+                }
+            }
+            if !model.contains_key("num_heads") {
                 match inferred.guessed_num_heads {
                     Some(h) => {
                         model.insert("num_heads".into(), h.into());

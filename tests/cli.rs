@@ -152,6 +152,28 @@ fn default_training_writes_the_run_directory() {
     assert!(resolved.get("model").is_some());
 }
 
+/// Weights saved by `train` evaluate to the same accuracy with `eval --weights` and no config:
+/// the head count (4 heads of width 16 in the default model, not timm's width-64 guess) comes
+/// from the metadata vitscale writes into the file.
+#[test]
+fn saved_weights_evaluate_like_the_run_that_saved_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let w = tmp.path().join("w.safetensors");
+    let out = vitscale(&[
+        "train", "--json", "--device", "cpu", "--run-dir", run.to_str().unwrap(), "--save-weights", w.to_str().unwrap(),
+        "--set", "data.train_size=512", "--set", "data.val_size=256", "--set", "train.steps=24",
+    ]);
+    assert!(out.status.success(), "train failed: {}", String::from_utf8_lossy(&out.stderr));
+    let trained = last_json(&out)["val_top1"].as_f64().unwrap();
+    let out = vitscale(&["eval", "--json", "--device", "cpu", "--weights", w.to_str().unwrap(), "--set", "data.train_size=512", "--set", "data.val_size=256"]);
+    assert!(out.status.success(), "eval failed: {}", String::from_utf8_lossy(&out.stderr));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("num_heads not given"), "the head count was guessed: {stderr}");
+    let evaluated = last_json(&out)["top1"].as_f64().unwrap();
+    assert_eq!(evaluated, trained, "eval of the saved weights disagrees with the run");
+}
+
 /// Every bad input: non-zero exit, one message naming the culprit, never a panic.
 #[test]
 fn bad_input_gives_one_clear_error() {

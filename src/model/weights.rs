@@ -130,11 +130,14 @@ pub fn save(path: &Path, table: &ParamTable, cfg: &ModelConfig, params: &[f32]) 
 }
 
 /// Architecture fields read off a timm weights file's shapes. `num_heads` cannot be read from
-/// shapes; it is `None` unless the width is a multiple of 64 (timm's head width for every
-/// standard ViT), in which case `width / 64` is offered as a guess.
+/// shapes: a file vitscale wrote carries it in its `vitscale_model` metadata (`num_heads`);
+/// otherwise it is guessed as `width / 64` when the width is a multiple of 64 (timm's head
+/// width for every standard ViT), else left to the user.
 #[derive(Clone, Debug, PartialEq)]
 pub struct InferredModel {
     pub fields: serde_json::Map<String, serde_json::Value>,
+    /// The head count recorded by vitscale when it saved the file.
+    pub num_heads: Option<usize>,
     pub guessed_num_heads: Option<usize>,
 }
 
@@ -179,5 +182,15 @@ pub fn infer(path: &Path) -> Result<InferredModel, WeightsError> {
     fields.insert("class_token".into(), class_token.into());
     fields.insert("global_pool".into(), global_pool.into());
     let guessed_num_heads = (c % 64 == 0).then_some(c / 64);
-    Ok(InferredModel { fields, guessed_num_heads })
+    // A head count from the metadata counts only if the rest of that record agrees with the
+    // shapes (a file edited by other tools keeps stale metadata).
+    let num_heads = SafeTensors::read_metadata(&bytes)
+        .ok()
+        .and_then(|(_, m)| m.metadata().as_ref().and_then(|m| m.get("vitscale_model").cloned()))
+        .and_then(|json| serde_json::from_str::<serde_json::Value>(&json).ok())
+        .filter(|saved| saved.get("embed_dim").and_then(|v| v.as_u64()) == Some(c as u64) && saved.get("depth").and_then(|v| v.as_u64()) == Some(depth as u64))
+        .and_then(|saved| saved.get("num_heads").and_then(|v| v.as_u64()))
+        .map(|h| h as usize)
+        .filter(|&h| h > 0 && c % h == 0);
+    Ok(InferredModel { fields, num_heads, guessed_num_heads })
 }
