@@ -1071,9 +1071,13 @@ __device__ __forceinline__ void flash_bwd_short(bf16* __restrict__ dqkv, const b
         };
         auto phase2 = [&](auto full_tag, int q0) {
             constexpr bool FK = decltype(full_tag)::value;
-            float dq[NH][4];
+            // Two accumulator sets (even / odd key chunks) halve the dependent chain of
+            // tensor-core ops that every warp waits on before the step's closing barrier.
+            float dq2[2][NH][4];
             #pragma unroll
-            for (int j = 0; j < NH; j++) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
+            for (int u = 0; u < 2; u++)
+                #pragma unroll
+                for (int j = 0; j < NH; j++) dq2[u][j][0] = dq2[u][j][1] = dq2[u][j][2] = dq2[u][j][3] = 0.f;
             #pragma unroll
             for (int kk = 0; kk < FS_KB / 16; kk++) {
                 if (!FK && k0 + kk * 16 >= n) continue;
@@ -1087,10 +1091,15 @@ __device__ __forceinline__ void flash_bwd_short(bf16* __restrict__ dqkv, const b
                 for (int j = 0; j < NH; j += 2) {
                     unsigned b[4];
                     ldb_t2<true>(b, sK, LD, kk * 16, dh + j * 8, lane);
-                    mma_bf16(dq[j], a, b);
-                    mma_bf16(dq[j + 1], a, b + 2);
+                    mma_bf16(dq2[kk & 1][j], a, b);
+                    mma_bf16(dq2[kk & 1][j + 1], a, b + 2);
                 }
             }
+            float dq[NH][4];
+            #pragma unroll
+            for (int j = 0; j < NH; j++)
+                #pragma unroll
+                for (int e = 0; e < 4; e++) dq[j][e] = dq2[0][j][e] + dq2[1][j][e];
             // rows q0 + qw + g (+ 8) belong to this warp alone in this phase
             float* d0 = sdQ + (q0 + qw + g) * LDQ + dh + 2 * t;
             float* d1 = d0 + 8 * LDQ;
