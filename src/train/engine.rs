@@ -288,32 +288,72 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         mix: Some(MixTargets { num_classes: k, label_smoothing: cfg.train.label_smoothing }),
     })?;
     let per_image = 3 * cfg.model.image_size * cfg.model.image_size;
+    // The next micro-batch, taken from the loader while the device still runs the current
+    // backward, and whether its first pass's inputs are already staged on the device.
+    let mut ahead: Option<crate::data::loader::Prepared> = None;
+    let mut first_pass_staged = false;
+    let soft_targets = |batch: &crate::data::Batch, start: usize, n: usize| -> Vec<f32> {
+        // Mixup / CutMix soft targets when the loader made them, else smoothed one-hot.
+        match &batch.targets {
+            Some(t) => t[start * k..(start + n) * k].to_vec(),
+            None => smoothed_targets(&batch.labels[start..start + n], k, cfg.train.label_smoothing),
+        }
+    };
     for step in start_step..total_steps {
         let epoch = step / steps_per_epoch;
         let mut step_loss = 0.0f64;
         for m in 0..gas {
-            // data-wait: only the time this step is blocked on the loader.
-            let t_wait = Instant::now();
-            let next = loader.next();
-            phases.data_s += t_wait.elapsed().as_secs_f64();
-            let prepared = match next {
-                Some(p) => p?,
-                None => return Err(TrainError::Config(format!("the data loader stopped before step {step}, micro-batch {m}"))),
+            let prepared = match ahead.take() {
+                Some(p) => p,
+                None => {
+                    // data-wait: only the time this step is blocked on the loader.
+                    let t_wait = Instant::now();
+                    let next = loader.next();
+                    phases.data_s += t_wait.elapsed().as_secs_f64();
+                    match next {
+                        Some(p) => p?,
+                        None => return Err(TrainError::Config(format!("the data loader stopped before step {step}, micro-batch {m}"))),
+                    }
+                }
             };
             debug_assert_eq!((prepared.epoch, prepared.step as u64, prepared.micro), (epoch, step % steps_per_epoch, m));
             let batch = prepared.batch;
             let b = batch.len();
+            let last_micro_of_run = step + 1 == total_steps && m + 1 == gas;
             for start in (0..b).step_by(MAX_IMAGES_PER_PASS) {
                 let n = (b - start).min(MAX_IMAGES_PER_PASS);
-                let images = &batch.images[start * per_image..(start + n) * per_image];
-                // Mixup / CutMix soft targets when the loader made them, else smoothed one-hot.
-                let targets = match &batch.targets {
-                    Some(t) => t[start * k..(start + n) * k].to_vec(),
-                    None => smoothed_targets(&batch.labels[start..start + n], k, cfg.train.label_smoothing),
-                };
-                let out = timed(&mut phases.forward_s, || vit.forward(be, images, &targets, n, Some(1.0 / global_batch as f32)))?;
+                let staged = std::mem::take(&mut first_pass_staged) && start == 0;
+                let out = timed(&mut phases.forward_s, || -> Result<_, TrainError> {
+                    if !staged {
+                        let images = &batch.images[start * per_image..(start + n) * per_image];
+                        vit.stage_inputs(be, images, &soft_targets(&batch, start, n), n)?;
+                    }
+                    vit.forward_staged(be, n, Some(1.0 / global_batch as f32))?;
+                    Ok(vit.forward_out(be, n)?)
+                })?;
                 step_loss += out.losses.iter().map(|&v| v as f64).sum::<f64>();
                 timed(&mut phases.backward_s, || vit.backward(be))?;
+                // While the device runs this backward (the host only enqueued it), take the next
+                // micro-batch and stage its first pass: a GPU then starts the next forward as soon
+                // as the optimizer is done instead of waiting for the host to convert and copy.
+                // (The backward never reads the staged inputs; the pass size never grows, so
+                // staging allocates nothing.)
+                if start + n >= b && !last_micro_of_run && stop::pending() == 0 {
+                    let t_wait = Instant::now();
+                    let next = loader.next();
+                    phases.data_s += t_wait.elapsed().as_secs_f64();
+                    if let Some(next) = next {
+                        let next = next?;
+                        let nb = next.batch.len().min(MAX_IMAGES_PER_PASS);
+                        if nb <= n {
+                            let t_stage = Instant::now();
+                            vit.stage_inputs(be, &next.batch.images[..nb * per_image], &soft_targets(&next.batch, 0, nb), nb)?;
+                            phases.forward_s += t_stage.elapsed().as_secs_f64();
+                            first_pass_staged = true;
+                        }
+                        ahead = Some(next);
+                    }
+                }
             }
             loader.recycle(batch);
         }
