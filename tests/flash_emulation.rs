@@ -4,6 +4,9 @@
 //! (written here independently of the kernel's own comments). bf16 rounding happens where the
 //! kernel rounds. Compared against the CPU backend's attention, so indexing and algorithm
 //! mistakes in the kernel show up without a GPU. Keep this file in step with flash.cu.
+//! It mirrors `flash_fwd` / `flash_bwd` (the `fused-sync` path); the pipelined forward and the
+//! short-sequence backward reuse their fragment loads, masking and packing, and are checked
+//! against the CPU on a GPU by `vitscale selftest --device cuda` (every attention path).
 // Index loops mirror the kernel's lane and tile indices on purpose.
 #![allow(clippy::needless_range_loop, clippy::manual_is_multiple_of)]
 

@@ -6,6 +6,11 @@
 // lse2 = m + log2(l) with m the row maximum of s·scale·log2(e) and l = Σ 2^(s·scale·log2e − m)
 // (f32, B·H·N values). The backward recomputes P = 2^(s·scale·log2e − lse2).
 //
+// Kernel families (path names of `AttentionPath`): flash_fwd / flash_bwd load their tiles
+// synchronously (`fused-sync`, `fused-plain`); flash_fwd_pipe / flash_bwd_pipe double-buffer them
+// through cp.async (`fused-pipe`); flash_bwd_short handles a whole head per block for N ≤ 256
+// (`fused`, the default, with flash_fwd_pipe).
+//
 // Tiles: 64 query rows × 64 keys per block of 4 warps; each warp owns 16 rows of the tile.
 // Shared-memory rows are padded by 8 bf16 (16 bytes) so fragment loads hit 32 distinct banks.
 // Ragged N: rows ≥ N load as zeros; keys ≥ N get probability 0; rows ≥ N are never stored.
