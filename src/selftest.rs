@@ -231,6 +231,17 @@ fn op_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
             // dW/dbias are f32 sums over up to 400 bf16 products per row: the device sums in
             // another order, so allow 1e-4.
             cx.compare(&format!("matmul_backward {name} dW,dbias(+=) {tag}"), &dparams, 1e-4)?;
+            if gelu {
+                // the same backward adding dinp's column sums into a bias span of width IC
+                let pre_bias = Span { off: ln_b.off, len: c };
+                let mut dinp2 = cx.out(rows * ic, true)?;
+                let mut dparams2 = cx.buf(&grads_init, false)?;
+                let g = dg.as_ref().expect("gelu case has a pre-activation");
+                cx.be.matmul_backward_gelu_bias(&mut dinp2.d, &mut dparams2.d, &dout.d, &inp.d, &g.d, pre_bias, &params.d, w, bias, rows, ic, oc)?;
+                cpu.matmul_backward_gelu_bias(&mut dinp2.c, &mut dparams2.c, &dout.c, &inp.c, &g.c, pre_bias, &params.c, w, bias, rows, ic, oc)?;
+                cx.compare(&format!("matmul_backward_gelu_bias {name} dinp {tag}"), &dinp2, F32_TOL)?;
+                cx.compare(&format!("matmul_backward_gelu_bias {name} dW,dbias,dpre_bias(+=) {tag}"), &dparams2, 1e-4)?;
+            }
         }
 
         // projections with the residual add folded in (attention proj C→C, MLP fc2 F→C; the

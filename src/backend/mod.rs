@@ -155,6 +155,12 @@ pub trait Backend: Send + Sync {
     /// the GELU that produced `inp`), `dW += doutᵀ · inp`, `dbias += Σ_rows dout`.
     #[allow(clippy::too_many_arguments)]
     fn matmul_backward(&self, dinp: &mut Self::Buf, dparams: &mut Self::Buf, dout: &Self::Buf, inp: &Self::Buf, dgelu_pre: Option<&Self::Buf>, params: &Self::Buf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()>;
+    /// `matmul_backward` with the GELU gradient (`dgelu_pre = pre`) that also adds
+    /// `Σ_rows dinp` (after the GELU gradient) into `dparams[pre_bias]`: the bias gradient of
+    /// the layer that produced `pre` (the MLP's fc1), taken from the same pass over `dinp`
+    /// instead of a second read by that layer's backward (which is then called without a bias).
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_backward_gelu_bias(&self, dinp: &mut Self::Buf, dparams: &mut Self::Buf, dout: &Self::Buf, inp: &Self::Buf, pre: &Self::Buf, pre_bias: Span, params: &Self::Buf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()>;
 
     // ---- normalization ------------------------------------------------------------------
     /// LayerNorm over the last dim (eps = `model::LN_EPS`), saving per-row mean and 1/std.

@@ -415,12 +415,13 @@ impl<B: Backend> Vit<B> {
                 be.gelu_forward(&mut r.act, &blk.fc1_pre, bn * f)?;
             }
             let act = kept_or_regen(&blk.fc1_act, a.regen.as_ref().map(|r| &r.act))?;
-            be.matmul_backward(&mut a.dfc, g, &a.dres_a, act, Some(&blk.fc1_pre), w, s.fc2_w, Some(s.fc2_b), bn, f, c)?;
+            // fc2, the GELU gradient, and fc1's bias gradient from that same pass over dfc
+            be.matmul_backward_gelu_bias(&mut a.dfc, g, &a.dres_a, act, &blk.fc1_pre, s.fc1_b, w, s.fc2_w, Some(s.fc2_b), bn, f, c)?;
             if let Some(r) = a.regen.as_mut() {
                 be.layernorm_forward(&mut r.ln, &mut r.mean, &mut r.rstd, &blk.x1, w, s.norm2_w, s.norm2_b, bn, c)?;
             }
             let ln2 = kept_or_regen(&blk.ln2, a.regen.as_ref().map(|r| &r.ln))?;
-            be.matmul_backward(&mut a.dln, g, &a.dfc, ln2, None, w, s.fc1_w, Some(s.fc1_b), bn, c, f)?;
+            be.matmul_backward(&mut a.dln, g, &a.dfc, ln2, None, w, s.fc1_w, None, bn, c, f)?;
             be.layernorm_backward(&mut a.dres_b, g, &a.dln, Some(&a.dres_a), &blk.x1, &blk.ln2_mean, &blk.ln2_rstd, w, s.norm2_w, s.norm2_b, bn, c)?;
             // attention: proj, core, qkv, ln1 (+ residual) → dres_a = dx
             be.matmul_backward(&mut a.datt, g, &a.dres_b, &blk.att, None, w, s.proj_w, Some(s.proj_b), bn, c, c)?;

@@ -31,6 +31,26 @@ fn check(op: &'static str, what: &str, buf: &[f32], need: usize) -> BResult<()> 
     Ok(())
 }
 
+/// `dst[j] += Σ_rows data[row][j]` over row-major `data` with `cols` columns: fixed row chunks
+/// summed in parallel, then combined in chunk order (deterministic for any thread count).
+fn add_column_sums(dst: &mut [f32], data: &[f32], cols: usize) {
+    let rows = data.len() / cols.max(1);
+    let chunk = rows_per_task(rows, cols);
+    let parts: Vec<Vec<f32>> = data
+        .par_chunks(chunk * cols)
+        .map(|rows_chunk| {
+            let mut acc = vec![0.0f32; cols];
+            for row in rows_chunk.chunks(cols) {
+                for (a, g) in acc.iter_mut().zip(row) {
+                    *a += g;
+                }
+            }
+            acc
+        })
+        .collect();
+    reduce_into(dst, parts);
+}
+
 fn check_span(op: &'static str, what: &str, buf: &[f32], span: Span, need: usize) -> BResult<()> {
     if span.len != need || span.off + span.len > buf.len() {
         return Err(BackendError::Shape {
@@ -231,21 +251,15 @@ impl Backend for Cpu {
         matmul(MatMut::rows(&mut dparams[w.range()], oc, ic), Mat::rows_t(dout, rows, oc), Mat::rows(inp, rows, ic), true, true)?;
         if let Some(bs) = bias {
             check_span("matmul_backward", "dbias", dparams, bs, oc)?;
-            let chunk = rows_per_task(rows, oc);
-            let parts: Vec<Vec<f32>> = dout[..rows * oc]
-                .par_chunks(chunk * oc)
-                .map(|rows_chunk| {
-                    let mut acc = vec![0.0f32; oc];
-                    for row in rows_chunk.chunks(oc) {
-                        for (a, g) in acc.iter_mut().zip(row) {
-                            *a += g;
-                        }
-                    }
-                    acc
-                })
-                .collect();
-            reduce_into(&mut dparams[bs.range()], parts);
+            add_column_sums(&mut dparams[bs.range()], &dout[..rows * oc], oc);
         }
+        Ok(())
+    }
+
+    fn matmul_backward_gelu_bias(&self, dinp: &mut Vec<f32>, dparams: &mut Vec<f32>, dout: &Vec<f32>, inp: &Vec<f32>, pre: &Vec<f32>, pre_bias: Span, params: &Vec<f32>, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
+        check_span("matmul_backward_gelu_bias", "pre_bias", dparams, pre_bias, ic)?;
+        self.matmul_backward(dinp, dparams, dout, inp, Some(pre), params, w, bias, rows, ic, oc)?;
+        add_column_sums(&mut dparams[pre_bias.range()], &dinp[..rows * ic], ic);
         Ok(())
     }
 

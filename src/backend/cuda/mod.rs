@@ -615,6 +615,106 @@ impl Cuda {
         }
     }
 
+    /// `matmul_backward`; `dgelu = Some((pre, pre_bias))` applies the GELU gradient to dinp and,
+    /// with `pre_bias`, adds dinp's column sums into that span from the same pass.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_backward_impl(&self, dinp: &mut CudaBuf, dparams: &mut CudaBuf, dout: &CudaBuf, inp: &CudaBuf, dgelu: Option<(&CudaBuf, Option<Span>)>, params: &CudaBuf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
+        const OP: &str = "matmul_backward";
+        check_bf16(OP, "dinp", dinp)?;
+        check_bf16(OP, "dout", dout)?;
+        check_bf16(OP, "inp", inp)?;
+        check_bf16(OP, "params (the compute copy)", params)?;
+        check_f32(OP, "dparams", dparams)?;
+        check_len(OP, "dinp", dinp, rows * ic)?;
+        check_len(OP, "dout", dout, rows * oc)?;
+        check_len(OP, "inp", inp, rows * ic)?;
+        check_span(OP, "weight", params, w)?;
+        check_span(OP, "weight gradient", dparams, w)?;
+        // dinp(R, IC) = dout(R, OC)·W(OC, IC)  ⇔  dinpᵀ(IC×R) = W(IC×OC, ld IC)·doutᵀ(OC×R, ld OC).
+        let s = GemmShape {
+            ta: false, tb: false, m: ic as u64, n: rows as u64, k: oc as u64,
+            a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
+            lda: ic as i64, ldb: oc as i64, ldd: ic as i64,
+            batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
+            bias: false, accumulate: false, align: 0,
+        };
+        self.gemm("matmul_backward (dinp)", s, params.at(w.off), dout.ptr, dinp.ptr, 0, 1.0, 0.0)?;
+        if let Some((pre, pre_bias)) = dgelu {
+            check_bf16(OP, "dgelu_pre", pre)?;
+            check_len(OP, "dgelu_pre", pre, rows * ic)?;
+            let n = rows * ic;
+            if let Some(pb) = pre_bias {
+                check_span(OP, "pre_bias", dparams, pb)?;
+                if pb.len != ic {
+                    return Err(BackendError::Shape { op: OP, msg: format!("pre_bias span has {} elements, dinp has {ic} columns", pb.len) });
+                }
+                if ic % 8 == 0 && dinp.ptr % 16 == 0 && pre.ptr % 16 == 0 {
+                    // GELU gradient and the column partial sums of its bf16 result in one pass.
+                    let splits = (rows.div_ceil(64)).clamp(1, 256) as u32;
+                    let (r, o) = (rows as i64, ic as i32);
+                    let partial = self.scratch("bias_partials", 2 * splits as usize * ic)?;
+                    self.launch("gelu_bwd_bias_v8", (ic.div_ceil(256) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![dinp.ptr, pre.ptr, partial, r, o])?;
+                    let dst = dparams.at(pb.off);
+                    self.reduce_partials(dst, dst, ic, partial, splits as usize, ic)?;
+                } else {
+                    self.matmul_backward_impl_gelu_then_bias(dinp, dparams, pre, pb, rows, ic)?;
+                }
+            } else if n % 8 == 0 && dinp.ptr % 16 == 0 && pre.ptr % 16 == 0 {
+                let n8 = (n / 8) as i64;
+                self.launch1("gelu_bwd_v8", n / 8, &mut kargs![dinp.ptr, pre.ptr, n8])?;
+            } else if n % 2 == 0 {
+                let n2 = (n / 2) as i64;
+                self.launch1("gelu_bwd_bf16", n / 2, &mut kargs![dinp.ptr, pre.ptr, n2])?;
+            } else {
+                let nn = n as i64;
+                self.launch1("gelu_bwd", n, &mut kargs![dinp.ptr, 1i32, pre.ptr, 1i32, nn])?;
+            }
+        }
+        // dW(OC, IC) += doutᵀ·inp  ⇔  dWᵀ(IC×OC, ld IC) += inpᵀ(IC×R, ld IC)·dout(R×OC), dout read
+        // as column-major OC×R (ld OC) transposed. fp32 output, beta = 1.
+        let s = GemmShape {
+            ta: false, tb: true, m: ic as u64, n: oc as u64, k: rows as u64,
+            a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::F32,
+            lda: ic as i64, ldb: oc as i64, ldd: ic as i64,
+            batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
+            bias: false, accumulate: true, align: 0,
+        };
+        self.gemm("matmul_backward (dW)", s, inp.ptr, dout.ptr, dparams.at(w.off), 0, 1.0, 1.0)?;
+        if let Some(bs) = bias {
+            check_span(OP, "bias gradient", dparams, bs)?;
+            let splits = (rows.div_ceil(64)).clamp(1, 256) as u32;
+            let (r, o) = (rows as i64, oc as i32);
+            let partial = self.scratch("bias_partials", 2 * splits as usize * oc)?;
+            if oc % 8 == 0 && dout.ptr % 16 == 0 {
+                self.launch("bias_grad_v8", (oc.div_ceil(256) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![partial, dout.ptr, r, o])?;
+            } else {
+                self.launch("bias_grad_kernel", (oc.div_ceil(32) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![partial, dout.ptr, dout.dt(), r, o])?;
+            }
+            let dst = dparams.at(bs.off);
+            self.reduce_partials(dst, dst, oc, partial, splits as usize, oc)?;
+        }
+        Ok(())
+    }
+
+
+    /// Unaligned fallback of the fused GELU-gradient + bias-sum pass: the two kernels apart.
+    fn matmul_backward_impl_gelu_then_bias(&self, dinp: &mut CudaBuf, dparams: &mut CudaBuf, pre: &CudaBuf, pb: Span, rows: usize, ic: usize) -> BResult<()> {
+        let n = rows * ic;
+        if n % 2 == 0 {
+            let n2 = (n / 2) as i64;
+            self.launch1("gelu_bwd_bf16", n / 2, &mut kargs![dinp.ptr, pre.ptr, n2])?;
+        } else {
+            let nn = n as i64;
+            self.launch1("gelu_bwd", n, &mut kargs![dinp.ptr, 1i32, pre.ptr, 1i32, nn])?;
+        }
+        let splits = (rows.div_ceil(64)).clamp(1, 256) as u32;
+        let (r, o) = (rows as i64, ic as i32);
+        let partial = self.scratch("bias_partials", 2 * splits as usize * ic)?;
+        self.launch("bias_grad_kernel", (ic.div_ceil(32) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![partial, dinp.ptr, dinp.dt(), r, o])?;
+        let dst = dparams.at(pb.off);
+        self.reduce_partials(dst, dst, ic, partial, splits as usize, ic)
+    }
+
     /// out = gelu(pre) over n bf16 elements, the widest vector kernel the alignment allows.
     fn gelu_fwd_launch(&self, out: CUdeviceptr, pre: CUdeviceptr, n: usize) -> BResult<()> {
         if n % 8 == 0 && pre % 16 == 0 && out % 16 == 0 {
@@ -975,65 +1075,11 @@ impl Backend for Cuda {
     }
 
     fn matmul_backward(&self, dinp: &mut CudaBuf, dparams: &mut CudaBuf, dout: &CudaBuf, inp: &CudaBuf, dgelu_pre: Option<&CudaBuf>, params: &CudaBuf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
-        const OP: &str = "matmul_backward";
-        check_bf16(OP, "dinp", dinp)?;
-        check_bf16(OP, "dout", dout)?;
-        check_bf16(OP, "inp", inp)?;
-        check_bf16(OP, "params (the compute copy)", params)?;
-        check_f32(OP, "dparams", dparams)?;
-        check_len(OP, "dinp", dinp, rows * ic)?;
-        check_len(OP, "dout", dout, rows * oc)?;
-        check_len(OP, "inp", inp, rows * ic)?;
-        check_span(OP, "weight", params, w)?;
-        check_span(OP, "weight gradient", dparams, w)?;
-        // dinp(R, IC) = dout(R, OC)·W(OC, IC)  ⇔  dinpᵀ(IC×R) = W(IC×OC, ld IC)·doutᵀ(OC×R, ld OC).
-        let s = GemmShape {
-            ta: false, tb: false, m: ic as u64, n: rows as u64, k: oc as u64,
-            a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
-            lda: ic as i64, ldb: oc as i64, ldd: ic as i64,
-            batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
-            bias: false, accumulate: false, align: 0,
-        };
-        self.gemm("matmul_backward (dinp)", s, params.at(w.off), dout.ptr, dinp.ptr, 0, 1.0, 0.0)?;
-        if let Some(pre) = dgelu_pre {
-            check_bf16(OP, "dgelu_pre", pre)?;
-            check_len(OP, "dgelu_pre", pre, rows * ic)?;
-            let n = rows * ic;
-            if n % 8 == 0 && dinp.ptr % 16 == 0 && pre.ptr % 16 == 0 {
-                let n8 = (n / 8) as i64;
-                self.launch1("gelu_bwd_v8", n / 8, &mut kargs![dinp.ptr, pre.ptr, n8])?;
-            } else if n % 2 == 0 {
-                let n2 = (n / 2) as i64;
-                self.launch1("gelu_bwd_bf16", n / 2, &mut kargs![dinp.ptr, pre.ptr, n2])?;
-            } else {
-                let nn = n as i64;
-                self.launch1("gelu_bwd", n, &mut kargs![dinp.ptr, 1i32, pre.ptr, 1i32, nn])?;
-            }
-        }
-        // dW(OC, IC) += doutᵀ·inp  ⇔  dWᵀ(IC×OC, ld IC) += inpᵀ(IC×R, ld IC)·dout(R×OC), dout read
-        // as column-major OC×R (ld OC) transposed. fp32 output, beta = 1.
-        let s = GemmShape {
-            ta: false, tb: true, m: ic as u64, n: oc as u64, k: rows as u64,
-            a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::F32,
-            lda: ic as i64, ldb: oc as i64, ldd: ic as i64,
-            batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
-            bias: false, accumulate: true, align: 0,
-        };
-        self.gemm("matmul_backward (dW)", s, inp.ptr, dout.ptr, dparams.at(w.off), 0, 1.0, 1.0)?;
-        if let Some(bs) = bias {
-            check_span(OP, "bias gradient", dparams, bs)?;
-            let splits = (rows.div_ceil(64)).clamp(1, 256) as u32;
-            let (r, o) = (rows as i64, oc as i32);
-            let partial = self.scratch("bias_partials", 2 * splits as usize * oc)?;
-            if oc % 8 == 0 && dout.ptr % 16 == 0 {
-                self.launch("bias_grad_v8", (oc.div_ceil(256) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![partial, dout.ptr, r, o])?;
-            } else {
-                self.launch("bias_grad_kernel", (oc.div_ceil(32) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![partial, dout.ptr, dout.dt(), r, o])?;
-            }
-            let dst = dparams.at(bs.off);
-            self.reduce_partials(dst, dst, oc, partial, splits as usize, oc)?;
-        }
-        Ok(())
+        self.matmul_backward_impl(dinp, dparams, dout, inp, dgelu_pre.map(|p| (p, None)), params, w, bias, rows, ic, oc)
+    }
+
+    fn matmul_backward_gelu_bias(&self, dinp: &mut CudaBuf, dparams: &mut CudaBuf, dout: &CudaBuf, inp: &CudaBuf, pre: &CudaBuf, pre_bias: Span, params: &CudaBuf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
+        self.matmul_backward_impl(dinp, dparams, dout, inp, Some((pre, Some(pre_bias))), params, w, bias, rows, ic, oc)
     }
 
     fn layernorm_forward(&self, out: &mut CudaBuf, mean: &mut CudaBuf, rstd: &mut CudaBuf, inp: &CudaBuf, params: &CudaBuf, w: Span, b: Span, rows: usize, c: usize) -> BResult<()> {

@@ -149,6 +149,40 @@ extern "C" __global__ void gelu_bwd_v8(uint4* dx, const uint4* pre, i64 n8) {
     }
 }
 
+// dx *= gelu'(pre) (both bf16, row-major rows × oc, oc % 8 == 0) and, from the same pass, the
+// column partial sums of the rounded result — the bias gradient of the layer that produced
+// pre, summed exactly as bias_grad_v8 would sum dx afterwards. Block (32, 8) covers 256
+// columns; grid (ceil(oc / 256), splits); row y of `dbias` (splits × oc) gets block-row y's sums.
+extern "C" __global__ void gelu_bwd_bias_v8(bf16* dx, const bf16* pre, float* dbias, i64 rows, int oc) {
+    __shared__ float part[8][256 + 4];
+    int c0 = (blockIdx.x * 32 + threadIdx.x) * 8;
+    float acc[8];
+    #pragma unroll
+    for (int k = 0; k < 8; k++) acc[k] = 0.f;
+    if (c0 < oc) {
+        #pragma unroll 2
+        for (i64 r = (i64)blockIdx.y * 8 + threadIdx.y; r < rows; r += (i64)gridDim.y * 8) {
+            uint4* dp = (uint4*)(dx + r * oc + c0);
+            uint4 d = *dp, p = *(const uint4*)(pre + r * oc + c0);
+            uint4 o = make_uint4(dgelu_w(d.x, p.x), dgelu_w(d.y, p.y), dgelu_w(d.z, p.z), dgelu_w(d.w, p.w));
+            *dp = o;
+            acc[0] += lo16(o.x); acc[1] += hi16(o.x); acc[2] += lo16(o.y); acc[3] += hi16(o.y);
+            acc[4] += lo16(o.z); acc[5] += hi16(o.z); acc[6] += lo16(o.w); acc[7] += hi16(o.w);
+        }
+    }
+    #pragma unroll
+    for (int k = 0; k < 8; k++) part[threadIdx.y][threadIdx.x * 8 + k] = acc[k];
+    __syncthreads();
+    int t = threadIdx.y * 32 + threadIdx.x;
+    int c = blockIdx.x * 256 + t;
+    if (c < oc) {
+        float s = 0.f;
+        #pragma unroll
+        for (int k = 0; k < 8; k++) s += part[k][t];
+        dbias[(i64)blockIdx.y * oc + c] = s;
+    }
+}
+
 __device__ __forceinline__ unsigned add_w(unsigned a, unsigned b) { return pk16(lo16(a) + lo16(b), hi16(a) + hi16(b)); }
 extern "C" __global__ void add_v8(uint4* out, const uint4* a, const uint4* b, i64 n8) {
     GRID_STRIDE(i, n8) {
