@@ -218,3 +218,53 @@ pub fn command(threads: usize, min_seconds: f64, jpeg_dir: Option<&Path>, json: 
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod timing {
+    use super::*;
+    use crate::data::{decode, randaug, resize};
+
+    /// Per-stage cost of one 224-px training image from a generated 500×375 JPEG
+    /// (`cargo test --release --lib stage_timings -- --ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn stage_timings() {
+        let dir = std::env::temp_dir().join(format!("vitscale-stage-timings-{}", std::process::id()));
+        let files = write_jpegs(&dir, 16, 1).unwrap();
+        let n = 64;
+        let t = Instant::now();
+        let imgs: Vec<_> = (0..n).map(|i| decode(&files[i % files.len()]).unwrap()).collect();
+        eprintln!("decode: {:.3} ms", t.elapsed().as_secs_f64() * 1e3 / n as f64);
+        let side = 224;
+        let mut out = vec![0f32; 3 * side * side];
+        let cfg = config(DatasetKind::Folder);
+        let t = Instant::now();
+        for (i, im) in imgs.iter().enumerate() {
+            let (w, h) = (im.width() as usize, im.height() as usize);
+            let (r, flip) = resize::draw_rrc(0, 0, i, w, h, cfg.scale, cfg.ratio);
+            resize::resample(im.as_raw(), w, h, r, side, flip, cfg.mean, cfg.std, &mut out);
+        }
+        eprintln!("resample (f32 CHW): {:.3} ms", t.elapsed().as_secs_f64() * 1e3 / n as f64);
+        let ra = crate::config::parse_rand_augment("rand-m9-mstd0.5-inc1").unwrap().unwrap();
+        let mut px = vec![0u8; 3 * side * side];
+        let mut scratch = Vec::new();
+        let t = Instant::now();
+        for i in 0..n {
+            randaug::apply(&ra, &mut px, side, [124, 116, 104], 0, 0, i, &mut scratch);
+        }
+        eprintln!("randaug ops only: {:.3} ms", t.elapsed().as_secs_f64() * 1e3 / n as f64);
+        let set = ImageSet::from_files(files.clone(), vec![0; files.len()], side, 1);
+        let mut racfg = cfg.clone();
+        racfg.aug.auto_augment = Some(ra);
+        let idx: Vec<usize> = (0..n).collect();
+        let mut b = Batch::default();
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        for (name, c) in [("rrc+flip", &cfg), ("rrc+flip+randaug", &racfg)] {
+            pool.install(|| fill_batch(&mut b, &set, &idx, c, true, 0, 0)).unwrap();
+            let t = Instant::now();
+            pool.install(|| fill_batch(&mut b, &set, &idx, c, true, 0, 0)).unwrap();
+            eprintln!("fill_batch {name}: {:.3} ms/image", t.elapsed().as_secs_f64() * 1e3 / n as f64);
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
