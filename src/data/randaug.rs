@@ -89,13 +89,6 @@ pub fn apply_op(op: Op, m: f64, increasing: bool, rng: &mut SplitMix, img: &mut 
         Op::AutoContrast => auto_contrast(img),
         Op::Equalize => equalize(img),
         Op::Invert => img.iter_mut().for_each(|v| *v = 255 - *v),
-        Op::Rotate => {
-            let deg = negate(rng, l * 30.0);
-            let (s, c) = deg.to_radians().sin_cos();
-            // Counter-clockwise on screen: output offset (dx, dy) reads input (c·dx − s·dy, s·dx + c·dy).
-            let h = side as f64 / 2.0;
-            affine(img, side, fill, scratch, [c, -s, h - c * h + s * h, s, c, h - s * h - c * h]);
-        }
         Op::Posterize => {
             let bits = if increasing { 4 - (l * 4.0) as u32 } else { (l * 4.0) as u32 }.min(8);
             let mask = if bits == 0 { 0u8 } else { !((1u16 << (8 - bits)) as u8).wrapping_sub(1) };
@@ -140,22 +133,29 @@ pub fn apply_op(op: Op, m: f64, increasing: bool, rng: &mut SplitMix, img: &mut 
             let f = enhance(rng);
             sharpness(img, side, f as f32, scratch);
         }
-        Op::ShearX => {
-            let sh = negate(rng, l * 0.3);
-            affine(img, side, fill, scratch, [1.0, sh, 0.0, 0.0, 1.0, 0.0]);
+        Op::Rotate | Op::ShearX | Op::ShearY | Op::TranslateXRel | Op::TranslateYRel => {
+            let m = geometric(op, l, rng, side);
+            affine(img, side, fill, scratch, m);
         }
-        Op::ShearY => {
-            let sh = negate(rng, l * 0.3);
-            affine(img, side, fill, scratch, [1.0, 0.0, 0.0, sh, 1.0, 0.0]);
+    }
+}
+
+/// The inverse affine map (PIL's `AFFINE` data) of a geometric op at level fraction `l`;
+/// draws the sign from `rng`.
+fn geometric(op: Op, l: f64, rng: &mut SplitMix, side: usize) -> [f64; 6] {
+    match op {
+        Op::Rotate => {
+            let deg = negate(rng, l * 30.0);
+            let (s, c) = deg.to_radians().sin_cos();
+            // Counter-clockwise on screen: output offset (dx, dy) reads input (c·dx − s·dy, s·dx + c·dy).
+            let h = side as f64 / 2.0;
+            [c, -s, h - c * h + s * h, s, c, h - s * h - c * h]
         }
-        Op::TranslateXRel => {
-            let px = negate(rng, l * 0.45) * side as f64;
-            affine(img, side, fill, scratch, [1.0, 0.0, px, 0.0, 1.0, 0.0]);
-        }
-        Op::TranslateYRel => {
-            let px = negate(rng, l * 0.45) * side as f64;
-            affine(img, side, fill, scratch, [1.0, 0.0, 0.0, 0.0, 1.0, px]);
-        }
+        Op::ShearX => [1.0, negate(rng, l * 0.3), 0.0, 0.0, 1.0, 0.0],
+        Op::ShearY => [1.0, 0.0, 0.0, negate(rng, l * 0.3), 1.0, 0.0],
+        Op::TranslateXRel => [1.0, 0.0, negate(rng, l * 0.45) * side as f64, 0.0, 1.0, 0.0],
+        Op::TranslateYRel => [1.0, 0.0, 0.0, 0.0, 1.0, negate(rng, l * 0.45) * side as f64],
+        _ => [1.0, 0.0, 0.0, 0.0, 1.0, 0.0],
     }
 }
 
@@ -253,40 +253,301 @@ fn sharpness(img: &mut [u8], side: usize, f: f32, scratch: &mut Vec<u8>) {
 }
 
 /// PIL `Image.transform(AFFINE, (a, b, c, d, e, f))`: output pixel centre (x, y) reads input
-/// (a·x + b·y + c, d·x + e·y + f), bilinearly; points outside the image take `fill`.
+/// (a·x + b·y + c, d·x + e·y + f), bilinearly, with neighbours past the edge clamped to it;
+/// points outside the image take `fill`. Which output pixels are inside is decided in f64 from
+/// that formula (as PIL does, in double); the sampling runs in integer arithmetic along each row,
+/// with a special case for each shape the ops produce: a per-row horizontal shift (TranslateX,
+/// ShearX), a blend of two whole rows (TranslateY), a per-column vertical shift (ShearY), and
+/// the general map (Rotate).
 fn affine(img: &mut [u8], side: usize, fill: [u8; 3], scratch: &mut Vec<u8>, m: [f64; 6]) {
+    if side == 0 {
+        return;
+    }
+    let [a, b, c, d, e, f] = m;
+    if a == 1.0 && d == 0.0 && e == 1.0 && f == 0.0 {
+        shift_rows(img, side, fill, scratch, b, c);
+    } else if a == 1.0 && b == 0.0 && c == 0.0 && d == 0.0 && e == 1.0 {
+        shift_vertical(img, side, fill, scratch, f);
+    } else if a == 1.0 && b == 0.0 && c == 0.0 && e == 1.0 && f == 0.0 {
+        shear_columns(img, side, fill, scratch, d);
+    } else {
+        affine_general(img, side, fill, scratch, m);
+    }
+}
+
+/// Output columns `lo..hi` of one row whose centres map inside the source, where column x maps
+/// to (a·(x+½) + rx, d·(x+½) + ry): the exact f64 test, solved for x and checked at the ends.
+fn inside_range(a: f64, rx: f64, d: f64, ry: f64, side: usize) -> (usize, usize) {
+    let s = side as f64;
+    let inside = |x: usize| {
+        let ox = x as f64 + 0.5;
+        let (ix, iy) = (a * ox + rx, d * ox + ry);
+        (0.0..s).contains(&ix) && (0.0..s).contains(&iy)
+    };
+    // Each coordinate constrains ox to an interval.
+    let (mut lo, mut hi) = (f64::NEG_INFINITY, f64::INFINITY);
+    for (k, r) in [(a, rx), (d, ry)] {
+        if k.abs() < 1e-9 {
+            if !(-1e-6..s + 1e-6).contains(&r) {
+                return (0, 0);
+            }
+        } else {
+            let (t0, t1) = (-r / k, (s - r) / k);
+            lo = lo.max(t0.min(t1));
+            hi = hi.min(t0.max(t1));
+        }
+    }
+    let to_col = |v: f64| if v.is_nan() { 0.0 } else { v.clamp(0.0, s) };
+    let mut x0 = to_col((lo - 0.5).ceil()) as usize;
+    let mut x1 = (to_col((hi - 0.5).floor() + 1.0) as usize).max(x0);
+    // The solution is within a rounding error of the exact set, which is an interval.
+    while x0 > 0 && inside(x0 - 1) {
+        x0 -= 1;
+    }
+    while x0 < x1 && !inside(x0) {
+        x0 += 1;
+    }
+    if x0 == x1 {
+        // Empty as solved: either truly empty or a single column at x0 the solve rounded away.
+        while x1 < side && inside(x1) {
+            x1 += 1;
+        }
+        return (x0, x1);
+    }
+    while x1 < side && inside(x1) {
+        x1 += 1;
+    }
+    while x1 > x0 && !inside(x1 - 1) {
+        x1 -= 1;
+    }
+    (x0, x1)
+}
+
+/// Fills whole pixels of `row` with `fill`.
+fn fill_px(row: &mut [u8], fill: [u8; 3]) {
+    for px in row.chunks_exact_mut(3) {
+        px.copy_from_slice(&fill);
+    }
+}
+
+/// `dst[i] = round(p[i]·(1 − w) + q[i]·w)` with `w = w16 / 65536`, `w16` in 1..65536, as
+/// `(p·256)·(65536 − w16) >> 16` + `(q·256)·w16 >> 16` in 16-bit lanes: within 0.01 of a level
+/// of the exact blend before the rounding. SSE2 (every x86-64) does 16 bytes per step with
+/// the same integer arithmetic as the scalar loop, so results do not depend on the machine.
+#[inline]
+fn lerp_bytes(dst: &mut [u8], p: &[u8], q: &[u8], w16: u32) {
+    debug_assert!((1..65536).contains(&w16));
+    let (w1, w0) = (w16 as u16, (65536 - w16) as u16);
+    let n = dst.len();
+    let (p, q) = (&p[..n], &q[..n]);
+    #[allow(unused_mut)]
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::*;
+        // SAFETY: SSE2 is part of the x86-64 baseline; loads and stores are unaligned and stay
+        // within the first `n / 16 · 16` bytes of slices of length `n`.
+        unsafe {
+            let (vw0, vw1) = (_mm_set1_epi16(w0 as i16), _mm_set1_epi16(w1 as i16));
+            let (bias, zero) = (_mm_set1_epi16(129), _mm_setzero_si128());
+            while done + 16 <= n {
+                let a = _mm_loadu_si128(p.as_ptr().add(done) as *const __m128i);
+                let b = _mm_loadu_si128(q.as_ptr().add(done) as *const __m128i);
+                let lo = _mm_add_epi16(
+                    _mm_add_epi16(_mm_mulhi_epu16(_mm_unpacklo_epi8(zero, a), vw0), _mm_mulhi_epu16(_mm_unpacklo_epi8(zero, b), vw1)),
+                    bias,
+                );
+                let hi = _mm_add_epi16(
+                    _mm_add_epi16(_mm_mulhi_epu16(_mm_unpackhi_epi8(zero, a), vw0), _mm_mulhi_epu16(_mm_unpackhi_epi8(zero, b), vw1)),
+                    bias,
+                );
+                let r = _mm_packus_epi16(_mm_srli_epi16(lo, 8), _mm_srli_epi16(hi, 8));
+                _mm_storeu_si128(dst.as_mut_ptr().add(done) as *mut __m128i, r);
+                done += 16;
+            }
+        }
+    }
+    for i in done..n {
+        let a = ((((p[i] as u16) << 8) as u32 * w0 as u32) >> 16) as u16;
+        let b = ((((q[i] as u16) << 8) as u32 * w1 as u32) >> 16) as u16;
+        // Each product is truncated (error in (−1, 0] of 1/256 level): +129 centres the sum.
+        dst[i] = ((a + b + 129) >> 8) as u8;
+    }
+}
+
+/// Splits a source offset `t` (pixels) into its integer part and a 16-bit fraction.
+fn split_offset(t: f64) -> (isize, u32) {
+    let k = t.floor();
+    let w = ((t - k) * 65536.0).round() as u32;
+    if w >= 65536 {
+        (k as isize + 1, 0)
+    } else {
+        (k as isize, w)
+    }
+}
+
+/// Pixels of edge padding on each side of the per-row source copies below: sampling reads at
+/// most one pixel past the edge (clamped), plus one for rounding of the offsets.
+const PAD: usize = 2;
+
+/// `a = 1, d = 0, e = 1, f = 0`: row y reads its own source row shifted by
+/// `t = b·(y+½) + c` pixels, one constant fraction per row (TranslateX, ShearX).
+fn shift_rows(img: &mut [u8], side: usize, fill: [u8; 3], scratch: &mut Vec<u8>, b: f64, c: f64) {
+    let w = side * 3;
+    scratch.clear();
+    scratch.resize((side + 2 * PAD) * 3, 0);
+    for y in 0..side {
+        let oy = y as f64 + 0.5;
+        let rx = b * oy + c;
+        let (lo, hi) = inside_range(1.0, rx, 0.0, oy, side);
+        let row = &mut img[y * w..(y + 1) * w];
+        if lo >= hi {
+            fill_px(row, fill);
+            continue;
+        }
+        // Edge-padded copy of the source row (which is this very row).
+        scratch[PAD * 3..PAD * 3 + w].copy_from_slice(row);
+        for p in 0..PAD {
+            scratch.copy_within(PAD * 3..PAD * 3 + 3, p * 3);
+            scratch.copy_within(PAD * 3 + w - 3..PAD * 3 + w, (PAD + side + p) * 3);
+        }
+        // Column x reads source pixels floor(x + rx) and the next: padded x + k + PAD.
+        let (k, w16) = split_offset(rx);
+        let first = (lo as isize + k + PAD as isize).clamp(0, (side + PAD) as isize) as usize;
+        let n = hi - lo;
+        let src = &scratch[first * 3..];
+        let n = n.min(src.len() / 3 - 1);
+        let out = &mut row[lo * 3..(lo + n) * 3];
+        if w16 == 0 {
+            out.copy_from_slice(&src[..n * 3]);
+        } else {
+            lerp_bytes(out, &src[..n * 3], &src[3..n * 3 + 3], w16);
+        }
+        fill_px(&mut row[..lo * 3], fill);
+        fill_px(&mut row[(lo + n) * 3..], fill);
+    }
+}
+
+/// `a = 1, b = c = d = 0, e = 1`: row y is the blend of source rows floor(y + f) and the next
+/// (TranslateY).
+fn shift_vertical(img: &mut [u8], side: usize, fill: [u8; 3], scratch: &mut Vec<u8>, f: f64) {
+    let w = side * 3;
     scratch.clear();
     scratch.extend_from_slice(img);
-    let src = &scratch[..];
-    let s = side as f32;
-    let last = side - 1;
-    let [a, b, c, d, e, f] = m.map(|v| v as f32);
+    let (k, w16) = split_offset(f);
+    let src_row = |r: isize| {
+        let r = r.clamp(0, side as isize - 1) as usize;
+        &scratch[r * w..(r + 1) * w]
+    };
+    let s = side as f64;
     for y in 0..side {
-        let oy = y as f32 + 0.5;
-        let (rx, ry) = (b * oy + c, e * oy + f);
-        let row = &mut img[y * side * 3..(y + 1) * side * 3];
-        for (x, out) in row.chunks_exact_mut(3).enumerate() {
-            let ox = x as f32 + 0.5;
-            let (ix, iy) = (a * ox + rx, d * ox + ry);
-            if !(0.0..s).contains(&ix) || !(0.0..s).contains(&iy) {
+        let row = &mut img[y * w..(y + 1) * w];
+        let iy = (y as f64 + 0.5) + f;
+        if !(0.0..s).contains(&iy) {
+            fill_px(row, fill);
+            continue;
+        }
+        let r = y as isize + k;
+        if w16 == 0 {
+            row.copy_from_slice(src_row(r));
+        } else {
+            lerp_bytes(row, src_row(r), src_row(r + 1), w16);
+        }
+    }
+}
+
+/// `a = 1, b = c = 0, e = 1, f = 0`: column x reads its own source column shifted by
+/// `d·(x+½)` pixels (ShearY). Processed row by row with per-column offsets and weights.
+fn shear_columns(img: &mut [u8], side: usize, fill: [u8; 3], scratch: &mut Vec<u8>, d: f64) {
+    let w = side * 3;
+    // Source with PAD edge rows above and below.
+    let rows = side + 2 * PAD;
+    scratch.clear();
+    scratch.resize(rows * w, 0);
+    scratch[PAD * w..(PAD + side) * w].copy_from_slice(img);
+    for p in 0..PAD {
+        scratch.copy_within(PAD * w..(PAD + 1) * w, p * w);
+        scratch.copy_within((PAD + side - 1) * w..(PAD + side) * w, (PAD + side + p) * w);
+    }
+    let src = &scratch[..];
+    // Per column: integer row offset, 16-bit weights, and the output rows inside the source.
+    let mut cols = Vec::with_capacity(side);
+    for x in 0..side {
+        let ox = x as f64 + 0.5;
+        let t = d * ox;
+        let (lo, hi) = inside_range(1.0, t, 0.0, ox, side);
+        let (k, w16) = split_offset(t);
+        cols.push((k, w16, lo, hi));
+    }
+    for y in 0..side {
+        let row = &mut img[y * w..(y + 1) * w];
+        for (x, (out, &(k, w16, lo, hi))) in row.chunks_exact_mut(3).zip(&cols).enumerate() {
+            if y < lo || y >= hi {
                 out.copy_from_slice(&fill);
                 continue;
             }
-            // Pixel-index coordinates (≥ −0.5); a cast instead of floor(), which is a library
-            // call without SSE4.1.
-            let (fx, fy) = (ix - 0.5, iy - 0.5);
-            let xi = if fx < 0.0 { -1 } else { fx as i64 };
-            let yi = if fy < 0.0 { -1 } else { fy as i64 };
-            let (wx, wy) = (fx - xi as f32, fy - yi as f32);
-            let (xa, ya) = (xi.max(0) as usize, yi.max(0) as usize);
-            let (xb, yb) = (((xi + 1) as usize).min(last), ((yi + 1) as usize).min(last));
-            let (p00, p01) = ((ya * side + xa) * 3, (ya * side + xb) * 3);
-            let (p10, p11) = ((yb * side + xa) * 3, (yb * side + xb) * 3);
-            let (w00, w01, w10, w11) = ((1.0 - wx) * (1.0 - wy), wx * (1.0 - wy), (1.0 - wx) * wy, wx * wy);
+            let r = (y as isize + k + PAD as isize).clamp(0, (rows - 2) as isize) as usize;
+            let p = r * w + x * 3;
+            let (top, bot) = (&src[p..p + 3], &src[p + w..p + w + 3]);
+            let (w1, w0) = (w16, 65536 - w16);
             for ch in 0..3 {
-                let v = src[p00 + ch] as f32 * w00 + src[p01 + ch] as f32 * w01 + src[p10 + ch] as f32 * w10 + src[p11 + ch] as f32 * w11;
-                out[ch] = to_u8(v);
+                let v = top[ch] as u32 * w0 + bot[ch] as u32 * w1;
+                out[ch] = ((v + 32768) >> 16) as u8;
             }
+        }
+    }
+}
+
+/// The general map (Rotate): per row, the inside columns step through the source in 32.32
+/// fixed point from an exact f64 start, and sample an edge-padded copy with 11-bit weights.
+fn affine_general(img: &mut [u8], side: usize, fill: [u8; 3], scratch: &mut Vec<u8>, m: [f64; 6]) {
+    let [a, b, c, d, e, f] = m;
+    let ps = side + 2;
+    let pw = ps * 3;
+    scratch.clear();
+    scratch.resize(ps * pw, 0);
+    for y in 0..side {
+        let dst = &mut scratch[(y + 1) * pw..(y + 2) * pw];
+        dst[3..pw - 3].copy_from_slice(&img[y * side * 3..(y + 1) * side * 3]);
+        dst.copy_within(3..6, 0);
+        dst.copy_within(pw - 6..pw - 3, pw - 3);
+    }
+    scratch.copy_within(pw..2 * pw, 0);
+    scratch.copy_within(side * pw..(side + 1) * pw, (side + 1) * pw);
+    let src = &scratch[..];
+    const ONE: f64 = 4294967296.0;
+    const HALF_W: i64 = 1 << 20; // rounds the position to the 11-bit weight grid
+    let (dx, dy) = ((a * ONE).round() as i64, (d * ONE).round() as i64);
+    let w = side * 3;
+    for y in 0..side {
+        let oy = y as f64 + 0.5;
+        let (rx, ry) = (b * oy + c, e * oy + f);
+        let (lo, hi) = inside_range(a, rx, d, ry, side);
+        let row = &mut img[y * w..(y + 1) * w];
+        fill_px(&mut row[..lo * 3], fill);
+        fill_px(&mut row[hi.max(lo) * 3..], fill);
+        if lo >= hi {
+            continue;
+        }
+        let ox = lo as f64 + 0.5;
+        // Padded pixel-index coordinates: (i − ½) + 1.
+        let mut fx = ((a * ox + rx + 0.5) * ONE).round() as i64 + HALF_W;
+        let mut fy = ((d * ox + ry + 0.5) * ONE).round() as i64 + HALF_W;
+        for out in row[lo * 3..hi * 3].chunks_exact_mut(3) {
+            let xi = ((fx >> 32).max(0) as usize).min(side);
+            let yi = ((fy >> 32).max(0) as usize).min(side);
+            let wx = ((fx >> 21) & 0x7ff) as i32;
+            let wy = ((fy >> 21) & 0x7ff) as i32;
+            let p = yi * pw + xi * 3;
+            let (t, u) = (&src[p..p + 6], &src[p + pw..p + pw + 6]);
+            for ch in 0..3 {
+                let top = ((t[ch] as i32) << 11) + (t[ch + 3] as i32 - t[ch] as i32) * wx;
+                let bot = ((u[ch] as i32) << 11) + (u[ch + 3] as i32 - u[ch] as i32) * wx;
+                let v = (top << 11) + (bot - top) * wy;
+                out[ch] = ((v + (1 << 21)) >> 22) as u8;
+            }
+            fx += dx;
+            fy += dy;
         }
     }
 }
@@ -310,6 +571,132 @@ mod tests {
     fn run(op: Op, m: f64, inc: bool, img: &mut [u8], side: usize) {
         let mut rng = SplitMix::new(5);
         apply_op(op, m, inc, &mut rng, img, side, [124, 116, 104], &mut Vec::new());
+    }
+
+    fn random_image(side: usize, seed: u64) -> Vec<u8> {
+        let mut rng = SplitMix::new(seed);
+        (0..side * side * 3).map(|_| rng.below(256) as u8).collect()
+    }
+
+    /// Smooth random image: a few random gradients plus mild noise (closer to a photo than
+    /// white noise, and exercises the rounding of every op).
+    fn photo_like(side: usize, seed: u64) -> Vec<u8> {
+        let mut rng = SplitMix::new(seed);
+        let k: Vec<f64> = (0..9).map(|_| rng.f64() * 6.0).collect();
+        let s = side as f64;
+        (0..side * side)
+            .flat_map(|i| {
+                let (x, y) = ((i % side) as f64 / s, (i / side) as f64 / s);
+                let mut px = [0u8; 3];
+                for c in 0..3 {
+                    let v = 128.0 + 100.0 * (k[3 * c] * x + k[3 * c + 1] * y + k[3 * c + 2]).sin() + 20.0 * (rng.f64() - 0.5);
+                    px[c] = v.clamp(0.0, 255.0) as u8;
+                }
+                px
+            })
+            .collect()
+    }
+
+    /// Reference PIL bilinear AFFINE: per pixel in f64, straight from the definition.
+    fn affine_reference(img: &[u8], side: usize, fill: [u8; 3], m: [f64; 6]) -> Vec<u8> {
+        let [a, b, c, d, e, f] = m;
+        let s = side as f64;
+        let last = side as i64 - 1;
+        let mut out = vec![0u8; img.len()];
+        for y in 0..side {
+            for x in 0..side {
+                let (ox, oy) = (x as f64 + 0.5, y as f64 + 0.5);
+                let (ix, iy) = (a * ox + (b * oy + c), d * ox + (e * oy + f));
+                let o = (y * side + x) * 3;
+                if !(0.0..s).contains(&ix) || !(0.0..s).contains(&iy) {
+                    out[o..o + 3].copy_from_slice(&fill);
+                    continue;
+                }
+                let (fx, fy) = (ix - 0.5, iy - 0.5);
+                let (xi, yi) = (fx.floor() as i64, fy.floor() as i64);
+                let (wx, wy) = (fx - xi as f64, fy - yi as f64);
+                let at = |yy: i64, xx: i64, ch: usize| img[((yy.clamp(0, last) * side as i64 + xx.clamp(0, last)) * 3) as usize + ch] as f64;
+                for ch in 0..3 {
+                    let top = at(yi, xi, ch) * (1.0 - wx) + at(yi, xi + 1, ch) * wx;
+                    let bot = at(yi + 1, xi, ch) * (1.0 - wx) + at(yi + 1, xi + 1, ch) * wx;
+                    out[o + ch] = (top * (1.0 - wy) + bot * wy + 0.5).floor().clamp(0.0, 255.0) as u8;
+                }
+            }
+        }
+        out
+    }
+
+    fn max_diff(a: &[u8], b: &[u8]) -> (u8, usize) {
+        let d = a.iter().zip(b).map(|(x, y)| x.abs_diff(*y));
+        (d.clone().max().unwrap_or(0), d.filter(|&v| v > 0).count())
+    }
+
+    /// The fast geometric ops against the f64 reference: every byte within 1 level, on random
+    /// noise (the worst case for interpolation error) and smooth images, at random magnitudes,
+    /// signs and several sides (odd ones included).
+    #[test]
+    fn geometric_ops_match_reference() {
+        let fill = [124, 116, 104];
+        let mut scratch = Vec::new();
+        let mut rng = SplitMix::new(11);
+        for (t, side) in [224usize, 31, 8, 1, 2, 100, 224, 57].into_iter().enumerate() {
+            for op in [Op::Rotate, Op::ShearX, Op::ShearY, Op::TranslateXRel, Op::TranslateYRel] {
+                for k in 0..4 {
+                    let img = if k % 2 == 0 { random_image(side, t as u64 * 100 + k) } else { photo_like(side, t as u64 * 100 + k) };
+                    // Random level in [0, 10], a few exact ones for integral/zero offsets.
+                    let m = match k {
+                        0 => 10.0,
+                        1 => 0.0,
+                        _ => rng.f64() * 10.0,
+                    };
+                    let seed = rng.next_u64();
+                    let matrix = geometric(op, m / 10.0, &mut SplitMix::new(seed), side);
+                    let want = affine_reference(&img, side, fill, matrix);
+                    let mut got = img.clone();
+                    apply_op(op, m, false, &mut SplitMix::new(seed), &mut got, side, fill, &mut scratch);
+                    let (d, n) = max_diff(&got, &want);
+                    assert!(d <= 1, "{op:?} m={m:.3} side={side}: max diff {d} ({n} bytes differ), matrix {matrix:?}");
+                }
+            }
+        }
+        // Exact matrices that put pixel centres on the boundary, half-pixel and integral shifts.
+        for m in [
+            [1.0, 0.0, 3.0, 0.0, 1.0, 0.0],
+            [1.0, 0.0, -2.5, 0.0, 1.0, 0.0],
+            [1.0, 0.0, 0.0, 0.0, 1.0, 0.5],
+            [1.0, 0.0, 0.0, 0.0, 1.0, -7.0],
+            [1.0, 0.25, 0.0, 0.0, 1.0, 0.0],
+            [1.0, 0.0, 0.0, -0.25, 1.0, 0.0],
+            [0.0, -1.0, 16.0, 1.0, 0.0, 0.0],
+            [1.0, 0.0, 1.5, 0.0, 1.0, -1.5],
+        ] {
+            let side = 16;
+            let img = random_image(side, 3);
+            let want = affine_reference(&img, side, fill, m);
+            let mut got = img.clone();
+            affine(&mut got, side, fill, &mut scratch, m);
+            let (d, n) = max_diff(&got, &want);
+            assert!(d <= 1, "{m:?}: max diff {d} ({n} bytes differ)");
+        }
+    }
+
+    /// The SSE2 blend and its scalar tail are the same arithmetic: byte-identical results.
+    #[test]
+    fn lerp_bytes_vector_equals_scalar() {
+        let n = 16 * 9 + 7;
+        let (p, q) = (random_image(8, 1), random_image(8, 2));
+        let (p, q) = (&p[..n], &q[..n]);
+        for w16 in [1u32, 2, 255, 256, 32767, 32768, 40000, 65535] {
+            let mut got = vec![0u8; n];
+            lerp_bytes(&mut got, p, q, w16);
+            for i in 0..n {
+                let a = ((p[i] as u32 * 256) * (65536 - w16)) >> 16;
+                let b = ((q[i] as u32 * 256) * w16) >> 16;
+                assert_eq!(got[i] as u32, (a + b + 129) >> 8, "w16={w16} i={i}");
+                let exact = (p[i] as f64 * (65536 - w16) as f64 + q[i] as f64 * w16 as f64) / 65536.0;
+                assert!((got[i] as f64 - exact).abs() <= 0.51, "w16={w16} i={i}: {} vs {exact}", got[i]);
+            }
+        }
     }
 
     #[test]
