@@ -121,57 +121,131 @@ fn taps(src_len: usize, r0: f32, rlen: f32, out_len: usize) -> Taps {
 }
 
 thread_local! {
-    // Scratch buffers per worker thread (horizontal-pass rows, one accumulator row), reused
-    // across images.
-    static SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    // Scratch buffers per worker thread (one source row as f32 pixels, horizontal-pass rows, one
+    // accumulator row), reused across images.
+    static SCRATCH: RefCell<(Vec<f32>, Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
 }
 
-/// Resamples `region` of the (height, width, 3) HWC image `src` to `out` (3, side, side) CHW,
-/// mirrored when `flip`, normalized as `(v / 255 − mean) / std`.
+/// Pixels are handled as 4 f32 lanes (R, G, B, unused) so that one pixel is one SIMD vector.
+const LANES: usize = 4;
+
+/// Source pixels `srow` (3 bytes each) to 4-lane f32 pixels. The fourth lane is unused: the
+/// vector path fills it with the next byte, the scalar one leaves it; it never reaches an output.
+fn convert_row(srow: &[u8], conv: &mut [f32]) {
+    let n = srow.len() / 3;
+    debug_assert!(conv.len() >= n * LANES);
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
+    #[cfg(target_arch = "x86_64")]
+    let done = {
+        use std::arch::x86_64::*;
+        // Pixels whose 4-byte load stays inside `srow`.
+        let vec_n = if srow.len() >= 4 { (srow.len() - 4) / 3 + 1 } else { 0 }.min(n);
+        // SAFETY: SSE2 is baseline on x86-64; pixel j reads bytes 3j..3j+4 ≤ srow.len() (by
+        // vec_n) and writes floats 4j..4j+4 ≤ conv.len().
+        unsafe {
+            let zero = _mm_setzero_si128();
+            for j in 0..vec_n {
+                let v = _mm_cvtsi32_si128(std::ptr::read_unaligned(srow.as_ptr().add(3 * j) as *const i32));
+                let v = _mm_unpacklo_epi16(_mm_unpacklo_epi8(v, zero), zero);
+                _mm_storeu_ps(conv.as_mut_ptr().add(LANES * j), _mm_cvtepi32_ps(v));
+            }
+        }
+        vec_n
+    };
+    for (c, p) in conv[done * LANES..n * LANES].chunks_exact_mut(LANES).zip(srow[done * 3..].chunks_exact(3)) {
+        c[0] = p[0] as f32;
+        c[1] = p[1] as f32;
+        c[2] = p[2] as f32;
+    }
+}
+
+/// One output column's horizontal taps: first source pixel (relative to the converted span),
+/// tap count, offset of its weights.
+#[derive(Clone, Copy)]
+struct Col {
+    start: usize,
+    len: usize,
+    w: usize,
+}
+
+/// Horizontal pass of one source row: `trow[ox] = Σ_k w_k · conv[start + k]` (4 lanes), the
+/// taps added in order from 0.
+fn hpass_row(conv: &[f32], cols: &[Col], weights: &[f32], trow: &mut [f32]) {
+    debug_assert!(trow.len() >= cols.len() * LANES);
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::*;
+        for c in cols {
+            assert!((c.start + c.len) * LANES <= conv.len() && c.w + c.len <= weights.len());
+        }
+        // SAFETY: SSE2 is baseline on x86-64; every read is within the bounds asserted above,
+        // every write within trow (debug-asserted; cols.len() == side == trow.len() / 4).
+        unsafe {
+            let (cp, wp, tp) = (conv.as_ptr(), weights.as_ptr(), trow.as_mut_ptr());
+            for (ox, c) in cols.iter().enumerate() {
+                let mut a = _mm_setzero_ps();
+                let (p, w) = (cp.add(c.start * LANES), wp.add(c.w));
+                for k in 0..c.len {
+                    a = _mm_add_ps(a, _mm_mul_ps(_mm_set1_ps(*w.add(k)), _mm_loadu_ps(p.add(k * LANES))));
+                }
+                _mm_storeu_ps(tp.add(ox * LANES), a);
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    for (t, c) in trow.chunks_exact_mut(LANES).zip(cols) {
+        let mut a = [0f32; LANES];
+        for (&wk, p) in weights[c.w..c.w + c.len].iter().zip(conv[c.start * LANES..].chunks_exact(LANES)) {
+            for l in 0..LANES {
+                a[l] += wk * p[l];
+            }
+        }
+        t.copy_from_slice(&a);
+    }
+}
+
+/// The separable antialiased resampling of `region` of the (height, width, 3) HWC image `src`
+/// to `side` × `side`, mirrored when `flip`: hands each output row, as `side` pixels of 4 f32
+/// (R, G, B, unused) in source units (0..=255), to `sink(row_index, row)`.
+///
+/// Per channel the arithmetic is one f32 multiply and add per tap in tap order, horizontal
+/// pass first, whichever code path runs (SIMD lanes are the channels).
 #[allow(clippy::too_many_arguments)]
-pub fn resample(src: &[u8], width: usize, height: usize, region: Region, side: usize, flip: bool, mean: [f32; 3], std: [f32; 3], out: &mut [f32]) {
+pub fn resample_rows(src: &[u8], width: usize, height: usize, region: Region, side: usize, flip: bool, mut sink: impl FnMut(usize, &[f32])) {
     debug_assert_eq!(src.len(), width * height * 3);
-    debug_assert_eq!(out.len(), 3 * side * side);
     let tx = taps(width, region.x0, region.w, side);
     let ty = taps(height, region.y0, region.h, side);
-    // Source rows the vertical pass touches.
+    // Source rows the vertical pass touches, source columns the horizontal pass touches.
     let row_lo = ty.start[0];
     let row_hi = (0..side).map(|i| ty.start[i] + ty.len[i]).max().unwrap_or(row_lo + 1).min(height);
     let rows = row_hi - row_lo;
-    let row_len = side * 3;
+    let col_lo = tx.start.iter().copied().min().unwrap_or(0);
+    let col_hi = (0..side).map(|i| tx.start[i] + tx.len[i]).max().unwrap_or(col_lo + 1).min(width);
+    // Output columns in output order; the flip reads column side-1-ox's taps.
+    let cols: Vec<Col> = (0..side)
+        .map(|ox| {
+            let sx = if flip { side - 1 - ox } else { ox };
+            Col { start: tx.start[sx] - col_lo, len: tx.len[sx], w: sx * tx.n }
+        })
+        .collect();
+    let row_len = side * LANES;
     SCRATCH.with(|cell| {
         let mut guard = cell.borrow_mut();
-        let (tmp, acc) = &mut *guard;
+        let (conv, tmp, acc) = &mut *guard;
+        conv.clear();
+        conv.resize((col_hi - col_lo) * LANES, 0.0);
         tmp.clear();
         tmp.resize(rows * row_len, 0.0);
         acc.clear();
         acc.resize(row_len, 0.0);
-        // Horizontal pass into (rows, side, 3); the flip is applied here by reading output
-        // column side-1-ox's taps.
+        // Horizontal pass into (rows, side, 4).
         for (r, y) in (row_lo..row_hi).enumerate() {
-            let srow = &src[y * width * 3..(y + 1) * width * 3];
-            let trow = &mut tmp[r * row_len..(r + 1) * row_len];
-            for ox in 0..side {
-                let sx = if flip { side - 1 - ox } else { ox };
-                let s0 = tx.start[sx];
-                let w = &tx.weights[sx * tx.n..sx * tx.n + tx.len[sx]];
-                let px = &srow[s0 * 3..(s0 + w.len()) * 3];
-                let (mut a, mut b, mut c) = (0f32, 0f32, 0f32);
-                for (wk, p) in w.iter().zip(px.chunks_exact(3)) {
-                    a += wk * p[0] as f32;
-                    b += wk * p[1] as f32;
-                    c += wk * p[2] as f32;
-                }
-                trow[ox * 3] = a;
-                trow[ox * 3 + 1] = b;
-                trow[ox * 3 + 2] = c;
-            }
+            convert_row(&src[(y * width + col_lo) * 3..(y * width + col_hi) * 3], conv);
+            hpass_row(conv, &cols, &tx.weights, &mut tmp[r * row_len..(r + 1) * row_len]);
         }
         // Vertical pass, one output row at a time as a weighted sum of whole rows (contiguous,
-        // vectorizable), then normalization and HWC→CHW.
-        let plane = side * side;
-        let k = [1.0 / (255.0 * std[0]), 1.0 / (255.0 * std[1]), 1.0 / (255.0 * std[2])];
-        let off = [mean[0] / std[0], mean[1] / std[1], mean[2] / std[2]];
+        // vectorizable).
         for oy in 0..side {
             let s0 = ty.start[oy] - row_lo;
             let w = &ty.weights[oy * ty.n..oy * ty.n + ty.len[oy]];
@@ -182,11 +256,85 @@ pub fn resample(src: &[u8], width: usize, height: usize, region: Region, side: u
                     *a += wk * t;
                 }
             }
-            let o = oy * side;
-            for (ox, px) in acc.chunks_exact(3).enumerate() {
-                out[o + ox] = px[0] * k[0] - off[0];
-                out[plane + o + ox] = px[1] * k[1] - off[1];
-                out[2 * plane + o + ox] = px[2] * k[2] - off[2];
+            sink(oy, acc);
+        }
+    });
+}
+
+/// Resamples `region` of the (height, width, 3) HWC image `src` to `out` (3, side, side) CHW,
+/// mirrored when `flip`, normalized as `(v / 255 − mean) / std`.
+#[allow(clippy::too_many_arguments)]
+pub fn resample(src: &[u8], width: usize, height: usize, region: Region, side: usize, flip: bool, mean: [f32; 3], std: [f32; 3], out: &mut [f32]) {
+    debug_assert_eq!(out.len(), 3 * side * side);
+    let plane = side * side;
+    let k = [1.0 / (255.0 * std[0]), 1.0 / (255.0 * std[1]), 1.0 / (255.0 * std[2])];
+    let off = [mean[0] / std[0], mean[1] / std[1], mean[2] / std[2]];
+    let (out_r, rest) = out.split_at_mut(plane);
+    let (out_g, out_b) = rest.split_at_mut(plane);
+    resample_rows(src, width, height, region, side, flip, |oy, row| {
+        let o = oy * side;
+        let (r, g, b) = (&mut out_r[o..o + side], &mut out_g[o..o + side], &mut out_b[o..o + side]);
+        #[allow(unused_mut)]
+        let mut done = 0;
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::*;
+            // SAFETY: SSE2 is baseline on x86-64; reads 4 pixels (16 floats) of `row` (side
+            // pixels) and writes 4 floats of r, g, b (side each) per step, while done + 4 ≤ side.
+            unsafe {
+                let (k0, k1, k2) = (_mm_set1_ps(k[0]), _mm_set1_ps(k[1]), _mm_set1_ps(k[2]));
+                let (o0, o1, o2) = (_mm_set1_ps(off[0]), _mm_set1_ps(off[1]), _mm_set1_ps(off[2]));
+                let p = row.as_ptr();
+                while done + 4 <= side {
+                    let q = p.add(done * LANES);
+                    let (mut a, mut b_, mut c, mut d) = (_mm_loadu_ps(q), _mm_loadu_ps(q.add(4)), _mm_loadu_ps(q.add(8)), _mm_loadu_ps(q.add(12)));
+                    _MM_TRANSPOSE4_PS(&mut a, &mut b_, &mut c, &mut d);
+                    _mm_storeu_ps(r.as_mut_ptr().add(done), _mm_sub_ps(_mm_mul_ps(a, k0), o0));
+                    _mm_storeu_ps(g.as_mut_ptr().add(done), _mm_sub_ps(_mm_mul_ps(b_, k1), o1));
+                    _mm_storeu_ps(b.as_mut_ptr().add(done), _mm_sub_ps(_mm_mul_ps(c, k2), o2));
+                    done += 4;
+                }
+            }
+        }
+        for ox in done..side {
+            let px = &row[ox * LANES..ox * LANES + 3];
+            r[ox] = px[0] * k[0] - off[0];
+            g[ox] = px[1] * k[1] - off[1];
+            b[ox] = px[2] * k[2] - off[2];
+        }
+    });
+}
+
+/// [`resample`] to (side, side, 3) HWC bytes, each value rounded half up and clamped to
+/// 0..=255 (what RandAugment works on).
+#[allow(clippy::too_many_arguments)]
+pub fn resample_u8(src: &[u8], width: usize, height: usize, region: Region, side: usize, flip: bool, out: &mut [u8]) {
+    debug_assert_eq!(out.len(), 3 * side * side);
+    resample_rows(src, width, height, region, side, flip, |oy, row| {
+        let o = &mut out[oy * side * 3..(oy + 1) * side * 3];
+        #[allow(unused_mut)]
+        let mut done = 0;
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::*;
+            // SAFETY: SSE2 is baseline on x86-64; pixel ox reads floats 4ox..4ox+4 of `row` and
+            // writes bytes 3ox..3ox+4 of `o`, which stays inside while ox + 1 < side.
+            unsafe {
+                let (zero, half, max) = (_mm_setzero_ps(), _mm_set1_ps(0.5), _mm_set1_ps(255.0));
+                while done + 1 < side {
+                    let v = _mm_loadu_ps(row.as_ptr().add(done * LANES));
+                    // Same as the scalar path: (max(v, 0) + 0.5) min 255, truncated.
+                    let i = _mm_cvttps_epi32(_mm_min_ps(_mm_add_ps(_mm_max_ps(v, zero), half), max));
+                    let b = _mm_packus_epi16(_mm_packs_epi32(i, i), _mm_setzero_si128());
+                    std::ptr::write_unaligned(o.as_mut_ptr().add(done * 3) as *mut i32, _mm_cvtsi128_si32(b));
+                    done += 1;
+                }
+            }
+        }
+        for (q, px) in o[done * 3..].chunks_exact_mut(3).zip(row[done * LANES..].chunks_exact(LANES)) {
+            for c in 0..3 {
+                // max/min, then a truncating cast: round half up without a library call.
+                q[c] = (px[c].max(0.0) + 0.5).min(255.0) as u8;
             }
         }
     });
@@ -198,6 +346,90 @@ mod tests {
 
     const ID_MEAN: [f32; 3] = [0.0; 3];
     const ID_STD: [f32; 3] = [1.0 / 255.0; 3];
+
+    /// The straightforward version of [`resample`] (scalar, per channel, horizontal pass then
+    /// vertical), kept as the reference for the vectorized one.
+    #[allow(clippy::too_many_arguments)]
+    fn resample_reference(src: &[u8], width: usize, height: usize, region: Region, side: usize, flip: bool, mean: [f32; 3], std: [f32; 3]) -> Vec<f32> {
+        let tx = taps(width, region.x0, region.w, side);
+        let ty = taps(height, region.y0, region.h, side);
+        let row_lo = ty.start[0];
+        let row_hi = (0..side).map(|i| ty.start[i] + ty.len[i]).max().unwrap().min(height);
+        let row_len = side * 3;
+        let mut tmp = vec![0f32; (row_hi - row_lo) * row_len];
+        for (r, y) in (row_lo..row_hi).enumerate() {
+            let srow = &src[y * width * 3..(y + 1) * width * 3];
+            for ox in 0..side {
+                let sx = if flip { side - 1 - ox } else { ox };
+                let s0 = tx.start[sx];
+                let w = &tx.weights[sx * tx.n..sx * tx.n + tx.len[sx]];
+                let mut a = [0f32; 3];
+                for (k, wk) in w.iter().enumerate() {
+                    for c in 0..3 {
+                        a[c] += wk * srow[(s0 + k) * 3 + c] as f32;
+                    }
+                }
+                tmp[r * row_len + ox * 3..r * row_len + ox * 3 + 3].copy_from_slice(&a);
+            }
+        }
+        let plane = side * side;
+        let k = [1.0 / (255.0 * std[0]), 1.0 / (255.0 * std[1]), 1.0 / (255.0 * std[2])];
+        let off = [mean[0] / std[0], mean[1] / std[1], mean[2] / std[2]];
+        let mut out = vec![0f32; 3 * plane];
+        for oy in 0..side {
+            let s0 = ty.start[oy] - row_lo;
+            let w = &ty.weights[oy * ty.n..oy * ty.n + ty.len[oy]];
+            let mut acc = vec![0f32; row_len];
+            for (kk, &wk) in w.iter().enumerate() {
+                for (a, &t) in acc.iter_mut().zip(&tmp[(s0 + kk) * row_len..(s0 + kk + 1) * row_len]) {
+                    *a += wk * t;
+                }
+            }
+            for ox in 0..side {
+                for c in 0..3 {
+                    out[c * plane + oy * side + ox] = acc[ox * 3 + c] * k[c] - off[c];
+                }
+            }
+        }
+        out
+    }
+
+    /// The vectorized resampling is the reference's arithmetic exactly (same f32 operations in
+    /// the same order per channel): bit-identical output, and the byte output is the reference
+    /// rounded half up. Random images, windows (down- and upscaling), flips, and tiny sources.
+    #[test]
+    fn resample_matches_scalar_reference_exactly() {
+        let mut rng = SplitMix::new(9);
+        let sizes = [(500, 375, 224), (375, 500, 224), (37, 29, 16), (1, 1, 5), (2, 3, 4), (5, 1, 3), (64, 64, 64), (300, 200, 7), (16, 16, 31)];
+        for (t, &(w, h, side)) in sizes.iter().enumerate() {
+            let src: Vec<u8> = (0..w * h * 3).map(|_| rng.below(256) as u8).collect();
+            for k in 0..4 {
+                let (region, flip) = if k == 0 {
+                    (center_crop(w, h, side, 0.875), false)
+                } else {
+                    (random_resized_crop(&mut rng, w, h, [0.08, 1.0], [0.75, 4.0 / 3.0]), rng.coin())
+                };
+                let (mean, std) = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]);
+                let want = resample_reference(&src, w, h, region, side, flip, mean, std);
+                let mut got = vec![0f32; 3 * side * side];
+                resample(&src, w, h, region, side, flip, mean, std, &mut got);
+                assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "case {t}/{k}: {w}x{h} -> {side}, {region:?}");
+                let raw = resample_reference(&src, w, h, region, side, flip, ID_MEAN, ID_STD);
+                let mut bytes = vec![0u8; 3 * side * side];
+                resample_u8(&src, w, h, region, side, flip, &mut bytes);
+                let plane = side * side;
+                for p in 0..plane {
+                    for c in 0..3 {
+                        // The reference's identity normalization is v·(1/255·255) − 0: within
+                        // 1e-4 of the resampled value, so rounding agrees except at exact ties.
+                        let v = raw[c * plane + p];
+                        let b = bytes[p * 3 + c] as f32;
+                        assert!((b - v).abs() <= 0.5 + 1e-3, "case {t}/{k}: pixel {p} channel {c}: {b} vs {v}");
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn identity_region_is_exact() {
