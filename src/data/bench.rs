@@ -234,7 +234,24 @@ mod timing {
         let n = 64;
         let t = Instant::now();
         let imgs: Vec<_> = (0..n).map(|i| decode(&files[i % files.len()]).unwrap()).collect();
-        eprintln!("decode: {:.3} ms", t.elapsed().as_secs_f64() * 1e3 / n as f64);
+        eprintln!("decode (first touch): {:.3} ms", t.elapsed().as_secs_f64() * 1e3 / n as f64);
+        let bytes: Vec<Vec<u8>> = files.iter().map(|f| std::fs::read(f).unwrap()).collect();
+        for round in 0..2 {
+            let t = Instant::now();
+            for i in 0..n {
+                let im = image::load_from_memory(&bytes[i % files.len()]).unwrap().into_rgb8();
+                std::hint::black_box(&im);
+            }
+            let via_image = t.elapsed().as_secs_f64() * 1e3 / n as f64;
+            let (mut file, mut px) = (Vec::new(), Vec::new());
+            let t = Instant::now();
+            for i in 0..n {
+                crate::data::decode_into(&files[i % files.len()], &mut file, &mut px).unwrap();
+                std::hint::black_box(&px);
+            }
+            let direct = t.elapsed().as_secs_f64() * 1e3 / n as f64;
+            eprintln!("decode round {round}: image crate from memory {via_image:.3} ms, direct zune-jpeg incl. file read {direct:.3} ms");
+        }
         let side = 224;
         let mut out = vec![0f32; 3 * side * side];
         let cfg = config(DatasetKind::Folder);

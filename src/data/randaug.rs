@@ -396,35 +396,58 @@ fn shift_rows(img: &mut [u8], side: usize, fill: [u8; 3], scratch: &mut Vec<u8>,
     let w = side * 3;
     scratch.clear();
     scratch.resize((side + 2 * PAD) * 3, 0);
-    for y in 0..side {
+    for (y, row) in img.chunks_exact_mut(w).enumerate() {
         let oy = y as f64 + 0.5;
         let rx = b * oy + c;
         let (lo, hi) = inside_range(1.0, rx, 0.0, oy, side);
-        let row = &mut img[y * w..(y + 1) * w];
-        if lo >= hi {
-            fill_px(row, fill);
-            continue;
+        shift_row(row, scratch, fill, rx, lo, hi);
+    }
+}
+
+/// One row of [`shift_rows`] in place: pixels `lo..hi` read the row shifted by `rx` pixels
+/// (column x samples at x + rx, edge pixels clamped), the rest take `fill`. `padded` holds
+/// (side + 2·PAD) pixels of scratch.
+fn shift_row(row: &mut [u8], padded: &mut [u8], fill: [u8; 3], rx: f64, lo: usize, hi: usize) {
+    let side = row.len() / 3;
+    let w = side * 3;
+    if lo >= hi {
+        fill_px(row, fill);
+        return;
+    }
+    // Edge-padded copy of the source row (which is this very row).
+    padded[PAD * 3..PAD * 3 + w].copy_from_slice(row);
+    for p in 0..PAD {
+        padded.copy_within(PAD * 3..PAD * 3 + 3, p * 3);
+        padded.copy_within(PAD * 3 + w - 3..PAD * 3 + w, (PAD + side + p) * 3);
+    }
+    // Column x reads source pixels floor(x + rx) and the next: padded x + k + PAD.
+    let (k, w16) = split_offset(rx);
+    let first = (lo as isize + k + PAD as isize).clamp(0, (side + PAD) as isize) as usize;
+    let src = &padded[first * 3..(side + 2 * PAD) * 3];
+    let n = (hi - lo).min(src.len() / 3 - 1);
+    let out = &mut row[lo * 3..(lo + n) * 3];
+    if w16 == 0 {
+        out.copy_from_slice(&src[..n * 3]);
+    } else {
+        lerp_bytes(out, &src[..n * 3], &src[3..n * 3 + 3], w16);
+    }
+    fill_px(&mut row[..lo * 3], fill);
+    fill_px(&mut row[(lo + n) * 3..], fill);
+}
+
+/// Transposes the (side, side, 3) pixel grid `src` into `dst`, in tiles that stay in cache.
+fn transpose(src: &[u8], dst: &mut [u8], side: usize) {
+    const T: usize = 16;
+    let w = side * 3;
+    for by in (0..side).step_by(T) {
+        for bx in (0..side).step_by(T) {
+            for y in by..(by + T).min(side) {
+                let srow = &src[y * w..(y + 1) * w];
+                for x in bx..(bx + T).min(side) {
+                    dst[x * w + y * 3..x * w + y * 3 + 3].copy_from_slice(&srow[x * 3..x * 3 + 3]);
+                }
+            }
         }
-        // Edge-padded copy of the source row (which is this very row).
-        scratch[PAD * 3..PAD * 3 + w].copy_from_slice(row);
-        for p in 0..PAD {
-            scratch.copy_within(PAD * 3..PAD * 3 + 3, p * 3);
-            scratch.copy_within(PAD * 3 + w - 3..PAD * 3 + w, (PAD + side + p) * 3);
-        }
-        // Column x reads source pixels floor(x + rx) and the next: padded x + k + PAD.
-        let (k, w16) = split_offset(rx);
-        let first = (lo as isize + k + PAD as isize).clamp(0, (side + PAD) as isize) as usize;
-        let n = hi - lo;
-        let src = &scratch[first * 3..];
-        let n = n.min(src.len() / 3 - 1);
-        let out = &mut row[lo * 3..(lo + n) * 3];
-        if w16 == 0 {
-            out.copy_from_slice(&src[..n * 3]);
-        } else {
-            lerp_bytes(out, &src[..n * 3], &src[3..n * 3 + 3], w16);
-        }
-        fill_px(&mut row[..lo * 3], fill);
-        fill_px(&mut row[(lo + n) * 3..], fill);
     }
 }
 
@@ -457,45 +480,22 @@ fn shift_vertical(img: &mut [u8], side: usize, fill: [u8; 3], scratch: &mut Vec<
 }
 
 /// `a = 1, b = c = 0, e = 1, f = 0`: column x reads its own source column shifted by
-/// `d·(x+½)` pixels (ShearY). Processed row by row with per-column offsets and weights.
+/// `d·(x+½)` pixels (ShearY): transposed, shifted row by row as in [`shift_rows`], transposed
+/// back.
 fn shear_columns(img: &mut [u8], side: usize, fill: [u8; 3], scratch: &mut Vec<u8>, d: f64) {
-    let w = side * 3;
-    // Source with PAD edge rows above and below.
-    let rows = side + 2 * PAD;
+    let n = side * side * 3;
     scratch.clear();
-    scratch.resize(rows * w, 0);
-    scratch[PAD * w..(PAD + side) * w].copy_from_slice(img);
-    for p in 0..PAD {
-        scratch.copy_within(PAD * w..(PAD + 1) * w, p * w);
-        scratch.copy_within((PAD + side - 1) * w..(PAD + side) * w, (PAD + side + p) * w);
-    }
-    let src = &scratch[..];
-    // Per column: integer row offset, 16-bit weights, and the output rows inside the source.
-    let mut cols = Vec::with_capacity(side);
-    for x in 0..side {
+    scratch.resize(n + (side + 2 * PAD) * 3, 0);
+    let (t, padded) = scratch.split_at_mut(n);
+    transpose(img, t, side);
+    for (x, col) in t.chunks_exact_mut(side * 3).enumerate() {
         let ox = x as f64 + 0.5;
-        let t = d * ox;
-        let (lo, hi) = inside_range(1.0, t, 0.0, ox, side);
-        let (k, w16) = split_offset(t);
-        cols.push((k, w16, lo, hi));
+        let ry = d * ox;
+        // Output row y of this column maps to (ox, d·ox + (y+½)).
+        let (lo, hi) = inside_range(1.0, ry, 0.0, ox, side);
+        shift_row(col, padded, fill, ry, lo, hi);
     }
-    for y in 0..side {
-        let row = &mut img[y * w..(y + 1) * w];
-        for (x, (out, &(k, w16, lo, hi))) in row.chunks_exact_mut(3).zip(&cols).enumerate() {
-            if y < lo || y >= hi {
-                out.copy_from_slice(&fill);
-                continue;
-            }
-            let r = (y as isize + k + PAD as isize).clamp(0, (rows - 2) as isize) as usize;
-            let p = r * w + x * 3;
-            let (top, bot) = (&src[p..p + 3], &src[p + w..p + w + 3]);
-            let (w1, w0) = (w16, 65536 - w16);
-            for ch in 0..3 {
-                let v = top[ch] as u32 * w0 + bot[ch] as u32 * w1;
-                out[ch] = ((v + 32768) >> 16) as u8;
-            }
-        }
-    }
+    transpose(t, img, side);
 }
 
 /// The general map (Rotate): per row, the inside columns step through the source in 32.32
