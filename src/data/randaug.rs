@@ -97,33 +97,22 @@ pub fn apply_op(op: Op, m: f64, increasing: bool, rng: &mut SplitMix, img: &mut 
         Op::Solarize => {
             let t = (l * 256.0) as i32;
             let thresh = if increasing { 256 - t } else { t };
-            img.iter_mut().for_each(|v| {
-                if *v as i32 >= thresh {
-                    *v = 255 - *v
-                }
-            });
+            if thresh <= 255 {
+                let t = thresh.max(0) as u8;
+                img.iter_mut().for_each(|v| *v = if *v >= t { 255 - *v } else { *v });
+            }
         }
         Op::SolarizeAdd => {
-            let add = (l * 110.0) as u16;
-            img.iter_mut().for_each(|v| {
-                if *v < 128 {
-                    *v = (*v as u16 + add).min(255) as u8
-                }
-            });
+            let add = (l * 110.0).min(255.0) as u8;
+            img.iter_mut().for_each(|v| *v = if *v < 128 { v.saturating_add(add) } else { *v });
         }
         Op::Color => {
             let f = enhance(rng);
-            blend_with(img, f, |px| {
-                let g = luma(px[0], px[1], px[2]);
-                [g, g, g]
-            });
+            color(img, f as f32);
         }
         Op::Contrast => {
             let f = enhance(rng);
-            let n = (img.len() / 3).max(1) as f64;
-            let mean = img.chunks_exact(3).map(|p| luma(p[0], p[1], p[2]) as f64).sum::<f64>() / n;
-            let g = (mean + 0.5) as u8 as f32;
-            blend_const(img, f, g);
+            blend_const(img, f, mean_grey(img));
         }
         Op::Brightness => {
             let f = enhance(rng);
@@ -159,58 +148,110 @@ fn geometric(op: Op, l: f64, rng: &mut SplitMix, side: usize) -> [f64; 6] {
     }
 }
 
-/// PIL's "L" conversion as a float: (299 R + 587 G + 114 B) / 1000.
-fn luma(r: u8, g: u8, b: u8) -> f32 {
-    (r as f32 * 299.0 + g as f32 * 587.0 + b as f32 * 114.0) / 1000.0
+/// PIL's "L" conversion scaled by 1000, exactly: 299 R + 587 G + 114 B.
+#[inline]
+fn luma1000(r: u8, g: u8, b: u8) -> u32 {
+    r as u32 * 299 + g as u32 * 587 + b as u32 * 114
 }
 
-/// PIL `Image.blend(degenerate, img, f)` = degenerate + f·(img − degenerate), clipped.
-fn blend_with(img: &mut [u8], f: f64, degenerate: impl Fn(&[u8]) -> [f32; 3]) {
-    let f = f as f32;
+/// `ImageEnhance.Color`: blend with the image's grey version, `l + f·(c − l)` per channel with
+/// `l = (299 R + 587 G + 114 B) / 1000`, in f32, rounded half up and clipped.
+fn color(img: &mut [u8], f: f32) {
     for px in img.chunks_exact_mut(3) {
-        let d = degenerate(px);
-        for c in 0..3 {
-            px[c] = to_u8(d[c] + f * (px[c] as f32 - d[c]));
+        let l = luma1000(px[0], px[1], px[2]) as f32 * 0.001;
+        for c in px {
+            *c = to_u8(l + f * (*c as f32 - l));
         }
     }
 }
 
-/// [`blend_with`] for a uniform degenerate image of value `g`, through a 256-entry table.
+/// [`color`]'s blend for a uniform degenerate image of value `g`, through a 256-entry table.
 fn blend_const(img: &mut [u8], f: f64, g: f32) {
     let f = f as f32;
     let lut: [u8; 256] = std::array::from_fn(|v| to_u8(g + f * (v as f32 - g)));
     img.iter_mut().for_each(|v| *v = lut[*v as usize]);
 }
 
-/// `ImageOps.autocontrast` (no cutoff): stretch each channel's [min, max] to [0, 255].
-fn auto_contrast(img: &mut [u8]) {
-    for c in 0..3 {
-        let (mut lo, mut hi) = (255u8, 0u8);
-        for px in img.chunks_exact(3) {
-            lo = lo.min(px[c]);
-            hi = hi.max(px[c]);
-        }
-        if hi <= lo {
-            continue;
-        }
-        // In f64, as PIL computes the table in Python floats.
-        let scale = 255.0 / (hi - lo) as f64;
-        let offset = -(lo as f64) * scale;
-        let lut: [u8; 256] = std::array::from_fn(|v| (v as f64 * scale + offset).clamp(0.0, 255.0) as u8);
-        for px in img.chunks_exact_mut(3) {
-            px[c] = lut[px[c] as usize];
+/// Bytes per block in the channel-aware loops below: 48 = 16 pixels, so byte j of every block
+/// is channel j % 3 and the per-byte loops vectorize.
+const BLOCK: usize = 48;
+
+/// Per-channel minimum and maximum in one pass.
+fn channel_min_max(img: &[u8]) -> ([u8; 3], [u8; 3]) {
+    let (mut mn, mut mx) = ([255u8; BLOCK], [0u8; BLOCK]);
+    let blocks = img.chunks_exact(BLOCK);
+    let rest = blocks.remainder();
+    for b in blocks {
+        for j in 0..BLOCK {
+            mn[j] = mn[j].min(b[j]);
+            mx[j] = mx[j].max(b[j]);
         }
     }
+    for (j, &v) in rest.iter().enumerate() {
+        mn[j] = mn[j].min(v);
+        mx[j] = mx[j].max(v);
+    }
+    let (mut lo, mut hi) = ([255u8; 3], [0u8; 3]);
+    for j in 0..BLOCK {
+        lo[j % 3] = lo[j % 3].min(mn[j]);
+        hi[j % 3] = hi[j % 3].max(mx[j]);
+    }
+    (lo, hi)
+}
+
+/// Maps every byte through its channel's table.
+fn apply_luts(img: &mut [u8], luts: &[[u8; 256]; 3]) {
+    for px in img.chunks_exact_mut(3) {
+        px[0] = luts[0][px[0] as usize];
+        px[1] = luts[1][px[1] as usize];
+        px[2] = luts[2][px[2] as usize];
+    }
+}
+
+/// `ImageOps.autocontrast` (no cutoff): stretch each channel's [min, max] to [0, 255].
+fn auto_contrast(img: &mut [u8]) {
+    let (lo, hi) = channel_min_max(img);
+    if (0..3).all(|c| hi[c] <= lo[c]) {
+        return;
+    }
+    let luts: [[u8; 256]; 3] = std::array::from_fn(|c| {
+        if hi[c] <= lo[c] {
+            return std::array::from_fn(|v| v as u8);
+        }
+        // In f64, as PIL computes the table in Python floats.
+        let scale = 255.0 / (hi[c] - lo[c]) as f64;
+        let offset = -(lo[c] as f64) * scale;
+        std::array::from_fn(|v| (v as f64 * scale + offset).clamp(0.0, 255.0) as u8)
+    });
+    apply_luts(img, &luts);
 }
 
 /// `ImageOps.equalize`: per channel, the histogram-equalizing lookup table PIL builds.
 fn equalize(img: &mut [u8]) {
-    for c in 0..3 {
-        let mut h = [0usize; 256];
-        for px in img.chunks_exact(3) {
-            h[px[c] as usize] += 1;
+    // One pass; two histogram copies per channel so that runs of equal values do not serialize
+    // on one counter.
+    let mut h = [[[0u32; 256]; 3]; 2];
+    let pairs = img.chunks_exact(6);
+    let rest = pairs.remainder();
+    for p in pairs {
+        h[0][0][p[0] as usize] += 1;
+        h[0][1][p[1] as usize] += 1;
+        h[0][2][p[2] as usize] += 1;
+        h[1][0][p[3] as usize] += 1;
+        h[1][1][p[4] as usize] += 1;
+        h[1][2][p[5] as usize] += 1;
+    }
+    for p in rest.chunks_exact(3) {
+        for c in 0..3 {
+            h[0][c][p[c] as usize] += 1;
         }
-        let nonzero: Vec<usize> = h.iter().copied().filter(|&x| x > 0).collect();
+    }
+    let mut luts = [[0u8; 256]; 3];
+    let mut any = false;
+    for c in 0..3 {
+        let hist: [usize; 256] = std::array::from_fn(|v| (h[0][c][v] + h[1][c][v]) as usize);
+        luts[c] = std::array::from_fn(|v| v as u8);
+        let nonzero: Vec<usize> = hist.iter().copied().filter(|&x| x > 0).collect();
         if nonzero.len() <= 1 {
             continue;
         }
@@ -218,36 +259,49 @@ fn equalize(img: &mut [u8]) {
         if step == 0 {
             continue;
         }
-        let mut lut = [0u8; 256];
         let mut n = step / 2;
         for i in 0..256 {
-            lut[i] = (n / step).min(255) as u8;
-            n += h[i];
+            luts[c][i] = (n / step).min(255) as u8;
+            n += hist[i];
         }
-        for px in img.chunks_exact_mut(3) {
-            px[c] = lut[px[c] as usize];
-        }
+        any = true;
+    }
+    if any {
+        apply_luts(img, &luts);
     }
 }
 
+/// `ImageEnhance.Contrast`'s grey level: the mean of the "L" image, rounded half up.
+fn mean_grey(img: &[u8]) -> f32 {
+    let n = (img.len() / 3).max(1) as f64;
+    let sum: u64 = img.chunks_exact(3).map(|p| luma1000(p[0], p[1], p[2]) as u64).sum();
+    (sum as f64 / 1000.0 / n + 0.5) as u8 as f32
+}
+
 /// `ImageEnhance.Sharpness`: blend with PIL's SMOOTH filter (3×3, centre 5, others 1, /13);
-/// the one-pixel border keeps its values in the degenerate image.
+/// the one-pixel border keeps its values in the degenerate image. The 3×3 sums come from
+/// per-row vertical sums; the blend is `d + f·(v − d)` in f32, rounded half up and clipped.
 fn sharpness(img: &mut [u8], side: usize, f: f32, scratch: &mut Vec<u8>) {
-    scratch.clear();
-    scratch.extend_from_slice(img);
     if side < 3 {
         return;
     }
     let w = side * 3;
+    scratch.clear();
+    scratch.extend_from_slice(img);
+    let mut vsum = vec![0u16; w];
     for y in 1..side - 1 {
         let (up, mid, down) = (&scratch[(y - 1) * w..y * w], &scratch[y * w..(y + 1) * w], &scratch[(y + 1) * w..(y + 2) * w]);
-        let out = &mut img[y * w..(y + 1) * w];
-        for i in 3..w - 3 {
-            let acc = up[i - 3] as u32 + up[i] as u32 + up[i + 3] as u32 + mid[i - 3] as u32 + 5 * mid[i] as u32 + mid[i + 3] as u32
-                + down[i - 3] as u32 + down[i] as u32 + down[i + 3] as u32;
+        for i in 0..w {
+            vsum[i] = up[i] as u16 + mid[i] as u16 + down[i] as u16;
+        }
+        let out = &mut img[y * w + 3..(y + 1) * w - 3];
+        let (left, centre, right, m) = (&vsum[..w - 6], &vsum[3..w - 3], &vsum[6..], &mid[3..w - 3]);
+        for i in 0..w - 6 {
+            // 3×3 sum + 4 more of the centre = the SMOOTH kernel's 13-weighted sum.
+            let acc = left[i] as i32 + centre[i] as i32 + right[i] as i32 + 4 * m[i] as i32;
             // round(acc / 13), ties up
             let d = ((2 * acc + 13) / 26) as f32;
-            out[i] = to_u8(d + f * (mid[i] as f32 - d));
+            out[i] = to_u8(d + f * (m[i] as i32 as f32 - d));
         }
     }
 }
@@ -553,10 +607,172 @@ fn affine_general(img: &mut [u8], side: usize, fill: [u8; 3], scratch: &mut Vec<
 }
 
 /// Round half up and saturate to a byte (what `.round().clamp(0, 255)` gives for these values,
-/// without the library call).
+/// without the library call, and in a form the compiler vectorizes).
 #[inline]
 fn to_u8(v: f32) -> u8 {
-    (v.max(0.0) + 0.5).min(255.0) as u8
+    let v = (v.max(0.0) + 0.5).min(255.0);
+    // SAFETY: `max` maps NaN to 0, so v is finite and in [0.5, 255]: the truncation fits an i32.
+    unsafe { v.to_int_unchecked::<i32>() as u8 }
+}
+
+/// The straightforward versions of the pixel ops (per channel, per pixel, in f32 as written
+/// before they were made fast), kept as references for the tests.
+#[cfg(test)]
+mod reference {
+    use super::*;
+
+    fn to_u8(v: f32) -> u8 {
+        (v.max(0.0) + 0.5).min(255.0) as u8
+    }
+
+    /// PIL's "L" conversion as a float: (299 R + 587 G + 114 B) / 1000.
+    pub(super) fn luma(r: u8, g: u8, b: u8) -> f32 {
+        (r as f32 * 299.0 + g as f32 * 587.0 + b as f32 * 114.0) / 1000.0
+    }
+
+    /// PIL `Image.blend(degenerate, img, f)` = degenerate + f·(img − degenerate), clipped.
+    pub(super) fn blend_with(img: &mut [u8], f: f64, degenerate: impl Fn(&[u8]) -> [f32; 3]) {
+        let f = f as f32;
+        for px in img.chunks_exact_mut(3) {
+            let d = degenerate(px);
+            for c in 0..3 {
+                px[c] = to_u8(d[c] + f * (px[c] as f32 - d[c]));
+            }
+        }
+    }
+
+    /// [`blend_with`] for a uniform degenerate image of value `g`, through a 256-entry table.
+    pub(super) fn blend_const(img: &mut [u8], f: f64, g: f32) {
+        let f = f as f32;
+        let lut: [u8; 256] = std::array::from_fn(|v| to_u8(g + f * (v as f32 - g)));
+        img.iter_mut().for_each(|v| *v = lut[*v as usize]);
+    }
+
+    /// `ImageOps.autocontrast` (no cutoff): stretch each channel's [min, max] to [0, 255].
+    pub(super) fn auto_contrast(img: &mut [u8]) {
+        for c in 0..3 {
+            let (mut lo, mut hi) = (255u8, 0u8);
+            for px in img.chunks_exact(3) {
+                lo = lo.min(px[c]);
+                hi = hi.max(px[c]);
+            }
+            if hi <= lo {
+                continue;
+            }
+            // In f64, as PIL computes the table in Python floats.
+            let scale = 255.0 / (hi - lo) as f64;
+            let offset = -(lo as f64) * scale;
+            let lut: [u8; 256] = std::array::from_fn(|v| (v as f64 * scale + offset).clamp(0.0, 255.0) as u8);
+            for px in img.chunks_exact_mut(3) {
+                px[c] = lut[px[c] as usize];
+            }
+        }
+    }
+
+    /// `ImageOps.equalize`: per channel, the histogram-equalizing lookup table PIL builds.
+    pub(super) fn equalize(img: &mut [u8]) {
+        for c in 0..3 {
+            let mut h = [0usize; 256];
+            for px in img.chunks_exact(3) {
+                h[px[c] as usize] += 1;
+            }
+            let nonzero: Vec<usize> = h.iter().copied().filter(|&x| x > 0).collect();
+            if nonzero.len() <= 1 {
+                continue;
+            }
+            let step = (nonzero.iter().sum::<usize>() - nonzero[nonzero.len() - 1]) / 255;
+            if step == 0 {
+                continue;
+            }
+            let mut lut = [0u8; 256];
+            let mut n = step / 2;
+            for i in 0..256 {
+                lut[i] = (n / step).min(255) as u8;
+                n += h[i];
+            }
+            for px in img.chunks_exact_mut(3) {
+                px[c] = lut[px[c] as usize];
+            }
+        }
+    }
+
+    /// `ImageEnhance.Sharpness`: blend with PIL's SMOOTH filter (3×3, centre 5, others 1, /13);
+    /// the one-pixel border keeps its values in the degenerate image.
+    pub(super) fn sharpness(img: &mut [u8], side: usize, f: f32, scratch: &mut Vec<u8>) {
+        scratch.clear();
+        scratch.extend_from_slice(img);
+        if side < 3 {
+            return;
+        }
+        let w = side * 3;
+        for y in 1..side - 1 {
+            let (up, mid, down) = (&scratch[(y - 1) * w..y * w], &scratch[y * w..(y + 1) * w], &scratch[(y + 1) * w..(y + 2) * w]);
+            let out = &mut img[y * w..(y + 1) * w];
+            for i in 3..w - 3 {
+                let acc = up[i - 3] as u32 + up[i] as u32 + up[i + 3] as u32 + mid[i - 3] as u32 + 5 * mid[i] as u32 + mid[i + 3] as u32
+                    + down[i - 3] as u32 + down[i] as u32 + down[i + 3] as u32;
+                // round(acc / 13), ties up
+                let d = ((2 * acc + 13) / 26) as f32;
+                out[i] = to_u8(d + f * (mid[i] as f32 - d));
+            }
+        }
+    }
+
+    /// One op as the reference implementations do it (geometric ops excluded).
+    pub(super) fn apply_pixel_op(op: Op, m: f64, increasing: bool, rng: &mut SplitMix, img: &mut [u8], side: usize) {
+        let l = m / 10.0;
+        let enhance = |rng: &mut SplitMix| if increasing { (1.0 + negate(rng, l * 0.9)).max(0.1) } else { l * 1.8 + 0.1 };
+        match op {
+            Op::AutoContrast => auto_contrast(img),
+            Op::Equalize => equalize(img),
+            Op::Invert => img.iter_mut().for_each(|v| *v = 255 - *v),
+            Op::Posterize => {
+                let bits = if increasing { 4 - (l * 4.0) as u32 } else { (l * 4.0) as u32 }.min(8);
+                let mask = if bits == 0 { 0u8 } else { !((1u16 << (8 - bits)) as u8).wrapping_sub(1) };
+                img.iter_mut().for_each(|v| *v &= mask);
+            }
+            Op::Solarize => {
+                let t = (l * 256.0) as i32;
+                let thresh = if increasing { 256 - t } else { t };
+                img.iter_mut().for_each(|v| {
+                    if *v as i32 >= thresh {
+                        *v = 255 - *v
+                    }
+                });
+            }
+            Op::SolarizeAdd => {
+                let add = (l * 110.0) as u16;
+                img.iter_mut().for_each(|v| {
+                    if *v < 128 {
+                        *v = (*v as u16 + add).min(255) as u8
+                    }
+                });
+            }
+            Op::Color => {
+                let f = enhance(rng);
+                blend_with(img, f, |px| {
+                    let g = luma(px[0], px[1], px[2]);
+                    [g, g, g]
+                });
+            }
+            Op::Contrast => {
+                let f = enhance(rng);
+                let n = (img.len() / 3).max(1) as f64;
+                let mean = img.chunks_exact(3).map(|p| luma(p[0], p[1], p[2]) as f64).sum::<f64>() / n;
+                let g = (mean + 0.5) as u8 as f32;
+                blend_const(img, f, g);
+            }
+            Op::Brightness => {
+                let f = enhance(rng);
+                blend_const(img, f, 0.0);
+            }
+            Op::Sharpness => {
+                let f = enhance(rng);
+                sharpness(img, side, f as f32, &mut Vec::new());
+            }
+            _ => unreachable!("geometric ops have their own reference"),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -677,6 +893,35 @@ mod tests {
             affine(&mut got, side, fill, &mut scratch, m);
             let (d, n) = max_diff(&got, &want);
             assert!(d <= 1, "{m:?}: max diff {d} ({n} bytes differ)");
+        }
+    }
+
+    /// The fast pixel ops against the straightforward references: the table ops, Sharpness and
+    /// Contrast exactly; Color (which scales the integer luma by 0.001 instead of dividing by
+    /// 1000) within 1 level. Noise and smooth images, random levels, both level mappings.
+    #[test]
+    fn pixel_ops_match_reference() {
+        let mut rng = SplitMix::new(21);
+        for (t, side) in [224usize, 31, 5, 2, 1, 224].into_iter().enumerate() {
+            for op in OPS.into_iter().filter(|o| !matches!(o, Op::Rotate | Op::ShearX | Op::ShearY | Op::TranslateXRel | Op::TranslateYRel)) {
+                for k in 0..4 {
+                    let mut img = if k % 2 == 0 { random_image(side, t as u64 * 10 + k) } else { photo_like(side, t as u64 * 10 + k) };
+                    if k == 3 {
+                        // A low-contrast image: narrow ranges for AutoContrast / Equalize.
+                        img.iter_mut().for_each(|v| *v = 100 + *v / 8);
+                    }
+                    let m = if k == 0 { 10.0 } else { rng.f64() * 10.0 };
+                    let inc = k % 2 == 1;
+                    let seed = rng.next_u64();
+                    let mut want = img.clone();
+                    reference::apply_pixel_op(op, m, inc, &mut SplitMix::new(seed), &mut want, side);
+                    let mut got = img.clone();
+                    apply_op(op, m, inc, &mut SplitMix::new(seed), &mut got, side, [0; 3], &mut Vec::new());
+                    let (d, n) = max_diff(&got, &want);
+                    let tol = if op == Op::Color { 1 } else { 0 };
+                    assert!(d <= tol, "{op:?} m={m:.3} inc={inc} side={side}: max diff {d} ({n} bytes differ)");
+                }
+            }
         }
     }
 
