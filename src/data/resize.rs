@@ -230,28 +230,37 @@ pub fn resample_rows(src: &[u8], width: usize, height: usize, region: Region, si
         })
         .collect();
     let row_len = side * LANES;
+    // Horizontal-pass rows live in a ring of `ring` rows: output rows read consecutive source
+    // rows whose start never decreases, so the last `ty.n` computed rows are all that is ever
+    // needed (a few KiB that stay in L1, instead of the whole window). Should the starts not be
+    // monotonic, the ring holds every row.
+    let monotonic = ty.start.windows(2).all(|w| w[0] <= w[1]);
+    let ring = if monotonic { ty.n.min(rows).max(1) } else { rows };
     SCRATCH.with(|cell| {
         let mut guard = cell.borrow_mut();
         let (conv, tmp, acc) = &mut *guard;
         conv.clear();
         conv.resize((col_hi - col_lo) * LANES, 0.0);
         tmp.clear();
-        tmp.resize(rows * row_len, 0.0);
+        tmp.resize(ring * row_len, 0.0);
         acc.clear();
         acc.resize(row_len, 0.0);
-        // Horizontal pass into (rows, side, 4).
-        for (r, y) in (row_lo..row_hi).enumerate() {
-            convert_row(&src[(y * width + col_lo) * 3..(y * width + col_hi) * 3], conv);
-            hpass_row(conv, &cols, &tx.weights, &mut tmp[r * row_len..(r + 1) * row_len]);
-        }
-        // Vertical pass, one output row at a time as a weighted sum of whole rows (contiguous,
-        // vectorizable).
+        let mut next = row_lo;
         for oy in 0..side {
-            let s0 = ty.start[oy] - row_lo;
-            let w = &ty.weights[oy * ty.n..oy * ty.n + ty.len[oy]];
+            let (s0, len) = (ty.start[oy], ty.len[oy]);
+            // Horizontal pass of the source rows this output row needs and has not got yet.
+            while next < (s0 + len).min(row_hi) {
+                convert_row(&src[(next * width + col_lo) * 3..(next * width + col_hi) * 3], conv);
+                let r = (next - row_lo) % ring;
+                hpass_row(conv, &cols, &tx.weights, &mut tmp[r * row_len..(r + 1) * row_len]);
+                next += 1;
+            }
+            // Vertical pass: a weighted sum of whole rows (contiguous, vectorizable).
+            let w = &ty.weights[oy * ty.n..oy * ty.n + len];
             acc.iter_mut().for_each(|v| *v = 0.0);
             for (kk, &wk) in w.iter().enumerate() {
-                let row = &tmp[(s0 + kk) * row_len..(s0 + kk + 1) * row_len];
+                let r = (s0 + kk - row_lo) % ring;
+                let row = &tmp[r * row_len..(r + 1) * row_len];
                 for (a, &t) in acc.iter_mut().zip(row) {
                     *a += wk * t;
                 }
