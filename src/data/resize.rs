@@ -205,6 +205,66 @@ fn hpass_row(conv: &[f32], cols: &[Col], weights: &[f32], trow: &mut [f32]) {
     }
 }
 
+/// [`hpass_row`] two output pixels per 256-bit vector (AVX): `pairs` holds, per pair of output
+/// columns and tap k < `n`, the 8 weights (left column's ×4, right column's ×4), zero past each
+/// column's tap count, and `conv` ends in at least `n` zero pixels so the extra taps read
+/// something finite. Adding 0·p changes no sum, so the result is bit-identical to
+/// [`hpass_row`]'s.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+unsafe fn hpass_row_avx(conv: &[f32], cols: &[Col], weights: &[f32], pairs: &[f32], n: usize, trow: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let half = cols.len() / 2;
+    assert!(pairs.len() >= half * n * 8 && trow.len() >= cols.len() * LANES);
+    for pr in 0..half {
+        let (c0, c1) = (cols[2 * pr], cols[2 * pr + 1]);
+        let len = c0.len.max(c1.len);
+        assert!(len <= n && (c0.start + len) * LANES <= conv.len() && (c1.start + len) * LANES <= conv.len());
+        // SAFETY: AVX is enabled for this function (the caller checked the CPU); the reads are
+        // within the bounds asserted above, the write within trow.
+        unsafe {
+            let (p0, p1, w) = (conv.as_ptr().add(c0.start * LANES), conv.as_ptr().add(c1.start * LANES), pairs.as_ptr().add(pr * n * 8));
+            let mut a = _mm256_setzero_ps();
+            for k in 0..len {
+                let v = _mm256_insertf128_ps::<1>(_mm256_castps128_ps256(_mm_loadu_ps(p0.add(k * LANES))), _mm_loadu_ps(p1.add(k * LANES)));
+                a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(w.add(k * 8)), v));
+            }
+            _mm256_storeu_ps(trow.as_mut_ptr().add(2 * pr * LANES), a);
+        }
+    }
+    if cols.len() % 2 == 1 {
+        let last = cols.len() - 1;
+        hpass_row(conv, &cols[last..], weights, &mut trow[last * LANES..]);
+    }
+}
+
+/// `acc[i] += w · row[i]`.
+#[inline(always)]
+fn axpy(acc: &mut [f32], row: &[f32], w: f32) {
+    for (a, &t) in acc.iter_mut().zip(row) {
+        *a += w * t;
+    }
+}
+
+/// [`axpy`] compiled for AVX (8 lanes; the same operations per element).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+unsafe fn axpy_avx(acc: &mut [f32], row: &[f32], w: f32) {
+    axpy(acc, row, w)
+}
+
+/// Whether the AVX code paths may run.
+fn has_avx() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// The separable antialiased resampling of `region` of the (height, width, 3) HWC image `src`
 /// to `side` × `side`, mirrored when `flip`: hands each output row, as `side` pixels of 4 f32
 /// (R, G, B, unused) in source units (0..=255), to `sink(row_index, row)`.
@@ -212,7 +272,13 @@ fn hpass_row(conv: &[f32], cols: &[Col], weights: &[f32], trow: &mut [f32]) {
 /// Per channel the arithmetic is one f32 multiply and add per tap in tap order, horizontal
 /// pass first, whichever code path runs (SIMD lanes are the channels).
 #[allow(clippy::too_many_arguments)]
-pub fn resample_rows(src: &[u8], width: usize, height: usize, region: Region, side: usize, flip: bool, mut sink: impl FnMut(usize, &[f32])) {
+pub fn resample_rows(src: &[u8], width: usize, height: usize, region: Region, side: usize, flip: bool, sink: impl FnMut(usize, &[f32])) {
+    resample_rows_on(src, width, height, region, side, flip, has_avx(), sink)
+}
+
+/// [`resample_rows`] with the AVX paths on or off (`avx` only where the CPU has it).
+#[allow(clippy::too_many_arguments)]
+fn resample_rows_on(src: &[u8], width: usize, height: usize, region: Region, side: usize, flip: bool, avx: bool, mut sink: impl FnMut(usize, &[f32])) {
     debug_assert_eq!(src.len(), width * height * 3);
     let tx = taps(width, region.x0, region.w, side);
     let ty = taps(height, region.y0, region.h, side);
@@ -236,11 +302,23 @@ pub fn resample_rows(src: &[u8], width: usize, height: usize, region: Region, si
     // monotonic, the ring holds every row.
     let monotonic = ty.start.windows(2).all(|w| w[0] <= w[1]);
     let ring = if monotonic { ty.n.min(rows).max(1) } else { rows };
+    // For the AVX horizontal pass: the weights of each pair of output columns, interleaved.
+    let n = tx.n;
+    let pairs: Vec<f32> = if avx {
+        let wt = |c: Col, k: usize| if k < c.len { tx.weights[c.w + k] } else { 0.0 };
+        (0..side / 2)
+            .flat_map(|pr| (0..n).flat_map(move |k| (0..8).map(move |l| (pr, k, l))))
+            .map(|(pr, k, l)| wt(cols[2 * pr + l / 4], k))
+            .collect()
+    } else {
+        Vec::new()
+    };
     SCRATCH.with(|cell| {
         let mut guard = cell.borrow_mut();
         let (conv, tmp, acc) = &mut *guard;
         conv.clear();
-        conv.resize((col_hi - col_lo) * LANES, 0.0);
+        // n zero pixels past the span: the AVX pass's padded taps read them.
+        conv.resize((col_hi - col_lo + n) * LANES, 0.0);
         tmp.clear();
         tmp.resize(ring * row_len, 0.0);
         acc.clear();
@@ -252,7 +330,16 @@ pub fn resample_rows(src: &[u8], width: usize, height: usize, region: Region, si
             while next < (s0 + len).min(row_hi) {
                 convert_row(&src[(next * width + col_lo) * 3..(next * width + col_hi) * 3], conv);
                 let r = (next - row_lo) % ring;
-                hpass_row(conv, &cols, &tx.weights, &mut tmp[r * row_len..(r + 1) * row_len]);
+                let trow = &mut tmp[r * row_len..(r + 1) * row_len];
+                #[cfg(target_arch = "x86_64")]
+                if avx {
+                    // SAFETY: has_avx() checked the CPU.
+                    unsafe { hpass_row_avx(conv, &cols, &tx.weights, &pairs, n, trow) };
+                } else {
+                    hpass_row(conv, &cols, &tx.weights, trow);
+                }
+                #[cfg(not(target_arch = "x86_64"))]
+                hpass_row(conv, &cols, &tx.weights, trow);
                 next += 1;
             }
             // Vertical pass: a weighted sum of whole rows (contiguous, vectorizable).
@@ -261,9 +348,15 @@ pub fn resample_rows(src: &[u8], width: usize, height: usize, region: Region, si
             for (kk, &wk) in w.iter().enumerate() {
                 let r = (s0 + kk - row_lo) % ring;
                 let row = &tmp[r * row_len..(r + 1) * row_len];
-                for (a, &t) in acc.iter_mut().zip(row) {
-                    *a += wk * t;
+                #[cfg(target_arch = "x86_64")]
+                if avx {
+                    // SAFETY: has_avx() checked the CPU.
+                    unsafe { axpy_avx(acc, row, wk) };
+                } else {
+                    axpy(acc, row, wk);
                 }
+                #[cfg(not(target_arch = "x86_64"))]
+                axpy(acc, row, wk);
             }
             sink(oy, acc);
         }
@@ -436,6 +529,28 @@ mod tests {
                         assert!((b - v).abs() <= 0.5 + 1e-3, "case {t}/{k}: pixel {p} channel {c}: {b} vs {v}");
                     }
                 }
+            }
+        }
+    }
+
+    /// With and without the AVX paths, the rows are bit-identical (zero-weight padding taps and
+    /// 8-lane sums change nothing).
+    #[test]
+    fn avx_and_sse_paths_agree_bitwise() {
+        if !has_avx() {
+            return;
+        }
+        let mut rng = SplitMix::new(4);
+        for &(w, h, side) in &[(500, 375, 224), (37, 29, 15), (3, 2, 9), (640, 480, 33)] {
+            let src: Vec<u8> = (0..w * h * 3).map(|_| rng.below(256) as u8).collect();
+            for _ in 0..3 {
+                let region = random_resized_crop(&mut rng, w, h, [0.08, 1.0], [0.75, 4.0 / 3.0]);
+                let flip = rng.coin();
+                let mut rows = [Vec::new(), Vec::new()];
+                for (k, avx) in [false, true].into_iter().enumerate() {
+                    resample_rows_on(&src, w, h, region, side, flip, avx, |_, row| rows[k].extend(row.chunks_exact(LANES).flat_map(|p| p[..3].iter().map(|v| v.to_bits()))));
+                }
+                assert_eq!(rows[0], rows[1], "{w}x{h} -> {side}, {region:?}");
             }
         }
     }
