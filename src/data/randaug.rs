@@ -1031,7 +1031,8 @@ mod tests {
 mod timing {
     use super::*;
 
-    /// Per-op cost on a 224-px image (`cargo test --lib op_timings -- --ignored --nocapture`).
+    /// Per-op cost on a 224-px image, the best of 7 rounds of 20 calls (less sensitive to
+    /// other load on the machine) (`cargo test --release --lib op_timings -- --ignored --nocapture`).
     #[test]
     #[ignore]
     fn op_timings() {
@@ -1039,13 +1040,17 @@ mod timing {
         let src: Vec<u8> = (0..side * side * 3).map(|i| (i * 31 % 251) as u8).collect();
         let mut scratch = Vec::new();
         for op in OPS {
-            let mut img = src.clone();
-            let t = std::time::Instant::now();
-            for k in 0..50 {
-                let mut rng = SplitMix::new(k);
-                apply_op(op, 9.0, true, &mut rng, &mut img, side, [124, 116, 104], &mut scratch);
+            let mut best = f64::INFINITY;
+            for round in 0..7 {
+                let mut img = src.clone();
+                let t = std::time::Instant::now();
+                for k in 0..20 {
+                    let mut rng = SplitMix::new(round * 100 + k);
+                    apply_op(op, 9.0, true, &mut rng, &mut img, side, [124, 116, 104], &mut scratch);
+                }
+                best = best.min(t.elapsed().as_secs_f64() * 1e3 / 20.0);
             }
-            eprintln!("{op:?}: {:.3} ms", t.elapsed().as_secs_f64() * 1e3 / 50.0);
+            eprintln!("{op:?}: {best:.3} ms");
         }
     }
 }
