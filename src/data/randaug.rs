@@ -588,18 +588,21 @@ fn affine_general(img: &mut [u8], side: usize, fill: [u8; 3], scratch: &mut Vec<
         let mut fx = ((a * ox + rx + 0.5) * ONE).round() as i64 + HALF_W;
         let mut fy = ((d * ox + ry + 0.5) * ONE).round() as i64 + HALF_W;
         for out in row[lo * 3..hi * 3].chunks_exact_mut(3) {
-            let xi = ((fx >> 32).max(0) as usize).min(side);
-            let yi = ((fy >> 32).max(0) as usize).min(side);
+            // Inside pixels sample at padded coordinates in [½, side + ½): xi, yi ≤ side.
+            let (xi, yi) = ((fx >> 32) as usize, (fy >> 32) as usize);
             let wx = ((fx >> 21) & 0x7ff) as i32;
             let wy = ((fy >> 21) & 0x7ff) as i32;
             let p = yi * pw + xi * 3;
-            let (t, u) = (&src[p..p + 6], &src[p + pw..p + pw + 6]);
+            let t: &[u8; 6] = src[p..p + 6].try_into().unwrap();
+            let u: &[u8; 6] = src[p + pw..p + pw + 6].try_into().unwrap();
+            let mut v = [0u8; 3];
             for ch in 0..3 {
                 let top = ((t[ch] as i32) << 11) + (t[ch + 3] as i32 - t[ch] as i32) * wx;
                 let bot = ((u[ch] as i32) << 11) + (u[ch + 3] as i32 - u[ch] as i32) * wx;
-                let v = (top << 11) + (bot - top) * wy;
-                out[ch] = ((v + (1 << 21)) >> 22) as u8;
+                let s = (top << 11) + (bot - top) * wy;
+                v[ch] = ((s + (1 << 21)) >> 22) as u8;
             }
+            out.copy_from_slice(&v);
             fx += dx;
             fy += dy;
         }
