@@ -21,8 +21,10 @@
 //! | 224 px JPEG RRC+flip, one `fill_batch` of 128 | 453 | – | 6 650 | – |
 //! | same, noisy generated JPEGs (harder to decode), `Loader` | 367 | – | 4 110 | – |
 //!
-//! One 224-px image costs ≈ 1.8 ms of JPEG decode (noisy file) and 0.64 ms of resampling on
-//! one core of the 2-core CPU machine; numbers there swing ±50 % with the machine's load.
+//! At the time one 224-px image cost ≈ 1.8 ms of JPEG decode (noisy file) and 0.64 ms of
+//! resampling on one core of the 2-core CPU machine; numbers there swing ±50 % with the
+//! machine's load. Later measurements, with the vectorized resampling and faster RandAugment,
+//! are in BENCHMARKS.md.
 //!
 
 use std::path::{Path, PathBuf};
