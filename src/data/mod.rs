@@ -474,10 +474,17 @@ thread_local! {
 }
 
 /// Runs `f` with this thread's buffers (taken out for the call, so a nested call on the same
-/// thread gets fresh ones instead of a borrow conflict).
+/// thread gets fresh ones instead of a borrow conflict). A buffer grown past 32 MiB by an
+/// unusually large image is freed afterwards rather than kept by every worker.
 fn with_buffers<R>(f: impl FnOnce(&mut Buffers) -> R) -> R {
+    const KEEP: usize = 32 << 20;
     let mut b = BUFFERS.with(|c| std::mem::take(&mut *c.borrow_mut()));
     let r = f(&mut b);
+    for v in [&mut b.file, &mut b.decoded, &mut b.pixels, &mut b.scratch] {
+        if v.capacity() > KEEP {
+            *v = Vec::new();
+        }
+    }
     BUFFERS.with(|c| *c.borrow_mut() = b);
     r
 }

@@ -283,7 +283,7 @@ fn resample_rows_on(src: &[u8], width: usize, height: usize, region: Region, sid
     let tx = taps(width, region.x0, region.w, side);
     let ty = taps(height, region.y0, region.h, side);
     // Source rows the vertical pass touches, source columns the horizontal pass touches.
-    let row_lo = ty.start[0];
+    let row_lo = ty.start.iter().copied().min().unwrap_or(0);
     let row_hi = (0..side).map(|i| ty.start[i] + ty.len[i]).max().unwrap_or(row_lo + 1).min(height);
     let rows = row_hi - row_lo;
     let col_lo = tx.start.iter().copied().min().unwrap_or(0);
