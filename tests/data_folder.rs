@@ -1,4 +1,4 @@
-//! Image folders (JPEG/PNG, class = sorted subfolder name), their split, per-batch decoding with
+//! Image folders (JPEG/PNG/WebP, class = sorted subfolder name), their split, per-batch decoding with
 //! RandomResizedCrop / center crop, `data.skip_bad`, and the prefetching loader.
 
 use std::fs;
@@ -65,6 +65,40 @@ fn seeded_split_sorted_classes_and_pixels() {
         }
     }
     assert!(d.description.contains("bird, cat, dog"), "{}", d.description);
+}
+
+/// WebP files (lossless, as the image crate writes them) are found and decoded
+/// like the other formats; a broken one is an error naming it.
+#[test]
+fn webp_images_in_folders() {
+    let dir = tempfile::tempdir().unwrap();
+    let colours = [[200u8, 10, 10], [10, 200, 10]];
+    for (c, name) in ["a", "b"].iter().enumerate() {
+        for i in 0..3 {
+            let p = dir.path().join(format!("{name}/img{i}.{}", if i == 0 { "WEBP" } else { "webp" }));
+            fs::create_dir_all(p.parent().unwrap()).unwrap();
+            image::RgbImage::from_pixel(20 + i, 17, image::Rgb(colours[c])).save_with_format(&p, image::ImageFormat::WebP).unwrap();
+        }
+    }
+    let mut c = cfg(dir.path());
+    c.val_split = 0.0;
+    let d = open(&c, 16, 2, 0).unwrap();
+    assert_eq!(d.train.class_counts(), vec![3, 3]);
+    let idx: Vec<usize> = (0..6).collect();
+    for train in [false, true] {
+        let b = try_make_batch(&d.train, &idx, &c, train, 0, 0).unwrap();
+        for (k, &l) in b.labels.iter().enumerate() {
+            for (ch, &want) in colours[l as usize].iter().enumerate() {
+                let v = b.images[k * 3 * 256 + ch * 256 + 77];
+                assert!((v - want as f32).abs() < 0.01, "class {l} channel {ch}: {v}");
+            }
+        }
+    }
+    fs::write(dir.path().join("a/broken.webp"), b"RIFF\x10\0\0\0WEBPVP8 junk").unwrap();
+    let d = open(&c, 16, 2, 0).unwrap();
+    let i = d.train.files.iter().position(|f| f.ends_with("broken.webp")).unwrap();
+    let e = try_make_batch(&d.train, &[i], &c, false, 0, 0).unwrap_err().to_string();
+    assert!(e.contains("broken.webp") && e.contains("cannot decode image"), "{e}");
 }
 
 #[test]

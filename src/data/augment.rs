@@ -117,6 +117,50 @@ pub fn transform(src: &[u8], side: usize, pad: usize, d: Draw, norm: &Normalizer
     }
 }
 
+/// [`transform`] without the normalization: the cropped, flipped (S, S, 3) HWC bytes (padding
+/// black), for augmentations that work on pixels (RandAugment).
+pub fn transform_u8(src: &[u8], side: usize, pad: usize, d: Draw, out: &mut [u8]) {
+    debug_assert_eq!(src.len(), side * side * 3);
+    debug_assert_eq!(out.len(), side * side * 3);
+    let w = side * 3;
+    for y in 0..side {
+        let sy = (y + d.dy) as isize - pad as isize;
+        let row = &mut out[y * w..(y + 1) * w];
+        if sy < 0 || sy >= side as isize {
+            row.fill(0);
+            continue;
+        }
+        let src_row = &src[sy as usize * w..(sy as usize + 1) * w];
+        if !d.flip && d.dx == pad {
+            row.copy_from_slice(src_row);
+            continue;
+        }
+        for (x, px) in row.chunks_exact_mut(3).enumerate() {
+            let xc = if d.flip { side - 1 - x } else { x };
+            let sx = (xc + d.dx) as isize - pad as isize;
+            if sx < 0 || sx >= side as isize {
+                px.fill(0);
+            } else {
+                px.copy_from_slice(&src_row[sx as usize * 3..sx as usize * 3 + 3]);
+            }
+        }
+    }
+}
+
+/// (S, S, 3) HWC bytes to the model's (3, S, S) CHW f32 through the normalizer's tables.
+pub fn normalize_hwc(px: &[u8], side: usize, norm: &Normalizer, out: &mut [f32]) {
+    let plane = side * side;
+    debug_assert_eq!(px.len(), 3 * plane);
+    let (out_r, rest) = out[..3 * plane].split_at_mut(plane);
+    let (out_g, out_b) = rest.split_at_mut(plane);
+    let [lr, lg, lb] = &norm.lut;
+    for (((r, g), b), p) in out_r.iter_mut().zip(out_g.iter_mut()).zip(out_b.iter_mut()).zip(px.chunks_exact(3)) {
+        *r = lr[p[0] as usize];
+        *g = lg[p[1] as usize];
+        *b = lb[p[2] as usize];
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -191,6 +235,24 @@ mod tests {
         assert!((800..1200).contains(&flips));
         assert_eq!(p.draw(1, 2, 3), p.draw(1, 2, 3));
         assert_eq!(Policy::None.draw(1, 2, 3), Draw::default());
+    }
+
+    /// The byte path (crop/flip to HWC, then the tables) gives exactly the float path.
+    #[test]
+    fn transform_u8_then_normalize_equals_transform() {
+        let side = 7;
+        let src = img(side);
+        let norm = Normalizer::new([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]);
+        for d in [Draw::default(), Draw { dy: 0, dx: 3, flip: true }, Draw { dy: 4, dx: 1, flip: false }, Draw { dy: 2, dx: 2, flip: true }] {
+            let pad = if d == Draw::default() { 0 } else { 2 };
+            let mut want = vec![0f32; side * side * 3];
+            transform(&src, side, pad, d, &norm, &mut want);
+            let mut px = vec![0u8; side * side * 3];
+            transform_u8(&src, side, pad, d, &mut px);
+            let mut got = vec![0f32; side * side * 3];
+            normalize_hwc(&px, side, &norm, &mut got);
+            assert_eq!(got, want, "{d:?}");
+        }
     }
 
     #[test]

@@ -21,8 +21,10 @@
 //! | 224 px JPEG RRC+flip, one `fill_batch` of 128 | 453 | – | 6 650 | – |
 //! | same, noisy generated JPEGs (harder to decode), `Loader` | 367 | – | 4 110 | – |
 //!
-//! One 224-px image costs ≈ 1.8 ms of JPEG decode (noisy file) and 0.64 ms of resampling on
-//! one core of the 2-core CPU machine; numbers there swing ±50 % with the machine's load.
+//! At the time one 224-px image cost ≈ 1.8 ms of JPEG decode (noisy file) and 0.64 ms of
+//! resampling on one core of the 2-core CPU machine; numbers there swing ±50 % with the
+//! machine's load. Later measurements, with the vectorized resampling and faster RandAugment,
+//! are in BENCHMARKS.md.
 //!
 
 use std::path::{Path, PathBuf};
@@ -217,4 +219,104 @@ pub fn command(threads: usize, min_seconds: f64, jpeg_dir: Option<&Path>, json: 
         println!("{}", serde_json::json!({ "cores": cores, "load_average": load, "points": points }));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod timing {
+    use super::*;
+    use crate::data::{decode, randaug, resize};
+
+    /// Process CPU time, standing in for `std::time::Instant` here: on a shared machine it
+    /// does not count the time other processes hold the core.
+    struct Instant(f64);
+
+    impl Instant {
+        fn now() -> Self {
+            let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+            // SAFETY: clock_gettime writes the timespec it is given.
+            unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut t) };
+            Instant(t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9)
+        }
+
+        fn elapsed(&self) -> std::time::Duration {
+            std::time::Duration::from_secs_f64((Instant::now().0 - self.0).max(0.0))
+        }
+    }
+
+    /// Per-stage cost (process CPU time) of one 224-px training image from a generated 500×375
+    /// JPEG (`cargo test --release --lib stage_timings -- --ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn stage_timings() {
+        let dir = std::env::temp_dir().join(format!("vitscale-stage-timings-{}", std::process::id()));
+        let files = write_jpegs(&dir, 16, 1).unwrap();
+        let n = 64;
+        let t = Instant::now();
+        let imgs: Vec<_> = (0..n).map(|i| decode(&files[i % files.len()]).unwrap()).collect();
+        eprintln!("decode (first touch): {:.3} ms", t.elapsed().as_secs_f64() * 1e3 / n as f64);
+        let bytes: Vec<Vec<u8>> = files.iter().map(|f| std::fs::read(f).unwrap()).collect();
+        for round in 0..2 {
+            let t = Instant::now();
+            for i in 0..n {
+                let im = image::load_from_memory(&bytes[i % files.len()]).unwrap().into_rgb8();
+                std::hint::black_box(&im);
+            }
+            let via_image = t.elapsed().as_secs_f64() * 1e3 / n as f64;
+            let (mut file, mut px) = (Vec::new(), Vec::new());
+            let t = Instant::now();
+            for i in 0..n {
+                crate::data::decode_into(&files[i % files.len()], &mut file, &mut px).unwrap();
+                std::hint::black_box(&px);
+            }
+            let direct = t.elapsed().as_secs_f64() * 1e3 / n as f64;
+            eprintln!("decode round {round}: image crate from memory {via_image:.3} ms, direct zune-jpeg incl. file read {direct:.3} ms");
+        }
+        let side = 224;
+        let mut out = vec![0f32; 3 * side * side];
+        let cfg = config(DatasetKind::Folder);
+        let t = Instant::now();
+        for (i, im) in imgs.iter().enumerate() {
+            let (w, h) = (im.width() as usize, im.height() as usize);
+            let (r, flip) = resize::draw_rrc(0, 0, i, w, h, cfg.scale, cfg.ratio);
+            resize::resample(im.as_raw(), w, h, r, side, flip, cfg.mean, cfg.std, &mut out);
+        }
+        eprintln!("resample (f32 CHW): {:.3} ms", t.elapsed().as_secs_f64() * 1e3 / n as f64);
+        let mut out8 = vec![0u8; 3 * side * side];
+        let t = Instant::now();
+        for (i, im) in imgs.iter().enumerate() {
+            let (w, h) = (im.width() as usize, im.height() as usize);
+            let (r, flip) = resize::draw_rrc(0, 0, i, w, h, cfg.scale, cfg.ratio);
+            resize::resample_u8(im.as_raw(), w, h, r, side, flip, &mut out8);
+        }
+        eprintln!("resample (u8 HWC): {:.3} ms", t.elapsed().as_secs_f64() * 1e3 / n as f64);
+        let t = Instant::now();
+        let mut sum = 0f32;
+        for (i, im) in imgs.iter().enumerate() {
+            let (w, h) = (im.width() as usize, im.height() as usize);
+            let (r, flip) = resize::draw_rrc(0, 0, i, w, h, cfg.scale, cfg.ratio);
+            resize::resample_rows(im.as_raw(), w, h, r, side, flip, |_, row| sum += row[5]);
+        }
+        eprintln!("resample (rows only): {:.3} ms {sum}", t.elapsed().as_secs_f64() * 1e3 / n as f64);
+        let ra = crate::config::parse_rand_augment("rand-m9-mstd0.5-inc1").unwrap().unwrap();
+        let mut px = vec![0u8; 3 * side * side];
+        let mut scratch = Vec::new();
+        let t = Instant::now();
+        for i in 0..n {
+            randaug::apply(&ra, &mut px, side, [124, 116, 104], 0, 0, i, &mut scratch);
+        }
+        eprintln!("randaug ops only: {:.3} ms", t.elapsed().as_secs_f64() * 1e3 / n as f64);
+        let set = ImageSet::from_files(files.clone(), vec![0; files.len()], side, 1);
+        let mut racfg = cfg.clone();
+        racfg.aug.auto_augment = Some(ra);
+        let idx: Vec<usize> = (0..n).collect();
+        let mut b = Batch::default();
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        for (name, c) in [("rrc+flip", &cfg), ("rrc+flip+randaug", &racfg)] {
+            pool.install(|| fill_batch(&mut b, &set, &idx, c, true, 0, 0)).unwrap();
+            let t = Instant::now();
+            pool.install(|| fill_batch(&mut b, &set, &idx, c, true, 0, 0)).unwrap();
+            eprintln!("fill_batch {name}: {:.3} ms/image", t.elapsed().as_secs_f64() * 1e3 / n as f64);
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -1,6 +1,6 @@
 //! Image folders (`data.dataset=folder`), torchvision `ImageFolder` style: one subfolder per
 //! class, class index = position in the sorted list of subfolder names, images found
-//! recursively below each (`.jpg`, `.jpeg`, `.png`, any case).
+//! recursively below each (`.jpg`, `.jpeg`, `.png`, `.webp`, any case).
 //!
 //! Layout: `path/train/<class>/…` with `path/val/<class>/…` when both exist; otherwise the
 //! classes directly under `path` (or under `path/train`) are split per class, seeded, holding
@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use super::rng::{hash, stream, SplitMix};
 use super::{DataError, ImageSet};
 
-const EXTENSIONS: [&str; 3] = ["jpg", "jpeg", "png"];
+const EXTENSIONS: [&str; 4] = ["jpg", "jpeg", "png", "webp"];
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> DataError + '_ {
     move |source| DataError::Io { path: path.to_path_buf(), source }
@@ -71,7 +71,7 @@ fn scan(dir: &Path) -> Result<(Vec<String>, Vec<Vec<PathBuf>>), DataError> {
         let mut f = Vec::new();
         images_below(p, &mut f)?;
         if f.is_empty() {
-            return Err(DataError::NotFound { dataset: "folder", split: "train", dir: p.clone(), expected: "at least one .jpg/.jpeg/.png image".into() });
+            return Err(DataError::NotFound { dataset: "folder", split: "train", dir: p.clone(), expected: "at least one .jpg/.jpeg/.png/.webp image".into() });
         }
         files.push(f);
     }

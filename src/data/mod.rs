@@ -403,93 +403,149 @@ pub fn fill_batches(batches: &mut [Batch], jobs: &[(&[usize], u64)], set: &Image
     let extra = train && cfg.augment == Augment::Default;
     let ra = cfg.aug.auto_augment.as_ref().filter(|_| extra);
     let reprob = if extra { cfg.aug.reprob } else { 0.0 };
-    // RandAugment works on u8 pixels: build the crop in pixel units, augment, then normalize.
-    let (mean, std) = if ra.is_some() { ([0.0; 3], [1.0 / 255.0; 3]) } else { (cfg.mean, cfg.std) };
-    let finish = |out: &mut [f32], i: usize, epoch: u64| {
-        if let Some(ra) = ra {
-            let fill = [0, 1, 2].map(|c| (cfg.mean[c] * 255.0).round().clamp(0.0, 255.0) as u8);
-            let mut px: Vec<u8> = vec![0; per];
-            let plane = side * side;
-            for (p, rgb) in px.chunks_exact_mut(3).enumerate() {
-                for c in 0..3 {
-                    rgb[c] = out[c * plane + p].round().clamp(0.0, 255.0) as u8;
-                }
-            }
-            let mut scratch = Vec::new();
-            randaug::apply(ra, &mut px, side, fill, seed, epoch, i, &mut scratch);
-            let norm = Normalizer::new(cfg.mean, cfg.std);
-            for (p, rgb) in px.chunks_exact(3).enumerate() {
-                for c in 0..3 {
-                    out[c * plane + p] = norm.get(c, rgb[c]);
-                }
-            }
-        }
+    let norm = Normalizer::new(cfg.mean, cfg.std);
+    let fill = [0, 1, 2].map(|c| (cfg.mean[c] * 255.0).round().clamp(0.0, 255.0) as u8);
+    let erase = |out: &mut [f32], i: usize, epoch: u64| {
         if reprob > 0.0 {
             erase::apply(out, side, reprob, cfg.aug.remode, cfg.aug.recount, seed, epoch, i);
         }
     };
     if !set.is_file_backed() && set.side == side {
-        // Same size: pad-crop / flip / identity through a lookup table.
-        let norm = Normalizer::new(mean, std);
+        // Same size: pad-crop / flip / identity through a lookup table; with RandAugment, crop
+        // to bytes, augment, then the table.
         let policy = policy(cfg, train);
         tasks.into_par_iter().for_each(|(out, label, i, epoch)| {
             let d = policy.draw(seed, epoch, i);
-            augment::transform(set.image(i), side, policy.pad(), d, &norm, out);
-            finish(out, i, epoch);
+            match ra {
+                None => augment::transform(set.image(i), side, policy.pad(), d, &norm, out),
+                Some(ra) => with_buffers(|b| {
+                    b.pixels.resize(per, 0);
+                    augment::transform_u8(set.image(i), side, policy.pad(), d, &mut b.pixels);
+                    randaug::apply(ra, &mut b.pixels, side, fill, seed, epoch, i, &mut b.scratch);
+                    augment::normalize_hwc(&b.pixels, side, &norm, out);
+                }),
+            }
+            erase(out, i, epoch);
             *label = set.labels[i] as u32;
         });
         return Ok(());
     }
-    let augment = extra;
     tasks.into_par_iter().try_for_each(|(out, label, i, epoch)| {
-        let (j, img) = source_image(set, i, cfg.skip_bad)?;
-        let (w, h, px) = match &img {
-            Source::Memory(px) => (set.side, set.side, *px),
-            Source::Decoded(im) => (im.width() as usize, im.height() as usize, im.as_raw().as_slice()),
-        };
-        // Randomness is keyed by the index asked for, not the replacement, so skipping a bad
-        // file does not shift the augmentation of any other image.
-        let (region, flip) = if augment {
-            resize::draw_rrc(seed, epoch, i, w, h, cfg.scale, cfg.ratio)
-        } else {
-            (resize::center_crop(w, h, side, cfg.crop_pct), false)
-        };
-        resize::resample(px, w, h, region, side, flip, mean, std, out);
-        finish(out, i, epoch);
-        *label = set.labels[j] as u32;
-        Ok(())
+        with_buffers(|b| {
+            let Buffers { file, decoded, pixels, scratch } = b;
+            let (j, w, h) = if set.is_file_backed() { decode_source(set, i, cfg.skip_bad, file, decoded)? } else { (i, set.side, set.side) };
+            let src: &[u8] = if set.is_file_backed() { &decoded[..w * h * 3] } else { set.image(i) };
+            // Randomness is keyed by the index asked for, not the replacement, so skipping a bad
+            // file does not shift the augmentation of any other image.
+            let (region, flip) = if extra {
+                resize::draw_rrc(seed, epoch, i, w, h, cfg.scale, cfg.ratio)
+            } else {
+                (resize::center_crop(w, h, side, cfg.crop_pct), false)
+            };
+            match ra {
+                None => resize::resample(src, w, h, region, side, flip, cfg.mean, cfg.std, out),
+                Some(ra) => {
+                    // RandAugment works on bytes: resample to bytes, augment, then the table.
+                    pixels.resize(per, 0);
+                    resize::resample_u8(src, w, h, region, side, flip, pixels);
+                    randaug::apply(ra, pixels, side, fill, seed, epoch, i, scratch);
+                    augment::normalize_hwc(pixels, side, &norm, out);
+                }
+            }
+            erase(out, i, epoch);
+            *label = set.labels[j] as u32;
+            Ok(())
+        })
     })
 }
 
-enum Source<'a> {
-    Memory(&'a [u8]),
-    Decoded(image::RgbImage),
+/// Per-thread buffers reused across images: file bytes, decoded pixels, augmented pixels,
+/// RandAugment scratch.
+#[derive(Default)]
+struct Buffers {
+    file: Vec<u8>,
+    decoded: Vec<u8>,
+    pixels: Vec<u8>,
+    scratch: Vec<u8>,
+}
+
+thread_local! {
+    static BUFFERS: std::cell::RefCell<Buffers> = std::cell::RefCell::new(Buffers::default());
+}
+
+/// Runs `f` with this thread's buffers (taken out for the call, so a nested call on the same
+/// thread gets fresh ones instead of a borrow conflict). A buffer grown past 32 MiB by an
+/// unusually large image is freed afterwards rather than kept by every worker.
+fn with_buffers<R>(f: impl FnOnce(&mut Buffers) -> R) -> R {
+    const KEEP: usize = 32 << 20;
+    let mut b = BUFFERS.with(|c| std::mem::take(&mut *c.borrow_mut()));
+    let r = f(&mut b);
+    for v in [&mut b.file, &mut b.decoded, &mut b.pixels, &mut b.scratch] {
+        if v.capacity() > KEEP {
+            *v = Vec::new();
+        }
+    }
+    BUFFERS.with(|c| *c.borrow_mut() = b);
+    r
 }
 
 /// Decodes one image file to RGB8.
 pub fn decode(path: &Path) -> Result<image::RgbImage, DataError> {
-    let bytes = std::fs::read(path).map_err(|source| DataError::Io { path: path.to_path_buf(), source })?;
-    let img = image::load_from_memory(&bytes).map_err(|e| DataError::Decode { path: path.to_path_buf(), msg: e.to_string() })?;
-    Ok(img.into_rgb8())
+    let (mut file, mut px) = (Vec::new(), Vec::new());
+    let (w, h) = decode_into(path, &mut file, &mut px)?;
+    px.truncate(w * h * 3);
+    image::RgbImage::from_raw(w as u32, h as u32, px).ok_or_else(|| DataError::Decode { path: path.to_path_buf(), msg: "decoded size mismatch".into() })
 }
 
-/// Image `i` of `set` (or, with `skip_bad`, the next readable one after it), with the index it
-/// came from.
-fn source_image(set: &ImageSet, i: usize, skip_bad: bool) -> Result<(usize, Source<'_>), DataError> {
-    if !set.is_file_backed() {
-        return Ok((i, Source::Memory(set.image(i))));
+/// Reads `path` into `file` and decodes it to (height, width, 3) RGB8 at the start of `pixels`
+/// (which may be longer), returning (width, height). Both buffers are reused across calls.
+/// JPEG goes straight through zune-jpeg (the decoder the image crate wraps, with the image
+/// crate's options) into the reused buffer; other formats through the image crate.
+pub fn decode_into(path: &Path, file: &mut Vec<u8>, pixels: &mut Vec<u8>) -> Result<(usize, usize), DataError> {
+    use std::io::Read;
+    let err = |msg: String| DataError::Decode { path: path.to_path_buf(), msg };
+    file.clear();
+    std::fs::File::open(path).and_then(|mut f| f.read_to_end(file)).map_err(|source| DataError::Io { path: path.to_path_buf(), source })?;
+    if file.starts_with(&[0xff, 0xd8, 0xff]) {
+        use zune_jpeg::zune_core::{bytestream::ZCursor, colorspace::ColorSpace, options::DecoderOptions};
+        let options = DecoderOptions::default()
+            .set_strict_mode(false)
+            .set_max_width(usize::MAX)
+            .set_max_height(usize::MAX)
+            .jpeg_set_out_colorspace(ColorSpace::RGB);
+        let mut dec = zune_jpeg::JpegDecoder::new_with_options(ZCursor::new(&file[..]), options);
+        dec.decode_headers().map_err(|e| err(format!("JPEG: {e}")))?;
+        let (w, h) = dec.dimensions().ok_or_else(|| err("JPEG: no dimensions".into()))?;
+        let n = dec.output_buffer_size().ok_or_else(|| err("JPEG: image too large".into()))?;
+        if n != w * h * 3 {
+            return Err(err(format!("JPEG: unexpected output size {n} for {w}×{h} RGB")));
+        }
+        if pixels.len() < n {
+            pixels.resize(n, 0);
+        }
+        dec.decode_into(&mut pixels[..n]).map_err(|e| err(format!("JPEG: {e}")))?;
+        return Ok((w, h));
     }
+    let img = image::load_from_memory(file).map_err(|e| err(e.to_string()))?.into_rgb8();
+    let (w, h) = (img.width() as usize, img.height() as usize);
+    *pixels = img.into_raw();
+    Ok((w, h))
+}
+
+/// Decodes image `i` of the file-backed `set` (or, with `skip_bad`, the next readable one after
+/// it) into `decoded`; returns the index it came from and its size.
+fn decode_source(set: &ImageSet, i: usize, skip_bad: bool, file: &mut Vec<u8>, decoded: &mut Vec<u8>) -> Result<(usize, usize, usize), DataError> {
     // Bounded so a folder of unreadable files fails instead of spinning.
     const TRIES: usize = 64;
     let mut first_err = None;
     for k in 0..TRIES.min(set.len()) {
         let j = (i + k) % set.len();
-        match decode(&set.files[j]) {
-            Ok(img) => {
+        match decode_into(&set.files[j], file, decoded) {
+            Ok((w, h)) => {
                 if k > 0 {
                     set.skipped.fetch_add(k, Ordering::Relaxed);
                 }
-                return Ok((j, Source::Decoded(img)));
+                return Ok((j, w, h));
             }
             Err(e) if skip_bad => {
                 first_err.get_or_insert(e);
@@ -631,6 +687,81 @@ mod tests {
         assert_eq!(half.images, aug.images[12 * per..]);
         // Evaluation batches ignore the training augmentations.
         assert_eq!(make_batch(&d.val, &idx, &c, false, 0, 1), make_batch(&d.val, &idx, &cfg(DatasetKind::Builtin), false, 0, 1));
+    }
+
+    /// The direct JPEG decode gives the image crate's pixels exactly (colour, greyscale, odd
+    /// sizes), PNG still goes through the image crate, buffers are reused across sizes, and a
+    /// broken file is an error that names it.
+    #[test]
+    fn decode_into_matches_image_crate() {
+        let dir = std::env::temp_dir().join(format!("vitscale-decode-{}", std::process::id()));
+        let mut files = bench::write_jpegs(&dir, 2, 3).unwrap();
+        let grey = image::GrayImage::from_fn(33, 17, |x, y| image::Luma([(x * 7 + y * 13) as u8]));
+        let p = dir.join("grey.jpg");
+        grey.save_with_format(&p, image::ImageFormat::Jpeg).unwrap();
+        files.push(p);
+        let small = image::RgbImage::from_fn(9, 5, |x, y| image::Rgb([(x * 20) as u8, (y * 40) as u8, 7]));
+        let p = dir.join("small.jpg");
+        small.save_with_format(&p, image::ImageFormat::Jpeg).unwrap();
+        files.push(p);
+        let p = dir.join("small.png");
+        small.save_with_format(&p, image::ImageFormat::Png).unwrap();
+        files.push(p);
+        let (mut file, mut px) = (Vec::new(), Vec::new());
+        for f in files.iter().chain(files.iter().rev()) {
+            let want = image::load_from_memory(&std::fs::read(f).unwrap()).unwrap().into_rgb8();
+            let (w, h) = decode_into(f, &mut file, &mut px).unwrap();
+            assert_eq!((w as u32, h as u32), want.dimensions(), "{}", f.display());
+            assert!(px[..w * h * 3] == want.as_raw()[..], "{}", f.display());
+            assert_eq!(decode(f).unwrap(), want);
+        }
+        let bad = dir.join("bad.jpg");
+        let mut bytes = std::fs::read(&files[0]).unwrap();
+        bytes.truncate(600);
+        std::fs::write(&bad, &bytes[..600]).unwrap();
+        std::fs::write(dir.join("junk.jpg"), [0xffu8, 0xd8, 0xff, 0x00, 1, 2, 3]).unwrap();
+        for name in ["junk.jpg", "missing.jpg"] {
+            let e = decode_into(&dir.join(name), &mut file, &mut px).unwrap_err().to_string();
+            assert!(e.contains(name), "{e}");
+        }
+        // A truncated JPEG either decodes (zune pads missing data, as through the image crate)
+        // or names the file.
+        match (decode_into(&bad, &mut file, &mut px), image::load_from_memory(&bytes)) {
+            (Ok(_), Ok(_)) => {}
+            (Err(e), Err(_)) => assert!(e.to_string().contains("bad.jpg"), "{e}"),
+            (a, b) => panic!("direct decode {:?} vs image crate {:?}", a.map(|_| ()), b.map(|_| ())),
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The RandAugment path (bytes → ops → tables) with every op skipped (`p0`) is the plain
+    /// float path rounded to bytes: within half a level, for files and for in-memory sets; with
+    /// ops on, it is deterministic and changes images.
+    #[test]
+    fn randaugment_byte_path_is_the_float_path_rounded() {
+        let dir = std::env::temp_dir().join(format!("vitscale-ra-path-{}", std::process::id()));
+        let files = bench::write_jpegs(&dir, 6, 5).unwrap();
+        let files_set = ImageSet::from_files(files, vec![0; 6], 40, 1);
+        let mut mem = builtin::generate(6, 16, 1, rng::stream::TRAIN);
+        mem.batch_side = 16;
+        let idx: Vec<usize> = (0..6).collect();
+        for (set, dataset) in [(&files_set, DatasetKind::Folder), (&mem, DatasetKind::Builtin)] {
+            let plain = cfg(dataset);
+            let mut skip = plain.clone();
+            skip.aug.auto_augment = crate::config::parse_rand_augment("rand-m9-p0").unwrap();
+            let a = try_make_batch(set, &idx, &plain, true, 2, 7).unwrap();
+            let b = try_make_batch(set, &idx, &skip, true, 2, 7).unwrap();
+            // std 0.25: half a level is 0.5 / 255 / 0.25.
+            let tol = 0.5 / 255.0 / 0.25 + 1e-5;
+            let worst = a.images.iter().zip(&b.images).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            assert!(worst <= tol, "{dataset:?}: {worst} > {tol}");
+            let mut on = plain.clone();
+            on.aug.auto_augment = crate::config::parse_rand_augment("rand-m9-mstd0.5-inc1-p1").unwrap();
+            let c = try_make_batch(set, &idx, &on, true, 2, 7).unwrap();
+            assert_eq!(c, try_make_batch(set, &idx, &on, true, 2, 7).unwrap());
+            assert_ne!(c.images, b.images);
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
