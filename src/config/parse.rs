@@ -366,7 +366,7 @@ pub const MODEL_KEYS: &[KeyDef] = &[M_PRESET, M_IMAGE, M_PATCH, M_CHANS, M_WIDTH
 // -- data --
 
 const D_DATASET: KeyDef = key("dataset", Ty::Choice(DatasetKind::NAMES), Dflt::Str("builtin"),
-    "Which dataset: builtin (generated shapes), synthetic (random pixels), cifar10 / cifar100 (any of their distributed forms under data.path), folder (an image folder: path/<class>/*.jpg|png, or path/train/<class>/… + path/val/<class>/…).");
+    "Which dataset: builtin (generated shapes), synthetic (random pixels), cifar10 / cifar100 (any of their distributed forms under data.path), folder (an image folder: path/<class>/*.jpg|png|webp, or path/train/<class>/… + path/val/<class>/…).");
 const D_PATH: KeyDef = key("path", Ty::Str, Dflt::Derived("required for cifar10/cifar100/folder, not used otherwise"), "Dataset directory.");
 const D_MEAN: KeyDef = key("mean", Ty::Nums(3), Dflt::Derived("builtin/synthetic 0.5; cifar10 (0.4914, 0.4822, 0.4465); cifar100 (0.5071, 0.4865, 0.4409); folder ImageNet (0.485, 0.456, 0.406)"), "Per-channel mean subtracted after scaling to [0, 1].");
 const D_STD: KeyDef = key("std", Ty::Nums(3), Dflt::Derived("builtin/synthetic 0.5; cifar10 (0.2470, 0.2435, 0.2616); cifar100 (0.2673, 0.2564, 0.2762); folder ImageNet (0.229, 0.224, 0.225)"), "Per-channel std divided by; each > 0.");

@@ -114,7 +114,7 @@ pub enum DatasetKind {
     Synthetic,
     Cifar10,
     Cifar100,
-    /// An image folder: `path/<class>/*.jpg|png` (or `path/train/<class>/…` + `path/val/<class>/…`).
+    /// An image folder: `path/<class>/*.jpg|png|webp` (or `path/train/<class>/…` + `path/val/<class>/…`).
     Folder,
 }
 
