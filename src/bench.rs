@@ -56,7 +56,7 @@ pub struct BenchArgs {
     /// After timing, run one eager step with every kernel and GEMM timed and print the table.
     #[arg(long)]
     pub profile: bool,
-    /// CUDA attention path: fused, fused-pipe, fused-sync, fused-plain or gemm (default: $VITSCALE_ATTENTION, else fused).
+    /// CUDA attention path: fused, fused-pipe or gemm (default: $VITSCALE_ATTENTION, else fused).
     #[arg(long)]
     pub attention: Option<String>,
     /// Activation memory policy: auto (regenerate LayerNorm/GELU outputs in the backward when
@@ -102,7 +102,7 @@ pub struct BenchResult {
     pub peak_mem_gib: f64,
     pub loss: f32,
     pub kernel_compile_s: f64,
-    /// Attention path on CUDA ("fused", "fused-pipe", "fused-sync", "fused-plain", "gemm"); "cpu" on the CPU.
+    /// Attention path on CUDA ("fused", "fused-pipe", "gemm"); "cpu" on the CPU.
     pub attention: String,
     /// Whether the backward regenerated LayerNorm/GELU outputs (`--recompute`).
     pub recomputed: bool,

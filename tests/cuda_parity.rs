@@ -14,7 +14,7 @@ fn cuda_backend_matches_cpu() {
     let (seed, checks, dev, cpu) = vitscale::selftest::run_checks(&be, None).expect("parity run failed");
     let failed: Vec<_> = checks.iter().filter(|c| !c.pass).collect();
     assert!(failed.is_empty(), "seed {seed}: failed checks {failed:#?}\nlosses device {dev:?}\nlosses cpu {cpu:?}");
-    // Every attention path (gemm, fused, fused-plain) at the shapes that matter.
+    // Every attention path (gemm, fused, fused-pipe) at the shapes that matter.
     for path in vitscale::backend::cuda::AttentionPath::ALL {
         be.set_attention(path);
         let checks = vitscale::selftest::attention_checks(&be, seed ^ path as u64, path.name()).expect("attention checks failed to run");

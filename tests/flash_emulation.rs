@@ -4,9 +4,11 @@
 //! (written here independently of the kernel's own comments). bf16 rounding happens where the
 //! kernel rounds. Compared against the CPU backend's attention, so indexing and algorithm
 //! mistakes in the kernel show up without a GPU. Keep this file in step with flash.cu.
-//! It mirrors `flash_fwd` / `flash_bwd` (the `fused-sync` path); the pipelined forward and the
-//! short-sequence backward reuse their fragment loads, masking and packing, and are checked
-//! against the CPU on a GPU by `vitscale selftest --device cuda` (every attention path).
+//! It mirrors the per-lane arithmetic of `flash_fwd_pipe` and of the key-block backward
+//! (`fa_bwd_step` plus the dQ atomics of `flash_bwd_pipe`), as first written with synchronous
+//! tile loads; how tiles reach shared memory (cp.async, the short backward's whole-head layout
+//! and shared dQ rows) is not emulated and is checked against the CPU on a GPU by
+//! `vitscale selftest --device cuda` (every attention path).
 // Index loops mirror the kernel's lane and tile indices on purpose.
 #![allow(clippy::needless_range_loop, clippy::manual_is_multiple_of)]
 

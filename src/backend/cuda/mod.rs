@@ -12,15 +12,18 @@
 //!   CUDA graph (`begin_capture` / `end_capture`); nothing on the op paths synchronizes except
 //!   `download`, `upload` and `sum_squares`, which must.
 //!
-//! Attention has two paths, chosen at run time (`VITSCALE_ATTENTION=fused|fused-plain|gemm`,
+//! Attention has two paths, chosen at run time (`VITSCALE_ATTENTION=fused|fused-pipe|gemm`,
 //! default fused; `set_attention`):
 //! - gemm: materializes `probs` (B, H, N, N): per-head layout copies, strided-batched cuBLASLt
 //!   GEMMs for q·kᵀ and p·v, and a row-softmax kernel.
 //! - fused (`kernels/flash.cu`, head dims 32 and 64): flash-attention-2 style tensor-core
 //!   kernels that read q, k, v from the interleaved qkv layout, keep only the per-row
 //!   log-sum-exp (B·H·N f32) in `probs`, and recompute the probabilities in the backward.
-//!   Other head dims take the gemm path. `fused` loads transposed operands with ldmatrix;
-//!   `fused-plain` is the same algorithm with 16-bit shared-memory loads (kept to compare).
+//!   Other head dims take the gemm path. For N ≤ 256 the backward keeps a whole head in one
+//!   block (no dQ atomics); `fused-pipe` uses the key-block backward for every N (to compare;
+//!   it is what N > 256 gets anyway).
+//! - Batch inputs (`upload_input`) are converted into pinned staging memory and copied on a
+//!   second stream; the compute stream waits on an event, the host does not wait.
 
 mod compile;
 mod gemm;
@@ -249,7 +252,7 @@ pub struct Cuda {
     attention: AtomicU8,
 }
 
-/// Environment variable that picks the attention path: `fused` (default), `fused-plain` or `gemm`.
+/// Environment variable that picks the attention path: `fused` (default), `fused-pipe` or `gemm`.
 pub const ATTENTION_ENV: &str = "VITSCALE_ATTENTION";
 
 /// How the CUDA backend computes attention.
@@ -257,50 +260,39 @@ pub const ATTENTION_ENV: &str = "VITSCALE_ATTENTION";
 pub enum AttentionPath {
     /// Materialized probabilities through cuBLASLt batched GEMMs and a softmax kernel.
     Gemm = 0,
-    /// Fused tensor-core kernels, transposed operands through ldmatrix, the tiles of the inner
-    /// loop double-buffered through cp.async (the default).
+    /// Fused tensor-core kernels (the default): the pipelined forward, and for N ≤ 256 the
+    /// backward that keeps a whole head in one block (the key-block backward beyond).
     Fused = 1,
-    /// Fused tensor-core kernels, transposed operands through 16-bit shared loads, tiles
-    /// loaded synchronously.
-    FusedPlain = 2,
-    /// As `Fused` with the tiles loaded synchronously (the kernel before the pipelining).
-    FusedSync = 3,
-    /// As `Fused` without the short-sequence backward: the key-block backward with dQ atomics
-    /// for every N.
-    FusedPipe = 4,
+    /// As `Fused` with the key-block backward (dQ through f32 atomics) for every N.
+    FusedPipe = 2,
 }
 
 impl AttentionPath {
-    pub const ALL: [AttentionPath; 5] = [AttentionPath::Gemm, AttentionPath::Fused, AttentionPath::FusedPlain, AttentionPath::FusedSync, AttentionPath::FusedPipe];
+    pub const ALL: [AttentionPath; 3] = [AttentionPath::Gemm, AttentionPath::Fused, AttentionPath::FusedPipe];
     pub fn name(self) -> &'static str {
         match self {
             AttentionPath::Gemm => "gemm",
             AttentionPath::Fused => "fused",
-            AttentionPath::FusedPlain => "fused-plain",
-            AttentionPath::FusedSync => "fused-sync",
             AttentionPath::FusedPipe => "fused-pipe",
         }
     }
     fn from_u8(v: u8) -> AttentionPath {
         match v {
             1 => AttentionPath::Fused,
-            2 => AttentionPath::FusedPlain,
-            3 => AttentionPath::FusedSync,
-            4 => AttentionPath::FusedPipe,
+            2 => AttentionPath::FusedPipe,
             _ => AttentionPath::Gemm,
         }
     }
 }
 
-/// Parses an attention path name (`gemm`, `fused`, `fused-plain`, `fused-sync`, `fused-pipe`;
-/// empty = the default, fused).
+/// Parses an attention path name (`gemm`, `fused`, `fused-pipe`; empty = the default, fused).
 pub fn parse_attention(v: &str) -> Result<AttentionPath, String> {
     match v {
         "" => Ok(AttentionPath::Fused),
         other => AttentionPath::ALL
             .into_iter()
             .find(|p| p.name() == other)
-            .ok_or_else(|| format!("attention path must be gemm, fused, fused-plain, fused-sync or fused-pipe, got {other:?}")),
+            .ok_or_else(|| format!("attention path must be gemm, fused or fused-pipe, got {other:?}")),
     }
 }
 
@@ -394,8 +386,6 @@ impl Cuda {
         AttentionPath::from_u8(self.attention.load(Ordering::Relaxed))
     }
 
-    /// Kernel-name suffix of the fused kernels for head dim `d` ("d64" or "d64_ldsm"), or
-    /// None when attention with this head dim takes the gemm path.
     /// Kernel-name suffix of the fused attention for head dim `d` and the dynamic shared
     /// memory (bytes) of its (forward, backward) kernels; None = the GEMM path.
     fn fused_attention(&self, d: usize) -> Option<(String, u32, u32)> {
@@ -408,8 +398,6 @@ impl Cuda {
         match self.attention_path() {
             AttentionPath::Gemm => None,
             AttentionPath::Fused | AttentionPath::FusedPipe => Some((format!("d{d}_pipe"), fwd as u32, bwd as u32)),
-            AttentionPath::FusedSync => Some((format!("d{d}_ldsm"), 0, 0)),
-            AttentionPath::FusedPlain => Some((format!("d{d}"), 0, 0)),
         }
     }
 
@@ -715,6 +703,28 @@ impl Cuda {
         self.reduce_partials(dst, dst, ic, partial, splits as usize, ic)
     }
 
+    /// Checks of a linear layer's forward (`out = inp · Wᵀ + bias`); returns the bias address
+    /// (0 without a bias).
+    #[allow(clippy::too_many_arguments)]
+    fn check_linear(&self, op: &'static str, out: &CudaBuf, inp: &CudaBuf, params: &CudaBuf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<CUdeviceptr> {
+        check_bf16(op, "inp", inp)?;
+        check_bf16(op, "out", out)?;
+        check_bf16(op, "params (the compute copy)", params)?;
+        check_len(op, "inp", inp, rows * ic)?;
+        check_len(op, "out", out, rows * oc)?;
+        check_span(op, "weight", params, w)?;
+        if w.len != ic * oc {
+            return Err(BackendError::Shape { op, msg: format!("weight span has {} elements, expected {oc}×{ic}", w.len) });
+        }
+        match bias {
+            Some(s) => {
+                check_span(op, "bias", params, s)?;
+                Ok(params.at(s.off))
+            }
+            None => Ok(0),
+        }
+    }
+
     /// out = gelu(pre) over n bf16 elements, the widest vector kernel the alignment allows.
     fn gelu_fwd_launch(&self, out: CUdeviceptr, pre: CUdeviceptr, n: usize) -> BResult<()> {
         if n % 8 == 0 && pre % 16 == 0 && out % 16 == 0 {
@@ -745,6 +755,19 @@ impl Cuda {
         s.accumulate = beta != 0.0;
         let label = format!("gemm {op} m{} n{} k{} b{}", s.m, s.n, s.k, s.batch);
         self.timed(&label, || self.gemm.run(op, &s, a, b, c, d, bias, alpha, beta, self.stream.cu_stream()))
+    }
+}
+
+/// A linear layer's forward product. Row-major out(R, OC) = inp(R, IC)·Wᵀ  ⇔  column-major
+/// outᵀ(OC×R) = Wᵀ·inpᵀ with W read as column-major IC×OC (ld IC) transposed, inp as IC×R
+/// (ld IC). `accumulate`: beta = 1 (C read from the residual buffer).
+fn linear_shape(rows: usize, ic: usize, oc: usize, bias: bool, accumulate: bool) -> GemmShape {
+    GemmShape {
+        ta: true, tb: false, m: oc as u64, n: rows as u64, k: ic as u64,
+        a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
+        lda: ic as i64, ldb: ic as i64, ldd: oc as i64,
+        batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
+        bias, accumulate, align: 0,
     }
 }
 
@@ -988,15 +1011,7 @@ impl Backend for Cuda {
 
     fn matmul_forward(&self, out: &mut CudaBuf, gelu_pre: Option<&mut CudaBuf>, inp: &CudaBuf, params: &CudaBuf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
         const OP: &str = "matmul_forward";
-        check_bf16(OP, "inp", inp)?;
-        check_bf16(OP, "out", out)?;
-        check_bf16(OP, "params (the compute copy)", params)?;
-        check_len(OP, "inp", inp, rows * ic)?;
-        check_len(OP, "out", out, rows * oc)?;
-        check_span(OP, "weight", params, w)?;
-        if w.len != ic * oc {
-            return Err(BackendError::Shape { op: OP, msg: format!("weight span has {} elements, expected {oc}×{ic}", w.len) });
-        }
+        let bias_ptr = self.check_linear(OP, out, inp, params, w, bias, rows, ic, oc)?;
         let target = match &gelu_pre {
             Some(pre) => {
                 check_bf16(OP, "gelu_pre", pre)?;
@@ -1005,23 +1020,7 @@ impl Backend for Cuda {
             }
             None => out.ptr,
         };
-        let bias_ptr = match bias {
-            Some(s) => {
-                check_span(OP, "bias", params, s)?;
-                params.at(s.off)
-            }
-            None => 0,
-        };
-        // Row-major out(R, OC) = inp(R, IC)·Wᵀ  ⇔  column-major outᵀ(OC×R) = Wᵀ·inpᵀ with
-        // W read as column-major IC×OC (ld IC) transposed, inp as IC×R (ld IC).
-        let s = GemmShape {
-            ta: true, tb: false, m: oc as u64, n: rows as u64, k: ic as u64,
-            a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
-            lda: ic as i64, ldb: ic as i64, ldd: oc as i64,
-            batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
-            bias: bias.is_some(), accumulate: false, align: 0,
-        };
-        self.gemm(OP, s, params.at(w.off), inp.ptr, target, bias_ptr, 1.0, 0.0)?;
+        self.gemm(OP, linear_shape(rows, ic, oc, bias.is_some(), false), params.at(w.off), inp.ptr, target, bias_ptr, 1.0, 0.0)?;
         if gelu_pre.is_some() {
             self.gelu_fwd_launch(out.ptr, target, rows * oc)?;
         }
@@ -1030,34 +1029,12 @@ impl Backend for Cuda {
 
     fn matmul_forward_residual(&self, out: &mut CudaBuf, residual: &CudaBuf, inp: &CudaBuf, params: &CudaBuf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
         const OP: &str = "matmul_forward_residual";
-        check_bf16(OP, "inp", inp)?;
-        check_bf16(OP, "out", out)?;
+        let bias_ptr = self.check_linear(OP, out, inp, params, w, bias, rows, ic, oc)?;
         check_bf16(OP, "residual", residual)?;
-        check_bf16(OP, "params (the compute copy)", params)?;
-        check_len(OP, "inp", inp, rows * ic)?;
-        check_len(OP, "out", out, rows * oc)?;
         check_len(OP, "residual", residual, rows * oc)?;
-        check_span(OP, "weight", params, w)?;
-        if w.len != ic * oc {
-            return Err(BackendError::Shape { op: OP, msg: format!("weight span has {} elements, expected {oc}×{ic}", w.len) });
-        }
-        let bias_ptr = match bias {
-            Some(s) => {
-                check_span(OP, "bias", params, s)?;
-                params.at(s.off)
-            }
-            None => 0,
-        };
-        // As matmul_forward, with beta = 1 and C = the residual (same layout as out): cuBLASLt
-        // adds it before the bias epilogue, in f32, and rounds once to bf16.
-        let s = GemmShape {
-            ta: true, tb: false, m: oc as u64, n: rows as u64, k: ic as u64,
-            a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
-            lda: ic as i64, ldb: ic as i64, ldd: oc as i64,
-            batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
-            bias: bias.is_some(), accumulate: true, align: 0,
-        };
-        self.gemm_c(OP, s, params.at(w.off), inp.ptr, residual.ptr, out.ptr, bias_ptr, 1.0, 1.0)
+        // beta = 1 with C = the residual (out's layout): cuBLASLt adds it before the bias
+        // epilogue, in f32, and rounds once to bf16.
+        self.gemm_c(OP, linear_shape(rows, ic, oc, bias.is_some(), true), params.at(w.off), inp.ptr, residual.ptr, out.ptr, bias_ptr, 1.0, 1.0)
     }
 
     fn gelu_forward(&self, out: &mut CudaBuf, pre: &CudaBuf, n: usize) -> BResult<()> {

@@ -149,12 +149,29 @@ extern "C" __global__ void gelu_bwd_v8(uint4* dx, const uint4* pre, i64 n8) {
     }
 }
 
+// The end of the (32, 8)-block column sums (bias_grad_v8, gelu_bwd_bias_v8): each thread holds
+// 8 adjacent columns' sums over its rows; the 8 block-rows are combined in a fixed order and
+// row blockIdx.y of `dbias` (splits × oc) receives the block's 256 columns.
+__device__ __forceinline__ void block_column_partials(const float (&acc)[8], float* dbias, int oc) {
+    __shared__ float part[8][256 + 4];
+    #pragma unroll
+    for (int k = 0; k < 8; k++) part[threadIdx.y][threadIdx.x * 8 + k] = acc[k];
+    __syncthreads();
+    int t = threadIdx.y * 32 + threadIdx.x;
+    int c = blockIdx.x * 256 + t;
+    if (c < oc) {
+        float s = 0.f;
+        #pragma unroll
+        for (int k = 0; k < 8; k++) s += part[k][t];
+        dbias[(i64)blockIdx.y * oc + c] = s;
+    }
+}
+
 // dx *= gelu'(pre) (both bf16, row-major rows × oc, oc % 8 == 0) and, from the same pass, the
 // column partial sums of the rounded result — the bias gradient of the layer that produced
 // pre, summed exactly as bias_grad_v8 would sum dx afterwards. Block (32, 8) covers 256
 // columns; grid (ceil(oc / 256), splits); row y of `dbias` (splits × oc) gets block-row y's sums.
 extern "C" __global__ void gelu_bwd_bias_v8(bf16* dx, const bf16* pre, float* dbias, i64 rows, int oc) {
-    __shared__ float part[8][256 + 4];
     int c0 = (blockIdx.x * 32 + threadIdx.x) * 8;
     float acc[8];
     #pragma unroll
@@ -170,17 +187,7 @@ extern "C" __global__ void gelu_bwd_bias_v8(bf16* dx, const bf16* pre, float* db
             acc[4] += lo16(o.z); acc[5] += hi16(o.z); acc[6] += lo16(o.w); acc[7] += hi16(o.w);
         }
     }
-    #pragma unroll
-    for (int k = 0; k < 8; k++) part[threadIdx.y][threadIdx.x * 8 + k] = acc[k];
-    __syncthreads();
-    int t = threadIdx.y * 32 + threadIdx.x;
-    int c = blockIdx.x * 256 + t;
-    if (c < oc) {
-        float s = 0.f;
-        #pragma unroll
-        for (int k = 0; k < 8; k++) s += part[k][t];
-        dbias[(i64)blockIdx.y * oc + c] = s;
-    }
+    block_column_partials(acc, dbias, oc);
 }
 
 __device__ __forceinline__ unsigned add_w(unsigned a, unsigned b) { return pk16(lo16(a) + lo16(b), hi16(a) + hi16(b)); }
@@ -195,7 +202,6 @@ extern "C" __global__ void add_v8(uint4* out, const uint4* a, const uint4* b, i6
 // 16-byte loads. Block (32, 8) covers 256 columns; grid (ceil(OC/256), splits); row y of
 // `dbias` (splits × OC) gets block-row y's partial sums.
 extern "C" __global__ void bias_grad_v8(float* dbias, const bf16* dout, i64 rows, int oc) {
-    __shared__ float part[8][256 + 4];
     int c0 = (blockIdx.x * 32 + threadIdx.x) * 8;
     float acc[8];
     #pragma unroll
@@ -208,15 +214,5 @@ extern "C" __global__ void bias_grad_v8(float* dbias, const bf16* dout, i64 rows
             acc[4] += lo16(u.z); acc[5] += hi16(u.z); acc[6] += lo16(u.w); acc[7] += hi16(u.w);
         }
     }
-    #pragma unroll
-    for (int k = 0; k < 8; k++) part[threadIdx.y][threadIdx.x * 8 + k] = acc[k];
-    __syncthreads();
-    int t = threadIdx.y * 32 + threadIdx.x;
-    int c = blockIdx.x * 256 + t;
-    if (c < oc) {
-        float s = 0.f;
-        #pragma unroll
-        for (int k = 0; k < 8; k++) s += part[k][t];
-        dbias[(i64)blockIdx.y * oc + c] = s;
-    }
+    block_column_partials(acc, dbias, oc);
 }

@@ -6,10 +6,11 @@
 // lse2 = m + log2(l) with m the row maximum of s·scale·log2(e) and l = Σ 2^(s·scale·log2e − m)
 // (f32, B·H·N values). The backward recomputes P = 2^(s·scale·log2e − lse2).
 //
-// Kernel families (path names of `AttentionPath`): flash_fwd / flash_bwd load their tiles
-// synchronously (`fused-sync`, `fused-plain`); flash_fwd_pipe / flash_bwd_pipe double-buffer them
-// through cp.async (`fused-pipe`); flash_bwd_short handles a whole head per block for N ≤ 256
-// (`fused`, the default, with flash_fwd_pipe).
+// Kernels: flash_fwd_pipe (the forward) and flash_bwd_pipe (backward by key blocks, dQ through
+// f32 atomics, after the flash_bwd_pre pass and before flash_dq_store) double-buffer the tiles of
+// their inner loop through cp.async; flash_bwd_short (N ≤ 256, the default backward) keeps a
+// whole head in one block. Both backwards share fa_bwd_step (one warp's 16 keys against a step
+// of 64 queries) and fa_store_dkdv.
 //
 // Tiles: 64 query rows × 64 keys per block of 4 warps; each warp owns 16 rows of the tile.
 // Shared-memory rows are padded by 8 bf16 (16 bytes) so fragment loads hit 32 distinct banks.
@@ -41,9 +42,12 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
 
 // Two consecutive bf16 at p (4-byte aligned) as one register.
 __device__ __forceinline__ unsigned ld2(const bf16* p) { return *(const unsigned*)p; }
-// Two bf16 from different rows: p0 in the low half.
-__device__ __forceinline__ unsigned ld2t(const bf16* p0, const bf16* p1) {
-    return (unsigned)*p0 | ((unsigned)*p1 << 16);
+
+// The B fragment (k = 16 columns, n = one row per g) of a product with a row-major shared tile
+// used transposed: `p` is row (n0 + g) at column k0; lane t takes columns 2t, 2t+1 and 2t+8, 2t+9.
+__device__ __forceinline__ void ldb_row(unsigned* b, const bf16* p, int t) {
+    b[0] = ld2(p + 2 * t);
+    b[1] = ld2(p + 2 * t + 8);
 }
 
 // Shared-memory address of a generic pointer into shared memory.
@@ -58,179 +62,67 @@ __device__ __forceinline__ void ldsm_x4_t(unsigned* r, const bf16* p) {
                  : "memory");
 }
 
-// B fragments of two n-tiles from a row-major [k][n] shared tile (row stride ld): k rows
-// k0..k0+15, columns c0..c0+7 into r[0..1] and c0+8..c0+15 into r[2..3]. LDSM: one ldmatrix
-// .x4.trans (rows 16-byte aligned); otherwise 16-bit loads.
-template <bool LDSM>
+// B fragments of two n-tiles from a row-major [k][n] shared tile (row stride ld, rows 16-byte
+// aligned): k rows k0..k0+15, columns c0..c0+7 into r[0..1] and c0+8..c0+15 into r[2..3], by one
+// ldmatrix .x4.trans.
 __device__ __forceinline__ void ldb_t2(unsigned* r, const bf16* s, int ld, int k0, int c0, int lane) {
-    if (LDSM) {
-        const int mi = lane >> 3;
-        ldsm_x4_t(r, s + (k0 + (mi & 1) * 8 + (lane & 7)) * ld + c0 + (mi >> 1) * 8);
-    } else {
-        const int g = lane >> 2, t = lane & 3;
-        const bf16* p = s + (k0 + 2 * t) * ld + c0 + g;
-        r[0] = ld2t(p, p + ld);
-        r[1] = ld2t(p + 8 * ld, p + 9 * ld);
-        r[2] = ld2t(p + 8, p + ld + 8);
-        r[3] = ld2t(p + 8 * ld + 8, p + 9 * ld + 8);
-    }
+    const int mi = lane >> 3;
+    ldsm_x4_t(r, s + (k0 + (mi & 1) * 8 + (lane & 7)) * ld + c0 + (mi >> 1) * 8);
 }
 
-// rows × D tile from global rows (stride `stride` elements, row `row0` first) into shared
-// memory with row stride D + 8; rows ≥ n are zero. 16-byte loads.
-template <int D, int ROWS>
-__device__ __forceinline__ void fa_load_tile(bf16* s, const bf16* g, i64 stride, int row0, int n) {
-    constexpr int CH = D / 8;
-    for (int i = threadIdx.x; i < ROWS * CH; i += FA_THREADS) {
-        int r = i / CH, c = i - r * CH;
-        uint4 v;
-        v.x = 0u; v.y = 0u; v.z = 0u; v.w = 0u;
-        if (row0 + r < n) v = *(const uint4*)(g + (i64)(row0 + r) * stride + c * 8);
-        *(uint4*)(s + r * (D + 8) + c * 8) = v;
-    }
+// The A fragment of keys (or queries) 16kk..16kk+15 made from two f32 accumulator n-tiles
+// 2kk and 2kk + 1 (rows g, g + 8), rounded to bf16: a product's result feeding the next one.
+template <int NT>
+__device__ __forceinline__ void acc_to_a(unsigned* a, const float (&c)[NT][4], int kk) {
+    a[0] = pack_bf16(c[2 * kk][0], c[2 * kk][1]);
+    a[1] = pack_bf16(c[2 * kk][2], c[2 * kk][3]);
+    a[2] = pack_bf16(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+    a[3] = pack_bf16(c[2 * kk + 1][2], c[2 * kk + 1][3]);
 }
 
-// grid (ceil(N/64), B·H), block 128. out (B, N, H·D); lse2 (B·H, N) f32.
-template <int D, bool LDSM>
-__device__ __forceinline__ void flash_fwd(bf16* __restrict__ out, float* __restrict__ lse2, const bf16* __restrict__ qkv, int n, int h, float scale_log2) {
-    constexpr int LD = D + 8;
-    constexpr int KT = D / 16;     // k-steps over the head dim
-    constexpr int NS = FA_BC / 8;  // n-tiles of a score row block
-    constexpr int NO = D / 8;      // n-tiles of the output
-    __shared__ __align__(16) bf16 sq[FA_BR * LD];
-    __shared__ __align__(16) bf16 sk[FA_BC * LD];
-    __shared__ __align__(16) bf16 sv[FA_BC * LD];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int bh = blockIdx.y, bi = bh / h, hi = bh - bi * h;
-    const int q0 = blockIdx.x * FA_BR;
-    const i64 stride = (i64)3 * h * D;
-    const bf16* qg = qkv + (i64)bi * n * stride + hi * D;
-    const bf16* kg = qg + h * D;
-    const bf16* vg = qg + 2 * h * D;
-
-    fa_load_tile<D, FA_BR>(sq, qg, stride, q0, n);
-    __syncthreads();
-    unsigned qa[KT][4];
-    const int r0 = warp * 16 + g;
+// acc[j] += a · s[k0..k0+15][c0 + 8j ..] for the NO n-tiles of a row-major shared tile.
+template <int NO>
+__device__ __forceinline__ void mma_a_tile(float (&acc)[NO][4], const unsigned* a, const bf16* s, int ld, int k0, int c0, int lane) {
     #pragma unroll
-    for (int kt = 0; kt < KT; kt++) {
-        qa[kt][0] = ld2(sq + r0 * LD + kt * 16 + 2 * t);
-        qa[kt][1] = ld2(sq + (r0 + 8) * LD + kt * 16 + 2 * t);
-        qa[kt][2] = ld2(sq + r0 * LD + kt * 16 + 2 * t + 8);
-        qa[kt][3] = ld2(sq + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
+    for (int j = 0; j < NO; j += 2) {
+        unsigned b[4];
+        ldb_t2(b, s, ld, k0, c0 + j * 8, lane);
+        mma_bf16(acc[j], a, b);
+        mma_bf16(acc[j + 1], a, b + 2);
     }
-    float o[NO][4];
+}
+
+// The A fragment dS(queries q0..q0+15, keys k0..k0+15) read from the shared dSᵀ (rows = keys):
+// the two-tile transposed load gives (keys lo, q lo), (keys hi, q lo), (keys lo, q hi), (keys
+// hi, q hi), reordered into A's (row, k) register order.
+__device__ __forceinline__ void ds_as_a(unsigned* a, const bf16* sds, int lds, int k0, int q0, int lane) {
+    unsigned r[4];
+    ldb_t2(r, sds, lds, k0, q0, lane);
+    a[0] = r[0];
+    a[1] = r[2];
+    a[2] = r[1];
+    a[3] = r[3];
+}
+
+// Σ a[i]·b[i] over D bf16 values (16-byte aligned rows), f32, in a fixed order: one
+// attention row's delta = dO · O.
+template <int D>
+__device__ __forceinline__ float row_dot(const bf16* a, const bf16* b) {
+    const uint4* x4 = (const uint4*)a;
+    const uint4* y4 = (const uint4*)b;
+    float acc = 0.f;
     #pragma unroll
-    for (int j = 0; j < NO; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-
-    for (int k0 = 0; k0 < n; k0 += FA_BC) {
-        __syncthreads();  // every warp is done with the previous K, V tiles
-        fa_load_tile<D, FA_BC>(sk, kg, stride, k0, n);
-        fa_load_tile<D, FA_BC>(sv, vg, stride, k0, n);
-        __syncthreads();
-        if (q0 + warp * 16 >= n) continue;  // all 16 rows past the end (warp-uniform)
-        // S = Q·Kᵀ for this warp's 16 rows × 64 keys; tiles of keys all ≥ n are skipped
-        float s[NS][4];
+    for (int c = 0; c < D / 8; c++) {
+        uint4 x = x4[c], y = y4[c];
+        const unsigned xs[4] = {x.x, x.y, x.z, x.w};
+        const unsigned ys[4] = {y.x, y.y, y.z, y.w};
         #pragma unroll
-        for (int j = 0; j < NS; j++) {
-            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-            if (k0 + j * 8 >= n) continue;
-            #pragma unroll
-            for (int kt = 0; kt < KT; kt++) {
-                unsigned b[2];
-                b[0] = ld2(sk + (j * 8 + g) * LD + kt * 16 + 2 * t);
-                b[1] = ld2(sk + (j * 8 + g) * LD + kt * 16 + 2 * t + 8);
-                mma_bf16(s[j], qa[kt], b);
-            }
-        }
-        // scale into the base-2 domain, mask keys ≥ n, row maxima over the quad
-        float mx0 = -INFINITY, mx1 = -INFINITY;
-        #pragma unroll
-        for (int j = 0; j < NS; j++) {
-            #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int key = k0 + j * 8 + 2 * t + (e & 1);
-                s[j][e] = key < n ? s[j][e] * scale_log2 : -INFINITY;
-            }
-            mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
-            mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);  // finite: key k0 < n is valid
-        const float al0 = exp2f(m0 - mn0), al1 = exp2f(m1 - mn1);
-        m0 = mn0;
-        m1 = mn1;
-        float ps0 = 0.f, ps1 = 0.f;
-        #pragma unroll
-        for (int j = 0; j < NS; j++) {
-            s[j][0] = exp2f(s[j][0] - mn0);
-            s[j][1] = exp2f(s[j][1] - mn0);
-            s[j][2] = exp2f(s[j][2] - mn1);
-            s[j][3] = exp2f(s[j][3] - mn1);
-            ps0 += s[j][0] + s[j][1];
-            ps1 += s[j][2] + s[j][3];
-        }
-        l0 = l0 * al0 + ps0;  // per-thread partial row sums; the quad is summed at the end
-        l1 = l1 * al1 + ps1;
-        #pragma unroll
-        for (int j = 0; j < NO; j++) {
-            o[j][0] *= al0; o[j][1] *= al0;
-            o[j][2] *= al1; o[j][3] *= al1;
-        }
-        // O += P·V: P's accumulators become A fragments (keys are the k dimension); chunks of
-        // 16 keys all ≥ n have P = 0 and are skipped
-        #pragma unroll
-        for (int kk = 0; kk < FA_BC / 16; kk++) {
-            if (k0 + kk * 16 >= n) continue;
-            unsigned pa[4];
-            pa[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-            pa[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-            pa[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-            #pragma unroll
-            for (int j = 0; j < NO; j += 2) {
-                unsigned b[4];
-                ldb_t2<LDSM>(b, sv, LD, kk * 16, j * 8, lane);
-                mma_bf16(o[j], pa, b);
-                mma_bf16(o[j + 1], pa, b + 2);
-            }
+        for (int e = 0; e < 4; e++) {
+            acc += __uint_as_float(xs[e] << 16) * __uint_as_float(ys[e] << 16);
+            acc += __uint_as_float(xs[e] & 0xffff0000u) * __uint_as_float(ys[e] & 0xffff0000u);
         }
     }
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
-    const int row0 = q0 + r0, row1 = row0 + 8;
-    const i64 ostride = (i64)h * D;
-    bf16* og = out + (i64)bi * n * ostride + hi * D + 2 * t;
-    if (row0 < n) {
-        #pragma unroll
-        for (int j = 0; j < NO; j++) *(unsigned*)(og + row0 * ostride + j * 8) = pack_bf16(o[j][0] * inv0, o[j][1] * inv0);
-        if (t == 0) lse2[(i64)bh * n + row0] = m0 + log2f(l0);
-    }
-    if (row1 < n) {
-        #pragma unroll
-        for (int j = 0; j < NO; j++) *(unsigned*)(og + row1 * ostride + j * 8) = pack_bf16(o[j][2] * inv1, o[j][3] * inv1);
-        if (t == 0) lse2[(i64)bh * n + row1] = m1 + log2f(l1);
-    }
-}
-
-extern "C" __global__ void flash_fwd_d64(bf16* out, float* lse2, const bf16* qkv, int n, int h, float scale_log2) {
-    flash_fwd<64, false>(out, lse2, qkv, n, h, scale_log2);
-}
-extern "C" __global__ void flash_fwd_d32(bf16* out, float* lse2, const bf16* qkv, int n, int h, float scale_log2) {
-    flash_fwd<32, false>(out, lse2, qkv, n, h, scale_log2);
-}
-extern "C" __global__ void flash_fwd_d64_ldsm(bf16* out, float* lse2, const bf16* qkv, int n, int h, float scale_log2) {
-    flash_fwd<64, true>(out, lse2, qkv, n, h, scale_log2);
-}
-extern "C" __global__ void flash_fwd_d32_ldsm(bf16* out, float* lse2, const bf16* qkv, int n, int h, float scale_log2) {
-    flash_fwd<32, true>(out, lse2, qkv, n, h, scale_log2);
+    return acc;
 }
 
 // Backward pre-pass: delta (B·H, N) = rowsum(dO ∘ O) per head, f32. One thread per
@@ -239,20 +131,7 @@ template <int D>
 __device__ __forceinline__ void flash_bwd_pre(float* __restrict__ delta, const bf16* __restrict__ dout, const bf16* __restrict__ out, int b, int n, int h) {
     i64 rows = (i64)b * n * h;
     GRID_STRIDE(r, rows) {
-        const uint4* a = (const uint4*)(dout + r * D);
-        const uint4* o = (const uint4*)(out + r * D);
-        float acc = 0.f;
-        #pragma unroll
-        for (int c = 0; c < D / 8; c++) {
-            uint4 x = a[c], y = o[c];
-            const unsigned xs[4] = {x.x, x.y, x.z, x.w};
-            const unsigned ys[4] = {y.x, y.y, y.z, y.w};
-            #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                acc += __uint_as_float(xs[e] << 16) * __uint_as_float(ys[e] << 16);
-                acc += __uint_as_float(xs[e] & 0xffff0000u) * __uint_as_float(ys[e] & 0xffff0000u);
-            }
-        }
+        const float acc = row_dot<D>(dout + r * D, out + r * D);
         int hi = (int)(r % h);
         i64 tok = r / h;  // b·n + token
         int ni = (int)(tok % n);
@@ -266,210 +145,6 @@ extern "C" __global__ void flash_bwd_pre_d64(float* delta, const bf16* dout, con
 }
 extern "C" __global__ void flash_bwd_pre_d32(float* delta, const bf16* dout, const bf16* out, int b, int n, int h) {
     flash_bwd_pre<32>(delta, dout, out, b, n, h);
-}
-
-// Backward main pass: grid (ceil(N/64), B·H), block 128; one block owns 64 keys of one head,
-// each warp 16 of them. Loops over query blocks: recomputes Pᵀ from K·Qᵀ and lse2, then
-// dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − delta), dK += dSᵀ·Q, and dQ += dS·K through
-// shared memory (dSᵀ) and f32 atomics into dq_acc (B, N, H·D) (zeroed by the caller, already
-// multiplied by the softmax scale). dK (scaled) and dV are written to dqkv (B, N, 3, H, D).
-template <int D, bool LDSM>
-__device__ __forceinline__ void flash_bwd(bf16* __restrict__ dqkv, float* __restrict__ dq_acc, const bf16* __restrict__ dout, const bf16* __restrict__ qkv, const float* __restrict__ lse2, const float* __restrict__ delta, int n, int h, float scale, float scale_log2) {
-    constexpr int LD = D + 8;
-    constexpr int LDS = FA_BR + 8;
-    constexpr int KT = D / 16;
-    constexpr int NS = FA_BR / 8;  // n-tiles over the query block
-    constexpr int NO = D / 8;
-    __shared__ __align__(16) bf16 sk[FA_BC * LD];
-    __shared__ __align__(16) bf16 sv[FA_BC * LD];
-    __shared__ __align__(16) bf16 sq[FA_BR * LD];
-    __shared__ __align__(16) bf16 sdo[FA_BR * LD];
-    __shared__ __align__(16) bf16 sds[FA_BC * LDS];  // dSᵀ: keys × queries
-    __shared__ float slse[FA_BR];
-    __shared__ float sdelta[FA_BR];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int bh = blockIdx.y, bi = bh / h, hi = bh - bi * h;
-    const int k0 = blockIdx.x * FA_BC;
-    const i64 stride = (i64)3 * h * D;
-    const i64 ostride = (i64)h * D;
-    const bf16* qg = qkv + (i64)bi * n * stride + hi * D;
-    const bf16* kg = qg + h * D;
-    const bf16* vg = qg + 2 * h * D;
-    const bf16* dog = dout + (i64)bi * n * ostride + hi * D;
-
-    fa_load_tile<D, FA_BC>(sk, kg, stride, k0, n);
-    fa_load_tile<D, FA_BC>(sv, vg, stride, k0, n);
-    __syncthreads();
-    const int r0 = warp * 16 + g;  // this thread's key rows r0, r0 + 8 within the block
-    unsigned ka[KT][4], va[KT][4];
-    #pragma unroll
-    for (int kt = 0; kt < KT; kt++) {
-        ka[kt][0] = ld2(sk + r0 * LD + kt * 16 + 2 * t);
-        ka[kt][1] = ld2(sk + (r0 + 8) * LD + kt * 16 + 2 * t);
-        ka[kt][2] = ld2(sk + r0 * LD + kt * 16 + 2 * t + 8);
-        ka[kt][3] = ld2(sk + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
-        va[kt][0] = ld2(sv + r0 * LD + kt * 16 + 2 * t);
-        va[kt][1] = ld2(sv + (r0 + 8) * LD + kt * 16 + 2 * t);
-        va[kt][2] = ld2(sv + r0 * LD + kt * 16 + 2 * t + 8);
-        va[kt][3] = ld2(sv + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
-    }
-    const bool key0_ok = k0 + r0 < n, key1_ok = k0 + r0 + 8 < n;
-    float dk[NO][4], dv[NO][4];
-    #pragma unroll
-    for (int j = 0; j < NO; j++) {
-        dk[j][0] = dk[j][1] = dk[j][2] = dk[j][3] = 0.f;
-        dv[j][0] = dv[j][1] = dv[j][2] = dv[j][3] = 0.f;
-    }
-
-    for (int q0 = 0; q0 < n; q0 += FA_BR) {
-        __syncthreads();  // every warp is done with the previous Q, dO, dSᵀ tiles
-        fa_load_tile<D, FA_BR>(sq, qg, stride, q0, n);
-        fa_load_tile<D, FA_BR>(sdo, dog, ostride, q0, n);
-        for (int i = threadIdx.x; i < FA_BR; i += FA_THREADS) {
-            bool ok = q0 + i < n;
-            slse[i] = ok ? lse2[(i64)bh * n + q0 + i] : INFINITY;  // P = 0 for rows ≥ n
-            sdelta[i] = ok ? delta[(i64)bh * n + q0 + i] : 0.f;
-        }
-        __syncthreads();
-        // Skipped work (all warp-uniform): a warp whose 16 keys are all ≥ n skips to dQ (its
-        // dSᵀ rows are never read); query tiles all ≥ n are skipped (P = dS = 0 there), and a
-        // 16-query chunk of dSᵀ is written and read only when some query in it is < n.
-        if (k0 + warp * 16 < n) {
-        // Sᵀ = K·Qᵀ (16 keys × 64 queries) and dPᵀ = V·dOᵀ
-        float p[NS][4], dp[NS][4];
-        #pragma unroll
-        for (int j = 0; j < NS; j++) {
-            p[j][0] = p[j][1] = p[j][2] = p[j][3] = 0.f;
-            dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.f;
-            if (q0 + j * 8 >= n) continue;
-            #pragma unroll
-            for (int kt = 0; kt < KT; kt++) {
-                unsigned b[2];
-                b[0] = ld2(sq + (j * 8 + g) * LD + kt * 16 + 2 * t);
-                b[1] = ld2(sq + (j * 8 + g) * LD + kt * 16 + 2 * t + 8);
-                mma_bf16(p[j], ka[kt], b);
-                b[0] = ld2(sdo + (j * 8 + g) * LD + kt * 16 + 2 * t);
-                b[1] = ld2(sdo + (j * 8 + g) * LD + kt * 16 + 2 * t + 8);
-                mma_bf16(dp[j], va[kt], b);
-            }
-        }
-        // Pᵀ = 2^(s·scale·log2e − lse2[q]) (0 for keys ≥ n), dSᵀ = Pᵀ ∘ (dPᵀ − delta[q])
-        #pragma unroll
-        for (int j = 0; j < NS; j++) {
-            const int qc = j * 8 + 2 * t;
-            const float la = slse[qc], lb = slse[qc + 1];
-            const float da = sdelta[qc], db = sdelta[qc + 1];
-            p[j][0] = key0_ok ? exp2f(p[j][0] * scale_log2 - la) : 0.f;
-            p[j][1] = key0_ok ? exp2f(p[j][1] * scale_log2 - lb) : 0.f;
-            p[j][2] = key1_ok ? exp2f(p[j][2] * scale_log2 - la) : 0.f;
-            p[j][3] = key1_ok ? exp2f(p[j][3] * scale_log2 - lb) : 0.f;
-            dp[j][0] = p[j][0] * (dp[j][0] - da);
-            dp[j][1] = p[j][1] * (dp[j][1] - db);
-            dp[j][2] = p[j][2] * (dp[j][2] - da);
-            dp[j][3] = p[j][3] * (dp[j][3] - db);
-        }
-        // dV += Pᵀ·dO and dK += dSᵀ·Q (queries are the k dimension); dSᵀ to shared memory
-        #pragma unroll
-        for (int kk = 0; kk < FA_BR / 16; kk++) {
-            if (q0 + kk * 16 >= n) continue;
-            unsigned pa[4], sa[4];
-            pa[0] = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
-            pa[1] = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
-            pa[2] = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
-            pa[3] = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
-            sa[0] = pack_bf16(dp[2 * kk][0], dp[2 * kk][1]);
-            sa[1] = pack_bf16(dp[2 * kk][2], dp[2 * kk][3]);
-            sa[2] = pack_bf16(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
-            sa[3] = pack_bf16(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
-            *(unsigned*)(sds + r0 * LDS + kk * 16 + 2 * t) = sa[0];
-            *(unsigned*)(sds + (r0 + 8) * LDS + kk * 16 + 2 * t) = sa[1];
-            *(unsigned*)(sds + r0 * LDS + kk * 16 + 8 + 2 * t) = sa[2];
-            *(unsigned*)(sds + (r0 + 8) * LDS + kk * 16 + 8 + 2 * t) = sa[3];
-            #pragma unroll
-            for (int j = 0; j < NO; j += 2) {
-                unsigned b[4];
-                ldb_t2<LDSM>(b, sdo, LD, kk * 16, j * 8, lane);
-                mma_bf16(dv[j], pa, b);
-                mma_bf16(dv[j + 1], pa, b + 2);
-                ldb_t2<LDSM>(b, sq, LD, kk * 16, j * 8, lane);
-                mma_bf16(dk[j], sa, b);
-                mma_bf16(dk[j + 1], sa, b + 2);
-            }
-        }
-        }  // keys of this warp < n
-        __syncthreads();  // dSᵀ complete
-        // dQ (64 queries × D) += dS·K over this block's 64 keys; warp w takes queries 16w..16w+15
-        if (q0 + warp * 16 >= n) continue;
-        float dq[NO][4];
-        #pragma unroll
-        for (int j = 0; j < NO; j++) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
-        #pragma unroll
-        for (int kk = 0; kk < FA_BC / 16; kk++) {
-            if (k0 + kk * 16 >= n) continue;
-            // A(q, key) = dSᵀ[key][q]: the two-tile transposed load over queries gives
-            // (keys lo, q lo), (keys hi, q lo), (keys lo, q hi), (keys hi, q hi)
-            unsigned r[4], a[4];
-            ldb_t2<LDSM>(r, sds, LDS, kk * 16, warp * 16, lane);
-            a[0] = r[0];
-            a[1] = r[2];
-            a[2] = r[1];
-            a[3] = r[3];
-            #pragma unroll
-            for (int j = 0; j < NO; j += 2) {
-                unsigned b[4];
-                ldb_t2<LDSM>(b, sk, LD, kk * 16, j * 8, lane);
-                mma_bf16(dq[j], a, b);
-                mma_bf16(dq[j + 1], a, b + 2);
-            }
-        }
-        const int qa0 = q0 + warp * 16 + g, qa1 = qa0 + 8;
-        float* dqg = dq_acc + (i64)bi * n * ostride + hi * D + 2 * t;
-        if (qa0 < n) {
-            #pragma unroll
-            for (int j = 0; j < NO; j++) {
-                atomicAdd(dqg + qa0 * ostride + j * 8, dq[j][0] * scale);
-                atomicAdd(dqg + qa0 * ostride + j * 8 + 1, dq[j][1] * scale);
-            }
-        }
-        if (qa1 < n) {
-            #pragma unroll
-            for (int j = 0; j < NO; j++) {
-                atomicAdd(dqg + qa1 * ostride + j * 8, dq[j][2] * scale);
-                atomicAdd(dqg + qa1 * ostride + j * 8 + 1, dq[j][3] * scale);
-            }
-        }
-    }
-    // dK (scaled) and dV into dqkv
-    bf16* dkg = dqkv + (i64)bi * n * stride + h * D + hi * D + 2 * t;
-    bf16* dvg = dkg + h * D;
-    const i64 key0 = k0 + r0, key1 = key0 + 8;
-    if (key0_ok) {
-        #pragma unroll
-        for (int j = 0; j < NO; j++) {
-            *(unsigned*)(dkg + key0 * stride + j * 8) = pack_bf16(dk[j][0] * scale, dk[j][1] * scale);
-            *(unsigned*)(dvg + key0 * stride + j * 8) = pack_bf16(dv[j][0], dv[j][1]);
-        }
-    }
-    if (key1_ok) {
-        #pragma unroll
-        for (int j = 0; j < NO; j++) {
-            *(unsigned*)(dkg + key1 * stride + j * 8) = pack_bf16(dk[j][2] * scale, dk[j][3] * scale);
-            *(unsigned*)(dvg + key1 * stride + j * 8) = pack_bf16(dv[j][2], dv[j][3]);
-        }
-    }
-}
-
-extern "C" __global__ void flash_bwd_d64(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse2, const float* delta, int n, int h, float scale, float scale_log2) {
-    flash_bwd<64, false>(dqkv, dq_acc, dout, qkv, lse2, delta, n, h, scale, scale_log2);
-}
-extern "C" __global__ void flash_bwd_d32(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse2, const float* delta, int n, int h, float scale, float scale_log2) {
-    flash_bwd<32, false>(dqkv, dq_acc, dout, qkv, lse2, delta, n, h, scale, scale_log2);
-}
-extern "C" __global__ void flash_bwd_d64_ldsm(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse2, const float* delta, int n, int h, float scale, float scale_log2) {
-    flash_bwd<64, true>(dqkv, dq_acc, dout, qkv, lse2, delta, n, h, scale, scale_log2);
-}
-extern "C" __global__ void flash_bwd_d32_ldsm(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse2, const float* delta, int n, int h, float scale, float scale_log2) {
-    flash_bwd<32, true>(dqkv, dq_acc, dout, qkv, lse2, delta, n, h, scale, scale_log2);
 }
 
 // dq_acc (B·N, H·D) f32 → the q slot of dqkv (B, N, 3, H, D) bf16, 8 values per thread.
@@ -490,9 +165,8 @@ extern "C" __global__ void flash_dq_store(bf16* dqkv, const float* dq_acc, i64 r
     }
 }
 
-// ---- Pipelined variants (the default): the same arithmetic, fragments and skipping rules as
-// flash_fwd / flash_bwd above, but the tiles the loop walks over (K, V in the forward; Q, dO,
-// lse2, delta in the backward) are double-buffered in dynamic shared memory and fetched with
+// ---- Pipelined kernels: the tiles the loop walks over (K, V in the forward; Q, dO, lse2, delta
+// in the key-block backward) are double-buffered in dynamic shared memory and fetched with
 // cp.async one step ahead, so a block computes on tile i while tile i + 1 is in flight. Rows
 // ≥ n are zero-filled by the copy engine (src-size 0); the backward masks those queries' P
 // explicitly instead of relying on an infinite lse2.
@@ -595,8 +269,7 @@ __device__ __forceinline__ void flash_fwd_pipe(bf16* __restrict__ out, float* __
                 for (int j = 0; j < NS; j++) {
                     if (!FULL && k0 + j * 8 >= n) continue;
                     unsigned b[2];
-                    b[0] = ld2(sk + (j * 8 + g) * LD + kt * 16 + 2 * t);
-                    b[1] = ld2(sk + (j * 8 + g) * LD + kt * 16 + 2 * t + 8);
+                    ldb_row(b, sk + (j * 8 + g) * LD + kt * 16, t);
                     mma_bf16(s[j], qa[kt], b);
                 }
             }
@@ -640,17 +313,8 @@ __device__ __forceinline__ void flash_fwd_pipe(bf16* __restrict__ out, float* __
             for (int kk = 0; kk < FA_BC / 16; kk++) {
                 if (!FULL && k0 + kk * 16 >= n) continue;
                 unsigned pa[4];
-                pa[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-                pa[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-                pa[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                pa[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-                #pragma unroll
-                for (int j = 0; j < NO; j += 2) {
-                    unsigned b[4];
-                    ldb_t2<true>(b, sv, LD, kk * 16, j * 8, lane);
-                    mma_bf16(o[j], pa, b);
-                    mma_bf16(o[j + 1], pa, b + 2);
-                }
+                acc_to_a(pa, s, kk);
+                mma_a_tile(o, pa, sv, LD, kk * 16, 0, lane);
             }
         };
         if (k0 + FA_BC <= n) block(BoolC<true>{});
@@ -684,12 +348,116 @@ extern "C" __global__ void flash_fwd_d32_pipe(bf16* out, float* lse2, const bf16
     flash_fwd_pipe<32>(out, lse2, qkv, n, h, scale_log2);
 }
 
+// One query step of the backward for one warp's 16 keys (key rows r0 and r0 + 8 of its block,
+// fragments ka / va): Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ over the step's 64 queries, Pᵀ from lse2,
+// dSᵀ = Pᵀ ∘ (dPᵀ − delta) into the block's shared dSᵀ rows (for its dQ), then dV += Pᵀ·dO and
+// dK += dSᵀ·Q. `sq`, `sdo`, `slse`, `sdelta` point at the step's first query, whose index is q0:
+// queries ≥ n and keys not ok get P = 0. FQ: all 64 queries are < n, so the step compiles
+// without row tests (one branch-free stretch of tensor-core work the scheduler can interleave).
+template <int D, bool FQ>
+__device__ __forceinline__ void fa_bwd_step(const bf16* sq, const bf16* sdo, const float* slse, const float* sdelta, bf16* sds, int q0, int n,
+                                            const unsigned (&ka)[D / 16][4], const unsigned (&va)[D / 16][4], bool key0_ok, bool key1_ok,
+                                            float (&dk)[D / 8][4], float (&dv)[D / 8][4], int r0, int lane, float scale_log2) {
+    constexpr int LD = D + 8;
+    constexpr int LDS = FA_BR + 8;
+    constexpr int KT = D / 16;
+    constexpr int NS = FA_BR / 8;
+    const int g = lane >> 2, t = lane & 3;
+    float p[NS][4], dp[NS][4];
+    #pragma unroll
+    for (int j = 0; j < NS; j++) {
+        p[j][0] = p[j][1] = p[j][2] = p[j][3] = 0.f;
+        dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.f;
+    }
+    #pragma unroll
+    for (int kt = 0; kt < KT; kt++) {
+        #pragma unroll
+        for (int j = 0; j < NS; j++) {
+            if (!FQ && q0 + j * 8 >= n) continue;
+            unsigned b[2];
+            ldb_row(b, sq + (j * 8 + g) * LD + kt * 16, t);
+            mma_bf16(p[j], ka[kt], b);
+            ldb_row(b, sdo + (j * 8 + g) * LD + kt * 16, t);
+            mma_bf16(dp[j], va[kt], b);
+        }
+    }
+    #pragma unroll
+    for (int j = 0; j < NS; j++) {
+        const int qc = j * 8 + 2 * t;
+        const bool qa_ok = FQ || q0 + qc < n, qb_ok = FQ || q0 + qc + 1 < n;
+        const float la = slse[qc], lb = slse[qc + 1];
+        const float da = sdelta[qc], db = sdelta[qc + 1];
+        p[j][0] = key0_ok && qa_ok ? exp2f(p[j][0] * scale_log2 - la) : 0.f;
+        p[j][1] = key0_ok && qb_ok ? exp2f(p[j][1] * scale_log2 - lb) : 0.f;
+        p[j][2] = key1_ok && qa_ok ? exp2f(p[j][2] * scale_log2 - la) : 0.f;
+        p[j][3] = key1_ok && qb_ok ? exp2f(p[j][3] * scale_log2 - lb) : 0.f;
+        dp[j][0] = p[j][0] * (dp[j][0] - da);
+        dp[j][1] = p[j][1] * (dp[j][1] - db);
+        dp[j][2] = p[j][2] * (dp[j][2] - da);
+        dp[j][3] = p[j][3] * (dp[j][3] - db);
+    }
+    #pragma unroll
+    for (int kk = 0; kk < FA_BR / 16; kk++) {
+        if (!FQ && q0 + kk * 16 >= n) continue;
+        unsigned pa[4], sa[4];
+        acc_to_a(pa, p, kk);
+        acc_to_a(sa, dp, kk);
+        *(unsigned*)(sds + r0 * LDS + kk * 16 + 2 * t) = sa[0];
+        *(unsigned*)(sds + (r0 + 8) * LDS + kk * 16 + 2 * t) = sa[1];
+        *(unsigned*)(sds + r0 * LDS + kk * 16 + 8 + 2 * t) = sa[2];
+        *(unsigned*)(sds + (r0 + 8) * LDS + kk * 16 + 8 + 2 * t) = sa[3];
+        mma_a_tile(dv, pa, sdo, LD, kk * 16, 0, lane);
+        mma_a_tile(dk, sa, sq, LD, kk * 16, 0, lane);
+    }
+}
+
+// K and V fragments of one warp's 16 keys (rows r0, r0 + 8 of the shared K and V tiles).
+template <int D>
+__device__ __forceinline__ void fa_key_fragments(unsigned (&ka)[D / 16][4], unsigned (&va)[D / 16][4], const bf16* sk, const bf16* sv, int r0, int t) {
+    constexpr int LD = D + 8;
+    #pragma unroll
+    for (int kt = 0; kt < D / 16; kt++) {
+        ka[kt][0] = ld2(sk + r0 * LD + kt * 16 + 2 * t);
+        ka[kt][1] = ld2(sk + (r0 + 8) * LD + kt * 16 + 2 * t);
+        ka[kt][2] = ld2(sk + r0 * LD + kt * 16 + 2 * t + 8);
+        ka[kt][3] = ld2(sk + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
+        va[kt][0] = ld2(sv + r0 * LD + kt * 16 + 2 * t);
+        va[kt][1] = ld2(sv + (r0 + 8) * LD + kt * 16 + 2 * t);
+        va[kt][2] = ld2(sv + r0 * LD + kt * 16 + 2 * t + 8);
+        va[kt][3] = ld2(sv + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
+    }
+}
+
+// dK (times the softmax scale) and dV of keys key0 and key0 + 8 into dqkv (B, N, 3, H, D).
+template <int D>
+__device__ __forceinline__ void fa_store_dkdv(bf16* dqkv, int bi, int hi, int n, int h, i64 key0, bool key0_ok, bool key1_ok,
+                                              const float (&dk)[D / 8][4], const float (&dv)[D / 8][4], float scale, int t) {
+    constexpr int NO = D / 8;
+    const i64 stride = (i64)3 * h * D;
+    bf16* dkg = dqkv + (i64)bi * n * stride + h * D + hi * D + 2 * t;
+    bf16* dvg = dkg + h * D;
+    const i64 key1 = key0 + 8;
+    if (key0_ok) {
+        #pragma unroll
+        for (int j = 0; j < NO; j++) {
+            *(unsigned*)(dkg + key0 * stride + j * 8) = pack_bf16(dk[j][0] * scale, dk[j][1] * scale);
+            *(unsigned*)(dvg + key0 * stride + j * 8) = pack_bf16(dv[j][0], dv[j][1]);
+        }
+    }
+    if (key1_ok) {
+        #pragma unroll
+        for (int j = 0; j < NO; j++) {
+            *(unsigned*)(dkg + key1 * stride + j * 8) = pack_bf16(dk[j][2] * scale, dk[j][3] * scale);
+            *(unsigned*)(dvg + key1 * stride + j * 8) = pack_bf16(dv[j][2], dv[j][3]);
+        }
+    }
+}
+
 template <int D>
 __device__ __forceinline__ void flash_bwd_pipe(bf16* __restrict__ dqkv, float* __restrict__ dq_acc, const bf16* __restrict__ dout, const bf16* __restrict__ qkv, const float* __restrict__ lse2, const float* __restrict__ delta, int n, int h, float scale, float scale_log2) {
     constexpr int LD = D + 8;
     constexpr int LDS = FA_BR + 8;
     constexpr int KT = D / 16;
-    constexpr int NS = FA_BR / 8;
     constexpr int NO = D / 8;
     extern __shared__ __align__(16) unsigned char fa_smem[];
     bf16* sk = (bf16*)fa_smem;                // FA_BC × LD
@@ -751,80 +519,11 @@ __device__ __forceinline__ void flash_bwd_pipe(bf16* __restrict__ dqkv, float* _
         const bf16* sdo = sq + FA_BR * LD;
         const float* slse = sstat + (qi & 1) * 2 * FA_BR;
         const float* sdelta = slse + FA_BR;
-        if (qi == 0) {
-            #pragma unroll
-            for (int kt = 0; kt < KT; kt++) {
-                ka[kt][0] = ld2(sk + r0 * LD + kt * 16 + 2 * t);
-                ka[kt][1] = ld2(sk + (r0 + 8) * LD + kt * 16 + 2 * t);
-                ka[kt][2] = ld2(sk + r0 * LD + kt * 16 + 2 * t + 8);
-                ka[kt][3] = ld2(sk + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
-                va[kt][0] = ld2(sv + r0 * LD + kt * 16 + 2 * t);
-                va[kt][1] = ld2(sv + (r0 + 8) * LD + kt * 16 + 2 * t);
-                va[kt][2] = ld2(sv + r0 * LD + kt * 16 + 2 * t + 8);
-                va[kt][3] = ld2(sv + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
-            }
+        if (qi == 0) fa_key_fragments<D>(ka, va, sk, sv, r0, t);
+        if (k0 + warp * 16 < n) {  // some of this warp's keys exist (warp-uniform)
+            if (q0 + FA_BR <= n) fa_bwd_step<D, true>(sq, sdo, slse, sdelta, sds, q0, n, ka, va, key0_ok, key1_ok, dk, dv, r0, lane, scale_log2);
+            else fa_bwd_step<D, false>(sq, sdo, slse, sdelta, sds, q0, n, ka, va, key0_ok, key1_ok, dk, dv, r0, lane, scale_log2);
         }
-        if (k0 + warp * 16 < n) {
-        float p[NS][4], dp[NS][4];
-        #pragma unroll
-        for (int j = 0; j < NS; j++) {
-            p[j][0] = p[j][1] = p[j][2] = p[j][3] = 0.f;
-            dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.f;
-            if (q0 + j * 8 >= n) continue;
-            #pragma unroll
-            for (int kt = 0; kt < KT; kt++) {
-                unsigned b[2];
-                b[0] = ld2(sq + (j * 8 + g) * LD + kt * 16 + 2 * t);
-                b[1] = ld2(sq + (j * 8 + g) * LD + kt * 16 + 2 * t + 8);
-                mma_bf16(p[j], ka[kt], b);
-                b[0] = ld2(sdo + (j * 8 + g) * LD + kt * 16 + 2 * t);
-                b[1] = ld2(sdo + (j * 8 + g) * LD + kt * 16 + 2 * t + 8);
-                mma_bf16(dp[j], va[kt], b);
-            }
-        }
-        #pragma unroll
-        for (int j = 0; j < NS; j++) {
-            const int qc = j * 8 + 2 * t;
-            const bool qa_ok = q0 + qc < n, qb_ok = q0 + qc + 1 < n;
-            const float la = slse[qc], lb = slse[qc + 1];
-            const float da = sdelta[qc], db = sdelta[qc + 1];
-            p[j][0] = key0_ok && qa_ok ? exp2f(p[j][0] * scale_log2 - la) : 0.f;
-            p[j][1] = key0_ok && qb_ok ? exp2f(p[j][1] * scale_log2 - lb) : 0.f;
-            p[j][2] = key1_ok && qa_ok ? exp2f(p[j][2] * scale_log2 - la) : 0.f;
-            p[j][3] = key1_ok && qb_ok ? exp2f(p[j][3] * scale_log2 - lb) : 0.f;
-            dp[j][0] = p[j][0] * (dp[j][0] - da);
-            dp[j][1] = p[j][1] * (dp[j][1] - db);
-            dp[j][2] = p[j][2] * (dp[j][2] - da);
-            dp[j][3] = p[j][3] * (dp[j][3] - db);
-        }
-        #pragma unroll
-        for (int kk = 0; kk < FA_BR / 16; kk++) {
-            if (q0 + kk * 16 >= n) continue;
-            unsigned pa[4], sa[4];
-            pa[0] = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
-            pa[1] = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
-            pa[2] = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
-            pa[3] = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
-            sa[0] = pack_bf16(dp[2 * kk][0], dp[2 * kk][1]);
-            sa[1] = pack_bf16(dp[2 * kk][2], dp[2 * kk][3]);
-            sa[2] = pack_bf16(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
-            sa[3] = pack_bf16(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
-            *(unsigned*)(sds + r0 * LDS + kk * 16 + 2 * t) = sa[0];
-            *(unsigned*)(sds + (r0 + 8) * LDS + kk * 16 + 2 * t) = sa[1];
-            *(unsigned*)(sds + r0 * LDS + kk * 16 + 8 + 2 * t) = sa[2];
-            *(unsigned*)(sds + (r0 + 8) * LDS + kk * 16 + 8 + 2 * t) = sa[3];
-            #pragma unroll
-            for (int j = 0; j < NO; j += 2) {
-                unsigned b[4];
-                ldb_t2<true>(b, sdo, LD, kk * 16, j * 8, lane);
-                mma_bf16(dv[j], pa, b);
-                mma_bf16(dv[j + 1], pa, b + 2);
-                ldb_t2<true>(b, sq, LD, kk * 16, j * 8, lane);
-                mma_bf16(dk[j], sa, b);
-                mma_bf16(dk[j + 1], sa, b + 2);
-            }
-        }
-        }  // keys of this warp < n
         __syncthreads();  // dSᵀ complete
         if (q0 + warp * 16 >= n) continue;
         float dq[NO][4];
@@ -833,19 +532,9 @@ __device__ __forceinline__ void flash_bwd_pipe(bf16* __restrict__ dqkv, float* _
         #pragma unroll
         for (int kk = 0; kk < FA_BC / 16; kk++) {
             if (k0 + kk * 16 >= n) continue;
-            unsigned r[4], a[4];
-            ldb_t2<true>(r, sds, LDS, kk * 16, warp * 16, lane);
-            a[0] = r[0];
-            a[1] = r[2];
-            a[2] = r[1];
-            a[3] = r[3];
-            #pragma unroll
-            for (int j = 0; j < NO; j += 2) {
-                unsigned b[4];
-                ldb_t2<true>(b, sk, LD, kk * 16, j * 8, lane);
-                mma_bf16(dq[j], a, b);
-                mma_bf16(dq[j + 1], a, b + 2);
-            }
+            unsigned a[4];
+            ds_as_a(a, sds, LDS, kk * 16, warp * 16, lane);
+            mma_a_tile(dq, a, sk, LD, kk * 16, 0, lane);
         }
         const int qa0 = q0 + warp * 16 + g, qa1 = qa0 + 8;
         float* dqg = dq_acc + (i64)bi * n * ostride + hi * D + 2 * t;
@@ -864,24 +553,7 @@ __device__ __forceinline__ void flash_bwd_pipe(bf16* __restrict__ dqkv, float* _
             }
         }
     }
-    bf16* dkg = dqkv + (i64)bi * n * stride + h * D + hi * D + 2 * t;
-    bf16* dvg = dkg + h * D;
-    const i64 key0 = k0 + r0, key1 = key0 + 8;
-    if (key0_ok) {
-        #pragma unroll
-        for (int j = 0; j < NO; j++) {
-            *(unsigned*)(dkg + key0 * stride + j * 8) = pack_bf16(dk[j][0] * scale, dk[j][1] * scale);
-            *(unsigned*)(dvg + key0 * stride + j * 8) = pack_bf16(dv[j][0], dv[j][1]);
-        }
-    }
-    if (key1_ok) {
-        #pragma unroll
-        for (int j = 0; j < NO; j++) {
-            *(unsigned*)(dkg + key1 * stride + j * 8) = pack_bf16(dk[j][2] * scale, dk[j][3] * scale);
-            *(unsigned*)(dvg + key1 * stride + j * 8) = pack_bf16(dv[j][2], dv[j][3]);
-        }
-    }
-}
+    fa_store_dkdv<D>(dqkv, bi, hi, n, h, k0 + r0, key0_ok, key1_ok, dk, dv, scale, t);}
 
 extern "C" __global__ void flash_bwd_d64_pipe(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse2, const float* delta, int n, int h, float scale, float scale_log2) {
     flash_bwd_pipe<64>(dqkv, dq_acc, dout, qkv, lse2, delta, n, h, scale, scale_log2);
@@ -923,7 +595,6 @@ __device__ __forceinline__ void flash_bwd_short(bf16* __restrict__ dqkv, const b
     constexpr int LDQ = D + 8;  // f32 dQ rows: float2 accesses of a half-warp hit distinct banks
     constexpr int LDS = FA_BR + 8;
     constexpr int KT = D / 16;
-    constexpr int NS = FA_BR / 8;
     constexpr int NO = D / 8;
     constexpr int NH = NO / 2;  // n-tiles of one half of the head dim
     extern __shared__ __align__(16) unsigned char fa_smem[];
@@ -956,23 +627,7 @@ __device__ __forceinline__ void flash_bwd_short(bf16* __restrict__ dqkv, const b
     cp_async_commit();
     // delta and the zeroed dQ accumulator while the copies fly; dO·O in f32 from global rows
     for (int r = threadIdx.x; r < nqp; r += FS_THREADS) {
-        float acc = 0.f;
-        if (r < n) {
-            const uint4* a = (const uint4*)(dog + (i64)r * ostride);
-            const uint4* o = (const uint4*)(og + (i64)r * ostride);
-            #pragma unroll
-            for (int c = 0; c < D / 8; c++) {
-                uint4 x = a[c], y = o[c];
-                const unsigned xs[4] = {x.x, x.y, x.z, x.w};
-                const unsigned ys[4] = {y.x, y.y, y.z, y.w};
-                #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    acc += __uint_as_float(xs[e] << 16) * __uint_as_float(ys[e] << 16);
-                    acc += __uint_as_float(xs[e] & 0xffff0000u) * __uint_as_float(ys[e] & 0xffff0000u);
-                }
-            }
-        }
-        sdelta[r] = acc;
+        sdelta[r] = r < n ? row_dot<D>(dog + (i64)r * ostride, og + (i64)r * ostride) : 0.f;
     }
     for (int i = threadIdx.x; i < nqp * LDQ; i += FS_THREADS) sdQ[i] = 0.f;
 
@@ -989,91 +644,14 @@ __device__ __forceinline__ void flash_bwd_short(bf16* __restrict__ dqkv, const b
         const bool active = k0 + warp * 16 < n;  // some of this warp's keys exist (warp-uniform)
         const bool key0_ok = k0 + r0 < n, key1_ok = k0 + r0 + 8 < n;
         unsigned ka[KT][4], va[KT][4];
-        #pragma unroll
-        for (int kt = 0; kt < KT; kt++) {
-            ka[kt][0] = ld2(sK + r0 * LD + kt * 16 + 2 * t);
-            ka[kt][1] = ld2(sK + (r0 + 8) * LD + kt * 16 + 2 * t);
-            ka[kt][2] = ld2(sK + r0 * LD + kt * 16 + 2 * t + 8);
-            ka[kt][3] = ld2(sK + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
-            va[kt][0] = ld2(sV + r0 * LD + kt * 16 + 2 * t);
-            va[kt][1] = ld2(sV + (r0 + 8) * LD + kt * 16 + 2 * t);
-            va[kt][2] = ld2(sV + r0 * LD + kt * 16 + 2 * t + 8);
-            va[kt][3] = ld2(sV + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
-        }
+        fa_key_fragments<D>(ka, va, sK, sV, r0, t);
         float dk[NO][4], dv[NO][4];
         #pragma unroll
         for (int j = 0; j < NO; j++) {
             dk[j][0] = dk[j][1] = dk[j][2] = dk[j][3] = 0.f;
             dv[j][0] = dv[j][1] = dv[j][2] = dv[j][3] = 0.f;
         }
-        // Query steps and key passes entirely < n compile without row tests (see flash_fwd_pipe).
-        auto phase1 = [&](auto full_tag, int q0) {
-            constexpr bool FQ = decltype(full_tag)::value;
-            const bf16* sq = sQ + q0 * LD;
-            const bf16* sdo = sdO + q0 * LD;
-            float p[NS][4], dp[NS][4];
-            #pragma unroll
-            for (int j = 0; j < NS; j++) {
-                p[j][0] = p[j][1] = p[j][2] = p[j][3] = 0.f;
-                dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.f;
-            }
-            #pragma unroll
-            for (int kt = 0; kt < KT; kt++) {
-                #pragma unroll
-                for (int j = 0; j < NS; j++) {
-                    if (!FQ && q0 + j * 8 >= n) continue;
-                    unsigned b[2];
-                    b[0] = ld2(sq + (j * 8 + g) * LD + kt * 16 + 2 * t);
-                    b[1] = ld2(sq + (j * 8 + g) * LD + kt * 16 + 2 * t + 8);
-                    mma_bf16(p[j], ka[kt], b);
-                    b[0] = ld2(sdo + (j * 8 + g) * LD + kt * 16 + 2 * t);
-                    b[1] = ld2(sdo + (j * 8 + g) * LD + kt * 16 + 2 * t + 8);
-                    mma_bf16(dp[j], va[kt], b);
-                }
-            }
-            #pragma unroll
-            for (int j = 0; j < NS; j++) {
-                const int qc = q0 + j * 8 + 2 * t;
-                const bool qa_ok = FQ || qc < n, qb_ok = FQ || qc + 1 < n;
-                const float la = slse[qc], lb = slse[qc + 1];
-                const float da = sdelta[qc], db = sdelta[qc + 1];
-                p[j][0] = key0_ok && qa_ok ? exp2f(p[j][0] * scale_log2 - la) : 0.f;
-                p[j][1] = key0_ok && qb_ok ? exp2f(p[j][1] * scale_log2 - lb) : 0.f;
-                p[j][2] = key1_ok && qa_ok ? exp2f(p[j][2] * scale_log2 - la) : 0.f;
-                p[j][3] = key1_ok && qb_ok ? exp2f(p[j][3] * scale_log2 - lb) : 0.f;
-                dp[j][0] = p[j][0] * (dp[j][0] - da);
-                dp[j][1] = p[j][1] * (dp[j][1] - db);
-                dp[j][2] = p[j][2] * (dp[j][2] - da);
-                dp[j][3] = p[j][3] * (dp[j][3] - db);
-            }
-            #pragma unroll
-            for (int kk = 0; kk < FA_BR / 16; kk++) {
-                if (!FQ && q0 + kk * 16 >= n) continue;
-                unsigned pa[4], sa[4];
-                pa[0] = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
-                pa[1] = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
-                pa[2] = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
-                pa[3] = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
-                sa[0] = pack_bf16(dp[2 * kk][0], dp[2 * kk][1]);
-                sa[1] = pack_bf16(dp[2 * kk][2], dp[2 * kk][3]);
-                sa[2] = pack_bf16(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
-                sa[3] = pack_bf16(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
-                *(unsigned*)(sds + r0 * LDS + kk * 16 + 2 * t) = sa[0];
-                *(unsigned*)(sds + (r0 + 8) * LDS + kk * 16 + 2 * t) = sa[1];
-                *(unsigned*)(sds + r0 * LDS + kk * 16 + 8 + 2 * t) = sa[2];
-                *(unsigned*)(sds + (r0 + 8) * LDS + kk * 16 + 8 + 2 * t) = sa[3];
-                #pragma unroll
-                for (int j = 0; j < NO; j += 2) {
-                    unsigned b[4];
-                    ldb_t2<true>(b, sdo, LD, kk * 16, j * 8, lane);
-                    mma_bf16(dv[j], pa, b);
-                    mma_bf16(dv[j + 1], pa, b + 2);
-                    ldb_t2<true>(b, sq, LD, kk * 16, j * 8, lane);
-                    mma_bf16(dk[j], sa, b);
-                    mma_bf16(dk[j + 1], sa, b + 2);
-                }
-            }
-        };
+        // Key passes entirely < n compile the dQ phase without key tests (see fa_bwd_step).
         auto phase2 = [&](auto full_tag, int q0) {
             constexpr bool FK = decltype(full_tag)::value;
             // Two accumulator sets (even / odd key chunks) halve the dependent chain of
@@ -1086,19 +664,9 @@ __device__ __forceinline__ void flash_bwd_short(bf16* __restrict__ dqkv, const b
             #pragma unroll
             for (int kk = 0; kk < FS_KB / 16; kk++) {
                 if (!FK && k0 + kk * 16 >= n) continue;
-                unsigned r[4], a[4];
-                ldb_t2<true>(r, sds, LDS, kk * 16, qw, lane);
-                a[0] = r[0];
-                a[1] = r[2];
-                a[2] = r[1];
-                a[3] = r[3];
-                #pragma unroll
-                for (int j = 0; j < NH; j += 2) {
-                    unsigned b[4];
-                    ldb_t2<true>(b, sK, LD, kk * 16, dh + j * 8, lane);
-                    mma_bf16(dq2[kk & 1][j], a, b);
-                    mma_bf16(dq2[kk & 1][j + 1], a, b + 2);
-                }
+                unsigned a[4];
+                ds_as_a(a, sds, LDS, kk * 16, qw, lane);
+                mma_a_tile(dq2[kk & 1], a, sK, LD, kk * 16, dh, lane);
             }
             float dq[NH][4];
             #pragma unroll
@@ -1120,8 +688,8 @@ __device__ __forceinline__ void flash_bwd_short(bf16* __restrict__ dqkv, const b
         const bool full_pass = k0 + FS_KB <= n;
         for (int q0 = 0; q0 < n; q0 += FA_BR) {
             if (active) {
-                if (q0 + FA_BR <= n) phase1(BoolC<true>{}, q0);
-                else phase1(BoolC<false>{}, q0);
+                if (q0 + FA_BR <= n) fa_bwd_step<D, true>(sQ + q0 * LD, sdO + q0 * LD, slse + q0, sdelta + q0, sds, q0, n, ka, va, key0_ok, key1_ok, dk, dv, r0, lane, scale_log2);
+                else fa_bwd_step<D, false>(sQ + q0 * LD, sdO + q0 * LD, slse + q0, sdelta + q0, sds, q0, n, ka, va, key0_ok, key1_ok, dk, dv, r0, lane, scale_log2);
             }
             __syncthreads();  // dSᵀ of this step complete
             if (q0 + qw < n) {
@@ -1130,23 +698,7 @@ __device__ __forceinline__ void flash_bwd_short(bf16* __restrict__ dqkv, const b
             }
             __syncthreads();  // dSᵀ consumed before the next step overwrites it
         }
-        bf16* dkg = dqkv + (i64)bi * n * stride + h * D + hi * D + 2 * t;
-        bf16* dvg = dkg + h * D;
-        const i64 key0 = k0 + r0, key1 = key0 + 8;
-        if (key0_ok) {
-            #pragma unroll
-            for (int j = 0; j < NO; j++) {
-                *(unsigned*)(dkg + key0 * stride + j * 8) = pack_bf16(dk[j][0] * scale, dk[j][1] * scale);
-                *(unsigned*)(dvg + key0 * stride + j * 8) = pack_bf16(dv[j][0], dv[j][1]);
-            }
-        }
-        if (key1_ok) {
-            #pragma unroll
-            for (int j = 0; j < NO; j++) {
-                *(unsigned*)(dkg + key1 * stride + j * 8) = pack_bf16(dk[j][2] * scale, dk[j][3] * scale);
-                *(unsigned*)(dvg + key1 * stride + j * 8) = pack_bf16(dv[j][2], dv[j][3]);
-            }
-        }
+        fa_store_dkdv<D>(dqkv, bi, hi, n, h, k0 + r0, key0_ok, key1_ok, dk, dv, scale, t);
     }
     __syncthreads();  // every dQ contribution is in sdQ
     bf16* dqg = dqkv + (i64)bi * n * stride + hi * D;
