@@ -386,6 +386,8 @@ const D_CROP_PCT: KeyDef = key("crop_pct", Ty::Num { lo: 0.0, hi: 1.0, lo_open: 
     "Evaluation of resampled sets: resize the shorter side to image_size / crop_pct, center-crop image_size (timm's crop_pct).");
 const D_SCALE: KeyDef = key("scale", Ty::Nums(2), Dflt::Nums(&[0.08, 1.0]), "RandomResizedCrop area range [lo, hi], 0 < lo <= hi <= 1.");
 const D_RATIO: KeyDef = key("ratio", Ty::Nums(2), Dflt::Nums(&[0.75, 1.3333333333333333]), "RandomResizedCrop aspect-ratio range [lo, hi], 0 < lo <= hi.");
+const D_INTERPOLATION: KeyDef = key("interpolation", Ty::Choice(Interpolation::NAMES), Dflt::Str("bilinear"),
+    "Resampling filter of RandomResizedCrop and the evaluation resize (resampled sets only), PIL's antialiased filters as torchvision applies them. timm's ViT recipes evaluate (and its ImageNet ones train) with bicubic: set \"bicubic\" to match them.");
 const D_PREFETCH: KeyDef = key("prefetch", POS_INT, Dflt::Int(2), "Batches the loader builds ahead of the training step (bounded queue).");
 const D_AUTO_AUGMENT: KeyDef = key("auto_augment", Ty::Str, Dflt::Str("none"),
     "RandAugment as a timm string, e.g. \"rand-m9-mstd0.5-inc1\": m magnitude (0-10), n ops per image (2), mstd magnitude noise, mmax clip (10), inc1 increasing ops, p op probability (0.5); \"none\" = off. Training batches only, after crop + flip.");
@@ -402,7 +404,7 @@ const D_RECOUNT: KeyDef = key("recount", POS_INT, Dflt::Int(1), "Random erasing:
 /// Keys of the `data` section (extend here).
 pub const DATA_KEYS: &[KeyDef] = &[
     D_DATASET, D_PATH, D_MEAN, D_STD, D_AUGMENT, D_SHUFFLE, D_WORKERS, D_TRAIN_SIZE, D_VAL_SIZE, D_LABEL, D_SKIP_BAD, D_VAL_SPLIT,
-    D_CROP_PCT, D_SCALE, D_RATIO, D_PREFETCH, D_AUTO_AUGMENT, D_MIXUP, D_CUTMIX, D_MIXUP_PROB, D_MIXUP_SWITCH, D_MIXUP_MODE,
+    D_CROP_PCT, D_SCALE, D_RATIO, D_INTERPOLATION, D_PREFETCH, D_AUTO_AUGMENT, D_MIXUP, D_CUTMIX, D_MIXUP_PROB, D_MIXUP_SWITCH, D_MIXUP_MODE,
     D_REPROB, D_REMODE, D_RECOUNT,
 ];
 
@@ -1385,6 +1387,10 @@ fn parse_data(sec: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<DataConfi
         crop_pct: get_num(sec, p, &D_CROP_PCT, cx)?,
         scale,
         ratio,
+        interpolation: match get_str(sec, p, &D_INTERPOLATION, cx)? {
+            "bicubic" => Interpolation::Bicubic,
+            _ => Interpolation::Bilinear,
+        },
         prefetch: get_int(sec, p, &D_PREFETCH, cx)? as usize,
         aug,
     })
@@ -1496,7 +1502,7 @@ pub fn resolved_json(cfg: &RunConfig) -> Value {
             "shuffle": d.shuffle, "num_workers": d.num_workers,
             "label": match d.label { LabelKind::Fine => "fine", LabelKind::Coarse => "coarse" },
             "skip_bad": d.skip_bad, "val_split": d.val_split, "crop_pct": d.crop_pct, "scale": d.scale, "ratio": d.ratio,
-            "prefetch": d.prefetch,
+            "interpolation": d.interpolation.as_str(), "prefetch": d.prefetch,
             "auto_augment": d.aug.auto_augment.as_ref().map_or("none", |r| r.spec.as_str()),
             "mixup": d.aug.mixup, "cutmix": d.aug.cutmix, "mixup_prob": d.aug.mixup_prob,
             "mixup_switch_prob": d.aug.mixup_switch_prob, "mixup_mode": "batch",
