@@ -1,11 +1,11 @@
 //! The loader works ahead: while the consumer is busy (the training step), the next batches are
 //! built, so taking them costs no waiting. Also covers evaluation plans (no shuffle, a short
-//! last batch spread over ranks).
+//! last batch spread over ranks) and mixing in every `data.mixup_mode` across ranks.
 
 use std::time::{Duration, Instant};
 
-use vitscale::config::{DataConfig, DatasetKind};
-use vitscale::data::{make_batch, open, shard, Loader, LoaderPlan, Sampler};
+use vitscale::config::{DataConfig, DatasetKind, MixMode};
+use vitscale::data::{make_batch, open, shard, Loader, LoaderPlan, MixTargets, Sampler};
 
 fn cfg() -> DataConfig {
     DataConfig {
@@ -80,4 +80,55 @@ fn eval_plan_covers_the_split_once() {
     }
     seen.sort_unstable();
     assert_eq!(seen, (0..250).collect::<Vec<_>>());
+}
+
+/// Mixup / CutMix in every mode: 2 ranks × 2 micro-batches concatenated give exactly the
+/// 1-rank batches (pixels and soft targets), since pairs never straddle a shard and the
+/// per-pair / per-image draws are keyed by dataset index.
+#[test]
+fn mixed_batches_do_not_depend_on_the_rank_split() {
+    let mut c = cfg();
+    c.aug.mixup = 0.8;
+    c.aug.cutmix = 1.0;
+    c.aug.mixup_prob = 0.8;
+    let d = open(&c, 16, 10, 0).unwrap();
+    let sampler = Sampler::new(d.train.len(), 16, true, 2, true);
+    let mut per_mode = Vec::new();
+    for mode in [MixMode::Batch, MixMode::Pair, MixMode::Elem] {
+        c.aug.mixup_mode = mode;
+        let run = |rank: usize, world: usize, gas: usize| -> Vec<(Vec<f32>, Vec<f32>)> {
+            let plan = LoaderPlan {
+                sampler: sampler.clone(),
+                set: d.train.clone(),
+                cfg: c.clone(),
+                train: true,
+                seed: 4,
+                rank,
+                world,
+                gas,
+                start_epoch: 0,
+                start_step: 120,
+                steps: 6,
+                mix: Some(MixTargets { num_classes: 10, label_smoothing: 0.1 }),
+            };
+            Loader::start(plan).unwrap().map(|p| p.unwrap().batch).map(|b| (b.images, b.targets.unwrap())).collect()
+        };
+        let one = run(0, 1, 1);
+        assert_eq!(one.len(), 6);
+        let parts: Vec<Vec<(Vec<f32>, Vec<f32>)>> = (0..2).map(|r| run(r, 2, 2)).collect();
+        for (step, (images, targets)) in one.iter().enumerate() {
+            let (mut im, mut tg) = (Vec::new(), Vec::new());
+            for part in &parts {
+                for micro in 0..2 {
+                    im.extend_from_slice(&part[step * 2 + micro].0);
+                    tg.extend_from_slice(&part[step * 2 + micro].1);
+                }
+            }
+            assert!(im == *images && tg == *targets, "{mode:?} step {step}");
+        }
+        per_mode.push(one);
+    }
+    // The modes really differ.
+    assert_ne!(per_mode[0], per_mode[1]);
+    assert_ne!(per_mode[1], per_mode[2]);
 }

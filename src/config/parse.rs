@@ -395,8 +395,8 @@ const D_MIXUP: KeyDef = key("mixup", NONNEG, Dflt::Num(0.0), "Mixup Beta(α, α)
 const D_CUTMIX: KeyDef = key("cutmix", NONNEG, Dflt::Num(0.0), "CutMix Beta(α, α) parameter (timm --cutmix); 0 = off. Needs an even micro batch.");
 const D_MIXUP_PROB: KeyDef = key("mixup_prob", UNIT, Dflt::Num(1.0), "Probability a global batch is mixed (timm --mixup-prob).");
 const D_MIXUP_SWITCH: KeyDef = key("mixup_switch_prob", UNIT, Dflt::Num(0.5), "With mixup and cutmix both on: probability of cutmix (timm --mixup-switch-prob).");
-const D_MIXUP_MODE: KeyDef = key("mixup_mode", Ty::Choice(&["batch"]), Dflt::Str("batch"),
-    "One λ per global batch (timm mode \"batch\"); images are paired with their neighbour in the global batch order (0↔1, 2↔3, …), so the result does not depend on the rank split. train.label_smoothing is folded into the mixed targets.");
+const D_MIXUP_MODE: KeyDef = key("mixup_mode", Ty::Choice(MixMode::NAMES), Dflt::Str("batch"),
+    "What one mixing draw (mixed or not, mixup or cutmix, λ, box) covers, timm's --mixup-mode: batch = the whole global batch; pair = each pair of partners, mixed with each other; elem = each image, mixed with its partner's unmixed pixels. Partners are neighbours in the global batch order (0↔1, 2↔3, …), so the result does not depend on the rank split. train.label_smoothing is folded into the mixed targets.");
 const D_REPROB: KeyDef = key("reprob", UNIT, Dflt::Num(0.0), "Random erasing probability per training image (timm --reprob); 0 = off.");
 const D_REMODE: KeyDef = key("remode", Ty::Choice(&["pixel", "const", "rand"]), Dflt::Str("pixel"),
     "Random erasing fill: pixel = per-pixel normal noise, const = 0 (the mean), rand = one normal value per channel (timm --remode).");
@@ -1358,7 +1358,11 @@ fn parse_data(sec: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<DataConfi
         cutmix: get_num(sec, p, &D_CUTMIX, cx)?,
         mixup_prob: get_num(sec, p, &D_MIXUP_PROB, cx)?,
         mixup_switch_prob: get_num(sec, p, &D_MIXUP_SWITCH, cx)?,
-        mixup_mode: MixMode::Batch,
+        mixup_mode: match get_str(sec, p, &D_MIXUP_MODE, cx)? {
+            "pair" => MixMode::Pair,
+            "elem" => MixMode::Elem,
+            _ => MixMode::Batch,
+        },
         reprob: get_num(sec, p, &D_REPROB, cx)?,
         remode: match get_str(sec, p, &D_REMODE, cx)? {
             "const" => EraseMode::Const,
@@ -1367,7 +1371,6 @@ fn parse_data(sec: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<DataConfi
         },
         recount: get_int(sec, p, &D_RECOUNT, cx)? as usize,
     };
-    get_str(sec, p, &D_MIXUP_MODE, cx)?;
     if augment == Augment::None && (aug.auto_augment.is_some() || aug.reprob > 0.0 || aug.mixes()) {
         cx.warn("data.augment = \"none\": data.auto_augment, data.reprob, data.mixup and data.cutmix are not applied".into());
     }
@@ -1505,7 +1508,7 @@ pub fn resolved_json(cfg: &RunConfig) -> Value {
             "interpolation": d.interpolation.as_str(), "prefetch": d.prefetch,
             "auto_augment": d.aug.auto_augment.as_ref().map_or("none", |r| r.spec.as_str()),
             "mixup": d.aug.mixup, "cutmix": d.aug.cutmix, "mixup_prob": d.aug.mixup_prob,
-            "mixup_switch_prob": d.aug.mixup_switch_prob, "mixup_mode": "batch",
+            "mixup_switch_prob": d.aug.mixup_switch_prob, "mixup_mode": d.aug.mixup_mode.as_str(),
             "reprob": d.aug.reprob,
             "remode": match d.aug.remode { EraseMode::Pixel => "pixel", EraseMode::Const => "const", EraseMode::Rand => "rand" },
             "recount": d.aug.recount

@@ -246,6 +246,21 @@ pub struct RandAugmentConfig {
 pub enum MixMode {
     /// One λ (and one box) per global batch, as timm's `Mixup(mode="batch")`.
     Batch,
+    /// One λ (and box) per pair of partners, both mixed with each other (timm's "pair").
+    Pair,
+    /// One λ (and box) per image, mixed with its partner's unmixed pixels (timm's "elem").
+    Elem,
+}
+
+impl MixMode {
+    pub const NAMES: &'static [&'static str] = &["batch", "pair", "elem"];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MixMode::Batch => "batch",
+            MixMode::Pair => "pair",
+            MixMode::Elem => "elem",
+        }
+    }
 }
 
 /// `data.remode`: what random erasing fills the box with (timm names).

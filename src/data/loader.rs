@@ -119,14 +119,14 @@ impl Loader {
                         let _ = tx.send(Err(e));
                         return;
                     }
-                    // Mixup / CutMix: one draw per global step, applied to this rank's slice.
+                    // Mixup / CutMix: drawn per global step (per pair / image in those modes),
+                    // applied to this rank's slice.
                     if let Some(mt) = plan.mix.filter(|_| plan.train && plan.cfg.aug.mixes()) {
                         let side = plan.set.batch_side;
                         pool.install(|| {
                             use rayon::prelude::*;
-                            batches.par_iter_mut().zip(group.par_iter()).for_each(|(batch, (epoch, step, _, _))| {
-                                let d = mix::draw(&plan.cfg.aug, plan.seed, *epoch, *step, side);
-                                mix::apply(batch, d, side, mt.num_classes, mt.label_smoothing);
+                            batches.par_iter_mut().zip(group.par_iter()).for_each(|(batch, (epoch, step, _, idx))| {
+                                mix::mix_batch(batch, idx, &plan.cfg.aug, plan.seed, *epoch, *step, side, mt.num_classes, mt.label_smoothing);
                             })
                         });
                     }
