@@ -373,7 +373,7 @@ const D_STD: KeyDef = key("std", Ty::Nums(3), Dflt::Derived("builtin/synthetic 0
 const D_AUGMENT: KeyDef = key("augment", Ty::Choice(&["none", "default"]), Dflt::Str("default"),
     "Training augmentation: default = CIFAR pad-4 crop + flip, built-in flip, resampled sets RandomResizedCrop(scale, ratio) + flip; none = as stored / center crop. The options below add to it.");
 const D_SHUFFLE: KeyDef = key("shuffle", Ty::Bool, Dflt::Bool(true), "Shuffle the training set every epoch.");
-const D_WORKERS: KeyDef = key("num_workers", NONNEG_INT, Dflt::Int(0), "Loader threads; 0 = all cores.");
+const D_WORKERS: KeyDef = key("num_workers", NONNEG_INT, Dflt::Int(0), "Loader threads (training and evaluation batches); 0 = all cores.");
 const D_TRAIN_SIZE: KeyDef = key("train_size", POS_INT, Dflt::Int(6000), "Training images (builtin/synthetic only).");
 const D_VAL_SIZE: KeyDef = key("val_size", POS_INT, Dflt::Int(2000), "Validation images (builtin/synthetic only).");
 const D_LABEL: KeyDef = key("label", Ty::Choice(&["fine", "coarse"]), Dflt::Str("fine"),
@@ -388,13 +388,13 @@ const D_SCALE: KeyDef = key("scale", Ty::Nums(2), Dflt::Nums(&[0.08, 1.0]), "Ran
 const D_RATIO: KeyDef = key("ratio", Ty::Nums(2), Dflt::Nums(&[0.75, 1.3333333333333333]), "RandomResizedCrop aspect-ratio range [lo, hi], 0 < lo <= hi.");
 const D_INTERPOLATION: KeyDef = key("interpolation", Ty::Choice(Interpolation::NAMES), Dflt::Str("bilinear"),
     "Resampling filter of RandomResizedCrop and the evaluation resize (resampled sets only), PIL's antialiased filters as torchvision applies them. timm's ViT recipes evaluate (and its ImageNet ones train) with bicubic: set \"bicubic\" to match them.");
-const D_PREFETCH: KeyDef = key("prefetch", POS_INT, Dflt::Int(2), "Batches the loader builds ahead of the training step (bounded queue).");
+const D_PREFETCH: KeyDef = key("prefetch", POS_INT, Dflt::Int(2), "Batches the loader builds ahead of the training step, and of the evaluation forward (bounded queue).");
 const D_AUTO_AUGMENT: KeyDef = key("auto_augment", Ty::Str, Dflt::Str("none"),
     "RandAugment as a timm string, e.g. \"rand-m9-mstd0.5-inc1\": m magnitude (0-10), n ops per image (2), mstd magnitude noise, mmax clip (10), inc1 increasing ops, p op probability (0.5); \"none\" = off. Training batches only, after crop + flip.");
 const D_MIXUP: KeyDef = key("mixup", NONNEG, Dflt::Num(0.0), "Mixup Beta(α, α) parameter (timm --mixup); 0 = off. Needs an even micro batch.");
 const D_CUTMIX: KeyDef = key("cutmix", NONNEG, Dflt::Num(0.0), "CutMix Beta(α, α) parameter (timm --cutmix); 0 = off. Needs an even micro batch.");
-const D_MIXUP_PROB: KeyDef = key("mixup_prob", UNIT, Dflt::Num(1.0), "Probability a global batch is mixed (timm --mixup-prob).");
-const D_MIXUP_SWITCH: KeyDef = key("mixup_switch_prob", UNIT, Dflt::Num(0.5), "With mixup and cutmix both on: probability of cutmix (timm --mixup-switch-prob).");
+const D_MIXUP_PROB: KeyDef = key("mixup_prob", UNIT, Dflt::Num(1.0), "Probability a global batch (a pair, an image: see mixup_mode) is mixed (timm --mixup-prob).");
+const D_MIXUP_SWITCH: KeyDef = key("mixup_switch_prob", UNIT, Dflt::Num(0.5), "With mixup and cutmix both on: probability of cutmix, per mixing draw (timm --mixup-switch-prob).");
 const D_MIXUP_MODE: KeyDef = key("mixup_mode", Ty::Choice(MixMode::NAMES), Dflt::Str("batch"),
     "What one mixing draw (mixed or not, mixup or cutmix, λ, box) covers, timm's --mixup-mode: batch = the whole global batch; pair = each pair of partners, mixed with each other; elem = each image, mixed with its partner's unmixed pixels. Partners are neighbours in the global batch order (0↔1, 2↔3, …), so the result does not depend on the rank split. train.label_smoothing is folded into the mixed targets.");
 const D_REPROB: KeyDef = key("reprob", UNIT, Dflt::Num(0.0), "Random erasing probability per training image (timm --reprob); 0 = off.");

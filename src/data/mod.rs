@@ -17,9 +17,10 @@
 //! `data.ratio`) + flip. Evaluation (or `augment=none`): as stored, or resize the shorter side to
 //! `side / data.crop_pct` and center-crop; both resamplings use `data.interpolation` (PIL's
 //! antialiased bilinear, the default, or bicubic, [`resize`]). Optional, timm-named, off by
-//! default (training only): RandAugment after crop + flip (`data.auto_augment`, [`randaug`]), random erasing after
-//! normalization (`data.reprob`, [`erase`]), and mixup / CutMix with soft targets per global
-//! batch (`data.mixup`, `data.cutmix`, [`mix`], applied by the [`Loader`]).
+//! default (training only): RandAugment after crop + flip (`data.auto_augment`, [`randaug`]),
+//! random erasing after normalization (`data.reprob`, [`erase`]), and mixup / CutMix with soft targets per global
+//! batch, pair or image (`data.mixup`, `data.cutmix`, `data.mixup_mode`, [`mix`], applied by
+//! the [`Loader`]). Evaluation batches are built ahead by a [`Loader`] too.
 
 pub mod augment;
 pub mod bench;
