@@ -291,7 +291,7 @@ pub fn exit_code(e: &anyhow::Error) -> i32 {
     e.downcast_ref::<engine::TrainError>().map_or(1, engine::TrainError::exit_code)
 }
 
-fn evaluate_weights<B: Backend>(be: &B, cfg: &RunConfig, weights: &Path, set: &crate::data::ImageSet) -> anyhow::Result<engine::EvalSummary> {
+fn evaluate_weights<B: Backend>(be: &B, cfg: &RunConfig, weights: &Path, set: &std::sync::Arc<crate::data::ImageSet>) -> anyhow::Result<engine::EvalSummary> {
     let mut vit = engine::build_model(be, cfg, Some(weights))?;
     Ok(engine::evaluate(be, &mut vit, set, cfg, cfg.train.eval_batch_size)?)
 }

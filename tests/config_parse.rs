@@ -71,6 +71,7 @@ fn empty_config_gives_every_default() {
             crop_pct: 0.875,
             scale: [0.08, 1.0],
             ratio: [0.75, 4.0 / 3.0],
+            interpolation: Interpolation::Bilinear,
             prefetch: 2,
             aug: Default::default(),
         }
@@ -616,7 +617,8 @@ fn data_pipeline_keys_defaults_values_and_errors() {
         (json!({"data": {"auto_augment": "rand-m9-zz"}}), "data.auto_augment"),
         (json!({"data": {"mixup": -1}}), "data.mixup"),
         (json!({"data": {"mixup_prob": 1.5}}), "data.mixup_prob"),
-        (json!({"data": {"mixup_mode": "pair"}}), "data.mixup_mode"),
+        (json!({"data": {"mixup_mode": "pairs"}}), "data.mixup_mode"),
+        (json!({"data": {"interpolation": "lanczos"}}), "data.interpolation"),
         (json!({"data": {"remode": "zeros"}}), "data.remode"),
         (json!({"data": {"recount": 0}}), "data.recount"),
         (json!({"data": {"reprob": 2}}), "data.reprob"),
@@ -633,8 +635,11 @@ fn folder_defaults_and_timm_augment_keys() {
     assert_eq!((c.data.mean, c.data.std), ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]));
     assert_eq!(c.model.image_size, 224);
     assert_eq!(c.model, vitscale::model::ModelConfig { num_classes: c.model.num_classes, ..vitscale::model::ModelConfig::preset("vit_tiny_patch16_224").unwrap() });
+    assert_eq!((c.data.interpolation, c.data.aug.mixup_mode), (Interpolation::Bilinear, MixMode::Batch));
     let c = ok(json!({"data": {"auto_augment": "rand-m9-mstd0.5-inc1", "mixup": 0.8, "cutmix": 1.0, "mixup_prob": 0.9,
-        "mixup_switch_prob": 0.4, "reprob": 0.25, "remode": "const", "recount": 2}}));
+        "mixup_switch_prob": 0.4, "mixup_mode": "elem", "reprob": 0.25, "remode": "const", "recount": 2, "interpolation": "bicubic"}}));
+    assert_eq!((c.data.interpolation, c.data.aug.mixup_mode), (Interpolation::Bicubic, MixMode::Elem));
+    assert_eq!(ok(json!({"data": {"mixup_mode": "pair"}})).data.aug.mixup_mode, MixMode::Pair);
     let a = &c.data.aug;
     let ra = a.auto_augment.as_ref().unwrap();
     assert_eq!((ra.magnitude, ra.num_layers, ra.magnitude_std, ra.increasing), (9.0, 2, 0.5, true));
@@ -645,7 +650,7 @@ fn folder_defaults_and_timm_augment_keys() {
     let c = ok(json!({"data": {"augment": "none", "mixup": 0.8}}));
     assert!(has_warning(&c, "not applied"), "{:?}", c.warnings);
     let h = help_text();
-    for key in ["label", "skip_bad", "val_split", "crop_pct", "scale", "ratio", "prefetch", "auto_augment", "mixup_switch_prob", "reprob", "remode", "recount", "folder"] {
+    for key in ["label", "skip_bad", "val_split", "crop_pct", "scale", "ratio", "prefetch", "auto_augment", "mixup_switch_prob", "mixup_mode", "interpolation", "bicubic", "reprob", "remode", "recount", "folder"] {
         assert!(h.contains(key), "help text lacks {key}");
     }
 }

@@ -5,7 +5,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use vitscale::config::{DataConfig, DatasetKind};
+use vitscale::config::{DataConfig, DatasetKind, Interpolation};
 use vitscale::data::{open, shard, try_make_batch, DataError, Loader, LoaderPlan, Sampler};
 
 fn cfg(path: &Path) -> DataConfig {
@@ -154,6 +154,42 @@ fn augmentation_is_deterministic_and_rank_independent() {
     assert_ne!(try_make_batch(&d.train, &global, &c, true, 2, 3).unwrap().images, whole.images);
 }
 
+/// `data.interpolation = "bicubic"` reaches the folder batches (training crops and the
+/// evaluation resize): deterministic, rank-independent, different from bilinear on a gradient
+/// image, solid images still solid.
+#[test]
+fn bicubic_interpolation_in_folder_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    for i in 0..8 {
+        let img = image::RgbImage::from_fn(64, 48, |x, y| image::Rgb([((x * x) % 256) as u8, (y * 5) as u8, (i * 20) as u8]));
+        let p = dir.path().join(format!("c{}/i{i}.png", i % 2));
+        fs::create_dir_all(p.parent().unwrap()).unwrap();
+        img.save(&p).unwrap();
+    }
+    solid(&dir.path().join("c0/solid.png"), 50, 37, [90, 140, 30]);
+    let mut c = cfg(dir.path());
+    c.val_split = 0.0;
+    let mut cubic = c.clone();
+    cubic.interpolation = Interpolation::Bicubic;
+    let d = open(&c, 24, 2, 0).unwrap();
+    let idx: Vec<usize> = (0..d.train.len()).collect();
+    for train in [true, false] {
+        let lin = try_make_batch(&d.train, &idx, &c, train, 1, 3).unwrap();
+        let cub = try_make_batch(&d.train, &idx, &cubic, train, 1, 3).unwrap();
+        assert_eq!(cub, try_make_batch(&d.train, &idx, &cubic, train, 1, 3).unwrap());
+        assert_ne!(cub.images, lin.images, "train {train}");
+        let mut halves = try_make_batch(&d.train, &idx[..4], &cubic, train, 1, 3).unwrap().images;
+        halves.extend(try_make_batch(&d.train, &idx[4..], &cubic, train, 1, 3).unwrap().images);
+        assert_eq!(halves, cub.images);
+        let solid_at = d.train.files.iter().position(|f| f.ends_with("c0/solid.png")).unwrap();
+        let per = 3 * 24 * 24;
+        for (ch, want) in [90f32, 140.0, 30.0].into_iter().enumerate() {
+            let plane = &cub.images[solid_at * per + ch * 576..solid_at * per + (ch + 1) * 576];
+            assert!(plane.iter().all(|v| (v - want).abs() < 1e-3), "train {train} channel {ch}");
+        }
+    }
+}
+
 fn corrupt_tree(root: &Path) -> PathBuf {
     make_tree(root, 4);
     let bad = root.join("cat/img1.JPG");
@@ -266,7 +302,7 @@ fn profile_decode_vs_resample() {
     for _ in 0..4 {
         for im in &imgs {
             let r = vitscale::data::resize::random_resized_crop(&mut rng, 500, 375, [0.08, 1.0], [0.75, 4.0 / 3.0]);
-            vitscale::data::resize::resample(im.as_raw(), 500, 375, r, 224, true, [0.5; 3], [0.5; 3], &mut out);
+            vitscale::data::resize::resample(im.as_raw(), 500, 375, r, 224, true, Interpolation::Bilinear, [0.5; 3], [0.5; 3], &mut out);
         }
     }
     let rs = t.elapsed().as_secs_f64() / (4.0 * files.len() as f64);

@@ -373,7 +373,7 @@ const D_STD: KeyDef = key("std", Ty::Nums(3), Dflt::Derived("builtin/synthetic 0
 const D_AUGMENT: KeyDef = key("augment", Ty::Choice(&["none", "default"]), Dflt::Str("default"),
     "Training augmentation: default = CIFAR pad-4 crop + flip, built-in flip, resampled sets RandomResizedCrop(scale, ratio) + flip; none = as stored / center crop. The options below add to it.");
 const D_SHUFFLE: KeyDef = key("shuffle", Ty::Bool, Dflt::Bool(true), "Shuffle the training set every epoch.");
-const D_WORKERS: KeyDef = key("num_workers", NONNEG_INT, Dflt::Int(0), "Loader threads; 0 = all cores.");
+const D_WORKERS: KeyDef = key("num_workers", NONNEG_INT, Dflt::Int(0), "Loader threads (training and evaluation batches); 0 = all cores.");
 const D_TRAIN_SIZE: KeyDef = key("train_size", POS_INT, Dflt::Int(6000), "Training images (builtin/synthetic only).");
 const D_VAL_SIZE: KeyDef = key("val_size", POS_INT, Dflt::Int(2000), "Validation images (builtin/synthetic only).");
 const D_LABEL: KeyDef = key("label", Ty::Choice(&["fine", "coarse"]), Dflt::Str("fine"),
@@ -386,15 +386,17 @@ const D_CROP_PCT: KeyDef = key("crop_pct", Ty::Num { lo: 0.0, hi: 1.0, lo_open: 
     "Evaluation of resampled sets: resize the shorter side to image_size / crop_pct, center-crop image_size (timm's crop_pct).");
 const D_SCALE: KeyDef = key("scale", Ty::Nums(2), Dflt::Nums(&[0.08, 1.0]), "RandomResizedCrop area range [lo, hi], 0 < lo <= hi <= 1.");
 const D_RATIO: KeyDef = key("ratio", Ty::Nums(2), Dflt::Nums(&[0.75, 1.3333333333333333]), "RandomResizedCrop aspect-ratio range [lo, hi], 0 < lo <= hi.");
-const D_PREFETCH: KeyDef = key("prefetch", POS_INT, Dflt::Int(2), "Batches the loader builds ahead of the training step (bounded queue).");
+const D_INTERPOLATION: KeyDef = key("interpolation", Ty::Choice(Interpolation::NAMES), Dflt::Str("bilinear"),
+    "Resampling filter of RandomResizedCrop and the evaluation resize (resampled sets only), PIL's antialiased filters as torchvision applies them. timm's ViT recipes evaluate (and its ImageNet ones train) with bicubic: set \"bicubic\" to match them.");
+const D_PREFETCH: KeyDef = key("prefetch", POS_INT, Dflt::Int(2), "Batches the loader builds ahead of the training step, and of the evaluation forward (bounded queue).");
 const D_AUTO_AUGMENT: KeyDef = key("auto_augment", Ty::Str, Dflt::Str("none"),
     "RandAugment as a timm string, e.g. \"rand-m9-mstd0.5-inc1\": m magnitude (0-10), n ops per image (2), mstd magnitude noise, mmax clip (10), inc1 increasing ops, p op probability (0.5); \"none\" = off. Training batches only, after crop + flip.");
 const D_MIXUP: KeyDef = key("mixup", NONNEG, Dflt::Num(0.0), "Mixup Beta(α, α) parameter (timm --mixup); 0 = off. Needs an even micro batch.");
 const D_CUTMIX: KeyDef = key("cutmix", NONNEG, Dflt::Num(0.0), "CutMix Beta(α, α) parameter (timm --cutmix); 0 = off. Needs an even micro batch.");
-const D_MIXUP_PROB: KeyDef = key("mixup_prob", UNIT, Dflt::Num(1.0), "Probability a global batch is mixed (timm --mixup-prob).");
-const D_MIXUP_SWITCH: KeyDef = key("mixup_switch_prob", UNIT, Dflt::Num(0.5), "With mixup and cutmix both on: probability of cutmix (timm --mixup-switch-prob).");
-const D_MIXUP_MODE: KeyDef = key("mixup_mode", Ty::Choice(&["batch"]), Dflt::Str("batch"),
-    "One λ per global batch (timm mode \"batch\"); images are paired with their neighbour in the global batch order (0↔1, 2↔3, …), so the result does not depend on the rank split. train.label_smoothing is folded into the mixed targets.");
+const D_MIXUP_PROB: KeyDef = key("mixup_prob", UNIT, Dflt::Num(1.0), "Probability a global batch (a pair, an image: see mixup_mode) is mixed (timm --mixup-prob).");
+const D_MIXUP_SWITCH: KeyDef = key("mixup_switch_prob", UNIT, Dflt::Num(0.5), "With mixup and cutmix both on: probability of cutmix, per mixing draw (timm --mixup-switch-prob).");
+const D_MIXUP_MODE: KeyDef = key("mixup_mode", Ty::Choice(MixMode::NAMES), Dflt::Str("batch"),
+    "What one mixing draw (mixed or not, mixup or cutmix, λ, box) covers, timm's --mixup-mode: batch = the whole global batch; pair = each pair of partners, mixed with each other; elem = each image, mixed with its partner's unmixed pixels. Partners are neighbours in the global batch order (0↔1, 2↔3, …), so the result does not depend on the rank split. train.label_smoothing is folded into the mixed targets.");
 const D_REPROB: KeyDef = key("reprob", UNIT, Dflt::Num(0.0), "Random erasing probability per training image (timm --reprob); 0 = off.");
 const D_REMODE: KeyDef = key("remode", Ty::Choice(&["pixel", "const", "rand"]), Dflt::Str("pixel"),
     "Random erasing fill: pixel = per-pixel normal noise, const = 0 (the mean), rand = one normal value per channel (timm --remode).");
@@ -402,7 +404,7 @@ const D_RECOUNT: KeyDef = key("recount", POS_INT, Dflt::Int(1), "Random erasing:
 /// Keys of the `data` section (extend here).
 pub const DATA_KEYS: &[KeyDef] = &[
     D_DATASET, D_PATH, D_MEAN, D_STD, D_AUGMENT, D_SHUFFLE, D_WORKERS, D_TRAIN_SIZE, D_VAL_SIZE, D_LABEL, D_SKIP_BAD, D_VAL_SPLIT,
-    D_CROP_PCT, D_SCALE, D_RATIO, D_PREFETCH, D_AUTO_AUGMENT, D_MIXUP, D_CUTMIX, D_MIXUP_PROB, D_MIXUP_SWITCH, D_MIXUP_MODE,
+    D_CROP_PCT, D_SCALE, D_RATIO, D_INTERPOLATION, D_PREFETCH, D_AUTO_AUGMENT, D_MIXUP, D_CUTMIX, D_MIXUP_PROB, D_MIXUP_SWITCH, D_MIXUP_MODE,
     D_REPROB, D_REMODE, D_RECOUNT,
 ];
 
@@ -1356,7 +1358,11 @@ fn parse_data(sec: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<DataConfi
         cutmix: get_num(sec, p, &D_CUTMIX, cx)?,
         mixup_prob: get_num(sec, p, &D_MIXUP_PROB, cx)?,
         mixup_switch_prob: get_num(sec, p, &D_MIXUP_SWITCH, cx)?,
-        mixup_mode: MixMode::Batch,
+        mixup_mode: match get_str(sec, p, &D_MIXUP_MODE, cx)? {
+            "pair" => MixMode::Pair,
+            "elem" => MixMode::Elem,
+            _ => MixMode::Batch,
+        },
         reprob: get_num(sec, p, &D_REPROB, cx)?,
         remode: match get_str(sec, p, &D_REMODE, cx)? {
             "const" => EraseMode::Const,
@@ -1365,7 +1371,6 @@ fn parse_data(sec: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<DataConfi
         },
         recount: get_int(sec, p, &D_RECOUNT, cx)? as usize,
     };
-    get_str(sec, p, &D_MIXUP_MODE, cx)?;
     if augment == Augment::None && (aug.auto_augment.is_some() || aug.reprob > 0.0 || aug.mixes()) {
         cx.warn("data.augment = \"none\": data.auto_augment, data.reprob, data.mixup and data.cutmix are not applied".into());
     }
@@ -1385,6 +1390,10 @@ fn parse_data(sec: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<DataConfi
         crop_pct: get_num(sec, p, &D_CROP_PCT, cx)?,
         scale,
         ratio,
+        interpolation: match get_str(sec, p, &D_INTERPOLATION, cx)? {
+            "bicubic" => Interpolation::Bicubic,
+            _ => Interpolation::Bilinear,
+        },
         prefetch: get_int(sec, p, &D_PREFETCH, cx)? as usize,
         aug,
     })
@@ -1496,10 +1505,10 @@ pub fn resolved_json(cfg: &RunConfig) -> Value {
             "shuffle": d.shuffle, "num_workers": d.num_workers,
             "label": match d.label { LabelKind::Fine => "fine", LabelKind::Coarse => "coarse" },
             "skip_bad": d.skip_bad, "val_split": d.val_split, "crop_pct": d.crop_pct, "scale": d.scale, "ratio": d.ratio,
-            "prefetch": d.prefetch,
+            "interpolation": d.interpolation.as_str(), "prefetch": d.prefetch,
             "auto_augment": d.aug.auto_augment.as_ref().map_or("none", |r| r.spec.as_str()),
             "mixup": d.aug.mixup, "cutmix": d.aug.cutmix, "mixup_prob": d.aug.mixup_prob,
-            "mixup_switch_prob": d.aug.mixup_switch_prob, "mixup_mode": "batch",
+            "mixup_switch_prob": d.aug.mixup_switch_prob, "mixup_mode": d.aug.mixup_mode.as_str(),
             "reprob": d.aug.reprob,
             "remode": match d.aug.remode { EraseMode::Pixel => "pixel", EraseMode::Const => "const", EraseMode::Rand => "rand" },
             "recount": d.aug.recount

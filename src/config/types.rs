@@ -161,6 +161,26 @@ pub enum Augment {
     Default,
 }
 
+/// `data.interpolation`: the filter that resamples images whose size is not the model's
+/// (RandomResizedCrop and the evaluation resize), with timm's names; both are PIL's
+/// antialiased filters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Interpolation {
+    Bilinear,
+    Bicubic,
+}
+
+impl Interpolation {
+    pub const NAMES: &'static [&'static str] = &["bilinear", "bicubic"];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Interpolation::Bilinear => "bilinear",
+            Interpolation::Bicubic => "bicubic",
+        }
+    }
+}
+
 /// The `data` section.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct DataConfig {
@@ -192,6 +212,9 @@ pub struct DataConfig {
     pub scale: [f64; 2],
     /// `data.ratio` (default [0.75, 1.3333], 0 < lo ≤ hi): RandomResizedCrop aspect range.
     pub ratio: [f64; 2],
+    /// `data.interpolation` (default bilinear): the resampling filter of RandomResizedCrop and
+    /// the evaluation resize.
+    pub interpolation: Interpolation,
     /// `data.prefetch` (default 2, ≥ 1): batches the loader prepares ahead of the training step.
     pub prefetch: usize,
     /// Extra training augmentations with timm names (all off by default).
@@ -223,6 +246,21 @@ pub struct RandAugmentConfig {
 pub enum MixMode {
     /// One λ (and one box) per global batch, as timm's `Mixup(mode="batch")`.
     Batch,
+    /// One λ (and box) per pair of partners, both mixed with each other (timm's "pair").
+    Pair,
+    /// One λ (and box) per image, mixed with its partner's unmixed pixels (timm's "elem").
+    Elem,
+}
+
+impl MixMode {
+    pub const NAMES: &'static [&'static str] = &["batch", "pair", "elem"];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MixMode::Batch => "batch",
+            MixMode::Pair => "pair",
+            MixMode::Elem => "elem",
+        }
+    }
 }
 
 /// `data.remode`: what random erasing fills the box with (timm names).
@@ -309,6 +347,7 @@ impl DataConfig {
             crop_pct: Self::DEFAULT_CROP_PCT,
             scale: Self::DEFAULT_SCALE,
             ratio: Self::DEFAULT_RATIO,
+            interpolation: Interpolation::Bilinear,
             prefetch: Self::DEFAULT_PREFETCH,
             aug: Default::default(),
         }

@@ -278,7 +278,7 @@ mod timing {
         for (i, im) in imgs.iter().enumerate() {
             let (w, h) = (im.width() as usize, im.height() as usize);
             let (r, flip) = resize::draw_rrc(0, 0, i, w, h, cfg.scale, cfg.ratio);
-            resize::resample(im.as_raw(), w, h, r, side, flip, cfg.mean, cfg.std, &mut out);
+            resize::resample(im.as_raw(), w, h, r, side, flip, cfg.interpolation, cfg.mean, cfg.std, &mut out);
         }
         eprintln!("resample (f32 CHW): {:.3} ms", t.elapsed().as_secs_f64() * 1e3 / n as f64);
         let mut out8 = vec![0u8; 3 * side * side];
@@ -286,7 +286,7 @@ mod timing {
         for (i, im) in imgs.iter().enumerate() {
             let (w, h) = (im.width() as usize, im.height() as usize);
             let (r, flip) = resize::draw_rrc(0, 0, i, w, h, cfg.scale, cfg.ratio);
-            resize::resample_u8(im.as_raw(), w, h, r, side, flip, &mut out8);
+            resize::resample_u8(im.as_raw(), w, h, r, side, flip, cfg.interpolation, &mut out8);
         }
         eprintln!("resample (u8 HWC): {:.3} ms", t.elapsed().as_secs_f64() * 1e3 / n as f64);
         let t = Instant::now();
@@ -294,7 +294,7 @@ mod timing {
         for (i, im) in imgs.iter().enumerate() {
             let (w, h) = (im.width() as usize, im.height() as usize);
             let (r, flip) = resize::draw_rrc(0, 0, i, w, h, cfg.scale, cfg.ratio);
-            resize::resample_rows(im.as_raw(), w, h, r, side, flip, |_, row| sum += row[5]);
+            resize::resample_rows(im.as_raw(), w, h, r, side, flip, cfg.interpolation, |_, row| sum += row[5]);
         }
         eprintln!("resample (rows only): {:.3} ms {sum}", t.elapsed().as_secs_f64() * 1e3 / n as f64);
         let ra = crate::config::parse_rand_augment("rand-m9-mstd0.5-inc1").unwrap().unwrap();

@@ -9,6 +9,8 @@
 //! rather than piling up batches. Buffers come back through [`Loader::recycle`] and
 //! are refilled in place. Batches are bit-identical to [`super::try_make_batch`] on the same
 //! indices: the producer only changes *when* a batch is built, never *what* it holds.
+//! [`Loader::start`] walks a sampler's plan (training); [`Loader::start_batches`] a given list
+//! of index batches (evaluation).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, sync_channel, Receiver, Sender};
@@ -63,70 +65,91 @@ pub struct Loader {
     handle: Option<JoinHandle<()>>,
 }
 
+/// One micro-batch to build: (epoch, step, micro, dataset indices).
+type Position = (u64, usize, usize, Vec<usize>);
+
 impl Loader {
     /// Starts the producer. Fails only if the worker pool cannot be created.
     pub fn start(plan: LoaderPlan) -> Result<Loader, DataError> {
-        let workers = if plan.cfg.num_workers == 0 {
-            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
-        } else {
-            plan.cfg.num_workers
+        let LoaderPlan { set, cfg, sampler, train, seed, rank, world, gas, start_epoch, start_step, steps, mix } = plan;
+        // Plan order as (epoch, step, micro, indices), built lazily on the producer thread.
+        let positions = move || -> Box<dyn Iterator<Item = Position>> {
+            let steps_per_epoch = sampler.steps_per_epoch();
+            if steps_per_epoch == 0 {
+                return Box::new(std::iter::empty());
+            }
+            let (mut epoch, mut step) = (start_epoch, start_step);
+            epoch += (step / steps_per_epoch) as u64;
+            step %= steps_per_epoch;
+            let mut order = sampler.epoch(epoch);
+            let total = steps as usize * gas;
+            Box::new((0..total).map(move |k| {
+                let micro = k % gas;
+                if k > 0 && micro == 0 {
+                    step += 1;
+                    if step == steps_per_epoch {
+                        step = 0;
+                        epoch += 1;
+                        order = sampler.epoch(epoch);
+                    }
+                }
+                let idx = shard(order.batch(step), rank, world, micro, gas).to_vec();
+                (epoch, step, micro, idx)
+            }))
         };
+        Self::spawn(set, cfg, train, seed, mix, positions)
+    }
+
+    /// Starts a producer of the given batches of dataset indices, in order, without mixing:
+    /// `batches[i]` comes out as step `i` (micro 0) of `epoch`. Evaluation uses it for the
+    /// batches each rank runs.
+    pub fn start_batches(set: Arc<ImageSet>, cfg: DataConfig, train: bool, epoch: u64, seed: u64, batches: Vec<Vec<usize>>) -> Result<Loader, DataError> {
+        Self::spawn(set, cfg, train, seed, None, move || batches.into_iter().enumerate().map(move |(step, idx)| (epoch, step, 0, idx)))
+    }
+
+    fn spawn<I: Iterator<Item = Position>>(
+        set: Arc<ImageSet>,
+        cfg: DataConfig,
+        train: bool,
+        seed: u64,
+        mix: Option<MixTargets>,
+        positions: impl FnOnce() -> I + Send + 'static,
+    ) -> Result<Loader, DataError> {
+        let workers = if cfg.num_workers == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { cfg.num_workers };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(workers)
             .thread_name(|i| format!("vitscale-data-{i}"))
             .build()
             .map_err(|e| DataError::Invalid { key: "data.num_workers", msg: format!("cannot start {workers} loader threads: {e}") })?;
-        let (tx, rx) = sync_channel(plan.cfg.prefetch.max(1));
+        let (tx, rx) = sync_channel(cfg.prefetch.max(1));
         let (recycle_tx, recycle_rx) = channel::<Batch>();
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
         let handle = std::thread::Builder::new()
             .name("vitscale-data".into())
             .spawn(move || {
-                let steps_per_epoch = plan.sampler.steps_per_epoch();
-                if steps_per_epoch == 0 {
-                    return;
-                }
-                // Plan order as (epoch, step, micro, indices), built lazily.
-                let (mut epoch, mut step) = (plan.start_epoch, plan.start_step);
-                epoch += (step / steps_per_epoch) as u64;
-                step %= steps_per_epoch;
-                let mut order = plan.sampler.epoch(epoch);
-                let total = plan.steps as usize * plan.gas;
-                let mut positions = (0..total).map(move |k| {
-                    let micro = k % plan.gas;
-                    if k > 0 && micro == 0 {
-                        step += 1;
-                        if step == steps_per_epoch {
-                            step = 0;
-                            epoch += 1;
-                            order = plan.sampler.epoch(epoch);
-                        }
-                    }
-                    let idx = shard(order.batch(step), plan.rank, plan.world, micro, plan.gas).to_vec();
-                    (epoch, step, micro, idx)
-                });
+                let mut positions = positions();
                 // Build the prefetch window in one parallel pass, then hand it out in order.
-                let window = plan.cfg.prefetch.max(1);
+                let window = cfg.prefetch.max(1);
                 loop {
-                    let group: Vec<(u64, usize, usize, Vec<usize>)> = positions.by_ref().take(window).collect();
+                    let group: Vec<Position> = positions.by_ref().take(window).collect();
                     if group.is_empty() || stop2.load(Ordering::Relaxed) {
                         return;
                     }
                     let mut batches: Vec<Batch> = group.iter().map(|_| recycle_rx.try_recv().unwrap_or_default()).collect();
                     let jobs: Vec<(&[usize], u64)> = group.iter().map(|(e, _, _, idx)| (idx.as_slice(), *e)).collect();
-                    if let Err(e) = pool.install(|| fill_batches(&mut batches, &jobs, &plan.set, &plan.cfg, plan.train, plan.seed)) {
+                    if let Err(e) = pool.install(|| fill_batches(&mut batches, &jobs, &set, &cfg, train, seed)) {
                         let _ = tx.send(Err(e));
                         return;
                     }
-                    // Mixup / CutMix: one draw per global step, applied to this rank's slice.
-                    if let Some(mt) = plan.mix.filter(|_| plan.train && plan.cfg.aug.mixes()) {
-                        let side = plan.set.batch_side;
+                    // Mixup / CutMix: drawn per global step (per pair / image in those modes),
+                    // applied to this rank's slice.
+                    if let Some(mt) = mix.filter(|_| train && cfg.aug.mixes()) {
+                        let side = set.batch_side;
                         pool.install(|| {
                             use rayon::prelude::*;
-                            batches.par_iter_mut().zip(group.par_iter()).for_each(|(batch, (epoch, step, _, _))| {
-                                let d = mix::draw(&plan.cfg.aug, plan.seed, *epoch, *step, side);
-                                mix::apply(batch, d, side, mt.num_classes, mt.label_smoothing);
+                            batches.par_iter_mut().zip(group.par_iter()).for_each(|(batch, (epoch, step, _, idx))| {
+                                mix::mix_batch(batch, idx, &cfg.aug, seed, *epoch, *step, side, mt.num_classes, mt.label_smoothing);
                             })
                         });
                     }

@@ -15,10 +15,12 @@
 //! stored side == model side (CIFAR at 32, built-in) → CIFAR: pad-4 random crop + flip,
 //! built-in: flip; otherwise (folders, CIFAR at 224) → RandomResizedCrop(`data.scale`,
 //! `data.ratio`) + flip. Evaluation (or `augment=none`): as stored, or resize the shorter side to
-//! `side / data.crop_pct` and center-crop. Optional, timm-named, off by default (training only):
-//! RandAugment after crop + flip (`data.auto_augment`, [`randaug`]), random erasing after
-//! normalization (`data.reprob`, [`erase`]), and mixup / CutMix with soft targets per global
-//! batch (`data.mixup`, `data.cutmix`, [`mix`], applied by the [`Loader`]).
+//! `side / data.crop_pct` and center-crop; both resamplings use `data.interpolation` (PIL's
+//! antialiased bilinear, the default, or bicubic, [`resize`]). Optional, timm-named, off by
+//! default (training only): RandAugment after crop + flip (`data.auto_augment`, [`randaug`]),
+//! random erasing after normalization (`data.reprob`, [`erase`]), and mixup / CutMix with soft targets per global
+//! batch, pair or image (`data.mixup`, `data.cutmix`, `data.mixup_mode`, [`mix`], applied by
+//! the [`Loader`]). Evaluation batches are built ahead by a [`Loader`] too.
 
 pub mod augment;
 pub mod bench;
@@ -443,11 +445,11 @@ pub fn fill_batches(batches: &mut [Batch], jobs: &[(&[usize], u64)], set: &Image
                 (resize::center_crop(w, h, side, cfg.crop_pct), false)
             };
             match ra {
-                None => resize::resample(src, w, h, region, side, flip, cfg.mean, cfg.std, out),
+                None => resize::resample(src, w, h, region, side, flip, cfg.interpolation, cfg.mean, cfg.std, out),
                 Some(ra) => {
                     // RandAugment works on bytes: resample to bytes, augment, then the table.
                     pixels.resize(per, 0);
-                    resize::resample_u8(src, w, h, region, side, flip, pixels);
+                    resize::resample_u8(src, w, h, region, side, flip, cfg.interpolation, pixels);
                     randaug::apply(ra, pixels, side, fill, seed, epoch, i, scratch);
                     augment::normalize_hwc(pixels, side, &norm, out);
                 }

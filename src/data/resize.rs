@@ -2,14 +2,21 @@
 //! resize + center crop (evaluation), as timm builds them with torchvision, fused with the
 //! flip, HWC→CHW and normalization so each output pixel is written once.
 //!
-//! The filter is PIL's antialiased bilinear ("triangle" whose support widens with the
-//! downscale factor), which is what torchvision's `Resize` applies to PIL images; plain
-//! 2-tap bilinear would alias badly when a 500-px photo becomes 224 px. Weights are computed per
-//! output row/column once per image and the filter runs as two separable passes.
+//! The filters are PIL's antialiased ones, whose support widens with the downscale factor, as
+//! torchvision's `Resize` applies them to PIL images (`data.interpolation`): bilinear (a
+//! triangle of radius 1) or bicubic (Keys' cubic with a = −0.5, radius 2); plain 2-tap
+//! bilinear would alias badly when a 500-px photo becomes 224 px. Weights are computed per
+//! output row/column once per image and the filter runs as two separable passes. Bicubic's
+//! negative lobes can overshoot 0..=255; PIL stores the horizontal pass and the result as
+//! bytes, clipping both, so the bicubic path clamps at the same two points (bilinear never
+//! leaves the range). PIL also *rounds* to bytes in between and computes in fixed point; this
+//! keeps f32, which stays within one level of PIL's bytes (tested against a transcription of
+//! PIL's `ImagingResample`).
 
 use std::cell::RefCell;
 
 use super::rng::{hash, stream, SplitMix};
+use crate::config::Interpolation;
 
 /// A crop window in source pixels (may be fractional).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -79,31 +86,80 @@ struct Taps {
     weights: Vec<f32>,
 }
 
-fn taps(src_len: usize, r0: f32, rlen: f32, out_len: usize) -> Taps {
+/// PIL's bicubic kernel (Keys' cubic convolution, a = −0.5; zero from |x| = 2 on).
+fn bicubic(x: f64) -> f64 {
+    const A: f64 = -0.5;
+    let x = x.abs();
+    if x < 1.0 {
+        ((A + 2.0) * x - (A + 3.0)) * x * x + 1.0
+    } else if x < 2.0 {
+        (((x - 5.0) * x + 8.0) * x - 4.0) * A
+    } else {
+        0.0
+    }
+}
+
+fn taps(src_len: usize, r0: f32, rlen: f32, out_len: usize, filter: Interpolation) -> Taps {
     let scale = rlen / out_len as f32;
-    // Triangle of radius 1 output pixel, widened by the downscale factor (antialiasing).
+    // Kernel of radius 1 (bilinear) or 2 (bicubic) output pixels, widened by the downscale
+    // factor (antialiasing).
     let fscale = scale.max(1.0);
-    let support = fscale;
+    let support = match filter {
+        Interpolation::Bilinear => fscale,
+        Interpolation::Bicubic => 2.0 * fscale,
+    };
     let n = (support.ceil() as usize) * 2 + 1;
+    // Bicubic follows PIL's `precompute_coeffs` in f64 (bilinear keeps its f32 arithmetic,
+    // which its outputs are pinned to).
+    let (scale64, fscale64) = (rlen as f64 / out_len as f64, (rlen as f64 / out_len as f64).max(1.0));
     let mut start = Vec::with_capacity(out_len);
     let mut len = Vec::with_capacity(out_len);
     let mut weights = vec![0f32; out_len * n];
+    // f64 weights of one output (bicubic), normalized before they are stored as f32.
+    let mut k64 = vec![0f64; if filter == Interpolation::Bicubic { n } else { 0 }];
     for i in 0..out_len {
-        let center = r0 + (i as f32 + 0.5) * scale;
-        let lo = ((center - support).floor().max(0.0) as usize).min(src_len - 1);
-        let hi = ((center + support).ceil().max(0.0) as usize).clamp(lo + 1, src_len).min(lo + n);
         let w = &mut weights[i * n..(i + 1) * n];
-        let mut sum = 0.0;
-        for (k, j) in (lo..hi).enumerate() {
-            w[k] = (1.0 - ((j as f32 + 0.5 - center) / fscale).abs()).max(0.0);
-            sum += w[k];
-        }
-        if sum <= 0.0 {
-            // Window entirely outside the image (can't happen for valid regions): nearest pixel.
-            w[0] = 1.0;
-            sum = 1.0;
-        }
-        w.iter_mut().for_each(|x| *x /= sum);
+        let (lo, hi) = match filter {
+            Interpolation::Bilinear => {
+                let center = r0 + (i as f32 + 0.5) * scale;
+                let lo = ((center - support).floor().max(0.0) as usize).min(src_len - 1);
+                let hi = ((center + support).ceil().max(0.0) as usize).clamp(lo + 1, src_len).min(lo + n);
+                let mut sum = 0.0;
+                for (k, j) in (lo..hi).enumerate() {
+                    w[k] = (1.0 - ((j as f32 + 0.5 - center) / fscale).abs()).max(0.0);
+                    sum += w[k];
+                }
+                if sum <= 0.0 {
+                    // Window entirely outside the image (can't happen for valid regions): nearest pixel.
+                    w[0] = 1.0;
+                    sum = 1.0;
+                }
+                w.iter_mut().for_each(|x| *x /= sum);
+                (lo, hi)
+            }
+            Interpolation::Bicubic => {
+                let center = r0 as f64 + (i as f64 + 0.5) * scale64;
+                let support = 2.0 * fscale64;
+                let lo = ((center - support).floor().max(0.0) as usize).min(src_len - 1);
+                let hi = ((center + support).ceil().max(0.0) as usize).clamp(lo + 1, src_len).min(lo + n);
+                let ss = 1.0 / fscale64;
+                let k64 = &mut k64[..hi - lo];
+                let mut sum = 0.0;
+                for (k, j) in (lo..hi).enumerate() {
+                    k64[k] = bicubic((j as f64 + 0.5 - center) * ss);
+                    sum += k64[k];
+                }
+                if sum == 0.0 {
+                    // Window entirely outside the image (can't happen for valid regions).
+                    k64[0] = 1.0;
+                    sum = 1.0;
+                }
+                for (wk, &k) in w.iter_mut().zip(k64.iter()) {
+                    *wk = (k / sum) as f32;
+                }
+                (lo, hi)
+            }
+        };
         // Trim zero weights at both ends.
         let mut first = 0;
         let mut last = hi - lo;
@@ -118,6 +174,12 @@ fn taps(src_len: usize, r0: f32, rlen: f32, out_len: usize) -> Taps {
         len.push(last - first);
     }
     Taps { start, len, n, weights }
+}
+
+/// Clamps a row of resampled values to the byte range (bicubic; see the module doc).
+#[inline]
+fn clip_row(row: &mut [f32]) {
+    row.iter_mut().for_each(|v| *v = v.clamp(0.0, 255.0));
 }
 
 thread_local! {
@@ -265,23 +327,25 @@ fn has_avx() -> bool {
     }
 }
 
-/// The separable antialiased resampling of `region` of the (height, width, 3) HWC image `src`
-/// to `side` × `side`, mirrored when `flip`: hands each output row, as `side` pixels of 4 f32
-/// (R, G, B, unused) in source units (0..=255), to `sink(row_index, row)`.
+/// The separable antialiased resampling with `filter` of `region` of the (height, width, 3)
+/// HWC image `src` to `side` × `side`, mirrored when `flip`: hands each output row, as `side`
+/// pixels of 4 f32 (R, G, B, unused) in source units (0..=255), to `sink(row_index, row)`.
 ///
 /// Per channel the arithmetic is one f32 multiply and add per tap in tap order, horizontal
-/// pass first, whichever code path runs (SIMD lanes are the channels).
+/// pass first, whichever code path runs (SIMD lanes are the channels); the code paths only see
+/// taps and weights, so they serve both filters.
 #[allow(clippy::too_many_arguments)]
-pub fn resample_rows(src: &[u8], width: usize, height: usize, region: Region, side: usize, flip: bool, sink: impl FnMut(usize, &[f32])) {
-    resample_rows_on(src, width, height, region, side, flip, has_avx(), sink)
+pub fn resample_rows(src: &[u8], width: usize, height: usize, region: Region, side: usize, flip: bool, filter: Interpolation, sink: impl FnMut(usize, &[f32])) {
+    resample_rows_on(src, width, height, region, side, flip, filter, has_avx(), sink)
 }
 
 /// [`resample_rows`] with the AVX paths on or off (`avx` only where the CPU has it).
 #[allow(clippy::too_many_arguments)]
-fn resample_rows_on(src: &[u8], width: usize, height: usize, region: Region, side: usize, flip: bool, avx: bool, mut sink: impl FnMut(usize, &[f32])) {
+fn resample_rows_on(src: &[u8], width: usize, height: usize, region: Region, side: usize, flip: bool, filter: Interpolation, avx: bool, mut sink: impl FnMut(usize, &[f32])) {
     debug_assert_eq!(src.len(), width * height * 3);
-    let tx = taps(width, region.x0, region.w, side);
-    let ty = taps(height, region.y0, region.h, side);
+    let tx = taps(width, region.x0, region.w, side, filter);
+    let ty = taps(height, region.y0, region.h, side, filter);
+    let clip = filter == Interpolation::Bicubic;
     // Source rows the vertical pass touches, source columns the horizontal pass touches.
     let row_lo = ty.start.iter().copied().min().unwrap_or(0);
     let row_hi = (0..side).map(|i| ty.start[i] + ty.len[i]).max().unwrap_or(row_lo + 1).min(height);
@@ -340,6 +404,9 @@ fn resample_rows_on(src: &[u8], width: usize, height: usize, region: Region, sid
                 }
                 #[cfg(not(target_arch = "x86_64"))]
                 hpass_row(conv, &cols, &tx.weights, trow);
+                if clip {
+                    clip_row(trow);
+                }
                 next += 1;
             }
             // Vertical pass: a weighted sum of whole rows (contiguous, vectorizable).
@@ -358,22 +425,25 @@ fn resample_rows_on(src: &[u8], width: usize, height: usize, region: Region, sid
                 #[cfg(not(target_arch = "x86_64"))]
                 axpy(acc, row, wk);
             }
+            if clip {
+                clip_row(acc);
+            }
             sink(oy, acc);
         }
     });
 }
 
-/// Resamples `region` of the (height, width, 3) HWC image `src` to `out` (3, side, side) CHW,
-/// mirrored when `flip`, normalized as `(v / 255 − mean) / std`.
+/// Resamples `region` of the (height, width, 3) HWC image `src` with `filter` to `out`
+/// (3, side, side) CHW, mirrored when `flip`, normalized as `(v / 255 − mean) / std`.
 #[allow(clippy::too_many_arguments)]
-pub fn resample(src: &[u8], width: usize, height: usize, region: Region, side: usize, flip: bool, mean: [f32; 3], std: [f32; 3], out: &mut [f32]) {
+pub fn resample(src: &[u8], width: usize, height: usize, region: Region, side: usize, flip: bool, filter: Interpolation, mean: [f32; 3], std: [f32; 3], out: &mut [f32]) {
     debug_assert_eq!(out.len(), 3 * side * side);
     let plane = side * side;
     let k = [1.0 / (255.0 * std[0]), 1.0 / (255.0 * std[1]), 1.0 / (255.0 * std[2])];
     let off = [mean[0] / std[0], mean[1] / std[1], mean[2] / std[2]];
     let (out_r, rest) = out.split_at_mut(plane);
     let (out_g, out_b) = rest.split_at_mut(plane);
-    resample_rows(src, width, height, region, side, flip, |oy, row| {
+    resample_rows(src, width, height, region, side, flip, filter, |oy, row| {
         let o = oy * side;
         let (r, g, b) = (&mut out_r[o..o + side], &mut out_g[o..o + side], &mut out_b[o..o + side]);
         #[allow(unused_mut)]
@@ -410,9 +480,9 @@ pub fn resample(src: &[u8], width: usize, height: usize, region: Region, side: u
 /// [`resample`] to (side, side, 3) HWC bytes, each value rounded half up and clamped to
 /// 0..=255 (what RandAugment works on).
 #[allow(clippy::too_many_arguments)]
-pub fn resample_u8(src: &[u8], width: usize, height: usize, region: Region, side: usize, flip: bool, out: &mut [u8]) {
+pub fn resample_u8(src: &[u8], width: usize, height: usize, region: Region, side: usize, flip: bool, filter: Interpolation, out: &mut [u8]) {
     debug_assert_eq!(out.len(), 3 * side * side);
-    resample_rows(src, width, height, region, side, flip, |oy, row| {
+    resample_rows(src, width, height, region, side, flip, filter, |oy, row| {
         let o = &mut out[oy * side * 3..(oy + 1) * side * 3];
         #[allow(unused_mut)]
         let mut done = 0;
@@ -452,9 +522,10 @@ mod tests {
     /// The straightforward version of [`resample`] (scalar, per channel, horizontal pass then
     /// vertical), kept as the reference for the vectorized one.
     #[allow(clippy::too_many_arguments)]
-    fn resample_reference(src: &[u8], width: usize, height: usize, region: Region, side: usize, flip: bool, mean: [f32; 3], std: [f32; 3]) -> Vec<f32> {
-        let tx = taps(width, region.x0, region.w, side);
-        let ty = taps(height, region.y0, region.h, side);
+    fn resample_reference(src: &[u8], width: usize, height: usize, region: Region, side: usize, flip: bool, filter: Interpolation, mean: [f32; 3], std: [f32; 3]) -> Vec<f32> {
+        let clip = |v: f32| if filter == Interpolation::Bicubic { v.clamp(0.0, 255.0) } else { v };
+        let tx = taps(width, region.x0, region.w, side, filter);
+        let ty = taps(height, region.y0, region.h, side, filter);
         let row_lo = ty.start[0];
         let row_hi = (0..side).map(|i| ty.start[i] + ty.len[i]).max().unwrap().min(height);
         let row_len = side * 3;
@@ -471,7 +542,7 @@ mod tests {
                         a[c] += wk * srow[(s0 + k) * 3 + c] as f32;
                     }
                 }
-                tmp[r * row_len + ox * 3..r * row_len + ox * 3 + 3].copy_from_slice(&a);
+                tmp[r * row_len + ox * 3..r * row_len + ox * 3 + 3].copy_from_slice(&a.map(clip));
             }
         }
         let plane = side * side;
@@ -489,7 +560,7 @@ mod tests {
             }
             for ox in 0..side {
                 for c in 0..3 {
-                    out[c * plane + oy * side + ox] = acc[ox * 3 + c] * k[c] - off[c];
+                    out[c * plane + oy * side + ox] = clip(acc[ox * 3 + c]) * k[c] - off[c];
                 }
             }
         }
@@ -505,20 +576,21 @@ mod tests {
         let sizes = [(500, 375, 224), (375, 500, 224), (37, 29, 16), (1, 1, 5), (2, 3, 4), (5, 1, 3), (64, 64, 64), (300, 200, 7), (16, 16, 31)];
         for (t, &(w, h, side)) in sizes.iter().enumerate() {
             let src: Vec<u8> = (0..w * h * 3).map(|_| rng.below(256) as u8).collect();
-            for k in 0..4 {
-                let (region, flip) = if k == 0 {
+            for k in 0..8 {
+                let filter = if k % 2 == 0 { Interpolation::Bilinear } else { Interpolation::Bicubic };
+                let (region, flip) = if k < 2 {
                     (center_crop(w, h, side, 0.875), false)
                 } else {
                     (random_resized_crop(&mut rng, w, h, [0.08, 1.0], [0.75, 4.0 / 3.0]), rng.coin())
                 };
                 let (mean, std) = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]);
-                let want = resample_reference(&src, w, h, region, side, flip, mean, std);
+                let want = resample_reference(&src, w, h, region, side, flip, filter, mean, std);
                 let mut got = vec![0f32; 3 * side * side];
-                resample(&src, w, h, region, side, flip, mean, std, &mut got);
+                resample(&src, w, h, region, side, flip, filter, mean, std, &mut got);
                 assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "case {t}/{k}: {w}x{h} -> {side}, {region:?}");
-                let raw = resample_reference(&src, w, h, region, side, flip, ID_MEAN, ID_STD);
+                let raw = resample_reference(&src, w, h, region, side, flip, filter, ID_MEAN, ID_STD);
                 let mut bytes = vec![0u8; 3 * side * side];
-                resample_u8(&src, w, h, region, side, flip, &mut bytes);
+                resample_u8(&src, w, h, region, side, flip, filter, &mut bytes);
                 let plane = side * side;
                 for p in 0..plane {
                     for c in 0..3 {
@@ -534,7 +606,7 @@ mod tests {
     }
 
     /// With and without the AVX paths, the rows are bit-identical (zero-weight padding taps and
-    /// 8-lane sums change nothing).
+    /// 8-lane sums change nothing), for both filters.
     #[test]
     fn avx_and_sse_paths_agree_bitwise() {
         if !has_avx() {
@@ -543,15 +615,181 @@ mod tests {
         let mut rng = SplitMix::new(4);
         for &(w, h, side) in &[(500, 375, 224), (37, 29, 15), (3, 2, 9), (640, 480, 33)] {
             let src: Vec<u8> = (0..w * h * 3).map(|_| rng.below(256) as u8).collect();
-            for _ in 0..3 {
+            for filter in [Interpolation::Bilinear, Interpolation::Bicubic, Interpolation::Bilinear, Interpolation::Bicubic] {
                 let region = random_resized_crop(&mut rng, w, h, [0.08, 1.0], [0.75, 4.0 / 3.0]);
                 let flip = rng.coin();
                 let mut rows = [Vec::new(), Vec::new()];
                 for (k, avx) in [false, true].into_iter().enumerate() {
-                    resample_rows_on(&src, w, h, region, side, flip, avx, |_, row| rows[k].extend(row.chunks_exact(LANES).flat_map(|p| p[..3].iter().map(|v| v.to_bits()))));
+                    resample_rows_on(&src, w, h, region, side, flip, filter, avx, |_, row| rows[k].extend(row.chunks_exact(LANES).flat_map(|p| p[..3].iter().map(|v| v.to_bits()))));
                 }
                 assert_eq!(rows[0], rows[1], "{w}x{h} -> {side}, {region:?}");
             }
+        }
+    }
+
+    /// FNV-1a over the output bits of a fixed set of resamplings: bilinear output is pinned to
+    /// the value it had before the filter became a choice (bicubic was added), on both the
+    /// f32 and the byte path.
+    #[test]
+    fn bilinear_output_is_pinned() {
+        let mut rng = SplitMix::new(77);
+        let mut h = 0xcbf2_9ce4_8422_2325u64;
+        let mut eat = |x: u32| {
+            for b in x.to_le_bytes() {
+                h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+            }
+        };
+        for &(w, h_, side) in &[(500, 375, 224), (37, 29, 15), (3, 2, 9), (64, 48, 64), (17, 40, 33)] {
+            let src: Vec<u8> = (0..w * h_ * 3).map(|_| rng.below(256) as u8).collect();
+            for k in 0..3 {
+                let (region, flip) = if k == 0 { (center_crop(w, h_, side, 0.875), false) } else { (random_resized_crop(&mut rng, w, h_, [0.08, 1.0], [0.75, 4.0 / 3.0]), rng.coin()) };
+                let mut out = vec![0f32; 3 * side * side];
+                resample(&src, w, h_, region, side, flip, Interpolation::Bilinear, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225], &mut out);
+                out.iter().for_each(|v| eat(v.to_bits()));
+                let mut bytes = vec![0u8; 3 * side * side];
+                resample_u8(&src, w, h_, region, side, flip, Interpolation::Bilinear, &mut bytes);
+                bytes.iter().for_each(|&b| eat(b as u32));
+            }
+        }
+        assert_eq!(h, 1_255_401_191_373_502_608, "bilinear resampling changed");
+    }
+
+    /// PIL's `ImagingResample` (Pillow's libImaging/Resample.c) for 8-bit RGB with a box,
+    /// transcribed: f64 coefficients (`precompute_coeffs`), converted to 22-bit fixed point
+    /// (`normalize_coeffs_8bpc`), horizontal pass into a byte image (rounded, clipped), then the
+    /// vertical pass into bytes; a pass is skipped where PIL skips it. Returns (side, side, 3)
+    /// HWC bytes.
+    fn pil_resample(src: &[u8], width: usize, height: usize, bx: [f64; 4], side: usize, filter: fn(f64) -> f64, support: f64) -> Vec<u8> {
+        const PRECISION_BITS: u32 = 32 - 8 - 2;
+        let coeffs = |in_size: usize, in0: f64, in1: f64| -> (Vec<(usize, usize)>, Vec<Vec<i64>>) {
+            let scale = (in1 - in0) / side as f64;
+            let filterscale = scale.max(1.0);
+            let support = support * filterscale;
+            let mut bounds = Vec::new();
+            let mut kk = Vec::new();
+            for xx in 0..side {
+                let center = in0 + (xx as f64 + 0.5) * scale;
+                let ss = 1.0 / filterscale;
+                // C's (int) truncates toward zero; negatives are clamped to 0 anyway.
+                let xmin = ((center - support + 0.5) as i64).max(0) as usize;
+                let xmax = ((center + support + 0.5) as i64).min(in_size as i64) as usize - xmin;
+                let mut k: Vec<f64> = (0..xmax).map(|x| filter((x as f64 + xmin as f64 - center + 0.5) * ss)).collect();
+                let ww: f64 = k.iter().sum();
+                if ww != 0.0 {
+                    k.iter_mut().for_each(|v| *v /= ww);
+                }
+                let one = (1i64 << PRECISION_BITS) as f64;
+                kk.push(k.iter().map(|&v| if v < 0.0 { (-0.5 + v * one) as i64 } else { (0.5 + v * one) as i64 }).collect());
+                bounds.push((xmin, xmax));
+            }
+            (bounds, kk)
+        };
+        let clip8 = |v: i64| (v >> PRECISION_BITS).clamp(0, 255) as u8;
+        let (bh, kh) = coeffs(width, bx[0], bx[2]);
+        let (bv, kv) = coeffs(height, bx[1], bx[3]);
+        let need_h = side != width || bx[0] != 0.0 || bx[2] != side as f64;
+        let need_v = side != height || bx[1] != 0.0 || bx[3] != side as f64;
+        // Horizontal pass over the rows the vertical pass reads.
+        let (y_first, y_last) = (bv[0].0, bv[side - 1].0 + bv[side - 1].1);
+        let (tmp, tw, y_off) = if need_h {
+            let mut tmp = vec![0u8; (y_last - y_first) * side * 3];
+            for y in y_first..y_last {
+                for xx in 0..side {
+                    let (xmin, xmax) = bh[xx];
+                    for c in 0..3 {
+                        let mut ss = 1i64 << (PRECISION_BITS - 1);
+                        for x in 0..xmax {
+                            ss += src[(y * width + xmin + x) * 3 + c] as i64 * kh[xx][x];
+                        }
+                        tmp[((y - y_first) * side + xx) * 3 + c] = clip8(ss);
+                    }
+                }
+            }
+            (tmp, side, y_first)
+        } else {
+            (src.to_vec(), width, 0)
+        };
+        if !need_v {
+            return tmp;
+        }
+        let mut out = vec![0u8; side * side * 3];
+        for yy in 0..side {
+            let (ymin, ymax) = bv[yy];
+            for xx in 0..tw {
+                for c in 0..3 {
+                    let mut ss = 1i64 << (PRECISION_BITS - 1);
+                    for y in 0..ymax {
+                        ss += tmp[((ymin - y_off + y) * tw + xx) * 3 + c] as i64 * kv[yy][y];
+                    }
+                    out[(yy * side + xx) * 3 + c] = clip8(ss);
+                }
+            }
+        }
+        out
+    }
+
+    /// Bicubic against the transcription of PIL above (which is what torchvision's
+    /// `Resize(..., BICUBIC)` runs on PIL images) on random images — the case where bicubic
+    /// overshoots most — down- and upscaling, odd sizes, integer (RandomResizedCrop) and
+    /// fractional (center crop) windows, flips: the bytes within one level of PIL's
+    /// everywhere, the f32 output within one level plus PIL's rounding in between. Bilinear is
+    /// checked against PIL's bilinear the same way (it was built to match it).
+    #[test]
+    fn bicubic_matches_pil() {
+        // Pillow's `bilinear_filter` and `bicubic_filter`, written out here rather than taken
+        // from the code under test.
+        fn bilinear(x: f64) -> f64 {
+            let x = x.abs();
+            if x < 1.0 {
+                1.0 - x
+            } else {
+                0.0
+            }
+        }
+        fn pil_bicubic(x: f64) -> f64 {
+            let a = -0.5;
+            let x = x.abs();
+            if x < 1.0 {
+                ((a + 2.0) * x - (a + 3.0)) * x * x + 1.0
+            } else if x < 2.0 {
+                (((x - 5.0) * x + 8.0) * x - 4.0) * a
+            } else {
+                0.0
+            }
+        }
+        let mut rng = SplitMix::new(21);
+        let sizes = [(500, 375, 224), (375, 500, 224), (37, 29, 16), (7, 5, 23), (16, 16, 31), (64, 64, 64), (301, 199, 7), (3, 2, 9), (33, 47, 33)];
+        for (filter, kernel, support) in [(Interpolation::Bicubic, pil_bicubic as fn(f64) -> f64, 2.0), (Interpolation::Bilinear, bilinear as fn(f64) -> f64, 1.0)] {
+            let (mut worst, mut worst_f, mut differ, mut total) = (0i32, 0f32, 0usize, 0usize);
+            for &(w, h, side) in &sizes {
+                let src: Vec<u8> = (0..w * h * 3).map(|_| rng.below(256) as u8).collect();
+                for k in 0..5 {
+                    let (region, flip) = if k == 0 { (center_crop(w, h, side, 0.875), false) } else { (random_resized_crop(&mut rng, w, h, [0.08, 1.0], [0.75, 4.0 / 3.0]), k % 2 == 0) };
+                    let (x0, y0) = (region.x0 as f64, region.y0 as f64);
+                    let want = pil_resample(&src, w, h, [x0, y0, x0 + region.w as f64, y0 + region.h as f64], side, kernel, support);
+                    let mut got = vec![0u8; 3 * side * side];
+                    resample_u8(&src, w, h, region, side, flip, filter, &mut got);
+                    let mut raw = vec![0f32; 3 * side * side];
+                    resample(&src, w, h, region, side, flip, filter, ID_MEAN, ID_STD, &mut raw);
+                    let plane = side * side;
+                    for y in 0..side {
+                        for x in 0..side {
+                            let sx = if flip { side - 1 - x } else { x };
+                            for c in 0..3 {
+                                let p = want[(y * side + sx) * 3 + c];
+                                let (g, r) = (got[(y * side + x) * 3 + c], raw[c * plane + y * side + x]);
+                                let (d, df) = ((g as i32 - p as i32).abs(), (r - p as f32).abs());
+                                assert!(d <= 1 && df <= 1.5, "{filter:?} {w}x{h} -> {side}, {region:?}, pixel ({y}, {x}) channel {c}: {g} / {r} vs PIL {p}");
+                                worst = worst.max(d);
+                                worst_f = worst_f.max(df);
+                                differ += usize::from(d != 0);
+                                total += 1;
+                            }
+                        }
+                    }
+                }
+            }
+            eprintln!("{filter:?} vs PIL: {differ} of {total} bytes differ (by at most {worst}); f32 output within {worst_f:.3}");
         }
     }
 
@@ -559,18 +797,20 @@ mod tests {
     fn identity_region_is_exact() {
         let (w, h) = (7, 7);
         let src: Vec<u8> = (0..w * h * 3).map(|i| (i * 5 % 256) as u8).collect();
-        let mut out = vec![0f32; 3 * 49];
-        resample(&src, w, h, Region { x0: 0.0, y0: 0.0, w: 7.0, h: 7.0 }, 7, false, ID_MEAN, ID_STD, &mut out);
-        for y in 0..7 {
-            for x in 0..7 {
-                for c in 0..3 {
-                    assert!((out[c * 49 + y * 7 + x] - src[(y * 7 + x) * 3 + c] as f32).abs() < 1e-3);
+        for filter in [Interpolation::Bilinear, Interpolation::Bicubic] {
+            let mut out = vec![0f32; 3 * 49];
+            resample(&src, w, h, Region { x0: 0.0, y0: 0.0, w: 7.0, h: 7.0 }, 7, false, filter, ID_MEAN, ID_STD, &mut out);
+            for y in 0..7 {
+                for x in 0..7 {
+                    for c in 0..3 {
+                        assert!((out[c * 49 + y * 7 + x] - src[(y * 7 + x) * 3 + c] as f32).abs() < 1e-3);
+                    }
                 }
             }
+            let mut flipped = vec![0f32; 3 * 49];
+            resample(&src, w, h, Region { x0: 0.0, y0: 0.0, w: 7.0, h: 7.0 }, 7, true, filter, ID_MEAN, ID_STD, &mut flipped);
+            assert!((flipped[3 * 7] - out[3 * 7 + 6]).abs() < 1e-3);
         }
-        let mut flipped = vec![0f32; 3 * 49];
-        resample(&src, w, h, Region { x0: 0.0, y0: 0.0, w: 7.0, h: 7.0 }, 7, true, ID_MEAN, ID_STD, &mut flipped);
-        assert!((flipped[3 * 7] - out[3 * 7 + 6]).abs() < 1e-3);
     }
 
     #[test]
@@ -578,15 +818,20 @@ mod tests {
         // 2× downscale of a checkerboard is flat grey (antialiased), not aliased stripes.
         let (w, h) = (16, 16);
         let src: Vec<u8> = (0..w * h).flat_map(|i| if (i % w + i / w) % 2 == 0 { [0u8; 3] } else { [200u8; 3] }).collect();
-        let mut out = vec![0f32; 3 * 64];
-        resample(&src, w, h, Region { x0: 0.0, y0: 0.0, w: 16.0, h: 16.0 }, 8, false, ID_MEAN, ID_STD, &mut out);
-        for v in &out {
-            assert!((v - 100.0).abs() < 15.0, "{v}");
+        for filter in [Interpolation::Bilinear, Interpolation::Bicubic] {
+            let mut out = vec![0f32; 3 * 64];
+            resample(&src, w, h, Region { x0: 0.0, y0: 0.0, w: 16.0, h: 16.0 }, 8, false, filter, ID_MEAN, ID_STD, &mut out);
+            for v in &out {
+                assert!((v - 100.0).abs() < 15.0, "{filter:?}: {v}");
+            }
+            // Constant images stay constant, down- and upscaled.
+            let flat = vec![77u8; 30 * 20 * 3];
+            for side in [10, 45] {
+                let mut out = vec![0f32; 3 * side * side];
+                resample(&flat, 30, 20, center_crop(30, 20, side, 0.875), side, true, filter, ID_MEAN, ID_STD, &mut out);
+                assert!(out.iter().all(|v| (v - 77.0).abs() < 1e-3), "{filter:?} {side}");
+            }
         }
-        let flat = vec![77u8; 30 * 20 * 3];
-        let mut out = vec![0f32; 3 * 100];
-        resample(&flat, 30, 20, center_crop(30, 20, 10, 0.875), 10, true, ID_MEAN, ID_STD, &mut out);
-        assert!(out.iter().all(|v| (v - 77.0).abs() < 1e-3));
     }
 
     #[test]

@@ -10,6 +10,7 @@
 //! `train::stop` is acted on at a boundary that every rank agrees on: checkpoint, then stop.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Serialize;
@@ -107,17 +108,20 @@ pub struct EvalSummary {
 }
 
 /// Evaluates `vit` on every image of `set` (no augmentation, no smoothing).
-pub fn evaluate<B: Backend>(be: &B, vit: &mut Vit<B>, set: &ImageSet, cfg: &RunConfig, batch: usize) -> Result<EvalSummary, TrainError> {
+pub fn evaluate<B: Backend>(be: &B, vit: &mut Vit<B>, set: &Arc<ImageSet>, cfg: &RunConfig, batch: usize) -> Result<EvalSummary, TrainError> {
     evaluate_with(be, vit, set, cfg, batch, &mut SingleComm::new())
 }
 
 /// `evaluate` shared by the ranks of `comm`: evaluation batch `i` (the same batches
 /// as on one rank) is run by rank `i mod world`, and the loss sums and correct counts are
 /// summed over ranks, so every rank gets the one-rank result up to the order of the f64 sum.
+/// This rank's batches are built ahead by a `data::Loader` (`data.num_workers` threads,
+/// `data.prefetch` batches ahead) while the model runs the current one; they are the batches
+/// `data::try_make_batch` builds, so the result does not depend on either setting.
 pub fn evaluate_with<B: Backend>(
     be: &B,
     vit: &mut Vit<B>,
-    set: &ImageSet,
+    set: &Arc<ImageSet>,
     cfg: &RunConfig,
     batch: usize,
     comm: &mut dyn Comm<B::Buf>,
@@ -127,11 +131,11 @@ pub fn evaluate_with<B: Backend>(
     let n = set.len();
     let batch = batch.clamp(1, MAX_IMAGES_PER_PASS);
     let (rank, world) = (comm.rank(), comm.world_size());
-    let mut start = rank * batch;
-    while start < n {
-        let idx: Vec<usize> = (start..(start + batch).min(n)).collect();
-        let b = idx.len();
-        let batch_data = data::try_make_batch(set, &idx, &cfg.data, false, 0, cfg.train.seed)?;
+    let batches: Vec<Vec<usize>> = (rank * batch..n).step_by(world * batch).map(|start| (start..(start + batch).min(n)).collect()).collect();
+    let mut loader = Loader::start_batches(set.clone(), cfg.data.clone(), false, 0, cfg.train.seed, batches)?;
+    while let Some(prepared) = loader.next() {
+        let batch_data = prepared?.batch;
+        let b = batch_data.len();
         let targets = smoothed_targets(&batch_data.labels, k, 0.0);
         let out = vit.forward(be, &batch_data.images, &targets, b, None)?;
         loss_sum += out.losses.iter().map(|&v| v as f64).sum::<f64>();
@@ -140,7 +144,7 @@ pub fn evaluate_with<B: Backend>(
             let pred = row.iter().enumerate().fold(0, |best, (j, v)| if *v > row[best] { j } else { best });
             correct += usize::from(pred == label as usize);
         }
-        start += world * batch;
+        loader.recycle(batch_data);
     }
     let mut sums = [loss_sum, correct as f64];
     comm.all_reduce_host(&mut sums)?;
