@@ -216,9 +216,6 @@ impl Drop for Staging {
     }
 }
 
-/// Inputs below this many elements take the plain synchronous `upload`.
-const STAGED_MIN: usize = 1 << 16;
-
 /// Scratch buffers the attention ops reuse between calls, grown on demand.
 #[derive(Default)]
 struct Scratch {
@@ -879,7 +876,10 @@ impl Backend for Cuda {
 
     fn upload_input(&self, dst: &mut CudaBuf, src: &[f32]) -> BResult<()> {
         check_len("upload_input", "dst", dst, src.len())?;
-        if src.len() < STAGED_MIN || gemm::capturing_stream(self.stream.cu_stream()) {
+        // Small inputs (the targets) take the same path: the plain `upload` would make the host
+        // wait for every queued kernel. During graph capture nothing may synchronize, so the
+        // plain copy is the only choice there (the bench stages before capturing).
+        if gemm::capturing_stream(self.stream.cu_stream()) {
             return self.upload(dst, 0, src);
         }
         self.ctx.bind_to_thread().map_err(dev("upload_input"))?;
