@@ -119,3 +119,23 @@ fn recompute_policy_does_not_change_gradients() {
     let differing = g_keep.iter().zip(&g_regen).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
     assert_eq!(differing, 0, "seed {seed}: {differing} of {} gradients differ", g_keep.len());
 }
+
+/// Evaluating between steps does not touch training: the per-step losses with an evaluation
+/// after every step equal those with evaluations only at the end (the next micro-batch, staged
+/// while the backward runs, must not be replaced by evaluation inputs).
+#[test]
+fn evaluation_between_steps_leaves_training_unchanged() {
+    let tmp = tempfile::tempdir().unwrap();
+    let train = |name: &str, eval_every: u64| {
+        let mut c = cfg(6);
+        c.train.eval_every = eval_every;
+        c.train.eval_batch_size = 48; // a different batch size than training's 32
+        let opts = TrainOptions { run_dir: tmp.path().join(name), progress_bar: false, quiet: true, ..Default::default() };
+        engine::train(&Cpu::new(), &c, &opts).unwrap();
+        losses(&opts.run_dir)
+    };
+    let often = train("often", 1);
+    let rarely = train("rarely", 100);
+    assert_eq!(often.len(), 6);
+    assert_eq!(often, rarely, "evaluations changed the training losses");
+}

@@ -216,6 +216,8 @@ pub struct Vit<B: Backend> {
     pub grads: B::Buf,
     acts: Option<Activations<B>>,
     recompute: Recompute,
+    /// Batch size of inputs staged by `stage_inputs` that no forward has read yet.
+    unread_inputs: Option<usize>,
     /// Batch of the last forward that computed `dlogits` (0 = none pending).
     pending_backward: usize,
 }
@@ -227,7 +229,7 @@ impl<B: Backend> Vit<B> {
         let params = be.alloc_f32(table.total)?;
         let grads = be.alloc_f32(table.total)?;
         let compute = if be.needs_compute_copy() { Some(be.alloc(table.total)?) } else { None };
-        Ok(Vit { cfg, table, params, compute, grads, acts: None, recompute: Recompute::Auto, pending_backward: 0 })
+        Ok(Vit { cfg, table, params, compute, grads, acts: None, recompute: Recompute::Auto, unread_inputs: None, pending_backward: 0 })
     }
 
     /// Replaces all weights from a host vector in table layout.
@@ -276,6 +278,7 @@ impl<B: Backend> Vit<B> {
     fn ensure_capacity(&mut self, be: &B, b: usize) -> BResult<()> {
         if self.acts.as_ref().is_none_or(|a| a.cap < b) {
             self.acts = None; // free the old set before allocating the larger one
+            self.unread_inputs = None;
             self.acts = Some(Activations::new(be, &self.cfg, b, self.recompute)?);
         }
         Ok(())
@@ -295,13 +298,23 @@ impl<B: Backend> Vit<B> {
         self.ensure_capacity(be, b)?;
         let a = self.acts.as_mut().ok_or_else(|| crate::backend::BackendError::Device("activations missing".into()))?;
         be.upload_input(&mut a.img, images)?;
-        be.upload_input(&mut a.targets, targets)
+        be.upload_input(&mut a.targets, targets)?;
+        self.unread_inputs = Some(b);
+        Ok(())
+    }
+
+    /// Whether `stage_inputs` staged `b` images that no forward has read yet: a caller that
+    /// staged the next batch ahead checks this before skipping the staging (anything that ran a
+    /// forward in between, such as an evaluation, replaced those inputs).
+    pub fn has_unread_inputs(&self, b: usize) -> bool {
+        self.unread_inputs == Some(b)
     }
 
     /// The forward pass on the batch already staged on the device (`stage_inputs`), with no
     /// host transfer, so a device backend can capture it into a graph (benchmarks).
     pub fn forward_staged(&mut self, be: &B, b: usize, dloss_scale: Option<f32>) -> BResult<()> {
         self.ensure_capacity(be, b)?;
+        self.unread_inputs = None;
         let m = &self.cfg;
         let t = &self.table.spans;
         let (n, np, c, h, d, f, k) =

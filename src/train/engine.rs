@@ -326,7 +326,8 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
             let last_micro_of_run = step + 1 == total_steps && m + 1 == gas;
             for start in (0..b).step_by(MAX_IMAGES_PER_PASS) {
                 let n = (b - start).min(MAX_IMAGES_PER_PASS);
-                let staged = std::mem::take(&mut first_pass_staged) && start == 0;
+                // staged ahead, unless an evaluation's forward has replaced those inputs since
+                let staged = std::mem::take(&mut first_pass_staged) && start == 0 && vit.has_unread_inputs(n);
                 let out = timed(&mut phases.forward_s, || -> Result<_, TrainError> {
                     if !staged {
                         let images = &batch.images[start * per_image..(start + n) * per_image];
