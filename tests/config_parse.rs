@@ -90,6 +90,7 @@ fn empty_config_gives_every_default() {
             eval_batch_size: 64,
             checkpoint_on_signal: false,
             comm_timeout_s: 300.0,
+            recompute: vitscale::model::Recompute::Auto,
         }
     );
     assert!(c.warnings.is_empty(), "{:?}", c.warnings);
@@ -679,4 +680,14 @@ fn total_num_steps_auto_counts_the_real_training_set() {
     let e = err_names(json!({"train_batch_size": 64, "data": {"dataset": "folder", "path": dir.path()},
         "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}}), "total_num_steps");
     assert!(e.contains("18 images"), "{e}");
+}
+
+#[test]
+fn train_recompute_policy() {
+    use vitscale::model::Recompute;
+    assert_eq!(ok(json!({})).train.recompute, Recompute::Auto);
+    assert_eq!(ok(json!({"train": {"recompute": "always"}})).train.recompute, Recompute::Always);
+    assert_eq!(ok(json!({"train": {"recompute": "never"}})).train.recompute, Recompute::Never);
+    let e = err_names(json!({"train": {"recompute": "sometimes"}}), "train.recompute");
+    assert!(e.contains("\"auto\""), "{e}");
 }

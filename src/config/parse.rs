@@ -22,6 +22,7 @@ use serde_json::{json, Map, Value};
 
 use super::types::*;
 use crate::model::spec::{GlobalPool, ModelConfig, PRESET_NAMES};
+use crate::model::Recompute;
 
 // ---- errors -------------------------------------------------------------------------------
 
@@ -458,6 +459,8 @@ const SKIP_KINDS: &[&str] = &["bias", "norm", "pos_embed", "cls_token"];
 const T_EPOCHS: KeyDef = key("epochs", POS_INT, Dflt::Int(10), "Run length in epochs (ignored when steps is set).");
 const T_STEPS: KeyDef = key("steps", POS_INT, Dflt::Unset, "Run length in optimizer steps; wins over epochs.");
 const T_SEED: KeyDef = key("seed", NONNEG_INT, Dflt::Int(0), "Seed for initialization, shuffling and augmentation.");
+const T_RECOMPUTE: KeyDef = key("recompute", Ty::Choice(Recompute::NAMES), Dflt::Str("auto"),
+    "Activation memory: \"always\" regenerates every block's LayerNorm and GELU outputs in the backward instead of keeping them (saves 2·C + F values per token and block), \"never\" keeps them, \"auto\" regenerates only where the backend says it is nearly free (small batches on a GPU; never on the CPU).");
 const T_EVAL_EVERY: KeyDef = key("eval_every", NONNEG_INT, Dflt::Int(0), "Evaluate every N optimizer steps; 0 = at the end of each epoch.");
 const T_CKPT_EVERY: KeyDef = key("checkpoint_every", NONNEG_INT, Dflt::Int(0), "Checkpoint every N optimizer steps; 0 = never.");
 const T_SMOOTHING: KeyDef = key("label_smoothing", UNIT_HALF_OPEN, Dflt::Num(0.0), "Label smoothing of the cross-entropy targets.");
@@ -478,7 +481,7 @@ const T_COMM_TIMEOUT: KeyDef = key(
 );
 /// Keys of the `train` section.
 pub const TRAIN_KEYS: &[KeyDef] = &[
-    T_EPOCHS, T_STEPS, T_SEED, T_EVAL_EVERY, T_CKPT_EVERY, T_SMOOTHING, T_DECAY_SKIP, T_LOG_EVERY, T_EVAL_BATCH, T_CKPT_ON_SIGNAL, T_COMM_TIMEOUT,
+    T_EPOCHS, T_STEPS, T_SEED, T_RECOMPUTE, T_EVAL_EVERY, T_CKPT_EVERY, T_SMOOTHING, T_DECAY_SKIP, T_LOG_EVERY, T_EVAL_BATCH, T_CKPT_ON_SIGNAL, T_COMM_TIMEOUT,
 ];
 
 /// Help text for every key, generated from the tables.
@@ -1441,6 +1444,7 @@ fn parse_train(sec: Option<&Map<String, Value>>, batch: &BatchConfig, steps_per_
         eval_batch_size: opt_int(sec, p, &T_EVAL_BATCH, cx)?.map(|i| i as usize).unwrap_or(batch.micro_batch_per_gpu),
         checkpoint_on_signal: opt_bool(sec, p, &T_CKPT_ON_SIGNAL, cx)?.unwrap_or(checkpoint_every > 0),
         comm_timeout_s: get_num(sec, p, &T_COMM_TIMEOUT, cx)?,
+        recompute: Recompute::parse(get_str(sec, p, &T_RECOMPUTE, cx)?).unwrap_or_default(),
     })
 }
 
@@ -1523,7 +1527,8 @@ pub fn resolved_json(cfg: &RunConfig) -> Value {
                 _ => t.weight_decay_skip.cls_token,
             }).collect::<Vec<_>>(),
             "log_every": t.log_every, "eval_batch_size": t.eval_batch_size,
-            "checkpoint_on_signal": t.checkpoint_on_signal, "comm_timeout_s": t.comm_timeout_s
+            "checkpoint_on_signal": t.checkpoint_on_signal, "comm_timeout_s": t.comm_timeout_s,
+            "recompute": t.recompute.as_str()
         }
     });
     // `json!` always yields an object here; the if-lets only avoid an unwrap.

@@ -394,6 +394,8 @@ pub struct TrainConfig {
     /// How long a collective waits for the other ranks (seconds); `VITSCALE_COMM_TIMEOUT`
     /// overrides it.
     pub comm_timeout_s: f64,
+    /// Whether the backward regenerates LayerNorm/GELU outputs instead of keeping them per block.
+    pub recompute: crate::model::Recompute,
 }
 
 /// A complete, validated run configuration.

@@ -17,7 +17,8 @@ use super::params::ParamTable;
 use super::spec::{GlobalPool, ModelConfig};
 
 /// Which activations the backward regenerates instead of keeping one copy per block.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Recompute {
     /// Regenerate when the backend says it is nearly free at this size
     /// (`Backend::recompute_below`): small batches on a GPU, never on the CPU.
@@ -30,6 +31,14 @@ pub enum Recompute {
 }
 
 impl Recompute {
+    pub const NAMES: &'static [&'static str] = &["auto", "never", "always"];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Recompute::Auto => "auto",
+            Recompute::Never => "never",
+            Recompute::Always => "always",
+        }
+    }
     pub fn parse(v: &str) -> Result<Recompute, String> {
         match v {
             "auto" => Ok(Recompute::Auto),

@@ -159,6 +159,7 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
 /// Builds the model with its initial weights: `--init` file or a seeded timm-style init.
 pub fn build_model<B: Backend>(be: &B, cfg: &RunConfig, init_path: Option<&Path>) -> Result<Vit<B>, TrainError> {
     let mut vit = Vit::new(be, cfg.model.clone())?;
+    vit.set_recompute(cfg.train.recompute);
     let host = match init_path {
         Some(p) => weights::load(p, &vit.table)?,
         None => init::init_params(&vit.table, cfg.train.seed),
