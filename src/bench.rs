@@ -154,14 +154,21 @@ fn mean_loss<B: Backend>(be: &B, m: &Vit<B>, b: usize) -> BResult<f32> {
     Ok(out.losses.iter().sum::<f32>() / b as f32)
 }
 
+/// The benchmarked model on `be`: seeded weights, the `--recompute` policy, decay groups
+/// (every parameter decays, as the peer), optimizer state, and the synthetic batch staged.
+fn bench_model<B: Backend>(be: &B, args: &BenchArgs, s: &Setup) -> anyhow::Result<(Vit<B>, DecayGroups, B::Buf)> {
+    let mut m = Vit::new(be, s.cfg.clone())?;
+    m.set_recompute(Recompute::parse(&args.recompute).map_err(|e| anyhow::anyhow!("--recompute: {e}"))?);
+    m.set_params(be, &crate::model::init::init_params(&m.table, 0))?;
+    let decay = DecayGroups::new(&m.table, &DecaySkip { bias: false, norm: false, pos_embed: false, cls_token: false });
+    let state = be.alloc_f32(optimizer_state_len(&s.opt, m.table.total))?;
+    m.stage_inputs(be, &s.images, &s.targets, args.micro)?;
+    Ok((m, decay, state))
+}
+
 fn bench_cpu(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     let be = Cpu::new();
-    let mut m = Vit::new(&be, s.cfg.clone())?;
-    m.set_recompute(Recompute::parse(&args.recompute).map_err(|e| anyhow::anyhow!("--recompute: {e}"))?);
-    m.set_params(&be, &crate::model::init::init_params(&m.table, 0))?;
-    let decay = DecayGroups::new(&m.table, &DecaySkip { bias: false, norm: false, pos_embed: false, cls_token: false });
-    let mut state = be.alloc_f32(optimizer_state_len(&s.opt, m.table.total))?;
-    m.stage_inputs(&be, &s.images, &s.targets, args.micro)?;
+    let (mut m, decay, mut state) = bench_model(&be, args, s)?;
     let mut step = 0u64;
     for _ in 0..args.warmup {
         step += 1;
@@ -219,12 +226,7 @@ fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     let ceiling = if args.no_ceiling { 794.0 } else { be.matmul_tflops(8192, 10)? };
     be.synchronize()?;
     be.reset_peak();
-    let mut m = Vit::new(&be, s.cfg.clone())?;
-    m.set_recompute(Recompute::parse(&args.recompute).map_err(|e| anyhow::anyhow!("--recompute: {e}"))?);
-    m.set_params(&be, &crate::model::init::init_params(&m.table, 0))?;
-    let decay = DecayGroups::new(&m.table, &DecaySkip { bias: false, norm: false, pos_embed: false, cls_token: false });
-    let mut state = be.alloc_f32(optimizer_state_len(&s.opt, m.table.total))?;
-    m.stage_inputs(&be, &s.images, &s.targets, args.micro)?;
+    let (mut m, decay, mut state) = bench_model(&be, args, s)?;
     let want_graph = match args.graph.as_str() {
         "on" | "auto" => true,
         "off" => false,
