@@ -338,7 +338,8 @@ fn attention_check<B: Backend>(cx: &mut Ctx<B>, b: usize, n: usize, h: usize, d:
     let qkv = cx.rand(bn * 3 * c, 1.0, true)?;
     let mut att = cx.out(bn * c, true)?;
     let saved = cx.be.attention_saved_len(b, n, h, d);
-    let mut probs = cx.out(b * h * n * n, true)?;
+    // the saved state can exceed B·H·N·N (an f32 log-sum-exp per row when N = 1)
+    let mut probs = cx.out(saved.max(b * h * n * n), true)?;
     cx.be.attention_forward(&mut att.d, &mut probs.d, &qkv.d, b, n, h, d)?;
     cpu.attention_forward(&mut att.c, &mut probs.c, &qkv.c, b, n, h, d)?;
     cx.compare(&format!("attention_forward out {tag}"), &att, F32_TOL)?;
@@ -357,11 +358,13 @@ fn attention_check<B: Backend>(cx: &mut Ctx<B>, b: usize, n: usize, h: usize, d:
 /// Attention shapes that matter for the fused kernels: CIFAR ViT-S/4 (N 65), 224-px/16
 /// (N 197), odd N (50, 17), D 32 and 64, long sequences (N 1025, past the short-sequence
 /// backward), a batch large enough to fill the GPU (B·H = 384 heads × 4 query blocks), and the
-/// short backward's edges (N 256: two full key passes; N 129: a second pass of one key). `path` labels the checks.
+/// short backward's edges (N 256: two full key passes; N 129: a second pass of one key), the
+/// small-head kernels' (N ≤ 80: 65 at a GPU-filling batch, 80 and 64 with no padding, 1, and
+/// 81, the first N past them). `path` labels the checks.
 pub fn attention_checks<B: Backend>(be: &B, seed: u64, path: &str) -> BResult<Vec<Check>> {
     let tol_c = if be.needs_compute_copy() { 1e-2 } else { F32_TOL };
     let mut cx = Ctx { be, cpu: Cpu::new(), rng: ChaCha8Rng::seed_from_u64(seed), checks: Vec::new(), tol_c };
-    for &(b, n, h, d) in &[(2usize, 65usize, 6usize, 64usize), (3, 197, 4, 64), (3, 50, 5, 64), (2, 17, 3, 32), (2, 65, 3, 32), (1, 1025, 2, 64), (32, 197, 12, 64), (2, 256, 2, 64), (2, 129, 3, 32)] {
+    for &(b, n, h, d) in &[(2usize, 65usize, 6usize, 64usize), (3, 197, 4, 64), (3, 50, 5, 64), (2, 17, 3, 32), (2, 65, 3, 32), (1, 1025, 2, 64), (32, 197, 12, 64), (2, 256, 2, 64), (2, 129, 3, 32), (64, 65, 6, 64), (2, 80, 2, 64), (2, 64, 3, 32), (3, 1, 2, 64), (2, 81, 2, 64)] {
         attention_check(&mut cx, b, n, h, d, path)?;
     }
     Ok(cx.checks)

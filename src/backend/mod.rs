@@ -175,7 +175,7 @@ pub trait Backend: Send + Sync {
     // ---- attention ----------------------------------------------------------------------
     /// Multi-head self-attention core: `qkv` (B, N, 3, H, D) as timm lays it out →
     /// `out` (B, N, H·D) = softmax(q·kᵀ/√D)·v per head. `probs` is backend-defined saved
-    /// state for the backward, at most B·H·N·N elements (`attention_saved_len` says how many
+    /// state for the backward, at most max(B·H·N·N, 2·B·H·N) elements (`attention_saved_len` says how many
     /// the backend uses): the CPU backend and the CUDA GEMM path keep the probabilities
     /// (B, H, N, N); the CUDA fused path keeps only the per-row log-sum-exp (B·H·N f32).
     #[allow(clippy::too_many_arguments)]

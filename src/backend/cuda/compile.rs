@@ -222,6 +222,16 @@ fn kernel_names(src: &str) -> Vec<String> {
             }
         }
     }
+    // FA_SMALL(D, W) in flash.cu: the small-head forward and backward for head dim D, W warps
+    for part in src.split("\nFA_SMALL(").skip(1) {
+        if let Some(end) = part.find(')') {
+            let dw: Vec<Option<u32>> = part[..end].split(',').map(|v| v.trim().parse().ok()).collect();
+            if let [Some(d), Some(w)] = dw[..] {
+                out.push(format!("flash_fwd_small_d{d}_w{w}"));
+                out.push(format!("flash_bwd_small_d{d}_w{w}"));
+            }
+        }
+    }
     out
 }
 
@@ -242,7 +252,8 @@ mod tests {
             }
         }
         for want in ["layernorm_fwd_v24", "layernorm_bwd_v24", "layernorm_bwd_v12", "layernorm_fwd_c24", "layernorm_bwd_c3",
-                     "gelu_fwd_v8", "gelu_bwd_v8", "add_v8", "bias_grad_v8", "reduce_partials_t", "add_kernel"] {
+                     "gelu_fwd_v8", "gelu_bwd_v8", "add_v8", "bias_grad_v8", "reduce_partials_t", "add_kernel",
+                     "flash_fwd_small_d64_w5", "flash_bwd_small_d32_w4"] {
             assert!(all.iter().any(|n| n == want), "{want} not listed");
         }
         let mod_rs = include_str!("mod.rs");

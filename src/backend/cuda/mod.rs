@@ -19,9 +19,11 @@
 //! - fused (`kernels/flash.cu`, head dims 32 and 64): flash-attention-2 style tensor-core
 //!   kernels that read q, k, v from the interleaved qkv layout, keep only the per-row
 //!   log-sum-exp (B·H·N f32) in `probs`, and recompute the probabilities in the backward.
-//!   Other head dims take the gemm path. For N ≤ 256 the backward keeps a whole head in one
-//!   block (no dQ atomics); `fused-pipe` uses the key-block backward for every N (to compare;
-//!   it is what N > 256 gets anyway).
+//!   Other head dims take the gemm path. For N ≤ 80 (CIFAR's 65 tokens) forward and backward
+//!   hold a whole head in one small block of ≤ 5 warps, several blocks per SM; for N ≤ 256 the
+//!   backward keeps a whole head in one 8-warp block (no dQ atomics); `fused-pipe` uses the
+//!   tiled forward and the key-block backward for every N (to compare; it is what N > 256
+//!   gets anyway).
 //! - Batch inputs (`upload_input`) are converted into pinned staging memory and copied on a
 //!   second stream; the compute stream waits on an event, the host does not wait.
 
@@ -257,8 +259,9 @@ pub const ATTENTION_ENV: &str = "VITSCALE_ATTENTION";
 pub enum AttentionPath {
     /// Materialized probabilities through cuBLASLt batched GEMMs and a softmax kernel.
     Gemm = 0,
-    /// Fused tensor-core kernels (the default): the pipelined forward, and for N ≤ 256 the
-    /// backward that keeps a whole head in one block (the key-block backward beyond).
+    /// Fused tensor-core kernels (the default): for N ≤ 80 small whole-head blocks both ways;
+    /// else the pipelined forward, and for N ≤ 256 the backward that keeps a whole head in one
+    /// block (the key-block backward beyond).
     Fused = 1,
     /// As `Fused` with the key-block backward (dQ through f32 atomics) for every N.
     FusedPipe = 2,
@@ -396,6 +399,18 @@ impl Cuda {
             AttentionPath::Gemm => None,
             AttentionPath::Fused | AttentionPath::FusedPipe => Some((format!("d{d}_pipe"), fwd as u32, bwd as u32)),
         }
+    }
+
+    /// Warps per block W and the dynamic shared memory (bytes) of the small-head kernels
+    /// `flash_{fwd,bwd}_small_d{d}_w{W}` (the whole head in one block, N ≤ 16·W), when they
+    /// apply: path `fused`, a fused head dim, N ≤ 80. Mirrors fa_small_{fwd,bwd}_smem in flash.cu.
+    fn small_attention(&self, n: usize, d: usize) -> Option<(usize, u32, u32)> {
+        if self.attention_path() != AttentionPath::Fused || !FUSED_HEAD_DIMS.contains(&d) || n > 80 {
+            return None;
+        }
+        let w = if n <= 64 { 4 } else { 5 };
+        let (np, ld) = (16 * w, (d + 8) * 2);
+        Some((w, (3 * np * ld) as u32, (5 * np * ld + np * (np + 8) * 2 + 2 * np * 4) as u32))
     }
 
     /// Dynamic shared memory of `flash_bwd_short_d{d}` for sequence length `n`, when the
@@ -1141,10 +1156,14 @@ impl Backend for Cuda {
                 return Ok(());
             }
             check_grid(OP, b * h)?;
+            let scale_log2 = std::f32::consts::LOG2_E / (d as f32).sqrt();
+            let (nn, hh) = (n as i32, h as i32);
+            if let Some((w, smem, _)) = self.small_attention(n, d) {
+                let block = (32 * w as u32, 1, 1);
+                return self.launch_dyn(&format!("flash_fwd_small_d{d}_w{w}"), ((b * h) as u32, 1, 1), block, smem, &mut kargs![out.ptr, probs.ptr, qkv.ptr, nn, hh, scale_log2]);
+            }
             let name = format!("flash_fwd_{sfx}");
             let grid = (n.div_ceil(64) as u32, (b * h) as u32, 1);
-            let (nn, hh) = (n as i32, h as i32);
-            let scale_log2 = std::f32::consts::LOG2_E / (d as f32).sqrt();
             return self.launch_dyn(&name, grid, (128, 1, 1), smem, &mut kargs![out.ptr, probs.ptr, qkv.ptr, nn, hh, scale_log2]);
         }
         let heads = self.scratch("qkv_heads", 3 * bhnd)?;
@@ -1203,6 +1222,11 @@ impl Backend for Cuda {
             check_grid(OP, b * h)?;
             let scale = 1.0 / (d as f32).sqrt();
             let scale_log2 = std::f32::consts::LOG2_E * scale;
+            if let Some((w, _, smem)) = self.small_attention(n, d) {
+                let (nn, hh) = (n as i32, h as i32);
+                let block = (32 * w as u32, 1, 1);
+                return self.launch_dyn(&format!("flash_bwd_small_d{d}_w{w}"), ((b * h) as u32, 1, 1), block, smem, &mut kargs![dqkv.ptr, out.ptr, dout.ptr, qkv.ptr, probs.ptr, nn, hh, scale, scale_log2]);
+            }
             if let Some(smem) = self.short_backward_smem(n, d) {
                 // One block per (b, h): delta, dQ accumulation and the dQ store happen inside.
                 let (nn, hh) = (n as i32, h as i32);

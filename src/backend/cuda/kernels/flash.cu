@@ -349,19 +349,22 @@ extern "C" __global__ void flash_fwd_d32_pipe(bf16* out, float* lse2, const bf16
 }
 
 // One query step of the backward for one warp's 16 keys (key rows r0 and r0 + 8 of its block,
-// fragments ka / va): Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ over the step's 64 queries, Pᵀ from lse2,
+// fragments ka / va): Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ over the step's QN queries, Pᵀ from lse2,
 // dSᵀ = Pᵀ ∘ (dPᵀ − delta) into the block's shared dSᵀ rows (for its dQ), then dV += Pᵀ·dO and
 // dK += dSᵀ·Q. `sq`, `sdo`, `slse`, `sdelta` point at the step's first query, whose index is q0:
-// queries ≥ n and keys not ok get P = 0. FQ: all 64 queries are < n, so the step compiles
+// queries ≥ n and keys not ok get P = 0. FQ: all QN queries are < n, so the step compiles
 // without row tests (one branch-free stretch of tensor-core work the scheduler can interleave).
-template <int D, bool FQ>
+// SKIP (with !FQ): query tiles entirely ≥ n are skipped; without it they are computed on the
+// zero-filled rows and masked, still branch-free (flash_bwd_small, where at most 15 are padding).
+// QN is 64 in the tiled backwards and the whole padded head in flash_bwd_small.
+template <int D, bool FQ, int QN = FA_BR, bool SKIP = !FQ>
 __device__ __forceinline__ void fa_bwd_step(const bf16* sq, const bf16* sdo, const float* slse, const float* sdelta, bf16* sds, int q0, int n,
                                             const unsigned (&ka)[D / 16][4], const unsigned (&va)[D / 16][4], bool key0_ok, bool key1_ok,
                                             float (&dk)[D / 8][4], float (&dv)[D / 8][4], int r0, int lane, float scale_log2) {
     constexpr int LD = D + 8;
-    constexpr int LDS = FA_BR + 8;
+    constexpr int LDS = QN + 8;
     constexpr int KT = D / 16;
-    constexpr int NS = FA_BR / 8;
+    constexpr int NS = QN / 8;
     const int g = lane >> 2, t = lane & 3;
     float p[NS][4], dp[NS][4];
     #pragma unroll
@@ -373,7 +376,7 @@ __device__ __forceinline__ void fa_bwd_step(const bf16* sq, const bf16* sdo, con
     for (int kt = 0; kt < KT; kt++) {
         #pragma unroll
         for (int j = 0; j < NS; j++) {
-            if (!FQ && q0 + j * 8 >= n) continue;
+            if (SKIP && q0 + j * 8 >= n) continue;
             unsigned b[2];
             ldb_row(b, sq + (j * 8 + g) * LD + kt * 16, t);
             mma_bf16(p[j], ka[kt], b);
@@ -397,8 +400,8 @@ __device__ __forceinline__ void fa_bwd_step(const bf16* sq, const bf16* sdo, con
         dp[j][3] = p[j][3] * (dp[j][3] - db);
     }
     #pragma unroll
-    for (int kk = 0; kk < FA_BR / 16; kk++) {
-        if (!FQ && q0 + kk * 16 >= n) continue;
+    for (int kk = 0; kk < QN / 16; kk++) {
+        if (SKIP && q0 + kk * 16 >= n) continue;
         unsigned pa[4], sa[4];
         acc_to_a(pa, p, kk);
         acc_to_a(sa, dp, kk);
@@ -721,3 +724,223 @@ extern "C" __global__ void __launch_bounds__(FS_THREADS, 1) flash_bwd_short_d64(
 extern "C" __global__ void __launch_bounds__(FS_THREADS, 1) flash_bwd_short_d32(bf16* dqkv, const bf16* out, const bf16* dout, const bf16* qkv, const float* lse2, int n, int h, float scale, float scale_log2) {
     flash_bwd_short<32>(dqkv, out, dout, qkv, lse2, n, h, scale, scale_log2);
 }
+
+// ---- Small heads (N ≤ 16·W; CIFAR's 32 px / 4 → 65 tokens at W = 5): one block of W warps per
+// (b, h) keeps the whole head in shared memory, padded to NP = 16·W rows (rows ≥ n zero-filled),
+// and each product covers all NP rows at once: no online softmax in the forward, one query step
+// in the backward, so dQ comes straight from registers (no f32 accumulator) and nothing is
+// skipped or branched on inside the tensor-core work (padding keys get P = 0, padding queries
+// are masked and never stored). The blocks are small (≈ 35 KB forward, ≈ 72 KB backward at
+// W = 5, D = 64) so several share an SM and one block's loads overlap another's products —
+// the 256-key blocks of flash_bwd_short left a single 8-warp block per SM, 3 warps idle, for
+// these heads.
+
+// Dynamic shared memory (bytes) of flash_{fwd,bwd}_small for W warps (the host mirrors this):
+// forward Q, K, V; backward Q, dO, K, V, O + dSᵀ (NP × (NP + 8)) + lse2 + delta.
+template <int D, int W> constexpr int fa_small_fwd_smem() { return 3 * 16 * W * (D + 8) * 2; }
+template <int D, int W> constexpr int fa_small_bwd_smem() { return 5 * 16 * W * (D + 8) * 2 + 16 * W * (16 * W + 8) * 2 + 2 * 16 * W * 4; }
+
+// NP rows of D values into shared rows of D + 8 (rows ≥ n zero-filled), by all W warps.
+template <int D, int W>
+__device__ __forceinline__ void fsm_load_rows_async(bf16* s, const bf16* g, i64 stride, int n) {
+    constexpr int CH = D / 8;
+    for (int i = threadIdx.x; i < 16 * W * CH; i += 32 * W) {
+        int r = i / CH, c = i - r * CH;
+        bool ok = r < n;
+        cp_async16(s + r * (D + 8) + c * 8, ok ? g + (i64)r * stride + c * 8 : g, ok);
+    }
+}
+
+template <int D, int W>
+__device__ __forceinline__ void flash_fwd_small(bf16* __restrict__ out, float* __restrict__ lse2, const bf16* __restrict__ qkv, int n, int h, float scale_log2) {
+    constexpr int LD = D + 8;
+    constexpr int KT = D / 16;
+    constexpr int NP = 16 * W;
+    constexpr int NS = NP / 8;
+    constexpr int NO = D / 8;
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    bf16* sq = (bf16*)fa_smem;
+    bf16* sk = sq + NP * LD;
+    bf16* sv = sk + NP * LD;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int bh = blockIdx.x, bi = bh / h, hi = bh - bi * h;
+    const i64 stride = (i64)3 * h * D;
+    const bf16* qg = qkv + (i64)bi * n * stride + hi * D;
+    fsm_load_rows_async<D, W>(sq, qg, stride, n);
+    fsm_load_rows_async<D, W>(sk, qg + h * D, stride, n);
+    fsm_load_rows_async<D, W>(sv, qg + 2 * h * D, stride, n);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    if (warp * 16 >= n) return;  // all 16 rows past the end (warp-uniform; no barrier follows)
+    const int r0 = warp * 16 + g;
+    unsigned qa[KT][4];
+    #pragma unroll
+    for (int kt = 0; kt < KT; kt++) {
+        qa[kt][0] = ld2(sq + r0 * LD + kt * 16 + 2 * t);
+        qa[kt][1] = ld2(sq + (r0 + 8) * LD + kt * 16 + 2 * t);
+        qa[kt][2] = ld2(sq + r0 * LD + kt * 16 + 2 * t + 8);
+        qa[kt][3] = ld2(sq + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
+    }
+    float s[NS][4];
+    #pragma unroll
+    for (int j = 0; j < NS; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    #pragma unroll
+    for (int kt = 0; kt < KT; kt++) {
+        #pragma unroll
+        for (int j = 0; j < NS; j++) {
+            unsigned b[2];
+            ldb_row(b, sk + (j * 8 + g) * LD + kt * 16, t);
+            mma_bf16(s[j], qa[kt], b);
+        }
+    }
+    // the whole row is here: its exact maximum, no rescaling
+    float m0 = -INFINITY, m1 = -INFINITY;
+    #pragma unroll
+    for (int j = 0; j < NS; j++) {
+        #pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int key = j * 8 + 2 * t + (e & 1);
+            s[j][e] = key < n ? s[j][e] * scale_log2 : -INFINITY;
+        }
+        m0 = fmaxf(m0, fmaxf(s[j][0], s[j][1]));
+        m1 = fmaxf(m1, fmaxf(s[j][2], s[j][3]));
+    }
+    m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 1));
+    m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 2));
+    m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, 1));
+    m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, 2));
+    float l0 = 0.f, l1 = 0.f;
+    #pragma unroll
+    for (int j = 0; j < NS; j++) {
+        s[j][0] = exp2f(s[j][0] - m0);
+        s[j][1] = exp2f(s[j][1] - m0);
+        s[j][2] = exp2f(s[j][2] - m1);
+        s[j][3] = exp2f(s[j][3] - m1);
+        l0 += s[j][0] + s[j][1];
+        l1 += s[j][2] + s[j][3];
+    }
+    float o[NO][4];
+    #pragma unroll
+    for (int j = 0; j < NO; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    #pragma unroll
+    for (int kk = 0; kk < NP / 16; kk++) {
+        unsigned pa[4];
+        acc_to_a(pa, s, kk);
+        mma_a_tile(o, pa, sv, LD, kk * 16, 0, lane);
+    }
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+    const int row1 = r0 + 8;
+    const i64 ostride = (i64)h * D;
+    bf16* og = out + (i64)bi * n * ostride + hi * D + 2 * t;
+    if (r0 < n) {
+        #pragma unroll
+        for (int j = 0; j < NO; j++) *(unsigned*)(og + r0 * ostride + j * 8) = pack_bf16(o[j][0] * inv0, o[j][1] * inv0);
+        if (t == 0) lse2[(i64)bh * n + r0] = m0 + log2f(l0);
+    }
+    if (row1 < n) {
+        #pragma unroll
+        for (int j = 0; j < NO; j++) *(unsigned*)(og + row1 * ostride + j * 8) = pack_bf16(o[j][2] * inv1, o[j][3] * inv1);
+        if (t == 0) lse2[(i64)bh * n + row1] = m1 + log2f(l1);
+    }
+}
+
+template <int D, int W>
+__device__ __forceinline__ void flash_bwd_small(bf16* __restrict__ dqkv, const bf16* __restrict__ out, const bf16* __restrict__ dout, const bf16* __restrict__ qkv, const float* __restrict__ lse2, int n, int h, float scale, float scale_log2) {
+    constexpr int LD = D + 8;
+    constexpr int NP = 16 * W;
+    constexpr int LDS = NP + 8;
+    constexpr int KT = D / 16;
+    constexpr int NO = D / 8;
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    bf16* sQ = (bf16*)fa_smem;
+    bf16* sdO = sQ + NP * LD;
+    bf16* sK = sdO + NP * LD;
+    bf16* sV = sK + NP * LD;
+    bf16* sO = sV + NP * LD;
+    bf16* sds = sO + NP * LD;                  // dSᵀ: NP keys × LDS
+    float* slse = (float*)(sds + NP * LDS);     // NP
+    float* sdelta = slse + NP;                  // NP
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int bh = blockIdx.x, bi = bh / h, hi = bh - bi * h;
+    const i64 stride = (i64)3 * h * D;
+    const i64 ostride = (i64)h * D;
+    const bf16* qg = qkv + (i64)bi * n * stride + hi * D;
+    const i64 obase = (i64)bi * n * ostride + hi * D;
+    fsm_load_rows_async<D, W>(sQ, qg, stride, n);
+    fsm_load_rows_async<D, W>(sdO, dout + obase, ostride, n);
+    fsm_load_rows_async<D, W>(sK, qg + h * D, stride, n);
+    fsm_load_rows_async<D, W>(sV, qg + 2 * h * D, stride, n);
+    fsm_load_rows_async<D, W>(sO, out + obase, ostride, n);
+    for (int i = threadIdx.x; i < NP; i += 32 * W) {
+        const bool ok = i < n;
+        cp_async4(slse + i, ok ? lse2 + (i64)bh * n + i : lse2, ok);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    // delta = rowsum(dO ∘ O): two threads per row (NP rows, 32·W threads), each half the head
+    // dim, joined through a shuffle — the same f32 products as row_dot, summed in two halves.
+    {
+        const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
+        const float part = row_dot<D / 2>(sdO + r * LD + half * (D / 2), sO + r * LD + half * (D / 2));
+        const float sum = part + __shfl_xor_sync(0xffffffffu, part, 1);
+        if (half == 0) sdelta[r] = sum;  // 0 for the zero-filled rows ≥ n
+    }
+    __syncthreads();
+    // Keys: warp w owns keys 16w.. (rows r0, r0 + 8), every warp, so every dSᵀ row is written.
+    const int r0 = warp * 16 + g;
+    const bool key0_ok = r0 < n, key1_ok = r0 + 8 < n;
+    {
+        unsigned ka[KT][4], va[KT][4];
+        fa_key_fragments<D>(ka, va, sK, sV, r0, t);
+        float dk[NO][4], dv[NO][4];
+        #pragma unroll
+        for (int j = 0; j < NO; j++) {
+            dk[j][0] = dk[j][1] = dk[j][2] = dk[j][3] = 0.f;
+            dv[j][0] = dv[j][1] = dv[j][2] = dv[j][3] = 0.f;
+        }
+        fa_bwd_step<D, false, NP, false>(sQ, sdO, slse, sdelta, sds, 0, n, ka, va, key0_ok, key1_ok, dk, dv, r0, lane, scale_log2);
+        fa_store_dkdv<D>(dqkv, bi, hi, n, h, r0, key0_ok, key1_ok, dk, dv, scale, t);
+    }
+    __syncthreads();  // dSᵀ complete
+    // Queries: warp w owns queries 16w..; dQ = dS·K over every key, from registers to global.
+    if (warp * 16 >= n) return;
+    float dq[NO][4];
+    #pragma unroll
+    for (int j = 0; j < NO; j++) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
+    #pragma unroll
+    for (int kk = 0; kk < NP / 16; kk++) {
+        unsigned a[4];
+        ds_as_a(a, sds, LDS, kk * 16, warp * 16, lane);
+        mma_a_tile(dq, a, sK, LD, kk * 16, 0, lane);
+    }
+    bf16* dqg = dqkv + (i64)bi * n * stride + hi * D + 2 * t;
+    if (r0 < n) {
+        #pragma unroll
+        for (int j = 0; j < NO; j++) *(unsigned*)(dqg + r0 * stride + j * 8) = pack_bf16(dq[j][0] * scale, dq[j][1] * scale);
+    }
+    if (r0 + 8 < n) {
+        #pragma unroll
+        for (int j = 0; j < NO; j++) *(unsigned*)(dqg + (r0 + 8) * stride + j * 8) = pack_bf16(dq[j][2] * scale, dq[j][3] * scale);
+    }
+}
+
+// W = 4 (N ≤ 64) and W = 5 (N ≤ 80). The backward's bound of 2 blocks per SM caps its registers
+// at 204 per thread, above what it needs, so nothing spills.
+#define FA_SMALL(D, W)                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * W) flash_fwd_small_d##D##_w##W(bf16* out, float* lse2, const bf16* qkv, int n, int h, float scale_log2) { \
+        flash_fwd_small<D, W>(out, lse2, qkv, n, h, scale_log2);                                                                         \
+    }                                                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * W, 2) flash_bwd_small_d##D##_w##W(bf16* dqkv, const bf16* out, const bf16* dout, const bf16* qkv, const float* lse2, int n, int h, float scale, float scale_log2) { \
+        flash_bwd_small<D, W>(dqkv, out, dout, qkv, lse2, n, h, scale, scale_log2);                                                       \
+    }
+FA_SMALL(64, 4)
+FA_SMALL(64, 5)
+FA_SMALL(32, 4)
+FA_SMALL(32, 5)
