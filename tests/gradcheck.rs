@@ -71,16 +71,19 @@ fn matmul_with_and_without_gelu() {
         };
         // With the GELU, the backward op sees d(out) already multiplied through gelu' by the
         // caller's fused path; here we check it as the next layer would: a matmul (identity
-        // weights) whose dgelu_pre is our pre-activation.
+        // weights) whose GELU gradient reads our pre-activation.
         let mut pre = vec![0.0; rows * oc];
         let mut out = vec![0.0; rows * oc];
         be.matmul_forward(&mut out, gelu.then_some(&mut pre), &inp, &params, w, Some(bias), rows, ic, oc).unwrap();
         let dpre = if gelu {
-            // d pre = R ⊙ gelu'(pre), via a second matmul_backward with an identity layer.
-            let eye: Vec<f32> = (0..oc * oc).map(|i| if i / oc == i % oc { 1.0 } else { 0.0 }).collect();
+            // d pre = R ⊙ gelu'(pre + bias) (`pre` excludes the bias), via the fused backward of
+            // an identity layer whose parameter vector also carries this layer's bias.
+            let mut eye_b: Vec<f32> = (0..oc * oc).map(|i| if i / oc == i % oc { 1.0 } else { 0.0 }).collect();
+            eye_b.extend_from_slice(&params[bias.range()]);
             let mut d = vec![0.0; rows * oc];
-            let mut dummy = vec![0.0; oc * oc];
-            be.matmul_backward(&mut d, &mut dummy, &r, &out, Some(&pre), &eye, Span { off: 0, len: oc * oc }, None, rows, oc, oc).unwrap();
+            let mut dummy = vec![0.0; eye_b.len()];
+            let pre_bias = Span { off: oc * oc, len: oc };
+            be.matmul_backward_gelu_bias(&mut d, &mut dummy, &r, &out, &pre, pre_bias, &eye_b, Span { off: 0, len: oc * oc }, None, rows, oc, oc).unwrap();
             d
         } else {
             r.clone()
@@ -120,7 +123,18 @@ fn layernorm_with_residual() {
     be.layernorm_forward(&mut out, &mut m, &mut s, &inp, &params, w, b, rows, c).unwrap();
     let mut dinp = vec![0.0; rows * c];
     let mut dparams = vec![0.0; 2 * c];
-    be.layernorm_backward(&mut dinp, &mut dparams, &r, Some(&res), &inp, &m, &s, &params, w, b, rows, c).unwrap();
+    be.layernorm_backward(&mut dinp, &mut dparams, &r, Some(&res), &inp, &m, &s, &params, w, b, rows, c, None).unwrap();
+    // With dinp_sum the same call also adds dinp's column sums into a third span.
+    let mut dinp3 = vec![0.0; rows * c];
+    let mut dparams3 = vec![0.5; 3 * c];
+    dparams3[..2 * c].fill(0.0);
+    be.layernorm_backward(&mut dinp3, &mut dparams3, &r, Some(&res), &inp, &m, &s, &params, w, b, rows, c, Some(Span { off: 2 * c, len: c })).unwrap();
+    assert_eq!(dinp3, dinp, "dinp_sum changed dinp (seed {seed})");
+    assert_eq!(&dparams3[..2 * c], &dparams[..], "dinp_sum changed dw, db (seed {seed})");
+    for j in 0..c {
+        let want = 0.5 + (0..rows).map(|i| dinp[i * c + j]).sum::<f32>();
+        assert!((dparams3[2 * c + j] - want).abs() <= 1e-5 * (1.0 + want.abs()), "column {j}: {} vs {want} (seed {seed})", dparams3[2 * c + j]);
+    }
     // dinp folds in the residual gradient: subtract it to compare with the LN alone.
     let dln: Vec<f32> = dinp.iter().zip(&res).map(|(a, b)| a - b).collect();
     let p2 = params.clone();

@@ -412,15 +412,20 @@ impl<B: Backend> Vit<B> {
 
         // ---- head, pooling, final norm → residual-stream gradient of the last block (dres_a)
         be.matmul_backward(&mut a.dpooled, g, &a.dlogits, &a.pooled, None, w, t.head_w, Some(t.head_b), b, c, k)?;
+        // Whether the LayerNorm backward that produced dres_a also summed it into the fc2 bias
+        // gradient of the block about to be differentiated (then fc2's backward skips its own).
+        let mut fc2_bias_summed = false;
         {
             let x_last = a.blocks.last().map_or(&a.x0, |blk| &blk.x2);
             match m.global_pool {
                 GlobalPool::Token => {
                     be.pool_backward(&mut a.dfinal, &a.dpooled, b, n, c, prefix, false)?;
-                    be.layernorm_backward(&mut a.dres_a, g, &a.dfinal, None, x_last, &a.final_mean, &a.final_rstd, w, t.final_norm_w, t.final_norm_b, bn, c)?;
+                    let last_fc2_b = t.blocks.last().map(|s| s.fc2_b);
+                    be.layernorm_backward(&mut a.dres_a, g, &a.dfinal, None, x_last, &a.final_mean, &a.final_rstd, w, t.final_norm_w, t.final_norm_b, bn, c, last_fc2_b)?;
+                    fc2_bias_summed = last_fc2_b.is_some();
                 }
                 GlobalPool::Avg => {
-                    be.layernorm_backward(&mut a.dpooled_raw, g, &a.dpooled, None, &a.pooled_raw, &a.final_mean, &a.final_rstd, w, t.final_norm_w, t.final_norm_b, b, c)?;
+                    be.layernorm_backward(&mut a.dpooled_raw, g, &a.dpooled, None, &a.pooled_raw, &a.final_mean, &a.final_rstd, w, t.final_norm_w, t.final_norm_b, b, c, None)?;
                     be.pool_backward(&mut a.dres_a, &a.dpooled_raw, b, n, c, prefix, true)?;
                 }
             }
@@ -434,26 +439,31 @@ impl<B: Backend> Vit<B> {
             let s = &t.blocks[i];
             // MLP: fc2 (with the GELU backward fused), fc1, ln2 (+ residual) → dres_b = dx1
             if let Some(r) = a.regen.as_mut() {
-                be.gelu_forward(&mut r.act, &blk.fc1_pre, bn * f)?;
+                be.gelu_forward(&mut r.act, &blk.fc1_pre, w, Some(s.fc1_b), bn, f)?;
             }
             let act = kept_or_regen(&blk.fc1_act, a.regen.as_ref().map(|r| &r.act))?;
             // fc2, the GELU gradient, and fc1's bias gradient from that same pass over dfc
-            be.matmul_backward_gelu_bias(&mut a.dfc, g, &a.dres_a, act, &blk.fc1_pre, s.fc1_b, w, s.fc2_w, Some(s.fc2_b), bn, f, c)?;
+            let fc2_b = (!fc2_bias_summed).then_some(s.fc2_b);
+            be.matmul_backward_gelu_bias(&mut a.dfc, g, &a.dres_a, act, &blk.fc1_pre, s.fc1_b, w, s.fc2_w, fc2_b, bn, f, c)?;
             if let Some(r) = a.regen.as_mut() {
                 be.layernorm_forward(&mut r.ln, &mut r.mean, &mut r.rstd, &blk.x1, w, s.norm2_w, s.norm2_b, bn, c)?;
             }
             let ln2 = kept_or_regen(&blk.ln2, a.regen.as_ref().map(|r| &r.ln))?;
             be.matmul_backward(&mut a.dln, g, &a.dfc, ln2, None, w, s.fc1_w, None, bn, c, f)?;
-            be.layernorm_backward(&mut a.dres_b, g, &a.dln, Some(&a.dres_a), &blk.x1, &blk.ln2_mean, &blk.ln2_rstd, w, s.norm2_w, s.norm2_b, bn, c)?;
+            // dres_b is the projection's output gradient: its bias gradient comes from this pass
+            be.layernorm_backward(&mut a.dres_b, g, &a.dln, Some(&a.dres_a), &blk.x1, &blk.ln2_mean, &blk.ln2_rstd, w, s.norm2_w, s.norm2_b, bn, c, Some(s.proj_b))?;
             // attention: proj, core, qkv, ln1 (+ residual) → dres_a = dx
-            be.matmul_backward(&mut a.datt, g, &a.dres_b, &blk.att, None, w, s.proj_w, Some(s.proj_b), bn, c, c)?;
+            be.matmul_backward(&mut a.datt, g, &a.dres_b, &blk.att, None, w, s.proj_w, None, bn, c, c)?;
             be.attention_backward(&mut a.dqkv, &a.datt, &blk.qkv, &blk.att, &blk.probs, b, n, h, d)?;
             if let Some(r) = a.regen.as_mut() {
                 be.layernorm_forward(&mut r.ln, &mut r.mean, &mut r.rstd, x, w, s.norm1_w, s.norm1_b, bn, c)?;
             }
             let ln1 = kept_or_regen(&blk.ln1, a.regen.as_ref().map(|r| &r.ln))?;
             be.matmul_backward(&mut a.dln, g, &a.dqkv, ln1, None, w, s.qkv_w, s.qkv_b, bn, c, 3 * c)?;
-            be.layernorm_backward(&mut a.dres_a, g, &a.dln, Some(&a.dres_b), x, &blk.ln1_mean, &blk.ln1_rstd, w, s.norm1_w, s.norm1_b, bn, c)?;
+            // dres_a is the previous block's fc2 output gradient: its bias gradient from this pass
+            let prev_fc2_b = i.checked_sub(1).map(|p| t.blocks[p].fc2_b);
+            be.layernorm_backward(&mut a.dres_a, g, &a.dln, Some(&a.dres_b), x, &blk.ln1_mean, &blk.ln1_rstd, w, s.norm1_w, s.norm1_b, bn, c, prev_fc2_b)?;
+            fc2_bias_summed = prev_fc2_b.is_some();
         }
 
         // ---- embedding

@@ -207,13 +207,13 @@ impl Backend for Cpu {
         check_span("matmul_forward", "weight", params, w, oc * ic)?;
         check("matmul_forward", "inp", inp, rows * ic)?;
         check("matmul_forward", "out", out, rows * oc)?;
-        // With a GELU epilogue the product lands in `pre`, and `out` gets gelu(pre).
+        // With a GELU epilogue the product (without the bias) lands in `pre`, and `out` gets
+        // gelu(pre + bias).
         let target: &mut Vec<f32> = match gelu_pre {
             Some(pre) => {
                 check("matmul_forward", "gelu_pre", pre, rows * oc)?;
-                matmul_bias(pre, inp, params, w, bias, rows, ic, oc)?;
-                out[..rows * oc].par_iter_mut().zip(&pre[..rows * oc]).for_each(|(o, &x)| *o = gelu(x));
-                return Ok(());
+                matmul_bias(pre, inp, params, w, None, rows, ic, oc)?;
+                return self.gelu_forward(out, pre, params, bias, rows, oc);
             }
             None => out,
         };
@@ -227,10 +227,22 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn gelu_forward(&self, out: &mut Vec<f32>, pre: &Vec<f32>, n: usize) -> BResult<()> {
+    fn gelu_forward(&self, out: &mut Vec<f32>, pre: &Vec<f32>, params: &Vec<f32>, pre_bias: Option<Span>, rows: usize, cols: usize) -> BResult<()> {
+        let n = rows * cols;
         check("gelu_forward", "pre", pre, n)?;
         check("gelu_forward", "out", out, n)?;
-        out[..n].par_iter_mut().zip(&pre[..n]).for_each(|(o, &x)| *o = gelu(x));
+        match pre_bias {
+            Some(bs) => {
+                check_span("gelu_forward", "pre_bias", params, bs, cols)?;
+                let bv = &params[bs.range()];
+                out[..n].par_chunks_mut(cols.max(1)).zip(pre[..n].par_chunks(cols.max(1))).for_each(|(o, x)| {
+                    for ((o, &x), &b) in o.iter_mut().zip(x).zip(bv) {
+                        *o = gelu(x + b);
+                    }
+                });
+            }
+            None => out[..n].par_iter_mut().zip(&pre[..n]).for_each(|(o, &x)| *o = gelu(x)),
+        }
         Ok(())
     }
 
@@ -258,7 +270,16 @@ impl Backend for Cpu {
 
     fn matmul_backward_gelu_bias(&self, dinp: &mut Vec<f32>, dparams: &mut Vec<f32>, dout: &Vec<f32>, inp: &Vec<f32>, pre: &Vec<f32>, pre_bias: Span, params: &Vec<f32>, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
         check_span("matmul_backward_gelu_bias", "pre_bias", dparams, pre_bias, ic)?;
-        self.matmul_backward(dinp, dparams, dout, inp, Some(pre), params, w, bias, rows, ic, oc)?;
+        check_span("matmul_backward_gelu_bias", "pre_bias", params, pre_bias, ic)?;
+        check("matmul_backward_gelu_bias", "pre", pre, rows * ic)?;
+        self.matmul_backward(dinp, dparams, dout, inp, None, params, w, bias, rows, ic, oc)?;
+        // the pre-activation is pre + bias (the forward kept pre without it)
+        let bv = &params[pre_bias.range()];
+        dinp[..rows * ic].par_chunks_mut(ic.max(1)).zip(pre[..rows * ic].par_chunks(ic.max(1))).for_each(|(d, x)| {
+            for ((d, &x), &b) in d.iter_mut().zip(x).zip(bv) {
+                *d *= gelu_grad(x + b);
+            }
+        });
         add_column_sums(&mut dparams[pre_bias.range()], &dinp[..rows * ic], ic);
         Ok(())
     }
@@ -290,7 +311,7 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn layernorm_backward(&self, dinp: &mut Vec<f32>, dparams: &mut Vec<f32>, dout: &Vec<f32>, dresidual: Option<&Vec<f32>>, inp: &Vec<f32>, mean: &Vec<f32>, rstd: &Vec<f32>, params: &Vec<f32>, w: Span, b: Span, rows: usize, c: usize) -> BResult<()> {
+    fn layernorm_backward(&self, dinp: &mut Vec<f32>, dparams: &mut Vec<f32>, dout: &Vec<f32>, dresidual: Option<&Vec<f32>>, inp: &Vec<f32>, mean: &Vec<f32>, rstd: &Vec<f32>, params: &Vec<f32>, w: Span, b: Span, rows: usize, c: usize, dinp_sum: Option<Span>) -> BResult<()> {
         check_span("layernorm_backward", "weight", params, w, c)?;
         check_span("layernorm_backward", "dweight", dparams, w, c)?;
         check_span("layernorm_backward", "dbias", dparams, b, c)?;
@@ -340,6 +361,10 @@ impl Backend for Cpu {
         let (dws, dbs): (Vec<_>, Vec<_>) = parts.into_iter().unzip();
         reduce_into(&mut dparams[w.range()], dws);
         reduce_into(&mut dparams[b.range()], dbs);
+        if let Some(s) = dinp_sum {
+            check_span("layernorm_backward", "dinp_sum", dparams, s, c)?;
+            add_column_sums(&mut dparams[s.range()], &dinp[..rows * c], c);
+        }
         Ok(())
     }
 

@@ -222,6 +222,14 @@ fn kernel_names(src: &str) -> Vec<String> {
             }
         }
     }
+    // LNS_INSTANCE(J): the LayerNorm backward that also sums dinp's columns (no forward)
+    for part in src.split("LNS_INSTANCE(").skip(1) {
+        if let Some(end) = part.find(')') {
+            if let Ok(j) = part[..end].trim().parse::<u32>() {
+                out.push(format!("layernorm_bwd_s{j}"));
+            }
+        }
+    }
     // FA_SMALL(D, W) in flash.cu: the small-head forward and backward for head dim D, W warps
     for part in src.split("\nFA_SMALL(").skip(1) {
         if let Some(end) = part.find(')') {
@@ -253,7 +261,7 @@ mod tests {
         }
         for want in ["layernorm_fwd_v24", "layernorm_bwd_v24", "layernorm_bwd_v12", "layernorm_fwd_c24", "layernorm_bwd_c3",
                      "gelu_fwd_v8", "gelu_bwd_v8", "add_v8", "bias_grad_v8", "reduce_partials_t", "add_kernel",
-                     "flash_fwd_small_d64_w5", "flash_bwd_small_d32_w4"] {
+                     "flash_fwd_small_d64_w5", "flash_bwd_small_d32_w4", "layernorm_bwd_s12", "layernorm_bwd_s24", "gelu_fwd_bias_v8"] {
             assert!(all.iter().any(|n| n == want), "{want} not listed");
         }
         let mod_rs = include_str!("mod.rs");

@@ -299,6 +299,10 @@ pub fn parse_attention(v: &str) -> Result<AttentionPath, String> {
 /// Opt-in shared memory per block on sm_90 (227 KiB).
 const SHORT_BWD_SMEM_MAX: usize = 227 * 1024;
 
+/// Widest `layernorm_bwd_s{J}` (C = 32·J ≤ 768): three accumulator rows per warp must fit
+/// in 48 KiB of static shared memory.
+const LN_SUM_MAX_J: usize = 24;
+
 /// Head dims the fused attention kernels are compiled for.
 const FUSED_HEAD_DIMS: [usize; 2] = [32, 64];
 
@@ -586,12 +590,90 @@ impl Cuda {
         })
     }
 
-    /// dst1[i] += Σ_p partial[p·width + i] for i < split, dst2[i − split] likewise after.
+    /// dst1[i] += Σ_p partial[p·width + i] for i < split, dst2[i − split] likewise up to
+    /// 2·split, dst3[i − 2·split] after (width ≤ 3·split).
     /// Block (32, 32): 32 columns per block, the parts split over 32 rows of threads, summed in
     /// a fixed order (deterministic).
-    fn reduce_partials(&self, dst1: CUdeviceptr, dst2: CUdeviceptr, split: usize, partial: CUdeviceptr, nparts: usize, width: usize) -> BResult<()> {
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_partials(&self, dst1: CUdeviceptr, dst2: CUdeviceptr, dst3: CUdeviceptr, split: usize, partial: CUdeviceptr, nparts: usize, width: usize) -> BResult<()> {
         let (sp, np, wd) = (split as i32, nparts as i32, width as i32);
-        self.launch("reduce_partials_t", (width.div_ceil(32) as u32, 1, 1), (32, 32, 1), 0, &mut kargs![dst1, dst2, sp, partial, np, wd])
+        self.launch("reduce_partials_t", (width.div_ceil(32) as u32, 1, 1), (32, 32, 1), 0, &mut kargs![dst1, dst2, dst3, sp, partial, np, wd])
+    }
+
+    /// dst[j] += Σ_rows src[row, j] over a row-major (rows, cols) bf16 buffer: a bias gradient.
+    fn add_column_sums(&self, dst: CUdeviceptr, src: &CudaBuf, rows: usize, cols: usize) -> BResult<()> {
+        let splits = (rows.div_ceil(64)).clamp(1, 256) as u32;
+        let (r, o) = (rows as i64, cols as i32);
+        let partial = self.scratch("bias_partials", 2 * splits as usize * cols)?;
+        if cols % 8 == 0 && src.ptr % 16 == 0 && src.ty == Ty::Bf16 {
+            self.launch("bias_grad_v8", (cols.div_ceil(256) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![partial, src.ptr, r, o])?;
+        } else {
+            self.launch("bias_grad_kernel", (cols.div_ceil(32) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![partial, src.ptr, src.dt(), r, o])?;
+        }
+        self.reduce_partials(dst, dst, dst, cols, partial, splits as usize, cols)
+    }
+
+    /// `layernorm_backward`: with `dinp_sum`, the fast kernels for C ≤ 768 sum dinp's columns
+    /// in the same pass; elsewhere a separate column sum over dinp follows.
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_backward_impl(&self, dinp: &mut CudaBuf, dparams: &mut CudaBuf, dout: &CudaBuf, dresidual: Option<&CudaBuf>, inp: &CudaBuf, mean: &CudaBuf, rstd: &CudaBuf, params: &CudaBuf, w: Span, b: Span, rows: usize, c: usize, dinp_sum: Option<Span>) -> BResult<()> {
+        const OP: &str = "layernorm_backward";
+        let sum_after = |this: &Self, dinp: &CudaBuf| -> BResult<()> {
+            match dinp_sum {
+                Some(s) => this.add_column_sums(dparams.at(s.off), dinp, rows, c),
+                None => Ok(()),
+            }
+        };
+        check_len(OP, "dinp", dinp, rows * c)?;
+        check_len(OP, "dout", dout, rows * c)?;
+        check_len(OP, "inp", inp, rows * c)?;
+        check_len(OP, "mean", mean, rows)?;
+        check_f32(OP, "dparams", dparams)?;
+        check_span(OP, "weight", params, w)?;
+        check_span(OP, "dweight", dparams, w)?;
+        check_span(OP, "dbias", dparams, b)?;
+        let (dres, dtr) = match dresidual {
+            Some(d) => {
+                check_len(OP, "dresidual", d, rows * c)?;
+                (d.ptr, d.dt())
+            }
+            None => (0u64, 0i32),
+        };
+        let dres_bf16 = dresidual.is_none_or(|d| d.ty == Ty::Bf16);
+        if let (Some(j), true) = (ln_fast_j(c, &[&*dinp, dout, inp, params], &[mean, rstd]), dres_bf16) {
+            if ln_vec_ok(j, &[dinp.ptr, dout.ptr, inp.ptr, dres]) {
+                // 4 warps per block, one row per warp at a time; 4 blocks per SM fit (128 registers).
+                let grid = (rows.div_ceil(4 * 8) as u32).min(self.info.multiprocessors * 4).max(1);
+                let (wo, bo, r) = (w.off as i64, b.off as i64, rows as i64);
+                // with dinp_sum (C ≤ 768): dinp's column sums as a third partial row
+                let (kernel, na, dsum) = match dinp_sum {
+                    Some(s) if j <= LN_SUM_MAX_J => ("s", 3, Some(dparams.at(s.off))),
+                    _ => ("v", 2, None),
+                };
+                let partial = self.scratch("ln_partials", 2 * grid as usize * na * c)?;
+                self.launch(&format!("layernorm_bwd_{kernel}{j}"), (grid, 1, 1), (128, 1, 1), 0, &mut kargs![dinp.ptr, partial, dout.ptr, dres, inp.ptr, mean.ptr, rstd.ptr, params.ptr, wo, bo, r])?;
+                let (dw, db) = (dparams.at(w.off), dparams.at(b.off));
+                self.reduce_partials(dw, db, dsum.unwrap_or(db), c, partial, grid as usize, na * c)?;
+                return if dsum.is_some() { Ok(()) } else { sum_after(self, dinp) };
+            }
+            let grid = (rows.div_ceil(8) as u32).min(self.info.multiprocessors * 4).max(1);
+            let (wo, bo, r) = (w.off as i64, b.off as i64, rows as i64);
+            let partial = self.scratch("ln_partials", 2 * grid as usize * 2 * c)?;
+            self.launch(&format!("layernorm_bwd_c{j}"), (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![dinp.ptr, partial, dout.ptr, dres, inp.ptr, mean.ptr, rstd.ptr, params.ptr, wo, bo, r])?;
+            let (dw, db) = (dparams.at(w.off), dparams.at(b.off));
+            self.reduce_partials(dw, db, db, c, partial, grid as usize, 2 * c)?;
+            return sum_after(self, dinp);
+        }
+        // Warps per block so that each warp's two C-wide accumulator rows fit in 48 KiB.
+        let warps = (48 * 1024 / (2 * c * 4)).clamp(1, 8) as u32;
+        if 2 * c * 4 > 48 * 1024 {
+            return Err(BackendError::Shape { op: OP, msg: format!("width {c} exceeds the 6144 this kernel supports") });
+        }
+        let grid = (rows.div_ceil(warps as usize * 8) as u32).min(self.info.multiprocessors * 4).max(1);
+        let smem = warps * (2 * c * 4) as u32;
+        let (wo, bo, r, cc) = (w.off as i64, b.off as i64, rows as i64, c as i32);
+        self.launch("layernorm_bwd_kernel", (grid, 1, 1), (32 * warps, 1, 1), smem, &mut kargs![dinp.ptr, dinp.dt(), dparams.ptr, dout.ptr, dout.dt(), dres, dtr, inp.ptr, inp.dt(), mean.ptr, rstd.ptr, mean.dt(), params.ptr, params.dt(), wo, bo, r, cc])?;
+        sum_after(self, dinp)
     }
 
     /// 1-D grid-stride launch over `n` elements.
@@ -645,19 +727,22 @@ impl Cuda {
             let n = rows * ic;
             if let Some(pb) = pre_bias {
                 check_span(OP, "pre_bias", dparams, pb)?;
+                check_span(OP, "pre_bias", params, pb)?;
                 if pb.len != ic {
                     return Err(BackendError::Shape { op: OP, msg: format!("pre_bias span has {} elements, dinp has {ic} columns", pb.len) });
                 }
-                if ic % 8 == 0 && dinp.ptr % 16 == 0 && pre.ptr % 16 == 0 {
+                // the pre-activation is pre + params[pb] (matmul_forward left the bias out)
+                let bias_ptr = params.at(pb.off);
+                if ic % 8 == 0 && dinp.ptr % 16 == 0 && pre.ptr % 16 == 0 && bias_ptr % 16 == 0 {
                     // GELU gradient and the column partial sums of its bf16 result in one pass.
                     let splits = (rows.div_ceil(64)).clamp(1, 256) as u32;
                     let (r, o) = (rows as i64, ic as i32);
                     let partial = self.scratch("bias_partials", 2 * splits as usize * ic)?;
-                    self.launch("gelu_bwd_bias_v8", (ic.div_ceil(256) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![dinp.ptr, pre.ptr, partial, r, o])?;
+                    self.launch("gelu_bwd_bias_v8", (ic.div_ceil(256) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![dinp.ptr, pre.ptr, bias_ptr, partial, r, o])?;
                     let dst = dparams.at(pb.off);
-                    self.reduce_partials(dst, dst, ic, partial, splits as usize, ic)?;
+                    self.reduce_partials(dst, dst, dst, ic, partial, splits as usize, ic)?;
                 } else {
-                    self.matmul_backward_impl_gelu_then_bias(dinp, dparams, pre, pb, rows, ic)?;
+                    self.matmul_backward_impl_gelu_then_bias(dinp, dparams, pre, bias_ptr, pb, rows, ic)?;
                 }
             } else if n % 8 == 0 && dinp.ptr % 16 == 0 && pre.ptr % 16 == 0 {
                 let n8 = (n / 8) as i64;
@@ -682,37 +767,23 @@ impl Cuda {
         self.gemm("matmul_backward (dW)", s, inp.ptr, dout.ptr, dparams.at(w.off), 0, 1.0, 1.0)?;
         if let Some(bs) = bias {
             check_span(OP, "bias gradient", dparams, bs)?;
-            let splits = (rows.div_ceil(64)).clamp(1, 256) as u32;
-            let (r, o) = (rows as i64, oc as i32);
-            let partial = self.scratch("bias_partials", 2 * splits as usize * oc)?;
-            if oc % 8 == 0 && dout.ptr % 16 == 0 {
-                self.launch("bias_grad_v8", (oc.div_ceil(256) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![partial, dout.ptr, r, o])?;
-            } else {
-                self.launch("bias_grad_kernel", (oc.div_ceil(32) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![partial, dout.ptr, dout.dt(), r, o])?;
-            }
-            let dst = dparams.at(bs.off);
-            self.reduce_partials(dst, dst, oc, partial, splits as usize, oc)?;
+            self.add_column_sums(dparams.at(bs.off), dout, rows, oc)?;
         }
         Ok(())
     }
 
 
-    /// Unaligned fallback of the fused GELU-gradient + bias-sum pass: the two kernels apart.
-    fn matmul_backward_impl_gelu_then_bias(&self, dinp: &mut CudaBuf, dparams: &mut CudaBuf, pre: &CudaBuf, pb: Span, rows: usize, ic: usize) -> BResult<()> {
+    /// Unaligned fallback of the fused GELU-gradient + bias-sum pass: the two kernels apart
+    /// (`bias_ptr`: the bias of the pre-activation, the compute copy of `params[pb]`).
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_backward_impl_gelu_then_bias(&self, dinp: &mut CudaBuf, dparams: &mut CudaBuf, pre: &CudaBuf, bias_ptr: CUdeviceptr, pb: Span, rows: usize, ic: usize) -> BResult<()> {
         let n = rows * ic;
-        if n % 2 == 0 {
-            let n2 = (n / 2) as i64;
-            self.launch1("gelu_bwd_bf16", n / 2, &mut kargs![dinp.ptr, pre.ptr, n2])?;
-        } else {
-            let nn = n as i64;
-            self.launch1("gelu_bwd", n, &mut kargs![dinp.ptr, 1i32, pre.ptr, 1i32, nn])?;
+        if n == 0 {
+            return Ok(());
         }
-        let splits = (rows.div_ceil(64)).clamp(1, 256) as u32;
-        let (r, o) = (rows as i64, ic as i32);
-        let partial = self.scratch("bias_partials", 2 * splits as usize * ic)?;
-        self.launch("bias_grad_kernel", (ic.div_ceil(32) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![partial, dinp.ptr, dinp.dt(), r, o])?;
-        let dst = dparams.at(pb.off);
-        self.reduce_partials(dst, dst, ic, partial, splits as usize, ic)
+        let (nn, o) = (n as i64, ic as i32);
+        self.launch1("gelu_bwd_bias", n, &mut kargs![dinp.ptr, pre.ptr, bias_ptr, nn, o])?;
+        self.add_column_sums(dparams.at(pb.off), dinp, rows, ic)
     }
 
     /// Checks of a linear layer's forward (`out = inp · Wᵀ + bias`); returns the bias address
@@ -738,7 +809,21 @@ impl Cuda {
     }
 
     /// out = gelu(pre) over n bf16 elements, the widest vector kernel the alignment allows.
-    fn gelu_fwd_launch(&self, out: CUdeviceptr, pre: CUdeviceptr, n: usize) -> BResult<()> {
+    /// out = gelu(pre + bias) over rows × cols (bias = 0: no bias).
+    fn gelu_fwd_launch(&self, out: CUdeviceptr, pre: CUdeviceptr, bias: CUdeviceptr, rows: usize, cols: usize) -> BResult<()> {
+        let n = rows * cols;
+        if n == 0 {
+            return Ok(());
+        }
+        if bias != 0 {
+            let o = cols as i32;
+            if cols % 8 == 0 && out % 16 == 0 && pre % 16 == 0 && bias % 16 == 0 {
+                let (n8, oc8) = ((n / 8) as i64, (cols / 8) as i32);
+                return self.launch1("gelu_fwd_bias_v8", n / 8, &mut kargs![out, pre, bias, n8, oc8]);
+            }
+            let nn = n as i64;
+            return self.launch1("gelu_fwd_bias", n, &mut kargs![out, pre, bias, nn, o]);
+        }
         if n % 8 == 0 && pre % 16 == 0 && out % 16 == 0 {
             let n8 = (n / 8) as i64;
             self.launch1("gelu_fwd_v8", n / 8, &mut kargs![out, pre, n8])
@@ -1027,19 +1112,16 @@ impl Backend for Cuda {
     fn matmul_forward(&self, out: &mut CudaBuf, gelu_pre: Option<&mut CudaBuf>, inp: &CudaBuf, params: &CudaBuf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
         const OP: &str = "matmul_forward";
         let bias_ptr = self.check_linear(OP, out, inp, params, w, bias, rows, ic, oc)?;
-        let target = match &gelu_pre {
+        match gelu_pre {
             Some(pre) => {
                 check_bf16(OP, "gelu_pre", pre)?;
                 check_len(OP, "gelu_pre", pre, rows * oc)?;
-                pre.ptr
+                // the plain product (no bias epilogue: faster), the bias joins in the GELU pass
+                self.gemm(OP, linear_shape(rows, ic, oc, false, false), params.at(w.off), inp.ptr, pre.ptr, 0, 1.0, 0.0)?;
+                self.gelu_fwd_launch(out.ptr, pre.ptr, bias_ptr, rows, oc)
             }
-            None => out.ptr,
-        };
-        self.gemm(OP, linear_shape(rows, ic, oc, bias.is_some(), false), params.at(w.off), inp.ptr, target, bias_ptr, 1.0, 0.0)?;
-        if gelu_pre.is_some() {
-            self.gelu_fwd_launch(out.ptr, target, rows * oc)?;
+            None => self.gemm(OP, linear_shape(rows, ic, oc, bias.is_some(), false), params.at(w.off), inp.ptr, out.ptr, bias_ptr, 1.0, 0.0),
         }
-        Ok(())
     }
 
     fn matmul_forward_residual(&self, out: &mut CudaBuf, residual: &CudaBuf, inp: &CudaBuf, params: &CudaBuf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
@@ -1052,12 +1134,25 @@ impl Backend for Cuda {
         self.gemm_c(OP, linear_shape(rows, ic, oc, bias.is_some(), true), params.at(w.off), inp.ptr, residual.ptr, out.ptr, bias_ptr, 1.0, 1.0)
     }
 
-    fn gelu_forward(&self, out: &mut CudaBuf, pre: &CudaBuf, n: usize) -> BResult<()> {
-        check_bf16("gelu_forward", "out", out)?;
-        check_bf16("gelu_forward", "pre", pre)?;
-        check_len("gelu_forward", "pre", pre, n)?;
-        check_len("gelu_forward", "out", out, n)?;
-        self.gelu_fwd_launch(out.ptr, pre.ptr, n)
+    fn gelu_forward(&self, out: &mut CudaBuf, pre: &CudaBuf, params: &CudaBuf, pre_bias: Option<Span>, rows: usize, cols: usize) -> BResult<()> {
+        const OP: &str = "gelu_forward";
+        let n = rows * cols;
+        check_bf16(OP, "out", out)?;
+        check_bf16(OP, "pre", pre)?;
+        check_len(OP, "pre", pre, n)?;
+        check_len(OP, "out", out, n)?;
+        let bias_ptr = match pre_bias {
+            Some(bs) => {
+                check_bf16(OP, "params (the compute copy)", params)?;
+                check_span(OP, "pre_bias", params, bs)?;
+                if bs.len != cols {
+                    return Err(BackendError::Shape { op: OP, msg: format!("pre_bias span has {} elements, pre has {cols} columns", bs.len) });
+                }
+                params.at(bs.off)
+            }
+            None => 0,
+        };
+        self.gelu_fwd_launch(out.ptr, pre.ptr, bias_ptr, rows, cols)
     }
 
     fn recompute_below(&self) -> usize {
@@ -1098,49 +1193,18 @@ impl Backend for Cuda {
         self.launch("layernorm_fwd_kernel", (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![out.ptr, out.dt(), mean.ptr, rstd.ptr, mean.dt(), inp.ptr, inp.dt(), params.ptr, params.dt(), wo, bo, r, cc, eps])
     }
 
-    fn layernorm_backward(&self, dinp: &mut CudaBuf, dparams: &mut CudaBuf, dout: &CudaBuf, dresidual: Option<&CudaBuf>, inp: &CudaBuf, mean: &CudaBuf, rstd: &CudaBuf, params: &CudaBuf, w: Span, b: Span, rows: usize, c: usize) -> BResult<()> {
+    fn layernorm_backward(&self, dinp: &mut CudaBuf, dparams: &mut CudaBuf, dout: &CudaBuf, dresidual: Option<&CudaBuf>, inp: &CudaBuf, mean: &CudaBuf, rstd: &CudaBuf, params: &CudaBuf, w: Span, b: Span, rows: usize, c: usize, dinp_sum: Option<Span>) -> BResult<()> {
         const OP: &str = "layernorm_backward";
-        check_len(OP, "dinp", dinp, rows * c)?;
-        check_len(OP, "dout", dout, rows * c)?;
-        check_len(OP, "inp", inp, rows * c)?;
-        check_len(OP, "mean", mean, rows)?;
-        check_f32(OP, "dparams", dparams)?;
-        check_span(OP, "weight", params, w)?;
-        check_span(OP, "dweight", dparams, w)?;
-        check_span(OP, "dbias", dparams, b)?;
-        let (dres, dtr) = match dresidual {
-            Some(d) => {
-                check_len(OP, "dresidual", d, rows * c)?;
-                (d.ptr, d.dt())
+        if let Some(s) = dinp_sum {
+            check_span(OP, "dinp_sum", dparams, s)?;
+            if s.len != c {
+                return Err(BackendError::Shape { op: OP, msg: format!("dinp_sum span has {} elements, dinp has {c} columns", s.len) });
             }
-            None => (0u64, 0i32),
-        };
-        let dres_bf16 = dresidual.is_none_or(|d| d.ty == Ty::Bf16);
-        if let (Some(j), true) = (ln_fast_j(c, &[&*dinp, dout, inp, params], &[mean, rstd]), dres_bf16) {
-            if ln_vec_ok(j, &[dinp.ptr, dout.ptr, inp.ptr, dres]) {
-                // 4 warps per block, one row per warp at a time; 4 blocks per SM fit (128 registers).
-                let grid = (rows.div_ceil(4 * 8) as u32).min(self.info.multiprocessors * 4).max(1);
-                let (wo, bo, r) = (w.off as i64, b.off as i64, rows as i64);
-                let partial = self.scratch("ln_partials", 2 * grid as usize * 2 * c)?;
-                self.launch(&format!("layernorm_bwd_v{j}"), (grid, 1, 1), (128, 1, 1), 0, &mut kargs![dinp.ptr, partial, dout.ptr, dres, inp.ptr, mean.ptr, rstd.ptr, params.ptr, wo, bo, r])?;
-                return self.reduce_partials(dparams.at(w.off), dparams.at(b.off), c, partial, grid as usize, 2 * c);
-            }
-            let grid = (rows.div_ceil(8) as u32).min(self.info.multiprocessors * 4).max(1);
-            let (wo, bo, r) = (w.off as i64, b.off as i64, rows as i64);
-            let partial = self.scratch("ln_partials", 2 * grid as usize * 2 * c)?;
-            self.launch(&format!("layernorm_bwd_c{j}"), (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![dinp.ptr, partial, dout.ptr, dres, inp.ptr, mean.ptr, rstd.ptr, params.ptr, wo, bo, r])?;
-            return self.reduce_partials(dparams.at(w.off), dparams.at(b.off), c, partial, grid as usize, 2 * c);
         }
-        // Warps per block so that each warp's two C-wide accumulator rows fit in 48 KiB.
-        let warps = (48 * 1024 / (2 * c * 4)).clamp(1, 8) as u32;
-        if 2 * c * 4 > 48 * 1024 {
-            return Err(BackendError::Shape { op: OP, msg: format!("width {c} exceeds the 6144 this kernel supports") });
-        }
-        let grid = (rows.div_ceil(warps as usize * 8) as u32).min(self.info.multiprocessors * 4).max(1);
-        let smem = warps * (2 * c * 4) as u32;
-        let (wo, bo, r, cc) = (w.off as i64, b.off as i64, rows as i64, c as i32);
-        self.launch("layernorm_bwd_kernel", (grid, 1, 1), (32 * warps, 1, 1), smem, &mut kargs![dinp.ptr, dinp.dt(), dparams.ptr, dout.ptr, dout.dt(), dres, dtr, inp.ptr, inp.dt(), mean.ptr, rstd.ptr, mean.dt(), params.ptr, params.dt(), wo, bo, r, cc])
+        self.layernorm_backward_impl(dinp, dparams, dout, dresidual, inp, mean, rstd, params, w, b, rows, c, dinp_sum)?;
+        Ok(())
     }
+
 
     fn attention_forward(&self, out: &mut CudaBuf, probs: &mut CudaBuf, qkv: &CudaBuf, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
         const OP: &str = "attention_forward";

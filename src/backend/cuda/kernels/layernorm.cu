@@ -223,20 +223,24 @@ __device__ __forceinline__ void ln_fwd_v(bf16* out, float* mean, float* rstd, co
 
 // dw/db accumulate in per-warp shared-memory rows (each lane owns its slots, laid out so that
 // a warp's vector accesses are conflict-free) rather than 2·J registers: with them in registers
-// J = 24 needs > 128 registers and spills. Fixed 4 warps per block.
-template <int J>
+// J = 24 needs > 128 registers and spills. Fixed 4 warps per block. NA = 3 adds a third row:
+// the column sums of the bf16 dinp written (residual included) — the bias gradient of the
+// layer whose output gradient dinp is (a block's proj, the previous block's fc2), taken here
+// instead of a second pass over dinp; its partials follow dw's and db's (3·c per block).
+template <int J, int NA>
 __device__ __forceinline__ void ln_bwd_v(bf16* dinp, float* partial, const bf16* dout, const bf16* dres,
                                          const bf16* inp, const float* mean, const float* rstd,
                                          const bf16* params, i64 w, i64 bo, i64 rows) {
     typedef LnV<J> L;
     const int c = 32 * J;
     constexpr int SW = (J % 4 == 0) ? 4 : 2;  // floats per accumulator access
-    __shared__ __align__(16) float acc[4 * 2 * 32 * J];
+    __shared__ __align__(16) float acc[4 * NA * 32 * J];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int i = threadIdx.x; i < 4 * 2 * c; i += blockDim.x) acc[i] = 0.f;
+    for (int i = threadIdx.x; i < 4 * NA * c; i += blockDim.x) acc[i] = 0.f;
     __syncthreads();
-    float* aw = acc + warp * 2 * c;
+    float* aw = acc + warp * NA * c;
     float* ab = aw + c;
+    float* ad = ab + c;  // NA = 3 only
     unsigned wp[L::NW];
     #pragma unroll
     for (int e = 0; e < J; e += 2) {
@@ -302,6 +306,21 @@ __device__ __forceinline__ void ln_bwd_v(bf16* dinp, float* partial, const bf16*
             float d1 = rs * (wel(gw, e + 1) * wel(wp, e + 1) - a - (wel(xw, e + 1) - mu) * rs * bs) + wel(rw, e + 1);
             ow[e >> 1] = wpack(d0, d1);
         }
+        if constexpr (NA == 3) {
+            #pragma unroll
+            for (int q = 0; q < J / SW; q++) {
+                float* pd = ad + (q * 32 + lane) * SW;
+                if constexpr (SW == 4) {
+                    float4 u = *(float4*)pd;
+                    u.x += wel(ow, q * SW); u.y += wel(ow, q * SW + 1); u.z += wel(ow, q * SW + 2); u.w += wel(ow, q * SW + 3);
+                    *(float4*)pd = u;
+                } else {
+                    float2 u = *(float2*)pd;
+                    u.x += wel(ow, q * SW); u.y += wel(ow, q * SW + 1);
+                    *(float2*)pd = u;
+                }
+            }
+        }
         bf16* dx = dinp + r * c;
         #pragma unroll
         for (int k = 0; k < L::NV; k++) stw<L::WPV>(dx + (k * 32 + lane) * L::VW, ow + k * L::WPV);
@@ -311,11 +330,16 @@ __device__ __forceinline__ void ln_bwd_v(bf16* dinp, float* partial, const bf16*
     for (int i = threadIdx.x; i < c; i += blockDim.x) {
         int k = i / (32 * L::VW), ln = (i / L::VW) % 32, e = k * L::VW + i % L::VW;
         int slot = ((e / SW) * 32 + ln) * SW + e % SW;
-        float sw = 0.f, sb = 0.f;
+        float sw = 0.f, sb = 0.f, sd = 0.f;
         #pragma unroll
-        for (int wi = 0; wi < 4; wi++) { sw += acc[wi * 2 * c + slot]; sb += acc[wi * 2 * c + c + slot]; }
-        partial[(i64)blockIdx.x * 2 * c + i] = sw;
-        partial[(i64)blockIdx.x * 2 * c + c + i] = sb;
+        for (int wi = 0; wi < 4; wi++) {
+            sw += acc[wi * NA * c + slot];
+            sb += acc[wi * NA * c + c + slot];
+            if constexpr (NA == 3) sd += acc[wi * NA * c + 2 * c + slot];
+        }
+        partial[(i64)blockIdx.x * NA * c + i] = sw;
+        partial[(i64)blockIdx.x * NA * c + c + i] = sb;
+        if constexpr (NA == 3) partial[(i64)blockIdx.x * NA * c + 2 * c + i] = sd;
     }
 }
 
@@ -324,6 +348,15 @@ extern "C" __global__ void __launch_bounds__(256, 2) layernorm_fwd_v##J(bf16* ou
         const bf16* params, i64 w, i64 bo, i64 rows, float eps) { ln_fwd_v<J>(out, mean, rstd, inp, params, w, bo, rows, eps); } \
 extern "C" __global__ void __launch_bounds__(128, 4) layernorm_bwd_v##J(bf16* dinp, float* partial, const bf16* dout, const bf16* dres, \
         const bf16* inp, const float* mean, const float* rstd, const bf16* params, i64 w, i64 bo, i64 rows) { \
-    ln_bwd_v<J>(dinp, partial, dout, dres, inp, mean, rstd, params, w, bo, rows); }
+    ln_bwd_v<J, 2>(dinp, partial, dout, dres, inp, mean, rstd, params, w, bo, rows); }
 LNV_INSTANCE(2) LNV_INSTANCE(4) LNV_INSTANCE(6) LNV_INSTANCE(8) LNV_INSTANCE(12) LNV_INSTANCE(16)
 LNV_INSTANCE(24) LNV_INSTANCE(32)
+
+// layernorm_bwd_v with dinp's column sums (NA = 3), up to C = 768: three accumulator rows of
+// 4 warps stay within 48 KiB of static shared memory (C = 1024 falls back to a separate sum).
+#define LNS_INSTANCE(J) \
+extern "C" __global__ void __launch_bounds__(128, 4) layernorm_bwd_s##J(bf16* dinp, float* partial, const bf16* dout, const bf16* dres, \
+        const bf16* inp, const float* mean, const float* rstd, const bf16* params, i64 w, i64 bo, i64 rows) { \
+    ln_bwd_v<J, 3>(dinp, partial, dout, dres, inp, mean, rstd, params, w, bo, rows); }
+LNS_INSTANCE(2) LNS_INSTANCE(4) LNS_INSTANCE(6) LNS_INSTANCE(8) LNS_INSTANCE(12) LNS_INSTANCE(16)
+LNS_INSTANCE(24)
