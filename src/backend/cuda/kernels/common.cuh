@@ -11,13 +11,29 @@ typedef long long i64;
 
 __device__ __forceinline__ float bf2f(bf16 x) { return __uint_as_float(((unsigned)x) << 16); }
 
-// Round to nearest even; NaN stays NaN.
-__device__ __forceinline__ bf16 f2bf(float f) {
-    unsigned u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16)(u >> 16);
+// Two f32 → bf16 (round to nearest even; NaN stays NaN), `lo` in the low half. From sm_80 one
+// cvt instruction does both: the integer rounding it replaces cost ~7 instructions per value,
+// and the GELU passes are bound by instruction issue, not memory.
+__device__ __forceinline__ unsigned f2bf2(float lo, float hi) {
+#if __CUDA_ARCH__ >= 800
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    unsigned w[2];
+    const float f[2] = {lo, hi};
+    #pragma unroll
+    for (int k = 0; k < 2; k++) {
+        unsigned u = __float_as_uint(f[k]);
+        if ((u & 0x7fffffffu) > 0x7f800000u) w[k] = (u >> 16) | 0x40u;
+        else w[k] = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    }
+    return (w[0] & 0xffffu) | (w[1] << 16);
+#endif
 }
+
+// One f32 → bf16, as f2bf2.
+__device__ __forceinline__ bf16 f2bf(float f) { return (bf16)(f2bf2(f, 0.f) & 0xffffu); }
 
 // Element i of a buffer of either dtype, as f32.
 __device__ __forceinline__ float ldx(const void* p, int dt, i64 i) {

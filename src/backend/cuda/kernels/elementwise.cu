@@ -130,7 +130,7 @@ extern "C" __global__ void reduce_partials_t(float* d1, float* d2, float* d3, in
 // checks n % 8 == 0 and 16-byte alignment. Same arithmetic and rounding as the scalar kernels.
 __device__ __forceinline__ float lo16(unsigned w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float hi16(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
-__device__ __forceinline__ unsigned pk16(float a, float b) { return (unsigned)f2bf(a) | ((unsigned)f2bf(b) << 16); }
+__device__ __forceinline__ unsigned pk16(float a, float b) { return f2bf2(a, b); }
 
 extern "C" __global__ void gelu_fwd_v8(uint4* out, const uint4* pre, i64 n8) {
     GRID_STRIDE(i, n8) {
