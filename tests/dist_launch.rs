@@ -53,7 +53,9 @@ fn a_killed_worker_is_named_with_its_signal() {
 #[test]
 fn workers_that_ignore_sigterm_are_killed_after_the_grace_period() {
     let t0 = Instant::now();
-    let mut a = sh(2, "trap '' TERM; if [ \"$RANK\" = 1 ]; then exit 2; fi; while :; do sleep 0.1; done");
+    // rank 1 fails only after a pause, so rank 0's shell has installed its trap before the
+    // launcher's SIGTERM arrives (exiting at once raced it: rank 0 then died of the TERM)
+    let mut a = sh(2, "trap '' TERM; if [ \"$RANK\" = 1 ]; then sleep 0.3; exit 2; fi; while :; do sleep 0.1; done");
     a.kill_grace = 1.0;
     let e = run(a).unwrap_err();
     let took = t0.elapsed();
