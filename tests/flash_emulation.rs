@@ -92,6 +92,62 @@ fn ldsm_x4_t(s: &[f32], addrs: &[usize; 32]) -> [[R; 4]; 32] {
     r
 }
 
+/// ldmatrix.sync.aligned.m8n8.x4.shared.b16 (no transpose) as the PTX ISA defines it: lanes
+/// 8i..8i+7 give the row addresses (elements) of matrix i; lane l receives, for each matrix i,
+/// the elements (row l/4, cols 2(l%4) and 2(l%4)+1).
+fn ldsm_x4(s: &[f32], addrs: &[usize; 32]) -> [[R; 4]; 32] {
+    let mut r = [[[f32::NAN; 2]; 4]; 32];
+    for &a in addrs.iter() {
+        assert!(a % 8 == 0, "ldmatrix row address {a} not 16-byte aligned");
+    }
+    for lane in 0..32 {
+        let (row, col) = (lane / 4, 2 * (lane % 4));
+        for mi in 0..4 {
+            r[lane][mi] = [s[addrs[mi * 8 + row] + col], s[addrs[mi * 8 + row] + col + 1]];
+        }
+    }
+    r
+}
+
+/// The kernel's `ldb_rows2`: the B fragments of n-tiles n0.. and n0 + 8.. (rows of a
+/// row-major [n][k] tile, columns k0..k0+15) by one non-transposed ldmatrix.
+fn ldb_rows2(s: &[f32], ld: usize, n0: usize, k0: usize) -> [[R; 4]; 32] {
+    let mut addrs = [0usize; 32];
+    for (lane, a) in addrs.iter_mut().enumerate() {
+        let mi = lane >> 3;
+        *a = (n0 + (mi >> 1) * 8 + (lane & 7)) * ld + k0 + (mi & 1) * 8;
+    }
+    ldsm_x4(s, &addrs)
+}
+
+/// The kernels' score loops load B fragments of two n-tiles with one ldmatrix (`ldb_rows2`);
+/// the registers must be exactly the two `ldb_row` loads of each tile they replace.
+#[test]
+fn ldb_rows2_matches_two_ldb_row_loads() {
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    for d in [32usize, 64] {
+        let ld = d + 8;
+        let rows = 80;
+        let s: Vec<f32> = (0..rows * ld).map(|_| rng.gen::<f32>()).collect();
+        for n0 in (0..rows - 8).step_by(16) {
+            for k0 in (0..d).step_by(16) {
+                let r = ldb_rows2(&s, ld, n0, k0);
+                for lane in 0..32 {
+                    let (g, t) = (lane / 4, lane % 4);
+                    for (tile, regs) in [(0usize, [0usize, 1]), (1, [2, 3])] {
+                        let row = n0 + tile * 8 + g;
+                        // ldb_row: b[0] = cols k0 + 2t, 2t + 1; b[1] = cols k0 + 2t + 8, 2t + 9
+                        let want0 = ld2(&s, row * ld + k0 + 2 * t);
+                        let want1 = ld2(&s, row * ld + k0 + 2 * t + 8);
+                        assert_eq!(r[lane][regs[0]], want0, "D{d} n0 {n0} k0 {k0} lane {lane} tile {tile} b[0]");
+                        assert_eq!(r[lane][regs[1]], want1, "D{d} n0 {n0} k0 {k0} lane {lane} tile {tile} b[1]");
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The kernel's `ldb_t2<LDSM>`: B fragments of two n-tiles from a row-major [k][n] tile.
 fn ldb_t2(ldsm: bool, s: &[f32], ld: usize, k0: usize, c0: usize) -> [[R; 4]; 32] {
     if ldsm {

@@ -53,6 +53,23 @@ __device__ __forceinline__ void ldb_row(unsigned* b, const bf16* p, int t) {
 // Shared-memory address of a generic pointer into shared memory.
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
+// Four 8×8 b16 matrices as stored (ldmatrix, no transpose): lanes 8i..8i+7 give the row
+// addresses of matrix i; lane l receives (row l/4, cols 2(l%4), 2(l%4)+1) of each.
+__device__ __forceinline__ void ldsm_x4(unsigned* r, const bf16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p))
+                 : "memory");
+}
+
+// ldb_row for two n-tiles at once: rows n0..n0+7 into r[0..1] and n0+8..n0+15 into r[2..3]
+// (columns k0..k0+15 of a row-major shared tile, rows 16-byte aligned) by one ldmatrix
+// instead of four 32-bit loads — the products of the score loops issue fewer instructions.
+__device__ __forceinline__ void ldb_rows2(unsigned* r, const bf16* s, int ld, int n0, int k0, int lane) {
+    const int mi = lane >> 3;
+    ldsm_x4(r, s + (n0 + (mi >> 1) * 8 + (lane & 7)) * ld + k0 + (mi & 1) * 8);
+}
+
 // Four 8×8 b16 matrices, transposed on the way (ldmatrix .trans): lanes 8i..8i+7 give the
 // row addresses of matrix i; lane l receives (row 2(l%4), col l/4) and (row 2(l%4)+1, col l/4).
 __device__ __forceinline__ void ldsm_x4_t(unsigned* r, const bf16* p) {
@@ -266,11 +283,12 @@ __device__ __forceinline__ void flash_fwd_pipe(bf16* __restrict__ out, float* __
             #pragma unroll
             for (int kt = 0; kt < KT; kt++) {
                 #pragma unroll
-                for (int j = 0; j < NS; j++) {
+                for (int j = 0; j < NS; j += 2) {
                     if (!FULL && k0 + j * 8 >= n) continue;
-                    unsigned b[2];
-                    ldb_row(b, sk + (j * 8 + g) * LD + kt * 16, t);
+                    unsigned b[4];  // rows ≥ n of the ragged tile are zero-filled: safe to load
+                    ldb_rows2(b, sk, LD, j * 8, kt * 16, lane);
                     mma_bf16(s[j], qa[kt], b);
+                    if (FULL || k0 + (j + 1) * 8 < n) mma_bf16(s[j + 1], qa[kt], b + 2);
                 }
             }
             float mx0 = -INFINITY, mx1 = -INFINITY;
@@ -365,7 +383,7 @@ __device__ __forceinline__ void fa_bwd_step(const bf16* sq, const bf16* sdo, con
     constexpr int LDS = QN + 8;
     constexpr int KT = D / 16;
     constexpr int NS = QN / 8;
-    const int g = lane >> 2, t = lane & 3;
+    const int t = lane & 3;
     float p[NS][4], dp[NS][4];
     #pragma unroll
     for (int j = 0; j < NS; j++) {
@@ -375,13 +393,17 @@ __device__ __forceinline__ void fa_bwd_step(const bf16* sq, const bf16* sdo, con
     #pragma unroll
     for (int kt = 0; kt < KT; kt++) {
         #pragma unroll
-        for (int j = 0; j < NS; j++) {
+        for (int j = 0; j < NS; j += 2) {
             if (SKIP && q0 + j * 8 >= n) continue;
-            unsigned b[2];
-            ldb_row(b, sq + (j * 8 + g) * LD + kt * 16, t);
+            // (query rows past n within the step are zero-filled in shared memory)
+            const bool second = !SKIP || q0 + (j + 1) * 8 < n;
+            unsigned b[4];
+            ldb_rows2(b, sq, LD, j * 8, kt * 16, lane);
             mma_bf16(p[j], ka[kt], b);
-            ldb_row(b, sdo + (j * 8 + g) * LD + kt * 16, t);
+            if (second) mma_bf16(p[j + 1], ka[kt], b + 2);
+            ldb_rows2(b, sdo, LD, j * 8, kt * 16, lane);
             mma_bf16(dp[j], va[kt], b);
+            if (second) mma_bf16(dp[j + 1], va[kt], b + 2);
         }
     }
     #pragma unroll
@@ -788,10 +810,11 @@ __device__ __forceinline__ void flash_fwd_small(bf16* __restrict__ out, float* _
     #pragma unroll
     for (int kt = 0; kt < KT; kt++) {
         #pragma unroll
-        for (int j = 0; j < NS; j++) {
-            unsigned b[2];
-            ldb_row(b, sk + (j * 8 + g) * LD + kt * 16, t);
+        for (int j = 0; j < NS; j += 2) {
+            unsigned b[4];
+            ldb_rows2(b, sk, LD, j * 8, kt * 16, lane);
             mma_bf16(s[j], qa[kt], b);
+            mma_bf16(s[j + 1], qa[kt], b + 2);
         }
     }
     // the whole row is here: its exact maximum, no rescaling
