@@ -53,13 +53,16 @@ __device__ __forceinline__ void ldb_row(unsigned* b, const bf16* p, int t) {
 // Shared-memory address of a generic pointer into shared memory.
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
-// Four 8×8 b16 matrices as stored (ldmatrix, no transpose): lanes 8i..8i+7 give the row
-// addresses of matrix i; lane l receives (row l/4, cols 2(l%4), 2(l%4)+1) of each.
+// Four 8×8 b16 matrices by one ldmatrix: lanes 8i..8i+7 give the row addresses of matrix i.
+// As stored, lane l receives (row l/4, cols 2(l%4), 2(l%4)+1) of each; transposed on the way
+// (TRANS), (row 2(l%4), col l/4) and (row 2(l%4)+1, col l/4).
+template <bool TRANS>
 __device__ __forceinline__ void ldsm_x4(unsigned* r, const bf16* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(p))
-                 : "memory");
+#define FA_LDSM(T) asm volatile("ldmatrix.sync.aligned.m8n8.x4" T ".shared.b16 {%0,%1,%2,%3}, [%4];\n" \
+                                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory")
+    if constexpr (TRANS) FA_LDSM(".trans");
+    else FA_LDSM("");
+#undef FA_LDSM
 }
 
 // ldb_row for two n-tiles at once: rows n0..n0+7 into r[0..1] and n0+8..n0+15 into r[2..3]
@@ -67,16 +70,7 @@ __device__ __forceinline__ void ldsm_x4(unsigned* r, const bf16* p) {
 // instead of four 32-bit loads — the products of the score loops issue fewer instructions.
 __device__ __forceinline__ void ldb_rows2(unsigned* r, const bf16* s, int ld, int n0, int k0, int lane) {
     const int mi = lane >> 3;
-    ldsm_x4(r, s + (n0 + (mi >> 1) * 8 + (lane & 7)) * ld + k0 + (mi & 1) * 8);
-}
-
-// Four 8×8 b16 matrices, transposed on the way (ldmatrix .trans): lanes 8i..8i+7 give the
-// row addresses of matrix i; lane l receives (row 2(l%4), col l/4) and (row 2(l%4)+1, col l/4).
-__device__ __forceinline__ void ldsm_x4_t(unsigned* r, const bf16* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(p))
-                 : "memory");
+    ldsm_x4<false>(r, s + (n0 + (mi >> 1) * 8 + (lane & 7)) * ld + k0 + (mi & 1) * 8);
 }
 
 // B fragments of two n-tiles from a row-major [k][n] shared tile (row stride ld, rows 16-byte
@@ -84,7 +78,7 @@ __device__ __forceinline__ void ldsm_x4_t(unsigned* r, const bf16* p) {
 // ldmatrix .x4.trans.
 __device__ __forceinline__ void ldb_t2(unsigned* r, const bf16* s, int ld, int k0, int c0, int lane) {
     const int mi = lane >> 3;
-    ldsm_x4_t(r, s + (k0 + (mi & 1) * 8 + (lane & 7)) * ld + c0 + (mi >> 1) * 8);
+    ldsm_x4<true>(r, s + (k0 + (mi & 1) * 8 + (lane & 7)) * ld + c0 + (mi >> 1) * 8);
 }
 
 // The A fragment of keys (or queries) 16kk..16kk+15 made from two f32 accumulator n-tiles
@@ -95,6 +89,82 @@ __device__ __forceinline__ void acc_to_a(unsigned* a, const float (&c)[NT][4], i
     a[1] = pack_bf16(c[2 * kk][2], c[2 * kk][3]);
     a[2] = pack_bf16(c[2 * kk + 1][0], c[2 * kk + 1][1]);
     a[3] = pack_bf16(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+}
+
+// Zeroes N accumulator fragments (f32, 4 per lane each).
+template <int N>
+__device__ __forceinline__ void fa_zero(float (&a)[N][4]) {
+    #pragma unroll
+    for (int j = 0; j < N; j++) a[j][0] = a[j][1] = a[j][2] = a[j][3] = 0.f;
+}
+
+// A fragments (16 rows × D, KT = D/16 k-steps) of rows r0 and r0 + 8 of a shared tile with
+// rows of D + 8: a warp's queries in the forward, its keys (K, V) in the backward.
+template <int D>
+__device__ __forceinline__ void fa_row_fragments(unsigned (&a)[D / 16][4], const bf16* s, int r0, int t) {
+    constexpr int LD = D + 8;
+    #pragma unroll
+    for (int kt = 0; kt < D / 16; kt++) {
+        a[kt][0] = ld2(s + r0 * LD + kt * 16 + 2 * t);
+        a[kt][1] = ld2(s + (r0 + 8) * LD + kt * 16 + 2 * t);
+        a[kt][2] = ld2(s + r0 * LD + kt * 16 + 2 * t + 8);
+        a[kt][3] = ld2(s + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
+    }
+}
+
+// Scores of a warp's 16 query rows (fragments qa) against the NS·8 keys of a shared K tile
+// (rows of D + 8): s = q·kᵀ. SKIP: key n-tiles at or past `valid` keys are left at zero (a
+// ragged last tile; rows past it are zero-filled in shared memory, so loading them is safe).
+template <int D, int NS, bool SKIP>
+__device__ __forceinline__ void fa_scores(float (&s)[NS][4], const unsigned (&qa)[D / 16][4], const bf16* sk, int valid, int lane) {
+    fa_zero(s);
+    #pragma unroll
+    for (int kt = 0; kt < D / 16; kt++) {
+        #pragma unroll
+        for (int j = 0; j < NS; j += 2) {
+            if (SKIP && j * 8 >= valid) continue;
+            unsigned b[4];
+            ldb_rows2(b, sk, D + 8, j * 8, kt * 16, lane);
+            mma_bf16(s[j], qa[kt], b);
+            if (!SKIP || (j + 1) * 8 < valid) mma_bf16(s[j + 1], qa[kt], b + 2);
+        }
+    }
+}
+
+// s ← s·scale_log2 (keys ≥ `valid` → −∞ when CHECK), and this lane's row maxima (rows g, g + 8).
+template <int NS, bool CHECK>
+__device__ __forceinline__ void fa_scale_mask_max(float (&s)[NS][4], int valid, float scale_log2, int t, float& mx0, float& mx1) {
+    #pragma unroll
+    for (int j = 0; j < NS; j++) {
+        #pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int key = j * 8 + 2 * t + (e & 1);
+            s[j][e] = (!CHECK || key < valid) ? s[j][e] * scale_log2 : -INFINITY;
+        }
+        mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+    }
+}
+
+// Maximum over the 4 lanes of a quad (the lanes that hold one row's columns).
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+// s ← 2^(s − m) for a warp's score fragments (m0 for rows g, m1 for rows g + 8); adds this
+// lane's part of each row's sum into sum0, sum1.
+template <int NS>
+__device__ __forceinline__ void fa_exp2_rows(float (&s)[NS][4], float m0, float m1, float& sum0, float& sum1) {
+    #pragma unroll
+    for (int j = 0; j < NS; j++) {
+        s[j][0] = exp2f(s[j][0] - m0);
+        s[j][1] = exp2f(s[j][1] - m0);
+        s[j][2] = exp2f(s[j][2] - m1);
+        s[j][3] = exp2f(s[j][3] - m1);
+        sum0 += s[j][0] + s[j][1];
+        sum1 += s[j][2] + s[j][3];
+    }
 }
 
 // acc[j] += a · s[k0..k0+15][c0 + 8j ..] for the NO n-tiles of a row-major shared tile.
@@ -217,6 +287,32 @@ __device__ __forceinline__ void fa_load_tile_async(bf16* s, const bf16* g, i64 s
 template <int D> constexpr int fa_fwd_pipe_smem() { return (FA_BR + 4 * FA_BC) * (D + 8) * 2; }
 template <int D> constexpr int fa_bwd_pipe_smem() { return (2 * FA_BC + 4 * FA_BR) * (D + 8) * 2 + FA_BC * (FA_BR + 8) * 2 + 4 * FA_BR * 4; }
 
+// The forward's end for one warp's query rows row0 and row0 + 8: the quads' partial sums
+// l0, l1 joined, O normalized into out (B, N, H·D) and lse2 = m + log2(l) stored (rows < n).
+template <int D>
+__device__ __forceinline__ void fa_store_out(bf16* out, float* lse2, const float (&o)[D / 8][4], float m0, float m1, float l0, float l1,
+                                             int bi, int bh, int hi, int n, int h, int row0, int t) {
+    constexpr int NO = D / 8;
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+    const int row1 = row0 + 8;
+    const i64 ostride = (i64)h * D;
+    bf16* og = out + (i64)bi * n * ostride + hi * D + 2 * t;
+    if (row0 < n) {
+        #pragma unroll
+        for (int j = 0; j < NO; j++) *(unsigned*)(og + row0 * ostride + j * 8) = pack_bf16(o[j][0] * inv0, o[j][1] * inv0);
+        if (t == 0) lse2[(i64)bh * n + row0] = m0 + log2f(l0);
+    }
+    if (row1 < n) {
+        #pragma unroll
+        for (int j = 0; j < NO; j++) *(unsigned*)(og + row1 * ostride + j * 8) = pack_bf16(o[j][2] * inv1, o[j][3] * inv1);
+        if (t == 0) lse2[(i64)bh * n + row1] = m1 + log2f(l1);
+    }
+}
+
 template <int D>
 __device__ __forceinline__ void flash_fwd_pipe(bf16* __restrict__ out, float* __restrict__ lse2, const bf16* __restrict__ qkv, int n, int h, float scale_log2) {
     constexpr int LD = D + 8;
@@ -243,8 +339,7 @@ __device__ __forceinline__ void flash_fwd_pipe(bf16* __restrict__ out, float* __
     unsigned qa[KT][4];
     const int r0 = warp * 16 + g;
     float o[NO][4];
-    #pragma unroll
-    for (int j = 0; j < NO; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    fa_zero(o);
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
     for (int kb = 0; kb < nk; kb++) {
@@ -263,63 +358,22 @@ __device__ __forceinline__ void flash_fwd_pipe(bf16* __restrict__ out, float* __
         const bf16* sk = stages + (kb & 1) * 2 * FA_BC * LD;
         const bf16* sv = sk + FA_BC * LD;
         if (q0 + warp * 16 >= n) continue;  // all 16 rows past the end (warp-uniform)
-        if (kb == 0) {
-            #pragma unroll
-            for (int kt = 0; kt < KT; kt++) {
-                qa[kt][0] = ld2(sq + r0 * LD + kt * 16 + 2 * t);
-                qa[kt][1] = ld2(sq + (r0 + 8) * LD + kt * 16 + 2 * t);
-                qa[kt][2] = ld2(sq + r0 * LD + kt * 16 + 2 * t + 8);
-                qa[kt][3] = ld2(sq + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
-            }
-        }
+        if (kb == 0) fa_row_fragments<D>(qa, sq, r0, t);
         // A key block entirely < n compiles without any key test, so the tensor-core work of
         // the block is one branch-free stretch the scheduler can interleave; only the last,
         // ragged block takes the checked variant.
         auto block = [&](auto full_tag) {
             constexpr bool FULL = decltype(full_tag)::value;
             float s[NS][4];
-            #pragma unroll
-            for (int j = 0; j < NS; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-            #pragma unroll
-            for (int kt = 0; kt < KT; kt++) {
-                #pragma unroll
-                for (int j = 0; j < NS; j += 2) {
-                    if (!FULL && k0 + j * 8 >= n) continue;
-                    unsigned b[4];  // rows ≥ n of the ragged tile are zero-filled: safe to load
-                    ldb_rows2(b, sk, LD, j * 8, kt * 16, lane);
-                    mma_bf16(s[j], qa[kt], b);
-                    if (FULL || k0 + (j + 1) * 8 < n) mma_bf16(s[j + 1], qa[kt], b + 2);
-                }
-            }
+            fa_scores<D, NS, !FULL>(s, qa, sk, n - k0, lane);
             float mx0 = -INFINITY, mx1 = -INFINITY;
-            #pragma unroll
-            for (int j = 0; j < NS; j++) {
-                #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    int key = k0 + j * 8 + 2 * t + (e & 1);
-                    s[j][e] = (FULL || key < n) ? s[j][e] * scale_log2 : -INFINITY;
-                }
-                mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
-                mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
-            }
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-            const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+            fa_scale_mask_max<NS, !FULL>(s, n - k0, scale_log2, t, mx0, mx1);
+            const float mn0 = fmaxf(m0, quad_max(mx0)), mn1 = fmaxf(m1, quad_max(mx1));
             const float al0 = exp2f(m0 - mn0), al1 = exp2f(m1 - mn1);
             m0 = mn0;
             m1 = mn1;
             float ps0 = 0.f, ps1 = 0.f;
-            #pragma unroll
-            for (int j = 0; j < NS; j++) {
-                s[j][0] = exp2f(s[j][0] - mn0);
-                s[j][1] = exp2f(s[j][1] - mn0);
-                s[j][2] = exp2f(s[j][2] - mn1);
-                s[j][3] = exp2f(s[j][3] - mn1);
-                ps0 += s[j][0] + s[j][1];
-                ps1 += s[j][2] + s[j][3];
-            }
+            fa_exp2_rows(s, mn0, mn1, ps0, ps1);
             l0 = l0 * al0 + ps0;
             l1 = l1 * al1 + ps1;
             #pragma unroll
@@ -339,24 +393,7 @@ __device__ __forceinline__ void flash_fwd_pipe(bf16* __restrict__ out, float* __
         else block(BoolC<false>{});
     }
     if (q0 + warp * 16 >= n) return;
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
-    const int row0 = q0 + r0, row1 = row0 + 8;
-    const i64 ostride = (i64)h * D;
-    bf16* og = out + (i64)bi * n * ostride + hi * D + 2 * t;
-    if (row0 < n) {
-        #pragma unroll
-        for (int j = 0; j < NO; j++) *(unsigned*)(og + row0 * ostride + j * 8) = pack_bf16(o[j][0] * inv0, o[j][1] * inv0);
-        if (t == 0) lse2[(i64)bh * n + row0] = m0 + log2f(l0);
-    }
-    if (row1 < n) {
-        #pragma unroll
-        for (int j = 0; j < NO; j++) *(unsigned*)(og + row1 * ostride + j * 8) = pack_bf16(o[j][2] * inv1, o[j][3] * inv1);
-        if (t == 0) lse2[(i64)bh * n + row1] = m1 + log2f(l1);
-    }
+    fa_store_out<D>(out, lse2, o, m0, m1, l0, l1, bi, bh, hi, n, h, q0 + r0, t);
 }
 
 extern "C" __global__ void flash_fwd_d64_pipe(bf16* out, float* lse2, const bf16* qkv, int n, int h, float scale_log2) {
@@ -385,11 +422,8 @@ __device__ __forceinline__ void fa_bwd_step(const bf16* sq, const bf16* sdo, con
     constexpr int NS = QN / 8;
     const int t = lane & 3;
     float p[NS][4], dp[NS][4];
-    #pragma unroll
-    for (int j = 0; j < NS; j++) {
-        p[j][0] = p[j][1] = p[j][2] = p[j][3] = 0.f;
-        dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.f;
-    }
+    fa_zero(p);
+    fa_zero(dp);
     #pragma unroll
     for (int kt = 0; kt < KT; kt++) {
         #pragma unroll
@@ -439,18 +473,8 @@ __device__ __forceinline__ void fa_bwd_step(const bf16* sq, const bf16* sdo, con
 // K and V fragments of one warp's 16 keys (rows r0, r0 + 8 of the shared K and V tiles).
 template <int D>
 __device__ __forceinline__ void fa_key_fragments(unsigned (&ka)[D / 16][4], unsigned (&va)[D / 16][4], const bf16* sk, const bf16* sv, int r0, int t) {
-    constexpr int LD = D + 8;
-    #pragma unroll
-    for (int kt = 0; kt < D / 16; kt++) {
-        ka[kt][0] = ld2(sk + r0 * LD + kt * 16 + 2 * t);
-        ka[kt][1] = ld2(sk + (r0 + 8) * LD + kt * 16 + 2 * t);
-        ka[kt][2] = ld2(sk + r0 * LD + kt * 16 + 2 * t + 8);
-        ka[kt][3] = ld2(sk + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
-        va[kt][0] = ld2(sv + r0 * LD + kt * 16 + 2 * t);
-        va[kt][1] = ld2(sv + (r0 + 8) * LD + kt * 16 + 2 * t);
-        va[kt][2] = ld2(sv + r0 * LD + kt * 16 + 2 * t + 8);
-        va[kt][3] = ld2(sv + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
-    }
+    fa_row_fragments<D>(ka, sk, r0, t);
+    fa_row_fragments<D>(va, sv, r0, t);
 }
 
 // dK (times the softmax scale) and dV of keys key0 and key0 + 8 into dqkv (B, N, 3, H, D).
@@ -524,11 +548,8 @@ __device__ __forceinline__ void flash_bwd_pipe(bf16* __restrict__ dqkv, float* _
     unsigned ka[KT][4], va[KT][4];
     const bool key0_ok = k0 + r0 < n, key1_ok = k0 + r0 + 8 < n;
     float dk[NO][4], dv[NO][4];
-    #pragma unroll
-    for (int j = 0; j < NO; j++) {
-        dk[j][0] = dk[j][1] = dk[j][2] = dk[j][3] = 0.f;
-        dv[j][0] = dv[j][1] = dv[j][2] = dv[j][3] = 0.f;
-    }
+    fa_zero(dk);
+    fa_zero(dv);
 
     for (int qi = 0; qi < nq; qi++) {
         const int q0 = qi * FA_BR;
@@ -552,8 +573,7 @@ __device__ __forceinline__ void flash_bwd_pipe(bf16* __restrict__ dqkv, float* _
         __syncthreads();  // dSᵀ complete
         if (q0 + warp * 16 >= n) continue;
         float dq[NO][4];
-        #pragma unroll
-        for (int j = 0; j < NO; j++) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
+        fa_zero(dq);
         #pragma unroll
         for (int kk = 0; kk < FA_BC / 16; kk++) {
             if (k0 + kk * 16 >= n) continue;
@@ -603,15 +623,20 @@ template <int D> constexpr int fa_short_smem(int nqp) {
     return 2 * nqp * (D + 8) * 2 + 2 * nqp * 4 + nqp * (D + 8) * 4 + 2 * FS_KB * (D + 8) * 2 + FS_KB * (FA_BR + 8) * 2;
 }
 
-// `rows` rows of D values into shared rows of D + 8 (rows ≥ n zero-filled), by all 256 threads.
-template <int D>
-__device__ __forceinline__ void fs_load_rows_async(bf16* s, const bf16* g, i64 stride, int rows, int n) {
+// `rows` rows of D values into shared rows of D + 8 (rows ≥ n zero-filled), by all THREADS
+// threads of the block.
+template <int D, int THREADS>
+__device__ __forceinline__ void fa_load_rows_async(bf16* s, const bf16* g, i64 stride, int rows, int n) {
     constexpr int CH = D / 8;
-    for (int i = threadIdx.x; i < rows * CH; i += FS_THREADS) {
+    for (int i = threadIdx.x; i < rows * CH; i += THREADS) {
         int r = i / CH, c = i - r * CH;
         bool ok = r < n;
         cp_async16(s + r * (D + 8) + c * 8, ok ? g + (i64)r * stride + c * 8 : g, ok);
     }
+}
+template <int D>
+__device__ __forceinline__ void fs_load_rows_async(bf16* s, const bf16* g, i64 stride, int rows, int n) {
+    fa_load_rows_async<D, FS_THREADS>(s, g, stride, rows, n);
 }
 
 template <int D>
@@ -671,11 +696,8 @@ __device__ __forceinline__ void flash_bwd_short(bf16* __restrict__ dqkv, const b
         unsigned ka[KT][4], va[KT][4];
         fa_key_fragments<D>(ka, va, sK, sV, r0, t);
         float dk[NO][4], dv[NO][4];
-        #pragma unroll
-        for (int j = 0; j < NO; j++) {
-            dk[j][0] = dk[j][1] = dk[j][2] = dk[j][3] = 0.f;
-            dv[j][0] = dv[j][1] = dv[j][2] = dv[j][3] = 0.f;
-        }
+        fa_zero(dk);
+        fa_zero(dv);
         // Key passes entirely < n compile the dQ phase without key tests (see fa_bwd_step).
         auto phase2 = [&](auto full_tag, int q0) {
             constexpr bool FK = decltype(full_tag)::value;
@@ -762,15 +784,10 @@ extern "C" __global__ void __launch_bounds__(FS_THREADS, 1) flash_bwd_short_d32(
 template <int D, int W> constexpr int fa_small_fwd_smem() { return 3 * 16 * W * (D + 8) * 2; }
 template <int D, int W> constexpr int fa_small_bwd_smem() { return 5 * 16 * W * (D + 8) * 2 + 16 * W * (16 * W + 8) * 2 + 2 * 16 * W * 4; }
 
-// NP rows of D values into shared rows of D + 8 (rows ≥ n zero-filled), by all W warps.
+// NP = 16·W rows of D values into shared rows of D + 8 (rows ≥ n zero-filled), by all W warps.
 template <int D, int W>
 __device__ __forceinline__ void fsm_load_rows_async(bf16* s, const bf16* g, i64 stride, int n) {
-    constexpr int CH = D / 8;
-    for (int i = threadIdx.x; i < 16 * W * CH; i += 32 * W) {
-        int r = i / CH, c = i - r * CH;
-        bool ok = r < n;
-        cp_async16(s + r * (D + 8) + c * 8, ok ? g + (i64)r * stride + c * 8 : g, ok);
-    }
+    fa_load_rows_async<D, 32 * W>(s, g, stride, 16 * W, n);
 }
 
 template <int D, int W>
@@ -797,79 +814,25 @@ __device__ __forceinline__ void flash_fwd_small(bf16* __restrict__ out, float* _
     if (warp * 16 >= n) return;  // all 16 rows past the end (warp-uniform; no barrier follows)
     const int r0 = warp * 16 + g;
     unsigned qa[KT][4];
-    #pragma unroll
-    for (int kt = 0; kt < KT; kt++) {
-        qa[kt][0] = ld2(sq + r0 * LD + kt * 16 + 2 * t);
-        qa[kt][1] = ld2(sq + (r0 + 8) * LD + kt * 16 + 2 * t);
-        qa[kt][2] = ld2(sq + r0 * LD + kt * 16 + 2 * t + 8);
-        qa[kt][3] = ld2(sq + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
-    }
+    fa_row_fragments<D>(qa, sq, r0, t);
     float s[NS][4];
-    #pragma unroll
-    for (int j = 0; j < NS; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-    #pragma unroll
-    for (int kt = 0; kt < KT; kt++) {
-        #pragma unroll
-        for (int j = 0; j < NS; j += 2) {
-            unsigned b[4];
-            ldb_rows2(b, sk, LD, j * 8, kt * 16, lane);
-            mma_bf16(s[j], qa[kt], b);
-            mma_bf16(s[j + 1], qa[kt], b + 2);
-        }
-    }
+    fa_scores<D, NS, false>(s, qa, sk, n, lane);
     // the whole row is here: its exact maximum, no rescaling
     float m0 = -INFINITY, m1 = -INFINITY;
-    #pragma unroll
-    for (int j = 0; j < NS; j++) {
-        #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int key = j * 8 + 2 * t + (e & 1);
-            s[j][e] = key < n ? s[j][e] * scale_log2 : -INFINITY;
-        }
-        m0 = fmaxf(m0, fmaxf(s[j][0], s[j][1]));
-        m1 = fmaxf(m1, fmaxf(s[j][2], s[j][3]));
-    }
-    m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 1));
-    m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 2));
-    m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, 1));
-    m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, 2));
+    fa_scale_mask_max<NS, true>(s, n, scale_log2, t, m0, m1);
+    m0 = quad_max(m0);
+    m1 = quad_max(m1);
     float l0 = 0.f, l1 = 0.f;
-    #pragma unroll
-    for (int j = 0; j < NS; j++) {
-        s[j][0] = exp2f(s[j][0] - m0);
-        s[j][1] = exp2f(s[j][1] - m0);
-        s[j][2] = exp2f(s[j][2] - m1);
-        s[j][3] = exp2f(s[j][3] - m1);
-        l0 += s[j][0] + s[j][1];
-        l1 += s[j][2] + s[j][3];
-    }
+    fa_exp2_rows(s, m0, m1, l0, l1);
     float o[NO][4];
-    #pragma unroll
-    for (int j = 0; j < NO; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    fa_zero(o);
     #pragma unroll
     for (int kk = 0; kk < NP / 16; kk++) {
         unsigned pa[4];
         acc_to_a(pa, s, kk);
         mma_a_tile(o, pa, sv, LD, kk * 16, 0, lane);
     }
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
-    const int row1 = r0 + 8;
-    const i64 ostride = (i64)h * D;
-    bf16* og = out + (i64)bi * n * ostride + hi * D + 2 * t;
-    if (r0 < n) {
-        #pragma unroll
-        for (int j = 0; j < NO; j++) *(unsigned*)(og + r0 * ostride + j * 8) = pack_bf16(o[j][0] * inv0, o[j][1] * inv0);
-        if (t == 0) lse2[(i64)bh * n + r0] = m0 + log2f(l0);
-    }
-    if (row1 < n) {
-        #pragma unroll
-        for (int j = 0; j < NO; j++) *(unsigned*)(og + row1 * ostride + j * 8) = pack_bf16(o[j][2] * inv1, o[j][3] * inv1);
-        if (t == 0) lse2[(i64)bh * n + row1] = m1 + log2f(l1);
-    }
+    fa_store_out<D>(out, lse2, o, m0, m1, l0, l1, bi, bh, hi, n, h, r0, t);
 }
 
 template <int D, int W>
@@ -923,11 +886,8 @@ __device__ __forceinline__ void flash_bwd_small(bf16* __restrict__ dqkv, const b
         unsigned ka[KT][4], va[KT][4];
         fa_key_fragments<D>(ka, va, sK, sV, r0, t);
         float dk[NO][4], dv[NO][4];
-        #pragma unroll
-        for (int j = 0; j < NO; j++) {
-            dk[j][0] = dk[j][1] = dk[j][2] = dk[j][3] = 0.f;
-            dv[j][0] = dv[j][1] = dv[j][2] = dv[j][3] = 0.f;
-        }
+        fa_zero(dk);
+        fa_zero(dv);
         fa_bwd_step<D, false, NP, false>(sQ, sdO, slse, sdelta, sds, 0, n, ka, va, key0_ok, key1_ok, dk, dv, r0, lane, scale_log2);
         fa_store_dkdv<D>(dqkv, bi, hi, n, h, r0, key0_ok, key1_ok, dk, dv, scale, t);
     }
@@ -935,8 +895,7 @@ __device__ __forceinline__ void flash_bwd_small(bf16* __restrict__ dqkv, const b
     // Queries: warp w owns queries 16w..; dQ = dS·K over every key, from registers to global.
     if (warp * 16 >= n) return;
     float dq[NO][4];
-    #pragma unroll
-    for (int j = 0; j < NO; j++) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
+    fa_zero(dq);
     #pragma unroll
     for (int kk = 0; kk < NP / 16; kk++) {
         unsigned a[4];
