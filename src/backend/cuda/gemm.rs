@@ -75,9 +75,9 @@ struct Plan {
 /// Algorithms the heuristic proposes per shape; each is timed on first use.
 const CANDIDATES: usize = 16;
 /// Timed rounds per candidate when tuning (after one warm-up run each). The rounds interleave
-/// the candidates so clock or neighbour drift hits them alike; the median of each is compared.
-/// Three single runs each (the earlier rule) let the pick swing between processes: the same
-/// CIFAR fc1 product took 0.91 ms in one and 0.71 ms in the next.
+/// the candidates so clock or neighbour drift hits them alike, and the medians are compared
+/// (the earlier rule timed 8 candidates 3 times each, one after the other; on an H200 the
+/// change measured the same step times, 2026-11-30T16:23Z, so it buys robustness, not speed).
 const TUNING_ROUNDS: usize = 7;
 
 pub struct Gemm {
@@ -277,8 +277,16 @@ impl Gemm {
                 if !ok[i] {
                     continue;
                 }
-                let (Ok(e0), Ok(e1)) = (event::create(CUevent_flags::CU_EVENT_DEFAULT), event::create(CUevent_flags::CU_EVENT_DEFAULT)) else {
-                    return None;
+                let (e0, e1) = match (event::create(CUevent_flags::CU_EVENT_DEFAULT), event::create(CUevent_flags::CU_EVENT_DEFAULT)) {
+                    (Ok(e0), Ok(e1)) => (e0, e1),
+                    (r0, r1) => {
+                        // out of events: drop this candidate (its rounds are then incomplete)
+                        for e in [r0, r1].into_iter().flatten() {
+                            let _ = event::destroy(e);
+                        }
+                        ok[i] = false;
+                        continue;
+                    }
                 };
                 let _ = event::record(e0, stream);
                 ok[i] = self.matmul("GEMM tuning", p, algo, a, b, c, d, alpha, beta, stream).is_ok();
@@ -319,7 +327,9 @@ fn d_extent_bytes(s: &GemmShape) -> usize {
     ((last_col + batches) as usize) * s.d_ty.size()
 }
 
-/// Device memory held only while a product is tuned (freed on drop; synchronous, outside capture).
+/// Device memory held only while a product is tuned (freed on drop; synchronous, outside
+/// capture). Not counted in the backend's peak-memory figure: at most one weight gradient's
+/// size, for milliseconds, during the first step.
 struct TempBuf {
     ptr: CUdeviceptr,
 }

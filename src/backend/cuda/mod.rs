@@ -814,8 +814,8 @@ impl Cuda {
         }
     }
 
-    /// out = gelu(pre) over n bf16 elements, the widest vector kernel the alignment allows.
-    /// out = gelu(pre + bias) over rows × cols (bias = 0: no bias).
+    /// out = gelu(pre + bias) over rows × cols bf16 elements (bias: one bf16 per column, 0 =
+    /// none), by the widest vector kernel the width and alignment allow.
     fn gelu_fwd_launch(&self, out: CUdeviceptr, pre: CUdeviceptr, bias: CUdeviceptr, rows: usize, cols: usize) -> BResult<()> {
         let n = rows * cols;
         if n == 0 {
@@ -1212,10 +1212,8 @@ impl Backend for Cuda {
                 return Err(BackendError::Shape { op: OP, msg: format!("dinp_sum span has {} elements, dinp has {c} columns", s.len) });
             }
         }
-        self.layernorm_backward_impl(dinp, dparams, dout, dresidual, inp, mean, rstd, params, w, b, rows, c, dinp_sum)?;
-        Ok(())
+        self.layernorm_backward_impl(dinp, dparams, dout, dresidual, inp, mean, rstd, params, w, b, rows, c, dinp_sum)
     }
-
 
     fn attention_forward(&self, out: &mut CudaBuf, probs: &mut CudaBuf, qkv: &CudaBuf, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
         const OP: &str = "attention_forward";
