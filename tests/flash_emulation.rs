@@ -8,7 +8,12 @@
 //! (`fa_bwd_step` plus the dQ atomics of `flash_bwd_pipe`), as first written with synchronous
 //! tile loads; how tiles reach shared memory (cp.async, the short backward's whole-head layout
 //! and shared dQ rows) is not emulated and is checked against the CPU on a GPU by
-//! `vitscale selftest --device cuda` (every attention path).
+//! `vitscale selftest --device cuda` (every attention path). Run with the small-head geometry
+//! (one block of 16·W queries and keys, W warps) the same code is the arithmetic of
+//! `flash_fwd_small` / `flash_bwd_small`, except that those compute the zero-padded tiles and
+//! mask them (identical results: the masked terms are zeros) and sum delta = dO·O themselves in
+//! two halves. The score loops' B fragments come from `ldb_rows2` in the kernels and from
+//! `ldb_row`-style loads here; `ldb_rows2_matches_two_ldb_row_loads` pins the two together.
 // Index loops mirror the kernel's lane and tile indices on purpose.
 #![allow(clippy::needless_range_loop, clippy::manual_is_multiple_of)]
 
@@ -18,8 +23,17 @@ use rand_chacha::ChaCha8Rng;
 use vitscale::backend::cpu::Cpu;
 use vitscale::backend::Backend;
 
-const BR: usize = 64;
-const BC: usize = 64;
+/// Tile geometry of an emulated kernel: query rows and keys per block and warps per block
+/// (16 rows each). The tiled kernels use 64 × 64 with 4 warps; the small-head kernels
+/// (`flash_fwd_small` / `flash_bwd_small`, N ≤ 16·W) one block of 16·W queries and keys with W
+/// warps — the same arithmetic with a single key block and a single query step.
+#[derive(Clone, Copy, Debug)]
+struct Tiles {
+    br: usize,
+    bc: usize,
+    warps: usize,
+}
+const TILED: Tiles = Tiles { br: 64, bc: 64, warps: 4 };
 
 /// One 32-bit register holding two bf16 (low half first).
 type R = [f32; 2];
@@ -204,17 +218,19 @@ fn load_tile(gl: &[f32], base: usize, stride: usize, row0: usize, n: usize, d: u
 }
 
 #[allow(clippy::too_many_arguments)]
-fn flash_fwd(ldsm: bool, out: &mut [f32], lse2: &mut [f32], qkv: &[f32], b: usize, n: usize, h: usize, d: usize, scale_log2: f32) {
+fn flash_fwd(tl: Tiles, ldsm: bool, out: &mut [f32], lse2: &mut [f32], qkv: &[f32], b: usize, n: usize, h: usize, d: usize, scale_log2: f32) {
+    let Tiles { br, bc, warps } = tl;
+    assert_eq!(warps * 16, br, "one warp per 16 query rows");
     let ld = d + 8;
-    let (kt_n, ns, no) = (d / 16, BC / 8, d / 8);
+    let (kt_n, ns, no) = (d / 16, bc / 8, d / 8);
     let stride = 3 * h * d;
     for bh in 0..b * h {
         let (bi, hi) = (bh / h, bh % h);
         let qg = bi * n * stride + hi * d;
         let (kg, vg) = (qg + h * d, qg + 2 * h * d);
-        for q0 in (0..n).step_by(BR) {
-            let sq = load_tile(qkv, qg, stride, q0, n, d, BR);
-            for warp in 0..4 {
+        for q0 in (0..n).step_by(br) {
+            let sq = load_tile(qkv, qg, stride, q0, n, d, br);
+            for warp in 0..warps {
                 let mut qa = vec![[[[0f32; 2]; 4]; 32]; kt_n];
                 for lane in 0..32 {
                     let (g, t) = (lane / 4, lane % 4);
@@ -228,9 +244,9 @@ fn flash_fwd(ldsm: bool, out: &mut [f32], lse2: &mut [f32], qkv: &[f32], b: usiz
                 }
                 let mut o = vec![[[0f32; 4]; 32]; no];
                 let (mut m0, mut m1, mut l0, mut l1) = ([f32::NEG_INFINITY; 32], [f32::NEG_INFINITY; 32], [0f32; 32], [0f32; 32]);
-                for k0 in (0..n).step_by(BC) {
-                    let sk = load_tile(qkv, kg, stride, k0, n, d, BC);
-                    let sv = load_tile(qkv, vg, stride, k0, n, d, BC);
+                for k0 in (0..n).step_by(bc) {
+                    let sk = load_tile(qkv, kg, stride, k0, n, d, bc);
+                    let sv = load_tile(qkv, vg, stride, k0, n, d, bc);
                     if q0 + warp * 16 >= n {
                         continue;
                     }
@@ -287,7 +303,7 @@ fn flash_fwd(ldsm: bool, out: &mut [f32], lse2: &mut [f32], qkv: &[f32], b: usiz
                             oj[lane][3] *= al1;
                         }
                     }
-                    for kk in 0..BC / 16 {
+                    for kk in 0..bc / 16 {
                         if k0 + kk * 16 >= n {
                             continue;
                         }
@@ -354,10 +370,12 @@ fn flash_bwd_pre(delta: &mut [f32], dout: &[f32], out: &[f32], b: usize, n: usiz
 }
 
 #[allow(clippy::too_many_arguments)]
-fn flash_bwd(ldsm: bool, dqkv: &mut [f32], dq_acc: &mut [f32], dout: &[f32], qkv: &[f32], lse2: &[f32], delta: &[f32], b: usize, n: usize, h: usize, d: usize, scale: f32, scale_log2: f32) {
+fn flash_bwd(tl: Tiles, ldsm: bool, dqkv: &mut [f32], dq_acc: &mut [f32], dout: &[f32], qkv: &[f32], lse2: &[f32], delta: &[f32], b: usize, n: usize, h: usize, d: usize, scale: f32, scale_log2: f32) {
+    let Tiles { br, bc, warps } = tl;
+    assert!(warps * 16 == bc && br == bc, "one warp per 16 keys, and per 16 queries in the dQ phase");
     let ld = d + 8;
-    let lds = BR + 8;
-    let (kt_n, ns, no) = (d / 16, BR / 8, d / 8);
+    let lds = br + 8;
+    let (kt_n, ns, no) = (d / 16, br / 8, d / 8);
     let stride = 3 * h * d;
     let ostride = h * d;
     for bh in 0..b * h {
@@ -365,13 +383,13 @@ fn flash_bwd(ldsm: bool, dqkv: &mut [f32], dq_acc: &mut [f32], dout: &[f32], qkv
         let qg = bi * n * stride + hi * d;
         let (kg, vg) = (qg + h * d, qg + 2 * h * d);
         let dog = bi * n * ostride + hi * d;
-        for k0 in (0..n).step_by(BC) {
-            let sk = load_tile(qkv, kg, stride, k0, n, d, BC);
-            let sv = load_tile(qkv, vg, stride, k0, n, d, BC);
+        for k0 in (0..n).step_by(bc) {
+            let sk = load_tile(qkv, kg, stride, k0, n, d, bc);
+            let sv = load_tile(qkv, vg, stride, k0, n, d, bc);
             // per warp, per lane state
-            let mut ka = vec![vec![[[[0f32; 2]; 4]; 32]; kt_n]; 4];
-            let mut va = vec![vec![[[[0f32; 2]; 4]; 32]; kt_n]; 4];
-            for warp in 0..4 {
+            let mut ka = vec![vec![[[[0f32; 2]; 4]; 32]; kt_n]; warps];
+            let mut va = vec![vec![[[[0f32; 2]; 4]; 32]; kt_n]; warps];
+            for warp in 0..warps {
                 for lane in 0..32 {
                     let (g, t) = (lane / 4, lane % 4);
                     let r0 = warp * 16 + g;
@@ -387,20 +405,20 @@ fn flash_bwd(ldsm: bool, dqkv: &mut [f32], dq_acc: &mut [f32], dout: &[f32], qkv
                     }
                 }
             }
-            let mut dk = vec![vec![[[0f32; 4]; 32]; no]; 4];
-            let mut dv = vec![vec![[[0f32; 4]; 32]; no]; 4];
-            for q0 in (0..n).step_by(BR) {
-                let sq = load_tile(qkv, qg, stride, q0, n, d, BR);
-                let sdo = load_tile(dout, dog, ostride, q0, n, d, BR);
-                let mut slse = vec![0f32; BR];
-                let mut sdelta = vec![0f32; BR];
-                for i in 0..BR {
+            let mut dk = vec![vec![[[0f32; 4]; 32]; no]; warps];
+            let mut dv = vec![vec![[[0f32; 4]; 32]; no]; warps];
+            for q0 in (0..n).step_by(br) {
+                let sq = load_tile(qkv, qg, stride, q0, n, d, br);
+                let sdo = load_tile(dout, dog, ostride, q0, n, d, br);
+                let mut slse = vec![0f32; br];
+                let mut sdelta = vec![0f32; br];
+                for i in 0..br {
                     let ok = q0 + i < n;
                     slse[i] = if ok { lse2[bh * n + q0 + i] } else { f32::INFINITY };
                     sdelta[i] = if ok { delta[bh * n + q0 + i] } else { 0.0 };
                 }
-                let mut sds = vec![f32::NAN; BC * lds];
-                for warp in 0..4 {
+                let mut sds = vec![f32::NAN; bc * lds];
+                for warp in 0..warps {
                     if k0 + warp * 16 >= n {
                         continue;
                     }
@@ -445,7 +463,7 @@ fn flash_bwd(ldsm: bool, dqkv: &mut [f32], dq_acc: &mut [f32], dout: &[f32], qkv
                             dj[3] = pj[3] * (dj[3] - db);
                         }
                     }
-                    for kk in 0..BR / 16 {
+                    for kk in 0..br / 16 {
                         if q0 + kk * 16 >= n {
                             continue;
                         }
@@ -479,12 +497,12 @@ fn flash_bwd(ldsm: bool, dqkv: &mut [f32], dq_acc: &mut [f32], dout: &[f32], qkv
                     }
                 }
                 // __syncthreads(): dSᵀ complete
-                for warp in 0..4 {
+                for warp in 0..warps {
                     if q0 + warp * 16 >= n {
                         continue;
                     }
                     let mut dq = vec![[[0f32; 4]; 32]; no];
-                    for kk in 0..BC / 16 {
+                    for kk in 0..bc / 16 {
                         if k0 + kk * 16 >= n {
                             continue;
                         }
@@ -519,7 +537,7 @@ fn flash_bwd(ldsm: bool, dqkv: &mut [f32], dq_acc: &mut [f32], dout: &[f32], qkv
                     }
                 }
             }
-            for warp in 0..4 {
+            for warp in 0..warps {
                 for lane in 0..32 {
                     let (g, t) = (lane / 4, lane % 4);
                     let r0 = warp * 16 + g;
@@ -571,7 +589,15 @@ fn fused_attention_kernels_match_cpu() {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let cpu = Cpu::new();
     let shapes = [(2usize, 65usize, 2usize, 64usize), (1, 197, 2, 64), (2, 50, 2, 64), (2, 17, 3, 32), (1, 130, 1, 32), (1, 64, 1, 64), (1, 80, 1, 64), (1, 100, 2, 32), (1, 257, 1, 64)];
-    for (ldsm, &(b, n, h, d)) in [false, true].into_iter().flat_map(|l| shapes.iter().map(move |s| (l, s))) {
+    // The tiled geometry at every shape (with and without ldmatrix), then the small-head
+    // geometry wherever the backend picks it (N ≤ 80: W = 4 up to 64 tokens, else 5).
+    type Shape = (usize, usize, usize, usize); // (B, N, H, D)
+    let mut runs: Vec<(Tiles, bool, Shape)> = [false, true].into_iter().flat_map(|l| shapes.iter().map(move |&s| (TILED, l, s))).collect();
+    for &(b, n, h, d) in shapes.iter().filter(|s| s.1 <= 80) {
+        let w = if n <= 64 { 4 } else { 5 };
+        runs.push((Tiles { br: 16 * w, bc: 16 * w, warps: w }, true, (b, n, h, d)));
+    }
+    for (tiles, ldsm, (b, n, h, d)) in runs {
         let c = h * d;
         let mut randn = |len: usize| -> Vec<f32> {
             (0..len)
@@ -595,7 +621,7 @@ fn fused_attention_kernels_match_cpu() {
         let scale_log2 = std::f32::consts::LOG2_E * scale;
         let mut out = vec![f32::NAN; b * n * c];
         let mut lse2 = vec![f32::NAN; b * h * n];
-        flash_fwd(ldsm, &mut out, &mut lse2, &qkv, b, n, h, d, scale_log2);
+        flash_fwd(tiles, ldsm, &mut out, &mut lse2, &qkv, b, n, h, d, scale_log2);
         let e_out = rel_err(&out, &out_c);
         // lse2 against the reference: log2 Σ_j 2^(s_ij·scale·log2e)
         let mut lse_ref = vec![0f32; b * h * n];
@@ -620,13 +646,13 @@ fn fused_attention_kernels_match_cpu() {
         flash_bwd_pre(&mut delta, &dout, &out, b, n, h, d);
         let mut dq_acc = vec![0f32; b * n * c];
         let mut dqkv = vec![f32::NAN; b * n * 3 * c];
-        flash_bwd(ldsm, &mut dqkv, &mut dq_acc, &dout, &qkv, &lse2, &delta, b, n, h, d, scale, scale_log2);
+        flash_bwd(tiles, ldsm, &mut dqkv, &mut dq_acc, &dout, &qkv, &lse2, &delta, b, n, h, d, scale, scale_log2);
         flash_dq_store(&mut dqkv, &dq_acc, b * n, c / 8);
         let e_dqkv = rel_err(&dqkv, &dqkv_c);
         // per slot (q, k, v) errors, to point at the failing part
         let slot = |v: &[f32], s: usize| -> Vec<f32> { v.chunks(c).skip(s).step_by(3).flatten().copied().collect() };
         let errs: Vec<f64> = (0..3).map(|s| rel_err(&slot(&dqkv, s), &slot(&dqkv_c, s))).collect();
-        println!("ldsm={ldsm} seed {seed} B{b} N{n} H{h} D{d}: out {e_out:.2e}, max |lse2 − ref| {max_lse:.2e}, dqkv {e_dqkv:.2e} (dq {:.2e} dk {:.2e} dv {:.2e})", errs[0], errs[1], errs[2]);
+        println!("{tiles:?} ldsm={ldsm} seed {seed} B{b} N{n} H{h} D{d}: out {e_out:.2e}, max |lse2 − ref| {max_lse:.2e}, dqkv {e_dqkv:.2e} (dq {:.2e} dk {:.2e} dv {:.2e})", errs[0], errs[1], errs[2]);
         assert!(e_out.is_finite() && e_out < 1e-2, "seed {seed}: out rel err {e_out}");
         assert!(max_lse.is_finite() && max_lse < 1e-3, "seed {seed}: lse2 error {max_lse}");
         assert!(e_dqkv.is_finite() && e_dqkv < 1e-2, "seed {seed}: dqkv rel err {e_dqkv} (dq {:?})", errs);
