@@ -397,6 +397,14 @@ fn attention_check<B: Backend>(cx: &mut Ctx<B>, b: usize, n: usize, h: usize, d:
     cx.be.attention_backward(&mut dqkv.d, &datt.d, &qkv.d, &att.d, &probs.d, b, n, h, d)?;
     cpu.attention_backward(&mut dqkv.c, &datt.c, &qkv.c, &att.c, &probs.c, b, n, h, d)?;
     cx.compare(&format!("attention_backward dqkv {tag}"), &dqkv, F32_TOL)?;
+    // with the qkv bias gradient added into a span of a larger f32 buffer (+=; the rest untouched)
+    let span = Span { off: 4, len: 3 * c };
+    let mut dparams = cx.rand(3 * c + 8, 0.1, false)?;
+    let mut dqkv2 = cx.out(bn * 3 * c, true)?;
+    cx.be.attention_backward_bias(&mut dqkv2.d, &mut dparams.d, span, &datt.d, &qkv.d, &att.d, &probs.d, b, n, h, d)?;
+    cpu.attention_backward_bias(&mut dqkv2.c, &mut dparams.c, span, &datt.c, &qkv.c, &att.c, &probs.c, b, n, h, d)?;
+    cx.compare(&format!("attention_backward_bias dqkv {tag}"), &dqkv2, F32_TOL)?;
+    cx.compare_split(&format!("attention_backward_bias rest {tag}"), &dparams, span, "dbias(+=)", F32_TOL)?;
     Ok(())
 }
 

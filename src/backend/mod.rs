@@ -193,6 +193,13 @@ pub trait Backend: Send + Sync {
     /// inputs `qkv`, its output `out` (B, N, H·D) and its saved state `probs`.
     #[allow(clippy::too_many_arguments)]
     fn attention_backward(&self, dqkv: &mut Self::Buf, dout: &Self::Buf, qkv: &Self::Buf, out: &Self::Buf, probs: &Self::Buf, b: usize, n: usize, h: usize, d: usize) -> BResult<()>;
+    /// `attention_backward` that also adds the bias gradient of the qkv projection that produced
+    /// `qkv`: `dparams[bias] += Σ_rows dqkv` (3·H·D wide), from the attention backward's own pass
+    /// where the backend can (the CUDA small-head kernel sums dQ's rows and, for v, dO's rows —
+    /// equal to dV's since each query's probabilities sum to 1 — and adds nothing for k, whose
+    /// gradient is exactly zero) instead of a second read of dqkv by the projection's backward.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward_bias(&self, dqkv: &mut Self::Buf, dparams: &mut Self::Buf, bias: Span, dout: &Self::Buf, qkv: &Self::Buf, out: &Self::Buf, probs: &Self::Buf, b: usize, n: usize, h: usize, d: usize) -> BResult<()>;
     /// Elements of the compute-dtype `probs` buffer that `attention_forward` needs for these
     /// shapes (never more than B·H·N·N). The probabilities themselves by default.
     fn attention_saved_len(&self, b: usize, n: usize, h: usize, _d: usize) -> usize {

@@ -454,12 +454,16 @@ impl<B: Backend> Vit<B> {
             be.layernorm_backward(&mut a.dres_b, g, &a.dln, Some(&a.dres_a), &blk.x1, &blk.ln2_mean, &blk.ln2_rstd, w, s.norm2_w, s.norm2_b, bn, c, Some(s.proj_b))?;
             // attention: proj, core, qkv, ln1 (+ residual) → dres_a = dx
             be.matmul_backward(&mut a.datt, g, &a.dres_b, &blk.att, None, w, s.proj_w, None, bn, c, c)?;
-            be.attention_backward(&mut a.dqkv, &a.datt, &blk.qkv, &blk.att, &blk.probs, b, n, h, d)?;
+            // the qkv bias gradient from the attention backward's pass where the backend can
+            match s.qkv_b {
+                Some(qb) => be.attention_backward_bias(&mut a.dqkv, g, qb, &a.datt, &blk.qkv, &blk.att, &blk.probs, b, n, h, d)?,
+                None => be.attention_backward(&mut a.dqkv, &a.datt, &blk.qkv, &blk.att, &blk.probs, b, n, h, d)?,
+            }
             if let Some(r) = a.regen.as_mut() {
                 be.layernorm_forward(&mut r.ln, &mut r.mean, &mut r.rstd, x, w, s.norm1_w, s.norm1_b, bn, c)?;
             }
             let ln1 = kept_or_regen(&blk.ln1, a.regen.as_ref().map(|r| &r.ln))?;
-            be.matmul_backward(&mut a.dln, g, &a.dqkv, ln1, None, w, s.qkv_w, s.qkv_b, bn, c, 3 * c)?;
+            be.matmul_backward(&mut a.dln, g, &a.dqkv, ln1, None, w, s.qkv_w, None, bn, c, 3 * c)?;
             // dres_a is the previous block's fc2 output gradient: its bias gradient from this pass
             let prev_fc2_b = i.checked_sub(1).map(|p| t.blocks[p].fc2_b);
             be.layernorm_backward(&mut a.dres_a, g, &a.dln, Some(&a.dres_b), x, &blk.ln1_mean, &blk.ln1_rstd, w, s.norm1_w, s.norm1_b, bn, c, prev_fc2_b)?;

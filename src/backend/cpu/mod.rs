@@ -408,6 +408,14 @@ impl Backend for Cpu {
             })
     }
 
+    fn attention_backward_bias(&self, dqkv: &mut Vec<f32>, dparams: &mut Vec<f32>, bias: Span, dout: &Vec<f32>, qkv: &Vec<f32>, out: &Vec<f32>, probs: &Vec<f32>, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
+        let c3 = 3 * h * d;
+        check_span("attention_backward_bias", "dbias", dparams, bias, c3)?;
+        self.attention_backward(dqkv, dout, qkv, out, probs, b, n, h, d)?;
+        add_column_sums(&mut dparams[bias.range()], &dqkv[..b * n * c3], c3);
+        Ok(())
+    }
+
     fn attention_backward(&self, dqkv: &mut Vec<f32>, dout: &Vec<f32>, qkv: &Vec<f32>, _out: &Vec<f32>, probs: &Vec<f32>, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
         let c = h * d;
         check("attention_backward", "qkv", qkv, b * n * 3 * c)?;

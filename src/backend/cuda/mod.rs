@@ -682,6 +682,117 @@ impl Cuda {
         sum_after(self, dinp)
     }
 
+    /// `attention_backward`, plus the qkv bias gradient into `dbias` (an f32 device address of
+    /// 3·H·D values) when given: summed inside the small-head kernel, else a column sum of dqkv.
+    #[allow(clippy::too_many_arguments)]
+    /// `attention_backward`, plus the qkv bias gradient into `dbias` when given.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward_impl(&self, dqkv: &mut CudaBuf, dbias: Option<CUdeviceptr>, dout: &CudaBuf, qkv: &CudaBuf, out: &CudaBuf, probs: &CudaBuf, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
+        let summed = self.attention_backward_kernels(dqkv, dbias, dout, qkv, out, probs, b, n, h, d)?;
+        match dbias {
+            Some(db) if !summed => self.add_column_sums(db, dqkv, b * n, 3 * h * d),
+            _ => Ok(()),
+        }
+    }
+
+    fn attention_backward_kernels(&self, dqkv: &mut CudaBuf, dbias: Option<CUdeviceptr>, dout: &CudaBuf, qkv: &CudaBuf, out: &CudaBuf, probs: &CudaBuf, b: usize, n: usize, h: usize, d: usize) -> BResult<bool> {
+        const OP: &str = "attention_backward";
+        check_bf16(OP, "dqkv", dqkv)?;
+        check_bf16(OP, "dout", dout)?;
+        check_bf16(OP, "qkv", qkv)?;
+        check_bf16(OP, "probs", probs)?;
+        let bhnd = b * h * n * d;
+        check_len(OP, "dqkv", dqkv, 3 * bhnd)?;
+        check_len(OP, "dout", dout, bhnd)?;
+        check_len(OP, "qkv", qkv, 3 * bhnd)?;
+        check_len(OP, "probs", probs, self.attention_saved_len(b, n, h, d))?;
+        if let Some((sfx, _, smem)) = self.fused_attention(d) {
+            check_bf16(OP, "out", out)?;
+            check_len(OP, "out", out, bhnd)?;
+            if n == 0 || b * h == 0 {
+                return Ok(true);
+            }
+            check_grid(OP, b * h)?;
+            let scale = 1.0 / (d as f32).sqrt();
+            let scale_log2 = std::f32::consts::LOG2_E * scale;
+            if let Some((w, _, smem)) = self.small_attention(n, d) {
+                let (nn, hh) = (n as i32, h as i32);
+                let block = (32 * w as u32, 1, 1);
+                // with a bias: per-image [Σ dQ | Σ dV] rows (f32, 2·H·D each), reduced below
+                let c = h * d;
+                let part = match dbias {
+                    Some(_) => self.scratch("attn_bias_partials", 2 * b * 2 * c)?,
+                    None => 0,
+                };
+                self.launch_dyn(&format!("flash_bwd_small_d{d}_w{w}"), ((b * h) as u32, 1, 1), block, smem, &mut kargs![dqkv.ptr, out.ptr, dout.ptr, qkv.ptr, probs.ptr, nn, hh, scale, scale_log2, part])?;
+                if let Some(db) = dbias {
+                    // q bias += Σ dQ, v bias += Σ dV; the k bias's gradient is zero
+                    let dv = db + (2 * c * 4) as u64;
+                    self.reduce_partials(db, dv, dv, c, part, b, 2 * c)?;
+                }
+                return Ok(true);
+            }
+            if let Some(smem) = self.short_backward_smem(n, d) {
+                // One block per (b, h): delta, dQ accumulation and the dQ store happen inside.
+                let (nn, hh) = (n as i32, h as i32);
+                return self.launch_dyn(&format!("flash_bwd_short_d{d}"), ((b * h) as u32, 1, 1), (256, 1, 1), smem, &mut kargs![dqkv.ptr, out.ptr, dout.ptr, qkv.ptr, probs.ptr, nn, hh, scale, scale_log2]).map(|_| false);
+            }
+            // f32 scratch: dQ accumulator (B, N, H·D) and delta (B·H, N), in bf16-sized slots.
+            let dq_acc = self.scratch("flash_dq_acc", 2 * bhnd)?;
+            let delta = self.scratch("flash_delta", 2 * b * h * n)?;
+            // SAFETY: dq_acc holds 2·bhnd bf16 slots = bhnd f32 values.
+            unsafe { dr::memset_d8_async(dq_acc, 0, bhnd * 4, self.stream.cu_stream()) }.map_err(dev("cuMemsetD8Async"))?;
+            let (bb, nn, hh) = (b as i32, n as i32, h as i32);
+            let rows = b * n * h;
+            let grid = rows.div_ceil(THREADS as usize).clamp(1, self.info.multiprocessors as usize * 16) as u32;
+            self.launch(&format!("flash_bwd_pre_d{d}"), (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![delta, dout.ptr, out.ptr, bb, nn, hh])?;
+            let g = (n.div_ceil(64) as u32, (b * h) as u32, 1);
+            self.launch_dyn(&format!("flash_bwd_{sfx}"), g, (128, 1, 1), smem, &mut kargs![dqkv.ptr, dq_acc, dout.ptr, qkv.ptr, probs.ptr, delta, nn, hh, scale, scale_log2])?;
+            let (brows, hd8) = ((b * n) as i64, (h * d / 8) as i32);
+            return self.launch1("flash_dq_store", bhnd / 8, &mut kargs![dqkv.ptr, dq_acc, brows, hd8]).map(|_| false);
+        }
+        let heads = self.scratch("qkv_heads", 3 * bhnd)?;
+        let dheads = self.scratch("dqkv_heads", 3 * bhnd)?;
+        let doh = self.scratch("o_heads", bhnd)?;
+        let ld = n.div_ceil(8) * 8;
+        let dp = self.scratch("dprobs", b * h * n * ld)?;
+        let pp = self.scratch("scores", b * h * n * ld)?;
+        let nn = n as i32;
+        let ldi = ld as i32;
+        self.move_heads(true, heads, qkv.ptr, b, n, 3, h, d)?;
+        self.move_heads(true, doh, dout.ptr, b, n, 1, h, d)?;
+        let rows = (b * h * n) as i64;
+        self.launch1("pad_rows", b * h * n * ld, &mut kargs![pp, ldi, probs.ptr, rows, nn])?;
+        let off = |base: u64, i: usize| base + (2 * i * bhnd) as u64;
+        let (q, k, v) = (off(heads, 0), off(heads, 1), off(heads, 2));
+        let (dq, dk, dv) = (off(dheads, 0), off(dheads, 1), off(dheads, 2));
+        let nd = (n * d) as i64;
+        let nld = (n * ld) as i64;
+        let batch = (b * h) as i32;
+        let scale = 1.0 / (d as f32).sqrt();
+        let base = GemmShape {
+            ta: false, tb: false, m: 0, n: 0, k: 0,
+            a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
+            lda: 0, ldb: 0, ldd: 0, batch, stride_a: 0, stride_b: 0, stride_d: 0,
+            bias: false, accumulate: false, align: 0,
+        };
+        // dP(N, N) = dO·Vᵀ  (same form as q·kᵀ), rows padded to `ld`.
+        let s = GemmShape { ta: true, m: n as u64, n: n as u64, k: d as u64, lda: d as i64, ldb: d as i64, ldd: ld as i64, stride_a: nd, stride_b: nd, stride_d: nld, ..base };
+        self.gemm("attention_backward (dO·vᵀ)", s, v, doh, dp, 0, 1.0, 0.0)?;
+        // dV(N, D) = Pᵀ·dO  ⇔  dVᵀ(D×N) = dOᵀ(D×N)·P(N×N): P read transposed.
+        let s = GemmShape { tb: true, m: d as u64, n: n as u64, k: n as u64, lda: d as i64, ldb: ld as i64, ldd: d as i64, stride_a: nd, stride_b: nld, stride_d: nd, ..base };
+        self.gemm("attention_backward (pᵀ·dO)", s, doh, pp, dv, 0, 1.0, 0.0)?;
+        let grid = (rows as usize).div_ceil(8).min(self.info.multiprocessors as usize * 16) as u32;
+        self.launch("softmax_bwd_pad", (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![dp, pp, ldi, rows, nn])?;
+        // dQ(N, D) = dS·K/√D  (same form as p·v).
+        let s = GemmShape { m: d as u64, n: n as u64, k: n as u64, lda: d as i64, ldb: ld as i64, ldd: d as i64, stride_a: nd, stride_b: nld, stride_d: nd, ..base };
+        self.gemm("attention_backward (dS·k)", s, k, dp, dq, 0, scale, 0.0)?;
+        // dK(N, D) = dSᵀ·Q/√D  (same form as pᵀ·dO).
+        let s = GemmShape { tb: true, m: d as u64, n: n as u64, k: n as u64, lda: d as i64, ldb: ld as i64, ldd: d as i64, stride_a: nd, stride_b: nld, stride_d: nd, ..base };
+        self.gemm("attention_backward (dSᵀ·q)", s, q, dp, dk, 0, scale, 0.0)?;
+        self.move_heads(false, dqkv.ptr, dheads, b, n, 3, h, d).map(|_| false)
+    }
+
     /// 1-D grid-stride launch over `n` elements.
     fn launch1(&self, name: &str, n: usize, args: &mut [*mut c_void]) -> BResult<()> {
         self.launch(name, (self.grid(n), 1, 1), (THREADS, 1, 1), 0, args)
@@ -1276,89 +1387,17 @@ impl Backend for Cuda {
     }
 
     fn attention_backward(&self, dqkv: &mut CudaBuf, dout: &CudaBuf, qkv: &CudaBuf, out: &CudaBuf, probs: &CudaBuf, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
-        const OP: &str = "attention_backward";
-        check_bf16(OP, "dqkv", dqkv)?;
-        check_bf16(OP, "dout", dout)?;
-        check_bf16(OP, "qkv", qkv)?;
-        check_bf16(OP, "probs", probs)?;
-        let bhnd = b * h * n * d;
-        check_len(OP, "dqkv", dqkv, 3 * bhnd)?;
-        check_len(OP, "dout", dout, bhnd)?;
-        check_len(OP, "qkv", qkv, 3 * bhnd)?;
-        check_len(OP, "probs", probs, self.attention_saved_len(b, n, h, d))?;
-        if let Some((sfx, _, smem)) = self.fused_attention(d) {
-            check_bf16(OP, "out", out)?;
-            check_len(OP, "out", out, bhnd)?;
-            if n == 0 || b * h == 0 {
-                return Ok(());
-            }
-            check_grid(OP, b * h)?;
-            let scale = 1.0 / (d as f32).sqrt();
-            let scale_log2 = std::f32::consts::LOG2_E * scale;
-            if let Some((w, _, smem)) = self.small_attention(n, d) {
-                let (nn, hh) = (n as i32, h as i32);
-                let block = (32 * w as u32, 1, 1);
-                return self.launch_dyn(&format!("flash_bwd_small_d{d}_w{w}"), ((b * h) as u32, 1, 1), block, smem, &mut kargs![dqkv.ptr, out.ptr, dout.ptr, qkv.ptr, probs.ptr, nn, hh, scale, scale_log2]);
-            }
-            if let Some(smem) = self.short_backward_smem(n, d) {
-                // One block per (b, h): delta, dQ accumulation and the dQ store happen inside.
-                let (nn, hh) = (n as i32, h as i32);
-                return self.launch_dyn(&format!("flash_bwd_short_d{d}"), ((b * h) as u32, 1, 1), (256, 1, 1), smem, &mut kargs![dqkv.ptr, out.ptr, dout.ptr, qkv.ptr, probs.ptr, nn, hh, scale, scale_log2]);
-            }
-            // f32 scratch: dQ accumulator (B, N, H·D) and delta (B·H, N), in bf16-sized slots.
-            let dq_acc = self.scratch("flash_dq_acc", 2 * bhnd)?;
-            let delta = self.scratch("flash_delta", 2 * b * h * n)?;
-            // SAFETY: dq_acc holds 2·bhnd bf16 slots = bhnd f32 values.
-            unsafe { dr::memset_d8_async(dq_acc, 0, bhnd * 4, self.stream.cu_stream()) }.map_err(dev("cuMemsetD8Async"))?;
-            let (bb, nn, hh) = (b as i32, n as i32, h as i32);
-            let rows = b * n * h;
-            let grid = rows.div_ceil(THREADS as usize).clamp(1, self.info.multiprocessors as usize * 16) as u32;
-            self.launch(&format!("flash_bwd_pre_d{d}"), (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![delta, dout.ptr, out.ptr, bb, nn, hh])?;
-            let g = (n.div_ceil(64) as u32, (b * h) as u32, 1);
-            self.launch_dyn(&format!("flash_bwd_{sfx}"), g, (128, 1, 1), smem, &mut kargs![dqkv.ptr, dq_acc, dout.ptr, qkv.ptr, probs.ptr, delta, nn, hh, scale, scale_log2])?;
-            let (brows, hd8) = ((b * n) as i64, (h * d / 8) as i32);
-            return self.launch1("flash_dq_store", bhnd / 8, &mut kargs![dqkv.ptr, dq_acc, brows, hd8]);
+        self.attention_backward_impl(dqkv, None, dout, qkv, out, probs, b, n, h, d)
+    }
+
+    fn attention_backward_bias(&self, dqkv: &mut CudaBuf, dparams: &mut CudaBuf, bias: Span, dout: &CudaBuf, qkv: &CudaBuf, out: &CudaBuf, probs: &CudaBuf, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
+        const OP: &str = "attention_backward_bias";
+        check_f32(OP, "dparams", dparams)?;
+        check_span(OP, "dbias", dparams, bias)?;
+        if bias.len != 3 * h * d {
+            return Err(BackendError::Shape { op: OP, msg: format!("bias span has {} elements, qkv has {} columns", bias.len, 3 * h * d) });
         }
-        let heads = self.scratch("qkv_heads", 3 * bhnd)?;
-        let dheads = self.scratch("dqkv_heads", 3 * bhnd)?;
-        let doh = self.scratch("o_heads", bhnd)?;
-        let ld = n.div_ceil(8) * 8;
-        let dp = self.scratch("dprobs", b * h * n * ld)?;
-        let pp = self.scratch("scores", b * h * n * ld)?;
-        let nn = n as i32;
-        let ldi = ld as i32;
-        self.move_heads(true, heads, qkv.ptr, b, n, 3, h, d)?;
-        self.move_heads(true, doh, dout.ptr, b, n, 1, h, d)?;
-        let rows = (b * h * n) as i64;
-        self.launch1("pad_rows", b * h * n * ld, &mut kargs![pp, ldi, probs.ptr, rows, nn])?;
-        let off = |base: u64, i: usize| base + (2 * i * bhnd) as u64;
-        let (q, k, v) = (off(heads, 0), off(heads, 1), off(heads, 2));
-        let (dq, dk, dv) = (off(dheads, 0), off(dheads, 1), off(dheads, 2));
-        let nd = (n * d) as i64;
-        let nld = (n * ld) as i64;
-        let batch = (b * h) as i32;
-        let scale = 1.0 / (d as f32).sqrt();
-        let base = GemmShape {
-            ta: false, tb: false, m: 0, n: 0, k: 0,
-            a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
-            lda: 0, ldb: 0, ldd: 0, batch, stride_a: 0, stride_b: 0, stride_d: 0,
-            bias: false, accumulate: false, align: 0,
-        };
-        // dP(N, N) = dO·Vᵀ  (same form as q·kᵀ), rows padded to `ld`.
-        let s = GemmShape { ta: true, m: n as u64, n: n as u64, k: d as u64, lda: d as i64, ldb: d as i64, ldd: ld as i64, stride_a: nd, stride_b: nd, stride_d: nld, ..base };
-        self.gemm("attention_backward (dO·vᵀ)", s, v, doh, dp, 0, 1.0, 0.0)?;
-        // dV(N, D) = Pᵀ·dO  ⇔  dVᵀ(D×N) = dOᵀ(D×N)·P(N×N): P read transposed.
-        let s = GemmShape { tb: true, m: d as u64, n: n as u64, k: n as u64, lda: d as i64, ldb: ld as i64, ldd: d as i64, stride_a: nd, stride_b: nld, stride_d: nd, ..base };
-        self.gemm("attention_backward (pᵀ·dO)", s, doh, pp, dv, 0, 1.0, 0.0)?;
-        let grid = (rows as usize).div_ceil(8).min(self.info.multiprocessors as usize * 16) as u32;
-        self.launch("softmax_bwd_pad", (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![dp, pp, ldi, rows, nn])?;
-        // dQ(N, D) = dS·K/√D  (same form as p·v).
-        let s = GemmShape { m: d as u64, n: n as u64, k: n as u64, lda: d as i64, ldb: ld as i64, ldd: d as i64, stride_a: nd, stride_b: nld, stride_d: nd, ..base };
-        self.gemm("attention_backward (dS·k)", s, k, dp, dq, 0, scale, 0.0)?;
-        // dK(N, D) = dSᵀ·Q/√D  (same form as pᵀ·dO).
-        let s = GemmShape { tb: true, m: d as u64, n: n as u64, k: n as u64, lda: d as i64, ldb: ld as i64, ldd: d as i64, stride_a: nd, stride_b: nld, stride_d: nd, ..base };
-        self.gemm("attention_backward (dSᵀ·q)", s, q, dp, dk, 0, scale, 0.0)?;
-        self.move_heads(false, dqkv.ptr, dheads, b, n, 3, h, d)
+        self.attention_backward_impl(dqkv, Some(dparams.at(bias.off)), dout, qkv, out, probs, b, n, h, d)
     }
 
     fn attention_saved_len(&self, b: usize, n: usize, h: usize, d: usize) -> usize {

@@ -270,6 +270,7 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 
 // A compile-time bool as a value, to instantiate a generic lambda for full and ragged tiles.
 template <bool B> struct BoolC { static constexpr bool value = B; };
+template <int V> struct IntC { static constexpr int value = V; };
 
 // fa_load_tile through cp.async (not waited for here).
 template <int D, int ROWS>
@@ -411,13 +412,13 @@ extern "C" __global__ void flash_fwd_d32_pipe(bf16* out, float* lse2, const bf16
 // without row tests (one branch-free stretch of tensor-core work the scheduler can interleave).
 // SKIP (with !FQ): query tiles entirely ≥ n are skipped; without it they are computed on the
 // zero-filled rows and masked, still branch-free (flash_bwd_small, where at most 15 are padding).
-// QN is 64 in the tiled backwards and the whole padded head in flash_bwd_small.
-template <int D, bool FQ, int QN = FA_BR, bool SKIP = !FQ>
+// QN is 64 in the tiled backwards and FA_SMALL_QC (then the rest of the padded head) in
+// flash_bwd_small; LDS is the row stride of sds (the whole head's queries there).
+template <int D, bool FQ, int QN = FA_BR, bool SKIP = !FQ, int LDS = QN + 8>
 __device__ __forceinline__ void fa_bwd_step(const bf16* sq, const bf16* sdo, const float* slse, const float* sdelta, bf16* sds, int q0, int n,
                                             const unsigned (&ka)[D / 16][4], const unsigned (&va)[D / 16][4], bool key0_ok, bool key1_ok,
                                             float (&dk)[D / 8][4], float (&dv)[D / 8][4], int r0, int lane, float scale_log2) {
     constexpr int LD = D + 8;
-    constexpr int LDS = QN + 8;
     constexpr int KT = D / 16;
     constexpr int NS = QN / 8;
     const int t = lane & 3;
@@ -835,8 +836,21 @@ __device__ __forceinline__ void flash_fwd_small(bf16* __restrict__ out, float* _
     fa_store_out<D>(out, lse2, o, m0, m1, l0, l1, bi, bh, hi, n, h, r0, t);
 }
 
+// The backward's query step and its blocks per SM: with 32 queries a step and K, V fragments
+// reloaded per step it needs 128 registers, so 3 blocks of 5 warps share an SM (2 when it held
+// the whole head's P and dP: 168 registers); measured on an H200 at CIFAR ViT-S/4 micro 512,
+// 1.32 → 1.20 ms per step for the twelve layers (steps of 16: 1.24 ms).
+#define FA_SMALL_QC 32
+#define FA_SMALL_BWD_BLOCKS 3
+
+// bias_part (optional, may be 0): the qkv bias gradient's per-image partial sums, row b of
+// 2·H·D f32 = [Σ dQ | Σ dV] over the image's tokens, head hi at columns hi·D… of each half
+// (the host reduces the B rows into the q and v bias spans). Σ_keys dV = Σ_queries dO, since
+// every query's probabilities sum to 1, so the v half is dO's column sums; the k part is zero
+// exactly (adding a constant to every key shifts a score row by a constant, which softmax
+// ignores), so there is none to add.
 template <int D, int W>
-__device__ __forceinline__ void flash_bwd_small(bf16* __restrict__ dqkv, const bf16* __restrict__ out, const bf16* __restrict__ dout, const bf16* __restrict__ qkv, const float* __restrict__ lse2, int n, int h, float scale, float scale_log2) {
+__device__ __forceinline__ void flash_bwd_small(bf16* __restrict__ dqkv, const bf16* __restrict__ out, const bf16* __restrict__ dout, const bf16* __restrict__ qkv, const float* __restrict__ lse2, int n, int h, float scale, float scale_log2, float* __restrict__ bias_part) {
     constexpr int LD = D + 8;
     constexpr int NP = 16 * W;
     constexpr int LDS = NP + 8;
@@ -878,49 +892,103 @@ __device__ __forceinline__ void flash_bwd_small(bf16* __restrict__ dqkv, const b
         const float sum = part + __shfl_xor_sync(0xffffffffu, part, 1);
         if (half == 0) sdelta[r] = sum;  // 0 for the zero-filled rows ≥ n
     }
+    // dO's column sums for the v bias: thread (group gr, column pair cp) sums NP / GR rows
+    constexpr int CP = D / 2, GR = 32 * W / CP, GROWS = NP / GR;
+    const int cp = threadIdx.x % CP, gr = threadIdx.x / CP;
+    float bv0 = 0.f, bv1 = 0.f;
+    if (bias_part) {
+        #pragma unroll 4
+        for (int r = gr * GROWS; r < (gr + 1) * GROWS; r++) {
+            const unsigned u = ld2(sdO + r * LD + 2 * cp);
+            bv0 += __uint_as_float(u << 16);
+            bv1 += __uint_as_float(u & 0xffff0000u);
+        }
+    }
     __syncthreads();
+    float* sbias = (float*)sO;  // O is dead once delta is in shared memory: GR + W rows of D f32
+    if (bias_part) {
+        sbias[gr * D + 2 * cp] = bv0;
+        sbias[gr * D + 2 * cp + 1] = bv1;
+    }
     // Keys: warp w owns keys 16w.. (rows r0, r0 + 8), every warp, so every dSᵀ row is written.
     const int r0 = warp * 16 + g;
     const bool key0_ok = r0 < n, key1_ok = r0 + 8 < n;
     {
-        unsigned ka[KT][4], va[KT][4];
-        fa_key_fragments<D>(ka, va, sK, sV, r0, t);
         float dk[NO][4], dv[NO][4];
         fa_zero(dk);
         fa_zero(dv);
-        fa_bwd_step<D, false, NP, false>(sQ, sdO, slse, sdelta, sds, 0, n, ka, va, key0_ok, key1_ok, dk, dv, r0, lane, scale_log2);
+        // Queries in steps of FA_SMALL_QC (the last one NP mod QC). A step's P and dP live in
+        // registers (QC/2 floats each per lane) and the K, V fragments are reloaded from shared
+        // memory per step (FA_SMALL_KV_REG 0) rather than held across steps: registers set how
+        // many blocks share an SM, and this kernel is latency-bound.
+        auto step = [&](auto qn, int q0) {
+            constexpr int QN = decltype(qn)::value;
+            unsigned ka[KT][4], va[KT][4];
+            fa_key_fragments<D>(ka, va, sK, sV, r0, t);
+            fa_bwd_step<D, false, QN, false, LDS>(sQ + q0 * LD, sdO + q0 * LD, slse + q0, sdelta + q0, sds + q0, q0, n, ka, va, key0_ok, key1_ok, dk, dv, r0, lane, scale_log2);
+        };
+        #pragma unroll 1
+        for (int q0 = 0; q0 + FA_SMALL_QC <= NP; q0 += FA_SMALL_QC) step(IntC<FA_SMALL_QC>{}, q0);
+        if constexpr (NP % FA_SMALL_QC != 0) step(IntC<NP % FA_SMALL_QC>{}, NP - NP % FA_SMALL_QC);
         fa_store_dkdv<D>(dqkv, bi, hi, n, h, r0, key0_ok, key1_ok, dk, dv, scale, t);
     }
     __syncthreads();  // dSᵀ complete
     // Queries: warp w owns queries 16w..; dQ = dS·K over every key, from registers to global.
-    if (warp * 16 >= n) return;
     float dq[NO][4];
     fa_zero(dq);
+    if (warp * 16 < n) {  // (warp-uniform; a warp past the end keeps dq = 0 for the bias sums)
+        #pragma unroll
+        for (int kk = 0; kk < NP / 16; kk++) {
+            unsigned a[4];
+            ds_as_a(a, sds, LDS, kk * 16, warp * 16, lane);
+            mma_a_tile(dq, a, sK, LD, kk * 16, 0, lane);
+        }
+        bf16* dqg = dqkv + (i64)bi * n * stride + hi * D + 2 * t;
+        if (r0 < n) {
+            #pragma unroll
+            for (int j = 0; j < NO; j++) *(unsigned*)(dqg + r0 * stride + j * 8) = pack_bf16(dq[j][0] * scale, dq[j][1] * scale);
+        }
+        if (r0 + 8 < n) {
+            #pragma unroll
+            for (int j = 0; j < NO; j++) *(unsigned*)(dqg + (r0 + 8) * stride + j * 8) = pack_bf16(dq[j][2] * scale, dq[j][3] * scale);
+        }
+    }
+    if (!bias_part) return;  // (block-uniform)
+    // dQ's column sums: the warp's 16 rows (zero past n) through the 8 lanes of each column pair
+    float* sq = sbias + GR * D;
     #pragma unroll
-    for (int kk = 0; kk < NP / 16; kk++) {
-        unsigned a[4];
-        ds_as_a(a, sds, LDS, kk * 16, warp * 16, lane);
-        mma_a_tile(dq, a, sK, LD, kk * 16, 0, lane);
-    }
-    bf16* dqg = dqkv + (i64)bi * n * stride + hi * D + 2 * t;
-    if (r0 < n) {
+    for (int j = 0; j < NO; j++) {
+        float c0 = dq[j][0] + dq[j][2], c1 = dq[j][1] + dq[j][3];
         #pragma unroll
-        for (int j = 0; j < NO; j++) *(unsigned*)(dqg + r0 * stride + j * 8) = pack_bf16(dq[j][0] * scale, dq[j][1] * scale);
+        for (int o = 4; o < 32; o <<= 1) {
+            c0 += __shfl_xor_sync(0xffffffffu, c0, o);
+            c1 += __shfl_xor_sync(0xffffffffu, c1, o);
+        }
+        if (g == 0) {
+            sq[warp * D + j * 8 + 2 * t] = c0 * scale;
+            sq[warp * D + j * 8 + 2 * t + 1] = c1 * scale;
+        }
     }
-    if (r0 + 8 < n) {
+    __syncthreads();
+    if (threadIdx.x < D) {  // fixed summation order: deterministic
+        float bq = 0.f, bv = 0.f;
         #pragma unroll
-        for (int j = 0; j < NO; j++) *(unsigned*)(dqg + (r0 + 8) * stride + j * 8) = pack_bf16(dq[j][2] * scale, dq[j][3] * scale);
+        for (int w = 0; w < W; w++) bq += sq[w * D + threadIdx.x];
+        #pragma unroll
+        for (int q = 0; q < GR; q++) bv += sbias[q * D + threadIdx.x];
+        float* row = bias_part + (i64)bi * 2 * h * D + hi * D + threadIdx.x;
+        row[0] = bq;
+        row[(i64)h * D] = bv;
     }
 }
 
-// W = 4 (N ≤ 64) and W = 5 (N ≤ 80). The backward's bound of 2 blocks per SM caps its registers
-// at 204 per thread, above what it needs, so nothing spills.
+// W = 4 (N ≤ 64) and W = 5 (N ≤ 80).
 #define FA_SMALL(D, W)                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(32 * W) flash_fwd_small_d##D##_w##W(bf16* out, float* lse2, const bf16* qkv, int n, int h, float scale_log2) { \
         flash_fwd_small<D, W>(out, lse2, qkv, n, h, scale_log2);                                                                         \
     }                                                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(32 * W, 2) flash_bwd_small_d##D##_w##W(bf16* dqkv, const bf16* out, const bf16* dout, const bf16* qkv, const float* lse2, int n, int h, float scale, float scale_log2) { \
-        flash_bwd_small<D, W>(dqkv, out, dout, qkv, lse2, n, h, scale, scale_log2);                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * W, FA_SMALL_BWD_BLOCKS) flash_bwd_small_d##D##_w##W(bf16* dqkv, const bf16* out, const bf16* dout, const bf16* qkv, const float* lse2, int n, int h, float scale, float scale_log2, float* bias_part) { \
+        flash_bwd_small<D, W>(dqkv, out, dout, qkv, lse2, n, h, scale, scale_log2, bias_part);                                                       \
     }
 FA_SMALL(64, 4)
 FA_SMALL(64, 5)
