@@ -1,6 +1,6 @@
 //! The ViT forward pass and its manual backward, written once over the `Backend` trait.
 //! Reads top to bottom like the model: patchify → patch embedding → tokens (+ class token,
-//! + position embedding) → `depth` pre-LN blocks → final norm + pool → head → cross-entropy.
+//! + position embedding) → `depth` pre-LN blocks → pool + final norm → head → cross-entropy.
 //!
 //! Every layer's forward saves what its backward needs in `Activations`; backward walks the
 //! same list in reverse. Parameter gradients accumulate into `grads` (so micro-batches of a
@@ -86,10 +86,9 @@ struct Activations<B: Backend> {
     patch_emb: B::Buf, // (B·NP, C)
     x0: B::Buf,        // (B·N, C) tokens entering block 0
     blocks: Vec<BlockActs<B>>,
-    final_ln: B::Buf, // token pool: (B·N, C) normed tokens; avg pool: (B, C) normed pooled
     final_mean: B::Buf,
     final_rstd: B::Buf,
-    pooled_raw: B::Buf, // avg pool: (B, C) mean of patch tokens before fc_norm
+    pooled_raw: B::Buf, // (B, C) the class token or the mean of the patch tokens, before the norm
     pooled: B::Buf,     // (B, C) head input
     logits: B::Buf,     // (B, K)
     targets: B::Buf,    // (B, K) f32
@@ -98,7 +97,6 @@ struct Activations<B: Backend> {
     dlogits: B::Buf,
     dpooled: B::Buf,     // (B, C)
     dpooled_raw: B::Buf, // (B, C)
-    dfinal: B::Buf,      // (B·N, C)
     dres_a: B::Buf,      // (B·N, C) residual-stream gradient (ping)
     dres_b: B::Buf,      // (B·N, C) residual-stream gradient (pong)
     dln: B::Buf,         // (B·N, C)
@@ -142,10 +140,6 @@ impl<B: Backend> Activations<B> {
                 x2: be.alloc(bn * c)?,
             });
         }
-        let final_rows = match m.global_pool {
-            GlobalPool::Token => bn,
-            GlobalPool::Avg => cap,
-        };
         Ok(Activations {
             cap,
             regen,
@@ -154,9 +148,8 @@ impl<B: Backend> Activations<B> {
             patch_emb: be.alloc(cap * np * c)?,
             x0: be.alloc(bn * c)?,
             blocks,
-            final_ln: be.alloc(final_rows * c)?,
-            final_mean: be.alloc_f32(final_rows)?,
-            final_rstd: be.alloc_f32(final_rows)?,
+            final_mean: be.alloc_f32(cap)?,
+            final_rstd: be.alloc_f32(cap)?,
             pooled_raw: be.alloc(cap * c)?,
             pooled: be.alloc(cap * c)?,
             logits: be.alloc(cap * k)?,
@@ -165,7 +158,6 @@ impl<B: Backend> Activations<B> {
             dlogits: be.alloc(cap * k)?,
             dpooled: be.alloc(cap * c)?,
             dpooled_raw: be.alloc(cap * c)?,
-            dfinal: be.alloc(final_rows * c)?,
             dres_a: be.alloc(bn * c)?,
             dres_b: be.alloc(bn * c)?,
             dln: be.alloc(bn * c)?,
@@ -360,18 +352,14 @@ impl<B: Backend> Vit<B> {
         }
         let x_last = a.blocks.last().map_or(&a.x0, |blk| &blk.x2);
 
-        // ---- final norm + pooling → head input (B, C)
+        // ---- pooling + final norm → head input (B, C). timm normalizes every token and then
+        // takes the class token (token pool) or normalizes the patch tokens' mean (avg pool,
+        // fc_norm); LayerNorm is per row, so pooling first gives the same head input from B
+        // rows instead of B·N.
         let prefix = m.num_prefix_tokens();
-        match m.global_pool {
-            GlobalPool::Token => {
-                be.layernorm_forward(&mut a.final_ln, &mut a.final_mean, &mut a.final_rstd, x_last, w, t.final_norm_w, t.final_norm_b, bn, c)?;
-                be.pool_forward(&mut a.pooled, &a.final_ln, b, n, c, prefix, false)?;
-            }
-            GlobalPool::Avg => {
-                be.pool_forward(&mut a.pooled_raw, x_last, b, n, c, prefix, true)?;
-                be.layernorm_forward(&mut a.pooled, &mut a.final_mean, &mut a.final_rstd, &a.pooled_raw, w, t.final_norm_w, t.final_norm_b, b, c)?;
-            }
-        }
+        let avg = m.global_pool == GlobalPool::Avg;
+        be.pool_forward(&mut a.pooled_raw, x_last, b, n, c, prefix, avg)?;
+        be.layernorm_forward(&mut a.pooled, &mut a.final_mean, &mut a.final_rstd, &a.pooled_raw, w, t.final_norm_w, t.final_norm_b, b, c)?;
         be.matmul_forward(&mut a.logits, None, &a.pooled, w, t.head_w, Some(t.head_b), b, c, k)?;
 
         // ---- loss (and its gradient, when a backward follows)
@@ -412,24 +400,15 @@ impl<B: Backend> Vit<B> {
 
         // ---- head, pooling, final norm → residual-stream gradient of the last block (dres_a)
         be.matmul_backward(&mut a.dpooled, g, &a.dlogits, &a.pooled, None, w, t.head_w, Some(t.head_b), b, c, k)?;
-        // Whether the LayerNorm backward that produced dres_a also summed it into the fc2 bias
-        // gradient of the block about to be differentiated (then fc2's backward skips its own).
-        let mut fc2_bias_summed = false;
-        {
-            let x_last = a.blocks.last().map_or(&a.x0, |blk| &blk.x2);
-            match m.global_pool {
-                GlobalPool::Token => {
-                    be.pool_backward(&mut a.dfinal, &a.dpooled, b, n, c, prefix, false)?;
-                    let last_fc2_b = t.blocks.last().map(|s| s.fc2_b);
-                    be.layernorm_backward(&mut a.dres_a, g, &a.dfinal, None, x_last, &a.final_mean, &a.final_rstd, w, t.final_norm_w, t.final_norm_b, bn, c, last_fc2_b)?;
-                    fc2_bias_summed = last_fc2_b.is_some();
-                }
-                GlobalPool::Avg => {
-                    be.layernorm_backward(&mut a.dpooled_raw, g, &a.dpooled, None, &a.pooled_raw, &a.final_mean, &a.final_rstd, w, t.final_norm_w, t.final_norm_b, b, c, None)?;
-                    be.pool_backward(&mut a.dres_a, &a.dpooled_raw, b, n, c, prefix, true)?;
-                }
-            }
-        }
+        // The final norm's backward also sums its input gradient into the last fc2's bias
+        // gradient: the pool's backward spreads dpooled_raw over the tokens without changing its
+        // column sums (the class token's row, or N − prefix rows of 1/(N − prefix) each).
+        // `fc2_bias_summed`: the block about to be differentiated has its fc2 bias gradient.
+        let last_fc2_b = t.blocks.last().map(|s| s.fc2_b);
+        let avg = m.global_pool == GlobalPool::Avg;
+        be.layernorm_backward(&mut a.dpooled_raw, g, &a.dpooled, None, &a.pooled_raw, &a.final_mean, &a.final_rstd, w, t.final_norm_w, t.final_norm_b, b, c, last_fc2_b)?;
+        be.pool_backward(&mut a.dres_a, &a.dpooled_raw, b, n, c, prefix, avg)?;
+        let mut fc2_bias_summed = last_fc2_b.is_some();
 
         // ---- blocks in reverse; dres_a holds d(block output) on entry and d(block input) on exit
         for i in (0..m.depth).rev() {

@@ -3,22 +3,44 @@
 
 // AdamW (adamw = 1, decoupled decay) or Adam with L2 (adamw = 0), torch semantics.
 // bc1 = 1 − β1^t, bc2 = 1 − β2^t (1 when bias correction is off).
+__device__ __forceinline__ void adam_update(float& p, float g, float& m, float& v, float lr, float b1, float b2, float eps,
+                                            float decay, int adamw, float bc1, float bc2) {
+    if (!adamw) g += decay * p;
+    m = b1 * m + (1.f - b1) * g;
+    v = b2 * v + (1.f - b2) * g * g;
+    const float upd = (m / bc1) / (sqrtf(v / bc2) + eps);
+    if (adamw) p -= lr * decay * p;
+    p -= lr * upd;
+}
+
+// Four elements per thread and iteration (stride apart), all loaded before any is updated:
+// one at a time kept 16 bytes per thread in flight and ran at ~2.4 TB/s on an H200. (Vector
+// loads would need m and v 16-byte aligned; v starts at P, any even count of parameters.)
 extern "C" __global__ void adam_kernel(float* p, const float* g, float* m, float* v, const i64* segs,
                                        float lr, float b1, float b2, float eps, float wd, int adamw,
                                        float bc1, float bc2, float gscale) {
-    i64 start = segs[3 * blockIdx.y], end = segs[3 * blockIdx.y + 1];
-    float decay = segs[3 * blockIdx.y + 2] ? wd : 0.f;
-    for (i64 i = start + (i64)blockIdx.x * blockDim.x + threadIdx.x; i < end; i += (i64)gridDim.x * blockDim.x) {
-        float pi = p[i];
-        float gi = g[i] * gscale;
-        if (!adamw) gi += decay * pi;
-        float mi = b1 * m[i] + (1.f - b1) * gi;
-        float vi = b2 * v[i] + (1.f - b2) * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        float upd = (mi / bc1) / (sqrtf(vi / bc2) + eps);
-        if (adamw) pi -= lr * decay * pi;
-        p[i] = pi - lr * upd;
+    const i64 start = segs[3 * blockIdx.y], end = segs[3 * blockIdx.y + 1];
+    const float decay = segs[3 * blockIdx.y + 2] ? wd : 0.f;
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    i64 i = start + (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 3 * stride < end; i += 4 * stride) {
+        float pv[4], gv[4], mv[4], vv[4];
+        #pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const i64 j = i + k * stride;
+            pv[k] = p[j]; gv[k] = g[j]; mv[k] = m[j]; vv[k] = v[j];
+        }
+        #pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const i64 j = i + k * stride;
+            adam_update(pv[k], gv[k] * gscale, mv[k], vv[k], lr, b1, b2, eps, decay, adamw, bc1, bc2);
+            p[j] = pv[k]; m[j] = mv[k]; v[j] = vv[k];
+        }
+    }
+    for (; i < end; i += stride) {
+        float pi = p[i], mi = m[i], vi = v[i];
+        adam_update(pi, g[i] * gscale, mi, vi, lr, b1, b2, eps, decay, adamw, bc1, bc2);
+        p[i] = pi; m[i] = mi; v[i] = vi;
     }
 }
 
