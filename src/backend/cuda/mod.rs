@@ -685,8 +685,6 @@ impl Cuda {
     /// `attention_backward`, plus the qkv bias gradient into `dbias` (an f32 device address of
     /// 3·H·D values) when given: summed inside the small-head kernel, else a column sum of dqkv.
     #[allow(clippy::too_many_arguments)]
-    /// `attention_backward`, plus the qkv bias gradient into `dbias` when given.
-    #[allow(clippy::too_many_arguments)]
     fn attention_backward_impl(&self, dqkv: &mut CudaBuf, dbias: Option<CUdeviceptr>, dout: &CudaBuf, qkv: &CudaBuf, out: &CudaBuf, probs: &CudaBuf, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
         let summed = self.attention_backward_kernels(dqkv, dbias, dout, qkv, out, probs, b, n, h, d)?;
         match dbias {
@@ -695,6 +693,9 @@ impl Cuda {
         }
     }
 
+    /// The attention backward's kernels. The small-head kernel also sums the qkv bias gradient
+    /// into `dbias` when given; the return value says whether it did.
+    #[allow(clippy::too_many_arguments)]
     fn attention_backward_kernels(&self, dqkv: &mut CudaBuf, dbias: Option<CUdeviceptr>, dout: &CudaBuf, qkv: &CudaBuf, out: &CudaBuf, probs: &CudaBuf, b: usize, n: usize, h: usize, d: usize) -> BResult<bool> {
         const OP: &str = "attention_backward";
         check_bf16(OP, "dqkv", dqkv)?;

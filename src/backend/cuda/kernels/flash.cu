@@ -919,7 +919,7 @@ __device__ __forceinline__ void flash_bwd_small(bf16* __restrict__ dqkv, const b
         fa_zero(dv);
         // Queries in steps of FA_SMALL_QC (the last one NP mod QC). A step's P and dP live in
         // registers (QC/2 floats each per lane) and the K, V fragments are reloaded from shared
-        // memory per step (FA_SMALL_KV_REG 0) rather than held across steps: registers set how
+        // memory per step rather than held across steps: registers set how
         // many blocks share an SM, and this kernel is latency-bound.
         auto step = [&](auto qn, int q0) {
             constexpr int QN = decltype(qn)::value;
