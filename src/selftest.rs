@@ -581,6 +581,50 @@ pub fn run_checks<B: Backend>(be: &B, seed: Option<u64>) -> BResult<(u64, Vec<Ch
     Ok((seed, cx.checks, dev, cpu))
 }
 
+/// The opt-in Hopper GEMM (`kernels/hopper.cu`, fc1 with the GELU in its epilogue) against
+/// the default cuBLASLt product + GELU pass, at the CIFAR ViT-S and ViT-B/16 fc1 shapes with a
+/// partial last row tile (fresh random inputs). Both round pre and act to bf16 from f32 sums
+/// (possibly in different orders): relative error ≤ 1e-2 (bf16's), NaN fails; a failed check
+/// too when the launch table shows the other path ran. On an H200 the two agreed bit for bit.
+/// None when the kernel is not compiled (not an sm_90 device).
+fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult<Option<Vec<Check>>> {
+    if !be.has_fused_gemm() {
+        return Ok(None);
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x6e11);
+    let mut checks = Vec::new();
+    let chosen = be.fused_gemm();
+    for &(rows, ic, oc) in &[(3 * 65, 384, 1536), (2 * 197, 768, 3072), (5, 64, 128)] {
+        let mut r = |n: usize, s: f32| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-s..s)).collect() };
+        let (w, bias) = (Span { off: 0, len: oc * ic }, Span { off: oc * ic, len: oc });
+        let mut params = be.alloc(oc * ic + oc)?;
+        be.upload(&mut params, 0, &r(oc * ic + oc, 0.1))?;
+        let mut inp = be.alloc(rows * ic)?;
+        be.upload(&mut inp, 0, &r(rows * ic, 1.0))?;
+        let mut outs = Vec::new();
+        for fused in [false, true] {
+            be.set_fused_gemm(fused);
+            let (mut out, mut pre) = (be.alloc(rows * oc)?, be.alloc(rows * oc)?);
+            // the launch table proves which path ran (equal outputs alone would not)
+            be.set_profiling(true);
+            let run = be.matmul_forward(&mut out, Some(&mut pre), &inp, &params, w, Some(bias), rows, ic, oc);
+            be.set_fused_gemm(chosen);
+            let launched = be.take_profile();
+            be.set_profiling(false);
+            run?;
+            let ran = launched?.iter().any(|(name, _, _)| name == "gemm_gelu_fwd_sm90");
+            if ran != fused {
+                checks.push(Check { name: format!("hopper GEMM chosen = {fused} but it {} [{rows}×{ic}·{oc}]", if ran { "ran" } else { "did not run" }), rel_err: f64::NAN, tol: 0.0, pass: false });
+            }
+            outs.push((be.download(&out)?, be.download(&pre)?));
+        }
+        for (what, e) in [("act", rel_err(&outs[1].0, &outs[0].0)), ("pre", rel_err(&outs[1].1, &outs[0].1))] {
+            checks.push(Check { name: format!("hopper GEMM fc1+gelu {what} vs cuBLASLt [{rows}×{ic}·{oc}]"), rel_err: e, tol: 1e-2, pass: e.is_finite() && e <= 1e-2 });
+        }
+    }
+    Ok(Some(checks))
+}
+
 /// Command-line options of `vitscale selftest`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct SelftestArgs {
@@ -621,6 +665,11 @@ pub fn selftest(args: &SelftestArgs) -> anyhow::Result<bool> {
             let be = crate::backend::cuda::Cuda::new(args.gpu)?;
             let chosen = be.attention_path();
             let (seed, mut checks, d, c) = run_checks(&be, args.seed)?;
+            match hopper_gemm_checks(&be, seed) {
+                Ok(Some(cs)) => checks.extend(cs),
+                Ok(None) => println!("hopper GEMM kernel not compiled for this device (sm_90 only): its checks skipped"),
+                Err(e) => checks.push(Check { name: format!("hopper GEMM checks: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false }),
+            }
             // Every attention path, whatever VITSCALE_ATTENTION chose for the checks above.
             for (i, path) in crate::backend::cuda::AttentionPath::ALL.into_iter().enumerate() {
                 be.set_attention(path);

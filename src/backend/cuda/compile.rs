@@ -32,6 +32,11 @@ pub const SOURCES: &[(&str, &str)] = &[
 /// so the paths that need them report the error while everything else keeps working.
 pub const OPTIONAL: &[(&str, &str)] = &[("flash.cu", include_str!("kernels/flash.cu"))];
 
+/// Optional modules for Hopper only (`sm_90`), compiled for `sm_90a`: the warpgroup (wgmma)
+/// instructions exist on no other architecture. Elsewhere they are skipped and their kernels
+/// are missing.
+pub const HOPPER: &[(&str, &str)] = &[("hopper.cu", include_str!("kernels/hopper.cu"))];
+
 fn dev_err(op: &str, e: impl std::fmt::Display) -> BackendError {
     BackendError::Device(format!("{op}: {e}"))
 }
@@ -115,8 +120,7 @@ pub struct Kernels {
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>, arch: &str) -> Result<Kernels, BackendError> {
         let (maj, min) = nvrtc_version()?;
-        let opts = vec![
-            format!("--gpu-architecture={arch}"),
+        let base_opts = vec![
             "--std=c++17".to_string(),
             "-default-device".to_string(),
             "--use_fast_math".to_string(),
@@ -126,8 +130,11 @@ impl Kernels {
         let mut modules = Vec::new();
         let mut compile_s = 0.0;
         let mut failed = Vec::new();
-        let all = SOURCES.iter().map(|s| (s, false)).chain(OPTIONAL.iter().map(|s| (s, true)));
-        for ((name, body), optional) in all {
+        let hopper: &[(&str, &str)] = if arch == "sm_90" { HOPPER } else { &[] };
+        let all = SOURCES.iter().map(|s| (s, false, arch)).chain(OPTIONAL.iter().map(|s| (s, true, arch))).chain(hopper.iter().map(|s| (s, true, "sm_90a")));
+        for ((name, body), optional, arch) in all {
+            let mut opts = vec![format!("--gpu-architecture={arch}")];
+            opts.extend(base_opts.iter().cloned());
             let src = format!("{COMMON}\n#line 1 \"{name}\"\n{body}");
             let mut h = Sha256::new();
             h.update(src.as_bytes());
@@ -253,7 +260,7 @@ mod tests {
     #[test]
     fn kernel_names_are_identifiers_and_complete() {
         let mut all = Vec::new();
-        for (_, src) in SOURCES.iter().chain(OPTIONAL.iter()) {
+        for (_, src) in SOURCES.iter().chain(OPTIONAL.iter()).chain(HOPPER.iter()) {
             for n in kernel_names(src) {
                 assert!(!n.is_empty() && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') && !n.starts_with("__"), "bad kernel name {n:?}");
                 all.push(n);
@@ -261,7 +268,8 @@ mod tests {
         }
         for want in ["layernorm_fwd_v24", "layernorm_bwd_v24", "layernorm_bwd_v12", "layernorm_fwd_c24", "layernorm_bwd_c3",
                      "gelu_fwd_v8", "gelu_bwd_v8", "add_v8", "bias_grad_v8", "reduce_partials_t", "add_kernel",
-                     "flash_fwd_small_d64_w5", "flash_bwd_small_d32_w4", "layernorm_bwd_s12", "layernorm_bwd_s24", "gelu_fwd_bias_v8"] {
+                     "flash_fwd_small_d64_w5", "flash_bwd_small_d32_w4", "layernorm_bwd_s12", "layernorm_bwd_s24", "gelu_fwd_bias_v8",
+                     "gemm_gelu_fwd_sm90"] {
             assert!(all.iter().any(|n| n == want), "{want} not listed");
         }
         let mod_rs = include_str!("mod.rs");

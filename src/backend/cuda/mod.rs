@@ -24,6 +24,8 @@
 //!   backward keeps a whole head in one 8-warp block (no dQ atomics); `fused-pipe` uses the
 //!   tiled forward and the key-block backward for every N (to compare; it is what N > 256
 //!   gets anyway).
+//! - Opt-in (`FUSED_GEMM_ENV`): the MLP's first layer as one Hopper wgmma kernel with the erf
+//!   GELU in its epilogue (`kernels/hopper.cu`, compiled for sm_90a on sm_90 devices only).
 //! - Batch inputs (`upload_input`) are converted into pinned staging memory and copied on a
 //!   second stream; the compute stream waits on an event, the host does not wait.
 
@@ -249,6 +251,8 @@ pub struct Cuda {
     profile: Mutex<Option<Vec<(String, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>>>,
     /// Attention path (`AttentionPath as u8`).
     attention: AtomicU8,
+    /// Whether the Hopper GEMM kernel is used where it applies (`set_fused_gemm`).
+    fused_gemm: std::sync::atomic::AtomicBool,
 }
 
 /// Environment variable that picks the attention path: `fused` (default), `fused-pipe` or `gemm`.
@@ -295,6 +299,18 @@ pub fn parse_attention(v: &str) -> Result<AttentionPath, String> {
             .ok_or_else(|| format!("attention path must be gemm, fused or fused-pipe, got {other:?}")),
     }
 }
+
+/// Environment variable: `1` (or `on`) uses the Hopper GEMM kernel for the MLP's first layer
+/// (`kernels/hopper.cu`: correct, slower than cuBLASLt + the GELU pass so far); anything else,
+/// or unset, keeps cuBLASLt.
+pub const FUSED_GEMM_ENV: &str = "VITSCALE_FUSED_GEMM";
+
+/// Rows per block, threads per block and dynamic shared memory of `gemm_gelu_fwd_sm90`
+/// (hopper.cu's instance: two warpgroups of 64 rows, a 3-stage ring of two 128×64 bf16 tiles,
+/// plus 1 KiB of alignment slack).
+const HOPPER_GEMM_BM: usize = 128;
+const HOPPER_GEMM_THREADS: u32 = 256;
+const HOPPER_GEMM_SMEM: u32 = 3 * (128 * 64 * 2 + 128 * 64 * 2) + 1024;
 
 /// Opt-in shared memory per block on sm_90 (227 KiB).
 const SHORT_BWD_SMEM_MAX: usize = 227 * 1024;
@@ -348,6 +364,7 @@ impl Cuda {
             acc,
             profile: Mutex::new(None),
             attention: AtomicU8::new(attention as u8),
+            fused_gemm: std::sync::atomic::AtomicBool::new(matches!(std::env::var(FUSED_GEMM_ENV).as_deref().map(str::trim), Ok("1") | Ok("on"))),
             copy_stream,
             staging,
             next_staging: AtomicUsize::new(0),
@@ -377,6 +394,37 @@ impl Cuda {
     /// (free, total) bytes on the device as the driver reports them.
     pub fn mem_info(&self) -> BResult<(usize, usize)> {
         self.ctx.mem_get_info().map_err(dev("cuMemGetInfo"))
+    }
+
+    /// Whether the Hopper GEMM kernel (`kernels/hopper.cu`) takes a (rows × ic)·(oc × ic)ᵀ
+    /// product: chosen (`set_fused_gemm`), compiled (sm_90), oc % 128 == 0,
+    /// ic % 64 == 0, 16-byte aligned operands (`ptrs`) and a 4-byte aligned bias (0 = none).
+    fn fused_gemm_ok(&self, rows: usize, ic: usize, oc: usize, ptrs: &[CUdeviceptr], bias: CUdeviceptr) -> bool {
+        self.fused_gemm.load(Ordering::Relaxed)
+            && rows > 0
+            && oc % 128 == 0
+            && ic % 64 == 0
+            && ic > 0
+            && rows.div_ceil(HOPPER_GEMM_BM) <= 65535
+            && ptrs.iter().all(|&p| p % 16 == 0)
+            && bias % 4 == 0
+            && self.kernels.get("gemm_gelu_fwd_sm90").is_ok()
+    }
+
+    /// Whether the Hopper GEMM kernel was compiled (an sm_90 device).
+    pub fn has_fused_gemm(&self) -> bool {
+        self.kernels.get("gemm_gelu_fwd_sm90").is_ok()
+    }
+
+    /// Whether the Hopper GEMM kernel is chosen (`set_fused_gemm`).
+    pub fn fused_gemm(&self) -> bool {
+        self.fused_gemm.load(Ordering::Relaxed)
+    }
+
+    /// Uses the Hopper GEMM kernel where it applies (`true`; default off, see FUSED_GEMM_ENV)
+    /// or cuBLASLt plus the separate GELU pass.
+    pub fn set_fused_gemm(&self, on: bool) {
+        self.fused_gemm.store(on, Ordering::Relaxed);
     }
 
     /// Chooses the attention path for later calls. Buffers sized by `attention_saved_len`
@@ -1234,6 +1282,12 @@ impl Backend for Cuda {
             Some(pre) => {
                 check_bf16(OP, "gelu_pre", pre)?;
                 check_len(OP, "gelu_pre", pre, rows * oc)?;
+                let w_ptr = params.at(w.off);
+                if self.fused_gemm_ok(rows, ic, oc, &[out.ptr, pre.ptr, inp.ptr, w_ptr], bias_ptr) {
+                    // one Hopper kernel: the product, pre and the GELU output from its epilogue
+                    let (m, n, k) = (rows as i32, oc as i32, ic as i32);
+                    return self.launch_dyn("gemm_gelu_fwd_sm90", ((oc / 128) as u32, rows.div_ceil(HOPPER_GEMM_BM) as u32, 1), (HOPPER_GEMM_THREADS, 1, 1), HOPPER_GEMM_SMEM, &mut kargs![out.ptr, pre.ptr, inp.ptr, w_ptr, bias_ptr, m, n, k]);
+                }
                 // the plain product (no bias epilogue: faster), the bias joins in the GELU pass
                 self.gemm(OP, linear_shape(rows, ic, oc, false, false), params.at(w.off), inp.ptr, pre.ptr, 0, 1.0, 0.0)?;
                 self.gelu_fwd_launch(out.ptr, pre.ptr, bias_ptr, rows, oc)
