@@ -305,12 +305,9 @@ pub fn parse_attention(v: &str) -> Result<AttentionPath, String> {
 /// or unset, keeps cuBLASLt.
 pub const FUSED_GEMM_ENV: &str = "VITSCALE_FUSED_GEMM";
 
-/// Rows per block, threads per block and dynamic shared memory of `gemm_gelu_fwd_sm90`
-/// (hopper.cu's instance: two warpgroups of 64 rows, a 3-stage ring of two 128×64 bf16 tiles,
-/// plus 1 KiB of alignment slack).
-const HOPPER_GEMM_BM: usize = 128;
-const HOPPER_GEMM_THREADS: u32 = 256;
-const HOPPER_GEMM_SMEM: u32 = 3 * (128 * 64 * 2 + 128 * 64 * 2) + 1024;
+/// Dynamic shared memory of `gemm_gelu_fwd_tma` (hopper.cu: a 3-stage ring of two 128×64 bf16
+/// tiles, 1 KiB of alignment slack, six 8-byte barriers rounded up).
+const HOPPER_GEMM_SMEM: u32 = 3 * (128 * 64 * 2 + 128 * 64 * 2) + 1024 + 64;
 
 /// Opt-in shared memory per block on sm_90 (227 KiB).
 const SHORT_BWD_SMEM_MAX: usize = 227 * 1024;
@@ -405,21 +402,22 @@ impl Cuda {
             && oc % 128 == 0
             && ic % 64 == 0
             && ic > 0
-            && rows.div_ceil(HOPPER_GEMM_BM) <= 65535
+            && rows.div_ceil(128) <= 65535
             && ptrs.iter().all(|&p| p % 16 == 0)
             && bias % 4 == 0
-            && self.kernels.get("gemm_gelu_fwd_sm90").is_ok()
+            && self.kernels.get("gemm_gelu_fwd_tma").is_ok()
     }
 
     /// Whether the Hopper GEMM kernel was compiled (an sm_90 device).
     pub fn has_fused_gemm(&self) -> bool {
-        self.kernels.get("gemm_gelu_fwd_sm90").is_ok()
+        self.kernels.get("gemm_gelu_fwd_tma").is_ok()
     }
 
     /// Whether the Hopper GEMM kernel is chosen (`set_fused_gemm`).
     pub fn fused_gemm(&self) -> bool {
         self.fused_gemm.load(Ordering::Relaxed)
     }
+
 
     /// Uses the Hopper GEMM kernel where it applies (`true`; default off, see FUSED_GEMM_ENV)
     /// or cuBLASLt plus the separate GELU pass.
@@ -1034,6 +1032,41 @@ fn linear_shape(rows: usize, ic: usize, oc: usize, bias: bool, accumulate: bool)
     }
 }
 
+/// A TMA descriptor of a row-major bf16 matrix (`rows` rows of `k` contiguous elements at
+/// `ptr`) read in 128-row × 64-column boxes with the 128-byte swizzle (the layout the Hopper
+/// kernels' wgmma descriptors name); rows past the end read as zeros.
+fn tensor_map_k_major(ptr: CUdeviceptr, k: usize, rows: usize) -> BResult<cudarc::driver::sys::CUtensorMap> {
+    use cudarc::driver::sys as cu;
+    // SAFETY: a plain-old-data struct the driver fills in below.
+    let mut map: cu::CUtensorMap = unsafe { std::mem::zeroed() };
+    let dims = [k as u64, rows as u64];
+    let strides = [(k * 2) as u64];
+    let boxes = [64u32, 128u32];
+    let elem = [1u32, 1u32];
+    // SAFETY: out-pointer to a live CUtensorMap; the arrays hold rank (2) and rank − 1 entries;
+    // ptr is a 16-byte aligned device address (the caller checked) valid for rows × k bf16.
+    let r = unsafe {
+        cu::cuTensorMapEncodeTiled(
+            &mut map,
+            cu::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            2,
+            ptr as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem.as_ptr(),
+            cu::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            cu::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            cu::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            cu::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if r != cu::CUresult::CUDA_SUCCESS {
+        return Err(BackendError::Device(format!("cuTensorMapEncodeTiled ({rows}×{k} bf16): {r:?}")));
+    }
+    Ok(map)
+}
+
 fn check_len(op: &'static str, what: &str, buf: &CudaBuf, want: usize) -> BResult<()> {
     if buf.len < want {
         return Err(BackendError::Shape { op, msg: format!("{what} holds {} elements, needs {want}", buf.len) });
@@ -1286,7 +1319,9 @@ impl Backend for Cuda {
                 if self.fused_gemm_ok(rows, ic, oc, &[out.ptr, pre.ptr, inp.ptr, w_ptr], bias_ptr) {
                     // one Hopper kernel: the product, pre and the GELU output from its epilogue
                     let (m, n, k) = (rows as i32, oc as i32, ic as i32);
-                    return self.launch_dyn("gemm_gelu_fwd_sm90", ((oc / 128) as u32, rows.div_ceil(HOPPER_GEMM_BM) as u32, 1), (HOPPER_GEMM_THREADS, 1, 1), HOPPER_GEMM_SMEM, &mut kargs![out.ptr, pre.ptr, inp.ptr, w_ptr, bias_ptr, m, n, k]);
+                    let ta = tensor_map_k_major(inp.ptr, ic, rows)?;
+                    let tb = tensor_map_k_major(w_ptr, ic, oc)?;
+                    return self.launch_dyn("gemm_gelu_fwd_tma", ((oc / 128) as u32, rows.div_ceil(128) as u32, 1), (288, 1, 1), HOPPER_GEMM_SMEM, &mut kargs![out.ptr, pre.ptr, ta, tb, bias_ptr, m, n, k]);
                 }
                 // the plain product (no bias epilogue: faster), the bias joins in the GELU pass
                 self.gemm(OP, linear_shape(rows, ic, oc, false, false), params.at(w.off), inp.ptr, pre.ptr, 0, 1.0, 0.0)?;

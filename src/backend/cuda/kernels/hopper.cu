@@ -1,29 +1,29 @@
 // Hopper (sm_90a) GEMM on the warpgroup tensor-core instructions (wgmma) with the MLP's erf
-// GELU in its epilogue (timm's nn.GELU; cuBLASLt's GELU epilogue is the tanh approximation).
-// Opt-in (VITSCALE_FUSED_GEMM=1): it is correct (selftest) but slower than cuBLASLt plus the
-// separate GELU pass — its main loop reaches ≈ 60–70 % of cuBLASLt's rate and the epilogue's
-// GELU arithmetic does not overlap the tensor cores (BENCHMARKS.md). It is the base for the
-// warp-specialized (TMA producer, consumer warpgroups, overlapped epilogue) kernel that would.
+// GELU in its epilogue (timm's nn.GELU; cuBLASLt's GELU epilogue is the tanh approximation):
+// fc1's pre-activation and GELU output from one kernel instead of cuBLASLt's product and a
+// separate GELU pass. Opt-in (VITSCALE_FUSED_GEMM=1): its outputs equal cuBLASLt's bit for bit
+// on an H200 (selftest), but it is slower than cuBLASLt plus the GELU pass — 1.69 vs 1.48 ms per
+// CIFAR ViT-S step, 7.30 vs 5.96 ms per ViT-B/16 step — because the epilogue's GELU arithmetic
+// does not overlap the tensor cores and the main loop trails cuBLASLt's (BENCHMARKS.md has the
+// variants measured). It is the base for the kernel that would win: a persistent one whose
+// epilogue overlaps the next tile's main loop at full tensor-core rate.
 //
-// Layout: C(M×N) = A(M×K) · B(N×K)ᵀ, both operands row-major with K contiguous ("K-major", as
-// a linear layer's input and weight are). A block computes a (64·WG)×128 tile, each warpgroup
-// 64 rows with one m64n128k16 wgmma per 16-wide K step. K advances in 64-wide tiles through a
-// cp.async ring of STAGES stages in shared memory; each tile row (64 bf16 = 128 bytes) is
-// stored with the 128-byte swizzle the wgmma descriptors name: 16-byte chunk c of row r sits at
-// chunk c ^ (r % 8) (stages 1024-byte aligned, so this matches the hardware's address-bit XOR).
-// Requires N % 128 == 0, K % 64 == 0, 16-byte aligned rows; M is free (rows past M load as
-// zeros and are not stored).
+// C(M×N) = A(M×K) · B(N×K)ᵀ, both operands row-major with K contiguous ("K-major", as a linear
+// layer's input and weight are). A block computes a 128×128 tile: warps 0–7 are two consumer
+// warpgroups (64 rows each, one m64n128k16 wgmma per 16-wide K step), warp 8 the producer: its
+// lane 0 issues the TMA copies of each 128×64 A and B tile into a 3-stage ring. The tensor maps
+// apply the 128-byte swizzle: 16-byte chunk c of tile row r (64 bf16 = 128 bytes) lands at chunk
+// c ^ (r % 8), the layout the wgmma descriptors name (stages 1024-byte aligned). full[s]
+// completes when a stage's bytes have landed (the copies' transaction count), empty[s] when the
+// 8 consumer warps are done with it. Two blocks per SM (97 KiB of shared memory, 96
+// registers). Requires N % 128 == 0, K % 64 == 0, 16-byte aligned rows; M is free (the tensor
+// map reads rows past M as zeros; they are not stored).
 
 #define HG_BN 128
 #define HG_BK 64
-#define HG_B_TILE (HG_BN * HG_BK * 2)             // bytes of one B tile: 16 KiB
 #define HG_LDO (HG_BN + 8)                        // epilogue staging row stride (bf16)
 
 __device__ __forceinline__ unsigned hg_smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void hg_cp_async16(unsigned dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
 
 // Shared-memory matrix descriptor of a K-major tile with the 128-byte swizzle: start address,
 // leading byte offset (unused by this mode: 16), stride byte offset 1024 (8 rows × 128 bytes
@@ -43,82 +43,98 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long l
         : "l"(da), "l"(db));
 }
 
-// Loads the BM×64 tile of A (rows m0…) and the 128×64 tile of B (rows n0…) at K offset k0
-// into the stage at shared address `st` (A first, then B).
-template <int WG>
-__device__ __forceinline__ void hg_load_stage(unsigned st, const bf16* __restrict__ A, const bf16* __restrict__ B, int M, int K, int m0, int n0, int k0, int tid) {
-    #pragma unroll
-    for (int i = 0; i < 64 * WG * 8 / (128 * WG); i++) {
-        const int idx = tid + i * 128 * WG;  // chunk index: row idx / 8, chunk idx % 8
-        const int r = idx >> 3, c = idx & 7;
-        const int gm = m0 + r;
-        const bool ok = gm < M;
-        hg_cp_async16(st + r * 128 + ((c ^ (r & 7)) << 4), A + (i64)(ok ? gm : 0) * K + k0 + c * 8, ok);
-    }
-    #pragma unroll
-    for (int i = 0; i < HG_BN * 8 / (128 * WG); i++) {
-        const int idx = tid + i * 128 * WG;
-        const int r = idx >> 3, c = idx & 7;
-        hg_cp_async16(st + 64 * WG * 128 + r * 128 + ((c ^ (r & 7)) << 4), B + (i64)(n0 + r) * K + k0 + c * 8, true);
-    }
-}
+#define HT_STAGES 3
+#define HT_STAGE (2 * 128 * 64 * 2)   // an A and a B tile: 32 KiB
 
-// The main loop: acc (this thread's 64 values of its warpgroup's 64×128 slice) = A·Bᵀ over the
-// block's tile. Tile kt + 2 is loaded while the wgmma of tile kt runs and that of kt − 1
-// finishes (one wgmma group kept in flight): at iteration kt every thread has waited for its
-// group kt − 2 before the barrier, so that stage is free for tile kt + 2. Returns with every
-// wgmma complete and the ring free for reuse.
-template <int WG, int STAGES>
-__device__ __forceinline__ void hg_mainloop(float (&acc)[64], unsigned ring, const bf16* __restrict__ A, const bf16* __restrict__ B, int M, int K, int m0, int n0) {
-    const int tid = threadIdx.x, wg = tid >> 7;
+// A CUtensorMap (128 bytes), passed by value.
+struct __align__(64) HgTmap { unsigned long long v[16]; };
+
+__device__ __forceinline__ void ht_mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void ht_mbar_wait(unsigned bar, unsigned phase) {
+    asm volatile(
+        "{\n"
+        ".reg .pred P1;\n"
+        "HT_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+        "@P1 bra HT_DONE;\n"
+        "bra HT_WAIT;\n"
+        "HT_DONE:\n"
+        "}\n" ::"r"(bar), "r"(phase) : "memory");
+}
+__device__ __forceinline__ void ht_mbar_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void ht_mbar_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// The (c0, c1) box of `map` (c0 the contiguous coordinate) into shared `dst`, completing on `bar`.
+__device__ __forceinline__ void ht_tma_load(unsigned dst, const HgTmap* map, int c0, int c1, unsigned bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+                 ::"r"(dst), "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void ht_consumer_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
+
+// pre = bf16(A·Bᵀ) (no bias: the MLP keeps its pre-activation without it) and
+// act = bf16(gelu(pre + bias)) from the rounded pre, as matmul_forward's GEMM followed by
+// gelu_fwd_bias_v8 computes them. tmA: A (M×K, box 64×128), tmB: B (N×K, box 64×128), both bf16
+// with the 128-byte swizzle (`tensor_map_k_major`); bias: N bf16 values or null. Grid
+// (N / 128, ceil(M / 128)), 288 threads, HT_STAGES·32 KiB + 1 KiB alignment slack + 64 bytes of
+// barriers of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(288, 2) gemm_gelu_fwd_tma(bf16* __restrict__ act, bf16* __restrict__ pre, const __grid_constant__ HgTmap tmA, const __grid_constant__ HgTmap tmB, const bf16* __restrict__ bias, int M, int N, int K) {
+    extern __shared__ unsigned char ht_raw[];
+    const unsigned raw = hg_smem_u32(ht_raw);
+    const unsigned ring = (raw + 1023u) & ~1023u;
+    unsigned char* base = ht_raw + (ring - raw);
+    const unsigned bars = ring + HT_STAGES * HT_STAGE;  // full[s] at bars + 8s, empty[s] after
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    if (tid == 0) {
+        #pragma unroll
+        for (int s = 0; s < HT_STAGES; s++) {
+            ht_mbar_init(bars + 8 * s, 1);
+            ht_mbar_init(bars + 8 * (HT_STAGES + s), 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    const int m0 = blockIdx.y * 128, n0 = blockIdx.x * HG_BN, kt_n = K / HG_BK;
+    if (warp == 8) {
+        if (lane == 0) {
+            for (int kt = 0; kt < kt_n; kt++) {
+                const int s = kt % HT_STAGES;
+                if (kt >= HT_STAGES) ht_mbar_wait(bars + 8 * (HT_STAGES + s), ((kt / HT_STAGES) + 1) & 1);
+                const unsigned full = bars + 8 * s, st = ring + s * HT_STAGE;
+                ht_mbar_expect_tx(full, HT_STAGE);
+                ht_tma_load(st, &tmA, kt * HG_BK, m0, full);
+                ht_tma_load(st + HT_STAGE / 2, &tmB, kt * HG_BK, n0, full);
+            }
+        }
+        return;
+    }
+    const int wg = warp >> 2;
+    float acc[64];
     #pragma unroll
     for (int i = 0; i < 64; i++) acc[i] = 0.f;
-    const int kt_n = K / HG_BK;
-    #pragma unroll
-    constexpr int A_TILE = 64 * WG * 128, STAGE = A_TILE + HG_B_TILE;
-    for (int s = 0; s < STAGES - 2; s++) {
-        if (s < kt_n) hg_load_stage<WG>(ring + s * STAGE, A, B, M, K, m0, n0, s * HG_BK, tid);
-        asm volatile("cp.async.commit_group;\n" ::: "memory");
-    }
     for (int kt = 0; kt < kt_n; kt++) {
-        // tile kt has landed (this thread's copies; later groups may be in flight), is made
-        // visible to the async proxy the wgmma reads through, then every thread's copies are
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 3) : "memory");
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();
-        const int next = kt + STAGES - 2;
-        if (next < kt_n) hg_load_stage<WG>(ring + (next % STAGES) * STAGE, A, B, M, K, m0, n0, next * HG_BK, tid);
-        asm volatile("cp.async.commit_group;\n" ::: "memory");
-        const unsigned sa = ring + (kt % STAGES) * STAGE, sb = sa + A_TILE;
-        const unsigned long long da = hg_desc(sa + wg * 64 * 128), db = hg_desc(sb);
+        const int s = kt % HT_STAGES;
+        ht_mbar_wait(bars + 8 * s, (kt / HT_STAGES) & 1);
+        const unsigned sa = ring + s * HT_STAGE;
+        const unsigned long long da = hg_desc(sa + wg * 64 * 128), db = hg_desc(sa + HT_STAGE / 2);
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
         #pragma unroll
-        for (int kk = 0; kk < HG_BK / 16; kk++) wgmma_m64n128k16(acc, da + 2 * kk, db + 2 * kk);  // +32 bytes per step
+        for (int kk = 0; kk < HG_BK / 16; kk++) wgmma_m64n128k16(acc, da + 2 * kk, db + 2 * kk);
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        // this warpgroup's wgmma on tile kt − 1 are complete: release that stage
+        if (kt > 0 && lane == 0) ht_mbar_arrive(bars + 8 * (HT_STAGES + (kt - 1) % HT_STAGES));
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-    __syncthreads();
-}
+    ht_consumer_sync();  // both warpgroups are done with the ring: reuse it for staging
 
-template <int WG, int STAGES, bool GELU>
-__device__ __forceinline__ void hg_gemm_gelu(bf16* __restrict__ act, bf16* __restrict__ pre, const bf16* __restrict__ A, const bf16* __restrict__ B, const bf16* __restrict__ bias, int M, int N, int K) {
-    extern __shared__ unsigned char hg_raw[];
-    const unsigned raw = hg_smem_u32(hg_raw);
-    const unsigned ring = (raw + 1023u) & ~1023u;
-    unsigned char* base = hg_raw + (ring - raw);
-    const int m0 = blockIdx.y * 64 * WG, n0 = blockIdx.x * HG_BN;
-    float acc[64];
-    hg_mainloop<WG, STAGES>(acc, ring, A, B, M, K, m0, n0);
-
-    // accumulator (warpgroup wg, warp w, lane l): value 4j + {0,1} is row 64wg + 16w + l/4,
-    // columns 8j + 2(l % 4) + {0,1}; 4j + {2,3} the row 8 below. Stage both outputs in shared
-    // memory, then store whole 16-byte row chunks.
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int r0 = (warp >> 2) * 64 + (warp & 3) * 16 + (lane >> 2), cq = 2 * (lane & 3);
+    const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2), cq = 2 * (lane & 3);
     bf16* spre = (bf16*)base;
-    bf16* sact = spre + 64 * WG * HG_LDO;
+    bf16* sact = spre + 128 * HG_LDO;
     #pragma unroll
     for (int j = 0; j < 16; j++) {
         const int col = 8 * j + cq;
@@ -134,26 +150,19 @@ __device__ __forceinline__ void hg_gemm_gelu(bf16* __restrict__ act, bf16* __res
             const float p0 = bf2f((bf16)(p & 0xffffu)) + b0, p1 = bf2f((bf16)(p >> 16)) + b1;
             const int r = r0 + 8 * h;
             *(unsigned*)(spre + r * HG_LDO + col) = p;
-            if (GELU) *(unsigned*)(sact + r * HG_LDO + col) = f2bf2(gelu_f(p0), gelu_f(p1));
+            *(unsigned*)(sact + r * HG_LDO + col) = f2bf2(gelu_f(p0), gelu_f(p1));
         }
     }
-    __syncthreads();
+    ht_consumer_sync();
     #pragma unroll
-    for (int i = 0; i < 64 * WG * 16 / (128 * WG); i++) {
-        const int idx = tid + i * 128 * WG;  // BM rows × 16 chunks
+    for (int i = 0; i < 8; i++) {
+        const int idx = tid + i * 256;  // 128 rows × 16 chunks
         const int r = idx >> 4, c = (idx & 15) * 8;
         const int gm = m0 + r;
         if (gm < M) {
             const i64 g = (i64)gm * N + n0 + c;
             *(uint4*)(pre + g) = *(const uint4*)(spre + r * HG_LDO + c);
-            if (GELU) *(uint4*)(act + g) = *(const uint4*)(sact + r * HG_LDO + c);
+            *(uint4*)(act + g) = *(const uint4*)(sact + r * HG_LDO + c);
         }
     }
-}
-
-// The instance in use: 2 warpgroups (128-row tiles), 3 stages (97 KiB), two blocks per SM.
-// Measured against 4 warpgroups / 4 stages / one block per SM (256-row tiles) on an H200: 1.83
-// vs 1.93 ms per CIFAR ViT-S step, 7.59 vs 7.64 ms per ViT-B/16 step (BENCHMARKS.md).
-extern "C" __global__ void __launch_bounds__(256, 2) gemm_gelu_fwd_sm90(bf16* __restrict__ act, bf16* __restrict__ pre, const bf16* __restrict__ A, const bf16* __restrict__ B, const bf16* __restrict__ bias, int M, int N, int K) {
-    hg_gemm_gelu<2, 3, true>(act, pre, A, B, bias, M, N, K);
 }
