@@ -581,12 +581,14 @@ pub fn run_checks<B: Backend>(be: &B, seed: Option<u64>) -> BResult<(u64, Vec<Ch
     Ok((seed, cx.checks, dev, cpu))
 }
 
-/// The opt-in Hopper GEMM (`kernels/hopper.cu`, fc1 with the GELU in its epilogue) against
-/// the default cuBLASLt product + GELU pass, at the CIFAR ViT-S and ViT-B/16 fc1 shapes with a
-/// partial last row tile (fresh random inputs). Both round pre and act to bf16 from f32 sums
-/// (possibly in different orders): relative error ≤ 1e-2 (bf16's), NaN fails; a failed check
-/// too when the launch table shows the other path ran. On an H200 the two agreed bit for bit.
-/// None when the kernel is not compiled (not an sm_90 device).
+/// The opt-in Hopper GEMM kernels (`kernels/hopper.cu`) against the default cuBLASLt product
+/// plus GELU passes, at the CIFAR ViT-S and ViT-B/16 MLP shapes and a small one, each with a
+/// partial last row tile (fresh random inputs): fc1's forward (pre and the GELU output) and
+/// fc2's input gradient with the GELU backward (dinp, and the weight and fc1-bias gradients
+/// accumulated into random f32 values). Both paths round to bf16 from f32 sums (possibly in
+/// different orders): relative error ≤ 1e-2 for bf16 outputs, 1e-4 for the f32 gradients; NaN
+/// fails; a failed check too when the launch table shows the other path ran. On an H200 the
+/// bf16 outputs agreed bit for bit. None when the kernels are not compiled (not sm_90).
 fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult<Option<Vec<Check>>> {
     if !be.has_fused_gemm() {
         return Ok(None);
@@ -594,33 +596,52 @@ fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult<Opt
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x6e11);
     let mut checks = Vec::new();
     let chosen = be.fused_gemm();
-    for &(rows, ic, oc) in &[(3 * 65, 384, 1536), (2 * 197, 768, 3072), (5, 64, 128)] {
-        let mut r = |n: usize, s: f32| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-s..s)).collect() };
-        let (w, bias) = (Span { off: 0, len: oc * ic }, Span { off: oc * ic, len: oc });
-        let mut params = be.alloc(oc * ic + oc)?;
-        be.upload(&mut params, 0, &r(oc * ic + oc, 0.1))?;
-        let mut inp = be.alloc(rows * ic)?;
-        be.upload(&mut inp, 0, &r(rows * ic, 1.0))?;
-        let mut outs = Vec::new();
-        for fused in [false, true] {
-            be.set_fused_gemm(fused);
-            let kernel = "gemm_gelu_fwd_tma";
-            let (mut out, mut pre) = (be.alloc(rows * oc)?, be.alloc(rows * oc)?);
-            // the launch table proves which path ran (equal outputs alone would not)
-            be.set_profiling(true);
-            let run = be.matmul_forward(&mut out, Some(&mut pre), &inp, &params, w, Some(bias), rows, ic, oc);
-            be.set_fused_gemm(chosen);
-            let launched = be.take_profile();
-            be.set_profiling(false);
-            run?;
-            let ran = launched?.iter().any(|(name, _, _)| name == kernel);
-            if ran != fused {
-                checks.push(Check { name: format!("{kernel} chosen = {fused} but it {} [{rows}×{ic}·{oc}]", if ran { "ran" } else { "did not run" }), rel_err: f64::NAN, tol: 0.0, pass: false });
-            }
-            outs.push((be.download(&out)?, be.download(&pre)?));
+    // runs `f` with the Hopper kernels on or off and records whether `kernel` ran as chosen
+    let run = |fused: bool, kernel: &str, shape: &str, checks: &mut Vec<Check>, f: &mut dyn FnMut() -> BResult<()>| -> BResult<()> {
+        be.set_fused_gemm(fused, fused);
+        be.set_profiling(true);
+        let r = f();
+        be.set_fused_gemm(chosen.0, chosen.1);
+        let launched = be.take_profile();
+        be.set_profiling(false);
+        r?;
+        let ran = launched?.iter().any(|(name, _, _)| name == kernel);
+        if ran != fused {
+            checks.push(Check { name: format!("{kernel} chosen = {fused} but it {} [{shape}]", if ran { "ran" } else { "did not run" }), rel_err: f64::NAN, tol: 0.0, pass: false });
         }
-        for (what, e) in [("act", rel_err(&outs[1].0, &outs[0].0)), ("pre", rel_err(&outs[1].1, &outs[0].1))] {
-            checks.push(Check { name: format!("hopper GEMM fc1+gelu {what} vs cuBLASLt [{rows}×{ic}·{oc}]"), rel_err: e, tol: 1e-2, pass: e.is_finite() && e <= 1e-2 });
+        Ok(())
+    };
+    for &(rows, c, f) in &[(3 * 65, 384, 1536), (2 * 197, 768, 3072), (5, 64, 128)] {
+        let shape = format!("{rows}×{c}·{f}");
+        let mut r = |n: usize, s: f32| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-s..s)).collect() };
+        // one flat compute buffer: fc1 (f × c), its bias (f), fc2 (c × f)
+        let (w1, b1, w2) = (Span { off: 0, len: f * c }, Span { off: f * c, len: f }, Span { off: f * c + f, len: c * f });
+        let mut params = be.alloc(2 * f * c + f)?;
+        be.upload(&mut params, 0, &r(2 * f * c + f, 0.1))?;
+        let mut x = be.alloc(rows * c)?;
+        be.upload(&mut x, 0, &r(rows * c, 1.0))?;
+        let mut dout = be.alloc(rows * c)?;
+        be.upload(&mut dout, 0, &r(rows * c, 1.0))?;
+        let grads0 = r(2 * f * c + f, 0.01);
+        let mut fwd = Vec::new();
+        let mut bwd = Vec::new();
+        for fused in [false, true] {
+            let (mut act, mut pre) = (be.alloc(rows * f)?, be.alloc(rows * f)?);
+            run(fused, "gemm_gelu_fwd_ws", &shape, &mut checks, &mut || be.matmul_forward(&mut act, Some(&mut pre), &x, &params, w1, Some(b1), rows, c, f))?;
+            let mut dinp = be.alloc(rows * f)?;
+            let mut grads = be.alloc_f32(2 * f * c + f)?;
+            be.upload(&mut grads, 0, &grads0)?;
+            run(fused, "gemm_dgelu_bwd_ws", &shape, &mut checks, &mut || be.matmul_backward_gelu_bias(&mut dinp, &mut grads, &dout, &act, &pre, b1, &params, w2, None, rows, f, c))?;
+            fwd.push((be.download(&act)?, be.download(&pre)?));
+            bwd.push((be.download(&dinp)?, be.download(&grads)?));
+        }
+        for (what, e, tol) in [
+            ("fc1+gelu act", rel_err(&fwd[1].0, &fwd[0].0), 1e-2),
+            ("fc1+gelu pre", rel_err(&fwd[1].1, &fwd[0].1), 1e-2),
+            ("fc2 dinp·gelu'", rel_err(&bwd[1].0, &bwd[0].0), 1e-2),
+            ("fc2 dW, fc1 dbias (+=)", rel_err(&bwd[1].1, &bwd[0].1), 1e-4),
+        ] {
+            checks.push(Check { name: format!("hopper GEMM {what} vs cuBLASLt [{shape}]"), rel_err: e, tol, pass: e.is_finite() && e <= tol });
         }
     }
     Ok(Some(checks))

@@ -24,8 +24,9 @@
 //!   backward keeps a whole head in one 8-warp block (no dQ atomics); `fused-pipe` uses the
 //!   tiled forward and the key-block backward for every N (to compare; it is what N > 256
 //!   gets anyway).
-//! - Opt-in (`FUSED_GEMM_ENV`): the MLP's first layer as one Hopper wgmma kernel with the erf
-//!   GELU in its epilogue (`kernels/hopper.cu`, compiled for sm_90a on sm_90 devices only).
+//! - On Hopper (`kernels/hopper.cu`, compiled for sm_90a on sm_90 devices only) the MLP's first
+//!   layer is one persistent wgmma/TMA kernel with the erf GELU in its epilogue (cuBLASLt's GELU
+//!   epilogue is the tanh approximation); `FUSED_GEMM_ENV` chooses.
 //! - Batch inputs (`upload_input`) are converted into pinned staging memory and copied on a
 //!   second stream; the compute stream waits on an event, the host does not wait.
 
@@ -251,8 +252,10 @@ pub struct Cuda {
     profile: Mutex<Option<Vec<(String, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>>>,
     /// Attention path (`AttentionPath as u8`).
     attention: AtomicU8,
-    /// Whether the Hopper GEMM kernel is used where it applies (`set_fused_gemm`).
+    /// Whether the Hopper GEMM kernels are used where they apply (`set_fused_gemm`): fc1's
+    /// forward, fc2's input gradient.
     fused_gemm: std::sync::atomic::AtomicBool,
+    fused_gemm_bwd: std::sync::atomic::AtomicBool,
 }
 
 /// Environment variable that picks the attention path: `fused` (default), `fused-pipe` or `gemm`.
@@ -300,14 +303,16 @@ pub fn parse_attention(v: &str) -> Result<AttentionPath, String> {
     }
 }
 
-/// Environment variable: `1` (or `on`) uses the Hopper GEMM kernel for the MLP's first layer
-/// (`kernels/hopper.cu`: correct, slower than cuBLASLt + the GELU pass so far); anything else,
-/// or unset, keeps cuBLASLt.
+/// Environment variable choosing the Hopper GEMM kernels (`kernels/hopper.cu`, sm_90 only):
+/// unset (or anything else) — fc1's forward with its GELU (1 % faster per CIFAR ViT-S step, the
+/// same at ViT-B/16); `all` — also fc2's input gradient with the GELU backward (correct, slower
+/// so far); `0` or `off` — cuBLASLt and the separate passes everywhere.
 pub const FUSED_GEMM_ENV: &str = "VITSCALE_FUSED_GEMM";
 
-/// Dynamic shared memory of `gemm_gelu_fwd_tma` (hopper.cu: a 3-stage ring of two 128×64 bf16
-/// tiles, 1 KiB of alignment slack, six 8-byte barriers rounded up).
-const HOPPER_GEMM_SMEM: u32 = 3 * (128 * 64 * 2 + 128 * 64 * 2) + 1024 + 64;
+/// Dynamic shared memory of the Hopper GEMM kernels (HW_SMEM in hopper.cu: a 4-stage ring of two
+/// 128×64 bf16 tiles, two 128×136 bf16 staging tiles, 8 × 128 f32 column sums, 12 barriers,
+/// 1 KiB of alignment slack).
+const HOPPER_GEMM_SMEM: u32 = 4 * 32768 + 2 * 128 * 136 * 2 + 8 * 128 * 4 + 96 + 1024;
 
 /// Opt-in shared memory per block on sm_90 (227 KiB).
 const SHORT_BWD_SMEM_MAX: usize = 227 * 1024;
@@ -361,7 +366,8 @@ impl Cuda {
             acc,
             profile: Mutex::new(None),
             attention: AtomicU8::new(attention as u8),
-            fused_gemm: std::sync::atomic::AtomicBool::new(matches!(std::env::var(FUSED_GEMM_ENV).as_deref().map(str::trim), Ok("1") | Ok("on"))),
+            fused_gemm: std::sync::atomic::AtomicBool::new(!matches!(std::env::var(FUSED_GEMM_ENV).as_deref().map(str::trim), Ok("0") | Ok("off"))),
+            fused_gemm_bwd: std::sync::atomic::AtomicBool::new(matches!(std::env::var(FUSED_GEMM_ENV).as_deref().map(str::trim), Ok("all"))),
             copy_stream,
             staging,
             next_staging: AtomicUsize::new(0),
@@ -395,7 +401,7 @@ impl Cuda {
 
     /// Whether the Hopper GEMM kernel (`kernels/hopper.cu`) takes a (rows × ic)·(oc × ic)ᵀ
     /// product: chosen (`set_fused_gemm`), compiled (sm_90), oc % 128 == 0,
-    /// ic % 64 == 0, 16-byte aligned operands (`ptrs`) and a 4-byte aligned bias (0 = none).
+    /// ic % 64 == 0, 16-byte aligned operands (`ptrs`) and bias (0 = none).
     fn fused_gemm_ok(&self, rows: usize, ic: usize, oc: usize, ptrs: &[CUdeviceptr], bias: CUdeviceptr) -> bool {
         self.fused_gemm.load(Ordering::Relaxed)
             && rows > 0
@@ -404,25 +410,27 @@ impl Cuda {
             && ic > 0
             && rows.div_ceil(128) <= 65535
             && ptrs.iter().all(|&p| p % 16 == 0)
-            && bias % 4 == 0
-            && self.kernels.get("gemm_gelu_fwd_tma").is_ok()
+            && bias % 16 == 0
+            && self.kernels.get("gemm_gelu_fwd_ws").is_ok()
     }
 
     /// Whether the Hopper GEMM kernel was compiled (an sm_90 device).
     pub fn has_fused_gemm(&self) -> bool {
-        self.kernels.get("gemm_gelu_fwd_tma").is_ok()
+        self.kernels.get("gemm_gelu_fwd_ws").is_ok()
     }
 
-    /// Whether the Hopper GEMM kernel is chosen (`set_fused_gemm`).
-    pub fn fused_gemm(&self) -> bool {
-        self.fused_gemm.load(Ordering::Relaxed)
+    /// Whether the Hopper GEMM kernels are chosen (`set_fused_gemm`): (fc1 forward, fc2 input
+    /// gradient).
+    pub fn fused_gemm(&self) -> (bool, bool) {
+        (self.fused_gemm.load(Ordering::Relaxed), self.fused_gemm_bwd.load(Ordering::Relaxed))
     }
 
 
-    /// Uses the Hopper GEMM kernel where it applies (`true`; default off, see FUSED_GEMM_ENV)
-    /// or cuBLASLt plus the separate GELU pass.
-    pub fn set_fused_gemm(&self, on: bool) {
-        self.fused_gemm.store(on, Ordering::Relaxed);
+    /// Uses the Hopper GEMM kernels where they apply — fc1's forward (`fwd`; the default), fc2's
+    /// input gradient (`bwd`) — or cuBLASLt plus the separate GELU passes (FUSED_GEMM_ENV).
+    pub fn set_fused_gemm(&self, fwd: bool, bwd: bool) {
+        self.fused_gemm.store(fwd, Ordering::Relaxed);
+        self.fused_gemm_bwd.store(bwd, Ordering::Relaxed);
     }
 
     /// Chooses the attention path for later calls. Buffers sized by `attention_saved_len`
@@ -884,8 +892,19 @@ impl Cuda {
             batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
             bias: false, accumulate: false, align: 0,
         };
-        self.gemm("matmul_backward (dinp)", s, params.at(w.off), dout.ptr, dinp.ptr, 0, 1.0, 0.0)?;
-        if let Some((pre, pre_bias)) = dgelu {
+        let fused = match dgelu {
+            Some((pre, Some(pb))) if pb.len == ic && pre.len >= rows * ic && self.fused_gemm_bwd.load(Ordering::Relaxed) => self.fused_gemm_ok(rows, oc, ic, &[dinp.ptr, pre.ptr, dout.ptr, params.at(w.off)], params.at(pb.off)),
+            _ => false,
+        };
+        if let (true, Some((pre, Some(pb)))) = (fused, dgelu) {
+            check_bf16(OP, "dgelu_pre", pre)?;
+            check_span(OP, "pre_bias", dparams, pb)?;
+            check_span(OP, "pre_bias", params, pb)?;
+            self.dgelu_gemm_fused(dinp, dparams, dout, pre, params, w, pb, rows, ic, oc)?;
+        } else {
+            self.gemm("matmul_backward (dinp)", s, params.at(w.off), dout.ptr, dinp.ptr, 0, 1.0, 0.0)?;
+        }
+        if let (false, Some((pre, pre_bias))) = (fused, dgelu) {
             check_bf16(OP, "dgelu_pre", pre)?;
             check_len(OP, "dgelu_pre", pre, rows * ic)?;
             let n = rows * ic;
@@ -940,6 +959,27 @@ impl Cuda {
     /// Unaligned fallback of the fused GELU-gradient + bias-sum pass: the two kernels apart
     /// (`bias_ptr`: the bias of the pre-activation, the compute copy of `params[pb]`).
     #[allow(clippy::too_many_arguments)]
+    /// fc2's input gradient through the Hopper kernel: dinp = (dout·W) ⊙ gelu'(pre + bias) and
+    /// the bias span `pb` of dparams += the column sums of dinp, where W (oc × ic) is first
+    /// transposed into a scratch copy (the kernel's B operand is K-major).
+    #[allow(clippy::too_many_arguments)]
+    fn dgelu_gemm_fused(&self, dinp: &mut CudaBuf, dparams: &mut CudaBuf, dout: &CudaBuf, pre: &CudaBuf, params: &CudaBuf, w: Span, pb: Span, rows: usize, ic: usize, oc: usize) -> BResult<()> {
+        let wt = self.scratch("weight_transposed", ic * oc)?;
+        let (r, c) = (oc as i32, ic as i32);
+        self.launch("transpose_bf16", (ic.div_ceil(32) as u32, oc.div_ceil(32) as u32, 1), (32, 8, 1), 0, &mut kargs![wt, params.at(w.off), r, c])?;
+        let row_tiles = rows.div_ceil(128);
+        // f32 partial sums: two bf16 scratch slots each
+        let partial = self.scratch("bias_partials", 2 * row_tiles * ic)?;
+        let ta = tensor_map_k_major(dout.ptr, oc, rows)?;
+        let tb = tensor_map_k_major(wt, oc, ic)?;
+        let grid = (self.info.multiprocessors as usize).min(row_tiles * (ic / 128)).max(1) as u32;
+        let (m, n, k) = (rows as i32, ic as i32, oc as i32);
+        let bias_ptr = params.at(pb.off);
+        self.launch_dyn("gemm_dgelu_bwd_ws", (grid, 1, 1), (544, 1, 1), HOPPER_GEMM_SMEM, &mut kargs![dinp.ptr, pre.ptr, partial, ta, tb, bias_ptr, m, n, k])?;
+        let dst = dparams.at(pb.off);
+        self.reduce_partials(dst, dst, dst, ic, partial, row_tiles, ic)
+    }
+
     fn matmul_backward_impl_gelu_then_bias(&self, dinp: &mut CudaBuf, dparams: &mut CudaBuf, pre: &CudaBuf, bias_ptr: CUdeviceptr, pb: Span, rows: usize, ic: usize) -> BResult<()> {
         let n = rows * ic;
         if n == 0 {
@@ -1321,7 +1361,15 @@ impl Backend for Cuda {
                     let (m, n, k) = (rows as i32, oc as i32, ic as i32);
                     let ta = tensor_map_k_major(inp.ptr, ic, rows)?;
                     let tb = tensor_map_k_major(w_ptr, ic, oc)?;
-                    return self.launch_dyn("gemm_gelu_fwd_tma", ((oc / 128) as u32, rows.div_ceil(128) as u32, 1), (288, 1, 1), HOPPER_GEMM_SMEM, &mut kargs![out.ptr, pre.ptr, ta, tb, bias_ptr, m, n, k]);
+                    if std::env::var("VITSCALE_HG_WS").is_ok() && bias_ptr % 16 == 0 {
+                        let tiles = rows.div_ceil(128) * (oc / 128);
+                        let grid = (self.info.multiprocessors as usize).min(tiles).max(1) as u32;
+                        let smem = 4 * 32768 + 2 * 128 * 136 * 2 + 96 + 1024;
+                        let flags: i32 = std::env::var("VITSCALE_HG_FLAGS").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+                        return self.launch_dyn("gemm_gelu_fwd_ws2", (grid, 1, 1), (544, 1, 1), smem, &mut kargs![out.ptr, pre.ptr, ta, tb, bias_ptr, m, n, k, flags]);
+                    }
+                    let grid = (self.info.multiprocessors as usize).min(rows.div_ceil(128) * (oc / 128)).max(1) as u32;
+                    return self.launch_dyn("gemm_gelu_fwd_ws", (grid, 1, 1), (544, 1, 1), HOPPER_GEMM_SMEM, &mut kargs![out.ptr, pre.ptr, ta, tb, bias_ptr, m, n, k]);
                 }
                 // the plain product (no bias epilogue: faster), the bias joins in the GELU pass
                 self.gemm(OP, linear_shape(rows, ic, oc, false, false), params.at(w.off), inp.ptr, pre.ptr, 0, 1.0, 0.0)?;

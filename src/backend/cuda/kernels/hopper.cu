@@ -1,27 +1,38 @@
-// Hopper (sm_90a) GEMM on the warpgroup tensor-core instructions (wgmma) with the MLP's erf
-// GELU in its epilogue (timm's nn.GELU; cuBLASLt's GELU epilogue is the tanh approximation):
-// fc1's pre-activation and GELU output from one kernel instead of cuBLASLt's product and a
-// separate GELU pass. Opt-in (VITSCALE_FUSED_GEMM=1): its outputs equal cuBLASLt's bit for bit
-// on an H200 (selftest), but it is slower than cuBLASLt plus the GELU pass — 1.69 vs 1.48 ms per
-// CIFAR ViT-S step, 7.30 vs 5.96 ms per ViT-B/16 step — because the epilogue's GELU arithmetic
-// does not overlap the tensor cores and the main loop trails cuBLASLt's (BENCHMARKS.md has the
-// variants measured). It is the base for the kernel that would win: a persistent one whose
-// epilogue overlaps the next tile's main loop at full tensor-core rate.
+// Hopper (sm_90a) GEMMs on the warpgroup tensor-core instructions (wgmma) with the MLP's erf
+// GELU in the epilogue — the fusions cuBLASLt cannot express (its GELU epilogues are the tanh
+// approximation; timm's nn.GELU is erf):
+// - mode 0, fc1's forward: pre = A·Bᵀ and act = gelu(pre + bias) in one kernel instead of
+//   cuBLASLt's product and a GELU pass;
+// - mode 1, fc2's input gradient: dpre = (dact = dout·W2) ⊙ gelu'(pre + bias) and the column
+//   partial sums of dpre (fc1's bias gradient) instead of cuBLASLt's product and the
+//   GELU-backward pass (B = W2ᵀ, transposed once per call by `transpose_bf16`).
+// Mode 0 is the default on sm_90 (1 % faster per CIFAR ViT-S step, the same at ViT-B/16); mode 1
+// is opt-in (VITSCALE_FUSED_GEMM=all): its epilogue — reading pre, the GELU derivative, the column
+// sums — is slower than the separate pass so far. BENCHMARKS.md has the measurements.
 //
-// C(M×N) = A(M×K) · B(N×K)ᵀ, both operands row-major with K contiguous ("K-major", as a linear
-// layer's input and weight are). A block computes a 128×128 tile: warps 0–7 are two consumer
-// warpgroups (64 rows each, one m64n128k16 wgmma per 16-wide K step), warp 8 the producer: its
-// lane 0 issues the TMA copies of each 128×64 A and B tile into a 3-stage ring. The tensor maps
-// apply the 128-byte swizzle: 16-byte chunk c of tile row r (64 bf16 = 128 bytes) lands at chunk
-// c ^ (r % 8), the layout the wgmma descriptors name (stages 1024-byte aligned). full[s]
-// completes when a stage's bytes have landed (the copies' transaction count), empty[s] when the
-// 8 consumer warps are done with it. Two blocks per SM (97 KiB of shared memory, 96
-// registers). Requires N % 128 == 0, K % 64 == 0, 16-byte aligned rows; M is free (the tensor
-// map reads rows past M as zeros; they are not stored).
+// C(M×N) = A(M×K) · B(N×K)ᵀ, both operands row-major with K contiguous ("K-major"). Persistent:
+// one block per SM walks the 128×128 output tiles (row-tile major, so neighbouring blocks share
+// A rows in L2). Warps 0–7 (two warpgroups, 64 rows each, one m64n128k16 wgmma per 16-wide K
+// step) only multiply: they hand the rounded tile to one of two shared-memory staging buffers
+// and go on with the next tile. Warps 8–15 (two warpgroups) run the epilogue — the erf
+// arithmetic needs warps of its own to overlap the tensor cores — and warp 16's lane 0
+// produces: TMA copies of each 128×64 A and B tile into a 4-stage ring, with the 128-byte
+// swizzle the wgmma descriptors name (16-byte chunk c of tile row r at chunk c ^ (r % 8),
+// stages 1024-byte aligned). mbarriers: full[s] (the copies' byte count landed), empty[s] (the
+// 8 multiplying warps are done with stage s), stg_full[b] (the 256 multiplying threads wrote
+// staging buffer b), stg_empty[b] (the 256 epilogue threads read it). Requires N % 128 == 0,
+// K % 64 == 0, 16-byte aligned rows and bias; M is free (the tensor maps read rows past M as
+// zeros; they are not stored).
 
 #define HG_BN 128
 #define HG_BK 64
-#define HG_LDO (HG_BN + 8)                        // epilogue staging row stride (bf16)
+#define HG_LDO (HG_BN + 8)                 // staging row stride (bf16)
+#define HW_STAGES 4
+#define HW_STAGE (2 * 128 * 64 * 2)        // an A and a B tile: 32 KiB
+#define HW_STG (128 * HG_LDO * 2)          // one staged 128×128 bf16 tile
+// dynamic shared memory: the ring, two staging tiles, 8 warps × 128 column sums (mode 1),
+// 12 barriers, 1 KiB of alignment slack
+#define HW_SMEM (HW_STAGES * HW_STAGE + 2 * HW_STG + 8 * 128 * 4 + 96 + 1024)
 
 __device__ __forceinline__ unsigned hg_smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
@@ -42,9 +53,6 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long l
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "l"(da), "l"(db));
 }
-
-#define HT_STAGES 3
-#define HT_STAGE (2 * 128 * 64 * 2)   // an A and a B tile: 32 KiB
 
 // A CUtensorMap (128 bytes), passed by value.
 struct __align__(64) HgTmap { unsigned long long v[16]; };
@@ -74,95 +82,187 @@ __device__ __forceinline__ void ht_tma_load(unsigned dst, const HgTmap* map, int
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
                  ::"r"(dst), "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
-__device__ __forceinline__ void ht_consumer_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
+__device__ __forceinline__ void hw_epi_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
 
-// pre = bf16(A·Bᵀ) (no bias: the MLP keeps its pre-activation without it) and
-// act = bf16(gelu(pre + bias)) from the rounded pre, as matmul_forward's GEMM followed by
-// gelu_fwd_bias_v8 computes them. tmA: A (M×K, box 64×128), tmB: B (N×K, box 64×128), both bf16
-// with the 128-byte swizzle (`tensor_map_k_major`); bias: N bf16 values or null. Grid
-// (N / 128, ceil(M / 128)), 288 threads, HT_STAGES·32 KiB + 1 KiB alignment slack + 64 bytes of
-// barriers of dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(288, 2) gemm_gelu_fwd_tma(bf16* __restrict__ act, bf16* __restrict__ pre, const __grid_constant__ HgTmap tmA, const __grid_constant__ HgTmap tmB, const bf16* __restrict__ bias, int M, int N, int K) {
-    extern __shared__ unsigned char ht_raw[];
-    const unsigned raw = hg_smem_u32(ht_raw);
+__device__ __forceinline__ float hw_lo(unsigned w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float hw_hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+// gelu(p + b) and d·gelu'(p + b) for two packed bf16 (as elementwise.cu's gelu_bias_w and
+// dgelu_bias_w, so the fused paths round exactly as the separate passes do).
+__device__ __forceinline__ unsigned hw_gelu_w(unsigned p, unsigned b) {
+    return f2bf2(gelu_f(hw_lo(p) + hw_lo(b)), gelu_f(hw_hi(p) + hw_hi(b)));
+}
+__device__ __forceinline__ unsigned hw_dgelu_w(unsigned d, unsigned p, unsigned b) {
+    return f2bf2(hw_lo(d) * dgelu_f(hw_lo(p) + hw_lo(b)), hw_hi(d) * dgelu_f(hw_hi(p) + hw_hi(b)));
+}
+
+// MODE 0: out = act, aux = pre (written). MODE 1: out = dpre, aux = pre (read), partial: the
+// (ceil(M / 128) × N) f32 column sums of dpre per row tile. bias: N bf16 values or null.
+template <int MODE>
+__device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict__ aux, float* __restrict__ partial, const HgTmap* tmA, const HgTmap* tmB, const bf16* __restrict__ bias, int M, int N, int K, unsigned char* raw_p) {
+    const unsigned raw = hg_smem_u32(raw_p);
     const unsigned ring = (raw + 1023u) & ~1023u;
-    unsigned char* base = ht_raw + (ring - raw);
-    const unsigned bars = ring + HT_STAGES * HT_STAGE;  // full[s] at bars + 8s, empty[s] after
+    unsigned char* base = raw_p + (ring - raw);
+    bf16* stg_p = (bf16*)(base + HW_STAGES * HW_STAGE);
+    float* colsum = (float*)(base + HW_STAGES * HW_STAGE + 2 * HW_STG);
+    const unsigned bars = ring + HW_STAGES * HW_STAGE + 2 * HW_STG + 8 * 128 * 4;
+    const unsigned full0 = bars, empty0 = bars + 8 * HW_STAGES, sfull0 = bars + 16 * HW_STAGES, sempty0 = sfull0 + 16;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     if (tid == 0) {
         #pragma unroll
-        for (int s = 0; s < HT_STAGES; s++) {
-            ht_mbar_init(bars + 8 * s, 1);
-            ht_mbar_init(bars + 8 * (HT_STAGES + s), 8);
+        for (int s = 0; s < HW_STAGES; s++) {
+            ht_mbar_init(full0 + 8 * s, 1);
+            ht_mbar_init(empty0 + 8 * s, 8);
+        }
+        #pragma unroll
+        for (int b = 0; b < 2; b++) {
+            ht_mbar_init(sfull0 + 8 * b, 256);
+            ht_mbar_init(sempty0 + 8 * b, 256);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
-    const int m0 = blockIdx.y * 128, n0 = blockIdx.x * HG_BN, kt_n = K / HG_BK;
-    if (warp == 8) {
+    const int n_tiles = N / HG_BN, tiles = ((M + 127) / 128) * n_tiles, kt_n = K / HG_BK;
+    const int mine = tiles > (int)blockIdx.x ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+    if (warp == 16) {
         if (lane == 0) {
-            for (int kt = 0; kt < kt_n; kt++) {
-                const int s = kt % HT_STAGES;
-                if (kt >= HT_STAGES) ht_mbar_wait(bars + 8 * (HT_STAGES + s), ((kt / HT_STAGES) + 1) & 1);
-                const unsigned full = bars + 8 * s, st = ring + s * HT_STAGE;
-                ht_mbar_expect_tx(full, HT_STAGE);
-                ht_tma_load(st, &tmA, kt * HG_BK, m0, full);
-                ht_tma_load(st + HT_STAGE / 2, &tmB, kt * HG_BK, n0, full);
+            for (int i = 0; i < mine; i++) {
+                const int t = blockIdx.x + i * gridDim.x;
+                const int m0 = (t / n_tiles) * 128, n0 = (t % n_tiles) * HG_BN;
+                for (int kt = 0; kt < kt_n; kt++) {
+                    const int g = i * kt_n + kt, s = g % HW_STAGES;
+                    const unsigned full = full0 + 8 * s, st = ring + s * HW_STAGE;
+                    if (g >= HW_STAGES) ht_mbar_wait(empty0 + 8 * s, ((g / HW_STAGES) + 1) & 1);
+                    ht_mbar_expect_tx(full, HW_STAGE);
+                    ht_tma_load(st, tmA, kt * HG_BK, m0, full);
+                    ht_tma_load(st + HW_STAGE / 2, tmB, kt * HG_BK, n0, full);
+                }
             }
         }
         return;
     }
-    const int wg = warp >> 2;
-    float acc[64];
-    #pragma unroll
-    for (int i = 0; i < 64; i++) acc[i] = 0.f;
-    for (int kt = 0; kt < kt_n; kt++) {
-        const int s = kt % HT_STAGES;
-        ht_mbar_wait(bars + 8 * s, (kt / HT_STAGES) & 1);
-        const unsigned sa = ring + s * HT_STAGE;
-        const unsigned long long da = hg_desc(sa + wg * 64 * 128), db = hg_desc(sa + HT_STAGE / 2);
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-        #pragma unroll
-        for (int kk = 0; kk < HG_BK / 16; kk++) wgmma_m64n128k16(acc, da + 2 * kk, db + 2 * kk);
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-        // this warpgroup's wgmma on tile kt − 1 are complete: release that stage
-        if (kt > 0 && lane == 0) ht_mbar_arrive(bars + 8 * (HT_STAGES + (kt - 1) % HT_STAGES));
+    if (warp < 8) {
+        // multiplying warpgroups
+        const int wg = warp >> 2;
+        const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2), cq = 2 * (lane & 3);
+        for (int i = 0; i < mine; i++) {
+            float acc[64];
+            #pragma unroll
+            for (int k = 0; k < 64; k++) acc[k] = 0.f;
+            for (int kt = 0; kt < kt_n; kt++) {
+                const int g = i * kt_n + kt, s = g % HW_STAGES;
+                ht_mbar_wait(full0 + 8 * s, (g / HW_STAGES) & 1);
+                const unsigned sa = ring + s * HW_STAGE;
+                const unsigned long long da = hg_desc(sa + wg * 64 * 128), db = hg_desc(sa + HW_STAGE / 2);
+                asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+                #pragma unroll
+                for (int kk = 0; kk < HG_BK / 16; kk++) wgmma_m64n128k16(acc, da + 2 * kk, db + 2 * kk);
+                asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+                asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+                // this warpgroup's wgmma on the previous stage are complete: release it
+                if (kt > 0 && lane == 0) ht_mbar_arrive(empty0 + 8 * ((g - 1) % HW_STAGES));
+            }
+            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+            if (lane == 0) ht_mbar_arrive(empty0 + 8 * ((i * kt_n + kt_n - 1) % HW_STAGES));
+            // accumulator (warp w of warpgroup wg, lane l): value 4j + {0,1} is row
+            // 64wg + 16w + l/4, columns 8j + 2(l % 4) + {0,1}; 4j + {2,3} the row 8 below
+            const int b = i & 1;
+            if (i >= 2) ht_mbar_wait(sempty0 + 8 * b, ((i >> 1) + 1) & 1);
+            bf16* sp = stg_p + b * (HW_STG / 2);
+            #pragma unroll
+            for (int j = 0; j < 16; j++) {
+                const int col = 8 * j + cq;
+                *(unsigned*)(sp + r0 * HG_LDO + col) = f2bf2(acc[4 * j], acc[4 * j + 1]);
+                *(unsigned*)(sp + (r0 + 8) * HG_LDO + col) = f2bf2(acc[4 * j + 2], acc[4 * j + 3]);
+            }
+            ht_mbar_arrive(sfull0 + 8 * b);
+        }
+        return;
     }
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    ht_consumer_sync();  // both warpgroups are done with the ring: reuse it for staging
+    // epilogue warpgroups: thread e handles 16-byte chunks e, e + 256, … of the 128 × 16 chunk
+    // tile: always columns c = (e % 16)·8 … + 7, rows e / 16 + 16k
+    const int e = tid - 256, c = (e & 15) * 8;
+    for (int i = 0; i < mine; i++) {
+        const int t = blockIdx.x + i * gridDim.x;
+        const int m0 = (t / n_tiles) * 128, n0 = (t % n_tiles) * HG_BN;
+        const int b = i & 1;
+        ht_mbar_wait(sfull0 + 8 * b, (i >> 1) & 1);
+        const bf16* sp = stg_p + b * (HW_STG / 2);
+        const uint4 bw = bias ? *(const uint4*)(bias + n0 + c) : make_uint4(0u, 0u, 0u, 0u);
+        float cs[8];
+        #pragma unroll
+        for (int k = 0; k < 8; k++) cs[k] = 0.f;
+        #pragma unroll 2
+        for (int k = 0; k < 8; k++) {
+            const int r = (e >> 4) + 16 * k;
+            const uint4 v = *(const uint4*)(sp + r * HG_LDO + c);
+            const int gm = m0 + r;
+            if (gm < M) {
+                const i64 g = (i64)gm * N + n0 + c;
+                if (MODE == 0) {
+                    *(uint4*)(aux + g) = v;
+                    *(uint4*)(out + g) = make_uint4(hw_gelu_w(v.x, bw.x), hw_gelu_w(v.y, bw.y), hw_gelu_w(v.z, bw.z), hw_gelu_w(v.w, bw.w));
+                } else {
+                    const uint4 p = *(const uint4*)(aux + g);
+                    const uint4 d = make_uint4(hw_dgelu_w(v.x, p.x, bw.x), hw_dgelu_w(v.y, p.y, bw.y), hw_dgelu_w(v.z, p.z, bw.z), hw_dgelu_w(v.w, p.w, bw.w));
+                    *(uint4*)(out + g) = d;
+                    const unsigned dw[4] = {d.x, d.y, d.z, d.w};
+                    #pragma unroll
+                    for (int q = 0; q < 4; q++) {
+                        cs[2 * q] += hw_lo(dw[q]);
+                        cs[2 * q + 1] += hw_hi(dw[q]);
+                    }
+                }
+            }
+        }
+        ht_mbar_arrive(sempty0 + 8 * b);  // the staged tile has been read
+        if (MODE == 1) {
+            // column sums: lanes l and l ^ 16 share columns, then the 8 warps through shared
+            // memory, in a fixed order (deterministic)
+            #pragma unroll
+            for (int k = 0; k < 8; k++) cs[k] += __shfl_xor_sync(0xffffffffu, cs[k], 16);
+            const int ew = e >> 5;
+            if ((lane & 16) == 0) {
+                #pragma unroll
+                for (int k = 0; k < 8; k++) colsum[ew * 128 + c + k] = cs[k];
+            }
+            hw_epi_sync();
+            if (e < 128) {
+                float s = 0.f;
+                #pragma unroll
+                for (int w = 0; w < 8; w++) s += colsum[w * 128 + e];
+                partial[(i64)(t / n_tiles) * N + n0 + e] = s;
+            }
+            hw_epi_sync();
+        }
+    }
+}
 
-    const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2), cq = 2 * (lane & 3);
-    bf16* spre = (bf16*)base;
-    bf16* sact = spre + 128 * HG_LDO;
+// Grid ≤ the SM count, 544 threads, HW_SMEM bytes of dynamic shared memory; tmA, tmB: 64×128
+// boxes (`tensor_map_k_major`).
+extern "C" __global__ void __launch_bounds__(544, 1) gemm_gelu_fwd_ws(bf16* __restrict__ act, bf16* __restrict__ pre, const __grid_constant__ HgTmap tmA, const __grid_constant__ HgTmap tmB, const bf16* __restrict__ bias, int M, int N, int K) {
+    extern __shared__ unsigned char hw_raw0[];
+    hw_gemm<0>(act, pre, nullptr, &tmA, &tmB, bias, M, N, K, hw_raw0);
+}
+extern "C" __global__ void __launch_bounds__(544, 1) gemm_dgelu_bwd_ws(bf16* __restrict__ dpre, const bf16* __restrict__ pre, float* __restrict__ partial, const __grid_constant__ HgTmap tmA, const __grid_constant__ HgTmap tmB, const bf16* __restrict__ bias, int M, int N, int K) {
+    extern __shared__ unsigned char hw_raw1[];
+    hw_gemm<1>(dpre, (bf16*)pre, partial, &tmA, &tmB, bias, M, N, K, hw_raw1);
+}
+
+// out (cols × rows) = inᵀ for a row-major (rows × cols) bf16 matrix, through 32×32 shared tiles.
+// Block (32, 8), grid (ceil(cols / 32), ceil(rows / 32)).
+extern "C" __global__ void transpose_bf16(bf16* __restrict__ out, const bf16* __restrict__ in, int rows, int cols) {
+    __shared__ bf16 tile[32][33];
+    const int x = blockIdx.x * 32 + threadIdx.x, y0 = blockIdx.y * 32;
     #pragma unroll
-    for (int j = 0; j < 16; j++) {
-        const int col = 8 * j + cq;
-        float b0 = 0.f, b1 = 0.f;
-        if (bias) {
-            const unsigned bw = *(const unsigned*)(bias + n0 + col);
-            b0 = bf2f((bf16)(bw & 0xffffu));
-            b1 = bf2f((bf16)(bw >> 16));
-        }
-        #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const unsigned p = f2bf2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-            const float p0 = bf2f((bf16)(p & 0xffffu)) + b0, p1 = bf2f((bf16)(p >> 16)) + b1;
-            const int r = r0 + 8 * h;
-            *(unsigned*)(spre + r * HG_LDO + col) = p;
-            *(unsigned*)(sact + r * HG_LDO + col) = f2bf2(gelu_f(p0), gelu_f(p1));
-        }
+    for (int k = 0; k < 32; k += 8) {
+        const int y = y0 + threadIdx.y + k;
+        if (x < cols && y < rows) tile[threadIdx.y + k][threadIdx.x] = in[(i64)y * cols + x];
     }
-    ht_consumer_sync();
+    __syncthreads();
+    const int ox = y0 + threadIdx.x, oy0 = blockIdx.x * 32;
     #pragma unroll
-    for (int i = 0; i < 8; i++) {
-        const int idx = tid + i * 256;  // 128 rows × 16 chunks
-        const int r = idx >> 4, c = (idx & 15) * 8;
-        const int gm = m0 + r;
-        if (gm < M) {
-            const i64 g = (i64)gm * N + n0 + c;
-            *(uint4*)(pre + g) = *(const uint4*)(spre + r * HG_LDO + c);
-            *(uint4*)(act + g) = *(const uint4*)(sact + r * HG_LDO + c);
-        }
+    for (int k = 0; k < 32; k += 8) {
+        const int oy = oy0 + threadIdx.y + k;
+        if (ox < rows && oy < cols) out[(i64)oy * rows + ox] = tile[threadIdx.x][threadIdx.y + k];
     }
 }
