@@ -408,7 +408,7 @@ impl Cuda {
             && oc % 128 == 0
             && ic % 64 == 0
             && ic > 0
-            && rows.div_ceil(128) <= 65535
+            && rows.div_ceil(128) * (oc / 128) <= i32::MAX as usize
             && ptrs.iter().all(|&p| p % 16 == 0)
             && bias % 16 == 0
             && self.kernels.get("gemm_gelu_fwd_ws").is_ok()
@@ -424,7 +424,6 @@ impl Cuda {
     pub fn fused_gemm(&self) -> (bool, bool) {
         (self.fused_gemm.load(Ordering::Relaxed), self.fused_gemm_bwd.load(Ordering::Relaxed))
     }
-
 
     /// Uses the Hopper GEMM kernels where they apply — fc1's forward (`fwd`; the default), fc2's
     /// input gradient (`bwd`) — or cuBLASLt plus the separate GELU passes (FUSED_GEMM_ENV).
@@ -956,9 +955,6 @@ impl Cuda {
     }
 
 
-    /// Unaligned fallback of the fused GELU-gradient + bias-sum pass: the two kernels apart
-    /// (`bias_ptr`: the bias of the pre-activation, the compute copy of `params[pb]`).
-    #[allow(clippy::too_many_arguments)]
     /// fc2's input gradient through the Hopper kernel: dinp = (dout·W) ⊙ gelu'(pre + bias) and
     /// the bias span `pb` of dparams += the column sums of dinp, where W (oc × ic) is first
     /// transposed into a scratch copy (the kernel's B operand is K-major).
@@ -980,6 +976,9 @@ impl Cuda {
         self.reduce_partials(dst, dst, dst, ic, partial, row_tiles, ic)
     }
 
+    /// Unaligned fallback of the fused GELU-gradient + bias-sum pass: the two kernels apart
+    /// (`bias_ptr`: the bias of the pre-activation, the compute copy of `params[pb]`).
+    #[allow(clippy::too_many_arguments)]
     fn matmul_backward_impl_gelu_then_bias(&self, dinp: &mut CudaBuf, dparams: &mut CudaBuf, pre: &CudaBuf, bias_ptr: CUdeviceptr, pb: Span, rows: usize, ic: usize) -> BResult<()> {
         let n = rows * ic;
         if n == 0 {
@@ -1361,13 +1360,6 @@ impl Backend for Cuda {
                     let (m, n, k) = (rows as i32, oc as i32, ic as i32);
                     let ta = tensor_map_k_major(inp.ptr, ic, rows)?;
                     let tb = tensor_map_k_major(w_ptr, ic, oc)?;
-                    if std::env::var("VITSCALE_HG_WS").is_ok() && bias_ptr % 16 == 0 {
-                        let tiles = rows.div_ceil(128) * (oc / 128);
-                        let grid = (self.info.multiprocessors as usize).min(tiles).max(1) as u32;
-                        let smem = 4 * 32768 + 2 * 128 * 136 * 2 + 96 + 1024;
-                        let flags: i32 = std::env::var("VITSCALE_HG_FLAGS").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-                        return self.launch_dyn("gemm_gelu_fwd_ws2", (grid, 1, 1), (544, 1, 1), smem, &mut kargs![out.ptr, pre.ptr, ta, tb, bias_ptr, m, n, k, flags]);
-                    }
                     let grid = (self.info.multiprocessors as usize).min(rows.div_ceil(128) * (oc / 128)).max(1) as u32;
                     return self.launch_dyn("gemm_gelu_fwd_ws", (grid, 1, 1), (544, 1, 1), HOPPER_GEMM_SMEM, &mut kargs![out.ptr, pre.ptr, ta, tb, bias_ptr, m, n, k]);
                 }

@@ -43,6 +43,8 @@ __device__ __forceinline__ unsigned long long hg_desc(unsigned saddr) {
     return (unsigned long long)((saddr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
 }
 
+// d (this thread's 64 of the warpgroup's 64×128 f32 tile) += A(64×16)·B(128×16)ᵀ from the
+// shared-memory descriptors (accumulate, no negation, both K-major).
 __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long long da, unsigned long long db) {
     asm volatile(
         "{\n"
