@@ -80,4 +80,20 @@ __device__ __forceinline__ float dgelu_f(float x) {
     return fmaf(x, 0.39894228040143268f * e, cdf);
 }
 
+// Packed bf16 pairs (low half first) as f32, and back (16-byte kernels, GEMM epilogues).
+__device__ __forceinline__ float lo16(unsigned w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float hi16(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ unsigned pk16(float a, float b) { return f2bf2(a, b); }
+
+// gelu(p + b) and d·gelu'(p + b) for packed bf16 pairs. The MLP's pre-activation is the fc1
+// product without its bias (pre) plus the bias (one bf16 per column), added here in f32: the
+// GEMM runs without a bias epilogue. Shared by the GELU passes and the Hopper GEMM epilogues,
+// so the fused and separate paths round alike.
+__device__ __forceinline__ unsigned gelu_bias_w(unsigned p, unsigned b) {
+    return pk16(gelu_f(lo16(p) + lo16(b)), gelu_f(hi16(p) + hi16(b)));
+}
+__device__ __forceinline__ unsigned dgelu_bias_w(unsigned d, unsigned p, unsigned b) {
+    return pk16(lo16(d) * dgelu_f(lo16(p) + lo16(b)), hi16(d) * dgelu_f(hi16(p) + hi16(b)));
+}
+
 #define GRID_STRIDE(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)

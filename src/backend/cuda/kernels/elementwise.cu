@@ -128,9 +128,6 @@ extern "C" __global__ void reduce_partials_t(float* d1, float* d2, float* d3, in
 
 // ---- 16-byte versions (8 bf16 per access) of the bf16 elementwise passes; the launch site
 // checks n % 8 == 0 and 16-byte alignment. Same arithmetic and rounding as the scalar kernels.
-__device__ __forceinline__ float lo16(unsigned w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float hi16(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
-__device__ __forceinline__ unsigned pk16(float a, float b) { return f2bf2(a, b); }
 
 extern "C" __global__ void gelu_fwd_v8(uint4* out, const uint4* pre, i64 n8) {
     GRID_STRIDE(i, n8) {
@@ -168,14 +165,6 @@ __device__ __forceinline__ void block_column_partials(const float (&acc)[8], flo
     }
 }
 
-// The MLP's pre-activation is the fc1 product without its bias (pre) plus the bias (pb, one
-// bf16 per column), added here in f32: the GEMM runs without a bias epilogue (faster).
-__device__ __forceinline__ unsigned gelu_bias_w(unsigned p, unsigned b) {
-    return pk16(gelu_f(lo16(p) + lo16(b)), gelu_f(hi16(p) + hi16(b)));
-}
-__device__ __forceinline__ unsigned dgelu_bias_w(unsigned d, unsigned p, unsigned b) {
-    return pk16(lo16(d) * dgelu_f(lo16(p) + lo16(b)), hi16(d) * dgelu_f(hi16(p) + hi16(b)));
-}
 
 // out = gelu(pre + pb) over n8 16-byte vectors (row-major, oc8 = oc / 8 vectors per row,
 // 16-byte aligned). A flat grid-stride sweep like gelu_fwd_v8 (a (32, 8) block per 256 columns

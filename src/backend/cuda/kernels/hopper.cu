@@ -86,17 +86,6 @@ __device__ __forceinline__ void ht_tma_load(unsigned dst, const HgTmap* map, int
 }
 __device__ __forceinline__ void hw_epi_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
 
-__device__ __forceinline__ float hw_lo(unsigned w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float hw_hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
-// gelu(p + b) and d·gelu'(p + b) for two packed bf16 (as elementwise.cu's gelu_bias_w and
-// dgelu_bias_w, so the fused paths round exactly as the separate passes do).
-__device__ __forceinline__ unsigned hw_gelu_w(unsigned p, unsigned b) {
-    return f2bf2(gelu_f(hw_lo(p) + hw_lo(b)), gelu_f(hw_hi(p) + hw_hi(b)));
-}
-__device__ __forceinline__ unsigned hw_dgelu_w(unsigned d, unsigned p, unsigned b) {
-    return f2bf2(hw_lo(d) * dgelu_f(hw_lo(p) + hw_lo(b)), hw_hi(d) * dgelu_f(hw_hi(p) + hw_hi(b)));
-}
-
 // MODE 0: out = act, aux = pre (written). MODE 1: out = dpre, aux = pre (read), partial: the
 // (ceil(M / 128) × N) f32 column sums of dpre per row tile. bias: N bf16 values or null.
 template <int MODE>
@@ -202,16 +191,16 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
                 const i64 g = (i64)gm * N + n0 + c;
                 if (MODE == 0) {
                     *(uint4*)(aux + g) = v;
-                    *(uint4*)(out + g) = make_uint4(hw_gelu_w(v.x, bw.x), hw_gelu_w(v.y, bw.y), hw_gelu_w(v.z, bw.z), hw_gelu_w(v.w, bw.w));
+                    *(uint4*)(out + g) = make_uint4(gelu_bias_w(v.x, bw.x), gelu_bias_w(v.y, bw.y), gelu_bias_w(v.z, bw.z), gelu_bias_w(v.w, bw.w));
                 } else {
                     const uint4 p = *(const uint4*)(aux + g);
-                    const uint4 d = make_uint4(hw_dgelu_w(v.x, p.x, bw.x), hw_dgelu_w(v.y, p.y, bw.y), hw_dgelu_w(v.z, p.z, bw.z), hw_dgelu_w(v.w, p.w, bw.w));
+                    const uint4 d = make_uint4(dgelu_bias_w(v.x, p.x, bw.x), dgelu_bias_w(v.y, p.y, bw.y), dgelu_bias_w(v.z, p.z, bw.z), dgelu_bias_w(v.w, p.w, bw.w));
                     *(uint4*)(out + g) = d;
                     const unsigned dw[4] = {d.x, d.y, d.z, d.w};
                     #pragma unroll
                     for (int q = 0; q < 4; q++) {
-                        cs[2 * q] += hw_lo(dw[q]);
-                        cs[2 * q + 1] += hw_hi(dw[q]);
+                        cs[2 * q] += lo16(dw[q]);
+                        cs[2 * q + 1] += hi16(dw[q]);
                     }
                 }
             }
