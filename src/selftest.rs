@@ -413,11 +413,12 @@ fn attention_check<B: Backend>(cx: &mut Ctx<B>, b: usize, n: usize, h: usize, d:
 /// backward), a batch large enough to fill the GPU (B·H = 384 heads × 4 query blocks), and the
 /// short backward's edges (N 256: two full key passes; N 129: a second pass of one key), the
 /// small-head kernels' (N ≤ 80: 65 at a GPU-filling batch, 80 and 64 with no padding, 1, and
-/// 81, the first N past them). `path` labels the checks.
+/// 81, the first N past them), and the 13-warp whole-head backward's (D 64, N 193–208: 197,
+/// 193 and 208 at its ends, 209 past it). `path` labels the checks.
 pub fn attention_checks<B: Backend>(be: &B, seed: u64, path: &str) -> BResult<Vec<Check>> {
     let tol_c = if be.needs_compute_copy() { 1e-2 } else { F32_TOL };
     let mut cx = Ctx { be, cpu: Cpu::new(), rng: ChaCha8Rng::seed_from_u64(seed), checks: Vec::new(), tol_c };
-    for &(b, n, h, d) in &[(2usize, 65usize, 6usize, 64usize), (3, 197, 4, 64), (3, 50, 5, 64), (2, 17, 3, 32), (2, 65, 3, 32), (1, 1025, 2, 64), (32, 197, 12, 64), (2, 256, 2, 64), (2, 129, 3, 32), (64, 65, 6, 64), (2, 80, 2, 64), (2, 64, 3, 32), (3, 1, 2, 64), (2, 81, 2, 64)] {
+    for &(b, n, h, d) in &[(2usize, 65usize, 6usize, 64usize), (3, 197, 4, 64), (3, 50, 5, 64), (2, 17, 3, 32), (2, 65, 3, 32), (1, 1025, 2, 64), (32, 197, 12, 64), (2, 256, 2, 64), (2, 129, 3, 32), (64, 65, 6, 64), (2, 80, 2, 64), (2, 64, 3, 32), (3, 1, 2, 64), (2, 81, 2, 64), (2, 193, 2, 64), (2, 208, 3, 64), (2, 209, 2, 64)] {
         attention_check(&mut cx, b, n, h, d, path)?;
     }
     Ok(cx.checks)
@@ -647,6 +648,22 @@ fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult<Opt
     Ok(Some(checks))
 }
 
+/// Which backward kernels the `fused` attention checks launched (the profile's launch table):
+/// each of the shapes' two backward calls (plain and with the bias) picks the whole-head
+/// 13-warp kernel at D 64, N 193–208 (4 shapes in `attention_checks`) and the short-sequence
+/// kernel at 81–192 and 209–256 (N 81, 129, 209, 256). A count off by one fails: the
+/// selection would have changed under the checks.
+fn attention_kernel_choice(launched: &[(String, f64, usize)]) -> Vec<Check> {
+    let count = |kernel: &str| launched.iter().filter(|(name, _, _)| name == kernel).map(|&(_, _, c)| c).sum::<usize>();
+    [("flash_bwd_small_d64_w13", 8), ("flash_bwd_short_d64", 6), ("flash_bwd_short_d32", 2)]
+        .into_iter()
+        .map(|(kernel, want)| {
+            let got = count(kernel);
+            Check { name: format!("attention fused: {kernel} launched {got}× (want {want}×)"), rel_err: (got as f64 - want as f64).abs(), tol: 0.0, pass: got == want }
+        })
+        .collect()
+}
+
 /// Command-line options of `vitscale selftest`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct SelftestArgs {
@@ -696,9 +713,17 @@ pub fn selftest(args: &SelftestArgs) -> anyhow::Result<bool> {
             for (i, path) in crate::backend::cuda::AttentionPath::ALL.into_iter().enumerate() {
                 be.set_attention(path);
                 let label = format!(" {}", path.name());
-                match attention_checks(&be, seed.wrapping_add(1 + i as u64), &label) {
+                let fused = path == crate::backend::cuda::AttentionPath::Fused;
+                be.set_profiling(fused);
+                let result = attention_checks(&be, seed.wrapping_add(1 + i as u64), &label);
+                let launched = if fused { be.take_profile() } else { Ok(Vec::new()) };
+                be.set_profiling(false);
+                match result {
                     Ok(cs) => checks.extend(cs),
                     Err(e) => checks.push(Check { name: format!("attention checks{label}: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false }),
+                }
+                if fused {
+                    checks.extend(attention_kernel_choice(&launched?));
                 }
             }
             be.set_attention(chosen);

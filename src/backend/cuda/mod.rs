@@ -470,6 +470,21 @@ impl Cuda {
         Some((w, (3 * np * ld) as u32, (5 * np * ld + np * (np + 8) * 2 + 2 * np * 4) as u32))
     }
 
+    /// Warps per block W and the dynamic shared memory (bytes) of the whole-head backward
+    /// `flash_bwd_small_d{d}_w{W}`: the small heads' (N ≤ 80), and W = 13 at D = 64 for
+    /// 192 < N ≤ 208 (224 px / 16), where O is not staged in shared memory (the block would need
+    /// 235 KiB). Mirrors fa_small_bwd_smem in flash.cu.
+    fn small_backward(&self, n: usize, d: usize) -> Option<(usize, u32)> {
+        if let Some((w, _, smem)) = self.small_attention(n, d) {
+            return Some((w, smem));
+        }
+        if self.attention_path() != AttentionPath::Fused || d != 64 || !(193..=208).contains(&n) {
+            return None;
+        }
+        let (w, np, ld) = (13, 208, (d + 8) * 2);
+        Some((w, (4 * np * ld + np * (np + 8) * 2 + 2 * np * 4) as u32))
+    }
+
     /// Dynamic shared memory of `flash_bwd_short_d{d}` for sequence length `n`, when the
     /// short-sequence backward applies (path `fused`, N ≤ 256, fits the block's shared memory).
     /// Mirrors fa_short_smem in flash.cu.
@@ -769,7 +784,7 @@ impl Cuda {
             check_grid(OP, b * h)?;
             let scale = 1.0 / (d as f32).sqrt();
             let scale_log2 = std::f32::consts::LOG2_E * scale;
-            if let Some((w, _, smem)) = self.small_attention(n, d) {
+            if let Some((w, smem)) = self.small_backward(n, d) {
                 let (nn, hh) = (n as i32, h as i32);
                 let block = (32 * w as u32, 1, 1);
                 // with a bias: per-image [Σ dQ | Σ dV] rows (f32, 2·H·D each), reduced below

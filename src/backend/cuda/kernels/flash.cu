@@ -193,22 +193,23 @@ __device__ __forceinline__ void ds_as_a(unsigned* a, const bf16* sds, int lds, i
 
 // Σ a[i]·b[i] over D bf16 values (16-byte aligned rows), f32, in a fixed order: one
 // attention row's delta = dO · O.
+__device__ __forceinline__ float dot8_acc(float acc, uint4 x, uint4 y) {
+    const unsigned xs[4] = {x.x, x.y, x.z, x.w};
+    const unsigned ys[4] = {y.x, y.y, y.z, y.w};
+    #pragma unroll
+    for (int e = 0; e < 4; e++) {
+        acc += __uint_as_float(xs[e] << 16) * __uint_as_float(ys[e] << 16);
+        acc += __uint_as_float(xs[e] & 0xffff0000u) * __uint_as_float(ys[e] & 0xffff0000u);
+    }
+    return acc;
+}
 template <int D>
 __device__ __forceinline__ float row_dot(const bf16* a, const bf16* b) {
     const uint4* x4 = (const uint4*)a;
     const uint4* y4 = (const uint4*)b;
     float acc = 0.f;
     #pragma unroll
-    for (int c = 0; c < D / 8; c++) {
-        uint4 x = x4[c], y = y4[c];
-        const unsigned xs[4] = {x.x, x.y, x.z, x.w};
-        const unsigned ys[4] = {y.x, y.y, y.z, y.w};
-        #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            acc += __uint_as_float(xs[e] << 16) * __uint_as_float(ys[e] << 16);
-            acc += __uint_as_float(xs[e] & 0xffff0000u) * __uint_as_float(ys[e] & 0xffff0000u);
-        }
-    }
+    for (int c = 0; c < D / 8; c++) acc = dot8_acc(acc, x4[c], y4[c]);
     return acc;
 }
 
@@ -781,9 +782,12 @@ extern "C" __global__ void __launch_bounds__(FS_THREADS, 1) flash_bwd_short_d32(
 // these heads.
 
 // Dynamic shared memory (bytes) of flash_{fwd,bwd}_small for W warps (the host mirrors this):
-// forward Q, K, V; backward Q, dO, K, V, O + dSᵀ (NP × (NP + 8)) + lse2 + delta.
+// forward Q, K, V; backward Q, dO, K, V, O + dSᵀ (NP × (NP + 8)) + lse2 + delta — without O
+// when that would pass a block's limit (227 KiB): the 13-warp backward of N ≤ 208 at D = 64
+// (235 KiB with O, 206 without) reads O from global memory once, for delta.
+template <int D, int W> constexpr bool fa_small_o_smem() { return 5 * 16 * W * (D + 8) * 2 + 16 * W * (16 * W + 8) * 2 + 2 * 16 * W * 4 <= 227 * 1024; }
 template <int D, int W> constexpr int fa_small_fwd_smem() { return 3 * 16 * W * (D + 8) * 2; }
-template <int D, int W> constexpr int fa_small_bwd_smem() { return 5 * 16 * W * (D + 8) * 2 + 16 * W * (16 * W + 8) * 2 + 2 * 16 * W * 4; }
+template <int D, int W> constexpr int fa_small_bwd_smem() { return (fa_small_o_smem<D, W>() ? 5 : 4) * 16 * W * (D + 8) * 2 + 16 * W * (16 * W + 8) * 2 + 2 * 16 * W * 4; }
 
 // NP = 16·W rows of D values into shared rows of D + 8 (rows ≥ n zero-filled), by all W warps.
 template <int D, int W>
@@ -856,13 +860,14 @@ __device__ __forceinline__ void flash_bwd_small(bf16* __restrict__ dqkv, const b
     constexpr int LDS = NP + 8;
     constexpr int KT = D / 16;
     constexpr int NO = D / 8;
+    constexpr bool OS = fa_small_o_smem<D, W>();  // O staged in shared memory (see fa_small_bwd_smem)
     extern __shared__ __align__(16) unsigned char fa_smem[];
     bf16* sQ = (bf16*)fa_smem;
     bf16* sdO = sQ + NP * LD;
     bf16* sK = sdO + NP * LD;
     bf16* sV = sK + NP * LD;
-    bf16* sO = sV + NP * LD;
-    bf16* sds = sO + NP * LD;                  // dSᵀ: NP keys × LDS
+    bf16* sO = sV + NP * LD;                   // (OS only)
+    bf16* sds = OS ? sO + NP * LD : sO;        // dSᵀ: NP keys × LDS
     float* slse = (float*)(sds + NP * LDS);     // NP
     float* sdelta = slse + NP;                  // NP
 
@@ -876,21 +881,34 @@ __device__ __forceinline__ void flash_bwd_small(bf16* __restrict__ dqkv, const b
     fsm_load_rows_async<D, W>(sdO, dout + obase, ostride, n);
     fsm_load_rows_async<D, W>(sK, qg + h * D, stride, n);
     fsm_load_rows_async<D, W>(sV, qg + 2 * h * D, stride, n);
-    fsm_load_rows_async<D, W>(sO, out + obase, ostride, n);
+    if constexpr (OS) fsm_load_rows_async<D, W>(sO, out + obase, ostride, n);
     for (int i = threadIdx.x; i < NP; i += 32 * W) {
         const bool ok = i < n;
         cp_async4(slse + i, ok ? lse2 + (i64)bh * n + i : lse2, ok);
     }
     cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
     // delta = rowsum(dO ∘ O): two threads per row (NP rows, 32·W threads), each half the head
     // dim, joined through a shuffle — the same f32 products as row_dot, summed in two halves.
+    const int dr = threadIdx.x >> 1, dhalf = threadIdx.x & 1;
+    uint4 orow[D / 16];  // !OS: this thread's half row of O, loaded while the copies fly
+    if constexpr (!OS) {
+        const uint4* src = (const uint4*)(out + obase + (i64)(dr < n ? dr : 0) * ostride + dhalf * (D / 2));
+        #pragma unroll
+        for (int c = 0; c < D / 16; c++) orow[c] = dr < n ? src[c] : make_uint4(0u, 0u, 0u, 0u);
+    }
+    cp_async_wait<0>();
+    __syncthreads();
     {
-        const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
-        const float part = row_dot<D / 2>(sdO + r * LD + half * (D / 2), sO + r * LD + half * (D / 2));
+        float part = 0.f;
+        if constexpr (OS) {
+            part = row_dot<D / 2>(sdO + dr * LD + dhalf * (D / 2), sO + dr * LD + dhalf * (D / 2));
+        } else {
+            const uint4* x4 = (const uint4*)(sdO + dr * LD + dhalf * (D / 2));
+            #pragma unroll
+            for (int c = 0; c < D / 16; c++) part = dot8_acc(part, x4[c], orow[c]);
+        }
         const float sum = part + __shfl_xor_sync(0xffffffffu, part, 1);
-        if (half == 0) sdelta[r] = sum;  // 0 for the zero-filled rows ≥ n
+        if (dhalf == 0) sdelta[dr] = sum;  // 0 for the zero-filled rows ≥ n
     }
     // dO's column sums for the v bias: thread (group gr, column pair cp) sums NP / GR rows
     constexpr int CP = D / 2, GR = 32 * W / CP, GROWS = NP / GR;
@@ -905,8 +923,10 @@ __device__ __forceinline__ void flash_bwd_small(bf16* __restrict__ dqkv, const b
         }
     }
     __syncthreads();
-    float* sbias = (float*)sO;  // O is dead once delta is in shared memory: GR + W rows of D f32
-    if (bias_part) {
+    // GR + W rows of D f32 for the bias sums: in O's place once delta is in shared memory, or
+    // without OS in Q's once every warp is past its query steps (written after that barrier)
+    float* sbias = OS ? (float*)sO : (float*)sQ;
+    if (OS && bias_part) {
         sbias[gr * D + 2 * cp] = bv0;
         sbias[gr * D + 2 * cp + 1] = bv1;
     }
@@ -932,7 +952,11 @@ __device__ __forceinline__ void flash_bwd_small(bf16* __restrict__ dqkv, const b
         if constexpr (NP % FA_SMALL_QC != 0) step(IntC<NP % FA_SMALL_QC>{}, NP - NP % FA_SMALL_QC);
         fa_store_dkdv<D>(dqkv, bi, hi, n, h, r0, key0_ok, key1_ok, dk, dv, scale, t);
     }
-    __syncthreads();  // dSᵀ complete
+    __syncthreads();  // dSᵀ complete (and Q no longer read)
+    if (!OS && bias_part) {
+        sbias[gr * D + 2 * cp] = bv0;
+        sbias[gr * D + 2 * cp + 1] = bv1;
+    }
     // Queries: warp w owns queries 16w..; dQ = dS·K over every key, from registers to global.
     float dq[NO][4];
     fa_zero(dq);
@@ -994,3 +1018,11 @@ FA_SMALL(64, 4)
 FA_SMALL(64, 5)
 FA_SMALL(32, 4)
 FA_SMALL(32, 5)
+
+// The backward alone at W = 13 (192 < N ≤ 208: 224 px / 16 = 197 tokens), one block per SM
+// (206 KiB of shared memory, O read from global memory). Against flash_bwd_short: 13 warps
+// instead of 8, no barriers between query steps, dQ straight from registers, the qkv bias sums
+// inside. Its forward stays the tiled one (the whole head's scores per warp would not fit).
+extern "C" __global__ void __launch_bounds__(32 * 13, 1) flash_bwd_small_d64_w13(bf16* dqkv, const bf16* out, const bf16* dout, const bf16* qkv, const float* lse2, int n, int h, float scale, float scale_log2, float* bias_part) {
+    flash_bwd_small<64, 13>(dqkv, out, dout, qkv, lse2, n, h, scale, scale_log2, bias_part);
+}
