@@ -648,14 +648,15 @@ fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult<Opt
     Ok(Some(checks))
 }
 
-/// Which backward kernels the `fused` attention checks launched (the profile's launch table):
-/// each of the shapes' two backward calls (plain and with the bias) picks the whole-head
-/// 13-warp kernel at D 64, N 193–208 (4 shapes in `attention_checks`) and the short-sequence
-/// kernel at 81–192 and 209–256 (N 81, 129, 209, 256). A count off by one fails: the
-/// selection would have changed under the checks.
-fn attention_kernel_choice(launched: &[(String, f64, usize)]) -> Vec<Check> {
+/// Which kernels the `fused` attention checks launched (the profile's launch table): each of
+/// the shapes' two backward calls (plain and with the bias) picks the whole-head 13-warp kernel
+/// at D 64, N 193–208 (4 shapes in `attention_checks`) and the short-sequence kernel at 81–192
+/// and 209–256 (N 81, 129, 209, 256); the forward at D 64, N 193–208 is the wgmma kernel where
+/// it is compiled (`wgmma`: sm_90). A count off by one fails: the selection would have changed
+/// under the checks.
+fn attention_kernel_choice(launched: &[(String, f64, usize)], wgmma: bool) -> Vec<Check> {
     let count = |kernel: &str| launched.iter().filter(|(name, _, _)| name == kernel).map(|&(_, _, c)| c).sum::<usize>();
-    [("flash_bwd_small_d64_w13", 8), ("flash_bwd_short_d64", 6), ("flash_bwd_short_d32", 2)]
+    [("flash_bwd_small_d64_w13", 8), ("flash_bwd_short_d64", 6), ("flash_bwd_short_d32", 2), ("flash_fwd_wg_d64", if wgmma { 4 } else { 0 })]
         .into_iter()
         .map(|(kernel, want)| {
             let got = count(kernel);
@@ -723,7 +724,7 @@ pub fn selftest(args: &SelftestArgs) -> anyhow::Result<bool> {
                     Err(e) => checks.push(Check { name: format!("attention checks{label}: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false }),
                 }
                 if fused {
-                    checks.extend(attention_kernel_choice(&launched?));
+                    checks.extend(attention_kernel_choice(&launched?, be.has_wgmma_attention()));
                 }
             }
             be.set_attention(chosen);

@@ -485,6 +485,21 @@ impl Cuda {
         Some((w, (4 * np * ld + np * (np + 8) * 2 + 2 * np * 4) as u32))
     }
 
+    /// Dynamic shared memory of the wgmma attention forward `flash_fwd_wg_d64` (hopper.cu, sm_90
+    /// only: a head per block, 64 queries at a time against every key in one accumulator), when it applies:
+    /// path `fused`, D = 64, 193 ≤ N ≤ 208. Mirrors FW_SMEM.
+    fn wgmma_attention_forward(&self, n: usize, d: usize) -> Option<u32> {
+        if self.attention_path() != AttentionPath::Fused || d != 64 || !(193..=208).contains(&n) || self.kernels.get("flash_fwd_wg_d64").is_err() {
+            return None;
+        }
+        Some((2 * 64 * 128 + 2 * 208 * 128 + 1024) as u32)
+    }
+
+    /// Whether the wgmma attention forward is compiled (sm_90).
+    pub fn has_wgmma_attention(&self) -> bool {
+        self.kernels.get("flash_fwd_wg_d64").is_ok()
+    }
+
     /// Dynamic shared memory of `flash_bwd_short_d{d}` for sequence length `n`, when the
     /// short-sequence backward applies (path `fused`, N ≤ 256, fits the block's shared memory).
     /// Mirrors fa_short_smem in flash.cu.
@@ -1487,6 +1502,9 @@ impl Backend for Cuda {
             check_grid(OP, b * h)?;
             let scale_log2 = std::f32::consts::LOG2_E / (d as f32).sqrt();
             let (nn, hh) = (n as i32, h as i32);
+            if let Some(smem) = self.wgmma_attention_forward(n, d) {
+                return self.launch_dyn("flash_fwd_wg_d64", ((b * h) as u32, 1, 1), (128, 1, 1), smem, &mut kargs![out.ptr, probs.ptr, qkv.ptr, nn, hh, scale_log2]);
+            }
             if let Some((w, smem, _)) = self.small_attention(n, d) {
                 let block = (32 * w as u32, 1, 1);
                 return self.launch_dyn(&format!("flash_fwd_small_d{d}_w{w}"), ((b * h) as u32, 1, 1), block, smem, &mut kargs![out.ptr, probs.ptr, qkv.ptr, nn, hh, scale_log2]);

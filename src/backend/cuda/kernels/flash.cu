@@ -50,8 +50,6 @@ __device__ __forceinline__ void ldb_row(unsigned* b, const bf16* p, int t) {
     b[1] = ld2(p + 2 * t + 8);
 }
 
-// Shared-memory address of a generic pointer into shared memory.
-__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
 // Four 8×8 b16 matrices by one ldmatrix: lanes 8i..8i+7 give the row addresses of matrix i.
 // As stored, lane l receives (row l/4, cols 2(l%4), 2(l%4)+1) of each; transposed on the way
@@ -146,11 +144,6 @@ __device__ __forceinline__ void fa_scale_mask_max(float (&s)[NS][4], int valid, 
     }
 }
 
-// Maximum over the 4 lanes of a quad (the lanes that hold one row's columns).
-__device__ __forceinline__ float quad_max(float v) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
 
 // s ← 2^(s − m) for a warp's score fragments (m0 for rows g, m1 for rows g + 8); adds this
 // lane's part of each row's sum into sum0, sum1.
@@ -259,15 +252,6 @@ extern "C" __global__ void flash_dq_store(bf16* dqkv, const float* dq_acc, i64 r
 // ≥ n are zero-filled by the copy engine (src-size 0); the backward masks those queries' P
 // explicitly instead of relying on an infinite lse2.
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(valid ? 4 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 // A compile-time bool as a value, to instantiate a generic lambda for full and ragged tiles.
 template <bool B> struct BoolC { static constexpr bool value = B; };

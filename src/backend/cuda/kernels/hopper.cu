@@ -5,7 +5,8 @@
 //   cuBLASLt's product and a GELU pass;
 // - mode 1, fc2's input gradient: dpre = (dact = dout·W2) ⊙ gelu'(pre + bias) and the column
 //   partial sums of dpre (fc1's bias gradient) instead of cuBLASLt's product and the
-//   GELU-backward pass (B = W2ᵀ, transposed once per call by `transpose_bf16`).
+//   GELU-backward pass (B = W2ᵀ, transposed once per call by `transpose_bf16`);
+// and the attention forward for ViT-B/16's 197 tokens (`flash_fwd_wg_d64`, at the end).
 // Mode 0 is the default on sm_90 (1 % faster per CIFAR ViT-S step, the same at ViT-B/16); mode 1
 // is opt-in (VITSCALE_FUSED_GEMM=all): its epilogue — reading pre, the GELU derivative, the column
 // sums — is slower than the separate pass so far. BENCHMARKS.md has the measurements.
@@ -34,8 +35,6 @@
 // 12 barriers, 1 KiB of alignment slack
 #define HW_SMEM (HW_STAGES * HW_STAGE + 2 * HW_STG + 8 * 128 * 4 + 96 + 1024)
 
-__device__ __forceinline__ unsigned hg_smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-
 // Shared-memory matrix descriptor of a K-major tile with the 128-byte swizzle: start address,
 // leading byte offset (unused by this mode: 16), stride byte offset 1024 (8 rows × 128 bytes
 // between core-matrix groups), swizzle mode 1 (128 B) in bits 62–63.
@@ -54,6 +53,33 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long l
         "}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "l"(da), "l"(db));
+}
+
+// d (this thread's 104 of the warpgroup's 64×208 f32 tile) += A(64×16)·B(208×16)ᵀ, both from
+// shared-memory descriptors (K-major): the attention scores of 64 queries against 208 keys.
+__device__ __forceinline__ void wgmma_m64n208k16(float (&d)[104], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n"
+        "wgmma.mma_async.sync.aligned.m64n208k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103}, "
+        "%104, %105, 1, 1, 1, 0, 0;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103])
+        : "l"(da), "l"(db));
+}
+
+// d (32 of the warpgroup's 64×64 f32 tile) += A(64×16, registers: a[0..3] in mma.m16n8k16's A
+// layout per warp)·B(16×64) from an MN-major shared-memory descriptor (B's rows of 64 values
+// contiguous, the transposed mode): P·V with V's key rows as they are stored.
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const unsigned (&a)[4], unsigned long long db) {
+    asm volatile(
+        "{\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
 // A CUtensorMap (128 bytes), passed by value.
@@ -90,7 +116,7 @@ __device__ __forceinline__ void hw_epi_sync() { asm volatile("bar.sync 1, 256;\n
 // (ceil(M / 128) × N) f32 column sums of dpre per row tile. bias: N bf16 values or null.
 template <int MODE>
 __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict__ aux, float* __restrict__ partial, const HgTmap* tmA, const HgTmap* tmB, const bf16* __restrict__ bias, int M, int N, int K, unsigned char* raw_p) {
-    const unsigned raw = hg_smem_u32(raw_p);
+    const unsigned raw = smem_u32(raw_p);
     const unsigned ring = (raw + 1023u) & ~1023u;
     unsigned char* base = raw_p + (ring - raw);
     bf16* stg_p = (bf16*)(base + HW_STAGES * HW_STAGE);
@@ -255,5 +281,129 @@ extern "C" __global__ void transpose_bf16(bf16* __restrict__ out, const bf16* __
     for (int k = 0; k < 32; k += 8) {
         const int oy = oy0 + threadIdx.y + k;
         if (ox < rows && oy < cols) out[(i64)oy * rows + ox] = tile[threadIdx.x][threadIdx.y + k];
+    }
+}
+
+// ---- Attention forward on wgmma for 193 ≤ N ≤ 208 at D = 64 (224 px / 16: 197 tokens) ----
+// One warpgroup per (b, h) block walks the head's 64-query tiles; K and V are staged once and
+// every key is seen at once: S = Q·Kᵀ is one m64n208 accumulator (104 f32 per thread), so the
+// softmax is exact — no running maximum, no rescaling — and O = P·V takes P straight from
+// registers (the A operand) against V read in its stored layout (MN-major B: key rows of 64
+// dims). Q (double-buffered, the next tile in flight while this one computes), K and V come in
+// by cp.async into 128-byte-swizzled rows (16-byte chunk c of row r at c ^ (r % 8), the layout
+// hg_desc names); keys and queries ≥ N are zero rows (scores of keys ≥ N are −∞ before the
+// softmax; rows ≥ N are not stored). Output and saved state as flash_fwd_*: out (B, N, H·D),
+// lse2 = m + log2(l) in base 2 with m the row maximum of s·scale·log2(e).
+#define FW_NK 208
+// dynamic shared memory: two Q tiles (64 rows), K and V (208 rows), 1 KiB of alignment slack
+#define FW_SMEM (2 * 64 * 128 + 2 * FW_NK * 128 + 1024)
+
+// Byte offset of 16-byte chunk c of row r in a tile of 128-byte rows with the 128-byte swizzle.
+__device__ __forceinline__ unsigned sw128(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
+
+// `rows` rows of 64 bf16 (row stride `stride`, rows ≥ n zero-filled) into a swizzled tile, by
+// the block's 128 threads.
+__device__ __forceinline__ void fw_load_rows(unsigned char* dst, const bf16* src, i64 stride, int rows, int n) {
+    for (int i = threadIdx.x; i < rows * 8; i += 128) {
+        const int r = i >> 3, c = i & 7;
+        cp_async16(dst + sw128(r, c), r < n ? src + (i64)r * stride + c * 8 : src, r < n);
+    }
+}
+
+// Two blocks per SM: capped at three (168 registers) it spills 132 bytes and runs no faster
+// (ViT-B/16 micro 256 on an H200: 2.47 vs 2.52 ms per step for the twelve layers).
+extern "C" __global__ void __launch_bounds__(128, 2) flash_fwd_wg_d64(bf16* __restrict__ out, float* __restrict__ lse2, const bf16* __restrict__ qkv, int n, int h, float scale_log2) {
+    constexpr int D = 64;
+    extern __shared__ unsigned char fw_raw[];
+    const unsigned raw = smem_u32(fw_raw);
+    const unsigned sbase = (raw + 1023u) & ~1023u;  // swizzled tiles start 1024-byte aligned
+    unsigned char* qp = fw_raw + (sbase - raw);     // two Q tiles of 8 KiB
+    unsigned char* kp = qp + 2 * 64 * 128;
+    unsigned char* vp = kp + FW_NK * 128;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int bh = blockIdx.x, bi = bh / h, hi = bh - bi * h;
+    const i64 stride = (i64)3 * h * D, ostride = (i64)h * D;
+    const bf16* qg = qkv + (i64)bi * n * stride + hi * D;
+    fw_load_rows(kp, qg + h * D, stride, FW_NK, n);
+    fw_load_rows(vp, qg + 2 * h * D, stride, FW_NK, n);
+    fw_load_rows(qp, qg, stride, 64, n);
+    cp_async_commit();
+    const unsigned long long dk = hg_desc(sbase + 2 * 64 * 128), dv = hg_desc(sbase + 2 * 64 * 128 + FW_NK * 128);
+    const int nq = (n + 63) / 64;
+    for (int qt = 0; qt < nq; qt++) {
+        const int q0 = qt * 64;
+        __syncthreads();  // every warp's products of tile qt − 1 are done: its Q buffer is free
+        if (qt + 1 < nq) {
+            fw_load_rows(qp + ((qt + 1) & 1) * 64 * 128, qg + (i64)(q0 + 64) * stride, stride, 64, n - q0 - 64);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        // the tensor cores read shared memory through the async proxy: order the copies first
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+
+        float s[104];
+        #pragma unroll
+        for (int k = 0; k < 104; k++) s[k] = 0.f;
+        const unsigned long long dq = hg_desc(sbase + (qt & 1) * 64 * 128);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        #pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) wgmma_m64n208k16(s, dq + 2 * kk, dk + 2 * kk);
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+
+        // value 4j + {0,1}: row 16·warp + g, keys 8j + 2t + {0,1}; 4j + {2,3}: the row 8 below
+        float m0 = -INFINITY, m1 = -INFINITY;
+        #pragma unroll
+        for (int j = 0; j < FW_NK / 8; j++) {
+            #pragma unroll
+            for (int e = 0; e < 4; e++)
+                if (8 * j + 2 * t + (e & 1) >= n) s[4 * j + e] = -INFINITY;
+            m0 = fmaxf(m0, fmaxf(s[4 * j], s[4 * j + 1]));
+            m1 = fmaxf(m1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+        }
+        const float mb0 = quad_max(m0) * scale_log2, mb1 = quad_max(m1) * scale_log2;
+        float l0 = 0.f, l1 = 0.f;
+        unsigned pa[FW_NK / 16][4];
+        #pragma unroll
+        for (int j = 0; j < FW_NK / 8; j++) {
+            const float p0 = exp2f(fmaf(s[4 * j], scale_log2, -mb0)), p1 = exp2f(fmaf(s[4 * j + 1], scale_log2, -mb0));
+            const float p2 = exp2f(fmaf(s[4 * j + 2], scale_log2, -mb1)), p3 = exp2f(fmaf(s[4 * j + 3], scale_log2, -mb1));
+            l0 += p0 + p1;
+            l1 += p2 + p3;
+            // keys 16kk… as the A fragment of P·V: n8 block 2kk → a[0], a[1]; 2kk + 1 → a[2], a[3]
+            pa[j >> 1][(j & 1) * 2] = f2bf2(p0, p1);
+            pa[j >> 1][(j & 1) * 2 + 1] = f2bf2(p2, p3);
+        }
+        l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+        l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+
+        float o[32];
+        #pragma unroll
+        for (int k = 0; k < 32; k++) o[k] = 0.f;
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        // keys 16kk… are V rows 16kk…: 2048 bytes (two 8-row groups) per step
+        #pragma unroll
+        for (int kk = 0; kk < FW_NK / 16; kk++) wgmma_m64n64k16_rs(o, pa[kk], dv + 128 * kk);
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+
+        const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
+        const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+        bf16* og = out + (i64)bi * n * ostride + hi * D + 2 * t;
+        if (r0 < n) {
+            #pragma unroll
+            for (int j = 0; j < D / 8; j++) *(unsigned*)(og + r0 * ostride + 8 * j) = f2bf2(o[4 * j] * inv0, o[4 * j + 1] * inv0);
+            if (t == 0) lse2[(i64)bh * n + r0] = mb0 + __log2f(l0);
+        }
+        if (r1 < n) {
+            #pragma unroll
+            for (int j = 0; j < D / 8; j++) *(unsigned*)(og + r1 * ostride + 8 * j) = f2bf2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
+            if (t == 0) lse2[(i64)bh * n + r1] = mb1 + __log2f(l1);
+        }
     }
 }
