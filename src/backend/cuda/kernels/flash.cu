@@ -9,8 +9,10 @@
 // Kernels: flash_fwd_pipe (the forward) and flash_bwd_pipe (backward by key blocks, dQ through
 // f32 atomics, after the flash_bwd_pre pass and before flash_dq_store) double-buffer the tiles of
 // their inner loop through cp.async; flash_bwd_short (N ≤ 256, the default backward) keeps a
-// whole head in one block. Both backwards share fa_bwd_step (one warp's 16 keys against a step
-// of 64 queries) and fa_store_dkdv.
+// whole head in one block; flash_{fwd,bwd}_small (N ≤ 80, and the backward alone at W = 13 for
+// 193 ≤ N ≤ 208) keep a whole head in one block with every key on its own warp row. The
+// backwards share fa_bwd_step (one warp's 16 keys against a step of queries) and
+// fa_store_dkdv. (On Hopper the forward for 193 ≤ N ≤ 208 is `flash_fwd_wg_d64` in hopper.cu.)
 //
 // Tiles: 64 query rows × 64 keys per block of 4 warps; each warp owns 16 rows of the tile.
 // Shared-memory rows are padded by 8 bf16 (16 bytes) so fragment loads hit 32 distinct banks.
