@@ -651,16 +651,17 @@ fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult<Opt
 /// Which kernels the `fused` attention checks launched (the profile's launch table): each of
 /// the shapes' two backward calls (plain and with the bias) picks the whole-head 13-warp kernel
 /// at D 64, N 193–208 (4 shapes in `attention_checks`) and the short-sequence kernel at 81–192
-/// and 209–256 (N 81, 129, 209, 256); the forward at D 64, N 193–208 is the wgmma kernel where
-/// it is compiled (`wgmma`: sm_90). A count off by one fails: the selection would have changed
-/// under the checks.
-fn attention_kernel_choice(launched: &[(String, f64, usize)], wgmma: bool) -> Vec<Check> {
+/// and 209–256 (N 81, 129, 209, 256); at D 64, N 193–208 the wgmma kernels replace the
+/// 13-warp backward and the tiled forward when chosen (`wgmma`: compiled, sm_90, and switched
+/// on). A count off by one fails: the selection would have changed under the checks.
+fn attention_kernel_choice(launched: &[(String, f64, usize)], wgmma: bool, label: &str) -> Vec<Check> {
     let count = |kernel: &str| launched.iter().filter(|(name, _, _)| name == kernel).map(|&(_, _, c)| c).sum::<usize>();
-    [("flash_bwd_small_d64_w13", 8), ("flash_bwd_short_d64", 6), ("flash_bwd_short_d32", 2), ("flash_fwd_wg_d64", if wgmma { 4 } else { 0 })]
+    let (wg, w13) = if wgmma { (8, 0) } else { (0, 8) };
+    [("flash_bwd_wg_d64", wg), ("flash_bwd_small_d64_w13", w13), ("flash_bwd_short_d64", 6), ("flash_bwd_short_d32", 2), ("flash_fwd_wg_d64", wg / 2)]
         .into_iter()
         .map(|(kernel, want)| {
             let got = count(kernel);
-            Check { name: format!("attention fused: {kernel} launched {got}× (want {want}×)"), rel_err: (got as f64 - want as f64).abs(), tol: 0.0, pass: got == want }
+            Check { name: format!("attention{label}: {kernel} launched {got}× (want {want}×)"), rel_err: (got as f64 - want as f64).abs(), tol: 0.0, pass: got == want }
         })
         .collect()
 }
@@ -711,10 +712,21 @@ pub fn selftest(args: &SelftestArgs) -> anyhow::Result<bool> {
                 Err(e) => checks.push(Check { name: format!("hopper GEMM checks: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false }),
             }
             // Every attention path, whatever VITSCALE_ATTENTION chose for the checks above.
-            for (i, path) in crate::backend::cuda::AttentionPath::ALL.into_iter().enumerate() {
-                be.set_attention(path);
-                let label = format!(" {}", path.name());
+            // The fused path twice where the wgmma kernels exist: with them, and with flash.cu's.
+            let wgmma_chosen = be.wgmma_attention();
+            let mut runs = Vec::new();
+            for path in crate::backend::cuda::AttentionPath::ALL {
                 let fused = path == crate::backend::cuda::AttentionPath::Fused;
+                runs.push((path, fused && be.has_wgmma_attention()));
+                if fused && be.has_wgmma_attention() {
+                    runs.push((path, false));
+                }
+            }
+            for (i, (path, wgmma)) in runs.into_iter().enumerate() {
+                be.set_attention(path);
+                be.set_wgmma_attention(wgmma);
+                let fused = path == crate::backend::cuda::AttentionPath::Fused;
+                let label = if fused && be.has_wgmma_attention() { format!(" {}{}", path.name(), if wgmma { " wgmma" } else { " mma.sync" }) } else { format!(" {}", path.name()) };
                 be.set_profiling(fused);
                 let result = attention_checks(&be, seed.wrapping_add(1 + i as u64), &label);
                 let launched = if fused { be.take_profile() } else { Ok(Vec::new()) };
@@ -724,9 +736,10 @@ pub fn selftest(args: &SelftestArgs) -> anyhow::Result<bool> {
                     Err(e) => checks.push(Check { name: format!("attention checks{label}: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false }),
                 }
                 if fused {
-                    checks.extend(attention_kernel_choice(&launched?, be.has_wgmma_attention()));
+                    checks.extend(attention_kernel_choice(&launched?, wgmma, &label));
                 }
             }
+            be.set_wgmma_attention(wgmma_chosen);
             be.set_attention(chosen);
             println!("attention path for the model checks: {}", chosen.name());
             Ok(report(&be.name(), seed, &checks, &d, &c, args.json))

@@ -256,6 +256,8 @@ pub struct Cuda {
     /// forward, fc2's input gradient.
     fused_gemm: std::sync::atomic::AtomicBool,
     fused_gemm_bwd: std::sync::atomic::AtomicBool,
+    /// Whether the wgmma attention kernels are used where they apply (`set_wgmma_attention`).
+    wgmma_attention: std::sync::atomic::AtomicBool,
 }
 
 /// Environment variable that picks the attention path: `fused` (default), `fused-pipe` or `gemm`.
@@ -308,6 +310,11 @@ pub fn parse_attention(v: &str) -> Result<AttentionPath, String> {
 /// same at ViT-B/16); `all` — also fc2's input gradient with the GELU backward (correct, slower
 /// so far); `0` or `off` — cuBLASLt and the separate passes everywhere.
 pub const FUSED_GEMM_ENV: &str = "VITSCALE_FUSED_GEMM";
+
+/// Environment variable turning the wgmma attention kernels (`flash_{fwd,bwd}_wg_d64` in
+/// hopper.cu: ViT-B/16's 197 tokens on sm_90) off (`0` or `off`); the mma.sync kernels of
+/// flash.cu run instead.
+pub const WGMMA_ATTENTION_ENV: &str = "VITSCALE_WGMMA_ATTENTION";
 
 /// Dynamic shared memory of the Hopper GEMM kernels (HW_SMEM in hopper.cu: a 4-stage ring of two
 /// 128×64 bf16 tiles, two 128×136 bf16 staging tiles, 8 × 128 f32 column sums, 12 barriers,
@@ -368,6 +375,7 @@ impl Cuda {
             attention: AtomicU8::new(attention as u8),
             fused_gemm: std::sync::atomic::AtomicBool::new(!matches!(std::env::var(FUSED_GEMM_ENV).as_deref().map(str::trim), Ok("0") | Ok("off"))),
             fused_gemm_bwd: std::sync::atomic::AtomicBool::new(matches!(std::env::var(FUSED_GEMM_ENV).as_deref().map(str::trim), Ok("all"))),
+            wgmma_attention: std::sync::atomic::AtomicBool::new(!matches!(std::env::var(WGMMA_ATTENTION_ENV).as_deref().map(str::trim), Ok("0") | Ok("off"))),
             copy_stream,
             staging,
             next_staging: AtomicUsize::new(0),
@@ -489,15 +497,33 @@ impl Cuda {
     /// only: a head per block, 64 queries at a time against every key in one accumulator), when it applies:
     /// path `fused`, D = 64, 193 ≤ N ≤ 208. Mirrors FW_SMEM.
     fn wgmma_attention_forward(&self, n: usize, d: usize) -> Option<u32> {
-        if self.attention_path() != AttentionPath::Fused || d != 64 || !(193..=208).contains(&n) || self.kernels.get("flash_fwd_wg_d64").is_err() {
-            return None;
-        }
-        Some((2 * 64 * 128 + 2 * 208 * 128 + 1024) as u32)
+        self.wgmma_attention_applies(n, d).then_some((2 * 64 * 128 + 2 * 208 * 128 + 1024) as u32)
     }
 
-    /// Whether the wgmma attention forward is compiled (sm_90).
+    /// Dynamic shared memory of the wgmma attention backward `flash_bwd_wg_d64` (hopper.cu: a
+    /// whole head per block of four warpgroups), when it applies (as the forward). Mirrors
+    /// FB_SMEM.
+    fn wgmma_attention_backward(&self, n: usize, d: usize) -> Option<u32> {
+        self.wgmma_attention_applies(n, d).then_some((2 * 208 * 128 + 2 * 224 * 128 + 4 * 208 * 128 + 2 * 224 * 4 + 1024) as u32)
+    }
+
+    fn wgmma_attention_applies(&self, n: usize, d: usize) -> bool {
+        self.attention_path() == AttentionPath::Fused && d == 64 && (193..=208).contains(&n) && self.wgmma_attention() && self.has_wgmma_attention()
+    }
+
+    /// Whether the wgmma attention kernels are compiled (sm_90).
     pub fn has_wgmma_attention(&self) -> bool {
-        self.kernels.get("flash_fwd_wg_d64").is_ok()
+        self.kernels.get("flash_fwd_wg_d64").is_ok() && self.kernels.get("flash_bwd_wg_d64").is_ok()
+    }
+
+    /// Whether the wgmma attention kernels are chosen where they apply (WGMMA_ATTENTION_ENV).
+    pub fn wgmma_attention(&self) -> bool {
+        self.wgmma_attention.load(Ordering::Relaxed)
+    }
+
+    /// Chooses the wgmma attention kernels (where compiled and the shape fits) or flash.cu's.
+    pub fn set_wgmma_attention(&self, on: bool) {
+        self.wgmma_attention.store(on, Ordering::Relaxed);
     }
 
     /// Dynamic shared memory of `flash_bwd_short_d{d}` for sequence length `n`, when the
@@ -799,16 +825,21 @@ impl Cuda {
             check_grid(OP, b * h)?;
             let scale = 1.0 / (d as f32).sqrt();
             let scale_log2 = std::f32::consts::LOG2_E * scale;
-            if let Some((w, smem)) = self.small_backward(n, d) {
+            // The whole-head kernels (wgmma, or flash.cu's small ones) sum the qkv bias gradient.
+            let whole_head = match (self.wgmma_attention_backward(n, d), self.small_backward(n, d)) {
+                (Some(smem), _) => Some(("flash_bwd_wg_d64".to_string(), (512, 1, 1), smem)),
+                (None, Some((w, smem))) => Some((format!("flash_bwd_small_d{d}_w{w}"), (32 * w as u32, 1, 1), smem)),
+                (None, None) => None,
+            };
+            if let Some((name, block, smem)) = whole_head {
                 let (nn, hh) = (n as i32, h as i32);
-                let block = (32 * w as u32, 1, 1);
                 // with a bias: per-image [Σ dQ | Σ dV] rows (f32, 2·H·D each), reduced below
                 let c = h * d;
                 let part = match dbias {
                     Some(_) => self.scratch("attn_bias_partials", 2 * b * 2 * c)?,
                     None => 0,
                 };
-                self.launch_dyn(&format!("flash_bwd_small_d{d}_w{w}"), ((b * h) as u32, 1, 1), block, smem, &mut kargs![dqkv.ptr, out.ptr, dout.ptr, qkv.ptr, probs.ptr, nn, hh, scale, scale_log2, part])?;
+                self.launch_dyn(&name, ((b * h) as u32, 1, 1), block, smem, &mut kargs![dqkv.ptr, out.ptr, dout.ptr, qkv.ptr, probs.ptr, nn, hh, scale, scale_log2, part])?;
                 if let Some(db) = dbias {
                     // q bias += Σ dQ, v bias += Σ dV; the k bias's gradient is zero
                     let dv = db + (2 * c * 4) as u64;

@@ -6,7 +6,8 @@
 // - mode 1, fc2's input gradient: dpre = (dact = dout·W2) ⊙ gelu'(pre + bias) and the column
 //   partial sums of dpre (fc1's bias gradient) instead of cuBLASLt's product and the
 //   GELU-backward pass (B = W2ᵀ, transposed once per call by `transpose_bf16`);
-// and the attention forward for ViT-B/16's 197 tokens (`flash_fwd_wg_d64`, at the end).
+// and ViT-B/16's attention (197 tokens: `flash_fwd_wg_d64`, `flash_bwd_wg_d64`, at the end;
+// VITSCALE_WGMMA_ATTENTION=0 turns them off).
 // Mode 0 is the default on sm_90 (1 % faster per CIFAR ViT-S step, the same at ViT-B/16); mode 1
 // is opt-in (VITSCALE_FUSED_GEMM=all): its epilogue — reading pre, the GELU derivative, the column
 // sums — is slower than the separate pass so far. BENCHMARKS.md has the measurements.
@@ -80,6 +81,33 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const unsigne
         "}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+// d (16 of the warpgroup's 64×32 f32 tile) += A(64×16)·B(32×16)ᵀ, both K-major in shared memory:
+// the backward's Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for 64 keys against a step of 32 queries.
+__device__ __forceinline__ void wgmma_m64n32k16(float (&d)[16], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "%16, %17, 1, 1, 1, 0, 0;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(da), "l"(db));
+}
+
+// d (32 of the warpgroup's 64×64 f32 tile) += A(64×16)·B(16×64), both MN-major in shared memory
+// (the transposed modes: A's 64 rows and B's 64 columns contiguous): the backward's dQ = dS·K
+// from the staged dSᵀ and K as stored.
+__device__ __forceinline__ void wgmma_m64n64k16_tt(float (&d)[32], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, 1, 1, 1, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db));
 }
 
 // A CUtensorMap (128 bytes), passed by value.
@@ -302,9 +330,10 @@ extern "C" __global__ void transpose_bf16(bf16* __restrict__ out, const bf16* __
 __device__ __forceinline__ unsigned sw128(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
 
 // `rows` rows of 64 bf16 (row stride `stride`, rows ≥ n zero-filled) into a swizzled tile, by
-// the block's 128 threads.
+// the block's THREADS threads.
+template <int THREADS = 128>
 __device__ __forceinline__ void fw_load_rows(unsigned char* dst, const bf16* src, i64 stride, int rows, int n) {
-    for (int i = threadIdx.x; i < rows * 8; i += 128) {
+    for (int i = threadIdx.x; i < rows * 8; i += THREADS) {
         const int r = i >> 3, c = i & 7;
         cp_async16(dst + sw128(r, c), r < n ? src + (i64)r * stride + c * 8 : src, r < n);
     }
@@ -405,5 +434,212 @@ extern "C" __global__ void __launch_bounds__(128, 2) flash_fwd_wg_d64(bf16* __re
             for (int j = 0; j < D / 8; j++) *(unsigned*)(og + r1 * ostride + 8 * j) = f2bf2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
             if (t == 0) lse2[(i64)bh * n + r1] = mb1 + __log2f(l1);
         }
+    }
+}
+
+// ---- Attention backward on wgmma for 193 ≤ N ≤ 208 at D = 64 ----
+// One block of four warpgroups per (b, h) holds the whole head (the structure of
+// flash_bwd_small_d64_w13 on warpgroup MMAs): warpgroup w owns keys 64w…64w + 63 and walks the
+// queries in steps of 32 — Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (m64n32, both operands K-major), Pᵀ and
+// dSᵀ = Pᵀ ∘ (dPᵀ − delta) in registers, dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ, dSᵀ as register
+// A operands against dO, Q read MN-major — and stages dSᵀ in shared memory. After one barrier,
+// warpgroup w computes dQ = dS·K for queries 64w… over every key (both operands MN-major).
+// Keys 197…255 of the last warpgroup: rows ≥ N of K, V are zero, rows past 208 read whatever
+// follows in shared memory (finite data); every score of a key or query ≥ N is replaced (not
+// multiplied) by zero, so nothing of those rows reaches a stored value. Queries pad to 224
+// (7 steps); dSᵀ columns 224…255 are never written, which only touches dQ rows ≥ N (not stored).
+#define FB_NK 208               // key rows staged (13 k-steps of dQ)
+#define FB_NQ 224               // query rows staged (7 steps of 32)
+#define FB_DS (FB_NK * 128)     // one 64-query column tile of dSᵀ (208 key rows)
+// dynamic shared memory: K, V (208 rows), Q, dO (224 rows), dSᵀ (4 tiles), lse2 and delta
+// (224 f32 each), 1 KiB of alignment slack
+#define FB_SMEM (2 * FB_NK * 128 + 2 * FB_NQ * 128 + 4 * FB_DS + 2 * FB_NQ * 4 + 1024)
+
+// bias_part (optional, may be 0): the qkv bias gradient's per-image partial sums as in
+// flash_bwd_small (row b of 2·H·D f32 = [Σ dQ | Σ dO] over the image's tokens).
+extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_d64(bf16* __restrict__ dqkv, const bf16* __restrict__ out, const bf16* __restrict__ dout, const bf16* __restrict__ qkv, const float* __restrict__ lse2, int n, int h, float scale, float scale_log2, float* __restrict__ bias_part) {
+    constexpr int D = 64;
+    extern __shared__ unsigned char fb_raw[];
+    const unsigned raw = smem_u32(fb_raw);
+    const unsigned sbase = (raw + 1023u) & ~1023u;
+    unsigned char* kp = fb_raw + (sbase - raw);
+    unsigned char* vp = kp + FB_NK * 128;
+    unsigned char* qp = vp + FB_NK * 128;
+    unsigned char* dop = qp + FB_NQ * 128;
+    unsigned char* dsp = dop + FB_NQ * 128;
+    float* slse = (float*)(dsp + 4 * FB_DS);
+    float* sdelta = slse + FB_NQ;
+    const unsigned sk = sbase, sv = sk + FB_NK * 128, sq = sv + FB_NK * 128, sdo = sq + FB_NQ * 128, sds = sdo + FB_NQ * 128;
+    const int tid = threadIdx.x, wg = tid >> 7, wi = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int bh = blockIdx.x, bi = bh / h, hi = bh - bi * h;
+    const i64 stride = (i64)3 * h * D, ostride = (i64)h * D;
+    const bf16* qg = qkv + (i64)bi * n * stride + hi * D;
+    const i64 obase = (i64)bi * n * ostride + hi * D;
+    fw_load_rows<512>(kp, qg + h * D, stride, FB_NK, n);
+    fw_load_rows<512>(vp, qg + 2 * h * D, stride, FB_NK, n);
+    fw_load_rows<512>(qp, qg, stride, FB_NQ, n);
+    fw_load_rows<512>(dop, dout + obase, ostride, FB_NQ, n);
+    for (int i = tid; i < FB_NQ; i += 512) cp_async4(slse + i, i < n ? lse2 + (i64)bh * n + i : lse2, i < n);
+    cp_async_commit();
+    // delta = rowsum(dO ∘ O): two threads per query row, O's half row loaded while the copies fly
+    const int dr = tid >> 1, dhalf = tid & 1;
+    uint4 orow[4];
+    if (dr < FB_NQ) {
+        const uint4* src = (const uint4*)(out + obase + (i64)(dr < n ? dr : 0) * ostride + dhalf * 32);
+        #pragma unroll
+        for (int c = 0; c < 4; c++) orow[c] = dr < n ? src[c] : make_uint4(0u, 0u, 0u, 0u);
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    if (dr < FB_NQ) {
+        float part = 0.f;
+        #pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const uint4 x = *(const uint4*)(dop + sw128(dr, dhalf * 4 + c));
+            const unsigned xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {orow[c].x, orow[c].y, orow[c].z, orow[c].w};
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                part += lo16(xs[e]) * lo16(ys[e]);
+                part += hi16(xs[e]) * hi16(ys[e]);
+            }
+        }
+        const float sum = part + __shfl_xor_sync(0xffffffffu, part, 1);
+        if (dhalf == 0) sdelta[dr] = sum;
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+
+    // this thread's key rows (accumulator rows g and g + 8 of warp wi in warpgroup wg)
+    const int kr0 = wg * 64 + wi * 16 + g, kr1 = kr0 + 8;
+    float dk[32], dv[32];
+    #pragma unroll
+    for (int k = 0; k < 32; k++) dk[k] = dv[k] = 0.f;
+    const unsigned long long dka = hg_desc(sk + wg * 64 * 128), dva = hg_desc(sv + wg * 64 * 128);
+    #pragma unroll 1
+    for (int q0 = 0; q0 < FB_NQ; q0 += 32) {
+        float st[16], dpt[16];
+        #pragma unroll
+        for (int k = 0; k < 16; k++) st[k] = dpt[k] = 0.f;
+        const unsigned long long dqb = hg_desc(sq + q0 * 128), dob = hg_desc(sdo + q0 * 128);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        #pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) wgmma_m64n32k16(st, dka + 2 * kk, dqb + 2 * kk);
+        #pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) wgmma_m64n32k16(dpt, dva + 2 * kk, dob + 2 * kk);
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        // value 4j + e: key kr0 (e < 2) or kr1, query q0 + 8j + 2t + (e & 1)
+        unsigned pa[2][4], sa[2][4];
+        #pragma unroll
+        for (int j = 0; j < 4; j++) {
+            float p[4], ds[4];
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int q = q0 + 8 * j + 2 * t + (e & 1);
+                const bool ok = (e < 2 ? kr0 : kr1) < n && q < n;
+                p[e] = ok ? exp2f(fmaf(st[4 * j + e], scale_log2, -slse[q])) : 0.f;
+                ds[e] = ok ? p[e] * (dpt[4 * j + e] - sdelta[q]) : 0.f;
+            }
+            // queries 16kk… as the A fragment: n8 block 2kk → a[0], a[1]; 2kk + 1 → a[2], a[3]
+            pa[j >> 1][(j & 1) * 2] = f2bf2(p[0], p[1]);
+            pa[j >> 1][(j & 1) * 2 + 1] = f2bf2(p[2], p[3]);
+            sa[j >> 1][(j & 1) * 2] = f2bf2(ds[0], ds[1]);
+            sa[j >> 1][(j & 1) * 2 + 1] = f2bf2(ds[2], ds[3]);
+            // dSᵀ (key row, query column) into the 64-query column tile of its query
+            const int qc = q0 + 8 * j + 2 * t;
+            unsigned char* tile = dsp + (qc >> 6) * FB_DS;
+            const int col = qc & 63;
+            if (kr0 < FB_NK) *(unsigned*)(tile + sw128(kr0, col >> 3) + (col & 7) * 2) = sa[j >> 1][(j & 1) * 2];
+            if (kr1 < FB_NK) *(unsigned*)(tile + sw128(kr1, col >> 3) + (col & 7) * 2) = sa[j >> 1][(j & 1) * 2 + 1];
+        }
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        #pragma unroll
+        for (int kk = 0; kk < 2; kk++) wgmma_m64n64k16_rs(dv, pa[kk], hg_desc(sdo + (q0 + 16 * kk) * 128));
+        #pragma unroll
+        for (int kk = 0; kk < 2; kk++) wgmma_m64n64k16_rs(dk, sa[kk], hg_desc(sq + (q0 + 16 * kk) * 128));
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    }
+    // dK (times the softmax scale) and dV of keys kr0, kr1 into dqkv (B, N, 3, H, D)
+    bf16* dkg = dqkv + (i64)bi * n * stride + h * D + hi * D + 2 * t;
+    bf16* dvg = dkg + h * D;
+    if (kr0 < n) {
+        #pragma unroll
+        for (int j = 0; j < D / 8; j++) {
+            *(unsigned*)(dkg + kr0 * stride + 8 * j) = f2bf2(dk[4 * j] * scale, dk[4 * j + 1] * scale);
+            *(unsigned*)(dvg + kr0 * stride + 8 * j) = f2bf2(dv[4 * j], dv[4 * j + 1]);
+        }
+    }
+    if (kr1 < n) {
+        #pragma unroll
+        for (int j = 0; j < D / 8; j++) {
+            *(unsigned*)(dkg + kr1 * stride + 8 * j) = f2bf2(dk[4 * j + 2] * scale, dk[4 * j + 3] * scale);
+            *(unsigned*)(dvg + kr1 * stride + 8 * j) = f2bf2(dv[4 * j + 2], dv[4 * j + 3]);
+        }
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();  // dSᵀ complete
+    // dQ of queries 64·wg… over every key: A = dS (dSᵀ tile wg, MN-major), B = K (MN-major)
+    float dq[32];
+    #pragma unroll
+    for (int k = 0; k < 32; k++) dq[k] = 0.f;
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    #pragma unroll
+    for (int kk = 0; kk < FB_NK / 16; kk++) wgmma_m64n64k16_tt(dq, hg_desc(sds + wg * FB_DS + kk * 2048), hg_desc(sk + kk * 2048));
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    const int qr0 = wg * 64 + wi * 16 + g, qr1 = qr0 + 8;
+    bf16* dqg = dqkv + (i64)bi * n * stride + hi * D + 2 * t;
+    if (qr0 < n) {
+        #pragma unroll
+        for (int j = 0; j < D / 8; j++) *(unsigned*)(dqg + qr0 * stride + 8 * j) = f2bf2(dq[4 * j] * scale, dq[4 * j + 1] * scale);
+    }
+    if (qr1 < n) {
+        #pragma unroll
+        for (int j = 0; j < D / 8; j++) *(unsigned*)(dqg + qr1 * stride + 8 * j) = f2bf2(dq[4 * j + 2] * scale, dq[4 * j + 3] * scale);
+    }
+    if (!bias_part) return;  // (block-uniform)
+    // Column sums in Q's place (no longer read): per warp, dQ's over its 16 rows (zero past n);
+    // per group of 32 threads, dO's over rows gr, gr + 16, … (zero-filled past n); then fixed-
+    // order sums over the 16 warps and groups (deterministic).
+    float* sbq = (float*)qp;        // 16 × 64
+    float* sbv = sbq + 16 * D;      // 16 × 64
+    const int w16 = tid >> 5;
+    #pragma unroll
+    for (int j = 0; j < D / 8; j++) {
+        float c0 = (qr0 < n ? dq[4 * j] : 0.f) + (qr1 < n ? dq[4 * j + 2] : 0.f);
+        float c1 = (qr0 < n ? dq[4 * j + 1] : 0.f) + (qr1 < n ? dq[4 * j + 3] : 0.f);
+        #pragma unroll
+        for (int o = 4; o < 32; o <<= 1) {
+            c0 += __shfl_xor_sync(0xffffffffu, c0, o);
+            c1 += __shfl_xor_sync(0xffffffffu, c1, o);
+        }
+        if (g == 0) {
+            sbq[w16 * D + 8 * j + 2 * t] = c0;
+            sbq[w16 * D + 8 * j + 2 * t + 1] = c1;
+        }
+    }
+    {
+        const int cp = lane;  // column pair 2cp, 2cp + 1
+        float v0 = 0.f, v1 = 0.f;
+        for (int r = w16; r < FB_NQ; r += 16) {
+            const unsigned u = *(const unsigned*)(dop + sw128(r, cp >> 2) + (2 * cp & 7) * 2);
+            v0 += lo16(u);
+            v1 += hi16(u);
+        }
+        sbv[w16 * D + 2 * cp] = v0;
+        sbv[w16 * D + 2 * cp + 1] = v1;
+    }
+    __syncthreads();
+    if (tid < D) {
+        float bq = 0.f, bv = 0.f;
+        #pragma unroll
+        for (int w = 0; w < 16; w++) {
+            bq += sbq[w * D + tid];
+            bv += sbv[w * D + tid];
+        }
+        float* row = bias_part + (i64)bi * 2 * h * D + hi * D + tid;
+        row[0] = bq * scale;
+        row[(i64)h * D] = bv;
     }
 }
