@@ -486,7 +486,7 @@ impl Cuda {
         if let Some((w, _, smem)) = self.small_attention(n, d) {
             return Some((w, smem));
         }
-        if self.attention_path() != AttentionPath::Fused || d != 64 || !(193..=208).contains(&n) {
+        if !self.head_of_197(n, d) {
             return None;
         }
         let (w, np, ld) = (13, 208, (d + 8) * 2);
@@ -508,7 +508,13 @@ impl Cuda {
     }
 
     fn wgmma_attention_applies(&self, n: usize, d: usize) -> bool {
-        self.attention_path() == AttentionPath::Fused && d == 64 && (193..=208).contains(&n) && self.wgmma_attention() && self.has_wgmma_attention()
+        self.head_of_197(n, d) && self.wgmma_attention() && self.has_wgmma_attention()
+    }
+
+    /// Path `fused`, D = 64 and 193 ≤ N ≤ 208 (224 px / 16: 197 tokens; 13 rows of 16): where
+    /// the whole-head kernels for ViT-B/16's heads apply (wgmma, or the 13-warp backward).
+    fn head_of_197(&self, n: usize, d: usize) -> bool {
+        self.attention_path() == AttentionPath::Fused && d == 64 && (193..=208).contains(&n)
     }
 
     /// Whether the wgmma attention kernels are compiled (sm_90).
