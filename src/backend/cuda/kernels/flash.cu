@@ -12,7 +12,7 @@
 // whole head in one block; flash_{fwd,bwd}_small (N ≤ 80, and the backward alone at W = 13 for
 // 193 ≤ N ≤ 208) keep a whole head in one block with every key on its own warp row. The
 // backwards share fa_bwd_step (one warp's 16 keys against a step of queries) and
-// fa_store_dkdv. (On Hopper the forward for 193 ≤ N ≤ 208 is `flash_fwd_wg_d64` in hopper.cu.)
+// fa_store_dkdv. (On Hopper, 193 ≤ N ≤ 208 at D 64 runs `flash_{fwd,bwd}_wg_d64` in hopper.cu.)
 //
 // Tiles: 64 query rows × 64 keys per block of 4 warps; each warp owns 16 rows of the tile.
 // Shared-memory rows are padded by 8 bf16 (16 bytes) so fragment loads hit 32 distinct banks.
@@ -1009,6 +1009,7 @@ FA_SMALL(32, 5)
 // (206 KiB of shared memory, O read from global memory). Against flash_bwd_short: 13 warps
 // instead of 8, no barriers between query steps, dQ straight from registers, the qkv bias sums
 // inside. Its forward stays the tiled one (the whole head's scores per warp would not fit).
+// On sm_90 the wgmma kernels of hopper.cu take this range (VITSCALE_WGMMA_ATTENTION=0: these).
 extern "C" __global__ void __launch_bounds__(32 * 13, 1) flash_bwd_small_d64_w13(bf16* dqkv, const bf16* out, const bf16* dout, const bf16* qkv, const float* lse2, int n, int h, float scale, float scale_log2, float* bias_part) {
     flash_bwd_small<64, 13>(dqkv, out, dout, qkv, lse2, n, h, scale, scale_log2, bias_part);
 }
