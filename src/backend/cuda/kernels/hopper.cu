@@ -186,28 +186,35 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
         return;
     }
     if (warp < 8) {
-        // multiplying warpgroups
-        const int wg = warp >> 2;
+        // multiplying warpgroups. The warpgroup index goes through a shuffle so that the compiler
+        // knows it is warp-uniform: the descriptors then live in uniform registers, and the
+        // loop between two wgmma batches is a handful of instructions instead of ≈ 70 of
+        // per-thread descriptor arithmetic and R2UR moves competing with the epilogue warps for
+        // issue slots (Nsight Compute's source view of the previous form).
+        const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0);
         const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2), cq = 2 * (lane & 3);
+        const unsigned long long da0 = hg_desc(ring + wg * 64 * 128), db0 = hg_desc(ring + HW_STAGE / 2);
+        unsigned s = 0, ph = 0, prev = 0;  // ring slot of the next K tile, its full-barrier parity, the last slot
         for (int i = 0; i < mine; i++) {
             float acc[64];
             #pragma unroll
             for (int k = 0; k < 64; k++) acc[k] = 0.f;
             for (int kt = 0; kt < kt_n; kt++) {
-                const int g = i * kt_n + kt, s = g % HW_STAGES;
-                ht_mbar_wait(full0 + 8 * s, (g / HW_STAGES) & 1);
-                const unsigned sa = ring + s * HW_STAGE;
-                const unsigned long long da = hg_desc(sa + wg * 64 * 128), db = hg_desc(sa + HW_STAGE / 2);
+                ht_mbar_wait(full0 + 8 * s, ph);
+                // descriptor start addresses are in 16-byte units: slot s is s · HW_STAGE / 16 on
+                const unsigned long long off = (unsigned long long)(s * (HW_STAGE >> 4));
                 asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
                 #pragma unroll
-                for (int kk = 0; kk < HG_BK / 16; kk++) wgmma_m64n128k16(acc, da + 2 * kk, db + 2 * kk);
+                for (int kk = 0; kk < HG_BK / 16; kk++) wgmma_m64n128k16(acc, da0 + off + 2 * kk, db0 + off + 2 * kk);
                 asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
                 asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-                // this warpgroup's wgmma on the previous stage are complete: release it
-                if (kt > 0 && lane == 0) ht_mbar_arrive(empty0 + 8 * ((g - 1) % HW_STAGES));
+                // this warpgroup's wgmma on the previous slot are complete: release it
+                if (kt > 0 && lane == 0) ht_mbar_arrive(empty0 + 8 * prev);
+                prev = s;
+                if (++s == HW_STAGES) { s = 0; ph ^= 1; }
             }
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-            if (lane == 0) ht_mbar_arrive(empty0 + 8 * ((i * kt_n + kt_n - 1) % HW_STAGES));
+            if (lane == 0) ht_mbar_arrive(empty0 + 8 * prev);
             // accumulator (warp w of warpgroup wg, lane l): value 4j + {0,1} is row
             // 64wg + 16w + l/4, columns 8j + 2(l % 4) + {0,1}; 4j + {2,3} the row 8 below
             const int b = i & 1;
@@ -226,17 +233,32 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
     // epilogue warpgroups: thread e handles 16-byte chunks e, e + 256, … of the 128 × 16 chunk
     // tile: always columns c = (e % 16)·8 … + 7, rows e / 16 + 16k
     const int e = tid - 256, c = (e & 15) * 8;
+    // Mode 1 reads pre one tile ahead: the eight 16-byte loads of tile i + 1 are issued before
+    // tile i's arithmetic, so their latency hides behind it (with the loads issued where they
+    // are used, two in flight per thread, the epilogue waited on memory most of the time).
+    uint4 pv[8], pn[8];
+    auto load_pre = [&](int i, uint4 (&dst)[8]) {
+        const int t = blockIdx.x + i * gridDim.x;
+        const int m0 = (t / n_tiles) * 128, n0 = (t % n_tiles) * HG_BN;
+        #pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const int gm = m0 + (e >> 4) + 16 * k;
+            dst[k] = (i < mine && gm < M) ? __ldcs((const uint4*)(aux + (i64)gm * N + n0 + c)) : make_uint4(0u, 0u, 0u, 0u);
+        }
+    };
+    if (MODE == 1) load_pre(0, pv);
     for (int i = 0; i < mine; i++) {
         const int t = blockIdx.x + i * gridDim.x;
         const int m0 = (t / n_tiles) * 128, n0 = (t % n_tiles) * HG_BN;
         const int b = i & 1;
+        if (MODE == 1) load_pre(i + 1, pn);
         ht_mbar_wait(sfull0 + 8 * b, (i >> 1) & 1);
         const bf16* sp = stg_p + b * (HW_STG / 2);
         const uint4 bw = bias ? *(const uint4*)(bias + n0 + c) : make_uint4(0u, 0u, 0u, 0u);
         float cs[8];
         #pragma unroll
         for (int k = 0; k < 8; k++) cs[k] = 0.f;
-        #pragma unroll 2
+        #pragma unroll
         for (int k = 0; k < 8; k++) {
             const int r = (e >> 4) + 16 * k;
             const uint4 v = *(const uint4*)(sp + r * HG_LDO + c);
@@ -247,7 +269,7 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
                     *(uint4*)(aux + g) = v;
                     *(uint4*)(out + g) = make_uint4(gelu_bias_w(v.x, bw.x), gelu_bias_w(v.y, bw.y), gelu_bias_w(v.z, bw.z), gelu_bias_w(v.w, bw.w));
                 } else {
-                    const uint4 p = *(const uint4*)(aux + g);
+                    const uint4 p = pv[k];
                     const uint4 d = make_uint4(dgelu_bias_w(v.x, p.x, bw.x), dgelu_bias_w(v.y, p.y, bw.y), dgelu_bias_w(v.z, p.z, bw.z), dgelu_bias_w(v.w, p.w, bw.w));
                     *(uint4*)(out + g) = d;
                     const unsigned dw[4] = {d.x, d.y, d.z, d.w};
@@ -261,6 +283,8 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
         }
         ht_mbar_arrive(sempty0 + 8 * b);  // the staged tile has been read
         if (MODE == 1) {
+            #pragma unroll
+            for (int k = 0; k < 8; k++) pv[k] = pn[k];
             // column sums: lanes l and l ^ 16 share columns, then the 8 warps through shared
             // memory, in a fixed order (deterministic)
             #pragma unroll
@@ -470,7 +494,8 @@ extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_d64(bf16* __re
     float* slse = (float*)(dsp + 4 * FB_DS);
     float* sdelta = slse + FB_NQ;
     const unsigned sk = sbase, sv = sk + FB_NK * 128, sq = sv + FB_NK * 128, sdo = sq + FB_NQ * 128, sds = sdo + FB_NQ * 128;
-    const int tid = threadIdx.x, wg = tid >> 7, wi = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    // wg through a shuffle: known warp-uniform, so the wgmma descriptors stay in uniform registers
+    const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0), wi = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int bh = blockIdx.x, bi = bh / h, hi = bh - bi * h;
     const i64 stride = (i64)3 * h * D, ostride = (i64)h * D;
     const bf16* qg = qkv + (i64)bi * n * stride + hi * D;
