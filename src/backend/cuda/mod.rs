@@ -26,7 +26,8 @@
 //!   gets anyway).
 //! - On Hopper (`kernels/hopper.cu`, compiled for sm_90a on sm_90 devices only) the MLP's first
 //!   layer is one persistent wgmma/TMA kernel with the erf GELU in its epilogue (cuBLASLt's GELU
-//!   epilogue is the tanh approximation); `FUSED_GEMM_ENV` chooses.
+//!   epilogue is the tanh approximation), and the second layer's input gradient another with the
+//!   GELU backward and the first layer's bias sums in its epilogue; `FUSED_GEMM_ENV` chooses.
 //! - Batch inputs (`upload_input`) are converted into pinned staging memory and copied on a
 //!   second stream; the compute stream waits on an event, the host does not wait.
 
@@ -306,9 +307,10 @@ pub fn parse_attention(v: &str) -> Result<AttentionPath, String> {
 }
 
 /// Environment variable choosing the Hopper GEMM kernels (`kernels/hopper.cu`, sm_90 only):
-/// unset (or anything else) — fc1's forward with its GELU (1 % faster per CIFAR ViT-S step, the
-/// same at ViT-B/16); `all` — also fc2's input gradient with the GELU backward (correct, slower
-/// so far); `0` or `off` — cuBLASLt and the separate passes everywhere.
+/// unset (or anything else) — fc1's forward with its GELU and fc2's input gradient with the
+/// GELU backward and fc1's bias sums (together ≈ 2 % faster per CIFAR ViT-S step than the
+/// separate passes, ≈ 1 % at ViT-B/16); `fwd` — the forward kernel only; `0` or `off` —
+/// cuBLASLt and the separate passes everywhere.
 pub const FUSED_GEMM_ENV: &str = "VITSCALE_FUSED_GEMM";
 
 /// Environment variable turning the wgmma attention kernels (`flash_{fwd,bwd}_wg_d64` in
@@ -317,9 +319,9 @@ pub const FUSED_GEMM_ENV: &str = "VITSCALE_FUSED_GEMM";
 pub const WGMMA_ATTENTION_ENV: &str = "VITSCALE_WGMMA_ATTENTION";
 
 /// Dynamic shared memory of the Hopper GEMM kernels (HW_SMEM in hopper.cu: a 4-stage ring of two
-/// 128×64 bf16 tiles, two 128×136 bf16 staging tiles, 8 × 128 f32 column sums, 12 barriers,
+/// 128×64 bf16 tiles, two 128×136 bf16 staging tiles, 2 × 8 × 128 f32 column sums, 12 barriers,
 /// 1 KiB of alignment slack).
-const HOPPER_GEMM_SMEM: u32 = 4 * 32768 + 2 * 128 * 136 * 2 + 8 * 128 * 4 + 96 + 1024;
+const HOPPER_GEMM_SMEM: u32 = 4 * 32768 + 2 * 128 * 136 * 2 + 2 * 8 * 128 * 4 + 96 + 1024;
 
 /// Opt-in shared memory per block on sm_90 (227 KiB).
 const SHORT_BWD_SMEM_MAX: usize = 227 * 1024;
@@ -374,7 +376,7 @@ impl Cuda {
             profile: Mutex::new(None),
             attention: AtomicU8::new(attention as u8),
             fused_gemm: std::sync::atomic::AtomicBool::new(!matches!(std::env::var(FUSED_GEMM_ENV).as_deref().map(str::trim), Ok("0") | Ok("off"))),
-            fused_gemm_bwd: std::sync::atomic::AtomicBool::new(matches!(std::env::var(FUSED_GEMM_ENV).as_deref().map(str::trim), Ok("all"))),
+            fused_gemm_bwd: std::sync::atomic::AtomicBool::new(!matches!(std::env::var(FUSED_GEMM_ENV).as_deref().map(str::trim), Ok("0") | Ok("off") | Ok("fwd"))),
             wgmma_attention: std::sync::atomic::AtomicBool::new(!matches!(std::env::var(WGMMA_ATTENTION_ENV).as_deref().map(str::trim), Ok("0") | Ok("off"))),
             copy_stream,
             staging,

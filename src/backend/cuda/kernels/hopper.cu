@@ -8,9 +8,9 @@
 //   GELU-backward pass (B = W2ᵀ, transposed once per call by `transpose_bf16`);
 // and ViT-B/16's attention (197 tokens: `flash_fwd_wg_d64`, `flash_bwd_wg_d64`, at the end;
 // VITSCALE_WGMMA_ATTENTION=0 turns them off).
-// Mode 0 is the default on sm_90 (1 % faster per CIFAR ViT-S step, the same at ViT-B/16); mode 1
-// is opt-in (VITSCALE_FUSED_GEMM=all): its epilogue — reading pre, the GELU derivative, the column
-// sums — is slower than the separate pass so far. BENCHMARKS.md has the measurements.
+// Both are the default on sm_90 (VITSCALE_FUSED_GEMM=fwd keeps mode 0 only, =0 neither); mode 1's
+// epilogue — reading pre, the GELU derivative, the column sums — sets its pace: the multiplying
+// warps wait for its staging buffer. BENCHMARKS.md has the measurements.
 //
 // C(M×N) = A(M×K) · B(N×K)ᵀ, both operands row-major with K contiguous ("K-major"). Persistent:
 // one block per SM walks the 128×128 output tiles (row-tile major, so neighbouring blocks share
@@ -32,9 +32,9 @@
 #define HW_STAGES 4
 #define HW_STAGE (2 * 128 * 64 * 2)        // an A and a B tile: 32 KiB
 #define HW_STG (128 * HG_LDO * 2)          // one staged 128×128 bf16 tile
-// dynamic shared memory: the ring, two staging tiles, 8 warps × 128 column sums (mode 1),
+// dynamic shared memory: the ring, two staging tiles, two sets of 8 warps × 128 column sums (mode 1),
 // 12 barriers, 1 KiB of alignment slack
-#define HW_SMEM (HW_STAGES * HW_STAGE + 2 * HW_STG + 8 * 128 * 4 + 96 + 1024)
+#define HW_SMEM (HW_STAGES * HW_STAGE + 2 * HW_STG + 2 * 8 * 128 * 4 + 96 + 1024)
 
 // Shared-memory matrix descriptor of a K-major tile with the 128-byte swizzle: start address,
 // leading byte offset (unused by this mode: 16), stride byte offset 1024 (8 rows × 128 bytes
@@ -149,7 +149,7 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
     unsigned char* base = raw_p + (ring - raw);
     bf16* stg_p = (bf16*)(base + HW_STAGES * HW_STAGE);
     float* colsum = (float*)(base + HW_STAGES * HW_STAGE + 2 * HW_STG);
-    const unsigned bars = ring + HW_STAGES * HW_STAGE + 2 * HW_STG + 8 * 128 * 4;
+    const unsigned bars = ring + HW_STAGES * HW_STAGE + 2 * HW_STG + 2 * 8 * 128 * 4;
     const unsigned full0 = bars, empty0 = bars + 8 * HW_STAGES, sfull0 = bars + 16 * HW_STAGES, sempty0 = sfull0 + 16;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     if (tid == 0) {
@@ -233,28 +233,36 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
     // epilogue warpgroups: thread e handles 16-byte chunks e, e + 256, … of the 128 × 16 chunk
     // tile: always columns c = (e % 16)·8 … + 7, rows e / 16 + 16k
     const int e = tid - 256, c = (e & 15) * 8;
-    // Mode 1 reads pre one tile ahead: the eight 16-byte loads of tile i + 1 are issued before
-    // tile i's arithmetic, so their latency hides behind it (with the loads issued where they
-    // are used, two in flight per thread, the epilogue waited on memory most of the time).
-    uint4 pv[8], pn[8];
-    auto load_pre = [&](int i, uint4 (&dst)[8]) {
+    // Mode 1 reads pre one tile ahead: chunk k of tile i + 1 is loaded into pv[k] as soon as
+    // tile i's chunk k has been used, so every load has the rest of the tile's arithmetic to
+    // arrive (with the loads issued where they are used, two in flight per thread, the epilogue
+    // waited on memory most of the time).
+    uint4 pv[8];
+    auto pre_chunk = [&](int i, int k) {
         const int t = blockIdx.x + i * gridDim.x;
-        const int m0 = (t / n_tiles) * 128, n0 = (t % n_tiles) * HG_BN;
-        #pragma unroll
-        for (int k = 0; k < 8; k++) {
-            const int gm = m0 + (e >> 4) + 16 * k;
-            dst[k] = (i < mine && gm < M) ? __ldcs((const uint4*)(aux + (i64)gm * N + n0 + c)) : make_uint4(0u, 0u, 0u, 0u);
-        }
+        const int gm = (t / n_tiles) * 128 + (e >> 4) + 16 * k, n0 = (t % n_tiles) * HG_BN;
+        return i < mine && gm < M ? __ldcs((const uint4*)(aux + (i64)gm * N + n0 + c)) : make_uint4(0u, 0u, 0u, 0u);
     };
-    if (MODE == 1) load_pre(0, pv);
+    if (MODE == 1) {
+        #pragma unroll
+        for (int k = 0; k < 8; k++) pv[k] = pre_chunk(0, k);
+    }
+    // The bias chunk of the next tile is loaded a tile ahead as well: loaded after the wait for
+    // the staged tile, its latency stood between every tile and its arithmetic (Nsight Compute:
+    // the epilogue's largest stall, and in mode 1 the multiplying warps then waited for the
+    // staging buffer).
+    auto load_bias = [&](int i) {
+        const int n0 = ((blockIdx.x + i * gridDim.x) % n_tiles) * HG_BN;
+        return bias && i < mine ? *(const uint4*)(bias + n0 + c) : make_uint4(0u, 0u, 0u, 0u);
+    };
+    uint4 bw = load_bias(0);
     for (int i = 0; i < mine; i++) {
         const int t = blockIdx.x + i * gridDim.x;
         const int m0 = (t / n_tiles) * 128, n0 = (t % n_tiles) * HG_BN;
         const int b = i & 1;
-        if (MODE == 1) load_pre(i + 1, pn);
+        const uint4 bn = load_bias(i + 1);
         ht_mbar_wait(sfull0 + 8 * b, (i >> 1) & 1);
         const bf16* sp = stg_p + b * (HW_STG / 2);
-        const uint4 bw = bias ? *(const uint4*)(bias + n0 + c) : make_uint4(0u, 0u, 0u, 0u);
         float cs[8];
         #pragma unroll
         for (int k = 0; k < 8; k++) cs[k] = 0.f;
@@ -262,6 +270,11 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
         for (int k = 0; k < 8; k++) {
             const int r = (e >> 4) + 16 * k;
             const uint4 v = *(const uint4*)(sp + r * HG_LDO + c);
+            uint4 p = make_uint4(0u, 0u, 0u, 0u);
+            if (MODE == 1) {
+                p = pv[k];
+                pv[k] = pre_chunk(i + 1, k);
+            }
             const int gm = m0 + r;
             if (gm < M) {
                 const i64 g = (i64)gm * N + n0 + c;
@@ -269,7 +282,6 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
                     *(uint4*)(aux + g) = v;
                     *(uint4*)(out + g) = make_uint4(gelu_bias_w(v.x, bw.x), gelu_bias_w(v.y, bw.y), gelu_bias_w(v.z, bw.z), gelu_bias_w(v.w, bw.w));
                 } else {
-                    const uint4 p = pv[k];
                     const uint4 d = make_uint4(dgelu_bias_w(v.x, p.x, bw.x), dgelu_bias_w(v.y, p.y, bw.y), dgelu_bias_w(v.z, p.z, bw.z), dgelu_bias_w(v.w, p.w, bw.w));
                     *(uint4*)(out + g) = d;
                     const unsigned dw[4] = {d.x, d.y, d.z, d.w};
@@ -282,26 +294,27 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
             }
         }
         ht_mbar_arrive(sempty0 + 8 * b);  // the staged tile has been read
+        bw = bn;
         if (MODE == 1) {
-            #pragma unroll
-            for (int k = 0; k < 8; k++) pv[k] = pn[k];
             // column sums: lanes l and l ^ 16 share columns, then the 8 warps through shared
-            // memory, in a fixed order (deterministic)
+            // memory, in a fixed order (deterministic). The two sets alternate by tile, so one
+            // barrier per tile suffices: a set is rewritten two tiles later, after every thread
+            // has passed the next tile's barrier and so finished reading it.
             #pragma unroll
             for (int k = 0; k < 8; k++) cs[k] += __shfl_xor_sync(0xffffffffu, cs[k], 16);
+            float* set = colsum + b * 8 * 128;
             const int ew = e >> 5;
             if ((lane & 16) == 0) {
                 #pragma unroll
-                for (int k = 0; k < 8; k++) colsum[ew * 128 + c + k] = cs[k];
+                for (int k = 0; k < 8; k++) set[ew * 128 + c + k] = cs[k];
             }
             hw_epi_sync();
             if (e < 128) {
                 float s = 0.f;
                 #pragma unroll
-                for (int w = 0; w < 8; w++) s += colsum[w * 128 + e];
+                for (int w = 0; w < 8; w++) s += set[w * 128 + e];
                 partial[(i64)(t / n_tiles) * N + n0 + e] = s;
             }
-            hw_epi_sync();
         }
     }
 }
