@@ -1025,18 +1025,15 @@ impl Cuda {
 
 
     /// fc2's input gradient through the Hopper kernel: dinp = (dout·W) ⊙ gelu'(pre + bias) and
-    /// the bias span `pb` of dparams += the column sums of dinp, where W (oc × ic) is first
-    /// transposed into a scratch copy (the kernel's B operand is K-major).
+    /// the bias span `pb` of dparams += the column sums of dinp; W (oc × ic) is read as stored,
+    /// an MN-major B operand.
     #[allow(clippy::too_many_arguments)]
     fn dgelu_gemm_fused(&self, dinp: &mut CudaBuf, dparams: &mut CudaBuf, dout: &CudaBuf, pre: &CudaBuf, params: &CudaBuf, w: Span, pb: Span, rows: usize, ic: usize, oc: usize) -> BResult<()> {
-        let wt = self.scratch("weight_transposed", ic * oc)?;
-        let (r, c) = (oc as i32, ic as i32);
-        self.launch("transpose_bf16", (ic.div_ceil(32) as u32, oc.div_ceil(32) as u32, 1), (32, 8, 1), 0, &mut kargs![wt, params.at(w.off), r, c])?;
         let row_tiles = rows.div_ceil(128);
         // f32 partial sums: two bf16 scratch slots each
         let partial = self.scratch("bias_partials", 2 * row_tiles * ic)?;
-        let ta = tensor_map_k_major(dout.ptr, oc, rows)?;
-        let tb = tensor_map_k_major(wt, oc, ic)?;
+        let ta = tensor_map_2d(dout.ptr, oc, rows, 128)?;
+        let tb = tensor_map_2d(params.at(w.off), ic, oc, 64)?;
         let grid = (self.info.multiprocessors as usize).min(row_tiles * (ic / 128)).max(1) as u32;
         let (m, n, k) = (rows as i32, ic as i32, oc as i32);
         let bias_ptr = params.at(pb.off);
@@ -1141,15 +1138,15 @@ fn linear_shape(rows: usize, ic: usize, oc: usize, bias: bool, accumulate: bool)
 }
 
 /// A TMA descriptor of a row-major bf16 matrix (`rows` rows of `k` contiguous elements at
-/// `ptr`) read in 128-row × 64-column boxes with the 128-byte swizzle (the layout the Hopper
-/// kernels' wgmma descriptors name); rows past the end read as zeros.
-fn tensor_map_k_major(ptr: CUdeviceptr, k: usize, rows: usize) -> BResult<cudarc::driver::sys::CUtensorMap> {
+/// `ptr`) read in boxes of `box_rows` rows × 64 columns with the 128-byte swizzle (the layout
+/// the Hopper kernels' wgmma descriptors name); rows past the end read as zeros.
+fn tensor_map_2d(ptr: CUdeviceptr, k: usize, rows: usize, box_rows: u32) -> BResult<cudarc::driver::sys::CUtensorMap> {
     use cudarc::driver::sys as cu;
     // SAFETY: a plain-old-data struct the driver fills in below.
     let mut map: cu::CUtensorMap = unsafe { std::mem::zeroed() };
     let dims = [k as u64, rows as u64];
     let strides = [(k * 2) as u64];
-    let boxes = [64u32, 128u32];
+    let boxes = [64u32, box_rows];
     let elem = [1u32, 1u32];
     // SAFETY: out-pointer to a live CUtensorMap; the arrays hold rank (2) and rank − 1 entries;
     // ptr is a 16-byte aligned device address (the caller checked) valid for rows × k bf16.
@@ -1427,8 +1424,8 @@ impl Backend for Cuda {
                 if self.fused_gemm_ok(rows, ic, oc, &[out.ptr, pre.ptr, inp.ptr, w_ptr], bias_ptr) {
                     // one Hopper kernel: the product, pre and the GELU output from its epilogue
                     let (m, n, k) = (rows as i32, oc as i32, ic as i32);
-                    let ta = tensor_map_k_major(inp.ptr, ic, rows)?;
-                    let tb = tensor_map_k_major(w_ptr, ic, oc)?;
+                    let ta = tensor_map_2d(inp.ptr, ic, rows, 128)?;
+                    let tb = tensor_map_2d(w_ptr, ic, oc, 128)?;
                     let grid = (self.info.multiprocessors as usize).min(rows.div_ceil(128) * (oc / 128)).max(1) as u32;
                     return self.launch_dyn("gemm_gelu_fwd_ws", (grid, 1, 1), (544, 1, 1), HOPPER_GEMM_SMEM, &mut kargs![out.ptr, pre.ptr, ta, tb, bias_ptr, m, n, k]);
                 }

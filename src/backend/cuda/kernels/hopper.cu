@@ -5,14 +5,15 @@
 //   cuBLASLt's product and a GELU pass;
 // - mode 1, fc2's input gradient: dpre = (dact = dout·W2) ⊙ gelu'(pre + bias) and the column
 //   partial sums of dpre (fc1's bias gradient) instead of cuBLASLt's product and the
-//   GELU-backward pass (B = W2ᵀ, transposed once per call by `transpose_bf16`);
+//   GELU-backward pass (B = W2 as stored: an MN-major operand, N contiguous);
 // and ViT-B/16's attention (197 tokens: `flash_fwd_wg_d64`, `flash_bwd_wg_d64`, at the end;
 // VITSCALE_WGMMA_ATTENTION=0 turns them off).
 // Both are the default on sm_90 (VITSCALE_FUSED_GEMM=fwd keeps mode 0 only, =0 neither); mode 1's
 // epilogue — reading pre, the GELU derivative, the column sums — sets its pace: the multiplying
 // warps wait for its staging buffer. BENCHMARKS.md has the measurements.
 //
-// C(M×N) = A(M×K) · B(N×K)ᵀ, both operands row-major with K contiguous ("K-major"). Persistent:
+// C(M×N) = A(M×K) · B(N×K)ᵀ, A row-major with K contiguous ("K-major"), B the same in mode 0
+// and stored K × N with N contiguous ("MN-major", W2 as it is) in mode 1. Persistent:
 // one block per SM walks the 128×128 output tiles (row-tile major, so neighbouring blocks share
 // A rows in L2). Warps 0–7 (two warpgroups, 64 rows each, one m64n128k16 wgmma per 16-wide K
 // step) only multiply: they hand the rounded tile to one of two shared-memory staging buffers
@@ -42,18 +43,26 @@
 __device__ __forceinline__ unsigned long long hg_desc(unsigned saddr) {
     return (unsigned long long)((saddr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
 }
+// The same for an MN-major tile of 128 columns with the 128-byte swizzle, as two TMA boxes of
+// 64 columns × 64 K rows put it: K rows of 128 bytes, 8-row groups 1024 bytes apart (stride
+// byte offset), the second 64-column atom 8 KiB after the first (leading byte offset).
+__device__ __forceinline__ unsigned long long hg_desc_mn128(unsigned saddr) {
+    return (unsigned long long)((saddr & 0x3FFFF) >> 4) | ((unsigned long long)(8192 >> 4) << 16) | ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
 
 // d (this thread's 64 of the warpgroup's 64×128 f32 tile) += A(64×16)·B(128×16)ᵀ from the
-// shared-memory descriptors (accumulate, no negation, both K-major).
+// shared-memory descriptors (accumulate, no negation; A K-major, B K-major or, with TB = 1,
+// MN-major: B's 128 columns contiguous in two 64-column swizzle atoms).
+template <int TB = 0>
 __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long long da, unsigned long long db) {
     asm volatile(
         "{\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, 1, 1, 1, 0, 0;\n"
+        "%64, %65, 1, 1, 1, 0, %66;\n"
         "}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(da), "l"(db));
+        : "l"(da), "l"(db), "n"(TB));
 }
 
 // d (this thread's 104 of the warpgroup's 64×208 f32 tile) += A(64×16)·B(208×16)ᵀ, both from
@@ -179,7 +188,13 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
                     if (g >= HW_STAGES) ht_mbar_wait(empty0 + 8 * s, ((g / HW_STAGES) + 1) & 1);
                     ht_mbar_expect_tx(full, HW_STAGE);
                     ht_tma_load(st, tmA, kt * HG_BK, m0, full);
-                    ht_tma_load(st + HW_STAGE / 2, tmB, kt * HG_BK, n0, full);
+                    if (MODE == 1) {
+                        // B = W2 as stored (K rows, N contiguous): two 64-column boxes
+                        ht_tma_load(st + HW_STAGE / 2, tmB, n0, kt * HG_BK, full);
+                        ht_tma_load(st + HW_STAGE / 2 + 8192, tmB, n0 + 64, kt * HG_BK, full);
+                    } else {
+                        ht_tma_load(st + HW_STAGE / 2, tmB, kt * HG_BK, n0, full);
+                    }
                 }
             }
         }
@@ -193,7 +208,9 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
         // issue slots (Nsight Compute's source view of the previous form).
         const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0);
         const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2), cq = 2 * (lane & 3);
-        const unsigned long long da0 = hg_desc(ring + wg * 64 * 128), db0 = hg_desc(ring + HW_STAGE / 2);
+        // B's 16-deep K steps: 32 bytes apart K-major, two 1024-byte row groups apart MN-major
+        const unsigned long long da0 = hg_desc(ring + wg * 64 * 128), db0 = MODE == 1 ? hg_desc_mn128(ring + HW_STAGE / 2) : hg_desc(ring + HW_STAGE / 2);
+        constexpr unsigned DBK = MODE == 1 ? 2048 >> 4 : 2;
         unsigned s = 0, ph = 0, prev = 0;  // ring slot of the next K tile, its full-barrier parity, the last slot
         for (int i = 0; i < mine; i++) {
             float acc[64];
@@ -205,7 +222,7 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
                 const unsigned long long off = (unsigned long long)(s * (HW_STAGE >> 4));
                 asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
                 #pragma unroll
-                for (int kk = 0; kk < HG_BK / 16; kk++) wgmma_m64n128k16(acc, da0 + off + 2 * kk, db0 + off + 2 * kk);
+                for (int kk = 0; kk < HG_BK / 16; kk++) wgmma_m64n128k16<MODE == 1>(acc, da0 + off + 2 * kk, db0 + off + DBK * kk);
                 asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
                 asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
                 // this warpgroup's wgmma on the previous slot are complete: release it
@@ -319,8 +336,9 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
     }
 }
 
-// Grid ≤ the SM count, 544 threads, HW_SMEM bytes of dynamic shared memory; tmA, tmB: 64×128
-// boxes (`tensor_map_k_major`).
+// Grid ≤ the SM count, 544 threads, HW_SMEM bytes of dynamic shared memory; tmA: 64-column ×
+// 128-row boxes of A, tmB: the same of B (mode 0) or 64 × 64 boxes of W2 as stored (mode 1)
+// (`tensor_map_2d`).
 extern "C" __global__ void __launch_bounds__(544, 1) gemm_gelu_fwd_ws(bf16* __restrict__ act, bf16* __restrict__ pre, const __grid_constant__ HgTmap tmA, const __grid_constant__ HgTmap tmB, const bf16* __restrict__ bias, int M, int N, int K) {
     extern __shared__ unsigned char hw_raw0[];
     hw_gemm<0>(act, pre, nullptr, &tmA, &tmB, bias, M, N, K, hw_raw0);
@@ -328,25 +346,6 @@ extern "C" __global__ void __launch_bounds__(544, 1) gemm_gelu_fwd_ws(bf16* __re
 extern "C" __global__ void __launch_bounds__(544, 1) gemm_dgelu_bwd_ws(bf16* __restrict__ dpre, const bf16* __restrict__ pre, float* __restrict__ partial, const __grid_constant__ HgTmap tmA, const __grid_constant__ HgTmap tmB, const bf16* __restrict__ bias, int M, int N, int K) {
     extern __shared__ unsigned char hw_raw1[];
     hw_gemm<1>(dpre, (bf16*)pre, partial, &tmA, &tmB, bias, M, N, K, hw_raw1);
-}
-
-// out (cols × rows) = inᵀ for a row-major (rows × cols) bf16 matrix, through 32×32 shared tiles.
-// Block (32, 8), grid (ceil(cols / 32), ceil(rows / 32)).
-extern "C" __global__ void transpose_bf16(bf16* __restrict__ out, const bf16* __restrict__ in, int rows, int cols) {
-    __shared__ bf16 tile[32][33];
-    const int x = blockIdx.x * 32 + threadIdx.x, y0 = blockIdx.y * 32;
-    #pragma unroll
-    for (int k = 0; k < 32; k += 8) {
-        const int y = y0 + threadIdx.y + k;
-        if (x < cols && y < rows) tile[threadIdx.y + k][threadIdx.x] = in[(i64)y * cols + x];
-    }
-    __syncthreads();
-    const int ox = y0 + threadIdx.x, oy0 = blockIdx.x * 32;
-    #pragma unroll
-    for (int k = 0; k < 32; k += 8) {
-        const int oy = oy0 + threadIdx.y + k;
-        if (ox < rows && oy < cols) out[(i64)oy * rows + ox] = tile[threadIdx.x][threadIdx.y + k];
-    }
 }
 
 // ---- Attention forward on wgmma for 193 ≤ N ≤ 208 at D = 64 (224 px / 16: 197 tokens) ----
