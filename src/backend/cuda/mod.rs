@@ -308,9 +308,9 @@ pub fn parse_attention(v: &str) -> Result<AttentionPath, String> {
 
 /// Environment variable choosing the Hopper GEMM kernels (`kernels/hopper.cu`, sm_90 only):
 /// unset (or anything else) — fc1's forward with its GELU and fc2's input gradient with the
-/// GELU backward and fc1's bias sums (together ≈ 2 % faster per CIFAR ViT-S step than the
-/// separate passes, ≈ 1 % at ViT-B/16); `fwd` — the forward kernel only; `0` or `off` —
-/// cuBLASLt and the separate passes everywhere.
+/// GELU backward and fc1's bias sums (each ≈ 1 % off a CIFAR ViT-S step against cuBLASLt and
+/// the separate pass; the second ≈ 0.4 % at ViT-B/16; BENCHMARKS.md); `fwd` — the forward
+/// kernel only; `0` or `off` — cuBLASLt and the separate passes everywhere.
 pub const FUSED_GEMM_ENV: &str = "VITSCALE_FUSED_GEMM";
 
 /// Environment variable turning the wgmma attention kernels (`flash_{fwd,bwd}_wg_d64` in
@@ -1137,19 +1137,19 @@ fn linear_shape(rows: usize, ic: usize, oc: usize, bias: bool, accumulate: bool)
     }
 }
 
-/// A TMA descriptor of a row-major bf16 matrix (`rows` rows of `k` contiguous elements at
+/// A TMA descriptor of a row-major bf16 matrix (`rows` rows of `cols` contiguous elements at
 /// `ptr`) read in boxes of `box_rows` rows × 64 columns with the 128-byte swizzle (the layout
 /// the Hopper kernels' wgmma descriptors name); rows past the end read as zeros.
-fn tensor_map_2d(ptr: CUdeviceptr, k: usize, rows: usize, box_rows: u32) -> BResult<cudarc::driver::sys::CUtensorMap> {
+fn tensor_map_2d(ptr: CUdeviceptr, cols: usize, rows: usize, box_rows: u32) -> BResult<cudarc::driver::sys::CUtensorMap> {
     use cudarc::driver::sys as cu;
     // SAFETY: a plain-old-data struct the driver fills in below.
     let mut map: cu::CUtensorMap = unsafe { std::mem::zeroed() };
-    let dims = [k as u64, rows as u64];
-    let strides = [(k * 2) as u64];
+    let dims = [cols as u64, rows as u64];
+    let strides = [(cols * 2) as u64];
     let boxes = [64u32, box_rows];
     let elem = [1u32, 1u32];
     // SAFETY: out-pointer to a live CUtensorMap; the arrays hold rank (2) and rank − 1 entries;
-    // ptr is a 16-byte aligned device address (the caller checked) valid for rows × k bf16.
+    // ptr is a 16-byte aligned device address (the caller checked) valid for rows × cols bf16.
     let r = unsafe {
         cu::cuTensorMapEncodeTiled(
             &mut map,
@@ -1167,7 +1167,7 @@ fn tensor_map_2d(ptr: CUdeviceptr, k: usize, rows: usize, box_rows: u32) -> BRes
         )
     };
     if r != cu::CUresult::CUDA_SUCCESS {
-        return Err(BackendError::Device(format!("cuTensorMapEncodeTiled ({rows}×{k} bf16): {r:?}")));
+        return Err(BackendError::Device(format!("cuTensorMapEncodeTiled ({rows}×{cols} bf16): {r:?}")));
     }
     Ok(map)
 }
