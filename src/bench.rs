@@ -5,9 +5,9 @@
 //! compute copy of the weights), the same work as `peers/vit_bench.py`. Data is drawn once and
 //! stays on the device, so the number measures the engine, not the loader.
 //!
-//! On CUDA the per-micro-batch part (weight cast, zeroing, forward, backward) is captured once
-//! into a CUDA graph and replayed (`--graph on|off|auto`); the norm (one 8-byte read back to
-//! the host) and the fused optimizer kernel run after it. Timing uses CUDA events over the
+//! On CUDA the per-micro-batch part (zeroing, forward, backward) is captured once into a CUDA
+//! graph and replayed (`--graph on|off|auto`); the norm (one 8-byte read back to the host) and
+//! the fused optimizer kernel, which also writes the bf16 compute copy, run after it. Timing uses CUDA events over the
 //! timed steps after `--warmup` steps; MFU counts `ModelConfig::train_flops_per_image` against
 //! the bf16 GEMM rate measured in the same process (cuBLASLt, 8192³, random data).
 
@@ -134,16 +134,16 @@ fn setup(args: &BenchArgs) -> anyhow::Result<Setup> {
     Ok(Setup { cfg, opt, images, targets })
 }
 
-/// The optimizer part of a step: global norm, clip at 1.0, AdamW, refresh the compute copy.
+/// The optimizer part of a step: global norm, clip at 1.0, AdamW (refreshing the compute copy).
 fn optimizer_part<B: Backend>(be: &B, m: &mut Vit<B>, state: &mut B::Buf, opt: &OptimizerConfig, decay: &DecayGroups, step: u64) -> BResult<()> {
     let norm = be.sum_squares(&m.grads)?.sqrt();
     let clip = if norm > 1.0 { (1.0 / (norm + 1e-6)) as f32 } else { 1.0 };
-    be.optimizer_step(&mut m.params, &m.grads, state, opt, decay, StepHyper { lr: opt.lr() as f32, step, grad_scale: clip })
+    m.update(be, state, opt, decay, StepHyper { lr: opt.lr() as f32, step, grad_scale: clip })
 }
 
-/// The micro-batch part of a step: refresh weights, zero grads, forward, backward.
+/// The micro-batch part of a step: zero grads, forward, backward (the update before it left
+/// the compute copy of the weights current).
 fn micro_part<B: Backend>(be: &B, m: &mut Vit<B>, b: usize) -> BResult<()> {
-    m.params_changed(be)?;
     m.zero_grads(be)?;
     m.forward_staged(be, b, Some(1.0 / b as f32))?;
     m.backward(be)

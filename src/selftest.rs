@@ -556,8 +556,7 @@ fn train_small<B2: Backend>(be: &B2, cfg: &ModelConfig, init: &[f32], batches: &
         let f = m.forward(be, img, t, b, Some(1.0 / b as f32))?;
         out.push(f.losses.iter().sum::<f32>() / b as f32);
         m.backward(be)?;
-        be.optimizer_step(&mut m.params, &m.grads, &mut state, opt, decay, StepHyper { lr: opt.lr() as f32, step: step as u64 + 1, grad_scale: 1.0 })?;
-        m.params_changed(be)?;
+        m.update(be, &mut state, opt, decay, StepHyper { lr: opt.lr() as f32, step: step as u64 + 1, grad_scale: 1.0 })?;
     }
     Ok(out)
 }

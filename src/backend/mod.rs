@@ -113,6 +113,14 @@ pub trait Backend: Send + Sync {
     /// Waits for all queued work (no-op on the CPU).
     fn synchronize(&self) -> BResult<()>;
 
+    /// Brackets a model backward: while `defer` is set the backend may hold back part of the
+    /// gradient accumulation and issue it later in fewer launches (the CUDA backend queues its
+    /// bias and LayerNorm-parameter reductions); `false` issues what was held back. Whatever
+    /// reads or overwrites a buffer (download, copy, fill, scale, the optimizer…) issues it too.
+    fn defer_gradient_sums(&self, _defer: bool) -> BResult<()> {
+        Ok(())
+    }
+
     // ---- embedding ----------------------------------------------------------------------
     /// Cuts images into flattened patches, each in (channel, row, col) order so that a patch
     /// times the conv weight `[C, 3, P, P]` read as `(C, 3·P·P)` is the convolution.
@@ -236,6 +244,13 @@ pub trait Backend: Send + Sync {
     /// only to spans flagged in `decay`.
     #[allow(clippy::too_many_arguments)]
     fn optimizer_step(&self, params: &mut Self::Buf, grads: &Self::Buf, state: &mut Self::Buf, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()>;
+    /// `optimizer_step`, then `compute` ← `cast` of the updated weights (the compute-dtype
+    /// copy the forward reads). A backend may do both in one pass over the weights.
+    #[allow(clippy::too_many_arguments)]
+    fn optimizer_step_cast(&self, params: &mut Self::Buf, grads: &Self::Buf, state: &mut Self::Buf, compute: &mut Self::Buf, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()> {
+        self.optimizer_step(params, grads, state, opt, decay, hyper)?;
+        self.cast(compute, params)
+    }
 }
 
 /// Elements of f32 optimizer state per parameter, in this order in the state buffer:

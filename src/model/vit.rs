@@ -245,7 +245,16 @@ impl<B: Backend> Vit<B> {
         self.params_changed(be)
     }
 
-    /// Must be called after the master weights change (optimizer step, load).
+    /// One optimizer step on the accumulated gradients, which also refreshes the compute copy
+    /// (no `params_changed` needed after it).
+    pub fn update(&mut self, be: &B, state: &mut B::Buf, opt: &crate::config::OptimizerConfig, decay: &crate::backend::DecayGroups, hyper: crate::backend::StepHyper) -> BResult<()> {
+        match self.compute.as_mut() {
+            Some(c) => be.optimizer_step_cast(&mut self.params, &self.grads, state, c, opt, decay, hyper),
+            None => be.optimizer_step(&mut self.params, &self.grads, state, opt, decay, hyper),
+        }
+    }
+
+    /// Must be called after the master weights change otherwise (load, direct writes).
     pub fn params_changed(&mut self, be: &B) -> BResult<()> {
         if let Some(c) = self.compute.as_mut() {
             be.cast(c, &self.params)?;
@@ -383,6 +392,14 @@ impl<B: Backend> Vit<B> {
     /// Backward of the last `forward` (which must have been given a `dloss_scale`): adds this
     /// micro-batch's parameter gradients into `grads`.
     pub fn backward(&mut self, be: &B) -> BResult<()> {
+        // The backend may batch the gradient reductions of the whole pass (one launch on CUDA).
+        be.defer_gradient_sums(true)?;
+        let r = self.backward_pass(be);
+        let flushed = be.defer_gradient_sums(false);
+        r.and(flushed)
+    }
+
+    fn backward_pass(&mut self, be: &B) -> BResult<()> {
         let b = self.pending_backward;
         if b == 0 {
             return Err(crate::backend::BackendError::Device("backward without a training forward".into()));

@@ -389,8 +389,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         let grad_scale = if clip > 0.0 && grad_norm > clip { (clip / (grad_norm + 1e-6)) as f32 } else { 1.0 };
         let lr = schedule::lr_at(cfg.scheduler.as_ref(), cfg.optimizer.lr(), step);
         let hyper = StepHyper { lr: lr as f32, step: step + 1, grad_scale };
-        be.optimizer_step(&mut vit.params, &vit.grads, &mut opt_state, &cfg.optimizer, &decay, hyper)?;
-        vit.params_changed(be)?;
+        vit.update(be, &mut opt_state, &cfg.optimizer, &decay, hyper)?;
         vit.zero_grads(be)?;
         be.synchronize()?;
         phases.optimizer_s += t_opt.elapsed().as_secs_f64();

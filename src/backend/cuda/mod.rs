@@ -34,6 +34,7 @@
 mod compile;
 mod gemm;
 pub mod libs;
+mod partials;
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -245,6 +246,8 @@ pub struct Cuda {
     _workspace: CudaBuf,
     mem: Arc<MemStats>,
     scratch: Mutex<Scratch>,
+    /// Bias and LayerNorm-parameter gradient reductions waiting for one launch (`partials`).
+    partial_sums: Mutex<partials::PendingSums>,
     /// Uploaded optimizer segments (start, end, decays) for the last decay grouping seen.
     segments: Mutex<Option<(Vec<i64>, CudaBuf)>>,
     /// One f64 accumulator for `sum_squares`.
@@ -371,6 +374,7 @@ impl Cuda {
             _workspace: workspace,
             mem,
             scratch: Mutex::new(Scratch::default()),
+            partial_sums: Mutex::new(partials::PendingSums::default()),
             segments: Mutex::new(None),
             acc,
             profile: Mutex::new(None),
@@ -713,21 +717,11 @@ impl Cuda {
         })
     }
 
-    /// dst1[i] += Σ_p partial[p·width + i] for i < split, dst2[i − split] likewise up to
-    /// 2·split, dst3[i − 2·split] after (width ≤ 3·split).
-    /// Block (32, 32): 32 columns per block, the parts split over 32 rows of threads, summed in
-    /// a fixed order (deterministic).
-    #[allow(clippy::too_many_arguments)]
-    fn reduce_partials(&self, dst1: CUdeviceptr, dst2: CUdeviceptr, dst3: CUdeviceptr, split: usize, partial: CUdeviceptr, nparts: usize, width: usize) -> BResult<()> {
-        let (sp, np, wd) = (split as i32, nparts as i32, width as i32);
-        self.launch("reduce_partials_t", (width.div_ceil(32) as u32, 1, 1), (32, 32, 1), 0, &mut kargs![dst1, dst2, dst3, sp, partial, np, wd])
-    }
-
     /// dst[j] += Σ_rows src[row, j] over a row-major (rows, cols) bf16 buffer: a bias gradient.
     fn add_column_sums(&self, dst: CUdeviceptr, src: &CudaBuf, rows: usize, cols: usize) -> BResult<()> {
         let splits = (rows.div_ceil(64)).clamp(1, 256) as u32;
         let (r, o) = (rows as i64, cols as i32);
-        let partial = self.scratch("bias_partials", 2 * splits as usize * cols)?;
+        let partial = self.partial_rows(splits as usize * cols)?;
         if cols % 8 == 0 && src.ptr % 16 == 0 && src.ty == Ty::Bf16 {
             self.launch("bias_grad_v8", (cols.div_ceil(256) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![partial, src.ptr, r, o])?;
         } else {
@@ -773,7 +767,7 @@ impl Cuda {
                     Some(s) if j <= LN_SUM_MAX_J => ("s", 3, Some(dparams.at(s.off))),
                     _ => ("v", 2, None),
                 };
-                let partial = self.scratch("ln_partials", 2 * grid as usize * na * c)?;
+                let partial = self.partial_rows(grid as usize * na * c)?;
                 self.launch(&format!("layernorm_bwd_{kernel}{j}"), (grid, 1, 1), (128, 1, 1), 0, &mut kargs![dinp.ptr, partial, dout.ptr, dres, inp.ptr, mean.ptr, rstd.ptr, params.ptr, wo, bo, r])?;
                 let (dw, db) = (dparams.at(w.off), dparams.at(b.off));
                 self.reduce_partials(dw, db, dsum.unwrap_or(db), c, partial, grid as usize, na * c)?;
@@ -781,7 +775,7 @@ impl Cuda {
             }
             let grid = (rows.div_ceil(8) as u32).min(self.info.multiprocessors * 4).max(1);
             let (wo, bo, r) = (w.off as i64, b.off as i64, rows as i64);
-            let partial = self.scratch("ln_partials", 2 * grid as usize * 2 * c)?;
+            let partial = self.partial_rows(grid as usize * 2 * c)?;
             self.launch(&format!("layernorm_bwd_c{j}"), (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![dinp.ptr, partial, dout.ptr, dres, inp.ptr, mean.ptr, rstd.ptr, params.ptr, wo, bo, r])?;
             let (dw, db) = (dparams.at(w.off), dparams.at(b.off));
             self.reduce_partials(dw, db, db, c, partial, grid as usize, 2 * c)?;
@@ -844,7 +838,7 @@ impl Cuda {
                 // with a bias: per-image [Σ dQ | Σ dV] rows (f32, 2·H·D each), reduced below
                 let c = h * d;
                 let part = match dbias {
-                    Some(_) => self.scratch("attn_bias_partials", 2 * b * 2 * c)?,
+                    Some(_) => self.partial_rows(b * 2 * c)?,
                     None => 0,
                 };
                 self.launch_dyn(&name, ((b * h) as u32, 1, 1), block, smem, &mut kargs![dqkv.ptr, out.ptr, dout.ptr, qkv.ptr, probs.ptr, nn, hh, scale, scale_log2, part])?;
@@ -988,7 +982,7 @@ impl Cuda {
                     // GELU gradient and the column partial sums of its bf16 result in one pass.
                     let splits = (rows.div_ceil(64)).clamp(1, 256) as u32;
                     let (r, o) = (rows as i64, ic as i32);
-                    let partial = self.scratch("bias_partials", 2 * splits as usize * ic)?;
+                    let partial = self.partial_rows(splits as usize * ic)?;
                     self.launch("gelu_bwd_bias_v8", (ic.div_ceil(256) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![dinp.ptr, pre.ptr, bias_ptr, partial, r, o])?;
                     let dst = dparams.at(pb.off);
                     self.reduce_partials(dst, dst, dst, ic, partial, splits as usize, ic)?;
@@ -1030,8 +1024,8 @@ impl Cuda {
     #[allow(clippy::too_many_arguments)]
     fn dgelu_gemm_fused(&self, dinp: &mut CudaBuf, dparams: &mut CudaBuf, dout: &CudaBuf, pre: &CudaBuf, params: &CudaBuf, w: Span, pb: Span, rows: usize, ic: usize, oc: usize) -> BResult<()> {
         let row_tiles = rows.div_ceil(128);
-        // f32 partial sums: two bf16 scratch slots each
-        let partial = self.scratch("bias_partials", 2 * row_tiles * ic)?;
+        // one f32 partial row per 128-row tile
+        let partial = self.partial_rows(row_tiles * ic)?;
         let ta = tensor_map_2d(dout.ptr, oc, rows, 128)?;
         let tb = tensor_map_2d(params.at(w.off), ic, oc, 64)?;
         let grid = (self.info.multiprocessors as usize).min(row_tiles * (ic / 128)).max(1) as u32;
@@ -1172,6 +1166,12 @@ fn tensor_map_2d(ptr: CUdeviceptr, cols: usize, rows: usize, box_rows: u32) -> B
     Ok(map)
 }
 
+/// Whether the 16-byte (8 × bf16) kernel variants apply: every buffer bf16, rows of `c` in
+/// whole 16-byte groups, every address 16-byte aligned, and `total / 8` within 32-bit indices.
+fn v8_ok(c: usize, total: usize, bufs: &[&CudaBuf], ptrs: &[CUdeviceptr]) -> bool {
+    c % 8 == 0 && total / 8 <= i32::MAX as usize && bufs.iter().all(|b| b.ty == Ty::Bf16) && ptrs.iter().all(|p| p % 16 == 0)
+}
+
 fn check_len(op: &'static str, what: &str, buf: &CudaBuf, want: usize) -> BResult<()> {
     if buf.len < want {
         return Err(BackendError::Shape { op, msg: format!("{what} holds {} elements, needs {want}", buf.len) });
@@ -1250,6 +1250,7 @@ impl Backend for Cuda {
     }
 
     fn cast(&self, dst: &mut CudaBuf, src: &CudaBuf) -> BResult<()> {
+        self.flush_partial_sums()?;
         check_len("cast", "dst", dst, src.len)?;
         let n = src.len as i64;
         self.launch1("cast_kernel", src.len, &mut kargs![dst.ptr, dst.dt(), src.ptr, src.dt(), n])
@@ -1260,6 +1261,7 @@ impl Backend for Cuda {
     }
 
     fn upload(&self, dst: &mut CudaBuf, off: usize, src: &[f32]) -> BResult<()> {
+        self.flush_partial_sums()?;
         check_len("upload", "dst", dst, off + src.len())?;
         self.ctx.bind_to_thread().map_err(dev("upload"))?;
         let s = self.stream.cu_stream();
@@ -1357,6 +1359,7 @@ impl Backend for Cuda {
     }
 
     fn fill(&self, buf: &mut CudaBuf, value: f32) -> BResult<()> {
+        self.flush_partial_sums()?;
         if value == 0.0 {
             // SAFETY: the whole allocation of `buf`.
             return unsafe { dr::memset_d8_async(buf.ptr, 0, buf.bytes(), self.stream.cu_stream()) }.map_err(dev("fill"));
@@ -1366,6 +1369,7 @@ impl Backend for Cuda {
     }
 
     fn copy(&self, dst: &mut CudaBuf, src: &CudaBuf) -> BResult<()> {
+        self.flush_partial_sums()?;
         check_len("copy", "dst", dst, src.len)?;
         if dst.ty == src.ty {
             // SAFETY: both ranges hold src.bytes() bytes.
@@ -1375,7 +1379,12 @@ impl Backend for Cuda {
     }
 
     fn synchronize(&self) -> BResult<()> {
+        self.flush_partial_sums()?;
         self.stream.synchronize().map_err(dev("synchronize"))
+    }
+
+    fn defer_gradient_sums(&self, defer: bool) -> BResult<()> {
+        self.set_defer_partial_sums(defer)
     }
 
     fn patchify(&self, out: &mut CudaBuf, img: &CudaBuf, b: usize, chans: usize, size: usize, patch: usize) -> BResult<()> {
@@ -1385,8 +1394,12 @@ impl Backend for Cuda {
         let n = b * chans * size * size;
         check_len("patchify", "img", img, n)?;
         check_len("patchify", "out", out, n)?;
-        let (b, c, s, p) = (b as i32, chans as i32, size as i32, patch as i32);
-        self.launch1("patchify_kernel", n, &mut kargs![out.ptr, out.dt(), img.ptr, img.dt(), b, c, s, p])
+        let (bb, c, s, p) = (b as i32, chans as i32, size as i32, patch as i32);
+        // (the 8-output groups stay within one channel's patch when P·P is a multiple of 8)
+        if (patch * patch) % 8 == 0 && v8_ok(8, n, &[out, img], &[out.ptr]) {
+            return self.launch1("patchify_v8", n / 8, &mut kargs![out.ptr, img.ptr, bb, c, s, p]);
+        }
+        self.launch1("patchify_kernel", n, &mut kargs![out.ptr, out.dt(), img.ptr, img.dt(), bb, c, s, p])
     }
 
     fn embed_forward(&self, out: &mut CudaBuf, patches: &CudaBuf, params: &CudaBuf, pos: Span, cls: Option<Span>, b: usize, np: usize, c: usize) -> BResult<()> {
@@ -1394,6 +1407,14 @@ impl Backend for Cuda {
         check_len("embed_forward", "patches", patches, b * np * c)?;
         check_len("embed_forward", "out", out, b * n_tok * c)?;
         check_span("embed_forward", "pos", params, pos)?;
+        if let Some(s) = cls {
+            check_span("embed_forward", "cls", params, s)?;
+        }
+        let (pos_ptr, cls_ptr) = (params.at(pos.off), cls.map_or(0, |s| params.at(s.off)));
+        if v8_ok(c, b * n_tok * c, &[out, patches, params], &[out.ptr, patches.ptr, pos_ptr, cls_ptr]) {
+            let (rows, nt, pre, c8) = ((b * n_tok) as i32, n_tok as i32, (n_tok - np) as i32, (c / 8) as i32);
+            return self.launch1("embed_fwd_v8", b * n_tok * c / 8, &mut kargs![out.ptr, patches.ptr, pos_ptr, cls_ptr, rows, nt, pre, c8]);
+        }
         let cls_off = cls.map_or(-1i64, |s| s.off as i64);
         let (pos_off, bb, npp, cc) = (pos.off as i64, b as i32, np as i32, c as i32);
         self.launch1("embed_fwd_kernel", b * n_tok * c, &mut kargs![out.ptr, out.dt(), patches.ptr, patches.dt(), params.ptr, params.dt(), pos_off, cls_off, bb, npp, cc])
@@ -1406,11 +1427,34 @@ impl Backend for Cuda {
         check_len("embed_backward", "dpatches", dpatches, b * np * c)?;
         check_f32("embed_backward", "dparams", dparams)?;
         check_span("embed_backward", "pos", dparams, pos)?;
+        if let Some(s) = cls {
+            check_span("embed_backward", "cls", dparams, s)?;
+        }
         let (bb, npp, pre, cc, nt) = (b as i32, np as i32, prefix as i32, c as i32, n_tok as i32);
-        self.launch1("embed_bwd_patches", b * np * c, &mut kargs![dpatches.ptr, dpatches.dt(), dout.ptr, dout.dt(), bb, npp, pre, cc])?;
-        let cls_off = cls.map_or(-1i64, |s| s.off as i64);
-        let pos_off = pos.off as i64;
-        self.launch1("embed_bwd_params", n_tok * c, &mut kargs![dparams.ptr, dout.ptr, dout.dt(), pos_off, cls_off, bb, nt, cc])
+        if !v8_ok(c, b * n_tok * c, &[dpatches, dout], &[dpatches.ptr, dout.ptr]) {
+            self.launch1("embed_bwd_patches", b * np * c, &mut kargs![dpatches.ptr, dpatches.dt(), dout.ptr, dout.dt(), bb, npp, pre, cc])?;
+            let cls_off = cls.map_or(-1i64, |s| s.off as i64);
+            let pos_off = pos.off as i64;
+            return self.launch1("embed_bwd_params", n_tok * c, &mut kargs![dparams.ptr, dout.ptr, dout.dt(), pos_off, cls_off, bb, nt, cc]);
+        }
+        if b * n_tok * c == 0 {
+            return Ok(());
+        }
+        let c8 = (c / 8) as i32;
+        self.launch1("embed_bwd_patches_v8", b * np * c / 8, &mut kargs![dpatches.ptr, dout.ptr, bb, npp, pre, c8])?;
+        // Position (and class-token) gradient: partial sums over slices of the batch, enough
+        // blocks to fill the GPU, then one (deferred) reduction into both spans.
+        let groups = n_tok * c / 8;
+        let xblocks = groups.div_ceil(THREADS as usize);
+        let per = b.div_ceil((4 * self.info.multiprocessors as usize).div_ceil(xblocks).clamp(1, b.max(1))).max(1);
+        let splits = b.div_ceil(per);
+        let width = n_tok * c + prefix * c;
+        let partial = self.partial_rows(splits * width)?;
+        let (pp, cls_copy) = (per as i32, prefix as i32);
+        self.launch("embed_bwd_params_part", (xblocks as u32, splits as u32, 1), (THREADS, 1, 1), 0, &mut kargs![partial, dout.ptr, bb, pp, nt, c8, cls_copy])?;
+        let dpos = dparams.at(pos.off);
+        let dcls = cls.map_or(dpos, |s| dparams.at(s.off));
+        self.reduce_partials(dpos, dcls, dcls, n_tok * c, partial, splits, width)
     }
 
     fn matmul_forward(&self, out: &mut CudaBuf, gelu_pre: Option<&mut CudaBuf>, inp: &CudaBuf, params: &CudaBuf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
@@ -1633,6 +1677,10 @@ impl Backend for Cuda {
         check_len("pool_backward", "dinp", dinp, b * n * c)?;
         check_len("pool_backward", "dout", dout, b * c)?;
         let (bb, nn, cc, pp, a) = (b as i32, n as i32, c as i32, prefix as i32, avg as i32);
+        if v8_ok(c, b * n * c, &[dinp, dout], &[dinp.ptr, dout.ptr]) {
+            let (rows, c8) = ((b * n) as i32, (c / 8) as i32);
+            return self.launch1("pool_bwd_v8", b * n * c / 8, &mut kargs![dinp.ptr, dout.ptr, rows, nn, pp, c8, a]);
+        }
         self.launch1("pool_bwd_kernel", b * n * c, &mut kargs![dinp.ptr, dinp.dt(), dout.ptr, dout.dt(), bb, nn, cc, pp, a])
     }
 
@@ -1653,6 +1701,7 @@ impl Backend for Cuda {
     }
 
     fn sum_squares(&self, buf: &CudaBuf) -> BResult<f64> {
+        self.flush_partial_sums()?;
         // SAFETY: `acc` holds 8 bytes.
         unsafe { dr::memset_d8_async(self.acc.ptr, 0, 8, self.stream.cu_stream()) }.map_err(dev("sum_squares"))?;
         let n = buf.len as i64;
@@ -1666,11 +1715,29 @@ impl Backend for Cuda {
     }
 
     fn scale(&self, buf: &mut CudaBuf, s: f32) -> BResult<()> {
+        self.flush_partial_sums()?;
         let n = buf.len as i64;
         self.launch1("scale_kernel", buf.len, &mut kargs![buf.ptr, buf.dt(), n, s])
     }
 
     fn optimizer_step(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()> {
+        self.optimizer_step_impl(params, grads, state, None, opt, decay, hyper)
+    }
+
+    /// The update kernels write the bf16 compute copy as they go: no separate cast pass.
+    fn optimizer_step_cast(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, compute: &mut CudaBuf, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()> {
+        if compute.ty != Ty::Bf16 {
+            self.optimizer_step_impl(params, grads, state, None, opt, decay, hyper)?;
+            return self.cast(compute, params);
+        }
+        self.optimizer_step_impl(params, grads, state, Some(compute), opt, decay, hyper)
+    }
+}
+
+impl Cuda {
+    #[allow(clippy::too_many_arguments)]
+    fn optimizer_step_impl(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, compute: Option<&mut CudaBuf>, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()> {
+        self.flush_partial_sums()?;
         const OP: &str = "optimizer_step";
         check_f32(OP, "params", params)?;
         check_f32(OP, "grads", grads)?;
@@ -1678,6 +1745,13 @@ impl Backend for Cuda {
         let p = params.len;
         check_len(OP, "grads", grads, p)?;
         check_len(OP, "state", state, super::optimizer_state_len(opt, p))?;
+        let pc = match compute {
+            Some(c) => {
+                check_len(OP, "compute copy", c, p)?;
+                c.ptr
+            }
+            None => 0,
+        };
         // Merge neighbouring spans with the same decay flag into segments.
         let mut segs: Vec<i64> = Vec::new();
         for &(s, d) in &decay.spans {
@@ -1716,11 +1790,11 @@ impl Backend for Cuda {
                 let v = state.at(p);
                 let (lr, b1, b2, e, wd, aw) = (hyper.lr, beta1 as f32, beta2 as f32, eps as f32, weight_decay as f32, adam_w_mode as i32);
                 let (c1, c2, gs) = (bc1 as f32, bc2 as f32, hyper.grad_scale);
-                self.launch("adam_kernel", grid, (THREADS, 1, 1), 0, &mut kargs![params.ptr, grads.ptr, m, v, seg_ptr, lr, b1, b2, e, wd, aw, c1, c2, gs])
+                self.launch("adam_kernel", grid, (THREADS, 1, 1), 0, &mut kargs![params.ptr, grads.ptr, m, v, seg_ptr, lr, b1, b2, e, wd, aw, c1, c2, gs, pc])
             }
             OptimizerConfig::Sgd { momentum, dampening, weight_decay, nesterov, .. } => {
                 let (lr, mo, da, wd, ne, first, gs) = (hyper.lr, momentum as f32, dampening as f32, weight_decay as f32, nesterov as i32, (hyper.step <= 1) as i32, hyper.grad_scale);
-                self.launch("sgd_kernel", grid, (THREADS, 1, 1), 0, &mut kargs![params.ptr, grads.ptr, m, seg_ptr, lr, mo, da, wd, ne, first, gs])
+                self.launch("sgd_kernel", grid, (THREADS, 1, 1), 0, &mut kargs![params.ptr, grads.ptr, m, seg_ptr, lr, mo, da, wd, ne, first, gs, pc])
             }
         }
     }

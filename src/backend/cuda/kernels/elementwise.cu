@@ -85,16 +85,6 @@ extern "C" __global__ void bias_grad_kernel(float* dbias, const void* dout, int 
     }
 }
 
-// dst[i] += Σ_p partial[p, i] for i < width, where dst is d1 for i < split and d2 - split after
-// (two parameter spans, e.g. a LayerNorm's weight and bias).
-extern "C" __global__ void reduce_partials(float* d1, float* d2, int split, const float* partial, int nparts, int width) {
-    GRID_STRIDE(i, (i64)width) {
-        float s = 0.f;
-        for (int p = 0; p < nparts; p++) s += partial[(i64)p * width + i];
-        if (i < split) d1[i] += s; else d2[i - split] += s;
-    }
-}
-
 // Deterministic pseudo-random values in [-scale, scale) from (seed, index): synthetic data and
 // non-zero benchmark operands without a host upload.
 extern "C" __global__ void fill_random_kernel(void* dst, int dt, i64 n, unsigned seed, float scale) {
@@ -105,12 +95,36 @@ extern "C" __global__ void fill_random_kernel(void* dst, int dt, i64 n, unsigned
     }
 }
 
-// Same sums as reduce_partials, block (32, 32): x picks a column of a 32-wide tile, y strides
-// the parts; partial sums combine in a fixed order. Columns [0, split) go to d1, [split,
-// 2·split) to d2, the rest to d3.
-extern "C" __global__ void reduce_partials_t(float* d1, float* d2, float* d3, int split, const float* partial, int nparts, int width) {
+// ---- Column sums of f32 partial rows (bias and LayerNorm-parameter gradients): the kernels
+// that see the gradient's rows write one partial row per block (or per image), and these add
+// the rows up. Each 32-column tile is one block of (32, 32) threads: x picks a column, y strides
+// the parts, and the 32 sums combine in a fixed order (deterministic). Columns [0, split) go to
+// d1, [split, 2·split) to d2, the rest to d3 (a LayerNorm's weight, bias and its input's sums).
+// One launch serves many such reductions (the host defers a backward's ≈ 4 per block to its end):
+// each is a few microseconds of latency on a few dozen blocks, so apart they cost more in
+// kernel boundaries than in reading.
+#define RED_MAX_SEGS 64
+struct RedSeg {
+    float* d1;
+    float* d2;
+    float* d3;
+    const float* partial;  // nparts rows of width
+    int split, nparts, width;
+    int block0;  // this reduction's first block; its tiles are blocks block0 .. block0 + ⌈width/32⌉ − 1
+};
+struct RedBatch {
+    RedSeg seg[RED_MAX_SEGS];
+    int count;
+};
+
+extern "C" __global__ void reduce_partials_batch(const __grid_constant__ RedBatch batch) {
     __shared__ float part[32][33];
-    int i = blockIdx.x * 32 + threadIdx.x;
+    int si = 0;  // (block-uniform; a scan of ≤ 64 constant-bank words)
+    while (si + 1 < batch.count && batch.seg[si + 1].block0 <= (int)blockIdx.x) si++;
+    const RedSeg& g = batch.seg[si];
+    const int width = g.width, nparts = g.nparts, split = g.split;
+    const float* partial = g.partial;
+    const int i = ((int)blockIdx.x - g.block0) * 32 + threadIdx.x;
     float s = 0.f;
     if (i < width) {
         #pragma unroll 4
@@ -122,7 +136,7 @@ extern "C" __global__ void reduce_partials_t(float* d1, float* d2, float* d3, in
         float t = 0.f;
         #pragma unroll
         for (int k = 0; k < 32; k++) t += part[k][threadIdx.x];
-        if (i < split) d1[i] += t; else if (i < 2 * split) d2[i - split] += t; else d3[i - 2 * split] += t;
+        if (i < split) g.d1[i] += t; else if (i < 2 * split) g.d2[i - split] += t; else g.d3[i - 2 * split] += t;
     }
 }
 

@@ -96,3 +96,104 @@ extern "C" __global__ void pool_bwd_kernel(void* dinp, int dti, const void* dout
         stx(dinp, dti, e, v);
     }
 }
+
+// ---- 16-byte versions (8 bf16 per access) for bf16 activations and weights with C % 8 == 0
+// and 16-byte aligned rows; the launch sites check and otherwise use the kernels above. Indices
+// are 32-bit (the host checks the counts fit) and each element costs one division per 8
+// channels: the general kernels spent their time on 64-bit index arithmetic. Same values and
+// rounding as the general kernels, except embed_bwd_params_part's summation order.
+
+__device__ __forceinline__ unsigned add_bf16x2(unsigned a, unsigned b) { return pk16(lo16(a) + lo16(b), hi16(a) + hi16(b)); }
+__device__ __forceinline__ uint4 add_bf16x8(uint4 a, uint4 b) {
+    return make_uint4(add_bf16x2(a.x, b.x), add_bf16x2(a.y, b.y), add_bf16x2(a.z, b.z), add_bf16x2(a.w, b.w));
+}
+
+// embed_fwd_kernel: c8 = C / 8 groups per row, rows = B·n_tok; pos, cls (may be null when
+// prefix = 0) point at the weights' spans.
+extern "C" __global__ void embed_fwd_v8(uint4* out, const uint4* patches, const uint4* pos, const uint4* cls, int rows, int n_tok, int prefix, int c8) {
+    const int n = rows * c8, np = n_tok - prefix;
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < n; e += gridDim.x * blockDim.x) {
+        const int row = e / c8, ci = e - row * c8;
+        const int bi = row / n_tok, t = row - bi * n_tok;
+        const uint4 x = t < prefix ? cls[ci] : patches[(bi * np + t - prefix) * c8 + ci];
+        out[e] = add_bf16x8(x, pos[t * c8 + ci]);
+    }
+}
+
+// embed_bwd_patches: each image's patch rows are one contiguous run in both buffers.
+extern "C" __global__ void embed_bwd_patches_v8(uint4* dpatches, const uint4* dout, int b, int np, int prefix, int c8) {
+    const int per = np * c8, n = b * per;
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < n; e += gridDim.x * blockDim.x) {
+        const int bi = e / per;
+        dpatches[e] = dout[e + (bi + 1) * prefix * c8];  // (bi·n_tok + prefix)·c8 + (e − bi·per)
+    }
+}
+
+// embed_bwd_params as partial sums: block row y sums images y·per … y·per + per − 1 of each
+// 8-channel group of the (n_tok, C) position gradient into partial row y (f32), whose `width`
+// is n_tok·C, plus C more holding row 0 again when there is a class token (cls_copy), so that
+// one reduction adds the rows into both spans.
+extern "C" __global__ void embed_bwd_params_part(float* partial, const uint4* dout, int b, int per, int n_tok, int c8, int cls_copy) {
+    const int w8 = n_tok * c8;
+    const int g = blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= w8) return;
+    const int b0 = blockIdx.y * per, b1 = min(b, b0 + per);
+    float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int bi = b0; bi < b1; bi++) {
+        const uint4 v = dout[(i64)bi * w8 + g];
+        const unsigned w[4] = {v.x, v.y, v.z, v.w};
+        #pragma unroll
+        for (int k = 0; k < 4; k++) {
+            s[2 * k] += lo16(w[k]);
+            s[2 * k + 1] += hi16(w[k]);
+        }
+    }
+    const i64 width = (i64)(w8 + (cls_copy ? c8 : 0)) * 8;
+    float* row = partial + blockIdx.y * width + g * 8;
+    #pragma unroll
+    for (int k = 0; k < 8; k++) row[k] = s[k];
+    if (cls_copy && g < c8) {
+        #pragma unroll
+        for (int k = 0; k < 8; k++) row[(i64)w8 * 8 + k] = s[k];
+    }
+}
+
+// pool_bwd_kernel: dout (B, C) spread over (B, n_tok, C).
+extern "C" __global__ void pool_bwd_v8(uint4* dinp, const uint4* dout, int rows, int n_tok, int prefix, int c8, int avg) {
+    const int n = rows * c8;
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < n; e += gridDim.x * blockDim.x) {
+        const int row = e / c8, ci = e - row * c8;
+        const int bi = row / n_tok, t = row - bi * n_tok;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (avg ? t >= prefix : t == 0) {
+            v = dout[bi * c8 + ci];
+            if (avg) {
+                const float d = (float)(n_tok - prefix);
+                v = make_uint4(pk16(lo16(v.x) / d, hi16(v.x) / d), pk16(lo16(v.y) / d, hi16(v.y) / d),
+                               pk16(lo16(v.z) / d, hi16(v.z) / d), pk16(lo16(v.w) / d, hi16(v.w) / d));
+            }
+        }
+        dinp[e] = v;
+    }
+}
+
+// patchify_kernel for bf16 image and patches with P·P % 8 == 0: 8 outputs per thread (one
+// channel's consecutive (row, col) positions), stored as one 16-byte write.
+extern "C" __global__ void patchify_v8(uint4* out, const bf16* img, int b, int ch, int s, int p) {
+    const int g = s / p, np = g * g, pp = p * p, pd8 = ch * pp / 8;
+    const int n = b * np * pd8;
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < n; e += gridDim.x * blockDim.x) {
+        const int row = e / pd8, col = (e - row * pd8) * 8;
+        const int bi = row / np, pi = row - bi * np;
+        const int gy = pi / g, gx = pi - gy * g;
+        const int c = col / pp, rem = col - c * pp;
+        const bf16* base = img + ((i64)(bi * ch + c) * s + (i64)gy * p) * s + (i64)gx * p;
+        unsigned w[4];
+        #pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int i0 = rem + 2 * k, r0 = i0 / p, i1 = i0 + 1, r1 = i1 / p;
+            w[k] = (unsigned)base[(i64)r0 * s + (i0 - r0 * p)] | ((unsigned)base[(i64)r1 * s + (i1 - r1 * p)] << 16);
+        }
+        out[e] = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}

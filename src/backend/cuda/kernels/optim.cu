@@ -1,5 +1,7 @@
 // Fused optimizer steps over the flat f32 buffers. The grid's y index picks a segment of
 // parameters sharing one weight-decay flag: segs[3·y] = start, [3·y+1] = end, [3·y+2] = decays.
+// pc (may be null): the bf16 compute copy of the weights, written from the updated values in
+// the same pass (what a separate cast would write, without reading the weights again).
 
 // AdamW (adamw = 1, decoupled decay) or Adam with L2 (adamw = 0), torch semantics.
 // bc1 = 1 − β1^t, bc2 = 1 − β2^t (1 when bias correction is off).
@@ -18,7 +20,7 @@ __device__ __forceinline__ void adam_update(float& p, float g, float& m, float& 
 // loads would need m and v 16-byte aligned; v starts at P, any even count of parameters.)
 extern "C" __global__ void adam_kernel(float* p, const float* g, float* m, float* v, const i64* segs,
                                        float lr, float b1, float b2, float eps, float wd, int adamw,
-                                       float bc1, float bc2, float gscale) {
+                                       float bc1, float bc2, float gscale, bf16* pc) {
     const i64 start = segs[3 * blockIdx.y], end = segs[3 * blockIdx.y + 1];
     const float decay = segs[3 * blockIdx.y + 2] ? wd : 0.f;
     const i64 stride = (i64)gridDim.x * blockDim.x;
@@ -35,12 +37,14 @@ extern "C" __global__ void adam_kernel(float* p, const float* g, float* m, float
             const i64 j = i + k * stride;
             adam_update(pv[k], gv[k] * gscale, mv[k], vv[k], lr, b1, b2, eps, decay, adamw, bc1, bc2);
             p[j] = pv[k]; m[j] = mv[k]; v[j] = vv[k];
+            if (pc) pc[j] = f2bf(pv[k]);
         }
     }
     for (; i < end; i += stride) {
         float pi = p[i], mi = m[i], vi = v[i];
         adam_update(pi, g[i] * gscale, mi, vi, lr, b1, b2, eps, decay, adamw, bc1, bc2);
         p[i] = pi; m[i] = mi; v[i] = vi;
+        if (pc) pc[i] = f2bf(pi);
     }
 }
 
@@ -48,7 +52,7 @@ extern "C" __global__ void adam_kernel(float* p, const float* g, float* m, float
 // (the momentum buffer is set to the gradient).
 extern "C" __global__ void sgd_kernel(float* p, const float* g, float* buf, const i64* segs,
                                       float lr, float momentum, float dampening, float wd,
-                                      int nesterov, int first, float gscale) {
+                                      int nesterov, int first, float gscale, bf16* pc) {
     i64 start = segs[3 * blockIdx.y], end = segs[3 * blockIdx.y + 1];
     float decay = segs[3 * blockIdx.y + 2] ? wd : 0.f;
     for (i64 i = start + (i64)blockIdx.x * blockDim.x + threadIdx.x; i < end; i += (i64)gridDim.x * blockDim.x) {
@@ -59,6 +63,8 @@ extern "C" __global__ void sgd_kernel(float* p, const float* g, float* buf, cons
             buf[i] = b;
             gi = nesterov ? gi + momentum * b : b;
         }
-        p[i] = pi - lr * gi;
+        pi -= lr * gi;
+        p[i] = pi;
+        if (pc) pc[i] = f2bf(pi);
     }
 }
