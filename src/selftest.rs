@@ -427,6 +427,8 @@ pub fn attention_checks<B: Backend>(be: &B, seed: u64, path: &str) -> BResult<Ve
 /// Float64 optimizer reference with torch semantics (AdamW / Adam+L2 / SGD).
 fn optimizer_reference(p: &mut [f64], g: &[f64], st: &mut [f64], opt: &OptimizerConfig, decays: &[bool], hyper: StepHyper) {
     let np = p.len();
+    let norm = g.iter().map(|v| v * v).sum::<f64>().sqrt();
+    let gs = if hyper.clip_norm > 0.0 { hyper.grad_scale as f64 * (hyper.clip_norm as f64 / (norm * hyper.grad_scale.abs() as f64 + 1e-6)).min(1.0) } else { hyper.grad_scale as f64 };
     match *opt {
         OptimizerConfig::Adam { beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, .. } => {
             let t = hyper.step as i32;
@@ -434,7 +436,7 @@ fn optimizer_reference(p: &mut [f64], g: &[f64], st: &mut [f64], opt: &Optimizer
             let lr = hyper.lr as f64;
             for i in 0..np {
                 let wd = if decays[i] { weight_decay } else { 0.0 };
-                let mut gi = g[i] * hyper.grad_scale as f64;
+                let mut gi = g[i] * gs;
                 if !adam_w_mode {
                     gi += wd * p[i];
                 }
@@ -451,7 +453,7 @@ fn optimizer_reference(p: &mut [f64], g: &[f64], st: &mut [f64], opt: &Optimizer
             let lr = hyper.lr as f64;
             for i in 0..np {
                 let wd = if decays[i] { weight_decay } else { 0.0 };
-                let mut gi = g[i] * hyper.grad_scale as f64 + wd * p[i];
+                let mut gi = g[i] * gs + wd * p[i];
                 if momentum != 0.0 {
                     let b = if hyper.step <= 1 { gi } else { momentum * st[i] + (1.0 - dampening) * gi };
                     st[i] = b;
@@ -489,7 +491,14 @@ fn optimizer_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
             let g = cx.randn(n, 1.0);
             let mut gd = cx.be.alloc_f32(n)?;
             cx.be.upload(&mut gd, 0, &g)?;
-            let hyper = StepHyper { lr: opt.lr() as f32 * (1.0 + 0.1 * step as f32), step, grad_scale: 0.5 };
+            // step 2 clips by the global norm (‖0.5·g‖ ≈ 0.5·√n, so a bound of 0.25·√n halves
+            // it), step 3 has a bound the norm stays under
+            let clip_norm = match step {
+                2 => 0.25 * (n as f32).sqrt(),
+                3 => (n as f32).sqrt(),
+                _ => 0.0,
+            };
+            let hyper = StepHyper { lr: opt.lr() as f32 * (1.0 + 0.1 * step as f32), step, grad_scale: 0.5, clip_norm };
             cx.be.optimizer_step(&mut pd, &gd, &mut sd, &opt, &decay, hyper)?;
             let g64: Vec<f64> = g.iter().map(|&v| v as f64).collect();
             optimizer_reference(&mut pr, &g64, &mut sr, &opt, &decays, hyper);
@@ -556,7 +565,7 @@ fn train_small<B2: Backend>(be: &B2, cfg: &ModelConfig, init: &[f32], batches: &
         let f = m.forward(be, img, t, b, Some(1.0 / b as f32))?;
         out.push(f.losses.iter().sum::<f32>() / b as f32);
         m.backward(be)?;
-        m.update(be, &mut state, opt, decay, StepHyper { lr: opt.lr() as f32, step: step as u64 + 1, grad_scale: 1.0 })?;
+        m.update(be, &mut state, opt, decay, StepHyper { lr: opt.lr() as f32, step: step as u64 + 1, grad_scale: 1.0, clip_norm: 0.0 })?;
     }
     Ok(out)
 }

@@ -49,8 +49,27 @@ pub struct StepHyper {
     pub lr: f32,
     /// 1-based optimizer step (Adam bias correction).
     pub step: u64,
-    /// Multiplies every gradient before use (1/loss-scale, gradient clipping).
+    /// Multiplies every gradient before use (1/loss-scale, a clipping factor found by the caller).
     pub grad_scale: f32,
+    /// When > 0, clips by the global norm inside the step: the gradients (after `grad_scale`)
+    /// are further multiplied by min(1, clip_norm / (‖g‖ + 1e-6)), ‖g‖ their L2 norm over the
+    /// whole buffer — torch's `clip_grad_norm_`, DeepSpeed's `gradient_clipping`. The backend
+    /// computes the norm itself (the CUDA one on the device, so the step never waits for the
+    /// host). 0: no clipping beyond `grad_scale`.
+    pub clip_norm: f32,
+}
+
+impl StepHyper {
+    /// `grad_scale` times the clipping factor of `clip_norm` for gradients whose raw L2 norm
+    /// is `raw_norm` (f64, as the host computes it).
+    pub fn effective_grad_scale(&self, raw_norm: f64) -> f32 {
+        let gs = self.grad_scale as f64;
+        if self.clip_norm <= 0.0 {
+            return self.grad_scale;
+        }
+        let coef = self.clip_norm as f64 / (raw_norm * gs.abs() + 1e-6);
+        (gs * coef.min(1.0)) as f32
+    }
 }
 
 /// Which parameters an optimizer step decays: one weight-decay factor per parameter span.

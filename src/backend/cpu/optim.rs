@@ -96,7 +96,14 @@ pub fn optimizer_step(
         return Err(shape_err("hyper.step is 1-based; got 0".into()));
     }
     let lens = pieces(n, decay)?;
-    let gs = hyper.grad_scale;
+    let gs = if hyper.clip_norm > 0.0 {
+        // fixed chunks summed in order: the same norm whatever the thread count
+        let parts: Vec<f64> = grads.par_chunks(1 << 16).map(|c| c.iter().map(|&g| (g as f64) * (g as f64)).sum()).collect();
+        let ss: f64 = parts.iter().sum();
+        hyper.effective_grad_scale(ss.sqrt())
+    } else {
+        hyper.grad_scale
+    };
     let lr = hyper.lr;
     let ps = split_mut(params, &lens);
     let gr = split(grads, &lens);
@@ -236,7 +243,7 @@ mod tests {
         for t in 1..=4u64 {
             let g = random(n, &mut rng);
             let gr: Vec<f64> = g.iter().map(|&x| (x * scale) as f64).collect();
-            optimizer_step(&mut p, &g, &mut state, &opt, &decay, StepHyper { lr: lr as f32, step: t, grad_scale: scale }).unwrap();
+            optimizer_step(&mut p, &g, &mut state, &opt, &decay, StepHyper { lr: lr as f32, step: t, grad_scale: scale, clip_norm: 0.0 }).unwrap();
             adam_ref(&mut pr, &gr, &mut mr, &mut vr, t as i32, lr, b1, b2, eps, &wdv, adamw, bc);
             assert_close(&p, &pr, "params");
             assert_close(&state[..n], &mr, "m");
@@ -273,7 +280,7 @@ mod tests {
         for t in 1..=4u64 {
             let g = random(n, &mut rng);
             let gr: Vec<f64> = g.iter().map(|&x| (x * 2.0) as f64).collect();
-            optimizer_step(&mut p, &g, &mut buf, &opt, &decay, StepHyper { lr: lr as f32, step: t, grad_scale: 2.0 }).unwrap();
+            optimizer_step(&mut p, &g, &mut buf, &opt, &decay, StepHyper { lr: lr as f32, step: t, grad_scale: 2.0, clip_norm: 0.0 }).unwrap();
             sgd_ref(&mut pr, &gr, &mut br, t, lr, mu, tau, &wdv, nesterov);
             assert_close(&p, &pr, "params");
             if mu != 0.0 {
@@ -305,15 +312,34 @@ mod tests {
         let g = vec![3.0f32, -0.5, 1e-3];
         let mut s = vec![0.0f32; 6];
         let d = DecayGroups { spans: vec![] };
-        optimizer_step(&mut p, &g, &mut s, &opt, &d, StepHyper { lr: 0.1, step: 1, grad_scale: 1.0 }).unwrap();
+        optimizer_step(&mut p, &g, &mut s, &opt, &d, StepHyper { lr: 0.1, step: 1, grad_scale: 1.0, clip_norm: 0.0 }).unwrap();
         assert!((p[0] - 0.9).abs() < 1e-6 && (p[1] - 1.1).abs() < 1e-6 && (p[2] - 0.9).abs() < 1e-4, "{p:?}");
+    }
+
+    /// Plain SGD makes the update visible: clip_norm 1 on gradients of norm 5 (3-4-0) scales
+    /// them by 1/5, while a bound above the norm leaves them alone.
+    #[test]
+    fn clip_norm_scales_by_the_global_norm() {
+        let opt = OptimizerConfig::Sgd { lr: 1.0, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false };
+        let d = DecayGroups { spans: vec![] };
+        let g = vec![3.0f32, -4.0, 0.0];
+        let mut p = vec![0.0f32; 3];
+        optimizer_step(&mut p, &g, &mut [0.0; 3], &opt, &d, StepHyper { lr: 1.0, step: 1, grad_scale: 1.0, clip_norm: 1.0 }).unwrap();
+        assert!((p[0] + 0.6).abs() < 1e-6 && (p[1] - 0.8).abs() < 1e-6 && p[2] == 0.0, "{p:?}");
+        // grad_scale 0.5 first: norm 2.5, clipped to 2 → factor 0.4 overall
+        let mut p = vec![0.0f32; 3];
+        optimizer_step(&mut p, &g, &mut [0.0; 3], &opt, &d, StepHyper { lr: 1.0, step: 1, grad_scale: 0.5, clip_norm: 2.0 }).unwrap();
+        assert!((p[0] + 1.2).abs() < 1e-5 && (p[1] - 1.6).abs() < 1e-5, "{p:?}");
+        let mut p = vec![0.0f32; 3];
+        optimizer_step(&mut p, &g, &mut [0.0; 3], &opt, &d, StepHyper { lr: 1.0, step: 1, grad_scale: 1.0, clip_norm: 10.0 }).unwrap();
+        assert_eq!(p, vec![-3.0, 4.0, 0.0]);
     }
 
     #[test]
     fn mismatched_lengths_are_errors() {
         let opt = OptimizerConfig::Sgd { lr: 0.1, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false };
         let d = DecayGroups { spans: vec![] };
-        let h = StepHyper { lr: 0.1, step: 1, grad_scale: 1.0 };
+        let h = StepHyper { lr: 0.1, step: 1, grad_scale: 1.0, clip_norm: 0.0 };
         assert!(optimizer_step(&mut [0.0; 4], &[0.0; 3], &mut [0.0; 4], &opt, &d, h).is_err());
         assert!(optimizer_step(&mut [0.0; 4], &[0.0; 4], &mut [0.0; 3], &opt, &d, h).is_err());
         let bad = DecayGroups { spans: vec![(Span { off: 2, len: 5 }, true)] };

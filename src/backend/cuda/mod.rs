@@ -1702,11 +1702,7 @@ impl Backend for Cuda {
 
     fn sum_squares(&self, buf: &CudaBuf) -> BResult<f64> {
         self.flush_partial_sums()?;
-        // SAFETY: `acc` holds 8 bytes.
-        unsafe { dr::memset_d8_async(self.acc.ptr, 0, 8, self.stream.cu_stream()) }.map_err(dev("sum_squares"))?;
-        let n = buf.len as i64;
-        let grid = self.grid(buf.len).min(self.info.multiprocessors * 4);
-        self.launch("sum_squares_kernel", (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![self.acc.ptr, buf.ptr, buf.dt(), n])?;
+        self.sum_squares_async(buf)?;
         self.synchronize()?;
         let mut h = [0f64; 1];
         // SAFETY: 8 bytes from `acc` into an f64; the stream is idle.
@@ -1735,6 +1731,15 @@ impl Backend for Cuda {
 }
 
 impl Cuda {
+    /// Σ buf² into the f64 `acc` on the stream (zeroed first); no waiting.
+    fn sum_squares_async(&self, buf: &CudaBuf) -> BResult<()> {
+        // SAFETY: `acc` holds 8 bytes.
+        unsafe { dr::memset_d8_async(self.acc.ptr, 0, 8, self.stream.cu_stream()) }.map_err(dev("sum_squares"))?;
+        let n = buf.len as i64;
+        let grid = self.grid(buf.len).min(self.info.multiprocessors * 4);
+        self.launch("sum_squares_kernel", (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![self.acc.ptr, buf.ptr, buf.dt(), n])
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn optimizer_step_impl(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, compute: Option<&mut CudaBuf>, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()> {
         self.flush_partial_sums()?;
@@ -1751,6 +1756,13 @@ impl Cuda {
                 c.ptr
             }
             None => 0,
+        };
+        // clipping by the global norm: its square summed into `acc` just before the update
+        let (norm2, clip) = if hyper.clip_norm > 0.0 {
+            self.sum_squares_async(grads)?;
+            (self.acc.ptr, hyper.clip_norm)
+        } else {
+            (0, 0.0f32)
         };
         // Merge neighbouring spans with the same decay flag into segments.
         let mut segs: Vec<i64> = Vec::new();
@@ -1790,11 +1802,11 @@ impl Cuda {
                 let v = state.at(p);
                 let (lr, b1, b2, e, wd, aw) = (hyper.lr, beta1 as f32, beta2 as f32, eps as f32, weight_decay as f32, adam_w_mode as i32);
                 let (c1, c2, gs) = (bc1 as f32, bc2 as f32, hyper.grad_scale);
-                self.launch("adam_kernel", grid, (THREADS, 1, 1), 0, &mut kargs![params.ptr, grads.ptr, m, v, seg_ptr, lr, b1, b2, e, wd, aw, c1, c2, gs, pc])
+                self.launch("adam_kernel", grid, (THREADS, 1, 1), 0, &mut kargs![params.ptr, grads.ptr, m, v, seg_ptr, lr, b1, b2, e, wd, aw, c1, c2, gs, pc, norm2, clip])
             }
             OptimizerConfig::Sgd { momentum, dampening, weight_decay, nesterov, .. } => {
                 let (lr, mo, da, wd, ne, first, gs) = (hyper.lr, momentum as f32, dampening as f32, weight_decay as f32, nesterov as i32, (hyper.step <= 1) as i32, hyper.grad_scale);
-                self.launch("sgd_kernel", grid, (THREADS, 1, 1), 0, &mut kargs![params.ptr, grads.ptr, m, seg_ptr, lr, mo, da, wd, ne, first, gs, pc])
+                self.launch("sgd_kernel", grid, (THREADS, 1, 1), 0, &mut kargs![params.ptr, grads.ptr, m, seg_ptr, lr, mo, da, wd, ne, first, gs, pc, norm2, clip])
             }
         }
     }

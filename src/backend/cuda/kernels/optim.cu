@@ -2,6 +2,14 @@
 // parameters sharing one weight-decay flag: segs[3·y] = start, [3·y+1] = end, [3·y+2] = decays.
 // pc (may be null): the bf16 compute copy of the weights, written from the updated values in
 // the same pass (what a separate cast would write, without reading the weights again).
+// norm2 (may be null): the gradients' sum of squares (sum_squares_kernel, earlier on the same
+// stream); every thread turns it into the clipping factor min(1, clip / (‖g·gscale‖ + 1e-6))
+// on gscale, so clipping needs no trip through the host.
+__device__ __forceinline__ float clipped_scale(float gscale, const double* norm2, float clip) {
+    if (!norm2) return gscale;
+    const double coef = (double)clip / (sqrt(*norm2) * fabs((double)gscale) + 1e-6);
+    return (float)((double)gscale * fmin(coef, 1.0));
+}
 
 // AdamW (adamw = 1, decoupled decay) or Adam with L2 (adamw = 0), torch semantics.
 // bc1 = 1 − β1^t, bc2 = 1 − β2^t (1 when bias correction is off).
@@ -20,7 +28,8 @@ __device__ __forceinline__ void adam_update(float& p, float g, float& m, float& 
 // loads would need m and v 16-byte aligned; v starts at P, any even count of parameters.)
 extern "C" __global__ void adam_kernel(float* p, const float* g, float* m, float* v, const i64* segs,
                                        float lr, float b1, float b2, float eps, float wd, int adamw,
-                                       float bc1, float bc2, float gscale, bf16* pc) {
+                                       float bc1, float bc2, float gscale, bf16* pc, const double* norm2, float clip) {
+    gscale = clipped_scale(gscale, norm2, clip);
     const i64 start = segs[3 * blockIdx.y], end = segs[3 * blockIdx.y + 1];
     const float decay = segs[3 * blockIdx.y + 2] ? wd : 0.f;
     const i64 stride = (i64)gridDim.x * blockDim.x;
@@ -52,7 +61,8 @@ extern "C" __global__ void adam_kernel(float* p, const float* g, float* m, float
 // (the momentum buffer is set to the gradient).
 extern "C" __global__ void sgd_kernel(float* p, const float* g, float* buf, const i64* segs,
                                       float lr, float momentum, float dampening, float wd,
-                                      int nesterov, int first, float gscale, bf16* pc) {
+                                      int nesterov, int first, float gscale, bf16* pc, const double* norm2, float clip) {
+    gscale = clipped_scale(gscale, norm2, clip);
     i64 start = segs[3 * blockIdx.y], end = segs[3 * blockIdx.y + 1];
     float decay = segs[3 * blockIdx.y + 2] ? wd : 0.f;
     for (i64 i = start + (i64)blockIdx.x * blockDim.x + threadIdx.x; i < end; i += (i64)gridDim.x * blockDim.x) {
