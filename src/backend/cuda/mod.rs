@@ -30,6 +30,11 @@
 //!   GELU backward and the first layer's bias sums in its epilogue; `FUSED_GEMM_ENV` chooses.
 //! - Batch inputs (`upload_input`) are converted into pinned staging memory and copied on a
 //!   second stream; the compute stream waits on an event, the host does not wait.
+//! - Bias and LayerNorm-parameter gradients arrive as f32 partial rows from the passes that see
+//!   the gradient's rows; `partials` queues their column sums during a backward and adds them
+//!   up in batched launches.
+//! - The optimizer kernels clip by the global norm (its square summed on the device just
+//!   before) and write the bf16 compute copy of the weights as they update them.
 
 mod compile;
 mod gemm;
