@@ -170,6 +170,43 @@ fn op_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
         cx.checks.push(Check { name: "sum_squares".into(), rel_err: e, tol: F32_TOL, pass: e.is_finite() && e <= F32_TOL });
     }
 
+    // ---- the general embedding kernels: C = 20 is not a whole number of 16-byte groups and
+    // P = 3 makes P·P odd, so the 16-byte kernels (every shape below) do not apply
+    {
+        let (b, n_img, p, c) = (2usize, 9usize, 3usize, 20usize);
+        let (np, pd) = ((n_img / p) * (n_img / p), 3 * p * p);
+        let nt = np + 1;
+        let tag = format!("[B{b} C{c} P{p}]");
+        let img = cx.rand(b * 3 * n_img * n_img, 1.0, true)?;
+        let mut patches = cx.out(b * np * pd, true)?;
+        cx.be.patchify(&mut patches.d, &img.d, b, 3, n_img, p)?;
+        cpu.patchify(&mut patches.c, &img.c, b, 3, n_img, p)?;
+        cx.compare(&format!("patchify {tag}"), &patches, F32_TOL)?;
+        let (pos, cls) = (Span { off: 0, len: nt * c }, Span { off: nt * c, len: c });
+        let params_host = cx.randn(nt * c + c, 0.05);
+        let params = cx.buf(&params_host, true)?;
+        let pe = cx.rand(b * np * c, 1.0, true)?;
+        let mut x = cx.out(b * nt * c, true)?;
+        cx.be.embed_forward(&mut x.d, &pe.d, &params.d, pos, Some(cls), b, np, c)?;
+        cpu.embed_forward(&mut x.c, &pe.c, &params.c, pos, Some(cls), b, np, c)?;
+        cx.compare(&format!("embed_forward {tag}"), &x, F32_TOL)?;
+        let dout = cx.rand(b * nt * c, 1.0, true)?;
+        let mut dpe = cx.out(b * np * c, true)?;
+        let grads_init = cx.randn(nt * c + c, 0.01);
+        let mut dparams = cx.buf(&grads_init, false)?;
+        cx.be.embed_backward(&mut dpe.d, &mut dparams.d, &dout.d, pos, Some(cls), b, np, c)?;
+        cpu.embed_backward(&mut dpe.c, &mut dparams.c, &dout.c, pos, Some(cls), b, np, c)?;
+        cx.compare(&format!("embed_backward dpatches {tag}"), &dpe, F32_TOL)?;
+        cx.compare(&format!("embed_backward dparams(+=) {tag}"), &dparams, F32_TOL)?;
+        for avg in [false, true] {
+            let dp = cx.rand(b * c, 1.0, true)?;
+            let mut dx = cx.out(b * nt * c, true)?;
+            cx.be.pool_backward(&mut dx.d, &dp.d, b, nt, c, 1, avg)?;
+            cpu.pool_backward(&mut dx.c, &dp.c, b, nt, c, 1, avg)?;
+            cx.compare(&format!("pool_backward avg={avg} {tag}"), &dx, F32_TOL)?;
+        }
+    }
+
     // ---- shapes: a small odd one, a ViT-S/4 CIFAR block (C = 384: the 8-byte vector
     // LayerNorm path) and a ViT-B/16 block at batch 2 (C = 768: the 16-byte path)
     for &(b, n_img, p, c, h, f, k) in &[(3usize, 12usize, 4usize, 48usize, 3usize, 96usize, 10usize), (3, 32, 4, 384, 6, 1536, 10), (2, 224, 16, 768, 12, 3072, 1000)] {

@@ -125,7 +125,7 @@ fn check_optimizer(name: &str, prefix: &str, opt: OptimizerConfig, steps: u64) {
         vit.zero_grads(&be).unwrap();
         vit.forward(&be, &images, &targets, b, Some(1.0 / b as f32)).unwrap();
         vit.backward(&be).unwrap();
-        let hyper = StepHyper { lr: opt.lr() as f32, step, grad_scale: 1.0 };
+        let hyper = StepHyper { lr: opt.lr() as f32, step, grad_scale: 1.0, clip_norm: 0.0 };
         be.optimizer_step(&mut vit.params, &vit.grads, &mut state, &opt, &decay, hyper).unwrap();
         vit.params_changed(&be).unwrap();
     }
