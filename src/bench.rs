@@ -8,9 +8,10 @@
 //! On CUDA the per-micro-batch part (zeroing, forward, backward) is captured once into a CUDA
 //! graph and replayed (`--graph on|off|auto`); the gradient norm and the fused optimizer
 //! kernel, which clips by it and writes the bf16 compute copy, run after it with no host
-//! round trip (the training loop reads the norm back for its log). Timing uses CUDA events over the
-//! timed steps after `--warmup` steps; MFU counts `ModelConfig::train_flops_per_image` against
-//! the bf16 GEMM rate measured in the same process (cuBLASLt, 8192³, random data).
+//! round trip (the training loop reads the norm back for its log). Timing uses CUDA events
+//! over the timed steps after `--warmup` steps; MFU counts
+//! `ModelConfig::train_flops_per_image` against the bf16 GEMM rate measured in the same
+//! process (cuBLASLt, 8192³, random data).
 
 use std::time::Instant;
 

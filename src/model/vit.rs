@@ -392,7 +392,7 @@ impl<B: Backend> Vit<B> {
     /// Backward of the last `forward` (which must have been given a `dloss_scale`): adds this
     /// micro-batch's parameter gradients into `grads`.
     pub fn backward(&mut self, be: &B) -> BResult<()> {
-        // The backend may batch the gradient reductions of the whole pass (one launch on CUDA).
+        // The backend may batch the pass's gradient reductions (the CUDA backend: a few launches).
         be.defer_gradient_sums(true)?;
         let r = self.backward_pass(be);
         let flushed = be.defer_gradient_sums(false);

@@ -1451,7 +1451,8 @@ impl Backend for Cuda {
         // blocks to fill the GPU, then one (deferred) reduction into both spans.
         let groups = n_tok * c / 8;
         let xblocks = groups.div_ceil(THREADS as usize);
-        let per = b.div_ceil((4 * self.info.multiprocessors as usize).div_ceil(xblocks).clamp(1, b.max(1))).max(1);
+        let want_splits = (4 * self.info.multiprocessors as usize).div_ceil(xblocks).clamp(1, b);
+        let per = b.div_ceil(want_splits);  // images per split
         let splits = b.div_ceil(per);
         let width = n_tok * c + prefix * c;
         let partial = self.partial_rows(splits * width)?;
