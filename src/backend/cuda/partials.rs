@@ -6,16 +6,17 @@
 //! image into a region from `partial_rows`; `reduce_partials` then adds the rows into the
 //! gradient spans. Each reduction alone is a launch of a few dozen blocks that spends a few
 //! microseconds on latency, and a ViT block's backward has four of them, so while the model
-//! runs a backward (`Backend::defer_gradient_sums`) they are queued and go out together in one
-//! `reduce_partials_batch` launch (up to `MAX_SEGS` per launch) when the backward ends.
+//! runs a backward (`Backend::defer_gradient_sums`) they are queued and go out together in
+//! `reduce_partials_batch` launches: whenever `ARENA_LIMIT` of partial rows (about one ViT-B
+//! block at micro 256) or `MAX_SEGS` reductions have gathered, and when the backward ends.
 //!
 //! The queue is flushed before anything could read or overwrite a gradient: `download`,
 //! `synchronize`, `fill`, `copy`, `cast`, `upload`, `scale`, `sum_squares` and `optimizer_step`
 //! all flush first. The sums are the same, in the same order, whether queued or not.
 //!
-//! The partial rows of one backward live in an arena that grows to what a whole backward needs
-//! (capped at `ARENA_LIMIT`, past which the queue flushes early): growing waits for the stream,
-//! so it happens in the first step, never in a captured (CUDA graph) one.
+//! The partial rows live in an arena that grows to what a backward needs, up to `ARENA_LIMIT`:
+//! growing waits for the stream, so it happens in the first step, never in a captured (CUDA
+//! graph) one.
 
 use std::ffi::c_void;
 

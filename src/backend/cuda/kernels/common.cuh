@@ -84,6 +84,8 @@ __device__ __forceinline__ float dgelu_f(float x) {
 __device__ __forceinline__ float lo16(unsigned w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float hi16(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
 __device__ __forceinline__ unsigned pk16(float a, float b) { return f2bf2(a, b); }
+// a + b for packed bf16 pairs, in f32 and rounded once (residual adds, position embedding)
+__device__ __forceinline__ unsigned add_w(unsigned a, unsigned b) { return pk16(lo16(a) + lo16(b), hi16(a) + hi16(b)); }
 
 // gelu(p + b) and d·gelu'(p + b) for packed bf16 pairs. The MLP's pre-activation is the fc1
 // product without its bias (pre) plus the bias (one bf16 per column), added here in f32: the

@@ -100,9 +100,9 @@ extern "C" __global__ void fill_random_kernel(void* dst, int dt, i64 n, unsigned
 // the rows up. Each 32-column tile is one block of (32, 32) threads: x picks a column, y strides
 // the parts, and the 32 sums combine in a fixed order (deterministic). Columns [0, split) go to
 // d1, [split, 2·split) to d2, the rest to d3 (a LayerNorm's weight, bias and its input's sums).
-// One launch serves many such reductions (the host defers a backward's ≈ 4 per block to its end):
-// each is a few microseconds of latency on a few dozen blocks, so apart they cost more in
-// kernel boundaries than in reading.
+// One launch serves many such reductions (the host queues a backward's ≈ 4 per block and
+// sends them per ≈ 16 MiB of partial rows, see partials.rs): each is a few microseconds of
+// latency on a few dozen blocks, so apart they cost more in kernel boundaries than in reading.
 #define RED_MAX_SEGS 64
 struct RedSeg {
     float* d1;
@@ -233,7 +233,6 @@ extern "C" __global__ void gelu_bwd_bias_v8(bf16* dx, const bf16* pre, const bf1
     block_column_partials(acc, dbias, oc);
 }
 
-__device__ __forceinline__ unsigned add_w(unsigned a, unsigned b) { return pk16(lo16(a) + lo16(b), hi16(a) + hi16(b)); }
 extern "C" __global__ void add_v8(uint4* out, const uint4* a, const uint4* b, i64 n8) {
     GRID_STRIDE(i, n8) {
         uint4 x = a[i], y = b[i];

@@ -103,9 +103,8 @@ extern "C" __global__ void pool_bwd_kernel(void* dinp, int dti, const void* dout
 // channels: the general kernels spent their time on 64-bit index arithmetic. Same values and
 // rounding as the general kernels, except embed_bwd_params_part's summation order.
 
-__device__ __forceinline__ unsigned add_bf16x2(unsigned a, unsigned b) { return pk16(lo16(a) + lo16(b), hi16(a) + hi16(b)); }
 __device__ __forceinline__ uint4 add_bf16x8(uint4 a, uint4 b) {
-    return make_uint4(add_bf16x2(a.x, b.x), add_bf16x2(a.y, b.y), add_bf16x2(a.z, b.z), add_bf16x2(a.w, b.w));
+    return make_uint4(add_w(a.x, b.x), add_w(a.y, b.y), add_w(a.z, b.z), add_w(a.w, b.w));
 }
 
 // embed_fwd_kernel: c8 = C / 8 groups per row, rows = B·n_tok; pos, cls (may be null when
