@@ -8,7 +8,7 @@
 //! whole model.
 
 use vitscale::backend::cpu::Cpu;
-use vitscale::backend::{Backend, Span};
+use vitscale::backend::{Backend, GeluSaved, Span};
 use vitscale::model::{GlobalPool, ModelConfig, Vit};
 
 use rand::{Rng, SeedableRng};
@@ -59,14 +59,16 @@ fn matmul_with_and_without_gelu() {
     let (rows, ic, oc) = (6, 5, 4);
     let w = Span { off: 3, len: oc * ic };
     let bias = Span { off: 3 + oc * ic, len: oc };
-    for gelu in [false, true] {
+    // no GELU, and the GELU with either form of saved state (the backward must agree)
+    for saved in [None, Some(GeluSaved::Pre), Some(GeluSaved::Grad)] {
+        let gelu = saved.is_some();
         let mut params = randn(&mut rng, 3 + oc * ic + oc, 1.0);
         let mut inp = randn(&mut rng, rows * ic, 1.0);
         let r = randn(&mut rng, rows * oc, 1.0);
         let fwd = |params: &[f32], inp: &[f32]| -> Vec<f32> {
             let mut out = vec![0.0; rows * oc];
             let mut pre = vec![0.0; rows * oc];
-            be.matmul_forward(&mut out, gelu.then_some(&mut pre), &inp.to_vec(), &params.to_vec(), w, Some(bias), rows, ic, oc).unwrap();
+            be.matmul_forward(&mut out, gelu.then_some((&mut pre, GeluSaved::Pre)), &inp.to_vec(), &params.to_vec(), w, Some(bias), rows, ic, oc).unwrap();
             out
         };
         // With the GELU, the backward op sees d(out) already multiplied through gelu' by the
@@ -74,7 +76,7 @@ fn matmul_with_and_without_gelu() {
         // weights) whose GELU gradient reads our pre-activation.
         let mut pre = vec![0.0; rows * oc];
         let mut out = vec![0.0; rows * oc];
-        be.matmul_forward(&mut out, gelu.then_some(&mut pre), &inp, &params, w, Some(bias), rows, ic, oc).unwrap();
+        be.matmul_forward(&mut out, saved.map(|what| (&mut pre, what)), &inp, &params, w, Some(bias), rows, ic, oc).unwrap();
         let dpre = if gelu {
             // d pre = R ⊙ gelu'(pre + bias) (`pre` excludes the bias), via the fused backward of
             // an identity layer whose parameter vector also carries this layer's bias.
@@ -83,7 +85,7 @@ fn matmul_with_and_without_gelu() {
             let mut d = vec![0.0; rows * oc];
             let mut dummy = vec![0.0; eye_b.len()];
             let pre_bias = Span { off: oc * oc, len: oc };
-            be.matmul_backward_gelu_bias(&mut d, &mut dummy, &r, &out, &pre, pre_bias, &eye_b, Span { off: 0, len: oc * oc }, None, rows, oc, oc).unwrap();
+            be.matmul_backward_gelu_bias(&mut d, &mut dummy, &r, &out, &pre, saved.unwrap_or(GeluSaved::Pre), pre_bias, &eye_b, Span { off: 0, len: oc * oc }, None, rows, oc, oc).unwrap();
             d
         } else {
             r.clone()
@@ -91,7 +93,11 @@ fn matmul_with_and_without_gelu() {
         let mut dinp = vec![0.0; rows * ic];
         let mut dparams = vec![0.0; params.len()];
         be.matmul_backward(&mut dinp, &mut dparams, &dpre, &inp, None, &params, w, Some(bias), rows, ic, oc).unwrap();
-        let name = if gelu { "matmul+gelu" } else { "matmul" };
+        let name = match saved {
+            None => "matmul",
+            Some(GeluSaved::Pre) => "matmul+gelu",
+            Some(GeluSaved::Grad) => "matmul+gelu (saved gelu')",
+        };
         let p2 = params.clone();
         compare(&format!("{name} dinp"), seed, &mut inp.clone(), &dinp, &mut |x| dot(&fwd(&p2, x), &r));
         let inp2 = inp.clone();

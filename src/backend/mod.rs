@@ -32,6 +32,19 @@ impl Span {
 }
 
 /// Errors a backend reports.
+/// What the MLP's fc1 forward keeps for the GELU backward (`matmul_forward` with a GELU,
+/// `matmul_backward_gelu_bias`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GeluSaved {
+    /// The product without the bias (`pre`): the backward evaluates gelu'(pre + bias), and the
+    /// GELU output can be regenerated from it (`gelu_forward`).
+    Pre,
+    /// The derivative gelu'(pre + bias) itself, evaluated in the forward next to the GELU: the
+    /// backward only multiplies, and the output cannot be regenerated. On a bf16 device the
+    /// derivative is rounded to bf16 before the product is (one more rounding than `Pre`).
+    Grad,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
     #[error("{op}: {msg}")]
@@ -157,13 +170,15 @@ pub trait Backend: Send + Sync {
 
     // ---- dense layers -------------------------------------------------------------------
     /// `out = inp · Wᵀ + bias`, W (OC, IC) as stored by timm's `nn.Linear`.
-    /// `inp` (R, IC) → `out` (R, OC). With `gelu_pre = Some(pre)`, `pre` receives the
-    /// product *without* the bias and `out = gelu(pre + bias)` (erf GELU): the MLP's fc1. The
-    /// bias joins in the GELU passes (`gelu_forward`, `matmul_backward_gelu_bias` take its
-    /// span) because a device GEMM with a bias epilogue runs slower than the plain product
-    /// (cuBLASLt on an H200: CIFAR ViT-S fc1 0.92 → 0.71 ms per step without it).
+    /// `inp` (R, IC) → `out` (R, OC). With `gelu = Some((saved, what))`, `out = gelu(pre +
+    /// bias)` (erf GELU): the MLP's fc1, where pre is the product *without* the bias, and
+    /// `saved` receives pre (`GeluSaved::Pre`) or gelu'(pre + bias) (`GeluSaved::Grad`) for
+    /// the backward. The bias joins in the GELU passes (`gelu_forward`,
+    /// `matmul_backward_gelu_bias` take its span) because a device GEMM with a bias epilogue
+    /// runs slower than the plain product (cuBLASLt on an H200: CIFAR ViT-S fc1 0.92 → 0.71 ms
+    /// per step without it).
     #[allow(clippy::too_many_arguments)]
-    fn matmul_forward(&self, out: &mut Self::Buf, gelu_pre: Option<&mut Self::Buf>, inp: &Self::Buf, params: &Self::Buf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()>;
+    fn matmul_forward(&self, out: &mut Self::Buf, gelu: Option<(&mut Self::Buf, GeluSaved)>, inp: &Self::Buf, params: &Self::Buf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()>;
     /// `out = residual + inp · Wᵀ + bias`: a block's projection and its residual add in one
     /// pass (a device backend folds the add into the GEMM epilogue, saving a read and a write
     /// of the residual stream). Its backward is `matmul_backward`; the residual's gradient is
@@ -182,18 +197,25 @@ pub trait Backend: Send + Sync {
     fn recompute_below(&self) -> usize {
         0
     }
+    /// Whether the MLP's forward should save gelu'(pre + bias) rather than pre
+    /// (`GeluSaved::Grad`) when it keeps the GELU output, for fc1 of (rows × ic)·(oc × ic)ᵀ:
+    /// on the GPU that turns the backward's erf evaluation into a multiply.
+    fn gelu_saves_grad(&self, _rows: usize, _ic: usize, _oc: usize) -> bool {
+        false
+    }
     /// Backward of `matmul_forward` (without the GELU; see `dgelu_pre`):
     /// `dinp = dout · W` (then `dinp *= gelu'(pre)` when `dgelu_pre` is given: the backward of
     /// the GELU that produced `inp`), `dW += doutᵀ · inp`, `dbias += Σ_rows dout`.
     #[allow(clippy::too_many_arguments)]
     fn matmul_backward(&self, dinp: &mut Self::Buf, dparams: &mut Self::Buf, dout: &Self::Buf, inp: &Self::Buf, dgelu_pre: Option<&Self::Buf>, params: &Self::Buf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()>;
     /// `matmul_backward` with the GELU gradient of the pre-activation `pre + params[pre_bias]`
-    /// (`pre` as `matmul_forward` left it, without the bias) that also adds `Σ_rows dinp`
-    /// (after the GELU gradient) into `dparams[pre_bias]`: the bias gradient of the layer that
-    /// produced `pre` (the MLP's fc1), taken from the same pass over `dinp` instead of a second
-    /// read by that layer's backward (which is then called without a bias).
+    /// (`saved` as `matmul_forward` left it: pre without the bias, or the derivative itself,
+    /// as `what` says) that also adds `Σ_rows dinp` (after the GELU gradient) into
+    /// `dparams[pre_bias]`: the bias gradient of the layer that produced pre (the MLP's fc1),
+    /// taken from the same pass over `dinp` instead of a second read by that layer's backward
+    /// (which is then called without a bias).
     #[allow(clippy::too_many_arguments)]
-    fn matmul_backward_gelu_bias(&self, dinp: &mut Self::Buf, dparams: &mut Self::Buf, dout: &Self::Buf, inp: &Self::Buf, pre: &Self::Buf, pre_bias: Span, params: &Self::Buf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()>;
+    fn matmul_backward_gelu_bias(&self, dinp: &mut Self::Buf, dparams: &mut Self::Buf, dout: &Self::Buf, inp: &Self::Buf, saved: &Self::Buf, what: GeluSaved, pre_bias: Span, params: &Self::Buf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()>;
 
     // ---- normalization ------------------------------------------------------------------
     /// LayerNorm over the last dim (eps = `model::LN_EPS`), saving per-row mean and 1/std.

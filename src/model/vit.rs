@@ -11,7 +11,7 @@
 //! pre-activation). When recomputing, one shared buffer of each replaces the per-block copies
 //! (2·C + F of the 7·C + 2·F values kept per token and block).
 
-use crate::backend::{BResult, Backend};
+use crate::backend::{BResult, Backend, GeluSaved};
 
 use super::params::ParamTable;
 use super::spec::{GlobalPool, ModelConfig};
@@ -62,7 +62,7 @@ struct BlockActs<B: Backend> {
     ln2: Option<B::Buf>,
     ln2_mean: B::Buf,
     ln2_rstd: B::Buf,
-    fc1_pre: B::Buf, // (B·N, F) before GELU
+    fc1_pre: B::Buf, // (B·N, F) before GELU, or its derivative (Activations::gelu_saved)
     fc1_act: Option<B::Buf>, // (B·N, F) after GELU
     x2: B::Buf,      // residual stream after the MLP = block output
 }
@@ -81,6 +81,9 @@ struct Regen<B: Backend> {
 struct Activations<B: Backend> {
     cap: usize,
     regen: Option<Regen<B>>,
+    /// What the last forward kept in each block's fc1_pre: the derivative where the backend
+    /// prefers it and the GELU output is kept (a regenerated output needs pre).
+    gelu_saved: GeluSaved,
     img: B::Buf,       // (B, 3, S, S)
     patches: B::Buf,   // (B·NP, 3·P·P)
     patch_emb: B::Buf, // (B·NP, C)
@@ -143,6 +146,7 @@ impl<B: Backend> Activations<B> {
         Ok(Activations {
             cap,
             regen,
+            gelu_saved: GeluSaved::Pre,
             img: be.alloc(cap * m.in_chans * m.image_size * m.image_size)?,
             patches: be.alloc(cap * np * m.patch_dim())?,
             patch_emb: be.alloc(cap * np * c)?,
@@ -339,6 +343,8 @@ impl<B: Backend> Vit<B> {
         be.embed_forward(&mut a.x0, &a.patch_emb, w, t.pos_embed, t.cls_token, b, np, c)?;
 
         // ---- transformer blocks: x → x1 = x + proj(attn(ln1(x))) → x2 = x1 + mlp(ln2(x1))
+        let gelu_saved = if a.regen.is_none() && be.gelu_saves_grad(bn, c, f) { GeluSaved::Grad } else { GeluSaved::Pre };
+        a.gelu_saved = gelu_saved;
         for i in 0..m.depth {
             let (done, rest) = a.blocks.split_at_mut(i);
             let x = if i == 0 { &a.x0 } else { &done[i - 1].x2 };
@@ -356,7 +362,7 @@ impl<B: Backend> Vit<B> {
             let ln2 = kept_or_shared(&mut blk.ln2, shared_ln.as_deref_mut())?;
             be.layernorm_forward(ln2, &mut blk.ln2_mean, &mut blk.ln2_rstd, &blk.x1, w, s.norm2_w, s.norm2_b, bn, c)?;
             let act = kept_or_shared(&mut blk.fc1_act, shared_act.as_deref_mut())?;
-            be.matmul_forward(act, Some(&mut blk.fc1_pre), ln2, w, s.fc1_w, Some(s.fc1_b), bn, c, f)?;
+            be.matmul_forward(act, Some((&mut blk.fc1_pre, gelu_saved)), ln2, w, s.fc1_w, Some(s.fc1_b), bn, c, f)?;
             be.matmul_forward_residual(&mut blk.x2, &blk.x1, act, w, s.fc2_w, Some(s.fc2_b), bn, f, c)?;
         }
         let x_last = a.blocks.last().map_or(&a.x0, |blk| &blk.x2);
@@ -440,7 +446,7 @@ impl<B: Backend> Vit<B> {
             let act = kept_or_regen(&blk.fc1_act, a.regen.as_ref().map(|r| &r.act))?;
             // fc2, the GELU gradient, and fc1's bias gradient from that same pass over dfc
             let fc2_b = (!fc2_bias_summed).then_some(s.fc2_b);
-            be.matmul_backward_gelu_bias(&mut a.dfc, g, &a.dres_a, act, &blk.fc1_pre, s.fc1_b, w, s.fc2_w, fc2_b, bn, f, c)?;
+            be.matmul_backward_gelu_bias(&mut a.dfc, g, &a.dres_a, act, &blk.fc1_pre, a.gelu_saved, s.fc1_b, w, s.fc2_w, fc2_b, bn, f, c)?;
             if let Some(r) = a.regen.as_mut() {
                 be.layernorm_forward(&mut r.ln, &mut r.mean, &mut r.rstd, &blk.x1, w, s.norm2_w, s.norm2_b, bn, c)?;
             }

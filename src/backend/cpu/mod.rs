@@ -10,7 +10,7 @@ pub mod optim;
 use rayon::prelude::*;
 
 use self::gemm::{matmul, Mat, MatMut};
-use super::{BResult, Backend, BackendError, DecayGroups, Span, StepHyper};
+use super::{BResult, Backend, BackendError, DecayGroups, GeluSaved, Span, StepHyper};
 use crate::config::OptimizerConfig;
 use crate::model::LN_EPS;
 
@@ -203,17 +203,30 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn matmul_forward(&self, out: &mut Vec<f32>, gelu_pre: Option<&mut Vec<f32>>, inp: &Vec<f32>, params: &Vec<f32>, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
+    fn matmul_forward(&self, out: &mut Vec<f32>, gelu: Option<(&mut Vec<f32>, GeluSaved)>, inp: &Vec<f32>, params: &Vec<f32>, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
         check_span("matmul_forward", "weight", params, w, oc * ic)?;
         check("matmul_forward", "inp", inp, rows * ic)?;
         check("matmul_forward", "out", out, rows * oc)?;
-        // With a GELU epilogue the product (without the bias) lands in `pre`, and `out` gets
-        // gelu(pre + bias).
-        let target: &mut Vec<f32> = match gelu_pre {
-            Some(pre) => {
-                check("matmul_forward", "gelu_pre", pre, rows * oc)?;
-                matmul_bias(pre, inp, params, w, None, rows, ic, oc)?;
-                return self.gelu_forward(out, pre, params, bias, rows, oc);
+        // With a GELU epilogue the product (without the bias) lands in `saved`, and `out` gets
+        // gelu(pre + bias); with GeluSaved::Grad `saved` then becomes gelu'(pre + bias).
+        let target: &mut Vec<f32> = match gelu {
+            Some((saved, what)) => {
+                check("matmul_forward", "gelu saved", saved, rows * oc)?;
+                matmul_bias(saved, inp, params, w, None, rows, ic, oc)?;
+                self.gelu_forward(out, saved, params, bias, rows, oc)?;
+                if what == GeluSaved::Grad {
+                    let n = rows * oc;
+                    let bv: Vec<f32> = match bias {
+                        Some(bs) => params[bs.range()].to_vec(),
+                        None => vec![0.0; oc],
+                    };
+                    saved[..n].par_chunks_mut(oc.max(1)).for_each(|row| {
+                        for (x, &b) in row.iter_mut().zip(&bv) {
+                            *x = gelu_grad(*x + b);
+                        }
+                    });
+                }
+                return Ok(());
             }
             None => out,
         };
@@ -268,18 +281,24 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn matmul_backward_gelu_bias(&self, dinp: &mut Vec<f32>, dparams: &mut Vec<f32>, dout: &Vec<f32>, inp: &Vec<f32>, pre: &Vec<f32>, pre_bias: Span, params: &Vec<f32>, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
+    fn matmul_backward_gelu_bias(&self, dinp: &mut Vec<f32>, dparams: &mut Vec<f32>, dout: &Vec<f32>, inp: &Vec<f32>, saved: &Vec<f32>, what: GeluSaved, pre_bias: Span, params: &Vec<f32>, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
         check_span("matmul_backward_gelu_bias", "pre_bias", dparams, pre_bias, ic)?;
         check_span("matmul_backward_gelu_bias", "pre_bias", params, pre_bias, ic)?;
-        check("matmul_backward_gelu_bias", "pre", pre, rows * ic)?;
+        check("matmul_backward_gelu_bias", "gelu saved", saved, rows * ic)?;
         self.matmul_backward(dinp, dparams, dout, inp, None, params, w, bias, rows, ic, oc)?;
-        // the pre-activation is pre + bias (the forward kept pre without it)
-        let bv = &params[pre_bias.range()];
-        dinp[..rows * ic].par_chunks_mut(ic.max(1)).zip(pre[..rows * ic].par_chunks(ic.max(1))).for_each(|(d, x)| {
-            for ((d, &x), &b) in d.iter_mut().zip(x).zip(bv) {
-                *d *= gelu_grad(x + b);
+        let n = rows * ic;
+        match what {
+            // the pre-activation is pre + bias (the forward kept pre without it)
+            GeluSaved::Pre => {
+                let bv = &params[pre_bias.range()];
+                dinp[..n].par_chunks_mut(ic.max(1)).zip(saved[..n].par_chunks(ic.max(1))).for_each(|(d, x)| {
+                    for ((d, &x), &b) in d.iter_mut().zip(x).zip(bv) {
+                        *d *= gelu_grad(x + b);
+                    }
+                });
             }
-        });
+            GeluSaved::Grad => dinp[..n].par_iter_mut().zip(&saved[..n]).for_each(|(d, &g)| *d *= g),
+        }
         add_column_sums(&mut dparams[pre_bias.range()], &dinp[..rows * ic], ic);
         Ok(())
     }

@@ -98,6 +98,19 @@ __device__ __forceinline__ unsigned dgelu_bias_w(unsigned d, unsigned p, unsigne
     return pk16(lo16(d) * dgelu_f(lo16(p) + lo16(b)), hi16(d) * dgelu_f(hi16(p) + hi16(b)));
 }
 
+// gelu(p + b) and gelu'(p + b) together for a packed bf16 pair: the forward can save the
+// derivative instead of the pre-activation, so that the backward multiplies instead of
+// re-evaluating the erf.
+__device__ __forceinline__ unsigned gelu_and_grad_w(unsigned p, unsigned b, unsigned* grad) {
+    float e0, e1;
+    const float x0 = lo16(p) + lo16(b), x1 = hi16(p) + hi16(b);
+    const float c0 = gelu_cdf(x0, &e0), c1 = gelu_cdf(x1, &e1);
+    *grad = pk16(fmaf(x0, 0.39894228040143268f * e0, c0), fmaf(x1, 0.39894228040143268f * e1, c1));
+    return pk16(x0 * c0, x1 * c1);
+}
+// d·g for packed bf16 pairs (g a saved GELU derivative), in f32, rounded once.
+__device__ __forceinline__ unsigned mul_w(unsigned d, unsigned g) { return pk16(lo16(d) * lo16(g), hi16(d) * hi16(g)); }
+
 // Shared-memory address of a generic pointer into shared memory.
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 

@@ -202,17 +202,38 @@ extern "C" __global__ void gelu_fwd_bias(bf16* out, const bf16* pre, const bf16*
     GRID_STRIDE(i, n) out[i] = f2bf(gelu_f(bf2f(pre[i]) + bf2f(pb[i % oc])));
 }
 
-// dx *= gelu'(pre + pb) for any width and alignment (the fallback of gelu_bwd_bias_v8).
-extern "C" __global__ void gelu_bwd_bias(bf16* dx, const bf16* pre, const bf16* pb, i64 n, int oc) {
-    GRID_STRIDE(i, n) dx[i] = f2bf(bf2f(dx[i]) * dgelu_f(bf2f(pre[i]) + bf2f(pb[i % oc])));
+// dx *= gelu'(pre + pb) for any width and alignment (the fallback of gelu_bwd_bias_v8); with
+// `saved` != 0, `pre` holds the derivative itself (GeluSaved::Grad) and pb is not read.
+extern "C" __global__ void gelu_bwd_bias(bf16* dx, const bf16* pre, const bf16* pb, i64 n, int oc, int saved) {
+    GRID_STRIDE(i, n) dx[i] = f2bf(bf2f(dx[i]) * (saved ? bf2f(pre[i]) : dgelu_f(bf2f(pre[i]) + bf2f(pb[i % oc]))));
 }
 
-// dx *= gelu'(pre + pb) (bf16, row-major rows × oc, oc % 8 == 0; pb may be null: no bias) and,
+// out = gelu(pre + pb) and, in place, pre ← gelu'(pre + pb) (GeluSaved::Grad): rows × oc bf16,
+// pb one bf16 per column or null. The 16-byte form needs oc % 8 == 0 and 16-byte alignment.
+extern "C" __global__ void gelu_fwd_grad_bias_v8(uint4* out, uint4* pre, const uint4* pb, i64 n8, int oc8) {
+    GRID_STRIDE(i, n8) {
+        const uint4 p = pre[i], b = pb ? pb[i % oc8] : make_uint4(0u, 0u, 0u, 0u);
+        uint4 g;
+        out[i] = make_uint4(gelu_and_grad_w(p.x, b.x, &g.x), gelu_and_grad_w(p.y, b.y, &g.y), gelu_and_grad_w(p.z, b.z, &g.z), gelu_and_grad_w(p.w, b.w, &g.w));
+        pre[i] = g;
+    }
+}
+extern "C" __global__ void gelu_fwd_grad_bias(bf16* out, bf16* pre, const bf16* pb, i64 n, int oc) {
+    GRID_STRIDE(i, n) {
+        unsigned g;
+        const unsigned a = gelu_and_grad_w(pre[i], pb ? pb[i % oc] : 0u, &g);
+        out[i] = (bf16)(a & 0xffffu);
+        pre[i] = (bf16)(g & 0xffffu);
+    }
+}
+
+// dx *= gelu'(pre + pb) (bf16, row-major rows × oc, oc % 8 == 0; pb may be null: no bias; with
+// `saved` != 0, pre holds the derivative itself and pb is not read) and,
 // from the same pass, the column partial sums of the rounded result — the bias gradient of
 // the layer that produced pre, summed exactly as bias_grad_v8 would sum dx afterwards. Block
 // (32, 8) covers 256 columns; grid (ceil(oc / 256), splits); row y of `dbias` (splits × oc)
 // gets block-row y's sums.
-extern "C" __global__ void gelu_bwd_bias_v8(bf16* dx, const bf16* pre, const bf16* pb, float* dbias, i64 rows, int oc) {
+extern "C" __global__ void gelu_bwd_bias_v8(bf16* dx, const bf16* pre, const bf16* pb, float* dbias, i64 rows, int oc, int saved) {
     int c0 = (blockIdx.x * 32 + threadIdx.x) * 8;
     float acc[8];
     #pragma unroll
@@ -224,7 +245,8 @@ extern "C" __global__ void gelu_bwd_bias_v8(bf16* dx, const bf16* pre, const bf1
         for (i64 r = (i64)blockIdx.y * 8 + threadIdx.y; r < rows; r += (i64)gridDim.y * 8) {
             uint4* dp = (uint4*)(dx + r * oc + c0);
             uint4 d = *dp, p = *(const uint4*)(pre + r * oc + c0);
-            uint4 o = make_uint4(dgelu_bias_w(d.x, p.x, b.x), dgelu_bias_w(d.y, p.y, b.y), dgelu_bias_w(d.z, p.z, b.z), dgelu_bias_w(d.w, p.w, b.w));
+            uint4 o = saved ? make_uint4(mul_w(d.x, p.x), mul_w(d.y, p.y), mul_w(d.z, p.z), mul_w(d.w, p.w))
+                            : make_uint4(dgelu_bias_w(d.x, p.x, b.x), dgelu_bias_w(d.y, p.y, b.y), dgelu_bias_w(d.z, p.z, b.z), dgelu_bias_w(d.w, p.w, b.w));
             *dp = o;
             acc[0] += lo16(o.x); acc[1] += hi16(o.x); acc[2] += lo16(o.y); acc[3] += hi16(o.y);
             acc[4] += lo16(o.z); acc[5] += hi16(o.z); acc[6] += lo16(o.w); acc[7] += hi16(o.w);
