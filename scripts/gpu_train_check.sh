@@ -27,6 +27,12 @@ echo "== CIFAR-format directory on the GPU (same config as the CPU reference run
   2>"$OUT/cifar.err" | tail -n 1 | tee "$OUT/cifar.json"
 grep -E "^eval" "$OUT/cifar.err"
 
+echo "== the same with every activation kept (train.recompute=never: on an H200 the MLP saves gelu' instead of pre)"
+"$BIN" train --device cuda --json --run-dir "$OUT/cifar_keep" --set data.dataset=cifar10 --set "data.path=$CIFAR" \
+  --set 'model={"image_size":32,"patch_size":4,"embed_dim":64,"depth":3,"num_heads":4}' --set train.epochs=5 \
+  --set train.recompute=never 2>"$OUT/cifar_keep.err" | tail -n 1 | tee "$OUT/cifar_keep.json"
+grep -E "^eval" "$OUT/cifar_keep.err"
+
 if [ -n "$EXPORTS" ] && python3 -c 'import timm' 2>/dev/null; then
   echo "== timm loads vitscale exports"
   for n in cls avg; do

@@ -697,16 +697,16 @@ fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult<Opt
         let grads0 = r(2 * f * c + f, 0.01);
         // the fused results per saved form, to compare the two forms with each other below
         let mut fused_bwd = Vec::new();
-        for (label, saved) in [("pre", GeluSaved::Pre), ("gelu'", GeluSaved::Grad)] {
+        for (label, saved, fwd_kernel, bwd_kernel) in [("pre", GeluSaved::Pre, "gemm_gelu_fwd_ws", "gemm_dgelu_bwd_ws"), ("gelu'", GeluSaved::Grad, "gemm_gelu_fwd_grad_ws", "gemm_dgelu_mul_ws")] {
             let mut fwd = Vec::new();
             let mut bwd = Vec::new();
             for fused in [false, true] {
                 let (mut act, mut pre) = (be.alloc(rows * f)?, be.alloc(rows * f)?);
-                run(fused, "gemm_gelu_fwd_ws", &shape, &mut checks, &mut || be.matmul_forward(&mut act, Some((&mut pre, saved)), &x, &params, w1, Some(b1), rows, c, f))?;
+                run(fused, fwd_kernel, &shape, &mut checks, &mut || be.matmul_forward(&mut act, Some((&mut pre, saved)), &x, &params, w1, Some(b1), rows, c, f))?;
                 let mut dinp = be.alloc(rows * f)?;
                 let mut grads = be.alloc_f32(2 * f * c + f)?;
                 be.upload(&mut grads, 0, &grads0)?;
-                run(fused, "gemm_dgelu_bwd_ws", &shape, &mut checks, &mut || be.matmul_backward_gelu_bias(&mut dinp, &mut grads, &dout, &act, &pre, saved, b1, &params, w2, None, rows, f, c))?;
+                run(fused, bwd_kernel, &shape, &mut checks, &mut || be.matmul_backward_gelu_bias(&mut dinp, &mut grads, &dout, &act, &pre, saved, b1, &params, w2, None, rows, f, c))?;
                 fwd.push((be.download(&act)?, be.download(&pre)?));
                 bwd.push((be.download(&dinp)?, be.download(&grads)?));
             }

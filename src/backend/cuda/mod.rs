@@ -1041,10 +1041,14 @@ impl Cuda {
         let tb = tensor_map_2d(params.at(w.off), ic, oc, 64)?;
         let grid = (self.info.multiprocessors as usize).min(row_tiles * (ic / 128)).max(1) as u32;
         let (m, n, k) = (rows as i32, ic as i32, oc as i32);
-        // the saved derivative already holds the bias: the kernel then reads none
-        let grad = (what == GeluSaved::Grad) as i32;
-        let bias_ptr = if grad != 0 { 0 } else { params.at(pb.off) };
-        self.launch_dyn("gemm_dgelu_bwd_ws", (grid, 1, 1), (544, 1, 1), HOPPER_GEMM_SMEM, &mut kargs![dinp.ptr, pre.ptr, partial, ta, tb, bias_ptr, m, n, k, grad])?;
+        match what {
+            GeluSaved::Pre => {
+                let bias_ptr = params.at(pb.off);
+                self.launch_dyn("gemm_dgelu_bwd_ws", (grid, 1, 1), (544, 1, 1), HOPPER_GEMM_SMEM, &mut kargs![dinp.ptr, pre.ptr, partial, ta, tb, bias_ptr, m, n, k])?;
+            }
+            // the saved derivative already holds the bias
+            GeluSaved::Grad => self.launch_dyn("gemm_dgelu_mul_ws", (grid, 1, 1), (544, 1, 1), HOPPER_GEMM_SMEM, &mut kargs![dinp.ptr, pre.ptr, partial, ta, tb, m, n, k])?,
+        }
         let dst = dparams.at(pb.off);
         self.reduce_partials(dst, dst, dst, ic, partial, row_tiles, ic)
     }
@@ -1494,7 +1498,6 @@ impl Backend for Cuda {
                 check_bf16(OP, "gelu saved", pre)?;
                 check_len(OP, "gelu saved", pre, rows * oc)?;
                 let w_ptr = params.at(w.off);
-                let grad = (what == GeluSaved::Grad) as i32;
                 if self.fused_gemm_ok(rows, ic, oc, &[out.ptr, pre.ptr, inp.ptr, w_ptr], bias_ptr) {
                     // one Hopper kernel: the product, pre (or the derivative) and the GELU
                     // output from its epilogue
@@ -1502,7 +1505,11 @@ impl Backend for Cuda {
                     let ta = tensor_map_2d(inp.ptr, ic, rows, 128)?;
                     let tb = tensor_map_2d(w_ptr, ic, oc, 128)?;
                     let grid = (self.info.multiprocessors as usize).min(rows.div_ceil(128) * (oc / 128)).max(1) as u32;
-                    return self.launch_dyn("gemm_gelu_fwd_ws", (grid, 1, 1), (544, 1, 1), HOPPER_GEMM_SMEM, &mut kargs![out.ptr, pre.ptr, ta, tb, bias_ptr, m, n, k, grad]);
+                    let name = match what {
+                        GeluSaved::Pre => "gemm_gelu_fwd_ws",
+                        GeluSaved::Grad => "gemm_gelu_fwd_grad_ws",
+                    };
+                    return self.launch_dyn(name, (grid, 1, 1), (544, 1, 1), HOPPER_GEMM_SMEM, &mut kargs![out.ptr, pre.ptr, ta, tb, bias_ptr, m, n, k]);
                 }
                 // the plain product (no bias epilogue: faster), the bias joins in the GELU pass
                 self.gemm(OP, linear_shape(rows, ic, oc, false, false), params.at(w.off), inp.ptr, pre.ptr, 0, 1.0, 0.0)?;

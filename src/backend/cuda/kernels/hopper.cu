@@ -2,10 +2,10 @@
 // GELU in the epilogue — the fusions cuBLASLt cannot express (its GELU epilogues are the tanh
 // approximation; timm's nn.GELU is erf):
 // - mode 0, fc1's forward: pre = A·Bᵀ and act = gelu(pre + bias) in one kernel instead of
-//   cuBLASLt's product and a GELU pass; with `grad` set it saves g = gelu'(pre + bias)
-//   instead of pre (GeluSaved::Grad);
+//   cuBLASLt's product and a GELU pass; with GRAD (`gemm_gelu_fwd_grad_ws`) it saves
+//   g = gelu'(pre + bias) instead of pre (GeluSaved::Grad);
 // - mode 1, fc2's input gradient: dpre = (dact = dout·W2) ⊙ gelu'(pre + bias) — or ⊙ g, read as
-//   saved, with `grad` set — and the column partial sums of dpre (fc1's bias gradient) instead
+//   saved, with GRAD (`gemm_dgelu_mul_ws`) — and the column partial sums of dpre (fc1's bias gradient) instead
 //   of cuBLASLt's product and the GELU-backward pass (B = W2 as stored: an MN-major operand, N
 //   contiguous). Evaluating the erf derivative here cost 0.53 ms of mode 1's 1.68 ms per CIFAR
 //   step; saved by mode 0 instead it costs ≈ 0.06 ms there (BENCHMARKS.md);
@@ -152,11 +152,11 @@ __device__ __forceinline__ void ht_tma_load(unsigned dst, const HgTmap* map, int
 }
 __device__ __forceinline__ void hw_epi_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
 
-// MODE 0: out = act, aux = pre (written; gelu'(pre + bias) with `grad`). MODE 1: out = dpre,
-// aux = pre (read; the saved derivative with `grad`), partial: the (ceil(M / 128) × N) f32
-// column sums of dpre per row tile. bias: N bf16 values or null (not read in mode 1 with grad).
-template <int MODE>
-__device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict__ aux, float* __restrict__ partial, const HgTmap* tmA, const HgTmap* tmB, const bf16* __restrict__ bias, int M, int N, int K, int grad, unsigned char* raw_p) {
+// MODE 0: out = act, aux = pre (written; gelu'(pre + bias) with GRAD). MODE 1: out = dpre,
+// aux = pre (read; the saved derivative with GRAD), partial: the (ceil(M / 128) × N) f32
+// column sums of dpre per row tile. bias: N bf16 values or null (not read in mode 1 with GRAD).
+template <int MODE, bool GRAD>
+__device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict__ aux, float* __restrict__ partial, const HgTmap* tmA, const HgTmap* tmB, const bf16* __restrict__ bias, int M, int N, int K, unsigned char* raw_p) {
     const unsigned raw = smem_u32(raw_p);
     const unsigned ring = (raw + 1023u) & ~1023u;
     unsigned char* base = raw_p + (ring - raw);
@@ -299,7 +299,7 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
             const int gm = m0 + r;
             if (gm < M) {
                 const i64 g = (i64)gm * N + n0 + c;
-                if (MODE == 0 && grad) {
+                if (MODE == 0 && GRAD) {
                     uint4 gr;
                     *(uint4*)(out + g) = make_uint4(gelu_and_grad_w(v.x, bw.x, &gr.x), gelu_and_grad_w(v.y, bw.y, &gr.y), gelu_and_grad_w(v.z, bw.z, &gr.z), gelu_and_grad_w(v.w, bw.w, &gr.w));
                     *(uint4*)(aux + g) = gr;
@@ -307,7 +307,7 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
                     *(uint4*)(aux + g) = v;
                     *(uint4*)(out + g) = make_uint4(gelu_bias_w(v.x, bw.x), gelu_bias_w(v.y, bw.y), gelu_bias_w(v.z, bw.z), gelu_bias_w(v.w, bw.w));
                 } else {
-                    const uint4 d = grad ? make_uint4(mul_w(v.x, p.x), mul_w(v.y, p.y), mul_w(v.z, p.z), mul_w(v.w, p.w))
+                    const uint4 d = GRAD ? make_uint4(mul_w(v.x, p.x), mul_w(v.y, p.y), mul_w(v.z, p.z), mul_w(v.w, p.w))
                                          : make_uint4(dgelu_bias_w(v.x, p.x, bw.x), dgelu_bias_w(v.y, p.y, bw.y), dgelu_bias_w(v.z, p.z, bw.z), dgelu_bias_w(v.w, p.w, bw.w));
                     *(uint4*)(out + g) = d;
                     const unsigned dw[4] = {d.x, d.y, d.z, d.w};
@@ -348,13 +348,24 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
 // Grid ≤ the SM count, 544 threads, HW_SMEM bytes of dynamic shared memory; tmA: 64-column ×
 // 128-row boxes of A, tmB: the same of B (mode 0) or 64 × 64 boxes of W2 as stored (mode 1)
 // (`tensor_map_2d`).
-extern "C" __global__ void __launch_bounds__(544, 1) gemm_gelu_fwd_ws(bf16* __restrict__ act, bf16* __restrict__ pre, const __grid_constant__ HgTmap tmA, const __grid_constant__ HgTmap tmB, const bf16* __restrict__ bias, int M, int N, int K, int grad) {
+extern "C" __global__ void __launch_bounds__(544, 1) gemm_gelu_fwd_ws(bf16* __restrict__ act, bf16* __restrict__ pre, const __grid_constant__ HgTmap tmA, const __grid_constant__ HgTmap tmB, const bf16* __restrict__ bias, int M, int N, int K) {
     extern __shared__ unsigned char hw_raw0[];
-    hw_gemm<0>(act, pre, nullptr, &tmA, &tmB, bias, M, N, K, grad, hw_raw0);
+    hw_gemm<0, false>(act, pre, nullptr, &tmA, &tmB, bias, M, N, K, hw_raw0);
 }
-extern "C" __global__ void __launch_bounds__(544, 1) gemm_dgelu_bwd_ws(bf16* __restrict__ dpre, const bf16* __restrict__ pre, float* __restrict__ partial, const __grid_constant__ HgTmap tmA, const __grid_constant__ HgTmap tmB, const bf16* __restrict__ bias, int M, int N, int K, int grad) {
+extern "C" __global__ void __launch_bounds__(544, 1) gemm_dgelu_bwd_ws(bf16* __restrict__ dpre, const bf16* __restrict__ pre, float* __restrict__ partial, const __grid_constant__ HgTmap tmA, const __grid_constant__ HgTmap tmB, const bf16* __restrict__ bias, int M, int N, int K) {
     extern __shared__ unsigned char hw_raw1[];
-    hw_gemm<1>(dpre, (bf16*)pre, partial, &tmA, &tmB, bias, M, N, K, grad, hw_raw1);
+    hw_gemm<1, false>(dpre, (bf16*)pre, partial, &tmA, &tmB, bias, M, N, K, hw_raw1);
+}
+// The same two with the derivative saved (GeluSaved::Grad): the forward writes g = gelu'(pre +
+// bias) where the first writes pre; the backward multiplies by g (no bias). Separate kernels
+// rather than a flag, so that neither epilogue carries the other's code.
+extern "C" __global__ void __launch_bounds__(544, 1) gemm_gelu_fwd_grad_ws(bf16* __restrict__ act, bf16* __restrict__ grad, const __grid_constant__ HgTmap tmA, const __grid_constant__ HgTmap tmB, const bf16* __restrict__ bias, int M, int N, int K) {
+    extern __shared__ unsigned char hw_raw2[];
+    hw_gemm<0, true>(act, grad, nullptr, &tmA, &tmB, bias, M, N, K, hw_raw2);
+}
+extern "C" __global__ void __launch_bounds__(544, 1) gemm_dgelu_mul_ws(bf16* __restrict__ dpre, const bf16* __restrict__ grad, float* __restrict__ partial, const __grid_constant__ HgTmap tmA, const __grid_constant__ HgTmap tmB, int M, int N, int K) {
+    extern __shared__ unsigned char hw_raw3[];
+    hw_gemm<1, true>(dpre, (bf16*)grad, partial, &tmA, &tmB, nullptr, M, N, K, hw_raw3);
 }
 
 // ---- Attention forward on wgmma for 193 ≤ N ≤ 208 at D = 64 (224 px / 16: 197 tokens) ----
