@@ -5,15 +5,16 @@
 //   cuBLASLt's product and a GELU pass; with GRAD (`gemm_gelu_fwd_grad_ws`) it saves
 //   g = gelu'(pre + bias) instead of pre (GeluSaved::Grad);
 // - mode 1, fc2's input gradient: dpre = (dact = dout·W2) ⊙ gelu'(pre + bias) — or ⊙ g, read as
-//   saved, with GRAD (`gemm_dgelu_mul_ws`) — and the column partial sums of dpre (fc1's bias gradient) instead
-//   of cuBLASLt's product and the GELU-backward pass (B = W2 as stored: an MN-major operand, N
-//   contiguous). Evaluating the erf derivative here cost 0.53 ms of mode 1's 1.68 ms per CIFAR
-//   step; saved by mode 0 instead it costs ≈ 0.06 ms there (BENCHMARKS.md);
+//   saved, with GRAD (`gemm_dgelu_mul_ws`) — and the column partial sums of dpre (fc1's bias
+//   gradient) instead of cuBLASLt's product and the GELU-backward pass (B = W2 as stored: an
+//   MN-major operand, N contiguous). Evaluating the erf derivative here cost 0.53 ms of mode
+//   1's 1.68 ms per CIFAR step (its epilogue set the pace: the multiplying warps waited for the
+//   staging buffer); evaluated by mode 0 beside the GELU it costs ≈ 0.06 ms there;
 // and ViT-B/16's attention (197 tokens: `flash_fwd_wg_d64`, `flash_bwd_wg_d64`, at the end;
 // VITSCALE_WGMMA_ATTENTION=0 turns them off).
-// Both are the default on sm_90 (VITSCALE_FUSED_GEMM=fwd keeps mode 0 only, =0 neither); mode 1's
-// epilogue — reading pre, the GELU derivative, the column sums — sets its pace: the multiplying
-// warps wait for its staging buffer. BENCHMARKS.md has the measurements.
+// Both are the default on sm_90 (VITSCALE_FUSED_GEMM=fwd keeps mode 0 only, =0 neither). With
+// trivial epilogues the main loop below still runs ≈ 30 % slower than cuBLASLt's product of the
+// same shape (128 × 128 tiles). BENCHMARKS.md has the measurements.
 //
 // C(M×N) = A(M×K) · B(N×K)ᵀ, A row-major with K contiguous ("K-major"), B the same in mode 0
 // and stored K × N with N contiguous ("MN-major", W2 as it is) in mode 1. Persistent:
