@@ -54,30 +54,30 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// erf GELU (timm's nn.GELU default) and its derivative, through Φ(x) = 0.5·(1 + erf(x/√2)).
-// erfc(z) for z ≥ 0 is Abramowitz & Stegun 7.1.26: (a1·t + … + a5·t⁵)·e^(−z²), t = 1/(1 + p·z),
-// absolute error ≤ 1.5e-7 (2.6e-7 for Φ in f32, 4.1e-7 for gelu over [−8, 8] against f64 erf).
-// The factor e^(−z²) = e^(−x²/2) is also the normal density's, so the derivative
-// Φ(x) + x·φ(x) costs one exponential and one reciprocal instead of erff plus expf — these
-// kernels were bound by arithmetic, not bandwidth. The output is bf16 (relative step 2^-8),
-// far coarser than the approximation. NaN in, NaN out.
-__device__ __forceinline__ float gelu_cdf(float x, float* gauss) {
-    const float z = fabsf(x) * 0.70710678118654752f;
-    const float t = __fdividef(1.0f, fmaf(0.3275911f, z, 1.0f));
-    const float poly = t * fmaf(t, fmaf(t, fmaf(t, fmaf(t, 1.061405429f, -1.453152027f), 1.421413741f), -0.284496736f), 0.254829592f);
-    const float e = exp2f(-0.72134752044448170f * x * x);  // e^(−x²/2)
-    const float q = 0.5f * poly * e;                       // 0.5·erfc(|x|/√2)
-    *gauss = e;
+// erf GELU (timm's nn.GELU default) and its derivative, x·Φ(x) and Φ(x) + x·φ(x). Φ by
+// Abramowitz & Stegun 26.2.17: for x ≥ 0, 1 − Φ(x) = φ(x)·(b1·t + … + b5·t⁵), t = 1/(1 + p·x),
+// absolute error < 7.5e-8 (≤ 4e-7 for gelu over [−8, 8] in f32 against f64 erf); φ(x) =
+// e^(−x²/2)/√(2π) as one exponential whose argument carries the 1/√(2π), so the derivative reuses
+// it: one exponential and one reciprocal per value — these kernels were bound by arithmetic, not
+// bandwidth. (This is the erfc form A&S 7.1.26 with its constants rescaled, which saves two
+// multiplies.) The outputs are bf16 (relative step 2^-8), far coarser than the approximation.
+// NaN in, NaN out.
+__device__ __forceinline__ float gelu_cdf(float x, float* density) {
+    const float t = __fdividef(1.0f, fmaf(0.2316419f, fabsf(x), 1.0f));
+    const float poly = t * fmaf(t, fmaf(t, fmaf(t, fmaf(t, 1.330274429f, -1.821255978f), 1.781477937f), -0.356563782f), 0.319381530f);
+    const float phi = exp2f(fmaf(x, -0.72134752044448170f * x, -1.3257480647361592f));  // φ(x)
+    const float q = poly * phi;                                                          // 1 − Φ(|x|)
+    *density = phi;
     return x >= 0.0f ? 1.0f - q : q;
 }
 __device__ __forceinline__ float gelu_f(float x) {
-    float e;
-    return x * gelu_cdf(x, &e);
+    float phi;
+    return x * gelu_cdf(x, &phi);
 }
 __device__ __forceinline__ float dgelu_f(float x) {
-    float e;
-    const float cdf = gelu_cdf(x, &e);
-    return fmaf(x, 0.39894228040143268f * e, cdf);
+    float phi;
+    const float cdf = gelu_cdf(x, &phi);
+    return fmaf(x, phi, cdf);
 }
 
 // Packed bf16 pairs (low half first) as f32, and back (16-byte kernels, GEMM epilogues).
@@ -102,10 +102,10 @@ __device__ __forceinline__ unsigned dgelu_bias_w(unsigned d, unsigned p, unsigne
 // derivative instead of the pre-activation, so that the backward multiplies instead of
 // re-evaluating the erf.
 __device__ __forceinline__ unsigned gelu_and_grad_w(unsigned p, unsigned b, unsigned* grad) {
-    float e0, e1;
+    float phi0, phi1;
     const float x0 = lo16(p) + lo16(b), x1 = hi16(p) + hi16(b);
-    const float c0 = gelu_cdf(x0, &e0), c1 = gelu_cdf(x1, &e1);
-    *grad = pk16(fmaf(x0, 0.39894228040143268f * e0, c0), fmaf(x1, 0.39894228040143268f * e1, c1));
+    const float c0 = gelu_cdf(x0, &phi0), c1 = gelu_cdf(x1, &phi1);
+    *grad = pk16(fmaf(x0, phi0, c0), fmaf(x1, phi1, c1));
     return pk16(x0 * c0, x1 * c1);
 }
 // d·g for packed bf16 pairs (g a saved GELU derivative), in f32, rounded once.
