@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Training on the GPU, checked against the CPU: the default built-in run and a CIFAR-format
-# directory on `--device cuda`, the time to the first step with a warm kernel cache, and (when
-# torch + timm are importable) timm loading weights that vitscale exported.
+# directory on `--device cuda` (the latter twice: activations regenerated as `auto` picks at
+# this size, then all kept, which on an H200 saves the GELU derivative instead of pre), the time
+# to the first step with a warm kernel cache, and (when torch + timm are importable) timm
+# loading weights that vitscale exported.
 #
 #   scripts/gpu_train_check.sh BIN CIFAR_DIR OUTDIR [EXPORT_DIR FIXTURE_DIR REFERENCE_DIR]
 set -u
