@@ -215,14 +215,10 @@ impl Backend for Cpu {
                 matmul_bias(saved, inp, params, w, None, rows, ic, oc)?;
                 self.gelu_forward(out, saved, params, bias, rows, oc)?;
                 if what == GeluSaved::Grad {
-                    let n = rows * oc;
-                    let bv: Vec<f32> = match bias {
-                        Some(bs) => params[bs.range()].to_vec(),
-                        None => vec![0.0; oc],
-                    };
-                    saved[..n].par_chunks_mut(oc.max(1)).for_each(|row| {
-                        for (x, &b) in row.iter_mut().zip(&bv) {
-                            *x = gelu_grad(*x + b);
+                    let bv = bias.map(|bs| &params[bs.range()]);
+                    saved[..rows * oc].par_chunks_mut(oc.max(1)).for_each(|row| {
+                        for (j, x) in row.iter_mut().enumerate() {
+                            *x = gelu_grad(*x + bv.map_or(0.0, |b| b[j]));
                         }
                     });
                 }

@@ -936,11 +936,10 @@ impl Cuda {
         }
     }
 
-    /// `matmul_backward`; `dgelu = Some((pre, pre_bias))` applies the GELU gradient to dinp and,
-    /// with `pre_bias`, adds dinp's column sums into that span from the same pass.
+    /// `matmul_backward`; `dgelu = Some((saved, pre_bias, what))` applies the GELU gradient to
+    /// dinp from what the forward saved (pre, or the derivative itself: `what`) and, with
+    /// `pre_bias`, adds dinp's column sums into that span from the same pass.
     #[allow(clippy::too_many_arguments)]
-    /// `dgelu`: what the forward saved for the GELU gradient of dinp, the span of the
-    /// pre-activation's bias (its gradient += dinp's column sums), and which of the two it is.
     fn matmul_backward_impl(&self, dinp: &mut CudaBuf, dparams: &mut CudaBuf, dout: &CudaBuf, inp: &CudaBuf, dgelu: Option<(&CudaBuf, Option<Span>, GeluSaved)>, params: &CudaBuf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
         const OP: &str = "matmul_backward";
         check_bf16(OP, "dinp", dinp)?;
