@@ -653,10 +653,10 @@ pub fn run_checks<B: Backend>(be: &B, seed: Option<u64>) -> BResult<(u64, Vec<Ch
 }
 
 /// The opt-in Hopper GEMM kernels (`kernels/hopper.cu`) against the default cuBLASLt product
-/// plus GELU passes, at the CIFAR ViT-S and ViT-B/16 MLP shapes and a small one, each with a
-/// partial last row tile (40 CIFAR images: 252 tiles, so every block walks two or more and the
-/// epilogue's reads a tile ahead are exercised) (fresh random inputs): fc1's forward (pre and the GELU output) and
-/// fc2's input gradient with the GELU backward (dinp, and the weight and fc1-bias gradients
+/// plus GELU passes, at the CIFAR ViT-S and ViT-B/16 MLP shapes, 40 CIFAR images (252 tiles, so
+/// every block walks two or more and the epilogue's reads a tile ahead are exercised) and a
+/// small one, each with a partial last row tile (fresh random inputs), with either saved form
+/// (`GeluSaved`): fc1's forward (pre or gelu', and the GELU output) and fc2's input gradient with the GELU backward (dinp, and the weight and fc1-bias gradients
 /// accumulated into random f32 values). Both paths round to bf16 from f32 sums (possibly in
 /// different orders): relative error ≤ 1e-2 for bf16 outputs, 1e-4 for the f32 gradients; NaN
 /// fails; a failed check too when the launch table shows the other path ran. On an H200 the

@@ -1088,20 +1088,21 @@ impl Cuda {
     }
 
     /// out = gelu(pre + bias) over rows × cols bf16 elements (bias: one bf16 per column, 0 =
-    /// none), by the widest vector kernel the width and alignment allow.
-    fn gelu_fwd_launch(&self, out: CUdeviceptr, pre: CUdeviceptr, bias: CUdeviceptr, rows: usize, cols: usize) -> BResult<()> {
+    /// none), by the widest vector kernel the width and alignment allow; with `save_grad`
+    /// (GeluSaved::Grad) pre is then overwritten in place by gelu'(pre + bias).
+    fn gelu_fwd_launch(&self, out: CUdeviceptr, pre: CUdeviceptr, bias: CUdeviceptr, rows: usize, cols: usize, save_grad: bool) -> BResult<()> {
         let n = rows * cols;
         if n == 0 {
             return Ok(());
         }
-        if bias != 0 {
-            let o = cols as i32;
+        if bias != 0 || save_grad {
+            let (o, sg) = (cols as i32, save_grad as i32);
             if cols % 8 == 0 && out % 16 == 0 && pre % 16 == 0 && bias % 16 == 0 {
                 let (n8, oc8) = ((n / 8) as i64, (cols / 8) as i32);
-                return self.launch1("gelu_fwd_bias_v8", n / 8, &mut kargs![out, pre, bias, n8, oc8]);
+                return self.launch1("gelu_fwd_bias_v8", n / 8, &mut kargs![out, pre, bias, n8, oc8, sg]);
             }
             let nn = n as i64;
-            return self.launch1("gelu_fwd_bias", n, &mut kargs![out, pre, bias, nn, o]);
+            return self.launch1("gelu_fwd_bias", n, &mut kargs![out, pre, bias, nn, o, sg]);
         }
         if n % 8 == 0 && pre % 16 == 0 && out % 16 == 0 {
             let n8 = (n / 8) as i64;
@@ -1113,21 +1114,6 @@ impl Cuda {
             let nn = n as i64;
             self.launch1("gelu_fwd", n, &mut kargs![out, 1i32, pre, 1i32, nn])
         }
-    }
-
-    /// out = gelu(pre + bias) and pre ← gelu'(pre + bias) in place (GeluSaved::Grad) over rows ×
-    /// cols bf16 elements (bias: one bf16 per column, 0 = none).
-    fn gelu_fwd_grad_launch(&self, out: CUdeviceptr, pre: CUdeviceptr, bias: CUdeviceptr, rows: usize, cols: usize) -> BResult<()> {
-        let n = rows * cols;
-        if n == 0 {
-            return Ok(());
-        }
-        if cols % 8 == 0 && out % 16 == 0 && pre % 16 == 0 && bias % 16 == 0 {
-            let (n8, oc8) = ((n / 8) as i64, (cols / 8) as i32);
-            return self.launch1("gelu_fwd_grad_bias_v8", n / 8, &mut kargs![out, pre, bias, n8, oc8]);
-        }
-        let (nn, o) = (n as i64, cols as i32);
-        self.launch1("gelu_fwd_grad_bias", n, &mut kargs![out, pre, bias, nn, o])
     }
 
     fn gemm(&self, op: &str, s: GemmShape, a: CUdeviceptr, b: CUdeviceptr, d: CUdeviceptr, bias: CUdeviceptr, alpha: f32, beta: f32) -> BResult<()> {
@@ -1512,10 +1498,7 @@ impl Backend for Cuda {
                 }
                 // the plain product (no bias epilogue: faster), the bias joins in the GELU pass
                 self.gemm(OP, linear_shape(rows, ic, oc, false, false), params.at(w.off), inp.ptr, pre.ptr, 0, 1.0, 0.0)?;
-                match what {
-                    GeluSaved::Pre => self.gelu_fwd_launch(out.ptr, pre.ptr, bias_ptr, rows, oc),
-                    GeluSaved::Grad => self.gelu_fwd_grad_launch(out.ptr, pre.ptr, bias_ptr, rows, oc),
-                }
+                self.gelu_fwd_launch(out.ptr, pre.ptr, bias_ptr, rows, oc, what == GeluSaved::Grad)
             }
             None => self.gemm(OP, linear_shape(rows, ic, oc, bias.is_some(), false), params.at(w.off), inp.ptr, out.ptr, bias_ptr, 1.0, 0.0),
         }
@@ -1549,7 +1532,7 @@ impl Backend for Cuda {
             }
             None => 0,
         };
-        self.gelu_fwd_launch(out.ptr, pre.ptr, bias_ptr, rows, cols)
+        self.gelu_fwd_launch(out.ptr, pre.ptr, bias_ptr, rows, cols, false)
     }
 
     fn recompute_below(&self) -> usize {

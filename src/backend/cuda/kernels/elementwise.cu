@@ -184,47 +184,42 @@ __device__ __forceinline__ void block_column_partials(const float (&acc)[8], flo
 // 16-byte aligned). A flat grid-stride sweep like gelu_fwd_v8 (a (32, 8) block per 256 columns
 // striding over rows ran 17 % slower: 8 warps on 8 distant rows); each thread steps its column
 // along with its index instead of dividing.
-extern "C" __global__ void gelu_fwd_bias_v8(uint4* out, const uint4* pre, const uint4* pb, i64 n8, int oc8) {
+// With `save_grad` != 0 (GeluSaved::Grad) pre is also overwritten in place by gelu'(pre + pb);
+// pb may then be null (no bias).
+extern "C" __global__ void gelu_fwd_bias_v8(uint4* out, uint4* pre, const uint4* pb, i64 n8, int oc8, int save_grad) {
     const i64 stride = (i64)blockDim.x * gridDim.x;
     const int step = (int)(stride % oc8);
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     int col = (int)(i % oc8);
     for (; i < n8; i += stride) {
-        uint4 p = pre[i], b = pb[col];
-        out[i] = make_uint4(gelu_bias_w(p.x, b.x), gelu_bias_w(p.y, b.y), gelu_bias_w(p.z, b.z), gelu_bias_w(p.w, b.w));
+        const uint4 p = pre[i], b = pb ? pb[col] : make_uint4(0u, 0u, 0u, 0u);
+        if (save_grad) {
+            uint4 g;
+            out[i] = make_uint4(gelu_and_grad_w(p.x, b.x, &g.x), gelu_and_grad_w(p.y, b.y, &g.y), gelu_and_grad_w(p.z, b.z, &g.z), gelu_and_grad_w(p.w, b.w, &g.w));
+            pre[i] = g;
+        } else {
+            out[i] = make_uint4(gelu_bias_w(p.x, b.x), gelu_bias_w(p.y, b.y), gelu_bias_w(p.z, b.z), gelu_bias_w(p.w, b.w));
+        }
         col += step;
         if (col >= oc8) col -= oc8;
     }
 }
 
 // gelu_fwd_bias_v8 for any width and alignment.
-extern "C" __global__ void gelu_fwd_bias(bf16* out, const bf16* pre, const bf16* pb, i64 n, int oc) {
-    GRID_STRIDE(i, n) out[i] = f2bf(gelu_f(bf2f(pre[i]) + bf2f(pb[i % oc])));
+extern "C" __global__ void gelu_fwd_bias(bf16* out, bf16* pre, const bf16* pb, i64 n, int oc, int save_grad) {
+    GRID_STRIDE(i, n) {
+        const float x = bf2f(pre[i]) + (pb ? bf2f(pb[i % oc]) : 0.f);
+        float phi;
+        const float cdf = gelu_cdf(x, &phi);
+        out[i] = f2bf(x * cdf);
+        if (save_grad) pre[i] = f2bf(fmaf(x, phi, cdf));  // as gelu_and_grad_w
+    }
 }
 
 // dx *= gelu'(pre + pb) for any width and alignment (the fallback of gelu_bwd_bias_v8); with
 // `saved` != 0, `pre` holds the derivative itself (GeluSaved::Grad) and pb is not read.
 extern "C" __global__ void gelu_bwd_bias(bf16* dx, const bf16* pre, const bf16* pb, i64 n, int oc, int saved) {
     GRID_STRIDE(i, n) dx[i] = f2bf(bf2f(dx[i]) * (saved ? bf2f(pre[i]) : dgelu_f(bf2f(pre[i]) + bf2f(pb[i % oc]))));
-}
-
-// out = gelu(pre + pb) and, in place, pre ← gelu'(pre + pb) (GeluSaved::Grad): rows × oc bf16,
-// pb one bf16 per column or null. The 16-byte form needs oc % 8 == 0 and 16-byte alignment.
-extern "C" __global__ void gelu_fwd_grad_bias_v8(uint4* out, uint4* pre, const uint4* pb, i64 n8, int oc8) {
-    GRID_STRIDE(i, n8) {
-        const uint4 p = pre[i], b = pb ? pb[i % oc8] : make_uint4(0u, 0u, 0u, 0u);
-        uint4 g;
-        out[i] = make_uint4(gelu_and_grad_w(p.x, b.x, &g.x), gelu_and_grad_w(p.y, b.y, &g.y), gelu_and_grad_w(p.z, b.z, &g.z), gelu_and_grad_w(p.w, b.w, &g.w));
-        pre[i] = g;
-    }
-}
-extern "C" __global__ void gelu_fwd_grad_bias(bf16* out, bf16* pre, const bf16* pb, i64 n, int oc) {
-    GRID_STRIDE(i, n) {
-        unsigned g;
-        const unsigned a = gelu_and_grad_w(pre[i], pb ? pb[i % oc] : 0u, &g);
-        out[i] = (bf16)(a & 0xffffu);
-        pre[i] = (bf16)(g & 0xffffu);
-    }
 }
 
 // dx *= gelu'(pre + pb) (bf16, row-major rows × oc, oc % 8 == 0; pb may be null: no bias; with
