@@ -655,7 +655,8 @@ pub fn run_checks<B: Backend>(be: &B, seed: Option<u64>) -> BResult<(u64, Vec<Ch
 /// The opt-in Hopper GEMM kernels (`kernels/hopper.cu`) against the default cuBLASLt product
 /// plus GELU passes, at the CIFAR ViT-S and ViT-B/16 MLP shapes, 40 CIFAR images (252 tiles, so
 /// every block walks two or more and the epilogue's reads a tile ahead are exercised) and a
-/// small one, each with a partial last row tile (fresh random inputs), with either saved form
+/// small one, each with a partial last row tile (fresh random inputs) — the widths that allow it
+/// (a multiple of 256) with 128×256 tiles and again with 128×128 — with either saved form
 /// (`GeluSaved`): fc1's forward (pre or gelu', and the GELU output) and fc2's input gradient with the GELU backward (dinp, and the weight and fc1-bias gradients
 /// accumulated into random f32 values). Both paths round to bf16 from f32 sums (possibly in
 /// different orders): relative error ≤ 1e-2 for bf16 outputs, 1e-4 for the f32 gradients; NaN
@@ -668,6 +669,7 @@ fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult<Opt
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x6e11);
     let mut checks = Vec::new();
     let chosen = be.fused_gemm();
+    let wide_chosen = be.wide_gemm();
     // runs `f` with the Hopper kernels on or off and records whether `kernel` ran as chosen
     let run = |fused: bool, kernel: &str, shape: &str, checks: &mut Vec<Check>, f: &mut dyn FnMut() -> BResult<()>| -> BResult<()> {
         be.set_fused_gemm(fused, fused);
@@ -677,14 +679,20 @@ fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult<Opt
         let launched = be.take_profile();
         be.set_profiling(false);
         r?;
-        let ran = launched?.iter().any(|(name, _, _)| name == kernel);
+        // (the 128×256-tile form of a kernel is its name with `_w`)
+        let ran = launched?.iter().any(|(name, _, _)| name == kernel || name.strip_suffix("_w") == Some(kernel));
         if ran != fused {
             checks.push(Check { name: format!("{kernel} chosen = {fused} but it {} [{shape}]", if ran { "ran" } else { "did not run" }), rel_err: f64::NAN, tol: 0.0, pass: false });
         }
         Ok(())
     };
-    for &(rows, c, f) in &[(3 * 65, 384, 1536), (40 * 65, 384, 1536), (2 * 197, 768, 3072), (5, 64, 128)] {
-        let shape = format!("{rows}×{c}·{f}");
+    // every shape with 128×256 tiles where the width allows (f % 256 == 0) and with 128×128 tiles
+    for (wide, &(rows, c, f)) in [true, false].into_iter().flat_map(|w| [(3 * 65, 384, 1536), (40 * 65, 384, 1536), (2 * 197, 768, 3072), (5, 64, 128)].iter().map(move |s| (w, s))) {
+        if !wide && f % 256 != 0 {
+            continue;  // the same kernels as with `wide`
+        }
+        be.set_wide_gemm(wide, wide);
+        let shape = format!("{rows}×{c}·{f}{}", if wide && f % 256 == 0 { ", 128×256 tiles" } else { "" });
         let mut r = |n: usize, s: f32| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-s..s)).collect() };
         // one flat compute buffer: fc1 (f × c), its bias (f), fc2 (c × f)
         let (w1, b1, w2) = (Span { off: 0, len: f * c }, Span { off: f * c, len: f }, Span { off: f * c + f, len: c * f });
@@ -730,6 +738,7 @@ fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult<Opt
             checks.push(Check { name: format!("hopper GEMM {what} from gelu' vs from pre [{shape}]"), rel_err: e, tol: 1e-2, pass: e.is_finite() && e <= 1e-2 });
         }
     }
+    be.set_wide_gemm(wide_chosen.0, wide_chosen.1);
     Ok(Some(checks))
 }
 

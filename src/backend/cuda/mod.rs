@@ -267,6 +267,10 @@ pub struct Cuda {
     fused_gemm_bwd: std::sync::atomic::AtomicBool,
     /// Whether the wgmma attention kernels are used where they apply (`set_wgmma_attention`).
     wgmma_attention: std::sync::atomic::AtomicBool,
+    /// Whether the Hopper GEMM kernels take 128×256 tiles where N % 256 == 0 (`set_wide_gemm`):
+    /// fc1's forward, fc2's input gradient.
+    wide_gemm: std::sync::atomic::AtomicBool,
+    wide_gemm_bwd: std::sync::atomic::AtomicBool,
 }
 
 /// Environment variable that picks the attention path: `fused` (default), `fused-pipe` or `gemm`.
@@ -326,10 +330,20 @@ pub const FUSED_GEMM_ENV: &str = "VITSCALE_FUSED_GEMM";
 /// flash.cu run instead.
 pub const WGMMA_ATTENTION_ENV: &str = "VITSCALE_WGMMA_ATTENTION";
 
+/// Environment variable choosing where the Hopper GEMM kernels take 128×256 tiles (the `_w`
+/// kernels, where the output width is a multiple of 256): unset (or anything else) — fc1's
+/// forward and fc2's input gradient (ViT-B/16 micro 256 ≈ 1.5 % faster per step than with
+/// 128×128 tiles, CIFAR ViT-S ≈ 0.5 %; BENCHMARKS.md); `fwd` — the forward only; `0` or `off` —
+/// 128×128 tiles everywhere.
+pub const WIDE_GEMM_ENV: &str = "VITSCALE_WIDE_GEMM";
+
 /// Dynamic shared memory of the Hopper GEMM kernels (HW_SMEM in hopper.cu: a 4-stage ring of two
 /// 128×64 bf16 tiles, two 128×136 bf16 staging tiles, 2 × 8 × 128 f32 column sums, 12 barriers,
 /// 1 KiB of alignment slack).
 const HOPPER_GEMM_SMEM: u32 = 4 * 32768 + 2 * 128 * 136 * 2 + 2 * 8 * 128 * 4 + 96 + 1024;
+/// The same for the 128×256-tile kernels (HX_SMEM: a 3-stage ring of a 128×64 and a 256×64
+/// tile, the rest as above).
+const HOPPER_GEMM_SMEM_WIDE: u32 = 3 * 49152 + 2 * 128 * 136 * 2 + 2 * 8 * 128 * 4 + 96 + 1024;
 
 /// Opt-in shared memory per block on sm_90 (227 KiB).
 const SHORT_BWD_SMEM_MAX: usize = 227 * 1024;
@@ -387,6 +401,8 @@ impl Cuda {
             fused_gemm: std::sync::atomic::AtomicBool::new(!matches!(std::env::var(FUSED_GEMM_ENV).as_deref().map(str::trim), Ok("0") | Ok("off"))),
             fused_gemm_bwd: std::sync::atomic::AtomicBool::new(!matches!(std::env::var(FUSED_GEMM_ENV).as_deref().map(str::trim), Ok("0") | Ok("off") | Ok("fwd"))),
             wgmma_attention: std::sync::atomic::AtomicBool::new(!matches!(std::env::var(WGMMA_ATTENTION_ENV).as_deref().map(str::trim), Ok("0") | Ok("off"))),
+            wide_gemm: std::sync::atomic::AtomicBool::new(!matches!(std::env::var(WIDE_GEMM_ENV).as_deref().map(str::trim), Ok("0") | Ok("off"))),
+            wide_gemm_bwd: std::sync::atomic::AtomicBool::new(!matches!(std::env::var(WIDE_GEMM_ENV).as_deref().map(str::trim), Ok("0") | Ok("off") | Ok("fwd"))),
             copy_stream,
             staging,
             next_staging: AtomicUsize::new(0),
@@ -449,6 +465,32 @@ impl Cuda {
     pub fn set_fused_gemm(&self, fwd: bool, bwd: bool) {
         self.fused_gemm.store(fwd, Ordering::Relaxed);
         self.fused_gemm_bwd.store(bwd, Ordering::Relaxed);
+    }
+
+    /// Where the Hopper GEMM kernels may take 128×256 tiles (`set_wide_gemm`): (fc1 forward, fc2
+    /// input gradient).
+    pub fn wide_gemm(&self) -> (bool, bool) {
+        (self.wide_gemm.load(Ordering::Relaxed), self.wide_gemm_bwd.load(Ordering::Relaxed))
+    }
+
+    /// Lets the Hopper GEMM kernels take 128×256 tiles where the output width allows — in fc1's
+    /// forward (`fwd`) and fc2's input gradient (`bwd`; both by default, WIDE_GEMM_ENV) — or
+    /// keeps 128×128 tiles.
+    pub fn set_wide_gemm(&self, fwd: bool, bwd: bool) {
+        self.wide_gemm.store(fwd, Ordering::Relaxed);
+        self.wide_gemm_bwd.store(bwd, Ordering::Relaxed);
+    }
+
+    /// Launch shape of a Hopper GEMM kernel for an output `n` columns wide: the kernel name
+    /// (`base`, with `_w` for 128×256 tiles), its block size, dynamic shared memory, tile width.
+    fn hopper_gemm_shape(&self, base: &'static str, n: usize, bwd: bool) -> (String, u32, u32, usize) {
+        let wide = if bwd { &self.wide_gemm_bwd } else { &self.wide_gemm };
+        if n % 256 == 0 && wide.load(Ordering::Relaxed) {
+            // (the input gradient's wide kernel has one epilogue warpgroup, the forward's two)
+            (format!("{base}_w"), if bwd { 512 } else { 640 }, HOPPER_GEMM_SMEM_WIDE, 256)
+        } else {
+            (base.to_string(), 544, HOPPER_GEMM_SMEM, 128)
+        }
     }
 
     /// Chooses the attention path for later calls. Buffers sized by `attention_saved_len`
@@ -1038,15 +1080,20 @@ impl Cuda {
         let partial = self.partial_rows(row_tiles * ic)?;
         let ta = tensor_map_2d(dout.ptr, oc, rows, 128)?;
         let tb = tensor_map_2d(params.at(w.off), ic, oc, 64)?;
-        let grid = (self.info.multiprocessors as usize).min(row_tiles * (ic / 128)).max(1) as u32;
         let (m, n, k) = (rows as i32, ic as i32, oc as i32);
         match what {
             GeluSaved::Pre => {
+                let (name, threads, smem, bn) = self.hopper_gemm_shape("gemm_dgelu_bwd_ws", ic, true);
+                let grid = (self.info.multiprocessors as usize).min(row_tiles * (ic / bn)).max(1) as u32;
                 let bias_ptr = params.at(pb.off);
-                self.launch_dyn("gemm_dgelu_bwd_ws", (grid, 1, 1), (544, 1, 1), HOPPER_GEMM_SMEM, &mut kargs![dinp.ptr, pre.ptr, partial, ta, tb, bias_ptr, m, n, k])?;
+                self.launch_dyn(&name, (grid, 1, 1), (threads, 1, 1), smem, &mut kargs![dinp.ptr, pre.ptr, partial, ta, tb, bias_ptr, m, n, k])?;
             }
             // the saved derivative already holds the bias
-            GeluSaved::Grad => self.launch_dyn("gemm_dgelu_mul_ws", (grid, 1, 1), (544, 1, 1), HOPPER_GEMM_SMEM, &mut kargs![dinp.ptr, pre.ptr, partial, ta, tb, m, n, k])?,
+            GeluSaved::Grad => {
+                let (name, threads, smem, bn) = self.hopper_gemm_shape("gemm_dgelu_mul_ws", ic, true);
+                let grid = (self.info.multiprocessors as usize).min(row_tiles * (ic / bn)).max(1) as u32;
+                self.launch_dyn(&name, (grid, 1, 1), (threads, 1, 1), smem, &mut kargs![dinp.ptr, pre.ptr, partial, ta, tb, m, n, k])?;
+            }
         }
         let dst = dparams.at(pb.off);
         self.reduce_partials(dst, dst, dst, ic, partial, row_tiles, ic)
@@ -1487,14 +1534,15 @@ impl Backend for Cuda {
                     // one Hopper kernel: the product, pre (or the derivative) and the GELU
                     // output from its epilogue
                     let (m, n, k) = (rows as i32, oc as i32, ic as i32);
-                    let ta = tensor_map_2d(inp.ptr, ic, rows, 128)?;
-                    let tb = tensor_map_2d(w_ptr, ic, oc, 128)?;
-                    let grid = (self.info.multiprocessors as usize).min(rows.div_ceil(128) * (oc / 128)).max(1) as u32;
-                    let name = match what {
+                    let base = match what {
                         GeluSaved::Pre => "gemm_gelu_fwd_ws",
                         GeluSaved::Grad => "gemm_gelu_fwd_grad_ws",
                     };
-                    return self.launch_dyn(name, (grid, 1, 1), (544, 1, 1), HOPPER_GEMM_SMEM, &mut kargs![out.ptr, pre.ptr, ta, tb, bias_ptr, m, n, k]);
+                    let (name, threads, smem, bn) = self.hopper_gemm_shape(base, oc, false);
+                    let ta = tensor_map_2d(inp.ptr, ic, rows, 128)?;
+                    let tb = tensor_map_2d(w_ptr, ic, oc, bn as u32)?;
+                    let grid = (self.info.multiprocessors as usize).min(rows.div_ceil(128) * (oc / bn)).max(1) as u32;
+                    return self.launch_dyn(&name, (grid, 1, 1), (threads, 1, 1), smem, &mut kargs![out.ptr, pre.ptr, ta, tb, bias_ptr, m, n, k]);
                 }
                 // the plain product (no bias epilogue: faster), the bias joins in the GELU pass
                 self.gemm(OP, linear_shape(rows, ic, oc, false, false), params.at(w.off), inp.ptr, pre.ptr, 0, 1.0, 0.0)?;

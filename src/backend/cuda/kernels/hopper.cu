@@ -12,22 +12,23 @@
 //   staging buffer); evaluated by mode 0 beside the GELU it costs ≈ 0.06 ms there;
 // and ViT-B/16's attention (197 tokens: `flash_fwd_wg_d64`, `flash_bwd_wg_d64`, at the end;
 // VITSCALE_WGMMA_ATTENTION=0 turns them off).
-// Both are the default on sm_90 (VITSCALE_FUSED_GEMM=fwd keeps mode 0 only, =0 neither). With
-// trivial epilogues the main loop below still runs ≈ 30 % slower than cuBLASLt's product of the
-// same shape (128 × 128 tiles). BENCHMARKS.md has the measurements.
+// Both are the default on sm_90 (VITSCALE_FUSED_GEMM=fwd keeps mode 0 only, =0 neither), with
+// 128×256 tiles where N % 256 == 0 (the `_w` kernels, WIDE below; VITSCALE_WIDE_GEMM). With
+// trivial epilogues the 128×128 main loop ran ≈ 30 % slower than cuBLASLt's product of the
+// same shape. BENCHMARKS.md has the measurements.
 //
 // C(M×N) = A(M×K) · B(N×K)ᵀ, A row-major with K contiguous ("K-major"), B the same in mode 0
 // and stored K × N with N contiguous ("MN-major", W2 as it is) in mode 1. Persistent:
 // one block per SM walks the 128×128 output tiles (row-tile major, so neighbouring blocks share
 // A rows in L2). Warps 0–7 (two warpgroups, 64 rows each, one m64n128k16 wgmma per 16-wide K
 // step) only multiply: they hand the rounded tile to one of two shared-memory staging buffers
-// and go on with the next tile. Warps 8–15 (two warpgroups) run the epilogue — the erf
-// arithmetic needs warps of its own to overlap the tensor cores — and warp 16's lane 0
-// produces: TMA copies of each 128×64 A and B tile into a 4-stage ring, with the 128-byte
+// and go on with the next tile. Warps 8–15 (two warpgroups; one, warps 8–11, in the wide mode-1
+// kernels) run the epilogue — the erf arithmetic needs warps of its own to overlap the tensor
+// cores — and the next warp's lane 0 produces: TMA copies of each 128×64 A and B tile into a 4-stage ring, with the 128-byte
 // swizzle the wgmma descriptors name (16-byte chunk c of tile row r at chunk c ^ (r % 8),
 // stages 1024-byte aligned). mbarriers: full[s] (the copies' byte count landed), empty[s] (the
 // 8 multiplying warps are done with stage s), stg_full[b] (the 256 multiplying threads wrote
-// staging buffer b), stg_empty[b] (the 256 epilogue threads read it). Requires N % 128 == 0,
+// staging buffer b), stg_empty[b] (the epilogue threads read it). Requires N % 128 == 0,
 // K % 64 == 0, 16-byte aligned rows and bias; M is free (the tensor maps read rows past M as
 // zeros; they are not stored).
 
@@ -40,6 +41,22 @@
 // dynamic shared memory: the ring, two staging tiles, two sets of 8 warps × 128 column sums (mode 1),
 // 12 barriers, 1 KiB of alignment slack
 #define HW_SMEM (HW_STAGES * HW_STAGE + 2 * HW_STG + 2 * 8 * 128 * 4 + 96 + 1024)
+// The wide form (WIDE, the `_w` kernels, N % 256 == 0): 128×256 output tiles, each multiplying
+// warpgroup a 64×256 accumulator (128 f32 a thread), a 3-stage ring of 48 KiB (A
+// 128×64, B 256×64), and the tile handed to the epilogue in two 128×128 halves through the same
+// two staging buffers. Per K step a block then streams 48 KiB into shared memory for twice the
+// products of the 32 KiB of a 128×128 tile (a quarter fewer bytes per product), and a ring slot
+// covers twice the tensor-core time. Nsight Compute on the 128×128 kernels (ViT-B/16 micro 256):
+// the multiplying warps spent ≈ 40 % of their samples waiting for a ring slot to fill, with L2
+// 60 % busy. The multiplying warps need 168 registers (128 accumulators; at 152 ptxas spilled
+// and serialized the wgmma), so the block is whole warpgroups (setmaxnreg works per warpgroup):
+// the producer's (24 registers), two multiplying ones (168) and two epilogue ones of 56 (mode 0:
+// 640 threads, entering with 96) or one of 152 (mode 1: 512 threads, entering with 128).
+// One m64n256k16 per K step cannot be compiled: ptxas sizes each instruction by the entry
+// count, so the halves are two m64n128k16.
+#define HX_STAGES 3
+#define HX_STAGE ((128 + 256) * 64 * 2)    // an A (128 rows) and a B (256 rows) tile: 48 KiB
+#define HX_SMEM (HX_STAGES * HX_STAGE + 2 * HW_STG + 2 * 8 * 128 * 4 + 96 + 1024)
 
 // Shared-memory matrix descriptor of a K-major tile with the 128-byte swizzle: start address,
 // leading byte offset (unused by this mode: 16), stride byte offset 1024 (8 rows × 128 bytes
@@ -151,54 +168,60 @@ __device__ __forceinline__ void ht_tma_load(unsigned dst, const HgTmap* map, int
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
                  ::"r"(dst), "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
-__device__ __forceinline__ void hw_epi_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
+template <int THREADS>
+__device__ __forceinline__ void hw_epi_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory"); }
 
 // MODE 0: out = act, aux = pre (written; gelu'(pre + bias) with GRAD). MODE 1: out = dpre,
 // aux = pre (read; the saved derivative with GRAD), partial: the (ceil(M / 128) × N) f32
 // column sums of dpre per row tile. bias: N bf16 values or null (not read in mode 1 with GRAD).
-template <int MODE, bool GRAD>
+template <int MODE, bool GRAD, bool WIDE = false, int EW = 2>
 __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict__ aux, float* __restrict__ partial, const HgTmap* tmA, const HgTmap* tmB, const bf16* __restrict__ bias, int M, int N, int K, unsigned char* raw_p) {
+    constexpr int STAGES = WIDE ? HX_STAGES : HW_STAGES, STAGE = WIDE ? HX_STAGE : HW_STAGE;
+    constexpr int BN = WIDE ? 256 : HG_BN, HALVES = BN / 128, A_BYTES = 128 * HG_BK * 2;
+    // EW epilogue warpgroups (warps 8 … 8 + 4·EW − 1), then the producer's warp(group)
+    constexpr int EPI = 128 * EW, PRODUCER = 8 + 4 * EW, CH = 128 * 16 / EPI, RSTEP = EPI / 16;
     const unsigned raw = smem_u32(raw_p);
     const unsigned ring = (raw + 1023u) & ~1023u;
     unsigned char* base = raw_p + (ring - raw);
-    bf16* stg_p = (bf16*)(base + HW_STAGES * HW_STAGE);
-    float* colsum = (float*)(base + HW_STAGES * HW_STAGE + 2 * HW_STG);
-    const unsigned bars = ring + HW_STAGES * HW_STAGE + 2 * HW_STG + 2 * 8 * 128 * 4;
-    const unsigned full0 = bars, empty0 = bars + 8 * HW_STAGES, sfull0 = bars + 16 * HW_STAGES, sempty0 = sfull0 + 16;
+    bf16* stg_p = (bf16*)(base + STAGES * STAGE);
+    float* colsum = (float*)(base + STAGES * STAGE + 2 * HW_STG);
+    const unsigned bars = ring + STAGES * STAGE + 2 * HW_STG + 2 * 8 * 128 * 4;
+    const unsigned full0 = bars, empty0 = bars + 8 * STAGES, sfull0 = bars + 16 * STAGES, sempty0 = sfull0 + 16;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     if (tid == 0) {
         #pragma unroll
-        for (int s = 0; s < HW_STAGES; s++) {
+        for (int s = 0; s < STAGES; s++) {
             ht_mbar_init(full0 + 8 * s, 1);
             ht_mbar_init(empty0 + 8 * s, 8);
         }
         #pragma unroll
         for (int b = 0; b < 2; b++) {
             ht_mbar_init(sfull0 + 8 * b, 256);
-            ht_mbar_init(sempty0 + 8 * b, 256);
+            ht_mbar_init(sempty0 + 8 * b, EPI);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
-    const int n_tiles = N / HG_BN, tiles = ((M + 127) / 128) * n_tiles, kt_n = K / HG_BK;
+    const int n_tiles = N / BN, tiles = ((M + 127) / 128) * n_tiles, kt_n = K / HG_BK;
     const int mine = tiles > (int)blockIdx.x ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
-    if (warp == 16) {
-        if (lane == 0) {
+    if (warp >= PRODUCER) {
+        if (WIDE) asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        if (warp == PRODUCER && lane == 0) {
             for (int i = 0; i < mine; i++) {
                 const int t = blockIdx.x + i * gridDim.x;
-                const int m0 = (t / n_tiles) * 128, n0 = (t % n_tiles) * HG_BN;
+                const int m0 = (t / n_tiles) * 128, n0 = (t % n_tiles) * BN;
                 for (int kt = 0; kt < kt_n; kt++) {
-                    const int g = i * kt_n + kt, s = g % HW_STAGES;
-                    const unsigned full = full0 + 8 * s, st = ring + s * HW_STAGE;
-                    if (g >= HW_STAGES) ht_mbar_wait(empty0 + 8 * s, ((g / HW_STAGES) + 1) & 1);
-                    ht_mbar_expect_tx(full, HW_STAGE);
+                    const int g = i * kt_n + kt, s = g % STAGES;
+                    const unsigned full = full0 + 8 * s, st = ring + s * STAGE;
+                    if (g >= STAGES) ht_mbar_wait(empty0 + 8 * s, ((g / STAGES) + 1) & 1);
+                    ht_mbar_expect_tx(full, STAGE);
                     ht_tma_load(st, tmA, kt * HG_BK, m0, full);
                     if (MODE == 1) {
-                        // B = W2 as stored (K rows, N contiguous): two 64-column boxes
-                        ht_tma_load(st + HW_STAGE / 2, tmB, n0, kt * HG_BK, full);
-                        ht_tma_load(st + HW_STAGE / 2 + 8192, tmB, n0 + 64, kt * HG_BK, full);
+                        // B = W2 as stored (K rows, N contiguous): 64-column boxes
+                        #pragma unroll
+                        for (int a = 0; a < BN / 64; a++) ht_tma_load(st + A_BYTES + 8192 * a, tmB, n0 + 64 * a, kt * HG_BK, full);
                     } else {
-                        ht_tma_load(st + HW_STAGE / 2, tmB, kt * HG_BK, n0, full);
+                        ht_tma_load(st + A_BYTES, tmB, kt * HG_BK, n0, full);
                     }
                 }
             }
@@ -206,6 +229,7 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
         return;
     }
     if (warp < 8) {
+        if (WIDE) asm volatile("setmaxnreg.inc.sync.aligned.u32 168;\n" ::: "memory");  // (either layout)
         // multiplying warpgroups. The warpgroup index goes through a shuffle so that the compiler
         // knows it is warp-uniform: the descriptors then live in uniform registers, and the
         // loop between two wgmma batches is a handful of instructions instead of ≈ 70 of
@@ -214,88 +238,110 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
         const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0);
         const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2), cq = 2 * (lane & 3);
         // B's 16-deep K steps: 32 bytes apart K-major, two 1024-byte row groups apart MN-major
-        const unsigned long long da0 = hg_desc(ring + wg * 64 * 128), db0 = MODE == 1 ? hg_desc_mn128(ring + HW_STAGE / 2) : hg_desc(ring + HW_STAGE / 2);
+        const unsigned long long da0 = hg_desc(ring + wg * 64 * 128), db0 = MODE == 1 ? hg_desc_mn128(ring + A_BYTES) : hg_desc(ring + A_BYTES);
         constexpr unsigned DBK = MODE == 1 ? 2048 >> 4 : 2;
+        // B's columns 128…255 (wide tiles): 128 K-major rows of 128 bytes further, or the third
+        // 64-column atom (2 × 8 KiB) MN-major; in 16-byte units
+        constexpr unsigned BHALF = (MODE == 1 ? 2 * 8192 : 128 * 128) >> 4;
         unsigned s = 0, ph = 0, prev = 0;  // ring slot of the next K tile, its full-barrier parity, the last slot
         for (int i = 0; i < mine; i++) {
-            float acc[64];
+            float acc[HALVES][64];  // by 128-column half
             #pragma unroll
-            for (int k = 0; k < 64; k++) acc[k] = 0.f;
+            for (int h = 0; h < HALVES; h++) {
+                #pragma unroll
+                for (int k = 0; k < 64; k++) acc[h][k] = 0.f;
+            }
             for (int kt = 0; kt < kt_n; kt++) {
                 ht_mbar_wait(full0 + 8 * s, ph);
-                // descriptor start addresses are in 16-byte units: slot s is s · HW_STAGE / 16 on
-                const unsigned long long off = (unsigned long long)(s * (HW_STAGE >> 4));
+                // descriptor start addresses are in 16-byte units: slot s is s · STAGE / 16 on
+                const unsigned long long off = (unsigned long long)(s * (STAGE >> 4));
                 asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
                 #pragma unroll
-                for (int kk = 0; kk < HG_BK / 16; kk++) wgmma_m64n128k16<MODE == 1>(acc, da0 + off + 2 * kk, db0 + off + DBK * kk);
+                for (int kk = 0; kk < HG_BK / 16; kk++) {
+                    // wide tiles: two m64n128k16 over B's column halves (see HX_STAGES)
+                    #pragma unroll
+                    for (int h = 0; h < HALVES; h++) wgmma_m64n128k16<MODE == 1>(acc[h], da0 + off + 2 * kk, db0 + off + DBK * kk + h * BHALF);
+                }
                 asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
                 asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
                 // this warpgroup's wgmma on the previous slot are complete: release it
                 if (kt > 0 && lane == 0) ht_mbar_arrive(empty0 + 8 * prev);
                 prev = s;
-                if (++s == HW_STAGES) { s = 0; ph ^= 1; }
+                if (++s == STAGES) { s = 0; ph ^= 1; }
             }
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
             if (lane == 0) ht_mbar_arrive(empty0 + 8 * prev);
             // accumulator (warp w of warpgroup wg, lane l): value 4j + {0,1} is row
-            // 64wg + 16w + l/4, columns 8j + 2(l % 4) + {0,1}; 4j + {2,3} the row 8 below
-            const int b = i & 1;
-            if (i >= 2) ht_mbar_wait(sempty0 + 8 * b, ((i >> 1) + 1) & 1);
-            bf16* sp = stg_p + b * (HW_STG / 2);
+            // 64wg + 16w + l/4, columns 8j + 2(l % 4) + {0,1}; 4j + {2,3} the row 8 below.
+            // Staged in 128-column halves q = HALVES·i + h, alternating between the buffers.
             #pragma unroll
-            for (int j = 0; j < 16; j++) {
-                const int col = 8 * j + cq;
-                *(unsigned*)(sp + r0 * HG_LDO + col) = f2bf2(acc[4 * j], acc[4 * j + 1]);
-                *(unsigned*)(sp + (r0 + 8) * HG_LDO + col) = f2bf2(acc[4 * j + 2], acc[4 * j + 3]);
+            for (int h = 0; h < HALVES; h++) {
+                const int q = HALVES * i + h, b = q & 1;
+                if (q >= 2) ht_mbar_wait(sempty0 + 8 * b, ((q >> 1) + 1) & 1);
+                bf16* sp = stg_p + b * (HW_STG / 2);
+                #pragma unroll
+                for (int j = 0; j < 16; j++) {
+                    const int col = 8 * j + cq;
+                    *(unsigned*)(sp + r0 * HG_LDO + col) = f2bf2(acc[h][4 * j], acc[h][4 * j + 1]);
+                    *(unsigned*)(sp + (r0 + 8) * HG_LDO + col) = f2bf2(acc[h][4 * j + 2], acc[h][4 * j + 3]);
+                }
+                ht_mbar_arrive(sfull0 + 8 * b);
             }
-            ht_mbar_arrive(sfull0 + 8 * b);
         }
         return;
     }
-    // epilogue warpgroups: thread e handles 16-byte chunks e, e + 256, … of the 128 × 16 chunk
-    // tile: always columns c = (e % 16)·8 … + 7, rows e / 16 + 16k
+    // 640 threads (two epilogue warpgroups) enter with 96 registers, 512 (one) with 128
+    if (WIDE && EW == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+    if (WIDE && EW == 1) asm volatile("setmaxnreg.inc.sync.aligned.u32 152;\n" ::: "memory");
+    // epilogue warpgroups: thread e handles 16-byte chunks e, e + EPI, … of the 128 × 16 chunk
+    // tile: always columns c = (e % 16)·8 … + 7, rows e / 16 + RSTEP·k, k < CH
     const int e = tid - 256, c = (e & 15) * 8;
     // Mode 1 reads pre one tile ahead: chunk k of tile i + 1 is loaded into pv[k] as soon as
     // tile i's chunk k has been used, so every load has the rest of the tile's arithmetic to
     // arrive (with the loads issued where they are used, two in flight per thread, the epilogue
     // waited on memory most of the time).
-    uint4 pv[8];
-    auto pre_chunk = [&](int i, int k) {
-        const int t = blockIdx.x + i * gridDim.x;
-        const int gm = (t / n_tiles) * 128 + (e >> 4) + 16 * k, n0 = (t % n_tiles) * HG_BN;
-        return i < mine && gm < M ? __ldcs((const uint4*)(aux + (i64)gm * N + n0 + c)) : make_uint4(0u, 0u, 0u, 0u);
+    // (q counts 128-column halves of tiles: q / HALVES is the tile, q % HALVES the half.)
+    const int halves = HALVES * mine;
+    // chunks read ahead: a whole half (CH), or half of one where the epilogue has 56 registers
+    // (a whole one spilled). Chunk k of half q is read into pv[k % PF] when chunk k − PF is used.
+    constexpr int PF = WIDE && EW == 2 ? CH / 2 : CH;
+    uint4 pv[PF];
+    auto pre_chunk = [&](int q, int k) {
+        const int t = blockIdx.x + (q / HALVES) * gridDim.x;
+        const int gm = (t / n_tiles) * 128 + (e >> 4) + RSTEP * k, n0 = (t % n_tiles) * BN + (q % HALVES) * 128;
+        return q < halves && gm < M ? __ldcs((const uint4*)(aux + (i64)gm * N + n0 + c)) : make_uint4(0u, 0u, 0u, 0u);
     };
     if (MODE == 1) {
         #pragma unroll
-        for (int k = 0; k < 8; k++) pv[k] = pre_chunk(0, k);
+        for (int k = 0; k < PF; k++) pv[k] = pre_chunk(0, k);
     }
     // The bias chunk of the next tile is loaded a tile ahead as well: loaded after the wait for
     // the staged tile, its latency stood between every tile and its arithmetic (Nsight Compute:
     // the epilogue's largest stall, and in mode 1 the multiplying warps then waited for the
     // staging buffer).
-    auto load_bias = [&](int i) {
-        const int n0 = ((blockIdx.x + i * gridDim.x) % n_tiles) * HG_BN;
-        return bias && i < mine ? *(const uint4*)(bias + n0 + c) : make_uint4(0u, 0u, 0u, 0u);
+    auto load_bias = [&](int q) {
+        const int n0 = ((blockIdx.x + (q / HALVES) * gridDim.x) % n_tiles) * BN + (q % HALVES) * 128;
+        return bias && q < halves ? *(const uint4*)(bias + n0 + c) : make_uint4(0u, 0u, 0u, 0u);
     };
     uint4 bw = load_bias(0);
-    for (int i = 0; i < mine; i++) {
-        const int t = blockIdx.x + i * gridDim.x;
-        const int m0 = (t / n_tiles) * 128, n0 = (t % n_tiles) * HG_BN;
-        const int b = i & 1;
-        const uint4 bn = load_bias(i + 1);
-        ht_mbar_wait(sfull0 + 8 * b, (i >> 1) & 1);
+    for (int q = 0; q < halves; q++) {
+        const int t = blockIdx.x + (q / HALVES) * gridDim.x;
+        const int m0 = (t / n_tiles) * 128, n0 = (t % n_tiles) * BN + (q % HALVES) * 128;
+        const int b = q & 1;
+        const uint4 bn = load_bias(q + 1);
+        ht_mbar_wait(sfull0 + 8 * b, (q >> 1) & 1);
         const bf16* sp = stg_p + b * (HW_STG / 2);
         float cs[8];
         #pragma unroll
         for (int k = 0; k < 8; k++) cs[k] = 0.f;
         #pragma unroll
-        for (int k = 0; k < 8; k++) {
-            const int r = (e >> 4) + 16 * k;
+        for (int k = 0; k < CH; k++) {
+            const int r = (e >> 4) + RSTEP * k;
             const uint4 v = *(const uint4*)(sp + r * HG_LDO + c);
             uint4 p = make_uint4(0u, 0u, 0u, 0u);
             if (MODE == 1) {
-                p = pv[k];
-                pv[k] = pre_chunk(i + 1, k);
+                p = pv[k % PF];
+                pv[k % PF] = pre_chunk(q + (k + PF) / CH, (k + PF) % CH);
             }
             const int gm = m0 + r;
             if (gm < M) {
@@ -335,11 +381,11 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
                 #pragma unroll
                 for (int k = 0; k < 8; k++) set[ew * 128 + c + k] = cs[k];
             }
-            hw_epi_sync();
+            hw_epi_sync<EPI>();
             if (e < 128) {
                 float s = 0.f;
                 #pragma unroll
-                for (int w = 0; w < 8; w++) s += set[w * 128 + e];
+                for (int w = 0; w < EPI / 32; w++) s += set[w * 128 + e];
                 partial[(i64)(t / n_tiles) * N + n0 + e] = s;
             }
         }
@@ -367,6 +413,27 @@ extern "C" __global__ void __launch_bounds__(544, 1) gemm_gelu_fwd_grad_ws(bf16*
 extern "C" __global__ void __launch_bounds__(544, 1) gemm_dgelu_mul_ws(bf16* __restrict__ dpre, const bf16* __restrict__ grad, float* __restrict__ partial, const __grid_constant__ HgTmap tmA, const __grid_constant__ HgTmap tmB, int M, int N, int K) {
     extern __shared__ unsigned char hw_raw3[];
     hw_gemm<1, true>(dpre, (bf16*)grad, partial, &tmA, &tmB, nullptr, M, N, K, hw_raw3);
+}
+// The four with 128×256 tiles (N % 256 == 0): HX_SMEM bytes; tmB (mode 0) in boxes of 64
+// columns × 256 rows. Mode 0: 640 threads (two epilogue warpgroups of 56 registers: its erf
+// arithmetic wants warps); mode 1: 512 (one epilogue warpgroup of 152 registers, which reads
+// the saved values a whole half tile ahead: with 56 it could read half of that, and the kernel
+// was slower than the 128×128 one).
+extern "C" __global__ void __launch_bounds__(640, 1) gemm_gelu_fwd_ws_w(bf16* __restrict__ act, bf16* __restrict__ pre, const __grid_constant__ HgTmap tmA, const __grid_constant__ HgTmap tmB, const bf16* __restrict__ bias, int M, int N, int K) {
+    extern __shared__ unsigned char hx_raw0[];
+    hw_gemm<0, false, true>(act, pre, nullptr, &tmA, &tmB, bias, M, N, K, hx_raw0);
+}
+extern "C" __global__ void __launch_bounds__(512, 1) gemm_dgelu_bwd_ws_w(bf16* __restrict__ dpre, const bf16* __restrict__ pre, float* __restrict__ partial, const __grid_constant__ HgTmap tmA, const __grid_constant__ HgTmap tmB, const bf16* __restrict__ bias, int M, int N, int K) {
+    extern __shared__ unsigned char hx_raw1[];
+    hw_gemm<1, false, true, 1>(dpre, (bf16*)pre, partial, &tmA, &tmB, bias, M, N, K, hx_raw1);
+}
+extern "C" __global__ void __launch_bounds__(640, 1) gemm_gelu_fwd_grad_ws_w(bf16* __restrict__ act, bf16* __restrict__ grad, const __grid_constant__ HgTmap tmA, const __grid_constant__ HgTmap tmB, const bf16* __restrict__ bias, int M, int N, int K) {
+    extern __shared__ unsigned char hx_raw2[];
+    hw_gemm<0, true, true>(act, grad, nullptr, &tmA, &tmB, bias, M, N, K, hx_raw2);
+}
+extern "C" __global__ void __launch_bounds__(512, 1) gemm_dgelu_mul_ws_w(bf16* __restrict__ dpre, const bf16* __restrict__ grad, float* __restrict__ partial, const __grid_constant__ HgTmap tmA, const __grid_constant__ HgTmap tmB, int M, int N, int K) {
+    extern __shared__ unsigned char hx_raw3[];
+    hw_gemm<1, true, true, 1>(dpre, (bf16*)grad, partial, &tmA, &tmB, nullptr, M, N, K, hx_raw3);
 }
 
 // ---- Attention forward on wgmma for 193 ≤ N ≤ 208 at D = 64 (224 px / 16: 197 tokens) ----
