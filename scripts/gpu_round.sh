@@ -11,7 +11,7 @@ O=${OUT:-out}; mkdir -p "$O"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | sed 's/^/card: /'
   python3 -c 'import torch, timm; print("peer: torch", torch.__version__, "timm", timm.__version__)' 2>/dev/null; } | tee "$O/env.txt"
 t0=$SECONDS
-timeout 60 "$BIN" selftest --device cuda > "$O/selftest.log" 2>&1; echo "selftest rc $? ($((SECONDS-t0)) s)"
+timeout 120 "$BIN" selftest --device cuda > "$O/selftest.log" 2>&1; echo "selftest rc $? ($((SECONDS-t0)) s)"
 grep -E "FAIL|checks,|layernorm|bias|gelu|add " "$O/selftest.log" | sed 's/  */ /g' | cut -c1-120 | head -30
 : > "$O/vitscale.jsonl"
 b() { local to=$1 tag=$2; shift 2

@@ -691,7 +691,8 @@ fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult<Opt
         if !wide && f % 256 != 0 {
             continue;  // the same kernels as with `wide`
         }
-        be.set_wide_gemm(wide, wide);
+        let tiles = if wide { crate::backend::cuda::WideTiles::Always } else { crate::backend::cuda::WideTiles::Off };
+        be.set_wide_gemm(tiles, tiles);
         let shape = format!("{rows}×{c}·{f}{}", if wide && f % 256 == 0 { ", 128×256 tiles" } else { "" });
         let mut r = |n: usize, s: f32| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-s..s)).collect() };
         // one flat compute buffer: fc1 (f × c), its bias (f), fc2 (c × f)

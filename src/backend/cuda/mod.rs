@@ -267,10 +267,10 @@ pub struct Cuda {
     fused_gemm_bwd: std::sync::atomic::AtomicBool,
     /// Whether the wgmma attention kernels are used where they apply (`set_wgmma_attention`).
     wgmma_attention: std::sync::atomic::AtomicBool,
-    /// Whether the Hopper GEMM kernels take 128×256 tiles where N % 256 == 0 (`set_wide_gemm`):
+    /// Where the Hopper GEMM kernels take 128×256 tiles (`WideTiles as u8`, `set_wide_gemm`):
     /// fc1's forward, fc2's input gradient.
-    wide_gemm: std::sync::atomic::AtomicBool,
-    wide_gemm_bwd: std::sync::atomic::AtomicBool,
+    wide_gemm: AtomicU8,
+    wide_gemm_bwd: AtomicU8,
 }
 
 /// Environment variable that picks the attention path: `fused` (default), `fused-pipe` or `gemm`.
@@ -332,10 +332,42 @@ pub const WGMMA_ATTENTION_ENV: &str = "VITSCALE_WGMMA_ATTENTION";
 
 /// Environment variable choosing where the Hopper GEMM kernels take 128×256 tiles (the `_w`
 /// kernels, where the output width is a multiple of 256): unset (or anything else) — fc1's
-/// forward and fc2's input gradient (ViT-B/16 micro 256 ≈ 1.5 % faster per step than with
-/// 128×128 tiles, CIFAR ViT-S ≈ 0.5 %; BENCHMARKS.md); `fwd` — the forward only; `0` or `off` —
-/// 128×128 tiles everywhere.
+/// forward and fc2's input gradient where the tile count favours them (`WideTiles::Auto`;
+/// ViT-B/16 micro 256 ≈ 1.5 % faster per step than with 128×128 tiles, CIFAR ViT-S ≈ 0.5 %;
+/// BENCHMARKS.md); `fwd` — the forward only; `always` — wherever the width allows; `0` or
+/// `off` — 128×128 tiles everywhere.
 pub const WIDE_GEMM_ENV: &str = "VITSCALE_WIDE_GEMM";
+
+/// Where the Hopper GEMM kernels take 128×256 tiles (the width must be a multiple of 256).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WideTiles {
+    /// 128×128 tiles.
+    Off = 0,
+    /// Where fewer waves of wide tiles are expected to finish first (`hopper_gemm_shape`).
+    Auto = 1,
+    /// Wherever the width allows (the selftest).
+    Always = 2,
+}
+
+impl WideTiles {
+    fn from_u8(v: u8) -> Self {
+        match v {
+            0 => WideTiles::Off,
+            2 => WideTiles::Always,
+            _ => WideTiles::Auto,
+        }
+    }
+}
+
+/// (fc1 forward, fc2 input gradient) from WIDE_GEMM_ENV.
+fn wide_tiles_from_env() -> (WideTiles, WideTiles) {
+    match std::env::var(WIDE_GEMM_ENV).as_deref().map(str::trim) {
+        Ok("0") | Ok("off") => (WideTiles::Off, WideTiles::Off),
+        Ok("fwd") => (WideTiles::Auto, WideTiles::Off),
+        Ok("always") => (WideTiles::Always, WideTiles::Always),
+        _ => (WideTiles::Auto, WideTiles::Auto),
+    }
+}
 
 /// Dynamic shared memory of the Hopper GEMM kernels (HW_SMEM in hopper.cu: a 4-stage ring of two
 /// 128×64 bf16 tiles, two 128×136 bf16 staging tiles, 2 × 8 × 128 f32 column sums, 12 barriers,
@@ -401,8 +433,8 @@ impl Cuda {
             fused_gemm: std::sync::atomic::AtomicBool::new(!matches!(std::env::var(FUSED_GEMM_ENV).as_deref().map(str::trim), Ok("0") | Ok("off"))),
             fused_gemm_bwd: std::sync::atomic::AtomicBool::new(!matches!(std::env::var(FUSED_GEMM_ENV).as_deref().map(str::trim), Ok("0") | Ok("off") | Ok("fwd"))),
             wgmma_attention: std::sync::atomic::AtomicBool::new(!matches!(std::env::var(WGMMA_ATTENTION_ENV).as_deref().map(str::trim), Ok("0") | Ok("off"))),
-            wide_gemm: std::sync::atomic::AtomicBool::new(!matches!(std::env::var(WIDE_GEMM_ENV).as_deref().map(str::trim), Ok("0") | Ok("off"))),
-            wide_gemm_bwd: std::sync::atomic::AtomicBool::new(!matches!(std::env::var(WIDE_GEMM_ENV).as_deref().map(str::trim), Ok("0") | Ok("off") | Ok("fwd"))),
+            wide_gemm: AtomicU8::new(wide_tiles_from_env().0 as u8),
+            wide_gemm_bwd: AtomicU8::new(wide_tiles_from_env().1 as u8),
             copy_stream,
             staging,
             next_staging: AtomicUsize::new(0),
@@ -467,25 +499,36 @@ impl Cuda {
         self.fused_gemm_bwd.store(bwd, Ordering::Relaxed);
     }
 
-    /// Where the Hopper GEMM kernels may take 128×256 tiles (`set_wide_gemm`): (fc1 forward, fc2
+    /// Where the Hopper GEMM kernels take 128×256 tiles (`set_wide_gemm`): (fc1 forward, fc2
     /// input gradient).
-    pub fn wide_gemm(&self) -> (bool, bool) {
-        (self.wide_gemm.load(Ordering::Relaxed), self.wide_gemm_bwd.load(Ordering::Relaxed))
+    pub fn wide_gemm(&self) -> (WideTiles, WideTiles) {
+        (WideTiles::from_u8(self.wide_gemm.load(Ordering::Relaxed)), WideTiles::from_u8(self.wide_gemm_bwd.load(Ordering::Relaxed)))
     }
 
-    /// Lets the Hopper GEMM kernels take 128×256 tiles where the output width allows — in fc1's
-    /// forward (`fwd`) and fc2's input gradient (`bwd`; both by default, WIDE_GEMM_ENV) — or
-    /// keeps 128×128 tiles.
-    pub fn set_wide_gemm(&self, fwd: bool, bwd: bool) {
-        self.wide_gemm.store(fwd, Ordering::Relaxed);
-        self.wide_gemm_bwd.store(bwd, Ordering::Relaxed);
+    /// Where the Hopper GEMM kernels take 128×256 tiles: in fc1's forward (`fwd`) and fc2's
+    /// input gradient (`bwd`); `WideTiles::Auto` for both by default (WIDE_GEMM_ENV).
+    pub fn set_wide_gemm(&self, fwd: WideTiles, bwd: WideTiles) {
+        self.wide_gemm.store(fwd as u8, Ordering::Relaxed);
+        self.wide_gemm_bwd.store(bwd as u8, Ordering::Relaxed);
     }
 
-    /// Launch shape of a Hopper GEMM kernel for an output `n` columns wide: the kernel name
-    /// (`base`, with `_w` for 128×256 tiles), its block size, dynamic shared memory, tile width.
-    fn hopper_gemm_shape(&self, base: &'static str, n: usize, bwd: bool) -> (String, u32, u32, usize) {
-        let wide = if bwd { &self.wide_gemm_bwd } else { &self.wide_gemm };
-        if n % 256 == 0 && wide.load(Ordering::Relaxed) {
+    /// Launch shape of a Hopper GEMM kernel for `rows` × `n` outputs: the kernel name (`base`,
+    /// with `_w` for 128×256 tiles), its block size, dynamic shared memory, tile width.
+    fn hopper_gemm_shape(&self, base: &'static str, rows: usize, n: usize, bwd: bool) -> (String, u32, u32, usize) {
+        let mode = WideTiles::from_u8(if bwd { &self.wide_gemm_bwd } else { &self.wide_gemm }.load(Ordering::Relaxed));
+        // Each block walks its tiles in turn, so a kernel lasts about ceil(tiles / SMs) tiles;
+        // a 128×256 tile took ≈ 0.9 of two 128×128 ones (H200, ViT-B/16 micro 256 profiles:
+        // 5.02–5.47 against 5.62–6.13 ms for the forward's twelve). At micro 16 (25 row tiles)
+        // the wide forward has 2.3 waves of tiles against 4.5: the last wave's idle blocks cost
+        // more than the wide tiles save.
+        let waves = |bn: usize| (rows.div_ceil(128) * (n / bn)).div_ceil(self.info.multiprocessors.max(1) as usize);
+        let wide = n % 256 == 0
+            && match mode {
+                WideTiles::Off => false,
+                WideTiles::Always => true,
+                WideTiles::Auto => 18 * waves(256) < 10 * waves(128),
+            };
+        if wide {
             // (the input gradient's wide kernel has one epilogue warpgroup, the forward's two)
             (format!("{base}_w"), if bwd { 512 } else { 640 }, HOPPER_GEMM_SMEM_WIDE, 256)
         } else {
@@ -1083,14 +1126,14 @@ impl Cuda {
         let (m, n, k) = (rows as i32, ic as i32, oc as i32);
         match what {
             GeluSaved::Pre => {
-                let (name, threads, smem, bn) = self.hopper_gemm_shape("gemm_dgelu_bwd_ws", ic, true);
+                let (name, threads, smem, bn) = self.hopper_gemm_shape("gemm_dgelu_bwd_ws", rows, ic, true);
                 let grid = (self.info.multiprocessors as usize).min(row_tiles * (ic / bn)).max(1) as u32;
                 let bias_ptr = params.at(pb.off);
                 self.launch_dyn(&name, (grid, 1, 1), (threads, 1, 1), smem, &mut kargs![dinp.ptr, pre.ptr, partial, ta, tb, bias_ptr, m, n, k])?;
             }
             // the saved derivative already holds the bias
             GeluSaved::Grad => {
-                let (name, threads, smem, bn) = self.hopper_gemm_shape("gemm_dgelu_mul_ws", ic, true);
+                let (name, threads, smem, bn) = self.hopper_gemm_shape("gemm_dgelu_mul_ws", rows, ic, true);
                 let grid = (self.info.multiprocessors as usize).min(row_tiles * (ic / bn)).max(1) as u32;
                 self.launch_dyn(&name, (grid, 1, 1), (threads, 1, 1), smem, &mut kargs![dinp.ptr, pre.ptr, partial, ta, tb, m, n, k])?;
             }
@@ -1538,7 +1581,7 @@ impl Backend for Cuda {
                         GeluSaved::Pre => "gemm_gelu_fwd_ws",
                         GeluSaved::Grad => "gemm_gelu_fwd_grad_ws",
                     };
-                    let (name, threads, smem, bn) = self.hopper_gemm_shape(base, oc, false);
+                    let (name, threads, smem, bn) = self.hopper_gemm_shape(base, rows, oc, false);
                     let ta = tensor_map_2d(inp.ptr, ic, rows, 128)?;
                     let tb = tensor_map_2d(w_ptr, ic, oc, bn as u32)?;
                     let grid = (self.info.multiprocessors as usize).min(rows.div_ceil(128) * (oc / bn)).max(1) as u32;
