@@ -24,8 +24,8 @@
 // step) only multiply: they hand the rounded tile to one of two shared-memory staging buffers
 // and go on with the next tile. Warps 8–15 (two warpgroups; one, warps 8–11, in the wide mode-1
 // kernels) run the epilogue — the erf arithmetic needs warps of its own to overlap the tensor
-// cores — and the next warp's lane 0 produces: TMA copies of each 128×64 A and B tile into a 4-stage ring, with the 128-byte
-// swizzle the wgmma descriptors name (16-byte chunk c of tile row r at chunk c ^ (r % 8),
+// cores — and the next warp's lane 0 produces: TMA copies of each 128×64 A and B tile (B
+// 256×64 in the wide kernels) into a 4-stage ring (3 wide), with the 128-byte swizzle the wgmma descriptors name (16-byte chunk c of tile row r at chunk c ^ (r % 8),
 // stages 1024-byte aligned). mbarriers: full[s] (the copies' byte count landed), empty[s] (the
 // 8 multiplying warps are done with stage s), stg_full[b] (the 256 multiplying threads wrote
 // staging buffer b), stg_empty[b] (the epilogue threads read it). Requires N % 128 == 0,
@@ -296,16 +296,15 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
     // epilogue warpgroups: thread e handles 16-byte chunks e, e + EPI, … of the 128 × 16 chunk
     // tile: always columns c = (e % 16)·8 … + 7, rows e / 16 + RSTEP·k, k < CH
     const int e = tid - 256, c = (e & 15) * 8;
-    // Mode 1 reads pre one tile ahead: chunk k of tile i + 1 is loaded into pv[k] as soon as
-    // tile i's chunk k has been used, so every load has the rest of the tile's arithmetic to
-    // arrive (with the loads issued where they are used, two in flight per thread, the epilogue
-    // waited on memory most of the time).
-    // (q counts 128-column halves of tiles: q / HALVES is the tile, q % HALVES the half.)
+    // Mode 1 reads pre (or the saved derivative) one staged half tile ahead: chunk k of half
+    // q + 1 is loaded into pv[k] as soon as half q's chunk k has been used, so every load has the
+    // rest of the half's arithmetic to arrive (with the loads issued where they are used, two in
+    // flight per thread, the epilogue waited on memory most of the time). q counts 128-column
+    // halves of tiles: q / HALVES is the tile, q % HALVES the half. (With two 56-register
+    // epilogue warpgroups a whole half of reads spilled, and half of one was slower than the
+    // 128×128 kernel: so the wide mode-1 kernels have one epilogue warpgroup of 152.)
     const int halves = HALVES * mine;
-    // chunks read ahead: a whole half (CH), or half of one where the epilogue has 56 registers
-    // (a whole one spilled). Chunk k of half q is read into pv[k % PF] when chunk k − PF is used.
-    constexpr int PF = WIDE && EW == 2 ? CH / 2 : CH;
-    uint4 pv[PF];
+    uint4 pv[CH];
     auto pre_chunk = [&](int q, int k) {
         const int t = blockIdx.x + (q / HALVES) * gridDim.x;
         const int gm = (t / n_tiles) * 128 + (e >> 4) + RSTEP * k, n0 = (t % n_tiles) * BN + (q % HALVES) * 128;
@@ -313,7 +312,7 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
     };
     if (MODE == 1) {
         #pragma unroll
-        for (int k = 0; k < PF; k++) pv[k] = pre_chunk(0, k);
+        for (int k = 0; k < CH; k++) pv[k] = pre_chunk(0, k);
     }
     // The bias chunk of the next tile is loaded a tile ahead as well: loaded after the wait for
     // the staged tile, its latency stood between every tile and its arithmetic (Nsight Compute:
@@ -340,8 +339,8 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
             const uint4 v = *(const uint4*)(sp + r * HG_LDO + c);
             uint4 p = make_uint4(0u, 0u, 0u, 0u);
             if (MODE == 1) {
-                p = pv[k % PF];
-                pv[k % PF] = pre_chunk(q + (k + PF) / CH, (k + PF) % CH);
+                p = pv[k];
+                pv[k] = pre_chunk(q + 1, k);
             }
             const int gm = m0 + r;
             if (gm < M) {
