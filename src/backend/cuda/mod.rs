@@ -416,6 +416,7 @@ impl Cuda {
             // Fused by default: parity and a 1.24× step at ViT-B/16 micro 256 (BENCHMARKS.md).
             Err(_) => AttentionPath::Fused,
         };
+        let (wide_fwd, wide_bwd) = wide_tiles_from_env();
         Ok(Cuda {
             info,
             ctx,
@@ -433,8 +434,8 @@ impl Cuda {
             fused_gemm: std::sync::atomic::AtomicBool::new(!matches!(std::env::var(FUSED_GEMM_ENV).as_deref().map(str::trim), Ok("0") | Ok("off"))),
             fused_gemm_bwd: std::sync::atomic::AtomicBool::new(!matches!(std::env::var(FUSED_GEMM_ENV).as_deref().map(str::trim), Ok("0") | Ok("off") | Ok("fwd"))),
             wgmma_attention: std::sync::atomic::AtomicBool::new(!matches!(std::env::var(WGMMA_ATTENTION_ENV).as_deref().map(str::trim), Ok("0") | Ok("off"))),
-            wide_gemm: AtomicU8::new(wide_tiles_from_env().0 as u8),
-            wide_gemm_bwd: AtomicU8::new(wide_tiles_from_env().1 as u8),
+            wide_gemm: AtomicU8::new(wide_fwd as u8),
+            wide_gemm_bwd: AtomicU8::new(wide_bwd as u8),
             copy_stream,
             staging,
             next_staging: AtomicUsize::new(0),
