@@ -514,8 +514,9 @@ impl Cuda {
     }
 
     /// Launch shape of a Hopper GEMM kernel for `rows` × `n` outputs: the kernel name (`base`,
-    /// with `_w` for 128×256 tiles), its block size, dynamic shared memory, tile width.
-    fn hopper_gemm_shape(&self, base: &'static str, rows: usize, n: usize, bwd: bool) -> (String, u32, u32, usize) {
+    /// with `_w` for 128×256 tiles), its grid (one block per SM at most: the kernels are
+    /// persistent), block size, dynamic shared memory and tile width.
+    fn hopper_gemm_shape(&self, base: &'static str, rows: usize, n: usize, bwd: bool) -> (String, u32, u32, u32, usize) {
         let mode = WideTiles::from_u8(if bwd { &self.wide_gemm_bwd } else { &self.wide_gemm }.load(Ordering::Relaxed));
         // Each block walks its tiles in turn, so a kernel lasts about ceil(tiles / SMs) tiles;
         // a 128×256 tile took ≈ 0.9 of two 128×128 ones (H200, ViT-B/16 micro 256 profiles:
@@ -529,12 +530,14 @@ impl Cuda {
                 WideTiles::Always => true,
                 WideTiles::Auto => 18 * waves(256) < 10 * waves(128),
             };
-        if wide {
+        let (name, threads, smem, bn) = if wide {
             // (the input gradient's wide kernel has one epilogue warpgroup, the forward's two)
             (format!("{base}_w"), if bwd { 512 } else { 640 }, HOPPER_GEMM_SMEM_WIDE, 256)
         } else {
             (base.to_string(), 544, HOPPER_GEMM_SMEM, 128)
-        }
+        };
+        let grid = (self.info.multiprocessors as usize).min(rows.div_ceil(128) * (n / bn)).max(1) as u32;
+        (name, grid, threads, smem, bn)
     }
 
     /// Chooses the attention path for later calls. Buffers sized by `attention_saved_len`
@@ -1125,19 +1128,18 @@ impl Cuda {
         let ta = tensor_map_2d(dout.ptr, oc, rows, 128)?;
         let tb = tensor_map_2d(params.at(w.off), ic, oc, 64)?;
         let (m, n, k) = (rows as i32, ic as i32, oc as i32);
+        let base = match what {
+            GeluSaved::Pre => "gemm_dgelu_bwd_ws",
+            GeluSaved::Grad => "gemm_dgelu_mul_ws",
+        };
+        let (name, grid, threads, smem, _) = self.hopper_gemm_shape(base, rows, ic, true);
         match what {
             GeluSaved::Pre => {
-                let (name, threads, smem, bn) = self.hopper_gemm_shape("gemm_dgelu_bwd_ws", rows, ic, true);
-                let grid = (self.info.multiprocessors as usize).min(row_tiles * (ic / bn)).max(1) as u32;
                 let bias_ptr = params.at(pb.off);
                 self.launch_dyn(&name, (grid, 1, 1), (threads, 1, 1), smem, &mut kargs![dinp.ptr, pre.ptr, partial, ta, tb, bias_ptr, m, n, k])?;
             }
             // the saved derivative already holds the bias
-            GeluSaved::Grad => {
-                let (name, threads, smem, bn) = self.hopper_gemm_shape("gemm_dgelu_mul_ws", rows, ic, true);
-                let grid = (self.info.multiprocessors as usize).min(row_tiles * (ic / bn)).max(1) as u32;
-                self.launch_dyn(&name, (grid, 1, 1), (threads, 1, 1), smem, &mut kargs![dinp.ptr, pre.ptr, partial, ta, tb, m, n, k])?;
-            }
+            GeluSaved::Grad => self.launch_dyn(&name, (grid, 1, 1), (threads, 1, 1), smem, &mut kargs![dinp.ptr, pre.ptr, partial, ta, tb, m, n, k])?,
         }
         let dst = dparams.at(pb.off);
         self.reduce_partials(dst, dst, dst, ic, partial, row_tiles, ic)
@@ -1582,10 +1584,9 @@ impl Backend for Cuda {
                         GeluSaved::Pre => "gemm_gelu_fwd_ws",
                         GeluSaved::Grad => "gemm_gelu_fwd_grad_ws",
                     };
-                    let (name, threads, smem, bn) = self.hopper_gemm_shape(base, rows, oc, false);
+                    let (name, grid, threads, smem, bn) = self.hopper_gemm_shape(base, rows, oc, false);
                     let ta = tensor_map_2d(inp.ptr, ic, rows, 128)?;
                     let tb = tensor_map_2d(w_ptr, ic, oc, bn as u32)?;
-                    let grid = (self.info.multiprocessors as usize).min(rows.div_ceil(128) * (oc / bn)).max(1) as u32;
                     return self.launch_dyn(&name, (grid, 1, 1), (threads, 1, 1), smem, &mut kargs![out.ptr, pre.ptr, ta, tb, bias_ptr, m, n, k]);
                 }
                 // the plain product (no bias epilogue: faster), the bias joins in the GELU pass
