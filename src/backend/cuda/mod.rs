@@ -604,7 +604,7 @@ impl Cuda {
     /// whole head per block of four warpgroups), when it applies (as the forward). Mirrors
     /// FB_SMEM.
     fn wgmma_attention_backward(&self, n: usize, d: usize) -> Option<u32> {
-        self.wgmma_attention_applies(n, d).then_some((2 * 208 * 128 + 2 * 224 * 128 + 4 * 208 * 128 + 2 * 224 * 4 + 1024) as u32)
+        self.wgmma_attention_applies(n, d).then_some((2 * 208 * 128 + 2 * 224 * 128 + 4 * 208 * 128 + 2 * 224 * 4 + 16 + 1024) as u32)
     }
 
     fn wgmma_attention_applies(&self, n: usize, d: usize) -> bool {
@@ -922,20 +922,28 @@ impl Cuda {
             let scale = 1.0 / (d as f32).sqrt();
             let scale_log2 = std::f32::consts::LOG2_E * scale;
             // The whole-head kernels (wgmma, or flash.cu's small ones) sum the qkv bias gradient.
-            let whole_head = match (self.wgmma_attention_backward(n, d), self.small_backward(n, d)) {
-                (Some(smem), _) => Some(("flash_bwd_wg_d64".to_string(), (512, 1, 1), smem)),
-                (None, Some((w, smem))) => Some((format!("flash_bwd_small_d{d}_w{w}"), (32 * w as u32, 1, 1), smem)),
-                (None, None) => None,
-            };
-            if let Some((name, block, smem)) = whole_head {
-                let (nn, hh) = (n as i32, h as i32);
+            // The wgmma one copies through tensor maps: 16-byte aligned bases.
+            let tma_ok = [dqkv.ptr, dout.ptr, qkv.ptr, out.ptr].iter().all(|p| p % 16 == 0);
+            let wgmma = self.wgmma_attention_backward(n, d).filter(|_| tma_ok);
+            let small = if wgmma.is_none() { self.small_backward(n, d) } else { None };
+            if wgmma.is_some() || small.is_some() {
+                let (nn, hh, c) = (n as i32, h as i32, h * d);
                 // with a bias: per-image [Σ dQ | Σ dV] rows (f32, 2·H·D each), reduced below
-                let c = h * d;
                 let part = match dbias {
                     Some(_) => self.partial_rows(b * 2 * c)?,
                     None => 0,
                 };
-                self.launch_dyn(&name, ((b * h) as u32, 1, 1), block, smem, &mut kargs![dqkv.ptr, out.ptr, dout.ptr, qkv.ptr, probs.ptr, nn, hh, scale, scale_log2, part])?;
+                if let Some(smem) = wgmma {
+                    let tm_kv = tensor_map_3d(qkv.ptr, 3 * c, n, b, 208)?;
+                    let tm_q = tensor_map_3d(qkv.ptr, 3 * c, n, b, 224)?;
+                    let tm_do = tensor_map_3d(dout.ptr, c, n, b, 224)?;
+                    let tm_o = tensor_map_3d(out.ptr, c, n, b, 224)?;
+                    let tm_dqkv = tensor_map_3d(dqkv.ptr, 3 * c, n, b, 64)?;
+                    self.launch_dyn("flash_bwd_wg_d64", ((b * h) as u32, 1, 1), (512, 1, 1), smem, &mut kargs![tm_kv, tm_q, tm_do, tm_o, tm_dqkv, probs.ptr, nn, hh, scale, scale_log2, part])?;
+                } else if let Some((w, smem)) = small {
+                    let name = format!("flash_bwd_small_d{d}_w{w}");
+                    self.launch_dyn(&name, ((b * h) as u32, 1, 1), (32 * w as u32, 1, 1), smem, &mut kargs![dqkv.ptr, out.ptr, dout.ptr, qkv.ptr, probs.ptr, nn, hh, scale, scale_log2, part])?;
+                }
                 if let Some(db) = dbias {
                     // q bias += Σ dQ, v bias += Σ dV; the k bias's gradient is zero
                     let dv = db + (2 * c * 4) as u64;
@@ -1272,6 +1280,41 @@ fn tensor_map_2d(ptr: CUdeviceptr, cols: usize, rows: usize, box_rows: u32) -> B
     };
     if r != cu::CUresult::CUDA_SUCCESS {
         return Err(BackendError::Device(format!("cuTensorMapEncodeTiled ({rows}×{cols} bf16): {r:?}")));
+    }
+    Ok(map)
+}
+
+/// A tensor map over a bf16 tensor (batches, rows, cols) with `cols` contiguous: boxes of 64
+/// columns × `box_rows` rows of one batch, 128-byte swizzle. Rows ≥ `rows` load as zeros and are
+/// never stored, so a box may run past the end of each batch's rows.
+fn tensor_map_3d(ptr: CUdeviceptr, cols: usize, rows: usize, batches: usize, box_rows: u32) -> BResult<cudarc::driver::sys::CUtensorMap> {
+    use cudarc::driver::sys as cu;
+    // SAFETY: a plain-old-data struct the driver fills in below.
+    let mut map: cu::CUtensorMap = unsafe { std::mem::zeroed() };
+    let dims = [cols as u64, rows as u64, batches as u64];
+    let strides = [(cols * 2) as u64, (cols * rows * 2) as u64];
+    let boxes = [64u32, box_rows, 1];
+    let elem = [1u32, 1u32, 1u32];
+    // SAFETY: out-pointer to a live CUtensorMap; the arrays hold rank (3) and rank − 1 entries;
+    // ptr is a 16-byte aligned device address (the caller checked) valid for the whole tensor.
+    let r = unsafe {
+        cu::cuTensorMapEncodeTiled(
+            &mut map,
+            cu::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            3,
+            ptr as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem.as_ptr(),
+            cu::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            cu::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            cu::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            cu::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if r != cu::CUresult::CUDA_SUCCESS {
+        return Err(BackendError::Device(format!("cuTensorMapEncodeTiled ({batches}×{rows}×{cols} bf16): {r:?}")));
     }
     Ok(map)
 }

@@ -570,17 +570,59 @@ extern "C" __global__ void __launch_bounds__(128, 2) flash_fwd_wg_d64(bf16* __re
 // Keys 197…255 of the last warpgroup: rows ≥ N of K, V are zero, rows past 208 read whatever
 // follows in shared memory (finite data); every score of a key or query ≥ N is replaced (not
 // multiplied) by zero, so nothing of those rows reaches a stored value. Queries pad to 224
-// (7 steps); dSᵀ columns 224…255 are never written, which only touches dQ rows ≥ N (not stored).
+// (7 steps); dSᵀ columns 224…254 are never written, which only touches dQ rows ≥ N (not stored).
+//
+// Copies go through the tensor-memory accelerator (3-D maps over (B, N, columns), so rows ≥ N
+// load as zeros and are never stored): one thread issues the head's K, V, Q, dO and O loads,
+// and each warpgroup hands its 64-row dK, dV and dQ tiles to TMA stores from swizzled shared
+// tiles (stmatrix). Nsight Compute on the per-thread form (cp.async loops in, 32-bit stores
+// out) had 8 % of the samples issuing the loads and 20 % storing dK, dV and waiting at the
+// barrier behind those stores. The dK, dV stores now overlap the dQ products.
+//
+// The qkv bias gradient costs no pass of its own: key row 255 (≥ N, never stored) gets P = 1
+// for every query < N and dS = 0, so its dV row is Σ dO (the v bias: each query's probabilities
+// sum to 1, so Σ dV = Σ dO); query column 255 of dSᵀ holds each key's Σ_q dS (summed in f32,
+// rounded once), so dQ row 255 is Σ dQ (the q bias; the k bias's gradient is exactly zero).
 #define FB_NK 208               // key rows staged (13 k-steps of dQ)
 #define FB_NQ 224               // query rows staged (7 steps of 32)
 #define FB_DS (FB_NK * 128)     // one 64-query column tile of dSᵀ (208 key rows)
-// dynamic shared memory: K, V (208 rows), Q, dO (224 rows), dSᵀ (4 tiles), lse2 and delta
-// (224 f32 each), 1 KiB of alignment slack
-#define FB_SMEM (2 * FB_NK * 128 + 2 * FB_NQ * 128 + 4 * FB_DS + 2 * FB_NQ * 4 + 1024)
+// dynamic shared memory: K, V (208 rows), Q, dO (224 rows), dSᵀ (4 tiles; O's rows before the
+// steps), lse2 and delta (224 f32 each), one mbarrier, 1 KiB of alignment slack
+#define FB_SMEM (2 * FB_NK * 128 + 2 * FB_NQ * 128 + 4 * FB_DS + 2 * FB_NQ * 4 + 16 + 1024)
 
-// bias_part (optional, may be 0): the qkv bias gradient's per-image partial sums as in
-// flash_bwd_small (row b of 2·H·D f32 = [Σ dQ | Σ dO] over the image's tokens).
-extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_d64(bf16* __restrict__ dqkv, const bf16* __restrict__ out, const bf16* __restrict__ dout, const bf16* __restrict__ qkv, const float* __restrict__ lse2, int n, int h, float scale, float scale_log2, float* __restrict__ bias_part) {
+// The box at (c0, c1, c2) of a 3-D `map` into shared `dst`, completing on `bar`.
+__device__ __forceinline__ void ht_tma_load3(unsigned dst, const HgTmap* map, int c0, int c1, int c2, unsigned bar) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+                 ::"r"(dst), "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
+}
+// Shared `src` to the box at (c0, c1, c2) of a 3-D `map` (elements outside the tensor are not
+// written), in the thread's current bulk group.
+__device__ __forceinline__ void ht_tma_store3(const HgTmap* map, int c0, int c1, int c2, unsigned src) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n"
+                 ::"l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(c2), "r"(src) : "memory");
+}
+// Four 8×8 b16 matrices from mma fragments (lane l: row l / 4, columns 2(l % 4)…) into shared
+// memory; lanes 8i…8i + 7 give the row addresses of matrix i.
+__device__ __forceinline__ void stsm_x4(unsigned addr, unsigned r0, unsigned r1, unsigned r2, unsigned r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+// A warpgroup's 64×64 f32 accumulator (times `mul`) as bf16 into a 128-byte-swizzled tile of 64
+// rows at `tile` (1024-byte aligned): warp wi's rows 16wi…, by stmatrix.
+__device__ __forceinline__ void fb_stage_tile(unsigned tile, const float (&acc)[32], float mul, int wi, int lane) {
+    const int mi = lane >> 3, row = wi * 16 + (mi & 1) * 8 + (lane & 7);
+    #pragma unroll
+    for (int j = 0; j < 8; j += 2)
+        stsm_x4(tile + sw128(row, j + (mi >> 1)),
+                f2bf2(acc[4 * j] * mul, acc[4 * j + 1] * mul), f2bf2(acc[4 * j + 2] * mul, acc[4 * j + 3] * mul),
+                f2bf2(acc[4 * j + 4] * mul, acc[4 * j + 5] * mul), f2bf2(acc[4 * j + 6] * mul, acc[4 * j + 7] * mul));
+}
+
+// Tensor maps (`tensor_map_3d`, 64-column boxes, 128-byte swizzle): tm_kv and tm_q over qkv
+// (B, N, 3·H·D) with 208- and 224-row boxes, tm_do and tm_o over dout and out (B, N, H·D) with
+// 224-row boxes, tm_dqkv over dqkv (B, N, 3·H·D) with 64-row boxes. bias_part (optional, may
+// be 0): the qkv bias gradient's per-image partial sums as in flash_bwd_small (row b of
+// 2·H·D f32 = [Σ dQ | Σ dO] over the image's tokens).
+extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_d64(const __grid_constant__ HgTmap tm_kv, const __grid_constant__ HgTmap tm_q, const __grid_constant__ HgTmap tm_do, const __grid_constant__ HgTmap tm_o, const __grid_constant__ HgTmap tm_dqkv, const float* __restrict__ lse2, int n, int h, float scale, float scale_log2, float* __restrict__ bias_part) {
     constexpr int D = 64;
     extern __shared__ unsigned char fb_raw[];
     const unsigned raw = smem_u32(fb_raw);
@@ -593,34 +635,33 @@ extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_d64(bf16* __re
     float* slse = (float*)(dsp + 4 * FB_DS);
     float* sdelta = slse + FB_NQ;
     const unsigned sk = sbase, sv = sk + FB_NK * 128, sq = sv + FB_NK * 128, sdo = sq + FB_NQ * 128, sds = sdo + FB_NQ * 128;
+    const unsigned bar = smem_u32(sdelta + FB_NQ);
     // wg through a shuffle: known warp-uniform, so the wgmma descriptors stay in uniform registers
     const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0), wi = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int bh = blockIdx.x, bi = bh / h, hi = bh - bi * h;
-    const i64 stride = (i64)3 * h * D, ostride = (i64)h * D;
-    const bf16* qg = qkv + (i64)bi * n * stride + hi * D;
-    const i64 obase = (i64)bi * n * ostride + hi * D;
-    fw_load_rows<512>(kp, qg + h * D, stride, FB_NK, n);
-    fw_load_rows<512>(vp, qg + 2 * h * D, stride, FB_NK, n);
-    fw_load_rows<512>(qp, qg, stride, FB_NQ, n);
-    fw_load_rows<512>(dop, dout + obase, ostride, FB_NQ, n);
+    if (tid == 0) {
+        ht_mbar_init(bar, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        ht_mbar_expect_tx(bar, 2 * FB_NK * 128 + 3 * FB_NQ * 128);
+        ht_tma_load3(sk, &tm_kv, (h + hi) * D, 0, bi, bar);
+        ht_tma_load3(sv, &tm_kv, (2 * h + hi) * D, 0, bi, bar);
+        ht_tma_load3(sq, &tm_q, hi * D, 0, bi, bar);
+        ht_tma_load3(sdo, &tm_do, hi * D, 0, bi, bar);
+        ht_tma_load3(sds, &tm_o, hi * D, 0, bi, bar);  // O's rows where dSᵀ goes later
+    }
     for (int i = tid; i < FB_NQ; i += 512) cp_async4(slse + i, i < n ? lse2 + (i64)bh * n + i : lse2, i < n);
     cp_async_commit();
-    // delta = rowsum(dO ∘ O): two threads per query row, O's half row loaded while the copies fly
-    const int dr = tid >> 1, dhalf = tid & 1;
-    uint4 orow[4];
-    if (dr < FB_NQ) {
-        const uint4* src = (const uint4*)(out + obase + (i64)(dr < n ? dr : 0) * ostride + dhalf * 32);
-        #pragma unroll
-        for (int c = 0; c < 4; c++) orow[c] = dr < n ? src[c] : make_uint4(0u, 0u, 0u, 0u);
-    }
     cp_async_wait<0>();
-    __syncthreads();
+    __syncthreads();  // the mbarrier's initialization before anyone waits on it; slse complete
+    ht_mbar_wait(bar, 0);
+    // delta = rowsum(dO ∘ O): two threads per query row
+    const int dr = tid >> 1, dhalf = tid & 1;
     if (dr < FB_NQ) {
         float part = 0.f;
         #pragma unroll
         for (int c = 0; c < 4; c++) {
-            const uint4 x = *(const uint4*)(dop + sw128(dr, dhalf * 4 + c));
-            const unsigned xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {orow[c].x, orow[c].y, orow[c].z, orow[c].w};
+            const uint4 x = *(const uint4*)(dop + sw128(dr, dhalf * 4 + c)), y = *(const uint4*)(dsp + sw128(dr, dhalf * 4 + c));
+            const unsigned xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
             #pragma unroll
             for (int e = 0; e < 4; e++) {
                 part += lo16(xs[e]) * lo16(ys[e]);
@@ -630,14 +671,15 @@ extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_d64(bf16* __re
         const float sum = part + __shfl_xor_sync(0xffffffffu, part, 1);
         if (dhalf == 0) sdelta[dr] = sum;
     }
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
+    __syncthreads();  // delta complete; O's rows read (dSᵀ may overwrite them)
 
     // this thread's key rows (accumulator rows g and g + 8 of warp wi in warpgroup wg)
     const int kr0 = wg * 64 + wi * 16 + g, kr1 = kr0 + 8;
+    const bool ones = kr1 == 255;  // the v-bias row: P = 1 for every query < N
     float dk[32], dv[32];
     #pragma unroll
     for (int k = 0; k < 32; k++) dk[k] = dv[k] = 0.f;
+    float cs0 = 0.f, cs1 = 0.f;  // Σ_q dS of keys kr0, kr1 (this lane's queries)
     const unsigned long long dka = hg_desc(sk + wg * 64 * 128), dva = hg_desc(sv + wg * 64 * 128);
     #pragma unroll 1
     for (int q0 = 0; q0 < FB_NQ; q0 += 32) {
@@ -661,9 +703,11 @@ extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_d64(bf16* __re
             for (int e = 0; e < 4; e++) {
                 const int q = q0 + 8 * j + 2 * t + (e & 1);
                 const bool ok = (e < 2 ? kr0 : kr1) < n && q < n;
-                p[e] = ok ? exp2f(fmaf(st[4 * j + e], scale_log2, -slse[q])) : 0.f;
+                p[e] = ok ? exp2f(fmaf(st[4 * j + e], scale_log2, -slse[q])) : (e >= 2 && ones && q < n ? 1.f : 0.f);
                 ds[e] = ok ? p[e] * (dpt[4 * j + e] - sdelta[q]) : 0.f;
             }
+            cs0 += ds[0] + ds[1];
+            cs1 += ds[2] + ds[3];
             // queries 16kk… as the A fragment: n8 block 2kk → a[0], a[1]; 2kk + 1 → a[2], a[3]
             pa[j >> 1][(j & 1) * 2] = f2bf2(p[0], p[1]);
             pa[j >> 1][(j & 1) * 2 + 1] = f2bf2(p[2], p[3]);
@@ -684,25 +728,18 @@ extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_d64(bf16* __re
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     }
-    // dK (times the softmax scale) and dV of keys kr0, kr1 into dqkv (B, N, 3, H, D)
-    bf16* dkg = dqkv + (i64)bi * n * stride + h * D + hi * D + 2 * t;
-    bf16* dvg = dkg + h * D;
-    if (kr0 < n) {
-        #pragma unroll
-        for (int j = 0; j < D / 8; j++) {
-            *(unsigned*)(dkg + kr0 * stride + 8 * j) = f2bf2(dk[4 * j] * scale, dk[4 * j + 1] * scale);
-            *(unsigned*)(dvg + kr0 * stride + 8 * j) = f2bf2(dv[4 * j], dv[4 * j + 1]);
-        }
-    }
-    if (kr1 < n) {
-        #pragma unroll
-        for (int j = 0; j < D / 8; j++) {
-            *(unsigned*)(dkg + kr1 * stride + 8 * j) = f2bf2(dk[4 * j + 2] * scale, dk[4 * j + 3] * scale);
-            *(unsigned*)(dvg + kr1 * stride + 8 * j) = f2bf2(dv[4 * j + 2], dv[4 * j + 3]);
-        }
+    // Σ_q dS per key into query column 255 (dSᵀ tile 3, column 63), which no query < N uses
+    cs0 += __shfl_xor_sync(0xffffffffu, cs0, 1);
+    cs0 += __shfl_xor_sync(0xffffffffu, cs0, 2);
+    cs1 += __shfl_xor_sync(0xffffffffu, cs1, 1);
+    cs1 += __shfl_xor_sync(0xffffffffu, cs1, 2);
+    if (t == 0) {
+        unsigned char* tile = dsp + 3 * FB_DS;
+        if (kr0 < FB_NK) *(bf16*)(tile + sw128(kr0, 7) + 7 * 2) = f2bf(cs0);
+        if (kr1 < FB_NK) *(bf16*)(tile + sw128(kr1, 7) + 7 * 2) = f2bf(cs1);
     }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();  // dSᵀ complete
+    __syncthreads();  // dSᵀ complete; K, V, Q, dO no longer read by the steps
     // dQ of queries 64·wg… over every key: A = dS (dSᵀ tile wg, MN-major), B = K (MN-major)
     float dq[32];
     #pragma unroll
@@ -711,59 +748,45 @@ extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_d64(bf16* __re
     #pragma unroll
     for (int kk = 0; kk < FB_NK / 16; kk++) wgmma_m64n64k16_tt(dq, hg_desc(sds + wg * FB_DS + kk * 2048), hg_desc(sk + kk * 2048));
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    // meanwhile dK (times the softmax scale) and dV of keys 64·wg… out through shared tiles in
+    // V's, Q's and dO's place (8 KiB each, from V's start)
+    const unsigned tk = sv + wg * 2 * 8192, tv = tk + 8192;
+    fb_stage_tile(tk, dk, scale, wi, lane);
+    fb_stage_tile(tv, dv, 1.f, wi, lane);
+    if (bias_part && ones) {  // (warp-uniform condition false for all but one warp: g == 7 lanes only)
+        float* row = bias_part + (i64)bi * 2 * h * D + h * D + hi * D + 2 * t;
+        #pragma unroll
+        for (int j = 0; j < D / 8; j++) {
+            row[8 * j] = dv[4 * j + 2];
+            row[8 * j + 1] = dv[4 * j + 3];
+        }
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+    const bool issuer = (tid & 127) == 0;
+    if (issuer) {
+        ht_tma_store3(&tm_dqkv, (h + hi) * D, wg * 64, bi, tk);
+        ht_tma_store3(&tm_dqkv, (2 * h + hi) * D, wg * 64, bi, tv);
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+    }
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    const int qr0 = wg * 64 + wi * 16 + g, qr1 = qr0 + 8;
-    bf16* dqg = dqkv + (i64)bi * n * stride + hi * D + 2 * t;
-    if (qr0 < n) {
+    // dQ through this warpgroup's dSᵀ tile, which only its own (finished) products read
+    const unsigned tq = sds + wg * FB_DS;
+    fb_stage_tile(tq, dq, scale, wi, lane);
+    if (bias_part && wg == 3 && wi == 3 && g == 7) {  // dQ row 255: Σ_q dQ
+        float* row = bias_part + (i64)bi * 2 * h * D + hi * D + 2 * t;
         #pragma unroll
-        for (int j = 0; j < D / 8; j++) *(unsigned*)(dqg + qr0 * stride + 8 * j) = f2bf2(dq[4 * j] * scale, dq[4 * j + 1] * scale);
-    }
-    if (qr1 < n) {
-        #pragma unroll
-        for (int j = 0; j < D / 8; j++) *(unsigned*)(dqg + qr1 * stride + 8 * j) = f2bf2(dq[4 * j + 2] * scale, dq[4 * j + 3] * scale);
-    }
-    if (!bias_part) return;  // (block-uniform)
-    // Column sums in Q's place (no longer read): per warp, dQ's over its 16 rows (zero past n);
-    // per group of 32 threads, dO's over rows gr, gr + 16, … (zero-filled past n); then fixed-
-    // order sums over the 16 warps and groups (deterministic).
-    float* sbq = (float*)qp;        // 16 × 64
-    float* sbv = sbq + 16 * D;      // 16 × 64
-    const int w16 = tid >> 5;
-    #pragma unroll
-    for (int j = 0; j < D / 8; j++) {
-        float c0 = (qr0 < n ? dq[4 * j] : 0.f) + (qr1 < n ? dq[4 * j + 2] : 0.f);
-        float c1 = (qr0 < n ? dq[4 * j + 1] : 0.f) + (qr1 < n ? dq[4 * j + 3] : 0.f);
-        #pragma unroll
-        for (int o = 4; o < 32; o <<= 1) {
-            c0 += __shfl_xor_sync(0xffffffffu, c0, o);
-            c1 += __shfl_xor_sync(0xffffffffu, c1, o);
-        }
-        if (g == 0) {
-            sbq[w16 * D + 8 * j + 2 * t] = c0;
-            sbq[w16 * D + 8 * j + 2 * t + 1] = c1;
+        for (int j = 0; j < D / 8; j++) {
+            row[8 * j] = dq[4 * j + 2] * scale;
+            row[8 * j + 1] = dq[4 * j + 3] * scale;
         }
     }
-    {
-        const int cp = lane;  // column pair 2cp, 2cp + 1
-        float v0 = 0.f, v1 = 0.f;
-        for (int r = w16; r < FB_NQ; r += 16) {
-            const unsigned u = *(const unsigned*)(dop + sw128(r, cp >> 2) + (2 * cp & 7) * 2);
-            v0 += lo16(u);
-            v1 += hi16(u);
-        }
-        sbv[w16 * D + 2 * cp] = v0;
-        sbv[w16 * D + 2 * cp + 1] = v1;
-    }
-    __syncthreads();
-    if (tid < D) {
-        float bq = 0.f, bv = 0.f;
-        #pragma unroll
-        for (int w = 0; w < 16; w++) {
-            bq += sbq[w * D + tid];
-            bv += sbv[w * D + tid];
-        }
-        float* row = bias_part + (i64)bi * 2 * h * D + hi * D + tid;
-        row[0] = bq * scale;
-        row[(i64)h * D] = bv;
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+    if (issuer) {
+        ht_tma_store3(&tm_dqkv, hi * D, wg * 64, bi, tq);
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+        // the block's shared memory must outlive the copies' reads
+        asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
     }
 }
