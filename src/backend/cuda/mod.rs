@@ -597,7 +597,7 @@ impl Cuda {
     /// only: a head per block, 64 queries at a time against every key in one accumulator), when it applies:
     /// path `fused`, D = 64, 193 ≤ N ≤ 208. Mirrors FW_SMEM.
     fn wgmma_attention_forward(&self, n: usize, d: usize) -> Option<u32> {
-        self.wgmma_attention_applies(n, d).then_some((2 * 64 * 128 + 2 * 208 * 128 + 1024) as u32)
+        self.wgmma_attention_applies(n, d).then_some((2 * 64 * 128 + 2 * 208 * 128 + 16 + 1024) as u32)
     }
 
     /// Dynamic shared memory of the wgmma attention backward `flash_bwd_wg_d64` (hopper.cu: a
@@ -1751,8 +1751,13 @@ impl Backend for Cuda {
             check_grid(OP, b * h)?;
             let scale_log2 = std::f32::consts::LOG2_E / (d as f32).sqrt();
             let (nn, hh) = (n as i32, h as i32);
-            if let Some(smem) = self.wgmma_attention_forward(n, d) {
-                return self.launch_dyn("flash_fwd_wg_d64", ((b * h) as u32, 1, 1), (128, 1, 1), smem, &mut kargs![out.ptr, probs.ptr, qkv.ptr, nn, hh, scale_log2]);
+            // (the wgmma kernel copies through tensor maps: 16-byte aligned bases)
+            if let (Some(smem), true) = (self.wgmma_attention_forward(n, d), qkv.ptr % 16 == 0 && out.ptr % 16 == 0) {
+                let c = h * d;
+                let tm_kv = tensor_map_3d(qkv.ptr, 3 * c, n, b, 208)?;
+                let tm_q = tensor_map_3d(qkv.ptr, 3 * c, n, b, 64)?;
+                let tm_out = tensor_map_3d(out.ptr, c, n, b, 64)?;
+                return self.launch_dyn("flash_fwd_wg_d64", ((b * h) as u32, 1, 1), (128, 1, 1), smem, &mut kargs![tm_kv, tm_q, tm_out, probs.ptr, nn, hh, scale_log2]);
             }
             if let Some((w, smem, _)) = self.small_attention(n, d) {
                 let block = (32 * w as u32, 1, 1);

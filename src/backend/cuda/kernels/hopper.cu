@@ -440,70 +440,97 @@ extern "C" __global__ void __launch_bounds__(512, 1) gemm_dgelu_mul_ws_w(bf16* _
 // every key is seen at once: S = Q·Kᵀ is one m64n208 accumulator (104 f32 per thread), so the
 // softmax is exact — no running maximum, no rescaling — and O = P·V takes P straight from
 // registers (the A operand) against V read in its stored layout (MN-major B: key rows of 64
-// dims). Q (double-buffered, the next tile in flight while this one computes), K and V come in
-// by cp.async into 128-byte-swizzled rows (16-byte chunk c of row r at c ^ (r % 8), the layout
-// hg_desc names); keys and queries ≥ N are zero rows (scores of keys ≥ N are −∞ before the
-// softmax; rows ≥ N are not stored). Output and saved state as flash_fwd_*: out (B, N, H·D),
-// lse2 = m + log2(l) in base 2 with m the row maximum of s·scale·log2(e).
+// dims). Copies go through the tensor-memory accelerator (3-D maps over (B, N, columns): rows
+// ≥ N load as zeros and are never stored) into 128-byte-swizzled rows (16-byte chunk c of row r
+// at c ^ (r % 8), the layout hg_desc names): K, V and the first two Q tiles at the start, each
+// later Q tile into the buffer the tile before last used, as soon as that tile's output has
+// left it — the output tile goes out through its own Q buffer (stmatrix, then a TMA store).
+// Scores of keys ≥ N are −∞ before the softmax. Output and saved state as flash_fwd_*: out
+// (B, N, H·D), lse2 = m + log2(l) in base 2 with m the row maximum of s·scale·log2(e).
 #define FW_NK 208
-// dynamic shared memory: two Q tiles (64 rows), K and V (208 rows), 1 KiB of alignment slack
-#define FW_SMEM (2 * 64 * 128 + 2 * FW_NK * 128 + 1024)
+// dynamic shared memory: two Q tiles (64 rows), K and V (208 rows), two mbarriers, 1 KiB of
+// alignment slack
+#define FW_SMEM (2 * 64 * 128 + 2 * FW_NK * 128 + 16 + 1024)
 
 // Byte offset of 16-byte chunk c of row r in a tile of 128-byte rows with the 128-byte swizzle.
 __device__ __forceinline__ unsigned sw128(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
 
-// `rows` rows of 64 bf16 (row stride `stride`, rows ≥ n zero-filled) into a swizzled tile, by
-// the block's THREADS threads.
-template <int THREADS = 128>
-__device__ __forceinline__ void fw_load_rows(unsigned char* dst, const bf16* src, i64 stride, int rows, int n) {
-    for (int i = threadIdx.x; i < rows * 8; i += THREADS) {
-        const int r = i >> 3, c = i & 7;
-        cp_async16(dst + sw128(r, c), r < n ? src + (i64)r * stride + c * 8 : src, r < n);
-    }
+// The box at (c0, c1, c2) of a 3-D `map` into shared `dst`, completing on `bar`.
+__device__ __forceinline__ void ht_tma_load3(unsigned dst, const HgTmap* map, int c0, int c1, int c2, unsigned bar) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+                 ::"r"(dst), "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
+}
+// Shared `src` to the box at (c0, c1, c2) of a 3-D `map` (elements outside the tensor are not
+// written), in the thread's current bulk group.
+__device__ __forceinline__ void ht_tma_store3(const HgTmap* map, int c0, int c1, int c2, unsigned src) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n"
+                 ::"l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(c2), "r"(src) : "memory");
+}
+// Four 8×8 b16 matrices from mma fragments (lane l: row l / 4, columns 2(l % 4)…) into shared
+// memory; lanes 8i…8i + 7 give the row addresses of matrix i.
+__device__ __forceinline__ void stsm_x4(unsigned addr, unsigned r0, unsigned r1, unsigned r2, unsigned r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+// A warpgroup's 64×64 f32 accumulator as bf16 into a 128-byte-swizzled tile of 64 rows at
+// `tile` (1024-byte aligned), by stmatrix: warp wi's rows 16wi + g times m0, rows 16wi + g + 8
+// times m1.
+__device__ __forceinline__ void wg_stage_tile(unsigned tile, const float (&acc)[32], float m0, float m1, int wi, int lane) {
+    const int mi = lane >> 3, row = wi * 16 + (mi & 1) * 8 + (lane & 7);
+    #pragma unroll
+    for (int j = 0; j < 8; j += 2)
+        stsm_x4(tile + sw128(row, j + (mi >> 1)),
+                f2bf2(acc[4 * j] * m0, acc[4 * j + 1] * m0), f2bf2(acc[4 * j + 2] * m1, acc[4 * j + 3] * m1),
+                f2bf2(acc[4 * j + 4] * m0, acc[4 * j + 5] * m0), f2bf2(acc[4 * j + 6] * m1, acc[4 * j + 7] * m1));
 }
 
-// Two blocks per SM: capped at three (168 registers) it spills 132 bytes and runs no faster
-// (ViT-B/16 micro 256 on an H200: 2.47 vs 2.52 ms per step for the twelve layers).
-extern "C" __global__ void __launch_bounds__(128, 2) flash_fwd_wg_d64(bf16* __restrict__ out, float* __restrict__ lse2, const bf16* __restrict__ qkv, int n, int h, float scale_log2) {
+// Three blocks per SM (168 registers; ptxas spills one 4-byte value): 1.67 against 1.98 ms per
+// ViT-B/16 micro 256 step for the twelve layers at two (H200). With per-thread cp.async copies
+// three spilled 132 bytes and ran no faster (2.47 vs 2.52 ms). Tensor maps
+// (`tensor_map_3d`, 64-column boxes, 128-byte swizzle): tm_kv over qkv (B, N, 3·H·D) with
+// 208-row boxes, tm_q the same with 64-row boxes, tm_out over out (B, N, H·D) with 64-row boxes.
+extern "C" __global__ void __launch_bounds__(128, 3) flash_fwd_wg_d64(const __grid_constant__ HgTmap tm_kv, const __grid_constant__ HgTmap tm_q, const __grid_constant__ HgTmap tm_out, float* __restrict__ lse2, int n, int h, float scale_log2) {
     constexpr int D = 64;
     extern __shared__ unsigned char fw_raw[];
     const unsigned raw = smem_u32(fw_raw);
     const unsigned sbase = (raw + 1023u) & ~1023u;  // swizzled tiles start 1024-byte aligned
-    unsigned char* qp = fw_raw + (sbase - raw);     // two Q tiles of 8 KiB
-    unsigned char* kp = qp + 2 * 64 * 128;
-    unsigned char* vp = kp + FW_NK * 128;
+    const unsigned sq = sbase, sk = sq + 2 * 64 * 128, sv = sk + FW_NK * 128, full0 = sv + FW_NK * 128;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int bh = blockIdx.x, bi = bh / h, hi = bh - bi * h;
-    const i64 stride = (i64)3 * h * D, ostride = (i64)h * D;
-    const bf16* qg = qkv + (i64)bi * n * stride + hi * D;
-    fw_load_rows(kp, qg + h * D, stride, FW_NK, n);
-    fw_load_rows(vp, qg + 2 * h * D, stride, FW_NK, n);
-    fw_load_rows(qp, qg, stride, 64, n);
-    cp_async_commit();
-    const unsigned long long dk = hg_desc(sbase + 2 * 64 * 128), dv = hg_desc(sbase + 2 * 64 * 128 + FW_NK * 128);
     const int nq = (n + 63) / 64;
-    for (int qt = 0; qt < nq; qt++) {
-        const int q0 = qt * 64;
-        __syncthreads();  // every warp's products of tile qt − 1 are done: its Q buffer is free
-        if (qt + 1 < nq) {
-            fw_load_rows(qp + ((qt + 1) & 1) * 64 * 128, qg + (i64)(q0 + 64) * stride, stride, 64, n - q0 - 64);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
+    if (tid == 0) {
+        ht_mbar_init(full0, 1);
+        ht_mbar_init(full0 + 8, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        ht_mbar_expect_tx(full0, 2 * FW_NK * 128 + 64 * 128);
+        ht_tma_load3(sk, &tm_kv, (h + hi) * D, 0, bi, full0);
+        ht_tma_load3(sv, &tm_kv, (2 * h + hi) * D, 0, bi, full0);
+        ht_tma_load3(sq, &tm_q, hi * D, 0, bi, full0);
+        if (nq > 1) {
+            ht_mbar_expect_tx(full0 + 8, 64 * 128);
+            ht_tma_load3(sq + 64 * 128, &tm_q, hi * D, 64, bi, full0 + 8);
         }
-        // the tensor cores read shared memory through the async proxy: order the copies first
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();
+    }
+    __syncthreads();  // the mbarriers' initialization before anyone waits on them
+    const unsigned long long dk = hg_desc(sk), dv = hg_desc(sv);
+    for (int qt = 0; qt < nq; qt++) {
+        const int q0 = qt * 64, buf = qt & 1;
+        const unsigned sqt = sq + buf * 64 * 128;
+        ht_mbar_wait(full0 + 8 * buf, (qt >> 1) & 1);
 
         float s[104];
         #pragma unroll
         for (int k = 0; k < 104; k++) s[k] = 0.f;
-        const unsigned long long dq = hg_desc(sbase + (qt & 1) * 64 * 128);
+        const unsigned long long dq = hg_desc(sqt);
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
         #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) wgmma_m64n208k16(s, dq + 2 * kk, dk + 2 * kk);
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        if (tid == 0 && qt >= 1 && qt + 1 < nq) {
+            // tile qt + 1 into the other buffer once tile qt − 1's output has left it
+            asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+            ht_mbar_expect_tx(full0 + 8 * (buf ^ 1), 64 * 128);
+            ht_tma_load3(sq + (buf ^ 1) * 64 * 128, &tm_q, hi * D, q0 + 64, bi, full0 + 8 * (buf ^ 1));
+        }
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 
         // value 4j + {0,1}: row 16·warp + g, keys 8j + 2t + {0,1}; 4j + {2,3}: the row 8 below
@@ -545,19 +572,21 @@ extern "C" __global__ void __launch_bounds__(128, 2) flash_fwd_wg_d64(bf16* __re
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 
         const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
-        const float inv0 = 1.f / l0, inv1 = 1.f / l1;
-        bf16* og = out + (i64)bi * n * ostride + hi * D + 2 * t;
-        if (r0 < n) {
-            #pragma unroll
-            for (int j = 0; j < D / 8; j++) *(unsigned*)(og + r0 * ostride + 8 * j) = f2bf2(o[4 * j] * inv0, o[4 * j + 1] * inv0);
-            if (t == 0) lse2[(i64)bh * n + r0] = mb0 + __log2f(l0);
+        if (t == 0) {
+            if (r0 < n) lse2[(i64)bh * n + r0] = mb0 + __log2f(l0);
+            if (r1 < n) lse2[(i64)bh * n + r1] = mb1 + __log2f(l1);
         }
-        if (r1 < n) {
-            #pragma unroll
-            for (int j = 0; j < D / 8; j++) *(unsigned*)(og + r1 * ostride + 8 * j) = f2bf2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
-            if (t == 0) lse2[(i64)bh * n + r1] = mb1 + __log2f(l1);
+        __syncthreads();  // every warp's Q·Kᵀ has read this Q buffer
+        wg_stage_tile(sqt, o, 1.f / l0, 1.f / l1, warp, lane);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        if (tid == 0) {
+            ht_tma_store3(&tm_out, hi * D, q0, bi, sqt);
+            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
         }
     }
+    // the block's shared memory must outlive the last copies' reads
+    if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 }
 
 // ---- Attention backward on wgmma for 193 ≤ N ≤ 208 at D = 64 ----
@@ -589,33 +618,6 @@ extern "C" __global__ void __launch_bounds__(128, 2) flash_fwd_wg_d64(bf16* __re
 // dynamic shared memory: K, V (208 rows), Q, dO (224 rows), dSᵀ (4 tiles; O's rows before the
 // steps), lse2 and delta (224 f32 each), one mbarrier, 1 KiB of alignment slack
 #define FB_SMEM (2 * FB_NK * 128 + 2 * FB_NQ * 128 + 4 * FB_DS + 2 * FB_NQ * 4 + 16 + 1024)
-
-// The box at (c0, c1, c2) of a 3-D `map` into shared `dst`, completing on `bar`.
-__device__ __forceinline__ void ht_tma_load3(unsigned dst, const HgTmap* map, int c0, int c1, int c2, unsigned bar) {
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
-                 ::"r"(dst), "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
-}
-// Shared `src` to the box at (c0, c1, c2) of a 3-D `map` (elements outside the tensor are not
-// written), in the thread's current bulk group.
-__device__ __forceinline__ void ht_tma_store3(const HgTmap* map, int c0, int c1, int c2, unsigned src) {
-    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n"
-                 ::"l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(c2), "r"(src) : "memory");
-}
-// Four 8×8 b16 matrices from mma fragments (lane l: row l / 4, columns 2(l % 4)…) into shared
-// memory; lanes 8i…8i + 7 give the row addresses of matrix i.
-__device__ __forceinline__ void stsm_x4(unsigned addr, unsigned r0, unsigned r1, unsigned r2, unsigned r3) {
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
-}
-// A warpgroup's 64×64 f32 accumulator (times `mul`) as bf16 into a 128-byte-swizzled tile of 64
-// rows at `tile` (1024-byte aligned): warp wi's rows 16wi…, by stmatrix.
-__device__ __forceinline__ void fb_stage_tile(unsigned tile, const float (&acc)[32], float mul, int wi, int lane) {
-    const int mi = lane >> 3, row = wi * 16 + (mi & 1) * 8 + (lane & 7);
-    #pragma unroll
-    for (int j = 0; j < 8; j += 2)
-        stsm_x4(tile + sw128(row, j + (mi >> 1)),
-                f2bf2(acc[4 * j] * mul, acc[4 * j + 1] * mul), f2bf2(acc[4 * j + 2] * mul, acc[4 * j + 3] * mul),
-                f2bf2(acc[4 * j + 4] * mul, acc[4 * j + 5] * mul), f2bf2(acc[4 * j + 6] * mul, acc[4 * j + 7] * mul));
-}
 
 // Tensor maps (`tensor_map_3d`, 64-column boxes, 128-byte swizzle): tm_kv and tm_q over qkv
 // (B, N, 3·H·D) with 208- and 224-row boxes, tm_do and tm_o over dout and out (B, N, H·D) with
@@ -751,8 +753,8 @@ extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_d64(const __gr
     // meanwhile dK (times the softmax scale) and dV of keys 64·wg… out through shared tiles in
     // V's, Q's and dO's place (8 KiB each, from V's start)
     const unsigned tk = sv + wg * 2 * 8192, tv = tk + 8192;
-    fb_stage_tile(tk, dk, scale, wi, lane);
-    fb_stage_tile(tv, dv, 1.f, wi, lane);
+    wg_stage_tile(tk, dk, scale, scale, wi, lane);
+    wg_stage_tile(tv, dv, 1.f, 1.f, wi, lane);
     if (bias_part && ones) {  // (warp-uniform condition false for all but one warp: g == 7 lanes only)
         float* row = bias_part + (i64)bi * 2 * h * D + h * D + hi * D + 2 * t;
         #pragma unroll
@@ -772,7 +774,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_d64(const __gr
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     // dQ through this warpgroup's dSᵀ tile, which only its own (finished) products read
     const unsigned tq = sds + wg * FB_DS;
-    fb_stage_tile(tq, dq, scale, wi, lane);
+    wg_stage_tile(tq, dq, scale, scale, wi, lane);
     if (bias_part && wg == 3 && wi == 3 && g == 7) {  // dQ row 255: Σ_q dQ
         float* row = bias_part + (i64)bi * 2 * h * D + hi * D + 2 * t;
         #pragma unroll
