@@ -1253,57 +1253,41 @@ fn linear_shape(rows: usize, ic: usize, oc: usize, bias: bool, accumulate: bool)
 /// `ptr`) read in boxes of `box_rows` rows × 64 columns with the 128-byte swizzle (the layout
 /// the Hopper kernels' wgmma descriptors name); rows past the end read as zeros.
 fn tensor_map_2d(ptr: CUdeviceptr, cols: usize, rows: usize, box_rows: u32) -> BResult<cudarc::driver::sys::CUtensorMap> {
-    use cudarc::driver::sys as cu;
-    // SAFETY: a plain-old-data struct the driver fills in below.
-    let mut map: cu::CUtensorMap = unsafe { std::mem::zeroed() };
-    let dims = [cols as u64, rows as u64];
-    let strides = [(cols * 2) as u64];
-    let boxes = [64u32, box_rows];
-    let elem = [1u32, 1u32];
-    // SAFETY: out-pointer to a live CUtensorMap; the arrays hold rank (2) and rank − 1 entries;
-    // ptr is a 16-byte aligned device address (the caller checked) valid for rows × cols bf16.
-    let r = unsafe {
-        cu::cuTensorMapEncodeTiled(
-            &mut map,
-            cu::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            2,
-            ptr as *mut c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            elem.as_ptr(),
-            cu::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            cu::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            cu::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            cu::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    };
-    if r != cu::CUresult::CUDA_SUCCESS {
-        return Err(BackendError::Device(format!("cuTensorMapEncodeTiled ({rows}×{cols} bf16): {r:?}")));
-    }
-    Ok(map)
+    tensor_map(ptr, &[cols, rows], &[64, box_rows])
 }
 
 /// A tensor map over a bf16 tensor (batches, rows, cols) with `cols` contiguous: boxes of 64
 /// columns × `box_rows` rows of one batch, 128-byte swizzle. Rows ≥ `rows` load as zeros and are
 /// never stored, so a box may run past the end of each batch's rows.
 fn tensor_map_3d(ptr: CUdeviceptr, cols: usize, rows: usize, batches: usize, box_rows: u32) -> BResult<cudarc::driver::sys::CUtensorMap> {
+    tensor_map(ptr, &[cols, rows, batches], &[64, box_rows, 1])
+}
+
+/// A tensor map over a dense bf16 tensor of `dims` (innermost first), boxes of `boxes`, 128-byte
+/// swizzle, elements outside the tensor read as zeros.
+fn tensor_map<const R: usize>(ptr: CUdeviceptr, dims: &[usize; R], boxes: &[u32; R]) -> BResult<cudarc::driver::sys::CUtensorMap> {
     use cudarc::driver::sys as cu;
     // SAFETY: a plain-old-data struct the driver fills in below.
     let mut map: cu::CUtensorMap = unsafe { std::mem::zeroed() };
-    let dims = [cols as u64, rows as u64, batches as u64];
-    let strides = [(cols * 2) as u64, (cols * rows * 2) as u64];
-    let boxes = [64u32, box_rows, 1];
-    let elem = [1u32, 1u32, 1u32];
-    // SAFETY: out-pointer to a live CUtensorMap; the arrays hold rank (3) and rank − 1 entries;
-    // ptr is a 16-byte aligned device address (the caller checked) valid for the whole tensor.
+    let sizes = dims.map(|d| d as u64);
+    // byte strides of dimensions 1… (dimension 0 is contiguous)
+    let mut strides = [0u64; R];
+    let mut stride = 2u64;
+    for i in 1..R {
+        stride *= sizes[i - 1];
+        strides[i - 1] = stride;
+    }
+    let elem = [1u32; R];
+    // SAFETY: out-pointer to a live CUtensorMap; the arrays hold rank (R) entries, of which the
+    // driver reads R − 1 strides; ptr is a 16-byte aligned device address (the caller checked)
+    // valid for the whole tensor.
     let r = unsafe {
         cu::cuTensorMapEncodeTiled(
             &mut map,
             cu::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            3,
+            R as u32,
             ptr as *mut c_void,
-            dims.as_ptr(),
+            sizes.as_ptr(),
             strides.as_ptr(),
             boxes.as_ptr(),
             elem.as_ptr(),
@@ -1314,7 +1298,7 @@ fn tensor_map_3d(ptr: CUdeviceptr, cols: usize, rows: usize, batches: usize, box
         )
     };
     if r != cu::CUresult::CUDA_SUCCESS {
-        return Err(BackendError::Device(format!("cuTensorMapEncodeTiled ({batches}×{rows}×{cols} bf16): {r:?}")));
+        return Err(BackendError::Device(format!("cuTensorMapEncodeTiled (bf16 {dims:?}, boxes {boxes:?}): {r:?}")));
     }
     Ok(map)
 }
