@@ -388,6 +388,8 @@ const LN_SUM_MAX_J: usize = 24;
 const FUSED_HEAD_DIMS: [usize; 2] = [32, 64];
 
 const THREADS: u32 = 256;
+/// Parameters per block of the optimizer kernels (8 rounds of their 4-element loads).
+const OPT_CHUNK: usize = 8 * 4 * THREADS as usize;
 
 impl Cuda {
     /// Opens GPU `index`: loads libraries, creates the context and stream, compiles (or loads
@@ -1936,8 +1938,21 @@ impl Cuda {
         if segs.is_empty() {
             segs.extend([0, p as i64, 1]);
         }
+        // One block per chunk of at most OPT_CHUNK parameters (grid.y): a grid sized for the
+        // longest segment left most blocks of the short ones (biases, LayerNorm) with nothing to
+        // do. Chunks stay within 65 535 blocks by growing with the parameter count.
+        let chunk = OPT_CHUNK.max(p.div_ceil(65_535)) as i64;
+        let segs: Vec<i64> = segs
+            .chunks(3)
+            .flat_map(|c| {
+                let (start, end, decay) = (c[0], c[1], c[2]);
+                (start..end).step_by(chunk as usize).flat_map(move |a| [a, (a + chunk).min(end), decay])
+            })
+            .collect();
         let nseg = segs.len() / 3;
-        let max_len = segs.chunks(3).map(|c| (c[1] - c[0]) as usize).max().unwrap_or(0);
+        if nseg == 0 {
+            return Ok(());  // no parameters
+        }
         let seg_ptr = {
             let mut cache = self.segments.lock().map_err(|_| BackendError::Device("segment cache poisoned".into()))?;
             if cache.as_ref().is_none_or(|(v, _)| *v != segs) {
@@ -1951,7 +1966,7 @@ impl Cuda {
             }
             cache.as_ref().map(|(_, b)| b.ptr).unwrap_or(0)
         };
-        let grid = ((max_len.div_ceil(THREADS as usize * 4)).clamp(1, 1024) as u32, nseg as u32, 1);
+        let grid = (1, nseg as u32, 1);
         let m = state.ptr;
         match *opt {
             OptimizerConfig::Adam { beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, .. } => {
