@@ -15,8 +15,12 @@ def key_peer(r):
 
 print("\n".join("- " + e for e in env))
 print()
-print("| model | micro | vitscale img/s | step ms | MFU | graph | recompute | peak GiB | peer | peer img/s | peer GiB | ratio |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+print("| model | micro | vitscale img/s | step ms | MFU | SM MHz (power-capped) | graph | recompute | peak GiB | peer | peer img/s | peer GiB | ratio |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+def clock(p):
+    """Mean SM clock and the share of NVML samples at the power cap (vitscale bench's telemetry)."""
+    return f"{p['sm_mhz_mean']:.0f} ({100 * p['power_capped']:.0f} %)" if p else "–"
 for r in ours:
     k = key_ours(r)
     ps = [p for p in peer if key_peer(p) == k] or [None]
@@ -26,8 +30,10 @@ for r in ours:
         pi = f"{p['img_per_s']:.0f}" if p else "–"
         pm = f"{p['max_mem_gib']:.2f}" if p else "–"
         ratio = f"{r['img_per_s'] / p['img_per_s']:.2f}×" if p else "–"
-        print(f"| {name} | {r['micro']} | {r['img_per_s']:.0f} | {r['step_ms']:.2f} | {100*r['mfu']:.1f}% | {r['graph']} | {r.get('recomputed', False)} | {r['peak_mem_gib']:.2f} | {pc} | {pi} | {pm} | {ratio} |")
+        print(f"| {name} | {r['micro']} | {r['img_per_s']:.0f} | {r['step_ms']:.2f} | {100*r['mfu']:.1f}% | {clock(r.get('gpu_power'))} | {r['graph']} | {r.get('recomputed', False)} | {r['peak_mem_gib']:.2f} | {pc} | {pi} | {pm} | {ratio} |")
 print()
-ceil = [r["ceiling_tflops"] for r in ours if r["ceiling_tflops"]]
+ceil = [r for r in ours if r["ceiling_tflops"]]
 if ceil:
-    print(f"Measured bf16 GEMM ceiling (cuBLASLt 8192³, random data): {max(ceil):.0f} TFLOP/s.")
+    best = max(ceil, key=lambda r: r["ceiling_tflops"])
+    at = f" at SM {clock(best.get('ceiling_gpu_power'))}" if best.get("ceiling_gpu_power") else ""
+    print(f"Measured bf16 GEMM ceiling (cuBLASLt 8192³, random data): {best['ceiling_tflops']:.0f} TFLOP/s{at}.")

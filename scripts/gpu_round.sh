@@ -17,6 +17,7 @@ grep -E "FAIL|checks,|layernorm|bias|gelu|add " "$O/selftest.log" | sed 's/  */ 
 b() { local to=$1 tag=$2; shift 2
   timeout $to "$BIN" bench --json "$@" > "$O/b_$tag.log" 2>&1; local rc=$?
   echo "== $tag rc $rc ($((SECONDS-t0)) s): $(grep -E 'ms/step' "$O/b_$tag.log" | sed 's/.*micro/micro/')"
+  grep -E '^GPU during' "$O/b_$tag.log" | sed 's/^/   /'
   [ $rc -ne 0 ] && tail -3 "$O/b_$tag.log" | cut -c1-300
   tail -n 1 "$O/b_$tag.log" | grep '^{' >> "$O/vitscale.jsonl"; }
 b 40 b16_256 --model vit_base_patch16_224 --classes 10 --micro 256 --steps 20 --profile

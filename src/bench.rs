@@ -19,6 +19,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::backend::cpu::Cpu;
+use crate::backend::cuda::telemetry::{PowerSampler, PowerSummary};
 use crate::backend::{optimizer_state_len, BResult, Backend, DecayGroups, StepHyper};
 use crate::config::{DecaySkip, OptimizerConfig};
 use crate::model::vit::{smoothed_targets, Recompute, Vit};
@@ -108,6 +109,10 @@ pub struct BenchResult {
     pub attention: String,
     /// Whether the backward regenerated LayerNorm/GELU outputs (`--recompute`).
     pub recomputed: bool,
+    /// SM clock and board power during the timed steps (CUDA with NVML only).
+    pub gpu_power: Option<PowerSummary>,
+    /// The same during the ceiling GEMM.
+    pub ceiling_gpu_power: Option<PowerSummary>,
 }
 
 struct Setup {
@@ -214,6 +219,8 @@ fn result(args: &BenchArgs, s: &Setup, device: String, params: usize, graph: boo
         kernel_compile_s: compile_s,
         attention: "cpu".into(),
         recomputed: false,
+        gpu_power: None,
+        ceiling_gpu_power: None,
     }
 }
 
@@ -224,7 +231,15 @@ fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
         be.set_attention(crate::backend::cuda::parse_attention(a).map_err(|e| anyhow::anyhow!("--attention: {e}"))?);
     }
     eprintln!("attention path: {}", be.attention_path().name());
-    let ceiling = if args.no_ceiling { 794.0 } else { be.matmul_tflops(8192, 10)? };
+    // GPU telemetry every 5 ms around the ceiling GEMM and the timed steps (NVML, if present)
+    let sampler = || PowerSampler::start(&be.info().pci_bus_id, std::time::Duration::from_millis(5));
+    let (ceiling, ceiling_power) = if args.no_ceiling {
+        (794.0, None)
+    } else {
+        let p = sampler();
+        let c = be.matmul_tflops(8192, 10)?;
+        (c, p.and_then(PowerSampler::finish))
+    };
     be.synchronize()?;
     be.reset_peak();
     let (mut m, decay, mut state) = bench_model(&be, args, s)?;
@@ -275,6 +290,7 @@ fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     be.synchronize()?;
     let ev = || be.context().new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT));
     let (e0, e1) = (ev()?, ev()?);
+    let power = sampler();
     e0.record(be.stream())?;
     for _ in 0..args.steps {
         step += 1;
@@ -282,6 +298,7 @@ fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     }
     e1.record(be.stream())?;
     e1.synchronize()?;
+    let power = power.and_then(PowerSampler::finish);
     let ms = e0.elapsed_ms(&e1)? as f64 / args.steps as f64;
     let loss = mean_loss(&be, &m, args.micro)?;
     let peak = be.peak_bytes() as f64 / (1u64 << 30) as f64;
@@ -302,6 +319,8 @@ fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     let mut r = result(args, s, be.name(), m.table.total, graph.is_some(), ms, ceiling, peak, loss, compile_s);
     r.attention = be.attention_path().name().to_string();
     r.recomputed = m.recomputing().unwrap_or(false);
+    r.gpu_power = power;
+    r.ceiling_gpu_power = ceiling_power;
     Ok(r)
 }
 
@@ -317,6 +336,12 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<BenchResult> {
         "{} on {}: micro {} | {:.2} ms/step | {:.1} img/s | {:.1} TFLOP/s of {:.0} measured ceiling = MFU {:.1}% | peak mem {:.2} GiB | graph {} | recompute {} | loss {:.4}",
         r.model, r.device, r.micro, r.step_ms, r.img_per_s, r.achieved_tflops, r.ceiling_tflops, r.mfu * 100.0, r.peak_mem_gib, r.graph, r.recomputed, r.loss
     );
+    if let Some(p) = &r.gpu_power {
+        println!("GPU during the timed steps: {p}");
+    }
+    if let Some(p) = &r.ceiling_gpu_power {
+        println!("GPU during the ceiling GEMM: {p}");
+    }
     if args.json {
         println!("{}", serde_json::to_string(&r)?);
     }

@@ -40,6 +40,7 @@ mod compile;
 mod gemm;
 pub mod libs;
 mod partials;
+pub mod telemetry;
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -64,6 +65,8 @@ pub struct DeviceInfo {
     pub total_mem: usize,
     pub multiprocessors: u32,
     pub device_count: usize,
+    /// `domain:bus:device.function` (hex), how NVML names the same GPU (`telemetry`).
+    pub pci_bus_id: String,
 }
 
 impl DeviceInfo {
@@ -91,7 +94,14 @@ fn probe_inner(index: usize) -> Result<DeviceInfo, String> {
     let cc = ctx.compute_capability().map_err(|e| e.to_string())?;
     let total_mem = ctx.total_mem().map_err(|e| e.to_string())?;
     let sms = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(|e| e.to_string())?;
-    Ok(DeviceInfo { index, name, compute_capability: cc, total_mem, multiprocessors: sms as u32, device_count: count })
+    let pci = |a| ctx.attribute(a).map_err(|e| e.to_string());
+    let pci_bus_id = format!(
+        "{:x}:{:x}:{:x}.0",
+        pci(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?,
+        pci(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
+        pci(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?
+    );
+    Ok(DeviceInfo { index, name, compute_capability: cc, total_mem, multiprocessors: sms as u32, device_count: count, pci_bus_id })
 }
 
 /// Whether GPU `index` is usable: loads the libraries and opens a context. Never panics
