@@ -1950,8 +1950,10 @@ impl Cuda {
         }
         // One block per chunk of at most OPT_CHUNK parameters (grid.y): a grid sized for the
         // longest segment left most blocks of the short ones (biases, LayerNorm) with nothing to
-        // do. Chunks stay within 65 535 blocks by growing with the parameter count.
-        let chunk = OPT_CHUNK.max(p.div_ceil(65_535)) as i64;
+        // do. Each segment adds at most one partial chunk, so chunks of ⌈P / (65 535 − segments)⌉
+        // or more keep the grid within its 65 535 rows.
+        let room = 65_535usize.saturating_sub(segs.len() / 3).max(1);
+        let chunk = OPT_CHUNK.max(p.div_ceil(room)) as i64;
         let segs: Vec<i64> = segs
             .chunks(3)
             .flat_map(|c| {
@@ -1962,6 +1964,9 @@ impl Cuda {
         let nseg = segs.len() / 3;
         if nseg == 0 {
             return Ok(());  // no parameters
+        }
+        if nseg > 65_535 {
+            return Err(BackendError::Shape { op: OP, msg: format!("{nseg} optimizer blocks (decay segments split into chunks) exceed the grid's 65 535") });
         }
         let seg_ptr = {
             let mut cache = self.segments.lock().map_err(|_| BackendError::Device("segment cache poisoned".into()))?;
