@@ -292,6 +292,11 @@ fn op_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
             // dW/dbias are f32 sums over up to 400 bf16 products per row: the device sums in
             // another order, so allow 1e-4.
             cx.compare(&format!("matmul_backward {name} dW,dbias(+=) {tag}"), &dparams, 1e-4)?;
+            // the weight gradients alone (no input gradient: the patch embedding)
+            let mut dparams_w = cx.buf(&grads_init, false)?;
+            cx.be.matmul_backward_weights(&mut dparams_w.d, &dout.d, &inp.d, &params.d, w, bias, rows, ic, oc)?;
+            cpu.matmul_backward_weights(&mut dparams_w.c, &dout.c, &inp.c, &params.c, w, bias, rows, ic, oc)?;
+            cx.compare(&format!("matmul_backward_weights {name} dW,dbias(+=) {tag}"), &dparams_w, 1e-4)?;
             if gelu {
                 // the same backward adding dinp's column sums into a bias span of width IC
                 let pre_bias = Span { off: ln_b.off, len: c };
@@ -467,6 +472,31 @@ fn attention_check<B: Backend>(cx: &mut Ctx<B>, b: usize, n: usize, h: usize, d:
     cpu.attention_backward_bias(&mut dqkv2.c, &mut dparams.c, span, &datt.c, &qkv.c, &att.c, &probs.c, b, n, h, d)?;
     cx.compare(&format!("attention_backward_bias dqkv {tag}"), &dqkv2, F32_TOL)?;
     cx.compare_split(&format!("attention_backward_bias rest {tag}"), &dparams, span, "dbias(+=)", F32_TOL)?;
+    class_attention_check(cx, &qkv, b, n, h, d, &tag)
+}
+
+/// The class token's attention (query 0 only: the last block under token pooling) against the
+/// CPU, on `qkv` of (B, N, 3, H, D). dqkv starts with stale values, so every element must be
+/// written (the q rows of other tokens as zeros); with and without the bias gradient.
+fn class_attention_check<B: Backend>(cx: &mut Ctx<B>, qkv: &Both<B>, b: usize, n: usize, h: usize, d: usize, tag: &str) -> BResult<()> {
+    let cpu = cx.cpu;
+    let c = h * d;
+    let bn = b * n;
+    let span = Span { off: 4, len: 3 * c };
+    let mut cls = cx.out(b * c, true)?;
+    cx.be.class_attention_forward(&mut cls.d, &qkv.d, b, n, h, d)?;
+    cpu.class_attention_forward(&mut cls.c, &qkv.c, b, n, h, d)?;
+    cx.compare(&format!("class_attention_forward out {tag}"), &cls, F32_TOL)?;
+    let dcls = cx.rand(b * c, 1.0, true)?;
+    for with_bias in [false, true] {
+        let mut dqkv = cx.rand(bn * 3 * c, 1.0, true)?;
+        let mut dparams = cx.rand(3 * c + 8, 0.1, false)?;
+        let bias = with_bias.then_some(span);
+        cx.be.class_attention_backward(&mut dqkv.d, &mut dparams.d, bias, &dcls.d, &qkv.d, b, n, h, d)?;
+        cpu.class_attention_backward(&mut dqkv.c, &mut dparams.c, bias, &dcls.c, &qkv.c, b, n, h, d)?;
+        cx.compare(&format!("class_attention_backward dqkv bias={with_bias} {tag}"), &dqkv, F32_TOL)?;
+        cx.compare_split(&format!("class_attention_backward rest bias={with_bias} {tag}"), &dparams, span, "dbias(+=)", F32_TOL)?;
+    }
     Ok(())
 }
 
@@ -483,6 +513,10 @@ pub fn attention_checks<B: Backend>(be: &B, seed: u64, path: &str) -> BResult<Ve
     for &(b, n, h, d) in &[(2usize, 65usize, 6usize, 64usize), (3, 197, 4, 64), (3, 50, 5, 64), (2, 17, 3, 32), (2, 65, 3, 32), (1, 1025, 2, 64), (32, 197, 12, 64), (2, 256, 2, 64), (2, 129, 3, 32), (64, 65, 6, 64), (2, 80, 2, 64), (2, 64, 3, 32), (3, 1, 2, 64), (2, 81, 2, 64), (2, 193, 2, 64), (2, 208, 3, 64), (2, 209, 2, 64)] {
         attention_check(&mut cx, b, n, h, d, path)?;
     }
+    // a head dim that is no multiple of 8: the class-token attention's element-wise kernels
+    let (b, n, h, d) = (2, 9, 3, 12);
+    let qkv = cx.rand(b * n * 3 * h * d, 1.0, true)?;
+    class_attention_check(&mut cx, &qkv, b, n, h, d, &format!("[B{b} N{n} H{h} D{d}]{path}"))?;
     Ok(cx.checks)
 }
 

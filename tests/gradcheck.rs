@@ -173,6 +173,51 @@ fn attention_core() {
     compare("attention dqkv", seed, &mut qkv, &dqkv, &mut |x| dot(&fwd(x), &r));
 }
 
+/// The class token's attention (query 0 only) equals row 0 of the full attention, and its
+/// backward is the gradient of that row (finite differences), on fresh random inputs.
+#[test]
+fn class_token_attention() {
+    let be = Cpu::new();
+    let (mut rng, seed) = fresh_rng();
+    let (b, n, h, d) = (3, 6, 2, 4);
+    let c = h * d;
+    let mut qkv = randn(&mut rng, b * n * 3 * c, 1.5);
+    let r = randn(&mut rng, b * c, 1.0);
+    let fwd = |qkv: &[f32]| -> Vec<f32> {
+        let mut out = vec![0.0; b * c];
+        be.class_attention_forward(&mut out, &qkv.to_vec(), b, n, h, d).unwrap();
+        out
+    };
+    let (mut full, mut p) = (vec![0.0; b * n * c], vec![0.0; b * h * n * n]);
+    be.attention_forward(&mut full, &mut p, &qkv, b, n, h, d).unwrap();
+    let cls = fwd(&qkv);
+    for bi in 0..b {
+        for (x, y) in cls[bi * c..(bi + 1) * c].iter().zip(&full[bi * n * c..bi * n * c + c]) {
+            assert!((x - y).abs() <= 1e-5 * (1.0 + y.abs()), "seed {seed}: image {bi}: {x} vs {y}");
+        }
+    }
+    // stale values in dqkv must all be overwritten
+    let mut dqkv = randn(&mut rng, b * n * 3 * c, 1.0);
+    let mut dbias = vec![0.0f32; 3 * c + 2];
+    let span = Span { off: 1, len: 3 * c };
+    be.class_attention_backward(&mut dqkv, &mut dbias, Some(span), &r, &qkv, b, n, h, d).unwrap();
+    // the bias gradient is the column sums of dqkv: for k exactly zero in exact arithmetic
+    // (Σ_j dS_j = 0), for v the sum of dout over images (Σ_j P_j = 1)
+    for e in 0..c {
+        let v: f32 = (0..b).map(|bi| r[bi * c + e]).sum();
+        assert!(dbias[1 + c + e].abs() < 1e-5, "seed {seed}: k bias gradient {}", dbias[1 + c + e]);
+        assert!((dbias[1 + 2 * c + e] - v).abs() < 1e-5, "seed {seed}: v bias gradient {} vs {v}", dbias[1 + 2 * c + e]);
+    }
+    assert!(dbias[0] == 0.0 && dbias[3 * c + 1] == 0.0, "seed {seed}: outside the span");
+    for bi in 0..b {
+        for j in 1..n {
+            let q = &dqkv[(bi * n + j) * 3 * c..][..c];
+            assert!(q.iter().all(|&v| v == 0.0), "seed {seed}: q gradient of token {j} not zero");
+        }
+    }
+    compare("class attention dqkv", seed, &mut qkv, &dqkv, &mut |x| dot(&fwd(x), &r));
+}
+
 #[test]
 fn embedding_and_pooling() {
     let be = Cpu::new();
@@ -286,5 +331,58 @@ fn whole_model_gradients() {
         // A whole f32 forward is a long chain: central differences of its loss carry more rounding
         // (seen worst ≈ 7e-4, rare outliers higher), so the whole-model bound is looser.
         compare_tol(&format!("model {:?} cls={cls}", pool), seed, &mut params, &grads, &mut probe, 2e-2);
+    }
+}
+
+/// Running the last block on the class token alone (the default under token pooling) gives the
+/// logits and gradients of computing every token, on fresh random weights and images, for
+/// both activation policies.
+#[test]
+fn class_token_tail_matches_every_token() {
+    use vitscale::model::init::init_params;
+    use vitscale::model::vit::Recompute;
+    let be = Cpu::new();
+    let (mut rng, seed) = fresh_rng();
+    let cfg = ModelConfig {
+        image_size: 16,
+        patch_size: 4,
+        in_chans: 3,
+        embed_dim: 16,
+        depth: 2,
+        num_heads: 2,
+        mlp_ratio: 4.0,
+        num_classes: 5,
+        qkv_bias: true,
+        class_token: true,
+        global_pool: GlobalPool::Token,
+    };
+    let b = 3;
+    let images = randn(&mut rng, b * 3 * 16 * 16, 1.0);
+    let mut targets = vec![0.0f32; b * 5];
+    for (i, row) in targets.chunks_mut(5).enumerate() {
+        row[(i * 2) % 5] = 1.0;
+    }
+    let init = init_params(&vitscale::model::ParamTable::new(&cfg), seed);
+    let run = |tail: bool, policy: Recompute| {
+        let mut vit = Vit::new(&be, cfg.clone()).unwrap();
+        vit.set_class_token_tail(tail);
+        vit.set_recompute(policy);
+        vit.set_params(&be, &init).unwrap();
+        vit.zero_grads(&be).unwrap();
+        let out = vit.forward(&be, &images, &targets, b, Some(1.0 / b as f32)).unwrap();
+        vit.backward(&be).unwrap();
+        (out.logits, be.download(&vit.grads).unwrap())
+    };
+    let (logits_all, grads_all) = run(false, Recompute::Never);
+    assert!(grads_all.iter().any(|&g| g != 0.0), "seed {seed}: no gradient at all");
+    for policy in [Recompute::Never, Recompute::Always] {
+        let (logits, grads) = run(true, policy);
+        for (x, y) in logits.iter().zip(&logits_all) {
+            assert!((x - y).abs() <= 1e-5 * (1.0 + y.abs()), "seed {seed} {policy:?}: logit {x} vs {y}");
+        }
+        let scale = grads_all.iter().fold(0.0f32, |m, g| m.max(g.abs()));
+        for (i, (x, y)) in grads.iter().zip(&grads_all).enumerate() {
+            assert!((x - y).abs() <= 1e-5 * scale, "seed {seed} {policy:?}: gradient {i}: {x} vs {y} (largest {scale})");
+        }
     }
 }

@@ -208,6 +208,10 @@ pub trait Backend: Send + Sync {
     /// the GELU that produced `inp`), `dW += doutᵀ · inp`, `dbias += Σ_rows dout`.
     #[allow(clippy::too_many_arguments)]
     fn matmul_backward(&self, dinp: &mut Self::Buf, dparams: &mut Self::Buf, dout: &Self::Buf, inp: &Self::Buf, dgelu_pre: Option<&Self::Buf>, params: &Self::Buf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()>;
+    /// `matmul_backward` without the input gradient: `dW += doutᵀ · inp`, `dbias += Σ_rows
+    /// dout`. For a layer whose input needs none (the patch embedding reads the images).
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_backward_weights(&self, dparams: &mut Self::Buf, dout: &Self::Buf, inp: &Self::Buf, params: &Self::Buf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()>;
     /// `matmul_backward` with the GELU gradient of the pre-activation `pre + params[pre_bias]`
     /// (`saved` as `matmul_forward` left it: pre without the bias, or the derivative itself,
     /// as `what` says) that also adds `Σ_rows dinp` (after the GELU gradient) into
@@ -249,6 +253,18 @@ pub trait Backend: Send + Sync {
     /// gradient is exactly zero) instead of a second read of dqkv by the projection's backward.
     #[allow(clippy::too_many_arguments)]
     fn attention_backward_bias(&self, dqkv: &mut Self::Buf, dparams: &mut Self::Buf, bias: Span, dout: &Self::Buf, qkv: &Self::Buf, out: &Self::Buf, probs: &Self::Buf, b: usize, n: usize, h: usize, d: usize) -> BResult<()>;
+    /// Attention for the first query of each image only (the class token): `out` (B, H·D) =
+    /// softmax(q₀·kᵀ/√D)·v per head over all N keys of `qkv` (B, N, 3, H, D). Under token
+    /// pooling the last block's output is read at the class token alone, so that block needs
+    /// no other query (the model then runs its projection and MLP on B rows instead of B·N).
+    /// Saves nothing: the backward recomputes the N scores of each head.
+    #[allow(clippy::too_many_arguments)]
+    fn class_attention_forward(&self, out: &mut Self::Buf, qkv: &Self::Buf, b: usize, n: usize, h: usize, d: usize) -> BResult<()>;
+    /// Backward of `class_attention_forward`: `dqkv =` (B, N, 3, H, D) from `dout` (B, H·D):
+    /// the q rows of tokens other than 0 are zero, k and v get every token's gradient. With
+    /// `bias`, also `dparams[bias] += Σ_rows dqkv` (the qkv projection's bias gradient, 3·H·D).
+    #[allow(clippy::too_many_arguments)]
+    fn class_attention_backward(&self, dqkv: &mut Self::Buf, dparams: &mut Self::Buf, bias: Option<Span>, dout: &Self::Buf, qkv: &Self::Buf, b: usize, n: usize, h: usize, d: usize) -> BResult<()>;
     /// Elements of the compute-dtype `probs` buffer that `attention_forward` needs for these
     /// shapes (never more than B·H·N·N). The probabilities themselves by default.
     fn attention_saved_len(&self, b: usize, n: usize, h: usize, _d: usize) -> usize {

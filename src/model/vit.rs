@@ -107,7 +107,6 @@ struct Activations<B: Backend> {
     datt: B::Buf,        // (B·N, C)
     dfc: B::Buf,         // (B·N, F)
     dpatch_emb: B::Buf,  // (B·NP, C)
-    dpatches: B::Buf,    // (B·NP, 3·P·P), computed by the generic matmul backward, unused
 }
 
 impl<B: Backend> Activations<B> {
@@ -169,7 +168,6 @@ impl<B: Backend> Activations<B> {
             datt: be.alloc(bn * c)?,
             dfc: be.alloc(bn * f)?,
             dpatch_emb: be.alloc(cap * np * c)?,
-            dpatches: be.alloc(cap * np * m.patch_dim())?,
         })
     }
 }
@@ -225,6 +223,9 @@ pub struct Vit<B: Backend> {
     unread_inputs: Option<usize>,
     /// Batch of the last forward that computed `dlogits` (0 = none pending).
     pending_backward: usize,
+    /// Under token pooling, run the last block past its attention on the class token only
+    /// (see `class_token_tail`). On by default; off computes every token as timm does.
+    class_token_tail: bool,
 }
 
 impl<B: Backend> Vit<B> {
@@ -234,7 +235,7 @@ impl<B: Backend> Vit<B> {
         let params = be.alloc_f32(table.total)?;
         let grads = be.alloc_f32(table.total)?;
         let compute = if be.needs_compute_copy() { Some(be.alloc(table.total)?) } else { None };
-        Ok(Vit { cfg, table, params, compute, grads, acts: None, recompute: Recompute::Auto, unread_inputs: None, pending_backward: 0 })
+        Ok(Vit { cfg, table, params, compute, grads, acts: None, recompute: Recompute::Auto, unread_inputs: None, pending_backward: 0, class_token_tail: true })
     }
 
     /// Replaces all weights from a host vector in table layout.
@@ -283,6 +284,21 @@ impl<B: Backend> Vit<B> {
     /// first forward).
     pub fn recomputing(&self) -> Option<bool> {
         self.acts.as_ref().map(|a| a.regen.is_some())
+    }
+
+    /// Whether the last block runs on the class token alone after its keys and values. Under
+    /// token pooling the head reads nothing but the class token of the last block's output,
+    /// and within that block only the attention mixes tokens: every other token's query,
+    /// projection, LayerNorm and MLP there is dead work (3/4 of the block's linear-layer
+    /// FLOPs, about 1/16 of ViT-B/16's). The loss and every gradient are the same either way
+    /// (the model tests compare both).
+    pub fn set_class_token_tail(&mut self, on: bool) {
+        self.class_token_tail = on;
+    }
+
+    /// True when the last block is computed for the class token only (`set_class_token_tail`).
+    fn tail_on_class_token(&self) -> bool {
+        self.class_token_tail && self.cfg.global_pool == GlobalPool::Token && self.cfg.depth > 0
     }
 
     pub fn zero_grads(&mut self, be: &B) -> BResult<()> {
@@ -334,6 +350,8 @@ impl<B: Backend> Vit<B> {
         let (n, np, c, h, d, f, k) =
             (m.num_tokens(), m.num_patches(), m.embed_dim, m.num_heads, m.head_dim(), m.mlp_hidden(), m.num_classes);
         let bn = b * n;
+        let tail = self.tail_on_class_token();
+        let prefix = m.num_prefix_tokens();
         let w = self.compute.as_ref().unwrap_or(&self.params);
         let a = self.acts.as_mut().ok_or_else(|| crate::backend::BackendError::Device("activations missing".into()))?;
 
@@ -357,23 +375,35 @@ impl<B: Backend> Vit<B> {
             let ln1 = kept_or_shared(&mut blk.ln1, shared_ln.as_deref_mut())?;
             be.layernorm_forward(ln1, &mut blk.ln1_mean, &mut blk.ln1_rstd, x, w, s.norm1_w, s.norm1_b, bn, c)?;
             be.matmul_forward(&mut blk.qkv, None, ln1, w, s.qkv_w, s.qkv_b, bn, c, 3 * c)?;
-            be.attention_forward(&mut blk.att, &mut blk.probs, &blk.qkv, b, n, h, d)?;
-            be.matmul_forward_residual(&mut blk.x1, x, &blk.att, w, s.proj_w, Some(s.proj_b), bn, c, c)?;
+            // rows of the rest of the block: every token, or (the last block with the class
+            // token tail) the class token of each image, its residual row gathered into x2
+            // (overwritten by the block's output below)
+            let rows = if tail && i + 1 == m.depth {
+                be.class_attention_forward(&mut blk.att, &blk.qkv, b, n, h, d)?;
+                be.pool_forward(&mut blk.x2, x, b, n, c, prefix, false)?;
+                be.matmul_forward_residual(&mut blk.x1, &blk.x2, &blk.att, w, s.proj_w, Some(s.proj_b), b, c, c)?;
+                b
+            } else {
+                be.attention_forward(&mut blk.att, &mut blk.probs, &blk.qkv, b, n, h, d)?;
+                be.matmul_forward_residual(&mut blk.x1, x, &blk.att, w, s.proj_w, Some(s.proj_b), bn, c, c)?;
+                bn
+            };
             let ln2 = kept_or_shared(&mut blk.ln2, shared_ln.as_deref_mut())?;
-            be.layernorm_forward(ln2, &mut blk.ln2_mean, &mut blk.ln2_rstd, &blk.x1, w, s.norm2_w, s.norm2_b, bn, c)?;
+            be.layernorm_forward(ln2, &mut blk.ln2_mean, &mut blk.ln2_rstd, &blk.x1, w, s.norm2_w, s.norm2_b, rows, c)?;
             let act = kept_or_shared(&mut blk.fc1_act, shared_act.as_deref_mut())?;
-            be.matmul_forward(act, Some((&mut blk.fc1_pre, gelu_saved)), ln2, w, s.fc1_w, Some(s.fc1_b), bn, c, f)?;
-            be.matmul_forward_residual(&mut blk.x2, &blk.x1, act, w, s.fc2_w, Some(s.fc2_b), bn, f, c)?;
+            be.matmul_forward(act, Some((&mut blk.fc1_pre, gelu_saved)), ln2, w, s.fc1_w, Some(s.fc1_b), rows, c, f)?;
+            be.matmul_forward_residual(&mut blk.x2, &blk.x1, act, w, s.fc2_w, Some(s.fc2_b), rows, f, c)?;
         }
         let x_last = a.blocks.last().map_or(&a.x0, |blk| &blk.x2);
 
         // ---- pooling + final norm → head input (B, C). timm normalizes every token and then
         // takes the class token (token pool) or normalizes the patch tokens' mean (avg pool,
         // fc_norm); LayerNorm is per row, so pooling first gives the same head input from B
-        // rows instead of B·N.
-        let prefix = m.num_prefix_tokens();
+        // rows instead of B·N. With the class token tail the last block's output already is
+        // that one row per image (a pool over one token copies it).
         let avg = m.global_pool == GlobalPool::Avg;
-        be.pool_forward(&mut a.pooled_raw, x_last, b, n, c, prefix, avg)?;
+        let n_out = if tail { 1 } else { n };
+        be.pool_forward(&mut a.pooled_raw, x_last, b, n_out, c, prefix, avg)?;
         be.layernorm_forward(&mut a.pooled, &mut a.final_mean, &mut a.final_rstd, &a.pooled_raw, w, t.final_norm_w, t.final_norm_b, b, c)?;
         be.matmul_forward(&mut a.logits, None, &a.pooled, w, t.head_w, Some(t.head_b), b, c, k)?;
 
@@ -417,6 +447,7 @@ impl<B: Backend> Vit<B> {
             (m.num_tokens(), m.num_patches(), m.embed_dim, m.num_heads, m.head_dim(), m.mlp_hidden(), m.num_classes);
         let bn = b * n;
         let w = self.compute.as_ref().unwrap_or(&self.params);
+        let tail = self.tail_on_class_token();
         let g = &mut self.grads;
         let a = self.acts.as_mut().ok_or_else(|| crate::backend::BackendError::Device("activations missing".into()))?;
         let prefix = m.num_prefix_tokens();
@@ -430,7 +461,8 @@ impl<B: Backend> Vit<B> {
         let last_fc2_b = t.blocks.last().map(|s| s.fc2_b);
         let avg = m.global_pool == GlobalPool::Avg;
         be.layernorm_backward(&mut a.dpooled_raw, g, &a.dpooled, None, &a.pooled_raw, &a.final_mean, &a.final_rstd, w, t.final_norm_w, t.final_norm_b, b, c, last_fc2_b)?;
-        be.pool_backward(&mut a.dres_a, &a.dpooled_raw, b, n, c, prefix, avg)?;
+        let n_out = if tail { 1 } else { n };
+        be.pool_backward(&mut a.dres_a, &a.dpooled_raw, b, n_out, c, prefix, avg)?;
         let mut fc2_bias_summed = last_fc2_b.is_some();
 
         // ---- blocks in reverse; dres_a holds d(block output) on entry and d(block input) on exit
@@ -439,42 +471,57 @@ impl<B: Backend> Vit<B> {
             let x = if i == 0 { &a.x0 } else { &done[i - 1].x2 };
             let blk = &rest[0];
             let s = &t.blocks[i];
+            // the last block with the class token tail: B rows (one per image) after attention
+            let class_tail = tail && i + 1 == m.depth;
+            let rows = if class_tail { b } else { bn };
             // MLP: fc2 (with the GELU backward fused), fc1, ln2 (+ residual) → dres_b = dx1
             if let Some(r) = a.regen.as_mut() {
-                be.gelu_forward(&mut r.act, &blk.fc1_pre, w, Some(s.fc1_b), bn, f)?;
+                be.gelu_forward(&mut r.act, &blk.fc1_pre, w, Some(s.fc1_b), rows, f)?;
             }
             let act = kept_or_regen(&blk.fc1_act, a.regen.as_ref().map(|r| &r.act))?;
             // fc2, the GELU gradient, and fc1's bias gradient from that same pass over dfc
             let fc2_b = (!fc2_bias_summed).then_some(s.fc2_b);
-            be.matmul_backward_gelu_bias(&mut a.dfc, g, &a.dres_a, act, &blk.fc1_pre, a.gelu_saved, s.fc1_b, w, s.fc2_w, fc2_b, bn, f, c)?;
+            be.matmul_backward_gelu_bias(&mut a.dfc, g, &a.dres_a, act, &blk.fc1_pre, a.gelu_saved, s.fc1_b, w, s.fc2_w, fc2_b, rows, f, c)?;
             if let Some(r) = a.regen.as_mut() {
-                be.layernorm_forward(&mut r.ln, &mut r.mean, &mut r.rstd, &blk.x1, w, s.norm2_w, s.norm2_b, bn, c)?;
+                be.layernorm_forward(&mut r.ln, &mut r.mean, &mut r.rstd, &blk.x1, w, s.norm2_w, s.norm2_b, rows, c)?;
             }
             let ln2 = kept_or_regen(&blk.ln2, a.regen.as_ref().map(|r| &r.ln))?;
-            be.matmul_backward(&mut a.dln, g, &a.dfc, ln2, None, w, s.fc1_w, None, bn, c, f)?;
+            be.matmul_backward(&mut a.dln, g, &a.dfc, ln2, None, w, s.fc1_w, None, rows, c, f)?;
             // dres_b is the projection's output gradient: its bias gradient comes from this pass
-            be.layernorm_backward(&mut a.dres_b, g, &a.dln, Some(&a.dres_a), &blk.x1, &blk.ln2_mean, &blk.ln2_rstd, w, s.norm2_w, s.norm2_b, bn, c, Some(s.proj_b))?;
+            be.layernorm_backward(&mut a.dres_b, g, &a.dln, Some(&a.dres_a), &blk.x1, &blk.ln2_mean, &blk.ln2_rstd, w, s.norm2_w, s.norm2_b, rows, c, Some(s.proj_b))?;
             // attention: proj, core, qkv, ln1 (+ residual) → dres_a = dx
-            be.matmul_backward(&mut a.datt, g, &a.dres_b, &blk.att, None, w, s.proj_w, None, bn, c, c)?;
+            be.matmul_backward(&mut a.datt, g, &a.dres_b, &blk.att, None, w, s.proj_w, None, rows, c, c)?;
             // the qkv bias gradient from the attention backward's pass where the backend can
-            match s.qkv_b {
-                Some(qb) => be.attention_backward_bias(&mut a.dqkv, g, qb, &a.datt, &blk.qkv, &blk.att, &blk.probs, b, n, h, d)?,
-                None => be.attention_backward(&mut a.dqkv, &a.datt, &blk.qkv, &blk.att, &blk.probs, b, n, h, d)?,
+            if class_tail {
+                be.class_attention_backward(&mut a.dqkv, g, s.qkv_b, &a.datt, &blk.qkv, b, n, h, d)?;
+            } else {
+                match s.qkv_b {
+                    Some(qb) => be.attention_backward_bias(&mut a.dqkv, g, qb, &a.datt, &blk.qkv, &blk.att, &blk.probs, b, n, h, d)?,
+                    None => be.attention_backward(&mut a.dqkv, &a.datt, &blk.qkv, &blk.att, &blk.probs, b, n, h, d)?,
+                }
             }
             if let Some(r) = a.regen.as_mut() {
                 be.layernorm_forward(&mut r.ln, &mut r.mean, &mut r.rstd, x, w, s.norm1_w, s.norm1_b, bn, c)?;
             }
             let ln1 = kept_or_regen(&blk.ln1, a.regen.as_ref().map(|r| &r.ln))?;
             be.matmul_backward(&mut a.dln, g, &a.dqkv, ln1, None, w, s.qkv_w, None, bn, c, 3 * c)?;
+            let dx1 = if class_tail {
+                // the residual gradient dx1 lives on the class tokens: spread it over every
+                // token's row (zeros elsewhere), in datt, free since the attention backward
+                be.pool_backward(&mut a.datt, &a.dres_b, b, n, c, prefix, false)?;
+                &a.datt
+            } else {
+                &a.dres_b
+            };
             // dres_a is the previous block's fc2 output gradient: its bias gradient from this pass
             let prev_fc2_b = i.checked_sub(1).map(|p| t.blocks[p].fc2_b);
-            be.layernorm_backward(&mut a.dres_a, g, &a.dln, Some(&a.dres_b), x, &blk.ln1_mean, &blk.ln1_rstd, w, s.norm1_w, s.norm1_b, bn, c, prev_fc2_b)?;
+            be.layernorm_backward(&mut a.dres_a, g, &a.dln, Some(dx1), x, &blk.ln1_mean, &blk.ln1_rstd, w, s.norm1_w, s.norm1_b, bn, c, prev_fc2_b)?;
             fc2_bias_summed = prev_fc2_b.is_some();
         }
 
         // ---- embedding
         be.embed_backward(&mut a.dpatch_emb, g, &a.dres_a, t.pos_embed, t.cls_token, b, np, c)?;
-        be.matmul_backward(&mut a.dpatches, g, &a.dpatch_emb, &a.patches, None, w, t.patch_w, Some(t.patch_b), b * np, m.patch_dim(), c)?;
+        be.matmul_backward_weights(g, &a.dpatch_emb, &a.patches, w, t.patch_w, Some(t.patch_b), b * np, m.patch_dim(), c)?;
         Ok(())
     }
 }

@@ -268,6 +268,14 @@ impl Backend for Cpu {
             check("matmul_backward", "dgelu_pre", pre, rows * ic)?;
             dinp[..rows * ic].par_iter_mut().zip(&pre[..rows * ic]).for_each(|(d, &x)| *d *= gelu_grad(x));
         }
+        self.matmul_backward_weights(dparams, dout, inp, params, w, bias, rows, ic, oc)
+    }
+
+    fn matmul_backward_weights(&self, dparams: &mut Vec<f32>, dout: &Vec<f32>, inp: &Vec<f32>, params: &Vec<f32>, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
+        check_span("matmul_backward", "weight", params, w, oc * ic)?;
+        check_span("matmul_backward", "dweight", dparams, w, oc * ic)?;
+        check("matmul_backward", "dout", dout, rows * oc)?;
+        check("matmul_backward", "inp", inp, rows * ic)?;
         // dW (OC, IC) += doutᵀ (OC, R) · inp (R, IC)
         matmul(MatMut::rows(&mut dparams[w.range()], oc, ic), Mat::rows_t(dout, rows, oc), Mat::rows(inp, rows, ic), true, true)?;
         if let Some(bs) = bias {
@@ -469,6 +477,66 @@ impl Backend for Cpu {
         })
     }
 
+    fn class_attention_forward(&self, out: &mut Vec<f32>, qkv: &Vec<f32>, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
+        let c = h * d;
+        check("class_attention_forward", "qkv", qkv, b * n * 3 * c)?;
+        check("class_attention_forward", "out", out, b * c)?;
+        out[..b * c].par_chunks_mut(c).enumerate().for_each(|(bi, o)| {
+            let mut p = vec![0.0f32; n];
+            for hi in 0..h {
+                class_probs(&mut p, qkv, bi, n, h, d, hi);
+                let oh = &mut o[hi * d..(hi + 1) * d];
+                oh.fill(0.0);
+                for (j, &pj) in p.iter().enumerate() {
+                    let v = &qkv[(bi * n + j) * 3 * c + 2 * c + hi * d..][..d];
+                    oh.iter_mut().zip(v).for_each(|(a, &x)| *a += pj * x);
+                }
+            }
+        });
+        Ok(())
+    }
+
+    fn class_attention_backward(&self, dqkv: &mut Vec<f32>, dparams: &mut Vec<f32>, bias: Option<Span>, dout: &Vec<f32>, qkv: &Vec<f32>, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
+        let c = h * d;
+        if let Some(s) = bias {
+            check_span("class_attention_backward", "dbias", dparams, s, 3 * c)?;
+        }
+        check("class_attention_backward", "qkv", qkv, b * n * 3 * c)?;
+        check("class_attention_backward", "dqkv", dqkv, b * n * 3 * c)?;
+        check("class_attention_backward", "dout", dout, b * c)?;
+        let scale = 1.0 / (d as f32).sqrt();
+        dqkv[..b * n * 3 * c].par_chunks_mut(n * 3 * c).enumerate().for_each(|(bi, dst)| {
+            dst.fill(0.0);
+            let mut p = vec![0.0f32; n];
+            let mut ds = vec![0.0f32; n];
+            for hi in 0..h {
+                class_probs(&mut p, qkv, bi, n, h, d, hi);
+                let g = &dout[bi * c + hi * d..][..d];
+                let row = |j: usize, part: usize| (bi * n + j) * 3 * c + part * c + hi * d;
+                // dP_j = g·v_j, dS_j = P_j (dP_j − Σ_i P_i dP_i) with the 1/√D folded in
+                for (j, dsj) in ds.iter_mut().enumerate() {
+                    *dsj = g.iter().zip(&qkv[row(j, 2)..][..d]).map(|(a, x)| a * x).sum();
+                }
+                let dot: f32 = ds.iter().zip(&p).map(|(a, b)| a * b).sum();
+                ds.iter_mut().zip(&p).for_each(|(g, &pj)| *g = pj * (*g - dot) * scale);
+                let q = &qkv[row(0, 0)..][..d];
+                // offsets within this image's rows of dqkv
+                let local = |j: usize, part: usize| row(j, part) - bi * n * 3 * c;
+                for j in 0..n {
+                    // dq₀ = Σ_j dS_j k_j ; dk_j = dS_j q₀ ; dv_j = P_j g
+                    let k = &qkv[row(j, 1)..][..d];
+                    dst[local(0, 0)..][..d].iter_mut().zip(k).for_each(|(a, &x)| *a += ds[j] * x);
+                    dst[local(j, 1)..][..d].iter_mut().zip(q).for_each(|(a, &x)| *a = ds[j] * x);
+                    dst[local(j, 2)..][..d].iter_mut().zip(g).for_each(|(a, &x)| *a = p[j] * x);
+                }
+            }
+        });
+        if let Some(s) = bias {
+            add_column_sums(&mut dparams[s.range()], &dqkv[..b * n * 3 * c], 3 * c);
+        }
+        Ok(())
+    }
+
     fn add(&self, out: &mut Vec<f32>, a: &Vec<f32>, b: &Vec<f32>) -> BResult<()> {
         let len = out.len();
         check("add", "a", a, len)?;
@@ -573,4 +641,25 @@ fn matmul_bias(out: &mut [f32], inp: &[f32], params: &[f32], w: Span, bias: Opti
         None => false,
     };
     matmul(MatMut::rows(out, rows, oc), Mat::rows(inp, rows, ic), Mat::rows_t(&params[w.range()], oc, ic), accumulate, true)
+}
+
+/// Softmax probabilities of the class token's query (token 0) of image `bi`, head `hi`, over
+/// the N keys of `qkv` (B, N, 3, H, D), into `p` (N).
+fn class_probs(p: &mut [f32], qkv: &[f32], bi: usize, n: usize, h: usize, d: usize, hi: usize) {
+    let c = h * d;
+    let scale = 1.0 / (d as f32).sqrt();
+    let q = &qkv[bi * n * 3 * c + hi * d..][..d];
+    let mut mx = f32::NEG_INFINITY;
+    for (j, pj) in p.iter_mut().enumerate().take(n) {
+        let k = &qkv[(bi * n + j) * 3 * c + c + hi * d..][..d];
+        *pj = q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale;
+        mx = mx.max(*pj);
+    }
+    let mut sum = 0.0f32;
+    p.iter_mut().for_each(|pj| {
+        *pj = (*pj - mx).exp();
+        sum += *pj;
+    });
+    let inv = 1.0 / sum;
+    p.iter_mut().for_each(|pj| *pj *= inv);
 }

@@ -1119,6 +1119,13 @@ impl Cuda {
                 self.launch1("gelu_bwd", n, &mut kargs![dinp.ptr, 1i32, pre.ptr, 1i32, nn])?;
             }
         }
+        self.weight_grads(dparams, dout, inp, w, bias, rows, ic, oc)
+    }
+
+    /// `dW += doutᵀ·inp` and `dbias += Σ_rows dout` (the checks of matmul_backward done).
+    #[allow(clippy::too_many_arguments)]
+    fn weight_grads(&self, dparams: &mut CudaBuf, dout: &CudaBuf, inp: &CudaBuf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
+        const OP: &str = "matmul_backward";
         // dW(OC, IC) += doutᵀ·inp  ⇔  dWᵀ(IC×OC, ld IC) += inpᵀ(IC×R, ld IC)·dout(R×OC), dout read
         // as column-major OC×R (ld OC) transposed. fp32 output, beta = 1.
         let s = GemmShape {
@@ -1326,6 +1333,29 @@ fn check_len(op: &'static str, what: &str, buf: &CudaBuf, want: usize) -> BResul
         return Err(BackendError::Shape { op, msg: format!("{what} holds {} elements, needs {want}", buf.len) });
     }
     Ok(())
+}
+
+/// Dynamic shared memory of the class-token attention kernels (f32: scores, the scaled query,
+/// four warps' partial rows, the reductions; the backward adds dout and dS), within the
+/// 227 KiB a block may have.
+fn class_attention_smem(op: &'static str, n: usize, d: usize, backward: bool, v8: bool) -> BResult<u32> {
+    let floats = if v8 {
+        // p | qs | res | acc (1024) | red (32), the backward adds ds and g
+        n + 2 * d + 1024 + 32 + if backward { n + d } else { 0 }
+    } else {
+        n + 5 * d + 32 + if backward { d + n } else { 0 }
+    };
+    let bytes = 4 * floats;
+    if bytes > 227 * 1024 {
+        return Err(BackendError::Shape { op, msg: format!("{n} tokens of head dim {d} need {bytes} bytes of shared memory, more than 227 KiB") });
+    }
+    Ok(bytes as u32)
+}
+
+/// Whether the class-token attention takes its 16-byte kernels: D a multiple of 8 up to 1024
+/// (rows of whole 16-byte chunks, at most 128 chunks for the 128 threads) and aligned buffers.
+fn class_attention_v8(d: usize, ptrs: &[CUdeviceptr]) -> bool {
+    d % 8 == 0 && d <= 1024 && ptrs.iter().all(|p| p % 16 == 0)
 }
 
 /// The fused attention kernels put B·H on grid.y (at most 65535 blocks).
@@ -1687,6 +1717,18 @@ impl Backend for Cuda {
         self.matmul_backward_impl(dinp, dparams, dout, inp, dgelu_pre.map(|p| (p, None, GeluSaved::Pre)), params, w, bias, rows, ic, oc)
     }
 
+    fn matmul_backward_weights(&self, dparams: &mut CudaBuf, dout: &CudaBuf, inp: &CudaBuf, params: &CudaBuf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
+        const OP: &str = "matmul_backward_weights";
+        check_bf16(OP, "dout", dout)?;
+        check_bf16(OP, "inp", inp)?;
+        check_f32(OP, "dparams", dparams)?;
+        check_len(OP, "dout", dout, rows * oc)?;
+        check_len(OP, "inp", inp, rows * ic)?;
+        check_span(OP, "weight", params, w)?;
+        check_span(OP, "weight gradient", dparams, w)?;
+        self.weight_grads(dparams, dout, inp, w, bias, rows, ic, oc)
+    }
+
     fn matmul_backward_gelu_bias(&self, dinp: &mut CudaBuf, dparams: &mut CudaBuf, dout: &CudaBuf, inp: &CudaBuf, saved: &CudaBuf, what: GeluSaved, pre_bias: Span, params: &CudaBuf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
         self.matmul_backward_impl(dinp, dparams, dout, inp, Some((saved, Some(pre_bias), what)), params, w, bias, rows, ic, oc)
     }
@@ -1811,6 +1853,68 @@ impl Backend for Cuda {
             return Err(BackendError::Shape { op: OP, msg: format!("bias span has {} elements, qkv has {} columns", bias.len, 3 * h * d) });
         }
         self.attention_backward_impl(dqkv, Some(dparams.at(bias.off)), dout, qkv, out, probs, b, n, h, d)
+    }
+
+    fn class_attention_forward(&self, out: &mut CudaBuf, qkv: &CudaBuf, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
+        const OP: &str = "class_attention_forward";
+        check_bf16(OP, "qkv", qkv)?;
+        check_bf16(OP, "out", out)?;
+        check_len(OP, "qkv", qkv, 3 * b * n * h * d)?;
+        check_len(OP, "out", out, b * h * d)?;
+        if b * h == 0 || n == 0 {
+            return Ok(());
+        }
+        let v8 = class_attention_v8(d, &[out.ptr, qkv.ptr]);
+        let smem = class_attention_smem(OP, n, d, false, v8)?;
+        let (nn, hh, dd, scale) = (n as i32, h as i32, d as i32, 1.0 / (d as f32).sqrt());
+        let name = if v8 { "class_attention_fwd_v8" } else { "class_attention_fwd" };
+        self.launch_dyn(name, ((b * h) as u32, 1, 1), (128, 1, 1), smem, &mut kargs![out.ptr, qkv.ptr, nn, hh, dd, scale])
+    }
+
+    fn class_attention_backward(&self, dqkv: &mut CudaBuf, dparams: &mut CudaBuf, bias: Option<Span>, dout: &CudaBuf, qkv: &CudaBuf, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
+        const OP: &str = "class_attention_backward";
+        let c = h * d;
+        if let Some(s) = bias {
+            check_f32(OP, "dparams", dparams)?;
+            check_span(OP, "dbias", dparams, s)?;
+            if s.len != 3 * c {
+                return Err(BackendError::Shape { op: OP, msg: format!("bias span has {} elements, qkv has {} columns", s.len, 3 * c) });
+            }
+        }
+        check_bf16(OP, "qkv", qkv)?;
+        check_bf16(OP, "dqkv", dqkv)?;
+        check_bf16(OP, "dout", dout)?;
+        check_len(OP, "qkv", qkv, 3 * b * n * h * d)?;
+        check_len(OP, "dqkv", dqkv, 3 * b * n * h * d)?;
+        check_len(OP, "dout", dout, b * h * d)?;
+        if b * h == 0 || n == 0 {
+            return Ok(());
+        }
+        let v8 = class_attention_v8(d, &[dqkv.ptr, dout.ptr, qkv.ptr]);
+        let smem = class_attention_smem(OP, n, d, true, v8)?;
+        let (nn, hh, dd, scale) = (n as i32, h as i32, d as i32, 1.0 / (d as f32).sqrt());
+        if !v8 {
+            self.launch_dyn("class_attention_bwd", ((b * h) as u32, 1, 1), (128, 1, 1), smem, &mut kargs![dqkv.ptr, dout.ptr, qkv.ptr, nn, hh, dd, scale])?;
+            return match bias {
+                Some(s) => self.add_column_sums(dparams.at(s.off), dqkv, b * n, 3 * c),
+                None => Ok(()),
+            };
+        }
+        // with a bias: per-image [dq₀ | dout] rows (f32, 2·H·D each), reduced below
+        let part = match bias {
+            Some(_) => self.partial_rows(b * 2 * c)?,
+            None => 0,
+        };
+        self.launch_dyn("class_attention_bwd_v8", ((b * h) as u32, 1, 1), (128, 1, 1), smem, &mut kargs![dqkv.ptr, dout.ptr, qkv.ptr, nn, hh, dd, scale, part])?;
+        match bias {
+            Some(s) => {
+                // q bias += Σ dq₀, v bias += Σ dout; the k bias's gradient is zero
+                let db = dparams.at(s.off);
+                let dv = db + (2 * c * 4) as u64;
+                self.reduce_partials(db, dv, dv, c, part, b, 2 * c)
+            }
+            None => Ok(()),
+        }
     }
 
     fn attention_saved_len(&self, b: usize, n: usize, h: usize, d: usize) -> usize {
