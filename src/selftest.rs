@@ -472,32 +472,40 @@ fn attention_check<B: Backend>(cx: &mut Ctx<B>, b: usize, n: usize, h: usize, d:
     cpu.attention_backward_bias(&mut dqkv2.c, &mut dparams.c, span, &datt.c, &qkv.c, &att.c, &probs.c, b, n, h, d)?;
     cx.compare(&format!("attention_backward_bias dqkv {tag}"), &dqkv2, F32_TOL)?;
     cx.compare_split(&format!("attention_backward_bias rest {tag}"), &dparams, span, "dbias(+=)", F32_TOL)?;
-    class_attention_check(cx, &qkv, b, n, h, d, &tag)
+    class_attention_check(cx, b, n, h, d, &tag)
 }
 
-/// The class token's attention (query 0 only: the last block under token pooling) against the
-/// CPU, on `qkv` of (B, N, 3, H, D). dqkv starts with stale values, so every element must be
-/// written (the q rows of other tokens as zeros); with and without the bias gradient.
-fn class_attention_check<B: Backend>(cx: &mut Ctx<B>, qkv: &Both<B>, b: usize, n: usize, h: usize, d: usize, tag: &str) -> BResult<()> {
+/// The class token's attention (the last block under token pooling: the class tokens' queries
+/// (B, C) against every token's keys and values (B, N, 2C)) against the CPU, with and without
+/// the key/value bias gradient, and the query projection's input gradient added into the class
+/// rows (`add_class_rows`). Outputs start as NaN on the device, so every element must be written.
+fn class_attention_check<B: Backend>(cx: &mut Ctx<B>, b: usize, n: usize, h: usize, d: usize, tag: &str) -> BResult<()> {
     let cpu = cx.cpu;
     let c = h * d;
     let bn = b * n;
-    let span = Span { off: 4, len: 3 * c };
+    let q = cx.rand(b * c, 1.0, true)?;
+    let kv = cx.rand(bn * 2 * c, 1.0, true)?;
     let mut cls = cx.out(b * c, true)?;
-    cx.be.class_attention_forward(&mut cls.d, &qkv.d, b, n, h, d)?;
-    cpu.class_attention_forward(&mut cls.c, &qkv.c, b, n, h, d)?;
+    cx.be.class_attention_forward(&mut cls.d, &q.d, &kv.d, b, n, h, d)?;
+    cpu.class_attention_forward(&mut cls.c, &q.c, &kv.c, b, n, h, d)?;
     cx.compare(&format!("class_attention_forward out {tag}"), &cls, F32_TOL)?;
     let dcls = cx.rand(b * c, 1.0, true)?;
+    let span = Span { off: 4, len: 2 * c };
     for with_bias in [false, true] {
-        let mut dqkv = cx.rand(bn * 3 * c, 1.0, true)?;
-        let mut dparams = cx.rand(3 * c + 8, 0.1, false)?;
+        let mut dq = cx.out(b * c, true)?;
+        let mut dkv = cx.out(bn * 2 * c, true)?;
+        let mut dparams = cx.rand(2 * c + 8, 0.1, false)?;
         let bias = with_bias.then_some(span);
-        cx.be.class_attention_backward(&mut dqkv.d, &mut dparams.d, bias, &dcls.d, &qkv.d, b, n, h, d)?;
-        cpu.class_attention_backward(&mut dqkv.c, &mut dparams.c, bias, &dcls.c, &qkv.c, b, n, h, d)?;
-        cx.compare(&format!("class_attention_backward dqkv bias={with_bias} {tag}"), &dqkv, F32_TOL)?;
+        cx.be.class_attention_backward(&mut dq.d, &mut dkv.d, &mut dparams.d, bias, &dcls.d, &q.d, &kv.d, b, n, h, d)?;
+        cpu.class_attention_backward(&mut dq.c, &mut dkv.c, &mut dparams.c, bias, &dcls.c, &q.c, &kv.c, b, n, h, d)?;
+        cx.compare(&format!("class_attention_backward dq bias={with_bias} {tag}"), &dq, F32_TOL)?;
+        cx.compare(&format!("class_attention_backward dkv bias={with_bias} {tag}"), &dkv, F32_TOL)?;
         cx.compare_split(&format!("class_attention_backward rest bias={with_bias} {tag}"), &dparams, span, "dbias(+=)", F32_TOL)?;
     }
-    Ok(())
+    let mut dst = cx.rand(bn * c, 1.0, true)?;
+    cx.be.add_class_rows(&mut dst.d, &dcls.d, b, n, c)?;
+    cpu.add_class_rows(&mut dst.c, &dcls.c, b, n, c)?;
+    cx.compare(&format!("add_class_rows {tag}"), &dst, F32_TOL)
 }
 
 /// Attention shapes that matter for the fused kernels: CIFAR ViT-S/4 (N 65), 224-px/16
@@ -515,8 +523,7 @@ pub fn attention_checks<B: Backend>(be: &B, seed: u64, path: &str) -> BResult<Ve
     }
     // a head dim that is no multiple of 8: the class-token attention's element-wise kernels
     let (b, n, h, d) = (2, 9, 3, 12);
-    let qkv = cx.rand(b * n * 3 * h * d, 1.0, true)?;
-    class_attention_check(&mut cx, &qkv, b, n, h, d, &format!("[B{b} N{n} H{h} D{d}]{path}"))?;
+    class_attention_check(&mut cx, b, n, h, d, &format!("[B{b} N{n} H{h} D{d}]{path}"))?;
     Ok(cx.checks)
 }
 

@@ -173,49 +173,59 @@ fn attention_core() {
     compare("attention dqkv", seed, &mut qkv, &dqkv, &mut |x| dot(&fwd(x), &r));
 }
 
-/// The class token's attention (query 0 only) equals row 0 of the full attention, and its
-/// backward is the gradient of that row (finite differences), on fresh random inputs.
+/// The class token's attention equals row 0 of the full attention, and its backward is the
+/// gradient of that row with respect to the query and to every key and value (finite
+/// differences), on fresh random inputs.
 #[test]
 fn class_token_attention() {
     let be = Cpu::new();
     let (mut rng, seed) = fresh_rng();
     let (b, n, h, d) = (3, 6, 2, 4);
     let c = h * d;
-    let mut qkv = randn(&mut rng, b * n * 3 * c, 1.5);
+    let qkv = randn(&mut rng, b * n * 3 * c, 1.5);
+    // the class tokens' queries and every token's keys and values, as the tail splits them
+    let mut q: Vec<f32> = (0..b).flat_map(|bi| qkv[bi * n * 3 * c..][..c].to_vec()).collect();
+    let mut kv: Vec<f32> = qkv.chunks(3 * c).flat_map(|row| row[c..].to_vec()).collect();
     let r = randn(&mut rng, b * c, 1.0);
-    let fwd = |qkv: &[f32]| -> Vec<f32> {
+    let fwd = |q: &[f32], kv: &[f32]| -> Vec<f32> {
         let mut out = vec![0.0; b * c];
-        be.class_attention_forward(&mut out, &qkv.to_vec(), b, n, h, d).unwrap();
+        be.class_attention_forward(&mut out, &q.to_vec(), &kv.to_vec(), b, n, h, d).unwrap();
         out
     };
     let (mut full, mut p) = (vec![0.0; b * n * c], vec![0.0; b * h * n * n]);
     be.attention_forward(&mut full, &mut p, &qkv, b, n, h, d).unwrap();
-    let cls = fwd(&qkv);
+    let cls = fwd(&q, &kv);
     for bi in 0..b {
         for (x, y) in cls[bi * c..(bi + 1) * c].iter().zip(&full[bi * n * c..bi * n * c + c]) {
             assert!((x - y).abs() <= 1e-5 * (1.0 + y.abs()), "seed {seed}: image {bi}: {x} vs {y}");
         }
     }
-    // stale values in dqkv must all be overwritten
-    let mut dqkv = randn(&mut rng, b * n * 3 * c, 1.0);
-    let mut dbias = vec![0.0f32; 3 * c + 2];
-    let span = Span { off: 1, len: 3 * c };
-    be.class_attention_backward(&mut dqkv, &mut dbias, Some(span), &r, &qkv, b, n, h, d).unwrap();
-    // the bias gradient is the column sums of dqkv: for k exactly zero in exact arithmetic
+    let (mut dq, mut dkv) = (vec![0.0; b * c], vec![0.0; b * n * 2 * c]);
+    let mut dbias = vec![0.0f32; 2 * c + 2];
+    let span = Span { off: 1, len: 2 * c };
+    be.class_attention_backward(&mut dq, &mut dkv, &mut dbias, Some(span), &r, &q, &kv, b, n, h, d).unwrap();
+    // the bias gradient is the column sums of dkv: for k zero in exact arithmetic
     // (Σ_j dS_j = 0), for v the sum of dout over images (Σ_j P_j = 1)
     for e in 0..c {
         let v: f32 = (0..b).map(|bi| r[bi * c + e]).sum();
-        assert!(dbias[1 + c + e].abs() < 1e-5, "seed {seed}: k bias gradient {}", dbias[1 + c + e]);
-        assert!((dbias[1 + 2 * c + e] - v).abs() < 1e-5, "seed {seed}: v bias gradient {} vs {v}", dbias[1 + 2 * c + e]);
+        assert!(dbias[1 + e].abs() < 1e-5, "seed {seed}: k bias gradient {}", dbias[1 + e]);
+        assert!((dbias[1 + c + e] - v).abs() < 1e-5, "seed {seed}: v bias gradient {} vs {v}", dbias[1 + c + e]);
     }
-    assert!(dbias[0] == 0.0 && dbias[3 * c + 1] == 0.0, "seed {seed}: outside the span");
-    for bi in 0..b {
-        for j in 1..n {
-            let q = &dqkv[(bi * n + j) * 3 * c..][..c];
-            assert!(q.iter().all(|&v| v == 0.0), "seed {seed}: q gradient of token {j} not zero");
-        }
+    assert!(dbias[0] == 0.0 && dbias[2 * c + 1] == 0.0, "seed {seed}: outside the span");
+    let kv0 = kv.clone();
+    compare("class attention dq", seed, &mut q, &dq, &mut |x| dot(&fwd(x, &kv0), &r));
+    let q0 = q.clone();
+    compare("class attention dkv", seed, &mut kv, &dkv, &mut |x| dot(&fwd(&q0, x), &r));
+    // add_class_rows: token 0 of each image gets the row, the others are untouched
+    let src = randn(&mut rng, b * c, 1.0);
+    let mut dst = randn(&mut rng, b * n * c, 1.0);
+    let before = dst.clone();
+    be.add_class_rows(&mut dst, &src, b, n, c).unwrap();
+    for (i, (x, y)) in dst.iter().zip(&before).enumerate() {
+        let (row, e) = (i / c, i % c);
+        let want = if row % n == 0 { y + src[(row / n) * c + e] } else { *y };
+        assert_eq!(*x, want, "seed {seed}: element {i}");
     }
-    compare("class attention dqkv", seed, &mut qkv, &dqkv, &mut |x| dot(&fwd(x), &r));
 }
 
 #[test]

@@ -253,18 +253,22 @@ pub trait Backend: Send + Sync {
     /// gradient is exactly zero) instead of a second read of dqkv by the projection's backward.
     #[allow(clippy::too_many_arguments)]
     fn attention_backward_bias(&self, dqkv: &mut Self::Buf, dparams: &mut Self::Buf, bias: Span, dout: &Self::Buf, qkv: &Self::Buf, out: &Self::Buf, probs: &Self::Buf, b: usize, n: usize, h: usize, d: usize) -> BResult<()>;
-    /// Attention for the first query of each image only (the class token): `out` (B, H·D) =
-    /// softmax(q₀·kᵀ/√D)·v per head over all N keys of `qkv` (B, N, 3, H, D). Under token
-    /// pooling the last block's output is read at the class token alone, so that block needs
-    /// no other query (the model then runs its projection and MLP on B rows instead of B·N).
-    /// Saves nothing: the backward recomputes the N scores of each head.
+    /// Attention for the class token's query alone: `out` (B, H·D) = softmax(q·kᵀ/√D)·v per
+    /// head, with `q` (B, H·D) the class tokens' queries and `kv` (B, N, 2, H, D) every token's
+    /// keys and values. Under token pooling the last block's output is read at the class token
+    /// alone, so that block needs no other query (the model then runs its query projection,
+    /// output projection and MLP on B rows instead of B·N). Saves nothing: the backward
+    /// recomputes the N scores of each head.
     #[allow(clippy::too_many_arguments)]
-    fn class_attention_forward(&self, out: &mut Self::Buf, qkv: &Self::Buf, b: usize, n: usize, h: usize, d: usize) -> BResult<()>;
-    /// Backward of `class_attention_forward`: `dqkv =` (B, N, 3, H, D) from `dout` (B, H·D):
-    /// the q rows of tokens other than 0 are zero, k and v get every token's gradient. With
-    /// `bias`, also `dparams[bias] += Σ_rows dqkv` (the qkv projection's bias gradient, 3·H·D).
+    fn class_attention_forward(&self, out: &mut Self::Buf, q: &Self::Buf, kv: &Self::Buf, b: usize, n: usize, h: usize, d: usize) -> BResult<()>;
+    /// Backward of `class_attention_forward`: `dq =` (B, H·D) and `dkv =` (B, N, 2, H, D) from
+    /// `dout` (B, H·D). With `kv_bias`, also `dparams[kv_bias] += Σ_rows dkv` (2·H·D: the key
+    /// and value part of the qkv projection's bias gradient).
     #[allow(clippy::too_many_arguments)]
-    fn class_attention_backward(&self, dqkv: &mut Self::Buf, dparams: &mut Self::Buf, bias: Option<Span>, dout: &Self::Buf, qkv: &Self::Buf, b: usize, n: usize, h: usize, d: usize) -> BResult<()>;
+    fn class_attention_backward(&self, dq: &mut Self::Buf, dkv: &mut Self::Buf, dparams: &mut Self::Buf, kv_bias: Option<Span>, dout: &Self::Buf, q: &Self::Buf, kv: &Self::Buf, b: usize, n: usize, h: usize, d: usize) -> BResult<()>;
+    /// `dst[i·N] += src[i]` for every image i: adds (B, C) rows into the class token's rows of
+    /// `dst` (B·N, C) (the query projection's input gradient into the LayerNorm's).
+    fn add_class_rows(&self, dst: &mut Self::Buf, src: &Self::Buf, b: usize, n: usize, c: usize) -> BResult<()>;
     /// Elements of the compute-dtype `probs` buffer that `attention_forward` needs for these
     /// shapes (never more than B·H·N·N). The probabilities themselves by default.
     fn attention_saved_len(&self, b: usize, n: usize, h: usize, _d: usize) -> usize {

@@ -11,9 +11,9 @@
 //! pre-activation). When recomputing, one shared buffer of each replaces the per-block copies
 //! (2·C + F of the 7·C + 2·F values kept per token and block).
 
-use crate::backend::{BResult, Backend, GeluSaved};
+use crate::backend::{BResult, Backend, GeluSaved, Span};
 
-use super::params::ParamTable;
+use super::params::{BlockSpans, ParamTable};
 use super::spec::{GlobalPool, ModelConfig};
 
 /// Which activations the backward regenerates instead of keeping one copy per block.
@@ -107,6 +107,12 @@ struct Activations<B: Backend> {
     datt: B::Buf,        // (B·N, C)
     dfc: B::Buf,         // (B·N, F)
     dpatch_emb: B::Buf,  // (B·NP, C)
+    // the last block's class-token rows (class token tail): ln1's rows, their queries, and
+    // the gradients of both
+    cls_ln1: B::Buf, // (B, C)
+    cls_q: B::Buf,   // (B, C)
+    dcls_q: B::Buf,  // (B, C)
+    dcls_ln: B::Buf, // (B, C)
 }
 
 impl<B: Backend> Activations<B> {
@@ -168,8 +174,23 @@ impl<B: Backend> Activations<B> {
             datt: be.alloc(bn * c)?,
             dfc: be.alloc(bn * f)?,
             dpatch_emb: be.alloc(cap * np * c)?,
+            cls_ln1: be.alloc(cap * c)?,
+            cls_q: be.alloc(cap * c)?,
+            dcls_q: be.alloc(cap * c)?,
+            dcls_ln: be.alloc(cap * c)?,
         })
     }
+}
+
+/// The qkv projection split into its query part and its key/value part: (query weight rows,
+/// key/value weight rows, query bias, key/value bias) of the (3C × C) weight and 3C bias.
+fn split_qkv(s: &BlockSpans, c: usize) -> (Span, Span, Option<Span>, Option<Span>) {
+    let w = s.qkv_w;
+    let wq = Span { off: w.off, len: c * c };
+    let wkv = Span { off: w.off + c * c, len: 2 * c * c };
+    let bq = s.qkv_b.map(|b| Span { off: b.off, len: c });
+    let bkv = s.qkv_b.map(|b| Span { off: b.off + c, len: 2 * c });
+    (wq, wkv, bq, bkv)
 }
 
 /// The block's own copy of an activation, or the shared regeneration buffer.
@@ -374,16 +395,22 @@ impl<B: Backend> Vit<B> {
             };
             let ln1 = kept_or_shared(&mut blk.ln1, shared_ln.as_deref_mut())?;
             be.layernorm_forward(ln1, &mut blk.ln1_mean, &mut blk.ln1_rstd, x, w, s.norm1_w, s.norm1_b, bn, c)?;
-            be.matmul_forward(&mut blk.qkv, None, ln1, w, s.qkv_w, s.qkv_b, bn, c, 3 * c)?;
             // rows of the rest of the block: every token, or (the last block with the class
             // token tail) the class token of each image, its residual row gathered into x2
             // (overwritten by the block's output below)
             let rows = if tail && i + 1 == m.depth {
-                be.class_attention_forward(&mut blk.att, &blk.qkv, b, n, h, d)?;
+                // keys and values of every token (blk.qkv holds (B, N, 2, H, D) here), the
+                // queries of the class tokens alone
+                let (wq, wkv, bq, bkv) = split_qkv(s, c);
+                be.matmul_forward(&mut blk.qkv, None, ln1, w, wkv, bkv, bn, c, 2 * c)?;
+                be.pool_forward(&mut a.cls_ln1, ln1, b, n, c, prefix, false)?;
+                be.matmul_forward(&mut a.cls_q, None, &a.cls_ln1, w, wq, bq, b, c, c)?;
+                be.class_attention_forward(&mut blk.att, &a.cls_q, &blk.qkv, b, n, h, d)?;
                 be.pool_forward(&mut blk.x2, x, b, n, c, prefix, false)?;
                 be.matmul_forward_residual(&mut blk.x1, &blk.x2, &blk.att, w, s.proj_w, Some(s.proj_b), b, c, c)?;
                 b
             } else {
+                be.matmul_forward(&mut blk.qkv, None, ln1, w, s.qkv_w, s.qkv_b, bn, c, 3 * c)?;
                 be.attention_forward(&mut blk.att, &mut blk.probs, &blk.qkv, b, n, h, d)?;
                 be.matmul_forward_residual(&mut blk.x1, x, &blk.att, w, s.proj_w, Some(s.proj_b), bn, c, c)?;
                 bn
@@ -492,8 +519,10 @@ impl<B: Backend> Vit<B> {
             // attention: proj, core, qkv, ln1 (+ residual) → dres_a = dx
             be.matmul_backward(&mut a.datt, g, &a.dres_b, &blk.att, None, w, s.proj_w, None, rows, c, c)?;
             // the qkv bias gradient from the attention backward's pass where the backend can
+            let (wq, wkv, bq, bkv) = split_qkv(s, c);
             if class_tail {
-                be.class_attention_backward(&mut a.dqkv, g, s.qkv_b, &a.datt, &blk.qkv, b, n, h, d)?;
+                // dqkv holds the keys' and values' gradient (B, N, 2, H, D) here
+                be.class_attention_backward(&mut a.dcls_q, &mut a.dqkv, g, bkv, &a.datt, &a.cls_q, &blk.qkv, b, n, h, d)?;
             } else {
                 match s.qkv_b {
                     Some(qb) => be.attention_backward_bias(&mut a.dqkv, g, qb, &a.datt, &blk.qkv, &blk.att, &blk.probs, b, n, h, d)?,
@@ -504,7 +533,15 @@ impl<B: Backend> Vit<B> {
                 be.layernorm_forward(&mut r.ln, &mut r.mean, &mut r.rstd, x, w, s.norm1_w, s.norm1_b, bn, c)?;
             }
             let ln1 = kept_or_regen(&blk.ln1, a.regen.as_ref().map(|r| &r.ln))?;
-            be.matmul_backward(&mut a.dln, g, &a.dqkv, ln1, None, w, s.qkv_w, None, bn, c, 3 * c)?;
+            if class_tail {
+                // the keys' and values' part over every token, the queries' over the class
+                // tokens (their ln1 rows kept by the forward), added into those rows of dln
+                be.matmul_backward(&mut a.dln, g, &a.dqkv, ln1, None, w, wkv, None, bn, c, 2 * c)?;
+                be.matmul_backward(&mut a.dcls_ln, g, &a.dcls_q, &a.cls_ln1, None, w, wq, bq, b, c, c)?;
+                be.add_class_rows(&mut a.dln, &a.dcls_ln, b, n, c)?;
+            } else {
+                be.matmul_backward(&mut a.dln, g, &a.dqkv, ln1, None, w, s.qkv_w, None, bn, c, 3 * c)?;
+            }
             let dx1 = if class_tail {
                 // the residual gradient dx1 lives on the class tokens: spread it over every
                 // token's row (zeros elsewhere), in datt, free since the attention backward

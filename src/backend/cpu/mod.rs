@@ -477,18 +477,19 @@ impl Backend for Cpu {
         })
     }
 
-    fn class_attention_forward(&self, out: &mut Vec<f32>, qkv: &Vec<f32>, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
+    fn class_attention_forward(&self, out: &mut Vec<f32>, q: &Vec<f32>, kv: &Vec<f32>, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
         let c = h * d;
-        check("class_attention_forward", "qkv", qkv, b * n * 3 * c)?;
+        check("class_attention_forward", "q", q, b * c)?;
+        check("class_attention_forward", "kv", kv, b * n * 2 * c)?;
         check("class_attention_forward", "out", out, b * c)?;
         out[..b * c].par_chunks_mut(c).enumerate().for_each(|(bi, o)| {
             let mut p = vec![0.0f32; n];
             for hi in 0..h {
-                class_probs(&mut p, qkv, bi, n, h, d, hi);
+                class_probs(&mut p, q, kv, bi, n, h, d, hi);
                 let oh = &mut o[hi * d..(hi + 1) * d];
                 oh.fill(0.0);
                 for (j, &pj) in p.iter().enumerate() {
-                    let v = &qkv[(bi * n + j) * 3 * c + 2 * c + hi * d..][..d];
+                    let v = &kv[(bi * n + j) * 2 * c + c + hi * d..][..d];
                     oh.iter_mut().zip(v).for_each(|(a, &x)| *a += pj * x);
                 }
             }
@@ -496,43 +497,55 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn class_attention_backward(&self, dqkv: &mut Vec<f32>, dparams: &mut Vec<f32>, bias: Option<Span>, dout: &Vec<f32>, qkv: &Vec<f32>, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
+    fn class_attention_backward(&self, dq: &mut Vec<f32>, dkv: &mut Vec<f32>, dparams: &mut Vec<f32>, kv_bias: Option<Span>, dout: &Vec<f32>, q: &Vec<f32>, kv: &Vec<f32>, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
+        const OP: &str = "class_attention_backward";
         let c = h * d;
-        if let Some(s) = bias {
-            check_span("class_attention_backward", "dbias", dparams, s, 3 * c)?;
+        if let Some(s) = kv_bias {
+            check_span(OP, "dbias", dparams, s, 2 * c)?;
         }
-        check("class_attention_backward", "qkv", qkv, b * n * 3 * c)?;
-        check("class_attention_backward", "dqkv", dqkv, b * n * 3 * c)?;
-        check("class_attention_backward", "dout", dout, b * c)?;
+        check(OP, "q", q, b * c)?;
+        check(OP, "kv", kv, b * n * 2 * c)?;
+        check(OP, "dq", dq, b * c)?;
+        check(OP, "dkv", dkv, b * n * 2 * c)?;
+        check(OP, "dout", dout, b * c)?;
         let scale = 1.0 / (d as f32).sqrt();
-        dqkv[..b * n * 3 * c].par_chunks_mut(n * 3 * c).enumerate().for_each(|(bi, dst)| {
-            dst.fill(0.0);
+        dq[..b * c].par_chunks_mut(c).zip(dkv[..b * n * 2 * c].par_chunks_mut(n * 2 * c)).enumerate().for_each(|(bi, (dqi, dst))| {
             let mut p = vec![0.0f32; n];
             let mut ds = vec![0.0f32; n];
             for hi in 0..h {
-                class_probs(&mut p, qkv, bi, n, h, d, hi);
+                class_probs(&mut p, q, kv, bi, n, h, d, hi);
                 let g = &dout[bi * c + hi * d..][..d];
-                let row = |j: usize, part: usize| (bi * n + j) * 3 * c + part * c + hi * d;
+                // this image's row j of kv / dkv, key (0) or value (1) part of head hi
+                let row = |j: usize, part: usize| j * 2 * c + part * c + hi * d;
+                let kvi = &kv[bi * n * 2 * c..];
                 // dP_j = g·v_j, dS_j = P_j (dP_j − Σ_i P_i dP_i) with the 1/√D folded in
                 for (j, dsj) in ds.iter_mut().enumerate() {
-                    *dsj = g.iter().zip(&qkv[row(j, 2)..][..d]).map(|(a, x)| a * x).sum();
+                    *dsj = g.iter().zip(&kvi[row(j, 1)..][..d]).map(|(a, x)| a * x).sum();
                 }
                 let dot: f32 = ds.iter().zip(&p).map(|(a, b)| a * b).sum();
                 ds.iter_mut().zip(&p).for_each(|(g, &pj)| *g = pj * (*g - dot) * scale);
-                let q = &qkv[row(0, 0)..][..d];
-                // offsets within this image's rows of dqkv
-                let local = |j: usize, part: usize| row(j, part) - bi * n * 3 * c;
+                let qh = &q[bi * c + hi * d..][..d];
+                let dqh = &mut dqi[hi * d..(hi + 1) * d];
+                dqh.fill(0.0);
                 for j in 0..n {
-                    // dq₀ = Σ_j dS_j k_j ; dk_j = dS_j q₀ ; dv_j = P_j g
-                    let k = &qkv[row(j, 1)..][..d];
-                    dst[local(0, 0)..][..d].iter_mut().zip(k).for_each(|(a, &x)| *a += ds[j] * x);
-                    dst[local(j, 1)..][..d].iter_mut().zip(q).for_each(|(a, &x)| *a = ds[j] * x);
-                    dst[local(j, 2)..][..d].iter_mut().zip(g).for_each(|(a, &x)| *a = p[j] * x);
+                    // dq = Σ_j dS_j k_j ; dk_j = dS_j q ; dv_j = P_j g
+                    dqh.iter_mut().zip(&kvi[row(j, 0)..][..d]).for_each(|(a, &x)| *a += ds[j] * x);
+                    dst[row(j, 0)..][..d].iter_mut().zip(qh).for_each(|(a, &x)| *a = ds[j] * x);
+                    dst[row(j, 1)..][..d].iter_mut().zip(g).for_each(|(a, &x)| *a = p[j] * x);
                 }
             }
         });
-        if let Some(s) = bias {
-            add_column_sums(&mut dparams[s.range()], &dqkv[..b * n * 3 * c], 3 * c);
+        if let Some(s) = kv_bias {
+            add_column_sums(&mut dparams[s.range()], &dkv[..b * n * 2 * c], 2 * c);
+        }
+        Ok(())
+    }
+
+    fn add_class_rows(&self, dst: &mut Vec<f32>, src: &Vec<f32>, b: usize, n: usize, c: usize) -> BResult<()> {
+        check("add_class_rows", "dst", dst, b * n * c)?;
+        check("add_class_rows", "src", src, b * c)?;
+        for (bi, s) in src[..b * c].chunks(c.max(1)).enumerate() {
+            dst[bi * n * c..][..c].iter_mut().zip(s).for_each(|(a, &x)| *a += x);
         }
         Ok(())
     }
@@ -643,16 +656,17 @@ fn matmul_bias(out: &mut [f32], inp: &[f32], params: &[f32], w: Span, bias: Opti
     matmul(MatMut::rows(out, rows, oc), Mat::rows(inp, rows, ic), Mat::rows_t(&params[w.range()], oc, ic), accumulate, true)
 }
 
-/// Softmax probabilities of the class token's query (token 0) of image `bi`, head `hi`, over
-/// the N keys of `qkv` (B, N, 3, H, D), into `p` (N).
-fn class_probs(p: &mut [f32], qkv: &[f32], bi: usize, n: usize, h: usize, d: usize, hi: usize) {
+/// Softmax probabilities of image `bi`'s class-token query, head `hi`, over its N keys: `q`
+/// (B, H·D), `kv` (B, N, 2, H, D), into `p` (N).
+#[allow(clippy::too_many_arguments)]
+fn class_probs(p: &mut [f32], q: &[f32], kv: &[f32], bi: usize, n: usize, h: usize, d: usize, hi: usize) {
     let c = h * d;
     let scale = 1.0 / (d as f32).sqrt();
-    let q = &qkv[bi * n * 3 * c + hi * d..][..d];
+    let qh = &q[bi * c + hi * d..][..d];
     let mut mx = f32::NEG_INFINITY;
     for (j, pj) in p.iter_mut().enumerate().take(n) {
-        let k = &qkv[(bi * n + j) * 3 * c + c + hi * d..][..d];
-        *pj = q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale;
+        let k = &kv[(bi * n + j) * 2 * c + hi * d..][..d];
+        *pj = qh.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale;
         mx = mx.max(*pj);
     }
     let mut sum = 0.0f32;

@@ -1343,6 +1343,7 @@ fn class_attention_smem(op: &'static str, n: usize, d: usize, backward: bool, v8
         // p | qs | res | acc (1024) | red (32), the backward adds ds and g
         n + 2 * d + 1024 + 32 + if backward { n + d } else { 0 }
     } else {
+        // p | qs | acc (4·d) | red (32), the backward adds g and ds
         n + 5 * d + 32 + if backward { d + n } else { 0 }
     };
     let bytes = 4 * floats;
@@ -1855,66 +1856,79 @@ impl Backend for Cuda {
         self.attention_backward_impl(dqkv, Some(dparams.at(bias.off)), dout, qkv, out, probs, b, n, h, d)
     }
 
-    fn class_attention_forward(&self, out: &mut CudaBuf, qkv: &CudaBuf, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
+    fn class_attention_forward(&self, out: &mut CudaBuf, q: &CudaBuf, kv: &CudaBuf, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
         const OP: &str = "class_attention_forward";
-        check_bf16(OP, "qkv", qkv)?;
-        check_bf16(OP, "out", out)?;
-        check_len(OP, "qkv", qkv, 3 * b * n * h * d)?;
-        check_len(OP, "out", out, b * h * d)?;
+        let c = h * d;
+        for (what, buf, len) in [("q", q, b * c), ("kv", kv, b * n * 2 * c), ("out", &*out, b * c)] {
+            check_bf16(OP, what, buf)?;
+            check_len(OP, what, buf, len)?;
+        }
         if b * h == 0 || n == 0 {
             return Ok(());
         }
-        let v8 = class_attention_v8(d, &[out.ptr, qkv.ptr]);
+        let v8 = class_attention_v8(d, &[out.ptr, q.ptr, kv.ptr]);
         let smem = class_attention_smem(OP, n, d, false, v8)?;
         let (nn, hh, dd, scale) = (n as i32, h as i32, d as i32, 1.0 / (d as f32).sqrt());
         let name = if v8 { "class_attention_fwd_v8" } else { "class_attention_fwd" };
-        self.launch_dyn(name, ((b * h) as u32, 1, 1), (128, 1, 1), smem, &mut kargs![out.ptr, qkv.ptr, nn, hh, dd, scale])
+        self.launch_dyn(name, ((b * h) as u32, 1, 1), (128, 1, 1), smem, &mut kargs![out.ptr, q.ptr, kv.ptr, nn, hh, dd, scale])
     }
 
-    fn class_attention_backward(&self, dqkv: &mut CudaBuf, dparams: &mut CudaBuf, bias: Option<Span>, dout: &CudaBuf, qkv: &CudaBuf, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
+    fn class_attention_backward(&self, dq: &mut CudaBuf, dkv: &mut CudaBuf, dparams: &mut CudaBuf, kv_bias: Option<Span>, dout: &CudaBuf, q: &CudaBuf, kv: &CudaBuf, b: usize, n: usize, h: usize, d: usize) -> BResult<()> {
         const OP: &str = "class_attention_backward";
         let c = h * d;
-        if let Some(s) = bias {
+        if let Some(s) = kv_bias {
             check_f32(OP, "dparams", dparams)?;
             check_span(OP, "dbias", dparams, s)?;
-            if s.len != 3 * c {
-                return Err(BackendError::Shape { op: OP, msg: format!("bias span has {} elements, qkv has {} columns", s.len, 3 * c) });
+            if s.len != 2 * c {
+                return Err(BackendError::Shape { op: OP, msg: format!("key/value bias span has {} elements, kv has {} columns", s.len, 2 * c) });
             }
         }
-        check_bf16(OP, "qkv", qkv)?;
-        check_bf16(OP, "dqkv", dqkv)?;
-        check_bf16(OP, "dout", dout)?;
-        check_len(OP, "qkv", qkv, 3 * b * n * h * d)?;
-        check_len(OP, "dqkv", dqkv, 3 * b * n * h * d)?;
-        check_len(OP, "dout", dout, b * h * d)?;
+        for (what, buf, len) in [("q", q, b * c), ("kv", kv, b * n * 2 * c), ("dout", dout, b * c), ("dq", &*dq, b * c), ("dkv", &*dkv, b * n * 2 * c)] {
+            check_bf16(OP, what, buf)?;
+            check_len(OP, what, buf, len)?;
+        }
         if b * h == 0 || n == 0 {
             return Ok(());
         }
-        let v8 = class_attention_v8(d, &[dqkv.ptr, dout.ptr, qkv.ptr]);
+        let v8 = class_attention_v8(d, &[dq.ptr, dkv.ptr, dout.ptr, q.ptr, kv.ptr]);
         let smem = class_attention_smem(OP, n, d, true, v8)?;
         let (nn, hh, dd, scale) = (n as i32, h as i32, d as i32, 1.0 / (d as f32).sqrt());
         if !v8 {
-            self.launch_dyn("class_attention_bwd", ((b * h) as u32, 1, 1), (128, 1, 1), smem, &mut kargs![dqkv.ptr, dout.ptr, qkv.ptr, nn, hh, dd, scale])?;
-            return match bias {
-                Some(s) => self.add_column_sums(dparams.at(s.off), dqkv, b * n, 3 * c),
+            self.launch_dyn("class_attention_bwd", ((b * h) as u32, 1, 1), (128, 1, 1), smem, &mut kargs![dq.ptr, dkv.ptr, dout.ptr, q.ptr, kv.ptr, nn, hh, dd, scale])?;
+            return match kv_bias {
+                Some(s) => self.add_column_sums(dparams.at(s.off), dkv, b * n, 2 * c),
                 None => Ok(()),
             };
         }
-        // with a bias: per-image [dq₀ | dout] rows (f32, 2·H·D each), reduced below
-        let part = match bias {
-            Some(_) => self.partial_rows(b * 2 * c)?,
+        // with a bias: per-image dout rows (f32, H·D each), the v bias's terms, reduced below
+        let part = match kv_bias {
+            Some(_) => self.partial_rows(b * c)?,
             None => 0,
         };
-        self.launch_dyn("class_attention_bwd_v8", ((b * h) as u32, 1, 1), (128, 1, 1), smem, &mut kargs![dqkv.ptr, dout.ptr, qkv.ptr, nn, hh, dd, scale, part])?;
-        match bias {
+        self.launch_dyn("class_attention_bwd_v8", ((b * h) as u32, 1, 1), (128, 1, 1), smem, &mut kargs![dq.ptr, dkv.ptr, dout.ptr, q.ptr, kv.ptr, nn, hh, dd, scale, part])?;
+        match kv_bias {
+            // v bias += Σ dout; the k bias's gradient is zero
             Some(s) => {
-                // q bias += Σ dq₀, v bias += Σ dout; the k bias's gradient is zero
-                let db = dparams.at(s.off);
-                let dv = db + (2 * c * 4) as u64;
-                self.reduce_partials(db, dv, dv, c, part, b, 2 * c)
+                let dv = dparams.at(s.off) + (c * 4) as u64;
+                self.reduce_partials(dv, dv, dv, c, part, b, c)
             }
             None => Ok(()),
         }
+    }
+
+    fn add_class_rows(&self, dst: &mut CudaBuf, src: &CudaBuf, b: usize, n: usize, c: usize) -> BResult<()> {
+        const OP: &str = "add_class_rows";
+        check_bf16(OP, "dst", dst)?;
+        check_bf16(OP, "src", src)?;
+        check_len(OP, "dst", dst, b * n * c)?;
+        check_len(OP, "src", src, b * c)?;
+        let (bb, nn) = (b as i32, n as i32);
+        if c % 8 == 0 && dst.ptr % 16 == 0 && src.ptr % 16 == 0 {
+            let c8 = (c / 8) as i32;
+            return self.launch1("add_class_rows_v8", b * c / 8, &mut kargs![dst.ptr, src.ptr, bb, nn, c8]);
+        }
+        let cc = c as i32;
+        self.launch1("add_class_rows", b * c, &mut kargs![dst.ptr, src.ptr, bb, nn, cc])
     }
 
     fn attention_saved_len(&self, b: usize, n: usize, h: usize, d: usize) -> usize {

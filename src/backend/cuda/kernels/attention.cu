@@ -104,22 +104,21 @@ extern "C" __global__ void softmax_bwd_pad(bf16* dp, const bf16* p, int ld, i64 
 }
 
 // ---- class-token attention: query 0 of each image only (the last block under token pooling).
-// One block per (image, head), 128 threads; shared memory: n floats of scores/probabilities,
-// n floats of dS (backward), d of the scaled query, d of dout, 4·d of per-warp partial sums.
-// The work is N·D per head, so plain loads serve: a key row's D bf16 are read by one warp.
+// q (B, H·D) holds the class tokens' queries, kv (B, N, 2, H, D) every token's keys and values.
+// One block per (image, head) = blockIdx.x, 128 threads; the work is N·D per head.
+// Generic kernels (any D, 2-byte accesses): a key row's D bf16 are read by one warp.
+// Shared memory: p (n) | qs (d) | acc (4·d) | red (32), the backward adds g (d) | ds (n).
 
-// p[0..n) ← softmax over keys of (q₀·scale)·k_j for image bi, head hi; qs (d) receives q₀·scale.
-// Ends with a barrier; p sums to 1.
-__device__ void class_probs(float* p, float* qs, float* red, const bf16* qkv, int bi, int hi, int n, int h, int d, float scale) {
-    int c = h * d, t = threadIdx.x, lane = t & 31, warp = t >> 5, warps = blockDim.x >> 5;
-    const bf16* base = qkv + (i64)bi * n * 3 * c;
-    for (int e = t; e < d; e += blockDim.x) qs[e] = bf2f(base[hi * d + e]) * scale;
+// p[0..n) ← softmax_j(qs·k_j) with qs = q·scale (loaded here); ends with a barrier.
+__device__ void class_probs(float* p, float* qs, float* red, const bf16* q, const bf16* k, int n, int kv_stride, int d, float scale) {
+    int t = threadIdx.x, lane = t & 31, warp = t >> 5, warps = blockDim.x >> 5;
+    for (int e = t; e < d; e += blockDim.x) qs[e] = bf2f(q[e]) * scale;
     __syncthreads();
     float mx = -INFINITY;
     for (int j = warp; j < n; j += warps) {
-        const bf16* k = base + (i64)j * 3 * c + c + hi * d;
+        const bf16* kj = k + (i64)j * kv_stride;
         float s = 0.f;
-        for (int e = lane; e < d; e += 32) s += qs[e] * bf2f(k[e]);
+        for (int e = lane; e < d; e += 32) s += qs[e] * bf2f(kj[e]);
         s = warp_sum(s);
         if (lane == 0) p[j] = s;
         mx = fmaxf(mx, s);
@@ -163,30 +162,30 @@ __device__ void class_weighted_rows(bf16* dst, float* acc, const float* w, const
     }
 }
 
-// out (B, H·D) ← softmax(q₀·kᵀ·scale)·v per (image, head) = blockIdx.x.
-extern "C" __global__ void class_attention_fwd(bf16* out, const bf16* qkv, int n, int h, int d, float scale) {
+// out (B, H·D) ← softmax(q·kᵀ·scale)·v per (image, head).
+extern "C" __global__ void class_attention_fwd(bf16* out, const bf16* q, const bf16* kv, int n, int h, int d, float scale) {
     extern __shared__ float sm[];
     int bi = blockIdx.x / h, hi = blockIdx.x % h, c = h * d;
     float *p = sm, *qs = p + n, *acc = qs + d, *red = acc + 4 * d;
-    class_probs(p, qs, red, qkv, bi, hi, n, h, d, scale);
-    const bf16* v = qkv + (i64)bi * n * 3 * c + 2 * c + hi * d;
-    class_weighted_rows(out + (i64)bi * c + hi * d, acc, p, v, 3 * c, n, d);
+    const bf16* k = kv + (i64)bi * n * 2 * c + hi * d;
+    class_probs(p, qs, red, q + (i64)bi * c + hi * d, k, n, 2 * c, d, scale);
+    class_weighted_rows(out + (i64)bi * c + hi * d, acc, p, k + c, 2 * c, n, d);
 }
 
-// dqkv (B, N, 3, H, D) ← gradient of class_attention_fwd from dout (B, H·D): dq₀ = Σ_j dS_j k_j
-// (dS with the scale folded in), q rows of other tokens 0, dk_j = dS_j q₀, dv_j = P_j dout.
-extern "C" __global__ void class_attention_bwd(bf16* dqkv, const bf16* dout, const bf16* qkv, int n, int h, int d, float scale) {
+// Gradient of class_attention_fwd from dout (B, H·D): dq (B, H·D) = Σ_j dS_j k_j (dS with the
+// scale folded in), dkv (B, N, 2, H, D): dk_j = dS_j q, dv_j = P_j dout.
+extern "C" __global__ void class_attention_bwd(bf16* dq, bf16* dkv, const bf16* dout, const bf16* q, const bf16* kv, int n, int h, int d, float scale) {
     extern __shared__ float sm[];
     int bi = blockIdx.x / h, hi = blockIdx.x % h, c = h * d;
     int t = threadIdx.x, lane = t & 31, warp = t >> 5, warps = blockDim.x >> 5;
     float *p = sm, *qs = p + n, *acc = qs + d, *red = acc + 4 * d, *g = red + 32, *ds = g + d;
     for (int e = t; e < d; e += blockDim.x) g[e] = bf2f(dout[(i64)bi * c + hi * d + e]);
-    class_probs(p, qs, red, qkv, bi, hi, n, h, d, scale);
-    const bf16* base = qkv + (i64)bi * n * 3 * c;
+    const bf16* k = kv + (i64)bi * n * 2 * c + hi * d;
+    class_probs(p, qs, red, q + (i64)bi * c + hi * d, k, n, 2 * c, d, scale);
     // dP_j = dout·v_j, then Σ_j P_j dP_j
     float dot = 0.f;
     for (int j = warp; j < n; j += warps) {
-        const bf16* v = base + (i64)j * 3 * c + 2 * c + hi * d;
+        const bf16* v = k + (i64)j * 2 * c + c;
         float s = 0.f;
         for (int e = lane; e < d; e += 32) s += g[e] * bf2f(v[e]);
         s = warp_sum(s);
@@ -199,23 +198,21 @@ extern "C" __global__ void class_attention_bwd(bf16* dqkv, const bf16* dout, con
     for (int w = 0; w < warps; w++) dot += red[w];
     for (int j = t; j < n; j += blockDim.x) ds[j] = p[j] * (ds[j] - dot) * scale;
     __syncthreads();
-    // dk, dv of every token, q rows 1.. zero (qs holds q₀·scale, so dS_j·q₀ = ds_j/scale·qs)
-    bf16* dst = dqkv + (i64)bi * n * 3 * c + hi * d;
+    // dk_j = dS_j q (qs holds q·scale, ds_j = dS_j·scale), dv_j = P_j g
+    bf16* dst = dkv + (i64)bi * n * 2 * c + hi * d;
     float inv_scale = 1.f / scale;
     for (int i = t; i < n * d; i += blockDim.x) {
         int j = i / d, e = i - j * d;
-        bf16* r = dst + (i64)j * 3 * c;
-        if (j > 0) r[e] = (bf16)0;
-        r[c + e] = f2bf(ds[j] * inv_scale * qs[e]);
-        r[2 * c + e] = f2bf(p[j] * g[e]);
+        bf16* r = dst + (i64)j * 2 * c;
+        r[e] = f2bf(ds[j] * inv_scale * qs[e]);
+        r[c + e] = f2bf(p[j] * g[e]);
     }
-    class_weighted_rows(dst, acc, ds, base + c + hi * d, 3 * c, n, d);
+    class_weighted_rows(dq + (i64)bi * c + hi * d, acc, ds, k, 2 * c, n, d);
 }
 
 // The same two kernels with 16-byte loads and stores: D % 8 == 0, D ≤ 1024, 16-byte aligned
-// qkv / out / dqkv / dout (checked by the caller). Scores and dP take one thread per key; the
-// weighted row sums split the D/8 chunks of a row over threads and the keys over G = 128 / (D/8)
-// groups. d8 = D / 8.
+// buffers (checked by the caller). Scores and dP take one thread per key; the weighted row sums
+// split the D/8 chunks of a row over threads and the keys over G = 128 / (D/8) groups.
 
 __device__ __forceinline__ void unpack8(uint4 u, float* f) {
     f[0] = lo16(u.x); f[1] = hi16(u.x); f[2] = lo16(u.y); f[3] = hi16(u.y);
@@ -244,14 +241,14 @@ __device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) 
     for (int w = 1; w < warps; w++) r = is_max ? fmaxf(r, red[w]) : r + red[w];
     return r;
 }
-// p[0..n) ← softmax_j(qs·k_j) with qs = q₀·scale (loaded here); ends with a barrier.
-__device__ void class_probs8(float* p, float* qs, float* red, const bf16* base, int hi, int n, int c, int d, float scale) {
+// p[0..n) ← softmax_j(qs·k_j) with qs = q·scale (loaded here); ends with a barrier.
+__device__ void class_probs8(float* p, float* qs, float* red, const bf16* q, const bf16* k, int n, int kv_stride, int d, float scale) {
     int t = threadIdx.x, d8 = d >> 3;
-    for (int e = t; e < d; e += blockDim.x) qs[e] = bf2f(base[hi * d + e]) * scale;
+    for (int e = t; e < d; e += blockDim.x) qs[e] = bf2f(q[e]) * scale;
     __syncthreads();
     float mx = -INFINITY;
     for (int j = t; j < n; j += blockDim.x) {
-        float s = dot_row8(qs, (const uint4*)(base + (i64)j * 3 * c + c + hi * d), d8);
+        float s = dot_row8(qs, (const uint4*)(k + (i64)j * kv_stride), d8);
         p[j] = s;
         mx = fmaxf(mx, s);
     }
@@ -266,7 +263,7 @@ __device__ void class_probs8(float* p, float* qs, float* red, const bf16* base, 
     for (int j = t; j < n; j += blockDim.x) p[j] *= inv;
     __syncthreads();
 }
-// res[e] = Σ_j w[j]·rows_j[e] (f32 into shared `res`, d values); acc holds G·d floats.
+// res[e] = Σ_j w[j]·rows_j[e] (f32 into shared `res`, d values); acc holds G·d ≤ 1024 floats.
 __device__ void weighted_rows8(float* res, float* acc, const float* w, const bf16* rows, i64 row_stride, int n, int d) {
     int t = threadIdx.x, d8 = d >> 3, groups = blockDim.x / d8;
     int grp = t / d8, ch = t - grp * d8;
@@ -290,62 +287,74 @@ __device__ void weighted_rows8(float* res, float* acc, const float* w, const bf1
     __syncthreads();
 }
 
-// shared: p (n) | qs (d) | res (d) | acc (G·d ≤ 128·8) | red (32)
-extern "C" __global__ void class_attention_fwd_v8(bf16* out, const bf16* qkv, int n, int h, int d, float scale) {
+// shared: p (n) | qs (d) | res (d) | acc (1024) | red (32)
+extern "C" __global__ void class_attention_fwd_v8(bf16* out, const bf16* q, const bf16* kv, int n, int h, int d, float scale) {
     extern __shared__ float sm[];
     int bi = blockIdx.x / h, hi = blockIdx.x % h, c = h * d;
     float *p = sm, *qs = p + n, *res = qs + d, *acc = res + d, *red = acc + 1024;
-    const bf16* base = qkv + (i64)bi * n * 3 * c;
-    class_probs8(p, qs, red, base, hi, n, c, d, scale);
-    weighted_rows8(res, acc, p, base + 2 * c + hi * d, 3 * c, n, d);
+    const bf16* k = kv + (i64)bi * n * 2 * c + hi * d;
+    class_probs8(p, qs, red, q + (i64)bi * c + hi * d, k, n, 2 * c, d, scale);
+    weighted_rows8(res, acc, p, k + c, 2 * c, n, d);
     bf16* o = out + (i64)bi * c + hi * d;
     for (int ch = threadIdx.x; ch < (d >> 3); ch += blockDim.x) ((uint4*)o)[ch] = pack8(res + ch * 8);
 }
 
 // shared: p (n) | ds (n) | qs (d) | g (d) | res (d) | acc (1024) | red (32).
-// part (optional, f32 rows of 2·C per image): [dq₀ | dout] at this head's columns, the
-// per-image terms of the qkv bias gradient (q: Σ dq₀; v: Σ_j dv_j = dout since Σ_j P_j = 1;
-// k: Σ_j dS_j q₀ = 0).
-extern "C" __global__ void class_attention_bwd_v8(bf16* dqkv, const bf16* dout, const bf16* qkv, int n, int h, int d, float scale, float* part) {
+// part (optional, f32 rows of C per image): dout at this head's columns — the image's term of
+// the v bias gradient (Σ_j dv_j = dout since Σ_j P_j = 1; the k bias's, Σ_j dS_j q, is 0).
+extern "C" __global__ void class_attention_bwd_v8(bf16* dq, bf16* dkv, const bf16* dout, const bf16* q, const bf16* kv, int n, int h, int d, float scale, float* part) {
     extern __shared__ float sm[];
     int bi = blockIdx.x / h, hi = blockIdx.x % h, c = h * d, t = threadIdx.x, d8 = d >> 3;
     float *p = sm, *ds = p + n, *qs = ds + n, *g = qs + d, *res = g + d, *acc = res + d, *red = acc + 1024;
-    const bf16* base = qkv + (i64)bi * n * 3 * c;
+    const bf16* k = kv + (i64)bi * n * 2 * c + hi * d;
     for (int e = t; e < d; e += blockDim.x) g[e] = bf2f(dout[(i64)bi * c + hi * d + e]);
-    class_probs8(p, qs, red, base, hi, n, c, d, scale);
+    class_probs8(p, qs, red, q + (i64)bi * c + hi * d, k, n, 2 * c, d, scale);
     float dot = 0.f;
     for (int j = t; j < n; j += blockDim.x) {
-        float dp = dot_row8(g, (const uint4*)(base + (i64)j * 3 * c + 2 * c + hi * d), d8);
+        float dp = dot_row8(g, (const uint4*)(k + (i64)j * 2 * c + c), d8);
         ds[j] = dp;
         dot += p[j] * dp;
     }
     dot = block_reduce(dot, red, false);
     for (int j = t; j < n; j += blockDim.x) ds[j] = p[j] * (ds[j] - dot) * scale;
     __syncthreads();
-    // dk_j = dS_j q₀ (= ds_j/scale · qs), dv_j = P_j g, q rows of tokens > 0 zero
-    bf16* dst = dqkv + (i64)bi * n * 3 * c + hi * d;
+    // dk_j = dS_j q (= ds_j/scale · qs), dv_j = P_j g
+    bf16* dst = dkv + (i64)bi * n * 2 * c + hi * d;
     float inv_scale = 1.f / scale;
     for (int i = t; i < n * d8; i += blockDim.x) {
         int j = i / d8, ch = i - j * d8;
-        bf16* r = dst + (i64)j * 3 * c;
+        bf16* r = dst + (i64)j * 2 * c;
         float fk[8], fv[8], wk = ds[j] * inv_scale, wv = p[j];
 #pragma unroll
         for (int e = 0; e < 8; e++) {
             fk[e] = wk * qs[ch * 8 + e];
             fv[e] = wv * g[ch * 8 + e];
         }
-        if (j > 0) ((uint4*)r)[ch] = make_uint4(0u, 0u, 0u, 0u);
-        ((uint4*)(r + c))[ch] = pack8(fk);
-        ((uint4*)(r + 2 * c))[ch] = pack8(fv);
+        ((uint4*)r)[ch] = pack8(fk);
+        ((uint4*)(r + c))[ch] = pack8(fv);
     }
-    // dq₀ = Σ_j ds_j k_j
-    weighted_rows8(res, acc, ds, base + c + hi * d, 3 * c, n, d);
-    for (int ch = t; ch < d8; ch += blockDim.x) ((uint4*)dst)[ch] = pack8(res + ch * 8);
+    // dq = Σ_j ds_j k_j
+    weighted_rows8(res, acc, ds, k, 2 * c, n, d);
+    bf16* dqo = dq + (i64)bi * c + hi * d;
+    for (int ch = t; ch < d8; ch += blockDim.x) ((uint4*)dqo)[ch] = pack8(res + ch * 8);
     if (part) {
-        float* pr = part + (i64)bi * 2 * c + hi * d;
-        for (int e = t; e < d; e += blockDim.x) {
-            pr[e] = res[e];
-            pr[c + e] = g[e];
-        }
+        for (int e = t; e < d; e += blockDim.x) part[(i64)bi * c + hi * d + e] = g[e];
+    }
+}
+
+// dst (B·N, C) rows of token 0 of each image += src (B, C): 8 bf16 per thread, c8 = C / 8.
+extern "C" __global__ void add_class_rows_v8(uint4* dst, const uint4* src, int b, int n, int c8) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < b * c8; i += gridDim.x * blockDim.x) {
+        int bi = i / c8, ch = i - bi * c8;
+        uint4* d = dst + (i64)bi * n * c8 + ch;
+        uint4 a = *d, s = src[i];
+        *d = make_uint4(add_w(a.x, s.x), add_w(a.y, s.y), add_w(a.z, s.z), add_w(a.w, s.w));
+    }
+}
+extern "C" __global__ void add_class_rows(bf16* dst, const bf16* src, int b, int n, int c) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < b * c; i += gridDim.x * blockDim.x) {
+        int bi = i / c, e = i - bi * c;
+        bf16* d = dst + (i64)bi * n * c + e;
+        *d = f2bf(bf2f(*d) + bf2f(src[i]));
     }
 }
