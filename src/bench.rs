@@ -66,6 +66,10 @@ pub struct BenchArgs {
     /// the backend says it is nearly free), never, always.
     #[arg(long, default_value = "auto")]
     pub recompute: String,
+    /// Compute the last block for every token, as timm does, instead of the class token alone
+    /// after its keys and values (same results; for comparing the two).
+    #[arg(long)]
+    pub full_last_block: bool,
     /// Print one JSON object as the last line.
     #[arg(long)]
     pub json: bool,
@@ -102,6 +106,9 @@ pub struct BenchResult {
     pub achieved_tflops: f64,
     pub ceiling_tflops: f64,
     pub mfu: f64,
+    /// Share of the model's FLOPs the step executes (below 1 with the class token tail: the
+    /// last block's queries, projection and MLP on the class token alone).
+    pub executed_share: f64,
     pub peak_mem_gib: f64,
     pub loss: f32,
     pub kernel_compile_s: f64,
@@ -165,6 +172,7 @@ fn mean_loss<B: Backend>(be: &B, m: &Vit<B>, b: usize) -> BResult<f32> {
 fn bench_model<B: Backend>(be: &B, args: &BenchArgs, s: &Setup) -> anyhow::Result<(Vit<B>, DecayGroups, B::Buf)> {
     let mut m = Vit::new(be, s.cfg.clone())?;
     m.set_recompute(Recompute::parse(&args.recompute).map_err(|e| anyhow::anyhow!("--recompute: {e}"))?);
+    m.set_class_token_tail(!args.full_last_block);
     m.set_params(be, &crate::model::init::init_params(&m.table, 0))?;
     let decay = DecayGroups::new(&m.table, &DecaySkip { bias: false, norm: false, pos_embed: false, cls_token: false });
     let state = be.alloc_f32(optimizer_state_len(&s.opt, m.table.total))?;
@@ -214,6 +222,7 @@ fn result(args: &BenchArgs, s: &Setup, device: String, params: usize, graph: boo
         achieved_tflops: achieved,
         ceiling_tflops: ceiling,
         mfu: if ceiling > 0.0 { achieved / ceiling } else { 0.0 },
+        executed_share: s.cfg.executed_forward_flops_per_image(!args.full_last_block) / s.cfg.forward_flops_per_image(),
         peak_mem_gib: peak,
         loss,
         kernel_compile_s: compile_s,
@@ -336,6 +345,14 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<BenchResult> {
         "{} on {}: micro {} | {:.2} ms/step | {:.1} img/s | {:.1} TFLOP/s of {:.0} measured ceiling = MFU {:.1}% | peak mem {:.2} GiB | graph {} | recompute {} | loss {:.4}",
         r.model, r.device, r.micro, r.step_ms, r.img_per_s, r.achieved_tflops, r.ceiling_tflops, r.mfu * 100.0, r.peak_mem_gib, r.graph, r.recomputed, r.loss
     );
+    if r.executed_share < 1.0 {
+        println!(
+            "MFU counts the model's {:.1} GFLOP per trained image; the step executes {:.1} % of them (the last block's queries, projection and MLP on the class token alone): {:.1} TFLOP/s executed",
+            r.train_gflop_per_img,
+            r.executed_share * 100.0,
+            r.achieved_tflops * r.executed_share
+        );
+    }
     if let Some(p) = &r.gpu_power {
         println!("GPU during the timed steps: {p}");
     }

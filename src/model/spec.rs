@@ -166,18 +166,36 @@ impl ModelConfig {
     /// fc1 / fc2, and the head. Elementwise work (LayerNorm, GELU, softmax) is left out, as in
     /// the usual MFU accounting. For ViT-B/16 at 224 px this gives 35.1 GFLOP.
     pub fn forward_flops_per_image(&self) -> f64 {
-        let n = self.num_tokens() as f64;
         let np = self.num_patches() as f64;
         let c = self.embed_dim as f64;
-        let f = self.mlp_hidden() as f64;
         let k = self.num_classes as f64;
         let patch = 2.0 * np * self.patch_dim() as f64 * c;
-        let per_block = 2.0 * n * c * 3.0 * c // qkv
-            + 2.0 * n * n * c // q·kᵀ over all heads
-            + 2.0 * n * n * c // probs·v
-            + 2.0 * n * c * c // proj
-            + 2.0 * n * c * f * 2.0; // fc1 + fc2
-        patch + self.depth as f64 * per_block + 2.0 * c * k
+        patch + self.depth as f64 * self.block_flops(self.num_tokens()) + 2.0 * c * k
+    }
+
+    /// Forward FLOPs of one block for one image whose queries, projection and MLP cover `rows`
+    /// tokens (keys and values always cover all N).
+    fn block_flops(&self, rows: usize) -> f64 {
+        let (n, r) = (self.num_tokens() as f64, rows as f64);
+        let c = self.embed_dim as f64;
+        let f = self.mlp_hidden() as f64;
+        2.0 * r * c * c + 2.0 * n * c * 2.0 * c // q, then k and v
+            + 2.0 * r * n * c // q·kᵀ over all heads
+            + 2.0 * r * n * c // probs·v
+            + 2.0 * r * c * c // proj
+            + 2.0 * r * c * f * 2.0 // fc1 + fc2
+    }
+
+    /// `forward_flops_per_image` as the model executes it with the class token tail
+    /// (`Vit::set_class_token_tail`, on by default under token pooling): the last block's
+    /// queries, projection and MLP cover the class token alone. MFU counts the full model's
+    /// FLOPs, as for the peers; this is what the hardware is given.
+    pub fn executed_forward_flops_per_image(&self, class_token_tail: bool) -> f64 {
+        let full = self.forward_flops_per_image();
+        if !class_token_tail || self.global_pool != GlobalPool::Token || self.depth == 0 {
+            return full;
+        }
+        full - self.block_flops(self.num_tokens()) + self.block_flops(1)
     }
 
     /// Training FLOPs for one image: forward + backward, the backward costing twice the
@@ -197,6 +215,19 @@ mod tests {
         let g = m.forward_flops_per_image() / 1e9;
         assert!((g - 35.1).abs() < 0.2, "ViT-B/16 forward GFLOP = {g}");
         assert_eq!(m.num_tokens(), 197);
+    }
+
+    #[test]
+    fn class_token_tail_flops() {
+        let m = ModelConfig::preset("vit_base_patch16_224").unwrap();
+        let full = m.forward_flops_per_image();
+        assert_eq!(m.executed_forward_flops_per_image(false), full);
+        // the last block keeps its keys and values (2 of its 12 C² units per token) and the
+        // class token's row: ≈ 10/12 of one block of twelve fewer
+        let share = m.executed_forward_flops_per_image(true) / full;
+        assert!((0.92..0.95).contains(&share), "executed share {share}");
+        let avg = ModelConfig { global_pool: GlobalPool::Avg, class_token: false, ..m };
+        assert_eq!(avg.executed_forward_flops_per_image(true), avg.forward_flops_per_image());
     }
 
     #[test]
