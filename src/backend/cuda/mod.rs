@@ -1052,15 +1052,9 @@ impl Cuda {
     fn matmul_backward_impl(&self, dinp: &mut CudaBuf, dparams: &mut CudaBuf, dout: &CudaBuf, inp: &CudaBuf, dgelu: Option<(&CudaBuf, Option<Span>, GeluSaved)>, params: &CudaBuf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
         const OP: &str = "matmul_backward";
         check_bf16(OP, "dinp", dinp)?;
-        check_bf16(OP, "dout", dout)?;
-        check_bf16(OP, "inp", inp)?;
         check_bf16(OP, "params (the compute copy)", params)?;
-        check_f32(OP, "dparams", dparams)?;
         check_len(OP, "dinp", dinp, rows * ic)?;
-        check_len(OP, "dout", dout, rows * oc)?;
-        check_len(OP, "inp", inp, rows * ic)?;
-        check_span(OP, "weight", params, w)?;
-        check_span(OP, "weight gradient", dparams, w)?;
+        check_weight_grads(OP, dparams, dout, inp, params, w, rows, ic, oc)?;
         // dinp(R, IC) = dout(R, OC)·W(OC, IC)  ⇔  dinpᵀ(IC×R) = W(IC×OC, ld IC)·doutᵀ(OC×R, ld OC).
         let s = GemmShape {
             ta: false, tb: false, m: ic as u64, n: rows as u64, k: oc as u64,
@@ -1326,6 +1320,18 @@ fn tensor_map<const R: usize>(ptr: CUdeviceptr, dims: &[usize; R], boxes: &[u32;
 /// whole 16-byte groups, every address 16-byte aligned, and `total / 8` within 32-bit indices.
 fn v8_ok(c: usize, total: usize, bufs: &[&CudaBuf], ptrs: &[CUdeviceptr]) -> bool {
     c % 8 == 0 && total / 8 <= i32::MAX as usize && bufs.iter().all(|b| b.ty == Ty::Bf16) && ptrs.iter().all(|p| p % 16 == 0)
+}
+
+/// The operands of a weight gradient `dparams[w] += doutᵀ·inp` (bf16 activations, f32 gradients).
+#[allow(clippy::too_many_arguments)]
+fn check_weight_grads(op: &'static str, dparams: &CudaBuf, dout: &CudaBuf, inp: &CudaBuf, params: &CudaBuf, w: Span, rows: usize, ic: usize, oc: usize) -> BResult<()> {
+    for (what, buf, len) in [("dout", dout, rows * oc), ("inp", inp, rows * ic)] {
+        check_bf16(op, what, buf)?;
+        check_len(op, what, buf, len)?;
+    }
+    check_f32(op, "dparams", dparams)?;
+    check_span(op, "weight", params, w)?;
+    check_span(op, "weight gradient", dparams, w)
 }
 
 fn check_len(op: &'static str, what: &str, buf: &CudaBuf, want: usize) -> BResult<()> {
@@ -1719,14 +1725,7 @@ impl Backend for Cuda {
     }
 
     fn matmul_backward_weights(&self, dparams: &mut CudaBuf, dout: &CudaBuf, inp: &CudaBuf, params: &CudaBuf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
-        const OP: &str = "matmul_backward_weights";
-        check_bf16(OP, "dout", dout)?;
-        check_bf16(OP, "inp", inp)?;
-        check_f32(OP, "dparams", dparams)?;
-        check_len(OP, "dout", dout, rows * oc)?;
-        check_len(OP, "inp", inp, rows * ic)?;
-        check_span(OP, "weight", params, w)?;
-        check_span(OP, "weight gradient", dparams, w)?;
+        check_weight_grads("matmul_backward_weights", dparams, dout, inp, params, w, rows, ic, oc)?;
         self.weight_grads(dparams, dout, inp, w, bias, rows, ic, oc)
     }
 

@@ -109,6 +109,24 @@ extern "C" __global__ void softmax_bwd_pad(bf16* dp, const bf16* p, int ld, i64 
 // Generic kernels (any D, 2-byte accesses): a key row's D bf16 are read by one warp.
 // Shared memory: p (n) | qs (d) | acc (4·d) | red (32), the backward adds g (d) | ds (n).
 
+__device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = is_max ? warp_max(v) : warp_sum(v);
+    __syncthreads();  // red may still be read from a previous reduction
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float r = red[0];
+    for (int w = 1; w < warps; w++) r = is_max ? fmaxf(r, red[w]) : r + red[w];
+    return r;
+}
+// dS_j = P_j (dP_j − Σ_i P_i dP_i) · scale in place over ds (holding dP), from each thread's
+// partial Σ P dP; ends with a barrier.
+__device__ __forceinline__ void class_dscores(float* ds, const float* p, float* red, float dot_part, int n, float scale) {
+    float dot = block_reduce(dot_part, red, false);
+    for (int j = threadIdx.x; j < n; j += blockDim.x) ds[j] = p[j] * (ds[j] - dot) * scale;
+    __syncthreads();
+}
+
 // p[0..n) ← softmax_j(qs·k_j) with qs = q·scale (loaded here); ends with a barrier.
 __device__ void class_probs(float* p, float* qs, float* red, const bf16* q, const bf16* k, int n, int kv_stride, int d, float scale) {
     int t = threadIdx.x, lane = t & 31, warp = t >> 5, warps = blockDim.x >> 5;
@@ -189,22 +207,18 @@ extern "C" __global__ void class_attention_bwd(bf16* dq, bf16* dkv, const bf16* 
         float s = 0.f;
         for (int e = lane; e < d; e += 32) s += g[e] * bf2f(v[e]);
         s = warp_sum(s);
-        if (lane == 0) ds[j] = s;
-        dot += p[j] * s;
+        if (lane == 0) {
+            ds[j] = s;
+            dot += p[j] * s;  // (every lane holds s; lane 0 counts it)
+        }
     }
-    if (lane == 0) red[warp] = dot;
-    __syncthreads();
-    dot = 0.f;
-    for (int w = 0; w < warps; w++) dot += red[w];
-    for (int j = t; j < n; j += blockDim.x) ds[j] = p[j] * (ds[j] - dot) * scale;
-    __syncthreads();
+    class_dscores(ds, p, red, dot, n, scale);
     // dk_j = dS_j q (qs holds q·scale, ds_j = dS_j·scale), dv_j = P_j g
     bf16* dst = dkv + (i64)bi * n * 2 * c + hi * d;
-    float inv_scale = 1.f / scale;
     for (int i = t; i < n * d; i += blockDim.x) {
         int j = i / d, e = i - j * d;
         bf16* r = dst + (i64)j * 2 * c;
-        r[e] = f2bf(ds[j] * inv_scale * qs[e]);
+        r[e] = f2bf(ds[j] / scale * qs[e]);
         r[c + e] = f2bf(p[j] * g[e]);
     }
     class_weighted_rows(dq + (i64)bi * c + hi * d, acc, ds, k, 2 * c, n, d);
@@ -230,16 +244,6 @@ __device__ __forceinline__ float dot_row8(const float* a, const uint4* row, int 
         for (int i = 0; i < 8; i++) s += a[ch * 8 + i] * f[i];
     }
     return s;
-}
-__device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    v = is_max ? warp_max(v) : warp_sum(v);
-    __syncthreads();  // red may still be read from a previous reduction
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    float r = red[0];
-    for (int w = 1; w < warps; w++) r = is_max ? fmaxf(r, red[w]) : r + red[w];
-    return r;
 }
 // p[0..n) ← softmax_j(qs·k_j) with qs = q·scale (loaded here); ends with a barrier.
 __device__ void class_probs8(float* p, float* qs, float* red, const bf16* q, const bf16* k, int n, int kv_stride, int d, float scale) {
@@ -315,16 +319,13 @@ extern "C" __global__ void class_attention_bwd_v8(bf16* dq, bf16* dkv, const bf1
         ds[j] = dp;
         dot += p[j] * dp;
     }
-    dot = block_reduce(dot, red, false);
-    for (int j = t; j < n; j += blockDim.x) ds[j] = p[j] * (ds[j] - dot) * scale;
-    __syncthreads();
+    class_dscores(ds, p, red, dot, n, scale);
     // dk_j = dS_j q (= ds_j/scale · qs), dv_j = P_j g
     bf16* dst = dkv + (i64)bi * n * 2 * c + hi * d;
-    float inv_scale = 1.f / scale;
     for (int i = t; i < n * d8; i += blockDim.x) {
         int j = i / d8, ch = i - j * d8;
         bf16* r = dst + (i64)j * 2 * c;
-        float fk[8], fv[8], wk = ds[j] * inv_scale, wv = p[j];
+        float fk[8], fv[8], wk = ds[j] / scale, wv = p[j];
 #pragma unroll
         for (int e = 0; e < 8; e++) {
             fk[e] = wk * qs[ch * 8 + e];
