@@ -518,8 +518,8 @@ impl<B: Backend> Vit<B> {
             be.layernorm_backward(&mut a.dres_b, g, &a.dln, Some(&a.dres_a), &blk.x1, &blk.ln2_mean, &blk.ln2_rstd, w, s.norm2_w, s.norm2_b, rows, c, Some(s.proj_b))?;
             // attention: proj, core, qkv, ln1 (+ residual) → dres_a = dx
             be.matmul_backward(&mut a.datt, g, &a.dres_b, &blk.att, None, w, s.proj_w, None, rows, c, c)?;
-            // the qkv bias gradient from the attention backward's pass where the backend can
             let (wq, wkv, bq, bkv) = split_qkv(s, c);
+            // the qkv bias gradient from the attention backward's pass where the backend can
             if class_tail {
                 // dqkv holds the keys' and values' gradient (B, N, 2, H, D) here
                 be.class_attention_backward(&mut a.dcls_q, &mut a.dqkv, g, bkv, &a.datt, &a.cls_q, &blk.qkv, b, n, h, d)?;

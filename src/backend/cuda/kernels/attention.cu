@@ -127,6 +127,21 @@ __device__ __forceinline__ void class_dscores(float* ds, const float* p, float* 
     __syncthreads();
 }
 
+// p[0..n) holds scores, `mx` each thread's partial maximum of them: p ← softmax(p); ends with
+// a barrier.
+__device__ __forceinline__ void class_softmax(float* p, float* red, float mx, int n) {
+    mx = block_reduce(mx, red, true);
+    float sum = 0.f;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        float e = __expf(p[j] - mx);
+        p[j] = e;
+        sum += e;
+    }
+    float inv = 1.f / block_reduce(sum, red, false);
+    for (int j = threadIdx.x; j < n; j += blockDim.x) p[j] *= inv;
+    __syncthreads();
+}
+
 // p[0..n) ← softmax_j(qs·k_j) with qs = q·scale (loaded here); ends with a barrier.
 __device__ void class_probs(float* p, float* qs, float* red, const bf16* q, const bf16* k, int n, int kv_stride, int d, float scale) {
     int t = threadIdx.x, lane = t & 31, warp = t >> 5, warps = blockDim.x >> 5;
@@ -141,25 +156,7 @@ __device__ void class_probs(float* p, float* qs, float* red, const bf16* q, cons
         if (lane == 0) p[j] = s;
         mx = fmaxf(mx, s);
     }
-    if (lane == 0) red[warp] = mx;
-    __syncthreads();
-    mx = red[0];
-    for (int w = 1; w < warps; w++) mx = fmaxf(mx, red[w]);
-    __syncthreads();
-    float sum = 0.f;
-    for (int j = t; j < n; j += blockDim.x) {
-        float e = __expf(p[j] - mx);
-        p[j] = e;
-        sum += e;
-    }
-    sum = warp_sum(sum);
-    if (lane == 0) red[warp] = sum;
-    __syncthreads();
-    sum = 0.f;
-    for (int w = 0; w < warps; w++) sum += red[w];
-    float inv = 1.f / sum;
-    for (int j = t; j < n; j += blockDim.x) p[j] *= inv;
-    __syncthreads();
+    class_softmax(p, red, mx, n);
 }
 
 // acc[warp][e] = Σ over this warp's keys j of w[j]·rows_j[e], then dst[e] = Σ_warps (bf16).
@@ -256,16 +253,7 @@ __device__ void class_probs8(float* p, float* qs, float* red, const bf16* q, con
         p[j] = s;
         mx = fmaxf(mx, s);
     }
-    mx = block_reduce(mx, red, true);
-    float sum = 0.f;
-    for (int j = t; j < n; j += blockDim.x) {
-        float e = __expf(p[j] - mx);
-        p[j] = e;
-        sum += e;
-    }
-    float inv = 1.f / block_reduce(sum, red, false);
-    for (int j = t; j < n; j += blockDim.x) p[j] *= inv;
-    __syncthreads();
+    class_softmax(p, red, mx, n);
 }
 // res[e] = Σ_j w[j]·rows_j[e] (f32 into shared `res`, d values); acc holds G·d ≤ 1024 floats.
 __device__ void weighted_rows8(float* res, float* acc, const float* w, const bf16* rows, i64 row_stride, int n, int d) {
