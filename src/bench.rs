@@ -316,13 +316,9 @@ fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
         step += 1;
         micro_part(&be, &mut m, args.micro)?;
         optimizer_part(&be, &mut m, &mut state, &s.opt, &decay, step)?;
-        let prof = be.take_profile()?;
+        let timeline = be.take_profile_timeline()?;
         be.set_profiling(false);
-        let total: f64 = prof.iter().map(|p| p.1).sum();
-        println!("profile of one eager step ({total:.2} ms in kernels and GEMMs):");
-        for (name, ms, n) in prof.iter().take(40) {
-            println!("  {:>8.3} ms {:>5.1}% {:>4}×  {}", ms, 100.0 * ms / total, n, name);
-        }
+        print_profile(&timeline);
     }
     let compile_s = be.compile_seconds();
     let mut r = result(args, s, be.name(), m.table.total, graph.is_some(), ms, ceiling, peak, loss, compile_s);
@@ -331,6 +327,34 @@ fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     r.gpu_power = power;
     r.ceiling_gpu_power = ceiling_power;
     Ok(r)
+}
+
+/// The profiled eager step: time per kernel name, then what lay between launches (the
+/// launch itself, memsets, copies) and the widest of those gaps with their neighbours.
+fn print_profile(timeline: &[crate::backend::cuda::ProfiledLaunch]) {
+    let mut by_name: Vec<(String, f64, usize)> = Vec::new();
+    for l in timeline {
+        match by_name.iter_mut().find(|e| e.0 == l.name) {
+            Some(e) => {
+                e.1 += l.ms;
+                e.2 += 1;
+            }
+            None => by_name.push((l.name.clone(), l.ms, 1)),
+        }
+    }
+    by_name.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let total: f64 = by_name.iter().map(|p| p.1).sum();
+    println!("profile of one eager step ({total:.2} ms in kernels and GEMMs):");
+    for (name, ms, n) in by_name.iter().take(40) {
+        println!("  {:>8.3} ms {:>5.1}% {:>4}×  {}", ms, 100.0 * ms / total, n, name);
+    }
+    let gaps: f64 = timeline.iter().map(|l| l.gap_before_ms).sum();
+    println!("between the {} launches: {gaps:.3} ms in all; the widest gaps:", timeline.len());
+    let mut idx: Vec<usize> = (1..timeline.len()).collect();
+    idx.sort_by(|&a, &b| timeline[b].gap_before_ms.total_cmp(&timeline[a].gap_before_ms));
+    for &i in idx.iter().take(8) {
+        println!("  {:>8.3} ms  {} → {}", timeline[i].gap_before_ms, timeline[i - 1].name, timeline[i].name);
+    }
 }
 
 /// `vitscale bench`.

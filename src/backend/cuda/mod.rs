@@ -122,6 +122,15 @@ pub fn cuda_available() -> Result<DeviceInfo, String> {
     probe(0)
 }
 
+/// One launch of a profiled step (`Cuda::take_profile_timeline`).
+#[derive(Clone, Debug)]
+pub struct ProfiledLaunch {
+    pub name: String,
+    pub ms: f64,
+    /// From the end of the previous profiled launch to the start of this one.
+    pub gap_before_ms: f64,
+}
+
 /// Live and peak bytes of device memory this backend allocated.
 #[derive(Default, Debug)]
 pub struct MemStats {
@@ -679,21 +688,38 @@ impl Cuda {
     /// Per-launch times recorded since `set_profiling(true)`, summed by name:
     /// (name, total ms, launches), largest first. Synchronizes.
     pub fn take_profile(&self) -> BResult<Vec<(String, f64, usize)>> {
-        self.synchronize()?;
-        let recs = match self.profile.lock() {
-            Ok(mut p) => p.as_mut().map(std::mem::take).unwrap_or_default(),
-            Err(_) => Vec::new(),
-        };
         let mut sum: HashMap<String, (f64, usize)> = HashMap::new();
-        for (name, e0, e1) in recs {
-            let ms = e0.elapsed_ms(&e1).map_err(dev("cuEventElapsedTime"))? as f64;
-            let e = sum.entry(name).or_insert((0.0, 0));
-            e.0 += ms;
+        for l in self.take_profile_timeline()? {
+            let e = sum.entry(l.name).or_insert((0.0, 0));
+            e.0 += l.ms;
             e.1 += 1;
         }
         let mut v: Vec<(String, f64, usize)> = sum.into_iter().map(|(k, (t, n))| (k, t, n)).collect();
         v.sort_by(|a, b| b.1.total_cmp(&a.1));
         Ok(v)
+    }
+
+    /// The launches recorded since `set_profiling(true)` in queue order, each with its time and
+    /// the time since the previous launch ended (what the GPU spent between the two: memsets,
+    /// copies, or the launch itself). Synchronizes.
+    pub fn take_profile_timeline(&self) -> BResult<Vec<ProfiledLaunch>> {
+        self.synchronize()?;
+        let recs = match self.profile.lock() {
+            Ok(mut p) => p.as_mut().map(std::mem::take).unwrap_or_default(),
+            Err(_) => Vec::new(),
+        };
+        let mut out = Vec::with_capacity(recs.len());
+        let mut prev_end: Option<&cudarc::driver::CudaEvent> = None;
+        for (name, e0, e1) in &recs {
+            let ms = e0.elapsed_ms(e1).map_err(dev("cuEventElapsedTime"))? as f64;
+            let gap_before_ms = match prev_end {
+                Some(p) => p.elapsed_ms(e0).map_err(dev("cuEventElapsedTime"))? as f64,
+                None => 0.0,
+            };
+            out.push(ProfiledLaunch { name: name.clone(), ms, gap_before_ms });
+            prev_end = Some(e1);
+        }
+        Ok(out)
     }
 
     /// Runs `f` between two timing events when profiling is on.
