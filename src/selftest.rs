@@ -601,6 +601,11 @@ fn optimizer_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
         let mut sd = cx.be.alloc_f32(optimizer_state_len(&opt, n))?;
         let mut pr: Vec<f64> = p0.iter().map(|&v| v as f64).collect();
         let mut sr = vec![0f64; optimizer_state_len(&opt, n)];
+        // the same steps through optimizer_step_cast, which writes the compute copy as well
+        let mut pd_cast = cx.be.alloc_f32(n)?;
+        cx.be.upload(&mut pd_cast, 0, &p0)?;
+        let mut sd_cast = cx.be.alloc_f32(optimizer_state_len(&opt, n))?;
+        let mut copy = cx.be.alloc(n)?;
         for step in 1..=3u64 {
             let g = cx.randn(n, 1.0);
             let mut gd = cx.be.alloc_f32(n)?;
@@ -614,6 +619,7 @@ fn optimizer_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
             };
             let hyper = StepHyper { lr: opt.lr() as f32 * (1.0 + 0.1 * step as f32), step, grad_scale: 0.5, clip_norm };
             cx.be.optimizer_step(&mut pd, &gd, &mut sd, &opt, decay, hyper)?;
+            cx.be.optimizer_step_cast(&mut pd_cast, &gd, &mut sd_cast, &mut copy, &opt, decay, hyper)?;
             let g64: Vec<f64> = g.iter().map(|&v| v as f64).collect();
             optimizer_reference(&mut pr, &g64, &mut sr, &opt, &decays, hyper);
         }
@@ -625,6 +631,14 @@ fn optimizer_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
         let e = rel_err(&du, &dw);
         // Update relative error: f32 arithmetic on values near p: 1e-4 of the update.
         cx.checks.push(Check { name: format!("optimizer_step {name}, {layout} (3 steps, vs f64 torch semantics)"), rel_err: e, tol: 1e-4, pass: e.is_finite() && e <= 1e-4 });
+        // Writing the compute copy in the same pass changes nothing else, and the copy is what
+        // the separate cast writes: both exact.
+        let got_cast = cx.be.download(&pd_cast)?;
+        let mut cast_ref = cx.be.alloc(n)?;
+        cx.be.cast(&mut cast_ref, &pd_cast)?;
+        let (copy_got, copy_want) = (cx.be.download(&copy)?, cx.be.download(&cast_ref)?);
+        let diff = got_cast.iter().zip(&got).chain(copy_got.iter().zip(&copy_want)).map(|(a, b)| if a.to_bits() == b.to_bits() { 0.0 } else { (a - b).abs().max(f32::MIN_POSITIVE) }).fold(0f32, f32::max);
+        cx.checks.push(Check { name: format!("optimizer_step_cast {name}, {layout}: weights as optimizer_step, copy as cast"), rel_err: diff as f64, tol: 0.0, pass: diff == 0.0 });
     }
     Ok(())
 }
