@@ -270,7 +270,7 @@ mod tests {
                      "gelu_fwd_v8", "gelu_bwd_v8", "add_v8", "bias_grad_v8", "reduce_partials_batch", "add_kernel",
                      "flash_fwd_small_d64_w5", "flash_bwd_small_d32_w4", "layernorm_bwd_s12", "layernorm_bwd_s24", "gelu_fwd_bias_v8",
                      "gemm_gelu_fwd_ws", "gemm_dgelu_bwd_ws", "gemm_gelu_fwd_grad_ws_w", "gemm_dgelu_mul_ws_w", "embed_fwd_v8", "embed_bwd_params_part", "pool_bwd_v8", "patchify_v8", "flash_fwd_wg_d64", "flash_bwd_wg_d64", "flash_bwd_small_d64_w13",
-                     "class_attention_fwd", "class_attention_bwd", "adam_kernel", "adam_kernel_v2", "class_attention_fwd_v8", "class_attention_bwd_v8", "add_class_rows_v8"] {
+                     "class_attention_fwd", "class_attention_bwd", "adam_kernel", "class_attention_fwd_v8", "class_attention_bwd_v8", "add_class_rows_v8"] {
             assert!(all.iter().any(|n| n == want), "{want} not listed");
         }
         let mod_rs = include_str!("mod.rs");

@@ -2133,10 +2133,7 @@ impl Cuda {
                 let v = state.at(p);
                 let (lr, b1, b2, e, wd, aw) = (hyper.lr, beta1 as f32, beta2 as f32, eps as f32, weight_decay as f32, adam_w_mode as i32);
                 let (c1, c2, gs) = (bc1 as f32, bc2 as f32, hyper.grad_scale);
-                // pairs when every buffer is 8-byte aligned at even indices (v sits P values on)
-                let paired = [params.ptr, grads.ptr, m, v, pc].iter().all(|&a| a % 8 == 0) && self.kernels.get("adam_kernel_v2").is_ok();
-                let name = if paired { "adam_kernel_v2" } else { "adam_kernel" };
-                self.launch(name, grid, (THREADS, 1, 1), 0, &mut kargs![params.ptr, grads.ptr, m, v, seg_ptr, lr, b1, b2, e, wd, aw, c1, c2, gs, pc, norm2, clip])
+                self.launch("adam_kernel", grid, (THREADS, 1, 1), 0, &mut kargs![params.ptr, grads.ptr, m, v, seg_ptr, lr, b1, b2, e, wd, aw, c1, c2, gs, pc, norm2, clip])
             }
             OptimizerConfig::Sgd { momentum, dampening, weight_decay, nesterov, .. } => {
                 let (lr, mo, da, wd, ne, first, gs) = (hyper.lr, momentum as f32, dampening as f32, weight_decay as f32, nesterov as i32, (hyper.step <= 1) as i32, hyper.grad_scale);

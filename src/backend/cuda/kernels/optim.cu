@@ -24,8 +24,8 @@ __device__ __forceinline__ void adam_update(float& p, float g, float& m, float& 
 }
 
 // Four elements per thread and iteration (stride apart), all loaded before any is updated:
-// one at a time kept 16 bytes per thread in flight and ran at ~2.4 TB/s on an H200. The form
-// for any P; adam_kernel_v2 below is the one used when the buffers allow pairs.
+// one at a time kept 16 bytes per thread in flight and ran at ~2.4 TB/s on an H200. (Vector
+// loads would need m and v 16-byte aligned; v starts at P, any even count of parameters.)
 extern "C" __global__ void adam_kernel(float* p, const float* g, float* m, float* v, const i64* segs,
                                        float lr, float b1, float b2, float eps, float wd, int adamw,
                                        float bc1, float bc2, float gscale, bf16* pc, const double* norm2, float clip) {
@@ -54,57 +54,6 @@ extern "C" __global__ void adam_kernel(float* p, const float* g, float* m, float
         adam_update(pi, g[i] * gscale, mi, vi, lr, b1, b2, eps, decay, adamw, bc1, bc2);
         p[i] = pi; m[i] = mi; v[i] = vi;
         if (pc) pc[i] = f2bf(pi);
-    }
-}
-
-// adam_kernel on pairs: float2 loads and stores, two pairs per thread in flight — 3.95 against
-// 3.27 TB/s for the scalar form over ViT-B/16's 85.8 M parameters (H200, a standalone timing of
-// both). Needs every buffer 8-byte aligned at even indices: bases from the allocator and v at an
-// even offset P (the host checks both). A segment's odd first element and odd last one go
-// through thread 0 one at a time.
-extern "C" __global__ void adam_kernel_v2(float* p, const float* g, float* m, float* v, const i64* segs,
-                                          float lr, float b1, float b2, float eps, float wd, int adamw,
-                                          float bc1, float bc2, float gscale, bf16* pc, const double* norm2, float clip) {
-    gscale = clipped_scale(gscale, norm2, clip);
-    const i64 start = segs[3 * blockIdx.y], end = segs[3 * blockIdx.y + 1];
-    const float decay = segs[3 * blockIdx.y + 2] ? wd : 0.f;
-    const i64 a = (start + 1) & ~(i64)1;             // first even index
-    const i64 pairs = end > a ? (end - a) / 2 : 0;
-    if (threadIdx.x == 0) {
-        i64 edge[2] = {start < a && start < end ? start : -1, a + 2 * pairs < end ? end - 1 : -1};
-        #pragma unroll
-        for (int k = 0; k < 2; k++) {
-            const i64 i = edge[k];
-            if (i < 0) continue;
-            float pi = p[i], mi = m[i], vi = v[i];
-            adam_update(pi, g[i] * gscale, mi, vi, lr, b1, b2, eps, decay, adamw, bc1, bc2);
-            p[i] = pi; m[i] = mi; v[i] = vi;
-            if (pc) pc[i] = f2bf(pi);
-        }
-    }
-    float2* p2 = (float2*)(p + a); const float2* g2 = (const float2*)(g + a);
-    float2* m2 = (float2*)(m + a); float2* v2 = (float2*)(v + a);
-    unsigned* pc2 = pc ? (unsigned*)(pc + a) : nullptr;
-    const i64 stride = blockDim.x;
-    i64 i = threadIdx.x;
-    for (; i < pairs; i += 2 * stride) {
-        const bool two = i + stride < pairs;
-        float2 pv[2], gv[2], mv[2], vv[2];
-        #pragma unroll
-        for (int k = 0; k < 2; k++) {
-            if (k == 1 && !two) break;
-            const i64 j = i + k * stride;
-            pv[k] = p2[j]; gv[k] = g2[j]; mv[k] = m2[j]; vv[k] = v2[j];
-        }
-        #pragma unroll
-        for (int k = 0; k < 2; k++) {
-            if (k == 1 && !two) break;
-            const i64 j = i + k * stride;
-            adam_update(pv[k].x, gv[k].x * gscale, mv[k].x, vv[k].x, lr, b1, b2, eps, decay, adamw, bc1, bc2);
-            adam_update(pv[k].y, gv[k].y * gscale, mv[k].y, vv[k].y, lr, b1, b2, eps, decay, adamw, bc1, bc2);
-            p2[j] = pv[k]; m2[j] = mv[k]; v2[j] = vv[k];
-            if (pc2) pc2[j] = f2bf2(pv[k].x, pv[k].y);
-        }
     }
 }
 
