@@ -625,7 +625,7 @@ impl Cuda {
     /// whole head per block of four warpgroups), when it applies (as the forward). Mirrors
     /// FB_SMEM.
     fn wgmma_attention_backward(&self, n: usize, d: usize) -> Option<u32> {
-        self.wgmma_attention_applies(n, d).then_some((2 * 256 * 128 + 2 * 224 * 128 + 4 * 208 * 128 + 2 * 224 * 4 + 16 + 1024) as u32)
+        self.wgmma_attention_applies(n, d).then_some((2 * 208 * 128 + 2 * 224 * 128 + 4 * 208 * 128 + 2 * 224 * 4 + 16 + 1024) as u32)
     }
 
     fn wgmma_attention_applies(&self, n: usize, d: usize) -> bool {
@@ -972,7 +972,7 @@ impl Cuda {
                     None => 0,
                 };
                 if let Some(smem) = wgmma {
-                    let tm_kv = tensor_map_3d(qkv.ptr, 3 * c, n, b, 256)?;
+                    let tm_kv = tensor_map_3d(qkv.ptr, 3 * c, n, b, 208)?;
                     let tm_q = tensor_map_3d(qkv.ptr, 3 * c, n, b, 224)?;
                     let tm_do = tensor_map_3d(dout.ptr, c, n, b, 224)?;
                     let tm_o = tensor_map_3d(out.ptr, c, n, b, 224)?;

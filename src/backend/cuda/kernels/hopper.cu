@@ -543,13 +543,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) flash_fwd_wg_d64(const __gr
             m0 = fmaxf(m0, fmaxf(s[4 * j], s[4 * j + 1]));
             m1 = fmaxf(m1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
         }
-        // Query rows ≥ N (the last tile's padding, zeros from TMA) would weigh every key equally
-        // and sum real V rows into outputs nobody stores; an infinite maximum makes their P
-        // zero, so P·V multiplies zeros there (the step is power-capped: switching costs time).
-        const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
-        // (the shuffles of quad_max need every lane: select after them)
-        const float qm0 = quad_max(m0), qm1 = quad_max(m1);
-        const float mb0 = r0 < n ? qm0 * scale_log2 : INFINITY, mb1 = r1 < n ? qm1 * scale_log2 : INFINITY;
+        const float mb0 = quad_max(m0) * scale_log2, mb1 = quad_max(m1) * scale_log2;
         float l0 = 0.f, l1 = 0.f;
         unsigned pa[FW_NK / 16][4];
         #pragma unroll
@@ -566,8 +560,6 @@ extern "C" __global__ void __launch_bounds__(128, 3) flash_fwd_wg_d64(const __gr
         l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
         l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
         l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-        if (r0 >= n) l0 = 1.f;  // (their rows are zero; no 0 · ∞ in the staged tile)
-        if (r1 >= n) l1 = 1.f;
 
         float o[32];
         #pragma unroll
@@ -579,6 +571,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) flash_fwd_wg_d64(const __gr
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 
+        const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
         if (t == 0) {
             if (r0 < n) lse2[(i64)bh * n + r0] = mb0 + __log2f(l0);
             if (r1 < n) lse2[(i64)bh * n + r1] = mb1 + __log2f(l1);
@@ -603,11 +596,9 @@ extern "C" __global__ void __launch_bounds__(128, 3) flash_fwd_wg_d64(const __gr
 // dSᵀ = Pᵀ ∘ (dPᵀ − delta) in registers, dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ, dSᵀ as register
 // A operands against dO, Q read MN-major — and stages dSᵀ in shared memory. After one barrier,
 // warpgroup w computes dQ = dS·K for queries 64w… over every key (both operands MN-major).
-// Keys 197…255 of the last warpgroup: K and V are staged with 256 rows, so rows ≥ N load as
-// zeros and the padded rows' products multiply zeros (with 208 rows staged, rows past 208 read
-// V's and Q's data: the same results, but a power-capped step pays for the switching); every
-// score of a key or query ≥ N is replaced (not multiplied) by zero, so nothing of those rows
-// reaches a stored value. Queries pad to 224
+// Keys 197…255 of the last warpgroup: rows ≥ N of K, V are zero, rows past 208 read whatever
+// follows in shared memory (finite data); every score of a key or query ≥ N is replaced (not
+// multiplied) by zero, so nothing of those rows reaches a stored value. Queries pad to 224
 // (7 steps); dSᵀ columns 224…254 are never written, which only touches dQ rows ≥ N (not stored).
 //
 // Copies go through the tensor-memory accelerator (3-D maps over (B, N, columns), so rows ≥ N
@@ -621,17 +612,15 @@ extern "C" __global__ void __launch_bounds__(128, 3) flash_fwd_wg_d64(const __gr
 // for every query < N and dS = 0, so its dV row is Σ dO (the v bias: each query's probabilities
 // sum to 1, so Σ dV = Σ dO); query column 255 of dSᵀ holds each key's Σ_q dS (summed in f32,
 // rounded once), so dQ row 255 is Σ dQ (the q bias; the k bias's gradient is exactly zero).
-#define FB_NK 208               // key rows dQ reads (13 k-steps)
-#define FB_NKS 256              // key rows staged (K and V)
+#define FB_NK 208               // key rows staged (13 k-steps of dQ)
 #define FB_NQ 224               // query rows staged (7 steps of 32)
 #define FB_DS (FB_NK * 128)     // one 64-query column tile of dSᵀ (208 key rows)
-// dynamic shared memory: K, V (256 rows), Q, dO (224 rows), dSᵀ (4 tiles; O's rows before the
-// steps), lse2 and delta (224 pairs of f32), one mbarrier, 1 KiB of alignment slack: 232 208 of
-// the 232 448 bytes a block may have
-#define FB_SMEM (2 * FB_NKS * 128 + 2 * FB_NQ * 128 + 4 * FB_DS + 2 * FB_NQ * 4 + 16 + 1024)
+// dynamic shared memory: K, V (208 rows), Q, dO (224 rows), dSᵀ (4 tiles; O's rows before the
+// steps), lse2 and delta (224 pairs of f32), one mbarrier, 1 KiB of alignment slack
+#define FB_SMEM (2 * FB_NK * 128 + 2 * FB_NQ * 128 + 4 * FB_DS + 2 * FB_NQ * 4 + 16 + 1024)
 
 // Tensor maps (`tensor_map_3d`, 64-column boxes, 128-byte swizzle): tm_kv and tm_q over qkv
-// (B, N, 3·H·D) with 256- and 224-row boxes, tm_do and tm_o over dout and out (B, N, H·D) with
+// (B, N, 3·H·D) with 208- and 224-row boxes, tm_do and tm_o over dout and out (B, N, H·D) with
 // 224-row boxes, tm_dqkv over dqkv (B, N, 3·H·D) with 64-row boxes. bias_part (optional, may
 // be 0): the qkv bias gradient's per-image partial sums as in flash_bwd_small (row b of
 // 2·H·D f32 = [Σ dQ | Σ dO] over the image's tokens).
@@ -641,12 +630,12 @@ extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_d64(const __gr
     const unsigned raw = smem_u32(fb_raw);
     const unsigned sbase = (raw + 1023u) & ~1023u;
     unsigned char* kp = fb_raw + (sbase - raw);
-    unsigned char* vp = kp + FB_NKS * 128;
-    unsigned char* qp = vp + FB_NKS * 128;
+    unsigned char* vp = kp + FB_NK * 128;
+    unsigned char* qp = vp + FB_NK * 128;
     unsigned char* dop = qp + FB_NQ * 128;
     unsigned char* dsp = dop + FB_NQ * 128;
     float* sld = (float*)(dsp + 4 * FB_DS);  // per query: lse2, delta (one 16-byte load per query pair)
-    const unsigned sk = sbase, sv = sk + FB_NKS * 128, sq = sv + FB_NKS * 128, sdo = sq + FB_NQ * 128, sds = sdo + FB_NQ * 128;
+    const unsigned sk = sbase, sv = sk + FB_NK * 128, sq = sv + FB_NK * 128, sdo = sq + FB_NQ * 128, sds = sdo + FB_NQ * 128;
     const unsigned bar = smem_u32(sld + 2 * FB_NQ);
     // wg through a shuffle: known warp-uniform, so the wgmma descriptors stay in uniform registers
     const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0), wi = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -654,7 +643,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_d64(const __gr
     if (tid == 0) {
         ht_mbar_init(bar, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        ht_mbar_expect_tx(bar, 2 * FB_NKS * 128 + 3 * FB_NQ * 128);
+        ht_mbar_expect_tx(bar, 2 * FB_NK * 128 + 3 * FB_NQ * 128);
         ht_tma_load3(sk, &tm_kv, (h + hi) * D, 0, bi, bar);
         ht_tma_load3(sv, &tm_kv, (2 * h + hi) * D, 0, bi, bar);
         ht_tma_load3(sq, &tm_q, hi * D, 0, bi, bar);
