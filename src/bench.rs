@@ -332,17 +332,7 @@ fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
 /// The profiled eager step: time per kernel name, then what lay between launches (the
 /// launch itself, memsets, copies) and the widest of those gaps with their neighbours.
 fn print_profile(timeline: &[crate::backend::cuda::ProfiledLaunch]) {
-    let mut by_name: Vec<(String, f64, usize)> = Vec::new();
-    for l in timeline {
-        match by_name.iter_mut().find(|e| e.0 == l.name) {
-            Some(e) => {
-                e.1 += l.ms;
-                e.2 += 1;
-            }
-            None => by_name.push((l.name.clone(), l.ms, 1)),
-        }
-    }
-    by_name.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let by_name = crate::backend::cuda::profile_by_name(timeline);
     let total: f64 = by_name.iter().map(|p| p.1).sum();
     println!("profile of one eager step ({total:.2} ms in kernels and GEMMs):");
     for (name, ms, n) in by_name.iter().take(40) {

@@ -575,8 +575,8 @@ fn optimizer_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
     let table = ParamTable::new(&cfg);
     let model_groups = DecayGroups::new(&table, &DecaySkip { bias: true, norm: true, pos_embed: true, cls_token: true });
     // Segments of odd starts and lengths, one of a single value at each end, over an even and an
-    // odd count (the second moments at an even or odd offset): a vectorized optimizer must
-    // handle each segment's unaligned edges.
+    // odd count (the second moments at an even or odd offset): blocks that start mid-segment at
+    // odd offsets, and the unaligned edges any vectorized form of the kernels must handle.
     let odd_groups = |n: usize| {
         let cuts = [0, 1, 8194, n - 1, n];
         let spans = cuts.windows(2).enumerate().map(|(i, w)| (Span { off: w[0], len: w[1] - w[0] }, i % 2 == 0)).collect();

@@ -131,6 +131,19 @@ pub struct ProfiledLaunch {
     pub gap_before_ms: f64,
 }
 
+/// A profiled step's launches summed by name: (name, total ms, launches), largest first.
+pub fn profile_by_name(timeline: &[ProfiledLaunch]) -> Vec<(String, f64, usize)> {
+    let mut sum: HashMap<&str, (f64, usize)> = HashMap::new();
+    for l in timeline {
+        let e = sum.entry(&l.name).or_insert((0.0, 0));
+        e.0 += l.ms;
+        e.1 += 1;
+    }
+    let mut v: Vec<(String, f64, usize)> = sum.into_iter().map(|(k, (t, n))| (k.to_string(), t, n)).collect();
+    v.sort_by(|a, b| b.1.total_cmp(&a.1));
+    v
+}
+
 /// Live and peak bytes of device memory this backend allocated.
 #[derive(Default, Debug)]
 pub struct MemStats {
@@ -688,15 +701,7 @@ impl Cuda {
     /// Per-launch times recorded since `set_profiling(true)`, summed by name:
     /// (name, total ms, launches), largest first. Synchronizes.
     pub fn take_profile(&self) -> BResult<Vec<(String, f64, usize)>> {
-        let mut sum: HashMap<String, (f64, usize)> = HashMap::new();
-        for l in self.take_profile_timeline()? {
-            let e = sum.entry(l.name).or_insert((0.0, 0));
-            e.0 += l.ms;
-            e.1 += 1;
-        }
-        let mut v: Vec<(String, f64, usize)> = sum.into_iter().map(|(k, (t, n))| (k, t, n)).collect();
-        v.sort_by(|a, b| b.1.total_cmp(&a.1));
-        Ok(v)
+        Ok(profile_by_name(&self.take_profile_timeline()?))
     }
 
     /// The launches recorded since `set_profiling(true)` in queue order, each with its time and
@@ -2140,5 +2145,19 @@ impl Cuda {
                 self.launch("sgd_kernel", grid, (THREADS, 1, 1), 0, &mut kargs![params.ptr, grads.ptr, m, seg_ptr, lr, mo, da, wd, ne, first, gs, pc, norm2, clip])
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn profile_sums_by_name_largest_first() {
+        let l = |name: &str, ms: f64| ProfiledLaunch { name: name.into(), ms, gap_before_ms: 0.0 };
+        let timeline = [l("ln", 0.5), l("gemm", 2.0), l("ln", 0.75), l("adam", 1.0)];
+        let got = profile_by_name(&timeline);
+        assert_eq!(got, vec![("gemm".to_string(), 2.0, 1), ("ln".to_string(), 1.25, 2), ("adam".to_string(), 1.0, 1)]);
+        assert!(profile_by_name(&[]).is_empty());
     }
 }
