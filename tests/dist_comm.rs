@@ -186,6 +186,10 @@ fn a_rank_that_never_calls_is_named_after_the_timeout() {
     // A 3 s timeout: long enough that ranks 0 and 1, started together, both enter the
     // collective before either times out even on a loaded 2-core machine (at 1 s that race
     // was lost now and then).
+    // Ranks 0 and 1 keep their communicators until both have failed: a rank that returns drops
+    // its links, and a neighbour still inside its own wait would then see a closed connection
+    // instead of the timeout (seen on a loaded 2-core CI machine).
+    let both_failed = std::sync::Barrier::new(2);
     let out = with_world(3, 3.0, |r, c| {
         if r == 2 {
             // Arrives at rendezvous but never enters the collective; stays alive past the
@@ -194,10 +198,11 @@ fn a_rank_that_never_calls_is_named_after_the_timeout() {
             return None;
         }
         let mut buf = vec![1.0f32; 16];
-        let e = c.all_reduce(&mut buf, Span { off: 0, len: 16 }, ReduceOp::Sum).unwrap_err();
+        let e = c.all_reduce(&mut buf, Span { off: 0, len: 16 }, ReduceOp::Sum);
         // The communicator is poisoned afterwards.
-        let again = c.barrier().unwrap_err();
-        Some((e, again))
+        let again = c.barrier();
+        both_failed.wait(); // (before any unwrap: a panic here would leave the other rank waiting)
+        Some((e.unwrap_err(), again.unwrap_err()))
     });
     assert!(t0.elapsed() < Duration::from_secs(20), "took {:?}", t0.elapsed());
     for (r, res) in out.into_iter().enumerate().take(2) {
