@@ -443,7 +443,9 @@ impl Cuda {
         let mem = Arc::new(MemStats::default());
         let ws_size = 32usize << 20;
         let workspace = Self::raw_alloc_with(&ctx, &stream, &mem, ws_size, Ty::Bf16)?;
-        let gemm = Gemm::new(workspace.ptr, ws_size)?;
+        // the tuner's choices beside the compiled kernels, keyed by card (name and multiprocessors)
+        let card = format!("{} ({} SMs)", info.name, info.multiprocessors);
+        let gemm = Gemm::new(workspace.ptr, ws_size, &card, compile::cache_dir().map(|d| d.join("gemm-choices.tsv")))?;
         let acc = Self::raw_alloc_with(&ctx, &stream, &mem, 2, Ty::F32)?;
         let attention = match std::env::var(ATTENTION_ENV) {
             Ok(v) => parse_attention(v.trim()).map_err(|e| BackendError::Device(format!("{ATTENTION_ENV}: {e}")))?,
