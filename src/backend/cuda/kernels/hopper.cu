@@ -608,6 +608,13 @@ extern "C" __global__ void __launch_bounds__(128, 3) flash_fwd_wg_d64(const __gr
 // out) had 8 % of the samples issuing the loads and 20 % storing dK, dV and waiting at the
 // barrier behind those stores. The dK, dV stores now overlap the dQ products.
 //
+// Where it stands (Nsight Compute, 2026-12-01): ≈ 30 % of the kernel waits for the head's own
+// loads and for its stores' reads before the block may exit (one 220 KiB block per SM: nothing
+// overlaps them), the steps take 55 %. Reordering the steps' product groups (step i − 1's dV, dK
+// with step i's Sᵀ, dPᵀ), ping-pong between warpgroup pairs on named barriers, and dK after the
+// loop from the staged dSᵀ all ran slower; with dK in the loop, any reordering that keeps more
+// fragments live makes ptxas serialize the wgmmas (C7512) at this 128-register budget.
+//
 // The qkv bias gradient costs no pass of its own: key row 255 (≥ N, never stored) gets P = 1
 // for every query < N and dS = 0, so its dV row is Σ dO (the v bias: each query's probabilities
 // sum to 1, so Σ dV = Σ dO); query column 255 of dSᵀ holds each key's Σ_q dS (summed in f32,
