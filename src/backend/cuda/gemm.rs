@@ -115,7 +115,7 @@ pub struct Gemm {
 /// unreadable or malformed line is skipped and the product tuned again; each update rewrites
 /// the whole file through a temporary file and a rename, so a reader never sees half of it
 /// (processes tuning at once may drop each other's lines, which are then tuned again).
-pub struct ChoiceStore {
+struct ChoiceStore {
     path: Option<PathBuf>,
     prefix: String,
     entries: HashMap<String, (usize, usize)>,
@@ -123,7 +123,7 @@ pub struct ChoiceStore {
 
 impl ChoiceStore {
     /// The store of `path` (None: in memory only) for the card and library that `prefix` names.
-    pub fn open(path: Option<PathBuf>, prefix: String) -> ChoiceStore {
+    fn open(path: Option<PathBuf>, prefix: String) -> ChoiceStore {
         let entries = path.as_ref().and_then(|p| std::fs::read_to_string(p).ok()).map(|text| parse_choices(&text)).unwrap_or_default();
         ChoiceStore { path, prefix, entries }
     }
@@ -133,7 +133,7 @@ impl ChoiceStore {
     }
 
     /// The stored candidate index for `s`, if it was chosen among `count` candidates.
-    pub fn get(&self, s: &GemmShape, count: usize) -> Option<usize> {
+    fn get(&self, s: &GemmShape, count: usize) -> Option<usize> {
         match self.entries.get(&self.key(s)) {
             Some(&(index, n)) if n == count && index < count => Some(index),
             _ => None,
@@ -141,7 +141,7 @@ impl ChoiceStore {
     }
 
     /// Records a choice and rewrites the file (errors only cost the next process a retune).
-    pub fn put(&mut self, s: &GemmShape, index: usize, count: usize) {
+    fn put(&mut self, s: &GemmShape, index: usize, count: usize) {
         let key = self.key(s);
         self.entries.insert(key, (index, count));
         let Some(path) = &self.path else { return };
@@ -158,7 +158,7 @@ impl ChoiceStore {
 }
 
 /// `key<TAB>index<TAB>candidates` lines; anything else is skipped.
-pub fn parse_choices(text: &str) -> HashMap<String, (usize, usize)> {
+fn parse_choices(text: &str) -> HashMap<String, (usize, usize)> {
     let mut out = HashMap::new();
     for line in text.lines() {
         let mut f = line.split('\t');
@@ -309,17 +309,16 @@ impl Gemm {
             if s.bias {
                 check(op, lt::cublasLtMatmulDescSetAttribute(p.desc, lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias as *const u64 as *const c_void, 8))?;
             }
-            // First use outside graph capture: time every candidate and keep the fastest. A
+            // First use: a choice stored by an earlier process (a host lookup, fine during graph
+            // capture too), or outside capture, time every candidate and keep the fastest. A
             // product that does not read its own output is timed on these operands (re-running
             // it only rewrites the same output); one that accumulates into D in place (weight
             // gradients) is timed on a temporary copy of D's extent, so D is never touched.
-            if p.candidates.len() > 1 && !capturing(stream) {
+            let stored = if p.candidates.len() > 1 { self.choices.lock().ok().and_then(|store| store.get(s, p.candidates.len())) } else { None };
+            if let Some(i) = stored {
+                p.algo = p.candidates[i];
+            } else if p.candidates.len() > 1 && !capturing(stream) {
                 let cands = std::mem::take(&mut p.candidates);
-                let stored = self.choices.lock().ok().and_then(|c| c.get(s, cands.len()));
-                if let Some(i) = stored {
-                    p.algo = cands[i];
-                    return self.matmul(op, p, &p.algo, a, b, c, d, alpha, beta, stream);
-                }
                 let in_place = s.accumulate && c == d;
                 let scratch = if in_place { TempBuf::new(d_extent_bytes(s)).ok() } else { None };
                 let target = match (&scratch, in_place) {
