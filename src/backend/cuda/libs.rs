@@ -12,17 +12,19 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-/// One library cudarc needs: what it is for, cudarc's presence check, and file names to look for.
+/// One library cudarc needs: what it is for, cudarc's presence check, file names to look for,
+/// and how a user gets it.
 struct Lib {
     what: &'static str,
     present: unsafe fn() -> bool,
     files: &'static [&'static str],
+    remedy: &'static str,
 }
 
 const LIBS: &[Lib] = &[
-    Lib { what: "libcuda.so.1 (the NVIDIA driver)", present: cudarc::driver::sys::is_culib_present, files: &["libcuda.so.1", "libcuda.so"] },
-    Lib { what: "libnvrtc.so.13 (NVRTC, compiles the kernels)", present: cudarc::nvrtc::sys::is_culib_present, files: &["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"] },
-    Lib { what: "libcublasLt.so.13 (cuBLASLt, the GEMMs)", present: cudarc::cublaslt::sys::is_culib_present, files: &["libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"] },
+    Lib { what: "libcuda.so.1 (the NVIDIA driver)", present: cudarc::driver::sys::is_culib_present, files: &["libcuda.so.1", "libcuda.so"], remedy: "install the NVIDIA driver (in a container: run it with the GPU runtime, which mounts the driver's libraries)" },
+    Lib { what: "libnvrtc.so.13 (NVRTC, compiles the kernels)", present: cudarc::nvrtc::sys::is_culib_present, files: &["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"], remedy: "install the CUDA toolkit or `pip install nvidia-cuda-nvrtc`" },
+    Lib { what: "libcublasLt.so.13 (cuBLASLt, the GEMMs)", present: cudarc::cublaslt::sys::is_culib_present, files: &["libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"], remedy: "install the CUDA toolkit or `pip install nvidia-cublas`" },
 ];
 
 /// Directories that may hold CUDA libraries, most specific first.
@@ -133,12 +135,12 @@ fn load_all() -> Result<(), String> {
         if !unsafe { (lib.present)() } {
             let searched: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
             return Err(format!(
-                "cannot load {}: not on the loader path and not found in [{}]{}; install the NVIDIA \
-                 libraries (e.g. `pip install nvidia-cublas nvidia-cuda-nvrtc`) or set VITSCALE_CUDA_LIB_DIR \
-                 or LD_LIBRARY_PATH to the folder that holds it",
+                "cannot load {}: not on the loader path and not found in [{}]{}; {}, or set \
+                 VITSCALE_CUDA_LIB_DIR or LD_LIBRARY_PATH to the folder that holds it",
                 lib.what,
                 searched.join(", "),
-                if tried.is_empty() { String::new() } else { format!(" (failed: {})", tried.join("; ")) }
+                if tried.is_empty() { String::new() } else { format!(" (failed: {})", tried.join("; ")) },
+                lib.remedy
             ));
         }
     }
