@@ -237,3 +237,31 @@ fn folder_class_count_defaults_to_the_subfolders() {
     let classes: Vec<String> = serde_json::from_slice(&std::fs::read(run.join("classes.json")).unwrap()).unwrap();
     assert_eq!(classes, ["ants", "bees", "wasps"]);
 }
+
+/// Without a usable GPU, `--device cuda` fails with one message that says why (the library it
+/// could not load and how to get it, or the driver's reason) and `--device auto` says it falls
+/// back, then trains on the CPU. Skipped where a GPU is usable.
+#[test]
+fn without_a_gpu_cuda_is_refused_clearly_and_auto_falls_back() {
+    if let Ok(gpu) = vitscale::backend::cuda::cuda_available() {
+        eprintln!("skipped: {} is usable here", gpu.name);
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let out = vitscale(&["train", "--device", "cuda", "--run-dir", tmp.path().join("cuda").to_str().unwrap(), "--set", "train.steps=1"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "--device cuda without a GPU should fail");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(stderr.contains("--device cuda: no usable GPU 0: "), "{stderr}");
+    if stderr.contains("cannot load") {
+        assert!(stderr.contains("install") && stderr.contains("VITSCALE_CUDA_LIB_DIR"), "no remedy named: {stderr}");
+    }
+    let out = vitscale(&[
+        "train", "--device", "auto", "--json", "--run-dir", tmp.path().join("auto").to_str().unwrap(),
+        "--set", "train.steps=2", "--set", "data.train_size=64", "--set", "data.val_size=32",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "--device auto should fall back: {stderr}");
+    assert!(stderr.contains("notice: using the CPU (no usable GPU"), "{stderr}");
+    assert!(last_json(&out)["val_top1"].as_f64().is_some());
+}
