@@ -115,6 +115,95 @@ fn ranks_match_one_process_with_the_same_global_batch() {
     assert!((l1 - l2).abs() < 1e-5, "train_loss {l1} vs {l2}");
     // Rank 0 owns the run directory; other ranks log beside it.
     assert!(p("two").join("metrics.jsonl").is_file() && p("two").join("rank1").join("metrics.jsonl").is_file());
+    // Every rank ends with the same weights hash, and the one weights file holds exactly the
+    // weights that hash names; no other rank wrote a file of its own.
+    assert_eq!(json_line(&one)["weights_hash"].as_str(), Some(file_hash(&p("one").join("w.safetensors")).as_str()));
+    assert_eq!(json_line(&two)["weights_hash"].as_str(), Some(summary_hash(&p("two")).as_str()));
+    for (dir, world) in [(p("two"), 2), (p("four"), 4)] {
+        let h0 = summary_hash(&dir);
+        assert_eq!(file_hash(&dir.join("w.safetensors")), h0, "{}: the weights file is not rank 0's final weights", dir.display());
+        for r in 1..world {
+            let rd = dir.join(format!("rank{r}"));
+            assert_eq!(summary_hash(&rd), h0, "rank {r} of {world} ended with other weights than rank 0");
+            let stray: Vec<_> = std::fs::read_dir(&rd).expect("rank dir").flatten().filter(|e| e.path().extension().is_some_and(|x| x == "safetensors")).collect();
+            assert!(stray.is_empty(), "rank {r} of {world} wrote weights: {stray:?}");
+        }
+    }
+}
+
+/// `weights_hash` from the `summary.json` in `dir` (a rank's run directory).
+fn summary_hash(dir: &Path) -> String {
+    let path = dir.join("summary.json");
+    let s = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let v: serde_json::Value = serde_json::from_str(&s).expect("summary.json is JSON");
+    v["weights_hash"].as_str().unwrap_or_else(|| panic!("no weights_hash in {}", path.display())).to_string()
+}
+
+/// The hash `weights_hash` reports, of the weights in a file vitscale saved (in the model's
+/// flat parameter order, which the file's `vitscale_model` metadata determines).
+fn file_hash(path: &Path) -> String {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).expect("safetensors header");
+    let model = meta.metadata().as_ref().and_then(|m| m.get("vitscale_model")).expect("vitscale_model metadata");
+    let model: vitscale::model::ModelConfig = serde_json::from_str(model).expect("model config");
+    let flat = vitscale::model::weights::load(path, &vitscale::model::ParamTable::new(&model)).expect("load weights");
+    format!("{:016x}", vitscale::train::agree::hash_f32(&flat))
+}
+
+/// `train_with` itself, on two ranks that are threads of this test joined by a TcpComm ring,
+/// each asked to save weights to a path of its own: only rank 0's path is written, after both
+/// ranks agreed on the final weights (the CLI only hands rank 0 the path; this is the engine's
+/// own rule).
+// mutation check: with rank 1 also saving (the `rank == 0` filter in train_with removed), this fails.
+#[test]
+fn only_rank_0_of_train_with_writes_save_weights() {
+    use vitscale::comm::{CommOptions, DistEnv, EnvSource, TcpComm};
+    use vitscale::train::engine::{self, TrainOptions};
+    let t = tmp();
+    let world = 2;
+    let v = serde_json::json!({
+        "train_batch_size": 16,
+        "train_micro_batch_size_per_gpu": 8,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
+        "data": {"val_size": 32},
+        "train": {"steps": 2, "checkpoint_every": 2}
+    });
+    let cfg = vitscale::config::resolve(&v, world).expect("config");
+    let port = free_port();
+    let opts = CommOptions { timeout: Duration::from_secs(60), rendezvous_timeout: Duration::from_secs(30) };
+    let summaries: Vec<engine::TrainSummary> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..world)
+            .map(|rank| {
+                let (cfg, opts, t) = (&cfg, &opts, &t);
+                s.spawn(move || {
+                    let env = DistEnv {
+                        rank,
+                        world_size: world,
+                        local_rank: rank,
+                        local_world_size: world,
+                        master_addr: "127.0.0.1".into(),
+                        master_port: port,
+                        source: EnvSource::Torchrun,
+                    };
+                    let mut comm = TcpComm::connect(&env, opts, "only-rank-0").expect("connect");
+                    let o = TrainOptions {
+                        run_dir: t.path().join(format!("rank{rank}")),
+                        save_weights: Some(t.path().join(format!("w{rank}.safetensors"))),
+                        quiet: true,
+                        ..Default::default()
+                    };
+                    engine::train_with(&vitscale::backend::cpu::Cpu::new(), cfg, &o, &mut comm).unwrap_or_else(|e| panic!("rank {rank}: {e}"))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
+    });
+    assert!(!t.path().join("w1.safetensors").exists(), "rank 1 wrote its --save-weights path");
+    assert_eq!(file_hash(&t.path().join("w0.safetensors")), summaries[0].weights_hash);
+    assert_eq!(summaries[1].weights_hash, summaries[0].weights_hash);
+    // The checkpoint, rank 0's alone as well, was written after the same check.
+    assert!(t.path().join("rank0/checkpoints/step_000002/manifest.json").is_file());
+    assert!(!t.path().join("rank1/checkpoints").exists());
 }
 
 #[test]

@@ -8,6 +8,8 @@
 //! optimizer update over the flat buffer, zero the gradients. Evaluation, metrics lines,
 //! progress output and the run directory are around that loop. A SIGINT / SIGTERM caught by
 //! `train::stop` is acted on at a boundary that every rank agrees on: checkpoint, then stop.
+//! After the last step, and before each checkpoint of a multi-rank run, the ranks compare
+//! hashes of their weights and optimizer state (`train::agree`) and all fail if any differs.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -21,7 +23,7 @@ use crate::config::RunConfig;
 use crate::data::{self, Datasets, ImageSet, Loader, LoaderPlan, MixTargets, Sampler};
 use crate::metrics::{allreduce_bus_gb_s, timed, EvalRecord, JsonlWriter, PhaseTimes, StepRecord};
 use crate::model::{init, smoothed_targets, weights, Vit};
-use crate::train::{checkpoint, schedule, stop};
+use crate::train::{agree, checkpoint, schedule, stop};
 
 /// Largest number of images one forward/backward pass processes on the host backend; a larger
 /// micro-batch is run as several passes whose gradients add up (same math, bounded memory).
@@ -46,6 +48,9 @@ pub enum TrainError {
     Comm(#[from] CommError),
     #[error(transparent)]
     Checkpoint(#[from] checkpoint::CheckpointError),
+    /// The ranks' weights or optimizer state differ (see `train::agree`).
+    #[error(transparent)]
+    RanksDiverged(#[from] agree::Divergence),
     /// SIGINT / SIGTERM acted on at a step boundary (see `train::stop`).
     #[error("stopped by {} after step {step}: {detail}", stop::signal_name(*signal))]
     Interrupted { signal: i32, step: u64, detail: String },
@@ -93,6 +98,9 @@ pub struct TrainSummary {
     pub device: String,
     pub params: usize,
     pub run_dir: String,
+    /// Hash of the final weights' exact f32 bits (`train::agree::hash_f32`, 16 hex digits):
+    /// the same on every rank of a run, and equal between runs that end bitwise equal.
+    pub weights_hash: String,
     /// Image files replaced by a neighbour because they could not be read (`data.skip_bad`,
     /// train and val together); present only when `data.skip_bad` is on.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -276,6 +284,8 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     let mut last_epoch_loss = f64::NAN;
     let mut last_eval: Option<EvalSummary> = None;
     let mut images_done = 0u64;
+    // this rank's state hashes after the last step, once the ranks agreed on them.
+    let mut final_hash: Option<agree::StateHash> = None;
     let train_wall = Instant::now();
     // this rank's shard of every global batch from `start_step` on, built ahead.
     let mut loader = Loader::start(LoaderPlan {
@@ -394,12 +404,24 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         be.synchronize()?;
         phases.optimizer_s += t_opt.elapsed().as_secs_f64();
 
-        // checkpoint (rank 0 writes; every rank holds the same state), also when
-        // stopping for a signal
+        // checkpoint (rank 0 writes, for every rank), also when stopping for a signal. Every
+        // rank knows whether one is due (the stop flag is agreed), so all of them first check
+        // that they hold the same state, as they do after the last step.
         let every = cfg.train.checkpoint_every;
         let stop_ckpt = stop_sig != 0 && cfg.train.checkpoint_on_signal;
+        let want_ckpt = stop_ckpt || (every > 0 && ((step + 1) % every == 0 || step + 1 == total_steps));
+        let agree_now = step + 1 == total_steps || (want_ckpt && world > 1);
         let mut saved = None;
-        if rank == 0 && (stop_ckpt || (every > 0 && ((step + 1) % every == 0 || step + 1 == total_steps))) {
+        let mut host_state = None;
+        if agree_now {
+            let (p, o) = (vit.params_host(be)?, be.download(&opt_state)?);
+            let h = agree::check(comm, step + 1, &p, &o)?;
+            if step + 1 == total_steps {
+                final_hash = Some(h);
+            }
+            host_state = Some((p, o));
+        }
+        if rank == 0 && want_ckpt {
             let state = serde_json::json!({
                 "step": step + 1,
                 "epoch": (step + 1) / steps_per_epoch,
@@ -410,7 +432,10 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
                 "seed": cfg.train.seed,
                 "config": cfg,
             });
-            let (p, o) = (vit.params_host(be)?, be.download(&opt_state)?);
+            let (p, o) = match host_state.take() {
+                Some(state) => state,
+                None => (vit.params_host(be)?, be.download(&opt_state)?),
+            };
             saved = Some(checkpoint::save_training(&ckpt_root, step + 1, &vit.table, &p, &cfg.optimizer, &o, &state, opts.keep_checkpoints)?);
         }
 
@@ -501,11 +526,17 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     }
     let train_secs = train_wall.elapsed().as_secs_f64();
 
+    // a run resumed at its last step trains none: its ranks compare the restored state here.
+    let final_hash = match final_hash {
+        Some(h) => h,
+        None => agree::check(comm, total_steps, &vit.params_host(be)?, &be.download(&opt_state)?)?,
+    };
     let ev = match last_eval {
         Some(ev) => ev,
         None => evaluate_with(be, &mut vit, &val_set, cfg, cfg.train.eval_batch_size, comm)?,
     };
-    if let Some(path) = &opts.save_weights {
+    // one file for the job, from rank 0, now that every rank is known to hold these weights.
+    if let Some(path) = opts.save_weights.as_ref().filter(|_| rank == 0) {
         weights::save(path, &vit.table, &vit.cfg, &vit.params_host(be)?)?;
     }
     let summary = TrainSummary {
@@ -519,6 +550,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         device: be.name(),
         params: num_params,
         run_dir: opts.run_dir.display().to_string(),
+        weights_hash: final_hash.weights_hex(),
         skipped: cfg.data.skip_bad.then(|| {
             use std::sync::atomic::Ordering::Relaxed;
             train_set.skipped.load(Relaxed) + val_set.skipped.load(Relaxed)
