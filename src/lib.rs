@@ -1,6 +1,7 @@
 //! vitscale: train Vision Transformers on CPU and GPUs, and measure how training scales.
 //!
 //! Module map:
+//! - `core`    — defines: the shared vocabulary below backend, model and config (spans, optimizer hyper-parameters, decay groups, parameter kinds, numerical constants).
 //! - `config`  — defines: the run configuration (DeepSpeed JSON + model/data/train), parsing and validation.
 //! - `model`   — defines: the ViT shape, parameter table, init, forward/backward over a backend, timm weights I/O.
 //! - `backend` — defines: the `Backend` trait (every op with explicit shapes) and the CPU reference backend.
@@ -18,6 +19,7 @@ pub mod backend;
 pub mod cli;
 pub mod comm;
 pub mod config;
+pub mod core;
 pub mod data;
 pub mod launch;
 pub mod metrics;

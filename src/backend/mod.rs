@@ -16,22 +16,10 @@
 pub mod cpu;
 pub mod cuda;
 
-use crate::config::{DecaySkip, OptimizerConfig};
+use crate::core::OptimizerConfig;
+// The shared vocabulary the trait's signatures use, under the paths callers know.
+pub use crate::core::{optimizer_state_len, DecayGroups, Span, StepHyper};
 
-/// A window of a flat buffer, in elements.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Span {
-    pub off: usize,
-    pub len: usize,
-}
-
-impl Span {
-    pub fn range(self) -> std::ops::Range<usize> {
-        self.off..self.off + self.len
-    }
-}
-
-/// Errors a backend reports.
 /// What the MLP's fc1 forward keeps for the GELU backward (`matmul_forward` with a GELU,
 /// `matmul_backward_gelu_bias`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,6 +33,7 @@ pub enum GeluSaved {
     Grad,
 }
 
+/// Errors a backend reports.
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
     #[error("{op}: {msg}")]
@@ -54,55 +43,6 @@ pub enum BackendError {
 }
 
 pub type BResult<T> = Result<T, BackendError>;
-
-/// Hyper-parameters of one optimizer step, as the engine resolved them for this step.
-#[derive(Clone, Copy, Debug)]
-pub struct StepHyper {
-    /// Learning rate for this step (after the schedule).
-    pub lr: f32,
-    /// 1-based optimizer step (Adam bias correction).
-    pub step: u64,
-    /// Multiplies every gradient before use (1/loss-scale, a clipping factor found by the caller).
-    pub grad_scale: f32,
-    /// When > 0, clips by the global norm inside the step: the gradients (after `grad_scale`)
-    /// are further multiplied by min(1, clip_norm / (‖g‖ + 1e-6)), ‖g‖ their L2 norm over the
-    /// whole buffer — torch's `clip_grad_norm_`, DeepSpeed's `gradient_clipping`. The backend
-    /// computes the norm itself (the CUDA one on the device, so the step never waits for the
-    /// host). 0: no clipping beyond `grad_scale`.
-    pub clip_norm: f32,
-}
-
-impl StepHyper {
-    /// `grad_scale` times the clipping factor of `clip_norm` for gradients whose raw L2 norm
-    /// is `raw_norm` (f64, as the host computes it).
-    pub fn effective_grad_scale(&self, raw_norm: f64) -> f32 {
-        let gs = self.grad_scale as f64;
-        if self.clip_norm <= 0.0 {
-            return self.grad_scale;
-        }
-        let coef = self.clip_norm as f64 / (raw_norm * gs.abs() + 1e-6);
-        (gs * coef.min(1.0)) as f32
-    }
-}
-
-/// Which parameters an optimizer step decays: one weight-decay factor per parameter span.
-#[derive(Clone, Debug)]
-pub struct DecayGroups {
-    /// (span, decays) for each named parameter, in table order.
-    pub spans: Vec<(Span, bool)>,
-}
-
-impl DecayGroups {
-    /// Builds the groups from the parameter table and the `train.weight_decay_skip` setting.
-    pub fn new(table: &crate::model::ParamTable, skip: &DecaySkip) -> Self {
-        let spans = table
-            .entries
-            .iter()
-            .map(|e| (e.span, !e.kind.skips_decay(skip)))
-            .collect();
-        DecayGroups { spans }
-    }
-}
 
 /// One device's implementation of every op. See the module doc for the conventions.
 pub trait Backend: Send + Sync {
@@ -222,7 +162,7 @@ pub trait Backend: Send + Sync {
     fn matmul_backward_gelu_bias(&self, dinp: &mut Self::Buf, dparams: &mut Self::Buf, dout: &Self::Buf, inp: &Self::Buf, saved: &Self::Buf, what: GeluSaved, pre_bias: Span, params: &Self::Buf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()>;
 
     // ---- normalization ------------------------------------------------------------------
-    /// LayerNorm over the last dim (eps = `model::LN_EPS`), saving per-row mean and 1/std.
+    /// LayerNorm over the last dim (eps = `core::LN_EPS`), saving per-row mean and 1/std.
     /// `inp` (R, C) → `out` (R, C), `mean` (R), `rstd` (R).
     #[allow(clippy::too_many_arguments)]
     fn layernorm_forward(&self, out: &mut Self::Buf, mean: &mut Self::Buf, rstd: &mut Self::Buf, inp: &Self::Buf, params: &Self::Buf, w: Span, b: Span, rows: usize, c: usize) -> BResult<()>;
@@ -311,14 +251,5 @@ pub trait Backend: Send + Sync {
     fn optimizer_step_cast(&self, params: &mut Self::Buf, grads: &Self::Buf, state: &mut Self::Buf, compute: &mut Self::Buf, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()> {
         self.optimizer_step(params, grads, state, opt, decay, hyper)?;
         self.cast(compute, params)
-    }
-}
-
-/// Elements of f32 optimizer state per parameter, in this order in the state buffer:
-/// Adam: m then v (2·P); SGD: the momentum buffer (P).
-pub fn optimizer_state_len(opt: &OptimizerConfig, num_params: usize) -> usize {
-    match opt {
-        OptimizerConfig::Adam { .. } => 2 * num_params,
-        OptimizerConfig::Sgd { .. } => num_params,
     }
 }

@@ -10,6 +10,9 @@ use serde::Serialize;
 
 use crate::model::ModelConfig;
 
+// Defined below the config (`crate::core`) so that a backend can take them without depending on it.
+pub use crate::core::{DecaySkip, OptimizerConfig};
+
 /// The DeepSpeed batch triple, resolved for a world size:
 /// `train_batch_size = micro_batch_per_gpu × gradient_accumulation_steps × world_size`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -18,40 +21,6 @@ pub struct BatchConfig {
     pub micro_batch_per_gpu: usize,
     pub gradient_accumulation_steps: usize,
     pub world_size: usize,
-}
-
-/// `optimizer.type` with DeepSpeed's meaning and defaults.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-#[serde(tag = "type")]
-pub enum OptimizerConfig {
-    /// `Adam` / `AdamW` (DeepSpeed FusedAdam): `adam_w_mode` true = decoupled weight decay
-    /// (AdamW), false = L2 penalty added to the gradient (classic Adam).
-    Adam {
-        lr: f64,
-        beta1: f64,
-        beta2: f64,
-        eps: f64,
-        weight_decay: f64,
-        adam_w_mode: bool,
-        bias_correction: bool,
-    },
-    /// `SGD` (torch.optim.SGD semantics).
-    Sgd {
-        lr: f64,
-        momentum: f64,
-        dampening: f64,
-        weight_decay: f64,
-        nesterov: bool,
-    },
-}
-
-impl OptimizerConfig {
-    /// The learning rate the optimizer was configured with (the base that schedules scale).
-    pub fn lr(&self) -> f64 {
-        match self {
-            OptimizerConfig::Adam { lr, .. } | OptimizerConfig::Sgd { lr, .. } => *lr,
-        }
-    }
 }
 
 /// DeepSpeed's `warmup_type`.
@@ -360,15 +329,6 @@ impl DataConfig {
             (d, _) => d.num_classes(),
         }
     }
-}
-
-/// `train.weight_decay_skip`: kinds of parameters that get no weight decay.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct DecaySkip {
-    pub bias: bool,
-    pub norm: bool,
-    pub pos_embed: bool,
-    pub cls_token: bool,
 }
 
 /// The `train` section.

@@ -2,35 +2,10 @@
 //! buffer), generated from one `ModelConfig`. Bucketing, sharding, checkpoints, weight decay
 //! groups and timm import/export are each one loop over this table.
 
-use crate::backend::Span;
-use crate::config::DecaySkip;
+pub use crate::core::ParamKind;
+use crate::core::{DecayGroups, DecaySkip, Span};
 
 use super::spec::{GlobalPool, ModelConfig};
-
-/// What a parameter is, for weight-decay grouping and initialization.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ParamKind {
-    /// A matrix of a dense layer (or the patch-embedding convolution).
-    Weight,
-    Bias,
-    NormWeight,
-    NormBias,
-    PosEmbed,
-    ClsToken,
-}
-
-impl ParamKind {
-    /// Whether `train.weight_decay_skip` exempts this kind from weight decay.
-    pub fn skips_decay(self, skip: &DecaySkip) -> bool {
-        match self {
-            ParamKind::Weight => false,
-            ParamKind::Bias => skip.bias,
-            ParamKind::NormWeight | ParamKind::NormBias => skip.norm,
-            ParamKind::PosEmbed => skip.pos_embed,
-            ParamKind::ClsToken => skip.cls_token,
-        }
-    }
-}
 
 /// One named tensor.
 #[derive(Clone, Debug)]
@@ -145,6 +120,20 @@ impl ParamTable {
 
     pub fn get(&self, name: &str) -> Option<&ParamEntry> {
         self.entries.iter().find(|e| e.name == name)
+    }
+
+    /// Which parameters the optimizer decays under the `train.weight_decay_skip` setting, in
+    /// table order.
+    pub fn decay_groups(&self, skip: &DecaySkip) -> DecayGroups {
+        DecayGroups::from_kinds(self.entries.iter().map(|e| (e.span, e.kind)), skip)
+    }
+}
+
+impl DecayGroups {
+    /// `table.decay_groups(skip)`: defined here because `core`, where the type lives, cannot
+    /// name the parameter table.
+    pub fn new(table: &ParamTable, skip: &DecaySkip) -> Self {
+        table.decay_groups(skip)
     }
 }
 

@@ -7,6 +7,8 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::core::LN_EPS;
+
 /// How the image representation fed to the head is pooled from the token sequence (timm's
 /// `global_pool`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -43,9 +45,6 @@ pub struct ModelConfig {
     pub class_token: bool,
     pub global_pool: GlobalPool,
 }
-
-/// LayerNorm epsilon used by timm's ViT (`partial(nn.LayerNorm, eps=1e-6)`).
-pub const LN_EPS: f32 = 1e-6;
 
 /// The preset used when a run names none: sized so that `vitscale train` with no arguments
 /// reaches high accuracy on the built-in dataset in well under two minutes on two cores.

@@ -11,8 +11,7 @@ use rayon::prelude::*;
 
 use self::gemm::{matmul, Mat, MatMut};
 use super::{BResult, Backend, BackendError, DecayGroups, GeluSaved, Span, StepHyper};
-use crate::config::OptimizerConfig;
-use crate::model::LN_EPS;
+use crate::core::{OptimizerConfig, LN_EPS};
 
 /// The CPU backend. Stateless: threads come from the global rayon pool.
 #[derive(Clone, Copy, Debug, Default)]

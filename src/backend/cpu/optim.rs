@@ -11,7 +11,7 @@
 use rayon::prelude::*;
 
 use crate::backend::{optimizer_state_len, BResult, BackendError, DecayGroups, StepHyper};
-use crate::config::OptimizerConfig;
+use crate::core::OptimizerConfig;
 
 /// Elements per parallel work item: large enough to amortize scheduling, small enough to
 /// spread a ViT-Tiny's parameters over many cores.

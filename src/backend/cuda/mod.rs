@@ -53,8 +53,8 @@ use rayon::prelude::*;
 
 use self::gemm::{alignment, Gemm, GemmShape, Ty};
 use super::{BResult, Backend, BackendError, DecayGroups, GeluSaved, Span, StepHyper};
-use crate::config::OptimizerConfig;
-use crate::model::LN_EPS;
+use crate::core::OptimizerConfig;
+use crate::core::LN_EPS;
 
 /// What the probe found about a GPU.
 #[derive(Clone, Debug)]
