@@ -96,8 +96,6 @@ const SUSTAINED_MIN_MS: f32 = 0.15;
 const SUSTAINED_MS: f32 = 30.0;
 /// Candidates slower than the interleaved best by more than this factor are not timed again.
 const SUSTAINED_SPREAD: f32 = 1.15;
-/// `VITSCALE_GEMM_TUNE=quick` keeps the interleaved choice (no sustained timing).
-const TUNE_ENV: &str = "VITSCALE_GEMM_TUNE";
 
 pub struct Gemm {
     handle: lt::cublasLtHandle_t,
@@ -216,19 +214,14 @@ pub fn alignment(ptrs: &[u64]) -> u32 {
 
 impl Gemm {
     /// `card` names the GPU in the on-disk choice store's keys; `store_path` is the store's
-    /// file (None: choices are kept for this process only).
-    pub fn new(workspace: CUdeviceptr, workspace_size: usize, card: &str, store_path: Option<PathBuf>) -> Result<Gemm, BackendError> {
+    /// file (None: choices are kept for this process only); `sustained` adds the sustained
+    /// timing of long products to the interleaved rounds (`CudaOptions::gemm_tune`).
+    pub fn new(workspace: CUdeviceptr, workspace_size: usize, card: &str, store_path: Option<PathBuf>, sustained: bool) -> Result<Gemm, BackendError> {
         let mut handle = std::ptr::null_mut();
         // SAFETY: out-pointer to a handle.
         check("cublasLtCreate", unsafe { lt::cublasLtCreate(&mut handle) })?;
         // SAFETY: no arguments; the library is loaded (the handle exists).
         let version = unsafe { lt::cublasLtGetVersion() };
-        let sustained = match std::env::var(TUNE_ENV) {
-            Ok(v) if v.trim() == "quick" => false,
-            Ok(v) if v.trim() == "sustained" || v.trim().is_empty() => true,
-            Ok(v) => return Err(BackendError::Device(format!("{TUNE_ENV}={v:?}: expected \"sustained\" (the default) or \"quick\""))),
-            Err(_) => true,
-        };
         // the tuning rule is part of the key: choices made under another rule are not reused
         let rule = if sustained { format!("sustained from {SUSTAINED_MIN_MS} ms, {SUSTAINED_MS} ms, spread {SUSTAINED_SPREAD}") } else { "quick".to_string() };
         let prefix = format!("{card}|cublasLt {version}|{rule}");

@@ -22,6 +22,7 @@ use std::ffi::c_void;
 
 use cudarc::driver::sys::CUdeviceptr;
 
+use super::device::kargs;
 use super::gemm::Ty;
 use super::{Cuda, CudaBuf};
 use crate::backend::{BResult, BackendError};
@@ -132,6 +133,19 @@ impl Cuda {
             self.flush_locked(&mut p)?;
         }
         Ok(())
+    }
+
+    /// dst[j] += Σ_rows src[row, j] over a row-major (rows, cols) bf16 buffer: a bias gradient.
+    pub(super) fn add_column_sums(&self, dst: CUdeviceptr, src: &CudaBuf, rows: usize, cols: usize) -> BResult<()> {
+        let splits = (rows.div_ceil(64)).clamp(1, 256) as u32;
+        let (r, o) = (rows as i64, cols as i32);
+        let partial = self.partial_rows(splits as usize * cols)?;
+        if cols % 8 == 0 && src.ptr % 16 == 0 && src.ty == Ty::Bf16 {
+            self.launch("bias_grad_v8", (cols.div_ceil(256) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![partial, src.ptr, r, o])?;
+        } else {
+            self.launch("bias_grad_kernel", (cols.div_ceil(32) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![partial, src.ptr, src.dt(), r, o])?;
+        }
+        self.reduce_partials(dst, dst, dst, cols, partial, splits as usize, cols)
     }
 
     /// Launches every queued reduction.

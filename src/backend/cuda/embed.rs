@@ -1,0 +1,134 @@
+//! The model's two ends and its residual stream: patchify, the token embedding (class token,
+//! position embedding) and its backward, pooling, the softmax cross-entropy loss, and the
+//! elementwise residual add.
+
+use super::device::{check_f32, check_len, check_span, kargs, v8_ok, CudaBuf, THREADS};
+use super::gemm::Ty;
+use super::Cuda;
+use crate::backend::{BResult, BackendError, Span};
+
+impl Cuda {
+    pub(super) fn patchify_impl(&self, out: &mut CudaBuf, img: &CudaBuf, b: usize, chans: usize, size: usize, patch: usize) -> BResult<()> {
+        if patch == 0 || size % patch != 0 {
+            return Err(BackendError::Shape { op: "patchify", msg: format!("patch {patch} does not divide image size {size}") });
+        }
+        let n = b * chans * size * size;
+        check_len("patchify", "img", img, n)?;
+        check_len("patchify", "out", out, n)?;
+        let (bb, c, s, p) = (b as i32, chans as i32, size as i32, patch as i32);
+        // (the 8-output groups stay within one channel's patch when P·P is a multiple of 8)
+        if (patch * patch) % 8 == 0 && v8_ok(8, n, &[out, img], &[out.ptr]) {
+            return self.launch1("patchify_v8", n / 8, &mut kargs![out.ptr, img.ptr, bb, c, s, p]);
+        }
+        self.launch1("patchify_kernel", n, &mut kargs![out.ptr, out.dt(), img.ptr, img.dt(), bb, c, s, p])
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn embed_forward_impl(&self, out: &mut CudaBuf, patches: &CudaBuf, params: &CudaBuf, pos: Span, cls: Option<Span>, b: usize, np: usize, c: usize) -> BResult<()> {
+        let n_tok = np + usize::from(cls.is_some());
+        check_len("embed_forward", "patches", patches, b * np * c)?;
+        check_len("embed_forward", "out", out, b * n_tok * c)?;
+        check_span("embed_forward", "pos", params, pos)?;
+        if let Some(s) = cls {
+            check_span("embed_forward", "cls", params, s)?;
+        }
+        let (pos_ptr, cls_ptr) = (params.at(pos.off), cls.map_or(0, |s| params.at(s.off)));
+        if v8_ok(c, b * n_tok * c, &[out, patches, params], &[out.ptr, patches.ptr, pos_ptr, cls_ptr]) {
+            let (rows, nt, pre, c8) = ((b * n_tok) as i32, n_tok as i32, (n_tok - np) as i32, (c / 8) as i32);
+            return self.launch1("embed_fwd_v8", b * n_tok * c / 8, &mut kargs![out.ptr, patches.ptr, pos_ptr, cls_ptr, rows, nt, pre, c8]);
+        }
+        let cls_off = cls.map_or(-1i64, |s| s.off as i64);
+        let (pos_off, bb, npp, cc) = (pos.off as i64, b as i32, np as i32, c as i32);
+        self.launch1("embed_fwd_kernel", b * n_tok * c, &mut kargs![out.ptr, out.dt(), patches.ptr, patches.dt(), params.ptr, params.dt(), pos_off, cls_off, bb, npp, cc])
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn embed_backward_impl(&self, dpatches: &mut CudaBuf, dparams: &mut CudaBuf, dout: &CudaBuf, pos: Span, cls: Option<Span>, b: usize, np: usize, c: usize) -> BResult<()> {
+        let prefix = usize::from(cls.is_some());
+        let n_tok = np + prefix;
+        check_len("embed_backward", "dout", dout, b * n_tok * c)?;
+        check_len("embed_backward", "dpatches", dpatches, b * np * c)?;
+        check_f32("embed_backward", "dparams", dparams)?;
+        check_span("embed_backward", "pos", dparams, pos)?;
+        if let Some(s) = cls {
+            check_span("embed_backward", "cls", dparams, s)?;
+        }
+        let (bb, npp, pre, cc, nt) = (b as i32, np as i32, prefix as i32, c as i32, n_tok as i32);
+        if !v8_ok(c, b * n_tok * c, &[dpatches, dout], &[dpatches.ptr, dout.ptr]) {
+            self.launch1("embed_bwd_patches", b * np * c, &mut kargs![dpatches.ptr, dpatches.dt(), dout.ptr, dout.dt(), bb, npp, pre, cc])?;
+            let cls_off = cls.map_or(-1i64, |s| s.off as i64);
+            let pos_off = pos.off as i64;
+            return self.launch1("embed_bwd_params", n_tok * c, &mut kargs![dparams.ptr, dout.ptr, dout.dt(), pos_off, cls_off, bb, nt, cc]);
+        }
+        if b * n_tok * c == 0 {
+            return Ok(());
+        }
+        let c8 = (c / 8) as i32;
+        self.launch1("embed_bwd_patches_v8", b * np * c / 8, &mut kargs![dpatches.ptr, dout.ptr, bb, npp, pre, c8])?;
+        // Position (and class-token) gradient: partial sums over slices of the batch, enough
+        // blocks to fill the GPU, then one (deferred) reduction into both spans.
+        let groups = n_tok * c / 8;
+        let xblocks = groups.div_ceil(THREADS as usize);
+        let want_splits = (4 * self.info.multiprocessors as usize).div_ceil(xblocks).clamp(1, b);
+        let per = b.div_ceil(want_splits);  // images per split
+        let splits = b.div_ceil(per);
+        let width = n_tok * c + prefix * c;
+        let partial = self.partial_rows(splits * width)?;
+        let (pp, cls_copy) = (per as i32, prefix as i32);
+        self.launch("embed_bwd_params_part", (xblocks as u32, splits as u32, 1), (THREADS, 1, 1), 0, &mut kargs![partial, dout.ptr, bb, pp, nt, c8, cls_copy])?;
+        let dpos = dparams.at(pos.off);
+        let dcls = cls.map_or(dpos, |s| dparams.at(s.off));
+        self.reduce_partials(dpos, dcls, dcls, n_tok * c, partial, splits, width)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn pool_forward_impl(&self, out: &mut CudaBuf, inp: &CudaBuf, b: usize, n: usize, c: usize, prefix: usize, avg: bool) -> BResult<()> {
+        check_len("pool_forward", "inp", inp, b * n * c)?;
+        check_len("pool_forward", "out", out, b * c)?;
+        let (bb, nn, cc, pp, a) = (b as i32, n as i32, c as i32, prefix as i32, avg as i32);
+        self.launch1("pool_fwd_kernel", b * c, &mut kargs![out.ptr, out.dt(), inp.ptr, inp.dt(), bb, nn, cc, pp, a])
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn pool_backward_impl(&self, dinp: &mut CudaBuf, dout: &CudaBuf, b: usize, n: usize, c: usize, prefix: usize, avg: bool) -> BResult<()> {
+        check_len("pool_backward", "dinp", dinp, b * n * c)?;
+        check_len("pool_backward", "dout", dout, b * c)?;
+        let (bb, nn, cc, pp, a) = (b as i32, n as i32, c as i32, prefix as i32, avg as i32);
+        if v8_ok(c, b * n * c, &[dinp, dout], &[dinp.ptr, dout.ptr]) {
+            let (rows, c8) = ((b * n) as i32, (c / 8) as i32);
+            return self.launch1("pool_bwd_v8", b * n * c / 8, &mut kargs![dinp.ptr, dout.ptr, rows, nn, pp, c8, a]);
+        }
+        self.launch1("pool_bwd_kernel", b * n * c, &mut kargs![dinp.ptr, dinp.dt(), dout.ptr, dout.dt(), bb, nn, cc, pp, a])
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn cross_entropy_impl(&self, losses: &mut CudaBuf, dlogits: Option<&mut CudaBuf>, logits: &CudaBuf, targets: &CudaBuf, b: usize, k: usize, dloss_scale: f32) -> BResult<()> {
+        check_len("cross_entropy", "losses", losses, b)?;
+        check_len("cross_entropy", "logits", logits, b * k)?;
+        check_len("cross_entropy", "targets", targets, b * k)?;
+        let (dptr, ddt) = match dlogits {
+            Some(d) => {
+                check_len("cross_entropy", "dlogits", d, b * k)?;
+                (d.ptr, d.dt())
+            }
+            None => (0u64, 0i32),
+        };
+        let grid = b.div_ceil(8).max(1) as u32;
+        let (bb, kk) = (b as i32, k as i32);
+        self.launch("cross_entropy_kernel", (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![losses.ptr, losses.dt(), dptr, ddt, logits.ptr, logits.dt(), targets.ptr, targets.dt(), bb, kk, dloss_scale])
+    }
+
+    pub(super) fn add_impl(&self, out: &mut CudaBuf, a: &CudaBuf, b: &CudaBuf) -> BResult<()> {
+        let n = a.len.min(b.len);
+        check_len("add", "out", out, n)?;
+        if a.len != b.len {
+            return Err(BackendError::Shape { op: "add", msg: format!("operands differ in length: {} vs {}", a.len, b.len) });
+        }
+        if n % 8 == 0 && [out.ty, a.ty, b.ty].iter().all(|&t| t == Ty::Bf16) && [out.ptr, a.ptr, b.ptr].iter().all(|&p| p % 16 == 0) {
+            let n8 = (n / 8) as i64;
+            return self.launch1("add_v8", n / 8, &mut kargs![out.ptr, a.ptr, b.ptr, n8]);
+        }
+        let nn = n as i64;
+        self.launch1("add_kernel", n, &mut kargs![out.ptr, out.dt(), a.ptr, a.dt(), b.ptr, b.dt(), nn])
+    }
+}

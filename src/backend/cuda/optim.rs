@@ -1,0 +1,139 @@
+//! The optimizer step (Adam and SGD kernels over decay segments, clipping by the global norm
+//! on the device, writing the bf16 compute copy as they go), and the whole-buffer reductions
+//! around it (`sum_squares`, `scale`).
+
+use cudarc::driver::result as dr;
+
+use super::device::{check_f32, check_len, check_span, dev, kargs, CudaBuf, THREADS};
+use super::gemm::Ty;
+use super::Cuda;
+use crate::backend::{BResult, Backend, BackendError, DecayGroups, StepHyper};
+use crate::core::{optimizer_state_len, OptimizerConfig};
+
+/// Parameters per block of the optimizer kernels (8 rounds of their 4-element loads).
+const OPT_CHUNK: usize = 8 * 4 * THREADS as usize;
+
+impl Cuda {
+    pub(super) fn sum_squares_impl(&self, buf: &CudaBuf) -> BResult<f64> {
+        self.flush_partial_sums()?;
+        self.sum_squares_async(buf)?;
+        self.synchronize()?;
+        let mut h = [0f64; 1];
+        // SAFETY: 8 bytes from `acc` into an f64; the stream is idle.
+        unsafe { dr::memcpy_dtoh_sync(&mut h, self.acc.ptr) }.map_err(dev("sum_squares"))?;
+        Ok(h[0])
+    }
+
+    pub(super) fn scale_impl(&self, buf: &mut CudaBuf, s: f32) -> BResult<()> {
+        self.flush_partial_sums()?;
+        let n = buf.len as i64;
+        self.launch1("scale_kernel", buf.len, &mut kargs![buf.ptr, buf.dt(), n, s])
+    }
+
+    /// Σ buf² into the f64 `acc` on the stream (zeroed first); no waiting.
+    fn sum_squares_async(&self, buf: &CudaBuf) -> BResult<()> {
+        // SAFETY: `acc` holds 8 bytes.
+        unsafe { dr::memset_d8_async(self.acc.ptr, 0, 8, self.stream.cu_stream()) }.map_err(dev("sum_squares"))?;
+        let n = buf.len as i64;
+        let grid = self.grid(buf.len).min(self.info.multiprocessors * 4);
+        self.launch("sum_squares_kernel", (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![self.acc.ptr, buf.ptr, buf.dt(), n])
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn optimizer_step_cast_impl(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, compute: &mut CudaBuf, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()> {
+        if compute.ty != Ty::Bf16 {
+            self.optimizer_step_impl(params, grads, state, None, opt, decay, hyper)?;
+            return self.cast(compute, params);
+        }
+        self.optimizer_step_impl(params, grads, state, Some(compute), opt, decay, hyper)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn optimizer_step_impl(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, compute: Option<&mut CudaBuf>, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()> {
+        self.flush_partial_sums()?;
+        const OP: &str = "optimizer_step";
+        check_f32(OP, "params", params)?;
+        check_f32(OP, "grads", grads)?;
+        check_f32(OP, "state", state)?;
+        let p = params.len;
+        check_len(OP, "grads", grads, p)?;
+        check_len(OP, "state", state, optimizer_state_len(opt, p))?;
+        let pc = match compute {
+            Some(c) => {
+                check_len(OP, "compute copy", c, p)?;
+                c.ptr
+            }
+            None => 0,
+        };
+        // clipping by the global norm: its square summed into `acc` just before the update
+        let (norm2, clip) = if hyper.clip_norm > 0.0 {
+            self.sum_squares_async(grads)?;
+            (self.acc.ptr, hyper.clip_norm)
+        } else {
+            (0, 0.0f32)
+        };
+        // Merge neighbouring spans with the same decay flag into segments.
+        let mut segs: Vec<i64> = Vec::new();
+        for &(s, d) in &decay.spans {
+            check_span(OP, "decay group", params, s)?;
+            let n = segs.len();
+            if n >= 3 && segs[n - 2] == s.off as i64 && (segs[n - 1] != 0) == d {
+                segs[n - 2] = (s.off + s.len) as i64;
+            } else {
+                segs.extend([s.off as i64, (s.off + s.len) as i64, d as i64]);
+            }
+        }
+        if segs.is_empty() {
+            segs.extend([0, p as i64, 1]);
+        }
+        // One block per chunk of at most OPT_CHUNK parameters (grid.y): a grid sized for the
+        // longest segment left most blocks of the short ones (biases, LayerNorm) with nothing to
+        // do. Each segment adds at most one partial chunk, so chunks of ⌈P / (65 535 − segments)⌉
+        // or more keep the grid within its 65 535 rows.
+        let room = 65_535usize.saturating_sub(segs.len() / 3).max(1);
+        let chunk = OPT_CHUNK.max(p.div_ceil(room)) as i64;
+        let segs: Vec<i64> = segs
+            .chunks(3)
+            .flat_map(|c| {
+                let (start, end, decay) = (c[0], c[1], c[2]);
+                (start..end).step_by(chunk as usize).flat_map(move |a| [a, (a + chunk).min(end), decay])
+            })
+            .collect();
+        let nseg = segs.len() / 3;
+        if nseg == 0 {
+            return Ok(());  // no parameters
+        }
+        if nseg > 65_535 {
+            return Err(BackendError::Shape { op: OP, msg: format!("{nseg} optimizer blocks (decay segments split into chunks) exceed the grid's 65 535") });
+        }
+        let seg_ptr = {
+            let mut cache = self.segments.lock().map_err(|_| BackendError::Device("segment cache poisoned".into()))?;
+            if cache.as_ref().is_none_or(|(v, _)| *v != segs) {
+                // Stored as f32-sized pairs: i64 = 2 f32 slots.
+                let mut buf = self.raw_alloc(segs.len() * 2, Ty::F32)?;
+                // SAFETY: buf holds segs.len() i64 values; synchronized below.
+                unsafe { dr::memcpy_htod_async(buf.ptr, &segs, self.stream.cu_stream()) }.map_err(dev(OP))?;
+                self.synchronize()?;
+                buf.len = segs.len() * 2;
+                *cache = Some((segs.clone(), buf));
+            }
+            cache.as_ref().map(|(_, b)| b.ptr).unwrap_or(0)
+        };
+        let grid = (1, nseg as u32, 1);
+        let m = state.ptr;
+        match *opt {
+            OptimizerConfig::Adam { beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, .. } => {
+                let t = hyper.step.max(1) as i32;
+                let (bc1, bc2) = if bias_correction { (1.0 - beta1.powi(t), 1.0 - beta2.powi(t)) } else { (1.0, 1.0) };
+                let v = state.at(p);
+                let (lr, b1, b2, e, wd, aw) = (hyper.lr, beta1 as f32, beta2 as f32, eps as f32, weight_decay as f32, adam_w_mode as i32);
+                let (c1, c2, gs) = (bc1 as f32, bc2 as f32, hyper.grad_scale);
+                self.launch("adam_kernel", grid, (THREADS, 1, 1), 0, &mut kargs![params.ptr, grads.ptr, m, v, seg_ptr, lr, b1, b2, e, wd, aw, c1, c2, gs, pc, norm2, clip])
+            }
+            OptimizerConfig::Sgd { momentum, dampening, weight_decay, nesterov, .. } => {
+                let (lr, mo, da, wd, ne, first, gs) = (hyper.lr, momentum as f32, dampening as f32, weight_decay as f32, nesterov as i32, (hyper.step <= 1) as i32, hyper.grad_scale);
+                self.launch("sgd_kernel", grid, (THREADS, 1, 1), 0, &mut kargs![params.ptr, grads.ptr, m, seg_ptr, lr, mo, da, wd, ne, first, gs, pc, norm2, clip])
+            }
+        }
+    }
+}
