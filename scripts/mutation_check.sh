@@ -14,7 +14,7 @@ filter=${1:-}
 
 # name | file | perl substitution | tests that must fail (cargo test arguments)
 mutations=(
-  "lr-schedule-one-step-late|src/train/engine.rs|s/schedule::lr_at\(cfg\.scheduler\.as_ref\(\), cfg\.optimizer\.lr\(\), step\)/schedule::lr_at(cfg.scheduler.as_ref(), cfg.optimizer.lr(), step + 1)/|--test train_reference"
+  "lr-schedule-one-step-late|src/train/engine.rs|s/schedule::lr_at\(cfg\.scheduler\.as_ref\(\), cfg\.optimizer\.lr\(\), step, total_steps\)/schedule::lr_at(cfg.scheduler.as_ref(), cfg.optimizer.lr(), step + 1, total_steps)/|--test train_reference"
   "clipping-ignored|src/train/engine.rs|s/let clip = cfg\.gradient_clipping;/let clip = 0.0 * cfg.gradient_clipping;/|--test train_reference"
   "label-smoothing-ignored|src/train/engine.rs|s/smoothed_targets\(&batch\.labels\[start\.\.start \+ n\], k, cfg\.train\.label_smoothing\)/smoothed_targets(&batch.labels[start..start + n], k, 0.0)/|--test train_reference"
   "weight-decay-skip-ignored|src/train/engine.rs|s/DecayGroups::new\(&vit\.table, &cfg\.train\.weight_decay_skip\)/DecayGroups::new(\&vit.table, \&crate::config::DecaySkip { bias: false, norm: false, pos_embed: false, cls_token: false })/|--test train_reference"

@@ -870,8 +870,7 @@ pub fn resolve(value: &Value, world_size: usize) -> Result<RunConfig> {
             format!("mixing pairs neighbouring images, so train_micro_batch_size_per_gpu must be even (got {})", batch.micro_batch_per_gpu),
         ));
     }
-    let run_steps = || planned_steps(&train, &data, &batch);
-    let scheduler = parse_scheduler(section(root.get("scheduler"), "scheduler")?, &optimizer, &run_steps, &mut cx)?;
+    let scheduler = parse_scheduler(section(root.get("scheduler"), "scheduler")?, &optimizer, &mut cx)?;
 
     Ok(RunConfig {
         batch,
@@ -885,24 +884,6 @@ pub fn resolve(value: &Value, world_size: usize) -> Result<RunConfig> {
         train,
         warnings: cx.warnings,
     })
-}
-
-/// Optimizer steps the run will take: `train.steps`, else epochs × full global batches per
-/// epoch (the last partial batch dropped), counting the training images as `data::train_len`
-/// does (folders are listed, CIFAR binary files measured). Used for `total_num_steps: "auto"`.
-fn planned_steps(train: &TrainConfig, data: &DataConfig, batch: &BatchConfig) -> Result<u64> {
-    if let Some(s) = train.steps {
-        return Ok(s);
-    }
-    let n = crate::data::train_len(data, train.seed).map_err(|e| key_err("scheduler.params.total_num_steps", format!("\"auto\" needs the training set size: {e}")))?;
-    let per_epoch = (n / batch.train_batch_size.max(1)) as u64;
-    if per_epoch == 0 {
-        return Err(key_err(
-            "scheduler.params.total_num_steps",
-            format!("\"auto\": the training set ({n} images) holds no full global batch of {}", batch.train_batch_size),
-        ));
-    }
-    Ok(per_epoch * train.epochs as u64)
 }
 
 // -- batch --
@@ -1075,17 +1056,28 @@ fn warmup_type(params: Option<&Map<String, Value>>, path: &str, cx: &mut Cx) -> 
     })
 }
 
-fn total_steps(params: Option<&Map<String, Value>>, path: &str, run_steps: &dyn Fn() -> Result<u64>, cx: &mut Cx) -> Result<u64> {
+/// `total_num_steps`, with `"auto"` kept as the run's length: that needs the training set's
+/// size, which the training loop knows once it has opened the dataset.
+fn total_steps(params: Option<&Map<String, Value>>, path: &str, cx: &mut Cx) -> Result<TotalSteps> {
     let raw = params.and_then(|p| p.get("total_num_steps"));
     if raw.is_some_and(is_auto) {
-        let run_steps = run_steps()?;
-        cx.warn(format!("{path}.total_num_steps = \"auto\": using the run's length, {run_steps} optimizer steps"));
-        return Ok(run_steps);
+        cx.warn(format!("{path}.total_num_steps = \"auto\": using the run's length"));
+        return Ok(TotalSteps::RunLength);
     }
-    get_int(params, path, &TOTAL_STEPS, cx)
+    Ok(TotalSteps::Fixed(get_int(params, path, &TOTAL_STEPS, cx)?))
 }
 
-fn parse_scheduler(block: Option<&Map<String, Value>>, opt: &OptimizerConfig, run_steps: &dyn Fn() -> Result<u64>, cx: &mut Cx) -> Result<Option<SchedulerConfig>> {
+/// Warns about a fixed schedule that ends before its warmup does (the run's length is not
+/// known here, so `"auto"` is not checked).
+fn warn_short_schedule(path: &str, total: TotalSteps, warmup_num_steps: u64, cx: &mut Cx) {
+    if let TotalSteps::Fixed(total) = total {
+        if total < warmup_num_steps.max(2) {
+            cx.warn(format!("{path}.total_num_steps {total} is less than warmup_num_steps {warmup_num_steps}"));
+        }
+    }
+}
+
+fn parse_scheduler(block: Option<&Map<String, Value>>, opt: &OptimizerConfig, cx: &mut Cx) -> Result<Option<SchedulerConfig>> {
     let Some(block) = block else { return Ok(None) };
     check_keys("scheduler", block, SCHED_BLOCK_KEYS, &[])?;
     let ty_v = block.get("type").ok_or_else(|| key_err("scheduler.type", format!("is required; expected one of {}", quoted(SCHEDULER_TYPES))))?;
@@ -1106,11 +1098,9 @@ fn parse_scheduler(block: Option<&Map<String, Value>>, opt: &OptimizerConfig, ru
         }
         "WarmupDecayLR" => {
             check_keys(path, params.unwrap_or(&empty), WARMUP_DECAY_KEYS, &[])?;
-            let total_num_steps = total_steps(params, path, run_steps, cx)?;
+            let total_num_steps = total_steps(params, path, cx)?;
             let warmup_num_steps = get_int(params, path, &W_NUM_STEPS, cx)?;
-            if total_num_steps < warmup_num_steps.max(2) {
-                cx.warn(format!("{path}.total_num_steps {total_num_steps} is less than warmup_num_steps {warmup_num_steps}"));
-            }
+            warn_short_schedule(path, total_num_steps, warmup_num_steps, cx);
             SchedulerConfig::WarmupDecayLR {
                 warmup_min_lr: get_num(params, path, &W_MIN_LR, cx)?,
                 warmup_max_lr: get_num(params, path, &W_MAX_LR_WDLR, cx)?,
@@ -1121,11 +1111,9 @@ fn parse_scheduler(block: Option<&Map<String, Value>>, opt: &OptimizerConfig, ru
         }
         "WarmupCosineLR" => {
             check_keys(path, params.unwrap_or(&empty), WARMUP_COSINE_KEYS, &[])?;
-            let total_num_steps = total_steps(params, path, run_steps, cx)?;
+            let total_num_steps = total_steps(params, path, cx)?;
             let warmup_num_steps = get_int(params, path, &W_NUM_STEPS, cx)?;
-            if total_num_steps < warmup_num_steps.max(2) {
-                cx.warn(format!("{path}.total_num_steps {total_num_steps} is less than warmup_num_steps {warmup_num_steps}"));
-            }
+            warn_short_schedule(path, total_num_steps, warmup_num_steps, cx);
             SchedulerConfig::WarmupCosineLR {
                 total_num_steps,
                 warmup_min_ratio: get_num(params, path, &W_MIN_RATIO, cx)?,
@@ -1450,7 +1438,8 @@ fn parse_train(sec: Option<&Map<String, Value>>, batch: &BatchConfig, steps_per_
 
 // ---- writing ------------------------------------------------------------------------------
 
-/// The resolved configuration as a DeepSpeed-shaped JSON with every value explicit: written
+/// The resolved configuration as a DeepSpeed-shaped JSON with every value explicit but
+/// `total_num_steps: "auto"` (the run's length, known only to the training loop): written
 /// into run directories, and loadable again with [`resolve`] (same world size) to the same
 /// `RunConfig`.
 pub fn resolved_json(cfg: &RunConfig) -> Value {

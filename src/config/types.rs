@@ -31,6 +31,37 @@ pub enum WarmupType {
     Linear,
 }
 
+/// A schedule's `total_num_steps`. The run's length depends on the training set's size, which
+/// is known only once the dataset is opened, so the config keeps `"auto"` as `RunLength` and
+/// the training loop supplies the number (`train::schedule::lr_at`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TotalSteps {
+    /// `"auto"`: as many optimizer steps as the run takes.
+    RunLength,
+    /// A number of optimizer steps given in the config.
+    Fixed(u64),
+}
+
+impl TotalSteps {
+    /// The schedule length in optimizer steps for a run of `run_steps` optimizer steps.
+    pub fn resolve(self, run_steps: u64) -> u64 {
+        match self {
+            TotalSteps::RunLength => run_steps,
+            TotalSteps::Fixed(n) => n,
+        }
+    }
+}
+
+/// Written as the config spells it (a number, or `"auto"`), so a written config reads back the same.
+impl Serialize for TotalSteps {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            TotalSteps::RunLength => s.serialize_str("auto"),
+            TotalSteps::Fixed(n) => s.serialize_u64(*n),
+        }
+    }
+}
+
 /// `scheduler.type` with DeepSpeed's parameter names and defaults. No scheduler = constant LR.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(tag = "type")]
@@ -46,10 +77,10 @@ pub enum SchedulerConfig {
         warmup_max_lr: f64,
         warmup_num_steps: u64,
         warmup_type: WarmupType,
-        total_num_steps: u64,
+        total_num_steps: TotalSteps,
     },
     WarmupCosineLR {
-        total_num_steps: u64,
+        total_num_steps: TotalSteps,
         warmup_min_ratio: f64,
         warmup_num_steps: u64,
         cos_min_ratio: f64,

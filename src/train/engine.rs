@@ -397,7 +397,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         let grad_norm = be.sum_squares(&vit.grads)?.sqrt();
         let clip = cfg.gradient_clipping;
         let grad_scale = if clip > 0.0 && grad_norm > clip { (clip / (grad_norm + 1e-6)) as f32 } else { 1.0 };
-        let lr = schedule::lr_at(cfg.scheduler.as_ref(), cfg.optimizer.lr(), step);
+        let lr = schedule::lr_at(cfg.scheduler.as_ref(), cfg.optimizer.lr(), step, total_steps);
         let hyper = StepHyper { lr: lr as f32, step: step + 1, grad_scale, clip_norm: 0.0 };
         vit.update(be, &mut opt_state, &cfg.optimizer, &decay, hyper)?;
         vit.zero_grads(be)?;
