@@ -1,19 +1,48 @@
 //! The fused attention kernels of `src/backend/cuda/kernels/flash.cu`, emulated on the CPU lane
 //! by lane: the same tiles, fragment loads, online softmax, packing, shuffles, shared-memory
-//! indices and atomics, with `mma.sync.m16n8k16` rebuilt from the PTX ISA's fragment layout
-//! (written here independently of the kernel's own comments). bf16 rounding happens where the
-//! kernel rounds. Compared against the CPU backend's attention, so indexing and algorithm
-//! mistakes in the kernel show up without a GPU. Keep this file in step with flash.cu.
-//! It mirrors the per-lane arithmetic of `flash_fwd_pipe` and of the key-block backward
-//! (`fa_bwd_step` plus the dQ atomics of `flash_bwd_pipe`), as first written with synchronous
-//! tile loads; how tiles reach shared memory (cp.async, the short backward's whole-head layout
-//! and shared dQ rows) is not emulated and is checked against the CPU on a GPU by
-//! `vitscale selftest --device cuda` (every attention path). Run with the small-head geometry
-//! (one block of 16·W queries and keys, W warps) the same code is the arithmetic of
-//! `flash_fwd_small` / `flash_bwd_small`, except that those compute the zero-padded tiles and
-//! mask them (identical results: the masked terms are zeros) and sum delta = dO·O themselves in
-//! two halves. The score loops' B fragments come from `ldb_rows2` in the kernels and from
-//! `ldb_row`-style loads here; `ldb_rows2_matches_two_ldb_row_loads` pins the two together.
+//! indices and atomics, with `mma.sync.m16n8k16` and `ldmatrix` rebuilt from the PTX ISA's
+//! fragment layouts (written here independently of the kernel's own comments). bf16 rounding
+//! happens where the kernel rounds. It mirrors the per-lane arithmetic of `flash_fwd_pipe` and of
+//! the key-block backward (`fa_bwd_step` plus the dQ atomics of `flash_bwd_pipe`, with
+//! `flash_bwd_pre` and `flash_dq_store`), as if the tiles were loaded synchronously. Run with the
+//! small-head geometry (one block of 16·W queries and keys, W warps) the same code is the
+//! arithmetic of `flash_fwd_small` / `flash_bwd_small`, except that those compute the zero-padded
+//! tiles and mask them (identical results: the masked terms are zeros), sum delta = dO·O
+//! themselves in two halves, and walk the queries in steps of `FA_SMALL_QC` (the same sums in
+//! the same order as one step).
+//!
+//! What the tests here prove:
+//! - `fused_attention_kernels_match_cpu`: at the listed shapes (B, N, H, D), in the tiled
+//!   geometry with and without ldmatrix and in the small-head geometry where the host picks it,
+//!   the emulated out, lse2 and dqkv equal the CPU backend's attention (relative error < 1e-2 for
+//!   out and dqkv, |lse2 − reference| < 1e-3), so the indexing and the algorithm *as transcribed
+//!   here* are right, ragged tiles included.
+//! - `ldb_rows2_matches_two_ldb_row_loads`: the one-ldmatrix B-fragment load of the score loops
+//!   gives the registers of the two `ldb_row` loads the emulation uses instead.
+//! - `emulated_kernel_source_is_unchanged`: every flash.cu function the emulation transcribes
+//!   (`KERNEL_FUNCTIONS`) is token for token, comments and layout aside, the text it was last
+//!   checked against (a pinned fingerprint); the constants and expressions the emulation hard-codes
+//!   (tile sizes, warps per block, the small-head instantiations, ldmatrix addresses, the dSᵀ
+//!   register order, the lse2 and dK/dV/dQ scaling, the mma shape and types) appear in the source;
+//!   and the host's choice of the small-head W (`small_attention` in the backend's host code,
+//!   `src/backend/cuda/*.rs`) is the one the test runs. Editing any of them fails the test until the emulation has been re-checked
+//!   and the fingerprint re-pinned.
+//!
+//! What they do not prove:
+//! - That the transcription is faithful: the fingerprints only say the source is the one the
+//!   emulation was compared with by reading; that comparison is a person's.
+//! - Anything the CPU cannot see: that the kernels compile, their registers, shared-memory sizes
+//!   and launch geometry (host code other than W), the hardware's actual fragment layouts (the
+//!   emulation follows the PTX ISA as read here), and bit-exact agreement (`exp2f`, `log2f` and
+//!   the order of the f32 atomics differ on the GPU; the comparison is by tolerance).
+//! - Synchronization and memory: the cp.async double buffering, `__syncthreads` placement,
+//!   races between warps, bank conflicts; the emulation runs warps one after another.
+//! - Kernels that are not emulated: `flash_bwd_short` (the default backward for 80 < N ≤ 256),
+//!   `flash_bwd_small`'s qkv-bias sums and its W = 13 variant, the wgmma kernels of hopper.cu,
+//!   and the gemm path of attention.cu.
+//!
+//! Those are checked against the CPU only on a GPU, by `vitscale selftest --device cuda` (every
+//! attention path) and `cargo test --release --test cuda_parity -- --ignored`.
 // Index loops mirror the kernel's lane and tile indices on purpose.
 #![allow(clippy::needless_range_loop, clippy::manual_is_multiple_of)]
 
@@ -34,6 +63,16 @@ struct Tiles {
     warps: usize,
 }
 const TILED: Tiles = Tiles { br: 64, bc: 64, warps: 4 };
+
+/// Warps W of the small-head kernels the host launches for N tokens (`small_attention` in the
+/// CUDA backend, checked against it by `emulated_kernel_source_is_unchanged`).
+fn small_head_warps(n: usize) -> Option<usize> {
+    if n > 80 {
+        return None;
+    }
+    let w = if n <= 64 { 4 } else { 5 };
+    Some(w)
+}
 
 /// One 32-bit register holding two bf16 (low half first).
 type R = [f32; 2];
@@ -593,9 +632,10 @@ fn fused_attention_kernels_match_cpu() {
     // geometry wherever the backend picks it (N ≤ 80: W = 4 up to 64 tokens, else 5).
     type Shape = (usize, usize, usize, usize); // (B, N, H, D)
     let mut runs: Vec<(Tiles, bool, Shape)> = [false, true].into_iter().flat_map(|l| shapes.iter().map(move |&s| (TILED, l, s))).collect();
-    for &(b, n, h, d) in shapes.iter().filter(|s| s.1 <= 80) {
-        let w = if n <= 64 { 4 } else { 5 };
-        runs.push((Tiles { br: 16 * w, bc: 16 * w, warps: w }, true, (b, n, h, d)));
+    for &(b, n, h, d) in &shapes {
+        if let Some(w) = small_head_warps(n) {
+            runs.push((Tiles { br: 16 * w, bc: 16 * w, warps: w }, true, (b, n, h, d)));
+        }
     }
     for (tiles, ldsm, (b, n, h, d)) in runs {
         let c = h * d;
@@ -657,4 +697,237 @@ fn fused_attention_kernels_match_cpu() {
         assert!(max_lse.is_finite() && max_lse < 1e-3, "seed {seed}: lse2 error {max_lse}");
         assert!(e_dqkv.is_finite() && e_dqkv < 1e-2, "seed {seed}: dqkv rel err {e_dqkv} (dq {:?})", errs);
     }
+}
+
+// ---- The emulation against the kernel source it transcribes.
+
+const FLASH_CU: &str = include_str!("../src/backend/cuda/kernels/flash.cu");
+
+/// The one host source file of the CUDA backend (`src/backend/cuda/*.rs`) that contains `needle`,
+/// as (file name, text).
+fn host_source_with(needle: &str) -> (String, String) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/backend/cuda");
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let path = entry.expect("directory entry").path();
+        if path.extension().is_some_and(|e| e == "rs") {
+            let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            if text.contains(needle) {
+                found.push((path.file_name().unwrap().to_string_lossy().into_owned(), text));
+            }
+        }
+    }
+    assert_eq!(found.len(), 1, "`{needle}` is in {} of the CUDA backend's host files: {:?}", found.len(), found.iter().map(|f| &f.0).collect::<Vec<_>>());
+    found.pop().unwrap()
+}
+
+/// The flash.cu functions this file transcribes: (how the definition starts, which part of the
+/// emulation mirrors it, fingerprint of the definition the emulation was last checked against).
+/// After an edit of one of them: re-check the emulation against the new text, change it where
+/// needed, run this test, and pin the fingerprint it prints.
+const KERNEL_FUNCTIONS: &[(&str, &str, u64)] = &[
+    ("void mma_bf16(", "mma", 0xa177_14f3_1131_dda3),
+    ("unsigned pack_bf16(", "pack", 0xcdcb_9d8e_3441_20a0),
+    ("unsigned ld2(", "ld2", 0x1ced_7b9b_f383_ebaf),
+    ("void ldb_row(", "the ldb_row-style B loads of the score loops", 0x3f38_6ffb_bb25_d1e1),
+    ("void ldsm_x4(", "ldsm_x4, ldsm_x4_t", 0x7f2f_d431_be7a_cc8a),
+    ("void ldb_rows2(", "ldb_rows2", 0xba4a_5089_9a65_5a64),
+    ("void ldb_t2(", "ldb_t2", 0xe862_9471_692f_0678),
+    ("void acc_to_a(", "the pa / sa packing", 0xbb9b_da65_a26e_ce00),
+    ("void fa_zero(", "zeroed accumulators", 0xe224_ce5c_4de5_fff3),
+    ("void fa_row_fragments(", "the qa / ka / va fragment loads", 0xaa4c_7405_4ce2_6877),
+    ("void fa_scores(", "flash_fwd: scores", 0x645b_d18d_2c47_f9dd),
+    ("void fa_scale_mask_max(", "flash_fwd: scale, mask, row maxima", 0x091c_6efd_167c_264f),
+    ("void fa_exp2_rows(", "flash_fwd: exp2 and row sums", 0x55db_3d35_bed1_c483),
+    ("void mma_a_tile(", "the ldb_t2 + mma loops over n-tiles", 0x7631_a603_2c2e_8dc5),
+    ("void ds_as_a(", "flash_bwd: dSᵀ read as an A fragment", 0xcccb_a64f_21e1_9379),
+    ("float dot8_acc(", "flash_bwd_pre", 0x7cf2_a6c5_5e1b_0d82),
+    ("float row_dot(", "flash_bwd_pre", 0x6806_4dbf_bd86_0dcf),
+    ("void flash_bwd_pre(", "flash_bwd_pre", 0xb481_68b5_9606_3d7d),
+    ("void flash_dq_store(", "flash_dq_store", 0x83b5_4c2f_be1a_9c0d),
+    ("void fa_load_tile_async(", "load_tile", 0x1861_8cea_c03e_720a),
+    ("void fa_store_out(", "flash_fwd: normalization and stores", 0x9e4b_334e_b81f_6d75),
+    ("void flash_fwd_pipe(", "flash_fwd", 0xd327_736f_1a73_cac7),
+    ("void fa_bwd_step(", "flash_bwd: one warp's keys against a query step", 0xfe39_324e_226a_05b8),
+    ("void fa_key_fragments(", "flash_bwd: ka / va", 0x25be_0f8c_1046_afac),
+    ("void fa_store_dkdv(", "flash_bwd: dK / dV stores", 0xf086_dca7_73fc_2009),
+    ("void flash_bwd_pipe(", "flash_bwd: key blocks, dQ atomics", 0xa477_d67f_f762_0c8f),
+    ("void fa_load_rows_async(", "load_tile (small-head geometry)", 0x62cd_034b_5b0c_69db),
+    ("void flash_fwd_small(", "flash_fwd at the small-head geometry", 0xba94_2025_af9a_6ab7),
+    ("void flash_bwd_small(", "flash_bwd at the small-head geometry", 0xfd07_7f12_73d8_512c),
+];
+
+/// Source text without comments, with whitespace dropped except one blank between two word
+/// characters: layout and comment edits keep a fingerprint, any change of tokens does not.
+fn normalized(src: &str) -> String {
+    let word = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let mut out = String::with_capacity(src.len());
+    let mut chars = src.chars().peekable();
+    let (mut in_str, mut pending_space) = (false, false);
+    while let Some(c) = chars.next() {
+        if in_str {
+            out.push(c);
+            if c == '\\' {
+                out.extend(chars.next());
+            } else if c == '"' {
+                in_str = false;
+            }
+            continue;
+        }
+        if c == '/' && chars.peek() == Some(&'/') {
+            while chars.peek().is_some_and(|&n| n != '\n') {
+                chars.next();
+            }
+            pending_space = true;
+            continue;
+        }
+        if c == '/' && chars.peek() == Some(&'*') {
+            chars.next();
+            let mut prev = ' ';
+            for n in chars.by_ref() {
+                if prev == '*' && n == '/' {
+                    break;
+                }
+                prev = n;
+            }
+            pending_space = true;
+            continue;
+        }
+        if c.is_whitespace() {
+            pending_space = true;
+            continue;
+        }
+        if pending_space && word(c) && out.chars().last().is_some_and(word) {
+            out.push(' ');
+        }
+        pending_space = false;
+        out.push(c);
+        in_str = c == '"';
+    }
+    out
+}
+
+/// The definition that starts with `start` (exactly one in `src`): its `template <…>` line if one
+/// precedes it, through the closing brace of its body.
+fn definition<'a>(src: &'a str, start: &str) -> &'a str {
+    let hits: Vec<usize> = src.match_indices(start).map(|(i, _)| i).collect();
+    assert_eq!(hits.len(), 1, "`{start}` occurs {} times in the source", hits.len());
+    let at = hits[0];
+    let line = src[..at].rfind('\n').map_or(0, |i| i + 1);
+    let from = match src[..line.saturating_sub(1)].rfind('\n').map(|i| i + 1) {
+        Some(prev) if src[prev..line].trim_start().starts_with("template") => prev,
+        _ => line,
+    };
+    let open = at + src[at..].find('{').unwrap_or_else(|| panic!("`{start}`: no body"));
+    let (mut depth, mut in_str, mut esc) = (0usize, false, false);
+    for (i, c) in src[open..].char_indices() {
+        if in_str {
+            match (esc, c) {
+                (true, _) => esc = false,
+                (false, '\\') => esc = true,
+                (false, '"') => in_str = false,
+                _ => {}
+            }
+            continue;
+        }
+        match c {
+            '"' => in_str = true,
+            '{' => depth += 1,
+            '}' => {
+                depth -= 1;
+                if depth == 0 {
+                    return &src[from..open + i + 1];
+                }
+            }
+            _ => {}
+        }
+    }
+    panic!("`{start}`: unbalanced braces")
+}
+
+/// FNV-1a, 64 bit.
+fn fingerprint(text: &str) -> u64 {
+    text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// Whether `expr` (normalized) occurs in the normalized definition starting with `start`.
+fn defines(src: &str, start: &str, expr: &str) -> bool {
+    normalized(definition(src, start)).contains(&normalized(expr))
+}
+
+#[test]
+fn emulated_kernel_source_is_unchanged() {
+    let mut problems = Vec::new();
+    // Constants the emulation's geometry is built from.
+    let w = TILED.warps;
+    for (line, what) in [
+        (format!("#define FA_BR {}", TILED.br), "TILED.br"),
+        (format!("#define FA_BC {}", TILED.bc), "TILED.bc"),
+        (format!("#define FA_THREADS {}", 32 * w), "TILED.warps"),
+    ] {
+        if !FLASH_CU.lines().any(|l| l.trim() == line) {
+            problems.push(format!("flash.cu lacks `{line}` ({what} of the emulation)"));
+        }
+    }
+    // The small-head kernels the test runs exist for both head dims and both W.
+    for w in [4, 5] {
+        for d in [32, 64] {
+            let inst = format!("FA_SMALL({d}, {w})");
+            if !FLASH_CU.lines().any(|l| l.trim() == inst) {
+                problems.push(format!("flash.cu lacks `{inst}`, which the small-head geometry emulates"));
+            }
+        }
+    }
+    // The host launches the small-head kernels where `small_head_warps` says, for D 32 and 64.
+    let (file, host) = host_source_with("fn small_attention(");
+    for expr in ["n > 80", "let w = if n <= 64 { 4 } else { 5 };", "!FUSED_HEAD_DIMS.contains(&d)"] {
+        if !defines(&host, "fn small_attention(", expr) {
+            problems.push(format!("`small_attention` in backend/cuda/{file} no longer has `{expr}` (small_head_warps here)"));
+        }
+    }
+    let (file, host) = host_source_with("const FUSED_HEAD_DIMS");
+    if !normalized(&host).contains(&normalized("const FUSED_HEAD_DIMS: [usize; 2] = [32, 64];")) {
+        problems.push(format!("FUSED_HEAD_DIMS in backend/cuda/{file} is no longer [32, 64], the head dims tested here"));
+    }
+    // Expressions the emulation copies: (definition, text that must be in it, emulated where).
+    for (start, expr, emulated) in [
+        ("void mma_bf16(", "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "mma"),
+        ("unsigned pack_bf16(", r#"asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));"#, "pack: lo in the low half, round to nearest even"),
+        ("void ldb_rows2(", "s + (n0 + (mi >> 1) * 8 + (lane & 7)) * ld + k0 + (mi & 1) * 8", "ldb_rows2"),
+        ("void ldb_t2(", "ldsm_x4<true>(r, s + (k0 + (mi & 1) * 8 + (lane & 7)) * ld + c0 + (mi >> 1) * 8)", "ldb_t2"),
+        ("void ds_as_a(", "a[0] = r[0]; a[1] = r[2]; a[2] = r[1]; a[3] = r[3];", "flash_bwd's dQ phase"),
+        ("void fa_scale_mask_max(", "const int key = j * 8 + 2 * t + (e & 1);", "flash_fwd's key mask"),
+        ("void fa_store_out(", "lse2[(i64)bh * n + row0] = m0 + log2f(l0);", "flash_fwd's lse2"),
+        ("void fa_bwd_step(", "p[j][0] = key0_ok && qa_ok ? exp2f(p[j][0] * scale_log2 - la) : 0.f;", "flash_bwd's P"),
+        ("void fa_bwd_step(", "dp[j][0] = p[j][0] * (dp[j][0] - da);", "flash_bwd's dS"),
+        ("void fa_store_dkdv(", "pack_bf16(dk[j][0] * scale, dk[j][1] * scale)", "flash_bwd's dK scaling"),
+        ("void fa_store_dkdv(", "pack_bf16(dv[j][0], dv[j][1])", "flash_bwd's dV (unscaled)"),
+        ("void flash_bwd_pipe(", "atomicAdd(dqg + qa0 * ostride + j * 8, dq[j][0] * scale);", "flash_bwd's dQ accumulation"),
+        ("void fa_load_tile_async(", "cp_async16(s + r * (D + 8) + c * 8, ok ? g + (i64)(row0 + r) * stride + c * 8 : g, ok);", "load_tile: rows of D + 8, zeros past n"),
+    ] {
+        if !defines(FLASH_CU, start, expr) {
+            problems.push(format!("`{start}…` in flash.cu no longer has `{expr}` ({emulated})"));
+        }
+    }
+    // Every transcribed definition is the text the emulation was checked against.
+    for &(start, emulated, pinned) in KERNEL_FUNCTIONS {
+        let got = fingerprint(&normalized(definition(FLASH_CU, start)));
+        if got != pinned {
+            problems.push(format!("`{start}…` changed (emulated by {emulated}): fingerprint {got:#018x}, pinned {pinned:#018x}"));
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "flash.cu is not the source this emulation was checked against:\n  {}\nRe-check the emulation against the kernel source and update it, then pin the new fingerprints in KERNEL_FUNCTIONS.",
+        problems.join("\n  ")
+    );
+}
+
+#[test]
+fn normalization_keeps_tokens_and_drops_comments_and_layout() {
+    assert_eq!(normalized("a  +\n  b // note\n/* x */ int  c;"), "a+b int c;");
+    assert_eq!(normalized(r#"asm("x // y"); // z"#), r#"asm("x // y");"#);
+    assert_ne!(fingerprint(&normalized("x = a * b;")), fingerprint(&normalized("x = a * c;")));
+    let src = "// lead\ntemplate <int D>\n__device__ void f(int x) {\n  if (x) { g(\"}\"); }\n}\nvoid h() {}\n";
+    assert_eq!(definition(src, "void f("), "template <int D>\n__device__ void f(int x) {\n  if (x) { g(\"}\"); }\n}");
 }
