@@ -6,7 +6,7 @@ use std::fs;
 use std::io::Write;
 use std::path::Path;
 
-use vitscale::config::{DataConfig, DatasetKind, LabelKind};
+use vitscale::config::{DataConfig, DatasetKind, Interpolation, LabelKind};
 use vitscale::data::{make_batch, open, DataError, Datasets};
 
 fn cfg(dataset: DatasetKind, path: &Path) -> DataConfig {
@@ -237,13 +237,59 @@ fn bad_pickles_are_errors_naming_the_file() {
 fn cifar_at_224_is_resampled() {
     let dir = tempfile::tempdir().unwrap();
     let paths = write_all_forms(dir.path(), false);
-    let c = cfg(DatasetKind::Cifar10, &paths[0]);
+    let mut c = cfg(DatasetKind::Cifar10, &paths[0]);
     let d = open(&c, 64, 10, 0).unwrap();
     assert!(d.description.contains("resampled to 64"), "{}", d.description);
-    let b = make_batch(&d.val, &[0, 1], &c, false, 0, 0);
-    assert_eq!(b.images.len(), 2 * 3 * 64 * 64);
-    // Eval of a smooth image: the center of the output is the center of the source (2× up).
+    assert_eq!(c.interpolation, Interpolation::Bilinear, "the default filter");
+    for filter in [Interpolation::Bilinear, Interpolation::Bicubic] {
+        c.interpolation = filter;
+        check_eval_resampling(&d, &c);
+    }
+    // Training images go through RandomResizedCrop to the same size.
     let t = make_batch(&d.train, &[0, 1, 2], &c, true, 0, 0);
     assert_eq!(t.images.len(), 3 * 3 * 64 * 64);
     assert!(t.images.iter().all(|v| v.is_finite()));
+}
+
+/// The eval batch of the two val images at 64 px against the source ramps (see
+/// `cifar_at_224_is_resampled`).
+fn check_eval_resampling(d: &Datasets, c: &DataConfig) {
+    let filter = c.interpolation;
+    let b = make_batch(&d.val, &[0, 1], c, false, 0, 0);
+    assert_eq!(b.images.len(), 2 * 3 * 64 * 64);
+    // Eval is timm's transform: the shorter side resized to floor(64 / crop_pct) px, then the
+    // central 64 × 64. In source pixels that is a centred window of 32 · 64 / resized px whose
+    // 64 output pixels sit at their centres; `src_at` is the source position (in pixel-index
+    // units, pixel k's centre at k) that output pixel i samples.
+    let resized = (64.0 / c.crop_pct).floor();
+    let win = 32.0 * 64.0 / resized;
+    let src_at = |i: usize| (32.0 - win) / 2.0 + (i as f64 + 0.5) * win / 64.0 - 0.5;
+    // The val images (ids 5 and 6) are ramps, base + 3y + x, on channels 0 and 1 (no wrap past
+    // 255 there). An interpolating filter with normalized weights, bilinear or bicubic,
+    // reproduces a linear function wherever all its taps lie inside the image, so there the
+    // output is the ramp at `src_at`, normalized with mean 0.5 and std 0.25.
+    let want = |img: usize, c: usize, sy: f64, sx: f64| ((pixel(img, c, 0, 0) as f64 + 3.0 * sy + sx) / 255.0 - 0.5) / 0.25;
+    // One 8-bit level is 1 / 255 / 0.25 ≈ 0.016 here; the f32 resampling is good to ~1e-5.
+    let tol = 1e-3;
+    let got = |k: usize, c: usize, oy: usize, ox: usize| b.images[((k * 3 + c) * 64 + oy) * 64 + ox] as f64;
+    // The centre of the output is the centre of the source (about 2× up): the four central
+    // output pixels sample 15.5 ± win / 128 on each axis, symmetric about the source's centre.
+    let centre: f64 = [(31, 31), (31, 32), (32, 31), (32, 32)].iter().map(|&(y, x)| got(0, 0, y, x)).sum::<f64>() / 4.0;
+    assert!((centre - want(5, 0, 15.5, 15.5)).abs() < tol, "{filter:?}: centre {centre} vs {}", want(5, 0, 15.5, 15.5));
+    assert!((got(0, 0, 32, 32) - want(5, 0, src_at(32), src_at(32))).abs() < tol, "{filter:?}: pixel (32, 32): {} vs {}", got(0, 0, 32, 32), want(5, 0, src_at(32), src_at(32)));
+    // Every output pixel whose taps (radius 2 at most, upsampling) stay inside the source.
+    let inside = |i: usize| (2.0..=29.0).contains(&src_at(i));
+    let mut checked = 0;
+    for (k, img) in [(0, 5), (1, 6)] {
+        for ch in 0..2 {
+            for oy in (0..64).filter(|&i| inside(i)) {
+                for ox in (0..64).filter(|&i| inside(i)) {
+                    let (g, w) = (got(k, ch, oy, ox), want(img, ch, src_at(oy), src_at(ox)));
+                    assert!((g - w).abs() < tol, "{filter:?}: image {img} channel {ch} pixel ({oy}, {ox}): {g} vs {w}");
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert!(checked > 4 * 50 * 50, "{filter:?}: only {checked} pixels checked");
 }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use vitscale::backend::cpu::Cpu;
 use vitscale::config::{self, DataConfig, DatasetKind, MixMode};
-use vitscale::data::{make_batch, open, shard, Loader, LoaderPlan, MixTargets, Sampler};
+use vitscale::data::{fill_batch, make_batch, open, shard, Batch, Loader, LoaderPlan, MixTargets, Sampler};
 use vitscale::model::smoothed_targets;
 use vitscale::train::engine;
 
@@ -23,8 +23,24 @@ fn cfg() -> DataConfig {
 
 #[test]
 fn batches_are_ready_after_the_consumer_was_busy() {
-    let c = cfg();
-    let d = open(&c, 32, 10, 0).unwrap();
+    // 224-px images, so that building a batch (tens of ms) is far from taking a ready one (a
+    // channel receive, microseconds), even on a loaded machine; at 32 px both take a few ms.
+    let c = DataConfig { train_size: 192, val_size: 64, ..cfg() };
+    let d = open(&c, 224, 10, 0).unwrap();
+    // What building one batch costs the loader's one worker here and now: the slowest of three
+    // refills of a batch whose buffers are already allocated, as the loader's recycled ones are.
+    let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    let mut scratch = Batch::default();
+    let per_batch = (0..4)
+        .map(|k| {
+            let idx: Vec<usize> = (40 * k..40 * k + 64).collect();
+            let t = Instant::now();
+            one.install(|| fill_batch(&mut scratch, &d.train, &idx, &c, true, 0, 0)).unwrap();
+            t.elapsed()
+        })
+        .skip(1)
+        .max()
+        .unwrap();
     let plan = LoaderPlan {
         sampler: Sampler::new(d.train.len(), 64, true, 0, true),
         set: d.train.clone(),
@@ -41,16 +57,21 @@ fn batches_are_ready_after_the_consumer_was_busy() {
     };
     let mut loader = Loader::start(plan).unwrap();
     let first = loader.next().unwrap().unwrap();
-    // A "training step" long enough for the producer to fill the queue.
-    std::thread::sleep(Duration::from_millis(400));
+    // A "training step" long enough for the producer to fill its queue of 3: twenty batch
+    // builds, so a producer that gets a sixth of a core on a loaded machine still finishes.
+    std::thread::sleep((per_batch * 20).max(Duration::from_millis(400)));
     let t = Instant::now();
     for _ in 0..3 {
         let p = loader.next().unwrap().unwrap();
         loader.recycle(p.batch);
     }
     let waited = t.elapsed();
-    // Building three 64-image batches takes a few ms; generous bound for a loaded machine.
-    assert!(waited < Duration::from_millis(150), "waited {waited:?} for prefetched batches");
+    // Without prefetching, at least two of the three are built while we wait (≥ 2 ×
+    // `per_batch`); ready ones take microseconds. One `per_batch` as the bound leaves the
+    // consumer room to be descheduled a few times: on 2 cores at a load average of 10,
+    // `per_batch` was 16–83 ms, this loader waited 2–6 ms, and one changed to build on demand
+    // (queue of 0, window of 1) 80–100 ms.
+    assert!(waited < per_batch, "waited {waited:?} for prefetched batches; building one takes {per_batch:?}");
     loader.recycle(first.batch);
 }
 
