@@ -1,11 +1,12 @@
 //! `vitscale bench`: training-step throughput on synthetic, device-resident data.
 //!
-//! The step is the one a training run takes (zero gradients → forward → backward → global
-//! gradient norm and clipping at 1.0 → AdamW (lr 1e-4, weight decay 0.05) → refresh the
-//! compute copy of the weights), the same work as `peers/vit_bench.py`. Data is drawn once and
+//! The step is the one a training run takes (`train::step::Step`: forward → backward →
+//! global gradient norm and clipping at 1.0 on the device → AdamW (lr 1e-4, weight decay
+//! 0.05), which refreshes the compute copy of the weights → zero the gradients), the same work
+//! as `peers/vit_bench.py`. Data is drawn once and
 //! stays on the device, so the number measures the engine, not the loader.
 //!
-//! On CUDA the per-micro-batch part (zeroing, forward, backward) is captured once into a CUDA
+//! On CUDA the per-micro-batch part (forward, backward) is captured once into a CUDA
 //! graph and replayed (`--graph on|off|auto`); the gradient norm and the fused optimizer
 //! kernel, which clips by it and writes the bf16 compute copy, run after it with no host
 //! round trip (the training loop reads the norm back for its log). Timing uses CUDA events
@@ -20,11 +21,14 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::telemetry::{PowerSampler, PowerSummary};
-use crate::backend::{optimizer_state_len, BResult, Backend, DecayGroups, StepHyper};
+use crate::backend::{BResult, Backend, DecayGroups};
 use crate::config::{DecaySkip, OptimizerConfig};
 use crate::model::vit::{smoothed_targets, Recompute, Vit};
 use crate::model::spec::PRESET_NAMES;
 use crate::model::ModelConfig;
+use crate::metrics::PhaseTimes;
+use crate::train::plan::Plan;
+use crate::train::step::{LocalGrads, Step};
 
 /// Command-line options of `vitscale bench`.
 #[derive(clap::Args, Debug, Clone)]
@@ -148,57 +152,57 @@ fn setup(args: &BenchArgs) -> anyhow::Result<Setup> {
     Ok(Setup { cfg, opt, images, targets })
 }
 
-/// The optimizer part of a step: AdamW with the gradients clipped to global norm 1.0 (the
-/// backend computes the norm; on CUDA without a host round trip), refreshing the compute copy.
-fn optimizer_part<B: Backend>(be: &B, m: &mut Vit<B>, state: &mut B::Buf, opt: &OptimizerConfig, decay: &DecayGroups, step: u64) -> BResult<()> {
-    m.update(be, state, opt, decay, StepHyper { lr: opt.lr() as f32, step, grad_scale: 1.0, clip_norm: 1.0 })
-}
-
-/// The micro-batch part of a step: zero grads, forward, backward (the update before it left
-/// the compute copy of the weights current).
-fn micro_part<B: Backend>(be: &B, m: &mut Vit<B>, b: usize) -> BResult<()> {
-    m.zero_grads(be)?;
-    m.forward_staged(be, b, Some(1.0 / b as f32))?;
-    m.backward(be)
-}
-
 fn mean_loss<B: Backend>(be: &B, m: &Vit<B>, b: usize) -> BResult<f32> {
     let out = m.forward_out(be, b)?;
     Ok(out.losses.iter().sum::<f32>() / b as f32)
 }
 
-/// The benchmarked model on `be`: seeded weights, the `--recompute` policy, decay groups
-/// (every parameter decays, as the peer), optimizer state, and the synthetic batch staged.
-fn bench_model<B: Backend>(be: &B, args: &BenchArgs, s: &Setup) -> anyhow::Result<(Vit<B>, DecayGroups, B::Buf)> {
+/// The benchmarked training step on `be` (`train::step::Step`, as a training run has it):
+/// seeded weights, every parameter decayed (as the peer), gradients clipped to global norm 1.0
+/// on the device, one pass over the whole micro-batch, the `--recompute` policy, and the
+/// synthetic batch staged.
+fn bench_step<B: Backend>(be: &B, args: &BenchArgs, s: &Setup) -> anyhow::Result<Step<B>> {
     let mut m = Vit::new(be, s.cfg.clone())?;
-    m.set_recompute(Recompute::parse(&args.recompute).map_err(|e| anyhow::anyhow!("--recompute: {e}"))?);
     m.set_class_token_tail(!args.full_last_block);
     m.set_params(be, &crate::model::init::init_params(&m.table, 0))?;
     let decay = DecayGroups::new(&m.table, &DecaySkip { bias: false, norm: false, pos_embed: false, cls_token: false });
-    let state = be.alloc_f32(optimizer_state_len(&s.opt, m.table.total))?;
-    m.stage_inputs(be, &s.images, &s.targets, args.micro)?;
-    Ok((m, decay, state))
+    let recompute = Recompute::parse(&args.recompute).map_err(|e| anyhow::anyhow!("--recompute: {e}"))?;
+    let plan = Plan::new(be, &s.cfg, args.micro, 1, 1, Some(args.micro), recompute);
+    let mut st = Step::new(be, m, s.opt.clone(), decay, BENCH_CLIP, plan)?;
+    st.vit.stage_inputs(be, &s.images, &s.targets, args.micro)?;
+    Ok(st)
+}
+
+/// The global gradient norm the benchmarked step clips to.
+const BENCH_CLIP: f64 = 1.0;
+
+/// One benchmarked optimizer step after its forward and backward ran: the boundary of the
+/// training step (clip on the device, AdamW at a constant lr, zero the gradients).
+fn boundary<B: Backend>(be: &B, st: &mut Step<B>, step: u64) -> anyhow::Result<()> {
+    let lr = st.optimizer.lr();
+    st.boundary(be, &mut LocalGrads, lr, step, false, &mut PhaseTimes::default())?;
+    Ok(())
 }
 
 fn bench_cpu(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     let be = Cpu::new();
-    let (mut m, decay, mut state) = bench_model(&be, args, s)?;
+    let mut st = bench_step(&be, args, s)?;
     let mut step = 0u64;
     for _ in 0..args.warmup {
+        st.pass_unlogged(&be, args.micro)?;
+        boundary(&be, &mut st, step)?;
         step += 1;
-        micro_part(&be, &mut m, args.micro)?;
-        optimizer_part(&be, &mut m, &mut state, &s.opt, &decay, step)?;
     }
     let t = Instant::now();
     for _ in 0..args.steps {
+        st.pass_unlogged(&be, args.micro)?;
+        boundary(&be, &mut st, step)?;
         step += 1;
-        micro_part(&be, &mut m, args.micro)?;
-        optimizer_part(&be, &mut m, &mut state, &s.opt, &decay, step)?;
     }
     let ms = t.elapsed().as_secs_f64() * 1e3 / args.steps as f64;
-    let loss = mean_loss(&be, &m, args.micro)?;
-    let mut r = result(args, s, "cpu".into(), m.table.total, false, ms, 0.0, 0.0, loss, 0.0);
-    r.recomputed = m.recomputing().unwrap_or(false);
+    let loss = mean_loss(&be, &st.vit, args.micro)?;
+    let mut r = result(args, s, "cpu".into(), st.vit.table.total, false, ms, 0.0, 0.0, loss, 0.0);
+    r.recomputed = st.plan.recompute;
     Ok(r)
 }
 
@@ -251,7 +255,7 @@ fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     };
     be.synchronize()?;
     be.reset_peak();
-    let (mut m, decay, mut state) = bench_model(&be, args, s)?;
+    let mut st = bench_step(&be, args, s)?;
     let want_graph = match args.graph.as_str() {
         "on" | "auto" => true,
         "off" => false,
@@ -259,13 +263,13 @@ fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     };
     let mut step = 0u64;
     // One eager step first: grows every scratch buffer and plans every GEMM.
+    st.pass_unlogged(&be, args.micro)?;
+    boundary(&be, &mut st, step)?;
     step += 1;
-    micro_part(&be, &mut m, args.micro)?;
-    optimizer_part(&be, &mut m, &mut state, &s.opt, &decay, step)?;
     be.synchronize()?;
     let graph = if want_graph {
         be.begin_capture()?;
-        let cap = micro_part(&be, &mut m, args.micro);
+        let cap = st.pass_unlogged(&be, args.micro);
         let g = be.end_capture();
         match (cap, g) {
             (Ok(()), Ok(g)) => Some(g),
@@ -281,20 +285,18 @@ fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     } else {
         None
     };
-    let run_step = |m: &mut Vit<Cuda>, state: &mut <Cuda as Backend>::Buf, step: u64| -> BResult<()> {
+    let run_step = |st: &mut Step<Cuda>, step: u64| -> anyhow::Result<()> {
         match &graph {
-            Some(g) => {
-                g.launch()?;
-                // The graph ran the forward with a training loss, so a backward is pending
-                // in the captured sequence; the model's host-side flag was consumed at capture.
-            }
-            None => micro_part(&be, m, args.micro)?,
+            // The graph ran the forward with a training loss and its backward; the model's
+            // host-side flag of a pending backward was consumed at capture.
+            Some(g) => g.launch()?,
+            None => st.pass_unlogged(&be, args.micro)?,
         }
-        optimizer_part(&be, m, state, &s.opt, &decay, step)
+        boundary(&be, st, step)
     };
     for _ in 0..args.warmup {
+        run_step(&mut st, step)?;
         step += 1;
-        run_step(&mut m, &mut state, step)?;
     }
     be.synchronize()?;
     let ev = || be.context().new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT));
@@ -302,28 +304,27 @@ fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     let power = sampler();
     e0.record(be.stream())?;
     for _ in 0..args.steps {
+        run_step(&mut st, step)?;
         step += 1;
-        run_step(&mut m, &mut state, step)?;
     }
     e1.record(be.stream())?;
     e1.synchronize()?;
     let power = power.and_then(PowerSampler::finish);
     let ms = e0.elapsed_ms(&e1)? as f64 / args.steps as f64;
-    let loss = mean_loss(&be, &m, args.micro)?;
+    let loss = mean_loss(&be, &st.vit, args.micro)?;
     let peak = be.peak_bytes() as f64 / (1u64 << 30) as f64;
     if args.profile {
         be.set_profiling(true);
-        step += 1;
-        micro_part(&be, &mut m, args.micro)?;
-        optimizer_part(&be, &mut m, &mut state, &s.opt, &decay, step)?;
+        st.pass_unlogged(&be, args.micro)?;
+        boundary(&be, &mut st, step)?;
         let timeline = be.take_profile_timeline()?;
         be.set_profiling(false);
         print_profile(&timeline);
     }
     let compile_s = be.compile_seconds();
-    let mut r = result(args, s, be.name(), m.table.total, graph.is_some(), ms, ceiling, peak, loss, compile_s);
+    let mut r = result(args, s, be.name(), st.vit.table.total, graph.is_some(), ms, ceiling, peak, loss, compile_s);
     r.attention = be.attention_path().name().to_string();
-    r.recomputed = m.recomputing().unwrap_or(false);
+    r.recomputed = st.plan.recompute;
     r.gpu_power = power;
     r.ceiling_gpu_power = ceiling_power;
     Ok(r)

@@ -60,6 +60,10 @@ pub struct TrainArgs {
     /// Checkpoint step directories to keep (0 = all).
     #[arg(long, default_value_t = 3)]
     pub keep_checkpoints: usize,
+    /// Write each rank's timeline (forward, backward, finished gradients, bucket reductions)
+    /// as `DIR/trace-rank<r>.json` in the Chrome trace format (chrome://tracing, Perfetto).
+    #[arg(long, value_name = "DIR")]
+    pub trace: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -251,6 +255,7 @@ pub fn train_cmd(args: TrainArgs) -> anyhow::Result<()> {
         quiet: rank != 0,
         resume: args.resume.as_deref().map(|s| crate::train::checkpoint::resume_path(s, &run_dir.join("checkpoints"))),
         keep_checkpoints: args.keep_checkpoints,
+        trace: args.trace.clone(),
     };
     // SIGINT/SIGTERM from here on: finish the step on every rank, checkpoint it, exit
     // with 128 + signal (see train::stop and `exit_code`).

@@ -18,6 +18,10 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::backend::cpu::Cpu;
 use crate::backend::{optimizer_state_len, BResult, Backend, DecayGroups, GeluSaved, Span, StepHyper};
+use crate::metrics::PhaseTimes;
+use crate::train::engine::TrainError;
+use crate::train::plan::Plan;
+use crate::train::step::{LocalGrads, MicroBatch, Step};
 use crate::config::{DecaySkip, OptimizerConfig};
 use crate::model::vit::{Recompute, Vit};
 use crate::model::{GlobalPool, ModelConfig, ParamTable};
@@ -531,7 +535,7 @@ pub fn attention_checks<B: Backend>(be: &B, seed: u64, path: &str) -> BResult<Ve
 fn optimizer_reference(p: &mut [f64], g: &[f64], st: &mut [f64], opt: &OptimizerConfig, decays: &[bool], hyper: StepHyper) {
     let np = p.len();
     let norm = g.iter().map(|v| v * v).sum::<f64>().sqrt();
-    let gs = if hyper.clip_norm > 0.0 { hyper.grad_scale as f64 * (hyper.clip_norm as f64 / (norm * hyper.grad_scale.abs() as f64 + 1e-6)).min(1.0) } else { hyper.grad_scale as f64 };
+    let gs = if hyper.clip_norm > 0.0 { hyper.grad_scale as f64 * (hyper.clip_norm / (norm * hyper.grad_scale.abs() as f64 + 1e-6)).min(1.0) } else { hyper.grad_scale as f64 };
     match *opt {
         OptimizerConfig::Adam { beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, .. } => {
             let t = hyper.step as i32;
@@ -613,8 +617,8 @@ fn optimizer_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
             // step 2 clips by the global norm (‖0.5·g‖ ≈ 0.5·√n, so a bound of 0.25·√n halves
             // it), step 3 has a bound the norm stays under
             let clip_norm = match step {
-                2 => 0.25 * (n as f32).sqrt(),
-                3 => (n as f32).sqrt(),
+                2 => 0.25 * (n as f64).sqrt(),
+                3 => (n as f64).sqrt(),
                 _ => 0.0,
             };
             let hyper = StepHyper { lr: opt.lr() as f32 * (1.0 + 0.1 * step as f32), step, grad_scale: 0.5, clip_norm };
@@ -680,20 +684,28 @@ fn small_training_setup(seed: u64) -> (ModelConfig, Vec<f32>, Batches, Optimizer
     (cfg, init, batches, opt, decay, b)
 }
 
+/// `steps` optimizer steps of the training step (`train::step::Step`, one pass per step, no
+/// clipping) on `be`; returns each step's mean loss.
 #[allow(clippy::too_many_arguments)]
 fn train_small<B2: Backend>(be: &B2, cfg: &ModelConfig, init: &[f32], batches: &[(Vec<f32>, Vec<f32>)], opt: &OptimizerConfig, decay: &DecayGroups, b: usize, steps: usize, policy: Recompute) -> BResult<Vec<f32>> {
+    let as_backend = |e: TrainError| match e {
+        TrainError::Backend(e) => e,
+        other => crate::backend::BackendError::Device(other.to_string()),
+    };
     let mut m = Vit::new(be, cfg.clone())?;
-    m.set_recompute(policy);
     m.set_params(be, init)?;
-    let mut state = be.alloc_f32(optimizer_state_len(opt, m.table.total))?;
+    let plan = Plan::new(be, cfg, b, 1, 1, Some(b), policy);
+    let mut st = Step::new(be, m, opt.clone(), decay.clone(), 0.0, plan).map_err(as_backend)?;
+    let mut phases = PhaseTimes::default();
     let mut out = Vec::new();
     for step in 0..steps {
         let (img, t) = &batches[step % batches.len()];
-        m.zero_grads(be)?;
-        let f = m.forward(be, img, t, b, Some(1.0 / b as f32))?;
-        out.push(f.losses.iter().sum::<f32>() / b as f32);
-        m.backward(be)?;
-        m.update(be, &mut state, opt, decay, StepHyper { lr: opt.lr() as f32, step: step as u64 + 1, grad_scale: 1.0, clip_norm: 0.0 })?;
+        let targets = |start: usize, n: usize| t[start * cfg.num_classes..(start + n) * cfg.num_classes].to_vec();
+        let mb = MicroBatch { images: img, b, targets: &targets };
+        st.micro_batch(be, &mb, step as u64, false, None, &mut phases).map_err(as_backend)?;
+        st.boundary(be, &mut LocalGrads, opt.lr(), step as u64, false, &mut phases).map_err(as_backend)?;
+        let (_, sum) = st.take_losses(be).map_err(as_backend)?.pop().ok_or_else(|| crate::backend::BackendError::Device("no loss kept".into()))?;
+        out.push((sum / b as f64) as f32);
     }
     Ok(out)
 }

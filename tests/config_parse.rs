@@ -91,6 +91,7 @@ fn empty_config_gives_every_default() {
             checkpoint_on_signal: false,
             comm_timeout_s: 300.0,
             recompute: vitscale::model::Recompute::Auto,
+            pass_images: None,
         }
     );
     assert!(c.warnings.is_empty(), "{:?}", c.warnings);

@@ -137,6 +137,11 @@ pub trait Backend: Send + Sync {
     fn recompute_below(&self) -> usize {
         0
     }
+    /// What this device chose for its kernels (attention path, GEMM tiles…), named for the
+    /// run's plan (`config.json`'s `"plan"."device"`). Nothing on the CPU.
+    fn choices(&self) -> serde_json::Map<String, serde_json::Value> {
+        serde_json::Map::new()
+    }
     /// Whether the MLP's forward should save gelu'(pre + bias) rather than pre
     /// (`GeluSaved::Grad`) when it keeps the GELU output, for fc1 of (rows × ic)·(oc × ic)ᵀ:
     /// on the GPU that turns the backward's erf evaluation into a multiply.

@@ -466,6 +466,12 @@ const T_CKPT_EVERY: KeyDef = key("checkpoint_every", NONNEG_INT, Dflt::Int(0), "
 const T_SMOOTHING: KeyDef = key("label_smoothing", UNIT_HALF_OPEN, Dflt::Num(0.0), "Label smoothing of the cross-entropy targets.");
 const T_DECAY_SKIP: KeyDef = key("weight_decay_skip", Ty::StrList(SKIP_KINDS), Dflt::StrList(SKIP_KINDS), "Parameter kinds without weight decay; [] decays everything.");
 const T_LOG_EVERY: KeyDef = key("log_every", POS_INT, Dflt::Derived("steps_per_print (10)"), "Log a metrics line every N optimizer steps.");
+const T_PASS_IMAGES: KeyDef = key(
+    "pass_images",
+    POS_INT,
+    Dflt::Derived("512"),
+    "Most images one forward/backward pass takes: a larger micro-batch runs as several passes whose gradients add up (the same result with bounded activation memory).",
+);
 const T_EVAL_BATCH: KeyDef = key("eval_batch_size", POS_INT, Dflt::Derived("train_micro_batch_size_per_gpu"), "Evaluation batch size.");
 const T_CKPT_ON_SIGNAL: KeyDef = key(
     "checkpoint_on_signal",
@@ -481,7 +487,7 @@ const T_COMM_TIMEOUT: KeyDef = key(
 );
 /// Keys of the `train` section.
 pub const TRAIN_KEYS: &[KeyDef] = &[
-    T_EPOCHS, T_STEPS, T_SEED, T_RECOMPUTE, T_EVAL_EVERY, T_CKPT_EVERY, T_SMOOTHING, T_DECAY_SKIP, T_LOG_EVERY, T_EVAL_BATCH, T_CKPT_ON_SIGNAL, T_COMM_TIMEOUT,
+    T_EPOCHS, T_STEPS, T_SEED, T_RECOMPUTE, T_PASS_IMAGES, T_EVAL_EVERY, T_CKPT_EVERY, T_SMOOTHING, T_DECAY_SKIP, T_LOG_EVERY, T_EVAL_BATCH, T_CKPT_ON_SIGNAL, T_COMM_TIMEOUT,
 ];
 
 /// Help text for every key, generated from the tables.
@@ -1433,6 +1439,7 @@ fn parse_train(sec: Option<&Map<String, Value>>, batch: &BatchConfig, steps_per_
         checkpoint_on_signal: opt_bool(sec, p, &T_CKPT_ON_SIGNAL, cx)?.unwrap_or(checkpoint_every > 0),
         comm_timeout_s: get_num(sec, p, &T_COMM_TIMEOUT, cx)?,
         recompute: Recompute::parse(get_str(sec, p, &T_RECOMPUTE, cx)?).unwrap_or_default(),
+        pass_images: opt_int(sec, p, &T_PASS_IMAGES, cx)?.map(|i| i as usize),
     })
 }
 
@@ -1520,6 +1527,9 @@ pub fn resolved_json(cfg: &RunConfig) -> Value {
             "recompute": t.recompute.as_str()
         }
     });
+    if let (Some(n), Some(train)) = (t.pass_images, out.get_mut("train").and_then(|v| v.as_object_mut())) {
+        train.insert("pass_images".into(), n.into());
+    }
     // `json!` always yields an object here; the if-lets only avoid an unwrap.
     if let Some(o) = out.as_object_mut() {
         if let Some(s) = scheduler {

@@ -387,6 +387,8 @@ pub struct TrainConfig {
     pub comm_timeout_s: f64,
     /// Whether the backward regenerates LayerNorm/GELU outputs instead of keeping them per block.
     pub recompute: crate::model::Recompute,
+    /// Most images per forward/backward pass (None = "auto": `train::plan::AUTO_PASS_IMAGES`).
+    pub pass_images: Option<usize>,
 }
 
 /// A complete, validated run configuration.

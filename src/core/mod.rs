@@ -80,8 +80,9 @@ pub struct StepHyper {
     /// are further multiplied by min(1, clip_norm / (‖g‖ + 1e-6)), ‖g‖ their L2 norm over the
     /// whole buffer — torch's `clip_grad_norm_`, DeepSpeed's `gradient_clipping`. The backend
     /// computes the norm itself (the CUDA one on the device, so the step never waits for the
-    /// host). 0: no clipping beyond `grad_scale`.
-    pub clip_norm: f32,
+    /// host). 0: no clipping beyond `grad_scale`. f64 like the configuration's
+    /// `gradient_clipping`, so the CPU's factor is computed from the configured value itself.
+    pub clip_norm: f64,
 }
 
 impl StepHyper {
@@ -92,7 +93,7 @@ impl StepHyper {
         if self.clip_norm <= 0.0 {
             return self.grad_scale;
         }
-        let coef = self.clip_norm as f64 / (raw_norm * gs.abs() + 1e-6);
+        let coef = self.clip_norm / (raw_norm * gs.abs() + 1e-6);
         (gs * coef.min(1.0)) as f32
     }
 }

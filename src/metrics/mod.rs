@@ -8,6 +8,8 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+pub mod trace;
+
 /// Seconds spent in each phase of the optimizer steps since the last reset.
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct PhaseTimes {
@@ -16,7 +18,8 @@ pub struct PhaseTimes {
     pub data_s: f64,
     pub forward_s: f64,
     pub backward_s: f64,
-    /// Gradient reduction not hidden behind compute.
+    /// Exposed communication: the time the step waited after its backward for gradient
+    /// buckets still being reduced, plus the per-step agreement on stop signals.
     pub comm_s: f64,
     /// Norm, clipping and the optimizer update.
     pub optimizer_s: f64,
@@ -51,11 +54,16 @@ pub struct StepRecord {
     pub mfu: Option<f64>,
     #[serde(flatten)]
     pub phases: PhaseTimes,
+    pub rank: usize,
+    /// Seconds the gradient buckets' reductions took, from each one's start to its completion,
+    /// summed: overlapped with the backward or not (`comm_s` is the part that was not).
+    pub comm_total_s: f64,
+    /// Share of that time hidden behind the backward: 1 − exposed / total (absent on one rank).
+    pub comm_overlap: Option<f64>,
     /// Bytes of gradients this rank all-reduced since the previous record.
     pub comm_bytes: u64,
     /// Bus bandwidth of those all-reduces in GB/s, by NCCL-tests' convention
-    /// (bytes · 2(W−1)/W / time), with the time as seen by this rank (waiting included); absent on
-    /// one rank.
+    /// (bytes · 2(W−1)/W / time), over `comm_total_s`; absent on one rank.
     pub bus_gb_s: Option<f64>,
     pub wall_s: f64,
 }

@@ -452,20 +452,61 @@ impl<B: Backend> Vit<B> {
         Ok(ForwardOut { losses, logits })
     }
 
+    /// The device buffer of the last forward's per-image losses (its capacity's length; the
+    /// first B entries are the last batch's).
+    pub fn losses_buf(&self) -> BResult<&B::Buf> {
+        self.acts.as_ref().map(|a| &a.losses).ok_or_else(|| crate::backend::BackendError::Device("activations missing".into()))
+    }
+
     /// Backward of the last `forward` (which must have been given a `dloss_scale`): adds this
     /// micro-batch's parameter gradients into `grads`.
     pub fn backward(&mut self, be: &B) -> BResult<()> {
-        // The backend may batch the pass's gradient reductions (the CUDA backend: a few launches).
-        be.defer_gradient_sums(true)?;
-        let r = self.backward_pass(be);
-        let flushed = be.defer_gradient_sums(false);
-        r.and(flushed)
+        self.backward_reporting(be, None::<&mut dyn FnMut(&mut B::Buf, Span) -> BResult<()>>)
     }
 
-    fn backward_pass(&mut self, be: &B) -> BResult<()> {
+    /// `backward`, calling `ready(grads, span)` as soon as the gradients of each contiguous
+    /// group of parameters are final for this pass, in the backward's order: the head with the
+    /// final norm, then blocks last to first, then the embedding. Each call comes after the
+    /// deferred bias sums written so far are flushed, so the span really is complete.
+    pub fn backward_reporting<E: From<crate::backend::BackendError>>(
+        &mut self,
+        be: &B,
+        ready: Option<&mut dyn FnMut(&mut B::Buf, Span) -> Result<(), E>>,
+    ) -> Result<(), E> {
+        // The backend may batch the pass's gradient reductions (the CUDA backend: a few launches).
+        be.defer_gradient_sums(true)?;
+        let r = self.backward_pass(be, ready);
+        let flushed = be.defer_gradient_sums(false);
+        r.and(flushed.map_err(E::from))
+    }
+
+    /// The parameter groups `backward_reporting` reports, in its order: (head + final norm,
+    /// block depth-1 … block 0, embedding), as spans of the flat buffer.
+    pub fn gradient_groups(&self) -> Vec<Span> {
+        let t = &self.table.spans;
+        let mut out = vec![Span { off: t.final_norm_w.off, len: self.table.total - t.final_norm_w.off }];
+        for blk in t.blocks.iter().rev() {
+            out.push(Span { off: blk.norm1_w.off, len: blk.fc2_b.off + blk.fc2_b.len - blk.norm1_w.off });
+        }
+        let embed_end = t.blocks.first().map_or(t.final_norm_w.off, |blk| blk.norm1_w.off);
+        out.push(Span { off: 0, len: embed_end });
+        out
+    }
+
+    fn backward_pass<E: From<crate::backend::BackendError>>(&mut self, be: &B, mut ready: Option<&mut dyn FnMut(&mut B::Buf, Span) -> Result<(), E>>) -> Result<(), E> {
+        let groups = if ready.is_some() { self.gradient_groups() } else { Vec::new() };
+        // flushes the deferred sums, then hands the group over
+        let mut report = |g: &mut B::Buf, idx: usize| -> Result<(), E> {
+            if let Some(f) = ready.as_mut() {
+                be.defer_gradient_sums(false)?;
+                be.defer_gradient_sums(true)?;
+                f(g, groups[idx])?;
+            }
+            Ok(())
+        };
         let b = self.pending_backward;
         if b == 0 {
-            return Err(crate::backend::BackendError::Device("backward without a training forward".into()));
+            return Err(crate::backend::BackendError::Device("backward without a training forward".into()).into());
         }
         self.pending_backward = 0;
         let m = &self.cfg;
@@ -491,6 +532,7 @@ impl<B: Backend> Vit<B> {
         let n_out = if tail { 1 } else { n };
         be.pool_backward(&mut a.dres_a, &a.dpooled_raw, b, n_out, c, prefix, avg)?;
         let mut fc2_bias_summed = last_fc2_b.is_some();
+        report(g, 0)?;
 
         // ---- blocks in reverse; dres_a holds d(block output) on entry and d(block input) on exit
         for i in (0..m.depth).rev() {
@@ -554,11 +596,13 @@ impl<B: Backend> Vit<B> {
             let prev_fc2_b = i.checked_sub(1).map(|p| t.blocks[p].fc2_b);
             be.layernorm_backward(&mut a.dres_a, g, &a.dln, Some(dx1), x, &blk.ln1_mean, &blk.ln1_rstd, w, s.norm1_w, s.norm1_b, bn, c, prev_fc2_b)?;
             fc2_bias_summed = prev_fc2_b.is_some();
+            report(g, m.depth - i)?;
         }
 
         // ---- embedding
         be.embed_backward(&mut a.dpatch_emb, g, &a.dres_a, t.pos_embed, t.cls_token, b, np, c)?;
         be.matmul_backward_weights(g, &a.dpatch_emb, &a.patches, w, t.patch_w, Some(t.patch_b), b * np, m.patch_dim(), c)?;
+        report(g, m.depth + 1)?;
         Ok(())
     }
 }

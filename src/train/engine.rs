@@ -1,15 +1,15 @@
-//! The training step and loop, readable top to bottom:
-//!
-//! for each optimizer step: for each of the GAS micro-batches this rank feeds, take the batch
-//! the prefetching `data::Loader` built ahead (decode, augment, normalize, mixup/CutMix on its
-//! own threads; the time spent *waiting* for it is `data_s`), forward with the loss gradient scaled by 1/global-batch, backward
-//! (parameter gradients accumulate) — no communication in between; at the boundary: reduce
-//! gradients across ranks, global norm + clipping, learning rate from the schedule, one
-//! optimizer update over the flat buffer, zero the gradients. Evaluation, metrics lines,
-//! progress output and the run directory are around that loop. A SIGINT / SIGTERM caught by
-//! `train::stop` is acted on at a boundary that every rank agrees on: checkpoint, then stop.
-//! After the last step, and before each checkpoint of a multi-rank run, the ranks compare
-//! hashes of their weights and optimizer state (`train::agree`) and all fail if any differs.
+//! The training loop, readable top to bottom. Each optimizer step is `train::step::Step`'s:
+//! the GAS micro-batches this rank feeds (taken from the prefetching `data::Loader`, which
+//! decodes, augments, normalizes and mixes on its own threads; the time spent *waiting* for it
+//! is `data_s`), each run as the plan's passes, then the boundary: the gradient sum across
+//! ranks, clipping on the device, the learning rate from the schedule, the optimizer update.
+//! Around it: the stop flags agreed every step (a SIGINT / SIGTERM caught by `train::stop`
+//! is acted on at a step every rank agrees on: checkpoint, then stop), the losses and the
+//! gradient norm read back on logging steps (`train.log_every`) and epoch ends only,
+//! evaluation, metrics lines and progress output; the run directory's files are written
+//! through `train::run_dir`. After the last step, and before each checkpoint of a multi-rank
+//! run, the ranks compare hashes of their weights and optimizer state (`train::agree`) and
+//! all fail if any differs. A non-finite loss ends the run when it is read back.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -17,17 +17,18 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::backend::{optimizer_state_len, Backend, DecayGroups, Span, StepHyper};
-use crate::comm::{Comm, CommError, ReduceOp, SingleComm};
+use crate::backend::{Backend, DecayGroups, Span};
+use crate::comm::{Comm, CommError, SingleComm};
 use crate::config::RunConfig;
 use crate::data::{self, Datasets, ImageSet, Loader, LoaderPlan, MixTargets, Sampler};
-use crate::metrics::{allreduce_bus_gb_s, timed, EvalRecord, JsonlWriter, PhaseTimes, StepRecord};
+use crate::metrics::{allreduce_bus_gb_s, EvalRecord, PhaseTimes, StepRecord};
 use crate::model::{init, smoothed_targets, weights, Vit};
+use crate::train::plan::{Plan, AUTO_PASS_IMAGES};
+use crate::train::run_dir::RunDir;
+use crate::metrics::trace::{Trace, Track};
+use crate::train::step::{GradSync, MicroBatch, Step};
+use crate::train::sync::{BucketPlan, BucketSync, DEFAULT_BUCKET_ELEMS, FIRST_BUCKET_ELEMS};
 use crate::train::{agree, checkpoint, schedule, stop};
-
-/// Largest number of images one forward/backward pass processes on the host backend; a larger
-/// micro-batch is run as several passes whose gradients add up (same math, bounded memory).
-pub const MAX_IMAGES_PER_PASS: usize = 512;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
@@ -81,6 +82,8 @@ pub struct TrainOptions {
     // how many step directories `<run dir>/checkpoints` keeps (0 = all).
     pub resume: Option<PathBuf>,
     pub keep_checkpoints: usize,
+    /// Write this rank's timeline (`trace-rank<r>.json`, Chrome trace format) into this folder.
+    pub trace: Option<PathBuf>,
 }
 
 /// The result of a training run (`--json` prints it; `summary.json` holds it).
@@ -137,7 +140,7 @@ pub fn evaluate_with<B: Backend>(
     let k = vit.cfg.num_classes;
     let (mut loss_sum, mut correct) = (0.0f64, 0usize);
     let n = set.len();
-    let batch = batch.clamp(1, MAX_IMAGES_PER_PASS);
+    let batch = batch.clamp(1, cfg.train.pass_images.unwrap_or(AUTO_PASS_IMAGES));
     let (rank, world) = (comm.rank(), comm.world_size());
     let batches: Vec<Vec<usize>> = (rank * batch..n).step_by(world * batch).map(|start| (start..(start + batch).min(n)).collect()).collect();
     let mut loader = Loader::start_batches(set.clone(), cfg.data.clone(), false, 0, cfg.train.seed, batches)?;
@@ -158,10 +161,6 @@ pub fn evaluate_with<B: Backend>(
     comm.all_reduce_host(&mut sums)?;
     let (loss_sum, correct) = (sums[0], sums[1]);
     Ok(EvalSummary { loss: loss_sum / n.max(1) as f64, top1: correct / n.max(1) as f64, images: n })
-}
-
-fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
-    move |source| TrainError::RunDir { path: path.to_path_buf(), source }
 }
 
 /// Builds the model with its initial weights: `--init` file or a seeded timm-style init.
@@ -190,25 +189,14 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     if world != cfg.batch.world_size {
         return Err(TrainError::Config(format!("the config was resolved for {} ranks but the job has {world}", cfg.batch.world_size)));
     }
-    std::fs::create_dir_all(&opts.run_dir).map_err(io_err(&opts.run_dir))?;
-    let resolved = serde_json::to_vec_pretty(cfg).map_err(|e| TrainError::Config(e.to_string()))?;
-    crate::util::write_atomic(&opts.run_dir.join("config.json"), &resolved).map_err(io_err(&opts.run_dir))?;
-    let metrics_path = opts.run_dir.join("metrics.jsonl");
-    // a resumed run appends, after a `{"kind": "resume"}` line, so the history before
-    // the interruption stays (steps after that line's `step` replace earlier lines).
-    let mut metrics = match opts.resume {
-        Some(_) => JsonlWriter::append(&metrics_path),
-        None => JsonlWriter::create(&metrics_path),
-    }
-    .map_err(io_err(&metrics_path))?;
+    let plan = Plan::for_run(be, cfg);
+    let mut run = RunDir::open(&opts.run_dir, cfg, &plan, opts.resume.is_some(), opts.keep_checkpoints)?;
 
     // ---- data, model, optimizer state
     let Datasets { train: train_set, val: val_set, description, class_names, .. } =
         data::open(&cfg.data, cfg.model.image_size, cfg.model.num_classes, cfg.train.seed)?;
-    // Class index → name, so predictions and exported weights can be read later.
-    let names = serde_json::to_vec_pretty(&class_names).map_err(|e| TrainError::Config(e.to_string()))?;
-    crate::util::write_atomic(&opts.run_dir.join("classes.json"), &names).map_err(io_err(&opts.run_dir))?;
-    let global_batch = cfg.batch.train_batch_size;
+    run.write_classes(&class_names)?;
+    let global_batch = plan.global_batch;
     if train_set.len() < global_batch {
         return Err(TrainError::Config(format!(
             "train_batch_size ({global_batch}) is larger than the training set ({} images in {description})",
@@ -219,17 +207,20 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     let steps_per_epoch = sampler.steps_per_epoch() as u64;
     let total_steps = cfg.train.steps.unwrap_or(cfg.train.epochs as u64 * steps_per_epoch);
 
-    let mut vit = build_model(be, cfg, opts.init.as_deref())?;
+    let vit = build_model(be, cfg, opts.init.as_deref())?;
     let num_params = vit.table.total;
     let decay = DecayGroups::new(&vit.table, &cfg.train.weight_decay_skip);
-    let mut opt_state = be.alloc_f32(optimizer_state_len(&cfg.optimizer, num_params))?;
-    vit.zero_grads(be)?;
+    let mut st = Step::new(be, vit, cfg.optimizer.clone(), decay, cfg.gradient_clipping, plan.clone())?;
+    if opts.trace.is_some() {
+        st.trace = Some(Trace::new(rank, t_start));
+    }
+    // the gradient buckets, reduced while the step's last backward goes on
+    let buckets = BucketPlan::new(&st.vit.gradient_groups(), FIRST_BUCKET_ELEMS, DEFAULT_BUCKET_ELEMS).map_err(TrainError::Config)?;
 
     // resume, then make every rank start from rank 0's exact state.
-    let ckpt_root = opts.run_dir.join("checkpoints");
     let mut start_step = 0u64;
     if let Some(spec) = &opts.resume {
-        let r = checkpoint::restore(spec, &vit.table, &cfg.optimizer)?;
+        let r = checkpoint::restore(spec, &st.vit.table, &cfg.optimizer)?;
         let saved_batch = r.state.get("global_batch").and_then(|v| v.as_u64());
         if saved_batch != Some(global_batch as u64) {
             return Err(TrainError::Config(format!(
@@ -237,25 +228,24 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
                 r.dir.display()
             )));
         }
-        vit.set_params(be, &r.params)?;
-        be.upload(&mut opt_state, 0, &r.opt_state)?;
+        st.vit.set_params(be, &r.params)?;
+        be.upload(&mut st.opt_state, 0, &r.opt_state)?;
         start_step = r.step;
-        let mark = serde_json::json!({"kind": "resume", "step": start_step, "from": r.dir.display().to_string()});
-        metrics.write(&mark).map_err(io_err(&metrics_path))?;
+        run.log(&serde_json::json!({"kind": "resume", "step": start_step, "from": r.dir.display().to_string()}))?;
         if !opts.quiet {
             eprintln!("resumed from {} at step {start_step}", r.dir.display());
         }
     }
     if world > 1 {
-        comm.broadcast(&mut vit.params, Span { off: 0, len: num_params }, 0)?;
-        vit.params_changed(be)?;
+        comm.broadcast(&mut st.vit.params, Span { off: 0, len: num_params }, 0)?;
+        st.vit.params_changed(be)?;
         if opts.resume.is_some() {
-            let olen = be.len(&opt_state);
-            comm.broadcast(&mut opt_state, Span { off: 0, len: olen }, 0)?;
+            let olen = be.len(&st.opt_state);
+            comm.broadcast(&mut st.opt_state, Span { off: 0, len: olen }, 0)?;
         }
     }
     let k = cfg.model.num_classes;
-    let (micro, gas) = (cfg.batch.micro_batch_per_gpu, cfg.batch.gradient_accumulation_steps);
+    let (micro, gas) = (plan.micro_batch, plan.gradient_accumulation_steps);
 
     if !opts.quiet {
         eprintln!(
@@ -278,7 +268,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
 
     // ---- the loop
     let mut phases = PhaseTimes::default();
-    let mut window_comm_bytes = 0u64;
+    let (mut window_comm_bytes, mut window_comm_total) = (0u64, 0.0f64);
     let (mut window_loss, mut window_steps, mut window_start) = (0.0f64, 0u64, Instant::now());
     let (mut epoch_loss, mut epoch_steps) = (0.0f64, 0u64);
     let mut last_epoch_loss = f64::NAN;
@@ -302,7 +292,6 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         steps: total_steps.saturating_sub(start_step),
         mix: Some(MixTargets { num_classes: k, label_smoothing: cfg.train.label_smoothing }),
     })?;
-    let per_image = 3 * cfg.model.image_size * cfg.model.image_size;
     // The next micro-batch, taken from the loader while the device still runs the current
     // backward, and whether its first pass's inputs are already staged on the device.
     let mut ahead: Option<crate::data::loader::Prepared> = None;
@@ -316,7 +305,10 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     };
     for step in start_step..total_steps {
         let epoch = step / steps_per_epoch;
-        let mut step_loss = 0.0f64;
+        let last_step = step + 1 == total_steps;
+        // gradients are summed over ranks once per step, bucket by bucket during the last
+        // micro-batch's backward
+        let mut sync = BucketSync::new(&mut *comm, &buckets, t_start);
         for m in 0..gas {
             let prepared = match ahead.take() {
                 Some(p) => p,
@@ -325,6 +317,9 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
                     let t_wait = Instant::now();
                     let next = loader.next();
                     phases.data_s += t_wait.elapsed().as_secs_f64();
+                    if let Some(tr) = st.trace.as_mut() {
+                        tr.span(Track::Data, "data wait", t_wait, Instant::now(), serde_json::Map::new());
+                    }
                     match next {
                         Some(p) => p?,
                         None => return Err(TrainError::Config(format!("the data loader stopped before step {step}, micro-batch {m}"))),
@@ -333,90 +328,92 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
             };
             debug_assert_eq!((prepared.epoch, prepared.step as u64, prepared.micro), (epoch, step % steps_per_epoch, m));
             let batch = prepared.batch;
-            let b = batch.len();
-            let last_micro_of_run = step + 1 == total_steps && m + 1 == gas;
-            for start in (0..b).step_by(MAX_IMAGES_PER_PASS) {
-                let n = (b - start).min(MAX_IMAGES_PER_PASS);
-                // staged ahead, unless an evaluation's forward has replaced those inputs since
-                let staged = std::mem::take(&mut first_pass_staged) && start == 0 && vit.has_unread_inputs(n);
-                let out = timed(&mut phases.forward_s, || -> Result<_, TrainError> {
-                    if !staged {
-                        let images = &batch.images[start * per_image..(start + n) * per_image];
-                        vit.stage_inputs(be, images, &soft_targets(&batch, start, n), n)?;
+            let targets = |start: usize, n: usize| soft_targets(&batch, start, n);
+            let mb = MicroBatch { images: &batch.images, b: batch.len(), targets: &targets };
+            let last_micro = m + 1 == gas;
+            let report: Option<&mut dyn GradSync<B>> = if last_micro { Some(&mut sync) } else { None };
+            st.micro_batch(be, &mb, step, std::mem::take(&mut first_pass_staged), report, &mut phases)?;
+            // While the device runs this backward (the host only enqueued it), take the next
+            // micro-batch and stage its first pass: a GPU then starts the next forward as soon
+            // as the optimizer is done instead of waiting for the host to convert and copy.
+            // (The backward never reads the staged inputs; the pass size never grows, so
+            // staging allocates nothing.)
+            if !(last_step && last_micro) && stop::pending() == 0 {
+                let t_wait = Instant::now();
+                let next = loader.next();
+                phases.data_s += t_wait.elapsed().as_secs_f64();
+                if let Some(next) = next {
+                    let next = next?;
+                    if next.batch.len().min(plan.pass_images) <= plan.passes(batch.len()).last().map_or(0, |p| p.1) {
+                        let t_stage = Instant::now();
+                        let targets = |start: usize, n: usize| soft_targets(&next.batch, start, n);
+                        let mb = MicroBatch { images: &next.batch.images, b: next.batch.len(), targets: &targets };
+                        first_pass_staged = st.stage_ahead(be, &mb)?;
+                        phases.forward_s += t_stage.elapsed().as_secs_f64();
                     }
-                    vit.forward_staged(be, n, Some(1.0 / global_batch as f32))?;
-                    Ok(vit.forward_out(be, n)?)
-                })?;
-                step_loss += out.losses.iter().map(|&v| v as f64).sum::<f64>();
-                timed(&mut phases.backward_s, || vit.backward(be))?;
-                // While the device runs this backward (the host only enqueued it), take the next
-                // micro-batch and stage its first pass: a GPU then starts the next forward as soon
-                // as the optimizer is done instead of waiting for the host to convert and copy.
-                // (The backward never reads the staged inputs; the pass size never grows, so
-                // staging allocates nothing.)
-                if start + n >= b && !last_micro_of_run && stop::pending() == 0 {
-                    let t_wait = Instant::now();
-                    let next = loader.next();
-                    phases.data_s += t_wait.elapsed().as_secs_f64();
-                    if let Some(next) = next {
-                        let next = next?;
-                        let nb = next.batch.len().min(MAX_IMAGES_PER_PASS);
-                        if nb <= n {
-                            let t_stage = Instant::now();
-                            vit.stage_inputs(be, &next.batch.images[..nb * per_image], &soft_targets(&next.batch, 0, nb), nb)?;
-                            phases.forward_s += t_stage.elapsed().as_secs_f64();
-                            first_pass_staged = true;
-                        }
-                        ahead = Some(next);
-                    }
+                    ahead = Some(next);
                 }
             }
             loader.recycle(batch);
         }
-        // the step's only communication: sum gradients (each already scaled by
-        // 1/global batch), the loss and the stop flags (SIGINT/SIGTERM seen) over ranks.
+
+        // ---- boundary: gradient sync, clipping on the device, schedule, update
+        let epoch_end = (step + 1) % steps_per_epoch == 0;
+        let log_due = (step + 1) % cfg.train.log_every.max(1) == 0 || last_step;
+        let lr = schedule::lr_at(cfg.scheduler.as_ref(), cfg.optimizer.lr(), step, total_steps);
+        let (grad_norm, bytes) = st.boundary(be, &mut sync, lr, step, log_due, &mut phases)?;
+        window_comm_bytes += bytes;
+        window_comm_total += sync.times.total_s;
+        if let Some(tr) = st.trace.as_mut() {
+            for e in &sync.events {
+                let span = buckets.buckets[e.bucket].span;
+                let args = [("step".to_string(), serde_json::json!(step)), ("elements".to_string(), serde_json::json!(span.len))].into_iter().collect();
+                tr.span_s(Track::Comm, format!("bucket {}", e.bucket), e.start_s, e.end_s, args);
+            }
+        }
+        drop(sync);
+        // the stop flags (SIGINT/SIGTERM seen on any rank), agreed every step
         let mut stop_sig = stop::pending();
         if world > 1 {
             let t_comm = Instant::now();
-            comm.all_reduce(&mut vit.grads, Span { off: 0, len: num_params }, ReduceOp::Sum)?;
-            window_comm_bytes += (num_params * std::mem::size_of::<f32>()) as u64;
-            let f = stop::flags(stop_sig);
-            let mut host = [step_loss, f[0], f[1]];
-            comm.all_reduce_host(&mut host)?;
-            step_loss = host[0];
-            stop_sig = stop::agreed(stop_sig, [host[1], host[2]]);
+            let mut flags = stop::flags(stop_sig);
+            comm.all_reduce_host(&mut flags)?;
+            stop_sig = stop::agreed(stop_sig, flags);
             phases.comm_s += t_comm.elapsed().as_secs_f64();
         }
-        step_loss /= global_batch as f64;
-        if !step_loss.is_finite() {
-            return Err(TrainError::Diverged { step, loss: step_loss });
+        let log_now = log_due || stop_sig != 0;
+        // the losses come back on logging steps and epoch ends only (each read waits for the device)
+        if log_now || epoch_end {
+            let taken = st.take_losses(be)?;
+            let mut sums: Vec<f64> = taken.iter().map(|&(_, v)| v).collect();
+            if world > 1 {
+                comm.all_reduce_host(&mut sums)?;
+            }
+            for (&(s, _), sum) in taken.iter().zip(sums) {
+                let loss = sum / global_batch as f64;
+                if !loss.is_finite() {
+                    return Err(TrainError::Diverged { step: s, loss });
+                }
+                window_loss += loss;
+                epoch_loss += loss;
+            }
         }
-
-        // ---- boundary: norm, clipping, schedule, update
-        let t_opt = Instant::now();
-        let grad_norm = be.sum_squares(&vit.grads)?.sqrt();
-        let clip = cfg.gradient_clipping;
-        let grad_scale = if clip > 0.0 && grad_norm > clip { (clip / (grad_norm + 1e-6)) as f32 } else { 1.0 };
-        let lr = schedule::lr_at(cfg.scheduler.as_ref(), cfg.optimizer.lr(), step, total_steps);
-        let hyper = StepHyper { lr: lr as f32, step: step + 1, grad_scale, clip_norm: 0.0 };
-        vit.update(be, &mut opt_state, &cfg.optimizer, &decay, hyper)?;
-        vit.zero_grads(be)?;
-        be.synchronize()?;
-        phases.optimizer_s += t_opt.elapsed().as_secs_f64();
+        window_steps += 1;
+        epoch_steps += 1;
 
         // checkpoint (rank 0 writes, for every rank), also when stopping for a signal. Every
         // rank knows whether one is due (the stop flag is agreed), so all of them first check
         // that they hold the same state, as they do after the last step.
         let every = cfg.train.checkpoint_every;
         let stop_ckpt = stop_sig != 0 && cfg.train.checkpoint_on_signal;
-        let want_ckpt = stop_ckpt || (every > 0 && ((step + 1) % every == 0 || step + 1 == total_steps));
-        let agree_now = step + 1 == total_steps || (want_ckpt && world > 1);
+        let want_ckpt = stop_ckpt || (every > 0 && ((step + 1) % every == 0 || last_step));
+        let agree_now = last_step || (want_ckpt && world > 1);
         let mut saved = None;
         let mut host_state = None;
         if agree_now {
-            let (p, o) = (vit.params_host(be)?, be.download(&opt_state)?);
+            let (p, o) = (st.vit.params_host(be)?, be.download(&st.opt_state)?);
             let h = agree::check(comm, step + 1, &p, &o)?;
-            if step + 1 == total_steps {
+            if last_step {
                 final_hash = Some(h);
             }
             host_state = Some((p, o));
@@ -434,20 +431,14 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
             });
             let (p, o) = match host_state.take() {
                 Some(state) => state,
-                None => (vit.params_host(be)?, be.download(&opt_state)?),
+                None => (st.vit.params_host(be)?, be.download(&st.opt_state)?),
             };
-            saved = Some(checkpoint::save_training(&ckpt_root, step + 1, &vit.table, &p, &cfg.optimizer, &o, &state, opts.keep_checkpoints)?);
+            saved = Some(run.checkpoint(step + 1, &st.vit.table, &p, cfg, &o, &state)?);
         }
-
         images_done += global_batch as u64;
-        window_loss += step_loss;
-        window_steps += 1;
-        epoch_loss += step_loss;
-        epoch_steps += 1;
 
         // ---- metrics line
-        let last_step = step + 1 == total_steps;
-        if (step + 1) % cfg.train.log_every.max(1) == 0 || last_step || stop_sig != 0 {
+        if log_now {
             let secs = window_start.elapsed().as_secs_f64();
             let ips = (window_steps * global_batch as u64) as f64 / secs.max(1e-9);
             let rec = StepRecord {
@@ -455,18 +446,22 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
                 epoch,
                 lr,
                 loss: window_loss / window_steps as f64,
-                grad_norm,
+                // a stop between logging steps reads no norm (it would cost a synchronization)
+                grad_norm: grad_norm.unwrap_or(f64::NAN),
                 images_per_s: ips,
                 images_per_s_per_rank: ips / world as f64,
                 // MFU needs the device's measured matrix ceiling: `vitscale bench` reports it.
                 mfu: None,
                 phases,
+                rank,
+                comm_total_s: window_comm_total,
+                comm_overlap: (world > 1 && window_comm_total > 0.0).then(|| (1.0 - phases.comm_s / window_comm_total).clamp(0.0, 1.0)),
                 comm_bytes: window_comm_bytes,
-                bus_gb_s: allreduce_bus_gb_s(window_comm_bytes, world, phases.comm_s),
+                bus_gb_s: allreduce_bus_gb_s(window_comm_bytes, world, window_comm_total),
                 wall_s: t_start.elapsed().as_secs_f64(),
             };
-            window_comm_bytes = 0;
-            metrics.write(&rec).map_err(io_err(&metrics_path))?;
+            (window_comm_bytes, window_comm_total) = (0, 0.0);
+            run.log(&rec)?;
             let msg = format!("epoch {epoch} loss {:.4} lr {lr:.2e} {ips:.0} img/s", rec.loss);
             match &bar {
                 Some(pb) => pb.set_message(msg),
@@ -502,16 +497,15 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         }
 
         // ---- evaluation: every eval_every steps, or at each epoch end, and at the end
-        let epoch_end = (step + 1) % steps_per_epoch == 0;
         let due = if cfg.train.eval_every > 0 { (step + 1) % cfg.train.eval_every == 0 } else { epoch_end };
         if epoch_end || last_step {
             last_epoch_loss = epoch_loss / epoch_steps.max(1) as f64;
             (epoch_loss, epoch_steps) = (0.0, 0);
         }
         if due || last_step {
-            let ev = evaluate_with(be, &mut vit, &val_set, cfg, cfg.train.eval_batch_size, comm)?;
+            let ev = evaluate_with(be, &mut st.vit, &val_set, cfg, cfg.train.eval_batch_size, comm)?;
             let rec = EvalRecord { kind: "eval", step: step + 1, epoch, val_loss: ev.loss, val_top1: ev.top1, images: ev.images };
-            metrics.write(&rec).map_err(io_err(&metrics_path))?;
+            run.log(&rec)?;
             let line = format!("eval after step {}: val_loss {:.4} val_top1 {:.4}", step + 1, ev.loss, ev.top1);
             match &bar {
                 Some(pb) => pb.println(line),
@@ -529,15 +523,15 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     // a run resumed at its last step trains none: its ranks compare the restored state here.
     let final_hash = match final_hash {
         Some(h) => h,
-        None => agree::check(comm, total_steps, &vit.params_host(be)?, &be.download(&opt_state)?)?,
+        None => agree::check(comm, total_steps, &st.vit.params_host(be)?, &be.download(&st.opt_state)?)?,
     };
     let ev = match last_eval {
         Some(ev) => ev,
-        None => evaluate_with(be, &mut vit, &val_set, cfg, cfg.train.eval_batch_size, comm)?,
+        None => evaluate_with(be, &mut st.vit, &val_set, cfg, cfg.train.eval_batch_size, comm)?,
     };
     // one file for the job, from rank 0, now that every rank is known to hold these weights.
     if let Some(path) = opts.save_weights.as_ref().filter(|_| rank == 0) {
-        weights::save(path, &vit.table, &vit.cfg, &vit.params_host(be)?)?;
+        weights::save(path, &st.vit.table, &st.vit.cfg, &st.vit.params_host(be)?)?;
     }
     let summary = TrainSummary {
         val_top1: ev.top1,
@@ -556,7 +550,9 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
             train_set.skipped.load(Relaxed) + val_set.skipped.load(Relaxed)
         }),
     };
-    let bytes = serde_json::to_vec_pretty(&summary).map_err(|e| TrainError::Config(e.to_string()))?;
-    crate::util::write_atomic(&opts.run_dir.join("summary.json"), &bytes).map_err(io_err(&opts.run_dir))?;
+    run.write_summary(&summary)?;
+    if let (Some(dir), Some(tr)) = (&opts.trace, &st.trace) {
+        tr.write(dir).map_err(|source| TrainError::RunDir { path: dir.clone(), source })?;
+    }
     Ok(summary)
 }

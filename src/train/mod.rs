@@ -1,9 +1,15 @@
-//! Training: the step and loop (`engine`), learning-rate schedules (`schedule`), checkpoints
-//! (`checkpoint`), graceful stop on SIGINT/SIGTERM (`stop`), the check that every rank holds
-//! the same state (`agree`).
+//! Training: the loop (`engine`), the one step it, `bench` and `selftest` run (`step`), the
+//! batch plan resolved before training (`plan`), gradient buckets reduced during the backward
+//! (`sync`), the run directory's files (`run_dir`),
+//! learning-rate schedules (`schedule`), checkpoints (`checkpoint`), graceful stop on
+//! SIGINT/SIGTERM (`stop`), the check that every rank holds the same state (`agree`).
 
 pub mod agree;
 pub mod checkpoint;
 pub mod engine;
+pub mod plan;
+pub mod run_dir;
 pub mod schedule;
+pub mod step;
 pub mod stop;
+pub mod sync;

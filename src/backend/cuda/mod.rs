@@ -235,6 +235,18 @@ impl Backend for Cuda {
         1 << 24
     }
 
+    fn choices(&self) -> serde_json::Map<String, serde_json::Value> {
+        let (fc1, fc2_dgrad) = self.fused_gemm();
+        let (wide_fwd, wide_bwd) = self.wide_gemm();
+        let mut m = serde_json::Map::new();
+        m.insert("attention".into(), self.attention_path().name().into());
+        m.insert("wgmma_attention".into(), (self.wgmma_attention() && self.has_wgmma_attention()).into());
+        m.insert("fused_gemm_fc1".into(), (fc1 && self.has_fused_gemm()).into());
+        m.insert("fused_gemm_fc2_dgrad".into(), (fc2_dgrad && self.has_fused_gemm()).into());
+        m.insert("wide_tiles".into(), format!("{wide_fwd:?}/{wide_bwd:?}").to_lowercase().into());
+        m
+    }
+
     fn gelu_saves_grad(&self, rows: usize, ic: usize, oc: usize) -> bool {
         self.gelu_saves_grad_impl(rows, ic, oc)
     }

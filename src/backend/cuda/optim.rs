@@ -68,7 +68,7 @@ impl Cuda {
         // clipping by the global norm: its square summed into `acc` just before the update
         let (norm2, clip) = if hyper.clip_norm > 0.0 {
             self.sum_squares_async(grads)?;
-            (self.acc.ptr, hyper.clip_norm)
+            (self.acc.ptr, hyper.clip_norm as f32)
         } else {
             (0, 0.0f32)
         };

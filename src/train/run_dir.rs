@@ -1,0 +1,71 @@
+//! A training run's directory, everything the loop writes to disk: `config.json` (the resolved
+//! configuration with the batch plan), `classes.json`, `metrics.jsonl`, `checkpoints/` and
+//! `summary.json`. Small files are written atomically; the metrics are appended line by line.
+
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use crate::config::RunConfig;
+use crate::metrics::JsonlWriter;
+use crate::model::ParamTable;
+use crate::train::checkpoint;
+use crate::train::engine::TrainError;
+use crate::train::plan::Plan;
+
+pub struct RunDir {
+    pub path: PathBuf,
+    metrics_path: PathBuf,
+    metrics: JsonlWriter,
+    keep_checkpoints: usize,
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
+    move |source| TrainError::RunDir { path: path.to_path_buf(), source }
+}
+
+fn json_bytes<T: Serialize>(v: &T) -> Result<Vec<u8>, TrainError> {
+    serde_json::to_vec_pretty(v).map_err(|e| TrainError::Config(e.to_string()))
+}
+
+impl RunDir {
+    /// Creates (or, resuming, reopens) the directory and writes `config.json`: the resolved
+    /// configuration with the plan as its `"plan"` section. A resumed run appends to
+    /// `metrics.jsonl`, so the history before the interruption stays.
+    pub fn open(path: &Path, cfg: &RunConfig, plan: &Plan, resuming: bool, keep_checkpoints: usize) -> Result<RunDir, TrainError> {
+        std::fs::create_dir_all(path).map_err(io_err(path))?;
+        let mut resolved = serde_json::to_value(cfg).map_err(|e| TrainError::Config(e.to_string()))?;
+        if let Some(o) = resolved.as_object_mut() {
+            o.insert("plan".into(), serde_json::to_value(plan).map_err(|e| TrainError::Config(e.to_string()))?);
+        }
+        crate::util::write_atomic(&path.join("config.json"), &json_bytes(&resolved)?).map_err(io_err(path))?;
+        let metrics_path = path.join("metrics.jsonl");
+        let metrics = if resuming { JsonlWriter::append(&metrics_path) } else { JsonlWriter::create(&metrics_path) }.map_err(io_err(&metrics_path))?;
+        Ok(RunDir { path: path.to_path_buf(), metrics_path, metrics, keep_checkpoints })
+    }
+
+    /// `classes.json`: class index → name, so predictions and exported weights can be read later.
+    pub fn write_classes(&self, names: &[String]) -> Result<(), TrainError> {
+        crate::util::write_atomic(&self.path.join("classes.json"), &json_bytes(&names)?).map_err(io_err(&self.path))
+    }
+
+    /// One line of `metrics.jsonl`.
+    pub fn log<T: Serialize>(&mut self, record: &T) -> Result<(), TrainError> {
+        self.metrics.write(record).map_err(io_err(&self.metrics_path))
+    }
+
+    pub fn checkpoint_root(&self) -> PathBuf {
+        self.path.join("checkpoints")
+    }
+
+    /// A training checkpoint of step `step` under `checkpoints/` (atomic; older ones pruned to
+    /// `keep_checkpoints`); returns its directory.
+    pub fn checkpoint(&self, step: u64, table: &ParamTable, params: &[f32], cfg: &RunConfig, opt_state: &[f32], state: &serde_json::Value) -> Result<PathBuf, TrainError> {
+        Ok(checkpoint::save_training(&self.checkpoint_root(), step, table, params, &cfg.optimizer, opt_state, state, self.keep_checkpoints)?)
+    }
+
+    /// `summary.json`: the `--json` object.
+    pub fn write_summary<T: Serialize>(&self, summary: &T) -> Result<(), TrainError> {
+        crate::util::write_atomic(&self.path.join("summary.json"), &json_bytes(summary)?).map_err(io_err(&self.path))
+    }
+}

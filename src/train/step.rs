@@ -1,0 +1,216 @@
+//! The training step, the one that `train`, `bench` and `selftest` all run:
+//!
+//! ```text
+//! for each of the GAS micro-batches this rank feeds:
+//!     for each pass of the plan (≤ plan.pass_images images):
+//!         stage inputs → forward, loss gradient scaled by 1/global batch → backward (grads +=)
+//!         (last micro-batch only: the backward reports each finished block to the sync)
+//! boundary: sync.finish (wait for the gradient reduction) → global-norm clip on the device
+//!           → optimizer update (which refreshes the compute copy) → zero the gradients
+//! ```
+//!
+//! No communication happens on non-boundary micro-batches. Nothing is read back to the host
+//! unless asked: each pass's per-image losses are copied into a device buffer of their own and
+//! come back when the caller takes them (`take_losses`, on logging steps), and the gradient
+//! norm is computed for the host only when the boundary is asked for it. So a step on a GPU
+//! has no host synchronization at all except on those steps: two (the norm, the losses)
+//! where the loop used to have one per pass plus two per step (each pass's losses, the norm,
+//! a synchronize after the update).
+
+use crate::backend::{optimizer_state_len, Backend, DecayGroups, Span, StepHyper};
+use crate::config::OptimizerConfig;
+use crate::metrics::trace::{Trace, Track};
+use crate::metrics::PhaseTimes;
+use crate::model::Vit;
+use crate::train::engine::TrainError;
+use crate::train::plan::Plan;
+
+/// How a step's gradients are combined across ranks. The backward of the step's last pass calls
+/// `ready` as each block's gradients are complete (reverse order: head, last block … first
+/// block, embedding) when `reports_blocks` says so; the boundary calls `finish` once every
+/// gradient is written, and waits for it.
+pub trait GradSync<B: Backend> {
+    /// Whether the backward should report finished blocks (it then flushes the deferred bias
+    /// sums per block, which costs a few launches).
+    fn reports_blocks(&self) -> bool {
+        false
+    }
+    /// The gradients of `span` are final for this step.
+    fn ready(&mut self, _be: &B, _grads: &mut B::Buf, _span: Span) -> Result<(), TrainError> {
+        Ok(())
+    }
+    /// Every gradient is written: complete the reduction. Returns the bytes this rank sent.
+    fn finish(&mut self, be: &B, grads: &mut B::Buf) -> Result<u64, TrainError>;
+}
+
+/// One rank: nothing to combine.
+pub struct LocalGrads;
+
+impl<B: Backend> GradSync<B> for LocalGrads {
+    fn finish(&mut self, _be: &B, _grads: &mut B::Buf) -> Result<u64, TrainError> {
+        Ok(0)
+    }
+}
+
+/// One micro-batch on the host: `images` (B, 3, S, S) normalized, its soft targets by rows.
+pub struct MicroBatch<'a> {
+    pub images: &'a [f32],
+    pub b: usize,
+    /// Soft targets (n, K) of images `start..start + n`.
+    pub targets: &'a dyn Fn(usize, usize) -> Vec<f32>,
+}
+
+/// The model and its optimizer, stepped as the plan says.
+pub struct Step<B: Backend> {
+    pub vit: Vit<B>,
+    pub opt_state: B::Buf,
+    pub optimizer: OptimizerConfig,
+    pub decay: DecayGroups,
+    /// `gradient_clipping`: the global gradient norm is clipped to this on the device (0 = off).
+    pub clip: f64,
+    pub plan: Plan,
+    /// Device copies of each pass's per-image losses not yet taken: (step, images, buffer).
+    pending_losses: Vec<(u64, usize, B::Buf)>,
+    spare_losses: Vec<B::Buf>,
+    /// The rank's timeline, when the run writes one (`--trace`).
+    pub trace: Option<Trace>,
+}
+
+impl<B: Backend> Step<B> {
+    pub fn new(be: &B, mut vit: Vit<B>, optimizer: OptimizerConfig, decay: DecayGroups, clip: f64, plan: Plan) -> Result<Self, TrainError> {
+        vit.set_recompute(plan.recompute_policy());
+        let opt_state = be.alloc_f32(optimizer_state_len(&optimizer, vit.table.total))?;
+        vit.zero_grads(be)?;
+        Ok(Step { vit, opt_state, optimizer, decay, clip, plan, pending_losses: Vec::new(), spare_losses: Vec::new(), trace: None })
+    }
+
+    /// Copies the first pass of a micro-batch to the device ahead of its step (while the
+    /// device still runs the previous backward); `micro_batch` skips staging it again.
+    pub fn stage_ahead(&mut self, be: &B, batch: &MicroBatch<'_>) -> Result<bool, TrainError> {
+        let n = batch.b.min(self.plan.pass_images);
+        let per_image = batch.images.len() / batch.b.max(1);
+        self.vit.stage_inputs(be, &batch.images[..n * per_image], &(batch.targets)(0, n), n)?;
+        Ok(true)
+    }
+
+    /// Every pass of one micro-batch of step `step`. `first_staged`: `stage_ahead` staged its
+    /// first pass. With `sync`, this is the step's last micro-batch: its last pass's backward
+    /// reports finished blocks to the sync.
+    pub fn micro_batch(&mut self, be: &B, batch: &MicroBatch<'_>, step: u64, first_staged: bool, mut sync: Option<&mut dyn GradSync<B>>, phases: &mut PhaseTimes) -> Result<(), TrainError> {
+        let per_image = batch.images.len() / batch.b.max(1);
+        let passes: Vec<(usize, usize)> = self.plan.passes(batch.b).collect();
+        let last = passes.len().saturating_sub(1);
+        for (i, (start, n)) in passes.into_iter().enumerate() {
+            let t = std::time::Instant::now();
+            // staged ahead, unless an evaluation's forward has replaced those inputs since
+            if !(i == 0 && first_staged && self.vit.has_unread_inputs(n)) {
+                let images = &batch.images[start * per_image..(start + n) * per_image];
+                self.vit.stage_inputs(be, images, &(batch.targets)(start, n), n)?;
+            }
+            phases.forward_s += t.elapsed().as_secs_f64();
+            let report = if i == last { sync.take() } else { None };
+            self.pass(be, n, step, report, phases)?;
+        }
+        Ok(())
+    }
+
+    /// One forward/backward pass over the `n` images staged on the device.
+    pub fn pass(&mut self, be: &B, n: usize, step: u64, sync: Option<&mut dyn GradSync<B>>, phases: &mut PhaseTimes) -> Result<(), TrainError> {
+        let t0 = std::time::Instant::now();
+        self.vit.forward_staged(be, n, Some(1.0 / self.plan.global_batch as f32))?;
+        self.keep_losses(be, step, n)?;
+        let t1 = std::time::Instant::now();
+        phases.forward_s += (t1 - t0).as_secs_f64();
+        match sync {
+            Some(s) if s.reports_blocks() => {
+                let Step { vit, trace, .. } = self;
+                let mut group = 0usize;
+                let mut last = t1;
+                vit.backward_reporting(
+                    be,
+                    Some(&mut |grads: &mut B::Buf, span: Span| {
+                        if let Some(tr) = trace.as_mut() {
+                            let now = std::time::Instant::now();
+                            tr.span(Track::Gradients, format!("group {group}"), last, now, args(&[("step", step as f64), ("elements", span.len as f64)]));
+                            last = now;
+                        }
+                        group += 1;
+                        s.ready(be, grads, span)
+                    }),
+                )?
+            }
+            _ => self.vit.backward(be)?,
+        }
+        let t2 = std::time::Instant::now();
+        phases.backward_s += (t2 - t1).as_secs_f64();
+        if let Some(tr) = self.trace.as_mut() {
+            let a = args(&[("step", step as f64), ("images", n as f64)]);
+            tr.span(Track::Compute, "forward", t0, t1, a.clone());
+            tr.span(Track::Compute, "backward", t1, t2, a);
+        }
+        Ok(())
+    }
+
+    /// The forward and backward of one pass over the staged inputs without keeping its
+    /// losses: what `bench` captures into a CUDA graph and replays (the boundary zeroes the
+    /// gradients after each update).
+    pub fn pass_unlogged(&mut self, be: &B, n: usize) -> Result<(), TrainError> {
+        self.vit.forward_staged(be, n, Some(1.0 / self.plan.global_batch as f32))?;
+        self.vit.backward(be)?;
+        Ok(())
+    }
+
+    fn keep_losses(&mut self, be: &B, step: u64, n: usize) -> Result<(), TrainError> {
+        let src = self.vit.losses_buf()?;
+        let len = be.len(src);
+        let mut dst = match self.spare_losses.iter().position(|b| be.len(b) == len) {
+            Some(i) => self.spare_losses.swap_remove(i),
+            None => be.alloc_f32(len)?,
+        };
+        be.copy(&mut dst, src)?;
+        self.pending_losses.push((step, n, dst));
+        Ok(())
+    }
+
+    /// The boundary of optimizer step `step` (0-based): finish the gradient sync, clip by the
+    /// global norm and update on the device with learning rate `lr`, zero the gradients. With
+    /// `read_norm` the pre-clip global gradient norm comes back (one host synchronization).
+    pub fn boundary(&mut self, be: &B, sync: &mut dyn GradSync<B>, lr: f64, step: u64, read_norm: bool, phases: &mut PhaseTimes) -> Result<(Option<f64>, u64), TrainError> {
+        let t0 = std::time::Instant::now();
+        let bytes = sync.finish(be, &mut self.vit.grads)?;
+        let t1 = std::time::Instant::now();
+        phases.comm_s += (t1 - t0).as_secs_f64();
+        let norm = if read_norm { Some(be.sum_squares(&self.vit.grads)?.sqrt()) } else { None };
+        let hyper = StepHyper { lr: lr as f32, step: step + 1, grad_scale: 1.0, clip_norm: self.clip };
+        self.vit.update(be, &mut self.opt_state, &self.optimizer, &self.decay, hyper)?;
+        self.vit.zero_grads(be)?;
+        let t2 = std::time::Instant::now();
+        phases.optimizer_s += (t2 - t1).as_secs_f64();
+        if let Some(tr) = self.trace.as_mut() {
+            tr.span(Track::Compute, "wait for gradients", t0, t1, args(&[("step", step as f64)]));
+            tr.span(Track::Compute, "clip + optimizer", t1, t2, args(&[("step", step as f64)]));
+        }
+        Ok((norm, bytes))
+    }
+
+    /// The summed per-image losses of every step since the last call, as (step, sum), in step
+    /// order (one host synchronization).
+    pub fn take_losses(&mut self, be: &B) -> Result<Vec<(u64, f64)>, TrainError> {
+        let mut out: Vec<(u64, f64)> = Vec::new();
+        for (step, n, buf) in self.pending_losses.drain(..) {
+            let losses = be.download(&buf)?;
+            let sum: f64 = losses[..n].iter().map(|&v| v as f64).sum();
+            match out.last_mut() {
+                Some((s, acc)) if *s == step => *acc += sum,
+                _ => out.push((step, sum)),
+            }
+            self.spare_losses.push(buf);
+        }
+        Ok(out)
+    }
+}
+
+/// Trace-event arguments from (name, number) pairs.
+fn args(kv: &[(&str, f64)]) -> serde_json::Map<String, serde_json::Value> {
+    kv.iter().map(|(k, v)| (k.to_string(), serde_json::json!(v))).collect()
+}

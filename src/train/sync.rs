@@ -1,0 +1,235 @@
+//! Gradient sync as a plan: the parameter groups that the backward finishes one after another
+//! (head with the final norm, the blocks from last to first, the embedding; see
+//! `Vit::gradient_groups`) are cut into buckets in that order, a small first bucket so the
+//! first reduction starts early (PyTorch DDP's 1 MiB), then buckets of about
+//! `zero_optimization.reduce_bucket_size` elements. A bucket is whole groups, so it is one
+//! contiguous span of the flat gradient buffer.
+//!
+//! During the step's last backward, `BucketSync` starts each bucket's all-reduce on the
+//! communicator as soon as its last group is final (`Comm::start`: the TCP ring's worker
+//! thread, or NCCL's stream) and lets the backward go on; the boundary waits for whatever is
+//! still in flight. The time of that wait is the *exposed* communication; the time from each
+//! start to its completion is the communication itself.
+
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::backend::{Backend, Span};
+use crate::comm::{Collective, Comm, ReduceOp, Work};
+use crate::train::engine::TrainError;
+use crate::train::step::GradSync;
+
+/// Elements of the first bucket: 1 MiB of f32, PyTorch DDP's first bucket.
+pub const FIRST_BUCKET_ELEMS: usize = 1 << 18;
+/// `reduce_bucket_size` when the config gives none: 25 MiB of f32 (DDP's `bucket_cap_mb`).
+/// DeepSpeed's own default, 5e8 elements, would put a whole ViT-B in one bucket and leave
+/// nothing to overlap.
+pub const DEFAULT_BUCKET_ELEMS: usize = 25 << 18;
+
+/// One bucket: a span of the flat buffer and the groups (indices into the backward's order)
+/// it holds.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Bucket {
+    pub span: Span,
+    pub groups: std::ops::Range<usize>,
+}
+
+/// The buckets of a model, in the order the backward completes them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BucketPlan {
+    pub buckets: Vec<Bucket>,
+    /// For each group, its bucket.
+    bucket_of: Vec<usize>,
+}
+
+impl BucketPlan {
+    /// Cuts `groups` (contiguous spans in backward order, each adjacent to the next one below
+    /// it in the buffer) into buckets: the first closes once it holds `first` elements, later
+    /// ones once they hold `size`. A group larger than a bucket is a bucket of its own.
+    pub fn new(groups: &[Span], first: usize, size: usize) -> Result<BucketPlan, String> {
+        for w in groups.windows(2) {
+            if w[1].off + w[1].len != w[0].off {
+                return Err(format!("gradient groups are not contiguous in backward order: {:?} then {:?}", w[0], w[1]));
+            }
+        }
+        let mut buckets: Vec<Bucket> = Vec::new();
+        let mut bucket_of = Vec::with_capacity(groups.len());
+        let mut start = 0;
+        let mut elems = 0;
+        for (i, g) in groups.iter().enumerate() {
+            elems += g.len;
+            bucket_of.push(buckets.len());
+            let cap = if buckets.is_empty() { first } else { size };
+            if elems >= cap.max(1) || i + 1 == groups.len() {
+                let lo = g.off;
+                buckets.push(Bucket { span: Span { off: lo, len: elems }, groups: start..i + 1 });
+                start = i + 1;
+                elems = 0;
+            }
+        }
+        Ok(BucketPlan { buckets, bucket_of })
+    }
+
+    pub fn total(&self) -> usize {
+        self.buckets.iter().map(|b| b.span.len).sum()
+    }
+}
+
+/// What the sync measured in one step.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct SyncTimes {
+    /// Seconds the boundary waited for reductions still in flight (not hidden by the backward).
+    pub exposed_s: f64,
+    /// Seconds from each bucket's start to its completion, summed (what the reductions took).
+    pub total_s: f64,
+    pub bytes: u64,
+}
+
+/// One bucket's reduction, for the trace: when it started and completed (seconds since the
+/// sync's epoch), and its bucket.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct BucketEvent {
+    pub bucket: usize,
+    pub start_s: f64,
+    pub end_s: f64,
+}
+
+/// The bucketed, overlapped gradient all-reduce of one step.
+pub struct BucketSync<'c, Buf> {
+    pub comm: &'c mut dyn Comm<Buf>,
+    pub plan: &'c BucketPlan,
+    /// Instant the trace's times count from.
+    pub epoch: Instant,
+    /// Groups of each bucket reported final so far.
+    done_groups: Vec<usize>,
+    in_flight: Vec<(usize, Instant, Work)>,
+    pub times: SyncTimes,
+    pub events: Vec<BucketEvent>,
+}
+
+impl<'c, Buf> BucketSync<'c, Buf> {
+    pub fn new(comm: &'c mut dyn Comm<Buf>, plan: &'c BucketPlan, epoch: Instant) -> Self {
+        BucketSync { comm, plan, epoch, done_groups: vec![0; plan.buckets.len()], in_flight: Vec::new(), times: SyncTimes::default(), events: Vec::new() }
+    }
+
+    fn start_bucket(&mut self, grads: &mut Buf, b: usize) -> Result<(), TrainError> {
+        let span = self.plan.buckets[b].span;
+        let work = self.comm.start(Collective::AllReduce(ReduceOp::Sum), grads, span)?;
+        self.times.bytes += (span.len * std::mem::size_of::<f32>()) as u64;
+        self.in_flight.push((b, Instant::now(), work));
+        Ok(())
+    }
+}
+
+impl<B: Backend> GradSync<B> for BucketSync<'_, B::Buf> {
+    fn reports_blocks(&self) -> bool {
+        self.comm.world_size() > 1
+    }
+
+    fn ready(&mut self, _be: &B, grads: &mut B::Buf, span: Span) -> Result<(), TrainError> {
+        if self.comm.world_size() == 1 {
+            return Ok(());
+        }
+        // the group this span is (groups arrive in backward order, one call each)
+        let g: usize = self.done_groups.iter().sum();
+        let b = *self.plan.bucket_of.get(g).ok_or_else(|| TrainError::Config(format!("the backward reported more gradient groups than the bucket plan has ({g})")))?;
+        let bucket = &self.plan.buckets[b];
+        if span.off < bucket.span.off || span.off + span.len > bucket.span.off + bucket.span.len {
+            return Err(TrainError::Config(format!("gradient group {g} ({span:?}) lies outside its bucket {b} ({:?})", bucket.span)));
+        }
+        self.done_groups[b] += 1;
+        if self.done_groups[b] == bucket.groups.len() {
+            self.start_bucket(grads, b)?;
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self, _be: &B, grads: &mut B::Buf) -> Result<u64, TrainError> {
+        if self.comm.world_size() == 1 {
+            return Ok(0);
+        }
+        // buckets the backward did not report (a backward without reports): start them now
+        for b in 0..self.plan.buckets.len() {
+            if self.done_groups[b] < self.plan.buckets[b].groups.len() {
+                self.done_groups[b] = self.plan.buckets[b].groups.len();
+                self.start_bucket(grads, b)?;
+            }
+        }
+        let t = Instant::now();
+        for (b, started, work) in std::mem::take(&mut self.in_flight) {
+            self.comm.wait(work, grads)?;
+            let now = Instant::now();
+            self.times.total_s += (now - started).as_secs_f64();
+            self.events.push(BucketEvent { bucket: b, start_s: (started - self.epoch).as_secs_f64(), end_s: (now - self.epoch).as_secs_f64() });
+        }
+        self.times.exposed_s += t.elapsed().as_secs_f64();
+        self.done_groups.iter_mut().for_each(|d| *d = 0);
+        Ok(std::mem::take(&mut self.times.bytes))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Groups like a ViT's in backward order: head (small), blocks, embedding.
+    fn groups(lens: &[usize]) -> Vec<Span> {
+        let total: usize = lens.iter().sum();
+        let mut off = total;
+        lens.iter()
+            .map(|&len| {
+                off -= len;
+                Span { off, len }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn first_bucket_is_small_then_buckets_fill_to_the_size() {
+        let g = groups(&[10, 100, 100, 100, 100, 30]);
+        let p = BucketPlan::new(&g, 50, 250).unwrap();
+        let spans: Vec<(usize, usize)> = p.buckets.iter().map(|b| (b.span.off, b.span.len)).collect();
+        // head+block (110 ≥ 50), then 100+100+100 ≥ 250, then the rest (130)
+        assert_eq!(spans, vec![(330, 110), (30, 300), (0, 30)]);
+        assert_eq!(p.buckets.iter().map(|b| b.groups.clone()).collect::<Vec<_>>(), vec![0..2, 2..5, 5..6]);
+        assert_eq!(p.total(), 440);
+        // every group maps to the bucket that covers it
+        for (i, s) in g.iter().enumerate() {
+            let b = &p.buckets[p.bucket_of[i]];
+            assert!(b.groups.contains(&i) && s.off >= b.span.off && s.off + s.len <= b.span.off + b.span.len);
+        }
+    }
+
+    #[test]
+    fn a_group_larger_than_a_bucket_is_its_own_bucket_and_one_bucket_can_hold_all() {
+        let g = groups(&[5, 1000, 1000, 7]);
+        let p = BucketPlan::new(&g, 1, 10).unwrap();
+        assert_eq!(p.buckets.iter().map(|b| b.span.len).collect::<Vec<_>>(), vec![5, 1000, 1000, 7]);
+        let one = BucketPlan::new(&g, usize::MAX, usize::MAX).unwrap();
+        assert_eq!(one.buckets.len(), 1);
+        assert_eq!(one.buckets[0].span, Span { off: 0, len: 2012 });
+    }
+
+    #[test]
+    fn groups_out_of_order_are_refused() {
+        let mut g = groups(&[10, 20, 30]);
+        g.swap(1, 2);
+        assert!(BucketPlan::new(&g, 1, 1).unwrap_err().contains("not contiguous"));
+    }
+
+    #[test]
+    fn the_plan_covers_a_real_model_exactly() {
+        let m = crate::model::ModelConfig::preset("vit_base_patch16_224").unwrap();
+        let be = crate::backend::cpu::Cpu::new();
+        let vit = crate::model::Vit::new(&be, m).unwrap();
+        let p = BucketPlan::new(&vit.gradient_groups(), FIRST_BUCKET_ELEMS, DEFAULT_BUCKET_ELEMS).unwrap();
+        assert_eq!(p.total(), vit.table.total);
+        // the head with the final norm (770k values, 1000 classes) fills the first bucket;
+        // every ViT-B block (7.1M values) exceeds 25 MiB of f32 and is a bucket of its own;
+        // the embedding is the last
+        assert_eq!(p.buckets.len(), 14);
+        assert_eq!(p.buckets[0].groups, 0..1);
+        assert_eq!(p.buckets[13].span.off, 0);
+    }
+}
