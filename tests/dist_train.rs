@@ -389,7 +389,10 @@ fn latest(dir: &Path) -> String {
 fn long_straight() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let d = tmp().keep().join("straight");
+        // under cargo's per-target scratch folder (not the system temp dir, where a kept
+        // tempdir would outlive every run), cleared first so a stale run is never reused
+        let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join("dist_train_straight");
+        let _ = std::fs::remove_dir_all(&d);
         train(1, LONG, &[MICRO16, LONG_EVERY], &d);
         d
     })

@@ -89,6 +89,8 @@ pub struct TcpComm {
     world: usize,
     jobs: Option<mpsc::Sender<Job>>,
     pending: HashMap<u64, mpsc::Receiver<CResult<Payload>>>,
+    /// Results `poll` found before their `wait`, with when it found them.
+    arrived: HashMap<u64, (CResult<Payload>, Instant)>,
     next_id: u64,
     /// Why the communicator is unusable, once it is.
     failed: Option<String>,
@@ -132,7 +134,7 @@ impl TcpComm {
     pub fn from_rendezvous(rv: Rendezvoused, listener: TcpListener, opts: &CommOptions) -> CResult<Self> {
         let (rank, world) = (rv.rank, rv.world_size);
         if world == 1 {
-            return Ok(TcpComm { rank, world, jobs: None, pending: HashMap::new(), next_id: 0, failed: None, _worker: None });
+            return Ok(TcpComm { rank, world, jobs: None, pending: HashMap::new(), arrived: HashMap::new(), next_id: 0, failed: None, _worker: None });
         }
         let next = (rank + 1) % world;
         let prev = (rank + world - 1) % world;
@@ -170,7 +172,7 @@ impl TcpComm {
             .name(format!("vitscale-ring-{rank}"))
             .spawn(move || ring.run(jobs_rx))
             .map_err(|e| io_err(rank, rank, "starting the ring thread", e))?;
-        Ok(TcpComm { rank, world, jobs: Some(jobs_tx), pending: HashMap::new(), next_id: 0, failed: None, _worker: Some(worker) })
+        Ok(TcpComm { rank, world, jobs: Some(jobs_tx), pending: HashMap::new(), arrived: HashMap::new(), next_id: 0, failed: None, _worker: Some(worker) })
     }
 
     fn submit(&mut self, op: JobOp, data: Payload) -> CResult<u64> {
@@ -195,8 +197,11 @@ impl TcpComm {
     }
 
     fn finish(&mut self, id: u64) -> CResult<Payload> {
-        let rx = self.pending.remove(&id).ok_or(CommError::UnknownWork { id })?;
-        match rx.recv() {
+        let got = match self.arrived.remove(&id) {
+            Some((r, _)) => Ok(r),
+            None => self.pending.remove(&id).ok_or(CommError::UnknownWork { id })?.recv(),
+        };
+        match got {
             Ok(Ok(p)) => Ok(p),
             Ok(Err(e)) => {
                 self.failed.get_or_insert_with(|| e.to_string());
@@ -243,6 +248,23 @@ impl Comm<Vec<f32>> for TcpComm {
             _ => buf[span.range()].copy_from_slice(&data),
         }
         Ok(())
+    }
+
+    fn poll(&mut self, work: &Work) -> CResult<Option<Instant>> {
+        if let Some((_, at)) = self.arrived.get(&work.id) {
+            return Ok(Some(*at));
+        }
+        let Some(rx) = self.pending.get(&work.id) else { return Err(CommError::UnknownWork { id: work.id }) };
+        match rx.try_recv() {
+            Ok(r) => {
+                self.pending.remove(&work.id);
+                let now = Instant::now();
+                self.arrived.insert(work.id, (r, now));
+                Ok(Some(now))
+            }
+            // not done yet; a vanished worker is reported by `wait`
+            Err(_) => Ok(None),
+        }
     }
 
     fn barrier(&mut self) -> CResult<()> {

@@ -8,8 +8,8 @@
 //! - [`SingleComm`]: world size 1, every collective is a no-op (any buffer type);
 //! - [`cpu::TcpComm`]: CPU ranks that are processes on one or several machines, a ring over
 //!   TCP (reduce-scatter then all-gather), for `Vec<f32>` buffers;
-//! - an NCCL implementation (later) for device buffers, which enqueues on a communication
-//!   stream and hands back an event to wait on.
+//! - `backend::cuda::nccl::NcclComm` for GPU buffers, which enqueues on a communication
+//!   stream ordered against the compute stream by events (re-exported here as `NcclComm`).
 //!
 //! Every collective has an asynchronous form: `start` returns a [`Work`] that `wait`
 //! completes, so GPU communication can overlap the backward pass. Between `start` and
@@ -30,6 +30,7 @@ use std::time::Duration;
 
 pub use crate::backend::Span;
 pub use cpu::TcpComm;
+pub use crate::backend::cuda::nccl::NcclComm;
 pub use env::{DistEnv, EnvError, EnvSource};
 pub use rendezvous::{RendezvousError, Rendezvoused};
 
@@ -183,6 +184,9 @@ pub enum CommError {
     BadRoot { root: usize, world: usize },
     #[error("wait: work #{id} was not started on this communicator (or was already waited on)")]
     UnknownWork { id: u64 },
+    /// A device-side failure (NCCL, CUDA) on this rank.
+    #[error("rank {rank}: {msg}")]
+    Device { rank: usize, msg: String },
     #[error(transparent)]
     Rendezvous(#[from] RendezvousError),
     #[error(transparent)]
@@ -219,6 +223,24 @@ pub trait Comm<Buf>: Send {
     fn barrier(&mut self) -> CResult<()>;
     /// Sums small host-side values over ranks (losses, accuracy counts, timings), in f64.
     fn all_reduce_host(&mut self, vals: &mut [f64]) -> CResult<()>;
+    /// Whether a started collective has completed, and since when as far as this rank saw
+    /// (None: still running, or the transport cannot tell without waiting). Never blocks.
+    fn poll(&mut self, _work: &Work) -> CResult<Option<std::time::Instant>> {
+        Ok(None)
+    }
+    /// Called before and after the boundary's waits for a step's collectives, so a transport
+    /// that times on the device can measure how long compute waited (the exposed part).
+    fn begin_waits(&mut self) -> CResult<()> {
+        Ok(())
+    }
+    fn end_waits(&mut self) -> CResult<()> {
+        Ok(())
+    }
+    /// (exposed, total) seconds of the collectives waited on since the last call, measured on
+    /// the device; None for transports the host's clock times (the TCP ring). Synchronizes.
+    fn take_device_timing(&mut self) -> CResult<Option<(f64, f64)>> {
+        Ok(None)
+    }
 
     // ---- blocking forms --------------------------------------------------------------
     fn all_reduce(&mut self, buf: &mut Buf, span: Span, op: ReduceOp) -> CResult<()> {

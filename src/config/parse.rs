@@ -326,6 +326,12 @@ const BF16_KEYS: &[KeyDef] = &[
 
 const ZERO_STAGE: KeyDef = key("stage", Ty::Int { lo: 0, hi: 3 }, Dflt::Int(0),
     "0 = plain data parallel, 1 = shard optimizer states, 2 = + gradients, 3 = + parameters.");
+const ZERO_BUCKET: KeyDef = key(
+    "reduce_bucket_size",
+    POS_INT,
+    Dflt::Derived("6553600 (25 MiB of f32, PyTorch DDP's bucket_cap_mb; DeepSpeed's 5e8 would make a ViT-B one bucket)"),
+    "Elements per gradient bucket after the first (1 MiB) one: each bucket is all-reduced as soon as the backward has finished it, while the backward goes on.",
+);
 /// `zero_optimization` tuning keys (DeepSpeed names, current and legacy): accepted, not
 /// implemented; listed in the warnings when present.
 const ZERO_TUNING: &[&str] = &[
@@ -863,7 +869,7 @@ pub fn resolve(value: &Value, world_size: usize) -> Result<RunConfig> {
     let batch = resolve_batch_keys(root, world_size, &mut cx)?;
     let gradient_clipping = get_num(Some(root), "", &GRADIENT_CLIPPING, &mut cx)?;
     let precision = parse_precision(root, &mut cx)?;
-    let zero_stage = parse_zero(root.get("zero_optimization"), &mut cx)?;
+    let (zero_stage, reduce_bucket_size) = parse_zero(root.get("zero_optimization"), &mut cx)?;
     let data = parse_data(section(root.get("data"), "data")?, &mut cx)?;
     let model = parse_model(section(root.get("model"), "model")?, &data, &mut cx)?;
     let steps_per_print = get_int(Some(root), "", &STEPS_PER_PRINT, &mut cx)?;
@@ -885,6 +891,7 @@ pub fn resolve(value: &Value, world_size: usize) -> Result<RunConfig> {
         gradient_clipping,
         precision,
         zero_stage,
+        reduce_bucket_size,
         model,
         data,
         train,
@@ -1186,23 +1193,25 @@ fn parse_precision(root: &Map<String, Value>, cx: &mut Cx) -> Result<Precision> 
 
 // -- zero --
 
-fn parse_zero(v: Option<&Value>, cx: &mut Cx) -> Result<u8> {
+/// `zero_optimization`: (stage, reduce_bucket_size if given).
+fn parse_zero(v: Option<&Value>, cx: &mut Cx) -> Result<(u8, Option<usize>)> {
     let block = match v {
-        None | Some(Value::Null) => return Ok(0),
+        None | Some(Value::Null) => return Ok((0, None)),
         // Legacy form: `"zero_optimization": true` meant stage 1.
         Some(Value::Bool(b)) => {
             cx.warn("zero_optimization = true/false is DeepSpeed's deprecated form; use {\"stage\": N}".into());
-            return Ok(u8::from(*b));
+            return Ok((u8::from(*b), None));
         }
         Some(Value::Object(m)) => m,
         Some(other) => return Err(key_err("zero_optimization", format!("expected an object, got {}", kind_of(other)))),
     };
-    check_keys("zero_optimization", block, &[ZERO_STAGE], ZERO_TUNING)?;
+    check_keys("zero_optimization", block, &[ZERO_STAGE, ZERO_BUCKET], ZERO_TUNING)?;
     let stage = get_int(Some(block), "zero_optimization", &ZERO_STAGE, cx)? as u8;
+    let bucket = opt_int(Some(block), "zero_optimization", &ZERO_BUCKET, cx)?.map(|n| n as usize);
     // In the file's order, so the warning reads like the config.
     let present: Vec<&str> = block
         .iter()
-        .filter(|(k, v)| ZERO_TUNING.contains(&k.as_str()) && !v.is_null())
+        .filter(|(k, v)| ZERO_TUNING.contains(&k.as_str()) && k.as_str() != "reduce_bucket_size" && !v.is_null())
         .map(|(k, _)| k.as_str())
         .collect();
     for off in ["offload_optimizer", "offload_param"] {
@@ -1221,7 +1230,7 @@ fn parse_zero(v: Option<&Value>, cx: &mut Cx) -> Result<u8> {
             present.join(", ")
         ));
     }
-    Ok(stage)
+    Ok((stage, bucket))
 }
 
 // -- model --
@@ -1493,7 +1502,10 @@ pub fn resolved_json(cfg: &RunConfig) -> Value {
         "gradient_accumulation_steps": cfg.batch.gradient_accumulation_steps,
         "optimizer": optimizer,
         "gradient_clipping": cfg.gradient_clipping,
-        "zero_optimization": { "stage": cfg.zero_stage },
+        "zero_optimization": match cfg.reduce_bucket_size {
+            Some(n) => json!({ "stage": cfg.zero_stage, "reduce_bucket_size": n }),
+            None => json!({ "stage": cfg.zero_stage }),
+        },
         "model": {
             "image_size": m.image_size, "patch_size": m.patch_size, "in_chans": m.in_chans, "embed_dim": m.embed_dim,
             "depth": m.depth, "num_heads": m.num_heads, "mlp_ratio": m.mlp_ratio, "num_classes": m.num_classes,

@@ -402,6 +402,9 @@ pub struct RunConfig {
     pub precision: Precision,
     /// DeepSpeed `zero_optimization.stage`.
     pub zero_stage: u8,
+    /// `zero_optimization.reduce_bucket_size`: elements per gradient bucket (None = the
+    /// default of `train::sync`).
+    pub reduce_bucket_size: Option<usize>,
     pub model: ModelConfig,
     pub data: DataConfig,
     pub train: TrainConfig,

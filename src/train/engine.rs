@@ -215,7 +215,8 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         st.trace = Some(Trace::new(rank, t_start));
     }
     // the gradient buckets, reduced while the step's last backward goes on
-    let buckets = BucketPlan::new(&st.vit.gradient_groups(), FIRST_BUCKET_ELEMS, DEFAULT_BUCKET_ELEMS).map_err(TrainError::Config)?;
+    let bucket_elems = cfg.reduce_bucket_size.unwrap_or(DEFAULT_BUCKET_ELEMS);
+    let buckets = BucketPlan::new(&st.vit.gradient_groups(), FIRST_BUCKET_ELEMS.min(bucket_elems), bucket_elems).map_err(TrainError::Config)?;
 
     // resume, then make every rank start from rank 0's exact state.
     let mut start_step = 0u64;
@@ -269,6 +270,8 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     // ---- the loop
     let mut phases = PhaseTimes::default();
     let (mut window_comm_bytes, mut window_comm_total) = (0u64, 0.0f64);
+    // (exposed, total) seconds of the window's collectives as the device timed them, if it did
+    let mut window_device_comm: Option<(f64, f64)> = None;
     let (mut window_loss, mut window_steps, mut window_start) = (0.0f64, 0u64, Instant::now());
     let (mut epoch_loss, mut epoch_steps) = (0.0f64, 0u64);
     let mut last_epoch_loss = f64::NAN;
@@ -389,6 +392,12 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
             if world > 1 {
                 comm.all_reduce_host(&mut sums)?;
             }
+            // a device transport timed its collectives with events: those replace the host's
+            // view of them, which on a GPU only sees the enqueueing
+            if let Some((exposed, total)) = comm.take_device_timing()? {
+                let w = window_device_comm.get_or_insert((0.0, 0.0));
+                (w.0, w.1) = (w.0 + exposed, w.1 + total);
+            }
             for (&(s, _), sum) in taken.iter().zip(sums) {
                 let loss = sum / global_batch as f64;
                 if !loss.is_finite() {
@@ -439,6 +448,9 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
 
         // ---- metrics line
         if log_now {
+            if let Some((exposed, total)) = window_device_comm.take() {
+                (phases.comm_s, window_comm_total) = (exposed, total);
+            }
             let secs = window_start.elapsed().as_secs_f64();
             let ips = (window_steps * global_batch as u64) as f64 / secs.max(1e-9);
             let rec = StepRecord {

@@ -49,6 +49,7 @@ mod device;
 mod embed;
 mod gemm;
 pub mod libs;
+pub mod nccl;
 mod linear;
 mod norm;
 mod optim;

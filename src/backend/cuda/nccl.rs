@@ -1,0 +1,430 @@
+//! The NCCL communicator: the `Comm` trait on device buffers, for GPU ranks.
+//!
+//! - The library is opened by us, not by cudarc's loader, which looks for `libnccl.so` and
+//!   CUDA-versioned names but not `libnccl.so.2`, the name pip's `nvidia-nccl` wheel and most
+//!   packages ship; we try the loader path first, then the same folders as the other CUDA
+//!   libraries (`libs::candidate_dirs`). The types are cudarc's NCCL bindings'.
+//! - The unique id travels from rank 0 through the rendezvous (`TcpComm::connect_sharing`),
+//!   whose TCP ring also carries the host-side values (`all_reduce_host`, `barrier`).
+//! - Collectives run on a stream of their own. `start` makes that stream wait for an event
+//!   recorded on the compute stream (the gradients are written), enqueues the collective and
+//!   records a completion event; `wait` makes the compute stream wait for that event. Neither
+//!   blocks the host, so buckets reduce while the backward's kernels run.
+//! - Device timing: each collective is bracketed by timing events on the communication stream
+//!   (its duration), and the boundary's waits by events on the compute stream (the exposed
+//!   part, `begin_waits` / `end_waits`); `take_device_timing` reads them after a host
+//!   synchronization.
+//! - A watchdog thread polls the completion events: a collective outstanding for longer than
+//!   the communicator's timeout is aborted (`ncclCommAbort`) and every later call fails with
+//!   an error naming the collective, its span and this rank; NCCL's own asynchronous errors
+//!   (a peer that vanished) are caught the same way.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys::{CUevent_flags, CUresult, CUstream};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+use cudarc::nccl::sys::ncclUniqueId;
+
+use super::{libs, Cuda, CudaBuf};
+use crate::comm::{check_args, CResult, Collective, Comm, CommError, CommOptions, DistEnv, ReduceOp, Span, TcpComm, Work};
+
+type RawComm = *mut c_void;
+// NCCL's result, data type and operation codes (nccl.h), as plain integers: a value this
+// build does not know must not be read into a Rust enum.
+const NCCL_SUCCESS: c_int = 0;
+const NCCL_IN_PROGRESS: c_int = 7;
+const NCCL_FLOAT32: c_int = 7;
+const NCCL_BFLOAT16: c_int = 9;
+const NCCL_SUM: c_int = 0;
+const NCCL_AVG: c_int = 4;
+
+/// The NCCL functions we call, resolved once per process.
+struct Lib {
+    get_unique_id: unsafe extern "C" fn(*mut ncclUniqueId) -> c_int,
+    comm_init_rank: unsafe extern "C" fn(*mut RawComm, c_int, ncclUniqueId, c_int) -> c_int,
+    all_reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, RawComm, CUstream) -> c_int,
+    reduce_scatter: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, RawComm, CUstream) -> c_int,
+    all_gather: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, RawComm, CUstream) -> c_int,
+    broadcast: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, RawComm, CUstream) -> c_int,
+    comm_abort: unsafe extern "C" fn(RawComm) -> c_int,
+    comm_destroy: unsafe extern "C" fn(RawComm) -> c_int,
+    async_error: unsafe extern "C" fn(RawComm, *mut c_int) -> c_int,
+    error_string: unsafe extern "C" fn(c_int) -> *const c_char,
+    get_version: unsafe extern "C" fn(*mut c_int) -> c_int,
+    _lib: libloading::Library,
+}
+
+const NAMES: [&str; 2] = ["libnccl.so.2", "libnccl.so"];
+
+fn open_lib() -> Result<Lib, String> {
+    libs::ensure_loaded()?;
+    let mut tried = Vec::new();
+    let mut candidates: Vec<PathBuf> = NAMES.iter().map(PathBuf::from).collect();
+    for d in libs::candidate_dirs() {
+        candidates.extend(NAMES.iter().map(|n| d.join(n)).filter(|p| p.exists()));
+    }
+    for path in candidates {
+        // SAFETY: opening the vendor library runs its initializers, as any NCCL user does.
+        let lib = match unsafe { libloading::Library::new(&path) } {
+            Ok(l) => l,
+            Err(e) => {
+                tried.push(format!("{}: {e}", path.display()));
+                continue;
+            }
+        };
+        // SAFETY: the signatures are nccl.h's (NCCL 2.x, stable ABI); each symbol is looked up
+        // by its exported name, and `lib` moves into the table that keeps it loaded.
+        let resolve = |name: &str| -> Result<*const c_void, String> {
+            unsafe { lib.get::<*const c_void>(name.as_bytes()) }.map(|s| *s).map_err(|e| format!("{}: {name}: {e}", path.display()))
+        };
+        let names = [
+            "ncclGetUniqueId", "ncclCommInitRank", "ncclAllReduce", "ncclReduceScatter", "ncclAllGather", "ncclBroadcast",
+            "ncclCommAbort", "ncclCommDestroy", "ncclCommGetAsyncError", "ncclGetErrorString", "ncclGetVersion",
+        ];
+        let table = names.iter().map(|n| resolve(n)).collect::<Result<Vec<_>, String>>().map(|p| {
+            // SAFETY: each pointer is the named NCCL function, transmuted to its nccl.h type.
+            unsafe {
+                Lib {
+                    get_unique_id: std::mem::transmute::<*const c_void, _>(p[0]),
+                    comm_init_rank: std::mem::transmute::<*const c_void, _>(p[1]),
+                    all_reduce: std::mem::transmute::<*const c_void, _>(p[2]),
+                    reduce_scatter: std::mem::transmute::<*const c_void, _>(p[3]),
+                    all_gather: std::mem::transmute::<*const c_void, _>(p[4]),
+                    broadcast: std::mem::transmute::<*const c_void, _>(p[5]),
+                    comm_abort: std::mem::transmute::<*const c_void, _>(p[6]),
+                    comm_destroy: std::mem::transmute::<*const c_void, _>(p[7]),
+                    async_error: std::mem::transmute::<*const c_void, _>(p[8]),
+                    error_string: std::mem::transmute::<*const c_void, _>(p[9]),
+                    get_version: std::mem::transmute::<*const c_void, _>(p[10]),
+                    _lib: lib,
+                }
+            }
+        });
+        match table {
+            Ok(t) => return Ok(t),
+            Err(e) => tried.push(e),
+        }
+    }
+    Err(format!(
+        "cannot load libnccl.so.2 (NCCL, the GPU collectives): not on the loader path and not found in the CUDA library folders ({}); install NCCL or `pip install nvidia-nccl-cu13`, or set VITSCALE_CUDA_LIB_DIR to the folder that holds it",
+        if tried.is_empty() { "no candidate file".to_string() } else { tried.join("; ") }
+    ))
+}
+
+fn lib() -> Result<&'static Lib, String> {
+    static LIB: OnceLock<Result<Lib, String>> = OnceLock::new();
+    LIB.get_or_init(open_lib).as_ref().map_err(|e| e.clone())
+}
+
+/// NCCL's version as "2.28.9", or why it could not be loaded.
+pub fn version() -> Result<String, String> {
+    let l = lib()?;
+    let mut v: c_int = 0;
+    // SAFETY: writes one int.
+    unsafe { (l.get_version)(&mut v) };
+    Ok(format!("{}.{}.{}", v / 10000, (v / 100) % 100, v % 100))
+}
+
+fn nccl_text(l: &Lib, r: c_int) -> String {
+    // SAFETY: NCCL returns a static NUL-terminated string for any code.
+    let s = unsafe { (l.error_string)(r) };
+    if s.is_null() {
+        format!("NCCL error {r}")
+    } else {
+        unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned()
+    }
+}
+
+/// The communicator handle, shared with the watchdog (abort is thread-safe in NCCL).
+struct Handle(RawComm);
+// SAFETY: an NCCL communicator may be aborted or queried from another thread.
+unsafe impl Send for Handle {}
+unsafe impl Sync for Handle {}
+
+struct InFlight {
+    id: u64,
+    done: Arc<CudaEvent>,
+    since: Instant,
+    what: String,
+}
+
+/// What the watchdog shares with the communicator.
+struct Shared {
+    in_flight: Mutex<Vec<InFlight>>,
+    /// Set once the communicator failed: the reason every later call reports.
+    failed: Mutex<Option<String>>,
+    stop: AtomicBool,
+}
+
+pub struct NcclComm {
+    rank: usize,
+    world: usize,
+    lib: &'static Lib,
+    comm: Arc<Handle>,
+    ctx: Arc<CudaContext>,
+    compute: Arc<CudaStream>,
+    stream: Arc<CudaStream>,
+    host: TcpComm,
+    shared: Arc<Shared>,
+    watchdog: Option<std::thread::JoinHandle<()>>,
+    next_id: u64,
+    pending: HashMap<u64, (Arc<CudaEvent>, Arc<CudaEvent>)>,
+    /// (start, done) of collectives waited on since the last `take_device_timing`.
+    timed: Vec<(Arc<CudaEvent>, Arc<CudaEvent>)>,
+    /// The compute stream's events around each boundary's waits.
+    waits: Vec<(CudaEvent, CudaEvent)>,
+    open_wait: Option<CudaEvent>,
+}
+
+fn cu(rank: usize, what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> CommError + '_ {
+    move |e| CommError::Device { rank, msg: format!("{what}: {e}") }
+}
+
+impl NcclComm {
+    /// Joins the job `env` describes on the GPU of `be`: rendezvous (rank 0's unique id goes
+    /// to every rank), then `ncclCommInitRank`. Collectives wait at most `opts.timeout`.
+    pub fn connect(env: &DistEnv, opts: &CommOptions, config_hash: &str, be: &Cuda) -> CResult<NcclComm> {
+        let rank = env.rank;
+        let l = lib().map_err(|msg| CommError::Device { rank, msg })?;
+        let mut id = ncclUniqueId { internal: [0; 128] };
+        if rank == 0 {
+            // SAFETY: fills the 128-byte id.
+            let r = unsafe { (l.get_unique_id)(&mut id) };
+            if r != NCCL_SUCCESS {
+                return Err(CommError::Device { rank, msg: format!("ncclGetUniqueId: {}", nccl_text(l, r)) });
+            }
+        }
+        let blob: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
+        let (host, blob) = TcpComm::connect_sharing(env, opts, config_hash, blob)?;
+        if blob.len() != 128 {
+            return Err(CommError::Device { rank, msg: format!("the NCCL unique id from rank 0 has {} bytes, expected 128", blob.len()) });
+        }
+        for (d, s) in id.internal.iter_mut().zip(&blob) {
+            *d = *s as c_char;
+        }
+        let ctx = be.context().clone();
+        ctx.bind_to_thread().map_err(cu(rank, "binding the CUDA context"))?;
+        let mut comm: RawComm = std::ptr::null_mut();
+        // SAFETY: every rank calls this once with the same id; blocks until all have joined.
+        let r = unsafe { (l.comm_init_rank)(&mut comm, env.world_size as c_int, id, rank as c_int) };
+        if r != NCCL_SUCCESS {
+            return Err(CommError::Device { rank, msg: format!("ncclCommInitRank (rank {rank} of {}): {}", env.world_size, nccl_text(l, r)) });
+        }
+        let stream = ctx.new_stream().map_err(cu(rank, "creating the communication stream"))?;
+        let shared = Arc::new(Shared { in_flight: Mutex::new(Vec::new()), failed: Mutex::new(None), stop: AtomicBool::new(false) });
+        let handle = Arc::new(Handle(comm));
+        let watchdog = {
+            let (shared, handle, ctx) = (shared.clone(), handle.clone(), ctx.clone());
+            let timeout = opts.timeout;
+            std::thread::Builder::new()
+                .name(format!("vitscale-nccl-watchdog-{rank}"))
+                .spawn(move || watch(l, rank, &shared, &handle, &ctx, timeout))
+                .map_err(|e| CommError::Device { rank, msg: format!("starting the NCCL watchdog: {e}") })?
+        };
+        Ok(NcclComm {
+            rank,
+            world: env.world_size,
+            lib: l,
+            comm: handle,
+            ctx,
+            compute: be.stream().clone(),
+            stream,
+            host,
+            shared,
+            watchdog: Some(watchdog),
+            next_id: 0,
+            pending: HashMap::new(),
+            timed: Vec::new(),
+            waits: Vec::new(),
+            open_wait: None,
+        })
+    }
+
+    fn check_failed(&self) -> CResult<()> {
+        match self.shared.failed.lock().map(|f| f.clone()) {
+            Ok(None) => Ok(()),
+            Ok(Some(cause)) => Err(CommError::Poisoned { rank: self.rank, cause }),
+            Err(_) => Err(CommError::Poisoned { rank: self.rank, cause: "the NCCL watchdog panicked".into() }),
+        }
+    }
+
+    fn event(&self, timing: bool) -> CResult<CudaEvent> {
+        let flags = if timing { CUevent_flags::CU_EVENT_DEFAULT } else { CUevent_flags::CU_EVENT_DISABLE_TIMING };
+        self.ctx.new_event(Some(flags)).map_err(cu(self.rank, "creating an event"))
+    }
+}
+
+/// The watchdog: every 50 ms, retire completed collectives, abort one outstanding past the
+/// timeout, and catch NCCL's asynchronous errors.
+fn watch(l: &'static Lib, rank: usize, shared: &Shared, comm: &Handle, ctx: &Arc<CudaContext>, timeout: Duration) {
+    let _ = ctx.bind_to_thread();
+    while !shared.stop.load(Ordering::Relaxed) {
+        std::thread::sleep(Duration::from_millis(50));
+        let mut stalled = None;
+        if let Ok(mut list) = shared.in_flight.lock() {
+            // SAFETY: querying an event that the list keeps alive.
+            list.retain(|f| unsafe { cudarc::driver::sys::cuEventQuery(f.done.cu_event()) } == CUresult::CUDA_ERROR_NOT_READY);
+            if let Some(f) = list.iter().find(|f| f.since.elapsed() > timeout) {
+                stalled = Some(format!(
+                    "rank {rank}: {} (collective #{}) did not complete within {:.0?}: a peer rank is stalled, gone, or did not enter it; NCCL was aborted",
+                    f.what, f.id, timeout
+                ));
+            }
+        }
+        let mut async_err: c_int = NCCL_SUCCESS;
+        // SAFETY: the communicator is alive until the watchdog has stopped.
+        unsafe { (l.async_error)(comm.0, &mut async_err) };
+        if stalled.is_none() && async_err != NCCL_SUCCESS && async_err != NCCL_IN_PROGRESS {
+            stalled = Some(format!("rank {rank}: NCCL reported an asynchronous error: {} (a peer rank exited or its connection broke); NCCL was aborted", nccl_text(l, async_err)));
+        }
+        if let Some(msg) = stalled {
+            eprintln!("error: {msg}");
+            if let Ok(mut f) = shared.failed.lock() {
+                f.get_or_insert(msg);
+            }
+            // SAFETY: aborting from another thread is what ncclCommAbort is for; it makes the
+            // outstanding kernels return, so the host's next synchronization does not hang.
+            unsafe { (l.comm_abort)(comm.0) };
+            return;
+        }
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        if let Some(w) = self.watchdog.take() {
+            let _ = w.join();
+        }
+        let failed = self.shared.failed.lock().map(|f| f.is_some()).unwrap_or(true);
+        if !failed {
+            let _ = self.stream.synchronize();
+            // SAFETY: no collective is outstanding (the stream is idle) and the watchdog ended.
+            unsafe { (self.lib.comm_destroy)(self.comm.0) };
+        }
+    }
+}
+
+fn nccl_type(buf: &CudaBuf) -> c_int {
+    if buf.is_bf16() {
+        NCCL_BFLOAT16
+    } else {
+        NCCL_FLOAT32
+    }
+}
+
+impl Comm<CudaBuf> for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world
+    }
+    fn describe(&self) -> String {
+        format!("NCCL {}, rank {} of {}", version().unwrap_or_default(), self.rank, self.world)
+    }
+
+    fn start(&mut self, op: Collective, buf: &mut CudaBuf, span: Span) -> CResult<Work> {
+        self.check_failed()?;
+        check_args(op, span, buf.len, self.world)?;
+        let rank = self.rank;
+        // the collective may read the span once the compute stream has written it
+        let ready = self.event(false)?;
+        ready.record(&self.compute).map_err(cu(rank, "recording the gradients' event"))?;
+        self.stream.wait(&ready).map_err(cu(rank, "ordering the communication stream"))?;
+        let start = Arc::new(self.event(true)?);
+        start.record(&self.stream).map_err(cu(rank, "recording a collective's start"))?;
+        let (l, c, s, ty) = (self.lib, self.comm.0, self.stream.cu_stream(), nccl_type(buf));
+        let elem = buf.bytes() / buf.len.max(1);
+        let base = buf.at(span.off) as *mut c_void;
+        let red = |o: ReduceOp| if o == ReduceOp::Avg { NCCL_AVG } else { NCCL_SUM };
+        // SAFETY: every pointer is inside `buf` (span checked above); in-place forms as nccl.h
+        // documents them (reduce-scatter's output is its own shard of the input, all-gather's
+        // input its own shard of the output).
+        let r = unsafe {
+            match op {
+                Collective::AllReduce(o) => (l.all_reduce)(base, base, span.len, ty, red(o), c, s),
+                Collective::ReduceScatter(o) => {
+                    let n = span.len / self.world;
+                    (l.reduce_scatter)(base, base.byte_add(rank * n * elem), n, ty, red(o), c, s)
+                }
+                Collective::AllGather => {
+                    let n = span.len / self.world;
+                    (l.all_gather)(base.byte_add(rank * n * elem), base, n, ty, c, s)
+                }
+                Collective::Broadcast { root } => (l.broadcast)(base, base, span.len, ty, root as c_int, c, s),
+            }
+        };
+        if r != NCCL_SUCCESS && r != NCCL_IN_PROGRESS {
+            return Err(CommError::Device { rank, msg: format!("nccl {} of elements {}..{}: {}", op.name(), span.off, span.off + span.len, nccl_text(l, r)) });
+        }
+        let done = Arc::new(self.event(true)?);
+        done.record(&self.stream).map_err(cu(rank, "recording a collective's end"))?;
+        self.next_id += 1;
+        let id = self.next_id;
+        if let Ok(mut list) = self.shared.in_flight.lock() {
+            list.push(InFlight { id, done: done.clone(), since: Instant::now(), what: format!("{} of elements {}..{} ({} values)", op.name(), span.off, span.off + span.len, span.len) });
+        }
+        self.pending.insert(id, (start, done));
+        Ok(Work { id, op, span })
+    }
+
+    fn wait(&mut self, work: Work, _buf: &mut CudaBuf) -> CResult<()> {
+        self.check_failed()?;
+        let (start, done) = self.pending.remove(&work.id).ok_or(CommError::UnknownWork { id: work.id })?;
+        // the compute stream goes on once the collective is done; the host does not wait
+        self.compute.wait(&done).map_err(cu(self.rank, "ordering the compute stream"))?;
+        self.timed.push((start, done));
+        Ok(())
+    }
+
+    fn begin_waits(&mut self) -> CResult<()> {
+        let e = self.event(true)?;
+        e.record(&self.compute).map_err(cu(self.rank, "recording the backward's end"))?;
+        self.open_wait = Some(e);
+        Ok(())
+    }
+
+    fn end_waits(&mut self) -> CResult<()> {
+        if let Some(begin) = self.open_wait.take() {
+            let e = self.event(true)?;
+            e.record(&self.compute).map_err(cu(self.rank, "recording the waits' end"))?;
+            self.waits.push((begin, e));
+        }
+        Ok(())
+    }
+
+    fn take_device_timing(&mut self) -> CResult<Option<(f64, f64)>> {
+        self.check_failed()?;
+        let rank = self.rank;
+        let ms = |a: &CudaEvent, b: &CudaEvent| -> CResult<f64> {
+            b.synchronize().map_err(cu(rank, "waiting for a timing event"))?;
+            Ok(a.elapsed_ms(b).map_err(cu(rank, "reading a timing event"))? as f64 * 1e-3)
+        };
+        let mut exposed = 0.0;
+        for (a, b) in std::mem::take(&mut self.waits) {
+            exposed += ms(&a, &b)?;
+        }
+        let mut total = 0.0;
+        for (a, b) in std::mem::take(&mut self.timed) {
+            total += ms(&a, &b)?;
+        }
+        Ok(Some((exposed, total)))
+    }
+
+    fn barrier(&mut self) -> CResult<()> {
+        self.check_failed()?;
+        self.compute.synchronize().map_err(cu(self.rank, "synchronizing before a barrier"))?;
+        Comm::<Vec<f32>>::barrier(&mut self.host)
+    }
+
+    fn all_reduce_host(&mut self, vals: &mut [f64]) -> CResult<()> {
+        self.check_failed()?;
+        Comm::<Vec<f32>>::all_reduce_host(&mut self.host, vals)
+    }
+}
