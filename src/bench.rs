@@ -1,4 +1,5 @@
-//! `vitscale bench`: training-step throughput on synthetic, device-resident data.
+//! The benchmark behind `vitscale bench` (`cmd::bench`): training-step throughput on
+//! synthetic, device-resident data.
 //!
 //! The step is the one a training run takes (`train::step::Step`: forward → backward →
 //! global gradient norm and clipping at 1.0 on the device → AdamW (lr 1e-4, weight decay
@@ -22,6 +23,7 @@ use rand_chacha::ChaCha8Rng;
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::telemetry::{PowerSampler, PowerSummary};
 use crate::backend::{BResult, Backend, DecayGroups};
+use crate::cmd::bench::BenchArgs;
 use crate::config::{DecaySkip, OptimizerConfig};
 use crate::model::vit::{smoothed_targets, Recompute, Vit};
 use crate::model::spec::PRESET_NAMES;
@@ -29,69 +31,6 @@ use crate::model::ModelConfig;
 use crate::metrics::PhaseTimes;
 use crate::train::plan::Plan;
 use crate::train::step::{LocalGrads, Step};
-
-/// Command-line options of `vitscale bench`.
-#[derive(clap::Args, Debug, Clone)]
-pub struct BenchArgs {
-    /// Model preset (timm name).
-    #[arg(long, default_value = "vit_base_patch16_224")]
-    pub model: String,
-    /// Micro-batch size (images per step).
-    #[arg(long, default_value_t = 256)]
-    pub micro: usize,
-    /// Timed steps.
-    #[arg(long, default_value_t = 30)]
-    pub steps: usize,
-    /// Untimed warm-up steps.
-    #[arg(long, default_value_t = 10)]
-    pub warmup: usize,
-    /// cuda or cpu.
-    #[arg(long, default_value = "cuda")]
-    pub device: String,
-    /// GPU index.
-    #[arg(long, default_value_t = 0)]
-    pub gpu: usize,
-    /// Override the preset's class count (the peer script uses 10).
-    #[arg(long)]
-    pub classes: Option<usize>,
-    /// Capture forward+backward into a CUDA graph: on, off, or auto (on).
-    #[arg(long, default_value = "auto")]
-    pub graph: String,
-    /// Skip measuring the bf16 GEMM ceiling (MFU then uses 794 TFLOP/s, DEVICE.md).
-    #[arg(long)]
-    pub no_ceiling: bool,
-    /// After timing, run one eager step with every kernel and GEMM timed and print the table.
-    #[arg(long)]
-    pub profile: bool,
-    /// CUDA attention path: fused, fused-pipe or gemm (default: $VITSCALE_ATTENTION, else fused).
-    #[arg(long)]
-    pub attention: Option<String>,
-    /// Activation memory policy: auto (regenerate LayerNorm/GELU outputs in the backward when
-    /// the backend says it is nearly free), never, always.
-    #[arg(long, default_value = "auto")]
-    pub recompute: String,
-    /// Compute the last block for every token, as timm does, instead of the class token alone
-    /// after its keys and values (same results; for comparing the two).
-    #[arg(long)]
-    pub full_last_block: bool,
-    /// Print one JSON object as the last line.
-    #[arg(long)]
-    pub json: bool,
-    /// Measure the data loader instead of the model (`data::bench`): CIFAR 32-px crop+flip,
-    /// 224-px JPEG RandomResizedCrop+flip, and the same + RandAugment, at 1 thread and at
-    /// --threads. Model options are ignored.
-    #[arg(long)]
-    pub data: bool,
-    /// With --data: loader threads for the parallel points (0 = every core).
-    #[arg(long, default_value_t = 0)]
-    pub threads: usize,
-    /// With --data: read the `.jpg` files of this folder instead of generated ones.
-    #[arg(long)]
-    pub jpeg_dir: Option<std::path::PathBuf>,
-    /// With --data: seconds per measured point.
-    #[arg(long, default_value_t = 3.0)]
-    pub secs: f64,
-}
 
 /// What one benchmark measured.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -348,34 +287,12 @@ fn print_profile(timeline: &[crate::backend::cuda::ProfiledLaunch]) {
     }
 }
 
-/// `vitscale bench`.
-pub fn bench(args: &BenchArgs) -> anyhow::Result<BenchResult> {
+/// Runs the benchmark `args` describe (the model options; `--data` is the command's).
+pub fn measure(args: &BenchArgs) -> anyhow::Result<BenchResult> {
     let s = setup(args)?;
-    let r = match args.device.as_str() {
-        "cuda" | "gpu" => bench_cuda(args, &s)?,
-        "cpu" => bench_cpu(args, &s)?,
+    match args.device.as_str() {
+        "cuda" | "gpu" => bench_cuda(args, &s),
+        "cpu" => bench_cpu(args, &s),
         other => anyhow::bail!("--device must be cuda or cpu, got {other:?}"),
-    };
-    println!(
-        "{} on {}: micro {} | {:.2} ms/step | {:.1} img/s | {:.1} TFLOP/s of {:.0} measured ceiling = MFU {:.1}% | peak mem {:.2} GiB | graph {} | recompute {} | loss {:.4}",
-        r.model, r.device, r.micro, r.step_ms, r.img_per_s, r.achieved_tflops, r.ceiling_tflops, r.mfu * 100.0, r.peak_mem_gib, r.graph, r.recomputed, r.loss
-    );
-    if r.executed_share < 1.0 {
-        println!(
-            "MFU counts the model's {:.1} GFLOP per trained image; the step executes {:.1} % of them (the last block's queries, projection and MLP on the class token alone): {:.1} TFLOP/s executed",
-            r.train_gflop_per_img,
-            r.executed_share * 100.0,
-            r.achieved_tflops * r.executed_share
-        );
     }
-    if let Some(p) = &r.gpu_power {
-        println!("GPU during the timed steps: {p}");
-    }
-    if let Some(p) = &r.ceiling_gpu_power {
-        println!("GPU during the ceiling GEMM: {p}");
-    }
-    if args.json {
-        println!("{}", serde_json::to_string(&r)?);
-    }
-    Ok(r)
 }

@@ -8,15 +8,15 @@
 //! - `data`    — defines: datasets (built-in, synthetic, CIFAR), augmentation, sampling into global batches.
 //! - `train`   — defines: the training step and loop, learning-rate schedules, checkpoints.
 //! - `comm`    — defines: the `Comm` trait (collectives on flat buffers), the TCP ring for CPU ranks, rendezvous, `DistEnv`.
-//! - `launch`  — defines: `vitscale launch`, spawning workers locally or over ssh from a hostfile.
+//! - `launch`  — defines: the launcher behind `vitscale launch`, spawning workers locally or over ssh from a hostfile, supervising them.
 //! - `metrics` — defines: phase timers and the `metrics.jsonl` records.
-//! - `cli`     — defines: the subcommands behind `vitscale`.
+//! - `cmd`     — defines: the subcommands behind `vitscale` (one file each: its arguments and `run`), the config and device loading they share, exit codes.
 //! - `util`    — defines: atomic file writes, scoped signal handlers.
-//! - `selftest` — defines: `vitscale selftest`, every backend op and a short training run against the CPU reference.
-//! - `bench`   — defines: `vitscale bench`, training-step throughput, MFU and peak memory on synthetic device-resident data.
+//! - `selftest` — defines: the parity checks behind `vitscale selftest`, every backend op and a short training run against the CPU reference.
+//! - `bench`   — defines: the benchmark behind `vitscale bench`, training-step throughput, MFU and peak memory on synthetic device-resident data.
 
 pub mod backend;
-pub mod cli;
+pub mod cmd;
 pub mod comm;
 pub mod config;
 pub mod core;

@@ -1,4 +1,5 @@
-//! `vitscale selftest`: every backend op, and a short training run, against the CPU reference.
+//! The checks behind `vitscale selftest` (`cmd::selftest`) and `tests/cuda_parity.rs`: every
+//! backend op, and a short training run, against the CPU reference.
 //!
 //! Each check draws fresh random inputs (the seed is printed, `--seed` repeats a run), runs the
 //! same op on the device backend and on `backend::cpu::Cpu`, and compares the outputs by
@@ -740,7 +741,7 @@ pub fn run_checks<B: Backend>(be: &B, seed: Option<u64>) -> BResult<(u64, Vec<Ch
 /// different orders): relative error ≤ 1e-2 for bf16 outputs, 1e-4 for the f32 gradients; NaN
 /// fails; a failed check too when the launch table shows the other path ran. On an H200 the
 /// bf16 outputs agreed bit for bit. None when the kernels are not compiled (not sm_90).
-fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult<Option<Vec<Check>>> {
+pub fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult<Option<Vec<Check>>> {
     if !be.has_fused_gemm() {
         return Ok(None);
     }
@@ -839,89 +840,39 @@ fn attention_kernel_choice(launched: &[(String, f64, usize)], wgmma: bool, label
         .collect()
 }
 
-/// Command-line options of `vitscale selftest`.
-#[derive(clap::Args, Debug, Clone)]
-pub struct SelftestArgs {
-    /// Backend to check against the CPU reference: cuda (default) or cpu.
-    #[arg(long, default_value = "cuda")]
-    pub device: String,
-    /// GPU index.
-    #[arg(long, default_value_t = 0)]
-    pub gpu: usize,
-    /// Seed for the random inputs (default: fresh each run).
-    #[arg(long)]
-    pub seed: Option<u64>,
-    /// Print one JSON object as the last line.
-    #[arg(long)]
-    pub json: bool,
-}
-
-fn report(name: &str, seed: u64, checks: &[Check], dev: &[f32], cpu: &[f32], json: bool) -> bool {
-    let ok = checks.iter().all(|c| c.pass);
-    println!("selftest on {name} (seed {seed})");
-    for c in checks {
-        println!("  {} {:<78} rel err {:.2e} (tol {:.0e})", if c.pass { "ok  " } else { "FAIL" }, c.name, c.rel_err, c.tol);
-    }
-    println!("  losses device: {}", dev.iter().map(|v| format!("{v:.4}")).collect::<Vec<_>>().join(" "));
-    println!("  losses cpu:    {}", cpu.iter().map(|v| format!("{v:.4}")).collect::<Vec<_>>().join(" "));
-    let failed = checks.iter().filter(|c| !c.pass).count();
-    println!("{} checks, {} failed: {}", checks.len(), failed, if ok { "PASS" } else { "FAIL" });
-    if json {
-        println!("{}", serde_json::json!({"device": name, "seed": seed, "pass": ok, "checks": checks, "losses_device": dev, "losses_cpu": cpu}));
-    }
-    ok
-}
-
-/// `vitscale selftest`: returns whether every check passed.
-pub fn selftest(args: &SelftestArgs) -> anyhow::Result<bool> {
-    match args.device.as_str() {
-        "cuda" | "gpu" => {
-            let be = crate::backend::cuda::Cuda::new(args.gpu)?;
-            let chosen = be.attention_path();
-            let (seed, mut checks, d, c) = run_checks(&be, args.seed)?;
-            match hopper_gemm_checks(&be, seed) {
-                Ok(Some(cs)) => checks.extend(cs),
-                Ok(None) => println!("hopper GEMM kernel not compiled for this device (sm_90 only): its checks skipped"),
-                Err(e) => checks.push(Check { name: format!("hopper GEMM checks: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false }),
-            }
-            // Every attention path, whatever VITSCALE_ATTENTION chose for the checks above.
-            // The fused path twice where the wgmma kernels exist: with them, and with flash.cu's.
-            let wgmma_chosen = be.wgmma_attention();
-            let mut runs = Vec::new();
-            for path in crate::backend::cuda::AttentionPath::ALL {
-                let fused = path == crate::backend::cuda::AttentionPath::Fused;
-                runs.push((path, fused && be.has_wgmma_attention()));
-                if fused && be.has_wgmma_attention() {
-                    runs.push((path, false));
-                }
-            }
-            for (i, (path, wgmma)) in runs.into_iter().enumerate() {
-                be.set_attention(path);
-                be.set_wgmma_attention(wgmma);
-                let fused = path == crate::backend::cuda::AttentionPath::Fused;
-                let label = if fused && be.has_wgmma_attention() { format!(" {}{}", path.name(), if wgmma { " wgmma" } else { " mma.sync" }) } else { format!(" {}", path.name()) };
-                be.set_profiling(fused);
-                let result = attention_checks(&be, seed.wrapping_add(1 + i as u64), &label);
-                let launched = if fused { be.take_profile() } else { Ok(Vec::new()) };
-                be.set_profiling(false);
-                match result {
-                    Ok(cs) => checks.extend(cs),
-                    Err(e) => checks.push(Check { name: format!("attention checks{label}: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false }),
-                }
-                if fused {
-                    checks.extend(attention_kernel_choice(&launched?, wgmma, &label));
-                }
-            }
-            be.set_wgmma_attention(wgmma_chosen);
-            be.set_attention(chosen);
-            println!("attention path for the model checks: {}", chosen.name());
-            Ok(report(&be.name(), seed, &checks, &d, &c, args.json))
+/// The attention checks on every attention path, whatever `VITSCALE_ATTENTION` chose (restored
+/// after): the fused path twice where the wgmma kernels exist, with them and with flash.cu's,
+/// and on the fused path which kernels ran (`attention_kernel_choice`). Seeds follow `seed`.
+pub fn attention_path_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult<Vec<Check>> {
+    let chosen = be.attention_path();
+    let mut checks = Vec::new();
+    let wgmma_chosen = be.wgmma_attention();
+    let mut runs = Vec::new();
+    for path in crate::backend::cuda::AttentionPath::ALL {
+        let fused = path == crate::backend::cuda::AttentionPath::Fused;
+        runs.push((path, fused && be.has_wgmma_attention()));
+        if fused && be.has_wgmma_attention() {
+            runs.push((path, false));
         }
-        "cpu" => {
-            let be = Cpu::new();
-            let (seed, checks, d, c) = run_checks(&be, args.seed)?;
-            Ok(report(&be.name(), seed, &checks, &d, &c, args.json))
-        }
-        other => anyhow::bail!("--device must be cuda or cpu, got {other:?}"),
     }
+    for (i, (path, wgmma)) in runs.into_iter().enumerate() {
+        be.set_attention(path);
+        be.set_wgmma_attention(wgmma);
+        let fused = path == crate::backend::cuda::AttentionPath::Fused;
+        let label = if fused && be.has_wgmma_attention() { format!(" {}{}", path.name(), if wgmma { " wgmma" } else { " mma.sync" }) } else { format!(" {}", path.name()) };
+        be.set_profiling(fused);
+        let result = attention_checks(be, seed.wrapping_add(1 + i as u64), &label);
+        let launched = if fused { be.take_profile() } else { Ok(Vec::new()) };
+        be.set_profiling(false);
+        match result {
+            Ok(cs) => checks.extend(cs),
+            Err(e) => checks.push(Check { name: format!("attention checks{label}: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false }),
+        }
+        if fused {
+            checks.extend(attention_kernel_choice(&launched?, wgmma, &label));
+        }
+    }
+    be.set_wgmma_attention(wgmma_chosen);
+    be.set_attention(chosen);
+    Ok(checks)
 }

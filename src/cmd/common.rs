@@ -1,18 +1,15 @@
-//! The command implementations behind `src/main.rs`: argument structs (clap) and what each
-//! subcommand does. Every failure comes back as an error naming its source, never a panic.
+//! What the commands share: the run-configuration flags (`ConfigArgs`, `--device`), loading
+//! the configuration (`load_config`), opening the device (`open_device`), the warnings for
+//! settings a device does not honour, and the configuration hash ranks compare.
 
-use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
 use clap::{Args, ValueEnum};
 
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::{self, Cuda};
-use crate::backend::Backend;
-use crate::comm::SingleComm;
 use crate::config::{self, RunConfig};
 use crate::model::weights;
-use crate::train::engine::{self, TrainOptions};
 
 /// `--device`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -37,51 +34,6 @@ pub struct ConfigArgs {
     /// Print one machine-readable JSON object as the last line of stdout.
     #[arg(long)]
     pub json: bool,
-}
-
-#[derive(Args, Debug)]
-pub struct TrainArgs {
-    #[command(flatten)]
-    pub common: ConfigArgs,
-    /// Directory for config.json, metrics.jsonl and summary.json (default runs/<time>-<pid>).
-    #[arg(long)]
-    pub run_dir: Option<PathBuf>,
-    /// Start from these weights (safetensors, timm key names).
-    #[arg(long)]
-    pub init: Option<PathBuf>,
-    /// Write the final weights here (safetensors, timm key names).
-    #[arg(long)]
-    pub save_weights: Option<PathBuf>,
-    /// Resume from a checkpoint: a step directory, a checkpoint root, or `latest` (the newest
-    /// under `<run dir>/checkpoints`; needs --run-dir). Checkpoints are written every
-    /// `train.checkpoint_every` steps.
-    #[arg(long, value_name = "DIR|latest")]
-    pub resume: Option<String>,
-    /// Checkpoint step directories to keep (0 = all).
-    #[arg(long, default_value_t = 3)]
-    pub keep_checkpoints: usize,
-    /// Write each rank's timeline (forward, backward, finished gradients, bucket reductions)
-    /// as `DIR/trace-rank<r>.json` in the Chrome trace format (chrome://tracing, Perfetto).
-    #[arg(long, value_name = "DIR")]
-    pub trace: Option<PathBuf>,
-}
-
-#[derive(Args, Debug)]
-pub struct EvalArgs {
-    #[command(flatten)]
-    pub common: ConfigArgs,
-    /// Weights to evaluate (safetensors, timm key names).
-    #[arg(long)]
-    pub weights: PathBuf,
-    /// Which split to evaluate.
-    #[arg(long, value_enum, default_value = "val")]
-    pub split: SplitArg,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum SplitArg {
-    Train,
-    Val,
 }
 
 /// Loads the run configuration. With a weights file, architecture fields the config does not
@@ -163,7 +115,7 @@ fn default_folder_classes(value: &mut serde_json::Value, notes: &mut Vec<String>
 
 /// Settings the configuration accepts but the chosen device does not honour (yet): each
 /// becomes a warning, never a silent no-op.
-fn engine_warnings(cfg: &RunConfig, device: &Device) -> Vec<String> {
+pub fn engine_warnings(cfg: &RunConfig, device: &Device) -> Vec<String> {
     let mut w = Vec::new();
     match (&cfg.precision, device) {
         (config::Precision::Bf16, Device::Cuda(_)) => {}
@@ -214,120 +166,10 @@ pub fn open_device(arg: DeviceArg, local_rank: usize) -> anyhow::Result<Device> 
     }
 }
 
-fn default_run_dir(env: &crate::comm::DistEnv) -> PathBuf {
-    // every rank must pick the same directory without talking: `vitscale launch` sets
-    // VITSCALE_RUN_ID; under other launchers use what the ranks share.
-    if let Some(id) = std::env::var("VITSCALE_RUN_ID").ok().filter(|s| !s.is_empty()) {
-        return PathBuf::from("runs").join(id);
-    }
-    if env.is_distributed() {
-        let id = match std::env::var("SLURM_JOB_ID") {
-            Ok(job) => format!("slurm-{job}"),
-            Err(_) => format!("dist-{}-{}", env.master_addr, env.master_port),
-        };
-        return PathBuf::from("runs").join(id);
-    }
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-    PathBuf::from("runs").join(format!("{secs}-{}", std::process::id()))
-}
-
-pub fn train_cmd(args: TrainArgs) -> anyhow::Result<()> {
-    // this process's place in the job (one process when no launcher variables are set);
-    // the config resolves the DeepSpeed batch triple for that world size.
-    let env = crate::comm::DistEnv::detect()?;
-    let mut cfg = load_config(&args.common, args.init.as_deref(), env.world_size)?;
-    let device = open_device(args.common.device, env.local_rank)?;
-    cfg.warnings.extend(engine_warnings(&cfg, &device));
-    if args.resume.as_deref() == Some("latest") && args.run_dir.is_none() {
-        anyhow::bail!("--resume latest needs --run-dir: the run directory whose checkpoints/ to continue from");
-    }
-    let run_dir = args.run_dir.clone().unwrap_or_else(|| default_run_dir(&env));
-    let hash = config_hash(&cfg)?;
-    // collective timeout: train.comm_timeout_s, or VITSCALE_COMM_TIMEOUT when set.
-    let comm_opts = crate::comm::CommOptions::from_config_and_env(cfg.train.comm_timeout_s)?;
-    let rank = env.rank;
-    let opts = TrainOptions {
-        // Rank 0 owns the run directory; the others log beside it.
-        run_dir: if rank == 0 { run_dir.clone() } else { run_dir.join(format!("rank{rank}")) },
-        init: args.init.clone(),
-        save_weights: if rank == 0 { args.save_weights.clone() } else { None },
-        progress_bar: rank == 0 && std::io::stderr().is_terminal(),
-        quiet: rank != 0,
-        resume: args.resume.as_deref().map(|s| crate::train::checkpoint::resume_path(s, &run_dir.join("checkpoints"))),
-        keep_checkpoints: args.keep_checkpoints,
-        trace: args.trace.clone(),
-    };
-    // SIGINT/SIGTERM from here on: finish the step on every rank, checkpoint it, exit
-    // with 128 + signal (see train::stop and `exit_code`).
-    let _stop_guard;
-    let summary = match &device {
-        Device::Cpu(be) => {
-            let mut comm = crate::comm::init_cpu(&env, &comm_opts, &hash)?;
-            _stop_guard = cfg.train.checkpoint_on_signal.then(crate::train::stop::StopGuard::install);
-            engine::train_with(be, &cfg, &opts, comm.as_mut())?
-        }
-        Device::Cuda(be) => {
-            if env.world_size > 1 {
-                anyhow::bail!(
-                    "rank {rank}: data parallel across GPUs needs the NCCL communicator, which is not implemented yet (world size {}); use --device cpu for multi-process runs",
-                    env.world_size
-                );
-            }
-            _stop_guard = cfg.train.checkpoint_on_signal.then(crate::train::stop::StopGuard::install);
-            engine::train_with(be, &cfg, &opts, &mut SingleComm::new())?
-        }
-    };
-    if rank != 0 {
-        return Ok(());
-    }
-    eprintln!(
-        "done: val_top1 {:.4} val_loss {:.4} train_loss {:.4} | {} images in {:.1} s ({:.0} img/s) | run dir {}",
-        summary.val_top1, summary.val_loss, summary.train_loss, summary.images, summary.wall_s, summary.images_per_s, summary.run_dir
-    );
-    if args.common.json {
-        println!("{}", serde_json::to_string(&summary)?);
-    }
-    Ok(())
-}
-
-/// The exit status for a command's error: 128 + signal when training stopped for
-/// SIGINT/SIGTERM (130 / 143), else 1.
-pub fn exit_code(e: &anyhow::Error) -> i32 {
-    e.downcast_ref::<engine::TrainError>().map_or(1, engine::TrainError::exit_code)
-}
-
-fn evaluate_weights<B: Backend>(be: &B, cfg: &RunConfig, weights: &Path, set: &std::sync::Arc<crate::data::ImageSet>) -> anyhow::Result<engine::EvalSummary> {
-    let mut vit = engine::build_model(be, cfg, Some(weights))?;
-    Ok(engine::evaluate(be, &mut vit, set, cfg, cfg.train.eval_batch_size)?)
-}
-
 /// Identifies the resolved configuration, so ranks started with different configs
 /// refuse to train together (rendezvous names the rank and both hashes).
-fn config_hash(cfg: &RunConfig) -> anyhow::Result<String> {
+pub fn config_hash(cfg: &RunConfig) -> anyhow::Result<String> {
     use sha2::{Digest, Sha256};
     let bytes = serde_json::to_vec(cfg)?;
     Ok(Sha256::digest(&bytes).iter().take(8).map(|b| format!("{b:02x}")).collect())
-}
-
-pub fn eval_cmd(args: EvalArgs) -> anyhow::Result<()> {
-    let mut cfg = load_config(&args.common, Some(&args.weights), 1)?;
-    let device = open_device(args.common.device, 0)?;
-    cfg.warnings.extend(engine_warnings(&cfg, &device));
-    for w in &cfg.warnings {
-        eprintln!("warning: {w}");
-    }
-    let sets = crate::data::open(&cfg.data, cfg.model.image_size, cfg.model.num_classes, cfg.train.seed)?;
-    let set = match args.split {
-        SplitArg::Train => &sets.train,
-        SplitArg::Val => &sets.val,
-    };
-    let ev = match &device {
-        Device::Cpu(be) => evaluate_weights(be, &cfg, &args.weights, set)?,
-        Device::Cuda(be) => evaluate_weights(be, &cfg, &args.weights, set)?,
-    };
-    eprintln!("eval: loss {:.6} top1 {:.4} on {} images", ev.loss, ev.top1, ev.images);
-    if args.common.json {
-        println!("{}", serde_json::to_string(&ev)?);
-    }
-    Ok(())
 }

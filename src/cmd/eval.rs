@@ -1,0 +1,58 @@
+//! `vitscale eval`: loss and top-1 accuracy of a weights file on a dataset split.
+
+use std::path::{Path, PathBuf};
+
+use clap::{Args, ValueEnum};
+
+use super::common::{engine_warnings, load_config, open_device, ConfigArgs, Device};
+use crate::backend::Backend;
+use crate::config::RunConfig;
+use crate::train::engine;
+
+/// Command-line options of `vitscale eval`.
+#[derive(Args, Debug)]
+pub struct EvalArgs {
+    #[command(flatten)]
+    pub common: ConfigArgs,
+    /// Weights to evaluate (safetensors, timm key names).
+    #[arg(long)]
+    pub weights: PathBuf,
+    /// Which split to evaluate.
+    #[arg(long, value_enum, default_value = "val")]
+    pub split: SplitArg,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SplitArg {
+    Train,
+    Val,
+}
+
+fn evaluate_weights<B: Backend>(be: &B, cfg: &RunConfig, weights: &Path, set: &std::sync::Arc<crate::data::ImageSet>) -> anyhow::Result<engine::EvalSummary> {
+    let mut vit = engine::build_model(be, cfg, Some(weights))?;
+    Ok(engine::evaluate(be, &mut vit, set, cfg, cfg.train.eval_batch_size)?)
+}
+
+/// `vitscale eval`.
+pub fn run(args: EvalArgs) -> anyhow::Result<()> {
+    let mut cfg = load_config(&args.common, Some(&args.weights), 1)?;
+    let device = open_device(args.common.device, 0)?;
+    cfg.warnings.extend(engine_warnings(&cfg, &device));
+    for w in &cfg.warnings {
+        eprintln!("warning: {w}");
+    }
+    let sets = crate::data::open(&cfg.data, cfg.model.image_size, cfg.model.num_classes, cfg.train.seed)?;
+    let set = match args.split {
+        SplitArg::Train => &sets.train,
+        SplitArg::Val => &sets.val,
+    };
+    let ev = match &device {
+        Device::Cpu(be) => evaluate_weights(be, &cfg, &args.weights, set)?,
+        Device::Cuda(be) => evaluate_weights(be, &cfg, &args.weights, set)?,
+    };
+    eprintln!("eval: loss {:.6} top1 {:.4} on {} images", ev.loss, ev.top1, ev.images);
+    if args.common.json {
+        println!("{}", serde_json::to_string(&ev)?);
+    }
+    Ok(())
+}

@@ -1,0 +1,43 @@
+//! The subcommands behind `src/main.rs`, one file each: its clap arguments and its `run`.
+//!
+//! - `train`    — `vitscale train`: train a ViT (one process, or one rank of a launched job).
+//! - `eval`     — `vitscale eval`: loss and top-1 of a weights file on a dataset split.
+//! - `launch`   — `vitscale launch`: the launcher's flags; the supervision is `crate::launch`.
+//! - `bench`    — `vitscale bench`: report a training-step (`crate::bench`) or loader benchmark.
+//! - `selftest` — `vitscale selftest`: run and report the parity checks of `crate::selftest`.
+//! - `common`   — what they share: `ConfigArgs`, `load_config`, `open_device`, `config_hash`.
+//!
+//! Commands to come (sweep, report, plan) get a file here each, beside these.
+//!
+//! Every failure comes back as an error naming its source, never a panic; `exit_code` and
+//! `error_message` say how `main` ends with it.
+
+pub mod bench;
+pub mod common;
+pub mod eval;
+pub mod launch;
+pub mod selftest;
+pub mod train;
+
+use crate::launch::LaunchError;
+use crate::train::engine::TrainError;
+
+/// The exit status for a command's error: 128 + signal when training stopped for
+/// SIGINT/SIGTERM (130 / 143); the launcher's own (a failed worker's status, 128 + signal);
+/// else 1.
+pub fn exit_code(e: &anyhow::Error) -> i32 {
+    if let Some(e) = e.downcast_ref::<LaunchError>() {
+        return e.exit_code();
+    }
+    e.downcast_ref::<TrainError>().map_or(1, TrainError::exit_code)
+}
+
+/// The message `main` prints for a command's error: the error and its causes, except for the
+/// launcher's errors, whose message already names their cause.
+pub fn error_message(e: &anyhow::Error) -> String {
+    if e.downcast_ref::<LaunchError>().is_some() {
+        format!("{e}")
+    } else {
+        format!("{e:#}")
+    }
+}
