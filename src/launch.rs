@@ -235,6 +235,13 @@ fn run_local(args: &LaunchArgs) -> Result<i32, LaunchError> {
         if let Some(v) = &args.visible_devices {
             cmd.env("CUDA_VISIBLE_DEVICES", v);
         }
+        if args.one_gpu {
+            // each rank its own NCCL host on the one device (see `LaunchArgs::one_gpu`)
+            cmd.env(DEVICE_INDEX_VAR, "0").env("NCCL_HOSTID", format!("vitscale-{run_id}-rank{rank}"));
+            if std::env::var_os("NCCL_SOCKET_IFNAME").is_none() {
+                cmd.env("NCCL_SOCKET_IFNAME", "lo");
+            }
+        }
         let spawned = cmd.spawn().map_err(|e| LaunchError::Spawn {
             what: format!("rank {rank}"),
             program: program.display().to_string(),
@@ -402,6 +409,8 @@ fn free_port() -> Option<u16> {
 
 /// Names the run for every worker, so all ranks choose the same default run directory.
 pub const RUN_ID_VAR: &str = "VITSCALE_RUN_ID";
+/// The GPU a worker opens, when set (`launch --one-gpu` sets 0); otherwise its `LOCAL_RANK`.
+pub const DEVICE_INDEX_VAR: &str = "VITSCALE_DEVICE_INDEX";
 
 fn run_id() -> String {
     if let Some(id) = std::env::var(RUN_ID_VAR).ok().filter(|s| !s.is_empty()) {

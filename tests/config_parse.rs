@@ -467,7 +467,9 @@ fn deepspeed_cifar_tutorial_config() {
     );
     assert_eq!(c.train.log_every, 2000);
     assert_eq!(c.warnings.len(), 1, "{:?}", c.warnings);
-    assert!(has_warning(&c, "zero_optimization: allgather_partitions, reduce_scatter, allgather_bucket_size, reduce_bucket_size, overlap_comm, contiguous_gradients, cpu_offload accepted but not implemented"));
+    assert!(has_warning(&c, "zero_optimization: allgather_partitions, reduce_scatter, allgather_bucket_size, overlap_comm, contiguous_gradients, cpu_offload accepted but not implemented"));
+    // reduce_bucket_size is honoured: the gradient buckets' size in elements
+    assert_eq!(c.reduce_bucket_size, Some(50_000_000));
     // On 4 ranks the micro batch shrinks to 4, as in DeepSpeed.
     assert_eq!(load_fixture("cifar_tutorial.json", 4).batch.micro_batch_per_gpu, 4);
 }
@@ -500,7 +502,8 @@ fn hf_bf16_zero2_with_auto_values() {
         "train_batch_size: \"auto\"",
         "train_micro_batch_size_per_gpu: \"auto\"",
         "gradient_accumulation_steps: \"auto\"",
-        "zero_optimization: offload_optimizer, allgather_partitions, allgather_bucket_size, overlap_comm, reduce_scatter, reduce_bucket_size, contiguous_gradients accepted",
+        "zero_optimization: offload_optimizer, allgather_partitions, allgather_bucket_size, overlap_comm, reduce_scatter, contiguous_gradients accepted",
+        "zero_optimization.reduce_bucket_size: \"auto\" taken as not given",
     ] {
         assert!(has_warning(&c, key), "missing warning {key}: {:#?}", c.warnings);
     }

@@ -92,6 +92,12 @@ pub trait Backend: Send + Sync {
     fn defer_gradient_sums(&self, _defer: bool) -> BResult<()> {
         Ok(())
     }
+    /// The forward has enqueued its last read of the staged inputs (images, targets): a later
+    /// `upload_input` may overwrite them once the device gets there. A device whose compute
+    /// runs behind the host orders the next upload after this point.
+    fn inputs_consumed(&self) -> BResult<()> {
+        Ok(())
+    }
 
     // ---- embedding ----------------------------------------------------------------------
     /// Cuts images into flattened patches, each in (channel, row, col) order so that a patch

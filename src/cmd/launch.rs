@@ -58,6 +58,12 @@ pub struct LaunchArgs {
     /// (Set by the hostfile launcher.) CUDA_VISIBLE_DEVICES for this node's workers.
     #[arg(long, hide = true)]
     pub visible_devices: Option<String>,
+    /// Put every local rank on GPU 0, each as its own NCCL "node" (its own `NCCL_HOSTID`):
+    /// NCCL then lets several ranks share one GPU and joins them over its Socket transport on
+    /// loopback. Data parallelism on one GPU, to try and test it; the network is slow, so
+    /// never a speed figure for NVLink.
+    #[arg(long)]
+    pub one_gpu: bool,
     /// (Set by the hostfile launcher.) Stop the workers when stdin closes: the ssh connection
     /// to the launching machine went away.
     #[arg(long, hide = true)]
@@ -89,6 +95,7 @@ impl LaunchArgs {
             rank_offset: None,
             world_size: None,
             visible_devices: None,
+            one_gpu: false,
             exit_on_stdin_eof: false,
             worker_program: None,
             command,

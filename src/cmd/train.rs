@@ -55,13 +55,22 @@ fn default_run_dir(env: &crate::comm::DistEnv) -> PathBuf {
     PathBuf::from("runs").join(format!("{secs}-{}", std::process::id()))
 }
 
+/// The GPU this process opens: `VITSCALE_DEVICE_INDEX` when set (`launch --one-gpu`), else its
+/// local rank.
+fn gpu_index(env: &crate::comm::DistEnv) -> anyhow::Result<usize> {
+    match std::env::var(crate::launch::DEVICE_INDEX_VAR) {
+        Ok(v) if !v.trim().is_empty() => v.trim().parse().map_err(|_| anyhow::anyhow!("{}={v:?}: expected a GPU index", crate::launch::DEVICE_INDEX_VAR)),
+        _ => Ok(env.local_rank),
+    }
+}
+
 /// `vitscale train`.
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     // this process's place in the job (one process when no launcher variables are set);
     // the config resolves the DeepSpeed batch triple for that world size.
     let env = crate::comm::DistEnv::detect()?;
     let mut cfg = load_config(&args.common, args.init.as_deref(), env.world_size)?;
-    let device = open_device(args.common.device, env.local_rank)?;
+    let device = open_device(args.common.device, gpu_index(&env)?)?;
     cfg.warnings.extend(engine_warnings(&cfg, &device));
     if args.resume.as_deref() == Some("latest") && args.run_dir.is_none() {
         anyhow::bail!("--resume latest needs --run-dir: the run directory whose checkpoints/ to continue from");
@@ -92,14 +101,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             engine::train_with(be, &cfg, &opts, comm.as_mut())?
         }
         Device::Cuda(be) => {
-            if env.world_size > 1 {
-                anyhow::bail!(
-                    "rank {rank}: data parallel across GPUs needs the NCCL communicator, which is not implemented yet (world size {}); use --device cpu for multi-process runs",
-                    env.world_size
-                );
-            }
             _stop_guard = cfg.train.checkpoint_on_signal.then(crate::train::stop::StopGuard::install);
-            engine::train_with(be, &cfg, &opts, &mut SingleComm::new())?
+            if env.world_size > 1 {
+                let mut comm = crate::comm::NcclComm::connect(&env, &comm_opts, &hash, be)?;
+                engine::train_with(be, &cfg, &opts, &mut comm)?
+            } else {
+                engine::train_with(be, &cfg, &opts, &mut SingleComm::new())?
+            }
         }
     };
     if rank != 0 {

@@ -437,6 +437,8 @@ impl<B: Backend> Vit<B> {
         // ---- loss (and its gradient, when a backward follows)
         let dl = dloss_scale.map(|_| &mut a.dlogits);
         be.cross_entropy(&mut a.losses, dl, &a.logits, &a.targets, b, k, dloss_scale.unwrap_or(0.0))?;
+        // the images were read by the patchify, the targets just now: the next batch may be staged
+        be.inputs_consumed()?;
         self.pending_backward = if dloss_scale.is_some() { b } else { 0 };
         Ok(())
     }

@@ -318,6 +318,14 @@ impl Cuda {
         let ptr = unsafe { dr::malloc_sync(bytes) }.map_err(|e| BackendError::Device(format!("allocating {bytes} bytes on the GPU: {e}")))?;
         // SAFETY: ptr points to `bytes` bytes just allocated.
         unsafe { dr::memset_d8_async(ptr, 0, bytes, stream.cu_stream()) }.map_err(dev("cuMemsetD8Async"))?;
+        // The zeroing must be done before any other stream writes the buffer: `upload_input`
+        // copies on the copy stream, which is not ordered after this one, and a busy compute
+        // stream (a rank waiting for its peers) would run the memset after the copy and wipe
+        // the batch. Allocations are rare (buffers only grow), so waiting here costs nothing in
+        // the steady state; during graph capture the memset is a node of the graph instead.
+        if !gemm::capturing_stream(stream.cu_stream()) {
+            stream.synchronize().map_err(dev("synchronizing a new buffer's zeroing"))?;
+        }
         let live = mem.live.fetch_add(len * ty.size(), Ordering::Relaxed) + len * ty.size();
         mem.peak.fetch_max(live, Ordering::Relaxed);
         Ok(CudaBuf { ptr, len, ty, ctx: ctx.clone(), mem: mem.clone() })
@@ -433,6 +441,12 @@ impl Cuda {
             }
         }
         let (copy, compute) = (self.copy_stream.cu_stream(), self.stream.cu_stream());
+        // not before the queued forward that reads the current inputs has read them
+        if let Some(ev) = self.inputs_read.lock().map_err(|_| BackendError::Device("upload_input: event lock poisoned".into()))?.as_ref() {
+            // SAFETY: a live event of this context; the wait is enqueued on the copy stream.
+            unsafe { cudarc::driver::result::stream::wait_event(copy, ev.cu_event(), cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+                .map_err(dev("cuStreamWaitEvent"))?;
+        }
         // SAFETY: `host` holds `slot.bytes ≥ bytes` bytes of pinned memory that nothing else
         // touches until `done` fires; the destination range was checked; the compute stream
         // waits for `done` before any later kernel, and the caller guarantees no queued kernel
@@ -458,6 +472,22 @@ impl Cuda {
             cudarc::driver::result::stream::wait_event(compute, slot.done, cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT).map_err(dev("cuStreamWaitEvent"))?;
         }
         slot.in_flight = true;
+        Ok(())
+    }
+
+    /// Records that the compute stream has read the staged inputs up to here (`inputs_read`).
+    /// Not during graph capture: a captured record would belong to the graph's replays.
+    pub(super) fn mark_inputs_read(&self) -> BResult<()> {
+        if gemm::capturing_stream(self.stream.cu_stream()) {
+            return Ok(());
+        }
+        let mut slot = self.inputs_read.lock().map_err(|_| BackendError::Device("inputs_consumed: event lock poisoned".into()))?;
+        if slot.is_none() {
+            *slot = Some(self.ctx.new_event(None).map_err(dev("creating the inputs event"))?);
+        }
+        if let Some(ev) = slot.as_ref() {
+            ev.record(&self.stream).map_err(dev("recording the inputs event"))?;
+        }
         Ok(())
     }
 

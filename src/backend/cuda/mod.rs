@@ -101,6 +101,10 @@ pub struct Cuda {
     /// The kernel choices that may change between calls (`options`: `set_attention`,
     /// `set_fused_gemm`, `set_wgmma_attention`, `set_wide_gemm`).
     knobs: options::Knobs,
+    /// Recorded on the compute stream after each forward's last read of the staged inputs;
+    /// `upload_input`'s copy waits for it, so a batch staged ahead never overwrites inputs
+    /// that a queued forward has yet to read.
+    inputs_read: Mutex<Option<cudarc::driver::CudaEvent>>,
 }
 
 impl Cuda {
@@ -144,6 +148,7 @@ impl Cuda {
             acc,
             profile: Mutex::new(None),
             knobs: options::Knobs::new(&options),
+            inputs_read: Mutex::new(None),
             copy_stream,
             staging,
             next_staging: AtomicUsize::new(0),
@@ -204,6 +209,10 @@ impl Backend for Cuda {
 
     fn defer_gradient_sums(&self, defer: bool) -> BResult<()> {
         self.set_defer_partial_sums(defer)
+    }
+
+    fn inputs_consumed(&self) -> BResult<()> {
+        self.mark_inputs_read()
     }
 
     fn patchify(&self, out: &mut CudaBuf, img: &CudaBuf, b: usize, chans: usize, size: usize, patch: usize) -> BResult<()> {
