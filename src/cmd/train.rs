@@ -103,7 +103,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         Device::Cuda(be) => {
             _stop_guard = cfg.train.checkpoint_on_signal.then(crate::train::stop::StopGuard::install);
             if env.world_size > 1 {
-                let mut comm = crate::comm::NcclComm::connect(&env, &comm_opts, &hash, be)?;
+                let mut comm = crate::backend::cuda::nccl::NcclComm::connect(&env, &comm_opts, &hash, be)?;
                 engine::train_with(be, &cfg, &opts, &mut comm)?
             } else {
                 engine::train_with(be, &cfg, &opts, &mut SingleComm::new())?

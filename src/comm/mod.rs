@@ -9,7 +9,8 @@
 //! - [`cpu::TcpComm`]: CPU ranks that are processes on one or several machines, a ring over
 //!   TCP (reduce-scatter then all-gather), for `Vec<f32>` buffers;
 //! - `backend::cuda::nccl::NcclComm` for GPU buffers, which enqueues on a communication
-//!   stream ordered against the compute stream by events (re-exported here as `NcclComm`).
+//!   stream ordered against the compute stream by events (it lives beside the CUDA host code,
+//!   which it needs; this module needs nothing of the backends).
 //!
 //! Every collective has an asynchronous form: `start` returns a [`Work`] that `wait`
 //! completes, so GPU communication can overlap the backward pass. Between `start` and
@@ -28,9 +29,8 @@ mod wire;
 
 use std::time::Duration;
 
-pub use crate::backend::Span;
+pub use crate::core::Span;
 pub use cpu::TcpComm;
-pub use crate::backend::cuda::nccl::NcclComm;
 pub use env::{DistEnv, EnvError, EnvSource};
 pub use rendezvous::{RendezvousError, Rendezvoused};
 

@@ -164,8 +164,8 @@ pub fn class_names(path: &Path) -> Result<Vec<String>, DataError> {
     Ok(class_dirs(&train_root(path))?.into_iter().map(|(name, _)| name).collect())
 }
 
-/// Training images a folder dataset will have, listing files only (for planning steps before
-/// the dataset is opened, e.g. `total_num_steps: "auto"`).
+/// Training images a folder dataset will have, listing files only (for planning steps without
+/// opening the dataset, `data::train_len`).
 pub fn count_train(path: &Path, val_split: f64, seed: u64) -> Result<usize, DataError> {
     Ok(load(path, 1, val_split, seed)?.train.len())
 }

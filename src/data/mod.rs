@@ -321,8 +321,8 @@ pub fn open(cfg: &DataConfig, image_size: usize, num_classes: usize, seed: u64) 
     Ok(Datasets { num_classes, class_names, train: Arc::new(train), val: Arc::new(val), description })
 }
 
-/// Training images `open` will produce, computed cheaply (no decoding), for planning the run
-/// before the dataset is opened (`total_num_steps: "auto"`): the configured size for generated
+/// Training images `open` will produce, computed cheaply (no decoding), for planning runs
+/// without opening the dataset (a sweep's or planner's step counts): the configured size for generated
 /// sets, the record count of CIFAR binary files (50 000 for the python and archive forms, where
 /// counting means unpacking), the listed files for folders. `data.skip_bad` can make the real
 /// count smaller.
