@@ -4,12 +4,12 @@
 //! - `core`    — defines: the shared vocabulary below backend, model and config (spans, optimizer hyper-parameters, decay groups, parameter kinds, numerical constants).
 //! - `config`  — defines: the run configuration (DeepSpeed JSON + model/data/train), parsing and validation.
 //! - `model`   — defines: the ViT shape, parameter table, init, forward/backward over a backend, timm weights I/O.
-//! - `backend` — defines: the `Backend` trait (every op with explicit shapes) and the CPU reference backend.
+//! - `backend` — defines: the `Backend` trait (every op with explicit shapes), the CPU reference backend, the CUDA backend (host code by layer, NVRTC kernels, the NCCL communicator).
 //! - `data`    — defines: datasets (built-in, synthetic, CIFAR), augmentation, sampling into global batches.
-//! - `train`   — defines: the training step and loop, learning-rate schedules, checkpoints.
+//! - `train`   — defines: the one training step, the batch plan, gradient buckets reduced during the backward, the loop, the run directory, schedules, checkpoints, the ranks' agreement check.
 //! - `comm`    — defines: the `Comm` trait (collectives on flat buffers), the TCP ring for CPU ranks, rendezvous, `DistEnv`.
 //! - `launch`  — defines: the launcher behind `vitscale launch`, spawning workers locally or over ssh from a hostfile, supervising them.
-//! - `metrics` — defines: phase timers and the `metrics.jsonl` records.
+//! - `metrics` — defines: phase timers, the `metrics.jsonl` records, the per-rank Chrome trace.
 //! - `cmd`     — defines: the subcommands behind `vitscale` (one file each: its arguments and `run`), the config and device loading they share, exit codes.
 //! - `util`    — defines: atomic file writes, scoped signal handlers.
 //! - `selftest` — defines: the parity checks behind `vitscale selftest`, every backend op and a short training run against the CPU reference.
