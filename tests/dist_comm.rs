@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use vitscale::comm::rendezvous::{rendezvous, RendezvousRequest};
 use vitscale::comm::{
-    shard, Collective, Comm, CommError, CommOptions, DistEnv, EnvSource, ReduceOp, RendezvousError, SingleComm, Span, TcpComm,
+    shard, Collective, Comm, CommError, CommOptions, DistEnv, ReduceOp, RendezvousError, SingleComm, Span, TcpComm,
 };
 
 /// A port that was free a moment ago (each test takes its own, so tests run in parallel).
@@ -16,15 +16,7 @@ fn free_port() -> u16 {
 }
 
 fn env(rank: usize, world: usize, port: u16) -> DistEnv {
-    DistEnv {
-        rank,
-        world_size: world,
-        local_rank: rank,
-        local_world_size: world,
-        master_addr: "127.0.0.1".into(),
-        master_port: port,
-        source: EnvSource::Torchrun,
-    }
+    DistEnv::loopback(rank, world, port)
 }
 
 fn opts(timeout_s: f64) -> CommOptions {

@@ -157,7 +157,7 @@ fn file_hash(path: &Path) -> String {
 // mutation check: with rank 1 also saving (the `rank == 0` filter in train_with removed), this fails.
 #[test]
 fn only_rank_0_of_train_with_writes_save_weights() {
-    use vitscale::comm::{CommOptions, DistEnv, EnvSource, TcpComm};
+    use vitscale::comm::{CommOptions, DistEnv, TcpComm};
     use vitscale::train::engine::{self, TrainOptions};
     let t = tmp();
     let world = 2;
@@ -176,15 +176,7 @@ fn only_rank_0_of_train_with_writes_save_weights() {
             .map(|rank| {
                 let (cfg, opts, t) = (&cfg, &opts, &t);
                 s.spawn(move || {
-                    let env = DistEnv {
-                        rank,
-                        world_size: world,
-                        local_rank: rank,
-                        local_world_size: world,
-                        master_addr: "127.0.0.1".into(),
-                        master_port: port,
-                        source: EnvSource::Torchrun,
-                    };
+                    let env = DistEnv::loopback(rank, world, port);
                     let mut comm = TcpComm::connect(&env, opts, "only-rank-0").expect("connect");
                     let o = TrainOptions {
                         run_dir: t.path().join(format!("rank{rank}")),

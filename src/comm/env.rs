@@ -54,6 +54,12 @@ pub enum EnvError {
 }
 
 impl DistEnv {
+    /// Rank `rank` of `world` processes (or threads) on this machine, rendezvous on loopback
+    /// port `port`: an in-process world, as tests and single-machine tools build one.
+    pub fn loopback(rank: usize, world: usize, port: u16) -> DistEnv {
+        DistEnv { rank, world_size: world, local_rank: rank, local_world_size: world, master_addr: "127.0.0.1".into(), master_port: port, source: EnvSource::Torchrun }
+    }
+
     /// A single process: rank 0 of 1, rendezvous never used.
     pub fn single() -> Self {
         DistEnv {

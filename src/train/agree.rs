@@ -163,7 +163,7 @@ pub fn check<Buf>(comm: &mut dyn Comm<Buf>, step: u64, weights: &[f32], optimize
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm::{CommOptions, DistEnv, EnvSource, SingleComm, TcpComm};
+    use crate::comm::{CommOptions, DistEnv, SingleComm, TcpComm};
     use std::time::Duration;
 
     /// Runs `f(rank, comm)` on `world` threads joined in one TcpComm ring over loopback.
@@ -175,15 +175,7 @@ mod tests {
                 .map(|rank| {
                     let (f, opts) = (&f, &opts);
                     s.spawn(move || {
-                        let env = DistEnv {
-                            rank,
-                            world_size: world,
-                            local_rank: rank,
-                            local_world_size: world,
-                            master_addr: "127.0.0.1".into(),
-                            master_port: port,
-                            source: EnvSource::Torchrun,
-                        };
+                        let env = DistEnv::loopback(rank, world, port);
                         let mut c = TcpComm::connect(&env, opts, "agree").expect("connect");
                         f(rank, &mut c)
                     })

@@ -23,7 +23,7 @@ use crate::config::RunConfig;
 use crate::data::{self, Datasets, ImageSet, Loader, LoaderPlan, MixTargets, Sampler};
 use crate::metrics::{allreduce_bus_gb_s, EvalRecord, PhaseTimes, StepRecord};
 use crate::model::{init, smoothed_targets, weights, Vit};
-use crate::train::plan::{Plan, AUTO_PASS_IMAGES};
+use crate::train::plan::{self, Plan};
 use crate::train::run_dir::RunDir;
 use crate::metrics::trace::{Trace, Track};
 use crate::train::step::{GradSync, MicroBatch, Step};
@@ -140,7 +140,7 @@ pub fn evaluate_with<B: Backend>(
     let k = vit.cfg.num_classes;
     let (mut loss_sum, mut correct) = (0.0f64, 0usize);
     let n = set.len();
-    let batch = batch.clamp(1, cfg.train.pass_images.unwrap_or(AUTO_PASS_IMAGES));
+    let batch = batch.clamp(1, plan::pass_images_cap(cfg.train.pass_images));
     let (rank, world) = (comm.rank(), comm.world_size());
     let batches: Vec<Vec<usize>> = (rank * batch..n).step_by(world * batch).map(|start| (start..(start + batch).min(n)).collect()).collect();
     let mut loader = Loader::start_batches(set.clone(), cfg.data.clone(), false, 0, cfg.train.seed, batches)?;
@@ -351,7 +351,8 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
                         let t_stage = Instant::now();
                         let targets = |start: usize, n: usize| soft_targets(&next.batch, start, n);
                         let mb = MicroBatch { images: &next.batch.images, b: next.batch.len(), targets: &targets };
-                        first_pass_staged = st.stage_ahead(be, &mb)?;
+                        st.stage_ahead(be, &mb)?;
+                        first_pass_staged = true;
                         phases.forward_s += t_stage.elapsed().as_secs_f64();
                     }
                     ahead = Some(next);

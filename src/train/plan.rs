@@ -15,6 +15,11 @@ use crate::model::{ModelConfig, Recompute};
 /// one pass on every backend (a ViT-B/16 pass of 512 images keeps ~40 GB of bf16 activations).
 pub const AUTO_PASS_IMAGES: usize = 512;
 
+/// The most images one pass takes under `train.pass_images` (None = "auto").
+pub fn pass_images_cap(configured: Option<usize>) -> usize {
+    configured.unwrap_or(AUTO_PASS_IMAGES).max(1)
+}
+
 /// How one rank runs each optimizer step.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Plan {
@@ -46,7 +51,7 @@ impl Plan {
     /// `world` ranks; `pass_images` None = `AUTO_PASS_IMAGES`.
     pub fn new<B: Backend>(be: &B, model: &ModelConfig, micro: usize, gas: usize, world: usize, pass_images: Option<usize>, recompute: Recompute) -> Plan {
         let micro = micro.max(1);
-        let pass_images = pass_images.unwrap_or(AUTO_PASS_IMAGES).clamp(1, micro);
+        let pass_images = pass_images_cap(pass_images).min(micro);
         // the model's own rule (`Vit`), decided here once for the pass size
         let regenerate = match recompute {
             Recompute::Always => true,

@@ -13,9 +13,8 @@
 //! unless asked: each pass's per-image losses are copied into a device buffer of their own and
 //! come back when the caller takes them (`take_losses`, on logging steps), and the gradient
 //! norm is computed for the host only when the boundary is asked for it. So a step on a GPU
-//! has no host synchronization at all except on those steps: two (the norm, the losses)
-//! where the loop used to have one per pass plus two per step (each pass's losses, the norm,
-//! a synchronize after the update).
+//! has no host synchronization at all except on those steps, which have two (the norm, the
+//! losses).
 
 use crate::backend::{optimizer_state_len, Backend, DecayGroups, Span, StepHyper};
 use crate::config::OptimizerConfig;
@@ -86,11 +85,11 @@ impl<B: Backend> Step<B> {
 
     /// Copies the first pass of a micro-batch to the device ahead of its step (while the
     /// device still runs the previous backward); `micro_batch` skips staging it again.
-    pub fn stage_ahead(&mut self, be: &B, batch: &MicroBatch<'_>) -> Result<bool, TrainError> {
+    pub fn stage_ahead(&mut self, be: &B, batch: &MicroBatch<'_>) -> Result<(), TrainError> {
         let n = batch.b.min(self.plan.pass_images);
         let per_image = batch.images.len() / batch.b.max(1);
         self.vit.stage_inputs(be, &batch.images[..n * per_image], &(batch.targets)(0, n), n)?;
-        Ok(true)
+        Ok(())
     }
 
     /// Every pass of one micro-batch of step `step`. `first_staged`: `stage_ahead` staged its
