@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use vitscale::comm::rendezvous::{rendezvous, RendezvousRequest};
 use vitscale::comm::{
-    shard, Collective, Comm, CommError, CommOptions, DistEnv, ReduceOp, RendezvousError, SingleComm, Span, TcpComm,
+    shard, Collective, Comm, CommError, CommOptions, DistEnv, ReduceOp, RendezvousError, SingleComm, Span, TcpComm, Wire,
 };
 
 /// A port that was free a moment ago (each test takes its own, so tests run in parallel).
@@ -79,6 +79,48 @@ fn all_reduce_sums_identically_on_every_rank() {
         assert!(out[0][..7].iter().chain(&out[0][7 + len..]).all(|&v| v == -5.0));
         // Same summation order every run: bitwise reproducible.
         assert!(run()[0] == out[0], "world {world}: not reproducible");
+    }
+}
+
+/// A bf16 wire: the sum travels and accumulates in bf16 (every value of the result is a bf16
+/// number, the same bits on every rank) and is within bf16 rounding of the f32 sum; the
+/// scaling factors apply before and after the sum; other collectives refuse a non-plain wire.
+#[test]
+fn all_reduce_on_a_bf16_wire_rounds_like_bf16_and_scales() {
+    for world in [2, 3, 4] {
+        let len = 777;
+        let outs = with_world(world, 30.0, |r, c| {
+            let mut bf = data(r, len);
+            let w = c.start_as(Collective::AllReduce(ReduceOp::Sum), &mut bf, Span { off: 0, len }, Wire { bf16: true, pre: 1.0, post: 1.0 }).expect("start");
+            c.wait(w, &mut bf).expect("wait");
+            let mut scaled = data(r, len);
+            let w = c.start_as(Collective::AllReduce(ReduceOp::Sum), &mut scaled, Span { off: 0, len }, Wire { bf16: false, pre: 3.0, post: 0.25 }).expect("start");
+            c.wait(w, &mut scaled).expect("wait");
+            let mut other = data(r, 12);
+            let refused = c.start_as(Collective::AllGather, &mut other, Span { off: 0, len: 12 }, Wire { bf16: true, pre: 1.0, post: 1.0 });
+            (bf, scaled, matches!(refused, Err(CommError::Unsupported { .. })))
+        });
+        let exact: Vec<f64> = (0..len).map(|i| (0..world).map(|r| data(r, len)[i] as f64).sum()).collect();
+        let mut worst = 0f64;
+        for (r, (bf, scaled, refused)) in outs.iter().enumerate() {
+            assert!(refused, "world {world} rank {r}: all_gather accepted a bf16 wire");
+            assert_eq!(bf, &outs[0].0, "world {world}: rank {r} holds other bf16 sums than rank 0");
+            for (i, &v) in bf.iter().enumerate() {
+                assert_eq!(v.to_bits() & 0xffff, 0, "world {world} rank {r} [{i}]: {v} is not a bf16 value");
+                // each of the world − 1 additions rounds to bf16 (relative 2^-8), on partial
+                // sums no larger than the sum of magnitudes (< world)
+                let bound = world as f64 * world as f64 / 256.0 + 1e-6;
+                let err = (v as f64 - exact[i]).abs();
+                assert!(err <= bound, "world {world} [{i}]: {v} vs {} (bound {bound})", exact[i]);
+                worst = worst.max(err);
+            }
+            for (i, &v) in scaled.iter().enumerate() {
+                let want = exact[i] * 3.0 * 0.25;
+                assert!((v as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()), "world {world} [{i}]: scaled {v} vs {want}");
+            }
+        }
+        // the bf16 wire did round: the f32 sum is not what came back
+        assert!(worst > 1e-4, "world {world}: the bf16 sums equal the f32 sums ({worst:e}): no rounding happened");
     }
 }
 

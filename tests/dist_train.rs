@@ -649,3 +649,43 @@ fn augmented_and_mixed_batches_match_one_process() {
     train(1, 4, &["--set=train_micro_batch_size_per_gpu=8"], &t.path().join("plain"));
     assert!(max_rel_diff(&t.path().join("plain"), &t.path().join("one")) > 1e-4);
 }
+
+/// `comm_bytes` of the first step record in a rank's `metrics.jsonl`.
+fn first_step_bytes(dir: &Path) -> u64 {
+    let m = std::fs::read_to_string(dir.join("metrics.jsonl")).expect("metrics.jsonl");
+    m.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v.get("kind").is_none())
+        .and_then(|v| v["comm_bytes"].as_u64())
+        .expect("a step record with comm_bytes")
+}
+
+/// DeepSpeed's gradient-communication keys: a bf16 wire halves the bytes and rounds the
+/// reduced gradient to bf16 (so the weights move away from the fp32 run, but by no more than
+/// bf16 rounding of 4 updates); `gradient_predivide_factor` and `prescale_gradients` only
+/// rescale what travels, so over 3 ranks (where the factors are not powers of two and are
+/// really applied) the weights stay within f32 rounding of one process.
+#[test]
+fn communication_dtype_and_predivide_keep_deepspeeds_meaning() {
+    let t = tmp();
+    let p = |n: &str| -> PathBuf { t.path().join(n) };
+    let m8 = "--set=train_micro_batch_size_per_gpu=8";
+    train(1, 4, &[m8], &p("one"));
+    train(2, 4, &[m8, "--set=communication_data_type=fp32"], &p("fp32"));
+    train(2, 4, &[m8, "--set=communication_data_type=BF16"], &p("bf16"));
+    let (d32, d16) = (max_rel_diff(&p("fp32"), &p("one")), max_rel_diff(&p("bf16"), &p("one")));
+    eprintln!("vs 1 process: fp32 wire {d32:e}, bf16 wire {d16:e}");
+    assert!(d32 < SPLIT_TOL, "fp32 wire: {d32:e}");
+    assert!(d16 > 10.0 * SPLIT_TOL && d16 < 1e-2, "bf16 wire: {d16:e} (expected bf16 rounding: above 1e-5, below 1e-2)");
+    assert_eq!(first_step_bytes(&p("bf16")) * 2, first_step_bytes(&p("fp32")), "a bf16 wire sends half the bytes");
+
+    // 24 images: one process GAS 3 × 8, three ranks GAS 1 × 8
+    let b24 = "--set=train_batch_size=24";
+    train(1, 4, &[m8, b24], &p("one24"));
+    for (name, key) in [("pre17", "--set=gradient_predivide_factor=1.7"), ("prescale", "--set=prescale_gradients=true")] {
+        train(3, 4, &[m8, b24, "--set=communication_data_type=fp32", key], &p(name));
+        let d = max_rel_diff(&p(name), &p("one24"));
+        eprintln!("{name} over 3 ranks vs 1 process: {d:e}");
+        assert!(d < SPLIT_TOL, "{name}: {d:e}");
+    }
+}

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use super::rendezvous::{self, ControlLink, RendezvousRequest, Rendezvoused};
 use super::wire::{FrameHeader, HEADER_BYTES};
-use super::{check_args, CResult, Collective, Comm, CommError, CommOptions, DistEnv, ReduceOp, Span, Work};
+use super::{check_args, CResult, Collective, Comm, CommError, CommOptions, DistEnv, ReduceOp, Span, Wire, Work};
 
 /// Largest piece a broadcast forwards at once, in elements, so the ring pipelines it.
 const BROADCAST_PIECE: usize = 1 << 20;
@@ -65,6 +65,12 @@ impl Elem for f64 {
         self / n as f64
     }
 }
+/// bf16 on the wire: each addition is done in f32 and rounded back, as NCCL's bf16 sum does.
+impl Elem for half::bf16 {
+    fn div(self, n: usize) -> Self {
+        half::bf16::from_f32(self.to_f32() / n as f32)
+    }
+}
 
 enum Payload {
     F32(Vec<f32>),
@@ -72,7 +78,7 @@ enum Payload {
 }
 
 enum JobOp {
-    Coll(Collective),
+    Coll(Collective, Wire),
     Barrier,
     Host,
 }
@@ -229,8 +235,15 @@ impl Comm<Vec<f32>> for TcpComm {
     }
 
     fn start(&mut self, op: Collective, buf: &mut Vec<f32>, span: Span) -> CResult<Work> {
+        self.start_as(op, buf, span, Wire::PLAIN)
+    }
+
+    fn start_as(&mut self, op: Collective, buf: &mut Vec<f32>, span: Span, wire: Wire) -> CResult<Work> {
         check_args(op, span, buf.len(), self.world)?;
-        let id = self.submit(JobOp::Coll(op), Payload::F32(buf[span.range()].to_vec()))?;
+        if !wire.is_plain() && !matches!(op, Collective::AllReduce(_)) {
+            return Err(CommError::Unsupported { what: format!("{} with {wire:?} on {}", op.name(), self.describe()) });
+        }
+        let id = self.submit(JobOp::Coll(op, wire), Payload::F32(buf[span.range()].to_vec()))?;
         Ok(Work { id, op, span })
     }
 
@@ -421,19 +434,19 @@ impl Ring {
         self.seq += 1;
         self.control.arrive(self.rank, self.seq);
         let out = match (op, data) {
-            (JobOp::Coll(Collective::AllReduce(op)), Payload::F32(mut d)) => {
-                self.all_reduce(&mut d, OP_ALL_REDUCE, op == ReduceOp::Avg)?;
+            (JobOp::Coll(Collective::AllReduce(op), wire), Payload::F32(mut d)) => {
+                self.all_reduce_as(&mut d, op == ReduceOp::Avg, wire)?;
                 Payload::F32(d)
             }
-            (JobOp::Coll(Collective::ReduceScatter(op)), Payload::F32(mut d)) => {
+            (JobOp::Coll(Collective::ReduceScatter(op), _), Payload::F32(mut d)) => {
                 self.reduce_scatter(&mut d, OP_REDUCE_SCATTER, op == ReduceOp::Avg)?;
                 Payload::F32(d)
             }
-            (JobOp::Coll(Collective::AllGather), Payload::F32(mut d)) => {
+            (JobOp::Coll(Collective::AllGather, _), Payload::F32(mut d)) => {
                 self.all_gather(&mut d, OP_ALL_GATHER, 0)?;
                 Payload::F32(d)
             }
-            (JobOp::Coll(Collective::Broadcast { root }), Payload::F32(mut d)) => {
+            (JobOp::Coll(Collective::Broadcast { root }, _), Payload::F32(mut d)) => {
                 self.broadcast(&mut d, root)?;
                 Payload::F32(d)
             }
@@ -458,6 +471,25 @@ impl Ring {
             return Err(self.send_failure(OP_ALL_REDUCE));
         }
         Ok(out)
+    }
+
+    /// An all-reduce of f32 values travelling as `wire` says: scaled by `pre`, summed (in f32,
+    /// or in bf16 with every partial sum rounded), scaled by `post`.
+    fn all_reduce_as(&mut self, d: &mut [f32], avg: bool, wire: Wire) -> CResult<()> {
+        if wire.pre != 1.0 {
+            d.iter_mut().for_each(|x| *x *= wire.pre);
+        }
+        if wire.bf16 {
+            let mut h: Vec<half::bf16> = d.iter().map(|&x| half::bf16::from_f32(x)).collect();
+            self.all_reduce(&mut h, OP_ALL_REDUCE, avg)?;
+            d.iter_mut().zip(&h).for_each(|(x, v)| *x = v.to_f32());
+        } else {
+            self.all_reduce(d, OP_ALL_REDUCE, avg)?;
+        }
+        if wire.post != 1.0 {
+            d.iter_mut().for_each(|x| *x *= wire.post);
+        }
+        Ok(())
     }
 
     fn all_reduce<T: Elem>(&mut self, d: &mut [T], code: u8, avg: bool) -> CResult<()> {

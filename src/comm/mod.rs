@@ -70,6 +70,34 @@ impl Collective {
     }
 }
 
+/// How an all-reduce's values travel: in f32 or rounded to bf16 (half the bytes; NCCL then
+/// sums in bf16, the TCP ring rounds every partial sum to bf16 the same way), and the factors
+/// applied to the span before and after the sum (DeepSpeed's gradient pre- and post-division).
+/// The result is left in the buffer's own type.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Wire {
+    pub bf16: bool,
+    pub pre: f32,
+    pub post: f32,
+}
+
+impl Wire {
+    pub const PLAIN: Wire = Wire { bf16: false, pre: 1.0, post: 1.0 };
+
+    pub fn is_plain(&self) -> bool {
+        *self == Wire::PLAIN
+    }
+
+    /// Bytes per element on the wire.
+    pub fn elem_bytes(&self) -> usize {
+        if self.bf16 {
+            2
+        } else {
+            4
+        }
+    }
+}
+
 /// Rank `rank`'s shard of an evenly divisible span: the ZeRO partition and the
 /// reduce-scatter / all-gather layout. `span.len` must be a multiple of `world`.
 pub fn shard(span: Span, world: usize, rank: usize) -> Span {
@@ -184,6 +212,8 @@ pub enum CommError {
     BadRoot { root: usize, world: usize },
     #[error("wait: work #{id} was not started on this communicator (or was already waited on)")]
     UnknownWork { id: u64 },
+    #[error("{what}: not supported by this transport")]
+    Unsupported { what: String },
     /// A device-side failure (NCCL, CUDA) on this rank.
     #[error("rank {rank}: {msg}")]
     Device { rank: usize, msg: String },
@@ -217,6 +247,14 @@ pub trait Comm<Buf>: Send {
 
     /// Starts `op` on `buf[span]`. The span must not be touched until `wait`.
     fn start(&mut self, op: Collective, buf: &mut Buf, span: Span) -> CResult<Work>;
+    /// `start` of an all-reduce whose values travel as `wire` says. Transports that cannot
+    /// change the wire refuse anything but [`Wire::PLAIN`].
+    fn start_as(&mut self, op: Collective, buf: &mut Buf, span: Span, wire: Wire) -> CResult<Work> {
+        if wire.is_plain() {
+            return self.start(op, buf, span);
+        }
+        Err(CommError::Unsupported { what: format!("{} with {wire:?} on {}", op.name(), self.describe()) })
+    }
     /// Completes `work`, leaving the result in `buf[work.span()]`.
     fn wait(&mut self, work: Work, buf: &mut Buf) -> CResult<()>;
     /// Returns when every rank has called `barrier`.

@@ -185,6 +185,13 @@ const GRADIENT_CLIPPING: KeyDef = key("gradient_clipping", NONNEG, Dflt::Num(0.0
 const STEPS_PER_PRINT: KeyDef = key("steps_per_print", POS_INT, Dflt::Int(10),
     "DeepSpeed's print interval; used as the default of train.log_every.");
 
+const COMM_DTYPE: KeyDef = key("communication_data_type", Ty::Str, Dflt::Derived("bf16 when bf16 is enabled, else fp32 (DeepSpeed's rule; with fp16 training, fp32)"),
+    "Data type of the gradient all-reduce: fp32 or bf16 (case-insensitive); fp16 is accepted and reduced in fp32 with a warning.");
+const PRESCALE: KeyDef = key("prescale_gradients", Ty::Bool, Dflt::Bool(false),
+    "Divide each rank's gradient by the world size before the all-reduce instead of after it.");
+const PREDIVIDE: KeyDef = key("gradient_predivide_factor", POSITIVE, Dflt::Num(1.0),
+    "Without prescale_gradients: divide by this before the all-reduce and by world size / this after it.");
+
 /// Every key allowed at the top level.
 pub const TOP_KEYS: &[KeyDef] = &[
     TRAIN_BATCH_SIZE,
@@ -207,9 +214,9 @@ pub const TOP_KEYS: &[KeyDef] = &[
     ds_noop("aio", "Async I/O settings, used only by NVMe offload (not implemented, warned there)."),
     ds_noop("seq_parallel_communication_data_type", "Sequence parallelism is not used by a ViT trainer."),
     ds_noop("timers", "Timer settings of DeepSpeed's own engine; vitscale's timers are always on."),
-    ds_warn("communication_data_type", Dflt::Unset, "Gradient reduction dtype; not implemented yet (reductions use fp32)."),
-    ds_warn("prescale_gradients", Dflt::Bool(false), "Divide gradients before the all-reduce; not implemented (the averaged gradient is the same up to rounding)."),
-    ds_warn("gradient_predivide_factor", Dflt::Num(1.0), "Pre-divide factor for the all-reduce; not implemented."),
+    COMM_DTYPE,
+    PRESCALE,
+    PREDIVIDE,
     ds_warn("sparse_gradients", Dflt::Bool(false), "Sparse gradient all-reduce; not implemented."),
     ds_warn("amp", Dflt::Unset, "NVIDIA Apex AMP; not implemented (use bf16 or fp16)."),
     ds_warn("flops_profiler", Dflt::Unset, "DeepSpeed's FLOPs profiler; not implemented (vitscale reports MFU in metrics.jsonl)."),
@@ -870,6 +877,7 @@ pub fn resolve(value: &Value, world_size: usize) -> Result<RunConfig> {
     let gradient_clipping = get_num(Some(root), "", &GRADIENT_CLIPPING, &mut cx)?;
     let precision = parse_precision(root, &mut cx)?;
     let (zero_stage, reduce_bucket_size) = parse_zero(root.get("zero_optimization"), &mut cx)?;
+    let grad_comm = parse_grad_comm(root, &precision, &mut cx)?;
     let data = parse_data(section(root.get("data"), "data")?, &mut cx)?;
     let model = parse_model(section(root.get("model"), "model")?, &data, &mut cx)?;
     let steps_per_print = get_int(Some(root), "", &STEPS_PER_PRINT, &mut cx)?;
@@ -892,6 +900,7 @@ pub fn resolve(value: &Value, world_size: usize) -> Result<RunConfig> {
         precision,
         zero_stage,
         reduce_bucket_size,
+        grad_comm,
         model,
         data,
         train,
@@ -1192,6 +1201,29 @@ fn parse_precision(root: &Map<String, Value>, cx: &mut Cx) -> Result<Precision> 
 }
 
 // -- zero --
+
+/// `communication_data_type`, `prescale_gradients`, `gradient_predivide_factor`: how the
+/// gradient all-reduce runs, with DeepSpeed's default dtype (that of the compute precision).
+fn parse_grad_comm(root: &Map<String, Value>, precision: &Precision, cx: &mut Cx) -> Result<GradComm> {
+    let given = opt_str(Some(root), "", &COMM_DTYPE, cx)?.map(str::to_ascii_lowercase);
+    let dtype = match given.as_deref() {
+        Some("fp32") => CommDtype::Fp32,
+        Some("bf16") => CommDtype::Bf16,
+        Some("fp16") => {
+            cx.warn("communication_data_type = \"fp16\": fp16 reductions are not implemented; gradients are reduced in fp32".into());
+            CommDtype::Fp32
+        }
+        Some(other) => return Err(key_err("communication_data_type", format!("unknown value \"{other}\"; expected one of \"fp32\", \"bf16\", \"fp16\""))),
+        None => match precision {
+            Precision::Bf16 => CommDtype::Bf16,
+            // DeepSpeed would reduce in fp16; fp32 is what vitscale has, and only more exact
+            Precision::Fp16 { .. } | Precision::Fp32 => CommDtype::Fp32,
+        },
+    };
+    let prescale = get_bool(Some(root), "", &PRESCALE, cx)?;
+    let predivide = get_num(Some(root), "", &PREDIVIDE, cx)?;
+    Ok(GradComm { dtype, prescale, predivide })
+}
 
 /// `zero_optimization`: (stage, reduce_bucket_size if given).
 fn parse_zero(v: Option<&Value>, cx: &mut Cx) -> Result<(u8, Option<usize>)> {
@@ -1547,6 +1579,9 @@ pub fn resolved_json(cfg: &RunConfig) -> Value {
         if let Some(s) = scheduler {
             o.insert("scheduler".into(), s);
         }
+        o.insert("communication_data_type".into(), json!(cfg.grad_comm.dtype.as_str()));
+        o.insert("prescale_gradients".into(), json!(cfg.grad_comm.prescale));
+        o.insert("gradient_predivide_factor".into(), json!(cfg.grad_comm.predivide));
         match &cfg.precision {
             Precision::Fp32 => {}
             Precision::Bf16 => {

@@ -104,6 +104,38 @@ pub enum Precision {
     },
 }
 
+/// `communication_data_type`: the element type gradients travel in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CommDtype {
+    Fp32,
+    Bf16,
+}
+
+impl CommDtype {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CommDtype::Fp32 => "fp32",
+            CommDtype::Bf16 => "bf16",
+        }
+    }
+}
+
+/// How the gradient all-reduce runs (DeepSpeed's `communication_data_type`,
+/// `prescale_gradients`, `gradient_predivide_factor`).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct GradComm {
+    pub dtype: CommDtype,
+    pub prescale: bool,
+    pub predivide: f64,
+}
+
+impl Default for GradComm {
+    fn default() -> Self {
+        GradComm { dtype: CommDtype::Fp32, prescale: false, predivide: 1.0 }
+    }
+}
+
 /// `data.dataset`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -405,6 +437,8 @@ pub struct RunConfig {
     /// `zero_optimization.reduce_bucket_size`: elements per gradient bucket (None = the
     /// default of `train::sync`).
     pub reduce_bucket_size: Option<usize>,
+    /// The gradient all-reduce's dtype and scaling.
+    pub grad_comm: GradComm,
     pub model: ModelConfig,
     pub data: DataConfig,
     pub train: TrainConfig,

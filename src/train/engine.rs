@@ -27,7 +27,7 @@ use crate::train::plan::{self, Plan};
 use crate::train::run_dir::RunDir;
 use crate::metrics::trace::{Trace, Track};
 use crate::train::step::{GradSync, MicroBatch, Step};
-use crate::train::sync::{BucketPlan, BucketSync, DEFAULT_BUCKET_ELEMS, FIRST_BUCKET_ELEMS};
+use crate::train::sync::{gradient_wire, BucketPlan, BucketSync, DEFAULT_BUCKET_ELEMS, FIRST_BUCKET_ELEMS};
 use crate::train::{agree, checkpoint, schedule, stop};
 
 #[derive(Debug, thiserror::Error)]
@@ -215,6 +215,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         st.trace = Some(Trace::new(rank, t_start));
     }
     // the gradient buckets, reduced while the step's last backward goes on
+    let wire = gradient_wire(&cfg.grad_comm, world);
     let bucket_elems = cfg.reduce_bucket_size.unwrap_or(DEFAULT_BUCKET_ELEMS);
     let buckets = BucketPlan::new(&st.vit.gradient_groups(), FIRST_BUCKET_ELEMS.min(bucket_elems), bucket_elems).map_err(TrainError::Config)?;
 
@@ -312,6 +313,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         // gradients are summed over ranks once per step, bucket by bucket during the last
         // micro-batch's backward
         let mut sync = BucketSync::new(&mut *comm, &buckets, t_start);
+        sync.wire = wire;
         for m in 0..gas {
             let prepared = match ahead.take() {
                 Some(p) => p,

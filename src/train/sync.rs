@@ -16,7 +16,8 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::backend::{Backend, Span};
-use crate::comm::{Collective, Comm, ReduceOp, Work};
+use crate::comm::{Collective, Comm, ReduceOp, Wire, Work};
+use crate::config::{CommDtype, GradComm};
 use crate::train::engine::TrainError;
 use crate::train::step::GradSync;
 
@@ -26,6 +27,20 @@ pub const FIRST_BUCKET_ELEMS: usize = 1 << 18;
 /// DeepSpeed's own default, 5e8 elements, would put a whole ViT-B in one bucket and leave
 /// nothing to overlap.
 pub const DEFAULT_BUCKET_ELEMS: usize = 25 << 18;
+
+/// The wire of the gradient all-reduce for `cfg` over `world` ranks, with DeepSpeed's
+/// meaning: the values sent are each rank's mean gradient divided by
+/// `gradient_predivide_factor` (or by the world size with `prescale_gradients`), and the sum
+/// is scaled to the mean afterwards. The step's gradients are already divided by the global
+/// batch (each rank's mean over its images / world), so the factors here are what turns that
+/// into DeepSpeed's values and back. A power-of-two factor is exact in fp32 and bf16, so such
+/// factors are not applied at all.
+pub fn gradient_wire(cfg: &GradComm, world: usize) -> Wire {
+    let (pre, post) = if cfg.prescale { (1.0, 1.0) } else { (world as f64 / cfg.predivide, cfg.predivide / world as f64) };
+    let exact = |x: f64| x > 0.0 && (x.log2().fract() == 0.0);
+    let (pre, post) = if exact(pre) && exact(post) { (1.0, 1.0) } else { (pre as f32, post as f32) };
+    Wire { bf16: cfg.dtype == CommDtype::Bf16, pre, post }
+}
 
 /// One bucket: a span of the flat buffer and the groups (indices into the backward's order)
 /// it holds.
@@ -107,17 +122,19 @@ pub struct BucketSync<'c, Buf> {
     in_flight: Vec<(usize, Instant, Option<Instant>, Work)>,
     pub times: SyncTimes,
     pub events: Vec<BucketEvent>,
+    /// How the buckets travel (dtype, pre/post scaling).
+    pub wire: Wire,
 }
 
 impl<'c, Buf> BucketSync<'c, Buf> {
     pub fn new(comm: &'c mut dyn Comm<Buf>, plan: &'c BucketPlan, epoch: Instant) -> Self {
-        BucketSync { comm, plan, epoch, done_groups: vec![0; plan.buckets.len()], in_flight: Vec::new(), times: SyncTimes::default(), events: Vec::new() }
+        BucketSync { comm, plan, epoch, done_groups: vec![0; plan.buckets.len()], in_flight: Vec::new(), times: SyncTimes::default(), events: Vec::new(), wire: Wire::PLAIN }
     }
 
     fn start_bucket(&mut self, grads: &mut Buf, b: usize) -> Result<(), TrainError> {
         let span = self.plan.buckets[b].span;
-        let work = self.comm.start(Collective::AllReduce(ReduceOp::Sum), grads, span)?;
-        self.times.bytes += (span.len * std::mem::size_of::<f32>()) as u64;
+        let work = self.comm.start_as(Collective::AllReduce(ReduceOp::Sum), grads, span, self.wire)?;
+        self.times.bytes += (span.len * self.wire.elem_bytes()) as u64;
         self.in_flight.push((b, Instant::now(), None, work));
         Ok(())
     }
@@ -223,6 +240,24 @@ mod tests {
         let one = BucketPlan::new(&g, usize::MAX, usize::MAX).unwrap();
         assert_eq!(one.buckets.len(), 1);
         assert_eq!(one.buckets[0].span, Span { off: 0, len: 2012 });
+    }
+
+    #[test]
+    fn the_wire_follows_deepspeeds_scaling() {
+        let g = |prescale, predivide| GradComm { dtype: CommDtype::Fp32, prescale, predivide };
+        // defaults over 4 ranks: ×4 then ÷4, both exact, so nothing is applied
+        assert_eq!(gradient_wire(&g(false, 1.0), 4), Wire::PLAIN);
+        // over 3 ranks the default scaling is not exact: ×3 before, ÷3 after
+        let w = gradient_wire(&g(false, 1.0), 3);
+        assert_eq!((w.pre, w.post), (3.0, 1.0 / 3.0));
+        // the pre-divide factor: values sent are the mean / 1.5
+        let w = gradient_wire(&g(false, 1.5), 4);
+        assert!((w.pre - 4.0 / 1.5).abs() < 1e-6 && (w.post - 1.5 / 4.0).abs() < 1e-6);
+        // prescale: the values sent are the mean / world, which the step's gradients already are
+        assert_eq!(gradient_wire(&g(true, 1.5), 3), Wire::PLAIN);
+        let b = GradComm { dtype: CommDtype::Bf16, prescale: false, predivide: 1.0 };
+        assert_eq!(gradient_wire(&b, 2), Wire { bf16: true, pre: 1.0, post: 1.0 });
+        assert_eq!(gradient_wire(&b, 2).elem_bytes(), 2);
     }
 
     #[test]

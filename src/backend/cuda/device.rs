@@ -261,6 +261,16 @@ impl Cuda {
         &self.info
     }
 
+    /// A compiled kernel and the grid cap of `grid`, for launches on a stream other than
+    /// the compute stream (the NCCL communicator's).
+    pub(super) fn kernel_for_stream(&self, name: &str) -> BResult<(cudarc::driver::CudaFunction, u32)> {
+        Ok((self.kernels.get(name)?.clone(), self.info.multiprocessors as u32 * 16))
+    }
+
+    pub(super) fn mem_stats(&self) -> &Arc<MemStats> {
+        &self.mem
+    }
+
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }

@@ -30,8 +30,10 @@ use cudarc::driver::sys::{CUevent_flags, CUresult, CUstream};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use cudarc::nccl::sys::ncclUniqueId;
 
+use super::device::{kargs, MemStats, THREADS};
+use super::gemm::Ty;
 use super::{libs, Cuda, CudaBuf};
-use crate::comm::{check_args, CResult, Collective, Comm, CommError, CommOptions, DistEnv, ReduceOp, Span, TcpComm, Work};
+use crate::comm::{check_args, CResult, Collective, Comm, CommError, CommOptions, DistEnv, ReduceOp, Span, TcpComm, Wire, Work};
 
 type RawComm = *mut c_void;
 // NCCL's result, data type and operation codes (nccl.h), as plain integers: a value this
@@ -179,6 +181,12 @@ pub struct NcclComm {
     /// The compute stream's events around each boundary's waits.
     waits: Vec<(CudaEvent, CudaEvent)>,
     open_wait: Option<CudaEvent>,
+    /// `scaled_cast_kernel` and its grid cap: the wire's scaling and bf16 conversion run on
+    /// the communication stream, so they overlap the backward like the collective itself.
+    scaled_cast: (cudarc::driver::CudaFunction, u32),
+    mem: Arc<MemStats>,
+    /// bf16 copy of the reduced buffer's spans for a bf16 wire (grown on first use).
+    wire_bf16: Option<CudaBuf>,
 }
 
 fn cu(rank: usize, what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> CommError + '_ {
@@ -242,6 +250,9 @@ impl NcclComm {
             timed: Vec::new(),
             waits: Vec::new(),
             open_wait: None,
+            scaled_cast: be.kernel_for_stream("scaled_cast_kernel").map_err(|e| CommError::Device { rank, msg: e.to_string() })?,
+            mem: be.mem_stats().clone(),
+            wire_bf16: None,
         })
     }
 
@@ -251,6 +262,19 @@ impl NcclComm {
             Ok(Some(cause)) => Err(CommError::Poisoned { rank: self.rank, cause }),
             Err(_) => Err(CommError::Poisoned { rank: self.rank, cause: "the NCCL watchdog panicked".into() }),
         }
+    }
+
+    /// dst[..n] = src[..n] × s on the communication stream (device addresses, types by code:
+    /// 0 f32, 1 bf16, as `CudaBuf::dt`).
+    fn scaled_cast_on_stream(&self, dst: u64, dtd: i32, src: u64, dts: i32, n: usize, s: f32) -> CResult<()> {
+        let (f, cap) = &self.scaled_cast;
+        let grid = (n.div_ceil(THREADS as usize).max(1) as u32).min(*cap);
+        let n = n as i64;
+        let mut args = kargs![dst, dtd, src, dts, n, s];
+        // SAFETY: the kernel's signature is (void*, int, const void*, int, i64, float); both
+        // addresses lie inside live buffers for n elements of their types (checked by the caller).
+        unsafe { cudarc::driver::result::launch_kernel(f.cu_function(), (grid, 1, 1), (THREADS, 1, 1), 0, self.stream.cu_stream(), &mut args) }
+            .map_err(cu(self.rank, "scaling a gradient bucket"))
     }
 
     fn event(&self, timing: bool) -> CResult<CudaEvent> {
@@ -330,18 +354,38 @@ impl Comm<CudaBuf> for NcclComm {
     }
 
     fn start(&mut self, op: Collective, buf: &mut CudaBuf, span: Span) -> CResult<Work> {
+        self.start_as(op, buf, span, Wire::PLAIN)
+    }
+
+    fn start_as(&mut self, op: Collective, buf: &mut CudaBuf, span: Span, wire: Wire) -> CResult<Work> {
         self.check_failed()?;
         check_args(op, span, buf.len, self.world)?;
         let rank = self.rank;
+        if !wire.is_plain() && !(matches!(op, Collective::AllReduce(_)) && buf.ty == Ty::F32) {
+            return Err(CommError::Unsupported { what: format!("{} of a {} buffer with {wire:?} on NCCL", op.name(), if buf.is_bf16() { "bf16" } else { "f32" }) });
+        }
+        if wire.bf16 && self.wire_bf16.as_ref().is_none_or(|b| b.len < buf.len) {
+            // allocated (and zeroed) on the communication stream, before any kernel uses it
+            self.wire_bf16 = None;
+            let b = Cuda::raw_alloc_with(&self.ctx, &self.stream, &self.mem, buf.len, Ty::Bf16).map_err(|e| CommError::Device { rank, msg: format!("allocating the bf16 gradient wire: {e}") })?;
+            self.wire_bf16 = Some(b);
+        }
         // the collective may read the span once the compute stream has written it
         let ready = self.event(false)?;
         ready.record(&self.compute).map_err(cu(rank, "recording the gradients' event"))?;
         self.stream.wait(&ready).map_err(cu(rank, "ordering the communication stream"))?;
         let start = Arc::new(self.event(true)?);
         start.record(&self.stream).map_err(cu(rank, "recording a collective's start"))?;
-        let (l, c, s, ty) = (self.lib, self.comm.0, self.stream.cu_stream(), nccl_type(buf));
-        let elem = buf.bytes() / buf.len.max(1);
-        let base = buf.at(span.off) as *mut c_void;
+        let (l, c, s) = (self.lib, self.comm.0, self.stream.cu_stream());
+        let (mut ty, mut elem, mut base) = (nccl_type(buf), buf.bytes() / buf.len.max(1), buf.at(span.off) as *mut c_void);
+        let grads = buf.at(span.off);
+        if wire.bf16 {
+            let w = self.wire_bf16.as_ref().map(|b| b.at(span.off)).unwrap_or_default();
+            self.scaled_cast_on_stream(w, 1, grads, 0, span.len, wire.pre)?;
+            (ty, elem, base) = (NCCL_BFLOAT16, 2, w as *mut c_void);
+        } else if wire.pre != 1.0 {
+            self.scaled_cast_on_stream(grads, 0, grads, 0, span.len, wire.pre)?;
+        }
         let red = |o: ReduceOp| if o == ReduceOp::Avg { NCCL_AVG } else { NCCL_SUM };
         // SAFETY: every pointer is inside `buf` (span checked above); in-place forms as nccl.h
         // documents them (reduce-scatter's output is its own shard of the input, all-gather's
@@ -362,6 +406,11 @@ impl Comm<CudaBuf> for NcclComm {
         };
         if r != NCCL_SUCCESS && r != NCCL_IN_PROGRESS {
             return Err(CommError::Device { rank, msg: format!("nccl {} of elements {}..{}: {}", op.name(), span.off, span.off + span.len, nccl_text(l, r)) });
+        }
+        if wire.bf16 {
+            self.scaled_cast_on_stream(grads, 0, base as u64, 1, span.len, wire.post)?;
+        } else if wire.post != 1.0 {
+            self.scaled_cast_on_stream(grads, 0, grads, 0, span.len, wire.post)?;
         }
         let done = Arc::new(self.event(true)?);
         done.record(&self.stream).map_err(cu(rank, "recording a collective's end"))?;

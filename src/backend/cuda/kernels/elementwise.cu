@@ -14,6 +14,11 @@ extern "C" __global__ void add_kernel(void* out, int dto, const void* a, int dta
     GRID_STRIDE(i, n) stx(out, dto, i, ldx(a, dta, i) + ldx(b, dtb, i));
 }
 
+// dst = src * s, converting between the buffers' types (may run in place)
+extern "C" __global__ void scaled_cast_kernel(void* dst, int dtd, const void* src, int dts, i64 n, float s) {
+    GRID_STRIDE(i, n) stx(dst, dtd, i, ldx(src, dts, i) * s);
+}
+
 // buf *= s
 extern "C" __global__ void scale_kernel(void* buf, int dt, i64 n, float s) {
     GRID_STRIDE(i, n) stx(buf, dt, i, ldx(buf, dt, i) * s);
