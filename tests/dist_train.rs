@@ -689,3 +689,72 @@ fn communication_dtype_and_predivide_keep_deepspeeds_meaning() {
         assert!(d < SPLIT_TOL, "{name}: {d:e}");
     }
 }
+
+/// Two "nodes" on this machine: two launchers (`--nnodes 2 --node-rank 0/1`, one rank each,
+/// the same master) form one job, which trains the weights of one process.
+#[test]
+fn two_launchers_as_two_nodes_train_like_one_process() {
+    let t = tmp();
+    let p = |n: &str| -> PathBuf { t.path().join(n) };
+    train(1, 4, &["--set=train_micro_batch_size_per_gpu=8"], &p("one"));
+    let port = free_port().to_string();
+    let dir = p("nodes");
+    let spawn = |node: &str| {
+        let mut args: Vec<String> = ["launch", "--nnodes=2", "--nproc-per-node=1", "--master-addr=127.0.0.1"].iter().map(|s| s.to_string()).collect();
+        args.extend([format!("--node-rank={node}"), format!("--master-port={port}"), "--".into(), "train".into()]);
+        args.extend(common(4));
+        args.extend(["--set=train_micro_batch_size_per_gpu=8".to_string(), "--run-dir".into(), dir.display().to_string()]);
+        args.extend(["--save-weights".into(), dir.join("w.safetensors").display().to_string()]);
+        Command::new(EXE).args(&args).env_remove("VITSCALE_RUN_ID").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn a launcher")
+    };
+    let nodes = [spawn("0"), spawn("1")];
+    for (i, n) in nodes.into_iter().enumerate() {
+        let out = n.wait_with_output().expect("launcher");
+        assert!(out.status.success(), "node {i}: {}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+    }
+    let d = max_rel_diff(&dir, &p("one"));
+    eprintln!("2 nodes × 1 rank vs 1 process: {d:e}");
+    assert!(d < SPLIT_TOL, "{d:e}");
+    assert_eq!(summary_hash(&dir.join("rank1")), summary_hash(&dir), "the second node's rank ended with other weights");
+}
+
+/// `launch -- bench` on CPU ranks: the data-parallel figures, consistent with the model (an
+/// fp32 wire moves 4 bytes per parameter per step, bf16 2) and with each other.
+#[test]
+fn bench_under_launch_reports_the_data_parallel_figures() {
+    let mut params = 0u64;
+    for (dtype, bytes_per) in [("fp32", 4u64), ("bf16", 2)] {
+        let args: Vec<String> = [
+            "launch", "--nproc-per-node=2", &format!("--master-port={}", free_port()), "--", "bench", "--device=cpu",
+            "--model=vit_builtin_default", "--micro=8", "--gas=2", "--steps=3", "--warmup=1", &format!("--comm-dtype={dtype}"), "--json",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let out = run(&args);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("data parallel: 2 ranks × micro 8 × GAS 2") && text.contains("overlap target"), "{text}");
+        let r = json_line(&out);
+        let f = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} missing in {r}"));
+        assert_eq!(r["world"].as_u64(), Some(2));
+        assert_eq!(r["wire"].as_str(), Some(dtype));
+        assert_eq!(r["shared_device"].as_bool(), Some(true), "two CPU ranks on one machine share it");
+        let bytes = r["bytes_per_step"].as_u64().unwrap_or(0);
+        assert!(bytes > 0 && bytes % bytes_per == 0, "{dtype}: {bytes} bytes");
+        if params == 0 {
+            params = bytes / bytes_per;
+        }
+        assert_eq!(bytes / bytes_per, params, "{dtype}: {bytes} bytes for {params} parameters");
+        let step = f("step_ms");
+        assert!((f("global_img_per_s") - 2.0 * 16.0 / (step * 1e-3)).abs() < 1e-6 * f("global_img_per_s"), "{r}");
+        assert!((f("efficiency") - f("global_img_per_s") / (2.0 * f("one_rank_img_per_s"))).abs() < 1e-9, "{r}");
+        for k in ["one_rank_step_ms", "forward_alone_ms", "backward_alone_ms", "allreduce_alone_ms", "comm_total_ms", "allreduce_bus_gb_s"] {
+            assert!(f(k) > 0.0, "{k} = {} in {r}", f(k));
+        }
+        assert!(f("exposed_ms") >= 0.0 && f("exposed_ms") < step, "{r}");
+        let target = (f("allreduce_alone_ms") - f("backward_alone_ms")).max(0.0) + 0.1 * f("allreduce_alone_ms");
+        assert!((f("overlap_target_ms") - target).abs() < 1e-9 && r["overlap_met"].as_bool() == Some(f("exposed_ms") <= target), "{r}");
+    }
+    // the builtin default model's parameters
+    assert_eq!(params, 155_018);
+}

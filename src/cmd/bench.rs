@@ -45,6 +45,15 @@ pub struct BenchArgs {
     /// after its keys and values (same results; for comparing the two).
     #[arg(long)]
     pub full_last_block: bool,
+    /// Micro-batches per optimizer step (gradient accumulation).
+    #[arg(long, default_value_t = 1)]
+    pub gas: usize,
+    /// Under a launcher (several ranks): the gradient all-reduce's data type, fp32 or bf16.
+    #[arg(long, default_value = "fp32")]
+    pub comm_dtype: String,
+    /// Under a launcher: elements per gradient bucket (default: train::sync's, 25 MiB of f32).
+    #[arg(long)]
+    pub bucket_elems: Option<usize>,
     /// Print one JSON object as the last line.
     #[arg(long)]
     pub json: bool,
@@ -68,6 +77,22 @@ pub struct BenchArgs {
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.data {
         return crate::data::bench::command(args.threads, args.secs, args.jpeg_dir.as_deref(), args.json);
+    }
+    if args.gas == 0 {
+        anyhow::bail!("--gas must be at least 1");
+    }
+    let env = crate::comm::DistEnv::detect()?;
+    if env.world_size > 1 {
+        let gpu = if args.device == "cpu" { 0 } else { super::train::gpu_index(&env)? };
+        let r = crate::bench::measure_data_parallel(&args, &env, gpu)?;
+        if env.rank == 0 {
+            println!("{} on {} ranks (--device {}):", args.model, r.world, args.device);
+            println!("{r}");
+            if args.json {
+                println!("{}", serde_json::to_string(&r)?);
+            }
+        }
+        return Ok(());
     }
     let r = crate::bench::measure(&args)?;
     println!(

@@ -57,7 +57,7 @@ fn default_run_dir(env: &crate::comm::DistEnv) -> PathBuf {
 
 /// The GPU this process opens: `VITSCALE_DEVICE_INDEX` when set (`launch --one-gpu`), else its
 /// local rank.
-fn gpu_index(env: &crate::comm::DistEnv) -> anyhow::Result<usize> {
+pub(crate) fn gpu_index(env: &crate::comm::DistEnv) -> anyhow::Result<usize> {
     match std::env::var(crate::launch::DEVICE_INDEX_VAR) {
         Ok(v) if !v.trim().is_empty() => v.trim().parse().map_err(|_| anyhow::anyhow!("{}={v:?}: expected a GPU index", crate::launch::DEVICE_INDEX_VAR)),
         _ => Ok(env.local_rank),

@@ -159,6 +159,18 @@ impl<B: Backend> Step<B> {
         Ok(())
     }
 
+    /// `pass_unlogged` whose backward reports each finished gradient group to `sync` (the
+    /// last pass of a benchmarked data-parallel step).
+    pub fn pass_unlogged_reporting(&mut self, be: &B, n: usize, sync: &mut dyn GradSync<B>) -> Result<(), TrainError> {
+        self.vit.forward_staged(be, n, Some(1.0 / self.plan.global_batch as f32))?;
+        if !sync.reports_blocks() {
+            self.vit.backward(be)?;
+            return Ok(());
+        }
+        self.vit.backward_reporting(be, Some(&mut |grads: &mut B::Buf, span: Span| sync.ready(be, grads, span)))?;
+        Ok(())
+    }
+
     fn keep_losses(&mut self, be: &B, step: u64, n: usize) -> Result<(), TrainError> {
         let src = self.vit.losses_buf()?;
         let len = be.len(src);

@@ -15,6 +15,8 @@
 //! `ModelConfig::train_flops_per_image` against the bf16 GEMM rate measured in the same
 //! process (cuBLASLt, 8192³, random data).
 
+pub mod data_parallel;
+
 use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
@@ -100,13 +102,13 @@ fn mean_loss<B: Backend>(be: &B, m: &Vit<B>, b: usize) -> BResult<f32> {
 /// seeded weights, every parameter decayed (as the peer), gradients clipped to global norm 1.0
 /// on the device, one pass over the whole micro-batch, the `--recompute` policy, and the
 /// synthetic batch staged.
-fn bench_step<B: Backend>(be: &B, args: &BenchArgs, s: &Setup) -> anyhow::Result<Step<B>> {
+fn bench_step<B: Backend>(be: &B, args: &BenchArgs, s: &Setup, world: usize) -> anyhow::Result<Step<B>> {
     let mut m = Vit::new(be, s.cfg.clone())?;
     m.set_class_token_tail(!args.full_last_block);
     m.set_params(be, &crate::model::init::init_params(&m.table, 0))?;
     let decay = DecayGroups::new(&m.table, &DecaySkip { bias: false, norm: false, pos_embed: false, cls_token: false });
     let recompute = Recompute::parse(&args.recompute).map_err(|e| anyhow::anyhow!("--recompute: {e}"))?;
-    let plan = Plan::new(be, &s.cfg, args.micro, 1, 1, Some(args.micro), recompute);
+    let plan = Plan::new(be, &s.cfg, args.micro, args.gas.max(1), world, Some(args.micro), recompute);
     let mut st = Step::new(be, m, s.opt.clone(), decay, BENCH_CLIP, plan)?;
     st.vit.stage_inputs(be, &s.images, &s.targets, args.micro)?;
     Ok(st)
@@ -123,18 +125,26 @@ fn boundary<B: Backend>(be: &B, st: &mut Step<B>, step: u64) -> anyhow::Result<(
     Ok(())
 }
 
+/// The `--gas` micro-batch passes of one step (eager).
+fn passes<B: Backend>(be: &B, st: &mut Step<B>, args: &BenchArgs) -> anyhow::Result<()> {
+    for _ in 0..args.gas.max(1) {
+        st.pass_unlogged(be, args.micro)?;
+    }
+    Ok(())
+}
+
 fn bench_cpu(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     let be = Cpu::new();
-    let mut st = bench_step(&be, args, s)?;
+    let mut st = bench_step(&be, args, s, 1)?;
     let mut step = 0u64;
     for _ in 0..args.warmup {
-        st.pass_unlogged(&be, args.micro)?;
+        passes(&be, &mut st, args)?;
         boundary(&be, &mut st, step)?;
         step += 1;
     }
     let t = Instant::now();
     for _ in 0..args.steps {
-        st.pass_unlogged(&be, args.micro)?;
+        passes(&be, &mut st, args)?;
         boundary(&be, &mut st, step)?;
         step += 1;
     }
@@ -147,7 +157,7 @@ fn bench_cpu(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
 
 #[allow(clippy::too_many_arguments)]
 fn result(args: &BenchArgs, s: &Setup, device: String, params: usize, graph: bool, step_ms: f64, ceiling: f64, peak: f64, loss: f32, compile_s: f64) -> BenchResult {
-    let img_per_s = args.micro as f64 / (step_ms * 1e-3);
+    let img_per_s = (args.micro * args.gas.max(1)) as f64 / (step_ms * 1e-3);
     let flops = s.cfg.train_flops_per_image();
     let achieved = flops * img_per_s / 1e12;
     BenchResult {
@@ -194,7 +204,7 @@ fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     };
     be.synchronize()?;
     be.reset_peak();
-    let mut st = bench_step(&be, args, s)?;
+    let mut st = bench_step(&be, args, s, 1)?;
     let want_graph = match args.graph.as_str() {
         "on" | "auto" => true,
         "off" => false,
@@ -206,30 +216,15 @@ fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     boundary(&be, &mut st, step)?;
     step += 1;
     be.synchronize()?;
-    let graph = if want_graph {
-        be.begin_capture()?;
-        let cap = st.pass_unlogged(&be, args.micro);
-        let g = be.end_capture();
-        match (cap, g) {
-            (Ok(()), Ok(g)) => Some(g),
-            (c, g) => {
-                let why = c.err().map(|e| e.to_string()).or(g.err().map(|e| e.to_string())).unwrap_or_default();
-                if args.graph == "on" {
-                    anyhow::bail!("CUDA graph capture failed: {why}");
-                }
-                eprintln!("note: CUDA graph capture failed ({why}); timing eager launches");
-                None
-            }
-        }
-    } else {
-        None
-    };
+    let graph = if want_graph { capture_pass(&be, &mut st, args)? } else { None };
     let run_step = |st: &mut Step<Cuda>, step: u64| -> anyhow::Result<()> {
-        match &graph {
-            // The graph ran the forward with a training loss and its backward; the model's
-            // host-side flag of a pending backward was consumed at capture.
-            Some(g) => g.launch()?,
-            None => st.pass_unlogged(&be, args.micro)?,
+        for _ in 0..args.gas.max(1) {
+            match &graph {
+                // The graph ran the forward with a training loss and its backward; the model's
+                // host-side flag of a pending backward was consumed at capture.
+                Some(g) => g.launch()?,
+                None => st.pass_unlogged(&be, args.micro)?,
+            }
         }
         boundary(&be, st, step)
     };
@@ -284,6 +279,97 @@ fn print_profile(timeline: &[crate::backend::cuda::ProfiledLaunch]) {
     idx.sort_by(|&a, &b| timeline[b].gap_before_ms.total_cmp(&timeline[a].gap_before_ms));
     for &i in idx.iter().take(8) {
         println!("  {:>8.3} ms  {} → {}", timeline[i].gap_before_ms, timeline[i - 1].name, timeline[i].name);
+    }
+}
+
+/// One micro-batch pass captured into a CUDA graph (after an eager step has grown every
+/// buffer); None, with a note, when capture fails and `--graph` is not `on`.
+fn capture_pass(be: &crate::backend::cuda::Cuda, st: &mut Step<crate::backend::cuda::Cuda>, args: &BenchArgs) -> anyhow::Result<Option<crate::backend::cuda::Graph>> {
+    be.begin_capture()?;
+    let cap = st.pass_unlogged(be, args.micro);
+    let g = be.end_capture();
+    match (cap, g) {
+        (Ok(()), Ok(g)) => Ok(Some(g)),
+        (c, g) => {
+            let why = c.err().map(|e| e.to_string()).or(g.err().map(|e| e.to_string())).unwrap_or_default();
+            if args.graph == "on" {
+                anyhow::bail!("CUDA graph capture failed: {why}");
+            }
+            eprintln!("note: CUDA graph capture failed ({why}); timing eager launches");
+            Ok(None)
+        }
+    }
+}
+
+/// This machine's name, for telling whether ranks share a device.
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default()
+}
+
+fn id_of(text: &str) -> u64 {
+    use sha2::{Digest, Sha256};
+    let d = Sha256::digest(text.as_bytes());
+    u64::from_le_bytes([d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]])
+}
+
+/// The data-parallel benchmark (`data_parallel`) as one rank of the job `env` describes (the
+/// process was started by `vitscale launch` or another launcher).
+pub fn measure_data_parallel(args: &BenchArgs, env: &crate::comm::DistEnv, gpu: usize) -> anyhow::Result<data_parallel::DataParallelResult> {
+    use crate::train::sync::DEFAULT_BUCKET_ELEMS;
+    use data_parallel::Passes;
+    let s = setup(args)?;
+    let bf16 = match args.comm_dtype.as_str() {
+        "fp32" => false,
+        "bf16" => true,
+        other => anyhow::bail!("--comm-dtype must be fp32 or bf16, got {other:?}"),
+    };
+    let wire = crate::comm::Wire { bf16, pre: 1.0, post: 1.0 };
+    let bucket = args.bucket_elems.unwrap_or(DEFAULT_BUCKET_ELEMS);
+    if bucket == 0 {
+        anyhow::bail!("--bucket-elems must be at least 1");
+    }
+    let opts = crate::comm::CommOptions::from_config_and_env(300.0)?;
+    // every rank must benchmark the same thing: the arguments are the rendezvous' config hash
+    let hash = format!("{:016x}", id_of(&format!("{:?}", BenchArgs { gpu: 0, ..args.clone() })));
+    match args.device.as_str() {
+        "cpu" => {
+            let be = Cpu::new();
+            let mut st = bench_step(&be, args, &s, env.world_size)?;
+            let mut comm = crate::comm::init_cpu(env, &opts, &hash)?;
+            data_parallel::measure(&be, &mut st, comm.as_mut(), args, Passes::Eager, wire, bucket, id_of(&hostname()))
+        }
+        "cuda" | "gpu" => {
+            use crate::backend::cuda::{nccl::NcclComm, Cuda};
+            let be = Cuda::new(gpu)?;
+            if let Some(a) = &args.attention {
+                be.set_attention(crate::backend::cuda::parse_attention(a).map_err(|e| anyhow::anyhow!("--attention: {e}"))?);
+            }
+            let mut st = bench_step(&be, args, &s, env.world_size)?;
+            // one eager step grows every buffer before a capture
+            st.pass_unlogged(&be, args.micro)?;
+            st.vit.zero_grads(&be)?;
+            be.synchronize()?;
+            let graph = match args.graph.as_str() {
+                "on" | "auto" => capture_pass(&be, &mut st, args)?,
+                "off" => None,
+                other => anyhow::bail!("--graph must be on, off or auto, got {other:?}"),
+            };
+            let replay = || -> anyhow::Result<()> {
+                match &graph {
+                    Some(g) => Ok(g.launch()?),
+                    None => Ok(()),
+                }
+            };
+            let passes = match (&graph, args.graph.as_str()) {
+                (None, _) => Passes::Eager,
+                (Some(_), "on") => Passes::GraphAll(&replay),
+                (Some(_), _) => Passes::GraphBeforeBoundary(&replay),
+            };
+            let mut comm = NcclComm::connect(env, &opts, &hash, &be)?;
+            let device = format!("{}/{}", hostname(), be.info().pci_bus_id);
+            data_parallel::measure(&be, &mut st, &mut comm, args, passes, wire, bucket, id_of(&device))
+        }
+        other => anyhow::bail!("--device must be cuda or cpu, got {other:?}"),
     }
 }
 
