@@ -758,3 +758,22 @@ fn bench_under_launch_reports_the_data_parallel_figures() {
     // the builtin default model's parameters
     assert_eq!(params, 155_018);
 }
+
+/// `selftest` under the launcher checks every collective on every rank (the TCP ring here,
+/// NCCL on GPUs) and passes only when all ranks pass.
+#[test]
+fn selftest_under_launch_checks_the_communicator_on_every_rank() {
+    let args: Vec<String> = ["launch", "--nproc-per-node=2", &format!("--master-port={}", free_port()), "--", "selftest", "--device=cpu", "--json"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let out = run(&args);
+    let r = json_line(&out);
+    assert_eq!(r["pass"].as_bool(), Some(true), "{r}");
+    let checks = r["checks"].as_array().cloned().unwrap_or_default();
+    let comm: Vec<&serde_json::Value> = checks.iter().filter(|c| c["name"].as_str().is_some_and(|n| n.starts_with("comm "))).collect();
+    for what in ["all_reduce sum f32", "bf16 wire", "reduce_scatter", "all_gather", "broadcast", "in flight", "all_reduce_host"] {
+        assert!(comm.iter().any(|c| c["name"].as_str().is_some_and(|n| n.contains(what) && n.contains("rank 0 of 2"))), "no {what} check over 2 ranks in {comm:?}");
+    }
+    assert!(String::from_utf8_lossy(&out.stdout).contains("ranks 1..1: 0 failed checks"));
+}

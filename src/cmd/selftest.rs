@@ -22,8 +22,9 @@ pub struct SelftestArgs {
     pub json: bool,
 }
 
-fn report(name: &str, seed: u64, checks: &[Check], dev: &[f32], cpu: &[f32], json: bool) -> bool {
-    let ok = checks.iter().all(|c| c.pass);
+/// The report; `others`: (world, failed checks of ranks 1..world) under a launcher.
+fn report(name: &str, seed: u64, checks: &[Check], dev: &[f32], cpu: &[f32], json: bool, others: Option<(usize, usize)>) -> bool {
+    let ok = checks.iter().all(|c| c.pass) && others.is_none_or(|(_, f)| f == 0);
     println!("selftest on {name} (seed {seed})");
     for c in checks {
         println!("  {} {:<78} rel err {:.2e} (tol {:.0e})", if c.pass { "ok  " } else { "FAIL" }, c.name, c.rel_err, c.tol);
@@ -31,18 +32,43 @@ fn report(name: &str, seed: u64, checks: &[Check], dev: &[f32], cpu: &[f32], jso
     println!("  losses device: {}", dev.iter().map(|v| format!("{v:.4}")).collect::<Vec<_>>().join(" "));
     println!("  losses cpu:    {}", cpu.iter().map(|v| format!("{v:.4}")).collect::<Vec<_>>().join(" "));
     let failed = checks.iter().filter(|c| !c.pass).count();
+    if let Some((world, f)) = others {
+        println!("ranks 1..{}: {f} failed checks", world - 1);
+    }
     println!("{} checks, {} failed: {}", checks.len(), failed, if ok { "PASS" } else { "FAIL" });
     if json {
-        println!("{}", serde_json::json!({"device": name, "seed": seed, "pass": ok, "checks": checks, "losses_device": dev, "losses_cpu": cpu}));
+        println!("{}", serde_json::json!({"device": name, "seed": seed, "pass": ok, "checks": checks, "losses_device": dev, "losses_cpu": cpu, "other_ranks_failed": others.map(|o| o.1)}));
     }
     ok
 }
 
+/// The communicator's checks (`selftest::comm`) on `comm`, with rank 0's seed.
+fn comm_checks<B: Backend>(be: &B, comm: &mut dyn crate::comm::Comm<B::Buf>, seed: u64) -> anyhow::Result<Vec<Check>> {
+    let mut shared = [if comm.rank() == 0 { (seed % (1 << 52)) as f64 } else { 0.0 }];
+    comm.all_reduce_host(&mut shared)?;
+    Ok(crate::selftest::comm::comm_checks(be, comm, shared[0] as u64)?)
+}
+
+/// Under a launcher every rank checks; rank 0 reports, with the other ranks' failure count.
+fn report_ranks(comm: &mut dyn crate::comm::Comm<impl Sized>, name: &str, seed: u64, checks: &[Check], dev: &[f32], cpu: &[f32], json: bool) -> anyhow::Result<bool> {
+    let mut failed = [checks.iter().filter(|c| !c.pass).count() as f64];
+    let own = failed[0];
+    comm.all_reduce_host(&mut failed)?;
+    if comm.rank() != 0 {
+        return Ok(own == 0.0);
+    }
+    let others = (comm.world_size() > 1).then(|| (comm.world_size(), (failed[0] - own) as usize));
+    Ok(report(name, seed, checks, dev, cpu, json, others))
+}
+
 /// `vitscale selftest`: the report, then an error when any check failed.
 pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
+    let env = crate::comm::DistEnv::detect()?;
+    let opts = crate::comm::CommOptions::from_config_and_env(60.0)?;
     let ok = match args.device.as_str() {
         "cuda" | "gpu" => {
-            let be = crate::backend::cuda::Cuda::new(args.gpu)?;
+            let gpu = if env.world_size > 1 { super::train::gpu_index(&env)? } else { args.gpu };
+            let be = crate::backend::cuda::Cuda::new(gpu)?;
             let chosen = be.attention_path();
             let (seed, mut checks, d, c) = run_checks(&be, args.seed)?;
             match hopper_gemm_checks(&be, seed) {
@@ -51,13 +77,19 @@ pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
                 Err(e) => checks.push(Check { name: format!("hopper GEMM checks: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false }),
             }
             checks.extend(attention_path_checks(&be, seed)?);
-            println!("attention path for the model checks: {}", chosen.name());
-            report(&be.name(), seed, &checks, &d, &c, args.json)
+            let mut comm = crate::backend::cuda::nccl::NcclComm::connect(&env, &opts, "selftest", &be)?;
+            checks.extend(comm_checks(&be, &mut comm, seed)?);
+            if env.rank == 0 {
+                println!("attention path for the model checks: {}", chosen.name());
+            }
+            report_ranks(&mut comm, &be.name(), seed, &checks, &d, &c, args.json)?
         }
         "cpu" => {
             let be = Cpu::new();
-            let (seed, checks, d, c) = run_checks(&be, args.seed)?;
-            report(&be.name(), seed, &checks, &d, &c, args.json)
+            let (seed, mut checks, d, c) = run_checks(&be, args.seed)?;
+            let mut comm = crate::comm::init_cpu(&env, &opts, "selftest")?;
+            checks.extend(comm_checks(&be, comm.as_mut(), seed)?);
+            report_ranks(comm.as_mut(), &be.name(), seed, &checks, &d, &c, args.json)?
         }
         other => anyhow::bail!("--device must be cuda or cpu, got {other:?}"),
     };

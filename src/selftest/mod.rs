@@ -14,6 +14,8 @@
 //! The model check trains a small ViT for 20 SGD steps on both backends from the same weights
 //! and data and compares the loss sequences (bf16 tolerance: 2e-2 relative per step).
 
+pub mod comm;
+
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 

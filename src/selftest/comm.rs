@@ -1,0 +1,100 @@
+//! The communicator's checks behind `vitscale selftest`: every collective the training step
+//! and ZeRO use, on this rank's communicator (NCCL on a GPU, the TCP ring on CPU ranks; one
+//! rank outside a launcher), against sums computed on the host in f64.
+//!
+//! Every rank's input is drawn from (seed, rank), so each rank can compute what all of them
+//! hold without exchanging it; the seed is rank 0's, shared first. Spans start at an odd
+//! offset and have a length that no world size up to 8 divides into equal ring chunks, where
+//! the collective allows it.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::{rel_err, Check};
+use crate::backend::{BResult, Backend, BackendError};
+use crate::comm::{Collective, Comm, ReduceOp, Span, Wire};
+
+fn input(seed: u64, rank: usize, len: usize) -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (0x5eed_c044_u64.wrapping_mul(rank as u64 + 1)));
+    (0..len).map(|_| rng.gen_range(-1.0f32..1.0)).collect()
+}
+
+fn check(name: String, got: &[f32], want: &[f32], tol: f64) -> Check {
+    let e = rel_err(got, want);
+    Check { name, rel_err: e, tol, pass: e <= tol }
+}
+
+fn comm_err(e: crate::comm::CommError) -> BackendError {
+    BackendError::Device(format!("communicator: {e}"))
+}
+
+/// The collectives' checks on `comm` (every rank of its world must call this with the same
+/// `seed`).
+pub fn comm_checks<B: Backend>(be: &B, comm: &mut dyn Comm<B::Buf>, seed: u64) -> BResult<Vec<Check>> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let tag = format!("[{}]", comm.describe());
+    let mut out = Vec::new();
+    let total = 4099 + 840; // an odd head, then a span every world size up to 8 divides
+    let span_odd = Span { off: 3, len: 4093 };
+    let span_even = Span { off: 4099, len: 840 };
+    let all: Vec<Vec<f32>> = (0..world).map(|r| input(seed, r, total)).collect();
+    let sum = |s: Span| -> Vec<f32> { (s.off..s.off + s.len).map(|i| all.iter().map(|v| v[i] as f64).sum::<f64>() as f32).collect() };
+    let mut buf = be.alloc_f32(total)?;
+    let run = |be: &B, comm: &mut dyn Comm<B::Buf>, buf: &mut B::Buf, op: Collective, span: Span, wire: Wire| -> BResult<Vec<f32>> {
+        be.upload(buf, 0, &all[rank])?;
+        let w = comm.start_as(op, buf, span, wire).map_err(comm_err)?;
+        comm.wait(w, buf).map_err(comm_err)?;
+        be.synchronize()?;
+        Ok(be.download(buf)?[span.range()].to_vec())
+    };
+    let plain = Wire::PLAIN;
+
+    let got = run(be, comm, &mut buf, Collective::AllReduce(ReduceOp::Sum), span_odd, plain)?;
+    out.push(check(format!("comm all_reduce sum f32 {tag}"), &got, &sum(span_odd), 1e-6));
+    let got = run(be, comm, &mut buf, Collective::AllReduce(ReduceOp::Avg), span_odd, plain)?;
+    let avg: Vec<f32> = sum(span_odd).iter().map(|v| v / world as f32).collect();
+    out.push(check(format!("comm all_reduce avg f32 {tag}"), &got, &avg, 1e-6));
+    let got = run(be, comm, &mut buf, Collective::AllReduce(ReduceOp::Sum), span_odd, Wire { bf16: false, pre: 3.0, post: 0.25 })?;
+    let scaled: Vec<f32> = sum(span_odd).iter().map(|v| v * 0.75).collect();
+    out.push(check(format!("comm all_reduce sum, scaled ×3 before and ×0.25 after {tag}"), &got, &scaled, 1e-6));
+    if world > 1 {
+        // bf16 inputs and partial sums: relative 2^-8 per rounding
+        let got = run(be, comm, &mut buf, Collective::AllReduce(ReduceOp::Sum), span_odd, Wire { bf16: true, pre: 1.0, post: 1.0 })?;
+        out.push(check(format!("comm all_reduce sum on a bf16 wire {tag}"), &got, &sum(span_odd), 1e-2));
+        let rounded = got.iter().all(|v| v.to_bits() & 0xffff == 0);
+        out.push(Check { name: format!("comm bf16 wire results are bf16 values {tag}"), rel_err: if rounded { 0.0 } else { 1.0 }, tol: 0.0, pass: rounded });
+    }
+    // reduce-scatter: this rank's shard of the sum
+    let got = run(be, comm, &mut buf, Collective::ReduceScatter(ReduceOp::Sum), span_even, plain)?;
+    let sh = crate::comm::shard(Span { off: 0, len: span_even.len }, world, rank);
+    out.push(check(format!("comm reduce_scatter sum (own shard) {tag}"), &got[sh.range()], &sum(span_even)[sh.range()], 1e-6));
+    // all-gather: every rank's own shard of its input, concatenated
+    let got = run(be, comm, &mut buf, Collective::AllGather, span_even, plain)?;
+    let gathered: Vec<f32> = (0..world)
+        .flat_map(|r| {
+            let s = crate::comm::shard(span_even, world, r);
+            all[r][s.range()].to_vec()
+        })
+        .collect();
+    out.push(check(format!("comm all_gather {tag}"), &got, &gathered, 0.0));
+    // broadcast from the last rank
+    let root = world - 1;
+    let got = run(be, comm, &mut buf, Collective::Broadcast { root }, span_odd, plain)?;
+    out.push(check(format!("comm broadcast from rank {root} {tag}"), &got, &all[root][span_odd.range()], 0.0));
+    // several collectives in flight at once complete in order, each with its own result
+    be.upload(&mut buf, 0, &all[rank])?;
+    let a = comm.start(Collective::AllReduce(ReduceOp::Sum), &mut buf, Span { off: 0, len: 2000 }).map_err(comm_err)?;
+    let b = comm.start(Collective::AllReduce(ReduceOp::Sum), &mut buf, Span { off: 2000, len: 2939 }).map_err(comm_err)?;
+    comm.wait(a, &mut buf).map_err(comm_err)?;
+    comm.wait(b, &mut buf).map_err(comm_err)?;
+    be.synchronize()?;
+    let got = be.download(&buf)?;
+    out.push(check(format!("comm two all_reduces in flight {tag}"), &got, &sum(Span { off: 0, len: total }), 1e-6));
+    // host values
+    let mut host = vec![rank as f64 + 0.5, 1.0];
+    comm.all_reduce_host(&mut host).map_err(comm_err)?;
+    let want = [(world * world) as f64 / 2.0, world as f64];
+    let ok = (host[0] - want[0]).abs() < 1e-9 && host[1] == want[1];
+    out.push(Check { name: format!("comm all_reduce_host {tag}"), rel_err: if ok { 0.0 } else { 1.0 }, tol: 0.0, pass: ok });
+    Ok(out)
+}
