@@ -5,8 +5,12 @@
 #   1. N ranks == 1 rank with the same global batch (2 ranks at GAS 1 and GAS 4, 4 ranks at
 #      GAS 1): per-step training loss within 2e-2 relative (bf16 compute, different splits of
 #      the batch), final validation loss within 2e-2;
-#   2. a SIGKILLed rank and a SIGSTOPped rank each end the job in bounded time, naming a rank;
-#   3. the per-rank metrics carry exposed and total communication.
+#      also with a bf16 gradient wire (communication_data_type), and 2 nodes of one rank each
+#      (two launchers, --nnodes 2);
+#   2. a SIGKILLed rank and a SIGSTOPped rank each end the job in bounded time; the stall
+#      names the rank that never entered the collective;
+#   3. the per-rank metrics carry exposed and total communication;
+#   4. `selftest` over 2 ranks checks the NCCL communicator.
 #
 #   scripts/gpu_dp_check.sh [BIN] [OUTDIR]        (SKIP_FAULTS=1: part 1 only)
 set -u
@@ -50,6 +54,19 @@ runn 2 --set train_micro_batch_size_per_gpu=8 --set gradient_accumulation_steps=
 compare "$OUT/one_gas4" "$OUT/two_gas4" "2 ranks GAS 4 vs 1 rank" || fail=1
 runn 4 --set train_micro_batch_size_per_gpu=16 --set gradient_accumulation_steps=1 --run-dir "$OUT/four_gas1" > "$OUT/four_gas1.log" 2>&1 || { echo "4-rank run failed"; tail -20 "$OUT/four_gas1.log"; fail=1; }
 compare "$OUT/one_gas1" "$OUT/four_gas1" "4 ranks GAS 1 vs 1 rank" || fail=1
+runn 2 --set train_micro_batch_size_per_gpu=32 --set gradient_accumulation_steps=1 --set communication_data_type=bf16 --run-dir "$OUT/two_bf16" > "$OUT/two_bf16.log" 2>&1 || { echo "2-rank bf16-wire run failed"; tail -20 "$OUT/two_bf16.log"; fail=1; }
+compare "$OUT/one_gas1" "$OUT/two_bf16" "2 ranks GAS 1, bf16 wire vs 1 rank" || fail=1
+port=$((31200 + RANDOM % 500))
+for node in 0 1; do
+  "$BIN" launch --nnodes 2 --node-rank $node --nproc-per-node 1 --one-gpu --master-addr 127.0.0.1 --master-port $port -- train "${common[@]}" \
+    --set train_micro_batch_size_per_gpu=32 --set gradient_accumulation_steps=1 --run-dir "$OUT/two_nodes" > "$OUT/two_nodes_$node.log" 2>&1 &
+done
+wait || { echo "2-node run failed"; tail -20 "$OUT"/two_nodes_*.log; fail=1; }
+compare "$OUT/one_gas1" "$OUT/two_nodes" "2 nodes x 1 rank vs 1 rank" || fail=1
+
+echo "== 4. selftest over 2 ranks (the NCCL communicator)"
+"$BIN" launch --nproc-per-node 2 --one-gpu --master-port $((31800 + RANDOM % 500)) -- selftest --device cuda > "$OUT/selftest2.log" 2>&1 || { echo "selftest over 2 ranks failed"; fail=1; }
+grep -E "^  (ok  |FAIL) comm |failed checks|checks, " "$OUT/selftest2.log"
 
 [ "${SKIP_FAULTS:-0}" = 1 ] && exit $fail
 echo "== 2. faults: a killed rank, a stopped rank"
@@ -71,5 +88,9 @@ for sig in KILL STOP; do
   named=$(grep -m3 -iE "rank [0-9]" "$OUT/fault_$sig.log" | tr '\n' ' ' | cut -c1-400)
   echo "{\"check\": \"SIG$sig rank 1\", \"ended\": \"$ended\", \"seconds\": $secs, \"log\": \"${named//\"/\'}\"}"
   [ "$ended" = yes ] || fail=1
+  if [ "$sig" = STOP ]; then
+    grep -m2 -E "never entered|did not complete|timed out" "$OUT/fault_$sig.log"
+    grep -qE "rank 1 never entered|waiting for rank 1|\[1\]" "$OUT/fault_$sig.log" || { echo "the stall does not name rank 1"; fail=1; }
+  fi
 done
 exit $fail

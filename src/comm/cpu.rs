@@ -81,6 +81,10 @@ enum JobOp {
     Coll(Collective, Wire),
     Barrier,
     Host,
+    /// The device communicator entered its collective `seq` (reported to rank 0).
+    DeviceArrive(u64),
+    /// Which ranks have not entered device collective `seq` (asked of rank 0)?
+    DeviceMissing(u64),
 }
 
 struct Job {
@@ -220,6 +224,43 @@ impl TcpComm {
     fn poison(&mut self, cause: String) -> CommError {
         let cause = self.failed.get_or_insert(cause).clone();
         CommError::Poisoned { rank: self.rank, cause }
+    }
+}
+
+/// The arrivals of a device communicator's collectives, reported through this ring's control
+/// link to rank 0, so that a stalled collective can name the ranks that never entered it.
+/// Cloneable into a watchdog thread; every call is best effort.
+#[derive(Clone)]
+pub struct Arrivals {
+    jobs: Option<mpsc::Sender<Job>>,
+}
+
+impl Arrivals {
+    /// This rank entered device collective `seq` (numbered from 1, the same on every rank).
+    pub fn arrive(&self, seq: u64) {
+        if let Some(j) = &self.jobs {
+            let (tx, _rx) = mpsc::channel();
+            let _ = j.send(Job { op: JobOp::DeviceArrive(seq), data: Payload::F64(Vec::new()), reply: tx });
+        }
+    }
+
+    /// The ranks that have not entered device collective `seq`, or None when rank 0 could not
+    /// be asked within `within`.
+    pub fn missing(&self, seq: u64, within: Duration) -> Option<Vec<usize>> {
+        let j = self.jobs.as_ref()?;
+        let (tx, rx) = mpsc::channel();
+        j.send(Job { op: JobOp::DeviceMissing(seq), data: Payload::F64(Vec::new()), reply: tx }).ok()?;
+        match rx.recv_timeout(within) {
+            Ok(Ok(Payload::F64(v))) if v.first() != Some(&-1.0) => Some(v.iter().map(|&r| r as usize).collect()),
+            _ => None,
+        }
+    }
+}
+
+impl TcpComm {
+    /// A handle for reporting a device communicator's arrivals (see [`Arrivals`]).
+    pub fn arrivals(&self) -> Arrivals {
+        Arrivals { jobs: self.jobs.clone() }
     }
 }
 
@@ -431,8 +472,19 @@ impl Ring {
     }
 
     fn execute(&mut self, op: JobOp, data: Payload) -> CResult<Payload> {
+        match op {
+            JobOp::DeviceArrive(seq) => {
+                self.control.arrive(self.rank, seq, true);
+                return Ok(data);
+            }
+            JobOp::DeviceMissing(seq) => {
+                let missing = self.control.missing(seq, true);
+                return Ok(Payload::F64(missing.map(|m| m.iter().map(|&r| r as f64).collect()).unwrap_or_else(|| vec![-1.0])));
+            }
+            _ => {}
+        }
         self.seq += 1;
-        self.control.arrive(self.rank, self.seq);
+        self.control.arrive(self.rank, self.seq, false);
         let out = match (op, data) {
             (JobOp::Coll(Collective::AllReduce(op), wire), Payload::F32(mut d)) => {
                 self.all_reduce_as(&mut d, op == ReduceOp::Avg, wire)?;
@@ -608,7 +660,7 @@ impl Ring {
     }
 
     fn timeout_error(&mut self, code: u8, waited: Duration, waiting_on: usize) -> CommError {
-        let missing = self.control.missing(self.seq);
+        let missing = self.control.missing(self.seq, false);
         CommError::Timeout {
             rank: self.rank,
             world: self.world,

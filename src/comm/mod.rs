@@ -30,7 +30,7 @@ mod wire;
 use std::time::Duration;
 
 pub use crate::core::Span;
-pub use cpu::TcpComm;
+pub use cpu::{Arrivals, TcpComm};
 pub use env::{DistEnv, EnvError, EnvSource};
 pub use rendezvous::{RendezvousError, Rendezvoused};
 
@@ -255,6 +255,9 @@ pub trait Comm<Buf>: Send {
         }
         Err(CommError::Unsupported { what: format!("{} with {wire:?} on {}", op.name(), self.describe()) })
     }
+    /// Names the next collective this rank starts ("gradient bucket 3 of 14"), for the error
+    /// that reports it stalled. Transports that name collectives otherwise ignore it.
+    fn label_next(&mut self, _label: &str) {}
     /// Completes `work`, leaving the result in `buf[work.span()]`.
     fn wait(&mut self, work: Work, buf: &mut Buf) -> CResult<()>;
     /// Returns when every rank has called `barrier`.

@@ -75,31 +75,41 @@ pub struct Rendezvoused {
     pub(crate) control: ControlLink,
 }
 
-/// Last collective each rank entered, and whether its control connection closed.
+/// Last collective each rank entered (of the TCP ring, and of the device communicator), and
+/// whether its control connection closed.
 #[derive(Debug)]
 pub(crate) struct Tracker {
-    state: Mutex<(Vec<u64>, Vec<bool>)>,
+    state: Mutex<TrackerState>,
+}
+
+#[derive(Clone, Debug)]
+struct TrackerState {
+    ring: Vec<u64>,
+    device: Vec<u64>,
+    gone: Vec<bool>,
 }
 
 impl Tracker {
     fn new(world: usize) -> Self {
-        Tracker { state: Mutex::new((vec![0; world], vec![false; world])) }
+        Tracker { state: Mutex::new(TrackerState { ring: vec![0; world], device: vec![0; world], gone: vec![false; world] }) }
     }
-    fn arrive(&self, rank: usize, seq: u64) {
+    fn arrive(&self, rank: usize, seq: u64, device: bool) {
         if let Ok(mut s) = self.state.lock() {
-            s.0[rank] = s.0[rank].max(seq);
+            let last = if device { &mut s.device } else { &mut s.ring };
+            last[rank] = last[rank].max(seq);
         }
     }
     fn gone(&self, rank: usize) {
         if let Ok(mut s) = self.state.lock() {
-            s.1[rank] = true;
+            s.gone[rank] = true;
         }
     }
-    fn status(&self) -> (Vec<u64>, Vec<bool>) {
-        match self.state.lock() {
+    fn status(&self, device: bool) -> (Vec<u64>, Vec<bool>) {
+        let s = match self.state.lock() {
             Ok(s) => s.clone(),
             Err(p) => p.into_inner().clone(),
-        }
+        };
+        (if device { s.device } else { s.ring }, s.gone)
     }
 }
 
@@ -113,12 +123,13 @@ pub(crate) enum ControlLink {
 }
 
 impl ControlLink {
-    /// Reports entering collective `seq`. Best effort: the ring itself detects failures.
-    pub(crate) fn arrive(&mut self, rank: usize, seq: u64) {
+    /// Reports entering collective `seq` (`device`: of the device communicator). Best
+    /// effort: the transports detect failures themselves.
+    pub(crate) fn arrive(&mut self, rank: usize, seq: u64, device: bool) {
         match self {
-            ControlLink::Local(t) => t.arrive(rank, seq),
+            ControlLink::Local(t) => t.arrive(rank, seq, device),
             ControlLink::Remote(s) => {
-                if write_control(s, &Control::Arrive { seq }).is_err() {
+                if write_control(s, &Control::Arrive { seq, device }).is_err() {
                     *self = ControlLink::Broken;
                 }
             }
@@ -128,11 +139,11 @@ impl ControlLink {
 
     /// Ranks that have not entered collective `seq`, with a note for ranks whose connection
     /// closed; `None` when rank 0 cannot be asked.
-    pub(crate) fn missing(&mut self, seq: u64) -> Option<Vec<usize>> {
+    pub(crate) fn missing(&mut self, seq: u64, device: bool) -> Option<Vec<usize>> {
         let (last, _gone) = match self {
-            ControlLink::Local(t) => t.status(),
+            ControlLink::Local(t) => t.status(device),
             ControlLink::Remote(s) => {
-                let asked = write_control(s, &Control::Query { seq })
+                let asked = write_control(s, &Control::Query { seq, device })
                     .and_then(|_| s.set_read_timeout(Some(Duration::from_secs(5))))
                     .and_then(|_| read_control(s));
                 match asked {
@@ -291,9 +302,9 @@ fn serve(req: &RendezvousRequest) -> Result<Rendezvoused, RendezvousError> {
 fn coordinate(rank: usize, mut s: TcpStream, tracker: Arc<Tracker>) {
     loop {
         match read_control(&mut s) {
-            Ok(Control::Arrive { seq }) => tracker.arrive(rank, seq),
-            Ok(Control::Query { .. }) => {
-                let (last, gone) = tracker.status();
+            Ok(Control::Arrive { seq, device }) => tracker.arrive(rank, seq, device),
+            Ok(Control::Query { device, .. }) => {
+                let (last, gone) = tracker.status(device);
                 if write_control(&mut s, &Control::Status { last, gone }).is_err() {
                     break;
                 }

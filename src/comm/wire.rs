@@ -21,10 +21,19 @@ pub enum Control {
     Welcome { world_size: usize, peers: Vec<String>, session: u64, blob: Vec<u8> },
     /// Rendezvous failed; the reason is rank 0's error text.
     Reject { reason: String },
-    /// This rank entered collective number `seq`.
-    Arrive { seq: u64 },
-    /// Which ranks have entered collective `seq`?
-    Query { seq: u64 },
+    /// This rank entered collective number `seq` (of the TCP ring, or with `device` of the
+    /// device communicator, whose collectives are numbered apart).
+    Arrive {
+        seq: u64,
+        #[serde(default)]
+        device: bool,
+    },
+    /// Which ranks have entered collective `seq` (of the ring, or of the device)?
+    Query {
+        seq: u64,
+        #[serde(default)]
+        device: bool,
+    },
     /// Per rank: last collective entered (0 = none yet) and whether its connection closed.
     Status { last: Vec<u64>, gone: Vec<bool> },
 }

@@ -133,6 +133,7 @@ impl<'c, Buf> BucketSync<'c, Buf> {
 
     fn start_bucket(&mut self, grads: &mut Buf, b: usize) -> Result<(), TrainError> {
         let span = self.plan.buckets[b].span;
+        self.comm.label_next(&format!("gradient bucket {b} of {}", self.plan.buckets.len()));
         let work = self.comm.start_as(Collective::AllReduce(ReduceOp::Sum), grads, span, self.wire)?;
         self.times.bytes += (span.len * self.wire.elem_bytes()) as u64;
         self.in_flight.push((b, Instant::now(), None, work));

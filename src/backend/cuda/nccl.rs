@@ -33,7 +33,7 @@ use cudarc::nccl::sys::ncclUniqueId;
 use super::device::{kargs, MemStats, THREADS};
 use super::gemm::Ty;
 use super::{libs, Cuda, CudaBuf};
-use crate::comm::{check_args, CResult, Collective, Comm, CommError, CommOptions, DistEnv, ReduceOp, Span, TcpComm, Wire, Work};
+use crate::comm::{check_args, Arrivals, CResult, Collective, Comm, CommError, CommOptions, DistEnv, ReduceOp, Span, TcpComm, Wire, Work};
 
 type RawComm = *mut c_void;
 // NCCL's result, data type and operation codes (nccl.h), as plain integers: a value this
@@ -187,6 +187,10 @@ pub struct NcclComm {
     mem: Arc<MemStats>,
     /// bf16 copy of the reduced buffer's spans for a bf16 wire (grown on first use).
     wire_bf16: Option<CudaBuf>,
+    /// Each collective's arrival, reported to rank 0 through the host ring's control link.
+    arrivals: Arrivals,
+    /// The caller's name for the next collective (`label_next`).
+    label: Option<String>,
 }
 
 fn cu(rank: usize, what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> CommError + '_ {
@@ -226,12 +230,13 @@ impl NcclComm {
         let stream = ctx.new_stream().map_err(cu(rank, "creating the communication stream"))?;
         let shared = Arc::new(Shared { in_flight: Mutex::new(Vec::new()), failed: Mutex::new(None), stop: AtomicBool::new(false) });
         let handle = Arc::new(Handle(comm));
+        let arrivals = host.arrivals();
         let watchdog = {
-            let (shared, handle, ctx) = (shared.clone(), handle.clone(), ctx.clone());
+            let (shared, handle, ctx, arrivals) = (shared.clone(), handle.clone(), ctx.clone(), arrivals.clone());
             let timeout = opts.timeout;
             std::thread::Builder::new()
                 .name(format!("vitscale-nccl-watchdog-{rank}"))
-                .spawn(move || watch(l, rank, &shared, &handle, &ctx, timeout))
+                .spawn(move || watch(l, rank, &shared, &handle, &ctx, timeout, &arrivals))
                 .map_err(|e| CommError::Device { rank, msg: format!("starting the NCCL watchdog: {e}") })?
         };
         Ok(NcclComm {
@@ -253,6 +258,8 @@ impl NcclComm {
             scaled_cast: be.kernel_for_stream("scaled_cast_kernel").map_err(|e| CommError::Device { rank, msg: e.to_string() })?,
             mem: be.mem_stats().clone(),
             wire_bf16: None,
+            arrivals,
+            label: None,
         })
     }
 
@@ -283,22 +290,35 @@ impl NcclComm {
     }
 }
 
+/// Who is to blame for a stalled collective, as rank 0's arrival tracker tells.
+fn missing_text(missing: Option<Vec<usize>>) -> String {
+    match missing {
+        Some(m) if m.len() == 1 => format!("rank {} never entered it", m[0]),
+        Some(m) if !m.is_empty() => format!("ranks {m:?} never entered it"),
+        Some(_) => "every rank entered it, so a peer or the network stalled inside it".into(),
+        None => "rank 0 could not be asked which ranks entered it".into(),
+    }
+}
+
 /// The watchdog: every 50 ms, retire completed collectives, abort one outstanding past the
-/// timeout, and catch NCCL's asynchronous errors.
-fn watch(l: &'static Lib, rank: usize, shared: &Shared, comm: &Handle, ctx: &Arc<CudaContext>, timeout: Duration) {
+/// timeout (naming the ranks that never entered it), and catch NCCL's asynchronous errors.
+fn watch(l: &'static Lib, rank: usize, shared: &Shared, comm: &Handle, ctx: &Arc<CudaContext>, timeout: Duration, arrivals: &Arrivals) {
     let _ = ctx.bind_to_thread();
     while !shared.stop.load(Ordering::Relaxed) {
         std::thread::sleep(Duration::from_millis(50));
         let mut stalled = None;
+        let mut overdue = None;
         if let Ok(mut list) = shared.in_flight.lock() {
             // SAFETY: querying an event that the list keeps alive.
             list.retain(|f| unsafe { cudarc::driver::sys::cuEventQuery(f.done.cu_event()) } == CUresult::CUDA_ERROR_NOT_READY);
-            if let Some(f) = list.iter().find(|f| f.since.elapsed() > timeout) {
-                stalled = Some(format!(
-                    "rank {rank}: {} (collective #{}) did not complete within {:.0?}: a peer rank is stalled, gone, or did not enter it; NCCL was aborted",
-                    f.what, f.id, timeout
-                ));
-            }
+            overdue = list.iter().find(|f| f.since.elapsed() > timeout).map(|f| (f.id, f.what.clone()));
+        }
+        if let Some((id, what)) = overdue {
+            let missing = arrivals.missing(id, Duration::from_secs(5));
+            stalled = Some(format!(
+                "rank {rank}: {what} (collective #{id}) did not complete within {timeout:.0?}: {}; NCCL was aborted",
+                missing_text(missing)
+            ));
         }
         let mut async_err: c_int = NCCL_SUCCESS;
         // SAFETY: the communicator is alive until the watchdog has stopped.
@@ -416,11 +436,21 @@ impl Comm<CudaBuf> for NcclComm {
         done.record(&self.stream).map_err(cu(rank, "recording a collective's end"))?;
         self.next_id += 1;
         let id = self.next_id;
+        self.arrivals.arrive(id);
+        let what = format!("{} of elements {}..{} ({} values)", op.name(), span.off, span.off + span.len, span.len);
+        let what = match self.label.take() {
+            Some(l) => format!("{l}: {what}"),
+            None => what,
+        };
         if let Ok(mut list) = self.shared.in_flight.lock() {
-            list.push(InFlight { id, done: done.clone(), since: Instant::now(), what: format!("{} of elements {}..{} ({} values)", op.name(), span.off, span.off + span.len, span.len) });
+            list.push(InFlight { id, done: done.clone(), since: Instant::now(), what });
         }
         self.pending.insert(id, (start, done));
         Ok(Work { id, op, span })
+    }
+
+    fn label_next(&mut self, label: &str) {
+        self.label = Some(label.to_string());
     }
 
     fn wait(&mut self, work: Work, _buf: &mut CudaBuf) -> CResult<()> {
