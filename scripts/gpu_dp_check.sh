@@ -90,7 +90,7 @@ for sig in KILL STOP; do
   [ "$ended" = yes ] || fail=1
   if [ "$sig" = STOP ]; then
     grep -m2 -E "never entered|did not complete|timed out" "$OUT/fault_$sig.log"
-    grep -qE "rank 1 never entered|waiting for rank 1|\[1\]" "$OUT/fault_$sig.log" || { echo "the stall does not name rank 1"; fail=1; }
+    grep -qE "rank 1 (never entered|issued nothing)|waiting for rank 1|\[1\]" "$OUT/fault_$sig.log" || { echo "the stall does not name rank 1"; fail=1; }
   fi
 done
 exit $fail

@@ -83,8 +83,8 @@ enum JobOp {
     Host,
     /// The device communicator entered its collective `seq` (reported to rank 0).
     DeviceArrive(u64),
-    /// Which ranks have not entered device collective `seq` (asked of rank 0)?
-    DeviceMissing(u64),
+    /// The last device collective each rank entered (asked of rank 0).
+    DeviceLast(u64),
 }
 
 struct Job {
@@ -244,14 +244,14 @@ impl Arrivals {
         }
     }
 
-    /// The ranks that have not entered device collective `seq`, or None when rank 0 could not
+    /// The last device collective each rank entered (0 = none), or None when rank 0 could not
     /// be asked within `within`.
-    pub fn missing(&self, seq: u64, within: Duration) -> Option<Vec<usize>> {
+    pub fn last_entered(&self, seq: u64, within: Duration) -> Option<Vec<u64>> {
         let j = self.jobs.as_ref()?;
         let (tx, rx) = mpsc::channel();
-        j.send(Job { op: JobOp::DeviceMissing(seq), data: Payload::F64(Vec::new()), reply: tx }).ok()?;
+        j.send(Job { op: JobOp::DeviceLast(seq), data: Payload::F64(Vec::new()), reply: tx }).ok()?;
         match rx.recv_timeout(within) {
-            Ok(Ok(Payload::F64(v))) if v.first() != Some(&-1.0) => Some(v.iter().map(|&r| r as usize).collect()),
+            Ok(Ok(Payload::F64(v))) if !v.is_empty() => Some(v.iter().map(|&r| r as u64).collect()),
             _ => None,
         }
     }
@@ -477,9 +477,9 @@ impl Ring {
                 self.control.arrive(self.rank, seq, true);
                 return Ok(data);
             }
-            JobOp::DeviceMissing(seq) => {
-                let missing = self.control.missing(seq, true);
-                return Ok(Payload::F64(missing.map(|m| m.iter().map(|&r| r as f64).collect()).unwrap_or_else(|| vec![-1.0])));
+            JobOp::DeviceLast(seq) => {
+                let last = self.control.last_entered(seq, true);
+                return Ok(Payload::F64(last.map(|m| m.iter().map(|&r| r as f64).collect()).unwrap_or_default()));
             }
             _ => {}
         }

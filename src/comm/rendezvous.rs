@@ -140,6 +140,13 @@ impl ControlLink {
     /// Ranks that have not entered collective `seq`, with a note for ranks whose connection
     /// closed; `None` when rank 0 cannot be asked.
     pub(crate) fn missing(&mut self, seq: u64, device: bool) -> Option<Vec<usize>> {
+        let last = self.last_entered(seq, device)?;
+        Some(last.iter().enumerate().filter(|(_, &l)| l < seq).map(|(r, _)| r).collect())
+    }
+
+    /// The last collective each rank entered (0 = none yet), as rank 0's tracker holds it;
+    /// `None` when rank 0 cannot be asked.
+    pub(crate) fn last_entered(&mut self, seq: u64, device: bool) -> Option<Vec<u64>> {
         let (last, _gone) = match self {
             ControlLink::Local(t) => t.status(device),
             ControlLink::Remote(s) => {
@@ -156,7 +163,7 @@ impl ControlLink {
             }
             ControlLink::Broken => return None,
         };
-        Some(last.iter().enumerate().filter(|(_, &l)| l < seq).map(|(r, _)| r).collect())
+        Some(last)
     }
 }
 

@@ -290,14 +290,23 @@ impl NcclComm {
     }
 }
 
-/// Who is to blame for a stalled collective, as rank 0's arrival tracker tells.
-fn missing_text(missing: Option<Vec<usize>>) -> String {
-    match missing {
-        Some(m) if m.len() == 1 => format!("rank {} never entered it", m[0]),
-        Some(m) if !m.is_empty() => format!("ranks {m:?} never entered it"),
-        Some(_) => "every rank entered it, so a peer or the network stalled inside it".into(),
-        None => "rank 0 could not be asked which ranks entered it".into(),
+/// Who is to blame for stalled collective `seq`, from the last collective each rank entered
+/// (rank 0's tracker): the ranks that never entered it; or, when all did, the ranks furthest
+/// behind, whose host stopped issuing collectives (a stopped or hung process still has its
+/// enqueued collectives, but NCCL's network progress needs its host threads).
+fn blame(seq: u64, last: Option<Vec<u64>>) -> String {
+    let Some(last) = last else { return "rank 0 could not be asked which ranks entered it".into() };
+    let names = |rs: &[usize]| if rs.len() == 1 { format!("rank {}", rs[0]) } else { format!("ranks {rs:?}") };
+    let missing: Vec<usize> = (0..last.len()).filter(|&r| last[r] < seq).collect();
+    if !missing.is_empty() {
+        return format!("{} never entered it", names(&missing));
     }
+    let (lo, hi) = (last.iter().copied().min().unwrap_or(0), last.iter().copied().max().unwrap_or(0));
+    if lo == hi {
+        return format!("every rank entered it and none issued another (last #{hi}): the network or every peer stalled inside it");
+    }
+    let behind: Vec<usize> = (0..last.len()).filter(|&r| last[r] == lo).collect();
+    format!("every rank entered it; {} issued nothing after #{lo} while others reached #{hi}: that process is stopped or hung", names(&behind))
 }
 
 /// The watchdog: every 50 ms, retire completed collectives, abort one outstanding past the
@@ -314,11 +323,8 @@ fn watch(l: &'static Lib, rank: usize, shared: &Shared, comm: &Handle, ctx: &Arc
             overdue = list.iter().find(|f| f.since.elapsed() > timeout).map(|f| (f.id, f.what.clone()));
         }
         if let Some((id, what)) = overdue {
-            let missing = arrivals.missing(id, Duration::from_secs(5));
-            stalled = Some(format!(
-                "rank {rank}: {what} (collective #{id}) did not complete within {timeout:.0?}: {}; NCCL was aborted",
-                missing_text(missing)
-            ));
+            let last = arrivals.last_entered(id, Duration::from_secs(5));
+            stalled = Some(format!("rank {rank}: {what} (collective #{id}) did not complete within {timeout:.0?}: {}; NCCL was aborted", blame(id, last)));
         }
         let mut async_err: c_int = NCCL_SUCCESS;
         // SAFETY: the communicator is alive until the watchdog has stopped.
@@ -336,6 +342,20 @@ fn watch(l: &'static Lib, rank: usize, shared: &Shared, comm: &Handle, ctx: &Arc
             unsafe { (l.comm_abort)(comm.0) };
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::blame;
+
+    #[test]
+    fn the_stall_names_the_ranks_that_never_entered_or_fell_behind() {
+        assert_eq!(blame(7, Some(vec![9, 6, 8])), "rank 1 never entered it");
+        assert_eq!(blame(7, Some(vec![9, 6, 5])), "ranks [1, 2] never entered it");
+        assert!(blame(7, Some(vec![9, 7, 9])).contains("rank 1 issued nothing after #7 while others reached #9"));
+        assert!(blame(7, Some(vec![7, 7])).contains("none issued another"));
+        assert!(blame(7, None).contains("could not be asked"));
     }
 }
 
