@@ -405,6 +405,10 @@ pub struct RunConfig {
     /// `zero_optimization.reduce_bucket_size`: elements per gradient bucket (None = the
     /// default of `train::sync`).
     pub reduce_bucket_size: Option<usize>,
+    /// `zero_optimization.reduce_scatter`: stage 2 reduce-scatters its buckets (else all-reduces).
+    pub zero_reduce_scatter: bool,
+    /// `zero_optimization.overlap_comm`: bucket reductions start during the last backward.
+    pub zero_overlap_comm: bool,
     pub model: ModelConfig,
     pub data: DataConfig,
     pub train: TrainConfig,
