@@ -1224,7 +1224,7 @@ struct Zero {
 }
 
 /// `zero_optimization`: the stage, the bucket size if given, and the keys of the sharded
-/// update; stage 3 runs as stage 2 (warned).
+/// update; stage 3 resolves to stage 2 (warned).
 fn parse_zero(v: Option<&Value>, cx: &mut Cx) -> Result<Zero> {
     let block = match v {
         None | Some(Value::Null) => return Ok(Zero { stage: 0, bucket: None, reduce_scatter: true, overlap_comm: true }),
@@ -1246,9 +1246,13 @@ fn parse_zero(v: Option<&Value>, cx: &mut Cx) -> Result<Zero> {
     if let Some(n) = opt_int(Some(block), p, &ZERO_ALLGATHER_BUCKET, cx)? {
         cx.warn(format!("zero_optimization.allgather_bucket_size = {n}: the updated weights are all-gathered per reduce bucket (reduce_bucket_size); this value is not used"));
     }
-    if stage == 3 {
+    // the resolved stage is the one that runs
+    let stage = if stage == 3 {
         cx.warn("zero_optimization.stage 3: partitioned parameters (ZeRO-3) are not implemented; running stage 2 (optimizer state and gradients partitioned, every rank keeps the whole weights)".into());
-    }
+        2
+    } else {
+        stage
+    };
     // In the file's order, so the warning reads like the config.
     let present: Vec<&str> = block
         .iter()

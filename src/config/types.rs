@@ -400,7 +400,7 @@ pub struct RunConfig {
     /// Clip the global gradient norm to this value (0 disables), DeepSpeed `gradient_clipping`.
     pub gradient_clipping: f64,
     pub precision: Precision,
-    /// DeepSpeed `zero_optimization.stage`.
+    /// DeepSpeed `zero_optimization.stage` as it runs: 0, 1 or 2 (a configured 3 runs as 2).
     pub zero_stage: u8,
     /// `zero_optimization.reduce_bucket_size`: elements per gradient bucket (None = the
     /// default of `train::sync`).

@@ -214,8 +214,8 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     // the gradient buckets, reduced while the step's last backward goes on
     let bucket_elems = cfg.reduce_bucket_size.unwrap_or(DEFAULT_BUCKET_ELEMS);
     let buckets = BucketPlan::new(&vit.gradient_groups(), FIRST_BUCKET_ELEMS.min(bucket_elems), bucket_elems).map_err(TrainError::Config)?;
-    // ZeRO 1/2 (3 runs as 2, warned by the config): this rank's shard of the optimizer state
-    let zero_stage = cfg.zero_stage.min(2);
+    // ZeRO 1/2 (the config resolves a 3 to 2): this rank's shard of the optimizer state
+    let zero_stage = cfg.zero_stage;
     let zero = match zero_stage {
         0 => None,
         s => Some(ZeroLayout::new(&buckets, &cfg.optimizer, s, world, rank, cfg.zero_reduce_scatter)?),
