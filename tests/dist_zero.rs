@@ -117,7 +117,21 @@ fn records(dir: &Path, kind: Option<&str>) -> Vec<serde_json::Value> {
     s.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).expect("a JSON line")).filter(|v| v["kind"].as_str() == kind).collect()
 }
 
+/// Whether the default model's bucket plan (default bucket size) leaves a bucket tail
+/// (elements past the largest multiple of `world`, replicated on every rank) at `world` ranks.
+fn default_model_has_tail(world: usize) -> bool {
+    let m = vitscale::model::ModelConfig::preset("vit_builtin_default").expect("preset");
+    let vit = vitscale::model::Vit::new(&vitscale::backend::cpu::Cpu::new(), m).expect("model");
+    let size = vitscale::train::sync::DEFAULT_BUCKET_ELEMS;
+    let plan = vitscale::train::sync::BucketPlan::new(&vit.gradient_groups(), vitscale::train::sync::FIRST_BUCKET_ELEMS.min(size), size).expect("plan");
+    let opt = vitscale::config::OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, dampening: 0.0, weight_decay: 0.0, nesterov: false };
+    let layout = vitscale::train::zero::ZeroLayout::new(&plan, &opt, 2, world, 0, true).expect("layout");
+    layout.parts.iter().any(|(_, t)| t.len > 0)
+}
+
 fn stages_equal_stage_0_and_one_process(opt: &str, split_tol: f32) {
+    // 4 ranks exercise the replicated tails, 2 ranks the tail-free layout
+    assert!(default_model_has_tail(4) && !default_model_has_tail(2), "the runs no longer cover both layouts");
     let t = tmp();
     let p = |n: &str| -> PathBuf { t.path().join(n) };
     // one process: micro 8 × GAS 4; 2 ranks: micro 4; 4 ranks: micro 2 (GAS 4 throughout)

@@ -133,7 +133,9 @@ impl ZeroLayout {
     }
 
     /// The whole optimizer state, assembled from every rank's shard (a collective: every rank
-    /// calls it and gets the same values). Costs a temporary buffer of the whole state.
+    /// calls it and gets the same values). The shards travel one bucket at a time through a
+    /// device buffer of the largest bucket, so a checkpoint adds no more than that to the
+    /// device's memory; the whole state is assembled on the host.
     pub fn gather_state<B: Backend>(&self, be: &B, comm: &mut dyn Comm<B::Buf>, state: &B::Buf) -> Result<Vec<f32>, TrainError> {
         let compact = be.download(state)?;
         if compact.len() != self.state_len {
@@ -144,18 +146,19 @@ impl ZeroLayout {
         if self.world == 1 {
             return Ok(full);
         }
-        let mut buf = be.alloc_f32(full.len())?;
-        be.upload(&mut buf, 0, &full)?;
-        let mut works = Vec::new();
+        let widest = self.parts.iter().map(|(p, _)| p.len).max().unwrap_or(0);
+        let mut buf = be.alloc_f32(widest.max(1))?;
         for c in 0..self.per_param {
             for &(prefix, _) in self.parts.iter().filter(|(p, _)| p.len > 0) {
-                works.push(comm.start(Collective::AllGather, &mut buf, Span { off: c * self.total + prefix.off, len: prefix.len })?);
+                let at = c * self.total + prefix.off;
+                let mine = shard(Span { off: 0, len: prefix.len }, self.world, self.rank);
+                be.upload(&mut buf, mine.off, &full[at + mine.off..at + mine.off + mine.len])?;
+                comm.all_gather(&mut buf, Span { off: 0, len: prefix.len })?;
+                let got = be.download(&buf)?;
+                full[at..at + prefix.len].copy_from_slice(&got[..prefix.len]);
             }
         }
-        for w in works {
-            comm.wait(w, &mut buf)?;
-        }
-        Ok(be.download(&buf)?)
+        Ok(full)
     }
 }
 
