@@ -192,12 +192,39 @@ fn precision_blocks() {
 
 #[test]
 fn zero_stage() {
-    assert_eq!(ok(json!({"zero_optimization": {"stage": 3}})).zero_stage, 3);
+    // ZeRO-3 is accepted and runs as stage 2, with a warning saying so
+    let c = ok(json!({"zero_optimization": {"stage": 3}}));
+    assert_eq!(c.zero_stage, 2);
+    assert!(has_warning(&c, "zero_optimization.stage 3: partitioned parameters (ZeRO-3) are not implemented; running stage 2"), "{:?}", c.warnings);
+    assert_eq!(ok(json!({"zero_optimization": {"stage": 2}})).zero_stage, 2);
+    assert!(ok(json!({"zero_optimization": {"stage": 2}})).warnings.is_empty());
     let e = err_names(json!({"zero_optimization": {"stage": 4}}), "zero_optimization.stage");
     assert!(e.contains("[0, 3]"), "{e}");
     let c = ok(json!({"zero_optimization": true}));
     assert_eq!(c.zero_stage, 1);
     assert!(has_warning(&c, "deprecated"));
+    // the sharded update's keys: honoured, validated, and named when wrong
+    let c = ok(json!({"zero_optimization": {"stage": 2, "reduce_scatter": false, "overlap_comm": false, "contiguous_gradients": true}}));
+    assert!(!c.zero_reduce_scatter && !c.zero_overlap_comm);
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    let d = ok(json!({"zero_optimization": {"stage": 1}}));
+    assert!(d.zero_reduce_scatter && d.zero_overlap_comm, "defaults");
+    for (bad, key) in [
+        (json!({"stage": -1}), "zero_optimization.stage"),
+        (json!({"stage": "two"}), "zero_optimization.stage"),
+        (json!({"stage": 2, "reduce_scatter": "yes"}), "zero_optimization.reduce_scatter"),
+        (json!({"stage": 2, "overlap_comm": 1}), "zero_optimization.overlap_comm"),
+        (json!({"stage": 2, "contiguous_gradients": "on"}), "zero_optimization.contiguous_gradients"),
+        (json!({"stage": 2, "allgather_bucket_size": 0}), "zero_optimization.allgather_bucket_size"),
+        (json!({"stage": 2, "allgather_bucket_size": "big"}), "zero_optimization.allgather_bucket_size"),
+        (json!({"stage": 2, "reduce_bucket_size": 0}), "zero_optimization.reduce_bucket_size"),
+        (json!({"stage": 2, "reduce_scater": true}), "zero_optimization.reduce_scater"),
+    ] {
+        err_names(json!({"zero_optimization": bad}), key);
+    }
+    let e = err_names(json!({"zero_optimization": {"stage": 2, "reduce_scater": true}}), "zero_optimization.reduce_scater");
+    assert!(e.contains("reduce_scatter"), "the closest key is suggested: {e}");
+    assert!(err_names(json!({"zero_optimization": 2}), "zero_optimization").contains("expected an object"));
     let e = err_names(json!({"zero_optimization": {"stage": 2, "overlap_com": true}}), "zero_optimization.overlap_com");
     assert!(e.contains("overlap_comm"), "{e}");
 }
@@ -482,8 +509,10 @@ fn deepspeed_cifar_tutorial_config() {
         Precision::Fp16 { loss_scale: 0.0, initial_scale_power: 15, loss_scale_window: 500, hysteresis: 2, min_loss_scale: 1.0 }
     );
     assert_eq!(c.train.log_every, 2000);
-    assert_eq!(c.warnings.len(), 1, "{:?}", c.warnings);
-    assert!(has_warning(&c, "zero_optimization: allgather_partitions, reduce_scatter, allgather_bucket_size, overlap_comm, contiguous_gradients, cpu_offload accepted but not implemented"));
+    assert_eq!(c.warnings.len(), 2, "{:?}", c.warnings);
+    assert!(has_warning(&c, "zero_optimization: allgather_partitions, cpu_offload accepted but not implemented"));
+    // reduce_scatter, overlap_comm are honoured; allgather_bucket_size is validated and warned
+    assert!(has_warning(&c, "zero_optimization.allgather_bucket_size = 50000000: the updated weights are all-gathered per reduce bucket"));
     // reduce_bucket_size is honoured: the gradient buckets' size in elements
     assert_eq!(c.reduce_bucket_size, Some(50_000_000));
     // On 4 ranks the micro batch shrinks to 4, as in DeepSpeed.
@@ -518,7 +547,8 @@ fn hf_bf16_zero2_with_auto_values() {
         "train_batch_size: \"auto\"",
         "train_micro_batch_size_per_gpu: \"auto\"",
         "gradient_accumulation_steps: \"auto\"",
-        "zero_optimization: offload_optimizer, allgather_partitions, allgather_bucket_size, overlap_comm, reduce_scatter, contiguous_gradients accepted",
+        "zero_optimization: offload_optimizer, allgather_partitions accepted",
+        "zero_optimization.allgather_bucket_size = 200000000: the updated weights are all-gathered per reduce bucket",
         "zero_optimization.reduce_bucket_size: \"auto\" taken as not given",
     ] {
         assert!(has_warning(&c, key), "missing warning {key}: {:#?}", c.warnings);
@@ -554,7 +584,9 @@ fn fp16_dynamic_loss_scale_with_warmuplr() {
 #[test]
 fn hf_zero3_with_offload() {
     let c = load_fixture("hf_zero3_offload.json", 8);
-    assert_eq!(c.zero_stage, 3);
+    // stage 3 runs as stage 2
+    assert_eq!(c.zero_stage, 2);
+    assert!(has_warning(&c, "ZeRO-3"));
     // fp16.enabled "auto" is not given → off.
     assert_eq!(c.precision, Precision::Fp32);
     assert!(has_warning(&c, "fp16.enabled: \"auto\""));

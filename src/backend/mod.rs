@@ -256,6 +256,22 @@ pub trait Backend: Send + Sync {
     /// only to spans flagged in `decay`.
     #[allow(clippy::too_many_arguments)]
     fn optimizer_step(&self, params: &mut Self::Buf, grads: &Self::Buf, state: &mut Self::Buf, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()>;
+    /// Σ g² over several spans of `buf` (f64): the gradient norm of a ZeRO shard, whose
+    /// pieces are spans of the flat buffer.
+    fn sum_squares_spans(&self, buf: &Self::Buf, spans: &[Span]) -> BResult<f64>;
+    /// `optimizer_step` restricted to pieces of the flat buffers (ZeRO: the pieces this rank
+    /// owns). Each piece is (span of `params`/`grads`, offset into `state`): the piece's own
+    /// optimizer state, `optimizer_state_len(opt, span.len)` elements laid out as
+    /// `optimizer_step` lays out a whole buffer's (Adam: m then v of the piece). `decay` is in
+    /// the coordinates of `params`. No clipping here: `hyper.clip_norm` must be 0, the caller
+    /// folds the global factor into `hyper.grad_scale` (the norm spans every rank's shard).
+    #[allow(clippy::too_many_arguments)]
+    fn optimizer_step_pieces(&self, params: &mut Self::Buf, grads: &Self::Buf, state: &mut Self::Buf, pieces: &[(Span, usize)], opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()>;
+    /// Peak bytes of device memory this backend has allocated so far, where it counts them
+    /// (the CUDA backend); None where memory is the host's (the CPU backend).
+    fn peak_bytes(&self) -> Option<u64> {
+        None
+    }
     /// `optimizer_step`, then `compute` ← `cast` of the updated weights (the compute-dtype
     /// copy the forward reads). A backend may do both in one pass over the weights.
     #[allow(clippy::too_many_arguments)]

@@ -131,12 +131,6 @@ pub fn engine_warnings(cfg: &RunConfig, device: &Device) -> Vec<String> {
             w.push("fp16.enabled: the CPU backend computes in f32 (no loss scaling); fp16 applies on GPUs".into())
         }
     }
-    if cfg.zero_stage > 0 {
-        w.push(format!(
-            "zero_optimization.stage {}: ZeRO partitioning is not implemented yet; every rank keeps the full optimizer state and gradients (stage 0)",
-            cfg.zero_stage
-        ));
-    }
     w
 }
 

@@ -203,7 +203,7 @@ pub const TOP_KEYS: &[KeyDef] = &[
     key("fp16", Ty::Section, Dflt::Unset, "DeepSpeed fp16 block (dynamic loss scaling when loss_scale is 0)."),
     key("bf16", Ty::Section, Dflt::Unset, "DeepSpeed bf16 block: {\"enabled\": true} computes in bf16 on GPUs."),
     key("bfloat16", Ty::Section, Dflt::Unset, "Older DeepSpeed spelling of bf16."),
-    key("zero_optimization", Ty::Section, Dflt::Unset, "DeepSpeed ZeRO block; `stage` 0-3 is honoured, the tuning keys are accepted."),
+    key("zero_optimization", Ty::Section, Dflt::Unset, "DeepSpeed ZeRO block: stages 0-2 are honoured (3 runs as 2, warned); see the keys below."),
     STEPS_PER_PRINT,
     key("model", Ty::Section, Dflt::Derived("preset chosen from the dataset"), "The ViT: a timm preset and/or fields."),
     key("data", Ty::Section, Dflt::Derived("built-in dataset"), "The dataset and its preprocessing."),
@@ -332,18 +332,37 @@ const BF16_KEYS: &[KeyDef] = &[
 // -- zero --
 
 const ZERO_STAGE: KeyDef = key("stage", Ty::Int { lo: 0, hi: 3 }, Dflt::Int(0),
-    "0 = plain data parallel, 1 = shard optimizer states, 2 = + gradients, 3 = + parameters.");
+    "0 = plain data parallel, 1 = shard the optimizer state (all-reduced gradients), 2 = + reduce-scatter the gradients so each rank gets only its shard; 3 (partitioned parameters) is not implemented and runs as 2.");
 const ZERO_BUCKET: KeyDef = key(
     "reduce_bucket_size",
     POS_INT,
     Dflt::Derived("6553600 (25 MiB of f32, PyTorch DDP's bucket_cap_mb; DeepSpeed's 5e8 would make a ViT-B one bucket)"),
     "Elements per gradient bucket after the first (1 MiB) one: each bucket is all-reduced as soon as the backward has finished it, while the backward goes on.",
 );
+const ZERO_REDUCE_SCATTER: KeyDef = key("reduce_scatter", Ty::Bool, Dflt::Bool(true),
+    "Stage 2: reduce-scatter each bucket so a rank receives only its shard of the reduced gradient (false: all-reduce it, as stage 1 does). No effect at stages 0 and 1.");
+const ZERO_OVERLAP: KeyDef = key("overlap_comm", Ty::Bool, Dflt::Bool(true),
+    "Start each bucket's reduction during the last micro-batch's backward (false: all of them after it). vitscale's default is true, unlike DeepSpeed's false for stages 1/2: overlapping is what the buckets are for.");
+const ZERO_ALLGATHER_BUCKET: KeyDef = KeyDef {
+    name: "allgather_bucket_size",
+    ty: POS_INT,
+    default: Dflt::Unset,
+    doc: "Elements per all-gather of the updated weights; vitscale gathers each reduce bucket's shards (the buckets of reduce_bucket_size), so a value here is validated and warned about.",
+    support: Support::Warn,
+};
+const ZERO_CONTIGUOUS: KeyDef = KeyDef {
+    name: "contiguous_gradients",
+    ty: Ty::Bool,
+    default: Dflt::Bool(true),
+    doc: "Gradients always live in one flat contiguous buffer in vitscale.",
+    support: Support::NoEffect,
+};
+/// The `zero_optimization` keys vitscale reads.
+const ZERO_KEYS: &[KeyDef] = &[ZERO_STAGE, ZERO_BUCKET, ZERO_REDUCE_SCATTER, ZERO_OVERLAP, ZERO_ALLGATHER_BUCKET, ZERO_CONTIGUOUS];
 /// `zero_optimization` tuning keys (DeepSpeed names, current and legacy): accepted, not
 /// implemented; listed in the warnings when present.
 const ZERO_TUNING: &[&str] = &[
-    "contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size", "allgather_partitions",
-    "allgather_bucket_size", "load_from_fp32_weights", "elastic_checkpoint", "offload_param", "offload_optimizer",
+    "allgather_partitions", "load_from_fp32_weights", "elastic_checkpoint", "offload_param", "offload_optimizer",
     "sub_group_size", "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory", "prefetch_bucket_size",
     "stage3_prefetch_bucket_size", "param_persistence_threshold", "stage3_param_persistence_threshold",
     "model_persistence_threshold", "stage3_model_persistence_threshold", "max_live_parameters",
@@ -517,7 +536,7 @@ pub fn help_text() -> String {
         ("scheduler.params (WarmupCosineLR)", WARMUP_COSINE_KEYS),
         ("fp16", FP16_KEYS),
         ("bf16", BF16_KEYS),
-        ("zero_optimization", &[ZERO_STAGE]),
+        ("zero_optimization", ZERO_KEYS),
         ("model", MODEL_KEYS),
         ("data", DATA_KEYS),
         ("train", TRAIN_KEYS),
@@ -876,8 +895,14 @@ pub fn resolve(value: &Value, world_size: usize) -> Result<RunConfig> {
     let batch = resolve_batch_keys(root, world_size, &mut cx)?;
     let gradient_clipping = get_num(Some(root), "", &GRADIENT_CLIPPING, &mut cx)?;
     let precision = parse_precision(root, &mut cx)?;
-    let (zero_stage, reduce_bucket_size) = parse_zero(root.get("zero_optimization"), &mut cx)?;
+    let zero = parse_zero(root.get("zero_optimization"), &mut cx)?;
     let grad_comm = parse_grad_comm(root, &precision, &mut cx)?;
+    if zero.stage > 0 && grad_comm != GradComm::default() {
+        cx.warn(format!(
+            "communication_data_type {} / prescale_gradients / gradient_predivide_factor shape the stage-0 all-reduce; at ZeRO stage {} the gradients are reduce-scattered and the weights gathered in fp32, unscaled",
+            grad_comm.dtype.as_str(), zero.stage
+        ));
+    }
     let data = parse_data(section(root.get("data"), "data")?, &mut cx)?;
     let model = parse_model(section(root.get("model"), "model")?, &data, &mut cx)?;
     let steps_per_print = get_int(Some(root), "", &STEPS_PER_PRINT, &mut cx)?;
@@ -898,8 +923,10 @@ pub fn resolve(value: &Value, world_size: usize) -> Result<RunConfig> {
         scheduler,
         gradient_clipping,
         precision,
-        zero_stage,
-        reduce_bucket_size,
+        zero_stage: zero.stage,
+        reduce_bucket_size: zero.bucket,
+        zero_reduce_scatter: zero.reduce_scatter,
+        zero_overlap_comm: zero.overlap_comm,
         grad_comm,
         model,
         data,
@@ -1225,25 +1252,49 @@ fn parse_grad_comm(root: &Map<String, Value>, precision: &Precision, cx: &mut Cx
     Ok(GradComm { dtype, prescale, predivide })
 }
 
-/// `zero_optimization`: (stage, reduce_bucket_size if given).
-fn parse_zero(v: Option<&Value>, cx: &mut Cx) -> Result<(u8, Option<usize>)> {
+/// `zero_optimization`, resolved.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Zero {
+    stage: u8,
+    bucket: Option<usize>,
+    reduce_scatter: bool,
+    overlap_comm: bool,
+}
+
+/// `zero_optimization`: the stage, the bucket size if given, and the keys of the sharded
+/// update; stage 3 resolves to stage 2 (warned).
+fn parse_zero(v: Option<&Value>, cx: &mut Cx) -> Result<Zero> {
     let block = match v {
-        None | Some(Value::Null) => return Ok((0, None)),
+        None | Some(Value::Null) => return Ok(Zero { stage: 0, bucket: None, reduce_scatter: true, overlap_comm: true }),
         // Legacy form: `"zero_optimization": true` meant stage 1.
         Some(Value::Bool(b)) => {
             cx.warn("zero_optimization = true/false is DeepSpeed's deprecated form; use {\"stage\": N}".into());
-            return Ok((u8::from(*b), None));
+            return Ok(Zero { stage: u8::from(*b), bucket: None, reduce_scatter: true, overlap_comm: true });
         }
         Some(Value::Object(m)) => m,
         Some(other) => return Err(key_err("zero_optimization", format!("expected an object, got {}", kind_of(other)))),
     };
-    check_keys("zero_optimization", block, &[ZERO_STAGE, ZERO_BUCKET], ZERO_TUNING)?;
-    let stage = get_int(Some(block), "zero_optimization", &ZERO_STAGE, cx)? as u8;
-    let bucket = opt_int(Some(block), "zero_optimization", &ZERO_BUCKET, cx)?.map(|n| n as usize);
+    let p = "zero_optimization";
+    check_keys(p, block, ZERO_KEYS, ZERO_TUNING)?;
+    let stage = get_int(Some(block), p, &ZERO_STAGE, cx)? as u8;
+    let bucket = opt_int(Some(block), p, &ZERO_BUCKET, cx)?.map(|n| n as usize);
+    let reduce_scatter = get_bool(Some(block), p, &ZERO_REDUCE_SCATTER, cx)?;
+    let overlap_comm = get_bool(Some(block), p, &ZERO_OVERLAP, cx)?;
+    get_bool(Some(block), p, &ZERO_CONTIGUOUS, cx)?;
+    if let Some(n) = opt_int(Some(block), p, &ZERO_ALLGATHER_BUCKET, cx)? {
+        cx.warn(format!("zero_optimization.allgather_bucket_size = {n}: the updated weights are all-gathered per reduce bucket (reduce_bucket_size); this value is not used"));
+    }
+    // the resolved stage is the one that runs
+    let stage = if stage == 3 {
+        cx.warn("zero_optimization.stage 3: partitioned parameters (ZeRO-3) are not implemented; running stage 2 (optimizer state and gradients partitioned, every rank keeps the whole weights)".into());
+        2
+    } else {
+        stage
+    };
     // In the file's order, so the warning reads like the config.
     let present: Vec<&str> = block
         .iter()
-        .filter(|(k, v)| ZERO_TUNING.contains(&k.as_str()) && k.as_str() != "reduce_bucket_size" && !v.is_null())
+        .filter(|(k, v)| ZERO_TUNING.contains(&k.as_str()) && !v.is_null())
         .map(|(k, _)| k.as_str())
         .collect();
     for off in ["offload_optimizer", "offload_param"] {
@@ -1262,7 +1313,7 @@ fn parse_zero(v: Option<&Value>, cx: &mut Cx) -> Result<(u8, Option<usize>)> {
             present.join(", ")
         ));
     }
-    Ok((stage, bucket))
+    Ok(Zero { stage, bucket, reduce_scatter, overlap_comm })
 }
 
 // -- model --
@@ -1528,16 +1579,17 @@ pub fn resolved_json(cfg: &RunConfig) -> Value {
     let m = &cfg.model;
     let d = &cfg.data;
     let t = &cfg.train;
+    let mut zero = json!({ "stage": cfg.zero_stage, "reduce_scatter": cfg.zero_reduce_scatter, "overlap_comm": cfg.zero_overlap_comm });
+    if let Some(n) = cfg.reduce_bucket_size {
+        zero["reduce_bucket_size"] = json!(n);
+    }
     let mut out = json!({
         "train_batch_size": cfg.batch.train_batch_size,
         "train_micro_batch_size_per_gpu": cfg.batch.micro_batch_per_gpu,
         "gradient_accumulation_steps": cfg.batch.gradient_accumulation_steps,
         "optimizer": optimizer,
         "gradient_clipping": cfg.gradient_clipping,
-        "zero_optimization": match cfg.reduce_bucket_size {
-            Some(n) => json!({ "stage": cfg.zero_stage, "reduce_bucket_size": n }),
-            None => json!({ "stage": cfg.zero_stage }),
-        },
+        "zero_optimization": zero,
         "model": {
             "image_size": m.image_size, "patch_size": m.patch_size, "in_chans": m.in_chans, "embed_dim": m.embed_dim,
             "depth": m.depth, "num_heads": m.num_heads, "mlp_ratio": m.mlp_ratio, "num_classes": m.num_classes,

@@ -432,13 +432,17 @@ pub struct RunConfig {
     /// Clip the global gradient norm to this value (0 disables), DeepSpeed `gradient_clipping`.
     pub gradient_clipping: f64,
     pub precision: Precision,
-    /// DeepSpeed `zero_optimization.stage`.
+    /// DeepSpeed `zero_optimization.stage` as it runs: 0, 1 or 2 (a configured 3 runs as 2).
     pub zero_stage: u8,
     /// `zero_optimization.reduce_bucket_size`: elements per gradient bucket (None = the
     /// default of `train::sync`).
     pub reduce_bucket_size: Option<usize>,
     /// The gradient all-reduce's dtype and scaling.
     pub grad_comm: GradComm,
+    /// `zero_optimization.reduce_scatter`: stage 2 reduce-scatters its buckets (else all-reduces).
+    pub zero_reduce_scatter: bool,
+    /// `zero_optimization.overlap_comm`: bucket reductions start during the last backward.
+    pub zero_overlap_comm: bool,
     pub model: ModelConfig,
     pub data: DataConfig,
     pub train: TrainConfig,

@@ -145,6 +145,16 @@ impl DecayGroups {
         DecayGroups { spans: spans.into_iter().collect() }
     }
 
+    /// The groups within `piece`, in the piece's own coordinates (offset 0 = `piece.off`):
+    /// what an optimizer step over that piece alone needs (ZeRO shards).
+    pub fn restrict(&self, piece: Span) -> DecayGroups {
+        let end = piece.off + piece.len;
+        Self::from_spans(self.spans.iter().filter_map(|&(s, d)| {
+            let (lo, hi) = (s.off.max(piece.off), (s.off + s.len).min(end));
+            (lo < hi).then_some((Span { off: lo - piece.off, len: hi - lo }, d))
+        }))
+    }
+
     /// The groups of parameters of these kinds under the `train.weight_decay_skip` setting:
     /// a span decays unless its kind is skipped.
     pub fn from_kinds(params: impl IntoIterator<Item = (Span, ParamKind)>, skip: &DecaySkip) -> Self {
@@ -163,6 +173,15 @@ mod tests {
         let skip = DecaySkip { bias: true, norm: false, pos_embed: true, cls_token: true };
         let g = DecayGroups::from_kinds(params, &skip);
         assert_eq!(g.spans, vec![(s(0, 4), true), (s(4, 2), false), (s(6, 2), true), (s(8, 3), false)]);
+    }
+
+    #[test]
+    fn restricting_keeps_the_overlaps_in_piece_coordinates() {
+        let s = |off, len| Span { off, len };
+        let g = DecayGroups::from_spans([(s(0, 4), true), (s(4, 2), false), (s(6, 5), true)]);
+        assert_eq!(g.restrict(s(3, 5)).spans, vec![(s(0, 1), true), (s(1, 2), false), (s(3, 2), true)]);
+        assert_eq!(g.restrict(s(11, 3)).spans, vec![]);
+        assert_eq!(g.restrict(s(0, 11)).spans, g.spans);
     }
 
     #[test]

@@ -613,10 +613,26 @@ fn optimizer_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
         cx.be.upload(&mut pd_cast, 0, &p0)?;
         let mut sd_cast = cx.be.alloc_f32(optimizer_state_len(&opt, n))?;
         let mut copy = cx.be.alloc(n)?;
+        // the same steps over three pieces with gaps between them (a ZeRO shard), each with
+        // its own state, clipped by a factor computed from the global norm on the host
+        let pieces_at = [Span { off: 0, len: n / 3 }, Span { off: n / 3 + 7, len: n / 3 }, Span { off: 2 * (n / 3) + 11, len: n - 2 * (n / 3) - 11 }];
+        let mut pieces = Vec::new();
+        let mut soff = 0;
+        for s in pieces_at {
+            pieces.push((s, soff));
+            soff += optimizer_state_len(&opt, s.len);
+        }
+        let mut pd_pieces = cx.be.alloc_f32(n)?;
+        cx.be.upload(&mut pd_pieces, 0, &p0)?;
+        let mut sd_pieces = cx.be.alloc_f32(soff)?;
+        let mut ss_err = 0f64;
         for step in 1..=3u64 {
             let g = cx.randn(n, 1.0);
             let mut gd = cx.be.alloc_f32(n)?;
             cx.be.upload(&mut gd, 0, &g)?;
+            let ss_dev = cx.be.sum_squares_spans(&gd, &pieces_at)?;
+            let ss_ref: f64 = pieces_at.iter().flat_map(|s| &g[s.range()]).map(|&v| (v as f64) * (v as f64)).sum();
+            ss_err = ss_err.max((ss_dev - ss_ref).abs() / ss_ref.max(f64::MIN_POSITIVE));
             // step 2 clips by the global norm (‖0.5·g‖ ≈ 0.5·√n, so a bound of 0.25·√n halves
             // it), step 3 has a bound the norm stays under
             let clip_norm = match step {
@@ -627,6 +643,9 @@ fn optimizer_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
             let hyper = StepHyper { lr: opt.lr() as f32 * (1.0 + 0.1 * step as f32), step, grad_scale: 0.5, clip_norm };
             cx.be.optimizer_step(&mut pd, &gd, &mut sd, &opt, decay, hyper)?;
             cx.be.optimizer_step_cast(&mut pd_cast, &gd, &mut sd_cast, &mut copy, &opt, decay, hyper)?;
+            let full_norm = cx.be.sum_squares_spans(&gd, &[Span { off: 0, len: n }])?.sqrt();
+            let sharded = StepHyper { grad_scale: hyper.effective_grad_scale(full_norm), clip_norm: 0.0, ..hyper };
+            cx.be.optimizer_step_pieces(&mut pd_pieces, &gd, &mut sd_pieces, &pieces, &opt, decay, sharded)?;
             let g64: Vec<f64> = g.iter().map(|&v| v as f64).collect();
             optimizer_reference(&mut pr, &g64, &mut sr, &opt, &decays, hyper);
         }
@@ -646,6 +665,21 @@ fn optimizer_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
         let (copy_got, copy_want) = (cx.be.download(&copy)?, cx.be.download(&cast_ref)?);
         let diff = got_cast.iter().zip(&got).chain(copy_got.iter().zip(&copy_want)).map(|(a, b)| if a.to_bits() == b.to_bits() { 0.0 } else { (a - b).abs().max(f32::MIN_POSITIVE) }).fold(0f32, f32::max);
         cx.checks.push(Check { name: format!("optimizer_step_cast {name}, {layout}: weights as optimizer_step, copy as cast"), rel_err: diff as f64, tol: 0.0, pass: diff == 0.0 });
+        // pieces: the whole-buffer step's update on their elements (the clip factor comes from
+        // the host's f64 norm instead of the device's: f32 rounding of the factor), and the gaps
+        // between them untouched
+        let got_pieces = cx.be.download(&pd_pieces)?;
+        let (mut dp, mut dwhole) = (Vec::new(), Vec::new());
+        for s in pieces_at {
+            dp.extend(s.range().map(|i| got_pieces[i] - p0[i]));
+            dwhole.extend(s.range().map(|i| got[i] - p0[i]));
+        }
+        let e = rel_err(&dp, &dwhole);
+        let mut covered = vec![false; n];
+        pieces_at.iter().for_each(|s| covered[s.range()].iter_mut().for_each(|c| *c = true));
+        let gaps_kept = (0..n).filter(|&i| !covered[i]).all(|i| got_pieces[i].to_bits() == p0[i].to_bits());
+        cx.checks.push(Check { name: format!("optimizer_step_pieces {name}, {layout}: as optimizer_step on three pieces, gaps untouched"), rel_err: e, tol: 1e-5, pass: e.is_finite() && e <= 1e-5 && gaps_kept });
+        cx.checks.push(Check { name: format!("sum_squares_spans {name}, {layout} (vs f64 on the host)"), rel_err: ss_err, tol: 1e-6, pass: ss_err.is_finite() && ss_err <= 1e-6 });
     }
     Ok(())
 }

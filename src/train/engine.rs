@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::backend::{Backend, DecayGroups, Span};
+use crate::backend::{optimizer_state_len, Backend, DecayGroups, Span};
 use crate::comm::{Comm, CommError, SingleComm};
 use crate::config::RunConfig;
 use crate::data::{self, Datasets, ImageSet, Loader, LoaderPlan, MixTargets, Sampler};
@@ -28,6 +28,7 @@ use crate::train::run_dir::RunDir;
 use crate::metrics::trace::{Trace, Track};
 use crate::train::step::{GradSync, MicroBatch, Step};
 use crate::train::sync::{gradient_wire, BucketPlan, BucketSync, DEFAULT_BUCKET_ELEMS, FIRST_BUCKET_ELEMS};
+use crate::train::zero::{AnySync, MemoryBytes, MemoryRecord, ZeroLayout, ZeroSync};
 use crate::train::{agree, checkpoint, schedule, stop};
 
 #[derive(Debug, thiserror::Error)]
@@ -210,14 +211,40 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     let vit = build_model(be, cfg, opts.init.as_deref())?;
     let num_params = vit.table.total;
     let decay = DecayGroups::new(&vit.table, &cfg.train.weight_decay_skip);
-    let mut st = Step::new(be, vit, cfg.optimizer.clone(), decay, cfg.gradient_clipping, plan.clone())?;
+    // the gradient buckets, reduced while the step's last backward goes on
+    let bucket_elems = cfg.reduce_bucket_size.unwrap_or(DEFAULT_BUCKET_ELEMS);
+    let buckets = BucketPlan::new(&vit.gradient_groups(), FIRST_BUCKET_ELEMS.min(bucket_elems), bucket_elems).map_err(TrainError::Config)?;
+    // ZeRO 1/2 (the config resolves a 3 to 2): this rank's shard of the optimizer state
+    let zero_stage = cfg.zero_stage;
+    let zero = match zero_stage {
+        0 => None,
+        s => Some(ZeroLayout::new(&buckets, &cfg.optimizer, s, world, rank, cfg.zero_reduce_scatter)?),
+    };
+    let state_len = zero.as_ref().map_or(optimizer_state_len(&cfg.optimizer, num_params), |z| z.state_len);
+    let mut st = Step::with_state_len(be, vit, cfg.optimizer.clone(), decay, cfg.gradient_clipping, plan.clone(), state_len)?;
     if opts.trace.is_some() {
         st.trace = Some(Trace::new(rank, t_start));
     }
-    // the gradient buckets, reduced while the step's last backward goes on
-    let wire = gradient_wire(&cfg.grad_comm, world);
-    let bucket_elems = cfg.reduce_bucket_size.unwrap_or(DEFAULT_BUCKET_ELEMS);
-    let buckets = BucketPlan::new(&st.vit.gradient_groups(), FIRST_BUCKET_ELEMS.min(bucket_elems), bucket_elems).map_err(TrainError::Config)?;
+    // how the gradient buckets travel (ZeRO's reduce-scatter and gather stay fp32)
+    let wire = if zero.is_none() { gradient_wire(&cfg.grad_comm, world) } else { crate::comm::Wire::PLAIN };
+    // what this rank holds, against what the stage predicts (the lab charts it)
+    let compute_copy = be.needs_compute_copy();
+    let memory = |measured_peak: Option<u64>, st: &Step<B>| MemoryRecord {
+        stage: zero_stage,
+        world_size: world,
+        params: num_params,
+        accounted: MemoryBytes::account(be, &st.vit, &st.opt_state),
+        predicted: MemoryBytes::predict(num_params, optimizer_state_len(&cfg.optimizer, 1), compute_copy, zero_stage, world),
+        measured_peak,
+    };
+    run.add_to_config("memory", &memory(None, &st))?;
+    // The whole optimizer state (a collective under ZeRO: every rank gathers the shards).
+    let full_state = |st: &Step<B>, comm: &mut dyn Comm<B::Buf>| -> Result<Vec<f32>, TrainError> {
+        match &zero {
+            Some(z) => z.gather_state(be, comm, &st.opt_state),
+            None => Ok(be.download(&st.opt_state)?),
+        }
+    };
 
     // resume, then make every rank start from rank 0's exact state.
     let mut start_step = 0u64;
@@ -231,7 +258,11 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
             )));
         }
         st.vit.set_params(be, &r.params)?;
-        be.upload(&mut st.opt_state, 0, &r.opt_state)?;
+        // checkpoints hold the whole state: a ZeRO rank keeps its shard of it
+        match &zero {
+            Some(z) => be.upload(&mut st.opt_state, 0, &z.shard_state(&r.opt_state)?)?,
+            None => be.upload(&mut st.opt_state, 0, &r.opt_state)?,
+        }
         start_step = r.step;
         run.log(&serde_json::json!({"kind": "resume", "step": start_step, "from": r.dir.display().to_string()}))?;
         if !opts.quiet {
@@ -241,7 +272,8 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     if world > 1 {
         comm.broadcast(&mut st.vit.params, Span { off: 0, len: num_params }, 0)?;
         st.vit.params_changed(be)?;
-        if opts.resume.is_some() {
+        // (a ZeRO rank's shard came from the file every rank read)
+        if opts.resume.is_some() && zero.is_none() {
             let olen = be.len(&st.opt_state);
             comm.broadcast(&mut st.opt_state, Span { off: 0, len: olen }, 0)?;
         }
@@ -312,8 +344,14 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         let last_step = step + 1 == total_steps;
         // gradients are summed over ranks once per step, bucket by bucket during the last
         // micro-batch's backward
-        let mut sync = BucketSync::new(&mut *comm, &buckets, t_start);
-        sync.wire = wire;
+        let mut sync = match &zero {
+            Some(z) => AnySync::Zero(ZeroSync::new(&mut *comm, &buckets, z, cfg.zero_overlap_comm, t_start)),
+            None => {
+                let mut s = BucketSync::new(&mut *comm, &buckets, t_start);
+                s.wire = wire;
+                AnySync::Plain(s)
+            }
+        };
         for m in 0..gas {
             let prepared = match ahead.take() {
                 Some(p) => p,
@@ -336,7 +374,8 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
             let targets = |start: usize, n: usize| soft_targets(&batch, start, n);
             let mb = MicroBatch { images: &batch.images, b: batch.len(), targets: &targets };
             let last_micro = m + 1 == gas;
-            let report: Option<&mut dyn GradSync<B>> = if last_micro { Some(&mut sync) } else { None };
+            // (without overlap_comm the boundary starts every bucket)
+            let report: Option<&mut dyn GradSync<B>> = if last_micro && cfg.zero_overlap_comm { Some(&mut sync) } else { None };
             st.micro_batch(be, &mb, step, std::mem::take(&mut first_pass_staged), report, &mut phases)?;
             // While the device runs this backward (the host only enqueued it), take the next
             // micro-batch and stage its first pass: a GPU then starts the next forward as soon
@@ -369,9 +408,9 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         let lr = schedule::lr_at(cfg.scheduler.as_ref(), cfg.optimizer.lr(), step, total_steps);
         let (grad_norm, bytes) = st.boundary(be, &mut sync, lr, step, log_due, &mut phases)?;
         window_comm_bytes += bytes;
-        window_comm_total += sync.times.total_s;
+        window_comm_total += sync.times().total_s;
         if let Some(tr) = st.trace.as_mut() {
-            for e in &sync.events {
+            for e in sync.events() {
                 let span = buckets.buckets[e.bucket].span;
                 let args = [("step".to_string(), serde_json::json!(step)), ("elements".to_string(), serde_json::json!(span.len))].into_iter().collect();
                 tr.span_s(Track::Comm, format!("bucket {}", e.bucket), e.start_s, e.end_s, args);
@@ -423,7 +462,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         let mut saved = None;
         let mut host_state = None;
         if agree_now {
-            let (p, o) = (st.vit.params_host(be)?, be.download(&st.opt_state)?);
+            let (p, o) = (st.vit.params_host(be)?, full_state(&st, &mut *comm)?);
             let h = agree::check(comm, step + 1, &p, &o)?;
             if last_step {
                 final_hash = Some(h);
@@ -438,12 +477,14 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
                 "scheduler_step": step + 1,
                 "global_batch": global_batch,
                 "world_size": world,
+                "zero_stage": zero_stage,
                 "seed": cfg.train.seed,
                 "config": cfg,
             });
             let (p, o) = match host_state.take() {
                 Some(state) => state,
-                None => (st.vit.params_host(be)?, be.download(&st.opt_state)?),
+                // one rank (more ranks agreed above): nothing to gather from others
+                None => (st.vit.params_host(be)?, full_state(&st, &mut *comm)?),
             };
             saved = Some(run.checkpoint(step + 1, &st.vit.table, &p, cfg, &o, &state)?);
         }
@@ -538,8 +579,14 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     // a run resumed at its last step trains none: its ranks compare the restored state here.
     let final_hash = match final_hash {
         Some(h) => h,
-        None => agree::check(comm, total_steps, &st.vit.params_host(be)?, &be.download(&st.opt_state)?)?,
+        None => {
+            let o = full_state(&st, &mut *comm)?;
+            agree::check(comm, total_steps, &st.vit.params_host(be)?, &o)?
+        }
     };
+    let mut mem = serde_json::to_value(memory(be.peak_bytes(), &st)).map_err(|e| TrainError::Config(e.to_string()))?;
+    mem["kind"] = "memory".into();
+    run.log(&mem)?;
     let ev = match last_eval {
         Some(ev) => ev,
         None => evaluate_with(be, &mut st.vit, &val_set, cfg, cfg.train.eval_batch_size, comm)?,

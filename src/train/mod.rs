@@ -1,6 +1,6 @@
 //! Training: the loop (`engine`), the one step it, `bench` and `selftest` run (`step`), the
 //! batch plan resolved before training (`plan`), gradient buckets reduced during the backward
-//! (`sync`), the run directory's files (`run_dir`),
+//! (`sync`), ZeRO stages 1/2 over the same buckets (`zero`), the run directory's files (`run_dir`),
 //! learning-rate schedules (`schedule`), checkpoints (`checkpoint`), graceful stop on
 //! SIGINT/SIGTERM (`stop`), the check that every rank holds the same state (`agree`).
 
@@ -13,3 +13,4 @@ pub mod schedule;
 pub mod step;
 pub mod stop;
 pub mod sync;
+pub mod zero;

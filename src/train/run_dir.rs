@@ -44,6 +44,20 @@ impl RunDir {
         Ok(RunDir { path: path.to_path_buf(), metrics_path, metrics, keep_checkpoints })
     }
 
+    /// Adds (or replaces) section `key` of `config.json` with `value`, atomically: what the
+    /// run learns once the model is built (the memory it holds).
+    pub fn add_to_config<T: Serialize>(&self, key: &str, value: &T) -> Result<(), TrainError> {
+        let path = self.path.join("config.json");
+        let text = std::fs::read(&path).map_err(io_err(&self.path))?;
+        let mut cfg: serde_json::Value = serde_json::from_slice(&text).map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))?;
+        let v = serde_json::to_value(value).map_err(|e| TrainError::Config(e.to_string()))?;
+        match cfg.as_object_mut() {
+            Some(o) => o.insert(key.to_string(), v),
+            None => return Err(TrainError::Config(format!("{}: not a JSON object", path.display()))),
+        };
+        crate::util::write_atomic(&path, &json_bytes(&cfg)?).map_err(io_err(&self.path))
+    }
+
     /// `classes.json`: class index → name, so predictions and exported weights can be read later.
     pub fn write_classes(&self, names: &[String]) -> Result<(), TrainError> {
         crate::util::write_atomic(&self.path.join("classes.json"), &json_bytes(&names)?).map_err(io_err(&self.path))

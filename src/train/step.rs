@@ -5,8 +5,9 @@
 //!     for each pass of the plan (≤ plan.pass_images images):
 //!         stage inputs → forward, loss gradient scaled by 1/global batch → backward (grads +=)
 //!         (last micro-batch only: the backward reports each finished block to the sync)
-//! boundary: sync.finish (wait for the gradient reduction) → global-norm clip on the device
-//!           → optimizer update (which refreshes the compute copy) → zero the gradients
+//! boundary: sync.finish (wait for the gradient reduction) → sync.update: global-norm clip
+//!           and the optimizer update (which refreshes the compute copy; under ZeRO this
+//!           rank's shard, then the all-gather of the weights) → zero the gradients
 //! ```
 //!
 //! No communication happens on non-boundary micro-batches. Nothing is read back to the host
@@ -40,6 +41,27 @@ pub trait GradSync<B: Backend> {
     }
     /// Every gradient is written: complete the reduction. Returns the bytes this rank sent.
     fn finish(&mut self, be: &B, grads: &mut B::Buf) -> Result<u64, TrainError>;
+    /// After `finish`: the optimizer step with `hyper` (clipping included), which leaves the
+    /// updated weights on every rank. By default every rank updates every parameter from the
+    /// whole reduced gradient; ZeRO (`train::zero`) updates this rank's shard and all-gathers.
+    /// With `read_norm` the pre-clip global gradient norm comes back.
+    #[allow(clippy::too_many_arguments)]
+    fn update(&mut self, be: &B, vit: &mut Vit<B>, state: &mut B::Buf, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper, read_norm: bool) -> Result<Updated, TrainError> {
+        let norm = if read_norm { Some(be.sum_squares(&vit.grads)?.sqrt()) } else { None };
+        vit.update(be, state, opt, decay, hyper)?;
+        Ok(Updated { norm, bytes: 0, comm_s: 0.0 })
+    }
+}
+
+/// What `GradSync::update` did besides the update itself.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Updated {
+    /// The pre-clip global gradient norm, when asked for.
+    pub norm: Option<f64>,
+    /// Bytes the update communicated (ZeRO's all-gather of the weights).
+    pub bytes: u64,
+    /// Seconds of that communication (included in the update's time).
+    pub comm_s: f64,
 }
 
 /// One rank: nothing to combine.
@@ -76,9 +98,16 @@ pub struct Step<B: Backend> {
 }
 
 impl<B: Backend> Step<B> {
-    pub fn new(be: &B, mut vit: Vit<B>, optimizer: OptimizerConfig, decay: DecayGroups, clip: f64, plan: Plan) -> Result<Self, TrainError> {
+    pub fn new(be: &B, vit: Vit<B>, optimizer: OptimizerConfig, decay: DecayGroups, clip: f64, plan: Plan) -> Result<Self, TrainError> {
+        let len = optimizer_state_len(&optimizer, vit.table.total);
+        Self::with_state_len(be, vit, optimizer, decay, clip, plan, len)
+    }
+
+    /// `new` with an optimizer state of `state_len` values: a ZeRO shard's
+    /// (`ZeroLayout::state_len`) instead of the whole model's.
+    pub fn with_state_len(be: &B, mut vit: Vit<B>, optimizer: OptimizerConfig, decay: DecayGroups, clip: f64, plan: Plan, state_len: usize) -> Result<Self, TrainError> {
         vit.set_recompute(plan.recompute_policy());
-        let opt_state = be.alloc_f32(optimizer_state_len(&optimizer, vit.table.total))?;
+        let opt_state = be.alloc_f32(state_len)?;
         vit.zero_grads(be)?;
         Ok(Step { vit, opt_state, optimizer, decay, clip, plan, pending_losses: Vec::new(), spare_losses: Vec::new(), trace: None })
     }
@@ -191,12 +220,13 @@ impl<B: Backend> Step<B> {
         let bytes = sync.finish(be, &mut self.vit.grads)?;
         let t1 = std::time::Instant::now();
         phases.comm_s += (t1 - t0).as_secs_f64();
-        let norm = if read_norm { Some(be.sum_squares(&self.vit.grads)?.sqrt()) } else { None };
         let hyper = StepHyper { lr: lr as f32, step: step + 1, grad_scale: 1.0, clip_norm: self.clip };
-        self.vit.update(be, &mut self.opt_state, &self.optimizer, &self.decay, hyper)?;
+        let up = sync.update(be, &mut self.vit, &mut self.opt_state, &self.optimizer, &self.decay, hyper, read_norm)?;
         self.vit.zero_grads(be)?;
         let t2 = std::time::Instant::now();
-        phases.optimizer_s += (t2 - t1).as_secs_f64();
+        phases.optimizer_s += ((t2 - t1).as_secs_f64() - up.comm_s).max(0.0);
+        phases.comm_s += up.comm_s;
+        let (norm, bytes) = (up.norm, bytes + up.bytes);
         if let Some(tr) = self.trace.as_mut() {
             tr.span(Track::Compute, "wait for gradients", t0, t1, args(&[("step", step as f64)]));
             tr.span(Track::Compute, "clip + optimizer", t1, t2, args(&[("step", step as f64)]));

@@ -89,6 +89,11 @@ impl BucketPlan {
     pub fn total(&self) -> usize {
         self.buckets.iter().map(|b| b.span.len).sum()
     }
+
+    /// The bucket of group `g` in backward order (None past the last group).
+    pub(crate) fn bucket_of(&self, g: usize) -> Option<usize> {
+        self.bucket_of.get(g).copied()
+    }
 }
 
 /// What the sync measured in one step.

@@ -626,6 +626,20 @@ impl Backend for Cpu {
         Ok(optim::sum_squares(buf))
     }
 
+    fn sum_squares_spans(&self, buf: &Vec<f32>, spans: &[Span]) -> BResult<f64> {
+        let mut total = 0.0;
+        for s in spans {
+            check("sum_squares_spans", "buf", buf, s.off + s.len)?;
+            total += optim::sum_squares(&buf[s.range()]);
+        }
+        Ok(total)
+    }
+
+    fn optimizer_step_pieces(&self, params: &mut Vec<f32>, grads: &Vec<f32>, state: &mut Vec<f32>, pieces: &[(Span, usize)], opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()> {
+        check("optimizer_step_pieces", "grads", grads, params.len())?;
+        optim::optimizer_step_pieces(params, grads, state, pieces, opt, decay, hyper)
+    }
+
     fn scale(&self, buf: &mut Vec<f32>, s: f32) -> BResult<()> {
         buf.par_iter_mut().for_each(|v| *v *= s);
         Ok(())

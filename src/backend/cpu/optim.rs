@@ -10,7 +10,7 @@
 
 use rayon::prelude::*;
 
-use crate::backend::{optimizer_state_len, BResult, BackendError, DecayGroups, StepHyper};
+use crate::backend::{optimizer_state_len, BResult, BackendError, DecayGroups, Span, StepHyper};
 use crate::core::OptimizerConfig;
 
 /// Elements per parallel work item: large enough to amortize scheduling, small enough to
@@ -158,6 +158,38 @@ pub fn optimizer_step(
     Ok(())
 }
 
+/// `optimizer_step` over pieces of the flat buffers, each with its own state at the given
+/// offset (see `Backend::optimizer_step_pieces`): every piece is updated exactly as the same
+/// elements would be by a step over the whole buffer.
+pub fn optimizer_step_pieces(
+    params: &mut [f32],
+    grads: &[f32],
+    state: &mut [f32],
+    pieces: &[(Span, usize)],
+    opt: &OptimizerConfig,
+    decay: &DecayGroups,
+    hyper: StepHyper,
+) -> BResult<()> {
+    if hyper.clip_norm > 0.0 {
+        return Err(shape_err("optimizer_step_pieces clips nothing itself: fold the global clipping factor into grad_scale".into()));
+    }
+    let n = params.len().min(grads.len());
+    for &(span, soff) in pieces {
+        let slen = optimizer_state_len(opt, span.len);
+        if span.off + span.len > n || soff + slen > state.len() {
+            return Err(shape_err(format!(
+                "piece {}..{} (state {soff}..{}) outside {n} parameters / {} state elements",
+                span.off,
+                span.off + span.len,
+                soff + slen,
+                state.len()
+            )));
+        }
+        optimizer_step(&mut params[span.range()], &grads[span.range()], &mut state[soff..soff + slen], opt, &decay.restrict(span), hyper)?;
+    }
+    Ok(())
+}
+
 /// Σ x² accumulated in f64; partial sums are added in chunk order so the result does not
 /// depend on the thread schedule.
 pub fn sum_squares(x: &[f32]) -> f64 {
@@ -248,6 +280,46 @@ mod tests {
             assert_close(&p, &pr, "params");
             assert_close(&state[..n], &mr, "m");
             assert_close(&state[n..], &vr, "v");
+        }
+    }
+
+    /// Pieces with their own state, updated for 3 steps, equal the whole-buffer update on
+    /// those elements bitwise (each element's update is independent of the others), for
+    /// AdamW and SGD with decay groups cutting through the pieces; the rest stays untouched.
+    #[test]
+    fn pieces_update_like_the_whole_buffer() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+        let n = 2 * CHUNK + 333;
+        let (decay, _) = groups(n);
+        let pieces_at = [Span { off: 5, len: 290 }, Span { off: 301 + CHUNK, len: CHUNK + 10 }, Span { off: n - 20, len: 20 }];
+        let adam = OptimizerConfig::Adam { lr: 1e-2, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1, adam_w_mode: true, bias_correction: true };
+        let sgd = OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, dampening: 0.0, weight_decay: 0.01, nesterov: true };
+        for opt in [adam, sgd] {
+            let p0 = random(n, &mut rng);
+            let (mut whole_p, mut whole_s) = (p0.clone(), vec![0.0; optimizer_state_len(&opt, n)]);
+            let mut piece_p = p0.clone();
+            let mut pieces = Vec::new();
+            let mut soff = 0;
+            for s in pieces_at {
+                pieces.push((s, soff));
+                soff += optimizer_state_len(&opt, s.len);
+            }
+            let mut piece_s = vec![0.0; soff];
+            for t in 1..=3 {
+                let g = random(n, &mut rng);
+                let hyper = StepHyper { lr: 1e-2, step: t, grad_scale: 0.5, clip_norm: 0.0 };
+                optimizer_step(&mut whole_p, &g, &mut whole_s, &opt, &decay, hyper).unwrap();
+                optimizer_step_pieces(&mut piece_p, &g, &mut piece_s, &pieces, &opt, &decay, hyper).unwrap();
+            }
+            let mut inside = vec![false; n];
+            for s in pieces_at {
+                let bad = s.range().find(|&i| piece_p[i] != whole_p[i]);
+                assert!(bad.is_none(), "{opt:?} piece {s:?}: element {bad:?}: {:?} vs {:?}", bad.map(|i| piece_p[i]), bad.map(|i| whole_p[i]));
+                inside[s.range()].iter_mut().for_each(|f| *f = true);
+            }
+            assert!((0..n).filter(|&i| !inside[i]).all(|i| piece_p[i] == p0[i]), "elements outside the pieces changed");
+            let clip = StepHyper { lr: 1e-2, step: 4, grad_scale: 1.0, clip_norm: 1.0 };
+            assert!(optimizer_step_pieces(&mut piece_p, &p0, &mut piece_s, &pieces, &opt, &decay, clip).is_err());
         }
     }
 

@@ -92,8 +92,8 @@ pub struct Cuda {
     scratch: Mutex<Scratch>,
     /// Bias and LayerNorm-parameter gradient reductions waiting for one launch (`partials`).
     partial_sums: Mutex<partials::PendingSums>,
-    /// Uploaded optimizer segments (start, end, decays) for the last decay grouping seen.
-    segments: Mutex<Option<(Vec<i64>, CudaBuf)>>,
+    /// Uploaded optimizer segments (start, end, decays), one table per decay grouping seen.
+    segments: Mutex<Vec<(Vec<i64>, CudaBuf)>>,
     /// One f64 accumulator for `sum_squares`.
     acc: CudaBuf,
     /// When set, every kernel and GEMM is bracketed by events (see `set_profiling`).
@@ -144,7 +144,7 @@ impl Cuda {
             mem,
             scratch: Mutex::new(Scratch::default()),
             partial_sums: Mutex::new(partials::PendingSums::default()),
-            segments: Mutex::new(None),
+            segments: Mutex::new(Vec::new()),
             acc,
             profile: Mutex::new(None),
             knobs: options::Knobs::new(&options),
@@ -327,6 +327,18 @@ impl Backend for Cuda {
 
     fn sum_squares(&self, buf: &CudaBuf) -> BResult<f64> {
         self.sum_squares_impl(buf)
+    }
+
+    fn sum_squares_spans(&self, buf: &CudaBuf, spans: &[Span]) -> BResult<f64> {
+        self.sum_squares_spans_impl(buf, spans)
+    }
+
+    fn optimizer_step_pieces(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, pieces: &[(Span, usize)], opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()> {
+        self.optimizer_step_pieces_impl(params, grads, state, pieces, opt, decay, hyper)
+    }
+
+    fn peak_bytes(&self) -> Option<u64> {
+        Some(Cuda::peak_bytes(self) as u64)
     }
 
     fn scale(&self, buf: &mut CudaBuf, s: f32) -> BResult<()> {

@@ -7,11 +7,14 @@ use cudarc::driver::result as dr;
 use super::device::{check_f32, check_len, check_span, dev, kargs, CudaBuf, THREADS};
 use super::gemm::Ty;
 use super::Cuda;
-use crate::backend::{BResult, Backend, BackendError, DecayGroups, StepHyper};
+use crate::backend::{BResult, Backend, BackendError, DecayGroups, Span, StepHyper};
 use crate::core::{optimizer_state_len, OptimizerConfig};
 
 /// Parameters per block of the optimizer kernels (8 rounds of their 4-element loads).
 const OPT_CHUNK: usize = 8 * 4 * THREADS as usize;
+/// Uploaded segment tables kept at once (one per decay grouping seen: the whole buffer, or
+/// each piece of a ZeRO shard).
+const SEGMENT_TABLES: usize = 256;
 
 impl Cuda {
     pub(super) fn sum_squares_impl(&self, buf: &CudaBuf) -> BResult<f64> {
@@ -72,10 +75,65 @@ impl Cuda {
         } else {
             (0, 0.0f32)
         };
+        self.optimizer_launch(params.ptr, grads.ptr, state.ptr, state.at(p), pc, p, opt, decay, hyper, norm2, clip)
+    }
+
+    /// `optimizer_step` over pieces of the flat buffers, each with its own state (see
+    /// `Backend::optimizer_step_pieces`): one launch per piece at offset pointers, so every
+    /// element gets exactly the update a whole-buffer step would give it.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn optimizer_step_pieces_impl(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, pieces: &[(Span, usize)], opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()> {
+        self.flush_partial_sums()?;
+        const OP: &str = "optimizer_step_pieces";
+        check_f32(OP, "params", params)?;
+        check_f32(OP, "grads", grads)?;
+        check_f32(OP, "state", state)?;
+        check_len(OP, "grads", grads, params.len)?;
+        if hyper.clip_norm > 0.0 {
+            return Err(BackendError::Shape { op: OP, msg: "clips nothing itself: fold the global clipping factor into grad_scale".into() });
+        }
+        for &(span, soff) in pieces {
+            check_span(OP, "piece", params, span)?;
+            let slen = optimizer_state_len(opt, span.len);
+            check_len(OP, "state", state, soff + slen)?;
+            let v = state.at(soff + span.len);
+            self.optimizer_launch(params.at(span.off), grads.at(span.off), state.at(soff), v, 0, span.len, opt, &decay.restrict(span), hyper, 0, 0.0)?;
+        }
+        Ok(())
+    }
+
+    /// Σ g² of several spans, summed into `acc` on the stream, then read back (one wait).
+    pub(super) fn sum_squares_spans_impl(&self, buf: &CudaBuf, spans: &[Span]) -> BResult<f64> {
+        self.flush_partial_sums()?;
+        // SAFETY: `acc` holds 8 bytes.
+        unsafe { dr::memset_d8_async(self.acc.ptr, 0, 8, self.stream.cu_stream()) }.map_err(dev("sum_squares_spans"))?;
+        for &s in spans {
+            check_span("sum_squares_spans", "span", buf, s)?;
+            if s.len == 0 {
+                continue;
+            }
+            let n = s.len as i64;
+            let grid = self.grid(s.len).min(self.info.multiprocessors * 4);
+            self.launch("sum_squares_kernel", (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![self.acc.ptr, buf.at(s.off), buf.dt(), n])?;
+        }
+        self.synchronize()?;
+        let mut h = [0f64; 1];
+        // SAFETY: 8 bytes from `acc` into an f64; the stream is idle.
+        unsafe { dr::memcpy_dtoh_sync(&mut h, self.acc.ptr) }.map_err(dev("sum_squares_spans"))?;
+        Ok(h[0])
+    }
+
+    /// The update kernels over `p` elements at these addresses (`v`: Adam's second moment;
+    /// `pc`: the bf16 compute copy or 0), decay groups in the coordinates of `params`.
+    #[allow(clippy::too_many_arguments)]
+    fn optimizer_launch(&self, params: u64, grads: u64, m: u64, v: u64, pc: u64, p: usize, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper, norm2: u64, clip: f32) -> BResult<()> {
+        const OP: &str = "optimizer_step";
         // Merge neighbouring spans with the same decay flag into segments.
         let mut segs: Vec<i64> = Vec::new();
         for &(s, d) in &decay.spans {
-            check_span(OP, "decay group", params, s)?;
+            if s.off + s.len > p {
+                return Err(BackendError::Shape { op: OP, msg: format!("decay group {}..{} exceeds the {p} parameters", s.off, s.off + s.len) });
+            }
             let n = segs.len();
             if n >= 3 && segs[n - 2] == s.off as i64 && (segs[n - 1] != 0) == d {
                 segs[n - 2] = (s.off + s.len) as i64;
@@ -108,31 +166,38 @@ impl Cuda {
         }
         let seg_ptr = {
             let mut cache = self.segments.lock().map_err(|_| BackendError::Device("segment cache poisoned".into()))?;
-            if cache.as_ref().is_none_or(|(v, _)| *v != segs) {
-                // Stored as f32-sized pairs: i64 = 2 f32 slots.
-                let mut buf = self.raw_alloc(segs.len() * 2, Ty::F32)?;
-                // SAFETY: buf holds segs.len() i64 values; synchronized below.
-                unsafe { dr::memcpy_htod_async(buf.ptr, &segs, self.stream.cu_stream()) }.map_err(dev(OP))?;
-                self.synchronize()?;
-                buf.len = segs.len() * 2;
-                *cache = Some((segs.clone(), buf));
+            match cache.iter().find(|(v, _)| *v == segs) {
+                Some((_, b)) => b.ptr,
+                None => {
+                    // A ZeRO shard launches once per piece, each with its own table: keep them
+                    // all (a few dozen). Past the cap, start over (freeing waits for the device).
+                    if cache.len() >= SEGMENT_TABLES {
+                        cache.clear();
+                    }
+                    // Stored as f32-sized pairs: i64 = 2 f32 slots.
+                    let mut buf = self.raw_alloc(segs.len() * 2, Ty::F32)?;
+                    // SAFETY: buf holds segs.len() i64 values; synchronized below.
+                    unsafe { dr::memcpy_htod_async(buf.ptr, &segs, self.stream.cu_stream()) }.map_err(dev(OP))?;
+                    self.synchronize()?;
+                    buf.len = segs.len() * 2;
+                    let ptr = buf.ptr;
+                    cache.push((segs.clone(), buf));
+                    ptr
+                }
             }
-            cache.as_ref().map(|(_, b)| b.ptr).unwrap_or(0)
         };
         let grid = (1, nseg as u32, 1);
-        let m = state.ptr;
         match *opt {
             OptimizerConfig::Adam { beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, .. } => {
                 let t = hyper.step.max(1) as i32;
                 let (bc1, bc2) = if bias_correction { (1.0 - beta1.powi(t), 1.0 - beta2.powi(t)) } else { (1.0, 1.0) };
-                let v = state.at(p);
                 let (lr, b1, b2, e, wd, aw) = (hyper.lr, beta1 as f32, beta2 as f32, eps as f32, weight_decay as f32, adam_w_mode as i32);
                 let (c1, c2, gs) = (bc1 as f32, bc2 as f32, hyper.grad_scale);
-                self.launch("adam_kernel", grid, (THREADS, 1, 1), 0, &mut kargs![params.ptr, grads.ptr, m, v, seg_ptr, lr, b1, b2, e, wd, aw, c1, c2, gs, pc, norm2, clip])
+                self.launch("adam_kernel", grid, (THREADS, 1, 1), 0, &mut kargs![params, grads, m, v, seg_ptr, lr, b1, b2, e, wd, aw, c1, c2, gs, pc, norm2, clip])
             }
             OptimizerConfig::Sgd { momentum, dampening, weight_decay, nesterov, .. } => {
                 let (lr, mo, da, wd, ne, first, gs) = (hyper.lr, momentum as f32, dampening as f32, weight_decay as f32, nesterov as i32, (hyper.step <= 1) as i32, hyper.grad_scale);
-                self.launch("sgd_kernel", grid, (THREADS, 1, 1), 0, &mut kargs![params.ptr, grads.ptr, m, seg_ptr, lr, mo, da, wd, ne, first, gs, pc, norm2, clip])
+                self.launch("sgd_kernel", grid, (THREADS, 1, 1), 0, &mut kargs![params, grads, m, seg_ptr, lr, mo, da, wd, ne, first, gs, pc, norm2, clip])
             }
         }
     }

@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# ZeRO stages 1 and 2 on one GPU: every rank on GPU 0 as its own NCCL "node"
+# (`vitscale launch --one-gpu`, as scripts/gpu_dp_check.sh). Checks, on the GPU machine:
+#   1. equalities (default model, AdamW, GAS 4, gradient_clipping 1.0, 24 steps):
+#      2 and 4 ranks at stages 1 and 2 against 1 rank at stage 0 with the same global batch
+#      (per-step loss within 2e-2 relative, final weights within 2e-2 of 1 + |w|: bf16
+#      compute over other splits of the batch), and against stage 0 at the same world size
+#      (loss within 1e-2, weights within 1e-2: the same split, only the reduction differs);
+#      every rank ends with rank 0's weights hash;
+#   2. memory: ViT-B/16, micro 64, 3 steps on synthetic data, at 1/2/4 ranks and stages
+#      0/1/2: per rank the accounted bytes, the predicted bytes and the device's measured peak
+#      (the run's "memory" record). Passes when the measured drop from stage 0 to stage 1/2
+#      at the same world size is within 10 % of the predicted drop (the optimizer state's
+#      8 bytes/param × (1 − 1/N) for AdamW, plus the replicated tails).
+#   Results: one JSON line per check on stdout, the table in OUT/memory.json.
+#
+#   scripts/gpu_zero_check.sh [BIN] [OUTDIR]     (SKIP_MEMORY=1: part 1 only; SKIP_EQUAL=1: part 2 only)
+set -u
+BIN=${1:-target/release/vitscale}
+OUT=${2:-gpu-zero}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+fail=0
+port() { echo $((29500 + RANDOM % 2000)); }
+run() { # nproc stage dir args...
+  local n=$1 s=$2 d=$3; shift 3
+  if [ "$n" = 1 ]; then
+    "$BIN" train --device cuda --json --set zero_optimization.stage="$s" "$@" --run-dir "$d" --save-weights "$d/w.safetensors" > "$d.log" 2>&1
+  else
+    "$BIN" launch --nproc-per-node "$n" --one-gpu --master-port "$(port)" -- train --device cuda --json --set zero_optimization.stage="$s" "$@" \
+      --run-dir "$d" --save-weights "$d/w.safetensors" > "$d.log" 2>&1
+  fi || { echo "{\"check\": \"run $d\", \"ok\": false, \"log_tail\": $(tail -5 "$d.log" | python3 -c 'import json,sys; print(json.dumps(sys.stdin.read()))')}"; return 1; }
+}
+
+compare() { # dirA dirB label loss_tol weight_tol world
+  python3 - "$@" <<'EOF'
+import json, struct, sys
+a, b, label, ltol, wtol, world = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6])
+def steps(d):
+    return [json.loads(l) for l in open(d + "/metrics.jsonl") if '"kind"' not in l]
+def weights(d):
+    raw = open(d + "/w.safetensors", "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    head = json.loads(raw[8:8 + n]); data = raw[8 + n:]
+    out = {}
+    for k, v in head.items():
+        if k == "__metadata__":
+            continue
+        s, e = v["data_offsets"]
+        out[k] = struct.unpack("<%df" % ((e - s) // 4), data[s:e])
+    return out
+la, lb = [r["loss"] for r in steps(a)], [r["loss"] for r in steps(b)]
+loss_rel = max(abs(x - y) / abs(y) for x, y in zip(la, lb))
+wa, wb = weights(a), weights(b)
+w_rel = max(abs(x - y) / (1 + abs(y)) for k in wb for x, y in zip(wa[k], wb[k]))
+h0 = json.load(open(a + "/summary.json"))["weights_hash"]
+hashes_ok = all(json.load(open("%s/rank%d/summary.json" % (a, r)))["weights_hash"] == h0 for r in range(1, world))
+ok = len(la) == len(lb) and loss_rel < ltol and w_rel < wtol and hashes_ok
+print(json.dumps({"check": label, "ok": ok, "steps": len(la), "loss_max_rel": loss_rel, "weights_max_rel": w_rel, "ranks_agree": hashes_ok}))
+sys.exit(0 if ok else 1)
+EOF
+}
+
+if [ "${SKIP_EQUAL:-0}" != 1 ]; then
+  echo "== 1. stages 1/2 == stage 0 == 1 rank (AdamW, GAS 4, clipping)"
+  eq=(--set train.steps=24 --set train.log_every=1 --set data.train_size=4096 --set data.val_size=512 --set train_batch_size=64
+      --set gradient_accumulation_steps=4 --set gradient_clipping=1.0 --set zero_optimization.reduce_bucket_size=20000
+      --set 'optimizer={"type":"AdamW","params":{"lr":0.001}}')
+  run 1 0 "$OUT/one_s0" "${eq[@]}" || fail=1
+  for n in 2 4; do
+    run "$n" 0 "$OUT/w${n}_s0" "${eq[@]}" || fail=1
+    for s in 1 2; do
+      run "$n" "$s" "$OUT/w${n}_s$s" "${eq[@]}" || { fail=1; continue; }
+      compare "$OUT/w${n}_s$s" "$OUT/one_s0" "$n ranks stage $s vs 1 rank stage 0" 2e-2 2e-2 "$n" || fail=1
+      compare "$OUT/w${n}_s$s" "$OUT/w${n}_s0" "$n ranks stage $s vs $n ranks stage 0" 1e-2 1e-2 "$n" || fail=1
+    done
+  done
+fi
+
+if [ "${SKIP_MEMORY:-0}" != 1 ]; then
+  echo "== 2. memory per rank: ViT-B/16, micro 64"
+  mem=(--set model.preset=vit_base_patch16_224 --set model.num_classes=10 --set data.dataset=synthetic --set data.train_size=512
+       --set data.val_size=64 --set train.steps=3 --set train.log_every=1 --set train_micro_batch_size_per_gpu=64
+       --set gradient_accumulation_steps=1 --set train.eval_batch_size=64 --set 'optimizer={"type":"AdamW","params":{"lr":0.0001}}')
+  for n in 1 2 4; do
+    for s in 0 1 2; do
+      [ "$n" = 1 ] && [ "$s" != 0 ] && continue
+      run "$n" "$s" "$OUT/mem_w${n}_s$s" "${mem[@]}" || fail=1
+    done
+  done
+  python3 - "$OUT" <<'EOF' || fail=1
+import json, os, sys
+out = sys.argv[1]
+rows, ok = [], True
+def record(d):
+    for l in open(d + "/metrics.jsonl"):
+        r = json.loads(l)
+        if r.get("kind") == "memory":
+            return r
+    raise SystemExit("no memory record in " + d)
+for n in (1, 2, 4):
+    for s in (0, 1, 2):
+        d = "%s/mem_w%d_s%d" % (out, n, s)
+        if not os.path.isdir(d):
+            continue
+        for r in range(n):
+            rec = record(d if r == 0 else "%s/rank%d" % (d, r))
+            rows.append({"world": n, "stage": s, "rank": r, "accounted_gib": rec["accounted"]["total"] / 2**30,
+                         "predicted_gib": rec["predicted"]["total"] / 2**30, "measured_peak_gib": (rec["measured_peak"] or 0) / 2**30,
+                         "optimizer_state_gib": rec["accounted"]["optimizer_state"] / 2**30})
+def peak(n, s):
+    v = [r["measured_peak_gib"] for r in rows if r["world"] == n and r["stage"] == s]
+    return max(v) if v else None
+def pred(n, s):
+    v = [r["predicted_gib"] for r in rows if r["world"] == n and r["stage"] == s]
+    return max(v) if v else None
+checks = []
+for n in (2, 4):
+    for s in (1, 2):
+        if peak(n, 0) is None or peak(n, s) is None:
+            ok = False
+            continue
+        drop_m, drop_p = peak(n, 0) - peak(n, s), pred(n, 0) - pred(n, s)
+        good = drop_p > 0 and abs(drop_m - drop_p) <= 0.1 * drop_p
+        ok &= good
+        checks.append({"world": n, "stage": s, "measured_drop_gib": drop_m, "predicted_drop_gib": drop_p, "ok": good})
+json.dump({"rows": rows, "drops": checks}, open(out + "/memory.json", "w"), indent=1)
+for r in rows:
+    print(json.dumps(r))
+print(json.dumps({"check": "memory drop stage 0 -> 1/2 within 10% of the prediction", "ok": ok, "drops": checks}))
+sys.exit(0 if ok else 1)
+EOF
+fi
+exit $fail

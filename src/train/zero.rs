@@ -1,0 +1,499 @@
+//! ZeRO stages 1 and 2: each rank keeps and updates only its shard of the optimizer state,
+//! over the same buckets as the plain gradient sync (`train::sync::BucketPlan`).
+//!
+//! Layout. Every bucket is one contiguous span of the flat buffers. Its longest prefix whose
+//! length divides by the world size W is cut into W equal shards (`comm::shard`): rank r owns
+//! shard r of every bucket. The few elements left over (fewer than W per bucket, its *tail*)
+//! are owned by every rank: each rank all-reduces and updates them identically, so they need
+//! no gather. A rank's optimizer state is one compact buffer holding, piece after piece, the
+//! state of each owned span (Adam: its m then its v), `optimizer_state_len(P)/W` plus the
+//! tails instead of `optimizer_state_len(P)`.
+//!
+//! One optimizer step:
+//!
+//! ```text
+//! micro-batches 1..GAS−1: backward, gradients accumulate locally (no communication)
+//! last micro-batch: as each bucket is final in the backward, start its reduction
+//!     stage 1: all-reduce the bucket        (every rank holds the whole reduced gradient)
+//!     stage 2: reduce-scatter its prefix    (a rank holds only its shard of it)
+//!              + all-reduce its tail
+//! boundary: wait → Σ g² of the owned shards, all-reduced (+ the tails once) → clip factor
+//!           → optimizer on the owned pieces → all-gather every bucket's prefix of the
+//!           f32 weights → refresh the compute copy
+//! ```
+//!
+//! Clipping is the stage-0 rule (`StepHyper::effective_grad_scale`) applied to the global norm,
+//! so the update is stage 0's up to the order of the f64 sum of squares. Computing that norm
+//! reads one number back to the host (every rank must know it before its update): with
+//! `gradient_clipping` on, a step at stage 1/2 has one host synchronization that stage 0 on a
+//! GPU does not. Checkpoints hold the gathered state (`gather_state`), in the stage-0 format,
+//! so any stage at any world size resumes from any checkpoint (`shard_state`).
+
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::backend::{optimizer_state_len, Backend, DecayGroups, Span, StepHyper};
+use crate::comm::{shard, Collective, Comm, ReduceOp, Work};
+use crate::config::OptimizerConfig;
+use crate::model::Vit;
+use crate::train::engine::TrainError;
+use crate::train::step::{GradSync, Updated};
+use crate::train::sync::{BucketEvent, BucketPlan, BucketSync, SyncTimes};
+
+/// Which rank owns what at a ZeRO stage, and how the gradients travel.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ZeroLayout {
+    /// 1 or 2.
+    pub stage: u8,
+    pub world: usize,
+    pub rank: usize,
+    /// Parameters (elements of the flat buffers).
+    pub total: usize,
+    /// Optimizer state values per parameter (Adam 2, SGD 1).
+    per_param: usize,
+    /// For each bucket: (prefix divisible by the world size, tail of fewer than W elements).
+    pub parts: Vec<(Span, Span)>,
+    /// This rank's pieces: (span of the flat buffers, offset of its state in the compact
+    /// state); each bucket's own shard of its prefix, then its tail.
+    pub pieces: Vec<(Span, usize)>,
+    /// Elements of this rank's compact optimizer state.
+    pub state_len: usize,
+    /// Stage 2 reduce-scatters (`zero_optimization.reduce_scatter`); false: all-reduce.
+    pub reduce_scatter: bool,
+}
+
+impl ZeroLayout {
+    pub fn new(plan: &BucketPlan, opt: &OptimizerConfig, stage: u8, world: usize, rank: usize, reduce_scatter: bool) -> Result<ZeroLayout, TrainError> {
+        if !(1..=2).contains(&stage) || world == 0 || rank >= world {
+            return Err(TrainError::Config(format!("ZeRO layout for stage {stage}, rank {rank} of {world}: expected stage 1 or 2 and a rank below the world size")));
+        }
+        let per_param = optimizer_state_len(opt, 1);
+        let mut parts = Vec::with_capacity(plan.buckets.len());
+        let mut pieces = Vec::new();
+        let mut state_len = 0;
+        for b in &plan.buckets {
+            let cut = b.span.len - b.span.len % world;
+            let prefix = Span { off: b.span.off, len: cut };
+            let tail = Span { off: b.span.off + cut, len: b.span.len - cut };
+            parts.push((prefix, tail));
+            for piece in [shard(prefix, world, rank), tail] {
+                if piece.len > 0 {
+                    pieces.push((piece, state_len));
+                    state_len += per_param * piece.len;
+                }
+            }
+        }
+        Ok(ZeroLayout { stage, world, rank, total: plan.total(), per_param, parts, pieces, state_len, reduce_scatter })
+    }
+
+    /// Whether the boundary reduce-scatters (stage 2 with `reduce_scatter`).
+    pub fn scatters(&self) -> bool {
+        self.stage >= 2 && self.reduce_scatter
+    }
+
+    /// The owned spans that no other rank owns (shards of the prefixes).
+    fn own_shards(&self) -> Vec<Span> {
+        self.parts.iter().map(|&(p, _)| shard(p, self.world, self.rank)).filter(|s| s.len > 0).collect()
+    }
+
+    fn tails(&self) -> Vec<Span> {
+        self.parts.iter().map(|&(_, t)| t).filter(|t| t.len > 0).collect()
+    }
+
+    /// Elements of the whole (stage-0) optimizer state.
+    pub fn full_state_len(&self) -> usize {
+        self.per_param * self.total
+    }
+
+    /// This rank's compact state cut from the whole state (`optimizer_state_len(P)` values,
+    /// the stage-0 and checkpoint layout: Adam's m of every parameter, then v).
+    pub fn shard_state(&self, full: &[f32]) -> Result<Vec<f32>, TrainError> {
+        if full.len() != self.full_state_len() {
+            return Err(TrainError::Config(format!("optimizer state of {} values, expected {} for {} parameters", full.len(), self.full_state_len(), self.total)));
+        }
+        let mut out = vec![0.0; self.state_len];
+        for &(span, soff) in &self.pieces {
+            for c in 0..self.per_param {
+                let src = c * self.total + span.off;
+                out[soff + c * span.len..soff + (c + 1) * span.len].copy_from_slice(&full[src..src + span.len]);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Writes this rank's compact state into its places in a whole state.
+    fn place_state(&self, compact: &[f32], full: &mut [f32]) {
+        for &(span, soff) in &self.pieces {
+            for c in 0..self.per_param {
+                let dst = c * self.total + span.off;
+                full[dst..dst + span.len].copy_from_slice(&compact[soff + c * span.len..soff + (c + 1) * span.len]);
+            }
+        }
+    }
+
+    /// The whole optimizer state, assembled from every rank's shard (a collective: every rank
+    /// calls it and gets the same values). The shards travel one bucket at a time through a
+    /// device buffer of the largest bucket, so a checkpoint adds no more than that to the
+    /// device's memory; the whole state is assembled on the host.
+    pub fn gather_state<B: Backend>(&self, be: &B, comm: &mut dyn Comm<B::Buf>, state: &B::Buf) -> Result<Vec<f32>, TrainError> {
+        let compact = be.download(state)?;
+        if compact.len() != self.state_len {
+            return Err(TrainError::Config(format!("rank {}: sharded optimizer state of {} values, the layout expects {}", self.rank, compact.len(), self.state_len)));
+        }
+        let mut full = vec![0.0; self.full_state_len()];
+        self.place_state(&compact, &mut full);
+        if self.world == 1 {
+            return Ok(full);
+        }
+        let widest = self.parts.iter().map(|(p, _)| p.len).max().unwrap_or(0);
+        let mut buf = be.alloc_f32(widest.max(1))?;
+        for c in 0..self.per_param {
+            for &(prefix, _) in self.parts.iter().filter(|(p, _)| p.len > 0) {
+                let at = c * self.total + prefix.off;
+                let mine = shard(Span { off: 0, len: prefix.len }, self.world, self.rank);
+                be.upload(&mut buf, mine.off, &full[at + mine.off..at + mine.off + mine.len])?;
+                comm.all_gather(&mut buf, Span { off: 0, len: prefix.len })?;
+                let got = be.download(&buf)?;
+                full[at..at + prefix.len].copy_from_slice(&got[..prefix.len]);
+            }
+        }
+        Ok(full)
+    }
+}
+
+/// The ZeRO gradient sync and sharded update of one optimizer step.
+pub struct ZeroSync<'c, Buf> {
+    pub comm: &'c mut dyn Comm<Buf>,
+    pub plan: &'c BucketPlan,
+    pub layout: &'c ZeroLayout,
+    /// Start each bucket's reduction while the backward goes on (`zero_optimization.overlap_comm`);
+    /// false: all of them at the boundary.
+    pub overlap: bool,
+    pub epoch: Instant,
+    done_groups: Vec<usize>,
+    /// (bucket, started, completed as polled, its collectives)
+    in_flight: Vec<(usize, Instant, Option<Instant>, Vec<Work>)>,
+    pub times: SyncTimes,
+    pub events: Vec<BucketEvent>,
+    /// Collectives started, for the tests that no micro-batch but the last communicates.
+    pub started: usize,
+}
+
+impl<'c, Buf> ZeroSync<'c, Buf> {
+    pub fn new(comm: &'c mut dyn Comm<Buf>, plan: &'c BucketPlan, layout: &'c ZeroLayout, overlap: bool, epoch: Instant) -> Self {
+        ZeroSync { comm, plan, layout, overlap, epoch, done_groups: vec![0; plan.buckets.len()], in_flight: Vec::new(), times: SyncTimes::default(), events: Vec::new(), started: 0 }
+    }
+
+    fn start(&mut self, op: Collective, buf: &mut Buf, span: Span) -> Result<Work, TrainError> {
+        self.started += 1;
+        Ok(self.comm.start(op, buf, span)?)
+    }
+
+    /// Starts bucket `b`'s reduction. Bytes are counted as the all-reduce of the same
+    /// values would be (the busbw the metrics derive stays comparable across stages): a
+    /// reduce-scatter and the all-gather that follows it count half each.
+    fn start_bucket(&mut self, grads: &mut Buf, b: usize) -> Result<(), TrainError> {
+        let span = self.plan.buckets[b].span;
+        let (prefix, tail) = self.layout.parts[b];
+        let mut works = Vec::new();
+        if self.layout.scatters() {
+            if prefix.len > 0 {
+                works.push(self.start(Collective::ReduceScatter(ReduceOp::Sum), grads, prefix)?);
+            }
+            if tail.len > 0 {
+                works.push(self.start(Collective::AllReduce(ReduceOp::Sum), grads, tail)?);
+            }
+            self.times.bytes += (prefix.len * 2 + tail.len * 4) as u64;
+        } else {
+            works.push(self.start(Collective::AllReduce(ReduceOp::Sum), grads, span)?);
+            self.times.bytes += (span.len * 4) as u64;
+        }
+        self.in_flight.push((b, Instant::now(), None, works));
+        Ok(())
+    }
+}
+
+impl<B: Backend> GradSync<B> for ZeroSync<'_, B::Buf> {
+    fn reports_blocks(&self) -> bool {
+        self.overlap && self.comm.world_size() > 1
+    }
+
+    fn ready(&mut self, _be: &B, grads: &mut B::Buf, span: Span) -> Result<(), TrainError> {
+        if !self.overlap || self.comm.world_size() == 1 {
+            return Ok(());
+        }
+        let g: usize = self.done_groups.iter().sum();
+        let b = self.plan.bucket_of(g).ok_or_else(|| TrainError::Config(format!("the backward reported more gradient groups than the bucket plan has ({g})")))?;
+        let bucket = &self.plan.buckets[b];
+        if span.off < bucket.span.off || span.off + span.len > bucket.span.off + bucket.span.len {
+            return Err(TrainError::Config(format!("gradient group {g} ({span:?}) lies outside its bucket {b} ({:?})", bucket.span)));
+        }
+        self.done_groups[b] += 1;
+        if self.done_groups[b] == bucket.groups.len() {
+            self.start_bucket(grads, b)?;
+        }
+        for (_, _, done, works) in self.in_flight.iter_mut() {
+            if done.is_none() {
+                if let Some(last) = works.last() {
+                    *done = self.comm.poll(last)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self, _be: &B, grads: &mut B::Buf) -> Result<u64, TrainError> {
+        if self.comm.world_size() == 1 {
+            return Ok(0);
+        }
+        for b in 0..self.plan.buckets.len() {
+            if self.done_groups[b] < self.plan.buckets[b].groups.len() {
+                self.done_groups[b] = self.plan.buckets[b].groups.len();
+                self.start_bucket(grads, b)?;
+            }
+        }
+        let t = Instant::now();
+        self.comm.begin_waits()?;
+        for (b, started, polled, works) in std::mem::take(&mut self.in_flight) {
+            for w in works {
+                self.comm.wait(w, grads)?;
+            }
+            let done = polled.unwrap_or_else(Instant::now);
+            self.times.total_s += (done - started).as_secs_f64();
+            self.events.push(BucketEvent { bucket: b, start_s: (started - self.epoch).as_secs_f64(), end_s: (done - self.epoch).as_secs_f64() });
+        }
+        self.comm.end_waits()?;
+        self.times.exposed_s += t.elapsed().as_secs_f64();
+        self.done_groups.iter_mut().for_each(|d| *d = 0);
+        Ok(std::mem::take(&mut self.times.bytes))
+    }
+
+    fn update(&mut self, be: &B, vit: &mut Vit<B>, state: &mut B::Buf, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper, read_norm: bool) -> Result<Updated, TrainError> {
+        let l = self.layout;
+        // the global norm: every rank's own shards once, the replicated tails once
+        let norm = if hyper.clip_norm > 0.0 || read_norm {
+            let mut own = [be.sum_squares_spans(&vit.grads, &l.own_shards())?];
+            if l.world > 1 {
+                self.comm.all_reduce_host(&mut own)?;
+            }
+            Some((own[0] + be.sum_squares_spans(&vit.grads, &l.tails())?).sqrt())
+        } else {
+            None
+        };
+        let grad_scale = match norm {
+            Some(n) if hyper.clip_norm > 0.0 => hyper.effective_grad_scale(n),
+            _ => hyper.grad_scale,
+        };
+        let sharded = StepHyper { grad_scale, clip_norm: 0.0, ..hyper };
+        be.optimizer_step_pieces(&mut vit.params, &vit.grads, state, &l.pieces, opt, decay, sharded)?;
+        // every rank's updated shards to every rank
+        let t = Instant::now();
+        let mut bytes = 0u64;
+        if l.world > 1 {
+            let mut works = Vec::new();
+            for &(prefix, _) in l.parts.iter().filter(|(p, _)| p.len > 0) {
+                works.push(self.start(Collective::AllGather, &mut vit.params, prefix)?);
+                bytes += (prefix.len * 2) as u64;
+            }
+            self.comm.begin_waits()?;
+            for w in works {
+                self.comm.wait(w, &mut vit.params)?;
+            }
+            self.comm.end_waits()?;
+        }
+        let comm_s = t.elapsed().as_secs_f64();
+        self.times.total_s += comm_s;
+        self.times.exposed_s += comm_s;
+        vit.params_changed(be)?;
+        Ok(Updated { norm: if read_norm { norm } else { None }, bytes, comm_s })
+    }
+}
+
+/// The gradient sync of a step: plain (stage 0) or ZeRO.
+pub enum AnySync<'c, Buf> {
+    Plain(BucketSync<'c, Buf>),
+    Zero(ZeroSync<'c, Buf>),
+}
+
+impl<Buf> AnySync<'_, Buf> {
+    pub fn times(&self) -> SyncTimes {
+        match self {
+            AnySync::Plain(s) => s.times,
+            AnySync::Zero(s) => s.times,
+        }
+    }
+    pub fn events(&self) -> &[BucketEvent] {
+        match self {
+            AnySync::Plain(s) => &s.events,
+            AnySync::Zero(s) => &s.events,
+        }
+    }
+}
+
+impl<B: Backend> GradSync<B> for AnySync<'_, B::Buf> {
+    fn reports_blocks(&self) -> bool {
+        match self {
+            AnySync::Plain(s) => GradSync::<B>::reports_blocks(s),
+            AnySync::Zero(s) => GradSync::<B>::reports_blocks(s),
+        }
+    }
+    fn ready(&mut self, be: &B, grads: &mut B::Buf, span: Span) -> Result<(), TrainError> {
+        match self {
+            AnySync::Plain(s) => s.ready(be, grads, span),
+            AnySync::Zero(s) => s.ready(be, grads, span),
+        }
+    }
+    fn finish(&mut self, be: &B, grads: &mut B::Buf) -> Result<u64, TrainError> {
+        match self {
+            AnySync::Plain(s) => s.finish(be, grads),
+            AnySync::Zero(s) => s.finish(be, grads),
+        }
+    }
+    fn update(&mut self, be: &B, vit: &mut Vit<B>, state: &mut B::Buf, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper, read_norm: bool) -> Result<Updated, TrainError> {
+        match self {
+            AnySync::Plain(s) => s.update(be, vit, state, opt, decay, hyper, read_norm),
+            AnySync::Zero(s) => s.update(be, vit, state, opt, decay, hyper, read_norm),
+        }
+    }
+}
+
+/// Bytes a rank holds for the model and its training state, by kind: what the run accounted
+/// from its buffers, and what the stage predicts (`predict`). The lab charts memory against
+/// stage from these (`config.json`'s `"memory"`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MemoryBytes {
+    /// f32 weights: the master copy (stage 0) or the gathered working copy with this rank's
+    /// master shard inside it (stages 1/2), which the CPU's forward reads.
+    pub weights: u64,
+    /// The compute-dtype copy the GPU's forward reads (bf16), 0 where the forward reads f32.
+    pub compute_copy: u64,
+    /// f32 gradients, accumulated locally over the micro-batches at every stage.
+    pub gradients: u64,
+    pub optimizer_state: u64,
+    pub total: u64,
+}
+
+impl MemoryBytes {
+    fn new(weights: u64, compute_copy: u64, gradients: u64, optimizer_state: u64) -> Self {
+        MemoryBytes { weights, compute_copy, gradients, optimizer_state, total: weights + compute_copy + gradients + optimizer_state }
+    }
+
+    /// What a stage predicts for `params` parameters on `world` ranks: the optimizer state
+    /// divided by the world size at stages 1/2 (`per_param` f32 values per parameter), every
+    /// other buffer whole.
+    pub fn predict(params: usize, per_param: usize, compute_copy: bool, stage: u8, world: usize) -> Self {
+        let p = params as u64;
+        let state = (per_param as u64) * 4 * p;
+        let state = if stage >= 1 { state.div_ceil(world.max(1) as u64) } else { state };
+        MemoryBytes::new(4 * p, if compute_copy { 2 * p } else { 0 }, 4 * p, state)
+    }
+
+    /// What this rank holds: the lengths of its buffers.
+    pub fn account<B: Backend>(be: &B, vit: &Vit<B>, state: &B::Buf) -> Self {
+        let p = be.len(&vit.params) as u64;
+        MemoryBytes::new(4 * p, if be.needs_compute_copy() { 2 * p } else { 0 }, 4 * be.len(&vit.grads) as u64, 4 * be.len(state) as u64)
+    }
+}
+
+/// The `"memory"` record of a run: per rank, at its stage.
+#[derive(Clone, Debug, Serialize)]
+pub struct MemoryRecord {
+    pub stage: u8,
+    pub world_size: usize,
+    pub params: usize,
+    pub accounted: MemoryBytes,
+    pub predicted: MemoryBytes,
+    /// Peak bytes the device allocated by the end of the run (GPU), None on the CPU.
+    pub measured_peak: Option<u64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::train::sync::{BucketPlan, FIRST_BUCKET_ELEMS};
+
+    fn sgd() -> OptimizerConfig {
+        OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, dampening: 0.0, weight_decay: 0.0, nesterov: false }
+    }
+    fn adam() -> OptimizerConfig {
+        OptimizerConfig::Adam { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, adam_w_mode: true, bias_correction: true }
+    }
+
+    /// Buckets of odd lengths (in backward order: highest offset first).
+    fn plan() -> BucketPlan {
+        let lens = [13usize, 40, 7, 101];
+        let total: usize = lens.iter().sum();
+        let mut off = total;
+        let groups: Vec<Span> = lens.iter().map(|&len| {
+            off -= len;
+            Span { off, len }
+        }).collect();
+        BucketPlan::new(&groups, 1, 1).unwrap()
+    }
+
+    #[test]
+    fn the_ranks_own_every_element_once_apart_from_the_replicated_tails() {
+        let p = plan();
+        for world in [1, 2, 3, 4] {
+            let mut owners = vec![0usize; p.total()];
+            let mut tails = vec![false; p.total()];
+            for rank in 0..world {
+                let l = ZeroLayout::new(&p, &adam(), 2, world, rank, true).unwrap();
+                for s in l.own_shards() {
+                    owners[s.range()].iter_mut().for_each(|o| *o += 1);
+                }
+                for t in l.tails() {
+                    assert!(t.len < world);
+                    tails[t.range()].iter_mut().for_each(|f| *f = true);
+                }
+                for (prefix, _) in &l.parts {
+                    assert_eq!(prefix.len % world, 0);
+                }
+                assert_eq!(l.state_len, l.pieces.iter().map(|(s, _)| 2 * s.len).sum::<usize>());
+            }
+            for i in 0..p.total() {
+                assert_eq!(owners[i] + usize::from(tails[i]) * world, if tails[i] { world } else { 1 }, "element {i} at world {world}");
+            }
+        }
+        assert!(ZeroLayout::new(&p, &sgd(), 3, 2, 0, true).is_err());
+        assert!(ZeroLayout::new(&p, &sgd(), 1, 2, 2, true).is_err());
+    }
+
+    #[test]
+    fn sharding_then_placing_the_state_round_trips_across_ranks() {
+        let p = plan();
+        for opt in [adam(), sgd()] {
+            let full: Vec<f32> = (0..optimizer_state_len(&opt, p.total())).map(|_| rand::random::<f32>()).collect();
+            for world in [1, 2, 4] {
+                let mut rebuilt = vec![f32::NAN; full.len()];
+                for rank in 0..world {
+                    let l = ZeroLayout::new(&p, &opt, 1, world, rank, true).unwrap();
+                    let mine = l.shard_state(&full).unwrap();
+                    assert_eq!(mine.len(), l.state_len);
+                    l.place_state(&mine, &mut rebuilt);
+                }
+                assert_eq!(rebuilt, full, "{opt:?} at world {world}");
+            }
+            let l = ZeroLayout::new(&p, &opt, 1, 2, 0, true).unwrap();
+            assert!(l.shard_state(&full[1..]).is_err());
+        }
+    }
+
+    #[test]
+    fn a_real_model_shards_its_adam_state_by_the_world_size() {
+        let m = crate::model::ModelConfig::preset("vit_base_patch16_224").unwrap();
+        let be = crate::backend::cpu::Cpu::new();
+        let vit = crate::model::Vit::new(&be, m).unwrap();
+        let p = BucketPlan::new(&vit.gradient_groups(), FIRST_BUCKET_ELEMS, crate::train::sync::DEFAULT_BUCKET_ELEMS).unwrap();
+        for world in [2, 4] {
+            let l = ZeroLayout::new(&p, &adam(), 1, world, 0, true).unwrap();
+            let ideal = 2 * vit.table.total / world;
+            // the tails add fewer than `world` values per bucket
+            assert!(l.state_len >= ideal && l.state_len <= ideal + 2 * world * p.buckets.len(), "{} vs {ideal}", l.state_len);
+            let pred = MemoryBytes::predict(vit.table.total, 2, false, 1, world);
+            assert_eq!(pred.optimizer_state, (8 * vit.table.total as u64).div_ceil(world as u64));
+            assert_eq!(pred.total, pred.weights + pred.gradients + pred.optimizer_state);
+        }
+    }
+}
