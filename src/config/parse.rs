@@ -186,7 +186,7 @@ const STEPS_PER_PRINT: KeyDef = key("steps_per_print", POS_INT, Dflt::Int(10),
     "DeepSpeed's print interval; used as the default of train.log_every.");
 
 const COMM_DTYPE: KeyDef = key("communication_data_type", Ty::Str, Dflt::Derived("bf16 when bf16 is enabled, else fp32 (DeepSpeed's rule; with fp16 training, fp32)"),
-    "Data type of the gradient all-reduce: fp32 or bf16 (case-insensitive); fp16 is accepted and reduced in fp32 with a warning.");
+    "Data type of the gradient all-reduce at ZeRO stage 0: fp32 or bf16 (case-insensitive); fp16 is accepted and reduced in fp32 with a warning.");
 const PRESCALE: KeyDef = key("prescale_gradients", Ty::Bool, Dflt::Bool(false),
     "Divide each rank's gradient by the world size before the all-reduce instead of after it.");
 const PREDIVIDE: KeyDef = key("gradient_predivide_factor", POSITIVE, Dflt::Num(1.0),
@@ -897,7 +897,8 @@ pub fn resolve(value: &Value, world_size: usize) -> Result<RunConfig> {
     let precision = parse_precision(root, &mut cx)?;
     let zero = parse_zero(root.get("zero_optimization"), &mut cx)?;
     let grad_comm = parse_grad_comm(root, &precision, &mut cx)?;
-    if zero.stage > 0 && grad_comm != GradComm::default() {
+    let asked = ["communication_data_type", "prescale_gradients", "gradient_predivide_factor"].iter().any(|k| root.contains_key(*k));
+    if zero.stage > 0 && asked && grad_comm != GradComm::default() {
         cx.warn(format!(
             "communication_data_type {} / prescale_gradients / gradient_predivide_factor shape the stage-0 all-reduce; at ZeRO stage {} the gradients are reduce-scattered and the weights gathered in fp32, unscaled",
             grad_comm.dtype.as_str(), zero.stage
