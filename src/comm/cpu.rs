@@ -85,6 +85,8 @@ enum JobOp {
     DeviceArrive(u64),
     /// The last device collective each rank entered (asked of rank 0).
     DeviceLast(u64),
+    /// This process is alive (reported to rank 0).
+    Alive,
 }
 
 struct Job {
@@ -244,14 +246,23 @@ impl Arrivals {
         }
     }
 
-    /// The last device collective each rank entered (0 = none), or None when rank 0 could not
-    /// be asked within `within`.
-    pub fn last_entered(&self, seq: u64, within: Duration) -> Option<Vec<u64>> {
+    /// Tells rank 0 this process is alive (call it from a thread that runs while the rank
+    /// waits on its device: a stopped process goes silent).
+    pub fn alive(&self) {
+        if let Some(j) = &self.jobs {
+            let (tx, _rx) = mpsc::channel();
+            let _ = j.send(Job { op: JobOp::Alive, data: Payload::F64(Vec::new()), reply: tx });
+        }
+    }
+
+    /// Per rank: the last device collective it entered (0 = none) and the milliseconds since
+    /// rank 0 last heard from it; None when rank 0 could not be asked within `within`.
+    pub fn last_entered(&self, seq: u64, within: Duration) -> Option<Vec<(u64, u64)>> {
         let j = self.jobs.as_ref()?;
         let (tx, rx) = mpsc::channel();
         j.send(Job { op: JobOp::DeviceLast(seq), data: Payload::F64(Vec::new()), reply: tx }).ok()?;
         match rx.recv_timeout(within) {
-            Ok(Ok(Payload::F64(v))) if !v.is_empty() => Some(v.iter().map(|&r| r as u64).collect()),
+            Ok(Ok(Payload::F64(v))) if !v.is_empty() => Some(v.chunks_exact(2).map(|p| (p[0] as u64, p[1] as u64)).collect()),
             _ => None,
         }
     }
@@ -478,8 +489,14 @@ impl Ring {
                 return Ok(data);
             }
             JobOp::DeviceLast(seq) => {
-                let last = self.control.last_entered(seq, true);
-                return Ok(Payload::F64(last.map(|m| m.iter().map(|&r| r as f64).collect()).unwrap_or_default()));
+                // (last entered, ms silent) per rank, one after the other
+                let status = self.control.status(seq, true);
+                let v = status.map(|(last, _, silent)| last.iter().zip(&silent).flat_map(|(&l, &q)| [l as f64, q as f64]).collect()).unwrap_or_default();
+                return Ok(Payload::F64(v));
+            }
+            JobOp::Alive => {
+                self.control.alive(self.rank);
+                return Ok(data);
             }
             _ => {}
         }

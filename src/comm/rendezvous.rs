@@ -87,16 +87,28 @@ struct TrackerState {
     ring: Vec<u64>,
     device: Vec<u64>,
     gone: Vec<bool>,
+    /// When each rank was last heard from.
+    heard: Vec<Instant>,
 }
+
+/// What rank 0 knows of every rank: the last collective entered (of the lane asked), whether
+/// its connection closed, milliseconds since it was last heard from.
+pub(crate) type RankStatus = (Vec<u64>, Vec<bool>, Vec<u64>);
 
 impl Tracker {
     fn new(world: usize) -> Self {
-        Tracker { state: Mutex::new(TrackerState { ring: vec![0; world], device: vec![0; world], gone: vec![false; world] }) }
+        Tracker { state: Mutex::new(TrackerState { ring: vec![0; world], device: vec![0; world], gone: vec![false; world], heard: vec![Instant::now(); world] }) }
     }
     fn arrive(&self, rank: usize, seq: u64, device: bool) {
         if let Ok(mut s) = self.state.lock() {
             let last = if device { &mut s.device } else { &mut s.ring };
             last[rank] = last[rank].max(seq);
+            s.heard[rank] = Instant::now();
+        }
+    }
+    fn hear(&self, rank: usize) {
+        if let Ok(mut s) = self.state.lock() {
+            s.heard[rank] = Instant::now();
         }
     }
     fn gone(&self, rank: usize) {
@@ -104,12 +116,13 @@ impl Tracker {
             s.gone[rank] = true;
         }
     }
-    fn status(&self, device: bool) -> (Vec<u64>, Vec<bool>) {
+    fn status(&self, device: bool) -> RankStatus {
         let s = match self.state.lock() {
             Ok(s) => s.clone(),
             Err(p) => p.into_inner().clone(),
         };
-        (if device { s.device } else { s.ring }, s.gone)
+        let silent = s.heard.iter().map(|h| h.elapsed().as_millis() as u64).collect();
+        (if device { s.device } else { s.ring }, s.gone, silent)
     }
 }
 
@@ -140,21 +153,34 @@ impl ControlLink {
     /// Ranks that have not entered collective `seq`, with a note for ranks whose connection
     /// closed; `None` when rank 0 cannot be asked.
     pub(crate) fn missing(&mut self, seq: u64, device: bool) -> Option<Vec<usize>> {
-        let last = self.last_entered(seq, device)?;
+        let (last, _, _) = self.status(seq, device)?;
         Some(last.iter().enumerate().filter(|(_, &l)| l < seq).map(|(r, _)| r).collect())
     }
 
-    /// The last collective each rank entered (0 = none yet), as rank 0's tracker holds it;
-    /// `None` when rank 0 cannot be asked.
-    pub(crate) fn last_entered(&mut self, seq: u64, device: bool) -> Option<Vec<u64>> {
-        let (last, _gone) = match self {
+    /// Reports that this process is alive. Best effort.
+    pub(crate) fn alive(&mut self, rank: usize) {
+        match self {
+            ControlLink::Local(t) => t.hear(rank),
+            ControlLink::Remote(s) => {
+                if write_control(s, &Control::Alive).is_err() {
+                    *self = ControlLink::Broken;
+                }
+            }
+            ControlLink::Broken => {}
+        }
+    }
+
+    /// What rank 0's tracker holds of every rank (see [`RankStatus`]); `None` when rank 0
+    /// cannot be asked.
+    pub(crate) fn status(&mut self, seq: u64, device: bool) -> Option<RankStatus> {
+        let status = match self {
             ControlLink::Local(t) => t.status(device),
             ControlLink::Remote(s) => {
                 let asked = write_control(s, &Control::Query { seq, device })
                     .and_then(|_| s.set_read_timeout(Some(Duration::from_secs(5))))
                     .and_then(|_| read_control(s));
                 match asked {
-                    Ok(Control::Status { last, gone }) => (last, gone),
+                    Ok(Control::Status { last, gone, silent_ms }) => (last, gone, silent_ms),
                     _ => {
                         *self = ControlLink::Broken;
                         return None;
@@ -163,7 +189,7 @@ impl ControlLink {
             }
             ControlLink::Broken => return None,
         };
-        Some(last)
+        Some(status)
     }
 }
 
@@ -310,9 +336,11 @@ fn coordinate(rank: usize, mut s: TcpStream, tracker: Arc<Tracker>) {
     loop {
         match read_control(&mut s) {
             Ok(Control::Arrive { seq, device }) => tracker.arrive(rank, seq, device),
+            Ok(Control::Alive) => tracker.hear(rank),
             Ok(Control::Query { device, .. }) => {
-                let (last, gone) = tracker.status(device);
-                if write_control(&mut s, &Control::Status { last, gone }).is_err() {
+                tracker.hear(rank);
+                let (last, gone, silent_ms) = tracker.status(device);
+                if write_control(&mut s, &Control::Status { last, gone, silent_ms }).is_err() {
                     break;
                 }
             }

@@ -35,7 +35,16 @@ pub enum Control {
         device: bool,
     },
     /// Per rank: last collective entered (0 = none yet) and whether its connection closed.
-    Status { last: Vec<u64>, gone: Vec<bool> },
+    Status {
+        last: Vec<u64>,
+        gone: Vec<bool>,
+        /// Milliseconds since rank 0 last heard from each rank.
+        #[serde(default)]
+        silent_ms: Vec<u64>,
+    },
+    /// This rank's process is alive (sent every second by a thread that runs even while the
+    /// rank waits on its device).
+    Alive,
 }
 
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -115,7 +124,7 @@ mod tests {
 
     #[test]
     fn control_round_trip_and_length_guard() {
-        let m = Control::Status { last: vec![3, 4], gone: vec![false, true] };
+        let m = Control::Status { last: vec![3, 4], gone: vec![false, true], silent_ms: vec![0, 1500] };
         let mut buf = Vec::new();
         write_control(&mut buf, &m).unwrap();
         assert_eq!(read_control(&mut buf.as_slice()).unwrap(), m);

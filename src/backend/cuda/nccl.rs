@@ -290,31 +290,45 @@ impl NcclComm {
     }
 }
 
-/// Who is to blame for stalled collective `seq`, from the last collective each rank entered
-/// (rank 0's tracker): the ranks that never entered it; or, when all did, the ranks furthest
-/// behind, whose host stopped issuing collectives (a stopped or hung process still has its
-/// enqueued collectives, but NCCL's network progress needs its host threads).
-fn blame(seq: u64, last: Option<Vec<u64>>) -> String {
-    let Some(last) = last else { return "rank 0 could not be asked which ranks entered it".into() };
+/// Who is to blame for stalled collective `seq`, from what rank 0 knows of every rank (the
+/// last collective it entered, milliseconds since it was last heard from): the ranks that
+/// never entered it; else the ranks whose process went silent (stopped or hung: a stopped
+/// process keeps its enqueued collectives, but NCCL's network progress needs its host
+/// threads); else the ranks furthest behind.
+fn blame(seq: u64, ranks: Option<Vec<(u64, u64)>>) -> String {
+    let Some(ranks) = ranks else { return "rank 0 could not be asked which ranks entered it".into() };
     let names = |rs: &[usize]| if rs.len() == 1 { format!("rank {}", rs[0]) } else { format!("ranks {rs:?}") };
-    let missing: Vec<usize> = (0..last.len()).filter(|&r| last[r] < seq).collect();
+    let missing: Vec<usize> = (0..ranks.len()).filter(|&r| ranks[r].0 < seq).collect();
     if !missing.is_empty() {
         return format!("{} never entered it", names(&missing));
     }
-    let (lo, hi) = (last.iter().copied().min().unwrap_or(0), last.iter().copied().max().unwrap_or(0));
-    if lo == hi {
-        return format!("every rank entered it and none issued another (last #{hi}): the network or every peer stalled inside it");
+    let silent: Vec<usize> = (0..ranks.len()).filter(|&r| ranks[r].1 > SILENT_MS).collect();
+    if !silent.is_empty() {
+        let secs = silent.iter().map(|&r| ranks[r].1).min().unwrap_or(0) as f64 / 1e3;
+        return format!("every rank entered it; {} went silent {secs:.0} s ago: that process is stopped or hung", names(&silent));
     }
-    let behind: Vec<usize> = (0..last.len()).filter(|&r| last[r] == lo).collect();
-    format!("every rank entered it; {} issued nothing after #{lo} while others reached #{hi}: that process is stopped or hung", names(&behind))
+    let (lo, hi) = (ranks.iter().map(|r| r.0).min().unwrap_or(0), ranks.iter().map(|r| r.0).max().unwrap_or(0));
+    if lo == hi {
+        return format!("every rank entered it and is alive, none issued another (last #{hi}): the network stalled inside it");
+    }
+    let behind: Vec<usize> = (0..ranks.len()).filter(|&r| ranks[r].0 == lo).collect();
+    format!("every rank entered it; {} issued nothing after #{lo} while others reached #{hi}", names(&behind))
 }
+
+/// A rank not heard from for this long (its watchdog reports every second) is silent.
+const SILENT_MS: u64 = 3000;
 
 /// The watchdog: every 50 ms, retire completed collectives, abort one outstanding past the
 /// timeout (naming the ranks that never entered it), and catch NCCL's asynchronous errors.
 fn watch(l: &'static Lib, rank: usize, shared: &Shared, comm: &Handle, ctx: &Arc<CudaContext>, timeout: Duration, arrivals: &Arrivals) {
     let _ = ctx.bind_to_thread();
+    let mut told = Instant::now();
     while !shared.stop.load(Ordering::Relaxed) {
         std::thread::sleep(Duration::from_millis(50));
+        if told.elapsed() > Duration::from_secs(1) {
+            arrivals.alive();
+            told = Instant::now();
+        }
         let mut stalled = None;
         let mut overdue = None;
         if let Ok(mut list) = shared.in_flight.lock() {
@@ -351,10 +365,11 @@ mod tests {
 
     #[test]
     fn the_stall_names_the_ranks_that_never_entered_or_fell_behind() {
-        assert_eq!(blame(7, Some(vec![9, 6, 8])), "rank 1 never entered it");
-        assert_eq!(blame(7, Some(vec![9, 6, 5])), "ranks [1, 2] never entered it");
-        assert!(blame(7, Some(vec![9, 7, 9])).contains("rank 1 issued nothing after #7 while others reached #9"));
-        assert!(blame(7, Some(vec![7, 7])).contains("none issued another"));
+        assert_eq!(blame(7, Some(vec![(9, 0), (6, 0), (8, 0)])), "rank 1 never entered it");
+        assert_eq!(blame(7, Some(vec![(9, 0), (6, 9000), (5, 0)])), "ranks [1, 2] never entered it");
+        assert!(blame(7, Some(vec![(9, 0), (9, 12000)])).contains("rank 1 went silent 12 s ago"));
+        assert!(blame(7, Some(vec![(9, 0), (7, 100), (9, 0)])).contains("rank 1 issued nothing after #7 while others reached #9"));
+        assert!(blame(7, Some(vec![(7, 0), (7, 0)])).contains("none issued another"));
         assert!(blame(7, None).contains("could not be asked"));
     }
 }
