@@ -1,0 +1,407 @@
+//! Mixed-speed ranks: straggler emulation (`train.emulate_slowdown`) and a split of the global
+//! batch proportional to each rank's speed (`train.balance`), with the gradient of the equal
+//! split. docs/balance.md is the user's description; this is how the loop does it.
+//!
+//! **Exactness.** A split only moves images between ranks: the global batch of a step is the
+//! same images (`data::shard_sized` cuts the sampler's global batch, rank-major, into
+//! micro-batches of each rank's size), each image's augmentation and mixing draw are keyed by
+//! its dataset index and the global step, and mixing partners are neighbours in the global
+//! order (every size is even when mixing, so a pair never straddles two ranks). The loss
+//! gradient of every image is scaled by 1 / global batch (`train::step`), so a rank's summed
+//! gradient already carries the weight of its share (n_r / G · its mean) before the reduction
+//! sums the ranks — whatever the reduction is (all-reduce, ZeRO's reduce-scatter).
+//!
+//! **Sizes.** Shares are apportioned in units (1 image, 2 when mixing) by largest remainder,
+//! every rank at least one unit, so the sizes always add up to the equal split's total
+//! (world × `train_micro_batch_size_per_gpu`) per micro-batch.
+//!
+//! **Auto.** Every step each rank measures its compute (the passes of its micro-batches,
+//! including an emulated slowdown) and its wait at the gradient synchronization; one host
+//! all-reduce gives every rank every rank's numbers, so all of them take the same decision.
+//! Every `train.balance_every` steps the speeds (images / compute second over the window)
+//! give new sizes; they take effect `lag` steps later, at a step boundary (the loader builds
+//! batches ahead; `data::split` keeps decided steps fixed). Steps that carry one-off costs (the
+//! first two of the run, the first at new sizes, which may allocate larger buffers) are left
+//! out of the estimate.
+//!
+//! **Emulation.** A rank with factor f waits (f − 1) × its measured compute per image × the
+//! micro-batch's images before each micro-batch, after synchronizing the device: the device
+//! idles that long, so its gradients reach the reduction that much later, as on a slower card.
+//! The estimate is the previous micro-batch's; the run's first micro-batch is not slowed.
+//!
+//! **Measuring** synchronizes the device at each micro-batch's start and end and after the
+//! gradient synchronization; it is on only when a balance or an emulation is configured, so
+//! plain runs keep a step without host synchronization.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::backend::{Backend, Span};
+use crate::comm::Comm;
+use crate::config::{Balance, RunConfig};
+use crate::data::split::SplitSchedule;
+use crate::metrics::trace::{Trace, Track};
+use crate::train::engine::TrainError;
+use crate::train::step::GradSync;
+
+/// Images per share unit: mixing pairs neighbours, so each size must be even.
+pub fn unit(cfg: &RunConfig) -> usize {
+    if cfg.data.aug.mixes() {
+        2
+    } else {
+        1
+    }
+}
+
+/// `total` split into sizes proportional to `weights` (positive), each a multiple of `unit`
+/// and at least one unit, summing to `total` (a multiple of `unit`, at least `unit` per
+/// weight): largest remainder, ties to the lower rank.
+pub fn apportion(total: usize, weights: &[f64], unit: usize) -> Vec<usize> {
+    let n = weights.len();
+    let units = total / unit;
+    debug_assert!(units >= n && total % unit == 0);
+    let sum: f64 = weights.iter().sum();
+    // one unit each, the rest by weight
+    let spare = units - n;
+    let exact: Vec<f64> = weights.iter().map(|w| w / sum * spare as f64).collect();
+    let mut got: Vec<usize> = exact.iter().map(|x| x.floor() as usize).collect();
+    let mut left = spare - got.iter().sum::<usize>();
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| (exact[b] - exact[b].floor()).total_cmp(&(exact[a] - exact[a].floor())).then(a.cmp(&b)));
+    for &r in order.iter().cycle() {
+        if left == 0 {
+            break;
+        }
+        got[r] += 1;
+        left -= 1;
+    }
+    got.iter().map(|g| (g + 1) * unit).collect()
+}
+
+/// The largest micro-batch a rank can be given under `cfg`'s balance (None: equal split), so
+/// the plan can size its passes for it.
+pub fn widest_micro(cfg: &RunConfig) -> Option<usize> {
+    let (world, micro) = (cfg.batch.world_size, cfg.batch.micro_batch_per_gpu);
+    let u = unit(cfg);
+    match &cfg.train.balance {
+        Balance::Off => None,
+        Balance::Shares(s) => apportion(world * micro, s, u).into_iter().max(),
+        Balance::Auto => Some(world * micro - (world - 1) * u),
+    }
+}
+
+/// Per-rank balance metrics over the steps since the previous record, flattened into the
+/// `metrics.jsonl` line when a balance or an emulation is configured.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct BalanceRecord {
+    /// Seconds this rank computed: the passes of its micro-batches, emulated slowdown included.
+    pub compute_s: f64,
+    /// The part of `compute_s` that the emulated slowdown added.
+    pub emulated_s: f64,
+    /// Seconds this rank waited at the gradient synchronization (from its last backward to
+    /// the reduced gradients): the other ranks' lateness plus the exposed communication.
+    pub wait_s: f64,
+    /// This rank's share of the global batch and its micro-batch, at the last step.
+    pub share: f64,
+    pub micro_batch: usize,
+    /// Straggler effect, summed over the steps: Σ over ranks of (wait − the least wait of any
+    /// rank), as DeepSpeed's comms logger defines it (each rank's latency of the operation
+    /// minus the fastest rank's); absent on one rank.
+    pub straggler_s: Option<f64>,
+    /// Each rank's own speed over these steps: its images / its compute seconds.
+    pub rank_images_per_s: Vec<f64>,
+    /// The sum of those speeds: what the ranks would train if none waited for another.
+    pub ideal_images_per_s: f64,
+}
+
+/// The balance state of one rank through a run.
+pub struct Balancer {
+    rank: usize,
+    world: usize,
+    unit: usize,
+    /// Images of one micro-batch summed over the ranks (world × the equal micro-batch).
+    total: usize,
+    mode: Balance,
+    every: u64,
+    /// Steps between a decision and the step it applies to.
+    lag: u64,
+    /// Sizes by step, read by the loader; None under the equal split.
+    pub schedule: Option<Arc<SplitSchedule>>,
+    /// This rank's slowdown factor (1 = none).
+    slowdown: f64,
+    /// Whether anything is measured (a balance or an emulation is configured).
+    pub measuring: bool,
+    /// Seconds per image of this rank's last measured micro-batch (without emulation).
+    per_image_s: Option<f64>,
+    micro_start: Option<Instant>,
+    // this step
+    step_compute: f64,
+    step_emulated: f64,
+    step_wait: f64,
+    step_images: usize,
+    // the auto estimate's window: per rank images and compute seconds
+    win_images: Vec<f64>,
+    win_compute: Vec<f64>,
+    win_steps: u64,
+    /// Steps left out of the estimate.
+    skip: Vec<u64>,
+    // the metrics window
+    rec: BalanceRecord,
+    rec_images: Vec<f64>,
+    rec_compute: Vec<f64>,
+    current: Vec<usize>,
+}
+
+impl Balancer {
+    /// The balance of rank `rank` for a run of `cfg` starting at step `start_step`; the loader
+    /// builds batches up to `prefetch` micro-batches ahead.
+    pub fn new(cfg: &RunConfig, rank: usize, start_step: u64, prefetch: usize) -> Balancer {
+        let (world, micro, gas) = (cfg.batch.world_size, cfg.batch.micro_batch_per_gpu, cfg.batch.gradient_accumulation_steps);
+        let u = unit(cfg);
+        let total = world * micro;
+        // the loader's window may hold prefetch micro-batches of steps not yet run: decide at
+        // least that far ahead so it never waits for a decision it holds up (data::split)
+        let lag = prefetch.max(1).div_ceil(gas.max(1)) as u64 + 1;
+        let (initial, schedule) = match &cfg.train.balance {
+            Balance::Off => (vec![micro; world], None),
+            Balance::Shares(s) => {
+                let sizes = apportion(total, s, u);
+                (sizes.clone(), Some(SplitSchedule::new(sizes, u64::MAX)))
+            }
+            Balance::Auto => (vec![micro; world], Some(SplitSchedule::new(vec![micro; world], start_step + lag + 1))),
+        };
+        let slowdown = cfg.train.emulate_slowdown.iter().find(|(r, _)| *r == rank).map_or(1.0, |&(_, f)| f);
+        let measuring = !cfg.train.balance.is_off() || !cfg.train.emulate_slowdown.is_empty();
+        Balancer {
+            rank,
+            world,
+            unit: u,
+            total,
+            mode: cfg.train.balance.clone(),
+            every: cfg.train.balance_every.max(1),
+            lag,
+            schedule,
+            slowdown,
+            measuring,
+            per_image_s: None,
+            micro_start: None,
+            step_compute: 0.0,
+            step_emulated: 0.0,
+            step_wait: 0.0,
+            step_images: 0,
+            win_images: vec![0.0; world],
+            win_compute: vec![0.0; world],
+            win_steps: 0,
+            skip: vec![start_step, start_step + 1],
+            rec: BalanceRecord::default(),
+            rec_images: vec![0.0; world],
+            rec_compute: vec![0.0; world],
+            current: initial,
+        }
+    }
+
+    /// The per-rank micro-batch sizes of step `step`, as the loader cut it.
+    pub fn sizes(&self, step: u64) -> Result<Vec<usize>, TrainError> {
+        match &self.schedule {
+            None => Ok(self.current.clone()),
+            Some(s) => s.decided(step).map(|v| v.to_vec()).ok_or_else(|| TrainError::Config(format!("train.balance: the split of step {step} was not decided ahead"))),
+        }
+    }
+
+    /// Before one of this rank's micro-batches of `b` images: emulate the slowdown, start the
+    /// compute clock.
+    pub fn before_micro<B: Backend>(&mut self, be: &B, b: usize, step: u64, trace: Option<&mut Trace>) -> Result<(), TrainError> {
+        if !self.measuring {
+            return Ok(());
+        }
+        be.synchronize()?;
+        if let Some(per) = self.per_image_s {
+            self.emulate(per * b as f64, step, trace);
+        }
+        self.micro_start = Some(Instant::now());
+        Ok(())
+    }
+
+    /// After the micro-batch's passes: stop the compute clock (the device done).
+    pub fn after_micro<B: Backend>(&mut self, be: &B, b: usize, step: u64, trace: Option<&mut Trace>) -> Result<(), TrainError> {
+        let Some(t0) = self.micro_start.take() else { return Ok(()) };
+        be.synchronize()?;
+        let secs = t0.elapsed().as_secs_f64();
+        let first = self.per_image_s.is_none();
+        self.per_image_s = Some(secs / b.max(1) as f64);
+        self.step_compute += secs;
+        self.step_images += b;
+        if first {
+            // nothing was measured before the run's first micro-batch: slow it down after it
+            self.emulate(secs, step, trace);
+        }
+        Ok(())
+    }
+
+    /// Holds this rank for (factor − 1) × `compute_s`, the device idle.
+    fn emulate(&mut self, compute_s: f64, step: u64, trace: Option<&mut Trace>) {
+        let delay = (self.slowdown - 1.0) * compute_s;
+        if delay <= 0.0 {
+            return;
+        }
+        let t = Instant::now();
+        std::thread::sleep(Duration::from_secs_f64(delay));
+        let spent = t.elapsed().as_secs_f64();
+        self.step_compute += spent;
+        self.step_emulated += spent;
+        if let Some(tr) = trace {
+            let args = [("step".to_string(), serde_json::json!(step)), ("factor".to_string(), serde_json::json!(self.slowdown))].into_iter().collect();
+            tr.span(Track::Compute, "emulated slowdown", t, Instant::now(), args);
+        }
+    }
+
+    /// Wraps the step's gradient sync so the wait at it is measured.
+    pub fn timed<'s, B: Backend>(&self, inner: &'s mut dyn GradSync<B>) -> Timed<'s, B> {
+        Timed { inner, measuring: self.measuring, wait_s: 0.0 }
+    }
+
+    /// The step's wait at the gradient synchronization, as `Timed` measured it.
+    pub fn add_wait(&mut self, secs: f64) {
+        self.step_wait += secs;
+    }
+
+    /// After step `step`'s boundary, on every rank: share the step's numbers, re-estimate
+    /// under "auto", decide the split ahead.
+    pub fn end_step<Buf>(&mut self, comm: &mut dyn Comm<Buf>, step: u64) -> Result<(), TrainError> {
+        if !self.measuring {
+            return Ok(());
+        }
+        let w = self.world;
+        // every rank's (compute, wait, images) in its own slots: the sum is exact
+        let mut all = vec![0.0f64; 3 * w];
+        all[3 * self.rank] = self.step_compute;
+        all[3 * self.rank + 1] = self.step_wait;
+        all[3 * self.rank + 2] = self.step_images as f64;
+        if w > 1 {
+            comm.all_reduce_host(&mut all)?;
+        }
+        let waits: Vec<f64> = (0..w).map(|r| all[3 * r + 1]).collect();
+        let least = waits.iter().copied().fold(f64::INFINITY, f64::min);
+        let sizes = self.sizes(step)?;
+        let r = &mut self.rec;
+        r.compute_s += self.step_compute;
+        r.emulated_s += self.step_emulated;
+        r.wait_s += self.step_wait;
+        if w > 1 {
+            *r.straggler_s.get_or_insert(0.0) += waits.iter().map(|t| t - least).sum::<f64>();
+        }
+        for q in 0..w {
+            self.rec_compute[q] += all[3 * q];
+            self.rec_images[q] += all[3 * q + 2];
+        }
+        r.micro_batch = sizes[self.rank];
+        r.share = sizes[self.rank] as f64 / self.total as f64;
+        (self.step_compute, self.step_emulated, self.step_wait, self.step_images) = (0.0, 0.0, 0.0, 0);
+
+        if let (Balance::Auto, Some(schedule)) = (&self.mode, &self.schedule) {
+            if !self.skip.contains(&step) {
+                for q in 0..w {
+                    self.win_compute[q] += all[3 * q];
+                    self.win_images[q] += all[3 * q + 2];
+                }
+                self.win_steps += 1;
+            }
+            if self.win_steps >= self.every && self.win_compute.iter().all(|&c| c > 0.0) {
+                let speeds: Vec<f64> = (0..w).map(|q| self.win_images[q] / self.win_compute[q]).collect();
+                let next = apportion(self.total, &speeds, self.unit);
+                let latest = schedule.decided(step + self.lag).map(|s| s.to_vec()).unwrap_or_else(|| sizes.clone());
+                if next != latest {
+                    let from = step + 1 + self.lag;
+                    schedule.change(from, next).map_err(|known| TrainError::Config(format!("train.balance: step {known} was decided before step {from} could change")))?;
+                    self.skip.push(from);
+                }
+                self.win_compute.iter_mut().for_each(|c| *c = 0.0);
+                self.win_images.iter_mut().for_each(|c| *c = 0.0);
+                self.win_steps = 0;
+            }
+            schedule.extend(step + 2 + self.lag);
+        }
+        self.current = sizes;
+        Ok(())
+    }
+
+    /// The metrics since the previous call (None when nothing is measured).
+    pub fn take_record(&mut self) -> Option<BalanceRecord> {
+        if !self.measuring {
+            return None;
+        }
+        let mut rec = std::mem::take(&mut self.rec);
+        rec.rank_images_per_s = (0..self.world).map(|q| if self.rec_compute[q] > 0.0 { self.rec_images[q] / self.rec_compute[q] } else { 0.0 }).collect();
+        rec.ideal_images_per_s = rec.rank_images_per_s.iter().sum();
+        // the share stays what it is until the next step says otherwise
+        (self.rec.share, self.rec.micro_batch) = (rec.share, rec.micro_batch);
+        self.rec_images.iter_mut().for_each(|c| *c = 0.0);
+        self.rec_compute.iter_mut().for_each(|c| *c = 0.0);
+        Some(rec)
+    }
+}
+
+/// A gradient sync whose `finish` — the wait for the other ranks' gradients — is timed, the
+/// device synchronized after it when measuring (on a GPU the reduction runs on its own
+/// stream and the compute stream waits for it).
+pub struct Timed<'s, B: Backend> {
+    inner: &'s mut dyn GradSync<B>,
+    measuring: bool,
+    pub wait_s: f64,
+}
+
+impl<B: Backend> GradSync<B> for Timed<'_, B> {
+    fn reports_blocks(&self) -> bool {
+        self.inner.reports_blocks()
+    }
+    fn ready(&mut self, be: &B, grads: &mut B::Buf, span: Span) -> Result<(), TrainError> {
+        self.inner.ready(be, grads, span)
+    }
+    fn finish(&mut self, be: &B, grads: &mut B::Buf) -> Result<u64, TrainError> {
+        let t = Instant::now();
+        let bytes = self.inner.finish(be, grads)?;
+        if self.measuring {
+            be.synchronize()?;
+        }
+        self.wait_s += t.elapsed().as_secs_f64();
+        Ok(bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn apportion_is_proportional_sums_up_and_gives_everyone_a_unit() {
+        assert_eq!(apportion(64, &[1.0, 1.0], 1), vec![32, 32]);
+        assert_eq!(apportion(64, &[3.0, 1.0], 1), vec![48, 16]);
+        assert_eq!(apportion(64, &[3.0, 1.0], 2), vec![48, 16]);
+        // every rank keeps a unit however slow
+        assert_eq!(apportion(8, &[1.0, 1e-9, 1e-9, 1e-9], 2), vec![2, 2, 2, 2]);
+        assert_eq!(apportion(10, &[1.0, 1e-9], 2), vec![8, 2]);
+        // random weights: the sum is exact, sizes are multiples of the unit, within a unit of
+        // the proportional value
+        let mut x = 0x9e3779b97f4a7c15u64;
+        for _ in 0..200 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let n = 1 + (x % 6) as usize;
+            let unit = 1 + (x >> 8) as usize % 2;
+            let total = unit * (n + (x >> 16) as usize % 100);
+            let w: Vec<f64> = (0..n).map(|i| 0.1 + ((x >> (i * 5)) % 31) as f64).collect();
+            let s = apportion(total, &w, unit);
+            assert_eq!(s.iter().sum::<usize>(), total, "{w:?}");
+            let sum: f64 = w.iter().sum();
+            for (si, wi) in s.iter().zip(&w) {
+                assert!(si % unit == 0 && *si >= unit);
+                let spare = (total / unit - n) as f64;
+                let want = (1.0 + wi / sum * spare) * unit as f64;
+                assert!((*si as f64 - want).abs() <= unit as f64 + 1e-9, "{s:?} for {w:?}");
+            }
+        }
+    }
+}
