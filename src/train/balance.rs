@@ -57,27 +57,34 @@ pub fn unit(cfg: &RunConfig) -> usize {
 
 /// `total` split into sizes proportional to `weights` (positive), each a multiple of `unit`
 /// and at least one unit, summing to `total` (a multiple of `unit`, at least `unit` per
-/// weight): largest remainder, ties to the lower rank.
+/// weight): largest remainder, ties to the lower rank; a rank raised to its one unit is paid
+/// for by the rank most over its proportional value.
 pub fn apportion(total: usize, weights: &[f64], unit: usize) -> Vec<usize> {
     let n = weights.len();
     let units = total / unit;
     debug_assert!(units >= n && total % unit == 0);
     let sum: f64 = weights.iter().sum();
-    // one unit each, the rest by weight
-    let spare = units - n;
-    let exact: Vec<f64> = weights.iter().map(|w| w / sum * spare as f64).collect();
-    let mut got: Vec<usize> = exact.iter().map(|x| x.floor() as usize).collect();
-    let mut left = spare - got.iter().sum::<usize>();
-    let mut order: Vec<usize> = (0..n).collect();
-    order.sort_by(|&a, &b| (exact[b] - exact[b].floor()).total_cmp(&(exact[a] - exact[a].floor())).then(a.cmp(&b)));
-    for &r in order.iter().cycle() {
-        if left == 0 {
-            break;
-        }
+    let exact: Vec<f64> = weights.iter().map(|w| w / sum * units as f64).collect();
+    let mut got: Vec<usize> = exact.iter().map(|x| (x.floor() as usize).max(1)).collect();
+    // the rank furthest below (above) its proportional value, the lower rank on ties
+    let pick = |got: &[usize], below: bool| -> Option<usize> {
+        (0..n)
+            .filter(|&r| below || got[r] > 1)
+            .max_by(|&a, &b| {
+                let (da, db) = (exact[a] - got[a] as f64, exact[b] - got[b] as f64);
+                let ord = if below { da.total_cmp(&db) } else { db.total_cmp(&da) };
+                ord.then(b.cmp(&a))
+            })
+    };
+    while got.iter().sum::<usize>() < units {
+        let Some(r) = pick(&got, true) else { break };
         got[r] += 1;
-        left -= 1;
     }
-    got.iter().map(|g| (g + 1) * unit).collect()
+    while got.iter().sum::<usize>() > units {
+        let Some(r) = pick(&got, false) else { break };
+        got[r] -= 1;
+    }
+    got.iter().map(|g| g * unit).collect()
 }
 
 /// The largest micro-batch a rank can be given under `cfg`'s balance (None: equal split), so
@@ -375,6 +382,34 @@ mod tests {
     use super::*;
 
     #[test]
+    fn speed_proportional_updates_converge_to_equal_compute_times() {
+        // ranks whose micro-batch of b images takes a + c·b seconds: with no fixed cost the
+        // first update lands on shares ∝ 1/c; with one, the updates approach equal times
+        for (fixed, cost) in [(0.0, vec![1.0, 3.0]), (0.0, vec![1.0, 1.0, 1.0, 3.0]), (20.0, vec![1.0, 3.0]), (5.0, vec![1.0, 2.0, 1.5, 1.0])] {
+            let n = cost.len();
+            let total = 64 * n;
+            let mut sizes = vec![64; n];
+            let time = |s: &[usize]| -> Vec<f64> { s.iter().zip(&cost).map(|(&b, c)| fixed + c * b as f64).collect() };
+            for _ in 0..12 {
+                let t = time(&sizes);
+                let speeds: Vec<f64> = sizes.iter().zip(&t).map(|(&b, t)| b as f64 / t).collect();
+                sizes = apportion(total, &speeds, 2);
+            }
+            let t = time(&sizes);
+            let (lo, hi) = (t.iter().copied().fold(f64::INFINITY, f64::min), t.iter().copied().fold(0.0, f64::max));
+            // within what one unit of 2 images changes
+            let step = 2.0 * cost.iter().copied().fold(0.0, f64::max);
+            assert!(hi - lo <= step + 1e-9, "cost {cost:?} + {fixed}: sizes {sizes:?}, times {t:?}");
+            if fixed == 0.0 {
+                let inv: f64 = cost.iter().map(|c| 1.0 / c).sum();
+                for (b, c) in sizes.iter().zip(&cost) {
+                    assert!((*b as f64 - total as f64 / c / inv).abs() <= 2.0, "{sizes:?} for cost {cost:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn apportion_is_proportional_sums_up_and_gives_everyone_a_unit() {
         assert_eq!(apportion(64, &[1.0, 1.0], 1), vec![32, 32]);
         assert_eq!(apportion(64, &[3.0, 1.0], 1), vec![48, 16]);
@@ -396,11 +431,13 @@ mod tests {
             let s = apportion(total, &w, unit);
             assert_eq!(s.iter().sum::<usize>(), total, "{w:?}");
             let sum: f64 = w.iter().sum();
-            for (si, wi) in s.iter().zip(&w) {
+            let want: Vec<f64> = w.iter().map(|wi| wi / sum * total as f64).collect();
+            // when no rank needs raising to its one unit, each is within a unit of its
+            // proportional value
+            let free = want.iter().all(|&x| x >= unit as f64);
+            for (si, wi) in s.iter().zip(&want) {
                 assert!(si % unit == 0 && *si >= unit);
-                let spare = (total / unit - n) as f64;
-                let want = (1.0 + wi / sum * spare) * unit as f64;
-                assert!((*si as f64 - want).abs() <= unit as f64 + 1e-9, "{s:?} for {w:?}");
+                assert!(!free || (*si as f64 - wi).abs() < unit as f64 + 1e-9, "{s:?} for {w:?}");
             }
         }
     }
