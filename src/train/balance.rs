@@ -18,8 +18,9 @@
 //! **Auto.** Every step each rank measures its compute (the passes of its micro-batches,
 //! including an emulated slowdown) and its wait at the gradient synchronization; one host
 //! all-reduce gives every rank every rank's numbers, so all of them take the same decision.
-//! Every `train.balance_every` steps the speeds (images / compute second over the window)
-//! give new sizes; they take effect `lag` steps later, at a step boundary (the loader builds
+//! Every `train.balance_every` steps the speeds (images / compute second over the window,
+//! averaged with the previous estimate) give new sizes, taken when they shorten the predicted
+//! step by more than a few per cent; they take effect `lag` steps later, at a step boundary (the loader builds
 //! batches ahead; `data::split` keeps decided steps fixed). Steps that carry one-off costs (the
 //! first two of the run, the first at new sizes, which may allocate larger buffers) are left
 //! out of the estimate.
@@ -159,6 +160,25 @@ pub struct Balancer {
     rec_images: Vec<f64>,
     rec_compute: Vec<f64>,
     current: Vec<usize>,
+    /// Each rank's estimated speed (images per compute second), smoothed over windows.
+    speeds: Option<Vec<f64>>,
+}
+
+/// Weight of the previous estimate in each new speed estimate: one noisy window (a loaded
+/// host, a clock change) moves the split only half way.
+const SMOOTHING: f64 = 0.5;
+
+/// A new split changes the sizes only when it is predicted to shorten the step by more than
+/// this fraction: measurement noise does not move images back and forth.
+const MIN_GAIN: f64 = 0.03;
+
+/// The split for ranks of estimated `speeds` (images per second), or None to keep `current`:
+/// proportional sizes (`apportion`), taken when the slowest rank's predicted time (its images
+/// / its speed) drops by more than `MIN_GAIN`.
+pub fn decide(speeds: &[f64], current: &[usize], total: usize, unit: usize) -> Option<Vec<usize>> {
+    let next = apportion(total, speeds, unit);
+    let step_time = |sizes: &[usize]| sizes.iter().zip(speeds).map(|(&b, v)| b as f64 / v).fold(0.0, f64::max);
+    (next != current && step_time(&next) < (1.0 - MIN_GAIN) * step_time(current)).then_some(next)
 }
 
 impl Balancer {
@@ -206,6 +226,7 @@ impl Balancer {
             rec_images: vec![0.0; world],
             rec_compute: vec![0.0; world],
             current: initial,
+            speeds: None,
         }
     }
 
@@ -316,10 +337,15 @@ impl Balancer {
                 self.win_steps += 1;
             }
             if self.win_steps >= self.every && self.win_compute.iter().all(|&c| c > 0.0) {
-                let speeds: Vec<f64> = (0..w).map(|q| self.win_images[q] / self.win_compute[q]).collect();
-                let next = apportion(self.total, &speeds, self.unit);
+                let window: Vec<f64> = (0..w).map(|q| self.win_images[q] / self.win_compute[q]).collect();
+                let speeds: Vec<f64> = match &self.speeds {
+                    None => window,
+                    Some(old) => old.iter().zip(&window).map(|(o, n)| SMOOTHING * o + (1.0 - SMOOTHING) * n).collect(),
+                };
                 let latest = schedule.decided(step + self.lag).map(|s| s.to_vec()).unwrap_or_else(|| sizes.clone());
-                if next != latest {
+                let next = decide(&speeds, &latest, self.total, self.unit);
+                self.speeds = Some(speeds);
+                if let Some(next) = next {
                     let from = step + 1 + self.lag;
                     schedule.change(from, next).map_err(|known| TrainError::Config(format!("train.balance: step {known} was decided before step {from} could change")))?;
                     self.skip.push(from);
@@ -407,6 +433,16 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_split_changes_only_for_a_real_gain() {
+        // 3:1 speeds: from the equal split the step is 2 × shorter
+        assert_eq!(decide(&[3.0, 1.0], &[32, 32], 64, 1), Some(vec![48, 16]));
+        // already there, or a gain within the noise: keep
+        assert_eq!(decide(&[3.0, 1.0], &[48, 16], 64, 1), None);
+        assert_eq!(decide(&[3.05, 1.0], &[48, 16], 64, 1), None);
+        assert_eq!(decide(&[1.0, 1.02], &[32, 32], 64, 2), None);
     }
 
     #[test]
