@@ -230,6 +230,20 @@ impl Balancer {
         }
     }
 
+    /// A line for the run's start saying what is balanced and emulated (None: nothing).
+    pub fn describe(&self) -> Option<String> {
+        if !self.measuring {
+            return None;
+        }
+        let split = match &self.mode {
+            Balance::Off => "equal split".to_string(),
+            Balance::Shares(_) => format!("fixed split, micro-batches {:?}", self.current),
+            Balance::Auto => format!("auto split, re-estimated every {} steps, applied {} steps later", self.every, self.lag + 1),
+        };
+        let slow = if self.slowdown > 1.0 { format!("; this rank emulates a {}× slower device", self.slowdown) } else { String::new() };
+        Some(format!("balance: {split}{slow}"))
+    }
+
     /// The per-rank micro-batch sizes of step `step`, as the loader cut it.
     pub fn sizes(&self, step: u64) -> Result<Vec<usize>, TrainError> {
         match &self.schedule {

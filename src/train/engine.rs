@@ -248,6 +248,8 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     }
     let k = cfg.model.num_classes;
     let (micro, gas) = (plan.micro_batch, plan.gradient_accumulation_steps);
+    // mixed-speed ranks: this rank's emulated slowdown, the split of each global batch
+    let mut bal = Balancer::new(cfg, rank, start_step, cfg.data.prefetch);
 
     if !opts.quiet {
         eprintln!(
@@ -257,6 +259,9 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         );
         for w in &cfg.warnings {
             eprintln!("warning: {w}");
+        }
+        if let Some(line) = bal.describe() {
+            eprintln!("{line}");
         }
     }
     let bar = (opts.progress_bar && !opts.quiet).then(|| {
@@ -281,8 +286,6 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     // this rank's state hashes after the last step, once the ranks agreed on them.
     let mut final_hash: Option<agree::StateHash> = None;
     let train_wall = Instant::now();
-    // mixed-speed ranks: this rank's emulated slowdown, the split of each global batch
-    let mut bal = Balancer::new(cfg, rank, start_step, cfg.data.prefetch);
     // this rank's shard of every global batch from `start_step` on, built ahead.
     let mut loader = Loader::start_split(LoaderPlan {
         set: train_set.clone(),
