@@ -9,8 +9,10 @@
 #     runs at the slowest rank's pace);
 #   - weights: the largest |w − w_1rank| / (1 + |w_1rank|) against the 1-rank run.
 # Passes when balanced ≥ 90 % of its ideal, equal split within 15 % of slowest × 2, and the
-# weights of both 2-rank runs match the 1-rank run (CPU f32: 1e-5 relative; CUDA bf16: 5e-2,
-# micro-batch sizes change the GEMM shapes and so the rounding).
+# weights of both 2-rank runs match the 1-rank run: on the CPU (f32) within 1e-5 relative; on
+# CUDA (bf16, where other micro-batch sizes round differently) the equal split within 5e-2 and
+# the balanced split within 4 × the equal split's difference (or 2e-3), i.e. balancing adds no
+# more than rounding.
 #
 #   scripts/mixed_speed.sh [BIN] [OUT] [--device cpu|cuda] [-- extra train arguments]
 #
@@ -72,9 +74,9 @@ for bal in off auto; do
 done
 [ $fail = 0 ] || exit 1
 
-python3 - "$OUT" "$TOL" <<'EOF'
+python3 - "$OUT" "$TOL" "$DEVICE" <<'EOF'
 import json, struct, sys
-out, tol = sys.argv[1], float(sys.argv[2])
+out, tol, device = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 
 def lines(d):
     return [json.loads(l) for l in open(f"{out}/{d}/metrics.jsonl") if '"kind"' not in l]
@@ -114,7 +116,12 @@ for bal in ("off", "auto"):
            "rank_images_per_s": speeds, "slowest_x2": 2 * min(speeds), "ratio_to_slowest_x2": ips / (2 * min(speeds)),
            "rank0_share_last": shares[-1], "straggler_s_per_step": mean([r["straggler_s"] for r in recs]) / 5,
            "weights_max_rel_diff_vs_1rank": d}
-    row["ok"] = d < tol and (row["ratio_to_ideal"] >= 0.9 if bal == "auto" else abs(row["ratio_to_slowest_x2"] - 1) <= 0.15)
+    if bal == "auto" and device == "cuda":
+        weights_ok = d <= max(4 * res["off"]["weights_max_rel_diff_vs_1rank"], 2e-3)
+    else:
+        weights_ok = d < tol
+    row["weights_ok"] = weights_ok
+    row["ok"] = weights_ok and (row["ratio_to_ideal"] >= 0.9 if bal == "auto" else abs(row["ratio_to_slowest_x2"] - 1) <= 0.15)
     ok &= row["ok"]
     res[bal] = row
     print(json.dumps(row))

@@ -18,8 +18,8 @@
 //! **Auto.** Every step each rank measures its compute (the passes of its micro-batches,
 //! including an emulated slowdown) and its wait at the gradient synchronization; one host
 //! all-reduce gives every rank every rank's numbers, so all of them take the same decision.
-//! Every `train.balance_every` steps the speeds (images / compute second over the window,
-//! averaged with the previous estimate) give new sizes, taken when they shorten the predicted
+//! Every `train.balance_every` steps the speeds (each rank's median over the window's steps of
+//! images / compute second, averaged with the previous estimate) give new sizes, taken when they shorten the predicted
 //! step by more than a few per cent; they take effect `lag` steps later, at a step boundary (the loader builds
 //! batches ahead; `data::split` keeps decided steps fixed). Steps that carry one-off costs (the
 //! first two of the run, the first at new sizes, which may allocate larger buffers) are left
@@ -28,7 +28,8 @@
 //! **Emulation.** A rank with factor f waits (f − 1) × its measured compute per image × the
 //! micro-batch's images before each micro-batch, after synchronizing the device: the device
 //! idles that long, so its gradients reach the reduction that much later, as on a slower card.
-//! The estimate is the previous micro-batch's; the run's first micro-batch is not slowed.
+//! The estimate is the median of the rank's last few micro-batches; the run's first
+//! micro-batch is slowed after it ran.
 //!
 //! **Measuring** synchronizes the device at each micro-batch's start and end and after the
 //! gradient synchronization; it is on only when a balance or an emulation is configured, so
@@ -63,7 +64,7 @@ pub fn unit(cfg: &RunConfig) -> usize {
 pub fn apportion(total: usize, weights: &[f64], unit: usize) -> Vec<usize> {
     let n = weights.len();
     let units = total / unit;
-    debug_assert!(units >= n && total % unit == 0);
+    debug_assert!(units >= n && total.is_multiple_of(unit));
     let sum: f64 = weights.iter().sum();
     let exact: Vec<f64> = weights.iter().map(|w| w / sum * units as f64).collect();
     let mut got: Vec<usize> = exact.iter().map(|x| (x.floor() as usize).max(1)).collect();
@@ -142,7 +143,8 @@ pub struct Balancer {
     /// Whether anything is measured (a balance or an emulation is configured).
     pub measuring: bool,
     /// Seconds per image of this rank's last measured micro-batch (without emulation).
-    per_image_s: Option<f64>,
+    /// Seconds per image of this rank's last few measured micro-batches (without emulation).
+    recent_per_image: Vec<f64>,
     micro_start: Option<Instant>,
     // this step
     step_compute: f64,
@@ -150,9 +152,8 @@ pub struct Balancer {
     step_wait: f64,
     step_images: usize,
     // the auto estimate's window: per rank images and compute seconds
-    win_images: Vec<f64>,
-    win_compute: Vec<f64>,
-    win_steps: u64,
+    /// Each measured step's speed (images per compute second) of every rank.
+    win_speeds: Vec<Vec<f64>>,
     /// Steps left out of the estimate.
     skip: Vec<u64>,
     // the metrics window
@@ -162,6 +163,18 @@ pub struct Balancer {
     current: Vec<usize>,
     /// Each rank's estimated speed (images per compute second), smoothed over windows.
     speeds: Option<Vec<f64>>,
+}
+
+/// Micro-batches whose median time per image sets the emulated delay: one descheduled
+/// micro-batch does not stretch the next one's delay.
+const RECENT: usize = 5;
+
+/// The median of `v` (None when empty).
+fn median(v: &[f64]) -> Option<f64> {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    (n > 0).then(|| if n % 2 == 1 { s[n / 2] } else { 0.5 * (s[n / 2 - 1] + s[n / 2]) })
 }
 
 /// Weight of the previous estimate in each new speed estimate: one noisy window (a loaded
@@ -212,15 +225,13 @@ impl Balancer {
             schedule,
             slowdown,
             measuring,
-            per_image_s: None,
+            recent_per_image: Vec::new(),
             micro_start: None,
             step_compute: 0.0,
             step_emulated: 0.0,
             step_wait: 0.0,
             step_images: 0,
-            win_images: vec![0.0; world],
-            win_compute: vec![0.0; world],
-            win_steps: 0,
+            win_speeds: Vec::new(),
             skip: vec![start_step, start_step + 1],
             rec: BalanceRecord::default(),
             rec_images: vec![0.0; world],
@@ -259,7 +270,7 @@ impl Balancer {
             return Ok(());
         }
         be.synchronize()?;
-        if let Some(per) = self.per_image_s {
+        if let Some(per) = median(&self.recent_per_image) {
             self.emulate(per * b as f64, step, trace);
         }
         self.micro_start = Some(Instant::now());
@@ -271,8 +282,11 @@ impl Balancer {
         let Some(t0) = self.micro_start.take() else { return Ok(()) };
         be.synchronize()?;
         let secs = t0.elapsed().as_secs_f64();
-        let first = self.per_image_s.is_none();
-        self.per_image_s = Some(secs / b.max(1) as f64);
+        let first = self.recent_per_image.is_empty();
+        if self.recent_per_image.len() == RECENT {
+            self.recent_per_image.remove(0);
+        }
+        self.recent_per_image.push(secs / b.max(1) as f64);
         self.step_compute += secs;
         self.step_images += b;
         if first {
@@ -344,14 +358,12 @@ impl Balancer {
 
         if let (Balance::Auto, Some(schedule)) = (&self.mode, &self.schedule) {
             if !self.skip.contains(&step) {
-                for q in 0..w {
-                    self.win_compute[q] += all[3 * q];
-                    self.win_images[q] += all[3 * q + 2];
+                if (0..w).all(|q| all[3 * q] > 0.0) {
+                    self.win_speeds.push((0..w).map(|q| all[3 * q + 2] / all[3 * q]).collect());
                 }
-                self.win_steps += 1;
             }
-            if self.win_steps >= self.every && self.win_compute.iter().all(|&c| c > 0.0) {
-                let window: Vec<f64> = (0..w).map(|q| self.win_images[q] / self.win_compute[q]).collect();
+            if self.win_speeds.len() as u64 >= self.every {
+                let window: Vec<f64> = (0..w).map(|q| median(&self.win_speeds.iter().map(|v| v[q]).collect::<Vec<_>>()).unwrap_or(0.0)).collect();
                 let speeds: Vec<f64> = match &self.speeds {
                     None => window,
                     Some(old) => old.iter().zip(&window).map(|(o, n)| SMOOTHING * o + (1.0 - SMOOTHING) * n).collect(),
@@ -364,9 +376,7 @@ impl Balancer {
                     schedule.change(from, next).map_err(|known| TrainError::Config(format!("train.balance: step {known} was decided before step {from} could change")))?;
                     self.skip.push(from);
                 }
-                self.win_compute.iter_mut().for_each(|c| *c = 0.0);
-                self.win_images.iter_mut().for_each(|c| *c = 0.0);
-                self.win_steps = 0;
+                self.win_speeds.clear();
             }
             schedule.extend(step + 2 + self.lag);
         }
