@@ -16,8 +16,10 @@
 #
 #   scripts/mixed_speed.sh [BIN] [OUT] [--device cpu|cuda] [-- extra train arguments]
 #
-# On CUDA every rank runs on GPU 0 as its own NCCL node (launch --one-gpu), with a model large
-# enough that compute, not launch overhead, sets the pace.
+# On CUDA every rank runs on GPU 0 as its own NCCL node (launch --one-gpu; ONE_GPU=0 gives
+# each rank its own GPU instead), with a model and micro-batch (MICRO, default 1024) large
+# enough that compute, not launch overhead or NCCL's loopback Socket transport, sets the pace.
+# STEPS (default 60) sets the run length.
 set -u
 BIN=${1:-target/release/vitscale}
 OUT=${2:-mixed-speed}
@@ -42,9 +44,10 @@ STEPS=${STEPS:-60}
 common=(--device "$DEVICE" --json --set train.steps="$STEPS" --set train.log_every=5 --set train.balance_every=5
         --set data.val_size=200 --set 'optimizer={"type":"SGD","params":{"lr":0.05,"momentum":0.9}}')
 if [ "$DEVICE" = cuda ]; then
-  MICRO=${MICRO:-256}
+  MICRO=${MICRO:-1024}
   common+=(--set model.preset=vit_small_patch4_32 --set data.train_size=40000)
-  launch=(launch --nproc-per-node 2 --one-gpu)
+  launch=(launch --nproc-per-node 2)
+  [ "${ONE_GPU:-1}" = 1 ] && launch+=(--one-gpu)
   TOL=5e-2
 else
   MICRO=${MICRO:-64}
