@@ -142,7 +142,6 @@ pub struct Balancer {
     slowdown: f64,
     /// Whether anything is measured (a balance or an emulation is configured).
     pub measuring: bool,
-    /// Seconds per image of this rank's last measured micro-batch (without emulation).
     /// Seconds per image of this rank's last few measured micro-batches (without emulation).
     recent_per_image: Vec<f64>,
     micro_start: Option<Instant>,
@@ -151,7 +150,7 @@ pub struct Balancer {
     step_emulated: f64,
     step_wait: f64,
     step_images: usize,
-    // the auto estimate's window: per rank images and compute seconds
+    // the auto estimate's window
     /// Each measured step's speed (images per compute second) of every rank.
     win_speeds: Vec<Vec<f64>>,
     /// Steps left out of the estimate.
