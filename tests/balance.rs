@@ -166,11 +166,17 @@ fn auto_moves_the_batch_to_the_fast_rank_and_cuts_the_wait() {
     let _one_at_a_time = serial();
     let t = tmp();
     let dir = t.path().join("run");
+    // rank 1 four times slower (its proportional share 1/5), one loader thread per rank so
+    // that the ranks' timings are their compute's, micro-batches of 64 so that per-step costs
+    // that do not scale with the images (which the slow rank's emulation multiplies too) stay
+    // small: with them large, even one image on the slow rank would outlast the fast rank
     let opts = [
-        "--set=train_micro_batch_size_per_gpu=16",
-        "--set=train.emulate_slowdown={\"1\":3.0}",
+        "--set=train_batch_size=128",
+        "--set=train_micro_batch_size_per_gpu=64",
+        "--set=train.emulate_slowdown={\"1\":4.0}",
         "--set=train.balance=\"auto\"",
         "--set=train.balance_every=3",
+        "--set=data.num_workers=1",
     ];
     train(2, 40, &opts, &dir);
     let (r0, r1) = (steps(&dir, 0), steps(&dir, 1));
@@ -179,18 +185,22 @@ fn auto_moves_the_batch_to_the_fast_rank_and_cuts_the_wait() {
     assert_eq!((share(&r0[0]), share(&r1[0])), (0.5, 0.5));
     let last: Vec<f64> = r1[r1.len() - 5..].iter().map(share).collect();
     assert!(last.iter().all(|&s| s < 0.4), "rank 1's last shares: {last:?}");
-    // settled: the last steps keep one split (allowing one move by one image)
-    let distinct: std::collections::BTreeSet<u64> = last.iter().map(|s| (s * 32.0).round() as u64).collect();
+    // settled: the last five steps keep one split, or make one move
+    let distinct: std::collections::BTreeSet<u64> = last.iter().map(|s| (s * 128.0).round() as u64).collect();
     assert!(distinct.len() <= 2, "rank 1's shares still move: {last:?}");
-    // the straggler effect (the fast rank's wait for the slow one) shrinks: the mean of the
+    // the straggler effect (the fast rank's wait for the slow one) shrinks: the median of the
     // last ten steps is well under that of steps 2..8, which all run the equal split (the
-    // first decision, after steps 2-4, applies from step 8); means over several steps, as
-    // single steps of this tiny model last milliseconds on a loaded machine
-    let strag = |v: &[Value]| v.iter().map(|x| num(x, "straggler_s")).sum::<f64>() / v.len() as f64;
+    // first decision, after steps 2-4, applies from step 8); medians over several steps, as
+    // single steps of this tiny model last milliseconds and a loaded machine deschedules some
+    let strag = |v: &[Value]| {
+        let mut x: Vec<f64> = v.iter().map(|x| num(x, "straggler_s")).collect();
+        x.sort_by(f64::total_cmp);
+        x[x.len() / 2]
+    };
     assert!(r1[..8].iter().all(|v| share(v) == 0.5));
     let (before, after) = (strag(&r0[2..8]), strag(&r0[r0.len() - 10..]));
     eprintln!("straggler effect per step: equal split {before:.4} s, balanced {after:.4} s; rank 1 shares {last:?}");
-    assert!(after < 0.6 * before, "straggler effect {before} → {after}");
+    assert!(after < 0.5 * before, "straggler effect {before} → {after}");
     // every rank logs the same straggler effect and ideal (shared numbers), its own share
     for (a, b) in r0.iter().zip(&r1) {
         assert_eq!(a["straggler_s"], b["straggler_s"]);
