@@ -92,6 +92,9 @@ fn empty_config_gives_every_default() {
             comm_timeout_s: 300.0,
             recompute: vitscale::model::Recompute::Auto,
             pass_images: None,
+            emulate_slowdown: Vec::new(),
+            balance: Balance::Off,
+            balance_every: 5,
         }
     );
     assert!(c.warnings.is_empty(), "{:?}", c.warnings);

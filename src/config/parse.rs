@@ -517,9 +517,24 @@ const T_COMM_TIMEOUT: KeyDef = key(
     Dflt::Num(300.0),
     "Seconds a collective waits for the other ranks before failing with an error naming the missing rank(s); the VITSCALE_COMM_TIMEOUT variable overrides it.",
 );
+const T_SLOWDOWN: KeyDef = key(
+    "emulate_slowdown",
+    Ty::Section,
+    Dflt::Unset,
+    "Straggler emulation: {\"<rank>\": factor, …} with factor >= 1 makes that rank take factor × its measured compute time per micro-batch, as a slower device would (docs/balance.md says how).",
+);
+const BALANCE_CHOICES: &[&str] = &["off", "auto"];
+const T_BALANCE: KeyDef = key(
+    "balance",
+    Ty::Choice(BALANCE_CHOICES),
+    Dflt::Str("off"),
+    "Split of the global batch over the ranks: \"off\" = equal micro-batches; [s0, s1, …] = one positive share per rank, micro-batches proportional to them; \"auto\" = proportional to each rank's measured speed, re-estimated every train.balance_every steps. The global batch, its loss and its gradient stay those of the equal split; every rank gets at least one image per micro-batch (two when mixing).",
+);
+const T_BALANCE_EVERY: KeyDef = key("balance_every", POS_INT, Dflt::Int(5), "Under train.balance = \"auto\": steps of measured compute time between re-estimates of the shares.");
 /// Keys of the `train` section.
 pub const TRAIN_KEYS: &[KeyDef] = &[
     T_EPOCHS, T_STEPS, T_SEED, T_RECOMPUTE, T_PASS_IMAGES, T_EVAL_EVERY, T_CKPT_EVERY, T_SMOOTHING, T_DECAY_SKIP, T_LOG_EVERY, T_EVAL_BATCH, T_CKPT_ON_SIGNAL, T_COMM_TIMEOUT,
+    T_SLOWDOWN, T_BALANCE, T_BALANCE_EVERY,
 ];
 
 /// Help text for every key, generated from the tables.
@@ -1533,7 +1548,56 @@ fn parse_train(sec: Option<&Map<String, Value>>, batch: &BatchConfig, steps_per_
         comm_timeout_s: get_num(sec, p, &T_COMM_TIMEOUT, cx)?,
         recompute: Recompute::parse(get_str(sec, p, &T_RECOMPUTE, cx)?).unwrap_or_default(),
         pass_images: opt_int(sec, p, &T_PASS_IMAGES, cx)?.map(|i| i as usize),
+        emulate_slowdown: parse_slowdown(sec, p, batch.world_size)?,
+        balance: parse_balance(sec, p, batch.world_size, cx)?,
+        balance_every: get_int(sec, p, &T_BALANCE_EVERY, cx)?,
     })
+}
+
+/// `train.emulate_slowdown`: an object of rank (decimal string) → factor >= 1, ranks below
+/// the world size.
+fn parse_slowdown(sec: Option<&Map<String, Value>>, p: &str, world: usize) -> Result<Vec<(usize, f64)>> {
+    let name = full(p, T_SLOWDOWN.name);
+    let Some(v) = sec.and_then(|s| s.get(T_SLOWDOWN.name)).filter(|v| !v.is_null()) else { return Ok(Vec::new()) };
+    let obj = v.as_object().ok_or_else(|| key_err(&name, format!("expected an object {{\"<rank>\": factor}}, got {}", kind_of(v))))?;
+    let mut out = Vec::new();
+    for (k, f) in obj {
+        let rank: usize = k.parse().map_err(|_| key_err(&name, format!("\"{k}\" is not a rank; expected a decimal rank such as \"1\"")))?;
+        if rank >= world {
+            return Err(key_err(&name, format!("rank {rank} does not exist: the job has {world} rank(s), 0..{}", world.saturating_sub(1))));
+        }
+        let factor = f.as_f64().filter(|x| x.is_finite() && *x >= 1.0).ok_or_else(|| {
+            key_err(&name, format!("rank {rank}: expected a factor >= 1 (how many times slower), got {}", kind_of(f)))
+        })?;
+        out.push((rank, factor));
+    }
+    out.sort_by_key(|&(r, _)| r);
+    Ok(out)
+}
+
+/// `train.balance`: "off", "auto" or one positive share per rank.
+fn parse_balance(sec: Option<&Map<String, Value>>, p: &str, world: usize, cx: &mut Cx) -> Result<Balance> {
+    let name = full(p, T_BALANCE.name);
+    let expected = || format!("expected \"off\", \"auto\" or a list of {world} positive shares (one per rank)");
+    match sec.and_then(|s| s.get(T_BALANCE.name)).filter(|v| !v.is_null()) {
+        None => Ok(Balance::Off),
+        Some(Value::Array(items)) => {
+            if items.len() != world {
+                return Err(key_err(&name, format!("{} shares for {world} rank(s); {}", items.len(), expected())));
+            }
+            let shares = items
+                .iter()
+                .enumerate()
+                .map(|(r, x)| x.as_f64().filter(|x| x.is_finite() && *x > 0.0).ok_or_else(|| key_err(&name, format!("share of rank {r}: {}, got {}", expected(), kind_of(x)))))
+                .collect::<Result<Vec<f64>>>()?;
+            Ok(Balance::Shares(shares))
+        }
+        Some(v) => match get_str(sec, p, &T_BALANCE, cx).map_err(|_| key_err(&name, format!("{}, got {}", expected(), kind_of(v))))? {
+            "auto" => Ok(Balance::Auto),
+            "off" => Ok(Balance::Off),
+            other => Err(key_err(&name, format!("{}, got \"{other}\"", expected()))),
+        },
+    }
 }
 
 // ---- writing ------------------------------------------------------------------------------
@@ -1621,7 +1685,14 @@ pub fn resolved_json(cfg: &RunConfig) -> Value {
             }).collect::<Vec<_>>(),
             "log_every": t.log_every, "eval_batch_size": t.eval_batch_size,
             "checkpoint_on_signal": t.checkpoint_on_signal, "comm_timeout_s": t.comm_timeout_s,
-            "recompute": t.recompute.as_str()
+            "recompute": t.recompute.as_str(),
+            "emulate_slowdown": t.emulate_slowdown.iter().map(|(r, f)| (r.to_string(), json!(f))).collect::<Map<String, Value>>(),
+            "balance": match &t.balance {
+                Balance::Off => json!("off"),
+                Balance::Auto => json!("auto"),
+                Balance::Shares(s) => json!(s),
+            },
+            "balance_every": t.balance_every
         }
     });
     if let (Some(n), Some(train)) = (t.pass_images, out.get_mut("train").and_then(|v| v.as_object_mut())) {

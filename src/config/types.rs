@@ -421,6 +421,31 @@ pub struct TrainConfig {
     pub recompute: crate::model::Recompute,
     /// Most images per forward/backward pass (None = "auto": `train::plan::AUTO_PASS_IMAGES`).
     pub pass_images: Option<usize>,
+    /// `train.emulate_slowdown`: (rank, factor ≥ 1) in rank order, the ranks that emulate a
+    /// slower device (`train::balance`); empty = none.
+    pub emulate_slowdown: Vec<(usize, f64)>,
+    /// `train.balance`: how the global batch is split over the ranks.
+    pub balance: Balance,
+    /// `train.balance_every`: under `balance = "auto"`, steps between re-estimates.
+    pub balance_every: u64,
+}
+
+/// How the global batch is split over the ranks (`train.balance`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub enum Balance {
+    /// Equal micro-batches (DeepSpeed's split).
+    Off,
+    /// Micro-batches proportional to these positive shares, one per rank.
+    Shares(Vec<f64>),
+    /// Micro-batches proportional to each rank's measured speed, re-estimated every
+    /// `balance_every` steps.
+    Auto,
+}
+
+impl Balance {
+    pub fn is_off(&self) -> bool {
+        matches!(self, Balance::Off)
+    }
 }
 
 /// A complete, validated run configuration.

@@ -17,7 +17,8 @@ use std::sync::mpsc::{channel, sync_channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use super::{fill_batches, mix, shard, Batch, DataError, ImageSet, Sampler};
+use super::split::SplitSchedule;
+use super::{fill_batches, mix, shard, shard_sized, Batch, DataError, ImageSet, Sampler};
 use crate::config::DataConfig;
 
 /// What one rank's loader produces: `steps` global steps from (`start_epoch`, `start_step`),
@@ -63,6 +64,8 @@ pub struct Loader {
     recycle_tx: Sender<Batch>,
     stop: Arc<AtomicBool>,
     handle: Option<JoinHandle<()>>,
+    /// The split the producer reads, closed on drop so a producer waiting on it ends.
+    split: Option<Arc<SplitSchedule>>,
 }
 
 /// One micro-batch to build: (epoch, step, micro, dataset indices).
@@ -71,6 +74,13 @@ type Position = (u64, usize, usize, Vec<usize>);
 impl Loader {
     /// Starts the producer. Fails only if the worker pool cannot be created.
     pub fn start(plan: LoaderPlan) -> Result<Loader, DataError> {
+        Self::start_split(plan, None)
+    }
+
+    /// [`Loader::start`] with each global step cut over the ranks as `split` says for that
+    /// step (`shard_sized`) instead of equally; the producer waits for steps not yet decided.
+    pub fn start_split(plan: LoaderPlan, split: Option<Arc<SplitSchedule>>) -> Result<Loader, DataError> {
+        let sizes = split.clone();
         let LoaderPlan { set, cfg, sampler, train, seed, rank, world, gas, start_epoch, start_step, steps, mix } = plan;
         // Plan order as (epoch, step, micro, indices), built lazily on the producer thread.
         let positions = move || -> Box<dyn Iterator<Item = Position>> {
@@ -83,7 +93,7 @@ impl Loader {
             step %= steps_per_epoch;
             let mut order = sampler.epoch(epoch);
             let total = steps as usize * gas;
-            Box::new((0..total).map(move |k| {
+            Box::new((0..total).map_while(move |k| {
                 let micro = k % gas;
                 if k > 0 && micro == 0 {
                     step += 1;
@@ -93,11 +103,17 @@ impl Loader {
                         order = sampler.epoch(epoch);
                     }
                 }
-                let idx = shard(order.batch(step), rank, world, micro, gas).to_vec();
-                (epoch, step, micro, idx)
+                let idx = match &sizes {
+                    None => shard(order.batch(step), rank, world, micro, gas).to_vec(),
+                    // None: the schedule was closed (the loader is being dropped)
+                    Some(s) => shard_sized(order.batch(step), &s.sizes_at(epoch * steps_per_epoch as u64 + step as u64)?, rank, micro, gas).to_vec(),
+                };
+                Some((epoch, step, micro, idx))
             }))
         };
-        Self::spawn(set, cfg, train, seed, mix, positions)
+        let mut loader = Self::spawn(set, cfg, train, seed, mix, positions)?;
+        loader.split = split;
+        Ok(loader)
     }
 
     /// Starts a producer of the given batches of dataset indices, in order, without mixing:
@@ -162,7 +178,7 @@ impl Loader {
                 }
             })
             .map_err(|e| DataError::Invalid { key: "data.num_workers", msg: format!("cannot start the loader thread: {e}") })?;
-        Ok(Loader { rx: Some(rx), recycle_tx, stop, handle: Some(handle) })
+        Ok(Loader { rx: Some(rx), recycle_tx, stop, handle: Some(handle), split: None })
     }
 
     /// Gives a consumed batch's buffers back for reuse.
@@ -185,6 +201,9 @@ impl Iterator for Loader {
 impl Drop for Loader {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+        if let Some(s) = &self.split {
+            s.close();
+        }
         // Closing the queue unblocks a producer waiting to send.
         drop(self.rx.take());
         if let Some(h) = self.handle.take() {

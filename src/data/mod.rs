@@ -35,6 +35,7 @@ pub mod randaug;
 pub mod resize;
 pub mod rng;
 pub mod sampler;
+pub mod split;
 pub mod synthetic;
 
 use std::path::{Path, PathBuf};
@@ -47,7 +48,7 @@ use crate::config::{Augment, DataConfig, DatasetKind, LabelKind};
 
 pub use augment::{Normalizer, Policy};
 pub use loader::{Loader, LoaderPlan, MixTargets, Prepared};
-pub use sampler::{shard, EpochPlan, Sampler};
+pub use sampler::{shard, shard_sized, EpochPlan, Sampler};
 
 /// Errors from opening a dataset or building a batch. Each names the key, file and byte offset
 /// involved.

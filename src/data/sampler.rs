@@ -116,6 +116,17 @@ pub fn shard(global: &[usize], rank: usize, world: usize, micro: usize, gas: usi
     &rank_part[m0..m1]
 }
 
+/// The part of a full global batch that rank `rank` feeds as micro-batch `micro` (of `gas`)
+/// when rank q feeds `sizes[q]` images per micro-batch (`train.balance`): rank q's shard is
+/// the `gas × sizes[q]` images that follow those of ranks 0..q, cut into `gas` contiguous
+/// micro-batches. Equal sizes give [`shard`]'s split; every split partitions the batch.
+pub fn shard_sized<'a>(global: &'a [usize], sizes: &[usize], rank: usize, micro: usize, gas: usize) -> &'a [usize] {
+    assert!(rank < sizes.len() && micro < gas, "shard_sized: rank {rank}/{}, micro {micro}/{gas}", sizes.len());
+    assert_eq!(sizes.iter().sum::<usize>() * gas, global.len(), "shard_sized: the sizes do not add up to the batch");
+    let start = gas * sizes[..rank].iter().sum::<usize>() + micro * sizes[rank];
+    &global[start..start + sizes[rank]]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -172,6 +183,27 @@ mod tests {
         // Rank 1 owns the contiguous second quarter.
         assert_eq!(shard(&global, 1, 4, 0, 2), &[106, 107, 108]);
         assert_eq!(shard(&global, 1, 4, 1, 2), &[109, 110, 111]);
+    }
+
+    #[test]
+    fn sized_shards_partition_the_batch_and_equal_sizes_are_the_equal_split() {
+        let global: Vec<usize> = (0..48).map(|i| 1000 + i).collect(); // world 3, gas 2, Σ sizes 24
+        for sizes in [vec![8, 8, 8], vec![14, 4, 6], vec![1, 1, 22]] {
+            let mut union = Vec::new();
+            for rank in 0..3 {
+                for micro in 0..2 {
+                    let m = shard_sized(&global, &sizes, rank, micro, 2);
+                    assert_eq!(m.len(), sizes[rank]);
+                    union.extend_from_slice(m);
+                }
+            }
+            assert_eq!(union, global, "{sizes:?}: rank-major, micro-minor concatenation is the global batch");
+        }
+        for rank in 0..3 {
+            for micro in 0..2 {
+                assert_eq!(shard_sized(&global, &[8, 8, 8], rank, micro, 2), shard(&global, rank, 3, micro, 2));
+            }
+        }
     }
 
     #[test]

@@ -66,6 +66,10 @@ pub struct StepRecord {
     /// (bytes · 2(W−1)/W / time), over `comm_total_s`; absent on one rank.
     pub bus_gb_s: Option<f64>,
     pub wall_s: f64,
+    /// Compute, wait, share and straggler effect of mixed-speed ranks (`train::balance`),
+    /// present when `train.balance` or `train.emulate_slowdown` is set.
+    #[serde(flatten)]
+    pub balance: Option<crate::train::balance::BalanceRecord>,
 }
 
 /// NCCL-tests' bus bandwidth of an all-reduce of `bytes` over `world` ranks taking `secs`.

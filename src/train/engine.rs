@@ -29,6 +29,7 @@ use crate::metrics::trace::{Trace, Track};
 use crate::train::step::{GradSync, MicroBatch, Step};
 use crate::train::sync::{gradient_wire, BucketPlan, BucketSync, DEFAULT_BUCKET_ELEMS, FIRST_BUCKET_ELEMS};
 use crate::train::zero::{AnySync, MemoryBytes, MemoryRecord, ZeroLayout, ZeroSync};
+use crate::train::balance::Balancer;
 use crate::train::{agree, checkpoint, schedule, stop};
 
 #[derive(Debug, thiserror::Error)]
@@ -280,6 +281,8 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     }
     let k = cfg.model.num_classes;
     let (micro, gas) = (plan.micro_batch, plan.gradient_accumulation_steps);
+    // mixed-speed ranks: this rank's emulated slowdown, the split of each global batch
+    let mut bal = Balancer::new(cfg, rank, start_step, cfg.data.prefetch);
 
     if !opts.quiet {
         eprintln!(
@@ -289,6 +292,9 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         );
         for w in &cfg.warnings {
             eprintln!("warning: {w}");
+        }
+        if let Some(line) = bal.describe() {
+            eprintln!("{line}");
         }
     }
     let bar = (opts.progress_bar && !opts.quiet).then(|| {
@@ -314,7 +320,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     let mut final_hash: Option<agree::StateHash> = None;
     let train_wall = Instant::now();
     // this rank's shard of every global batch from `start_step` on, built ahead.
-    let mut loader = Loader::start(LoaderPlan {
+    let mut loader = Loader::start_split(LoaderPlan {
         set: train_set.clone(),
         cfg: cfg.data.clone(),
         sampler: sampler.clone(),
@@ -327,7 +333,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         start_step: start_step as usize,
         steps: total_steps.saturating_sub(start_step),
         mix: Some(MixTargets { num_classes: k, label_smoothing: cfg.train.label_smoothing }),
-    })?;
+    }, bal.schedule.clone())?;
     // The next micro-batch, taken from the loader while the device still runs the current
     // backward, and whether its first pass's inputs are already staged on the device.
     let mut ahead: Option<crate::data::loader::Prepared> = None;
@@ -376,7 +382,9 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
             let last_micro = m + 1 == gas;
             // (without overlap_comm the boundary starts every bucket)
             let report: Option<&mut dyn GradSync<B>> = if last_micro && cfg.zero_overlap_comm { Some(&mut sync) } else { None };
+            bal.before_micro(be, mb.b, step, st.trace.as_mut())?;
             st.micro_batch(be, &mb, step, std::mem::take(&mut first_pass_staged), report, &mut phases)?;
+            bal.after_micro(be, mb.b, step, st.trace.as_mut())?;
             // While the device runs this backward (the host only enqueued it), take the next
             // micro-batch and stage its first pass: a GPU then starts the next forward as soon
             // as the optimizer is done instead of waiting for the host to convert and copy.
@@ -406,7 +414,12 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         let epoch_end = (step + 1) % steps_per_epoch == 0;
         let log_due = (step + 1) % cfg.train.log_every.max(1) == 0 || last_step;
         let lr = schedule::lr_at(cfg.scheduler.as_ref(), cfg.optimizer.lr(), step, total_steps);
-        let (grad_norm, bytes) = st.boundary(be, &mut sync, lr, step, log_due, &mut phases)?;
+        let (grad_norm, bytes) = {
+            let mut timed = bal.timed::<B>(&mut sync);
+            let out = st.boundary(be, &mut timed, lr, step, log_due, &mut phases)?;
+            bal.add_wait(timed.wait_s);
+            out
+        };
         window_comm_bytes += bytes;
         window_comm_total += sync.times().total_s;
         if let Some(tr) = st.trace.as_mut() {
@@ -417,6 +430,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
             }
         }
         drop(sync);
+        bal.end_step(&mut *comm, step)?;
         // the stop flags (SIGINT/SIGTERM seen on any rank), agreed every step
         let mut stop_sig = stop::pending();
         if world > 1 {
@@ -515,6 +529,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
                 comm_bytes: window_comm_bytes,
                 bus_gb_s: allreduce_bus_gb_s(window_comm_bytes, world, window_comm_total),
                 wall_s: t_start.elapsed().as_secs_f64(),
+                balance: bal.take_record(),
             };
             (window_comm_bytes, window_comm_total) = (0, 0.0);
             run.log(&rec)?;

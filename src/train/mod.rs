@@ -2,9 +2,11 @@
 //! batch plan resolved before training (`plan`), gradient buckets reduced during the backward
 //! (`sync`), ZeRO stages 1/2 over the same buckets (`zero`), the run directory's files (`run_dir`),
 //! learning-rate schedules (`schedule`), checkpoints (`checkpoint`), graceful stop on
-//! SIGINT/SIGTERM (`stop`), the check that every rank holds the same state (`agree`).
+//! SIGINT/SIGTERM (`stop`), the check that every rank holds the same state (`agree`), mixed-speed
+//! ranks: straggler emulation and speed-proportional splits (`balance`).
 
 pub mod agree;
+pub mod balance;
 pub mod checkpoint;
 pub mod engine;
 pub mod plan;

@@ -24,7 +24,8 @@ pub fn pass_images_cap(configured: Option<usize>) -> usize {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Plan {
     pub world_size: usize,
-    /// Images per rank per micro-batch (`train_micro_batch_size_per_gpu`).
+    /// Images per rank per micro-batch (`train_micro_batch_size_per_gpu`; under
+    /// `train.balance` the equal split's, each rank's own comes from `train::balance`).
     pub micro_batch: usize,
     pub gradient_accumulation_steps: usize,
     /// `train_batch_size` = micro × GAS × world: the loss is the mean over these images.
@@ -44,7 +45,15 @@ impl Plan {
     /// The plan of a training run of `cfg` on `be`.
     pub fn for_run<B: Backend>(be: &B, cfg: &RunConfig) -> Plan {
         let b = &cfg.batch;
-        Plan::new(be, &cfg.model, b.micro_batch_per_gpu, b.gradient_accumulation_steps, b.world_size, cfg.train.pass_images, cfg.train.recompute)
+        let mut plan = Plan::new(be, &cfg.model, b.micro_batch_per_gpu, b.gradient_accumulation_steps, b.world_size, cfg.train.pass_images, cfg.train.recompute);
+        // under train.balance a rank's micro-batch may be larger: passes are sized for the
+        // largest it can be given (memory is still bounded by train.pass_images)
+        if let Some(widest) = crate::train::balance::widest_micro(cfg) {
+            let wide = Plan::new(be, &cfg.model, widest, b.gradient_accumulation_steps, b.world_size, cfg.train.pass_images, cfg.train.recompute);
+            (plan.pass_images, plan.recompute) = (wide.pass_images, wide.recompute);
+            plan.passes_per_micro = plan.micro_batch.div_ceil(plan.pass_images);
+        }
+        plan
     }
 
     /// The plan for `micro` images per micro-batch, `gas` micro-batches per step on each of
