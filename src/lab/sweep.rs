@@ -312,9 +312,16 @@ fn oom_line(stderr: &str) -> Option<String> {
     stderr.lines().find(|l| NEEDLES.iter().any(|n| l.contains(n) || l.to_lowercase().contains(&n.to_lowercase()))).map(|l| l.trim().chars().take(300).collect())
 }
 
-/// The most telling line of a failed point's stderr: the last `error:` line, else the last one.
+/// The most telling lines of a failed point's stderr: the first `error` line (under the
+/// launcher, the failing worker's own message comes before the launcher's summary) and the
+/// last one when it differs, else the last line.
 fn last_error_line(stderr: &str) -> String {
     let lines: Vec<&str> = stderr.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
-    let pick = lines.iter().rev().find(|l| l.contains("error")).or(lines.last()).copied().unwrap_or("(no output on stderr)");
-    pick.chars().take(300).collect()
+    let errors: Vec<&str> = lines.iter().copied().filter(|l| l.contains("error")).collect();
+    let text = match (errors.first(), errors.last()) {
+        (Some(a), Some(b)) if a != b => format!("{a} ({b})"),
+        (Some(a), _) => a.to_string(),
+        _ => lines.last().copied().unwrap_or("(no output on stderr)").to_string(),
+    };
+    text.chars().take(400).collect()
 }
