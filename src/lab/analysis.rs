@@ -142,6 +142,8 @@ pub fn series(pts: &[Pt], x: XDim, ignore: &[&str], y: impl Fn(&Pt) -> Option<f6
 pub struct Scaling {
     /// What is held fixed ("global batch 256", "per-rank batch 64 × GAS 1").
     pub name: String,
+    /// The batch held fixed: the global batch (strong), images per rank per step (weak).
+    pub batch: usize,
     /// (ranks, images/s, speed-up, efficiency) by ranks, relative to the fewest ranks.
     pub rows: Vec<(usize, f64, f64, f64)>,
 }
@@ -170,7 +172,7 @@ pub fn strong_scaling(pts: &[Pt]) -> Vec<Scaling> {
     groups
         .into_iter()
         .filter(|(_, w)| w.len() >= 2)
-        .map(|((gb, others), w)| Scaling { name: group_name(&format!("global batch {gb}"), &others), rows: scaling_rows(w) })
+        .map(|((gb, others), w)| Scaling { name: group_name(&format!("global batch {gb}"), &others), batch: gb, rows: scaling_rows(w) })
         .collect()
 }
 
@@ -189,7 +191,8 @@ pub fn weak_scaling(pts: &[Pt]) -> Vec<Scaling> {
         .map(|(key, w)| {
             let get = |n: &str| key.iter().find(|(k, _)| k == n).map(|(_, v)| unpad(v)).unwrap_or_default();
             let others: Vec<(String, String)> = key.iter().filter(|(k, _)| !["1micro", "2GAS"].contains(&k.as_str())).cloned().collect();
-            Scaling { name: group_name(&format!("micro {} × GAS {} per rank", get("1micro"), get("2GAS")), &others), rows: scaling_rows(w) }
+            let per_rank = get("1micro").parse::<usize>().unwrap_or(0) * get("2GAS").parse::<usize>().unwrap_or(0);
+            Scaling { name: group_name(&format!("micro {} × GAS {} per rank", get("1micro"), get("2GAS")), &others), batch: per_rank, rows: scaling_rows(w) }
         })
         .collect()
 }
@@ -372,7 +375,7 @@ pub fn findings(pts: &[Pt]) -> Vec<Finding> {
     for (kind, groups) in [("weak", &weak), ("strong", &strong_scaling(pts))] {
         let statement = format!("Data parallelism scales near-linearly ({kind} scaling): efficiency at the most ranks is at least 90 %");
         // the group reaching the most ranks, then the largest batch: the study's setting
-        let pick = groups.iter().max_by_key(|s| (s.rows.last().map_or(0, |r| r.0), s.rows.len()));
+        let pick = groups.iter().max_by_key(|s| (s.rows.last().map_or(0, |r| r.0), s.batch));
         match pick {
             None => out.push(Finding {
                 statement,
@@ -450,4 +453,119 @@ pub fn findings(pts: &[Pt]) -> Vec<Finding> {
         });
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lab::summary::{Breakdown, RankFigures};
+    use serde_json::{json, Map};
+
+    /// A finished point with these coordinates, throughput and step parts (seconds).
+    fn point(world: usize, micro: usize, gas: usize, ips: f64, compute_s: f64, comm_s: f64) -> PointRecord {
+        let step_s = compute_s + comm_s;
+        let b = Breakdown { forward_s: compute_s / 3.0, backward_s: compute_s * 2.0 / 3.0, comm_exposed_s: comm_s, step_s, ..Breakdown::default() };
+        let f = PointFigures {
+            world_size: world,
+            micro_batch: micro,
+            gradient_accumulation_steps: gas,
+            global_batch: world * micro * gas,
+            zero_stage: 0,
+            measured_steps: 10,
+            images_per_s: ips,
+            images_per_s_per_rank: ips / world as f64,
+            comm_share: comm_s / step_s,
+            breakdown: b.clone(),
+            comm_bytes_per_step: 0.0,
+            bus_gb_s: None,
+            ranks: (0..world).map(|rank| RankFigures { rank, breakdown: b.clone(), peak_mem_bytes: Some(1 << 30), peak_mem_source: None, bus_gb_s: None }).collect(),
+            val_top1: None,
+            final_loss: None,
+        };
+        let mut keys = Map::new();
+        keys.insert("train_micro_batch_size_per_gpu".into(), json!(micro));
+        keys.insert("gradient_accumulation_steps".into(), json!(gas));
+        keys.insert("nproc".into(), json!(world));
+        PointRecord {
+            id: format!("w{world}m{micro}g{gas}"),
+            index: 0,
+            keys,
+            status: "ok".into(),
+            reason: None,
+            exit_code: Some(0),
+            wall_s: 1.0,
+            run_dir: String::new(),
+            command: String::new(),
+            figures: Some(f),
+        }
+    }
+
+    fn verdict_of<'a>(fs: &'a [Finding], needle: &str) -> &'a Verdict {
+        &fs.iter().find(|f| f.statement.contains(needle)).unwrap_or_else(|| panic!("no finding about {needle}")).verdict
+    }
+
+    /// A study-like sweep: throughput per rank saturates at `knee`, communication is fixed per
+    /// step, so small micro batches are communication-bound. `scale` is the 2-rank speed-up.
+    fn sweep(knee: usize, scale: f64, comm_s: f64) -> Vec<PointRecord> {
+        let mut v = Vec::new();
+        for &w in &[1usize, 2] {
+            for &m in &[16usize, 32, 64, 128, 256] {
+                let per_rank = 1000.0 * (m.min(knee) as f64 / knee as f64);
+                let ips = per_rank * if w == 1 { 1.0 } else { scale };
+                let step = (w * m) as f64 / ips;
+                let comm = if w == 1 { 0.0 } else { comm_s.min(step * 0.9) };
+                v.push(point(w, m, 1, ips, step - comm, comm));
+            }
+        }
+        v
+    }
+
+    #[test]
+    fn verdicts_follow_the_numbers() {
+        let recs = sweep(64, 1.95, 0.05);
+        let pts = finished(&recs);
+        let fs = findings(&pts);
+        assert_eq!(verdict_of(&fs, "stops rising"), &Verdict::True);
+        assert_eq!(verdict_of(&fs, "halves the time"), &Verdict::True);
+        assert_eq!(verdict_of(&fs, "weak scaling"), &Verdict::True);
+        assert_eq!(verdict_of(&fs, "falls as the micro batch grows"), &Verdict::True);
+        assert_eq!(verdict_of(&fs, "exposed communication than in forward"), &Verdict::True);
+        assert!(matches!(verdict_of(&fs, "ZeRO"), Verdict::NotChecked(_)));
+        assert!(matches!(verdict_of(&fs, "gradient accumulation"), Verdict::NotChecked(_)));
+
+        // the same sweep with a knee at 16, poor scaling and little communication: every
+        // verdict that depends on those flips
+        let recs = sweep(16, 1.2, 0.0001);
+        let fs = findings(&finished(&recs));
+        assert_eq!(verdict_of(&fs, "stops rising"), &Verdict::False);
+        assert_eq!(verdict_of(&fs, "halves the time"), &Verdict::False);
+        assert_eq!(verdict_of(&fs, "weak scaling"), &Verdict::False);
+        assert_eq!(verdict_of(&fs, "exposed communication than in forward"), &Verdict::False);
+        assert!(fs.iter().find(|f| f.statement.contains("weak scaling")).map_or(false, |f| f.measured.contains("60 %")), "{fs:?}");
+
+        // still rising at the largest micro: the knee is outside the sweep, not a verdict
+        let recs = sweep(1024, 1.95, 0.05);
+        let fs = findings(&finished(&recs));
+        assert!(matches!(verdict_of(&fs, "stops rising"), Verdict::NotChecked(_)));
+    }
+
+    #[test]
+    fn scaling_is_relative_to_the_fewest_ranks() {
+        let recs = vec![point(1, 32, 2, 100.0, 0.6, 0.0), point(2, 32, 2, 180.0, 0.6, 0.1), point(4, 32, 2, 300.0, 0.6, 0.2), point(2, 32, 1, 150.0, 0.4, 0.03)];
+        let pts = finished(&recs);
+        let weak = weak_scaling(&pts);
+        assert_eq!(weak.len(), 1, "one per-rank batch at several rank counts: {weak:?}");
+        let rows = &weak[0].rows;
+        assert_eq!(rows.iter().map(|r| r.0).collect::<Vec<_>>(), vec![1, 2, 4]);
+        assert!((rows[1].2 - 1.8).abs() < 1e-12 && (rows[2].3 - 0.75).abs() < 1e-12);
+        // global batch 128: 2 ranks × 32 × 2 and 4 ranks × 32 × 1 do not exist; 64 does at 1 and 2
+        let strong = strong_scaling(&pts);
+        assert_eq!(strong.len(), 1);
+        assert_eq!(strong[0].batch, 64);
+        assert_eq!(strong[0].rows.iter().map(|r| (r.0, r.1)).collect::<Vec<_>>(), vec![(1, 100.0), (2, 150.0)]);
+        // series: one line per rank count, sorted by x, named by what differs
+        let s = series(&pts, XDim::Micro, &["GAS"], |p| Some(p.f.images_per_s));
+        assert_eq!(s.iter().map(|x| x.name.as_str()).collect::<Vec<_>>(), vec!["1 rank", "2 ranks", "4 ranks"]);
+        assert_eq!(s[1].points, vec![(32.0, 180.0)], "the larger of two points at one x");
+    }
 }
