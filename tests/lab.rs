@@ -206,3 +206,22 @@ fn bad_specs_and_missing_sweeps_get_clear_errors() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a sweep directory"));
 }
+
+#[test]
+fn every_study_spec_loads_and_every_point_resolves() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/study");
+    let mut n = 0;
+    for entry in std::fs::read_dir(&dir).expect("configs/study") {
+        let path = entry.expect("entry").path();
+        if path.extension().and_then(|e| e.to_str()) != Some("json") {
+            continue;
+        }
+        let spec = vitscale::lab::spec::SweepSpec::load(&path).unwrap_or_else(|e| panic!("{e}"));
+        for p in spec.points() {
+            let cfg = spec.point_config(&p).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            vitscale::config::resolve(&cfg, p.nproc()).unwrap_or_else(|e| panic!("{} point {}: {e}", path.display(), p.id));
+        }
+        n += 1;
+    }
+    assert!(n >= 5, "found {n} specs");
+}

@@ -300,15 +300,25 @@ fn build_charts(pts: &[Pt], records: &[PointRecord]) -> Vec<(Chart, String, Opti
         (distinct(pts, |f| f.gradient_accumulation_steps as u64) < 2).then(|| "needs 2 or more values of gradient_accumulation_steps".to_string()),
     ));
 
-    let with_mem: Vec<Pt> = pts.iter().filter(|p| p.f.ranks.iter().any(|r| r.peak_mem_bytes.is_some())).cloned().collect();
-    let stages = distinct(&with_mem, |f| f.zero_stage);
-    let source = with_mem.iter().flat_map(|p| p.f.ranks.iter()).find_map(|r| r.peak_mem_source.clone()).unwrap_or_default();
-    let s = analysis::series(&with_mem, XDim::Zero, &[], |p| p.f.ranks.iter().filter_map(|r| r.peak_mem_bytes).max().map(|b| b as f64 / 1048576.0));
-    let title = if stages == 1 { "Peak memory per rank against ZeRO stage (stage 0 only in this sweep)" } else { "Peak memory per rank against ZeRO stage" };
+    // memory: one bar per point (coloured by ZeRO stage), the stage variants of a
+    // configuration next to each other
+    let mut with_mem: Vec<(&PointRecord, &PointFigures, u64)> = done
+        .iter()
+        .filter_map(|(r, f)| f.ranks.iter().filter_map(|x| x.peak_mem_bytes).max().map(|m| (*r, *f, m)))
+        .collect();
+    with_mem.sort_by_key(|(r, f, _)| (f.world_size, f.micro_batch, f.gradient_accumulation_steps, r.index, f.zero_stage));
+    let stages: std::collections::BTreeSet<u64> = with_mem.iter().map(|(_, f, _)| f.zero_stage).collect();
+    let source = with_mem.iter().flat_map(|(_, f, _)| f.ranks.iter()).find_map(|r| r.peak_mem_source.clone()).unwrap_or_default();
+    let labels: Vec<String> = with_mem.iter().map(|(r, f, _)| short_label(f, r)).collect();
+    let parts: Vec<(String, Vec<f64>)> = stages
+        .iter()
+        .map(|s| (format!("ZeRO stage {s}"), with_mem.iter().map(|(_, f, m)| if f.zero_stage == *s { *m as f64 / 1048576.0 } else { 0.0 }).collect()))
+        .collect();
+    let title = if stages.len() == 1 { format!("Peak memory per rank (ZeRO stage {} only in this sweep)", stages.iter().next().copied().unwrap_or(0)) } else { "Peak memory per rank against ZeRO stage".to_string() };
     out.push((
-        line("memory", title, "ZeRO stage (zero_optimization.stage)", "peak memory per rank (MiB, highest rank)", s, false, false),
-        format!("The highest peak memory of any rank of each point ({}). ", if source.is_empty() { "as recorded" } else { &source })
-            + if stages == 1 { "Only one ZeRO stage was swept, so each line is a single point." } else { "" },
+        Chart { file: "memory".into(), title, panels: vec![Panel { title: String::new(), x_label: "peak memory of the highest rank (MiB)".into(), y_label: String::new(), kind: PanelKind::StackedBars { labels, parts } }] },
+        format!("The highest peak memory of any rank of each point ({}), coloured by ZeRO stage. ", if source.is_empty() { "as recorded" } else { &source })
+            + if stages.len() == 1 { "Only one ZeRO stage was swept: add `zero_optimization.stage` to the grid to compare stages." } else { "" },
         with_mem.is_empty().then(|| "no point recorded its peak memory".to_string()),
     ));
     out
