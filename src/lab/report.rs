@@ -163,7 +163,7 @@ fn mib(b: u64) -> String {
 }
 
 fn point_row(r: &PointRecord) -> Vec<String> {
-    let keys = r.keys.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(", ");
+    let keys = r.keys.iter().map(|(k, v)| format!("{}={v}", short_key(k))).collect::<Vec<_>>().join(", ");
     let status = if r.ok() { "ok".to_string() } else { "FAILED".to_string() };
     let Some(f) = &r.figures else {
         let mut row = vec![r.id.clone(), keys, status];
@@ -192,6 +192,17 @@ fn point_row(r: &PointRecord) -> Vec<String> {
         f.bus_gb_s.map_or("—".into(), |x| format!("{x:.2}")),
         mem.join(" / "),
     ]
+}
+
+/// A grid key as the table shows it: the study's names short, others as given.
+fn short_key(k: &str) -> &str {
+    match k {
+        "train_micro_batch_size_per_gpu" => "micro",
+        "gradient_accumulation_steps" => "GAS",
+        "zero_optimization.stage" => "ZeRO",
+        "train_batch_size" => "global batch",
+        other => other,
+    }
 }
 
 fn short_label(f: &PointFigures, r: &PointRecord) -> String {
@@ -367,14 +378,15 @@ fn render_md(blocks: &[Block], dir: &Path) -> String {
 fn render_html(blocks: &[Block], name: &str) -> Result<String, ReportError> {
     let mut out = format!(
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>Scaling report: {}</title>\n<style>\n\
-body {{ font-family: 'DejaVu Sans', Arial, sans-serif; margin: 2em auto; max-width: 1400px; color: #222; padding: 0 1em; }}\n\
-table {{ border-collapse: collapse; margin: 1em 0; font-size: 13px; }}\n\
-th, td {{ border: 1px solid #ccc; padding: 4px 8px; text-align: left; vertical-align: top; }}\n\
+body {{ font-family: 'DejaVu Sans', Arial, sans-serif; margin: 2em auto; max-width: 1800px; color: #222; padding: 0 1em; }}\n\
+table {{ border-collapse: collapse; margin: 1em 0; font-size: 12px; }}\n\
+th, td {{ border: 1px solid #ccc; padding: 3px 6px; text-align: left; vertical-align: top; }}\n\
 th {{ background: #f2f2f2; }}\n\
 tr:nth-child(even) td {{ background: #fafafa; }}\n\
 td.true {{ background: #d9f2d9 !important; font-weight: bold; }}\n\
 td.false {{ background: #f8d7d7 !important; font-weight: bold; }}\n\
 img {{ max-width: 100%; border: 1px solid #ddd; }}\n\
+div.wide {{ overflow-x: auto; }}\n\
 code {{ font-size: 12px; background: #f4f4f4; padding: 1px 3px; }}\n\
 </style></head><body>\n",
         escape(name)
@@ -384,7 +396,7 @@ code {{ font-size: 12px; background: #f4f4f4; padding: 1px 3px; }}\n\
             Block::H(l, t) => out.push_str(&format!("<h{l}>{}</h{l}>\n", inline_html(t))),
             Block::P(t) => out.push_str(&format!("<p>{}</p>\n", inline_html(t))),
             Block::Table(head, rows) => {
-                out.push_str("<table><thead><tr>");
+                out.push_str("<div class=\"wide\"><table><thead><tr>");
                 for h in head {
                     out.push_str(&format!("<th>{}</th>", inline_html(h)));
                 }
@@ -401,7 +413,7 @@ code {{ font-size: 12px; background: #f4f4f4; padding: 1px 3px; }}\n\
                     }
                     out.push_str("</tr>\n");
                 }
-                out.push_str("</tbody></table>\n");
+                out.push_str("</tbody></table></div>\n");
             }
             Block::Image { png, alt, .. } => {
                 let bytes = std::fs::read(png).map_err(|source| ReportError::Write { path: png.display().to_string(), source })?;
