@@ -225,3 +225,34 @@ fn every_study_spec_loads_and_every_point_resolves() {
     }
     assert!(n >= 5, "found {n} specs");
 }
+
+#[test]
+fn bench_comm_over_cpu_ranks_reports_nccl_tests_columns() {
+    let tmp = tempfile::tempdir().expect("scratch");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
+    let out = vitscale(
+        tmp.path(),
+        &["launch", "--nproc-per-node", "3", "--master-port", &port.to_string(), "--", "bench", "--comm", "--device", "cpu",
+          "--comm-min-bytes", "1000", "--comm-max-bytes", "64000", "--comm-iters", "3", "--warmup", "1", "--json"],
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("algbw (GB/s)") && stdout.contains("busbw (GB/s)") && stdout.contains("#wrong"), "{stdout}");
+    let r = last_json(&out);
+    assert_eq!(r["world_size"], 3);
+    let rows = r["rows"].as_array().expect("rows");
+    // 1000 B .. 64000 B doubling: 7 sizes per collective, each a multiple of 3 floats
+    assert_eq!(rows.len(), 3 * 7, "{r}");
+    for row in rows {
+        let (bytes, count) = (row["bytes"].as_u64().expect("bytes"), row["count"].as_u64().expect("count"));
+        assert_eq!(bytes, count * 4);
+        assert_eq!(count % 3, 0);
+        assert_eq!(row["wrong"], 0, "{row}");
+        let (t, alg, bus) = (row["time_us"].as_f64().expect("t"), row["algbw_gb_s"].as_f64().expect("alg"), row["busbw_gb_s"].as_f64().expect("bus"));
+        assert!(t > 0.0 && (alg - bytes as f64 / (t * 1e-6) / 1e9).abs() <= 1e-9 * alg.max(1.0), "{row}");
+        let factor = if row["op"] == "all_reduce" { 4.0 / 3.0 } else { 2.0 / 3.0 };
+        assert!((bus - alg * factor).abs() <= 1e-9 * bus.max(1.0), "{row}");
+    }
+    let ops: std::collections::BTreeSet<&str> = rows.iter().filter_map(|r| r["op"].as_str()).collect();
+    assert_eq!(ops.into_iter().collect::<Vec<_>>(), vec!["all_gather", "all_reduce", "reduce_scatter"]);
+}
