@@ -91,6 +91,9 @@ impl XDim {
     }
 }
 
+/// A group's coordinates (name, value), as `dims` gives them.
+type Coords = Vec<(String, String)>;
+
 /// One line of a chart.
 #[derive(Clone, Debug, Serialize)]
 pub struct Series {
@@ -104,7 +107,7 @@ pub struct Series {
 /// Several points at one x within a group (possible when `ignore` hides a coordinate) keep
 /// the largest y.
 pub fn series(pts: &[Pt], x: XDim, ignore: &[&str], y: impl Fn(&Pt) -> Option<f64>) -> Vec<Series> {
-    let mut groups: BTreeMap<Vec<(String, String)>, BTreeMap<i64, (f64, f64)>> = BTreeMap::new();
+    let mut groups: BTreeMap<Coords, BTreeMap<i64, (f64, f64)>> = BTreeMap::new();
     for p in pts {
         let Some(yv) = y(p) else { continue };
         let key: Vec<(String, String)> = dims(p).into_iter().filter(|(k, _)| k != x.key() && !ignore.contains(&dim_name(k))).collect();
@@ -163,7 +166,7 @@ fn scaling_rows(by_world: BTreeMap<usize, f64>) -> Vec<(usize, f64, f64, f64)> {
 /// Strong scaling: points with the same global batch (and ZeRO stage and other keys) at
 /// different rank counts; at each rank count the fastest split of that batch.
 pub fn strong_scaling(pts: &[Pt]) -> Vec<Scaling> {
-    let mut groups: BTreeMap<(usize, Vec<(String, String)>), BTreeMap<usize, f64>> = BTreeMap::new();
+    let mut groups: BTreeMap<(usize, Coords), BTreeMap<usize, f64>> = BTreeMap::new();
     for p in pts {
         let others: Vec<(String, String)> = dims(p).into_iter().filter(|(k, _)| !["0ranks", "1micro", "2GAS"].contains(&k.as_str())).collect();
         let slot = groups.entry((p.f.global_batch, others)).or_default().entry(p.f.world_size).or_insert(0.0);

@@ -152,7 +152,10 @@ fn nice_max(v: f64) -> f64 {
     v * 1.1
 }
 
-fn draw_panel<DB: DrawingBackend>(p: &Panel, area: &DrawingArea<DB, Shift>) -> Result<Vec<(String, RGBColor, bool)>, DrawingAreaErrorKind<DB::ErrorType>> {
+/// A legend entry: name, colour, dashed.
+type LegendEntry = (String, RGBColor, bool);
+
+fn draw_panel<DB: DrawingBackend>(p: &Panel, area: &DrawingArea<DB, Shift>) -> Result<Vec<LegendEntry>, DrawingAreaErrorKind<DB::ErrorType>> {
     let mut legend = Vec::new();
     match &p.kind {
         PanelKind::Lines { series, log2_x, ideal, y_percent, y_from_zero } => {

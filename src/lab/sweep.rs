@@ -130,7 +130,7 @@ pub fn run(spec: &SweepSpec, opts: &SweepOptions) -> Result<SweepOutcome, SweepE
     let todo: Vec<&Point> = points
         .iter()
         .filter(|p| match done.iter().find(|r| r.id == p.id) {
-            Some(r) => !(r.ok() || !opts.retry_failed),
+            Some(r) => !r.ok() && opts.retry_failed,
             None => true,
         })
         .collect();
@@ -213,7 +213,7 @@ fn one_visible_gpu() -> bool {
         return v.split(',').filter(|s| !s.trim().is_empty()).count() <= 1;
     }
     static COUNT: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    COUNT.get_or_init(|| crate::backend::cuda::probe(0).ok().map(|d| d.device_count)).map_or(true, |n| n <= 1)
+    COUNT.get_or_init(|| crate::backend::cuda::probe(0).ok().map(|d| d.device_count)).is_none_or(|n| n <= 1)
 }
 
 fn run_point(spec: &SweepSpec, p: &Point, opts: &SweepOptions) -> Result<PointRecord, SweepError> {
@@ -246,9 +246,8 @@ fn run_point(spec: &SweepSpec, p: &Point, opts: &SweepOptions) -> Result<PointRe
     let timeout = Duration::from_secs_f64(spec.timeout_s);
     let mut timed_out = false;
     let status = loop {
-        match child.try_wait().map_err(io(&opts.exe))? {
-            Some(s) => break s,
-            None => {}
+        if let Some(s) = child.try_wait().map_err(io(&opts.exe))? {
+            break s;
         }
         let sig = STOP_SIGNAL.load(Ordering::SeqCst);
         if sig != 0 || t.elapsed() > timeout {
