@@ -10,6 +10,7 @@
 //! - `comm`    — defines: the `Comm` trait (collectives on flat buffers), the TCP ring for CPU ranks, rendezvous, `DistEnv`.
 //! - `launch`  — defines: the launcher behind `vitscale launch`, spawning workers locally or over ssh from a hostfile, supervising them.
 //! - `metrics` — defines: phase timers, the `metrics.jsonl` records, the per-rank Chrome trace.
+//! - `lab`     — defines: the scaling lab: sweep specs, `vitscale sweep` (points as subprocesses, `sweep.jsonl`, resume), `vitscale report` (tables, charts, findings checked against the data), `bench --comm`.
 //! - `cmd`     — defines: the subcommands behind `vitscale` (one file each: its arguments and `run`), the config and device loading they share, exit codes.
 //! - `util`    — defines: atomic file writes, scoped signal handlers.
 //! - `selftest` — defines: the parity checks behind `vitscale selftest`, every backend op and a short training run against the CPU reference.
@@ -21,6 +22,7 @@ pub mod comm;
 pub mod config;
 pub mod core;
 pub mod data;
+pub mod lab;
 pub mod launch;
 pub mod metrics;
 pub mod model;

@@ -25,6 +25,10 @@ enum Command {
     /// Training-step throughput, MFU and peak memory on synthetic device-resident data
     /// (`--data`: data-loader throughput instead).
     Bench(cmd::bench::BenchArgs),
+    /// Run every point of a sweep spec (a grid over config keys and rank counts) into a directory.
+    Sweep(cmd::sweep::SweepArgs),
+    /// Write report.md, report.html and charts for a sweep directory.
+    Report(cmd::report::ReportArgs),
 }
 
 fn main() {
@@ -36,6 +40,8 @@ fn main() {
         Command::Eval(args) => cmd::eval::run(args).map(|()| 0),
         Command::Selftest(args) => cmd::selftest::run(args).map(|()| 0),
         Command::Bench(args) => cmd::bench::run(args).map(|()| 0),
+        Command::Sweep(args) => cmd::sweep::run(args).map(|()| 0),
+        Command::Report(args) => cmd::report::run(args).map(|()| 0),
     };
     match result {
         Ok(code) => std::process::exit(code),

@@ -579,9 +579,25 @@ fn fp16_dynamic_loss_scale_with_warmuplr() {
         Precision::Fp16 { loss_scale: 0.0, initial_scale_power: 16, loss_scale_window: 1000, hysteresis: 2, min_loss_scale: 1.0 }
     );
     assert_eq!(c.train.log_every, 100);
-    // tensorboard is on → warned; the disabled flops profiler is not.
-    assert_eq!(c.warnings.len(), 1, "{:?}", c.warnings);
-    assert!(has_warning(&c, "tensorboard"));
+    // tensorboard is honoured (not warned), as is the disabled flops profiler.
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    assert_eq!(c.monitor.tensorboard, Some(MonitorTarget { output_path: "logs/".into(), job_name: "vit_fp16".into() }));
+}
+
+#[test]
+fn monitor_blocks_follow_deepspeed_and_bad_values_name_the_key() {
+    let c = ok(json!({"csv_monitor": {"enabled": true, "job_name": "j"}, "tensorboard": {"enabled": false, "output_path": "x"}, "wall_clock_breakdown": true}));
+    assert_eq!(c.monitor.csv_monitor, Some(MonitorTarget { output_path: String::new(), job_name: "j".into() }));
+    assert_eq!(c.monitor.tensorboard, None);
+    assert!(c.monitor.wall_clock_breakdown);
+    let d = ok(json!({"tensorboard": {"enabled": true}}));
+    assert_eq!(d.monitor.tensorboard.map(|t| t.job_name), Some("DeepSpeedJobName".to_string()));
+    assert_eq!(RunConfig { warnings: vec![], ..c.clone() }, resolve(&resolved_json(&c), 1).expect("round trip"));
+    err_names(json!({"tensorboard": {"enabled": true, "job": "x"}}), "tensorboard.job");
+    err_names(json!({"csv_monitor": {"enabled": "yes"}}), "csv_monitor.enabled");
+    err_names(json!({"csv_monitor": {"enabled": true, "job_name": "a/b"}}), "csv_monitor.job_name");
+    err_names(json!({"tensorboard": true}), "tensorboard");
+    err_names(json!({"wall_clock_breakdown": 3}), "wall_clock_breakdown");
 }
 
 #[test]

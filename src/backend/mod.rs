@@ -67,6 +67,12 @@ pub trait Backend: Send + Sync {
     /// `dst = src` converting between the buffers' dtypes (master → compute copy).
     fn cast(&self, dst: &mut Self::Buf, src: &Self::Buf) -> BResult<()>;
     fn len(&self, buf: &Self::Buf) -> usize;
+    /// Peak bytes of memory this backend has held and what the figure counts, for the step
+    /// metrics; None when the backend keeps no count (the metrics then report the process's
+    /// peak resident set).
+    fn peak_memory(&self) -> Option<(u64, &'static str)> {
+        None
+    }
     /// Copies host f32 data into `dst[off..off + src.len()]`.
     fn upload(&self, dst: &mut Self::Buf, off: usize, src: &[f32]) -> BResult<()>;
     /// Copies a batch input (images, targets) into `dst[..src.len()]` without waiting for it:

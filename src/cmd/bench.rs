@@ -1,5 +1,6 @@
 //! `vitscale bench`: its flags, and the report of one measurement — training-step throughput,
-//! MFU and peak memory (`crate::bench`), or with `--data` the loader's (`data::bench`).
+//! MFU and peak memory (`crate::bench`), with `--data` the loader's (`data::bench`), with `--comm`
+//! the collectives' (`lab::comm_bench`).
 
 /// Command-line options of `vitscale bench`.
 #[derive(clap::Args, Debug, Clone)]
@@ -71,10 +72,15 @@ pub struct BenchArgs {
     /// With --data: seconds per measured point.
     #[arg(long, default_value_t = 3.0)]
     pub secs: f64,
+    #[command(flatten)]
+    pub comm: crate::lab::comm_bench::CommBenchArgs,
 }
 
 /// `vitscale bench`.
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    if args.comm.comm {
+        return crate::lab::comm_bench::command(&args.comm, &args.device, args.warmup, args.json);
+    }
     if args.data {
         return crate::data::bench::command(args.threads, args.secs, args.jpeg_dir.as_deref(), args.json);
     }

@@ -5,9 +5,11 @@
 //! - `launch`   — `vitscale launch`: the launcher's flags; the supervision is `crate::launch`.
 //! - `bench`    — `vitscale bench`: report a training-step (`crate::bench`) or loader benchmark.
 //! - `selftest` — `vitscale selftest`: run and report the parity checks of `crate::selftest`.
+//! - `sweep`    — `vitscale sweep`: run a sweep spec's points (`crate::lab::sweep`).
+//! - `report`   — `vitscale report`: the report of a sweep directory (`crate::lab::report`).
 //! - `common`   — what they share: `ConfigArgs`, `load_config`, `open_device`, `config_hash`.
 //!
-//! Commands to come (sweep, report, plan) get a file here each, beside these.
+//! Commands to come (plan) get a file here each, beside these.
 //!
 //! Every failure comes back as an error naming its source, never a panic; `exit_code` and
 //! `error_message` say how `main` ends with it.
@@ -16,7 +18,9 @@ pub mod bench;
 pub mod common;
 pub mod eval;
 pub mod launch;
+pub mod report;
 pub mod selftest;
+pub mod sweep;
 pub mod train;
 
 use crate::launch::LaunchError;

@@ -183,7 +183,13 @@ const GAS: KeyDef = key("gradient_accumulation_steps", NONNEG_INT, Dflt::Derived
 const GRADIENT_CLIPPING: KeyDef = key("gradient_clipping", NONNEG, Dflt::Num(0.0),
     "Clip the global gradient L2 norm to this value; 0 disables.");
 const STEPS_PER_PRINT: KeyDef = key("steps_per_print", POS_INT, Dflt::Int(10),
-    "DeepSpeed's print interval; used as the default of train.log_every.");
+    "DeepSpeed's print interval: the default of train.log_every, which sets how often a progress line, a metrics.jsonl line and the monitors' records are written.");
+const WALL_CLOCK: KeyDef = key("wall_clock_breakdown", Ty::Bool, Dflt::Bool(false),
+    "Print the time of each phase (data wait, forward, backward, exposed and total gradient reduction, optimizer) per step on rank 0 at every logged step, as DeepSpeed prints its timers. The phases are measured and written to metrics.jsonl and the monitors either way.");
+const TENSORBOARD: KeyDef = key("tensorboard", Ty::Section, Dflt::Unset,
+    "DeepSpeed's TensorBoard monitor {enabled, output_path, job_name}: rank 0 writes an event file (events.out.tfevents.*) under <output_path>/<job_name>/ with Train/Samples/train_loss, lr, images_per_s and the step phases (elapsed_time_ms_*), against the global sample count, at every logged step.");
+const CSV_MONITOR: KeyDef = key("csv_monitor", Ty::Section, Dflt::Unset,
+    "DeepSpeed's CSV monitor {enabled, output_path, job_name}: the same records as the TensorBoard monitor, one file per tag (Train_Samples_train_loss.csv, …) with the header `step,<name>`, under <output_path>/<job_name>/.");
 
 const COMM_DTYPE: KeyDef = key("communication_data_type", Ty::Str, Dflt::Derived("bf16 when bf16 is enabled, else fp32 (DeepSpeed's rule; with fp16 training, fp32)"),
     "Data type of the gradient all-reduce at ZeRO stage 0: fp32 or bf16 (case-insensitive); fp16 is accepted and reduced in fp32 with a warning.");
@@ -205,10 +211,12 @@ pub const TOP_KEYS: &[KeyDef] = &[
     key("bfloat16", Ty::Section, Dflt::Unset, "Older DeepSpeed spelling of bf16."),
     key("zero_optimization", Ty::Section, Dflt::Unset, "DeepSpeed ZeRO block: stages 0-2 are honoured (3 runs as 2, warned); see the keys below."),
     STEPS_PER_PRINT,
+    WALL_CLOCK,
+    TENSORBOARD,
+    CSV_MONITOR,
     key("model", Ty::Section, Dflt::Derived("preset chosen from the dataset"), "The ViT: a timm preset and/or fields."),
     key("data", Ty::Section, Dflt::Derived("built-in dataset"), "The dataset and its preprocessing."),
     key("train", Ty::Section, Dflt::Derived("10 epochs"), "Run length, seed, evaluation and logging."),
-    ds_noop("wall_clock_breakdown", "vitscale always records per-phase timings in metrics.jsonl."),
     ds_noop("zero_allow_untested_optimizer", "Only concerns client optimizers; every vitscale optimizer supports ZeRO."),
     ds_noop("zero_force_ds_cpu_optimizer", "Only concerns ZeRO-Offload, which is not implemented (warned there)."),
     ds_noop("aio", "Async I/O settings, used only by NVMe offload (not implemented, warned there)."),
@@ -220,9 +228,7 @@ pub const TOP_KEYS: &[KeyDef] = &[
     ds_warn("sparse_gradients", Dflt::Bool(false), "Sparse gradient all-reduce; not implemented."),
     ds_warn("amp", Dflt::Unset, "NVIDIA Apex AMP; not implemented (use bf16 or fp16)."),
     ds_warn("flops_profiler", Dflt::Unset, "DeepSpeed's FLOPs profiler; not implemented (vitscale reports MFU in metrics.jsonl)."),
-    ds_warn("tensorboard", Dflt::Unset, "TensorBoard monitor; not implemented (metrics go to metrics.jsonl)."),
     ds_warn("wandb", Dflt::Unset, "Weights & Biases monitor; not implemented (metrics go to metrics.jsonl)."),
-    ds_warn("csv_monitor", Dflt::Unset, "CSV monitor; not implemented (metrics go to metrics.jsonl)."),
     ds_warn("comet", Dflt::Unset, "Comet monitor; not implemented."),
     ds_warn("comms_logger", Dflt::Unset, "Communication logger; not implemented (bytes and bus bandwidth are in metrics.jsonl)."),
     ds_warn("activation_checkpointing", Dflt::Unset, "Activation checkpointing; not implemented."),
@@ -250,6 +256,34 @@ pub const TOP_KEYS: &[KeyDef] = &[
     ds_warn("use_node_local_storage", Dflt::Bool(false), "Not implemented."),
     ds_warn("graph_harvesting", Dflt::Bool(false), "Not implemented."),
 ];
+
+// -- monitoring --
+
+const MON_ENABLED: KeyDef = key("enabled", Ty::Bool, Dflt::Bool(false), "Write this monitor's files (rank 0 only, as DeepSpeed).");
+const MON_OUTPUT: KeyDef = key("output_path", Ty::Str, Dflt::Str(""),
+    "Directory under which the monitor's `job_name` folder is made; \"\" = the run directory (DeepSpeed: the launch directory).");
+const MON_JOB: KeyDef = key("job_name", Ty::Str, Dflt::Str("DeepSpeedJobName"), "Folder of this job under output_path (a name, not a path).");
+/// Keys of the `tensorboard` and `csv_monitor` blocks.
+pub const MONITOR_KEYS: &[KeyDef] = &[MON_ENABLED, MON_OUTPUT, MON_JOB];
+
+fn parse_monitor_block(root: &Map<String, Value>, def: &KeyDef, cx: &mut Cx) -> Result<Option<MonitorTarget>> {
+    let Some(sec) = section(root.get(def.name), def.name)? else { return Ok(None) };
+    check_keys(def.name, sec, MONITOR_KEYS, &[])?;
+    let output_path = get_str(Some(sec), def.name, &MON_OUTPUT, cx)?.to_string();
+    let job_name = get_str(Some(sec), def.name, &MON_JOB, cx)?.to_string();
+    if job_name.is_empty() || job_name.contains('/') || job_name == "." || job_name == ".." {
+        return Err(key_err(full(def.name, MON_JOB.name), format!("\"{job_name}\" is not a folder name (no '/', not empty)")));
+    }
+    Ok(get_bool(Some(sec), def.name, &MON_ENABLED, cx)?.then_some(MonitorTarget { output_path, job_name }))
+}
+
+fn parse_monitor(root: &Map<String, Value>, cx: &mut Cx) -> Result<MonitorConfig> {
+    Ok(MonitorConfig {
+        tensorboard: parse_monitor_block(root, &TENSORBOARD, cx)?,
+        csv_monitor: parse_monitor_block(root, &CSV_MONITOR, cx)?,
+        wall_clock_breakdown: get_bool(Some(root), "", &WALL_CLOCK, cx)?,
+    })
+}
 
 // -- optimizer --
 
@@ -555,6 +589,7 @@ pub fn help_text() -> String {
         ("model", MODEL_KEYS),
         ("data", DATA_KEYS),
         ("train", TRAIN_KEYS),
+        ("tensorboard, csv_monitor", MONITOR_KEYS),
     ];
     for (name, table) in sections {
         out.push_str(if name.is_empty() { "[top level]\n" } else { "" });
@@ -932,6 +967,7 @@ pub fn resolve(value: &Value, world_size: usize) -> Result<RunConfig> {
         ));
     }
     let scheduler = parse_scheduler(section(root.get("scheduler"), "scheduler")?, &optimizer, &mut cx)?;
+    let monitor = parse_monitor(root, &mut cx)?;
 
     Ok(RunConfig {
         batch,
@@ -947,6 +983,7 @@ pub fn resolve(value: &Value, world_size: usize) -> Result<RunConfig> {
         model,
         data,
         train,
+        monitor,
         warnings: cx.warnings,
     })
 }
@@ -1731,6 +1768,12 @@ pub fn resolved_json(cfg: &RunConfig) -> Value {
         }
         if let (Some(steps), Some(train)) = (t.steps, o.get_mut("train").and_then(Value::as_object_mut)) {
             train.insert("steps".into(), json!(steps));
+        }
+        o.insert("wall_clock_breakdown".into(), json!(cfg.monitor.wall_clock_breakdown));
+        for (name, target) in [("tensorboard", &cfg.monitor.tensorboard), ("csv_monitor", &cfg.monitor.csv_monitor)] {
+            if let Some(t) = target {
+                o.insert(name.into(), json!({ "enabled": true, "output_path": t.output_path, "job_name": t.job_name }));
+            }
         }
     }
     out

@@ -394,6 +394,23 @@ impl DataConfig {
     }
 }
 
+/// One of DeepSpeed's file monitors (`tensorboard`, `csv_monitor`), when enabled: its files
+/// go to `<output_path>/<job_name>/` (`output_path` "" = the run directory).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MonitorTarget {
+    pub output_path: String,
+    pub job_name: String,
+}
+
+/// DeepSpeed's monitoring keys.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct MonitorConfig {
+    pub tensorboard: Option<MonitorTarget>,
+    pub csv_monitor: Option<MonitorTarget>,
+    /// `wall_clock_breakdown`: print the phases of each logged step.
+    pub wall_clock_breakdown: bool,
+}
+
 /// The `train` section.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct TrainConfig {
@@ -471,6 +488,8 @@ pub struct RunConfig {
     pub model: ModelConfig,
     pub data: DataConfig,
     pub train: TrainConfig,
+    /// `tensorboard`, `csv_monitor`, `wall_clock_breakdown`.
+    pub monitor: MonitorConfig,
     /// Keys that were accepted but whose feature is not implemented (yet), one line each.
     #[serde(skip)]
     pub warnings: Vec<String>,

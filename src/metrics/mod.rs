@@ -1,4 +1,5 @@
-//! Step metrics: wall-clock phase timers and the run directory's `metrics.jsonl` writer. The
+//! Step metrics: wall-clock phase timers, the run directory's `metrics.jsonl` writer and
+//! DeepSpeed's monitors (`monitor`: TensorBoard event files via `tfevents`, CSV files). The
 //! scaling lab reads only what is written here.
 
 use std::fs::File;
@@ -8,6 +9,8 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+pub mod monitor;
+pub mod tfevents;
 pub mod trace;
 
 /// Seconds spent in each phase of the optimizer steps since the last reset.
@@ -65,11 +68,35 @@ pub struct StepRecord {
     /// Bus bandwidth of those all-reduces in GB/s, by NCCL-tests' convention
     /// (bytes · 2(W−1)/W / time), over `comm_total_s`; absent on one rank.
     pub bus_gb_s: Option<f64>,
+    /// Peak memory of this rank so far (`peak_memory`), and what it counts.
+    pub peak_mem_bytes: Option<u64>,
+    pub peak_mem_source: Option<&'static str>,
     pub wall_s: f64,
     /// Compute, wait, share and straggler effect of mixed-speed ranks (`train::balance`),
     /// present when `train.balance` or `train.emulate_slowdown` is set.
     #[serde(flatten)]
     pub balance: Option<crate::train::balance::BalanceRecord>,
+}
+
+/// This rank's peak memory so far: the backend's own count (device memory on a GPU), else the
+/// process's peak resident set (the CPU backend's buffers live in it).
+pub fn peak_memory<B: crate::backend::Backend>(be: &B) -> (Option<u64>, Option<&'static str>) {
+    match be.peak_memory() {
+        Some((b, what)) => (Some(b), Some(what)),
+        None => match host_peak_rss() {
+            Some(b) => (Some(b), Some("peak resident set of the rank's process")),
+            None => (None, None),
+        },
+    }
+}
+
+/// The process's peak resident set in bytes (`getrusage`; Linux reports KiB).
+pub fn host_peak_rss() -> Option<u64> {
+    // SAFETY: rusage is a plain C struct, valid when zeroed.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage writes the struct it is given.
+    let r = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    (r == 0 && ru.ru_maxrss > 0).then(|| ru.ru_maxrss as u64 * 1024)
 }
 
 /// NCCL-tests' bus bandwidth of an all-reduce of `bytes` over `world` ranks taking `secs`.

@@ -21,6 +21,7 @@ use crate::backend::{optimizer_state_len, Backend, DecayGroups, Span};
 use crate::comm::{Comm, CommError, SingleComm};
 use crate::config::RunConfig;
 use crate::data::{self, Datasets, ImageSet, Loader, LoaderPlan, MixTargets, Sampler};
+use crate::metrics::monitor::Monitors;
 use crate::metrics::{allreduce_bus_gb_s, EvalRecord, PhaseTimes, StepRecord};
 use crate::model::{init, smoothed_targets, weights, Vit};
 use crate::train::plan::{self, Plan};
@@ -193,6 +194,11 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     }
     let plan = Plan::for_run(be, cfg);
     let mut run = RunDir::open(&opts.run_dir, cfg, &plan, opts.resume.is_some(), opts.keep_checkpoints)?;
+    // DeepSpeed's tensorboard / csv_monitor blocks: rank 0 writes them, as DeepSpeed does
+    let mut monitors = match rank {
+        0 => Some(Monitors::open(&cfg.monitor, &opts.run_dir).map_err(|source| TrainError::RunDir { path: opts.run_dir.clone(), source })?),
+        _ => None,
+    };
 
     // ---- data, model, optimizer state
     let Datasets { train: train_set, val: val_set, description, class_names, .. } =
@@ -511,6 +517,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
             }
             let secs = window_start.elapsed().as_secs_f64();
             let ips = (window_steps * global_batch as u64) as f64 / secs.max(1e-9);
+            let (peak_mem_bytes, peak_mem_source) = crate::metrics::peak_memory(be);
             let rec = StepRecord {
                 step: step + 1,
                 epoch,
@@ -528,11 +535,28 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
                 comm_overlap: (world > 1 && window_comm_total > 0.0).then(|| (1.0 - phases.comm_s / window_comm_total).clamp(0.0, 1.0)),
                 comm_bytes: window_comm_bytes,
                 bus_gb_s: allreduce_bus_gb_s(window_comm_bytes, world, window_comm_total),
+                peak_mem_bytes,
+                peak_mem_source,
                 wall_s: t_start.elapsed().as_secs_f64(),
                 balance: bal.take_record(),
             };
+            let window_comm_total_logged = window_comm_total;
             (window_comm_bytes, window_comm_total) = (0, 0.0);
             run.log(&rec)?;
+            if let Some(m) = monitors.as_mut() {
+                m.step(&rec, window_steps, images_done).map_err(|source| TrainError::RunDir { path: opts.run_dir.clone(), source })?;
+            }
+            if cfg.monitor.wall_clock_breakdown && !opts.quiet {
+                let per = |s: f64| s * 1e3 / window_steps.max(1) as f64;
+                let line = format!(
+                    "time (ms) per step | data wait: {:.2} | forward: {:.2} | backward: {:.2} | allreduce exposed: {:.2} | allreduce total: {:.2} | optimizer: {:.2}",
+                    per(phases.data_s), per(phases.forward_s), per(phases.backward_s), per(phases.comm_s), per(window_comm_total_logged), per(phases.optimizer_s)
+                );
+                match &bar {
+                    Some(pb) => pb.println(line),
+                    None => eprintln!("{line}"),
+                }
+            }
             let msg = format!("epoch {epoch} loss {:.4} lr {lr:.2e} {ips:.0} img/s", rec.loss);
             match &bar {
                 Some(pb) => pb.set_message(msg),

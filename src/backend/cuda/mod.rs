@@ -171,6 +171,10 @@ impl Backend for Cuda {
         self.raw_alloc(len, Ty::F32)
     }
 
+    fn peak_memory(&self) -> Option<(u64, &'static str)> {
+        Some((self.peak_bytes() as u64, "device memory held by the backend's buffers"))
+    }
+
     fn needs_compute_copy(&self) -> bool {
         true
     }

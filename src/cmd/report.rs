@@ -1,0 +1,29 @@
+//! `vitscale report DIR`: `DIR/report.md`, a self-contained `DIR/report.html` and the charts
+//! (`DIR/charts/*.png|svg`) of a sweep directory (`crate::lab::report`).
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+/// Command-line options of `vitscale report`.
+#[derive(Args, Debug)]
+pub struct ReportArgs {
+    /// A sweep directory (`vitscale sweep --out DIR`).
+    pub dir: PathBuf,
+    /// Print one JSON object (the files written and the findings) as the last line of stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `vitscale report`.
+pub fn run(args: ReportArgs) -> anyhow::Result<()> {
+    let r = crate::lab::report::write(&args.dir)?;
+    eprintln!("wrote {} and {} ({} charts)", r.markdown.display(), r.html.display(), r.charts.len());
+    for f in &r.findings {
+        eprintln!("  [{}] {}", f.verdict_text(), f.statement);
+    }
+    if args.json {
+        println!("{}", serde_json::to_string(&r)?);
+    }
+    Ok(())
+}

@@ -1,0 +1,265 @@
+//! `vitscale bench --comm`: an nccl-tests-like sweep of all-reduce, reduce-scatter and
+//! all-gather over message sizes, on the ranks of the job (CPU ranks over the TCP ring, GPU
+//! ranks over NCCL; start several with `vitscale launch`). Run on every rank; rank 0 prints.
+//!
+//! Definitions are nccl-tests': `size` is the bytes of the whole buffer (the all-reduce's
+//! input, the reduce-scatter's input, the all-gather's output), `time` the mean over ranks of
+//! the mean per-iteration time, `algbw = size / time`, and `busbw = algbw · f` with
+//! f = 2(n−1)/n for all-reduce and (n−1)/n for reduce-scatter and all-gather, so busbw is
+//! comparable with the link's bandwidth whatever the rank count. Before timing each size, one
+//! operation on known values is checked (`wrong` counts the elements that differ).
+
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::backend::Backend;
+use crate::comm::{shard, Collective, Comm, ReduceOp, Span};
+
+/// Flags of `bench --comm` (flattened into `vitscale bench`).
+#[derive(clap::Args, Debug, Clone)]
+pub struct CommBenchArgs {
+    /// Measure collectives (all-reduce, reduce-scatter, all-gather) over sizes instead of the
+    /// model, on the job's ranks (`vitscale launch --nproc-per-node N -- bench --comm`).
+    #[arg(long)]
+    pub comm: bool,
+    /// With --comm: smallest message in bytes.
+    #[arg(long, default_value_t = 8192)]
+    pub comm_min_bytes: u64,
+    /// With --comm: largest message in bytes (sizes double from the smallest).
+    #[arg(long, default_value_t = 64 << 20)]
+    pub comm_max_bytes: u64,
+    /// With --comm: timed iterations per size (after --warmup ones, at least 1).
+    #[arg(long, default_value_t = 20)]
+    pub comm_iters: usize,
+    /// With --comm: the collectives, comma-separated, of all_reduce, reduce_scatter, all_gather.
+    #[arg(long, default_value = "all_reduce,reduce_scatter,all_gather")]
+    pub comm_ops: String,
+}
+
+/// One measured (operation, size).
+#[derive(Clone, Debug, Serialize)]
+pub struct CommRow {
+    pub op: String,
+    pub bytes: u64,
+    /// f32 elements of the buffer.
+    pub count: usize,
+    pub time_us: f64,
+    pub algbw_gb_s: f64,
+    pub busbw_gb_s: f64,
+    pub wrong: usize,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct CommBenchResult {
+    pub transport: String,
+    pub device: String,
+    pub world_size: usize,
+    pub dtype: &'static str,
+    pub iters: usize,
+    pub warmup: usize,
+    pub rows: Vec<CommRow>,
+}
+
+/// The sizes, doubling from `min` to `max` bytes, each a whole number of f32 per rank.
+pub fn sizes(min: u64, max: u64, world: usize) -> Result<Vec<usize>, String> {
+    if min == 0 || max < min {
+        return Err(format!("--comm-min-bytes {min} / --comm-max-bytes {max}: need 0 < min <= max"));
+    }
+    let unit = 4 * world as u64;
+    let mut out = Vec::new();
+    let mut b = min;
+    while b <= max {
+        let count = (b.div_ceil(unit) * unit / 4) as usize;
+        if out.last() != Some(&count) {
+            out.push(count);
+        }
+        b = b.saturating_mul(2);
+    }
+    Ok(out)
+}
+
+fn parse_ops(s: &str) -> Result<Vec<Collective>, String> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|x| !x.is_empty())
+        .map(|x| match x {
+            "all_reduce" | "allreduce" => Ok(Collective::AllReduce(ReduceOp::Sum)),
+            "reduce_scatter" | "reducescatter" => Ok(Collective::ReduceScatter(ReduceOp::Sum)),
+            "all_gather" | "allgather" => Ok(Collective::AllGather),
+            other => Err(format!("--comm-ops: unknown collective `{other}` (all_reduce, reduce_scatter, all_gather)")),
+        })
+        .collect()
+}
+
+/// nccl-tests' bus-bandwidth factor.
+pub fn bus_factor(op: Collective, world: usize) -> f64 {
+    let n = world as f64;
+    match op {
+        Collective::AllReduce(_) => 2.0 * (n - 1.0) / n,
+        _ => (n - 1.0) / n,
+    }
+}
+
+/// Fills the buffer with the known input of `op` for this rank and checks the result after
+/// one operation; returns the number of wrong elements.
+fn check<B: Backend>(be: &B, comm: &mut dyn Comm<B::Buf>, buf: &mut B::Buf, op: Collective, count: usize) -> Result<usize, String> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let span = Span { off: 0, len: count };
+    // values small enough that every sum is exact in f32
+    let input: Vec<f32> = match op {
+        Collective::AllGather => (0..count).map(|i| if shard(span, world, rank).contains(i) { (rank + 1) as f32 + (i % 7) as f32 } else { -1.0 }).collect(),
+        _ => (0..count).map(|i| (rank + 1) as f32 + (i % 7) as f32).collect(),
+    };
+    be.upload(buf, 0, &input).map_err(|e| e.to_string())?;
+    let w = comm.start(op, buf, span).map_err(|e| e.to_string())?;
+    comm.wait(w, buf).map_err(|e| e.to_string())?;
+    let out = be.download(buf).map_err(|e| e.to_string())?;
+    let sum_ranks = (world * (world + 1) / 2) as f32;
+    let wrong = match op {
+        Collective::AllReduce(_) => (0..count).filter(|&i| out[i] != sum_ranks + (world * (i % 7)) as f32).count(),
+        Collective::ReduceScatter(_) => {
+            let s = shard(span, world, rank);
+            (s.off..s.off + s.len).filter(|&i| out[i] != sum_ranks + (world * (i % 7)) as f32).count()
+        }
+        Collective::AllGather => (0..count)
+            .filter(|&i| {
+                let owner = i / (count / world);
+                out[i] != (owner + 1) as f32 + (i % 7) as f32
+            })
+            .count(),
+        Collective::Broadcast { .. } => 0,
+    };
+    Ok(wrong)
+}
+
+trait Contains {
+    fn contains(&self, i: usize) -> bool;
+}
+impl Contains for Span {
+    fn contains(&self, i: usize) -> bool {
+        i >= self.off && i < self.off + self.len
+    }
+}
+
+/// Runs the sweep on this rank; every rank returns the same rows.
+pub fn run<B: Backend>(be: &B, comm: &mut dyn Comm<B::Buf>, args: &CommBenchArgs, warmup: usize) -> Result<CommBenchResult, String> {
+    let world = comm.world_size();
+    let ops = parse_ops(&args.comm_ops)?;
+    let counts = sizes(args.comm_min_bytes, args.comm_max_bytes, world)?;
+    let iters = args.comm_iters.max(1);
+    let max_count = counts.iter().copied().max().unwrap_or(0);
+    let mut buf = be.alloc_f32(max_count).map_err(|e| format!("allocating {} bytes: {e}", max_count * 4))?;
+    let mut rows = Vec::new();
+    for &op in &ops {
+        for &count in &counts {
+            let wrong = check(be, comm, &mut buf, op, count)?;
+            let span = Span { off: 0, len: count };
+            for _ in 0..warmup {
+                let w = comm.start(op, &mut buf, span).map_err(|e| e.to_string())?;
+                comm.wait(w, &mut buf).map_err(|e| e.to_string())?;
+            }
+            comm.barrier().map_err(|e| e.to_string())?;
+            let t = Instant::now();
+            for _ in 0..iters {
+                let w = comm.start(op, &mut buf, span).map_err(|e| e.to_string())?;
+                comm.wait(w, &mut buf).map_err(|e| e.to_string())?;
+            }
+            be.synchronize().map_err(|e| e.to_string())?;
+            let secs = t.elapsed().as_secs_f64() / iters as f64;
+            // drop the transport's own timing records of these operations
+            let _ = comm.take_device_timing();
+            let mut v = [secs, wrong as f64];
+            comm.all_reduce_host(&mut v).map_err(|e| e.to_string())?;
+            let time = v[0] / world as f64;
+            let bytes = count as u64 * 4;
+            let algbw = bytes as f64 / time / 1e9;
+            rows.push(CommRow {
+                op: op.name().to_string(),
+                bytes,
+                count,
+                time_us: time * 1e6,
+                algbw_gb_s: algbw,
+                busbw_gb_s: algbw * bus_factor(op, world),
+                wrong: v[1] as usize,
+            });
+        }
+    }
+    Ok(CommBenchResult { transport: comm.describe(), device: be.name(), world_size: world, dtype: "float", iters, warmup, rows })
+}
+
+/// The nccl-tests-style table.
+pub fn table(r: &CommBenchResult) -> String {
+    let mut s = format!("# {} | {} | {} ranks | {} | {} iterations after {} warm-up\n", r.transport, r.device, r.world_size, r.dtype, r.iters, r.warmup);
+    s.push_str(&format!("{:>16} {:>14} {:>12} {:>12} {:>12} {:>12} {:>7}\n", "op", "size (B)", "count", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "#wrong"));
+    for x in &r.rows {
+        s.push_str(&format!("{:>16} {:>14} {:>12} {:>12.1} {:>12.3} {:>12.3} {:>7}\n", x.op, x.bytes, x.count, x.time_us, x.algbw_gb_s, x.busbw_gb_s, x.wrong));
+    }
+    s
+}
+
+/// `vitscale bench --comm` on this process's rank: CPU ranks or GPU ranks as `device` says.
+pub fn command(args: &CommBenchArgs, device: &str, warmup: usize, json: bool) -> anyhow::Result<()> {
+    let env = crate::comm::DistEnv::detect()?;
+    let opts = crate::comm::CommOptions::from_env()?;
+    // every rank of the job runs the same sweep; the hash makes ranks with other flags refuse
+    let hash = format!("bench-comm {} {} {} {} {}", args.comm_min_bytes, args.comm_max_bytes, args.comm_iters, args.comm_ops, warmup);
+    let result = match device {
+        "cpu" => {
+            let be = crate::backend::cpu::Cpu::new();
+            let mut comm = crate::comm::init_cpu(&env, &opts, &hash)?;
+            run(&be, comm.as_mut(), args, warmup).map_err(|e| anyhow::anyhow!("bench --comm (rank {}): {e}", env.rank))?
+        }
+        "cuda" => {
+            let index = match std::env::var(crate::launch::DEVICE_INDEX_VAR) {
+                Ok(v) if !v.trim().is_empty() => v.trim().parse().map_err(|_| anyhow::anyhow!("{}={v:?}: expected a GPU index", crate::launch::DEVICE_INDEX_VAR))?,
+                _ => env.local_rank,
+            };
+            crate::backend::cuda::probe(index).map_err(|e| anyhow::anyhow!("--device cuda: no usable GPU {index}: {e}"))?;
+            let be = crate::backend::cuda::Cuda::new(index).map_err(|e| anyhow::anyhow!("--device cuda: GPU {index}: {e}"))?;
+            if env.world_size > 1 {
+                let mut comm = crate::backend::cuda::nccl::NcclComm::connect(&env, &opts, &hash, &be)?;
+                run(&be, &mut comm, args, warmup).map_err(|e| anyhow::anyhow!("bench --comm (rank {}): {e}", env.rank))?
+            } else {
+                run(&be, &mut crate::comm::SingleComm::new(), args, warmup).map_err(|e| anyhow::anyhow!("bench --comm: {e}"))?
+            }
+        }
+        other => anyhow::bail!("--device {other}: bench --comm runs on cpu or cuda"),
+    };
+    if env.rank == 0 {
+        print!("{}", table(&result));
+        if result.world_size == 1 {
+            println!("# one rank: every collective is a no-op; start several with `vitscale launch --nproc-per-node N -- bench --comm`");
+        }
+        if json {
+            println!("{}", serde_json::to_string(&result)?);
+        }
+    }
+    let wrong: usize = result.rows.iter().map(|r| r.wrong).sum();
+    if wrong > 0 {
+        anyhow::bail!("bench --comm: {wrong} elements held wrong values after a collective (see #wrong)");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_double_and_divide_by_the_world() {
+        let s = sizes(1000, 8000, 3).expect("valid");
+        assert_eq!(s.len(), 4);
+        assert!(s.iter().all(|c| c % 3 == 0));
+        assert!(s.windows(2).all(|w| w[1] > w[0]));
+        assert!(sizes(0, 10, 1).is_err());
+        assert!(sizes(10, 5, 1).is_err());
+    }
+
+    #[test]
+    fn bus_factors_are_nccl_tests() {
+        assert_eq!(bus_factor(Collective::AllReduce(ReduceOp::Sum), 4), 1.5);
+        assert_eq!(bus_factor(Collective::AllGather, 4), 0.75);
+        assert_eq!(bus_factor(Collective::ReduceScatter(ReduceOp::Sum), 2), 0.5);
+    }
+}

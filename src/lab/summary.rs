@@ -1,0 +1,190 @@
+//! A point's figures, read from its run directory only (`config.json`, each rank's
+//! `metrics.jsonl`, `summary.json`): the sweep records them in `sweep.jsonl` and the report
+//! recomputes them from the same files. With `train.log_every = 1` (the sweep sets it) each
+//! `metrics.jsonl` line is one step; the first `warmup` steps are left out.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// Mean seconds per step of each phase on one rank, over the measured steps.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Breakdown {
+    pub data_s: f64,
+    pub forward_s: f64,
+    pub backward_s: f64,
+    /// Communication the step waited for (not hidden behind the backward).
+    pub comm_exposed_s: f64,
+    pub optimizer_s: f64,
+    /// Step wall time not in any phase (bookkeeping, logging).
+    pub other_s: f64,
+    /// Wall time of a step.
+    pub step_s: f64,
+    /// Gradient reduction time, overlapped or not.
+    pub comm_total_s: f64,
+}
+
+/// What one rank measured.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct RankFigures {
+    pub rank: usize,
+    pub breakdown: Breakdown,
+    /// Peak memory the rank recorded (device memory on a GPU, resident set on the CPU).
+    pub peak_mem_bytes: Option<u64>,
+    pub peak_mem_source: Option<String>,
+    pub bus_gb_s: Option<f64>,
+}
+
+/// A point's summary figures.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct PointFigures {
+    pub world_size: usize,
+    pub micro_batch: usize,
+    pub gradient_accumulation_steps: usize,
+    pub global_batch: usize,
+    pub zero_stage: u64,
+    pub measured_steps: usize,
+    /// Global images per second over the measured steps (rank 0's clock).
+    pub images_per_s: f64,
+    pub images_per_s_per_rank: f64,
+    /// Phases averaged over ranks.
+    pub breakdown: Breakdown,
+    /// Exposed communication / step time.
+    pub comm_share: f64,
+    /// Gradient bytes one rank reduces per step.
+    pub comm_bytes_per_step: f64,
+    pub bus_gb_s: Option<f64>,
+    pub ranks: Vec<RankFigures>,
+    pub val_top1: Option<f64>,
+    pub final_loss: Option<f64>,
+}
+
+fn num(v: &Value, k: &str) -> f64 {
+    v.get(k).and_then(Value::as_f64).unwrap_or(0.0)
+}
+
+/// The metrics file of `rank` under a run directory (rank 0 owns the directory, the others
+/// log in `rank<r>/`).
+pub fn metrics_path(run_dir: &Path, rank: usize) -> PathBuf {
+    if rank == 0 { run_dir.join("metrics.jsonl") } else { run_dir.join(format!("rank{rank}")).join("metrics.jsonl") }
+}
+
+/// The step lines (not eval/resume lines) of a metrics file.
+pub fn step_records(path: &Path) -> Result<Vec<Value>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let v: Value = serde_json::from_str(line).map_err(|e| format!("{} line {}: {e}", path.display(), i + 1))?;
+        if v.get("kind").is_none() && v.get("step").is_some() {
+            out.push(v);
+        }
+    }
+    Ok(out)
+}
+
+/// Reads a finished point's run directory. `warmup` leading steps are excluded.
+pub fn read_point(run_dir: &Path, warmup: u64) -> Result<PointFigures, String> {
+    let cfg_path = run_dir.join("config.json");
+    let cfg: Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).map_err(|e| format!("{}: {e}", cfg_path.display()))?)
+        .map_err(|e| format!("{}: {e}", cfg_path.display()))?;
+    let plan = cfg.get("plan").ok_or_else(|| format!("{}: no \"plan\" section", cfg_path.display()))?;
+    let get = |k: &str| plan.get(k).and_then(Value::as_u64).map(|x| x as usize).ok_or_else(|| format!("{}: plan.{k} missing", cfg_path.display()));
+    let (world, micro, gas, global) = (get("world_size")?, get("micro_batch")?, get("gradient_accumulation_steps")?, get("global_batch")?);
+    let zero_stage = cfg.get("zero_stage").and_then(Value::as_u64).unwrap_or(0);
+
+    let mut ranks = Vec::new();
+    let mut images_per_s = 0.0;
+    let mut measured = 0;
+    let mut final_loss = None;
+    let mut comm_bytes = 0.0;
+    for rank in 0..world {
+        let recs = step_records(&metrics_path(run_dir, rank))?;
+        let kept: Vec<&Value> = recs.iter().filter(|r| r.get("step").and_then(Value::as_u64).unwrap_or(0) > warmup).collect();
+        if kept.is_empty() {
+            return Err(format!("{}: no step after the {warmup} warm-up steps", metrics_path(run_dir, rank).display()));
+        }
+        // each record covers the steps since the previous one: weight by that count
+        let mut prev_step = recs.iter().map(|r| r.get("step").and_then(Value::as_u64).unwrap_or(0)).filter(|s| *s <= warmup).max().unwrap_or(0);
+        let (mut steps, mut secs) = (0u64, 0.0f64);
+        let mut b = Breakdown::default();
+        let mut bus = Vec::new();
+        let mut peak: Option<u64> = None;
+        let mut source = None;
+        let mut bytes = 0.0;
+        for r in &kept {
+            let step = r.get("step").and_then(Value::as_u64).unwrap_or(prev_step + 1);
+            let n = step.saturating_sub(prev_step).max(1);
+            prev_step = step;
+            steps += n;
+            let ips = num(r, "images_per_s");
+            let window = if ips > 0.0 { n as f64 * global as f64 / ips } else { 0.0 };
+            secs += window;
+            b.data_s += num(r, "data_s");
+            b.forward_s += num(r, "forward_s");
+            b.backward_s += num(r, "backward_s");
+            b.comm_exposed_s += num(r, "comm_s");
+            b.optimizer_s += num(r, "optimizer_s");
+            b.comm_total_s += num(r, "comm_total_s");
+            b.step_s += window;
+            bytes += num(r, "comm_bytes");
+            if let Some(x) = r.get("bus_gb_s").and_then(Value::as_f64) {
+                bus.push(x);
+            }
+            if let Some(m) = r.get("peak_mem_bytes").and_then(Value::as_u64) {
+                peak = Some(peak.map_or(m, |p: u64| p.max(m)));
+                source = r.get("peak_mem_source").and_then(Value::as_str).map(str::to_string);
+            }
+        }
+        let n = steps.max(1) as f64;
+        for x in [&mut b.data_s, &mut b.forward_s, &mut b.backward_s, &mut b.comm_exposed_s, &mut b.optimizer_s, &mut b.comm_total_s, &mut b.step_s] {
+            *x /= n;
+        }
+        b.other_s = (b.step_s - (b.data_s + b.forward_s + b.backward_s + b.comm_exposed_s + b.optimizer_s)).max(0.0);
+        if rank == 0 {
+            images_per_s = if secs > 0.0 { steps as f64 * global as f64 / secs } else { 0.0 };
+            measured = steps as usize;
+            final_loss = kept.last().and_then(|r| r.get("loss")).and_then(Value::as_f64);
+            comm_bytes = bytes / n;
+        }
+        let bus_gb_s = (!bus.is_empty()).then(|| bus.iter().sum::<f64>() / bus.len() as f64);
+        ranks.push(RankFigures { rank, breakdown: b, peak_mem_bytes: peak, peak_mem_source: source, bus_gb_s });
+    }
+    let w = ranks.len().max(1) as f64;
+    let mean = |f: fn(&Breakdown) -> f64| ranks.iter().map(|r| f(&r.breakdown)).sum::<f64>() / w;
+    let breakdown = Breakdown {
+        data_s: mean(|b| b.data_s),
+        forward_s: mean(|b| b.forward_s),
+        backward_s: mean(|b| b.backward_s),
+        comm_exposed_s: mean(|b| b.comm_exposed_s),
+        optimizer_s: mean(|b| b.optimizer_s),
+        other_s: mean(|b| b.other_s),
+        step_s: ranks[0].breakdown.step_s,
+        comm_total_s: mean(|b| b.comm_total_s),
+    };
+    let buses: Vec<f64> = ranks.iter().filter_map(|r| r.bus_gb_s).collect();
+    let val_top1 = std::fs::read_to_string(run_dir.join("summary.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+        .and_then(|v| v.get("val_top1").and_then(Value::as_f64));
+    Ok(PointFigures {
+        world_size: world,
+        micro_batch: micro,
+        gradient_accumulation_steps: gas,
+        global_batch: global,
+        zero_stage,
+        measured_steps: measured,
+        images_per_s,
+        images_per_s_per_rank: images_per_s / world as f64,
+        comm_share: if breakdown.step_s > 0.0 { breakdown.comm_exposed_s / breakdown.step_s } else { 0.0 },
+        breakdown,
+        comm_bytes_per_step: comm_bytes,
+        bus_gb_s: (!buses.is_empty()).then(|| buses.iter().sum::<f64>() / buses.len() as f64),
+        ranks,
+        val_top1,
+        final_loss,
+    })
+}
