@@ -81,6 +81,9 @@ pub enum DataError {
     Invalid { key: &'static str, msg: String },
     #[error("data.skip_bad: no readable image found in {tried} tries starting at {}", .first.display())]
     NothingReadable { first: PathBuf, tried: usize },
+    /// A split without images: training would do nothing, evaluation would report 0.
+    #[error("{dataset}: the {split} split has no images ({detail})")]
+    EmptySplit { dataset: String, split: &'static str, detail: String },
 }
 
 /// One split: `len` images and their labels, either decoded in memory or as files decoded per
@@ -184,6 +187,9 @@ pub struct Datasets {
     pub class_names: Vec<String>,
     /// One line for logs: what was loaded, from where, how many images.
     pub description: String,
+    /// What the run should know about the data but that does not stop it (training files of
+    /// the official set that are missing): printed with the run's other warnings.
+    pub warnings: Vec<String>,
 }
 
 /// CIFAR-10's class names in label order.
@@ -231,6 +237,7 @@ pub fn open(cfg: &DataConfig, image_size: usize, num_classes: usize, seed: u64) 
         return Err(DataError::Invalid { key: "data.label", msg: format!("coarse labels exist only in cifar100, not {name}") });
     }
     let mut class_names: Option<Vec<String>> = None;
+    let mut warnings = Vec::new();
     let (mut train, mut val, description) = match cfg.dataset {
         DatasetKind::Builtin | DatasetKind::Synthetic => {
             for (key, n) in [("data.train_size", cfg.train_size), ("data.val_size", cfg.val_size)] {
@@ -294,6 +301,16 @@ pub fn open(cfg: &DataConfig, image_size: usize, num_classes: usize, seed: u64) 
             if cfg.dataset == DatasetKind::Cifar10 {
                 class_names = Some(CIFAR10_CLASSES.iter().map(|s| s.to_string()).collect());
             }
+            if !l.missing_train_files.is_empty() {
+                warnings.push(format!(
+                    "{name} at {}: {} of the official training files missing ({}): training on {} images from {} file(s)",
+                    l.source.display(),
+                    l.missing_train_files.len(),
+                    l.missing_train_files.join(", "),
+                    l.train.len(),
+                    l.train_files.len()
+                ));
+            }
             (l.train, l.val, d)
         }
         DatasetKind::Folder => {
@@ -313,12 +330,27 @@ pub fn open(cfg: &DataConfig, image_size: usize, num_classes: usize, seed: u64) 
             (l.train, l.val, d)
         }
     };
+    // Every dataset kind: an empty split is an error, never a run that trains nothing or an
+    // evaluation that reports 0.
+    for (split, set, hint) in [
+        ("training", &train, "the files hold no records"),
+        ("validation", &val, match cfg.dataset {
+            DatasetKind::Folder => "add a val/ folder beside train/, or set data.val_split to a fraction of the images",
+            DatasetKind::Builtin | DatasetKind::Synthetic => "set data.val_size",
+            _ => "the test file holds no records",
+        }),
+    ] {
+        if set.len() == 0 {
+            let at = cfg.path.as_ref().map_or(String::new(), |p| format!(" at {}", p.display()));
+            return Err(DataError::EmptySplit { dataset: format!("{name}{at}"), split, detail: hint.to_string() });
+        }
+    }
     // In-memory sets of another size are resampled per batch (CIFAR fine-tuning at 224 px).
     train.batch_side = image_size;
     val.batch_side = image_size;
     let num_classes = train.num_classes;
     let class_names = class_names.unwrap_or_else(|| (0..num_classes).map(|i| i.to_string()).collect());
-    Ok(Datasets { num_classes, class_names, train: Arc::new(train), val: Arc::new(val), description })
+    Ok(Datasets { num_classes, class_names, train: Arc::new(train), val: Arc::new(val), description, warnings })
 }
 
 /// Training images `open` will produce, computed cheaply (no decoding), for planning runs

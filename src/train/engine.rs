@@ -193,7 +193,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     let mut run = RunDir::open(&opts.run_dir, cfg, &plan, opts.resume.is_some(), opts.keep_checkpoints)?;
 
     // ---- data, model, optimizer state
-    let Datasets { train: train_set, val: val_set, description, class_names, .. } =
+    let Datasets { train: train_set, val: val_set, description, class_names, warnings: data_warnings, .. } =
         data::open(&cfg.data, cfg.model.image_size, cfg.model.num_classes, cfg.train.seed)?;
     run.write_classes(&class_names)?;
     let global_batch = plan.global_batch;
@@ -224,10 +224,14 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         let r = checkpoint::restore(spec, &st.vit.table, &cfg.optimizer)?;
         let saved_batch = r.state.get("global_batch").and_then(|v| v.as_u64());
         if saved_batch != Some(global_batch as u64) {
+            let saved = saved_batch.map_or("records no global batch".to_string(), |b| format!("was trained with a global batch of {b} images"));
             return Err(TrainError::Config(format!(
-                "{}: saved with a global batch of {saved_batch:?}, this run has {global_batch}; set train_batch_size to resume with the same global batch",
+                "{}: the checkpoint {saved}, this run has {global_batch}; a resumed run keeps its global batch (leave train_batch_size out, or set it to the checkpoint's)",
                 r.dir.display()
             )));
+        }
+        if r.step >= total_steps && !opts.quiet {
+            eprintln!("warning: {} is at step {}, and this run has {total_steps} steps: nothing is left to train (raise train.steps or train.epochs to continue)", r.dir.display(), r.step);
         }
         st.vit.set_params(be, &r.params)?;
         be.upload(&mut st.opt_state, 0, &r.opt_state)?;
@@ -254,7 +258,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
             be.name(),
             num_params
         );
-        for w in &cfg.warnings {
+        for w in cfg.warnings.iter().chain(&data_warnings) {
             eprintln!("warning: {w}");
         }
     }
@@ -437,7 +441,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
                 "global_batch": global_batch,
                 "world_size": world,
                 "seed": cfg.train.seed,
-                "config": cfg,
+                "config": crate::config::resolved_json(cfg),
             });
             let (p, o) = match host_state.take() {
                 Some(state) => state,

@@ -1,12 +1,14 @@
 //! Training: the loop (`engine`), the one step it, `bench` and `selftest` run (`step`), the
 //! batch plan resolved before training (`plan`), gradient buckets reduced during the backward
-//! (`sync`), the run directory's files (`run_dir`),
+//! (`sync`), the run directory's files (`run_dir`), the memory estimate checked before
+//! allocating (`memory`),
 //! learning-rate schedules (`schedule`), checkpoints (`checkpoint`), graceful stop on
 //! SIGINT/SIGTERM (`stop`), the check that every rank holds the same state (`agree`).
 
 pub mod agree;
 pub mod checkpoint;
 pub mod engine;
+pub mod memory;
 pub mod plan;
 pub mod run_dir;
 pub mod schedule;
