@@ -8,7 +8,7 @@ pub struct BenchArgs {
     /// cpu (a ViT-B/16 step at micro 256 needs about 24 GB on the CPU).
     #[arg(long = "model", value_name = "PRESET")]
     pub model_arg: Option<String>,
-    /// Micro-batch size (images per step). Default: 256 on cuda, 64 on cpu.
+    /// Micro-batch size (images per step). Default: 256 on cuda, 32 on cpu.
     #[arg(long = "micro", value_name = "N")]
     pub micro_arg: Option<usize>,
     /// The preset measured (`--model` or the device's default).
@@ -76,7 +76,7 @@ pub struct BenchArgs {
 /// GPU, one that fits a laptop's memory and finishes in seconds on a CPU.
 pub fn default_model_and_micro(device: &str) -> (&'static str, usize) {
     match device {
-        "cpu" => ("vit_tiny_patch4_32", 64),
+        "cpu" => ("vit_tiny_patch4_32", 32),
         _ => ("vit_base_patch16_224", 256),
     }
 }
