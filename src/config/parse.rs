@@ -338,6 +338,8 @@ const ZERO_BUCKET: KeyDef = key(
     Dflt::Derived("6553600 (25 MiB of f32, PyTorch DDP's bucket_cap_mb; DeepSpeed's 5e8 would make a ViT-B one bucket)"),
     "Elements per gradient bucket after the first (1 MiB) one: each bucket is all-reduced as soon as the backward has finished it, while the backward goes on.",
 );
+/// Keys of `zero_optimization` that vitscale reads.
+const ZERO_KEYS: &[KeyDef] = &[ZERO_STAGE, ZERO_BUCKET];
 /// `zero_optimization` tuning keys (DeepSpeed names, current and legacy): accepted, not
 /// implemented; listed in the warnings when present.
 const ZERO_TUNING: &[&str] = &[
@@ -516,7 +518,7 @@ pub fn help_text() -> String {
         ("scheduler.params (WarmupCosineLR)", WARMUP_COSINE_KEYS),
         ("fp16", FP16_KEYS),
         ("bf16", BF16_KEYS),
-        ("zero_optimization", &[ZERO_STAGE]),
+        ("zero_optimization", ZERO_KEYS),
         ("model", MODEL_KEYS),
         ("data", DATA_KEYS),
         ("train", TRAIN_KEYS),
@@ -538,7 +540,8 @@ pub fn help_text() -> String {
             }
         }
     }
-    out.push_str(&format!("[zero_optimization] also accepts (not implemented: warns): {}\n", ZERO_TUNING.join(", ")));
+    let tuning: Vec<&str> = ZERO_TUNING.iter().copied().filter(|k| !ZERO_KEYS.iter().any(|d| d.name == *k)).collect();
+    out.push_str(&format!("[zero_optimization] also accepts (not implemented: warns): {}\n", tuning.join(", ")));
     out
 }
 
@@ -1351,7 +1354,7 @@ fn parse_zero(v: Option<&Value>, cx: &mut Cx) -> Result<(u8, Option<usize>)> {
         Some(Value::Object(m)) => m,
         Some(other) => return Err(key_err("zero_optimization", format!("expected an object, got {}", kind_of(other)))),
     };
-    check_keys("zero_optimization", block, &[ZERO_STAGE, ZERO_BUCKET], ZERO_TUNING)?;
+    check_keys("zero_optimization", block, ZERO_KEYS, ZERO_TUNING)?;
     let stage = get_int(Some(block), "zero_optimization", &ZERO_STAGE, cx)? as u8;
     let bucket = opt_int(Some(block), "zero_optimization", &ZERO_BUCKET, cx)?.map(|n| n as usize);
     // In the file's order, so the warning reads like the config.
