@@ -662,7 +662,7 @@ mod tests {
         let set = builtin::generate(12_000, 16, 0, rng::stream::TRAIN);
         let secs = t.elapsed().as_secs_f64();
         assert_eq!(set.len(), 12_000);
-        // Generous bound for a loaded 2-core CI box; measured well under the 1 s target.
+        // Generous bound for a loaded 2-core CI box; the target is 1 s.
         assert!(secs < 5.0, "builtin generation took {secs:.2}s");
     }
 
