@@ -6,7 +6,7 @@
 //! - `model`   — defines: the ViT shape, parameter table, init, forward/backward over a backend, timm weights I/O.
 //! - `backend` — defines: the `Backend` trait (every op with explicit shapes), the CPU reference backend, the CUDA backend (host code by layer, NVRTC kernels, the NCCL communicator).
 //! - `data`    — defines: datasets (built-in, synthetic, CIFAR), augmentation, sampling into global batches.
-//! - `train`   — defines: the one training step, the batch plan, gradient buckets reduced during the backward, the loop, the run directory, schedules, checkpoints, the ranks' agreement check.
+//! - `train`   — defines: the one training step, the batch plan, gradient buckets reduced during the backward, the loop, the memory estimate checked before allocating, the run directory, schedules, checkpoints, the ranks' agreement check.
 //! - `comm`    — defines: the `Comm` trait (collectives on flat buffers), the TCP ring for CPU ranks, rendezvous, `DistEnv`.
 //! - `launch`  — defines: the launcher behind `vitscale launch`, spawning workers locally or over ssh from a hostfile, supervising them.
 //! - `metrics` — defines: phase timers, the `metrics.jsonl` records, the per-rank Chrome trace.

@@ -552,6 +552,38 @@ fn a_rendezvous_refuses_a_rank_of_another_job() {
     assert_eq!(vitscale::comm::env::job_id_from(vars(&[("PMIX_NAMESPACE", "prterun-1@1")])), "prterun-1@1");
 }
 
+/// Two launches given one port at the same moment: one job runs, the other fails with a
+/// message about the port; neither joins the other, every try.
+#[test]
+fn two_launches_on_one_port_never_mix() {
+    let t = tempfile::tempdir().unwrap();
+    for attempt in 0..3 {
+        let port = free_port().to_string();
+        let spawn = |name: &str| {
+            let dir = t.path().join(format!("{name}{attempt}"));
+            let mut cmd = Command::new(EXE);
+            cmd.args(["launch", "--nproc-per-node", "2", "--master-port", &port, "--", "train"])
+                .args(SMALL)
+                .args(["--set", "train.comm_timeout_s=30", "--json", "--run-dir", dir.to_str().unwrap()])
+                .current_dir(t.path())
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for k in ["RANK", "WORLD_SIZE", "MASTER_PORT", "VITSCALE_RUN_ID", "VITSCALE_JOB_ID"] {
+                cmd.env_remove(k);
+            }
+            cmd.spawn().expect("launch")
+        };
+        let (a, b) = (spawn("a"), spawn("b"));
+        let outs = [a.wait_with_output().unwrap(), b.wait_with_output().unwrap()];
+        let ok = outs.iter().filter(|o| o.status.success()).count();
+        let both = format!("{}\n----\n{}", stderr(&outs[0]), stderr(&outs[1]));
+        assert_eq!(ok, 1, "attempt {attempt}: {ok} of 2 launches succeeded:\n{both}");
+        let failed = outs.iter().find(|o| !o.status.success()).map(stderr).unwrap_or_default();
+        assert!(failed.contains("same port") || failed.contains("already in use"), "attempt {attempt}: {failed}");
+    }
+}
+
 /// Every port the launcher can be given is checked at the command line: 0 and out-of-range
 /// values are refused there, and so is a 0 in `MASTER_PORT`.
 #[test]

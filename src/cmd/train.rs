@@ -176,6 +176,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         "done: val_top1 {:.4} val_loss {:.4} train_loss {:.4} | {} images in {:.1} s ({:.0} img/s) | run dir {}",
         summary.val_top1, summary.val_loss, summary.train_loss, summary.images, summary.wall_s, summary.images_per_s, summary.run_dir
     );
+    if let Some(n) = summary.skipped.filter(|&n| n > 0) {
+        eprintln!("warning: {n} unreadable image(s) were replaced by a neighbour (data.skip_bad); the count is in summary.json");
+    }
     if args.common.json {
         println!("{}", serde_json::to_string(&summary)?);
     }
