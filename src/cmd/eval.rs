@@ -50,6 +50,10 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         SplitArg::Train => &sets.train,
         SplitArg::Val => &sets.val,
     };
+    // an empty split would report a top-1 of 0 of 0 images
+    if set.len() == 0 {
+        anyhow::bail!("{}: the {:?} split has no images, nothing to evaluate", cfg.data.dataset.as_str(), args.split);
+    }
     let ev = match &device {
         Device::Cpu(be) => evaluate_weights(be, &cfg, &args.weights, set)?,
         Device::Cuda(be) => evaluate_weights(be, &cfg, &args.weights, set)?,

@@ -192,6 +192,29 @@ pub struct Datasets {
     pub warnings: Vec<String>,
 }
 
+/// Refuses an empty split, for every dataset kind: a run that trains on nothing, or an
+/// evaluation that reports 0 of 0, hides the problem. Training and `eval` call it; `open`
+/// itself returns what it found (a caller may want the training split alone).
+pub fn check_splits(train: &ImageSet, val: &ImageSet, cfg: &DataConfig) -> Result<(), DataError> {
+    {
+        let name = cfg.dataset.as_str();
+        for (split, set, hint) in [
+            ("training", train, "the files hold no records"),
+            ("validation", val, match cfg.dataset {
+                DatasetKind::Folder => "add a val/ folder beside train/, or set data.val_split to a fraction of the images",
+                DatasetKind::Builtin | DatasetKind::Synthetic => "set data.val_size",
+                _ => "the test file holds no records",
+            }),
+        ] {
+            if set.len() == 0 {
+                let at = cfg.path.as_ref().map_or(String::new(), |p| format!(" at {}", p.display()));
+                return Err(DataError::EmptySplit { dataset: format!("{name}{at}"), split, detail: hint.to_string() });
+            }
+        }
+        Ok(())
+    }
+}
+
 /// CIFAR-10's class names in label order.
 pub const CIFAR10_CLASSES: [&str; 10] =
     ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"];
@@ -330,21 +353,6 @@ pub fn open(cfg: &DataConfig, image_size: usize, num_classes: usize, seed: u64) 
             (l.train, l.val, d)
         }
     };
-    // Every dataset kind: an empty split is an error, never a run that trains nothing or an
-    // evaluation that reports 0.
-    for (split, set, hint) in [
-        ("training", &train, "the files hold no records"),
-        ("validation", &val, match cfg.dataset {
-            DatasetKind::Folder => "add a val/ folder beside train/, or set data.val_split to a fraction of the images",
-            DatasetKind::Builtin | DatasetKind::Synthetic => "set data.val_size",
-            _ => "the test file holds no records",
-        }),
-    ] {
-        if set.len() == 0 {
-            let at = cfg.path.as_ref().map_or(String::new(), |p| format!(" at {}", p.display()));
-            return Err(DataError::EmptySplit { dataset: format!("{name}{at}"), split, detail: hint.to_string() });
-        }
-    }
     // In-memory sets of another size are resampled per batch (CIFAR fine-tuning at 224 px).
     train.batch_side = image_size;
     val.batch_side = image_size;

@@ -195,6 +195,8 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     // ---- data, model, optimizer state
     let Datasets { train: train_set, val: val_set, description, class_names, warnings: data_warnings, .. } =
         data::open(&cfg.data, cfg.model.image_size, cfg.model.num_classes, cfg.train.seed)?;
+    // an empty split would train nothing or report an accuracy of 0 of 0 images
+    data::check_splits(&train_set, &val_set, &cfg.data)?;
     run.write_classes(&class_names)?;
     let global_batch = plan.global_batch;
     if train_set.len() < global_batch {
