@@ -586,7 +586,7 @@ fn two_launches_on_one_port_never_mix() {
             assert!(e.contains("same port") || e.contains("already in use"), "attempt {attempt}: {e}");
         }
         for o in outs.iter().filter(|o| o.status.success()) {
-            assert_eq!(last_json(o)["images"].as_u64(), Some(4 * 64), "attempt {attempt}: {both}");
+            assert_eq!(last_json(o)["images"].as_u64(), Some(4 * 128), "attempt {attempt}: {both}");
         }
     }
 }
