@@ -15,7 +15,7 @@ fixture records how far the engine and that loop are apart (`torch_loop_max_rel`
 
     python3 reference/make_train_fixtures.py --fixtures tests/fixtures --out tests/fixtures/train_ref
 
-Needs torch, timm, safetensors and deepspeed (DeepSpeed 0.19.8 wheels: `../shared/peers/get-wheels.sh`);
+Needs torch, timm, safetensors and deepspeed (DeepSpeed 0.19.8 wheels: `peers/get-wheels.sh`);
 uses the GPU when there is one (DeepSpeed wants an accelerator). Writes per case `<case>.safetensors`:
   final.<timm key>   weights after STEPS steps (f32)
   lr                 (STEPS,) f64: the learning rate each optimizer step used

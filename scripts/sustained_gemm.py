@@ -1,7 +1,7 @@
 """What the card's own bf16 GEMM sustains under its power cap: torch's 8192³ product (cuBLAS,
 random data) timed cold, then again after 20 s of back-to-back runs. Run beside `vitscale
 bench` on the same card to see how much of the card's sustained tensor rate a step reaches
-(BENCHMARKS.md, 2026-12-01T15:28Z)."""
+(BENCHMARKS.md, "Training step, one GPU")."""
 import time
 
 import torch

@@ -232,6 +232,14 @@ fn run_local(args: &LaunchArgs) -> Result<i32, LaunchError> {
             cmd.env("RAYON_NUM_THREADS", threads.to_string());
         }
         cmd.env(RUN_ID_VAR, &run_id);
+        // The job's identity for the rendezvous, where every rank gets the same one: one
+        // node, or the nodes of a hostfile launch (which forwards the run id). Nodes started
+        // by hand each have their own launcher and run id, so they name no job.
+        if nnodes == 1 || args.rank_offset.is_some() {
+            cmd.env(JOB_ID_VAR, &run_id);
+        } else {
+            cmd.env_remove(JOB_ID_VAR);
+        }
         if let Some(v) = &args.visible_devices {
             cmd.env("CUDA_VISIBLE_DEVICES", v);
         }
@@ -409,6 +417,8 @@ fn free_port() -> Option<u16> {
 
 /// Names the run for every worker, so all ranks choose the same default run directory.
 pub const RUN_ID_VAR: &str = "VITSCALE_RUN_ID";
+/// The job's identity the rendezvous checks (`comm::env::JOB_ID_VARS`), set by the launcher.
+pub const JOB_ID_VAR: &str = "VITSCALE_JOB_ID";
 /// The GPU a worker opens, when set (`launch --one-gpu` sets 0); otherwise its `LOCAL_RANK`.
 pub const DEVICE_INDEX_VAR: &str = "VITSCALE_DEVICE_INDEX";
 

@@ -6,7 +6,7 @@
 //! - `model`   — defines: the ViT shape, parameter table, init, forward/backward over a backend, timm weights I/O.
 //! - `backend` — defines: the `Backend` trait (every op with explicit shapes), the CPU reference backend, the CUDA backend (host code by layer, NVRTC kernels, the NCCL communicator).
 //! - `data`    — defines: datasets (built-in, synthetic, CIFAR), augmentation, sampling into global batches and their split over ranks.
-//! - `train`   — defines: the one training step, the batch plan, gradient buckets reduced during the backward, ZeRO-1/2 sharding, the loop, the run directory, schedules, checkpoints, the ranks' agreement check, mixed-speed balancing and straggler emulation.
+//! - `train`   — defines: the one training step, the batch plan, gradient buckets reduced during the backward, ZeRO-1/2 sharding, the loop, the memory estimate checked before allocating, the run directory, schedules, checkpoints, the ranks' agreement check, mixed-speed balancing and straggler emulation.
 //! - `comm`    — defines: the `Comm` trait (collectives on flat buffers), the TCP ring for CPU ranks, rendezvous, `DistEnv`.
 //! - `launch`  — defines: the launcher behind `vitscale launch`, spawning workers locally or over ssh from a hostfile, supervising them.
 //! - `metrics` — defines: phase timers, the `metrics.jsonl` records, the per-rank Chrome trace.

@@ -5,6 +5,10 @@ use clap::{Parser, Subcommand};
 
 use vitscale::cmd;
 
+/// A refused allocation ends with an error message and status 1, not an abort.
+#[global_allocator]
+static ALLOC: vitscale::util::ReportingAlloc = vitscale::util::ReportingAlloc;
+
 #[derive(Parser)]
 #[command(name = "vitscale", version, about = "Train Vision Transformers on CPU and GPUs, and measure how training scales")]
 struct Cli {
@@ -14,7 +18,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Train a ViT (defaults: CPU, built-in dataset, small model).
+    /// Train a ViT (defaults: a GPU when one is usable, else the CPU; built-in dataset; small model).
     Train(cmd::train::TrainArgs),
     /// Evaluate weights on a dataset split.
     Eval(cmd::eval::EvalArgs),

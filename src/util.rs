@@ -1,4 +1,5 @@
-//! Small shared helpers: atomic file writes, scoped signal handlers.
+//! Small shared helpers: atomic file writes, scoped signal handlers, and the allocator the
+//! binary uses (the system's, with a clear exit when memory runs out).
 
 use std::io::Write;
 use std::path::Path;
@@ -62,5 +63,77 @@ impl Drop for SignalHandlers {
                 libc::sigaction(*sig, prev, std::ptr::null_mut());
             }
         }
+    }
+}
+
+/// The system allocator, except that an allocation the system refuses (`ulimit -v`, an
+/// exhausted machine) ends the process with a one-line error and exit status 1 instead of an
+/// abort (status 134) with Rust's bare "memory allocation failed". The memory estimate
+/// (`train::memory`) refuses runs that cannot fit before they start; this catches what it
+/// cannot foresee. The message is written without allocating.
+pub struct ReportingAlloc;
+
+// SAFETY: every call forwards to `System` with the same arguments; only a null result is
+// acted on, and then the process ends.
+unsafe impl std::alloc::GlobalAlloc for ReportingAlloc {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        // SAFETY: same contract as ours.
+        let p = unsafe { std::alloc::System.alloc(layout) };
+        if p.is_null() {
+            out_of_memory(layout.size());
+        }
+        p
+    }
+    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+        // SAFETY: same contract as ours.
+        let p = unsafe { std::alloc::System.alloc_zeroed(layout) };
+        if p.is_null() {
+            out_of_memory(layout.size());
+        }
+        p
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        // SAFETY: same contract as ours.
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: same contract as ours.
+        let p = unsafe { std::alloc::System.realloc(ptr, layout, new_size) };
+        if p.is_null() {
+            out_of_memory(new_size);
+        }
+        p
+    }
+}
+
+/// Writes the out-of-memory error to stderr (no allocation: a stack buffer) and exits with 1.
+fn out_of_memory(size: usize) -> ! {
+    let mut buf = [0u8; 320];
+    let mut len = 0;
+    let mut put = |bytes: &[u8]| {
+        for &b in bytes {
+            if len < buf.len() {
+                buf[len] = b;
+                len += 1;
+            }
+        }
+    };
+    put(b"error: out of memory: an allocation of ");
+    let mut digits = [0u8; 20];
+    let (mut n, mut i) = (size, digits.len());
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    put(&digits[i..]);
+    put(b" bytes failed (available RAM or `ulimit -v`); lower train_micro_batch_size_per_gpu, train.pass_images or the model size\n");
+    // SAFETY: writes our own buffer to fd 2, then ends the process without unwinding.
+    unsafe {
+        libc::write(2, buf.as_ptr().cast(), len);
+        libc::_exit(1)
     }
 }

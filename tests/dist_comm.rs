@@ -298,6 +298,7 @@ fn request(rank: usize, world: usize, port: u16, hash: &str, timeout_s: f64) -> 
         master_port: port,
         timeout: Duration::from_secs_f64(timeout_s),
         config_hash: hash.into(),
+        job_id: String::new(),
         data_port: 40000 + rank as u16,
         blob: if rank == 0 { b"nccl-unique-id".to_vec() } else { Vec::new() },
     }

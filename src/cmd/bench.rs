@@ -5,11 +5,18 @@
 /// Command-line options of `vitscale bench`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Model preset (timm name).
-    #[arg(long, default_value = "vit_base_patch16_224")]
+    /// Model preset (timm name). Default: vit_base_patch16_224 on cuda, vit_tiny_patch4_32 on
+    /// cpu (a ViT-B/16 step at micro 256 needs about 24 GB on the CPU).
+    #[arg(long = "model", value_name = "PRESET")]
+    pub model_arg: Option<String>,
+    /// Micro-batch size (images per step). Default: 256 on cuda, 32 on cpu.
+    #[arg(long = "micro", value_name = "N")]
+    pub micro_arg: Option<usize>,
+    /// The preset measured (`--model` or the device's default).
+    #[arg(skip)]
     pub model: String,
-    /// Micro-batch size (images per step).
-    #[arg(long, default_value_t = 256)]
+    /// The micro-batch measured (`--micro` or the device's default).
+    #[arg(skip)]
     pub micro: usize,
     /// Timed steps.
     #[arg(long, default_value_t = 30)]
@@ -29,7 +36,8 @@ pub struct BenchArgs {
     /// Capture forward+backward into a CUDA graph: on, off, or auto (on).
     #[arg(long, default_value = "auto")]
     pub graph: String,
-    /// Skip measuring the bf16 GEMM ceiling (MFU then uses 794 TFLOP/s, DEVICE.md).
+    /// Skip measuring the bf16 GEMM ceiling (MFU then uses 794 TFLOP/s, the H200's dense bf16
+    /// rate under its power cap).
     #[arg(long)]
     pub no_ceiling: bool,
     /// After timing, run one eager step with every kernel and GEMM timed and print the table.
@@ -76,18 +84,46 @@ pub struct BenchArgs {
     pub comm: crate::lab::comm_bench::CommBenchArgs,
 }
 
+/// The preset and micro-batch `bench` measures when not given: a training-sized step on a
+/// GPU, one that fits a laptop's memory and finishes in seconds on a CPU.
+pub fn default_model_and_micro(device: &str) -> (&'static str, usize) {
+    match device {
+        "cpu" => ("vit_tiny_patch4_32", 32),
+        _ => ("vit_base_patch16_224", 256),
+    }
+}
+
+/// On the CPU, refuses a step that cannot fit in memory (`train::memory`), before allocating.
+fn check_cpu_memory(args: &BenchArgs) -> anyhow::Result<()> {
+    let v = serde_json::json!({
+        "model": {"preset": args.model},
+        "train_micro_batch_size_per_gpu": args.micro,
+        "train": {"pass_images": args.micro.max(1), "eval_batch_size": 1},
+        "data": {"train_size": 1, "val_size": 1}
+    });
+    // An unknown preset or a zero micro-batch is reported by the benchmark itself.
+    let Ok(cfg) = crate::config::resolve(&v, 1) else { return Ok(()) };
+    super::common::check_memory(&cfg, &super::common::Device::Cpu(crate::backend::cpu::Cpu::new()), &format!("bench --model {} --micro {}", args.model, args.micro))
+}
+
 /// `vitscale bench`.
-pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+pub fn run(mut args: BenchArgs) -> anyhow::Result<()> {
     if args.comm.comm {
         return crate::lab::comm_bench::command(&args.comm, &args.device, args.warmup, args.json);
     }
     if args.data {
         return crate::data::bench::command(args.threads, args.secs, args.jpeg_dir.as_deref(), args.json);
     }
+    let (model, micro) = default_model_and_micro(&args.device);
+    args.model = args.model_arg.clone().unwrap_or_else(|| model.to_string());
+    args.micro = args.micro_arg.unwrap_or(micro);
     if args.gas == 0 {
         anyhow::bail!("--gas must be at least 1");
     }
     let env = crate::comm::DistEnv::detect()?;
+    if args.device == "cpu" {
+        check_cpu_memory(&args)?;
+    }
     if env.world_size > 1 {
         let gpu = if args.device == "cpu" { 0 } else { super::train::gpu_index(&env)? };
         let r = crate::bench::measure_data_parallel(&args, &env, gpu)?;
@@ -101,9 +137,15 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let r = crate::bench::measure(&args)?;
+    // The CPU has no measured matrix ceiling, so no MFU.
+    let mfu = if r.ceiling_tflops > 0.0 {
+        format!("{:.1} TFLOP/s of {:.0} measured ceiling = MFU {:.1}%", r.achieved_tflops, r.ceiling_tflops, r.mfu * 100.0)
+    } else {
+        format!("{:.3} TFLOP/s (no MFU: no measured ceiling on this device)", r.achieved_tflops)
+    };
     println!(
-        "{} on {}: micro {} | {:.2} ms/step | {:.1} img/s | {:.1} TFLOP/s of {:.0} measured ceiling = MFU {:.1}% | peak mem {:.2} GiB | graph {} | recompute {} | loss {:.4}",
-        r.model, r.device, r.micro, r.step_ms, r.img_per_s, r.achieved_tflops, r.ceiling_tflops, r.mfu * 100.0, r.peak_mem_gib, r.graph, r.recomputed, r.loss
+        "{} on {}: micro {} | {:.2} ms/step | {:.1} img/s | {mfu} | peak mem {:.2} GiB | graph {} | recompute {} | loss {:.4}",
+        r.model, r.device, r.micro, r.step_ms, r.img_per_s, r.peak_mem_gib, r.graph, r.recomputed, r.loss
     );
     if r.executed_share < 1.0 {
         println!(

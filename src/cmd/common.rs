@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use clap::{Args, ValueEnum};
 
 use crate::backend::cpu::Cpu;
+use crate::backend::Backend;
 use crate::backend::cuda::{self, Cuda};
 use crate::config::{self, RunConfig};
 use crate::model::weights;
@@ -40,8 +41,19 @@ pub struct ConfigArgs {
 /// give are read off the file's shapes (a named `model.preset` is kept as is and checked
 /// against the file when the weights load).
 pub fn load_config(args: &ConfigArgs, weights_path: Option<&Path>, world_size: usize) -> anyhow::Result<RunConfig> {
+    load_config_edited(args, weights_path, world_size, |_| Ok(Vec::new()))
+}
+
+/// As [`load_config`], with `edit` applied to the JSON (after `--set`, before resolving); the
+/// notes it returns join the warnings.
+pub fn load_config_edited(
+    args: &ConfigArgs,
+    weights_path: Option<&Path>,
+    world_size: usize,
+    edit: impl FnOnce(&mut serde_json::Value) -> anyhow::Result<Vec<String>>,
+) -> anyhow::Result<RunConfig> {
     let mut value = config::load_json(args.config.as_deref(), &args.sets)?;
-    let mut notes = Vec::new();
+    let mut notes = edit(&mut value)?;
     let mut classes_from_weights: Option<(std::path::PathBuf, u64)> = None;
     if let Some(path) = weights_path {
         let inferred = weights::infer(path)?;
@@ -134,6 +146,56 @@ pub fn engine_warnings(cfg: &RunConfig, device: &Device) -> Vec<String> {
     w
 }
 
+/// Checks that a file can be written at `path` before any work is done (`flag` names the
+/// option): not a directory, its folder exists (or can be created) and is writable. The
+/// work's result is never lost to a bad path at the end.
+pub fn check_output_file(path: &Path, flag: &str) -> anyhow::Result<()> {
+    if path.is_dir() {
+        anyhow::bail!("{flag} {}: is a directory; give a file path (e.g. {}/model.safetensors)", path.display(), path.display());
+    }
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    check_writable_dir(&dir, flag, path)
+}
+
+/// Checks that `dir` exists or can be created, and that a file can be created in it.
+pub fn check_writable_dir(dir: &Path, flag: &str, shown: &Path) -> anyhow::Result<()> {
+    if dir.exists() && !dir.is_dir() {
+        anyhow::bail!("{flag} {}: {} is not a directory", shown.display(), dir.display());
+    }
+    std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("{flag} {}: cannot create the folder {}: {e}", shown.display(), dir.display()))?;
+    let probe = dir.join(format!(".vitscale-write-check-{}", std::process::id()));
+    std::fs::write(&probe, b"").map_err(|e| anyhow::anyhow!("{flag} {}: cannot write in {}: {e}", shown.display(), dir.display()))?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
+/// Refuses a run that cannot fit: the memory estimate (`train::memory`) for `cfg` on `device`
+/// against what this process may still use there. `what` names the run in the error.
+pub fn check_memory(cfg: &RunConfig, device: &Device, what: &str) -> anyhow::Result<()> {
+    use crate::train::memory;
+    let (est, limit) = match device {
+        Device::Cpu(be) => {
+            let regen = crate::train::plan::Plan::for_run(be, cfg).recompute;
+            (memory::estimate(cfg, 4.0, |b, n, h, d| be.attention_saved_len(b, n, h, d), regen), memory::cpu_limit())
+        }
+        Device::Cuda(be) => {
+            let regen = crate::train::plan::Plan::for_run(be, cfg).recompute;
+            let free = be.mem_info().ok().map(|(free, _)| memory::Limit {
+                bytes: free as f64,
+                what: format!("free memory on GPU {} ({})", be.info().index, be.info().name),
+            });
+            (memory::estimate(cfg, 2.0, |b, n, h, d| be.attention_saved_len(b, n, h, d), regen), free)
+        }
+    };
+    match limit {
+        Some(limit) => memory::check(&est, &limit, what).map_err(|m| anyhow::anyhow!(m)),
+        None => Ok(()),
+    }
+}
+
 /// The backend a command runs on.
 pub enum Device {
     Cpu(Cpu),
@@ -142,8 +204,8 @@ pub enum Device {
 
 /// Resolves `--device`: `cuda` must find a usable GPU (the error says which library or driver
 /// call failed); `auto` takes the GPU of this process's local rank when there is one and
-/// otherwise says why it falls back to the CPU.
-pub fn open_device(arg: DeviceArg, local_rank: usize) -> anyhow::Result<Device> {
+/// otherwise falls back to the CPU, saying so in one line when `notice` (rank 0).
+pub fn open_device(arg: DeviceArg, local_rank: usize, notice: bool) -> anyhow::Result<Device> {
     match arg {
         DeviceArg::Cpu => Ok(Device::Cpu(Cpu::new())),
         DeviceArg::Cuda => {
@@ -153,7 +215,12 @@ pub fn open_device(arg: DeviceArg, local_rank: usize) -> anyhow::Result<Device> 
         DeviceArg::Auto => match cuda::probe(local_rank) {
             Ok(_) => Ok(Device::Cuda(Cuda::new(local_rank).map_err(|e| anyhow::anyhow!("GPU {local_rank}: {e}"))?)),
             Err(why) => {
-                eprintln!("notice: using the CPU (no usable GPU: {why})");
+                if notice {
+                    // The first clause of the reason is enough here; `--device cuda` prints it all.
+                    let why = why.to_string();
+                    let short: String = why.split([';', '\n', '(']).next().unwrap_or("").trim().chars().take(100).collect();
+                    eprintln!("notice: no usable GPU ({short}): running on the CPU (--device cpu skips this check, --device cuda says why in full)");
+                }
                 Ok(Device::Cpu(Cpu::new()))
             }
         },

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use clap::{Args, ValueEnum};
 
-use super::common::{engine_warnings, load_config, open_device, ConfigArgs, Device};
+use super::common::{check_memory, engine_warnings, load_config, open_device, ConfigArgs, Device};
 use crate::backend::Backend;
 use crate::config::RunConfig;
 use crate::train::engine;
@@ -36,16 +36,24 @@ fn evaluate_weights<B: Backend>(be: &B, cfg: &RunConfig, weights: &Path, set: &s
 /// `vitscale eval`.
 pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let mut cfg = load_config(&args.common, Some(&args.weights), 1)?;
-    let device = open_device(args.common.device, 0)?;
+    let device = open_device(args.common.device, 0, true)?;
     cfg.warnings.extend(engine_warnings(&cfg, &device));
+    check_memory(&cfg, &device, "this evaluation")?;
     for w in &cfg.warnings {
         eprintln!("warning: {w}");
     }
     let sets = crate::data::open(&cfg.data, cfg.model.image_size, cfg.model.num_classes, cfg.train.seed)?;
+    for w in &sets.warnings {
+        eprintln!("warning: {w}");
+    }
     let set = match args.split {
         SplitArg::Train => &sets.train,
         SplitArg::Val => &sets.val,
     };
+    // an empty split would report a top-1 of 0 of 0 images
+    if set.len() == 0 {
+        anyhow::bail!("{}: the {:?} split has no images, nothing to evaluate", cfg.data.dataset.as_str(), args.split);
+    }
     let ev = match &device {
         Device::Cpu(be) => evaluate_weights(be, &cfg, &args.weights, set)?,
         Device::Cuda(be) => evaluate_weights(be, &cfg, &args.weights, set)?,

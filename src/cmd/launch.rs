@@ -24,7 +24,7 @@ pub struct LaunchArgs {
     pub master_addr: Option<String>,
     /// Port of rank 0's rendezvous. Default: a free port when the whole run is on this node
     /// (so concurrent runs do not collide), else 29500.
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     pub master_port: Option<u16>,
     /// DeepSpeed-style hostfile: one `hostname slots=N` per line, `#` comments.
     #[arg(long)]

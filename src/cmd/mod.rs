@@ -40,8 +40,20 @@ pub fn exit_code(e: &anyhow::Error) -> i32 {
 /// launcher's errors, whose message already names their cause.
 pub fn error_message(e: &anyhow::Error) -> String {
     if e.downcast_ref::<LaunchError>().is_some() {
-        format!("{e}")
-    } else {
-        format!("{e:#}")
+        return format!("{e}");
     }
+    // Each cause once: an error whose text already includes its source's (thiserror's
+    // `{source}` in the message) would otherwise print it twice.
+    let mut msg = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if msg.contains(&text) {
+            continue;
+        }
+        if !msg.is_empty() {
+            msg.push_str(": ");
+        }
+        msg.push_str(&text);
+    }
+    msg
 }

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use super::common::{config_hash, engine_warnings, load_config, open_device, ConfigArgs, Device};
+use super::common::{check_memory, check_output_file, check_writable_dir, config_hash, engine_warnings, load_config_edited, open_device, ConfigArgs, Device};
 use crate::comm::SingleComm;
 use crate::train::engine::{self, TrainOptions};
 
@@ -40,19 +40,56 @@ pub struct TrainArgs {
 
 fn default_run_dir(env: &crate::comm::DistEnv) -> PathBuf {
     // every rank must pick the same directory without talking: `vitscale launch` sets
-    // VITSCALE_RUN_ID; under other launchers use what the ranks share.
+    // VITSCALE_RUN_ID; under other launchers the job's identity (SLURM job and step, Open
+    // MPI's namespace, torchrun's run id), else the rendezvous address.
     if let Some(id) = std::env::var("VITSCALE_RUN_ID").ok().filter(|s| !s.is_empty()) {
         return PathBuf::from("runs").join(id);
     }
     if env.is_distributed() {
-        let id = match std::env::var("SLURM_JOB_ID") {
-            Ok(job) => format!("slurm-{job}"),
-            Err(_) => format!("dist-{}-{}", env.master_addr, env.master_port),
+        let job = crate::comm::env::job_id();
+        let id = if job.is_empty() {
+            format!("dist-{}-{}", env.master_addr, env.master_port)
+        } else {
+            job.chars().map(|c| if c.is_ascii_alphanumeric() || "._-".contains(c) { c } else { '-' }).collect()
         };
         return PathBuf::from("runs").join(id);
     }
     let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     PathBuf::from("runs").join(format!("{secs}-{}", std::process::id()))
+}
+
+/// Resuming on another world size than the checkpoint's: the config's batch keys are set so
+/// the global batch stays the checkpoint's (`config::keep_global_batch`).
+fn keep_saved_global_batch(value: &mut serde_json::Value, state: &serde_json::Value, world: usize) -> anyhow::Result<Vec<String>> {
+    let num = |k: &str| state.get(k).and_then(serde_json::Value::as_u64).map(|x| x as usize);
+    match (num("world_size"), num("global_batch")) {
+        (Some(saved_world), Some(global)) if saved_world != world => Ok(vec![crate::config::keep_global_batch(value, global, saved_world, world)?]),
+        _ => Ok(Vec::new()),
+    }
+}
+
+/// A resume continues the checkpoint's run exactly: every key that shapes the trajectory
+/// (seed, model, data, optimizer, schedule, precision, global batch…) must be the
+/// checkpoint's; the run's length, logging, checkpointing and the split of the global batch
+/// may change (`config::RESUME_FREE_KEYS`).
+fn check_resume_config(dir: &std::path::Path, state: &serde_json::Value, cfg: &crate::config::RunConfig) -> anyhow::Result<()> {
+    let differences = match state.get("config").filter(|c| c.get("train_batch_size").is_some()) {
+        Some(saved) => crate::config::resume_differences(saved, &crate::config::resolved_json(cfg)),
+        // checkpoints that record the seed only
+        None => match state.get("seed").and_then(serde_json::Value::as_u64) {
+            Some(seed) if seed != cfg.train.seed => vec![format!("train.seed: checkpoint {seed}, now {}", cfg.train.seed)],
+            _ => Vec::new(),
+        },
+    };
+    if differences.is_empty() {
+        return Ok(());
+    }
+    anyhow::bail!(
+        "--resume {}: this configuration differs from the checkpoint's, and a resume continues a run exactly:\n  {}\nset these back (e.g. `--config <run dir>/config.json`), or start a new run from the weights with --init {}/model.safetensors",
+        dir.display(),
+        differences.join("\n  "),
+        dir.display()
+    )
 }
 
 /// The GPU this process opens: `VITSCALE_DEVICE_INDEX` when set (`launch --one-gpu`), else its
@@ -69,25 +106,47 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     // this process's place in the job (one process when no launcher variables are set);
     // the config resolves the DeepSpeed batch triple for that world size.
     let env = crate::comm::DistEnv::detect()?;
-    let mut cfg = load_config(&args.common, args.init.as_deref(), env.world_size)?;
-    let device = open_device(args.common.device, gpu_index(&env)?)?;
-    cfg.warnings.extend(engine_warnings(&cfg, &device));
+    let rank = env.rank;
     if args.resume.as_deref() == Some("latest") && args.run_dir.is_none() {
         anyhow::bail!("--resume latest needs --run-dir: the run directory whose checkpoints/ to continue from");
     }
     let run_dir = args.run_dir.clone().unwrap_or_else(|| default_run_dir(&env));
+    let resume = args.resume.as_deref().map(|s| crate::train::checkpoint::resume_path(s, &run_dir.join("checkpoints")));
+    // the checkpoint's state first: a resume keeps its global batch and must match its config
+    let saved = resume.as_deref().map(crate::train::checkpoint::read_state).transpose()?;
+    let mut cfg = load_config_edited(&args.common, args.init.as_deref(), env.world_size, |v| match &saved {
+        Some((_, state)) => keep_saved_global_batch(v, state, env.world_size),
+        None => Ok(Vec::new()),
+    })?;
+    if let Some((dir, state)) = &saved {
+        check_resume_config(dir, state, &cfg)?;
+    }
+    // Everything the run will write is checked before it starts, so no result is lost at
+    // the end to a bad path and no earlier run is written over.
+    let my_dir = if rank == 0 { run_dir.clone() } else { run_dir.join(format!("rank{rank}")) };
+    if resume.is_none() {
+        crate::train::run_dir::check_fresh(&my_dir)?;
+    }
+    if let (0, Some(p)) = (rank, &args.save_weights) {
+        check_output_file(p, "--save-weights")?;
+    }
+    if let Some(d) = &args.trace {
+        check_writable_dir(d, "--trace", d)?;
+    }
+    let device = open_device(args.common.device, gpu_index(&env)?, rank == 0)?;
+    cfg.warnings.extend(engine_warnings(&cfg, &device));
+    check_memory(&cfg, &device, "this training run")?;
     let hash = config_hash(&cfg)?;
-    // collective timeout: train.comm_timeout_s, or VITSCALE_COMM_TIMEOUT when set.
+    // rendezvous and collective timeout: train.comm_timeout_s, or the VITSCALE_* variables.
     let comm_opts = crate::comm::CommOptions::from_config_and_env(cfg.train.comm_timeout_s)?;
-    let rank = env.rank;
     let opts = TrainOptions {
         // Rank 0 owns the run directory; the others log beside it.
-        run_dir: if rank == 0 { run_dir.clone() } else { run_dir.join(format!("rank{rank}")) },
+        run_dir: my_dir,
         init: args.init.clone(),
         save_weights: if rank == 0 { args.save_weights.clone() } else { None },
         progress_bar: rank == 0 && std::io::stderr().is_terminal(),
         quiet: rank != 0,
-        resume: args.resume.as_deref().map(|s| crate::train::checkpoint::resume_path(s, &run_dir.join("checkpoints"))),
+        resume,
         keep_checkpoints: args.keep_checkpoints,
         trace: args.trace.clone(),
     };
@@ -117,6 +176,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         "done: val_top1 {:.4} val_loss {:.4} train_loss {:.4} | {} images in {:.1} s ({:.0} img/s) | run dir {}",
         summary.val_top1, summary.val_loss, summary.train_loss, summary.images, summary.wall_s, summary.images_per_s, summary.run_dir
     );
+    if let Some(n) = summary.skipped.filter(|&n| n > 0) {
+        eprintln!("warning: {n} unreadable image(s) were replaced by a neighbour (data.skip_bad); the count is in summary.json");
+    }
     if args.common.json {
         println!("{}", serde_json::to_string(&summary)?);
     }

@@ -134,6 +134,7 @@ impl TcpComm {
             master_port: env.master_port,
             timeout: opts.rendezvous_timeout,
             config_hash: config_hash.to_string(),
+            job_id: super::env::job_id(),
             data_port,
             blob,
         })?;

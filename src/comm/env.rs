@@ -172,6 +172,33 @@ impl DistEnv {
     }
 }
 
+/// Variables that name one job to every one of its ranks, different between jobs: the
+/// rendezvous refuses a process of another job that reached this job's port (two runs given
+/// the same `MASTER_PORT`). First one set wins; vitscale launch sets `VITSCALE_JOB_ID`.
+pub const JOB_ID_VARS: &[&str] = &["VITSCALE_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid"];
+
+/// This job's identity from the launcher's variables (see [`JOB_ID_VARS`]; a SLURM job adds
+/// its step), or "" when no launcher names the job (every peer is then accepted).
+pub fn job_id_from(get: impl Fn(&str) -> Option<String>) -> String {
+    let get = |k: &str| get(k).map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
+    for var in JOB_ID_VARS {
+        // torchrun's default rdzv id is the literal "none": it names no job.
+        if let Some(v) = get(var).filter(|v| v != "none") {
+            return match (*var, get("SLURM_STEP_ID")) {
+                ("SLURM_JOB_ID", Some(step)) => format!("slurm-{v}.{step}"),
+                ("SLURM_JOB_ID", None) => format!("slurm-{v}"),
+                _ => v,
+            };
+        }
+    }
+    String::new()
+}
+
+/// [`job_id_from`] the process environment.
+pub fn job_id() -> String {
+    job_id_from(|k| std::env::var(k).ok())
+}
+
 fn parse_num(var: &'static str, v: &str) -> Result<usize, EnvError> {
     v.trim().parse::<usize>().map_err(|_| EnvError::Bad {
         var,

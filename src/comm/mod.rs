@@ -158,10 +158,11 @@ impl CommOptions {
         Self::over(CommOptions::default(), get)
     }
 
-    /// The run configuration's collective timeout (`train.comm_timeout_s`), overridden by
-    /// the variables as in `from_env`.
+    /// The run configuration's timeout (`train.comm_timeout_s`) for the rendezvous and the
+    /// collectives, each overridden by its variable as in `from_env`.
     pub fn from_config_and_env(comm_timeout_s: f64) -> Result<Self, EnvError> {
-        let base = CommOptions { timeout: Duration::from_secs_f64(comm_timeout_s), ..CommOptions::default() };
+        let t = Duration::from_secs_f64(comm_timeout_s);
+        let base = CommOptions { timeout: t, rendezvous_timeout: t };
         Self::over(base, |k| std::env::var(k).ok())
     }
 

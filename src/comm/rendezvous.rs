@@ -7,6 +7,12 @@
 //! the ring addresses and an opaque blob (the NCCL unique id travels this way). Any
 //! disagreement fails every rank with the same error text, naming the rank and both values.
 //!
+//! Each request carries the job's identity (`comm::env::job_id`: `vitscale launch`'s run id,
+//! torchrun's, SLURM's job and step, Open MPI's): rank 0 refuses a process of another job
+//! that reached its port and keeps waiting for its own ranks, so two runs given one port
+//! never mix. A rank that waits says so on stderr every so often: whom it waits for, and
+//! how long it has left (`train.comm_timeout_s`, or `VITSCALE_RENDEZVOUS_TIMEOUT`).
+//!
 //! The connections stay open afterwards as a control channel: each rank reports entering each
 //! collective, so a rank whose collective times out can ask rank 0 which ranks never arrived.
 
@@ -39,6 +45,8 @@ pub enum RendezvousError {
     DuplicateRank { rank: usize, first: String, second: String },
     #[error("a process at {from} claims rank {rank}, which is not a joining rank of a world of {world}")]
     BadRank { rank: usize, world: usize, from: String },
+    #[error("rank {rank} of job {ours:?}: the rendezvous at {addr}:{port} belongs to job {theirs:?}: two runs were given the same port (choose another MASTER_PORT / --master-port)")]
+    OtherJob { rank: usize, addr: String, port: u16, ours: String, theirs: String },
     #[error("rank {rank}: rendezvous failed at rank 0: {reason}")]
     Rejected { rank: usize, reason: String },
     #[error("rank {rank}: rendezvous protocol error with {peer}: {detail}")]
@@ -55,6 +63,8 @@ pub struct RendezvousRequest {
     pub timeout: Duration,
     /// Identifies the resolved configuration; every rank must bring the same.
     pub config_hash: String,
+    /// The job's identity from the launcher ("" = unnamed: any peer is accepted).
+    pub job_id: String,
     /// Port of this rank's ring listener (0 when the transport needs none, e.g. NCCL).
     pub data_port: u16,
     /// Rank 0's blob for everyone (ignored on other ranks).
@@ -210,6 +220,25 @@ pub fn is_loopback(addr: &str) -> bool {
     resolve(addr, 0).map(|a| a.iter().all(|s| s.ip().is_loopback())).unwrap_or(false)
 }
 
+/// When a waiting rank next says it is still waiting: after 5 s, then every 30 s.
+struct Progress {
+    next: Instant,
+}
+
+impl Progress {
+    fn new(start: Instant) -> Self {
+        Progress { next: start + Duration::from_secs(5) }
+    }
+    /// Prints `what()` with the time waited and the time left, when a report is due.
+    fn report(&mut self, start: Instant, timeout: Duration, what: impl FnOnce() -> String) {
+        if Instant::now() >= self.next {
+            let waited = start.elapsed().as_secs_f64();
+            eprintln!("{} ({waited:.0} s so far; giving up after {:.0} s)", what(), timeout.as_secs_f64());
+            self.next = Instant::now() + Duration::from_secs(30);
+        }
+    }
+}
+
 /// Runs rendezvous for `req.rank`. See the module doc.
 pub fn rendezvous(req: &RendezvousRequest) -> Result<Rendezvoused, RendezvousError> {
     if req.rank == 0 {
@@ -244,6 +273,7 @@ fn serve(req: &RendezvousRequest) -> Result<Rendezvoused, RendezvousError> {
     listener.set_nonblocking(true).map_err(|e| RendezvousError::Bind { addr: addr.to_string(), port, source: e })?;
 
     let start = Instant::now();
+    let mut progress = Progress::new(start);
     let mut joined: BTreeMap<usize, (TcpStream, SocketAddr, u16)> = BTreeMap::new();
     let fail = |joined: &mut BTreeMap<usize, (TcpStream, SocketAddr, u16)>, extra: Option<&mut TcpStream>, err: RendezvousError| {
         let reject = Control::Reject { reason: err.to_string() };
@@ -264,6 +294,10 @@ fn serve(req: &RendezvousRequest) -> Result<Rendezvoused, RendezvousError> {
         let (mut s, from) = match listener.accept() {
             Ok(c) => c,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => {
+                progress.report(start, req.timeout, || {
+                    let missing: Vec<usize> = (1..world).filter(|r| !joined.contains_key(r)).collect();
+                    format!("rank 0: rendezvous at {addr}:{port} waiting for rank(s) {missing:?} of {world}")
+                });
                 std::thread::sleep(Duration::from_millis(10));
                 continue;
             }
@@ -276,7 +310,13 @@ fn serve(req: &RendezvousRequest) -> Result<Rendezvoused, RendezvousError> {
             .and_then(|_| s.set_read_timeout(Some(Duration::from_secs(10))))
             .and_then(|_| read_control(&mut s));
         let (rank, their_world, hash, data_port) = match hello {
-            Ok(Control::Hello { version, rank, world_size, config_hash, data_port }) if version == PROTOCOL_VERSION => {
+            // A process of another job (same port): refuse it, keep waiting for ours.
+            Ok(Control::Hello { version, rank, job, .. }) if version == PROTOCOL_VERSION && !job.is_empty() && !req.job_id.is_empty() && job != req.job_id => {
+                let err = RendezvousError::OtherJob { rank, addr: addr.to_string(), port, ours: job, theirs: req.job_id.clone() };
+                let _ = write_control(&mut s, &Control::Reject { reason: err.to_string() });
+                continue;
+            }
+            Ok(Control::Hello { version, rank, world_size, config_hash, data_port, .. }) if version == PROTOCOL_VERSION => {
                 (rank, world_size, config_hash, data_port)
             }
             // Not one of ours (a port scanner, an old build): refuse it and keep waiting.
@@ -353,11 +393,13 @@ fn coordinate(rank: usize, mut s: TcpStream, tracker: Arc<Tracker>) {
 fn join(req: &RendezvousRequest) -> Result<Rendezvoused, RendezvousError> {
     let (addr, port, rank) = (req.master_addr.as_str(), req.master_port, req.rank);
     let start = Instant::now();
+    let mut progress = Progress::new(start);
     let mut last = String::from("never tried");
     let mut s = loop {
         if start.elapsed() >= req.timeout {
             return Err(RendezvousError::Unreachable { rank, addr: addr.to_string(), port, waited: start.elapsed(), last });
         }
+        progress.report(start, req.timeout, || format!("rank {rank}: waiting for rank 0's rendezvous at {addr}:{port} (last error: {last})"));
         // Resolve each time: the master's name may only appear in DNS once its node is up.
         match resolve(addr, port) {
             Ok(addrs) => {
@@ -379,13 +421,27 @@ fn join(req: &RendezvousRequest) -> Result<Rendezvoused, RendezvousError> {
         world_size: req.world_size,
         config_hash: req.config_hash.clone(),
         data_port: req.data_port,
+        job: req.job_id.clone(),
     };
     s.set_nodelay(true).map_err(|e| proto(e.to_string()))?;
     write_control(&mut s, &hello).map_err(|e| proto(format!("sending hello: {e}")))?;
     // Rank 0 answers when the last rank is in, or with the list of missing ranks when its own
     // timeout expires: wait a little longer than that so its error, which names them, wins.
     let wait = req.timeout.saturating_sub(start.elapsed()) + Duration::from_secs(15);
-    s.set_read_timeout(Some(wait)).map_err(|e| proto(e.to_string()))?;
+    let deadline = Instant::now() + wait;
+    // Wait for the first byte of the answer in short slices, saying who we wait for; the
+    // message itself is then read whole.
+    s.set_read_timeout(Some(Duration::from_secs(1))).map_err(|e| proto(e.to_string()))?;
+    loop {
+        match s.peek(&mut [0u8; 1]) {
+            Ok(_) => break,
+            Err(e) if (e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::TimedOut) && Instant::now() < deadline => {
+                progress.report(start, req.timeout, || format!("rank {rank}: joined the rendezvous at {addr}:{port}, waiting for the other ranks"));
+            }
+            Err(_) => break, // read_control below reports it
+        }
+    }
+    s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)))).map_err(|e| proto(e.to_string()))?;
     match read_control(&mut s) {
         Ok(Control::Welcome { world_size, peers, session, blob }) => {
             let peers: Result<Vec<SocketAddr>, _> = peers.iter().map(|p| p.parse::<SocketAddr>()).collect();

@@ -16,7 +16,17 @@ const MAX_CONTROL_BYTES: u32 = 16 << 20;
 #[serde(tag = "msg")]
 pub enum Control {
     /// First message of a joining rank.
-    Hello { version: u32, rank: usize, world_size: usize, config_hash: String, data_port: u16 },
+    /// `job`: the launcher's identity of the job ("" when none), so a process of another job
+    /// that reaches this port is refused.
+    Hello {
+        version: u32,
+        rank: usize,
+        world_size: usize,
+        config_hash: String,
+        data_port: u16,
+        #[serde(default)]
+        job: String,
+    },
     /// Rendezvous complete: everyone's ring address, the session nonce, rank 0's blob.
     Welcome { world_size: usize, peers: Vec<String>, session: u64, blob: Vec<u8> },
     /// Rendezvous failed; the reason is rank 0's error text.

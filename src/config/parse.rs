@@ -13,8 +13,12 @@
 //! - no `optimizer` block → AdamW, lr 1e-3, weight_decay 0.05 (training from scratch);
 //! - `"auto"` (as Hugging Face writes it) counts as "not given", with a warning;
 //! - DeepSpeed keys whose feature we do not implement are accepted and listed in
-//!   `RunConfig::warnings` (never silently dropped); unknown keys are errors naming the key
-//!   and the closest known one.
+//!   `RunConfig::warnings` (never silently dropped);
+//! - unknown keys follow DeepSpeed: at the top level (which DeepSpeed ignores) they are a
+//!   warning naming the key and the closest known one, so a config DeepSpeed runs also runs
+//!   here; inside a section (DeepSpeed's sections forbid extras; ours do too) they are errors;
+//! - a key given twice in one JSON object is an error naming it (DeepSpeed refuses duplicate
+//!   keys too), rather than the last one silently winning.
 
 use std::path::Path;
 
@@ -217,6 +221,7 @@ pub const TOP_KEYS: &[KeyDef] = &[
     key("model", Ty::Section, Dflt::Derived("preset chosen from the dataset"), "The ViT: a timm preset and/or fields."),
     key("data", Ty::Section, Dflt::Derived("built-in dataset"), "The dataset and its preprocessing."),
     key("train", Ty::Section, Dflt::Derived("10 epochs"), "Run length, seed, evaluation and logging."),
+    ds_noop("plan", "Written by vitscale into a run directory's config.json: the batch plan the run derived (passes per micro-batch, device). Ignored on input: the plan is derived again, so a run directory's config.json is a valid --config."),
     ds_noop("zero_allow_untested_optimizer", "Only concerns client optimizers; every vitscale optimizer supports ZeRO."),
     ds_noop("zero_force_ds_cpu_optimizer", "Only concerns ZeRO-Offload, which is not implemented (warned there)."),
     ds_noop("aio", "Async I/O settings, used only by NVMe offload (not implemented, warned there)."),
@@ -238,7 +243,7 @@ pub const TOP_KEYS: &[KeyDef] = &[
     ds_warn("dump_state", Dflt::Bool(false), "Dump engine state; not implemented."),
     ds_warn("disable_allgather", Dflt::Bool(false), "Not implemented."),
     ds_warn("elasticity", Dflt::Unset, "Elastic training; not implemented."),
-    ds_warn("autotuning", Dflt::Unset, "DeepSpeed autotuner; not implemented (see `vitscale sweep`)."),
+    ds_warn("autotuning", Dflt::Unset, "DeepSpeed autotuner; not implemented."),
     ds_warn("pipeline", Dflt::Unset, "Pipeline parallelism; not implemented."),
     ds_warn("sparse_attention", Dflt::Unset, "Sparse attention; not implemented."),
     ds_warn("curriculum_learning", Dflt::Unset, "Curriculum learning; not implemented."),
@@ -290,7 +295,8 @@ fn parse_monitor(root: &Map<String, Value>, cx: &mut Cx) -> Result<MonitorConfig
 /// `optimizer.type` values we implement (compared case-insensitively).
 pub const OPTIMIZER_TYPES: &[&str] = &["Adam", "AdamW", "SGD"];
 
-const OPT_TYPE: KeyDef = key("type", Ty::Choice(OPTIMIZER_TYPES), Dflt::Str("AdamW"), "Optimizer (case-insensitive, as DeepSpeed).");
+const OPT_TYPE: KeyDef = key("type", Ty::Choice(OPTIMIZER_TYPES), Dflt::Derived("vitscale's default optimizer (AdamW, lr 1e-3, weight_decay 0.05), with the block's params applied over it"),
+    "Optimizer (case-insensitive, as DeepSpeed). A block without a type (`--set optimizer.params.lr=3e-4` on a config without an optimizer block) adjusts vitscale's default optimizer, with a warning.");
 const OPT_BLOCK_KEYS: &[KeyDef] = &[
     OPT_TYPE,
     key("params", Ty::Section, Dflt::Unset, "Optimizer arguments (DeepSpeed / torch names)."),
@@ -549,7 +555,7 @@ const T_COMM_TIMEOUT: KeyDef = key(
     "comm_timeout_s",
     POSITIVE,
     Dflt::Num(300.0),
-    "Seconds a collective waits for the other ranks before failing with an error naming the missing rank(s); the VITSCALE_COMM_TIMEOUT variable overrides it.",
+    "Seconds the rendezvous and each collective wait for the other ranks before failing with an error naming the missing rank(s); the variables VITSCALE_RENDEZVOUS_TIMEOUT (rendezvous) and VITSCALE_COMM_TIMEOUT (collectives) override it.",
 );
 const T_SLOWDOWN: KeyDef = key(
     "emulate_slowdown",
@@ -608,11 +614,84 @@ pub fn help_text() -> String {
             }
         }
     }
-    out.push_str(&format!("[zero_optimization] also accepts (not implemented: warns): {}\n", ZERO_TUNING.join(", ")));
+    let tuning: Vec<&str> = ZERO_TUNING.iter().copied().filter(|k| !ZERO_KEYS.iter().any(|d| d.name == *k)).collect();
+    out.push_str(&format!("[zero_optimization] also accepts (not implemented: warns): {}\n", tuning.join(", ")));
     out
 }
 
 // ---- reading the file and --set ----------------------------------------------------------
+
+/// Parses JSON text into a `Value`, refusing an object that names a key twice (serde_json
+/// alone keeps the last one): the error names the dotted key.
+pub fn parse_json_strict(text: &str) -> std::result::Result<Value, serde_json::Error> {
+    use serde::de::DeserializeSeed;
+    let mut de = serde_json::Deserializer::from_str(text);
+    let v = StrictValue { path: String::new() }.deserialize(&mut de)?;
+    de.end()?;
+    Ok(v)
+}
+
+/// A `Value` seed that remembers where it is, for the duplicate-key error.
+struct StrictValue {
+    path: String,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for StrictValue {
+    type Value = Value;
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> std::result::Result<Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for StrictValue {
+    type Value = Value;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+    fn visit_bool<E>(self, v: bool) -> std::result::Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+    fn visit_i64<E>(self, v: i64) -> std::result::Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_u64<E>(self, v: u64) -> std::result::Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_f64<E>(self, v: f64) -> std::result::Result<Value, E> {
+        Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
+    }
+    fn visit_str<E>(self, v: &str) -> std::result::Result<Value, E> {
+        Ok(Value::String(v.to_string()))
+    }
+    fn visit_string<E>(self, v: String) -> std::result::Result<Value, E> {
+        Ok(Value::String(v))
+    }
+    fn visit_unit<E>(self) -> std::result::Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_none<E>(self) -> std::result::Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<Value, A::Error> {
+        let mut out = Vec::new();
+        while let Some(v) = seq.next_element_seed(StrictValue { path: format!("{}[{}]", self.path, out.len()) })? {
+            out.push(v);
+        }
+        Ok(Value::Array(out))
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> std::result::Result<Value, A::Error> {
+        let mut out = Map::new();
+        while let Some(k) = map.next_key::<String>()? {
+            let path = full(&self.path, &k);
+            if out.contains_key(&k) {
+                return Err(serde::de::Error::custom(format!("duplicate key `{path}` (each key may appear once per object)")));
+            }
+            let v = map.next_value_seed(StrictValue { path })?;
+            out.insert(k, v);
+        }
+        Ok(Value::Object(out))
+    }
+}
 
 /// Reads the config file (or starts from `{}`) and applies `--set key.path=JSON` overrides in
 /// order. A value that is not valid JSON is taken as a plain string
@@ -623,11 +702,12 @@ pub fn load_json(path: Option<&Path>, sets: &[String]) -> Result<Value> {
         Some(p) => {
             let shown = p.display().to_string();
             let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read { path: shown.clone(), source })?;
-            let v: Value = serde_json::from_str(&text).map_err(|e| ConfigError::Json {
+            let v: Value = parse_json_strict(&text).map_err(|e| ConfigError::Json {
                 path: shown.clone(),
                 line: e.line(),
                 column: e.column(),
-                msg: e.to_string(),
+                // serde_json appends the position, which the error prints once itself.
+                msg: e.to_string().trim_end_matches(&format!(" at line {} column {}", e.line(), e.column())).to_string(),
             })?;
             if !v.is_object() {
                 return Err(ConfigError::Json { path: shown, line: 1, column: 1, msg: "the top level must be a JSON object".into() });
@@ -651,7 +731,12 @@ pub fn apply_set(root: &mut Value, arg: &str) -> Result<()> {
     if parts.iter().any(|p| p.is_empty()) {
         return Err(set_err(format!("`{path}` is not a dotted key path (e.g. data.dataset)")));
     }
-    let value = serde_json::from_str::<Value>(raw).unwrap_or_else(|_| Value::String(raw.to_string()));
+    // A duplicate key is an error, not a reason to read the value as a string.
+    let value = match parse_json_strict(raw) {
+        Ok(v) => v,
+        Err(e) if e.to_string().contains("duplicate key") => return Err(set_err(e.to_string())),
+        Err(_) => Value::String(raw.to_string()),
+    };
     let mut node = root;
     for (i, part) in parts.iter().enumerate() {
         let here = parts[..i].join(".");
@@ -707,21 +792,38 @@ fn is_auto(v: &Value) -> bool {
     v.as_str() == Some("auto")
 }
 
-/// Edit distance, for "did you mean" suggestions.
+/// Edit distance with adjacent transpositions counting one (optimal string alignment), for
+/// "did you mean" suggestions: `trian` is one edit from `train`.
 fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut cur = vec![i + 1; b.len() + 1];
-        for (j, cb) in b.iter().enumerate() {
-            cur[j + 1] = (prev[j] + usize::from(ca != *cb)).min(prev[j + 1] + 1).min(cur[j] + 1);
-        }
-        prev = cur;
+    let (a, b): (Vec<char>, Vec<char>) = (a.chars().collect(), b.chars().collect());
+    let mut d = vec![vec![0usize; b.len() + 1]; a.len() + 1];
+    for (i, row) in d.iter_mut().enumerate() {
+        row[0] = i;
     }
-    prev[b.len()]
+    for j in 0..=b.len() {
+        d[0][j] = j;
+    }
+    for i in 1..=a.len() {
+        for j in 1..=b.len() {
+            let cost = usize::from(a[i - 1] != b[j - 1]);
+            let mut v = (d[i - 1][j] + 1).min(d[i][j - 1] + 1).min(d[i - 1][j - 1] + cost);
+            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                v = v.min(d[i - 2][j - 2] + 1);
+            }
+            d[i][j] = v;
+        }
+    }
+    d[a.len()][b.len()]
 }
 
-fn suggest<'a>(word: &str, known: impl IntoIterator<Item = &'a str>) -> String {
+/// The largest edit distance that still reads as a typo of a word of `len` characters: one
+/// edit for short words (`foo` is not a typo of `aio`), about one in four for longer ones.
+fn typo_budget(len: usize) -> usize {
+    (len / 4).max(1)
+}
+
+/// ` (did you mean "k"?)` for the known name `word` most likely mistypes, else "".
+pub fn suggest<'a>(word: &str, known: impl IntoIterator<Item = &'a str>) -> String {
     let lw = word.to_lowercase();
     let known: Vec<&str> = known.into_iter().collect();
     // A key that extends the word (`checkpoint` → `checkpoint_every`) is the likeliest meaning.
@@ -733,7 +835,7 @@ fn suggest<'a>(word: &str, known: impl IntoIterator<Item = &'a str>) -> String {
         .map(|k| (edit_distance(&lw, &k.to_lowercase()), k))
         .min_by_key(|(d, _)| *d);
     match best {
-        Some((d, k)) if d <= (word.len() / 3).max(2) => format!(" (did you mean \"{k}\"?)"),
+        Some((d, k)) if d <= typo_budget(word.chars().count().min(k.chars().count())) => format!(" (did you mean \"{k}\"?)"),
         _ => String::new(),
     }
 }
@@ -752,6 +854,18 @@ fn check_keys(path: &str, obj: &Map<String, Value>, table: &[KeyDef], extra: &[&
         return Err(key_err(full(path, k), format!("unknown key {where_}{hint}{list}")));
     }
     Ok(())
+}
+
+/// Top-level keys nobody knows: DeepSpeed ignores them, so a config it runs must run here
+/// too; each is a warning naming the key (and the closest known key, for typos).
+fn warn_unknown_top_level(root: &Map<String, Value>, cx: &mut Cx) {
+    for k in root.keys() {
+        if TOP_KEYS.iter().any(|d| d.name == k) {
+            continue;
+        }
+        let hint = suggest(k, TOP_KEYS.iter().map(|d| d.name));
+        cx.warn(format!("{k}: unknown key at the top level{hint}, ignored (as DeepSpeed ignores it)"));
+    }
 }
 
 /// An optional JSON object at `path` (absent or null = None).
@@ -939,7 +1053,7 @@ pub fn resolve(value: &Value, world_size: usize) -> Result<RunConfig> {
         .as_object()
         .ok_or_else(|| key_err("(top level)", format!("expected a JSON object, got {}", kind_of(value))))?;
     let mut cx = Cx::default();
-    check_keys("", root, TOP_KEYS, &[])?;
+    warn_unknown_top_level(root, &mut cx);
     note_unimplemented("", root, TOP_KEYS, &mut cx);
 
     let batch = resolve_batch_keys(root, world_size, &mut cx)?;
@@ -1040,20 +1154,47 @@ pub fn resolve_batch(train: Option<usize>, micro: Option<usize>, gas: Option<usi
             ))
         }
     };
+    // DeepSpeed's own words first, then the triple as given and derived, so the user sees
+    // which two values left no whole third one.
+    let triple = |derived: &str| -> String {
+        let shown = |name: &str, given: Option<usize>, v: usize| match given {
+            Some(x) => format!("{name} {x}"),
+            None => format!("{name} {v} (derived)"),
+        };
+        format!(
+            " [{} = {} × {} × world size {w}{}]",
+            shown("train_batch_size", train, t),
+            shown("train_micro_batch_size_per_gpu", micro, m),
+            shown("gradient_accumulation_steps", gas, g),
+            if derived.is_empty() { String::new() } else { format!("; {derived}") }
+        )
+    };
+    let need_multiple = |of: &str, by: usize| {
+        format!("train_batch_size {} must be a positive multiple of {of} = {by}", train.unwrap_or(t), )
+    };
     if t == 0 {
-        return Err(key_err("train_batch_size", format!("Train batch size: {t} has to be greater than 0")));
+        return Err(key_err("train_batch_size", format!("Train batch size: {t} has to be greater than 0{}", triple(""))));
     }
     if m == 0 {
-        return Err(key_err("train_micro_batch_size_per_gpu", format!("Micro batch size per gpu: {m} has to be greater than 0")));
+        let hint = need_multiple("gradient_accumulation_steps × world size", g * w);
+        return Err(key_err("train_micro_batch_size_per_gpu", format!("Micro batch size per gpu: {m} has to be greater than 0{}", triple(&hint))));
     }
     if g == 0 {
-        return Err(key_err("gradient_accumulation_steps", format!("Gradient accumulation steps: {g} has to be greater than 0")));
+        let hint = need_multiple("train_micro_batch_size_per_gpu × world size", m * w);
+        return Err(key_err("gradient_accumulation_steps", format!("Gradient accumulation steps: {g} has to be greater than 0{}", triple(&hint))));
     }
     if t != m * g * w {
+        let hint = match (micro, gas) {
+            (Some(_), Some(_)) => String::new(),
+            (Some(_), None) => need_multiple("train_micro_batch_size_per_gpu × world size", m * w),
+            (None, Some(_)) => need_multiple("gradient_accumulation_steps × world size", g * w),
+            (None, None) => need_multiple("the world size", w),
+        };
         return Err(key_err(
             "train_batch_size",
             format!(
-                "Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size {t} != {m} * {g} * {w}"
+                "Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size {t} != {m} * {g} * {w}{}",
+                triple(&hint)
             ),
         ));
     }
@@ -1075,10 +1216,16 @@ fn parse_optimizer(block: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<Op
         });
     };
     check_keys("optimizer", block, OPT_BLOCK_KEYS, &[])?;
-    let ty_v = block.get("type").filter(|v| !v.is_null()).ok_or_else(|| {
-        key_err("optimizer.type", format!("is required; expected {}", OPT_TYPE.ty.describe()))
-    })?;
-    let ty = ty_v.as_str().ok_or_else(|| bad("optimizer", &OPT_TYPE, ty_v))?;
+    // No type: the block adjusts the default optimizer (what a config without an optimizer
+    // block trains with), so `--set optimizer.params.lr=…` works on any config.
+    let untyped = block.get("type").is_none_or(Value::is_null);
+    if untyped {
+        cx.warn(format!(
+            "optimizer.type not given: adjusting vitscale's default optimizer (AdamW, lr 1e-3, weight_decay {DEFAULT_WEIGHT_DECAY}) with optimizer.params"
+        ));
+    }
+    let ty_v = block.get("type").filter(|v| !v.is_null()).cloned().unwrap_or_else(|| Value::String("AdamW".into()));
+    let ty = ty_v.as_str().ok_or_else(|| bad("optimizer", &OPT_TYPE, &ty_v))?;
     let params = section(block.get("params"), "optimizer.params")?;
     let path = "optimizer.params";
     if params.is_some_and(|p| p.contains_key("max_grad_norm")) {
@@ -1112,7 +1259,7 @@ fn parse_optimizer(block: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<Op
                 return Err(key_err(full(path, "bias_correction"), "torch.optim.Adam/AdamW (torch_adam=true) always bias-correct; expected true"));
             }
             // torch.optim.AdamW's own default weight decay is 0.01; FusedAdam's is 0.
-            let wd_default = if torch_adam && adam_w_mode { 0.01 } else { 0.0 };
+            let wd_default = if untyped { DEFAULT_WEIGHT_DECAY } else if torch_adam && adam_w_mode { 0.01 } else { 0.0 };
             let weight_decay = opt_num(params, path, &ADAM_WD, cx)?.unwrap_or(wd_default);
             Ok(OptimizerConfig::Adam { lr, beta1: betas[0], beta2: betas[1], eps, weight_decay, adam_w_mode, bias_correction })
         }
@@ -1362,7 +1509,7 @@ fn parse_zero(v: Option<&Value>, cx: &mut Cx) -> Result<Zero> {
     }
     if !present.is_empty() {
         cx.warn(format!(
-            "zero_optimization: {} accepted but not implemented (vitscale uses its own bucketing and communication schedule)",
+            "zero_optimization: {} accepted but not implemented (gradients are reduced in buckets of reduce_bucket_size elements during the backward)",
             present.join(", ")
         ));
     }
@@ -1777,4 +1924,100 @@ pub fn resolved_json(cfg: &RunConfig) -> Value {
         }
     }
     out
+}
+
+// ---- resuming -----------------------------------------------------------------------------
+
+/// Keys a resumed run may change: the run's length, how often it logs, evaluates and
+/// checkpoints, and how the same global batch is split and scheduled (micro-batch, GAS,
+/// passes, workers, timeouts, where the same dataset lies). Every other key shapes the
+/// trajectory, and a resume continues the run exactly, so it must match the checkpoint.
+pub const RESUME_FREE_KEYS: &[&str] = &[
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "plan",
+    "zero_optimization.reduce_bucket_size",
+    "train.epochs",
+    "train.steps",
+    "train.eval_every",
+    "train.log_every",
+    "train.checkpoint_every",
+    "train.checkpoint_on_signal",
+    "train.comm_timeout_s",
+    "train.eval_batch_size",
+    "train.pass_images",
+    "train.recompute",
+    "data.path",
+    "data.num_workers",
+    "data.prefetch",
+];
+
+fn flatten(prefix: &str, v: &Value, out: &mut std::collections::BTreeMap<String, Value>) {
+    match v {
+        Value::Object(m) => {
+            for (k, x) in m {
+                flatten(&full(prefix, k), x, out);
+            }
+        }
+        other => {
+            out.insert(prefix.to_string(), other.clone());
+        }
+    }
+}
+
+/// The keys where the configuration `now` (as [`resolved_json`] writes it) differs from the
+/// `saved` one of a checkpoint, other than [`RESUME_FREE_KEYS`]: one `key: checkpoint X,
+/// now Y` line each.
+pub fn resume_differences(saved: &Value, now: &Value) -> Vec<String> {
+    let (mut a, mut b) = (std::collections::BTreeMap::new(), std::collections::BTreeMap::new());
+    flatten("", saved, &mut a);
+    flatten("", now, &mut b);
+    let free = |k: &str| RESUME_FREE_KEYS.iter().any(|f| k == *f || k.starts_with(&format!("{f}.")));
+    let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+    let show = |v: Option<&Value>| v.map_or("(absent)".to_string(), |v| v.to_string());
+    keys.into_iter()
+        .filter(|k| !free(k))
+        .filter(|k| match (a.get(*k), b.get(*k)) {
+            // 0.1 written by an f32 field and read back as f64 compares equal in f32.
+            (Some(Value::Number(x)), Some(Value::Number(y))) => match (x.as_f64(), y.as_f64()) {
+                (Some(x), Some(y)) => x != y && (x as f32) != (y as f32),
+                _ => x != y,
+            },
+            (x, y) => x != y,
+        })
+        .map(|k| format!("{k}: checkpoint {}, now {}", show(a.get(k)), show(b.get(k))))
+        .collect()
+}
+
+/// For a run resumed on another world size than its checkpoint's (`saved_world`): sets the
+/// batch keys of `value` so the global batch stays the checkpoint's `global`, keeping the
+/// micro-batch the config gives when it divides (else its GAS, else neither). A
+/// `train_batch_size` the config gives must equal `global`. Returns the note saying what was
+/// derived.
+pub fn keep_global_batch(value: &mut Value, global: usize, saved_world: usize, world: usize) -> Result<String> {
+    let root = value.as_object_mut().ok_or_else(|| key_err("(top level)", "expected a JSON object"))?;
+    let num = |k: &str| root.get(k).and_then(Value::as_u64).map(|x| x as usize);
+    let (t, m, g) = (num(TRAIN_BATCH_SIZE.name), num(MICRO_BATCH.name), num(GAS.name));
+    if let Some(t) = t.filter(|&t| t != global) {
+        return Err(key_err(
+            TRAIN_BATCH_SIZE.name,
+            format!("is {t}, but the checkpoint was trained with a global batch of {global}; a resumed run keeps its global batch (leave train_batch_size out or set it to {global})"),
+        ));
+    }
+    let mut last = None;
+    for (cm, cg) in [(m, g), (m, None), (None, g), (None, None)] {
+        match resolve_batch(Some(global), cm, cg, world) {
+            Ok(b) => {
+                root.insert(TRAIN_BATCH_SIZE.name.into(), global.into());
+                root.insert(MICRO_BATCH.name.into(), b.micro_batch_per_gpu.into());
+                root.insert(GAS.name.into(), b.gradient_accumulation_steps.into());
+                return Ok(format!(
+                    "resuming a checkpoint of {saved_world} rank(s) on {world}: train_batch_size {global} kept = micro {} × GAS {} × {world} ranks",
+                    b.micro_batch_per_gpu, b.gradient_accumulation_steps
+                ));
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| key_err(TRAIN_BATCH_SIZE.name, "cannot be kept")))
 }

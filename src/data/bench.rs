@@ -9,22 +9,8 @@
 //! entropy decoder has real work) written to a temporary folder for the JPEG path, or the JPEGs
 //! of a given folder.
 //!
-//! BENCHMARKS.md ("Data loader") has these numbers and later ones with RandAugment.
-//! Measured 2026-11-30 on the H200 host (16 cores), each row in one run together with
-//! torchvision + DataLoader (`shared/peers/loader_bench.py` transforms, RandAugment left out) on
-//! the same files (peer JPEGs: 500×375, q90, smooth), images/s:
-//!
-//! | pipeline | vitscale 1 thread | peer 1 worker | vitscale 16 | peer 16 |
-//! |---|---|---|---|---|
-//! | CIFAR 32 px crop+flip (memory, batch 256) | 262 544 | 3 448 | 2 124 065 | 67 464 |
-//! | 224 px JPEG RRC+flip, `Loader` (batch 32, prefetch 4) | 536 | 228 | 6 416 | 3 709 |
-//! | 224 px JPEG RRC+flip, one `fill_batch` of 128 | 453 | – | 6 650 | – |
-//! | same, noisy generated JPEGs (harder to decode), `Loader` | 367 | – | 4 110 | – |
-//!
-//! At the time one 224-px image cost ≈ 1.8 ms of JPEG decode (noisy file) and 0.64 ms of
-//! resampling on one core of the 2-core CPU machine; numbers there swing ±50 % with the
-//! machine's load. Later measurements, with the vectorized resampling and faster RandAugment,
-//! are in BENCHMARKS.md.
+//! BENCHMARKS.md ("Data loader") has the current figures, beside torchvision's
+//! (`peers/loader_bench.py`) on the same files.
 //!
 
 use std::path::{Path, PathBuf};

@@ -118,6 +118,8 @@ pub struct Loaded {
     pub source: PathBuf,
     pub train_files: Vec<PathBuf>,
     pub val_file: PathBuf,
+    /// Official training files of this form that are not there (a partial copy).
+    pub missing_train_files: Vec<String>,
 }
 
 /// Where the batch files are read from.
@@ -282,14 +284,30 @@ pub fn load(path: &Path, v: Variant, label: LabelKind, skip_bad: bool) -> Result
     if !src.has(&test_name) {
         return Err(not_found(src.path(), v, "val"));
     }
+    let missing_train_files: Vec<String> = v.train_files(form).into_iter().filter(|f| !src.has(f)).collect();
+    // An empty file is a broken copy (an interrupted download), never zero records to skip.
+    let nonempty = |bytes: Vec<u8>, path: PathBuf, set: &ImageSet| -> Result<Option<Vec<u8>>, DataError> {
+        match (bytes.is_empty(), skip_bad) {
+            (false, _) => Ok(Some(bytes)),
+            (true, true) => {
+                set.skipped.fetch_add(1, Ordering::Relaxed);
+                Ok(None)
+            }
+            (true, false) => Err(DataError::Format { path, msg: "is empty (0 bytes): a broken copy? (data.skip_bad=true skips it)".into() }),
+        }
+    };
     let mut train = empty(v, label);
     for name in &train_names {
         let bytes = src.read(name)?;
-        parse(&bytes, &src.display(name), v, form, label, skip_bad, &mut train)?;
+        if let Some(bytes) = nonempty(bytes, src.display(name), &train)? {
+            parse(&bytes, &src.display(name), v, form, label, skip_bad, &mut train)?;
+        }
     }
     let mut val = empty(v, label);
     let bytes = src.read(&test_name)?;
-    parse(&bytes, &src.display(&test_name), v, form, label, skip_bad, &mut val)?;
+    if let Some(bytes) = nonempty(bytes, src.display(&test_name), &val)? {
+        parse(&bytes, &src.display(&test_name), v, form, label, skip_bad, &mut val)?;
+    }
     Ok(Loaded {
         train,
         val,
@@ -297,6 +315,7 @@ pub fn load(path: &Path, v: Variant, label: LabelKind, skip_bad: bool) -> Result
         source: src.path().to_path_buf(),
         train_files: train_names.iter().map(|n| src.display(n)).collect(),
         val_file: src.display(&test_name),
+        missing_train_files,
     })
 }
 

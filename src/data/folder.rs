@@ -57,11 +57,11 @@ fn images_below(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), DataError> {
     Ok(())
 }
 
-/// (class names, per-class file lists) of a split folder.
-fn scan(dir: &Path) -> Result<(Vec<String>, Vec<Vec<PathBuf>>), DataError> {
+/// (class names, per-class file lists) of the folder of `split` ("train" or "val").
+fn scan(dir: &Path, split: &'static str) -> Result<(Vec<String>, Vec<Vec<PathBuf>>), DataError> {
     let classes = class_dirs(dir)?;
     if classes.is_empty() {
-        return Err(DataError::NotFound { dataset: "folder", split: "train", dir: dir.to_path_buf(), expected: "one subfolder per class".into() });
+        return Err(DataError::NotFound { dataset: "folder", split, dir: dir.to_path_buf(), expected: "one subfolder per class".into() });
     }
     if classes.len() > u16::MAX as usize + 1 {
         return Err(DataError::Invalid { key: "data.path", msg: format!("{} has {} class folders; at most 65536 are supported", dir.display(), classes.len()) });
@@ -71,7 +71,7 @@ fn scan(dir: &Path) -> Result<(Vec<String>, Vec<Vec<PathBuf>>), DataError> {
         let mut f = Vec::new();
         images_below(p, &mut f)?;
         if f.is_empty() {
-            return Err(DataError::NotFound { dataset: "folder", split: "train", dir: p.clone(), expected: "at least one .jpg/.jpeg/.png/.webp image".into() });
+            return Err(DataError::NotFound { dataset: "folder", split, dir: p.clone(), expected: "at least one .jpg/.jpeg/.png/.webp image".into() });
         }
         files.push(f);
     }
@@ -113,11 +113,11 @@ pub fn load(path: &Path, side: usize, val_split: f64, seed: u64) -> Result<Loade
         return Err(DataError::Io { path: path.to_path_buf(), source: std::io::ErrorKind::NotFound.into() });
     }
     let root = train_root(path);
-    let (classes, train_files) = scan(&root)?;
+    let (classes, train_files) = scan(&root, "train")?;
     let k = classes.len();
     let val_dir = path.join("val");
     if root != path && val_dir.is_dir() {
-        let (vclasses, vfiles) = scan(&val_dir)?;
+        let (vclasses, vfiles) = scan(&val_dir, "val")?;
         // Val labels must mean what train labels mean: map by name, refuse unknown classes.
         let mut per_class = vec![Vec::new(); k];
         for (name, files) in vclasses.iter().zip(vfiles) {

@@ -123,10 +123,21 @@ pub fn save(path: &Path, table: &ParamTable, cfg: &ModelConfig, params: &[f32]) 
         .collect::<Result<_, _>>()?;
     let mut meta = std::collections::HashMap::new();
     meta.insert("format".to_string(), "pt".to_string());
-    meta.insert("vitscale_model".to_string(), serde_json::to_string(cfg).unwrap_or_default());
+    let (k, v) = model_metadata(cfg);
+    meta.insert(k.to_string(), v);
     let bytes = safetensors::serialize(views, &Some(meta))
         .map_err(|e| WeightsError::Format { path: path.to_path_buf(), msg: e.to_string() })?;
     crate::util::write_atomic(path, &bytes).map_err(io)
+}
+
+/// Safetensors metadata key holding the model config of a file vitscale wrote.
+pub const MODEL_METADATA_KEY: &str = "vitscale_model";
+
+/// The (key, value) metadata entry that records `cfg` in a weights file: every weights file
+/// vitscale writes (`--save-weights`, checkpoints) carries it, so `eval --weights` and
+/// `--init` rebuild the exact model (its head count cannot be read off the shapes).
+pub fn model_metadata(cfg: &ModelConfig) -> (&'static str, String) {
+    (MODEL_METADATA_KEY, serde_json::to_string(cfg).unwrap_or_default())
 }
 
 /// Architecture fields read off a timm weights file's shapes. `num_heads` cannot be read from
@@ -186,7 +197,7 @@ pub fn infer(path: &Path) -> Result<InferredModel, WeightsError> {
     // shapes (a file edited by other tools keeps stale metadata).
     let num_heads = SafeTensors::read_metadata(&bytes)
         .ok()
-        .and_then(|(_, m)| m.metadata().as_ref().and_then(|m| m.get("vitscale_model").cloned()))
+        .and_then(|(_, m)| m.metadata().as_ref().and_then(|m| m.get(MODEL_METADATA_KEY).cloned()))
         .and_then(|json| serde_json::from_str::<serde_json::Value>(&json).ok())
         .filter(|saved| saved.get("embed_dim").and_then(|v| v.as_u64()) == Some(c as u64) && saved.get("depth").and_then(|v| v.as_u64()) == Some(depth as u64))
         .and_then(|saved| saved.get("num_heads").and_then(|v| v.as_u64()))

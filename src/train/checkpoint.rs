@@ -5,7 +5,8 @@
 //!
 //! ```text
 //! step_000123/
-//!   model.safetensors      weights, f32, caller's names (timm keys): loadable by timm as is
+//!   model.safetensors      weights, f32, caller's names (timm keys): loadable by timm as is;
+//!                          the model's architecture in its metadata (as `--save-weights`)
 //!   optimizer.safetensors  optimizer state tensors (e.g. `exp_avg.<key>`), f32
 //!   state.json             caller's JSON: scheduler step, epoch, data position, RNG, config
 //!   manifest.json          written last: step, and per file its size, SHA-256, tensor names
@@ -136,6 +137,20 @@ pub fn save(
     state: &serde_json::Value,
     keep_last: usize,
 ) -> Result<PathBuf> {
+    save_with_metadata(root, step, weights, &[], optimizer, state, keep_last)
+}
+
+/// As [`save`], with `weights_meta` (key, value) added to the weights file's safetensors
+/// metadata: the model architecture, so the file evaluates without a config.
+pub fn save_with_metadata(
+    root: &Path,
+    step: u64,
+    weights: &[TensorRef],
+    weights_meta: &[(&str, String)],
+    optimizer: &[TensorRef],
+    state: &serde_json::Value,
+    keep_last: usize,
+) -> Result<PathBuf> {
     fs::create_dir_all(root).map_err(io_err("creating the checkpoint directory", root))?;
     remove_stale_temporaries(root);
     let name = step_dir_name(step);
@@ -145,7 +160,7 @@ pub fn save(
     }
     fs::create_dir(&tmp).map_err(io_err("creating", &tmp))?;
 
-    if let Err(e) = write_contents(&tmp, step, weights, optimizer, state) {
+    if let Err(e) = write_contents(&tmp, step, weights, weights_meta, optimizer, state) {
         // Leave nothing half-written behind.
         let _ = fs::remove_dir_all(&tmp);
         return Err(e);
@@ -177,10 +192,10 @@ pub fn save(
 }
 
 /// Writes the files of one checkpoint into `tmp`, the manifest last, all synced.
-fn write_contents(tmp: &Path, step: u64, weights: &[TensorRef], optimizer: &[TensorRef], state: &serde_json::Value) -> Result<()> {
+fn write_contents(tmp: &Path, step: u64, weights: &[TensorRef], weights_meta: &[(&str, String)], optimizer: &[TensorRef], state: &serde_json::Value) -> Result<()> {
     let mut files = BTreeMap::new();
-    files.insert(MODEL_FILE.to_string(), write_tensors(&tmp.join(MODEL_FILE), weights)?);
-    files.insert(OPTIMIZER_FILE.to_string(), write_tensors(&tmp.join(OPTIMIZER_FILE), optimizer)?);
+    files.insert(MODEL_FILE.to_string(), write_tensors(&tmp.join(MODEL_FILE), weights, weights_meta)?);
+    files.insert(OPTIMIZER_FILE.to_string(), write_tensors(&tmp.join(OPTIMIZER_FILE), optimizer, &[])?);
     let state_bytes = serde_json::to_vec_pretty(state).map_err(|e| CheckpointError::Io {
         what: "serializing the training state for",
         path: tmp.join(STATE_FILE),
@@ -240,7 +255,7 @@ fn remove_stale_temporaries(root: &Path) {
     }
 }
 
-fn write_tensors(path: &Path, tensors: &[TensorRef]) -> Result<FileEntry> {
+fn write_tensors(path: &Path, tensors: &[TensorRef], extra_meta: &[(&str, String)]) -> Result<FileEntry> {
     let mut seen = HashSet::new();
     let mut views = Vec::with_capacity(tensors.len());
     for t in tensors {
@@ -259,7 +274,12 @@ fn write_tensors(path: &Path, tensors: &[TensorRef]) -> Result<FileEntry> {
         views.push((t.name, view));
     }
     // "format: pt" lets safetensors' torch loader (timm) take the file without a warning.
-    let meta = Some([("format".to_string(), "pt".to_string())].into_iter().collect());
+    let meta = Some(
+        [("format".to_string(), "pt".to_string())]
+            .into_iter()
+            .chain(extra_meta.iter().map(|(k, v)| (k.to_string(), v.clone())))
+            .collect(),
+    );
     safetensors::serialize_to_file(views, &meta, path)
         .map_err(|e| CheckpointError::Io { what: "writing", path: path.to_path_buf(), source: io::Error::other(e) })?;
     let f = File::open(path).map_err(io_err("reopening", path))?;
@@ -329,6 +349,17 @@ pub fn resume_path(spec: &str, root: &Path) -> PathBuf {
     } else {
         PathBuf::from(spec)
     }
+}
+
+/// The training state (`state.json`) of the checkpoint `spec` designates, without reading
+/// its tensors: what a resumed run checks its configuration against before it starts.
+pub fn read_state(spec: &Path) -> Result<(PathBuf, serde_json::Value)> {
+    let dir = resolve(spec)?;
+    let path = dir.join(STATE_FILE);
+    let bytes = fs::read(&path).map_err(io_err("reading", &path))?;
+    let state = serde_json::from_slice(&bytes)
+        .map_err(|e| CheckpointError::Incomplete { dir: dir.clone(), file: STATE_FILE.into(), why: format!("unreadable: {e}") })?;
+    Ok((dir, state))
 }
 
 /// Loads and verifies the checkpoint `spec` designates (see [`resolve`]).
@@ -445,6 +476,7 @@ pub fn save_training(
     root: &Path,
     step: u64,
     table: &crate::model::ParamTable,
+    model: &crate::model::ModelConfig,
     params: &[f32],
     opt: &crate::config::OptimizerConfig,
     opt_state: &[f32],
@@ -453,7 +485,8 @@ pub fn save_training(
 ) -> Result<PathBuf> {
     let pl = param_layout(table);
     let ol = optimizer_layout(opt, table);
-    save(root, step, &views(&pl, params), &views(&ol, opt_state), state, keep_last)
+    let meta = [crate::model::weights::model_metadata(model)];
+    save_with_metadata(root, step, &views(&pl, params), &meta, &views(&ol, opt_state), state, keep_last)
 }
 
 /// What a resumed run continues from.
@@ -584,7 +617,10 @@ mod tests {
         let params: Vec<f32> = (0..table.total).map(|i| i as f32 * 0.5).collect();
         let state: Vec<f32> = (0..2 * table.total).map(|i| -(i as f32)).collect();
         let tmp = tempfile::tempdir().unwrap();
-        save_training(tmp.path(), 7, &table, &params, &opt, &state, &json!({"epoch": 0}), 0).unwrap();
+        save_training(tmp.path(), 7, &table, &cfg, &params, &opt, &state, &json!({"epoch": 0}), 0).unwrap();
+        // The weights file records the architecture, so it evaluates without a config.
+        let inferred = crate::model::weights::infer(&tmp.path().join(step_dir_name(7)).join(MODEL_FILE)).unwrap();
+        assert_eq!(inferred.num_heads, Some(cfg.num_heads));
         let r = restore(tmp.path(), &table, &opt).unwrap();
         assert_eq!((r.step, r.params == params, r.opt_state == state), (7, true, true));
         let ck = load(tmp.path()).unwrap();

@@ -201,8 +201,10 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     };
 
     // ---- data, model, optimizer state
-    let Datasets { train: train_set, val: val_set, description, class_names, .. } =
+    let Datasets { train: train_set, val: val_set, description, class_names, warnings: data_warnings, .. } =
         data::open(&cfg.data, cfg.model.image_size, cfg.model.num_classes, cfg.train.seed)?;
+    // an empty split would train nothing or report an accuracy of 0 of 0 images
+    data::check_splits(&train_set, &val_set, &cfg.data)?;
     run.write_classes(&class_names)?;
     let global_batch = plan.global_batch;
     if train_set.len() < global_batch {
@@ -259,10 +261,14 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         let r = checkpoint::restore(spec, &st.vit.table, &cfg.optimizer)?;
         let saved_batch = r.state.get("global_batch").and_then(|v| v.as_u64());
         if saved_batch != Some(global_batch as u64) {
+            let saved = saved_batch.map_or("records no global batch".to_string(), |b| format!("was trained with a global batch of {b} images"));
             return Err(TrainError::Config(format!(
-                "{}: saved with a global batch of {saved_batch:?}, this run has {global_batch}; set train_batch_size to resume with the same global batch",
+                "{}: the checkpoint {saved}, this run has {global_batch}; a resumed run keeps its global batch (leave train_batch_size out, or set it to the checkpoint's)",
                 r.dir.display()
             )));
+        }
+        if r.step >= total_steps && !opts.quiet {
+            eprintln!("warning: {} is at step {}, and this run has {total_steps} steps: nothing is left to train (raise train.steps or train.epochs to continue)", r.dir.display(), r.step);
         }
         st.vit.set_params(be, &r.params)?;
         // checkpoints hold the whole state: a ZeRO rank keeps its shard of it
@@ -296,7 +302,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
             be.name(),
             num_params
         );
-        for w in &cfg.warnings {
+        for w in cfg.warnings.iter().chain(&data_warnings) {
             eprintln!("warning: {w}");
         }
         if let Some(line) = bal.describe() {
@@ -499,7 +505,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
                 "world_size": world,
                 "zero_stage": zero_stage,
                 "seed": cfg.train.seed,
-                "config": cfg,
+                "config": crate::config::resolved_json(cfg),
             });
             let (p, o) = match host_state.take() {
                 Some(state) => state,

@@ -1,6 +1,12 @@
 //! A training run's directory, everything the loop writes to disk: `config.json` (the resolved
-//! configuration with the batch plan), `classes.json`, `metrics.jsonl`, `checkpoints/` and
-//! `summary.json`. Small files are written atomically; the metrics are appended line by line.
+//! configuration in the input language, every value explicit, with the batch plan as its
+//! `"plan"` section: `vitscale train --config <dir>/config.json` runs the same run again),
+//! `classes.json`, `metrics.jsonl`, `checkpoints/` and `summary.json`. Small files are
+//! written atomically; the metrics are appended line by line.
+//!
+//! A directory that already holds a run is never written over by a new one: only a resumed
+//! run reopens it (and appends to its metrics), so metrics and checkpoints of two runs never
+//! mix.
 
 use std::path::{Path, PathBuf};
 
@@ -28,13 +34,36 @@ fn json_bytes<T: Serialize>(v: &T) -> Result<Vec<u8>, TrainError> {
     serde_json::to_vec_pretty(v).map_err(|e| TrainError::Config(e.to_string()))
 }
 
+/// Files whose presence means a directory already holds a run.
+pub const RUN_FILES: &[&str] = &["config.json", "metrics.jsonl", "summary.json", "checkpoints"];
+
+/// Refuses a directory that already holds a run (any of [`RUN_FILES`]): a new run would
+/// overwrite its metrics and mix checkpoints. A missing or empty directory, or one with
+/// other files only, is fine. The error says what to do instead.
+pub fn check_fresh(path: &Path) -> Result<(), TrainError> {
+    if path.exists() && !path.is_dir() {
+        return Err(TrainError::Config(format!("run directory {}: exists and is not a directory", path.display())));
+    }
+    if let Some(found) = RUN_FILES.iter().find(|f| path.join(f).exists()) {
+        return Err(TrainError::Config(format!(
+            "run directory {} already holds a run ({found}); continue it with --resume latest --run-dir {}, or choose another --run-dir (or remove the old one)",
+            path.display(),
+            path.display()
+        )));
+    }
+    Ok(())
+}
+
 impl RunDir {
     /// Creates (or, resuming, reopens) the directory and writes `config.json`: the resolved
     /// configuration with the plan as its `"plan"` section. A resumed run appends to
     /// `metrics.jsonl`, so the history before the interruption stays.
     pub fn open(path: &Path, cfg: &RunConfig, plan: &Plan, resuming: bool, keep_checkpoints: usize) -> Result<RunDir, TrainError> {
+        if !resuming {
+            check_fresh(path)?;
+        }
         std::fs::create_dir_all(path).map_err(io_err(path))?;
-        let mut resolved = serde_json::to_value(cfg).map_err(|e| TrainError::Config(e.to_string()))?;
+        let mut resolved = crate::config::resolved_json(cfg);
         if let Some(o) = resolved.as_object_mut() {
             o.insert("plan".into(), serde_json::to_value(plan).map_err(|e| TrainError::Config(e.to_string()))?);
         }
@@ -75,7 +104,7 @@ impl RunDir {
     /// A training checkpoint of step `step` under `checkpoints/` (atomic; older ones pruned to
     /// `keep_checkpoints`); returns its directory.
     pub fn checkpoint(&self, step: u64, table: &ParamTable, params: &[f32], cfg: &RunConfig, opt_state: &[f32], state: &serde_json::Value) -> Result<PathBuf, TrainError> {
-        Ok(checkpoint::save_training(&self.checkpoint_root(), step, table, params, &cfg.optimizer, opt_state, state, self.keep_checkpoints)?)
+        Ok(checkpoint::save_training(&self.checkpoint_root(), step, table, &cfg.model, params, &cfg.optimizer, opt_state, state, self.keep_checkpoints)?)
     }
 
     /// `summary.json`: the `--json` object.

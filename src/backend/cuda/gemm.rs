@@ -79,18 +79,16 @@ struct Plan {
 /// Algorithms the heuristic proposes per shape; each is timed on first use.
 const CANDIDATES: usize = 16;
 /// Timed rounds per candidate when tuning (after one warm-up run each). The rounds interleave
-/// the candidates so clock or neighbour drift hits them alike, and the medians are compared
-/// (the earlier rule timed 8 candidates 3 times each, one after the other; on an H200 the
-/// change measured the same step times, 2026-11-30T16:23Z, so it buys robustness, not speed).
+/// the candidates so clock or neighbour drift hits them alike, and the medians are compared:
+/// robustness against drift rather than speed.
 const TUNING_ROUNDS: usize = 7;
 /// Products whose fastest interleaved median reaches this (ms) are timed once more, each
 /// candidate alone for a sustained stretch: a training step holds the card at its power limit,
 /// where the clock follows the power a kernel draws, and interleaved rounds time every
-/// candidate at one shared clock. On an H200 (ViT-B/16 micro 256, power-capped) the sustained
-/// choice differed in several large products; the step ran 0.1–0.3 ms faster and drew ≈ 25 W
-/// less at a slightly higher clock (BENCHMARKS.md, 2026-12-01 from 13:25Z). 0.15 ms takes
-/// ViT-B/16's qkv and MLP products and leaves CIFAR's (≤ 0.1 ms, where the step's mix of
-/// kernels sets the clock) to the interleaved rounds: a 0.05 ms threshold read no better there.
+/// candidate at one shared clock, so under the cap the sustained choice can differ (and draw
+/// less power at a higher clock). The threshold takes ViT-B/16's qkv and MLP products and
+/// leaves small ones, where the step's mix of kernels sets the clock, to the interleaved
+/// rounds.
 const SUSTAINED_MIN_MS: f32 = 0.15;
 /// Each sustained candidate runs this long (ms) before it is timed, and this long timed.
 const SUSTAINED_MS: f32 = 30.0;

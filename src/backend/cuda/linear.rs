@@ -129,10 +129,9 @@ impl Cuda {
     fn hopper_gemm_shape(&self, base: &'static str, rows: usize, n: usize, bwd: bool) -> (String, u32, u32, u32, usize) {
         let mode = self.knobs.wide_tiles(bwd);
         // Each block walks its tiles in turn, so a kernel lasts about ceil(tiles / SMs) tiles;
-        // a 128×256 tile took ≈ 0.9 of two 128×128 ones (H200, ViT-B/16 micro 256 profiles:
-        // 5.02–5.47 against 5.62–6.13 ms for the forward's twelve). At micro 16 (25 row tiles)
-        // the wide forward has 2.3 waves of tiles against 4.5: the last wave's idle blocks cost
-        // more than the wide tiles save.
+        // a 128×256 tile costs less than two 128×128 ones, but with few row tiles (micro 16:
+        // 2.3 waves of wide tiles against 4.5) the last wave's idle blocks cost more than the
+        // wide tiles save.
         let waves = |bn: usize| (rows.div_ceil(128) * (n / bn)).div_ceil(self.info.multiprocessors.max(1) as usize);
         let wide = n % 256 == 0
             && match mode {
@@ -254,7 +253,7 @@ impl Cuda {
         // Where both Hopper kernels run (the shape and alignment tests of fused_gemm_ok, with
         // the model's 16-byte aligned buffers): the forward's epilogue evaluates the derivative
         // beside the GELU almost for free, and the input-gradient kernel, whose epilogue set its
-        // pace, only multiplies (CIFAR ViT-S/4 micro 512 on an H200: 12.02 → 11.74 ms a step).
+        // pace, only multiplies.
         // fc2's input gradient is the same (rows × ic)·(oc × ic)ᵀ shape seen from the other side,
         // so one test covers both. The generic path gains nothing from it and keeps pre.
         self.knobs.fused_gemm_bwd.load(Ordering::Relaxed) && self.fused_gemm_ok(rows, ic, oc, &[], 0)
