@@ -94,7 +94,8 @@ pub fn read_point(run_dir: &Path, warmup: u64) -> Result<PointFigures, String> {
     let plan = cfg.get("plan").ok_or_else(|| format!("{}: no \"plan\" section", cfg_path.display()))?;
     let get = |k: &str| plan.get(k).and_then(Value::as_u64).map(|x| x as usize).ok_or_else(|| format!("{}: plan.{k} missing", cfg_path.display()));
     let (world, micro, gas, global) = (get("world_size")?, get("micro_batch")?, get("gradient_accumulation_steps")?, get("global_batch")?);
-    let zero_stage = cfg.get("zero_stage").and_then(Value::as_u64).unwrap_or(0);
+    // the run's config.json is in the input language: DeepSpeed's zero_optimization.stage
+    let zero_stage = cfg.pointer("/zero_optimization/stage").or_else(|| cfg.get("zero_stage")).and_then(Value::as_u64).unwrap_or(0);
 
     let mut ranks = Vec::new();
     let mut images_per_s = 0.0;
