@@ -221,6 +221,7 @@ pub const TOP_KEYS: &[KeyDef] = &[
     key("model", Ty::Section, Dflt::Derived("preset chosen from the dataset"), "The ViT: a timm preset and/or fields."),
     key("data", Ty::Section, Dflt::Derived("built-in dataset"), "The dataset and its preprocessing."),
     key("train", Ty::Section, Dflt::Derived("10 epochs"), "Run length, seed, evaluation and logging."),
+    ds_noop("memory", "Written by vitscale into a run directory's config.json: the memory each rank holds by kind against the prediction for its ZeRO stage. Ignored on input."),
     ds_noop("plan", "Written by vitscale into a run directory's config.json: the batch plan the run derived (passes per micro-batch, device). Ignored on input: the plan is derived again, so a run directory's config.json is a valid --config."),
     ds_noop("zero_allow_untested_optimizer", "Only concerns client optimizers; every vitscale optimizer supports ZeRO."),
     ds_noop("zero_force_ds_cpu_optimizer", "Only concerns ZeRO-Offload, which is not implemented (warned there)."),
@@ -1937,6 +1938,15 @@ pub const RESUME_FREE_KEYS: &[&str] = &[
     "gradient_accumulation_steps",
     "plan",
     "zero_optimization.reduce_bucket_size",
+    // the ZeRO stage and its schedule, the split over ranks and an emulated slowdown leave
+    // the reduced gradient, and so the trajectory, as they were (tests/dist_zero.rs, balance.rs)
+    "zero_optimization.stage",
+    "zero_optimization.reduce_scatter",
+    "zero_optimization.overlap_comm",
+    "memory",
+    "train.balance",
+    "train.balance_every",
+    "train.emulate_slowdown",
     "train.epochs",
     "train.steps",
     "train.eval_every",
