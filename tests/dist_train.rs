@@ -8,24 +8,20 @@
 //! checkpoints) use longer runs of the same kind ([`LONG`] steps, a few seconds) so that a
 //! signal lands mid-run; every wait there is bounded.
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-const EXE: &str = env!("CARGO_BIN_EXE_vitscale");
+mod common;
+use common::{free_port, max_rel_diff, run, weights, EXE};
 
 /// Weights may differ between splits of the same global batch only by the order in which
 /// per-sample gradients are summed (f32 rounding). Measured after 4 SGD steps: ~1.5e-8
 /// relative (2 and 4 ranks, GAS 4×8 vs 1×32); AdamW, whose normalization amplifies rounding
 /// on near-zero gradients, gives ~5e-6, which is why these runs use SGD.
 const SPLIT_TOL: f32 = 1e-6;
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("loopback port")
-}
 
 /// The settings every run here shares: 4 steps of a 32-image global batch, SGD with momentum
 /// (Adam would amplify rounding differences on near-zero gradients), checkpoints every 2.
@@ -41,14 +37,6 @@ fn common(steps: u64) -> Vec<String> {
     .into()
 }
 
-fn run(args: &[String]) -> Output {
-    let out = Command::new(EXE).args(args).env_remove("VITSCALE_RUN_ID").stdin(Stdio::null()).output().expect("run vitscale");
-    if !out.status.success() {
-        panic!("vitscale {args:?} failed: {}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
-    }
-    out
-}
-
 /// `vitscale [launch --nproc-per-node n --] train <common> <extra> --run-dir dir`.
 fn train(nproc: usize, steps: u64, extra: &[&str], dir: &Path) -> Output {
     let mut args = Vec::new();
@@ -60,33 +48,6 @@ fn train(nproc: usize, steps: u64, extra: &[&str], dir: &Path) -> Output {
     args.extend(extra.iter().map(|s| s.to_string()));
     args.extend(["--run-dir".into(), dir.display().to_string(), "--save-weights".into(), dir.join("w.safetensors").display().to_string()]);
     run(&args)
-}
-
-fn weights(dir: &Path) -> Vec<(String, Vec<f32>)> {
-    let bytes = std::fs::read(dir.join("w.safetensors")).expect("weights written");
-    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
-    let mut out: Vec<(String, Vec<f32>)> = st
-        .tensors()
-        .into_iter()
-        .map(|(n, v)| (n, v.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()))
-        .collect();
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    out
-}
-
-/// Largest |a − b| / (1 + |b|) over all weights.
-fn max_rel_diff(a: &Path, b: &Path) -> f32 {
-    let (wa, wb) = (weights(a), weights(b));
-    assert_eq!(wa.len(), wb.len());
-    let mut worst = 0f32;
-    for ((na, va), (nb, vb)) in wa.iter().zip(&wb) {
-        assert_eq!(na, nb);
-        for (x, y) in va.iter().zip(vb) {
-            assert!(x.is_finite() && y.is_finite(), "{na}: non-finite weight");
-            worst = worst.max((x - y).abs() / (1.0 + y.abs()));
-        }
-    }
-    worst
 }
 
 fn json_line(out: &Output) -> serde_json::Value {

@@ -7,12 +7,12 @@
 //! Runs are the tiny ones of `dist_train.rs` (default model, 16-px built-in images, 4 steps
 //! of 32 images), about a second each.
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::Output;
 use std::time::Duration;
 
-const EXE: &str = env!("CARGO_BIN_EXE_vitscale");
+mod common;
+use common::{free_port, max_rel_diff, max_rel_diff_files, run};
 
 /// Same world size, stage 1/2 against stage 0: the same per-element update from gradients
 /// reduced in another order (the ring's reduce-scatter of a bucket's prefix cuts it where
@@ -30,10 +30,6 @@ const ADAMW: &str = "--set=optimizer={\"type\":\"AdamW\",\"params\":{\"lr\":0.00
 /// Far below the gradient norms of these runs (2.4–3.9), so every step is clipped.
 const CLIP: &str = "--set=gradient_clipping=0.05";
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("loopback port")
-}
-
 fn common(steps: u64) -> Vec<String> {
     [
         "--device=cpu".to_string(),
@@ -45,14 +41,6 @@ fn common(steps: u64) -> Vec<String> {
         "--set=train.log_every=1".into(),
     ]
     .into()
-}
-
-fn run(args: &[String]) -> Output {
-    let out = Command::new(EXE).args(args).env_remove("VITSCALE_RUN_ID").stdin(Stdio::null()).output().expect("run vitscale");
-    if !out.status.success() {
-        panic!("vitscale {args:?} failed: {}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
-    }
-    out
 }
 
 /// `vitscale [launch --nproc-per-node n --] train <common> --set=zero_optimization.stage=<stage> <extra>`.
@@ -67,38 +55,6 @@ fn train(nproc: usize, stage: u8, steps: u64, extra: &[&str], dir: &Path) -> Out
     args.extend(extra.iter().map(|s| s.to_string()));
     args.extend(["--run-dir".into(), dir.display().to_string(), "--save-weights".into(), dir.join("w.safetensors").display().to_string()]);
     run(&args)
-}
-
-fn tensors(path: &Path) -> Vec<(String, Vec<f32>)> {
-    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
-    let mut out: Vec<(String, Vec<f32>)> = st
-        .tensors()
-        .into_iter()
-        .map(|(n, v)| (n, v.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()))
-        .collect();
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    out
-}
-
-/// Largest |a − b| / (1 + |b|) over every tensor of two files with the same tensors.
-fn max_rel_diff_files(a: &Path, b: &Path) -> f32 {
-    let (ta, tb) = (tensors(a), tensors(b));
-    assert_eq!(ta.len(), tb.len(), "{} and {} hold different tensors", a.display(), b.display());
-    let mut worst = 0f32;
-    for ((na, va), (nb, vb)) in ta.iter().zip(&tb) {
-        assert_eq!(na, nb);
-        assert_eq!(va.len(), vb.len(), "{na}");
-        for (x, y) in va.iter().zip(vb) {
-            assert!(x.is_finite() && y.is_finite(), "{na}: non-finite value");
-            worst = worst.max((x - y).abs() / (1.0 + y.abs()));
-        }
-    }
-    worst
-}
-
-fn max_rel_diff(a: &Path, b: &Path) -> f32 {
-    max_rel_diff_files(&a.join("w.safetensors"), &b.join("w.safetensors"))
 }
 
 fn tmp() -> tempfile::TempDir {
