@@ -180,7 +180,7 @@ pub(super) fn measure<B: Backend>(be: &B, st: &mut Step<B>, comm: &mut dyn Comm<
         let mut sync = BucketSync::new(comm, &plan, epoch);
         sync.wire = wire;
         one_step(be, st, &passes, gas, micro, &mut sync, step)?;
-        Ok((sync.times.exposed_s, sync.times.total_s))
+        Ok((sync.track.times.exposed_s, sync.track.times.total_s))
     };
     for _ in 0..args.warmup.max(1) {
         dp_step(st, comm, step)?;

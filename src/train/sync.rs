@@ -115,43 +115,109 @@ pub struct BucketEvent {
     pub end_s: f64,
 }
 
+/// What both gradient syncs (this one and ZeRO's, `train::zero`) keep per step: which groups
+/// of each bucket the backward has reported, the buckets' collectives in flight, and what they
+/// measured.
+pub struct BucketTracker {
+    /// Groups of each bucket reported final so far.
+    done_groups: Vec<usize>,
+    /// (bucket, started, completed as polled, its collectives)
+    in_flight: Vec<(usize, Instant, Option<Instant>, Vec<Work>)>,
+    /// Instant the trace's times count from.
+    epoch: Instant,
+    pub times: SyncTimes,
+    pub events: Vec<BucketEvent>,
+}
+
+impl BucketTracker {
+    pub fn new(plan: &BucketPlan, epoch: Instant) -> Self {
+        BucketTracker { done_groups: vec![0; plan.buckets.len()], in_flight: Vec::new(), epoch, times: SyncTimes::default(), events: Vec::new() }
+    }
+
+    /// The backward finished its next group, `span` (groups arrive in backward order, one
+    /// call each): the bucket it completed, if it was that bucket's last group.
+    pub fn group_done(&mut self, plan: &BucketPlan, span: Span) -> Result<Option<usize>, TrainError> {
+        let g: usize = self.done_groups.iter().sum();
+        let b = plan.bucket_of(g).ok_or_else(|| TrainError::Config(format!("the backward reported more gradient groups than the bucket plan has ({g})")))?;
+        let bucket = &plan.buckets[b];
+        if span.off < bucket.span.off || span.off + span.len > bucket.span.off + bucket.span.len {
+            return Err(TrainError::Config(format!("gradient group {g} ({span:?}) lies outside its bucket {b} ({:?})", bucket.span)));
+        }
+        self.done_groups[b] += 1;
+        Ok((self.done_groups[b] == bucket.groups.len()).then_some(b))
+    }
+
+    /// The buckets the backward did not report (a backward without reports), now marked
+    /// complete: the boundary starts them.
+    pub fn unreported(&mut self, plan: &BucketPlan) -> Vec<usize> {
+        let mut out = Vec::new();
+        for (b, bucket) in plan.buckets.iter().enumerate() {
+            if self.done_groups[b] < bucket.groups.len() {
+                self.done_groups[b] = bucket.groups.len();
+                out.push(b);
+            }
+        }
+        out
+    }
+
+    /// Bucket `b`'s collectives started now, sending `bytes`.
+    pub fn started(&mut self, b: usize, works: Vec<Work>, bytes: u64) {
+        self.times.bytes += bytes;
+        self.in_flight.push((b, Instant::now(), None, works));
+    }
+
+    /// Notes which buckets have completed by now (the trace then shows when).
+    pub fn poll<Buf>(&mut self, comm: &mut dyn Comm<Buf>) -> Result<(), TrainError> {
+        for (_, _, done, works) in self.in_flight.iter_mut() {
+            if done.is_none() {
+                if let Some(last) = works.last() {
+                    *done = comm.poll(last)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for every bucket in flight (the exposed communication), records each one's time,
+    /// and starts the next step afresh. Returns the bytes this step sent.
+    pub fn wait_all<Buf>(&mut self, comm: &mut dyn Comm<Buf>, grads: &mut Buf) -> Result<u64, TrainError> {
+        let t = Instant::now();
+        comm.begin_waits()?;
+        for (b, started, polled, works) in std::mem::take(&mut self.in_flight) {
+            for w in works {
+                comm.wait(w, grads)?;
+            }
+            // completed when a poll first saw it, else by the time its wait returned
+            let done = polled.unwrap_or_else(Instant::now);
+            self.times.total_s += (done - started).as_secs_f64();
+            self.events.push(BucketEvent { bucket: b, start_s: (started - self.epoch).as_secs_f64(), end_s: (done - self.epoch).as_secs_f64() });
+        }
+        comm.end_waits()?;
+        self.times.exposed_s += t.elapsed().as_secs_f64();
+        self.done_groups.iter_mut().for_each(|d| *d = 0);
+        Ok(std::mem::take(&mut self.times.bytes))
+    }
+}
+
 /// The bucketed, overlapped gradient all-reduce of one step.
 pub struct BucketSync<'c, Buf> {
     pub comm: &'c mut dyn Comm<Buf>,
     pub plan: &'c BucketPlan,
-    /// Instant the trace's times count from.
-    pub epoch: Instant,
-    /// Groups of each bucket reported final so far.
-    done_groups: Vec<usize>,
-    /// (bucket, started, completed as polled, work)
-    in_flight: Vec<(usize, Instant, Option<Instant>, Work)>,
-    pub times: SyncTimes,
-    pub events: Vec<BucketEvent>,
+    pub track: BucketTracker,
     /// How the buckets travel (dtype, pre/post scaling).
     pub wire: Wire,
 }
 
 impl<'c, Buf> BucketSync<'c, Buf> {
     pub fn new(comm: &'c mut dyn Comm<Buf>, plan: &'c BucketPlan, epoch: Instant) -> Self {
-        BucketSync { comm, plan, epoch, done_groups: vec![0; plan.buckets.len()], in_flight: Vec::new(), times: SyncTimes::default(), events: Vec::new(), wire: Wire::PLAIN }
+        BucketSync { comm, plan, track: BucketTracker::new(plan, epoch), wire: Wire::PLAIN }
     }
 
     fn start_bucket(&mut self, grads: &mut Buf, b: usize) -> Result<(), TrainError> {
         let span = self.plan.buckets[b].span;
         self.comm.label_next(&format!("gradient bucket {b} of {}", self.plan.buckets.len()));
         let work = self.comm.start_as(Collective::AllReduce(ReduceOp::Sum), grads, span, self.wire)?;
-        self.times.bytes += (span.len * self.wire.elem_bytes()) as u64;
-        self.in_flight.push((b, Instant::now(), None, work));
-        Ok(())
-    }
-
-    /// Notes which reductions have completed by now (the trace then shows when).
-    fn poll_in_flight(&mut self) -> Result<(), TrainError> {
-        for (_, _, done, work) in self.in_flight.iter_mut() {
-            if done.is_none() {
-                *done = self.comm.poll(work)?;
-            }
-        }
+        self.track.started(b, vec![work], (span.len * self.wire.elem_bytes()) as u64);
         Ok(())
     }
 }
@@ -165,44 +231,20 @@ impl<B: Backend> GradSync<B> for BucketSync<'_, B::Buf> {
         if self.comm.world_size() == 1 {
             return Ok(());
         }
-        // the group this span is (groups arrive in backward order, one call each)
-        let g: usize = self.done_groups.iter().sum();
-        let b = *self.plan.bucket_of.get(g).ok_or_else(|| TrainError::Config(format!("the backward reported more gradient groups than the bucket plan has ({g})")))?;
-        let bucket = &self.plan.buckets[b];
-        if span.off < bucket.span.off || span.off + span.len > bucket.span.off + bucket.span.len {
-            return Err(TrainError::Config(format!("gradient group {g} ({span:?}) lies outside its bucket {b} ({:?})", bucket.span)));
-        }
-        self.done_groups[b] += 1;
-        if self.done_groups[b] == bucket.groups.len() {
+        if let Some(b) = self.track.group_done(self.plan, span)? {
             self.start_bucket(grads, b)?;
         }
-        self.poll_in_flight()
+        self.track.poll(&mut *self.comm)
     }
 
     fn finish(&mut self, _be: &B, grads: &mut B::Buf) -> Result<u64, TrainError> {
         if self.comm.world_size() == 1 {
             return Ok(0);
         }
-        // buckets the backward did not report (a backward without reports): start them now
-        for b in 0..self.plan.buckets.len() {
-            if self.done_groups[b] < self.plan.buckets[b].groups.len() {
-                self.done_groups[b] = self.plan.buckets[b].groups.len();
-                self.start_bucket(grads, b)?;
-            }
+        for b in self.track.unreported(self.plan) {
+            self.start_bucket(grads, b)?;
         }
-        let t = Instant::now();
-        self.comm.begin_waits()?;
-        for (b, started, polled, work) in std::mem::take(&mut self.in_flight) {
-            self.comm.wait(work, grads)?;
-            // completed when a poll first saw it, else by the time its wait returned
-            let done = polled.unwrap_or_else(Instant::now);
-            self.times.total_s += (done - started).as_secs_f64();
-            self.events.push(BucketEvent { bucket: b, start_s: (started - self.epoch).as_secs_f64(), end_s: (done - self.epoch).as_secs_f64() });
-        }
-        self.comm.end_waits()?;
-        self.times.exposed_s += t.elapsed().as_secs_f64();
-        self.done_groups.iter_mut().for_each(|d| *d = 0);
-        Ok(std::mem::take(&mut self.times.bytes))
+        self.track.wait_all(&mut *self.comm, grads)
     }
 }
 

@@ -39,7 +39,7 @@ use crate::config::OptimizerConfig;
 use crate::model::Vit;
 use crate::train::engine::TrainError;
 use crate::train::step::{GradSync, Updated};
-use crate::train::sync::{BucketEvent, BucketPlan, BucketSync, SyncTimes};
+use crate::train::sync::{BucketEvent, BucketPlan, BucketSync, BucketTracker, SyncTimes};
 
 /// Which rank owns what at a ZeRO stage, and how the gradients travel.
 #[derive(Clone, Debug, PartialEq)]
@@ -170,19 +170,14 @@ pub struct ZeroSync<'c, Buf> {
     /// Start each bucket's reduction while the backward goes on (`zero_optimization.overlap_comm`);
     /// false: all of them at the boundary.
     pub overlap: bool,
-    pub epoch: Instant,
-    done_groups: Vec<usize>,
-    /// (bucket, started, completed as polled, its collectives)
-    in_flight: Vec<(usize, Instant, Option<Instant>, Vec<Work>)>,
-    pub times: SyncTimes,
-    pub events: Vec<BucketEvent>,
+    pub track: BucketTracker,
     /// Collectives started, for the tests that no micro-batch but the last communicates.
     pub started: usize,
 }
 
 impl<'c, Buf> ZeroSync<'c, Buf> {
     pub fn new(comm: &'c mut dyn Comm<Buf>, plan: &'c BucketPlan, layout: &'c ZeroLayout, overlap: bool, epoch: Instant) -> Self {
-        ZeroSync { comm, plan, layout, overlap, epoch, done_groups: vec![0; plan.buckets.len()], in_flight: Vec::new(), times: SyncTimes::default(), events: Vec::new(), started: 0 }
+        ZeroSync { comm, plan, layout, overlap, track: BucketTracker::new(plan, epoch), started: 0 }
     }
 
     fn start(&mut self, op: Collective, buf: &mut Buf, span: Span) -> Result<Work, TrainError> {
@@ -204,12 +199,12 @@ impl<'c, Buf> ZeroSync<'c, Buf> {
             if tail.len > 0 {
                 works.push(self.start(Collective::AllReduce(ReduceOp::Sum), grads, tail)?);
             }
-            self.times.bytes += (prefix.len * 2 + tail.len * 4) as u64;
+            let bytes = (prefix.len * 2 + tail.len * 4) as u64;
+            self.track.started(b, works, bytes);
         } else {
             works.push(self.start(Collective::AllReduce(ReduceOp::Sum), grads, span)?);
-            self.times.bytes += (span.len * 4) as u64;
+            self.track.started(b, works, (span.len * 4) as u64);
         }
-        self.in_flight.push((b, Instant::now(), None, works));
         Ok(())
     }
 }
@@ -223,50 +218,20 @@ impl<B: Backend> GradSync<B> for ZeroSync<'_, B::Buf> {
         if !self.overlap || self.comm.world_size() == 1 {
             return Ok(());
         }
-        let g: usize = self.done_groups.iter().sum();
-        let b = self.plan.bucket_of(g).ok_or_else(|| TrainError::Config(format!("the backward reported more gradient groups than the bucket plan has ({g})")))?;
-        let bucket = &self.plan.buckets[b];
-        if span.off < bucket.span.off || span.off + span.len > bucket.span.off + bucket.span.len {
-            return Err(TrainError::Config(format!("gradient group {g} ({span:?}) lies outside its bucket {b} ({:?})", bucket.span)));
-        }
-        self.done_groups[b] += 1;
-        if self.done_groups[b] == bucket.groups.len() {
+        if let Some(b) = self.track.group_done(self.plan, span)? {
             self.start_bucket(grads, b)?;
         }
-        for (_, _, done, works) in self.in_flight.iter_mut() {
-            if done.is_none() {
-                if let Some(last) = works.last() {
-                    *done = self.comm.poll(last)?;
-                }
-            }
-        }
-        Ok(())
+        self.track.poll(&mut *self.comm)
     }
 
     fn finish(&mut self, _be: &B, grads: &mut B::Buf) -> Result<u64, TrainError> {
         if self.comm.world_size() == 1 {
             return Ok(0);
         }
-        for b in 0..self.plan.buckets.len() {
-            if self.done_groups[b] < self.plan.buckets[b].groups.len() {
-                self.done_groups[b] = self.plan.buckets[b].groups.len();
-                self.start_bucket(grads, b)?;
-            }
+        for b in self.track.unreported(self.plan) {
+            self.start_bucket(grads, b)?;
         }
-        let t = Instant::now();
-        self.comm.begin_waits()?;
-        for (b, started, polled, works) in std::mem::take(&mut self.in_flight) {
-            for w in works {
-                self.comm.wait(w, grads)?;
-            }
-            let done = polled.unwrap_or_else(Instant::now);
-            self.times.total_s += (done - started).as_secs_f64();
-            self.events.push(BucketEvent { bucket: b, start_s: (started - self.epoch).as_secs_f64(), end_s: (done - self.epoch).as_secs_f64() });
-        }
-        self.comm.end_waits()?;
-        self.times.exposed_s += t.elapsed().as_secs_f64();
-        self.done_groups.iter_mut().for_each(|d| *d = 0);
-        Ok(std::mem::take(&mut self.times.bytes))
+        self.track.wait_all(&mut *self.comm, grads)
     }
 
     fn update(&mut self, be: &B, vit: &mut Vit<B>, state: &mut B::Buf, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper, read_norm: bool) -> Result<Updated, TrainError> {
@@ -303,8 +268,8 @@ impl<B: Backend> GradSync<B> for ZeroSync<'_, B::Buf> {
             self.comm.end_waits()?;
         }
         let comm_s = t.elapsed().as_secs_f64();
-        self.times.total_s += comm_s;
-        self.times.exposed_s += comm_s;
+        self.track.times.total_s += comm_s;
+        self.track.times.exposed_s += comm_s;
         vit.params_changed(be)?;
         Ok(Updated { norm: if read_norm { norm } else { None }, bytes, comm_s })
     }
@@ -319,14 +284,14 @@ pub enum AnySync<'c, Buf> {
 impl<Buf> AnySync<'_, Buf> {
     pub fn times(&self) -> SyncTimes {
         match self {
-            AnySync::Plain(s) => s.times,
-            AnySync::Zero(s) => s.times,
+            AnySync::Plain(s) => s.track.times,
+            AnySync::Zero(s) => s.track.times,
         }
     }
     pub fn events(&self) -> &[BucketEvent] {
         match self {
-            AnySync::Plain(s) => &s.events,
-            AnySync::Zero(s) => &s.events,
+            AnySync::Plain(s) => &s.track.events,
+            AnySync::Zero(s) => &s.track.events,
         }
     }
 }
