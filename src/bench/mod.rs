@@ -188,10 +188,7 @@ fn result(args: &BenchArgs, s: &Setup, device: String, params: usize, graph: boo
 
 fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     use crate::backend::cuda::Cuda;
-    let be = Cuda::new(args.gpu)?;
-    if let Some(a) = &args.attention {
-        be.set_attention(crate::backend::cuda::parse_attention(a).map_err(|e| anyhow::anyhow!("--attention: {e}"))?);
-    }
+    let be = open_cuda(args, args.gpu)?;
     eprintln!("attention path: {}", be.attention_path().name());
     // GPU telemetry every 5 ms around the ceiling GEMM and the timed steps (NVML, if present)
     let sampler = || PowerSampler::start(&be.info().pci_bus_id, std::time::Duration::from_millis(5));
@@ -205,11 +202,7 @@ fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     be.synchronize()?;
     be.reset_peak();
     let mut st = bench_step(&be, args, s, 1)?;
-    let want_graph = match args.graph.as_str() {
-        "on" | "auto" => true,
-        "off" => false,
-        other => anyhow::bail!("--graph must be on, off or auto, got {other:?}"),
-    };
+    let want_graph = wants_graph(args)?;
     let mut step = 0u64;
     // One eager step first: grows every scratch buffer and plans every GEMM.
     st.pass_unlogged(&be, args.micro)?;
@@ -282,6 +275,24 @@ fn print_profile(timeline: &[crate::backend::cuda::ProfiledLaunch]) {
     }
 }
 
+/// GPU `gpu` with the `--attention` path asked for.
+fn open_cuda(args: &BenchArgs, gpu: usize) -> anyhow::Result<crate::backend::cuda::Cuda> {
+    let be = crate::backend::cuda::Cuda::new(gpu)?;
+    if let Some(a) = &args.attention {
+        be.set_attention(crate::backend::cuda::parse_attention(a).map_err(|e| anyhow::anyhow!("--attention: {e}"))?);
+    }
+    Ok(be)
+}
+
+/// `--graph`: whether to capture the micro-batch pass (on, auto) or not (off).
+fn wants_graph(args: &BenchArgs) -> anyhow::Result<bool> {
+    match args.graph.as_str() {
+        "on" | "auto" => Ok(true),
+        "off" => Ok(false),
+        other => anyhow::bail!("--graph must be on, off or auto, got {other:?}"),
+    }
+}
+
 /// One micro-batch pass captured into a CUDA graph (after an eager step has grown every
 /// buffer); None, with a note, when capture fails and `--graph` is not `on`.
 fn capture_pass(be: &crate::backend::cuda::Cuda, st: &mut Step<crate::backend::cuda::Cuda>, args: &BenchArgs) -> anyhow::Result<Option<crate::backend::cuda::Graph>> {
@@ -339,21 +350,14 @@ pub fn measure_data_parallel(args: &BenchArgs, env: &crate::comm::DistEnv, gpu: 
             data_parallel::measure(&be, &mut st, comm.as_mut(), args, Passes::Eager, wire, bucket, id_of(&hostname()))
         }
         "cuda" | "gpu" => {
-            use crate::backend::cuda::{nccl::NcclComm, Cuda};
-            let be = Cuda::new(gpu)?;
-            if let Some(a) = &args.attention {
-                be.set_attention(crate::backend::cuda::parse_attention(a).map_err(|e| anyhow::anyhow!("--attention: {e}"))?);
-            }
+            use crate::backend::cuda::nccl::NcclComm;
+            let be = open_cuda(args, gpu)?;
             let mut st = bench_step(&be, args, &s, env.world_size)?;
             // one eager step grows every buffer before a capture
             st.pass_unlogged(&be, args.micro)?;
             st.vit.zero_grads(&be)?;
             be.synchronize()?;
-            let graph = match args.graph.as_str() {
-                "on" | "auto" => capture_pass(&be, &mut st, args)?,
-                "off" => None,
-                other => anyhow::bail!("--graph must be on, off or auto, got {other:?}"),
-            };
+            let graph = if wants_graph(args)? { capture_pass(&be, &mut st, args)? } else { None };
             let replay = || -> anyhow::Result<()> {
                 match &graph {
                     Some(g) => Ok(g.launch()?),

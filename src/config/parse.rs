@@ -1062,7 +1062,7 @@ pub fn resolve(value: &Value, world_size: usize) -> Result<RunConfig> {
     let precision = parse_precision(root, &mut cx)?;
     let zero = parse_zero(root.get("zero_optimization"), &mut cx)?;
     let grad_comm = parse_grad_comm(root, &precision, &mut cx)?;
-    let asked = ["communication_data_type", "prescale_gradients", "gradient_predivide_factor"].iter().any(|k| root.contains_key(*k));
+    let asked = [COMM_DTYPE, PRESCALE, PREDIVIDE].iter().any(|k| root.contains_key(k.name));
     if zero.stage > 0 && asked && grad_comm != GradComm::default() {
         cx.warn(format!(
             "communication_data_type {} / prescale_gradients / gradient_predivide_factor shape the stage-0 all-reduce; at ZeRO stage {} the gradients are reduce-scattered and the weights gathered in fp32, unscaled",
