@@ -720,6 +720,36 @@ fn bench_under_launch_reports_the_data_parallel_figures() {
     assert_eq!(params, 155_018);
 }
 
+/// `launch -- bench --zero S`: the data-parallel step at ZeRO stages 1 and 2 runs and reports
+/// its stage; the stage is refused where it cannot mean anything.
+#[test]
+fn bench_under_launch_runs_the_zero_stages() {
+    for stage in [1, 2] {
+        let args: Vec<String> = [
+            "launch", "--nproc-per-node=2", &format!("--master-port={}", free_port()), "--", "bench", "--device=cpu",
+            "--model=vit_builtin_default", "--micro=8", "--gas=2", "--steps=2", "--warmup=1", &format!("--zero={stage}"), "--json",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let out = run(&args);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains(&format!("× GAS 2 × ZeRO {stage}")), "{text}");
+        let r = json_line(&out);
+        assert_eq!(r["zero_stage"].as_u64(), Some(stage), "{r}");
+        let step = r["step_ms"].as_f64().unwrap_or(0.0);
+        assert!(step > 0.0 && r["comm_total_ms"].as_f64().unwrap_or(0.0) > 0.0, "{r}");
+    }
+    for (bad, says) in [
+        (vec!["bench", "--device=cpu", "--model=vit_builtin_default", "--zero=1"], "under a launcher"),
+        (vec!["bench", "--device=cpu", "--model=vit_builtin_default", "--zero=3"], "--zero must be 0, 1 or 2"),
+    ] {
+        let out = Command::new(EXE).args(&bad).output().expect("vitscale");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(says), "{bad:?}: {err}");
+    }
+}
+
 /// `selftest` under the launcher checks every collective on every rank (the TCP ring here,
 /// NCCL on GPUs) and passes only when all ranks pass.
 #[test]

@@ -44,6 +44,18 @@ pub enum BackendError {
 
 pub type BResult<T> = Result<T, BackendError>;
 
+/// One piece of a ZeRO rank's shard whose master weights the rank keeps apart from the
+/// whole buffers (`Backend::optimizer_step_shard`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShardPiece {
+    /// Its span of the flat gradient and compute-copy buffers.
+    pub span: Span,
+    /// Offset of its optimizer state in the compact state (laid out as `optimizer_step_pieces`).
+    pub state_off: usize,
+    /// Offset of its f32 master weights in the same compact buffer.
+    pub master_off: usize,
+}
+
 /// One device's implementation of every op. See the module doc for the conventions.
 pub trait Backend: Send + Sync {
     /// A device buffer of elements (f32 on the CPU).
@@ -272,6 +284,16 @@ pub trait Backend: Send + Sync {
     /// folds the global factor into `hyper.grad_scale` (the norm spans every rank's shard).
     #[allow(clippy::too_many_arguments)]
     fn optimizer_step_pieces(&self, params: &mut Self::Buf, grads: &Self::Buf, state: &mut Self::Buf, pieces: &[(Span, usize)], opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()>;
+    /// ZeRO with sharded master weights (a backend whose forward reads a compute copy): the
+    /// update of `optimizer_step_pieces`, except that each piece's f32 master weights are in
+    /// `state` at `master_off` instead of in a whole `params` buffer, and the updated weights
+    /// are written in the compute dtype into `compute` at the piece's span (the copy every
+    /// rank's forward reads, all-gathered afterwards). A backend whose forward reads the f32
+    /// master weights keeps them whole and does not provide this.
+    #[allow(clippy::too_many_arguments)]
+    fn optimizer_step_shard(&self, _state: &mut Self::Buf, _grads: &Self::Buf, _compute: &mut Self::Buf, _pieces: &[ShardPiece], _opt: &OptimizerConfig, _decay: &DecayGroups, _hyper: StepHyper) -> BResult<()> {
+        Err(BackendError::Shape { op: "optimizer_step_shard", msg: format!("{} keeps whole master weights (its forward reads them)", self.name()) })
+    }
     /// Peak bytes of device memory this backend has allocated so far, where it counts them
     /// (the CUDA backend); None where memory is the host's (the CPU backend).
     fn peak_bytes(&self) -> Option<u64> {

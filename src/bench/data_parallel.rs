@@ -27,6 +27,7 @@ use crate::comm::{Comm, Wire};
 use crate::metrics::PhaseTimes;
 use crate::train::step::{GradSync, LocalGrads, Step};
 use crate::train::sync::{BucketPlan, BucketSync, FIRST_BUCKET_ELEMS};
+use crate::train::zero::{ZeroLayout, ZeroSync};
 
 /// What a data-parallel benchmark measured (rank 0's view; step times are the slowest rank's).
 #[derive(Clone, Debug, Serialize)]
@@ -34,6 +35,8 @@ pub struct DataParallelResult {
     pub world: usize,
     pub micro: usize,
     pub gas: usize,
+    /// ZeRO stage of the data-parallel step (0: every rank keeps everything).
+    pub zero_stage: u8,
     /// Whether the ranks share one device (then they also share its compute).
     pub shared_device: bool,
     /// "off", "non-boundary micro-batches" or "every micro-batch".
@@ -174,13 +177,42 @@ pub(super) fn measure<B: Backend>(be: &B, st: &mut Step<B>, comm: &mut dyn Comm<
     st.vit.zero_grads(be)?;
     comm.take_device_timing()?;
 
-    // 3. data parallel
+    // 3. data parallel, at ZeRO stage `args.zero`: from here on this rank keeps only its shard
+    // of the optimizer state (and, with a compute copy, of the master weights)
+    let zero = match args.zero {
+        0 => None,
+        s @ (1 | 2) => {
+            let l = ZeroLayout::new(&plan, &st.optimizer, s, world, rank, true).map_err(|e| anyhow::anyhow!("{e}"))?;
+            let l = if be.needs_compute_copy() { l.with_master_shard() } else { l };
+            let full = be.download(&st.opt_state)?;
+            let mut compact = be.alloc_f32(l.buffer_len())?;
+            be.upload(&mut compact, 0, &l.shard_state(&full).map_err(|e| anyhow::anyhow!("{e}"))?)?;
+            if l.master_shard {
+                let host = st.vit.params_host(be)?;
+                l.seed_master(be, &mut compact, &host).map_err(|e| anyhow::anyhow!("{e}"))?;
+                st.vit.release_master(be)?;
+            }
+            st.opt_state = compact;
+            Some(l)
+        }
+        other => anyhow::bail!("--zero must be 0, 1 or 2, got {other}"),
+    };
     let epoch = Instant::now();
     let dp_step = |st: &mut Step<B>, comm: &mut dyn Comm<B::Buf>, step: u64| -> anyhow::Result<(f64, f64)> {
-        let mut sync = BucketSync::new(comm, &plan, epoch);
-        sync.wire = wire;
-        one_step(be, st, &passes, gas, micro, &mut sync, step)?;
-        Ok((sync.track.times.exposed_s, sync.track.times.total_s))
+        let times = match &zero {
+            Some(l) => {
+                let mut sync = ZeroSync::new(comm, &plan, l, true, epoch);
+                one_step(be, st, &passes, gas, micro, &mut sync, step)?;
+                sync.track.times
+            }
+            None => {
+                let mut sync = BucketSync::new(comm, &plan, epoch);
+                sync.wire = wire;
+                one_step(be, st, &passes, gas, micro, &mut sync, step)?;
+                sync.track.times
+            }
+        };
+        Ok((times.exposed_s, times.total_s))
     };
     for _ in 0..args.warmup.max(1) {
         dp_step(st, comm, step)?;
@@ -213,6 +245,7 @@ pub(super) fn measure<B: Backend>(be: &B, st: &mut Step<B>, comm: &mut dyn Comm<
         world,
         micro,
         gas,
+        zero_stage: args.zero,
         shared_device,
         graph: passes.name().into(),
         wire: if wire.bf16 { "bf16" } else { "fp32" }.into(),
@@ -240,8 +273,12 @@ impl std::fmt::Display for DataParallelResult {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "data parallel: {} ranks × micro {} × GAS {} | {:.2} ms/step | {:.1} img/s global, {:.1} per rank | one rank alone {:.1} img/s | efficiency {:.1} % of {} × one rank",
-            self.world, self.micro, self.gas, self.step_ms, self.global_img_per_s, self.per_rank_img_per_s, self.one_rank_img_per_s, self.efficiency * 100.0, self.world
+            "data parallel: {} ranks × micro {} × GAS {}{} | {:.2} ms/step | {:.1} img/s global, {:.1} per rank | one rank alone {:.1} img/s | efficiency {:.1} % of {} × one rank",
+            self.world,
+            self.micro,
+            self.gas,
+            if self.zero_stage > 0 { format!(" × ZeRO {}", self.zero_stage) } else { String::new() },
+            self.step_ms, self.global_img_per_s, self.per_rank_img_per_s, self.one_rank_img_per_s, self.efficiency * 100.0, self.world
         )?;
         if self.shared_device {
             writeln!(

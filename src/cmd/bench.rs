@@ -63,6 +63,11 @@ pub struct BenchArgs {
     /// Under a launcher: elements per gradient bucket (default: train::sync's, 25 MiB of f32).
     #[arg(long)]
     pub bucket_elems: Option<usize>,
+    /// Under a launcher: the data-parallel step at this ZeRO stage (0, 1 or 2): sharded
+    /// optimizer state (and on a GPU master weights), stage 2 reduce-scatters the gradients;
+    /// the updated weights are all-gathered after the update, as `train` does.
+    #[arg(long, default_value_t = 0)]
+    pub zero: u8,
     /// Print one JSON object as the last line.
     #[arg(long)]
     pub json: bool,
@@ -121,6 +126,15 @@ pub fn run(mut args: BenchArgs) -> anyhow::Result<()> {
         anyhow::bail!("--gas must be at least 1");
     }
     let env = crate::comm::DistEnv::detect()?;
+    if args.zero > 2 {
+        anyhow::bail!("--zero must be 0, 1 or 2, got {}", args.zero);
+    }
+    if args.zero > 0 && env.world_size == 1 {
+        anyhow::bail!("--zero {} shards across ranks: run it under a launcher (vitscale launch --nproc-per-node N -- bench --zero {})", args.zero, args.zero);
+    }
+    if args.zero > 0 && args.comm_dtype != "fp32" {
+        anyhow::bail!("--comm-dtype {}: ZeRO's reduce-scatter and gather stay fp32 (the gradient wire applies at --zero 0)", args.comm_dtype);
+    }
     if args.device == "cpu" {
         check_cpu_memory(&args)?;
     }

@@ -232,8 +232,11 @@ pub struct ForwardOut {
 pub struct Vit<B: Backend> {
     pub cfg: ModelConfig,
     pub table: ParamTable,
-    /// Master weights (f32), laid out by `table`.
+    /// Master weights (f32), laid out by `table`; empty once `release_master` handed them to
+    /// a ZeRO shard (the weights then live in the compute copy and the rank's shard).
     pub params: B::Buf,
+    /// Whether `params` was released (`release_master`).
+    master_released: bool,
     /// Compute-dtype copy of the weights, when the backend computes in a narrower type.
     compute: Option<B::Buf>,
     /// Parameter gradients (f32), same layout as `params`.
@@ -256,7 +259,7 @@ impl<B: Backend> Vit<B> {
         let params = be.alloc_f32(table.total)?;
         let grads = be.alloc_f32(table.total)?;
         let compute = if be.needs_compute_copy() { Some(be.alloc(table.total)?) } else { None };
-        Ok(Vit { cfg, table, params, compute, grads, acts: None, recompute: Recompute::Auto, unread_inputs: None, pending_backward: 0, class_token_tail: true })
+        Ok(Vit { cfg, table, params, master_released: false, compute, grads, acts: None, recompute: Recompute::Auto, unread_inputs: None, pending_backward: 0, class_token_tail: true })
     }
 
     /// Replaces all weights from a host vector in table layout.
@@ -267,13 +270,44 @@ impl<B: Backend> Vit<B> {
                 msg: format!("{} values for {} parameters", host.len(), self.table.total),
             });
         }
+        self.check_master("set_params")?;
         be.upload(&mut self.params, 0, host)?;
         self.params_changed(be)
+    }
+
+    /// Frees the whole f32 master weights: a ZeRO rank that keeps its own shard of them
+    /// (`train::zero`) and writes the compute copy directly. Only where the forward reads a
+    /// compute copy; afterwards `params_host`, `set_params` and `update` are errors.
+    pub fn release_master(&mut self, be: &B) -> BResult<()> {
+        if self.compute.is_none() {
+            return Err(crate::backend::BackendError::Shape { op: "release_master", msg: "the forward reads the master weights (no compute copy)".into() });
+        }
+        self.params = be.alloc_f32(1)?;
+        self.master_released = true;
+        Ok(())
+    }
+
+    /// Whether the whole master weights were released to a ZeRO shard.
+    pub fn master_released(&self) -> bool {
+        self.master_released
+    }
+
+    /// The gradients and the compute copy (None where the forward reads the master weights).
+    pub fn grads_and_compute(&mut self) -> (&B::Buf, Option<&mut B::Buf>) {
+        (&self.grads, self.compute.as_mut())
+    }
+
+    fn check_master(&self, op: &'static str) -> BResult<()> {
+        match self.master_released {
+            true => Err(crate::backend::BackendError::Shape { op, msg: "the master weights are sharded across ranks (ZeRO): gather them first".into() }),
+            false => Ok(()),
+        }
     }
 
     /// One optimizer step on the accumulated gradients, which also refreshes the compute copy
     /// (no `params_changed` needed after it).
     pub fn update(&mut self, be: &B, state: &mut B::Buf, opt: &crate::core::OptimizerConfig, decay: &crate::core::DecayGroups, hyper: crate::backend::StepHyper) -> BResult<()> {
+        self.check_master("update")?;
         match self.compute.as_mut() {
             Some(c) => be.optimizer_step_cast(&mut self.params, &self.grads, state, c, opt, decay, hyper),
             None => be.optimizer_step(&mut self.params, &self.grads, state, opt, decay, hyper),
@@ -282,6 +316,7 @@ impl<B: Backend> Vit<B> {
 
     /// Must be called after the master weights change otherwise (load, direct writes).
     pub fn params_changed(&mut self, be: &B) -> BResult<()> {
+        self.check_master("params_changed")?;
         if let Some(c) = self.compute.as_mut() {
             be.cast(c, &self.params)?;
         }
@@ -289,6 +324,7 @@ impl<B: Backend> Vit<B> {
     }
 
     pub fn params_host(&self, be: &B) -> BResult<Vec<f32>> {
+        self.check_master("params_host")?;
         be.download(&self.params)
     }
 

@@ -227,9 +227,12 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     let zero_stage = cfg.zero_stage;
     let zero = match zero_stage {
         0 => None,
-        s => Some(ZeroLayout::new(&buckets, &cfg.optimizer, s, world, rank, cfg.zero_reduce_scatter)?),
+        // where the forward reads a compute copy, nobody needs the whole f32 weights
+        s => Some(ZeroLayout::new(&buckets, &cfg.optimizer, s, world, rank, cfg.zero_reduce_scatter)?)
+            .map(|z| if be.needs_compute_copy() { z.with_master_shard() } else { z }),
     };
-    let state_len = zero.as_ref().map_or(optimizer_state_len(&cfg.optimizer, num_params), |z| z.state_len);
+    let state_len = zero.as_ref().map_or(optimizer_state_len(&cfg.optimizer, num_params), |z| z.buffer_len());
+    let master_in_state = zero.as_ref().filter(|z| z.master_shard).map_or(0, |z| z.owned_len());
     let mut st = Step::with_state_len(be, vit, cfg.optimizer.clone(), decay, cfg.gradient_clipping, plan.clone(), state_len)?;
     if opts.trace.is_some() {
         st.trace = Some(Trace::new(rank, t_start));
@@ -242,7 +245,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         stage: zero_stage,
         world_size: world,
         params: num_params,
-        accounted: MemoryBytes::account(be, &st.vit, &st.opt_state),
+        accounted: MemoryBytes::account(be, &st.vit, &st.opt_state, master_in_state),
         predicted: MemoryBytes::predict(num_params, optimizer_state_len(&cfg.optimizer, 1), compute_copy, zero_stage, world),
         measured_peak,
     };
@@ -252,6 +255,13 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         match &zero {
             Some(z) => z.gather_state(be, comm, &st.opt_state),
             None => Ok(be.download(&st.opt_state)?),
+        }
+    };
+    // The whole f32 weights (a collective when ZeRO shards the master weights).
+    let full_params = |st: &Step<B>, comm: &mut dyn Comm<B::Buf>| -> Result<Vec<f32>, TrainError> {
+        match &zero {
+            Some(z) if z.master_shard => z.gather_master(be, comm, &st.opt_state),
+            _ => Ok(st.vit.params_host(be)?),
         }
     };
 
@@ -290,6 +300,12 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
             let olen = be.len(&st.opt_state);
             comm.broadcast(&mut st.opt_state, Span { off: 0, len: olen }, 0)?;
         }
+    }
+    // a master shard: this rank's pieces of rank 0's weights, then the whole copy goes
+    if let Some(z) = zero.as_ref().filter(|z| z.master_shard) {
+        let host = st.vit.params_host(be)?;
+        z.seed_master(be, &mut st.opt_state, &host)?;
+        st.vit.release_master(be)?;
     }
     let k = cfg.model.num_classes;
     let (micro, gas) = (plan.micro_batch, plan.gradient_accumulation_steps);
@@ -488,7 +504,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         let mut saved = None;
         let mut host_state = None;
         if agree_now {
-            let (p, o) = (st.vit.params_host(be)?, full_state(&st, &mut *comm)?);
+            let (p, o) = (full_params(&st, &mut *comm)?, full_state(&st, &mut *comm)?);
             let h = agree::check(comm, step + 1, &p, &o)?;
             if last_step {
                 final_hash = Some(h);
@@ -510,7 +526,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
             let (p, o) = match host_state.take() {
                 Some(state) => state,
                 // one rank (more ranks agreed above): nothing to gather from others
-                None => (st.vit.params_host(be)?, full_state(&st, &mut *comm)?),
+                None => (full_params(&st, &mut *comm)?, full_state(&st, &mut *comm)?),
             };
             saved = Some(run.checkpoint(step + 1, &st.vit.table, &p, cfg, &o, &state)?);
         }
@@ -626,7 +642,8 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         Some(h) => h,
         None => {
             let o = full_state(&st, &mut *comm)?;
-            agree::check(comm, total_steps, &st.vit.params_host(be)?, &o)?
+            let p = full_params(&st, &mut *comm)?;
+            agree::check(comm, total_steps, &p, &o)?
         }
     };
     let mut mem = serde_json::to_value(memory(be.peak_bytes(), &st)).map_err(|e| TrainError::Config(e.to_string()))?;
@@ -637,8 +654,12 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         None => evaluate_with(be, &mut st.vit, &val_set, cfg, cfg.train.eval_batch_size, comm)?,
     };
     // one file for the job, from rank 0, now that every rank is known to hold these weights.
-    if let Some(path) = opts.save_weights.as_ref().filter(|_| rank == 0) {
-        weights::save(path, &st.vit.table, &st.vit.cfg, &st.vit.params_host(be)?)?;
+    // (every rank is given the same --save-weights: all of them take part in a gather)
+    if let Some(path) = opts.save_weights.as_ref() {
+        let p = full_params(&st, &mut *comm)?;
+        if rank == 0 {
+            weights::save(path, &st.vit.table, &st.vit.cfg, &p)?;
+        }
     }
     let summary = TrainSummary {
         val_top1: ev.top1,

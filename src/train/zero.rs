@@ -19,21 +19,30 @@
 //!              + all-reduce its tail
 //! boundary: wait → Σ g² of the owned shards, all-reduced (+ the tails once) → clip factor
 //!           → optimizer on the owned pieces → all-gather every bucket's prefix of the
-//!           f32 weights → refresh the compute copy
+//!           weights the forward reads
 //! ```
+//!
+//! What is gathered depends on the backend. The CPU's forward reads the f32 weights, so every
+//! rank keeps them whole and the gather moves f32 values. A GPU's forward reads a bf16 compute
+//! copy: there a rank keeps only its pieces of the f32 master weights, after its optimizer
+//! state in one compact buffer (`with_master_shard`), releases the whole f32 weights, and its
+//! update writes the bf16 copy of its pieces, which the ranks all-gather (2 bytes a value).
+//! Each value a rank receives is the owner's bf16 rounding of the same f32 master value that
+//! stage 0 would round, so the compute copy is stage 0's bit for bit.
 //!
 //! Clipping is the stage-0 rule (`StepHyper::effective_grad_scale`) applied to the global norm,
 //! so the update is stage 0's up to the order of the f64 sum of squares. Computing that norm
 //! reads one number back to the host (every rank must know it before its update): with
 //! `gradient_clipping` on, a step at stage 1/2 has one host synchronization that stage 0 on a
-//! GPU does not. Checkpoints hold the gathered state (`gather_state`), in the stage-0 format,
-//! so any stage at any world size resumes from any checkpoint (`shard_state`).
+//! GPU does not. Checkpoints hold the gathered state (`gather_state`, `gather_master`), in the
+//! stage-0 format, so any stage at any world size resumes from any checkpoint (`shard_state`,
+//! `seed_master`).
 
 use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::backend::{optimizer_state_len, Backend, DecayGroups, Span, StepHyper};
+use crate::backend::{optimizer_state_len, Backend, DecayGroups, ShardPiece, Span, StepHyper};
 use crate::comm::{shard, Collective, Comm, ReduceOp, Work};
 use crate::config::OptimizerConfig;
 use crate::model::Vit;
@@ -61,6 +70,10 @@ pub struct ZeroLayout {
     pub state_len: usize,
     /// Stage 2 reduce-scatters (`zero_optimization.reduce_scatter`); false: all-reduce.
     pub reduce_scatter: bool,
+    /// Whether this rank keeps only its pieces of the f32 master weights, after its optimizer
+    /// state in the same compact buffer (`with_master_shard`: where the forward reads a compute
+    /// copy, so the whole f32 weights are needed by nobody).
+    pub master_shard: bool,
 }
 
 impl ZeroLayout {
@@ -84,7 +97,102 @@ impl ZeroLayout {
                 }
             }
         }
-        Ok(ZeroLayout { stage, world, rank, total: plan.total(), per_param, parts, pieces, state_len, reduce_scatter })
+        Ok(ZeroLayout { stage, world, rank, total: plan.total(), per_param, parts, pieces, state_len, reduce_scatter, master_shard: false })
+    }
+
+    /// The same layout with this rank's pieces of the master weights kept after its optimizer
+    /// state (`buffer_len` grows by the owned elements), for a backend whose forward reads a
+    /// compute copy: the whole f32 weights are then released (`Vit::release_master`), the
+    /// update writes the compute copy of the owned pieces, and the ranks all-gather that copy
+    /// (bf16 on a GPU: half the bytes of the f32 weights).
+    pub fn with_master_shard(mut self) -> Self {
+        self.master_shard = true;
+        self
+    }
+
+    /// Elements this rank owns (its shards and the replicated tails).
+    pub fn owned_len(&self) -> usize {
+        self.pieces.iter().map(|(s, _)| s.len).sum()
+    }
+
+    /// Elements of the compact buffer: the optimizer state, then (with a master shard) the
+    /// owned master weights.
+    pub fn buffer_len(&self) -> usize {
+        self.state_len + if self.master_shard { self.owned_len() } else { 0 }
+    }
+
+    /// The owned pieces with the offsets of their state and master weights in the compact
+    /// buffer (the master offsets are meaningful with `master_shard`).
+    pub fn shard_pieces(&self) -> Vec<ShardPiece> {
+        let mut at = self.state_len;
+        self.pieces
+            .iter()
+            .map(|&(span, state_off)| {
+                let p = ShardPiece { span, state_off, master_off: at };
+                at += span.len;
+                p
+            })
+            .collect()
+    }
+
+    /// The compact buffer's master part cut from whole weights (`total` values).
+    pub fn shard_master(&self, full: &[f32]) -> Result<Vec<f32>, TrainError> {
+        if full.len() != self.total {
+            return Err(TrainError::Config(format!("{} weights, expected {}", full.len(), self.total)));
+        }
+        Ok(self.pieces.iter().flat_map(|&(span, _)| full[span.range()].iter().copied()).collect())
+    }
+
+    /// Writes this rank's pieces of whole weights into the master part of its compact buffer.
+    pub fn seed_master<B: Backend>(&self, be: &B, buffer: &mut B::Buf, full: &[f32]) -> Result<(), TrainError> {
+        if !self.master_shard {
+            return Err(TrainError::Config("seed_master on a layout that keeps whole master weights".into()));
+        }
+        be.upload(buffer, self.state_len, &self.shard_master(full)?)?;
+        Ok(())
+    }
+
+    /// The whole f32 master weights assembled from every rank's master shard (a collective,
+    /// as `gather_state`).
+    pub fn gather_master<B: Backend>(&self, be: &B, comm: &mut dyn Comm<B::Buf>, buffer: &B::Buf) -> Result<Vec<f32>, TrainError> {
+        let compact = self.download_buffer(be, buffer)?;
+        let mut full = vec![0.0; self.total];
+        for (p, (span, _)) in self.shard_pieces().iter().zip(&self.pieces) {
+            full[span.range()].copy_from_slice(&compact[p.master_off..p.master_off + span.len]);
+        }
+        self.all_gather_components(be, comm, &mut full, 1)?;
+        Ok(full)
+    }
+
+    fn download_buffer<B: Backend>(&self, be: &B, buffer: &B::Buf) -> Result<Vec<f32>, TrainError> {
+        let compact = be.download(buffer)?;
+        if compact.len() != self.buffer_len() {
+            return Err(TrainError::Config(format!("rank {}: sharded optimizer buffer of {} values, the layout expects {}", self.rank, compact.len(), self.buffer_len())));
+        }
+        Ok(compact)
+    }
+
+    /// Every rank's shard of each bucket prefix into `full` (`components` consecutive arrays
+    /// of `total` values, each laid out as the flat buffers), every rank's own shard already
+    /// in place. The shards travel one bucket at a time through a device buffer of the
+    /// largest bucket, so this adds no more than that to the device's memory.
+    fn all_gather_components<B: Backend>(&self, be: &B, comm: &mut dyn Comm<B::Buf>, full: &mut [f32], components: usize) -> Result<(), TrainError> {
+        if self.world == 1 {
+            return Ok(());
+        }
+        let widest = self.parts.iter().map(|(p, _)| p.len).max().unwrap_or(0);
+        let mut buf = be.alloc_f32(widest.max(1))?;
+        for c in 0..components {
+            for &(prefix, _) in self.parts.iter().filter(|(p, _)| p.len > 0) {
+                let at = c * self.total + prefix.off;
+                let mine = shard(Span { off: 0, len: prefix.len }, self.world, self.rank);
+                be.upload(&mut buf, mine.off, &full[at + mine.off..at + mine.off + mine.len])?;
+                comm.all_gather(&mut buf, Span { off: 0, len: prefix.len })?;
+                let got = be.download(&buf)?;
+                full[at..at + prefix.len].copy_from_slice(&got[..prefix.len]);
+            }
+        }
+        Ok(())
     }
 
     /// Whether the boundary reduce-scatters (stage 2 with `reduce_scatter`).
@@ -133,31 +241,12 @@ impl ZeroLayout {
     }
 
     /// The whole optimizer state, assembled from every rank's shard (a collective: every rank
-    /// calls it and gets the same values). The shards travel one bucket at a time through a
-    /// device buffer of the largest bucket, so a checkpoint adds no more than that to the
-    /// device's memory; the whole state is assembled on the host.
+    /// calls it and gets the same values); assembled on the host.
     pub fn gather_state<B: Backend>(&self, be: &B, comm: &mut dyn Comm<B::Buf>, state: &B::Buf) -> Result<Vec<f32>, TrainError> {
-        let compact = be.download(state)?;
-        if compact.len() != self.state_len {
-            return Err(TrainError::Config(format!("rank {}: sharded optimizer state of {} values, the layout expects {}", self.rank, compact.len(), self.state_len)));
-        }
+        let compact = self.download_buffer(be, state)?;
         let mut full = vec![0.0; self.full_state_len()];
-        self.place_state(&compact, &mut full);
-        if self.world == 1 {
-            return Ok(full);
-        }
-        let widest = self.parts.iter().map(|(p, _)| p.len).max().unwrap_or(0);
-        let mut buf = be.alloc_f32(widest.max(1))?;
-        for c in 0..self.per_param {
-            for &(prefix, _) in self.parts.iter().filter(|(p, _)| p.len > 0) {
-                let at = c * self.total + prefix.off;
-                let mine = shard(Span { off: 0, len: prefix.len }, self.world, self.rank);
-                be.upload(&mut buf, mine.off, &full[at + mine.off..at + mine.off + mine.len])?;
-                comm.all_gather(&mut buf, Span { off: 0, len: prefix.len })?;
-                let got = be.download(&buf)?;
-                full[at..at + prefix.len].copy_from_slice(&got[..prefix.len]);
-            }
-        }
+        self.place_state(&compact[..self.state_len], &mut full);
+        self.all_gather_components(be, comm, &mut full, self.per_param)?;
         Ok(full)
     }
 }
@@ -251,26 +340,41 @@ impl<B: Backend> GradSync<B> for ZeroSync<'_, B::Buf> {
             _ => hyper.grad_scale,
         };
         let sharded = StepHyper { grad_scale, clip_norm: 0.0, ..hyper };
-        be.optimizer_step_pieces(&mut vit.params, &vit.grads, state, &l.pieces, opt, decay, sharded)?;
-        // every rank's updated shards to every rank
+        // Every rank's updated shards to every rank: the compute copy (bf16 on a GPU) when the
+        // master weights are sharded too, else the f32 weights (which the CPU's forward reads).
+        // Bytes count as the all-reduce of the same values would (see `start_bucket`): half
+        // each for the f32 gather, a quarter for a 2-byte one.
+        let gathered: &mut B::Buf = if l.master_shard {
+            let pieces = l.shard_pieces();
+            let (grads, compute) = vit.grads_and_compute();
+            let compute = compute.ok_or_else(|| TrainError::Config("ZeRO master shard without a compute copy".into()))?;
+            be.optimizer_step_shard(state, grads, compute, &pieces, opt, decay, sharded)?;
+            compute
+        } else {
+            be.optimizer_step_pieces(&mut vit.params, &vit.grads, state, &l.pieces, opt, decay, sharded)?;
+            &mut vit.params
+        };
+        let per_elem = if l.master_shard { 1 } else { 2 };
         let t = Instant::now();
         let mut bytes = 0u64;
         if l.world > 1 {
             let mut works = Vec::new();
             for &(prefix, _) in l.parts.iter().filter(|(p, _)| p.len > 0) {
-                works.push(self.start(Collective::AllGather, &mut vit.params, prefix)?);
-                bytes += (prefix.len * 2) as u64;
+                works.push(self.start(Collective::AllGather, gathered, prefix)?);
+                bytes += (prefix.len * per_elem) as u64;
             }
             self.comm.begin_waits()?;
             for w in works {
-                self.comm.wait(w, &mut vit.params)?;
+                self.comm.wait(w, gathered)?;
             }
             self.comm.end_waits()?;
         }
         let comm_s = t.elapsed().as_secs_f64();
         self.track.times.total_s += comm_s;
         self.track.times.exposed_s += comm_s;
-        vit.params_changed(be)?;
+        if !l.master_shard {
+            vit.params_changed(be)?;
+        }
         Ok(Updated { norm: if read_norm { norm } else { None }, bytes, comm_s })
     }
 }
@@ -328,8 +432,8 @@ impl<B: Backend> GradSync<B> for AnySync<'_, B::Buf> {
 /// stage from these (`config.json`'s `"memory"`).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct MemoryBytes {
-    /// f32 weights: the master copy (stage 0) or the gathered working copy with this rank's
-    /// master shard inside it (stages 1/2), which the CPU's forward reads.
+    /// f32 weights: the whole master copy (stage 0, and the CPU at every stage: its forward
+    /// reads them, gathered), or this rank's master shard (stages 1/2 with a compute copy).
     pub weights: u64,
     /// The compute-dtype copy the GPU's forward reads (bf16), 0 where the forward reads f32.
     pub compute_copy: u64,
@@ -345,19 +449,24 @@ impl MemoryBytes {
     }
 
     /// What a stage predicts for `params` parameters on `world` ranks: the optimizer state
-    /// divided by the world size at stages 1/2 (`per_param` f32 values per parameter), every
-    /// other buffer whole.
+    /// divided by the world size at stages 1/2 (`per_param` f32 values per parameter), and
+    /// where the forward reads a compute copy, the f32 master weights too; every other buffer
+    /// whole.
     pub fn predict(params: usize, per_param: usize, compute_copy: bool, stage: u8, world: usize) -> Self {
         let p = params as u64;
-        let state = (per_param as u64) * 4 * p;
-        let state = if stage >= 1 { state.div_ceil(world.max(1) as u64) } else { state };
-        MemoryBytes::new(4 * p, if compute_copy { 2 * p } else { 0 }, 4 * p, state)
+        let split = |bytes: u64| if stage >= 1 { bytes.div_ceil(world.max(1) as u64) } else { bytes };
+        let weights = if compute_copy { split(4 * p) } else { 4 * p };
+        MemoryBytes::new(weights, if compute_copy { 2 * p } else { 0 }, 4 * p, split((per_param as u64) * 4 * p))
     }
 
-    /// What this rank holds: the lengths of its buffers.
-    pub fn account<B: Backend>(be: &B, vit: &Vit<B>, state: &B::Buf) -> Self {
-        let p = be.len(&vit.params) as u64;
-        MemoryBytes::new(4 * p, if be.needs_compute_copy() { 2 * p } else { 0 }, 4 * be.len(&vit.grads) as u64, 4 * be.len(state) as u64)
+    /// What this rank holds: the lengths of its buffers (`master_in_state`: elements of the
+    /// state buffer that are this rank's master weights, under a ZeRO master shard).
+    pub fn account<B: Backend>(be: &B, vit: &Vit<B>, state: &B::Buf, master_in_state: usize) -> Self {
+        let whole = if vit.master_released() { 0 } else { be.len(&vit.params) as u64 };
+        let p = vit.table.total as u64;
+        let master = whole + master_in_state as u64;
+        let state = (be.len(state) - master_in_state) as u64;
+        MemoryBytes::new(4 * master, if be.needs_compute_copy() { 2 * p } else { 0 }, 4 * be.len(&vit.grads) as u64, 4 * state)
     }
 }
 
@@ -459,6 +568,55 @@ mod tests {
             let pred = MemoryBytes::predict(vit.table.total, 2, false, 1, world);
             assert_eq!(pred.optimizer_state, (8 * vit.table.total as u64).div_ceil(world as u64));
             assert_eq!(pred.total, pred.weights + pred.gradients + pred.optimizer_state);
+            // with a compute copy the f32 master weights are split too: 12 bytes a parameter
+            let gpu = MemoryBytes::predict(vit.table.total, 2, true, 1, world);
+            let p = vit.table.total as u64;
+            assert_eq!(MemoryBytes::predict(vit.table.total, 2, true, 0, world).total - gpu.total, 12 * p - (4 * p).div_ceil(world as u64) - (8 * p).div_ceil(world as u64));
         }
+    }
+
+    #[test]
+    fn master_shards_follow_the_state_and_cover_every_weight() {
+        let p = plan();
+        let full: Vec<f32> = (0..p.total()).map(|i| i as f32 + 0.5).collect();
+        for world in [1, 2, 3, 4] {
+            let mut seen = vec![0usize; p.total()];
+            for rank in 0..world {
+                let l = ZeroLayout::new(&p, &adam(), 2, world, rank, true).unwrap().with_master_shard();
+                assert_eq!(l.buffer_len(), l.state_len + l.owned_len());
+                let mine = l.shard_master(&full).unwrap();
+                assert_eq!(mine.len(), l.owned_len());
+                let pieces = l.shard_pieces();
+                for (q, &(span, state_off)) in pieces.iter().zip(&l.pieces) {
+                    assert_eq!((q.span, q.state_off), (span, state_off));
+                    assert!(q.master_off >= l.state_len && q.master_off + span.len <= l.buffer_len());
+                    assert_eq!(&mine[q.master_off - l.state_len..][..span.len], &full[span.range()]);
+                    span.range().for_each(|i| seen[i] += 1);
+                }
+                // consecutive, no overlap
+                for w in pieces.windows(2) {
+                    assert_eq!(w[0].master_off + w[0].span.len, w[1].master_off);
+                }
+                assert!(l.shard_master(&full[1..]).is_err());
+            }
+            let l = ZeroLayout::new(&p, &adam(), 2, world, 0, true).unwrap();
+            for &(prefix, tail) in &l.parts {
+                assert!(prefix.range().all(|i| seen[i] == 1), "world {world}: a shard owned twice or never");
+                assert!(tail.range().all(|i| seen[i] == world), "world {world}: a tail not on every rank");
+            }
+        }
+    }
+
+    #[test]
+    fn one_rank_gathers_the_master_shard_it_was_seeded_with() {
+        let p = plan();
+        let be = crate::backend::cpu::Cpu::new();
+        let full: Vec<f32> = (0..p.total()).map(|_| rand::random::<f32>()).collect();
+        let l = ZeroLayout::new(&p, &sgd(), 1, 1, 0, true).unwrap().with_master_shard();
+        let mut buf = be.alloc_f32(l.buffer_len()).unwrap();
+        l.seed_master(&be, &mut buf, &full).unwrap();
+        let mut comm = crate::comm::SingleComm::new();
+        assert_eq!(l.gather_master(&be, &mut comm, &buf).unwrap(), full);
+        assert!(ZeroLayout::new(&p, &sgd(), 1, 1, 0, true).unwrap().seed_master(&be, &mut buf, &full).is_err());
     }
 }

@@ -69,7 +69,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 
 use self::device::{dev, Scratch, Staging};
 use self::gemm::{Gemm, Ty};
-use super::{BResult, Backend, BackendError, DecayGroups, GeluSaved, Span, StepHyper};
+use super::{BResult, Backend, BackendError, DecayGroups, GeluSaved, ShardPiece, Span, StepHyper};
 use crate::core::OptimizerConfig;
 
 /// One GPU behind the `Backend` trait (see the module doc).
@@ -339,6 +339,10 @@ impl Backend for Cuda {
 
     fn optimizer_step_pieces(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, pieces: &[(Span, usize)], opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()> {
         self.optimizer_step_pieces_impl(params, grads, state, pieces, opt, decay, hyper)
+    }
+
+    fn optimizer_step_shard(&self, state: &mut CudaBuf, grads: &CudaBuf, compute: &mut CudaBuf, pieces: &[ShardPiece], opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()> {
+        self.optimizer_step_shard_impl(state, grads, compute, pieces, opt, decay, hyper)
     }
 
     fn peak_bytes(&self) -> Option<u64> {

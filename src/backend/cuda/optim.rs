@@ -7,7 +7,7 @@ use cudarc::driver::result as dr;
 use super::device::{check_f32, check_len, check_span, dev, kargs, CudaBuf, THREADS};
 use super::gemm::Ty;
 use super::Cuda;
-use crate::backend::{BResult, Backend, BackendError, DecayGroups, Span, StepHyper};
+use crate::backend::{BResult, Backend, BackendError, DecayGroups, ShardPiece, Span, StepHyper};
 use crate::core::{optimizer_state_len, OptimizerConfig};
 
 /// Parameters per block of the optimizer kernels (8 rounds of their 4-element loads).
@@ -98,6 +98,33 @@ impl Cuda {
             check_len(OP, "state", state, soff + slen)?;
             let v = state.at(soff + span.len);
             self.optimizer_launch(params.at(span.off), grads.at(span.off), state.at(soff), v, 0, span.len, opt, &decay.restrict(span), hyper, 0, 0.0)?;
+        }
+        Ok(())
+    }
+
+    /// `Backend::optimizer_step_shard`: per piece, the update kernel with its master weights
+    /// and state at offsets of the compact buffer, writing the bf16 weights into the compute
+    /// copy at the piece's span as it goes (the same kernel, so the same values, as stage 0).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn optimizer_step_shard_impl(&self, state: &mut CudaBuf, grads: &CudaBuf, compute: &mut CudaBuf, pieces: &[ShardPiece], opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()> {
+        self.flush_partial_sums()?;
+        const OP: &str = "optimizer_step_shard";
+        check_f32(OP, "grads", grads)?;
+        check_f32(OP, "state", state)?;
+        if compute.ty != Ty::Bf16 {
+            return Err(BackendError::Shape { op: OP, msg: "the compute copy must be bf16".into() });
+        }
+        check_len(OP, "compute copy", compute, grads.len)?;
+        if hyper.clip_norm > 0.0 {
+            return Err(BackendError::Shape { op: OP, msg: "clips nothing itself: fold the global clipping factor into grad_scale".into() });
+        }
+        for p in pieces {
+            check_span(OP, "piece", grads, p.span)?;
+            check_len(OP, "state", state, p.state_off + optimizer_state_len(opt, p.span.len))?;
+            check_len(OP, "state (master weights)", state, p.master_off + p.span.len)?;
+            let v = state.at(p.state_off + p.span.len);
+            let (master, g, m, pc) = (state.at(p.master_off), grads.at(p.span.off), state.at(p.state_off), compute.at(p.span.off));
+            self.optimizer_launch(master, g, m, v, pc, p.span.len, opt, &decay.restrict(p.span), hyper, 0, 0.0)?;
         }
         Ok(())
     }
