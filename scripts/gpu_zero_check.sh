@@ -10,8 +10,10 @@
 #   2. memory: ViT-B/16, micro 64, 3 steps on synthetic data, at 1/2/4 ranks and stages
 #      0/1/2: per rank the accounted bytes, the predicted bytes and the device's measured peak
 #      (the run's "memory" record). Passes when the measured drop from stage 0 to stage 1/2
-#      at the same world size is within 10 % of the predicted drop (the optimizer state's
-#      8 bytes/param × (1 − 1/N) for AdamW, plus the replicated tails).
+#      at the same world size is within 10 % of the predicted drop (AdamW's state and the f32
+#      master weights: 12 bytes/param × (1 − 1/N), plus the replicated tails);
+#   3. (reported, not a pass condition) 2 ranks, stages 1/2 against stage 0 without clipping:
+#      how far the stages part when the global norm's summation order is out of the picture.
 #   Results: one JSON line per check on stdout, the table in OUT/memory.json.
 #
 #   scripts/gpu_zero_check.sh [BIN] [OUTDIR]     (SKIP_MEMORY=1: part 1 only; SKIP_EQUAL=1: part 2 only)
@@ -74,6 +76,16 @@ if [ "${SKIP_EQUAL:-0}" != 1 ]; then
       compare "$OUT/w${n}_s$s" "$OUT/one_s0" "$n ranks stage $s vs 1 rank stage 0" 2e-2 2e-2 "$n" || fail=1
       compare "$OUT/w${n}_s$s" "$OUT/w${n}_s0" "$n ranks stage $s vs $n ranks stage 0" 1e-2 1e-2 "$n" || fail=1
     done
+  done
+fi
+
+if [ "${SKIP_EQUAL:-0}" != 1 ]; then
+  echo "== 3. without clipping (reported only)"
+  for s in 0 1 2; do
+    run 2 "$s" "$OUT/noclip_s$s" "${eq[@]}" --set gradient_clipping=0 || fail=1
+  done
+  for s in 1 2; do
+    compare "$OUT/noclip_s$s" "$OUT/noclip_s0" "2 ranks stage $s vs stage 0, no clipping (reported)" 1 1 2 || true
   done
 fi
 

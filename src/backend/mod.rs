@@ -299,6 +299,8 @@ pub trait Backend: Send + Sync {
     fn peak_bytes(&self) -> Option<u64> {
         None
     }
+    /// Starts `peak_bytes` again from what is held now (a benchmark phase's own peak).
+    fn reset_peak_bytes(&self) {}
     /// `optimizer_step`, then `compute` ← `cast` of the updated weights (the compute-dtype
     /// copy the forward reads). A backend may do both in one pass over the weights.
     #[allow(clippy::too_many_arguments)]

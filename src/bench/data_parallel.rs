@@ -62,6 +62,9 @@ pub struct DataParallelResult {
     pub overlap_target_ms: f64,
     pub overlap_met: bool,
     pub bytes_per_step: u64,
+    /// The highest peak of device memory any rank's backend held during the data-parallel
+    /// phase (None where the backend keeps no count: the CPU).
+    pub peak_mem_gib: Option<f64>,
     /// Bus bandwidth of the all-reduce alone (nccl-tests' definition: algbw × 2(N − 1)/N).
     pub allreduce_bus_gb_s: f64,
 }
@@ -197,11 +200,15 @@ pub(super) fn measure<B: Backend>(be: &B, st: &mut Step<B>, comm: &mut dyn Comm<
         }
         other => anyhow::bail!("--zero must be 0, 1 or 2, got {other}"),
     };
+    // this phase's own peak (the one-rank phase held the whole state)
+    be.synchronize()?;
+    be.reset_peak_bytes();
     let epoch = Instant::now();
     let dp_step = |st: &mut Step<B>, comm: &mut dyn Comm<B::Buf>, step: u64| -> anyhow::Result<(f64, f64)> {
         let times = match &zero {
             Some(l) => {
                 let mut sync = ZeroSync::new(comm, &plan, l, true, epoch);
+                sync.wire = wire;
                 one_step(be, st, &passes, gas, micro, &mut sync, step)?;
                 sync.track.times
             }
@@ -233,6 +240,10 @@ pub(super) fn measure<B: Backend>(be: &B, st: &mut Step<B>, comm: &mut dyn Comm<
     let mut step_ms = vec![0f64; world];
     step_ms[rank] = ms_since(t) / args.steps as f64;
     let (exposed_s, total_s) = comm.take_device_timing()?.unwrap_or((host_exposed, host_total));
+    let mut peaks = vec![0f64; world];
+    peaks[rank] = be.peak_bytes().map_or(-1.0, |b| b as f64);
+    comm.all_reduce_host(&mut peaks)?;
+    let peak = [peaks.iter().copied().fold(f64::NEG_INFINITY, f64::max)];
     comm.all_reduce_host(&mut step_ms)?;
     let step_ms = step_ms.iter().copied().fold(0.0, f64::max);
 
@@ -265,6 +276,7 @@ pub(super) fn measure<B: Backend>(be: &B, st: &mut Step<B>, comm: &mut dyn Comm<
         overlap_target_ms: target,
         overlap_met: exposed_ms <= target,
         bytes_per_step: bytes,
+        peak_mem_gib: (peak[0] >= 0.0).then(|| peak[0] / (1u64 << 30) as f64),
         allreduce_bus_gb_s: algbw * 2.0 * (world as f64 - 1.0) / world as f64,
     })
 }
@@ -303,10 +315,11 @@ impl std::fmt::Display for DataParallelResult {
         )?;
         write!(
             f,
-            "overlap target: exposed ≤ max(0, all-reduce − backward) + 10 % of the all-reduce = {:.2} ms: {} | graph: {}",
+            "overlap target: exposed ≤ max(0, all-reduce − backward) + 10 % of the all-reduce = {:.2} ms: {} | graph: {}{}",
             self.overlap_target_ms,
             if self.overlap_met { "met" } else { "missed" },
-            self.graph
+            self.graph,
+            self.peak_mem_gib.map_or(String::new(), |g| format!(" | peak memory per rank {g:.2} GiB"))
         )
     }
 }

@@ -57,7 +57,7 @@ pub struct BenchArgs {
     /// Micro-batches per optimizer step (gradient accumulation).
     #[arg(long, default_value_t = 1)]
     pub gas: usize,
-    /// Under a launcher (several ranks): the gradient all-reduce's data type, fp32 or bf16.
+    /// Under a launcher (several ranks): the gradient reduction's data type, fp32 or bf16.
     #[arg(long, default_value = "fp32")]
     pub comm_dtype: String,
     /// Under a launcher: elements per gradient bucket (default: train::sync's, 25 MiB of f32).
@@ -132,8 +132,8 @@ pub fn run(mut args: BenchArgs) -> anyhow::Result<()> {
     if args.zero > 0 && env.world_size == 1 {
         anyhow::bail!("--zero {} shards across ranks: run it under a launcher (vitscale launch --nproc-per-node N -- bench --zero {})", args.zero, args.zero);
     }
-    if args.zero > 0 && args.comm_dtype != "fp32" {
-        anyhow::bail!("--comm-dtype {}: ZeRO's reduce-scatter and gather stay fp32 (the gradient wire applies at --zero 0)", args.comm_dtype);
+    if args.zero > 0 && args.comm_dtype != "fp32" && args.device == "cpu" {
+        anyhow::bail!("--comm-dtype {}: CPU ranks reduce-scatter in fp32 (the bf16 wire applies at --zero 0, and at every stage on GPUs)", args.comm_dtype);
     }
     if args.device == "cpu" {
         check_cpu_memory(&args)?;

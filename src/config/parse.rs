@@ -196,7 +196,7 @@ const CSV_MONITOR: KeyDef = key("csv_monitor", Ty::Section, Dflt::Unset,
     "DeepSpeed's CSV monitor {enabled, output_path, job_name}: the same records as the TensorBoard monitor, one file per tag (Train_Samples_train_loss.csv, …) with the header `step,<name>`, under <output_path>/<job_name>/.");
 
 const COMM_DTYPE: KeyDef = key("communication_data_type", Ty::Str, Dflt::Derived("bf16 when bf16 is enabled, else fp32 (DeepSpeed's rule; with fp16 training, fp32)"),
-    "Data type of the gradient all-reduce at ZeRO stage 0: fp32 or bf16 (case-insensitive); fp16 is accepted and reduced in fp32 with a warning.");
+    "Data type of the gradient reduction (the all-reduce at ZeRO stage 0; on GPUs also ZeRO's reduce-scatter): fp32 or bf16 (case-insensitive); fp16 is accepted and reduced in fp32 with a warning.");
 const PRESCALE: KeyDef = key("prescale_gradients", Ty::Bool, Dflt::Bool(false),
     "Divide each rank's gradient by the world size before the all-reduce instead of after it.");
 const PREDIVIDE: KeyDef = key("gradient_predivide_factor", POSITIVE, Dflt::Num(1.0),
@@ -1065,7 +1065,7 @@ pub fn resolve(value: &Value, world_size: usize) -> Result<RunConfig> {
     let asked = [COMM_DTYPE, PRESCALE, PREDIVIDE].iter().any(|k| root.contains_key(k.name));
     if zero.stage > 0 && asked && grad_comm != GradComm::default() {
         cx.warn(format!(
-            "communication_data_type {} / prescale_gradients / gradient_predivide_factor shape the stage-0 all-reduce; at ZeRO stage {} the gradients are reduce-scattered and the weights gathered in fp32, unscaled",
+            "communication_data_type {} / prescale_gradients / gradient_predivide_factor: at ZeRO stage {} they shape the gradient reduce-scatter on GPUs (NCCL); CPU ranks reduce-scatter in fp32, unscaled",
             grad_comm.dtype.as_str(), zero.stage
         ));
     }

@@ -68,6 +68,22 @@ pub fn comm_checks<B: Backend>(be: &B, comm: &mut dyn Comm<B::Buf>, seed: u64) -
     let got = run(be, comm, &mut buf, Collective::ReduceScatter(ReduceOp::Sum), span_even, plain)?;
     let sh = crate::comm::shard(Span { off: 0, len: span_even.len }, world, rank);
     out.push(check(format!("comm reduce_scatter sum (own shard) {tag}"), &got[sh.range()], &sum(span_even)[sh.range()], 1e-6));
+    // reduce-scatter on a scaled bf16 wire (ZeRO's gradients on NCCL; a transport that cannot
+    // refuses it, and then there is nothing to check)
+    if world > 1 {
+        be.upload(&mut buf, 0, &all[rank])?;
+        match comm.start_as(Collective::ReduceScatter(ReduceOp::Sum), &mut buf, span_even, Wire { bf16: true, pre: 2.0, post: 0.25 }) {
+            Ok(w) => {
+                comm.wait(w, &mut buf).map_err(comm_err)?;
+                be.synchronize()?;
+                let got = be.download(&buf)?[span_even.range()].to_vec();
+                let want: Vec<f32> = sum(span_even).iter().map(|v| v * 0.5).collect();
+                out.push(check(format!("comm reduce_scatter on a scaled bf16 wire (own shard) {tag}"), &got[sh.range()], &want[sh.range()], 1e-2));
+            }
+            Err(crate::comm::CommError::Unsupported { .. }) => {}
+            Err(e) => return Err(comm_err(e)),
+        }
+    }
     // all-gather: every rank's own shard of its input, concatenated
     let got = run(be, comm, &mut buf, Collective::AllGather, span_even, plain)?;
     let gathered: Vec<f32> = (0..world)

@@ -237,8 +237,9 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     if opts.trace.is_some() {
         st.trace = Some(Trace::new(rank, t_start));
     }
-    // how the gradient buckets travel (ZeRO's reduce-scatter and gather stay fp32)
-    let wire = if zero.is_none() { gradient_wire(&cfg.grad_comm, world) } else { crate::comm::Wire::PLAIN };
+    // how the gradient buckets travel: the bf16 wire and its scaling at stage 0, and at ZeRO
+    // stages on a GPU (NCCL reduce-scatters a bf16 wire; CPU ranks' ring does not: fp32 there)
+    let wire = if zero.is_none() || be.needs_compute_copy() { gradient_wire(&cfg.grad_comm, world) } else { crate::comm::Wire::PLAIN };
     // what this rank holds, against what the stage predicts (the lab charts it)
     let compute_copy = be.needs_compute_copy();
     let memory = |measured_peak: Option<u64>, st: &Step<B>| MemoryRecord {
@@ -379,7 +380,11 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         // gradients are summed over ranks once per step, bucket by bucket during the last
         // micro-batch's backward
         let mut sync = match &zero {
-            Some(z) => AnySync::Zero(ZeroSync::new(&mut *comm, &buckets, z, cfg.zero_overlap_comm, t_start)),
+            Some(z) => {
+                let mut s = ZeroSync::new(&mut *comm, &buckets, z, cfg.zero_overlap_comm, t_start);
+                s.wire = wire;
+                AnySync::Zero(s)
+            }
             None => {
                 let mut s = BucketSync::new(&mut *comm, &buckets, t_start);
                 s.wire = wire;

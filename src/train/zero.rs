@@ -43,7 +43,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::backend::{optimizer_state_len, Backend, DecayGroups, ShardPiece, Span, StepHyper};
-use crate::comm::{shard, Collective, Comm, ReduceOp, Work};
+use crate::comm::{shard, Collective, Comm, ReduceOp, Wire, Work};
 use crate::config::OptimizerConfig;
 use crate::model::Vit;
 use crate::train::engine::TrainError;
@@ -262,16 +262,25 @@ pub struct ZeroSync<'c, Buf> {
     pub track: BucketTracker,
     /// Collectives started, for the tests that no micro-batch but the last communicates.
     pub started: usize,
+    /// How the gradients travel (`train::sync::gradient_wire`: bf16 and the pre/post scaling
+    /// of `communication_data_type` and `gradient_predivide_factor`), where the transport can
+    /// reduce-scatter that way (NCCL); plain f32 otherwise.
+    pub wire: Wire,
 }
 
 impl<'c, Buf> ZeroSync<'c, Buf> {
     pub fn new(comm: &'c mut dyn Comm<Buf>, plan: &'c BucketPlan, layout: &'c ZeroLayout, overlap: bool, epoch: Instant) -> Self {
-        ZeroSync { comm, plan, layout, overlap, track: BucketTracker::new(plan, epoch), started: 0 }
+        ZeroSync { comm, plan, layout, overlap, track: BucketTracker::new(plan, epoch), started: 0, wire: Wire::PLAIN }
     }
 
     fn start(&mut self, op: Collective, buf: &mut Buf, span: Span) -> Result<Work, TrainError> {
         self.started += 1;
         Ok(self.comm.start(op, buf, span)?)
+    }
+
+    fn start_gradients(&mut self, op: Collective, buf: &mut Buf, span: Span) -> Result<Work, TrainError> {
+        self.started += 1;
+        Ok(self.comm.start_as(op, buf, span, self.wire)?)
     }
 
     /// Starts bucket `b`'s reduction. Bytes are counted as the all-reduce of the same
@@ -281,18 +290,19 @@ impl<'c, Buf> ZeroSync<'c, Buf> {
         let span = self.plan.buckets[b].span;
         let (prefix, tail) = self.layout.parts[b];
         let mut works = Vec::new();
+        let value = if self.wire.bf16 { 2 } else { 4 };
         if self.layout.scatters() {
             if prefix.len > 0 {
-                works.push(self.start(Collective::ReduceScatter(ReduceOp::Sum), grads, prefix)?);
+                works.push(self.start_gradients(Collective::ReduceScatter(ReduceOp::Sum), grads, prefix)?);
             }
             if tail.len > 0 {
-                works.push(self.start(Collective::AllReduce(ReduceOp::Sum), grads, tail)?);
+                works.push(self.start_gradients(Collective::AllReduce(ReduceOp::Sum), grads, tail)?);
             }
-            let bytes = (prefix.len * 2 + tail.len * 4) as u64;
+            let bytes = (prefix.len * value / 2 + tail.len * value) as u64;
             self.track.started(b, works, bytes);
         } else {
-            works.push(self.start(Collective::AllReduce(ReduceOp::Sum), grads, span)?);
-            self.track.started(b, works, (span.len * 4) as u64);
+            works.push(self.start_gradients(Collective::AllReduce(ReduceOp::Sum), grads, span)?);
+            self.track.started(b, works, (span.len * value) as u64);
         }
         Ok(())
     }

@@ -349,6 +349,10 @@ impl Backend for Cuda {
         Some(Cuda::peak_bytes(self) as u64)
     }
 
+    fn reset_peak_bytes(&self) {
+        self.reset_peak();
+    }
+
     fn scale(&self, buf: &mut CudaBuf, s: f32) -> BResult<()> {
         self.scale_impl(buf, s)
     }

@@ -416,7 +416,15 @@ impl Comm<CudaBuf> for NcclComm {
         self.check_failed()?;
         check_args(op, span, buf.len, self.world)?;
         let rank = self.rank;
-        if !wire.is_plain() && !(matches!(op, Collective::AllReduce(_)) && buf.ty == Ty::F32) {
+        // a reduce-scatter's result is the rank's own shard: only that comes back from the wire
+        let own = match op {
+            Collective::ReduceScatter(_) => {
+                let n = span.len / self.world;
+                (rank * n, n)
+            }
+            _ => (0, span.len),
+        };
+        if !wire.is_plain() && !(matches!(op, Collective::AllReduce(_) | Collective::ReduceScatter(_)) && buf.ty == Ty::F32) {
             return Err(CommError::Unsupported { what: format!("{} of a {} buffer with {wire:?} on NCCL", op.name(), if buf.is_bf16() { "bf16" } else { "f32" }) });
         }
         if wire.bf16 && self.wire_bf16.as_ref().is_none_or(|b| b.len < buf.len) {
@@ -462,10 +470,11 @@ impl Comm<CudaBuf> for NcclComm {
         if r != NCCL_SUCCESS && r != NCCL_IN_PROGRESS {
             return Err(CommError::Device { rank, msg: format!("nccl {} of elements {}..{}: {}", op.name(), span.off, span.off + span.len, nccl_text(l, r)) });
         }
+        let (own_f32, own_wire) = (grads + (own.0 * 4) as u64, base as u64 + (own.0 * elem) as u64);
         if wire.bf16 {
-            self.scaled_cast_on_stream(grads, 0, base as u64, 1, span.len, wire.post)?;
+            self.scaled_cast_on_stream(own_f32, 0, own_wire, 1, own.1, wire.post)?;
         } else if wire.post != 1.0 {
-            self.scaled_cast_on_stream(grads, 0, grads, 0, span.len, wire.post)?;
+            self.scaled_cast_on_stream(own_f32, 0, own_f32, 0, own.1, wire.post)?;
         }
         let done = Arc::new(self.event(true)?);
         done.record(&self.stream).map_err(cu(rank, "recording a collective's end"))?;
