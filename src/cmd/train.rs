@@ -143,7 +143,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         // Rank 0 owns the run directory; the others log beside it.
         run_dir: my_dir,
         init: args.init.clone(),
-        save_weights: if rank == 0 { args.save_weights.clone() } else { None },
+        // every rank: rank 0 writes the file, but the others take part when the weights have
+        // to be gathered first (ZeRO with a master shard)
+        save_weights: args.save_weights.clone(),
         progress_bar: rank == 0 && std::io::stderr().is_terminal(),
         quiet: rank != 0,
         resume,
