@@ -13,7 +13,9 @@
 #      at the same world size is within 10 % of the predicted drop (AdamW's state and the f32
 #      master weights: 12 bytes/param × (1 − 1/N), plus the replicated tails);
 #   3. (reported, not a pass condition) 2 ranks, stages 1/2 against stage 0 without clipping:
-#      how far the stages part when the global norm's summation order is out of the picture.
+#      how far the stages part when the global norm's summation order is out of the picture;
+#   4. SGD (no per-element normalization to amplify last-bit differences): stage 2 == stage 0
+#      at 2 ranks within 1e-4.
 #   Results: one JSON line per check on stdout, the table in OUT/memory.json.
 #
 #   scripts/gpu_zero_check.sh [BIN] [OUTDIR]     (SKIP_MEMORY=1: part 1 only; SKIP_EQUAL=1: part 2 only)
@@ -74,7 +76,11 @@ if [ "${SKIP_EQUAL:-0}" != 1 ]; then
     for s in 1 2; do
       run "$n" "$s" "$OUT/w${n}_s$s" "${eq[@]}" || { fail=1; continue; }
       compare "$OUT/w${n}_s$s" "$OUT/one_s0" "$n ranks stage $s vs 1 rank stage 0" 2e-2 2e-2 "$n" || fail=1
-      compare "$OUT/w${n}_s$s" "$OUT/w${n}_s0" "$n ranks stage $s vs $n ranks stage 0" 1e-2 1e-2 "$n" || fail=1
+      # AdamW steps every element by about lr whatever its gradient's size, so the last-bit
+      # change in the clip factor (the stages sum the norm's squares in another order) moves
+      # near-zero-gradient elements by up to lr a step: at most 24 × 1e-3 here (part 3 shows
+      # the stages 10× closer without clipping; part 4, SGD, shows the update itself exact)
+      compare "$OUT/w${n}_s$s" "$OUT/w${n}_s0" "$n ranks stage $s vs $n ranks stage 0" 1e-2 2e-2 "$n" || fail=1
     done
   done
 fi
@@ -87,6 +93,12 @@ if [ "${SKIP_EQUAL:-0}" != 1 ]; then
   for s in 1 2; do
     compare "$OUT/noclip_s$s" "$OUT/noclip_s0" "2 ranks stage $s vs stage 0, no clipping (reported)" 1 1 2 || true
   done
+  echo "== 4. SGD with momentum, GAS 4, clipping: stage 2 == stage 0 at 2 ranks"
+  sgd=("${eq[@]}" --set 'optimizer={"type":"SGD","params":{"lr":0.01,"momentum":0.9}}')
+  for s in 0 2; do
+    run 2 "$s" "$OUT/sgd_s$s" "${sgd[@]}" || fail=1
+  done
+  compare "$OUT/sgd_s2" "$OUT/sgd_s0" "2 ranks stage 2 vs stage 0, SGD" 1e-4 1e-4 2 || fail=1
 fi
 
 if [ "${SKIP_MEMORY:-0}" != 1 ]; then

@@ -280,3 +280,16 @@ fn without_a_gpu_cuda_is_refused_clearly_and_auto_falls_back() {
     assert!(stderr.contains("notice: no usable GPU (") && stderr.contains("running on the CPU"), "{stderr}");
     assert!(last_json(&out)["val_top1"].as_f64().is_some());
 }
+
+/// `vitscale selftest --device cpu` in one process: every op and the single-process
+/// communicator pass, and the JSON says so check by check.
+#[test]
+fn selftest_passes_in_one_cpu_process() {
+    let out = vitscale(&["selftest", "--device", "cpu", "--json"]);
+    assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let r = last_json(&out);
+    assert_eq!(r["pass"].as_bool(), Some(true), "{r}");
+    let checks = r["checks"].as_array().cloned().unwrap_or_default();
+    assert!(checks.len() > 100 && checks.iter().all(|c| c["pass"].as_bool() == Some(true)), "{} checks", checks.len());
+    assert!(checks.iter().any(|c| c["name"].as_str().is_some_and(|n| n.starts_with("comm all_reduce sum f32 [single"))), "no communicator check");
+}

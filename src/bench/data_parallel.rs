@@ -94,8 +94,15 @@ fn one_step<B: Backend>(be: &B, st: &mut Step<B>, passes: &Passes<'_>, gas: usiz
     for m in 0..gas {
         let last = m + 1 == gas;
         match passes {
-            Passes::GraphAll(g) => g()?,
-            Passes::GraphBeforeBoundary(g) if !last => g()?,
+            // a replay reads every weight: ZeRO's gather (if still arriving) must be done
+            Passes::GraphAll(g) => {
+                st.vit.await_weights()?;
+                g()?
+            }
+            Passes::GraphBeforeBoundary(g) if !last => {
+                st.vit.await_weights()?;
+                g()?
+            }
             _ if last => st.pass_unlogged_reporting(be, micro, sync)?,
             _ => st.pass_unlogged(be, micro)?,
         }

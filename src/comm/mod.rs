@@ -261,6 +261,17 @@ pub trait Comm<Buf>: Send {
     fn label_next(&mut self, _label: &str) {}
     /// Completes `work`, leaving the result in `buf[work.span()]`.
     fn wait(&mut self, work: Work, buf: &mut Buf) -> CResult<()>;
+    /// Whether `detach` works here: a transport whose collectives write the buffer on the
+    /// device's own queues (NCCL). The TCP ring writes results on the host, in `wait`.
+    fn can_detach(&self) -> bool {
+        false
+    }
+    /// Completes `work` later: returns a fence that, once ordered (`Fence::order`), makes the
+    /// compute queue wait for the collective, so compute that does not read the span can go
+    /// on meanwhile (ZeRO's weight gather behind the next forward).
+    fn detach(&mut self, work: Work) -> CResult<Box<dyn crate::core::Fence>> {
+        Err(CommError::Unsupported { what: format!("detaching {} on {}", work.op.name(), self.describe()) })
+    }
     /// Returns when every rank has called `barrier`.
     fn barrier(&mut self) -> CResult<()>;
     /// Sums small host-side values over ranks (losses, accuracy counts, timings), in f64.

@@ -21,6 +21,13 @@ impl Span {
     }
 }
 
+/// A transfer into a device buffer that is still in flight (a collective writing the weights
+/// the forward will read). `order` makes every later operation on the device's compute queue
+/// wait for it, without the host waiting; an error says why the queue could not be ordered.
+pub trait Fence: Send + Sync {
+    fn order(&self) -> Result<(), String>;
+}
+
 /// LayerNorm epsilon used by timm's ViT (`partial(nn.LayerNorm, eps=1e-6)`).
 pub const LN_EPS: f32 = 1e-6;
 

@@ -237,6 +237,9 @@ pub struct Vit<B: Backend> {
     pub params: B::Buf,
     /// Whether `params` was released (`release_master`).
     master_released: bool,
+    /// Spans of the compute copy still being written by a detached transfer (ZeRO's gather of
+    /// the updated weights): the forward orders each before the first layer that reads it.
+    pending_weights: Vec<(Span, Box<dyn crate::core::Fence>)>,
     /// Compute-dtype copy of the weights, when the backend computes in a narrower type.
     compute: Option<B::Buf>,
     /// Parameter gradients (f32), same layout as `params`.
@@ -259,7 +262,7 @@ impl<B: Backend> Vit<B> {
         let params = be.alloc_f32(table.total)?;
         let grads = be.alloc_f32(table.total)?;
         let compute = if be.needs_compute_copy() { Some(be.alloc(table.total)?) } else { None };
-        Ok(Vit { cfg, table, params, master_released: false, compute, grads, acts: None, recompute: Recompute::Auto, unread_inputs: None, pending_backward: 0, class_token_tail: true })
+        Ok(Vit { cfg, table, params, master_released: false, pending_weights: Vec::new(), compute, grads, acts: None, recompute: Recompute::Auto, unread_inputs: None, pending_backward: 0, class_token_tail: true })
     }
 
     /// Replaces all weights from a host vector in table layout.
@@ -284,6 +287,21 @@ impl<B: Backend> Vit<B> {
         }
         self.params = be.alloc_f32(1)?;
         self.master_released = true;
+        Ok(())
+    }
+
+    /// `span` of the compute copy is being written by a transfer still in flight: the next
+    /// forward makes its layers that read the span wait for `fence` (and nothing earlier).
+    pub fn weights_arriving(&mut self, span: Span, fence: Box<dyn crate::core::Fence>) {
+        self.pending_weights.push((span, fence));
+    }
+
+    /// Orders every transfer still writing the weights before whatever the device runs next
+    /// (for readers of the weights other than the forward, such as a replayed graph).
+    pub fn await_weights(&mut self) -> BResult<()> {
+        for (_, f) in self.pending_weights.drain(..) {
+            f.order().map_err(crate::backend::BackendError::Device)?;
+        }
         Ok(())
     }
 
@@ -409,10 +427,27 @@ impl<B: Backend> Vit<B> {
         let bn = b * n;
         let tail = self.tail_on_class_token();
         let prefix = m.num_prefix_tokens();
+        // weights still arriving: each layer waits for its own (embedding first, as the
+        // gather sends them)
+        let mut pending = std::mem::take(&mut self.pending_weights);
+        let mut arrive = |need: Span| -> BResult<()> {
+            let mut i = 0;
+            while i < pending.len() {
+                let s = pending[i].0;
+                if s.off < need.off + need.len && need.off < s.off + s.len {
+                    pending.swap_remove(i).1.order().map_err(crate::backend::BackendError::Device)?;
+                } else {
+                    i += 1;
+                }
+            }
+            Ok(())
+        };
+        let embed_end = t.blocks.first().map_or(t.final_norm_w.off, |blk| blk.norm1_w.off);
         let w = self.compute.as_ref().unwrap_or(&self.params);
         let a = self.acts.as_mut().ok_or_else(|| crate::backend::BackendError::Device("activations missing".into()))?;
 
         // ---- embedding: patches → tokens
+        arrive(Span { off: 0, len: embed_end })?;
         be.patchify(&mut a.patches, &a.img, b, m.in_chans, m.image_size, m.patch_size)?;
         be.matmul_forward(&mut a.patch_emb, None, &a.patches, w, t.patch_w, Some(t.patch_b), b * np, m.patch_dim(), c)?;
         be.embed_forward(&mut a.x0, &a.patch_emb, w, t.pos_embed, t.cls_token, b, np, c)?;
@@ -425,6 +460,7 @@ impl<B: Backend> Vit<B> {
             let x = if i == 0 { &a.x0 } else { &done[i - 1].x2 };
             let blk = &mut rest[0];
             let s = &t.blocks[i];
+            arrive(Span { off: s.norm1_w.off, len: s.fc2_b.off + s.fc2_b.len - s.norm1_w.off })?;
             let (mut shared_ln, mut shared_act) = match a.regen.as_mut() {
                 Some(r) => (Some(&mut r.ln), Some(&mut r.act)),
                 None => (None, None),
@@ -464,6 +500,11 @@ impl<B: Backend> Vit<B> {
         // fc_norm); LayerNorm is per row, so pooling first gives the same head input from B
         // rows instead of B·N. With the class token tail the last block's output already is
         // that one row per image (a pool over one token copies it).
+        arrive(Span { off: t.final_norm_w.off, len: self.table.total - t.final_norm_w.off })?;
+        // (anything left is outside every layer's weights: ordered anyway)
+        for (_, f) in pending.drain(..) {
+            f.order().map_err(crate::backend::BackendError::Device)?;
+        }
         let avg = m.global_pool == GlobalPool::Avg;
         let n_out = if tail { 1 } else { n };
         be.pool_forward(&mut a.pooled_raw, x_last, b, n_out, c, prefix, avg)?;

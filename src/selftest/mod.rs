@@ -625,6 +625,22 @@ fn optimizer_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
         let mut pd_pieces = cx.be.alloc_f32(n)?;
         cx.be.upload(&mut pd_pieces, 0, &p0)?;
         let mut sd_pieces = cx.be.alloc_f32(soff)?;
+        // the same pieces with their master weights after the state in one compact buffer,
+        // writing a compute copy (where the backend has one: a ZeRO master shard)
+        let shard_check = cx.be.needs_compute_copy();
+        let mut shard_pieces = Vec::new();
+        let mut moff = soff;
+        for &(span, state_off) in &pieces {
+            shard_pieces.push(crate::backend::ShardPiece { span, state_off, master_off: moff });
+            moff += span.len;
+        }
+        let mut compact = cx.be.alloc_f32(if shard_check { moff } else { 1 })?;
+        let mut copy_shard = cx.be.alloc(n)?;
+        if shard_check {
+            let masters: Vec<f32> = pieces_at.iter().flat_map(|s| p0[s.range()].to_vec()).collect();
+            cx.be.upload(&mut compact, soff, &masters)?;
+            cx.be.cast(&mut copy_shard, &pd)?;
+        }
         let mut ss_err = 0f64;
         for step in 1..=3u64 {
             let g = cx.randn(n, 1.0);
@@ -646,6 +662,9 @@ fn optimizer_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
             let full_norm = cx.be.sum_squares_spans(&gd, &[Span { off: 0, len: n }])?.sqrt();
             let sharded = StepHyper { grad_scale: hyper.effective_grad_scale(full_norm), clip_norm: 0.0, ..hyper };
             cx.be.optimizer_step_pieces(&mut pd_pieces, &gd, &mut sd_pieces, &pieces, &opt, decay, sharded)?;
+            if shard_check {
+                cx.be.optimizer_step_shard(&mut compact, &gd, &mut copy_shard, &shard_pieces, &opt, decay, sharded)?;
+            }
             let g64: Vec<f64> = g.iter().map(|&v| v as f64).collect();
             optimizer_reference(&mut pr, &g64, &mut sr, &opt, &decays, hyper);
         }
@@ -679,6 +698,28 @@ fn optimizer_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
         pieces_at.iter().for_each(|s| covered[s.range()].iter_mut().for_each(|c| *c = true));
         let gaps_kept = (0..n).filter(|&i| !covered[i]).all(|i| got_pieces[i].to_bits() == p0[i].to_bits());
         cx.checks.push(Check { name: format!("optimizer_step_pieces {name}, {layout}: as optimizer_step on three pieces, gaps untouched"), rel_err: e, tol: 1e-5, pass: e.is_finite() && e <= 1e-5 && gaps_kept });
+        if shard_check {
+            // the same kernel on the same values: master pieces, state and compute copy exact;
+            // the compute copy's gaps keep what they held
+            let (c, copy, p0_copy) = (cx.be.download(&compact)?, cx.be.download(&copy_shard)?, {
+                let mut b = cx.be.alloc(n)?;
+                let mut p0d = cx.be.alloc_f32(n)?;
+                cx.be.upload(&mut p0d, 0, &p0)?;
+                cx.be.cast(&mut b, &p0d)?;
+                cx.be.download(&b)?
+            });
+            let mut want_copy = cx.be.alloc(n)?;
+            cx.be.cast(&mut want_copy, &pd_pieces)?;
+            let want_copy = cx.be.download(&want_copy)?;
+            let st = cx.be.download(&sd_pieces)?;
+            let mut exact = c[..soff] == st[..];
+            for q in &shard_pieces {
+                exact &= c[q.master_off..q.master_off + q.span.len].iter().zip(&got_pieces[q.span.range()]).all(|(a, b)| a.to_bits() == b.to_bits());
+                exact &= copy[q.span.range()].iter().zip(&want_copy[q.span.range()]).all(|(a, b)| a.to_bits() == b.to_bits());
+            }
+            exact &= (0..n).filter(|&i| !covered[i]).all(|i| copy[i].to_bits() == p0_copy[i].to_bits());
+            cx.checks.push(Check { name: format!("optimizer_step_shard {name}, {layout}: master, state and compute copy as optimizer_step_pieces"), rel_err: if exact { 0.0 } else { 1.0 }, tol: 0.0, pass: exact });
+        }
         cx.checks.push(Check { name: format!("sum_squares_spans {name}, {layout} (vs f64 on the host)"), rel_err: ss_err, tol: 1e-6, pass: ss_err.is_finite() && ss_err <= 1e-6 });
     }
     Ok(())

@@ -367,7 +367,19 @@ impl<B: Backend> GradSync<B> for ZeroSync<'_, B::Buf> {
         let per_elem = if l.master_shard { 1 } else { 2 };
         let t = Instant::now();
         let mut bytes = 0u64;
-        if l.world > 1 {
+        if l.world > 1 && l.master_shard && self.overlap && self.comm.can_detach() {
+            // behind the next forward: the embedding's bucket (the last) first, as the forward
+            // reads them, each layer waiting only for its own weights (`Vit::weights_arriving`)
+            let mut arriving = Vec::new();
+            for &(prefix, _) in l.parts.iter().rev().filter(|(p, _)| p.len > 0) {
+                let w = self.start(Collective::AllGather, gathered, prefix)?;
+                arriving.push((prefix, self.comm.detach(w)?));
+                bytes += (prefix.len * per_elem) as u64;
+            }
+            for (prefix, fence) in arriving {
+                vit.weights_arriving(prefix, fence);
+            }
+        } else if l.world > 1 {
             let mut works = Vec::new();
             for &(prefix, _) in l.parts.iter().filter(|(p, _)| p.len > 0) {
                 works.push(self.start(Collective::AllGather, gathered, prefix)?);

@@ -397,6 +397,19 @@ fn nccl_type(buf: &CudaBuf) -> c_int {
     }
 }
 
+/// A detached collective (`Comm::detach`): ordering makes the compute stream wait for its end.
+struct StreamFence {
+    compute: Arc<CudaStream>,
+    done: Arc<CudaEvent>,
+    rank: usize,
+}
+
+impl crate::core::Fence for StreamFence {
+    fn order(&self) -> Result<(), String> {
+        self.compute.wait(&self.done).map_err(|e| format!("rank {}: ordering the compute stream after a collective: {e}", self.rank))
+    }
+}
+
 impl Comm<CudaBuf> for NcclComm {
     fn rank(&self) -> usize {
         self.rank
@@ -504,6 +517,17 @@ impl Comm<CudaBuf> for NcclComm {
         self.compute.wait(&done).map_err(cu(self.rank, "ordering the compute stream"))?;
         self.timed.push((start, done));
         Ok(())
+    }
+
+    fn can_detach(&self) -> bool {
+        true
+    }
+
+    fn detach(&mut self, work: Work) -> CResult<Box<dyn crate::core::Fence>> {
+        self.check_failed()?;
+        let (start, done) = self.pending.remove(&work.id).ok_or(CommError::UnknownWork { id: work.id })?;
+        self.timed.push((start, done.clone()));
+        Ok(Box::new(StreamFence { compute: self.compute.clone(), done, rank: self.rank }))
     }
 
     fn begin_waits(&mut self) -> CResult<()> {
