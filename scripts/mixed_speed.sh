@@ -3,10 +3,12 @@
 # slower (train.emulate_slowdown = {"1": 3.0}) under train.balance "off" and "auto", all with the
 # same global batch. Prints, as one JSON line per run and a verdict:
 #   - throughput: global images/s, the mean of rank 0's metrics lines after the first two;
-#   - ideal: the sum of each rank's own speed (its images / its compute seconds, emulation
-#     included) measured in the same run, and the ratio throughput / ideal;
-#   - for "off": the slowest rank's speed × 2 and the ratio to it (the study: an equal split
-#     runs at the slowest rank's pace);
+#   - ideal: the sum of each rank's own speed (its images / its step time less what it waited
+#     for later ranks) measured in the same run, and the ratio throughput / ideal; also the
+#     compute bound (the sum of images / forward-and-backward seconds: no update, no
+#     communication) and the ratio to it;
+#   - for "off": the slowest rank's compute speed × 2 and the ratio to it (the study: an equal
+#     split runs at the slowest rank's pace);
 #   - weights: the largest |w − w_1rank| / (1 + |w_1rank|) against the 1-rank run.
 # Passes when balanced ≥ 90 % of its ideal, equal split within 15 % of slowest × 2, and the
 # weights of both 2-rank runs match the 1-rank run: on the CPU (f32) within 1e-5 relative; on
@@ -117,10 +119,12 @@ for bal in ("off", "auto"):
     ips = mean([r["images_per_s"] for r in recs])
     ideal = mean([r["ideal_images_per_s"] for r in recs])
     speeds = [mean([r["rank_images_per_s"][q] for r in recs]) for q in range(2)]
+    compute = [mean([r["rank_compute_images_per_s"][q] for r in recs]) for q in range(2)]
     shares = [r["share"] for r in recs]
     d = rel(f"two_{bal}", "one")
     row = {"run": f"two_{bal}", "images_per_s": ips, "ideal_images_per_s": ideal, "ratio_to_ideal": ips / ideal,
-           "rank_images_per_s": speeds, "slowest_x2": 2 * min(speeds), "ratio_to_slowest_x2": ips / (2 * min(speeds)),
+           "rank_images_per_s": speeds, "compute_bound_images_per_s": sum(compute), "ratio_to_compute_bound": ips / sum(compute),
+           "rank_compute_images_per_s": compute, "slowest_x2": 2 * min(compute), "ratio_to_slowest_x2": ips / (2 * min(compute)),
            "rank0_share_last": shares[-1], "straggler_s_per_step": mean([r["straggler_s"] for r in recs]) / 5,
            "weights_max_rel_diff_vs_1rank": d}
     if bal == "auto" and device == "cuda":

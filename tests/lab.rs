@@ -256,3 +256,43 @@ fn bench_comm_over_cpu_ranks_reports_nccl_tests_columns() {
     let ops: std::collections::BTreeSet<&str> = rows.iter().filter_map(|r| r["op"].as_str()).collect();
     assert_eq!(ops.into_iter().collect::<Vec<_>>(), vec!["all_gather", "all_reduce", "reduce_scatter"]);
 }
+
+/// A sweep over an emulated slowdown × the split: every point records its mixed-speed
+/// figures, and the report has their table and the chart of equal split, balanced and ideal.
+#[test]
+fn a_mixed_speed_sweep_reports_equal_split_balanced_and_ideal() {
+    let tmp = tempfile::tempdir().expect("scratch");
+    let cwd = tmp.path();
+    let spec = serde_json::json!({
+        "name": "mixed-test",
+        "base": {
+            "model": {"preset": "vit_builtin_default"},
+            "data": {"dataset": "builtin", "train_size": 1024, "val_size": 32, "num_workers": 1},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
+        },
+        "set": {"train.eval_batch_size": 32, "train.balance_every": 2, "train_micro_batch_size_per_gpu": 32},
+        "grid": {"nproc": [2], "train.emulate_slowdown": [{"1": 1.0}, {"1": 2.0}], "train.balance": ["off", "auto"]},
+        "device": "cpu", "steps": 10, "warmup_steps": 2, "timeout_s": 120
+    });
+    std::fs::write(cwd.join("spec.json"), serde_json::to_vec_pretty(&spec).expect("json")).expect("write spec");
+    let out = vitscale(cwd, &["sweep", "spec.json", "--out", "sw", "--json"]);
+    assert!(out.status.success(), "sweep failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(last_json(&out)["ok"], 4);
+    for r in records(&cwd.join("sw")) {
+        let b = &r["figures"]["balance"];
+        let (ideal, ips) = (b["ideal_images_per_s"].as_f64().unwrap_or(0.0), r["figures"]["images_per_s"].as_f64().unwrap_or(0.0));
+        assert!(ideal > 0.0 && ips > 0.0 && b["compute_bound_images_per_s"].as_f64().unwrap_or(0.0) > 0.0, "{r}");
+        let shares: Vec<f64> = b["shares"].as_array().expect("shares").iter().filter_map(|v| v.as_f64()).collect();
+        assert_eq!(shares.len(), 2, "{r}");
+        assert!((shares.iter().sum::<f64>() - 1.0).abs() < 1e-9, "{r}");
+        if r["keys"]["train.balance"] == "off" {
+            assert!(shares.iter().all(|s| *s == 0.5), "{r}");
+        }
+    }
+    let rep = vitscale(cwd, &["report", "sw"]);
+    assert!(rep.status.success(), "{}", String::from_utf8_lossy(&rep.stderr));
+    let md = std::fs::read_to_string(cwd.join("sw/report.md")).expect("report.md");
+    assert!(md.contains("## Mixed-speed ranks") && md.contains("| 2 | 2.00× | auto |") && md.contains("| 2 | 1.00× | off |"), "{md}");
+    assert!(md.contains("charts/mixed_speed.png"), "no mixed-speed chart in {md}");
+    check_png(&cwd.join("sw/charts/mixed_speed.png"));
+}

@@ -131,6 +131,32 @@ pub fn write(dir: &Path) -> Result<ReportFiles, ReportError> {
         blocks.push(Block::Table(vec!["held fixed".into(), "ranks".into(), "images/s".into(), "speed-up".into(), "efficiency".into()], rows));
     }
 
+    let mixed = mixed_speed_rows(&pts);
+    if !mixed.is_empty() {
+        blocks.push(Block::H(2, "Mixed-speed ranks".into()));
+        blocks.push(Block::P("Points with an emulated slowdown or a balanced split. Ideal: the sum of each rank's own speed, its images over its step time less what it waited for later ranks (the throughput if no rank waited for another; the exposed communication and the update stay in). Compute bound: the sum of images over forward-and-backward seconds alone. The straggler effect is Σ over ranks of (wait − the least wait), per step.".into()));
+        let rows = mixed
+            .iter()
+            .map(|m| {
+                vec![
+                    m.world.to_string(),
+                    format!("{:.2}×", m.slowdown),
+                    m.balance.clone(),
+                    format!("{:.1}", m.images_per_s),
+                    format!("{:.1}", m.ideal),
+                    format!("{:.0} %", 100.0 * m.images_per_s / m.ideal.max(f64::MIN_POSITIVE)),
+                    format!("{:.1}", m.compute_bound),
+                    ms(m.straggler),
+                    m.shares.iter().map(|x| format!("{x:.3}")).collect::<Vec<_>>().join(" / "),
+                ]
+            })
+            .collect();
+        blocks.push(Block::Table(
+            ["ranks", "slowest rank", "split", "images/s", "ideal", "of ideal", "compute bound", "straggler ms/step", "shares (last step)"].iter().map(|x| x.to_string()).collect(),
+            rows,
+        ));
+    }
+
     blocks.push(Block::H(2, "Every point".into()));
     blocks.push(Block::P("Times are per optimizer step, averaged over the measured steps and over ranks. Exposed communication is the time a step waited for gradient reductions after its backward; \"comm total\" counts overlapped reductions too.".into()));
     let head = ["point", "grid values", "status", "ranks", "micro × GAS", "global batch", "images/s", "per rank", "step ms", "forward", "backward", "exposed comm", "comm total", "data wait", "optimizer", "comm share", "bus GB/s", "peak memory per rank"];
@@ -249,6 +275,66 @@ fn scaling_chart(file: &str, title: &str, groups: &[Scaling]) -> Chart {
     }
 }
 
+/// One mixed-speed point: its ranks, the slowest rank's emulated factor, its split.
+struct MixedRow {
+    world: usize,
+    slowdown: f64,
+    balance: String,
+    images_per_s: f64,
+    ideal: f64,
+    compute_bound: f64,
+    straggler: f64,
+    shares: Vec<f64>,
+}
+
+/// The points that measured mixed-speed figures, by ranks, split and slowdown.
+fn mixed_speed_rows(pts: &[Pt]) -> Vec<MixedRow> {
+    let mut rows: Vec<MixedRow> = pts
+        .iter()
+        .filter_map(|p| {
+            let b = p.f.balance.as_ref()?;
+            let slowdown = p.rec.keys.get("train.emulate_slowdown").and_then(Value::as_object).map_or(1.0, |m| m.values().filter_map(Value::as_f64).fold(1.0, f64::max));
+            let balance = match p.rec.keys.get("train.balance") {
+                Some(Value::String(s)) => s.clone(),
+                Some(v) => v.to_string(),
+                None => "off".into(),
+            };
+            Some(MixedRow { world: p.f.world_size, slowdown, balance, images_per_s: p.f.images_per_s, ideal: b.ideal_images_per_s, compute_bound: b.compute_bound_images_per_s, straggler: b.straggler_s_per_step, shares: b.shares.clone() })
+        })
+        .collect();
+    rows.sort_by(|a, b| (a.world, &a.balance).cmp(&(b.world, &b.balance)).then(a.slowdown.total_cmp(&b.slowdown)));
+    rows
+}
+
+/// The mixed-speed chart: throughput against the slowest rank's factor, equal split and
+/// balanced, with the ideal of the balanced runs, one set of lines per rank count.
+fn mixed_speed_chart(rows: &[MixedRow]) -> Chart {
+    let mut series: Vec<Series> = Vec::new();
+    let worlds: std::collections::BTreeSet<usize> = rows.iter().map(|r| r.world).collect();
+    for w in worlds {
+        let of = |bal: &str| -> Vec<&MixedRow> { rows.iter().filter(|r| r.world == w && r.balance == bal).collect() };
+        let (off, auto) = (of("off"), of("auto"));
+        let line = |name: String, pts: &[&MixedRow], y: fn(&MixedRow) -> f64| Series { name, points: pts.iter().map(|r| (r.slowdown, y(r))).collect() };
+        if !off.is_empty() {
+            series.push(line(format!("{w} ranks, equal split"), &off, |r| r.images_per_s));
+        }
+        if !auto.is_empty() {
+            series.push(line(format!("{w} ranks, balanced (auto)"), &auto, |r| r.images_per_s));
+            series.push(line(format!("{w} ranks, ideal"), &auto, |r| r.ideal));
+        }
+    }
+    Chart {
+        file: "mixed_speed".into(),
+        title: "Mixed-speed ranks: equal split, balanced, ideal".into(),
+        panels: vec![Panel {
+            title: String::new(),
+            x_label: "slowest rank's slowdown (×)".into(),
+            y_label: "throughput (images/s, all ranks)".into(),
+            kind: PanelKind::Lines { series, log2_x: false, ideal: None, y_percent: false, y_from_zero: true },
+        }],
+    }
+}
+
 /// The charts, each with its caption, or the reason it is not drawn.
 fn build_charts(pts: &[Pt], records: &[PointRecord]) -> Vec<(Chart, String, Option<String>)> {
     let mut out = Vec::new();
@@ -331,6 +417,13 @@ fn build_charts(pts: &[Pt], records: &[PointRecord]) -> Vec<(Chart, String, Opti
         format!("The highest peak memory of any rank of each point ({}), coloured by ZeRO stage. ", if source.is_empty() { "as recorded" } else { &source })
             + if stages.len() == 1 { "Only one ZeRO stage was swept: add `zero_optimization.stage` to the grid to compare stages." } else { "" },
         with_mem.is_empty().then(|| "no point recorded its peak memory".to_string()),
+    ));
+
+    let mixed = mixed_speed_rows(pts);
+    out.push((
+        mixed_speed_chart(&mixed),
+        "Throughput as one rank is slowed (train.emulate_slowdown), with the equal split (train.balance \"off\") and the speed-proportional one (\"auto\"); the ideal is the sum of each rank's own speed in the balanced run.".to_string(),
+        (mixed.len() < 2).then(|| "needs points with train.emulate_slowdown or train.balance".to_string()),
     ));
     out
 }

@@ -58,6 +58,23 @@ pub struct PointFigures {
     pub ranks: Vec<RankFigures>,
     pub val_top1: Option<f64>,
     pub final_loss: Option<f64>,
+    /// Mixed-speed figures, where the run measured them (a balance or an emulated slowdown).
+    #[serde(default)]
+    pub balance: Option<BalanceFigures>,
+}
+
+/// What a run with `train.balance` or `train.emulate_slowdown` measured (rank 0's records,
+/// whose shared figures every rank logs alike), over the measured steps.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct BalanceFigures {
+    /// The sum of each rank's own speed (no rank waiting for another), mean over records.
+    pub ideal_images_per_s: f64,
+    /// The sum of each rank's images / forward-and-backward seconds.
+    pub compute_bound_images_per_s: f64,
+    /// The straggler effect per step (Σ over ranks of wait − the least wait).
+    pub straggler_s_per_step: f64,
+    /// Each rank's share of the global batch at the last measured step.
+    pub shares: Vec<f64>,
 }
 
 fn num(v: &Value, k: &str) -> f64 {
@@ -166,6 +183,7 @@ pub fn read_point(run_dir: &Path, warmup: u64) -> Result<PointFigures, String> {
         step_s: ranks[0].breakdown.step_s,
         comm_total_s: mean(|b| b.comm_total_s),
     };
+    let balance = read_balance(run_dir, world, warmup)?;
     let buses: Vec<f64> = ranks.iter().filter_map(|r| r.bus_gb_s).collect();
     let val_top1 = std::fs::read_to_string(run_dir.join("summary.json"))
         .ok()
@@ -187,5 +205,34 @@ pub fn read_point(run_dir: &Path, warmup: u64) -> Result<PointFigures, String> {
         ranks,
         val_top1,
         final_loss,
+        balance,
     })
+}
+
+/// The mixed-speed figures of a run directory (None when its records carry none).
+fn read_balance(run_dir: &Path, world: usize, warmup: u64) -> Result<Option<BalanceFigures>, String> {
+    let measured = |path: PathBuf| -> Result<Vec<Value>, String> {
+        Ok(step_records(&path)?.into_iter().filter(|r| r.get("step").and_then(Value::as_u64).unwrap_or(0) > warmup).collect())
+    };
+    let r0 = measured(metrics_path(run_dir, 0))?;
+    let with: Vec<&Value> = r0.iter().filter(|r| r.get("ideal_images_per_s").is_some()).collect();
+    if with.is_empty() {
+        return Ok(None);
+    }
+    let mean = |k: &str| with.iter().map(|r| num(r, k)).sum::<f64>() / with.len() as f64;
+    let compute = with.iter().map(|r| r.get("rank_compute_images_per_s").and_then(Value::as_array).map_or(0.0, |v| v.iter().filter_map(Value::as_f64).sum())).sum::<f64>() / with.len() as f64;
+    // steps per record, for the straggler effect per step
+    let steps: u64 = {
+        let all: Vec<u64> = step_records(&metrics_path(run_dir, 0))?.iter().filter_map(|r| r.get("step").and_then(Value::as_u64)).collect();
+        let kept: Vec<u64> = all.iter().copied().filter(|s| *s > warmup).collect();
+        let first = all.iter().copied().filter(|s| *s <= warmup).max().unwrap_or(0);
+        kept.last().map_or(1, |l| l - first).max(1)
+    };
+    let straggler = with.iter().map(|r| num(r, "straggler_s")).sum::<f64>() / steps as f64;
+    let mut shares = Vec::with_capacity(world);
+    for rank in 0..world {
+        let recs = measured(metrics_path(run_dir, rank))?;
+        shares.push(recs.last().map_or(0.0, |r| num(r, "share")));
+    }
+    Ok(Some(BalanceFigures { ideal_images_per_s: mean("ideal_images_per_s"), compute_bound_images_per_s: compute, straggler_s_per_step: straggler, shares }))
 }

@@ -121,10 +121,16 @@ pub struct BalanceRecord {
     /// rank), as DeepSpeed's comms logger defines it (each rank's latency of the operation
     /// minus the fastest rank's); absent on one rank.
     pub straggler_s: Option<f64>,
-    /// Each rank's own speed over these steps: its images / its compute seconds.
+    /// Each rank's own speed over these steps: its images / its own step time, the wall time
+    /// from the previous step's end to this one's less what it waited for ranks later than
+    /// the least-waiting one (so data, the exposed communication and the update, which every
+    /// rank pays, are in it).
     pub rank_images_per_s: Vec<f64>,
     /// The sum of those speeds: what the ranks would train if none waited for another.
     pub ideal_images_per_s: f64,
+    /// Each rank's images / its compute seconds (forward and backward alone): the speeds
+    /// `auto` balances.
+    pub rank_compute_images_per_s: Vec<f64>,
 }
 
 /// The balance state of one rank through a run.
@@ -152,6 +158,8 @@ pub struct Balancer {
     step_emulated: f64,
     step_wait: f64,
     step_images: usize,
+    /// When this step began: the previous step's end (or the run's first micro-batch).
+    step_began: Option<Instant>,
     // the auto estimate's window
     /// Each measured step's speed (images per compute second) of every rank.
     win_speeds: Vec<Vec<f64>>,
@@ -161,6 +169,10 @@ pub struct Balancer {
     rec: BalanceRecord,
     rec_images: Vec<f64>,
     rec_compute: Vec<f64>,
+    /// Each rank's seconds of steps as if it never waited for a later rank (see `end_step`).
+    rec_own: Vec<f64>,
+    /// Images those seconds trained.
+    rec_own_images: Vec<f64>,
     current: Vec<usize>,
     /// Each rank's estimated speed (images per compute second), smoothed over windows.
     speeds: Option<Vec<f64>>,
@@ -237,6 +249,9 @@ impl Balancer {
             rec: BalanceRecord::default(),
             rec_images: vec![0.0; world],
             rec_compute: vec![0.0; world],
+            rec_own: vec![0.0; world],
+            rec_own_images: vec![0.0; world],
+            step_began: None,
             current: initial,
             speeds: None,
         }
@@ -271,6 +286,8 @@ impl Balancer {
             return Ok(());
         }
         be.synchronize()?;
+        // (the run's first step: its own time starts with its first micro-batch)
+        self.step_began.get_or_insert_with(Instant::now);
         if let Some(per) = median(&self.recent_per_image) {
             self.emulate(per * b as f64, step, trace);
         }
@@ -331,16 +348,34 @@ impl Balancer {
             return Ok(());
         }
         let w = self.world;
+        let wall = self.step_began.take().map_or(0.0, |t| t.elapsed().as_secs_f64());
         // every rank's (compute, wait, images) in its own slots: the sum is exact
         let mut all = vec![0.0f64; 3 * w];
         all[3 * self.rank] = self.step_compute;
         all[3 * self.rank + 1] = self.step_wait;
         all[3 * self.rank + 2] = self.step_images as f64;
+        let mut walls = vec![0.0f64; w];
+        walls[self.rank] = wall;
+        all.extend(walls);
         if w > 1 {
             comm.all_reduce_host(&mut all)?;
         }
+        // the next step's own time runs from here: everything a step costs (data, logging,
+        // evaluation) is in it, as it is in the throughput
+        self.step_began = Some(Instant::now());
         let waits: Vec<f64> = (0..w).map(|r| all[3 * r + 1]).collect();
         let least = waits.iter().copied().fold(f64::INFINITY, f64::min);
+        // A rank's own time for the step: its wall time less what it waited beyond the rank
+        // that waited least (the others' lateness; data, the exposed communication and the
+        // update, which every rank pays, stay in). Its images over that are its speed had no rank
+        // been later than it; their sum is the ideal throughput of these ranks.
+        for q in 0..w {
+            let own = all[3 * w + q] - (waits[q] - least);
+            if all[3 * w + q] > 0.0 && own > 0.0 {
+                self.rec_own[q] += own;
+                self.rec_own_images[q] += all[3 * q + 2];
+            }
+        }
         let sizes = self.sizes(step)?;
         let r = &mut self.rec;
         r.compute_s += self.step_compute;
@@ -391,12 +426,15 @@ impl Balancer {
             return None;
         }
         let mut rec = std::mem::take(&mut self.rec);
-        rec.rank_images_per_s = (0..self.world).map(|q| if self.rec_compute[q] > 0.0 { self.rec_images[q] / self.rec_compute[q] } else { 0.0 }).collect();
+        rec.rank_images_per_s = (0..self.world).map(|q| if self.rec_own[q] > 0.0 { self.rec_own_images[q] / self.rec_own[q] } else { 0.0 }).collect();
         rec.ideal_images_per_s = rec.rank_images_per_s.iter().sum();
+        rec.rank_compute_images_per_s = (0..self.world).map(|q| if self.rec_compute[q] > 0.0 { self.rec_images[q] / self.rec_compute[q] } else { 0.0 }).collect();
         // the share stays what it is until the next step says otherwise
         (self.rec.share, self.rec.micro_batch) = (rec.share, rec.micro_batch);
         self.rec_images.iter_mut().for_each(|c| *c = 0.0);
         self.rec_compute.iter_mut().for_each(|c| *c = 0.0);
+        self.rec_own.iter_mut().for_each(|c| *c = 0.0);
+        self.rec_own_images.iter_mut().for_each(|c| *c = 0.0);
         Some(rec)
     }
 }
