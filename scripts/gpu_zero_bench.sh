@@ -9,6 +9,7 @@
 # Writes OUT/vitscale.jsonl and OUT/deepspeed.jsonl and prints the table.
 #
 #   scripts/gpu_zero_bench.sh [BIN] [OUT] [PEERS_DIR] [WHEELS_DIR]
+#   ONE_GPU=0 NPROC=N: each of N ranks on its own GPU instead (no NCCL_HOSTID).
 set -u
 BIN=$(realpath "${1:-target/release/vitscale}")
 OUT=$(realpath -m "${2:-gpu-zero-bench}")
@@ -19,18 +20,25 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 STEPS=${STEPS:-10}
 WARMUP=${WARMUP:-3}
 MICRO=${MICRO:-64}
+NPROC=${NPROC:-2}
+og=(--one-gpu)
+peer_run=(--no-python ./hostid.sh python3 vit_bench.py --one-gpu)
+if [ "${ONE_GPU:-1}" = 0 ]; then
+  og=()
+  peer_run=(vit_bench.py)
+fi
 
 vs() { # stage gas dtype
   local s=$1 gas=$2 dtype=$3
   local log="$OUT/vs_z${s}_gas${gas}_${dtype}.log"
-  "$BIN" launch --nproc-per-node 2 --one-gpu --master-port $((29500 + RANDOM % 2000)) -- bench --device cuda --model vit_base_patch16_224 --classes 10 \
+  "$BIN" launch --nproc-per-node "$NPROC" "${og[@]}" --master-port $((29500 + RANDOM % 2000)) -- bench --device cuda --model vit_base_patch16_224 --classes 10 \
     --micro "$MICRO" --gas "$gas" --zero "$s" --comm-dtype "$dtype" --steps "$STEPS" --warmup "$WARMUP" --no-ceiling --json > "$log" 2>&1
   tail -1 "$log" | python3 -c "import json,sys; r=json.loads(sys.stdin.read()); print(json.dumps(r))" >> "$OUT/vitscale.jsonl" \
     || { echo "vitscale stage $s GAS $gas $dtype failed:"; tail -5 "$log"; }
 }
 ds() { # stage
-  (cd "$PEERS" && TORCH_CUDA_ARCH_LIST=9.0 torchrun --nproc-per-node 2 --master-port $((27500 + RANDOM % 1000)) --no-python ./hostid.sh python3 vit_bench.py \
-      --mode deepspeed --zero "$1" --one-gpu --micro "$MICRO" --gas 1,4 --steps "$STEPS" --warmup "$WARMUP" 2>>"$OUT/deepspeed.err" | grep '^{' >> "$OUT/deepspeed.jsonl") \
+  (cd "$PEERS" && TORCH_CUDA_ARCH_LIST=9.0 torchrun --nproc-per-node "$NPROC" --master-port $((27500 + RANDOM % 1000)) "${peer_run[@]}" \
+      --mode deepspeed --zero "$1" --micro "$MICRO" --gas 1,4 --steps "$STEPS" --warmup "$WARMUP" 2>>"$OUT/deepspeed.err" | grep '^{' >> "$OUT/deepspeed.jsonl") \
     || echo "DeepSpeed stage $1 failed (see $OUT/deepspeed.err)"
 }
 
