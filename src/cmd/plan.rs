@@ -24,6 +24,16 @@ pub struct PlanArgs {
     /// The cluster file (`configs/clusters/*.json`).
     #[arg(long, value_name = "C.json")]
     pub cluster: Option<PathBuf>,
+    /// Replace the cluster file's node count.
+    #[arg(long)]
+    pub nodes: Option<usize>,
+    /// Replace the cluster file's devices per node.
+    #[arg(long)]
+    pub gpus_per_node: Option<usize>,
+    /// Replace the cluster file's ranks per device (the rank count of `one_gpu_emulation.json`
+    /// and `cpu_ranks_here.json`).
+    #[arg(long)]
+    pub ranks_per_device: Option<usize>,
     /// A `bench --comm --comm-out` file (repeatable): the levels marked `from_comm`, and with
     /// --validate the network of the sweep's ranks (default: the sweep directory's comm*.json).
     #[arg(long = "comm", value_name = "C.json")]
@@ -102,7 +112,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     let profile = load_profile(profile_path)?;
     let comm = load_comm(&args.comm)?;
     let cluster_path = need(&args.cluster, "--cluster", "(a cluster file, e.g. configs/clusters/h200_8_nvlink.json)")?;
-    let cluster = Cluster::load(cluster_path, &comm).map_err(anyhow::Error::msg)?;
+    let cluster = Cluster::load(cluster_path, &comm).and_then(|c| c.with_counts(args.nodes, args.gpus_per_node, args.ranks_per_device)).map_err(anyhow::Error::msg)?;
     if let Some(out) = &args.project {
         let p = crate::plan::project::project(&profile, &profile_path.display().to_string(), &cluster, &args.micros, out).map_err(anyhow::Error::msg)?;
         println!("{:>5} {:>6} {:>6} {:>12} {:>10} {:>10} {:>10} {:>12}", "nodes", "ranks", "micro", "images/s", "per rank", "efficiency", "step ms", "exposed ms");
@@ -180,7 +190,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         if s.comm_bf16 { "bf16" } else { "fp32" },
         s.bucket_elems
     );
-    println!("  predicted {:.1} images/s ({:.1} per rank), efficiency {:.1} % of {world} × one rank", p.images_per_s, p.images_per_s_per_rank, eff * 100.0);
+    println!("  predicted {:.1} images/s ({:.1} per rank), efficiency {:.1} % of {} device(s) × one rank alone", p.images_per_s, p.images_per_s_per_rank, eff * 100.0, cluster.gpus_per_node * cluster.nodes);
     println!(
         "  step {:.3} ms = compute {:.3} (forward {:.3}, backward {:.3}) + exposed comm {:.3} (of {:.3} in {} buckets, {:.1} MB) + optimizer {:.3} (all-gather {:.3}) + data {:.3}",
         ms(p.step_s),

@@ -70,6 +70,26 @@ impl Cluster {
         self.gpus_per_node * self.ranks_per_device
     }
 
+    /// The cluster with some counts replaced (`vitscale plan --nodes/--gpus-per-node/
+    /// --ranks-per-device`); the levels the new counts need must be in the file.
+    pub fn with_counts(mut self, nodes: Option<usize>, gpus_per_node: Option<usize>, ranks_per_device: Option<usize>) -> Result<Cluster, String> {
+        for (flag, v) in [("--nodes", nodes), ("--gpus-per-node", gpus_per_node), ("--ranks-per-device", ranks_per_device)] {
+            if v == Some(0) {
+                return Err(format!("{flag} 0: expected at least 1"));
+            }
+        }
+        self.nodes = nodes.unwrap_or(self.nodes);
+        self.gpus_per_node = gpus_per_node.unwrap_or(self.gpus_per_node);
+        self.ranks_per_device = ranks_per_device.unwrap_or(self.ranks_per_device);
+        if self.ranks_per_node() > 1 && self.intra.is_none() {
+            return Err(format!("cluster {}: {} ranks per node need an `intra` level, which the file does not give", self.name, self.ranks_per_node()));
+        }
+        if self.nodes > 1 && self.inter.is_none() {
+            return Err(format!("cluster {}: {} nodes need an `inter` level, which the file does not give", self.name, self.nodes));
+        }
+        Ok(self)
+    }
+
     /// Reads and validates `path`; `comm` supplies the levels marked `from_comm`.
     pub fn load(path: &Path, comm: &[CommFit]) -> Result<Cluster, String> {
         let shown = path.display().to_string();

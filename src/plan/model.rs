@@ -345,12 +345,14 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
     })
 }
 
-/// Throughput relative to `world` independent ranks at one rank's own speed (same micro and
-/// GAS, a device to itself, no communication).
+/// Throughput relative to every device running one rank alone at the same micro and GAS
+/// (no communication): `world / ranks_per_device` devices, so K ranks time-sharing a device
+/// are compared with that device's one rank, not with K of them.
 pub fn efficiency(profile: &Profile, groups: &[Span], s: &Scenario, p: &Prediction) -> Result<f64, String> {
     let one = Scenario { ranks_per_device: 1, shares: None, slowdown: Vec::new(), ..s.clone() };
     let alone = predict(profile, groups, &one, &Network { ranks_per_node: 1, nodes: 1, intra: None, inter: None })?;
-    Ok(p.images_per_s / (alone.images_per_s * p.world as f64))
+    let devices = p.world as f64 / s.ranks_per_device.max(1) as f64;
+    Ok(p.images_per_s / (alone.images_per_s * devices))
 }
 
 /// Memory per rank in bytes: weights (+ compute copy), gradients, optimizer state by stage
