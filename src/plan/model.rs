@@ -448,4 +448,102 @@ mod tests {
         let (_, exposed) = bucket_timeline(&plan, &[1.0, 2.0, 3.0], 3.0, true, &quick).expect("timeline");
         assert!((exposed - 0.25).abs() < 1e-12);
     }
+
+    /// A profile of the built-in model whose every group takes 1 ms of backward and
+    /// 0.5 ms of forward per 8 images, 2 ms of optimizer.
+    fn toy_profile() -> Profile {
+        use crate::plan::profile::ProfilePoint;
+        let cfg = crate::model::ModelConfig::preset("vit_builtin_default").expect("preset");
+        let groups = cfg.depth + 2;
+        let point = |micro: usize| {
+            let k = micro as f64 / 8.0;
+            ProfilePoint { micro, forward_s: groups as f64 * 0.5e-3 * k, backward_s: groups as f64 * 1e-3 * k, backward_groups_s: vec![1e-3 * k; groups], forward_groups_s: vec![0.5e-3 * k; groups], optimizer_s: 2e-3, step_s: 0.0, reps: 1 }
+        };
+        Profile {
+            format: crate::plan::profile::PROFILE_FORMAT.into(),
+            version: crate::plan::profile::PROFILE_VERSION,
+            device: "toy".into(),
+            device_kind: "cpu".into(),
+            threads: 1,
+            model: "vit_builtin_default".into(),
+            params: crate::model::ParamTable::new(&cfg).total,
+            model_config: cfg,
+            dtype: "bf16".into(),
+            compute_bytes: 2.0,
+            attention_saved_per_image: 100,
+            graph: false,
+            recompute: false,
+            attention: "toy".into(),
+            optimizer: "AdamW".into(),
+            forward_split: String::new(),
+            points: vec![point(8), point(16)],
+        }
+    }
+
+    fn two_ranks(a: AlphaBeta) -> Network {
+        Network { ranks_per_node: 2, nodes: 1, intra: Some(level(a)), inter: None }
+    }
+
+    /// GAS multiplies compute, not communication (only the boundary micro-batch reduces); a
+    /// bf16 wire moves half the bytes; K ranks on one device take K × the compute; ZeRO ≥ 1
+    /// divides the optimizer by the world and adds the weights' all-gather.
+    #[test]
+    fn the_step_terms_follow_the_scenario() {
+        let p = toy_profile();
+        let groups = crate::plan::groups(&p);
+        let net = two_ranks(ab(10.0, 1.0));
+        let one = predict(&p, &groups, &Scenario::new(8, 1), &net).expect("gas 1");
+        let four = predict(&p, &groups, &Scenario::new(8, 4), &net).expect("gas 4");
+        assert!((four.compute_s - 4.0 * one.compute_s).abs() < 1e-12);
+        assert_eq!(four.comm_total_s, one.comm_total_s);
+        assert_eq!(four.comm_bytes_per_step, one.comm_bytes_per_step);
+        // 5 groups × 1 ms backward + 5 × 0.5 ms forward at micro 8
+        assert!((one.compute_s - 7.5e-3).abs() < 1e-12);
+        let bf16 = predict(&p, &groups, &Scenario { comm_bf16: true, ..Scenario::new(8, 1) }, &net).expect("bf16");
+        assert!((bf16.comm_bytes_per_step * 2.0 - one.comm_bytes_per_step).abs() < 1e-6);
+        assert_eq!(one.comm_bytes_per_step, 4.0 * p.params as f64);
+        // time-slicing: two ranks on one device, each computes twice as long
+        let shared = predict(&p, &groups, &Scenario { ranks_per_device: 2, ..Scenario::new(8, 1) }, &net).expect("shared");
+        assert!((shared.compute_s - 2.0 * one.compute_s).abs() < 1e-12);
+        assert!((shared.optimizer_s - 2.0 * one.optimizer_s).abs() < 1e-12);
+        let eff = efficiency(&p, &groups, &Scenario { ranks_per_device: 2, ..Scenario::new(8, 1) }, &shared).expect("eff");
+        // one device: the ideal is one rank's throughput, which time-slicing alone keeps
+        let alone = 8.0 / (7.5e-3 + 2e-3);
+        assert!((eff - shared.images_per_s / alone).abs() < 1e-9);
+        // ZeRO 1: half the optimizer, plus the all-gather of the f32 weights
+        let z1 = predict(&p, &groups, &Scenario { zero_stage: 1, ..Scenario::new(8, 1) }, &net).expect("zero 1");
+        assert!(z1.allgather_s > 0.0);
+        assert!((z1.optimizer_s - (1e-3 + z1.allgather_s)).abs() < 1e-12);
+        // one rank: no communication at all
+        let solo = predict(&p, &groups, &Scenario::new(8, 1), &Network { ranks_per_node: 1, nodes: 1, intra: None, inter: None }).expect("solo");
+        assert_eq!((solo.comm_total_s, solo.comm_exposed_s, solo.comm_bytes_per_step), (0.0, 0.0, 0.0));
+        // interpolation in micro: 12 images lie halfway between 8 and 16
+        let mid = predict(&p, &groups, &Scenario::new(12, 1), &net).expect("12");
+        assert!((mid.compute_s - 1.5 * one.compute_s).abs() < 1e-12);
+        // balance shares: the rank given 3/4 of 2 × 8 images sets the pace (12 images)
+        let bal = predict(&p, &groups, &Scenario { shares: Some(vec![3.0, 1.0]), ..Scenario::new(8, 1) }, &net).expect("shares");
+        assert!((bal.compute_s - mid.compute_s).abs() < 1e-12);
+    }
+
+    /// Memory per rank by stage, by hand for Adam (2 state values per parameter) over 4 ranks
+    /// with a bf16 compute copy: weights 4P, copy 2P, gradients 4P, state 8P (stage 0) or 2P.
+    #[test]
+    fn memory_by_stage() {
+        let p = toy_profile();
+        let n = p.params as u64;
+        let base = crate::plan::default_config_value(&p);
+        for (stage, state) in [(0u8, 8 * n), (1, 2 * n), (2, 2 * n)] {
+            let mut v = base.clone();
+            v["zero_optimization"] = serde_json::json!({"stage": stage});
+            let cfg = crate::plan::resolve_with(&v, 16, 1, 4).expect("config");
+            let m = memory(&p, &cfg, 4, false);
+            assert_eq!((m.weights, m.compute_copy, m.gradients, m.optimizer_state), (4 * n, 2 * n, 4 * n, state), "stage {stage}");
+            assert!(m.activations > 0);
+            assert_eq!(m.total, 10 * n + state + m.activations);
+        }
+        // activations grow with the micro-batch
+        let small = memory(&p, &crate::plan::resolve_with(&base, 8, 1, 1).expect("config"), 1, false);
+        let large = memory(&p, &crate::plan::resolve_with(&base, 64, 1, 1).expect("config"), 1, false);
+        assert!(large.activations > 4 * small.activations);
+    }
 }
