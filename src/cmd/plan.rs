@@ -38,6 +38,15 @@ pub struct PlanArgs {
     /// --validate the network of the sweep's ranks (default: the sweep directory's comm*.json).
     #[arg(long = "comm", value_name = "C.json")]
     pub comm: Vec<PathBuf>,
+    /// The output of `vitscale bench --data --json` saved to a file: the loader's images/s per
+    /// core (its one-thread point) models data loading, with `data.num_workers` cores per rank
+    /// (replaces the cluster file's loader keys).
+    #[arg(long, value_name = "D.json")]
+    pub data: Option<PathBuf>,
+    /// With --data: the pipeline to read (default cifar32_crop_flip up to 64 px, else
+    /// jpeg224_rrc_flip_loader).
+    #[arg(long)]
+    pub data_pipeline: Option<String>,
     /// The run configuration (DeepSpeed JSON + model/data/train). Default: the profiled model
     /// with AdamW and the engine's defaults.
     #[arg(long)]
@@ -112,7 +121,15 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     let profile = load_profile(profile_path)?;
     let comm = load_comm(&args.comm)?;
     let cluster_path = need(&args.cluster, "--cluster", "(a cluster file, e.g. configs/clusters/h200_8_nvlink.json)")?;
-    let cluster = Cluster::load(cluster_path, &comm).and_then(|c| c.with_counts(args.nodes, args.gpus_per_node, args.ranks_per_device)).map_err(anyhow::Error::msg)?;
+    let mut cluster = Cluster::load(cluster_path, &comm).and_then(|c| c.with_counts(args.nodes, args.gpus_per_node, args.ranks_per_device)).map_err(anyhow::Error::msg)?;
+    if let Some(d) = &args.data {
+        let (pipeline, rate) = crate::plan::loader_rate(d, args.data_pipeline.as_deref(), profile.model_config.image_size).map_err(anyhow::Error::msg)?;
+        eprintln!("data loading: {rate:.0} images/s per core ({pipeline}, {})", d.display());
+        cluster.loader_images_per_s_per_core = Some(rate);
+        let base = config_value(&args, &profile)?;
+        let workers = base.pointer("/data/num_workers").and_then(serde_json::Value::as_u64).unwrap_or(1).max(1);
+        cluster.loader_cores_per_rank = workers as f64;
+    }
     if let Some(out) = &args.project {
         let p = crate::plan::project::project(&profile, &profile_path.display().to_string(), &cluster, &args.micros, out).map_err(anyhow::Error::msg)?;
         println!("{:>5} {:>6} {:>6} {:>12} {:>10} {:>10} {:>10} {:>12}", "nodes", "ranks", "micro", "images/s", "per rank", "efficiency", "step ms", "exposed ms");
@@ -240,7 +257,11 @@ fn validate(args: &PlanArgs, dir: &Path) -> anyhow::Result<()> {
     let profile = load_profile(&profile_path)?;
     let comm_paths = if args.comm.is_empty() { crate::plan::validate::comm_files_in(dir) } else { args.comm.clone() };
     let comm = load_comm(&comm_paths)?;
-    let v = crate::plan::validate::validate(dir, &profile, &profile_path.display().to_string(), &comm).map_err(anyhow::Error::msg)?;
+    let loader = match &args.data {
+        Some(d) => Some(crate::plan::loader_rate(d, args.data_pipeline.as_deref(), profile.model_config.image_size).map_err(anyhow::Error::msg)?.1),
+        None => None,
+    };
+    let v = crate::plan::validate::validate(dir, &profile, &profile_path.display().to_string(), &comm, loader).map_err(anyhow::Error::msg)?;
     print!("{}", crate::plan::validate::table(&v));
     let out = dir.join("plan.json");
     crate::util::write_atomic(&out, serde_json::to_string_pretty(&v)?.as_bytes()).map_err(|e| anyhow::anyhow!("{}: {e}", out.display()))?;

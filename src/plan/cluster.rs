@@ -200,10 +200,10 @@ fn parse_level(v: &Value, key: &str, comm: &[CommFit]) -> Result<Level, (String,
                 None => return Err((k, "missing: give every collective, or one bandwidth_gb_s and latency_us for the level".to_string())),
             }
         }
-        return Ok(Level { link, all_reduce: out[0], reduce_scatter: out[1], all_gather: out[2] });
+        return Ok(Level { link, all_reduce: out[0], reduce_scatter: out[1], all_gather: out[2], curve: None });
     }
     let ab = parse_ab(v, key)?;
-    Ok(Level { link, all_reduce: ab, reduce_scatter: ab, all_gather: ab })
+    Ok(Level::uniform(&link, ab))
 }
 
 #[cfg(test)]

@@ -3,13 +3,15 @@
 //! (all-reduce: k_α = 2(n−1), f = 2(n−1)/n; reduce-scatter and all-gather: n−1 and (n−1)/n),
 //! so the measured times are fitted by a line t = c₀ + c₁·S, weighted by 1/t² (each size's
 //! relative error counts the same, so small messages fix the latency and large ones the
-//! bandwidth), and α = c₀/k_α, β = f/c₁.
+//! bandwidth), and α = c₀/k_α, β = f/c₁. The measured times themselves are kept too: at the
+//! bench's rank count, a message inside the measured sizes is read off them
+//! (`model::Curve`), since a real link's bandwidth is not one number over sizes.
 
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::model::{ring_factors, AlphaBeta, Level, Op};
+use super::model::{ring_factors, AlphaBeta, Curve, Level, Op};
 
 #[derive(Clone, Debug, Deserialize)]
 struct Row {
@@ -39,6 +41,8 @@ pub struct CommFit {
     pub all_gather: AlphaBeta,
     /// Largest relative error of the fitted line over the measured sizes, per collective.
     pub max_rel_err: [f64; 3],
+    /// The measured (bytes, seconds), per collective.
+    pub curve: Curve,
 }
 
 impl CommFit {
@@ -54,10 +58,15 @@ impl CommFit {
             return Err(format!("comm bench {shown}: measured on {} rank(s); a fit needs 2 or more (`vitscale launch --nproc-per-node 2 -- bench --comm …`)", f.world_size));
         }
         let mut fits = Vec::new();
+        let mut curves: Vec<Vec<(f64, f64)>> = Vec::new();
         for op in [Op::AllReduce, Op::ReduceScatter, Op::AllGather] {
-            let pts: Vec<(f64, f64)> = f.rows.iter().filter(|r| r.op == op.name()).map(|r| (r.bytes as f64, r.time_us * 1e-6)).collect();
+            let mut pts: Vec<(f64, f64)> = f.rows.iter().filter(|r| r.op == op.name()).map(|r| (r.bytes as f64, r.time_us * 1e-6)).collect();
             fits.push(fit(op, f.world_size, &pts).map_err(|e| format!("comm bench {shown}: {}: {e}", op.name()))?);
+            pts.retain(|(s, t)| *s > 0.0 && *t > 0.0 && t.is_finite());
+            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+            curves.push(pts);
         }
+        let [ar, rs, ag]: [Vec<(f64, f64)>; 3] = curves.try_into().map_err(|_| format!("comm bench {shown}: three collectives expected"))?;
         Ok(CommFit {
             source: shown,
             transport: f.transport,
@@ -67,12 +76,19 @@ impl CommFit {
             reduce_scatter: fits[1].0,
             all_gather: fits[2].0,
             max_rel_err: [fits[0].1, fits[1].1, fits[2].1],
+            curve: Curve { world: f.world_size, points: [ar, rs, ag] },
         })
     }
 
     /// The level these fits describe.
     pub fn level(&self, link: &str) -> Level {
-        Level { link: format!("{link} (fitted from {}, {} ranks, {})", self.source, self.world_size, self.transport), all_reduce: self.all_reduce, reduce_scatter: self.reduce_scatter, all_gather: self.all_gather }
+        Level {
+            link: format!("{link} (measured by {}, {} ranks, {})", self.source, self.world_size, self.transport),
+            all_reduce: self.all_reduce,
+            reduce_scatter: self.reduce_scatter,
+            all_gather: self.all_gather,
+            curve: Some(self.curve.clone()),
+        }
     }
 }
 

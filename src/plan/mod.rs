@@ -79,6 +79,26 @@ pub fn resolve_with(v: &serde_json::Value, micro: usize, gas: usize, world: usiz
     crate::config::resolve(&v, world).map_err(|e| e.to_string())
 }
 
+/// The loader's images/s per core from a `bench --data --json` line saved to `path`: the
+/// one-thread point of `pipeline` (default: `cifar32_crop_flip` for images up to 64 px, else
+/// `jpeg224_rrc_flip_loader`).
+pub fn loader_rate(path: &std::path::Path, pipeline: Option<&str>, image_size: usize) -> Result<(String, f64), String> {
+    let shown = path.display();
+    let text = std::fs::read_to_string(path).map_err(|e| format!("data bench {shown}: {e}"))?;
+    let line = text.lines().rev().find(|l| l.trim_start().starts_with('{')).ok_or_else(|| format!("data bench {shown}: no JSON line (save the output of `vitscale bench --data --json`)"))?;
+    let v: serde_json::Value = serde_json::from_str(line).map_err(|e| format!("data bench {shown}: {e}"))?;
+    let points = v.get("points").and_then(|p| p.as_array()).ok_or_else(|| format!("data bench {shown}: no `points`"))?;
+    let want = pipeline.unwrap_or(if image_size <= 64 { "cifar32_crop_flip" } else { "jpeg224_rrc_flip_loader" });
+    let rate = points
+        .iter()
+        .filter(|p| p.get("pipeline").and_then(|x| x.as_str()) == Some(want))
+        .min_by_key(|p| p.get("threads").and_then(|x| x.as_u64()).unwrap_or(u64::MAX))
+        .and_then(|p| p.get("images_per_s_per_core").and_then(|x| x.as_f64()))
+        .filter(|r| r.is_finite() && *r > 0.0)
+        .ok_or_else(|| format!("data bench {shown}: no positive images_per_s_per_core for pipeline `{want}`"))?;
+    Ok((want.to_string(), rate))
+}
+
 /// Checks that a configuration's model is the profiled one.
 pub fn check_model(profile: &Profile, cfg: &RunConfig, what: &str) -> Result<(), String> {
     if cfg.model != profile.model_config {

@@ -54,22 +54,79 @@ impl Op {
     }
 }
 
-/// One network level: α and β per collective.
+/// Measured times of each collective over sizes at one rank count (a comm bench), used
+/// instead of the α–β line for messages inside the measured range at that rank count.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Curve {
+    pub world: usize,
+    /// (bytes, seconds) in increasing size, per collective: all-reduce, reduce-scatter,
+    /// all-gather.
+    pub points: [Vec<(f64, f64)>; 3],
+}
+
+impl Curve {
+    /// The time of `bytes` interpolated linearly in log(bytes)–log(time) between the measured
+    /// sizes; None outside them.
+    pub fn time(&self, op: Op, bytes: f64) -> Option<f64> {
+        let pts = &self.points[op_index(op)];
+        let (first, last) = (pts.first()?, pts.last()?);
+        if bytes < first.0 || bytes > last.0 {
+            return None;
+        }
+        let i = pts.iter().position(|p| p.0 >= bytes)?;
+        if i == 0 || pts[i].0 == bytes {
+            return Some(pts[i].1);
+        }
+        let ((x0, y0), (x1, y1)) = (pts[i - 1], pts[i]);
+        let f = (bytes.ln() - x0.ln()) / (x1.ln() - x0.ln());
+        Some((y0.ln() + f * (y1.ln() - y0.ln())).exp())
+    }
+}
+
+fn op_index(op: Op) -> usize {
+    match op {
+        Op::AllReduce => 0,
+        Op::ReduceScatter => 1,
+        Op::AllGather => 2,
+    }
+}
+
+/// One network level: α and β per collective, and the measured curve it was fitted from, if
+/// any.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Level {
     pub link: String,
     pub all_reduce: AlphaBeta,
     pub reduce_scatter: AlphaBeta,
     pub all_gather: AlphaBeta,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub curve: Option<Curve>,
 }
 
 impl Level {
+    /// A level with one α–β for every collective.
+    pub fn uniform(link: &str, ab: AlphaBeta) -> Level {
+        Level { link: link.to_string(), all_reduce: ab, reduce_scatter: ab, all_gather: ab, curve: None }
+    }
+
     pub fn get(&self, op: Op) -> AlphaBeta {
         match op {
             Op::AllReduce => self.all_reduce,
             Op::ReduceScatter => self.reduce_scatter,
             Op::AllGather => self.all_gather,
         }
+    }
+
+    /// Seconds of `op` on `bytes` over `n` ranks of this level: the measured curve where it
+    /// covers this rank count and size, else the ring with this level's α and β.
+    pub fn time(&self, op: Op, n: usize, bytes: f64) -> f64 {
+        if n <= 1 || bytes <= 0.0 {
+            return 0.0;
+        }
+        if let Some(t) = self.curve.as_ref().filter(|c| c.world == n).and_then(|c| c.time(op, bytes)) {
+            return t;
+        }
+        ring_time(op, n, bytes, &self.get(op))
     }
 }
 
@@ -115,20 +172,21 @@ impl Network {
             return Ok(0.0);
         }
         if m == 1 {
-            return Ok(ring_time(op, g, bytes, &intra()?.get(op)));
+            return Ok(intra()?.time(op, g, bytes));
         }
-        let node = inter()?.get(op);
+        let node = inter()?;
         if g == 1 {
-            return Ok(ring_time(op, m, bytes, &node));
+            return Ok(node.time(op, m, bytes));
         }
         let l = intra()?;
         // between nodes each of the g ranks moves 1/g of the buffer; they share the node's β
-        let shared = AlphaBeta { alpha_s: node.alpha_s, beta_bytes_s: node.beta_bytes_s / g as f64 };
+        let ab = node.get(op);
+        let shared = AlphaBeta { alpha_s: ab.alpha_s, beta_bytes_s: ab.beta_bytes_s / g as f64 };
         let part = bytes / g as f64;
         Ok(match op {
-            Op::AllReduce => ring_time(Op::ReduceScatter, g, bytes, &l.reduce_scatter) + ring_time(Op::AllReduce, m, part, &shared) + ring_time(Op::AllGather, g, bytes, &l.all_gather),
-            Op::ReduceScatter => ring_time(Op::ReduceScatter, g, bytes, &l.reduce_scatter) + ring_time(Op::ReduceScatter, m, part, &shared),
-            Op::AllGather => ring_time(Op::AllGather, m, part, &shared) + ring_time(Op::AllGather, g, bytes, &l.all_gather),
+            Op::AllReduce => l.time(Op::ReduceScatter, g, bytes) + ring_time(Op::AllReduce, m, part, &shared) + l.time(Op::AllGather, g, bytes),
+            Op::ReduceScatter => l.time(Op::ReduceScatter, g, bytes) + ring_time(Op::ReduceScatter, m, part, &shared),
+            Op::AllGather => ring_time(Op::AllGather, m, part, &shared) + l.time(Op::AllGather, g, bytes),
         })
     }
 }
@@ -314,7 +372,7 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
             (load - compute).max(0.0)
         }
         None => {
-            notes.push("data loading not modelled (no loader rate: give one from `bench --data` in the cluster file)".into());
+            notes.push("data loading not modelled (no loader rate: `vitscale plan --data D.json` with a saved `bench --data --json`, or the cluster file's loader_images_per_s_per_core)".into());
             0.0
         }
     };
@@ -395,7 +453,21 @@ mod tests {
     }
 
     fn level(a: AlphaBeta) -> Level {
-        Level { link: "test".into(), all_reduce: a, reduce_scatter: a, all_gather: a }
+        Level::uniform("test", a)
+    }
+
+    /// Inside the measured sizes at the measured rank count the curve is read (log–log
+    /// between points); elsewhere the α–β ring.
+    #[test]
+    fn a_measured_curve_is_used_inside_its_range() {
+        let a = ab(5.0, 10.0);
+        let pts = vec![(1e6, 1e-3), (4e6, 16e-3)];
+        let l = Level { curve: Some(Curve { world: 2, points: [pts.clone(), pts.clone(), pts] }), ..level(a) };
+        // halfway in log size between 1e6 and 4e6 is 2e6: halfway in log time, 4 ms
+        assert!((l.time(Op::AllReduce, 2, 2e6) - 4e-3).abs() < 1e-12);
+        assert_eq!(l.time(Op::AllReduce, 2, 4e6), 16e-3);
+        assert_eq!(l.time(Op::AllReduce, 2, 8e6), ring_time(Op::AllReduce, 2, 8e6, &a));
+        assert_eq!(l.time(Op::AllReduce, 4, 2e6), ring_time(Op::AllReduce, 4, 2e6, &a));
     }
 
     /// Hand-computed ring times: 4 ranks, 100 MB at 10 GB/s with 5 µs per step.

@@ -133,8 +133,9 @@ pub fn comm_files_in(dir: &Path) -> Vec<std::path::PathBuf> {
     out
 }
 
-/// Predicts every finished point of the sweep in `dir` from `profile` and `comm`.
-pub fn validate(dir: &Path, profile: &Profile, profile_source: &str, comm: &[CommFit]) -> Result<Validation, String> {
+/// Predicts every finished point of the sweep in `dir` from `profile` and `comm` (and the
+/// loader's images/s per core, with each point's `data.num_workers` cores, when given).
+pub fn validate(dir: &Path, profile: &Profile, profile_source: &str, comm: &[CommFit], loader_per_core: Option<f64>) -> Result<Validation, String> {
     let spec_path = dir.join("spec.json");
     let spec: serde_json::Value = std::fs::read_to_string(&spec_path)
         .map_err(|e| format!("{}: not a sweep directory ({e})", dir.display()))
@@ -178,6 +179,7 @@ pub fn validate(dir: &Path, profile: &Profile, profile_source: &str, comm: &[Com
         let net = Network { ranks_per_node: rpd * gpus, nodes: 1, intra, inter: None };
         let mut s = super::scenario(&cfg, world);
         s.ranks_per_device = rpd;
+        s.loader = loader_per_core.map(|r| (r, cfg.data.num_workers.max(1) as f64));
         let p = model::predict(profile, &groups, &s, &net).map_err(|e| format!("point {}: {e}", r.id))?;
         let b = &f.breakdown;
         let measured_compute = b.forward_s + b.backward_s;
