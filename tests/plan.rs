@@ -113,6 +113,15 @@ fn validate_a_small_cpu_sweep_and_plan_on_the_presets() {
     let fit = vitscale::plan::comm_fit::CommFit::load(&cwd.join("sw/comm_2.json")).expect("the comm file fits");
     assert_eq!(fit.world_size, 2);
     assert!(fit.all_reduce.beta_bytes_s > 0.0 && fit.all_reduce.alpha_s >= 0.0);
+    // every preset loads (the from_comm ones with this fit) and says where its figures come from
+    let mut presets = 0;
+    for entry in std::fs::read_dir(clusters()).expect("configs/clusters") {
+        let path = entry.expect("entry").path();
+        let c = vitscale::plan::cluster::Cluster::load(&path, std::slice::from_ref(&fit)).unwrap_or_else(|e| panic!("{e}"));
+        assert!(c.world() >= 1 && !c.source.is_empty(), "{}", path.display());
+        presets += 1;
+    }
+    assert!(presets >= 5, "{presets} presets");
 
     // the profile and the comm file are found in the sweep directory
     let out = vitscale(cwd, &["plan", "--validate", "sw", "--json"]);
