@@ -4,7 +4,8 @@
 //!
 //! ```text
 //! step = GAS × compute(micro)                    slowest rank; K ranks on one device: × K
-//!      + exposed communication                   buckets on the last backward's timeline
+//!      + exposed communication                   buckets on the last backward's timeline,
+//!                                                and the wait for the slowest of N ranks
 //!      + optimizer                               stage 0: whole; stage ≥ 1: 1/N + all-gather
 //!      + exposed data                            loader time not hidden behind compute
 //! ```
@@ -17,7 +18,9 @@
 //! Buckets come from `train::sync::BucketPlan`, the plan training uses. A bucket's
 //! reduction can start when the backward has finished its last group and the previous
 //! bucket's reduction has finished (one link, collectives in order); what ends after the
-//! backward is exposed. Only the boundary micro-batch communicates.
+//! backward is exposed. Only the boundary micro-batch communicates. The boundary also waits
+//! for the slowest rank: with the profile's spread σ of one pass, GAS passes and N ranks,
+//! σ·√GAS·E[max of N standard normals].
 //!
 //! Sharing: K ranks on one device (`launch --one-gpu`, CPU ranks on one machine's cores)
 //! are modelled as time-slicing it, so each rank's compute takes K × what it takes alone. The
@@ -283,8 +286,10 @@ pub struct Prediction {
     pub backward_s: f64,
     /// Gradient reductions of the boundary micro-batch, overlapped or not.
     pub comm_total_s: f64,
-    /// What of them ends after the backward.
+    /// What of them ends after the backward, plus the wait for the slowest rank.
     pub comm_exposed_s: f64,
+    /// The part of `comm_exposed_s` that waits for the slowest rank.
+    pub straggle_s: f64,
     /// The optimizer step (this rank's 1/N under ZeRO) with ZeRO's weight all-gather.
     pub optimizer_s: f64,
     pub allgather_s: f64,
@@ -350,6 +355,11 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
         Ok((net.time(Op::ReduceScatter, pb)? + net.time(Op::AllReduce, tb)?, pb + tb))
     };
     let (buckets, exposed) = if world > 1 { bucket_timeline(&plan, &done, bwd, s.overlap, &bucket_time)? } else { (Vec::new(), 0.0) };
+    // the boundary also waits for the slowest rank: the step's compute varies between
+    // repetitions (the profile's spread, GAS passes adding up independently), and the
+    // collective finishes with the last of `world` ranks
+    let straggle = t.pass_spread_s * k * (s.gas as f64).sqrt() * expected_max_normal(world);
+    let exposed = exposed + straggle;
     let comm_total: f64 = buckets.iter().map(|b| b.end_s - b.start_s).sum();
     let mut bytes: f64 = buckets.iter().map(|b| b.bytes).sum();
     // the optimizer: whole at stage 0, this rank's shard at stage ≥ 1, then the f32 weights
@@ -393,6 +403,7 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
         backward_s: s.gas as f64 * bwd,
         comm_total_s: comm_total,
         comm_exposed_s: exposed,
+        straggle_s: straggle,
         optimizer_s: optimizer,
         allgather_s: allgather,
         data_s: data,
@@ -401,6 +412,25 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
         rank_micro,
         notes,
     })
+}
+
+/// E[max of n independent standard normal variables]: how far the slowest of n ranks lags the
+/// typical one, in standard deviations. Exact values (numerical integration) up to 8, then at
+/// powers of two to 4096, linear in ln n between them and held beyond.
+pub fn expected_max_normal(n: usize) -> f64 {
+    const SMALL: [f64; 9] = [0.0, 0.0, 0.5642, 0.8463, 1.0294, 1.1630, 1.2672, 1.3522, 1.4236];
+    const POW2: [(f64, f64); 10] = [(8.0, 1.4236), (16.0, 1.7660), (32.0, 2.0697), (64.0, 2.3437), (128.0, 2.5946), (256.0, 2.8269), (512.0, 3.0439), (1024.0, 3.2482), (2048.0, 3.4418), (4096.0, 3.6261)];
+    if n < SMALL.len() {
+        return SMALL[n];
+    }
+    let x = (n as f64).ln();
+    for w in POW2.windows(2) {
+        let ((n0, y0), (n1, y1)) = (w[0], w[1]);
+        if (n as f64) <= n1 {
+            return y0 + (y1 - y0) * (x - n0.ln()) / (n1.ln() - n0.ln());
+        }
+    }
+    POW2[POW2.len() - 1].1
 }
 
 /// Throughput relative to every device running one rank alone at the same micro and GAS
@@ -529,7 +559,7 @@ mod tests {
         let groups = cfg.depth + 2;
         let point = |micro: usize| {
             let k = micro as f64 / 8.0;
-            ProfilePoint { micro, forward_s: groups as f64 * 0.5e-3 * k, backward_s: groups as f64 * 1e-3 * k, backward_groups_s: vec![1e-3 * k; groups], forward_groups_s: vec![0.5e-3 * k; groups], optimizer_s: 2e-3, step_s: 0.0, reps: 1 }
+            ProfilePoint { micro, forward_s: groups as f64 * 0.5e-3 * k, backward_s: groups as f64 * 1e-3 * k, backward_groups_s: vec![1e-3 * k; groups], forward_groups_s: vec![0.5e-3 * k; groups], optimizer_s: 2e-3, step_s: 0.0, pass_spread_s: 0.0, reps: 1 }
         };
         Profile {
             format: crate::plan::profile::PROFILE_FORMAT.into(),
@@ -595,6 +625,29 @@ mod tests {
         // balance shares: the rank given 3/4 of 2 × 8 images sets the pace (12 images)
         let bal = predict(&p, &groups, &Scenario { shares: Some(vec![3.0, 1.0]), ..Scenario::new(8, 1) }, &net).expect("shares");
         assert!((bal.compute_s - mid.compute_s).abs() < 1e-12);
+    }
+
+    /// The slowest of n ranks: exact small values, a smooth continuation beyond 8, and the
+    /// straggle term σ·√GAS·E[max] in the step.
+    #[test]
+    fn the_wait_for_the_slowest_rank() {
+        assert_eq!(expected_max_normal(1), 0.0);
+        assert!((expected_max_normal(2) - 1.0 / std::f64::consts::PI.sqrt()).abs() < 1e-4);
+        let (e8, e9, e256) = (expected_max_normal(8), expected_max_normal(9), expected_max_normal(256));
+        // 9 ranks: 1.4850 exactly; the interpolation in ln n stays within 0.02
+        assert!(e9 > e8 && (e9 - 1.485).abs() < 0.02, "{e9}");
+        assert!((e256 - 2.8269).abs() < 1e-12, "{e256}");
+        assert!(expected_max_normal(300) > e256 && expected_max_normal(100_000) == 3.6261);
+        let mut p = toy_profile();
+        for x in p.points.iter_mut() {
+            x.pass_spread_s = 1e-3;
+        }
+        let groups = crate::plan::groups(&p);
+        let net = two_ranks(ab(10.0, 1.0));
+        let q = predict(&p, &groups, &Scenario::new(8, 4), &net).expect("predict");
+        assert!((q.straggle_s - 1e-3 * 2.0 * 0.5642).abs() < 1e-12);
+        let solo = predict(&p, &groups, &Scenario::new(8, 4), &Network { ranks_per_node: 1, nodes: 1, intra: None, inter: None }).expect("solo");
+        assert_eq!(solo.straggle_s, 0.0);
     }
 
     /// Memory per rank by stage, by hand for Adam (2 state values per parameter) over 4 ranks

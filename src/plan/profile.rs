@@ -40,6 +40,10 @@ pub struct ProfilePoint {
     /// A whole eager step as the benchmark times it (forward + backward + boundary, mean over
     /// the timed steps, no per-group waits): checks the parts above.
     pub step_s: f64,
+    /// How much one pass (forward + backward) varies between repetitions: 1.4826 × the
+    /// median absolute deviation, seconds.
+    #[serde(default)]
+    pub pass_spread_s: f64,
     pub reps: usize,
 }
 
@@ -81,6 +85,8 @@ pub struct Profile {
 /// Interpolated times of one pass at a micro-batch size.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PassTimes {
+    /// The spread of one pass between repetitions (`ProfilePoint::pass_spread_s`).
+    pub pass_spread_s: f64,
     pub forward_s: f64,
     pub backward_s: f64,
     pub backward_groups_s: Vec<f64>,
@@ -122,7 +128,7 @@ impl Profile {
             if p.backward_groups_s.len() != groups || p.forward_groups_s.len() != groups {
                 return Err(format!("points[{i}]: {} backward / {} forward groups, expected {groups} (depth + 2)", p.backward_groups_s.len(), p.forward_groups_s.len()));
             }
-            let all = [p.forward_s, p.backward_s, p.optimizer_s, p.step_s].into_iter().chain(p.backward_groups_s.iter().copied()).chain(p.forward_groups_s.iter().copied());
+            let all = [p.forward_s, p.backward_s, p.optimizer_s, p.step_s, p.pass_spread_s].into_iter().chain(p.backward_groups_s.iter().copied()).chain(p.forward_groups_s.iter().copied());
             if let Some(x) = all.into_iter().find(|x| !x.is_finite() || *x < 0.0) {
                 return Err(format!("points[{i}]: time {x} is not a finite non-negative number of seconds"));
             }
@@ -147,7 +153,7 @@ impl Profile {
         let backward_groups_s: Vec<f64> = (0..groups).map(|g| lerp(&|p: &ProfilePoint| p.backward_groups_s[g])).collect();
         let mut opt: Vec<f64> = pts.iter().map(|p| p.optimizer_s).collect();
         opt.sort_by(f64::total_cmp);
-        PassTimes { forward_s: lerp(&|p: &ProfilePoint| p.forward_s), backward_s: backward_groups_s.iter().sum(), backward_groups_s, optimizer_s: opt[opt.len() / 2] }
+        PassTimes { pass_spread_s: lerp(&|p: &ProfilePoint| p.pass_spread_s), forward_s: lerp(&|p: &ProfilePoint| p.forward_s), backward_s: backward_groups_s.iter().sum(), backward_groups_s, optimizer_s: opt[opt.len() / 2] }
     }
 }
 
@@ -171,7 +177,7 @@ mod tests {
 
     fn point(micro: usize, fwd: f64) -> ProfilePoint {
         let groups = vec![fwd / 4.0; 4];
-        ProfilePoint { micro, forward_s: fwd, backward_s: fwd, backward_groups_s: groups.clone(), forward_groups_s: groups, optimizer_s: 0.5, step_s: 2.0 * fwd + 0.5, reps: 1 }
+        ProfilePoint { micro, forward_s: fwd, backward_s: fwd, backward_groups_s: groups.clone(), forward_groups_s: groups, optimizer_s: 0.5, step_s: 2.0 * fwd + 0.5, pass_spread_s: 0.0, reps: 1 }
     }
 
     /// Linear inside the range, along the end segment outside it, floored by proportional.
