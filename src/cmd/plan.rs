@@ -209,12 +209,13 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     );
     println!("  predicted {:.1} images/s ({:.1} per rank), efficiency {:.1} % of {} device(s) × one rank alone", p.images_per_s, p.images_per_s_per_rank, eff * 100.0, cluster.gpus_per_node * cluster.nodes);
     println!(
-        "  step {:.3} ms = compute {:.3} (forward {:.3}, backward {:.3}) + exposed comm {:.3} (of {:.3} in {} buckets, {:.1} MB) + optimizer {:.3} (all-gather {:.3}) + data {:.3}",
+        "  step {:.3} ms = compute {:.3} (forward {:.3}, backward {:.3}) + exposed comm {:.3} ({:.3} waiting for the slowest rank; reductions {:.3} in {} buckets, {:.1} MB) + optimizer {:.3} (all-gather {:.3}) + data {:.3}",
         ms(p.step_s),
         ms(p.compute_s),
         ms(p.forward_s),
         ms(p.backward_s),
         ms(p.comm_exposed_s),
+        ms(p.straggle_s),
         ms(p.comm_total_s),
         p.buckets.len(),
         p.comm_bytes_per_step / 1e6,
