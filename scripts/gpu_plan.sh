@@ -3,7 +3,8 @@
 # presets' predictions.
 #   1. `bench --profile-out` of ViT-B/16 224 (micro 16..256) and ViT-S/4 32 (micro 32..512);
 #   2. `bench --comm --comm-out` over NCCL with every rank on GPU 0 (`launch --one-gpu`,
-#      NCCL's socket transport over loopback) at 2 and 4 ranks;
+#      NCCL's socket transport over loopback) at 2 and 4 ranks, 8 KiB to 64 MiB (the default
+#      buckets hold at most 25 MiB);
 #   3. a sweep of ViT-S/4 32 px on synthetic data: 1, 2, 4 ranks (one GPU) × micro 64, 128,
 #      256, 20 steps each, then `plan --validate` (profile + comm files only) and `report`;
 #   4. `plan` on the presets: 8×H200 NVLink (ViT-B/16), the study's 32 H200 nodes projected
@@ -34,7 +35,7 @@ run profile_s4 "$BIN" bench --device cuda --model vit_small_patch4_32 --profile-
 
 step "2. bench --comm over NCCL, ranks on one GPU"
 for n in 2 4; do
-  run "comm_$n" "$BIN" launch --one-gpu --nproc-per-node "$n" -- bench --comm --device cuda --comm-max-bytes 268435456 --comm-iters 10 --warmup 3 --comm-out "$OUT/sweep/comm_$n.json"
+  run "comm_$n" "$BIN" launch --one-gpu --nproc-per-node "$n" -- bench --comm --device cuda --comm-max-bytes 67108864 --comm-iters 10 --warmup 3 --comm-out "$OUT/sweep/comm_$n.json"
 done
 
 step "3. sweep ViT-S/4 (1/2/4 ranks × micro 64/128/256), validate, report"
