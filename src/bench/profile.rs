@@ -125,12 +125,14 @@ fn profile_on<B: Backend>(be: &B, args: &BenchArgs, micros: &[usize], kind: &str
     let cfg = s.cfg;
     let attention_saved_per_image = be.attention_saved_len(1, cfg.num_tokens(), cfg.num_heads, cfg.head_dim());
     let threads = if kind == "cpu" { rayon::current_num_threads() } else { 0 };
+    let cores = if kind == "cpu" { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { 0 };
     Ok(Profile {
         format: PROFILE_FORMAT.into(),
         version: PROFILE_VERSION,
         device: be.name(),
         device_kind: kind.into(),
         threads,
+        cores,
         model: args.model.clone(),
         params: crate::model::ParamTable::new(&cfg).total,
         model_config: cfg,

@@ -17,10 +17,11 @@ const GIB: f64 = (1u64 << 30) as f64;
 /// Command-line options of `vitscale plan`.
 #[derive(Args, Debug)]
 pub struct PlanArgs {
-    /// The compute profile (`vitscale bench --profile-out P.json`). With --validate it may
-    /// be omitted when the sweep directory holds `profile.json`.
+    /// The compute profile (`vitscale bench --profile-out P.json`). --validate takes several
+    /// (CPU points use the one measured with their threads per rank) and defaults to the sweep
+    /// directory's profile*.json.
     #[arg(long, value_name = "P.json")]
-    pub profile: Option<PathBuf>,
+    pub profile: Vec<PathBuf>,
     /// The cluster file (`configs/clusters/*.json`).
     #[arg(long, value_name = "C.json")]
     pub cluster: Option<PathBuf>,
@@ -117,7 +118,11 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     if let Some(dir) = &args.validate {
         return validate(&args, dir);
     }
-    let profile_path = need(&args.profile, "--profile", "(a `bench --profile-out` file)")?;
+    let profile_path = match args.profile.as_slice() {
+        [] => anyhow::bail!("--profile is required (a `bench --profile-out` file)"),
+        [p] => p,
+        _ => anyhow::bail!("--profile given {} times: only --validate takes several", args.profile.len()),
+    };
     let profile = load_profile(profile_path)?;
     let comm = load_comm(&args.comm)?;
     let cluster_path = need(&args.cluster, "--cluster", "(a cluster file, e.g. configs/clusters/h200_8_nvlink.json)")?;
@@ -245,24 +250,19 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
 }
 
 fn validate(args: &PlanArgs, dir: &Path) -> anyhow::Result<()> {
-    let profile_path = match &args.profile {
-        Some(p) => p.clone(),
-        None => {
-            let p = dir.join("profile.json");
-            if !p.exists() {
-                anyhow::bail!("--validate {}: give --profile P.json, or put the sweep's profile at {}", dir.display(), p.display());
-            }
-            p
-        }
-    };
-    let profile = load_profile(&profile_path)?;
-    let comm_paths = if args.comm.is_empty() { crate::plan::validate::comm_files_in(dir) } else { args.comm.clone() };
+    let profile_paths = if args.profile.is_empty() { crate::plan::validate::files_in(dir, "profile") } else { args.profile.clone() };
+    if profile_paths.is_empty() {
+        anyhow::bail!("--validate {}: give --profile P.json, or put the sweep's profile at {}", dir.display(), dir.join("profile.json").display());
+    }
+    let profiles = profile_paths.iter().map(|p| load_profile(p).map(|x| (p.display().to_string(), x))).collect::<anyhow::Result<Vec<_>>>()?;
+    let profile = &profiles[0].1;
+    let comm_paths = if args.comm.is_empty() { crate::plan::validate::files_in(dir, "comm") } else { args.comm.clone() };
     let comm = load_comm(&comm_paths)?;
     let loader = match &args.data {
         Some(d) => Some(crate::plan::loader_rate(d, args.data_pipeline.as_deref(), profile.model_config.image_size).map_err(anyhow::Error::msg)?.1),
         None => None,
     };
-    let v = crate::plan::validate::validate(dir, &profile, &profile_path.display().to_string(), &comm, loader).map_err(anyhow::Error::msg)?;
+    let v = crate::plan::validate::validate(dir, &profiles, &comm, loader).map_err(anyhow::Error::msg)?;
     print!("{}", crate::plan::validate::table(&v));
     let out = dir.join("plan.json");
     crate::util::write_atomic(&out, serde_json::to_string_pretty(&v)?.as_bytes()).map_err(|e| anyhow::anyhow!("{}: {e}", out.display()))?;

@@ -322,7 +322,8 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
         Some(sh) => return Err(format!("{} balance shares for {world} ranks", sh.len())),
         None => vec![s.micro as f64; world],
     };
-    let factor = |r: usize| s.ranks_per_device as f64 * s.compute_scale * s.slowdown.get(r).copied().unwrap_or(1.0);
+    let share = sharing_factor(profile, s.ranks_per_device);
+    let factor = |r: usize| share * s.compute_scale * s.slowdown.get(r).copied().unwrap_or(1.0);
     // the slowest rank sets the pace of every collective
     let (slow, t) = rank_micro
         .iter()
@@ -364,7 +365,7 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
     let mut bytes: f64 = buckets.iter().map(|b| b.bytes).sum();
     // the optimizer: whole at stage 0, this rank's shard at stage ≥ 1, then the f32 weights
     // gathered bucket by bucket and the gradient norm's all-reduce
-    let opt_full = t.optimizer_s * s.ranks_per_device as f64 * s.compute_scale;
+    let opt_full = t.optimizer_s * share * s.compute_scale;
     let (optimizer, allgather) = if s.zero_stage >= 1 && world > 1 {
         let mut ag = net.time(Op::AllReduce, 8.0)?;
         for b in &plan.buckets {
@@ -386,8 +387,8 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
             0.0
         }
     };
-    if s.ranks_per_device > 1 {
-        notes.push(format!("{} ranks share each device: compute modelled as time-sliced ({}× one rank's)", s.ranks_per_device, s.ranks_per_device));
+    if share != 1.0 {
+        notes.push(format!("{} rank(s) per device: compute × {share:.2} ({})", s.ranks_per_device, sharing_rule(profile, s.ranks_per_device)));
     }
     let step = compute + exposed + optimizer + data;
     let global_batch = s.micro * s.gas * world;
@@ -412,6 +413,31 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
         rank_micro,
         notes,
     })
+}
+
+/// The factor on the profile's compute for one of `k` ranks sharing a device. A GPU (or an
+/// unknown CPU) is time-sliced: k. CPU ranks launched on the profiled machine get
+/// t = ⌈cores / k⌉ threads each (`vitscale launch`) and run side by side: the profile's
+/// threads over t, compute taken to scale linearly with threads (exact when the profile ran
+/// with t threads, e.g. `RAYON_NUM_THREADS=1` for 2 ranks on 2 cores), times k·t / cores
+/// where the ranks' threads outnumber the cores. With the profile on every core this is k.
+pub fn sharing_factor(profile: &Profile, k: usize) -> f64 {
+    let k = k.max(1);
+    if profile.device_kind == "cpu" && profile.cores > 0 && profile.threads > 0 {
+        let t = profile.cores.div_ceil(k);
+        let oversubscribed = ((k * t) as f64 / profile.cores as f64).max(1.0);
+        profile.threads as f64 / t as f64 * oversubscribed
+    } else {
+        k as f64
+    }
+}
+
+fn sharing_rule(profile: &Profile, k: usize) -> String {
+    if profile.device_kind == "cpu" && profile.cores > 0 && profile.threads > 0 {
+        format!("{k} CPU rank(s) on {} cores get {} thread(s) each; the profile ran {}", profile.cores, profile.cores.div_ceil(k.max(1)), profile.threads)
+    } else {
+        format!("{k} ranks time-slice the device")
+    }
 }
 
 /// E[max of n independent standard normal variables]: how far the slowest of n ranks lags the
@@ -567,6 +593,7 @@ mod tests {
             device: "toy".into(),
             device_kind: "cpu".into(),
             threads: 1,
+            cores: 0,
             model: "vit_builtin_default".into(),
             params: crate::model::ParamTable::new(&cfg).total,
             model_config: cfg,
@@ -625,6 +652,27 @@ mod tests {
         // balance shares: the rank given 3/4 of 2 × 8 images sets the pace (12 images)
         let bal = predict(&p, &groups, &Scenario { shares: Some(vec![3.0, 1.0]), ..Scenario::new(8, 1) }, &net).expect("shares");
         assert!((bal.compute_s - mid.compute_s).abs() < 1e-12);
+    }
+
+    /// Sharing: a GPU profile is time-sliced (× k); CPU ranks get ⌈cores / k⌉ threads and the
+    /// profile's threads are scaled to theirs.
+    #[test]
+    fn sharing_a_device() {
+        let mut p = toy_profile();
+        p.device_kind = "cuda".into();
+        assert_eq!((sharing_factor(&p, 1), sharing_factor(&p, 4)), (1.0, 4.0));
+        p.device_kind = "cpu".into();
+        // a CPU profile without its core count: time-sliced too
+        assert_eq!(sharing_factor(&p, 2), 2.0);
+        (p.cores, p.threads) = (2, 2);
+        // on every core: k, also when 4 one-thread ranks share 2 cores
+        assert_eq!((sharing_factor(&p, 1), sharing_factor(&p, 2), sharing_factor(&p, 4)), (1.0, 2.0, 4.0));
+        // profiled with one thread: exact for 2 ranks on 2 cores, half for 1 rank on both
+        p.threads = 1;
+        assert_eq!((sharing_factor(&p, 2), sharing_factor(&p, 1)), (1.0, 0.5));
+        (p.cores, p.threads) = (16, 16);
+        // 3 ranks of 6 threads on 16 cores: 18 threads time-share 16 cores
+        assert!((sharing_factor(&p, 3) - 3.0).abs() < 1e-12);
     }
 
     /// The slowest of n ranks: exact small values, a smooth continuation beyond 8, and the

@@ -58,6 +58,10 @@ pub struct Profile {
     pub device_kind: String,
     /// Compute threads of the rank (the CPU's rayon pool; 0 on a GPU).
     pub threads: usize,
+    /// Cores of the machine the profile ran on (CPU; 0 on a GPU): CPU ranks launched here get
+    /// cores / ranks threads each.
+    #[serde(default)]
+    pub cores: usize,
     /// The preset's name, or "custom".
     pub model: String,
     pub model_config: ModelConfig,

@@ -28,6 +28,8 @@ pub struct PointCheck {
     pub zero_stage: u64,
     /// Ranks that shared a device.
     pub ranks_per_device: usize,
+    /// The profile that predicted it.
+    pub profile: String,
     pub measured_images_per_s: f64,
     pub predicted_images_per_s: f64,
     /// (predicted − measured) / measured.
@@ -124,18 +126,22 @@ fn nearest(comm: &[CommFit], world: usize) -> Option<&CommFit> {
     comm.iter().min_by_key(|c| (c.world_size.abs_diff(world), std::cmp::Reverse(c.world_size)))
 }
 
-/// The comm bench files a sweep directory holds (`comm*.json`).
-pub fn comm_files_in(dir: &Path) -> Vec<std::path::PathBuf> {
+/// The files of a sweep directory named `<prefix>*.json`, sorted (`profile*.json`,
+/// `comm*.json`).
+pub fn files_in(dir: &Path, prefix: &str) -> Vec<std::path::PathBuf> {
     let mut out: Vec<std::path::PathBuf> = std::fs::read_dir(dir)
-        .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("comm") && n.ends_with(".json"))).collect())
+        .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(prefix) && n.ends_with(".json"))).collect())
         .unwrap_or_default();
     out.sort();
     out
 }
 
-/// Predicts every finished point of the sweep in `dir` from `profile` and `comm` (and the
-/// loader's images/s per core, with each point's `data.num_workers` cores, when given).
-pub fn validate(dir: &Path, profile: &Profile, profile_source: &str, comm: &[CommFit], loader_per_core: Option<f64>) -> Result<Validation, String> {
+/// Predicts every finished point of the sweep in `dir` from `profiles` (source, profile) and
+/// `comm` (and the loader's images/s per core, with each point's `data.num_workers` cores,
+/// when given). A CPU point's K ranks get ⌈cores / K⌉ threads each: the profile measured with
+/// that many threads predicts it when there is one, else the first.
+pub fn validate(dir: &Path, profiles: &[(String, Profile)], comm: &[CommFit], loader_per_core: Option<f64>) -> Result<Validation, String> {
+    let (profile_source, profile) = profiles.first().map(|(s, p)| (s.as_str(), p)).ok_or("no profile to predict from")?;
     let spec_path = dir.join("spec.json");
     let spec: serde_json::Value = std::fs::read_to_string(&spec_path)
         .map_err(|e| format!("{}: not a sweep directory ({e})", dir.display()))
@@ -143,8 +149,10 @@ pub fn validate(dir: &Path, profile: &Profile, profile_source: &str, comm: &[Com
     let full = spec.get("full_training").and_then(serde_json::Value::as_bool).unwrap_or(false);
     let warmup = if full { 0 } else { spec.get("warmup_steps").and_then(serde_json::Value::as_u64).unwrap_or(0) };
     let device = spec.get("device").and_then(serde_json::Value::as_str).unwrap_or("cpu").to_string();
-    if device != profile.device_kind {
-        return Err(format!("the sweep in {} ran on {device}, the profile ({profile_source}) on {}", dir.display(), profile.device_kind));
+    for (src, p) in profiles {
+        if device != p.device_kind {
+            return Err(format!("the sweep in {} ran on {device}, the profile ({src}) on {}", dir.display(), p.device_kind));
+        }
     }
     let records = read_records(dir)?;
     let groups = super::groups(profile);
@@ -162,8 +170,11 @@ pub fn validate(dir: &Path, profile: &Profile, profile_source: &str, comm: &[Com
         let cfg_path = run.join("config.json");
         let v = crate::config::load_json(Some(&cfg_path), &[]).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
         let cfg = crate::config::resolve(&v, f.world_size).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
-        super::check_model(profile, &cfg, &format!("point {}", r.id))?;
         let world = f.world_size;
+        // the profile taken with this point's threads per rank, else the first
+        let threads = if device == "cpu" && profile.cores > 0 { profile.cores.div_ceil(world) } else { 0 };
+        let (src, profile) = profiles.iter().find(|(_, p)| threads > 0 && p.threads == threads).map(|(s, p)| (s.as_str(), p)).unwrap_or((profile_source, profile));
+        super::check_model(profile, &cfg, &format!("point {}", r.id))?;
         // CPU ranks share the machine; GPU ranks share GPU 0 under --one-gpu
         let shared = device == "cpu" || r.command.contains("--one-gpu") || r.keys.get(crate::lab::spec::ONE_GPU_KEY).and_then(serde_json::Value::as_bool).unwrap_or(false);
         let (rpd, gpus) = if shared { (world, 1) } else { (1, world) };
@@ -191,6 +202,7 @@ pub fn validate(dir: &Path, profile: &Profile, profile_source: &str, comm: &[Com
             gas: f.gradient_accumulation_steps,
             zero_stage: f.zero_stage,
             ranks_per_device: rpd,
+            profile: src.to_string(),
             measured_images_per_s: f.images_per_s,
             predicted_images_per_s: p.images_per_s,
             err: (p.images_per_s - f.images_per_s) / f.images_per_s,
@@ -217,7 +229,7 @@ pub fn validate(dir: &Path, profile: &Profile, profile_source: &str, comm: &[Com
     ];
     Ok(Validation {
         sweep: dir.display().to_string(),
-        profile: profile_source.to_string(),
+        profile: profiles.iter().map(|(s, _)| s.clone()).collect::<Vec<_>>().join(", "),
         comm: comm.iter().map(|c| c.source.clone()).collect(),
         median_abs_err: median(&abs),
         max_abs_err: abs.iter().copied().fold(0.0, f64::max),
