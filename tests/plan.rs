@@ -160,6 +160,10 @@ fn validate_a_small_cpu_sweep_and_plan_on_the_presets() {
     assert_eq!(j["prediction"]["world"], 2);
     assert!(j["prediction"]["images_per_s"].as_f64().unwrap() > 0.0);
     assert!(j["memory_per_rank"]["total"].as_u64().unwrap() > 0);
+    // a model other than the profiled one is refused, not predicted as the profiled one
+    let out = vitscale(cwd, &["plan", "--profile", "sw/profile.json", "--cluster", cpu.to_str().unwrap(), "--comm", "sw/comm_2.json", "--set", "model.preset=vit_tiny_patch4_32"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("the profile is of vit_builtin_default"), "{}", String::from_utf8_lossy(&out.stderr));
     // without the comm file the from_comm level cannot be built
     let out = vitscale(cwd, &["plan", "--profile", "sw/profile.json", "--cluster", cpu.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1));

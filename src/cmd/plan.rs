@@ -98,17 +98,22 @@ fn need<'a, T>(x: &'a Option<T>, flag: &str, why: &str) -> anyhow::Result<&'a T>
 /// default, with every `--set` applied.
 fn config_value(args: &PlanArgs, profile: &Profile) -> anyhow::Result<serde_json::Value> {
     let mut v = match &args.config {
-        Some(p) => {
-            let mut v = crate::config::load_json(Some(p), &[])?;
-            if v.get("model").is_none() {
-                v["model"] = serde_json::to_value(&profile.model_config)?;
+        Some(p) => crate::config::load_json(Some(p), &[])?,
+        None => {
+            let mut v = crate::plan::default_config_value(profile);
+            if let Some(o) = v.as_object_mut() {
+                o.remove("model");
             }
             v
         }
-        None => crate::plan::default_config_value(profile),
     };
     for s in &args.sets {
         crate::config::apply_set(&mut v, s)?;
+    }
+    // the profiled model unless the configuration or a --set names one (which must then be
+    // the profiled one: `check_model`)
+    if v.get("model").is_none() {
+        v["model"] = serde_json::to_value(&profile.model_config)?;
     }
     Ok(v)
 }
