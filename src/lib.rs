@@ -11,6 +11,7 @@
 //! - `launch`  — defines: the launcher behind `vitscale launch`, spawning workers locally or over ssh from a hostfile, supervising them.
 //! - `metrics` — defines: phase timers, the `metrics.jsonl` records, the per-rank Chrome trace.
 //! - `lab`     — defines: the scaling lab: sweep specs, `vitscale sweep` (points as subprocesses, `sweep.jsonl`, resume), `vitscale report` (tables, charts, findings checked against the data), `bench --comm`.
+//! - `plan`    — defines: the planner behind `vitscale plan`: the compute profile format, cluster files, comm fits, the step-time and memory model, validation against sweeps, recommendations, projections.
 //! - `cmd`     — defines: the subcommands behind `vitscale` (one file each: its arguments and `run`), the config and device loading they share, exit codes.
 //! - `util`    — defines: atomic file writes, scoped signal handlers.
 //! - `selftest` — defines: the parity checks behind `vitscale selftest`, every backend op and a short training run against the CPU reference.
@@ -26,6 +27,7 @@ pub mod lab;
 pub mod launch;
 pub mod metrics;
 pub mod model;
+pub mod plan;
 pub mod train;
 pub mod util;
 pub mod selftest;

@@ -33,6 +33,9 @@ enum Command {
     Sweep(cmd::sweep::SweepArgs),
     /// Write report.md, report.html and charts for a sweep directory.
     Report(cmd::report::ReportArgs),
+    /// Predict step time, throughput and memory on a cluster from a compute profile; rank
+    /// batch choices; validate the model against a sweep.
+    Plan(cmd::plan::PlanArgs),
 }
 
 fn main() {
@@ -46,6 +49,7 @@ fn main() {
         Command::Bench(args) => cmd::bench::run(args).map(|()| 0),
         Command::Sweep(args) => cmd::sweep::run(args).map(|()| 0),
         Command::Report(args) => cmd::report::run(args).map(|()| 0),
+        Command::Plan(args) => cmd::plan::run(args).map(|()| 0),
     };
     match result {
         Ok(code) => std::process::exit(code),

@@ -16,6 +16,7 @@
 //! process (cuBLASLt, 8192³, random data).
 
 pub mod data_parallel;
+pub mod profile;
 
 use std::time::Instant;
 

@@ -85,8 +85,26 @@ pub struct BenchArgs {
     /// With --data: seconds per measured point.
     #[arg(long, default_value_t = 3.0)]
     pub secs: f64,
+    /// Write this device's compute profile for `vitscale plan` (`plan::profile`) to this file:
+    /// per-group forward/backward and optimizer times of one rank at each `--profile-micros`
+    /// size (`--warmup` untimed steps and `--steps` timed repetitions each), instead of the
+    /// throughput benchmark.
+    #[arg(long, value_name = "P.json")]
+    pub profile_out: Option<std::path::PathBuf>,
+    /// With --profile-out: the micro-batch sizes, comma-separated (default 4,8,16,32 on cpu,
+    /// 16,32,64,128,256 on cuda).
+    #[arg(long, value_name = "N,N,…", value_delimiter = ',')]
+    pub profile_micros: Option<Vec<usize>>,
     #[command(flatten)]
     pub comm: crate::lab::comm_bench::CommBenchArgs,
+}
+
+/// The micro-batch sizes `--profile-out` measures when `--profile-micros` is not given.
+pub fn default_profile_micros(device: &str) -> Vec<usize> {
+    match device {
+        "cpu" => vec![4, 8, 16, 32],
+        _ => vec![16, 32, 64, 128, 256],
+    }
 }
 
 /// The preset and micro-batch `bench` measures when not given: a training-sized step on a
@@ -137,6 +155,24 @@ pub fn run(mut args: BenchArgs) -> anyhow::Result<()> {
     }
     if args.device == "cpu" {
         check_cpu_memory(&args)?;
+    }
+    if let Some(path) = args.profile_out.clone() {
+        if env.world_size > 1 {
+            anyhow::bail!("--profile-out measures one rank: run it without a launcher");
+        }
+        let micros = args.profile_micros.clone().unwrap_or_else(|| default_profile_micros(&args.device));
+        if args.device == "cpu" {
+            if let Some(&largest) = micros.iter().max() {
+                check_cpu_memory(&BenchArgs { micro: largest, ..args.clone() })?;
+            }
+        }
+        let p = crate::bench::profile::measure_profile(&args, &micros)?;
+        p.save(&path).map_err(|e| anyhow::anyhow!("--profile-out {e}"))?;
+        println!("profile of {} on {} ({} micro sizes) written to {}", p.model, p.device, p.points.len(), path.display());
+        if args.json {
+            println!("{}", serde_json::to_string(&p)?);
+        }
+        return Ok(());
     }
     if env.world_size > 1 {
         let gpu = if args.device == "cpu" { 0 } else { super::train::gpu_index(&env)? };

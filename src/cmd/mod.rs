@@ -7,9 +7,8 @@
 //! - `selftest` — `vitscale selftest`: run and report the parity checks of `crate::selftest`.
 //! - `sweep`    — `vitscale sweep`: run a sweep spec's points (`crate::lab::sweep`).
 //! - `report`   — `vitscale report`: the report of a sweep directory (`crate::lab::report`).
+//! - `plan`     — `vitscale plan`: predictions and their validation (`crate::plan`).
 //! - `common`   — what they share: `ConfigArgs`, `load_config`, `open_device`, `config_hash`.
-//!
-//! Commands to come (plan) get a file here each, beside these.
 //!
 //! Every failure comes back as an error naming its source, never a panic; `exit_code` and
 //! `error_message` say how `main` ends with it.
@@ -18,6 +17,7 @@ pub mod bench;
 pub mod common;
 pub mod eval;
 pub mod launch;
+pub mod plan;
 pub mod report;
 pub mod selftest;
 pub mod sweep;

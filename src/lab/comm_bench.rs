@@ -35,7 +35,14 @@ pub struct CommBenchArgs {
     /// With --comm: the collectives, comma-separated, of all_reduce, reduce_scatter, all_gather.
     #[arg(long, default_value = "all_reduce,reduce_scatter,all_gather")]
     pub comm_ops: String,
+    /// With --comm: rank 0 also writes the table as JSON to this file (the `--json` object),
+    /// the input `vitscale plan --comm` fits latency and bandwidth from.
+    #[arg(long, value_name = "C.json")]
+    pub comm_out: Option<std::path::PathBuf>,
 }
+
+/// The `format` of a `--comm-out` file.
+pub const COMM_FORMAT: &str = "vitscale-comm-bench";
 
 /// One measured (operation, size).
 #[derive(Clone, Debug, Serialize)]
@@ -52,6 +59,8 @@ pub struct CommRow {
 
 #[derive(Clone, Debug, Serialize)]
 pub struct CommBenchResult {
+    /// What wrote the file (`vitscale plan --comm` checks it).
+    pub format: &'static str,
     pub transport: String,
     pub device: String,
     pub world_size: usize,
@@ -185,7 +194,7 @@ pub fn run<B: Backend>(be: &B, comm: &mut dyn Comm<B::Buf>, args: &CommBenchArgs
             });
         }
     }
-    Ok(CommBenchResult { transport: comm.describe(), device: be.name(), world_size: world, dtype: "float", iters, warmup, rows })
+    Ok(CommBenchResult { format: COMM_FORMAT, transport: comm.describe(), device: be.name(), world_size: world, dtype: "float", iters, warmup, rows })
 }
 
 /// The nccl-tests-style table.
@@ -233,6 +242,10 @@ pub fn command(args: &CommBenchArgs, device: &str, warmup: usize, json: bool) ->
         }
         if json {
             println!("{}", serde_json::to_string(&result)?);
+        }
+        if let Some(path) = &args.comm_out {
+            let text = serde_json::to_string_pretty(&result)?;
+            crate::util::write_atomic(path, text.as_bytes()).map_err(|e| anyhow::anyhow!("--comm-out {}: {e}", path.display()))?;
         }
     }
     let wrong: usize = result.rows.iter().map(|r| r.wrong).sum();

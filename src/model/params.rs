@@ -118,6 +118,20 @@ impl ParamTable {
         ParamTable { entries: t.entries, spans, total: t.total }
     }
 
+    /// The parameter groups the backward finishes one after another, in its order: head +
+    /// final norm, block depth-1 … block 0, the embedding (`Vit::gradient_groups`), as spans of
+    /// the flat buffer.
+    pub fn gradient_groups(&self) -> Vec<Span> {
+        let t = &self.spans;
+        let mut out = vec![Span { off: t.final_norm_w.off, len: self.total - t.final_norm_w.off }];
+        for blk in t.blocks.iter().rev() {
+            out.push(Span { off: blk.norm1_w.off, len: blk.fc2_b.off + blk.fc2_b.len - blk.norm1_w.off });
+        }
+        let embed_end = t.blocks.first().map_or(t.final_norm_w.off, |blk| blk.norm1_w.off);
+        out.push(Span { off: 0, len: embed_end });
+        out
+    }
+
     pub fn get(&self, name: &str) -> Option<&ParamEntry> {
         self.entries.iter().find(|e| e.name == name)
     }

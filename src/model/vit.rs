@@ -562,14 +562,7 @@ impl<B: Backend> Vit<B> {
     /// The parameter groups `backward_reporting` reports, in its order: (head + final norm,
     /// block depth-1 … block 0, embedding), as spans of the flat buffer.
     pub fn gradient_groups(&self) -> Vec<Span> {
-        let t = &self.table.spans;
-        let mut out = vec![Span { off: t.final_norm_w.off, len: self.table.total - t.final_norm_w.off }];
-        for blk in t.blocks.iter().rev() {
-            out.push(Span { off: blk.norm1_w.off, len: blk.fc2_b.off + blk.fc2_b.len - blk.norm1_w.off });
-        }
-        let embed_end = t.blocks.first().map_or(t.final_norm_w.off, |blk| blk.norm1_w.off);
-        out.push(Span { off: 0, len: embed_end });
-        out
+        self.table.gradient_groups()
     }
 
     fn backward_pass<E: From<crate::backend::BackendError>>(&mut self, be: &B, mut ready: Option<&mut dyn FnMut(&mut B::Buf, Span) -> Result<(), E>>) -> Result<(), E> {

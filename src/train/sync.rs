@@ -86,6 +86,12 @@ impl BucketPlan {
         Ok(BucketPlan { buckets, bucket_of })
     }
 
+    /// The plan a run with `reduce_bucket_size = bucket_elems` uses: a first bucket of
+    /// `FIRST_BUCKET_ELEMS` (or the bucket size, when smaller), then buckets of that size.
+    pub fn for_bucket_size(groups: &[Span], bucket_elems: usize) -> Result<BucketPlan, String> {
+        BucketPlan::new(groups, FIRST_BUCKET_ELEMS.min(bucket_elems), bucket_elems)
+    }
+
     pub fn total(&self) -> usize {
         self.buckets.iter().map(|b| b.span.len).sum()
     }

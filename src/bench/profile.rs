@@ -1,0 +1,168 @@
+//! `vitscale bench --profile-out P.json`: the compute profile of this device on one rank
+//! (`plan::profile`), measured on the benchmark's own step (`bench_step`, `boundary`) at each
+//! micro-batch size of `--profile-micros`.
+//!
+//! Each repetition waits for the device before and after the forward, at every gradient
+//! group the backward reports, and after the boundary, and reads the host clock there: on the
+//! CPU the calls are synchronous anyway, on a GPU the waits make host time device time. The
+//! step runs eager (no CUDA graph), as the training loop runs it. Besides the parts, the
+//! whole step is timed without the waits (`ProfilePoint::step_s`), so the file shows what the
+//! waits cost.
+
+use std::time::Instant;
+
+use crate::backend::{Backend, BackendError, Span};
+use crate::cmd::bench::BenchArgs;
+use crate::plan::profile::{Profile, ProfilePoint, FORWARD_SPLIT, PROFILE_FORMAT, PROFILE_VERSION};
+
+fn median(xs: &mut [f64]) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    if n == 0 {
+        0.0
+    } else if n % 2 == 1 {
+        xs[n / 2]
+    } else {
+        0.5 * (xs[n / 2 - 1] + xs[n / 2])
+    }
+}
+
+/// One micro-batch size on `be`: `args.warmup` untimed steps, then `args.steps` timed
+/// repetitions of the parts, then as many whole steps without waits.
+fn profile_micro<B: Backend>(be: &B, args: &BenchArgs) -> anyhow::Result<(ProfilePoint, bool)> {
+    let s = super::setup(args)?;
+    let mut st = super::bench_step(be, args, &s, 1)?;
+    let m = args.micro;
+    let scale = Some(1.0 / m as f32);
+    let mut step = 0u64;
+    for _ in 0..args.warmup.max(1) {
+        st.pass_unlogged(be, m)?;
+        super::boundary(be, &mut st, step)?;
+        step += 1;
+    }
+    let reps = args.steps.max(1);
+    let groups = st.vit.gradient_groups().len();
+    let (mut fwd, mut bwd, mut opt) = (Vec::new(), Vec::new(), Vec::new());
+    let mut per_group: Vec<Vec<f64>> = vec![Vec::new(); groups];
+    for _ in 0..reps {
+        be.synchronize()?;
+        let t0 = Instant::now();
+        st.vit.forward_staged(be, m, scale)?;
+        be.synchronize()?;
+        let t1 = Instant::now();
+        let mut marks: Vec<Instant> = Vec::with_capacity(groups);
+        st.vit.backward_reporting::<BackendError>(
+            be,
+            Some(&mut |_g: &mut B::Buf, _span: Span| {
+                be.synchronize()?;
+                marks.push(Instant::now());
+                Ok(())
+            }),
+        )?;
+        be.synchronize()?;
+        let t2 = Instant::now();
+        super::boundary(be, &mut st, step)?;
+        step += 1;
+        be.synchronize()?;
+        let t3 = Instant::now();
+        if marks.len() != groups {
+            anyhow::bail!("the backward reported {} gradient groups, expected {groups}", marks.len());
+        }
+        let mut prev = t1;
+        for (g, t) in marks.iter().enumerate() {
+            per_group[g].push((*t - prev).as_secs_f64());
+            prev = *t;
+        }
+        // what the backward did after its last report belongs to the last group
+        if let Some(last) = per_group[groups - 1].last_mut() {
+            *last += (t2 - prev).as_secs_f64();
+        }
+        fwd.push((t1 - t0).as_secs_f64());
+        bwd.push((t2 - t1).as_secs_f64());
+        opt.push((t3 - t2).as_secs_f64());
+    }
+    // the whole step without waits between its parts
+    be.synchronize()?;
+    let t = Instant::now();
+    for _ in 0..reps {
+        st.pass_unlogged(be, m)?;
+        super::boundary(be, &mut st, step)?;
+        step += 1;
+    }
+    be.synchronize()?;
+    let step_s = t.elapsed().as_secs_f64() / reps as f64;
+    // the spread of one pass between repetitions (a robust standard deviation: 1.4826 × the
+    // median absolute deviation), for the planner's wait on the slowest of several ranks
+    let mut pass: Vec<f64> = fwd.iter().zip(&bwd).map(|(f, b)| f + b).collect();
+    let mid = median(&mut pass);
+    let mut dev: Vec<f64> = pass.iter().map(|x| (x - mid).abs()).collect();
+    let pass_spread_s = 1.4826 * median(&mut dev);
+    let backward_groups_s: Vec<f64> = per_group.iter_mut().map(|v| median(v)).collect();
+    let backward_s: f64 = backward_groups_s.iter().sum();
+    let forward_s = median(&mut fwd);
+    let forward_groups_s = backward_groups_s.iter().map(|g| if backward_s > 0.0 { forward_s * g / backward_s } else { forward_s / groups as f64 }).collect();
+    let point = ProfilePoint { micro: m, forward_s, backward_s, backward_groups_s, forward_groups_s, optimizer_s: median(&mut opt), step_s, pass_spread_s, reps };
+    Ok((point, st.plan.recompute))
+}
+
+fn profile_on<B: Backend>(be: &B, args: &BenchArgs, micros: &[usize], kind: &str, attention: String) -> anyhow::Result<Profile> {
+    let mut points = Vec::new();
+    let mut recompute = false;
+    for &m in micros {
+        let a = BenchArgs { micro: m, ..args.clone() };
+        let (p, r) = profile_micro(be, &a)?;
+        eprintln!(
+            "profile micro {m}: forward {:.3} ms, backward {:.3} ms, optimizer {:.3} ms, whole step {:.3} ms",
+            p.forward_s * 1e3,
+            p.backward_s * 1e3,
+            p.optimizer_s * 1e3,
+            p.step_s * 1e3
+        );
+        points.push(p);
+        recompute = r;
+    }
+    let s = super::setup(&BenchArgs { micro: micros[0], ..args.clone() })?;
+    let cfg = s.cfg;
+    let attention_saved_per_image = be.attention_saved_len(1, cfg.num_tokens(), cfg.num_heads, cfg.head_dim());
+    let threads = if kind == "cpu" { rayon::current_num_threads() } else { 0 };
+    let cores = if kind == "cpu" { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { 0 };
+    Ok(Profile {
+        format: PROFILE_FORMAT.into(),
+        version: PROFILE_VERSION,
+        device: be.name(),
+        device_kind: kind.into(),
+        threads,
+        cores,
+        model: args.model.clone(),
+        params: crate::model::ParamTable::new(&cfg).total,
+        model_config: cfg,
+        dtype: if kind == "cpu" { "f32".into() } else { "bf16".into() },
+        compute_bytes: if kind == "cpu" { 4.0 } else { 2.0 },
+        attention_saved_per_image,
+        graph: false,
+        recompute,
+        attention,
+        optimizer: "AdamW".into(),
+        forward_split: FORWARD_SPLIT.into(),
+        points,
+    })
+}
+
+/// Profiles `args.model` at each of `micros` (increasing, deduplicated here) on `args.device`.
+pub fn measure_profile(args: &BenchArgs, micros: &[usize]) -> anyhow::Result<Profile> {
+    let mut micros = micros.to_vec();
+    micros.sort_unstable();
+    micros.dedup();
+    if micros.is_empty() || micros[0] == 0 {
+        anyhow::bail!("--profile-micros: give one or more micro-batch sizes of at least 1");
+    }
+    match args.device.as_str() {
+        "cpu" => profile_on(&crate::backend::cpu::Cpu::new(), args, &micros, "cpu", "cpu".into()),
+        "cuda" | "gpu" => {
+            let be = super::open_cuda(args, args.gpu)?;
+            let att = be.attention_path().name().to_string();
+            profile_on(&be, args, &micros, "cuda", att)
+        }
+        other => anyhow::bail!("--device must be cuda or cpu, got {other:?}"),
+    }
+}

@@ -1,0 +1,305 @@
+//! `vitscale plan --validate SWEEP_DIR`: every finished point of a sweep predicted from what a
+//! user measures first — the one-rank compute profile and the comm bench — and compared with
+//! what the point measured (`lab::summary`). No multi-rank point feeds the model. Writes
+//! `SWEEP_DIR/plan.json`, which `vitscale report` shows as predicted against measured.
+//!
+//! A point's ranks time-share one device on the CPU and under `launch --one-gpu`; their
+//! network is the comm bench's (fitted at the nearest rank count measured). Each point's
+//! error is (predicted − measured) / measured images/s; per term (compute, exposed
+//! communication, optimizer, the rest) the mean gap in seconds says which term misses.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use super::comm_fit::CommFit;
+use super::model::{self, Network};
+use super::profile::Profile;
+use crate::lab::summary::read_point;
+use crate::lab::sweep::read_records;
+
+/// One point, predicted and measured.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PointCheck {
+    pub id: String,
+    pub world: usize,
+    pub micro: usize,
+    pub gas: usize,
+    pub zero_stage: u64,
+    /// Ranks that shared a device.
+    pub ranks_per_device: usize,
+    /// The profile that predicted it.
+    pub profile: String,
+    pub measured_images_per_s: f64,
+    pub predicted_images_per_s: f64,
+    /// (predicted − measured) / measured.
+    pub err: f64,
+    /// Seconds per step: (measured, predicted).
+    pub compute_s: (f64, f64),
+    pub comm_exposed_s: (f64, f64),
+    pub optimizer_s: (f64, f64),
+    /// Data wait and the rest of the step, which the model does not predict without a loader
+    /// rate: (measured, predicted).
+    pub other_s: (f64, f64),
+    pub step_s: (f64, f64),
+}
+
+/// The validation of one sweep.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Validation {
+    pub sweep: String,
+    pub profile: String,
+    pub comm: Vec<String>,
+    pub points: Vec<PointCheck>,
+    pub median_abs_err: f64,
+    pub max_abs_err: f64,
+    /// Spearman's rank correlation of predicted with measured throughput.
+    pub spearman: Option<f64>,
+    /// Share of point pairs the prediction orders as measured.
+    pub pairwise_correct: Option<f64>,
+    /// Mean |predicted − measured| per term over the points, as a share of the measured step.
+    pub term_gaps: Vec<(String, f64)>,
+    pub notes: Vec<String>,
+}
+
+fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 { v[n / 2] } else { 0.5 * (v[n / 2 - 1] + v[n / 2]) }
+}
+
+/// Average ranks (1-based, ties share their mean rank).
+fn ranks(xs: &[f64]) -> Vec<f64> {
+    let mut idx: Vec<usize> = (0..xs.len()).collect();
+    idx.sort_by(|&a, &b| xs[a].total_cmp(&xs[b]));
+    let mut r = vec![0.0; xs.len()];
+    let mut i = 0;
+    while i < idx.len() {
+        let mut j = i;
+        while j + 1 < idx.len() && xs[idx[j + 1]] == xs[idx[i]] {
+            j += 1;
+        }
+        let mean = (i + j) as f64 / 2.0 + 1.0;
+        for &k in &idx[i..=j] {
+            r[k] = mean;
+        }
+        i = j + 1;
+    }
+    r
+}
+
+/// Spearman's ρ (Pearson's correlation of the ranks); None under 3 points or no spread.
+pub fn spearman(a: &[f64], b: &[f64]) -> Option<f64> {
+    if a.len() < 3 || a.len() != b.len() {
+        return None;
+    }
+    let (ra, rb) = (ranks(a), ranks(b));
+    let n = ra.len() as f64;
+    let (ma, mb) = (ra.iter().sum::<f64>() / n, rb.iter().sum::<f64>() / n);
+    let cov: f64 = ra.iter().zip(&rb).map(|(x, y)| (x - ma) * (y - mb)).sum();
+    let va: f64 = ra.iter().map(|x| (x - ma).powi(2)).sum();
+    let vb: f64 = rb.iter().map(|y| (y - mb).powi(2)).sum();
+    (va > 0.0 && vb > 0.0).then(|| cov / (va * vb).sqrt())
+}
+
+/// Share of pairs that `pred` orders as `meas` does; None under 2 points.
+pub fn pairwise_correct(meas: &[f64], pred: &[f64]) -> Option<f64> {
+    let mut total = 0usize;
+    let mut right = 0usize;
+    for i in 0..meas.len() {
+        for j in i + 1..meas.len() {
+            total += 1;
+            if (meas[i] - meas[j]).signum() == (pred[i] - pred[j]).signum() {
+                right += 1;
+            }
+        }
+    }
+    (total > 0).then(|| right as f64 / total as f64)
+}
+
+/// The fit measured at the rank count nearest `world` (equal first, then the larger).
+fn nearest(comm: &[CommFit], world: usize) -> Option<&CommFit> {
+    comm.iter().min_by_key(|c| (c.world_size.abs_diff(world), std::cmp::Reverse(c.world_size)))
+}
+
+/// The files of a sweep directory named `<prefix>*.json`, sorted (`profile*.json`,
+/// `comm*.json`).
+pub fn files_in(dir: &Path, prefix: &str) -> Vec<std::path::PathBuf> {
+    let mut out: Vec<std::path::PathBuf> = std::fs::read_dir(dir)
+        .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(prefix) && n.ends_with(".json"))).collect())
+        .unwrap_or_default();
+    out.sort();
+    out
+}
+
+/// Predicts every finished point of the sweep in `dir` from `profiles` (source, profile) and
+/// `comm` (and the loader's images/s per core, with each point's `data.num_workers` cores,
+/// when given). A CPU point's K ranks get ⌈cores / K⌉ threads each: the profile measured with
+/// that many threads predicts it when there is one, else the first.
+pub fn validate(dir: &Path, profiles: &[(String, Profile)], comm: &[CommFit], loader_per_core: Option<f64>) -> Result<Validation, String> {
+    let (profile_source, profile) = profiles.first().map(|(s, p)| (s.as_str(), p)).ok_or("no profile to predict from")?;
+    let spec_path = dir.join("spec.json");
+    let spec: serde_json::Value = std::fs::read_to_string(&spec_path)
+        .map_err(|e| format!("{}: not a sweep directory ({e})", dir.display()))
+        .and_then(|t| serde_json::from_str(&t).map_err(|e| format!("{}: {e}", spec_path.display())))?;
+    let full = spec.get("full_training").and_then(serde_json::Value::as_bool).unwrap_or(false);
+    let warmup = if full { 0 } else { spec.get("warmup_steps").and_then(serde_json::Value::as_u64).unwrap_or(0) };
+    let device = spec.get("device").and_then(serde_json::Value::as_str).unwrap_or("cpu").to_string();
+    for (src, p) in profiles {
+        if device != p.device_kind {
+            return Err(format!("the sweep in {} ran on {device}, the profile ({src}) on {}", dir.display(), p.device_kind));
+        }
+    }
+    let records = read_records(dir)?;
+    let groups = super::groups(profile);
+    let mut points = Vec::new();
+    let mut notes = Vec::new();
+    for r in records.iter().filter(|r| r.ok()) {
+        let run = dir.join(&r.run_dir);
+        let f = match read_point(&run, warmup) {
+            Ok(f) => f,
+            Err(e) => {
+                notes.push(format!("{}: not predicted ({e})", r.id));
+                continue;
+            }
+        };
+        let cfg_path = run.join("config.json");
+        let v = crate::config::load_json(Some(&cfg_path), &[]).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
+        let cfg = crate::config::resolve(&v, f.world_size).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
+        let world = f.world_size;
+        // the profile taken with this point's threads per rank, else the first
+        let threads = if device == "cpu" && profile.cores > 0 { profile.cores.div_ceil(world) } else { 0 };
+        let (src, profile) = profiles.iter().find(|(_, p)| threads > 0 && p.threads == threads).map(|(s, p)| (s.as_str(), p)).unwrap_or((profile_source, profile));
+        super::check_model(profile, &cfg, &format!("point {}", r.id))?;
+        // CPU ranks share the machine; GPU ranks share GPU 0 under --one-gpu
+        let shared = device == "cpu" || r.command.contains("--one-gpu") || r.keys.get(crate::lab::spec::ONE_GPU_KEY).and_then(serde_json::Value::as_bool).unwrap_or(false);
+        let (rpd, gpus) = if shared { (world, 1) } else { (1, world) };
+        let intra = if world > 1 {
+            let fit = nearest(comm, world).ok_or_else(|| format!("point {} has {world} ranks: give a comm bench of these ranks (`--comm C.json`, or a comm*.json in {})", r.id, dir.display()))?;
+            if fit.world_size != world {
+                notes.push(format!("{}: {world} ranks predicted with the comm bench of {} ranks ({})", r.id, fit.world_size, fit.source));
+            }
+            Some(fit.level("intra"))
+        } else {
+            None
+        };
+        let net = Network { ranks_per_node: rpd * gpus, nodes: 1, intra, inter: None };
+        let mut s = super::scenario(&cfg, world);
+        s.ranks_per_device = rpd;
+        s.loader = loader_per_core.map(|r| (r, cfg.data.num_workers.max(1) as f64));
+        let p = model::predict(profile, &groups, &s, &net).map_err(|e| format!("point {}: {e}", r.id))?;
+        let b = &f.breakdown;
+        let measured_compute = b.forward_s + b.backward_s;
+        let measured_other = b.data_s + b.other_s;
+        points.push(PointCheck {
+            id: r.id.clone(),
+            world,
+            micro: f.micro_batch,
+            gas: f.gradient_accumulation_steps,
+            zero_stage: f.zero_stage,
+            ranks_per_device: rpd,
+            profile: src.to_string(),
+            measured_images_per_s: f.images_per_s,
+            predicted_images_per_s: p.images_per_s,
+            err: (p.images_per_s - f.images_per_s) / f.images_per_s,
+            compute_s: (measured_compute, p.compute_s),
+            comm_exposed_s: (b.comm_exposed_s, p.comm_exposed_s),
+            optimizer_s: (b.optimizer_s, p.optimizer_s),
+            other_s: (measured_other, p.data_s),
+            step_s: (b.step_s, p.step_s),
+        });
+    }
+    if points.is_empty() {
+        return Err(format!("{}: no finished point to predict", dir.display()));
+    }
+    let abs: Vec<f64> = points.iter().map(|p| p.err.abs()).collect();
+    let meas: Vec<f64> = points.iter().map(|p| p.measured_images_per_s).collect();
+    let pred: Vec<f64> = points.iter().map(|p| p.predicted_images_per_s).collect();
+    let n = points.len() as f64;
+    let gap = |f: fn(&PointCheck) -> (f64, f64)| points.iter().map(|p| (f(p).1 - f(p).0).abs() / p.step_s.0.max(1e-12)).sum::<f64>() / n;
+    let term_gaps = vec![
+        ("compute".to_string(), gap(|p| p.compute_s)),
+        ("exposed communication".to_string(), gap(|p| p.comm_exposed_s)),
+        ("optimizer".to_string(), gap(|p| p.optimizer_s)),
+        ("data wait + rest".to_string(), gap(|p| p.other_s)),
+    ];
+    Ok(Validation {
+        sweep: dir.display().to_string(),
+        profile: profiles.iter().map(|(s, _)| s.clone()).collect::<Vec<_>>().join(", "),
+        comm: comm.iter().map(|c| c.source.clone()).collect(),
+        median_abs_err: median(&abs),
+        max_abs_err: abs.iter().copied().fold(0.0, f64::max),
+        spearman: spearman(&meas, &pred),
+        pairwise_correct: pairwise_correct(&meas, &pred),
+        term_gaps,
+        notes,
+        points,
+    })
+}
+
+/// The validation as a table.
+pub fn table(v: &Validation) -> String {
+    let ms = |x: f64| format!("{:.2}", x * 1e3);
+    let mut s = format!("predicted from {} and {}\n", v.profile, if v.comm.is_empty() { "no comm bench".to_string() } else { v.comm.join(", ") });
+    s.push_str(&format!(
+        "{:<28} {:>5} {:>6} {:>4} {:>11} {:>11} {:>8}  {:>17} {:>17} {:>17} {:>17}\n",
+        "point", "ranks", "micro", "GAS", "measured/s", "predicted/s", "error", "compute ms m/p", "exposed ms m/p", "optimizer ms m/p", "rest ms m/p"
+    ));
+    for p in &v.points {
+        s.push_str(&format!(
+            "{:<28} {:>5} {:>6} {:>4} {:>11.1} {:>11.1} {:>7.1}%  {:>8}/{:<8} {:>8}/{:<8} {:>8}/{:<8} {:>8}/{:<8}\n",
+            p.id,
+            p.world,
+            p.micro,
+            p.gas,
+            p.measured_images_per_s,
+            p.predicted_images_per_s,
+            p.err * 100.0,
+            ms(p.compute_s.0),
+            ms(p.compute_s.1),
+            ms(p.comm_exposed_s.0),
+            ms(p.comm_exposed_s.1),
+            ms(p.optimizer_s.0),
+            ms(p.optimizer_s.1),
+            ms(p.other_s.0),
+            ms(p.other_s.1)
+        ));
+    }
+    s.push_str(&format!("points {}: median |error| {:.1} %, max |error| {:.1} %", v.points.len(), v.median_abs_err * 100.0, v.max_abs_err * 100.0));
+    if let Some(r) = v.spearman {
+        s.push_str(&format!(", Spearman {r:.3}"));
+    }
+    if let Some(r) = v.pairwise_correct {
+        s.push_str(&format!(", pairs ordered right {:.0} %", r * 100.0));
+    }
+    s.push('\n');
+    s.push_str("mean |gap| per term (share of the measured step): ");
+    s.push_str(&v.term_gaps.iter().map(|(t, g)| format!("{t} {:.1} %", g * 100.0)).collect::<Vec<_>>().join(", "));
+    s.push('\n');
+    for n in &v.notes {
+        s.push_str(&format!("note: {n}\n"));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rank_statistics() {
+        let a = [1.0, 2.0, 3.0, 4.0];
+        assert!((spearman(&a, &[10.0, 20.0, 30.0, 40.0]).unwrap() - 1.0).abs() < 1e-12);
+        assert!((spearman(&a, &[4.0, 3.0, 2.0, 1.0]).unwrap() + 1.0).abs() < 1e-12);
+        // one swapped pair of 6: 5/6 right; ρ = 1 − 6·2/(4·15) = 0.8
+        assert!((pairwise_correct(&a, &[1.0, 3.0, 2.0, 4.0]).unwrap() - 5.0 / 6.0).abs() < 1e-12);
+        assert!((spearman(&a, &[1.0, 3.0, 2.0, 4.0]).unwrap() - 0.8).abs() < 1e-12);
+        assert_eq!(ranks(&[5.0, 1.0, 5.0]), vec![2.5, 1.0, 2.5]);
+        assert!(spearman(&[1.0, 2.0], &[1.0, 2.0]).is_none());
+        assert!((median(&[3.0, 1.0, 2.0, 10.0]) - 2.5).abs() < 1e-12);
+    }
+}

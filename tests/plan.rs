@@ -1,0 +1,195 @@
+//! The planner end to end through the binary, on the CPU: `bench --profile-out` writes a
+//! profile that loads, `bench --comm --comm-out` a comm file that fits, a small sweep (1 and 2
+//! CPU ranks × 2 micro sizes of the built-in 16-px model) is predicted by `plan --validate`
+//! with finite errors and the JSON fields, `report` then shows predicted against measured, and
+//! `plan` / `--recommend` / `--project` run on the presets. Bad cluster files and profiles
+//! are refused with the file and key named. Sized to take well under a minute on a loaded
+//! 2-core machine. The ≤ 5 % target is not asserted: timing on a shared box is not a test.
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+const EXE: &str = env!("CARGO_BIN_EXE_vitscale");
+
+fn vitscale(cwd: &Path, args: &[&str]) -> Output {
+    Command::new(EXE).args(args).current_dir(cwd).env_remove("VITSCALE_RUN_ID").stdin(Stdio::null()).output().expect("run vitscale")
+}
+
+fn ok(out: &Output, what: &str) {
+    assert!(out.status.success(), "{what} failed ({:?}): {}\n{}", out.status, String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+}
+
+fn last_json(out: &Output) -> serde_json::Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().last().unwrap_or_else(|| panic!("no stdout; stderr: {}", String::from_utf8_lossy(&out.stderr)));
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {line}"))
+}
+
+fn clusters() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("configs").join("clusters")
+}
+
+fn profile(cwd: &Path, path: &str) {
+    let out = vitscale(cwd, &["bench", "--device", "cpu", "--model", "vit_builtin_default", "--profile-out", path, "--profile-micros", "16,8,32", "--steps", "3", "--warmup", "1"]);
+    ok(&out, "bench --profile-out");
+}
+
+/// The profile loads, holds the sizes asked for in order, one backward time per gradient
+/// group (depth + 2), parts that add up to about the whole step; a wrong version is refused.
+#[test]
+fn a_cpu_profile_loads_and_a_wrong_version_is_refused() {
+    let tmp = tempfile::tempdir().expect("scratch");
+    let cwd = tmp.path();
+    profile(cwd, "p.json");
+    let p = vitscale::plan::profile::Profile::load(&cwd.join("p.json")).expect("the profile loads");
+    assert_eq!(p.points.iter().map(|x| x.micro).collect::<Vec<_>>(), vec![8, 16, 32]);
+    assert_eq!(p.model, "vit_builtin_default");
+    assert_eq!(p.device_kind, "cpu");
+    assert!(p.threads >= 1 && p.params > 0 && !p.graph);
+    for x in &p.points {
+        assert_eq!(x.backward_groups_s.len(), p.model_config.depth + 2);
+        let sum: f64 = x.backward_groups_s.iter().sum();
+        assert!((sum - x.backward_s).abs() <= 1e-9 + 1e-6 * x.backward_s, "groups {sum} vs backward {}", x.backward_s);
+        assert!(x.forward_s > 0.0 && x.backward_s > 0.0 && x.optimizer_s > 0.0 && x.step_s > 0.0);
+    }
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(cwd.join("p.json")).unwrap()).unwrap();
+    v["version"] = serde_json::json!(99);
+    std::fs::write(cwd.join("v99.json"), v.to_string()).unwrap();
+    let e = vitscale::plan::profile::Profile::load(&cwd.join("v99.json")).expect_err("version 99");
+    assert!(e.contains("v99.json") && e.contains("version"), "{e}");
+    // through the command line: an error, not a panic
+    let out = vitscale(cwd, &["plan", "--profile", "v99.json", "--cluster", clusters().join("h200_8_nvlink.json").to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("version"));
+}
+
+/// A cluster file with a defect is refused naming the file and the key.
+#[test]
+fn bad_cluster_files_name_the_key() {
+    let tmp = tempfile::tempdir().expect("scratch");
+    let cwd = tmp.path();
+    profile(cwd, "p.json");
+    let cases = [
+        (r#"{"source": "x", "nodes": 1, "intra": {"bandwidth_gb_s": 1, "latency_us": 1}}"#, "`gpus_per_node`: missing"),
+        (r#"{"source": "x", "gpus_per_node": 0, "nodes": 1}"#, "`gpus_per_node`: 0"),
+        (r#"{"source": "x", "gpus_per_node": 2, "nodes": 1, "intra": {"bandwidth_gb_s": -3, "latency_us": 1}}"#, "`intra.bandwidth_gb_s`"),
+        (r#"{"source": "x", "gpus_per_node": 2, "nodes": 1, "intra": {"bandwidth_gb_s": 3, "latency_us": 1}, "gpus": 4}"#, "`gpus`: unknown key"),
+        (r#"{"source": "x", "gpus_per_node": 2, "nodes": 1, "intra": {"from_comm": true}}"#, "`intra.from_comm`"),
+    ];
+    for (i, (text, want)) in cases.iter().enumerate() {
+        let name = format!("bad{i}.json");
+        std::fs::write(cwd.join(&name), text).unwrap();
+        let out = vitscale(cwd, &["plan", "--profile", "p.json", "--cluster", &name]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{name}: {err}");
+        assert!(err.contains(&name) && err.contains(want), "{name}: {err:?} should name {want:?}");
+    }
+}
+
+/// Profile + comm bench + a small sweep → `plan --validate` predicts every point with finite
+/// errors and writes `plan.json`; the report shows it; the presets predict, recommend, project.
+#[test]
+fn validate_a_small_cpu_sweep_and_plan_on_the_presets() {
+    let tmp = tempfile::tempdir().expect("scratch");
+    let cwd = tmp.path();
+    let spec = serde_json::json!({
+        "name": "plan-test",
+        "base": {
+            "model": {"preset": "vit_builtin_default"},
+            "data": {"dataset": "builtin", "train_size": 1024, "val_size": 32, "num_workers": 1},
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.001}}
+        },
+        "set": {"train.eval_batch_size": 32},
+        "grid": {"nproc": [1, 2], "train_micro_batch_size_per_gpu": [8, 32]},
+        "device": "cpu", "steps": 8, "warmup_steps": 2, "timeout_s": 120
+    });
+    std::fs::write(cwd.join("spec.json"), spec.to_string()).unwrap();
+    let out = vitscale(cwd, &["sweep", "spec.json", "--out", "sw", "--json"]);
+    ok(&out, "sweep");
+    assert_eq!(last_json(&out)["ok"], 4);
+    profile(cwd, "sw/profile.json");
+    let out = vitscale(cwd, &["launch", "--nproc-per-node", "2", "--", "bench", "--comm", "--device", "cpu", "--comm-max-bytes", "1048576", "--comm-iters", "3", "--warmup", "1", "--comm-out", "sw/comm_2.json"]);
+    ok(&out, "bench --comm");
+    let fit = vitscale::plan::comm_fit::CommFit::load(&cwd.join("sw/comm_2.json")).expect("the comm file fits");
+    assert_eq!(fit.world_size, 2);
+    assert!(fit.all_reduce.beta_bytes_s > 0.0 && fit.all_reduce.alpha_s >= 0.0);
+    // every preset loads (the from_comm ones with this fit) and says where its figures come from
+    let mut presets = 0;
+    for entry in std::fs::read_dir(clusters()).expect("configs/clusters") {
+        let path = entry.expect("entry").path();
+        let c = vitscale::plan::cluster::Cluster::load(&path, std::slice::from_ref(&fit)).unwrap_or_else(|e| panic!("{e}"));
+        assert!(c.world() >= 1 && !c.source.is_empty(), "{}", path.display());
+        presets += 1;
+    }
+    assert!(presets >= 5, "{presets} presets");
+
+    // the profile and the comm file are found in the sweep directory
+    let out = vitscale(cwd, &["plan", "--validate", "sw", "--json"]);
+    ok(&out, "plan --validate");
+    let v = last_json(&out);
+    let points = v["points"].as_array().expect("points");
+    assert_eq!(points.len(), 4);
+    for p in points {
+        let (m, pr, e) = (p["measured_images_per_s"].as_f64().unwrap(), p["predicted_images_per_s"].as_f64().unwrap(), p["err"].as_f64().unwrap());
+        assert!(m > 0.0 && pr.is_finite() && pr > 0.0, "{p}");
+        assert!(((pr - m) / m - e).abs() < 1e-9, "{p}");
+        // one-rank points have nothing to communicate; two-rank points do
+        let exposed = p["comm_exposed_s"][1].as_f64().unwrap();
+        if p["world"] == 1 { assert_eq!(exposed, 0.0) } else { assert!(exposed > 0.0, "{p}") }
+    }
+    let errs: Vec<f64> = points.iter().map(|p| p["err"].as_f64().unwrap().abs()).collect();
+    let max = errs.iter().cloned().fold(0.0, f64::max);
+    assert!((v["max_abs_err"].as_f64().unwrap() - max).abs() < 1e-12);
+    let med = v["median_abs_err"].as_f64().unwrap();
+    assert!(med.is_finite() && med <= max);
+    assert!(v["pairwise_correct"].as_f64().is_some_and(|x| (0.0..=1.0).contains(&x)));
+    eprintln!("validation on this machine: median |error| {:.1} %, max {:.1} %", med * 100.0, max * 100.0);
+    assert!(cwd.join("sw/plan.json").exists());
+
+    let out = vitscale(cwd, &["report", "sw"]);
+    ok(&out, "report");
+    let md = std::fs::read_to_string(cwd.join("sw/report.md")).unwrap();
+    assert!(md.contains("Predicted against measured") && md.contains("p003"), "the report lacks the prediction section");
+    assert!(cwd.join("sw/charts/predicted.png").exists());
+
+    // one configuration on the CPU-ranks preset with the measured comm file
+    let cpu = clusters().join("cpu_ranks_here.json");
+    let out = vitscale(cwd, &["plan", "--profile", "sw/profile.json", "--cluster", cpu.to_str().unwrap(), "--comm", "sw/comm_2.json", "--set", "train_micro_batch_size_per_gpu=16", "--json"]);
+    ok(&out, "plan");
+    let j = last_json(&out);
+    assert_eq!(j["prediction"]["world"], 2);
+    assert!(j["prediction"]["images_per_s"].as_f64().unwrap() > 0.0);
+    assert!(j["memory_per_rank"]["total"].as_u64().unwrap() > 0);
+    // a model other than the profiled one is refused, not predicted as the profiled one
+    let out = vitscale(cwd, &["plan", "--profile", "sw/profile.json", "--cluster", cpu.to_str().unwrap(), "--comm", "sw/comm_2.json", "--set", "model.preset=vit_tiny_patch4_32"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("the profile is of vit_builtin_default"), "{}", String::from_utf8_lossy(&out.stderr));
+    // without the comm file the from_comm level cannot be built
+    let out = vitscale(cwd, &["plan", "--profile", "sw/profile.json", "--cluster", cpu.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("intra.from_comm"));
+
+    let a100 = clusters().join("a100_8x4_ib200.json");
+    let out = vitscale(cwd, &["plan", "--profile", "sw/profile.json", "--cluster", a100.to_str().unwrap(), "--recommend", "--global-batch", "2048", "--json"]);
+    ok(&out, "plan --recommend");
+    let r = last_json(&out);
+    let choices = r["choices"].as_array().unwrap();
+    assert!(!choices.is_empty());
+    for c in choices {
+        let (m, g) = (c["micro"].as_u64().unwrap(), c["gas"].as_u64().unwrap());
+        assert_eq!(m * g * 32, 2048, "{c}");
+    }
+    let ips: Vec<f64> = choices.iter().map(|c| c["images_per_s"].as_f64().unwrap()).collect();
+    assert!(ips.windows(2).all(|w| w[1] <= w[0] * 1.005 + 1e-9), "not ranked fastest first");
+    // a memory limit no choice fits is an error naming it
+    let out = vitscale(cwd, &["plan", "--profile", "sw/profile.json", "--cluster", a100.to_str().unwrap(), "--recommend", "--global-batch", "2048", "--memory-limit", "0.0000001"]);
+    assert_eq!(out.status.code(), Some(1));
+
+    let study = clusters().join("study_32_nodes_h200.json");
+    let out = vitscale(cwd, &["plan", "--profile", "sw/profile.json", "--cluster", study.to_str().unwrap(), "--project", "proj", "--micros", "16,64", "--json"]);
+    ok(&out, "plan --project");
+    let p = last_json(&out);
+    // nodes 1, 2, 4, 8, 16, 32 × 2 micro sizes
+    assert_eq!(p["rows"].as_array().unwrap().len(), 12);
+    assert!(cwd.join("proj/projection.md").exists() && cwd.join("proj/charts/projection.png").exists());
+}
