@@ -484,6 +484,7 @@ mod tests {
             ranks: (0..world).map(|rank| RankFigures { rank, breakdown: b.clone(), peak_mem_bytes: Some(1 << 30), peak_mem_source: None, bus_gb_s: None }).collect(),
             val_top1: None,
             final_loss: None,
+            balance: None,
         };
         let mut keys = Map::new();
         keys.insert("train_micro_batch_size_per_gpu".into(), json!(micro));
