@@ -79,7 +79,7 @@ python3 - "$OUT" <<'PY' || fail=1
 import json, sys
 out = sys.argv[1]
 v = json.loads(open(f"{out}/validate.txt").read().strip().splitlines()[-1])
-print(f"validation: {len(v['points'])} points, median |error| {v['median_abs_err']*100:.1f} %, max |error| {v['max_abs_err']*100:.1f} %, "
+print(f"validation: {sum(1 for p in v['points'] if not p.get('fitted'))} points predicted (of {len(v['points'])}), median |error| {v['median_abs_err']*100:.1f} %, max |error| {v['max_abs_err']*100:.1f} %, "
       f"Spearman {v['spearman']}, pairs right {v['pairwise_correct']}")
 for name, gap in v["term_gaps"]:
     print(f"  mean gap {name}: {gap*100:.1f} % of the step")
