@@ -200,11 +200,30 @@ const MIN_GAIN: f64 = 0.03;
 
 /// The split for ranks of estimated `speeds` (images per second), or None to keep `current`:
 /// proportional sizes (`apportion`), taken when the slowest rank's predicted time (its images
-/// / its speed) drops by more than `MIN_GAIN`.
-pub fn decide(speeds: &[f64], current: &[usize], total: usize, unit: usize) -> Option<Vec<usize>> {
+/// / its speed) drops by more than `min_gain` (`MIN_GAIN`, or more when the speeds are noisy:
+/// `noise_gain`).
+pub fn decide(speeds: &[f64], current: &[usize], total: usize, unit: usize, min_gain: f64) -> Option<Vec<usize>> {
     let next = apportion(total, speeds, unit);
     let step_time = |sizes: &[usize]| sizes.iter().zip(speeds).map(|(&b, v)| b as f64 / v).fold(0.0, f64::max);
-    (next != current && step_time(&next) < (1.0 - MIN_GAIN) * step_time(current)).then_some(next)
+    (next != current && step_time(&next) < (1.0 - min_gain.max(MIN_GAIN)) * step_time(current)).then_some(next)
+}
+
+/// The gain a new split must promise when the window's speeds scatter: twice the largest
+/// relative median absolute deviation of any rank's per-step speed. Ranks that time-share
+/// cores (more ranks than cores) measure speeds that move by tens of percent from step to
+/// step; a split chasing that noise loses to the equal split, one following a real difference
+/// in speed (a 3× slower rank) still clears the bar.
+pub fn noise_gain(window: &[Vec<f64>]) -> f64 {
+    let ranks = window.first().map_or(0, Vec::len);
+    (0..ranks)
+        .filter_map(|q| {
+            let v: Vec<f64> = window.iter().map(|w| w[q]).collect();
+            let m = median(&v)?;
+            let dev: Vec<f64> = v.iter().map(|x| (x - m).abs()).collect();
+            (m > 0.0).then(|| median(&dev).unwrap_or(0.0) / m)
+        })
+        .fold(0.0, f64::max)
+        * 2.0
 }
 
 impl Balancer {
@@ -405,7 +424,7 @@ impl Balancer {
                     Some(old) => old.iter().zip(&window).map(|(o, n)| SMOOTHING * o + (1.0 - SMOOTHING) * n).collect(),
                 };
                 let latest = schedule.decided(step + self.lag).map(|s| s.to_vec()).unwrap_or_else(|| sizes.clone());
-                let next = decide(&speeds, &latest, self.total, self.unit);
+                let next = decide(&speeds, &latest, self.total, self.unit, noise_gain(&self.win_speeds));
                 self.speeds = Some(speeds);
                 if let Some(next) = next {
                     let from = step + 1 + self.lag;
@@ -506,11 +525,21 @@ mod tests {
     #[test]
     fn a_split_changes_only_for_a_real_gain() {
         // 3:1 speeds: from the equal split the step is 2 × shorter
-        assert_eq!(decide(&[3.0, 1.0], &[32, 32], 64, 1), Some(vec![48, 16]));
+        assert_eq!(decide(&[3.0, 1.0], &[32, 32], 64, 1, 0.0), Some(vec![48, 16]));
         // already there, or a gain within the noise: keep
-        assert_eq!(decide(&[3.0, 1.0], &[48, 16], 64, 1), None);
-        assert_eq!(decide(&[3.05, 1.0], &[48, 16], 64, 1), None);
-        assert_eq!(decide(&[1.0, 1.02], &[32, 32], 64, 2), None);
+        assert_eq!(decide(&[3.0, 1.0], &[48, 16], 64, 1, 0.0), None);
+        assert_eq!(decide(&[3.05, 1.0], &[48, 16], 64, 1, 0.0), None);
+        assert_eq!(decide(&[1.0, 1.02], &[32, 32], 64, 2, 0.0), None);
+        // speeds 1.25 : 1 promise a 10 % shorter step: taken when they are steady, kept when
+        // the window's speeds scatter by ±10 % (the bar is then 20 %)
+        let steady = vec![vec![1.25, 1.0]; 5];
+        let noisy: Vec<Vec<f64>> = [0.9, 1.1, 1.0, 0.9, 1.1].iter().map(|f| vec![1.25 * f, 1.0 * (2.0 - f)]).collect();
+        assert!(noise_gain(&steady) < 1e-12);
+        assert!((noise_gain(&noisy) - 0.2).abs() < 1e-9, "{}", noise_gain(&noisy));
+        assert_eq!(decide(&[1.25, 1.0], &[32, 32], 64, 1, noise_gain(&steady)), Some(vec![36, 28]));
+        assert_eq!(decide(&[1.25, 1.0], &[32, 32], 64, 1, noise_gain(&noisy)), None);
+        // a 3× slower rank clears a noisy bar
+        assert_eq!(decide(&[3.0, 1.0], &[32, 32], 64, 1, noise_gain(&noisy)), Some(vec![48, 16]));
     }
 
     #[test]
