@@ -209,11 +209,19 @@ pub fn decide(speeds: &[f64], current: &[usize], total: usize, unit: usize, min_
 }
 
 /// The gain a new split must promise when the window's speeds scatter: twice the largest
-/// relative median absolute deviation of any rank's per-step speed. Ranks that time-share
-/// cores (more ranks than cores) measure speeds that move by tens of percent from step to
-/// step; a split chasing that noise loses to the equal split, one following a real difference
-/// in speed (a 3× slower rank) still clears the bar.
+/// relative median absolute deviation of any rank's per-step speed, at most `MAX_NOISE_GAIN`.
+/// Ranks that time-share cores (more ranks than cores) measure speeds that move by tens of
+/// percent from step to step; a split chasing that noise loses to the equal split, one
+/// following a real difference in speed (a 3× slower rank) still clears the bar.
 pub fn noise_gain(window: &[Vec<f64>]) -> f64 {
+    noise_scatter(window).min(MAX_NOISE_GAIN)
+}
+
+/// The most the noise may raise the bar: a 1.5× slower rank (a 25 % shorter step balanced)
+/// is still followed however noisy the measurements are.
+const MAX_NOISE_GAIN: f64 = 0.25;
+
+fn noise_scatter(window: &[Vec<f64>]) -> f64 {
     let ranks = window.first().map_or(0, Vec::len);
     (0..ranks)
         .filter_map(|q| {
@@ -538,8 +546,10 @@ mod tests {
         assert!((noise_gain(&noisy) - 0.2).abs() < 1e-9, "{}", noise_gain(&noisy));
         assert_eq!(decide(&[1.25, 1.0], &[32, 32], 64, 1, noise_gain(&steady)), Some(vec![36, 28]));
         assert_eq!(decide(&[1.25, 1.0], &[32, 32], 64, 1, noise_gain(&noisy)), None);
-        // a 3× slower rank clears a noisy bar
+        // a 3× slower rank clears a noisy bar, and however noisy, the bar stays at 25 %
         assert_eq!(decide(&[3.0, 1.0], &[32, 32], 64, 1, noise_gain(&noisy)), Some(vec![48, 16]));
+        let wild: Vec<Vec<f64>> = [0.5, 1.5, 1.0, 0.5, 1.5].iter().map(|f| vec![*f, 1.0]).collect();
+        assert_eq!(noise_gain(&wild), 0.25);
     }
 
     #[test]
