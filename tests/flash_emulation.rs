@@ -51,6 +51,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use vitscale::backend::cpu::Cpu;
 use vitscale::backend::Backend;
+use vitscale::selftest::rel_err;
 
 /// Tile geometry of an emulated kernel: query rows and keys per block and warps per block
 /// (16 rows each). The tiled kernels use 64 × 64 with 4 warps; the small-head kernels
@@ -608,18 +609,6 @@ fn flash_dq_store(dqkv: &mut [f32], dq_acc: &[f32], rows: usize, hd8: usize) {
             dqkv[r * 3 * hd8 * 8 + c * 8 + i] = bf(dq_acc[e * 8 + i]);
         }
     }
-}
-
-fn rel_err(a: &[f32], b: &[f32]) -> f64 {
-    let (mut num, mut den) = (0f64, 0f64);
-    for (&x, &y) in a.iter().zip(b) {
-        if x.is_nan() || y.is_nan() {
-            return f64::NAN;
-        }
-        num += (x as f64 - y as f64).powi(2);
-        den += (y as f64).powi(2);
-    }
-    (num / den).sqrt()
 }
 
 #[test]

@@ -192,16 +192,12 @@ pub(super) fn measure<B: Backend>(be: &B, st: &mut Step<B>, comm: &mut dyn Comm<
     let zero = match args.zero {
         0 => None,
         s @ (1 | 2) => {
-            let l = ZeroLayout::new(&plan, &st.optimizer, s, world, rank, true).map_err(|e| anyhow::anyhow!("{e}"))?;
+            let l = ZeroLayout::new(&plan, &st.optimizer, s, world, rank, true)?;
             let l = if be.needs_compute_copy() { l.with_master_shard() } else { l };
             let full = be.download(&st.opt_state)?;
             let mut compact = be.alloc_f32(l.buffer_len())?;
-            be.upload(&mut compact, 0, &l.shard_state(&full).map_err(|e| anyhow::anyhow!("{e}"))?)?;
-            if l.master_shard {
-                let host = st.vit.params_host(be)?;
-                l.seed_master(be, &mut compact, &host).map_err(|e| anyhow::anyhow!("{e}"))?;
-                st.vit.release_master(be)?;
-            }
+            be.upload(&mut compact, 0, &l.shard_state(&full)?)?;
+            l.take_master(be, &mut st.vit, &mut compact)?;
             st.opt_state = compact;
             Some(l)
         }

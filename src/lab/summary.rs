@@ -119,6 +119,9 @@ pub fn read_point(run_dir: &Path, warmup: u64) -> Result<PointFigures, String> {
     let mut measured = 0;
     let mut final_loss = None;
     let mut comm_bytes = 0.0;
+    // for the mixed-speed figures: rank 0's measured records, every rank's last share
+    let mut rank0_kept: Vec<Value> = Vec::new();
+    let mut shares = Vec::with_capacity(world);
     for rank in 0..world {
         let recs = step_records(&metrics_path(run_dir, rank))?;
         let kept: Vec<&Value> = recs.iter().filter(|r| r.get("step").and_then(Value::as_u64).unwrap_or(0) > warmup).collect();
@@ -162,7 +165,9 @@ pub fn read_point(run_dir: &Path, warmup: u64) -> Result<PointFigures, String> {
             *x /= n;
         }
         b.other_s = (b.step_s - (b.data_s + b.forward_s + b.backward_s + b.comm_exposed_s + b.optimizer_s)).max(0.0);
+        shares.push(kept.last().map_or(0.0, |r| num(r, "share")));
         if rank == 0 {
+            rank0_kept = kept.iter().map(|r| (*r).clone()).collect();
             images_per_s = if secs > 0.0 { steps as f64 * global as f64 / secs } else { 0.0 };
             measured = steps as usize;
             final_loss = kept.last().and_then(|r| r.get("loss")).and_then(Value::as_f64);
@@ -183,7 +188,7 @@ pub fn read_point(run_dir: &Path, warmup: u64) -> Result<PointFigures, String> {
         step_s: ranks[0].breakdown.step_s,
         comm_total_s: mean(|b| b.comm_total_s),
     };
-    let balance = read_balance(run_dir, world, warmup)?;
+    let balance = balance_figures(&rank0_kept, measured, shares);
     let buses: Vec<f64> = ranks.iter().filter_map(|r| r.bus_gb_s).collect();
     let val_top1 = std::fs::read_to_string(run_dir.join("summary.json"))
         .ok()
@@ -209,30 +214,19 @@ pub fn read_point(run_dir: &Path, warmup: u64) -> Result<PointFigures, String> {
     })
 }
 
-/// The mixed-speed figures of a run directory (None when its records carry none).
-fn read_balance(run_dir: &Path, world: usize, warmup: u64) -> Result<Option<BalanceFigures>, String> {
-    let measured = |path: PathBuf| -> Result<Vec<Value>, String> {
-        Ok(step_records(&path)?.into_iter().filter(|r| r.get("step").and_then(Value::as_u64).unwrap_or(0) > warmup).collect())
-    };
-    let r0 = measured(metrics_path(run_dir, 0))?;
-    let with: Vec<&Value> = r0.iter().filter(|r| r.get("ideal_images_per_s").is_some()).collect();
+/// The mixed-speed figures from rank 0's measured records (`steps` of them in all) and every
+/// rank's last share; None when the records carry none.
+fn balance_figures(kept: &[Value], steps: usize, shares: Vec<f64>) -> Option<BalanceFigures> {
+    let with: Vec<&Value> = kept.iter().filter(|r| r.get("ideal_images_per_s").is_some()).collect();
     if with.is_empty() {
-        return Ok(None);
+        return None;
     }
-    let mean = |k: &str| with.iter().map(|r| num(r, k)).sum::<f64>() / with.len() as f64;
-    let compute = with.iter().map(|r| r.get("rank_compute_images_per_s").and_then(Value::as_array).map_or(0.0, |v| v.iter().filter_map(Value::as_f64).sum())).sum::<f64>() / with.len() as f64;
-    // steps per record, for the straggler effect per step
-    let steps: u64 = {
-        let all: Vec<u64> = step_records(&metrics_path(run_dir, 0))?.iter().filter_map(|r| r.get("step").and_then(Value::as_u64)).collect();
-        let kept: Vec<u64> = all.iter().copied().filter(|s| *s > warmup).collect();
-        let first = all.iter().copied().filter(|s| *s <= warmup).max().unwrap_or(0);
-        kept.last().map_or(1, |l| l - first).max(1)
-    };
-    let straggler = with.iter().map(|r| num(r, "straggler_s")).sum::<f64>() / steps as f64;
-    let mut shares = Vec::with_capacity(world);
-    for rank in 0..world {
-        let recs = measured(metrics_path(run_dir, rank))?;
-        shares.push(recs.last().map_or(0.0, |r| num(r, "share")));
-    }
-    Ok(Some(BalanceFigures { ideal_images_per_s: mean("ideal_images_per_s"), compute_bound_images_per_s: compute, straggler_s_per_step: straggler, shares }))
+    let n = with.len() as f64;
+    let compute = with.iter().map(|r| r.get("rank_compute_images_per_s").and_then(Value::as_array).map_or(0.0, |v| v.iter().filter_map(Value::as_f64).sum())).sum::<f64>() / n;
+    Some(BalanceFigures {
+        ideal_images_per_s: with.iter().map(|r| num(r, "ideal_images_per_s")).sum::<f64>() / n,
+        compute_bound_images_per_s: compute,
+        straggler_s_per_step: with.iter().map(|r| num(r, "straggler_s")).sum::<f64>() / steps.max(1) as f64,
+        shares,
+    })
 }

@@ -303,10 +303,8 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         }
     }
     // a master shard: this rank's pieces of rank 0's weights, then the whole copy goes
-    if let Some(z) = zero.as_ref().filter(|z| z.master_shard) {
-        let host = st.vit.params_host(be)?;
-        z.seed_master(be, &mut st.opt_state, &host)?;
-        st.vit.release_master(be)?;
+    if let Some(z) = &zero {
+        z.take_master(be, &mut st.vit, &mut st.opt_state)?;
     }
     let k = cfg.model.num_classes;
     let (micro, gas) = (plan.micro_batch, plan.gradient_accumulation_steps);

@@ -152,6 +152,17 @@ impl ZeroLayout {
         Ok(())
     }
 
+    /// Hands `vit`'s whole f32 weights over to this rank's master shard in `buffer` (its
+    /// pieces copied in, then the whole copy released), when the layout keeps a master shard.
+    pub fn take_master<B: Backend>(&self, be: &B, vit: &mut Vit<B>, buffer: &mut B::Buf) -> Result<(), TrainError> {
+        if self.master_shard {
+            let host = vit.params_host(be)?;
+            self.seed_master(be, buffer, &host)?;
+            vit.release_master(be)?;
+        }
+        Ok(())
+    }
+
     /// The whole f32 master weights assembled from every rank's master shard (a collective,
     /// as `gather_state`).
     pub fn gather_master<B: Backend>(&self, be: &B, comm: &mut dyn Comm<B::Buf>, buffer: &B::Buf) -> Result<Vec<f32>, TrainError> {
@@ -290,7 +301,7 @@ impl<'c, Buf> ZeroSync<'c, Buf> {
         let span = self.plan.buckets[b].span;
         let (prefix, tail) = self.layout.parts[b];
         let mut works = Vec::new();
-        let value = if self.wire.bf16 { 2 } else { 4 };
+        let value = self.wire.elem_bytes();
         if self.layout.scatters() {
             if prefix.len > 0 {
                 works.push(self.start_gradients(Collective::ReduceScatter(ReduceOp::Sum), grads, prefix)?);
