@@ -64,6 +64,20 @@ run validate "$BIN" plan --validate "$OUT/sweep" --json
 cat "$OUT/validate.txt" | grep -v '^{'
 run report "$BIN" report "$OUT/sweep" --json
 
+step "3b. a second sweep: GAS 4 and ZeRO-2 at 2 and 4 ranks (micro 128), validated the same way"
+python3 - "$OUT/spec.json" "$OUT/spec_b.json" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))
+s["name"] = "plan_validation_s4_gas_zero"
+s["description"] = "ViT-S/4 32 px, every rank on GPU 0, micro 128: gradient accumulation and ZeRO-2 predicted from the same one-rank inputs."
+s["grid"] = {"nproc": [2, 4], "zero_optimization.stage": [0, 2], "gradient_accumulation_steps": [1, 4], "train_micro_batch_size_per_gpu": [128]}
+json.dump(s, open(sys.argv[2], "w"), indent=1)
+PY
+mkdir -p "$OUT/sweep_b"
+run sweep_b "$BIN" sweep "$OUT/spec_b.json" --out "$OUT/sweep_b" --resume --json
+run validate_b "$BIN" plan --validate "$OUT/sweep_b" --profile "$OUT/sweep/profile.json" --comm "$OUT/sweep/comm_2.json" --comm "$OUT/sweep/comm_4.json" --json
+grep -v '^{' "$OUT/validate_b.txt"
+
 step "4. the presets"
 run plan_h200 "$BIN" plan --profile "$OUT/profile_b16.json" --cluster $C/h200_8_nvlink.json --set train_micro_batch_size_per_gpu=64 --json
 grep -v '^{' "$OUT/plan_h200.txt"
@@ -78,10 +92,14 @@ echo "== summary ($(( $(date +%s) - t0 )) s)"
 python3 - "$OUT" <<'PY' || fail=1
 import json, sys
 out = sys.argv[1]
-v = json.loads(open(f"{out}/validate.txt").read().strip().splitlines()[-1])
-print(f"validation: {sum(1 for p in v['points'] if not p.get('fitted'))} points predicted (of {len(v['points'])}), median |error| {v['median_abs_err']*100:.1f} %, max |error| {v['max_abs_err']*100:.1f} %, "
+for name in ("validate", "validate_b"):
+  try:
+    v = json.loads(open(f"{out}/{name}.txt").read().strip().splitlines()[-1])
+  except Exception as e:
+    print(name, "unreadable:", e); continue
+  print(f"{name}: {sum(1 for p in v['points'] if not p.get('fitted'))} points predicted (of {len(v['points'])}), median |error| {v['median_abs_err']*100:.1f} %, max |error| {v['max_abs_err']*100:.1f} %, "
       f"Spearman {v['spearman']}, pairs right {v['pairwise_correct']}")
-for name, gap in v["term_gaps"]:
-    print(f"  mean gap {name}: {gap*100:.1f} % of the step")
+  for gname, gap in v["term_gaps"]:
+    print(f"  mean gap {gname}: {gap*100:.1f} % of the step")
 PY
 exit $fail

@@ -165,6 +165,42 @@ fn default_training_writes_the_run_directory() {
     assert!(resolved.get("model").is_some());
 }
 
+/// The images/s of a metrics line leaves out the state agreement and the checkpoint writes
+/// (`checkpoint_s`): they happen on the checkpoint steps and the last step only, and the line's
+/// training time plus them is the wall time between the lines.
+#[test]
+fn checkpoint_time_is_logged_apart_from_images_per_s() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let out = vitscale(&[
+        "train", "--json", "--run-dir", run.to_str().unwrap(),
+        "--set", "data.train_size=512", "--set", "data.val_size=64", "--set", "train.steps=5", "--set", "train.log_every=1",
+        "--set", "train.checkpoint_every=2",
+    ]);
+    assert!(out.status.success(), "train failed: {}", String::from_utf8_lossy(&out.stderr));
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let steps: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).filter(|v: &serde_json::Value| v.get("kind").is_none()).collect();
+    assert_eq!(steps.len(), 5);
+    let mut prev_wall: Option<f64> = None;
+    for rec in &steps {
+        let step = rec["step"].as_u64().unwrap();
+        let ckpt = rec["checkpoint_s"].as_f64().unwrap();
+        // steps 2 and 4 checkpoint; step 5 is the last, which checks the state and checkpoints
+        if [2, 4, 5].contains(&step) {
+            assert!(ckpt > 0.0, "step {step} checkpointed, checkpoint_s {ckpt}");
+        } else {
+            assert_eq!(ckpt, 0.0, "step {step} wrote no checkpoint");
+        }
+        let wall = rec["wall_s"].as_f64().unwrap();
+        if let Some(prev) = prev_wall {
+            let trained = 64.0 / rec["images_per_s"].as_f64().unwrap();
+            let between = wall - prev;
+            assert!((trained + ckpt - between).abs() < 0.05 + 0.1 * between, "step {step}: {trained} s training + {ckpt} s checkpoint against {between} s between the lines");
+        }
+        prev_wall = Some(wall);
+    }
+}
+
 /// Weights saved by `train` evaluate to the same accuracy with `eval --weights` and no config:
 /// the head count (4 heads of width 16 in the default model, not timm's width-64 guess) comes
 /// from the metadata vitscale writes into the file.

@@ -7,12 +7,14 @@
 //! CPU the calls are synchronous anyway, on a GPU the waits make host time device time. The
 //! step runs eager (no CUDA graph), as the training loop runs it. Besides the parts, the
 //! whole step is timed without the waits (`ProfilePoint::step_s`), so the file shows what the
-//! waits cost.
+//! waits cost, and as a training loop that logs every step runs it (`logged_step_s`: the
+//! losses and the gradient norm read back each step).
 
 use std::time::Instant;
 
 use crate::backend::{Backend, BackendError, Span};
 use crate::cmd::bench::BenchArgs;
+use crate::metrics::PhaseTimes;
 use crate::plan::profile::{Profile, ProfilePoint, FORWARD_SPLIT, PROFILE_FORMAT, PROFILE_VERSION};
 
 fn median(xs: &mut [f64]) -> f64 {
@@ -91,6 +93,18 @@ fn profile_micro<B: Backend>(be: &B, args: &BenchArgs) -> anyhow::Result<(Profil
     }
     be.synchronize()?;
     let step_s = t.elapsed().as_secs_f64() / reps as f64;
+    // the step as a training loop that logs every step runs it (the lab's sweeps do): the
+    // losses kept, the gradient norm and the losses read back at the end of every step, so
+    // the host cannot queue the next step ahead of the device
+    let t = Instant::now();
+    for _ in 0..reps {
+        st.pass(be, m, step, None, &mut PhaseTimes::default())?;
+        let lr = st.optimizer.lr();
+        st.boundary(be, &mut super::LocalGrads, lr, step, true, &mut PhaseTimes::default())?;
+        st.take_losses(be)?;
+        step += 1;
+    }
+    let logged_step_s = t.elapsed().as_secs_f64() / reps as f64;
     // the spread of one pass between repetitions (a robust standard deviation: 1.4826 × the
     // median absolute deviation), for the planner's wait on the slowest of several ranks
     let mut pass: Vec<f64> = fwd.iter().zip(&bwd).map(|(f, b)| f + b).collect();
@@ -101,7 +115,7 @@ fn profile_micro<B: Backend>(be: &B, args: &BenchArgs) -> anyhow::Result<(Profil
     let backward_s: f64 = backward_groups_s.iter().sum();
     let forward_s = median(&mut fwd);
     let forward_groups_s = backward_groups_s.iter().map(|g| if backward_s > 0.0 { forward_s * g / backward_s } else { forward_s / groups as f64 }).collect();
-    let point = ProfilePoint { micro: m, forward_s, backward_s, backward_groups_s, forward_groups_s, optimizer_s: median(&mut opt), step_s, pass_spread_s, reps };
+    let point = ProfilePoint { micro: m, forward_s, backward_s, backward_groups_s, forward_groups_s, optimizer_s: median(&mut opt), step_s, logged_step_s, pass_spread_s, reps };
     Ok((point, st.plan.recompute))
 }
 
@@ -112,11 +126,12 @@ fn profile_on<B: Backend>(be: &B, args: &BenchArgs, micros: &[usize], kind: &str
         let a = BenchArgs { micro: m, ..args.clone() };
         let (p, r) = profile_micro(be, &a)?;
         eprintln!(
-            "profile micro {m}: forward {:.3} ms, backward {:.3} ms, optimizer {:.3} ms, whole step {:.3} ms",
+            "profile micro {m}: forward {:.3} ms, backward {:.3} ms, optimizer {:.3} ms, whole step {:.3} ms, logged every step {:.3} ms",
             p.forward_s * 1e3,
             p.backward_s * 1e3,
             p.optimizer_s * 1e3,
-            p.step_s * 1e3
+            p.step_s * 1e3,
+            p.logged_step_s * 1e3
         );
         points.push(p);
         recompute = r;

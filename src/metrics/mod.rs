@@ -71,6 +71,9 @@ pub struct StepRecord {
     /// Peak memory of this rank so far (`peak_memory`), and what it counts.
     pub peak_mem_bytes: Option<u64>,
     pub peak_mem_source: Option<&'static str>,
+    /// Seconds spent since the previous record on checking that the ranks hold the same state
+    /// and writing checkpoints; not part of `images_per_s`.
+    pub checkpoint_s: f64,
     pub wall_s: f64,
     /// Compute, wait, share and straggler effect of mixed-speed ranks (`train::balance`),
     /// present when `train.balance` or `train.emulate_slowdown` is set.

@@ -585,7 +585,7 @@ mod tests {
         let groups = cfg.depth + 2;
         let point = |micro: usize| {
             let k = micro as f64 / 8.0;
-            ProfilePoint { micro, forward_s: groups as f64 * 0.5e-3 * k, backward_s: groups as f64 * 1e-3 * k, backward_groups_s: vec![1e-3 * k; groups], forward_groups_s: vec![0.5e-3 * k; groups], optimizer_s: 2e-3, step_s: 0.0, pass_spread_s: 0.0, reps: 1 }
+            ProfilePoint { micro, forward_s: groups as f64 * 0.5e-3 * k, backward_s: groups as f64 * 1e-3 * k, backward_groups_s: vec![1e-3 * k; groups], forward_groups_s: vec![0.5e-3 * k; groups], optimizer_s: 2e-3, step_s: 0.0, logged_step_s: 0.0, pass_spread_s: 0.0, reps: 1 }
         };
         Profile {
             format: crate::plan::profile::PROFILE_FORMAT.into(),

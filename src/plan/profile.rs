@@ -40,6 +40,11 @@ pub struct ProfilePoint {
     /// A whole eager step as the benchmark times it (forward + backward + boundary, mean over
     /// the timed steps, no per-group waits): checks the parts above.
     pub step_s: f64,
+    /// The same step with the training loop's per-step read-back of the losses and the
+    /// gradient norm (what a run logging every step pays: the host waits for the device
+    /// each step); 0 in profiles written before it was measured.
+    #[serde(default)]
+    pub logged_step_s: f64,
     /// How much one pass (forward + backward) varies between repetitions: 1.4826 × the
     /// median absolute deviation, seconds.
     #[serde(default)]
@@ -181,7 +186,7 @@ mod tests {
 
     fn point(micro: usize, fwd: f64) -> ProfilePoint {
         let groups = vec![fwd / 4.0; 4];
-        ProfilePoint { micro, forward_s: fwd, backward_s: fwd, backward_groups_s: groups.clone(), forward_groups_s: groups, optimizer_s: 0.5, step_s: 2.0 * fwd + 0.5, pass_spread_s: 0.0, reps: 1 }
+        ProfilePoint { micro, forward_s: fwd, backward_s: fwd, backward_groups_s: groups.clone(), forward_groups_s: groups, optimizer_s: 0.5, step_s: 2.0 * fwd + 0.5, logged_step_s: 0.0, pass_spread_s: 0.0, reps: 1 }
     }
 
     /// Linear inside the range, along the end segment outside it, floored by proportional.

@@ -339,6 +339,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
     // (exposed, total) seconds of the window's collectives as the device timed them, if it did
     let mut window_device_comm: Option<(f64, f64)> = None;
     let (mut window_loss, mut window_steps, mut window_start) = (0.0f64, 0u64, Instant::now());
+    let mut window_checkpoint_s = 0.0f64;
     let (mut epoch_loss, mut epoch_steps) = (0.0f64, 0u64);
     let mut last_epoch_loss = f64::NAN;
     let mut last_eval: Option<EvalSummary> = None;
@@ -506,6 +507,10 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
         let agree_now = last_step || (want_ckpt && world > 1);
         let mut saved = None;
         let mut host_state = None;
+        // The state agreement and the checkpoint write are not training: their time leaves the
+        // window's images/s (as DeepSpeed's throughput excludes checkpoints) and is logged as
+        // `checkpoint_s`. The device finishes the step first, so its work stays in the step.
+        let t_checkpoint = (agree_now || (rank == 0 && want_ckpt)).then(|| be.synchronize().map(|_| Instant::now())).transpose()?;
         if agree_now {
             let (p, o) = (full_params(&st, &mut *comm)?, full_state(&st, &mut *comm)?);
             let h = agree::check(comm, step + 1, &p, &o)?;
@@ -532,6 +537,11 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
                 None => (full_params(&st, &mut *comm)?, full_state(&st, &mut *comm)?),
             };
             saved = Some(run.checkpoint(step + 1, &st.vit.table, &p, cfg, &o, &state)?);
+        }
+        if let Some(t) = t_checkpoint {
+            let spent = t.elapsed();
+            window_checkpoint_s += spent.as_secs_f64();
+            window_start += spent;
         }
         images_done += global_batch as u64;
 
@@ -562,6 +572,7 @@ pub fn train_with<B: Backend>(be: &B, cfg: &RunConfig, opts: &TrainOptions, comm
                 bus_gb_s: allreduce_bus_gb_s(window_comm_bytes, world, window_comm_total),
                 peak_mem_bytes,
                 peak_mem_source,
+                checkpoint_s: std::mem::take(&mut window_checkpoint_s),
                 wall_s: t_start.elapsed().as_secs_f64(),
                 balance: bal.take_record(),
             };
