@@ -219,7 +219,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     );
     println!("  predicted {:.1} images/s ({:.1} per rank), efficiency {:.1} % of {} device(s) × one rank alone", p.images_per_s, p.images_per_s_per_rank, eff * 100.0, cluster.gpus_per_node * cluster.nodes);
     println!(
-        "  step {:.3} ms = compute {:.3} (forward {:.3}, backward {:.3}) + exposed comm {:.3} ({:.3} waiting for the slowest rank; reductions {:.3} in {} buckets, {:.1} MB) + optimizer {:.3} (all-gather {:.3}) + data {:.3}",
+        "  step {:.3} ms = compute {:.3} (forward {:.3}, backward {:.3}) + exposed comm {:.3} ({:.3} waiting for the slowest rank; reductions {:.3} in {} buckets, {:.1} MB) + optimizer {:.3} (norm and all-gather {:.3}) + data {:.3} + loop {:.3}",
         ms(p.step_s),
         ms(p.compute_s),
         ms(p.forward_s),
@@ -231,7 +231,8 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         p.comm_bytes_per_step / 1e6,
         ms(p.optimizer_s),
         ms(p.allgather_s),
-        ms(p.data_s)
+        ms(p.data_s),
+        ms(p.loop_s)
     );
     println!(
         "  memory per rank {:.3} GiB: weights {:.3}, compute copy {:.3}, gradients {:.3}, optimizer state {:.3}, activations {:.3}",

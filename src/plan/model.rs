@@ -272,6 +272,29 @@ pub fn bucket_timeline(plan: &BucketPlan, group_done_s: &[f64], backward_end_s: 
     Ok((out, exposed))
 }
 
+/// The part of the weights' all-gather the next forward waits for: the buckets are gathered
+/// one after another from the last (the embedding's, which the forward reads first), taking
+/// `gathers[b]` each, and the forward runs the groups in its order (the backward's reversed),
+/// each once its bucket has arrived. The forward of `forward_s` is split over the groups in
+/// the backward's proportions (`backward_groups_s`), as the profile splits it.
+pub fn gather_behind_forward(plan: &BucketPlan, gathers: &[f64], backward_groups_s: &[f64], forward_s: f64) -> Result<f64, String> {
+    let total_bwd: f64 = backward_groups_s.iter().sum();
+    let groups = backward_groups_s.len();
+    let mut arrived = vec![0.0; plan.buckets.len()];
+    let mut at = 0.0;
+    for b in (0..plan.buckets.len()).rev() {
+        at += gathers.get(b).copied().ok_or_else(|| format!("no gather time for bucket {b}"))?;
+        arrived[b] = at;
+    }
+    let mut t = 0.0f64;
+    for g in (0..groups).rev() {
+        let b = plan.buckets.iter().position(|k| k.groups.contains(&g)).ok_or_else(|| format!("group {g} is in no bucket"))?;
+        let f = if total_bwd > 0.0 { forward_s * backward_groups_s[g] / total_bwd } else { forward_s / groups as f64 };
+        t = t.max(arrived[b]) + f;
+    }
+    Ok((t - forward_s).max(0.0))
+}
+
 /// A predicted step.
 #[derive(Clone, Debug, Serialize)]
 pub struct Prediction {
@@ -295,6 +318,9 @@ pub struct Prediction {
     pub allgather_s: f64,
     /// Loader time not hidden behind compute (0 when the loader is not modelled).
     pub data_s: f64,
+    /// The training loop's per-step read-back of the losses and the norm beyond the profiled
+    /// parts (`ProfilePoint::loop_s`).
+    pub loop_s: f64,
     pub comm_bytes_per_step: f64,
     pub buckets: Vec<BucketTiming>,
     /// Per rank images per micro-batch (balanced shares).
@@ -355,7 +381,15 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
         let (pb, tb) = (cut as f64 * grad_bytes, (len - cut) as f64 * grad_bytes);
         Ok((net.time(Op::ReduceScatter, pb)? + net.time(Op::AllReduce, tb)?, pb + tb))
     };
-    let (buckets, exposed) = if world > 1 { bucket_timeline(&plan, &done, bwd, s.overlap, &bucket_time)? } else { (Vec::new(), 0.0) };
+    // ranks time-slicing one GPU take turns on it, and a collective's kernels hold the GPU
+    // while they wait for the network: the reductions cannot run beside the other ranks'
+    // backward, so none is hidden
+    let time_sliced = s.ranks_per_device > 1 && profile.device_kind != "cpu";
+    if time_sliced && s.overlap {
+        notes.push("ranks time-slicing one GPU: the reductions are not overlapped with the backward (the collectives' kernels hold the GPU in turn)".into());
+    }
+    let overlap = s.overlap && !time_sliced;
+    let (buckets, exposed) = if world > 1 { bucket_timeline(&plan, &done, bwd, overlap, &bucket_time)? } else { (Vec::new(), 0.0) };
     // the boundary also waits for the slowest rank: the step's compute varies between
     // repetitions (the profile's spread, GAS passes adding up independently), and the
     // collective finishes with the last of `world` ranks
@@ -363,17 +397,27 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
     let exposed = exposed + straggle;
     let comm_total: f64 = buckets.iter().map(|b| b.end_s - b.start_s).sum();
     let mut bytes: f64 = buckets.iter().map(|b| b.bytes).sum();
-    // the optimizer: whole at stage 0, this rank's shard at stage ≥ 1, then the f32 weights
-    // gathered bucket by bucket and the gradient norm's all-reduce
+    // the optimizer: whole at stage 0, this rank's shard at stage ≥ 1, then the gradient
+    // norm's all-reduce and the updated weights gathered bucket by bucket: on a GPU the
+    // compute copy (`compute_bytes` a value, the master weights stay sharded) behind the next
+    // forward, on the CPU the f32 weights at the boundary
     let opt_full = t.optimizer_s * share * s.compute_scale;
     let (optimizer, allgather) = if s.zero_stage >= 1 && world > 1 {
-        let mut ag = net.time(Op::AllReduce, 8.0)?;
+        let gpu = profile.device_kind != "cpu";
+        let value_bytes = if gpu { profile.compute_bytes } else { 4.0 };
+        let mut gathers = Vec::with_capacity(plan.buckets.len());
         for b in &plan.buckets {
-            let cut = (b.span.len - b.span.len % world) as f64 * 4.0;
-            ag += net.time(Op::AllGather, cut)?;
+            let cut = (b.span.len - b.span.len % world) as f64 * value_bytes;
+            gathers.push(net.time(Op::AllGather, cut)?);
             bytes += cut;
         }
-        (opt_full / world as f64 + ag, ag)
+        let norm = net.time(Op::AllReduce, 8.0)?;
+        let ag = if gpu && overlap {
+            gather_behind_forward(&plan, &gathers, &t.backward_groups_s, fwd)?
+        } else {
+            gathers.iter().sum()
+        };
+        (opt_full / world as f64 + norm + ag, norm + ag)
     } else {
         (opt_full, 0.0)
     };
@@ -390,7 +434,9 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
     if share != 1.0 {
         notes.push(format!("{} rank(s) per device: compute × {share:.2} ({})", s.ranks_per_device, sharing_rule(profile, s.ranks_per_device)));
     }
-    let step = compute + exposed + optimizer + data;
+    // the loop's read-back, once a step (ranks sharing a device wait for it side by side)
+    let loop_s = t.loop_s;
+    let step = compute + exposed + optimizer + data + loop_s;
     let global_batch = s.micro * s.gas * world;
     let ips = global_batch as f64 / step;
     Ok(Prediction {
@@ -408,6 +454,7 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
         optimizer_s: optimizer,
         allgather_s: allgather,
         data_s: data,
+        loop_s,
         comm_bytes_per_step: bytes,
         buckets,
         rank_micro,
@@ -575,6 +622,73 @@ mod tests {
         let quick = |_: usize| Ok((0.25, 40.0));
         let (_, exposed) = bucket_timeline(&plan, &[1.0, 2.0, 3.0], 3.0, true, &quick).expect("timeline");
         assert!((exposed - 0.25).abs() < 1e-12);
+    }
+
+    /// Three buckets of one group each (groups in backward order: 0 last in the forward),
+    /// gathers of 1, 2 and 3 s gathered from the last bucket: bucket 2 arrives at 3 s, 1 at
+    /// 5 s, 0 at 6 s. A forward of 3 s split 1 s a group runs group 2 over 3–4 s, group 1
+    /// over 5–6 s, group 0 over 6–7 s: it waits 4 s beyond its 3 s. A forward slow enough
+    /// hides everything but the first gather.
+    #[test]
+    fn the_gather_behind_the_forward_waits_bucket_by_bucket() {
+        let groups = vec![Span { off: 20, len: 10 }, Span { off: 10, len: 10 }, Span { off: 0, len: 10 }];
+        let plan = BucketPlan::new(&groups, 10, 10).expect("plan");
+        let exposed = gather_behind_forward(&plan, &[3.0, 2.0, 1.0], &[1.0, 1.0, 1.0], 3.0).expect("timeline");
+        // gathered last bucket first: bucket 2 (1 s) at 1, bucket 1 (2 s) at 3, bucket 0 (3 s) at 6
+        // forward: group 2 over 1–2 (bucket 2 at 1), group 1 over 3–4, group 0 over 6–7: 7 − 3
+        assert!((exposed - 4.0).abs() < 1e-12, "{exposed}");
+        let hidden = gather_behind_forward(&plan, &[0.1, 0.1, 0.1], &[1.0, 1.0, 1.0], 30.0).expect("timeline");
+        assert!((hidden - 0.1).abs() < 1e-12, "{hidden}");
+    }
+
+    /// Ranks time-slicing one GPU hide none of their reductions behind the backward: the
+    /// exposed time is every bucket's (as without `overlap_comm`); CPU ranks keep the overlap.
+    #[test]
+    fn time_sliced_gpu_ranks_expose_every_reduction() {
+        let mut p = toy_profile();
+        let groups = crate::plan::groups(&p);
+        let net = two_ranks(ab(10.0, 1.0));
+        // buckets of about a group each, so the first ones can start during the backward
+        let buckets = Scenario { bucket_elems: groups.iter().map(|g| g.len).max().unwrap_or(1), ..Scenario::new(8, 1) };
+        let shared = Scenario { ranks_per_device: 2, ..buckets.clone() };
+        let cpu = predict(&p, &groups, &shared, &net).expect("cpu");
+        p.device_kind = "cuda".into();
+        let gpu = predict(&p, &groups, &shared, &net).expect("gpu");
+        let serial = predict(&p, &groups, &Scenario { overlap: false, ..shared.clone() }, &net).expect("no overlap");
+        assert!(cpu.comm_exposed_s < gpu.comm_exposed_s, "{} vs {}", cpu.comm_exposed_s, gpu.comm_exposed_s);
+        assert!((gpu.comm_exposed_s - serial.comm_exposed_s).abs() < 1e-12);
+        assert!((gpu.comm_exposed_s - gpu.comm_total_s).abs() < 1e-12);
+        // one rank per GPU overlaps again
+        let own = predict(&p, &groups, &buckets, &net).expect("own");
+        assert!(own.buckets.len() > 2 && own.comm_exposed_s < own.comm_total_s);
+    }
+
+    /// On a GPU, ZeRO gathers the compute copy (2 bytes a value) behind the next forward; on
+    /// the CPU the f32 weights at the boundary. The profile's logged step beyond its parts is
+    /// the loop's cost on a GPU, 0 on the CPU.
+    #[test]
+    fn zero_gathers_and_the_loop_cost_follow_the_device() {
+        let mut p = toy_profile();
+        let groups = crate::plan::groups(&p);
+        let net = two_ranks(ab(10.0, 1.0));
+        let z1 = Scenario { zero_stage: 1, ..Scenario::new(8, 1) };
+        let cpu = predict(&p, &groups, &z1, &net).expect("cpu");
+        let stage0 = predict(&p, &groups, &Scenario::new(8, 1), &net).expect("stage 0");
+        // f32 all-gather of each bucket's divisible prefix: about the all-reduce's bytes again
+        assert!((cpu.comm_bytes_per_step - 2.0 * stage0.comm_bytes_per_step).abs() < 4.0 * 2.0 * 8.0, "{} vs {}", cpu.comm_bytes_per_step, stage0.comm_bytes_per_step);
+        p.device_kind = "cuda".into();
+        let gpu = predict(&p, &groups, &z1, &net).expect("gpu");
+        assert!((gpu.comm_bytes_per_step - 1.5 * stage0.comm_bytes_per_step).abs() < 4.0 * 2.0 * 8.0);
+        assert!(gpu.allgather_s < cpu.allgather_s, "the gather hides behind the forward: {} vs {}", gpu.allgather_s, cpu.allgather_s);
+        assert_eq!(gpu.loop_s, 0.0);
+        // a logged step 1 ms over the parts (7.5 ms of pass + 2 ms of optimizer at micro 8)
+        for pt in &mut p.points {
+            pt.logged_step_s = pt.forward_s + pt.backward_s + pt.optimizer_s + 1e-3;
+        }
+        let logged = predict(&p, &groups, &Scenario::new(8, 1), &net).expect("logged");
+        assert!((logged.loop_s - 1e-3).abs() < 1e-12 && (logged.step_s - stage0.step_s - 1e-3).abs() < 1e-12);
+        p.device_kind = "cpu".into();
+        assert_eq!(predict(&p, &groups, &Scenario::new(8, 1), &net).expect("cpu").loop_s, 0.0);
     }
 
     /// A profile of the built-in model whose every group takes 1 ms of backward and

@@ -100,6 +100,19 @@ pub struct PassTimes {
     pub backward_s: f64,
     pub backward_groups_s: Vec<f64>,
     pub optimizer_s: f64,
+    /// What the training loop's per-step read-back adds to the step (`ProfilePoint::loop_s`).
+    pub loop_s: f64,
+}
+
+impl ProfilePoint {
+    /// The step logged every step beyond its parts timed with waits (forward, backward,
+    /// boundary), never below 0; 0 without `logged_step_s`. The parts' waits already drain the
+    /// device as the read-back does, so on a GPU what stays is the read-back's own cost. (On the
+    /// CPU every call is synchronous: `Profile::at` takes 0 there, since the difference of two
+    /// separately timed steps is the machine's noise.)
+    pub fn loop_s(&self) -> f64 {
+        if self.logged_step_s > 0.0 { (self.logged_step_s - (self.forward_s + self.backward_s + self.optimizer_s)).max(0.0) } else { 0.0 }
+    }
 }
 
 impl Profile {
@@ -137,7 +150,7 @@ impl Profile {
             if p.backward_groups_s.len() != groups || p.forward_groups_s.len() != groups {
                 return Err(format!("points[{i}]: {} backward / {} forward groups, expected {groups} (depth + 2)", p.backward_groups_s.len(), p.forward_groups_s.len()));
             }
-            let all = [p.forward_s, p.backward_s, p.optimizer_s, p.step_s, p.pass_spread_s].into_iter().chain(p.backward_groups_s.iter().copied()).chain(p.forward_groups_s.iter().copied());
+            let all = [p.forward_s, p.backward_s, p.optimizer_s, p.step_s, p.logged_step_s, p.pass_spread_s].into_iter().chain(p.backward_groups_s.iter().copied()).chain(p.forward_groups_s.iter().copied());
             if let Some(x) = all.into_iter().find(|x| !x.is_finite() || *x < 0.0) {
                 return Err(format!("points[{i}]: time {x} is not a finite non-negative number of seconds"));
             }
@@ -162,7 +175,7 @@ impl Profile {
         let backward_groups_s: Vec<f64> = (0..groups).map(|g| lerp(&|p: &ProfilePoint| p.backward_groups_s[g])).collect();
         let mut opt: Vec<f64> = pts.iter().map(|p| p.optimizer_s).collect();
         opt.sort_by(f64::total_cmp);
-        PassTimes { pass_spread_s: lerp(&|p: &ProfilePoint| p.pass_spread_s), forward_s: lerp(&|p: &ProfilePoint| p.forward_s), backward_s: backward_groups_s.iter().sum(), backward_groups_s, optimizer_s: opt[opt.len() / 2] }
+        PassTimes { pass_spread_s: lerp(&|p: &ProfilePoint| p.pass_spread_s), forward_s: lerp(&|p: &ProfilePoint| p.forward_s), backward_s: backward_groups_s.iter().sum(), backward_groups_s, optimizer_s: opt[opt.len() / 2], loop_s: if self.device_kind == "cpu" { 0.0 } else { lerp(&|p: &ProfilePoint| p.loop_s()) } }
     }
 }
 

@@ -42,13 +42,10 @@ pub struct PointCheck {
     /// rate: (measured, predicted).
     pub other_s: (f64, f64),
     pub step_s: (f64, f64),
-    /// The training loop's own per-step cost added to the prediction (seconds; see
-    /// `add_loop_cost`).
+    /// The training loop's own per-step cost in the prediction (seconds; the profile's
+    /// `logged_step_s` beyond its parts, `model::Prediction::loop_s`).
     #[serde(default)]
     pub loop_cost_s: f64,
-    /// A one-rank point the loop cost was measured on: shown, not counted as a prediction.
-    #[serde(default)]
-    pub fitted: bool,
 }
 
 /// The validation of one sweep.
@@ -216,22 +213,15 @@ pub fn validate(dir: &Path, profiles: &[(String, Profile)], comm: &[CommFit], lo
             compute_s: (measured_compute, p.compute_s),
             comm_exposed_s: (b.comm_exposed_s, p.comm_exposed_s),
             optimizer_s: (b.optimizer_s, p.optimizer_s),
-            other_s: (measured_other, p.data_s),
+            other_s: (measured_other, p.data_s + p.loop_s),
             step_s: (b.step_s, p.step_s),
-            loop_cost_s: 0.0,
-            fitted: false,
+            loop_cost_s: p.loop_s,
         });
     }
     if points.is_empty() {
         return Err(format!("{}: no finished point to predict", dir.display()));
     }
-    if let Some(note) = add_loop_cost(&mut points) {
-        notes.push(note);
-    }
-    let judged: Vec<&PointCheck> = points.iter().filter(|p| !p.fitted).collect();
-    if judged.is_empty() {
-        return Err(format!("{}: only one-rank points, which calibrate the loop's cost: nothing left to predict", dir.display()));
-    }
+    let judged: Vec<&PointCheck> = points.iter().collect();
     let abs: Vec<f64> = judged.iter().map(|p| p.err.abs()).collect();
     let meas: Vec<f64> = judged.iter().map(|p| p.measured_images_per_s).collect();
     let pred: Vec<f64> = judged.iter().map(|p| p.predicted_images_per_s).collect();
@@ -257,42 +247,6 @@ pub fn validate(dir: &Path, profiles: &[(String, Profile)], comm: &[CommFit], lo
     })
 }
 
-/// The training loop's own cost per step: what a one-rank training step takes beyond the
-/// profile's step (reading losses and norms back on logged steps, the loader's hand-over, the
-/// metrics), which the profile, a benchmark of the step alone, cannot see. A user measures a
-/// one-rank run first, so the sweep's one-rank points are that measurement: each gives
-/// max(0, measured − predicted step) at its micro-batch and GAS, and each multi-rank point gets
-/// the cost of the one-rank point nearest to it (same GAS first, then the closest micro-batch
-/// on a log scale) added to its predicted step. The one-rank points become the calibration
-/// (`fitted`) and leave the error statistics. Returns a note, or None without one-rank points.
-fn add_loop_cost(points: &mut [PointCheck]) -> Option<String> {
-    let costs: Vec<(usize, usize, f64)> = points.iter().filter(|p| p.world == 1).map(|p| (p.micro, p.gas, (p.step_s.0 - p.step_s.1).max(0.0))).collect();
-    if costs.is_empty() || points.iter().all(|p| p.world == 1) {
-        return None;
-    }
-    for p in points.iter_mut() {
-        if p.world == 1 {
-            p.fitted = true;
-            continue;
-        }
-        let dist = |&(m, g, _): &(usize, usize, f64)| (g != p.gas, ((m as f64).ln() - (p.micro as f64).ln()).abs());
-        let Some(&(_, _, cost)) = costs.iter().min_by(|a, b| dist(a).partial_cmp(&dist(b)).unwrap_or(std::cmp::Ordering::Equal)) else { continue };
-        let global = p.predicted_images_per_s * p.step_s.1;
-        p.loop_cost_s = cost;
-        p.step_s.1 += cost;
-        p.other_s.1 += cost;
-        p.predicted_images_per_s = global / p.step_s.1.max(1e-12);
-        p.err = (p.predicted_images_per_s - p.measured_images_per_s) / p.measured_images_per_s;
-    }
-    let (lo, hi) = costs.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), c| (lo.min(c.2), hi.max(c.2)));
-    Some(format!(
-        "the training loop's per-step cost, measured on the {} one-rank point(s) as their step beyond the profile's ({:.2}–{:.2} ms), is added to every multi-rank point; the one-rank points calibrate it and are not counted as predictions",
-        costs.len(),
-        lo * 1e3,
-        hi * 1e3
-    ))
-}
-
 /// The validation as a table.
 pub fn table(v: &Validation) -> String {
     let ms = |x: f64| format!("{:.2}", x * 1e3);
@@ -302,7 +256,7 @@ pub fn table(v: &Validation) -> String {
         "point", "ranks", "micro", "GAS", "measured/s", "predicted/s", "error", "compute ms m/p", "exposed ms m/p", "optimizer ms m/p", "rest ms m/p"
     ));
     for p in &v.points {
-        let id = if p.fitted { format!("{} (fit)", p.id) } else { p.id.clone() };
+        let id = p.id.clone();
         s.push_str(&format!(
             "{:<28} {:>5} {:>6} {:>4} {:>11.1} {:>11.1} {:>7.1}%  {:>8}/{:<8} {:>8}/{:<8} {:>8}/{:<8} {:>8}/{:<8}\n",
             id,
@@ -322,8 +276,7 @@ pub fn table(v: &Validation) -> String {
             ms(p.other_s.1)
         ));
     }
-    let judged = v.points.iter().filter(|p| !p.fitted).count();
-    s.push_str(&format!("points predicted {judged} (of {}): median |error| {:.1} %, max |error| {:.1} %", v.points.len(), v.median_abs_err * 100.0, v.max_abs_err * 100.0));
+    s.push_str(&format!("points predicted {}: median |error| {:.1} %, max |error| {:.1} %", v.points.len(), v.median_abs_err * 100.0, v.max_abs_err * 100.0));
     if let Some(r) = v.spearman {
         s.push_str(&format!(", Spearman {r:.3}"));
     }
@@ -355,54 +308,5 @@ mod tests {
         assert_eq!(ranks(&[5.0, 1.0, 5.0]), vec![2.5, 1.0, 2.5]);
         assert!(spearman(&[1.0, 2.0], &[1.0, 2.0]).is_none());
         assert!((median(&[3.0, 1.0, 2.0, 10.0]) - 2.5).abs() < 1e-12);
-    }
-
-    fn point(world: usize, micro: usize, gas: usize, measured_step: f64, predicted_step: f64) -> PointCheck {
-        let global = (world * micro * gas) as f64;
-        let (m, p) = (global / measured_step, global / predicted_step);
-        PointCheck {
-            id: format!("w{world}m{micro}g{gas}"),
-            world,
-            micro,
-            gas,
-            zero_stage: 0,
-            ranks_per_device: 1,
-            profile: String::new(),
-            measured_images_per_s: m,
-            predicted_images_per_s: p,
-            err: (p - m) / m,
-            compute_s: (0.0, 0.0),
-            comm_exposed_s: (0.0, 0.0),
-            optimizer_s: (0.0, 0.0),
-            other_s: (0.0, 0.0),
-            step_s: (measured_step, predicted_step),
-            loop_cost_s: 0.0,
-            fitted: false,
-        }
-    }
-
-    /// One-rank points give the loop's cost (their step beyond the prediction, never below 0);
-    /// each multi-rank point takes the nearest one's (same GAS, closest micro on a log scale).
-    #[test]
-    fn the_loop_cost_comes_from_the_nearest_one_rank_point() {
-        let mut pts = vec![
-            point(1, 64, 1, 0.020, 0.005),
-            point(1, 256, 1, 0.030, 0.010),
-            point(1, 64, 4, 0.010, 0.012),
-            point(2, 100, 1, 0.070, 0.050),
-            point(2, 256, 4, 0.090, 0.080),
-        ];
-        let note = add_loop_cost(&mut pts).expect("a note");
-        assert!(note.contains("0.00–20.00 ms"), "{note}");
-        assert!(pts[..3].iter().all(|p| p.fitted) && pts[3..].iter().all(|p| !p.fitted));
-        // micro 100 is nearer 64 than 256 on a log scale: +15 ms
-        assert!((pts[3].loop_cost_s - 0.015).abs() < 1e-12 && (pts[3].step_s.1 - 0.065).abs() < 1e-12);
-        assert!((pts[3].predicted_images_per_s - 200.0 / 0.065).abs() < 1e-6);
-        assert!((pts[3].err - (200.0 / 0.065 - 200.0 / 0.070) / (200.0 / 0.070)).abs() < 1e-9);
-        // GAS 4 takes the GAS-4 point's cost (0: its step was under the prediction)
-        assert_eq!(pts[4].loop_cost_s, 0.0);
-        // without one-rank points nothing changes
-        let mut only = vec![point(2, 64, 1, 0.07, 0.05)];
-        assert!(add_loop_cost(&mut only).is_none() && !only[0].fitted && only[0].step_s.1 == 0.05);
     }
 }
