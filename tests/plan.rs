@@ -194,3 +194,31 @@ fn validate_a_small_cpu_sweep_and_plan_on_the_presets() {
     assert_eq!(p["rows"].as_array().unwrap().len(), 12);
     assert!(cwd.join("proj/projection.md").exists() && cwd.join("proj/charts/projection.png").exists());
 }
+
+/// The H200 profiles and one-GPU comm benches under `docs/data/` (what `docs/plan.md`'s GPU
+/// figures come from) load with this binary, and predict two H200s on NVLink within the
+/// physics: more than one GPU's throughput, at most twice it, and the one-GPU emulation's
+/// 2 ranks far below one rank alone (their network is the socket transport's).
+#[test]
+fn the_committed_h200_inputs_load_and_predict() {
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs").join("data");
+    let tmp = tempfile::tempdir().unwrap();
+    for model in ["vit_base_patch16_224", "vit_small_patch4_32"] {
+        let prof = data.join(format!("profile_h200_{model}.json"));
+        let p = prof.to_str().unwrap();
+        let nvlink = clusters().join("h200_8_nvlink.json");
+        let one = vitscale(tmp.path(), &["plan", "--profile", p, "--cluster", nvlink.to_str().unwrap(), "--gpus-per-node", "1", "--set", "train_micro_batch_size_per_gpu=128", "--json"]);
+        ok(&one, "plan on one H200");
+        let two = vitscale(tmp.path(), &["plan", "--profile", p, "--cluster", nvlink.to_str().unwrap(), "--gpus-per-node", "2", "--set", "train_micro_batch_size_per_gpu=128", "--json"]);
+        ok(&two, "plan on two H200s");
+        let (a, b) = (last_json(&one)["prediction"]["images_per_s"].as_f64().unwrap(), last_json(&two)["prediction"]["images_per_s"].as_f64().unwrap());
+        assert!(b > a && b <= 2.0 * a * (1.0 + 1e-9), "{model}: one GPU {a}, two {b}");
+    }
+    let prof = data.join("profile_h200_vit_small_patch4_32.json");
+    let comm = data.join("comm_h200_one_gpu_2_ranks.json");
+    let emu = clusters().join("one_gpu_emulation.json");
+    let out = vitscale(tmp.path(), &["plan", "--profile", prof.to_str().unwrap(), "--cluster", emu.to_str().unwrap(), "--comm", comm.to_str().unwrap(), "--ranks-per-device", "2", "--set", "train_micro_batch_size_per_gpu=128", "--json"]);
+    ok(&out, "plan on the one-GPU emulation");
+    let eff = last_json(&out)["efficiency"].as_f64().unwrap();
+    assert!(eff > 0.0 && eff < 0.5, "two ranks over loopback sockets: efficiency {eff}");
+}
