@@ -624,18 +624,16 @@ mod tests {
         assert!((exposed - 0.25).abs() < 1e-12);
     }
 
-    /// Three buckets of one group each (groups in backward order: 0 last in the forward),
-    /// gathers of 1, 2 and 3 s gathered from the last bucket: bucket 2 arrives at 3 s, 1 at
-    /// 5 s, 0 at 6 s. A forward of 3 s split 1 s a group runs group 2 over 3–4 s, group 1
-    /// over 5–6 s, group 0 over 6–7 s: it waits 4 s beyond its 3 s. A forward slow enough
-    /// hides everything but the first gather.
+    /// Three buckets of one group each (groups in backward order: group 2 is the forward's
+    /// first), gathered from the last bucket: bucket 2 (1 s) has arrived at 1 s, bucket 1
+    /// (2 s) at 3 s, bucket 0 (3 s) at 6 s. A forward of 3 s, 1 s a group, runs group 2 over
+    /// 1–2 s, group 1 over 3–4 s, group 0 over 6–7 s: 4 s beyond its own 3 s. A forward slow
+    /// enough hides everything but the first gather.
     #[test]
     fn the_gather_behind_the_forward_waits_bucket_by_bucket() {
         let groups = vec![Span { off: 20, len: 10 }, Span { off: 10, len: 10 }, Span { off: 0, len: 10 }];
         let plan = BucketPlan::new(&groups, 10, 10).expect("plan");
         let exposed = gather_behind_forward(&plan, &[3.0, 2.0, 1.0], &[1.0, 1.0, 1.0], 3.0).expect("timeline");
-        // gathered last bucket first: bucket 2 (1 s) at 1, bucket 1 (2 s) at 3, bucket 0 (3 s) at 6
-        // forward: group 2 over 1–2 (bucket 2 at 1), group 1 over 3–4, group 0 over 6–7: 7 − 3
         assert!((exposed - 4.0).abs() < 1e-12, "{exposed}");
         let hidden = gather_behind_forward(&plan, &[0.1, 0.1, 0.1], &[1.0, 1.0, 1.0], 30.0).expect("timeline");
         assert!((hidden - 0.1).abs() < 1e-12, "{hidden}");
