@@ -209,6 +209,14 @@ fn run_local(args: &LaunchArgs) -> Result<i32, LaunchError> {
 
     let signals = SignalGuard::install();
     let stop_on_eof = args.exit_on_stdin_eof.then(watch_stdin);
+    // Ranks sharing one GPU are started one after another, each once the one before has
+    // opened the device: the ranks then take their turns on the GPU in rank order, the order
+    // of NCCL's ring, and a run's speed stops depending on which process happened to start
+    // first (launched together, the same run's step time changed from launch to launch).
+    let ready_dir = (args.one_gpu && nproc > 1).then(|| std::env::temp_dir().join(format!("vitscale-ready-{run_id}")));
+    if let Some(d) = &ready_dir {
+        std::fs::create_dir_all(d).map_err(|e| LaunchError::Usage(format!("--one-gpu: cannot create {}: {e}", d.display())))?;
+    }
     let mut procs = Vec::new();
     let mut outputs = Vec::new();
     for local in 0..nproc {
@@ -250,6 +258,9 @@ fn run_local(args: &LaunchArgs) -> Result<i32, LaunchError> {
                 cmd.env("NCCL_SOCKET_IFNAME", "lo");
             }
         }
+        if let Some(d) = &ready_dir {
+            cmd.env(DEVICE_READY_VAR, d.join(format!("rank{rank}")));
+        }
         let spawned = cmd.spawn().map_err(|e| LaunchError::Spawn {
             what: format!("rank {rank}"),
             program: program.display().to_string(),
@@ -263,9 +274,49 @@ fn run_local(args: &LaunchArgs) -> Result<i32, LaunchError> {
             }
         };
         outputs.extend(forward_output(&mut child, rank, args.output));
+        if let Some(d) = ready_dir.as_ref().filter(|_| local + 1 < nproc) {
+            wait_until_ready(&mut child, &d.join(format!("rank{rank}")), rank);
+        }
         procs.push(Proc { label: Label::Rank(rank), child, status: None, termed: false });
     }
-    supervise(procs, outputs, (args.kill_grace, args.stop_grace), &signals, stop_on_eof)
+    let code = supervise(procs, outputs, (args.kill_grace, args.stop_grace), &signals, stop_on_eof);
+    if let Some(d) = &ready_dir {
+        let _ = std::fs::remove_dir_all(d);
+    }
+    code
+}
+
+/// The file `launch --one-gpu` gives each worker to create once its device is open
+/// (`signal_device_ready`); the next rank starts after it appears.
+pub const DEVICE_READY_VAR: &str = "VITSCALE_DEVICE_READY";
+
+/// How long the launcher waits for a worker's device before starting the next anyway (a
+/// worker program that never signals, or a device that takes that long to open).
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Called by a worker once its device is open and before it meets the other ranks: creates
+/// the file of `DEVICE_READY_VAR`, if the launcher set one.
+pub fn signal_device_ready() {
+    if let Some(path) = std::env::var_os(DEVICE_READY_VAR).filter(|p| !p.is_empty()) {
+        // best effort: without it the launcher starts the next rank after its timeout
+        let _ = std::fs::write(path, b"");
+    }
+}
+
+/// Waits until `child` has created `path`, has exited (its failure is the supervisor's to
+/// report), a signal is pending, or `READY_TIMEOUT` has passed.
+fn wait_until_ready(child: &mut Child, path: &Path, rank: usize) {
+    let t = Instant::now();
+    while !path.exists() {
+        if !matches!(child.try_wait(), Ok(None)) || PENDING_SIGNAL.load(Ordering::SeqCst) != 0 {
+            return;
+        }
+        if t.elapsed() > READY_TIMEOUT {
+            eprintln!("launch: rank {rank} has not opened its device after {} s; starting the next rank", READY_TIMEOUT.as_secs());
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 /// Starts threads copying a worker's stdout / stderr to ours, per the output mode.

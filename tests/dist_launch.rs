@@ -159,3 +159,39 @@ fn a_failing_rank_on_another_host_fails_the_launch() {
     assert!(err.contains("rank 3") && err.contains("exit status 5"), "{err}");
     assert!(err.contains("node 1 (localhost)"), "{err}");
 }
+
+fn one_gpu_launch(script: &str) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_vitscale"))
+        .args(["launch", "--one-gpu", "--nproc-per-node", "3", "--worker-program=/bin/sh", "--", "-c", script])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run vitscale launch")
+}
+
+/// Under `--one-gpu` rank r+1 starts only after rank r has signalled that its device is open
+/// (the file named by VITSCALE_DEVICE_READY): each rank records when it started and when it
+/// signalled, and every start comes after the previous rank's signal.
+#[test]
+fn one_gpu_ranks_start_in_turn_once_the_previous_device_is_open() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path().display().to_string();
+    let script = format!("date +%s%N > '{d}'/start$RANK; sleep 0.3; date +%s%N > '{d}'/ready$RANK; : > \"$VITSCALE_DEVICE_READY\"; sleep 0.2");
+    let out = one_gpu_launch(&script);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let ns = |name: String| -> u128 { std::fs::read_to_string(dir.path().join(&name)).unwrap_or_else(|e| panic!("{name}: {e}")).trim().parse().expect("nanoseconds") };
+    for r in 1..3 {
+        let (ready, start) = (ns(format!("ready{}", r - 1)), ns(format!("start{r}")));
+        assert!(start >= ready, "rank {r} started {} ms before rank {} had its device", (ready - start) / 1_000_000, r - 1);
+    }
+}
+
+/// A rank that exits before signalling does not hold the others back: the launch ends at once
+/// with that rank's failure.
+#[test]
+fn a_one_gpu_rank_that_dies_before_its_device_does_not_stall_the_launch() {
+    let t0 = Instant::now();
+    let out = one_gpu_launch("[ \"$RANK\" = 0 ] && exit 3; : > \"$VITSCALE_DEVICE_READY\"; sleep 0.1");
+    assert!(!out.status.success());
+    assert!(t0.elapsed() < std::time::Duration::from_secs(30), "took {:?}", t0.elapsed());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("rank 0"), "{}", String::from_utf8_lossy(&out.stderr));
+}
