@@ -1,8 +1,16 @@
-//! Small shared helpers: atomic file writes, scoped signal handlers, and the allocator the
-//! binary uses (the system's, with a clear exit when memory runs out).
+//! Small shared helpers: atomic file writes, scoped signal handlers, the median, and the
+//! allocator the binary uses (the system's, with a clear exit when memory runs out).
 
 use std::io::Write;
 use std::path::Path;
+
+/// The median of `v` (the mean of the middle two for an even count); None when empty.
+pub fn median(v: &[f64]) -> Option<f64> {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    (n > 0).then(|| if n % 2 == 1 { s[n / 2] } else { 0.5 * (s[n / 2 - 1] + s[n / 2]) })
+}
 
 /// Writes `bytes` to `path` atomically: a temporary file in the same directory, fsync, rename,
 /// then fsync of the directory, so a reader sees the old file or the whole new one.

@@ -17,16 +17,9 @@ use crate::cmd::bench::BenchArgs;
 use crate::metrics::PhaseTimes;
 use crate::plan::profile::{Profile, ProfilePoint, FORWARD_SPLIT, PROFILE_FORMAT, PROFILE_VERSION};
 
-fn median(xs: &mut [f64]) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    let n = xs.len();
-    if n == 0 {
-        0.0
-    } else if n % 2 == 1 {
-        xs[n / 2]
-    } else {
-        0.5 * (xs[n / 2 - 1] + xs[n / 2])
-    }
+/// The median of `xs`, 0 when there is none.
+fn median(xs: &[f64]) -> f64 {
+    crate::util::median(xs).unwrap_or(0.0)
 }
 
 /// One micro-batch size on `be`: `args.warmup` untimed steps, then `args.steps` timed
@@ -107,15 +100,15 @@ fn profile_micro<B: Backend>(be: &B, args: &BenchArgs) -> anyhow::Result<(Profil
     let logged_step_s = t.elapsed().as_secs_f64() / reps as f64;
     // the spread of one pass between repetitions (a robust standard deviation: 1.4826 × the
     // median absolute deviation), for the planner's wait on the slowest of several ranks
-    let mut pass: Vec<f64> = fwd.iter().zip(&bwd).map(|(f, b)| f + b).collect();
-    let mid = median(&mut pass);
-    let mut dev: Vec<f64> = pass.iter().map(|x| (x - mid).abs()).collect();
-    let pass_spread_s = 1.4826 * median(&mut dev);
-    let backward_groups_s: Vec<f64> = per_group.iter_mut().map(|v| median(v)).collect();
+    let pass: Vec<f64> = fwd.iter().zip(&bwd).map(|(f, b)| f + b).collect();
+    let mid = median(&pass);
+    let dev: Vec<f64> = pass.iter().map(|x| (x - mid).abs()).collect();
+    let pass_spread_s = 1.4826 * median(&dev);
+    let backward_groups_s: Vec<f64> = per_group.iter().map(|v| median(v)).collect();
     let backward_s: f64 = backward_groups_s.iter().sum();
-    let forward_s = median(&mut fwd);
+    let forward_s = median(&fwd);
     let forward_groups_s = backward_groups_s.iter().map(|g| if backward_s > 0.0 { forward_s * g / backward_s } else { forward_s / groups as f64 }).collect();
-    let point = ProfilePoint { micro: m, forward_s, backward_s, backward_groups_s, forward_groups_s, optimizer_s: median(&mut opt), step_s, logged_step_s, pass_spread_s, reps };
+    let point = ProfilePoint { micro: m, forward_s, backward_s, backward_groups_s, forward_groups_s, optimizer_s: median(&opt), step_s, logged_step_s, pass_spread_s, reps };
     Ok((point, st.plan.recompute))
 }
 

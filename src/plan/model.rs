@@ -288,7 +288,7 @@ pub fn gather_behind_forward(plan: &BucketPlan, gathers: &[f64], backward_groups
     }
     let mut t = 0.0f64;
     for g in (0..groups).rev() {
-        let b = plan.buckets.iter().position(|k| k.groups.contains(&g)).ok_or_else(|| format!("group {g} is in no bucket"))?;
+        let b = plan.bucket_of(g).ok_or_else(|| format!("group {g} is in no bucket"))?;
         let f = if total_bwd > 0.0 { forward_s * backward_groups_s[g] / total_bwd } else { forward_s / groups as f64 };
         t = t.max(arrived[b]) + f;
     }
@@ -434,8 +434,9 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
     if share != 1.0 {
         notes.push(format!("{} rank(s) per device: compute × {share:.2} ({})", s.ranks_per_device, sharing_rule(profile, s.ranks_per_device)));
     }
-    // the loop's read-back, once a step (ranks sharing a device wait for it side by side)
-    let loop_s = t.loop_s;
+    // the loop's read-back, once a step (ranks sharing a device wait for it side by side); on
+    // the CPU every call is synchronous, and two separately timed steps differ by noise only
+    let loop_s = if profile.device_kind == "cpu" { 0.0 } else { t.loop_s };
     let step = compute + exposed + optimizer + data + loop_s;
     let global_batch = s.micro * s.gas * world;
     let ips = global_batch as f64 / step;

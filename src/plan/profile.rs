@@ -107,9 +107,8 @@ pub struct PassTimes {
 impl ProfilePoint {
     /// The step logged every step beyond its parts timed with waits (forward, backward,
     /// boundary), never below 0; 0 without `logged_step_s`. The parts' waits already drain the
-    /// device as the read-back does, so on a GPU what stays is the read-back's own cost. (On the
-    /// CPU every call is synchronous: `Profile::at` takes 0 there, since the difference of two
-    /// separately timed steps is the machine's noise.)
+    /// device as the read-back does, so on a GPU what stays is the read-back's own cost (the
+    /// model takes 0 on the CPU, where every call is synchronous).
     pub fn loop_s(&self) -> f64 {
         if self.logged_step_s > 0.0 { (self.logged_step_s - (self.forward_s + self.backward_s + self.optimizer_s)).max(0.0) } else { 0.0 }
     }
@@ -175,7 +174,7 @@ impl Profile {
         let backward_groups_s: Vec<f64> = (0..groups).map(|g| lerp(&|p: &ProfilePoint| p.backward_groups_s[g])).collect();
         let mut opt: Vec<f64> = pts.iter().map(|p| p.optimizer_s).collect();
         opt.sort_by(f64::total_cmp);
-        PassTimes { pass_spread_s: lerp(&|p: &ProfilePoint| p.pass_spread_s), forward_s: lerp(&|p: &ProfilePoint| p.forward_s), backward_s: backward_groups_s.iter().sum(), backward_groups_s, optimizer_s: opt[opt.len() / 2], loop_s: if self.device_kind == "cpu" { 0.0 } else { lerp(&|p: &ProfilePoint| p.loop_s()) } }
+        PassTimes { pass_spread_s: lerp(&|p: &ProfilePoint| p.pass_spread_s), forward_s: lerp(&|p: &ProfilePoint| p.forward_s), backward_s: backward_groups_s.iter().sum(), backward_groups_s, optimizer_s: opt[opt.len() / 2], loop_s: lerp(&|p: &ProfilePoint| p.loop_s()) }
     }
 }
 

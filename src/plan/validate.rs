@@ -66,16 +66,6 @@ pub struct Validation {
     pub notes: Vec<String>,
 }
 
-fn median(xs: &[f64]) -> f64 {
-    let mut v = xs.to_vec();
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n == 0 {
-        return f64::NAN;
-    }
-    if n % 2 == 1 { v[n / 2] } else { 0.5 * (v[n / 2 - 1] + v[n / 2]) }
-}
-
 /// Average ranks (1-based, ties share their mean rank).
 fn ranks(xs: &[f64]) -> Vec<f64> {
     let mut idx: Vec<usize> = (0..xs.len()).collect();
@@ -221,12 +211,11 @@ pub fn validate(dir: &Path, profiles: &[(String, Profile)], comm: &[CommFit], lo
     if points.is_empty() {
         return Err(format!("{}: no finished point to predict", dir.display()));
     }
-    let judged: Vec<&PointCheck> = points.iter().collect();
-    let abs: Vec<f64> = judged.iter().map(|p| p.err.abs()).collect();
-    let meas: Vec<f64> = judged.iter().map(|p| p.measured_images_per_s).collect();
-    let pred: Vec<f64> = judged.iter().map(|p| p.predicted_images_per_s).collect();
-    let n = judged.len() as f64;
-    let gap = |f: fn(&PointCheck) -> (f64, f64)| judged.iter().map(|p| (f(p).1 - f(p).0).abs() / p.step_s.0.max(1e-12)).sum::<f64>() / n;
+    let abs: Vec<f64> = points.iter().map(|p| p.err.abs()).collect();
+    let meas: Vec<f64> = points.iter().map(|p| p.measured_images_per_s).collect();
+    let pred: Vec<f64> = points.iter().map(|p| p.predicted_images_per_s).collect();
+    let n = points.len() as f64;
+    let gap = |f: fn(&PointCheck) -> (f64, f64)| points.iter().map(|p| (f(p).1 - f(p).0).abs() / p.step_s.0.max(1e-12)).sum::<f64>() / n;
     let term_gaps = vec![
         ("compute".to_string(), gap(|p| p.compute_s)),
         ("exposed communication".to_string(), gap(|p| p.comm_exposed_s)),
@@ -237,7 +226,7 @@ pub fn validate(dir: &Path, profiles: &[(String, Profile)], comm: &[CommFit], lo
         sweep: dir.display().to_string(),
         profile: profiles.iter().map(|(s, _)| s.clone()).collect::<Vec<_>>().join(", "),
         comm: comm.iter().map(|c| c.source.clone()).collect(),
-        median_abs_err: median(&abs),
+        median_abs_err: crate::util::median(&abs).unwrap_or(f64::NAN),
         max_abs_err: abs.iter().copied().fold(0.0, f64::max),
         spearman: spearman(&meas, &pred),
         pairwise_correct: pairwise_correct(&meas, &pred),
@@ -307,6 +296,6 @@ mod tests {
         assert!((spearman(&a, &[1.0, 3.0, 2.0, 4.0]).unwrap() - 0.8).abs() < 1e-12);
         assert_eq!(ranks(&[5.0, 1.0, 5.0]), vec![2.5, 1.0, 2.5]);
         assert!(spearman(&[1.0, 2.0], &[1.0, 2.0]).is_none());
-        assert!((median(&[3.0, 1.0, 2.0, 10.0]) - 2.5).abs() < 1e-12);
+        assert!((crate::util::median(&[3.0, 1.0, 2.0, 10.0]).unwrap() - 2.5).abs() < 1e-12);
     }
 }

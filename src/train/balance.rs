@@ -41,6 +41,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::backend::{Backend, DecayGroups, Span, StepHyper};
+use crate::util::median;
 use crate::config::OptimizerConfig;
 use crate::model::Vit;
 use crate::comm::Comm;
@@ -181,14 +182,6 @@ pub struct Balancer {
 /// Micro-batches whose median time per image sets the emulated delay: one descheduled
 /// micro-batch does not stretch the next one's delay.
 const RECENT: usize = 5;
-
-/// The median of `v` (None when empty).
-fn median(v: &[f64]) -> Option<f64> {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    let n = s.len();
-    (n > 0).then(|| if n % 2 == 1 { s[n / 2] } else { 0.5 * (s[n / 2 - 1] + s[n / 2]) })
-}
 
 /// Weight of the previous estimate in each new speed estimate: one noisy window (a loaded
 /// host, a clock change) moves the split only half way.
