@@ -14,10 +14,10 @@ filter=${1:-}
 
 # name | file | perl substitution | tests that must fail (cargo test arguments)
 mutations=(
-  "lr-schedule-one-step-late|src/train/engine.rs|s/schedule::lr_at\(cfg\.scheduler\.as_ref\(\), cfg\.optimizer\.lr\(\), step, total_steps\)/schedule::lr_at(cfg.scheduler.as_ref(), cfg.optimizer.lr(), step + 1, total_steps)/|--test train_reference"
+  "lr-schedule-one-step-late|src/train/trainer.rs|s/schedule::lr_at\(cfg\.scheduler\.as_ref\(\), cfg\.optimizer\.lr\(\), step, \*total_steps\)/schedule::lr_at(cfg.scheduler.as_ref(), cfg.optimizer.lr(), step + 1, *total_steps)/|--test train_reference"
   "clipping-ignored|src/train/step.rs|s/clip_norm: self\.clip \}/clip_norm: 0.0 * self.clip }/|--test train_reference"
-  "label-smoothing-ignored|src/train/engine.rs|s/smoothed_targets\(&batch\.labels\[start\.\.start \+ n\], k, cfg\.train\.label_smoothing\)/smoothed_targets(&batch.labels[start..start + n], k, 0.0)/|--test train_reference"
-  "weight-decay-skip-ignored|src/train/engine.rs|s/DecayGroups::new\(&vit\.table, &cfg\.train\.weight_decay_skip\)/DecayGroups::new(\&vit.table, \&crate::config::DecaySkip { bias: false, norm: false, pos_embed: false, cls_token: false })/|--test train_reference"
+  "label-smoothing-ignored|src/train/trainer.rs|s/smoothed_targets\(&batch\.labels\[start\.\.start \+ n\], k, label_smoothing\)/smoothed_targets(&batch.labels[start..start + n], k, 0.0)/|--test train_reference"
+  "weight-decay-skip-ignored|src/train/trainer.rs|s/DecayGroups::new\(&vit\.table, &cfg\.train\.weight_decay_skip\)/DecayGroups::new(\&vit.table, \&crate::config::DecaySkip { bias: false, norm: false, pos_embed: false, cls_token: false })/|--test train_reference"
   "gas-loss-scale-per-micro-batch|src/train/step.rs|s/forward_staged\(be, n, Some\(1\.0 \/ self\.plan\.global_batch as f32\)\)/forward_staged(be, n, Some(1.0 \/ (n * self.plan.world_size) as f32))/g|--test train_reference"
   "zero-clip-norm-of-own-shard-only|src/train/zero.rs|s/self\.comm\.all_reduce_host\(&mut own\)\?;/let _ = &mut own;/|--test dist_zero sgd_stages"
   "zero-updated-weights-not-gathered|src/train/zero.rs|s/works\.push\(self\.start\(Collective::AllGather, &mut vit\.params, prefix\)\?\);/let _ = prefix;/|--test dist_zero sgd_stages"

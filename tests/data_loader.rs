@@ -9,7 +9,7 @@ use vitscale::backend::cpu::Cpu;
 use vitscale::config::{self, DataConfig, DatasetKind, MixMode};
 use vitscale::data::{fill_batch, make_batch, open, shard, Batch, Loader, LoaderPlan, MixTargets, Sampler};
 use vitscale::model::smoothed_targets;
-use vitscale::train::engine;
+use vitscale::train::evaluate;
 
 fn cfg() -> DataConfig {
     DataConfig {
@@ -170,7 +170,7 @@ fn evaluation_through_the_loader_matches_synchronous_batches() {
     });
     let base = config::resolve(&v, 1).unwrap();
     let be = Cpu::new();
-    let mut vit = engine::build_model(&be, &base, None).unwrap();
+    let mut vit = evaluate::build_model(&be, &base, None).unwrap();
     let sets = open(&base.data, base.model.image_size, base.model.num_classes, base.train.seed).unwrap();
     let k = base.model.num_classes;
     let (mut loss, mut correct) = (0f64, 0usize);
@@ -189,7 +189,7 @@ fn evaluation_through_the_loader_matches_synchronous_batches() {
         let mut c = base.clone();
         c.data.num_workers = workers;
         c.data.prefetch = prefetch;
-        let ev = engine::evaluate(&be, &mut vit, &sets.val, &c, 24).unwrap();
+        let ev = evaluate::evaluate(&be, &mut vit, &sets.val, &c, 24).unwrap();
         assert_eq!((ev.loss.to_bits(), ev.top1.to_bits(), ev.images), (loss.to_bits(), top1.to_bits(), 203), "workers {workers} prefetch {prefetch}");
     }
 }

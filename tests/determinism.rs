@@ -5,7 +5,8 @@
 use vitscale::backend::cpu::Cpu;
 use vitscale::config;
 use vitscale::model::weights;
-use vitscale::train::engine::{self, TrainOptions};
+use vitscale::train::evaluate;
+use vitscale::train::trainer::{self, TrainOptions};
 
 fn cfg(steps: u64) -> vitscale::config::RunConfig {
     let v = serde_json::json!({
@@ -40,7 +41,7 @@ fn run(dir: &std::path::Path, name: &str, steps: u64, init: Option<&std::path::P
         quiet: true,
         ..Default::default()
     };
-    let s = engine::train(&Cpu::new(), &cfg(steps), &opts).unwrap();
+    let s = trainer::train(&Cpu::new(), &cfg(steps), &opts).unwrap();
     (losses(&opts.run_dir), s.val_loss)
 }
 
@@ -55,9 +56,9 @@ fn save_reload_train_is_bit_identical() {
     // final validation loss to the bit.
     let c = cfg(6);
     let be = Cpu::new();
-    let mut vit = engine::build_model(&be, &c, Some(&w)).unwrap();
+    let mut vit = evaluate::build_model(&be, &c, Some(&w)).unwrap();
     let sets = vitscale::data::open(&c.data, c.model.image_size, c.model.num_classes, c.train.seed).unwrap();
-    let ev = engine::evaluate(&be, &mut vit, &sets.val, &c, c.train.eval_batch_size).unwrap();
+    let ev = evaluate::evaluate(&be, &mut vit, &sets.val, &c, c.train.eval_batch_size).unwrap();
     assert_eq!(ev.loss.to_bits(), val_a.to_bits(), "reloaded weights evaluate differently");
 
     // Two continuations from the checkpoint: identical loss sequences.
@@ -131,7 +132,7 @@ fn evaluation_between_steps_leaves_training_unchanged() {
         c.train.eval_every = eval_every;
         c.train.eval_batch_size = 48; // a different batch size than training's 32
         let opts = TrainOptions { run_dir: tmp.path().join(name), progress_bar: false, quiet: true, ..Default::default() };
-        engine::train(&Cpu::new(), &c, &opts).unwrap();
+        trainer::train(&Cpu::new(), &c, &opts).unwrap();
         losses(&opts.run_dir)
     };
     let often = train("often", 1);

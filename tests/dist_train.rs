@@ -119,7 +119,7 @@ fn file_hash(path: &Path) -> String {
 #[test]
 fn only_rank_0_of_train_with_writes_save_weights() {
     use vitscale::comm::{CommOptions, DistEnv, TcpComm};
-    use vitscale::train::engine::{self, TrainOptions};
+    use vitscale::train::trainer::{self, TrainOptions};
     let t = tmp();
     let world = 2;
     let v = serde_json::json!({
@@ -132,7 +132,7 @@ fn only_rank_0_of_train_with_writes_save_weights() {
     let cfg = vitscale::config::resolve(&v, world).expect("config");
     let port = free_port();
     let opts = CommOptions { timeout: Duration::from_secs(60), rendezvous_timeout: Duration::from_secs(30) };
-    let summaries: Vec<engine::TrainSummary> = std::thread::scope(|s| {
+    let summaries: Vec<trainer::TrainSummary> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..world)
             .map(|rank| {
                 let (cfg, opts, t) = (&cfg, &opts, &t);
@@ -145,7 +145,7 @@ fn only_rank_0_of_train_with_writes_save_weights() {
                         quiet: true,
                         ..Default::default()
                     };
-                    engine::train_with(&vitscale::backend::cpu::Cpu::new(), cfg, &o, &mut comm).unwrap_or_else(|e| panic!("rank {rank}: {e}"))
+                    trainer::train_with(&vitscale::backend::cpu::Cpu::new(), cfg, &o, &mut comm).unwrap_or_else(|e| panic!("rank {rank}: {e}"))
                 })
             })
             .collect();

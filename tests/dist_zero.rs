@@ -201,7 +201,7 @@ fn stage_2_communicates_only_at_the_accumulation_boundary() {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
     use vitscale::comm::{CResult, Collective, Comm, CommOptions, DistEnv, Span, TcpComm, Work};
-    use vitscale::train::engine::{self, TrainOptions};
+    use vitscale::train::trainer::{self, TrainOptions};
 
     /// Counts the collectives started on a TCP ring: [all_reduce, reduce_scatter, all_gather, broadcast].
     struct Counting {
@@ -265,7 +265,7 @@ fn stage_2_communicates_only_at_the_accumulation_boundary() {
                         let inner = TcpComm::connect(&env, opts, "zero-count").expect("connect");
                         let mut comm = Counting { inner, counts };
                         let o = TrainOptions { run_dir: t.path().join(format!("rank{rank}")), quiet: true, ..Default::default() };
-                        engine::train_with(&vitscale::backend::cpu::Cpu::new(), cfg, &o, &mut comm).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                        trainer::train_with(&vitscale::backend::cpu::Cpu::new(), cfg, &o, &mut comm).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
                     })
                 })
                 .collect();

@@ -126,7 +126,9 @@ fn check_cpu_memory(args: &BenchArgs) -> anyhow::Result<()> {
     });
     // An unknown preset or a zero micro-batch is reported by the benchmark itself.
     let Ok(cfg) = crate::config::resolve(&v, 1) else { return Ok(()) };
-    super::common::check_memory(&cfg, &super::common::Device::Cpu(crate::backend::cpu::Cpu::new()), &format!("bench --model {} --micro {}", args.model, args.micro))
+    let device = super::common::Device::Cpu(crate::backend::cpu::Cpu::new());
+    let plan = super::common::plan_on(&cfg, &device);
+    super::common::check_memory(&plan, &device, &format!("bench --model {} --micro {}", args.model, args.micro))
 }
 
 /// `vitscale bench`.

@@ -7,7 +7,6 @@ use std::path::{Path, PathBuf};
 use clap::{Args, ValueEnum};
 
 use crate::backend::cpu::Cpu;
-use crate::backend::Backend;
 use crate::backend::cuda::{self, Cuda};
 use crate::config::{self, RunConfig};
 use crate::model::weights;
@@ -172,26 +171,29 @@ pub fn check_writable_dir(dir: &Path, flag: &str, shown: &Path) -> anyhow::Resul
     Ok(())
 }
 
-/// Refuses a run that cannot fit: the memory estimate (`train::memory`) for `cfg` on `device`
-/// against what this process may still use there. `what` names the run in the error.
-pub fn check_memory(cfg: &RunConfig, device: &Device, what: &str) -> anyhow::Result<()> {
+/// The run's plan (`train::plan::Plan`) on `device`: derived once, then read by the memory
+/// check and the trainer.
+pub fn plan_on(cfg: &RunConfig, device: &Device) -> crate::train::plan::Plan {
+    match device {
+        Device::Cpu(be) => crate::train::plan::Plan::for_run(be, cfg),
+        Device::Cuda(be) => crate::train::plan::Plan::for_run(be, cfg),
+    }
+}
+
+/// Refuses a run that cannot fit: the plan's memory estimate (`train::memory`) against what
+/// this process may still use on `device`. `what` names the run in the error.
+pub fn check_memory(plan: &crate::train::plan::Plan, device: &Device, what: &str) -> anyhow::Result<()> {
     use crate::train::memory;
-    let (est, limit) = match device {
-        Device::Cpu(be) => {
-            let regen = crate::train::plan::Plan::for_run(be, cfg).recompute;
-            (memory::estimate(cfg, 4.0, |b, n, h, d| be.attention_saved_len(b, n, h, d), regen), memory::cpu_limit())
-        }
-        Device::Cuda(be) => {
-            let regen = crate::train::plan::Plan::for_run(be, cfg).recompute;
-            let free = be.mem_info().ok().map(|(free, _)| memory::Limit {
-                bytes: free as f64,
-                what: format!("free memory on GPU {} ({})", be.info().index, be.info().name),
-            });
-            (memory::estimate(cfg, 2.0, |b, n, h, d| be.attention_saved_len(b, n, h, d), regen), free)
-        }
+    let Some(est) = &plan.memory else { return Ok(()) };
+    let limit = match device {
+        Device::Cpu(_) => memory::cpu_limit(),
+        Device::Cuda(be) => be.mem_info().ok().map(|(free, _)| memory::Limit {
+            bytes: free as f64,
+            what: format!("free memory on GPU {} ({})", be.info().index, be.info().name),
+        }),
     };
     match limit {
-        Some(limit) => memory::check(&est, &limit, what).map_err(|m| anyhow::anyhow!(m)),
+        Some(limit) => memory::check(est, &limit, what).map_err(|m| anyhow::anyhow!(m)),
         None => Ok(()),
     }
 }

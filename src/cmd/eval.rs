@@ -4,10 +4,10 @@ use std::path::{Path, PathBuf};
 
 use clap::{Args, ValueEnum};
 
-use super::common::{check_memory, engine_warnings, load_config, open_device, ConfigArgs, Device};
+use super::common::{check_memory, engine_warnings, load_config, open_device, plan_on, ConfigArgs, Device};
 use crate::backend::Backend;
 use crate::config::RunConfig;
-use crate::train::engine;
+use crate::train::evaluate;
 
 /// Command-line options of `vitscale eval`.
 #[derive(Args, Debug)]
@@ -28,9 +28,9 @@ pub enum SplitArg {
     Val,
 }
 
-fn evaluate_weights<B: Backend>(be: &B, cfg: &RunConfig, weights: &Path, set: &std::sync::Arc<crate::data::ImageSet>) -> anyhow::Result<engine::EvalSummary> {
-    let mut vit = engine::build_model(be, cfg, Some(weights))?;
-    Ok(engine::evaluate(be, &mut vit, set, cfg, cfg.train.eval_batch_size)?)
+fn evaluate_weights<B: Backend>(be: &B, cfg: &RunConfig, weights: &Path, set: &std::sync::Arc<crate::data::ImageSet>) -> anyhow::Result<evaluate::EvalSummary> {
+    let mut vit = evaluate::build_model(be, cfg, Some(weights))?;
+    Ok(evaluate::evaluate(be, &mut vit, set, cfg, cfg.train.eval_batch_size)?)
 }
 
 /// `vitscale eval`.
@@ -38,7 +38,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let mut cfg = load_config(&args.common, Some(&args.weights), 1)?;
     let device = open_device(args.common.device, 0, true)?;
     cfg.warnings.extend(engine_warnings(&cfg, &device));
-    check_memory(&cfg, &device, "this evaluation")?;
+    check_memory(&plan_on(&cfg, &device), &device, "this evaluation")?;
     for w in &cfg.warnings {
         eprintln!("warning: {w}");
     }

@@ -24,7 +24,7 @@ pub mod sweep;
 pub mod train;
 
 use crate::launch::LaunchError;
-use crate::train::engine::TrainError;
+use crate::train::error::TrainError;
 
 /// The exit status for a command's error: 128 + signal when training stopped for
 /// SIGINT/SIGTERM (130 / 143); the launcher's own (a failed worker's status, 128 + signal);

@@ -201,7 +201,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     let net = crate::plan::network(&cluster);
     let p = model::predict(&profile, &groups, &s, &net).map_err(anyhow::Error::msg)?;
     let eff = model::efficiency(&profile, &groups, &s, &p).map_err(anyhow::Error::msg)?;
-    let mem = model::memory(&profile, &cfg, world, profile.recompute);
+    let mem = model::memory(&profile, &cfg, profile.recompute).map_err(anyhow::Error::msg)?;
     let ms = |x: f64| x * 1e3;
     println!(
         "{} on {} ({} nodes × {} devices × {} ranks = {world} ranks), micro {} × GAS {}, global batch {}, ZeRO {}, {} gradients, buckets of {} elements:",

@@ -6,9 +6,9 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use super::common::{check_memory, check_output_file, check_writable_dir, config_hash, engine_warnings, load_config_edited, open_device, ConfigArgs, Device};
+use super::common::{check_memory, check_output_file, check_writable_dir, config_hash, engine_warnings, load_config_edited, open_device, plan_on, ConfigArgs, Device};
 use crate::comm::SingleComm;
-use crate::train::engine::{self, TrainOptions};
+use crate::train::trainer::{Trainer, TrainOptions};
 
 /// Command-line options of `vitscale train`.
 #[derive(Args, Debug)]
@@ -135,7 +135,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     }
     let device = open_device(args.common.device, gpu_index(&env)?, rank == 0)?;
     cfg.warnings.extend(engine_warnings(&cfg, &device));
-    check_memory(&cfg, &device, "this training run")?;
+    let plan = plan_on(&cfg, &device);
+    check_memory(&plan, &device, "this training run")?;
     let hash = config_hash(&cfg)?;
     // rendezvous and collective timeout: train.comm_timeout_s, or the VITSCALE_* variables.
     let comm_opts = crate::comm::CommOptions::from_config_and_env(cfg.train.comm_timeout_s)?;
@@ -159,15 +160,15 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         Device::Cpu(be) => {
             let mut comm = crate::comm::init_cpu(&env, &comm_opts, &hash)?;
             _stop_guard = cfg.train.checkpoint_on_signal.then(crate::train::stop::StopGuard::install);
-            engine::train_with(be, &cfg, &opts, comm.as_mut())?
+            Trainer::new(be, &cfg, plan, &opts, comm.as_mut())?.run()?
         }
         Device::Cuda(be) => {
             _stop_guard = cfg.train.checkpoint_on_signal.then(crate::train::stop::StopGuard::install);
             if env.world_size > 1 {
                 let mut comm = crate::backend::cuda::nccl::NcclComm::connect(&env, &comm_opts, &hash, be)?;
-                engine::train_with(be, &cfg, &opts, &mut comm)?
+                Trainer::new(be, &cfg, plan, &opts, &mut comm)?.run()?
             } else {
-                engine::train_with(be, &cfg, &opts, &mut SingleComm::new())?
+                Trainer::new(be, &cfg, plan, &opts, &mut SingleComm::new())?.run()?
             }
         }
     };

@@ -78,8 +78,39 @@ pub struct StepRecord {
     /// Compute, wait, share and straggler effect of mixed-speed ranks (`train::balance`),
     /// present when `train.balance` or `train.emulate_slowdown` is set.
     #[serde(flatten)]
-    pub balance: Option<crate::train::balance::BalanceRecord>,
+    pub balance: Option<BalanceRecord>,
 }
+
+/// Per-rank balance metrics over the steps since the previous record, flattened into the
+/// `metrics.jsonl` line when a balance (`train::balance`) or an emulation is configured.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct BalanceRecord {
+    /// Seconds this rank computed: the passes of its micro-batches, emulated slowdown included.
+    pub compute_s: f64,
+    /// The part of `compute_s` that the emulated slowdown added.
+    pub emulated_s: f64,
+    /// Seconds this rank waited at the gradient synchronization (from its last backward to
+    /// the reduced gradients): the other ranks' lateness plus the exposed communication.
+    pub wait_s: f64,
+    /// This rank's share of the global batch and its micro-batch, at the last step.
+    pub share: f64,
+    pub micro_batch: usize,
+    /// Straggler effect, summed over the steps: Σ over ranks of (wait − the least wait of any
+    /// rank), as DeepSpeed's comms logger defines it (each rank's latency of the operation
+    /// minus the fastest rank's); absent on one rank.
+    pub straggler_s: Option<f64>,
+    /// Each rank's own speed over these steps: its images / its own step time, the wall time
+    /// from the previous step's end to this one's less what it waited for ranks later than
+    /// the least-waiting one (so data, the exposed communication and the update, which every
+    /// rank pays, are in it).
+    pub rank_images_per_s: Vec<f64>,
+    /// The sum of those speeds: what the ranks would train if none waited for another.
+    pub ideal_images_per_s: f64,
+    /// Each rank's images / its compute seconds (forward and backward alone): the speeds
+    /// `auto` balances.
+    pub rank_compute_images_per_s: Vec<f64>,
+}
+
 
 /// This rank's peak memory so far: the backend's own count (device memory on a GPU), else the
 /// process's peak resident set (the CPU backend's buffers live in it).

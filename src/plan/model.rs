@@ -517,8 +517,9 @@ pub fn efficiency(profile: &Profile, groups: &[Span], s: &Scenario, p: &Predicti
     Ok(p.images_per_s / (alone.images_per_s * devices))
 }
 
-/// Memory per rank in bytes: weights (+ compute copy), gradients, optimizer state by stage
-/// (`train::zero::MemoryBytes::predict`) and activations (`train::memory::estimate`).
+/// Memory per rank in bytes, from the run's plan (`train::plan::Plan::for_config`, its one
+/// estimate `train::memory::estimate`): weights (+ compute copy), gradients, optimizer state
+/// by ZeRO stage, and activations.
 #[derive(Clone, Debug, Serialize)]
 pub struct MemoryPrediction {
     pub weights: u64,
@@ -529,23 +530,31 @@ pub struct MemoryPrediction {
     pub total: u64,
 }
 
-/// The memory of one rank of `cfg` (its batch, optimizer and ZeRO stage) with the profile's
-/// activation dtype and saved attention, over `world` ranks.
-pub fn memory(profile: &Profile, cfg: &crate::config::RunConfig, world: usize, recompute: bool) -> MemoryPrediction {
-    let per_param = crate::backend::optimizer_state_len(&cfg.optimizer, 1);
-    let compute_copy = profile.compute_bytes < 4.0;
-    let m = crate::train::zero::MemoryBytes::predict(profile.params, per_param, compute_copy, cfg.zero_stage, world);
+/// The memory of one rank of `cfg` (its batch, world size, optimizer and ZeRO stage) on the
+/// profiled device: its activation dtype and saved attention, and `recompute` where the
+/// configuration leaves it to the device ("auto").
+pub fn memory(profile: &Profile, cfg: &crate::config::RunConfig, recompute: bool) -> Result<MemoryPrediction, String> {
     let att = profile.attention_saved_per_image;
-    let est = crate::train::memory::estimate(cfg, profile.compute_bytes, |b, _, _, _| att * b, recompute);
+    let attention = move |b: usize, _n: usize, _h: usize, _d: usize| att * b;
+    let dev = crate::train::plan::DeviceTraits {
+        compute_bytes: profile.compute_bytes,
+        compute_copy: profile.compute_bytes < 4.0,
+        recompute_below: if recompute { usize::MAX } else { 0 },
+        attention_saved: &attention,
+        choices: Default::default(),
+    };
+    let plan = crate::train::plan::Plan::for_config(cfg, dev);
+    let est = plan.memory.ok_or("the run's plan has no memory estimate")?;
+    let m = &est.state;
     let activations = est.activations as u64;
-    MemoryPrediction {
+    Ok(MemoryPrediction {
         weights: m.weights,
         compute_copy: m.compute_copy,
         gradients: m.gradients,
         optimizer_state: m.optimizer_state,
         activations,
         total: m.total + activations,
-    }
+    })
 }
 
 #[cfg(test)]
@@ -823,14 +832,14 @@ mod tests {
             let mut v = base.clone();
             v["zero_optimization"] = serde_json::json!({"stage": stage});
             let cfg = crate::plan::resolve_with(&v, 16, 1, 4).expect("config");
-            let m = memory(&p, &cfg, 4, false);
+            let m = memory(&p, &cfg, false).expect("memory");
             assert_eq!((m.weights, m.compute_copy, m.gradients, m.optimizer_state), (weights, 2 * n, 4 * n, state), "stage {stage}");
             assert!(m.activations > 0);
             assert_eq!(m.total, weights + 6 * n + state + m.activations);
         }
         // activations grow with the micro-batch
-        let small = memory(&p, &crate::plan::resolve_with(&base, 8, 1, 1).expect("config"), 1, false);
-        let large = memory(&p, &crate::plan::resolve_with(&base, 64, 1, 1).expect("config"), 1, false);
+        let small = memory(&p, &crate::plan::resolve_with(&base, 8, 1, 1).expect("config"), false).expect("memory");
+        let large = memory(&p, &crate::plan::resolve_with(&base, 64, 1, 1).expect("config"), false).expect("memory");
         assert!(large.activations > 4 * small.activations);
     }
 }

@@ -44,7 +44,7 @@ pub fn recommend(profile: &Profile, cluster: &Cluster, base: &serde_json::Value,
             let mut v = base.clone();
             v["zero_optimization"] = serde_json::json!({"stage": stage});
             let cfg = super::resolve_with(&v, micro, gas, world)?;
-            let mem = model::memory(profile, &cfg, world, profile.recompute);
+            let mem = model::memory(profile, &cfg, profile.recompute)?;
             if memory_limit.is_some_and(|l| mem.total as f64 > l) {
                 continue;
             }

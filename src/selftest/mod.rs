@@ -22,7 +22,7 @@ use rand_chacha::ChaCha8Rng;
 use crate::backend::cpu::Cpu;
 use crate::backend::{optimizer_state_len, BResult, Backend, DecayGroups, GeluSaved, Span, StepHyper};
 use crate::metrics::PhaseTimes;
-use crate::train::engine::TrainError;
+use crate::train::error::TrainError;
 use crate::train::plan::Plan;
 use crate::train::step::{LocalGrads, MicroBatch, Step};
 use crate::config::{DecaySkip, OptimizerConfig};

@@ -17,7 +17,7 @@ use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
 use crate::comm::Comm;
-use crate::train::engine::TrainError;
+use crate::train::error::TrainError;
 
 /// Elements hashed as one independent piece: the pieces are hashed in parallel and their
 /// digests hashed in order, so the result does not depend on the thread count.

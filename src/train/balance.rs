@@ -38,8 +38,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
-
 use crate::backend::{Backend, DecayGroups, Span, StepHyper};
 use crate::util::median;
 use crate::config::OptimizerConfig;
@@ -48,91 +46,11 @@ use crate::comm::Comm;
 use crate::config::{Balance, RunConfig};
 use crate::data::split::SplitSchedule;
 use crate::metrics::trace::{Trace, Track};
-use crate::train::engine::TrainError;
+use crate::metrics::BalanceRecord;
+use crate::train::error::TrainError;
+use crate::train::plan::Plan;
+use crate::train::shares::apportion;
 use crate::train::step::{GradSync, Updated};
-
-/// Images per share unit: mixing pairs neighbours, so each size must be even.
-pub fn unit(cfg: &RunConfig) -> usize {
-    if cfg.data.aug.mixes() {
-        2
-    } else {
-        1
-    }
-}
-
-/// `total` split into sizes proportional to `weights` (positive), each a multiple of `unit`
-/// and at least one unit, summing to `total` (a multiple of `unit`, at least `unit` per
-/// weight): largest remainder, ties to the lower rank; a rank raised to its one unit is paid
-/// for by the rank most over its proportional value.
-pub fn apportion(total: usize, weights: &[f64], unit: usize) -> Vec<usize> {
-    let n = weights.len();
-    let units = total / unit;
-    debug_assert!(units >= n && total.is_multiple_of(unit));
-    let sum: f64 = weights.iter().sum();
-    let exact: Vec<f64> = weights.iter().map(|w| w / sum * units as f64).collect();
-    let mut got: Vec<usize> = exact.iter().map(|x| (x.floor() as usize).max(1)).collect();
-    // the rank furthest below (above) its proportional value, the lower rank on ties
-    let pick = |got: &[usize], below: bool| -> Option<usize> {
-        (0..n)
-            .filter(|&r| below || got[r] > 1)
-            .max_by(|&a, &b| {
-                let (da, db) = (exact[a] - got[a] as f64, exact[b] - got[b] as f64);
-                let ord = if below { da.total_cmp(&db) } else { db.total_cmp(&da) };
-                ord.then(b.cmp(&a))
-            })
-    };
-    while got.iter().sum::<usize>() < units {
-        let Some(r) = pick(&got, true) else { break };
-        got[r] += 1;
-    }
-    while got.iter().sum::<usize>() > units {
-        let Some(r) = pick(&got, false) else { break };
-        got[r] -= 1;
-    }
-    got.iter().map(|g| g * unit).collect()
-}
-
-/// The largest micro-batch a rank can be given under `cfg`'s balance (None: equal split), so
-/// the plan can size its passes for it.
-pub fn widest_micro(cfg: &RunConfig) -> Option<usize> {
-    let (world, micro) = (cfg.batch.world_size, cfg.batch.micro_batch_per_gpu);
-    let u = unit(cfg);
-    match &cfg.train.balance {
-        Balance::Off => None,
-        Balance::Shares(s) => apportion(world * micro, s, u).into_iter().max(),
-        Balance::Auto => Some(world * micro - (world - 1) * u),
-    }
-}
-
-/// Per-rank balance metrics over the steps since the previous record, flattened into the
-/// `metrics.jsonl` line when a balance or an emulation is configured.
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct BalanceRecord {
-    /// Seconds this rank computed: the passes of its micro-batches, emulated slowdown included.
-    pub compute_s: f64,
-    /// The part of `compute_s` that the emulated slowdown added.
-    pub emulated_s: f64,
-    /// Seconds this rank waited at the gradient synchronization (from its last backward to
-    /// the reduced gradients): the other ranks' lateness plus the exposed communication.
-    pub wait_s: f64,
-    /// This rank's share of the global batch and its micro-batch, at the last step.
-    pub share: f64,
-    pub micro_batch: usize,
-    /// Straggler effect, summed over the steps: Σ over ranks of (wait − the least wait of any
-    /// rank), as DeepSpeed's comms logger defines it (each rank's latency of the operation
-    /// minus the fastest rank's); absent on one rank.
-    pub straggler_s: Option<f64>,
-    /// Each rank's own speed over these steps: its images / its own step time, the wall time
-    /// from the previous step's end to this one's less what it waited for ranks later than
-    /// the least-waiting one (so data, the exposed communication and the update, which every
-    /// rank pays, are in it).
-    pub rank_images_per_s: Vec<f64>,
-    /// The sum of those speeds: what the ranks would train if none waited for another.
-    pub ideal_images_per_s: f64,
-    /// Each rank's images / its compute seconds (forward and backward alone): the speeds
-    /// `auto` balances.
-    pub rank_compute_images_per_s: Vec<f64>,
-}
 
 /// The balance state of one rank through a run.
 pub struct Balancer {
@@ -228,22 +146,20 @@ fn noise_scatter(window: &[Vec<f64>]) -> f64 {
 }
 
 impl Balancer {
-    /// The balance of rank `rank` for a run of `cfg` starting at step `start_step`; the loader
-    /// builds batches up to `prefetch` micro-batches ahead.
-    pub fn new(cfg: &RunConfig, rank: usize, start_step: u64, prefetch: usize) -> Balancer {
-        let (world, micro, gas) = (cfg.batch.world_size, cfg.batch.micro_batch_per_gpu, cfg.batch.gradient_accumulation_steps);
-        let u = unit(cfg);
+    /// The balance of rank `rank` for a run of `cfg` with `plan`, starting at step
+    /// `start_step`; the loader builds batches up to `prefetch` micro-batches ahead.
+    pub fn new(cfg: &RunConfig, plan: &Plan, rank: usize, start_step: u64, prefetch: usize) -> Balancer {
+        let (world, micro, gas) = (plan.world_size, plan.micro_batch, plan.gradient_accumulation_steps);
+        let u = plan.split_unit;
         let total = world * micro;
         // the loader's window may hold prefetch micro-batches of steps not yet run: decide at
         // least that far ahead so it never waits for a decision it holds up (data::split)
         let lag = prefetch.max(1).div_ceil(gas.max(1)) as u64 + 1;
-        let (initial, schedule) = match &cfg.train.balance {
-            Balance::Off => (vec![micro; world], None),
-            Balance::Shares(s) => {
-                let sizes = apportion(total, s, u);
-                (sizes.clone(), Some(SplitSchedule::new(sizes, u64::MAX)))
-            }
-            Balance::Auto => (vec![micro; world], Some(SplitSchedule::new(vec![micro; world], start_step + lag + 1))),
+        let initial = plan.rank_micro_batches.clone();
+        let schedule = match &cfg.train.balance {
+            Balance::Off => None,
+            Balance::Shares(_) => Some(SplitSchedule::new(initial.clone(), u64::MAX)),
+            Balance::Auto => Some(SplitSchedule::new(initial.clone(), start_step + lag + 1)),
         };
         let slowdown = cfg.train.emulate_slowdown.iter().find(|(r, _)| *r == rank).map_or(1.0, |&(_, f)| f);
         let measuring = !cfg.train.balance.is_off() || !cfg.train.emulate_slowdown.is_empty();

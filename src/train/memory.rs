@@ -4,28 +4,36 @@
 //! without a word.
 //!
 //! The estimate adds what the engine allocates: the flat parameters, their compute copy and
-//! gradients, the optimizer state, one pass's activations (`model::Vit`'s saved tensors and
+//! gradients, the optimizer state (sharded as the ZeRO stage shards them, `state_bytes`, the
+//! same rule the run's `"memory"` record predicts and accounts against), one pass's activations (`model::Vit`'s saved tensors and
 //! gradient scratch, at the larger of the training pass and the evaluation batch), the
 //! in-memory dataset and the loader's prepared batches. It is computed in f64, so absurd sizes
 //! give a large number rather than an overflow. The limit is, on the CPU, the smaller of the
 //! available RAM (`MemAvailable`) and the address space `ulimit -v` leaves; on a GPU, the
 //! device memory the driver reports free.
 
-use crate::config::{DatasetKind, OptimizerConfig, RunConfig};
-use crate::model::ModelConfig;
-use crate::train::plan;
+use serde::Serialize;
+
+use crate::backend::{optimizer_state_len, Backend};
+use crate::config::{DatasetKind, RunConfig};
+use crate::model::{ModelConfig, Vit};
+use crate::train::plan::{self, DeviceTraits};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
 /// Bytes per part of a run, and their sum.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Estimate {
+    /// f32 weights (this rank's shard of them under a ZeRO master shard) and the compute copy.
     pub params: f64,
     pub grads: f64,
+    /// This rank's optimizer state (its shard at ZeRO stages 1/2).
     pub optimizer: f64,
     pub activations: f64,
     pub data: f64,
     pub total: f64,
+    /// The model-state part by kind, in bytes: what `config.json`'s `"memory"` record predicts.
+    pub state: MemoryBytes,
 }
 
 impl std::fmt::Display for Estimate {
@@ -48,6 +56,73 @@ impl std::fmt::Display for Estimate {
 pub struct Limit {
     pub bytes: f64,
     pub what: String,
+}
+
+/// Bytes of [f32 weights, compute copy, f32 gradients, optimizer state] one rank holds for
+/// `params` parameters at ZeRO stage `stage` of `world` ranks: the optimizer state (`per_param`
+/// f32 values per parameter) divided by the world size at stages 1/2, and where the forward
+/// reads a compute copy, the f32 master weights too; every other buffer whole. In u128 so that
+/// absurd configured sizes give a huge number rather than an overflow.
+pub fn state_bytes(params: u128, per_param: u128, compute_copy: bool, stage: u8, world: usize) -> [u128; 4] {
+    let split = |bytes: u128| if stage >= 1 { bytes.div_ceil(world.max(1) as u128) } else { bytes };
+    let weights = if compute_copy { split(4 * params) } else { 4 * params };
+    [weights, if compute_copy { 2 * params } else { 0 }, 4 * params, split(per_param * 4 * params)]
+}
+
+/// Bytes a rank holds for the model and its training state, by kind: what the run accounted
+/// from its buffers, and what the stage predicts (`predict`). The lab charts memory against
+/// stage from these (`config.json`'s `"memory"`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MemoryBytes {
+    /// f32 weights: the whole master copy (stage 0, and the CPU at every stage: its forward
+    /// reads them, gathered), or this rank's master shard (stages 1/2 with a compute copy).
+    pub weights: u64,
+    /// The compute-dtype copy the GPU's forward reads (bf16), 0 where the forward reads f32.
+    pub compute_copy: u64,
+    /// f32 gradients, accumulated locally over the micro-batches at every stage.
+    pub gradients: u64,
+    pub optimizer_state: u64,
+    pub total: u64,
+}
+
+impl MemoryBytes {
+    fn new(weights: u64, compute_copy: u64, gradients: u64, optimizer_state: u64) -> Self {
+        let total = weights.saturating_add(compute_copy).saturating_add(gradients).saturating_add(optimizer_state);
+        MemoryBytes { weights, compute_copy, gradients, optimizer_state, total }
+    }
+
+    /// What a stage predicts for `params` parameters on `world` ranks (`state_bytes`).
+    pub fn predict(params: usize, per_param: usize, compute_copy: bool, stage: u8, world: usize) -> Self {
+        let [w, c, g, o] = state_bytes(params as u128, per_param as u128, compute_copy, stage, world).map(|b| u64::try_from(b).unwrap_or(u64::MAX));
+        MemoryBytes::new(w, c, g, o)
+    }
+
+    /// The f64 parts of `estimate`, saturated to u64.
+    fn predict_f64(weights: f64, compute_copy: f64, gradients: f64, optimizer_state: f64) -> Self {
+        MemoryBytes::new(weights as u64, compute_copy as u64, gradients as u64, optimizer_state as u64)
+    }
+
+    /// What this rank holds: the lengths of its buffers (`master_in_state`: elements of the
+    /// state buffer that are this rank's master weights, under a ZeRO master shard).
+    pub fn account<B: Backend>(be: &B, vit: &Vit<B>, state: &B::Buf, master_in_state: usize) -> Self {
+        let whole = if vit.master_released() { 0 } else { be.len(&vit.params) as u64 };
+        let p = vit.table.total as u64;
+        let master = whole + master_in_state as u64;
+        let state = (be.len(state) - master_in_state) as u64;
+        MemoryBytes::new(4 * master, if be.needs_compute_copy() { 2 * p } else { 0 }, 4 * be.len(&vit.grads) as u64, 4 * state)
+    }
+}
+
+/// The `"memory"` record of a run: per rank, at its stage.
+#[derive(Clone, Debug, Serialize)]
+pub struct MemoryRecord {
+    pub stage: u8,
+    pub world_size: usize,
+    pub params: usize,
+    pub accounted: MemoryBytes,
+    pub predicted: MemoryBytes,
+    /// Peak bytes the device allocated by the end of the run (GPU), None on the CPU.
+    pub measured_peak: Option<u64>,
 }
 
 /// Parameter count of `m`, in f64 (no overflow for any configured size).
@@ -78,33 +153,35 @@ fn activation_elems(m: &ModelConfig, b: f64, attention_saved: f64, regenerate: b
     (m.depth as f64 * block + regen + shared, stats)
 }
 
-/// The estimate for training (or evaluating) `cfg` with `compute_bytes` per activation
-/// element (4 on the CPU, 2 for bf16 on a GPU) and `attention_saved(b, n, h, d)`, the
-/// backend's saved attention elements per block.
-pub fn estimate(cfg: &RunConfig, compute_bytes: f64, attention_saved: impl Fn(usize, usize, usize, usize) -> usize, regenerate: bool) -> Estimate {
+/// The images of one rank's step that the estimate is for (from the run's `Plan`).
+#[derive(Clone, Copy, Debug)]
+pub struct RankBatch {
+    /// The largest micro-batch the rank can be given (the loader's batches in flight).
+    pub micro: usize,
+    /// Images per forward/backward pass.
+    pub pass_images: usize,
+    pub world: usize,
+}
+
+/// The estimate for training (or evaluating) `cfg` at `shape` on a device with `dev`'s traits
+/// (activation bytes, saved attention, compute copy), with the ZeRO stage's sharding of the
+/// state (`state_bytes`), and `regenerate` as the plan resolved it.
+pub fn estimate(cfg: &RunConfig, shape: RankBatch, dev: &DeviceTraits<'_>, regenerate: bool) -> Estimate {
     let m = &cfg.model;
-    let p = param_count(m);
-    // f32 master copy, plus the compute copy where it is narrower
-    let params = p * 4.0 + if compute_bytes < 4.0 { p * compute_bytes } else { 0.0 };
-    let grads = p * 4.0;
-    let optimizer = p * 4.0
-        * match &cfg.optimizer {
-            OptimizerConfig::Adam { .. } => 2.0,
-            OptimizerConfig::Sgd { momentum, .. } if *momentum > 0.0 => 1.0,
-            OptimizerConfig::Sgd { .. } => 0.0,
-        };
+    let per_param = optimizer_state_len(&cfg.optimizer, 1) as u128;
+    let [weights, copy, grads, optimizer] = state_bytes(param_count(m) as u128, per_param, dev.compute_copy, cfg.zero_stage, shape.world).map(|b| b as f64);
     let cap = plan::pass_images_cap(cfg.train.pass_images);
-    let b = cfg.batch.micro_batch_per_gpu.min(cap).max(cfg.train.eval_batch_size.min(cap)).max(1);
+    let b = shape.pass_images.max(cfg.train.eval_batch_size.min(cap)).max(1);
     let n = (m.image_size / m.patch_size.max(1)).pow(2) + usize::from(m.class_token);
     let h = m.num_heads.max(1);
     // the backend's own count, in f64 to stay exact beyond usize for absurd sizes
     let att = if (b as f64) * (h as f64) * (n as f64) * (n as f64) < 1e15 {
-        attention_saved(b, n, h, m.embed_dim / h) as f64
+        (dev.attention_saved)(b, n, h, m.embed_dim / h) as f64
     } else {
         b as f64 * h as f64 * n as f64 * n as f64
     };
     let (elems, stats) = activation_elems(m, b as f64, att, regenerate);
-    let activations = elems * compute_bytes + stats * 4.0;
+    let activations = elems * dev.compute_bytes + stats * 4.0;
     let d = &cfg.data;
     let pixels = (m.image_size * m.image_size * 3) as f64;
     let stored = match d.dataset {
@@ -113,9 +190,18 @@ pub fn estimate(cfg: &RunConfig, compute_bytes: f64, attention_saved: impl Fn(us
         DatasetKind::Folder => 0.0,
     };
     // prepared f32 batches in flight: the prefetch queue, one per worker, the current one
-    let in_flight = (d.prefetch + d.num_workers.max(1) + 2) as f64 * cfg.batch.micro_batch_per_gpu as f64 * pixels * 4.0;
+    let in_flight = (d.prefetch + d.num_workers.max(1) + 2) as f64 * shape.micro as f64 * pixels * 4.0;
     let data = stored + in_flight;
-    Estimate { params, grads, optimizer, activations, data, total: params + grads + optimizer + activations + data }
+    let params = weights + copy;
+    Estimate {
+        params,
+        grads,
+        optimizer,
+        activations,
+        data,
+        total: params + grads + optimizer + activations + data,
+        state: MemoryBytes::predict_f64(weights, copy, grads, optimizer),
+    }
 }
 
 /// The memory this process may still use on the CPU: the smaller of `MemAvailable` and what
@@ -186,7 +272,9 @@ mod tests {
     fn absurd_sizes_estimate_without_overflow() {
         let v = serde_json::json!({"model": {"embed_dim": 1u64 << 40, "num_heads": 1, "depth": 1u64 << 20}, "train_micro_batch_size_per_gpu": 1u64 << 30});
         let cfg = crate::config::resolve(&v, 1).expect("config");
-        let e = estimate(&cfg, 4.0, |b, n, h, _| b * h * n * n, false);
+        let att = |b: usize, n: usize, h: usize, _d: usize| b * h * n * n;
+        let dev = DeviceTraits { compute_bytes: 4.0, compute_copy: false, recompute_below: 0, attention_saved: &att, choices: Default::default() };
+        let e = plan::Plan::for_config(&cfg, dev).memory.expect("a run's plan has its estimate");
         assert!(e.total.is_finite() && e.total > 1e20, "{e}");
         let err = check(&e, &Limit { bytes: 8.0 * GIB, what: "test".into() }, "training").unwrap_err();
         assert!(err.contains("8.00 GiB") && err.contains("estimated"), "{err}");

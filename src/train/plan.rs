@@ -1,15 +1,19 @@
-//! The plan of a run's batch, resolved once before training from the configuration and the
-//! device: how many images each rank feeds per micro-batch, how a micro-batch is cut into
-//! forward/backward passes, whether the backward regenerates activations, and what the device
-//! chose for its kernels. The training loop, `vitscale bench` and the run directory's
-//! `config.json` (its `"plan"` section) all read this one value; nothing below it re-derives a
-//! batch size.
+//! The plan of a run, derived once before training from the configuration and the device: how
+//! many images each rank feeds per micro-batch (and under `train.balance`, each rank's starting
+//! share), how a micro-batch is cut into forward/backward passes, whether the backward
+//! regenerates activations, how gradients are bucketed and sharded (ZeRO), the memory one rank
+//! needs, and what the device chose for its kernels. The trainer, the pre-flight memory check,
+//! the planner and the run directory's `config.json` (its `"plan"` section) all read this one
+//! value; nothing below it re-derives a batch size.
 
 use serde::Serialize;
 
 use crate::backend::Backend;
 use crate::config::RunConfig;
 use crate::model::{ModelConfig, Recompute};
+use crate::train::shares;
+use crate::train::memory::{self, Estimate, RankBatch};
+use crate::train::sync::{DEFAULT_BUCKET_ELEMS, FIRST_BUCKET_ELEMS};
 
 /// Images one pass takes when `train.pass_images` is "auto": it bounds the activation memory of
 /// one pass on every backend (a ViT-B/16 pass of 512 images keeps ~40 GB of bf16 activations).
@@ -20,16 +24,67 @@ pub fn pass_images_cap(configured: Option<usize>) -> usize {
     configured.unwrap_or(AUTO_PASS_IMAGES).max(1)
 }
 
+/// What the plan needs to know of the device it runs on (a backend's answers, or a profile's
+/// for the planner's hypothetical runs).
+pub struct DeviceTraits<'a> {
+    /// Bytes per activation element: 4 (f32 on the CPU), 2 (bf16 on a GPU).
+    pub compute_bytes: f64,
+    /// The forward reads a narrower compute copy of the weights (GPU): ZeRO then shards the
+    /// f32 master weights too.
+    pub compute_copy: bool,
+    /// `Recompute::Auto` regenerates activations when a pass's images × tokens × MLP width is
+    /// at most this (`Backend::recompute_below`).
+    pub recompute_below: usize,
+    /// Saved attention elements of one block for (b, n, h, d) (`Backend::attention_saved_len`).
+    pub attention_saved: &'a dyn Fn(usize, usize, usize, usize) -> usize,
+    /// What the device chose for its kernels, as it reports it.
+    pub choices: serde_json::Map<String, serde_json::Value>,
+}
+
+impl<'a> DeviceTraits<'a> {
+    /// `be`'s traits; `attention_saved` must be `|b, n, h, d| be.attention_saved_len(b, n, h, d)`
+    /// (a closure the caller owns, so the traits can borrow it).
+    pub fn of<B: Backend>(be: &B, attention_saved: &'a dyn Fn(usize, usize, usize, usize) -> usize) -> Self {
+        DeviceTraits {
+            compute_bytes: if be.needs_compute_copy() { 2.0 } else { 4.0 },
+            compute_copy: be.needs_compute_copy(),
+            recompute_below: be.recompute_below(),
+            attention_saved,
+            choices: be.choices(),
+        }
+    }
+}
+
+/// How gradients are reduced and the state sharded (`zero_optimization`, resolved).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ZeroPlan {
+    /// 0, 1 or 2 (a configured 3 runs as 2).
+    pub stage: u8,
+    pub reduce_scatter: bool,
+    pub overlap_comm: bool,
+    /// Stages 1/2 where the forward reads a compute copy: each rank keeps only its shard of
+    /// the f32 master weights.
+    pub master_shard: bool,
+    /// Gradient buckets: a small first one, then `bucket_elems` each (`train::sync`).
+    pub first_bucket_elems: usize,
+    pub bucket_elems: usize,
+}
+
 /// How one rank runs each optimizer step.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Plan {
     pub world_size: usize,
     /// Images per rank per micro-batch (`train_micro_batch_size_per_gpu`; under
-    /// `train.balance` the equal split's, each rank's own comes from `train::balance`).
+    /// `train.balance` the equal split's).
     pub micro_batch: usize,
     pub gradient_accumulation_steps: usize,
     /// `train_batch_size` = micro × GAS × world: the loss is the mean over these images.
     pub global_batch: usize,
+    /// Each rank's micro-batch at the run's start: the equal split, or `train.balance`'s fixed
+    /// shares (`auto` starts equal and re-splits as it measures, `train::balance`).
+    pub rank_micro_batches: Vec<usize>,
+    /// Images per share unit of a split (2 when mixing pairs neighbours, else 1).
+    pub split_unit: usize,
     /// Images per forward/backward pass: a micro-batch runs as `passes_per_micro` passes of at
     /// most this many images, whose gradients add up (same result, bounded memory).
     pub pass_images: usize,
@@ -37,6 +92,12 @@ pub struct Plan {
     /// Whether the backward regenerates LayerNorm/GELU outputs (`train.recompute` resolved for
     /// the pass size on this device).
     pub recompute: bool,
+    pub zero: ZeroPlan,
+    /// The memory one rank needs (`train::memory`): the pre-flight check, `config.json`'s
+    /// `"memory"` prediction and the planner read this. None for a bare step shape
+    /// (`Plan::new`: bench and selftest, which run no configured data or optimizer).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory: Option<Estimate>,
     /// What the device chose for its kernels (attention path, GEMM tiles…), as it reports it.
     pub device: serde_json::Map<String, serde_json::Value>,
 }
@@ -44,37 +105,66 @@ pub struct Plan {
 impl Plan {
     /// The plan of a training run of `cfg` on `be`.
     pub fn for_run<B: Backend>(be: &B, cfg: &RunConfig) -> Plan {
-        let b = &cfg.batch;
-        let mut plan = Plan::new(be, &cfg.model, b.micro_batch_per_gpu, b.gradient_accumulation_steps, b.world_size, cfg.train.pass_images, cfg.train.recompute);
-        // under train.balance a rank's micro-batch may be larger: passes are sized for the
-        // largest it can be given (memory is still bounded by train.pass_images)
-        if let Some(widest) = crate::train::balance::widest_micro(cfg) {
-            let wide = Plan::new(be, &cfg.model, widest, b.gradient_accumulation_steps, b.world_size, cfg.train.pass_images, cfg.train.recompute);
-            (plan.pass_images, plan.recompute) = (wide.pass_images, wide.recompute);
-            plan.passes_per_micro = plan.micro_batch.div_ceil(plan.pass_images);
-        }
-        plan
+        let attention = |b, n, h, d| be.attention_saved_len(b, n, h, d);
+        Plan::for_config(cfg, DeviceTraits::of(be, &attention))
     }
 
-    /// The plan for `micro` images per micro-batch, `gas` micro-batches per step on each of
-    /// `world` ranks; `pass_images` None = `AUTO_PASS_IMAGES`.
-    pub fn new<B: Backend>(be: &B, model: &ModelConfig, micro: usize, gas: usize, world: usize, pass_images: Option<usize>, recompute: Recompute) -> Plan {
-        let micro = micro.max(1);
-        let pass_images = pass_images_cap(pass_images).min(micro);
-        // the model's own rule (`Vit`), decided here once for the pass size
-        let regenerate = match recompute {
-            Recompute::Always => true,
-            Recompute::Never => false,
-            Recompute::Auto => pass_images * model.num_tokens() * model.mlp_hidden() <= be.recompute_below(),
+    /// The plan of a run of `cfg` on a device with `dev`'s traits. The one place a run's batch
+    /// split is derived from the configuration.
+    pub fn for_config(cfg: &RunConfig, dev: DeviceTraits<'_>) -> Plan {
+        let b = &cfg.batch;
+        let (micro, gas, world) = (b.micro_batch_per_gpu.max(1), b.gradient_accumulation_steps, b.world_size);
+        let unit = shares::unit(cfg);
+        let rank_micro_batches = shares::initial_split(&cfg.train.balance, world, micro, unit);
+        // under train.balance a rank's micro-batch may be larger: passes are sized for the
+        // largest it can be given (memory is still bounded by train.pass_images)
+        let widest = shares::widest_micro(&cfg.train.balance, world, micro, unit).unwrap_or(micro);
+        let pass_images = pass_images_cap(cfg.train.pass_images).min(widest);
+        let recompute = resolve_recompute(&cfg.model, pass_images, cfg.train.recompute, dev.recompute_below);
+        let bucket_elems = cfg.reduce_bucket_size.unwrap_or(DEFAULT_BUCKET_ELEMS);
+        let zero = ZeroPlan {
+            stage: cfg.zero_stage,
+            reduce_scatter: cfg.zero_reduce_scatter,
+            overlap_comm: cfg.zero_overlap_comm,
+            master_shard: cfg.zero_stage > 0 && dev.compute_copy,
+            first_bucket_elems: FIRST_BUCKET_ELEMS.min(bucket_elems),
+            bucket_elems,
         };
+        let shape = RankBatch { micro: widest, pass_images, world };
+        let memory = memory::estimate(cfg, shape, &dev, recompute);
         Plan {
             world_size: world,
             micro_batch: micro,
             gradient_accumulation_steps: gas,
             global_batch: micro * gas * world,
+            rank_micro_batches,
+            split_unit: unit,
             pass_images,
             passes_per_micro: micro.div_ceil(pass_images),
-            recompute: regenerate,
+            recompute,
+            zero,
+            memory: Some(memory),
+            device: dev.choices,
+        }
+    }
+
+    /// The plan of a bare step shape: `micro` images per micro-batch, `gas` micro-batches per
+    /// step on each of `world` ranks, stage 0; `pass_images` None = `AUTO_PASS_IMAGES`.
+    pub fn new<B: Backend>(be: &B, model: &ModelConfig, micro: usize, gas: usize, world: usize, pass_images: Option<usize>, recompute: Recompute) -> Plan {
+        let micro = micro.max(1);
+        let pass_images = pass_images_cap(pass_images).min(micro);
+        Plan {
+            world_size: world,
+            micro_batch: micro,
+            gradient_accumulation_steps: gas,
+            global_batch: micro * gas * world,
+            rank_micro_batches: vec![micro; world],
+            split_unit: 1,
+            pass_images,
+            passes_per_micro: micro.div_ceil(pass_images),
+            recompute: resolve_recompute(model, pass_images, recompute, be.recompute_below()),
+            zero: ZeroPlan { stage: 0, reduce_scatter: true, overlap_comm: true, master_shard: false, first_bucket_elems: FIRST_BUCKET_ELEMS, bucket_elems: DEFAULT_BUCKET_ELEMS },
+            memory: None,
             device: be.choices(),
         }
     }
@@ -91,6 +181,15 @@ impl Plan {
     /// The (start, images) of each pass over a micro-batch of `b` images.
     pub fn passes(&self, b: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
         (0..b).step_by(self.pass_images).map(move |start| (start, (b - start).min(self.pass_images)))
+    }
+}
+
+/// The model's own rule (`Vit`), decided once for the pass size.
+fn resolve_recompute(model: &ModelConfig, pass_images: usize, recompute: Recompute, recompute_below: usize) -> bool {
+    match recompute {
+        Recompute::Always => true,
+        Recompute::Never => false,
+        Recompute::Auto => pass_images * model.num_tokens() * model.mlp_hidden() <= recompute_below,
     }
 }
 

@@ -16,7 +16,7 @@ use crate::config::RunConfig;
 use crate::metrics::JsonlWriter;
 use crate::model::ParamTable;
 use crate::train::checkpoint;
-use crate::train::engine::TrainError;
+use crate::train::error::TrainError;
 use crate::train::plan::Plan;
 
 pub struct RunDir {

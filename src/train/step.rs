@@ -22,7 +22,7 @@ use crate::config::OptimizerConfig;
 use crate::metrics::trace::{Trace, Track};
 use crate::metrics::PhaseTimes;
 use crate::model::Vit;
-use crate::train::engine::TrainError;
+use crate::train::error::TrainError;
 use crate::train::plan::Plan;
 
 /// How a step's gradients are combined across ranks. The backward of the step's last pass calls

@@ -18,7 +18,7 @@ use serde::Serialize;
 use crate::backend::{Backend, Span};
 use crate::comm::{Collective, Comm, ReduceOp, Wire, Work};
 use crate::config::{CommDtype, GradComm};
-use crate::train::engine::TrainError;
+use crate::train::error::TrainError;
 use crate::train::step::GradSync;
 
 /// Elements of the first bucket: 1 MiB of f32, PyTorch DDP's first bucket.

@@ -40,13 +40,11 @@
 
 use std::time::Instant;
 
-use serde::Serialize;
-
 use crate::backend::{optimizer_state_len, Backend, DecayGroups, ShardPiece, Span, StepHyper};
 use crate::comm::{shard, Collective, Comm, ReduceOp, Wire, Work};
 use crate::config::OptimizerConfig;
 use crate::model::Vit;
-use crate::train::engine::TrainError;
+use crate::train::error::TrainError;
 use crate::train::step::{GradSync, Updated};
 use crate::train::sync::{BucketEvent, BucketPlan, BucketSync, BucketTracker, SyncTimes};
 
@@ -460,64 +458,10 @@ impl<B: Backend> GradSync<B> for AnySync<'_, B::Buf> {
     }
 }
 
-/// Bytes a rank holds for the model and its training state, by kind: what the run accounted
-/// from its buffers, and what the stage predicts (`predict`). The lab charts memory against
-/// stage from these (`config.json`'s `"memory"`).
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct MemoryBytes {
-    /// f32 weights: the whole master copy (stage 0, and the CPU at every stage: its forward
-    /// reads them, gathered), or this rank's master shard (stages 1/2 with a compute copy).
-    pub weights: u64,
-    /// The compute-dtype copy the GPU's forward reads (bf16), 0 where the forward reads f32.
-    pub compute_copy: u64,
-    /// f32 gradients, accumulated locally over the micro-batches at every stage.
-    pub gradients: u64,
-    pub optimizer_state: u64,
-    pub total: u64,
-}
-
-impl MemoryBytes {
-    fn new(weights: u64, compute_copy: u64, gradients: u64, optimizer_state: u64) -> Self {
-        MemoryBytes { weights, compute_copy, gradients, optimizer_state, total: weights + compute_copy + gradients + optimizer_state }
-    }
-
-    /// What a stage predicts for `params` parameters on `world` ranks: the optimizer state
-    /// divided by the world size at stages 1/2 (`per_param` f32 values per parameter), and
-    /// where the forward reads a compute copy, the f32 master weights too; every other buffer
-    /// whole.
-    pub fn predict(params: usize, per_param: usize, compute_copy: bool, stage: u8, world: usize) -> Self {
-        let p = params as u64;
-        let split = |bytes: u64| if stage >= 1 { bytes.div_ceil(world.max(1) as u64) } else { bytes };
-        let weights = if compute_copy { split(4 * p) } else { 4 * p };
-        MemoryBytes::new(weights, if compute_copy { 2 * p } else { 0 }, 4 * p, split((per_param as u64) * 4 * p))
-    }
-
-    /// What this rank holds: the lengths of its buffers (`master_in_state`: elements of the
-    /// state buffer that are this rank's master weights, under a ZeRO master shard).
-    pub fn account<B: Backend>(be: &B, vit: &Vit<B>, state: &B::Buf, master_in_state: usize) -> Self {
-        let whole = if vit.master_released() { 0 } else { be.len(&vit.params) as u64 };
-        let p = vit.table.total as u64;
-        let master = whole + master_in_state as u64;
-        let state = (be.len(state) - master_in_state) as u64;
-        MemoryBytes::new(4 * master, if be.needs_compute_copy() { 2 * p } else { 0 }, 4 * be.len(&vit.grads) as u64, 4 * state)
-    }
-}
-
-/// The `"memory"` record of a run: per rank, at its stage.
-#[derive(Clone, Debug, Serialize)]
-pub struct MemoryRecord {
-    pub stage: u8,
-    pub world_size: usize,
-    pub params: usize,
-    pub accounted: MemoryBytes,
-    pub predicted: MemoryBytes,
-    /// Peak bytes the device allocated by the end of the run (GPU), None on the CPU.
-    pub measured_peak: Option<u64>,
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::train::memory::MemoryBytes;
     use crate::train::sync::{BucketPlan, FIRST_BUCKET_ELEMS};
 
     fn sgd() -> OptimizerConfig {

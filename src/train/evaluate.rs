@@ -1,0 +1,81 @@
+//! Evaluation: a model's loss and top-1 accuracy on every image of a split, shared by the ranks
+//! of a job (each runs its own batches; the sums are reduced), and the model a run starts from
+//! (`--init` weights or a seeded timm-style init).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use crate::backend::Backend;
+use crate::comm::{Comm, SingleComm};
+use crate::config::RunConfig;
+use crate::data::{ImageSet, Loader};
+use crate::model::{init, smoothed_targets, weights, Vit};
+use crate::train::error::TrainError;
+use crate::train::plan;
+
+/// Result of evaluating a model on a split.
+#[derive(Clone, Debug, Serialize)]
+pub struct EvalSummary {
+    pub loss: f64,
+    pub top1: f64,
+    pub images: usize,
+}
+
+/// Evaluates `vit` on every image of `set` (no augmentation, no smoothing).
+pub fn evaluate<B: Backend>(be: &B, vit: &mut Vit<B>, set: &Arc<ImageSet>, cfg: &RunConfig, batch: usize) -> Result<EvalSummary, TrainError> {
+    evaluate_with(be, vit, set, cfg, batch, &mut SingleComm::new())
+}
+
+/// `evaluate` shared by the ranks of `comm`: evaluation batch `i` (the same batches
+/// as on one rank) is run by rank `i mod world`, and the loss sums and correct counts are
+/// summed over ranks, so every rank gets the one-rank result up to the order of the f64 sum.
+/// This rank's batches are built ahead by a `data::Loader` (`data.num_workers` threads,
+/// `data.prefetch` batches ahead) while the model runs the current one; they are the batches
+/// `data::try_make_batch` builds, so the result does not depend on either setting.
+pub fn evaluate_with<B: Backend>(
+    be: &B,
+    vit: &mut Vit<B>,
+    set: &Arc<ImageSet>,
+    cfg: &RunConfig,
+    batch: usize,
+    comm: &mut dyn Comm<B::Buf>,
+) -> Result<EvalSummary, TrainError> {
+    let k = vit.cfg.num_classes;
+    let (mut loss_sum, mut correct) = (0.0f64, 0usize);
+    let n = set.len();
+    let batch = batch.clamp(1, plan::pass_images_cap(cfg.train.pass_images));
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let batches: Vec<Vec<usize>> = (rank * batch..n).step_by(world * batch).map(|start| (start..(start + batch).min(n)).collect()).collect();
+    let mut loader = Loader::start_batches(set.clone(), cfg.data.clone(), false, 0, cfg.train.seed, batches)?;
+    while let Some(prepared) = loader.next() {
+        let batch_data = prepared?.batch;
+        let b = batch_data.len();
+        let targets = smoothed_targets(&batch_data.labels, k, 0.0);
+        let out = vit.forward(be, &batch_data.images, &targets, b, None)?;
+        loss_sum += out.losses.iter().map(|&v| v as f64).sum::<f64>();
+        for (row, &label) in out.logits.chunks(k).zip(&batch_data.labels) {
+            // First maximal index, as torch.argmax.
+            let pred = row.iter().enumerate().fold(0, |best, (j, v)| if *v > row[best] { j } else { best });
+            correct += usize::from(pred == label as usize);
+        }
+        loader.recycle(batch_data);
+    }
+    let mut sums = [loss_sum, correct as f64];
+    comm.all_reduce_host(&mut sums)?;
+    let (loss_sum, correct) = (sums[0], sums[1]);
+    Ok(EvalSummary { loss: loss_sum / n.max(1) as f64, top1: correct / n.max(1) as f64, images: n })
+}
+
+/// Builds the model with its initial weights: `--init` file or a seeded timm-style init.
+pub fn build_model<B: Backend>(be: &B, cfg: &RunConfig, init_path: Option<&Path>) -> Result<Vit<B>, TrainError> {
+    let mut vit = Vit::new(be, cfg.model.clone())?;
+    vit.set_recompute(cfg.train.recompute);
+    let host = match init_path {
+        Some(p) => weights::load(p, &vit.table)?,
+        None => init::init_params(&vit.table, cfg.train.seed),
+    };
+    vit.set_params(be, &host)?;
+    Ok(vit)
+}
