@@ -27,7 +27,7 @@ fn main() {
         }
         i += 1;
     }
-    match vitscale::data::bench::run(threads, secs, jpeg_dir.as_deref()) {
+    match vitscale::bench::data::run(threads, secs, jpeg_dir.as_deref()) {
         Ok(points) => {
             for p in points {
                 println!("{}", serde_json::to_string(&p).unwrap_or_default());

@@ -1,4 +1,5 @@
-//! Small shared helpers: atomic file writes, scoped signal handlers, the median, and the
+//! Small shared helpers: atomic file writes, scoped signal handlers, the median, POSIX shell
+//! quoting, and the
 //! allocator the binary uses (the system's, with a clear exit when memory runs out).
 
 use std::io::Write;
@@ -10,6 +11,14 @@ pub fn median(v: &[f64]) -> Option<f64> {
     s.sort_by(f64::total_cmp);
     let n = s.len();
     (n > 0).then(|| if n % 2 == 1 { s[n / 2] } else { 0.5 * (s[n / 2 - 1] + s[n / 2]) })
+}
+
+/// Quotes for a POSIX shell: `'...'`, with embedded quotes closed, escaped and reopened.
+pub fn shell_quote(s: &str) -> String {
+    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_./=:,@%+".contains(&b)) {
+        return s.to_string();
+    }
+    format!("'{}'", s.replace('\'', r"'\''"))
 }
 
 /// Writes `bytes` to `path` atomically: a temporary file in the same directory, fsync, rename,

@@ -286,7 +286,7 @@ fn loader_reports_errors_and_drops_cleanly() {
 #[ignore]
 fn profile_decode_vs_resample() {
     let dir = tempfile::tempdir().unwrap();
-    let files = vitscale::data::bench::write_jpegs(dir.path(), 32, 1).unwrap();
+    let files = vitscale::data::synthetic::write_jpegs(dir.path(), 32, 1).unwrap();
     let t = std::time::Instant::now();
     let mut imgs = Vec::new();
     for _ in 0..4 {

@@ -22,11 +22,11 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::backend::Backend;
-use crate::cmd::bench::BenchArgs;
+use crate::bench::args::BenchArgs;
 use crate::comm::{Comm, Wire};
 use crate::metrics::PhaseTimes;
-use crate::train::step::{GradSync, LocalGrads, Step};
-use crate::train::sync::{BucketPlan, BucketSync, FIRST_BUCKET_ELEMS};
+use crate::train::step::Step;
+use crate::train::sync::{BucketPlan, BucketSync, GradSync, LocalGrads, FIRST_BUCKET_ELEMS};
 use crate::train::zero::{ZeroLayout, ZeroSync};
 
 /// What a data-parallel benchmark measured (rank 0's view; step times are the slowest rank's).

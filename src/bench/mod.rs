@@ -1,5 +1,8 @@
-//! The benchmark behind `vitscale bench` (`cmd::bench`): training-step throughput on
-//! synthetic, device-resident data.
+//! The benchmarks behind `vitscale bench`, one room: this file is the training step's
+//! throughput on synthetic, device-resident data; `data_parallel` the same step over ranks;
+//! `profile` the planner's compute profile (`--profile-out`); `comm` the collectives over
+//! sizes (`--comm`); `data` the loader (`--data`, and `cargo bench --bench data`); `args`
+//! their flags.
 //!
 //! The step is the one a training run takes (`train::step::Step`: forward → backward →
 //! global gradient norm and clipping at 1.0 on the device → AdamW (lr 1e-4, weight decay
@@ -15,6 +18,9 @@
 //! `ModelConfig::train_flops_per_image` against the bf16 GEMM rate measured in the same
 //! process (cuBLASLt, 8192³, random data).
 
+pub mod args;
+pub mod comm;
+pub mod data;
 pub mod data_parallel;
 pub mod profile;
 
@@ -26,14 +32,15 @@ use rand_chacha::ChaCha8Rng;
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::telemetry::{PowerSampler, PowerSummary};
 use crate::backend::{BResult, Backend, DecayGroups};
-use crate::cmd::bench::BenchArgs;
+use crate::bench::args::BenchArgs;
 use crate::config::{DecaySkip, OptimizerConfig};
 use crate::model::vit::{smoothed_targets, Recompute, Vit};
 use crate::model::spec::PRESET_NAMES;
 use crate::model::ModelConfig;
 use crate::metrics::PhaseTimes;
 use crate::train::plan::Plan;
-use crate::train::step::{LocalGrads, Step};
+use crate::train::step::Step;
+use crate::train::sync::LocalGrads;
 
 /// What one benchmark measured.
 #[derive(Clone, Debug, serde::Serialize)]

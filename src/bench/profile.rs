@@ -13,7 +13,7 @@
 use std::time::Instant;
 
 use crate::backend::{Backend, BackendError, Span};
-use crate::cmd::bench::BenchArgs;
+use crate::bench::args::BenchArgs;
 use crate::metrics::PhaseTimes;
 use crate::plan::profile::{Profile, ProfilePoint, FORWARD_SPLIT, PROFILE_FORMAT, PROFILE_VERSION};
 

@@ -17,7 +17,10 @@ pub struct ReportArgs {
 
 /// `vitscale report`.
 pub fn run(args: ReportArgs) -> anyhow::Result<()> {
-    let r = crate::lab::report::write(&args.dir)?;
+    let r = {
+        let validation = crate::plan::validate::read_saved(&args.dir)?;
+        crate::lab::report::write(&args.dir, validation.as_ref().map(|v| v as &dyn crate::lab::report::Section))?
+    };
     eprintln!("wrote {} and {} ({} charts)", r.markdown.display(), r.html.display(), r.charts.len());
     for f in &r.findings {
         eprintln!("  [{}] {}", f.verdict_text(), f.statement);

@@ -62,7 +62,10 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
         spec.name, outcome.points, outcome.ran, outcome.ok, outcome.failed, outcome.skipped, outcome.wall_s, out.display()
     );
     if args.report {
-        let r = crate::lab::report::write(&out)?;
+        let r = {
+        let validation = crate::plan::validate::read_saved(&out)?;
+        crate::lab::report::write(&out, validation.as_ref().map(|v| v as &dyn crate::lab::report::Section))?
+    };
         eprintln!("report: {}", r.markdown.display());
     } else {
         eprintln!("next: vitscale report {}", out.display());

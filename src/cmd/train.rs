@@ -95,8 +95,8 @@ fn check_resume_config(dir: &std::path::Path, state: &serde_json::Value, cfg: &c
 /// The GPU this process opens: `VITSCALE_DEVICE_INDEX` when set (`launch --one-gpu`), else its
 /// local rank.
 pub(crate) fn gpu_index(env: &crate::comm::DistEnv) -> anyhow::Result<usize> {
-    match std::env::var(crate::launch::DEVICE_INDEX_VAR) {
-        Ok(v) if !v.trim().is_empty() => v.trim().parse().map_err(|_| anyhow::anyhow!("{}={v:?}: expected a GPU index", crate::launch::DEVICE_INDEX_VAR)),
+    match std::env::var(crate::comm::env::DEVICE_INDEX_VAR) {
+        Ok(v) if !v.trim().is_empty() => v.trim().parse().map_err(|_| anyhow::anyhow!("{}={v:?}: expected a GPU index", crate::comm::env::DEVICE_INDEX_VAR)),
         _ => Ok(env.local_rank),
     }
 }

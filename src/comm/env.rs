@@ -16,6 +16,26 @@ use std::time::Duration;
 /// Default rendezvous port (torchrun's).
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
 
+// The launcher ↔ worker contract of `vitscale launch` (the launcher sets these, a worker
+// reads them): declared here, below both, so neither imports the other.
+
+/// The GPU a worker opens, when set (`launch --one-gpu` sets 0); otherwise its `LOCAL_RANK`.
+pub const DEVICE_INDEX_VAR: &str = "VITSCALE_DEVICE_INDEX";
+
+/// The file `launch --one-gpu` gives each worker to create once its device is open
+/// (`signal_device_ready`); the next rank starts after it appears.
+pub const DEVICE_READY_VAR: &str = "VITSCALE_DEVICE_READY";
+
+/// Called by a worker once its device is open and before it meets the other ranks: creates
+/// the file of `DEVICE_READY_VAR`, if the launcher set one.
+pub fn signal_device_ready() {
+    if let Some(path) = std::env::var_os(DEVICE_READY_VAR).filter(|p| !p.is_empty()) {
+        // best effort: without it the launcher starts the next rank after its timeout
+        let _ = std::fs::write(path, b"");
+    }
+}
+
+
 /// Which launcher's variables described this process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EnvSource {

@@ -243,7 +243,7 @@ impl Progress {
 pub fn rendezvous(req: &RendezvousRequest) -> Result<Rendezvoused, RendezvousError> {
     // every command opens its device before it meets the other ranks: under `launch
     // --one-gpu` the next rank may start now
-    crate::launch::signal_device_ready();
+    crate::comm::env::signal_device_ready();
     if req.rank == 0 {
         serve(req)
     } else {

@@ -23,7 +23,6 @@
 //! the [`Loader`]). Evaluation batches are built ahead by a [`Loader`] too.
 
 pub mod augment;
-pub mod bench;
 pub mod builtin;
 pub mod cifar;
 pub mod erase;
@@ -738,7 +737,7 @@ mod tests {
     #[test]
     fn decode_into_matches_image_crate() {
         let dir = std::env::temp_dir().join(format!("vitscale-decode-{}", std::process::id()));
-        let mut files = bench::write_jpegs(&dir, 2, 3).unwrap();
+        let mut files = synthetic::write_jpegs(&dir, 2, 3).unwrap();
         let grey = image::GrayImage::from_fn(33, 17, |x, y| image::Luma([(x * 7 + y * 13) as u8]));
         let p = dir.join("grey.jpg");
         grey.save_with_format(&p, image::ImageFormat::Jpeg).unwrap();
@@ -783,7 +782,7 @@ mod tests {
     #[test]
     fn randaugment_byte_path_is_the_float_path_rounded() {
         let dir = std::env::temp_dir().join(format!("vitscale-ra-path-{}", std::process::id()));
-        let files = bench::write_jpegs(&dir, 6, 5).unwrap();
+        let files = synthetic::write_jpegs(&dir, 6, 5).unwrap();
         let files_set = ImageSet::from_files(files, vec![0; 6], 40, 1);
         let mut mem = builtin::generate(6, 16, 1, rng::stream::TRAIN);
         mem.batch_side = 16;

@@ -9,11 +9,9 @@
 //! - `analysis`   — series, scaling and findings computed from the points.
 //! - `charts`     — the report's charts (plotters, PNG and SVG, a font bundled in the binary).
 //! - `report`     — `report.md` and a self-contained `report.html`.
-//! - `comm_bench` — `vitscale bench --comm`: nccl-tests-like collective sweeps over sizes.
 
 pub mod analysis;
 pub mod charts;
-pub mod comm_bench;
 pub mod report;
 pub mod spec;
 pub mod summary;

@@ -38,15 +38,22 @@ pub struct ReportFiles {
     pub failed: usize,
 }
 
-enum Block {
+/// A piece of the report, rendered into both `report.md` and `report.html`.
+pub enum Block {
     H(u8, String),
     P(String),
     Table(Vec<String>, Vec<Vec<String>>),
     Image { png: PathBuf, svg: PathBuf, alt: String },
 }
 
-/// Writes the report of the sweep in `dir`.
-pub fn write(dir: &Path) -> Result<ReportFiles, ReportError> {
+/// A section another part of the lab contributes (the planner's predicted-against-measured,
+/// `plan::validate`): its blocks, and the charts it drew into `chart_dir`.
+pub trait Section {
+    fn add_blocks(&self, chart_dir: &Path, blocks: &mut Vec<Block>, chart_files: &mut Vec<PathBuf>) -> Result<(), ReportError>;
+}
+
+/// Writes the report of the sweep in `dir`, with `extra` (if any) before the table of points.
+pub fn write(dir: &Path, extra: Option<&dyn Section>) -> Result<ReportFiles, ReportError> {
     let spec_path = dir.join("spec.json");
     let spec: Value = std::fs::read_to_string(&spec_path)
         .map_err(|e| ReportError::NotASweep { dir: dir.display().to_string(), why: format!("{}: {e}", spec_path.display()) })
@@ -157,8 +164,8 @@ pub fn write(dir: &Path) -> Result<ReportFiles, ReportError> {
         ));
     }
 
-    if let Some(v) = read_validation(dir)? {
-        prediction_blocks(&v, &chart_dir, &mut blocks, &mut chart_files)?;
+    if let Some(section) = extra {
+        section.add_blocks(&chart_dir, &mut blocks, &mut chart_files)?;
     }
 
     blocks.push(Block::H(2, "Every point".into()));
@@ -184,84 +191,8 @@ pub fn write(dir: &Path) -> Result<ReportFiles, ReportError> {
     Ok(ReportFiles { markdown: mdp, html: htmlp, charts: chart_files, findings, points: records.len(), failed: failed.len() })
 }
 
-/// The planner's validation of this sweep (`vitscale plan --validate DIR` writes
-/// `DIR/plan.json`), when there is one.
-fn read_validation(dir: &Path) -> Result<Option<crate::plan::validate::Validation>, ReportError> {
-    let path = dir.join("plan.json");
-    match std::fs::read_to_string(&path) {
-        Ok(t) => serde_json::from_str(&t).map(Some).map_err(|e| ReportError::Read(format!("{}: {e} (rewrite it with `vitscale plan --validate {}`)", path.display(), dir.display()))),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(ReportError::Read(format!("{}: {e}", path.display()))),
-    }
-}
-
-/// The predicted-against-measured section: the errors, a table per point, a chart.
-fn prediction_blocks(v: &crate::plan::validate::Validation, chart_dir: &Path, blocks: &mut Vec<Block>, chart_files: &mut Vec<PathBuf>) -> Result<(), ReportError> {
-    blocks.push(Block::H(2, "Predicted against measured (`vitscale plan --validate`)".into()));
-    let rank = match (v.spearman, v.pairwise_correct) {
-        (Some(r), Some(p)) => format!(" Ranking by throughput: Spearman {r:.2}, {:.0} % of pairs in the measured order.", p * 100.0),
-        (None, Some(p)) => format!(" {:.0} % of pairs in the measured order.", p * 100.0),
-        _ => String::new(),
-    };
-    let gaps = v.term_gaps.iter().map(|(t, g)| format!("{t} {:.1} %", g * 100.0)).collect::<Vec<_>>().join(", ");
-    blocks.push(Block::P(format!(
-        "Every point predicted from the one-rank compute profile ({}) and the comm bench ({}) alone; no multi-rank point feeds the model. {} points: median |error| {:.1} %, max |error| {:.1} %.{rank} Mean gap per term, as a share of the measured step: {gaps}.",
-        v.profile,
-        if v.comm.is_empty() { "none".to_string() } else { v.comm.join(", ") },
-        v.points.len(),
-        v.median_abs_err * 100.0,
-        v.max_abs_err * 100.0
-    )));
-    let head = ["point", "ranks", "micro × GAS", "measured images/s", "predicted images/s", "error", "compute ms (m / p)", "exposed comm ms (m / p)", "optimizer ms (m / p)", "rest ms (m / p)"];
-    let pair = |x: (f64, f64)| format!("{} / {}", ms(x.0), ms(x.1));
-    let rows = v
-        .points
-        .iter()
-        .map(|p| {
-            vec![
-                p.id.clone(),
-                p.world.to_string(),
-                format!("{} × {}", p.micro, p.gas),
-                format!("{:.1}", p.measured_images_per_s),
-                format!("{:.1}", p.predicted_images_per_s),
-                format!("{:+.1} %", p.err * 100.0),
-                pair(p.compute_s),
-                pair(p.comm_exposed_s),
-                pair(p.optimizer_s),
-                pair(p.other_s),
-            ]
-        })
-        .collect();
-    blocks.push(Block::Table(head.iter().map(|s| s.to_string()).collect(), rows));
-    let worlds: std::collections::BTreeSet<usize> = v.points.iter().map(|p| p.world).collect();
-    let series: Vec<Series> = worlds
-        .iter()
-        .map(|w| {
-            let mut pts: Vec<(f64, f64)> = v.points.iter().filter(|p| p.world == *w).map(|p| (p.measured_images_per_s, p.predicted_images_per_s)).collect();
-            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-            Series { name: format!("{w} rank{}", if *w == 1 { "" } else { "s" }), points: pts }
-        })
-        .collect();
-    let lo = v.points.iter().map(|p| p.measured_images_per_s).fold(f64::MAX, f64::min);
-    let chart = Chart {
-        file: "predicted".into(),
-        title: "Predicted against measured throughput".into(),
-        panels: vec![Panel {
-            title: String::new(),
-            x_label: "measured throughput (images/s)".into(),
-            y_label: "predicted throughput (images/s)".into(),
-            // the dashed line y = x: a perfect prediction
-            kind: PanelKind::Lines { series, log2_x: false, ideal: Some(("prediction = measurement".into(), lo)), y_percent: false, y_from_zero: true },
-        }],
-    };
-    let (png, svg) = chart.save(chart_dir).map_err(ReportError::Chart)?;
-    blocks.push(Block::P("Each point at its measured (x) and predicted (y) throughput, one line per rank count; on the dashed line the prediction equals the measurement.".into()));
-    blocks.push(Block::Image { png: png.clone(), svg, alt: "Predicted against measured throughput".into() });
-    chart_files.push(png);
-    Ok(())
-}
-
-fn ms(x: f64) -> String {
+/// Seconds as milliseconds with two decimals.
+pub fn ms(x: f64) -> String {
     format!("{:.2}", x * 1e3)
 }
 

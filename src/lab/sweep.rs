@@ -179,7 +179,7 @@ pub fn run(spec: &SweepSpec, opts: &SweepOptions) -> Result<SweepOutcome, SweepE
 
 /// Quotes an argument for the reproducing command line when it needs it.
 fn shell_word(s: &str) -> String {
-    crate::launch::shell_quote(s)
+    crate::util::shell_quote(s)
 }
 
 /// The arguments after the program for `point`.

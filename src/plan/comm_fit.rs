@@ -29,6 +29,9 @@ struct CommFile {
     rows: Vec<Row>,
 }
 
+
+/// The `format` of a comm bench file (`vitscale bench --comm --comm-out`, `bench::comm`).
+pub const COMM_FORMAT: &str = "vitscale-comm-bench";
 /// A comm bench's fit: α and β per collective at the bench's rank count.
 #[derive(Clone, Debug, Serialize)]
 pub struct CommFit {
@@ -51,8 +54,8 @@ impl CommFit {
         let shown = path.display().to_string();
         let text = std::fs::read_to_string(path).map_err(|e| format!("comm bench {shown}: {e}"))?;
         let f: CommFile = serde_json::from_str(&text).map_err(|e| format!("comm bench {shown}: {e} (write one with `vitscale launch --nproc-per-node N -- bench --comm --comm-out C.json`)"))?;
-        if f.format.as_deref() != Some(crate::lab::comm_bench::COMM_FORMAT) {
-            return Err(format!("comm bench {shown}: `format` is {:?}, expected \"{}\"", f.format, crate::lab::comm_bench::COMM_FORMAT));
+        if f.format.as_deref() != Some(COMM_FORMAT) {
+            return Err(format!("comm bench {shown}: `format` is {:?}, expected \"{}\"", f.format, COMM_FORMAT));
         }
         if f.world_size < 2 {
             return Err(format!("comm bench {shown}: measured on {} rank(s); a fit needs 2 or more (`vitscale launch --nproc-per-node 2 -- bench --comm …`)", f.world_size));

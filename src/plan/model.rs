@@ -537,10 +537,8 @@ pub fn memory(profile: &Profile, cfg: &crate::config::RunConfig, recompute: bool
     let att = profile.attention_saved_per_image;
     let attention = move |b: usize, _n: usize, _h: usize, _d: usize| att * b;
     let dev = crate::train::plan::DeviceTraits {
-        compute_bytes: profile.compute_bytes,
-        compute_copy: profile.compute_bytes < 4.0,
+        memory: crate::train::memory::DeviceMemory { compute_bytes: profile.compute_bytes, compute_copy: profile.compute_bytes < 4.0, attention_saved: &attention },
         recompute_below: if recompute { usize::MAX } else { 0 },
-        attention_saved: &attention,
         choices: Default::default(),
     };
     let plan = crate::train::plan::Plan::for_config(cfg, dev);

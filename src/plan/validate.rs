@@ -8,13 +8,16 @@
 //! error is (predicted − measured) / measured images/s; per term (compute, exposed
 //! communication, optimizer, the rest) the mean gap in seconds says which term misses.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
 use super::comm_fit::CommFit;
 use super::model::{self, Network};
 use super::profile::Profile;
+use crate::lab::analysis::Series;
+use crate::lab::charts::{Chart, Panel, PanelKind};
+use crate::lab::report::{ms, Block, ReportError, Section};
 use crate::lab::summary::read_point;
 use crate::lab::sweep::read_records;
 
@@ -280,6 +283,86 @@ pub fn table(v: &Validation) -> String {
         s.push_str(&format!("note: {n}\n"));
     }
     s
+}
+
+/// The planner's validation of this sweep (`vitscale plan --validate DIR` writes
+/// `DIR/plan.json`), when there is one.
+pub fn read_saved(dir: &Path) -> Result<Option<Validation>, ReportError> {
+    let path = dir.join("plan.json");
+    match std::fs::read_to_string(&path) {
+        Ok(t) => serde_json::from_str(&t).map(Some).map_err(|e| ReportError::Read(format!("{}: {e} (rewrite it with `vitscale plan --validate {}`)", path.display(), dir.display()))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(ReportError::Read(format!("{}: {e}", path.display()))),
+    }
+}
+
+/// The report's predicted-against-measured section: the errors, a table per point, a chart.
+impl Section for Validation {
+    fn add_blocks(&self, chart_dir: &Path, blocks: &mut Vec<Block>, chart_files: &mut Vec<PathBuf>) -> Result<(), ReportError> {
+        let v = self;
+        blocks.push(Block::H(2, "Predicted against measured (`vitscale plan --validate`)".into()));
+        let rank = match (v.spearman, v.pairwise_correct) {
+            (Some(r), Some(p)) => format!(" Ranking by throughput: Spearman {r:.2}, {:.0} % of pairs in the measured order.", p * 100.0),
+            (None, Some(p)) => format!(" {:.0} % of pairs in the measured order.", p * 100.0),
+            _ => String::new(),
+        };
+        let gaps = v.term_gaps.iter().map(|(t, g)| format!("{t} {:.1} %", g * 100.0)).collect::<Vec<_>>().join(", ");
+        blocks.push(Block::P(format!(
+            "Every point predicted from the one-rank compute profile ({}) and the comm bench ({}) alone; no multi-rank point feeds the model. {} points: median |error| {:.1} %, max |error| {:.1} %.{rank} Mean gap per term, as a share of the measured step: {gaps}.",
+            v.profile,
+            if v.comm.is_empty() { "none".to_string() } else { v.comm.join(", ") },
+            v.points.len(),
+            v.median_abs_err * 100.0,
+            v.max_abs_err * 100.0
+        )));
+        let head = ["point", "ranks", "micro × GAS", "measured images/s", "predicted images/s", "error", "compute ms (m / p)", "exposed comm ms (m / p)", "optimizer ms (m / p)", "rest ms (m / p)"];
+        let pair = |x: (f64, f64)| format!("{} / {}", ms(x.0), ms(x.1));
+        let rows = v
+            .points
+            .iter()
+            .map(|p| {
+                vec![
+                    p.id.clone(),
+                    p.world.to_string(),
+                    format!("{} × {}", p.micro, p.gas),
+                    format!("{:.1}", p.measured_images_per_s),
+                    format!("{:.1}", p.predicted_images_per_s),
+                    format!("{:+.1} %", p.err * 100.0),
+                    pair(p.compute_s),
+                    pair(p.comm_exposed_s),
+                    pair(p.optimizer_s),
+                    pair(p.other_s),
+                ]
+            })
+            .collect();
+        blocks.push(Block::Table(head.iter().map(|s| s.to_string()).collect(), rows));
+        let worlds: std::collections::BTreeSet<usize> = v.points.iter().map(|p| p.world).collect();
+        let series: Vec<Series> = worlds
+            .iter()
+            .map(|w| {
+                let mut pts: Vec<(f64, f64)> = v.points.iter().filter(|p| p.world == *w).map(|p| (p.measured_images_per_s, p.predicted_images_per_s)).collect();
+                pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+                Series { name: format!("{w} rank{}", if *w == 1 { "" } else { "s" }), points: pts }
+            })
+            .collect();
+        let lo = v.points.iter().map(|p| p.measured_images_per_s).fold(f64::MAX, f64::min);
+        let chart = Chart {
+            file: "predicted".into(),
+            title: "Predicted against measured throughput".into(),
+            panels: vec![Panel {
+                title: String::new(),
+                x_label: "measured throughput (images/s)".into(),
+                y_label: "predicted throughput (images/s)".into(),
+                // the dashed line y = x: a perfect prediction
+                kind: PanelKind::Lines { series, log2_x: false, ideal: Some(("prediction = measurement".into(), lo)), y_percent: false, y_from_zero: true },
+            }],
+        };
+        let (png, svg) = chart.save(chart_dir).map_err(ReportError::Chart)?;
+        blocks.push(Block::P("Each point at its measured (x) and predicted (y) throughput, one line per rank count; on the dashed line the prediction equals the measurement.".into()));
+        blocks.push(Block::Image { png: png.clone(), svg, alt: "Predicted against measured throughput".into() });
+        chart_files.push(png);
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -24,7 +24,8 @@ use crate::backend::{optimizer_state_len, BResult, Backend, DecayGroups, GeluSav
 use crate::metrics::PhaseTimes;
 use crate::train::error::TrainError;
 use crate::train::plan::Plan;
-use crate::train::step::{LocalGrads, MicroBatch, Step};
+use crate::train::step::{MicroBatch, Step};
+use crate::train::sync::LocalGrads;
 use crate::config::{DecaySkip, OptimizerConfig};
 use crate::model::vit::{Recompute, Vit};
 use crate::model::{GlobalPool, ModelConfig, ParamTable};

@@ -17,7 +17,6 @@ use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
 use crate::comm::Comm;
-use crate::train::error::TrainError;
 
 /// Elements hashed as one independent piece: the pieces are hashed in parallel and their
 /// digests hashed in order, so the result does not depend on the thread count.
@@ -58,6 +57,19 @@ impl StateHash {
     pub fn weights_hex(&self) -> String {
         format!("{:016x}", self.weights)
     }
+}
+
+/// Why the ranks could not confirm they hold the same state.
+#[derive(Debug, thiserror::Error)]
+pub enum AgreeError {
+    #[error(transparent)]
+    Comm(#[from] crate::comm::CommError),
+    /// A rank sent something that is not a state hash.
+    #[error("{0}")]
+    Malformed(String),
+    /// The ranks' weights or optimizer state differ.
+    #[error(transparent)]
+    Diverged(#[from] Divergence),
 }
 
 /// Ranks whose state differs from rank 0's after `step`. Every rank gets the same value.
@@ -120,7 +132,7 @@ fn rank_list(ranks: &[usize]) -> String {
 }
 
 /// Every rank's hashes, gathered on every rank (one `all_reduce_host` of 8 × world values).
-pub fn gather<Buf>(comm: &mut dyn Comm<Buf>, mine: StateHash) -> Result<Vec<StateHash>, TrainError> {
+pub fn gather<Buf>(comm: &mut dyn Comm<Buf>, mine: StateHash) -> Result<Vec<StateHash>, AgreeError> {
     let (rank, world) = (comm.rank(), comm.world_size());
     let stride = PER_RANK * PIECES;
     let mut slots = vec![0.0f64; world * stride];
@@ -134,7 +146,7 @@ pub fn gather<Buf>(comm: &mut dyn Comm<Buf>, mine: StateHash) -> Result<Vec<Stat
     for (i, &v) in slots.iter().enumerate() {
         // Only a rank writing outside its own slots (two ranks with one id) could break this.
         if !(0.0..65536.0).contains(&v) || v.fract() != 0.0 {
-            return Err(TrainError::Config(format!(
+            return Err(AgreeError::Malformed(format!(
                 "rank {rank}: the gathered state hashes are corrupt (rank {}'s slot {} sums to {v}); two processes may share a rank",
                 i / stride,
                 i % stride
@@ -148,8 +160,8 @@ pub fn gather<Buf>(comm: &mut dyn Comm<Buf>, mine: StateHash) -> Result<Vec<Stat
 
 /// Hashes this rank's state after `step` and compares it with every other rank's. Every rank
 /// must call it at the same point. Returns this rank's hashes when all ranks agree, else
-/// [`TrainError::RanksDiverged`] on every rank, naming the ranks that differ from rank 0.
-pub fn check<Buf>(comm: &mut dyn Comm<Buf>, step: u64, weights: &[f32], optimizer: &[f32]) -> Result<StateHash, TrainError> {
+/// [`AgreeError::Diverged`] on every rank, naming the ranks that differ from rank 0.
+pub fn check<Buf>(comm: &mut dyn Comm<Buf>, step: u64, weights: &[f32], optimizer: &[f32]) -> Result<StateHash, AgreeError> {
     let mine = StateHash::of(weights, optimizer);
     let all = gather(comm, mine)?;
     let differ = |get: fn(&StateHash) -> u64| -> Vec<usize> { (1..all.len()).filter(|&r| get(&all[r]) != get(&all[0])).collect() };
@@ -157,7 +169,7 @@ pub fn check<Buf>(comm: &mut dyn Comm<Buf>, step: u64, weights: &[f32], optimize
     if w.is_empty() && o.is_empty() {
         return Ok(mine);
     }
-    Err(TrainError::RanksDiverged(Divergence { step, world: all.len(), hashes: all, weights: w, optimizer: o }))
+    Err(AgreeError::Diverged(Divergence { step, world: all.len(), hashes: all, weights: w, optimizer: o }))
 }
 
 #[cfg(test)]
@@ -211,7 +223,7 @@ mod tests {
             }
             match check(c, 4, &w, &o) {
                 Ok(h) => Ok(h),
-                Err(TrainError::RanksDiverged(d)) => Err((d.weights.clone(), d.optimizer.clone(), d.to_string())),
+                Err(AgreeError::Diverged(d)) => Err((d.weights.clone(), d.optimizer.clone(), d.to_string())),
                 Err(e) => panic!("rank {rank}: {e}"),
             }
         })

@@ -50,7 +50,7 @@ use crate::metrics::BalanceRecord;
 use crate::train::error::TrainError;
 use crate::train::plan::Plan;
 use crate::train::shares::apportion;
-use crate::train::step::{GradSync, Updated};
+use crate::train::sync::{GradSync, Updated};
 
 /// The balance state of one rank through a run.
 pub struct Balancer {

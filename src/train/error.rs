@@ -1,6 +1,6 @@
 //! `TrainError`: every way a training run can fail, below the loop so that the step, the sync,
-//! the checkpoint, the balance and the agreement modules can all return it without importing
-//! the loop.
+//! the balance and the run directory can return it without importing the loop. It wraps the
+//! errors of the modules below it (checkpoints, the ranks' agreement), which never import it.
 
 use std::path::PathBuf;
 
@@ -25,9 +25,9 @@ pub enum TrainError {
     Comm(#[from] crate::comm::CommError),
     #[error(transparent)]
     Checkpoint(#[from] checkpoint::CheckpointError),
-    /// The ranks' weights or optimizer state differ (see `train::agree`).
+    /// The ranks' weights or optimizer state differ, or could not be compared (`train::agree`).
     #[error(transparent)]
-    RanksDiverged(#[from] agree::Divergence),
+    Agree(#[from] agree::AgreeError),
     /// SIGINT / SIGTERM acted on at a step boundary (see `train::stop`).
     #[error("stopped by {} after step {step}: {detail}", stop::signal_name(*signal))]
     Interrupted { signal: i32, step: u64, detail: String },

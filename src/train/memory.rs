@@ -17,7 +17,6 @@ use serde::Serialize;
 use crate::backend::{optimizer_state_len, Backend};
 use crate::config::{DatasetKind, RunConfig};
 use crate::model::{ModelConfig, Vit};
-use crate::train::plan::{self, DeviceTraits};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -160,18 +159,30 @@ pub struct RankBatch {
     pub micro: usize,
     /// Images per forward/backward pass.
     pub pass_images: usize,
+    /// Images per evaluation batch (capped as a pass is).
+    pub eval_images: usize,
     pub world: usize,
+}
+
+/// What the estimate needs to know of the device.
+pub struct DeviceMemory<'a> {
+    /// Bytes per activation element: 4 (f32 on the CPU), 2 (bf16 on a GPU).
+    pub compute_bytes: f64,
+    /// The forward reads a narrower compute copy of the weights (GPU): ZeRO then shards the
+    /// f32 master weights too.
+    pub compute_copy: bool,
+    /// Saved attention elements of one block for (b, n, h, d) (`Backend::attention_saved_len`).
+    pub attention_saved: &'a dyn Fn(usize, usize, usize, usize) -> usize,
 }
 
 /// The estimate for training (or evaluating) `cfg` at `shape` on a device with `dev`'s traits
 /// (activation bytes, saved attention, compute copy), with the ZeRO stage's sharding of the
 /// state (`state_bytes`), and `regenerate` as the plan resolved it.
-pub fn estimate(cfg: &RunConfig, shape: RankBatch, dev: &DeviceTraits<'_>, regenerate: bool) -> Estimate {
+pub fn estimate(cfg: &RunConfig, shape: RankBatch, dev: &DeviceMemory<'_>, regenerate: bool) -> Estimate {
     let m = &cfg.model;
     let per_param = optimizer_state_len(&cfg.optimizer, 1) as u128;
     let [weights, copy, grads, optimizer] = state_bytes(param_count(m) as u128, per_param, dev.compute_copy, cfg.zero_stage, shape.world).map(|b| b as f64);
-    let cap = plan::pass_images_cap(cfg.train.pass_images);
-    let b = shape.pass_images.max(cfg.train.eval_batch_size.min(cap)).max(1);
+    let b = shape.pass_images.max(shape.eval_images).max(1);
     let n = (m.image_size / m.patch_size.max(1)).pow(2) + usize::from(m.class_token);
     let h = m.num_heads.max(1);
     // the backend's own count, in f64 to stay exact beyond usize for absurd sizes
@@ -273,8 +284,9 @@ mod tests {
         let v = serde_json::json!({"model": {"embed_dim": 1u64 << 40, "num_heads": 1, "depth": 1u64 << 20}, "train_micro_batch_size_per_gpu": 1u64 << 30});
         let cfg = crate::config::resolve(&v, 1).expect("config");
         let att = |b: usize, n: usize, h: usize, _d: usize| b * h * n * n;
-        let dev = DeviceTraits { compute_bytes: 4.0, compute_copy: false, recompute_below: 0, attention_saved: &att, choices: Default::default() };
-        let e = plan::Plan::for_config(&cfg, dev).memory.expect("a run's plan has its estimate");
+        let dev = DeviceMemory { compute_bytes: 4.0, compute_copy: false, attention_saved: &att };
+        let shape = RankBatch { micro: cfg.batch.micro_batch_per_gpu, pass_images: cfg.batch.micro_batch_per_gpu, eval_images: 1, world: 1 };
+        let e = estimate(&cfg, shape, &dev, false);
         assert!(e.total.is_finite() && e.total > 1e20, "{e}");
         let err = check(&e, &Limit { bytes: 8.0 * GIB, what: "test".into() }, "training").unwrap_err();
         assert!(err.contains("8.00 GiB") && err.contains("estimated"), "{err}");

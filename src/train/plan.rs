@@ -12,7 +12,7 @@ use crate::backend::Backend;
 use crate::config::RunConfig;
 use crate::model::{ModelConfig, Recompute};
 use crate::train::shares;
-use crate::train::memory::{self, Estimate, RankBatch};
+use crate::train::memory::{self, DeviceMemory, Estimate, RankBatch};
 use crate::train::sync::{DEFAULT_BUCKET_ELEMS, FIRST_BUCKET_ELEMS};
 
 /// Images one pass takes when `train.pass_images` is "auto": it bounds the activation memory of
@@ -27,16 +27,11 @@ pub fn pass_images_cap(configured: Option<usize>) -> usize {
 /// What the plan needs to know of the device it runs on (a backend's answers, or a profile's
 /// for the planner's hypothetical runs).
 pub struct DeviceTraits<'a> {
-    /// Bytes per activation element: 4 (f32 on the CPU), 2 (bf16 on a GPU).
-    pub compute_bytes: f64,
-    /// The forward reads a narrower compute copy of the weights (GPU): ZeRO then shards the
-    /// f32 master weights too.
-    pub compute_copy: bool,
+    /// Activation bytes, compute copy and saved attention: what the memory estimate needs.
+    pub memory: DeviceMemory<'a>,
     /// `Recompute::Auto` regenerates activations when a pass's images × tokens × MLP width is
     /// at most this (`Backend::recompute_below`).
     pub recompute_below: usize,
-    /// Saved attention elements of one block for (b, n, h, d) (`Backend::attention_saved_len`).
-    pub attention_saved: &'a dyn Fn(usize, usize, usize, usize) -> usize,
     /// What the device chose for its kernels, as it reports it.
     pub choices: serde_json::Map<String, serde_json::Value>,
 }
@@ -46,10 +41,8 @@ impl<'a> DeviceTraits<'a> {
     /// (a closure the caller owns, so the traits can borrow it).
     pub fn of<B: Backend>(be: &B, attention_saved: &'a dyn Fn(usize, usize, usize, usize) -> usize) -> Self {
         DeviceTraits {
-            compute_bytes: if be.needs_compute_copy() { 2.0 } else { 4.0 },
-            compute_copy: be.needs_compute_copy(),
+            memory: DeviceMemory { compute_bytes: if be.needs_compute_copy() { 2.0 } else { 4.0 }, compute_copy: be.needs_compute_copy(), attention_saved },
             recompute_below: be.recompute_below(),
-            attention_saved,
             choices: be.choices(),
         }
     }
@@ -126,12 +119,13 @@ impl Plan {
             stage: cfg.zero_stage,
             reduce_scatter: cfg.zero_reduce_scatter,
             overlap_comm: cfg.zero_overlap_comm,
-            master_shard: cfg.zero_stage > 0 && dev.compute_copy,
+            master_shard: cfg.zero_stage > 0 && dev.memory.compute_copy,
             first_bucket_elems: FIRST_BUCKET_ELEMS.min(bucket_elems),
             bucket_elems,
         };
-        let shape = RankBatch { micro: widest, pass_images, world };
-        let memory = memory::estimate(cfg, shape, &dev, recompute);
+        let cap = pass_images_cap(cfg.train.pass_images);
+        let shape = RankBatch { micro: widest, pass_images, eval_images: cfg.train.eval_batch_size.min(cap), world };
+        let memory = memory::estimate(cfg, shape, &dev.memory, recompute);
         Plan {
             world_size: world,
             micro_batch: micro,

@@ -15,11 +15,59 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::backend::{Backend, Span};
+use crate::backend::{Backend, DecayGroups, Span, StepHyper};
 use crate::comm::{Collective, Comm, ReduceOp, Wire, Work};
-use crate::config::{CommDtype, GradComm};
+use crate::config::{CommDtype, GradComm, OptimizerConfig};
+use crate::model::Vit;
 use crate::train::error::TrainError;
-use crate::train::step::GradSync;
+
+/// How a step's gradients are combined across ranks. The backward of the step's last pass calls
+/// `ready` as each block's gradients are complete (reverse order: head, last block … first
+/// block, embedding) when `reports_blocks` says so; the boundary calls `finish` once every
+/// gradient is written, and waits for it.
+pub trait GradSync<B: Backend> {
+    /// Whether the backward should report finished blocks (it then flushes the deferred bias
+    /// sums per block, which costs a few launches).
+    fn reports_blocks(&self) -> bool {
+        false
+    }
+    /// The gradients of `span` are final for this step.
+    fn ready(&mut self, _be: &B, _grads: &mut B::Buf, _span: Span) -> Result<(), TrainError> {
+        Ok(())
+    }
+    /// Every gradient is written: complete the reduction. Returns the bytes this rank sent.
+    fn finish(&mut self, be: &B, grads: &mut B::Buf) -> Result<u64, TrainError>;
+    /// After `finish`: the optimizer step with `hyper` (clipping included), which leaves the
+    /// updated weights on every rank. By default every rank updates every parameter from the
+    /// whole reduced gradient; ZeRO (`train::zero`) updates this rank's shard and all-gathers.
+    /// With `read_norm` the pre-clip global gradient norm comes back.
+    #[allow(clippy::too_many_arguments)]
+    fn update(&mut self, be: &B, vit: &mut Vit<B>, state: &mut B::Buf, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper, read_norm: bool) -> Result<Updated, TrainError> {
+        let norm = if read_norm { Some(be.sum_squares(&vit.grads)?.sqrt()) } else { None };
+        vit.update(be, state, opt, decay, hyper)?;
+        Ok(Updated { norm, bytes: 0, comm_s: 0.0 })
+    }
+}
+
+/// What `GradSync::update` did besides the update itself.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Updated {
+    /// The pre-clip global gradient norm, when asked for.
+    pub norm: Option<f64>,
+    /// Bytes the update communicated (ZeRO's all-gather of the weights).
+    pub bytes: u64,
+    /// Seconds of that communication (included in the update's time).
+    pub comm_s: f64,
+}
+
+/// One rank: nothing to combine.
+pub struct LocalGrads;
+
+impl<B: Backend> GradSync<B> for LocalGrads {
+    fn finish(&mut self, _be: &B, _grads: &mut B::Buf) -> Result<u64, TrainError> {
+        Ok(0)
+    }
+}
 
 /// Elements of the first bucket: 1 MiB of f32, PyTorch DDP's first bucket.
 pub const FIRST_BUCKET_ELEMS: usize = 1 << 18;

@@ -45,7 +45,7 @@ use crate::comm::{shard, Collective, Comm, ReduceOp, Wire, Work};
 use crate::config::OptimizerConfig;
 use crate::model::Vit;
 use crate::train::error::TrainError;
-use crate::train::step::{GradSync, Updated};
+use crate::train::sync::{GradSync, Updated};
 use crate::train::sync::{BucketEvent, BucketPlan, BucketSync, BucketTracker, SyncTimes};
 
 /// Which rank owns what at a ZeRO stage, and how the gradients travel.

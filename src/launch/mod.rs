@@ -31,10 +31,12 @@ use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::comm::env::DEFAULT_MASTER_PORT;
+use crate::comm::env::{DEFAULT_MASTER_PORT, DEVICE_INDEX_VAR, DEVICE_READY_VAR};
+use crate::util::shell_quote;
+pub mod args;
 // The launcher runs from the command's flags; the hostfile launcher renders them again for
 // each remote node.
-pub use crate::cmd::launch::LaunchArgs;
+pub use args::LaunchArgs;
 
 /// Which workers' stdout reaches the launcher's stdout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -286,22 +288,9 @@ fn run_local(args: &LaunchArgs) -> Result<i32, LaunchError> {
     code
 }
 
-/// The file `launch --one-gpu` gives each worker to create once its device is open
-/// (`signal_device_ready`); the next rank starts after it appears.
-pub const DEVICE_READY_VAR: &str = "VITSCALE_DEVICE_READY";
-
 /// How long the launcher waits for a worker's device before starting the next anyway (a
 /// worker program that never signals, or a device that takes that long to open).
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// Called by a worker once its device is open and before it meets the other ranks: creates
-/// the file of `DEVICE_READY_VAR`, if the launcher set one.
-pub fn signal_device_ready() {
-    if let Some(path) = std::env::var_os(DEVICE_READY_VAR).filter(|p| !p.is_empty()) {
-        // best effort: without it the launcher starts the next rank after its timeout
-        let _ = std::fs::write(path, b"");
-    }
-}
 
 /// Waits until `child` has created `path`, has exited (its failure is the supervisor's to
 /// report), a signal is pending, or `READY_TIMEOUT` has passed.
@@ -470,8 +459,6 @@ fn free_port() -> Option<u16> {
 pub const RUN_ID_VAR: &str = "VITSCALE_RUN_ID";
 /// The job's identity the rendezvous checks (`comm::env::JOB_ID_VARS`), set by the launcher.
 pub const JOB_ID_VAR: &str = "VITSCALE_JOB_ID";
-/// The GPU a worker opens, when set (`launch --one-gpu` sets 0); otherwise its `LOCAL_RANK`.
-pub const DEVICE_INDEX_VAR: &str = "VITSCALE_DEVICE_INDEX";
 
 fn run_id() -> String {
     if let Some(id) = std::env::var(RUN_ID_VAR).ok().filter(|s| !s.is_empty()) {
@@ -651,14 +638,6 @@ fn is_local_host(name: &str) -> bool {
     let ok = unsafe { libc::gethostname(buf.as_mut_ptr() as *mut libc::c_char, buf.len()) } == 0;
     let me = String::from_utf8_lossy(buf.split(|&b| b == 0).next().unwrap_or(&[])).to_string();
     ok && (me == name || me.split('.').next() == Some(name))
-}
-
-/// Quotes for a POSIX shell: `'...'`, with embedded quotes closed, escaped and reopened.
-pub fn shell_quote(s: &str) -> String {
-    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_./=:,@%+".contains(&b)) {
-        return s.to_string();
-    }
-    format!("'{}'", s.replace('\'', r"'\''"))
 }
 
 /// Variables carried to remote nodes: `NCCL_*` and `VITSCALE_*` from our environment, then
@@ -848,6 +827,7 @@ mod tests {
         std::fs::write(&cwd, "NOEQUALS\n").unwrap();
         let e = forwarded_env(std::iter::empty(), &[cwd]).unwrap_err().to_string();
         assert!(e.contains("cwd_env:1") && e.contains("KEY=VALUE"), "{e}");
+        use crate::util::shell_quote;
         assert_eq!(shell_quote("it's"), r"'it'\''s'");
         assert_eq!(shell_quote("--set"), "--set");
         assert_eq!(shell_quote("a b"), "'a b'");

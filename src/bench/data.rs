@@ -19,8 +19,8 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::rng::{hash, SplitMix};
-use super::{fill_batch, synthetic, Batch, DataError, ImageSet, Loader, LoaderPlan, Sampler};
+use crate::data::synthetic::{self, write_jpegs};
+use crate::data::{fill_batch, Batch, DataError, ImageSet, Loader, LoaderPlan, Sampler};
 use crate::config::{DataConfig, DatasetKind};
 
 /// One measured point.
@@ -104,33 +104,6 @@ fn measure_loader(pipeline: &str, set: &Arc<ImageSet>, cfg: &DataConfig, batch: 
     let seconds = t.elapsed().as_secs_f64();
     let ips = images as f64 / seconds;
     Ok(BenchPoint { pipeline: format!("{pipeline}_loader"), threads, images, seconds, images_per_s: ips, images_per_s_per_core: ips / threads as f64 })
-}
-
-/// Writes `n` synthetic 500×375 JPEGs (quality 90) into `dir`.
-pub fn write_jpegs(dir: &Path, n: usize, seed: u64) -> Result<Vec<PathBuf>, DataError> {
-    let (w, h) = (500u32, 375u32);
-    std::fs::create_dir_all(dir).map_err(|source| DataError::Io { path: dir.to_path_buf(), source })?;
-    let mut files = Vec::with_capacity(n);
-    for i in 0..n {
-        let mut rng = SplitMix::new(hash(&[seed, i as u64]));
-        let (a, b, c) = (rng.f32() * 255.0, rng.f32() * 6.0, rng.f32() * 6.0);
-        let mut img = image::RgbImage::new(w, h);
-        for (x, y, p) in img.enumerate_pixels_mut() {
-            let (fx, fy) = (x as f32 / w as f32, y as f32 / h as f32);
-            let noise = rng.f32() * 40.0;
-            let r = (a + 80.0 * (b * fx).sin() + noise).clamp(0.0, 255.0) as u8;
-            let g = (128.0 + 90.0 * (c * fy).cos() + noise).clamp(0.0, 255.0) as u8;
-            let bl = (255.0 * fx * fy + noise).clamp(0.0, 255.0) as u8;
-            *p = image::Rgb([r, g, bl]);
-        }
-        let path = dir.join(format!("img_{i:05}.jpg"));
-        let mut out = std::io::BufWriter::new(std::fs::File::create(&path).map_err(|source| DataError::Io { path: path.clone(), source })?);
-        image::codecs::jpeg::JpegEncoder::new_with_quality(&mut out, 90)
-            .encode_image(&img)
-            .map_err(|e| DataError::Decode { path: path.clone(), msg: e.to_string() })?;
-        files.push(path);
-    }
-    Ok(files)
 }
 
 /// The `.jpg` files directly in `dir`, sorted.

@@ -15,6 +15,7 @@ use serde::Serialize;
 
 use crate::backend::Backend;
 use crate::comm::{shard, Collective, Comm, ReduceOp, Span};
+use crate::plan::comm_fit::COMM_FORMAT;
 
 /// Flags of `bench --comm` (flattened into `vitscale bench`).
 #[derive(clap::Args, Debug, Clone)]
@@ -40,9 +41,6 @@ pub struct CommBenchArgs {
     #[arg(long, value_name = "C.json")]
     pub comm_out: Option<std::path::PathBuf>,
 }
-
-/// The `format` of a `--comm-out` file.
-pub const COMM_FORMAT: &str = "vitscale-comm-bench";
 
 /// One measured (operation, size).
 #[derive(Clone, Debug, Serialize)]
@@ -220,8 +218,8 @@ pub fn command(args: &CommBenchArgs, device: &str, warmup: usize, json: bool) ->
             run(&be, comm.as_mut(), args, warmup).map_err(|e| anyhow::anyhow!("bench --comm (rank {}): {e}", env.rank))?
         }
         "cuda" => {
-            let index = match std::env::var(crate::launch::DEVICE_INDEX_VAR) {
-                Ok(v) if !v.trim().is_empty() => v.trim().parse().map_err(|_| anyhow::anyhow!("{}={v:?}: expected a GPU index", crate::launch::DEVICE_INDEX_VAR))?,
+            let index = match std::env::var(crate::comm::env::DEVICE_INDEX_VAR) {
+                Ok(v) if !v.trim().is_empty() => v.trim().parse().map_err(|_| anyhow::anyhow!("{}={v:?}: expected a GPU index", crate::comm::env::DEVICE_INDEX_VAR))?,
                 _ => env.local_rank,
             };
             crate::backend::cuda::probe(index).map_err(|e| anyhow::anyhow!("--device cuda: no usable GPU {index}: {e}"))?;
