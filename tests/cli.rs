@@ -201,6 +201,51 @@ fn checkpoint_time_is_logged_apart_from_images_per_s() {
     }
 }
 
+/// Evaluation is not training: its time is logged as `eval_s` in the next metrics line and
+/// left out of that window's img/s, so training + checkpoint + evaluation time add up to the
+/// wall time between two lines.
+#[test]
+fn evaluation_time_is_logged_apart_from_images_per_s() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    // a validation set large enough that its evaluation outweighs a training step
+    let out = vitscale(&[
+        "train", "--json", "--run-dir", run.to_str().unwrap(),
+        "--set", "data.train_size=512", "--set", "data.val_size=2048", "--set", "train.steps=6", "--set", "train.log_every=1",
+        "--set", "train.eval_every=2",
+    ]);
+    assert!(out.status.success(), "train failed: {}", String::from_utf8_lossy(&out.stderr));
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let evals: Vec<u64> = lines.iter().filter(|v| v["kind"] == "eval").map(|v| v["step"].as_u64().unwrap()).collect();
+    assert_eq!(evals, vec![2, 4, 6]);
+    let steps: Vec<&serde_json::Value> = lines.iter().filter(|v| v.get("kind").is_none()).collect();
+    assert_eq!(steps.len(), 6);
+    let mut prev_wall: Option<f64> = None;
+    for rec in steps {
+        let step = rec["step"].as_u64().unwrap();
+        let eval = rec["eval_s"].as_f64().unwrap();
+        // the evaluation after steps 2 and 4 runs after their lines: it lands in the next one
+        if [3, 5].contains(&step) {
+            assert!(eval > 0.0, "an evaluation ran before step {step}'s line, eval_s {eval}");
+        } else {
+            assert_eq!(eval, 0.0, "no evaluation ran in step {step}'s window");
+        }
+        let wall = rec["wall_s"].as_f64().unwrap();
+        if let Some(prev) = prev_wall {
+            let trained = 64.0 / rec["images_per_s"].as_f64().unwrap();
+            let ckpt = rec["checkpoint_s"].as_f64().unwrap();
+            let between = wall - prev;
+            assert!((trained + ckpt + eval - between).abs() < 0.05 + 0.1 * between, "step {step}: {trained} s training + {ckpt} s checkpoint + {eval} s evaluation against {between} s between the lines");
+            if eval > 0.0 {
+                // left out: counted in, the window's img/s would fall by the evaluation's share
+                assert!(trained < between - 0.5 * eval, "step {step}: {trained} s of training in a window of {between} s with {eval} s of evaluation");
+            }
+        }
+        prev_wall = Some(wall);
+    }
+}
+
 /// Weights saved by `train` evaluate to the same accuracy with `eval --weights` and no config:
 /// the head count (4 heads of width 16 in the default model, not timm's width-64 guess) comes
 /// from the metadata vitscale writes into the file.

@@ -194,14 +194,15 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     let cfg = crate::config::resolve(&base, world)?;
     crate::plan::check_model(&profile, &cfg, "the configuration").map_err(anyhow::Error::msg)?;
     let groups = crate::plan::groups(&profile);
-    let mut s = crate::plan::scenario(&cfg, world);
+    let plan = crate::plan::run_plan(&profile, &cfg);
+    let mut s = crate::plan::scenario(&cfg, &plan);
     s.ranks_per_device = cluster.ranks_per_device;
     s.compute_scale = cluster.compute_scale;
     s.loader = cluster.loader_images_per_s_per_core.map(|r| (r, cluster.loader_cores_per_rank));
     let net = crate::plan::network(&cluster);
     let p = model::predict(&profile, &groups, &s, &net).map_err(anyhow::Error::msg)?;
     let eff = model::efficiency(&profile, &groups, &s, &p).map_err(anyhow::Error::msg)?;
-    let mem = model::memory(&profile, &cfg, profile.recompute).map_err(anyhow::Error::msg)?;
+    let mem = model::memory(&plan).map_err(anyhow::Error::msg)?;
     let ms = |x: f64| x * 1e3;
     println!(
         "{} on {} ({} nodes × {} devices × {} ranks = {world} ranks), micro {} × GAS {}, global batch {}, ZeRO {}, {} gradients, buckets of {} elements:",

@@ -74,6 +74,9 @@ pub struct StepRecord {
     /// Seconds spent since the previous record on checking that the ranks hold the same state
     /// and writing checkpoints; not part of `images_per_s`.
     pub checkpoint_s: f64,
+    /// Seconds spent evaluating since the previous record (the evaluation after a logged step
+    /// lands in the next record); not part of `images_per_s`.
+    pub eval_s: f64,
     pub wall_s: f64,
     /// Compute, wait, share and straggler effect of mixed-speed ranks (`train::balance`),
     /// present when `train.balance` or `train.emulate_slowdown` is set.

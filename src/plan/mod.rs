@@ -20,6 +20,8 @@ pub mod validate;
 
 use crate::config::{Balance, CommDtype, RunConfig};
 use crate::core::Span;
+use crate::train::memory::DeviceMemory;
+use crate::train::plan::{DeviceTraits, Plan};
 use cluster::Cluster;
 use model::{Network, Scenario};
 use profile::Profile;
@@ -29,14 +31,29 @@ pub fn network(c: &Cluster) -> Network {
     Network { ranks_per_node: c.ranks_per_node(), nodes: c.nodes, intra: c.intra.clone(), inter: c.inter.clone() }
 }
 
-/// The scenario of a run configuration over `world` ranks (its batch, ZeRO stage, buckets,
-/// wire dtype, balance and emulated slowdowns).
-pub fn scenario(cfg: &RunConfig, world: usize) -> Scenario {
-    let mut s = Scenario::new(cfg.batch.micro_batch_per_gpu, cfg.batch.gradient_accumulation_steps);
-    s.zero_stage = cfg.zero_stage;
-    s.reduce_scatter = cfg.zero_reduce_scatter;
-    s.bucket_elems = cfg.reduce_bucket_size.unwrap_or(crate::train::sync::DEFAULT_BUCKET_ELEMS);
-    s.overlap = cfg.zero_overlap_comm;
+/// The run's plan (`train::plan::Plan`) of `cfg` on the profiled device: its activation dtype
+/// and saved attention, and the profile's recompute where the configuration says "auto". The
+/// batch split, ZeRO layout and memory estimate the planner reads come from it.
+pub fn run_plan(profile: &Profile, cfg: &RunConfig) -> Plan {
+    let att = profile.attention_saved_per_image;
+    let attention = move |b: usize, _n: usize, _h: usize, _d: usize| att * b;
+    let dev = DeviceTraits {
+        memory: DeviceMemory { compute_bytes: profile.compute_bytes, compute_copy: profile.compute_bytes < 4.0, attention_saved: &attention },
+        recompute_below: if profile.recompute { usize::MAX } else { 0 },
+        choices: Default::default(),
+    };
+    Plan::for_config(cfg, dev)
+}
+
+/// The scenario of a run of `cfg` with `plan` (its batch, ZeRO stage, buckets, wire dtype,
+/// balance and emulated slowdowns).
+pub fn scenario(cfg: &RunConfig, plan: &Plan) -> Scenario {
+    let world = plan.world_size;
+    let mut s = Scenario::new(plan.micro_batch, plan.gradient_accumulation_steps);
+    s.zero_stage = plan.zero.stage;
+    s.reduce_scatter = plan.zero.reduce_scatter;
+    s.bucket_elems = plan.zero.bucket_elems;
+    s.overlap = plan.zero.overlap_comm;
     s.comm_bf16 = cfg.grad_comm.dtype == CommDtype::Bf16;
     let mut slow = vec![1.0; world];
     for &(r, f) in &cfg.train.emulate_slowdown {

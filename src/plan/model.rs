@@ -530,19 +530,10 @@ pub struct MemoryPrediction {
     pub total: u64,
 }
 
-/// The memory of one rank of `cfg` (its batch, world size, optimizer and ZeRO stage) on the
-/// profiled device: its activation dtype and saved attention, and `recompute` where the
-/// configuration leaves it to the device ("auto").
-pub fn memory(profile: &Profile, cfg: &crate::config::RunConfig, recompute: bool) -> Result<MemoryPrediction, String> {
-    let att = profile.attention_saved_per_image;
-    let attention = move |b: usize, _n: usize, _h: usize, _d: usize| att * b;
-    let dev = crate::train::plan::DeviceTraits {
-        memory: crate::train::memory::DeviceMemory { compute_bytes: profile.compute_bytes, compute_copy: profile.compute_bytes < 4.0, attention_saved: &attention },
-        recompute_below: if recompute { usize::MAX } else { 0 },
-        choices: Default::default(),
-    };
-    let plan = crate::train::plan::Plan::for_config(cfg, dev);
-    let est = plan.memory.ok_or("the run's plan has no memory estimate")?;
+/// The memory of one rank of a run, from its plan (`plan::run_plan`: the configuration's batch,
+/// world size, optimizer and ZeRO stage on the profiled device).
+pub fn memory(plan: &crate::train::plan::Plan) -> Result<MemoryPrediction, String> {
+    let est = plan.memory.as_ref().ok_or("the run's plan has no memory estimate")?;
     let m = &est.state;
     let activations = est.activations as u64;
     Ok(MemoryPrediction {
@@ -830,14 +821,14 @@ mod tests {
             let mut v = base.clone();
             v["zero_optimization"] = serde_json::json!({"stage": stage});
             let cfg = crate::plan::resolve_with(&v, 16, 1, 4).expect("config");
-            let m = memory(&p, &cfg, false).expect("memory");
+            let m = memory(&crate::plan::run_plan(&p, &cfg)).expect("memory");
             assert_eq!((m.weights, m.compute_copy, m.gradients, m.optimizer_state), (weights, 2 * n, 4 * n, state), "stage {stage}");
             assert!(m.activations > 0);
             assert_eq!(m.total, weights + 6 * n + state + m.activations);
         }
         // activations grow with the micro-batch
-        let small = memory(&p, &crate::plan::resolve_with(&base, 8, 1, 1).expect("config"), false).expect("memory");
-        let large = memory(&p, &crate::plan::resolve_with(&base, 64, 1, 1).expect("config"), false).expect("memory");
+        let small = memory(&crate::plan::run_plan(&p, &crate::plan::resolve_with(&base, 8, 1, 1).expect("config"))).expect("memory");
+        let large = memory(&crate::plan::run_plan(&p, &crate::plan::resolve_with(&base, 64, 1, 1).expect("config"))).expect("memory");
         assert!(large.activations > 4 * small.activations);
     }
 }

@@ -44,13 +44,14 @@ pub fn recommend(profile: &Profile, cluster: &Cluster, base: &serde_json::Value,
             let mut v = base.clone();
             v["zero_optimization"] = serde_json::json!({"stage": stage});
             let cfg = super::resolve_with(&v, micro, gas, world)?;
-            let mem = model::memory(profile, &cfg, profile.recompute)?;
+            let plan = super::run_plan(profile, &cfg);
+            let mem = model::memory(&plan)?;
             if memory_limit.is_some_and(|l| mem.total as f64 > l) {
                 continue;
             }
             for &bucket in &buckets {
                 for bf16 in [false, true] {
-                    let mut s = super::scenario(&cfg, world);
+                    let mut s = super::scenario(&cfg, &plan);
                     s.bucket_elems = bucket;
                     s.comm_bf16 = bf16;
                     s.ranks_per_device = cluster.ranks_per_device;

@@ -185,7 +185,7 @@ pub fn validate(dir: &Path, profiles: &[(String, Profile)], comm: &[CommFit], lo
             None
         };
         let net = Network { ranks_per_node: rpd * gpus, nodes: 1, intra, inter: None };
-        let mut s = super::scenario(&cfg, world);
+        let mut s = super::scenario(&cfg, &super::run_plan(profile, &cfg));
         s.ranks_per_device = rpd;
         s.loader = loader_per_core.map(|r| (r, cfg.data.num_workers.max(1) as f64));
         let p = model::predict(profile, &groups, &s, &net).map_err(|e| format!("point {}: {e}", r.id))?;

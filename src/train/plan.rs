@@ -206,4 +206,30 @@ mod tests {
         // a pass never exceeds the micro-batch
         assert_eq!(Plan::new(&Cpu::new(), &m, 16, 1, 1, Some(100), Recompute::Never).pass_images, 16);
     }
+
+    /// The one estimate knows the ZeRO stage: at stage 2 on 4 ranks a rank holds a quarter of
+    /// the optimizer state (and, with a compute copy, of the f32 weights); nothing else moves.
+    #[test]
+    fn the_memory_estimate_shards_the_state_as_the_zero_stage_does() {
+        let att = |b: usize, n: usize, h: usize, _d: usize| b * h * n * n;
+        let traits = |compute_copy: bool| DeviceTraits {
+            memory: DeviceMemory { compute_bytes: if compute_copy { 2.0 } else { 4.0 }, compute_copy, attention_saved: &att },
+            recompute_below: 0,
+            choices: Default::default(),
+        };
+        let cfg = |stage: u8| crate::config::resolve(&serde_json::json!({"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": stage}}), 4).expect("config");
+        for compute_copy in [false, true] {
+            let whole = Plan::for_config(&cfg(0), traits(compute_copy)).memory.expect("estimate");
+            let shard = Plan::for_config(&cfg(2), traits(compute_copy)).memory.expect("estimate");
+            let p = crate::model::ParamTable::new(&cfg(0).model).total as f64;
+            // AdamW: 8 bytes of state per parameter, a quarter of it (rounded up) per rank
+            assert_eq!(whole.optimizer, 8.0 * p);
+            assert_eq!(shard.optimizer, (8.0 * p / 4.0).ceil());
+            let weights = if compute_copy { 4.0 * p - (4.0 * p / 4.0).ceil() } else { 0.0 };
+            assert_eq!(whole.params - shard.params, weights, "compute copy {compute_copy}");
+            assert_eq!((whole.grads, whole.activations, whole.data), (shard.grads, shard.activations, shard.data));
+            assert_eq!(whole.total - shard.total, 8.0 * p - shard.optimizer + weights);
+            assert_eq!(shard.state.optimizer_state as f64, shard.optimizer);
+        }
+    }
 }

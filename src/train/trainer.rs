@@ -239,11 +239,18 @@ struct Window {
     steps: u64,
     start: Instant,
     checkpoint_s: f64,
+    eval_s: f64,
 }
 
 impl Window {
     fn new() -> Self {
-        Window { phases: PhaseTimes::default(), comm_bytes: 0, comm_total_s: 0.0, device_comm: None, loss: 0.0, steps: 0, start: Instant::now(), checkpoint_s: 0.0 }
+        Window { phases: PhaseTimes::default(), comm_bytes: 0, comm_total_s: 0.0, device_comm: None, loss: 0.0, steps: 0, start: Instant::now(), checkpoint_s: 0.0, eval_s: 0.0 }
+    }
+
+    /// Time that is not training (evaluation, the state agreement, checkpoints): logged apart
+    /// and left out of the window's images/s, as DeepSpeed's throughput timer leaves it out.
+    fn exclude(&mut self, spent: std::time::Duration) {
+        self.start += spent;
     }
 }
 
@@ -294,6 +301,9 @@ pub struct Trainer<'r, B: Backend> {
     bar: Option<indicatif::ProgressBar>,
     t_start: Instant,
     train_wall: Instant,
+    /// Evaluation, state agreement and checkpoint time since `train_wall`: left out of the
+    /// summary's images/s.
+    not_training: std::time::Duration,
 }
 
 /// The data a run reads, opened and checked against its global batch.
@@ -492,6 +502,7 @@ impl<'r, B: Backend> Trainer<'r, B> {
             bar,
             t_start,
             train_wall,
+            not_training: std::time::Duration::ZERO,
         })
     }
 
@@ -673,7 +684,8 @@ impl<'r, B: Backend> Trainer<'r, B> {
         }
         let spent = t_checkpoint.elapsed();
         self.window.checkpoint_s += spent.as_secs_f64();
-        self.window.start += spent;
+        self.window.exclude(spent);
+        self.not_training += spent;
         Ok(saved)
     }
 
@@ -724,6 +736,7 @@ impl<'r, B: Backend> Trainer<'r, B> {
             peak_mem_bytes,
             peak_mem_source,
             checkpoint_s: std::mem::take(&mut w.checkpoint_s),
+            eval_s: std::mem::take(&mut w.eval_s),
             wall_s: self.t_start.elapsed().as_secs_f64(),
             balance: self.bal.take_record(),
         };
@@ -786,7 +799,14 @@ impl<'r, B: Backend> Trainer<'r, B> {
         if !(due || at.last) {
             return Ok(());
         }
+        // the step's queued device work finishes first, so it stays in the step's time
+        self.be.synchronize()?;
+        let t_eval = Instant::now();
         let ev = evaluate_with(self.be, &mut self.st.vit, &self.val_set, self.cfg, self.cfg.train.eval_batch_size, &mut *self.comm)?;
+        let spent = t_eval.elapsed();
+        self.window.eval_s += spent.as_secs_f64();
+        self.window.exclude(spent);
+        self.not_training += spent;
         let rec = EvalRecord { kind: "eval", step: at.step + 1, epoch: at.epoch, val_loss: ev.loss, val_top1: ev.top1, images: ev.images };
         self.run.log(&rec)?;
         if !self.opts.quiet {
@@ -803,7 +823,7 @@ impl<'r, B: Backend> Trainer<'r, B> {
         if let Some(pb) = &self.bar {
             pb.finish_and_clear();
         }
-        let train_secs = self.train_wall.elapsed().as_secs_f64();
+        let train_secs = self.train_wall.elapsed().saturating_sub(self.not_training).as_secs_f64();
         let be = self.be;
         let final_hash = match self.final_hash {
             Some(h) => h,
