@@ -61,8 +61,26 @@ pub trait Backend: Send + Sync {
     /// A device buffer of elements (f32 on the CPU).
     type Buf: Send + Sync;
 
+    /// A point on the device's timeline (`train::timeline`): a timing event on a GPU's compute
+    /// stream, the host clock on the CPU (whose ops are done when they return).
+    type Mark: Send;
+
     /// Short name for logs ("cpu", "cuda:0 NVIDIA H200").
     fn name(&self) -> String;
+
+    // ---- the device timeline ------------------------------------------------------------
+    /// A new mark, not yet recorded.
+    fn new_mark(&self) -> BResult<Self::Mark>;
+    /// Records `mark` after the work enqueued so far (the device reaches it when that work is done).
+    fn record_mark(&self, mark: &mut Self::Mark) -> BResult<()>;
+    /// Seconds from `a` to `b` on the device's timeline (both recorded, `a` first); waits until
+    /// the device has reached `b`.
+    fn seconds_between(&self, a: &Self::Mark, b: &Self::Mark) -> BResult<f64>;
+    /// The device's dense matrix rate in TFLOP/s, the MFU ceiling (`vitscale bench` measures the
+    /// same one): measured once per process. None where MFU is not reported (the CPU).
+    fn matrix_ceiling_tflops(&self) -> BResult<Option<f64>> {
+        Ok(None)
+    }
 
     // ---- memory -------------------------------------------------------------------------
     /// A zero-filled buffer of `len` elements in the compute dtype (activations, their

@@ -24,7 +24,6 @@ use serde::Serialize;
 use crate::backend::Backend;
 use crate::bench::args::BenchArgs;
 use crate::comm::{Comm, Wire};
-use crate::metrics::PhaseTimes;
 use crate::train::step::Step;
 use crate::train::sync::{BucketPlan, BucketSync, GradSync, LocalGrads, FIRST_BUCKET_ELEMS};
 use crate::train::zero::{ZeroLayout, ZeroSync};
@@ -108,7 +107,7 @@ fn one_step<B: Backend>(be: &B, st: &mut Step<B>, passes: &Passes<'_>, gas: usiz
         }
     }
     let lr = st.optimizer.lr();
-    st.boundary(be, sync, lr, step, false, &mut PhaseTimes::default())?;
+    st.boundary(be, sync, lr, step, false)?;
     Ok(())
 }
 

@@ -37,7 +37,6 @@ use crate::config::{DecaySkip, OptimizerConfig};
 use crate::model::vit::{smoothed_targets, Recompute, Vit};
 use crate::model::spec::PRESET_NAMES;
 use crate::model::ModelConfig;
-use crate::metrics::PhaseTimes;
 use crate::train::plan::Plan;
 use crate::train::step::Step;
 use crate::train::sync::LocalGrads;
@@ -129,7 +128,7 @@ const BENCH_CLIP: f64 = 1.0;
 /// training step (clip on the device, AdamW at a constant lr, zero the gradients).
 fn boundary<B: Backend>(be: &B, st: &mut Step<B>, step: u64) -> anyhow::Result<()> {
     let lr = st.optimizer.lr();
-    st.boundary(be, &mut LocalGrads, lr, step, false, &mut PhaseTimes::default())?;
+    st.boundary(be, &mut LocalGrads, lr, step, false)?;
     Ok(())
 }
 

@@ -14,7 +14,6 @@ use std::time::Instant;
 
 use crate::backend::{Backend, BackendError, Span};
 use crate::bench::args::BenchArgs;
-use crate::metrics::PhaseTimes;
 use crate::plan::profile::{Profile, ProfilePoint, FORWARD_SPLIT, PROFILE_FORMAT, PROFILE_VERSION};
 
 /// The median of `xs`, 0 when there is none.
@@ -91,9 +90,9 @@ fn profile_micro<B: Backend>(be: &B, args: &BenchArgs) -> anyhow::Result<(Profil
     // the host cannot queue the next step ahead of the device
     let t = Instant::now();
     for _ in 0..reps {
-        st.pass(be, m, step, None, &mut PhaseTimes::default())?;
+        st.pass(be, m, step, None)?;
         let lr = st.optimizer.lr();
-        st.boundary(be, &mut super::LocalGrads, lr, step, true, &mut PhaseTimes::default())?;
+        st.boundary(be, &mut super::LocalGrads, lr, step, true)?;
         st.take_losses(be)?;
         step += 1;
     }

@@ -38,6 +38,10 @@ pub struct ReportFiles {
     pub failed: usize,
 }
 
+/// The largest relative difference between a point's phases and its step's wall time for which
+/// its breakdown counts as accounting for the step.
+pub const PHASE_GAP_LIMIT: f64 = 0.02;
+
 /// A piece of the report, rendered into both `report.md` and `report.html`.
 pub enum Block {
     H(u8, String),
@@ -166,6 +170,24 @@ pub fn write(dir: &Path, extra: Option<&dyn Section>) -> Result<ReportFiles, Rep
 
     if let Some(section) = extra {
         section.add_blocks(&chart_dir, &mut blocks, &mut chart_files)?;
+    }
+
+    // a breakdown is only worth drawing where the phases account for the step
+    let unaccounted: Vec<Vec<String>> = records
+        .iter()
+        .filter_map(|r| {
+            let f = r.figures.as_ref()?;
+            let gap = f.breakdown.phase_gap()?;
+            (gap.abs() > PHASE_GAP_LIMIT).then(|| vec![r.id.clone(), ms(f.breakdown.step_s), ms(f.breakdown.timed_s.unwrap_or(0.0)), format!("{:+.1} %", gap * 100.0)])
+        })
+        .collect();
+    if !unaccounted.is_empty() {
+        blocks.push(Block::H(2, "Points whose phases do not add up to their step".into()));
+        blocks.push(Block::P(format!(
+            "The phases of these points differ from the step's wall time by more than {:.0} %: their breakdown does not account for the step (a host that fell behind the device between logging steps, or a step interrupted by other work).",
+            PHASE_GAP_LIMIT * 100.0
+        )));
+        blocks.push(Block::Table(["point", "step ms", "phases ms", "difference"].iter().map(|s| s.to_string()).collect(), unaccounted));
     }
 
     blocks.push(Block::H(2, "Every point".into()));

@@ -17,12 +17,25 @@ pub struct Breakdown {
     /// Communication the step waited for (not hidden behind the backward).
     pub comm_exposed_s: f64,
     pub optimizer_s: f64,
-    /// Step wall time not in any phase (bookkeeping, logging).
+    /// The step's bookkeeping (stop flags, losses read back, logging): the run's `other_s`
+    /// where it logged its phases on the timeline, else the wall time in no phase.
     pub other_s: f64,
     /// Wall time of a step.
     pub step_s: f64,
     /// Gradient reduction time, overlapped or not.
     pub comm_total_s: f64,
+    /// The phases added up on the device timeline (the run's `timed_s`), when every measured
+    /// record has it: against `step_s` it says whether the phases account for the step.
+    #[serde(default)]
+    pub timed_s: Option<f64>,
+}
+
+impl Breakdown {
+    /// How far the phases' sum is from the step's wall time, relative to it (None when the
+    /// run did not log its phases on the timeline).
+    pub fn phase_gap(&self) -> Option<f64> {
+        self.timed_s.filter(|_| self.step_s > 0.0).map(|t| (t - self.step_s) / self.step_s)
+    }
 }
 
 /// What one rank measured.
@@ -134,6 +147,8 @@ pub fn read_point(run_dir: &Path, warmup: u64) -> Result<PointFigures, String> {
         let mut b = Breakdown::default();
         let mut bus = Vec::new();
         let mut peak: Option<u64> = None;
+        // the timeline's sum and bookkeeping phase, while every record has them
+        let mut timed: Option<(f64, f64)> = Some((0.0, 0.0));
         let mut source = None;
         let mut bytes = 0.0;
         for r in &kept {
@@ -151,6 +166,10 @@ pub fn read_point(run_dir: &Path, warmup: u64) -> Result<PointFigures, String> {
             b.optimizer_s += num(r, "optimizer_s");
             b.comm_total_s += num(r, "comm_total_s");
             b.step_s += window;
+            timed = match (timed, r.get("timed_s").and_then(Value::as_f64)) {
+                (Some((t, o)), Some(x)) => Some((t + x, o + num(r, "other_s"))),
+                _ => None,
+            };
             bytes += num(r, "comm_bytes");
             if let Some(x) = r.get("bus_gb_s").and_then(Value::as_f64) {
                 bus.push(x);
@@ -164,7 +183,10 @@ pub fn read_point(run_dir: &Path, warmup: u64) -> Result<PointFigures, String> {
         for x in [&mut b.data_s, &mut b.forward_s, &mut b.backward_s, &mut b.comm_exposed_s, &mut b.optimizer_s, &mut b.comm_total_s, &mut b.step_s] {
             *x /= n;
         }
-        b.other_s = (b.step_s - (b.data_s + b.forward_s + b.backward_s + b.comm_exposed_s + b.optimizer_s)).max(0.0);
+        match timed {
+            Some((t, o)) => (b.timed_s, b.other_s) = (Some(t / n), o / n),
+            None => b.other_s = (b.step_s - (b.data_s + b.forward_s + b.backward_s + b.comm_exposed_s + b.optimizer_s)).max(0.0),
+        }
         shares.push(kept.last().map_or(0.0, |r| num(r, "share")));
         if rank == 0 {
             rank0_kept = kept.iter().map(|r| (*r).clone()).collect();
@@ -187,6 +209,8 @@ pub fn read_point(run_dir: &Path, warmup: u64) -> Result<PointFigures, String> {
         other_s: mean(|b| b.other_s),
         step_s: ranks[0].breakdown.step_s,
         comm_total_s: mean(|b| b.comm_total_s),
+        // rank 0's, beside rank 0's step
+        timed_s: ranks[0].breakdown.timed_s,
     };
     let balance = balance_figures(&rank0_kept, measured, shares);
     let buses: Vec<f64> = ranks.iter().filter_map(|r| r.bus_gb_s).collect();

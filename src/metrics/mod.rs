@@ -16,15 +16,16 @@ pub mod trace;
 /// Seconds spent in each phase of the optimizer steps since the last reset.
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct PhaseTimes {
-    /// Data-wait: time the step was blocked waiting for its batch from the prefetching loader
-    /// (building the batch happens ahead, on the loader threads, and is not counted).
+    /// Data: from the previous phase's end until the inputs are on the device (the wait for the
+    /// loader, which builds batches ahead on its own threads, and the host→device copy).
     pub data_s: f64,
     pub forward_s: f64,
     pub backward_s: f64,
     /// Exposed communication: the time the step waited after its backward for gradient
-    /// buckets still being reduced, plus the per-step agreement on stop signals.
+    /// buckets still being reduced (on a GPU, the compute stream waiting for the
+    /// communication stream).
     pub comm_s: f64,
-    /// Norm, clipping and the optimizer update.
+    /// Norm, clipping, the optimizer update (and on CPU ranks under ZeRO the weights' gather).
     pub optimizer_s: f64,
 }
 
@@ -54,9 +55,21 @@ pub struct StepRecord {
     /// Global images per second over the steps since the previous record.
     pub images_per_s: f64,
     pub images_per_s_per_rank: f64,
+    /// Model FLOPs utilization per device: the images/s per rank × the model's training FLOPs
+    /// per image against the device's measured dense matrix rate (bench's); absent on the CPU.
     pub mfu: Option<f64>,
+    /// The window's phases on the device timeline (`train::timeline`), summed over its steps.
     #[serde(flatten)]
     pub phases: PhaseTimes,
+    /// The step's bookkeeping (stop flags, losses read back, the metrics line), the last phase.
+    pub other_s: f64,
+    /// The phases added up: the window's steps on the device timeline; absent when the
+    /// timeline is off.
+    pub timed_s: Option<f64>,
+    /// Wall seconds the window trained (its steps' images / `images_per_s`), beside `timed_s`.
+    pub train_s: f64,
+    /// Optimizer steps in the window.
+    pub steps: u64,
     pub rank: usize,
     /// Seconds the gradient buckets' reductions took, from each one's start to its completion,
     /// summed: overlapped with the backward or not (`comm_s` is the part that was not).

@@ -37,6 +37,7 @@ pub fn events(rec: &StepRecord, steps_in_window: u64) -> Vec<(&'static str, f64)
         ("Train/Samples/elapsed_time_ms_comm_exposed", per(p.comm_s)),
         ("Train/Samples/elapsed_time_ms_data_wait", per(p.data_s)),
         ("Train/Samples/elapsed_time_ms_step", per(p.optimizer_s)),
+        ("Train/Samples/elapsed_time_ms_other", per(rec.other_s)),
     ]
 }
 

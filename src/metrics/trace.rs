@@ -3,8 +3,10 @@
 //! finished gradients and each gradient bucket's reduction line up and their overlap can be
 //! seen. `vitscale train --trace DIR` writes `DIR/trace-rank<r>.json`.
 //!
-//! Times are the host's: on the CPU backend they are when the work ran; on a GPU they are when
-//! the host enqueued it (device-side events are the GPU path's job).
+//! The host tracks hold the host's times: on the CPU backend when the work ran, on a GPU when
+//! the host enqueued it. The device track holds the step's phases from the same marks as the
+//! metrics lines (`train::timeline`), placed on the host clock, so a chart, a metrics line and
+//! the trace never disagree.
 
 use std::path::Path;
 use std::time::Instant;
@@ -22,6 +24,9 @@ pub enum Track {
     Comm = 3,
     /// Waiting for the data loader.
     Data = 4,
+    /// The step's phases where the device ran them (`train::timeline`): on a GPU its compute
+    /// stream, placed on the host clock.
+    Device = 5,
 }
 
 impl Track {
@@ -31,6 +36,7 @@ impl Track {
             Track::Gradients => "gradients ready",
             Track::Comm => "gradient reduction",
             Track::Data => "data wait",
+            Track::Device => "device: compute stream",
         }
     }
 }
@@ -81,7 +87,7 @@ impl Trace {
         std::fs::create_dir_all(dir)?;
         let mut all: Vec<serde_json::Value> = Vec::with_capacity(self.events.len() + 5);
         all.push(serde_json::json!({"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": format!("rank {}", self.rank)}}));
-        for t in [Track::Compute, Track::Gradients, Track::Comm, Track::Data] {
+        for t in [Track::Compute, Track::Gradients, Track::Comm, Track::Data, Track::Device] {
             all.push(serde_json::json!({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": t as usize, "args": {"name": t.name()}}));
         }
         for e in &self.events {

@@ -21,7 +21,6 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::backend::cpu::Cpu;
 use crate::backend::{optimizer_state_len, BResult, Backend, DecayGroups, GeluSaved, Span, StepHyper};
-use crate::metrics::PhaseTimes;
 use crate::train::error::TrainError;
 use crate::train::plan::Plan;
 use crate::train::step::{MicroBatch, Step};
@@ -775,14 +774,13 @@ fn train_small<B2: Backend>(be: &B2, cfg: &ModelConfig, init: &[f32], batches: &
     m.set_params(be, init)?;
     let plan = Plan::new(be, cfg, b, 1, 1, Some(b), policy);
     let mut st = Step::new(be, m, opt.clone(), decay.clone(), 0.0, plan).map_err(as_backend)?;
-    let mut phases = PhaseTimes::default();
     let mut out = Vec::new();
     for step in 0..steps {
         let (img, t) = &batches[step % batches.len()];
         let targets = |start: usize, n: usize| t[start * cfg.num_classes..(start + n) * cfg.num_classes].to_vec();
         let mb = MicroBatch { images: img, b, targets: &targets };
-        st.micro_batch(be, &mb, step as u64, false, None, &mut phases).map_err(as_backend)?;
-        st.boundary(be, &mut LocalGrads, opt.lr(), step as u64, false, &mut phases).map_err(as_backend)?;
+        st.micro_batch(be, &mb, step as u64, false, None).map_err(as_backend)?;
+        st.boundary(be, &mut LocalGrads, opt.lr(), step as u64, false).map_err(as_backend)?;
         let (_, sum) = st.take_losses(be).map_err(as_backend)?.pop().ok_or_else(|| crate::backend::BackendError::Device("no loss kept".into()))?;
         out.push((sum / b as f64) as f32);
     }

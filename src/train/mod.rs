@@ -20,5 +20,6 @@ pub mod shares;
 pub mod step;
 pub mod stop;
 pub mod sync;
+pub mod timeline;
 pub mod trainer;
 pub mod zero;

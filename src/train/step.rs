@@ -20,10 +20,10 @@
 use crate::backend::{optimizer_state_len, Backend, DecayGroups, Span, StepHyper};
 use crate::config::OptimizerConfig;
 use crate::metrics::trace::{Trace, Track};
-use crate::metrics::PhaseTimes;
 use crate::model::Vit;
 use crate::train::error::TrainError;
 use crate::train::plan::Plan;
+use crate::train::timeline::{Phase, Timeline};
 use crate::train::sync::GradSync;
 
 /// One micro-batch on the host: `images` (B, 3, S, S) normalized, its soft targets by rows.
@@ -46,8 +46,11 @@ pub struct Step<B: Backend> {
     /// Device copies of each pass's per-image losses not yet taken: (step, images, buffer).
     pending_losses: Vec<(u64, usize, B::Buf)>,
     spare_losses: Vec<B::Buf>,
-    /// The rank's timeline, when the run writes one (`--trace`).
+    /// The rank's trace, when the run writes one (`--trace`).
     pub trace: Option<Trace>,
+    /// The step's phases on the device timeline (`train::timeline`), when the caller times them
+    /// (the trainer does; the benchmarks time whole steps themselves).
+    pub timeline: Option<Timeline<B>>,
 }
 
 impl<B: Backend> Step<B> {
@@ -62,7 +65,7 @@ impl<B: Backend> Step<B> {
         vit.set_recompute(plan.recompute_policy());
         let opt_state = be.alloc_f32(state_len)?;
         vit.zero_grads(be)?;
-        Ok(Step { vit, opt_state, optimizer, decay, clip, plan, pending_losses: Vec::new(), spare_losses: Vec::new(), trace: None })
+        Ok(Step { vit, opt_state, optimizer, decay, clip, plan, pending_losses: Vec::new(), spare_losses: Vec::new(), trace: None, timeline: None })
     }
 
     /// Copies the first pass of a micro-batch to the device ahead of its step (while the
@@ -74,34 +77,41 @@ impl<B: Backend> Step<B> {
         Ok(())
     }
 
+    /// Ends the current interval of the timeline as `phase` (nothing when the step is not timed).
+    pub fn mark(&mut self, be: &B, phase: Phase) -> Result<(), TrainError> {
+        if let Some(tl) = self.timeline.as_mut() {
+            tl.mark(be, phase)?;
+        }
+        Ok(())
+    }
+
     /// Every pass of one micro-batch of step `step`. `first_staged`: `stage_ahead` staged its
     /// first pass. With `sync`, this is the step's last micro-batch: its last pass's backward
     /// reports finished blocks to the sync.
-    pub fn micro_batch(&mut self, be: &B, batch: &MicroBatch<'_>, step: u64, first_staged: bool, mut sync: Option<&mut dyn GradSync<B>>, phases: &mut PhaseTimes) -> Result<(), TrainError> {
+    pub fn micro_batch(&mut self, be: &B, batch: &MicroBatch<'_>, step: u64, first_staged: bool, mut sync: Option<&mut dyn GradSync<B>>) -> Result<(), TrainError> {
         let per_image = batch.images.len() / batch.b.max(1);
         let passes: Vec<(usize, usize)> = self.plan.passes(batch.b).collect();
         let last = passes.len().saturating_sub(1);
         for (i, (start, n)) in passes.into_iter().enumerate() {
-            let t = std::time::Instant::now();
             // staged ahead, unless an evaluation's forward has replaced those inputs since
             if !(i == 0 && first_staged && self.vit.has_unread_inputs(n)) {
                 let images = &batch.images[start * per_image..(start + n) * per_image];
                 self.vit.stage_inputs(be, images, &(batch.targets)(start, n), n)?;
             }
-            phases.forward_s += t.elapsed().as_secs_f64();
+            self.mark(be, Phase::Data)?;
             let report = if i == last { sync.take() } else { None };
-            self.pass(be, n, step, report, phases)?;
+            self.pass(be, n, step, report)?;
         }
         Ok(())
     }
 
     /// One forward/backward pass over the `n` images staged on the device.
-    pub fn pass(&mut self, be: &B, n: usize, step: u64, sync: Option<&mut dyn GradSync<B>>, phases: &mut PhaseTimes) -> Result<(), TrainError> {
+    pub fn pass(&mut self, be: &B, n: usize, step: u64, sync: Option<&mut dyn GradSync<B>>) -> Result<(), TrainError> {
         let t0 = std::time::Instant::now();
         self.vit.forward_staged(be, n, Some(1.0 / self.plan.global_batch as f32))?;
         self.keep_losses(be, step, n)?;
+        self.mark(be, Phase::Forward)?;
         let t1 = std::time::Instant::now();
-        phases.forward_s += (t1 - t0).as_secs_f64();
         match sync {
             Some(s) if s.reports_blocks() => {
                 let Step { vit, trace, .. } = self;
@@ -122,9 +132,10 @@ impl<B: Backend> Step<B> {
             }
             _ => self.vit.backward(be)?,
         }
+        self.mark(be, Phase::Backward)?;
         let t2 = std::time::Instant::now();
-        phases.backward_s += (t2 - t1).as_secs_f64();
         if let Some(tr) = self.trace.as_mut() {
+            // the host's side: when it enqueued the work (on the CPU, when the work ran)
             let a = args(&[("step", step as f64), ("images", n as f64)]);
             tr.span(Track::Compute, "forward", t0, t1, a.clone());
             tr.span(Track::Compute, "backward", t1, t2, a);
@@ -168,23 +179,22 @@ impl<B: Backend> Step<B> {
     /// The boundary of optimizer step `step` (0-based): finish the gradient sync, clip by the
     /// global norm and update on the device with learning rate `lr`, zero the gradients. With
     /// `read_norm` the pre-clip global gradient norm comes back (one host synchronization).
-    pub fn boundary(&mut self, be: &B, sync: &mut dyn GradSync<B>, lr: f64, step: u64, read_norm: bool, phases: &mut PhaseTimes) -> Result<(Option<f64>, u64), TrainError> {
+    /// Returns it and the bytes this rank communicated.
+    pub fn boundary(&mut self, be: &B, sync: &mut dyn GradSync<B>, lr: f64, step: u64, read_norm: bool) -> Result<(Option<f64>, u64), TrainError> {
         let t0 = std::time::Instant::now();
         let bytes = sync.finish(be, &mut self.vit.grads)?;
+        self.mark(be, Phase::CommExposed)?;
         let t1 = std::time::Instant::now();
-        phases.comm_s += (t1 - t0).as_secs_f64();
         let hyper = StepHyper { lr: lr as f32, step: step + 1, grad_scale: 1.0, clip_norm: self.clip };
         let up = sync.update(be, &mut self.vit, &mut self.opt_state, &self.optimizer, &self.decay, hyper, read_norm)?;
         self.vit.zero_grads(be)?;
+        self.mark(be, Phase::Optimizer)?;
         let t2 = std::time::Instant::now();
-        phases.optimizer_s += ((t2 - t1).as_secs_f64() - up.comm_s).max(0.0);
-        phases.comm_s += up.comm_s;
-        let (norm, bytes) = (up.norm, bytes + up.bytes);
         if let Some(tr) = self.trace.as_mut() {
             tr.span(Track::Compute, "wait for gradients", t0, t1, args(&[("step", step as f64)]));
             tr.span(Track::Compute, "clip + optimizer", t1, t2, args(&[("step", step as f64)]));
         }
-        Ok((norm, bytes))
+        Ok((up.norm, bytes + up.bytes))
     }
 
     /// The summed per-image losses of every step since the last call, as (step, sum), in step

@@ -33,7 +33,7 @@ use crate::data::loader::Prepared;
 use crate::data::{self, Batch, Datasets, ImageSet, Loader, LoaderPlan, MixTargets, Sampler};
 use crate::metrics::monitor::Monitors;
 use crate::metrics::trace::{Trace, Track};
-use crate::metrics::{allreduce_bus_gb_s, EvalRecord, PhaseTimes, StepRecord};
+use crate::metrics::{allreduce_bus_gb_s, EvalRecord, StepRecord};
 use crate::model::smoothed_targets;
 use crate::train::agree::{self, StateHash};
 use crate::train::balance::Balancer;
@@ -43,6 +43,7 @@ use crate::train::plan::Plan;
 use crate::train::run_dir::RunDir;
 use crate::train::step::{MicroBatch, Step};
 use crate::train::sync::{gradient_wire, BucketPlan, BucketSync, GradSync};
+use crate::train::timeline::{Phase, Timeline};
 use crate::train::memory::{MemoryBytes, MemoryRecord};
 use crate::train::zero::{AnySync, ZeroLayout, ZeroSync};
 use crate::train::{checkpoint, schedule, stop};
@@ -168,31 +169,29 @@ impl Feed {
         report: Option<&mut dyn GradSync<B>>,
         (step, m): (u64, usize),
         last_of_run: bool,
-        phases: &mut PhaseTimes,
     ) -> Result<(), TrainError> {
         let prepared = match self.ahead.take() {
             Some(p) => p,
-            None => self.wait_for_batch(st, (step, m), phases)?,
+            None => self.wait_for_batch(st, (step, m))?,
         };
         let batch = prepared.batch;
         let (k, smoothing) = (self.num_classes, self.label_smoothing);
         let targets = |start: usize, n: usize| soft_targets(&batch, start, n, k, smoothing);
         let mb = MicroBatch { images: &batch.images, b: batch.len(), targets: &targets };
         bal.before_micro(be, mb.b, step, st.trace.as_mut())?;
-        st.micro_batch(be, &mb, step, std::mem::take(&mut self.first_pass_staged), report, phases)?;
+        st.micro_batch(be, &mb, step, std::mem::take(&mut self.first_pass_staged), report)?;
         bal.after_micro(be, mb.b, step, st.trace.as_mut())?;
         if !last_of_run && stop::pending() == 0 {
-            self.take_ahead(be, st, batch.len(), phases)?;
+            self.take_ahead(be, st, batch.len())?;
         }
         self.loader.recycle(batch);
         Ok(())
     }
 
-    /// Blocks on the loader: the step's data wait.
-    fn wait_for_batch<B: Backend>(&mut self, st: &mut Step<B>, (step, m): (u64, usize), phases: &mut PhaseTimes) -> Result<Prepared, TrainError> {
+    /// Blocks on the loader: the host's data wait (on the device timeline, part of `Data`).
+    fn wait_for_batch<B: Backend>(&mut self, st: &mut Step<B>, (step, m): (u64, usize)) -> Result<Prepared, TrainError> {
         let t_wait = Instant::now();
         let next = self.loader.next();
-        phases.data_s += t_wait.elapsed().as_secs_f64();
         if let Some(tr) = st.trace.as_mut() {
             tr.span(Track::Data, "data wait", t_wait, Instant::now(), serde_json::Map::new());
         }
@@ -207,34 +206,30 @@ impl Feed {
     /// optimizer is done instead of waiting for the host to convert and copy. The backward
     /// never reads the staged inputs; a pass never grows past the current one's last pass, so
     /// staging allocates nothing.
-    fn take_ahead<B: Backend>(&mut self, be: &B, st: &mut Step<B>, current_images: usize, phases: &mut PhaseTimes) -> Result<(), TrainError> {
-        let t_wait = Instant::now();
-        let next = self.loader.next();
-        phases.data_s += t_wait.elapsed().as_secs_f64();
-        let Some(next) = next else { return Ok(()) };
+    fn take_ahead<B: Backend>(&mut self, be: &B, st: &mut Step<B>, current_images: usize) -> Result<(), TrainError> {
+        let Some(next) = self.loader.next() else { return Ok(()) };
         let next = next?;
         let widest_pass = st.plan.passes(current_images).last().map_or(0, |p| p.1);
         if next.batch.len().min(st.plan.pass_images) <= widest_pass {
-            let t_stage = Instant::now();
             let (k, smoothing) = (self.num_classes, self.label_smoothing);
             let targets = |start: usize, n: usize| soft_targets(&next.batch, start, n, k, smoothing);
             let mb = MicroBatch { images: &next.batch.images, b: next.batch.len(), targets: &targets };
             st.stage_ahead(be, &mb)?;
             self.first_pass_staged = true;
-            phases.forward_s += t_stage.elapsed().as_secs_f64();
         }
+        st.mark(be, Phase::Data)?;
         self.ahead = Some(next);
         Ok(())
     }
 }
 
-/// Sums over the steps since the last metrics line.
+/// Sums over the steps since the last metrics line (the phases are the timeline's, read when
+/// the line is written).
 struct Window {
-    phases: PhaseTimes,
     comm_bytes: u64,
     comm_total_s: f64,
-    /// (exposed, total) seconds of the window's collectives as the device timed them, if it did.
-    device_comm: Option<(f64, f64)>,
+    /// Seconds of the window's collectives as the device timed them, if it did.
+    device_comm_total_s: Option<f64>,
     loss: f64,
     steps: u64,
     start: Instant,
@@ -244,7 +239,7 @@ struct Window {
 
 impl Window {
     fn new() -> Self {
-        Window { phases: PhaseTimes::default(), comm_bytes: 0, comm_total_s: 0.0, device_comm: None, loss: 0.0, steps: 0, start: Instant::now(), checkpoint_s: 0.0, eval_s: 0.0 }
+        Window { comm_bytes: 0, comm_total_s: 0.0, device_comm_total_s: None, loss: 0.0, steps: 0, start: Instant::now(), checkpoint_s: 0.0, eval_s: 0.0 }
     }
 
     /// Time that is not training (evaluation, the state agreement, checkpoints): logged apart
@@ -304,6 +299,8 @@ pub struct Trainer<'r, B: Backend> {
     /// Evaluation, state agreement and checkpoint time since `train_wall`: left out of the
     /// summary's images/s.
     not_training: std::time::Duration,
+    /// The device's dense matrix rate (TFLOP/s), the MFU ceiling; None on the CPU.
+    ceiling_tflops: Option<f64>,
 }
 
 /// The data a run reads, opened and checked against its global batch.
@@ -455,6 +452,11 @@ impl<'r, B: Backend> Trainer<'r, B> {
             announce(be, cfg, &plan, &data, &bal, st.vit.table.total, total_steps);
         }
         let bar = (opts.progress_bar && !opts.quiet).then(|| progress_bar(total_steps));
+        // measured before the first step, so its GEMMs are in no window
+        let ceiling_tflops = be.matrix_ceiling_tflops()?;
+        if timeline_enabled() {
+            st.timeline = Some(Timeline::start(be, t_start)?);
+        }
         let train_wall = Instant::now();
         // this rank's shard of every global batch from `start_step` on, built ahead.
         let loader = Loader::start_split(
@@ -503,6 +505,7 @@ impl<'r, B: Backend> Trainer<'r, B> {
             t_start,
             train_wall,
             not_training: std::time::Duration::ZERO,
+            ceiling_tflops,
         })
     }
 
@@ -549,6 +552,8 @@ impl<'r, B: Backend> Trainer<'r, B> {
         if stop_sig != 0 {
             return Err(self.stop_for_signal(at, stop_sig, saved)?);
         }
+        // the step's bookkeeping ends here: an evaluation after it is timed apart
+        self.st.mark(self.be, Phase::Other)?;
         self.evaluate_if_due(at)?;
         self.next_step += 1;
         Ok(())
@@ -564,13 +569,13 @@ impl<'r, B: Backend> Trainer<'r, B> {
         for m in 0..gas {
             let last_micro = m + 1 == gas;
             let report: Option<&mut dyn GradSync<B>> = if last_micro && grads.overlap { Some(&mut sync) } else { None };
-            feed.run_micro(be, st, bal, report, (at.step, m), at.last && last_micro, &mut window.phases)?;
+            feed.run_micro(be, st, bal, report, (at.step, m), at.last && last_micro)?;
         }
         let step = at.step;
         let lr = schedule::lr_at(cfg.scheduler.as_ref(), cfg.optimizer.lr(), step, *total_steps);
         let (grad_norm, bytes) = {
             let mut timed = bal.timed::<B>(&mut sync);
-            let out = st.boundary(be, &mut timed, lr, step, log_due, &mut window.phases)?;
+            let out = st.boundary(be, &mut timed, lr, step, log_due)?;
             bal.add_wait(timed.wait_s);
             out
         };
@@ -590,11 +595,9 @@ impl<'r, B: Backend> Trainer<'r, B> {
     fn agree_on_stop(&mut self) -> Result<i32, TrainError> {
         let mut sig = stop::pending();
         if self.world > 1 {
-            let t_comm = Instant::now();
             let mut flags = stop::flags(sig);
             self.comm.all_reduce_host(&mut flags)?;
             sig = stop::agreed(sig, flags);
-            self.window.phases.comm_s += t_comm.elapsed().as_secs_f64();
         }
         Ok(sig)
     }
@@ -606,11 +609,11 @@ impl<'r, B: Backend> Trainer<'r, B> {
         if self.world > 1 {
             self.comm.all_reduce_host(&mut sums)?;
         }
-        // a device transport timed its collectives with events: those replace the host's view
-        // of them, which on a GPU only sees the enqueueing
-        if let Some((exposed, total)) = self.comm.take_device_timing()? {
-            let w = self.window.device_comm.get_or_insert((0.0, 0.0));
-            (w.0, w.1) = (w.0 + exposed, w.1 + total);
+        // a device transport timed its collectives with events: their total replaces the
+        // host's view of them, which on a GPU only sees the enqueueing (what the step waited for
+        // is the timeline's `CommExposed`)
+        if let Some((_, total)) = self.comm.take_device_timing()? {
+            *self.window.device_comm_total_s.get_or_insert(0.0) += total;
         }
         for (&(s, _), sum) in taken.iter().zip(sums) {
             let loss = sum / self.plan.global_batch as f64;
@@ -661,6 +664,7 @@ impl<'r, B: Backend> Trainer<'r, B> {
         // The state agreement and the checkpoint write are not training: their time leaves the
         // window's images/s (as DeepSpeed's throughput excludes checkpoints) and is logged as
         // `checkpoint_s`. The device finishes the step first, so its work stays in the step.
+        self.st.mark(be, Phase::Other)?;
         be.synchronize()?;
         let t_checkpoint = Instant::now();
         let mut host_state = None;
@@ -682,6 +686,7 @@ impl<'r, B: Backend> Trainer<'r, B> {
             let state = self.checkpoint_state(step);
             saved = Some(self.run.checkpoint(step + 1, &self.st.vit.table, &p, self.cfg, &o, &state)?);
         }
+        self.st.mark(be, Phase::NotTraining)?;
         let spent = t_checkpoint.elapsed();
         self.window.checkpoint_s += spent.as_secs_f64();
         self.window.exclude(spent);
@@ -706,15 +711,22 @@ impl<'r, B: Backend> Trainer<'r, B> {
     }
 
     /// The window's metrics line (`metrics.jsonl`, the monitors, the breakdown and progress
-    /// output), then a new window.
+    /// output), then a new window. The phases are the timeline's (read here, the one wait for
+    /// the device this adds to a logging step, which has already waited for its losses).
     fn log_window(&mut self, at: StepAt, lr: f64, grad_norm: Option<f64>) -> Result<(), TrainError> {
         let (world, global_batch) = (self.world, self.plan.global_batch);
+        self.st.mark(self.be, Phase::Other)?;
+        let device = match self.st.timeline.as_mut() {
+            Some(tl) => Some(tl.read(self.be)?),
+            None => None,
+        };
         let w = &mut self.window;
-        if let Some((exposed, total)) = w.device_comm.take() {
-            (w.phases.comm_s, w.comm_total_s) = (exposed, total);
+        let train_s = w.start.elapsed().as_secs_f64();
+        if let Some(total) = w.device_comm_total_s.take() {
+            w.comm_total_s = total;
         }
-        let secs = w.start.elapsed().as_secs_f64();
-        let ips = (w.steps * global_batch as u64) as f64 / secs.max(1e-9);
+        let ips = (w.steps * global_batch as u64) as f64 / train_s.max(1e-9);
+        let phases = device.as_ref().map(|d| d.phases).unwrap_or_default();
         let (peak_mem_bytes, peak_mem_source) = crate::metrics::peak_memory(self.be);
         let rec = StepRecord {
             step: at.step + 1,
@@ -725,12 +737,17 @@ impl<'r, B: Backend> Trainer<'r, B> {
             grad_norm: grad_norm.unwrap_or(f64::NAN),
             images_per_s: ips,
             images_per_s_per_rank: ips / world as f64,
-            // MFU needs the device's measured matrix ceiling: `vitscale bench` reports it.
-            mfu: None,
-            phases: w.phases,
+            // bench's definition: the model's training FLOPs per image against the measured
+            // dense matrix rate, per device (rank)
+            mfu: self.ceiling_tflops.map(|c| ips / world as f64 * self.cfg.model.train_flops_per_image() / (c * 1e12)),
+            phases,
+            other_s: device.as_ref().map_or(0.0, |d| d.other_s),
+            timed_s: device.as_ref().map(|d| d.step_s),
+            train_s,
+            steps: w.steps,
             rank: self.rank,
             comm_total_s: w.comm_total_s,
-            comm_overlap: (world > 1 && w.comm_total_s > 0.0).then(|| (1.0 - w.phases.comm_s / w.comm_total_s).clamp(0.0, 1.0)),
+            comm_overlap: (world > 1 && w.comm_total_s > 0.0).then(|| (1.0 - phases.comm_s / w.comm_total_s).clamp(0.0, 1.0)),
             comm_bytes: w.comm_bytes,
             bus_gb_s: allreduce_bus_gb_s(w.comm_bytes, world, w.comm_total_s),
             peak_mem_bytes,
@@ -740,16 +757,23 @@ impl<'r, B: Backend> Trainer<'r, B> {
             wall_s: self.t_start.elapsed().as_secs_f64(),
             balance: self.bal.take_record(),
         };
+        let steps = w.steps;
+        self.window = Window::new();
         self.run.log(&rec)?;
+        if let (Some(tr), Some(d)) = (self.st.trace.as_mut(), &device) {
+            for &(phase, start_s, end_s) in &d.spans {
+                tr.span_s(Track::Device, phase.name(), start_s, end_s, serde_json::Map::new());
+            }
+        }
         if let Some(m) = self.monitors.as_mut() {
-            m.step(&rec, w.steps, self.images_done).map_err(|source| TrainError::RunDir { path: self.opts.run_dir.clone(), source })?;
+            m.step(&rec, steps, self.images_done).map_err(|source| TrainError::RunDir { path: self.opts.run_dir.clone(), source })?;
         }
         if self.cfg.monitor.wall_clock_breakdown && !self.opts.quiet {
-            let per = |s: f64| s * 1e3 / w.steps.max(1) as f64;
-            let p = &w.phases;
+            // DeepSpeed's breakdown line, from the same phases as the metrics line
+            let per = |s: f64| s * 1e3 / steps.max(1) as f64;
             let line = format!(
-                "time (ms) per step | data wait: {:.2} | forward: {:.2} | backward: {:.2} | allreduce exposed: {:.2} | allreduce total: {:.2} | optimizer: {:.2}",
-                per(p.data_s), per(p.forward_s), per(p.backward_s), per(p.comm_s), per(w.comm_total_s), per(p.optimizer_s)
+                "time (ms) per step | data: {:.2} | forward: {:.2} | backward: {:.2} | allreduce exposed: {:.2} | allreduce total: {:.2} | optimizer: {:.2} | other: {:.2} | step: {:.2}",
+                per(phases.data_s), per(phases.forward_s), per(phases.backward_s), per(phases.comm_s), per(rec.comm_total_s), per(phases.optimizer_s), per(rec.other_s), per(train_s)
             );
             self.print(line);
         }
@@ -759,7 +783,6 @@ impl<'r, B: Backend> Trainer<'r, B> {
             None if !self.opts.quiet => eprintln!("step {}/{} {msg}", at.step + 1, self.total_steps),
             None => {}
         }
-        self.window = Window::new();
         Ok(())
     }
 
@@ -800,9 +823,11 @@ impl<'r, B: Backend> Trainer<'r, B> {
             return Ok(());
         }
         // the step's queued device work finishes first, so it stays in the step's time
+        self.st.mark(self.be, Phase::Other)?;
         self.be.synchronize()?;
         let t_eval = Instant::now();
         let ev = evaluate_with(self.be, &mut self.st.vit, &self.val_set, self.cfg, self.cfg.train.eval_batch_size, &mut *self.comm)?;
+        self.st.mark(self.be, Phase::NotTraining)?;
         let spent = t_eval.elapsed();
         self.window.eval_s += spent.as_secs_f64();
         self.window.exclude(spent);
@@ -870,6 +895,12 @@ impl<'r, B: Backend> Trainer<'r, B> {
         }
         Ok(summary)
     }
+}
+
+/// Whether the step's phases are timed on the device timeline: always, except when
+/// `VITSCALE_TIMELINE=off` (to measure what the timing itself costs).
+fn timeline_enabled() -> bool {
+    std::env::var("VITSCALE_TIMELINE").map_or(true, |v| v.trim() != "off")
 }
 
 /// The run's opening lines: device, model, data, length and batch split, warnings, balance.

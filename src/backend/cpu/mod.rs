@@ -91,6 +91,18 @@ fn reduce_into(dst: &mut [f32], parts: Vec<Vec<f32>>) {
 
 impl Backend for Cpu {
     type Buf = Vec<f32>;
+    type Mark = std::time::Instant;
+
+    fn new_mark(&self) -> BResult<std::time::Instant> {
+        Ok(std::time::Instant::now())
+    }
+    fn record_mark(&self, mark: &mut std::time::Instant) -> BResult<()> {
+        *mark = std::time::Instant::now();
+        Ok(())
+    }
+    fn seconds_between(&self, a: &std::time::Instant, b: &std::time::Instant) -> BResult<f64> {
+        Ok(b.saturating_duration_since(*a).as_secs_f64())
+    }
 
     fn name(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
