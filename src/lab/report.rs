@@ -13,6 +13,7 @@ use super::analysis::{self, Finding, Pt, Scaling, Series, Verdict, XDim};
 use super::charts::{Chart, Panel, PanelKind};
 use super::summary::{read_point, PointFigures};
 use super::sweep::{read_records, PointRecord};
+use crate::config::keys;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReportError {
@@ -303,13 +304,8 @@ fn point_row(r: &PointRecord) -> Vec<String> {
 
 /// A grid key as the table shows it: the study's names short, others as given.
 fn short_key(k: &str) -> &str {
-    match k {
-        "train_micro_batch_size_per_gpu" => "micro",
-        "gradient_accumulation_steps" => "GAS",
-        "zero_optimization.stage" => "ZeRO",
-        "train_batch_size" => "global batch",
-        other => other,
-    }
+    let names = [(keys::MICRO_BATCH, "micro"), (keys::GAS, "GAS"), (keys::ZERO_STAGE, "ZeRO"), (keys::TRAIN_BATCH_SIZE, "global batch")];
+    names.iter().find(|(key, _)| key.is(k)).map_or(k, |(_, short)| *short)
 }
 
 fn short_label(f: &PointFigures, r: &PointRecord) -> String {
@@ -320,7 +316,7 @@ fn short_label(f: &PointFigures, r: &PointRecord) -> String {
     let extra: Vec<String> = r
         .keys
         .iter()
-        .filter(|(k, _)| !["nproc", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization.stage", "train_batch_size"].contains(&k.as_str()))
+        .filter(|(k, _)| !analysis::is_study_key(k))
         .map(|(k, v)| format!("{}={}", k.rsplit('.').next().unwrap_or(k), v.to_string().replace('"', "")))
         .collect();
     if !extra.is_empty() {
@@ -374,8 +370,8 @@ fn mixed_speed_rows(pts: &[Pt]) -> Vec<MixedRow> {
         .iter()
         .filter_map(|p| {
             let b = p.f.balance.as_ref()?;
-            let slowdown = p.rec.keys.get("train.emulate_slowdown").and_then(Value::as_object).map_or(1.0, |m| m.values().filter_map(Value::as_f64).fold(1.0, f64::max));
-            let balance = match p.rec.keys.get("train.balance") {
+            let slowdown = p.rec.keys.get(&keys::TRAIN_EMULATE_SLOWDOWN.dotted()).and_then(Value::as_object).map_or(1.0, |m| m.values().filter_map(Value::as_f64).fold(1.0, f64::max));
+            let balance = match p.rec.keys.get(&keys::TRAIN_BALANCE.dotted()) {
                 Some(Value::String(s)) => s.clone(),
                 Some(v) => v.to_string(),
                 None => "off".into(),
