@@ -3,7 +3,7 @@
 
 use serde_json::{json, Map, Value};
 
-use super::def::*;
+use super::key_def::*;
 use super::types::*;
 use super::value::*;
 
@@ -100,6 +100,8 @@ pub fn parse_rand_augment(spec: &str) -> std::result::Result<Option<RandAugmentC
     Ok(Some(c))
 }
 
+/// The `data` section: the dataset, its normalization (the dataset's own by default) and the
+/// augmentation options, checked against each other.
 pub(super) fn parse(sec: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<DataConfig> {
     let p = DATA.name;
     if let Some(s) = sec {

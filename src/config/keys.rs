@@ -7,7 +7,7 @@ use std::fmt;
 
 use serde_json::{Map, Value};
 
-use super::def::KeyDef;
+use super::key_def::KeyDef;
 use super::{data, model, top_level, train, zero};
 
 /// Where a key sits: at the top level, or in one section.

@@ -7,7 +7,7 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
-use super::def::{full, kind_of, ConfigError, Result};
+use super::key_def::{full, kind_of, ConfigError, Result};
 
 /// Parses JSON text into a `Value`, refusing an object that names a key twice (serde_json
 /// alone keeps the last one): the error names the dotted key.

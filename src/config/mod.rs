@@ -24,13 +24,13 @@
 //! - a key given twice in one JSON object is an error naming it (DeepSpeed refuses duplicate
 //!   keys too), rather than the last one silently winning.
 
-mod def;
+// What every section is made of: key definitions, reading values by them, the JSON input.
+mod key_def;
 mod load;
-mod reference;
-mod resume;
 mod types;
 mod value;
 
+// One file per section of the JSON.
 mod data;
 mod model;
 mod monitor;
@@ -41,12 +41,15 @@ mod top_level;
 mod train;
 mod zero;
 
+// Over all sections: the key reference, resuming, keys by name for the rest of the crate.
 pub mod keys;
+mod reference;
+mod resume;
 
 use serde_json::{Map, Value};
 
 pub use data::{parse_rand_augment, DATA_KEYS};
-pub use def::{ConfigError, Dflt, KeyDef, Support, Ty};
+pub use key_def::{ConfigError, Dflt, KeyDef, Support, Ty};
 pub use keys::{ConfigBuilder, KeyPath};
 pub use load::{apply_set, load_json, parse_json_strict};
 pub use model::MODEL_KEYS;
@@ -60,7 +63,7 @@ pub use train::TRAIN_KEYS;
 pub use types::*;
 pub use value::suggest;
 
-use def::{key_err, kind_of, Cx, Result};
+use key_def::{key_err, kind_of, Cx, Result};
 use value::{get_int, get_num, note_unimplemented, put, section};
 
 /// Parses a whole configuration (as returned by [`load_json`]) for `world_size` data-parallel

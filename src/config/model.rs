@@ -3,7 +3,7 @@
 
 use serde_json::{json, Map, Value};
 
-use super::def::*;
+use super::key_def::*;
 use super::types::{DataConfig, DatasetKind, LabelKind};
 use super::value::*;
 use crate::model::spec::{GlobalPool, ModelConfig, PRESET_NAMES};
@@ -27,6 +27,7 @@ const M_POOL: KeyDef = key("global_pool", Ty::Choice(&["token", "avg"]), Dflt::D
 /// Keys of the `model` section.
 pub const MODEL_KEYS: &[KeyDef] = &[M_PRESET, M_IMAGE, M_PATCH, M_CHANS, M_WIDTH, M_DEPTH, M_HEADS, M_MLP, M_CLASSES, M_QKV_BIAS, M_CLS, M_POOL];
 
+/// The `model` section applied over its preset; the class count must be the dataset's.
 pub(super) fn parse(sec: Option<&Map<String, Value>>, data: &DataConfig, cx: &mut Cx) -> Result<ModelConfig> {
     let p = MODEL.name;
     let dataset = data.dataset;

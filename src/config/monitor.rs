@@ -3,7 +3,7 @@
 
 use serde_json::{json, Map, Value};
 
-use super::def::*;
+use super::key_def::*;
 use super::types::{MonitorConfig, MonitorTarget};
 use super::value::*;
 
@@ -32,6 +32,7 @@ fn parse_monitor_block(root: &Map<String, Value>, def: &KeyDef, cx: &mut Cx) -> 
     Ok(get_bool(Some(sec), def.name, &MON_ENABLED, cx)?.then_some(MonitorTarget { output_path, job_name }))
 }
 
+/// Both monitor blocks and `wall_clock_breakdown`, read from the top level.
 pub(super) fn parse(root: &Map<String, Value>, cx: &mut Cx) -> Result<MonitorConfig> {
     Ok(MonitorConfig {
         tensorboard: parse_monitor_block(root, &TENSORBOARD, cx)?,

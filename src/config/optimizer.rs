@@ -4,7 +4,7 @@
 
 use serde_json::{json, Map, Value};
 
-use super::def::*;
+use super::key_def::*;
 use super::types::OptimizerConfig;
 use super::value::*;
 
@@ -44,6 +44,7 @@ pub const SGD_KEYS: &[KeyDef] = &[SGD_LR, SGD_MOMENTUM, SGD_DAMPENING, SGD_WD, S
 /// Weight decay used when the config has no `optimizer` block.
 pub const DEFAULT_WEIGHT_DECAY: f64 = 0.05;
 
+/// The `optimizer` block; no block is vitscale's default AdamW.
 pub(super) fn parse(block: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<OptimizerConfig> {
     let Some(block) = block else {
         return Ok(OptimizerConfig::Adam {

@@ -3,7 +3,7 @@
 
 use serde_json::{json, Map, Value};
 
-use super::def::*;
+use super::key_def::*;
 use super::types::Precision;
 use super::value::*;
 
@@ -32,6 +32,8 @@ pub(super) const BF16_KEYS: &[KeyDef] = &[
     ds_noop("auto_cast", "Inputs are always cast to the compute dtype."),
 ];
 
+/// The compute precision from the `bf16` (or `bfloat16`) and `fp16` blocks, at most one of
+/// them enabled.
 pub(super) fn parse(root: &Map<String, Value>, cx: &mut Cx) -> Result<Precision> {
     let bf16_key = if root.contains_key(BF16.name) { BF16.name } else { BFLOAT16.name };
     if root.contains_key(BF16.name) && root.contains_key(BFLOAT16.name) {

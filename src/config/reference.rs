@@ -2,7 +2,7 @@
 //! text generated from them (`docs/config.md` is this text; tests/docs.rs keeps it current).
 //! The resume check reads the tables' resume flags through the same list.
 
-use super::def::{KeyDef, Support, Ty};
+use super::key_def::{KeyDef, Support, Ty};
 use super::{data, model, monitor, optimizer, precision, scheduler, top_level, train, zero};
 
 /// One key table and where its keys sit.

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde_json::Value;
 
-use super::def::{full, key_err, Result};
+use super::key_def::{full, key_err, Result};
 use super::reference::{dotted, TABLES};
 use super::top_level::{resolve_batch, GAS, MICRO_BATCH, TRAIN_BATCH_SIZE};
 

@@ -4,7 +4,7 @@
 
 use serde_json::{json, Map, Value};
 
-use super::def::*;
+use super::key_def::*;
 use super::types::{OptimizerConfig, SchedulerConfig, TotalSteps, WarmupType};
 use super::value::*;
 
@@ -62,6 +62,8 @@ fn warn_short_schedule(path: &str, total: TotalSteps, warmup_num_steps: u64, cx:
     }
 }
 
+/// The `scheduler` block (no block: a constant learning rate); `opt` gives WarmupLR's default
+/// maximum.
 pub(super) fn parse(block: Option<&Map<String, Value>>, opt: &OptimizerConfig, cx: &mut Cx) -> Result<Option<SchedulerConfig>> {
     let Some(block) = block else { return Ok(None) };
     check_keys(SCHEDULER.name, block, SCHED_BLOCK_KEYS, &[])?;

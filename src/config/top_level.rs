@@ -6,7 +6,7 @@
 
 use serde_json::{json, Map, Value};
 
-use super::def::*;
+use super::key_def::*;
 use super::types::{BatchConfig, CommDtype, GradComm, Precision};
 use super::value::*;
 use super::{data, model, monitor, optimizer, precision, scheduler, train, zero};
@@ -17,10 +17,10 @@ pub(super) const TRAIN_BATCH_SIZE: KeyDef = key("train_batch_size", NONNEG_INT, 
 // re-derives them: `keep_global_batch`).
 pub(super) const MICRO_BATCH: KeyDef = key("train_micro_batch_size_per_gpu", NONNEG_INT, Dflt::Derived("64 when no batch key is given (vitscale extension), else derived"),
     "Images per forward/backward on one rank.")
-.resume_free();
+    .resume_free();
 pub(super) const GAS: KeyDef = key("gradient_accumulation_steps", NONNEG_INT, Dflt::Derived("1 when only one batch key is given, else derived"),
     "Micro-batches accumulated per optimizer step.")
-.resume_free();
+    .resume_free();
 pub(super) const GRADIENT_CLIPPING: KeyDef = key("gradient_clipping", NONNEG, Dflt::Num(0.0),
     "Clip the global gradient L2 norm to this value; 0 disables.");
 pub(super) const STEPS_PER_PRINT: KeyDef = key("steps_per_print", POS_INT, Dflt::Int(10),
@@ -95,6 +95,8 @@ pub const TOP_KEYS: &[KeyDef] = &[
     ds_warn("graph_harvesting", Dflt::Bool(false), "Not implemented."),
 ];
 
+/// Top-level keys nobody knows: DeepSpeed ignores them, so a config it runs must run here
+/// too; each is a warning naming the key (and the closest known key, for typos).
 pub(super) fn warn_unknown_top_level(root: &Map<String, Value>, cx: &mut Cx) {
     for k in root.keys() {
         if TOP_KEYS.iter().any(|d| d.name == k) {

@@ -3,7 +3,7 @@
 
 use serde_json::{json, Map, Value};
 
-use super::def::*;
+use super::key_def::*;
 use super::types::*;
 use super::value::*;
 use crate::model::Recompute;
@@ -17,21 +17,21 @@ pub(super) const TRAIN: KeyDef = key("train", Ty::Section, Dflt::Derived("10 epo
 
 const SKIP_KINDS: &[&str] = &["bias", "norm", "pos_embed", "cls_token"];
 const T_EPOCHS: KeyDef = key("epochs", POS_INT, Dflt::Int(10), "Run length in epochs (ignored when steps is set).")
-.resume_free();
+    .resume_free();
 pub(super) const T_STEPS: KeyDef = key("steps", POS_INT, Dflt::Unset, "Run length in optimizer steps; wins over epochs.")
-.resume_free();
+    .resume_free();
 const T_SEED: KeyDef = key("seed", NONNEG_INT, Dflt::Int(0), "Seed for initialization, shuffling and augmentation.");
 const T_RECOMPUTE: KeyDef = key("recompute", Ty::Choice(Recompute::NAMES), Dflt::Str("auto"),
     "Activation memory: \"always\" regenerates every block's LayerNorm and GELU outputs in the backward instead of keeping them (saves 2·C + F values per token and block), \"never\" keeps them, \"auto\" regenerates only where the backend says it is nearly free (small batches on a GPU; never on the CPU).")
-.resume_free();
+    .resume_free();
 const T_EVAL_EVERY: KeyDef = key("eval_every", NONNEG_INT, Dflt::Int(0), "Evaluate every N optimizer steps; 0 = at the end of each epoch.")
-.resume_free();
+    .resume_free();
 const T_CKPT_EVERY: KeyDef = key("checkpoint_every", NONNEG_INT, Dflt::Int(0), "Checkpoint every N optimizer steps; 0 = never.")
-.resume_free();
+    .resume_free();
 const T_SMOOTHING: KeyDef = key("label_smoothing", UNIT_HALF_OPEN, Dflt::Num(0.0), "Label smoothing of the cross-entropy targets.");
 const T_DECAY_SKIP: KeyDef = key("weight_decay_skip", Ty::StrList(SKIP_KINDS), Dflt::StrList(SKIP_KINDS), "Parameter kinds without weight decay; [] decays everything.");
 pub(super) const T_LOG_EVERY: KeyDef = key("log_every", POS_INT, Dflt::Derived("steps_per_print (10)"), "Log a metrics line every N optimizer steps.")
-.resume_free();
+    .resume_free();
 pub(super) const T_PASS_IMAGES: KeyDef = key(
     "pass_images",
     POS_INT,
@@ -40,7 +40,7 @@ pub(super) const T_PASS_IMAGES: KeyDef = key(
 )
 .resume_free();
 pub(super) const T_EVAL_BATCH: KeyDef = key("eval_batch_size", POS_INT, Dflt::Derived("train_micro_batch_size_per_gpu"), "Evaluation batch size.")
-.resume_free();
+    .resume_free();
 const T_CKPT_ON_SIGNAL: KeyDef = key(
     "checkpoint_on_signal",
     Ty::Bool,
@@ -71,14 +71,15 @@ pub(super) const T_BALANCE: KeyDef = key(
 )
 .resume_free();
 const T_BALANCE_EVERY: KeyDef = key("balance_every", POS_INT, Dflt::Int(5), "Under train.balance = \"auto\": steps of measured compute time between re-estimates of the shares.")
-.resume_free();
+    .resume_free();
 /// Keys of the `train` section.
 pub const TRAIN_KEYS: &[KeyDef] = &[
     T_EPOCHS, T_STEPS, T_SEED, T_RECOMPUTE, T_PASS_IMAGES, T_EVAL_EVERY, T_CKPT_EVERY, T_SMOOTHING, T_DECAY_SKIP, T_LOG_EVERY, T_EVAL_BATCH, T_CKPT_ON_SIGNAL, T_COMM_TIMEOUT,
     T_SLOWDOWN, T_BALANCE, T_BALANCE_EVERY,
 ];
 
-/// Help text for every key, generated from the tables.
+/// The `train` section; `log_every` defaults to DeepSpeed's `steps_per_print`, the evaluation
+/// batch to the micro-batch, and the rank lists are checked against the world size.
 pub(super) fn parse(sec: Option<&Map<String, Value>>, batch: &BatchConfig, steps_per_print: u64, cx: &mut Cx) -> Result<TrainConfig> {
     let p = TRAIN.name;
     if let Some(s) = sec {

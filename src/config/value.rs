@@ -6,7 +6,7 @@
 
 use serde_json::{Map, Value};
 
-use super::def::*;
+use super::key_def::*;
 
 /// Writes `value` under the name of `def`: `config.json` is written key by key from the
 /// definitions, never from spelled-out names.
@@ -78,8 +78,6 @@ pub(super) fn check_keys(path: &str, obj: &Map<String, Value>, table: &[KeyDef],
     Ok(())
 }
 
-/// Top-level keys nobody knows: DeepSpeed ignores them, so a config it runs must run here
-/// too; each is a warning naming the key (and the closest known key, for typos).
 /// An optional JSON object at `path` (absent or null = None).
 pub(super) fn section<'v>(v: Option<&'v Value>, path: &str) -> Result<Option<&'v Map<String, Value>>> {
     match v {

@@ -4,7 +4,7 @@
 
 use serde_json::{json, Map, Value};
 
-use super::def::*;
+use super::key_def::*;
 use super::types::RunConfig;
 use super::value::*;
 
@@ -14,7 +14,7 @@ pub(super) const ZERO_OPTIMIZATION: KeyDef = key("zero_optimization", Ty::Sectio
 // trajectory, as it was (tests/dist_zero.rs): a resume may change them.
 pub(super) const ZERO_STAGE: KeyDef = key("stage", Ty::Int { lo: 0, hi: 3 }, Dflt::Int(0),
     "0 = plain data parallel, 1 = shard the optimizer state (all-reduced gradients), 2 = + reduce-scatter the gradients so each rank gets only its shard; 3 (partitioned parameters) is not implemented and runs as 2.")
-.resume_free();
+    .resume_free();
 const ZERO_BUCKET: KeyDef = key(
     "reduce_bucket_size",
     POS_INT,
