@@ -471,7 +471,7 @@ fn build_charts(pts: &[Pt], records: &[PointRecord]) -> Vec<(Chart, String, Opti
     out.push((
         line("gas", "Effect of gradient accumulation", "gradient accumulation steps (log scale)", "throughput (images/s, all ranks)", s, true, false),
         "Throughput against GAS: more micro-batches per synchronisation amortise the gradient reduction.".to_string(),
-        (distinct(pts, |f| f.gradient_accumulation_steps as u64) < 2).then(|| "needs 2 or more values of gradient_accumulation_steps".to_string()),
+        (distinct(pts, |f| f.gradient_accumulation_steps as u64) < 2).then(|| format!("needs 2 or more values of {}", keys::GAS)),
     ));
 
     // memory: one bar per point (coloured by ZeRO stage), the stage variants of a
@@ -492,15 +492,19 @@ fn build_charts(pts: &[Pt], records: &[PointRecord]) -> Vec<(Chart, String, Opti
     out.push((
         Chart { file: "memory".into(), title, panels: vec![Panel { title: String::new(), x_label: "peak memory of the highest rank (MiB)".into(), y_label: String::new(), kind: PanelKind::StackedBars { labels, parts } }] },
         format!("The highest peak memory of any rank of each point ({}), coloured by ZeRO stage. ", if source.is_empty() { "as recorded" } else { &source })
-            + if stages.len() == 1 { "Only one ZeRO stage was swept: add `zero_optimization.stage` to the grid to compare stages." } else { "" },
+            + &if stages.len() == 1 { format!("Only one ZeRO stage was swept: add `{}` to the grid to compare stages.", keys::ZERO_STAGE) } else { String::new() },
         with_mem.is_empty().then(|| "no point recorded its peak memory".to_string()),
     ));
 
     let mixed = mixed_speed_rows(pts);
     out.push((
         mixed_speed_chart(&mixed),
-        "Throughput as one rank is slowed (train.emulate_slowdown), with the equal split (train.balance \"off\") and the speed-proportional one (\"auto\"); the ideal is the sum of each rank's own speed in the balanced run.".to_string(),
-        (mixed.len() < 2).then(|| "needs points with train.emulate_slowdown or train.balance".to_string()),
+        format!(
+            "Throughput as one rank is slowed ({}), with the equal split ({} \"off\") and the speed-proportional one (\"auto\"); the ideal is the sum of each rank's own speed in the balanced run.",
+            keys::TRAIN_EMULATE_SLOWDOWN,
+            keys::TRAIN_BALANCE
+        ),
+        (mixed.len() < 2).then(|| format!("needs points with {} or {}", keys::TRAIN_EMULATE_SLOWDOWN, keys::TRAIN_BALANCE)),
     ));
     out
 }
