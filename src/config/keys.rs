@@ -54,6 +54,7 @@ impl fmt::Display for KeyPath {
     }
 }
 
+// The keys named outside this module; add one here when other code needs to name a key.
 pub const TRAIN_BATCH_SIZE: KeyPath = KeyPath::top(&top_level::TRAIN_BATCH_SIZE);
 pub const MICRO_BATCH: KeyPath = KeyPath::top(&top_level::MICRO_BATCH);
 pub const GAS: KeyPath = KeyPath::top(&top_level::GAS);
