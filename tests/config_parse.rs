@@ -784,3 +784,66 @@ fn train_recompute_policy() {
     let e = err_names(json!({"train": {"recompute": "sometimes"}}), "train.recompute");
     assert!(e.contains("\"auto\""), "{e}");
 }
+
+#[test]
+fn resume_free_keys_are_the_run_length_logging_and_batch_split() {
+    let mut free = resume_free_keys();
+    free.sort();
+    let mut want = vec![
+        "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "plan", "memory",
+        "zero_optimization.stage", "zero_optimization.reduce_bucket_size", "zero_optimization.reduce_scatter", "zero_optimization.overlap_comm",
+        "train.epochs", "train.steps", "train.recompute", "train.pass_images", "train.eval_every", "train.checkpoint_every", "train.log_every",
+        "train.eval_batch_size", "train.checkpoint_on_signal", "train.comm_timeout_s", "train.emulate_slowdown", "train.balance", "train.balance_every",
+        "data.path", "data.num_workers", "data.prefetch",
+    ];
+    want.sort();
+    assert_eq!(free, want);
+
+    let saved = resolved_json(&ok(json!({"train": {"steps": 10, "seed": 1}})));
+    let now = resolved_json(&ok(json!({"train": {"steps": 20, "seed": 2}, "train_micro_batch_size_per_gpu": 32, "gradient_accumulation_steps": 2})));
+    assert_eq!(resume_differences(&saved, &now), vec!["train.seed: checkpoint 1, now 2".to_string()]);
+}
+
+#[test]
+fn resolved_json_keeps_its_key_order() {
+    let cfg = ok(json!({
+        "scheduler": {"type": "WarmupLR"}, "bf16": {"enabled": true}, "csv_monitor": {"enabled": true},
+        "zero_optimization": {"reduce_bucket_size": 1000}, "train": {"steps": 5, "pass_images": 8}
+    }));
+    let v = resolved_json(&cfg);
+    let order = |v: &Value| v.as_object().map(|o| o.keys().cloned().collect::<Vec<_>>()).unwrap_or_default();
+    assert_eq!(
+        order(&v),
+        [
+            "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer", "gradient_clipping",
+            "zero_optimization", "model", "data", "train", "scheduler", "communication_data_type", "prescale_gradients",
+            "gradient_predivide_factor", "bf16", "wall_clock_breakdown", "csv_monitor",
+        ]
+    );
+    assert_eq!(order(&v["zero_optimization"]), ["stage", "reduce_scatter", "overlap_comm", "reduce_bucket_size"]);
+    let train = order(&v["train"]);
+    assert_eq!(train[..2], ["epochs", "seed"]);
+    assert_eq!(train[train.len() - 2..], ["pass_images", "steps"]);
+    assert_eq!(order(&v["data"]).last().map(String::as_str), Some("val_size"));
+}
+
+#[test]
+fn config_builder_sets_keys_by_their_paths() {
+    assert_eq!(keys::ZERO_STAGE.dotted(), "zero_optimization.stage");
+    assert_eq!(keys::ZERO_STAGE.name(), "stage");
+    assert!(keys::ZERO_STAGE.is("zero_optimization.stage"));
+    assert!(!keys::ZERO_STAGE.is("stage") && !keys::ZERO_STAGE.is("zero_optimizationstage"));
+    assert!(keys::MICRO_BATCH.is("train_micro_batch_size_per_gpu"));
+    let v = ConfigBuilder::new()
+        .set(keys::MODEL_PRESET, "vit_tiny_patch4_32")
+        .set(keys::MICRO_BATCH, 8)
+        .set(keys::TRAIN_PASS_IMAGES, 8)
+        .set(keys::TRAIN_EVAL_BATCH_SIZE, 1)
+        .build();
+    assert_eq!(
+        v,
+        json!({"model": {"preset": "vit_tiny_patch4_32"}, "train_micro_batch_size_per_gpu": 8, "train": {"pass_images": 8, "eval_batch_size": 1}})
+    );
+    let cfg = ok(v);
+    assert_eq!((cfg.batch.micro_batch_per_gpu, cfg.train.pass_images, cfg.train.eval_batch_size), (8, Some(8), 1));
+}

@@ -9,7 +9,7 @@ fn config_reference() -> String {
     format!(
         "# Configuration keys\n\n\
          Every key `run.json` accepts, with its type, default and meaning, generated from the key\n\
-         tables in `src/config/parse.rs` (regenerate: `VITSCALE_UPDATE_DOCS=1 cargo test --release --test docs`).\n\
+         tables in `src/config/` (regenerate: `VITSCALE_UPDATE_DOCS=1 cargo test --release --test docs`).\n\
          Sections are DeepSpeed's, plus vitscale's `model`, `data` and `train`. Unknown top-level keys\n\
          are ignored with a warning, as DeepSpeed ignores them; unknown keys inside a section, and a key\n\
          given twice in one object, are errors naming the key.\n\n\

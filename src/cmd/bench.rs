@@ -6,12 +6,15 @@ pub use crate::bench::args::{default_model_and_micro, default_profile_micros, Be
 
 /// On the CPU, refuses a step that cannot fit in memory (`train::memory`), before allocating.
 fn check_cpu_memory(args: &BenchArgs) -> anyhow::Result<()> {
-    let v = serde_json::json!({
-        "model": {"preset": args.model},
-        "train_micro_batch_size_per_gpu": args.micro,
-        "train": {"pass_images": args.micro.max(1), "eval_batch_size": 1},
-        "data": {"train_size": 1, "val_size": 1}
-    });
+    use crate::config::keys;
+    let v = crate::config::ConfigBuilder::new()
+        .set(keys::MODEL_PRESET, args.model.as_str())
+        .set(keys::MICRO_BATCH, args.micro)
+        .set(keys::TRAIN_PASS_IMAGES, args.micro.max(1))
+        .set(keys::TRAIN_EVAL_BATCH_SIZE, 1)
+        .set(keys::DATA_TRAIN_SIZE, 1)
+        .set(keys::DATA_VAL_SIZE, 1)
+        .build();
     // An unknown preset or a zero micro-batch is reported by the benchmark itself.
     let Ok(cfg) = crate::config::resolve(&v, 1) else { return Ok(()) };
     let device = super::common::Device::Cpu(crate::backend::cpu::Cpu::new());

@@ -1,8 +1,8 @@
 //! The validated, typed run configuration that the rest of the crate consumes.
 //!
-//! Everything here is already checked: the parser in `config::parse` turns a DeepSpeed JSON
-//! plus the `model` / `data` / `train` sections into these types or into an error naming the
-//! key. Nothing downstream re-validates user input.
+//! Everything here is already checked: each section's file in `config` turns its part of a
+//! DeepSpeed JSON (plus the `model` / `data` / `train` sections) into these types or into an
+//! error naming the key. Nothing downstream re-validates user input.
 
 use std::path::PathBuf;
 

@@ -8,8 +8,10 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 use serde_json::Value;
 
+use super::spec::NPROC_KEY;
 use super::summary::PointFigures;
 use super::sweep::PointRecord;
+use crate::config::keys;
 
 /// A finished point: its record and figures.
 #[derive(Clone, Debug)]
@@ -23,6 +25,12 @@ pub fn finished(records: &[PointRecord]) -> Vec<Pt<'_>> {
     records.iter().filter(|r| r.ok()).filter_map(|r| r.figures.as_ref().map(|f| Pt { rec: r, f })).collect()
 }
 
+/// Whether grid key `k` is one of the study's coordinates (ranks, micro-batch, GAS, ZeRO
+/// stage) or, for a global batch, follows from them.
+pub fn is_study_key(k: &str) -> bool {
+    k == NPROC_KEY || [keys::MICRO_BATCH, keys::GAS, keys::TRAIN_BATCH_SIZE, keys::ZERO_STAGE].iter().any(|key| key.is(k))
+}
+
 /// A point's coordinates: the four the study varies, then any other grid key.
 pub fn dims(p: &Pt) -> BTreeMap<String, String> {
     let mut d = BTreeMap::new();
@@ -31,9 +39,8 @@ pub fn dims(p: &Pt) -> BTreeMap<String, String> {
     d.insert("1micro".to_string(), pad(p.f.micro_batch as u64));
     d.insert("2GAS".to_string(), pad(p.f.gradient_accumulation_steps as u64));
     d.insert("3ZeRO".to_string(), pad(p.f.zero_stage));
-    const COVERED: &[&str] = &["nproc", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "zero_optimization.stage"];
     for (k, v) in &p.rec.keys {
-        if !COVERED.contains(&k.as_str()) {
+        if !is_study_key(k) {
             let shown = match v {
                 Value::String(s) => s.clone(),
                 Value::Number(n) if n.as_u64().is_some() => pad(n.as_u64().unwrap_or(0)),
@@ -487,9 +494,9 @@ mod tests {
             balance: None,
         };
         let mut keys = Map::new();
-        keys.insert("train_micro_batch_size_per_gpu".into(), json!(micro));
-        keys.insert("gradient_accumulation_steps".into(), json!(gas));
-        keys.insert("nproc".into(), json!(world));
+        keys.insert(crate::config::keys::MICRO_BATCH.dotted(), json!(micro));
+        keys.insert(crate::config::keys::GAS.dotted(), json!(gas));
+        keys.insert(NPROC_KEY.into(), json!(world));
         PointRecord {
             id: format!("w{world}m{micro}g{gas}"),
             index: 0,

@@ -13,6 +13,7 @@ use super::analysis::{self, Finding, Pt, Scaling, Series, Verdict, XDim};
 use super::charts::{Chart, Panel, PanelKind};
 use super::summary::{read_point, PointFigures};
 use super::sweep::{read_records, PointRecord};
+use crate::config::keys;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReportError {
@@ -256,13 +257,8 @@ fn point_row(r: &PointRecord) -> Vec<String> {
 
 /// A grid key as the table shows it: the study's names short, others as given.
 fn short_key(k: &str) -> &str {
-    match k {
-        "train_micro_batch_size_per_gpu" => "micro",
-        "gradient_accumulation_steps" => "GAS",
-        "zero_optimization.stage" => "ZeRO",
-        "train_batch_size" => "global batch",
-        other => other,
-    }
+    let names = [(keys::MICRO_BATCH, "micro"), (keys::GAS, "GAS"), (keys::ZERO_STAGE, "ZeRO"), (keys::TRAIN_BATCH_SIZE, "global batch")];
+    names.iter().find(|(key, _)| key.is(k)).map_or(k, |(_, short)| *short)
 }
 
 fn short_label(f: &PointFigures, r: &PointRecord) -> String {
@@ -273,7 +269,7 @@ fn short_label(f: &PointFigures, r: &PointRecord) -> String {
     let extra: Vec<String> = r
         .keys
         .iter()
-        .filter(|(k, _)| !["nproc", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization.stage", "train_batch_size"].contains(&k.as_str()))
+        .filter(|(k, _)| !analysis::is_study_key(k))
         .map(|(k, v)| format!("{}={}", k.rsplit('.').next().unwrap_or(k), v.to_string().replace('"', "")))
         .collect();
     if !extra.is_empty() {
@@ -327,8 +323,8 @@ fn mixed_speed_rows(pts: &[Pt]) -> Vec<MixedRow> {
         .iter()
         .filter_map(|p| {
             let b = p.f.balance.as_ref()?;
-            let slowdown = p.rec.keys.get("train.emulate_slowdown").and_then(Value::as_object).map_or(1.0, |m| m.values().filter_map(Value::as_f64).fold(1.0, f64::max));
-            let balance = match p.rec.keys.get("train.balance") {
+            let slowdown = p.rec.keys.get(&keys::TRAIN_EMULATE_SLOWDOWN.dotted()).and_then(Value::as_object).map_or(1.0, |m| m.values().filter_map(Value::as_f64).fold(1.0, f64::max));
+            let balance = match p.rec.keys.get(&keys::TRAIN_BALANCE.dotted()) {
                 Some(Value::String(s)) => s.clone(),
                 Some(v) => v.to_string(),
                 None => "off".into(),
@@ -428,7 +424,7 @@ fn build_charts(pts: &[Pt], records: &[PointRecord]) -> Vec<(Chart, String, Opti
     out.push((
         line("gas", "Effect of gradient accumulation", "gradient accumulation steps (log scale)", "throughput (images/s, all ranks)", s, true, false),
         "Throughput against GAS: more micro-batches per synchronisation amortise the gradient reduction.".to_string(),
-        (distinct(pts, |f| f.gradient_accumulation_steps as u64) < 2).then(|| "needs 2 or more values of gradient_accumulation_steps".to_string()),
+        (distinct(pts, |f| f.gradient_accumulation_steps as u64) < 2).then(|| format!("needs 2 or more values of {}", keys::GAS)),
     ));
 
     // memory: one bar per point (coloured by ZeRO stage), the stage variants of a
@@ -449,15 +445,19 @@ fn build_charts(pts: &[Pt], records: &[PointRecord]) -> Vec<(Chart, String, Opti
     out.push((
         Chart { file: "memory".into(), title, panels: vec![Panel { title: String::new(), x_label: "peak memory of the highest rank (MiB)".into(), y_label: String::new(), kind: PanelKind::StackedBars { labels, parts } }] },
         format!("The highest peak memory of any rank of each point ({}), coloured by ZeRO stage. ", if source.is_empty() { "as recorded" } else { &source })
-            + if stages.len() == 1 { "Only one ZeRO stage was swept: add `zero_optimization.stage` to the grid to compare stages." } else { "" },
+            + &if stages.len() == 1 { format!("Only one ZeRO stage was swept: add `{}` to the grid to compare stages.", keys::ZERO_STAGE) } else { String::new() },
         with_mem.is_empty().then(|| "no point recorded its peak memory".to_string()),
     ));
 
     let mixed = mixed_speed_rows(pts);
     out.push((
         mixed_speed_chart(&mixed),
-        "Throughput as one rank is slowed (train.emulate_slowdown), with the equal split (train.balance \"off\") and the speed-proportional one (\"auto\"); the ideal is the sum of each rank's own speed in the balanced run.".to_string(),
-        (mixed.len() < 2).then(|| "needs points with train.emulate_slowdown or train.balance".to_string()),
+        format!(
+            "Throughput as one rank is slowed ({}), with the equal split ({} \"off\") and the speed-proportional one (\"auto\"); the ideal is the sum of each rank's own speed in the balanced run.",
+            keys::TRAIN_EMULATE_SLOWDOWN,
+            keys::TRAIN_BALANCE
+        ),
+        (mixed.len() < 2).then(|| format!("needs points with {} or {}", keys::TRAIN_EMULATE_SLOWDOWN, keys::TRAIN_BALANCE)),
     ));
     out
 }

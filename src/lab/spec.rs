@@ -15,6 +15,8 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 use serde_json::{Map, Value};
 
+use crate::config::keys;
+
 /// Grid key: the number of ranks of a point.
 pub const NPROC_KEY: &str = "nproc";
 /// Grid key: put every rank on GPU 0 (`vitscale launch --one-gpu`).
@@ -233,9 +235,9 @@ impl SweepSpec {
             }
         }
         if !self.full_training {
-            apply(&mut cfg, "train.steps", &Value::from(self.steps))?;
+            apply(&mut cfg, &keys::TRAIN_STEPS.dotted(), &Value::from(self.steps))?;
         }
-        apply(&mut cfg, "train.log_every", &Value::from(1))?;
+        apply(&mut cfg, &keys::TRAIN_LOG_EVERY.dotted(), &Value::from(1))?;
         Ok(cfg)
     }
 }
@@ -243,12 +245,10 @@ impl SweepSpec {
 /// A short name of a dotted key for point ids (the last part, abbreviated).
 fn short_key(k: &str) -> String {
     let last = k.rsplit('.').next().unwrap_or(k);
-    match last {
-        "train_micro_batch_size_per_gpu" => "micro".into(),
-        "gradient_accumulation_steps" => "gas".into(),
-        "train_batch_size" => "batch".into(),
-        "stage" => "zero".into(),
-        other => other.chars().filter(|c| c.is_ascii_alphanumeric()).take(12).collect(),
+    let abbreviations = [(keys::MICRO_BATCH, "micro"), (keys::GAS, "gas"), (keys::TRAIN_BATCH_SIZE, "batch"), (keys::ZERO_STAGE, "zero")];
+    match abbreviations.iter().find(|(key, _)| key.name() == last) {
+        Some((_, short)) => short.to_string(),
+        None => last.chars().filter(|c| c.is_ascii_alphanumeric()).take(12).collect(),
     }
 }
 

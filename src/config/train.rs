@@ -1,0 +1,214 @@
+//! The `train` section (vitscale's own): run length, seed, evaluation, checkpointing and
+//! logging, activation memory, and how the global batch is split over the ranks.
+
+use serde_json::{json, Map, Value};
+
+use super::key_def::*;
+use super::types::*;
+use super::value::*;
+use crate::model::Recompute;
+
+pub(super) const TRAIN: KeyDef = key("train", Ty::Section, Dflt::Derived("10 epochs"), "Run length, seed, evaluation and logging.");
+
+// A resume continues the trajectory of the seed, the label smoothing and the decay kinds;
+// every other key here sets the run's length, how often it evaluates, logs and checkpoints,
+// or how the same global batch is computed and split (which leaves the reduced gradient as
+// it was: tests/balance.rs), so a resume may change it.
+
+const SKIP_KINDS: &[&str] = &["bias", "norm", "pos_embed", "cls_token"];
+const T_EPOCHS: KeyDef = key("epochs", POS_INT, Dflt::Int(10), "Run length in epochs (ignored when steps is set).")
+    .resume_free();
+pub(super) const T_STEPS: KeyDef = key("steps", POS_INT, Dflt::Unset, "Run length in optimizer steps; wins over epochs.")
+    .resume_free();
+const T_SEED: KeyDef = key("seed", NONNEG_INT, Dflt::Int(0), "Seed for initialization, shuffling and augmentation.");
+const T_RECOMPUTE: KeyDef = key("recompute", Ty::Choice(Recompute::NAMES), Dflt::Str("auto"),
+    "Activation memory: \"always\" regenerates every block's LayerNorm and GELU outputs in the backward instead of keeping them (saves 2·C + F values per token and block), \"never\" keeps them, \"auto\" regenerates only where the backend says it is nearly free (small batches on a GPU; never on the CPU).")
+    .resume_free();
+const T_EVAL_EVERY: KeyDef = key("eval_every", NONNEG_INT, Dflt::Int(0), "Evaluate every N optimizer steps; 0 = at the end of each epoch.")
+    .resume_free();
+const T_CKPT_EVERY: KeyDef = key("checkpoint_every", NONNEG_INT, Dflt::Int(0), "Checkpoint every N optimizer steps; 0 = never.")
+    .resume_free();
+const T_SMOOTHING: KeyDef = key("label_smoothing", UNIT_HALF_OPEN, Dflt::Num(0.0), "Label smoothing of the cross-entropy targets.");
+const T_DECAY_SKIP: KeyDef = key("weight_decay_skip", Ty::StrList(SKIP_KINDS), Dflt::StrList(SKIP_KINDS), "Parameter kinds without weight decay; [] decays everything.");
+pub(super) const T_LOG_EVERY: KeyDef = key("log_every", POS_INT, Dflt::Derived("steps_per_print (10)"), "Log a metrics line every N optimizer steps.")
+    .resume_free();
+pub(super) const T_PASS_IMAGES: KeyDef = key(
+    "pass_images",
+    POS_INT,
+    Dflt::Derived("512"),
+    "Most images one forward/backward pass takes: a larger micro-batch runs as several passes whose gradients add up (the same result with bounded activation memory).",
+)
+.resume_free();
+pub(super) const T_EVAL_BATCH: KeyDef = key("eval_batch_size", POS_INT, Dflt::Derived("train_micro_batch_size_per_gpu"), "Evaluation batch size.")
+    .resume_free();
+const T_CKPT_ON_SIGNAL: KeyDef = key(
+    "checkpoint_on_signal",
+    Ty::Bool,
+    Dflt::Derived("true when checkpoint_every > 0, else false"),
+    "On SIGINT/SIGTERM, finish the current optimizer step on every rank, write a checkpoint of it (rank 0) and exit with 130/143; false = the signal ends the process at once.",
+)
+.resume_free();
+const T_COMM_TIMEOUT: KeyDef = key(
+    "comm_timeout_s",
+    POSITIVE,
+    Dflt::Num(300.0),
+    "Seconds the rendezvous and each collective wait for the other ranks before failing with an error naming the missing rank(s); the variables VITSCALE_RENDEZVOUS_TIMEOUT (rendezvous) and VITSCALE_COMM_TIMEOUT (collectives) override it.",
+)
+.resume_free();
+pub(super) const T_SLOWDOWN: KeyDef = key(
+    "emulate_slowdown",
+    Ty::Section,
+    Dflt::Unset,
+    "Straggler emulation: {\"<rank>\": factor, …} with factor >= 1 makes that rank take factor × its measured compute time per micro-batch, as a slower device would (docs/balance.md says how).",
+)
+.resume_free();
+const BALANCE_CHOICES: &[&str] = &["off", "auto"];
+pub(super) const T_BALANCE: KeyDef = key(
+    "balance",
+    Ty::Choice(BALANCE_CHOICES),
+    Dflt::Str("off"),
+    "Split of the global batch over the ranks: \"off\" = equal micro-batches; [s0, s1, …] = one positive share per rank, micro-batches proportional to them; \"auto\" = proportional to each rank's measured speed, re-estimated every train.balance_every steps. The global batch, its loss and its gradient stay those of the equal split; every rank gets at least one image per micro-batch (two when mixing).",
+)
+.resume_free();
+const T_BALANCE_EVERY: KeyDef = key("balance_every", POS_INT, Dflt::Int(5), "Under train.balance = \"auto\": steps of measured compute time between re-estimates of the shares.")
+    .resume_free();
+/// Keys of the `train` section.
+pub const TRAIN_KEYS: &[KeyDef] = &[
+    T_EPOCHS, T_STEPS, T_SEED, T_RECOMPUTE, T_PASS_IMAGES, T_EVAL_EVERY, T_CKPT_EVERY, T_SMOOTHING, T_DECAY_SKIP, T_LOG_EVERY, T_EVAL_BATCH, T_CKPT_ON_SIGNAL, T_COMM_TIMEOUT,
+    T_SLOWDOWN, T_BALANCE, T_BALANCE_EVERY,
+];
+
+/// The `train` section; `log_every` defaults to DeepSpeed's `steps_per_print`, the evaluation
+/// batch to the micro-batch, and the rank lists are checked against the world size.
+pub(super) fn parse(sec: Option<&Map<String, Value>>, batch: &BatchConfig, steps_per_print: u64, cx: &mut Cx) -> Result<TrainConfig> {
+    let p = TRAIN.name;
+    if let Some(s) = sec {
+        check_keys(p, s, TRAIN_KEYS, &[])?;
+    }
+    let skip = match given(sec, p, &T_DECAY_SKIP, cx) {
+        None => SKIP_KINDS.to_vec(),
+        Some(v) => {
+            let arr = v.as_array().ok_or_else(|| bad(p, &T_DECAY_SKIP, v))?;
+            let mut out = Vec::new();
+            for item in arr {
+                let s = item.as_str().filter(|s| SKIP_KINDS.contains(s)).ok_or_else(|| {
+                    key_err(full(p, T_DECAY_SKIP.name), format!("unknown entry {}; expected entries from {}", kind_of(item), quoted(SKIP_KINDS)))
+                })?;
+                if out.contains(&s) {
+                    return Err(key_err(full(p, T_DECAY_SKIP.name), format!("\"{s}\" is listed twice")));
+                }
+                out.push(s);
+            }
+            out
+        }
+    };
+    let checkpoint_every = get_int(sec, p, &T_CKPT_EVERY, cx)?;
+    Ok(TrainConfig {
+        epochs: get_int(sec, p, &T_EPOCHS, cx)? as usize,
+        steps: opt_int(sec, p, &T_STEPS, cx)?,
+        seed: get_int(sec, p, &T_SEED, cx)?,
+        eval_every: get_int(sec, p, &T_EVAL_EVERY, cx)?,
+        checkpoint_every,
+        label_smoothing: get_num(sec, p, &T_SMOOTHING, cx)? as f32,
+        weight_decay_skip: DecaySkip {
+            bias: skip.contains(&"bias"),
+            norm: skip.contains(&"norm"),
+            pos_embed: skip.contains(&"pos_embed"),
+            cls_token: skip.contains(&"cls_token"),
+        },
+        log_every: opt_int(sec, p, &T_LOG_EVERY, cx)?.unwrap_or(steps_per_print),
+        eval_batch_size: opt_int(sec, p, &T_EVAL_BATCH, cx)?.map(|i| i as usize).unwrap_or(batch.micro_batch_per_gpu),
+        checkpoint_on_signal: opt_bool(sec, p, &T_CKPT_ON_SIGNAL, cx)?.unwrap_or(checkpoint_every > 0),
+        comm_timeout_s: get_num(sec, p, &T_COMM_TIMEOUT, cx)?,
+        recompute: Recompute::parse(get_str(sec, p, &T_RECOMPUTE, cx)?).unwrap_or_default(),
+        pass_images: opt_int(sec, p, &T_PASS_IMAGES, cx)?.map(|i| i as usize),
+        emulate_slowdown: parse_slowdown(sec, p, batch.world_size)?,
+        balance: parse_balance(sec, p, batch.world_size, cx)?,
+        balance_every: get_int(sec, p, &T_BALANCE_EVERY, cx)?,
+    })
+}
+
+/// `train.emulate_slowdown`: an object of rank (decimal string) → factor >= 1, ranks below
+/// the world size.
+fn parse_slowdown(sec: Option<&Map<String, Value>>, p: &str, world: usize) -> Result<Vec<(usize, f64)>> {
+    let name = full(p, T_SLOWDOWN.name);
+    let Some(v) = sec.and_then(|s| s.get(T_SLOWDOWN.name)).filter(|v| !v.is_null()) else { return Ok(Vec::new()) };
+    let obj = v.as_object().ok_or_else(|| key_err(&name, format!("expected an object {{\"<rank>\": factor}}, got {}", kind_of(v))))?;
+    let mut out = Vec::new();
+    for (k, f) in obj {
+        let rank: usize = k.parse().map_err(|_| key_err(&name, format!("\"{k}\" is not a rank; expected a decimal rank such as \"1\"")))?;
+        if rank >= world {
+            return Err(key_err(&name, format!("rank {rank} does not exist: the job has {world} rank(s), 0..{}", world.saturating_sub(1))));
+        }
+        let factor = f.as_f64().filter(|x| x.is_finite() && *x >= 1.0).ok_or_else(|| {
+            key_err(&name, format!("rank {rank}: expected a factor >= 1 (how many times slower), got {}", kind_of(f)))
+        })?;
+        out.push((rank, factor));
+    }
+    out.sort_by_key(|&(r, _)| r);
+    Ok(out)
+}
+
+/// `train.balance`: "off", "auto" or one positive share per rank.
+fn parse_balance(sec: Option<&Map<String, Value>>, p: &str, world: usize, cx: &mut Cx) -> Result<Balance> {
+    let name = full(p, T_BALANCE.name);
+    let expected = || format!("expected \"off\", \"auto\" or a list of {world} positive shares (one per rank)");
+    match sec.and_then(|s| s.get(T_BALANCE.name)).filter(|v| !v.is_null()) {
+        None => Ok(Balance::Off),
+        Some(Value::Array(items)) => {
+            if items.len() != world {
+                return Err(key_err(&name, format!("{} shares for {world} rank(s); {}", items.len(), expected())));
+            }
+            let shares = items
+                .iter()
+                .enumerate()
+                .map(|(r, x)| x.as_f64().filter(|x| x.is_finite() && *x > 0.0).ok_or_else(|| key_err(&name, format!("share of rank {r}: {}, got {}", expected(), kind_of(x)))))
+                .collect::<Result<Vec<f64>>>()?;
+            Ok(Balance::Shares(shares))
+        }
+        Some(v) => match get_str(sec, p, &T_BALANCE, cx).map_err(|_| key_err(&name, format!("{}, got {}", expected(), kind_of(v))))? {
+            "auto" => Ok(Balance::Auto),
+            "off" => Ok(Balance::Off),
+            other => Err(key_err(&name, format!("{}, got \"{other}\"", expected()))),
+        },
+    }
+}
+
+/// Every option as resolved (derived defaults written out); `pass_images` and `steps` only
+/// when given, as absent has a meaning of its own (the default pass size, the epochs).
+pub(super) fn write(t: &TrainConfig) -> Value {
+    let mut out = Map::new();
+    put(&mut out, &T_EPOCHS, json!(t.epochs));
+    put(&mut out, &T_SEED, json!(t.seed));
+    put(&mut out, &T_EVAL_EVERY, json!(t.eval_every));
+    put(&mut out, &T_CKPT_EVERY, json!(t.checkpoint_every));
+    put(&mut out, &T_SMOOTHING, json!(t.label_smoothing));
+    let skipped = |kind: &str| match kind {
+        "bias" => t.weight_decay_skip.bias,
+        "norm" => t.weight_decay_skip.norm,
+        "pos_embed" => t.weight_decay_skip.pos_embed,
+        _ => t.weight_decay_skip.cls_token,
+    };
+    put(&mut out, &T_DECAY_SKIP, json!(SKIP_KINDS.iter().copied().filter(|k| skipped(k)).collect::<Vec<_>>()));
+    put(&mut out, &T_LOG_EVERY, json!(t.log_every));
+    put(&mut out, &T_EVAL_BATCH, json!(t.eval_batch_size));
+    put(&mut out, &T_CKPT_ON_SIGNAL, json!(t.checkpoint_on_signal));
+    put(&mut out, &T_COMM_TIMEOUT, json!(t.comm_timeout_s));
+    put(&mut out, &T_RECOMPUTE, json!(t.recompute.as_str()));
+    let slowdown: Map<String, Value> = t.emulate_slowdown.iter().map(|(r, f)| (r.to_string(), json!(f))).collect();
+    put(&mut out, &T_SLOWDOWN, Value::Object(slowdown));
+    let balance = match &t.balance {
+        Balance::Off => json!("off"),
+        Balance::Auto => json!("auto"),
+        Balance::Shares(s) => json!(s),
+    };
+    put(&mut out, &T_BALANCE, balance);
+    put(&mut out, &T_BALANCE_EVERY, json!(t.balance_every));
+    if let Some(n) = t.pass_images {
+        put(&mut out, &T_PASS_IMAGES, json!(n));
+    }
+    if let Some(steps) = t.steps {
+        put(&mut out, &T_STEPS, json!(steps));
+    }
+    Value::Object(out)
+}
