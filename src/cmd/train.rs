@@ -71,7 +71,7 @@ fn keep_saved_global_batch(value: &mut serde_json::Value, state: &serde_json::Va
 /// A resume continues the checkpoint's run exactly: every key that shapes the trajectory
 /// (seed, model, data, optimizer, schedule, precision, global batch…) must be the
 /// checkpoint's; the run's length, logging, checkpointing and the split of the global batch
-/// may change (`config::RESUME_FREE_KEYS`).
+/// may change (the keys flagged resume-free, `config::resume_free_keys`).
 fn check_resume_config(dir: &std::path::Path, state: &serde_json::Value, cfg: &crate::config::RunConfig) -> anyhow::Result<()> {
     let differences = match state.get("config").filter(|c| c.get("train_batch_size").is_some()) {
         Some(saved) => crate::config::resume_differences(saved, &crate::config::resolved_json(cfg)),
