@@ -184,7 +184,7 @@ pub(super) fn measure<B: Backend>(be: &B, st: &mut Step<B>, comm: &mut dyn Comm<
         }
     }
     st.vit.zero_grads(be)?;
-    comm.take_device_timing()?;
+    comm.take_device_timing(std::time::Instant::now())?;
 
     // 3. data parallel, at ZeRO stage `args.zero`: from here on this rank keeps only its shard
     // of the optimizer state (and, with a compute copy, of the master weights)
@@ -229,7 +229,7 @@ pub(super) fn measure<B: Backend>(be: &B, st: &mut Step<B>, comm: &mut dyn Comm<
     }
     be.synchronize()?;
     comm.barrier()?;
-    comm.take_device_timing()?;
+    comm.take_device_timing(std::time::Instant::now())?;
     let (mut host_exposed, mut host_total) = (0.0, 0.0);
     let t = Instant::now();
     for _ in 0..args.steps {
@@ -241,7 +241,7 @@ pub(super) fn measure<B: Backend>(be: &B, st: &mut Step<B>, comm: &mut dyn Comm<
     be.synchronize()?;
     let mut step_ms = vec![0f64; world];
     step_ms[rank] = ms_since(t) / args.steps as f64;
-    let (exposed_s, total_s) = comm.take_device_timing()?.unwrap_or((host_exposed, host_total));
+    let (exposed_s, total_s) = comm.take_device_timing(std::time::Instant::now())?.map_or((host_exposed, host_total), |t| (t.exposed_s, t.total_s));
     let mut peaks = vec![0f64; world];
     peaks[rank] = be.peak_bytes().map_or(-1.0, |b| b as f64);
     comm.all_reduce_host(&mut peaks)?;

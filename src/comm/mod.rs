@@ -234,6 +234,18 @@ fn missing_text(missing: &Option<Vec<usize>>, world: usize) -> String {
 
 pub type CResult<T> = Result<T, CommError>;
 
+/// What a device transport measured of its collectives (`Comm::take_device_timing`).
+#[derive(Clone, Debug, Default)]
+pub struct DeviceTiming {
+    /// Seconds the compute stream waited for collectives at the boundaries.
+    pub exposed_s: f64,
+    /// Seconds from each collective's start to its end on the communication stream, summed.
+    pub total_s: f64,
+    /// Each collective on the communication stream: (what, start, end) in seconds since the
+    /// epoch the caller gave, on the host clock.
+    pub spans: Vec<(String, f64, f64)>,
+}
+
 /// Collectives over flat buffers of type `Buf`. See the module doc for the asynchronous
 /// contract and [`Collective`] for what each operation leaves in the span.
 ///
@@ -289,9 +301,10 @@ pub trait Comm<Buf>: Send {
     fn end_waits(&mut self) -> CResult<()> {
         Ok(())
     }
-    /// (exposed, total) seconds of the collectives waited on since the last call, measured on
-    /// the device; None for transports the host's clock times (the TCP ring). Synchronizes.
-    fn take_device_timing(&mut self) -> CResult<Option<(f64, f64)>> {
+    /// The collectives waited on since the last call, measured on the device (their spans
+    /// placed on the host clock as seconds since `epoch`); None for transports the host's clock
+    /// times (the TCP ring). Synchronizes.
+    fn take_device_timing(&mut self, _epoch: std::time::Instant) -> CResult<Option<DeviceTiming>> {
         Ok(None)
     }
 

@@ -27,6 +27,8 @@ pub enum Track {
     /// The step's phases where the device ran them (`train::timeline`): on a GPU its compute
     /// stream, placed on the host clock.
     Device = 5,
+    /// Each collective on a GPU's communication stream (NCCL), placed on the host clock.
+    DeviceComm = 6,
 }
 
 impl Track {
@@ -37,6 +39,7 @@ impl Track {
             Track::Comm => "gradient reduction",
             Track::Data => "data wait",
             Track::Device => "device: compute stream",
+            Track::DeviceComm => "device: communication stream",
         }
     }
 }
@@ -87,7 +90,7 @@ impl Trace {
         std::fs::create_dir_all(dir)?;
         let mut all: Vec<serde_json::Value> = Vec::with_capacity(self.events.len() + 5);
         all.push(serde_json::json!({"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": format!("rank {}", self.rank)}}));
-        for t in [Track::Compute, Track::Gradients, Track::Comm, Track::Data, Track::Device] {
+        for t in [Track::Compute, Track::Gradients, Track::Comm, Track::Data, Track::Device, Track::DeviceComm] {
             all.push(serde_json::json!({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": t as usize, "args": {"name": t.name()}}));
         }
         for e in &self.events {

@@ -612,8 +612,13 @@ impl<'r, B: Backend> Trainer<'r, B> {
         // a device transport timed its collectives with events: their total replaces the
         // host's view of them, which on a GPU only sees the enqueueing (what the step waited for
         // is the timeline's `CommExposed`)
-        if let Some((_, total)) = self.comm.take_device_timing()? {
-            *self.window.device_comm_total_s.get_or_insert(0.0) += total;
+        if let Some(timing) = self.comm.take_device_timing(self.t_start)? {
+            *self.window.device_comm_total_s.get_or_insert(0.0) += timing.total_s;
+            if let Some(tr) = self.st.trace.as_mut() {
+                for (what, start_s, end_s) in timing.spans {
+                    tr.span_s(Track::DeviceComm, what, start_s, end_s, serde_json::Map::new());
+                }
+            }
         }
         for (&(s, _), sum) in taken.iter().zip(sums) {
             let loss = sum / self.plan.global_batch as f64;

@@ -33,7 +33,7 @@ use cudarc::nccl::sys::ncclUniqueId;
 use super::device::{kargs, MemStats, THREADS};
 use super::gemm::Ty;
 use super::{libs, Cuda, CudaBuf};
-use crate::comm::{check_args, Arrivals, CResult, Collective, Comm, CommError, CommOptions, DistEnv, ReduceOp, Span, TcpComm, Wire, Work};
+use crate::comm::{check_args, Arrivals, CResult, Collective, Comm, CommError, CommOptions, DeviceTiming, DistEnv, ReduceOp, Span, TcpComm, Wire, Work};
 
 type RawComm = *mut c_void;
 // NCCL's result, data type and operation codes (nccl.h), as plain integers: a value this
@@ -175,9 +175,9 @@ pub struct NcclComm {
     shared: Arc<Shared>,
     watchdog: Option<std::thread::JoinHandle<()>>,
     next_id: u64,
-    pending: HashMap<u64, (Arc<CudaEvent>, Arc<CudaEvent>)>,
-    /// (start, done) of collectives waited on since the last `take_device_timing`.
-    timed: Vec<(Arc<CudaEvent>, Arc<CudaEvent>)>,
+    pending: HashMap<u64, (Arc<CudaEvent>, Arc<CudaEvent>, String)>,
+    /// (start, done, what) of collectives waited on since the last `take_device_timing`.
+    timed: Vec<(Arc<CudaEvent>, Arc<CudaEvent>, String)>,
     /// The compute stream's events around each boundary's waits.
     waits: Vec<(CudaEvent, CudaEvent)>,
     open_wait: Option<CudaEvent>,
@@ -502,7 +502,7 @@ impl Comm<CudaBuf> for NcclComm {
         if let Ok(mut list) = self.shared.in_flight.lock() {
             list.push(InFlight { id, done: done.clone(), since: Instant::now(), what });
         }
-        self.pending.insert(id, (start, done));
+        self.pending.insert(id, (start, done, format!("{} {}..{}", op.name(), span.off, span.off + span.len)));
         Ok(Work { id, op, span })
     }
 
@@ -512,10 +512,10 @@ impl Comm<CudaBuf> for NcclComm {
 
     fn wait(&mut self, work: Work, _buf: &mut CudaBuf) -> CResult<()> {
         self.check_failed()?;
-        let (start, done) = self.pending.remove(&work.id).ok_or(CommError::UnknownWork { id: work.id })?;
+        let (start, done, what) = self.pending.remove(&work.id).ok_or(CommError::UnknownWork { id: work.id })?;
         // the compute stream goes on once the collective is done; the host does not wait
         self.compute.wait(&done).map_err(cu(self.rank, "ordering the compute stream"))?;
-        self.timed.push((start, done));
+        self.timed.push((start, done, what));
         Ok(())
     }
 
@@ -525,8 +525,8 @@ impl Comm<CudaBuf> for NcclComm {
 
     fn detach(&mut self, work: Work) -> CResult<Box<dyn crate::core::Fence>> {
         self.check_failed()?;
-        let (start, done) = self.pending.remove(&work.id).ok_or(CommError::UnknownWork { id: work.id })?;
-        self.timed.push((start, done.clone()));
+        let (start, done, what) = self.pending.remove(&work.id).ok_or(CommError::UnknownWork { id: work.id })?;
+        self.timed.push((start, done.clone(), what));
         Ok(Box::new(StreamFence { compute: self.compute.clone(), done, rank: self.rank }))
     }
 
@@ -546,22 +546,30 @@ impl Comm<CudaBuf> for NcclComm {
         Ok(())
     }
 
-    fn take_device_timing(&mut self) -> CResult<Option<(f64, f64)>> {
+    fn take_device_timing(&mut self, epoch: Instant) -> CResult<Option<DeviceTiming>> {
         self.check_failed()?;
         let rank = self.rank;
         let ms = |a: &CudaEvent, b: &CudaEvent| -> CResult<f64> {
             b.synchronize().map_err(cu(rank, "waiting for a timing event"))?;
             Ok(a.elapsed_ms(b).map_err(cu(rank, "reading a timing event"))? as f64 * 1e-3)
         };
-        let mut exposed = 0.0;
+        let mut t = DeviceTiming::default();
         for (a, b) in std::mem::take(&mut self.waits) {
-            exposed += ms(&a, &b)?;
+            t.exposed_s += ms(&a, &b)?;
         }
-        let mut total = 0.0;
-        for (a, b) in std::mem::take(&mut self.timed) {
-            total += ms(&a, &b)?;
+        // a probe after the last collective, reached as soon as the stream is idle: the host's
+        // clock when it is seen reached places every event before it
+        let probe = self.event(true)?;
+        probe.record(&self.stream).map_err(cu(rank, "recording the timing probe"))?;
+        probe.synchronize().map_err(cu(rank, "waiting for the timing probe"))?;
+        let now = epoch.elapsed().as_secs_f64();
+        for (a, b, what) in std::mem::take(&mut self.timed) {
+            let secs = ms(&a, &b)?;
+            t.total_s += secs;
+            let end = now - ms(&b, &probe)?;
+            t.spans.push((what, end - secs, end));
         }
-        Ok(Some((exposed, total)))
+        Ok(Some(t))
     }
 
     fn barrier(&mut self) -> CResult<()> {
