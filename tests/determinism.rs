@@ -7,6 +7,9 @@ use vitscale::config;
 use vitscale::model::weights;
 use vitscale::train::engine::{self, TrainOptions};
 
+mod common;
+use common::{metrics, tmp};
+
 fn cfg(steps: u64) -> vitscale::config::RunConfig {
     let v = serde_json::json!({
         "train_micro_batch_size_per_gpu": 32,
@@ -22,13 +25,7 @@ fn cfg(steps: u64) -> vitscale::config::RunConfig {
 
 /// Per-step training losses from a run directory's metrics.jsonl.
 fn losses(run: &std::path::Path) -> Vec<f64> {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|v| v.get("kind").is_none())
-        .map(|v| v["loss"].as_f64().unwrap())
-        .collect()
+    metrics(run, None).iter().map(|v| v["loss"].as_f64().unwrap()).collect()
 }
 
 fn run(dir: &std::path::Path, name: &str, steps: u64, init: Option<&std::path::Path>, save: Option<&std::path::Path>) -> (Vec<f64>, f64) {
@@ -46,7 +43,7 @@ fn run(dir: &std::path::Path, name: &str, steps: u64, init: Option<&std::path::P
 
 #[test]
 fn save_reload_train_is_bit_identical() {
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp();
     let w = tmp.path().join("w.safetensors");
     let (first, val_a) = run(tmp.path(), "a", 6, None, Some(&w));
     assert_eq!(first.len(), 6);
@@ -77,7 +74,7 @@ fn save_reload_train_is_bit_identical() {
 
 #[test]
 fn thread_count_does_not_change_the_numbers() {
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp();
     let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
     let three = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
     let a = one.install(|| run(tmp.path(), "t1", 4, None, None));
@@ -125,7 +122,7 @@ fn recompute_policy_does_not_change_gradients() {
 /// while the backward runs, must not be replaced by evaluation inputs).
 #[test]
 fn evaluation_between_steps_leaves_training_unchanged() {
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp();
     let train = |name: &str, eval_every: u64| {
         let mut c = cfg(6);
         c.train.eval_every = eval_every;
