@@ -90,8 +90,10 @@ pub fn apply_op(op: Op, m: f64, increasing: bool, rng: &mut SplitMix, img: &mut 
         Op::Equalize => equalize(img),
         Op::Invert => img.iter_mut().for_each(|v| *v = 255 - *v),
         Op::Posterize => {
-            let bits = if increasing { 4 - (l * 4.0) as u32 } else { (l * 4.0) as u32 }.min(8);
-            let mask = if bits == 0 { 0u8 } else { !((1u16 << (8 - bits)) as u8).wrapping_sub(1) };
+            // timm: `int(4·l)` bits kept (increasing: 4 minus that, negative past level 12.5);
+            // 8 or more keep the image, none or fewer leave no bits (PIL's mask is then 0).
+            let bits = if increasing { 4 - (l * 4.0) as i64 } else { (l * 4.0) as i64 };
+            let mask = if bits >= 8 { 0xff } else if bits <= 0 { 0u8 } else { 0xffu8 << (8 - bits) };
             img.iter_mut().for_each(|v| *v &= mask);
         }
         Op::Solarize => {
@@ -985,6 +987,23 @@ mod tests {
         let mut px = vec![50u8, 50, 50, 150, 150, 150, 100, 100, 100];
         run(Op::AutoContrast, 0.0, false, &mut px, 0);
         assert_eq!(px, [0, 0, 0, 255, 255, 255, 127, 127, 127]);
+    }
+
+    /// Increasing Posterize keeps `4 − int(4·m/10)` bits (timm), which is negative past level
+    /// 12.5 (reachable with `mmax` above it): PIL's mask then clears every bit.
+    #[test]
+    fn increasing_posterize_past_level_12_5_keeps_no_bits() {
+        let ramp: Vec<u8> = (0..=255).collect();
+        for m in [12.5, 15.0, 20.0] {
+            let mut px = ramp.clone();
+            run(Op::Posterize, m, true, &mut px, 0);
+            assert!(px.iter().all(|&v| v == 0), "m={m}: {px:?}");
+        }
+        // Level 12.4 still keeps int(4·1.24) = 4 → 0 bits, level 10 too; the non-increasing
+        // mapping past 20 keeps 8 bits or more: the image.
+        let mut px = ramp.clone();
+        run(Op::Posterize, 20.0, false, &mut px, 0);
+        assert_eq!(px, ramp);
     }
 
     #[test]
