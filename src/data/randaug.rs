@@ -898,6 +898,8 @@ mod tests {
         assert_eq!(warp(&src, [1.0, 0.5, 0.0, 0.0, 1.0, 0.0], &mut scratch), sheared);
         // The same down the columns: TranslateY and ShearY.
         let src_t = transposed([[10, 110, 50]; 3]);
+        assert_eq!(warp(&src_t, [1.0, 0.0, 0.0, 0.0, 1.0, 1.0], &mut scratch), transposed([[110, 50, 0]; 3]));
+        assert_eq!(warp(&src_t, [1.0, 0.0, 0.0, 0.0, 1.0, -1.0], &mut scratch), transposed([[0, 10, 110]; 3]));
         assert_eq!(warp(&src_t, [1.0, 0.0, 0.0, 0.0, 1.0, 0.25], &mut scratch), transposed([[35, 95, 50]; 3]));
         assert_eq!(warp(&src_t, [1.0, 0.0, 0.0, 0.5, 1.0, 0.0], &mut scratch), transposed([[35, 95, 50], [85, 65, 0], [95, 50, 0]]));
         // Rotations by 90° (PIL's matrix for +90°: [0, −1, 3, 1, 0, 0]), −90° and 180° move
