@@ -805,9 +805,9 @@ mod tests {
     /// with factor f = 0.1 + 1.8·m/10 (timm): 0.1 at m = 0, 1.9 at m = 10, 1 (the image) at
     /// m = 5 and at m = 0 when increasing (1 ± 0). Degenerate images: black (Brightness), the
     /// mean of the "L" image (299 R + 587 G + 114 B) / 1000 rounded (Contrast), each pixel's
-    /// L (Color), PIL's SMOOTH filter rounded, border kept (Sharpness). PIL truncates the blend
-    /// where this module rounds (see the module): every value below has an exact result whose
-    /// fraction lies in [0.1, 0.4], where the two agree.
+    /// L (Color), PIL's SMOOTH filter rounded, border kept (Sharpness). PIL's `Image.blend`
+    /// truncates where this module rounds half up (up to one level apart): every value below has
+    /// an exact result whose fraction lies in [0.1, 0.4], where the two agree.
     #[test]
     fn enhance_ops_by_hand() {
         // Brightness: f·v.
