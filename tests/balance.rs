@@ -9,7 +9,7 @@
 //! `dist_train`: a second or two each.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::Output;
 use std::sync::Arc;
 
 use serde_json::{json, Value};
@@ -18,7 +18,7 @@ use vitscale::data::split::SplitSchedule;
 use vitscale::data::{ImageSet, Loader, LoaderPlan, Sampler};
 
 mod common;
-use common::{free_port, max_rel_diff, run, EXE};
+use common::{launch_args, max_rel_diff, metrics, read_json, run, run_dir_args, tmp, vitscale};
 
 /// Weights may differ between splits of the same global batch only by the order in which
 /// per-image gradients are summed (f32 rounding): `dist_train`'s bound for SGD runs, which
@@ -28,10 +28,7 @@ const SPLIT_TOL: f32 = 1e-6;
 /// `vitscale [launch --nproc-per-node n --] train` of `steps` steps of 32 images with SGD,
 /// writing `dir/w.safetensors`.
 fn train(nproc: usize, steps: u64, extra: &[&str], dir: &Path) -> Output {
-    let mut args = Vec::new();
-    if nproc > 1 {
-        args.extend(["launch".to_string(), format!("--nproc-per-node={nproc}"), format!("--master-port={}", free_port()), "--".into()]);
-    }
+    let mut args = launch_args(nproc);
     args.push("train".into());
     args.extend([
         "--device=cpu".to_string(),
@@ -42,15 +39,14 @@ fn train(nproc: usize, steps: u64, extra: &[&str], dir: &Path) -> Output {
         "--set=optimizer={\"type\":\"SGD\",\"params\":{\"lr\":0.05,\"momentum\":0.9}}".into(),
     ]);
     args.extend(extra.iter().map(|s| s.to_string()));
-    args.extend(["--run-dir".into(), dir.display().to_string(), "--save-weights".into(), dir.join("w.safetensors").display().to_string()]);
+    args.extend(run_dir_args(dir));
     run(&args)
 }
 
 /// The step lines of a rank's `metrics.jsonl` (rank 0: `dir`, rank r: `dir/rank<r>`).
 fn steps(dir: &Path, rank: usize) -> Vec<Value> {
-    let path = if rank == 0 { dir.join("metrics.jsonl") } else { dir.join(format!("rank{rank}")).join("metrics.jsonl") };
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    text.lines().map(|l| serde_json::from_str::<Value>(l).expect("JSON line")).filter(|v| v.get("kind").is_none() && v.get("step").is_some()).collect()
+    let dir = if rank == 0 { dir.to_path_buf() } else { dir.join(format!("rank{rank}")) };
+    metrics(&dir, None).into_iter().filter(|v| v.get("step").is_some()).collect()
 }
 
 fn num(v: &Value, key: &str) -> f64 {
@@ -63,10 +59,6 @@ static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn tmp() -> tempfile::TempDir {
-    tempfile::tempdir().expect("tempdir")
 }
 
 #[test]
@@ -182,7 +174,7 @@ fn the_trace_shows_the_emulated_slowdown_and_the_waits() {
     let opts = ["--set=train_micro_batch_size_per_gpu=16", "--set=train.emulate_slowdown={\"1\":2.0}", "--trace", trace.to_str().expect("utf-8 path")];
     train(2, 4, &opts, &dir);
     let names = |r: usize| -> Vec<String> {
-        let v: Value = serde_json::from_slice(&std::fs::read(trace.join(format!("trace-rank{r}.json"))).expect("trace written")).expect("JSON");
+        let v = read_json(&trace.join(format!("trace-rank{r}.json")));
         v["traceEvents"].as_array().expect("events").iter().filter_map(|e| e["name"].as_str().map(String::from)).collect()
     };
     let (n0, n1) = (names(0), names(1));
@@ -295,13 +287,7 @@ fn bad_balance_and_slowdown_values_are_errors_naming_the_key() {
     assert_eq!((auto.train.balance, auto.train.balance_every), (config::Balance::Auto, 5));
     // and through the command line, before any training
     let t = tmp();
-    let out = Command::new(EXE)
-        .current_dir(t.path())
-        .args(["train", "--device=cpu", "--set=train.emulate_slowdown={\"0\":0.9}"])
-        .env_remove("VITSCALE_RUN_ID")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run vitscale");
+    let out = vitscale(t.path(), &["train", "--device=cpu", "--set=train.emulate_slowdown={\"0\":0.9}"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && stderr.contains("train.emulate_slowdown"), "{stderr}");
 }

@@ -4,15 +4,13 @@
 //!
 //! Tolerances: 1e-4 relative (f32 against timm in f32).
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use safetensors::SafeTensors;
 use vitscale::model::weights;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
-}
+mod common;
+use common::{fixture_tensors, fixtures, last_json, metrics, read_json, tmp, write_weights};
 
 /// Runs the binary in a fresh empty directory (every path handed to it is absolute), so that a
 /// command without `--run-dir`, which writes `runs/<time>-<pid>` under the current directory,
@@ -22,47 +20,7 @@ fn vitscale(args: &[&str]) -> Output {
 }
 
 fn vitscale_env(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let cwd = tempfile::tempdir().expect("a scratch directory");
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_vitscale"));
-    cmd.args(args).current_dir(cwd.path());
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().expect("the vitscale binary runs")
-}
-
-/// The last stdout line as JSON (the `--json` contract).
-fn last_json(out: &Output) -> serde_json::Value {
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout.lines().last().unwrap_or_else(|| panic!("no stdout; stderr: {}", String::from_utf8_lossy(&out.stderr)));
-    serde_json::from_str(line).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {line}"))
-}
-
-/// Tensors of the CIFAR fixture with the given prefix, as (key, shape, data).
-fn fixture_tensors(prefix: &str) -> Vec<(String, Vec<usize>, Vec<f32>)> {
-    let path = fixtures().join("timm_cifar.safetensors");
-    let bytes = std::fs::read(&path).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let mut out: Vec<_> = st
-        .tensors()
-        .into_iter()
-        .filter_map(|(k, v)| {
-            let key = k.strip_prefix(&format!("{prefix}."))?.to_string();
-            Some((key, v.shape().to_vec(), weights::to_f32(&path, &k, &v).unwrap()))
-        })
-        .collect();
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    out
-}
-
-fn write_weights(tensors: &[(String, Vec<usize>, Vec<f32>)], path: &Path) {
-    let views: Vec<_> = tensors
-        .iter()
-        .map(|(k, shape, data)| {
-            (k.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytemuck::cast_slice(data)).unwrap())
-        })
-        .collect();
-    std::fs::write(path, safetensors::serialize(views, &None).unwrap()).unwrap();
+    common::vitscale_env(tmp().path(), args, env)
 }
 
 fn fixture_scalar(name: &str) -> f64 {
@@ -82,7 +40,7 @@ fn cifar_args(dir: &str) -> Vec<String> {
 
 #[test]
 fn eval_of_unseen_timm_model_matches_timm_loss() {
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp();
     let w = tmp.path().join("init.safetensors");
     write_weights(&fixture_tensors("param"), &w);
     let data = fixtures().join("cifar_tiny");
@@ -100,7 +58,7 @@ fn eval_of_unseen_timm_model_matches_timm_loss() {
 
 #[test]
 fn one_sgd_step_over_the_whole_train_split_matches_torch() {
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp();
     let w = tmp.path().join("init.safetensors");
     let saved = tmp.path().join("after.safetensors");
     write_weights(&fixture_tensors("param"), &w);
@@ -140,7 +98,7 @@ fn one_sgd_step_over_the_whole_train_split_matches_torch() {
 
 #[test]
 fn default_training_writes_the_run_directory() {
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp();
     let run = tmp.path().join("run");
     let out = vitscale(&[
         "train", "--json", "--run-dir", run.to_str().unwrap(),
@@ -151,17 +109,16 @@ fn default_training_writes_the_run_directory() {
     let top1 = j["val_top1"].as_f64().unwrap();
     assert!((0.0..=1.0).contains(&top1));
     assert_eq!(j["images"].as_u64(), Some(12 * 64));
-    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
-    let steps: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).filter(|v: &serde_json::Value| v.get("kind").is_none()).collect();
+    let steps = metrics(&run, None);
     assert_eq!(steps.len(), 3, "one line every 4 steps");
     for rec in &steps {
         for key in ["step", "epoch", "lr", "loss", "grad_norm", "images_per_s", "data_s", "forward_s", "backward_s", "optimizer_s"] {
             assert!(rec.get(key).is_some(), "metrics line lacks {key}: {rec}");
         }
     }
-    let summary: serde_json::Value = serde_json::from_slice(&std::fs::read(run.join("summary.json")).unwrap()).unwrap();
+    let summary = read_json(&run.join("summary.json"));
     assert_eq!(summary["val_top1"], j["val_top1"]);
-    let resolved: serde_json::Value = serde_json::from_slice(&std::fs::read(run.join("config.json")).unwrap()).unwrap();
+    let resolved = read_json(&run.join("config.json"));
     assert!(resolved.get("model").is_some());
 }
 
@@ -170,7 +127,7 @@ fn default_training_writes_the_run_directory() {
 /// training time plus them is the wall time between the lines.
 #[test]
 fn checkpoint_time_is_logged_apart_from_images_per_s() {
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp();
     let run = tmp.path().join("run");
     let out = vitscale(&[
         "train", "--json", "--run-dir", run.to_str().unwrap(),
@@ -178,8 +135,7 @@ fn checkpoint_time_is_logged_apart_from_images_per_s() {
         "--set", "train.checkpoint_every=2",
     ]);
     assert!(out.status.success(), "train failed: {}", String::from_utf8_lossy(&out.stderr));
-    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
-    let steps: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).filter(|v: &serde_json::Value| v.get("kind").is_none()).collect();
+    let steps = metrics(&run, None);
     assert_eq!(steps.len(), 5);
     let mut prev_wall: Option<f64> = None;
     for rec in &steps {
@@ -251,7 +207,7 @@ fn evaluation_time_is_logged_apart_from_images_per_s() {
 /// from the metadata vitscale writes into the file.
 #[test]
 fn saved_weights_evaluate_like_the_run_that_saved_them() {
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp();
     let run = tmp.path().join("run");
     let w = tmp.path().join("w.safetensors");
     let out = vitscale(&[
@@ -271,7 +227,7 @@ fn saved_weights_evaluate_like_the_run_that_saved_them() {
 /// Every bad input: non-zero exit, one message naming the culprit, never a panic.
 #[test]
 fn bad_input_gives_one_clear_error() {
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp();
     let garbage = tmp.path().join("garbage.safetensors");
     std::fs::write(&garbage, b"not a safetensors file at all").unwrap();
     let bad_json = tmp.path().join("bad.json");
@@ -309,7 +265,7 @@ fn bad_input_gives_one_clear_error() {
 /// An image folder whose config names no class count trains with one class per subfolder.
 #[test]
 fn folder_class_count_defaults_to_the_subfolders() {
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp();
     for (class, rgb) in [("ants", [200u8, 30, 30]), ("bees", [30, 30, 200]), ("wasps", [30, 200, 30])] {
         std::fs::create_dir_all(tmp.path().join("data").join(class)).unwrap();
         for i in 0..6 {
@@ -326,7 +282,7 @@ fn folder_class_count_defaults_to_the_subfolders() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert!(stderr.contains("3 class folders"), "{stderr}");
-    let resolved: serde_json::Value = serde_json::from_slice(&std::fs::read(run.join("config.json")).unwrap()).unwrap();
+    let resolved = read_json(&run.join("config.json"));
     assert_eq!(resolved["model"]["num_classes"], 3);
     // Class index order = sorted folder names, recorded in the run directory.
     let classes: Vec<String> = serde_json::from_slice(&std::fs::read(run.join("classes.json")).unwrap()).unwrap();
@@ -340,7 +296,7 @@ fn folder_class_count_defaults_to_the_subfolders() {
 #[test]
 fn without_a_gpu_cuda_is_refused_clearly_and_auto_falls_back() {
     let no_gpu = [("CUDA_VISIBLE_DEVICES", "")];
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp();
     let out = vitscale_env(&["train", "--device", "cuda", "--run-dir", tmp.path().join("cuda").to_str().unwrap(), "--set", "train.steps=1"], &no_gpu);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "--device cuda without a GPU should fail");

@@ -2,11 +2,14 @@
 //! texts, `--set`, unknown keys, invalid values, and real DeepSpeed configs (committed under
 //! tests/fixtures/deepspeed/) loading with the expected warnings.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use serde_json::{json, Value};
 use vitscale::config::*;
 use vitscale::model::spec::GlobalPool;
+
+mod common;
+use common::{fixtures, tmp};
 
 fn ok(v: Value) -> RunConfig {
     match resolve(&v, 1) {
@@ -26,7 +29,7 @@ fn err_names(v: Value, key: &str) -> String {
 }
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/deepspeed").join(name)
+    fixtures().join("deepspeed").join(name)
 }
 
 fn load_fixture(name: &str, world: usize) -> RunConfig {
@@ -481,7 +484,7 @@ fn set_errors_name_the_argument() {
 
 #[test]
 fn file_errors_name_the_file_and_position() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     let p = dir.path().join("bad.json");
     std::fs::write(&p, "{\n  \"train_batch_size\": 8,\n  \"optimizer\": {\"type\": }\n}\n").unwrap();
     let e = load_json(Some(&p), &[]).unwrap_err().to_string();
@@ -744,7 +747,7 @@ fn folder_defaults_and_timm_augment_keys() {
 fn total_num_steps_auto_is_left_to_the_training_loop() {
     // The parser does not open the dataset for "auto": a folder or CIFAR path that does not
     // exist still parses, to the run's length.
-    let missing = tempfile::tempdir().unwrap().path().join("not-there");
+    let missing = tmp().path().join("not-there");
     let c = ok(json!({"train_batch_size": 4, "data": {"dataset": "folder", "path": missing, "val_split": 0.2}, "model": {"num_classes": 2},
         "train": {"epochs": 3}, "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": "auto", "warmup_num_steps": 2}}}));
     assert!(matches!(c.scheduler, Some(SchedulerConfig::WarmupCosineLR { total_num_steps: TotalSteps::RunLength, .. })), "{:?}", c.scheduler);

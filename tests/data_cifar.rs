@@ -7,27 +7,17 @@ use std::path::Path;
 use vitscale::config::{DataConfig, DatasetKind};
 use vitscale::data::{make_batch, open, DataError};
 
+mod common;
+use common::{cifar_pixel as pixel, cifar_planes, tmp};
+
 fn cfg(dataset: DatasetKind, path: &Path) -> DataConfig {
     // Normalized value == byte value.
     DataConfig::for_dataset(dataset, Some(path.to_path_buf()), [0.0; 3], [1.0 / 255.0; 3])
 }
 
-/// A recognizable pixel: depends on (image, channel, y, x).
-fn pixel(img: usize, c: usize, y: usize, x: usize) -> u8 {
-    ((img * 7 + c * 50 + y * 3 + x) % 256) as u8
-}
-
 /// One CIFAR record: label bytes then CHW planes.
 fn record(labels: &[u8], img: usize) -> Vec<u8> {
-    let mut r = labels.to_vec();
-    for c in 0..3 {
-        for y in 0..32 {
-            for x in 0..32 {
-                r.push(pixel(img, c, y, x));
-            }
-        }
-    }
-    r
+    [labels.to_vec(), cifar_planes(img)].concat()
 }
 
 fn write(path: &Path, records: &[Vec<u8>]) {
@@ -36,7 +26,7 @@ fn write(path: &Path, records: &[Vec<u8>]) {
 
 #[test]
 fn cifar10_labels_and_pixels_land_where_expected() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     // Only batches 1 and 3 exist: both are loaded, in order.
     write(&dir.path().join("data_batch_1.bin"), &[record(&[3], 0), record(&[9], 1)]);
     write(&dir.path().join("data_batch_3.bin"), &[record(&[0], 2)]);
@@ -67,7 +57,7 @@ fn cifar10_labels_and_pixels_land_where_expected() {
 
 #[test]
 fn cifar_archive_subfolder_is_found() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     let sub = dir.path().join("cifar-10-batches-bin");
     fs::create_dir(&sub).unwrap();
     write(&sub.join("data_batch_1.bin"), &[record(&[1], 0)]);
@@ -78,7 +68,7 @@ fn cifar_archive_subfolder_is_found() {
 
 #[test]
 fn cifar100_uses_the_fine_label() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     write(&dir.path().join("train.bin"), &[record(&[19, 99], 0), record(&[0, 42], 1)]);
     write(&dir.path().join("test.bin"), &[record(&[4, 7], 2)]);
     let d = open(&cfg(DatasetKind::Cifar100, dir.path()), 32, 100, 0).unwrap();
@@ -89,7 +79,7 @@ fn cifar100_uses_the_fine_label() {
 
 #[test]
 fn missing_files_are_named() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     let e = open(&cfg(DatasetKind::Cifar10, dir.path()), 32, 10, 0).unwrap_err();
     assert!(matches!(e, DataError::NotFound { split: "train", .. }), "{e}");
     assert!(e.to_string().contains("data_batch_1.bin"), "{e}");
@@ -102,7 +92,7 @@ fn missing_files_are_named() {
 
 #[test]
 fn truncated_file_names_file_and_offset() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     let mut recs = vec![record(&[1], 0), record(&[2], 1)];
     recs[1].truncate(1000);
     write(&dir.path().join("data_batch_1.bin"), &recs);
@@ -121,7 +111,7 @@ fn truncated_file_names_file_and_offset() {
 
 #[test]
 fn out_of_range_label_names_file_and_offset() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     write(&dir.path().join("data_batch_1.bin"), &[record(&[1], 0)]);
     write(&dir.path().join("test_batch.bin"), &[record(&[2], 0), record(&[2], 1), record(&[10], 2)]);
     let e = open(&cfg(DatasetKind::Cifar10, dir.path()), 32, 10, 0).unwrap_err();
@@ -137,7 +127,7 @@ fn out_of_range_label_names_file_and_offset() {
 
 #[test]
 fn unreadable_path_is_an_error() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     // A directory where a file is expected: is_file() is false, so it is reported as missing.
     fs::create_dir(dir.path().join("test_batch.bin")).unwrap();
     write(&dir.path().join("data_batch_1.bin"), &[record(&[1], 0)]);
@@ -147,7 +137,7 @@ fn unreadable_path_is_an_error() {
 
 #[test]
 fn skip_bad_drops_bad_records_and_counts_them() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     let mut recs = vec![record(&[1], 0), record(&[12], 1), record(&[2], 2), record(&[3], 3)];
     recs[3].truncate(100);
     write(&dir.path().join("data_batch_1.bin"), &recs);

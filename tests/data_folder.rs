@@ -8,6 +8,9 @@ use std::sync::Arc;
 use vitscale::config::{DataConfig, DatasetKind, Interpolation};
 use vitscale::data::{open, shard, try_make_batch, DataError, Loader, LoaderPlan, Sampler};
 
+mod common;
+use common::{tmp, vitscale};
+
 fn cfg(path: &Path) -> DataConfig {
     DataConfig {
         num_workers: 2,
@@ -41,7 +44,7 @@ fn make_tree(root: &Path, n: usize) -> Vec<[u8; 3]> {
 
 #[test]
 fn seeded_split_sorted_classes_and_pixels() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     let colours = make_tree(dir.path(), 8);
     let c = cfg(dir.path());
     let d = open(&c, 16, 3, 5).unwrap();
@@ -71,7 +74,7 @@ fn seeded_split_sorted_classes_and_pixels() {
 /// like the other formats; a broken one is an error naming it.
 #[test]
 fn webp_images_in_folders() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     let colours = [[200u8, 10, 10], [10, 200, 10]];
     for (c, name) in ["a", "b"].iter().enumerate() {
         for i in 0..3 {
@@ -103,7 +106,7 @@ fn webp_images_in_folders() {
 
 #[test]
 fn train_val_folders_and_class_mismatch() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     make_tree(&dir.path().join("train"), 3);
     make_tree(&dir.path().join("val"), 2);
     let c = cfg(dir.path());
@@ -119,7 +122,7 @@ fn train_val_folders_and_class_mismatch() {
 
 #[test]
 fn empty_class_and_missing_folder_are_errors() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     let c = cfg(&dir.path().join("nope"));
     assert!(open(&c, 16, 3, 0).unwrap_err().to_string().contains("nope"));
     fs::create_dir_all(dir.path().join("a")).unwrap();
@@ -130,7 +133,7 @@ fn empty_class_and_missing_folder_are_errors() {
 
 #[test]
 fn augmentation_is_deterministic_and_rank_independent() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     // Non-uniform images, so crops differ.
     for i in 0..12 {
         let img = image::RgbImage::from_fn(64, 48, |x, y| image::Rgb([(x * 4) as u8, (y * 5) as u8, (i * 20) as u8]));
@@ -159,7 +162,7 @@ fn augmentation_is_deterministic_and_rank_independent() {
 /// image, solid images still solid.
 #[test]
 fn bicubic_interpolation_in_folder_batches() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     for i in 0..8 {
         let img = image::RgbImage::from_fn(64, 48, |x, y| image::Rgb([((x * x) % 256) as u8, (y * 5) as u8, (i * 20) as u8]));
         let p = dir.path().join(format!("c{}/i{i}.png", i % 2));
@@ -199,7 +202,7 @@ fn corrupt_tree(root: &Path) -> PathBuf {
 
 #[test]
 fn bad_files_error_or_are_skipped() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     let bad = corrupt_tree(dir.path());
     let mut c = cfg(dir.path());
     c.val_split = 0.0;
@@ -235,7 +238,7 @@ fn plan(set: Arc<vitscale::data::ImageSet>, c: &DataConfig, rank: usize, steps: 
 
 #[test]
 fn loader_matches_direct_batches_across_epochs() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     make_tree(dir.path(), 5);
     let mut c = cfg(dir.path());
     c.val_split = 0.0;
@@ -261,7 +264,7 @@ fn loader_matches_direct_batches_across_epochs() {
 
 #[test]
 fn loader_reports_errors_and_drops_cleanly() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     corrupt_tree(dir.path());
     let mut c = cfg(dir.path());
     c.val_split = 0.0;
@@ -285,7 +288,7 @@ fn loader_reports_errors_and_drops_cleanly() {
 #[test]
 #[ignore]
 fn profile_decode_vs_resample() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     let files = vitscale::data::synthetic::write_jpegs(dir.path(), 32, 1).unwrap();
     let t = std::time::Instant::now();
     let mut imgs = Vec::new();
@@ -322,14 +325,14 @@ fn train_folder(root: &Path, run_dir: &Path, extra: &[&str]) -> (bool, String, O
     args.push(format!("--set=data.path={}", root.display()));
     args.extend(extra.iter().map(|s| s.to_string()));
     args.extend(["--run-dir".to_string(), run_dir.display().to_string()]);
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_vitscale")).args(&args).output().unwrap();
+    let out = vitscale(Path::new("."), &args);
     let summary = fs::read(run_dir.join("summary.json")).ok().and_then(|b| serde_json::from_slice(&b).ok());
     (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned(), summary)
 }
 
 #[test]
 fn training_on_a_bad_file_fails_naming_it_or_skips_and_counts_it() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     make_tree(dir.path(), 6);
     // Every file of one class is broken, so whichever split or batch meets one first fails.
     for i in 0..6 {
@@ -341,7 +344,7 @@ fn training_on_a_bad_file_fails_naming_it_or_skips_and_counts_it() {
             }
         }
     }
-    let runs = tempfile::tempdir().unwrap();
+    let runs = tmp();
     let (ok, err, _) = train_folder(dir.path(), &runs.path().join("a"), &[]);
     assert!(!ok, "training on broken files succeeded");
     assert!(!err.contains("panicked"), "a bad file panicked: {err}");
@@ -351,7 +354,7 @@ fn training_on_a_bad_file_fails_naming_it_or_skips_and_counts_it() {
     let skipped = summary.and_then(|s| s["skipped"].as_u64()).unwrap_or(0);
     assert!(skipped >= 1, "summary.json does not count the skipped files");
     // Without skip_bad, summary.json has no `skipped` field.
-    let good = tempfile::tempdir().unwrap();
+    let good = tmp();
     make_tree(good.path(), 4);
     let (ok, err, summary) = train_folder(good.path(), &runs.path().join("c"), &["--set=data.auto_augment=rand-m9-mstd0.5-inc1", "--set=data.reprob=0.25"]);
     assert!(ok, "{err}");

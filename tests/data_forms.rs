@@ -9,25 +9,11 @@ use std::path::Path;
 use vitscale::config::{DataConfig, DatasetKind, Interpolation, LabelKind};
 use vitscale::data::{make_batch, open, DataError, Datasets};
 
+mod common;
+use common::{cifar_pixel as pixel, cifar_planes as planes, fixtures, tmp};
+
 fn cfg(dataset: DatasetKind, path: &Path) -> DataConfig {
     DataConfig::for_dataset(dataset, Some(path.to_path_buf()), [0.5; 3], [0.25; 3])
-}
-
-fn pixel(img: usize, c: usize, y: usize, x: usize) -> u8 {
-    ((img * 7 + c * 50 + y * 3 + x) % 256) as u8
-}
-
-/// (3072-byte CHW planes) of image `img`.
-fn planes(img: usize) -> Vec<u8> {
-    let mut r = Vec::with_capacity(3072);
-    for c in 0..3 {
-        for y in 0..32 {
-            for x in 0..32 {
-                r.push(pixel(img, c, y, x));
-            }
-        }
-    }
-    r
 }
 
 /// One split: (first image id, labels as (coarse, fine)).
@@ -145,7 +131,7 @@ fn assert_same(a: &Datasets, b: &Datasets, c: &DataConfig) {
 
 #[test]
 fn cifar10_all_forms_give_identical_batches() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     let paths = write_all_forms(dir.path(), false);
     let c = cfg(DatasetKind::Cifar10, dir.path());
     let sets: Vec<Datasets> = paths.iter().map(|p| open(&cfg(DatasetKind::Cifar10, p), 32, 10, 0).unwrap()).collect();
@@ -161,7 +147,7 @@ fn cifar10_all_forms_give_identical_batches() {
 
 #[test]
 fn cifar100_all_forms_and_both_labels() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     let paths = write_all_forms(dir.path(), true);
     let c = cfg(DatasetKind::Cifar100, dir.path());
     let fine: Vec<Datasets> = paths.iter().map(|p| open(&cfg(DatasetKind::Cifar100, p), 32, 100, 0).unwrap()).collect();
@@ -181,8 +167,8 @@ fn cifar100_all_forms_and_both_labels() {
 
 #[test]
 fn official_archive_found_inside_the_folder() {
-    let dir = tempfile::tempdir().unwrap();
-    let scratch = tempfile::tempdir().unwrap();
+    let dir = tmp();
+    let scratch = tmp();
     write_all_forms(scratch.path(), false);
     fs::copy(scratch.path().join("py.tar.gz"), dir.path().join("cifar-10-python.tar.gz")).unwrap();
     let d = open(&cfg(DatasetKind::Cifar10, dir.path()), 32, 10, 0).unwrap();
@@ -191,9 +177,9 @@ fn official_archive_found_inside_the_folder() {
 
 #[test]
 fn pickles_from_cpython_and_numpy_read() {
-    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let fixtures = fixtures();
     for proto in [2, 4, 5] {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tmp();
         let bytes = fs::read(fixtures.join(format!("cifar10_py3_protocol{proto}.pkl"))).unwrap();
         fs::write(dir.path().join("data_batch_1"), &bytes).unwrap();
         fs::write(dir.path().join("test_batch"), &bytes).unwrap();
@@ -209,7 +195,7 @@ fn pickles_from_cpython_and_numpy_read() {
 
 #[test]
 fn bad_pickles_are_errors_naming_the_file() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     let good = py2_pickle(&Split { first: 0, labels: vec![(0, 1), (0, 2)] }, false);
     fs::write(dir.path().join("test_batch"), &good).unwrap();
     // Truncated mid-array.
@@ -235,7 +221,7 @@ fn bad_pickles_are_errors_naming_the_file() {
 
 #[test]
 fn cifar_at_224_is_resampled() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     let paths = write_all_forms(dir.path(), false);
     let mut c = cfg(DatasetKind::Cifar10, &paths[0]);
     let d = open(&c, 64, 10, 0).unwrap();

@@ -8,6 +8,9 @@ use vitscale::model::weights;
 use vitscale::train::evaluate;
 use vitscale::train::trainer::{self, TrainOptions};
 
+mod common;
+use common::{metrics, tmp};
+
 fn cfg(steps: u64) -> vitscale::config::RunConfig {
     let v = serde_json::json!({
         "train_micro_batch_size_per_gpu": 32,
@@ -23,13 +26,7 @@ fn cfg(steps: u64) -> vitscale::config::RunConfig {
 
 /// Per-step training losses from a run directory's metrics.jsonl.
 fn losses(run: &std::path::Path) -> Vec<f64> {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|v| v.get("kind").is_none())
-        .map(|v| v["loss"].as_f64().unwrap())
-        .collect()
+    metrics(run, None).iter().map(|v| v["loss"].as_f64().unwrap()).collect()
 }
 
 fn run(dir: &std::path::Path, name: &str, steps: u64, init: Option<&std::path::Path>, save: Option<&std::path::Path>) -> (Vec<f64>, f64) {
@@ -47,7 +44,7 @@ fn run(dir: &std::path::Path, name: &str, steps: u64, init: Option<&std::path::P
 
 #[test]
 fn save_reload_train_is_bit_identical() {
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp();
     let w = tmp.path().join("w.safetensors");
     let (first, val_a) = run(tmp.path(), "a", 6, None, Some(&w));
     assert_eq!(first.len(), 6);
@@ -78,7 +75,7 @@ fn save_reload_train_is_bit_identical() {
 
 #[test]
 fn thread_count_does_not_change_the_numbers() {
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp();
     let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
     let three = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
     let a = one.install(|| run(tmp.path(), "t1", 4, None, None));
@@ -126,7 +123,7 @@ fn recompute_policy_does_not_change_gradients() {
 /// while the backward runs, must not be replaced by evaluation inputs).
 #[test]
 fn evaluation_between_steps_leaves_training_unchanged() {
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp();
     let train = |name: &str, eval_every: u64| {
         let mut c = cfg(6);
         c.train.eval_every = eval_every;

@@ -5,15 +5,13 @@
 use std::net::{SocketAddr, TcpListener};
 use std::time::{Duration, Instant};
 
+mod common;
+use common::free_port;
+
 use vitscale::comm::rendezvous::{rendezvous, RendezvousRequest};
 use vitscale::comm::{
     shard, Collective, Comm, CommError, CommOptions, DistEnv, ReduceOp, RendezvousError, SingleComm, Span, TcpComm, Wire,
 };
-
-/// A port that was free a moment ago (each test takes its own, so tests run in parallel).
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("loopback port")
-}
 
 fn env(rank: usize, world: usize, port: u16) -> DistEnv {
     DistEnv::loopback(rank, world, port)

@@ -6,6 +6,9 @@ use std::time::{Duration, Instant};
 
 use vitscale::launch::{run, ExitDesc, LaunchArgs, LaunchError};
 
+mod common;
+use common::{free_port, tmp, EXE};
+
 fn sh(nproc: usize, script: &str) -> LaunchArgs {
     let mut a = LaunchArgs::local(nproc, vec!["-c".into(), script.into()]);
     a.worker_program = Some("/bin/sh".into());
@@ -14,7 +17,7 @@ fn sh(nproc: usize, script: &str) -> LaunchArgs {
 
 #[test]
 fn workers_get_torchrun_variables() {
-    let dir = tempfile::tempdir().expect("tempdir");
+    let dir = tmp();
     let d = dir.path().display().to_string();
     let mut a = sh(3, &format!(
         "echo \"$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK $MASTER_ADDR $MASTER_PORT\" > '{d}'/r$RANK"
@@ -81,7 +84,7 @@ fn bad_arguments_are_usage_errors() {
 
 #[test]
 fn a_hostfile_naming_only_this_machine_runs_locally_on_the_chosen_slots() {
-    let dir = tempfile::tempdir().expect("tempdir");
+    let dir = tmp();
     let hosts = dir.path().join("hosts");
     std::fs::write(&hosts, "# one machine\nlocalhost slots=4\n").expect("write hostfile");
     let d = dir.path().display().to_string();
@@ -109,8 +112,8 @@ fn fake_ssh(dir: &std::path::Path) -> std::path::PathBuf {
 fn hostfile_launch(dir: &std::path::Path, script: &str, extra: &[&str]) -> std::process::Output {
     let hosts = dir.join("hosts");
     std::fs::write(&hosts, "127.0.0.1 slots=2\nlocalhost slots=2\n").expect("write hostfile");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("port");
-    std::process::Command::new(env!("CARGO_BIN_EXE_vitscale"))
+    let port = free_port();
+    std::process::Command::new(EXE)
         .args(["launch", "--hostfile"])
         .arg(&hosts)
         .arg("--ssh")
@@ -128,7 +131,7 @@ fn hostfile_launch(dir: &std::path::Path, script: &str, extra: &[&str]) -> std::
 
 #[test]
 fn a_hostfile_fans_out_one_launcher_per_host() {
-    let dir = tempfile::tempdir().expect("tempdir");
+    let dir = tmp();
     let d = dir.path().display().to_string();
     std::fs::write(dir.path().join(".vitscale_env"), "# from the home directory\nFROM_ENV_FILE=yes\n").expect("write env file");
     let script = format!(
@@ -146,7 +149,7 @@ fn a_hostfile_fans_out_one_launcher_per_host() {
 
 #[test]
 fn a_failing_rank_on_another_host_fails_the_launch() {
-    let dir = tempfile::tempdir().expect("tempdir");
+    let dir = tmp();
     let t0 = Instant::now();
     let out = hostfile_launch(dir.path(), "if [ \"$RANK\" = 3 ]; then exit 5; fi; sleep 30", &[]);
     // The other ranks sleep 30 s unless stopped. Starting two launchers through the stand-in
@@ -161,7 +164,7 @@ fn a_failing_rank_on_another_host_fails_the_launch() {
 }
 
 fn one_gpu_launch(script: &str) -> std::process::Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_vitscale"))
+    std::process::Command::new(EXE)
         .args(["launch", "--one-gpu", "--nproc-per-node", "3", "--worker-program=/bin/sh", "--", "-c", script])
         .stdin(std::process::Stdio::null())
         .output()
@@ -173,7 +176,7 @@ fn one_gpu_launch(script: &str) -> std::process::Output {
 /// signalled, and every start comes after the previous rank's signal.
 #[test]
 fn one_gpu_ranks_start_in_turn_once_the_previous_device_is_open() {
-    let dir = tempfile::tempdir().expect("tempdir");
+    let dir = tmp();
     let d = dir.path().display().to_string();
     let script = format!("date +%s%N > '{d}'/start$RANK; sleep 0.3; date +%s%N > '{d}'/ready$RANK; : > \"$VITSCALE_DEVICE_READY\"; sleep 0.2");
     let out = one_gpu_launch(&script);

@@ -8,25 +8,16 @@
 //! model (155k parameters) into one bucket per block. Tolerance: SGD, 5e-6 relative per tensor
 //! (f32 summation order differs between splits of the batch; measured 0.7–1.2e-6 here).
 
-use std::net::TcpListener;
 use std::path::Path;
-use std::process::{Command, Stdio};
 
-use safetensors::SafeTensors;
+mod common;
+use common::{launch_args, max_rel_l2, metrics, read_json, run, run_dir_args, tmp};
 
-const EXE: &str = env!("CARGO_BIN_EXE_vitscale");
-const SPLIT_TOL: f32 = 5e-6;
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("loopback port")
-}
+const SPLIT_TOL: f64 = 5e-6;
 
 /// Trains 4 steps of a 32-image global batch on `nproc` ranks with `micro` × `gas`.
 fn train(nproc: usize, micro: usize, gas: usize, dir: &Path, extra: &[String]) {
-    let mut args: Vec<String> = Vec::new();
-    if nproc > 1 {
-        args.extend(["launch".into(), format!("--nproc-per-node={nproc}"), format!("--master-port={}", free_port()), "--".into()]);
-    }
+    let mut args = launch_args(nproc);
     args.extend(
         [
             "train",
@@ -42,36 +33,21 @@ fn train(nproc: usize, micro: usize, gas: usize, dir: &Path, extra: &[String]) {
         .map(String::from),
     );
     args.extend([format!("--set=train_micro_batch_size_per_gpu={micro}"), format!("--set=gradient_accumulation_steps={gas}")]);
-    args.extend(["--run-dir".into(), dir.display().to_string(), "--save-weights".into(), dir.join("w.safetensors").display().to_string()]);
+    args.extend(run_dir_args(dir));
     args.extend(extra.iter().cloned());
-    let out = Command::new(EXE).args(&args).env_remove("VITSCALE_RUN_ID").stdin(Stdio::null()).output().expect("run vitscale");
-    assert!(out.status.success(), "vitscale {args:?} failed: {}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
-}
-
-fn max_rel_diff(a: &Path, b: &Path) -> f32 {
-    let (ba, bb) = (std::fs::read(a.join("w.safetensors")).unwrap(), std::fs::read(b.join("w.safetensors")).unwrap());
-    let (sa, sb) = (SafeTensors::deserialize(&ba).unwrap(), SafeTensors::deserialize(&bb).unwrap());
-    let mut worst = 0f32;
-    for (name, ta) in sa.tensors() {
-        let tb = sb.tensor(&name).unwrap();
-        let (xa, xb): (&[f32], &[f32]) = (bytemuck::cast_slice(ta.data()), bytemuck::cast_slice(tb.data()));
-        let num: f32 = xa.iter().zip(xb).map(|(x, y)| (x - y) * (x - y)).sum::<f32>().sqrt();
-        let den: f32 = xb.iter().map(|y| y * y).sum::<f32>().sqrt().max(1e-30);
-        worst = worst.max(num / den);
-    }
-    worst
+    run(&args);
 }
 
 #[test]
 fn ranks_match_one_rank_through_the_bucketed_path_at_gas_1_and_4() {
-    let t = tempfile::tempdir().unwrap();
+    let t = tmp();
     let p = |n: &str| t.path().join(n);
     train(1, 8, 4, &p("one"), &[]);
     // (ranks, micro, GAS): the same 32-image global batch
     for (n, micro, gas) in [(2, 16, 1), (2, 4, 4), (4, 8, 1), (4, 2, 4)] {
         let dir = p(&format!("r{n}_gas{gas}"));
         train(n, micro, gas, &dir, &[]);
-        let d = max_rel_diff(&dir, &p("one"));
+        let d = max_rel_l2(&dir, &p("one"));
         eprintln!("{n} ranks, micro {micro} × GAS {gas}: max relative weight difference {d:e}");
         assert!(d < SPLIT_TOL, "{n} ranks, GAS {gas}: {d:e}");
     }
@@ -79,11 +55,11 @@ fn ranks_match_one_rank_through_the_bucketed_path_at_gas_1_and_4() {
 
 #[test]
 fn the_trace_shows_a_bucket_reduced_during_the_backward_and_metrics_carry_exposed_comm() {
-    let t = tempfile::tempdir().unwrap();
+    let t = tmp();
     let (run, trace_dir) = (t.path().join("run"), t.path().join("trace"));
     train(2, 16, 1, &run, &["--trace".into(), trace_dir.display().to_string()]);
     for rank in 0..2 {
-        let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(trace_dir.join(format!("trace-rank{rank}.json"))).unwrap()).unwrap();
+        let trace = read_json(&trace_dir.join(format!("trace-rank{rank}.json")));
         let events = trace["traceEvents"].as_array().unwrap();
         let on = |tid: u64, name: &str| -> Vec<(f64, f64, u64)> {
             events
@@ -104,8 +80,7 @@ fn the_trace_shows_a_bucket_reduced_during_the_backward_and_metrics_carry_expose
         assert!(overlapped >= 1, "rank {rank}: no bucket's reduction completed during the backward");
         // every rank's metrics: exposed (comm_s), total and overlap share
         let dir = if rank == 0 { run.clone() } else { run.join(format!("rank{rank}")) };
-        let metrics = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
-        let steps: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).filter(|v: &serde_json::Value| v.get("kind").is_none()).collect();
+        let steps = metrics(&dir, None);
         assert_eq!(steps.len(), 4);
         for s in &steps {
             assert_eq!(s["rank"].as_u64(), Some(rank as u64));

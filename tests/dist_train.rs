@@ -15,7 +15,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{free_port, max_rel_diff, run, weights, EXE};
+use common::{free_port, last_json, launch_args, launch_args_with, max_rel_diff, read_json, run, run_dir_args, tmp, weights, EXE};
 
 /// Weights may differ between splits of the same global batch only by the order in which
 /// per-sample gradients are summed (f32 rounding). Measured after 4 SGD steps: ~1.5e-8
@@ -39,24 +39,12 @@ fn common(steps: u64) -> Vec<String> {
 
 /// `vitscale [launch --nproc-per-node n --] train <common> <extra> --run-dir dir`.
 fn train(nproc: usize, steps: u64, extra: &[&str], dir: &Path) -> Output {
-    let mut args = Vec::new();
-    if nproc > 1 {
-        args.extend(["launch".to_string(), format!("--nproc-per-node={nproc}"), format!("--master-port={}", free_port()), "--".into()]);
-    }
+    let mut args = launch_args(nproc);
     args.push("train".into());
     args.extend(common(steps));
     args.extend(extra.iter().map(|s| s.to_string()));
-    args.extend(["--run-dir".into(), dir.display().to_string(), "--save-weights".into(), dir.join("w.safetensors").display().to_string()]);
+    args.extend(run_dir_args(dir));
     run(&args)
-}
-
-fn json_line(out: &Output) -> serde_json::Value {
-    let s = String::from_utf8_lossy(&out.stdout);
-    serde_json::from_str(s.lines().last().expect("a --json line")).expect("last stdout line is JSON")
-}
-
-fn tmp() -> tempfile::TempDir {
-    tempfile::tempdir().expect("tempdir")
 }
 
 #[test]
@@ -72,14 +60,14 @@ fn ranks_match_one_process_with_the_same_global_batch() {
     eprintln!("max relative weight difference vs 1 process: 2 ranks {d2:e}, 4 ranks {d4:e}");
     assert!(d2 < SPLIT_TOL && d4 < SPLIT_TOL, "2 ranks: {d2:e}, 4 ranks: {d4:e}");
     // The launcher passes rank 0's --json line through untouched, and the loss is global.
-    let (l1, l2) = (json_line(&one)["train_loss"].as_f64().unwrap_or(f64::NAN), json_line(&two)["train_loss"].as_f64().unwrap_or(0.0));
+    let (l1, l2) = (last_json(&one)["train_loss"].as_f64().unwrap_or(f64::NAN), last_json(&two)["train_loss"].as_f64().unwrap_or(0.0));
     assert!((l1 - l2).abs() < 1e-5, "train_loss {l1} vs {l2}");
     // Rank 0 owns the run directory; other ranks log beside it.
     assert!(p("two").join("metrics.jsonl").is_file() && p("two").join("rank1").join("metrics.jsonl").is_file());
     // Every rank ends with the same weights hash, and the one weights file holds exactly the
     // weights that hash names; no other rank wrote a file of its own.
-    assert_eq!(json_line(&one)["weights_hash"].as_str(), Some(file_hash(&p("one").join("w.safetensors")).as_str()));
-    assert_eq!(json_line(&two)["weights_hash"].as_str(), Some(summary_hash(&p("two")).as_str()));
+    assert_eq!(last_json(&one)["weights_hash"].as_str(), Some(file_hash(&p("one").join("w.safetensors")).as_str()));
+    assert_eq!(last_json(&two)["weights_hash"].as_str(), Some(summary_hash(&p("two")).as_str()));
     for (dir, world) in [(p("two"), 2), (p("four"), 4)] {
         let h0 = summary_hash(&dir);
         assert_eq!(file_hash(&dir.join("w.safetensors")), h0, "{}: the weights file is not rank 0's final weights", dir.display());
@@ -95,9 +83,7 @@ fn ranks_match_one_process_with_the_same_global_batch() {
 /// `weights_hash` from the `summary.json` in `dir` (a rank's run directory).
 fn summary_hash(dir: &Path) -> String {
     let path = dir.join("summary.json");
-    let s = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let v: serde_json::Value = serde_json::from_str(&s).expect("summary.json is JSON");
-    v["weights_hash"].as_str().unwrap_or_else(|| panic!("no weights_hash in {}", path.display())).to_string()
+    read_json(&path)["weights_hash"].as_str().unwrap_or_else(|| panic!("no weights_hash in {}", path.display())).to_string()
 }
 
 /// The hash `weights_hash` reports, of the weights in a file vitscale saved (in the model's
@@ -267,12 +253,7 @@ fn spawn_train(nproc: usize, steps: u64, extra: &[&str], dir: &Path) -> (Child, 
 
 /// As [`spawn_train`], with extra launcher options.
 fn spawn_launch(launch_opts: &[&str], nproc: usize, steps: u64, extra: &[&str], dir: &Path) -> (Child, PathBuf) {
-    let mut args = Vec::new();
-    if nproc > 1 {
-        args.extend(["launch".to_string(), format!("--nproc-per-node={nproc}"), format!("--master-port={}", free_port())]);
-        args.extend(launch_opts.iter().map(|s| s.to_string()));
-        args.push("--".into());
-    }
+    let mut args = launch_args_with(nproc, launch_opts);
     args.push("train".into());
     args.extend(common(steps));
     args.extend(extra.iter().map(|s| s.to_string()));
@@ -473,16 +454,13 @@ fn evaluation_is_sharded_over_ranks_with_the_one_rank_result() {
     // images in batches of 16 = 13 batches, spread unevenly over 2 and 3 ranks.
     let eval = |nproc: usize| -> (f64, f64, String) {
         let dir = t.path().join(format!("n{nproc}"));
-        let mut args = Vec::new();
-        if nproc > 1 {
-            args.extend(["launch".to_string(), format!("--nproc-per-node={nproc}"), format!("--master-port={}", free_port()), "--".into()]);
-        }
+        let mut args = launch_args(nproc);
         args.extend([
             "train", "--device=cpu", "--set=train.steps=1", "--set=train_batch_size=24", "--set=data.val_size=200",
             "--set=train.eval_batch_size=16", "--set=optimizer={\"type\":\"SGD\",\"params\":{\"lr\":0.0}}", "--json",
         ].map(String::from));
         args.extend(["--run-dir".into(), dir.display().to_string()]);
-        let j = json_line(&run(&args));
+        let j = last_json(&run(&args));
         let m = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap_or_default();
         let ev = m.lines().find(|l| l.contains("\"kind\":\"eval\"")).unwrap_or_default().to_string();
         (j["val_loss"].as_f64().unwrap_or(f64::NAN), j["val_top1"].as_f64().unwrap_or(f64::NAN), ev)
@@ -695,7 +673,7 @@ fn bench_under_launch_reports_the_data_parallel_figures() {
         let out = run(&args);
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(text.contains("data parallel: 2 ranks × micro 8 × GAS 2") && text.contains("overlap target"), "{text}");
-        let r = json_line(&out);
+        let r = last_json(&out);
         let f = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} missing in {r}"));
         assert_eq!(r["world"].as_u64(), Some(2));
         assert_eq!(r["wire"].as_str(), Some(dtype));
@@ -735,7 +713,7 @@ fn bench_under_launch_runs_the_zero_stages() {
         let out = run(&args);
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(text.contains(&format!("× GAS 2 × ZeRO {stage}")), "{text}");
-        let r = json_line(&out);
+        let r = last_json(&out);
         assert_eq!(r["zero_stage"].as_u64(), Some(stage), "{r}");
         let step = r["step_ms"].as_f64().unwrap_or(0.0);
         assert!(step > 0.0 && r["comm_total_ms"].as_f64().unwrap_or(0.0) > 0.0, "{r}");
@@ -759,7 +737,7 @@ fn selftest_under_launch_checks_the_communicator_on_every_rank() {
         .map(|s| s.to_string())
         .collect();
     let out = run(&args);
-    let r = json_line(&out);
+    let r = last_json(&out);
     assert_eq!(r["pass"].as_bool(), Some(true), "{r}");
     let checks = r["checks"].as_array().cloned().unwrap_or_default();
     let comm: Vec<&serde_json::Value> = checks.iter().filter(|c| c["name"].as_str().is_some_and(|n| n.starts_with("comm "))).collect();

@@ -12,7 +12,7 @@ use std::process::Output;
 use std::time::Duration;
 
 mod common;
-use common::{free_port, max_rel_diff, max_rel_diff_files, run};
+use common::{free_port, launch_args, max_rel_diff, max_rel_diff_files, metrics, read_json, run, run_dir_args, tmp};
 
 /// Same world size, stage 1/2 against stage 0: the same per-element update from gradients
 /// reduced in another order (the ring's reduce-scatter of a bucket's prefix cuts it where
@@ -45,32 +45,13 @@ fn common(steps: u64) -> Vec<String> {
 
 /// `vitscale [launch --nproc-per-node n --] train <common> --set=zero_optimization.stage=<stage> <extra>`.
 fn train(nproc: usize, stage: u8, steps: u64, extra: &[&str], dir: &Path) -> Output {
-    let mut args = Vec::new();
-    if nproc > 1 {
-        args.extend(["launch".to_string(), format!("--nproc-per-node={nproc}"), format!("--master-port={}", free_port()), "--".into()]);
-    }
+    let mut args = launch_args(nproc);
     args.push("train".into());
     args.extend(common(steps));
     args.push(format!("--set=zero_optimization.stage={stage}"));
     args.extend(extra.iter().map(|s| s.to_string()));
-    args.extend(["--run-dir".into(), dir.display().to_string(), "--save-weights".into(), dir.join("w.safetensors").display().to_string()]);
+    args.extend(run_dir_args(dir));
     run(&args)
-}
-
-fn tmp() -> tempfile::TempDir {
-    tempfile::tempdir().expect("tempdir")
-}
-
-fn read_json(path: &Path) -> serde_json::Value {
-    let s = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&s).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
-/// Every `metrics.jsonl` record of `dir` with this `kind` (None: the step records, which
-/// have none).
-fn records(dir: &Path, kind: Option<&str>) -> Vec<serde_json::Value> {
-    let s = std::fs::read_to_string(dir.join("metrics.jsonl")).expect("metrics.jsonl");
-    s.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).expect("a JSON line")).filter(|v| v["kind"].as_str() == kind).collect()
 }
 
 /// Whether the default model's bucket plan (default bucket size) leaves a bucket tail
@@ -93,7 +74,7 @@ fn stages_equal_stage_0_and_one_process(opt: &str, split_tol: f32) {
     // one process: micro 8 × GAS 4; 2 ranks: micro 4; 4 ranks: micro 2 (GAS 4 throughout)
     train(1, 0, 4, &[opt, CLIP], &p("one"));
     // the clip is active on every step
-    let norms: Vec<f64> = records(&p("one"), None).iter().map(|r| r["grad_norm"].as_f64().unwrap_or(f64::NAN)).collect();
+    let norms: Vec<f64> = metrics(&p("one"), None).iter().map(|r| r["grad_norm"].as_f64().unwrap_or(f64::NAN)).collect();
     assert_eq!(norms.len(), 4);
     assert!(norms.iter().all(|&n| n > 0.5), "gradient norms {norms:?} do not exceed the clip 0.05 by far");
     for world in [2usize, 4] {
@@ -108,7 +89,7 @@ fn stages_equal_stage_0_and_one_process(opt: &str, split_tol: f32) {
             assert!(d0 < STAGE_TOL, "{world} ranks stage {stage} vs stage 0: {d0:e}");
             assert!(d1 < split_tol, "{world} ranks stage {stage} vs 1 process: {d1:e}");
             // the losses (global, read back on every step) agree too
-            let loss = |d: &Path| records(d, None).iter().map(|r| r["loss"].as_f64().unwrap_or(f64::NAN)).collect::<Vec<f64>>();
+            let loss = |d: &Path| metrics(d, None).iter().map(|r| r["loss"].as_f64().unwrap_or(f64::NAN)).collect::<Vec<f64>>();
             for (a, b) in loss(&p(&name)).iter().zip(loss(&p("one"))) {
                 assert!((a - b).abs() < 1e-5, "losses {a} vs {b}");
             }
@@ -186,7 +167,7 @@ fn the_run_records_the_sharded_memory_against_the_prediction() {
         assert_eq!(m["accounted"]["weights"], m0["accounted"]["weights"]);
     }
     // the end-of-run record carries the same accounting (and no device peak on the CPU)
-    let end = records(&p("s2"), Some("memory"));
+    let end = metrics(&p("s2"), Some("memory"));
     assert_eq!(end.len(), 1);
     assert_eq!(end[0]["accounted"], m2["accounted"]);
     assert!(end[0]["measured_peak"].is_null());

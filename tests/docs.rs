@@ -2,7 +2,8 @@
 //! key reference `config::help_text` prints from the one definition of each key. After
 //! changing a key, regenerate it with `VITSCALE_UPDATE_DOCS=1 cargo test --release --test docs`.
 
-use std::path::Path;
+mod common;
+use common::repo_path;
 
 /// `docs/config.md` as `config::help_text` generates it.
 fn config_reference() -> String {
@@ -20,7 +21,7 @@ fn config_reference() -> String {
 
 #[test]
 fn the_config_reference_is_generated_from_the_key_tables() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/config.md");
+    let path = repo_path("docs/config.md");
     let want = config_reference();
     if std::env::var_os("VITSCALE_UPDATE_DOCS").is_some() {
         std::fs::write(&path, &want).expect("write docs/config.md");

@@ -53,6 +53,8 @@ use vitscale::backend::cpu::Cpu;
 use vitscale::backend::Backend;
 use vitscale::selftest::rel_err;
 
+mod common;
+
 /// Tile geometry of an emulated kernel: query rows and keys per block and warps per block
 /// (16 rows each). The tiled kernels use 64 × 64 with 4 warps; the small-head kernels
 /// (`flash_fwd_small` / `flash_bwd_small`, N ≤ 16·W) one block of 16·W queries and keys with W
@@ -613,8 +615,7 @@ fn flash_dq_store(dqkv: &mut [f32], dq_acc: &[f32], rows: usize, hd8: usize) {
 
 #[test]
 fn fused_attention_kernels_match_cpu() {
-    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(7);
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let (mut rng, seed) = common::fresh_rng();
     let cpu = Cpu::new();
     let shapes = [(2usize, 65usize, 2usize, 64usize), (1, 197, 2, 64), (2, 50, 2, 64), (2, 17, 3, 32), (1, 130, 1, 32), (1, 64, 1, 64), (1, 80, 1, 64), (1, 100, 2, 32), (1, 257, 1, 64)];
     // The tiled geometry at every shape (with and without ldmatrix), then the small-head
@@ -695,7 +696,7 @@ const FLASH_CU: &str = include_str!("../src/backend/cuda/kernels/flash.cu");
 /// The one host source file of the CUDA backend (`src/backend/cuda/*.rs`) that contains `needle`,
 /// as (file name, text).
 fn host_source_with(needle: &str) -> (String, String) {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/backend/cuda");
+    let dir = common::repo_path("src/backend/cuda");
     let mut found = Vec::new();
     for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
         let path = entry.expect("directory entry").path();

@@ -11,13 +11,11 @@ use vitscale::backend::cpu::Cpu;
 use vitscale::backend::{Backend, GeluSaved, Span};
 use vitscale::model::{GlobalPool, ModelConfig, Vit};
 
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
-fn fresh_rng() -> (ChaCha8Rng, u64) {
-    let seed: u64 = rand::thread_rng().gen();
-    (ChaCha8Rng::seed_from_u64(seed), seed)
-}
+mod common;
+use common::fresh_rng;
 
 fn randn(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
     (0..n).map(|_| (rng.gen::<f32>() * 2.0 - 1.0) * scale).collect()

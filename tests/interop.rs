@@ -22,10 +22,13 @@ use safetensors::SafeTensors;
 use vitscale::backend::cpu::Cpu;
 use vitscale::model::{smoothed_targets, weights, GlobalPool, ModelConfig, ParamKind, ParamTable, Vit};
 
+mod common;
+use common::{fixtures, tmp};
+
 const TOL: f64 = 1e-4;
 
 fn dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/interop")
+    fixtures().join("interop")
 }
 
 fn model(name: &str) -> ModelConfig {
@@ -88,7 +91,7 @@ fn tensors(bytes: &[u8]) -> Vec<(String, Vec<usize>, safetensors::Dtype, Vec<u8>
 
 #[test]
 fn the_export_writes_what_timm_read() {
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp();
     for name in NAMES {
         let now = tmp.path().join(format!("{name}.safetensors"));
         export(name, &now);
@@ -106,7 +109,7 @@ fn the_export_writes_what_timm_read() {
 #[test]
 fn vitscale_logits_of_its_export_match_timm() {
     let be = Cpu::new();
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp();
     for name in NAMES {
         let cfg = model(name);
         let path = tmp.path().join(format!("{name}.safetensors"));

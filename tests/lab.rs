@@ -6,19 +6,9 @@
 //! built-in 16-px model, 4 steps) so the whole file takes seconds on a 2-core machine.
 
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
 
-const EXE: &str = env!("CARGO_BIN_EXE_vitscale");
-
-fn vitscale(cwd: &Path, args: &[&str]) -> Output {
-    Command::new(EXE).args(args).current_dir(cwd).env_remove("VITSCALE_RUN_ID").stdin(Stdio::null()).output().expect("run vitscale")
-}
-
-fn last_json(out: &Output) -> serde_json::Value {
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout.lines().last().unwrap_or_else(|| panic!("no stdout; stderr: {}", String::from_utf8_lossy(&out.stderr)));
-    serde_json::from_str(line).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {line}"))
-}
+mod common;
+use common::{free_port, jsonl, last_json, repo_path, tmp, vitscale};
 
 /// The spec of the tests: micro 8 / 32 / 1024 × GAS 1 / 2 × 1 / 2 ranks on 512 training
 /// images; micro 1024 needs a global batch larger than the training set, so those 4 fail.
@@ -40,11 +30,7 @@ fn write_spec(dir: &Path) -> std::path::PathBuf {
 }
 
 fn records(dir: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(dir.join("sweep.jsonl"))
-        .expect("sweep.jsonl")
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("a JSON line"))
-        .collect()
+    jsonl(&dir.join("sweep.jsonl"))
 }
 
 /// A PNG that decodes, has the expected size range, and shows a picture: many colours and a
@@ -68,7 +54,7 @@ fn check_png(path: &Path) {
 
 #[test]
 fn a_sweep_runs_records_failures_resumes_and_reports() {
-    let tmp = tempfile::tempdir().expect("scratch");
+    let tmp = tmp();
     let cwd = tmp.path();
     let spec = write_spec(cwd);
     let out = vitscale(cwd, &["sweep", spec.to_str().expect("utf-8"), "--out", "sw", "--json"]);
@@ -166,7 +152,7 @@ fn a_sweep_runs_records_failures_resumes_and_reports() {
 
 #[test]
 fn a_point_past_its_timeout_is_stopped_with_its_workers_and_recorded() {
-    let tmp = tempfile::tempdir().expect("scratch");
+    let tmp = tmp();
     let cwd = tmp.path();
     let spec = serde_json::json!({
         "base": {"model": {"preset": "vit_builtin_default"}, "data": {"dataset": "builtin", "train_size": 512, "val_size": 32, "num_workers": 1}},
@@ -192,7 +178,7 @@ fn a_point_past_its_timeout_is_stopped_with_its_workers_and_recorded() {
 
 #[test]
 fn bad_specs_and_missing_sweeps_get_clear_errors() {
-    let tmp = tempfile::tempdir().expect("scratch");
+    let tmp = tmp();
     let cwd = tmp.path();
     std::fs::write(cwd.join("bad.json"), r#"{"base": "nowhere.json", "grid": {"nproc": [1]}}"#).expect("write");
     let out = vitscale(cwd, &["sweep", "bad.json"]);
@@ -209,7 +195,7 @@ fn bad_specs_and_missing_sweeps_get_clear_errors() {
 
 #[test]
 fn every_study_spec_loads_and_every_point_resolves() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/study");
+    let dir = repo_path("configs/study");
     let mut n = 0;
     for entry in std::fs::read_dir(&dir).expect("configs/study") {
         let path = entry.expect("entry").path();
@@ -228,8 +214,8 @@ fn every_study_spec_loads_and_every_point_resolves() {
 
 #[test]
 fn bench_comm_over_cpu_ranks_reports_nccl_tests_columns() {
-    let tmp = tempfile::tempdir().expect("scratch");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
+    let tmp = tmp();
+    let port = free_port();
     let out = vitscale(
         tmp.path(),
         &["launch", "--nproc-per-node", "3", "--master-port", &port.to_string(), "--", "bench", "--comm", "--device", "cpu",
@@ -261,7 +247,7 @@ fn bench_comm_over_cpu_ranks_reports_nccl_tests_columns() {
 /// figures, and the report has their table and the chart of equal split, balanced and ideal.
 #[test]
 fn a_mixed_speed_sweep_reports_equal_split_balanced_and_ideal() {
-    let tmp = tempfile::tempdir().expect("scratch");
+    let tmp = tmp();
     let cwd = tmp.path();
     let spec = serde_json::json!({
         "name": "mixed-test",

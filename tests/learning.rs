@@ -7,22 +7,18 @@
 //! (a broken schedule, clipping or optimizer lands far lower) fails.
 //! The run takes about 25 s of training on 2 idle cores.
 
-use std::process::Command;
+mod common;
+use common::{last_json, tmp, vitscale};
 
 const MIN_VAL_TOP1: f64 = 0.98;
 
 #[test]
 fn the_readme_default_run_reaches_its_stated_accuracy() {
-    let tmp = tempfile::tempdir().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_vitscale"))
-        .args(["train", "--device", "cpu", "--json", "--run-dir"])
-        .arg(tmp.path().join("run"))
-        .current_dir(tmp.path())
-        .output()
-        .expect("the vitscale binary runs");
+    let tmp = tmp();
+    let run = tmp.path().join("run");
+    let out = vitscale(tmp.path(), &["train", "--device", "cpu", "--json", "--run-dir", run.to_str().expect("utf-8 path")]);
     assert!(out.status.success(), "train failed: {}", String::from_utf8_lossy(&out.stderr));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let j: serde_json::Value = serde_json::from_str(stdout.lines().last().expect("a --json line")).unwrap();
+    let j = last_json(&out);
     let top1 = j["val_top1"].as_f64().expect("val_top1");
     eprintln!("default run: val_top1 {top1}, val_loss {}, {} images in {} s", j["val_loss"], j["images"], j["wall_s"]);
     assert!(top1 >= MIN_VAL_TOP1, "the README's default run reached val_top1 {top1}, below {MIN_VAL_TOP1}");

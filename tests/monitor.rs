@@ -8,7 +8,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-const EXE: &str = env!("CARGO_BIN_EXE_vitscale");
+mod common;
+use common::{free_port, metrics, repo_path, tmp, EXE};
 
 /// The records of a TFRecord file, each checksum verified.
 fn tfrecords(path: &Path) -> Vec<Vec<u8>> {
@@ -45,10 +46,10 @@ fn csv(path: &Path) -> (String, Vec<(u64, f64)>) {
 
 #[test]
 fn tensorboard_and_csv_monitors_write_deepspeeds_layout() {
-    let tmp = tempfile::tempdir().expect("scratch");
+    let tmp = tmp();
     let run = tmp.path().join("run");
     let logs = tmp.path().join("logs");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
+    let port = free_port();
     let out = Command::new(EXE)
         .args(["launch", "--nproc-per-node", "2", "--master-port", &port.to_string(), "--", "train", "--device", "cpu"])
         .args(["--set", "train.steps=6", "--set", "steps_per_print=2", "--set", "train_micro_batch_size_per_gpu=16"])
@@ -67,12 +68,7 @@ fn tensorboard_and_csv_monitors_write_deepspeeds_layout() {
     assert_eq!(stderr.matches("time (ms) per step | data:").count(), 3, "{stderr}");
 
     // metrics.jsonl is the reference: steps 2, 4, 6 at 64, 128, 192 global samples (32 a step)
-    let recs: Vec<serde_json::Value> = std::fs::read_to_string(run.join("metrics.jsonl"))
-        .expect("metrics")
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("json"))
-        .filter(|v: &serde_json::Value| v.get("kind").is_none())
-        .collect();
+    let recs = metrics(&run, None);
     assert_eq!(recs.len(), 3);
 
     // csv_monitor: output_path "" = the run directory; rank 1 writes none
@@ -121,7 +117,7 @@ fn tensorboard_and_csv_monitors_write_deepspeeds_layout() {
     }
     let exp = tmp.path().join("expected.json");
     std::fs::write(&exp, serde_json::Value::Object(expected).to_string()).expect("write");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_tensorboard.py");
+    let script = repo_path("scripts/check_tensorboard.py");
     match Command::new("python3").arg(&script).arg(&tb_dir).arg(&exp).output() {
         Err(e) => eprintln!("skipped TensorBoard's reader: python3 cannot run ({e})"),
         Ok(o) if o.status.code() == Some(3) => eprintln!("skipped TensorBoard's reader: {}", String::from_utf8_lossy(&o.stderr).trim()),

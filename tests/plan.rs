@@ -7,26 +7,12 @@
 //! 2-core machine. The ≤ 5 % target is not asserted: timing on a shared box is not a test.
 
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
 
-const EXE: &str = env!("CARGO_BIN_EXE_vitscale");
-
-fn vitscale(cwd: &Path, args: &[&str]) -> Output {
-    Command::new(EXE).args(args).current_dir(cwd).env_remove("VITSCALE_RUN_ID").stdin(Stdio::null()).output().expect("run vitscale")
-}
-
-fn ok(out: &Output, what: &str) {
-    assert!(out.status.success(), "{what} failed ({:?}): {}\n{}", out.status, String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-}
-
-fn last_json(out: &Output) -> serde_json::Value {
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout.lines().last().unwrap_or_else(|| panic!("no stdout; stderr: {}", String::from_utf8_lossy(&out.stderr)));
-    serde_json::from_str(line).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {line}"))
-}
+mod common;
+use common::{last_json, ok, read_json, repo_path, tmp, vitscale};
 
 fn clusters() -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("configs").join("clusters")
+    repo_path("configs/clusters")
 }
 
 fn profile(cwd: &Path, path: &str) {
@@ -38,7 +24,7 @@ fn profile(cwd: &Path, path: &str) {
 /// group (depth + 2), parts that add up to about the whole step; a wrong version is refused.
 #[test]
 fn a_cpu_profile_loads_and_a_wrong_version_is_refused() {
-    let tmp = tempfile::tempdir().expect("scratch");
+    let tmp = tmp();
     let cwd = tmp.path();
     profile(cwd, "p.json");
     let p = vitscale::plan::profile::Profile::load(&cwd.join("p.json")).expect("the profile loads");
@@ -52,7 +38,7 @@ fn a_cpu_profile_loads_and_a_wrong_version_is_refused() {
         assert!((sum - x.backward_s).abs() <= 1e-9 + 1e-6 * x.backward_s, "groups {sum} vs backward {}", x.backward_s);
         assert!(x.forward_s > 0.0 && x.backward_s > 0.0 && x.optimizer_s > 0.0 && x.step_s > 0.0);
     }
-    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(cwd.join("p.json")).unwrap()).unwrap();
+    let mut v = read_json(&cwd.join("p.json"));
     v["version"] = serde_json::json!(99);
     std::fs::write(cwd.join("v99.json"), v.to_string()).unwrap();
     let e = vitscale::plan::profile::Profile::load(&cwd.join("v99.json")).expect_err("version 99");
@@ -66,7 +52,7 @@ fn a_cpu_profile_loads_and_a_wrong_version_is_refused() {
 /// A cluster file with a defect is refused naming the file and the key.
 #[test]
 fn bad_cluster_files_name_the_key() {
-    let tmp = tempfile::tempdir().expect("scratch");
+    let tmp = tmp();
     let cwd = tmp.path();
     profile(cwd, "p.json");
     let cases = [
@@ -90,7 +76,7 @@ fn bad_cluster_files_name_the_key() {
 /// errors and writes `plan.json`; the report shows it; the presets predict, recommend, project.
 #[test]
 fn validate_a_small_cpu_sweep_and_plan_on_the_presets() {
-    let tmp = tempfile::tempdir().expect("scratch");
+    let tmp = tmp();
     let cwd = tmp.path();
     let spec = serde_json::json!({
         "name": "plan-test",
@@ -201,8 +187,8 @@ fn validate_a_small_cpu_sweep_and_plan_on_the_presets() {
 /// 2 ranks far below one rank alone (their network is the socket transport's).
 #[test]
 fn the_committed_h200_inputs_load_and_predict() {
-    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs").join("data");
-    let tmp = tempfile::tempdir().unwrap();
+    let data = repo_path("docs/data");
+    let tmp = tmp();
     for model in ["vit_base_patch16_224", "vit_small_patch4_32"] {
         let prof = data.join(format!("profile_h200_{model}.json"));
         let p = prof.to_str().unwrap();

@@ -1,8 +1,11 @@
 //! Every recipe in configs/ loads and validates (paths are not opened here).
 
+mod common;
+use common::repo_path;
+
 #[test]
 fn every_recipe_loads() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+    let dir = repo_path("configs");
     let mut n = 0;
     for entry in std::fs::read_dir(&dir).unwrap() {
         let path = entry.unwrap().path();
@@ -20,7 +23,7 @@ fn every_recipe_loads() {
 /// The built-in recipe is exactly the no-argument default.
 #[test]
 fn builtin_recipe_is_the_default() {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/builtin_default.json");
+    let path = repo_path("configs/builtin_default.json");
     let from_file = vitscale::config::resolve(&vitscale::config::load_json(Some(&path), &[]).unwrap(), 1).unwrap();
     let default = vitscale::config::resolve(&vitscale::config::load_json(None, &[]).unwrap(), 1).unwrap();
     assert_eq!(from_file, default);

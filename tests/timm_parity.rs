@@ -17,6 +17,9 @@ use vitscale::backend::{optimizer_state_len, Backend, DecayGroups, StepHyper};
 use vitscale::config::{DecaySkip, OptimizerConfig};
 use vitscale::model::{smoothed_targets, weights, ModelConfig, Vit};
 
+mod common;
+use common::{fixtures, rel_l2, tmp, write_weights};
+
 const TOL: f64 = 1e-4;
 
 struct Fixture {
@@ -26,7 +29,7 @@ struct Fixture {
 }
 
 fn load_fixture(name: &str) -> Fixture {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
+    let path = fixtures().join(name);
     let bytes = std::fs::read(&path).unwrap();
     let (_, md) = SafeTensors::read_metadata(&bytes).unwrap();
     let meta = md.metadata().clone().unwrap_or_default();
@@ -47,26 +50,20 @@ impl Fixture {
     /// Writes the `prefix.*` tensors as a plain timm weights file and returns its path.
     fn export(&self, prefix: &str, dir: &Path) -> std::path::PathBuf {
         let path = dir.join(format!("{prefix}.safetensors"));
-        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = self
+        let tensors: Vec<(String, Vec<usize>, Vec<f32>)> = self
             .tensors
             .iter()
-            .filter_map(|(k, (shape, data))| {
-                let key = k.strip_prefix(&format!("{prefix}."))?;
-                let bytes: &[u8] = bytemuck::cast_slice(data);
-                Some((key.to_string(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes).unwrap()))
-            })
+            .filter_map(|(k, (shape, data))| Some((k.strip_prefix(&format!("{prefix}."))?.to_string(), shape.clone(), data.clone())))
             .collect();
-        std::fs::write(&path, safetensors::serialize(views, &None).unwrap()).unwrap();
+        write_weights(&tensors, &path);
         path
     }
 }
 
+/// [`rel_l2`], refusing non-finite values with a message that says so.
 fn rel_err(ours: &[f32], theirs: &[f32]) -> f64 {
-    assert_eq!(ours.len(), theirs.len());
     assert!(ours.iter().all(|v| v.is_finite()), "non-finite values");
-    let num: f64 = ours.iter().zip(theirs).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>().sqrt();
-    let den: f64 = theirs.iter().map(|b| (*b as f64).powi(2)).sum::<f64>().sqrt();
-    num / den.max(1e-30)
+    rel_l2(ours, theirs)
 }
 
 fn setup(fx: &Fixture, dir: &Path) -> (Cpu, Vit<Cpu>, Vec<f32>, Vec<f32>, usize) {
@@ -82,7 +79,7 @@ fn setup(fx: &Fixture, dir: &Path) -> (Cpu, Vit<Cpu>, Vec<f32>, Vec<f32>, usize)
 
 fn check_forward_and_gradients(name: &str) {
     let fx = load_fixture(name);
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     let (be, mut vit, images, targets, b) = setup(&fx, dir.path());
     vit.zero_grads(&be).unwrap();
     let out = vit.forward(&be, &images, &targets, b, Some(1.0 / b as f32)).unwrap();
@@ -111,7 +108,7 @@ fn check_forward_and_gradients(name: &str) {
 /// Runs `steps` optimizer steps on the fixture batch and compares with `prefix.*`.
 fn check_optimizer(name: &str, prefix: &str, opt: OptimizerConfig, steps: u64) {
     let fx = load_fixture(name);
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     let (be, mut vit, images, targets, b) = setup(&fx, dir.path());
     let skip = DecaySkip { bias: true, norm: true, pos_embed: true, cls_token: true };
     let decay = DecayGroups::new(&vit.table, &skip);
@@ -193,7 +190,7 @@ fn plain_sgd_one_step_matches_torch() {
 fn architecture_is_inferred_from_timm_weights() {
     for name in ["timm_cls.safetensors", "timm_avg.safetensors"] {
         let fx = load_fixture(name);
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tmp();
         let inferred = weights::infer(&fx.export("param", dir.path())).unwrap();
         let want = serde_json::to_value(&fx.model).unwrap();
         for (k, v) in &inferred.fields {
@@ -216,7 +213,7 @@ fn export_for_timm_check() {
     std::fs::create_dir_all(&out).unwrap();
     for name in ["timm_cls", "timm_avg"] {
         let fx = load_fixture(&format!("{name}.safetensors"));
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tmp();
         let table = vitscale::model::ParamTable::new(&fx.model);
         let host = weights::load(&fx.export("param", dir.path()), &table).unwrap();
         weights::save(&out.join(format!("{name}_export.safetensors")), &table, &fx.model, &host).unwrap();

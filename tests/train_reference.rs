@@ -22,21 +22,19 @@
 //! breaks the loop itself in those ways and checks that this test fails.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 
 use safetensors::SafeTensors;
 use vitscale::model::weights;
+
+mod common;
+use common::{fixture_tensors, fixtures, metrics, rel_l2, tmp, vitscale, write_weights};
 
 const TOL_WEIGHTS: f64 = 1e-5;
 const TOL_STEP: f64 = 1e-5;
 const TOL_LR: f64 = 1e-9;
 /// How far a case with one setting turned off must land from the reference.
 const MATTERS: f64 = 10.0;
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
-}
 
 struct Reference {
     name: String,
@@ -78,19 +76,7 @@ fn load(name: &str) -> Reference {
 
 /// The fixture's initial weights as a plain timm weights file.
 fn write_init(path: &Path) {
-    let src = fixtures().join("timm_cifar.safetensors");
-    let bytes = std::fs::read(&src).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let tensors: Vec<(String, Vec<usize>, Vec<f32>)> = st
-        .tensors()
-        .into_iter()
-        .filter_map(|(k, v)| Some((k.strip_prefix("param.")?.to_string(), v.shape().to_vec(), weights::to_f32(&src, &k, &v).unwrap())))
-        .collect();
-    let views: Vec<_> = tensors
-        .iter()
-        .map(|(k, shape, data)| (k.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytemuck::cast_slice(data)).unwrap()))
-        .collect();
-    std::fs::write(path, safetensors::serialize(views, &None).unwrap()).unwrap();
+    write_weights(&fixture_tensors("param"), path);
 }
 
 /// What one `vitscale train` run produced.
@@ -116,44 +102,30 @@ fn train(r: &Reference, changes: &[(&str, Option<serde_json::Value>)], tmp: &Pat
             None => sets.remove(*k),
         };
     }
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_vitscale"));
-    cmd.args(["train", "--device", "cpu", "--json", "--init"]).arg(&init).arg("--save-weights").arg(&saved).arg("--run-dir").arg(&run_dir);
+    let mut args: Vec<String> = ["train", "--device", "cpu", "--json", "--init"].map(String::from).into();
+    args.push(init.display().to_string());
+    args.extend(["--save-weights".into(), saved.display().to_string(), "--run-dir".into(), run_dir.display().to_string()]);
     for (k, v) in &sets {
         let v = match v {
             serde_json::Value::String(s) => s.clone(),
             other => other.to_string(),
         };
-        cmd.arg("--set").arg(format!("{k}={v}"));
+        args.extend(["--set".into(), format!("{k}={v}")]);
     }
-    let out = cmd.current_dir(tmp).output().expect("the vitscale binary runs");
+    let out = vitscale(tmp, &args);
     assert!(out.status.success(), "{} ({tag}): train failed: {}", r.name, String::from_utf8_lossy(&out.stderr));
 
     let bytes = std::fs::read(&saved).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let finals = st.tensors().into_iter().map(|(k, v)| (k.clone(), weights::to_f32(&saved, &k, &v).unwrap())).collect();
-    let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
     let (mut lr, mut loss, mut grad_norm) = (vec![], vec![], vec![]);
-    for line in metrics.lines() {
-        let rec: serde_json::Value = serde_json::from_str(line).unwrap();
-        if rec.get("kind").is_some() {
-            continue;
-        }
+    for rec in metrics(&run_dir, None) {
         assert_eq!(rec["step"].as_u64(), Some(lr.len() as u64 + 1), "{}: one metrics line per step (train.log_every = 1)", r.name);
         lr.push(rec["lr"].as_f64().unwrap());
         loss.push(rec["loss"].as_f64().unwrap());
         grad_norm.push(rec["grad_norm"].as_f64().unwrap());
     }
     Run { finals, lr, loss, grad_norm }
-}
-
-fn rel_l2(ours: &[f32], theirs: &[f32]) -> f64 {
-    assert_eq!(ours.len(), theirs.len());
-    if ours.iter().any(|v| !v.is_finite()) {
-        return f64::INFINITY;
-    }
-    let num: f64 = ours.iter().zip(theirs).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>().sqrt();
-    let den: f64 = theirs.iter().map(|b| (*b as f64).powi(2)).sum::<f64>().sqrt();
-    num / den.max(1e-30)
 }
 
 /// The largest per-tensor relative error of the final weights, and its tensor.
@@ -171,7 +143,7 @@ fn series_err(ours: &[f64], theirs: &[f64]) -> f64 {
 
 fn check_case(name: &str) {
     let r = load(name);
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp();
     let run = train(&r, &[], tmp.path(), "ref");
 
     assert_eq!(run.lr.len(), r.lr.len(), "{name}: steps");

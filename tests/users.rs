@@ -12,35 +12,13 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use vitscale::config::{self, load_json, resolve, resolved_json, RunConfig};
 
-const EXE: &str = env!("CARGO_BIN_EXE_vitscale");
-
-/// The binary in a scratch working directory (nothing lands in the checkout), no launcher
-/// variables inherited.
-fn run_in(cwd: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(EXE);
-    cmd.args(args).current_dir(cwd).stdin(Stdio::null());
-    for k in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "VITSCALE_RUN_ID", "VITSCALE_JOB_ID"] {
-        cmd.env_remove(k);
-    }
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().expect("the vitscale binary runs")
-}
+mod common;
+use common::{free_port, last_json, tmp, vitscale_env, EXE};
 
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
-fn last_json(o: &Output) -> Value {
-    let out = String::from_utf8_lossy(&o.stdout);
-    let line = out.lines().last().unwrap_or_else(|| panic!("no stdout; stderr: {}", stderr(o)));
-    serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"))
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
-}
 
 /// A small, quick CPU run on the built-in data.
 const SMALL: &[&str] = &["--device", "cpu", "--set", "data.train_size=256", "--set", "data.val_size=64", "--set", "train.steps=4"];
@@ -61,7 +39,7 @@ fn args<'a>(head: &[&'a str], tail: &[&'a str]) -> Vec<&'a str> {
 struct Rng(u64);
 impl Rng {
     fn fresh() -> (Rng, u64) {
-        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1) | 1;
+        let seed = common::fresh_seed() | 1;
         (Rng(seed), seed)
     }
     fn next(&mut self) -> u64 {
@@ -125,16 +103,16 @@ fn every_resolved_configuration_round_trips() {
 /// `vitscale train --config <run dir>/config.json` runs the same run again, bit for bit.
 #[test]
 fn a_run_directory_config_reproduces_the_run() {
-    let t = tempfile::tempdir().unwrap();
+    let t = tmp();
     let r1 = t.path().join("r1");
     let extra = ["--json", "--run-dir", r1.to_str().unwrap(), "--set", "model.num_heads=2", "--set", "optimizer.params.lr=3e-3"];
-    let first = run_in(t.path(), &small(&extra), &[]);
+    let first = vitscale_env(t.path(), &small(&extra), &[]);
     assert!(first.status.success(), "{}", stderr(&first));
     let cfg = r1.join("config.json");
     let written: Value = serde_json::from_slice(&std::fs::read(&cfg).unwrap()).unwrap();
     assert!(written.get("train_batch_size").is_some() && written.get("plan").is_some(), "{written}");
     let r2 = t.path().join("r2");
-    let again = run_in(t.path(), &["train", "--device", "cpu", "--json", "--config", cfg.to_str().unwrap(), "--run-dir", r2.to_str().unwrap()], &[]);
+    let again = vitscale_env(t.path(), &["train", "--device", "cpu", "--json", "--config", cfg.to_str().unwrap(), "--run-dir", r2.to_str().unwrap()], &[]);
     assert!(again.status.success(), "{}", stderr(&again));
     assert!(!stderr(&again).contains("unknown key"), "{}", stderr(&again));
     assert_eq!(last_json(&first)["weights_hash"], last_json(&again)["weights_hash"]);
@@ -145,10 +123,10 @@ fn a_run_directory_config_reproduces_the_run() {
 /// has heads of width 16, which no reading of the shapes can guess.
 #[test]
 fn every_weights_file_a_run_writes_evaluates_without_a_config() {
-    let t = tempfile::tempdir().unwrap();
+    let t = tmp();
     let run = t.path().join("run");
     let w = t.path().join("final.safetensors");
-    let out = run_in(
+    let out = vitscale_env(
         t.path(),
         &small(&["--json", "--run-dir", run.to_str().unwrap(), "--save-weights", w.to_str().unwrap(), "--set", "train.checkpoint_every=2"]),
         &[],
@@ -160,7 +138,7 @@ fn every_weights_file_a_run_writes_evaluates_without_a_config() {
         let inferred = vitscale::model::weights::infer(f).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
         assert_eq!(inferred.num_heads, Some(4), "{} carries no head count", f.display());
         if i < 2 {
-            let ev = run_in(t.path(), &["eval", "--device", "cpu", "--json", "--weights", f.to_str().unwrap(), "--set", "data.train_size=256", "--set", "data.val_size=64"], &[]);
+            let ev = vitscale_env(t.path(), &["eval", "--device", "cpu", "--json", "--weights", f.to_str().unwrap(), "--set", "data.train_size=256", "--set", "data.val_size=64"], &[]);
             assert!(ev.status.success(), "{}", stderr(&ev));
             assert_eq!(last_json(&ev)["top1"].as_f64(), Some(top1), "{}", f.display());
         }
@@ -232,7 +210,7 @@ fn an_unknown_key_in_every_section_is_an_error_naming_it() {
 /// `--set` values (serde_json alone would keep the last one silently).
 #[test]
 fn a_duplicate_key_at_any_depth_is_an_error_naming_it() {
-    let t = tempfile::tempdir().unwrap();
+    let t = tmp();
     let texts = [
         (r#"{"train_batch_size": 8, "train_batch_size": 16}"#, "train_batch_size"),
         (r#"{"optimizer": {"type": "AdamW", "params": {"lr": 1, "lr": 2}}}"#, "optimizer.params.lr"),
@@ -273,7 +251,7 @@ fn every_batch_triple_error_states_the_triple() {
 /// an abort.
 #[test]
 fn every_size_that_cannot_fit_is_refused_with_the_estimate_and_the_limit() {
-    let t = tempfile::tempdir().unwrap();
+    let t = tmp();
     let cases: &[&[&str]] = &[
         &["--set", "model.embed_dim=262144", "--set", "model.num_heads=1"],
         &["--set", "model.depth=100000"],
@@ -286,7 +264,7 @@ fn every_size_that_cannot_fit_is_refused_with_the_estimate_and_the_limit() {
         let mut a = vec!["train", "--device", "cpu", "--run-dir", dir.to_str().unwrap()];
         a.extend_from_slice(extra);
         let t0 = Instant::now();
-        let out = run_in(t.path(), &a, &[]);
+        let out = vitscale_env(t.path(), &a, &[]);
         let e = stderr(&out);
         assert_eq!(out.status.code(), Some(1), "{extra:?}: {e}");
         assert!(e.contains("estimated") && e.contains("GiB") && e.contains("available RAM"), "{extra:?}: {e}");
@@ -299,7 +277,7 @@ fn every_size_that_cannot_fit_is_refused_with_the_estimate_and_the_limit() {
 /// with a message instead of aborting (134).
 #[test]
 fn under_ulimit_v_no_run_aborts() {
-    let t = tempfile::tempdir().unwrap();
+    let t = tmp();
     for (i, micro) in [64, 4096, 65536].iter().enumerate() {
         let dir = t.path().join(format!("r{i}"));
         let cmd = format!(
@@ -322,12 +300,12 @@ fn under_ulimit_v_no_run_aborts() {
 #[test]
 fn bench_on_the_cpu_defaults_to_a_cpu_sized_step() {
     assert_eq!(vitscale::cmd::bench::default_model_and_micro("cpu"), ("vit_tiny_patch4_32", 32));
-    let t = tempfile::tempdir().unwrap();
-    let out = run_in(t.path(), &["bench", "--device", "cpu", "--model", "vit_builtin_default", "--steps", "2", "--warmup", "1"], &[]);
+    let t = tmp();
+    let out = vitscale_env(t.path(), &["bench", "--device", "cpu", "--model", "vit_builtin_default", "--steps", "2", "--warmup", "1"], &[]);
     let s = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(s.contains("no MFU") && !s.contains("MFU 0.0"), "{s}");
-    let big = run_in(t.path(), &["bench", "--device", "cpu", "--model", "vit_large_patch16_224", "--micro", "100000"], &[]);
+    let big = vitscale_env(t.path(), &["bench", "--device", "cpu", "--model", "vit_large_patch16_224", "--micro", "100000"], &[]);
     assert_eq!(big.status.code(), Some(1));
     assert!(stderr(&big).contains("estimated"), "{}", stderr(&big));
 }
@@ -349,7 +327,7 @@ fn write_cifar10(dir: &Path, per_file: &[(&str, usize)]) {
 /// Every split of every dataset kind that ends up empty stops the run, naming the split.
 #[test]
 fn every_empty_split_is_refused() {
-    let t = tempfile::tempdir().unwrap();
+    let t = tmp();
     // CIFAR: an empty test file, and records nowhere
     let c1 = t.path().join("c1");
     write_cifar10(&c1, &[("data_batch_1.bin", 8), ("test_batch.bin", 0)]);
@@ -385,7 +363,7 @@ fn every_empty_split_is_refused() {
             a.push(s.clone());
         }
         let refs: Vec<&str> = a.iter().map(String::as_str).collect();
-        let out = run_in(t.path(), &refs, &[]);
+        let out = vitscale_env(t.path(), &refs, &[]);
         let e = stderr(&out);
         assert_eq!(out.status.code(), Some(1), "{sets:?}: {e}");
         assert!(e.contains(needle), "{sets:?}: {e}");
@@ -397,20 +375,20 @@ fn every_empty_split_is_refused() {
 /// is an error naming it.
 #[test]
 fn missing_cifar_files_are_named_and_empty_ones_refused() {
-    let t = tempfile::tempdir().unwrap();
+    let t = tmp();
     let d = t.path().join("cifar");
     write_cifar10(&d, &[("data_batch_1.bin", 8), ("data_batch_3.bin", 8), ("test_batch.bin", 4)]);
     let run = t.path().join("r");
     let base = ["train", "--device", "cpu", "--set", "data.dataset=cifar10", "--set", "model.preset=vit_builtin_default", "--set", "model.image_size=32", "--set", "train_batch_size=8", "--set", "train.steps=1"];
     let path = format!("data.path={}", d.display());
-    let out = run_in(t.path(), &args(&base, &["--set", &path, "--run-dir", run.to_str().unwrap()]), &[]);
+    let out = vitscale_env(t.path(), &args(&base, &["--set", &path, "--run-dir", run.to_str().unwrap()]), &[]);
     let e = stderr(&out);
     assert!(out.status.success(), "{e}");
     for missing in ["data_batch_2.bin", "data_batch_4.bin", "data_batch_5.bin"] {
         assert!(e.contains(missing), "{e}");
     }
     std::fs::write(d.join("data_batch_2.bin"), b"").unwrap();
-    let out = run_in(t.path(), &args(&base, &["--set", &path, "--run-dir", t.path().join("r2").to_str().unwrap()]), &[]);
+    let out = vitscale_env(t.path(), &args(&base, &["--set", &path, "--run-dir", t.path().join("r2").to_str().unwrap()]), &[]);
     let e = stderr(&out);
     assert_eq!(out.status.code(), Some(1), "{e}");
     assert!(e.contains("data_batch_2.bin") && e.contains("empty"), "{e}");
@@ -420,7 +398,7 @@ fn missing_cifar_files_are_named_and_empty_ones_refused() {
 /// resume reopens it.
 #[test]
 fn a_run_directory_holding_any_run_file_is_refused() {
-    let t = tempfile::tempdir().unwrap();
+    let t = tmp();
     for f in vitscale::train::run_dir::RUN_FILES {
         let dir = t.path().join(format!("d-{f}"));
         std::fs::create_dir_all(&dir).unwrap();
@@ -429,7 +407,7 @@ fn a_run_directory_holding_any_run_file_is_refused() {
         } else {
             std::fs::write(dir.join(f), b"{}").unwrap();
         }
-        let out = run_in(t.path(), &small(&["--run-dir", dir.to_str().unwrap()]), &[]);
+        let out = vitscale_env(t.path(), &small(&["--run-dir", dir.to_str().unwrap()]), &[]);
         let e = stderr(&out);
         assert_eq!(out.status.code(), Some(1), "{f}: {e}");
         assert!(e.contains("already holds a run") && e.contains(f), "{f}: {e}");
@@ -437,7 +415,7 @@ fn a_run_directory_holding_any_run_file_is_refused() {
     // an empty directory is fine
     let empty = t.path().join("empty");
     std::fs::create_dir_all(&empty).unwrap();
-    let out = run_in(t.path(), &small(&["--run-dir", empty.to_str().unwrap()]), &[]);
+    let out = vitscale_env(t.path(), &small(&["--run-dir", empty.to_str().unwrap()]), &[]);
     assert!(out.status.success(), "{}", stderr(&out));
 }
 
@@ -445,9 +423,9 @@ fn a_run_directory_holding_any_run_file_is_refused() {
 /// naming it; the run's length may change.
 #[test]
 fn a_resume_that_changes_the_trajectory_is_refused_naming_every_key() {
-    let t = tempfile::tempdir().unwrap();
+    let t = tmp();
     let first = t.path().join("first");
-    let out = run_in(t.path(), &small(&["--run-dir", first.to_str().unwrap(), "--set", "train.checkpoint_every=2"]), &[]);
+    let out = vitscale_env(t.path(), &small(&["--run-dir", first.to_str().unwrap(), "--set", "train.checkpoint_every=2"]), &[]);
     assert!(out.status.success(), "{}", stderr(&out));
     let ck = first.join("checkpoints/step_000002");
     let changes: &[(&str, &str)] = &[
@@ -460,14 +438,14 @@ fn a_resume_that_changes_the_trajectory_is_refused_naming_every_key() {
     ];
     for (i, (set, key)) in changes.iter().enumerate() {
         let dir = t.path().join(format!("r{i}"));
-        let out = run_in(t.path(), &small(&["--run-dir", dir.to_str().unwrap(), "--resume", ck.to_str().unwrap(), "--set", set]), &[]);
+        let out = vitscale_env(t.path(), &small(&["--run-dir", dir.to_str().unwrap(), "--resume", ck.to_str().unwrap(), "--set", set]), &[]);
         let e = stderr(&out);
         assert_eq!(out.status.code(), Some(1), "{set}: {e}");
         assert!(e.contains(key), "{set}: {e}");
     }
     // longer is fine
     let ok = t.path().join("longer");
-    let out = run_in(t.path(), &small(&["--run-dir", ok.to_str().unwrap(), "--resume", ck.to_str().unwrap(), "--set", "train.steps=6"]), &[]);
+    let out = vitscale_env(t.path(), &small(&["--run-dir", ok.to_str().unwrap(), "--resume", ck.to_str().unwrap(), "--set", "train.steps=6"]), &[]);
     assert!(out.status.success(), "{}", stderr(&out));
 }
 
@@ -475,14 +453,14 @@ fn a_resume_that_changes_the_trajectory_is_refused_naming_every_key() {
 /// keys) keeps the checkpoint's global batch and says how it was split.
 #[test]
 fn a_resume_on_another_world_size_keeps_the_global_batch() {
-    let t = tempfile::tempdir().unwrap();
+    let t = tmp();
     let first = t.path().join("first");
-    let out = run_in(t.path(), &small(&["--run-dir", first.to_str().unwrap(), "--set", "train.checkpoint_every=2", "--set", "train_batch_size=64"]), &[]);
+    let out = vitscale_env(t.path(), &small(&["--run-dir", first.to_str().unwrap(), "--set", "train.checkpoint_every=2", "--set", "train_batch_size=64"]), &[]);
     assert!(out.status.success(), "{}", stderr(&out));
     let cfg = first.join("config.json");
     let two = t.path().join("two");
     let port = free_port().to_string();
-    let out = run_in(
+    let out = vitscale_env(
         t.path(),
         &["launch", "--nproc-per-node", "2", "--master-port", &port, "--", "train", "--device", "cpu", "--json", "--config", cfg.to_str().unwrap(),
           "--resume", first.join("checkpoints/step_000002").to_str().unwrap(), "--run-dir", two.to_str().unwrap()],
@@ -500,12 +478,12 @@ fn a_resume_on_another_world_size_keeps_the_global_batch() {
 /// naming the missing side — rank 0 without its peers, and a peer without rank 0.
 #[test]
 fn every_side_of_the_rendezvous_honours_the_configured_timeout() {
-    let t = tempfile::tempdir().unwrap();
+    let t = tmp();
     for rank in ["0", "1"] {
         let port = free_port().to_string();
         let dir = t.path().join(format!("r{rank}"));
         let t0 = Instant::now();
-        let out = run_in(
+        let out = vitscale_env(
             t.path(),
             &small(&["--run-dir", dir.to_str().unwrap(), "--set", "train.comm_timeout_s=6"]),
             &[("RANK", rank), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", &port)],
@@ -556,7 +534,7 @@ fn a_rendezvous_refuses_a_rank_of_another_job() {
 /// message about the port (or runs after it); neither joins the other, every try.
 #[test]
 fn two_launches_on_one_port_never_mix() {
-    let t = tempfile::tempdir().unwrap();
+    let t = tmp();
     for attempt in 0..3 {
         let port = free_port().to_string();
         let spawn = |name: &str| {
@@ -595,14 +573,14 @@ fn two_launches_on_one_port_never_mix() {
 /// values are refused there, and so is a 0 in `MASTER_PORT`.
 #[test]
 fn every_bad_port_is_refused_before_starting() {
-    let t = tempfile::tempdir().unwrap();
+    let t = tmp();
     for port in ["0", "65536", "-1", "x"] {
         let flag = format!("--master-port={port}");
-        let out = run_in(t.path(), &["launch", "--nproc-per-node", "2", &flag, "--", "train"], &[]);
+        let out = vitscale_env(t.path(), &["launch", "--nproc-per-node", "2", &flag, "--", "train"], &[]);
         assert_eq!(out.status.code(), Some(2), "--master-port {port}: {}", stderr(&out));
         assert!(stderr(&out).contains("--master-port"), "{}", stderr(&out));
     }
-    let out = run_in(t.path(), &small(&[]), &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "0")]);
+    let out = vitscale_env(t.path(), &small(&[]), &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "0")]);
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("MASTER_PORT"), "{}", stderr(&out));
 }
@@ -613,7 +591,7 @@ fn every_bad_port_is_refused_before_starting() {
 /// reason exactly once.
 #[test]
 fn every_file_error_names_its_cause_once() {
-    let t = tempfile::tempdir().unwrap();
+    let t = tmp();
     let missing = t.path().join("missing");
     let m = missing.to_str().unwrap();
     let cases: Vec<Vec<String>> = vec![
@@ -625,7 +603,7 @@ fn every_file_error_names_its_cause_once() {
     ];
     for a in cases {
         let refs: Vec<&str> = a.iter().map(String::as_str).collect();
-        let out = run_in(t.path(), &refs, &[]);
+        let out = vitscale_env(t.path(), &refs, &[]);
         let e = stderr(&out);
         assert_eq!(out.status.code(), Some(1), "{a:?}: {e}");
         let line = e.lines().find(|l| l.starts_with("error:")).unwrap_or_else(|| panic!("{a:?}: no error line: {e}"));
@@ -640,7 +618,7 @@ fn every_file_error_names_its_cause_once() {
 /// folder that cannot be written — each fails at once naming the flag, before any step.
 #[test]
 fn every_bad_output_path_fails_before_training() {
-    let t = tempfile::tempdir().unwrap();
+    let t = tmp();
     let file = t.path().join("a-file");
     std::fs::write(&file, b"x").unwrap();
     let cases: Vec<(&str, PathBuf)> = vec![
@@ -656,7 +634,7 @@ fn every_bad_output_path_fails_before_training() {
             a.extend(["--run-dir", dir.to_str().unwrap()]);
         }
         let t0 = Instant::now();
-        let out = run_in(t.path(), &a, &[]);
+        let out = vitscale_env(t.path(), &a, &[]);
         let e = stderr(&out);
         assert_eq!(out.status.code(), Some(1), "{flag} {}: {e}", path.display());
         assert!(t0.elapsed() < Duration::from_secs(20), "{flag}: took {:?}", t0.elapsed());
@@ -671,9 +649,9 @@ fn every_bad_output_path_fails_before_training() {
 /// states the real default.
 #[test]
 fn the_cpu_fallback_notice_is_one_short_line_from_rank_0() {
-    let t = tempfile::tempdir().unwrap();
+    let t = tmp();
     let port = free_port().to_string();
-    let out = run_in(
+    let out = vitscale_env(
         t.path(),
         &["launch", "--nproc-per-node", "2", "--output", "all", "--master-port", &port, "--", "train", "--set", "data.train_size=128", "--set", "data.val_size=64", "--set", "train.steps=2",
           "--run-dir", t.path().join("r").to_str().unwrap()],
@@ -684,9 +662,9 @@ fn the_cpu_fallback_notice_is_one_short_line_from_rank_0() {
     let notices: Vec<&str> = e.lines().filter(|l| l.contains("notice:")).collect();
     assert!(notices.len() <= 1, "{notices:?}");
     assert!(notices.iter().all(|l| l.len() < 260), "{notices:?}");
-    let help = run_in(t.path(), &["train", "--help"], &[]);
+    let help = vitscale_env(t.path(), &["train", "--help"], &[]);
     let h = String::from_utf8_lossy(&help.stdout);
     assert!(h.contains("[default: auto]"), "{h}");
-    let top = run_in(t.path(), &["--help"], &[]);
+    let top = vitscale_env(t.path(), &["--help"], &[]);
     assert!(!String::from_utf8_lossy(&top.stdout).contains("defaults: CPU"));
 }

@@ -219,59 +219,6 @@ mod tests {
         }
     }
 
-    /// `apply` as it was when "batch" was the only mode, kept as the reference that mode must
-    /// still match bit for bit.
-    #[allow(clippy::all)]
-    fn apply_before(batch: &mut Batch, d: MixDraw, side: usize, num_classes: usize, eps: f32) {
-        let b = batch.len();
-        let per = 3 * side * side;
-        debug_assert_eq!(b % 2, 0, "mixing needs an even batch");
-        debug_assert_eq!(batch.images.len(), b * per);
-        let lam = d.lam as f32;
-        if lam < 1.0 {
-            for pair in batch.images.chunks_exact_mut(2 * per) {
-                let (a, bb) = pair.split_at_mut(per);
-                match d.cut {
-                    None => {
-                        for (x, y) in a.iter_mut().zip(bb.iter_mut()) {
-                            let (xa, yb) = (*x, *y);
-                            *x = lam * xa + (1.0 - lam) * yb;
-                            *y = lam * yb + (1.0 - lam) * xa;
-                        }
-                    }
-                    Some((y0, y1, x0, x1)) => {
-                        // Swapping the boxes gives each image its partner's box.
-                        for c in 0..3 {
-                            for y in y0..y1 {
-                                let row = c * side * side + y * side;
-                                a[row + x0..row + x1].swap_with_slice(&mut bb[row + x0..row + x1]);
-                            }
-                        }
-                    }
-                }
-            }
-        }
-        let k = num_classes;
-        let off = eps / k as f32;
-        let on = 1.0 - eps + off;
-        let mut t = batch.targets.take().unwrap_or_default();
-        t.clear();
-        t.resize(b * k, off);
-        for (i, row) in t.chunks_mut(k).enumerate() {
-            let own = batch.labels[i] as usize;
-            // An odd last image (never produced by a checked config) is its own partner.
-            let partner = batch.labels[if i ^ 1 < b { i ^ 1 } else { i }] as usize;
-            // y = λ·onehot(own) + (1−λ)·onehot(partner), both smoothed: off + (on−off)·(…).
-            if own < k {
-                row[own] += (on - off) * lam;
-            }
-            if partner < k {
-                row[partner] += (on - off) * (1.0 - lam);
-            }
-        }
-        batch.targets = Some(t);
-    }
-
     fn noisy(b: usize, side: usize, seed: u64) -> Batch {
         let mut rng = SplitMix::new(seed);
         Batch {
@@ -289,19 +236,100 @@ mod tests {
         AugmentOptions { mixup_mode: m, ..o.clone() }
     }
 
+    /// A seed that differs from run to run (tests state it on failure).
+    fn fresh_seed() -> u64 {
+        hash(&[std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)])
+    }
+
+    /// timm's `mixup_target`: λ·smoothed one-hot(own) + (1 − λ)·smoothed one-hot(partner),
+    /// with `off = ε/K` and `on = 1 − ε + off`.
+    fn timm_target(own: usize, partner: usize, lam: f64, k: usize, eps: f64) -> Vec<f64> {
+        let off = eps / k as f64;
+        let on = 1.0 - eps + off;
+        (0..k).map(|c| lam * if c == own { on } else { off } + (1.0 - lam) * if c == partner { on } else { off }).collect()
+    }
+
+    /// Batch mode: the one draw of the global batch mixes every pair (2k, 2k+1) — mixup
+    /// `λ·own + (1 − λ)·partner`, CutMix the partner's box — and every target row is timm's
+    /// `mixup_target`; fresh random images and labels.
     #[test]
-    fn batch_mode_is_bit_identical_to_before() {
-        let side = 6;
+    fn batch_mode_mixes_every_pair_by_the_one_draw() {
+        let (side, b, k, eps) = (6, 8, 7, 0.1);
+        let per = 3 * side * side;
+        let seed = fresh_seed();
+        let (mut mixed, mut cut) = (0, 0);
         for o in [opts(0.8, 0.0), opts(0.0, 1.0), opts(0.8, 1.0), AugmentOptions { mixup_prob: 0.5, ..opts(0.8, 1.0) }] {
             for step in 0..40 {
-                let mut want = noisy(8, side, step as u64);
-                let mut got = want.clone();
-                apply_before(&mut want, draw(&o, 5, 1, step, side), side, 7, 0.1);
-                let idx: Vec<usize> = (100..108).collect();
-                mix_batch(&mut got, &idx, &o, 5, 1, step, side, 7, 0.1);
-                assert_eq!(bits(&got.images), bits(&want.images), "{o:?} step {step}");
-                assert_eq!(bits(got.targets.as_ref().unwrap()), bits(want.targets.as_ref().unwrap()));
+                let orig = noisy(b, side, seed ^ step as u64);
+                let mut got = orig.clone();
+                let idx: Vec<usize> = (100..100 + b).collect();
+                mix_batch(&mut got, &idx, &o, 5, 1, step, side, k, eps as f32);
+                let d = draw(&o, 5, 1, step, side);
+                mixed += usize::from(d.lam < 1.0);
+                cut += usize::from(d.cut.is_some());
+                for i in 0..b {
+                    let (own, partner) = (&orig.images[i * per..(i + 1) * per], &orig.images[(i ^ 1) * per..((i ^ 1) + 1) * per]);
+                    for j in 0..per {
+                        let (y, x) = ((j % (side * side)) / side, j % side);
+                        let want = match d.cut {
+                            None => d.lam * own[j] as f64 + (1.0 - d.lam) * partner[j] as f64,
+                            Some((y0, y1, x0, x1)) => (if (y0..y1).contains(&y) && (x0..x1).contains(&x) { partner[j] } else { own[j] }) as f64,
+                        };
+                        let g = got.images[i * per + j] as f64;
+                        assert!((g - want).abs() <= 1e-6 * want.abs().max(1.0), "seed {seed} {o:?} step {step} image {i} value {j}: {g} vs {want} ({d:?})");
+                    }
+                    let want = timm_target(orig.labels[i] as usize, orig.labels[i ^ 1] as usize, d.lam, k, eps);
+                    let row = &got.targets.as_ref().unwrap()[i * k..(i + 1) * k];
+                    for c in 0..k {
+                        assert!((row[c] as f64 - want[c]).abs() < 1e-6, "seed {seed} {o:?} step {step} image {i}: {row:?} vs {want:?}");
+                    }
+                }
             }
+        }
+        // Both methods and unmixed batches occurred (mixup_prob 0.5 in the last options).
+        assert!(mixed > 100 && cut > 30 && mixed < 160, "{mixed} mixed, {cut} cutmix of 160 batches");
+    }
+
+    /// λ of mixup is Beta(α, α): mean ½, variance 1 / (4·(2α + 1)); over 4000 fresh draws the
+    /// sample mean is within 0.03 (≥ 4 standard errors) and the variance within 0.02.
+    #[test]
+    fn mixup_lambda_is_beta_alpha_alpha() {
+        let seed = fresh_seed();
+        for alpha in [0.2, 0.8, 4.0] {
+            let o = opts(alpha, 0.0);
+            let lams: Vec<f64> = (0..4000).map(|step| draw(&o, seed, 0, step, 16).lam).collect();
+            let n = lams.len() as f64;
+            let mean = lams.iter().sum::<f64>() / n;
+            let var = lams.iter().map(|l| (l - mean) * (l - mean)).sum::<f64>() / (n - 1.0);
+            let want_var = 1.0 / (4.0 * (2.0 * alpha + 1.0));
+            assert!((mean - 0.5).abs() < 0.03, "seed {seed} α {alpha}: mean {mean}");
+            assert!((var - want_var).abs() < 0.02, "seed {seed} α {alpha}: variance {var}, Beta's {want_var}");
+            assert!(lams.iter().all(|l| (0.0..=1.0).contains(l)));
+        }
+    }
+
+    /// CutMix boxes are timm's `rand_bbox`: centred anywhere in the image, half-side
+    /// `int(S·√(1−λ)) // 2` on both axes, clipped to the image; so a box that touches no edge is
+    /// a square of even side, and λ is corrected to the area kept. Fresh draws on odd and even
+    /// sides.
+    #[test]
+    fn cutmix_boxes_follow_timms_rand_bbox() {
+        let seed = fresh_seed();
+        for side in [16usize, 31, 224] {
+            let o = opts(0.0, 1.0);
+            let mut interior = 0;
+            for step in 0..2000 {
+                let d = draw(&o, seed, 0, step, side);
+                let (y0, y1, x0, x1) = d.cut.expect("cutmix only");
+                assert!(y0 <= y1 && y1 <= side && x0 <= x1 && x1 <= side, "seed {seed}: {d:?}");
+                let kept = 1.0 - ((y1 - y0) * (x1 - x0)) as f64 / (side * side) as f64;
+                assert!((d.lam - kept).abs() < 1e-12, "seed {seed}: {d:?}");
+                if y0 > 0 && y1 < side && x0 > 0 && x1 < side {
+                    interior += 1;
+                    assert!((y1 - y0) == (x1 - x0) && (y1 - y0) % 2 == 0, "seed {seed} side {side}: {d:?}");
+                }
+            }
+            assert!(interior > 100, "seed {seed} side {side}: only {interior} boxes clear of the edges");
         }
     }
 

@@ -90,8 +90,10 @@ pub fn apply_op(op: Op, m: f64, increasing: bool, rng: &mut SplitMix, img: &mut 
         Op::Equalize => equalize(img),
         Op::Invert => img.iter_mut().for_each(|v| *v = 255 - *v),
         Op::Posterize => {
-            let bits = if increasing { 4 - (l * 4.0) as u32 } else { (l * 4.0) as u32 }.min(8);
-            let mask = if bits == 0 { 0u8 } else { !((1u16 << (8 - bits)) as u8).wrapping_sub(1) };
+            // timm: `int(4·l)` bits kept (increasing: 4 minus that, negative past level 12.5);
+            // 8 or more keep the image, none or fewer leave no bits (PIL's mask is then 0).
+            let bits = if increasing { 4 - (l * 4.0) as i64 } else { (l * 4.0) as i64 };
+            let mask = if bits >= 8 { 0xff } else if bits <= 0 { 0u8 } else { 0xffu8 << (8 - bits) };
             img.iter_mut().for_each(|v| *v &= mask);
         }
         Op::Solarize => {
@@ -618,166 +620,6 @@ fn to_u8(v: f32) -> u8 {
     unsafe { v.to_int_unchecked::<i32>() as u8 }
 }
 
-/// The straightforward versions of the pixel ops (per channel, per pixel, in f32 as written
-/// before they were made fast), kept as references for the tests.
-#[cfg(test)]
-mod reference {
-    use super::*;
-
-    fn to_u8(v: f32) -> u8 {
-        (v.max(0.0) + 0.5).min(255.0) as u8
-    }
-
-    /// PIL's "L" conversion as a float: (299 R + 587 G + 114 B) / 1000.
-    pub(super) fn luma(r: u8, g: u8, b: u8) -> f32 {
-        (r as f32 * 299.0 + g as f32 * 587.0 + b as f32 * 114.0) / 1000.0
-    }
-
-    /// PIL `Image.blend(degenerate, img, f)` = degenerate + f·(img − degenerate), clipped.
-    pub(super) fn blend_with(img: &mut [u8], f: f64, degenerate: impl Fn(&[u8]) -> [f32; 3]) {
-        let f = f as f32;
-        for px in img.chunks_exact_mut(3) {
-            let d = degenerate(px);
-            for c in 0..3 {
-                px[c] = to_u8(d[c] + f * (px[c] as f32 - d[c]));
-            }
-        }
-    }
-
-    /// [`blend_with`] for a uniform degenerate image of value `g`, through a 256-entry table.
-    pub(super) fn blend_const(img: &mut [u8], f: f64, g: f32) {
-        let f = f as f32;
-        let lut: [u8; 256] = std::array::from_fn(|v| to_u8(g + f * (v as f32 - g)));
-        img.iter_mut().for_each(|v| *v = lut[*v as usize]);
-    }
-
-    /// `ImageOps.autocontrast` (no cutoff): stretch each channel's [min, max] to [0, 255].
-    pub(super) fn auto_contrast(img: &mut [u8]) {
-        for c in 0..3 {
-            let (mut lo, mut hi) = (255u8, 0u8);
-            for px in img.chunks_exact(3) {
-                lo = lo.min(px[c]);
-                hi = hi.max(px[c]);
-            }
-            if hi <= lo {
-                continue;
-            }
-            // In f64, as PIL computes the table in Python floats.
-            let scale = 255.0 / (hi - lo) as f64;
-            let offset = -(lo as f64) * scale;
-            let lut: [u8; 256] = std::array::from_fn(|v| (v as f64 * scale + offset).clamp(0.0, 255.0) as u8);
-            for px in img.chunks_exact_mut(3) {
-                px[c] = lut[px[c] as usize];
-            }
-        }
-    }
-
-    /// `ImageOps.equalize`: per channel, the histogram-equalizing lookup table PIL builds.
-    pub(super) fn equalize(img: &mut [u8]) {
-        for c in 0..3 {
-            let mut h = [0usize; 256];
-            for px in img.chunks_exact(3) {
-                h[px[c] as usize] += 1;
-            }
-            let nonzero: Vec<usize> = h.iter().copied().filter(|&x| x > 0).collect();
-            if nonzero.len() <= 1 {
-                continue;
-            }
-            let step = (nonzero.iter().sum::<usize>() - nonzero[nonzero.len() - 1]) / 255;
-            if step == 0 {
-                continue;
-            }
-            let mut lut = [0u8; 256];
-            let mut n = step / 2;
-            for i in 0..256 {
-                lut[i] = (n / step).min(255) as u8;
-                n += h[i];
-            }
-            for px in img.chunks_exact_mut(3) {
-                px[c] = lut[px[c] as usize];
-            }
-        }
-    }
-
-    /// `ImageEnhance.Sharpness`: blend with PIL's SMOOTH filter (3×3, centre 5, others 1, /13);
-    /// the one-pixel border keeps its values in the degenerate image.
-    pub(super) fn sharpness(img: &mut [u8], side: usize, f: f32, scratch: &mut Vec<u8>) {
-        scratch.clear();
-        scratch.extend_from_slice(img);
-        if side < 3 {
-            return;
-        }
-        let w = side * 3;
-        for y in 1..side - 1 {
-            let (up, mid, down) = (&scratch[(y - 1) * w..y * w], &scratch[y * w..(y + 1) * w], &scratch[(y + 1) * w..(y + 2) * w]);
-            let out = &mut img[y * w..(y + 1) * w];
-            for i in 3..w - 3 {
-                let acc = up[i - 3] as u32 + up[i] as u32 + up[i + 3] as u32 + mid[i - 3] as u32 + 5 * mid[i] as u32 + mid[i + 3] as u32
-                    + down[i - 3] as u32 + down[i] as u32 + down[i + 3] as u32;
-                // round(acc / 13), ties up
-                let d = ((2 * acc + 13) / 26) as f32;
-                out[i] = to_u8(d + f * (mid[i] as f32 - d));
-            }
-        }
-    }
-
-    /// One op as the reference implementations do it (geometric ops excluded).
-    pub(super) fn apply_pixel_op(op: Op, m: f64, increasing: bool, rng: &mut SplitMix, img: &mut [u8], side: usize) {
-        let l = m / 10.0;
-        let enhance = |rng: &mut SplitMix| if increasing { (1.0 + negate(rng, l * 0.9)).max(0.1) } else { l * 1.8 + 0.1 };
-        match op {
-            Op::AutoContrast => auto_contrast(img),
-            Op::Equalize => equalize(img),
-            Op::Invert => img.iter_mut().for_each(|v| *v = 255 - *v),
-            Op::Posterize => {
-                let bits = if increasing { 4 - (l * 4.0) as u32 } else { (l * 4.0) as u32 }.min(8);
-                let mask = if bits == 0 { 0u8 } else { !((1u16 << (8 - bits)) as u8).wrapping_sub(1) };
-                img.iter_mut().for_each(|v| *v &= mask);
-            }
-            Op::Solarize => {
-                let t = (l * 256.0) as i32;
-                let thresh = if increasing { 256 - t } else { t };
-                img.iter_mut().for_each(|v| {
-                    if *v as i32 >= thresh {
-                        *v = 255 - *v
-                    }
-                });
-            }
-            Op::SolarizeAdd => {
-                let add = (l * 110.0) as u16;
-                img.iter_mut().for_each(|v| {
-                    if *v < 128 {
-                        *v = (*v as u16 + add).min(255) as u8
-                    }
-                });
-            }
-            Op::Color => {
-                let f = enhance(rng);
-                blend_with(img, f, |px| {
-                    let g = luma(px[0], px[1], px[2]);
-                    [g, g, g]
-                });
-            }
-            Op::Contrast => {
-                let f = enhance(rng);
-                let n = (img.len() / 3).max(1) as f64;
-                let mean = img.chunks_exact(3).map(|p| luma(p[0], p[1], p[2]) as f64).sum::<f64>() / n;
-                let g = (mean + 0.5) as u8 as f32;
-                blend_const(img, f, g);
-            }
-            Op::Brightness => {
-                let f = enhance(rng);
-                blend_const(img, f, 0.0);
-            }
-            Op::Sharpness => {
-                let f = enhance(rng);
-                sharpness(img, side, f as f32, &mut Vec::new());
-            }
-            _ => unreachable!("geometric ops have their own reference"),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -899,33 +741,175 @@ mod tests {
         }
     }
 
-    /// The fast pixel ops against the straightforward references: the table ops, Sharpness and
-    /// Contrast exactly; Color (which scales the integer luma by 0.001 instead of dividing by
-    /// 1000) within 1 level. Noise and smooth images, random levels, both level mappings.
+    /// Applies `op` at level `m` to a copy of `img` and returns it.
+    fn applied(op: Op, m: f64, inc: bool, img: &[u8], side: usize) -> Vec<u8> {
+        let mut out = img.to_vec();
+        run(op, m, inc, &mut out, side);
+        out
+    }
+
+    /// Posterize, Solarize and SolarizeAdd on every byte value, at levels whose arguments are
+    /// written here from timm's level mappings (`int(4·m/10)` bits kept, increasing `4 −` that;
+    /// threshold `int(256·m/10)`, increasing `256 −` that; `int(110·m/10)` added below 128) and
+    /// PIL's tables (`ImageOps.posterize` keeps the high bits; `ImageOps.solarize` inverts
+    /// values ≥ the threshold).
     #[test]
-    fn pixel_ops_match_reference() {
-        let mut rng = SplitMix::new(21);
-        for (t, side) in [224usize, 31, 5, 2, 1, 224].into_iter().enumerate() {
-            for op in OPS.into_iter().filter(|o| !matches!(o, Op::Rotate | Op::ShearX | Op::ShearY | Op::TranslateXRel | Op::TranslateYRel)) {
-                for k in 0..4 {
-                    let mut img = if k % 2 == 0 { random_image(side, t as u64 * 10 + k) } else { photo_like(side, t as u64 * 10 + k) };
-                    if k == 3 {
-                        // A low-contrast image: narrow ranges for AutoContrast / Equalize.
-                        img.iter_mut().for_each(|v| *v = 100 + *v / 8);
-                    }
-                    let m = if k == 0 { 10.0 } else { rng.f64() * 10.0 };
-                    let inc = k % 2 == 1;
-                    let seed = rng.next_u64();
-                    let mut want = img.clone();
-                    reference::apply_pixel_op(op, m, inc, &mut SplitMix::new(seed), &mut want, side);
-                    let mut got = img.clone();
-                    apply_op(op, m, inc, &mut SplitMix::new(seed), &mut got, side, [0; 3], &mut Vec::new());
-                    let (d, n) = max_diff(&got, &want);
-                    let tol = if op == Op::Color { 1 } else { 0 };
-                    assert!(d <= tol, "{op:?} m={m:.3} inc={inc} side={side}: max diff {d} ({n} bytes differ)");
-                }
+    fn posterize_and_solarize_follow_timms_levels_on_every_byte() {
+        let ramp: Vec<u8> = (0..=255).collect();
+        // (level, increasing, bits kept)
+        for (m, inc, bits) in [(0.0, false, 0), (2.6, false, 1), (5.0, false, 2), (7.6, false, 3), (10.0, false, 4), (0.0, true, 4), (2.6, true, 3), (7.6, true, 1), (10.0, true, 0), (20.0, false, 8)] {
+            let want: Vec<u8> = ramp.iter().map(|&v| if bits == 0 { 0 } else { v - v % (1u16 << (8 - bits)) as u8 }).collect();
+            assert_eq!(applied(Op::Posterize, m, inc, &ramp, 0), want, "Posterize m={m} inc={inc}: {bits} bits");
+        }
+        // (level, increasing, threshold)
+        for (m, inc, t) in [(0.0, false, 0u16), (2.5, false, 64), (5.0, false, 128), (10.0, false, 256), (0.0, true, 256), (2.5, true, 192), (10.0, true, 0)] {
+            let want: Vec<u8> = ramp.iter().map(|&v| if (v as u16) < t { v } else { 255 - v }).collect();
+            assert_eq!(applied(Op::Solarize, m, inc, &ramp, 0), want, "Solarize m={m} inc={inc}: threshold {t}");
+        }
+        // (level, amount added); the same either way for `inc`.
+        for (m, add) in [(0.0, 0u16), (5.0, 55), (10.0, 110), (12.0, 132)] {
+            let want: Vec<u8> = ramp.iter().map(|&v| if v < 128 { (v as u16 + add).min(255) as u8 } else { v }).collect();
+            for inc in [false, true] {
+                assert_eq!(applied(Op::SolarizeAdd, m, inc, &ramp, 0), want, "SolarizeAdd m={m}: +{add}");
             }
         }
+        // Invert twice is the identity; once, every value v becomes 255 − v.
+        let once = applied(Op::Invert, 3.0, false, &ramp, 0);
+        assert!(once.iter().zip(&ramp).all(|(&a, &v)| a == 255 - v));
+        assert_eq!(applied(Op::Invert, 3.0, false, &once, 0), ramp);
+    }
+
+    /// `ImageOps.autocontrast` and `ImageOps.equalize`, per channel, worked out by hand.
+    #[test]
+    fn autocontrast_and_equalize_by_hand() {
+        // AutoContrast: channel 0 spans [1, 86] (scale 255/85 = 3, offset −3), channel 1
+        // [10, 61] (scale 5, offset −50), channel 2 is constant (left alone).
+        let px = [1u8, 10, 200, 43, 35, 200, 86, 61, 200];
+        assert_eq!(applied(Op::AutoContrast, 5.0, false, &px, 0), [0, 0, 200, 126, 125, 200, 255, 255, 200]);
+        // Equalize on 900 pixels. PIL: step = (count − count of the last value) // 255, and
+        // value i maps to (step//2 + pixels below i) // step, at most 255.
+        // Channel 0: 300 each of 0, 100, 200: step 600//255 = 2; 0 → 1//2 = 0, 100 → 301//2 = 150,
+        // 200 → 601//2 = 300 → 255. Channel 1: one value, unchanged. Channel 2: 225 each of
+        // 10, 20, 30, 40: step 675//255 = 2; → 0, 226//2 = 113, 451//2 = 225, 676//2 → 255.
+        let img: Vec<u8> = (0..900).flat_map(|i| [[0u8, 100, 200][i % 3], 77, [10u8, 20, 30, 40][i % 4]]).collect();
+        let got = applied(Op::Equalize, 5.0, false, &img, 30);
+        for (i, px) in got.chunks_exact(3).enumerate() {
+            assert_eq!(px, [[0u8, 150, 255][i % 3], 77, [0u8, 113, 225, 255][i % 4]], "pixel {i}");
+        }
+        // Fewer than 255 pixels besides those of the last value: step 0, the identity.
+        let small = [5u8, 9, 200, 60, 10, 201, 7, 11, 3, 250, 12, 9];
+        assert_eq!(applied(Op::Equalize, 5.0, false, &small, 2), small);
+    }
+
+    /// The `ImageEnhance` ops: `Image.blend(degenerate, img, f)` = d + f·(v − d), clipped,
+    /// with factor f = 0.1 + 1.8·m/10 (timm): 0.1 at m = 0, 1.9 at m = 10, 1 (the image) at
+    /// m = 5 and at m = 0 when increasing (1 ± 0). Degenerate images: black (Brightness), the
+    /// mean of the "L" image (299 R + 587 G + 114 B) / 1000 rounded (Contrast), each pixel's
+    /// L (Color), PIL's SMOOTH filter rounded, border kept (Sharpness). PIL's `Image.blend`
+    /// truncates where this module rounds half up (up to one level apart): every value below has
+    /// an exact result whose fraction lies in [0.1, 0.4], where the two agree.
+    #[test]
+    fn enhance_ops_by_hand() {
+        // Brightness: f·v.
+        let v = [0u8, 11, 22, 33, 44, 61, 72, 83, 94, 111, 122, 133];
+        assert_eq!(applied(Op::Brightness, 0.0, false, &v, 2), [0, 1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 13]);
+        let v = [0u8, 16, 27, 38, 49, 66, 77, 88, 99, 116, 127, 137];
+        assert_eq!(applied(Op::Brightness, 10.0, false, &v, 2), [0, 30, 51, 72, 93, 125, 146, 167, 188, 220, 241, 255]);
+        // Contrast: lumas 208, 118, 165, 125 → mean 154; 154 + 0.1·(196 − 154) = 158.2 → 158, …
+        let px = [196u8, 238, 85, 215, 75, 85, 56, 238, 75, 16, 198, 35];
+        assert_eq!(applied(Op::Contrast, 0.0, false, &px, 2), [158, 162, 147, 160, 146, 147, 144, 162, 146, 140, 158, 142]);
+        // lumas 69, 98, 62, 96 → mean 81.25 → 81; 81 + 1.9·(100 − 81) = 117.1 → 117, 81 − 1.9·61 → 0, …
+        let px = [100u8, 20, 240, 120, 100, 30, 129, 37, 15, 119, 67, 185];
+        assert_eq!(applied(Op::Contrast, 10.0, false, &px, 2), [117, 0, 255, 155, 117, 0, 172, 0, 0, 153, 54, 255]);
+        // Color: (0, 140, 130) has L 97 → 97 + 0.1·(0 − 97) = 87.3 → 87, 101.3, 100.3; (5, 145, 135)
+        // has L 102.
+        assert_eq!(applied(Op::Color, 0.0, false, &[0, 140, 130, 5, 145, 135], 1), [87, 101, 100, 92, 106, 105]);
+        // (0, 20, 90): L 22 → 22 − 1.9·22 → 0, 22 − 1.9·2 = 18.2, 22 + 1.9·68 = 151.2; (0, 40, 180): L 44.
+        assert_eq!(applied(Op::Color, 10.0, false, &[0, 20, 90, 0, 40, 180], 1), [0, 18, 151, 0, 36, 255]);
+        // Sharpness on 3×3: the centre's SMOOTH value (8 neighbours + 5 × centre) / 13, rounded,
+        // e.g. channel 0: (1128 + 5·226) / 13 = 173.7 → 174, then 174 + 0.1·(226 − 174) = 179.2.
+        let img = [86u8, 104, 210, 42, 209, 177, 246, 72, 40, 157, 218, 167, 226, 246, 162, 252, 120, 139, 162, 227, 228, 47, 155, 184, 136, 199, 9];
+        let mut want = img;
+        want[12..15].copy_from_slice(&[179, 200, 152]);
+        assert_eq!(applied(Op::Sharpness, 0.0, false, &img, 3), want);
+        let img = [37u8, 70, 0, 64, 184, 12, 243, 212, 180, 158, 2, 173, 73, 119, 135, 28, 142, 119, 198, 195, 75, 193, 213, 143, 68, 208, 155];
+        let mut want = img;
+        want[12..15].copy_from_slice(&[45, 100, 150]);
+        assert_eq!(applied(Op::Sharpness, 10.0, false, &img, 3), want);
+        // Factor 1: every enhance op returns the image, on a fresh random one.
+        let seed = hash(&[std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)]);
+        let img = random_image(9, seed);
+        for op in [Op::Brightness, Op::Contrast, Op::Color, Op::Sharpness] {
+            assert_eq!(applied(op, 5.0, false, &img, 9), img, "{op:?} at factor 1 (seed {seed})");
+            assert_eq!(applied(op, 0.0, true, &img, 9), img, "{op:?} increasing at level 0 (seed {seed})");
+        }
+    }
+
+    /// The affine map of each geometric op, against PIL's `Image.rotate` matrix (centre
+    /// (S/2, S/2), counter-clockwise degrees) and timm's level mappings: ±30°·m/10, shear
+    /// ±0.3·m/10, translate ±0.45·m/10 of the side, each sign drawn.
+    #[test]
+    fn geometric_matrices_follow_pil_and_timm() {
+        // Rotate 30° on side 8: [cos, −sin, 4 − 4 cos + 4 sin, sin, cos, 4 − 4 sin − 4 cos].
+        let c = 0.866_025_403_784_438_6;
+        let cases: [(Op, f64, usize, [[f64; 6]; 2]); 5] = [
+            (Op::Rotate, 1.0, 8, [[c, -0.5, 2.535_898_384_862_245_6, 0.5, c, -1.464_101_615_137_754_4], [c, 0.5, -1.464_101_615_137_754_4, -0.5, c, 2.535_898_384_862_245_6]]),
+            (Op::ShearX, 0.5, 8, [[1.0, 0.15, 0.0, 0.0, 1.0, 0.0], [1.0, -0.15, 0.0, 0.0, 1.0, 0.0]]),
+            (Op::ShearY, 0.5, 8, [[1.0, 0.0, 0.0, 0.15, 1.0, 0.0], [1.0, 0.0, 0.0, -0.15, 1.0, 0.0]]),
+            (Op::TranslateXRel, 1.0, 8, [[1.0, 0.0, 3.6, 0.0, 1.0, 0.0], [1.0, 0.0, -3.6, 0.0, 1.0, 0.0]]),
+            (Op::TranslateYRel, 0.5, 10, [[1.0, 0.0, 0.0, 0.0, 1.0, 2.25], [1.0, 0.0, 0.0, 0.0, 1.0, -2.25]]),
+        ];
+        for (op, l, side, want) in cases {
+            let mut seen = [0usize; 2];
+            for seed in 0..64 {
+                let m = geometric(op, l, &mut SplitMix::new(seed), side);
+                let k = want.iter().position(|w| w.iter().zip(&m).all(|(a, b)| (a - b).abs() < 1e-12));
+                let k = k.unwrap_or_else(|| panic!("{op:?} l={l}: {m:?} is neither of {want:?}"));
+                seen[k] += 1;
+            }
+            assert!(seen[0] > 10 && seen[1] > 10, "{op:?}: signs drawn {seen:?} times of 64");
+        }
+    }
+
+    /// PIL's bilinear `AFFINE` on 3×3 images, by hand: output pixel centre (x + ½, y + ½) reads
+    /// input (a·x' + b·y' + c, d·x' + e·y' + f) between the two nearest pixel centres, past the
+    /// edge the edge pixel; outside the image, the fill. Rows of [10, 110, 50] (channel k adds
+    /// 20·k): a quarter-pixel shift right reads ¾·10 + ¼·110 = 35, ¾·110 + ¼·50 = 95, then 50.
+    #[test]
+    fn affine_by_hand() {
+        let fill = [1u8, 2, 3];
+        let px = |v: u8| [v, v + 20, v + 40];
+        let rows = |r: [[u8; 3]; 3]| -> Vec<u8> { r.iter().flat_map(|row| row.iter().flat_map(|&v| if v == 0 { fill } else { px(v) })).collect() };
+        let transposed = |r: [[u8; 3]; 3]| rows(std::array::from_fn(|y| std::array::from_fn(|x| r[x][y])));
+        let src = rows([[10, 110, 50]; 3]);
+        let mut scratch = Vec::new();
+        let warp = |img: &[u8], m: [f64; 6], scratch: &mut Vec<u8>| {
+            let mut out = img.to_vec();
+            affine(&mut out, 3, fill, scratch, m);
+            out
+        };
+        // 0 marks the fill.
+        assert_eq!(warp(&src, [1.0, 0.0, 1.0, 0.0, 1.0, 0.0], &mut scratch), rows([[110, 50, 0]; 3]));
+        assert_eq!(warp(&src, [1.0, 0.0, -1.0, 0.0, 1.0, 0.0], &mut scratch), rows([[0, 10, 110]; 3]));
+        assert_eq!(warp(&src, [1.0, 0.0, 0.25, 0.0, 1.0, 0.0], &mut scratch), rows([[35, 95, 50]; 3]));
+        assert_eq!(warp(&src, [1.0, 0.0, -0.25, 0.0, 1.0, 0.0], &mut scratch), rows([[10, 85, 65]; 3]));
+        // ShearX 0.5: row y shifts by 0.5·(y + ½) = ¼, ¾, 1¼.
+        let sheared = rows([[35, 95, 50], [85, 65, 0], [95, 50, 0]]);
+        assert_eq!(warp(&src, [1.0, 0.5, 0.0, 0.0, 1.0, 0.0], &mut scratch), sheared);
+        // The same down the columns: TranslateY and ShearY.
+        let src_t = transposed([[10, 110, 50]; 3]);
+        assert_eq!(warp(&src_t, [1.0, 0.0, 0.0, 0.0, 1.0, 1.0], &mut scratch), transposed([[110, 50, 0]; 3]));
+        assert_eq!(warp(&src_t, [1.0, 0.0, 0.0, 0.0, 1.0, -1.0], &mut scratch), transposed([[0, 10, 110]; 3]));
+        assert_eq!(warp(&src_t, [1.0, 0.0, 0.0, 0.0, 1.0, 0.25], &mut scratch), transposed([[35, 95, 50]; 3]));
+        assert_eq!(warp(&src_t, [1.0, 0.0, 0.0, 0.5, 1.0, 0.0], &mut scratch), transposed([[35, 95, 50], [85, 65, 0], [95, 50, 0]]));
+        // Rotations by 90° (PIL's matrix for +90°: [0, −1, 3, 1, 0, 0]), −90° and 180° move
+        // whole pixels: counter-clockwise, output (y, x) is input (x, 2 − y).
+        let img: Vec<u8> = (0..9u8).flat_map(|i| px(10 * i + 5)).collect();
+        let at = |r: usize, c: usize| px(10 * (3 * r + c) as u8 + 5);
+        let moved = |f: &dyn Fn(usize, usize) -> (usize, usize)| -> Vec<u8> { (0..9).flat_map(|i| { let (r, c) = f(i / 3, i % 3); at(r, c) }).collect() };
+        assert_eq!(warp(&img, [0.0, -1.0, 3.0, 1.0, 0.0, 0.0], &mut scratch), moved(&|y, x| (x, 2 - y)));
+        assert_eq!(warp(&img, [0.0, 1.0, 0.0, -1.0, 0.0, 3.0], &mut scratch), moved(&|y, x| (2 - x, y)));
+        assert_eq!(warp(&img, [-1.0, 0.0, 3.0, 0.0, -1.0, 3.0], &mut scratch), moved(&|y, x| (2 - y, 2 - x)));
     }
 
     /// The SSE2 blend and its scalar tail are the same arithmetic: byte-identical results.
@@ -977,14 +961,26 @@ mod tests {
         let mut px = vec![0u8, 100, 200, 255, 127, 128];
         run(Op::SolarizeAdd, 10.0, false, &mut px, 0);
         assert_eq!(px, [110, 210, 200, 255, 237, 128]);
-        // Brightness m=0 (non-increasing): factor 0.1.
-        let mut px = vec![0u8, 100, 200, 255, 127, 128];
-        run(Op::Brightness, 0.0, false, &mut px, 0);
-        assert_eq!(px, [0, 10, 20, 26, 13, 13]);
         // AutoContrast stretches [50, 150] to [0, 255] per channel.
         let mut px = vec![50u8, 50, 50, 150, 150, 150, 100, 100, 100];
         run(Op::AutoContrast, 0.0, false, &mut px, 0);
         assert_eq!(px, [0, 0, 0, 255, 255, 255, 127, 127, 127]);
+    }
+
+    /// Increasing Posterize keeps `4 − int(4·m/10)` bits (timm), which is negative past level
+    /// 12.5 (reachable with `mmax` above it): PIL's mask then clears every bit.
+    #[test]
+    fn increasing_posterize_past_level_12_5_keeps_no_bits() {
+        let ramp: Vec<u8> = (0..=255).collect();
+        for m in [12.5, 15.0, 20.0] {
+            let mut px = ramp.clone();
+            run(Op::Posterize, m, true, &mut px, 0);
+            assert!(px.iter().all(|&v| v == 0), "m={m}: {px:?}");
+        }
+        // The non-increasing mapping at level 20 keeps int(4·2) = 8 bits: the image.
+        let mut px = ramp.clone();
+        run(Op::Posterize, 20.0, false, &mut px, 0);
+        assert_eq!(px, ramp);
     }
 
     #[test]

@@ -1,16 +1,74 @@
-//! Helpers the end-to-end tests share: a free loopback port, running the `vitscale` binary,
-//! reading safetensors weights and comparing two sets of them.
+//! Helpers the integration tests share: paths in the checkout, a free loopback port, running
+//! the `vitscale` binary and reading what it prints and writes (JSON lines, run directories,
+//! safetensors weights), and comparing two sets of weights.
+// Each tests/*.rs is its own crate and uses only some of these; the rest would warn.
 #![allow(dead_code)]
 
+use std::ffi::OsStr;
 use std::net::TcpListener;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
+use serde_json::Value;
+
 pub const EXE: &str = env!("CARGO_BIN_EXE_vitscale");
+
+/// `rel` below the checkout's root.
+pub fn repo_path(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)
+}
+
+/// `tests/fixtures`.
+pub fn fixtures() -> PathBuf {
+    repo_path("tests/fixtures")
+}
+
+/// A fresh scratch directory, removed when dropped.
+pub fn tmp() -> tempfile::TempDir {
+    tempfile::tempdir().expect("tempdir")
+}
+
+/// A seed for fresh random inputs, different every run (a test states it on failure).
+pub fn fresh_seed() -> u64 {
+    rand::random()
+}
+
+/// A generator seeded with a [`fresh_seed`], and the seed.
+pub fn fresh_rng() -> (rand_chacha::ChaCha8Rng, u64) {
+    let seed = fresh_seed();
+    (rand::SeedableRng::seed_from_u64(seed), seed)
+}
 
 /// A port that was free a moment ago (each run takes its own, so tests run in parallel).
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("loopback port")
+}
+
+/// The variables a launcher hands its workers: a test's binary must not inherit them.
+const LAUNCHER_VARS: [&str; 7] = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "VITSCALE_RUN_ID", "VITSCALE_JOB_ID"];
+
+/// `vitscale args…` in `cwd` with `env` set, no launcher variables inherited, stdin closed;
+/// the output whatever the exit status.
+pub fn vitscale_env<S: AsRef<OsStr>>(cwd: &Path, args: &[S], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(EXE);
+    cmd.args(args).current_dir(cwd).stdin(Stdio::null());
+    for k in LAUNCHER_VARS {
+        cmd.env_remove(k);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("the vitscale binary runs")
+}
+
+/// [`vitscale_env`] with no variables set.
+pub fn vitscale<S: AsRef<OsStr>>(cwd: &Path, args: &[S]) -> Output {
+    vitscale_env(cwd, args, &[])
+}
+
+/// Asserts that `out` is a success, showing its stdout and stderr otherwise.
+pub fn ok(out: &Output, what: &str) {
+    assert!(out.status.success(), "{what} failed ({:?}): {}\n{}", out.status, String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
 }
 
 /// Runs `vitscale args…` (outside any launcher's run id) and panics with its stderr on failure.
@@ -20,6 +78,62 @@ pub fn run(args: &[String]) -> Output {
         panic!("vitscale {args:?} failed: {}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
     }
     out
+}
+
+/// `launch --nproc-per-node=n --master-port=<free> --` ahead of a worker command when
+/// `nproc` > 1; nothing for one process.
+pub fn launch_args(nproc: usize) -> Vec<String> {
+    launch_args_with(nproc, &[])
+}
+
+/// [`launch_args`] with more launcher options before the `--`.
+pub fn launch_args_with(nproc: usize, opts: &[&str]) -> Vec<String> {
+    if nproc <= 1 {
+        return Vec::new();
+    }
+    let mut args = vec!["launch".to_string(), format!("--nproc-per-node={nproc}"), format!("--master-port={}", free_port())];
+    args.extend(opts.iter().map(|s| s.to_string()));
+    args.push("--".into());
+    args
+}
+
+/// `--run-dir dir --save-weights dir/w.safetensors` (what [`weights`] and [`max_rel_diff`] read).
+pub fn run_dir_args(dir: &Path) -> Vec<String> {
+    vec!["--run-dir".into(), dir.display().to_string(), "--save-weights".into(), dir.join("w.safetensors").display().to_string()]
+}
+
+/// The last stdout line as JSON (the `--json` contract).
+pub fn last_json(out: &Output) -> Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().last().unwrap_or_else(|| panic!("no stdout; stderr: {}", String::from_utf8_lossy(&out.stderr)));
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {line}"))
+}
+
+/// A JSON file.
+pub fn read_json(path: &Path) -> Value {
+    let s = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&s).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Every line of a JSON-lines file.
+pub fn jsonl(path: &Path) -> Vec<Value> {
+    let s = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    s.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{}: not a JSON line ({e}): {l}", path.display()))).collect()
+}
+
+/// The records of `dir/metrics.jsonl` with this `kind` (None: the step records, which have none).
+pub fn metrics(dir: &Path, kind: Option<&str>) -> Vec<Value> {
+    jsonl(&dir.join("metrics.jsonl")).into_iter().filter(|v| v["kind"].as_str() == kind).collect()
+}
+
+/// A recognizable CIFAR pixel: depends on (image, channel, y, x).
+pub fn cifar_pixel(img: usize, c: usize, y: usize, x: usize) -> u8 {
+    ((img * 7 + c * 50 + y * 3 + x) % 256) as u8
+}
+
+/// The 3072 bytes of CHW planes of CIFAR image `img` ([`cifar_pixel`]s).
+pub fn cifar_planes(img: usize) -> Vec<u8> {
+    (0..3).flat_map(|c| (0..32).flat_map(move |y| (0..32).map(move |x| cifar_pixel(img, c, y, x)))).collect()
 }
 
 /// Every f32 tensor of a safetensors file, by name.
@@ -33,6 +147,46 @@ pub fn tensors(path: &Path) -> Vec<(String, Vec<f32>)> {
         .collect();
     out.sort_by(|a, b| a.0.cmp(&b.0));
     out
+}
+
+/// The tensors of `tests/fixtures/timm_cifar.safetensors` named `prefix.<key>`, as
+/// (key, shape, data), sorted by key.
+pub fn fixture_tensors(prefix: &str) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let path = fixtures().join("timm_cifar.safetensors");
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    let mut out: Vec<_> = st
+        .tensors()
+        .into_iter()
+        .filter_map(|(k, v)| {
+            let key = k.strip_prefix(&format!("{prefix}."))?.to_string();
+            Some((key, v.shape().to_vec(), vitscale::model::weights::to_f32(&path, &k, &v).expect("f32 tensor")))
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// Writes (key, shape, data) tensors as a plain f32 safetensors file (a timm weights file).
+pub fn write_weights(tensors: &[(String, Vec<usize>, Vec<f32>)], path: &Path) {
+    let views: Vec<_> = tensors
+        .iter()
+        .map(|(k, shape, data)| {
+            (k.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytemuck::cast_slice(data)).expect("tensor view"))
+        })
+        .collect();
+    std::fs::write(path, safetensors::serialize(views, &None).expect("serialize")).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+}
+
+/// ‖ours − theirs‖₂ / ‖theirs‖₂ in f64; infinite when `ours` holds a non-finite value.
+pub fn rel_l2(ours: &[f32], theirs: &[f32]) -> f64 {
+    assert_eq!(ours.len(), theirs.len());
+    if ours.iter().any(|v| !v.is_finite()) {
+        return f64::INFINITY;
+    }
+    let num: f64 = ours.iter().zip(theirs).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>().sqrt();
+    let den: f64 = theirs.iter().map(|b| (*b as f64).powi(2)).sum::<f64>().sqrt();
+    num / den.max(1e-30)
 }
 
 /// Largest |a − b| / (1 + |b|) over every tensor of two files with the same tensors.
@@ -59,4 +213,15 @@ pub fn weights(dir: &Path) -> Vec<(String, Vec<f32>)> {
 /// `max_rel_diff_files` of the `w.safetensors` two run directories saved.
 pub fn max_rel_diff(a: &Path, b: &Path) -> f32 {
     max_rel_diff_files(&a.join("w.safetensors"), &b.join("w.safetensors"))
+}
+
+/// The largest per-tensor [`rel_l2`] of the `w.safetensors` two run directories saved.
+pub fn max_rel_l2(a: &Path, b: &Path) -> f64 {
+    let (ta, tb) = (weights(a), weights(b));
+    assert_eq!(ta.len(), tb.len(), "{} and {} hold different tensors", a.display(), b.display());
+    ta.iter().zip(&tb).map(|((na, va), (nb, vb))| {
+        assert_eq!(na, nb);
+        rel_l2(va, vb)
+    })
+    .fold(0.0, f64::max)
 }
