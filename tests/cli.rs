@@ -162,7 +162,7 @@ fn checkpoint_time_is_logged_apart_from_images_per_s() {
 /// wall time between two lines.
 #[test]
 fn evaluation_time_is_logged_apart_from_images_per_s() {
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp();
     let run = tmp.path().join("run");
     // a validation set large enough that its evaluation outweighs a training step
     let out = vitscale(&[
