@@ -691,6 +691,8 @@ impl<'r, B: Backend> Trainer<'r, B> {
             let state = self.checkpoint_state(step);
             saved = Some(self.run.checkpoint(step + 1, &self.st.vit.table, &p, self.cfg, &o, &state)?);
         }
+        // freeing the host copies of the state (a GiB for ViT-B) is part of this work too
+        drop(host_state);
         self.st.mark(be, Phase::NotTraining)?;
         let spent = t_checkpoint.elapsed();
         self.window.checkpoint_s += spent.as_secs_f64();
