@@ -1,5 +1,6 @@
-//! Small shared helpers: atomic file writes, scoped signal handlers, the median, and the
-//! allocator the binary uses (the system's, with a clear exit when memory runs out).
+//! Small shared helpers: atomic file writes, scoped signal handlers, the median, printing to
+//! a stdout whose reader may have gone (`outln!`), and the allocator the binary uses (the
+//! system's, with a clear exit when memory runs out).
 
 use std::io::Write;
 use std::path::Path;
@@ -10,6 +11,33 @@ pub fn median(v: &[f64]) -> Option<f64> {
     s.sort_by(f64::total_cmp);
     let n = s.len();
     (n > 0).then(|| if n % 2 == 1 { s[n / 2] } else { 0.5 * (s[n / 2 - 1] + s[n / 2]) })
+}
+
+/// Writes formatted text to stdout. A reader that closed the pipe (`vitscale … | head -1`)
+/// is not an error for the work that printed: the text is dropped and the command goes on
+/// (Rust's `println!` panics there). Any other write error is reported once on stderr.
+pub fn write_stdout(args: std::fmt::Arguments) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static REPORTED: AtomicBool = AtomicBool::new(false);
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = out.write_fmt(args).and_then(|()| out.flush()) {
+        if e.kind() != std::io::ErrorKind::BrokenPipe && !REPORTED.swap(true, Ordering::Relaxed) {
+            let _ = writeln!(std::io::stderr(), "warning: cannot write to stdout: {e}");
+        }
+    }
+}
+
+/// `println!` through `util::write_stdout`: a closed stdout is not a panic.
+#[macro_export]
+macro_rules! outln {
+    () => { $crate::util::write_stdout(format_args!("\n")) };
+    ($($arg:tt)*) => { $crate::util::write_stdout(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
+/// `print!` through `util::write_stdout`.
+#[macro_export]
+macro_rules! out {
+    ($($arg:tt)*) => { $crate::util::write_stdout(format_args!($($arg)*)) };
 }
 
 /// Writes `bytes` to `path` atomically: a temporary file in the same directory, fsync, rename,

@@ -142,17 +142,17 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     }
     if let Some(out) = &args.project {
         let p = crate::plan::project::project(&profile, &profile_path.display().to_string(), &cluster, &args.micros, out).map_err(anyhow::Error::msg)?;
-        println!("{:>5} {:>6} {:>6} {:>12} {:>10} {:>10} {:>10} {:>12}", "nodes", "ranks", "micro", "images/s", "per rank", "efficiency", "step ms", "exposed ms");
+        crate::outln!("{:>5} {:>6} {:>6} {:>12} {:>10} {:>10} {:>10} {:>12}", "nodes", "ranks", "micro", "images/s", "per rank", "efficiency", "step ms", "exposed ms");
         for r in &p.rows {
-            println!("{:>5} {:>6} {:>6} {:>12.0} {:>10.0} {:>9.1}% {:>10.2} {:>12.2}", r.nodes, r.ranks, r.micro, r.images_per_s, r.images_per_s_per_rank, r.efficiency * 100.0, r.step_ms, r.comm_exposed_ms);
+            crate::outln!("{:>5} {:>6} {:>6} {:>12.0} {:>10.0} {:>9.1}% {:>10.2} {:>12.2}", r.nodes, r.ranks, r.micro, r.images_per_s, r.images_per_s_per_rank, r.efficiency * 100.0, r.step_ms, r.comm_exposed_ms);
         }
-        println!("inputs trusted least:");
+        crate::outln!("inputs trusted least:");
         for l in &p.least_trusted {
-            println!("  - {l}");
+            crate::outln!("  - {l}");
         }
         eprintln!("wrote {}", p.files.join(", "));
         if args.json {
-            println!("{}", serde_json::to_string(&p)?);
+            crate::outln!("{}", serde_json::to_string(&p)?);
         }
         return Ok(());
     }
@@ -169,10 +169,10 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         if choices.is_empty() {
             anyhow::bail!("no split of global batch {b} over {world} ranks fits {} GiB per rank", args.memory_limit.unwrap_or(f64::INFINITY));
         }
-        println!("global batch {b} on {} ({world} ranks), fastest first:", cluster.name);
-        println!("{:>4} {:>6} {:>4} {:>5} {:>12} {:>5} {:>11} {:>9} {:>11} {:>10}", "#", "micro", "GAS", "ZeRO", "bucket", "wire", "images/s", "step ms", "exposed ms", "memory GiB");
+        crate::outln!("global batch {b} on {} ({world} ranks), fastest first:", cluster.name);
+        crate::outln!("{:>4} {:>6} {:>4} {:>5} {:>12} {:>5} {:>11} {:>9} {:>11} {:>10}", "#", "micro", "GAS", "ZeRO", "bucket", "wire", "images/s", "step ms", "exposed ms", "memory GiB");
         for (i, c) in choices.iter().take(args.top.max(1)).enumerate() {
-            println!(
+            crate::outln!(
                 "{:>4} {:>6} {:>4} {:>5} {:>12} {:>5} {:>11.1} {:>9.2} {:>11.2} {:>10.2}",
                 i + 1,
                 c.micro,
@@ -187,7 +187,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
             );
         }
         if args.json {
-            println!("{}", serde_json::to_string(&serde_json::json!({"cluster": cluster.name, "global_batch": b, "world": world, "choices": choices}))?);
+            crate::outln!("{}", serde_json::to_string(&serde_json::json!({"cluster": cluster.name, "global_batch": b, "world": world, "choices": choices}))?);
         }
         return Ok(());
     }
@@ -203,7 +203,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     let eff = model::efficiency(&profile, &groups, &s, &p).map_err(anyhow::Error::msg)?;
     let mem = model::memory(&profile, &cfg, world, profile.recompute);
     let ms = |x: f64| x * 1e3;
-    println!(
+    crate::outln!(
         "{} on {} ({} nodes × {} devices × {} ranks = {world} ranks), micro {} × GAS {}, global batch {}, ZeRO {}, {} gradients, buckets of {} elements:",
         profile.model,
         cluster.name,
@@ -217,8 +217,8 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         if s.comm_bf16 { "bf16" } else { "fp32" },
         s.bucket_elems
     );
-    println!("  predicted {:.1} images/s ({:.1} per rank), efficiency {:.1} % of {} device(s) × one rank alone", p.images_per_s, p.images_per_s_per_rank, eff * 100.0, cluster.gpus_per_node * cluster.nodes);
-    println!(
+    crate::outln!("  predicted {:.1} images/s ({:.1} per rank), efficiency {:.1} % of {} device(s) × one rank alone", p.images_per_s, p.images_per_s_per_rank, eff * 100.0, cluster.gpus_per_node * cluster.nodes);
+    crate::outln!(
         "  step {:.3} ms = compute {:.3} (forward {:.3}, backward {:.3}) + exposed comm {:.3} ({:.3} waiting for the slowest rank; reductions {:.3} in {} buckets, {:.1} MB) + optimizer {:.3} (norm and all-gather {:.3}) + data {:.3} + loop {:.3}",
         ms(p.step_s),
         ms(p.compute_s),
@@ -234,7 +234,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         ms(p.data_s),
         ms(p.loop_s)
     );
-    println!(
+    crate::outln!(
         "  memory per rank {:.3} GiB: weights {:.3}, compute copy {:.3}, gradients {:.3}, optimizer state {:.3}, activations {:.3}",
         mem.total as f64 / GIB,
         mem.weights as f64 / GIB,
@@ -244,13 +244,13 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         mem.activations as f64 / GIB
     );
     for n in &p.notes {
-        println!("  note: {n}");
+        crate::outln!("  note: {n}");
     }
     if cluster.compute_scale != 1.0 {
-        println!("  note: compute scaled by {} ({}) — the input this prediction trusts least", cluster.compute_scale, cluster.compute_scale_source.as_deref().unwrap_or("no source given"));
+        crate::outln!("  note: compute scaled by {} ({}) — the input this prediction trusts least", cluster.compute_scale, cluster.compute_scale_source.as_deref().unwrap_or("no source given"));
     }
     if args.json {
-        println!("{}", serde_json::to_string(&serde_json::json!({"cluster": cluster, "scenario": s, "prediction": p, "efficiency": eff, "memory_per_rank": mem}))?);
+        crate::outln!("{}", serde_json::to_string(&serde_json::json!({"cluster": cluster, "scenario": s, "prediction": p, "efficiency": eff, "memory_per_rank": mem}))?);
     }
     Ok(())
 }
@@ -269,12 +269,12 @@ fn validate(args: &PlanArgs, dir: &Path) -> anyhow::Result<()> {
         None => None,
     };
     let v = crate::plan::validate::validate(dir, &profiles, &comm, loader).map_err(anyhow::Error::msg)?;
-    print!("{}", crate::plan::validate::table(&v));
+    crate::out!("{}", crate::plan::validate::table(&v));
     let out = dir.join("plan.json");
     crate::util::write_atomic(&out, serde_json::to_string_pretty(&v)?.as_bytes()).map_err(|e| anyhow::anyhow!("{}: {e}", out.display()))?;
     eprintln!("wrote {}", out.display());
     if args.json {
-        println!("{}", serde_json::to_string(&v)?);
+        crate::outln!("{}", serde_json::to_string(&v)?);
     }
     Ok(())
 }

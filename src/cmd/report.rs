@@ -23,7 +23,7 @@ pub fn run(args: ReportArgs) -> anyhow::Result<()> {
         eprintln!("  [{}] {}", f.verdict_text(), f.statement);
     }
     if args.json {
-        println!("{}", serde_json::to_string(&r)?);
+        crate::outln!("{}", serde_json::to_string(&r)?);
     }
     Ok(())
 }

@@ -68,7 +68,7 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
         eprintln!("next: vitscale report {}", out.display());
     }
     if args.json {
-        println!("{}", serde_json::to_string(&outcome)?);
+        crate::outln!("{}", serde_json::to_string(&outcome)?);
     }
     Ok(())
 }

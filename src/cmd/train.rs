@@ -182,7 +182,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         eprintln!("warning: {n} unreadable image(s) were replaced by a neighbour (data.skip_bad); the count is in summary.json");
     }
     if args.common.json {
-        println!("{}", serde_json::to_string(&summary)?);
+        crate::outln!("{}", serde_json::to_string(&summary)?);
     }
     Ok(())
 }

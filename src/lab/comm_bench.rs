@@ -236,12 +236,12 @@ pub fn command(args: &CommBenchArgs, device: &str, warmup: usize, json: bool) ->
         other => anyhow::bail!("--device {other}: bench --comm runs on cpu or cuda"),
     };
     if env.rank == 0 {
-        print!("{}", table(&result));
+        crate::out!("{}", table(&result));
         if result.world_size == 1 {
-            println!("# one rank: every collective is a no-op; start several with `vitscale launch --nproc-per-node N -- bench --comm`");
+            crate::outln!("# one rank: every collective is a no-op; start several with `vitscale launch --nproc-per-node N -- bench --comm`");
         }
         if json {
-            println!("{}", serde_json::to_string(&result)?);
+            crate::outln!("{}", serde_json::to_string(&result)?);
         }
         if let Some(path) = &args.comm_out {
             let text = serde_json::to_string_pretty(&result)?;
