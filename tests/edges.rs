@@ -113,3 +113,98 @@ fn a_closed_stdout_neither_panics_nor_stops_the_work() {
     let o = vitscale_closed_stdout(cwd, &["plan", "--profile", data.to_str().expect("utf-8"), "--cluster", cluster.to_str().expect("utf-8"), "--recommend", "--global-batch", "1024"]);
     ok(&o, "plan --recommend into a closed pipe");
 }
+
+// ---- 14: errors that say what is wrong ----------------------------------------------------
+
+/// A `latest` pointer naming a step directory that is gone, or one that is empty, says the
+/// checkpoint is incomplete or missing and names the directory; `--resume latest` on a run
+/// without checkpoints says the run directory has none.
+#[test]
+fn every_broken_checkpoint_is_named_as_incomplete_or_missing() {
+    let tmp = tempfile::tempdir().expect("scratch");
+    let cwd = tmp.path();
+    let o = vitscale(cwd, &train(&["--run-dir", "plain"]));
+    ok(&o, "a run without checkpoints");
+    let o = vitscale(cwd, &train(&["--run-dir", "plain", "--resume", "latest"]));
+    fails_saying(&o, "--resume latest without checkpoints", &["no checkpoints", "plain"]);
+
+    let o = vitscale(cwd, &train(&["--run-dir", "ck", "--set", "train.checkpoint_every=1"]));
+    ok(&o, "a run with checkpoints");
+    let root = cwd.join("ck").join("checkpoints");
+    let latest = std::fs::read_to_string(root.join("latest")).expect("latest").trim().to_string();
+    assert!(latest.starts_with("step_"), "{latest}");
+    // the pointer names a step that is gone
+    std::fs::write(root.join("latest"), "step_000099\n").expect("write latest");
+    let o = vitscale(cwd, &train(&["--run-dir", "ck", "--resume", "latest"]));
+    let e = fails_saying(&o, "latest naming a missing step", &["incomplete", "missing", "step_000099"]);
+    assert!(!e.contains("No such file"), "{e}");
+    // the pointer names an empty step directory
+    std::fs::create_dir(root.join("step_000099")).expect("mkdir");
+    let o = vitscale(cwd, &train(&["--run-dir", "ck", "--resume", "latest"]));
+    let e = fails_saying(&o, "latest naming an empty step", &["incomplete", "missing", "step_000099"]);
+    assert!(!e.contains("No such file"), "{e}");
+    // a step directory whose state is gone, given directly
+    std::fs::remove_file(root.join(&latest).join("state.json")).expect("rm state");
+    let step = root.join(&latest);
+    let o = vitscale(cwd, &train(&["--run-dir", "ck", "--resume", step.to_str().expect("utf-8")]));
+    let e = fails_saying(&o, "a step without state.json", &["incomplete", "state.json", "missing", &latest]);
+    assert!(!e.contains("No such file"), "{e}");
+}
+
+/// `sweep --out` naming a file says it is a file, not a directory.
+#[test]
+fn a_sweep_out_that_is_a_file_is_named() {
+    let tmp = tempfile::tempdir().expect("scratch");
+    let cwd = tmp.path();
+    std::fs::write(cwd.join("afile"), "x").expect("write");
+    let spec = write_spec(cwd, "onto-file", serde_json::json!({"train_micro_batch_size_per_gpu": [8]}));
+    let o = vitscale(cwd, &["sweep", spec.to_str().expect("utf-8"), "--out", "afile"]);
+    let e = fails_saying(&o, "sweep --out AFILE", &["afile", "not a directory"]);
+    assert!(!e.contains("File exists"), "{e}");
+}
+
+/// Weights holding a NaN (or an infinity) in any tensor are refused naming that tensor,
+/// instead of evaluating to a loss of NaN and a chance top-1.
+#[test]
+fn weights_holding_a_nan_are_refused_naming_the_tensor() {
+    let tmp = tempfile::tempdir().expect("scratch");
+    let cwd = tmp.path();
+    ok(&vitscale(cwd, &train(&["--run-dir", "r", "--save-weights", "w.safetensors"])), "train");
+    let tensors = common::tensors(&cwd.join("w.safetensors"));
+    let bytes = std::fs::read(cwd.join("w.safetensors")).expect("weights");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    for (victim, bad) in [(tensors[0].0.clone(), f32::NAN), (tensors[tensors.len() - 1].0.clone(), f32::INFINITY)] {
+        let mut owned: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+        for (name, values) in &tensors {
+            let mut v = values.clone();
+            if *name == victim {
+                let mid = v.len() / 2;
+                v[mid] = bad;
+            }
+            owned.push((name.clone(), st.tensor(name).expect("tensor").shape().to_vec(), v));
+        }
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = owned
+            .iter()
+            .map(|(n, s, v)| (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), bytemuck::cast_slice(v)).expect("view")))
+            .collect();
+        let path = cwd.join("bad.safetensors");
+        std::fs::write(&path, safetensors::serialize(views, &None).expect("serialize")).expect("write");
+        let o = vitscale(cwd, &["eval", "--device", "cpu", "--weights", "bad.safetensors", "--set", "data.val_size=32"]);
+        fails_saying(&o, "eval of damaged weights", &["bad.safetensors", &victim, "non-finite"]);
+    }
+}
+
+/// `train --trace DIR` refuses a DIR that already holds this rank's trace, naming the file,
+/// before training.
+#[test]
+fn a_trace_is_never_written_over() {
+    let tmp = tempfile::tempdir().expect("scratch");
+    let cwd = tmp.path();
+    ok(&vitscale(cwd, &train(&["--run-dir", "a", "--trace", "tr"])), "train --trace");
+    let file = cwd.join("tr").join("trace-rank0.json");
+    let first = std::fs::read(&file).expect("the trace");
+    let o = vitscale(cwd, &train(&["--run-dir", "b", "--trace", "tr"]));
+    fails_saying(&o, "a second trace into the same directory", &["trace-rank0.json", "already"]);
+    assert!(!cwd.join("b").join("summary.json").exists(), "refused before training");
+    assert_eq!(std::fs::read(&file).expect("the trace"), first, "the first trace is kept");
+}

@@ -115,6 +115,9 @@ pub fn run(spec: &SweepSpec, opts: &SweepOptions) -> Result<SweepOutcome, SweepE
     let t0 = Instant::now();
     let dir = &opts.out;
     let jsonl = dir.join("sweep.jsonl");
+    if dir.exists() && !dir.is_dir() {
+        return Err(SweepError::Usage(format!("--out {}: this is a file, not a directory: the sweep directory holds sweep.jsonl and a folder per point; choose another --out", dir.display())));
+    }
     if jsonl.exists() && !opts.resume {
         return Err(SweepError::Usage(format!(
             "{} already holds a sweep: continue it with --resume, or choose another --out",
