@@ -40,6 +40,26 @@ macro_rules! out {
     ($($arg:tt)*) => { $crate::util::write_stdout(format_args!($($arg)*)) };
 }
 
+/// `x` with `sig` significant digits (at least one decimal when |x| < 10^sig), so a small
+/// model's 0.016 GFLOP does not print as "0.0".
+pub fn fmt_sig(x: f64, sig: usize) -> String {
+    if x == 0.0 || !x.is_finite() {
+        return format!("{x}");
+    }
+    let digits = x.abs().log10().floor() as i64 + 1;
+    let decimals = (sig as i64 - digits).max(0) as usize;
+    format!("{x:.decimals$}")
+}
+
+/// This process's peak resident memory so far, in GiB (Linux's `ru_maxrss`, KiB); None where
+/// the call fails.
+pub fn peak_rss_gib() -> Option<f64> {
+    // SAFETY: getrusage writes into the zeroed struct it is given.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    (rc == 0 && ru.ru_maxrss > 0).then(|| ru.ru_maxrss as f64 * 1024.0 / (1u64 << 30) as f64)
+}
+
 /// Writes `bytes` to `path` atomically: a temporary file in the same directory, fsync, rename,
 /// then fsync of the directory, so a reader sees the old file or the whole new one.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {

@@ -20,6 +20,19 @@ fn vitscale(cwd: &Path, args: &[&str]) -> Output {
     cmd.output().expect("the vitscale binary runs")
 }
 
+/// As `vitscale`, with extra environment variables.
+fn vitscale_env(cwd: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(EXE);
+    cmd.args(args).current_dir(cwd).stdin(Stdio::null());
+    for k in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "VITSCALE_RUN_ID", "VITSCALE_JOB_ID"] {
+        cmd.env_remove(k);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("the vitscale binary runs")
+}
+
 /// The binary with its stdout a pipe whose reader closed before anything was written
 /// (`vitscale … | head -0`); stderr is captured.
 fn vitscale_closed_stdout(cwd: &Path, args: &[&str]) -> Output {
@@ -207,4 +220,28 @@ fn a_trace_is_never_written_over() {
     fails_saying(&o, "a second trace into the same directory", &["trace-rank0.json", "already"]);
     assert!(!cwd.join("b").join("summary.json").exists(), "refused before training");
     assert_eq!(std::fs::read(&file).expect("the trace"), first, "the first trace is kept");
+}
+
+// ---- 9: device defaults and the CPU bench's figures ---------------------------------------
+
+/// Without a usable GPU, plain `bench` and `selftest` run on the CPU (as `train` does), saying
+/// so; the CPU bench prints no figure that only looks measured (a peak memory of 0.00 GiB, 0.0
+/// GFLOP per image, 0.0 TFLOP/s).
+#[test]
+fn bench_and_selftest_default_to_auto_and_print_real_figures() {
+    let tmp = tempfile::tempdir().expect("scratch");
+    let no_gpu = [("CUDA_VISIBLE_DEVICES", "")];
+    let o = vitscale_env(tmp.path(), &["bench", "--model", "vit_builtin_default", "--steps", "2", "--warmup", "1"], &no_gpu);
+    ok(&o, "plain bench without a GPU");
+    assert!(stderr(&o).contains("running on the CPU"), "{}", stderr(&o));
+    let s = String::from_utf8_lossy(&o.stdout);
+    assert!(s.contains("on cpu"), "{s}");
+    for shown_as_zero in ["0.00 GiB", " 0.0 GFLOP", " 0.0 TFLOP/s"] {
+        assert!(!s.contains(shown_as_zero), "{shown_as_zero:?} in {s}");
+    }
+    assert!(s.contains("peak mem n/a on the CPU"), "{s}");
+    let o = vitscale_env(tmp.path(), &["selftest"], &no_gpu);
+    ok(&o, "plain selftest without a GPU");
+    assert!(stderr(&o).contains("running on the CPU"), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("PASS"));
 }

@@ -216,14 +216,38 @@ pub fn open_device(arg: DeviceArg, local_rank: usize, notice: bool) -> anyhow::R
             Ok(_) => Ok(Device::Cuda(Cuda::new(local_rank).map_err(|e| anyhow::anyhow!("GPU {local_rank}: {e}"))?)),
             Err(why) => {
                 if notice {
-                    // The first clause of the reason is enough here; `--device cuda` prints it all.
-                    let why = why.to_string();
-                    let short: String = why.split([';', '\n', '(']).next().unwrap_or("").trim().chars().take(100).collect();
-                    eprintln!("notice: no usable GPU ({short}): running on the CPU (--device cpu skips this check, --device cuda says why in full)");
+                    cpu_fallback_notice(&why.to_string());
                 }
                 Ok(Device::Cpu(Cpu::new()))
             }
         },
+    }
+}
+
+/// The one line `--device auto` prints when it falls back to the CPU.
+fn cpu_fallback_notice(why: &str) {
+    // The first clause of the reason is enough here; `--device cuda` prints it all.
+    let short: String = why.split([';', '\n', '(']).next().unwrap_or("").trim().chars().take(100).collect();
+    eprintln!("notice: no usable GPU ({short}): running on the CPU (--device cpu skips this check, --device cuda says why in full)");
+}
+
+/// Resolves a `--device` given as a name (`bench`, `selftest`): `auto` becomes `cuda` when GPU
+/// `gpu` is usable, else `cpu` with the one-line notice `open_device` prints (from rank 0 of a
+/// launched job only); any other name is returned as given. Under a launcher the ranks probe
+/// GPU `gpu`, which is usable when theirs are.
+pub fn resolve_device_name(arg: &str, gpu: usize) -> String {
+    if arg != "auto" {
+        return arg.to_string();
+    }
+    // a probe only: the command opens the GPU itself (a second context would cost memory)
+    match cuda::probe(gpu) {
+        Ok(_) => "cuda".into(),
+        Err(why) => {
+            if std::env::var("RANK").map_or(true, |r| r.trim() == "0") {
+                cpu_fallback_notice(&why.to_string());
+            }
+            "cpu".into()
+        }
     }
 }
 

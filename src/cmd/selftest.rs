@@ -8,8 +8,9 @@ use crate::selftest::{attention_path_checks, hopper_gemm_checks, run_checks, Che
 /// Command-line options of `vitscale selftest`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct SelftestArgs {
-    /// Backend to check against the CPU reference: cuda (default) or cpu.
-    #[arg(long, default_value = "cuda")]
+    /// Backend to check against the CPU reference: cuda, cpu, or auto (a GPU when one is
+    /// usable, else the CPU, saying so).
+    #[arg(long, default_value = "auto")]
     pub device: String,
     /// GPU index.
     #[arg(long, default_value_t = 0)]
@@ -65,7 +66,8 @@ fn report_ranks(comm: &mut dyn crate::comm::Comm<impl Sized>, name: &str, seed: 
 pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
     let env = crate::comm::DistEnv::detect()?;
     let opts = crate::comm::CommOptions::from_config_and_env(60.0)?;
-    let ok = match args.device.as_str() {
+    let device = super::common::resolve_device_name(&args.device, args.gpu);
+    let ok = match device.as_str() {
         "cuda" | "gpu" => {
             let gpu = if env.world_size > 1 { super::train::gpu_index(&env)? } else { args.gpu };
             let be = crate::backend::cuda::Cuda::new(gpu)?;
@@ -91,7 +93,7 @@ pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
             checks.extend(comm_checks(&be, comm.as_mut(), seed)?);
             report_ranks(comm.as_mut(), &be.name(), seed, &checks, &d, &c, args.json)?
         }
-        other => anyhow::bail!("--device must be cuda or cpu, got {other:?}"),
+        other => anyhow::bail!("--device must be cuda, cpu or auto, got {other:?}"),
     };
     if !ok {
         anyhow::bail!("selftest failed");
