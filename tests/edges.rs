@@ -245,3 +245,128 @@ fn bench_and_selftest_default_to_auto_and_print_real_figures() {
     assert!(stderr(&o).contains("running on the CPU"), "{}", stderr(&o));
     assert!(String::from_utf8_lossy(&o.stdout).contains("PASS"));
 }
+
+// ---- 12: sweeps ---------------------------------------------------------------------------
+
+/// A grid (or set) key the configuration does not know is an error before any point runs,
+/// naming the key and the nearest known one, at the top level and inside a section.
+#[test]
+fn an_unknown_grid_key_is_refused_before_any_point_runs() {
+    let tmp = tempfile::tempdir().expect("scratch");
+    let cwd = tmp.path();
+    let spec = write_spec(cwd, "typo", serde_json::json!({"train_micro_batch_sise_per_gpu": [8, 16]}));
+    let o = vitscale(cwd, &["sweep", spec.to_str().expect("utf-8"), "--out", "sw"]);
+    fails_saying(&o, "a top-level typo", &["train_micro_batch_sise_per_gpu", "did you mean \"train_micro_batch_size_per_gpu\""]);
+    assert!(!cwd.join("sw").join("points").exists(), "no point ran");
+    let spec = write_spec(cwd, "typo2", serde_json::json!({"train.stpes": [2], "nproc": [1]}));
+    let o = vitscale(cwd, &["sweep", spec.to_str().expect("utf-8"), "--out", "sw2"]);
+    fails_saying(&o, "a typo in a section", &["train.stpes", "did you mean \"steps\""]);
+    assert!(!cwd.join("sw2").join("points").exists(), "no point ran");
+    // a known key passes the check (and its points run)
+    let spec = write_spec(cwd, "fine", serde_json::json!({"train_micro_batch_size_per_gpu": [8]}));
+    ok(&vitscale(cwd, &["sweep", spec.to_str().expect("utf-8"), "--out", "sw3"]), "a known key");
+}
+
+/// A grid value listed twice, and a spec name that is not one plain path component, are
+/// refused before anything is written.
+#[test]
+fn duplicate_grid_values_and_names_outside_sweeps_are_refused() {
+    let tmp = tempfile::tempdir().expect("scratch");
+    let cwd = tmp.path();
+    let spec = write_spec(cwd, "dup", serde_json::json!({"train_micro_batch_size_per_gpu": [8, 16, 8]}));
+    let o = vitscale(cwd, &["sweep", spec.to_str().expect("utf-8"), "--out", "sw"]);
+    fails_saying(&o, "a duplicate grid value", &["grid.train_micro_batch_size_per_gpu", "8", "twice"]);
+    assert!(!cwd.join("sw").exists());
+    let work = cwd.join("a").join("b");
+    std::fs::create_dir_all(&work).expect("mkdir");
+    for name in ["../../x", "x/y", ".."] {
+        let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(write_spec(&work, "named", serde_json::json!({"train_micro_batch_size_per_gpu": [8]}))).expect("spec")).expect("json");
+        v["name"] = serde_json::json!(name);
+        std::fs::write(work.join("named.json"), v.to_string()).expect("write");
+        let o = vitscale(&work, &["sweep", "named.json"]);
+        fails_saying(&o, &format!("name {name:?}"), &["name", name]);
+    }
+    assert!(!work.join("x").exists() && !cwd.join("a").join("x").exists() && !cwd.join("x").exists(), "nothing written outside sweeps/");
+}
+
+/// A sweep directory another live process runs is refused naming that process; a lock left
+/// by a process that is gone is taken over; the lock is gone when the sweep ends.
+#[test]
+fn one_runner_per_sweep_directory() {
+    let tmp = tempfile::tempdir().expect("scratch");
+    let cwd = tmp.path();
+    let spec = write_spec(cwd, "locked", serde_json::json!({"train_micro_batch_size_per_gpu": [8, 16]}));
+    let spec = spec.to_str().expect("utf-8");
+    std::fs::create_dir(cwd.join("sw")).expect("mkdir");
+    let live = std::process::id().to_string();
+    std::fs::write(cwd.join("sw").join("sweep.lock"), format!("{live}\n")).expect("lock");
+    let o = vitscale(cwd, &["sweep", spec, "--out", "sw", "--resume"]);
+    fails_saying(&o, "a sweep another process runs", &["sw", &live, "sweep.lock"]);
+    assert_eq!(jsonl_lines(&cwd.join("sw").join("sweep.jsonl")), 0, "no point ran");
+
+    let mut gone = Command::new("true").spawn().expect("spawn true");
+    let dead = gone.id().to_string();
+    gone.wait().expect("true ends");
+    std::fs::write(cwd.join("sw").join("sweep.lock"), format!("{dead}\n")).expect("lock");
+    let o = vitscale(cwd, &["sweep", spec, "--out", "sw", "--resume"]);
+    ok(&o, "a stale lock");
+    assert!(stderr(&o).contains("stale"), "{}", stderr(&o));
+    assert_eq!(jsonl_lines(&cwd.join("sw").join("sweep.jsonl")), 2);
+    assert!(!cwd.join("sw").join("sweep.lock").exists(), "the lock is removed at the end");
+}
+
+/// `--resume` with a spec whose grid or base changed is refused naming each change; the same
+/// spec resumes.
+#[test]
+fn a_resume_with_another_spec_is_refused_naming_the_change() {
+    let tmp = tempfile::tempdir().expect("scratch");
+    let cwd = tmp.path();
+    let path = write_spec(cwd, "changing", serde_json::json!({"train_micro_batch_size_per_gpu": [8, 16]}));
+    let spec = path.to_str().expect("utf-8");
+    ok(&vitscale(cwd, &["sweep", spec, "--out", "sw"]), "the first run");
+    ok(&vitscale(cwd, &["sweep", spec, "--out", "sw", "--resume"]), "a resume of the same spec");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).expect("spec")).expect("json");
+    v["grid"]["train_micro_batch_size_per_gpu"] = serde_json::json!([8, 32]);
+    v["base"]["optimizer"]["params"]["lr"] = serde_json::json!(0.1);
+    std::fs::write(&path, v.to_string()).expect("write");
+    let o = vitscale(cwd, &["sweep", spec, "--out", "sw", "--resume"]);
+    fails_saying(&o, "a resume of a changed spec", &["spec differs", "grid", "32", "base.optimizer.params.lr", "0.1"]);
+    assert_eq!(jsonl_lines(&cwd.join("sw").join("sweep.jsonl")), 2, "nothing ran");
+    let o = vitscale(cwd, &["sweep", spec, "--out", "sw", "--resume", "--set", "train.seed=7"]);
+    fails_saying(&o, "a resume with another --set", &["set.train.seed"]);
+}
+
+/// SIGINT and SIGTERM stop a sweep with 128 + the signal, as a shell reports it.
+#[test]
+fn a_signal_stops_a_sweep_with_128_plus_the_signal() {
+    let tmp = tempfile::tempdir().expect("scratch");
+    let cwd = tmp.path();
+    let mut v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(write_spec(cwd, "long", serde_json::json!({"train_micro_batch_size_per_gpu": [8, 16]}))).expect("spec")).expect("json");
+    v["steps"] = serde_json::json!(100000);
+    std::fs::write(cwd.join("long.json"), v.to_string()).expect("write");
+    for (sig, code, out) in [(libc::SIGINT, 130, "a"), (libc::SIGTERM, 143, "b")] {
+        let child = Command::new(EXE)
+            .args(["sweep", "long.json", "--out", out])
+            .current_dir(cwd)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .env_remove("VITSCALE_RUN_ID")
+            .spawn()
+            .expect("spawn");
+        let first = cwd.join(out).join("points");
+        let t = std::time::Instant::now();
+        while !std::fs::read_dir(&first).map(|mut d| d.next().is_some()).unwrap_or(false) {
+            assert!(t.elapsed().as_secs() < 60, "no point started");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        // SAFETY: signals the child this test started.
+        unsafe { libc::kill(child.id() as i32, sig) };
+        let o = child.wait_with_output().expect("the sweep ends");
+        assert_eq!(o.status.code(), Some(code), "signal {sig}: {}", stderr(&o));
+        assert!(stderr(&o).contains("--resume"), "{}", stderr(&o));
+        assert!(!cwd.join(out).join("sweep.lock").exists(), "the lock is removed");
+    }
+}
