@@ -370,3 +370,85 @@ fn a_signal_stops_a_sweep_with_128_plus_the_signal() {
         assert!(!cwd.join(out).join("sweep.lock").exists(), "the lock is removed");
     }
 }
+
+// ---- 11: the report's figures and text ----------------------------------------------------
+
+/// A point's bus bandwidth is its total bytes over its total reduction time, not a mean of
+/// per-record ratios (a short fast window would weigh like a long slow one).
+#[test]
+fn bus_bandwidth_is_total_bytes_over_total_time() {
+    let tmp = tempfile::tempdir().expect("scratch");
+    let run = tmp.path();
+    let cfg = serde_json::json!({"plan": {"world_size": 2, "micro_batch": 8, "gradient_accumulation_steps": 1, "global_batch": 16}});
+    std::fs::write(run.join("config.json"), cfg.to_string()).expect("config");
+    let line = |rank: usize, step: u64, bytes: f64, secs: f64| {
+        let bus = bytes * 2.0 * 1.0 / 2.0 / secs / 1e9;
+        serde_json::json!({"step": step, "rank": rank, "images_per_s": 100.0, "loss": 1.0, "comm_s": secs, "comm_total_s": secs, "comm_bytes": bytes, "bus_gb_s": bus, "forward_s": 0.01, "backward_s": 0.02}).to_string()
+    };
+    for rank in 0..2 {
+        let dir = if rank == 0 { run.to_path_buf() } else { run.join("rank1") };
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        // one long slow window and one short fast one: 2e9 bytes in 1.01 s in all
+        let text = [line(rank, 1, 1e9, 1.0), line(rank, 2, 1e9, 0.01)].join("\n");
+        std::fs::write(dir.join("metrics.jsonl"), text).expect("metrics");
+    }
+    let f = vitscale::lab::summary::read_point(run, 0).expect("the point reads");
+    let want = 2e9 / 1.01 / 1e9;
+    let got = f.bus_gb_s.expect("a bus bandwidth");
+    assert!((got - want).abs() < 1e-9, "bus GB/s {got}, total bytes over total time {want}");
+    for r in &f.ranks {
+        assert!((r.bus_gb_s.expect("per rank") - want).abs() < 1e-9);
+    }
+}
+
+/// The report's reproduce commands run as printed (a fresh run directory each), its text says
+/// where the figures come from (a point whose run directory is gone keeps sweep.jsonl's and is
+/// named), and the table's two communication columns say what each counts.
+#[test]
+fn the_report_commands_work_and_its_text_is_true() {
+    let tmp = tempfile::tempdir().expect("scratch");
+    let cwd = tmp.path();
+    let spec = write_spec(cwd, "rep", serde_json::json!({"train_micro_batch_size_per_gpu": [8, 16]}));
+    ok(&vitscale(cwd, &["sweep", spec.to_str().expect("utf-8"), "--out", "sw"]), "sweep");
+    ok(&vitscale(cwd, &["report", "sw"]), "report");
+    let md = std::fs::read_to_string(cwd.join("sw").join("report.md")).expect("report.md");
+    assert!(md.contains("recomputed from the finished points' run directories") && md.contains("read from sweep.jsonl"), "{md}");
+    assert!(md.contains("bucket comm") && md.contains("agreement on stop signals"), "the columns are explained");
+    let commands: Vec<String> = md
+        .lines()
+        .filter_map(|l| l.split('`').nth(1).filter(|c| c.starts_with("vitscale train")).map(str::to_string))
+        .collect();
+    assert_eq!(commands.len(), 2, "{md}");
+    for c in &commands {
+        let line = c.replacen("vitscale", &format!("'{EXE}'"), 1);
+        let o = Command::new("sh").arg("-c").arg(&line).current_dir(cwd).stdin(Stdio::null()).env_remove("VITSCALE_RUN_ID").output().expect("sh");
+        ok(&o, &format!("the printed command {c}"));
+    }
+    // a point whose run directory is gone: its figures are sweep.jsonl's, and the text says so
+    let first = std::fs::read_dir(cwd.join("sw").join("points")).expect("points").filter_map(Result::ok).map(|e| e.file_name().to_string_lossy().to_string()).min().expect("a point");
+    std::fs::remove_dir_all(cwd.join("sw").join("points").join(&first).join("run")).expect("rm run");
+    ok(&vitscale(cwd, &["report", "sw"]), "report without a run directory");
+    let md = std::fs::read_to_string(cwd.join("sw").join("report.md")).expect("report.md");
+    assert!(md.contains(&format!("except for 1 point whose run directory is missing or unreadable ({first})")), "{md}");
+    assert!(!md.contains("Every figure below is read from the points' run directories"));
+}
+
+/// The projection's table prints throughput with thousands separators.
+#[test]
+fn the_projection_prints_large_numbers_with_separators() {
+    let tmp = tempfile::tempdir().expect("scratch");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let prof = root.join("docs").join("data").join("profile_h200_vit_small_patch4_32.json");
+    let cluster = root.join("configs").join("clusters").join("study_32_nodes_h200.json");
+    let o = vitscale(tmp.path(), &["plan", "--profile", prof.to_str().expect("utf-8"), "--cluster", cluster.to_str().expect("utf-8"), "--project", "proj"]);
+    ok(&o, "plan --project");
+    let md = std::fs::read_to_string(tmp.path().join("proj").join("projection.md")).expect("projection.md");
+    let rows: Vec<&str> = md.lines().filter(|l| l.starts_with("| ") && !l.starts_with("| nodes")).collect();
+    assert!(!rows.is_empty(), "{md}");
+    for row in rows {
+        let ips = row.split('|').nth(4).expect("images/s").trim();
+        assert!(ips.len() < 4 || ips.contains(','), "images/s {ips:?} without separators: {row}");
+        let digits: String = ips.chars().filter(|c| *c != ',').collect();
+        assert!(digits.parse::<f64>().is_ok(), "{ips}");
+    }
+}

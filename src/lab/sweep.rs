@@ -303,6 +303,46 @@ fn diff_values(path: &str, a: &Value, b: &Value, out: &mut Vec<String>) {
     }
 }
 
+/// A point's command line without its `--run-dir DIR`: the point's run directory holds the
+/// run, so a rerun naming it would be refused; without it each rerun writes a fresh one.
+/// `command` is words as `shell_word` quotes them (single quotes around any with spaces).
+pub fn without_run_dir(command: &str) -> String {
+    let mut words: Vec<String> = Vec::new();
+    let (mut word, mut quoted, mut started) = (String::new(), false, false);
+    for c in command.chars() {
+        match c {
+            '\'' => {
+                quoted = !quoted;
+                started = true;
+                word.push(c);
+            }
+            c if c.is_whitespace() && !quoted => {
+                if started {
+                    words.push(std::mem::take(&mut word));
+                    started = false;
+                }
+            }
+            c => {
+                started = true;
+                word.push(c);
+            }
+        }
+    }
+    if started {
+        words.push(word);
+    }
+    let mut out = Vec::with_capacity(words.len());
+    let mut it = words.into_iter();
+    while let Some(w) = it.next() {
+        if w == "--run-dir" {
+            it.next();
+        } else if !w.starts_with("--run-dir=") {
+            out.push(w);
+        }
+    }
+    out.join(" ")
+}
+
 /// Quotes an argument for the reproducing command line when it needs it.
 fn shell_word(s: &str) -> String {
     crate::launch::shell_quote(s)
@@ -355,7 +395,7 @@ fn run_point(spec: &SweepSpec, p: &Point, opts: &SweepOptions) -> Result<PointRe
     let cfg_bytes = serde_json::to_vec_pretty(&cfg).map_err(|e| SweepError::Usage(e.to_string()))?;
     crate::util::write_atomic(&cfg_path, &cfg_bytes).map_err(io(&cfg_path))?;
     let args = point_args(spec, p, &cfg_path, &run_dir);
-    let command = std::iter::once("vitscale".to_string()).chain(args.iter().map(|a| shell_word(a))).collect::<Vec<_>>().join(" ");
+    let command = without_run_dir(&std::iter::once("vitscale".to_string()).chain(args.iter().map(|a| shell_word(a))).collect::<Vec<_>>().join(" "));
     let (stdout_path, stderr_path) = (pdir.join("stdout.log"), pdir.join("stderr.log"));
     let stdout = std::fs::File::create(&stdout_path).map_err(io(&stdout_path))?;
     let stderr = std::fs::File::create(&stderr_path).map_err(io(&stderr_path))?;
