@@ -452,3 +452,102 @@ fn the_projection_prints_large_numbers_with_separators() {
         assert!(digits.parse::<f64>().is_ok(), "{ips}");
     }
 }
+
+// ---- 10: the planner's inputs -------------------------------------------------------------
+
+/// A CPU profile of the built-in model (quick), at `path` under `cwd`.
+fn cpu_profile(cwd: &Path, path: &str) {
+    let o = vitscale(cwd, &["bench", "--device", "cpu", "--model", "vit_builtin_default", "--profile-out", path, "--profile-micros", "8,16", "--steps", "2", "--warmup", "1"]);
+    ok(&o, "bench --profile-out");
+}
+
+fn cluster_file(name: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("configs").join("clusters").join(name).to_str().expect("utf-8").to_string()
+}
+
+/// A profile measured on another device than the cluster's is refused naming both (and the
+/// way to predict anyway); a cluster whose compute_scale converts it predicts with a warning.
+#[test]
+fn a_profile_of_another_device_is_refused_or_flagged() {
+    let tmp = tempfile::tempdir().expect("scratch");
+    let cwd = tmp.path();
+    cpu_profile(cwd, "cpu.json");
+    let h200 = cluster_file("h200_8_nvlink.json");
+    let o = vitscale(cwd, &["plan", "--profile", "cpu.json", "--cluster", &h200, "--set", "train_micro_batch_size_per_gpu=16"]);
+    fails_saying(&o, "a CPU profile for H200s", &["measured on cpu", "H200", "--allow-device-mismatch"]);
+    assert!(o.stdout.is_empty(), "no prediction printed: {}", String::from_utf8_lossy(&o.stdout));
+    for extra in [&["--recommend", "--global-batch", "1024"][..], &["--project", "proj"][..]] {
+        let mut a = vec!["plan", "--profile", "cpu.json", "--cluster", &h200];
+        a.extend_from_slice(extra);
+        fails_saying(&vitscale(cwd, &a), &format!("{extra:?}"), &["measured on cpu", "H200"]);
+    }
+    let o = vitscale(cwd, &["plan", "--profile", "cpu.json", "--cluster", &h200, "--set", "train_micro_batch_size_per_gpu=16", "--allow-device-mismatch"]);
+    ok(&o, "--allow-device-mismatch");
+    assert!(stderr(&o).contains("warning:") && stderr(&o).contains("H200"), "{}", stderr(&o));
+    let o = vitscale(cwd, &["plan", "--profile", "cpu.json", "--cluster", &cluster_file("a100_8x4_ib200.json"), "--set", "train_micro_batch_size_per_gpu=16"]);
+    ok(&o, "a cluster with a compute_scale");
+    assert!(stderr(&o).contains("warning:") && stderr(&o).contains("compute_scale"), "{}", stderr(&o));
+    // the committed H200 profile on the H200 cluster: no warning
+    let prof = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs").join("data").join("profile_h200_vit_small_patch4_32.json");
+    let o = vitscale(cwd, &["plan", "--profile", prof.to_str().expect("utf-8"), "--cluster", &h200, "--set", "train_micro_batch_size_per_gpu=128"]);
+    ok(&o, "an H200 profile on H200s");
+    assert!(!stderr(&o).contains("warning"), "{}", stderr(&o));
+}
+
+/// A bandwidth given in bytes/s where GB/s is meant, or a latency in nanoseconds, is refused
+/// naming the key and the unit, at every level and per collective.
+#[test]
+fn implausible_link_figures_are_refused_naming_key_and_unit() {
+    let tmp = tempfile::tempdir().expect("scratch");
+    let cwd = tmp.path();
+    let prof = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs").join("data").join("profile_h200_vit_small_patch4_32.json");
+    let base = serde_json::json!({"source": "test", "device": "H200", "gpus_per_node": 8, "nodes": 2,
+        "intra": {"bandwidth_gb_s": 450, "latency_us": 2}, "inter": {"bandwidth_gb_s": 360, "latency_us": 6}});
+    std::fs::write(cwd.join("good.json"), base.to_string()).expect("write");
+    ok(&vitscale(cwd, &["plan", "--profile", prof.to_str().expect("utf-8"), "--cluster", "good.json"]), "plausible figures");
+    let cases: Vec<(&str, serde_json::Value, &str)> = vec![
+        ("intra", serde_json::json!({"bandwidth_gb_s": 4.5e11, "latency_us": 2}), "intra.bandwidth_gb_s"),
+        ("inter", serde_json::json!({"all_reduce": {"bandwidth_gb_s": 3.6e11, "latency_us": 6}, "bandwidth_gb_s": 360, "latency_us": 6}), "inter.all_reduce.bandwidth_gb_s"),
+        ("inter", serde_json::json!({"bandwidth_gb_s": 360, "latency_us": 6000000}), "inter.latency_us"),
+    ];
+    for (level, value, key) in cases {
+        let mut v = base.clone();
+        v[level] = value;
+        std::fs::write(cwd.join("bad.json"), v.to_string()).expect("write");
+        let o = vitscale(cwd, &["plan", "--profile", prof.to_str().expect("utf-8"), "--cluster", "bad.json"]);
+        let unit = if key.ends_with("latency_us") { "microseconds" } else { "GB/s" };
+        fails_saying(&o, key, &["bad.json", key, "not plausible", unit]);
+    }
+}
+
+/// `--recommend` shows choices that differ only in a bucket size predicted alike as one row.
+#[test]
+fn recommend_collapses_bucket_sizes_predicted_alike() {
+    let tmp = tempfile::tempdir().expect("scratch");
+    let cwd = tmp.path();
+    cpu_profile(cwd, "cpu.json");
+    let o = vitscale(cwd, &["plan", "--profile", "cpu.json", "--cluster", &cluster_file("a100_8x4_ib200.json"), "--recommend", "--global-batch", "2048", "--top", "1000", "--json"]);
+    ok(&o, "plan --recommend");
+    let out = String::from_utf8_lossy(&o.stdout);
+    let j: serde_json::Value = serde_json::from_str(out.lines().last().expect("json")).expect("json");
+    let choices = j["choices"].as_array().expect("choices");
+    let mut seen = std::collections::HashSet::new();
+    for c in choices {
+        let key = (c["micro"].to_string(), c["gas"].to_string(), c["zero_stage"].to_string(), c["comm_dtype"].to_string(), c["images_per_s"].to_string(), c["memory_per_rank_bytes"].to_string());
+        assert!(seen.insert(key), "two rows differ only in their bucket size: {c}");
+    }
+    // the built-in model's gradients fit one bucket of every size tried
+    assert!(choices.iter().all(|c| !c["same_with_buckets"].as_array().expect("list").is_empty()), "{}", j);
+    assert!(out.contains("alike"), "{out}");
+}
+
+/// `plan --validate` on a run directory says it is a run directory, not a sweep.
+#[test]
+fn validate_on_a_run_directory_says_so() {
+    let tmp = tempfile::tempdir().expect("scratch");
+    let cwd = tmp.path();
+    ok(&vitscale(cwd, &train(&["--run-dir", "run"])), "train");
+    cpu_profile(cwd, "cpu.json");
+    let o = vitscale(cwd, &["plan", "--validate", "run", "--profile", "cpu.json"]);
+    fails_saying(&o, "--validate RUN_DIR", &["run", "run directory", "not a sweep"]);
+}

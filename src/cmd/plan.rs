@@ -80,6 +80,10 @@ pub struct PlanArgs {
     /// Print one JSON object as the last line of stdout.
     #[arg(long)]
     pub json: bool,
+    /// Predict from a profile measured on another device than the cluster's (`device` in the
+    /// cluster file), as if the cluster had the profile's device: a what-if, said so.
+    #[arg(long)]
+    pub allow_device_mismatch: bool,
 }
 
 fn load_comm(paths: &[PathBuf]) -> anyhow::Result<Vec<CommFit>> {
@@ -132,6 +136,12 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     let comm = load_comm(&args.comm)?;
     let cluster_path = need(&args.cluster, "--cluster", "(a cluster file, e.g. configs/clusters/h200_8_nvlink.json)")?;
     let mut cluster = Cluster::load(cluster_path, &comm).and_then(|c| c.with_counts(args.nodes, args.gpus_per_node, args.ranks_per_device)).map_err(anyhow::Error::msg)?;
+    match cluster.check_device(&profile.device) {
+        Ok(None) => {}
+        Ok(Some(w)) => eprintln!("warning: {w}"),
+        Err(e) if args.allow_device_mismatch => eprintln!("warning: {e} (--allow-device-mismatch: predicting with the profile's device)"),
+        Err(e) => anyhow::bail!("--profile {} --cluster {}: {e}; --allow-device-mismatch predicts anyway", profile_path.display(), cluster_path.display()),
+    }
     if let Some(d) = &args.data {
         let (pipeline, rate) = crate::plan::loader_rate(d, args.data_pipeline.as_deref(), profile.model_config.image_size).map_err(anyhow::Error::msg)?;
         eprintln!("data loading: {rate:.0} images/s per core ({pipeline}, {})", d.display());
@@ -170,21 +180,27 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
             anyhow::bail!("no split of global batch {b} over {world} ranks fits {} GiB per rank", args.memory_limit.unwrap_or(f64::INFINITY));
         }
         crate::outln!("global batch {b} on {} ({world} ranks), fastest first:", cluster.name);
-        crate::outln!("{:>4} {:>6} {:>4} {:>5} {:>12} {:>5} {:>11} {:>9} {:>11} {:>10}", "#", "micro", "GAS", "ZeRO", "bucket", "wire", "images/s", "step ms", "exposed ms", "memory GiB");
+        crate::outln!("{:>4} {:>6} {:>4} {:>5} {:>20} {:>5} {:>11} {:>9} {:>11} {:>10}", "#", "micro", "GAS", "ZeRO", "bucket", "wire", "images/s", "step ms", "exposed ms", "memory GiB");
         for (i, c) in choices.iter().take(args.top.max(1)).enumerate() {
             crate::outln!(
-                "{:>4} {:>6} {:>4} {:>5} {:>12} {:>5} {:>11.1} {:>9.2} {:>11.2} {:>10.2}",
+                "{:>4} {:>6} {:>4} {:>5} {:>20} {:>5} {:>11.1} {:>9.2} {:>11.2} {:>10.2}",
                 i + 1,
                 c.micro,
                 c.gas,
                 c.zero_stage,
-                c.bucket_elems,
+                match c.same_with_buckets.len() {
+                    0 => c.bucket_elems.to_string(),
+                    n => format!("{} (+{n} alike)", c.bucket_elems),
+                },
                 c.comm_dtype,
                 c.images_per_s,
                 c.step_s * 1e3,
                 c.comm_exposed_s * 1e3,
                 c.memory_per_rank_bytes as f64 / GIB
             );
+        }
+        if choices.iter().take(args.top.max(1)).any(|c| !c.same_with_buckets.is_empty()) {
+            crate::outln!("(+N alike): N other bucket sizes are predicted the same (the gradients fit one bucket of each); the --json choices list them");
         }
         if args.json {
             crate::outln!("{}", serde_json::to_string(&serde_json::json!({"cluster": cluster.name, "global_batch": b, "world": world, "choices": choices}))?);
@@ -256,6 +272,13 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
 }
 
 fn validate(args: &PlanArgs, dir: &Path) -> anyhow::Result<()> {
+    // a run directory (what `train --run-dir` writes) is the likeliest wrong argument here
+    if !dir.join("sweep.jsonl").is_file() {
+        if dir.join("config.json").is_file() && dir.join("metrics.jsonl").is_file() {
+            anyhow::bail!("--validate {}: this is a run directory (config.json, metrics.jsonl), not a sweep: --validate takes the directory `vitscale sweep` writes (spec.json, sweep.jsonl, points/)", dir.display());
+        }
+        anyhow::bail!("--validate {}: not a sweep directory (no sweep.jsonl): --validate takes the directory `vitscale sweep` writes", dir.display());
+    }
     let profile_paths = if args.profile.is_empty() { crate::plan::validate::files_in(dir, "profile") } else { args.profile.clone() };
     if profile_paths.is_empty() {
         anyhow::bail!("--validate {}: give --profile P.json, or put the sweep's profile at {}", dir.display(), dir.join("profile.json").display());
