@@ -40,6 +40,11 @@ macro_rules! out {
     ($($arg:tt)*) => { $crate::util::write_stdout(format_args!($($arg)*)) };
 }
 
+/// `n` and the noun, singular for one: `plural(1, "rank", "ranks")` is "1 rank".
+pub fn plural(n: usize, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
 /// `x` with `sig` significant digits (at least one decimal when |x| < 10^sig), so a small
 /// model's 0.016 GFLOP does not print as "0.0".
 pub fn fmt_sig(x: f64, sig: usize) -> String {

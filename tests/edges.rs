@@ -551,3 +551,45 @@ fn validate_on_a_run_directory_says_so() {
     let o = vitscale(cwd, &["plan", "--validate", "run", "--profile", "cpu.json"]);
     fails_saying(&o, "--validate RUN_DIR", &["run", "run directory", "not a sweep"]);
 }
+
+// ---- 15: messages on documented usage -----------------------------------------------------
+
+/// A warm-up that outlasts the run is warned about, naming both lengths; documented usage (an
+/// image folder without model.num_classes) gets a notice, not a warning; counts of one read
+/// in the singular.
+#[test]
+fn messages_fit_what_the_user_did() {
+    let tmp = tempfile::tempdir().expect("scratch");
+    let cwd = tmp.path();
+    let o = vitscale(cwd, &train(&["--run-dir", "w", "--set", "scheduler.type=WarmupLR", "--set", "scheduler.params.warmup_num_steps=1000"]));
+    ok(&o, "a long warm-up");
+    let e = stderr(&o);
+    assert!(e.contains("warning: scheduler.params.warmup_num_steps 1000") && e.contains("train.steps 2"), "{e}");
+    let o = vitscale(cwd, &train(&["--run-dir", "w2", "--set", "scheduler.type=WarmupLR", "--set", "scheduler.params.warmup_num_steps=1"]));
+    ok(&o, "a short warm-up");
+    assert!(!stderr(&o).contains("warmup_num_steps"), "{}", stderr(&o));
+
+    for (class, rgb) in [("ants", [200u8, 30, 30]), ("bees", [30, 30, 200])] {
+        std::fs::create_dir_all(cwd.join("data").join(class)).expect("mkdir");
+        for i in 0..6 {
+            image::RgbImage::from_pixel(12, 10, image::Rgb(rgb)).save(cwd.join("data").join(class).join(format!("{i}.png"))).expect("png");
+        }
+    }
+    let o = vitscale(cwd, &["train", "--device", "cpu", "--run-dir", "f", "--set", "data.dataset=folder", "--set", "data.path=data", "--set", "model.preset=vit_builtin_default", "--set", "train_batch_size=4", "--set", "train.steps=1"]);
+    ok(&o, "a folder without num_classes");
+    let e = stderr(&o);
+    assert!(e.contains("2 class folders") && !e.lines().any(|l| l.starts_with("warning:") && l.contains("num_classes")), "{e}");
+
+    let o = vitscale_env(cwd, &train(&["--run-dir", "t1"]), &[("RAYON_NUM_THREADS", "1")]);
+    ok(&o, "one thread");
+    assert!(stderr(&o).contains("cpu (1 thread)"), "{}", stderr(&o));
+    let prof = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs").join("data").join("profile_h200_vit_small_patch4_32.json");
+    let o = vitscale(cwd, &["plan", "--profile", prof.to_str().expect("utf-8"), "--cluster", &cluster_file("h200_8_nvlink.json"), "--set", "train_micro_batch_size_per_gpu=128"]);
+    ok(&o, "plan on one node");
+    let s = String::from_utf8_lossy(&o.stdout);
+    assert!(s.contains("(1 node × 8 devices × 1 rank = 8 ranks)"), "{s}");
+    let o = vitscale(cwd, &["plan", "--profile", prof.to_str().expect("utf-8"), "--cluster", &cluster_file("study_32_nodes_h200.json"), "--project", "proj", "--micros", "128"]);
+    ok(&o, "plan --project");
+    let md = std::fs::read_to_string(cwd.join("proj").join("projection.md")).expect("projection.md");
+    assert!(!md.contains(".."), "a doubled full stop: {md}");
+}

@@ -87,7 +87,7 @@ pub fn load_config_edited(
             }
         }
     }
-    default_folder_classes(&mut value, &mut notes)?;
+    default_folder_classes(&mut value)?;
     let resolved = config::resolve(&value, world_size);
     let mut cfg = match (resolved, classes_from_weights) {
         (Err(e), Some((path, k))) if e.to_string().contains("model.num_classes") => {
@@ -105,7 +105,7 @@ pub fn load_config_edited(
 
 /// For an image-folder dataset whose config (and weights) leave `model.num_classes` out, the
 /// class count is the number of class subfolders, as a user of timm's ImageFolder expects.
-fn default_folder_classes(value: &mut serde_json::Value, notes: &mut Vec<String>) -> anyhow::Result<()> {
+fn default_folder_classes(value: &mut serde_json::Value) -> anyhow::Result<()> {
     if value["data"]["dataset"].as_str() != Some("folder") || !value["model"]["num_classes"].is_null() {
         return Ok(());
     }
@@ -120,9 +120,30 @@ fn default_folder_classes(value: &mut serde_json::Value, notes: &mut Vec<String>
     let model = root.entry("model").or_insert_with(|| serde_json::json!({}));
     if let Some(model) = model.as_object_mut() {
         model.insert("num_classes".into(), classes.len().into());
-        notes.push(format!("model.num_classes not given: {} class folders in {path}", classes.len()));
+        // documented usage, not a warning: say once (rank 0) what was taken
+        if std::env::var("RANK").map_or(true, |r| r.trim() == "0") {
+            eprintln!("notice: model.num_classes from the data: {} in {path}", crate::util::plural(classes.len(), "class folder", "class folders"));
+        }
     }
     Ok(())
+}
+
+/// A warm-up that does not end before the run does: the learning rate never reaches its peak
+/// (with the default warmup_min_lr of 0 and a short run, it trains at nearly 0). Only when the
+/// run's length is given as `train.steps` (an epoch count needs the dataset's size).
+pub fn schedule_warnings(cfg: &RunConfig) -> Vec<String> {
+    use crate::config::SchedulerConfig;
+    let (Some(steps), Some(s)) = (cfg.train.steps, cfg.scheduler.as_ref()) else { return Vec::new() };
+    let warmup = match s {
+        SchedulerConfig::WarmupLR { warmup_num_steps, .. } | SchedulerConfig::WarmupDecayLR { warmup_num_steps, .. } | SchedulerConfig::WarmupCosineLR { warmup_num_steps, .. } => *warmup_num_steps,
+    };
+    if steps == 0 || warmup < steps {
+        return Vec::new();
+    }
+    let last = crate::train::schedule::lr_at(Some(s), cfg.optimizer.lr(), steps - 1, steps);
+    vec![format!(
+        "scheduler.params.warmup_num_steps {warmup} is not shorter than the run (train.steps {steps}): the learning rate is still warming up at the last step ({last:.3e}); shorten the warm-up or lengthen the run"
+    )]
 }
 
 /// Settings the configuration accepts but the chosen device does not honour (yet): each

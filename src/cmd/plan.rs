@@ -11,6 +11,7 @@ use crate::plan::cluster::Cluster;
 use crate::plan::comm_fit::CommFit;
 use crate::plan::model;
 use crate::plan::profile::Profile;
+use crate::util::plural;
 
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -177,9 +178,9 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         }
         let choices = crate::plan::recommend::recommend(&profile, &cluster, &base, b, args.memory_limit.map(|g| g * GIB)).map_err(anyhow::Error::msg)?;
         if choices.is_empty() {
-            anyhow::bail!("no split of global batch {b} over {world} ranks fits {} GiB per rank", args.memory_limit.unwrap_or(f64::INFINITY));
+            anyhow::bail!("no split of global batch {b} over {} fits {} GiB per rank", plural(world, "rank", "ranks"), args.memory_limit.unwrap_or(f64::INFINITY));
         }
-        crate::outln!("global batch {b} on {} ({world} ranks), fastest first:", cluster.name);
+        crate::outln!("global batch {b} on {} ({}), fastest first:", cluster.name, plural(world, "rank", "ranks"));
         crate::outln!("{:>4} {:>6} {:>4} {:>5} {:>20} {:>5} {:>11} {:>9} {:>11} {:>10}", "#", "micro", "GAS", "ZeRO", "bucket", "wire", "images/s", "step ms", "exposed ms", "memory GiB");
         for (i, c) in choices.iter().take(args.top.max(1)).enumerate() {
             crate::outln!(
@@ -220,12 +221,13 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     let mem = model::memory(&profile, &cfg, world, profile.recompute);
     let ms = |x: f64| x * 1e3;
     crate::outln!(
-        "{} on {} ({} nodes × {} devices × {} ranks = {world} ranks), micro {} × GAS {}, global batch {}, ZeRO {}, {} gradients, buckets of {} elements:",
+        "{} on {} ({} × {} × {} = {}), micro {} × GAS {}, global batch {}, ZeRO {}, {} gradients, buckets of {} elements:",
         profile.model,
         cluster.name,
-        cluster.nodes,
-        cluster.gpus_per_node,
-        cluster.ranks_per_device,
+        plural(cluster.nodes, "node", "nodes"),
+        plural(cluster.gpus_per_node, "device", "devices"),
+        plural(cluster.ranks_per_device, "rank", "ranks"),
+        plural(world, "rank", "ranks"),
         s.micro,
         s.gas,
         p.global_batch,

@@ -58,8 +58,8 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     let opts = sweep::SweepOptions { out: out.clone(), resume: args.resume, retry_failed: args.retry_failed, exe, quiet: false };
     let outcome = sweep::run(&spec, &opts)?;
     eprintln!(
-        "sweep {}: {} points, {} run ({} ok, {} failed), {} skipped, {:.1} s | {}/sweep.jsonl",
-        spec.name, outcome.points, outcome.ran, outcome.ok, outcome.failed, outcome.skipped, outcome.wall_s, out.display()
+        "sweep {}: {}, {} run ({} ok, {} failed), {} skipped, {:.1} s | {}/sweep.jsonl",
+        spec.name, crate::util::plural(outcome.points, "point", "points"), outcome.ran, outcome.ok, outcome.failed, outcome.skipped, outcome.wall_s, out.display()
     );
     if args.report {
         let r = crate::lab::report::write(&out)?;

@@ -146,6 +146,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     }
     let device = open_device(args.common.device, gpu_index(&env)?, rank == 0)?;
     cfg.warnings.extend(engine_warnings(&cfg, &device));
+    cfg.warnings.extend(super::common::schedule_warnings(&cfg));
     check_memory(&cfg, &device, "this training run")?;
     let hash = config_hash(&cfg)?;
     // rendezvous and collective timeout: train.comm_timeout_s, or the VITSCALE_* variables.

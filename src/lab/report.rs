@@ -91,8 +91,8 @@ pub fn write(dir: &Path) -> Result<ReportFiles, ReportError> {
         ),
     };
     blocks.push(Block::P(format!(
-        "{} points on {device} ({steps}): {} finished, {} failed. Base configuration: {}. {sources}; regenerate with `vitscale report {}`.",
-        records.len(),
+        "{} on {device} ({steps}): {} finished, {} failed. Base configuration: {}. {sources}; regenerate with `vitscale report {}`.",
+        crate::util::plural(records.len(), "point", "points"),
         pts.len(),
         failed.len(),
         spec.get("base_source").and_then(Value::as_str).unwrap_or("?"),
@@ -220,10 +220,10 @@ fn prediction_blocks(v: &crate::plan::validate::Validation, chart_dir: &Path, bl
     };
     let gaps = v.term_gaps.iter().map(|(t, g)| format!("{t} {:.1} %", g * 100.0)).collect::<Vec<_>>().join(", ");
     blocks.push(Block::P(format!(
-        "Every point predicted from the one-rank compute profile ({}) and the comm bench ({}) alone; no multi-rank point feeds the model. {} points: median |error| {:.1} %, max |error| {:.1} %.{rank} Mean gap per term, as a share of the measured step: {gaps}.",
+        "Every point predicted from the one-rank compute profile ({}) and the comm bench ({}) alone; no multi-rank point feeds the model. {}: median |error| {:.1} %, max |error| {:.1} %.{rank} Mean gap per term, as a share of the measured step: {gaps}.",
         v.profile,
         if v.comm.is_empty() { "none".to_string() } else { v.comm.join(", ") },
-        v.points.len(),
+        crate::util::plural(v.points.len(), "point", "points"),
         v.median_abs_err * 100.0,
         v.max_abs_err * 100.0
     )));

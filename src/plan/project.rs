@@ -100,7 +100,7 @@ pub fn project(profile: &Profile, profile_source: &str, cluster: &Cluster, micro
         ],
     };
     let (png, svg) = chart.save(&chart_dir)?;
-    let mut md = format!("# Projection: {}\n\n{}\n\nProfile: {profile_source} ({} on {}). Cluster source: {}.\n\n", cluster.name, "Predicted by `vitscale plan --project` (weak scaling: each rank keeps its micro-batch, GAS 1, fp32 gradients, ZeRO 0, the default buckets).", profile.model, profile.device, cluster.source);
+    let mut md = format!("# Projection: {}\n\n{}\n\nProfile: {profile_source} ({} on {}). Cluster source: {}.\n\n", cluster.name, "Predicted by `vitscale plan --project` (weak scaling: each rank keeps its micro-batch, GAS 1, fp32 gradients, ZeRO 0, the default buckets).", profile.model, profile.device, cluster.source.trim_end().trim_end_matches('.'));
     md.push_str("| nodes | ranks | micro | images/s | per rank | efficiency | step ms | exposed comm ms | comm share |\n|---|---|---|---|---|---|---|---|---|\n");
     for r in &rows {
         let n = crate::lab::charts::thousands;

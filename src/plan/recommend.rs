@@ -31,7 +31,7 @@ pub struct Choice {
 pub fn recommend(profile: &Profile, cluster: &Cluster, base: &serde_json::Value, global_batch: usize, memory_limit: Option<f64>) -> Result<Vec<Choice>, String> {
     let world = cluster.world();
     if global_batch == 0 || !global_batch.is_multiple_of(world) {
-        return Err(format!("--global-batch {global_batch} is not a positive multiple of the cluster's {world} ranks"));
+        return Err(format!("--global-batch {global_batch} is not a positive multiple of the cluster's {}", crate::util::plural(world, "rank", "ranks")));
     }
     let per_rank = global_batch / world;
     let groups = super::groups(profile);

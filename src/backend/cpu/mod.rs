@@ -93,7 +93,7 @@ impl Backend for Cpu {
     type Buf = Vec<f32>;
 
     fn name(&self) -> String {
-        format!("cpu ({} threads)", rayon::current_num_threads())
+        format!("cpu ({})", crate::util::plural(rayon::current_num_threads(), "thread", "threads"))
     }
 
     fn alloc(&self, len: usize) -> BResult<Vec<f32>> {
