@@ -27,6 +27,19 @@ pub fn write_stdout(args: std::fmt::Arguments) {
     }
 }
 
+/// Writes formatted text to stderr, dropping it when stderr cannot take it (`… 2>&1 | head`):
+/// progress lines must not end the work they report on (`eprintln!` panics there).
+pub fn write_stderr(args: std::fmt::Arguments) {
+    let mut err = std::io::stderr().lock();
+    let _ = err.write_fmt(args).and_then(|()| err.flush());
+}
+
+/// `eprintln!` through `util::write_stderr`: a closed stderr is not a panic.
+#[macro_export]
+macro_rules! errln {
+    ($($arg:tt)*) => { $crate::util::write_stderr(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
 /// `println!` through `util::write_stdout`: a closed stdout is not a panic.
 #[macro_export]
 macro_rules! outln {

@@ -127,6 +127,24 @@ fn a_closed_stdout_neither_panics_nor_stops_the_work() {
     ok(&o, "plan --recommend into a closed pipe");
 }
 
+/// `vitscale sweep … 2>&1 | head -1`: with stdout and stderr both a closed pipe, the sweep still
+/// runs and records every point and exits 0 (its progress lines go nowhere).
+#[test]
+fn a_sweep_whose_output_pipe_closed_runs_every_point() {
+    let tmp = tempfile::tempdir().expect("scratch");
+    let cwd = tmp.path();
+    let spec = write_spec(cwd, "both", serde_json::json!({"train_micro_batch_size_per_gpu": [8, 16, 32]}));
+    let mut cmd = Command::new(EXE);
+    cmd.args(["sweep", spec.to_str().expect("utf-8"), "--out", "sw", "--json"]).current_dir(cwd).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).env_remove("VITSCALE_RUN_ID");
+    let mut child = cmd.spawn().expect("spawn");
+    drop(child.stdout.take());
+    drop(child.stderr.take());
+    let status = child.wait().expect("the sweep ends");
+    assert_eq!(status.code(), Some(0), "{status:?}");
+    assert_eq!(jsonl_lines(&cwd.join("sw").join("sweep.jsonl")), 3, "every point recorded");
+    assert!(!cwd.join("sw").join("sweep.lock").exists());
+}
+
 // ---- 14: errors that say what is wrong ----------------------------------------------------
 
 /// A `latest` pointer naming a step directory that is gone, or one that is empty, says the

@@ -18,9 +18,9 @@ pub struct ReportArgs {
 /// `vitscale report`.
 pub fn run(args: ReportArgs) -> anyhow::Result<()> {
     let r = crate::lab::report::write(&args.dir)?;
-    eprintln!("wrote {} and {} ({} charts)", r.markdown.display(), r.html.display(), r.charts.len());
+    crate::errln!("wrote {} and {} ({} charts)", r.markdown.display(), r.html.display(), r.charts.len());
     for f in &r.findings {
-        eprintln!("  [{}] {}", f.verdict_text(), f.statement);
+        crate::errln!("  [{}] {}", f.verdict_text(), f.statement);
     }
     if args.json {
         crate::outln!("{}", serde_json::to_string(&r)?);

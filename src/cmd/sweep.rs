@@ -57,15 +57,15 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     let exe = std::env::current_exe().map_err(|e| anyhow::anyhow!("cannot find this executable to run the points: {e}"))?;
     let opts = sweep::SweepOptions { out: out.clone(), resume: args.resume, retry_failed: args.retry_failed, exe, quiet: false };
     let outcome = sweep::run(&spec, &opts)?;
-    eprintln!(
+    crate::errln!(
         "sweep {}: {}, {} run ({} ok, {} failed), {} skipped, {:.1} s | {}/sweep.jsonl",
         spec.name, crate::util::plural(outcome.points, "point", "points"), outcome.ran, outcome.ok, outcome.failed, outcome.skipped, outcome.wall_s, out.display()
     );
     if args.report {
         let r = crate::lab::report::write(&out)?;
-        eprintln!("report: {}", r.markdown.display());
+        crate::errln!("report: {}", r.markdown.display());
     } else {
-        eprintln!("next: vitscale report {}", out.display());
+        crate::errln!("next: vitscale report {}", out.display());
     }
     if args.json {
         crate::outln!("{}", serde_json::to_string(&outcome)?);

@@ -157,7 +157,7 @@ pub fn run(spec: &SweepSpec, opts: &SweepOptions) -> Result<SweepOutcome, SweepE
         .collect();
     let skipped = points.len() - todo.len();
     if skipped > 0 && !opts.quiet {
-        eprintln!("sweep: {skipped} of {} points already in {} (skipped)", points.len(), jsonl.display());
+        crate::errln!("sweep: {skipped} of {} points already in {} (skipped)", points.len(), jsonl.display());
     }
     let mut out = std::fs::OpenOptions::new().create(true).append(true).open(&jsonl).map_err(io(&jsonl))?;
 
@@ -190,7 +190,7 @@ pub fn run(spec: &SweepSpec, opts: &SweepOptions) -> Result<SweepOutcome, SweepE
         text.push('\n');
         out.write_all(text.as_bytes()).and_then(|_| out.flush()).map_err(io(&jsonl))?;
         if !opts.quiet {
-            if bar.is_hidden() { eprintln!("{line}") } else { bar.println(line) }
+            if bar.is_hidden() { crate::errln!("{line}") } else { bar.println(line) }
         }
         bar.inc(1);
     }
@@ -224,7 +224,7 @@ impl SweepLock {
                             )));
                         }
                         _ => {
-                            eprintln!("sweep: {} names no running process ({:?}): a stale lock, taken over", path.display(), text.trim());
+                            crate::errln!("sweep: {} names no running process ({:?}): a stale lock, taken over", path.display(), text.trim());
                             std::fs::remove_file(&path).map_err(io(&path))?;
                         }
                     }
