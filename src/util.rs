@@ -1,6 +1,6 @@
 //! Small shared helpers: atomic file writes, scoped signal handlers, the median, POSIX shell
-//! quoting, and the
-//! allocator the binary uses (the system's, with a clear exit when memory runs out).
+//! quoting, printing to a stdout whose reader may have gone (`outln!`), and the allocator the
+//! binary uses (the system's, with a clear exit when memory runs out).
 
 use std::io::Write;
 use std::path::Path;
@@ -19,6 +19,71 @@ pub fn shell_quote(s: &str) -> String {
         return s.to_string();
     }
     format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+/// Writes formatted text to stdout. A reader that closed the pipe (`vitscale … | head -1`)
+/// is not an error for the work that printed: the text is dropped and the command goes on
+/// (Rust's `println!` panics there). Any other write error is reported once on stderr.
+pub fn write_stdout(args: std::fmt::Arguments) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static REPORTED: AtomicBool = AtomicBool::new(false);
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = out.write_fmt(args).and_then(|()| out.flush()) {
+        if e.kind() != std::io::ErrorKind::BrokenPipe && !REPORTED.swap(true, Ordering::Relaxed) {
+            let _ = writeln!(std::io::stderr(), "warning: cannot write to stdout: {e}");
+        }
+    }
+}
+
+/// Writes formatted text to stderr, dropping it when stderr cannot take it (`… 2>&1 | head`):
+/// progress lines must not end the work they report on (`eprintln!` panics there).
+pub fn write_stderr(args: std::fmt::Arguments) {
+    let mut err = std::io::stderr().lock();
+    let _ = err.write_fmt(args).and_then(|()| err.flush());
+}
+
+/// `eprintln!` through `util::write_stderr`: a closed stderr is not a panic.
+#[macro_export]
+macro_rules! errln {
+    ($($arg:tt)*) => { $crate::util::write_stderr(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
+/// `println!` through `util::write_stdout`: a closed stdout is not a panic.
+#[macro_export]
+macro_rules! outln {
+    () => { $crate::util::write_stdout(format_args!("\n")) };
+    ($($arg:tt)*) => { $crate::util::write_stdout(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
+/// `print!` through `util::write_stdout`.
+#[macro_export]
+macro_rules! out {
+    ($($arg:tt)*) => { $crate::util::write_stdout(format_args!($($arg)*)) };
+}
+
+/// `n` and the noun, singular for one: `plural(1, "rank", "ranks")` is "1 rank".
+pub fn plural(n: usize, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
+/// `x` with `sig` significant digits (at least one decimal when |x| < 10^sig), so a small
+/// model's 0.016 GFLOP does not print as "0.0".
+pub fn fmt_sig(x: f64, sig: usize) -> String {
+    if x == 0.0 || !x.is_finite() {
+        return format!("{x}");
+    }
+    let digits = x.abs().log10().floor() as i64 + 1;
+    let decimals = (sig as i64 - digits).max(0) as usize;
+    format!("{x:.decimals$}")
+}
+
+/// This process's peak resident memory so far, in GiB (Linux's `ru_maxrss`, KiB); None where
+/// the call fails.
+pub fn peak_rss_gib() -> Option<f64> {
+    // SAFETY: getrusage writes into the zeroed struct it is given.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    (rc == 0 && ru.ru_maxrss > 0).then(|| ru.ru_maxrss as f64 * 1024.0 / (1u64 << 30) as f64)
 }
 
 /// Writes `bytes` to `path` atomically: a temporary file in the same directory, fsync, rename,

@@ -173,7 +173,8 @@ fn validate_a_small_cpu_sweep_and_plan_on_the_presets() {
     assert_eq!(out.status.code(), Some(1));
 
     let study = clusters().join("study_32_nodes_h200.json");
-    let out = vitscale(cwd, &["plan", "--profile", "sw/profile.json", "--cluster", study.to_str().unwrap(), "--project", "proj", "--micros", "16,64", "--json"]);
+    // a CPU profile on an H200 cluster is a what-if the command must be told it is
+    let out = vitscale(cwd, &["plan", "--profile", "sw/profile.json", "--cluster", study.to_str().unwrap(), "--project", "proj", "--micros", "16,64", "--allow-device-mismatch", "--json"]);
     ok(&out, "plan --project");
     let p = last_json(&out);
     // nodes 1, 2, 4, 8, 16, 32 × 2 micro sizes

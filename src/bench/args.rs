@@ -23,8 +23,8 @@ pub struct BenchArgs {
     /// Untimed warm-up steps.
     #[arg(long, default_value_t = 10)]
     pub warmup: usize,
-    /// cuda or cpu.
-    #[arg(long, default_value = "cuda")]
+    /// cuda, cpu, or auto (a GPU when one is usable, else the CPU, saying so).
+    #[arg(long, default_value = "auto")]
     pub device: String,
     /// GPU index.
     #[arg(long, default_value_t = 0)]

@@ -197,7 +197,7 @@ pub fn run<B: Backend>(be: &B, comm: &mut dyn Comm<B::Buf>, args: &CommBenchArgs
 
 /// The nccl-tests-style table.
 pub fn table(r: &CommBenchResult) -> String {
-    let mut s = format!("# {} | {} | {} ranks | {} | {} iterations after {} warm-up\n", r.transport, r.device, r.world_size, r.dtype, r.iters, r.warmup);
+    let mut s = format!("# {} | {} | {} | {} | {} after {} warm-up\n", r.transport, r.device, crate::util::plural(r.world_size, "rank", "ranks"), r.dtype, crate::util::plural(r.iters, "iteration", "iterations"), r.warmup);
     s.push_str(&format!("{:>16} {:>14} {:>12} {:>12} {:>12} {:>12} {:>7}\n", "op", "size (B)", "count", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "#wrong"));
     for x in &r.rows {
         s.push_str(&format!("{:>16} {:>14} {:>12} {:>12.1} {:>12.3} {:>12.3} {:>7}\n", x.op, x.bytes, x.count, x.time_us, x.algbw_gb_s, x.busbw_gb_s, x.wrong));
@@ -234,12 +234,12 @@ pub fn command(args: &CommBenchArgs, device: &str, warmup: usize, json: bool) ->
         other => anyhow::bail!("--device {other}: bench --comm runs on cpu or cuda"),
     };
     if env.rank == 0 {
-        print!("{}", table(&result));
+        crate::out!("{}", table(&result));
         if result.world_size == 1 {
-            println!("# one rank: every collective is a no-op; start several with `vitscale launch --nproc-per-node N -- bench --comm`");
+            crate::outln!("# one rank: every collective is a no-op; start several with `vitscale launch --nproc-per-node N -- bench --comm`");
         }
         if json {
-            println!("{}", serde_json::to_string(&result)?);
+            crate::outln!("{}", serde_json::to_string(&result)?);
         }
         if let Some(path) = &args.comm_out {
             let text = serde_json::to_string_pretty(&result)?;

@@ -170,12 +170,12 @@ pub fn command(threads: usize, min_seconds: f64, jpeg_dir: Option<&Path>, json: 
     let load = std::fs::read_to_string("/proc/loadavg").ok().and_then(|l| l.split_whitespace().next().map(str::to_string));
     eprintln!("data loader benchmark: {cores} cores, load average {}", load.as_deref().unwrap_or("unknown"));
     let points = run(threads, min_seconds, jpeg_dir)?;
-    println!("{:<34} {:>7} {:>12} {:>14}", "pipeline", "threads", "images/s", "images/s/core");
+    crate::outln!("{:<34} {:>7} {:>12} {:>14}", "pipeline", "threads", "images/s", "images/s/core");
     for p in &points {
-        println!("{:<34} {:>7} {:>12.0} {:>14.0}", p.pipeline, p.threads, p.images_per_s, p.images_per_s_per_core);
+        crate::outln!("{:<34} {:>7} {:>12.0} {:>14.0}", p.pipeline, p.threads, p.images_per_s, p.images_per_s_per_core);
     }
     if json {
-        println!("{}", serde_json::json!({ "cores": cores, "load_average": load, "points": points }));
+        crate::outln!("{}", serde_json::json!({ "cores": cores, "load_average": load, "points": points }));
     }
     Ok(())
 }

@@ -24,6 +24,7 @@ fn check_cpu_memory(args: &BenchArgs) -> anyhow::Result<()> {
 
 /// `vitscale bench`.
 pub fn run(mut args: BenchArgs) -> anyhow::Result<()> {
+    args.device = super::common::resolve_device_name(&args.device, args.gpu);
     if args.comm.comm {
         return crate::bench::comm::command(&args.comm, &args.device, args.warmup, args.json);
     }
@@ -86,16 +87,22 @@ pub fn run(mut args: BenchArgs) -> anyhow::Result<()> {
     } else {
         format!("{:.3} TFLOP/s (no MFU: no measured ceiling on this device)", r.achieved_tflops)
     };
+    // the CPU backend has no device memory to measure: its figure would print as 0.00
+    let peak = match (r.device.as_str(), crate::util::peak_rss_gib()) {
+        ("cpu", Some(rss)) => format!("peak mem n/a on the CPU (no device memory; process peak RSS {rss:.2} GiB)"),
+        ("cpu", None) => "peak mem n/a on the CPU (no device memory)".to_string(),
+        _ => format!("peak mem {:.2} GiB", r.peak_mem_gib),
+    };
     println!(
-        "{} on {}: micro {} | {:.2} ms/step | {:.1} img/s | {mfu} | peak mem {:.2} GiB | graph {} | recompute {} | loss {:.4}",
-        r.model, r.device, r.micro, r.step_ms, r.img_per_s, r.peak_mem_gib, r.graph, r.recomputed, r.loss
+        "{} on {}: micro {} | {:.2} ms/step | {:.1} img/s | {mfu} | {peak} | graph {} | recompute {} | loss {:.4}",
+        r.model, r.device, r.micro, r.step_ms, r.img_per_s, r.graph, r.recomputed, r.loss
     );
     if r.executed_share < 1.0 {
         println!(
-            "MFU counts the model's {:.1} GFLOP per trained image; the step executes {:.1} % of them (the last block's queries, projection and MLP on the class token alone): {:.1} TFLOP/s executed",
-            r.train_gflop_per_img,
+            "MFU counts the model's {} GFLOP per trained image; the step executes {:.1} % of them (the last block's queries, projection and MLP on the class token alone): {} TFLOP/s executed",
+            crate::util::fmt_sig(r.train_gflop_per_img, 3),
             r.executed_share * 100.0,
-            r.achieved_tflops * r.executed_share
+            crate::util::fmt_sig(r.achieved_tflops * r.executed_share, 3)
         );
     }
     if let Some(p) = &r.gpu_power {

@@ -86,7 +86,7 @@ pub fn load_config_edited(
             }
         }
     }
-    default_folder_classes(&mut value, &mut notes)?;
+    default_folder_classes(&mut value)?;
     let resolved = config::resolve(&value, world_size);
     let mut cfg = match (resolved, classes_from_weights) {
         (Err(e), Some((path, k))) if e.to_string().contains("model.num_classes") => {
@@ -104,7 +104,7 @@ pub fn load_config_edited(
 
 /// For an image-folder dataset whose config (and weights) leave `model.num_classes` out, the
 /// class count is the number of class subfolders, as a user of timm's ImageFolder expects.
-fn default_folder_classes(value: &mut serde_json::Value, notes: &mut Vec<String>) -> anyhow::Result<()> {
+fn default_folder_classes(value: &mut serde_json::Value) -> anyhow::Result<()> {
     if value["data"]["dataset"].as_str() != Some("folder") || !value["model"]["num_classes"].is_null() {
         return Ok(());
     }
@@ -119,9 +119,30 @@ fn default_folder_classes(value: &mut serde_json::Value, notes: &mut Vec<String>
     let model = root.entry("model").or_insert_with(|| serde_json::json!({}));
     if let Some(model) = model.as_object_mut() {
         model.insert("num_classes".into(), classes.len().into());
-        notes.push(format!("model.num_classes not given: {} class folders in {path}", classes.len()));
+        // documented usage, not a warning: say once (rank 0) what was taken
+        if std::env::var("RANK").map_or(true, |r| r.trim() == "0") {
+            eprintln!("notice: model.num_classes from the data: {} in {path}", crate::util::plural(classes.len(), "class folder", "class folders"));
+        }
     }
     Ok(())
+}
+
+/// A warm-up that does not end before the run does: the learning rate never reaches its peak
+/// (with the default warmup_min_lr of 0 and a short run, it trains at nearly 0). Only when the
+/// run's length is given as `train.steps` (an epoch count needs the dataset's size).
+pub fn schedule_warnings(cfg: &RunConfig) -> Vec<String> {
+    use crate::config::SchedulerConfig;
+    let (Some(steps), Some(s)) = (cfg.train.steps, cfg.scheduler.as_ref()) else { return Vec::new() };
+    let warmup = match s {
+        SchedulerConfig::WarmupLR { warmup_num_steps, .. } | SchedulerConfig::WarmupDecayLR { warmup_num_steps, .. } | SchedulerConfig::WarmupCosineLR { warmup_num_steps, .. } => *warmup_num_steps,
+    };
+    if steps == 0 || warmup < steps {
+        return Vec::new();
+    }
+    let last = crate::train::schedule::lr_at(Some(s), cfg.optimizer.lr(), steps - 1, steps);
+    vec![format!(
+        "scheduler.params.warmup_num_steps {warmup} is not shorter than the run (train.steps {steps}): the learning rate is still warming up at the last step ({last:.3e}); shorten the warm-up or lengthen the run"
+    )]
 }
 
 /// Settings the configuration accepts but the chosen device does not honour (yet): each
@@ -218,14 +239,38 @@ pub fn open_device(arg: DeviceArg, local_rank: usize, notice: bool) -> anyhow::R
             Ok(_) => Ok(Device::Cuda(Cuda::new(local_rank).map_err(|e| anyhow::anyhow!("GPU {local_rank}: {e}"))?)),
             Err(why) => {
                 if notice {
-                    // The first clause of the reason is enough here; `--device cuda` prints it all.
-                    let why = why.to_string();
-                    let short: String = why.split([';', '\n', '(']).next().unwrap_or("").trim().chars().take(100).collect();
-                    eprintln!("notice: no usable GPU ({short}): running on the CPU (--device cpu skips this check, --device cuda says why in full)");
+                    cpu_fallback_notice(&why.to_string());
                 }
                 Ok(Device::Cpu(Cpu::new()))
             }
         },
+    }
+}
+
+/// The one line `--device auto` prints when it falls back to the CPU.
+fn cpu_fallback_notice(why: &str) {
+    // The first clause of the reason is enough here; `--device cuda` prints it all.
+    let short: String = why.split([';', '\n', '(']).next().unwrap_or("").trim().chars().take(100).collect();
+    eprintln!("notice: no usable GPU ({short}): running on the CPU (--device cpu skips this check, --device cuda says why in full)");
+}
+
+/// Resolves a `--device` given as a name (`bench`, `selftest`): `auto` becomes `cuda` when GPU
+/// `gpu` is usable, else `cpu` with the one-line notice `open_device` prints (from rank 0 of a
+/// launched job only); any other name is returned as given. Under a launcher the ranks probe
+/// GPU `gpu`, which is usable when theirs are.
+pub fn resolve_device_name(arg: &str, gpu: usize) -> String {
+    if arg != "auto" {
+        return arg.to_string();
+    }
+    // a probe only: the command opens the GPU itself (a second context would cost memory)
+    match cuda::probe(gpu) {
+        Ok(_) => "cuda".into(),
+        Err(why) => {
+            if std::env::var("RANK").map_or(true, |r| r.trim() == "0") {
+                cpu_fallback_notice(&why.to_string());
+            }
+            "cpu".into()
+        }
     }
 }
 

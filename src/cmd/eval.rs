@@ -60,7 +60,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     };
     eprintln!("eval: loss {:.6} top1 {:.4} on {} images", ev.loss, ev.top1, ev.images);
     if args.common.json {
-        println!("{}", serde_json::to_string(&ev)?);
+        crate::outln!("{}", serde_json::to_string(&ev)?);
     }
     Ok(())
 }

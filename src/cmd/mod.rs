@@ -26,11 +26,14 @@ pub mod train;
 use crate::launch::LaunchError;
 use crate::train::error::TrainError;
 
-/// The exit status for a command's error: 128 + signal when training stopped for
+/// The exit status for a command's error: 128 + signal when training or a sweep stopped for
 /// SIGINT/SIGTERM (130 / 143); the launcher's own (a failed worker's status, 128 + signal);
 /// else 1.
 pub fn exit_code(e: &anyhow::Error) -> i32 {
     if let Some(e) = e.downcast_ref::<LaunchError>() {
+        return e.exit_code();
+    }
+    if let Some(e) = e.downcast_ref::<crate::lab::sweep::SweepError>() {
         return e.exit_code();
     }
     e.downcast_ref::<TrainError>().map_or(1, TrainError::exit_code)

@@ -11,6 +11,7 @@ use crate::plan::cluster::Cluster;
 use crate::plan::comm_fit::CommFit;
 use crate::plan::model;
 use crate::plan::profile::Profile;
+use crate::util::plural;
 
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -80,6 +81,10 @@ pub struct PlanArgs {
     /// Print one JSON object as the last line of stdout.
     #[arg(long)]
     pub json: bool,
+    /// Predict from a profile measured on another device than the cluster's (`device` in the
+    /// cluster file), as if the cluster had the profile's device: a what-if, said so.
+    #[arg(long)]
+    pub allow_device_mismatch: bool,
 }
 
 fn load_comm(paths: &[PathBuf]) -> anyhow::Result<Vec<CommFit>> {
@@ -132,6 +137,12 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     let comm = load_comm(&args.comm)?;
     let cluster_path = need(&args.cluster, "--cluster", "(a cluster file, e.g. configs/clusters/h200_8_nvlink.json)")?;
     let mut cluster = Cluster::load(cluster_path, &comm).and_then(|c| c.with_counts(args.nodes, args.gpus_per_node, args.ranks_per_device)).map_err(anyhow::Error::msg)?;
+    match cluster.check_device(&profile.device) {
+        Ok(None) => {}
+        Ok(Some(w)) => eprintln!("warning: {w}"),
+        Err(e) if args.allow_device_mismatch => eprintln!("warning: {e} (--allow-device-mismatch: predicting with the profile's device)"),
+        Err(e) => anyhow::bail!("--profile {} --cluster {}: {e}; --allow-device-mismatch predicts anyway", profile_path.display(), cluster_path.display()),
+    }
     if let Some(d) = &args.data {
         let (pipeline, rate) = crate::plan::loader_rate(d, args.data_pipeline.as_deref(), profile.model_config.image_size).map_err(anyhow::Error::msg)?;
         eprintln!("data loading: {rate:.0} images/s per core ({pipeline}, {})", d.display());
@@ -142,17 +153,17 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     }
     if let Some(out) = &args.project {
         let p = crate::plan::project::project(&profile, &profile_path.display().to_string(), &cluster, &args.micros, out).map_err(anyhow::Error::msg)?;
-        println!("{:>5} {:>6} {:>6} {:>12} {:>10} {:>10} {:>10} {:>12}", "nodes", "ranks", "micro", "images/s", "per rank", "efficiency", "step ms", "exposed ms");
+        crate::outln!("{:>5} {:>6} {:>6} {:>12} {:>10} {:>10} {:>10} {:>12}", "nodes", "ranks", "micro", "images/s", "per rank", "efficiency", "step ms", "exposed ms");
         for r in &p.rows {
-            println!("{:>5} {:>6} {:>6} {:>12.0} {:>10.0} {:>9.1}% {:>10.2} {:>12.2}", r.nodes, r.ranks, r.micro, r.images_per_s, r.images_per_s_per_rank, r.efficiency * 100.0, r.step_ms, r.comm_exposed_ms);
+            crate::outln!("{:>5} {:>6} {:>6} {:>12.0} {:>10.0} {:>9.1}% {:>10.2} {:>12.2}", r.nodes, r.ranks, r.micro, r.images_per_s, r.images_per_s_per_rank, r.efficiency * 100.0, r.step_ms, r.comm_exposed_ms);
         }
-        println!("inputs trusted least:");
+        crate::outln!("inputs trusted least:");
         for l in &p.least_trusted {
-            println!("  - {l}");
+            crate::outln!("  - {l}");
         }
         eprintln!("wrote {}", p.files.join(", "));
         if args.json {
-            println!("{}", serde_json::to_string(&p)?);
+            crate::outln!("{}", serde_json::to_string(&p)?);
         }
         return Ok(());
     }
@@ -167,18 +178,21 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         }
         let choices = crate::plan::recommend::recommend(&profile, &cluster, &base, b, args.memory_limit.map(|g| g * GIB)).map_err(anyhow::Error::msg)?;
         if choices.is_empty() {
-            anyhow::bail!("no split of global batch {b} over {world} ranks fits {} GiB per rank", args.memory_limit.unwrap_or(f64::INFINITY));
+            anyhow::bail!("no split of global batch {b} over {} fits {} GiB per rank", plural(world, "rank", "ranks"), args.memory_limit.unwrap_or(f64::INFINITY));
         }
-        println!("global batch {b} on {} ({world} ranks), fastest first:", cluster.name);
-        println!("{:>4} {:>6} {:>4} {:>5} {:>12} {:>5} {:>11} {:>9} {:>11} {:>10}", "#", "micro", "GAS", "ZeRO", "bucket", "wire", "images/s", "step ms", "exposed ms", "memory GiB");
+        crate::outln!("global batch {b} on {} ({}), fastest first:", cluster.name, plural(world, "rank", "ranks"));
+        crate::outln!("{:>4} {:>6} {:>4} {:>5} {:>20} {:>5} {:>11} {:>9} {:>11} {:>10}", "#", "micro", "GAS", "ZeRO", "bucket", "wire", "images/s", "step ms", "exposed ms", "memory GiB");
         for (i, c) in choices.iter().take(args.top.max(1)).enumerate() {
-            println!(
-                "{:>4} {:>6} {:>4} {:>5} {:>12} {:>5} {:>11.1} {:>9.2} {:>11.2} {:>10.2}",
+            crate::outln!(
+                "{:>4} {:>6} {:>4} {:>5} {:>20} {:>5} {:>11.1} {:>9.2} {:>11.2} {:>10.2}",
                 i + 1,
                 c.micro,
                 c.gas,
                 c.zero_stage,
-                c.bucket_elems,
+                match c.same_with_buckets.len() {
+                    0 => c.bucket_elems.to_string(),
+                    n => format!("{} (+{n} alike)", c.bucket_elems),
+                },
                 c.comm_dtype,
                 c.images_per_s,
                 c.step_s * 1e3,
@@ -186,8 +200,11 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
                 c.memory_per_rank_bytes as f64 / GIB
             );
         }
+        if choices.iter().take(args.top.max(1)).any(|c| !c.same_with_buckets.is_empty()) {
+            crate::outln!("(+N alike): N other bucket sizes are predicted the same (the gradients fit one bucket of each); the --json choices list them");
+        }
         if args.json {
-            println!("{}", serde_json::to_string(&serde_json::json!({"cluster": cluster.name, "global_batch": b, "world": world, "choices": choices}))?);
+            crate::outln!("{}", serde_json::to_string(&serde_json::json!({"cluster": cluster.name, "global_batch": b, "world": world, "choices": choices}))?);
         }
         return Ok(());
     }
@@ -204,13 +221,14 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     let eff = model::efficiency(&profile, &groups, &s, &p).map_err(anyhow::Error::msg)?;
     let mem = model::memory(&plan).map_err(anyhow::Error::msg)?;
     let ms = |x: f64| x * 1e3;
-    println!(
-        "{} on {} ({} nodes × {} devices × {} ranks = {world} ranks), micro {} × GAS {}, global batch {}, ZeRO {}, {} gradients, buckets of {} elements:",
+    crate::outln!(
+        "{} on {} ({} × {} × {} = {}), micro {} × GAS {}, global batch {}, ZeRO {}, {} gradients, buckets of {} elements:",
         profile.model,
         cluster.name,
-        cluster.nodes,
-        cluster.gpus_per_node,
-        cluster.ranks_per_device,
+        plural(cluster.nodes, "node", "nodes"),
+        plural(cluster.gpus_per_node, "device", "devices"),
+        plural(cluster.ranks_per_device, "rank", "ranks"),
+        plural(world, "rank", "ranks"),
         s.micro,
         s.gas,
         p.global_batch,
@@ -218,8 +236,8 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         if s.comm_bf16 { "bf16" } else { "fp32" },
         s.bucket_elems
     );
-    println!("  predicted {:.1} images/s ({:.1} per rank), efficiency {:.1} % of {} device(s) × one rank alone", p.images_per_s, p.images_per_s_per_rank, eff * 100.0, cluster.gpus_per_node * cluster.nodes);
-    println!(
+    crate::outln!("  predicted {:.1} images/s ({:.1} per rank), efficiency {:.1} % of {} device(s) × one rank alone", p.images_per_s, p.images_per_s_per_rank, eff * 100.0, cluster.gpus_per_node * cluster.nodes);
+    crate::outln!(
         "  step {:.3} ms = compute {:.3} (forward {:.3}, backward {:.3}) + exposed comm {:.3} ({:.3} waiting for the slowest rank; reductions {:.3} in {} buckets, {:.1} MB) + optimizer {:.3} (norm and all-gather {:.3}) + data {:.3} + loop {:.3}",
         ms(p.step_s),
         ms(p.compute_s),
@@ -235,7 +253,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         ms(p.data_s),
         ms(p.loop_s)
     );
-    println!(
+    crate::outln!(
         "  memory per rank {:.3} GiB: weights {:.3}, compute copy {:.3}, gradients {:.3}, optimizer state {:.3}, activations {:.3}",
         mem.total as f64 / GIB,
         mem.weights as f64 / GIB,
@@ -245,18 +263,25 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         mem.activations as f64 / GIB
     );
     for n in &p.notes {
-        println!("  note: {n}");
+        crate::outln!("  note: {n}");
     }
     if cluster.compute_scale != 1.0 {
-        println!("  note: compute scaled by {} ({}) — the input this prediction trusts least", cluster.compute_scale, cluster.compute_scale_source.as_deref().unwrap_or("no source given"));
+        crate::outln!("  note: compute scaled by {} ({}) — the input this prediction trusts least", cluster.compute_scale, cluster.compute_scale_source.as_deref().unwrap_or("no source given"));
     }
     if args.json {
-        println!("{}", serde_json::to_string(&serde_json::json!({"cluster": cluster, "scenario": s, "prediction": p, "efficiency": eff, "memory_per_rank": mem}))?);
+        crate::outln!("{}", serde_json::to_string(&serde_json::json!({"cluster": cluster, "scenario": s, "prediction": p, "efficiency": eff, "memory_per_rank": mem}))?);
     }
     Ok(())
 }
 
 fn validate(args: &PlanArgs, dir: &Path) -> anyhow::Result<()> {
+    // a run directory (what `train --run-dir` writes) is the likeliest wrong argument here
+    if !dir.join("sweep.jsonl").is_file() {
+        if dir.join("config.json").is_file() && dir.join("metrics.jsonl").is_file() {
+            anyhow::bail!("--validate {}: this is a run directory (config.json, metrics.jsonl), not a sweep: --validate takes the directory `vitscale sweep` writes (spec.json, sweep.jsonl, points/)", dir.display());
+        }
+        anyhow::bail!("--validate {}: not a sweep directory (no sweep.jsonl): --validate takes the directory `vitscale sweep` writes", dir.display());
+    }
     let profile_paths = if args.profile.is_empty() { crate::plan::validate::files_in(dir, "profile") } else { args.profile.clone() };
     if profile_paths.is_empty() {
         anyhow::bail!("--validate {}: give --profile P.json, or put the sweep's profile at {}", dir.display(), dir.join("profile.json").display());
@@ -270,12 +295,12 @@ fn validate(args: &PlanArgs, dir: &Path) -> anyhow::Result<()> {
         None => None,
     };
     let v = crate::plan::validate::validate(dir, &profiles, &comm, loader).map_err(anyhow::Error::msg)?;
-    print!("{}", crate::plan::validate::table(&v));
+    crate::out!("{}", crate::plan::validate::table(&v));
     let out = dir.join("plan.json");
     crate::util::write_atomic(&out, serde_json::to_string_pretty(&v)?.as_bytes()).map_err(|e| anyhow::anyhow!("{}: {e}", out.display()))?;
     eprintln!("wrote {}", out.display());
     if args.json {
-        println!("{}", serde_json::to_string(&v)?);
+        crate::outln!("{}", serde_json::to_string(&v)?);
     }
     Ok(())
 }

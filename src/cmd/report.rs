@@ -17,16 +17,14 @@ pub struct ReportArgs {
 
 /// `vitscale report`.
 pub fn run(args: ReportArgs) -> anyhow::Result<()> {
-    let r = {
-        let validation = crate::plan::validate::read_saved(&args.dir)?;
-        crate::lab::report::write(&args.dir, validation.as_ref().map(|v| v as &dyn crate::lab::report::Section))?
-    };
-    eprintln!("wrote {} and {} ({} charts)", r.markdown.display(), r.html.display(), r.charts.len());
+    let validation = crate::plan::validate::read_saved(&args.dir)?;
+    let r = crate::lab::report::write(&args.dir, validation.as_ref().map(|v| v as &dyn crate::lab::report::Section))?;
+    crate::errln!("wrote {} and {} ({} charts)", r.markdown.display(), r.html.display(), r.charts.len());
     for f in &r.findings {
-        eprintln!("  [{}] {}", f.verdict_text(), f.statement);
+        crate::errln!("  [{}] {}", f.verdict_text(), f.statement);
     }
     if args.json {
-        println!("{}", serde_json::to_string(&r)?);
+        crate::outln!("{}", serde_json::to_string(&r)?);
     }
     Ok(())
 }

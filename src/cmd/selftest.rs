@@ -8,8 +8,9 @@ use crate::selftest::{attention_path_checks, hopper_gemm_checks, run_checks, Che
 /// Command-line options of `vitscale selftest`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct SelftestArgs {
-    /// Backend to check against the CPU reference: cuda (default) or cpu.
-    #[arg(long, default_value = "cuda")]
+    /// Backend to check against the CPU reference: cuda, cpu, or auto (a GPU when one is
+    /// usable, else the CPU, saying so).
+    #[arg(long, default_value = "auto")]
     pub device: String,
     /// GPU index.
     #[arg(long, default_value_t = 0)]
@@ -25,19 +26,19 @@ pub struct SelftestArgs {
 /// The report; `others`: (world, failed checks of ranks 1..world) under a launcher.
 fn report(name: &str, seed: u64, checks: &[Check], dev: &[f32], cpu: &[f32], json: bool, others: Option<(usize, usize)>) -> bool {
     let ok = checks.iter().all(|c| c.pass) && others.is_none_or(|(_, f)| f == 0);
-    println!("selftest on {name} (seed {seed})");
+    crate::outln!("selftest on {name} (seed {seed})");
     for c in checks {
-        println!("  {} {:<78} rel err {:.2e} (tol {:.0e})", if c.pass { "ok  " } else { "FAIL" }, c.name, c.rel_err, c.tol);
+        crate::outln!("  {} {:<78} rel err {:.2e} (tol {:.0e})", if c.pass { "ok  " } else { "FAIL" }, c.name, c.rel_err, c.tol);
     }
-    println!("  losses device: {}", dev.iter().map(|v| format!("{v:.4}")).collect::<Vec<_>>().join(" "));
-    println!("  losses cpu:    {}", cpu.iter().map(|v| format!("{v:.4}")).collect::<Vec<_>>().join(" "));
+    crate::outln!("  losses device: {}", dev.iter().map(|v| format!("{v:.4}")).collect::<Vec<_>>().join(" "));
+    crate::outln!("  losses cpu:    {}", cpu.iter().map(|v| format!("{v:.4}")).collect::<Vec<_>>().join(" "));
     let failed = checks.iter().filter(|c| !c.pass).count();
     if let Some((world, f)) = others {
-        println!("ranks 1..{}: {f} failed checks", world - 1);
+        crate::outln!("ranks 1..{}: {f} failed checks", world - 1);
     }
-    println!("{} checks, {} failed: {}", checks.len(), failed, if ok { "PASS" } else { "FAIL" });
+    crate::outln!("{} checks, {} failed: {}", checks.len(), failed, if ok { "PASS" } else { "FAIL" });
     if json {
-        println!("{}", serde_json::json!({"device": name, "seed": seed, "pass": ok, "checks": checks, "losses_device": dev, "losses_cpu": cpu, "other_ranks_failed": others.map(|o| o.1)}));
+        crate::outln!("{}", serde_json::json!({"device": name, "seed": seed, "pass": ok, "checks": checks, "losses_device": dev, "losses_cpu": cpu, "other_ranks_failed": others.map(|o| o.1)}));
     }
     ok
 }
@@ -65,7 +66,8 @@ fn report_ranks(comm: &mut dyn crate::comm::Comm<impl Sized>, name: &str, seed: 
 pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
     let env = crate::comm::DistEnv::detect()?;
     let opts = crate::comm::CommOptions::from_config_and_env(60.0)?;
-    let ok = match args.device.as_str() {
+    let device = super::common::resolve_device_name(&args.device, args.gpu);
+    let ok = match device.as_str() {
         "cuda" | "gpu" => {
             let gpu = if env.world_size > 1 { super::train::gpu_index(&env)? } else { args.gpu };
             let be = crate::backend::cuda::Cuda::new(gpu)?;
@@ -73,14 +75,14 @@ pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
             let (seed, mut checks, d, c) = run_checks(&be, args.seed)?;
             match hopper_gemm_checks(&be, seed) {
                 Ok(Some(cs)) => checks.extend(cs),
-                Ok(None) => println!("hopper GEMM kernel not compiled for this device (sm_90 only): its checks skipped"),
+                Ok(None) => crate::outln!("hopper GEMM kernel not compiled for this device (sm_90 only): its checks skipped"),
                 Err(e) => checks.push(Check { name: format!("hopper GEMM checks: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false }),
             }
             checks.extend(attention_path_checks(&be, seed)?);
             let mut comm = crate::backend::cuda::nccl::NcclComm::connect(&env, &opts, "selftest", &be)?;
             checks.extend(comm_checks(&be, &mut comm, seed)?);
             if env.rank == 0 {
-                println!("attention path for the model checks: {}", chosen.name());
+                crate::outln!("attention path for the model checks: {}", chosen.name());
             }
             report_ranks(&mut comm, &be.name(), seed, &checks, &d, &c, args.json)?
         }
@@ -91,7 +93,7 @@ pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
             checks.extend(comm_checks(&be, comm.as_mut(), seed)?);
             report_ranks(comm.as_mut(), &be.name(), seed, &checks, &d, &c, args.json)?
         }
-        other => anyhow::bail!("--device must be cuda or cpu, got {other:?}"),
+        other => anyhow::bail!("--device must be cuda, cpu or auto, got {other:?}"),
     };
     if !ok {
         anyhow::bail!("selftest failed");

@@ -57,21 +57,19 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     let exe = std::env::current_exe().map_err(|e| anyhow::anyhow!("cannot find this executable to run the points: {e}"))?;
     let opts = sweep::SweepOptions { out: out.clone(), resume: args.resume, retry_failed: args.retry_failed, exe, quiet: false };
     let outcome = sweep::run(&spec, &opts)?;
-    eprintln!(
-        "sweep {}: {} points, {} run ({} ok, {} failed), {} skipped, {:.1} s | {}/sweep.jsonl",
-        spec.name, outcome.points, outcome.ran, outcome.ok, outcome.failed, outcome.skipped, outcome.wall_s, out.display()
+    crate::errln!(
+        "sweep {}: {}, {} run ({} ok, {} failed), {} skipped, {:.1} s | {}/sweep.jsonl",
+        spec.name, crate::util::plural(outcome.points, "point", "points"), outcome.ran, outcome.ok, outcome.failed, outcome.skipped, outcome.wall_s, out.display()
     );
     if args.report {
-        let r = {
         let validation = crate::plan::validate::read_saved(&out)?;
-        crate::lab::report::write(&out, validation.as_ref().map(|v| v as &dyn crate::lab::report::Section))?
-    };
-        eprintln!("report: {}", r.markdown.display());
+        let r = crate::lab::report::write(&out, validation.as_ref().map(|v| v as &dyn crate::lab::report::Section))?;
+        crate::errln!("report: {}", r.markdown.display());
     } else {
-        eprintln!("next: vitscale report {}", out.display());
+        crate::errln!("next: vitscale report {}", out.display());
     }
     if args.json {
-        println!("{}", serde_json::to_string(&outcome)?);
+        crate::outln!("{}", serde_json::to_string(&outcome)?);
     }
     Ok(())
 }

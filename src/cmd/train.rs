@@ -112,6 +112,16 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     }
     let run_dir = args.run_dir.clone().unwrap_or_else(|| default_run_dir(&env));
     let resume = args.resume.as_deref().map(|s| crate::train::checkpoint::resume_path(s, &run_dir.join("checkpoints")));
+    // "not a checkpoint" would name the checkpoints folder, not what is wrong: the run has none
+    let ckpt_root = run_dir.join("checkpoints");
+    let no_checkpoints = !ckpt_root.join(crate::train::checkpoint::LATEST_FILE).exists() && crate::train::checkpoint::list(&ckpt_root).map_or(true, |l| l.is_empty());
+    if args.resume.as_deref() == Some("latest") && no_checkpoints {
+        anyhow::bail!(
+            "--resume latest: there are no checkpoints in the run directory {} (no step directory in {}); a run writes them when train.checkpoint_every > 0",
+            run_dir.display(),
+            ckpt_root.display()
+        );
+    }
     // the checkpoint's state first: a resume keeps its global batch and must match its config
     let saved = resume.as_deref().map(crate::train::checkpoint::read_state).transpose()?;
     let mut cfg = load_config_edited(&args.common, args.init.as_deref(), env.world_size, |v| match &saved {
@@ -132,9 +142,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     }
     if let Some(d) = &args.trace {
         check_writable_dir(d, "--trace", d)?;
+        crate::metrics::trace::check_fresh(d, rank).map_err(|e| anyhow::anyhow!("--trace {}: {e}", d.display()))?;
     }
     let device = open_device(args.common.device, gpu_index(&env)?, rank == 0)?;
     cfg.warnings.extend(engine_warnings(&cfg, &device));
+    cfg.warnings.extend(super::common::schedule_warnings(&cfg));
     let plan = plan_on(&cfg, &device);
     check_memory(&plan, &device, "this training run")?;
     let hash = config_hash(&cfg)?;
@@ -183,7 +195,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         eprintln!("warning: {n} unreadable image(s) were replaced by a neighbour (data.skip_bad); the count is in summary.json");
     }
     if args.common.json {
-        println!("{}", serde_json::to_string(&summary)?);
+        crate::outln!("{}", serde_json::to_string(&summary)?);
     }
     Ok(())
 }

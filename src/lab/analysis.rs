@@ -373,9 +373,8 @@ pub fn findings(pts: &[Pt]) -> Vec<Finding> {
     } else {
         let ok = two.iter().filter(|(_, s)| *s >= 1.8).count();
         let (lo, hi) = two.iter().fold((f64::MAX, 0.0f64), |(lo, hi), (_, s)| (lo.min(*s), hi.max(*s)));
-        let mut sorted: Vec<f64> = two.iter().map(|(_, s)| *s).collect();
-        sorted.sort_by(|a, b| a.total_cmp(b));
-        let median = sorted[sorted.len() / 2];
+        let speedups: Vec<f64> = two.iter().map(|(_, s)| *s).collect();
+        let median = crate::util::median(&speedups).unwrap_or(0.0);
         out.push(Finding {
             statement,
             measured: format!("speed-up {lo:.2}–{hi:.2} (median {median:.2}) over {} per-rank batches; ≥ 1.8 in {ok}", two.len()),
@@ -558,6 +557,21 @@ mod tests {
         let recs = sweep(1024, 1.95, 0.05);
         let fs = findings(&finished(&recs));
         assert!(matches!(verdict_of(&fs, "stops rising"), Verdict::NotChecked(_)));
+    }
+
+    /// An even count of speed-ups has the mean of the middle two as its median: {0.65, 0.65,
+    /// 1.11, 1.67} → 0.88, not the upper middle 1.11 (which would also flip nothing here, but
+    /// misstates the data).
+    #[test]
+    fn the_two_rank_speed_up_median_is_the_median() {
+        let mut recs = Vec::new();
+        for (m, s) in [(16usize, 0.65), (32, 0.65), (64, 1.11), (128, 1.67)] {
+            recs.push(point(1, m, 1, 100.0, 0.1, 0.0));
+            recs.push(point(2, m, 1, 100.0 * s, 0.1, 0.01));
+        }
+        let fs = findings(&finished(&recs));
+        let f = fs.iter().find(|f| f.statement.contains("halves the time")).expect("the 1 → 2 ranks finding");
+        assert!(f.measured.contains("(median 0.88)"), "{}", f.measured);
     }
 
     #[test]

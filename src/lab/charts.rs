@@ -30,8 +30,10 @@ fn register_font() -> Result<(), String> {
 pub enum PanelKind {
     /// Lines with markers. `log2_x`: x positions are powers of two, drawn evenly spaced.
     /// `ideal`: a dashed reference line with its legend name: y = x / x_min · slope, or y = 1
-    /// when slope is 0 (speed-up and efficiency against ideal).
-    Lines { series: Vec<Series>, log2_x: bool, ideal: Option<(String, f64)>, y_percent: bool, y_from_zero: bool },
+    /// when slope is 0 (speed-up and efficiency against ideal). `log10_y`: a logarithmic y axis
+    /// (values over several decades, as throughput over node counts); `y_from_zero` then does
+    /// not apply, and values ≤ 0 are left out.
+    Lines { series: Vec<Series>, log2_x: bool, ideal: Option<(String, f64)>, y_percent: bool, y_from_zero: bool, log10_y: bool },
     /// Horizontal stacked bars: one bar per label, one stack part per (name, values).
     StackedBars { labels: Vec<String>, parts: Vec<(String, Vec<f64>)> },
 }
@@ -145,6 +147,35 @@ impl Chart {
     }
 }
 
+/// `x` rounded to a whole number with thousands separators: 10000000 → "10,000,000".
+pub fn thousands(x: f64) -> String {
+    if !x.is_finite() {
+        return format!("{x}");
+    }
+    let digits = format!("{:.0}", x.abs());
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    if x < 0.0 && digits.chars().any(|c| c != '0') {
+        out.insert(0, '-');
+    }
+    out
+}
+
+/// A tick value of a log axis: three significant digits, thousands separators from 1,000.
+fn axis_number(v: f64) -> String {
+    if v >= 1000.0 {
+        let scale = 10f64.powi(v.log10().floor() as i32 - 2);
+        thousands((v / scale).round() * scale)
+    } else {
+        crate::util::fmt_sig(v, 3)
+    }
+}
+
 fn nice_max(v: f64) -> f64 {
     if v <= 0.0 || !v.is_finite() {
         return 1.0;
@@ -158,8 +189,16 @@ type LegendEntry = (String, RGBColor, bool);
 fn draw_panel<DB: DrawingBackend>(p: &Panel, area: &DrawingArea<DB, Shift>) -> Result<Vec<LegendEntry>, DrawingAreaErrorKind<DB::ErrorType>> {
     let mut legend = Vec::new();
     match &p.kind {
-        PanelKind::Lines { series, log2_x, ideal, y_percent, y_from_zero } => {
+        PanelKind::Lines { series, log2_x, ideal, y_percent, y_from_zero, log10_y } => {
             let tx = |x: f64| if *log2_x { x.max(1e-9).log2() } else { x };
+            // on a log axis the chart is drawn in log10(y) and labelled in y
+            let ty = |y: f64| if *log10_y { y.log10() } else { y };
+            let series: Vec<Series> = if *log10_y {
+                series.iter().map(|s| Series { name: s.name.clone(), points: s.points.iter().copied().filter(|p| p.1 > 0.0 && p.1.is_finite()).collect() }).collect()
+            } else {
+                series.clone()
+            };
+            let series = &series;
             let xs: Vec<f64> = series.iter().flat_map(|s| s.points.iter().map(|p| tx(p.0))).collect();
             let mut ys: Vec<f64> = series.iter().flat_map(|s| s.points.iter().map(|p| p.1)).collect();
             let (x0, x1) = xs.iter().fold((f64::MAX, f64::MIN), |(a, b), x| (a.min(*x), b.max(*x)));
@@ -172,8 +211,13 @@ fn draw_panel<DB: DrawingBackend>(p: &Panel, area: &DrawingArea<DB, Shift>) -> R
                     ys.push(if *slope == 0.0 { 1.0 } else { hi / lo * slope });
                 }
             }
-            let ymax = nice_max(ys.iter().cloned().fold(0.0, f64::max));
-            let ymin = if *y_from_zero { 0.0 } else { ys.iter().cloned().fold(f64::MAX, f64::min).min(ymax) * 0.9 };
+            let (ymin, ymax) = if *log10_y {
+                let (lo, hi) = ys.iter().filter(|y| **y > 0.0).fold((f64::MAX, f64::MIN), |(a, b), y| (a.min(y.log10()), b.max(y.log10())));
+                if lo > hi { (0.0, 1.0) } else { let pad = ((hi - lo) * 0.08).max(0.05); (lo - pad, hi + pad) }
+            } else {
+                let ymax = nice_max(ys.iter().cloned().fold(0.0, f64::max));
+                (if *y_from_zero { 0.0 } else { ys.iter().cloned().fold(f64::MAX, f64::min).min(ymax) * 0.9 }, ymax)
+            };
             let mut chart = ChartBuilder::on(area)
                 .caption(&p.title, (FAMILY, 18))
                 .margin(12)
@@ -183,7 +227,21 @@ fn draw_panel<DB: DrawingBackend>(p: &Panel, area: &DrawingArea<DB, Shift>) -> R
             // ticks only at whole values (powers of two on a log axis): ranks, batches and
             // stages have no fractional values to label
             let xfmt = |x: &f64| if (x - x.round()).abs() > 0.02 { String::new() } else if *log2_x { format!("{:.0}", 2f64.powf(x.round())) } else { format!("{:.0}", x.round()) };
-            let yfmt = |y: &f64| if *y_percent { format!("{:.0} %", y * 100.0) } else if ymax >= 100.0 { format!("{y:.0}") } else if ymax >= 1.0 { format!("{y:.1}") } else { format!("{y:.3}") };
+            let yfmt = |y: &f64| {
+                if *log10_y {
+                    axis_number(10f64.powf(*y))
+                } else if *y_percent {
+                    format!("{:.0} %", y * 100.0)
+                } else if ymax >= 100.0 {
+                    thousands(*y)
+                } else if ymax >= 1.0 {
+                    format!("{y:.1}")
+                } else {
+                    format!("{y:.3}")
+                }
+            };
+            // on a log axis about one tick per decade, at whole powers of ten when they fit
+            let y_ticks = if *log10_y { ((ymax - ymin).ceil() as usize + 1).clamp(3, 10) } else { 10 };
             let distinct: std::collections::BTreeSet<i64> = xs.iter().map(|x| (x * 1000.0) as i64).collect();
             chart
                 .configure_mesh()
@@ -191,6 +249,7 @@ fn draw_panel<DB: DrawingBackend>(p: &Panel, area: &DrawingArea<DB, Shift>) -> R
                 .y_desc(&p.y_label)
                 .x_labels(((x1 - x0).ceil() as usize + 1).clamp(2, 12).max(distinct.len()))
                 .x_label_formatter(&xfmt)
+                .y_labels(y_ticks)
                 .y_label_formatter(&yfmt)
                 .label_style((FAMILY, 14))
                 .axis_desc_style((FAMILY, 16))
@@ -200,7 +259,7 @@ fn draw_panel<DB: DrawingBackend>(p: &Panel, area: &DrawingArea<DB, Shift>) -> R
                 // ideal against the first point of each series: y = x / x0 (speed-up) or 1 (efficiency)
                 let all_x: Vec<f64> = series.iter().flat_map(|s| s.points.iter().map(|p| p.0)).collect();
                 if let (Some(lo), Some(hi)) = (all_x.iter().cloned().reduce(f64::min), all_x.iter().cloned().reduce(f64::max)) {
-                    let pts: Vec<(f64, f64)> = (0..=20).map(|i| lo + (hi - lo) * i as f64 / 20.0).map(|x| (tx(x), if *slope == 0.0 { 1.0 } else { x / lo * slope })).collect();
+                    let pts: Vec<(f64, f64)> = (0..=20).map(|i| lo + (hi - lo) * i as f64 / 20.0).map(|x| (tx(x), ty(if *slope == 0.0 { 1.0 } else { x / lo * slope }))).collect();
                     let black = RGBColor(60, 60, 60);
                     chart.draw_series(DashedLineSeries::new(pts, 6, 4, black.stroke_width(2)))?;
                     legend.push((name.clone(), black, true));
@@ -208,7 +267,7 @@ fn draw_panel<DB: DrawingBackend>(p: &Panel, area: &DrawingArea<DB, Shift>) -> R
             }
             for (i, s) in series.iter().enumerate() {
                 let c = PALETTE[i % PALETTE.len()];
-                let pts: Vec<(f64, f64)> = s.points.iter().map(|(x, y)| (tx(*x), *y)).collect();
+                let pts: Vec<(f64, f64)> = s.points.iter().map(|(x, y)| (tx(*x), ty(*y))).collect();
                 chart.draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))?;
                 chart.draw_series(pts.iter().map(|p| Circle::new(*p, 4, c.filled())))?;
                 legend.push((s.name.clone(), c, false));
@@ -257,4 +316,20 @@ fn draw_panel<DB: DrawingBackend>(p: &Panel, area: &DrawingArea<DB, Shift>) -> R
         }
     }
     Ok(legend)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn axis_numbers_have_thousands_separators() {
+        assert_eq!(thousands(10_000_000.0), "10,000,000");
+        assert_eq!(thousands(999.4), "999");
+        assert_eq!(thousands(1234.0), "1,234");
+        assert_eq!(thousands(-1234567.0), "-1,234,567");
+        assert_eq!(axis_number(1e7), "10,000,000");
+        assert_eq!(axis_number(10f64.powf(3.2)), "1,580");
+        assert_eq!(axis_number(31.62), "31.6");
+    }
 }

@@ -67,12 +67,15 @@ pub fn write(dir: &Path, extra: Option<&dyn Section>) -> Result<ReportFiles, Rep
     if records.is_empty() {
         return Err(ReportError::NotASweep { dir: dir.display().to_string(), why: "sweep.jsonl holds no point".into() });
     }
-    // the figures come from the run directories (recomputed, so the report follows the files)
+    // the figures are recomputed from the run directories (so the report follows the files);
+    // a point whose run directory is gone keeps what sweep.jsonl recorded, and the text says so
     let full = spec.get("full_training").and_then(Value::as_bool).unwrap_or(false);
     let warmup = if full { 0 } else { spec.get("warmup_steps").and_then(Value::as_u64).unwrap_or(0) };
+    let mut from_jsonl: Vec<String> = Vec::new();
     for r in records.iter_mut().filter(|r| r.ok()) {
-        if let Ok(f) = read_point(&dir.join(&r.run_dir), warmup) {
-            r.figures = Some(f);
+        match read_point(&dir.join(&r.run_dir), warmup) {
+            Ok(f) => r.figures = Some(f),
+            Err(_) => from_jsonl.push(r.id.clone()),
         }
     }
     let pts = analysis::finished(&records);
@@ -90,9 +93,18 @@ pub fn write(dir: &Path, extra: Option<&dyn Section>) -> Result<ReportFiles, Rep
     let steps = if full { "trained to the end of each run".to_string() } else {
         format!("{} steps per point, the first {warmup} left out of the figures", spec.get("steps").and_then(Value::as_u64).unwrap_or(0))
     };
+    let sources = match from_jsonl.len() {
+        0 => "The points, their status and commands are read from sweep.jsonl; every figure below is recomputed from the finished points' run directories (config.json, metrics.jsonl per rank)".to_string(),
+        n => format!(
+            "The points, their status and commands are read from sweep.jsonl; the figures are recomputed from the finished points' run directories (config.json, metrics.jsonl per rank), except for {n} point{} whose run directory is missing or unreadable ({}), whose figures are those sweep.jsonl recorded when {} ran",
+            if n == 1 { "" } else { "s" },
+            from_jsonl.join(", "),
+            if n == 1 { "it" } else { "they" }
+        ),
+    };
     blocks.push(Block::P(format!(
-        "{} points on {device} ({steps}): {} finished, {} failed. Base configuration: {}. Every figure below is read from the points' run directories (config.json, metrics.jsonl per rank); regenerate with `vitscale report {}`.",
-        records.len(),
+        "{} on {device} ({steps}): {} finished, {} failed. Base configuration: {}. {sources}; regenerate with `vitscale report {}`.",
+        crate::util::plural(records.len(), "point", "points"),
         pts.len(),
         failed.len(),
         spec.get("base_source").and_then(Value::as_str).unwrap_or("?"),
@@ -192,8 +204,8 @@ pub fn write(dir: &Path, extra: Option<&dyn Section>) -> Result<ReportFiles, Rep
     }
 
     blocks.push(Block::H(2, "Every point".into()));
-    blocks.push(Block::P("Times are per optimizer step, averaged over the measured steps and over ranks. Exposed communication is the time a step waited for gradient reductions after its backward; \"comm total\" counts overlapped reductions too.".into()));
-    let head = ["point", "grid values", "status", "ranks", "micro × GAS", "global batch", "images/s", "per rank", "step ms", "forward", "backward", "exposed comm", "comm total", "data wait", "optimizer", "comm share", "bus GB/s", "peak memory per rank"];
+    blocks.push(Block::P("Times are per optimizer step, averaged over the measured steps and over ranks. \"exposed comm\" is the time a step waited for communication after its backward: the gradient buckets still in flight, and also the ranks' per-step agreement on stop signals and ZeRO's all-gather of the weights, with any wait for a slower rank at those points. \"bucket comm\" is the gradient buckets' reduction time alone, each from its start to its completion, overlapped or not. The two measure different things: where the buckets are not hidden (CPU ranks, small models) exposed comm exceeds bucket comm by the agreement and the waits. \"bus GB/s\" is the bytes the buckets reduced over their total time, by NCCL-tests' convention.".into()));
+    let head = ["point", "grid values", "status", "ranks", "micro × GAS", "global batch", "images/s", "per rank", "step ms", "forward", "backward", "exposed comm", "bucket comm", "data wait", "optimizer", "comm share", "bus GB/s", "peak memory per rank"];
     let rows = records.iter().map(point_row).collect();
     blocks.push(Block::Table(head.iter().map(|s| s.to_string()).collect(), rows));
     if !failed.is_empty() {
@@ -204,7 +216,10 @@ pub fn write(dir: &Path, extra: Option<&dyn Section>) -> Result<ReportFiles, Rep
         ));
     }
     blocks.push(Block::H(2, "Commands that reproduce each point".into()));
-    blocks.push(Block::Table(vec!["point".into(), "command".into()], records.iter().map(|r| vec![r.id.clone(), format!("`{}`", r.command)]).collect()));
+    blocks.push(Block::P(format!("Run from the directory the sweep was started in (the configurations are `{}/points/<id>/point.json`); each run writes a fresh run directory under runs/.", dir.display())));
+    // records written before the commands left out --run-dir name the point's run directory,
+    // which a rerun would refuse as holding a run
+    blocks.push(Block::Table(vec!["point".into(), "command".into()], records.iter().map(|r| vec![r.id.clone(), format!("`{}`", super::sweep::without_run_dir(&r.command))]).collect()));
 
     let md = render_md(&blocks, dir);
     let html = render_html(&blocks, name)?;
@@ -293,13 +308,13 @@ fn scaling_chart(file: &str, title: &str, groups: &[Scaling]) -> Chart {
                 title: "speed-up".into(),
                 x_label: "ranks".into(),
                 y_label: "speed-up over the fewest ranks (×)".into(),
-                kind: PanelKind::Lines { series: speed, log2_x: false, ideal: Some(("ideal (linear)".into(), 1.0)), y_percent: false, y_from_zero: true },
+                kind: PanelKind::Lines { series: speed, log2_x: false, ideal: Some(("ideal (linear)".into(), 1.0)), y_percent: false, y_from_zero: true, log10_y: false },
             },
             Panel {
                 title: "efficiency".into(),
                 x_label: "ranks".into(),
                 y_label: "scaling efficiency (% of ideal)".into(),
-                kind: PanelKind::Lines { series: eff, log2_x: false, ideal: Some(("ideal (100 %)".into(), 0.0)), y_percent: true, y_from_zero: true },
+                kind: PanelKind::Lines { series: eff, log2_x: false, ideal: Some(("ideal (100 %)".into(), 0.0)), y_percent: true, y_from_zero: true, log10_y: false },
             },
         ],
     }
@@ -360,7 +375,7 @@ fn mixed_speed_chart(rows: &[MixedRow]) -> Chart {
             title: String::new(),
             x_label: "slowest rank's slowdown (×)".into(),
             y_label: "throughput (images/s, all ranks)".into(),
-            kind: PanelKind::Lines { series, log2_x: false, ideal: None, y_percent: false, y_from_zero: true },
+            kind: PanelKind::Lines { series, log2_x: false, ideal: None, y_percent: false, y_from_zero: true, log10_y: false },
         }],
     }
 }
@@ -371,7 +386,7 @@ fn build_charts(pts: &[Pt], records: &[PointRecord]) -> Vec<(Chart, String, Opti
     let line = |file: &str, title: &str, xl: &str, yl: &str, series: Vec<Series>, log2: bool, pct: bool| Chart {
         file: file.into(),
         title: title.into(),
-        panels: vec![Panel { title: String::new(), x_label: xl.into(), y_label: yl.into(), kind: PanelKind::Lines { series, log2_x: log2, ideal: None, y_percent: pct, y_from_zero: true } }],
+        panels: vec![Panel { title: String::new(), x_label: xl.into(), y_label: yl.into(), kind: PanelKind::Lines { series, log2_x: log2, ideal: None, y_percent: pct, y_from_zero: true, log10_y: false } }],
     };
     let micros = distinct(pts, |f| f.micro_batch as u64);
 

@@ -143,6 +143,12 @@ impl SweepSpec {
                 }
                 _ => {}
             }
+            // a value listed twice would run the same point twice under two ids
+            for (i, x) in list.iter().enumerate() {
+                if list[..i].contains(x) {
+                    return Err(bad(shown, format!("grid.{k}: the value {x} is listed twice; list each value once")));
+                }
+            }
             grid.push((k.clone(), list.clone()));
         }
         let device = match obj.get("device") {
@@ -177,8 +183,15 @@ impl SweepSpec {
                 Some(other) => Err(bad(shown, format!("{k}: expected a string, got {other}"))),
             }
         };
+        let name = text("name", default_name)?;
+        // the name is the default sweep directory under sweeps/: `../x` or `a/b` would land
+        // elsewhere
+        let mut parts = Path::new(&name).components();
+        if !matches!((parts.next(), parts.next()), (Some(std::path::Component::Normal(_)), None)) || name.contains(['/', '\\']) {
+            return Err(bad(shown, format!("name: {name:?} is not a plain name (one path component, no `/`, `..` or `.`): it names the sweep directory sweeps/<name>")));
+        }
         Ok(SweepSpec {
-            name: text("name", default_name)?,
+            name,
             description: text("description", "")?,
             base,
             base_source,
@@ -190,6 +203,48 @@ impl SweepSpec {
             full_training,
             timeout_s,
         })
+    }
+
+    /// Refuses a `set` or grid key the configuration does not know, before any point runs: a
+    /// typo at the top level would otherwise only warn in each point's stderr.log and run
+    /// every point with the default. The base with `set` and the first value of every grid key
+    /// is resolved once; an unknown-key warning or error naming one of those keys is an
+    /// error here, with the configuration's suggestion. Other problems of the configuration
+    /// are left to the points, which record them.
+    pub fn check_keys(&self) -> Result<(), SpecError> {
+        let mut cfg = self.base.clone();
+        let mut keys: Vec<(&str, &str)> = Vec::new();
+        for (k, v) in &self.set {
+            crate::config::apply_set(&mut cfg, &format!("{k}={v}")).map_err(|e| bad(&self.name, format!("set.{k}: {e}")))?;
+            keys.push((k, "set"));
+        }
+        for (k, vals) in &self.grid {
+            if k == NPROC_KEY || k == ONE_GPU_KEY {
+                continue;
+            }
+            crate::config::apply_set(&mut cfg, &format!("{k}={}", vals[0])).map_err(|e| bad(&self.name, format!("grid.{k}: {e}")))?;
+            keys.push((k, "grid"));
+        }
+        let unknown = |key: &str, what: &str, msg: &str| bad(&self.name, format!("{what}.{key}: not a configuration key: {msg}"));
+        match crate::config::resolve(&cfg, 1) {
+            Ok(resolved) => {
+                for (k, what) in &keys {
+                    let prefix = format!("{k}: unknown key");
+                    if let Some(w) = resolved.warnings.iter().find(|w| w.starts_with(&prefix)) {
+                        // the configuration's ", ignored (as DeepSpeed …)" is not what happens here
+                        let w = w.strip_prefix(&format!("{k}: ")).unwrap_or(w);
+                        return Err(unknown(k, what, w.split(", ignored").next().unwrap_or(w)));
+                    }
+                }
+            }
+            Err(crate::config::ConfigError::Key { key, msg }) if msg.starts_with("unknown key") => {
+                if let Some((k, what)) = keys.iter().find(|(k, _)| *k == key || key.starts_with(&format!("{k}."))) {
+                    return Err(unknown(k, what, &msg));
+                }
+            }
+            Err(_) => {}
+        }
+        Ok(())
     }
 
     /// Every point of the grid, the last key varying fastest.
@@ -296,6 +351,11 @@ mod tests {
             (json!({"base": {}, "grid": {"x": [1]}, "device": "tpu"}), "device"),
             (json!({"base": {}, "grid": {"x": [1]}, "steps": 3, "warmup_steps": 3}), "warmup_steps"),
             (json!({"base": {}, "grid": {"x": [1]}, "timeout": 3}), "timeout"),
+            (json!({"base": {}, "grid": {"x": [1, 2, 1]}}), "grid.x"),
+            (json!({"base": {}, "grid": {"x": [1]}, "name": "../../x"}), "name"),
+            (json!({"base": {}, "grid": {"x": [1]}, "name": "a/b"}), "name"),
+            (json!({"base": {}, "grid": {"x": [1]}, "name": ".."}), "name"),
+            (json!({"base": {}, "grid": {"x": [1]}, "name": ""}), "name"),
         ];
         for (v, key) in cases {
             let e = SweepSpec::from_value(&v, Path::new("."), "t", "t").expect_err("invalid").to_string();

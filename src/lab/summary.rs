@@ -14,7 +14,10 @@ pub struct Breakdown {
     pub data_s: f64,
     pub forward_s: f64,
     pub backward_s: f64,
-    /// Communication the step waited for (not hidden behind the backward).
+    /// Communication the step waited for (not hidden behind the backward): the gradient
+    /// buckets still in flight after the backward, and also the per-step agreement on stop
+    /// signals and ZeRO's all-gather of the weights, with any wait for a slower rank at those
+    /// points. So it can exceed `comm_total_s`, which counts the buckets alone.
     pub comm_exposed_s: f64,
     pub optimizer_s: f64,
     /// The step's bookkeeping (stop flags, losses read back, logging): the run's `other_s`
@@ -22,7 +25,8 @@ pub struct Breakdown {
     pub other_s: f64,
     /// Wall time of a step.
     pub step_s: f64,
-    /// Gradient reduction time, overlapped or not.
+    /// Gradient buckets' reduction time, each from its start to its completion, overlapped or
+    /// not.
     pub comm_total_s: f64,
     /// The phases added up on the device timeline (the run's `timed_s`), when every measured
     /// record has it: against `step_s` it says whether the phases account for the step.
@@ -135,6 +139,7 @@ pub fn read_point(run_dir: &Path, warmup: u64) -> Result<PointFigures, String> {
     // for the mixed-speed figures: rank 0's measured records, every rank's last share
     let mut rank0_kept: Vec<Value> = Vec::new();
     let mut shares = Vec::with_capacity(world);
+    let (mut all_bytes, mut all_bus_secs) = (0.0f64, 0.0f64);
     for rank in 0..world {
         let recs = step_records(&metrics_path(run_dir, rank))?;
         let kept: Vec<&Value> = recs.iter().filter(|r| r.get("step").and_then(Value::as_u64).unwrap_or(0) > warmup).collect();
@@ -145,7 +150,8 @@ pub fn read_point(run_dir: &Path, warmup: u64) -> Result<PointFigures, String> {
         let mut prev_step = recs.iter().map(|r| r.get("step").and_then(Value::as_u64).unwrap_or(0)).filter(|s| *s <= warmup).max().unwrap_or(0);
         let (mut steps, mut secs) = (0u64, 0.0f64);
         let mut b = Breakdown::default();
-        let mut bus = Vec::new();
+        // all-reduce seconds of the records that report a bus bandwidth (multi-rank ones)
+        let (mut bus_bytes, mut bus_secs) = (0.0, 0.0);
         let mut peak: Option<u64> = None;
         // the timeline's sum and bookkeeping phase, while every record has them
         let mut timed: Option<(f64, f64)> = Some((0.0, 0.0));
@@ -171,8 +177,9 @@ pub fn read_point(run_dir: &Path, warmup: u64) -> Result<PointFigures, String> {
                 _ => None,
             };
             bytes += num(r, "comm_bytes");
-            if let Some(x) = r.get("bus_gb_s").and_then(Value::as_f64) {
-                bus.push(x);
+            if r.get("bus_gb_s").and_then(Value::as_f64).is_some() {
+                bus_bytes += num(r, "comm_bytes");
+                bus_secs += num(r, "comm_total_s");
             }
             if let Some(m) = r.get("peak_mem_bytes").and_then(Value::as_u64) {
                 peak = Some(peak.map_or(m, |p: u64| p.max(m)));
@@ -195,7 +202,11 @@ pub fn read_point(run_dir: &Path, warmup: u64) -> Result<PointFigures, String> {
             final_loss = kept.last().and_then(|r| r.get("loss")).and_then(Value::as_f64);
             comm_bytes = bytes / n;
         }
-        let bus_gb_s = (!bus.is_empty()).then(|| bus.iter().sum::<f64>() / bus.len() as f64);
+        // total bytes over total time: a mean of per-record ratios would weigh a short window
+        // that happened to be fast like a long one
+        let bus_gb_s = crate::metrics::allreduce_bus_gb_s(bus_bytes as u64, world, bus_secs);
+        all_bytes += bus_bytes;
+        all_bus_secs += bus_secs;
         ranks.push(RankFigures { rank, breakdown: b, peak_mem_bytes: peak, peak_mem_source: source, bus_gb_s });
     }
     let w = ranks.len().max(1) as f64;
@@ -213,7 +224,6 @@ pub fn read_point(run_dir: &Path, warmup: u64) -> Result<PointFigures, String> {
         timed_s: ranks[0].breakdown.timed_s,
     };
     let balance = balance_figures(&rank0_kept, measured, shares);
-    let buses: Vec<f64> = ranks.iter().filter_map(|r| r.bus_gb_s).collect();
     let val_top1 = std::fs::read_to_string(run_dir.join("summary.json"))
         .ok()
         .and_then(|t| serde_json::from_str::<Value>(&t).ok())
@@ -230,7 +240,7 @@ pub fn read_point(run_dir: &Path, warmup: u64) -> Result<PointFigures, String> {
         comm_share: if breakdown.step_s > 0.0 { breakdown.comm_exposed_s / breakdown.step_s } else { 0.0 },
         breakdown,
         comm_bytes_per_step: comm_bytes,
-        bus_gb_s: (!buses.is_empty()).then(|| buses.iter().sum::<f64>() / buses.len() as f64),
+        bus_gb_s: crate::metrics::allreduce_bus_gb_s(all_bytes as u64, world, all_bus_secs),
         ranks,
         val_top1,
         final_loss,

@@ -40,6 +40,17 @@ pub struct PointRecord {
     pub figures: Option<PointFigures>,
 }
 
+impl SweepError {
+    /// 128 + signal after SIGINT/SIGTERM (130 / 143), as a shell reports a command the signal
+    /// ended; else 1.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            SweepError::Interrupted { signal, .. } => 128 + signal,
+            _ => 1,
+        }
+    }
+}
+
 impl PointRecord {
     pub fn ok(&self) -> bool {
         self.status == "ok"
@@ -115,6 +126,10 @@ pub fn run(spec: &SweepSpec, opts: &SweepOptions) -> Result<SweepOutcome, SweepE
     let t0 = Instant::now();
     let dir = &opts.out;
     let jsonl = dir.join("sweep.jsonl");
+    if dir.exists() && !dir.is_dir() {
+        return Err(SweepError::Usage(format!("--out {}: this is a file, not a directory: the sweep directory holds sweep.jsonl and a folder per point; choose another --out", dir.display())));
+    }
+    spec.check_keys()?;
     if jsonl.exists() && !opts.resume {
         return Err(SweepError::Usage(format!(
             "{} already holds a sweep: continue it with --resume, or choose another --out",
@@ -122,7 +137,13 @@ pub fn run(spec: &SweepSpec, opts: &SweepOptions) -> Result<SweepOutcome, SweepE
         )));
     }
     std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let spec_bytes = serde_json::to_vec_pretty(spec).map_err(|e| SweepError::Usage(e.to_string()))?;
+    // one runner per sweep directory: a second one would run the same points again
+    let _lock = SweepLock::take(dir)?;
+    let spec_value = serde_json::to_value(spec).map_err(|e| SweepError::Usage(e.to_string()))?;
+    if opts.resume {
+        check_same_spec(dir, &spec_value)?;
+    }
+    let spec_bytes = serde_json::to_vec_pretty(&spec_value).map_err(|e| SweepError::Usage(e.to_string()))?;
     crate::util::write_atomic(&dir.join("spec.json"), &spec_bytes).map_err(io(dir))?;
 
     let done = read_records(dir).map_err(SweepError::Usage)?;
@@ -136,7 +157,7 @@ pub fn run(spec: &SweepSpec, opts: &SweepOptions) -> Result<SweepOutcome, SweepE
         .collect();
     let skipped = points.len() - todo.len();
     if skipped > 0 && !opts.quiet {
-        eprintln!("sweep: {skipped} of {} points already in {} (skipped)", points.len(), jsonl.display());
+        crate::errln!("sweep: {skipped} of {} points already in {} (skipped)", points.len(), jsonl.display());
     }
     let mut out = std::fs::OpenOptions::new().create(true).append(true).open(&jsonl).map_err(io(&jsonl))?;
 
@@ -169,12 +190,157 @@ pub fn run(spec: &SweepSpec, opts: &SweepOptions) -> Result<SweepOutcome, SweepE
         text.push('\n');
         out.write_all(text.as_bytes()).and_then(|_| out.flush()).map_err(io(&jsonl))?;
         if !opts.quiet {
-            if bar.is_hidden() { eprintln!("{line}") } else { bar.println(line) }
+            if bar.is_hidden() { crate::errln!("{line}") } else { bar.println(line) }
         }
         bar.inc(1);
     }
     bar.finish_and_clear();
     Ok(SweepOutcome { points: points.len(), ran: todo.len(), skipped, ok, failed, wall_s: t0.elapsed().as_secs_f64(), dir: dir.display().to_string() })
+}
+
+/// `DIR/sweep.lock`: the PID of the process running the sweep in `DIR`, removed when it ends.
+/// A lock whose process is gone (killed, the machine restarted) is stale and taken over.
+struct SweepLock {
+    path: PathBuf,
+}
+
+impl SweepLock {
+    fn take(dir: &Path) -> Result<SweepLock, SweepError> {
+        let path = dir.join("sweep.lock");
+        for _ in 0..2 {
+            match std::fs::OpenOptions::new().write(true).create_new(true).open(&path) {
+                Ok(mut f) => {
+                    f.write_all(format!("{}\n", std::process::id()).as_bytes()).map_err(io(&path))?;
+                    return Ok(SweepLock { path });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    let text = std::fs::read_to_string(&path).unwrap_or_default();
+                    match text.trim().parse::<i32>() {
+                        Ok(pid) if pid > 0 && process_alive(pid) => {
+                            return Err(SweepError::Usage(format!(
+                                "{} is being run by process {pid} ({}): wait for it to finish, or stop it, before running or resuming this sweep",
+                                dir.display(),
+                                path.display()
+                            )));
+                        }
+                        _ => {
+                            crate::errln!("sweep: {} names no running process ({:?}): a stale lock, taken over", path.display(), text.trim());
+                            std::fs::remove_file(&path).map_err(io(&path))?;
+                        }
+                    }
+                }
+                Err(e) => return Err(SweepError::Io { path: path.display().to_string(), source: e }),
+            }
+        }
+        Err(SweepError::Usage(format!("{}: another runner took the lock while this one removed a stale one", path.display())))
+    }
+}
+
+impl Drop for SweepLock {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Whether process `pid` exists (signal 0 checks without sending; EPERM: it exists, as
+/// another user's).
+fn process_alive(pid: i32) -> bool {
+    // SAFETY: kill with signal 0 sends nothing.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+/// Spec fields a resume may change: they do not change what a point measures.
+/// (`base_source` is where the base was read from, as a path relative to where the sweep was
+/// started; the base itself is compared.)
+const RESUMABLE_CHANGES: &[&str] = &["name", "description", "timeout_s", "base_source"];
+
+/// Refuses `--resume` with a spec other than the one `DIR/spec.json` recorded: old and new
+/// points would be mixed in one sweep.jsonl. Names every field that changed.
+fn check_same_spec(dir: &Path, new: &Value) -> Result<(), SweepError> {
+    let path = dir.join("spec.json");
+    let old: Value = match std::fs::read(&path) {
+        Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| SweepError::Usage(format!("{}: not valid JSON ({e}); it records the spec this sweep ran", path.display())))?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(SweepError::Io { path: path.display().to_string(), source: e }),
+    };
+    let mut changed = Vec::new();
+    diff_values("", &grid_as_object(&old), &grid_as_object(new), &mut changed);
+    changed.retain(|c| !RESUMABLE_CHANGES.iter().any(|k| c.starts_with(&format!("{k}:"))));
+    if changed.is_empty() {
+        return Ok(());
+    }
+    Err(SweepError::Usage(format!(
+        "--resume: the spec differs from the one this sweep ran ({}), and resuming would mix their points:\n  {}\nrun the new spec into another --out, or restore the old one",
+        path.display(),
+        changed.join("\n  ")
+    )))
+}
+
+/// A recorded spec with its grid (a list of [key, values] pairs) as an object, so a change is
+/// named by its key.
+fn grid_as_object(spec: &Value) -> Value {
+    let mut v = spec.clone();
+    if let Some(pairs) = spec.get("grid").and_then(Value::as_array) {
+        let obj: Map<String, Value> = pairs.iter().filter_map(|p| Some((p.get(0)?.as_str()?.to_string(), p.get(1)?.clone()))).collect();
+        v["grid"] = Value::Object(obj);
+    }
+    v
+}
+
+/// The dotted paths where `a` and `b` differ, as `path: old → new`.
+fn diff_values(path: &str, a: &Value, b: &Value, out: &mut Vec<String>) {
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
+            for k in keys {
+                let p = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
+                diff_values(&p, x.get(k).unwrap_or(&Value::Null), y.get(k).unwrap_or(&Value::Null), out);
+            }
+        }
+        _ if a != b => out.push(format!("{path}: {a} → {b}")),
+        _ => {}
+    }
+}
+
+/// A point's command line without its `--run-dir DIR`: the point's run directory holds the
+/// run, so a rerun naming it would be refused; without it each rerun writes a fresh one.
+/// `command` is words as `shell_word` quotes them (single quotes around any with spaces).
+pub fn without_run_dir(command: &str) -> String {
+    let mut words: Vec<String> = Vec::new();
+    let (mut word, mut quoted, mut started) = (String::new(), false, false);
+    for c in command.chars() {
+        match c {
+            '\'' => {
+                quoted = !quoted;
+                started = true;
+                word.push(c);
+            }
+            c if c.is_whitespace() && !quoted => {
+                if started {
+                    words.push(std::mem::take(&mut word));
+                    started = false;
+                }
+            }
+            c => {
+                started = true;
+                word.push(c);
+            }
+        }
+    }
+    if started {
+        words.push(word);
+    }
+    let mut out = Vec::with_capacity(words.len());
+    let mut it = words.into_iter();
+    while let Some(w) = it.next() {
+        if w == "--run-dir" {
+            it.next();
+        } else if !w.starts_with("--run-dir=") {
+            out.push(w);
+        }
+    }
+    out.join(" ")
 }
 
 /// Quotes an argument for the reproducing command line when it needs it.
@@ -229,7 +395,7 @@ fn run_point(spec: &SweepSpec, p: &Point, opts: &SweepOptions) -> Result<PointRe
     let cfg_bytes = serde_json::to_vec_pretty(&cfg).map_err(|e| SweepError::Usage(e.to_string()))?;
     crate::util::write_atomic(&cfg_path, &cfg_bytes).map_err(io(&cfg_path))?;
     let args = point_args(spec, p, &cfg_path, &run_dir);
-    let command = std::iter::once("vitscale".to_string()).chain(args.iter().map(|a| shell_word(a))).collect::<Vec<_>>().join(" ");
+    let command = without_run_dir(&std::iter::once("vitscale".to_string()).chain(args.iter().map(|a| shell_word(a))).collect::<Vec<_>>().join(" "));
     let (stdout_path, stderr_path) = (pdir.join("stdout.log"), pdir.join("stderr.log"));
     let stdout = std::fs::File::create(&stdout_path).map_err(io(&stdout_path))?;
     let stderr = std::fs::File::create(&stderr_path).map_err(io(&stderr_path))?;

@@ -85,9 +85,11 @@ impl Trace {
         self.events.push(Event { name: name.into(), ph: "X", ts: start_s * 1e6, dur: (end_s - start_s).max(0.0) * 1e6, pid: self.rank, tid: track as usize, args });
     }
 
-    /// Writes `dir/trace-rank<r>.json` (atomically).
+    /// Writes `dir/trace-rank<r>.json` (atomically); a trace already there is an error, not
+    /// overwritten (`check_fresh` refuses it before the run starts).
     pub fn write(&self, dir: &Path) -> std::io::Result<std::path::PathBuf> {
         std::fs::create_dir_all(dir)?;
+        check_fresh(dir, self.rank)?;
         let mut all: Vec<serde_json::Value> = Vec::with_capacity(self.events.len() + 5);
         all.push(serde_json::json!({"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": format!("rank {}", self.rank)}}));
         for t in [Track::Compute, Track::Gradients, Track::Comm, Track::Data, Track::Device, Track::DeviceComm] {
@@ -97,8 +99,26 @@ impl Trace {
             all.push(serde_json::to_value(e).map_err(std::io::Error::other)?);
         }
         let bytes = serde_json::to_vec(&serde_json::json!({ "traceEvents": all, "displayTimeUnit": "ms" })).map_err(std::io::Error::other)?;
-        let path = dir.join(format!("trace-rank{}.json", self.rank));
+        let path = path(dir, self.rank);
         crate::util::write_atomic(&path, &bytes)?;
         Ok(path)
     }
+}
+
+/// The trace file of `rank` in `dir`.
+pub fn path(dir: &Path, rank: usize) -> std::path::PathBuf {
+    dir.join(format!("trace-rank{rank}.json"))
+}
+
+/// Refuses a `dir` that already holds `rank`'s trace (an earlier run's), naming the file, as a
+/// run directory that holds a run is refused.
+pub fn check_fresh(dir: &Path, rank: usize) -> std::io::Result<()> {
+    let p = path(dir, rank);
+    if p.exists() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::AlreadyExists,
+            format!("{} already holds a trace (an earlier run's): choose another --trace directory, or remove the file", p.display()),
+        ));
+    }
+    Ok(())
 }

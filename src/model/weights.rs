@@ -92,7 +92,12 @@ pub fn load(path: &Path, table: &ParamTable) -> Result<Vec<f32>, WeightsError> {
                 msg: format!("has shape {:?}; the configured model needs {:?}", view.shape(), e.shape),
             });
         }
-        out[e.span.range()].copy_from_slice(&to_f32(path, &e.name, &view)?);
+        let values = to_f32(path, &e.name, &view)?;
+        // a NaN or an infinity would evaluate to a loss of NaN and a chance top-1, not an error
+        if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+            return Err(WeightsError::Tensor { path: path.to_path_buf(), key: e.name.clone(), msg: format!("holds a non-finite value ({} at element {i}): these weights are damaged", values[i]) });
+        }
+        out[e.span.range()].copy_from_slice(&values);
     }
     if !missing.is_empty() {
         return Err(WeightsError::Missing { path: path.to_path_buf(), keys: missing.join(", ") });

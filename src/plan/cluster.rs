@@ -24,6 +24,7 @@ pub const CLUSTER_KEYS: &[(&str, &str)] = &[
     ("name", "a short name shown with the prediction (default: the file's name)"),
     ("description", "free text"),
     ("source", "where the figures come from (required: a prediction is only as good as its inputs)"),
+    ("device", "the nodes' device as a profile names it, e.g. \"H200\", \"A100\" or \"cpu\": a profile measured on another device is refused unless compute_scale converts it"),
     ("gpus_per_node", "devices per node (an integer >= 1); CPU ranks: 1, the machine"),
     ("nodes", "nodes (an integer >= 1)"),
     ("ranks_per_device", "ranks on each device (default 1); above 1 they time-share it: one-GPU emulation, CPU ranks"),
@@ -51,6 +52,8 @@ pub const LEVEL_KEYS: &[(&str, &str)] = &[
 pub struct Cluster {
     pub name: String,
     pub source: String,
+    /// The nodes' device (`device`), matched against a profile's device name.
+    pub device: Option<String>,
     pub gpus_per_node: usize,
     pub nodes: usize,
     pub ranks_per_device: usize,
@@ -68,6 +71,30 @@ impl Cluster {
     }
     pub fn ranks_per_node(&self) -> usize {
         self.gpus_per_node * self.ranks_per_device
+    }
+
+    /// Whether a profile measured on `profile_device` (its backend's name, e.g. "cuda:0 NVIDIA
+    /// H200" or "cpu (2 threads)") is for this cluster's devices: Ok(None) when it is, Ok(Some
+    /// (warning)) when that cannot be told or `compute_scale` converts it, Err when it is not.
+    pub fn check_device(&self, profile_device: &str) -> Result<Option<String>, String> {
+        let Some(d) = &self.device else {
+            return Ok(Some(format!("cluster {} names no `device`: whether the profile (measured on {profile_device}) is for its devices is not checked", self.name)));
+        };
+        if profile_device.to_lowercase().contains(&d.to_lowercase()) {
+            return Ok(None);
+        }
+        if self.compute_scale != 1.0 {
+            return Ok(Some(format!(
+                "the profile was measured on {profile_device}, the cluster {} has {d} devices: its compute is scaled by compute_scale {} ({}); check that the scale is for a profile of this device",
+                self.name,
+                self.compute_scale,
+                self.compute_scale_source.as_deref().unwrap_or("no source given")
+            )));
+        }
+        Err(format!(
+            "the profile was measured on {profile_device}, but the cluster {} has {d} devices: its times would be predicted as this profile's device's. Profile a {d} (`vitscale bench --profile-out` there), or give the cluster a compute_scale (with compute_scale_source) that converts this device's times",
+            self.name
+        ))
     }
 
     /// The cluster with some counts replaced (`vitscale plan --nodes/--gpus-per-node/
@@ -139,6 +166,7 @@ impl Cluster {
         Ok(Cluster {
             name: text("name")?.unwrap_or_else(|| default_name.to_string()),
             source,
+            device: text("device")?.filter(|d| !d.trim().is_empty()),
             gpus_per_node,
             nodes,
             ranks_per_device,
@@ -163,13 +191,30 @@ fn unknown_keys(obj: &Map<String, Value>, keys: &[(&str, &str)]) -> Result<(), S
     }
 }
 
+/// Above this a `bandwidth_gb_s` is a unit mistake: 10 TB/s per rank is several times any
+/// NVLink or node's NICs together.
+const MAX_BANDWIDTH_GB_S: f64 = 10_000.0;
+/// Above this a `latency_us` is a unit mistake (nanoseconds): 100 ms per ring step.
+const MAX_LATENCY_US: f64 = 100_000.0;
+
 /// One {bandwidth_gb_s, latency_us} at `key`.
 fn parse_ab(v: &Value, key: &str) -> Result<AlphaBeta, (String, String)> {
     let obj = v.as_object().ok_or_else(|| (key.to_string(), format!("{v} is not an object of bandwidth_gb_s and latency_us")))?;
     let bw = obj.get("bandwidth_gb_s").ok_or_else(|| (format!("{key}.bandwidth_gb_s"), "missing (GB/s, > 0)".to_string()))?;
     let bw = bw.as_f64().filter(|x| x.is_finite() && *x > 0.0).ok_or_else(|| (format!("{key}.bandwidth_gb_s"), format!("{bw} is not a bandwidth > 0 GB/s")))?;
+    // the key is in GB/s: a figure in bytes/s (4.5e11 for 450 GB/s) would predict free
+    // communication without a word
+    if bw > MAX_BANDWIDTH_GB_S {
+        return Err((
+            format!("{key}.bandwidth_gb_s"),
+            format!("{bw} GB/s is not plausible (above {MAX_BANDWIDTH_GB_S} GB/s): the unit is GB/s (1e9 bytes/s); in bytes/s this would be {} GB/s", bw / 1e9),
+        ));
+    }
     let lat = obj.get("latency_us").ok_or_else(|| (format!("{key}.latency_us"), "missing (microseconds, >= 0)".to_string()))?;
     let lat = lat.as_f64().filter(|x| x.is_finite() && *x >= 0.0).ok_or_else(|| (format!("{key}.latency_us"), format!("{lat} is not a latency >= 0 µs")))?;
+    if lat > MAX_LATENCY_US {
+        return Err((format!("{key}.latency_us"), format!("{lat} µs is not plausible (above {MAX_LATENCY_US} µs, a tenth of a second per ring step): the unit is microseconds; in nanoseconds this would be {} µs", lat / 1e3)));
+    }
     Ok(AlphaBeta { alpha_s: lat * 1e-6, beta_bytes_s: bw * 1e9 })
 }
 
@@ -245,6 +290,9 @@ mod tests {
             ({ let mut v = good(); v["intra"] = json!({"from_comm": true}); v }, "`intra.from_comm`"),
             ({ let mut v = good(); v["intra"] = json!({"all_reduce": {"bandwidth_gb_s": 1, "latency_us": 1}}); v }, "`intra.reduce_scatter`: missing"),
             ({ let mut v = good(); v["compute_scale"] = json!(0); v }, "`compute_scale`: 0 is not a number > 0"),
+            ({ let mut v = good(); v["intra"]["bandwidth_gb_s"] = json!(4.5e11); v }, "`intra.bandwidth_gb_s`: 450000000000 GB/s is not plausible"),
+            ({ let mut v = good(); v["inter"]["all_reduce"]["bandwidth_gb_s"] = json!(2.5e10); v }, "`inter.all_reduce.bandwidth_gb_s`"),
+            ({ let mut v = good(); v["intra"]["latency_us"] = json!(5e6); v }, "`intra.latency_us`: 5000000 µs is not plausible"),
         ];
         for (v, want) in cases {
             let e = load(v).expect_err(want);

@@ -95,15 +95,16 @@ pub fn project(profile: &Profile, profile_source: &str, cluster: &Cluster, micro
         file: "projection".into(),
         title: format!("Predicted: {} ({} per node)", cluster.name, cluster.ranks_per_node()),
         panels: vec![
-            Panel { title: "throughput".into(), x_label: "nodes".into(), y_label: "predicted images/s (all ranks)".into(), kind: PanelKind::Lines { series: by_micro(|r| r.images_per_s), log2_x: true, ideal: None, y_percent: false, y_from_zero: true } },
-            Panel { title: "efficiency".into(), x_label: "nodes".into(), y_label: "predicted efficiency (% of ranks × one rank)".into(), kind: PanelKind::Lines { series: by_micro(|r| r.efficiency), log2_x: true, ideal: Some(("ideal (100 %)".into(), 0.0)), y_percent: true, y_from_zero: true } },
+            Panel { title: "throughput".into(), x_label: "nodes".into(), y_label: "predicted images/s (all ranks, log scale)".into(), kind: PanelKind::Lines { series: by_micro(|r| r.images_per_s), log2_x: true, ideal: None, y_percent: false, y_from_zero: true, log10_y: true } },
+            Panel { title: "efficiency".into(), x_label: "nodes".into(), y_label: "predicted efficiency (% of ranks × one rank)".into(), kind: PanelKind::Lines { series: by_micro(|r| r.efficiency), log2_x: true, ideal: Some(("ideal (100 %)".into(), 0.0)), y_percent: true, y_from_zero: true, log10_y: false } },
         ],
     };
     let (png, svg) = chart.save(&chart_dir)?;
-    let mut md = format!("# Projection: {}\n\n{}\n\nProfile: {profile_source} ({} on {}). Cluster source: {}.\n\n", cluster.name, "Predicted by `vitscale plan --project` (weak scaling: each rank keeps its micro-batch, GAS 1, fp32 gradients, ZeRO 0, the default buckets).", profile.model, profile.device, cluster.source);
+    let mut md = format!("# Projection: {}\n\n{}\n\nProfile: {profile_source} ({} on {}). Cluster source: {}.\n\n", cluster.name, "Predicted by `vitscale plan --project` (weak scaling: each rank keeps its micro-batch, GAS 1, fp32 gradients, ZeRO 0, the default buckets).", profile.model, profile.device, cluster.source.trim_end().trim_end_matches('.'));
     md.push_str("| nodes | ranks | micro | images/s | per rank | efficiency | step ms | exposed comm ms | comm share |\n|---|---|---|---|---|---|---|---|---|\n");
     for r in &rows {
-        md.push_str(&format!("| {} | {} | {} | {:.0} | {:.0} | {:.1} % | {:.2} | {:.2} | {:.1} % |\n", r.nodes, r.ranks, r.micro, r.images_per_s, r.images_per_s_per_rank, r.efficiency * 100.0, r.step_ms, r.comm_exposed_ms, r.comm_share * 100.0));
+        let n = crate::lab::charts::thousands;
+        md.push_str(&format!("| {} | {} | {} | {} | {} | {:.1} % | {:.2} | {:.2} | {:.1} % |\n", r.nodes, r.ranks, r.micro, n(r.images_per_s), n(r.images_per_s_per_rank), r.efficiency * 100.0, r.step_ms, r.comm_exposed_ms, r.comm_share * 100.0));
     }
     md.push_str("\n![projection](charts/projection.png)\n\nInputs trusted least:\n\n");
     for l in &least {

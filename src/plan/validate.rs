@@ -308,10 +308,10 @@ impl Section for Validation {
         };
         let gaps = v.term_gaps.iter().map(|(t, g)| format!("{t} {:.1} %", g * 100.0)).collect::<Vec<_>>().join(", ");
         blocks.push(Block::P(format!(
-            "Every point predicted from the one-rank compute profile ({}) and the comm bench ({}) alone; no multi-rank point feeds the model. {} points: median |error| {:.1} %, max |error| {:.1} %.{rank} Mean gap per term, as a share of the measured step: {gaps}.",
+            "Every point predicted from the one-rank compute profile ({}) and the comm bench ({}) alone; no multi-rank point feeds the model. {}: median |error| {:.1} %, max |error| {:.1} %.{rank} Mean gap per term, as a share of the measured step: {gaps}.",
             v.profile,
             if v.comm.is_empty() { "none".to_string() } else { v.comm.join(", ") },
-            v.points.len(),
+            crate::util::plural(v.points.len(), "point", "points"),
             v.median_abs_err * 100.0,
             v.max_abs_err * 100.0
         )));
@@ -354,7 +354,7 @@ impl Section for Validation {
                 x_label: "measured throughput (images/s)".into(),
                 y_label: "predicted throughput (images/s)".into(),
                 // the dashed line y = x: a perfect prediction
-                kind: PanelKind::Lines { series, log2_x: false, ideal: Some(("prediction = measurement".into(), lo)), y_percent: false, y_from_zero: true },
+                kind: PanelKind::Lines { series, log2_x: false, ideal: Some(("prediction = measurement".into(), lo)), y_percent: false, y_from_zero: true, log10_y: false },
             }],
         };
         let (png, svg) = chart.save(chart_dir).map_err(ReportError::Chart)?;

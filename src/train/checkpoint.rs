@@ -80,7 +80,7 @@ impl Checkpoint {
 pub enum CheckpointError {
     #[error("{what} {}: {source}", path.display())]
     Io { what: &'static str, path: PathBuf, source: io::Error },
-    #[error("checkpoint {} is incomplete or damaged: {file}: {why}", dir.display())]
+    #[error("checkpoint {} is incomplete or damaged: {}{why}", dir.display(), if file.is_empty() { String::new() } else { format!("{file}: ") })]
     Incomplete { dir: PathBuf, file: String, why: String },
     #[error("{} is not a checkpoint: no {MANIFEST_FILE} and no `{LATEST_FILE}` pointer", path.display())]
     NotACheckpoint { path: PathBuf },
@@ -338,7 +338,16 @@ pub fn resolve(spec: &Path) -> Result<PathBuf> {
         return Err(CheckpointError::BadPointer { path: pointer, target: target.to_string() });
     }
     let root = pointer.parent().unwrap_or(Path::new("."));
-    Ok(root.join(target))
+    let dir = root.join(target);
+    // the pointer is written last, so a step it names that is gone or empty was removed or
+    // damaged after the save: say so, rather than the OS's "No such file" of a file inside it
+    if !dir.is_dir() {
+        return Err(CheckpointError::Incomplete { dir, file: String::new(), why: format!("missing: the step directory {} names does not exist", pointer.display()) });
+    }
+    if !dir.join(MANIFEST_FILE).is_file() {
+        return Err(CheckpointError::Incomplete { dir, file: MANIFEST_FILE.into(), why: "missing (the step directory is empty or its save did not finish)".into() });
+    }
+    Ok(dir)
 }
 
 /// `--resume` values: `latest` means the newest checkpoint under `root`; anything else is a
@@ -356,7 +365,11 @@ pub fn resume_path(spec: &str, root: &Path) -> PathBuf {
 pub fn read_state(spec: &Path) -> Result<(PathBuf, serde_json::Value)> {
     let dir = resolve(spec)?;
     let path = dir.join(STATE_FILE);
-    let bytes = fs::read(&path).map_err(io_err("reading", &path))?;
+    let bytes = match fs::read(&path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(CheckpointError::Incomplete { dir, file: STATE_FILE.into(), why: "missing".into() }),
+        Err(e) => return Err(CheckpointError::Io { what: "reading", path, source: e }),
+    };
     let state = serde_json::from_slice(&bytes)
         .map_err(|e| CheckpointError::Incomplete { dir: dir.clone(), file: STATE_FILE.into(), why: format!("unreadable: {e}") })?;
     Ok((dir, state))

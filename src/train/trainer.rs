@@ -394,7 +394,7 @@ fn restore<B: Backend>(
             )));
         }
         if r.step >= total_steps && !opts.quiet {
-            eprintln!("warning: {} is at step {}, and this run has {total_steps} steps: nothing is left to train (raise train.steps or train.epochs to continue)", r.dir.display(), r.step);
+            crate::errln!("warning: {} is at step {}, and this run has {total_steps} steps: nothing is left to train (raise train.steps or train.epochs to continue)", r.dir.display(), r.step);
         }
         st.vit.set_params(be, &r.params)?;
         // checkpoints hold the whole state: a ZeRO rank keeps its shard of it
@@ -405,7 +405,7 @@ fn restore<B: Backend>(
         start_step = r.step;
         run.log(&serde_json::json!({"kind": "resume", "step": start_step, "from": r.dir.display().to_string()}))?;
         if !opts.quiet {
-            eprintln!("resumed from {} at step {start_step}", r.dir.display());
+            crate::errln!("resumed from {} at step {start_step}", r.dir.display());
         }
     }
     if comm.world_size() > 1 {
@@ -787,7 +787,7 @@ impl<'r, B: Backend> Trainer<'r, B> {
         let msg = format!("epoch {} loss {:.4} lr {lr:.2e} {ips:.0} img/s", at.epoch, rec.loss);
         match &self.bar {
             Some(pb) => pb.set_message(msg),
-            None if !self.opts.quiet => eprintln!("step {}/{} {msg}", at.step + 1, self.total_steps),
+            None if !self.opts.quiet => crate::errln!("step {}/{} {msg}", at.step + 1, self.total_steps),
             None => {}
         }
         Ok(())
@@ -797,7 +797,7 @@ impl<'r, B: Backend> Trainer<'r, B> {
     fn print(&self, line: String) {
         match &self.bar {
             Some(pb) => pb.println(line),
-            None => eprintln!("{line}"),
+            None => crate::errln!("{line}"),
         }
     }
 
@@ -912,20 +912,21 @@ fn timeline_enabled() -> bool {
 
 /// The run's opening lines: device, model, data, length and batch split, warnings, balance.
 fn announce<B: Backend>(be: &B, cfg: &RunConfig, plan: &Plan, data: &TrainData, bal: &Balancer, num_params: usize, total_steps: u64) {
-    eprintln!(
-        "vitscale: {} | model {num_params} params | data {} | {total_steps} steps of {} images ({} × {} GAS × {} ranks)",
+    crate::errln!(
+        "vitscale: {} | model {num_params} params | data {} | {} of {} images ({} × {} GAS × {})",
         be.name(),
         data.description,
+        crate::util::plural(total_steps as usize, "step", "steps"),
         plan.global_batch,
         plan.micro_batch,
         plan.gradient_accumulation_steps,
-        plan.world_size
+        crate::util::plural(plan.world_size, "rank", "ranks")
     );
     for w in cfg.warnings.iter().chain(&data.warnings) {
-        eprintln!("warning: {w}");
+        crate::errln!("warning: {w}");
     }
     if let Some(line) = bal.describe() {
-        eprintln!("{line}");
+        crate::errln!("{line}");
     }
 }
 

@@ -105,7 +105,7 @@ impl Backend for Cpu {
     }
 
     fn name(&self) -> String {
-        format!("cpu ({} threads)", rayon::current_num_threads())
+        format!("cpu ({})", crate::util::plural(rayon::current_num_threads(), "thread", "threads"))
     }
 
     fn alloc(&self, len: usize) -> BResult<Vec<f32>> {
