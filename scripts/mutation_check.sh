@@ -20,8 +20,8 @@ mutations=(
   "weight-decay-skip-ignored|src/train/trainer.rs|s/DecayGroups::new\(&vit\.table, &cfg\.train\.weight_decay_skip\)/DecayGroups::new(\&vit.table, \&crate::config::DecaySkip { bias: false, norm: false, pos_embed: false, cls_token: false })/|--test train_reference"
   "gas-loss-scale-per-micro-batch|src/train/step.rs|s/forward_staged\(be, n, Some\(1\.0 \/ self\.plan\.global_batch as f32\)\)/forward_staged(be, n, Some(1.0 \/ (n * self.plan.world_size) as f32))/g|--test train_reference"
   "zero-clip-norm-of-own-shard-only|src/train/zero.rs|s/self\.comm\.all_reduce_host\(&mut own\)\?;/let _ = &mut own;/|--test dist_zero sgd_stages"
-  "zero-updated-weights-not-gathered|src/train/zero.rs|s/works\.push\(self\.start\(Collective::AllGather, &mut vit\.params, prefix\)\?\);/let _ = prefix;/|--test dist_zero sgd_stages"
-  "zero-bucket-tail-not-reduced|src/train/zero.rs|s/works\.push\(self\.start\(Collective::AllReduce\(ReduceOp::Sum\), grads, tail\)\?\);/let _ = tail;/|--test dist_zero sgd_stages"
+  "zero-updated-weights-not-gathered|src/train/zero.rs|s/works\.push\(self\.start\(Collective::AllGather, gathered, prefix\)\?\);/let _ = prefix;/|--test dist_zero sgd_stages"
+  "zero-bucket-tail-not-reduced|src/train/zero.rs|s/works\.push\(self\.start_gradients\(Collective::AllReduce\(ReduceOp::Sum\), grads, tail\)\?\);/let _ = tail;/|--test dist_zero sgd_stages"
   "adam-second-moment-uncorrected|src/backend/cpu/optim.rs|s/let denom = \(v\[i\] \/ bc2\)\.sqrt\(\) \+ eps;/let denom = v[i].sqrt() + eps;/|--test train_reference --test timm_parity"
 )
 
