@@ -8,30 +8,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-use common::EXE;
-
-/// The binary in a scratch working directory, no launcher variables inherited.
-fn vitscale(cwd: &Path, args: &[&str]) -> Output {
-    let mut cmd = Command::new(EXE);
-    cmd.args(args).current_dir(cwd).stdin(Stdio::null());
-    for k in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "VITSCALE_RUN_ID", "VITSCALE_JOB_ID"] {
-        cmd.env_remove(k);
-    }
-    cmd.output().expect("the vitscale binary runs")
-}
-
-/// As `vitscale`, with extra environment variables.
-fn vitscale_env(cwd: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(EXE);
-    cmd.args(args).current_dir(cwd).stdin(Stdio::null());
-    for k in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "VITSCALE_RUN_ID", "VITSCALE_JOB_ID"] {
-        cmd.env_remove(k);
-    }
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().expect("the vitscale binary runs")
-}
+use common::{vitscale, vitscale_env, EXE};
 
 /// The binary with its stdout a pipe whose reader closed before anything was written
 /// (`vitscale … | head -0`); stderr is captured.
@@ -610,4 +587,23 @@ fn messages_fit_what_the_user_did() {
     ok(&o, "plan --project");
     let md = std::fs::read_to_string(cwd.join("proj").join("projection.md")).expect("projection.md");
     assert!(!md.contains(".."), "a doubled full stop: {md}");
+}
+
+/// `--init` from weights with another class count starts a fine-tune as timm does (the head
+/// initialized anew, said in a notice, every other weight from the file); `eval` of the same
+/// file against that class count is still refused, naming the head.
+#[test]
+fn init_from_another_class_count_reinitializes_the_head_and_eval_still_refuses_it() {
+    let tmp = common::tmp();
+    let small = ["--set", "data.dataset=synthetic", "--set", "train.steps=2", "--set", "data.train_size=256", "--set", "data.val_size=64"];
+    let saved = vitscale(tmp.path(), &[&["train", "--device", "cpu", "--set", "model.num_classes=10", "--run-dir", "a", "--save-weights", "w10.safetensors"][..], &small].concat());
+    common::ok(&saved, "training the 10-class model");
+    let tuned = vitscale(tmp.path(), &[&["train", "--device", "cpu", "--set", "model.num_classes=3", "--init", "w10.safetensors", "--run-dir", "b", "--json"][..], &small].concat());
+    common::ok(&tuned, "fine-tuning it with 3 classes");
+    let err = String::from_utf8_lossy(&tuned.stderr);
+    assert!(err.contains("head for 10 classes and this run has 3: the head is initialized anew"), "{err}");
+    let eval = vitscale(tmp.path(), &["eval", "--device", "cpu", "--weights", "w10.safetensors", "--set", "data.dataset=synthetic", "--set", "model.num_classes=3", "--set", "data.val_size=64"]);
+    assert!(!eval.status.success());
+    let err = String::from_utf8_lossy(&eval.stderr);
+    assert!(err.contains("head.weight") && err.contains("[3, 64]"), "{err}");
 }

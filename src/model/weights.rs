@@ -74,17 +74,49 @@ pub fn to_f32(path: &Path, key: &str, view: &TensorView<'_>) -> Result<Vec<f32>,
 /// Loads a timm weights file into a flat host vector laid out by `table`. Every table key must
 /// be present with its exact shape, and no other key may be (timm's `strict=True`).
 pub fn load(path: &Path, table: &ParamTable) -> Result<Vec<f32>, WeightsError> {
+    load_impl(path, table, None).map(|(params, _)| params)
+}
+
+/// A classifier head that `load_for_fine_tuning` left at its fresh initialization: the file's
+/// class count and the model's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NewHead {
+    pub file_classes: usize,
+    pub model_classes: usize,
+}
+
+/// `load` for starting a training run from pretrained weights, as timm's `create_model(...,
+/// num_classes=K)` does: when the file's classifier head has another class count than the
+/// model (and the same width), `head.weight` and `head.bias` keep their values from `fresh`
+/// (the run's initialization) and the rest is loaded. Every other difference is an error.
+pub fn load_for_fine_tuning(path: &Path, table: &ParamTable, fresh: &[f32]) -> Result<(Vec<f32>, Option<NewHead>), WeightsError> {
+    load_impl(path, table, Some(fresh))
+}
+
+/// Whether `entry` is a classifier-head tensor whose stored shape differs from the model's in
+/// its class count only.
+fn other_class_count(entry: &crate::model::params::ParamEntry, stored: &[usize]) -> bool {
+    matches!(entry.name.as_str(), "head.weight" | "head.bias") && stored.len() == entry.shape.len() && stored[1..] == entry.shape[1..] && stored[0] != entry.shape[0]
+}
+
+fn load_impl(path: &Path, table: &ParamTable, fresh: Option<&[f32]>) -> Result<(Vec<f32>, Option<NewHead>), WeightsError> {
     let bytes = read_file(path)?;
     let st = parse(path, &bytes)?;
     let keys = key_map(&st);
     let mut out = vec![0.0f32; table.total];
     let mut missing = Vec::new();
+    let mut new_head = None;
     for e in &table.entries {
         let Some(stored) = keys.get(&e.name) else {
             missing.push(e.name.clone());
             continue;
         };
         let view = st.tensor(stored).map_err(|err| WeightsError::Format { path: path.to_path_buf(), msg: err.to_string() })?;
+        if let Some(fresh) = fresh.filter(|_| other_class_count(e, view.shape())) {
+            out[e.span.range()].copy_from_slice(&fresh[e.span.range()]);
+            new_head = Some(NewHead { file_classes: view.shape()[0], model_classes: e.shape[0] });
+            continue;
+        }
         if view.shape() != e.shape.as_slice() {
             return Err(WeightsError::Tensor {
                 path: path.to_path_buf(),
@@ -106,7 +138,7 @@ pub fn load(path: &Path, table: &ParamTable) -> Result<Vec<f32>, WeightsError> {
     if !unexpected.is_empty() {
         return Err(WeightsError::Unexpected { path: path.to_path_buf(), keys: unexpected.join(", ") });
     }
-    Ok(out)
+    Ok((out, new_head))
 }
 
 /// Writes the flat weights as an f32 safetensors file with timm keys, atomically (temporary
@@ -209,4 +241,45 @@ pub fn infer(path: &Path) -> Result<InferredModel, WeightsError> {
         .map(|h| h as usize)
         .filter(|&h| h > 0 && c % h == 0);
     Ok(InferredModel { fields, num_heads, guessed_num_heads })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::ModelConfig;
+
+    fn model(classes: usize) -> ModelConfig {
+        ModelConfig { num_classes: classes, ..ModelConfig::preset("vit_tiny_patch4_32").expect("preset") }
+    }
+
+    /// Fine-tuning keeps the fresh head when the class count differs and loads every other
+    /// tensor from the file; evaluation (`load`) refuses the same file, and a file with the
+    /// same class count loads whole either way.
+    #[test]
+    fn a_head_of_another_class_count_stays_fresh_for_fine_tuning_only() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("w10.safetensors");
+        let (m10, m3) = (model(10), model(3));
+        let (t10, t3) = (ParamTable::new(&m10), ParamTable::new(&m3));
+        let mut rng = crate::data::rng::SplitMix::new(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(7, |d| d.as_nanos() as u64));
+        let stored: Vec<f32> = (0..t10.total).map(|_| rng.f32() - 0.5).collect();
+        save(&path, &t10, &m10, &stored).expect("save");
+        // a fresh init the file's values cannot be mistaken for
+        let fresh: Vec<f32> = (0..t3.total).map(|i| 10.0 + i as f32).collect();
+        let (got, head) = load_for_fine_tuning(&path, &t3, &fresh).expect("fine-tune load");
+        assert_eq!(head, Some(NewHead { file_classes: 10, model_classes: 3 }));
+        for e in &t3.entries {
+            let want: &[f32] = if e.name.starts_with("head.") { &fresh[e.span.range()] } else { &stored[t10.get(&e.name).expect("entry").span.range()] };
+            assert_eq!(&got[e.span.range()], want, "{}", e.name);
+        }
+        let err = load(&path, &t3).expect_err("evaluation must refuse another head").to_string();
+        assert!(err.contains("head.weight") && err.contains("[10, 192]"), "{err}");
+        let (same, none) = load_for_fine_tuning(&path, &t10, &vec![0.0; t10.total]).expect("same class count");
+        assert_eq!((same, none), (stored, None));
+        // another width is no fine-tuning case: refused, naming the tensor
+        let wide = ModelConfig { embed_dim: 256, num_heads: 4, ..model(3) };
+        let tw = ParamTable::new(&wide);
+        let err = load_for_fine_tuning(&path, &tw, &vec![0.0; tw.total]).expect_err("another width").to_string();
+        assert!(err.contains("has shape"), "{err}");
+    }
 }

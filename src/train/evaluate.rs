@@ -68,13 +68,41 @@ pub fn evaluate_with<B: Backend>(
     Ok(EvalSummary { loss: loss_sum / n.max(1) as f64, top1: correct / n.max(1) as f64, images: n })
 }
 
-/// Builds the model with its initial weights: `--init` file or a seeded timm-style init.
-pub fn build_model<B: Backend>(be: &B, cfg: &RunConfig, init_path: Option<&Path>) -> Result<Vit<B>, TrainError> {
+/// Builds the model with the weights of `weights` exactly (evaluation), or a seeded timm-style
+/// init without a file.
+pub fn build_model<B: Backend>(be: &B, cfg: &RunConfig, weights_path: Option<&Path>) -> Result<Vit<B>, TrainError> {
     let mut vit = Vit::new(be, cfg.model.clone())?;
     vit.set_recompute(cfg.train.recompute);
-    let host = match init_path {
+    let host = match weights_path {
         Some(p) => weights::load(p, &vit.table)?,
         None => init::init_params(&vit.table, cfg.train.seed),
+    };
+    vit.set_params(be, &host)?;
+    Ok(vit)
+}
+
+/// Builds the model a training run starts from: the seeded init, with the `--init` file's
+/// weights over it. A file whose classifier head has another class count than the run keeps
+/// the fresh head, as timm does when `num_classes` differs, and says so unless `quiet`.
+pub fn build_model_for_training<B: Backend>(be: &B, cfg: &RunConfig, init_path: Option<&Path>, quiet: bool) -> Result<Vit<B>, TrainError> {
+    let mut vit = Vit::new(be, cfg.model.clone())?;
+    vit.set_recompute(cfg.train.recompute);
+    let fresh = init::init_params(&vit.table, cfg.train.seed);
+    let host = match init_path {
+        Some(p) => {
+            let (host, new_head) = weights::load_for_fine_tuning(p, &vit.table, &fresh)?;
+            if let (Some(h), false) = (new_head, quiet) {
+                crate::errln!(
+                    "notice: {} has a head for {} classes and this run has {}: the head is initialized anew (seed {}), every other weight comes from the file",
+                    p.display(),
+                    h.file_classes,
+                    h.model_classes,
+                    cfg.train.seed
+                );
+            }
+            host
+        }
+        None => fresh,
     };
     vit.set_params(be, &host)?;
     Ok(vit)

@@ -38,7 +38,7 @@ use crate::model::smoothed_targets;
 use crate::train::agree::{self, StateHash};
 use crate::train::balance::Balancer;
 use crate::train::error::TrainError;
-use crate::train::evaluate::{build_model, evaluate_with, EvalSummary};
+use crate::train::evaluate::{build_model_for_training, evaluate_with, EvalSummary};
 use crate::train::plan::Plan;
 use crate::train::run_dir::RunDir;
 use crate::train::step::{MicroBatch, Step};
@@ -331,7 +331,7 @@ fn open_data(cfg: &RunConfig, plan: &Plan, run: &RunDir) -> Result<TrainData, Tr
 
 /// The model, its optimizer state (this rank's shard under ZeRO) and how its gradients travel.
 fn build_step<B: Backend>(be: &B, cfg: &RunConfig, plan: &Plan, opts: &TrainOptions, (rank, world): (usize, usize), t_start: Instant) -> Result<(Step<B>, Gradients), TrainError> {
-    let vit = build_model(be, cfg, opts.init.as_deref())?;
+    let vit = build_model_for_training(be, cfg, opts.init.as_deref(), opts.quiet)?;
     let decay = DecayGroups::new(&vit.table, &cfg.train.weight_decay_skip);
     // the gradient buckets, reduced while the step's last backward goes on
     let buckets = BucketPlan::new(&vit.gradient_groups(), plan.zero.first_bucket_elems, plan.zero.bucket_elems).map_err(TrainError::Config)?;
