@@ -559,7 +559,11 @@ fn messages_fit_what_the_user_did() {
     let o = vitscale(cwd, &train(&["--run-dir", "w", "--set", "scheduler.type=WarmupLR", "--set", "scheduler.params.warmup_num_steps=1000"]));
     ok(&o, "a long warm-up");
     let e = stderr(&o);
-    assert!(e.contains("warning: scheduler.params.warmup_num_steps 1000") && e.contains("train.steps 2"), "{e}");
+    assert!(e.contains("warning: scheduler.params.warmup_num_steps 1000") && e.contains("the run (2 steps)"), "{e}");
+    // a run given in epochs is warned too, once its length is known
+    let o = vitscale(cwd, &["train", "--device", "cpu", "--run-dir", "w3", "--set", "data.train_size=128", "--set", "data.val_size=32", "--set", "train_micro_batch_size_per_gpu=64", "--set", "train.epochs=1", "--set", "scheduler.type=WarmupLR", "--set", "scheduler.params.warmup_num_steps=1000"]);
+    ok(&o, "a long warm-up over one epoch");
+    assert!(stderr(&o).contains("warmup_num_steps 1000 is not shorter than the run (2 steps)"), "{}", stderr(&o));
     let o = vitscale(cwd, &train(&["--run-dir", "w2", "--set", "scheduler.type=WarmupLR", "--set", "scheduler.params.warmup_num_steps=1"]));
     ok(&o, "a short warm-up");
     assert!(!stderr(&o).contains("warmup_num_steps"), "{}", stderr(&o));

@@ -129,22 +129,6 @@ fn default_folder_classes(value: &mut serde_json::Value) -> anyhow::Result<()> {
 
 /// A warm-up that does not end before the run does: the learning rate never reaches its peak
 /// (with the default warmup_min_lr of 0 and a short run, it trains at nearly 0). Only when the
-/// run's length is given as `train.steps` (an epoch count needs the dataset's size).
-pub fn schedule_warnings(cfg: &RunConfig) -> Vec<String> {
-    use crate::config::SchedulerConfig;
-    let (Some(steps), Some(s)) = (cfg.train.steps, cfg.scheduler.as_ref()) else { return Vec::new() };
-    let warmup = match s {
-        SchedulerConfig::WarmupLR { warmup_num_steps, .. } | SchedulerConfig::WarmupDecayLR { warmup_num_steps, .. } | SchedulerConfig::WarmupCosineLR { warmup_num_steps, .. } => *warmup_num_steps,
-    };
-    if steps == 0 || warmup < steps {
-        return Vec::new();
-    }
-    let last = crate::train::schedule::lr_at(Some(s), cfg.optimizer.lr(), steps - 1, steps);
-    vec![format!(
-        "scheduler.params.warmup_num_steps {warmup} is not shorter than the run (train.steps {steps}): the learning rate is still warming up at the last step ({last:.3e}); shorten the warm-up or lengthen the run"
-    )]
-}
-
 /// Settings the configuration accepts but the chosen device does not honour (yet): each
 /// becomes a warning, never a silent no-op.
 pub fn engine_warnings(cfg: &RunConfig, device: &Device) -> Vec<String> {

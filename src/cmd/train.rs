@@ -146,7 +146,6 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     }
     let device = open_device(args.common.device, gpu_index(&env)?, rank == 0)?;
     cfg.warnings.extend(engine_warnings(&cfg, &device));
-    cfg.warnings.extend(super::common::schedule_warnings(&cfg));
     let plan = plan_on(&cfg, &device);
     check_memory(&plan, &device, "this training run")?;
     let hash = config_hash(&cfg)?;

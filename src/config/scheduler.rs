@@ -42,11 +42,11 @@ fn warmup_type(params: Option<&Map<String, Value>>, path: &str, cx: &mut Cx) -> 
 }
 
 /// `total_num_steps`, with `"auto"` kept as the run's length: that needs the training set's
-/// size, which the training loop knows once it has opened the dataset.
+/// size, which the training loop knows once it has opened the dataset. (Documented usage, so
+/// no warning.)
 fn total_steps(params: Option<&Map<String, Value>>, path: &str, cx: &mut Cx) -> Result<TotalSteps> {
     let raw = params.and_then(|p| p.get(TOTAL_STEPS.name));
     if raw.is_some_and(is_auto) {
-        cx.warn(format!("{path}.total_num_steps = \"auto\": using the run's length"));
         return Ok(TotalSteps::RunLength);
     }
     Ok(TotalSteps::Fixed(get_int(params, path, &TOTAL_STEPS, cx)?))

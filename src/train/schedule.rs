@@ -74,6 +74,22 @@ fn warmup_gamma(kind: WarmupType, it: i64, w: u64) -> f64 {
     }
 }
 
+/// A warning when the schedule's warm-up is not shorter than the run's `total_steps`: the
+/// learning rate would still be warming up at the last step.
+pub fn warmup_warning(scheduler: Option<&SchedulerConfig>, base_lr: f64, total_steps: u64) -> Option<String> {
+    let s = scheduler?;
+    let warmup = match s {
+        SchedulerConfig::WarmupLR { warmup_num_steps, .. } | SchedulerConfig::WarmupDecayLR { warmup_num_steps, .. } | SchedulerConfig::WarmupCosineLR { warmup_num_steps, .. } => *warmup_num_steps,
+    };
+    if total_steps == 0 || warmup < total_steps {
+        return None;
+    }
+    let last = lr_at(Some(s), base_lr, total_steps - 1, total_steps);
+    Some(format!(
+        "scheduler.params.warmup_num_steps {warmup} is not shorter than the run ({total_steps} steps): the learning rate is still warming up at the last step ({last:.3e}); shorten the warm-up or lengthen the run"
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -922,7 +922,9 @@ fn announce<B: Backend>(be: &B, cfg: &RunConfig, plan: &Plan, data: &TrainData, 
         plan.gradient_accumulation_steps,
         crate::util::plural(plan.world_size, "rank", "ranks")
     );
-    for w in cfg.warnings.iter().chain(&data.warnings) {
+    // the run's length is known here (epochs × steps per epoch): a warm-up it never leaves
+    let warmup = crate::train::schedule::warmup_warning(cfg.scheduler.as_ref(), cfg.optimizer.lr(), total_steps);
+    for w in cfg.warnings.iter().chain(&data.warnings).chain(&warmup) {
         crate::errln!("warning: {w}");
     }
     if let Some(line) = bal.describe() {
