@@ -611,3 +611,33 @@ fn init_from_another_class_count_reinitializes_the_head_and_eval_still_refuses_i
     let err = String::from_utf8_lossy(&eval.stderr);
     assert!(err.contains("head.weight") && err.contains("[3, 64]"), "{err}");
 }
+
+/// The README's resume recipe keeps what the first command set: a resume that does not give
+/// `train.checkpoint_every` or the run's length takes them from the checkpoint's run, so it
+/// goes on checkpointing and a second `--resume latest` continues from the newest checkpoint;
+/// a resume with nothing left to train is refused and leaves the finished run's summary alone.
+#[test]
+fn a_resume_keeps_the_first_commands_settings_and_loses_no_work() {
+    let tmp = common::tmp();
+    let cwd = tmp.path();
+    let base = ["train", "--device", "cpu", "--run-dir", "r", "--set", "data.train_size=256", "--set", "data.val_size=32", "--set", "train_micro_batch_size_per_gpu=32"];
+    let first = vitscale(cwd, &[&base[..], &["--set", "train.steps=4", "--set", "train.checkpoint_every=2"]].concat());
+    ok(&first, "the first run");
+    let latest = || std::fs::read_to_string(cwd.join("r/checkpoints/latest")).expect("latest").trim().to_string();
+    assert!(latest().ends_with("step_000004"), "{}", latest());
+    // a longer run, checkpoint interval not given again
+    let longer = vitscale(cwd, &[&base[..], &["--resume", "latest", "--set", "train.steps=8"]].concat());
+    ok(&longer, "the resumed run");
+    assert!(stderr(&longer).contains("train.checkpoint_every = 2"), "{}", stderr(&longer));
+    assert!(cwd.join("r/checkpoints/step_000006").is_dir() && latest().ends_with("step_000008"), "{}", latest());
+    // the length carries over too: the next resume starts at step 8, not 4, and says it is done
+    let summary = std::fs::read(cwd.join("r/summary.json")).expect("summary");
+    let again = vitscale(cwd, &[&base[..], &["--resume", "latest"]].concat());
+    assert_eq!(again.status.code(), Some(1), "{}", stderr(&again));
+    assert!(stderr(&again).contains("is at step 8, and this run has 8 steps: nothing is left to train"), "{}", stderr(&again));
+    assert_eq!(std::fs::read(cwd.join("r/summary.json")).expect("summary"), summary, "the finished run's summary was replaced");
+    // given a longer run, it goes on from the newest checkpoint
+    let more = vitscale(cwd, &[&base[..], &["--resume", "latest", "--set", "train.steps=10", "--json"]].concat());
+    ok(&more, "resuming again");
+    assert!(stderr(&more).contains("step_000008 at step 8"), "{}", stderr(&more));
+}

@@ -125,7 +125,21 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     // the checkpoint's state first: a resume keeps its global batch and must match its config
     let saved = resume.as_deref().map(crate::train::checkpoint::read_state).transpose()?;
     let mut cfg = load_config_edited(&args.common, args.init.as_deref(), env.world_size, |v| match &saved {
-        Some((_, state)) => keep_saved_global_batch(v, state, env.world_size),
+        Some((_, state)) => {
+            // what the first command set for the run (its length, checkpoint interval…) holds
+            // unless this one says otherwise
+            let carried = state.get("config").map_or_else(Vec::new, |saved| crate::config::carry_over(v, saved));
+            if rank == 0 && !carried.is_empty() {
+                let shown: Vec<&str> = carried.iter().filter(|n| n.starts_with("train.")).map(|n| n.trim_end_matches(" (the checkpoint's run)")).collect();
+                crate::errln!(
+                    "notice: resuming with {} not given here taken from the checkpoint's run ({}{})",
+                    crate::util::plural(carried.len(), "setting", "settings"),
+                    shown.join(", "),
+                    if shown.len() < carried.len() { ", …" } else { "" }
+                );
+            }
+            keep_saved_global_batch(v, state, env.world_size)
+        }
         None => Ok(Vec::new()),
     })?;
     if let Some((dir, state)) = &saved {

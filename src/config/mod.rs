@@ -56,7 +56,7 @@ pub use model::MODEL_KEYS;
 pub use monitor::MONITOR_KEYS;
 pub use optimizer::{ADAM_KEYS, DEFAULT_WEIGHT_DECAY, OPTIMIZER_TYPES, SGD_KEYS};
 pub use reference::help_text;
-pub use resume::{keep_global_batch, resume_differences, resume_free_keys};
+pub use resume::{carry_over, keep_global_batch, resume_differences, resume_free_keys};
 pub use scheduler::SCHEDULER_TYPES;
 pub use top_level::{resolve_batch, DEFAULT_MICRO_BATCH, TOP_KEYS};
 pub use train::TRAIN_KEYS;

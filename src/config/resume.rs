@@ -30,6 +30,48 @@ pub fn resume_free_keys() -> Vec<String> {
     keys
 }
 
+/// The resume-free keys a resumed run takes from its checkpoint's configuration (`saved`, as
+/// `resolved_json` wrote it) when the new configuration (`value`, before resolving) does not
+/// give them: the run's length, logging, evaluation and checkpoint intervals, the data's place
+/// and loader settings, the ZeRO layout. The batch split is left out (a resume on another world
+/// size re-derives it from the global batch), and the run's length is one choice: a value that
+/// gives `train.steps` or `train.epochs` keeps both of its own. Returns one note per key taken.
+pub fn carry_over(value: &mut Value, saved: &Value) -> Vec<String> {
+    let split = [MICRO_BATCH.name, GAS.name, TRAIN_BATCH_SIZE.name, "memory", "plan"];
+    let length_given = ["/train/steps", "/train/epochs"].iter().any(|p| value.pointer(p).is_some());
+    let mut notes = Vec::new();
+    for key in resume_free_keys() {
+        if split.contains(&key.as_str()) || (length_given && (key == "train.steps" || key == "train.epochs")) {
+            continue;
+        }
+        let pointer = format!("/{}", key.replace('.', "/"));
+        let Some(saved_value) = saved.pointer(&pointer).filter(|v| !v.is_null()) else { continue };
+        if value.pointer(&pointer).is_some() {
+            continue;
+        }
+        if set_path(value, &key, saved_value.clone()) {
+            notes.push(format!("{key} = {saved_value} (the checkpoint's run)"));
+        }
+    }
+    notes
+}
+
+/// Sets `value` at the dotted `key`, creating objects on the way; false where a non-object
+/// stands in the way.
+fn set_path(value: &mut Value, key: &str, x: Value) -> bool {
+    let mut at = value;
+    let parts: Vec<&str> = key.split('.').collect();
+    for (i, part) in parts.iter().enumerate() {
+        let Some(obj) = at.as_object_mut() else { return false };
+        if i + 1 == parts.len() {
+            obj.insert(part.to_string(), x);
+            return true;
+        }
+        at = obj.entry(part.to_string()).or_insert_with(|| Value::Object(Default::default()));
+    }
+    false
+}
+
 fn flatten(prefix: &str, v: &Value, out: &mut BTreeMap<String, Value>) {
     match v {
         Value::Object(m) => {

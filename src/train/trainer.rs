@@ -393,8 +393,14 @@ fn restore<B: Backend>(
                 plan.global_batch
             )));
         }
-        if r.step >= total_steps && !opts.quiet {
-            crate::errln!("warning: {} is at step {}, and this run has {total_steps} steps: nothing is left to train (raise train.steps or train.epochs to continue)", r.dir.display(), r.step);
+        // refused before anything is trained or written: a summary of no steps would replace
+        // the finished run's
+        if r.step >= total_steps {
+            return Err(TrainError::Config(format!(
+                "{} is at step {}, and this run has {total_steps} steps: nothing is left to train (raise train.steps or train.epochs to continue)",
+                r.dir.display(),
+                r.step
+            )));
         }
         st.vit.set_params(be, &r.params)?;
         // checkpoints hold the whole state: a ZeRO rank keeps its shard of it
