@@ -228,6 +228,34 @@ fn a_duplicate_key_at_any_depth_is_an_error_naming_it() {
     assert!(e.contains("duplicate key `type`"), "{e}");
 }
 
+/// Config files are read with DeepSpeed's grammar (Hjson): a DeepSpeed config with a trailing
+/// comma, comments, unquoted keys and strings resolves to the same configuration as its strict
+/// JSON form; a key given twice is still refused by name; text that is neither is refused with
+/// a position.
+#[test]
+fn config_files_are_read_as_deepspeed_reads_them() {
+    let t = tmp();
+    let strict = t.path().join("strict.json");
+    std::fs::write(&strict, r#"{"train_batch_size": 64, "gradient_accumulation_steps": 2, "fp16": {"enabled": false}, "optimizer": {"type": "AdamW", "params": {"lr": 0.0003, "weight_decay": 0.05}}, "zero_optimization": {"stage": 2}}"#).unwrap();
+    // as the study's configs are written: a trailing comma after "enabled": false
+    let loose = t.path().join("loose.json");
+    // (an unquoted string runs to the end of its line, as in Hjson)
+    let text = "{\n  # the study's run\n  \"train_batch_size\": 64,\n  // per rank\n  gradient_accumulation_steps: 2\n  \"fp16\": {\"enabled\": false,},\n  optimizer: {\n    type: AdamW\n    params: {lr: 3e-4, weight_decay: 0.05,}\n  }\n  /* ZeRO */ zero_optimization: {stage: 2},\n}\n";
+    std::fs::write(&loose, text).unwrap();
+    let a = config::resolve(&load_json(Some(&strict), &[]).expect("strict JSON"), 2).expect("strict config");
+    let b = config::resolve(&load_json(Some(&loose), &[]).expect("the Hjson form"), 2).expect("Hjson config");
+    assert_eq!(config::resolved_json(&a), config::resolved_json(&b));
+    assert_eq!((b.batch.micro_batch_per_gpu, b.zero_stage), (16, 2));
+    let dup = t.path().join("dup.json");
+    std::fs::write(&dup, "{\n  # twice\n  optimizer: {\n    type: AdamW\n    type: SGD\n  }\n}\n").unwrap();
+    let e = load_json(Some(&dup), &[]).unwrap_err().to_string();
+    assert!(e.contains("duplicate key `optimizer.type`") && e.contains(dup.to_str().unwrap()), "{e}");
+    let bad = t.path().join("bad.json");
+    std::fs::write(&bad, "{\"train_batch_size\": 64,\n \"optimizer\": {\"type\": \"AdamW\"\n").unwrap();
+    let e = load_json(Some(&bad), &[]).unwrap_err().to_string();
+    assert!(e.contains("neither JSON nor Hjson") && e.contains("EOF while parsing an object") && e.contains("(line 3, column 0)"), "{e}");
+}
+
 /// Every way the batch triple can fail to divide states the three values and the world size.
 #[test]
 fn every_batch_triple_error_states_the_triple() {

@@ -14,7 +14,7 @@ pub enum ConfigError {
         #[source]
         source: std::io::Error,
     },
-    #[error("config file {path} is not valid JSON: {msg} (line {line}, column {column})")]
+    #[error("config file {path} is neither JSON nor Hjson (DeepSpeed's grammar): {msg} (line {line}, column {column})")]
     Json { path: String, line: usize, column: usize, msg: String },
     #[error("--set {arg}: {msg}")]
     Set { arg: String, msg: String },

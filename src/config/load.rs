@@ -1,7 +1,9 @@
 //! From a file and `--set key.path=JSON` arguments to one JSON value, before any key is
-//! interpreted: strict JSON (a key given twice in one object is an error naming it, as
-//! DeepSpeed refuses duplicate keys, rather than the last one silently winning) and the
-//! overrides applied in order.
+//! interpreted. A config file is read with DeepSpeed's grammar: JSON, or where that fails,
+//! Hjson (DeepSpeed loads its config with `hjson`: comments, trailing commas, unquoted keys and
+//! strings). Either way a key given twice in one object is an error naming it, as DeepSpeed
+//! refuses duplicate keys, rather than the last one silently winning. The overrides are then
+//! applied in order.
 
 use std::path::Path;
 
@@ -17,6 +19,47 @@ pub fn parse_json_strict(text: &str) -> std::result::Result<Value, serde_json::E
     let v = StrictValue { path: String::new() }.deserialize(&mut de)?;
     de.end()?;
     Ok(v)
+}
+
+/// Parses a config file's text as DeepSpeed reads it: JSON, else Hjson. When the text is
+/// neither, the error gives JSON's position and message and then Hjson's; a duplicate key is
+/// named as such.
+pub fn parse_config_text(text: &str) -> std::result::Result<Value, ConfigTextError> {
+    let json_err = match parse_json_strict(text) {
+        Ok(v) => return Ok(v),
+        Err(e) => e,
+    };
+    match deser_hjson::from_str::<Strict>(text) {
+        Ok(Strict(v)) => Ok(v),
+        Err(deser_hjson::Error::Serde { line, col, message, .. }) if message.starts_with("duplicate key") => Err(ConfigTextError { line, column: col, msg: message }),
+        Err(hjson_err) => Err(ConfigTextError {
+            line: json_err.line(),
+            column: json_err.column(),
+            // serde_json appends the position, which the error prints once itself.
+            msg: format!(
+                "{}; read as Hjson: {hjson_err}",
+                json_err.to_string().trim_end_matches(&format!(" at line {} column {}", json_err.line(), json_err.column()))
+            ),
+        }),
+    }
+}
+
+/// Why a config file's text is neither JSON nor Hjson, and where.
+#[derive(Debug)]
+pub struct ConfigTextError {
+    pub line: usize,
+    pub column: usize,
+    pub msg: String,
+}
+
+/// A `Value` read through `StrictValue`, for deserializers that take a type rather than a seed.
+struct Strict(Value);
+
+impl<'de> serde::Deserialize<'de> for Strict {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Strict, D::Error> {
+        use serde::de::DeserializeSeed;
+        StrictValue { path: String::new() }.deserialize(d).map(Strict)
+    }
 }
 
 /// A `Value` seed that remembers where it is, for the duplicate-key error.
@@ -90,13 +133,7 @@ pub fn load_json(path: Option<&Path>, sets: &[String]) -> Result<Value> {
         Some(p) => {
             let shown = p.display().to_string();
             let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read { path: shown.clone(), source })?;
-            let v: Value = parse_json_strict(&text).map_err(|e| ConfigError::Json {
-                path: shown.clone(),
-                line: e.line(),
-                column: e.column(),
-                // serde_json appends the position, which the error prints once itself.
-                msg: e.to_string().trim_end_matches(&format!(" at line {} column {}", e.line(), e.column())).to_string(),
-            })?;
+            let v: Value = parse_config_text(&text).map_err(|e| ConfigError::Json { path: shown.clone(), line: e.line, column: e.column, msg: e.msg })?;
             if !v.is_object() {
                 return Err(ConfigError::Json { path: shown, line: 1, column: 1, msg: "the top level must be a JSON object".into() });
             }
