@@ -45,7 +45,7 @@ pub trait GradSync<B: Backend> {
     fn update(&mut self, be: &B, vit: &mut Vit<B>, state: &mut B::Buf, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper, read_norm: bool) -> Result<Updated, TrainError> {
         let norm = if read_norm { Some(be.sum_squares(&vit.grads)?.sqrt()) } else { None };
         vit.update(be, state, opt, decay, hyper)?;
-        Ok(Updated { norm, bytes: 0, comm_s: 0.0 })
+        Ok(Updated { norm, bytes: 0 })
     }
 }
 
@@ -56,8 +56,6 @@ pub struct Updated {
     pub norm: Option<f64>,
     /// Bytes the update communicated (ZeRO's all-gather of the weights).
     pub bytes: u64,
-    /// Seconds of that communication (included in the update's time).
-    pub comm_s: f64,
 }
 
 /// One rank: nothing to combine.

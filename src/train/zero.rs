@@ -406,7 +406,7 @@ impl<B: Backend> GradSync<B> for ZeroSync<'_, B::Buf> {
         if !l.master_shard {
             vit.params_changed(be)?;
         }
-        Ok(Updated { norm: if read_norm { norm } else { None }, bytes, comm_s })
+        Ok(Updated { norm: if read_norm { norm } else { None }, bytes })
     }
 }
 
