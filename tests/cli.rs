@@ -231,7 +231,8 @@ fn bad_input_gives_one_clear_error() {
     let garbage = tmp.path().join("garbage.safetensors");
     std::fs::write(&garbage, b"not a safetensors file at all").unwrap();
     let bad_json = tmp.path().join("bad.json");
-    std::fs::write(&bad_json, b"{\"train_batch_size\": 32,\n \"optimizer\": {\"type\": \"AdamW\",}}").unwrap();
+    // (a trailing comma is Hjson, which DeepSpeed reads: an unclosed object is neither)
+    std::fs::write(&bad_json, b"{\"train_batch_size\": 32,\n \"optimizer\": {\"type\": \"AdamW\"").unwrap();
     let empty_dir = tmp.path().join("empty");
     std::fs::create_dir(&empty_dir).unwrap();
     let w = tmp.path().join("w.safetensors");
