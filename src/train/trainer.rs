@@ -273,7 +273,6 @@ pub struct Trainer<'r, B: Backend> {
     comm: &'r mut dyn Comm<B::Buf>,
     rank: usize,
     world: usize,
-    plan: Plan,
     run: RunDir,
     /// DeepSpeed's tensorboard / csv_monitor blocks: rank 0 writes them, as DeepSpeed does.
     monitors: Option<Monitors>,
@@ -338,7 +337,7 @@ fn build_step<B: Backend>(be: &B, cfg: &RunConfig, plan: &Plan, opts: &TrainOpti
     let zero = match plan.zero.stage {
         0 => None,
         // where the forward reads a compute copy, nobody needs the whole f32 weights
-        s => Some(ZeroLayout::new(&buckets, &cfg.optimizer, s, world, rank, cfg.zero_reduce_scatter)?)
+        s => Some(ZeroLayout::new(&buckets, &cfg.optimizer, s, world, rank, plan.zero.reduce_scatter)?)
             .map(|z| if plan.zero.master_shard { z.with_master_shard() } else { z }),
     };
     let state_len = zero.as_ref().map_or(optimizer_state_len(&cfg.optimizer, vit.table.total), |z| z.buffer_len());
@@ -349,11 +348,12 @@ fn build_step<B: Backend>(be: &B, cfg: &RunConfig, plan: &Plan, opts: &TrainOpti
     // the bf16 wire and its scaling at stage 0, and at ZeRO stages on a GPU (NCCL
     // reduce-scatters a bf16 wire; CPU ranks' ring does not: fp32 there)
     let wire = if zero.is_none() || be.needs_compute_copy() { gradient_wire(&cfg.grad_comm, world) } else { Wire::PLAIN };
-    Ok((st, Gradients { buckets, zero, wire, overlap: cfg.zero_overlap_comm, epoch: t_start }))
+    Ok((st, Gradients { buckets, zero, wire, overlap: plan.zero.overlap_comm, epoch: t_start }))
 }
 
 /// What this rank holds, against what the plan predicts for its stage (the lab charts it).
-fn memory_record<B: Backend>(be: &B, plan: &Plan, st: &Step<B>, grads: &Gradients, measured_peak: Option<u64>) -> MemoryRecord {
+fn memory_record<B: Backend>(be: &B, st: &Step<B>, grads: &Gradients, measured_peak: Option<u64>) -> MemoryRecord {
+    let plan = &st.plan;
     MemoryRecord {
         stage: plan.zero.stage,
         world_size: plan.world_size,
@@ -451,7 +451,7 @@ impl<'r, B: Backend> Trainer<'r, B> {
         let total_steps = cfg.train.steps.unwrap_or(cfg.train.epochs as u64 * steps_per_epoch);
 
         let (mut st, grads) = build_step(be, cfg, &plan, opts, (rank, world), t_start)?;
-        run.add_to_config("memory", &memory_record(be, &plan, &st, &grads, None))?;
+        run.add_to_config("memory", &memory_record(be, &st, &grads, None))?;
         let start_step = restore(be, opts, &plan, &mut st, &grads, &mut *comm, &mut run, total_steps)?;
         let bal = Balancer::new(cfg, &plan, rank, start_step, cfg.data.prefetch);
         if !opts.quiet {
@@ -490,7 +490,6 @@ impl<'r, B: Backend> Trainer<'r, B> {
             comm,
             rank,
             world,
-            plan,
             run,
             monitors,
             train_set: data.train_set,
@@ -548,7 +547,7 @@ impl<'r, B: Backend> Trainer<'r, B> {
         self.window.steps += 1;
         self.epoch_loss.steps += 1;
         let saved = self.checkpoint_if_due(at, stop_sig)?;
-        self.images_done += self.plan.global_batch as u64;
+        self.images_done += self.st.plan.global_batch as u64;
         if log_now {
             self.log_window(at, lr, grad_norm)?;
         }
@@ -568,10 +567,10 @@ impl<'r, B: Backend> Trainer<'r, B> {
     /// The step's micro-batches, then the boundary: gradient sync, clipping on the device, the
     /// schedule's learning rate, the update. Returns the gradient norm (logging steps) and lr.
     fn micro_batches_and_boundary(&mut self, at: StepAt, log_due: bool) -> Result<(Option<f64>, f64), TrainError> {
-        let Trainer { be, cfg, comm, grads, st, bal, feed, window, plan, total_steps, .. } = self;
+        let Trainer { be, cfg, comm, grads, st, bal, feed, window, total_steps, .. } = self;
         let be: &B = be;
         let mut sync = grads.begin(&mut **comm);
-        let gas = plan.gradient_accumulation_steps;
+        let gas = st.plan.gradient_accumulation_steps;
         for m in 0..gas {
             let last_micro = m + 1 == gas;
             let report: Option<&mut dyn GradSync<B>> = if last_micro && grads.overlap { Some(&mut sync) } else { None };
@@ -627,7 +626,7 @@ impl<'r, B: Backend> Trainer<'r, B> {
             }
         }
         for (&(s, _), sum) in taken.iter().zip(sums) {
-            let loss = sum / self.plan.global_batch as f64;
+            let loss = sum / self.st.plan.global_batch as f64;
             if !loss.is_finite() {
                 return Err(TrainError::Diverged { step: s, loss });
             }
@@ -715,9 +714,9 @@ impl<'r, B: Backend> Trainer<'r, B> {
             "epoch": (step + 1) / self.steps_per_epoch,
             "step_in_epoch": (step + 1) % self.steps_per_epoch,
             "scheduler_step": step + 1,
-            "global_batch": self.plan.global_batch,
+            "global_batch": self.st.plan.global_batch,
             "world_size": self.world,
-            "zero_stage": self.plan.zero.stage,
+            "zero_stage": self.st.plan.zero.stage,
             "seed": self.cfg.train.seed,
             "config": crate::config::resolved_json(self.cfg),
         })
@@ -727,7 +726,7 @@ impl<'r, B: Backend> Trainer<'r, B> {
     /// output), then a new window. The phases are the timeline's (read here, the one wait for
     /// the device this adds to a logging step, which has already waited for its losses).
     fn log_window(&mut self, at: StepAt, lr: f64, grad_norm: Option<f64>) -> Result<(), TrainError> {
-        let (world, global_batch) = (self.world, self.plan.global_batch);
+        let (world, global_batch) = (self.world, self.st.plan.global_batch);
         self.st.mark(self.be, Phase::Other)?;
         let device = match self.st.timeline.as_mut() {
             Some(tl) => Some(tl.read(self.be)?),
@@ -870,7 +869,7 @@ impl<'r, B: Backend> Trainer<'r, B> {
                 agree::check(&mut *self.comm, self.total_steps, &p, &o)?
             }
         };
-        let mut mem = serde_json::to_value(memory_record(be, &self.plan, &self.st, &self.grads, be.peak_bytes())).map_err(|e| TrainError::Config(e.to_string()))?;
+        let mut mem = serde_json::to_value(memory_record(be, &self.st, &self.grads, be.peak_bytes())).map_err(|e| TrainError::Config(e.to_string()))?;
         mem["kind"] = "memory".into();
         self.run.log(&mem)?;
         let ev = match self.last_eval.take() {
