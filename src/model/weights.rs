@@ -87,10 +87,11 @@ pub struct NewHead {
 
 /// `load` for starting a training run from pretrained weights, as timm's `create_model(...,
 /// num_classes=K)` does: when the file's classifier head has another class count than the
-/// model (and the same width), `head.weight` and `head.bias` keep their values from `fresh`
-/// (the run's initialization) and the rest is loaded. Every other difference is an error.
-pub fn load_for_fine_tuning(path: &Path, table: &ParamTable, fresh: &[f32]) -> Result<(Vec<f32>, Option<NewHead>), WeightsError> {
-    load_impl(path, table, Some(fresh))
+/// model (and the same width), `head.weight` and `head.bias` take their values from `fresh()`
+/// (the run's initialization, made only then) and the rest is loaded. Every other difference
+/// is an error.
+pub fn load_for_fine_tuning(path: &Path, table: &ParamTable, fresh: impl FnOnce() -> Vec<f32>) -> Result<(Vec<f32>, Option<NewHead>), WeightsError> {
+    load_impl(path, table, Some(Box::new(fresh)))
 }
 
 /// Whether `entry` is a classifier-head tensor whose stored shape differs from the model's in
@@ -99,21 +100,24 @@ fn other_class_count(entry: &crate::model::params::ParamEntry, stored: &[usize])
     matches!(entry.name.as_str(), "head.weight" | "head.bias") && stored.len() == entry.shape.len() && stored[1..] == entry.shape[1..] && stored[0] != entry.shape[0]
 }
 
-fn load_impl(path: &Path, table: &ParamTable, fresh: Option<&[f32]>) -> Result<(Vec<f32>, Option<NewHead>), WeightsError> {
+fn load_impl(path: &Path, table: &ParamTable, mut fresh: Option<Box<dyn FnOnce() -> Vec<f32> + '_>>) -> Result<(Vec<f32>, Option<NewHead>), WeightsError> {
     let bytes = read_file(path)?;
     let st = parse(path, &bytes)?;
     let keys = key_map(&st);
     let mut out = vec![0.0f32; table.total];
     let mut missing = Vec::new();
     let mut new_head = None;
+    let fine_tuning = fresh.is_some();
+    let mut fresh_values: Option<Vec<f32>> = None;
     for e in &table.entries {
         let Some(stored) = keys.get(&e.name) else {
             missing.push(e.name.clone());
             continue;
         };
         let view = st.tensor(stored).map_err(|err| WeightsError::Format { path: path.to_path_buf(), msg: err.to_string() })?;
-        if let Some(fresh) = fresh.filter(|_| other_class_count(e, view.shape())) {
-            out[e.span.range()].copy_from_slice(&fresh[e.span.range()]);
+        if fine_tuning && other_class_count(e, view.shape()) {
+            let values = fresh_values.get_or_insert_with(|| fresh.take().map_or_else(Vec::new, |f| f()));
+            out[e.span.range()].copy_from_slice(&values[e.span.range()]);
             new_head = Some(NewHead { file_classes: view.shape()[0], model_classes: e.shape[0] });
             continue;
         }
@@ -266,7 +270,7 @@ mod tests {
         save(&path, &t10, &m10, &stored).expect("save");
         // a fresh init the file's values cannot be mistaken for
         let fresh: Vec<f32> = (0..t3.total).map(|i| 10.0 + i as f32).collect();
-        let (got, head) = load_for_fine_tuning(&path, &t3, &fresh).expect("fine-tune load");
+        let (got, head) = load_for_fine_tuning(&path, &t3, || fresh.clone()).expect("fine-tune load");
         assert_eq!(head, Some(NewHead { file_classes: 10, model_classes: 3 }));
         for e in &t3.entries {
             let want: &[f32] = if e.name.starts_with("head.") { &fresh[e.span.range()] } else { &stored[t10.get(&e.name).expect("entry").span.range()] };
@@ -274,12 +278,12 @@ mod tests {
         }
         let err = load(&path, &t3).expect_err("evaluation must refuse another head").to_string();
         assert!(err.contains("head.weight") && err.contains("[10, 192]"), "{err}");
-        let (same, none) = load_for_fine_tuning(&path, &t10, &vec![0.0; t10.total]).expect("same class count");
+        let (same, none) = load_for_fine_tuning(&path, &t10, || panic!("a matching head needs no fresh init")).expect("same class count");
         assert_eq!((same, none), (stored, None));
         // another width is no fine-tuning case: refused, naming the tensor
         let wide = ModelConfig { embed_dim: 256, num_heads: 4, ..model(3) };
         let tw = ParamTable::new(&wide);
-        let err = load_for_fine_tuning(&path, &tw, &vec![0.0; tw.total]).expect_err("another width").to_string();
+        let err = load_for_fine_tuning(&path, &tw, || vec![0.0; tw.total]).expect_err("another width").to_string();
         assert!(err.contains("has shape"), "{err}");
     }
 }

@@ -87,10 +87,10 @@ pub fn build_model<B: Backend>(be: &B, cfg: &RunConfig, weights_path: Option<&Pa
 pub fn build_model_for_training<B: Backend>(be: &B, cfg: &RunConfig, init_path: Option<&Path>, quiet: bool) -> Result<Vit<B>, TrainError> {
     let mut vit = Vit::new(be, cfg.model.clone())?;
     vit.set_recompute(cfg.train.recompute);
-    let fresh = init::init_params(&vit.table, cfg.train.seed);
     let host = match init_path {
         Some(p) => {
-            let (host, new_head) = weights::load_for_fine_tuning(p, &vit.table, &fresh)?;
+            // the seeded init is made only for a head the file cannot give
+            let (host, new_head) = weights::load_for_fine_tuning(p, &vit.table, || init::init_params(&vit.table, cfg.train.seed))?;
             if let (Some(h), false) = (new_head, quiet) {
                 crate::errln!(
                     "notice: {} has a head for {} classes and this run has {}: the head is initialized anew (seed {}), every other weight comes from the file",
@@ -102,7 +102,7 @@ pub fn build_model_for_training<B: Backend>(be: &B, cfg: &RunConfig, init_path: 
             }
             host
         }
-        None => fresh,
+        None => init::init_params(&vit.table, cfg.train.seed),
     };
     vit.set_params(be, &host)?;
     Ok(vit)
