@@ -130,7 +130,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             // unless this one says otherwise
             let carried = state.get("config").map_or_else(Vec::new, |saved| crate::config::carry_over(v, saved));
             if rank == 0 && !carried.is_empty() {
-                let shown: Vec<&str> = carried.iter().filter(|n| n.starts_with("train.")).map(|n| n.trim_end_matches(" (the checkpoint's run)")).collect();
+                let shown: Vec<&str> = carried.iter().filter(|n| n.starts_with("train.")).map(String::as_str).collect();
                 crate::errln!(
                     "notice: resuming with {} not given here taken from the checkpoint's run ({}{})",
                     crate::util::plural(carried.len(), "setting", "settings"),

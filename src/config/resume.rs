@@ -35,7 +35,8 @@ pub fn resume_free_keys() -> Vec<String> {
 /// give them: the run's length, logging, evaluation and checkpoint intervals, the data's place
 /// and loader settings, the ZeRO layout. The batch split is left out (a resume on another world
 /// size re-derives it from the global batch), and the run's length is one choice: a value that
-/// gives `train.steps` or `train.epochs` keeps both of its own. Returns one note per key taken.
+/// gives `train.steps` or `train.epochs` keeps both of its own. Returns `key = value` for each
+/// key taken.
 pub fn carry_over(value: &mut Value, saved: &Value) -> Vec<String> {
     let split = [MICRO_BATCH.name, GAS.name, TRAIN_BATCH_SIZE.name, "memory", "plan"];
     let length_given = ["/train/steps", "/train/epochs"].iter().any(|p| value.pointer(p).is_some());
@@ -50,7 +51,7 @@ pub fn carry_over(value: &mut Value, saved: &Value) -> Vec<String> {
             continue;
         }
         if set_path(value, &key, saved_value.clone()) {
-            notes.push(format!("{key} = {saved_value} (the checkpoint's run)"));
+            notes.push(format!("{key} = {saved_value}"));
         }
     }
     notes

@@ -96,8 +96,8 @@ impl MemoryBytes {
         MemoryBytes::new(w, c, g, o)
     }
 
-    /// The f64 parts of `estimate`, saturated to u64.
-    fn predict_f64(weights: f64, compute_copy: f64, gradients: f64, optimizer_state: f64) -> Self {
+    /// `estimate`'s f64 parts, saturated to u64.
+    fn saturating_from(weights: f64, compute_copy: f64, gradients: f64, optimizer_state: f64) -> Self {
         MemoryBytes::new(weights as u64, compute_copy as u64, gradients as u64, optimizer_state as u64)
     }
 
@@ -211,7 +211,7 @@ pub fn estimate(cfg: &RunConfig, shape: RankBatch, dev: &DeviceMemory<'_>, regen
         activations,
         data,
         total: params + grads + optimizer + activations + data,
-        state: MemoryBytes::predict_f64(weights, copy, grads, optimizer),
+        state: MemoryBytes::saturating_from(weights, copy, grads, optimizer),
     }
 }
 

@@ -393,8 +393,8 @@ fn restore<B: Backend>(
                 plan.global_batch
             )));
         }
-        // refused before anything is trained or written: a summary of no steps would replace
-        // the finished run's
+        // refused before anything is trained: a summary of no steps would replace the finished
+        // run's
         if r.step >= total_steps {
             return Err(TrainError::Config(format!(
                 "{} is at step {}, and this run has {total_steps} steps: nothing is left to train (raise train.steps or train.epochs to continue)",
