@@ -13,7 +13,7 @@ use std::path::Path;
 
 use safetensors::SafeTensors;
 use vitscale::backend::cpu::Cpu;
-use vitscale::backend::{optimizer_state_len, Backend, DecayGroups, StepHyper};
+use vitscale::backend::{optimizer_state_len, Backend, ParamGroups, StepHyper};
 use vitscale::config::{DecaySkip, OptimizerConfig};
 use vitscale::model::{smoothed_targets, weights, ModelConfig, Vit};
 
@@ -111,11 +111,11 @@ fn check_optimizer(name: &str, prefix: &str, opt: OptimizerConfig, steps: u64) {
     let dir = tmp();
     let (be, mut vit, images, targets, b) = setup(&fx, dir.path());
     let skip = DecaySkip { bias: true, norm: true, pos_embed: true, cls_token: true };
-    let decay = DecayGroups::new(&vit.table, &skip);
+    let decay = ParamGroups::new(&vit.table, &skip);
     // Our decay groups must be exactly timm's `param_groups_weight_decay`.
     let no_decay: Vec<String> = serde_json::from_str(&fx.meta["no_decay_params"]).unwrap();
-    for (entry, (_, decays)) in vit.table.entries.iter().zip(&decay.spans) {
-        assert_eq!(!decays, no_decay.contains(&entry.name), "{name}: decay group of {}", entry.name);
+    for (entry, group) in vit.table.entries.iter().zip(&decay.groups) {
+        assert_eq!(!group.decays, no_decay.contains(&entry.name), "{name}: decay group of {}", entry.name);
     }
     let mut state = be.alloc_f32(optimizer_state_len(&opt, vit.table.total)).unwrap();
     for step in 1..=steps {

@@ -18,7 +18,7 @@ pub mod cuda;
 
 use crate::core::OptimizerConfig;
 // The shared vocabulary the trait's signatures use, under the paths callers know.
-pub use crate::core::{optimizer_state_len, DecayGroups, Span, StepHyper};
+pub use crate::core::{optimizer_state_len, ParamGroup, ParamGroups, Span, StepHyper};
 
 /// What the MLP's fc1 forward keeps for the GELU backward (`matmul_forward` with a GELU,
 /// `matmul_backward_gelu_bias`).
@@ -290,7 +290,7 @@ pub trait Backend: Send + Sync {
     /// momentum buffer is set to the gradient on step 1 as torch does). Weight decay applies
     /// only to spans flagged in `decay`.
     #[allow(clippy::too_many_arguments)]
-    fn optimizer_step(&self, params: &mut Self::Buf, grads: &Self::Buf, state: &mut Self::Buf, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()>;
+    fn optimizer_step(&self, params: &mut Self::Buf, grads: &Self::Buf, state: &mut Self::Buf, opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()>;
     /// Σ g² over several spans of `buf` (f64): the gradient norm of a ZeRO shard, whose
     /// pieces are spans of the flat buffer.
     fn sum_squares_spans(&self, buf: &Self::Buf, spans: &[Span]) -> BResult<f64>;
@@ -301,7 +301,7 @@ pub trait Backend: Send + Sync {
     /// the coordinates of `params`. No clipping here: `hyper.clip_norm` must be 0, the caller
     /// folds the global factor into `hyper.grad_scale` (the norm spans every rank's shard).
     #[allow(clippy::too_many_arguments)]
-    fn optimizer_step_pieces(&self, params: &mut Self::Buf, grads: &Self::Buf, state: &mut Self::Buf, pieces: &[(Span, usize)], opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()>;
+    fn optimizer_step_pieces(&self, params: &mut Self::Buf, grads: &Self::Buf, state: &mut Self::Buf, pieces: &[(Span, usize)], opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()>;
     /// ZeRO with sharded master weights (a backend whose forward reads a compute copy): the
     /// update of `optimizer_step_pieces`, except that each piece's f32 master weights are in
     /// `state` at `master_off` instead of in a whole `params` buffer, and the updated weights
@@ -309,7 +309,7 @@ pub trait Backend: Send + Sync {
     /// rank's forward reads, all-gathered afterwards). A backend whose forward reads the f32
     /// master weights keeps them whole and does not provide this.
     #[allow(clippy::too_many_arguments)]
-    fn optimizer_step_shard(&self, _state: &mut Self::Buf, _grads: &Self::Buf, _compute: &mut Self::Buf, _pieces: &[ShardPiece], _opt: &OptimizerConfig, _decay: &DecayGroups, _hyper: StepHyper) -> BResult<()> {
+    fn optimizer_step_shard(&self, _state: &mut Self::Buf, _grads: &Self::Buf, _compute: &mut Self::Buf, _pieces: &[ShardPiece], _opt: &OptimizerConfig, _decay: &ParamGroups, _hyper: StepHyper) -> BResult<()> {
         Err(BackendError::Shape { op: "optimizer_step_shard", msg: format!("{} keeps whole master weights (its forward reads them)", self.name()) })
     }
     /// Peak bytes of device memory this backend has allocated so far, where it counts them
@@ -322,7 +322,7 @@ pub trait Backend: Send + Sync {
     /// `optimizer_step`, then `compute` ← `cast` of the updated weights (the compute-dtype
     /// copy the forward reads). A backend may do both in one pass over the weights.
     #[allow(clippy::too_many_arguments)]
-    fn optimizer_step_cast(&self, params: &mut Self::Buf, grads: &Self::Buf, state: &mut Self::Buf, compute: &mut Self::Buf, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()> {
+    fn optimizer_step_cast(&self, params: &mut Self::Buf, grads: &Self::Buf, state: &mut Self::Buf, compute: &mut Self::Buf, opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()> {
         self.optimizer_step(params, grads, state, opt, decay, hyper)?;
         self.cast(compute, params)
     }

@@ -31,7 +31,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::telemetry::{PowerSampler, PowerSummary};
-use crate::backend::{BResult, Backend, DecayGroups};
+use crate::backend::{BResult, Backend, ParamGroups};
 use crate::bench::args::BenchArgs;
 use crate::config::{DecaySkip, OptimizerConfig};
 use crate::model::vit::{smoothed_targets, Recompute, Vit};
@@ -113,7 +113,7 @@ fn bench_step<B: Backend>(be: &B, args: &BenchArgs, s: &Setup, world: usize) -> 
     let mut m = Vit::new(be, s.cfg.clone())?;
     m.set_class_token_tail(!args.full_last_block);
     m.set_params(be, &crate::model::init::init_params(&m.table, 0))?;
-    let decay = DecayGroups::new(&m.table, &DecaySkip { bias: false, norm: false, pos_embed: false, cls_token: false });
+    let decay = ParamGroups::new(&m.table, &DecaySkip { bias: false, norm: false, pos_embed: false, cls_token: false });
     let recompute = Recompute::parse(&args.recompute).map_err(|e| anyhow::anyhow!("--recompute: {e}"))?;
     let plan = Plan::new(be, &s.cfg, args.micro, args.gas.max(1), world, Some(args.micro), recompute);
     let mut st = Step::new(be, m, s.opt.clone(), decay, BENCH_CLIP, plan)?;

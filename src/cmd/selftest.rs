@@ -21,6 +21,35 @@ pub struct SelftestArgs {
     /// Print one JSON object as the last line.
     #[arg(long)]
     pub json: bool,
+    /// Only compile every CUDA kernel module for this architecture (e.g. sm_90, sm_80) with
+    /// NVRTC and report each: needs the NVRTC library, no GPU.
+    #[arg(long, value_name = "ARCH")]
+    pub compile_kernels: Option<String>,
+}
+
+/// `--compile-kernels ARCH`: one line per module; an error when any failed to compile.
+fn compile_kernels(arch: &str) -> anyhow::Result<()> {
+    if !(arch.starts_with("sm_") && arch[3..].chars().all(|c| c.is_ascii_digit()) && arch.len() > 3) {
+        anyhow::bail!("--compile-kernels: {arch:?} is not an architecture name like sm_90 or sm_80");
+    }
+    let (maj, min) = crate::backend::cuda::compile::nvrtc_version()
+        .map_err(|e| anyhow::anyhow!("--compile-kernels needs the NVRTC library (libnvrtc), which could not be loaded: {e}"))?;
+    crate::outln!("compiling every kernel module for {arch} with NVRTC {maj}.{min}");
+    let mut failed = 0;
+    for (module, r) in crate::backend::cuda::compile::compile_all(arch) {
+        match r {
+            Ok(bytes) => crate::outln!("  ok   {module:<28} {bytes} bytes of cubin"),
+            Err(e) => {
+                failed += 1;
+                crate::outln!("  FAIL {module}\n{e}");
+            }
+        }
+    }
+    if failed > 0 {
+        anyhow::bail!("{failed} kernel modules failed to compile for {arch}");
+    }
+    crate::outln!("every module compiled");
+    Ok(())
 }
 
 /// The report; `others`: (world, failed checks of ranks 1..world) under a launcher.
@@ -64,6 +93,9 @@ fn report_ranks(comm: &mut dyn crate::comm::Comm<impl Sized>, name: &str, seed: 
 
 /// `vitscale selftest`: the report, then an error when any check failed.
 pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
+    if let Some(arch) = &args.compile_kernels {
+        return compile_kernels(arch);
+    }
     let env = crate::comm::DistEnv::detect()?;
     let opts = crate::comm::CommOptions::from_config_and_env(60.0)?;
     let device = super::common::resolve_device_name(&args.device, args.gpu);

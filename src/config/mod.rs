@@ -87,7 +87,7 @@ pub fn resolve(value: &Value, world_size: usize) -> Result<RunConfig> {
     let model = model::parse(section(root.get(model::MODEL.name), model::MODEL.name)?, &data, &mut cx)?;
     let steps_per_print = get_int(Some(root), "", &top_level::STEPS_PER_PRINT, &mut cx)?;
     let train = train::parse(section(root.get(train::TRAIN.name), train::TRAIN.name)?, &batch, steps_per_print, &mut cx)?;
-    let optimizer = optimizer::parse(section(root.get(optimizer::OPTIMIZER.name), optimizer::OPTIMIZER.name)?, &mut cx)?;
+    let (optimizer, layer_decay) = optimizer::parse(section(root.get(optimizer::OPTIMIZER.name), optimizer::OPTIMIZER.name)?, &mut cx)?;
     data::check_mixing_batch(&data, &batch)?;
     let scheduler = scheduler::parse(section(root.get(scheduler::SCHEDULER.name), scheduler::SCHEDULER.name)?, &optimizer, &mut cx)?;
     let monitor = monitor::parse(root, &mut cx)?;
@@ -95,6 +95,7 @@ pub fn resolve(value: &Value, world_size: usize) -> Result<RunConfig> {
     Ok(RunConfig {
         batch,
         optimizer,
+        layer_decay,
         scheduler,
         gradient_clipping,
         precision,
@@ -120,7 +121,7 @@ pub fn resolve(value: &Value, world_size: usize) -> Result<RunConfig> {
 pub fn resolved_json(cfg: &RunConfig) -> Value {
     let mut out = Map::new();
     top_level::write_batch(&cfg.batch, &mut out);
-    put(&mut out, &optimizer::OPTIMIZER, optimizer::write(&cfg.optimizer));
+    put(&mut out, &optimizer::OPTIMIZER, optimizer::write(&cfg.optimizer, cfg.layer_decay));
     top_level::write_clipping(cfg.gradient_clipping, &mut out);
     put(&mut out, &zero::ZERO_OPTIMIZATION, zero::write(cfg));
     put(&mut out, &model::MODEL, model::write(&cfg.model));

@@ -30,8 +30,12 @@ const ADAM_W_MODE: KeyDef = key("adam_w_mode", Ty::Bool, Dflt::Bool(true), "true
 const ADAM_BIAS_CORR: KeyDef = key("bias_correction", Ty::Bool, Dflt::Bool(true), "Adam bias correction (FusedAdam).");
 const ADAM_TORCH: KeyDef = key("torch_adam", Ty::Bool, Dflt::Bool(false), "Use torch.optim.Adam/AdamW in DeepSpeed: same update, torch's defaults.");
 const ADAM_AMSGRAD: KeyDef = key("amsgrad", Ty::Bool, Dflt::Bool(false), "Not supported (FusedAdam rejects it too); must be false.");
+/// timm's layer-wise learning-rate decay (`--layer-decay`, `param_groups_layer_decay`): not a
+/// DeepSpeed key, read from the same block as the optimizer's other arguments.
+const LAYER_DECAY: KeyDef = key("layer_decay", Ty::Num { lo: 0.0, hi: 1.0, lo_open: true, hi_open: false }, Dflt::Unset,
+    "Layer-wise learning-rate decay as timm's: block i of D trains at lr · layer_decay^(D − i), the patch embedding, class token and position embedding at lr · layer_decay^(D + 1), the final norm at lr · layer_decay, fc_norm and the head at lr. Fine-tuning recipes use 0.65–0.75.");
 /// Keys of `optimizer.params` for Adam / AdamW.
-pub const ADAM_KEYS: &[KeyDef] = &[ADAM_LR, ADAM_BETAS, ADAM_EPS, ADAM_WD, ADAM_W_MODE, ADAM_BIAS_CORR, ADAM_TORCH, ADAM_AMSGRAD];
+pub const ADAM_KEYS: &[KeyDef] = &[ADAM_LR, ADAM_BETAS, ADAM_EPS, ADAM_WD, ADAM_W_MODE, ADAM_BIAS_CORR, ADAM_TORCH, ADAM_AMSGRAD, LAYER_DECAY];
 
 const SGD_LR: KeyDef = key("lr", NONNEG, Dflt::Num(1e-3), "Learning rate (torch.optim.SGD's default since torch 2.0).");
 const SGD_MOMENTUM: KeyDef = key("momentum", NONNEG, Dflt::Num(0.0), "Momentum factor.");
@@ -39,13 +43,21 @@ const SGD_DAMPENING: KeyDef = key("dampening", NONNEG, Dflt::Num(0.0), "Dampenin
 const SGD_WD: KeyDef = key("weight_decay", NONNEG, Dflt::Num(0.0), "L2 penalty added to the gradient (torch semantics).");
 const SGD_NESTEROV: KeyDef = key("nesterov", Ty::Bool, Dflt::Bool(false), "Nesterov momentum; needs momentum > 0 and dampening = 0.");
 /// Keys of `optimizer.params` for SGD.
-pub const SGD_KEYS: &[KeyDef] = &[SGD_LR, SGD_MOMENTUM, SGD_DAMPENING, SGD_WD, SGD_NESTEROV];
+pub const SGD_KEYS: &[KeyDef] = &[SGD_LR, SGD_MOMENTUM, SGD_DAMPENING, SGD_WD, SGD_NESTEROV, LAYER_DECAY];
 
 /// Weight decay used when the config has no `optimizer` block.
 pub const DEFAULT_WEIGHT_DECAY: f64 = 0.05;
 
-/// The `optimizer` block; no block is vitscale's default AdamW.
-pub(super) fn parse(block: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<OptimizerConfig> {
+/// The `optimizer` block (no block is vitscale's default AdamW) and its `layer_decay`.
+pub(super) fn parse(block: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<(OptimizerConfig, Option<f64>)> {
+    let layer_decay = match block.map(|b| section(b.get(OPT_PARAMS.name), &full(OPTIMIZER.name, OPT_PARAMS.name))).transpose()?.flatten() {
+        Some(params) => opt_num(Some(params), &full(OPTIMIZER.name, OPT_PARAMS.name), &LAYER_DECAY, cx)?,
+        None => None,
+    };
+    Ok((parse_update(block, cx)?, layer_decay))
+}
+
+fn parse_update(block: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<OptimizerConfig> {
     let Some(block) = block else {
         return Ok(OptimizerConfig::Adam {
             lr: 1e-3,
@@ -133,8 +145,9 @@ pub(super) fn parse(block: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<O
 }
 
 /// `{"type", "params"}` with every parameter the update uses (torch_adam and amsgrad are
-/// folded into them), so the file reads back to the same optimizer.
-pub(super) fn write(optimizer: &OptimizerConfig) -> Value {
+/// folded into them) and the layer decay when there is one, so the file reads back to the same
+/// optimizer.
+pub(super) fn write(optimizer: &OptimizerConfig, layer_decay: Option<f64>) -> Value {
     let mut params = Map::new();
     let ty = match *optimizer {
         OptimizerConfig::Adam { lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction } => {
@@ -155,6 +168,9 @@ pub(super) fn write(optimizer: &OptimizerConfig) -> Value {
             "SGD"
         }
     };
+    if let Some(ld) = layer_decay {
+        put(&mut params, &LAYER_DECAY, json!(ld));
+    }
     let mut block = Map::new();
     put(&mut block, &OPT_TYPE, json!(ty));
     put(&mut block, &OPT_PARAMS, Value::Object(params));

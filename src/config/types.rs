@@ -470,6 +470,8 @@ impl Balance {
 pub struct RunConfig {
     pub batch: BatchConfig,
     pub optimizer: OptimizerConfig,
+    /// `optimizer.params.layer_decay`: timm's layer-wise learning-rate decay (None = off).
+    pub layer_decay: Option<f64>,
     pub scheduler: Option<SchedulerConfig>,
     /// Clip the global gradient norm to this value (0 disables), DeepSpeed `gradient_clipping`.
     pub gradient_clipping: f64,

@@ -139,33 +139,51 @@ impl ParamKind {
     }
 }
 
-/// Which parameters an optimizer step decays: one weight-decay factor per parameter span.
-#[derive(Clone, Debug)]
-pub struct DecayGroups {
-    /// (span, decays) for each named parameter, in table order.
-    pub spans: Vec<(Span, bool)>,
+/// One optimizer parameter group (torch's `param_groups` entry, reduced to what differs
+/// between ViT parameters): a span of the flat buffer, whether weight decay applies to it, and
+/// the factor on the step's learning rate (timm's `lr_scale`: 1 unless layer-wise learning-rate
+/// decay gives the group another).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ParamGroup {
+    pub span: Span,
+    pub decays: bool,
+    pub lr_scale: f32,
 }
 
-impl DecayGroups {
-    /// The groups of these (span, decays) pairs, kept in the order given.
+/// The optimizer's parameter groups: what weight decay and learning-rate factor each span of
+/// the flat buffer gets. Elements outside every span are updated without decay at factor 1.
+#[derive(Clone, Debug)]
+pub struct ParamGroups {
+    /// One group per named parameter, in table order.
+    pub groups: Vec<ParamGroup>,
+}
+
+impl ParamGroups {
+    /// Groups of these (span, decays) pairs at learning-rate factor 1, kept in the order given.
     pub fn from_spans(spans: impl IntoIterator<Item = (Span, bool)>) -> Self {
-        DecayGroups { spans: spans.into_iter().collect() }
+        ParamGroups { groups: spans.into_iter().map(|(span, decays)| ParamGroup { span, decays, lr_scale: 1.0 }).collect() }
     }
 
     /// The groups within `piece`, in the piece's own coordinates (offset 0 = `piece.off`):
     /// what an optimizer step over that piece alone needs (ZeRO shards).
-    pub fn restrict(&self, piece: Span) -> DecayGroups {
+    pub fn restrict(&self, piece: Span) -> ParamGroups {
         let end = piece.off + piece.len;
-        Self::from_spans(self.spans.iter().filter_map(|&(s, d)| {
-            let (lo, hi) = (s.off.max(piece.off), (s.off + s.len).min(end));
-            (lo < hi).then_some((Span { off: lo - piece.off, len: hi - lo }, d))
-        }))
+        let groups = self.groups.iter().filter_map(|g| {
+            let (lo, hi) = (g.span.off.max(piece.off), (g.span.off + g.span.len).min(end));
+            (lo < hi).then_some(ParamGroup { span: Span { off: lo - piece.off, len: hi - lo }, ..*g })
+        });
+        ParamGroups { groups: groups.collect() }
     }
 
     /// The groups of parameters of these kinds under the `train.weight_decay_skip` setting:
     /// a span decays unless its kind is skipped.
     pub fn from_kinds(params: impl IntoIterator<Item = (Span, ParamKind)>, skip: &DecaySkip) -> Self {
         Self::from_spans(params.into_iter().map(|(span, kind)| (span, !kind.skips_decay(skip))))
+    }
+
+    /// Whether any group's learning rate differs from the step's.
+    pub fn scales_lr(&self) -> bool {
+        self.groups.iter().any(|g| g.lr_scale != 1.0)
     }
 }
 
@@ -178,17 +196,20 @@ mod tests {
         let s = |off, len| Span { off, len };
         let params = [(s(0, 4), ParamKind::Weight), (s(4, 2), ParamKind::Bias), (s(6, 2), ParamKind::NormWeight), (s(8, 3), ParamKind::PosEmbed)];
         let skip = DecaySkip { bias: true, norm: false, pos_embed: true, cls_token: true };
-        let g = DecayGroups::from_kinds(params, &skip);
-        assert_eq!(g.spans, vec![(s(0, 4), true), (s(4, 2), false), (s(6, 2), true), (s(8, 3), false)]);
+        let g = ParamGroups::from_kinds(params, &skip);
+        let pairs: Vec<_> = g.groups.iter().map(|g| (g.span, g.decays, g.lr_scale)).collect();
+        assert_eq!(pairs, vec![(s(0, 4), true, 1.0), (s(4, 2), false, 1.0), (s(6, 2), true, 1.0), (s(8, 3), false, 1.0)]);
     }
 
     #[test]
     fn restricting_keeps_the_overlaps_in_piece_coordinates() {
         let s = |off, len| Span { off, len };
-        let g = DecayGroups::from_spans([(s(0, 4), true), (s(4, 2), false), (s(6, 5), true)]);
-        assert_eq!(g.restrict(s(3, 5)).spans, vec![(s(0, 1), true), (s(1, 2), false), (s(3, 2), true)]);
-        assert_eq!(g.restrict(s(11, 3)).spans, vec![]);
-        assert_eq!(g.restrict(s(0, 11)).spans, g.spans);
+        let mut g = ParamGroups::from_spans([(s(0, 4), true), (s(4, 2), false), (s(6, 5), true)]);
+        g.groups[1].lr_scale = 0.5;
+        let pairs = |g: ParamGroups| g.groups.iter().map(|g| (g.span, g.decays, g.lr_scale)).collect::<Vec<_>>();
+        assert_eq!(pairs(g.restrict(s(3, 5))), vec![(s(0, 1), true, 1.0), (s(1, 2), false, 0.5), (s(3, 2), true, 1.0)]);
+        assert_eq!(pairs(g.restrict(s(11, 3))), vec![]);
+        assert_eq!(g.restrict(s(0, 11)).groups, g.groups);
     }
 
     #[test]

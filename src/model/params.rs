@@ -3,7 +3,7 @@
 //! groups and timm import/export are each one loop over this table.
 
 pub use crate::core::ParamKind;
-use crate::core::{DecayGroups, DecaySkip, Span};
+use crate::core::{ParamGroups, DecaySkip, Span};
 
 use super::spec::{GlobalPool, ModelConfig};
 
@@ -138,16 +138,41 @@ impl ParamTable {
 
     /// Which parameters the optimizer decays under the `train.weight_decay_skip` setting, in
     /// table order.
-    pub fn decay_groups(&self, skip: &DecaySkip) -> DecayGroups {
-        DecayGroups::from_kinds(self.entries.iter().map(|e| (e.span, e.kind)), skip)
+    pub fn decay_groups(&self, skip: &DecaySkip) -> ParamGroups {
+        ParamGroups::from_kinds(self.entries.iter().map(|e| (e.span, e.kind)), skip)
     }
 }
 
-impl DecayGroups {
+impl ParamGroups {
     /// `table.decay_groups(skip)`: defined here because `core`, where the type lives, cannot
     /// name the parameter table.
     pub fn new(table: &ParamTable, skip: &DecaySkip) -> Self {
         table.decay_groups(skip)
+    }
+
+    /// These groups (one per table entry, as `new` makes them) with timm's layer-wise
+    /// learning-rate factors (`param_groups_layer_decay` over the ViT's `group_matcher`): with D
+    /// blocks, the stem (patch embedding, class token, position embedding) trains at
+    /// `layer_decay^(D+1)`, block i at `layer_decay^(D−i)`, the final `norm` at `layer_decay`
+    /// (timm groups it with the last block), `fc_norm` and the head at 1.
+    pub fn with_layer_decay(mut self, table: &ParamTable, layer_decay: f64) -> Self {
+        let depth = table.spans.blocks.len() as i32;
+        for g in self.groups.iter_mut() {
+            let Some(entry) = table.entries.iter().find(|e| e.span == g.span) else { continue };
+            let name = entry.name.as_str();
+            let power = if let Some(rest) = name.strip_prefix("blocks.") {
+                let i: i32 = rest.split('.').next().and_then(|n| n.parse().ok()).unwrap_or(0);
+                depth - i
+            } else if name.starts_with("norm.") {
+                1
+            } else if name.starts_with("fc_norm.") || name.starts_with("head.") {
+                0
+            } else {
+                depth + 1
+            };
+            g.lr_scale = layer_decay.powi(power) as f32;
+        }
+        self
     }
 }
 

@@ -324,7 +324,7 @@ impl<B: Backend> Vit<B> {
 
     /// One optimizer step on the accumulated gradients, which also refreshes the compute copy
     /// (no `params_changed` needed after it).
-    pub fn update(&mut self, be: &B, state: &mut B::Buf, opt: &crate::core::OptimizerConfig, decay: &crate::core::DecayGroups, hyper: crate::backend::StepHyper) -> BResult<()> {
+    pub fn update(&mut self, be: &B, state: &mut B::Buf, opt: &crate::core::OptimizerConfig, decay: &crate::core::ParamGroups, hyper: crate::backend::StepHyper) -> BResult<()> {
         self.check_master("update")?;
         match self.compute.as_mut() {
             Some(c) => be.optimizer_step_cast(&mut self.params, &self.grads, state, c, opt, decay, hyper),

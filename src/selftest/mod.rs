@@ -20,7 +20,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::backend::cpu::Cpu;
-use crate::backend::{optimizer_state_len, BResult, Backend, DecayGroups, GeluSaved, Span, StepHyper};
+use crate::backend::{optimizer_state_len, BResult, Backend, GeluSaved, ParamGroup, ParamGroups, Span, StepHyper};
 use crate::train::error::TrainError;
 use crate::train::plan::Plan;
 use crate::train::step::{MicroBatch, Step};
@@ -535,7 +535,7 @@ pub fn attention_checks<B: Backend>(be: &B, seed: u64, path: &str) -> BResult<Ve
 }
 
 /// Float64 optimizer reference with torch semantics (AdamW / Adam+L2 / SGD).
-fn optimizer_reference(p: &mut [f64], g: &[f64], st: &mut [f64], opt: &OptimizerConfig, decays: &[bool], hyper: StepHyper) {
+fn optimizer_reference(p: &mut [f64], g: &[f64], st: &mut [f64], opt: &OptimizerConfig, decays: &[bool], lr_scales: &[f64], hyper: StepHyper) {
     let np = p.len();
     let norm = g.iter().map(|v| v * v).sum::<f64>().sqrt();
     let gs = if hyper.clip_norm > 0.0 { hyper.grad_scale as f64 * (hyper.clip_norm / (norm * hyper.grad_scale.abs() as f64 + 1e-6)).min(1.0) } else { hyper.grad_scale as f64 };
@@ -543,8 +543,8 @@ fn optimizer_reference(p: &mut [f64], g: &[f64], st: &mut [f64], opt: &Optimizer
         OptimizerConfig::Adam { beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, .. } => {
             let t = hyper.step as i32;
             let (bc1, bc2) = if bias_correction { (1.0 - beta1.powi(t), 1.0 - beta2.powi(t)) } else { (1.0, 1.0) };
-            let lr = hyper.lr as f64;
             for i in 0..np {
+                let lr = hyper.lr as f64 * lr_scales[i];
                 let wd = if decays[i] { weight_decay } else { 0.0 };
                 let mut gi = g[i] * gs;
                 if !adam_w_mode {
@@ -560,8 +560,8 @@ fn optimizer_reference(p: &mut [f64], g: &[f64], st: &mut [f64], opt: &Optimizer
             }
         }
         OptimizerConfig::Sgd { momentum, dampening, weight_decay, nesterov, .. } => {
-            let lr = hyper.lr as f64;
             for i in 0..np {
+                let lr = hyper.lr as f64 * lr_scales[i];
                 let wd = if decays[i] { weight_decay } else { 0.0 };
                 let mut gi = g[i] * gs + wd * p[i];
                 if momentum != 0.0 {
@@ -580,14 +580,16 @@ fn optimizer_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
     // 8192-parameter blocks (OPT_CHUNK), the bias and LayerNorm segments less than one
     let cfg = ModelConfig { image_size: 8, patch_size: 4, in_chans: 3, embed_dim: 64, depth: 2, num_heads: 2, mlp_ratio: 4.0, num_classes: 10, qkv_bias: true, class_token: true, global_pool: GlobalPool::Token };
     let table = ParamTable::new(&cfg);
-    let model_groups = DecayGroups::new(&table, &DecaySkip { bias: true, norm: true, pos_embed: true, cls_token: true });
+    let model_groups = ParamGroups::new(&table, &DecaySkip { bias: true, norm: true, pos_embed: true, cls_token: true });
     // Segments of odd starts and lengths, one of a single value at each end, over an even and an
     // odd count (the second moments at an even or odd offset): blocks that start mid-segment at
-    // odd offsets, and the unaligned edges any vectorized form of the kernels must handle.
+    // odd offsets, and the unaligned edges any vectorized form of the kernels must handle;
+    // learning-rate factors of their own (layer-wise decay), one of them below 1e-3.
     let odd_groups = |n: usize| {
         let cuts = [0, 1, 8194, n - 1, n];
-        let spans = cuts.windows(2).enumerate().map(|(i, w)| (Span { off: w[0], len: w[1] - w[0] }, i % 2 == 0)).collect();
-        DecayGroups { spans }
+        let factors = [0.5f32, 1.0, 0.75f32.powi(25), 0.9];
+        let groups = cuts.windows(2).enumerate().map(|(i, w)| ParamGroup { span: Span { off: w[0], len: w[1] - w[0] }, decays: i % 2 == 0, lr_scale: factors[i] }).collect();
+        ParamGroups { groups }
     };
     let layouts = [("model spans", table.total, model_groups), ("odd spans, even count", 18_002, odd_groups(18_002)), ("odd spans, odd count", 18_001, odd_groups(18_001))];
     let opts = [
@@ -599,8 +601,10 @@ fn optimizer_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
     for ((name, opt), (layout, n, decay)) in opts.iter().flat_map(|o| layouts.iter().map(move |l| (o, l))) {
         let (opt, n) = (opt.clone(), *n);
         let mut decays = vec![true; n];
-        for &(s, d) in &decay.spans {
-            decays[s.range()].iter_mut().for_each(|x| *x = d);
+        let mut lr_scales = vec![1.0f64; n];
+        for g in &decay.groups {
+            decays[g.span.range()].iter_mut().for_each(|x| *x = g.decays);
+            lr_scales[g.span.range()].iter_mut().for_each(|x| *x = g.lr_scale as f64);
         }
         let p0 = cx.randn(n, 0.1);
         let mut pd = cx.be.alloc_f32(n)?;
@@ -666,7 +670,7 @@ fn optimizer_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
                 cx.be.optimizer_step_shard(&mut compact, &gd, &mut copy_shard, &shard_pieces, &opt, decay, sharded)?;
             }
             let g64: Vec<f64> = g.iter().map(|&v| v as f64).collect();
-            optimizer_reference(&mut pr, &g64, &mut sr, &opt, &decays, hyper);
+            optimizer_reference(&mut pr, &g64, &mut sr, &opt, &decays, &lr_scales, hyper);
         }
         let got = cx.be.download(&pd)?;
         let want: Vec<f32> = pr.iter().map(|&v| v as f32).collect();
@@ -744,13 +748,13 @@ pub fn recompute_losses<B: Backend>(be: &B, seed: u64, steps: usize) -> BResult<
 
 type Batches = Vec<(Vec<f32>, Vec<f32>)>;
 
-fn small_training_setup(seed: u64) -> (ModelConfig, Vec<f32>, Batches, OptimizerConfig, DecayGroups, usize) {
+fn small_training_setup(seed: u64) -> (ModelConfig, Vec<f32>, Batches, OptimizerConfig, ParamGroups, usize) {
     let cfg = ModelConfig { image_size: 32, patch_size: 4, in_chans: 3, embed_dim: 96, depth: 3, num_heads: 3, mlp_ratio: 4.0, num_classes: 10, qkv_bias: true, class_token: true, global_pool: GlobalPool::Token };
     let b = 16;
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5eed);
     let init = crate::model::init::init_params(&ParamTable::new(&cfg), seed);
     let opt = OptimizerConfig::Sgd { lr: 0.05, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false };
-    let decay = DecayGroups::new(&ParamTable::new(&cfg), &DecaySkip { bias: true, norm: true, pos_embed: true, cls_token: true });
+    let decay = ParamGroups::new(&ParamTable::new(&cfg), &DecaySkip { bias: true, norm: true, pos_embed: true, cls_token: true });
     // A fixed set of 4 batches, cycled: learnable, so the loss moves.
     let batches: Batches = (0..4)
         .map(|_| {
@@ -765,7 +769,7 @@ fn small_training_setup(seed: u64) -> (ModelConfig, Vec<f32>, Batches, Optimizer
 /// `steps` optimizer steps of the training step (`train::step::Step`, one pass per step, no
 /// clipping) on `be`; returns each step's mean loss.
 #[allow(clippy::too_many_arguments)]
-fn train_small<B2: Backend>(be: &B2, cfg: &ModelConfig, init: &[f32], batches: &[(Vec<f32>, Vec<f32>)], opt: &OptimizerConfig, decay: &DecayGroups, b: usize, steps: usize, policy: Recompute) -> BResult<Vec<f32>> {
+fn train_small<B2: Backend>(be: &B2, cfg: &ModelConfig, init: &[f32], batches: &[(Vec<f32>, Vec<f32>)], opt: &OptimizerConfig, decay: &ParamGroups, b: usize, steps: usize, policy: Recompute) -> BResult<Vec<f32>> {
     let as_backend = |e: TrainError| match e {
         TrainError::Backend(e) => e,
         other => crate::backend::BackendError::Device(other.to_string()),

@@ -38,7 +38,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, DecayGroups, Span, StepHyper};
+use crate::backend::{Backend, ParamGroups, Span, StepHyper};
 use crate::util::median;
 use crate::config::OptimizerConfig;
 use crate::model::Vit;
@@ -402,7 +402,7 @@ impl<B: Backend> GradSync<B> for Timed<'_, B> {
     }
     // the sync's own update (ZeRO's sharded one), or the update of the whole gradient
     #[allow(clippy::too_many_arguments)]
-    fn update(&mut self, be: &B, vit: &mut Vit<B>, state: &mut B::Buf, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper, read_norm: bool) -> Result<Updated, TrainError> {
+    fn update(&mut self, be: &B, vit: &mut Vit<B>, state: &mut B::Buf, opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper, read_norm: bool) -> Result<Updated, TrainError> {
         self.inner.update(be, vit, state, opt, decay, hyper, read_norm)
     }
 }

@@ -17,7 +17,7 @@
 //! has no host synchronization at all except on those steps, which have two (the norm, the
 //! losses).
 
-use crate::backend::{optimizer_state_len, Backend, DecayGroups, Span, StepHyper};
+use crate::backend::{optimizer_state_len, Backend, ParamGroups, Span, StepHyper};
 use crate::config::OptimizerConfig;
 use crate::metrics::trace::{Trace, Track};
 use crate::model::Vit;
@@ -39,7 +39,7 @@ pub struct Step<B: Backend> {
     pub vit: Vit<B>,
     pub opt_state: B::Buf,
     pub optimizer: OptimizerConfig,
-    pub decay: DecayGroups,
+    pub decay: ParamGroups,
     /// `gradient_clipping`: the global gradient norm is clipped to this on the device (0 = off).
     pub clip: f64,
     pub plan: Plan,
@@ -54,14 +54,14 @@ pub struct Step<B: Backend> {
 }
 
 impl<B: Backend> Step<B> {
-    pub fn new(be: &B, vit: Vit<B>, optimizer: OptimizerConfig, decay: DecayGroups, clip: f64, plan: Plan) -> Result<Self, TrainError> {
+    pub fn new(be: &B, vit: Vit<B>, optimizer: OptimizerConfig, decay: ParamGroups, clip: f64, plan: Plan) -> Result<Self, TrainError> {
         let len = optimizer_state_len(&optimizer, vit.table.total);
         Self::with_state_len(be, vit, optimizer, decay, clip, plan, len)
     }
 
     /// `new` with an optimizer state of `state_len` values: a ZeRO shard's
     /// (`ZeroLayout::state_len`) instead of the whole model's.
-    pub fn with_state_len(be: &B, mut vit: Vit<B>, optimizer: OptimizerConfig, decay: DecayGroups, clip: f64, plan: Plan, state_len: usize) -> Result<Self, TrainError> {
+    pub fn with_state_len(be: &B, mut vit: Vit<B>, optimizer: OptimizerConfig, decay: ParamGroups, clip: f64, plan: Plan, state_len: usize) -> Result<Self, TrainError> {
         vit.set_recompute(plan.recompute_policy());
         let opt_state = be.alloc_f32(state_len)?;
         vit.zero_grads(be)?;

@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::backend::{Backend, DecayGroups, Span, StepHyper};
+use crate::backend::{Backend, ParamGroups, Span, StepHyper};
 use crate::comm::{Collective, Comm, ReduceOp, Wire, Work};
 use crate::config::{CommDtype, GradComm, OptimizerConfig};
 use crate::model::Vit;
@@ -42,7 +42,7 @@ pub trait GradSync<B: Backend> {
     /// whole reduced gradient; ZeRO (`train::zero`) updates this rank's shard and all-gathers.
     /// With `read_norm` the pre-clip global gradient norm comes back.
     #[allow(clippy::too_many_arguments)]
-    fn update(&mut self, be: &B, vit: &mut Vit<B>, state: &mut B::Buf, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper, read_norm: bool) -> Result<Updated, TrainError> {
+    fn update(&mut self, be: &B, vit: &mut Vit<B>, state: &mut B::Buf, opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper, read_norm: bool) -> Result<Updated, TrainError> {
         let norm = if read_norm { Some(be.sum_squares(&vit.grads)?.sqrt()) } else { None };
         vit.update(be, state, opt, decay, hyper)?;
         Ok(Updated { norm, bytes: 0 })

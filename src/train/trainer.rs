@@ -26,7 +26,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::backend::{optimizer_state_len, Backend, DecayGroups, Span};
+use crate::backend::{optimizer_state_len, Backend, ParamGroups, Span};
 use crate::comm::{Comm, SingleComm, Wire};
 use crate::config::RunConfig;
 use crate::data::loader::Prepared;
@@ -331,7 +331,10 @@ fn open_data(cfg: &RunConfig, plan: &Plan, run: &RunDir) -> Result<TrainData, Tr
 /// The model, its optimizer state (this rank's shard under ZeRO) and how its gradients travel.
 fn build_step<B: Backend>(be: &B, cfg: &RunConfig, plan: &Plan, opts: &TrainOptions, (rank, world): (usize, usize), t_start: Instant) -> Result<(Step<B>, Gradients), TrainError> {
     let vit = build_model_for_training(be, cfg, opts.init.as_deref(), opts.quiet)?;
-    let decay = DecayGroups::new(&vit.table, &cfg.train.weight_decay_skip);
+    let mut decay = ParamGroups::new(&vit.table, &cfg.train.weight_decay_skip);
+    if let Some(ld) = cfg.layer_decay {
+        decay = decay.with_layer_decay(&vit.table, ld);
+    }
     // the gradient buckets, reduced while the step's last backward goes on
     let buckets = BucketPlan::new(&vit.gradient_groups(), plan.zero.first_bucket_elems, plan.zero.bucket_elems).map_err(TrainError::Config)?;
     let zero = match plan.zero.stage {

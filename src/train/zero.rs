@@ -40,7 +40,7 @@
 
 use std::time::Instant;
 
-use crate::backend::{optimizer_state_len, Backend, DecayGroups, ShardPiece, Span, StepHyper};
+use crate::backend::{optimizer_state_len, Backend, ParamGroups, ShardPiece, Span, StepHyper};
 use crate::comm::{shard, Collective, Comm, ReduceOp, Wire, Work};
 use crate::config::OptimizerConfig;
 use crate::model::Vit;
@@ -342,7 +342,7 @@ impl<B: Backend> GradSync<B> for ZeroSync<'_, B::Buf> {
         self.track.wait_all(&mut *self.comm, grads)
     }
 
-    fn update(&mut self, be: &B, vit: &mut Vit<B>, state: &mut B::Buf, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper, read_norm: bool) -> Result<Updated, TrainError> {
+    fn update(&mut self, be: &B, vit: &mut Vit<B>, state: &mut B::Buf, opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper, read_norm: bool) -> Result<Updated, TrainError> {
         let l = self.layout;
         // the global norm: every rank's own shards once, the replicated tails once
         let norm = if hyper.clip_norm > 0.0 || read_norm {
@@ -450,7 +450,7 @@ impl<B: Backend> GradSync<B> for AnySync<'_, B::Buf> {
             AnySync::Zero(s) => s.finish(be, grads),
         }
     }
-    fn update(&mut self, be: &B, vit: &mut Vit<B>, state: &mut B::Buf, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper, read_norm: bool) -> Result<Updated, TrainError> {
+    fn update(&mut self, be: &B, vit: &mut Vit<B>, state: &mut B::Buf, opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper, read_norm: bool) -> Result<Updated, TrainError> {
         match self {
             AnySync::Plain(s) => s.update(be, vit, state, opt, decay, hyper, read_norm),
             AnySync::Zero(s) => s.update(be, vit, state, opt, decay, hyper, read_norm),

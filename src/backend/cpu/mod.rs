@@ -10,7 +10,7 @@ pub mod optim;
 use rayon::prelude::*;
 
 use self::gemm::{matmul, Mat, MatMut};
-use super::{BResult, Backend, BackendError, DecayGroups, GeluSaved, Span, StepHyper};
+use super::{BResult, Backend, BackendError, ParamGroups, GeluSaved, Span, StepHyper};
 use crate::core::{OptimizerConfig, LN_EPS};
 
 /// The CPU backend. Stateless: threads come from the global rayon pool.
@@ -647,7 +647,7 @@ impl Backend for Cpu {
         Ok(total)
     }
 
-    fn optimizer_step_pieces(&self, params: &mut Vec<f32>, grads: &Vec<f32>, state: &mut Vec<f32>, pieces: &[(Span, usize)], opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()> {
+    fn optimizer_step_pieces(&self, params: &mut Vec<f32>, grads: &Vec<f32>, state: &mut Vec<f32>, pieces: &[(Span, usize)], opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()> {
         check("optimizer_step_pieces", "grads", grads, params.len())?;
         optim::optimizer_step_pieces(params, grads, state, pieces, opt, decay, hyper)
     }
@@ -657,7 +657,7 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn optimizer_step(&self, params: &mut Vec<f32>, grads: &Vec<f32>, state: &mut Vec<f32>, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()> {
+    fn optimizer_step(&self, params: &mut Vec<f32>, grads: &Vec<f32>, state: &mut Vec<f32>, opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()> {
         let n = params.len();
         check("optimizer_step", "grads", grads, n)?;
         check("optimizer_step", "state", state, super::optimizer_state_len(opt, n))?;

@@ -10,7 +10,7 @@
 
 use rayon::prelude::*;
 
-use crate::backend::{optimizer_state_len, BResult, BackendError, DecayGroups, Span, StepHyper};
+use crate::backend::{optimizer_state_len, BResult, BackendError, ParamGroups, Span, StepHyper};
 use crate::core::OptimizerConfig;
 
 /// Elements per parallel work item: large enough to amortize scheduling, small enough to
@@ -21,40 +21,42 @@ fn shape_err(msg: String) -> BackendError {
     BackendError::Shape { op: "optimizer_step", msg }
 }
 
-/// Cuts `0..n` into pieces of at most `CHUNK` elements that never straddle a decay-group
-/// boundary: (length, decays). Elements not covered by any span are updated without decay.
-fn pieces(n: usize, decay: &DecayGroups) -> BResult<Vec<(usize, bool)>> {
-    let mut spans: Vec<_> = decay.spans.iter().filter(|(s, _)| s.len > 0).copied().collect();
-    spans.sort_by_key(|(s, _)| s.off);
+/// Cuts `0..n` into pieces of at most `CHUNK` elements that never straddle a parameter-group
+/// boundary: (length, decays, lr factor). Elements not covered by any group are updated
+/// without decay at factor 1.
+fn pieces(n: usize, groups: &ParamGroups) -> BResult<Vec<(usize, bool, f32)>> {
+    let mut spans: Vec<_> = groups.groups.iter().filter(|g| g.span.len > 0).copied().collect();
+    spans.sort_by_key(|g| g.span.off);
     let mut out = Vec::new();
-    let mut push = |mut len: usize, decays: bool| {
+    let mut push = |mut len: usize, decays: bool, lr_scale: f32| {
         while len > 0 {
             let l = len.min(CHUNK);
-            out.push((l, decays));
+            out.push((l, decays, lr_scale));
             len -= l;
         }
     };
     let mut at = 0;
-    for (span, decays) in spans {
+    for g in spans {
+        let span = g.span;
         if span.off < at || span.off + span.len > n {
             return Err(shape_err(format!(
-                "decay span {}..{} overlaps another span or exceeds the {n} parameters",
+                "parameter group {}..{} overlaps another group or exceeds the {n} parameters",
                 span.off,
                 span.off + span.len
             )));
         }
-        push(span.off - at, false);
-        push(span.len, decays);
+        push(span.off - at, false, 1.0);
+        push(span.len, g.decays, g.lr_scale);
         at = span.off + span.len;
     }
-    push(n - at, false);
+    push(n - at, false, 1.0);
     Ok(out)
 }
 
 /// Splits `s` into consecutive mutable pieces of the given lengths.
-fn split_mut<'a, T>(mut s: &'a mut [T], lens: &[(usize, bool)]) -> Vec<&'a mut [T]> {
+fn split_mut<'a, T>(mut s: &'a mut [T], lens: &[(usize, bool, f32)]) -> Vec<&'a mut [T]> {
     let mut out = Vec::with_capacity(lens.len());
-    for &(len, _) in lens {
+    for &(len, _, _) in lens {
         let (head, tail) = std::mem::take(&mut s).split_at_mut(len);
         out.push(head);
         s = tail;
@@ -62,9 +64,9 @@ fn split_mut<'a, T>(mut s: &'a mut [T], lens: &[(usize, bool)]) -> Vec<&'a mut [
     out
 }
 
-fn split<'a, T>(mut s: &'a [T], lens: &[(usize, bool)]) -> Vec<&'a [T]> {
+fn split<'a, T>(mut s: &'a [T], lens: &[(usize, bool, f32)]) -> Vec<&'a [T]> {
     let mut out = Vec::with_capacity(lens.len());
-    for &(len, _) in lens {
+    for &(len, _, _) in lens {
         let (head, tail) = s.split_at(len);
         out.push(head);
         s = tail;
@@ -81,7 +83,7 @@ pub fn optimizer_step(
     grads: &[f32],
     state: &mut [f32],
     opt: &OptimizerConfig,
-    decay: &DecayGroups,
+    decay: &ParamGroups,
     hyper: StepHyper,
 ) -> BResult<()> {
     let n = params.len();
@@ -120,8 +122,9 @@ pub fn optimizer_step(
                 (1.0, 1.0)
             };
             let (b1, b2, eps) = (beta1 as f32, beta2 as f32, eps as f32);
-            ps.into_par_iter().zip(gr).zip(ms).zip(vs).zip(lens.par_iter()).for_each(|((((p, g), m), v), &(_, decays))| {
+            ps.into_par_iter().zip(gr).zip(ms).zip(vs).zip(lens.par_iter()).for_each(|((((p, g), m), v), &(_, decays, lr_scale))| {
                 let wd = if decays { weight_decay as f32 } else { 0.0 };
+                let lr = lr * lr_scale;
                 for i in 0..p.len() {
                     let mut gi = g[i] * gs;
                     if !adam_w_mode {
@@ -142,8 +145,9 @@ pub fn optimizer_step(
             let bufs = split_mut(state, &lens);
             let (mom, damp) = (momentum as f32, dampening as f32);
             let first = hyper.step == 1;
-            ps.into_par_iter().zip(gr).zip(bufs).zip(lens.par_iter()).for_each(|(((p, g), buf), &(_, decays))| {
+            ps.into_par_iter().zip(gr).zip(bufs).zip(lens.par_iter()).for_each(|(((p, g), buf), &(_, decays, lr_scale))| {
                 let wd = if decays { weight_decay as f32 } else { 0.0 };
+                let lr = lr * lr_scale;
                 for i in 0..p.len() {
                     let mut d = g[i] * gs + wd * p[i];
                     if mom != 0.0 {
@@ -167,7 +171,7 @@ pub fn optimizer_step_pieces(
     state: &mut [f32],
     pieces: &[(Span, usize)],
     opt: &OptimizerConfig,
-    decay: &DecayGroups,
+    decay: &ParamGroups,
     hyper: StepHyper,
 ) -> BResult<()> {
     if hyper.clip_norm > 0.0 {
@@ -200,31 +204,36 @@ pub fn sum_squares(x: &[f32]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::Span;
+    use crate::backend::{ParamGroup, Span};
     use rand::{Rng, SeedableRng};
 
     fn random(n: usize, rng: &mut impl Rng) -> Vec<f32> {
         (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect()
     }
 
-    /// Decay groups over `n` elements: several spans of both kinds, one larger than CHUNK,
-    /// and an uncovered tail (no decay).
-    fn groups(n: usize) -> (DecayGroups, Vec<bool>) {
+    /// Parameter groups over `n` elements: several spans of both decay kinds and learning-rate
+    /// factors, one larger than CHUNK, and an uncovered tail (no decay, factor 1). Returns the
+    /// groups and each element's decay flag and factor.
+    fn groups(n: usize) -> (ParamGroups, Vec<bool>, Vec<f64>) {
         let cuts = [0, 7, 300, 301, 300 + CHUNK + 5, n - 11];
-        let mut spans = Vec::new();
+        let factors = [0.75f32 * 0.75, 1.0, 0.75, 0.3, 1.0];
+        let mut groups = Vec::new();
         let mut flags = vec![false; n];
+        let mut scales = vec![1.0f64; n];
         for (i, w) in cuts.windows(2).enumerate() {
             let decays = i % 2 == 0;
-            spans.push((Span { off: w[0], len: w[1] - w[0] }, decays));
+            groups.push(ParamGroup { span: Span { off: w[0], len: w[1] - w[0] }, decays, lr_scale: factors[i] });
             flags[w[0]..w[1]].iter_mut().for_each(|f| *f = decays);
+            scales[w[0]..w[1]].iter_mut().for_each(|f| *f = factors[i] as f64);
         }
-        (DecayGroups { spans }, flags)
+        (ParamGroups { groups }, flags, scales)
     }
 
     /// torch.optim.Adam / AdamW as in the torch docs' pseudo-code, in f64.
     #[allow(clippy::too_many_arguments)]
-    fn adam_ref(p: &mut [f64], g: &[f64], m: &mut [f64], v: &mut [f64], t: i32, lr: f64, b1: f64, b2: f64, eps: f64, wd: &[f64], adamw: bool, bc: bool) {
+    fn adam_ref(p: &mut [f64], g: &[f64], m: &mut [f64], v: &mut [f64], t: i32, lrs: &[f64], b1: f64, b2: f64, eps: f64, wd: &[f64], adamw: bool, bc: bool) {
         for i in 0..p.len() {
+            let lr = lrs[i];
             let mut gi = g[i];
             if adamw {
                 p[i] -= lr * wd[i] * p[i];
@@ -240,8 +249,9 @@ mod tests {
 
     /// torch.optim.SGD as in the torch docs' pseudo-code, in f64.
     #[allow(clippy::too_many_arguments)]
-    fn sgd_ref(p: &mut [f64], g: &[f64], b: &mut [f64], t: u64, lr: f64, mu: f64, tau: f64, wd: &[f64], nesterov: bool) {
+    fn sgd_ref(p: &mut [f64], g: &[f64], b: &mut [f64], t: u64, lrs: &[f64], mu: f64, tau: f64, wd: &[f64], nesterov: bool) {
         for i in 0..p.len() {
+            let lr = lrs[i];
             let mut gi = g[i] + wd[i] * p[i];
             if mu != 0.0 {
                 b[i] = if t > 1 { mu * b[i] + (1.0 - tau) * gi } else { gi };
@@ -263,8 +273,9 @@ mod tests {
     fn run_adam(adamw: bool, bc: bool, seed: u64) {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let n = 2 * CHUNK + 777;
-        let (decay, flags) = groups(n);
+        let (decay, flags, scales) = groups(n);
         let (lr, b1, b2, eps, wd) = (1e-2, 0.9, 0.95, 1e-6, 0.1);
+        let lrs: Vec<f64> = scales.iter().map(|s| lr * s).collect();
         let opt = OptimizerConfig::Adam { lr, beta1: b1, beta2: b2, eps, weight_decay: wd, adam_w_mode: adamw, bias_correction: bc };
         let mut p = random(n, &mut rng);
         let mut state = vec![0.0f32; 2 * n];
@@ -276,7 +287,7 @@ mod tests {
             let g = random(n, &mut rng);
             let gr: Vec<f64> = g.iter().map(|&x| (x * scale) as f64).collect();
             optimizer_step(&mut p, &g, &mut state, &opt, &decay, StepHyper { lr: lr as f32, step: t, grad_scale: scale, clip_norm: 0.0 }).unwrap();
-            adam_ref(&mut pr, &gr, &mut mr, &mut vr, t as i32, lr, b1, b2, eps, &wdv, adamw, bc);
+            adam_ref(&mut pr, &gr, &mut mr, &mut vr, t as i32, &lrs, b1, b2, eps, &wdv, adamw, bc);
             assert_close(&p, &pr, "params");
             assert_close(&state[..n], &mr, "m");
             assert_close(&state[n..], &vr, "v");
@@ -290,7 +301,7 @@ mod tests {
     fn pieces_update_like_the_whole_buffer() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
         let n = 2 * CHUNK + 333;
-        let (decay, _) = groups(n);
+        let (decay, _, _) = groups(n);
         let pieces_at = [Span { off: 5, len: 290 }, Span { off: 301 + CHUNK, len: CHUNK + 10 }, Span { off: n - 20, len: 20 }];
         let adam = OptimizerConfig::Adam { lr: 1e-2, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1, adam_w_mode: true, bias_correction: true };
         let sgd = OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, dampening: 0.0, weight_decay: 0.01, nesterov: true };
@@ -341,8 +352,9 @@ mod tests {
     fn run_sgd(mu: f64, tau: f64, nesterov: bool, seed: u64) {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let n = CHUNK + 1234;
-        let (decay, flags) = groups(n);
+        let (decay, flags, scales) = groups(n);
         let (lr, wd) = (0.05, 0.01);
+        let lrs: Vec<f64> = scales.iter().map(|s| lr * s).collect();
         let opt = OptimizerConfig::Sgd { lr, momentum: mu, dampening: tau, weight_decay: wd, nesterov };
         let mut p = random(n, &mut rng);
         let mut buf = vec![0.0f32; n];
@@ -353,7 +365,7 @@ mod tests {
             let g = random(n, &mut rng);
             let gr: Vec<f64> = g.iter().map(|&x| (x * 2.0) as f64).collect();
             optimizer_step(&mut p, &g, &mut buf, &opt, &decay, StepHyper { lr: lr as f32, step: t, grad_scale: 2.0, clip_norm: 0.0 }).unwrap();
-            sgd_ref(&mut pr, &gr, &mut br, t, lr, mu, tau, &wdv, nesterov);
+            sgd_ref(&mut pr, &gr, &mut br, t, &lrs, mu, tau, &wdv, nesterov);
             assert_close(&p, &pr, "params");
             if mu != 0.0 {
                 assert_close(&buf, &br, "momentum buffer");
@@ -383,7 +395,7 @@ mod tests {
         let mut p = vec![1.0f32, 1.0, 1.0];
         let g = vec![3.0f32, -0.5, 1e-3];
         let mut s = vec![0.0f32; 6];
-        let d = DecayGroups { spans: vec![] };
+        let d = ParamGroups { groups: vec![] };
         optimizer_step(&mut p, &g, &mut s, &opt, &d, StepHyper { lr: 0.1, step: 1, grad_scale: 1.0, clip_norm: 0.0 }).unwrap();
         assert!((p[0] - 0.9).abs() < 1e-6 && (p[1] - 1.1).abs() < 1e-6 && (p[2] - 0.9).abs() < 1e-4, "{p:?}");
     }
@@ -393,7 +405,7 @@ mod tests {
     #[test]
     fn clip_norm_scales_by_the_global_norm() {
         let opt = OptimizerConfig::Sgd { lr: 1.0, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false };
-        let d = DecayGroups { spans: vec![] };
+        let d = ParamGroups { groups: vec![] };
         let g = vec![3.0f32, -4.0, 0.0];
         let mut p = vec![0.0f32; 3];
         optimizer_step(&mut p, &g, &mut [0.0; 3], &opt, &d, StepHyper { lr: 1.0, step: 1, grad_scale: 1.0, clip_norm: 1.0 }).unwrap();
@@ -410,11 +422,11 @@ mod tests {
     #[test]
     fn mismatched_lengths_are_errors() {
         let opt = OptimizerConfig::Sgd { lr: 0.1, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false };
-        let d = DecayGroups { spans: vec![] };
+        let d = ParamGroups { groups: vec![] };
         let h = StepHyper { lr: 0.1, step: 1, grad_scale: 1.0, clip_norm: 0.0 };
         assert!(optimizer_step(&mut [0.0; 4], &[0.0; 3], &mut [0.0; 4], &opt, &d, h).is_err());
         assert!(optimizer_step(&mut [0.0; 4], &[0.0; 4], &mut [0.0; 3], &opt, &d, h).is_err());
-        let bad = DecayGroups { spans: vec![(Span { off: 2, len: 5 }, true)] };
+        let bad = ParamGroups::from_spans([(Span { off: 2, len: 5 }, true)]);
         assert!(optimizer_step(&mut [0.0; 4], &[0.0; 4], &mut [0.0; 4], &opt, &bad, h).is_err());
     }
 

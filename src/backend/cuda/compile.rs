@@ -107,6 +107,27 @@ fn nvrtc_cubin(name: &str, src: &str, arch: &str, opts: &[String]) -> Result<Vec
     result
 }
 
+/// Compiles every module for `arch` (e.g. "sm_90") with NVRTC alone, with the options the
+/// device load uses: no GPU, driver or cache is involved. (module, cubin bytes or the
+/// compiler's error) for the required, the optional and (for sm_90) the Hopper modules: what
+/// `vitscale selftest --compile-kernels` reports, so kernel sources can be checked on a
+/// machine without a GPU.
+pub fn compile_all(arch: &str) -> Vec<(String, Result<usize, BackendError>)> {
+    let hopper: &[(&str, &str)] = if arch == "sm_90" { HOPPER } else { &[] };
+    let all = SOURCES.iter().map(|s| (s, arch)).chain(OPTIONAL.iter().map(|s| (s, arch))).chain(hopper.iter().map(|s| (s, "sm_90a")));
+    all.map(|((name, body), arch)| {
+        let mut opts = vec![format!("--gpu-architecture={arch}")];
+        opts.extend(base_options());
+        let src = format!("{COMMON}\n#line 1 \"{name}\"\n{body}");
+        (format!("{name} ({arch})"), nvrtc_cubin(name, &src, arch, &opts).map(|c| c.len()))
+    })
+    .collect()
+}
+
+fn base_options() -> Vec<String> {
+    vec!["--std=c++17".to_string(), "-default-device".to_string(), "--use_fast_math".to_string()]
+}
+
 /// Every kernel function by name.
 pub struct Kernels {
     funcs: HashMap<String, CudaFunction>,
@@ -120,11 +141,7 @@ pub struct Kernels {
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>, arch: &str) -> Result<Kernels, BackendError> {
         let (maj, min) = nvrtc_version()?;
-        let base_opts = vec![
-            "--std=c++17".to_string(),
-            "-default-device".to_string(),
-            "--use_fast_math".to_string(),
-        ];
+        let base_opts = base_options();
         let dir = cache_dir();
         let mut funcs = HashMap::new();
         let mut modules = Vec::new();

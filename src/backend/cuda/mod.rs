@@ -44,7 +44,7 @@
 //! backend itself and its `Backend` implementation, which hands each op to its layer.
 
 mod attention;
-mod compile;
+pub mod compile;
 mod device;
 mod embed;
 mod gemm;
@@ -69,7 +69,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 
 use self::device::{dev, Scratch, Staging};
 use self::gemm::{Gemm, Ty};
-use super::{BResult, Backend, BackendError, DecayGroups, GeluSaved, ShardPiece, Span, StepHyper};
+use super::{BResult, Backend, BackendError, ParamGroups, GeluSaved, ShardPiece, Span, StepHyper};
 use crate::core::OptimizerConfig;
 
 /// One GPU behind the `Backend` trait (see the module doc).
@@ -92,7 +92,7 @@ pub struct Cuda {
     scratch: Mutex<Scratch>,
     /// Bias and LayerNorm-parameter gradient reductions waiting for one launch (`partials`).
     partial_sums: Mutex<partials::PendingSums>,
-    /// Uploaded optimizer segments (start, end, decays), one table per decay grouping seen.
+    /// Uploaded optimizer segments (start, end, code), one table per grouping seen.
     segments: Mutex<Vec<(Vec<i64>, CudaBuf)>>,
     /// One f64 accumulator for `sum_squares`.
     acc: CudaBuf,
@@ -365,11 +365,11 @@ impl Backend for Cuda {
         self.sum_squares_spans_impl(buf, spans)
     }
 
-    fn optimizer_step_pieces(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, pieces: &[(Span, usize)], opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()> {
+    fn optimizer_step_pieces(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, pieces: &[(Span, usize)], opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()> {
         self.optimizer_step_pieces_impl(params, grads, state, pieces, opt, decay, hyper)
     }
 
-    fn optimizer_step_shard(&self, state: &mut CudaBuf, grads: &CudaBuf, compute: &mut CudaBuf, pieces: &[ShardPiece], opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()> {
+    fn optimizer_step_shard(&self, state: &mut CudaBuf, grads: &CudaBuf, compute: &mut CudaBuf, pieces: &[ShardPiece], opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()> {
         self.optimizer_step_shard_impl(state, grads, compute, pieces, opt, decay, hyper)
     }
 
@@ -385,12 +385,12 @@ impl Backend for Cuda {
         self.scale_impl(buf, s)
     }
 
-    fn optimizer_step(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()> {
+    fn optimizer_step(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()> {
         self.optimizer_step_impl(params, grads, state, None, opt, decay, hyper)
     }
 
     /// The update kernels write the bf16 compute copy as they go: no separate cast pass.
-    fn optimizer_step_cast(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, compute: &mut CudaBuf, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()> {
+    fn optimizer_step_cast(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, compute: &mut CudaBuf, opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()> {
         self.optimizer_step_cast_impl(params, grads, state, compute, opt, decay, hyper)
     }
 }

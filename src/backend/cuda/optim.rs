@@ -7,7 +7,7 @@ use cudarc::driver::result as dr;
 use super::device::{check_f32, check_len, check_span, dev, kargs, CudaBuf, THREADS};
 use super::gemm::Ty;
 use super::Cuda;
-use crate::backend::{BResult, Backend, BackendError, DecayGroups, ShardPiece, Span, StepHyper};
+use crate::backend::{BResult, Backend, BackendError, ParamGroups, ShardPiece, Span, StepHyper};
 use crate::core::{optimizer_state_len, OptimizerConfig};
 
 /// Parameters per block of the optimizer kernels (8 rounds of their 4-element loads).
@@ -43,7 +43,7 @@ impl Cuda {
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn optimizer_step_cast_impl(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, compute: &mut CudaBuf, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()> {
+    pub(super) fn optimizer_step_cast_impl(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, compute: &mut CudaBuf, opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()> {
         if compute.ty != Ty::Bf16 {
             self.optimizer_step_impl(params, grads, state, None, opt, decay, hyper)?;
             return self.cast(compute, params);
@@ -52,7 +52,7 @@ impl Cuda {
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn optimizer_step_impl(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, compute: Option<&mut CudaBuf>, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()> {
+    pub(super) fn optimizer_step_impl(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, compute: Option<&mut CudaBuf>, opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()> {
         self.flush_partial_sums()?;
         const OP: &str = "optimizer_step";
         check_f32(OP, "params", params)?;
@@ -82,7 +82,7 @@ impl Cuda {
     /// `Backend::optimizer_step_pieces`): one launch per piece at offset pointers, so every
     /// element gets exactly the update a whole-buffer step would give it.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn optimizer_step_pieces_impl(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, pieces: &[(Span, usize)], opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()> {
+    pub(super) fn optimizer_step_pieces_impl(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, pieces: &[(Span, usize)], opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()> {
         self.flush_partial_sums()?;
         const OP: &str = "optimizer_step_pieces";
         check_f32(OP, "params", params)?;
@@ -106,7 +106,7 @@ impl Cuda {
     /// and state at offsets of the compact buffer, writing the bf16 weights into the compute
     /// copy at the piece's span as it goes (the same kernel, so the same values, as stage 0).
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn optimizer_step_shard_impl(&self, state: &mut CudaBuf, grads: &CudaBuf, compute: &mut CudaBuf, pieces: &[ShardPiece], opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper) -> BResult<()> {
+    pub(super) fn optimizer_step_shard_impl(&self, state: &mut CudaBuf, grads: &CudaBuf, compute: &mut CudaBuf, pieces: &[ShardPiece], opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()> {
         self.flush_partial_sums()?;
         const OP: &str = "optimizer_step_shard";
         check_f32(OP, "grads", grads)?;
@@ -153,23 +153,26 @@ impl Cuda {
     /// The update kernels over `p` elements at these addresses (`v`: Adam's second moment;
     /// `pc`: the bf16 compute copy or 0), decay groups in the coordinates of `params`.
     #[allow(clippy::too_many_arguments)]
-    fn optimizer_launch(&self, params: u64, grads: u64, m: u64, v: u64, pc: u64, p: usize, opt: &OptimizerConfig, decay: &DecayGroups, hyper: StepHyper, norm2: u64, clip: f32) -> BResult<()> {
+    fn optimizer_launch(&self, params: u64, grads: u64, m: u64, v: u64, pc: u64, p: usize, opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper, norm2: u64, clip: f32) -> BResult<()> {
         const OP: &str = "optimizer_step";
-        // Merge neighbouring spans with the same decay flag into segments.
+        // Merge neighbouring groups with the same decay flag and learning-rate factor into
+        // segments; a segment's third slot carries both (`segment_code`).
         let mut segs: Vec<i64> = Vec::new();
-        for &(s, d) in &decay.spans {
+        for g in &decay.groups {
+            let s = g.span;
             if s.off + s.len > p {
-                return Err(BackendError::Shape { op: OP, msg: format!("decay group {}..{} exceeds the {p} parameters", s.off, s.off + s.len) });
+                return Err(BackendError::Shape { op: OP, msg: format!("parameter group {}..{} exceeds the {p} parameters", s.off, s.off + s.len) });
             }
+            let code = segment_code(g.decays, g.lr_scale);
             let n = segs.len();
-            if n >= 3 && segs[n - 2] == s.off as i64 && (segs[n - 1] != 0) == d {
+            if n >= 3 && segs[n - 2] == s.off as i64 && segs[n - 1] == code {
                 segs[n - 2] = (s.off + s.len) as i64;
             } else {
-                segs.extend([s.off as i64, (s.off + s.len) as i64, d as i64]);
+                segs.extend([s.off as i64, (s.off + s.len) as i64, code]);
             }
         }
         if segs.is_empty() {
-            segs.extend([0, p as i64, 1]);
+            segs.extend([0, p as i64, segment_code(true, 1.0)]);
         }
         // One block per chunk of at most OPT_CHUNK parameters (grid.y): a grid sized for the
         // longest segment left most blocks of the short ones (biases, LayerNorm) with nothing to
@@ -226,6 +229,30 @@ impl Cuda {
                 let (lr, mo, da, wd, ne, first, gs) = (hyper.lr, momentum as f32, dampening as f32, weight_decay as f32, nesterov as i32, (hyper.step <= 1) as i32, hyper.grad_scale);
                 self.launch("sgd_kernel", grid, (THREADS, 1, 1), 0, &mut kargs![params, grads, m, seg_ptr, lr, mo, da, wd, ne, first, gs, pc, norm2, clip])
             }
+        }
+    }
+}
+
+/// A segment's third slot in the kernels' table: bit 0 says whether weight decay applies, bits
+/// 1..33 hold the f32 bits of the learning-rate factor (`segment_lr_scale` in optim.cu reads
+/// them back).
+fn segment_code(decays: bool, lr_scale: f32) -> i64 {
+    ((lr_scale.to_bits() as i64) << 1) | decays as i64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::segment_code;
+
+    /// The kernels read the flag from bit 0 and the factor from the bits above: both come back
+    /// exactly, for factors down to layer decay's smallest.
+    #[test]
+    fn segment_codes_keep_the_flag_and_the_factor() {
+        for (d, f) in [(true, 1.0f32), (false, 1.0), (true, 0.75f32.powi(25)), (false, 0.5), (true, 0.0)] {
+            let c = segment_code(d, f);
+            assert!(c >= 0);
+            assert_eq!(c & 1 == 1, d);
+            assert_eq!(f32::from_bits((c >> 1) as u32), f);
         }
     }
 }

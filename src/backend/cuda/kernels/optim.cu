@@ -1,5 +1,6 @@
 // Fused optimizer steps over the flat f32 buffers. The grid's y index picks a segment of
-// parameters sharing one weight-decay flag: segs[3·y] = start, [3·y+1] = end, [3·y+2] = decays.
+// parameters sharing one weight-decay flag and learning-rate factor: segs[3·y] = start,
+// [3·y+1] = end, [3·y+2] = code (bit 0: decays; bits 1..33: the factor's f32 bits).
 // pc (may be null): the bf16 compute copy of the weights, written from the updated values in
 // the same pass (what a separate cast would write, without reading the weights again).
 // norm2 (may be null): the gradients' sum of squares (sum_squares_kernel, earlier on the same
@@ -9,6 +10,11 @@ __device__ __forceinline__ float clipped_scale(float gscale, const double* norm2
     if (!norm2) return gscale;
     const double coef = (double)clip / (sqrt(*norm2) * fabs((double)gscale) + 1e-6);
     return (float)((double)gscale * fmin(coef, 1.0));
+}
+
+// The learning-rate factor of a segment (layer-wise learning-rate decay; 1 otherwise).
+__device__ __forceinline__ float segment_lr_scale(i64 code) {
+    return __uint_as_float((unsigned int)(code >> 1));
 }
 
 // AdamW (adamw = 1, decoupled decay) or Adam with L2 (adamw = 0), torch semantics.
@@ -30,8 +36,9 @@ extern "C" __global__ void adam_kernel(float* p, const float* g, float* m, float
                                        float lr, float b1, float b2, float eps, float wd, int adamw,
                                        float bc1, float bc2, float gscale, bf16* pc, const double* norm2, float clip) {
     gscale = clipped_scale(gscale, norm2, clip);
-    const i64 start = segs[3 * blockIdx.y], end = segs[3 * blockIdx.y + 1];
-    const float decay = segs[3 * blockIdx.y + 2] ? wd : 0.f;
+    const i64 start = segs[3 * blockIdx.y], end = segs[3 * blockIdx.y + 1], code = segs[3 * blockIdx.y + 2];
+    const float decay = (code & 1) ? wd : 0.f;
+    lr *= segment_lr_scale(code);
     const i64 stride = (i64)gridDim.x * blockDim.x;
     i64 i = start + (i64)blockIdx.x * blockDim.x + threadIdx.x;
     for (; i + 3 * stride < end; i += 4 * stride) {
@@ -63,8 +70,9 @@ extern "C" __global__ void sgd_kernel(float* p, const float* g, float* buf, cons
                                       float lr, float momentum, float dampening, float wd,
                                       int nesterov, int first, float gscale, bf16* pc, const double* norm2, float clip) {
     gscale = clipped_scale(gscale, norm2, clip);
-    i64 start = segs[3 * blockIdx.y], end = segs[3 * blockIdx.y + 1];
-    float decay = segs[3 * blockIdx.y + 2] ? wd : 0.f;
+    const i64 start = segs[3 * blockIdx.y], end = segs[3 * blockIdx.y + 1], code = segs[3 * blockIdx.y + 2];
+    const float decay = (code & 1) ? wd : 0.f;
+    lr *= segment_lr_scale(code);
     for (i64 i = start + (i64)blockIdx.x * blockDim.x + threadIdx.x; i < end; i += (i64)gridDim.x * blockDim.x) {
         float pi = p[i];
         float gi = g[i] * gscale + decay * pi;
