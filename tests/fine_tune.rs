@@ -115,3 +115,108 @@ fn a_training_step_scales_each_layers_update_by_its_factor() {
     }
     assert!(checked > 10, "only {checked} tensors moved");
 }
+
+use vitscale::backend::cpu::Cpu;
+use vitscale::backend::Backend;
+use vitscale::model::Vit;
+
+/// Forward + backward of `imgs` on the CPU with `scales` (None: no stochastic depth) from
+/// `weights`: (per-image losses, gradients).
+fn run_model(cfg: &ModelConfig, weights: &[f32], imgs: &[f32], targets: &[f32], b: usize, scales: Option<&[f32]>) -> (Vec<f32>, Vec<f32>) {
+    let be = Cpu::new();
+    let mut vit = Vit::new(&be, cfg.clone()).unwrap();
+    vit.set_params(&be, weights).unwrap();
+    if let Some(s) = scales {
+        vit.set_branch_scales(&be, Some((s, vec![true; cfg.depth])), b).unwrap();
+    }
+    let out = vit.forward(&be, imgs, targets, b, Some(1.0)).unwrap();
+    vit.backward(&be).unwrap();
+    (out.losses, be.download(&vit.grads).unwrap())
+}
+
+/// Stochastic depth against an independent formulation: a branch whose output an image's factor
+/// s multiplies is the same network as one whose projection (attention's `proj`, the MLP's
+/// `fc2`) has weight and bias multiplied by s. So each image's loss under random per-image,
+/// per-branch factors (0 = dropped, 2 = kept at p = 0.5) equals its loss alone through the
+/// weight-scaled model, and the gradient of the batch is the sum over images of their
+/// weight-scaled gradients, with the chain rule's factor s on the scaled tensors. For token
+/// pooling (the last block on the class token alone) and average pooling.
+#[test]
+fn stochastic_depth_equals_scaling_the_branch_weights() {
+    let (mut rng, seed) = common::fresh_rng();
+    use rand::Rng;
+    for pool in [GlobalPool::Token, GlobalPool::Avg] {
+        let cfg = ModelConfig { image_size: 8, patch_size: 4, in_chans: 3, embed_dim: 16, depth: 3, num_heads: 2, mlp_ratio: 2.0, num_classes: 4, qkv_bias: true, class_token: true, global_pool: pool };
+        let table = ParamTable::new(&cfg);
+        let weights: Vec<f32> = (0..table.total).map(|_| rng.gen_range(-0.3f32..0.3)).collect();
+        let b = 4;
+        let per = 3 * 8 * 8;
+        let imgs: Vec<f32> = (0..b * per).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+        let mut targets = vec![0.0f32; b * 4];
+        (0..b).for_each(|i| targets[i * 4 + rng.gen_range(0..4)] = 1.0);
+        // [block][branch][image]; every image keeps at least one branch somewhere
+        let mut scales: Vec<f32> = (0..cfg.depth * 2 * b).map(|_| if rng.gen_bool(0.5) { 0.0 } else { 2.0 }).collect();
+        scales[2 * b..3 * b].iter_mut().for_each(|s| *s = 2.0);
+        let (losses, grads) = run_model(&cfg, &weights, &imgs, &targets, b, Some(&scales));
+        let mut want_grads = vec![0.0f64; table.total];
+        for j in 0..b {
+            let mut w = weights.clone();
+            let factor = |blk: usize, br: usize| scales[(blk * 2 + br) * b + j];
+            let mut span_factor = vec![1.0f32; table.total];
+            for (i, s) in table.spans.blocks.iter().enumerate() {
+                for (br, spans) in [(0, [s.proj_w, s.proj_b]), (1, [s.fc2_w, s.fc2_b])] {
+                    for sp in spans {
+                        sp.range().for_each(|k| {
+                            w[k] *= factor(i, br);
+                            span_factor[k] = factor(i, br);
+                        });
+                    }
+                }
+            }
+            let (l, g) = run_model(&cfg, &w, &imgs[j * per..(j + 1) * per], &targets[j * 4..(j + 1) * 4], 1, None);
+            assert!((l[0] - losses[j]).abs() <= 1e-5 * l[0].abs().max(1.0), "{pool:?} image {j}: loss {} vs weight-scaled {} (seed {seed})", losses[j], l[0]);
+            for k in 0..table.total {
+                want_grads[k] += (g[k] * span_factor[k]) as f64;
+            }
+        }
+        let scale = want_grads.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        for (k, (&got, want)) in grads.iter().zip(&want_grads).enumerate() {
+            let name = &table.entries.iter().find(|e| e.span.range().contains(&k)).unwrap().name;
+            assert!((got as f64 - want).abs() <= 1e-5 * scale, "{pool:?} gradient of {name}: {got} vs {want} (seed {seed})");
+        }
+        // and with every factor 1 the model is the plain one
+        let ones = vec![1.0f32; cfg.depth * 2 * b];
+        let plain = run_model(&cfg, &weights, &imgs, &targets, b, None);
+        let unit = run_model(&cfg, &weights, &imgs, &targets, b, Some(&ones));
+        assert!(plain.0.iter().zip(&unit.0).all(|(a, b)| (a - b).abs() <= 1e-6 * a.abs().max(1.0)));
+    }
+}
+
+/// 4 SGD steps of a 32-image global batch with stochastic depth at 0.3: two ranks (micro 8,
+/// GAS 2) and one process (micro 32) draw the same masks for the same images and end with the
+/// same weights (to the rounding of summing gradients in another order), and both differ from
+/// the run without it.
+#[test]
+fn stochastic_depth_trains_the_same_on_any_split_of_the_batch() {
+    let t = tmp();
+    let run_split = |nproc: usize, micro: &str, rate: &str, name: &str| {
+        let mut args = common::launch_args(nproc);
+        args.push("train".into());
+        for a in ["--device=cpu", "--set=train.steps=4", "--set=train_batch_size=32", "--set=data.val_size=64", "--set=train.eval_every=0",
+            "--set=optimizer={\"type\":\"SGD\",\"params\":{\"lr\":0.05,\"momentum\":0.9}}"] {
+            args.push(a.into());
+        }
+        args.push(format!("--set=train_micro_batch_size_per_gpu={micro}"));
+        args.push(format!("--set=model.drop_path_rate={rate}"));
+        args.extend(common::run_dir_args(&t.path().join(name)));
+        ok(&common::run(&args), name);
+        t.path().join(name)
+    };
+    let one = run_split(1, "32", "0.3", "one");
+    let two = run_split(2, "8", "0.3", "two");
+    let plain = run_split(1, "32", "0", "plain");
+    let d = common::max_rel_diff(&two, &one);
+    assert!(d < 1e-5, "2 ranks vs 1 process with stochastic depth: {d:e}");
+    let effect = common::max_rel_diff(&plain, &one);
+    assert!(effect > 1e-3, "drop_path_rate 0.3 changed the weights by only {effect:e}");
+}

@@ -264,6 +264,15 @@ pub trait Backend: Send + Sync {
     // ---- residual, pooling ----------------------------------------------------------------
     /// `out = a + b`, elementwise.
     fn add(&self, out: &mut Self::Buf, a: &Self::Buf, b: &Self::Buf) -> BResult<()>;
+    /// Stochastic depth's per-image factor on a residual branch: for `rows` rows of width `c`,
+    /// `out[r] = residual[r] + s[r / rows_per_image] · y[r]` (`s · y` without a residual), with
+    /// `s` the f32 buffer `scales` read from `scale_off` (0 for a dropped image's branch, 1/keep
+    /// for a kept one). `out` is distinct from both inputs.
+    #[allow(clippy::too_many_arguments)]
+    fn scale_rows(&self, out: &mut Self::Buf, residual: Option<&Self::Buf>, y: &Self::Buf, scales: &Self::Buf, scale_off: usize, rows: usize, rows_per_image: usize, c: usize) -> BResult<()>;
+    /// `dst[dst_off + i] += weight · (src[src_off + i] − dst[dst_off + i])` for `i < len`, over f32
+    /// buffers (torch's `lerp_`: the weight EMA's update, `weight` = 1 − decay).
+    fn lerp(&self, dst: &mut Self::Buf, dst_off: usize, src: &Self::Buf, src_off: usize, len: usize, weight: f32) -> BResult<()>;
     /// Pools the token sequence `inp` (B, N, C) into `out` (B, C): token 0 (`avg = false`) or
     /// the mean of tokens `prefix..N` (`avg = true`).
     #[allow(clippy::too_many_arguments)]

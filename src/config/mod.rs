@@ -84,7 +84,9 @@ pub fn resolve(value: &Value, world_size: usize) -> Result<RunConfig> {
     let zero = zero::parse(root.get(zero::ZERO_OPTIMIZATION.name), &mut cx)?;
     let grad_comm = top_level::parse_grad_comm(root, &precision, zero.stage, &mut cx)?;
     let data = data::parse(section(root.get(data::DATA.name), data::DATA.name)?, &mut cx)?;
-    let model = model::parse(section(root.get(model::MODEL.name), model::MODEL.name)?, &data, &mut cx)?;
+    let model_section = section(root.get(model::MODEL.name), model::MODEL.name)?;
+    let model = model::parse(model_section, &data, &mut cx)?;
+    let drop_path_rate = model::parse_drop_path(model_section, &mut cx)?;
     let steps_per_print = get_int(Some(root), "", &top_level::STEPS_PER_PRINT, &mut cx)?;
     let train = train::parse(section(root.get(train::TRAIN.name), train::TRAIN.name)?, &batch, steps_per_print, &mut cx)?;
     let (optimizer, layer_decay) = optimizer::parse(section(root.get(optimizer::OPTIMIZER.name), optimizer::OPTIMIZER.name)?, &mut cx)?;
@@ -105,6 +107,7 @@ pub fn resolve(value: &Value, world_size: usize) -> Result<RunConfig> {
         zero_overlap_comm: zero.overlap_comm,
         grad_comm,
         model,
+        drop_path_rate,
         data,
         train,
         monitor,
@@ -124,7 +127,7 @@ pub fn resolved_json(cfg: &RunConfig) -> Value {
     put(&mut out, &optimizer::OPTIMIZER, optimizer::write(&cfg.optimizer, cfg.layer_decay));
     top_level::write_clipping(cfg.gradient_clipping, &mut out);
     put(&mut out, &zero::ZERO_OPTIMIZATION, zero::write(cfg));
-    put(&mut out, &model::MODEL, model::write(&cfg.model));
+    put(&mut out, &model::MODEL, model::write(&cfg.model, cfg.drop_path_rate));
     put(&mut out, &data::DATA, data::write(&cfg.data));
     put(&mut out, &train::TRAIN, train::write(&cfg.train));
     if let Some(s) = &cfg.scheduler {

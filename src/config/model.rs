@@ -24,8 +24,15 @@ const M_CLASSES: KeyDef = key("num_classes", POS_INT, Dflt::Derived("the dataset
 const M_QKV_BIAS: KeyDef = key("qkv_bias", Ty::Bool, Dflt::Derived("from the preset (true)"), "Bias on the qkv projection.");
 const M_CLS: KeyDef = key("class_token", Ty::Bool, Dflt::Derived("from the preset (true)"), "Prepend a class token.");
 const M_POOL: KeyDef = key("global_pool", Ty::Choice(&["token", "avg"]), Dflt::Derived("from the preset (\"token\")"), "Head input: the class token or the mean of patch tokens.");
+const M_DROP_PATH: KeyDef = key("drop_path_rate", Ty::Num { lo: 0.0, hi: 1.0, lo_open: false, hi_open: true }, Dflt::Num(0.0),
+    "Stochastic depth as timm's: in training each block's attention and MLP branch is dropped per image with a probability rising linearly from 0 (first block) to this value (last block); kept branches are scaled by 1/keep. DeiT uses 0.1. Not part of the architecture: weight files do not record it.");
 /// Keys of the `model` section.
-pub const MODEL_KEYS: &[KeyDef] = &[M_PRESET, M_IMAGE, M_PATCH, M_CHANS, M_WIDTH, M_DEPTH, M_HEADS, M_MLP, M_CLASSES, M_QKV_BIAS, M_CLS, M_POOL];
+pub const MODEL_KEYS: &[KeyDef] = &[M_PRESET, M_IMAGE, M_PATCH, M_CHANS, M_WIDTH, M_DEPTH, M_HEADS, M_MLP, M_CLASSES, M_QKV_BIAS, M_CLS, M_POOL, M_DROP_PATH];
+
+/// The `model.drop_path_rate` given in the section (0 when absent).
+pub(super) fn parse_drop_path(sec: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<f64> {
+    Ok(opt_num(sec, MODEL.name, &M_DROP_PATH, cx)?.unwrap_or(0.0))
+}
 
 /// The `model` section applied over its preset; the class count must be the dataset's.
 pub(super) fn parse(sec: Option<&Map<String, Value>>, data: &DataConfig, cx: &mut Cx) -> Result<ModelConfig> {
@@ -82,8 +89,8 @@ pub(super) fn parse(sec: Option<&Map<String, Value>>, data: &DataConfig, cx: &mu
 }
 
 /// Every field of the model that was built, so the file does not depend on the preset's
-/// definition (the preset itself is not written).
-pub(super) fn write(m: &ModelConfig) -> Value {
+/// definition (the preset itself is not written), and the training-only `drop_path_rate`.
+pub(super) fn write(m: &ModelConfig, drop_path_rate: f64) -> Value {
     let mut out = Map::new();
     put(&mut out, &M_IMAGE, json!(m.image_size));
     put(&mut out, &M_PATCH, json!(m.patch_size));
@@ -96,5 +103,6 @@ pub(super) fn write(m: &ModelConfig) -> Value {
     put(&mut out, &M_QKV_BIAS, json!(m.qkv_bias));
     put(&mut out, &M_CLS, json!(m.class_token));
     put(&mut out, &M_POOL, json!(m.global_pool.as_str()));
+    put(&mut out, &M_DROP_PATH, json!(drop_path_rate));
     Value::Object(out)
 }

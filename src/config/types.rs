@@ -488,6 +488,8 @@ pub struct RunConfig {
     /// `zero_optimization.overlap_comm`: bucket reductions start during the last backward.
     pub zero_overlap_comm: bool,
     pub model: ModelConfig,
+    /// `model.drop_path_rate`: stochastic depth's probability at the last block (0 = off).
+    pub drop_path_rate: f64,
     pub data: DataConfig,
     pub train: TrainConfig,
     /// `tensorboard`, `csv_monitor`, `wall_clock_breakdown`.

@@ -216,6 +216,7 @@ mod tests {
             images: (0..b * per).map(|i| (i / per) as f32).collect(),
             labels: (0..b as u32).map(|i| i % 3).collect(),
             targets: None,
+            keys: Vec::new(),
         }
     }
 
@@ -225,6 +226,7 @@ mod tests {
             images: (0..b * 3 * side * side).map(|_| rng.f32() * 4.0 - 2.0).collect(),
             labels: (0..b).map(|_| rng.below(7) as u32).collect(),
             targets: None,
+            keys: Vec::new(),
         }
     }
 
@@ -448,7 +450,7 @@ mod tests {
                 mix_batch(&mut again, &idx, &o, 4, 3, step, side, 7, 0.1);
                 assert_eq!(bits(&again.images), bits(&whole.images));
                 for (lo, hi) in [(0, 4), (4, 6), (6, 12)] {
-                    let mut part = Batch { images: orig.images[lo * per..hi * per].to_vec(), labels: orig.labels[lo..hi].to_vec(), targets: None };
+                    let mut part = Batch { images: orig.images[lo * per..hi * per].to_vec(), labels: orig.labels[lo..hi].to_vec(), targets: None, keys: Vec::new() };
                     mix_batch(&mut part, &idx[lo..hi], &o, 4, 3, step, side, 7, 0.1);
                     assert_eq!(bits(&part.images), bits(&whole.images[lo * per..hi * per]), "{m:?} step {step} slice {lo}..{hi}");
                     assert_eq!(bits(part.targets.as_ref().unwrap()), bits(&whole.targets.as_ref().unwrap()[lo * 7..hi * 7]));
@@ -547,6 +549,7 @@ mod tests {
                     images: whole.images[r * 2 * per..(r + 1) * 2 * per].to_vec(),
                     labels: whole.labels[r * 2..(r + 1) * 2].to_vec(),
                     targets: None,
+                    keys: Vec::new(),
                 };
                 apply(&mut p, d, 4, 3, 0.1);
                 p

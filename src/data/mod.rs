@@ -229,6 +229,16 @@ pub struct Batch {
     /// (B, K) soft targets, rows summing to 1, when mixup / CutMix made them (label smoothing
     /// folded in); `None` = one-hot `labels` (the trainer smooths them).
     pub targets: Option<Vec<f32>>,
+    /// (B,) what identifies each image's visit: [`sample_key`] of its dataset index and epoch.
+    /// Per-image randomness of the step (stochastic depth) is drawn from it, so it does not
+    /// depend on how the global batch was split over ranks and micro-batches.
+    pub keys: Vec<u64>,
+}
+
+/// The key of dataset image `index` seen in `epoch` (`Batch::keys`): unique per visit for
+/// datasets of up to 2^40 images.
+pub fn sample_key(index: usize, epoch: u64) -> u64 {
+    (epoch << 40) ^ index as u64
 }
 
 impl Batch {
@@ -437,6 +447,8 @@ pub fn fill_batches(batches: &mut [Batch], jobs: &[(&[usize], u64)], set: &Image
         b.labels.clear();
         b.labels.resize(indices.len(), 0);
         b.targets = None;
+        b.keys.clear();
+        b.keys.extend(indices.iter().map(|&i| sample_key(i, epoch)));
         let Batch { images, labels, .. } = b;
         for ((out, label), &i) in images.chunks_mut(per).zip(labels.iter_mut()).zip(indices) {
             tasks.push((out, label, i, epoch));

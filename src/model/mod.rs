@@ -2,6 +2,7 @@
 //! initialization (`init`), its forward and manual backward over any `Backend` (`vit`), and
 //! timm-compatible weights (`weights`).
 
+pub mod drop_path;
 pub mod init;
 pub mod params;
 pub mod spec;

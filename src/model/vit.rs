@@ -13,6 +13,7 @@
 
 use crate::backend::{BResult, Backend, GeluSaved, Span};
 
+use super::drop_path::BranchScales;
 use super::params::{BlockSpans, ParamTable};
 use super::spec::{GlobalPool, ModelConfig};
 
@@ -209,6 +210,42 @@ fn kept_or_regen<'a, T>(own: &'a Option<T>, shared: Option<&'a T>) -> BResult<&'
 }
 
 /// One-hot targets with label smoothing ε: (1 − ε)·onehot + ε/K, as torch's cross-entropy.
+/// A block's residual add `out = residual + inp·Wᵀ + bias` (one fused pass); with stochastic
+/// depth the branch goes through the scratch and each image's factor instead:
+/// `out = residual + s · (inp·Wᵀ + bias)`. `rows`: the rows computed, `per_image` of them per image.
+#[allow(clippy::too_many_arguments)]
+fn residual_branch<B: Backend>(
+    be: &B,
+    drop: Option<&mut BranchScales<B>>,
+    (block, branch): (usize, usize),
+    out: &mut B::Buf,
+    residual: &B::Buf,
+    inp: &B::Buf,
+    w: &B::Buf,
+    (w_span, bias): (Span, Span),
+    (rows, per_image): (usize, usize),
+    ic: usize,
+    oc: usize,
+) -> BResult<()> {
+    let Some(d) = drop else {
+        return be.matmul_forward_residual(out, residual, inp, w, w_span, Some(bias), rows, ic, oc);
+    };
+    let off = d.offset(block, branch);
+    let BranchScales { branch: scratch, scales, .. } = d;
+    be.matmul_forward(scratch, None, inp, w, w_span, Some(bias), rows, ic, oc)?;
+    be.scale_rows(out, Some(residual), scratch, scales, off, rows, per_image, oc)
+}
+
+/// The gradient a residual branch's output receives: the residual stream's `dres` itself, or
+/// with stochastic depth each image's factor times it (written into the scratch).
+fn branch_gradient<'a, B: Backend>(be: &B, drop: Option<&'a mut BranchScales<B>>, (block, branch): (usize, usize), dres: &'a B::Buf, (rows, per_image): (usize, usize), c: usize) -> BResult<&'a B::Buf> {
+    let Some(d) = drop else { return Ok(dres) };
+    let off = d.offset(block, branch);
+    let BranchScales { branch: scratch, scales, .. } = d;
+    be.scale_rows(scratch, None, dres, scales, off, rows, per_image, c)?;
+    Ok(scratch)
+}
+
 pub fn smoothed_targets(labels: &[u32], k: usize, eps: f32) -> Vec<f32> {
     let mut t = vec![eps / k as f32; labels.len() * k];
     for (row, &l) in t.chunks_mut(k).zip(labels) {
@@ -253,6 +290,10 @@ pub struct Vit<B: Backend> {
     /// Under token pooling, run the last block past its attention on the class token only
     /// (see `class_token_tail`). On by default; off computes every token as timm does.
     class_token_tail: bool,
+    /// Stochastic depth's branch factors for the next training passes (`set_branch_scales`).
+    drop: Option<BranchScales<B>>,
+    /// Whether the forward awaiting its backward scaled its branches (the backward must too).
+    dropped_forward: bool,
 }
 
 impl<B: Backend> Vit<B> {
@@ -262,7 +303,7 @@ impl<B: Backend> Vit<B> {
         let params = be.alloc_f32(table.total)?;
         let grads = be.alloc_f32(table.total)?;
         let compute = if be.needs_compute_copy() { Some(be.alloc(table.total)?) } else { None };
-        Ok(Vit { cfg, table, params, master_released: false, pending_weights: Vec::new(), compute, grads, acts: None, recompute: Recompute::Auto, unread_inputs: None, pending_backward: 0, class_token_tail: true })
+        Ok(Vit { cfg, table, params, master_released: false, pending_weights: Vec::new(), compute, grads, acts: None, recompute: Recompute::Auto, unread_inputs: None, pending_backward: 0, class_token_tail: true, drop: None, dropped_forward: false })
     }
 
     /// Replaces all weights from a host vector in table layout.
@@ -376,6 +417,24 @@ impl<B: Backend> Vit<B> {
         self.class_token_tail && self.cfg.global_pool == GlobalPool::Token && self.cfg.depth > 0
     }
 
+    /// Stochastic depth for the following training passes of `n` images (`model::drop_path`):
+    /// `scales` laid out as `DropPath::scales` gives), `active` says per block whether
+    /// any factor can differ from 1. `None` turns it off. Evaluation forwards never scale.
+    pub fn set_branch_scales(&mut self, be: &B, scales: Option<(&[f32], Vec<bool>)>, n: usize) -> BResult<()> {
+        let Some((host, active)) = scales else {
+            self.drop = None;
+            return Ok(());
+        };
+        let depth = self.cfg.depth;
+        if host.len() != depth * 2 * n || active.len() != depth {
+            return Err(crate::backend::BackendError::Shape {
+                op: "set_branch_scales",
+                msg: format!("{} factors and {} block flags for {n} images of a {depth}-block model", host.len(), active.len()),
+            });
+        }
+        BranchScales::set(&mut self.drop, be, host, active, n, n * self.cfg.num_tokens() * self.cfg.embed_dim)
+    }
+
     pub fn zero_grads(&mut self, be: &B) -> BResult<()> {
         be.fill(&mut self.grads, 0.0)
     }
@@ -445,6 +504,12 @@ impl<B: Backend> Vit<B> {
         let embed_end = t.blocks.first().map_or(t.final_norm_w.off, |blk| blk.norm1_w.off);
         let w = self.compute.as_ref().unwrap_or(&self.params);
         let a = self.acts.as_mut().ok_or_else(|| crate::backend::BackendError::Device("activations missing".into()))?;
+        // stochastic depth scales the residual branches of training passes only
+        let mut drop = self.drop.as_mut().filter(|_| dloss_scale.is_some());
+        if let Some(d) = drop.as_ref().filter(|d| d.n != b) {
+            return Err(crate::backend::BackendError::Shape { op: "forward", msg: format!("stochastic depth factors are for {} images, the pass has {b}", d.n) });
+        }
+        self.dropped_forward = drop.is_some();
 
         // ---- embedding: patches → tokens
         arrive(Span { off: 0, len: embed_end })?;
@@ -460,6 +525,8 @@ impl<B: Backend> Vit<B> {
             let x = if i == 0 { &a.x0 } else { &done[i - 1].x2 };
             let blk = &mut rest[0];
             let s = &t.blocks[i];
+            // this block's branch factors, when it can drop anything
+            let mut dp = drop.as_deref_mut().filter(|d| d.active[i]);
             arrive(Span { off: s.norm1_w.off, len: s.fc2_b.off + s.fc2_b.len - s.norm1_w.off })?;
             let (mut shared_ln, mut shared_act) = match a.regen.as_mut() {
                 Some(r) => (Some(&mut r.ln), Some(&mut r.act)),
@@ -479,19 +546,20 @@ impl<B: Backend> Vit<B> {
                 be.matmul_forward(&mut a.cls_q, None, &a.cls_ln1, w, wq, bq, b, c, c)?;
                 be.class_attention_forward(&mut blk.att, &a.cls_q, &blk.qkv, b, n, h, d)?;
                 be.pool_forward(&mut blk.x2, x, b, n, c, prefix, false)?;
-                be.matmul_forward_residual(&mut blk.x1, &blk.x2, &blk.att, w, s.proj_w, Some(s.proj_b), b, c, c)?;
+                residual_branch(be, dp.as_deref_mut(), (i, 0), &mut blk.x1, &blk.x2, &blk.att, w, (s.proj_w, s.proj_b), (b, 1), c, c)?;
                 b
             } else {
                 be.matmul_forward(&mut blk.qkv, None, ln1, w, s.qkv_w, s.qkv_b, bn, c, 3 * c)?;
                 be.attention_forward(&mut blk.att, &mut blk.probs, &blk.qkv, b, n, h, d)?;
-                be.matmul_forward_residual(&mut blk.x1, x, &blk.att, w, s.proj_w, Some(s.proj_b), bn, c, c)?;
+                residual_branch(be, dp.as_deref_mut(), (i, 0), &mut blk.x1, x, &blk.att, w, (s.proj_w, s.proj_b), (bn, n), c, c)?;
                 bn
             };
+            let per_image = if rows == b { 1 } else { n };
             let ln2 = kept_or_shared(&mut blk.ln2, shared_ln.as_deref_mut())?;
             be.layernorm_forward(ln2, &mut blk.ln2_mean, &mut blk.ln2_rstd, &blk.x1, w, s.norm2_w, s.norm2_b, rows, c)?;
             let act = kept_or_shared(&mut blk.fc1_act, shared_act.as_deref_mut())?;
             be.matmul_forward(act, Some((&mut blk.fc1_pre, gelu_saved)), ln2, w, s.fc1_w, Some(s.fc1_b), rows, c, f)?;
-            be.matmul_forward_residual(&mut blk.x2, &blk.x1, act, w, s.fc2_w, Some(s.fc2_b), rows, f, c)?;
+            residual_branch(be, dp.as_deref_mut(), (i, 1), &mut blk.x2, &blk.x1, act, w, (s.fc2_w, s.fc2_b), (rows, per_image), f, c)?;
         }
         let x_last = a.blocks.last().map_or(&a.x0, |blk| &blk.x2);
 
@@ -591,6 +659,10 @@ impl<B: Backend> Vit<B> {
         let g = &mut self.grads;
         let a = self.acts.as_mut().ok_or_else(|| crate::backend::BackendError::Device("activations missing".into()))?;
         let prefix = m.num_prefix_tokens();
+        // the forward's stochastic depth: a scaled branch's bias gradient is summed from its
+        // scaled output gradient, so no LayerNorm backward may sum it from the unscaled one
+        let mut drop = self.drop.as_mut().filter(|_| std::mem::take(&mut self.dropped_forward));
+        let dropping: Vec<bool> = (0..m.depth).map(|i| drop.as_ref().is_some_and(|d| d.active[i])).collect();
 
         // ---- head, pooling, final norm → residual-stream gradient of the last block (dres_a)
         be.matmul_backward(&mut a.dpooled, g, &a.dlogits, &a.pooled, None, w, t.head_w, Some(t.head_b), b, c, k)?;
@@ -598,7 +670,7 @@ impl<B: Backend> Vit<B> {
         // gradient: the pool's backward spreads dpooled_raw over the tokens without changing its
         // column sums (the class token's row, or N − prefix rows of 1/(N − prefix) each).
         // `fc2_bias_summed`: the block about to be differentiated has its fc2 bias gradient.
-        let last_fc2_b = t.blocks.last().map(|s| s.fc2_b);
+        let last_fc2_b = t.blocks.last().map(|s| s.fc2_b).filter(|_| !dropping[m.depth - 1]);
         let avg = m.global_pool == GlobalPool::Avg;
         be.layernorm_backward(&mut a.dpooled_raw, g, &a.dpooled, None, &a.pooled_raw, &a.final_mean, &a.final_rstd, w, t.final_norm_w, t.final_norm_b, b, c, last_fc2_b)?;
         let n_out = if tail { 1 } else { n };
@@ -615,6 +687,8 @@ impl<B: Backend> Vit<B> {
             // the last block with the class token tail: B rows (one per image) after attention
             let class_tail = tail && i + 1 == m.depth;
             let rows = if class_tail { b } else { bn };
+            let per_image = if class_tail { 1 } else { n };
+            let mut dp = drop.as_deref_mut().filter(|d| d.active[i]);
             // MLP: fc2 (with the GELU backward fused), fc1, ln2 (+ residual) → dres_b = dx1
             if let Some(r) = a.regen.as_mut() {
                 be.gelu_forward(&mut r.act, &blk.fc1_pre, w, Some(s.fc1_b), rows, f)?;
@@ -622,16 +696,20 @@ impl<B: Backend> Vit<B> {
             let act = kept_or_regen(&blk.fc1_act, a.regen.as_ref().map(|r| &r.act))?;
             // fc2, the GELU gradient, and fc1's bias gradient from that same pass over dfc
             let fc2_b = (!fc2_bias_summed).then_some(s.fc2_b);
-            be.matmul_backward_gelu_bias(&mut a.dfc, g, &a.dres_a, act, &blk.fc1_pre, a.gelu_saved, s.fc1_b, w, s.fc2_w, fc2_b, rows, f, c)?;
+            let dfc2 = branch_gradient(be, dp.as_deref_mut(), (i, 1), &a.dres_a, (rows, per_image), c)?;
+            be.matmul_backward_gelu_bias(&mut a.dfc, g, dfc2, act, &blk.fc1_pre, a.gelu_saved, s.fc1_b, w, s.fc2_w, fc2_b, rows, f, c)?;
             if let Some(r) = a.regen.as_mut() {
                 be.layernorm_forward(&mut r.ln, &mut r.mean, &mut r.rstd, &blk.x1, w, s.norm2_w, s.norm2_b, rows, c)?;
             }
             let ln2 = kept_or_regen(&blk.ln2, a.regen.as_ref().map(|r| &r.ln))?;
             be.matmul_backward(&mut a.dln, g, &a.dfc, ln2, None, w, s.fc1_w, None, rows, c, f)?;
             // dres_b is the projection's output gradient: its bias gradient comes from this pass
-            be.layernorm_backward(&mut a.dres_b, g, &a.dln, Some(&a.dres_a), &blk.x1, &blk.ln2_mean, &blk.ln2_rstd, w, s.norm2_w, s.norm2_b, rows, c, Some(s.proj_b))?;
+            let proj_b_fused = (!dropping[i]).then_some(s.proj_b);
+            be.layernorm_backward(&mut a.dres_b, g, &a.dln, Some(&a.dres_a), &blk.x1, &blk.ln2_mean, &blk.ln2_rstd, w, s.norm2_w, s.norm2_b, rows, c, proj_b_fused)?;
             // attention: proj, core, qkv, ln1 (+ residual) → dres_a = dx
-            be.matmul_backward(&mut a.datt, g, &a.dres_b, &blk.att, None, w, s.proj_w, None, rows, c, c)?;
+            let dproj = branch_gradient(be, dp.as_deref_mut(), (i, 0), &a.dres_b, (rows, per_image), c)?;
+            let proj_b = proj_b_fused.xor(Some(s.proj_b));
+            be.matmul_backward(&mut a.datt, g, dproj, &blk.att, None, w, s.proj_w, proj_b, rows, c, c)?;
             let (wq, wkv, bq, bkv) = split_qkv(s, c);
             // the qkv bias gradient from the attention backward's pass where the backend can
             if class_tail {
@@ -665,7 +743,7 @@ impl<B: Backend> Vit<B> {
                 &a.dres_b
             };
             // dres_a is the previous block's fc2 output gradient: its bias gradient from this pass
-            let prev_fc2_b = i.checked_sub(1).map(|p| t.blocks[p].fc2_b);
+            let prev_fc2_b = i.checked_sub(1).filter(|&p| !dropping[p]).map(|p| t.blocks[p].fc2_b);
             be.layernorm_backward(&mut a.dres_a, g, &a.dln, Some(dx1), x, &blk.ln1_mean, &blk.ln1_rstd, w, s.norm1_w, s.norm1_b, bn, c, prev_fc2_b)?;
             fc2_bias_summed = prev_fc2_b.is_some();
             report(g, m.depth - i)?;

@@ -20,6 +20,7 @@
 use crate::backend::{optimizer_state_len, Backend, ParamGroups, Span, StepHyper};
 use crate::config::OptimizerConfig;
 use crate::metrics::trace::{Trace, Track};
+use crate::model::drop_path::DropPath;
 use crate::model::Vit;
 use crate::train::error::TrainError;
 use crate::train::plan::Plan;
@@ -32,6 +33,8 @@ pub struct MicroBatch<'a> {
     pub b: usize,
     /// Soft targets (n, K) of images `start..start + n`.
     pub targets: &'a dyn Fn(usize, usize) -> Vec<f32>,
+    /// Each image's sample key (`data::Batch::keys`): what stochastic depth draws from.
+    pub keys: &'a [u64],
 }
 
 /// The model and its optimizer, stepped as the plan says.
@@ -51,6 +54,8 @@ pub struct Step<B: Backend> {
     /// The step's phases on the device timeline (`train::timeline`), when the caller times them
     /// (the trainer does; the benchmarks time whole steps themselves).
     pub timeline: Option<Timeline<B>>,
+    /// Stochastic depth (`model.drop_path_rate`), drawn per pass from the images' keys.
+    pub drop_path: Option<DropPath>,
 }
 
 impl<B: Backend> Step<B> {
@@ -65,7 +70,7 @@ impl<B: Backend> Step<B> {
         vit.set_recompute(plan.recompute_policy());
         let opt_state = be.alloc_f32(state_len)?;
         vit.zero_grads(be)?;
-        Ok(Step { vit, opt_state, optimizer, decay, clip, plan, pending_losses: Vec::new(), spare_losses: Vec::new(), trace: None, timeline: None })
+        Ok(Step { vit, opt_state, optimizer, decay, clip, plan, pending_losses: Vec::new(), spare_losses: Vec::new(), trace: None, timeline: None, drop_path: None })
     }
 
     /// Copies the first pass of a micro-batch to the device ahead of its step (while the
@@ -98,10 +103,22 @@ impl<B: Backend> Step<B> {
                 let images = &batch.images[start * per_image..(start + n) * per_image];
                 self.vit.stage_inputs(be, images, &(batch.targets)(start, n), n)?;
             }
+            self.set_branch_scales(be, batch, start, n)?;
             self.mark(be, Phase::Data)?;
             let report = if i == last { sync.take() } else { None };
             self.pass(be, n, step, report)?;
         }
+        Ok(())
+    }
+
+    /// Stochastic depth's factors for the pass over images `start..start + n` of `batch`.
+    fn set_branch_scales(&mut self, be: &B, batch: &MicroBatch<'_>, start: usize, n: usize) -> Result<(), TrainError> {
+        let Some(dp) = &self.drop_path else { return Ok(()) };
+        let keys = batch.keys.get(start..start + n).ok_or_else(|| {
+            TrainError::Config(format!("model.drop_path_rate needs each image's sample key; the batch of {} images carries {}", batch.b, batch.keys.len()))
+        })?;
+        let active = (0..dp.rates.len()).map(|i| dp.active(i)).collect();
+        self.vit.set_branch_scales(be, Some((&dp.scales(keys), active)), n)?;
         Ok(())
     }
 

@@ -177,7 +177,7 @@ impl Feed {
         let batch = prepared.batch;
         let (k, smoothing) = (self.num_classes, self.label_smoothing);
         let targets = |start: usize, n: usize| soft_targets(&batch, start, n, k, smoothing);
-        let mb = MicroBatch { images: &batch.images, b: batch.len(), targets: &targets };
+        let mb = MicroBatch { images: &batch.images, b: batch.len(), targets: &targets, keys: &batch.keys };
         bal.before_micro(be, mb.b, step, st.trace.as_mut())?;
         st.micro_batch(be, &mb, step, std::mem::take(&mut self.first_pass_staged), report)?;
         bal.after_micro(be, mb.b, step, st.trace.as_mut())?;
@@ -213,7 +213,7 @@ impl Feed {
         if next.batch.len().min(st.plan.pass_images) <= widest_pass {
             let (k, smoothing) = (self.num_classes, self.label_smoothing);
             let targets = |start: usize, n: usize| soft_targets(&next.batch, start, n, k, smoothing);
-            let mb = MicroBatch { images: &next.batch.images, b: next.batch.len(), targets: &targets };
+            let mb = MicroBatch { images: &next.batch.images, b: next.batch.len(), targets: &targets, keys: &next.batch.keys };
             st.stage_ahead(be, &mb)?;
             self.first_pass_staged = true;
         }
@@ -345,6 +345,7 @@ fn build_step<B: Backend>(be: &B, cfg: &RunConfig, plan: &Plan, opts: &TrainOpti
     };
     let state_len = zero.as_ref().map_or(optimizer_state_len(&cfg.optimizer, vit.table.total), |z| z.buffer_len());
     let mut st = Step::with_state_len(be, vit, cfg.optimizer.clone(), decay, cfg.gradient_clipping, plan.clone(), state_len)?;
+    st.drop_path = crate::model::drop_path::DropPath::new(cfg.drop_path_rate, cfg.model.depth, cfg.train.seed);
     if opts.trace.is_some() {
         st.trace = Some(Trace::new(rank, t_start));
     }

@@ -30,6 +30,15 @@ fn check(op: &'static str, what: &str, buf: &[f32], need: usize) -> BResult<()> 
     Ok(())
 }
 
+/// torch's `lerp(start, end, weight)`: from the nearer end, so weight 1 gives `end` exactly.
+fn lerp(start: f32, end: f32, weight: f32) -> f32 {
+    if weight.abs() < 0.5 {
+        start + weight * (end - start)
+    } else {
+        end - (end - start) * (1.0 - weight)
+    }
+}
+
 /// `dst[j] += Σ_rows data[row][j]` over row-major `data` with `cols` columns: fixed row chunks
 /// summed in parallel, then combined in chunk order (deterministic for any thread count).
 fn add_column_sums(dst: &mut [f32], data: &[f32], cols: usize) {
@@ -566,6 +575,33 @@ impl Backend for Cpu {
         check("add", "a", a, len)?;
         check("add", "b", b, len)?;
         out.par_iter_mut().zip(&a[..len]).zip(&b[..len]).for_each(|((o, x), y)| *o = x + y);
+        Ok(())
+    }
+
+    fn scale_rows(&self, out: &mut Vec<f32>, residual: Option<&Vec<f32>>, y: &Vec<f32>, scales: &Vec<f32>, scale_off: usize, rows: usize, rows_per_image: usize, c: usize) -> BResult<()> {
+        let len = rows * c;
+        check("scale_rows", "out", out, len)?;
+        check("scale_rows", "y", y, len)?;
+        if let Some(r) = residual {
+            check("scale_rows", "residual", r, len)?;
+        }
+        let rpi = rows_per_image.max(1);
+        check("scale_rows", "scales", scales, scale_off + rows.div_ceil(rpi))?;
+        out[..len].par_chunks_mut(c.max(1)).enumerate().for_each(|(r, o)| {
+            let s = scales[scale_off + r / rpi];
+            let yr = &y[r * c..(r + 1) * c];
+            match residual {
+                Some(res) => o.iter_mut().zip(&res[r * c..(r + 1) * c]).zip(yr).for_each(|((o, x), v)| *o = x + s * v),
+                None => o.iter_mut().zip(yr).for_each(|(o, v)| *o = s * v),
+            }
+        });
+        Ok(())
+    }
+
+    fn lerp(&self, dst: &mut Vec<f32>, dst_off: usize, src: &Vec<f32>, src_off: usize, len: usize, weight: f32) -> BResult<()> {
+        check("lerp", "dst", dst, dst_off + len)?;
+        check("lerp", "src", src, src_off + len)?;
+        dst[dst_off..dst_off + len].par_iter_mut().zip(&src[src_off..src_off + len]).for_each(|(d, &s)| *d = lerp(*d, s, weight));
         Ok(())
     }
 

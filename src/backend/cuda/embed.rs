@@ -118,6 +118,39 @@ impl Cuda {
         self.launch("cross_entropy_kernel", (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![losses.ptr, losses.dt(), dptr, ddt, logits.ptr, logits.dt(), targets.ptr, targets.dt(), bb, kk, dloss_scale])
     }
 
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn scale_rows_impl(&self, out: &mut CudaBuf, residual: Option<&CudaBuf>, y: &CudaBuf, scales: &CudaBuf, scale_off: usize, rows: usize, rows_per_image: usize, c: usize) -> BResult<()> {
+        const OP: &str = "scale_rows";
+        let len = rows * c;
+        check_len(OP, "out", out, len)?;
+        check_len(OP, "y", y, len)?;
+        let rpi = rows_per_image.max(1);
+        check_len(OP, "scales", scales, scale_off + rows.div_ceil(rpi))?;
+        if scales.ty != Ty::F32 {
+            return Err(BackendError::Shape { op: OP, msg: "scales must be an f32 buffer".into() });
+        }
+        let (res_ptr, res_dt) = match residual {
+            Some(r) => {
+                check_len(OP, "residual", r, len)?;
+                (r.ptr, r.dt())
+            }
+            None => (0, out.dt()),
+        };
+        let (s_ptr, rpi, cc, n) = (scales.at(scale_off), rpi as i64, c as i64, len as i64);
+        self.launch1("scale_rows_kernel", len, &mut kargs![out.ptr, out.dt(), res_ptr, res_dt, y.ptr, y.dt(), s_ptr, rpi, cc, n])
+    }
+
+    pub(super) fn lerp_impl(&self, dst: &mut CudaBuf, dst_off: usize, src: &CudaBuf, src_off: usize, len: usize, weight: f32) -> BResult<()> {
+        const OP: &str = "lerp";
+        check_len(OP, "dst", dst, dst_off + len)?;
+        check_len(OP, "src", src, src_off + len)?;
+        if dst.ty != Ty::F32 || src.ty != Ty::F32 {
+            return Err(BackendError::Shape { op: OP, msg: "both buffers must be f32".into() });
+        }
+        let (d, s, n) = (dst.at(dst_off), src.at(src_off), len as i64);
+        self.launch1("lerp_kernel", len, &mut kargs![d, s, n, weight])
+    }
+
     pub(super) fn add_impl(&self, out: &mut CudaBuf, a: &CudaBuf, b: &CudaBuf) -> BResult<()> {
         let n = a.len.min(b.len);
         check_len("add", "out", out, n)?;

@@ -345,6 +345,14 @@ impl Backend for Cuda {
         self.add_impl(out, a, b)
     }
 
+    fn scale_rows(&self, out: &mut CudaBuf, residual: Option<&CudaBuf>, y: &CudaBuf, scales: &CudaBuf, scale_off: usize, rows: usize, rows_per_image: usize, c: usize) -> BResult<()> {
+        self.scale_rows_impl(out, residual, y, scales, scale_off, rows, rows_per_image, c)
+    }
+
+    fn lerp(&self, dst: &mut CudaBuf, dst_off: usize, src: &CudaBuf, src_off: usize, len: usize, weight: f32) -> BResult<()> {
+        self.lerp_impl(dst, dst_off, src, src_off, len, weight)
+    }
+
     fn pool_forward(&self, out: &mut CudaBuf, inp: &CudaBuf, b: usize, n: usize, c: usize, prefix: usize, avg: bool) -> BResult<()> {
         self.pool_forward_impl(out, inp, b, n, c, prefix, avg)
     }

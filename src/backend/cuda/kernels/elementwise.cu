@@ -1,5 +1,5 @@
-// Elementwise ops over whole buffers: cast, fill, add, scale, GELU and its backward, and the
-// sum of squares used for the global gradient norm.
+// Elementwise ops over whole buffers: cast, fill, add, scale, stochastic depth's row factors, the
+// EMA's lerp, GELU and its backward, and the sum of squares used for the global gradient norm.
 
 extern "C" __global__ void cast_kernel(void* dst, int dtd, const void* src, int dts, i64 n) {
     GRID_STRIDE(i, n) stx(dst, dtd, i, ldx(src, dts, i));
@@ -12,6 +12,25 @@ extern "C" __global__ void fill_kernel(void* dst, int dt, i64 n, float v) {
 // out = a + b
 extern "C" __global__ void add_kernel(void* out, int dto, const void* a, int dta, const void* b, int dtb, i64 n) {
     GRID_STRIDE(i, n) stx(out, dto, i, ldx(a, dta, i) + ldx(b, dtb, i));
+}
+
+// Stochastic depth: out = (res ? res : 0) + s[row / rows_per_image] * y over rows of c values,
+// the factor of each image's residual branch (0 dropped, 1/keep kept), read from f32 s.
+extern "C" __global__ void scale_rows_kernel(void* out, int dto, const void* res, int dtr, const void* y, int dty,
+                                             const float* s, i64 rows_per_image, i64 c, i64 n) {
+    GRID_STRIDE(i, n) {
+        float v = ldx(y, dty, i) * s[(i / c) / rows_per_image];
+        if (res) v += ldx(res, dtr, i);
+        stx(out, dto, i, v);
+    }
+}
+
+// dst += w * (src - dst) over f32 values, as torch's lerp_ (from the nearer end): the weight EMA.
+extern "C" __global__ void lerp_kernel(float* dst, const float* src, i64 n, float w) {
+    GRID_STRIDE(i, n) {
+        const float a = dst[i], b = src[i];
+        dst[i] = fabsf(w) < 0.5f ? a + w * (b - a) : b - (b - a) * (1.f - w);
+    }
 }
 
 // dst = src * s, converting between the buffers' types (may run in place)
