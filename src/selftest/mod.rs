@@ -131,8 +131,39 @@ impl<'a, B: Backend> Ctx<'a, B> {
 
 const F32_TOL: f64 = 1e-5;
 
+/// Stochastic depth's row factors (`scale_rows`, with and without the residual, several rows
+/// per image and one, factors read from an offset) and the weight EMA's `lerp` (at offsets, a
+/// weight either side of 1/2) against the CPU. Outputs start as NaN on the device.
+fn regularizer_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
+    let cpu = cx.cpu;
+    let (images, c) = (5usize, 96usize);
+    for rows_per_image in [7usize, 1] {
+        let rows = images * rows_per_image;
+        let y = cx.rand(rows * c, 1.0, true)?;
+        let res = cx.rand(rows * c, 1.0, true)?;
+        let factors: Vec<f32> = (0..images + 3).map(|i| [0.0, 1.25, 2.0][i % 3]).collect();
+        let scales = cx.buf(&factors, false)?;
+        for with_residual in [false, true] {
+            let mut out = cx.out(rows * c, true)?;
+            let r = with_residual.then_some(&res);
+            cx.be.scale_rows(&mut out.d, r.map(|r| &r.d), &y.d, &scales.d, 3, rows, rows_per_image, c)?;
+            cpu.scale_rows(&mut out.c, r.map(|r| &r.c), &y.c, &scales.c, 3, rows, rows_per_image, c)?;
+            cx.compare(&format!("scale_rows {rows_per_image} rows an image, residual {with_residual}"), &out, F32_TOL)?;
+        }
+    }
+    for weight in [0.1f32, 0.9] {
+        let src = cx.rand(5000, 1.0, false)?;
+        let mut dst = cx.rand(4000, 1.0, false)?;
+        cx.be.lerp(&mut dst.d, 100, &src.d, 777, 3333, weight)?;
+        cpu.lerp(&mut dst.c, 100, &src.c, 777, 3333, weight)?;
+        cx.compare(&format!("lerp weight {weight}"), &dst, 1e-6)?;
+    }
+    Ok(())
+}
+
 fn op_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
     let cpu = cx.cpu;
+    regularizer_checks(cx)?;
     // ---- memory ops
     {
         let src = cx.rand(1000, 1.0, false)?;
