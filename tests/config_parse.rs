@@ -98,6 +98,7 @@ fn empty_config_gives_every_default() {
             emulate_slowdown: Vec::new(),
             balance: Balance::Off,
             balance_every: 5,
+            ema: None,
         }
     );
     assert!(c.warnings.is_empty(), "{:?}", c.warnings);

@@ -220,3 +220,81 @@ fn stochastic_depth_trains_the_same_on_any_split_of_the_batch() {
     let effect = common::max_rel_diff(&plain, &one);
     assert!(effect > 1e-3, "drop_path_rate 0.3 changed the weights by only {effect:e}");
 }
+
+/// The weight EMA against its definition applied to the weights the run itself wrote after
+/// every step (checkpoint_every 1, every checkpoint kept): e₁ = w₁ (timm's first update copies),
+/// eₜ = lerp(eₜ₋₁, wₜ, 1 − d) at d = 0.6, as the `_ema.safetensors` beside `--save-weights`
+/// and the last checkpoint's `ema.*` tensors hold it. Then two ranks under ZeRO 1 and 2
+/// (micro 8 against one rank's 16) end with the one rank's average.
+#[test]
+fn the_weight_ema_follows_its_definition_on_one_and_two_ranks() {
+    let t = tmp();
+    let steps = 5;
+    let run = |nproc: usize, extra: &[&str], name: &str| {
+        let mut args = common::launch_args(nproc);
+        args.push("train".into());
+        for a in ["--device=cpu", "--set=train_batch_size=16", "--set=data.val_size=32", "--set=train.eval_every=0",
+            "--set=train.checkpoint_every=1", "--keep-checkpoints=0", "--set=train.ema={\"decay\":0.6}",
+            "--set=optimizer={\"type\":\"SGD\",\"params\":{\"lr\":0.05,\"momentum\":0.9}}"] {
+            args.push(a.into());
+        }
+        args.push(format!("--set=train.steps={steps}"));
+        args.extend(extra.iter().map(|s| s.to_string()));
+        args.extend(common::run_dir_args(&t.path().join(name)));
+        let out = common::run(&args);
+        ok(&out, name);
+        (t.path().join(name), out)
+    };
+    let (one, out) = run(1, &["--set=train_micro_batch_size_per_gpu=16", "--json"], "one");
+    let summary = common::last_json(&out);
+    assert!(summary["ema_val_top1"].as_f64().is_some_and(|v| (0.0..=1.0).contains(&v)), "{summary}");
+    let weights_at = |s: u64| tensors(&one.join(format!("checkpoints/step_{s:06}/model.safetensors")));
+    let mut ema = weights_at(1);
+    for s in 2..=steps {
+        for ((_, e), (_, w)) in ema.iter_mut().zip(weights_at(s)) {
+            e.iter_mut().zip(&w).for_each(|(e, w)| *e += 0.4 * (w - *e));
+        }
+    }
+    let saved = tensors(&one.join("w_ema.safetensors"));
+    let last_ck = tensors(&one.join(format!("checkpoints/step_{steps:06}/optimizer.safetensors")));
+    let worst = |got: &[(String, Vec<f32>)]| {
+        ema.iter().zip(got).map(|((n, a), (m, b))| {
+            assert_eq!(n, m.trim_start_matches("ema."));
+            common::rel_l2(b, a)
+        }).fold(0.0, f64::max)
+    };
+    let ck_ema: Vec<(String, Vec<f32>)> = last_ck.into_iter().filter(|(n, _)| n.starts_with("ema.")).collect();
+    assert_eq!(ck_ema.len(), ema.len());
+    assert!(worst(&saved) < 1e-6 && worst(&ck_ema) < 1e-6, "saved EMA {} / checkpoint EMA {} off the definition", worst(&saved), worst(&ck_ema));
+    // the average is not the weights themselves
+    assert!(common::max_rel_diff_files(&one.join("w_ema.safetensors"), &one.join("w.safetensors")) > 1e-3);
+    for stage in ["1", "2"] {
+        let (two, _) = run(2, &["--set=train_micro_batch_size_per_gpu=8", &format!("--set=zero_optimization.stage={stage}")], &format!("zero{stage}"));
+        let d = common::max_rel_diff_files(&two.join("w_ema.safetensors"), &one.join("w_ema.safetensors"));
+        assert!(d < 1e-5, "ZeRO {stage} on 2 ranks: EMA differs from 1 rank by {d:e}");
+    }
+}
+
+/// A run resumed from its step-3 checkpoint ends with the weight EMA of the run that went
+/// straight to step 6, bit for bit (the average travels in the checkpoint).
+#[test]
+fn a_resumed_run_continues_the_weight_ema_exactly() {
+    let t = tmp();
+    let base = |steps: &str, name: &str| -> Vec<String> {
+        let mut a: Vec<String> = ["train", "--device=cpu", "--set=train_batch_size=16", "--set=data.val_size=32", "--set=train.eval_every=0",
+            "--set=train.checkpoint_every=3", "--set=train.ema={\"decay\":0.7,\"warmup\":true}"].iter().map(|s| s.to_string()).collect();
+        a.push(format!("--set=train.steps={steps}"));
+        a.extend(common::run_dir_args(&t.path().join(name)));
+        a
+    };
+    ok(&common::run(&base("6", "straight")), "straight");
+    ok(&common::run(&base("3", "split")), "first half");
+    let mut again = base("6", "split");
+    again.extend(["--resume".to_string(), "latest".to_string()]);
+    ok(&common::run(&again), "resumed");
+    let (a, b) = (tensors(&t.path().join("straight/w_ema.safetensors")), tensors(&t.path().join("split/w_ema.safetensors")));
+    assert_eq!(a.len(), b.len());
+    for ((n, x), (_, y)) in a.iter().zip(&b) {
+        assert!(x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()), "{n}: the resumed run's EMA differs");
+    }
+}

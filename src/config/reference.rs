@@ -49,6 +49,7 @@ pub(super) const TABLES: &[Table] = &[
     Table { at: &[&[&model::MODEL]], variant: None, keys: model::MODEL_KEYS },
     Table { at: &[&[&data::DATA]], variant: None, keys: data::DATA_KEYS },
     Table { at: &[&[&train::TRAIN]], variant: None, keys: train::TRAIN_KEYS },
+    Table { at: &[&[&train::TRAIN, &train::T_EMA]], variant: None, keys: train::EMA_KEYS },
     Table { at: &[&[&monitor::TENSORBOARD], &[&monitor::CSV_MONITOR]], variant: None, keys: monitor::MONITOR_KEYS },
 ];
 

@@ -72,11 +72,53 @@ pub(super) const T_BALANCE: KeyDef = key(
 .resume_free();
 const T_BALANCE_EVERY: KeyDef = key("balance_every", POS_INT, Dflt::Int(5), "Under train.balance = \"auto\": steps of measured compute time between re-estimates of the shares.")
     .resume_free();
+pub(super) const T_EMA: KeyDef = key("ema", Ty::Section, Dflt::Unset,
+    "An exponential moving average of the weights, as timm's ModelEmaV3 (--model-ema): updated after every optimizer step, evaluated beside the weights (ema_val_loss, ema_val_top1), saved in checkpoints and beside --save-weights (NAME_ema.safetensors). {} turns it on with the defaults below.");
+const EMA_ENABLED: KeyDef = key("enabled", Ty::Bool, Dflt::Bool(true), "false turns the average off.");
+const EMA_DECAY: KeyDef = key("decay", Ty::Num { lo: 0.0, hi: 1.0, lo_open: false, hi_open: true }, Dflt::Num(0.9998), "Decay per step (timm's --model-ema-decay default).");
+const EMA_MIN_DECAY: KeyDef = key("min_decay", Ty::Num { lo: 0.0, hi: 1.0, lo_open: false, hi_open: true }, Dflt::Num(0.0), "Lower bound of the warm-up's decay.");
+const EMA_AFTER: KeyDef = key("update_after_step", NONNEG_INT, Dflt::Int(0), "Optimizer steps after the first during which the average copies the weights.");
+const EMA_WARMUP: KeyDef = key("warmup", Ty::Bool, Dflt::Bool(false), "Warm-up: decay 1 − (1 + t/warmup_gamma)^−warmup_power at the t-th step after the first, capped at decay (timm's use_warmup, --model-ema-warmup).");
+const EMA_GAMMA: KeyDef = key("warmup_gamma", POSITIVE, Dflt::Num(1.0), "The warm-up's γ.");
+const EMA_POWER: KeyDef = key("warmup_power", POSITIVE, Dflt::Num(2.0 / 3.0), "The warm-up's power.");
+/// Keys of `train.ema`.
+pub const EMA_KEYS: &[KeyDef] = &[EMA_ENABLED, EMA_DECAY, EMA_MIN_DECAY, EMA_AFTER, EMA_WARMUP, EMA_GAMMA, EMA_POWER];
 /// Keys of the `train` section.
 pub const TRAIN_KEYS: &[KeyDef] = &[
     T_EPOCHS, T_STEPS, T_SEED, T_RECOMPUTE, T_PASS_IMAGES, T_EVAL_EVERY, T_CKPT_EVERY, T_SMOOTHING, T_DECAY_SKIP, T_LOG_EVERY, T_EVAL_BATCH, T_CKPT_ON_SIGNAL, T_COMM_TIMEOUT,
-    T_SLOWDOWN, T_BALANCE, T_BALANCE_EVERY,
+    T_SLOWDOWN, T_BALANCE, T_BALANCE_EVERY, T_EMA,
 ];
+
+/// `train.ema`: None when absent, null or `enabled: false`.
+fn parse_ema(sec: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<Option<EmaConfig>> {
+    let p = full(TRAIN.name, T_EMA.name);
+    let Some(e) = section(sec.and_then(|s| s.get(T_EMA.name)), &p)? else { return Ok(None) };
+    check_keys(&p, e, EMA_KEYS, &[])?;
+    let e = Some(e);
+    if !get_bool(e, &p, &EMA_ENABLED, cx)? {
+        return Ok(None);
+    }
+    Ok(Some(EmaConfig {
+        decay: get_num(e, &p, &EMA_DECAY, cx)?,
+        min_decay: get_num(e, &p, &EMA_MIN_DECAY, cx)?,
+        update_after_step: get_int(e, &p, &EMA_AFTER, cx)?,
+        warmup: get_bool(e, &p, &EMA_WARMUP, cx)?,
+        warmup_gamma: get_num(e, &p, &EMA_GAMMA, cx)?,
+        warmup_power: get_num(e, &p, &EMA_POWER, cx)?,
+    }))
+}
+
+/// `train.ema` as resolved (absent when off).
+fn write_ema(e: &EmaConfig) -> Value {
+    let mut out = Map::new();
+    put(&mut out, &EMA_DECAY, json!(e.decay));
+    put(&mut out, &EMA_MIN_DECAY, json!(e.min_decay));
+    put(&mut out, &EMA_AFTER, json!(e.update_after_step));
+    put(&mut out, &EMA_WARMUP, json!(e.warmup));
+    put(&mut out, &EMA_GAMMA, json!(e.warmup_gamma));
+    put(&mut out, &EMA_POWER, json!(e.warmup_power));
+    Value::Object(out)
+}
 
 /// The `train` section; `log_every` defaults to DeepSpeed's `steps_per_print`, the evaluation
 /// batch to the micro-batch, and the rank lists are checked against the world size.
@@ -125,6 +167,7 @@ pub(super) fn parse(sec: Option<&Map<String, Value>>, batch: &BatchConfig, steps
         emulate_slowdown: parse_slowdown(sec, p, batch.world_size)?,
         balance: parse_balance(sec, p, batch.world_size, cx)?,
         balance_every: get_int(sec, p, &T_BALANCE_EVERY, cx)?,
+        ema: parse_ema(sec, cx)?,
     })
 }
 
@@ -209,6 +252,9 @@ pub(super) fn write(t: &TrainConfig) -> Value {
     }
     if let Some(steps) = t.steps {
         put(&mut out, &T_STEPS, json!(steps));
+    }
+    if let Some(e) = &t.ema {
+        put(&mut out, &T_EMA, write_ema(e));
     }
     Value::Object(out)
 }

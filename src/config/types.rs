@@ -445,6 +445,41 @@ pub struct TrainConfig {
     pub balance: Balance,
     /// `train.balance_every`: under `balance = "auto"`, steps between re-estimates.
     pub balance_every: u64,
+    /// `train.ema`: an exponential moving average of the weights (None = off).
+    pub ema: Option<EmaConfig>,
+}
+
+/// `train.ema`: timm's `ModelEmaV3` of the f32 weights, updated after every optimizer step.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct EmaConfig {
+    /// The decay once warmed up (timm's `decay`).
+    pub decay: f64,
+    /// Lower bound of the warm-up's decay (`min_decay`).
+    pub min_decay: f64,
+    /// Optimizer steps during which the average just copies the weights (`update_after_step`).
+    pub update_after_step: u64,
+    /// Decay 1 − (1 + t/γ)^−power over the steps t after the first (`use_warmup`), capped at
+    /// `decay`.
+    pub warmup: bool,
+    pub warmup_gamma: f64,
+    pub warmup_power: f64,
+}
+
+impl EmaConfig {
+    /// The decay of the update after optimizer step `step` (1-based count of updates, as
+    /// timm's training script passes `num_updates`): 0 — a copy of the weights — for the first
+    /// update and the `update_after_step` after it, then `decay` or the warm-up's value.
+    pub fn decay_at(&self, step: u64) -> f64 {
+        let t = step.saturating_sub(self.update_after_step + 1);
+        if t == 0 {
+            return 0.0;
+        }
+        if !self.warmup {
+            return self.decay;
+        }
+        let d = 1.0 - (1.0 + t as f64 / self.warmup_gamma).powf(-self.warmup_power);
+        d.min(self.decay).max(self.min_decay)
+    }
 }
 
 /// How the global batch is split over the ranks (`train.balance`).

@@ -163,6 +163,11 @@ pub struct EvalRecord {
     pub val_loss: f64,
     pub val_top1: f64,
     pub images: usize,
+    /// The weight EMA's figures on the same images (`train.ema`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ema_val_loss: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ema_val_top1: Option<f64>,
 }
 
 /// Appends JSON lines to a file, flushing each so a killed run keeps its history.

@@ -7,7 +7,8 @@
 //! step_000123/
 //!   model.safetensors      weights, f32, caller's names (timm keys): loadable by timm as is;
 //!                          the model's architecture in its metadata (as `--save-weights`)
-//!   optimizer.safetensors  optimizer state tensors (e.g. `exp_avg.<key>`), f32
+//!   optimizer.safetensors  optimizer state tensors (e.g. `exp_avg.<key>`), f32, and the
+//!                          weight EMA (`ema.<key>`) when the run keeps one
 //!   state.json             caller's JSON: scheduler step, epoch, data position, RNG, config
 //!   manifest.json          written last: step, and per file its size, SHA-256, tensor names
 //! latest                   one line: the name of the newest complete step directory
@@ -482,8 +483,15 @@ pub fn assemble(layout: &Layout, tensors: &[Tensor], len: usize, dir: &Path, fil
     Ok(flat)
 }
 
+/// The weight EMA by timm key with an `ema.` prefix (`ema.blocks.0.attn.qkv.weight`), in the
+/// optimizer file beside the state it belongs with.
+pub fn ema_layout(table: &crate::model::ParamTable) -> Layout {
+    table.entries.iter().map(|e| (format!("ema.{}", e.name), e.shape.clone(), e.span)).collect()
+}
+
 /// Saves the engine's training state after optimizer step `step` (1-based count of steps
-/// done): weights and optimizer state from host copies of the flat buffers, and `state`.
+/// done): weights, optimizer state and the weight EMA (when kept) from host copies of the flat
+/// buffers, and `state`.
 #[allow(clippy::too_many_arguments)]
 pub fn save_training(
     root: &Path,
@@ -493,13 +501,19 @@ pub fn save_training(
     params: &[f32],
     opt: &crate::config::OptimizerConfig,
     opt_state: &[f32],
+    ema: Option<&[f32]>,
     state: &serde_json::Value,
     keep_last: usize,
 ) -> Result<PathBuf> {
     let pl = param_layout(table);
     let ol = optimizer_layout(opt, table);
+    let el = ema_layout(table);
     let meta = [crate::model::weights::model_metadata(model)];
-    save_with_metadata(root, step, &views(&pl, params), &meta, &views(&ol, opt_state), state, keep_last)
+    let mut optimizer = views(&ol, opt_state);
+    if let Some(e) = ema {
+        optimizer.extend(views(&el, e));
+    }
+    save_with_metadata(root, step, &views(&pl, params), &meta, &optimizer, state, keep_last)
 }
 
 /// What a resumed run continues from.
@@ -508,6 +522,8 @@ pub struct Restored {
     pub step: u64,
     pub params: Vec<f32>,
     pub opt_state: Vec<f32>,
+    /// The weight EMA, when the checkpoint holds one.
+    pub ema: Option<Vec<f32>>,
     pub state: serde_json::Value,
     pub dir: PathBuf,
 }
@@ -518,7 +534,12 @@ pub fn restore(spec: &Path, table: &crate::model::ParamTable, opt: &crate::confi
     let params = assemble(&param_layout(table), &ck.weights, table.total, &ck.dir, MODEL_FILE)?;
     let olen = crate::backend::optimizer_state_len(opt, table.total);
     let opt_state = assemble(&optimizer_layout(opt, table), &ck.optimizer, olen, &ck.dir, OPTIMIZER_FILE)?;
-    Ok(Restored { step: ck.step, params, opt_state, state: ck.state, dir: ck.dir })
+    // all of the average or none of it (a partial one is an error naming the first missing)
+    let ema = match ck.optimizer.iter().any(|t| t.name.starts_with("ema.")) {
+        true => Some(assemble(&ema_layout(table), &ck.optimizer, table.total, &ck.dir, OPTIMIZER_FILE)?),
+        false => None,
+    };
+    Ok(Restored { step: ck.step, params, opt_state, ema, state: ck.state, dir: ck.dir })
 }
 
 #[cfg(test)]
@@ -630,12 +651,16 @@ mod tests {
         let params: Vec<f32> = (0..table.total).map(|i| i as f32 * 0.5).collect();
         let state: Vec<f32> = (0..2 * table.total).map(|i| -(i as f32)).collect();
         let tmp = tempfile::tempdir().unwrap();
-        save_training(tmp.path(), 7, &table, &cfg, &params, &opt, &state, &json!({"epoch": 0}), 0).unwrap();
+        save_training(tmp.path(), 7, &table, &cfg, &params, &opt, &state, None, &json!({"epoch": 0}), 0).unwrap();
         // The weights file records the architecture, so it evaluates without a config.
         let inferred = crate::model::weights::infer(&tmp.path().join(step_dir_name(7)).join(MODEL_FILE)).unwrap();
         assert_eq!(inferred.num_heads, Some(cfg.num_heads));
         let r = restore(tmp.path(), &table, &opt).unwrap();
-        assert_eq!((r.step, r.params == params, r.opt_state == state), (7, true, true));
+        assert_eq!((r.step, r.params == params, r.opt_state == state, r.ema), (7, true, true, None));
+        // with a weight EMA, it comes back as saved
+        let ema: Vec<f32> = params.iter().map(|v| v * 0.25 + 1.0).collect();
+        save_training(tmp.path(), 8, &table, &cfg, &params, &opt, &state, Some(&ema), &json!({"epoch": 0}), 0).unwrap();
+        assert_eq!(restore(tmp.path(), &table, &opt).unwrap().ema.as_deref(), Some(&ema[..]));
         let ck = load(tmp.path()).unwrap();
         assert!(ck.weight("cls_token").is_some() && ck.optimizer_tensor("exp_avg_sq.head.weight").is_some());
         // An SGD run cannot resume from Adam state: the error names the file and tensor.

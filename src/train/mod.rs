@@ -10,6 +10,7 @@
 pub mod agree;
 pub mod balance;
 pub mod checkpoint;
+pub mod ema;
 pub mod error;
 pub mod evaluate;
 pub mod memory;

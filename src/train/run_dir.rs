@@ -103,8 +103,9 @@ impl RunDir {
 
     /// A training checkpoint of step `step` under `checkpoints/` (atomic; older ones pruned to
     /// `keep_checkpoints`); returns its directory.
-    pub fn checkpoint(&self, step: u64, table: &ParamTable, params: &[f32], cfg: &RunConfig, opt_state: &[f32], state: &serde_json::Value) -> Result<PathBuf, TrainError> {
-        Ok(checkpoint::save_training(&self.checkpoint_root(), step, table, &cfg.model, params, &cfg.optimizer, opt_state, state, self.keep_checkpoints)?)
+    #[allow(clippy::too_many_arguments)]
+    pub fn checkpoint(&self, step: u64, table: &ParamTable, params: &[f32], cfg: &RunConfig, opt_state: &[f32], ema: Option<&[f32]>, state: &serde_json::Value) -> Result<PathBuf, TrainError> {
+        Ok(checkpoint::save_training(&self.checkpoint_root(), step, table, &cfg.model, params, &cfg.optimizer, opt_state, ema, state, self.keep_checkpoints)?)
     }
 
     /// `summary.json`: the `--json` object.

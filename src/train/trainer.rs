@@ -38,6 +38,7 @@ use crate::model::smoothed_targets;
 use crate::train::agree::{self, StateHash};
 use crate::train::balance::Balancer;
 use crate::train::error::TrainError;
+use crate::train::ema::{self, Ema};
 use crate::train::evaluate::{build_model_for_training, evaluate_with, EvalSummary};
 use crate::train::plan::Plan;
 use crate::train::run_dir::RunDir;
@@ -71,6 +72,11 @@ pub struct TrainOptions {
 pub struct TrainSummary {
     pub val_top1: f64,
     pub val_loss: f64,
+    /// The weight EMA's validation figures (`train.ema`), when the run keeps one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ema_val_top1: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ema_val_loss: Option<f64>,
     /// Mean training loss over the last epoch's steps (or the whole run if shorter).
     pub train_loss: f64,
     /// Training images processed, counted on the global batch.
@@ -289,6 +295,9 @@ pub struct Trainer<'r, B: Backend> {
     window: Window,
     epoch_loss: EpochLoss,
     last_eval: Option<EvalSummary>,
+    /// The weight EMA (`train.ema`) and its last evaluation.
+    ema: Option<Ema<B>>,
+    last_ema_eval: Option<EvalSummary>,
     images_done: u64,
     /// This rank's state hashes after the last step, once the ranks agreed on them.
     final_hash: Option<StateHash>,
@@ -384,8 +393,9 @@ fn restore<B: Backend>(
     comm: &mut dyn Comm<B::Buf>,
     run: &mut RunDir,
     total_steps: u64,
-) -> Result<u64, TrainError> {
+) -> Result<(u64, Option<Vec<f32>>), TrainError> {
     let mut start_step = 0u64;
+    let mut ema = None;
     if let Some(spec) = &opts.resume {
         let r = checkpoint::restore(spec, &st.vit.table, &st.optimizer)?;
         let saved_batch = r.state.get("global_batch").and_then(|v| v.as_u64());
@@ -413,6 +423,7 @@ fn restore<B: Backend>(
             None => be.upload(&mut st.opt_state, 0, &r.opt_state)?,
         }
         start_step = r.step;
+        ema = r.ema;
         run.log(&serde_json::json!({"kind": "resume", "step": start_step, "from": r.dir.display().to_string()}))?;
         if !opts.quiet {
             crate::errln!("resumed from {} at step {start_step}", r.dir.display());
@@ -428,11 +439,19 @@ fn restore<B: Backend>(
             comm.broadcast(&mut st.opt_state, Span { off: 0, len: olen }, 0)?;
         }
     }
-    // a master shard: this rank's pieces of rank 0's weights, then the whole copy goes
-    if let Some(z) = &grads.zero {
-        z.take_master(be, &mut st.vit, &mut st.opt_state)?;
-    }
-    Ok(start_step)
+    Ok((start_step, ema))
+}
+
+/// The weight EMA of `train.ema`: the checkpoint's average when resuming from one that kept
+/// it, else the weights the run starts from (every rank's, equal after `restore`). Made before
+/// a master shard takes the whole weights over.
+fn start_ema<B: Backend>(be: &B, cfg: &RunConfig, st: &Step<B>, grads: &Gradients, restored: Option<Vec<f32>>) -> Result<Option<Ema<B>>, TrainError> {
+    let Some(ema_cfg) = &cfg.train.ema else { return Ok(None) };
+    let start = match restored {
+        Some(e) => e,
+        None => st.vit.params_host(be)?,
+    };
+    Ok(Some(Ema::new(be, ema_cfg.clone(), &start, grads.zero.as_ref())?))
 }
 
 impl<'r, B: Backend> Trainer<'r, B> {
@@ -456,7 +475,12 @@ impl<'r, B: Backend> Trainer<'r, B> {
 
         let (mut st, grads) = build_step(be, cfg, &plan, opts, (rank, world), t_start)?;
         run.add_to_config("memory", &memory_record(be, &st, &grads, None))?;
-        let start_step = restore(be, opts, &plan, &mut st, &grads, &mut *comm, &mut run, total_steps)?;
+        let (start_step, restored_ema) = restore(be, opts, &plan, &mut st, &grads, &mut *comm, &mut run, total_steps)?;
+        let ema = start_ema(be, cfg, &st, &grads, restored_ema)?;
+        // a master shard: this rank's pieces of rank 0's weights, then the whole copy goes
+        if let Some(z) = &grads.zero {
+            z.take_master(be, &mut st.vit, &mut st.opt_state)?;
+        }
         let bal = Balancer::new(cfg, &plan, rank, start_step, cfg.data.prefetch);
         if !opts.quiet {
             announce(be, cfg, &plan, &data, &bal, st.vit.table.total, total_steps);
@@ -508,6 +532,8 @@ impl<'r, B: Backend> Trainer<'r, B> {
             window: Window::new(),
             epoch_loss: EpochLoss { sum: 0.0, steps: 0, last_mean: f64::NAN },
             last_eval: None,
+            ema,
+            last_ema_eval: None,
             images_done: 0,
             final_hash: None,
             bar,
@@ -571,7 +597,7 @@ impl<'r, B: Backend> Trainer<'r, B> {
     /// The step's micro-batches, then the boundary: gradient sync, clipping on the device, the
     /// schedule's learning rate, the update. Returns the gradient norm (logging steps) and lr.
     fn micro_batches_and_boundary(&mut self, at: StepAt, log_due: bool) -> Result<(Option<f64>, f64), TrainError> {
-        let Trainer { be, cfg, comm, grads, st, bal, feed, window, total_steps, .. } = self;
+        let Trainer { be, cfg, comm, grads, st, bal, feed, window, total_steps, ema, .. } = self;
         let be: &B = be;
         let mut sync = grads.begin(&mut **comm);
         let gas = st.plan.gradient_accumulation_steps;
@@ -588,6 +614,10 @@ impl<'r, B: Backend> Trainer<'r, B> {
             bal.add_wait(timed.wait_s);
             out
         };
+        if let Some(e) = ema.as_mut() {
+            e.update(be, step + 1, &st.vit, &st.opt_state)?;
+            st.mark(be, Phase::Optimizer)?;
+        }
         window.comm_bytes += bytes;
         window.comm_total_s += sync.times().total_s;
         if let Some(tr) = st.trace.as_mut() {
@@ -690,6 +720,12 @@ impl<'r, B: Backend> Trainer<'r, B> {
             }
             host_state = Some((p, o));
         }
+        // the average travels with the state (a collective under a master shard: every rank
+        // knows a checkpoint is due)
+        let ema = match (&self.ema, want_ckpt) {
+            (Some(e), true) => Some(e.full(be, &mut *self.comm, self.grads.zero.as_ref())?),
+            _ => None,
+        };
         let mut saved = None;
         if writes {
             let (p, o) = match host_state.take() {
@@ -698,7 +734,7 @@ impl<'r, B: Backend> Trainer<'r, B> {
                 None => self.full_state()?,
             };
             let state = self.checkpoint_state(step);
-            saved = Some(self.run.checkpoint(step + 1, &self.st.vit.table, &p, self.cfg, &o, &state)?);
+            saved = Some(self.run.checkpoint(step + 1, &self.st.vit.table, &p, self.cfg, &o, ema.as_deref(), &state)?);
         }
         // freeing the host copies of the state (a GiB for ViT-B) is part of this work too
         drop(host_state);
@@ -843,18 +879,41 @@ impl<'r, B: Backend> Trainer<'r, B> {
         self.be.synchronize()?;
         let t_eval = Instant::now();
         let ev = evaluate_with(self.be, &mut self.st.vit, &self.val_set, self.cfg, self.cfg.train.eval_batch_size, &mut *self.comm)?;
+        let ema_ev = self.evaluate_ema()?;
         self.st.mark(self.be, Phase::NotTraining)?;
         let spent = t_eval.elapsed();
         self.window.eval_s += spent.as_secs_f64();
         self.window.exclude(spent);
         self.not_training += spent;
-        let rec = EvalRecord { kind: "eval", step: at.step + 1, epoch: at.epoch, val_loss: ev.loss, val_top1: ev.top1, images: ev.images };
+        let rec = EvalRecord {
+            kind: "eval",
+            step: at.step + 1,
+            epoch: at.epoch,
+            val_loss: ev.loss,
+            val_top1: ev.top1,
+            images: ev.images,
+            ema_val_loss: ema_ev.as_ref().map(|e| e.loss),
+            ema_val_top1: ema_ev.as_ref().map(|e| e.top1),
+        };
         self.run.log(&rec)?;
         if !self.opts.quiet {
-            self.print(format!("eval after step {}: val_loss {:.4} val_top1 {:.4}", at.step + 1, ev.loss, ev.top1));
+            let ema_part = ema_ev.as_ref().map_or(String::new(), |e| format!(" | ema val_loss {:.4} val_top1 {:.4}", e.loss, e.top1));
+            self.print(format!("eval after step {}: val_loss {:.4} val_top1 {:.4}{ema_part}", at.step + 1, ev.loss, ev.top1));
         }
         self.last_eval = Some(ev);
+        self.last_ema_eval = ema_ev;
         Ok(())
+    }
+
+    /// The weight EMA on the validation split (None without one): its pieces gathered and
+    /// loaded into a model of its own, so the training model is untouched. Every rank takes part.
+    fn evaluate_ema(&mut self) -> Result<Option<EvalSummary>, TrainError> {
+        let Some(ema) = &self.ema else { return Ok(None) };
+        let weights = ema.full(self.be, &mut *self.comm, self.grads.zero.as_ref())?;
+        let mut vit = crate::model::Vit::new(self.be, self.cfg.model.clone())?;
+        vit.set_recompute(self.cfg.train.recompute);
+        vit.set_params(self.be, &weights)?;
+        Ok(Some(evaluate_with(self.be, &mut vit, &self.val_set, self.cfg, self.cfg.train.eval_batch_size, &mut *self.comm)?))
     }
 
     /// After the last step: the ranks' agreement (a run resumed at its last step trains none,
@@ -880,17 +939,30 @@ impl<'r, B: Backend> Trainer<'r, B> {
             Some(ev) => ev,
             None => evaluate_with(be, &mut self.st.vit, &self.val_set, self.cfg, self.cfg.train.eval_batch_size, &mut *self.comm)?,
         };
+        let ema_ev = match self.last_ema_eval.take() {
+            Some(e) => Some(e),
+            None => self.evaluate_ema()?,
+        };
         // one file for the job, from rank 0, now that every rank is known to hold these
         // weights (every rank is given the same --save-weights: all take part in a gather)
-        if let Some(path) = self.opts.save_weights.as_ref() {
+        if let Some(path) = self.opts.save_weights.clone() {
             let p = self.full_params()?;
+            let ema = match &self.ema {
+                Some(e) => Some(e.full(be, &mut *self.comm, self.grads.zero.as_ref())?),
+                None => None,
+            };
             if self.rank == 0 {
-                crate::model::weights::save(path, &self.st.vit.table, &self.st.vit.cfg, &p)?;
+                crate::model::weights::save(&path, &self.st.vit.table, &self.st.vit.cfg, &p)?;
+                if let Some(e) = ema {
+                    crate::model::weights::save(&ema::weights_path(&path), &self.st.vit.table, &self.st.vit.cfg, &e)?;
+                }
             }
         }
         let summary = TrainSummary {
             val_top1: ev.top1,
             val_loss: ev.loss,
+            ema_val_top1: ema_ev.as_ref().map(|e| e.top1),
+            ema_val_loss: ema_ev.as_ref().map(|e| e.loss),
             train_loss: self.epoch_loss.last_mean,
             images: self.images_done,
             steps: self.total_steps,

@@ -165,9 +165,21 @@ impl ZeroLayout {
     /// as `gather_state`).
     pub fn gather_master<B: Backend>(&self, be: &B, comm: &mut dyn Comm<B::Buf>, buffer: &B::Buf) -> Result<Vec<f32>, TrainError> {
         let compact = self.download_buffer(be, buffer)?;
+        self.gather_owned(be, comm, &compact[self.state_len..])
+    }
+
+    /// A whole flat buffer assembled from every rank's values of the elements it owns (`owned`:
+    /// this rank's pieces back to back, as the master part of the compact buffer lays them
+    /// out): a collective, as `gather_master`.
+    pub fn gather_owned<B: Backend>(&self, be: &B, comm: &mut dyn Comm<B::Buf>, owned: &[f32]) -> Result<Vec<f32>, TrainError> {
+        if owned.len() != self.owned_len() {
+            return Err(TrainError::Config(format!("rank {}: {} owned values, the layout owns {}", self.rank, owned.len(), self.owned_len())));
+        }
         let mut full = vec![0.0; self.total];
-        for (p, (span, _)) in self.shard_pieces().iter().zip(&self.pieces) {
-            full[span.range()].copy_from_slice(&compact[p.master_off..p.master_off + span.len]);
+        let mut at = 0;
+        for (span, _) in &self.pieces {
+            full[span.range()].copy_from_slice(&owned[at..at + span.len]);
+            at += span.len;
         }
         self.all_gather_components(be, comm, &mut full, 1)?;
         Ok(full)
