@@ -298,3 +298,44 @@ fn a_resumed_run_continues_the_weight_ema_exactly() {
         assert!(x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()), "{n}: the resumed run's EMA differs");
     }
 }
+
+/// Where ZeRO shards the master weights (GPU ranks), each rank averages only the pieces it
+/// owns, and evaluating or saving the average puts them together: `gather_owned` of every
+/// rank's pieces gives back the whole buffer on every rank, for 2 and 3 ranks (thread ranks
+/// joined by loopback sockets) and buckets of odd sizes with replicated tails.
+#[test]
+fn owned_pieces_gather_into_the_whole_buffer_on_every_rank() {
+    use vitscale::backend::Span;
+    use vitscale::comm::{CommOptions, DistEnv, TcpComm};
+    use vitscale::train::sync::BucketPlan;
+    use vitscale::train::zero::ZeroLayout;
+    let lens = [13usize, 40, 7, 101];
+    let total: usize = lens.iter().sum();
+    let mut off = total;
+    let groups: Vec<Span> = lens.iter().map(|&len| {
+        off -= len;
+        Span { off, len }
+    }).collect();
+    let plan = BucketPlan::new(&groups, 1, 1).unwrap();
+    let full: Vec<f32> = (0..total).map(|i| i as f32 * 0.5 - 7.0).collect();
+    let opt = vitscale::config::OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, dampening: 0.0, weight_decay: 0.0, nesterov: false };
+    for world in [2usize, 3] {
+        let port = common::free_port();
+        let opts = CommOptions { timeout: std::time::Duration::from_secs(60), rendezvous_timeout: std::time::Duration::from_secs(30) };
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..world).map(|rank| {
+                let (plan, full, opts, opt) = (&plan, &full, &opts, &opt);
+                s.spawn(move || {
+                    let layout = ZeroLayout::new(plan, opt, 2, world, rank, true).unwrap().with_master_shard();
+                    let mut comm = TcpComm::connect(&DistEnv::loopback(rank, world, port), opts, "gather-owned").expect("connect");
+                    let own = layout.shard_master(full).unwrap();
+                    assert!(own.len() < total, "rank {rank} owns everything");
+                    layout.gather_owned(&Cpu::new(), &mut comm, &own).unwrap()
+                })
+            }).collect();
+            for (rank, h) in hs.into_iter().enumerate() {
+                assert_eq!(h.join().expect("rank thread"), full, "rank {rank} of {world}");
+            }
+        });
+    }
+}
