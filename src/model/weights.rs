@@ -142,12 +142,13 @@ fn load_impl(path: &Path, table: &ParamTable, mut fresh: Option<Box<dyn FnOnce()
     let fine_tuning = fresh.is_some();
     let mut fresh_values: Option<Vec<f32>> = None;
     let tensor_err = |key: &str, msg: String| WeightsError::Tensor { path: path.to_path_buf(), key: key.to_string(), msg };
-    // Another patch size changes both the patch embedding and the grid: refused before either
-    // is reported as a bare shape mismatch.
+    // Another patch size alone (same width and channels) changes both the patch embedding and
+    // the grid: refused before either is reported as a bare shape mismatch. A file of another
+    // width is another model, left to the shape check.
     if let (Some(e), Some(stored)) = (table.get("patch_embed.proj.weight"), keys.get("patch_embed.proj.weight")) {
         let view = st.tensor(stored).map_err(|err| WeightsError::Format { path: path.to_path_buf(), msg: err.to_string() })?;
         if let (Some(file_p), Some(model_p)) = (patch_side(view.shape()), patch_side(&e.shape)) {
-            if file_p != model_p {
+            if file_p != model_p && view.shape()[..2] == e.shape[..2] {
                 return Err(tensor_err(
                     "patch_embed.proj.weight",
                     format!("is for {file_p}×{file_p} patches and this model's model.patch_size is {model_p}: vitscale does not resample patch-embedding weights (timm does only when asked); use model.patch_size={file_p}"),
@@ -254,10 +255,26 @@ pub fn model_metadata(cfg: &ModelConfig) -> (&'static str, String) {
     (MODEL_METADATA_KEY, serde_json::to_string(cfg).unwrap_or_default())
 }
 
+/// Widths at which every timm `VisionTransformer` (timm 1.0.31's registry) has 16 heads that
+/// are not 64 wide: SigLIP So400m (1152, head 72), ViT-H/14 (1280, 80), ViT-g/14 (1408, 88),
+/// ViT-G/14 (1664, 104). `width / 64` would guess 18, 20, 22 and 26 heads: the same shapes, so
+/// the weights would load, and another model.
+const TIMM_16_HEAD_WIDTHS: [usize; 4] = [1152, 1280, 1408, 1664];
+
+/// The head count timm's ViTs have at width `c`: 16 at the widths above, else `c / 64` when
+/// 64 divides `c`.
+fn guess_num_heads(c: usize) -> Option<usize> {
+    if TIMM_16_HEAD_WIDTHS.contains(&c) {
+        return Some(16);
+    }
+    (c % 64 == 0).then_some(c / 64)
+}
+
 /// Architecture fields read off a timm weights file's shapes. `num_heads` cannot be read from
 /// shapes: a file vitscale wrote carries it in its `vitscale_model` metadata (`num_heads`);
-/// otherwise it is guessed as `width / 64` when the width is a multiple of 64 (timm's head
-/// width for every standard ViT), else left to the user.
+/// otherwise it is guessed as timm's ViTs have it (`guess_num_heads`: 16 at the widths of
+/// ViT-H, ViT-g, ViT-G and So400m, else `width / 64` when the width is a multiple of 64), else
+/// left to the user.
 #[derive(Clone, Debug, PartialEq)]
 pub struct InferredModel {
     pub fields: serde_json::Map<String, serde_json::Value>,
@@ -318,7 +335,7 @@ pub fn infer(path: &Path) -> Result<InferredModel, WeightsError> {
     fields.insert("qkv_bias".into(), keys.contains_key("blocks.0.attn.qkv.bias").into());
     fields.insert("class_token".into(), class_token.into());
     fields.insert("global_pool".into(), global_pool.into());
-    let guessed_num_heads = (c % 64 == 0).then_some(c / 64);
+    let guessed_num_heads = guess_num_heads(c);
     // A head count from the metadata counts only if the rest of that record agrees with the
     // shapes (a file edited by other tools keeps stale metadata).
     let num_heads = SafeTensors::read_metadata(&bytes)
@@ -379,6 +396,20 @@ mod tests {
         for (c, f) in [(14, 61), (11, 30), (22, 49), (1408, 6144), (1664, 8192), (1280, 5120), (24, 60)] {
             let m = ModelConfig { embed_dim: c, mlp_ratio: mlp_ratio_for(c, f), ..model(10) };
             assert_eq!(m.mlp_hidden(), f, "width {c}");
+        }
+    }
+
+    /// The guessed head count is timm's: 16 for ViT-H/14 (head dim 80) and ViT-g/14 (88), not
+    /// width / 64.
+    #[test]
+    fn guessed_head_counts_are_timms() {
+        for (c, h) in [(192, 3), (384, 6), (768, 12), (1024, 16), (1152, 16), (1280, 16), (1408, 16), (1664, 16)] {
+            assert_eq!(guess_num_heads(c), Some(h), "width {c}");
+        }
+        assert_eq!(guess_num_heads(48), None);
+        for name in ["vit_huge_patch14_224", "vit_giant_patch14_224", "vit_large_patch16_384"] {
+            let m = ModelConfig::preset(name).expect("preset");
+            assert_eq!(guess_num_heads(m.embed_dim), Some(m.num_heads), "{name}");
         }
     }
 
