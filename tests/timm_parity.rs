@@ -1,6 +1,8 @@
 //! timm parity: the CPU backend must reproduce timm's logits, loss, every parameter gradient,
 //! and the weights after 3 AdamW / 3 SGD-momentum / 1 plain SGD steps, on the committed
-//! fixtures made by `reference/make_fixtures.py` (torch 2.11, timm 1.0.29, f32 on CPU).
+//! fixtures made by `reference/make_fixtures.py` (torch 2.11, timm 1.0.29, f32 on CPU); and
+//! logits, losses and gradients at head dim 80 (`timm_hd80.safetensors`, made by
+//! `reference/make_hd80_fixture.py`, torch 2.15, timm 1.0.31).
 //!
 //! Weights are loaded through the same safetensors import path `--init` uses (the fixture's
 //! `param.*` tensors are first written out as a plain timm weights file).
@@ -184,6 +186,96 @@ fn sgd_momentum_three_steps_match_torch() {
 fn plain_sgd_one_step_matches_torch() {
     check_optimizer("timm_cls.safetensors", "sgd1", sgd_plain(), 1);
     check_optimizer("timm_avg.safetensors", "sgd1", sgd_plain(), 1);
+}
+
+/// SplitMix64's output function.
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The weights of `timm_hd80.safetensors`, by `formula_weights` in
+/// reference/make_hd80_fixture.py (exact in f64, one rounding to f32, so bit-identical), as
+/// (timm key, shape, values).
+fn formula_weights(table: &vitscale::model::ParamTable) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let mut names: Vec<&str> = table.entries.iter().map(|e| e.name.as_str()).collect();
+    names.sort_unstable();
+    names
+        .iter()
+        .enumerate()
+        .map(|(t, name)| {
+            let shape = table.get(name).unwrap().shape.clone();
+            let (centre, half) = if shape.len() >= 2 && !matches!(*name, "pos_embed" | "cls_token") {
+                (0.0, (3.0 / shape[1..].iter().product::<usize>() as f64).sqrt())
+            } else if name.contains("norm") && name.ends_with(".weight") {
+                (1.0, 0.2)
+            } else {
+                (0.0, 0.1)
+            };
+            let n: usize = shape.iter().product();
+            let values = (0..n as u64)
+                .map(|i| {
+                    let u = (splitmix64(((t as u64) << 32) | i) >> 11) as f64 * 2f64.powi(-53);
+                    (centre + half * (2.0 * u - 1.0)) as f32
+                })
+                .collect();
+            (name.to_string(), shape, values)
+        })
+        .collect()
+}
+
+/// Head dim 80 (ViT-H/14's; embed 160, 2 heads): logits, losses and every gradient against
+/// timm (large gradients compared on every 17th element and by their whole norm).
+#[test]
+fn head_dim_80_model_matches_timm_forward_and_gradients() {
+    let name = "timm_hd80.safetensors";
+    let fx = load_fixture(name);
+    assert_eq!(fx.model.head_dim(), 80);
+    let stride: usize = fx.meta["stride"].parse().unwrap();
+    let dir = tmp();
+    let be = Cpu::new();
+    let mut vit = Vit::new(&be, fx.model.clone()).unwrap();
+    let path = dir.path().join("hd80.safetensors");
+    write_weights(&formula_weights(&vit.table), &path);
+    let init = weights::load(&path, &vit.table).unwrap();
+    vit.set_params(&be, &init).unwrap();
+    let labels: Vec<u32> = fx.get("labels").iter().map(|v| *v as u32).collect();
+    let b = labels.len();
+    let images = fx.get("input").to_vec();
+    vit.zero_grads(&be).unwrap();
+    let out = vit.forward(&be, &images, &smoothed_targets(&labels, fx.model.num_classes, 0.0), b, Some(1.0 / b as f32)).unwrap();
+    vit.backward(&be).unwrap();
+    let e = rel_err(&out.logits, fx.get("logits"));
+    assert!(e < TOL, "{name}: logits rel err {e:.2e}");
+    let loss = out.losses.iter().map(|v| *v as f64).sum::<f64>() / b as f64;
+    let want = fx.get("loss")[0] as f64;
+    assert!(((loss - want) / want).abs() < TOL, "{name}: loss {loss} vs timm {want}");
+    let grads = be.download(&vit.grads).unwrap();
+    let mut sampled = 0;
+    for entry in &vit.table.entries {
+        let ours = &grads[entry.span.range()];
+        if let Some((_, theirs)) = fx.tensors.get(&format!("grad.{}", entry.name)) {
+            let e = rel_err(ours, theirs);
+            assert!(e < TOL, "{name}: grad of {} rel err {e:.2e}", entry.name);
+            continue;
+        }
+        let theirs = fx.get(&format!("gsample.{}", entry.name));
+        let ours_sampled: Vec<f32> = ours.iter().step_by(stride).copied().collect();
+        let e = rel_err(&ours_sampled, theirs);
+        assert!(e < TOL, "{name}: grad of {} (every {stride}th) rel err {e:.2e}", entry.name);
+        let norm = ours.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt();
+        let want = fx.get(&format!("gnorm.{}", entry.name))[0] as f64;
+        assert!(((norm - want) / want).abs() < TOL, "{name}: grad norm of {}: {norm} vs timm {want}", entry.name);
+        sampled += 1;
+    }
+    assert!(sampled >= 9, "the large gradients (patch embedding, qkv, proj, fc1, fc2 per block) are compared");
+    let smooth = smoothed_targets(&labels, fx.model.num_classes, 0.1);
+    let out_s = vit.forward(&be, &images, &smooth, b, None).unwrap();
+    let loss_s = out_s.losses.iter().map(|v| *v as f64).sum::<f64>() / b as f64;
+    let want_s = fx.get("loss_smooth")[0] as f64;
+    assert!(((loss_s - want_s) / want_s).abs() < TOL, "{name}: smoothed loss {loss_s} vs timm {want_s}");
 }
 
 #[test]

@@ -75,10 +75,11 @@ pub fn load_config_edited(
                 match inferred.guessed_num_heads {
                     Some(h) => {
                         model.insert("num_heads".into(), h.into());
-                        notes.push(format!("model.num_heads not given: using {h} (head width 64, timm's convention); set it if the weights use another"));
+                        let c = model.get("embed_dim").and_then(|v| v.as_u64()).unwrap_or(0) as usize;
+                        notes.push(format!("model.num_heads not given: using {h} (head width {}, as timm's ViTs of width {c} have it); set it if the weights use another", c / h.max(1)));
                     }
                     None => anyhow::bail!(
-                        "{}: model.num_heads cannot be read from the weights (width {} is not a multiple of 64); give it with --set model.num_heads=H",
+                        "{}: model.num_heads cannot be read from the weights (width {} is not a multiple of 64 nor a known timm width); give it with --set model.num_heads=H",
                         path.display(),
                         model.get("embed_dim").map(|v| v.to_string()).unwrap_or_default()
                     ),

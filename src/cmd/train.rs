@@ -18,7 +18,9 @@ pub struct TrainArgs {
     /// Directory for config.json, metrics.jsonl and summary.json (default runs/<time>-<pid>).
     #[arg(long)]
     pub run_dir: Option<PathBuf>,
-    /// Start from these weights (safetensors, timm key names).
+    /// Start from these weights (safetensors, timm key names). As timm does, a head of another
+    /// class count is initialized anew and a position embedding of another patch grid (another
+    /// model.image_size) is resampled (bicubic, antialiased), each with a notice.
     #[arg(long)]
     pub init: Option<PathBuf>,
     /// Write the final weights here (safetensors, timm key names).

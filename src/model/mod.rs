@@ -1,10 +1,11 @@
 //! The timm Vision Transformer: its shape (`spec`), its parameter table (`params`), random
-//! initialization (`init`), its forward and manual backward over any `Backend` (`vit`), and
-//! timm-compatible weights (`weights`).
+//! initialization (`init`), its forward and manual backward over any `Backend` (`vit`),
+//! timm-compatible weights (`weights`) and timm's position-embedding resampling (`resample`).
 
 pub mod drop_path;
 pub mod init;
 pub mod params;
+pub mod resample;
 pub mod spec;
 pub mod vit;
 pub mod weights;

@@ -56,6 +56,10 @@ pub const PRESET_NAMES: &[&str] = &[
     "vit_small_patch16_224",
     "vit_base_patch16_224",
     "vit_large_patch16_224",
+    "vit_huge_patch14_224",
+    "vit_giant_patch14_224",
+    "vit_base_patch16_384",
+    "vit_large_patch16_384",
     "vit_tiny_patch4_32",
     "vit_small_patch4_32",
     "vit_base_patch4_32",
@@ -65,16 +69,22 @@ pub const PRESET_NAMES: &[&str] = &[
 impl ModelConfig {
     /// A preset by its timm name; `None` for an unknown name.
     pub fn preset(name: &str) -> Option<ModelConfig> {
-        // (image, patch, width, depth, heads)
-        let (image_size, patch_size, embed_dim, depth, num_heads, num_classes) = match name {
-            "vit_tiny_patch16_224" => (224, 16, 192, 12, 3, 1000),
-            "vit_small_patch16_224" => (224, 16, 384, 12, 6, 1000),
-            "vit_base_patch16_224" => (224, 16, 768, 12, 12, 1000),
-            "vit_large_patch16_224" => (224, 16, 1024, 24, 16, 1000),
-            "vit_tiny_patch4_32" => (32, 4, 192, 12, 3, 10),
-            "vit_small_patch4_32" => (32, 4, 384, 12, 6, 10),
-            "vit_base_patch4_32" => (32, 4, 768, 12, 12, 10),
-            DEFAULT_PRESET => (16, 4, 64, 3, 4, 10),
+        // timm's shapes: (image, patch, width, depth, heads, MLP ratio, classes)
+        let (image_size, patch_size, embed_dim, depth, num_heads, mlp_ratio, num_classes) = match name {
+            "vit_tiny_patch16_224" => (224, 16, 192, 12, 3, 4.0, 1000),
+            "vit_small_patch16_224" => (224, 16, 384, 12, 6, 4.0, 1000),
+            "vit_base_patch16_224" => (224, 16, 768, 12, 12, 4.0, 1000),
+            "vit_large_patch16_224" => (224, 16, 1024, 24, 16, 4.0, 1000),
+            // head dim 80: the CUDA backend's attention takes its GEMM path (no fused kernel)
+            "vit_huge_patch14_224" => (224, 14, 1280, 32, 16, 4.0, 1000),
+            // timm's ratio 48/11: int(1408 · 48/11) = 6144; head dim 88, also the GEMM path
+            "vit_giant_patch14_224" => (224, 14, 1408, 40, 16, 48.0 / 11.0, 1000),
+            "vit_base_patch16_384" => (384, 16, 768, 12, 12, 4.0, 1000),
+            "vit_large_patch16_384" => (384, 16, 1024, 24, 16, 4.0, 1000),
+            "vit_tiny_patch4_32" => (32, 4, 192, 12, 3, 4.0, 10),
+            "vit_small_patch4_32" => (32, 4, 384, 12, 6, 4.0, 10),
+            "vit_base_patch4_32" => (32, 4, 768, 12, 12, 4.0, 10),
+            DEFAULT_PRESET => (16, 4, 64, 3, 4, 4.0, 10),
             _ => return None,
         };
         Some(ModelConfig {
@@ -84,7 +94,7 @@ impl ModelConfig {
             embed_dim,
             depth,
             num_heads,
-            mlp_ratio: 4.0,
+            mlp_ratio,
             num_classes,
             qkv_bias: true,
             class_token: true,
@@ -239,6 +249,39 @@ mod tests {
         let s = ModelConfig::preset("vit_small_patch4_32").unwrap();
         let g = s.train_flops_per_image() / 1e9;
         assert!((g - 8.5).abs() < 0.3, "ViT-S/4 train GFLOP = {g}");
+    }
+
+    /// timm's shapes for the large presets: MLP width, head dim, tokens, and the parameter
+    /// count timm 1.0.31 reports (`sum(p.numel())` of `timm.create_model(name, num_classes=1000)`).
+    #[test]
+    fn large_presets_have_timms_shapes() {
+        for (name, hidden, head_dim, tokens, params) in [
+            ("vit_huge_patch14_224", 5120, 80, 257, 632_045_800),
+            ("vit_giant_patch14_224", 6144, 88, 257, 1_012_611_432),
+            ("vit_base_patch16_384", 3072, 64, 577, 86_859_496),
+            ("vit_large_patch16_384", 4096, 64, 577, 304_715_752),
+        ] {
+            let m = ModelConfig::preset(name).unwrap();
+            m.validate().unwrap();
+            assert!(PRESET_NAMES.contains(&name), "{name} is not listed");
+            assert_eq!((m.mlp_hidden(), m.head_dim(), m.num_tokens()), (hidden, head_dim, tokens), "{name}");
+            assert_eq!(crate::model::ParamTable::new(&m).total, params, "{name}");
+        }
+    }
+
+    /// Any image size the patch divides is a valid model; another names both keys.
+    #[test]
+    fn image_sizes_the_patch_divides_are_valid() {
+        let base = ModelConfig::preset("vit_huge_patch14_224").unwrap();
+        for image_size in [14, 28, 196, 238, 336, 392, 518] {
+            let m = ModelConfig { image_size, ..base.clone() };
+            m.validate().unwrap_or_else(|e| panic!("{image_size}: {e}"));
+            assert_eq!(m.grid() * 14, image_size);
+        }
+        for image_size in [7, 15, 200, 384] {
+            let err = ModelConfig { image_size, ..base.clone() }.validate().unwrap_err();
+            assert!(err.contains("model.image_size") && err.contains("model.patch_size"), "{image_size}: {err}");
+        }
     }
 
     #[test]

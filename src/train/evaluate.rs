@@ -83,15 +83,25 @@ pub fn build_model<B: Backend>(be: &B, cfg: &RunConfig, weights_path: Option<&Pa
 
 /// Builds the model a training run starts from: the seeded init, with the `--init` file's
 /// weights over it. A file whose classifier head has another class count than the run keeps
-/// the fresh head, as timm does when `num_classes` differs, and says so unless `quiet`.
+/// the fresh head, as timm does when `num_classes` differs; a file saved for another patch
+/// grid has its position embedding resampled to the run's, as timm does when `img_size`
+/// differs. Each says so unless `quiet`.
 pub fn build_model_for_training<B: Backend>(be: &B, cfg: &RunConfig, init_path: Option<&Path>, quiet: bool) -> Result<Vit<B>, TrainError> {
     let mut vit = Vit::new(be, cfg.model.clone())?;
     vit.set_recompute(cfg.train.recompute);
     let host = match init_path {
         Some(p) => {
             // the seeded init is made only for a head the file cannot give
-            let (host, new_head) = weights::load_for_fine_tuning(p, &vit.table, || init::init_params(&vit.table, cfg.train.seed))?;
-            if let (Some(h), false) = (new_head, quiet) {
+            let (host, changes) = weights::load_for_fine_tuning(p, &vit.table, || init::init_params(&vit.table, cfg.train.seed))?;
+            if let (Some(g), false) = (changes.pos_embed, quiet) {
+                let (a, b) = (g.from, g.to);
+                crate::errln!(
+                    "notice: {}: pos_embed resampled from {a}×{a} to {b}×{b} patches for model.image_size {} (bicubic, antialiased, as timm's resample_abs_pos_embed; the class token's row kept)",
+                    p.display(),
+                    cfg.model.image_size
+                );
+            }
+            if let (Some(h), false) = (changes.new_head, quiet) {
                 crate::errln!(
                     "notice: {} has a head for {} classes and this run has {}: the head is initialized anew (seed {}), every other weight comes from the file",
                     p.display(),

@@ -126,7 +126,8 @@ pub struct MemoryRecord {
 
 /// Parameter count of `m`, in f64 (no overflow for any configured size).
 pub fn param_count(m: &ModelConfig) -> f64 {
-    let (c, f, k) = (m.embed_dim as f64, m.embed_dim as f64 * m.mlp_ratio, m.num_classes as f64);
+    // F as timm truncates it (`int(embed_dim * mlp_ratio)`), as the parameter table has it
+    let (c, f, k) = (m.embed_dim as f64, m.mlp_hidden() as f64, m.num_classes as f64);
     let n = (m.image_size / m.patch_size.max(1)).pow(2) as f64 + f64::from(u8::from(m.class_token));
     let pd = (m.in_chans * m.patch_size * m.patch_size) as f64;
     let block = 3.0 * c * c + 3.0 * c + c * c + c + 2.0 * c * f + f + c + 4.0 * c;
@@ -137,7 +138,8 @@ pub fn param_count(m: &ModelConfig) -> f64 {
 /// `model::Vit` allocates them; `attention_saved` is the backend's saved attention length for
 /// one block at this batch.
 fn activation_elems(m: &ModelConfig, b: f64, attention_saved: f64, regenerate: bool) -> (f64, f64) {
-    let (c, f, k) = (m.embed_dim as f64, m.embed_dim as f64 * m.mlp_ratio, m.num_classes as f64);
+    // F as timm truncates it (`int(embed_dim * mlp_ratio)`), as the parameter table has it
+    let (c, f, k) = (m.embed_dim as f64, m.mlp_hidden() as f64, m.num_classes as f64);
     let n = (m.image_size / m.patch_size.max(1)).pow(2) as f64 + f64::from(u8::from(m.class_token));
     let np = (m.image_size / m.patch_size.max(1)).pow(2) as f64;
     let pd = (m.in_chans * m.patch_size * m.patch_size) as f64;
