@@ -192,6 +192,16 @@ fn evaluation_through_the_loader_matches_synchronous_batches() {
         let ev = evaluate::evaluate(&be, &mut vit, &sets.val, &c, 24).unwrap();
         assert_eq!((ev.loss.to_bits(), ev.top1.to_bits(), ev.images), (loss.to_bits(), top1.to_bits(), 203), "workers {workers} prefetch {prefetch}");
     }
+    // Started ahead, as the trainer starts it before the step an evaluation follows: its first
+    // batches are built before the evaluation begins, and the result is the same.
+    let loader = evaluate::eval_loader(&sets.val, &base, 24, 0, 1).unwrap();
+    let t = Instant::now();
+    while loader.built() < base.data.prefetch as u64 {
+        assert!(t.elapsed() < Duration::from_secs(60), "the evaluation loader built nothing ahead");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let ev = evaluate::evaluate_from(&be, &mut vit, 203, loader, &mut vitscale::comm::SingleComm::new()).unwrap();
+    assert_eq!((ev.loss.to_bits(), ev.top1.to_bits(), ev.images), (loss.to_bits(), top1.to_bits(), 203), "started ahead");
 }
 
 /// The loader does not drain at an epoch boundary: epoch e+1's first micro-batches are built
