@@ -170,6 +170,7 @@ fn packing_a_folder_without_val_makes_the_folder_datasets_split() {
     assert!(tars.iter().all(|&b| b <= 64 << 10), "{tars:?}");
 }
 
+#[allow(clippy::too_many_arguments)]
 fn loader_plan(set: Arc<ImageSet>, c: &DataConfig, seed: u64, rank: usize, world: usize, gas: usize, global: usize, steps: u64) -> LoaderPlan {
     LoaderPlan {
         sampler: Sampler::new(set.len(), global, true, seed, true),
@@ -439,4 +440,21 @@ fn cli_packs_refuses_existing_output_and_trains_on_shards() {
     assert!(o.status.success(), "{stderr}");
     let summary: serde_json::Value = serde_json::from_slice(&fs::read(run_dir.join("summary.json")).unwrap()).unwrap();
     assert!(summary["val_top1"].is_number(), "{summary}");
+}
+
+/// An empty image file packs (its bytes, none, as-is) and fails only the batches that hold it,
+/// as in the folder it came from.
+#[test]
+fn an_empty_image_file_fails_only_its_batches() {
+    let (src, out) = (tmp(), tmp());
+    make_folder(src.path(), 4);
+    fs::write(src.path().join("train/otter/crop_02.jpg"), b"").unwrap();
+    let dir = out.path().join("shards");
+    pack(src.path(), &dir, None);
+    let c = cfg(DatasetKind::Shards, &dir);
+    let s = open(&c, SIDE, 3, 0).unwrap();
+    // kestrel 0..4, lynx 4..8, otter: crop_01 8, crop_02 9
+    assert!(try_make_batch(&s.train, &[0, 1, 8, 10], &c, false, 0, 0).is_ok());
+    let e = try_make_batch(&s.train, &[9], &c, false, 0, 0).unwrap_err().to_string();
+    assert!(e.contains("train_00000009.jpg") && e.contains("cannot decode"), "{e}");
 }

@@ -160,7 +160,8 @@ fn split_set(dir: &Path, name: &str, split: SplitIndex, num_classes: usize, side
         }
         for k in 0..e.images {
             let (offset, len, label) = (e.offsets[k], e.lens[k], e.labels[k]);
-            if offset % BLOCK != 0 || offset + len as u64 > bytes || (len as u64) < 3 * BLOCK {
+            // two headers and at least the class digit
+            if offset % BLOCK != 0 || offset + len as u64 > bytes || (len as u64) <= 2 * BLOCK {
                 return Err(format_err(&index, format!("{at}: image {k} at byte offset {offset} ({len} bytes) does not fit a {bytes}-byte tar")));
             }
             if label as usize >= num_classes {
@@ -197,12 +198,13 @@ fn checksum(block: &[u8]) -> u32 {
     block.iter().enumerate().map(|(i, &b)| if (148..156).contains(&i) { b' ' as u32 } else { b as u32 }).sum()
 }
 
-/// The name and data size of the member whose header is `block` (at `offset` of `path`).
-fn parse_header(path: &Path, offset: u64, block: &[u8]) -> Result<(String, u64), DataError> {
+/// The name and data size of the member whose header is `block` (at `offset` of `path`);
+/// `what` names it in errors until its name is known.
+fn parse_header(path: &Path, offset: u64, block: &[u8], what: &str) -> Result<(String, u64), DataError> {
     let h = tar::Header::from_byte_slice(block);
-    let stored = h.cksum().map_err(|e| member_err(path, offset, "?", format!("not a tar header: {e}")))?;
+    let stored = h.cksum().map_err(|e| member_err(path, offset, what, format!("not a tar header: {e}")))?;
     if stored != checksum(block) {
-        return Err(member_err(path, offset, "?", "not a tar header (bad checksum): the index does not match this shard"));
+        return Err(member_err(path, offset, what, "not a tar header (bad checksum): the index does not match this shard"));
     }
     let name = String::from_utf8_lossy(&h.path_bytes()).into_owned();
     if !h.entry_type().is_file() {
@@ -224,8 +226,9 @@ pub fn read_image(set: &ShardSet, i: usize, label: u16, num_classes: usize, buf:
         f.seek(SeekFrom::Start(m.offset))?;
         f.read_exact(buf)
     });
-    read.map_err(|e| member_err(path, m.offset, "?", format!("cannot read {} bytes: {e}", m.len)))?;
-    let (name, size) = parse_header(path, m.offset, &buf[..BLOCK as usize])?;
+    let what = format!("of image {i}");
+    read.map_err(|e| member_err(path, m.offset, &what, format!("cannot read {} bytes: {e}", m.len)))?;
+    let (name, size) = parse_header(path, m.offset, &buf[..BLOCK as usize], &what)?;
     let stem = name.rsplit_once('.').filter(|(s, e)| !s.is_empty() && IMAGE_EXTENSIONS.iter().any(|x| e.eq_ignore_ascii_case(x))).map(|(s, _)| s);
     let Some(stem) = stem else {
         return Err(member_err(path, m.offset, &name, "not an image member (.jpg, .png or .webp)"));
@@ -235,7 +238,7 @@ pub fn read_image(set: &ShardSet, i: usize, label: u16, num_classes: usize, buf:
         return Err(member_err(path, m.offset, &name, format!("{size}-byte member does not fit the {} bytes the index gives it", m.len)));
     }
     let cls_offset = m.offset + cls_at;
-    let (cls_name, cls_size) = parse_header(path, cls_offset, &buf[cls_at as usize..(cls_at + BLOCK) as usize])?;
+    let (cls_name, cls_size) = parse_header(path, cls_offset, &buf[cls_at as usize..(cls_at + BLOCK) as usize], &format!("after {name}"))?;
     let want = format!("{stem}.cls");
     if cls_name != want {
         return Err(member_err(path, m.offset, &name, format!("has no {want} after it (the next member, at byte offset {cls_offset}, is {cls_name})")));
@@ -431,7 +434,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         u => return Err(format!("\"{s}\": unknown unit \"{u}\"; use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")),
     };
     let bytes = (x * mult).round();
-    if !(bytes >= 1.0 && bytes < u64::MAX as f64) {
+    if !(1.0..u64::MAX as f64).contains(&bytes) {
         return Err(format!("\"{s}\": a shard size must be at least 1 byte"));
     }
     Ok(bytes as u64)
