@@ -458,3 +458,33 @@ fn an_empty_image_file_fails_only_its_batches() {
     let e = try_make_batch(&s.train, &[9], &c, false, 0, 0).unwrap_err().to_string();
     assert!(e.contains("train_00000009.jpg") && e.contains("cannot decode"), "{e}");
 }
+
+/// Decode + evaluation-transform time of the same 224-px batches from files and from shards
+/// (`cargo test --release --test data_shards -- --ignored --nocapture`).
+#[test]
+#[ignore]
+fn profile_shards_vs_folder() {
+    let (src, out) = (tmp(), tmp());
+    for class in ["a", "b"] {
+        vitscale::data::synthetic::write_jpegs(&src.path().join("train").join(class), 200, class.len() as u64 + 1).unwrap();
+        vitscale::data::synthetic::write_jpegs(&src.path().join("val").join(class), 2, 9).unwrap();
+    }
+    let dir = out.path().join("shards");
+    let t = std::time::Instant::now();
+    pack(src.path(), &dir, None);
+    let pack_s = t.elapsed().as_secs_f64();
+    let (cf, cs) = (cfg(DatasetKind::Folder, src.path()), cfg(DatasetKind::Shards, &dir));
+    let f = open(&cf, 224, 2, 0).unwrap();
+    let s = open(&cs, 224, 2, 0).unwrap();
+    let all: Vec<usize> = (0..f.train.len()).collect();
+    for round in 0..2 {
+        let t = std::time::Instant::now();
+        let a = try_make_batch(&f.train, &all, &cf, true, round, 0).unwrap();
+        let folder_s = t.elapsed().as_secs_f64();
+        let t = std::time::Instant::now();
+        let b = try_make_batch(&s.train, &all, &cs, true, round, 0).unwrap();
+        let shards_s = t.elapsed().as_secs_f64();
+        assert!(a == b);
+        eprintln!("{} images: folder {folder_s:.3} s, shards {shards_s:.3} s (pack {pack_s:.3} s)", all.len());
+    }
+}
