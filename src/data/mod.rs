@@ -436,7 +436,7 @@ pub fn make_batch(set: &ImageSet, indices: &[usize], cfg: &DataConfig, train: bo
     let mut batch = Batch::default();
     if let Err(e) = fill_batch(&mut batch, set, indices, cfg, train, epoch, seed) {
         // Only file-backed sets can fail; reaching this is a caller bug, said plainly.
-        panic!("make_batch on a file-backed set failed ({e}); use try_make_batch or Loader for data.dataset=folder");
+        panic!("make_batch on a file-backed set failed ({e}); use try_make_batch or Loader for data.dataset=folder or shards");
     }
     batch
 }
