@@ -36,6 +36,8 @@ enum Command {
     /// Predict step time, throughput and memory on a cluster from a compute profile; rank
     /// batch choices; validate the model against a sweep.
     Plan(cmd::plan::PlanArgs),
+    /// Dataset tools: `data pack` writes an image folder as tar shards for data.dataset=shards.
+    Data(cmd::data::DataArgs),
 }
 
 fn main() {
@@ -50,6 +52,7 @@ fn main() {
         Command::Sweep(args) => cmd::sweep::run(args).map(|()| 0),
         Command::Report(args) => cmd::report::run(args).map(|()| 0),
         Command::Plan(args) => cmd::plan::run(args).map(|()| 0),
+        Command::Data(args) => cmd::data::run(args).map(|()| 0),
     };
     match result {
         Ok(code) => std::process::exit(code),

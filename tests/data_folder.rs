@@ -365,3 +365,61 @@ fn training_on_a_bad_file_fails_naming_it_or_skips_and_counts_it() {
     let data_s = step["data_s"].as_f64().unwrap();
     assert!(data_s >= 0.0 && data_s <= step["wall_s"].as_f64().unwrap(), "{step}");
 }
+
+/// An `[8][8][3]` grid of block means of an HWC image (block rows `i*h/8 .. (i+1)*h/8`,
+/// likewise columns), as `tests/fixtures/photos/make_reference.py` computes them.
+fn block_means(px: impl Fn(usize, usize, usize) -> f64, w: usize, h: usize) -> Vec<f64> {
+    let mut out = Vec::with_capacity(8 * 8 * 3);
+    for i in 0..8 {
+        for j in 0..8 {
+            let (rows, cols) = (i * h / 8..(i + 1) * h / 8, j * w / 8..(j + 1) * w / 8);
+            let n = (rows.len() * cols.len()) as f64;
+            for c in 0..3 {
+                out.push(rows.clone().flat_map(|y| cols.clone().map(move |x| (x, y))).map(|(x, y)| px(x, y, c)).sum::<f64>() / n);
+            }
+        }
+    }
+    out
+}
+
+/// Real photographs (`tests/fixtures/photos`, colour and greyscale) in an image folder:
+/// vitscale's JPEG decoding agrees with PIL (libjpeg), and its evaluation crop (the window
+/// `resize::center_crop` defines, resampled with antialiased bilinear) with PIL resampling the
+/// same window, compared as 8×8 grids of block means that `make_reference.py` computed. Block
+/// means average out what legitimately differs (IDCT rounding between decoders, PIL's fixed
+/// point) and keep what must not (colour conversion, channel order, orientation, greyscale
+/// expansion, the window's place and scale). (torchvision's two-step Resize + CenterCrop rounds
+/// the long side and the crop offset to whole pixels, so it is not this window exactly;
+/// reference.json holds its blocks too, `eval64_torchvision`.)
+#[test]
+fn photos_decode_and_crop_as_pil_does() {
+    let reference: serde_json::Value = serde_json::from_slice(&fs::read(common::fixtures().join("photos/reference.json")).unwrap()).unwrap();
+    let dir = tmp();
+    let names = ["astronaut", "camera", "chelsea", "coffee", "rocket"]; // sorted: class k = names[k]
+    for name in names {
+        fs::create_dir_all(dir.path().join(name)).unwrap();
+        fs::copy(common::fixtures().join(format!("photos/{name}.jpg")), dir.path().join(format!("{name}/{name}.jpg"))).unwrap();
+    }
+    let c = DataConfig { val_split: 0.0, ..cfg(dir.path()) };
+    let d = open(&c, 64, 5, 0).unwrap();
+    let flat = |v: &serde_json::Value| -> Vec<f64> {
+        v.as_array().unwrap().iter().flat_map(|r| r.as_array().unwrap().iter().flat_map(|p| p.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()))).collect()
+    };
+    let worst = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f64, f64::max);
+    for (k, name) in names.iter().enumerate() {
+        let r = &reference[name];
+        let img = vitscale::data::decode(&d.train.files[k]).unwrap();
+        let (w, h) = (img.width() as usize, img.height() as usize);
+        assert_eq!([w as u64, h as u64], [r["size"][0].as_u64().unwrap(), r["size"][1].as_u64().unwrap()], "{name}");
+        let decoded = block_means(|x, y, ch| img.get_pixel(x as u32, y as u32)[ch] as f64, w, h);
+        let dec_err = worst(&decoded, &flat(&r["decoded"]));
+        let b = try_make_batch(&d.train, &[k], &c, false, 0, 0).unwrap();
+        assert_eq!(b.labels, vec![k as u32]);
+        // CHW, normalized value == pixel value
+        let eval = block_means(|x, y, ch| b.images[ch * 64 * 64 + y * 64 + x] as f64, 64, 64);
+        let eval_err = worst(&eval, &flat(&r["eval64_window"]));
+        eprintln!("{name}: block means within {dec_err:.3} (decode) and {eval_err:.3} (evaluation crop) levels of PIL");
+        assert!(dec_err < 1.0, "{name}: decoded block means differ from PIL's by up to {dec_err:.3} levels");
+        assert!(eval_err < 1.0, "{name}: evaluation-crop block means differ from PIL's by up to {eval_err:.3} levels");
+    }
+}

@@ -192,4 +192,60 @@ fn evaluation_through_the_loader_matches_synchronous_batches() {
         let ev = evaluate::evaluate(&be, &mut vit, &sets.val, &c, 24).unwrap();
         assert_eq!((ev.loss.to_bits(), ev.top1.to_bits(), ev.images), (loss.to_bits(), top1.to_bits(), 203), "workers {workers} prefetch {prefetch}");
     }
+    // Started ahead, as the trainer starts it before the step an evaluation follows: its first
+    // batches are built before the evaluation begins, and the result is the same.
+    let loader = evaluate::eval_loader(&sets.val, &base, 24, 0, 1).unwrap();
+    let t = Instant::now();
+    while loader.built() < base.data.prefetch as u64 {
+        assert!(t.elapsed() < Duration::from_secs(60), "the evaluation loader built nothing ahead");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let ev = evaluate::evaluate_from(&be, &mut vit, 203, loader, &mut vitscale::comm::SingleComm::new()).unwrap();
+    assert_eq!((ev.loss.to_bits(), ev.top1.to_bits(), ev.images), (loss.to_bits(), top1.to_bits(), 203), "started ahead");
+}
+
+/// The loader does not drain at an epoch boundary: epoch e+1's first micro-batches are built
+/// while epoch e's last one still waits to be taken (the next epoch's order is known from the
+/// seed), and the batches are the ones built on demand.
+#[test]
+fn prefetch_crosses_the_epoch_boundary() {
+    let c = DataConfig { train_size: 40, val_size: 8, prefetch: 2, ..cfg() };
+    let d = open(&c, 32, 10, 0).unwrap();
+    let sampler = Sampler::new(d.train.len(), 8, true, 3, true); // 5 steps per epoch
+    let plan = LoaderPlan {
+        sampler: sampler.clone(),
+        set: d.train.clone(),
+        cfg: c.clone(),
+        train: true,
+        seed: 3,
+        rank: 0,
+        world: 1,
+        gas: 1,
+        start_epoch: 0,
+        start_step: 0,
+        steps: 10,
+        mix: None,
+    };
+    let mut loader = Loader::start(plan).unwrap();
+    // Take all but epoch 0's last batch.
+    for step in 0..4 {
+        let p = loader.next().unwrap().unwrap();
+        assert_eq!((p.epoch, p.step), (0, step));
+        loader.recycle(p.batch);
+    }
+    // Without taking it, wait for the producer to have built epoch 1's first batch (6 in all).
+    let t = Instant::now();
+    while loader.built() < 6 {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "epoch 1's first batch was not built while epoch 0's last waited to be taken ({} built)",
+            loader.built()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for (epoch, step) in [(0u64, 4usize), (1, 0), (1, 1)] {
+        let p = loader.next().unwrap().unwrap();
+        assert_eq!((p.epoch, p.step), (epoch, step));
+        assert_eq!(p.batch, make_batch(&d.train, &sampler.global_batch(epoch, step), &c, true, epoch, 3));
+    }
 }

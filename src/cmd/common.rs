@@ -104,15 +104,18 @@ pub fn load_config_edited(
 }
 
 /// For an image-folder dataset whose config (and weights) leave `model.num_classes` out, the
-/// class count is the number of class subfolders, as a user of timm's ImageFolder expects.
+/// class count is the number of class subfolders, as a user of timm's ImageFolder expects
+/// (for shards, the classes their index lists).
 fn default_folder_classes(value: &mut serde_json::Value) -> anyhow::Result<()> {
-    if value["data"]["dataset"].as_str() != Some("folder") || !value["model"]["num_classes"].is_null() {
+    let dataset = value["data"]["dataset"].as_str();
+    if !matches!(dataset, Some("folder" | "shards")) || !value["model"]["num_classes"].is_null() {
         return Ok(());
     }
+    let shards = dataset == Some("shards");
     let Some(path) = value["data"]["path"].as_str().map(str::to_string) else {
         return Ok(()); // the config check reports the missing data.path
     };
-    let classes = crate::data::folder::class_names(Path::new(&path))?;
+    let classes = if shards { crate::data::shards::class_names(Path::new(&path))? } else { crate::data::folder::class_names(Path::new(&path))? };
     if classes.is_empty() {
         return Ok(()); // opening the dataset names the empty folder
     }
@@ -122,7 +125,8 @@ fn default_folder_classes(value: &mut serde_json::Value) -> anyhow::Result<()> {
         model.insert("num_classes".into(), classes.len().into());
         // documented usage, not a warning: say once (rank 0) what was taken
         if std::env::var("RANK").map_or(true, |r| r.trim() == "0") {
-            eprintln!("notice: model.num_classes from the data: {} in {path}", crate::util::plural(classes.len(), "class folder", "class folders"));
+            let what = if shards { crate::util::plural(classes.len(), "class", "classes") } else { crate::util::plural(classes.len(), "class folder", "class folders") };
+            eprintln!("notice: model.num_classes from the data: {what} in {path}");
         }
     }
     Ok(())

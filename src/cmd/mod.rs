@@ -2,6 +2,7 @@
 //!
 //! - `train`    — `vitscale train`: train a ViT (one process, or one rank of a launched job).
 //! - `eval`     — `vitscale eval`: loss and top-1 of a weights file on a dataset split.
+//! - `data`     — `vitscale data pack`: an image folder as tar shards (`crate::data::shards`).
 //! - `launch`   — `vitscale launch`: the launcher's flags; the supervision is `crate::launch`.
 //! - `bench`    — `vitscale bench`: report a training-step (`crate::bench`) or loader benchmark.
 //! - `selftest` — `vitscale selftest`: run and report the parity checks of `crate::selftest`.
@@ -15,6 +16,7 @@
 
 pub mod bench;
 pub mod common;
+pub mod data;
 pub mod eval;
 pub mod launch;
 pub mod plan;

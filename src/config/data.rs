@@ -10,12 +10,12 @@ use super::value::*;
 pub(super) const DATA: KeyDef = key("data", Ty::Section, Dflt::Derived("built-in dataset"), "The dataset and its preprocessing.");
 
 const D_DATASET: KeyDef = key("dataset", Ty::Choice(DatasetKind::NAMES), Dflt::Str("builtin"),
-    "Which dataset: builtin (generated shapes), synthetic (random pixels), cifar10 / cifar100 (any of their distributed forms under data.path), folder (an image folder: path/<class>/*.jpg|png|webp, or path/train/<class>/… + path/val/<class>/…).");
+    "Which dataset: builtin (generated shapes), synthetic (random pixels), cifar10 / cifar100 (any of their distributed forms under data.path), folder (an image folder: path/<class>/*.jpg|png|webp, or path/train/<class>/… + path/val/<class>/…), shards (such a folder packed into WebDataset-layout .tar shards by `vitscale data pack`; read by offset, same order, batches and augmentation as the folder).");
 // Where the same dataset lies and how the loader is run do not change what it yields: a
 // resume may change them.
-const D_PATH: KeyDef = key("path", Ty::Str, Dflt::Derived("required for cifar10/cifar100/folder, not used otherwise"), "Dataset directory.").resume_free();
-const D_MEAN: KeyDef = key("mean", Ty::Nums(3), Dflt::Derived("builtin/synthetic 0.5; cifar10 (0.4914, 0.4822, 0.4465); cifar100 (0.5071, 0.4865, 0.4409); folder ImageNet (0.485, 0.456, 0.406)"), "Per-channel mean subtracted after scaling to [0, 1].");
-const D_STD: KeyDef = key("std", Ty::Nums(3), Dflt::Derived("builtin/synthetic 0.5; cifar10 (0.2470, 0.2435, 0.2616); cifar100 (0.2673, 0.2564, 0.2762); folder ImageNet (0.229, 0.224, 0.225)"), "Per-channel std divided by; each > 0.");
+const D_PATH: KeyDef = key("path", Ty::Str, Dflt::Derived("required for cifar10/cifar100/folder/shards, not used otherwise"), "Dataset directory.").resume_free();
+const D_MEAN: KeyDef = key("mean", Ty::Nums(3), Dflt::Derived("builtin/synthetic 0.5; cifar10 (0.4914, 0.4822, 0.4465); cifar100 (0.5071, 0.4865, 0.4409); folder/shards ImageNet (0.485, 0.456, 0.406)"), "Per-channel mean subtracted after scaling to [0, 1].");
+const D_STD: KeyDef = key("std", Ty::Nums(3), Dflt::Derived("builtin/synthetic 0.5; cifar10 (0.2470, 0.2435, 0.2616); cifar100 (0.2673, 0.2564, 0.2762); folder/shards ImageNet (0.229, 0.224, 0.225)"), "Per-channel std divided by; each > 0.");
 const D_AUGMENT: KeyDef = key("augment", Ty::Choice(&["none", "default"]), Dflt::Str("default"),
     "Training augmentation: default = CIFAR pad-4 crop + flip, built-in flip, resampled sets RandomResizedCrop(scale, ratio) + flip; none = as stored / center crop. The options below add to it.");
 const D_SHUFFLE: KeyDef = key("shuffle", Ty::Bool, Dflt::Bool(true), "Shuffle the training set every epoch.");
@@ -28,7 +28,7 @@ const D_LABEL: KeyDef = key("label", Ty::Choice(&["fine", "coarse"]), Dflt::Str(
 const D_SKIP_BAD: KeyDef = key("skip_bad", Ty::Bool, Dflt::Bool(false),
     "Replace an image file that cannot be read or decoded by the next good one of its split and count it (summary.json `skipped`), instead of stopping with an error naming the file.");
 const D_VAL_SPLIT: KeyDef = key("val_split", UNIT_HALF_OPEN, Dflt::Num(0.1),
-    "Folder without train/ + val/ subfolders: fraction of each class held out (seeded) for validation.");
+    "Folder without train/ + val/ subfolders: fraction of each class held out (seeded) for validation. Shards were split when packed (`vitscale data pack --val-split`): not used.");
 const D_CROP_PCT: KeyDef = key("crop_pct", Ty::Num { lo: 0.0, hi: 1.0, lo_open: true, hi_open: false }, Dflt::Num(0.875),
     "Evaluation of resampled sets: resize the shorter side to image_size / crop_pct, center-crop image_size (timm's crop_pct).");
 const D_SCALE: KeyDef = key("scale", Ty::Nums(2), Dflt::Nums(&[0.08, 1.0]), "RandomResizedCrop area range [lo, hi], 0 < lo <= hi <= 1.");
@@ -112,16 +112,18 @@ pub(super) fn parse(sec: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<Dat
         "cifar10" => DatasetKind::Cifar10,
         "cifar100" => DatasetKind::Cifar100,
         "folder" => DatasetKind::Folder,
+        "shards" => DatasetKind::Shards,
         _ => DatasetKind::Builtin,
     };
-    let is_cifar = matches!(dataset, DatasetKind::Cifar10 | DatasetKind::Cifar100 | DatasetKind::Folder);
+    // datasets read from data.path
+    let is_cifar = matches!(dataset, DatasetKind::Cifar10 | DatasetKind::Cifar100 | DatasetKind::Folder | DatasetKind::Shards);
     let path = opt_str(sec, p, &D_PATH, cx)?.map(std::path::PathBuf::from);
     match (&path, is_cifar) {
         (None, true) => {
             return Err(key_err(full(p, D_PATH.name), format!("is required for data.dataset \"{}\" (the directory holding the dataset)", dataset.as_str())))
         }
         (Some(_), false) => {
-            return Err(key_err(full(p, D_PATH.name), format!("is only used by cifar10/cifar100/folder; data.dataset \"{}\" reads no files", dataset.as_str())))
+            return Err(key_err(full(p, D_PATH.name), format!("is only used by cifar10/cifar100/folder/shards; data.dataset \"{}\" reads no files", dataset.as_str())))
         }
         _ => {}
     }
@@ -130,7 +132,7 @@ pub(super) fn parse(sec: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<Dat
         DatasetKind::Cifar10 => ([0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616]),
         DatasetKind::Cifar100 => ([0.5071, 0.4865, 0.4409], [0.2673, 0.2564, 0.2762]),
         // timm's IMAGENET_DEFAULT_MEAN / _STD.
-        DatasetKind::Folder => ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
+        DatasetKind::Folder | DatasetKind::Shards => ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
     };
     let to3 = |v: Vec<f64>| [v[0] as f32, v[1] as f32, v[2] as f32];
     let mean = opt_nums(sec, p, &D_MEAN, cx)?.map(to3).unwrap_or(dmean);

@@ -46,7 +46,7 @@ pub(super) fn parse(sec: Option<&Map<String, Value>>, data: &DataConfig, cx: &mu
         None => match dataset {
             DatasetKind::Cifar10 | DatasetKind::Cifar100 => "vit_tiny_patch4_32",
             DatasetKind::Builtin | DatasetKind::Synthetic => crate::model::spec::DEFAULT_PRESET,
-            DatasetKind::Folder => "vit_tiny_patch16_224",
+            DatasetKind::Folder | DatasetKind::Shards => "vit_tiny_patch16_224",
         },
     };
     let mut m = ModelConfig::preset(preset_name)

@@ -148,10 +148,12 @@ pub enum DatasetKind {
     Cifar100,
     /// An image folder: `path/<class>/*.jpg|png|webp` (or `path/train/<class>/…` + `path/val/<class>/…`).
     Folder,
+    /// An image folder packed into tar shards by `vitscale data pack` (`data::shards`).
+    Shards,
 }
 
 impl DatasetKind {
-    pub const NAMES: &'static [&'static str] = &["builtin", "synthetic", "cifar10", "cifar100", "folder"];
+    pub const NAMES: &'static [&'static str] = &["builtin", "synthetic", "cifar10", "cifar100", "folder", "shards"];
     pub fn as_str(self) -> &'static str {
         match self {
             DatasetKind::Builtin => "builtin",
@@ -159,6 +161,7 @@ impl DatasetKind {
             DatasetKind::Cifar10 => "cifar10",
             DatasetKind::Cifar100 => "cifar100",
             DatasetKind::Folder => "folder",
+            DatasetKind::Shards => "shards",
         }
     }
     /// Classes in the dataset (synthetic: taken from the model; folder: one per subfolder,
@@ -167,7 +170,7 @@ impl DatasetKind {
         match self {
             DatasetKind::Builtin | DatasetKind::Cifar10 => Some(10),
             DatasetKind::Cifar100 => Some(100),
-            DatasetKind::Synthetic | DatasetKind::Folder => None,
+            DatasetKind::Synthetic | DatasetKind::Folder | DatasetKind::Shards => None,
         }
     }
 }

@@ -10,9 +10,11 @@
 //! are refilled in place. Batches are bit-identical to [`super::try_make_batch`] on the same
 //! indices: the producer only changes *when* a batch is built, never *what* it holds.
 //! [`Loader::start`] walks a sampler's plan (training); [`Loader::start_batches`] a given list
-//! of index batches (evaluation).
+//! of index batches (evaluation). A training plan runs on across epoch boundaries (each
+//! epoch's order comes from the seed), so the next epoch's first batches are built while the
+//! current epoch's last ones still wait to be taken: the queue never drains at a boundary.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, sync_channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -63,6 +65,8 @@ pub struct Loader {
     rx: Option<Receiver<Result<Prepared, DataError>>>,
     recycle_tx: Sender<Batch>,
     stop: Arc<AtomicBool>,
+    /// Micro-batches the producer has built (taken or not).
+    built: Arc<AtomicU64>,
     handle: Option<JoinHandle<()>>,
     /// The split the producer reads, closed on drop so a producer waiting on it ends.
     split: Option<Arc<SplitSchedule>>,
@@ -141,6 +145,8 @@ impl Loader {
         let (recycle_tx, recycle_rx) = channel::<Batch>();
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
+        let built = Arc::new(AtomicU64::new(0));
+        let built2 = built.clone();
         let handle = std::thread::Builder::new()
             .name("vitscale-data".into())
             .spawn(move || {
@@ -169,6 +175,7 @@ impl Loader {
                             })
                         });
                     }
+                    built2.fetch_add(group.len() as u64, Ordering::Relaxed);
                     for ((epoch, step, micro, _), batch) in group.into_iter().zip(batches) {
                         // A closed queue means the loader was dropped: just stop.
                         if tx.send(Ok(Prepared { epoch, step, micro, batch })).is_err() {
@@ -178,7 +185,13 @@ impl Loader {
                 }
             })
             .map_err(|e| DataError::Invalid { key: "data.num_workers", msg: format!("cannot start the loader thread: {e}") })?;
-        Ok(Loader { rx: Some(rx), recycle_tx, stop, handle: Some(handle), split: None })
+        Ok(Loader { rx: Some(rx), recycle_tx, stop, built, handle: Some(handle), split: None })
+    }
+
+    /// Micro-batches built so far, whether taken or still queued: how far the producer has
+    /// got along the plan (it runs on across epoch boundaries).
+    pub fn built(&self) -> u64 {
+        self.built.load(Ordering::Relaxed)
     }
 
     /// Gives a consumed batch's buffers back for reuse.

@@ -2,7 +2,8 @@
 //!
 //! - [`open`] turns the `data` section into a train and a val [`ImageSet`]: in memory as HWC u8
 //!   (built-in and synthetic sets are generated; CIFAR is read from any of its distributed
-//!   forms) or, for image folders, as a file list decoded per batch.
+//!   forms) or, for image folders, as a file list decoded per batch (for tar shards made by
+//!   `vitscale data pack`, the same list as offsets into the shards: [`shards`]).
 //! - [`Sampler`] plans which dataset indices form each *global* batch, independent of the world
 //!   size; [`shard`] cuts out one rank's micro-batch.
 //! - [`try_make_batch`] decodes, augments and normalizes the chosen images in parallel into the
@@ -34,6 +35,7 @@ pub mod randaug;
 pub mod resize;
 pub mod rng;
 pub mod sampler;
+pub mod shards;
 pub mod split;
 pub mod synthetic;
 
@@ -69,6 +71,9 @@ pub enum DataError {
     /// A file whose content is not what its name promises (a pickle without `data`, …).
     #[error("{}: {msg}", .path.display())]
     Format { path: PathBuf, msg: String },
+    /// A shard member that is not what the index says (see `data.dataset=shards`).
+    #[error("{}: member {member} at byte offset {offset}: {msg}", .path.display())]
+    Member { path: PathBuf, offset: u64, member: String, msg: String },
     /// An image file that could not be decoded (see `data.skip_bad`).
     #[error("{}: cannot decode image: {msg} (set data.skip_bad=true to skip such files)", .path.display())]
     Decode { path: PathBuf, msg: String },
@@ -104,6 +109,8 @@ pub struct ImageSet {
     pub batch_side: usize,
     /// Files replaced by a neighbour because they could not be decoded (`data.skip_bad`).
     pub skipped: AtomicUsize,
+    /// Shard-backed sets (`data.dataset=shards`): where each image lies in the tar files.
+    pub shards: Option<Arc<shards::ShardSet>>,
 }
 
 impl Clone for ImageSet {
@@ -116,6 +123,7 @@ impl Clone for ImageSet {
             files: self.files.clone(),
             batch_side: self.batch_side,
             skipped: AtomicUsize::new(self.skipped.load(Ordering::Relaxed)),
+            shards: self.shards.clone(),
         }
     }
 }
@@ -129,18 +137,19 @@ impl PartialEq for ImageSet {
             && self.num_classes == o.num_classes
             && self.files == o.files
             && self.batch_side == o.batch_side
+            && self.shards == o.shards
     }
 }
 
 impl ImageSet {
     /// An in-memory set of (len, side, side, 3) HWC images, batched at `side`.
     pub fn in_memory(images: Vec<u8>, labels: Vec<u16>, side: usize, num_classes: usize) -> Self {
-        ImageSet { images, labels, side, num_classes, files: Vec::new(), batch_side: side, skipped: AtomicUsize::new(0) }
+        ImageSet { images, labels, side, num_classes, files: Vec::new(), batch_side: side, skipped: AtomicUsize::new(0), shards: None }
     }
 
     /// A file-backed set batched at `batch_side`.
     pub fn from_files(files: Vec<PathBuf>, labels: Vec<u16>, batch_side: usize, num_classes: usize) -> Self {
-        ImageSet { images: Vec::new(), labels, side: 0, num_classes, files, batch_side, skipped: AtomicUsize::new(0) }
+        ImageSet { images: Vec::new(), labels, side: 0, num_classes, files, batch_side, skipped: AtomicUsize::new(0), shards: None }
     }
 
     pub fn len(&self) -> usize {
@@ -151,8 +160,9 @@ impl ImageSet {
         self.labels.is_empty()
     }
 
+    /// Decoded per batch: image files, or images in tar shards.
     pub fn is_file_backed(&self) -> bool {
-        !self.files.is_empty()
+        !self.files.is_empty() || self.shards.is_some()
     }
 
     /// Bytes of one stored image (S·S·3; in-memory sets).
@@ -203,6 +213,7 @@ pub fn check_splits(train: &ImageSet, val: &ImageSet, cfg: &DataConfig) -> Resul
             ("validation", val, match cfg.dataset {
                 DatasetKind::Folder => "add a val/ folder beside train/, or set data.val_split to a fraction of the images",
                 DatasetKind::Builtin | DatasetKind::Synthetic => "set data.val_size",
+                DatasetKind::Shards => "pack a folder with a val/ folder, or with --val-split above 0",
                 _ => "the test file holds no records",
             }),
         ] {
@@ -362,6 +373,24 @@ pub fn open(cfg: &DataConfig, image_size: usize, num_classes: usize, seed: u64) 
             class_names = Some(l.classes.clone());
             (l.train, l.val, d)
         }
+        DatasetKind::Shards => {
+            let path = cfg.path.as_ref().ok_or(DataError::MissingPath { dataset: name })?;
+            let l = shards::load(path, image_size)?;
+            check_classes(name, l.classes.len(), num_classes)?;
+            let d = format!(
+                "shards ({}): {} train in {} / {} val in {}, decoded per batch at {image_size} px, {} classes ({}{})",
+                path.display(),
+                l.train.len(),
+                crate::util::plural(l.shard_counts[0], "shard", "shards"),
+                l.val.len(),
+                crate::util::plural(l.shard_counts[1], "shard", "shards"),
+                l.classes.len(),
+                l.classes.iter().take(3).cloned().collect::<Vec<_>>().join(", "),
+                if l.classes.len() > 3 { ", …" } else { "" }
+            );
+            class_names = Some(l.classes.clone());
+            (l.train, l.val, d)
+        }
     };
     // In-memory sets of another size are resampled per batch (CIFAR fine-tuning at 224 px).
     train.batch_side = image_size;
@@ -388,6 +417,10 @@ pub fn train_len(cfg: &DataConfig, seed: u64) -> Result<usize, DataError> {
             let path = cfg.path.as_ref().ok_or(DataError::MissingPath { dataset: "folder" })?;
             folder::count_train(path, cfg.val_split, seed)
         }
+        DatasetKind::Shards => {
+            let path = cfg.path.as_ref().ok_or(DataError::MissingPath { dataset: "shards" })?;
+            shards::count_train(path)
+        }
     }
 }
 
@@ -401,7 +434,7 @@ pub fn policy(cfg: &DataConfig, train: bool) -> Policy {
         // timm/torchvision CIFAR recipe: RandomCrop(32, padding=4) + RandomHorizontalFlip.
         DatasetKind::Cifar10 | DatasetKind::Cifar100 => Policy::CropFlip { pad: 4 },
         // Every built-in shape is mirror-symmetric; a crop could cut the shape off.
-        DatasetKind::Builtin | DatasetKind::Folder => Policy::Flip,
+        DatasetKind::Builtin | DatasetKind::Folder | DatasetKind::Shards => Policy::Flip,
         DatasetKind::Synthetic => Policy::None,
     }
 }
@@ -413,7 +446,7 @@ pub fn make_batch(set: &ImageSet, indices: &[usize], cfg: &DataConfig, train: bo
     let mut batch = Batch::default();
     if let Err(e) = fill_batch(&mut batch, set, indices, cfg, train, epoch, seed) {
         // Only file-backed sets can fail; reaching this is a caller bug, said plainly.
-        panic!("make_batch on a file-backed set failed ({e}); use try_make_batch or Loader for data.dataset=folder");
+        panic!("make_batch on a file-backed set failed ({e}); use try_make_batch or Loader for data.dataset=folder or shards");
     }
     batch
 }
@@ -557,9 +590,14 @@ pub fn decode(path: &Path) -> Result<image::RgbImage, DataError> {
 /// crate's options) into the reused buffer; other formats through the image crate.
 pub fn decode_into(path: &Path, file: &mut Vec<u8>, pixels: &mut Vec<u8>) -> Result<(usize, usize), DataError> {
     use std::io::Read;
-    let err = |msg: String| DataError::Decode { path: path.to_path_buf(), msg };
     file.clear();
     std::fs::File::open(path).and_then(|mut f| f.read_to_end(file)).map_err(|source| DataError::Io { path: path.to_path_buf(), source })?;
+    decode_bytes(file, pixels).map_err(|msg| DataError::Decode { path: path.to_path_buf(), msg })
+}
+
+/// Decodes the image file bytes `file` as [`decode_into`] does; the error is the decoder's
+/// message, for the caller to say where the bytes came from.
+fn decode_bytes(file: &[u8], pixels: &mut Vec<u8>) -> Result<(usize, usize), String> {
     if file.starts_with(&[0xff, 0xd8, 0xff]) {
         use zune_jpeg::zune_core::{bytestream::ZCursor, colorspace::ColorSpace, options::DecoderOptions};
         let options = DecoderOptions::default()
@@ -567,23 +605,37 @@ pub fn decode_into(path: &Path, file: &mut Vec<u8>, pixels: &mut Vec<u8>) -> Res
             .set_max_width(usize::MAX)
             .set_max_height(usize::MAX)
             .jpeg_set_out_colorspace(ColorSpace::RGB);
-        let mut dec = zune_jpeg::JpegDecoder::new_with_options(ZCursor::new(&file[..]), options);
-        dec.decode_headers().map_err(|e| err(format!("JPEG: {e}")))?;
-        let (w, h) = dec.dimensions().ok_or_else(|| err("JPEG: no dimensions".into()))?;
-        let n = dec.output_buffer_size().ok_or_else(|| err("JPEG: image too large".into()))?;
+        let mut dec = zune_jpeg::JpegDecoder::new_with_options(ZCursor::new(file), options);
+        dec.decode_headers().map_err(|e| format!("JPEG: {e}"))?;
+        let (w, h) = dec.dimensions().ok_or("JPEG: no dimensions")?;
+        let n = dec.output_buffer_size().ok_or("JPEG: image too large")?;
         if n != w * h * 3 {
-            return Err(err(format!("JPEG: unexpected output size {n} for {w}×{h} RGB")));
+            return Err(format!("JPEG: unexpected output size {n} for {w}×{h} RGB"));
         }
         if pixels.len() < n {
             pixels.resize(n, 0);
         }
-        dec.decode_into(&mut pixels[..n]).map_err(|e| err(format!("JPEG: {e}")))?;
+        dec.decode_into(&mut pixels[..n]).map_err(|e| format!("JPEG: {e}"))?;
         return Ok((w, h));
     }
-    let img = image::load_from_memory(file).map_err(|e| err(e.to_string()))?.into_rgb8();
+    let img = image::load_from_memory(file).map_err(|e| e.to_string())?.into_rgb8();
     let (w, h) = (img.width() as usize, img.height() as usize);
     *pixels = img.into_raw();
     Ok((w, h))
+}
+
+/// Reads and decodes image `i` of the shard-backed set `sh` (label `label` of `num_classes`).
+fn decode_member(sh: &shards::ShardSet, i: usize, label: u16, num_classes: usize, file: &mut Vec<u8>, pixels: &mut Vec<u8>) -> Result<(usize, usize), DataError> {
+    let (range, name) = shards::read_image(sh, i, label, num_classes, file)?;
+    decode_bytes(&file[range], pixels).map_err(|msg| {
+        let m = sh.members[i];
+        DataError::Member {
+            path: sh.files[m.shard as usize].clone(),
+            offset: m.offset,
+            member: name,
+            msg: format!("cannot decode image: {msg} (set data.skip_bad=true to skip such images)"),
+        }
+    })
 }
 
 /// Decodes image `i` of the file-backed `set` (or, with `skip_bad`, the next readable one after
@@ -594,7 +646,11 @@ fn decode_source(set: &ImageSet, i: usize, skip_bad: bool, file: &mut Vec<u8>, d
     let mut first_err = None;
     for k in 0..TRIES.min(set.len()) {
         let j = (i + k) % set.len();
-        match decode_into(&set.files[j], file, decoded) {
+        let decoded_one = match &set.shards {
+            Some(sh) => decode_member(sh, j, set.labels[j], set.num_classes, file, decoded),
+            None => decode_into(&set.files[j], file, decoded),
+        };
+        match decoded_one {
             Ok((w, h)) => {
                 if k > 0 {
                     set.skipped.fetch_add(k, Ordering::Relaxed);
@@ -608,7 +664,13 @@ fn decode_source(set: &ImageSet, i: usize, skip_bad: bool, file: &mut Vec<u8>, d
         }
     }
     match first_err {
-        Some(_) => Err(DataError::NothingReadable { first: set.files[i].clone(), tried: TRIES.min(set.len()) }),
+        Some(_) => {
+            let first = match &set.shards {
+                Some(sh) => sh.files[sh.members[i].shard as usize].clone(),
+                None => set.files[i].clone(),
+            };
+            Err(DataError::NothingReadable { first, tried: TRIES.min(set.len()) })
+        }
         None => Err(DataError::Invalid { key: "data", msg: "empty file-backed set".into() }),
     }
 }

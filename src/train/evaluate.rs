@@ -42,13 +42,26 @@ pub fn evaluate_with<B: Backend>(
     batch: usize,
     comm: &mut dyn Comm<B::Buf>,
 ) -> Result<EvalSummary, TrainError> {
-    let k = vit.cfg.num_classes;
-    let (mut loss_sum, mut correct) = (0.0f64, 0usize);
+    let loader = eval_loader(set, cfg, batch, comm.rank(), comm.world_size())?;
+    evaluate_from(be, vit, set.len(), loader, comm)
+}
+
+/// The loader of rank `rank`'s evaluation batches of `set` (batch `i` of the split is rank
+/// `i mod world`'s), already building them. The batches do not depend on the model, so a
+/// trainer starts it before the step after which it evaluates, and the first forward of the
+/// evaluation does not wait for decoding.
+pub fn eval_loader(set: &Arc<ImageSet>, cfg: &RunConfig, batch: usize, rank: usize, world: usize) -> Result<Loader, TrainError> {
     let n = set.len();
     let batch = batch.clamp(1, plan::pass_images_cap(cfg.train.pass_images));
-    let (rank, world) = (comm.rank(), comm.world_size());
     let batches: Vec<Vec<usize>> = (rank * batch..n).step_by(world * batch).map(|start| (start..(start + batch).min(n)).collect()).collect();
-    let mut loader = Loader::start_batches(set.clone(), cfg.data.clone(), false, 0, cfg.train.seed, batches)?;
+    Ok(Loader::start_batches(set.clone(), cfg.data.clone(), false, 0, cfg.train.seed, batches)?)
+}
+
+/// [`evaluate_with`] on the batches of `loader` (from [`eval_loader`] for this rank of `comm`,
+/// over a split of `n` images).
+pub fn evaluate_from<B: Backend>(be: &B, vit: &mut Vit<B>, n: usize, mut loader: Loader, comm: &mut dyn Comm<B::Buf>) -> Result<EvalSummary, TrainError> {
+    let k = vit.cfg.num_classes;
+    let (mut loss_sum, mut correct) = (0.0f64, 0usize);
     while let Some(prepared) = loader.next() {
         let batch_data = prepared?.batch;
         let b = batch_data.len();

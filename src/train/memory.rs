@@ -200,7 +200,7 @@ pub fn estimate(cfg: &RunConfig, shape: RankBatch, dev: &DeviceMemory<'_>, regen
     let stored = match d.dataset {
         DatasetKind::Builtin | DatasetKind::Synthetic => (d.train_size + d.val_size) as f64 * pixels,
         DatasetKind::Cifar10 | DatasetKind::Cifar100 => 60_000.0 * 32.0 * 32.0 * 3.0,
-        DatasetKind::Folder => 0.0,
+        DatasetKind::Folder | DatasetKind::Shards => 0.0,
     };
     // prepared f32 batches in flight: the prefetch queue, one per worker, the current one
     let in_flight = (d.prefetch + d.num_workers.max(1) + 2) as f64 * shape.micro as f64 * pixels * 4.0;

@@ -39,7 +39,7 @@ use crate::train::agree::{self, StateHash};
 use crate::train::balance::Balancer;
 use crate::train::error::TrainError;
 use crate::train::ema::{self, Ema};
-use crate::train::evaluate::{build_model_for_training, evaluate_with, EvalSummary};
+use crate::train::evaluate::{build_model_for_training, eval_loader, evaluate_from, evaluate_with, EvalSummary};
 use crate::train::plan::Plan;
 use crate::train::run_dir::RunDir;
 use crate::train::step::{MicroBatch, Step};
@@ -298,6 +298,9 @@ pub struct Trainer<'r, B: Backend> {
     /// The weight EMA (`train.ema`) and its last evaluation.
     ema: Option<Ema<B>>,
     last_ema_eval: Option<EvalSummary>,
+    /// The next evaluation's loader, started before the step it follows (its batches do not
+    /// depend on the model), so the evaluation does not begin by waiting for decoding.
+    eval_ahead: Option<Loader>,
     images_done: u64,
     /// This rank's state hashes after the last step, once the ranks agreed on them.
     final_hash: Option<StateHash>,
@@ -534,6 +537,7 @@ impl<'r, B: Backend> Trainer<'r, B> {
             last_eval: None,
             ema,
             last_ema_eval: None,
+            eval_ahead: None,
             images_done: 0,
             final_hash: None,
             bar,
@@ -567,6 +571,9 @@ impl<'r, B: Backend> Trainer<'r, B> {
             epoch_end: (step + 1) % self.steps_per_epoch == 0,
         };
         let log_due = (step + 1) % self.cfg.train.log_every.max(1) == 0 || at.last;
+        if self.eval_due(at) && self.eval_ahead.is_none() {
+            self.eval_ahead = Some(eval_loader(&self.val_set, self.cfg, self.cfg.train.eval_batch_size, self.rank, self.world)?);
+        }
         let (grad_norm, lr) = self.micro_batches_and_boundary(at, log_due)?;
         self.bal.end_step(&mut *self.comm, step)?;
         let stop_sig = self.agree_on_stop()?;
@@ -863,22 +870,32 @@ impl<'r, B: Backend> Trainer<'r, B> {
         Ok(TrainError::Interrupted { signal, step: at.step + 1, detail })
     }
 
-    /// Evaluation every `train.eval_every` steps, or at each epoch end, and after the last step.
-    fn evaluate_if_due(&mut self, at: StepAt) -> Result<(), TrainError> {
+    /// Whether an evaluation follows step `at`: every `train.eval_every` steps, or at each epoch
+    /// end, and after the last step.
+    fn eval_due(&self, at: StepAt) -> bool {
         let every = self.cfg.train.eval_every;
         let due = if every > 0 { (at.step + 1) % every == 0 } else { at.epoch_end };
+        due || at.last
+    }
+
+    /// The evaluation after step `at`, when [`Self::eval_due`].
+    fn evaluate_if_due(&mut self, at: StepAt) -> Result<(), TrainError> {
         if at.epoch_end || at.last {
             self.epoch_loss.last_mean = self.epoch_loss.sum / self.epoch_loss.steps.max(1) as f64;
             (self.epoch_loss.sum, self.epoch_loss.steps) = (0.0, 0);
         }
-        if !(due || at.last) {
+        if !self.eval_due(at) {
             return Ok(());
         }
         // the step's queued device work finishes first, so it stays in the step's time
         self.st.mark(self.be, Phase::Other)?;
         self.be.synchronize()?;
         let t_eval = Instant::now();
-        let ev = evaluate_with(self.be, &mut self.st.vit, &self.val_set, self.cfg, self.cfg.train.eval_batch_size, &mut *self.comm)?;
+        let loader = match self.eval_ahead.take() {
+            Some(l) => l,
+            None => eval_loader(&self.val_set, self.cfg, self.cfg.train.eval_batch_size, self.rank, self.world)?,
+        };
+        let ev = evaluate_from(self.be, &mut self.st.vit, self.val_set.len(), loader, &mut *self.comm)?;
         let ema_ev = self.evaluate_ema()?;
         self.st.mark(self.be, Phase::NotTraining)?;
         let spent = t_eval.elapsed();
