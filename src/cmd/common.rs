@@ -75,7 +75,8 @@ pub fn load_config_edited(
                 match inferred.guessed_num_heads {
                     Some(h) => {
                         model.insert("num_heads".into(), h.into());
-                        notes.push(format!("model.num_heads not given: using {h} (head width 64, timm's convention); set it if the weights use another"));
+                        let width = model.get("embed_dim").and_then(|v| v.as_u64()).unwrap_or(0) as usize;
+                        notes.push(format!("model.num_heads not given: using {h} (heads of width {}, as the standard ViT of this width has); set it if the weights use another", width / h));
                     }
                     None => anyhow::bail!(
                         "{}: model.num_heads cannot be read from the weights (width {} is not a multiple of 64); give it with --set model.num_heads=H",

@@ -1,10 +1,11 @@
 //! The timm Vision Transformer: its shape (`spec`), its parameter table (`params`), random
 //! initialization (`init`), its forward and manual backward over any `Backend` (`vit`), and
-//! timm-compatible weights (`weights`).
+//! timm-compatible weights (`weights`), also in torchvision's layout (`torchvision`).
 
 pub mod init;
 pub mod params;
 pub mod spec;
+pub mod torchvision;
 pub mod vit;
 pub mod weights;
 

@@ -54,6 +54,8 @@ pub struct TrainOptions {
     pub run_dir: PathBuf,
     pub init: Option<PathBuf>,
     pub save_weights: Option<PathBuf>,
+    /// Key names of the `save_weights` file.
+    pub save_weights_format: crate::model::weights::WeightsFormat,
     /// Draw a progress bar (terminal) instead of plain periodic lines.
     pub progress_bar: bool,
     /// Print nothing but errors (the caller prints the summary).
@@ -881,7 +883,7 @@ impl<'r, B: Backend> Trainer<'r, B> {
         if let Some(path) = self.opts.save_weights.as_ref() {
             let p = self.full_params()?;
             if self.rank == 0 {
-                crate::model::weights::save(path, &self.st.vit.table, &self.st.vit.cfg, &p)?;
+                crate::model::weights::save_as(path, &self.st.vit.table, &self.st.vit.cfg, &p, self.opts.save_weights_format)?;
             }
         }
         let summary = TrainSummary {
