@@ -213,9 +213,13 @@ fn torchvision_files_round_trip() {
     }
 }
 
+/// A file's f32 tensors as (name, shape, bytes), for editing.
+type Raw = Vec<(String, Vec<usize>, Vec<u8>)>;
+type Edit = Box<dyn FnOnce(&mut Raw)>;
+
 /// `src`'s tensors with `edit` applied, written to `dst`.
-fn rewrite(src: &Path, dst: &Path, edit: impl FnOnce(&mut Vec<(String, Vec<usize>, Vec<u8>)>)) {
-    let mut t: Vec<(String, Vec<usize>, Vec<u8>)> = tensors(src).into_iter().map(|(k, s, _, v)| (k, s, v)).collect();
+fn rewrite(src: &Path, dst: &Path, edit: impl FnOnce(&mut Raw)) {
+    let mut t: Raw = tensors(src).into_iter().map(|(k, s, _, v)| (k, s, v)).collect();
     edit(&mut t);
     let views: Vec<(String, TensorView<'_>)> = t.iter().map(|(k, s, v)| (k.clone(), TensorView::new(safetensors::Dtype::F32, s.clone(), v).unwrap())).collect();
     std::fs::write(dst, safetensors::serialize(views, &None).unwrap()).unwrap();
@@ -231,7 +235,7 @@ fn torchvision_files_vitscale_cannot_hold_are_refused_by_name() {
     let table = ParamTable::new(&model_of_args(&args));
     let c = 32;
     let zeros = |n: usize| vec![0u8; 4 * n];
-    let cases: Vec<(&str, Box<dyn FnOnce(&mut Vec<(String, Vec<usize>, Vec<u8>)>)>, &[&str])> = vec![
+    let cases: Vec<(&str, Edit, &[&str])> = vec![
         (
             "representation_size",
             Box::new(move |t| {
