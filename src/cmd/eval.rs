@@ -14,7 +14,7 @@ use crate::train::evaluate;
 pub struct EvalArgs {
     #[command(flatten)]
     pub common: ConfigArgs,
-    /// Weights to evaluate (safetensors, timm key names).
+    /// Weights to evaluate (safetensors, timm's or torchvision's key names).
     #[arg(long)]
     pub weights: PathBuf,
     /// Which split to evaluate.

@@ -18,14 +18,19 @@ pub struct TrainArgs {
     /// Directory for config.json, metrics.jsonl and summary.json (default runs/<time>-<pid>).
     #[arg(long)]
     pub run_dir: Option<PathBuf>,
-    /// Start from these weights (safetensors, timm key names). As timm does, a head of another
-    /// class count is initialized anew and a position embedding of another patch grid (another
-    /// model.image_size) is resampled (bicubic, antialiased), each with a notice.
+    /// Start from these weights (safetensors, timm's or torchvision's key names, told apart by
+    /// the names). As timm does, a head of another class count is initialized anew and a
+    /// position embedding of another patch grid (another model.image_size) is resampled
+    /// (bicubic, antialiased), each with a notice.
     #[arg(long)]
     pub init: Option<PathBuf>,
-    /// Write the final weights here (safetensors, timm key names).
+    /// Write the final weights here (safetensors, key names as --weights-format says).
     #[arg(long)]
     pub save_weights: Option<PathBuf>,
+    /// Key names of the --save-weights file: timm's `VisionTransformer` or torchvision's
+    /// (`vit_b_16` and its siblings). Checkpoints always use timm's.
+    #[arg(long, value_name = "timm|torchvision", default_value = "timm", requires = "save_weights")]
+    pub weights_format: crate::model::weights::WeightsFormat,
     /// Resume from a checkpoint: a step directory, a checkpoint root, or `latest` (the newest
     /// under `<run dir>/checkpoints`; needs --run-dir). Checkpoints are written every
     /// `train.checkpoint_every` steps.
@@ -156,6 +161,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     if let (0, Some(p)) = (rank, &args.save_weights) {
         check_output_file(p, "--save-weights")?;
     }
+    if args.weights_format == crate::model::weights::WeightsFormat::Torchvision {
+        crate::model::torchvision::check_exportable(&cfg.model).map_err(|e| anyhow::anyhow!("--weights-format torchvision: {e}"))?;
+    }
     if let Some(d) = &args.trace {
         check_writable_dir(d, "--trace", d)?;
         crate::metrics::trace::check_fresh(d, rank).map_err(|e| anyhow::anyhow!("--trace {}: {e}", d.display()))?;
@@ -174,6 +182,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         // every rank: rank 0 writes the file, but the others take part when the weights have
         // to be gathered first (ZeRO with a master shard)
         save_weights: args.save_weights.clone(),
+        save_weights_format: args.weights_format,
         progress_bar: rank == 0 && std::io::stderr().is_terminal(),
         quiet: rank != 0,
         resume,

@@ -1,6 +1,7 @@
 //! timm-compatible weights: safetensors files with timm `state_dict` key names, read into and
 //! written from the flat parameter buffer, plus inference of the architecture from a file's
-//! shapes (so `--init` of an unseen timm model needs at most `model.num_heads`).
+//! shapes (so `--init` of an unseen timm model needs at most `model.num_heads`). Files in
+//! torchvision's layout are read and written too, renamed by [`super::torchvision`].
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -10,6 +11,7 @@ use safetensors::SafeTensors;
 
 use super::params::ParamTable;
 use super::spec::ModelConfig;
+pub use super::torchvision::WeightsFormat;
 
 #[derive(Debug, thiserror::Error)]
 pub enum WeightsError {
@@ -25,6 +27,8 @@ pub enum WeightsError {
     Unexpected { path: PathBuf, keys: String },
     #[error("{path}: cannot infer the architecture: {msg}")]
     Infer { path: PathBuf, msg: String },
+    #[error("{path}: {msg}")]
+    Layout { path: PathBuf, msg: String },
 }
 
 /// Prefixes that wrappers put before timm keys (DDP `module.`, timm checkpoints' `model.`).
@@ -38,9 +42,11 @@ fn parse<'a>(path: &Path, bytes: &'a [u8]) -> Result<SafeTensors<'a>, WeightsErr
     SafeTensors::deserialize(bytes).map_err(|e| WeightsError::Format { path: path.to_path_buf(), msg: e.to_string() })
 }
 
-/// The tensor names of a file with wrapper prefixes removed, mapped to the stored names.
-fn key_map(st: &SafeTensors<'_>) -> BTreeMap<String, String> {
-    st.names()
+/// The tensor names of a file with wrapper prefixes removed (and torchvision's names renamed to
+/// timm's), mapped to the stored names, and the file's layout.
+fn key_map(path: &Path, st: &SafeTensors<'_>) -> Result<(BTreeMap<String, String>, WeightsFormat), WeightsError> {
+    let stripped = st
+        .names()
         .into_iter()
         .map(|name| {
             let mut key = name.as_str();
@@ -51,7 +57,8 @@ fn key_map(st: &SafeTensors<'_>) -> BTreeMap<String, String> {
             }
             (key.to_string(), name.clone())
         })
-        .collect()
+        .collect();
+    super::torchvision::to_timm_keys(stripped).map_err(|msg| WeightsError::Layout { path: path.to_path_buf(), msg })
 }
 
 /// Converts a stored tensor (f32, f16, bf16, f64) to f32.
@@ -135,7 +142,7 @@ fn patch_side(shape: &[usize]) -> Option<usize> {
 fn load_impl(path: &Path, table: &ParamTable, mut fresh: Option<Box<dyn FnOnce() -> Vec<f32> + '_>>) -> Result<(Vec<f32>, FineTuneChanges), WeightsError> {
     let bytes = read_file(path)?;
     let st = parse(path, &bytes)?;
-    let keys = key_map(&st);
+    let (keys, format) = key_map(path, &st)?;
     let mut out = vec![0.0f32; table.total];
     let mut missing = Vec::new();
     let mut changes = FineTuneChanges::default();
@@ -160,7 +167,7 @@ fn load_impl(path: &Path, table: &ParamTable, mut fresh: Option<Box<dyn FnOnce()
     let file_prefix = usize::from(keys.contains_key("cls_token"));
     for e in &table.entries {
         let Some(stored) = keys.get(&e.name) else {
-            missing.push(e.name.clone());
+            missing.push(format.file_key(&e.name));
             continue;
         };
         let view = st.tensor(stored).map_err(|err| WeightsError::Format { path: path.to_path_buf(), msg: err.to_string() })?;
@@ -222,11 +229,20 @@ fn load_impl(path: &Path, table: &ParamTable, mut fresh: Option<Box<dyn FnOnce()
 /// Writes the flat weights as an f32 safetensors file with timm keys, atomically (temporary
 /// file, fsync, rename), with the model config as metadata.
 pub fn save(path: &Path, table: &ParamTable, cfg: &ModelConfig, params: &[f32]) -> Result<(), WeightsError> {
+    save_as(path, table, cfg, params, WeightsFormat::Timm)
+}
+
+/// `save` with the key names of `format`; torchvision's layout refuses a model its
+/// `VisionTransformer` cannot hold.
+pub fn save_as(path: &Path, table: &ParamTable, cfg: &ModelConfig, params: &[f32], format: WeightsFormat) -> Result<(), WeightsError> {
     let io = |source| WeightsError::Io { path: path.to_path_buf(), source };
+    if format == WeightsFormat::Torchvision {
+        super::torchvision::check_exportable(cfg).map_err(|msg| WeightsError::Layout { path: path.to_path_buf(), msg })?;
+    }
     let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = table
         .entries
         .iter()
-        .map(|e| (e.name.clone(), e.shape.clone(), bytemuck::cast_slice(&params[e.span.range()]).to_vec()))
+        .map(|e| (format.file_key(&e.name), e.shape.clone(), bytemuck::cast_slice(&params[e.span.range()]).to_vec()))
         .collect();
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
@@ -298,7 +314,7 @@ fn mlp_ratio_for(width: usize, hidden: usize) -> f64 {
 pub fn infer(path: &Path) -> Result<InferredModel, WeightsError> {
     let bytes = read_file(path)?;
     let st = parse(path, &bytes)?;
-    let keys = key_map(&st);
+    let (keys, _) = key_map(path, &st)?;
     let fail = |msg: String| WeightsError::Infer { path: path.to_path_buf(), msg };
     let shape = |key: &str| -> Result<Vec<usize>, WeightsError> {
         let stored = keys.get(key).ok_or_else(|| fail(format!("no `{key}` tensor")))?;

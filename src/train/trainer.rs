@@ -55,6 +55,8 @@ pub struct TrainOptions {
     pub run_dir: PathBuf,
     pub init: Option<PathBuf>,
     pub save_weights: Option<PathBuf>,
+    /// Key names of the `save_weights` file.
+    pub save_weights_format: crate::model::weights::WeightsFormat,
     /// Draw a progress bar (terminal) instead of plain periodic lines.
     pub progress_bar: bool,
     /// Print nothing but errors (the caller prints the summary).
@@ -969,9 +971,10 @@ impl<'r, B: Backend> Trainer<'r, B> {
                 None => None,
             };
             if self.rank == 0 {
-                crate::model::weights::save(&path, &self.st.vit.table, &self.st.vit.cfg, &p)?;
+                let format = self.opts.save_weights_format;
+                crate::model::weights::save_as(&path, &self.st.vit.table, &self.st.vit.cfg, &p, format)?;
                 if let Some(e) = ema {
-                    crate::model::weights::save(&ema::weights_path(&path), &self.st.vit.table, &self.st.vit.cfg, &e)?;
+                    crate::model::weights::save_as(&ema::weights_path(&path), &self.st.vit.table, &self.st.vit.cfg, &e, format)?;
                 }
             }
         }
