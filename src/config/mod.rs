@@ -88,7 +88,8 @@ pub fn resolve(value: &Value, world_size: usize) -> Result<RunConfig> {
     let model = model::parse(model_section, &data, &mut cx)?;
     let drop_path_rate = model::parse_drop_path(model_section, &mut cx)?;
     let steps_per_print = get_int(Some(root), "", &top_level::STEPS_PER_PRINT, &mut cx)?;
-    let train = train::parse(section(root.get(train::TRAIN.name), train::TRAIN.name)?, &batch, steps_per_print, &mut cx)?;
+    let checkpointing = train::parse_activation_checkpointing(root, &mut cx)?;
+    let train = train::parse(section(root.get(train::TRAIN.name), train::TRAIN.name)?, &batch, steps_per_print, checkpointing, &mut cx)?;
     let (optimizer, layer_decay) = optimizer::parse(section(root.get(optimizer::OPTIMIZER.name), optimizer::OPTIMIZER.name)?, &mut cx)?;
     data::check_mixing_batch(&data, &batch)?;
     let scheduler = scheduler::parse(section(root.get(scheduler::SCHEDULER.name), scheduler::SCHEDULER.name)?, &optimizer, &mut cx)?;

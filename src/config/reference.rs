@@ -50,6 +50,7 @@ pub(super) const TABLES: &[Table] = &[
     Table { at: &[&[&data::DATA]], variant: None, keys: data::DATA_KEYS },
     Table { at: &[&[&train::TRAIN]], variant: None, keys: train::TRAIN_KEYS },
     Table { at: &[&[&train::TRAIN, &train::T_EMA]], variant: None, keys: train::EMA_KEYS },
+    Table { at: &[&[&train::ACTIVATION_CHECKPOINTING]], variant: None, keys: train::ACTIVATION_CHECKPOINTING_KEYS },
     Table { at: &[&[&monitor::TENSORBOARD], &[&monitor::CSV_MONITOR]], variant: None, keys: monitor::MONITOR_KEYS },
 ];
 

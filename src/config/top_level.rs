@@ -69,7 +69,7 @@ pub const TOP_KEYS: &[KeyDef] = &[
     ds_warn("wandb", Dflt::Unset, "Weights & Biases monitor; not implemented (metrics go to metrics.jsonl)."),
     ds_warn("comet", Dflt::Unset, "Comet monitor; not implemented."),
     ds_warn("comms_logger", Dflt::Unset, "Communication logger; not implemented (bytes and bus bandwidth are in metrics.jsonl)."),
-    ds_warn("activation_checkpointing", Dflt::Unset, "Activation checkpointing; not implemented."),
+    super::train::ACTIVATION_CHECKPOINTING,
     ds_warn("checkpoint", Dflt::Unset, "DeepSpeed checkpoint options; not implemented (vitscale writes its own checkpoints)."),
     ds_warn("data_types", Dflt::Unset, "grad_accum_dtype; not implemented (gradients accumulate in fp32)."),
     ds_warn("memory_breakdown", Dflt::Bool(false), "Memory breakdown logging; not implemented (peak memory is in metrics.jsonl)."),

@@ -21,8 +21,8 @@ const T_EPOCHS: KeyDef = key("epochs", POS_INT, Dflt::Int(10), "Run length in ep
 pub(super) const T_STEPS: KeyDef = key("steps", POS_INT, Dflt::Unset, "Run length in optimizer steps; wins over epochs.")
     .resume_free();
 const T_SEED: KeyDef = key("seed", NONNEG_INT, Dflt::Int(0), "Seed for initialization, shuffling and augmentation.");
-const T_RECOMPUTE: KeyDef = key("recompute", Ty::Choice(Recompute::NAMES), Dflt::Str("auto"),
-    "Activation memory: \"always\" regenerates every block's LayerNorm and GELU outputs in the backward instead of keeping them (saves 2·C + F values per token and block), \"never\" keeps them, \"auto\" regenerates only where the backend says it is nearly free (small batches on a GPU; never on the CPU).")
+const T_RECOMPUTE: KeyDef = key("recompute", Ty::Choice(Recompute::NAMES), Dflt::Derived("\"blocks\" when the activation_checkpointing block is given, else \"auto\""),
+    "Activation memory: \"always\" regenerates every block's LayerNorm and GELU outputs in the backward instead of keeping them (saves 2·C + F values per token and block), \"never\" keeps them, \"auto\" regenerates only where the backend says it is nearly free (small batches on a GPU; never on the CPU); \"blocks\" checkpoints every block (keeps its output alone and runs its forward again in the backward: one block's activations held at a time, one more forward; the same gradients).")
     .resume_free();
 const T_EVAL_EVERY: KeyDef = key("eval_every", NONNEG_INT, Dflt::Int(0), "Evaluate every N optimizer steps; 0 = at the end of each epoch.")
     .resume_free();
@@ -122,7 +122,38 @@ fn write_ema(e: &EmaConfig) -> Value {
 
 /// The `train` section; `log_every` defaults to DeepSpeed's `steps_per_print`, the evaluation
 /// batch to the micro-batch, and the rank lists are checked against the world size.
-pub(super) fn parse(sec: Option<&Map<String, Value>>, batch: &BatchConfig, steps_per_print: u64, cx: &mut Cx) -> Result<TrainConfig> {
+/// DeepSpeed's `activation_checkpointing` block: given (an object), it turns on checkpointing
+/// per block (`train.recompute = "blocks"` unless that key says otherwise). What vitscale does
+/// not implement of it is warned by name.
+pub(super) const ACTIVATION_CHECKPOINTING: KeyDef = key("activation_checkpointing", Ty::Section, Dflt::Unset,
+    "DeepSpeed's activation checkpointing block: given, every transformer block is checkpointed (train.recompute = \"blocks\" unless train.recompute is given).");
+/// Keys of the `activation_checkpointing` block.
+pub const ACTIVATION_CHECKPOINTING_KEYS: &[KeyDef] = &[
+    ds_warn("partition_activations", Dflt::Bool(false), "Shard the checkpoints over model-parallel ranks; not implemented (vitscale has no model parallelism)."),
+    ds_warn("cpu_checkpointing", Dflt::Bool(false), "Keep the checkpoints in host memory; not implemented."),
+    ds_warn("contiguous_memory_optimization", Dflt::Bool(false), "Copy checkpoints into one buffer; vitscale's block outputs are preallocated buffers already: no effect."),
+    ds_warn("number_checkpoints", Dflt::Unset, "Checkpoints for the contiguous buffer; every block is checkpointed."),
+    ds_warn("synchronize_checkpoint_boundary", Dflt::Bool(false), "Synchronize the device at each checkpoint; not implemented."),
+    ds_warn("profile", Dflt::Bool(false), "Time the checkpoint functions; not implemented (train --trace shows the passes)."),
+];
+
+/// Whether `root` has an `activation_checkpointing` block; warns for each of its keys set
+/// to something vitscale does not do.
+pub(super) fn parse_activation_checkpointing(root: &Map<String, Value>, cx: &mut Cx) -> Result<bool> {
+    let p = ACTIVATION_CHECKPOINTING.name;
+    let Some(block) = section(root.get(p), p)? else { return Ok(false) };
+    check_keys(p, block, ACTIVATION_CHECKPOINTING_KEYS, &[])?;
+    for def in ACTIVATION_CHECKPOINTING_KEYS {
+        let Some(v) = block.get(def.name).filter(|v| !v.is_null()) else { continue };
+        if v != &Value::Bool(false) {
+            cx.warn(format!("{}: {} (checkpointing runs per block without it)", full(p, def.name), def.doc));
+        }
+    }
+    Ok(true)
+}
+
+/// The `train` section; `checkpointing`: DeepSpeed's `activation_checkpointing` block is given.
+pub(super) fn parse(sec: Option<&Map<String, Value>>, batch: &BatchConfig, steps_per_print: u64, checkpointing: bool, cx: &mut Cx) -> Result<TrainConfig> {
     let p = TRAIN.name;
     if let Some(s) = sec {
         check_keys(p, s, TRAIN_KEYS, &[])?;
@@ -162,7 +193,11 @@ pub(super) fn parse(sec: Option<&Map<String, Value>>, batch: &BatchConfig, steps
         eval_batch_size: opt_int(sec, p, &T_EVAL_BATCH, cx)?.map(|i| i as usize).unwrap_or(batch.micro_batch_per_gpu),
         checkpoint_on_signal: opt_bool(sec, p, &T_CKPT_ON_SIGNAL, cx)?.unwrap_or(checkpoint_every > 0),
         comm_timeout_s: get_num(sec, p, &T_COMM_TIMEOUT, cx)?,
-        recompute: Recompute::parse(get_str(sec, p, &T_RECOMPUTE, cx)?).unwrap_or_default(),
+        recompute: match given(sec, p, &T_RECOMPUTE, cx) {
+            Some(_) => Recompute::parse(get_str(sec, p, &T_RECOMPUTE, cx)?).unwrap_or_default(),
+            None if checkpointing => Recompute::Blocks,
+            None => Recompute::Auto,
+        },
         pass_images: opt_int(sec, p, &T_PASS_IMAGES, cx)?.map(|i| i as usize),
         emulate_slowdown: parse_slowdown(sec, p, batch.world_size)?,
         balance: parse_balance(sec, p, batch.world_size, cx)?,

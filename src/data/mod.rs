@@ -481,7 +481,8 @@ pub fn fill_batches(batches: &mut [Batch], jobs: &[(&[usize], u64)], set: &Image
         b.labels.resize(indices.len(), 0);
         b.targets = None;
         b.keys.clear();
-        b.keys.extend(indices.iter().map(|&i| sample_key(i, epoch)));
+        // an evaluation batch is the same whatever the epoch (nothing per-image is drawn)
+        b.keys.extend(indices.iter().map(|&i| sample_key(i, if train { epoch } else { 0 })));
         let Batch { images, labels, .. } = b;
         for ((out, label), &i) in images.chunks_mut(per).zip(labels.iter_mut()).zip(indices) {
             tasks.push((out, label, i, epoch));

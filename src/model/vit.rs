@@ -27,17 +27,23 @@ pub enum Recompute {
     Auto,
     /// Keep every block's LayerNorm and GELU outputs (fastest when bandwidth-bound).
     Never,
-    /// Always regenerate them in the backward (least memory).
+    /// Always regenerate them in the backward.
     Always,
+    /// Activation checkpointing per block (timm's `set_grad_checkpointing`, DeepSpeed's
+    /// `activation_checkpointing`): the forward keeps each block's output alone, and the
+    /// backward runs each block's forward again from its input before differentiating it, so
+    /// one block's activations are held at a time (least memory, one more forward).
+    Blocks,
 }
 
 impl Recompute {
-    pub const NAMES: &'static [&'static str] = &["auto", "never", "always"];
+    pub const NAMES: &'static [&'static str] = &["auto", "never", "always", "blocks"];
     pub fn as_str(self) -> &'static str {
         match self {
             Recompute::Auto => "auto",
             Recompute::Never => "never",
             Recompute::Always => "always",
+            Recompute::Blocks => "blocks",
         }
     }
     pub fn parse(v: &str) -> Result<Recompute, String> {
@@ -45,7 +51,8 @@ impl Recompute {
             "auto" => Ok(Recompute::Auto),
             "never" | "none" => Ok(Recompute::Never),
             "always" => Ok(Recompute::Always),
-            other => Err(format!("unknown recompute policy {other:?} (auto, never, always)")),
+            "blocks" => Ok(Recompute::Blocks),
+            other => Err(format!("unknown recompute policy {other:?} (auto, never, always, blocks)")),
         }
     }
 }
@@ -65,7 +72,6 @@ struct BlockActs<B: Backend> {
     ln2_rstd: B::Buf,
     fc1_pre: B::Buf, // (B·N, F) before GELU, or its derivative (Activations::gelu_saved)
     fc1_act: Option<B::Buf>, // (B·N, F) after GELU
-    x2: B::Buf,      // residual stream after the MLP = block output
 }
 
 /// Shared buffers standing in for the per-block LayerNorm and GELU outputs when they are
@@ -89,7 +95,12 @@ struct Activations<B: Backend> {
     patches: B::Buf,   // (B·NP, 3·P·P)
     patch_emb: B::Buf, // (B·NP, C)
     x0: B::Buf,        // (B·N, C) tokens entering block 0
+    /// Each block's saved activations, or under checkpointing (`Recompute::Blocks`) one set
+    /// every block's forward and recomputed forward writes in turn.
     blocks: Vec<BlockActs<B>>,
+    checkpointing: bool,
+    /// (B·N, C) each block's output: the residual stream after its MLP, the next block's input.
+    outputs: Vec<B::Buf>,
     final_mean: B::Buf,
     final_rstd: B::Buf,
     pooled_raw: B::Buf, // (B, C) the class token or the mean of the patch tokens, before the norm
@@ -122,17 +133,19 @@ impl<B: Backend> Activations<B> {
         let bn = cap * n;
         let regenerate = match policy {
             Recompute::Auto => bn * f <= be.recompute_below(),
-            Recompute::Never => false,
+            Recompute::Never | Recompute::Blocks => false,
             Recompute::Always => true,
         };
+        let checkpointing = policy == Recompute::Blocks;
         let kept = |len: usize| -> BResult<Option<B::Buf>> { if regenerate { Ok(None) } else { be.alloc(len).map(Some) } };
         let regen = if regenerate {
             Some(Regen { ln: be.alloc(bn * c)?, mean: be.alloc_f32(bn)?, rstd: be.alloc_f32(bn)?, act: be.alloc(bn * f)? })
         } else {
             None
         };
-        let mut blocks = Vec::with_capacity(m.depth);
-        for _ in 0..m.depth {
+        let sets = if checkpointing { m.depth.min(1) } else { m.depth };
+        let mut blocks = Vec::with_capacity(sets);
+        for _ in 0..sets {
             blocks.push(BlockActs {
                 ln1: kept(bn * c)?,
                 ln1_mean: be.alloc_f32(bn)?,
@@ -146,9 +159,9 @@ impl<B: Backend> Activations<B> {
                 ln2_rstd: be.alloc_f32(bn)?,
                 fc1_pre: be.alloc(bn * f)?,
                 fc1_act: kept(bn * f)?,
-                x2: be.alloc(bn * c)?,
             });
         }
+        let outputs = (0..m.depth).map(|_| be.alloc(bn * c)).collect::<BResult<Vec<_>>>()?;
         Ok(Activations {
             cap,
             regen,
@@ -158,6 +171,8 @@ impl<B: Backend> Activations<B> {
             patch_emb: be.alloc(cap * np * c)?,
             x0: be.alloc(bn * c)?,
             blocks,
+            checkpointing,
+            outputs,
             final_mean: be.alloc_f32(cap)?,
             final_rstd: be.alloc_f32(cap)?,
             pooled_raw: be.alloc(cap * c)?,
@@ -210,6 +225,72 @@ fn kept_or_regen<'a, T>(own: &'a Option<T>, shared: Option<&'a T>) -> BResult<&'
 }
 
 /// One-hot targets with label smoothing ε: (1 − ε)·onehot + ε/K, as torch's cross-entropy.
+/// What one block's forward reads and writes outside its own activations.
+struct BlockIo<'a, B: Backend> {
+    /// (B·N, C) the block's input.
+    x: &'a B::Buf,
+    /// (B·N, C) its output (B rows in the class token tail).
+    out: &'a mut B::Buf,
+    /// (B, C) the class tokens' ln1 rows and queries (the class token tail).
+    cls_ln1: &'a mut B::Buf,
+    cls_q: &'a mut B::Buf,
+}
+
+/// Block `i`'s forward over `b` images: x → x1 = x + proj(attn(ln1(x))) → out = x1 +
+/// mlp(ln2(x1)), saving what its backward needs in `blk` (LayerNorm and GELU outputs in the
+/// shared `regen` buffers when those are regenerated). `tail_block`: the last block under the
+/// class token tail, whose rows past the attention are the class tokens alone. Also what the
+/// backward runs again under checkpointing: the same kernels on the same input and weights
+/// write the same activations.
+#[allow(clippy::too_many_arguments)]
+fn block_forward<B: Backend>(
+    be: &B,
+    m: &ModelConfig,
+    (s, w): (&BlockSpans, &B::Buf),
+    (i, b, tail_block): (usize, usize, bool),
+    io: BlockIo<'_, B>,
+    blk: &mut BlockActs<B>,
+    regen: Option<&mut Regen<B>>,
+    gelu_saved: GeluSaved,
+    mut dp: Option<&mut BranchScales<B>>,
+) -> BResult<()> {
+    let (n, c, h, d, f) = (m.num_tokens(), m.embed_dim, m.num_heads, m.head_dim(), m.mlp_hidden());
+    let (bn, prefix) = (b * n, m.num_prefix_tokens());
+    let BlockIo { x, out, cls_ln1, cls_q } = io;
+    let (mut shared_ln, mut shared_act) = match regen {
+        Some(r) => (Some(&mut r.ln), Some(&mut r.act)),
+        None => (None, None),
+    };
+    let ln1 = kept_or_shared(&mut blk.ln1, shared_ln.as_deref_mut())?;
+    be.layernorm_forward(ln1, &mut blk.ln1_mean, &mut blk.ln1_rstd, x, w, s.norm1_w, s.norm1_b, bn, c)?;
+    // rows of the rest of the block: every token, or (the last block with the class token
+    // tail) the class token of each image, its residual row gathered into `out` (overwritten
+    // by the block's output below)
+    let rows = if tail_block {
+        // keys and values of every token (blk.qkv holds (B, N, 2, H, D) here), the queries of
+        // the class tokens alone
+        let (wq, wkv, bq, bkv) = split_qkv(s, c);
+        be.matmul_forward(&mut blk.qkv, None, ln1, w, wkv, bkv, bn, c, 2 * c)?;
+        be.pool_forward(cls_ln1, ln1, b, n, c, prefix, false)?;
+        be.matmul_forward(cls_q, None, cls_ln1, w, wq, bq, b, c, c)?;
+        be.class_attention_forward(&mut blk.att, cls_q, &blk.qkv, b, n, h, d)?;
+        be.pool_forward(out, x, b, n, c, prefix, false)?;
+        residual_branch(be, dp.as_deref_mut(), (i, 0), &mut blk.x1, out, &blk.att, w, (s.proj_w, s.proj_b), (b, 1), c, c)?;
+        b
+    } else {
+        be.matmul_forward(&mut blk.qkv, None, ln1, w, s.qkv_w, s.qkv_b, bn, c, 3 * c)?;
+        be.attention_forward(&mut blk.att, &mut blk.probs, &blk.qkv, b, n, h, d)?;
+        residual_branch(be, dp.as_deref_mut(), (i, 0), &mut blk.x1, x, &blk.att, w, (s.proj_w, s.proj_b), (bn, n), c, c)?;
+        bn
+    };
+    let per_image = if rows == b { 1 } else { n };
+    let ln2 = kept_or_shared(&mut blk.ln2, shared_ln.as_deref_mut())?;
+    be.layernorm_forward(ln2, &mut blk.ln2_mean, &mut blk.ln2_rstd, &blk.x1, w, s.norm2_w, s.norm2_b, rows, c)?;
+    let act = kept_or_shared(&mut blk.fc1_act, shared_act.as_deref_mut())?;
+    be.matmul_forward(act, Some((&mut blk.fc1_pre, gelu_saved)), ln2, w, s.fc1_w, Some(s.fc1_b), rows, c, f)?;
+    residual_branch(be, dp, (i, 1), out, &blk.x1, act, w, (s.fc2_w, s.fc2_b), (rows, per_image), f, c)
+}
+
 /// A block's residual add `out = residual + inp·Wᵀ + bias` (one fused pass); with stochastic
 /// depth the branch goes through the scratch and each image's factor instead:
 /// `out = residual + s · (inp·Wᵀ + bias)`. `rows`: the rows computed, `per_image` of them per image.
@@ -481,8 +562,7 @@ impl<B: Backend> Vit<B> {
         self.unread_inputs = None;
         let m = &self.cfg;
         let t = &self.table.spans;
-        let (n, np, c, h, d, f, k) =
-            (m.num_tokens(), m.num_patches(), m.embed_dim, m.num_heads, m.head_dim(), m.mlp_hidden(), m.num_classes);
+        let (n, np, c, f, k) = (m.num_tokens(), m.num_patches(), m.embed_dim, m.mlp_hidden(), m.num_classes);
         let bn = b * n;
         let tail = self.tail_on_class_token();
         let prefix = m.num_prefix_tokens();
@@ -521,47 +601,17 @@ impl<B: Backend> Vit<B> {
         let gelu_saved = if a.regen.is_none() && be.gelu_saves_grad(bn, c, f) { GeluSaved::Grad } else { GeluSaved::Pre };
         a.gelu_saved = gelu_saved;
         for i in 0..m.depth {
-            let (done, rest) = a.blocks.split_at_mut(i);
-            let x = if i == 0 { &a.x0 } else { &done[i - 1].x2 };
-            let blk = &mut rest[0];
             let s = &t.blocks[i];
-            // this block's branch factors, when it can drop anything
-            let mut dp = drop.as_deref_mut().filter(|d| d.active[i]);
             arrive(Span { off: s.norm1_w.off, len: s.fc2_b.off + s.fc2_b.len - s.norm1_w.off })?;
-            let (mut shared_ln, mut shared_act) = match a.regen.as_mut() {
-                Some(r) => (Some(&mut r.ln), Some(&mut r.act)),
-                None => (None, None),
-            };
-            let ln1 = kept_or_shared(&mut blk.ln1, shared_ln.as_deref_mut())?;
-            be.layernorm_forward(ln1, &mut blk.ln1_mean, &mut blk.ln1_rstd, x, w, s.norm1_w, s.norm1_b, bn, c)?;
-            // rows of the rest of the block: every token, or (the last block with the class
-            // token tail) the class token of each image, its residual row gathered into x2
-            // (overwritten by the block's output below)
-            let rows = if tail && i + 1 == m.depth {
-                // keys and values of every token (blk.qkv holds (B, N, 2, H, D) here), the
-                // queries of the class tokens alone
-                let (wq, wkv, bq, bkv) = split_qkv(s, c);
-                be.matmul_forward(&mut blk.qkv, None, ln1, w, wkv, bkv, bn, c, 2 * c)?;
-                be.pool_forward(&mut a.cls_ln1, ln1, b, n, c, prefix, false)?;
-                be.matmul_forward(&mut a.cls_q, None, &a.cls_ln1, w, wq, bq, b, c, c)?;
-                be.class_attention_forward(&mut blk.att, &a.cls_q, &blk.qkv, b, n, h, d)?;
-                be.pool_forward(&mut blk.x2, x, b, n, c, prefix, false)?;
-                residual_branch(be, dp.as_deref_mut(), (i, 0), &mut blk.x1, &blk.x2, &blk.att, w, (s.proj_w, s.proj_b), (b, 1), c, c)?;
-                b
-            } else {
-                be.matmul_forward(&mut blk.qkv, None, ln1, w, s.qkv_w, s.qkv_b, bn, c, 3 * c)?;
-                be.attention_forward(&mut blk.att, &mut blk.probs, &blk.qkv, b, n, h, d)?;
-                residual_branch(be, dp.as_deref_mut(), (i, 0), &mut blk.x1, x, &blk.att, w, (s.proj_w, s.proj_b), (bn, n), c, c)?;
-                bn
-            };
-            let per_image = if rows == b { 1 } else { n };
-            let ln2 = kept_or_shared(&mut blk.ln2, shared_ln.as_deref_mut())?;
-            be.layernorm_forward(ln2, &mut blk.ln2_mean, &mut blk.ln2_rstd, &blk.x1, w, s.norm2_w, s.norm2_b, rows, c)?;
-            let act = kept_or_shared(&mut blk.fc1_act, shared_act.as_deref_mut())?;
-            be.matmul_forward(act, Some((&mut blk.fc1_pre, gelu_saved)), ln2, w, s.fc1_w, Some(s.fc1_b), rows, c, f)?;
-            residual_branch(be, dp.as_deref_mut(), (i, 1), &mut blk.x2, &blk.x1, act, w, (s.fc2_w, s.fc2_b), (rows, per_image), f, c)?;
+            let (prev, rest) = a.outputs.split_at_mut(i);
+            let x = if i == 0 { &a.x0 } else { &prev[i - 1] };
+            let blk = &mut a.blocks[if a.checkpointing { 0 } else { i }];
+            let io = BlockIo { x, out: &mut rest[0], cls_ln1: &mut a.cls_ln1, cls_q: &mut a.cls_q };
+            // this block's branch factors, when it can drop anything
+            let dp = drop.as_deref_mut().filter(|d| d.active[i]);
+            block_forward(be, m, (s, w), (i, b, tail && i + 1 == m.depth), io, blk, a.regen.as_mut(), gelu_saved, dp)?;
         }
-        let x_last = a.blocks.last().map_or(&a.x0, |blk| &blk.x2);
+        let x_last = a.outputs.last().unwrap_or(&a.x0);
 
         // ---- pooling + final norm → head input (B, C). timm normalizes every token and then
         // takes the class token (token pool) or normalizes the patch tokens' mean (avg pool,
@@ -680,15 +730,21 @@ impl<B: Backend> Vit<B> {
 
         // ---- blocks in reverse; dres_a holds d(block output) on entry and d(block input) on exit
         for i in (0..m.depth).rev() {
-            let (done, rest) = a.blocks.split_at(i);
-            let x = if i == 0 { &a.x0 } else { &done[i - 1].x2 };
-            let blk = &rest[0];
             let s = &t.blocks[i];
             // the last block with the class token tail: B rows (one per image) after attention
             let class_tail = tail && i + 1 == m.depth;
             let rows = if class_tail { b } else { bn };
             let per_image = if class_tail { 1 } else { n };
             let mut dp = drop.as_deref_mut().filter(|d| d.active[i]);
+            let (prev, rest) = a.outputs.split_at_mut(i);
+            let x = if i == 0 { &a.x0 } else { &prev[i - 1] };
+            if a.checkpointing {
+                // the block's activations again from its saved input (its output is rewritten
+                // with the values it holds)
+                let io = BlockIo { x, out: &mut rest[0], cls_ln1: &mut a.cls_ln1, cls_q: &mut a.cls_q };
+                block_forward(be, m, (s, w), (i, b, class_tail), io, &mut a.blocks[0], None, a.gelu_saved, dp.as_deref_mut())?;
+            }
+            let blk = &a.blocks[if a.checkpointing { 0 } else { i }];
             // MLP: fc2 (with the GELU backward fused), fc1, ln2 (+ residual) → dres_b = dx1
             if let Some(r) = a.regen.as_mut() {
                 be.gelu_forward(&mut r.act, &blk.fc1_pre, w, Some(s.fc1_b), rows, f)?;

@@ -137,21 +137,24 @@ pub fn param_count(m: &ModelConfig) -> f64 {
 /// Activation elements (compute dtype) of one pass of `b` images, and its f32 statistics, as
 /// `model::Vit` allocates them; `attention_saved` is the backend's saved attention length for
 /// one block at this batch.
-fn activation_elems(m: &ModelConfig, b: f64, attention_saved: f64, regenerate: bool) -> (f64, f64) {
+fn activation_elems(m: &ModelConfig, b: f64, attention_saved: f64, regenerate: bool, checkpointing: bool) -> (f64, f64) {
     // F as timm truncates it (`int(embed_dim * mlp_ratio)`), as the parameter table has it
     let (c, f, k) = (m.embed_dim as f64, m.mlp_hidden() as f64, m.num_classes as f64);
     let n = (m.image_size / m.patch_size.max(1)).pow(2) as f64 + f64::from(u8::from(m.class_token));
     let np = (m.image_size / m.patch_size.max(1)).pow(2) as f64;
     let pd = (m.in_chans * m.patch_size * m.patch_size) as f64;
     let bn = b * n;
-    // per block: qkv, att, x1, x2, fc1_pre (+ ln1, ln2, fc1_act when kept)
+    // per block: qkv, att, x1, fc1_pre (+ ln1, ln2, fc1_act when kept), and its output; under
+    // checkpointing one block's set serves every block and the outputs stay
     let kept = if regenerate { 0.0 } else { 2.0 * c + f };
-    let block = bn * (3.0 * c + 3.0 * c + f + kept) + attention_saved;
+    let block = bn * (3.0 * c + 2.0 * c + f + kept) + attention_saved;
+    let sets = if checkpointing { (m.depth as f64).min(1.0) } else { m.depth as f64 };
+    let outputs = m.depth as f64 * bn * c;
     let regen = if regenerate { bn * (c + f) } else { 0.0 };
     // embedding, residual and gradient scratch shared by the blocks
     let shared = b * 3.0 * (m.image_size * m.image_size) as f64 + b * np * (pd + 2.0 * c) + bn * (c + 5.0 * c + 3.0 * c + f) + b * (8.0 * c + 2.0 * k);
-    let stats = m.depth as f64 * 4.0 * bn + 2.0 * b + 2.0 * b * k;
-    (m.depth as f64 * block + regen + shared, stats)
+    let stats = sets * 4.0 * bn + 2.0 * b + 2.0 * b * k;
+    (sets * block + outputs + regen + shared, stats)
 }
 
 /// The images of one rank's step that the estimate is for (from the run's `Plan`).
@@ -180,7 +183,7 @@ pub struct DeviceMemory<'a> {
 /// The estimate for training (or evaluating) `cfg` at `shape` on a device with `dev`'s traits
 /// (activation bytes, saved attention, compute copy), with the ZeRO stage's sharding of the
 /// state (`state_bytes`), and `regenerate` as the plan resolved it.
-pub fn estimate(cfg: &RunConfig, shape: RankBatch, dev: &DeviceMemory<'_>, regenerate: bool) -> Estimate {
+pub fn estimate(cfg: &RunConfig, shape: RankBatch, dev: &DeviceMemory<'_>, regenerate: bool, checkpointing: bool) -> Estimate {
     let m = &cfg.model;
     let per_param = optimizer_state_len(&cfg.optimizer, 1) as u128;
     let [weights, copy, grads, optimizer] = state_bytes(param_count(m) as u128, per_param, dev.compute_copy, cfg.zero_stage, shape.world).map(|b| b as f64);
@@ -193,7 +196,7 @@ pub fn estimate(cfg: &RunConfig, shape: RankBatch, dev: &DeviceMemory<'_>, regen
     } else {
         b as f64 * h as f64 * n as f64 * n as f64
     };
-    let (elems, stats) = activation_elems(m, b as f64, att, regenerate);
+    let (elems, stats) = activation_elems(m, b as f64, att, regenerate, checkpointing);
     let activations = elems * dev.compute_bytes + stats * 4.0;
     let d = &cfg.data;
     let pixels = (m.image_size * m.image_size * 3) as f64;
@@ -288,7 +291,7 @@ mod tests {
         let att = |b: usize, n: usize, h: usize, _d: usize| b * h * n * n;
         let dev = DeviceMemory { compute_bytes: 4.0, compute_copy: false, attention_saved: &att };
         let shape = RankBatch { micro: cfg.batch.micro_batch_per_gpu, pass_images: cfg.batch.micro_batch_per_gpu, eval_images: 1, world: 1 };
-        let e = estimate(&cfg, shape, &dev, false);
+        let e = estimate(&cfg, shape, &dev, false, false);
         assert!(e.total.is_finite() && e.total > 1e20, "{e}");
         let err = check(&e, &Limit { bytes: 8.0 * GIB, what: "test".into() }, "training").unwrap_err();
         assert!(err.contains("8.00 GiB") && err.contains("estimated"), "{err}");

@@ -85,6 +85,9 @@ pub struct Plan {
     /// Whether the backward regenerates LayerNorm/GELU outputs (`train.recompute` resolved for
     /// the pass size on this device).
     pub recompute: bool,
+    /// Whether the backward runs each block's forward again from its saved input
+    /// (`train.recompute = "blocks"`, DeepSpeed's `activation_checkpointing`).
+    pub checkpointing: bool,
     pub zero: ZeroPlan,
     /// The memory one rank needs (`train::memory`): the pre-flight check, `config.json`'s
     /// `"memory"` prediction and the planner read this. None for a bare step shape
@@ -125,7 +128,8 @@ impl Plan {
         };
         let cap = pass_images_cap(cfg.train.pass_images);
         let shape = RankBatch { micro: widest, pass_images, eval_images: cfg.train.eval_batch_size.min(cap), world };
-        let memory = memory::estimate(cfg, shape, &dev.memory, recompute);
+        let checkpointing = cfg.train.recompute == Recompute::Blocks;
+        let memory = memory::estimate(cfg, shape, &dev.memory, recompute, checkpointing);
         Plan {
             world_size: world,
             micro_batch: micro,
@@ -136,6 +140,7 @@ impl Plan {
             pass_images,
             passes_per_micro: micro.div_ceil(pass_images),
             recompute,
+            checkpointing,
             zero,
             memory: Some(memory),
             device: dev.choices,
@@ -157,6 +162,7 @@ impl Plan {
             pass_images,
             passes_per_micro: micro.div_ceil(pass_images),
             recompute: resolve_recompute(model, pass_images, recompute, be.recompute_below()),
+            checkpointing: recompute == Recompute::Blocks,
             zero: ZeroPlan { stage: 0, reduce_scatter: true, overlap_comm: true, master_shard: false, first_bucket_elems: FIRST_BUCKET_ELEMS, bucket_elems: DEFAULT_BUCKET_ELEMS },
             memory: None,
             device: be.choices(),
@@ -165,7 +171,9 @@ impl Plan {
 
     /// The recompute policy that makes the model do what this plan says.
     pub fn recompute_policy(&self) -> Recompute {
-        if self.recompute {
+        if self.checkpointing {
+            Recompute::Blocks
+        } else if self.recompute {
             Recompute::Always
         } else {
             Recompute::Never
@@ -182,7 +190,8 @@ impl Plan {
 fn resolve_recompute(model: &ModelConfig, pass_images: usize, recompute: Recompute, recompute_below: usize) -> bool {
     match recompute {
         Recompute::Always => true,
-        Recompute::Never => false,
+        // a checkpointed block keeps its LayerNorm and GELU outputs while it is the one held
+        Recompute::Never | Recompute::Blocks => false,
         Recompute::Auto => pass_images * model.num_tokens() * model.mlp_hidden() <= recompute_below,
     }
 }
