@@ -36,3 +36,15 @@ echo "== 1 rank ViT-S/4 micro 128 with a trace"
 "$BIN" train --device cuda $s4 --set train.steps=30 --run-dir "$O/s4-1r" --trace "$O/trace1" > /dev/null 2> "$O/s4-1r.err"
 summ "$O/s4-1r/metrics.jsonl"
 tail -2 "$O/s4-2r.err" "$O/b16-on-1.err"
+echo "== device tracks in the traces (spans per track name; the copy stream's input copies among them)"
+for f in "$O"/trace1/*.json "$O"/trace2/*.json; do
+  [ -f "$f" ] || continue
+  python3 - "$f" <<'PY'
+import json, sys, collections
+ev = json.load(open(sys.argv[1]))
+ev = ev["traceEvents"] if isinstance(ev, dict) else ev
+names = {(e["pid"], e["tid"]): e["args"]["name"] for e in ev if e.get("ph") == "M" and e.get("name") == "thread_name"}
+count = collections.Counter(names.get((e.get("pid"), e.get("tid")), "?") for e in ev if e.get("ph") == "X")
+print(sys.argv[1], dict(count), "copy stream spans:", count.get("device: copy stream", 0))
+PY
+done

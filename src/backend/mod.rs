@@ -113,6 +113,17 @@ pub trait Backend: Send + Sync {
     fn upload_input(&self, dst: &mut Self::Buf, src: &[f32]) -> BResult<()> {
         self.upload(dst, 0, src)
     }
+    /// Times each later `upload_input` copy on the device where it runs (a GPU's copy stream),
+    /// for traces; off by default (the timing events cost a little per copy).
+    fn time_input_copies(&self, _on: bool) -> BResult<()> {
+        Ok(())
+    }
+    /// The input copies timed since the last call: (what, start, end) in seconds since `epoch`
+    /// on the host clock (waits for the last of them). Empty where copies are not timed or are
+    /// the host's own (the CPU).
+    fn take_input_copies(&self, _epoch: std::time::Instant) -> BResult<Vec<(String, f64, f64)>> {
+        Ok(Vec::new())
+    }
     /// Copies the whole buffer to the host as f32.
     fn download(&self, src: &Self::Buf) -> BResult<Vec<f32>>;
     fn fill(&self, buf: &mut Self::Buf, value: f32) -> BResult<()>;

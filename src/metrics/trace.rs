@@ -29,6 +29,8 @@ pub enum Track {
     Device = 5,
     /// Each collective on a GPU's communication stream (NCCL), placed on the host clock.
     DeviceComm = 6,
+    /// Each batch-input copy on a GPU's copy stream, placed on the host clock.
+    DeviceCopy = 7,
 }
 
 impl Track {
@@ -40,6 +42,7 @@ impl Track {
             Track::Data => "data wait",
             Track::Device => "device: compute stream",
             Track::DeviceComm => "device: communication stream",
+            Track::DeviceCopy => "device: copy stream",
         }
     }
 }
@@ -92,7 +95,7 @@ impl Trace {
         check_fresh(dir, self.rank)?;
         let mut all: Vec<serde_json::Value> = Vec::with_capacity(self.events.len() + 5);
         all.push(serde_json::json!({"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": format!("rank {}", self.rank)}}));
-        for t in [Track::Compute, Track::Gradients, Track::Comm, Track::Data, Track::Device, Track::DeviceComm] {
+        for t in [Track::Compute, Track::Gradients, Track::Comm, Track::Data, Track::Device, Track::DeviceComm, Track::DeviceCopy] {
             all.push(serde_json::json!({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": t as usize, "args": {"name": t.name()}}));
         }
         for e in &self.events {

@@ -361,6 +361,7 @@ fn build_step<B: Backend>(be: &B, cfg: &RunConfig, plan: &Plan, opts: &TrainOpti
     let mut st = Step::with_state_len(be, vit, cfg.optimizer.clone(), decay, cfg.gradient_clipping, plan.clone(), state_len)?;
     st.drop_path = crate::model::drop_path::DropPath::new(cfg.drop_path_rate, cfg.model.depth, cfg.train.seed);
     if opts.trace.is_some() {
+        be.time_input_copies(true)?;
         st.trace = Some(Trace::new(rank, t_start));
     }
     // the bf16 wire and its scaling at stage 0, and at ZeRO stages on a GPU (NCCL
@@ -660,6 +661,12 @@ impl<'r, B: Backend> Trainer<'r, B> {
         // a device transport timed its collectives with events: their total replaces the
         // host's view of them, which on a GPU only sees the enqueueing (what the step waited for
         // is the timeline's `CommExposed`)
+        let copies = self.be.take_input_copies(self.t_start)?;
+        if let Some(tr) = self.st.trace.as_mut() {
+            for (what, start_s, end_s) in copies {
+                tr.span_s(Track::DeviceCopy, what, start_s, end_s, serde_json::Map::new());
+            }
+        }
         if let Some(timing) = self.comm.take_device_timing(self.t_start)? {
             *self.window.device_comm_total_s.get_or_insert(0.0) += timing.total_s;
             if let Some(tr) = self.st.trace.as_mut() {

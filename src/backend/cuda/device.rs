@@ -457,6 +457,15 @@ impl Cuda {
             unsafe { cudarc::driver::result::stream::wait_event(copy, ev.cu_event(), cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
                 .map_err(dev("cuStreamWaitEvent"))?;
         }
+        // a traced run times the copy itself on its stream
+        let timed = match self.copy_timing.lock().map_err(|_| BackendError::Device("upload_input: copy timing lock poisoned".into()))?.is_some() {
+            true => {
+                let start = self.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(dev("cuEventCreate"))?;
+                start.record(&self.copy_stream).map_err(dev("cuEventRecord"))?;
+                Some(start)
+            }
+            false => None,
+        };
         // SAFETY: `host` holds `slot.bytes ≥ bytes` bytes of pinned memory that nothing else
         // touches until `done` fires; the destination range was checked; the compute stream
         // waits for `done` before any later kernel, and the caller guarantees no queued kernel
@@ -482,7 +491,38 @@ impl Cuda {
             cudarc::driver::result::stream::wait_event(compute, slot.done, cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT).map_err(dev("cuStreamWaitEvent"))?;
         }
         slot.in_flight = true;
+        if let Some(start) = timed {
+            let end = self.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(dev("cuEventCreate"))?;
+            end.record(&self.copy_stream).map_err(dev("cuEventRecord"))?;
+            if let Some(list) = self.copy_timing.lock().map_err(|_| BackendError::Device("upload_input: copy timing lock poisoned".into()))?.as_mut() {
+                list.push((start, end, bytes));
+            }
+        }
         Ok(())
+    }
+
+    /// The input copies timed since the last call, placed on the host clock: a probe recorded
+    /// after them on the copy stream is reached as soon as they are done, and the host's clock
+    /// when it is seen reached places every event before it (as the communicator's timing does).
+    pub(super) fn take_input_copies_impl(&self, epoch: std::time::Instant) -> BResult<Vec<(String, f64, f64)>> {
+        let taken = match self.copy_timing.lock().map_err(|_| BackendError::Device("copy timing lock poisoned".into()))?.as_mut() {
+            Some(list) => std::mem::take(list),
+            None => return Ok(Vec::new()),
+        };
+        if taken.is_empty() {
+            return Ok(Vec::new());
+        }
+        let probe = self.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(dev("cuEventCreate"))?;
+        probe.record(&self.copy_stream).map_err(dev("cuEventRecord"))?;
+        probe.synchronize().map_err(dev("cuEventSynchronize"))?;
+        let now = epoch.elapsed().as_secs_f64();
+        let secs = |a: &cudarc::driver::CudaEvent, b: &cudarc::driver::CudaEvent| -> BResult<f64> { Ok(a.elapsed_ms(b).map_err(dev("cuEventElapsedTime"))? as f64 * 1e-3) };
+        let mut out = Vec::with_capacity(taken.len());
+        for (start, end, bytes) in &taken {
+            let end_s = now - secs(end, &probe)?;
+            out.push((format!("input copy {:.1} MiB", *bytes as f64 / (1 << 20) as f64), end_s - secs(start, end)?, end_s));
+        }
+        Ok(out)
     }
 
     /// Records that the compute stream has read the staged inputs up to here (`inputs_read`).

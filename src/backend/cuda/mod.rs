@@ -82,6 +82,9 @@ pub struct Cuda {
     next_staging: AtomicUsize,
     /// Stream for batch-input copies (`upload_input`), so they overlap the compute stream.
     copy_stream: Arc<CudaStream>,
+    /// When traced (`time_input_copies`): each input copy's start and end events on the copy
+    /// stream and its bytes, until `take_input_copies`.
+    copy_timing: Mutex<Option<Vec<(cudarc::driver::CudaEvent, cudarc::driver::CudaEvent, usize)>>>,
     info: DeviceInfo,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -153,6 +156,7 @@ impl Cuda {
             knobs: options::Knobs::new(&options),
             inputs_read: Mutex::new(None),
             copy_stream,
+            copy_timing: Mutex::new(None),
             staging,
             next_staging: AtomicUsize::new(0),
         })
@@ -217,6 +221,16 @@ impl Backend for Cuda {
 
     fn upload(&self, dst: &mut CudaBuf, off: usize, src: &[f32]) -> BResult<()> {
         self.upload_impl(dst, off, src)
+    }
+
+    fn time_input_copies(&self, on: bool) -> BResult<()> {
+        let mut t = self.copy_timing.lock().map_err(|_| BackendError::Device("copy timing lock poisoned".into()))?;
+        *t = on.then(Vec::new);
+        Ok(())
+    }
+
+    fn take_input_copies(&self, epoch: std::time::Instant) -> BResult<Vec<(String, f64, f64)>> {
+        self.take_input_copies_impl(epoch)
     }
 
     fn upload_input(&self, dst: &mut CudaBuf, src: &[f32]) -> BResult<()> {
