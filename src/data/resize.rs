@@ -58,14 +58,21 @@ pub fn random_resized_crop(rng: &mut SplitMix, width: usize, height: usize, scal
     Region { x0: ((wf - w) / 2.0).floor() as f32, y0: ((hf - h) / 2.0).floor() as f32, w: w as f32, h: h as f32 }
 }
 
-/// timm's eval transform as one window: resize the shorter side to `floor(side / crop_pct)`,
-/// then center-crop `side` × `side`. In source pixels that is a centered square of
-/// `side / scale` where `scale = floor(side / crop_pct) / shorter`.
+/// timm's eval transform, `Resize(floor(side / crop_pct))` + `CenterCrop(side)`, with
+/// torchvision's whole-pixel geometry, as one window of the source: the shorter side is resized
+/// to S = floor(side / crop_pct) and the longer to int(S · long / short) (each axis its own
+/// scale), and the crop starts at round((resized − side) / 2) (Python's round: halves to even).
+/// Resampling that window to side × side reads the source where resizing the whole image and
+/// cropping would.
 pub fn center_crop(width: usize, height: usize, side: usize, crop_pct: f64) -> Region {
-    let short = width.min(height) as f64;
-    let resized = (side as f64 / crop_pct).floor().max(side as f64);
-    let win = (side as f64 * short / resized) as f32;
-    Region { x0: (width as f32 - win) / 2.0, y0: (height as f32 - win) / 2.0, w: win, h: win }
+    let s = (side as f64 / crop_pct).floor().max(side as f64);
+    let (short, long) = (width.min(height) as f64, width.max(height) as f64);
+    let long_resized = (s * long / short).floor().max(side as f64);
+    let (rw, rh) = if width <= height { (s, long_resized) } else { (long_resized, s) };
+    let left = ((rw - side as f64) / 2.0).round_ties_even();
+    let top = ((rh - side as f64) / 2.0).round_ties_even();
+    let (sx, sy) = (width as f64 / rw, height as f64 / rh);
+    Region { x0: (left * sx) as f32, y0: (top * sy) as f32, w: (side as f64 * sx) as f32, h: (side as f64 * sy) as f32 }
 }
 
 /// The random draws of a training image from a non-native size: window and flip, keyed like
@@ -624,6 +631,14 @@ mod tests {
         }
     }
 
+    /// A centered square of side · shorter / floor(side / 0.875) source pixels, fractional
+    /// offsets: a fixed window for the pinned resampling below (the evaluation crop's own
+    /// geometry is `center_crop`'s, tested against torchvision apart).
+    fn centered_square(w: usize, h: usize, side: usize) -> Region {
+        let win = (side as f64 * w.min(h) as f64 / (side as f64 / 0.875).floor().max(side as f64)) as f32;
+        Region { x0: (w as f32 - win) / 2.0, y0: (h as f32 - win) / 2.0, w: win, h: win }
+    }
+
     /// FNV-1a over the output bits of a fixed set of resamplings: bilinear output is pinned to
     /// the value it had before the filter became a choice (bicubic was added), on both the
     /// f32 and the byte path.
@@ -639,7 +654,7 @@ mod tests {
         for &(w, h_, side) in &[(500, 375, 224), (37, 29, 15), (3, 2, 9), (64, 48, 64), (17, 40, 33)] {
             let src: Vec<u8> = (0..w * h_ * 3).map(|_| rng.below(256) as u8).collect();
             for k in 0..3 {
-                let (region, flip) = if k == 0 { (center_crop(w, h_, side, 0.875), false) } else { (random_resized_crop(&mut rng, w, h_, [0.08, 1.0], [0.75, 4.0 / 3.0]), rng.coin()) };
+                let (region, flip) = if k == 0 { (centered_square(w, h_, side), false) } else { (random_resized_crop(&mut rng, w, h_, [0.08, 1.0], [0.75, 4.0 / 3.0]), rng.coin()) };
                 let mut out = vec![0f32; 3 * side * side];
                 resample(&src, w, h_, region, side, flip, Interpolation::Bilinear, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225], &mut out);
                 out.iter().for_each(|v| eat(v.to_bits()));
@@ -846,8 +861,17 @@ mod tests {
 
     #[test]
     fn center_crop_matches_timm() {
-        // 224 at crop_pct 0.875: shorter side → 256, crop 224 → source window 224/256 of it.
+        // 512 × 384 at 224, crop_pct 0.875: torchvision resizes to 341 × 256 (int(256 · 512 /
+        // 384)) and crops at left round(58.5) = 58 (half to even), top 16; in source pixels
+        // x scales by 512/341, y by 384/256 = 1.5.
         let r = center_crop(512, 384, 224, 0.875);
-        assert!((r.w - 336.0).abs() < 1e-3 && (r.x0 - 88.0).abs() < 1e-3 && (r.y0 - 24.0).abs() < 1e-3, "{r:?}");
+        let sx = 512.0 / 341.0;
+        let want = Region { x0: (58.0 * sx) as f32, y0: 24.0, w: (224.0 * sx) as f32, h: 336.0 };
+        assert!((r.x0 - want.x0).abs() < 1e-4 && (r.y0 - want.y0).abs() < 1e-4 && (r.w - want.w).abs() < 1e-4 && (r.h - want.h).abs() < 1e-4, "{r:?} vs {want:?}");
+        // portrait, an odd margin rounded up to even: 375 × 500 at 64 → 73 × 97, left round(4.5) = 4,
+        // top round(16.5) = 16
+        let r = center_crop(375, 500, 64, 0.875);
+        let (sx, sy) = (375.0 / 73.0, 500.0 / 97.0);
+        assert!((r.x0 - (4.0 * sx) as f32).abs() < 1e-4 && (r.y0 - (16.0 * sy) as f32).abs() < 1e-4 && (r.w - (64.0 * sx) as f32).abs() < 1e-4, "{r:?}");
     }
 }
