@@ -339,3 +339,34 @@ fn owned_pieces_gather_into_the_whole_buffer_on_every_rank() {
         });
     }
 }
+
+/// The memory estimate counts the weight EMA: its f32 average (sharded like the master weights
+/// under ZeRO on a device with a compute copy) and the model it is evaluated on (whole f32
+/// weights and, on such a device, the compute copy).
+#[test]
+fn the_memory_estimate_counts_the_weight_ema() {
+    use vitscale::train::memory::{estimate, DeviceMemory, RankBatch};
+    let cfg_of = |ema: bool, stage: u8, world: usize| {
+        let mut v = serde_json::json!({"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": stage}, "model": {"preset": "vit_small_patch16_224", "num_classes": 10},
+            "data": {"dataset": "synthetic", "train_size": 64, "val_size": 16}});
+        if ema {
+            v["train"] = serde_json::json!({"ema": {}});
+        }
+        vitscale::config::resolve(&v, world).expect("config")
+    };
+    let attention = |b: usize, n: usize, h: usize, _d: usize| b * h * n * n;
+    let gpu = DeviceMemory { compute_bytes: 2.0, compute_copy: true, attention_saved: &attention };
+    let p = ParamTable::new(&cfg_of(false, 0, 1).model).total as f64;
+    let shape = |world| RankBatch { micro: 8, pass_images: 8, eval_images: 8, world };
+    let extra = |stage: u8, world: usize| {
+        let with = estimate(&cfg_of(true, stage, world), shape(world), &gpu, false, false);
+        let without = estimate(&cfg_of(false, stage, world), shape(world), &gpu, false, false);
+        assert_eq!(with.total - without.total, with.ema);
+        with.ema
+    };
+    // one rank: the average (4 bytes a parameter) + the evaluated model (4 + 2)
+    assert!((extra(0, 1) - 10.0 * p).abs() < 1.0, "{} vs {}", extra(0, 1), 10.0 * p);
+    // ZeRO 2 over 4 ranks: the average shrinks with the master shard (tails replicated)
+    let z = extra(2, 4);
+    assert!(z < 6.0 * p + 1.1 * p && z > 6.0 * p + 0.9 * p, "{z} for {p} parameters");
+}

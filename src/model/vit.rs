@@ -380,9 +380,22 @@ pub struct Vit<B: Backend> {
 impl<B: Backend> Vit<B> {
     /// A model with all-zero weights; load or initialize them next.
     pub fn new(be: &B, cfg: ModelConfig) -> BResult<Self> {
+        let mut vit = Self::new_without_grads(be, cfg)?;
+        vit.grads = be.alloc_f32(vit.table.total)?;
+        Ok(vit)
+    }
+
+    /// A model for forward passes alone (evaluation): no gradient buffer (a backward is an
+    /// error), so it costs its weights and activations only.
+    pub fn new_for_inference(be: &B, cfg: ModelConfig) -> BResult<Self> {
+        Self::new_without_grads(be, cfg)
+    }
+
+    /// The model with a one-element gradient buffer (`new` replaces it).
+    fn new_without_grads(be: &B, cfg: ModelConfig) -> BResult<Self> {
         let table = ParamTable::new(&cfg);
         let params = be.alloc_f32(table.total)?;
-        let grads = be.alloc_f32(table.total)?;
+        let grads = be.alloc_f32(1)?;
         let compute = if be.needs_compute_copy() { Some(be.alloc(table.total)?) } else { None };
         Ok(Vit { cfg, table, params, master_released: false, pending_weights: Vec::new(), compute, grads, acts: None, recompute: Recompute::Auto, unread_inputs: None, pending_backward: 0, class_token_tail: true, drop: None, dropped_forward: false })
     }

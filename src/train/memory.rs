@@ -30,6 +30,9 @@ pub struct Estimate {
     pub optimizer: f64,
     pub activations: f64,
     pub data: f64,
+    /// The weight EMA (`train.ema`): its f32 average (as sharded as the master weights) and the
+    /// model it is evaluated on (whole weights and compute copy, while evaluating). 0 without.
+    pub ema: f64,
     pub total: f64,
     /// The model-state part by kind, in bytes: what `config.json`'s `"memory"` record predicts.
     pub state: MemoryBytes,
@@ -39,13 +42,14 @@ impl std::fmt::Display for Estimate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{:.2} GiB (parameters {:.2}, gradients {:.2}, optimizer state {:.2}, activations {:.2}, data {:.2})",
+            "{:.2} GiB (parameters {:.2}, gradients {:.2}, optimizer state {:.2}, activations {:.2}, data {:.2}{})",
             self.total / GIB,
             self.params / GIB,
             self.grads / GIB,
             self.optimizer / GIB,
             self.activations / GIB,
-            self.data / GIB
+            self.data / GIB,
+            if self.ema > 0.0 { format!(", weight EMA {:.2}", self.ema / GIB) } else { String::new() }
         )
     }
 }
@@ -197,7 +201,9 @@ pub fn estimate(cfg: &RunConfig, shape: RankBatch, dev: &DeviceMemory<'_>, regen
         b as f64 * h as f64 * n as f64 * n as f64
     };
     let (elems, stats) = activation_elems(m, b as f64, att, regenerate, checkpointing);
-    let activations = elems * dev.compute_bytes + stats * 4.0;
+    // stochastic depth: one branch's output through a scratch, and each image's factors
+    let drop_path = if cfg.drop_path_rate > 0.0 { b as f64 * n as f64 * m.embed_dim as f64 * dev.compute_bytes + (2 * m.depth * b) as f64 * 4.0 } else { 0.0 };
+    let activations = elems * dev.compute_bytes + stats * 4.0 + drop_path;
     let d = &cfg.data;
     let pixels = (m.image_size * m.image_size * 3) as f64;
     let stored = match d.dataset {
@@ -209,13 +215,19 @@ pub fn estimate(cfg: &RunConfig, shape: RankBatch, dev: &DeviceMemory<'_>, regen
     let in_flight = (d.prefetch + d.num_workers.max(1) + 2) as f64 * shape.micro as f64 * pixels * 4.0;
     let data = stored + in_flight;
     let params = weights + copy;
+    let whole = param_count(m) as f64;
+    let ema = match cfg.train.ema {
+        Some(_) => weights + 4.0 * whole + if dev.compute_copy { dev.compute_bytes * whole } else { 0.0 },
+        None => 0.0,
+    };
     Estimate {
         params,
         grads,
         optimizer,
         activations,
         data,
-        total: params + grads + optimizer + activations + data,
+        ema,
+        total: params + grads + optimizer + activations + data + ema,
         state: MemoryBytes::saturating_from(weights, copy, grads, optimizer),
     }
 }

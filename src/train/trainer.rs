@@ -936,7 +936,7 @@ impl<'r, B: Backend> Trainer<'r, B> {
     fn evaluate_ema(&mut self) -> Result<Option<EvalSummary>, TrainError> {
         let Some(ema) = &self.ema else { return Ok(None) };
         let weights = ema.full(self.be, &mut *self.comm, self.grads.zero.as_ref())?;
-        let mut vit = crate::model::Vit::new(self.be, self.cfg.model.clone())?;
+        let mut vit = crate::model::Vit::new_for_inference(self.be, self.cfg.model.clone())?;
         vit.set_recompute(self.cfg.train.recompute);
         vit.set_params(self.be, &weights)?;
         Ok(Some(evaluate_with(self.be, &mut vit, &self.val_set, self.cfg, self.cfg.train.eval_batch_size, &mut *self.comm)?))
