@@ -256,71 +256,71 @@ fn block_backward<B: Backend>(
     // the last block with the class token tail: B rows (one per image) after attention
     let rows = if class_tail { b } else { bn };
     let per_image = if class_tail { 1 } else { n };
-        let (prev, rest) = a.outputs.split_at_mut(i);
-        let x = if i == 0 { &a.x0 } else { &prev[i - 1] };
-        if a.checkpointing {
-            // the block's activations again from its saved input (its output is rewritten
-            // with the values it holds)
-            let io = BlockIo { x, out: &mut rest[0], cls_ln1: &mut a.cls_ln1, cls_q: &mut a.cls_q };
-            block_forward(be, m, (s, w), (i, b, class_tail), io, &mut a.blocks[0], None, a.gelu_saved, dp.as_deref_mut())?;
+    let (prev, rest) = a.outputs.split_at_mut(i);
+    let x = if i == 0 { &a.x0 } else { &prev[i - 1] };
+    if a.checkpointing {
+        // the block's activations again from its saved input (its output is rewritten
+        // with the values it holds)
+        let io = BlockIo { x, out: &mut rest[0], cls_ln1: &mut a.cls_ln1, cls_q: &mut a.cls_q };
+        block_forward(be, m, (s, w), (i, b, class_tail), io, &mut a.blocks[0], None, a.gelu_saved, dp.as_deref_mut())?;
+    }
+    let blk = &a.blocks[if a.checkpointing { 0 } else { i }];
+    // MLP: fc2 (with the GELU backward fused), fc1, ln2 (+ residual) → dres_b = dx1
+    if let Some(r) = a.regen.as_mut() {
+        be.gelu_forward(&mut r.act, &blk.fc1_pre, w, Some(s.fc1_b), rows, f)?;
+    }
+    let act = kept_or_regen(&blk.fc1_act, a.regen.as_ref().map(|r| &r.act))?;
+    // fc2, the GELU gradient, and fc1's bias gradient from that same pass over dfc
+    let fc2_b = bias.fc2;
+    let dfc2 = branch_gradient(be, dp.as_deref_mut(), (i, 1), &a.dres_a, (rows, per_image), c)?;
+    be.matmul_backward_gelu_bias(&mut a.dfc, g, dfc2, act, &blk.fc1_pre, a.gelu_saved, s.fc1_b, w, s.fc2_w, fc2_b, rows, f, c)?;
+    if let Some(r) = a.regen.as_mut() {
+        be.layernorm_forward(&mut r.ln, &mut r.mean, &mut r.rstd, &blk.x1, w, s.norm2_w, s.norm2_b, rows, c)?;
+    }
+    let ln2 = kept_or_regen(&blk.ln2, a.regen.as_ref().map(|r| &r.ln))?;
+    be.matmul_backward(&mut a.dln, g, &a.dfc, ln2, None, w, s.fc1_w, None, rows, c, f)?;
+    // dres_b is the projection's output gradient: its bias gradient comes from this pass
+    let proj_b_fused = bias.proj_in_ln2.then_some(s.proj_b);
+    be.layernorm_backward(&mut a.dres_b, g, &a.dln, Some(&a.dres_a), &blk.x1, &blk.ln2_mean, &blk.ln2_rstd, w, s.norm2_w, s.norm2_b, rows, c, proj_b_fused)?;
+    // attention: proj, core, qkv, ln1 (+ residual) → dres_a = dx
+    let dproj = branch_gradient(be, dp.as_deref_mut(), (i, 0), &a.dres_b, (rows, per_image), c)?;
+    let proj_b = proj_b_fused.xor(Some(s.proj_b));
+    be.matmul_backward(&mut a.datt, g, dproj, &blk.att, None, w, s.proj_w, proj_b, rows, c, c)?;
+    let (wq, wkv, bq, bkv) = split_qkv(s, c);
+    // the qkv bias gradient from the attention backward's pass where the backend can
+    if class_tail {
+        // dqkv holds the keys' and values' gradient (B, N, 2, H, D) here
+        be.class_attention_backward(&mut a.dcls_q, &mut a.dqkv, g, bkv, &a.datt, &a.cls_q, &blk.qkv, b, n, h, d)?;
+    } else {
+        match s.qkv_b {
+            Some(qb) => be.attention_backward_bias(&mut a.dqkv, g, qb, &a.datt, &blk.qkv, &blk.att, &blk.probs, b, n, h, d)?,
+            None => be.attention_backward(&mut a.dqkv, &a.datt, &blk.qkv, &blk.att, &blk.probs, b, n, h, d)?,
         }
-        let blk = &a.blocks[if a.checkpointing { 0 } else { i }];
-        // MLP: fc2 (with the GELU backward fused), fc1, ln2 (+ residual) → dres_b = dx1
-        if let Some(r) = a.regen.as_mut() {
-            be.gelu_forward(&mut r.act, &blk.fc1_pre, w, Some(s.fc1_b), rows, f)?;
-        }
-        let act = kept_or_regen(&blk.fc1_act, a.regen.as_ref().map(|r| &r.act))?;
-        // fc2, the GELU gradient, and fc1's bias gradient from that same pass over dfc
-        let fc2_b = bias.fc2;
-        let dfc2 = branch_gradient(be, dp.as_deref_mut(), (i, 1), &a.dres_a, (rows, per_image), c)?;
-        be.matmul_backward_gelu_bias(&mut a.dfc, g, dfc2, act, &blk.fc1_pre, a.gelu_saved, s.fc1_b, w, s.fc2_w, fc2_b, rows, f, c)?;
-        if let Some(r) = a.regen.as_mut() {
-            be.layernorm_forward(&mut r.ln, &mut r.mean, &mut r.rstd, &blk.x1, w, s.norm2_w, s.norm2_b, rows, c)?;
-        }
-        let ln2 = kept_or_regen(&blk.ln2, a.regen.as_ref().map(|r| &r.ln))?;
-        be.matmul_backward(&mut a.dln, g, &a.dfc, ln2, None, w, s.fc1_w, None, rows, c, f)?;
-        // dres_b is the projection's output gradient: its bias gradient comes from this pass
-        let proj_b_fused = bias.proj_in_ln2.then_some(s.proj_b);
-        be.layernorm_backward(&mut a.dres_b, g, &a.dln, Some(&a.dres_a), &blk.x1, &blk.ln2_mean, &blk.ln2_rstd, w, s.norm2_w, s.norm2_b, rows, c, proj_b_fused)?;
-        // attention: proj, core, qkv, ln1 (+ residual) → dres_a = dx
-        let dproj = branch_gradient(be, dp.as_deref_mut(), (i, 0), &a.dres_b, (rows, per_image), c)?;
-        let proj_b = proj_b_fused.xor(Some(s.proj_b));
-        be.matmul_backward(&mut a.datt, g, dproj, &blk.att, None, w, s.proj_w, proj_b, rows, c, c)?;
-        let (wq, wkv, bq, bkv) = split_qkv(s, c);
-        // the qkv bias gradient from the attention backward's pass where the backend can
-        if class_tail {
-            // dqkv holds the keys' and values' gradient (B, N, 2, H, D) here
-            be.class_attention_backward(&mut a.dcls_q, &mut a.dqkv, g, bkv, &a.datt, &a.cls_q, &blk.qkv, b, n, h, d)?;
-        } else {
-            match s.qkv_b {
-                Some(qb) => be.attention_backward_bias(&mut a.dqkv, g, qb, &a.datt, &blk.qkv, &blk.att, &blk.probs, b, n, h, d)?,
-                None => be.attention_backward(&mut a.dqkv, &a.datt, &blk.qkv, &blk.att, &blk.probs, b, n, h, d)?,
-            }
-        }
-        if let Some(r) = a.regen.as_mut() {
-            be.layernorm_forward(&mut r.ln, &mut r.mean, &mut r.rstd, x, w, s.norm1_w, s.norm1_b, bn, c)?;
-        }
-        let ln1 = kept_or_regen(&blk.ln1, a.regen.as_ref().map(|r| &r.ln))?;
-        if class_tail {
-            // the keys' and values' part over every token, the queries' over the class
-            // tokens (their ln1 rows kept by the forward), added into those rows of dln
-            be.matmul_backward(&mut a.dln, g, &a.dqkv, ln1, None, w, wkv, None, bn, c, 2 * c)?;
-            be.matmul_backward(&mut a.dcls_ln, g, &a.dcls_q, &a.cls_ln1, None, w, wq, bq, b, c, c)?;
-            be.add_class_rows(&mut a.dln, &a.dcls_ln, b, n, c)?;
-        } else {
-            be.matmul_backward(&mut a.dln, g, &a.dqkv, ln1, None, w, s.qkv_w, None, bn, c, 3 * c)?;
-        }
-        let dx1 = if class_tail {
-            // the residual gradient dx1 lives on the class tokens: spread it over every
-            // token's row (zeros elsewhere), in datt, free since the attention backward
-            be.pool_backward(&mut a.datt, &a.dres_b, b, n, c, prefix, false)?;
-            &a.datt
-        } else {
-            &a.dres_b
-        };
-        // dres_a is the previous block's fc2 output gradient: its bias gradient from this pass
-        let prev_fc2_b = bias.prev_fc2;
-        be.layernorm_backward(&mut a.dres_a, g, &a.dln, Some(dx1), x, &blk.ln1_mean, &blk.ln1_rstd, w, s.norm1_w, s.norm1_b, bn, c, prev_fc2_b)?;
+    }
+    if let Some(r) = a.regen.as_mut() {
+        be.layernorm_forward(&mut r.ln, &mut r.mean, &mut r.rstd, x, w, s.norm1_w, s.norm1_b, bn, c)?;
+    }
+    let ln1 = kept_or_regen(&blk.ln1, a.regen.as_ref().map(|r| &r.ln))?;
+    if class_tail {
+        // the keys' and values' part over every token, the queries' over the class
+        // tokens (their ln1 rows kept by the forward), added into those rows of dln
+        be.matmul_backward(&mut a.dln, g, &a.dqkv, ln1, None, w, wkv, None, bn, c, 2 * c)?;
+        be.matmul_backward(&mut a.dcls_ln, g, &a.dcls_q, &a.cls_ln1, None, w, wq, bq, b, c, c)?;
+        be.add_class_rows(&mut a.dln, &a.dcls_ln, b, n, c)?;
+    } else {
+        be.matmul_backward(&mut a.dln, g, &a.dqkv, ln1, None, w, s.qkv_w, None, bn, c, 3 * c)?;
+    }
+    let dx1 = if class_tail {
+        // the residual gradient dx1 lives on the class tokens: spread it over every
+        // token's row (zeros elsewhere), in datt, free since the attention backward
+        be.pool_backward(&mut a.datt, &a.dres_b, b, n, c, prefix, false)?;
+        &a.datt
+    } else {
+        &a.dres_b
+    };
+    // dres_a is the previous block's fc2 output gradient: its bias gradient from this pass
+    let prev_fc2_b = bias.prev_fc2;
+    be.layernorm_backward(&mut a.dres_a, g, &a.dln, Some(dx1), x, &blk.ln1_mean, &blk.ln1_rstd, w, s.norm1_w, s.norm1_b, bn, c, prev_fc2_b)?;
     Ok(())
 }
 
