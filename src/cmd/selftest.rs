@@ -21,16 +21,18 @@ pub struct SelftestArgs {
     /// Print one JSON object as the last line.
     #[arg(long)]
     pub json: bool,
-    /// Only compile every CUDA kernel module for this architecture (e.g. sm_90, sm_80) with
-    /// NVRTC and report each: needs the NVRTC library, no GPU.
+    /// Only compile every CUDA kernel module for this architecture (e.g. sm_90, sm_80, or
+    /// compute_75 for PTX as `VITSCALE_CUDA_ARCH=sm_75` builds it) with NVRTC and report
+    /// each: needs the NVRTC library, no GPU.
     #[arg(long, value_name = "ARCH")]
     pub compile_kernels: Option<String>,
 }
 
 /// `--compile-kernels ARCH`: one line per module; an error when any failed to compile.
 fn compile_kernels(arch: &str) -> anyhow::Result<()> {
-    if !(arch.starts_with("sm_") && arch[3..].chars().all(|c| c.is_ascii_digit()) && arch.len() > 3) {
-        anyhow::bail!("--compile-kernels: {arch:?} is not an architecture name like sm_90 or sm_80");
+    let digits = arch.strip_prefix("sm_").or_else(|| arch.strip_prefix("compute_"));
+    if !digits.is_some_and(|d| !d.is_empty() && d.chars().all(|c| c.is_ascii_digit())) {
+        anyhow::bail!("--compile-kernels: {arch:?} is not an architecture name like sm_90, sm_80 or compute_75 (PTX)");
     }
     let (maj, min) = crate::backend::cuda::compile::nvrtc_version()
         .map_err(|e| anyhow::anyhow!("--compile-kernels needs the NVRTC library (libnvrtc), which could not be loaded: {e}"))?;
@@ -38,7 +40,7 @@ fn compile_kernels(arch: &str) -> anyhow::Result<()> {
     let mut failed = 0;
     for (module, r) in crate::backend::cuda::compile::compile_all(arch) {
         match r {
-            Ok(bytes) => crate::outln!("  ok   {module:<28} {bytes} bytes of cubin"),
+            Ok(bytes) => crate::outln!("  ok   {module:<28} {bytes} bytes of {}", if arch.starts_with("compute_") { "PTX" } else { "cubin" }),
             Err(e) => {
                 failed += 1;
                 crate::outln!("  FAIL {module}\n{e}");

@@ -69,8 +69,10 @@ fn nvrtc_check(op: &str, r: nv::nvrtcResult) -> Result<(), BackendError> {
     }
 }
 
-/// Compiles `src` to a cubin for `arch` (e.g. "sm_90").
+/// Compiles `src` for `arch`: a cubin for a real architecture ("sm_90"), PTX text for a
+/// virtual one ("compute_75", JIT-compiled by the driver for the device at load).
 fn nvrtc_cubin(name: &str, src: &str, arch: &str, opts: &[String]) -> Result<Vec<u8>, BackendError> {
+    let ptx = arch.starts_with("compute_");
     let csrc = CString::new(src).map_err(|e| dev_err(name, e))?;
     let cname = CString::new(name).map_err(|e| dev_err(name, e))?;
     let mut prog: nv::nvrtcProgram = std::ptr::null_mut();
@@ -96,10 +98,17 @@ fn nvrtc_cubin(name: &str, src: &str, arch: &str, opts: &[String]) -> Result<Vec
         let mut size = 0usize;
         // SAFETY: `prog` compiled successfully; the buffer has the size NVRTC reported.
         unsafe {
-            nvrtc_check("nvrtcGetCUBINSize", nv::nvrtcGetCUBINSize(prog, &mut size)).and_then(|_| {
-                let mut buf = vec![0u8; size];
-                nvrtc_check("nvrtcGetCUBIN", nv::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut c_char)).map(|_| buf)
-            })
+            if ptx {
+                nvrtc_check("nvrtcGetPTXSize", nv::nvrtcGetPTXSize(prog, &mut size)).and_then(|_| {
+                    let mut buf = vec![0u8; size];
+                    nvrtc_check("nvrtcGetPTX", nv::nvrtcGetPTX(prog, buf.as_mut_ptr() as *mut c_char)).map(|_| buf)
+                })
+            } else {
+                nvrtc_check("nvrtcGetCUBINSize", nv::nvrtcGetCUBINSize(prog, &mut size)).and_then(|_| {
+                    let mut buf = vec![0u8; size];
+                    nvrtc_check("nvrtcGetCUBIN", nv::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut c_char)).map(|_| buf)
+                })
+            }
         }
     };
     // SAFETY: destroys the program created above exactly once.
@@ -107,7 +116,21 @@ fn nvrtc_cubin(name: &str, src: &str, arch: &str, opts: &[String]) -> Result<Vec
     result
 }
 
-/// Compiles every module for `arch` (e.g. "sm_90") with NVRTC alone, with the options the
+/// The architecture the kernels are built for when `VITSCALE_CUDA_ARCH` forces one older than
+/// the device's ("sm_75" on an H200): compiled as PTX for the virtual architecture
+/// ("compute_75") and JIT-compiled by the driver, so the code that runs is what that
+/// architecture allows (no sm_80+ instructions; optional modules that need them are missing
+/// and their paths fall back). None when unset. An error for a malformed value.
+pub fn forced_arch() -> Result<Option<String>, BackendError> {
+    let Ok(v) = std::env::var("VITSCALE_CUDA_ARCH") else { return Ok(None) };
+    let v = v.trim();
+    match v.strip_prefix("sm_").filter(|d| !d.is_empty() && d.chars().all(|c| c.is_ascii_digit())) {
+        Some(digits) => Ok(Some(format!("compute_{digits}"))),
+        None => Err(BackendError::Device(format!("VITSCALE_CUDA_ARCH={v:?}: expected an architecture such as sm_75 or sm_80"))),
+    }
+}
+
+/// Compiles every module for `arch` (e.g. "sm_90", or "compute_75" for PTX) with NVRTC alone, with the options the
 /// device load uses: no GPU, driver or cache is involved. (module, cubin bytes or the
 /// compiler's error) for the required, the optional and (for sm_90) the Hopper modules: what
 /// `vitscale selftest --compile-kernels` reports, so kernel sources can be checked on a
@@ -136,6 +159,8 @@ pub struct Kernels {
     pub failed: Vec<(String, String)>,
     /// Seconds spent compiling (0 when everything came from the cache).
     pub compile_s: f64,
+    /// The older architecture forced by `VITSCALE_CUDA_ARCH` (PTX target), if any.
+    pub forced: Option<String>,
 }
 
 impl Kernels {
@@ -147,6 +172,9 @@ impl Kernels {
         let mut modules = Vec::new();
         let mut compile_s = 0.0;
         let mut failed = Vec::new();
+        // a forced older target replaces the device's (PTX, JIT-compiled at load)
+        let forced = forced_arch()?;
+        let arch: &str = forced.as_deref().unwrap_or(arch);
         let hopper: &[(&str, &str)] = if arch == "sm_90" { HOPPER } else { &[] };
         let all = SOURCES.iter().map(|s| (s, false, arch)).chain(OPTIONAL.iter().map(|s| (s, true, arch))).chain(hopper.iter().map(|s| (s, true, "sm_90a")));
         for ((name, body), optional, arch) in all {
@@ -158,7 +186,8 @@ impl Kernels {
             h.update(arch.as_bytes());
             h.update(format!("nvrtc {maj}.{min} {opts:?}").as_bytes());
             let key: String = h.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect();
-            let path = dir.as_ref().map(|d| d.join(format!("{}-{arch}-{key}.cubin", name.trim_end_matches(".cu"))));
+            let ext = if arch.starts_with("compute_") { "ptx" } else { "cubin" };
+            let path = dir.as_ref().map(|d| d.join(format!("{}-{arch}-{key}.{ext}", name.trim_end_matches(".cu"))));
             let cached = path.as_ref().and_then(|p| std::fs::read(p).ok());
             let cubin = match cached {
                 Some(c) => c,
@@ -183,7 +212,11 @@ impl Kernels {
                     c
                 }
             };
-            let loaded = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)).map_err(|e| dev_err(&format!("loading module {name}"), e)).and_then(|module| {
+            let image = match arch.starts_with("compute_") {
+                true => cudarc::nvrtc::Ptx::from_src(String::from_utf8_lossy(&cubin).trim_end_matches('\0').to_string()),
+                false => cudarc::nvrtc::Ptx::from_binary(cubin),
+            };
+            let loaded = ctx.load_module(image).map_err(|e| dev_err(&format!("loading module {name}"), e)).and_then(|module| {
                 let mut fs = Vec::new();
                 for fname in kernel_names(body) {
                     let f = module.load_function(&fname).map_err(|e| dev_err(&format!("kernel {fname}"), e))?;
@@ -200,7 +233,7 @@ impl Kernels {
                 Err(e) => return Err(e),
             }
         }
-        Ok(Kernels { funcs, _modules: modules, failed, compile_s })
+        Ok(Kernels { funcs, _modules: modules, failed, compile_s, forced })
     }
 
     pub fn get(&self, name: &str) -> Result<&CudaFunction, BackendError> {

@@ -192,7 +192,11 @@ impl Backend for Cuda {
     }
 
     fn name(&self) -> String {
-        format!("cuda:{} {}", self.info.index, self.info.name)
+        match &self.kernels.forced {
+            // said wherever the device is named: the kernels are another architecture's
+            Some(arch) => format!("cuda:{} {} (kernels for {arch}, VITSCALE_CUDA_ARCH)", self.info.index, self.info.name),
+            None => format!("cuda:{} {}", self.info.index, self.info.name),
+        }
     }
 
     fn alloc(&self, len: usize) -> BResult<CudaBuf> {
