@@ -7,7 +7,7 @@ use super::key_def::*;
 use super::types::Precision;
 use super::value::*;
 
-pub(super) const FP16: KeyDef = key("fp16", Ty::Section, Dflt::Unset, "DeepSpeed fp16 block (dynamic loss scaling when loss_scale is 0).");
+pub(super) const FP16: KeyDef = key("fp16", Ty::Section, Dflt::Unset, "DeepSpeed fp16 block: DeepSpeed's loss scaling (dynamic when loss_scale is 0), overflowing steps skipped; compute stays f32 on the CPU and bf16 on GPUs for now (docs/precision.md).");
 pub(super) const BF16: KeyDef = key("bf16", Ty::Section, Dflt::Unset, "DeepSpeed bf16 block: {\"enabled\": true} computes in bf16 on GPUs.");
 pub(super) const BFLOAT16: KeyDef = key("bfloat16", Ty::Section, Dflt::Unset, "Older DeepSpeed spelling of bf16.");
 
