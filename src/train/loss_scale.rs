@@ -203,10 +203,12 @@ mod tests {
         assert_eq!(s.at_boundary(f64::INFINITY).unwrap(), Verdict::Skip);
         assert_eq!(s.at_boundary(f64::NAN).unwrap(), Verdict::Skip);
         assert_eq!((s.scale(), s.skipped_steps, s.applied(2)), (4.0, 2, 0));
-        // iteration 2 (1 stable) keeps 4; iteration 3 (2 stable) doubles before unscaling
+        // iterations 2 and 3 keep 4 (0 and 1 stable since the overflow at 1); iteration 4
+        // (2 stable) doubles it before unscaling; the norm is unscaled by the scale used
+        assert_eq!(s.at_boundary(64.0).unwrap(), Verdict::Apply { grad_scale: 0.25, norm: 2.0 });
         assert_eq!(s.at_boundary(64.0).unwrap(), Verdict::Apply { grad_scale: 0.25, norm: 2.0 });
         assert_eq!(s.at_boundary(64.0).unwrap(), Verdict::Apply { grad_scale: 0.125, norm: 2.0 });
-        assert_eq!(s.applied(4), 2);
+        assert_eq!((s.scale(), s.applied(5)), (8.0, 3));
     }
 
     #[test]
