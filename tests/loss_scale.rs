@@ -272,6 +272,22 @@ fn resume_continues_the_scaler_exactly() {
     }
 }
 
+/// An overflow at the minimum scale with no hysteresis left ends the run with an error naming
+/// the key, where DeepSpeed raises (here the minimum is 2^200, past f32: the first step
+/// overflows at it).
+#[test]
+fn an_overflow_at_the_minimum_scale_ends_the_run_naming_the_key() {
+    let t = tmp();
+    let mut args = vec!["train".to_string()];
+    args.extend(same_batch(3));
+    args.push(fp16("\"initial_scale_power\":200,\"min_loss_scale\":1.6069380442589903e60,\"hysteresis\":1"));
+    args.extend(["--run-dir".to_string(), t.path().join("run").display().to_string()]);
+    let out = std::process::Command::new(EXE).args(&args).current_dir(t.path()).output().expect("run vitscale");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("fp16.min_loss_scale") && err.contains("cannot decrease scale"), "{err}");
+}
+
 /// Bad values in the fp16 block fail with an error naming the key.
 #[test]
 fn bad_fp16_values_are_refused_naming_the_key() {

@@ -66,7 +66,7 @@ impl DynamicLossScaler {
                 self.cur_hysteresis = self.delayed_shift;
             }
             let stable_interval = self.cur_iter as i64 - self.last_overflow_iter - 1;
-            if stable_interval > 0 && stable_interval as u64 % self.scale_window == 0 {
+            if stable_interval > 0 && (stable_interval as u64).is_multiple_of(self.scale_window) {
                 if !self.consecutive_hysteresis {
                     self.cur_hysteresis = self.delayed_shift;
                 }
