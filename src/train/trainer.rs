@@ -435,7 +435,8 @@ fn restore<B: Backend>(
             Some(z) => be.upload(&mut st.opt_state, 0, &z.shard_state(&r.opt_state)?)?,
             None => be.upload(&mut st.opt_state, 0, &r.opt_state)?,
         }
-        // the scaler continues where it stopped (a checkpoint without fp16 starts it afresh)
+        // the scaler continues where it stopped (a checkpoint without its state, written
+        // before the scaler was saved, starts it afresh)
         if let (Some(ls), Some(saved)) = (st.loss_scaling.as_mut(), r.state.get("loss_scaling").filter(|v| !v.is_null())) {
             ls.restore(saved).map_err(|e| TrainError::Config(format!("{}: {e}", r.dir.display())))?;
         }
