@@ -187,7 +187,7 @@ fn precision_blocks() {
     let c = ok(json!({"fp16": {"enabled": true}}));
     assert_eq!(
         c.precision,
-        Precision::Fp16 { loss_scale: 0.0, initial_scale_power: 16, loss_scale_window: 1000, hysteresis: 2, min_loss_scale: 1.0 }
+        Precision::Fp16 { loss_scale: 0.0, initial_scale_power: 16, loss_scale_window: 1000, hysteresis: 2, min_loss_scale: 1.0, consecutive_hysteresis: false }
     );
     assert_eq!(ok(json!({"bf16": {"enabled": true}})).precision, Precision::Bf16);
     assert_eq!(ok(json!({"bfloat16": {"enabled": true}})).precision, Precision::Bf16);
@@ -515,7 +515,7 @@ fn deepspeed_cifar_tutorial_config() {
     assert_eq!(c.gradient_clipping, 1.0);
     assert_eq!(
         c.precision,
-        Precision::Fp16 { loss_scale: 0.0, initial_scale_power: 15, loss_scale_window: 500, hysteresis: 2, min_loss_scale: 1.0 }
+        Precision::Fp16 { loss_scale: 0.0, initial_scale_power: 15, loss_scale_window: 500, hysteresis: 2, min_loss_scale: 1.0, consecutive_hysteresis: false }
     );
     assert_eq!(c.train.log_every, 2000);
     assert_eq!(c.warnings.len(), 2, "{:?}", c.warnings);
@@ -582,7 +582,7 @@ fn fp16_dynamic_loss_scale_with_warmuplr() {
     );
     assert_eq!(
         c.precision,
-        Precision::Fp16 { loss_scale: 0.0, initial_scale_power: 16, loss_scale_window: 1000, hysteresis: 2, min_loss_scale: 1.0 }
+        Precision::Fp16 { loss_scale: 0.0, initial_scale_power: 16, loss_scale_window: 1000, hysteresis: 2, min_loss_scale: 1.0, consecutive_hysteresis: false }
     );
     assert_eq!(c.train.log_every, 100);
     // tensorboard is honoured (not warned), as is the disabled flops profiler.

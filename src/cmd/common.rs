@@ -145,11 +145,11 @@ pub fn engine_warnings(cfg: &RunConfig, device: &Device) -> Vec<String> {
             "no bf16/fp16 block: the CUDA backend computes in bf16 with f32 master weights, optimizer state and gradient accumulation (f32 compute is CPU-only)".into(),
         ),
         (config::Precision::Fp16 { .. }, Device::Cuda(_)) => w.push(
-            "fp16.enabled: the CUDA backend computes in bf16 (no loss scaling needed); fp16 with dynamic loss scaling is not implemented".into(),
+            "fp16.enabled: the CUDA backend computes in bf16 (fp16 compute kernels are not implemented yet); DeepSpeed's loss scaling still runs: the loss gradient is scaled, overflowing steps are skipped and the scale adapts".into(),
         ),
         (config::Precision::Bf16, Device::Cpu(_)) => w.push("bf16.enabled: the CPU backend computes in f32; bf16 applies on GPUs".into()),
         (config::Precision::Fp16 { .. }, Device::Cpu(_)) => {
-            w.push("fp16.enabled: the CPU backend computes in f32 (no loss scaling); fp16 applies on GPUs".into())
+            w.push("fp16.enabled: the CPU backend computes in f32 (fp16 compute needs a GPU); DeepSpeed's loss scaling still runs: the loss gradient is scaled, overflowing steps are skipped and the scale adapts".into())
         }
     }
     w

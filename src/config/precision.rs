@@ -7,20 +7,20 @@ use super::key_def::*;
 use super::types::Precision;
 use super::value::*;
 
-pub(super) const FP16: KeyDef = key("fp16", Ty::Section, Dflt::Unset, "DeepSpeed fp16 block (dynamic loss scaling when loss_scale is 0).");
+pub(super) const FP16: KeyDef = key("fp16", Ty::Section, Dflt::Unset, "DeepSpeed fp16 block: DeepSpeed's loss scaling (dynamic when loss_scale is 0), overflowing steps skipped; compute stays f32 on the CPU and bf16 on GPUs for now (docs/precision.md).");
 pub(super) const BF16: KeyDef = key("bf16", Ty::Section, Dflt::Unset, "DeepSpeed bf16 block: {\"enabled\": true} computes in bf16 on GPUs.");
 pub(super) const BFLOAT16: KeyDef = key("bfloat16", Ty::Section, Dflt::Unset, "Older DeepSpeed spelling of bf16.");
 
 const FP_ENABLED: KeyDef = key("enabled", Ty::Bool, Dflt::Bool(false), "Turn the mode on.");
 const FP16_LOSS_SCALE: KeyDef = key("loss_scale", NONNEG, Dflt::Num(0.0), "Static loss scale; 0 = dynamic.");
-const FP16_INIT_POWER: KeyDef = key("initial_scale_power", Ty::Int { lo: 0, hi: 63 }, Dflt::Int(16), "Dynamic scaling starts at 2^power.");
+const FP16_INIT_POWER: KeyDef = key("initial_scale_power", Ty::Int { lo: 0, hi: 1000 }, Dflt::Int(16), "Dynamic scaling starts at 2^power.");
 const FP16_WINDOW: KeyDef = key("loss_scale_window", POS_INT, Dflt::Int(1000), "Steps without overflow before the scale doubles.");
 const FP16_HYSTERESIS: KeyDef = key("hysteresis", POS_INT, Dflt::Int(2), "Overflows tolerated before the scale halves.");
 const FP16_MIN_SCALE: KeyDef = key("min_loss_scale", POSITIVE, Dflt::Num(1.0), "Lower bound of the dynamic scale.");
+const FP16_CONSECUTIVE: KeyDef = key("consecutive_hysteresis", Ty::Bool, Dflt::Bool(false), "Refill the hysteresis on every step without overflow (else only when the window doubles the scale).");
 pub(super) const FP16_KEYS: &[KeyDef] = &[
-    FP_ENABLED, FP16_LOSS_SCALE, FP16_INIT_POWER, FP16_WINDOW, FP16_HYSTERESIS, FP16_MIN_SCALE,
+    FP_ENABLED, FP16_LOSS_SCALE, FP16_INIT_POWER, FP16_WINDOW, FP16_HYSTERESIS, FP16_MIN_SCALE, FP16_CONSECUTIVE,
     ds_warn("auto_cast", Dflt::Bool(false), "Cast module inputs to fp16; not implemented."),
-    ds_warn("consecutive_hysteresis", Dflt::Bool(false), "Refill hysteresis on non-overflow steps; not implemented."),
     ds_warn("fp16_master_weights_and_grads", Dflt::Bool(false), "fp16 master weights; not implemented (masters are fp32)."),
 ];
 pub(super) const BF16_KEYS: &[KeyDef] = &[
@@ -70,6 +70,7 @@ pub(super) fn parse(root: &Map<String, Value>, cx: &mut Cx) -> Result<Precision>
             loss_scale_window: get_int(f, fp16_key, &FP16_WINDOW, cx)?,
             hysteresis: get_int(f, fp16_key, &FP16_HYSTERESIS, cx)? as u32,
             min_loss_scale: get_num(f, fp16_key, &FP16_MIN_SCALE, cx)?,
+            consecutive_hysteresis: get_bool(f, fp16_key, &FP16_CONSECUTIVE, cx)?,
         });
     }
     Ok(Precision::Fp32)
@@ -85,7 +86,7 @@ pub(super) fn write(precision: &Precision, out: &mut Map<String, Value>) {
             put(&mut block, &FP_ENABLED, json!(true));
             put(out, &BF16, Value::Object(block));
         }
-        Precision::Fp16 { loss_scale, initial_scale_power, loss_scale_window, hysteresis, min_loss_scale } => {
+        Precision::Fp16 { loss_scale, initial_scale_power, loss_scale_window, hysteresis, min_loss_scale, consecutive_hysteresis } => {
             let mut block = Map::new();
             put(&mut block, &FP_ENABLED, json!(true));
             put(&mut block, &FP16_LOSS_SCALE, json!(loss_scale));
@@ -93,6 +94,7 @@ pub(super) fn write(precision: &Precision, out: &mut Map<String, Value>) {
             put(&mut block, &FP16_WINDOW, json!(loss_scale_window));
             put(&mut block, &FP16_HYSTERESIS, json!(hysteresis));
             put(&mut block, &FP16_MIN_SCALE, json!(min_loss_scale));
+            put(&mut block, &FP16_CONSECUTIVE, json!(consecutive_hysteresis));
             put(out, &FP16, Value::Object(block));
         }
     }

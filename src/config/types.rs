@@ -101,6 +101,8 @@ pub enum Precision {
         loss_scale_window: u64,
         hysteresis: u32,
         min_loss_scale: f64,
+        /// Refill the hysteresis on every step without overflow (DeepSpeed's key).
+        consecutive_hysteresis: bool,
     },
 }
 

@@ -95,6 +95,13 @@ pub struct StepRecord {
     /// present when `train.balance` or `train.emulate_slowdown` is set.
     #[serde(flatten)]
     pub balance: Option<BalanceRecord>,
+    /// fp16 runs (`train::loss_scale`): the loss scale after the record's last step, and the
+    /// optimizer steps skipped for overflowing gradients since the run began (DeepSpeed's
+    /// `skipped_steps`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skipped_steps: Option<u64>,
 }
 
 /// Per-rank balance metrics over the steps since the previous record, flattened into the

@@ -400,6 +400,9 @@ impl<B: Backend> GradSync<B> for Timed<'_, B> {
         self.wait_s += t.elapsed().as_secs_f64();
         Ok(bytes)
     }
+    fn global_sum_squares(&mut self, be: &B, grads: &B::Buf) -> Result<f64, TrainError> {
+        self.inner.global_sum_squares(be, grads)
+    }
     // the sync's own update (ZeRO's sharded one), or the update of the whole gradient
     #[allow(clippy::too_many_arguments)]
     fn update(&mut self, be: &B, vit: &mut Vit<B>, state: &mut B::Buf, opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper, read_norm: bool) -> Result<Updated, TrainError> {

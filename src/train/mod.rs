@@ -13,6 +13,7 @@ pub mod checkpoint;
 pub mod ema;
 pub mod error;
 pub mod evaluate;
+pub mod loss_scale;
 pub mod memory;
 pub mod plan;
 pub mod run_dir;

@@ -5,9 +5,10 @@
 //!     for each pass of the plan (≤ plan.pass_images images):
 //!         stage inputs → forward, loss gradient scaled by 1/global batch → backward (grads +=)
 //!         (last micro-batch only: the backward reports each finished block to the sync)
-//! boundary: sync.finish (wait for the gradient reduction) → sync.update: global-norm clip
-//!           and the optimizer update (which refreshes the compute copy; under ZeRO this
-//!           rank's shard, then the all-gather of the weights) → zero the gradients
+//! boundary: sync.finish (wait for the gradient reduction) → [fp16: the overflow check, which
+//!           skips the update] → sync.update: global-norm clip and the optimizer update
+//!           (which refreshes the compute copy; under ZeRO this rank's shard, then the
+//!           all-gather of the weights) → zero the gradients
 //! ```
 //!
 //! No communication happens on non-boundary micro-batches. Nothing is read back to the host
@@ -23,6 +24,7 @@ use crate::metrics::trace::{Trace, Track};
 use crate::model::drop_path::DropPath;
 use crate::model::Vit;
 use crate::train::error::TrainError;
+use crate::train::loss_scale::{LossScaling, Verdict};
 use crate::train::plan::Plan;
 use crate::train::timeline::{Phase, Timeline};
 use crate::train::sync::GradSync;
@@ -56,6 +58,9 @@ pub struct Step<B: Backend> {
     pub timeline: Option<Timeline<B>>,
     /// Stochastic depth (`model.drop_path_rate`), drawn per pass from the images' keys.
     pub drop_path: Option<DropPath>,
+    /// fp16's loss scaling (`train::loss_scale`): the loss gradient is scaled, the optimizer
+    /// unscales, overflowing steps are skipped.
+    pub loss_scaling: Option<LossScaling>,
 }
 
 impl<B: Backend> Step<B> {
@@ -70,7 +75,7 @@ impl<B: Backend> Step<B> {
         vit.set_recompute(plan.recompute_policy());
         let opt_state = be.alloc_f32(state_len)?;
         vit.zero_grads(be)?;
-        Ok(Step { vit, opt_state, optimizer, decay, clip, plan, pending_losses: Vec::new(), spare_losses: Vec::new(), trace: None, timeline: None, drop_path: None })
+        Ok(Step { vit, opt_state, optimizer, decay, clip, plan, pending_losses: Vec::new(), spare_losses: Vec::new(), trace: None, timeline: None, drop_path: None, loss_scaling: None })
     }
 
     /// Copies the first pass of a micro-batch to the device ahead of its step (while the
@@ -125,7 +130,7 @@ impl<B: Backend> Step<B> {
     /// One forward/backward pass over the `n` images staged on the device.
     pub fn pass(&mut self, be: &B, n: usize, step: u64, sync: Option<&mut dyn GradSync<B>>) -> Result<(), TrainError> {
         let t0 = std::time::Instant::now();
-        self.vit.forward_staged(be, n, Some(1.0 / self.plan.global_batch as f32))?;
+        self.vit.forward_staged(be, n, Some(self.dloss_scale()))?;
         self.keep_losses(be, step, n)?;
         self.mark(be, Phase::Forward)?;
         let t1 = std::time::Instant::now();
@@ -164,7 +169,7 @@ impl<B: Backend> Step<B> {
     /// losses: what `bench` captures into a CUDA graph and replays (the boundary zeroes the
     /// gradients after each update).
     pub fn pass_unlogged(&mut self, be: &B, n: usize) -> Result<(), TrainError> {
-        self.vit.forward_staged(be, n, Some(1.0 / self.plan.global_batch as f32))?;
+        self.vit.forward_staged(be, n, Some(self.dloss_scale()))?;
         self.vit.backward(be)?;
         Ok(())
     }
@@ -172,13 +177,21 @@ impl<B: Backend> Step<B> {
     /// `pass_unlogged` whose backward reports each finished gradient group to `sync` (the
     /// last pass of a benchmarked data-parallel step).
     pub fn pass_unlogged_reporting(&mut self, be: &B, n: usize, sync: &mut dyn GradSync<B>) -> Result<(), TrainError> {
-        self.vit.forward_staged(be, n, Some(1.0 / self.plan.global_batch as f32))?;
+        self.vit.forward_staged(be, n, Some(self.dloss_scale()))?;
         if !sync.reports_blocks() {
             self.vit.backward(be)?;
             return Ok(());
         }
         self.vit.backward_reporting(be, Some(&mut |grads: &mut B::Buf, span: Span| sync.ready(be, grads, span)))?;
         Ok(())
+    }
+
+    /// The loss gradient's factor: 1/global batch (the mean), times the loss scale under fp16.
+    fn dloss_scale(&self) -> f32 {
+        match &self.loss_scaling {
+            Some(ls) => ls.dloss_scale(self.plan.global_batch),
+            None => 1.0 / self.plan.global_batch as f32,
+        }
     }
 
     fn keep_losses(&mut self, be: &B, step: u64, n: usize) -> Result<(), TrainError> {
@@ -197,13 +210,32 @@ impl<B: Backend> Step<B> {
     /// global norm and update on the device with learning rate `lr`, zero the gradients. With
     /// `read_norm` the pre-clip global gradient norm comes back (one host synchronization).
     /// Returns it and the bytes this rank communicated.
+    ///
+    /// Under fp16 loss scaling the global sum of squares is read every step (the overflow
+    /// check, agreed by every rank): an overflow skips the update (weights, optimizer state
+    /// and Adam's step count stay; the gradients are zeroed; the norm reads as inf), else the
+    /// update unscales, and Adam counts only the applied steps.
     pub fn boundary(&mut self, be: &B, sync: &mut dyn GradSync<B>, lr: f64, step: u64, read_norm: bool) -> Result<(Option<f64>, u64), TrainError> {
         let t0 = std::time::Instant::now();
         let bytes = sync.finish(be, &mut self.vit.grads)?;
         self.mark(be, Phase::CommExposed)?;
         let t1 = std::time::Instant::now();
-        let hyper = StepHyper { lr: lr as f32, step: step + 1, grad_scale: 1.0, clip_norm: self.clip };
-        let up = sync.update(be, &mut self.vit, &mut self.opt_state, &self.optimizer, &self.decay, hyper, read_norm)?;
+        let mut hyper = StepHyper { lr: lr as f32, step: step + 1, grad_scale: 1.0, clip_norm: self.clip };
+        let mut unscaled_norm = None;
+        if let Some(ls) = self.loss_scaling.as_mut() {
+            match ls.at_boundary(sync.global_sum_squares(be, &self.vit.grads)?)? {
+                Verdict::Skip => {
+                    self.vit.zero_grads(be)?;
+                    self.mark(be, Phase::Optimizer)?;
+                    return Ok((read_norm.then_some(f64::INFINITY), bytes));
+                }
+                Verdict::Apply { grad_scale, norm } => {
+                    (hyper.grad_scale, hyper.step) = (grad_scale, ls.applied(step + 1));
+                    unscaled_norm = Some(norm);
+                }
+            }
+        }
+        let up = sync.update(be, &mut self.vit, &mut self.opt_state, &self.optimizer, &self.decay, hyper, read_norm && unscaled_norm.is_none())?;
         self.vit.zero_grads(be)?;
         self.mark(be, Phase::Optimizer)?;
         let t2 = std::time::Instant::now();
@@ -211,7 +243,7 @@ impl<B: Backend> Step<B> {
             tr.span(Track::Compute, "wait for gradients", t0, t1, args(&[("step", step as f64)]));
             tr.span(Track::Compute, "clip + optimizer", t1, t2, args(&[("step", step as f64)]));
         }
-        Ok((up.norm, bytes + up.bytes))
+        Ok((if read_norm { unscaled_norm.or(up.norm) } else { None }, bytes + up.bytes))
     }
 
     /// The summed per-image losses of every step since the last call, as (step, sum), in step

@@ -37,6 +37,11 @@ pub trait GradSync<B: Backend> {
     }
     /// Every gradient is written: complete the reduction. Returns the bytes this rank sent.
     fn finish(&mut self, be: &B, grads: &mut B::Buf) -> Result<u64, TrainError>;
+    /// After `finish`: the sum of squares of the whole reduced gradient, the same value on
+    /// every rank (the fp16 overflow check: non-finite exactly when some gradient is).
+    fn global_sum_squares(&mut self, be: &B, grads: &B::Buf) -> Result<f64, TrainError> {
+        Ok(be.sum_squares(grads)?)
+    }
     /// After `finish`: the optimizer step with `hyper` (clipping included), which leaves the
     /// updated weights on every rank. By default every rank updates every parameter from the
     /// whole reduced gradient; ZeRO (`train::zero`) updates this rank's shard and all-gathers.
@@ -297,6 +302,18 @@ impl<B: Backend> GradSync<B> for BucketSync<'_, B::Buf> {
             self.start_bucket(grads, b)?;
         }
         self.track.wait_all(&mut *self.comm, grads)
+    }
+
+    // Every rank holds the same reduced gradient; the ranks still agree on whether it
+    // overflowed (DeepSpeed all-reduces its overflow flag), so no rank can step alone.
+    fn global_sum_squares(&mut self, be: &B, grads: &B::Buf) -> Result<f64, TrainError> {
+        let sq = be.sum_squares(grads)?;
+        if self.comm.world_size() == 1 {
+            return Ok(sq);
+        }
+        let mut overflowed = [if sq.is_finite() { 0.0 } else { 1.0 }];
+        self.comm.all_reduce_host(&mut overflowed)?;
+        Ok(if overflowed[0] > 0.0 { f64::INFINITY } else { sq })
     }
 }
 

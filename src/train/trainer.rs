@@ -39,6 +39,7 @@ use crate::train::agree::{self, StateHash};
 use crate::train::balance::Balancer;
 use crate::train::error::TrainError;
 use crate::train::ema::{self, Ema};
+use crate::train::loss_scale::LossScaling;
 use crate::train::evaluate::{build_model_for_training, eval_loader, evaluate_from, evaluate_with, EvalSummary};
 use crate::train::plan::Plan;
 use crate::train::run_dir::RunDir;
@@ -96,6 +97,12 @@ pub struct TrainSummary {
     /// train and val together); present only when `data.skip_bad` is on.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub skipped: Option<usize>,
+    /// fp16 runs: the final loss scale and the optimizer steps skipped for overflowing
+    /// gradients (DeepSpeed's `skipped_steps`; `steps` counts them, as its `global_steps` does).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skipped_steps: Option<u64>,
 }
 
 /// Trains a model as `cfg` says on one rank (world size 1).
@@ -360,6 +367,7 @@ fn build_step<B: Backend>(be: &B, cfg: &RunConfig, plan: &Plan, opts: &TrainOpti
     let state_len = zero.as_ref().map_or(optimizer_state_len(&cfg.optimizer, vit.table.total), |z| z.buffer_len());
     let mut st = Step::with_state_len(be, vit, cfg.optimizer.clone(), decay, cfg.gradient_clipping, plan.clone(), state_len)?;
     st.drop_path = crate::model::drop_path::DropPath::new(cfg.drop_path_rate, cfg.model.depth, cfg.train.seed);
+    st.loss_scaling = LossScaling::for_precision(&cfg.precision);
     if opts.trace.is_some() {
         be.time_input_copies(true)?;
         st.trace = Some(Trace::new(rank, t_start));
@@ -427,6 +435,11 @@ fn restore<B: Backend>(
         match &grads.zero {
             Some(z) => be.upload(&mut st.opt_state, 0, &z.shard_state(&r.opt_state)?)?,
             None => be.upload(&mut st.opt_state, 0, &r.opt_state)?,
+        }
+        // the scaler continues where it stopped (a checkpoint without its state, written
+        // before the scaler was saved, starts it afresh)
+        if let (Some(ls), Some(saved)) = (st.loss_scaling.as_mut(), r.state.get("loss_scaling").filter(|v| !v.is_null())) {
+            ls.restore(saved).map_err(|e| TrainError::Config(format!("{}: {e}", r.dir.display())))?;
         }
         start_step = r.step;
         ema = r.ema;
@@ -617,14 +630,19 @@ impl<'r, B: Backend> Trainer<'r, B> {
             feed.run_micro(be, st, bal, report, (at.step, m), at.last && last_micro)?;
         }
         let step = at.step;
-        let lr = schedule::lr_at(cfg.scheduler.as_ref(), cfg.optimizer.lr(), step, *total_steps);
+        // DeepSpeed's scheduler does not advance on steps skipped for an fp16 overflow
+        let scheduler_step = st.loss_scaling.as_ref().map_or(step, |ls| ls.applied(step));
+        let skipped_before = st.loss_scaling.as_ref().map(|ls| ls.skipped_steps);
+        let lr = schedule::lr_at(cfg.scheduler.as_ref(), cfg.optimizer.lr(), scheduler_step, *total_steps);
         let (grad_norm, bytes) = {
             let mut timed = bal.timed::<B>(&mut sync);
             let out = st.boundary(be, &mut timed, lr, step, log_due)?;
             bal.add_wait(timed.wait_s);
             out
         };
-        if let Some(e) = ema.as_mut() {
+        // (a skipped step changed no weight: the average is left as it is too)
+        let skipped = skipped_before != st.loss_scaling.as_ref().map(|ls| ls.skipped_steps);
+        if let Some(e) = ema.as_mut().filter(|_| !skipped) {
             e.update(be, step + 1, &st.vit, &st.opt_state)?;
             st.mark(be, Phase::Optimizer)?;
         }
@@ -769,7 +787,8 @@ impl<'r, B: Backend> Trainer<'r, B> {
             "step": step + 1,
             "epoch": (step + 1) / self.steps_per_epoch,
             "step_in_epoch": (step + 1) % self.steps_per_epoch,
-            "scheduler_step": step + 1,
+            "scheduler_step": self.st.loss_scaling.as_ref().map_or(step + 1, |ls| ls.applied(step + 1)),
+            "loss_scaling": self.st.loss_scaling.as_ref().map(LossScaling::to_json),
             "global_batch": self.st.plan.global_batch,
             "world_size": self.world,
             "zero_stage": self.st.plan.zero.stage,
@@ -824,6 +843,8 @@ impl<'r, B: Backend> Trainer<'r, B> {
             eval_s: std::mem::take(&mut w.eval_s),
             wall_s: self.t_start.elapsed().as_secs_f64(),
             balance: self.bal.take_record(),
+            loss_scale: self.st.loss_scaling.as_ref().map(LossScaling::scale),
+            skipped_steps: self.st.loss_scaling.as_ref().map(|ls| ls.skipped_steps),
         };
         let steps = w.steps;
         self.window = Window::new();
@@ -1003,6 +1024,8 @@ impl<'r, B: Backend> Trainer<'r, B> {
                 use std::sync::atomic::Ordering::Relaxed;
                 self.train_set.skipped.load(Relaxed) + self.val_set.skipped.load(Relaxed)
             }),
+            loss_scale: self.st.loss_scaling.as_ref().map(LossScaling::scale),
+            skipped_steps: self.st.loss_scaling.as_ref().map(|ls| ls.skipped_steps),
         };
         self.run.write_summary(&summary)?;
         if let (Some(dir), Some(tr)) = (&self.opts.trace, &self.st.trace) {
