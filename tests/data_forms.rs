@@ -243,13 +243,13 @@ fn check_eval_resampling(d: &Datasets, c: &DataConfig) {
     let filter = c.interpolation;
     let b = make_batch(&d.val, &[0, 1], c, false, 0, 0);
     assert_eq!(b.images.len(), 2 * 3 * 64 * 64);
-    // Eval is timm's transform: the shorter side resized to floor(64 / crop_pct) px, then the
-    // central 64 × 64. In source pixels that is a centred window of 32 · 64 / resized px whose
-    // 64 output pixels sit at their centres; `src_at` is the source position (in pixel-index
-    // units, pixel k's centre at k) that output pixel i samples.
+    // Eval is timm's transform as torchvision runs it: the image resized to R = floor(64 /
+    // crop_pct) px a side, then the 64 × 64 crop at round((R − 64) / 2) (Python's round, halves
+    // to even); `src_at` is the source position (in pixel-index units, pixel k's centre at k)
+    // that output pixel i samples: resized pixel left + i, scaled back by 32 / R.
     let resized = (64.0 / c.crop_pct).floor();
-    let win = 32.0 * 64.0 / resized;
-    let src_at = |i: usize| (32.0 - win) / 2.0 + (i as f64 + 0.5) * win / 64.0 - 0.5;
+    let left = ((resized - 64.0) / 2.0_f64).round_ties_even();
+    let src_at = |i: usize| (left + i as f64 + 0.5) * 32.0 / resized - 0.5;
     // The val images (ids 5 and 6) are ramps, base + 3y + x, on channels 0 and 1 (no wrap past
     // 255 there). An interpolating filter with normalized weights, bilinear or bicubic,
     // reproduces a linear function wherever all its taps lie inside the image, so there the
@@ -258,10 +258,11 @@ fn check_eval_resampling(d: &Datasets, c: &DataConfig) {
     // One 8-bit level is 1 / 255 / 0.25 ≈ 0.016 here; the f32 resampling is good to ~1e-5.
     let tol = 1e-3;
     let got = |k: usize, c: usize, oy: usize, ox: usize| b.images[((k * 3 + c) * 64 + oy) * 64 + ox] as f64;
-    // The centre of the output is the centre of the source (about 2× up): the four central
-    // output pixels sample 15.5 ± win / 128 on each axis, symmetric about the source's centre.
+    // The four central output pixels (about 2× up) average the ramp at the middle of their
+    // source positions (the ramp is linear)
+    let mid = (src_at(31) + src_at(32)) / 2.0;
     let centre: f64 = [(31, 31), (31, 32), (32, 31), (32, 32)].iter().map(|&(y, x)| got(0, 0, y, x)).sum::<f64>() / 4.0;
-    assert!((centre - want(5, 0, 15.5, 15.5)).abs() < tol, "{filter:?}: centre {centre} vs {}", want(5, 0, 15.5, 15.5));
+    assert!((centre - want(5, 0, mid, mid)).abs() < tol, "{filter:?}: centre {centre} vs {}", want(5, 0, mid, mid));
     assert!((got(0, 0, 32, 32) - want(5, 0, src_at(32), src_at(32))).abs() < tol, "{filter:?}: pixel (32, 32): {} vs {}", got(0, 0, 32, 32), want(5, 0, src_at(32), src_at(32)));
     // Every output pixel whose taps (radius 2 at most, upsampling) stay inside the source.
     let inside = |i: usize| (2.0..=29.0).contains(&src_at(i));
