@@ -68,12 +68,11 @@ fi
 run 1 "$OUT/dp_one" "${BASE[@]}" --set train.steps=12 --set "$SGD" --set model.drop_path_rate=0.3 --set train_micro_batch_size_per_gpu=16 \
  && run 2 "$OUT/dp_two" "${BASE[@]}" --set train.steps=12 --set "$SGD" --set model.drop_path_rate=0.3 --set train_micro_batch_size_per_gpu=8 \
  && run 1 "$OUT/dp_off" "${BASE[@]}" --set train.steps=12 --set "$SGD" --set train_micro_batch_size_per_gpu=16 \
- && report drop_path "$(python3 -c "$PY_LOAD
+ && python3 -c "$PY_LOAD
 a, b, c = load('$OUT/dp_two/w.safetensors'), load('$OUT/dp_one/w.safetensors'), load('$OUT/dp_off/w.safetensors')
-print('true' if rel(a, b) < 2e-2 and rel(c, b) > 1e-3 else 'false')")" \
-   "$(python3 -c "$PY_LOAD
-a, b, c = load('$OUT/dp_two/w.safetensors'), load('$OUT/dp_one/w.safetensors'), load('$OUT/dp_off/w.safetensors')
-print('{\"two_vs_one\": %.3g, \"off_vs_on\": %.3g}' % (rel(a, b), rel(c, b)))")"
+two, off = rel(a, b), rel(c, b)
+print(json.dumps({'check': 'drop_path', 'ok': two < 2e-2 and off > 1e-3, 'detail': {'two_vs_one': two, 'off_vs_on': off}}))
+" | tee "$OUT/dp.json"; grep -q '"ok": true' "$OUT/dp.json" 2>/dev/null || fail=1
 
 # 3. layer decay
 ONE=(--set data.train_size=256 --set data.val_size=32 --set train.eval_every=0 --set train_micro_batch_size_per_gpu=16 --set train.steps=1)
@@ -121,10 +120,10 @@ print(json.dumps({'check': 'ema', 'ok': d_def < 1e-5 and d_z2 < 2e-2, 'detail': 
 # 5. activation checkpointing
 run 1 "$OUT/ck_never" "${BASE[@]}" --set train.steps=12 --set train_micro_batch_size_per_gpu=16 --set train.recompute=never \
  && run 1 "$OUT/ck_blocks" "${BASE[@]}" --set train.steps=12 --set train_micro_batch_size_per_gpu=16 --set train.recompute=blocks \
- && report checkpointing_same_weights "$(python3 -c "$PY_LOAD
-print('true' if rel(load('$OUT/ck_blocks/w.safetensors'), load('$OUT/ck_never/w.safetensors')) < 1e-2 else 'false')")" \
-   "$(python3 -c "$PY_LOAD
-print(rel(load('$OUT/ck_blocks/w.safetensors'), load('$OUT/ck_never/w.safetensors')))")"
+ && python3 -c "$PY_LOAD
+d = rel(load('$OUT/ck_blocks/w.safetensors'), load('$OUT/ck_never/w.safetensors'))
+print(json.dumps({'check': 'checkpointing_same_weights', 'ok': d < 1e-2, 'detail': d}))
+" | tee "$OUT/ck.json"; grep -q '"ok": true' "$OUT/ck.json" 2>/dev/null || fail=1
 if run 1 "$OUT/ck_large" --set data.dataset=synthetic --set data.train_size=64 --set data.val_size=16 --set model.preset=vit_large_patch16_224 \
     --set model.image_size=1024 --set model.num_classes=10 --set train_micro_batch_size_per_gpu=16 --set train.steps=2 --set train.recompute=blocks; then
   report checkpointing_vit_l_1024_micro16 true "$(grep '"kind": *"memory"' "$OUT/ck_large/metrics.jsonl" | tail -1)"

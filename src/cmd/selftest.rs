@@ -30,8 +30,7 @@ pub struct SelftestArgs {
 
 /// `--compile-kernels ARCH`: one line per module; an error when any failed to compile.
 fn compile_kernels(arch: &str) -> anyhow::Result<()> {
-    let digits = arch.strip_prefix("sm_").or_else(|| arch.strip_prefix("compute_"));
-    if !digits.is_some_and(|d| !d.is_empty() && d.chars().all(|c| c.is_ascii_digit())) {
+    if !crate::backend::cuda::compile::is_arch_name(arch) {
         anyhow::bail!("--compile-kernels: {arch:?} is not an architecture name like sm_90, sm_80 or compute_75 (PTX)");
     }
     let (maj, min) = crate::backend::cuda::compile::nvrtc_version()

@@ -83,15 +83,19 @@ impl<B: Backend> BranchScales<B> {
     /// Uploads `host` (laid out as `DropPath::scales`) for a pass of `n` images whose rows of
     /// width `c` number `rows`, growing the buffers when needed.
     pub fn set(slot: &mut Option<Self>, be: &B, host: &[f32], active: Vec<bool>, n: usize, rows: usize) -> BResult<()> {
-        let fits = slot.as_ref().is_some_and(|s| be.len(&s.scales) >= host.len() && be.len(&s.branch) >= rows);
-        if !fits {
-            *slot = None;
-            *slot = Some(BranchScales { n, active: active.clone(), scales: be.alloc_f32(host.len().max(1))?, branch: be.alloc(rows.max(1))? });
+        match slot.as_mut().filter(|s| be.len(&s.scales) >= host.len() && be.len(&s.branch) >= rows) {
+            Some(s) => {
+                s.n = n;
+                s.active = active;
+            }
+            None => {
+                *slot = None; // the old buffers go before the larger ones are allocated
+                *slot = Some(BranchScales { n, active, scales: be.alloc_f32(host.len().max(1))?, branch: be.alloc(rows.max(1))? });
+            }
         }
-        let s = slot.as_mut().expect("allocated above");
-        be.upload(&mut s.scales, 0, host)?;
-        s.n = n;
-        s.active = active;
+        if let Some(s) = slot.as_mut() {
+            be.upload(&mut s.scales, 0, host)?;
+        }
         Ok(())
     }
 }

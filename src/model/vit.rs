@@ -479,22 +479,21 @@ pub struct Vit<B: Backend> {
 impl<B: Backend> Vit<B> {
     /// A model with all-zero weights; load or initialize them next.
     pub fn new(be: &B, cfg: ModelConfig) -> BResult<Self> {
-        let mut vit = Self::new_without_grads(be, cfg)?;
-        vit.grads = be.alloc_f32(vit.table.total)?;
-        Ok(vit)
+        let total = ParamTable::new(&cfg).total;
+        Self::with_gradients(be, cfg, total)
     }
 
     /// A model for forward passes alone (evaluation): no gradient buffer (a backward is an
     /// error), so it costs its weights and activations only.
     pub fn new_for_inference(be: &B, cfg: ModelConfig) -> BResult<Self> {
-        Self::new_without_grads(be, cfg)
+        Self::with_gradients(be, cfg, 1)
     }
 
-    /// The model with a one-element gradient buffer (`new` replaces it).
-    fn new_without_grads(be: &B, cfg: ModelConfig) -> BResult<Self> {
+    /// The model with a gradient buffer of `grads_len` values.
+    fn with_gradients(be: &B, cfg: ModelConfig, grads_len: usize) -> BResult<Self> {
         let table = ParamTable::new(&cfg);
         let params = be.alloc_f32(table.total)?;
-        let grads = be.alloc_f32(1)?;
+        let grads = be.alloc_f32(grads_len)?;
         let compute = if be.needs_compute_copy() { Some(be.alloc(table.total)?) } else { None };
         Ok(Vit { cfg, table, params, master_released: false, pending_weights: Vec::new(), compute, grads, acts: None, recompute: Recompute::Auto, unread_inputs: None, pending_backward: 0, class_token_tail: true, drop: None, dropped_forward: false })
     }
@@ -611,7 +610,7 @@ impl<B: Backend> Vit<B> {
     }
 
     /// Stochastic depth for the following training passes of `n` images (`model::drop_path`):
-    /// `scales` laid out as `DropPath::scales` gives), `active` says per block whether
+    /// `scales` laid out as `DropPath::scales` gives them, `active` says per block whether
     /// any factor can differ from 1. `None` turns it off. Evaluation forwards never scale.
     pub fn set_branch_scales(&mut self, be: &B, scales: Option<(&[f32], Vec<bool>)>, n: usize) -> BResult<()> {
         let Some((host, active)) = scales else {

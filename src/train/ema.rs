@@ -54,6 +54,11 @@ impl<B: Backend> Ema<B> {
         Ok(())
     }
 
+    /// Whether each rank holds only its pieces of the average (gathering it is a collective).
+    pub fn is_sharded(&self) -> bool {
+        self.shard_master_off.is_some()
+    }
+
     /// The whole average on the host: every rank's pieces gathered under a master shard (a
     /// collective: every rank calls it at the same point).
     pub fn full(&self, be: &B, comm: &mut dyn Comm<B::Buf>, zero: Option<&ZeroLayout>) -> Result<Vec<f32>, TrainError> {

@@ -754,10 +754,10 @@ impl<'r, B: Backend> Trainer<'r, B> {
             }
             host_state = Some((p, o));
         }
-        // the average travels with the state (a collective under a master shard: every rank
-        // knows a checkpoint is due)
-        let ema = match (&self.ema, want_ckpt) {
-            (Some(e), true) => Some(e.full(be, &mut *self.comm, self.grads.zero.as_ref())?),
+        // the average travels with the state: the writer's copy, gathered by every rank under
+        // a master shard (every rank knows a checkpoint is due)
+        let ema = match &self.ema {
+            Some(e) if want_ckpt && (writes || e.is_sharded()) => Some(e.full(be, &mut *self.comm, self.grads.zero.as_ref())?),
             _ => None,
         };
         let mut saved = None;
@@ -994,9 +994,10 @@ impl<'r, B: Backend> Trainer<'r, B> {
         // weights (every rank is given the same --save-weights: all take part in a gather)
         if let Some(path) = self.opts.save_weights.clone() {
             let p = self.full_params()?;
+            // rank 0 writes it; every rank takes part where gathering it is a collective
             let ema = match &self.ema {
-                Some(e) => Some(e.full(be, &mut *self.comm, self.grads.zero.as_ref())?),
-                None => None,
+                Some(e) if self.rank == 0 || e.is_sharded() => Some(e.full(be, &mut *self.comm, self.grads.zero.as_ref())?),
+                _ => None,
             };
             if self.rank == 0 {
                 let format = self.opts.save_weights_format;

@@ -124,7 +124,7 @@ fn nvrtc_cubin(name: &str, src: &str, arch: &str, opts: &[String]) -> Result<Vec
 pub fn forced_arch() -> Result<Option<String>, BackendError> {
     let Ok(v) = std::env::var("VITSCALE_CUDA_ARCH") else { return Ok(None) };
     let v = v.trim();
-    match v.strip_prefix("sm_").filter(|d| !d.is_empty() && d.chars().all(|c| c.is_ascii_digit())) {
+    match v.strip_prefix("sm_").filter(|_| is_arch_name(v)) {
         Some(digits) => Ok(Some(format!("compute_{digits}"))),
         None => Err(BackendError::Device(format!("VITSCALE_CUDA_ARCH={v:?}: expected an architecture such as sm_75 or sm_80"))),
     }
@@ -136,19 +136,47 @@ pub fn forced_arch() -> Result<Option<String>, BackendError> {
 /// `vitscale selftest --compile-kernels` reports, so kernel sources can be checked on a
 /// machine without a GPU.
 pub fn compile_all(arch: &str) -> Vec<(String, Result<usize, BackendError>)> {
-    let hopper: &[(&str, &str)] = if arch == "sm_90" { HOPPER } else { &[] };
-    let all = SOURCES.iter().map(|s| (s, arch)).chain(OPTIONAL.iter().map(|s| (s, arch))).chain(hopper.iter().map(|s| (s, "sm_90a")));
-    all.map(|((name, body), arch)| {
-        let mut opts = vec![format!("--gpu-architecture={arch}")];
-        opts.extend(base_options());
-        let src = format!("{COMMON}\n#line 1 \"{name}\"\n{body}");
-        (format!("{name} ({arch})"), nvrtc_cubin(name, &src, arch, &opts).map(|c| c.len()))
-    })
-    .collect()
+    modules_for(arch)
+        .map(|m| {
+            let (src, opts) = m.source_and_options();
+            (format!("{} ({})", m.name, m.arch), nvrtc_cubin(m.name, &src, m.arch, &opts).map(|c| c.len()))
+        })
+        .collect()
 }
 
-fn base_options() -> Vec<String> {
-    vec!["--std=c++17".to_string(), "-default-device".to_string(), "--use_fast_math".to_string()]
+/// Whether `arch` names an architecture NVRTC targets: `sm_XY` (a cubin) or `compute_XY` (PTX).
+pub fn is_arch_name(arch: &str) -> bool {
+    arch.strip_prefix("sm_").or_else(|| arch.strip_prefix("compute_")).is_some_and(|d| !d.is_empty() && d.chars().all(|c| c.is_ascii_digit()))
+}
+
+/// One kernel module as compiled for a target.
+struct Module<'a> {
+    name: &'static str,
+    body: &'static str,
+    /// A compile or load failure leaves its kernels missing instead of failing the backend.
+    optional: bool,
+    arch: &'a str,
+}
+
+impl Module<'_> {
+    /// The source NVRTC compiles (the common header first) and its options.
+    fn source_and_options(&self) -> (String, Vec<String>) {
+        let src = format!("{COMMON}\n#line 1 \"{}\"\n{}", self.name, self.body);
+        let opts = [format!("--gpu-architecture={}", self.arch), "--std=c++17".into(), "-default-device".into(), "--use_fast_math".into()];
+        (src, opts.to_vec())
+    }
+}
+
+/// Every module built for `arch`: the required ones, the optional ones, and on sm_90 the
+/// Hopper ones (for sm_90a).
+fn modules_for(arch: &str) -> impl Iterator<Item = Module<'_>> {
+    let hopper: &[(&str, &str)] = if arch == "sm_90" { HOPPER } else { &[] };
+    let module = move |(name, body): &(&'static str, &'static str), optional, arch| Module { name, body, optional, arch };
+    SOURCES
+        .iter()
+        .map(move |m| module(m, false, arch))
+        .chain(OPTIONAL.iter().map(move |m| module(m, true, arch)))
+        .chain(hopper.iter().map(move |m| module(m, true, "sm_90a")))
 }
 
 /// Every kernel function by name.
@@ -166,7 +194,6 @@ pub struct Kernels {
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>, arch: &str) -> Result<Kernels, BackendError> {
         let (maj, min) = nvrtc_version()?;
-        let base_opts = base_options();
         let dir = cache_dir();
         let mut funcs = HashMap::new();
         let mut modules = Vec::new();
@@ -175,12 +202,9 @@ impl Kernels {
         // a forced older target replaces the device's (PTX, JIT-compiled at load)
         let forced = forced_arch()?;
         let arch: &str = forced.as_deref().unwrap_or(arch);
-        let hopper: &[(&str, &str)] = if arch == "sm_90" { HOPPER } else { &[] };
-        let all = SOURCES.iter().map(|s| (s, false, arch)).chain(OPTIONAL.iter().map(|s| (s, true, arch))).chain(hopper.iter().map(|s| (s, true, "sm_90a")));
-        for ((name, body), optional, arch) in all {
-            let mut opts = vec![format!("--gpu-architecture={arch}")];
-            opts.extend(base_opts.iter().cloned());
-            let src = format!("{COMMON}\n#line 1 \"{name}\"\n{body}");
+        for m in modules_for(arch) {
+            let (name, body, optional, arch) = (m.name, m.body, m.optional, m.arch);
+            let (src, opts) = m.source_and_options();
             let mut h = Sha256::new();
             h.update(src.as_bytes());
             h.update(arch.as_bytes());
