@@ -8,6 +8,10 @@ pub struct BenchArgs {
     /// cpu (a ViT-B/16 step at micro 256 needs about 24 GB on the CPU).
     #[arg(long = "model", value_name = "PRESET")]
     pub model_arg: Option<String>,
+    /// Image size (pixels per side) the preset runs at, as timm's `img_size=` (the patch must
+    /// divide it). Default: the preset's.
+    #[arg(long = "img", value_name = "PX")]
+    pub img: Option<usize>,
     /// Micro-batch size (images per step). Default: 256 on cuda, 32 on cpu.
     #[arg(long = "micro", value_name = "N")]
     pub micro_arg: Option<usize>,

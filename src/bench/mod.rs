@@ -87,6 +87,9 @@ fn setup(args: &BenchArgs) -> anyhow::Result<Setup> {
     if let Some(k) = args.classes {
         cfg.num_classes = k;
     }
+    if let Some(px) = args.img {
+        cfg.image_size = px;
+    }
     cfg.validate().map_err(anyhow::Error::msg)?;
     if args.micro == 0 || args.steps == 0 {
         anyhow::bail!("--micro and --steps must be at least 1");

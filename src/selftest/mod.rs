@@ -246,8 +246,10 @@ fn op_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
     }
 
     // ---- shapes: a small odd one, a ViT-S/4 CIFAR block (C = 384: the 8-byte vector
-    // LayerNorm path) and a ViT-B/16 block at batch 2 (C = 768: the 16-byte path)
-    for &(b, n_img, p, c, h, f, k) in &[(3usize, 12usize, 4usize, 48usize, 3usize, 96usize, 10usize), (3, 32, 4, 384, 6, 1536, 10), (2, 224, 16, 768, 12, 3072, 1000)] {
+    // LayerNorm path), a ViT-B/16 block at batch 2 (C = 768: the 16-byte path), and ViT-H/14's
+    // and ViT-g/14's widths on a 4×4 grid (C = 1280 and 1408: the wide LayerNorm rows; head
+    // dims 80 and 88)
+    for &(b, n_img, p, c, h, f, k) in &[(3usize, 12usize, 4usize, 48usize, 3usize, 96usize, 10usize), (3, 32, 4, 384, 6, 1536, 10), (2, 224, 16, 768, 12, 3072, 1000), (2, 56, 14, 1280, 16, 5120, 10), (1, 56, 14, 1408, 16, 6144, 10)] {
         let tag = format!("[B{b} C{c}]");
         let np = (n_img / p) * (n_img / p);
         let n = np + 1;
@@ -552,11 +554,14 @@ fn class_attention_check<B: Backend>(cx: &mut Ctx<B>, b: usize, n: usize, h: usi
 /// short backward's edges (N 256: two full key passes; N 129: a second pass of one key), the
 /// small-head kernels' (N ≤ 80: 65 at a GPU-filling batch, 80 and 64 with no padding, 1, and
 /// 81, the first N past them), and the 13-warp whole-head backward's (D 64, N 193–208: 197,
-/// 193 and 208 at its ends, 209 past it). `path` labels the checks.
+/// 193 and 208 at its ends, 209 past it); the tiled kernels' other head dims (80: ViT-H/14 at
+/// 257 tokens and a ragged 50; 96; 128 short, at 1025 and long) and long sequences (4097:
+/// ViT-B/16 at 1024 px; 16384). `path` labels the checks.
 pub fn attention_checks<B: Backend>(be: &B, seed: u64, path: &str) -> BResult<Vec<Check>> {
     let tol_c = if be.needs_compute_copy() { 1e-2 } else { F32_TOL };
     let mut cx = Ctx { be, cpu: Cpu::new(), rng: ChaCha8Rng::seed_from_u64(seed), checks: Vec::new(), tol_c };
-    for &(b, n, h, d) in &[(2usize, 65usize, 6usize, 64usize), (3, 197, 4, 64), (3, 50, 5, 64), (2, 17, 3, 32), (2, 65, 3, 32), (1, 1025, 2, 64), (32, 197, 12, 64), (2, 256, 2, 64), (2, 129, 3, 32), (64, 65, 6, 64), (2, 80, 2, 64), (2, 64, 3, 32), (3, 1, 2, 64), (2, 81, 2, 64), (2, 193, 2, 64), (2, 208, 3, 64), (2, 209, 2, 64)] {
+    for &(b, n, h, d) in &[(2usize, 65usize, 6usize, 64usize), (3, 197, 4, 64), (3, 50, 5, 64), (2, 17, 3, 32), (2, 65, 3, 32), (1, 1025, 2, 64), (32, 197, 12, 64), (2, 256, 2, 64), (2, 129, 3, 32), (64, 65, 6, 64), (2, 80, 2, 64), (2, 64, 3, 32), (3, 1, 2, 64), (2, 81, 2, 64), (2, 193, 2, 64), (2, 208, 3, 64), (2, 209, 2, 64),
+        (2, 257, 4, 80), (2, 50, 3, 80), (2, 197, 2, 96), (2, 65, 2, 128), (1, 1025, 2, 128), (1, 4097, 2, 64), (1, 4097, 1, 80), (1, 16384, 1, 64)] {
         attention_check(&mut cx, b, n, h, d, path)?;
     }
     // a head dim that is no multiple of 8: the class-token attention's element-wise kernels
@@ -955,11 +960,15 @@ fn attention_kernel_choice(launched: &[(String, f64, usize)], wgmma: bool, label
 /// after): the fused path twice where the wgmma kernels exist, with them and with flash.cu's,
 /// and on the fused path which kernels ran (`attention_kernel_choice`). Seeds follow `seed`.
 pub fn attention_path_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult<Vec<Check>> {
-    let chosen = be.attention_path();
+    let chosen = be.chosen_attention_path();
     let mut checks = Vec::new();
     let wgmma_chosen = be.wgmma_attention();
     let mut runs = Vec::new();
     for path in crate::backend::cuda::AttentionPath::ALL {
+        if path != crate::backend::cuda::AttentionPath::Gemm && !be.has_flash_attention() {
+            crate::outln!("attention path {}: kernels/flash.cu did not load on this architecture, its checks skipped (the gemm path runs)", path.name());
+            continue;
+        }
         let fused = path == crate::backend::cuda::AttentionPath::Fused;
         runs.push((path, fused && be.has_wgmma_attention()));
         if fused && be.has_wgmma_attention() {

@@ -16,8 +16,22 @@ use crate::backend::{BResult, Backend, BackendError, Span};
 /// Opt-in shared memory per block on sm_90 (227 KiB).
 const SHORT_BWD_SMEM_MAX: usize = 227 * 1024;
 
-/// Head dims the fused attention kernels are compiled for.
-const FUSED_HEAD_DIMS: [usize; 2] = [32, 64];
+/// Head dims the tiled fused attention kernels (`FA_PIPE` in flash.cu) are compiled for: any
+/// N, any head of a timm ViT up to 128 wide that is a multiple of 16.
+const PIPE_HEAD_DIMS: [usize; 5] = [32, 64, 80, 96, 128];
+
+/// Keys per block of the tiled backward `flash_bwd_d{d}_pipe` (2 threads a key). Mirrors
+/// fa_bwd_keys in flash.cu: 128 where half the head dim is a multiple of 16, else 64.
+fn pipe_keys(d: usize) -> usize {
+    if (d / 2) % 16 == 0 {
+        128
+    } else {
+        64
+    }
+}
+
+/// Head dims of the whole-head kernels for short sequences (`FA_SMALL`, `flash_bwd_short`).
+const SHORT_HEAD_DIMS: [usize; 2] = [32, 64];
 
 /// Dynamic shared memory of the class-token attention kernels (f32: scores, the scaled query,
 /// four warps' partial rows, the reductions; the backward adds dout and dS), within the
@@ -55,12 +69,12 @@ impl Cuda {
     /// Kernel-name suffix of the fused attention for head dim `d` and the dynamic shared
     /// memory (bytes) of its (forward, backward) kernels; None = the GEMM path.
     fn fused_attention(&self, d: usize) -> Option<(String, u32, u32)> {
-        if !FUSED_HEAD_DIMS.contains(&d) {
+        if !PIPE_HEAD_DIMS.contains(&d) {
             return None;
         }
         // Mirrors fa_fwd_pipe_smem / fa_bwd_pipe_smem in flash.cu (64-row tiles, rows padded by 8).
-        let ld = (d + 8) * 2;
-        let (fwd, bwd) = ((64 + 4 * 64) * ld, (2 * 64 + 4 * 64) * ld + 64 * (64 + 8) * 2 + 4 * 64 * 4);
+        let (ld, bc) = ((d + 8) * 2, pipe_keys(d));
+        let (fwd, bwd) = ((64 + 4 * 64) * ld, (2 * bc + 4 * 64) * ld + bc * (64 + 8) * 2 + 4 * 64 * 4);
         match self.attention_path() {
             AttentionPath::Gemm => None,
             AttentionPath::Fused | AttentionPath::FusedPipe => Some((format!("d{d}_pipe"), fwd as u32, bwd as u32)),
@@ -69,9 +83,9 @@ impl Cuda {
 
     /// Warps per block W and the dynamic shared memory (bytes) of the small-head kernels
     /// `flash_{fwd,bwd}_small_d{d}_w{W}` (the whole head in one block, N ≤ 16·W), when they
-    /// apply: path `fused`, a fused head dim, N ≤ 80. Mirrors fa_small_{fwd,bwd}_smem in flash.cu.
+    /// apply: path `fused`, head dim 32 or 64, N ≤ 80. Mirrors fa_small_{fwd,bwd}_smem in flash.cu.
     fn small_attention(&self, n: usize, d: usize) -> Option<(usize, u32, u32)> {
-        if self.attention_path() != AttentionPath::Fused || !FUSED_HEAD_DIMS.contains(&d) || n > 80 {
+        if self.attention_path() != AttentionPath::Fused || !SHORT_HEAD_DIMS.contains(&d) || n > 80 {
             return None;
         }
         let w = if n <= 64 { 4 } else { 5 };
@@ -124,10 +138,11 @@ impl Cuda {
     }
 
     /// Dynamic shared memory of `flash_bwd_short_d{d}` for sequence length `n`, when the
-    /// short-sequence backward applies (path `fused`, N ≤ 256, fits the block's shared memory).
+    /// short-sequence backward applies (path `fused`, head dim 32 or 64, N ≤ 256, fits the
+    /// block's shared memory).
     /// Mirrors fa_short_smem in flash.cu.
     fn short_backward_smem(&self, n: usize, d: usize) -> Option<u32> {
-        if self.attention_path() != AttentionPath::Fused || n > 256 {
+        if self.attention_path() != AttentionPath::Fused || !SHORT_HEAD_DIMS.contains(&d) || n > 256 {
             return None;
         }
         let nqp = n.div_ceil(64) * 64;
@@ -283,8 +298,9 @@ impl Cuda {
             let rows = b * n * h;
             let grid = rows.div_ceil(THREADS as usize).clamp(1, self.info.multiprocessors as usize * 16) as u32;
             self.launch(&format!("flash_bwd_pre_d{d}"), (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![delta, dout.ptr, out.ptr, bb, nn, hh])?;
-            let g = (n.div_ceil(64) as u32, (b * h) as u32, 1);
-            self.launch_dyn(&format!("flash_bwd_{sfx}"), g, (128, 1, 1), smem, &mut kargs![dqkv.ptr, dq_acc, dout.ptr, qkv.ptr, probs.ptr, delta, nn, hh, scale, scale_log2])?;
+            let bc = pipe_keys(d);
+            let g = (n.div_ceil(bc) as u32, (b * h) as u32, 1);
+            self.launch_dyn(&format!("flash_bwd_{sfx}"), g, (2 * bc as u32, 1, 1), smem, &mut kargs![dqkv.ptr, dq_acc, dout.ptr, qkv.ptr, probs.ptr, delta, nn, hh, scale, scale_log2])?;
             let (brows, hd8) = ((b * n) as i64, (h * d / 8) as i32);
             return self.launch1("flash_dq_store", bhnd / 8, &mut kargs![dqkv.ptr, dq_acc, brows, hd8]).map(|_| false);
         }

@@ -20,7 +20,7 @@ const LN_SUM_MAX_J: usize = 24;
 fn ln_fast_j(c: usize, bf16s: &[&CudaBuf], f32s: &[&CudaBuf]) -> Option<usize> {
     let j = c / 32;
     let ok = c % 32 == 0
-        && [1, 2, 3, 4, 6, 8, 12, 16, 24, 32].contains(&j)
+        && [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 44].contains(&j)
         && bf16s.iter().all(|b| b.ty == Ty::Bf16)
         && f32s.iter().all(|b| b.ty == Ty::F32);
     ok.then_some(j)
@@ -30,7 +30,7 @@ fn ln_fast_j(c: usize, bf16s: &[&CudaBuf], f32s: &[&CudaBuf]) -> Option<usize> {
 /// pointer aligned to the vector width the kernel uses for that J (0 = absent is fine).
 fn ln_vec_ok(j: usize, ptrs: &[CUdeviceptr]) -> bool {
     let vw = if j % 8 == 0 { 8 } else if j % 4 == 0 { 4 } else { 2 };
-    j % 2 == 0 && [2, 4, 6, 8, 12, 16, 24, 32].contains(&j) && ptrs.iter().all(|&p| p % (2 * vw) as u64 == 0)
+    j % 2 == 0 && [2, 4, 6, 8, 12, 16, 24, 32, 40, 44].contains(&j) && ptrs.iter().all(|&p| p % (2 * vw) as u64 == 0)
 }
 
 impl Cuda {
@@ -99,14 +99,16 @@ impl Cuda {
         let dres_bf16 = dresidual.is_none_or(|d| d.ty == Ty::Bf16);
         if let (Some(j), true) = (ln_fast_j(c, &[&*dinp, dout, inp, params], &[mean, rstd]), dres_bf16) {
             if ln_vec_ok(j, &[dinp.ptr, dout.ptr, inp.ptr, dres]) {
-                // 4 warps per block, one row per warp at a time; 4 blocks per SM fit (128 registers).
-                let grid = (rows.div_ceil(4 * 8) as u32).min(self.info.multiprocessors * 4).max(1);
                 let (wo, bo, r) = (w.off as i64, b.off as i64, rows as i64);
                 // with dinp_sum (C ≤ 768): dinp's column sums as a third partial row
                 let (kernel, na, dsum) = match dinp_sum {
                     Some(s) if j <= LN_SUM_MAX_J => ("s", 3, Some(dparams.at(s.off))),
                     _ => ("v", 2, None),
                 };
+                // 4 warps per block, one row per warp at a time; as many blocks as fit at once
+                // (4 per SM at 128 registers, 2 for the widest rows)
+                let per_sm = self.kernels.get(&format!("layernorm_bwd_{kernel}{j}"))?.occupancy_max_active_blocks_per_multiprocessor(128, 0, None).unwrap_or(4).max(1);
+                let grid = (rows.div_ceil(4 * 8) as u32).min(self.info.multiprocessors * per_sm).max(1);
                 let partial = self.partial_rows(grid as usize * na * c)?;
                 self.launch(&format!("layernorm_bwd_{kernel}{j}"), (grid, 1, 1), (128, 1, 1), 0, &mut kargs![dinp.ptr, partial, dout.ptr, dres, inp.ptr, mean.ptr, rstd.ptr, params.ptr, wo, bo, r])?;
                 let (dw, db) = (dparams.at(w.off), dparams.at(b.off));

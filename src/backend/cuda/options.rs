@@ -252,9 +252,26 @@ impl Cuda {
         self.knobs.attention.store(path as u8, Ordering::Relaxed);
     }
 
-    /// The chosen attention path (head dims the fused kernels lack still take the gemm path).
+    /// The attention path calls take: the chosen one, or gemm where `kernels/flash.cu` did not
+    /// load (an architecture without its instructions, e.g. sm_75). Head dims the fused kernels
+    /// lack still take the gemm path.
     pub fn attention_path(&self) -> AttentionPath {
+        if self.has_flash_attention() {
+            self.chosen_attention_path()
+        } else {
+            AttentionPath::Gemm
+        }
+    }
+
+    /// The attention path chosen by `set_attention` or `VITSCALE_ATTENTION`, whether or not its
+    /// kernels loaded.
+    pub fn chosen_attention_path(&self) -> AttentionPath {
         AttentionPath::from_u8(self.knobs.attention.load(Ordering::Relaxed))
+    }
+
+    /// Whether the fused attention kernels (`kernels/flash.cu`, an optional module) loaded.
+    pub fn has_flash_attention(&self) -> bool {
+        self.kernels.get("flash_fwd_d64_pipe").is_ok()
     }
 
     /// Whether the wgmma attention kernels are chosen where they apply

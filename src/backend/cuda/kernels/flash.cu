@@ -101,16 +101,58 @@ __device__ __forceinline__ void fa_zero(float (&a)[N][4]) {
 // A fragments (16 rows × D, KT = D/16 k-steps) of rows r0 and r0 + 8 of a shared tile with
 // rows of D + 8: a warp's queries in the forward, its keys (K, V) in the backward.
 template <int D>
-__device__ __forceinline__ void fa_row_fragments(unsigned (&a)[D / 16][4], const bf16* s, int r0, int t) {
+__device__ __forceinline__ void fa_row_fragment(unsigned (&a)[4], const bf16* s, int r0, int kt, int t) {
     constexpr int LD = D + 8;
-    #pragma unroll
-    for (int kt = 0; kt < D / 16; kt++) {
-        a[kt][0] = ld2(s + r0 * LD + kt * 16 + 2 * t);
-        a[kt][1] = ld2(s + (r0 + 8) * LD + kt * 16 + 2 * t);
-        a[kt][2] = ld2(s + r0 * LD + kt * 16 + 2 * t + 8);
-        a[kt][3] = ld2(s + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
-    }
+    a[0] = ld2(s + r0 * LD + kt * 16 + 2 * t);
+    a[1] = ld2(s + (r0 + 8) * LD + kt * 16 + 2 * t);
+    a[2] = ld2(s + r0 * LD + kt * 16 + 2 * t + 8);
+    a[3] = ld2(s + (r0 + 8) * LD + kt * 16 + 2 * t + 8);
 }
+template <int D>
+__device__ __forceinline__ void fa_row_fragments(unsigned (&a)[D / 16][4], const bf16* s, int r0, int t) {
+    #pragma unroll
+    for (int kt = 0; kt < D / 16; kt++) fa_row_fragment<D>(a[kt], s, r0, kt, t);
+}
+
+// Where a backward warp's K and V A-fragments (its 16 keys, rows r0 and r0 + 8 of the shared K
+// and V tiles) come from at each k-step kt: registers loaded once per key tile (KeyRegs), or
+// the shared tiles at every use (KeySmem: heads over 64, whose dK and dV accumulators need
+// the registers that holding K and V would take).
+template <int D>
+struct KeyRegs {
+    unsigned k[D / 16][4], v[D / 16][4];
+    __device__ __forceinline__ void load(const bf16* sk, const bf16* sv, int r0, int t) {
+        fa_row_fragments<D>(k, sk, r0, t);
+        fa_row_fragments<D>(v, sv, r0, t);
+    }
+    __device__ __forceinline__ void get(int kt, unsigned (&ak)[4], unsigned (&av)[4]) const {
+        #pragma unroll
+        for (int e = 0; e < 4; e++) {
+            ak[e] = k[kt][e];
+            av[e] = v[kt][e];
+        }
+    }
+};
+template <int D>
+struct KeySmem {
+    const bf16* sk;
+    const bf16* sv;
+    int r0, t;
+    __device__ __forceinline__ void load(const bf16* sk_, const bf16* sv_, int r0_, int t_) {
+        sk = sk_;
+        sv = sv_;
+        r0 = r0_;
+        t = t_;
+    }
+    __device__ __forceinline__ void get(int kt, unsigned (&ak)[4], unsigned (&av)[4]) const {
+        fa_row_fragment<D>(ak, sk, r0, kt, t);
+        fa_row_fragment<D>(av, sv, r0, kt, t);
+    }
+};
+template <bool C, class A, class B> struct PickT { using type = A; };
+template <class A, class B> struct PickT<false, A, B> { using type = B; };
+// The key-fragment source of the tiled backward for head dim D.
+template <int D> using KeyFrags = typename PickT<(D > 64), KeySmem<D>, KeyRegs<D>>::type;
 
 // Scores of a warp's 16 query rows (fragments qa) against the NS·8 keys of a shared K tile
 // (rows of D + 8): s = q·kᵀ. SKIP: key n-tiles at or past `valid` keys are left at zero (a
@@ -223,12 +265,6 @@ __device__ __forceinline__ void flash_bwd_pre(float* __restrict__ delta, const b
     }
 }
 
-extern "C" __global__ void flash_bwd_pre_d64(float* delta, const bf16* dout, const bf16* out, int b, int n, int h) {
-    flash_bwd_pre<64>(delta, dout, out, b, n, h);
-}
-extern "C" __global__ void flash_bwd_pre_d32(float* delta, const bf16* dout, const bf16* out, int b, int n, int h) {
-    flash_bwd_pre<32>(delta, dout, out, b, n, h);
-}
 
 // dq_acc (B·N, H·D) f32 → the q slot of dqkv (B, N, 3, H, D) bf16, 8 values per thread.
 // hd8 = H·D / 8; rows = B·N.
@@ -260,10 +296,10 @@ template <bool B> struct BoolC { static constexpr bool value = B; };
 template <int V> struct IntC { static constexpr int value = V; };
 
 // fa_load_tile through cp.async (not waited for here).
-template <int D, int ROWS>
+template <int D, int ROWS, int NT = FA_THREADS>
 __device__ __forceinline__ void fa_load_tile_async(bf16* s, const bf16* g, i64 stride, int row0, int n) {
     constexpr int CH = D / 8;
-    for (int i = threadIdx.x; i < ROWS * CH; i += FA_THREADS) {
+    for (int i = threadIdx.x; i < ROWS * CH; i += NT) {
         int r = i / CH, c = i - r * CH;
         bool ok = row0 + r < n;
         cp_async16(s + r * (D + 8) + c * 8, ok ? g + (i64)(row0 + r) * stride + c * 8 : g, ok);
@@ -271,9 +307,27 @@ __device__ __forceinline__ void fa_load_tile_async(bf16* s, const bf16* g, i64 s
 }
 
 // Dynamic shared memory of the pipelined kernels, in bytes (the host passes the same sums).
-// forward: Q tile + 2 stages × (K, V); backward: K, V, dSᵀ + 2 stages × (Q, dO) + 2 × 2 × 64 f32.
+// forward: Q tile + 2 stages × (K, V); backward (BC keys a block): K, V, dSᵀ + 2 stages ×
+// (Q, dO) + 2 × 2 × 64 f32.
 template <int D> constexpr int fa_fwd_pipe_smem() { return (FA_BR + 4 * FA_BC) * (D + 8) * 2; }
-template <int D> constexpr int fa_bwd_pipe_smem() { return (2 * FA_BC + 4 * FA_BR) * (D + 8) * 2 + FA_BC * (FA_BR + 8) * 2 + 4 * FA_BR * 4; }
+template <int D, int BC> constexpr int fa_bwd_pipe_smem() { return (2 * BC + 4 * FA_BR) * (D + 8) * 2 + BC * (FA_BR + 8) * 2 + 4 * FA_BR * 4; }
+
+// Keys per block of the tiled backward for head dim D: 128 (8 warps) where half the head is a
+// whole number of 16-column tiles, so that the dQ phase splits the head dim between two warp
+// groups and each block adds dQ over 128 keys at once (half the f32 atomics of 64-key blocks,
+// and each query tile fetched once per 128 keys); else 64 (4 warps). The host mirrors this
+// (pipe_keys in attention.rs).
+template <int D> constexpr int fa_bwd_keys() { return (D / 2) % 16 == 0 ? 128 : 64; }
+
+// p[0] += a, p[1] += b in global memory (8-byte aligned): one vector reduction on sm_90.
+__device__ __forceinline__ void red_add2(float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    atomicAdd((float2*)p, make_float2(a, b));
+#else
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+#endif
+}
 
 // The forward's end for one warp's query rows row0 and row0 + 8: the quads' partial sums
 // l0, l1 joined, O normalized into out (B, N, H·D) and lse2 = m + log2(l) stored (rows < n).
@@ -384,12 +438,6 @@ __device__ __forceinline__ void flash_fwd_pipe(bf16* __restrict__ out, float* __
     fa_store_out<D>(out, lse2, o, m0, m1, l0, l1, bi, bh, hi, n, h, q0 + r0, t);
 }
 
-extern "C" __global__ void flash_fwd_d64_pipe(bf16* out, float* lse2, const bf16* qkv, int n, int h, float scale_log2) {
-    flash_fwd_pipe<64>(out, lse2, qkv, n, h, scale_log2);
-}
-extern "C" __global__ void flash_fwd_d32_pipe(bf16* out, float* lse2, const bf16* qkv, int n, int h, float scale_log2) {
-    flash_fwd_pipe<32>(out, lse2, qkv, n, h, scale_log2);
-}
 
 // One query step of the backward for one warp's 16 keys (key rows r0 and r0 + 8 of its block,
 // fragments ka / va): Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ over the step's QN queries, Pᵀ from lse2,
@@ -401,9 +449,9 @@ extern "C" __global__ void flash_fwd_d32_pipe(bf16* out, float* lse2, const bf16
 // zero-filled rows and masked, still branch-free (flash_bwd_small, where at most 15 are padding).
 // QN is 64 in the tiled backwards and FA_SMALL_QC (then the rest of the padded head) in
 // flash_bwd_small; LDS is the row stride of sds (the whole head's queries there).
-template <int D, bool FQ, int QN = FA_BR, bool SKIP = !FQ, int LDS = QN + 8>
+template <int D, bool FQ, int QN = FA_BR, bool SKIP = !FQ, int LDS = QN + 8, class KF>
 __device__ __forceinline__ void fa_bwd_step(const bf16* sq, const bf16* sdo, const float* slse, const float* sdelta, bf16* sds, int q0, int n,
-                                            const unsigned (&ka)[D / 16][4], const unsigned (&va)[D / 16][4], bool key0_ok, bool key1_ok,
+                                            const KF& keys, bool key0_ok, bool key1_ok,
                                             float (&dk)[D / 8][4], float (&dv)[D / 8][4], int r0, int lane, float scale_log2) {
     constexpr int LD = D + 8;
     constexpr int KT = D / 16;
@@ -414,6 +462,8 @@ __device__ __forceinline__ void fa_bwd_step(const bf16* sq, const bf16* sdo, con
     fa_zero(dp);
     #pragma unroll
     for (int kt = 0; kt < KT; kt++) {
+        unsigned ka[4], va[4];
+        keys.get(kt, ka, va);
         #pragma unroll
         for (int j = 0; j < NS; j += 2) {
             if (SKIP && q0 + j * 8 >= n) continue;
@@ -421,11 +471,11 @@ __device__ __forceinline__ void fa_bwd_step(const bf16* sq, const bf16* sdo, con
             const bool second = !SKIP || q0 + (j + 1) * 8 < n;
             unsigned b[4];
             ldb_rows2(b, sq, LD, j * 8, kt * 16, lane);
-            mma_bf16(p[j], ka[kt], b);
-            if (second) mma_bf16(p[j + 1], ka[kt], b + 2);
+            mma_bf16(p[j], ka, b);
+            if (second) mma_bf16(p[j + 1], ka, b + 2);
             ldb_rows2(b, sdo, LD, j * 8, kt * 16, lane);
-            mma_bf16(dp[j], va[kt], b);
-            if (second) mma_bf16(dp[j + 1], va[kt], b + 2);
+            mma_bf16(dp[j], va, b);
+            if (second) mma_bf16(dp[j + 1], va, b + 2);
         }
     }
     #pragma unroll
@@ -458,13 +508,6 @@ __device__ __forceinline__ void fa_bwd_step(const bf16* sq, const bf16* sdo, con
     }
 }
 
-// K and V fragments of one warp's 16 keys (rows r0, r0 + 8 of the shared K and V tiles).
-template <int D>
-__device__ __forceinline__ void fa_key_fragments(unsigned (&ka)[D / 16][4], unsigned (&va)[D / 16][4], const bf16* sk, const bf16* sv, int r0, int t) {
-    fa_row_fragments<D>(ka, sk, r0, t);
-    fa_row_fragments<D>(va, sv, r0, t);
-}
-
 // dK (times the softmax scale) and dV of keys key0 and key0 + 8 into dqkv (B, N, 3, H, D).
 template <int D>
 __device__ __forceinline__ void fa_store_dkdv(bf16* dqkv, int bi, int hi, int n, int h, i64 key0, bool key0_ok, bool key1_ok,
@@ -490,21 +533,28 @@ __device__ __forceinline__ void fa_store_dkdv(bf16* dqkv, int bi, int hi, int n,
     }
 }
 
-template <int D>
+// The key-block backward: a block of BC/16 warps owns BC keys (16 per warp: their dK, dV in
+// registers) and walks every query tile of 64 (double-buffered); per tile each warp computes
+// its keys' P and dS (fa_bwd_step, dSᵀ into shared memory), then the block adds dQ = dS·K of
+// the tile through f32 atomics: warp w takes queries 16·(w mod 4) and, with 8 warps, half of
+// the head dim (w / 4), over all BC keys.
+template <int D, int BC>
 __device__ __forceinline__ void flash_bwd_pipe(bf16* __restrict__ dqkv, float* __restrict__ dq_acc, const bf16* __restrict__ dout, const bf16* __restrict__ qkv, const float* __restrict__ lse2, const float* __restrict__ delta, int n, int h, float scale, float scale_log2) {
     constexpr int LD = D + 8;
     constexpr int LDS = FA_BR + 8;
-    constexpr int KT = D / 16;
     constexpr int NO = D / 8;
+    constexpr int NT = 2 * BC;                  // threads: BC / 16 warps
+    constexpr int DSPLIT = BC / FA_BR;          // warp groups sharing the dQ tile's head dim
+    constexpr int NQ = NO / DSPLIT;             // dQ n-tiles per warp
     extern __shared__ __align__(16) unsigned char fa_smem[];
-    bf16* sk = (bf16*)fa_smem;                // FA_BC × LD
-    bf16* sv = sk + FA_BC * LD;               // FA_BC × LD
-    bf16* sds = sv + FA_BC * LD;              // dSᵀ: FA_BC × LDS
-    bf16* stages = sds + FA_BC * LDS;         // stage s: Q at stages + 2s·FA_BR·LD, dO right after
+    bf16* sk = (bf16*)fa_smem;                // BC × LD
+    bf16* sv = sk + BC * LD;                  // BC × LD
+    bf16* sds = sv + BC * LD;                 // dSᵀ: BC × LDS
+    bf16* stages = sds + BC * LDS;            // stage s: Q at stages + 2s·FA_BR·LD, dO right after
     float* sstat = (float*)(stages + 4 * FA_BR * LD);  // stage s: lse2 at 2s·FA_BR, delta after
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int bh = blockIdx.y, bi = bh / h, hi = bh - bi * h;
-    const int k0 = blockIdx.x * FA_BC;
+    const int k0 = blockIdx.x * BC;
     const i64 stride = (i64)3 * h * D;
     const i64 ostride = (i64)h * D;
     const bf16* qg = qkv + (i64)bi * n * stride + hi * D;
@@ -519,25 +569,27 @@ __device__ __forceinline__ void flash_bwd_pipe(bf16* __restrict__ dqkv, float* _
         const int q0 = qi * FA_BR;
         bf16* st = stages + (qi & 1) * 2 * FA_BR * LD;
         float* ss = sstat + (qi & 1) * 2 * FA_BR;
-        fa_load_tile_async<D, FA_BR>(st, qg, stride, q0, n);
-        fa_load_tile_async<D, FA_BR>(st + FA_BR * LD, dog, ostride, q0, n);
-        for (int i = threadIdx.x; i < FA_BR; i += FA_THREADS) {
+        fa_load_tile_async<D, FA_BR, NT>(st, qg, stride, q0, n);
+        fa_load_tile_async<D, FA_BR, NT>(st + FA_BR * LD, dog, ostride, q0, n);
+        for (int i = threadIdx.x; i < FA_BR; i += NT) {
             const bool ok = q0 + i < n;
             cp_async4(ss + i, ok ? lg + q0 + i : lg, ok);
             cp_async4(ss + FA_BR + i, ok ? dg + q0 + i : dg, ok);
         }
         cp_async_commit();
     };
-    fa_load_tile_async<D, FA_BC>(sk, kg, stride, k0, n);
-    fa_load_tile_async<D, FA_BC>(sv, vg, stride, k0, n);
+    fa_load_tile_async<D, BC, NT>(sk, kg, stride, k0, n);
+    fa_load_tile_async<D, BC, NT>(sv, vg, stride, k0, n);
     prefetch(0);  // one group: K, V and query tile 0
 
     const int r0 = warp * 16 + g;
-    unsigned ka[KT][4], va[KT][4];
+    KeyFrags<D> keys;
     const bool key0_ok = k0 + r0 < n, key1_ok = k0 + r0 + 8 < n;
     float dk[NO][4], dv[NO][4];
     fa_zero(dk);
     fa_zero(dv);
+    const int qw = (warp % (FA_BR / 16)) * 16;  // dQ phase: this warp's 16 queries of the tile
+    const int dh = (warp / (FA_BR / 16)) * (D / DSPLIT);  // … and the first of its head-dim columns
 
     for (int qi = 0; qi < nq; qi++) {
         const int q0 = qi * FA_BR;
@@ -553,47 +605,55 @@ __device__ __forceinline__ void flash_bwd_pipe(bf16* __restrict__ dqkv, float* _
         const bf16* sdo = sq + FA_BR * LD;
         const float* slse = sstat + (qi & 1) * 2 * FA_BR;
         const float* sdelta = slse + FA_BR;
-        if (qi == 0) fa_key_fragments<D>(ka, va, sk, sv, r0, t);
+        if (qi == 0) keys.load(sk, sv, r0, t);
         if (k0 + warp * 16 < n) {  // some of this warp's keys exist (warp-uniform)
-            if (q0 + FA_BR <= n) fa_bwd_step<D, true>(sq, sdo, slse, sdelta, sds, q0, n, ka, va, key0_ok, key1_ok, dk, dv, r0, lane, scale_log2);
-            else fa_bwd_step<D, false>(sq, sdo, slse, sdelta, sds, q0, n, ka, va, key0_ok, key1_ok, dk, dv, r0, lane, scale_log2);
+            if (q0 + FA_BR <= n) fa_bwd_step<D, true>(sq, sdo, slse, sdelta, sds, q0, n, keys, key0_ok, key1_ok, dk, dv, r0, lane, scale_log2);
+            else fa_bwd_step<D, false>(sq, sdo, slse, sdelta, sds, q0, n, keys, key0_ok, key1_ok, dk, dv, r0, lane, scale_log2);
         }
-        __syncthreads();  // dSᵀ complete
-        if (q0 + warp * 16 >= n) continue;
-        float dq[NO][4];
+        __syncthreads();  // dSᵀ complete (the rows of warps past n are skipped below)
+        if (q0 + qw >= n) continue;
+        float dq[NQ][4];
         fa_zero(dq);
         #pragma unroll
-        for (int kk = 0; kk < FA_BC / 16; kk++) {
+        for (int kk = 0; kk < BC / 16; kk++) {
             if (k0 + kk * 16 >= n) continue;
             unsigned a[4];
-            ds_as_a(a, sds, LDS, kk * 16, warp * 16, lane);
-            mma_a_tile(dq, a, sk, LD, kk * 16, 0, lane);
+            ds_as_a(a, sds, LDS, kk * 16, qw, lane);
+            mma_a_tile(dq, a, sk, LD, kk * 16, dh, lane);
         }
-        const int qa0 = q0 + warp * 16 + g, qa1 = qa0 + 8;
-        float* dqg = dq_acc + (i64)bi * n * ostride + hi * D + 2 * t;
+        const int qa0 = q0 + qw + g, qa1 = qa0 + 8;
+        float* dqg = dq_acc + (i64)bi * n * ostride + hi * D + dh + 2 * t;
         if (qa0 < n) {
             #pragma unroll
-            for (int j = 0; j < NO; j++) {
-                atomicAdd(dqg + qa0 * ostride + j * 8, dq[j][0] * scale);
-                atomicAdd(dqg + qa0 * ostride + j * 8 + 1, dq[j][1] * scale);
-            }
+            for (int j = 0; j < NQ; j++) red_add2(dqg + qa0 * ostride + j * 8, dq[j][0] * scale, dq[j][1] * scale);
         }
         if (qa1 < n) {
             #pragma unroll
-            for (int j = 0; j < NO; j++) {
-                atomicAdd(dqg + qa1 * ostride + j * 8, dq[j][2] * scale);
-                atomicAdd(dqg + qa1 * ostride + j * 8 + 1, dq[j][3] * scale);
-            }
+            for (int j = 0; j < NQ; j++) red_add2(dqg + qa1 * ostride + j * 8, dq[j][2] * scale, dq[j][3] * scale);
         }
     }
-    fa_store_dkdv<D>(dqkv, bi, hi, n, h, k0 + r0, key0_ok, key1_ok, dk, dv, scale, t);}
+    fa_store_dkdv<D>(dqkv, bi, hi, n, h, k0 + r0, key0_ok, key1_ok, dk, dv, scale, t);
+}
 
-extern "C" __global__ void flash_bwd_d64_pipe(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse2, const float* delta, int n, int h, float scale, float scale_log2) {
-    flash_bwd_pipe<64>(dqkv, dq_acc, dout, qkv, lse2, delta, n, h, scale, scale_log2);
-}
-extern "C" __global__ void flash_bwd_d32_pipe(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse2, const float* delta, int n, int h, float scale, float scale_log2) {
-    flash_bwd_pipe<32>(dqkv, dq_acc, dout, qkv, lse2, delta, n, h, scale, scale_log2);
-}
+// The tiled kernels for every head dim the fused path serves (a multiple of 16 up to 128:
+// ViT-S/B/L's 64, ViT-H/14's 80, 32, 96 and 128); their host side is PIPE_HEAD_DIMS in
+// attention.rs.
+#define FA_PIPE(D) \
+    extern "C" __global__ void flash_bwd_pre_d##D(float* delta, const bf16* dout, const bf16* out, int b, int n, int h) { \
+        flash_bwd_pre<D>(delta, dout, out, b, n, h); \
+    } \
+    extern "C" __global__ void flash_fwd_d##D##_pipe(bf16* out, float* lse2, const bf16* qkv, int n, int h, float scale_log2) { \
+        flash_fwd_pipe<D>(out, lse2, qkv, n, h, scale_log2); \
+    } \
+    extern "C" __global__ void flash_bwd_d##D##_pipe(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse2, const float* delta, int n, int h, float scale, float scale_log2) { \
+        flash_bwd_pipe<D, fa_bwd_keys<D>()>(dqkv, dq_acc, dout, qkv, lse2, delta, n, h, scale, scale_log2); \
+    }
+FA_PIPE(32)
+FA_PIPE(64)
+FA_PIPE(80)
+FA_PIPE(96)
+FA_PIPE(128)
+#undef FA_PIPE
 
 // ---- Backward for short sequences (N ≤ 256, every ViT at 224/16 or 32/4): one block of 8 warps
 // per (b, h) owns every key and every query of the head, so nothing leaves the block until the
@@ -632,7 +692,6 @@ __device__ __forceinline__ void flash_bwd_short(bf16* __restrict__ dqkv, const b
     constexpr int LD = D + 8;
     constexpr int LDQ = D + 8;  // f32 dQ rows: float2 accesses of a half-warp hit distinct banks
     constexpr int LDS = FA_BR + 8;
-    constexpr int KT = D / 16;
     constexpr int NO = D / 8;
     constexpr int NH = NO / 2;  // n-tiles of one half of the head dim
     extern __shared__ __align__(16) unsigned char fa_smem[];
@@ -681,8 +740,8 @@ __device__ __forceinline__ void flash_bwd_short(bf16* __restrict__ dqkv, const b
         __syncthreads();
         const bool active = k0 + warp * 16 < n;  // some of this warp's keys exist (warp-uniform)
         const bool key0_ok = k0 + r0 < n, key1_ok = k0 + r0 + 8 < n;
-        unsigned ka[KT][4], va[KT][4];
-        fa_key_fragments<D>(ka, va, sK, sV, r0, t);
+        KeyRegs<D> keys;
+        keys.load(sK, sV, r0, t);
         float dk[NO][4], dv[NO][4];
         fa_zero(dk);
         fa_zero(dv);
@@ -723,8 +782,8 @@ __device__ __forceinline__ void flash_bwd_short(bf16* __restrict__ dqkv, const b
         const bool full_pass = k0 + FS_KB <= n;
         for (int q0 = 0; q0 < n; q0 += FA_BR) {
             if (active) {
-                if (q0 + FA_BR <= n) fa_bwd_step<D, true>(sQ + q0 * LD, sdO + q0 * LD, slse + q0, sdelta + q0, sds, q0, n, ka, va, key0_ok, key1_ok, dk, dv, r0, lane, scale_log2);
-                else fa_bwd_step<D, false>(sQ + q0 * LD, sdO + q0 * LD, slse + q0, sdelta + q0, sds, q0, n, ka, va, key0_ok, key1_ok, dk, dv, r0, lane, scale_log2);
+                if (q0 + FA_BR <= n) fa_bwd_step<D, true>(sQ + q0 * LD, sdO + q0 * LD, slse + q0, sdelta + q0, sds, q0, n, keys, key0_ok, key1_ok, dk, dv, r0, lane, scale_log2);
+                else fa_bwd_step<D, false>(sQ + q0 * LD, sdO + q0 * LD, slse + q0, sdelta + q0, sds, q0, n, keys, key0_ok, key1_ok, dk, dv, r0, lane, scale_log2);
             }
             __syncthreads();  // dSᵀ of this step complete
             if (q0 + qw < n) {
@@ -844,7 +903,6 @@ __device__ __forceinline__ void flash_bwd_small(bf16* __restrict__ dqkv, const b
     constexpr int LD = D + 8;
     constexpr int NP = 16 * W;
     constexpr int LDS = NP + 8;
-    constexpr int KT = D / 16;
     constexpr int NO = D / 8;
     constexpr bool OS = fa_small_o_smem<D, W>();  // O staged in shared memory (see fa_small_bwd_smem)
     extern __shared__ __align__(16) unsigned char fa_smem[];
@@ -929,9 +987,9 @@ __device__ __forceinline__ void flash_bwd_small(bf16* __restrict__ dqkv, const b
         // many blocks share an SM, and this kernel is latency-bound.
         auto step = [&](auto qn, int q0) {
             constexpr int QN = decltype(qn)::value;
-            unsigned ka[KT][4], va[KT][4];
-            fa_key_fragments<D>(ka, va, sK, sV, r0, t);
-            fa_bwd_step<D, false, QN, false, LDS>(sQ + q0 * LD, sdO + q0 * LD, slse + q0, sdelta + q0, sds + q0, q0, n, ka, va, key0_ok, key1_ok, dk, dv, r0, lane, scale_log2);
+            KeyRegs<D> keys;
+            keys.load(sK, sV, r0, t);
+            fa_bwd_step<D, false, QN, false, LDS>(sQ + q0 * LD, sdO + q0 * LD, slse + q0, sdelta + q0, sds + q0, q0, n, keys, key0_ok, key1_ok, dk, dv, r0, lane, scale_log2);
         };
         #pragma unroll 1
         for (int q0 = 0; q0 + FA_SMALL_QC <= NP; q0 += FA_SMALL_QC) step(IntC<FA_SMALL_QC>{}, q0);

@@ -151,7 +151,7 @@ extern "C" __global__ void layernorm_bwd_c##J(bf16* dinp, float* partial, const 
         const bf16* inp, const float* mean, const float* rstd, const bf16* params, i64 w, i64 bo, i64 rows) { \
     ln_bwd_t<J>(dinp, partial, dout, dres, inp, mean, rstd, params, w, bo, rows); }
 LN_INSTANCE(1) LN_INSTANCE(2) LN_INSTANCE(3) LN_INSTANCE(4) LN_INSTANCE(6) LN_INSTANCE(8)
-LN_INSTANCE(12) LN_INSTANCE(16) LN_INSTANCE(24) LN_INSTANCE(32)
+LN_INSTANCE(12) LN_INSTANCE(16) LN_INSTANCE(24) LN_INSTANCE(32) LN_INSTANCE(40) LN_INSTANCE(44)
 
 // ---- Vectorized path (even J, rows aligned to the vector width). The J=24 register-row
 // backward above holds 166 registers (one 256-thread block per SM, 8 warps: too few loads in
@@ -366,6 +366,15 @@ extern "C" __global__ void __launch_bounds__(128, 4) layernorm_bwd_v##J(bf16* di
     ln_bwd_v<J, 2>(dinp, partial, dout, dres, inp, mean, rstd, params, w, bo, rows); }
 LNV_INSTANCE(2) LNV_INSTANCE(4) LNV_INSTANCE(6) LNV_INSTANCE(8) LNV_INSTANCE(12) LNV_INSTANCE(16)
 LNV_INSTANCE(24) LNV_INSTANCE(32)
+// Widths over 1024 (ViT-H's 1280, ViT-g's 1408): the rows no longer fit 128 registers, so half
+// as many blocks share an SM rather than spilling.
+#define LNV_WIDE_INSTANCE(J) \
+extern "C" __global__ void __launch_bounds__(256, 1) layernorm_fwd_v##J(bf16* out, float* mean, float* rstd, const bf16* inp, \
+        const bf16* params, i64 w, i64 bo, i64 rows, float eps) { ln_fwd_v<J>(out, mean, rstd, inp, params, w, bo, rows, eps); } \
+extern "C" __global__ void __launch_bounds__(128, 2) layernorm_bwd_v##J(bf16* dinp, float* partial, const bf16* dout, const bf16* dres, \
+        const bf16* inp, const float* mean, const float* rstd, const bf16* params, i64 w, i64 bo, i64 rows) { \
+    ln_bwd_v<J, 2>(dinp, partial, dout, dres, inp, mean, rstd, params, w, bo, rows); }
+LNV_WIDE_INSTANCE(40) LNV_WIDE_INSTANCE(44)
 
 // layernorm_bwd_v with dinp's column sums (NA = 3), up to C = 768: three accumulator rows of
 // 4 warps stay within 48 KiB of static shared memory (C = 1024 falls back to a separate sum).
