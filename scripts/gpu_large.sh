@@ -25,7 +25,7 @@ echo "$table" | while read -r num model img micro rec; do
   timeout 120 "$BIN" bench --json --model "$model" --img "$img" --micro "$micro" --classes 10 --steps 10 --warmup 3 --recompute "$rec" $prof > "$O/v_$num.log" 2>&1
   echo "row $num $model $img micro $micro: vitscale rc $? ($((SECONDS - t0)) s) $(grep 'ms/step' "$O/v_$num.log" | sed 's/.*micro/micro/')"
   [ -n "$prof" ] && grep -A14 "profile of" "$O/v_$num.log" | head -15
-  tail -n 1 "$O/v_$num.log" | grep '^{' | python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['row']=$num; print(json.dumps(r))" >> "$O/vitscale.jsonl"
+  tail -n 1 "$O/v_$num.log" | grep '^{' | python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['row']=$num; r['recompute_policy']='$rec'; print(json.dumps(r))" >> "$O/vitscale.jsonl"
   for mode in $PEERS; do
     flag=""; to=90; [ "$mode" = compile ] && { flag="--compile"; to=200; }
     timeout $to python3 "$PEER" --mode torch $flag --model "$model" --img "$img" --micro "$micro" --steps 10 --warmup 3 2>> "$O/peer.err" \

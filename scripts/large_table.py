@@ -15,4 +15,4 @@ for r in ours:
     comp = next((p for p in ps if p["mode"] == "torch+compile"), None)
     cell = lambda p: f"{p['img_per_s']:.0f} ({p['max_mem_gib']:.1f} GiB)" if p else "–"
     ratio = lambda p: f"{r['img_per_s'] / p['img_per_s']:.2f}×" if p else "–"
-    print(f"| {r['row']} | {r['model']} {r['image_size']} px | {r['micro']} | {r['img_per_s']:.0f} | {100 * r['mfu']:.1f}% | {r['peak_mem_gib']:.1f} | {r['recomputed']} | {cell(eager)} | {cell(comp)} | {ratio(eager)} | {ratio(comp)} |")
+    print(f"| {r['row']} | {r['model']} {r['image_size']} px | {r['micro']} | {r['img_per_s']:.0f} | {100 * r['mfu']:.1f}% | {r['peak_mem_gib']:.1f} | {r.get('recompute_policy', '–')} | {cell(eager)} | {cell(comp)} | {ratio(eager)} | {ratio(comp)} |")

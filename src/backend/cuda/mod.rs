@@ -16,14 +16,15 @@
 //! `set_attention`):
 //! - gemm: materializes `probs` (B, H, N, N): per-head layout copies, strided-batched cuBLASLt
 //!   GEMMs for q·kᵀ and p·v, and a row-softmax kernel.
-//! - fused (`kernels/flash.cu`, head dims 32 and 64): flash-attention-2 style tensor-core
-//!   kernels that read q, k, v from the interleaved qkv layout, keep only the per-row
-//!   log-sum-exp (B·H·N f32) in `probs`, and recompute the probabilities in the backward.
-//!   Other head dims take the gemm path. For N ≤ 80 (CIFAR's 65 tokens) forward and backward
-//!   hold a whole head in one small block of ≤ 5 warps, several blocks per SM; for N ≤ 256 the
+//! - fused (`kernels/flash.cu`, head dims 32, 64, 80, 96 and 128): flash-attention-2 style
+//!   tensor-core kernels that read q, k, v from the interleaved qkv layout, keep only the
+//!   per-row log-sum-exp (B·H·N f32) in `probs`, and recompute the probabilities in the
+//!   backward. Other head dims, and every head where flash.cu did not load (sm_75), take the
+//!   gemm path. At D 32 and 64, for N ≤ 80 (CIFAR's 65 tokens) forward and backward hold a
+//!   whole head in one small block of ≤ 5 warps, several blocks per SM; for N ≤ 256 the
 //!   backward keeps a whole head in one 8-warp block (no dQ atomics); `fused-pipe` uses the
-//!   tiled forward and the key-block backward for every N (to compare; it is what N > 256
-//!   gets anyway).
+//!   tiled forward and the key-block backward for every N (to compare; it is what longer
+//!   sequences and the other head dims get anyway).
 //! - On Hopper (`kernels/hopper.cu`, compiled for sm_90a on sm_90 devices only) the MLP's first
 //!   layer is one persistent wgmma/TMA kernel with the erf GELU in its epilogue (cuBLASLt's GELU
 //!   epilogue is the tanh approximation), and the second layer's input gradient another with the

@@ -101,8 +101,8 @@ pub enum GemmTune {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CudaOptions {
     /// The attention path (`set_attention` changes it later). `VITSCALE_ATTENTION`:
-    /// `fused` (the default) — flash-attention kernels (`kernels/flash.cu`, head dims 32 and
-    /// 64; other head dims take the gemm path) keeping only the log-sum-exp per row, with
+    /// `fused` (the default) — flash-attention kernels (`kernels/flash.cu`, head dims 32, 64,
+    /// 80, 96, 128; other head dims take the gemm path) keeping only the log-sum-exp per row, with
     /// whole-head blocks where the sequence is short (parity, and a 1.24× step at ViT-B/16
     /// micro 256 against `gemm`; BENCHMARKS.md); `fused-pipe` — the tiled forward and the
     /// key-block backward for every N (what N > 256 gets anyway; for comparison); `gemm` —
