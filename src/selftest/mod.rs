@@ -556,12 +556,12 @@ fn class_attention_check<B: Backend>(cx: &mut Ctx<B>, b: usize, n: usize, h: usi
 /// 81, the first N past them), and the 13-warp whole-head backward's (D 64, N 193–208: 197,
 /// 193 and 208 at its ends, 209 past it); the tiled kernels' other head dims (80: ViT-H/14 at
 /// 257 tokens and a ragged 50; 96; 128 short, at 1025 and long) and long sequences (4097:
-/// ViT-B/16 at 1024 px; 16384). `path` labels the checks.
+/// ViT-B/16 at 1024 px; 16384; past 1024 tokens the forward's 128-query blocks, every head dim). `path` labels the checks.
 pub fn attention_checks<B: Backend>(be: &B, seed: u64, path: &str) -> BResult<Vec<Check>> {
     let tol_c = if be.needs_compute_copy() { 1e-2 } else { F32_TOL };
     let mut cx = Ctx { be, cpu: Cpu::new(), rng: ChaCha8Rng::seed_from_u64(seed), checks: Vec::new(), tol_c };
     for &(b, n, h, d) in &[(2usize, 65usize, 6usize, 64usize), (3, 197, 4, 64), (3, 50, 5, 64), (2, 17, 3, 32), (2, 65, 3, 32), (1, 1025, 2, 64), (32, 197, 12, 64), (2, 256, 2, 64), (2, 129, 3, 32), (64, 65, 6, 64), (2, 80, 2, 64), (2, 64, 3, 32), (3, 1, 2, 64), (2, 81, 2, 64), (2, 193, 2, 64), (2, 208, 3, 64), (2, 209, 2, 64),
-        (2, 257, 4, 80), (2, 50, 3, 80), (2, 197, 2, 96), (2, 65, 2, 128), (1, 1025, 2, 128), (1, 4097, 2, 64), (1, 4097, 1, 80), (1, 16384, 1, 64)] {
+        (2, 257, 4, 80), (2, 50, 3, 80), (2, 197, 2, 96), (2, 65, 2, 128), (1, 1025, 2, 128), (1, 4097, 2, 64), (1, 4097, 1, 80), (1, 16384, 1, 64), (1, 1090, 2, 32), (1, 1030, 2, 96)] {
         attention_check(&mut cx, b, n, h, d, path)?;
     }
     // a head dim that is no multiple of 8: the class-token attention's element-wise kernels

@@ -20,6 +20,9 @@ const SHORT_BWD_SMEM_MAX: usize = 227 * 1024;
 /// N, any head of a timm ViT up to 128 wide that is a multiple of 16.
 const PIPE_HEAD_DIMS: [usize; 5] = [32, 64, 80, 96, 128];
 
+/// Above this many tokens the tiled forward takes 128-query blocks (`flash_fwd_d{d}_pipe128`).
+const LONG_QUERY_BLOCK_FROM: usize = 1024;
+
 /// Keys per block of the tiled backward `flash_bwd_d{d}_pipe` (2 threads a key). Mirrors
 /// fa_bwd_keys in flash.cu: 128 where half the head dim is a multiple of 16, else 64.
 fn pipe_keys(d: usize) -> usize {
@@ -180,9 +183,15 @@ impl Cuda {
                 let block = (32 * w as u32, 1, 1);
                 return self.launch_dyn(&format!("flash_fwd_small_d{d}_w{w}"), ((b * h) as u32, 1, 1), block, smem, &mut kargs![out.ptr, probs.ptr, qkv.ptr, nn, hh, scale_log2]);
             }
-            let name = format!("flash_fwd_{sfx}");
-            let grid = (n.div_ceil(64) as u32, (b * h) as u32, 1);
-            return self.launch_dyn(&name, grid, (128, 1, 1), smem, &mut kargs![out.ptr, probs.ptr, qkv.ptr, nn, hh, scale_log2]);
+            // Long sequences: 128-query blocks (each K, V tile fetched once for twice the
+            // queries); up to 1024 tokens the 64-query blocks waste less of the last tile.
+            let (br, name, smem) = if n > LONG_QUERY_BLOCK_FROM {
+                (128, format!("flash_fwd_{sfx}128"), smem + (64 * (d + 8) * 2) as u32)
+            } else {
+                (64, format!("flash_fwd_{sfx}"), smem)
+            };
+            let grid = (n.div_ceil(br) as u32, (b * h) as u32, 1);
+            return self.launch_dyn(&name, grid, (2 * br as u32, 1, 1), smem, &mut kargs![out.ptr, probs.ptr, qkv.ptr, nn, hh, scale_log2]);
         }
         let heads = self.scratch("qkv_heads", 3 * bhnd)?;
         let oh = self.scratch("o_heads", bhnd)?;

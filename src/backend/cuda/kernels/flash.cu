@@ -307,9 +307,9 @@ __device__ __forceinline__ void fa_load_tile_async(bf16* s, const bf16* g, i64 s
 }
 
 // Dynamic shared memory of the pipelined kernels, in bytes (the host passes the same sums).
-// forward: Q tile + 2 stages × (K, V); backward (BC keys a block): K, V, dSᵀ + 2 stages ×
+// forward (BR queries a block): Q tile + 2 stages × (K, V); backward (BC keys a block): K, V, dSᵀ + 2 stages ×
 // (Q, dO) + 2 × 2 × 64 f32.
-template <int D> constexpr int fa_fwd_pipe_smem() { return (FA_BR + 4 * FA_BC) * (D + 8) * 2; }
+template <int D, int BR> constexpr int fa_fwd_pipe_smem() { return (BR + 4 * FA_BC) * (D + 8) * 2; }
 template <int D, int BC> constexpr int fa_bwd_pipe_smem() { return (2 * BC + 4 * FA_BR) * (D + 8) * 2 + BC * (FA_BR + 8) * 2 + 4 * FA_BR * 4; }
 
 // Keys per block of the tiled backward for head dim D: 128 (8 warps) where half the head is a
@@ -355,7 +355,10 @@ __device__ __forceinline__ void fa_store_out(bf16* out, float* lse2, const float
     }
 }
 
-template <int D>
+// The tiled forward: a block of BR/16 warps owns BR queries (16 per warp) and walks the keys in
+// tiles of 64, double-buffered. 128-query blocks fetch each K and V tile once for twice the
+// queries (long sequences); 64-query blocks waste less of a short sequence's last tile.
+template <int D, int BR>
 __device__ __forceinline__ void flash_fwd_pipe(bf16* __restrict__ out, float* __restrict__ lse2, const bf16* __restrict__ qkv, int n, int h, float scale_log2) {
     constexpr int LD = D + 8;
     constexpr int KT = D / 16;
@@ -363,19 +366,20 @@ __device__ __forceinline__ void flash_fwd_pipe(bf16* __restrict__ out, float* __
     constexpr int NO = D / 8;
     extern __shared__ __align__(16) unsigned char fa_smem[];
     bf16* sq = (bf16*)fa_smem;
-    bf16* stages = sq + FA_BR * LD;  // stage s: K at stages + 2s·FA_BC·LD, V right after
+    constexpr int NT = 2 * BR;
+    bf16* stages = sq + BR * LD;  // stage s: K at stages + 2s·FA_BC·LD, V right after
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int bh = blockIdx.y, bi = bh / h, hi = bh - bi * h;
-    const int q0 = blockIdx.x * FA_BR;
+    const int q0 = blockIdx.x * BR;
     const i64 stride = (i64)3 * h * D;
     const bf16* qg = qkv + (i64)bi * n * stride + hi * D;
     const bf16* kg = qg + h * D;
     const bf16* vg = qg + 2 * h * D;
     const int nk = (n + FA_BC - 1) / FA_BC;
 
-    fa_load_tile_async<D, FA_BR>(sq, qg, stride, q0, n);
-    fa_load_tile_async<D, FA_BC>(stages, kg, stride, 0, n);
-    fa_load_tile_async<D, FA_BC>(stages + FA_BC * LD, vg, stride, 0, n);
+    fa_load_tile_async<D, BR, NT>(sq, qg, stride, q0, n);
+    fa_load_tile_async<D, FA_BC, NT>(stages, kg, stride, 0, n);
+    fa_load_tile_async<D, FA_BC, NT>(stages + FA_BC * LD, vg, stride, 0, n);
     cp_async_commit();
 
     unsigned qa[KT][4];
@@ -389,8 +393,8 @@ __device__ __forceinline__ void flash_fwd_pipe(bf16* __restrict__ out, float* __
         __syncthreads();  // every warp is done with the stage refilled next
         if (kb + 1 < nk) {
             bf16* nxt = stages + ((kb + 1) & 1) * 2 * FA_BC * LD;
-            fa_load_tile_async<D, FA_BC>(nxt, kg, stride, k0 + FA_BC, n);
-            fa_load_tile_async<D, FA_BC>(nxt + FA_BC * LD, vg, stride, k0 + FA_BC, n);
+            fa_load_tile_async<D, FA_BC, NT>(nxt, kg, stride, k0 + FA_BC, n);
+            fa_load_tile_async<D, FA_BC, NT>(nxt + FA_BC * LD, vg, stride, k0 + FA_BC, n);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -643,7 +647,10 @@ __device__ __forceinline__ void flash_bwd_pipe(bf16* __restrict__ dqkv, float* _
         flash_bwd_pre<D>(delta, dout, out, b, n, h); \
     } \
     extern "C" __global__ void flash_fwd_d##D##_pipe(bf16* out, float* lse2, const bf16* qkv, int n, int h, float scale_log2) { \
-        flash_fwd_pipe<D>(out, lse2, qkv, n, h, scale_log2); \
+        flash_fwd_pipe<D, 64>(out, lse2, qkv, n, h, scale_log2); \
+    } \
+    extern "C" __global__ void flash_fwd_d##D##_pipe128(bf16* out, float* lse2, const bf16* qkv, int n, int h, float scale_log2) { \
+        flash_fwd_pipe<D, 128>(out, lse2, qkv, n, h, scale_log2); \
     } \
     extern "C" __global__ void flash_bwd_d##D##_pipe(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse2, const float* delta, int n, int h, float scale, float scale_log2) { \
         flash_bwd_pipe<D, fa_bwd_keys<D>()>(dqkv, dq_acc, dout, qkv, lse2, delta, n, h, scale, scale_log2); \
