@@ -1,5 +1,6 @@
 //! The planner end to end through the binary, on the CPU: `bench --profile-out` writes a
-//! profile that loads, `bench --comm --comm-out` a comm file that fits, a small sweep (1 and 2
+//! profile that loads (alone, and under a launcher as one of 2 ranks side by side),
+//! `bench --comm --comm-out` a comm file that fits, a small sweep (1 and 2
 //! CPU ranks × 2 micro sizes of the built-in 16-px model) is predicted by `plan --validate`
 //! with finite errors and the JSON fields, `report` then shows predicted against measured, and
 //! `plan` / `--recommend` / `--project` run on the presets. Bad cluster files and profiles
@@ -94,6 +95,15 @@ fn validate_a_small_cpu_sweep_and_plan_on_the_presets() {
     ok(&out, "sweep");
     assert_eq!(last_json(&out)["ok"], 4);
     profile(cwd, "sw/profile.json");
+    // each of 2 launched ranks profiles its own step beside the other: rank 0 writes the file,
+    // with the threads the launcher gives a rank of 2
+    let out = vitscale(cwd, &["launch", "--nproc-per-node", "2", "--", "bench", "--device", "cpu", "--model", "vit_builtin_default", "--profile-out", "sw/profile_2ranks.json", "--profile-micros", "8,32", "--steps", "2", "--warmup", "1"]);
+    ok(&out, "launch … bench --profile-out");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("one of 2 ranks side by side"), "{}", String::from_utf8_lossy(&out.stdout));
+    let side = vitscale::plan::profile::Profile::load(&cwd.join("sw/profile_2ranks.json")).expect("the side-by-side profile loads");
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    assert_eq!((side.ranks, side.threads, side.cores), (2, cores.div_ceil(2), cores));
+    assert_eq!(vitscale::plan::profile::Profile::load(&cwd.join("sw/profile.json")).expect("profile").ranks, 1);
     let out = vitscale(cwd, &["launch", "--nproc-per-node", "2", "--", "bench", "--comm", "--device", "cpu", "--comm-max-bytes", "1048576", "--comm-iters", "3", "--warmup", "1", "--comm-out", "sw/comm_2.json"]);
     ok(&out, "bench --comm");
     let fit = vitscale::plan::comm_fit::CommFit::load(&cwd.join("sw/comm_2.json")).expect("the comm file fits");
@@ -122,6 +132,9 @@ fn validate_a_small_cpu_sweep_and_plan_on_the_presets() {
         // one-rank points have nothing to communicate; two-rank points do
         let exposed = p["comm_exposed_s"][1].as_f64().unwrap();
         if p["world"] == 1 { assert_eq!(exposed, 0.0) } else { assert!(exposed > 0.0, "{p}") }
+        // one rank is predicted from the rank alone on every core, two from the two side by side
+        let want = if p["world"] == 1 { "profile.json" } else { "profile_2ranks.json" };
+        assert!(p["profile"].as_str().unwrap().ends_with(want), "{p}");
     }
     // every point is a prediction, the one-rank points too (nothing is fitted on the sweep)
     let errs: Vec<f64> = points.iter().map(|p| p["err"].as_f64().unwrap().abs()).collect();

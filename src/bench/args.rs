@@ -91,7 +91,8 @@ pub struct BenchArgs {
     /// Write this device's compute profile for `vitscale plan` (`plan::profile`) to this file:
     /// per-group forward/backward and optimizer times of one rank at each `--profile-micros`
     /// size (`--warmup` untimed steps and `--steps` timed repetitions each), instead of the
-    /// throughput benchmark.
+    /// throughput benchmark. Under `vitscale launch` (CPU), every rank profiles its own step
+    /// at the same time and rank 0 writes the file: one rank as K launched ranks run.
     #[arg(long, value_name = "P.json")]
     pub profile_out: Option<std::path::PathBuf>,
     /// With --profile-out: the micro-batch sizes, comma-separated (default 4,8,16,32 on cpu,

@@ -9,6 +9,13 @@
 //! whole step is timed without the waits (`ProfilePoint::step_s`), so the file shows what the
 //! waits cost, and as a training loop that logs every step runs it (`logged_step_s`: the
 //! losses and the gradient norm read back each step).
+//!
+//! Under a launcher (CPU only) every rank profiles its own copy of the step at the same time,
+//! meeting at a barrier before each timed stretch, and rank 0 writes the file: the times are
+//! those of one rank while the others compute beside it, as launched training ranks run. A
+//! rank alone on a machine is not such a rank: it has the memory system to itself, and its
+//! threads hand work to cores that sit idle (on a virtual machine, waking an idle core costs
+//! far more than switching threads on a busy one).
 
 use std::time::Instant;
 
@@ -21,14 +28,19 @@ fn median(xs: &[f64]) -> f64 {
     crate::util::median(xs).unwrap_or(0.0)
 }
 
+/// Before each timed stretch: the ranks profiling side by side wait for each other (a
+/// barrier), so each stretch is timed while all of them compute; alone, nothing.
+type Together<'a> = &'a mut dyn FnMut() -> anyhow::Result<()>;
+
 /// One micro-batch size on `be`: `args.warmup` untimed steps, then `args.steps` timed
 /// repetitions of the parts, then as many whole steps without waits.
-fn profile_micro<B: Backend>(be: &B, args: &BenchArgs) -> anyhow::Result<(ProfilePoint, bool)> {
+fn profile_micro<B: Backend>(be: &B, args: &BenchArgs, together: Together<'_>) -> anyhow::Result<(ProfilePoint, bool)> {
     let s = super::setup(args)?;
     let mut st = super::bench_step(be, args, &s, 1)?;
     let m = args.micro;
     let scale = Some(1.0 / m as f32);
     let mut step = 0u64;
+    together()?;
     for _ in 0..args.warmup.max(1) {
         st.pass_unlogged(be, m)?;
         super::boundary(be, &mut st, step)?;
@@ -38,6 +50,7 @@ fn profile_micro<B: Backend>(be: &B, args: &BenchArgs) -> anyhow::Result<(Profil
     let groups = st.vit.gradient_groups().len();
     let (mut fwd, mut bwd, mut opt) = (Vec::new(), Vec::new(), Vec::new());
     let mut per_group: Vec<Vec<f64>> = vec![Vec::new(); groups];
+    together()?;
     for _ in 0..reps {
         be.synchronize()?;
         let t0 = Instant::now();
@@ -76,6 +89,7 @@ fn profile_micro<B: Backend>(be: &B, args: &BenchArgs) -> anyhow::Result<(Profil
         opt.push((t3 - t2).as_secs_f64());
     }
     // the whole step without waits between its parts
+    together()?;
     be.synchronize()?;
     let t = Instant::now();
     for _ in 0..reps {
@@ -111,12 +125,12 @@ fn profile_micro<B: Backend>(be: &B, args: &BenchArgs) -> anyhow::Result<(Profil
     Ok((point, st.plan.recompute))
 }
 
-fn profile_on<B: Backend>(be: &B, args: &BenchArgs, micros: &[usize], kind: &str, attention: String) -> anyhow::Result<Profile> {
+fn profile_on<B: Backend>(be: &B, args: &BenchArgs, micros: &[usize], kind: &str, attention: String, ranks: usize, together: Together<'_>) -> anyhow::Result<Profile> {
     let mut points = Vec::new();
     let mut recompute = false;
     for &m in micros {
         let a = BenchArgs { micro: m, ..args.clone() };
-        let (p, r) = profile_micro(be, &a)?;
+        let (p, r) = profile_micro(be, &a, &mut *together)?;
         eprintln!(
             "profile micro {m}: forward {:.3} ms, backward {:.3} ms, optimizer {:.3} ms, whole step {:.3} ms, logged every step {:.3} ms",
             p.forward_s * 1e3,
@@ -140,6 +154,7 @@ fn profile_on<B: Backend>(be: &B, args: &BenchArgs, micros: &[usize], kind: &str
         device_kind: kind.into(),
         threads,
         cores,
+        ranks,
         model: args.model.clone(),
         params: crate::model::ParamTable::new(&cfg).total,
         model_config: cfg,
@@ -155,20 +170,42 @@ fn profile_on<B: Backend>(be: &B, args: &BenchArgs, micros: &[usize], kind: &str
     })
 }
 
-/// Profiles `args.model` at each of `micros` (increasing, deduplicated here) on `args.device`.
-pub fn measure_profile(args: &BenchArgs, micros: &[usize]) -> anyhow::Result<Profile> {
+/// Profiles `args.model` at each of `micros` (increasing, deduplicated here) on `args.device`:
+/// alone, or under a launcher (`env`, CPU ranks) every rank at once, each with the threads the
+/// launcher gave it. Every rank returns the profile it measured; rank 0's is the file.
+pub fn measure_profile(args: &BenchArgs, micros: &[usize], env: &crate::comm::DistEnv) -> anyhow::Result<Profile> {
     let mut micros = micros.to_vec();
     micros.sort_unstable();
     micros.dedup();
     if micros.is_empty() || micros[0] == 0 {
         anyhow::bail!("--profile-micros: give one or more micro-batch sizes of at least 1");
     }
+    let ranks = env.world_size.max(1);
+    if ranks > 1 && args.device != "cpu" {
+        anyhow::bail!("--profile-out under a launcher profiles CPU ranks side by side; on a GPU, profile one rank without a launcher");
+    }
     match args.device.as_str() {
-        "cpu" => profile_on(&crate::backend::cpu::Cpu::new(), args, &micros, "cpu", "cpu".into()),
+        "cpu" => {
+            let mut comm = if ranks > 1 {
+                let opts = crate::comm::CommOptions::from_config_and_env(300.0)?;
+                // every rank must profile the same thing: the arguments are the rendezvous' hash
+                let hash = format!("{:016x}", super::id_of(&format!("{args:?}")));
+                Some(crate::comm::init_cpu(env, &opts, &hash)?)
+            } else {
+                None
+            };
+            let mut together = || -> anyhow::Result<()> {
+                if let Some(c) = comm.as_mut() {
+                    c.barrier()?;
+                }
+                Ok(())
+            };
+            profile_on(&crate::backend::cpu::Cpu::new(), args, &micros, "cpu", "cpu".into(), ranks, &mut together)
+        }
         "cuda" | "gpu" => {
             let be = super::open_cuda(args, args.gpu)?;
             let att = be.attention_path().name().to_string();
-            profile_on(&be, args, &micros, "cuda", att)
+            profile_on(&be, args, &micros, "cuda", att, 1, &mut || Ok(()))
         }
         other => anyhow::bail!("--device must be cuda or cpu, got {other:?}"),
     }

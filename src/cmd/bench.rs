@@ -51,18 +51,20 @@ pub fn run(mut args: BenchArgs) -> anyhow::Result<()> {
         check_cpu_memory(&args)?;
     }
     if let Some(path) = args.profile_out.clone() {
-        if env.world_size > 1 {
-            anyhow::bail!("--profile-out measures one rank: run it without a launcher");
-        }
         let micros = args.profile_micros.clone().unwrap_or_else(|| default_profile_micros(&args.device));
         if args.device == "cpu" {
             if let Some(&largest) = micros.iter().max() {
                 check_cpu_memory(&BenchArgs { micro: largest, ..args.clone() })?;
             }
         }
-        let p = crate::bench::profile::measure_profile(&args, &micros)?;
+        let p = crate::bench::profile::measure_profile(&args, &micros, &env)?;
+        // side by side, every rank measured its own copy; rank 0 writes the file
+        if env.rank != 0 {
+            return Ok(());
+        }
         p.save(&path).map_err(|e| anyhow::anyhow!("--profile-out {e}"))?;
-        println!("profile of {} on {} ({} micro sizes) written to {}", p.model, p.device, p.points.len(), path.display());
+        let side = if p.ranks > 1 { format!(", one of {} ranks side by side", p.ranks) } else { String::new() };
+        println!("profile of {} on {} ({} micro sizes{side}) written to {}", p.model, p.device, p.points.len(), path.display());
         if args.json {
             println!("{}", serde_json::to_string(&p)?);
         }

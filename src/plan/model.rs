@@ -22,9 +22,11 @@
 //! for the slowest rank: with the profile's spread σ of one pass, GAS passes and N ranks,
 //! σ·√GAS·E[max of N standard normals].
 //!
-//! Sharing: K ranks on one device (`launch --one-gpu`, CPU ranks on one machine's cores)
-//! are modelled as time-slicing it, so each rank's compute takes K × what it takes alone. The
-//! network between them is the cluster's level measured on that same machine.
+//! Sharing: K ranks on one GPU (`launch --one-gpu`) are modelled as time-slicing it, so each
+//! rank's compute takes K × what it takes alone. K CPU ranks on one machine run side by side
+//! on its cores: their compute is that of a profile taken by K ranks at once, or a profile's
+//! scaled by threads (`sharing_factor`). The network between them is the cluster's level
+//! measured on that same machine.
 
 use serde::Serialize;
 
@@ -465,16 +467,20 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
 
 /// The factor on the profile's compute for one of `k` ranks sharing a device. A GPU (or an
 /// unknown CPU) is time-sliced: k. CPU ranks launched on the profiled machine get
-/// t = ⌈cores / k⌉ threads each (`vitscale launch`) and run side by side: the profile's
-/// threads over t, compute taken to scale linearly with threads (exact when the profile ran
-/// with t threads, e.g. `RAYON_NUM_THREADS=1` for 2 ranks on 2 cores), times k·t / cores
-/// where the ranks' threads outnumber the cores. With the profile on every core this is k.
+/// t = ⌈cores / k⌉ threads each (`vitscale launch`) and run side by side. A profile taken by
+/// k ranks of t threads side by side (`ProfilePoint`s of one rank among them) is their compute
+/// as it is: 1. Otherwise the profile's threads over t, compute taken to scale linearly with
+/// threads, times k·t / cores where the ranks' threads outnumber the cores, over the same
+/// oversubscription the profile's own ranks had. With a profile of one rank on every core this
+/// is k.
 pub fn sharing_factor(profile: &Profile, k: usize) -> f64 {
     let k = k.max(1);
     if profile.device_kind == "cpu" && profile.cores > 0 && profile.threads > 0 {
+        let cores = profile.cores as f64;
         let t = profile.cores.div_ceil(k);
-        let oversubscribed = ((k * t) as f64 / profile.cores as f64).max(1.0);
-        profile.threads as f64 / t as f64 * oversubscribed
+        let oversubscribed = ((k * t) as f64 / cores).max(1.0);
+        let profiled = ((profile.ranks.max(1) * profile.threads) as f64 / cores).max(1.0);
+        profile.threads as f64 / t as f64 * oversubscribed / profiled
     } else {
         k as f64
     }
@@ -482,7 +488,8 @@ pub fn sharing_factor(profile: &Profile, k: usize) -> f64 {
 
 fn sharing_rule(profile: &Profile, k: usize) -> String {
     if profile.device_kind == "cpu" && profile.cores > 0 && profile.threads > 0 {
-        format!("{k} CPU rank(s) on {} cores get {} thread(s) each; the profile ran {}", profile.cores, profile.cores.div_ceil(k.max(1)), profile.threads)
+        let side = if profile.ranks > 1 { format!(" as one of {} ranks side by side", profile.ranks) } else { " alone".to_string() };
+        format!("{k} CPU rank(s) on {} cores get {} thread(s) each; the profile ran {}{side}", profile.cores, profile.cores.div_ceil(k.max(1)), profile.threads)
     } else {
         format!("{k} ranks time-slice the device")
     }
@@ -705,6 +712,7 @@ mod tests {
             device_kind: "cpu".into(),
             threads: 1,
             cores: 0,
+            ranks: 1,
             model: "vit_builtin_default".into(),
             params: crate::model::ParamTable::new(&cfg).total,
             model_config: cfg,
@@ -766,7 +774,8 @@ mod tests {
     }
 
     /// Sharing: a GPU profile is time-sliced (× k); CPU ranks get ⌈cores / k⌉ threads and the
-    /// profile's threads are scaled to theirs.
+    /// profile's threads are scaled to theirs; a profile taken by k ranks side by side is taken
+    /// as it is for k ranks.
     #[test]
     fn sharing_a_device() {
         let mut p = toy_profile();
@@ -784,6 +793,18 @@ mod tests {
         (p.cores, p.threads) = (16, 16);
         // 3 ranks of 6 threads on 16 cores: 18 threads time-share 16 cores
         assert!((sharing_factor(&p, 3) - 3.0).abs() < 1e-12);
+        // profiled by 2 ranks of 1 thread side by side on 2 cores: exactly what 2 ranks run
+        (p.cores, p.threads, p.ranks) = (2, 1, 2);
+        assert_eq!(sharing_factor(&p, 2), 1.0);
+        // one rank on both cores: twice the threads, half the time
+        assert_eq!(sharing_factor(&p, 1), 0.5);
+        // 4 one-thread ranks on 2 cores are twice as crowded as the 2 profiled
+        assert_eq!(sharing_factor(&p, 4), 2.0);
+        // 4 ranks of 2 threads (set by hand) side by side on 4 cores: 8 threads, a core per
+        // rank, as 4 launched ranks of 1 thread each have; 2 launched ranks get 2 cores each
+        (p.cores, p.threads, p.ranks) = (4, 2, 4);
+        assert_eq!(sharing_factor(&p, 4), 1.0);
+        assert_eq!(sharing_factor(&p, 2), 0.5);
     }
 
     /// The slowest of n ranks: exact small values, a smooth continuation beyond 8, and the

@@ -67,6 +67,11 @@ pub struct Profile {
     /// cores / ranks threads each.
     #[serde(default)]
     pub cores: usize,
+    /// Ranks that ran the profile at once on this machine, each its own copy of the step
+    /// (`vitscale launch --nproc-per-node K -- bench --profile-out`, CPU): the times are those
+    /// of one rank among K, as K launched training ranks run beside each other. 1: alone.
+    #[serde(default = "one")]
+    pub ranks: usize,
     /// The preset's name, or "custom".
     pub model: String,
     pub model_config: ModelConfig,
@@ -89,6 +94,10 @@ pub struct Profile {
     pub forward_split: String,
     /// Points in increasing micro-batch size.
     pub points: Vec<ProfilePoint>,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// Interpolated times of one pass at a micro-batch size.
@@ -137,6 +146,9 @@ impl Profile {
     pub fn check(&self) -> Result<(), String> {
         if self.points.is_empty() {
             return Err("`points` is empty".into());
+        }
+        if self.ranks == 0 {
+            return Err("`ranks` is 0 (the ranks that ran the profile at once: 1 or more)".into());
         }
         let groups = self.model_config.depth + 2;
         for (i, p) in self.points.iter().enumerate() {

@@ -123,6 +123,19 @@ fn nearest(comm: &[CommFit], world: usize) -> Option<&CommFit> {
     comm.iter().min_by_key(|c| (c.world_size.abs_diff(world), std::cmp::Reverse(c.world_size)))
 }
 
+/// Which of `profiles` predicts a point of `world` ranks. On the CPU the launcher gives each
+/// rank t = ⌈cores / world⌉ threads: the profile taken by `world` ranks of t threads side by
+/// side, else one taken with t threads (alone), else the first. On a GPU the first.
+pub fn pick_profile(profiles: &[(String, Profile)], world: usize) -> usize {
+    let Some((_, first)) = profiles.first() else { return 0 };
+    if first.device_kind != "cpu" || first.cores == 0 {
+        return 0;
+    }
+    let t = first.cores.div_ceil(world.max(1));
+    let at = |ranks: Option<usize>| profiles.iter().position(|(_, p)| p.threads == t && ranks.is_none_or(|r| p.ranks == r));
+    at(Some(world)).or_else(|| at(Some(1))).or_else(|| at(None)).unwrap_or(0)
+}
+
 /// The files of a sweep directory named `<prefix>*.json`, sorted (`profile*.json`,
 /// `comm*.json`).
 pub fn files_in(dir: &Path, prefix: &str) -> Vec<std::path::PathBuf> {
@@ -135,8 +148,9 @@ pub fn files_in(dir: &Path, prefix: &str) -> Vec<std::path::PathBuf> {
 
 /// Predicts every finished point of the sweep in `dir` from `profiles` (source, profile) and
 /// `comm` (and the loader's images/s per core, with each point's `data.num_workers` cores,
-/// when given). A CPU point's K ranks get ⌈cores / K⌉ threads each: the profile measured with
-/// that many threads predicts it when there is one, else the first.
+/// when given). A CPU point's K ranks get ⌈cores / K⌉ threads each: the profile measured by K
+/// such ranks side by side predicts it, else one measured with that many threads, else the
+/// first (`pick_profile`).
 pub fn validate(dir: &Path, profiles: &[(String, Profile)], comm: &[CommFit], loader_per_core: Option<f64>) -> Result<Validation, String> {
     let (profile_source, profile) = profiles.first().map(|(s, p)| (s.as_str(), p)).ok_or("no profile to predict from")?;
     let spec_path = dir.join("spec.json");
@@ -168,9 +182,7 @@ pub fn validate(dir: &Path, profiles: &[(String, Profile)], comm: &[CommFit], lo
         let v = crate::config::load_json(Some(&cfg_path), &[]).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
         let cfg = crate::config::resolve(&v, f.world_size).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
         let world = f.world_size;
-        // the profile taken with this point's threads per rank, else the first
-        let threads = if device == "cpu" && profile.cores > 0 { profile.cores.div_ceil(world) } else { 0 };
-        let (src, profile) = profiles.iter().find(|(_, p)| threads > 0 && p.threads == threads).map(|(s, p)| (s.as_str(), p)).unwrap_or((profile_source, profile));
+        let (src, profile) = profiles.get(pick_profile(profiles, world)).map(|(s, p)| (s.as_str(), p)).unwrap_or((profile_source, profile));
         super::check_model(profile, &cfg, &format!("point {}", r.id))?;
         // CPU ranks share the machine; GPU ranks share GPU 0 under --one-gpu
         let shared = device == "cpu" || r.command.contains("--one-gpu") || r.keys.get(crate::lab::spec::ONE_GPU_KEY).and_then(serde_json::Value::as_bool).unwrap_or(false);
@@ -368,6 +380,31 @@ impl Section for Validation {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// On 2 cores: 1 rank takes the 2-thread profile, 2 ranks the one of 2 one-thread ranks
+    /// side by side over the one-thread rank alone; without either, the one-thread one, then
+    /// the first. A GPU sweep always takes the first.
+    #[test]
+    fn each_point_takes_the_profile_of_its_ranks() {
+        let base: Profile = serde_json::from_value(serde_json::json!({
+            "format": "vitscale-profile", "version": 1, "device": "cpu", "device_kind": "cpu",
+            "threads": 2, "cores": 2, "model": "m", "model_config": crate::model::ModelConfig::preset("vit_builtin_default").expect("preset"),
+            "params": 1, "dtype": "f32", "compute_bytes": 4.0, "attention_saved_per_image": 1, "graph": false,
+            "recompute": false, "attention": "cpu", "optimizer": "AdamW", "forward_split": "", "points": []
+        }))
+        .expect("profile");
+        assert_eq!(base.ranks, 1, "a file without `ranks` was taken alone");
+        let with = |threads: usize, ranks: usize| (format!("{threads}t{ranks}r"), Profile { threads, ranks, ..base.clone() });
+        let all = vec![with(2, 1), with(1, 1), with(1, 2)];
+        assert_eq!((pick_profile(&all, 1), pick_profile(&all, 2)), (0, 2));
+        let alone = vec![with(2, 1), with(1, 1)];
+        assert_eq!(pick_profile(&alone, 2), 1);
+        assert_eq!(pick_profile(&alone[..1], 2), 0);
+        // 3 ranks on 2 cores get 1 thread each: no profile of 3 side by side, the alone one
+        assert_eq!(pick_profile(&all, 3), 1);
+        let gpu: Vec<(String, Profile)> = all.iter().map(|(s, p)| (s.clone(), Profile { device_kind: "cuda".into(), cores: 0, ..p.clone() })).collect();
+        assert_eq!(pick_profile(&gpu, 2), 0);
+    }
 
     #[test]
     fn rank_statistics() {
