@@ -358,22 +358,19 @@ __device__ __forceinline__ void ln_bwd_v(bf16* dinp, float* partial, const bf16*
     }
 }
 
-#define LNV_INSTANCE(J) \
-extern "C" __global__ void __launch_bounds__(256, 2) layernorm_fwd_v##J(bf16* out, float* mean, float* rstd, const bf16* inp, \
+// The forward and backward for J; FB and BB are the blocks per SM their launch bounds ask for.
+#define LNV_KERNELS(J, FB, BB) \
+extern "C" __global__ void __launch_bounds__(256, FB) layernorm_fwd_v##J(bf16* out, float* mean, float* rstd, const bf16* inp, \
         const bf16* params, i64 w, i64 bo, i64 rows, float eps) { ln_fwd_v<J>(out, mean, rstd, inp, params, w, bo, rows, eps); } \
-extern "C" __global__ void __launch_bounds__(128, 4) layernorm_bwd_v##J(bf16* dinp, float* partial, const bf16* dout, const bf16* dres, \
+extern "C" __global__ void __launch_bounds__(128, BB) layernorm_bwd_v##J(bf16* dinp, float* partial, const bf16* dout, const bf16* dres, \
         const bf16* inp, const float* mean, const float* rstd, const bf16* params, i64 w, i64 bo, i64 rows) { \
     ln_bwd_v<J, 2>(dinp, partial, dout, dres, inp, mean, rstd, params, w, bo, rows); }
-LNV_INSTANCE(2) LNV_INSTANCE(4) LNV_INSTANCE(6) LNV_INSTANCE(8) LNV_INSTANCE(12) LNV_INSTANCE(16)
-LNV_INSTANCE(24) LNV_INSTANCE(32)
+#define LNV_INSTANCE(J) LNV_KERNELS(J, 2, 4)
 // Widths over 1024 (ViT-H's 1280, ViT-g's 1408): the rows no longer fit 128 registers, so half
 // as many blocks share an SM rather than spilling.
-#define LNV_WIDE_INSTANCE(J) \
-extern "C" __global__ void __launch_bounds__(256, 1) layernorm_fwd_v##J(bf16* out, float* mean, float* rstd, const bf16* inp, \
-        const bf16* params, i64 w, i64 bo, i64 rows, float eps) { ln_fwd_v<J>(out, mean, rstd, inp, params, w, bo, rows, eps); } \
-extern "C" __global__ void __launch_bounds__(128, 2) layernorm_bwd_v##J(bf16* dinp, float* partial, const bf16* dout, const bf16* dres, \
-        const bf16* inp, const float* mean, const float* rstd, const bf16* params, i64 w, i64 bo, i64 rows) { \
-    ln_bwd_v<J, 2>(dinp, partial, dout, dres, inp, mean, rstd, params, w, bo, rows); }
+#define LNV_WIDE_INSTANCE(J) LNV_KERNELS(J, 1, 2)
+LNV_INSTANCE(2) LNV_INSTANCE(4) LNV_INSTANCE(6) LNV_INSTANCE(8) LNV_INSTANCE(12) LNV_INSTANCE(16)
+LNV_INSTANCE(24) LNV_INSTANCE(32)
 LNV_WIDE_INSTANCE(40) LNV_WIDE_INSTANCE(44)
 
 // layernorm_bwd_v with dinp's column sums (NA = 3), up to C = 768: three accumulator rows of
