@@ -325,7 +325,7 @@ fn block_backward<B: Backend>(
     if class_tail {
         // dqkv holds the keys' and values' gradient (B, N, 2, H, D) here
         be.class_attention_backward(&mut a.dcls_q, &mut a.dqkv, g, bkv, &a.datt, &a.cls_q, &blk.qkv, b, n, h, d)?;
-    } else if let (Some(p), Some(x)) = (sp.as_deref_mut(), a.sp.as_mut()) {
+    } else if let (Some(p), Some(x)) = (sp.as_mut(), a.sp.as_mut()) {
         // this rank's heads over every token: datt tokens → heads, the attention backward
         // (dqkv (B, N, 3, H/SP, D)), dqkv heads → tokens into the scratch (B·n_r, 3C)
         let att_heads = blk.att_heads.as_ref().ok_or_else(|| crate::backend::BackendError::Device("sequence-parallel attention output missing".into()))?;
