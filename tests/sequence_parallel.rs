@@ -12,7 +12,7 @@
 use std::path::{Path, PathBuf};
 
 mod common;
-use common::{launch_args, max_rel_diff, metrics, read_json, run, run_dir_args, tmp};
+use common::{last_json, launch_args, max_rel_diff, metrics, read_json, run, run_dir_args, tmp};
 
 /// SGD with momentum: an update proportional to the gradient, so the weights compare the
 /// gradients themselves. (AdamW divides by √v: on the key bias, whose gradient is zero up to
@@ -96,6 +96,19 @@ fn layouts_equal_one_process(model: &[&str], name: &str) {
 fn token_pooling_with_a_class_token_equals_one_process() {
     // 17 tokens: ranks hold 9 + 8 (SP 2) or 5 + 4 + 4 + 4 (SP 4), the class token on the first
     layouts_equal_one_process(&[], "token pool, 17 tokens");
+}
+
+#[test]
+fn eval_of_a_sequence_parallel_run_ignores_the_key_and_matches_the_run() {
+    let t = tmp();
+    let dir = t.path().join("sp2");
+    train(2, &["--set=sequence_parallel_size=2"], &dir);
+    let w = dir.join("w.safetensors").display().to_string();
+    let out = run(&["eval", "--device=cpu", "--weights", &w, "--set=data.val_size=64", "--set=sequence_parallel_size=2", "--json"].map(String::from));
+    let loss = last_json(&out)["loss"].as_f64().expect("loss");
+    let val = read_json(&dir.join("summary.json"))["val_loss"].as_f64().expect("val_loss");
+    assert!(((loss - val) / val).abs() < LOSS_TOL, "eval {loss} vs the run's val_loss {val}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("sequence_parallel_size = 2 ignored"));
 }
 
 #[test]

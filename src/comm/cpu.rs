@@ -109,7 +109,8 @@ struct Net {
     /// Every rank's ring address (its IP is where the rank's group listener is found too).
     peers: Vec<SocketAddr>,
     session: u64,
-    master_addr: String,
+    /// Where the world ring's listener listens (loopback for one node): the group's listens there too.
+    bind_ip: IpAddr,
     opts: CommOptions,
 }
 
@@ -146,7 +147,6 @@ impl TcpComm {
     /// values (`all_reduce_host`).
     pub fn connect_sharing(env: &DistEnv, opts: &CommOptions, config_hash: &str, blob: Vec<u8>) -> CResult<(Self, Vec<u8>)> {
         let listener = bind_listener(env.rank, &env.master_addr)?;
-        let master_addr = env.master_addr.clone();
         let data_port = listener.local_addr().map_err(|e| io_err(env.rank, env.rank, "reading the ring listener address", e))?.port();
         let rv = rendezvous::rendezvous(&RendezvousRequest {
             rank: env.rank,
@@ -160,19 +160,15 @@ impl TcpComm {
             blob,
         })?;
         let blob = rv.blob.clone();
-        let mut comm = Self::from_rendezvous(rv, listener, opts)?;
-        if let Some(net) = comm.net.as_mut() {
-            net.master_addr = master_addr;
-        }
-        Ok((comm, blob))
+        Ok((Self::from_rendezvous(rv, listener, opts)?, blob))
     }
 
     /// Connects the ring after rendezvous; `listener` is the one whose port went to
     /// rendezvous as `data_port`.
     pub fn from_rendezvous(rv: Rendezvoused, listener: TcpListener, opts: &CommOptions) -> CResult<Self> {
         let (rank, world) = (rv.rank, rv.world_size);
-        // (a loopback master unless `connect` says otherwise: listeners bind to it alone)
-        let net = Net { peers: rv.peers.clone(), session: rv.session, master_addr: "127.0.0.1".into(), opts: opts.clone() };
+        let bind_ip = listener.local_addr().map_err(|e| io_err(rank, rank, "reading the ring listener address", e))?.ip();
+        let net = Net { peers: rv.peers.clone(), session: rv.session, bind_ip, opts: opts.clone() };
         if world == 1 {
             return Ok(TcpComm { rank, world, net: Some(net), jobs: None, pending: HashMap::new(), arrived: HashMap::new(), next_id: 0, failed: None, _worker: None });
         }
@@ -193,7 +189,7 @@ impl TcpComm {
     fn group_ring(&mut self, size: usize) -> CResult<TcpComm> {
         let net = self.net.clone().ok_or_else(|| CommError::Unsupported { what: format!("groups of a group ({})", self.describe()) })?;
         let (rank, world) = (self.rank, self.world);
-        let listener = bind_listener(rank, &net.master_addr)?;
+        let listener = TcpListener::bind(SocketAddr::new(net.bind_ip, 0)).map_err(|e| io_err(rank, rank, "binding the group listener", e))?;
         let port = listener.local_addr().map_err(|e| io_err(rank, rank, "reading the group listener address", e))?.port();
         let mut ports = vec![0.0f64; world];
         ports[rank] = f64::from(port);
