@@ -795,7 +795,7 @@ fn resume_free_keys_are_the_run_length_logging_and_batch_split() {
     let mut free = resume_free_keys();
     free.sort();
     let mut want = vec![
-        "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "plan", "memory",
+        "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "sequence_parallel_size", "plan", "memory",
         "zero_optimization.stage", "zero_optimization.reduce_bucket_size", "zero_optimization.reduce_scatter", "zero_optimization.overlap_comm",
         "train.epochs", "train.steps", "train.recompute", "train.pass_images", "train.eval_every", "train.checkpoint_every", "train.log_every",
         "train.eval_batch_size", "train.checkpoint_on_signal", "train.comm_timeout_s", "train.emulate_slowdown", "train.balance", "train.balance_every",
@@ -820,7 +820,7 @@ fn resolved_json_keeps_its_key_order() {
     assert_eq!(
         order(&v),
         [
-            "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer", "gradient_clipping",
+            "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "sequence_parallel_size", "optimizer", "gradient_clipping",
             "zero_optimization", "model", "data", "train", "scheduler", "communication_data_type", "prescale_gradients",
             "gradient_predivide_factor", "bf16", "wall_clock_breakdown", "csv_monitor",
         ]

@@ -2,8 +2,9 @@
 //! N ranks equal one process with the same global batch — per-step losses, the evaluation and
 //! the final weights — for SP 2, SP 4 and DP 2 × SP 2, with GAS 2, ZeRO 1 and 2, token pooling
 //! over 17 tokens (class token + 16 patches: split unevenly over 2 and 4 ranks) and average
-//! pooling over 16 patch tokens (split evenly), activation checkpointing and stochastic depth;
-//! plus the config's
+//! pooling over 16 patch tokens (split evenly), activation checkpointing, regenerated
+//! activations in several passes per micro-batch, stochastic depth, evaluation and resuming
+//! across layouts; plus the config's
 //! rules (the batch triple counts the data-parallel degree; bad sizes are errors naming the key).
 //!
 //! Runs are the built-in preset (16-px images, 4 heads, 3 blocks), 3 steps of 16 images, a
@@ -133,12 +134,37 @@ fn zero_stages_and_checkpointing_compose_with_sequence_parallelism() {
     let dir = p("blocks");
     train(2, &["--set=sequence_parallel_size=2", "--set=train.recompute=\"blocks\""], &dir);
     check_against_one(&dir, &p("one"), 2, 2, "checkpointed blocks, SP 2");
+    // regenerated LayerNorm/GELU outputs, and micro-batches of 8 run as passes of 3, 3 and 2
+    let dir = p("regen");
+    train(4, &["--set=sequence_parallel_size=4", "--set=train.recompute=\"always\"", "--set=train.pass_images=3"], &dir);
+    check_against_one(&dir, &p("one"), 4, 4, "regenerated activations in passes of 3, SP 4");
     // stochastic depth: each image's branch factors scale its rows on every rank of the group
     let drop = "--set=model.drop_path_rate=0.2";
     train(1, &[drop], &p("drop_one"));
     let dir = p("drop");
     train(4, &[drop, "--set=sequence_parallel_size=2"], &dir);
     check_against_one(&dir, &p("drop_one"), 4, 2, "stochastic depth, 4 ranks SP 2");
+}
+
+#[test]
+fn checkpoints_resume_across_sequence_parallel_layouts() {
+    // one process's step-2 checkpoint continued by 4 ranks as DP 2 × SP 2 (the batch triple
+    // re-derived for 2 data-parallel slots), and a DP 2 × SP 2 checkpoint continued by one
+    // process: both end with the uninterrupted run's weights
+    let t = tmp();
+    let p = |n: &str| -> PathBuf { t.path().join(n) };
+    let ck = |d: &str| p(d).join("checkpoints/step_000002").display().to_string();
+    let every = "--set=train.checkpoint_every=2";
+    train(1, &[every], &p("straight"));
+    train(4, &[every, "--set=sequence_parallel_size=2", "--resume", &ck("straight")], &p("one_to_sp"));
+    train(4, &[every, "--set=sequence_parallel_size=2"], &p("sp"));
+    train(1, &[every, "--resume", &ck("sp")], &p("sp_to_one"));
+    for name in ["one_to_sp", "sp_to_one"] {
+        let d = max_rel_diff(&p(name), &p("straight"));
+        eprintln!("resumed {name} vs straight: {d:e}");
+        assert!(d < WEIGHTS_TOL, "{name}: {d:e}");
+    }
+    assert!(std::fs::read_to_string(p("one_to_sp").join("metrics.jsonl")).unwrap_or_default().contains("\"kind\":\"resume\""));
 }
 
 // ---- the configuration ---------------------------------------------------------------------
