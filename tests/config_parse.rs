@@ -46,7 +46,7 @@ fn has_warning(c: &RunConfig, needle: &str) -> bool {
 #[test]
 fn empty_config_gives_every_default() {
     let c = ok(json!({}));
-    assert_eq!(c.batch, BatchConfig { train_batch_size: 64, micro_batch_per_gpu: 64, gradient_accumulation_steps: 1, world_size: 1 });
+    assert_eq!(c.batch, BatchConfig { train_batch_size: 64, micro_batch_per_gpu: 64, gradient_accumulation_steps: 1, world_size: 1, sequence_parallel_size: 1 });
     assert_eq!(
         c.optimizer,
         OptimizerConfig::Adam { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.05, adam_w_mode: true, bias_correction: true }
@@ -320,7 +320,7 @@ fn batch_errors_are_deepspeeds_text() {
 #[test]
 fn batch_keys_in_json_and_auto() {
     let c = resolve(&json!({"train_batch_size": 64, "gradient_accumulation_steps": 2}), 4).unwrap();
-    assert_eq!(c.batch, BatchConfig { train_batch_size: 64, micro_batch_per_gpu: 8, gradient_accumulation_steps: 2, world_size: 4 });
+    assert_eq!(c.batch, BatchConfig { train_batch_size: 64, micro_batch_per_gpu: 8, gradient_accumulation_steps: 2, world_size: 4, sequence_parallel_size: 1 });
     let c = ok(json!({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 32}));
     assert_eq!((c.batch.train_batch_size, c.batch.micro_batch_per_gpu), (32, 32));
     assert!(has_warning(&c, "train_batch_size: \"auto\""));
@@ -503,7 +503,7 @@ fn file_errors_name_the_file_and_position() {
 #[test]
 fn deepspeed_cifar_tutorial_config() {
     let c = load_fixture("cifar_tutorial.json", 1);
-    assert_eq!(c.batch, BatchConfig { train_batch_size: 16, micro_batch_per_gpu: 16, gradient_accumulation_steps: 1, world_size: 1 });
+    assert_eq!(c.batch, BatchConfig { train_batch_size: 16, micro_batch_per_gpu: 16, gradient_accumulation_steps: 1, world_size: 1, sequence_parallel_size: 1 });
     assert_eq!(
         c.optimizer,
         OptimizerConfig::Adam { lr: 0.001, beta1: 0.8, beta2: 0.999, eps: 1e-8, weight_decay: 3e-7, adam_w_mode: true, bias_correction: true }
@@ -533,7 +533,7 @@ fn hf_bf16_zero2_with_auto_values() {
     let c = load_fixture("hf_bf16_zero2_auto.json", 2);
     assert_eq!(c.precision, Precision::Bf16);
     assert_eq!(c.zero_stage, 2);
-    assert_eq!(c.batch, BatchConfig { train_batch_size: 128, micro_batch_per_gpu: 64, gradient_accumulation_steps: 1, world_size: 2 });
+    assert_eq!(c.batch, BatchConfig { train_batch_size: 128, micro_batch_per_gpu: 64, gradient_accumulation_steps: 1, world_size: 2, sequence_parallel_size: 1 });
     assert_eq!(
         c.optimizer,
         OptimizerConfig::Adam { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, adam_w_mode: true, bias_correction: true }
@@ -571,7 +571,7 @@ fn hf_bf16_zero2_with_auto_values() {
 #[test]
 fn fp16_dynamic_loss_scale_with_warmuplr() {
     let c = load_fixture("fp16_dynamic_warmuplr.json", 2);
-    assert_eq!(c.batch, BatchConfig { train_batch_size: 64, micro_batch_per_gpu: 8, gradient_accumulation_steps: 4, world_size: 2 });
+    assert_eq!(c.batch, BatchConfig { train_batch_size: 64, micro_batch_per_gpu: 8, gradient_accumulation_steps: 4, world_size: 2, sequence_parallel_size: 1 });
     assert_eq!(
         c.optimizer,
         OptimizerConfig::Adam { lr: 3e-4, beta1: 0.9, beta2: 0.98, eps: 1e-6, weight_decay: 0.01, adam_w_mode: false, bias_correction: true }
@@ -627,7 +627,7 @@ fn hf_zero3_with_offload() {
 #[test]
 fn vitscale_cifar_recipe() {
     let c = load_fixture("vit_cifar10_sgd_cosine.json", 2);
-    assert_eq!(c.batch, BatchConfig { train_batch_size: 512, micro_batch_per_gpu: 128, gradient_accumulation_steps: 2, world_size: 2 });
+    assert_eq!(c.batch, BatchConfig { train_batch_size: 512, micro_batch_per_gpu: 128, gradient_accumulation_steps: 2, world_size: 2, sequence_parallel_size: 1 });
     assert_eq!(c.optimizer, OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, dampening: 0.0, weight_decay: 5e-4, nesterov: true });
     assert_eq!(c.model.embed_dim, 384);
     assert_eq!(c.model.global_pool, GlobalPool::Avg);
@@ -795,7 +795,7 @@ fn resume_free_keys_are_the_run_length_logging_and_batch_split() {
     let mut free = resume_free_keys();
     free.sort();
     let mut want = vec![
-        "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "plan", "memory",
+        "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "sequence_parallel_size", "plan", "memory",
         "zero_optimization.stage", "zero_optimization.reduce_bucket_size", "zero_optimization.reduce_scatter", "zero_optimization.overlap_comm",
         "train.epochs", "train.steps", "train.recompute", "train.pass_images", "train.eval_every", "train.checkpoint_every", "train.log_every",
         "train.eval_batch_size", "train.checkpoint_on_signal", "train.comm_timeout_s", "train.emulate_slowdown", "train.balance", "train.balance_every",
@@ -820,7 +820,7 @@ fn resolved_json_keeps_its_key_order() {
     assert_eq!(
         order(&v),
         [
-            "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer", "gradient_clipping",
+            "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "sequence_parallel_size", "optimizer", "gradient_clipping",
             "zero_optimization", "model", "data", "train", "scheduler", "communication_data_type", "prescale_gradients",
             "gradient_predivide_factor", "bf16", "wall_clock_breakdown", "csv_monitor",
         ]

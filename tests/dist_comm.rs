@@ -391,3 +391,65 @@ fn world_size_mismatch_and_port_in_use() {
     assert!(matches!(e, RendezvousError::PortInUse { .. }), "{e}");
     assert!(e.to_string().contains(&format!("127.0.0.1:{port}")), "{e}");
 }
+
+/// What rank `me` of `members` must hold after an all-to-all of `len` elements (block `j`
+/// from member `j`'s block `me`), computed from the inputs alone.
+fn all_to_all_reference(members: &[usize], me: usize, len: usize) -> Vec<f32> {
+    let c = len / members.len();
+    members.iter().flat_map(|&r| data(r, len)[me * c..(me + 1) * c].to_vec()).collect()
+}
+
+#[test]
+fn all_to_all_moves_block_j_to_rank_j_over_the_world_and_in_groups() {
+    let len = 4 * 3 * 5; // divisible by every world and group size below
+    for world in [2, 3, 4] {
+        let out = with_world(world, 5.0, |r, c| {
+            let mut buf = vec![-5.0f32; len + 9];
+            buf[4..4 + len].copy_from_slice(&data(r, len));
+            c.all_to_all(&mut buf, Span { off: 4, len }).expect("all_to_all");
+            buf
+        });
+        let members: Vec<usize> = (0..world).collect();
+        for (r, buf) in out.iter().enumerate() {
+            assert_eq!(&buf[4..4 + len], &all_to_all_reference(&members, r, len)[..], "world {world} rank {r}");
+            assert!(buf[..4].iter().chain(&buf[4 + len..]).all(|&v| v == -5.0), "world {world} rank {r}: outside the span changed");
+        }
+    }
+    // groups of 2 of a world of 4 (sequence parallelism's layout): each group exchanges within
+    // itself, on its own communicator, while the world's ring stays usable
+    let out = with_world(4, 5.0, |r, c| {
+        let mut g = c.split_groups(2).expect("split_groups");
+        assert_eq!((g.rank(), g.world_size()), (r % 2, 2));
+        let mut buf = data(r, len);
+        g.all_to_all(&mut buf, Span { off: 0, len }).expect("group all_to_all");
+        let mut sum = vec![r as f32 + 1.0; 3];
+        g.all_reduce(&mut sum, Span { off: 0, len: 3 }, ReduceOp::Sum).expect("group all_reduce");
+        let mut world_sum = vec![1.0f32; 5];
+        c.all_reduce(&mut world_sum, Span { off: 0, len: 5 }, ReduceOp::Sum).expect("world all_reduce");
+        (buf, sum[0], world_sum[0])
+    });
+    for (r, (buf, group_sum, world_sum)) in out.iter().enumerate() {
+        let base = r / 2 * 2;
+        assert_eq!(buf, &all_to_all_reference(&[base, base + 1], r - base, len), "rank {r}");
+        assert_eq!(*group_sum, (base + 1 + base + 2) as f32, "rank {r}: the group's sum");
+        assert_eq!(*world_sum, 4.0, "rank {r}: the world's sum");
+    }
+}
+
+#[test]
+fn bad_groups_and_uneven_all_to_alls_are_refused() {
+    let out = with_world(2, 5.0, |_, c| {
+        let groups = c.split_groups(3).err().map(|e| e.to_string());
+        let mut buf = vec![0.0f32; 5];
+        let uneven = c.all_to_all(&mut buf, Span { off: 0, len: 5 }).err().map(|e| e.to_string());
+        (groups, uneven)
+    });
+    for (groups, uneven) in out {
+        assert!(groups.as_deref().is_some_and(|e| e.contains("groups of 3") && e.contains("world of 2")), "{groups:?}");
+        assert!(uneven.as_deref().is_some_and(|e| e.contains("all_to_all") && e.contains("not divisible")), "{uneven:?}");
+    }
+    let mut single = SingleComm::new();
+    let mut buf = vec![1.0f32, 2.0];
+    Comm::<Vec<f32>>::all_to_all(&mut single, &mut buf, Span { off: 0, len: 2 }).expect("one rank");
+    assert_eq!(buf, vec![1.0, 2.0]);
+}

@@ -204,7 +204,8 @@ fn stage_2_communicates_only_at_the_accumulation_boundary() {
                 Collective::AllReduce(_) => 0,
                 Collective::ReduceScatter(_) => 1,
                 Collective::AllGather => 2,
-                Collective::Broadcast { .. } => 3,
+                // (data parallelism starts no all-to-all: one would count as a broadcast)
+                Collective::Broadcast { .. } | Collective::AllToAll => 3,
             };
             self.counts[i].fetch_add(1, Ordering::Relaxed);
             self.inner.start(op, buf, span)

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use clap::{Args, ValueEnum};
 
-use super::common::{check_memory, engine_warnings, load_config, open_device, plan_on, ConfigArgs, Device};
+use super::common::{check_memory, engine_warnings, load_config_edited, open_device, plan_on, ConfigArgs, Device};
 use crate::backend::Backend;
 use crate::config::RunConfig;
 use crate::train::evaluate;
@@ -35,7 +35,11 @@ fn evaluate_weights<B: Backend>(be: &B, cfg: &RunConfig, weights: &Path, set: &s
 
 /// `vitscale eval`.
 pub fn run(args: EvalArgs) -> anyhow::Result<()> {
-    let mut cfg = load_config(&args.common, Some(&args.weights), 1)?;
+    // one process runs whole images: a training run's sequence_parallel_size does not apply
+    let mut cfg = load_config_edited(&args.common, Some(&args.weights), 1, |v| {
+        let dropped = v.as_object_mut().and_then(|o| o.remove("sequence_parallel_size"));
+        Ok(dropped.filter(|d| d.as_u64() != Some(1)).map(|d| format!("sequence_parallel_size = {d} ignored: evaluation runs whole images in one process")).into_iter().collect())
+    })?;
     let device = open_device(args.common.device, 0, true)?;
     cfg.warnings.extend(engine_warnings(&cfg, &device));
     check_memory(&plan_on(&cfg, &device), &device, "this evaluation")?;

@@ -1,6 +1,12 @@
 //! The CPU transport: ranks are processes (on one or several machines) joined in a ring of
 //! TCP connections; rank `r` sends to `r + 1` and receives from `r − 1`.
 //!
+//! `split_groups` opens a second ring of the same kind over each group of consecutive ranks
+//! (sequence parallelism's group), with its own connections and worker, so the group's
+//! collectives run while the world's (gradient buckets) are in flight. Its errors name world
+//! ranks. All-to-all goes around the ring too: each block travels forward to its
+//! destination, W − 1 steps (for the small groups it serves, the extra hops are cheap).
+//!
 //! All-reduce is the bandwidth-optimal ring: reduce-scatter (W − 1 steps, each rank ends
 //! owning the full sum of one chunk) then all-gather (W − 1 steps). Each chunk is summed in
 //! a fixed order that depends only on the world size, so results are reproducible run to run,
@@ -26,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use super::rendezvous::{self, ControlLink, RendezvousRequest, Rendezvoused};
 use super::wire::{FrameHeader, HEADER_BYTES};
-use super::{check_args, CResult, Collective, Comm, CommError, CommOptions, DistEnv, ReduceOp, Span, Wire, Work};
+use super::{check_args, check_group, CResult, Collective, Comm, CommError, CommOptions, DistEnv, ReduceOp, SingleComm, Span, Wire, Work};
 
 /// Largest piece a broadcast forwards at once, in elements, so the ring pipelines it.
 const BROADCAST_PIECE: usize = 1 << 20;
@@ -38,6 +44,7 @@ const OP_ALL_GATHER: u8 = 3;
 const OP_BROADCAST: u8 = 4;
 const OP_BARRIER: u8 = 5;
 const OP_HOST: u8 = 6;
+const OP_ALL_TO_ALL: u8 = 7;
 
 fn op_name(code: u8) -> &'static str {
     match code {
@@ -47,6 +54,7 @@ fn op_name(code: u8) -> &'static str {
         OP_BROADCAST => "broadcast",
         OP_BARRIER => "barrier",
         OP_HOST => "all_reduce_host",
+        OP_ALL_TO_ALL => "all_to_all",
         _ => "unknown",
     }
 }
@@ -95,10 +103,23 @@ struct Job {
     reply: mpsc::Sender<CResult<Payload>>,
 }
 
+/// What a world ring keeps of the rendezvous to open group rings later (`split_groups`).
+#[derive(Clone, Debug)]
+struct Net {
+    /// Every rank's ring address (its IP is where the rank's group listener is found too).
+    peers: Vec<SocketAddr>,
+    session: u64,
+    /// Where the world ring's listener listens (loopback for one node): the group's listens there too.
+    bind_ip: IpAddr,
+    opts: CommOptions,
+}
+
 /// A ring of TCP connections between CPU ranks. See the module doc.
 pub struct TcpComm {
     rank: usize,
     world: usize,
+    /// The world ring's rendezvous (None on a group's ring).
+    net: Option<Net>,
     jobs: Option<mpsc::Sender<Job>>,
     pending: HashMap<u64, mpsc::Receiver<CResult<Payload>>>,
     /// Results `poll` found before their `wait`, with when it found them.
@@ -146,8 +167,10 @@ impl TcpComm {
     /// rendezvous as `data_port`.
     pub fn from_rendezvous(rv: Rendezvoused, listener: TcpListener, opts: &CommOptions) -> CResult<Self> {
         let (rank, world) = (rv.rank, rv.world_size);
+        let bind_ip = listener.local_addr().map_err(|e| io_err(rank, rank, "reading the ring listener address", e))?.ip();
+        let net = Net { peers: rv.peers.clone(), session: rv.session, bind_ip, opts: opts.clone() };
         if world == 1 {
-            return Ok(TcpComm { rank, world, jobs: None, pending: HashMap::new(), arrived: HashMap::new(), next_id: 0, failed: None, _worker: None });
+            return Ok(TcpComm { rank, world, net: Some(net), jobs: None, pending: HashMap::new(), arrived: HashMap::new(), next_id: 0, failed: None, _worker: None });
         }
         let next = (rank + 1) % world;
         let prev = (rank + world - 1) % world;
@@ -155,37 +178,33 @@ impl TcpComm {
         let to_next = connect_next(rank, next, rv.peers[next], rv.session, deadline)?;
         let from_prev = accept_prev(rank, prev, &listener, rv.session, deadline)?;
         drop(listener);
-        from_prev.set_read_timeout(Some(opts.timeout)).map_err(|e| io_err(rank, prev, "setting the read timeout", e))?;
-        to_next.set_write_timeout(Some(opts.timeout)).map_err(|e| io_err(rank, next, "setting the write timeout", e))?;
+        let (jobs, worker) = start_ring(rank, world, (0..world).collect(), (to_next, from_prev), Some(rv.control), opts.timeout)?;
+        Ok(TcpComm { rank, world, net: Some(net), jobs: Some(jobs), pending: HashMap::new(), arrived: HashMap::new(), next_id: 0, failed: None, _worker: Some(worker) })
+    }
 
-        let (send_tx, send_rx) = mpsc::channel::<Outgoing>();
-        let send_err: Arc<Mutex<Option<io::Error>>> = Arc::new(Mutex::new(None));
-        let se = send_err.clone();
-        let mut out = to_next;
-        std::thread::Builder::new()
-            .name(format!("vitscale-ring-send-{rank}"))
-            .spawn(move || sender(&mut out, send_rx, se))
-            .map_err(|e| io_err(rank, next, "starting the sender thread", e))?;
 
-        let ring = Ring {
-            rank,
-            world,
-            next,
-            prev,
-            from_prev,
-            send: send_tx,
-            send_err,
-            control: rv.control,
-            seq: 0,
-            timeout: opts.timeout,
-            failed: None,
-        };
-        let (jobs_tx, jobs_rx) = mpsc::channel::<Job>();
-        let worker = std::thread::Builder::new()
-            .name(format!("vitscale-ring-{rank}"))
-            .spawn(move || ring.run(jobs_rx))
-            .map_err(|e| io_err(rank, rank, "starting the ring thread", e))?;
-        Ok(TcpComm { rank, world, jobs: Some(jobs_tx), pending: HashMap::new(), arrived: HashMap::new(), next_id: 0, failed: None, _worker: Some(worker) })
+    /// The ring of this rank's group of `size` consecutive ranks (see `Comm::split_groups`):
+    /// every rank binds a listener, the world ring tells every rank every port, and each rank
+    /// connects to the next rank of its group.
+    fn group_ring(&mut self, size: usize) -> CResult<TcpComm> {
+        let net = self.net.clone().ok_or_else(|| CommError::Unsupported { what: format!("groups of a group ({})", self.describe()) })?;
+        let (rank, world) = (self.rank, self.world);
+        let listener = TcpListener::bind(SocketAddr::new(net.bind_ip, 0)).map_err(|e| io_err(rank, rank, "binding the group listener", e))?;
+        let port = listener.local_addr().map_err(|e| io_err(rank, rank, "reading the group listener address", e))?.port();
+        let mut ports = vec![0.0f64; world];
+        ports[rank] = f64::from(port);
+        self.all_reduce_host(&mut ports)?;
+        let (base, local) = (rank / size * size, rank % size);
+        let next = base + (local + 1) % size;
+        let prev = base + (local + size - 1) % size;
+        // another session number: a group connection is never taken for a world ring's
+        let session = net.session ^ (0x5350_0000_0000_0000 | size as u64);
+        let deadline = Instant::now() + net.opts.rendezvous_timeout;
+        let to_next = connect_next(rank, next, SocketAddr::new(net.peers[next].ip(), ports[next] as u16), session, deadline)?;
+        let from_prev = accept_prev(rank, prev, &listener, session, deadline)?;
+        drop(listener);
+        let (jobs, worker) = start_ring(local, size, (base..base + size).collect(), (to_next, from_prev), None, net.opts.timeout)?;
+        Ok(TcpComm { rank: local, world: size, net: None, jobs: Some(jobs), pending: HashMap::new(), arrived: HashMap::new(), next_id: 0, failed: None, _worker: Some(worker) })
     }
 
     fn submit(&mut self, op: JobOp, data: Payload) -> CResult<u64> {
@@ -228,6 +247,39 @@ impl TcpComm {
         let cause = self.failed.get_or_insert(cause).clone();
         CommError::Poisoned { rank: self.rank, cause }
     }
+}
+
+/// Starts the sender and worker threads of a ring in which this process is rank `rank` of
+/// `world`; `ids` are the world ranks of the ring's members (what errors name); `control` the
+/// link to rank 0's arrival tracker (a world ring's alone).
+fn start_ring(
+    rank: usize,
+    world: usize,
+    ids: Vec<usize>,
+    (to_next, from_prev): (TcpStream, TcpStream),
+    control: Option<ControlLink>,
+    timeout: Duration,
+) -> CResult<(mpsc::Sender<Job>, JoinHandle<()>)> {
+    let next = (rank + 1) % world;
+    let prev = (rank + world - 1) % world;
+    let (me, id_next, id_prev) = (ids[rank], ids[next], ids[prev]);
+    from_prev.set_read_timeout(Some(timeout)).map_err(|e| io_err(me, id_prev, "setting the read timeout", e))?;
+    to_next.set_write_timeout(Some(timeout)).map_err(|e| io_err(me, id_next, "setting the write timeout", e))?;
+    let (send_tx, send_rx) = mpsc::channel::<Outgoing>();
+    let send_err: Arc<Mutex<Option<io::Error>>> = Arc::new(Mutex::new(None));
+    let se = send_err.clone();
+    let mut out = to_next;
+    std::thread::Builder::new()
+        .name(format!("vitscale-ring-send-{me}"))
+        .spawn(move || sender(&mut out, send_rx, se))
+        .map_err(|e| io_err(me, id_next, "starting the sender thread", e))?;
+    let ring = Ring { rank, world, next, prev, ids, from_prev, send: send_tx, send_err, control, seq: 0, timeout, failed: None };
+    let (jobs_tx, jobs_rx) = mpsc::channel::<Job>();
+    let worker = std::thread::Builder::new()
+        .name(format!("vitscale-ring-{me}"))
+        .spawn(move || ring.run(jobs_rx))
+        .map_err(|e| io_err(me, me, "starting the ring thread", e))?;
+    Ok((jobs_tx, worker))
 }
 
 /// The arrivals of a device communicator's collectives, reported through this ring's control
@@ -348,6 +400,14 @@ impl Comm<Vec<f32>> for TcpComm {
             Payload::F32(_) => Err(self.poison("internal: wrong payload type".into())),
         }
     }
+
+    fn split_groups(&mut self, size: usize) -> CResult<Box<dyn Comm<Vec<f32>>>> {
+        check_group(size, self.world)?;
+        if size == 1 {
+            return Ok(Box::new(SingleComm::new()));
+        }
+        Ok(Box::new(self.group_ring(size)?))
+    }
 }
 
 fn io_err(rank: usize, peer: usize, what: &'static str, source: io::Error) -> CommError {
@@ -449,10 +509,13 @@ struct Ring {
     world: usize,
     next: usize,
     prev: usize,
+    /// World rank of each member (errors name these; a group's ring numbers its members from 0).
+    ids: Vec<usize>,
     from_prev: TcpStream,
     send: mpsc::Sender<Outgoing>,
     send_err: Arc<Mutex<Option<io::Error>>>,
-    control: ControlLink,
+    /// Rank 0's arrival tracker (the world ring's; a group's ring has none).
+    control: Option<ControlLink>,
     /// Number of the collective in progress (1-based; identical on every rank).
     seq: u64,
     timeout: Duration,
@@ -470,7 +533,7 @@ impl Ring {
     fn run(mut self, jobs: mpsc::Receiver<Job>) {
         for job in jobs {
             let result = match &self.failed {
-                Some(cause) => Err(CommError::Poisoned { rank: self.rank, cause: cause.clone() }),
+                Some(cause) => Err(CommError::Poisoned { rank: self.me(), cause: cause.clone() }),
                 None => {
                     let r = self.execute(job.op, job.data);
                     if let Err(e) = &r {
@@ -486,23 +549,32 @@ impl Ring {
     fn execute(&mut self, op: JobOp, data: Payload) -> CResult<Payload> {
         match op {
             JobOp::DeviceArrive(seq) => {
-                self.control.arrive(self.rank, seq, true);
+                let me = self.me();
+                if let Some(c) = self.control.as_mut() {
+                    c.arrive(me, seq, true);
+                }
                 return Ok(data);
             }
             JobOp::DeviceLast(seq) => {
                 // (last entered, ms silent) per rank, one after the other
-                let status = self.control.status(seq, true);
+                let status = self.control.as_mut().and_then(|c| c.status(seq, true));
                 let v = status.map(|(last, _, silent)| last.iter().zip(&silent).flat_map(|(&l, &q)| [l as f64, q as f64]).collect()).unwrap_or_default();
                 return Ok(Payload::F64(v));
             }
             JobOp::Alive => {
-                self.control.alive(self.rank);
+                let me = self.me();
+                if let Some(c) = self.control.as_mut() {
+                    c.alive(me);
+                }
                 return Ok(data);
             }
             _ => {}
         }
         self.seq += 1;
-        self.control.arrive(self.rank, self.seq, false);
+        let (me, seq) = (self.me(), self.seq);
+        if let Some(c) = self.control.as_mut() {
+            c.arrive(me, seq, false);
+        }
         let out = match (op, data) {
             (JobOp::Coll(Collective::AllReduce(op), wire), Payload::F32(mut d)) => {
                 self.all_reduce_as(&mut d, op == ReduceOp::Avg, wire)?;
@@ -520,6 +592,10 @@ impl Ring {
                 self.broadcast(&mut d, root)?;
                 Payload::F32(d)
             }
+            (JobOp::Coll(Collective::AllToAll, _), Payload::F32(mut d)) => {
+                self.all_to_all(&mut d)?;
+                Payload::F32(d)
+            }
             (JobOp::Barrier, Payload::F32(mut d)) => {
                 self.all_reduce(&mut d, OP_BARRIER, false)?;
                 Payload::F32(d)
@@ -528,7 +604,7 @@ impl Ring {
                 self.all_reduce(&mut d, OP_HOST, false)?;
                 Payload::F64(d)
             }
-            _ => return Err(CommError::Poisoned { rank: self.rank, cause: "internal: payload does not match the operation".into() }),
+            _ => return Err(CommError::Poisoned { rank: self.me(), cause: "internal: payload does not match the operation".into() }),
         };
         self.flush(out)
     }
@@ -602,6 +678,25 @@ impl Ring {
         Ok(())
     }
 
+    /// Block `j` of this rank's span (W blocks) goes to rank `j`, and block `j` of the result
+    /// comes from rank `j`. Every block travels forward along the ring to its destination: at
+    /// step s a rank forwards, in order of destination, the blocks rank r − s sent that have
+    /// not arrived yet (those for r + 1 … r − s − 1 + W) and keeps the first one it receives,
+    /// which is rank r − s − 1's block for it. The own block never moves.
+    fn all_to_all(&mut self, d: &mut [f32]) -> CResult<()> {
+        let (r, w) = (self.rank, self.world);
+        let c = d.len() / w;
+        let mut carry: Vec<f32> = (1..w).flat_map(|k| d[(r + k) % w * c..][..c].to_vec()).collect();
+        for s in 0..w - 1 {
+            self.send_frame(OP_ALL_TO_ALL, s as u32, &carry)?;
+            let got: Vec<f32> = self.recv_frame(OP_ALL_TO_ALL, s as u32, (w - 1 - s) * c)?;
+            let origin = (r + 2 * w - 1 - s) % w;
+            d[origin * c..(origin + 1) * c].copy_from_slice(&got[..c]);
+            carry = got[c..].to_vec();
+        }
+        Ok(())
+    }
+
     /// Pipelined along the ring from `root`: each rank receives a piece from its previous
     /// rank and forwards it, except to the root.
     fn broadcast(&mut self, d: &mut [f32], root: usize) -> CResult<()> {
@@ -617,6 +712,11 @@ impl Ring {
             }
         }
         Ok(())
+    }
+
+    /// This rank's world rank (errors name it).
+    fn me(&self) -> usize {
+        self.ids[self.rank]
     }
 
     fn header(&self, code: u8, step: u32, count: usize, elem_bytes: usize) -> FrameHeader {
@@ -638,10 +738,10 @@ impl Ring {
     fn send_failure(&mut self, code: u8) -> CommError {
         let e = self.send_err.lock().ok().and_then(|mut s| s.take());
         match e {
-            Some(e) if is_timeout(&e) => self.timeout_error(code, Duration::ZERO, self.next),
-            Some(e) if is_closed(&e) => CommError::PeerClosed { rank: self.rank, peer: self.next, op: op_name(code), seq: self.seq },
-            Some(e) => io_err(self.rank, self.next, "sending to the next rank", e),
-            None => CommError::PeerClosed { rank: self.rank, peer: self.next, op: op_name(code), seq: self.seq },
+            Some(e) if is_timeout(&e) => self.timeout_error(code, Duration::ZERO, self.ids[self.next]),
+            Some(e) if is_closed(&e) => CommError::PeerClosed { rank: self.me(), peer: self.ids[self.next], op: op_name(code), seq: self.seq },
+            Some(e) => io_err(self.me(), self.ids[self.next], "sending to the next rank", e),
+            None => CommError::PeerClosed { rank: self.me(), peer: self.ids[self.next], op: op_name(code), seq: self.seq },
         }
     }
 
@@ -655,8 +755,8 @@ impl Ring {
             Some(h) if h == want => {}
             got => {
                 return Err(CommError::Desync {
-                    rank: self.rank,
-                    peer: self.prev,
+                    rank: self.me(),
+                    peer: self.ids[self.prev],
                     ours: describe(&want),
                     theirs: got.map(|h| describe(&h)).unwrap_or_else(|| "bytes that are not a vitscale frame".into()),
                 })
@@ -669,18 +769,19 @@ impl Ring {
 
     fn recv_error(&mut self, code: u8, started: Instant, e: io::Error) -> CommError {
         if is_timeout(&e) {
-            self.timeout_error(code, started.elapsed(), self.prev)
+            self.timeout_error(code, started.elapsed(), self.ids[self.prev])
         } else if is_closed(&e) {
-            CommError::PeerClosed { rank: self.rank, peer: self.prev, op: op_name(code), seq: self.seq }
+            CommError::PeerClosed { rank: self.me(), peer: self.ids[self.prev], op: op_name(code), seq: self.seq }
         } else {
-            io_err(self.rank, self.prev, "receiving from the previous rank", e)
+            io_err(self.me(), self.ids[self.prev], "receiving from the previous rank", e)
         }
     }
 
     fn timeout_error(&mut self, code: u8, waited: Duration, waiting_on: usize) -> CommError {
-        let missing = self.control.missing(self.seq, false);
+        let seq = self.seq;
+        let missing = self.control.as_mut().and_then(|c| c.missing(seq, false));
         CommError::Timeout {
-            rank: self.rank,
+            rank: self.me(),
             world: self.world,
             op: op_name(code),
             seq: self.seq,

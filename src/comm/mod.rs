@@ -3,7 +3,9 @@
 //! The engine reduces gradients at gradient-accumulation boundaries only, and ZeRO shards
 //! parameters and optimizer state; both need the same five collectives, all on a window
 //! (`Span`) of one flat buffer: `all_reduce`, `reduce_scatter`, `all_gather`, `broadcast`,
-//! `barrier`. [`Comm`] is generic over the buffer type (`Backend::Buf`), so one trait serves:
+//! `barrier`. Sequence parallelism (`model::seq_parallel`) adds `all_to_all`, run on a
+//! communicator of its own over a group of consecutive ranks (`Comm::split_groups`).
+//! [`Comm`] is generic over the buffer type (`Backend::Buf`), so one trait serves:
 //!
 //! - [`SingleComm`]: world size 1, every collective is a no-op (any buffer type);
 //! - [`cpu::TcpComm`]: CPU ranks that are processes on one or several machines, a ring over
@@ -56,6 +58,10 @@ pub enum Collective {
     AllGather,
     /// Every rank ends with `root`'s span.
     Broadcast { root: usize },
+    /// `len % W == 0`; the span is W chunks of `len / W`: chunk `j` of rank `r`'s input ends
+    /// as chunk `r` of rank `j`'s output (MPI's `Alltoall`). Values are moved, never summed,
+    /// so the result is exact.
+    AllToAll,
 }
 
 impl Collective {
@@ -66,6 +72,7 @@ impl Collective {
             Collective::ReduceScatter(_) => "reduce_scatter",
             Collective::AllGather => "all_gather",
             Collective::Broadcast { .. } => "broadcast",
+            Collective::AllToAll => "all_to_all",
         }
     }
 }
@@ -209,6 +216,8 @@ pub enum CommError {
     Uneven { op: &'static str, len: usize, world: usize },
     #[error("{op}: span {off}..{end} is outside the buffer of {buf_len} elements")]
     OutOfRange { op: &'static str, off: usize, end: usize, buf_len: usize },
+    #[error("groups of {size} consecutive ranks do not tile a world of {world} ranks")]
+    BadGroup { size: usize, world: usize },
     #[error("broadcast root {root} is not a rank of a world of {world}")]
     BadRoot { root: usize, world: usize },
     #[error("wait: work #{id} was not started on this communicator (or was already waited on)")]
@@ -228,7 +237,7 @@ fn missing_text(missing: &Option<Vec<usize>>, world: usize) -> String {
     match missing {
         Some(m) if !m.is_empty() => format!("rank(s) {m:?} of {world} did not arrive"),
         Some(_) => "every rank arrived; the transfer stalled".to_string(),
-        None => "rank 0 could not be asked which ranks arrived".to_string(),
+        None => "which ranks arrived is unknown (rank 0 could not be asked, or the collective is a group's)".to_string(),
     }
 }
 
@@ -329,6 +338,27 @@ pub trait Comm<Buf>: Send {
         let w = self.start(Collective::Broadcast { root }, buf, span)?;
         self.wait(w, buf)
     }
+    fn all_to_all(&mut self, buf: &mut Buf, span: Span) -> CResult<()> {
+        let w = self.start(Collective::AllToAll, buf, span)?;
+        self.wait(w, buf)
+    }
+
+    /// A new communicator over this rank's group when the world is cut into groups of `size`
+    /// consecutive ranks (rank `r` is rank `r % size` of group `r / size`): sequence
+    /// parallelism's group. Every rank of the world must call it, in the same order with
+    /// respect to its other collectives. Its collectives are independent of this
+    /// communicator's (their own connections or streams), so both can be in use at once.
+    fn split_groups(&mut self, size: usize) -> CResult<Box<dyn Comm<Buf>>> {
+        Err(CommError::Unsupported { what: format!("groups of {size} ranks on {}", self.describe()) })
+    }
+}
+
+/// Checks a group size for `split_groups` over `world` ranks.
+pub(crate) fn check_group(size: usize, world: usize) -> CResult<()> {
+    if size == 0 || !world.is_multiple_of(size) {
+        return Err(CommError::BadGroup { size, world });
+    }
+    Ok(())
 }
 
 /// Checks what every implementation must reject the same way.
@@ -338,7 +368,7 @@ pub(crate) fn check_args(op: Collective, span: Span, buf_len: usize, world: usiz
         return Err(CommError::OutOfRange { op: op.name(), off: span.off, end, buf_len });
     }
     match op {
-        Collective::ReduceScatter(_) | Collective::AllGather if !span.len.is_multiple_of(world) => {
+        Collective::ReduceScatter(_) | Collective::AllGather | Collective::AllToAll if !span.len.is_multiple_of(world) => {
             Err(CommError::Uneven { op: op.name(), len: span.len, world })
         }
         Collective::Broadcast { root } if root >= world => Err(CommError::BadRoot { root, world }),
@@ -384,6 +414,10 @@ impl<Buf> Comm<Buf> for SingleComm {
     }
     fn all_reduce_host(&mut self, _vals: &mut [f64]) -> CResult<()> {
         Ok(())
+    }
+    fn split_groups(&mut self, size: usize) -> CResult<Box<dyn Comm<Buf>>> {
+        check_group(size, 1)?;
+        Ok(Box::new(SingleComm::new()))
     }
 }
 

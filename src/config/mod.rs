@@ -66,8 +66,8 @@ pub use value::suggest;
 use key_def::{key_err, kind_of, Cx, Result};
 use value::{get_int, get_num, note_unimplemented, put, section};
 
-/// Parses a whole configuration (as returned by [`load_json`]) for `world_size` data-parallel
-/// ranks into a validated [`RunConfig`].
+/// Parses a whole configuration (as returned by [`load_json`]) for a job of `world_size` ranks
+/// (data-parallel degree × `sequence_parallel_size`) into a validated [`RunConfig`].
 pub fn resolve(value: &Value, world_size: usize) -> Result<RunConfig> {
     let root = value
         .as_object()
@@ -92,6 +92,7 @@ pub fn resolve(value: &Value, world_size: usize) -> Result<RunConfig> {
     let train = train::parse(section(root.get(train::TRAIN.name), train::TRAIN.name)?, &batch, steps_per_print, checkpointing, &mut cx)?;
     let (optimizer, layer_decay) = optimizer::parse(section(root.get(optimizer::OPTIMIZER.name), optimizer::OPTIMIZER.name)?, &mut cx)?;
     data::check_mixing_batch(&data, &batch)?;
+    top_level::check_sequence_parallel(&batch, &model, &train)?;
     let scheduler = scheduler::parse(section(root.get(scheduler::SCHEDULER.name), scheduler::SCHEDULER.name)?, &optimizer, &mut cx)?;
     let monitor = monitor::parse(root, &mut cx)?;
 

@@ -33,12 +33,13 @@ pub fn resume_free_keys() -> Vec<String> {
 /// The resume-free keys a resumed run takes from its checkpoint's configuration (`saved`, as
 /// `resolved_json` wrote it) when the new configuration (`value`, before resolving) does not
 /// give them: the run's length, logging, evaluation and checkpoint intervals, the data's place
-/// and loader settings, the ZeRO layout. The batch split is left out (a resume on another world
-/// size re-derives it from the global batch), and the run's length is one choice: a value that
+/// and loader settings, the ZeRO layout. The batch split and the sequence-parallel layout are
+/// left out (a resume on another world size re-derives the split from the global batch), and the run's length is one choice: a value that
 /// gives `train.steps` or `train.epochs` keeps both of its own. Returns `key = value` for each
 /// key taken.
 pub fn carry_over(value: &mut Value, saved: &Value) -> Vec<String> {
-    let split = [MICRO_BATCH.name, GAS.name, TRAIN_BATCH_SIZE.name, "memory", "plan"];
+    // (the split includes the sequence-parallel layout: the new job's own, default 1)
+    let split = [MICRO_BATCH.name, GAS.name, TRAIN_BATCH_SIZE.name, super::top_level::SEQUENCE_PARALLEL_SIZE.name, "memory", "plan"];
     let length_given = ["/train/steps", "/train/epochs"].iter().any(|p| value.pointer(p).is_some());
     let mut notes = Vec::new();
     for key in resume_free_keys() {
@@ -120,6 +121,10 @@ pub fn keep_global_batch(value: &mut Value, global: usize, saved_world: usize, w
     let root = value.as_object_mut().ok_or_else(|| key_err("(top level)", "expected a JSON object"))?;
     let num = |k: &str| root.get(k).and_then(Value::as_u64).map(|x| x as usize);
     let (t, m, g) = (num(TRAIN_BATCH_SIZE.name), num(MICRO_BATCH.name), num(GAS.name));
+    // the triple counts the data-parallel degree (a group that does not divide the world is
+    // the resolver's error to report)
+    let sp = num(super::top_level::SEQUENCE_PARALLEL_SIZE.name).filter(|&s| s > 0 && world.is_multiple_of(s)).unwrap_or(1);
+    let dp = world / sp;
     if let Some(t) = t.filter(|&t| t != global) {
         return Err(key_err(
             TRAIN_BATCH_SIZE.name,
@@ -128,13 +133,14 @@ pub fn keep_global_batch(value: &mut Value, global: usize, saved_world: usize, w
     }
     let mut last = None;
     for (cm, cg) in [(m, g), (m, None), (None, g), (None, None)] {
-        match resolve_batch(Some(global), cm, cg, world) {
+        match resolve_batch(Some(global), cm, cg, dp) {
             Ok(b) => {
                 root.insert(TRAIN_BATCH_SIZE.name.into(), global.into());
                 root.insert(MICRO_BATCH.name.into(), b.micro_batch_per_gpu.into());
                 root.insert(GAS.name.into(), b.gradient_accumulation_steps.into());
+                let slots = if sp > 1 { format!("{dp} data-parallel groups of {sp}") } else { format!("{world} ranks") };
                 return Ok(format!(
-                    "resuming a checkpoint of {saved_world} rank(s) on {world}: train_batch_size {global} kept = micro {} × GAS {} × {world} ranks",
+                    "resuming a checkpoint of {saved_world} rank(s) on {world}: train_batch_size {global} kept = micro {} × GAS {} × {slots}",
                     b.micro_batch_per_gpu, b.gradient_accumulation_steps
                 ));
             }

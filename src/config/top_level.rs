@@ -21,6 +21,9 @@ pub(super) const MICRO_BATCH: KeyDef = key("train_micro_batch_size_per_gpu", NON
 pub(super) const GAS: KeyDef = key("gradient_accumulation_steps", NONNEG_INT, Dflt::Derived("1 when only one batch key is given, else derived"),
     "Micro-batches accumulated per optimizer step.")
     .resume_free();
+pub(super) const SEQUENCE_PARALLEL_SIZE: KeyDef = key("sequence_parallel_size", POS_INT, Dflt::Int(1),
+    "DeepSpeed-Ulysses sequence parallelism: each image's tokens are split over this many consecutive ranks, which trade tokens for attention heads by all-to-all around every attention. The data-parallel degree is the world size ÷ this, and the batch triple counts it (as DeepSpeed does). Must divide the world size and model.num_heads. CPU ranks only so far.")
+    .resume_free();
 pub(super) const GRADIENT_CLIPPING: KeyDef = key("gradient_clipping", NONNEG, Dflt::Num(0.0),
     "Clip the global gradient L2 norm to this value; 0 disables.");
 pub(super) const STEPS_PER_PRINT: KeyDef = key("steps_per_print", POS_INT, Dflt::Int(10),
@@ -37,6 +40,7 @@ pub const TOP_KEYS: &[KeyDef] = &[
     TRAIN_BATCH_SIZE,
     MICRO_BATCH,
     GAS,
+    SEQUENCE_PARALLEL_SIZE,
     optimizer::OPTIMIZER,
     scheduler::SCHEDULER,
     GRADIENT_CLIPPING,
@@ -58,7 +62,7 @@ pub const TOP_KEYS: &[KeyDef] = &[
     ds_noop("zero_allow_untested_optimizer", "Only concerns client optimizers; every vitscale optimizer supports ZeRO."),
     ds_noop("zero_force_ds_cpu_optimizer", "Only concerns ZeRO-Offload, which is not implemented (warned there)."),
     ds_noop("aio", "Async I/O settings, used only by NVMe offload (not implemented, warned there)."),
-    ds_noop("seq_parallel_communication_data_type", "Sequence parallelism is not used by a ViT trainer."),
+    ds_noop("seq_parallel_communication_data_type", "The all-to-alls of sequence parallelism move the activations in their own type (f32 on CPU ranks)."),
     ds_noop("timers", "Timer settings of DeepSpeed's own engine; vitscale's timers are always on."),
     COMM_DTYPE,
     PRESCALE,
@@ -113,12 +117,22 @@ fn batch_key(root: &Map<String, Value>, def: &KeyDef, cx: &mut Cx) -> Result<Opt
     Ok(opt_int(Some(root), "", def, cx)?.map(|i| i as usize))
 }
 
-/// The batch triple as given at the top level, resolved for `world_size` ranks.
+/// The batch triple as given at the top level, resolved for `world_size` ranks: for their
+/// data-parallel degree, the ranks ÷ `sequence_parallel_size`, which must divide them.
 pub(super) fn resolve_batch_keys(root: &Map<String, Value>, world_size: usize, cx: &mut Cx) -> Result<BatchConfig> {
+    let sp = get_int(Some(root), "", &SEQUENCE_PARALLEL_SIZE, cx)? as usize;
+    if world_size > 0 && !world_size.is_multiple_of(sp) {
+        return Err(key_err(
+            SEQUENCE_PARALLEL_SIZE.name,
+            format!("{sp} does not divide the world size {world_size}: the ranks form groups of sequence_parallel_size consecutive ranks (data-parallel degree = world size ÷ {sp})"),
+        ));
+    }
     let train = batch_key(root, &TRAIN_BATCH_SIZE, cx)?;
     let micro = batch_key(root, &MICRO_BATCH, cx)?;
     let gas = batch_key(root, &GAS, cx)?;
-    resolve_batch(train, micro, gas, world_size)
+    let mut batch = resolve_batch(train, micro, gas, world_size / sp)?;
+    batch.sequence_parallel_size = sp;
+    Ok(batch)
 }
 
 /// Micro batch used when none of the three batch keys is given (vitscale extension).
@@ -204,7 +218,29 @@ pub fn resolve_batch(train: Option<usize>, micro: Option<usize>, gas: Option<usi
             ),
         ));
     }
-    Ok(BatchConfig { train_batch_size: t, micro_batch_per_gpu: m, gradient_accumulation_steps: g, world_size: w })
+    Ok(BatchConfig { train_batch_size: t, micro_batch_per_gpu: m, gradient_accumulation_steps: g, world_size: w, sequence_parallel_size: 1 })
+}
+
+/// What sequence parallelism needs of the model and the run: whole heads per rank (the
+/// all-to-all gives each rank H ÷ SP of them), at least one token per rank, and one rank per
+/// data-parallel slot for the features that split the batch by rank.
+pub(super) fn check_sequence_parallel(batch: &BatchConfig, model: &crate::model::ModelConfig, train: &super::TrainConfig) -> Result<()> {
+    let sp = batch.sequence_parallel_size;
+    if sp == 1 {
+        return Ok(());
+    }
+    let name = SEQUENCE_PARALLEL_SIZE.name;
+    if !model.num_heads.is_multiple_of(sp) {
+        return Err(key_err(name, format!("{sp} does not divide model.num_heads ({}): each rank of a sequence-parallel group attends with num_heads ÷ {sp} whole heads", model.num_heads)));
+    }
+    if model.num_tokens() < sp {
+        return Err(key_err(name, format!("{sp} ranks for {} tokens per image: every rank of a group needs at least one token", model.num_tokens())));
+    }
+    if !train.balance.is_off() || !train.emulate_slowdown.is_empty() {
+        let key = if train.balance.is_off() { "train.emulate_slowdown" } else { "train.balance" };
+        return Err(key_err(name, format!("{sp} with {key}: measuring and splitting the batch by rank is not implemented for sequence-parallel groups (leave {key} out)")));
+    }
+    Ok(())
 }
 
 // ---- gradient reduction -------------------------------------------------------------------
@@ -247,6 +283,7 @@ pub(super) fn write_batch(batch: &BatchConfig, out: &mut Map<String, Value>) {
     put(out, &TRAIN_BATCH_SIZE, json!(batch.train_batch_size));
     put(out, &MICRO_BATCH, json!(batch.micro_batch_per_gpu));
     put(out, &GAS, json!(batch.gradient_accumulation_steps));
+    put(out, &SEQUENCE_PARALLEL_SIZE, json!(batch.sequence_parallel_size));
 }
 
 pub(super) fn write_clipping(gradient_clipping: f64, out: &mut Map<String, Value>) {

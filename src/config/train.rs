@@ -199,7 +199,7 @@ pub(super) fn parse(sec: Option<&Map<String, Value>>, batch: &BatchConfig, steps
             None => Recompute::Auto,
         },
         pass_images: opt_int(sec, p, &T_PASS_IMAGES, cx)?.map(|i| i as usize),
-        emulate_slowdown: parse_slowdown(sec, p, batch.world_size)?,
+        emulate_slowdown: parse_slowdown(sec, p, batch.ranks())?,
         balance: parse_balance(sec, p, batch.world_size, cx)?,
         balance_every: get_int(sec, p, &T_BALANCE_EVERY, cx)?,
         ema: parse_ema(sec, cx)?,

@@ -15,12 +15,24 @@ pub use crate::core::{DecaySkip, OptimizerConfig};
 
 /// The DeepSpeed batch triple, resolved for a world size:
 /// `train_batch_size = micro_batch_per_gpu × gradient_accumulation_steps × world_size`.
+/// As in DeepSpeed, the triple's world size is the data-parallel degree: the ranks ÷
+/// `sequence_parallel_size` (a sequence-parallel group feeds the same images).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct BatchConfig {
     pub train_batch_size: usize,
     pub micro_batch_per_gpu: usize,
     pub gradient_accumulation_steps: usize,
+    /// The data-parallel degree (every rank of the job when `sequence_parallel_size` is 1).
     pub world_size: usize,
+    /// Ranks per sequence-parallel group (DeepSpeed's `sequence_parallel_size`).
+    pub sequence_parallel_size: usize,
+}
+
+impl BatchConfig {
+    /// Every rank of the job: data-parallel degree × sequence-parallel size.
+    pub fn ranks(&self) -> usize {
+        self.world_size * self.sequence_parallel_size
+    }
 }
 
 /// DeepSpeed's `warmup_type`.

@@ -3,7 +3,15 @@
 //! + position embedding) → `depth` pre-LN blocks → pool + final norm → head → cross-entropy.
 //!
 //! Every layer's forward saves what its backward needs in `Activations`; backward walks the
-//! same list in reverse. Parameter gradients accumulate into `grads` (so micro-batches of a
+//! same list in reverse.
+//!
+//! Under sequence parallelism (`seq_parallel`, set by `set_sequence_parallel`) a rank's rows
+//! are its own tokens of each image (B·n_r instead of B·N): the embedding is computed for the
+//! whole image and cut to them, each attention is wrapped in two all-to-alls (tokens → heads
+//! before it, heads → tokens after it; the backward mirrors them), and the pool combines the
+//! group's tokens. The head's and final norm's parameter gradients are kept by the group's
+//! rank 0 alone; every other parameter gradient is this rank's tokens' part, so the sum over
+//! the group (the gradient all-reduce over every rank) is the whole image's gradient. Parameter gradients accumulate into `grads` (so micro-batches of a
 //! gradient-accumulation window add up), activation gradients overwrite.
 //!
 //! Memory policy (`Recompute`): the LayerNorm outputs and the GELU output are cheap to
@@ -15,6 +23,7 @@ use crate::backend::{BResult, Backend, GeluSaved, Span};
 
 use super::drop_path::BranchScales;
 use super::params::{BlockSpans, ParamTable};
+use super::seq_parallel::SeqParallel;
 use super::spec::{GlobalPool, ModelConfig};
 
 /// Which activations the backward regenerates instead of keeping one copy per block.
@@ -66,6 +75,9 @@ struct BlockActs<B: Backend> {
     qkv: B::Buf,      // (B·N, 3C)
     probs: B::Buf,    // attention saved state (backend-defined, ≤ B·H·N·N; the probabilities on CPU)
     att: B::Buf,      // (B·N, C) attention output before proj
+    /// Sequence parallelism: the attention's own output (B, N, H/SP, D), before the all-to-all
+    /// back to this rank's tokens (`att`); its backward reads it.
+    att_heads: Option<B::Buf>,
     x1: B::Buf,       // residual stream after attention
     ln2: Option<B::Buf>,
     ln2_mean: B::Buf,
@@ -82,6 +94,13 @@ struct Regen<B: Backend> {
     mean: B::Buf, // (B·N) f32, rewritten with the values the forward saved
     rstd: B::Buf, // (B·N) f32
     act: B::Buf,  // (B·N, F) GELU output
+}
+
+/// Sequence parallelism's scratch: the exchanges' other side.
+struct SpScratch<B: Backend> {
+    qkv: B::Buf,  // (B·n_r, 3C) this rank's tokens' qkv, then their gradient
+    full: B::Buf, // (B·N, C) the whole image's embedding, then its output gradient
+    datt: B::Buf, // (B, N, H/SP, D) the attention's output gradient for this rank's heads
 }
 
 /// Every buffer of one forward/backward at a given batch capacity.
@@ -125,11 +144,17 @@ struct Activations<B: Backend> {
     cls_q: B::Buf,   // (B, C)
     dcls_q: B::Buf,  // (B, C)
     dcls_ln: B::Buf, // (B, C)
+    sp: Option<SpScratch<B>>,
 }
 
 impl<B: Backend> Activations<B> {
-    fn new(be: &B, m: &ModelConfig, cap: usize, policy: Recompute) -> BResult<Self> {
-        let (n, np, c, f, k) = (m.num_tokens(), m.num_patches(), m.embed_dim, m.mlp_hidden(), m.num_classes);
+    /// `sp`: (the most tokens a rank of the group holds, the group's size) under sequence
+    /// parallelism: rows are a rank's tokens, the attention runs whole images on H/SP heads.
+    fn new(be: &B, m: &ModelConfig, cap: usize, policy: Recompute, sp: Option<(usize, usize)>) -> BResult<Self> {
+        let (n_all, np, c, f, k) = (m.num_tokens(), m.num_patches(), m.embed_dim, m.mlp_hidden(), m.num_classes);
+        let (n, heads) = sp.map_or((n_all, m.num_heads), |(rows, size)| (rows, m.num_heads / size));
+        // (per rank under sequence parallelism, the whole image's tokens for H/SP heads take no
+        // more room than its own tokens for every head: qkv and its gradient share the buffers)
         let bn = cap * n;
         let regenerate = match policy {
             Recompute::Auto => bn * f <= be.recompute_below(),
@@ -151,8 +176,9 @@ impl<B: Backend> Activations<B> {
                 ln1_mean: be.alloc_f32(bn)?,
                 ln1_rstd: be.alloc_f32(bn)?,
                 qkv: be.alloc(bn * 3 * c)?,
-                probs: be.alloc(be.attention_saved_len(cap, n, m.num_heads, m.embed_dim / m.num_heads))?,
+                probs: be.alloc(be.attention_saved_len(cap, n_all, heads, m.embed_dim / m.num_heads))?,
                 att: be.alloc(bn * c)?,
+                att_heads: if sp.is_some() { Some(be.alloc(cap * n_all * heads * m.head_dim())?) } else { None },
                 x1: be.alloc(bn * c)?,
                 ln2: kept(bn * c)?,
                 ln2_mean: be.alloc_f32(bn)?,
@@ -194,6 +220,10 @@ impl<B: Backend> Activations<B> {
             cls_q: be.alloc(cap * c)?,
             dcls_q: be.alloc(cap * c)?,
             dcls_ln: be.alloc(cap * c)?,
+            sp: match sp {
+                Some((_, size)) => Some(SpScratch { qkv: be.alloc(bn * 3 * c)?, full: be.alloc(cap * n_all * c)?, datt: be.alloc(cap * n_all * c / size)? }),
+                None => None,
+            },
         })
     }
 }
@@ -250,8 +280,11 @@ fn block_backward<B: Backend>(
     (i, b, class_tail): (usize, usize, bool),
     bias: BiasSums,
     mut dp: Option<&mut BranchScales<B>>,
+    mut sp: Option<&mut SeqParallel<B>>,
 ) -> BResult<()> {
-    let (n, c, h, d, f) = (m.num_tokens(), m.embed_dim, m.num_heads, m.head_dim(), m.mlp_hidden());
+    let (n_all, c, h, d, f) = (m.num_tokens(), m.embed_dim, m.num_heads, m.head_dim(), m.mlp_hidden());
+    // rows per image: every token, or this rank's under sequence parallelism
+    let n = sp.as_ref().map_or(n_all, |p| p.local(n_all).len());
     let (bn, prefix) = (b * n, m.num_prefix_tokens());
     // the last block with the class token tail: B rows (one per image) after attention
     let rows = if class_tail { b } else { bn };
@@ -262,7 +295,8 @@ fn block_backward<B: Backend>(
         // the block's activations again from its saved input (its output is rewritten
         // with the values it holds)
         let io = BlockIo { x, out: &mut rest[0], cls_ln1: &mut a.cls_ln1, cls_q: &mut a.cls_q };
-        block_forward(be, m, (s, w), (i, b, class_tail), io, &mut a.blocks[0], None, a.gelu_saved, dp.as_deref_mut())?;
+        let spp = sp.as_deref_mut().zip(a.sp.as_mut());
+        block_forward(be, m, (s, w), (i, b, class_tail), io, &mut a.blocks[0], None, a.gelu_saved, dp.as_deref_mut(), spp)?;
     }
     let blk = &a.blocks[if a.checkpointing { 0 } else { i }];
     // MLP: fc2 (with the GELU backward fused), fc1, ln2 (+ residual) → dres_b = dx1
@@ -291,6 +325,13 @@ fn block_backward<B: Backend>(
     if class_tail {
         // dqkv holds the keys' and values' gradient (B, N, 2, H, D) here
         be.class_attention_backward(&mut a.dcls_q, &mut a.dqkv, g, bkv, &a.datt, &a.cls_q, &blk.qkv, b, n, h, d)?;
+    } else if let (Some(p), Some(x)) = (sp.as_mut(), a.sp.as_mut()) {
+        // this rank's heads over every token: datt tokens → heads, the attention backward
+        // (dqkv (B, N, 3, H/SP, D)), dqkv heads → tokens into the scratch (B·n_r, 3C)
+        let att_heads = blk.att_heads.as_ref().ok_or_else(|| crate::backend::BackendError::Device("sequence-parallel attention output missing".into()))?;
+        p.tokens_to_heads(be, &mut x.datt, &a.datt, b, n_all, 1, h, d)?;
+        be.attention_backward(&mut a.dqkv, &x.datt, &blk.qkv, att_heads, &blk.probs, b, n_all, h / p.size, d)?;
+        p.heads_to_tokens(be, &mut x.qkv, &a.dqkv, b, n_all, 3, h, d)?;
     } else {
         match s.qkv_b {
             Some(qb) => be.attention_backward_bias(&mut a.dqkv, g, qb, &a.datt, &blk.qkv, &blk.att, &blk.probs, b, n, h, d)?,
@@ -307,6 +348,9 @@ fn block_backward<B: Backend>(
         be.matmul_backward(&mut a.dln, g, &a.dqkv, ln1, None, w, wkv, None, bn, c, 2 * c)?;
         be.matmul_backward(&mut a.dcls_ln, g, &a.dcls_q, &a.cls_ln1, None, w, wq, bq, b, c, c)?;
         be.add_class_rows(&mut a.dln, &a.dcls_ln, b, n, c)?;
+    } else if let Some(x) = a.sp.as_ref() {
+        // (the qkv bias gradient from these rows: the attention saw other heads' layout)
+        be.matmul_backward(&mut a.dln, g, &x.qkv, ln1, None, w, s.qkv_w, s.qkv_b, bn, c, 3 * c)?;
     } else {
         be.matmul_backward(&mut a.dln, g, &a.dqkv, ln1, None, w, s.qkv_w, None, bn, c, 3 * c)?;
     }
@@ -352,8 +396,11 @@ fn block_forward<B: Backend>(
     regen: Option<&mut Regen<B>>,
     gelu_saved: GeluSaved,
     mut dp: Option<&mut BranchScales<B>>,
+    sp: Option<(&mut SeqParallel<B>, &mut SpScratch<B>)>,
 ) -> BResult<()> {
-    let (n, c, h, d, f) = (m.num_tokens(), m.embed_dim, m.num_heads, m.head_dim(), m.mlp_hidden());
+    let (n_all, c, h, d, f) = (m.num_tokens(), m.embed_dim, m.num_heads, m.head_dim(), m.mlp_hidden());
+    // rows per image: every token, or this rank's under sequence parallelism
+    let n = sp.as_ref().map_or(n_all, |(p, _)| p.local(n_all).len());
     let (bn, prefix) = (b * n, m.num_prefix_tokens());
     let BlockIo { x, out, cls_ln1, cls_q } = io;
     let (mut shared_ln, mut shared_act) = match regen {
@@ -376,6 +423,16 @@ fn block_forward<B: Backend>(
         be.pool_forward(out, x, b, n, c, prefix, false)?;
         residual_branch(be, dp.as_deref_mut(), (i, 0), &mut blk.x1, out, &blk.att, w, (s.proj_w, s.proj_b), (b, 1), c, c)?;
         b
+    } else if let Some((p, scratch)) = sp {
+        // this rank's tokens' qkv → every token for this rank's heads (B, N, 3, H/SP, D) →
+        // attention → its output back to this rank's tokens, every head (B·n_r, C)
+        be.matmul_forward(&mut scratch.qkv, None, ln1, w, s.qkv_w, s.qkv_b, bn, c, 3 * c)?;
+        p.tokens_to_heads(be, &mut blk.qkv, &scratch.qkv, b, n_all, 3, h, d)?;
+        let att_heads = blk.att_heads.as_mut().ok_or_else(|| crate::backend::BackendError::Device("sequence-parallel attention output missing".into()))?;
+        be.attention_forward(att_heads, &mut blk.probs, &blk.qkv, b, n_all, h / p.size, d)?;
+        p.heads_to_tokens(be, &mut blk.att, att_heads, b, n_all, 1, h, d)?;
+        residual_branch(be, dp.as_deref_mut(), (i, 0), &mut blk.x1, x, &blk.att, w, (s.proj_w, s.proj_b), (bn, n), c, c)?;
+        bn
     } else {
         be.matmul_forward(&mut blk.qkv, None, ln1, w, s.qkv_w, s.qkv_b, bn, c, 3 * c)?;
         be.attention_forward(&mut blk.att, &mut blk.probs, &blk.qkv, b, n, h, d)?;
@@ -474,6 +531,8 @@ pub struct Vit<B: Backend> {
     drop: Option<BranchScales<B>>,
     /// Whether the forward awaiting its backward scaled its branches (the backward must too).
     dropped_forward: bool,
+    /// This rank's sequence-parallel group (`set_sequence_parallel`); None: whole images.
+    sp: Option<SeqParallel<B>>,
 }
 
 impl<B: Backend> Vit<B> {
@@ -495,7 +554,7 @@ impl<B: Backend> Vit<B> {
         let params = be.alloc_f32(table.total)?;
         let grads = be.alloc_f32(grads_len)?;
         let compute = if be.needs_compute_copy() { Some(be.alloc(table.total)?) } else { None };
-        Ok(Vit { cfg, table, params, master_released: false, pending_weights: Vec::new(), compute, grads, acts: None, recompute: Recompute::Auto, unread_inputs: None, pending_backward: 0, class_token_tail: true, drop: None, dropped_forward: false })
+        Ok(Vit { cfg, table, params, master_released: false, pending_weights: Vec::new(), compute, grads, acts: None, recompute: Recompute::Auto, unread_inputs: None, pending_backward: 0, class_token_tail: true, drop: None, dropped_forward: false, sp: None })
     }
 
     /// Replaces all weights from a host vector in table layout.
@@ -604,9 +663,33 @@ impl<B: Backend> Vit<B> {
         self.class_token_tail = on;
     }
 
-    /// True when the last block is computed for the class token only (`set_class_token_tail`).
+    /// True when the last block is computed for the class token only (`set_class_token_tail`;
+    /// never under sequence parallelism, where the class token is one rank's).
     fn tail_on_class_token(&self) -> bool {
-        self.class_token_tail && self.cfg.global_pool == GlobalPool::Token && self.cfg.depth > 0
+        self.class_token_tail && self.cfg.global_pool == GlobalPool::Token && self.cfg.depth > 0 && self.sp.is_none()
+    }
+
+    /// Splits every image's tokens over `sp`'s group from the next forward on (None: whole
+    /// images again). The group's size must divide the heads and not exceed the tokens.
+    pub fn set_sequence_parallel(&mut self, sp: Option<SeqParallel<B>>) -> BResult<()> {
+        if let Some(p) = &sp {
+            let (h, n) = (self.cfg.num_heads, self.cfg.num_tokens());
+            if !h.is_multiple_of(p.size) || n < p.size {
+                return Err(crate::backend::BackendError::Shape {
+                    op: "set_sequence_parallel",
+                    msg: format!("a group of {} ranks needs whole heads and a token each: the model has {h} heads and {n} tokens", p.size),
+                });
+            }
+        }
+        self.sp = sp;
+        self.acts = None;
+        self.unread_inputs = None;
+        Ok(())
+    }
+
+    /// (rank in the group, group size) under sequence parallelism.
+    pub fn sequence_parallel(&self) -> Option<(usize, usize)> {
+        self.sp.as_ref().map(|p| (p.rank, p.size))
     }
 
     /// Stochastic depth for the following training passes of `n` images (`model::drop_path`):
@@ -635,7 +718,8 @@ impl<B: Backend> Vit<B> {
         if self.acts.as_ref().is_none_or(|a| a.cap < b) {
             self.acts = None; // free the old set before allocating the larger one
             self.unread_inputs = None;
-            self.acts = Some(Activations::new(be, &self.cfg, b, self.recompute)?);
+            let sp = self.sp.as_ref().map(|p| (p.max_tokens(self.cfg.num_tokens()), p.size));
+            self.acts = Some(Activations::new(be, &self.cfg, b, self.recompute, sp)?);
         }
         Ok(())
     }
@@ -674,8 +758,10 @@ impl<B: Backend> Vit<B> {
         let m = &self.cfg;
         let t = &self.table.spans;
         let (n, np, c, f, k) = (m.num_tokens(), m.num_patches(), m.embed_dim, m.mlp_hidden(), m.num_classes);
-        let bn = b * n;
         let tail = self.tail_on_class_token();
+        let mut sp = self.sp.as_mut();
+        // this rank's rows: every token, or its own under sequence parallelism
+        let bn = b * sp.as_ref().map_or(n, |p| p.local(n).len());
         let prefix = m.num_prefix_tokens();
         // weights still arriving: each layer waits for its own (embedding first, as the
         // gather sends them)
@@ -706,7 +792,14 @@ impl<B: Backend> Vit<B> {
         arrive(Span { off: 0, len: embed_end })?;
         be.patchify(&mut a.patches, &a.img, b, m.in_chans, m.image_size, m.patch_size)?;
         be.matmul_forward(&mut a.patch_emb, None, &a.patches, w, t.patch_w, Some(t.patch_b), b * np, m.patch_dim(), c)?;
-        be.embed_forward(&mut a.x0, &a.patch_emb, w, t.pos_embed, t.cls_token, b, np, c)?;
+        match (sp.as_deref_mut(), a.sp.as_mut()) {
+            // the whole image's tokens, then this rank's of them
+            (Some(p), Some(x)) => {
+                be.embed_forward(&mut x.full, &a.patch_emb, w, t.pos_embed, t.cls_token, b, np, c)?;
+                p.take_tokens(be, &mut a.x0, &x.full, b, n, c)?;
+            }
+            _ => be.embed_forward(&mut a.x0, &a.patch_emb, w, t.pos_embed, t.cls_token, b, np, c)?,
+        }
 
         // ---- transformer blocks: x → x1 = x + proj(attn(ln1(x))) → x2 = x1 + mlp(ln2(x1))
         let gelu_saved = if a.regen.is_none() && be.gelu_saves_grad(bn, c, f) { GeluSaved::Grad } else { GeluSaved::Pre };
@@ -720,7 +813,8 @@ impl<B: Backend> Vit<B> {
             let io = BlockIo { x, out: &mut rest[0], cls_ln1: &mut a.cls_ln1, cls_q: &mut a.cls_q };
             // this block's branch factors, when it can drop anything
             let dp = drop.as_deref_mut().filter(|d| d.active[i]);
-            block_forward(be, m, (s, w), (i, b, tail && i + 1 == m.depth), io, blk, a.regen.as_mut(), gelu_saved, dp)?;
+            let spp = sp.as_deref_mut().zip(a.sp.as_mut());
+            block_forward(be, m, (s, w), (i, b, tail && i + 1 == m.depth), io, blk, a.regen.as_mut(), gelu_saved, dp, spp)?;
         }
         let x_last = a.outputs.last().unwrap_or(&a.x0);
 
@@ -736,7 +830,11 @@ impl<B: Backend> Vit<B> {
         }
         let avg = m.global_pool == GlobalPool::Avg;
         let n_out = if tail { 1 } else { n };
-        be.pool_forward(&mut a.pooled_raw, x_last, b, n_out, c, prefix, avg)?;
+        match sp {
+            // over the group: the same pooled features on each of its ranks
+            Some(p) => p.pool_forward(be, &mut a.pooled_raw, x_last, b, n, c, prefix, avg)?,
+            None => be.pool_forward(&mut a.pooled_raw, x_last, b, n_out, c, prefix, avg)?,
+        }
         be.layernorm_forward(&mut a.pooled, &mut a.final_mean, &mut a.final_rstd, &a.pooled_raw, w, t.final_norm_w, t.final_norm_b, b, c)?;
         be.matmul_forward(&mut a.logits, None, &a.pooled, w, t.head_w, Some(t.head_b), b, c, k)?;
 
@@ -815,6 +913,7 @@ impl<B: Backend> Vit<B> {
         let (n, np, c, k) = (m.num_tokens(), m.num_patches(), m.embed_dim, m.num_classes);
         let w = self.compute.as_ref().unwrap_or(&self.params);
         let tail = self.tail_on_class_token();
+        let mut sp = self.sp.as_mut();
         let g = &mut self.grads;
         let a = self.acts.as_mut().ok_or_else(|| crate::backend::BackendError::Device("activations missing".into()))?;
         let prefix = m.num_prefix_tokens();
@@ -829,11 +928,26 @@ impl<B: Backend> Vit<B> {
         // gradient: the pool's backward spreads dpooled_raw over the tokens without changing its
         // column sums (the class token's row, or N − prefix rows of 1/(N − prefix) each).
         // `fc2_bias_summed`: the block about to be differentiated has its fc2 bias gradient.
-        let last_fc2_b = t.blocks.last().map(|s| s.fc2_b).filter(|_| !dropping[m.depth - 1]);
+        // (not under sequence parallelism: each rank's pool backward spreads a part of it)
+        let last_fc2_b = t.blocks.last().map(|s| s.fc2_b).filter(|_| !dropping[m.depth - 1] && sp.is_none());
         let avg = m.global_pool == GlobalPool::Avg;
         be.layernorm_backward(&mut a.dpooled_raw, g, &a.dpooled, None, &a.pooled_raw, &a.final_mean, &a.final_rstd, w, t.final_norm_w, t.final_norm_b, b, c, last_fc2_b)?;
         let n_out = if tail { 1 } else { n };
-        be.pool_backward(&mut a.dres_a, &a.dpooled_raw, b, n_out, c, prefix, avg)?;
+        match sp.as_deref_mut() {
+            Some(p) => {
+                p.pool_backward(be, &mut a.dres_a, &a.dpooled_raw, b, n, c, prefix, avg)?;
+                if p.rank != 0 {
+                    // every rank of the group ran the head on the same features: one keeps
+                    // their gradients (the deferred bias sums written first)
+                    be.defer_gradient_sums(false)?;
+                    be.defer_gradient_sums(true)?;
+                    for s in [t.final_norm_w, t.final_norm_b, t.head_w, t.head_b] {
+                        be.upload(g, s.off, &vec![0.0; s.len])?;
+                    }
+                }
+            }
+            None => be.pool_backward(&mut a.dres_a, &a.dpooled_raw, b, n_out, c, prefix, avg)?,
+        }
         let mut fc2_bias_summed = last_fc2_b.is_some();
         report(g, 0)?;
 
@@ -844,13 +958,21 @@ impl<B: Backend> Vit<B> {
             let prev_fc2_b = i.checked_sub(1).filter(|&p| !dropping[p]).map(|p| t.blocks[p].fc2_b);
             let bias = BiasSums { fc2: (!fc2_bias_summed).then_some(t.blocks[i].fc2_b), proj_in_ln2: !dropping[i], prev_fc2: prev_fc2_b };
             let dp = drop.as_deref_mut().filter(|d| d.active[i]);
-            block_backward(be, m, (&t.blocks[i], w), g, a, (i, b, tail && i + 1 == m.depth), bias, dp)?;
+            block_backward(be, m, (&t.blocks[i], w), g, a, (i, b, tail && i + 1 == m.depth), bias, dp, sp.as_deref_mut())?;
             fc2_bias_summed = prev_fc2_b.is_some();
             report(g, m.depth - i)?;
         }
 
         // ---- embedding
-        be.embed_backward(&mut a.dpatch_emb, g, &a.dres_a, t.pos_embed, t.cls_token, b, np, c)?;
+        match (sp, a.sp.as_mut()) {
+            // this rank's rows of the whole image's gradient (zeros in the others'): the
+            // position embedding, class token and patch embedding gradients of its tokens
+            (Some(p), Some(x)) => {
+                p.put_tokens(be, &mut x.full, &a.dres_a, b, n, c)?;
+                be.embed_backward(&mut a.dpatch_emb, g, &x.full, t.pos_embed, t.cls_token, b, np, c)?;
+            }
+            _ => be.embed_backward(&mut a.dpatch_emb, g, &a.dres_a, t.pos_embed, t.cls_token, b, np, c)?,
+        }
         be.matmul_backward_weights(g, &a.dpatch_emb, &a.patches, w, t.patch_w, Some(t.patch_b), b * np, m.patch_dim(), c)?;
         report(g, m.depth + 1)?;
         Ok(())

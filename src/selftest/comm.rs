@@ -98,6 +98,41 @@ pub fn comm_checks<B: Backend>(be: &B, comm: &mut dyn Comm<B::Buf>, seed: u64) -
     let root = world - 1;
     let got = run(be, comm, &mut buf, Collective::Broadcast { root }, span_odd, plain)?;
     out.push(check(format!("comm broadcast from rank {root} {tag}"), &got, &all[root][span_odd.range()], 0.0));
+    // all-to-all (sequence parallelism): block j of this rank's span comes from rank j's block
+    // `rank`; a transport without it refuses, and then there is nothing to check
+    let blocks = |members: &[usize], me: usize, span: Span| -> Vec<f32> {
+        let c = span.len / members.len();
+        members.iter().flat_map(|&r| all[r][span.range()][me * c..(me + 1) * c].to_vec()).collect()
+    };
+    let world_ranks: Vec<usize> = (0..world).collect();
+    be.upload(&mut buf, 0, &all[rank])?;
+    match comm.start(Collective::AllToAll, &mut buf, span_even) {
+        Ok(w) => {
+            comm.wait(w, &mut buf).map_err(comm_err)?;
+            be.synchronize()?;
+            let got = be.download(&buf)?[span_even.range()].to_vec();
+            out.push(check(format!("comm all_to_all {tag}"), &got, &blocks(&world_ranks, rank, span_even), 0.0));
+        }
+        Err(crate::comm::CommError::Unsupported { .. }) => {}
+        Err(e) => return Err(comm_err(e)),
+    }
+    // groups of consecutive ranks (sequence parallelism's groups): all-to-all and all-reduce
+    // within the group, on the group's own communicator
+    // (pairs, the layout tests use; a world of 2 is one pair)
+    for size in [2].into_iter().filter(|&g| world > 1 && world.is_multiple_of(g)) {
+        let mut group = match comm.split_groups(size) {
+            Ok(g) => g,
+            Err(crate::comm::CommError::Unsupported { .. }) => break,
+            Err(e) => return Err(comm_err(e)),
+        };
+        let base = rank / size * size;
+        let members: Vec<usize> = (base..base + size).collect();
+        let got = run(be, &mut *group, &mut buf, Collective::AllToAll, span_even, plain)?;
+        out.push(check(format!("comm all_to_all in groups of {size} {tag}"), &got, &blocks(&members, rank - base, span_even), 0.0));
+        let got = run(be, &mut *group, &mut buf, Collective::AllReduce(ReduceOp::Sum), span_odd, plain)?;
+        let want: Vec<f32> = span_odd.range().map(|i| members.iter().map(|&r| all[r][i] as f64).sum::<f64>() as f32).collect();
+        out.push(check(format!("comm all_reduce in groups of {size} {tag}"), &got, &want, 1e-6));
+    }
     // several collectives in flight at once complete in order, each with its own result
     be.upload(&mut buf, 0, &all[rank])?;
     let a = comm.start(Collective::AllReduce(ReduceOp::Sum), &mut buf, Span { off: 0, len: 2000 }).map_err(comm_err)?;

@@ -149,7 +149,8 @@ impl Balancer {
     /// The balance of rank `rank` for a run of `cfg` with `plan`, starting at step
     /// `start_step`; the loader builds batches up to `prefetch` micro-batches ahead.
     pub fn new(cfg: &RunConfig, plan: &Plan, rank: usize, start_step: u64, prefetch: usize) -> Balancer {
-        let (world, micro, gas) = (plan.world_size, plan.micro_batch, plan.gradient_accumulation_steps);
+        // (ranks that split the batch: the data-parallel degree)
+        let (world, micro, gas) = (plan.data_parallel, plan.micro_batch, plan.gradient_accumulation_steps);
         let u = plan.split_unit;
         let total = world * micro;
         // the loader's window may hold prefetch micro-batches of steps not yet run: decide at

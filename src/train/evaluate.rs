@@ -42,7 +42,9 @@ pub fn evaluate_with<B: Backend>(
     batch: usize,
     comm: &mut dyn Comm<B::Buf>,
 ) -> Result<EvalSummary, TrainError> {
-    let loader = eval_loader(set, cfg, batch, comm.rank(), comm.world_size())?;
+    // a sequence-parallel group runs the same batches (each rank its tokens of them)
+    let sp = vit.sequence_parallel().map_or(1, |(_, size)| size);
+    let loader = eval_loader(set, cfg, batch, comm.rank() / sp, comm.world_size() / sp)?;
     evaluate_from(be, vit, set.len(), loader, comm)
 }
 
@@ -76,6 +78,10 @@ pub fn evaluate_from<B: Backend>(be: &B, vit: &mut Vit<B>, n: usize, mut loader:
         loader.recycle(batch_data);
     }
     let mut sums = [loss_sum, correct as f64];
+    // every rank of a sequence-parallel group computed the same losses: rank 0 of it counts them
+    if vit.sequence_parallel().is_some_and(|(rank, _)| rank != 0) {
+        sums = [0.0, 0.0];
+    }
     comm.all_reduce_host(&mut sums)?;
     let (loss_sum, correct) = (sums[0], sums[1]);
     Ok(EvalSummary { loss: loss_sum / n.max(1) as f64, top1: correct / n.max(1) as f64, images: n })

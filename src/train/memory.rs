@@ -203,7 +203,10 @@ pub fn estimate(cfg: &RunConfig, shape: RankBatch, dev: &DeviceMemory<'_>, regen
     let (elems, stats) = activation_elems(m, b as f64, att, regenerate, checkpointing);
     // stochastic depth: one branch's output through a scratch, and each image's factors
     let drop_path = if cfg.drop_path_rate > 0.0 { b as f64 * n as f64 * m.embed_dim as f64 * dev.compute_bytes + (2 * m.depth * b) as f64 * 4.0 } else { 0.0 };
-    let activations = elems * dev.compute_bytes + stats * 4.0 + drop_path;
+    // sequence parallelism: a rank keeps its 1/SP of the tokens' activations and its 1/SP of the
+    // heads' attention state (roughly: the patch embedding and the head run whole)
+    let sp = cfg.batch.sequence_parallel_size.max(1) as f64;
+    let activations = (elems * dev.compute_bytes + stats * 4.0 + drop_path) / sp;
     let d = &cfg.data;
     let pixels = (m.image_size * m.image_size * 3) as f64;
     let stored = match d.dataset {

@@ -66,12 +66,19 @@ pub struct ZeroPlan {
 /// How one rank runs each optimizer step.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Plan {
+    /// Every rank of the job: `data_parallel × sequence_parallel`.
     pub world_size: usize,
+    /// Ranks per sequence-parallel group (`sequence_parallel_size`): consecutive ranks that
+    /// split each image's tokens and feed the same images (`model::seq_parallel`).
+    pub sequence_parallel: usize,
+    /// Groups that feed different images: the batch triple's world size.
+    pub data_parallel: usize,
     /// Images per rank per micro-batch (`train_micro_batch_size_per_gpu`; under
     /// `train.balance` the equal split's).
     pub micro_batch: usize,
     pub gradient_accumulation_steps: usize,
-    /// `train_batch_size` = micro × GAS × world: the loss is the mean over these images.
+    /// `train_batch_size` = micro × GAS × data-parallel degree: the loss is the mean over
+    /// these images.
     pub global_batch: usize,
     /// Each rank's micro-batch at the run's start: the equal split, or `train.balance`'s fixed
     /// shares (`auto` starts equal and re-splits as it measures, `train::balance`).
@@ -109,7 +116,9 @@ impl Plan {
     /// split is derived from the configuration.
     pub fn for_config(cfg: &RunConfig, dev: DeviceTraits<'_>) -> Plan {
         let b = &cfg.batch;
-        let (micro, gas, world) = (b.micro_batch_per_gpu.max(1), b.gradient_accumulation_steps, b.world_size);
+        // (the batch is split over the data-parallel degree; a sequence-parallel group's ranks
+        // feed the same images)
+        let (micro, gas, world, sp) = (b.micro_batch_per_gpu.max(1), b.gradient_accumulation_steps, b.world_size, b.sequence_parallel_size);
         let unit = shares::unit(cfg);
         let rank_micro_batches = shares::initial_split(&cfg.train.balance, world, micro, unit);
         // under train.balance a rank's micro-batch may be larger: passes are sized for the
@@ -127,11 +136,13 @@ impl Plan {
             bucket_elems,
         };
         let cap = pass_images_cap(cfg.train.pass_images);
-        let shape = RankBatch { micro: widest, pass_images, eval_images: cfg.train.eval_batch_size.min(cap), world };
+        let shape = RankBatch { micro: widest, pass_images, eval_images: cfg.train.eval_batch_size.min(cap), world: world * sp };
         let checkpointing = cfg.train.recompute == Recompute::Blocks;
         let memory = memory::estimate(cfg, shape, &dev.memory, recompute, checkpointing);
         Plan {
-            world_size: world,
+            world_size: world * sp,
+            sequence_parallel: sp,
+            data_parallel: world,
             micro_batch: micro,
             gradient_accumulation_steps: gas,
             global_batch: micro * gas * world,
@@ -154,6 +165,8 @@ impl Plan {
         let pass_images = pass_images_cap(pass_images).min(micro);
         Plan {
             world_size: world,
+            sequence_parallel: 1,
+            data_parallel: world,
             micro_batch: micro,
             gradient_accumulation_steps: gas,
             global_batch: micro * gas * world,

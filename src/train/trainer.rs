@@ -16,6 +16,11 @@
 //! evaluation     every `train.eval_every` steps or at epoch ends, and after the last step
 //! ```
 //!
+//! Under sequence parallelism (`sequence_parallel_size` = SP) rank r is rank r mod SP of the
+//! group r ÷ SP, which feeds the images of data-parallel slot r ÷ SP; the model runs each
+//! image's tokens split over the group (`model::seq_parallel`, on a communicator of the group's
+//! own), and the gradient sum over every rank is the unchanged data-parallel reduction.
+//!
 //! The batch split, passes and memory come from the run's one `Plan` (`train::plan`); the loader
 //! (`data::Loader`) decodes, augments and mixes on its own threads, and the time a step waits
 //! for it is `data_s`. A non-finite loss ends the run when it is read back.
@@ -288,6 +293,12 @@ pub struct Trainer<'r, B: Backend> {
     comm: &'r mut dyn Comm<B::Buf>,
     rank: usize,
     world: usize,
+    /// The data-parallel slot this rank feeds and their number (rank ÷ SP, world ÷ SP).
+    data_rank: usize,
+    data_world: usize,
+    /// Whether this rank reports its group's losses (rank 0 of its sequence-parallel group:
+    /// every rank of a group computes the same ones).
+    reports_losses: bool,
     run: RunDir,
     /// DeepSpeed's tensorboard / csv_monitor blocks: rank 0 writes them, as DeepSpeed does.
     monitors: Option<Monitors>,
@@ -493,6 +504,19 @@ impl<'r, B: Backend> Trainer<'r, B> {
         let total_steps = cfg.train.steps.unwrap_or(cfg.train.epochs as u64 * steps_per_epoch);
 
         let (mut st, grads) = build_step(be, cfg, &plan, opts, (rank, world), t_start)?;
+        // sequence parallelism: the group's communicator (every rank opens its group here)
+        let sp = plan.sequence_parallel;
+        if sp > 1 {
+            if be.needs_compute_copy() || !be.name().starts_with("cpu") {
+                return Err(TrainError::Config(format!(
+                    "sequence_parallel_size = {sp}: sequence parallelism is not yet available on the CUDA backend ({}); it runs on CPU ranks (--device cpu)",
+                    be.name()
+                )));
+            }
+            let group = comm.split_groups(sp)?;
+            st.vit.set_sequence_parallel(Some(crate::model::seq_parallel::SeqParallel::new(group)))?;
+        }
+        let (data_rank, data_world) = (rank / sp, world / sp);
         run.add_to_config("memory", &memory_record(be, &st, &grads, None))?;
         let (start_step, restored_ema) = restore(be, opts, &plan, &mut st, &grads, &mut *comm, &mut run, total_steps)?;
         let ema = start_ema(be, cfg, &st, &grads, restored_ema)?;
@@ -500,7 +524,7 @@ impl<'r, B: Backend> Trainer<'r, B> {
         if let Some(z) = &grads.zero {
             z.take_master(be, &mut st.vit, &mut st.opt_state)?;
         }
-        let bal = Balancer::new(cfg, &plan, rank, start_step, cfg.data.prefetch);
+        let bal = Balancer::new(cfg, &plan, data_rank, start_step, cfg.data.prefetch);
         if !opts.quiet {
             announce(be, cfg, &plan, &data, &bal, st.vit.table.total, total_steps);
         }
@@ -519,8 +543,8 @@ impl<'r, B: Backend> Trainer<'r, B> {
                 sampler: data.sampler.clone(),
                 train: true,
                 seed: cfg.train.seed,
-                rank,
-                world,
+                rank: data_rank,
+                world: data_world,
                 gas: plan.gradient_accumulation_steps,
                 start_epoch: 0,
                 start_step: start_step as usize,
@@ -537,6 +561,9 @@ impl<'r, B: Backend> Trainer<'r, B> {
             comm,
             rank,
             world,
+            data_rank,
+            data_world,
+            reports_losses: rank % sp == 0,
             run,
             monitors,
             train_set: data.train_set,
@@ -588,7 +615,7 @@ impl<'r, B: Backend> Trainer<'r, B> {
         };
         let log_due = (step + 1) % self.cfg.train.log_every.max(1) == 0 || at.last;
         if self.eval_due(at) && self.eval_ahead.is_none() {
-            self.eval_ahead = Some(eval_loader(&self.val_set, self.cfg, self.cfg.train.eval_batch_size, self.rank, self.world)?);
+            self.eval_ahead = Some(eval_loader(&self.val_set, self.cfg, self.cfg.train.eval_batch_size, self.data_rank, self.data_world)?);
         }
         let (grad_norm, lr) = self.micro_batches_and_boundary(at, log_due)?;
         self.bal.end_step(&mut *self.comm, step)?;
@@ -672,7 +699,7 @@ impl<'r, B: Backend> Trainer<'r, B> {
     /// The losses of the steps since the last read, summed over ranks (one host synchronization).
     fn read_losses(&mut self) -> Result<(), TrainError> {
         let taken = self.st.take_losses(self.be)?;
-        let mut sums: Vec<f64> = taken.iter().map(|&(_, v)| v).collect();
+        let mut sums: Vec<f64> = taken.iter().map(|&(_, v)| if self.reports_losses { v } else { 0.0 }).collect();
         if self.world > 1 {
             self.comm.all_reduce_host(&mut sums)?;
         }
@@ -923,7 +950,7 @@ impl<'r, B: Backend> Trainer<'r, B> {
         let t_eval = Instant::now();
         let loader = match self.eval_ahead.take() {
             Some(l) => l,
-            None => eval_loader(&self.val_set, self.cfg, self.cfg.train.eval_batch_size, self.rank, self.world)?,
+            None => eval_loader(&self.val_set, self.cfg, self.cfg.train.eval_batch_size, self.data_rank, self.data_world)?,
         };
         let ev = evaluate_from(self.be, &mut self.st.vit, self.val_set.len(), loader, &mut *self.comm)?;
         let ema_ev = self.evaluate_ema()?;

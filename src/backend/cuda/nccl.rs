@@ -429,6 +429,10 @@ impl Comm<CudaBuf> for NcclComm {
         self.check_failed()?;
         check_args(op, span, buf.len, self.world)?;
         let rank = self.rank;
+        if op == Collective::AllToAll {
+            // (sequence parallelism runs on CPU ranks so far; NCCL's form is grouped send/recv)
+            return Err(CommError::Unsupported { what: "all_to_all on NCCL (not yet implemented)".into() });
+        }
         // a reduce-scatter's result is the rank's own shard: only that comes back from the wire
         let own = match op {
             Collective::ReduceScatter(_) => {
@@ -478,6 +482,7 @@ impl Comm<CudaBuf> for NcclComm {
                     (l.all_gather)(base.byte_add(rank * n * elem), base, n, ty, c, s)
                 }
                 Collective::Broadcast { root } => (l.broadcast)(base, base, span.len, ty, root as c_int, c, s),
+                Collective::AllToAll => return Err(CommError::Unsupported { what: "all_to_all on NCCL (not yet implemented)".into() }),
             }
         };
         if r != NCCL_SUCCESS && r != NCCL_IN_PROGRESS {
