@@ -3,16 +3,17 @@
 # 32 px at micro 4..32: one rank on every core, and each of 2 launched ranks profiling its own
 # step side by side with the threads the launcher gives it; a comm bench of 2 CPU ranks), the
 # sweep they must predict (configs/study/plan_validation_cpu.json: 1 and 2 ranks × micro 8,
-# 16, 32), then `plan --validate` and `report`. A few minutes on 2 cores.
+# 16, 32; each point's steady throughput is its median step), then `plan --validate` and
+# `report`. About 5 minutes on 2 cores.
 #
 #   scripts/plan_cpu.sh [BIN] [OUTDIR]
 set -eu
 BIN=${1:-target/release/vitscale}
 OUT=${2:-plan-cpu}
 mkdir -p "$OUT"
-"$BIN" bench --device cpu --model vit_tiny_patch4_32 --profile-out "$OUT/profile.json" --profile-micros 4,8,16,32 --steps 8 --warmup 2
+"$BIN" bench --device cpu --model vit_tiny_patch4_32 --profile-out "$OUT/profile.json" --profile-micros 4,8,16,32 --steps 20 --warmup 3
 # one rank as each of 2 launched ranks runs: ⌈cores / 2⌉ threads, the other rank beside it
-"$BIN" launch --nproc-per-node 2 -- bench --device cpu --model vit_tiny_patch4_32 --profile-out "$OUT/profile_2ranks.json" --profile-micros 4,8,16,32 --steps 8 --warmup 2
+"$BIN" launch --nproc-per-node 2 -- bench --device cpu --model vit_tiny_patch4_32 --profile-out "$OUT/profile_2ranks.json" --profile-micros 4,8,16,32 --steps 20 --warmup 3
 "$BIN" launch --nproc-per-node 2 -- bench --comm --device cpu --comm-max-bytes 33554432 --comm-iters 5 --warmup 2 --comm-out "$OUT/comm_2.json" > "$OUT/comm_2.txt"
 "$BIN" sweep configs/study/plan_validation_cpu.json --out "$OUT" --resume
 "$BIN" plan --validate "$OUT"

@@ -42,6 +42,13 @@ enum Command {
 
 fn main() {
     let cli = Cli::parse();
+    // The main thread is the global rayon pool's first thread (RAYON_NUM_THREADS threads in
+    // all, as before): a parallel loop started here runs on it and the others steal from it,
+    // instead of the main thread handing every loop to the pool and sleeping until a pool
+    // thread wakes it. A CPU step runs thousands of such loops; on a virtual machine each
+    // hand-off wakes a halted core, whose latency varies with the host's load. A pool already
+    // built (nothing builds one before this) is left as it is.
+    let _ = rayon::ThreadPoolBuilder::new().use_current_thread().build_global();
     let result = match cli.command {
         // The launcher ends with its workers' exit code.
         Command::Launch(args) => cmd::launch::run(args),

@@ -135,6 +135,20 @@ fn validate_a_small_cpu_sweep_and_plan_on_the_presets() {
         // one rank is predicted from the rank alone on every core, two from the two side by side
         let want = if p["world"] == 1 { "profile.json" } else { "profile_2ranks.json" };
         assert!(p["profile"].as_str().unwrap().ends_with(want), "{p}");
+        // measured: the global batch over rank 0's median step after the 2 warm-up steps, read
+        // here from its metrics lines (one a step)
+        let metrics = std::fs::read_to_string(cwd.join("sw/points").join(p["id"].as_str().unwrap()).join("run/metrics.jsonl")).unwrap();
+        let mut secs: Vec<f64> = metrics
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|r| r.get("kind").is_none() && r["step"].as_u64().is_some_and(|s| s > 2))
+            .map(|r| r["train_s"].as_f64().unwrap() / r["steps"].as_f64().unwrap())
+            .collect();
+        secs.sort_by(f64::total_cmp);
+        assert_eq!(secs.len(), 6, "{p}");
+        let median = (secs[2] + secs[3]) / 2.0;
+        let global = (p["world"].as_u64().unwrap() * p["micro"].as_u64().unwrap()) as f64;
+        assert!((m - global / median).abs() < 1e-6 * m, "{p}: measured {m}, median step {median} s");
     }
     // every point is a prediction, the one-rank points too (nothing is fitted on the sweep)
     let errs: Vec<f64> = points.iter().map(|p| p["err"].as_f64().unwrap().abs()).collect();

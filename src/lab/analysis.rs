@@ -483,6 +483,8 @@ mod tests {
             measured_steps: 10,
             images_per_s: ips,
             images_per_s_per_rank: ips / world as f64,
+            median_step_s: step_s,
+            steady_images_per_s: ips,
             comm_share: comm_s / step_s,
             breakdown: b.clone(),
             comm_bytes_per_step: 0.0,

@@ -62,9 +62,19 @@ pub struct PointFigures {
     pub global_batch: usize,
     pub zero_stage: u64,
     pub measured_steps: usize,
-    /// Global images per second over the measured steps (rank 0's clock).
+    /// Global images per second over the measured steps (rank 0's clock): all their images
+    /// over all their time, the mean step.
     pub images_per_s: f64,
     pub images_per_s_per_rank: f64,
+    /// The typical step's seconds: the median over the measured steps of rank 0's step time
+    /// (each logged window's time over its steps counted once per step). 0 when none.
+    #[serde(default)]
+    pub median_step_s: f64,
+    /// Global images per second at the median step (`global_batch / median_step_s`): the
+    /// point's steady throughput, which a stretch of slow steps (another process, a busy host)
+    /// moves only when it covers half the measured steps. 0 when none.
+    #[serde(default)]
+    pub steady_images_per_s: f64,
     /// Phases averaged over ranks.
     pub breakdown: Breakdown,
     /// Exposed communication / step time.
@@ -134,6 +144,7 @@ pub fn read_point(run_dir: &Path, warmup: u64) -> Result<PointFigures, String> {
     let mut ranks = Vec::new();
     let mut images_per_s = 0.0;
     let mut measured = 0;
+    let mut median_step_s = 0.0;
     let mut final_loss = None;
     let mut comm_bytes = 0.0;
     // for the mixed-speed figures: rank 0's measured records, every rank's last share
@@ -149,6 +160,8 @@ pub fn read_point(run_dir: &Path, warmup: u64) -> Result<PointFigures, String> {
         // each record covers the steps since the previous one: weight by that count
         let mut prev_step = recs.iter().map(|r| r.get("step").and_then(Value::as_u64).unwrap_or(0)).filter(|s| *s <= warmup).max().unwrap_or(0);
         let (mut steps, mut secs) = (0u64, 0.0f64);
+        // (seconds per step, steps) of each measured window
+        let mut per_step: Vec<(f64, u64)> = Vec::with_capacity(kept.len());
         let mut b = Breakdown::default();
         // all-reduce seconds of the records that report a bus bandwidth (multi-rank ones)
         let (mut bus_bytes, mut bus_secs) = (0.0, 0.0);
@@ -165,6 +178,9 @@ pub fn read_point(run_dir: &Path, warmup: u64) -> Result<PointFigures, String> {
             let ips = num(r, "images_per_s");
             let window = if ips > 0.0 { n as f64 * global as f64 / ips } else { 0.0 };
             secs += window;
+            if window > 0.0 {
+                per_step.push((window / n as f64, n));
+            }
             b.data_s += num(r, "data_s");
             b.forward_s += num(r, "forward_s");
             b.backward_s += num(r, "backward_s");
@@ -199,6 +215,7 @@ pub fn read_point(run_dir: &Path, warmup: u64) -> Result<PointFigures, String> {
             rank0_kept = kept.iter().map(|r| (*r).clone()).collect();
             images_per_s = if secs > 0.0 { steps as f64 * global as f64 / secs } else { 0.0 };
             measured = steps as usize;
+            median_step_s = weighted_median(&mut per_step).unwrap_or(0.0);
             final_loss = kept.last().and_then(|r| r.get("loss")).and_then(Value::as_f64);
             comm_bytes = bytes / n;
         }
@@ -237,6 +254,8 @@ pub fn read_point(run_dir: &Path, warmup: u64) -> Result<PointFigures, String> {
         measured_steps: measured,
         images_per_s,
         images_per_s_per_rank: images_per_s / world as f64,
+        median_step_s,
+        steady_images_per_s: if median_step_s > 0.0 { global as f64 / median_step_s } else { 0.0 },
         comm_share: if breakdown.step_s > 0.0 { breakdown.comm_exposed_s / breakdown.step_s } else { 0.0 },
         breakdown,
         comm_bytes_per_step: comm_bytes,
@@ -246,6 +265,28 @@ pub fn read_point(run_dir: &Path, warmup: u64) -> Result<PointFigures, String> {
         final_loss,
         balance,
     })
+}
+
+/// The median of values each counted `weight` times (the lower middle one when the total
+/// count is even, averaged with the next as `util::median` does); None when the total is 0.
+fn weighted_median(xs: &mut [(f64, u64)]) -> Option<f64> {
+    xs.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let total: u64 = xs.iter().map(|x| x.1).sum();
+    if total == 0 {
+        return None;
+    }
+    // the value at 0-based position k of the expanded list
+    let at = |k: u64| {
+        let mut seen = 0;
+        for &(v, w) in xs.iter() {
+            seen += w;
+            if k < seen {
+                return v;
+            }
+        }
+        xs[xs.len() - 1].0
+    };
+    Some(if total % 2 == 1 { at(total / 2) } else { (at(total / 2 - 1) + at(total / 2)) / 2.0 })
 }
 
 /// The mixed-speed figures from rank 0's measured records (`steps` of them in all) and every
@@ -263,4 +304,47 @@ fn balance_figures(kept: &[Value], steps: usize, shares: Vec<f64>) -> Option<Bal
         straggler_s_per_step: with.iter().map(|r| num(r, "straggler_s")).sum::<f64>() / steps.max(1) as f64,
         shares,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weighted_median_counts_each_value_its_weight() {
+        // 1, 2, 2, 2, 9 → 2
+        assert_eq!(weighted_median(&mut [(9.0, 1), (2.0, 3), (1.0, 1)]), Some(2.0));
+        // 1, 1, 5, 7 → (1 + 5) / 2
+        assert_eq!(weighted_median(&mut [(5.0, 1), (1.0, 2), (7.0, 1)]), Some(3.0));
+        assert_eq!(weighted_median(&mut []), None);
+        assert_eq!(weighted_median(&mut [(4.0, 0)]), None);
+    }
+
+    /// A one-rank run directory whose steps took these seconds (one metrics line a step).
+    fn run_with_steps(dir: &Path, global: usize, step_secs: &[f64]) {
+        std::fs::create_dir_all(dir).unwrap();
+        let cfg = serde_json::json!({"plan": {"world_size": 1, "micro_batch": global, "gradient_accumulation_steps": 1, "global_batch": global}});
+        std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+        let lines: Vec<String> = step_secs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| serde_json::json!({"step": i + 1, "images_per_s": global as f64 / s, "loss": 2.0}).to_string())
+            .collect();
+        std::fs::write(dir.join("metrics.jsonl"), lines.join("\n")).unwrap();
+    }
+
+    #[test]
+    fn steady_throughput_is_the_median_step_and_the_mean_keeps_every_step() {
+        let dir = std::env::temp_dir().join(format!("vitscale-summary-steady-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        // a slow first (warm-up) step, then 0.1 s steps with a slow stretch of two at 0.2 s
+        run_with_steps(&dir, 8, &[1.0, 0.1, 0.2, 0.2, 0.1, 0.1]);
+        let f = read_point(&dir, 1).unwrap();
+        assert_eq!(f.measured_steps, 5);
+        assert!((f.median_step_s - 0.1).abs() < 1e-9, "{}", f.median_step_s);
+        assert!((f.steady_images_per_s - 80.0).abs() < 1e-6, "{}", f.steady_images_per_s);
+        // 40 images in 0.7 s
+        assert!((f.images_per_s - 40.0 / 0.7).abs() < 1e-6, "{}", f.images_per_s);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
