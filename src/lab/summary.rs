@@ -215,7 +215,7 @@ pub fn read_point(run_dir: &Path, warmup: u64) -> Result<PointFigures, String> {
             rank0_kept = kept.iter().map(|r| (*r).clone()).collect();
             images_per_s = if secs > 0.0 { steps as f64 * global as f64 / secs } else { 0.0 };
             measured = steps as usize;
-            median_step_s = weighted_median(&mut per_step).unwrap_or(0.0);
+            median_step_s = weighted_median(&per_step).unwrap_or(0.0);
             final_loss = kept.last().and_then(|r| r.get("loss")).and_then(Value::as_f64);
             comm_bytes = bytes / n;
         }
@@ -267,26 +267,11 @@ pub fn read_point(run_dir: &Path, warmup: u64) -> Result<PointFigures, String> {
     })
 }
 
-/// The median of values each counted `weight` times (the lower middle one when the total
-/// count is even, averaged with the next as `util::median` does); None when the total is 0.
-fn weighted_median(xs: &mut [(f64, u64)]) -> Option<f64> {
-    xs.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let total: u64 = xs.iter().map(|x| x.1).sum();
-    if total == 0 {
-        return None;
-    }
-    // the value at 0-based position k of the expanded list
-    let at = |k: u64| {
-        let mut seen = 0;
-        for &(v, w) in xs.iter() {
-            seen += w;
-            if k < seen {
-                return v;
-            }
-        }
-        xs[xs.len() - 1].0
-    };
-    Some(if total % 2 == 1 { at(total / 2) } else { (at(total / 2 - 1) + at(total / 2)) / 2.0 })
+/// The median of values each counted `weight` times (`util::median` of the expanded list);
+/// None when the total count is 0.
+fn weighted_median(xs: &[(f64, u64)]) -> Option<f64> {
+    let expanded: Vec<f64> = xs.iter().flat_map(|&(v, w)| std::iter::repeat_n(v, w as usize)).collect();
+    crate::util::median(&expanded)
 }
 
 /// The mixed-speed figures from rank 0's measured records (`steps` of them in all) and every
@@ -313,11 +298,11 @@ mod tests {
     #[test]
     fn weighted_median_counts_each_value_its_weight() {
         // 1, 2, 2, 2, 9 → 2
-        assert_eq!(weighted_median(&mut [(9.0, 1), (2.0, 3), (1.0, 1)]), Some(2.0));
+        assert_eq!(weighted_median(&[(9.0, 1), (2.0, 3), (1.0, 1)]), Some(2.0));
         // 1, 1, 5, 7 → (1 + 5) / 2
-        assert_eq!(weighted_median(&mut [(5.0, 1), (1.0, 2), (7.0, 1)]), Some(3.0));
-        assert_eq!(weighted_median(&mut []), None);
-        assert_eq!(weighted_median(&mut [(4.0, 0)]), None);
+        assert_eq!(weighted_median(&[(5.0, 1), (1.0, 2), (7.0, 1)]), Some(3.0));
+        assert_eq!(weighted_median(&[]), None);
+        assert_eq!(weighted_median(&[(4.0, 0)]), None);
     }
 
     /// A one-rank run directory whose steps took these seconds (one metrics line a step).

@@ -46,6 +46,12 @@ pub fn tokens(n: usize, size: usize, r: usize) -> Range<usize> {
     start..start + base + usize::from(r < rem)
 }
 
+/// Whether token `tok` of an image enters the pool: every patch token for the mean, the class
+/// token otherwise.
+fn pooled_token(tok: usize, prefix: usize, avg: bool) -> bool {
+    if avg { tok >= prefix } else { tok == 0 }
+}
+
 fn comm_err(e: crate::comm::CommError) -> BackendError {
     BackendError::Device(format!("sequence-parallel group: {e}"))
 }
@@ -181,25 +187,21 @@ impl<B: Backend> SeqParallel<B> {
     pub fn pool_forward(&mut self, be: &B, out: &mut B::Buf, x: &B::Buf, b: usize, n: usize, c: usize, prefix: usize, avg: bool) -> BResult<()> {
         let mine = self.local(n);
         let x = be.download(x)?;
+        // each rank's share of the mean (1/(N − prefix) of its partial sum), summed over the group
+        let scale = if avg { 1.0 / (n - prefix) as f32 } else { 1.0 };
         let mut part = vec![0.0f32; b * c];
         for bi in 0..b {
             let o = &mut part[bi * c..(bi + 1) * c];
             for (t, tok) in mine.clone().enumerate() {
-                let take = if avg { tok >= prefix } else { tok == 0 };
-                if take {
+                if pooled_token(tok, prefix, avg) {
                     let row = &x[(bi * mine.len() + t) * c..(bi * mine.len() + t + 1) * c];
                     o.iter_mut().zip(row).for_each(|(d, v)| *d += v);
                 }
             }
         }
+        part.iter_mut().for_each(|d| *d *= scale);
         be.upload(out, 0, &part)?;
         self.comm.all_reduce(out, Span { off: 0, len: b * c }, ReduceOp::Sum).map_err(comm_err)?;
-        if avg {
-            let inv = 1.0 / (n - prefix) as f32;
-            let mut v = be.download(out)?;
-            v[..b * c].iter_mut().for_each(|d| *d *= inv);
-            be.upload(out, 0, &v[..b * c])?;
-        }
         Ok(())
     }
 
@@ -214,7 +216,7 @@ impl<B: Backend> SeqParallel<B> {
         let mut out = vec![0.0f32; b * mine.len() * c];
         for bi in 0..b {
             for (t, tok) in mine.clone().enumerate() {
-                if if avg { tok >= prefix } else { tok == 0 } {
+                if pooled_token(tok, prefix, avg) {
                     let row = &mut out[(bi * mine.len() + t) * c..(bi * mine.len() + t + 1) * c];
                     row.iter_mut().zip(&dout[bi * c..(bi + 1) * c]).for_each(|(d, v)| *d = v * inv);
                 }
