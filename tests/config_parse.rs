@@ -76,6 +76,7 @@ fn empty_config_gives_every_default() {
             ratio: [0.75, 4.0 / 3.0],
             interpolation: Interpolation::Bilinear,
             prefetch: 2,
+            decode: Decode::Cpu,
             aug: Default::default(),
         }
     );
@@ -799,7 +800,7 @@ fn resume_free_keys_are_the_run_length_logging_and_batch_split() {
         "zero_optimization.stage", "zero_optimization.reduce_bucket_size", "zero_optimization.reduce_scatter", "zero_optimization.overlap_comm",
         "train.epochs", "train.steps", "train.recompute", "train.pass_images", "train.eval_every", "train.checkpoint_every", "train.log_every",
         "train.eval_batch_size", "train.checkpoint_on_signal", "train.comm_timeout_s", "train.emulate_slowdown", "train.balance", "train.balance_every",
-        "data.path", "data.num_workers", "data.prefetch",
+        "data.path", "data.num_workers", "data.prefetch", "data.decode",
     ];
     want.sort();
     assert_eq!(free, want);

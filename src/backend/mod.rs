@@ -113,6 +113,17 @@ pub trait Backend: Send + Sync {
     fn upload_input(&self, dst: &mut Self::Buf, src: &[f32]) -> BResult<()> {
         self.upload(dst, 0, src)
     }
+    /// Decodes images `range` of an encoded batch (`data.decode = "gpu"`) into `dst` as
+    /// (B, 3, S, S) normalized images, under `upload_input`'s contract (no waiting, ordered
+    /// before later kernels). A backend without a decoder refuses.
+    fn decode_input(&self, _dst: &mut Self::Buf, batch: &crate::core::encoded::EncodedBatch, range: std::ops::Range<usize>) -> BResult<()> {
+        let first = batch.images.get(range.start).map_or("(none)", |i| i.source.as_str());
+        Err(BackendError::Device(format!(
+            "data.decode = \"gpu\": the {} backend has no image decoder ({} images, the first {first}); set data.decode = \"cpu\" or \"auto\"",
+            self.name(),
+            range.len()
+        )))
+    }
     /// Times each later `upload_input` copy on the device where it runs (a GPU's copy stream),
     /// for traces; off by default (the timing events cost a little per copy).
     fn time_input_copies(&self, _on: bool) -> BResult<()> {

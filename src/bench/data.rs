@@ -163,16 +163,95 @@ pub fn run(threads: usize, min_seconds: f64, jpeg_dir: Option<&Path>) -> Result<
     Ok(out)
 }
 
+/// GPU decode (`data.decode = "gpu"`) of the 224-px RandomResizedCrop + flip pipeline on
+/// `be`: a [`Loader`] of `threads` threads reads the files and draws the crops, the device
+/// decodes (nvJPEG), resamples, flips and normalizes each micro-batch of `batch` into a bf16
+/// input buffer; images per second until every batch is on the device. `_decode_only` repeats
+/// one batch already read, so no file reading or loader thread is in the figure.
+pub fn gpu_decode_points(be: &crate::backend::cuda::Cuda, jpeg_dir: Option<&Path>, batch: usize, thread_counts: &[usize], min_seconds: f64) -> anyhow::Result<Vec<BenchPoint>> {
+    use crate::backend::Backend;
+    let dir = std::env::temp_dir().join(format!("vitscale-bench-gpujpeg-{}", std::process::id()));
+    let files = match jpeg_dir {
+        Some(d) => jpegs_in(d)?,
+        None => write_jpegs(&dir, 256, 1)?,
+    };
+    let labels = vec![0u16; files.len()];
+    let set = Arc::new(ImageSet::from_files(files, labels, 224, 1));
+    let mut cfg = config(DatasetKind::Folder);
+    cfg.decode = crate::config::Decode::Gpu;
+    let mut input = be.alloc(batch * 3 * 224 * 224)?;
+    let mut out = Vec::new();
+    let engines = be.jpeg_engines().map_err(|e| anyhow::anyhow!(e))?;
+    let tag = if engines > 0 { "gpu_decode_hw" } else { "gpu_decode_hybrid" };
+    // decode only: one batch read once, decoded again and again
+    {
+        let mut b = Batch::default();
+        let idx: Vec<usize> = (0..batch).map(|j| j % set.len()).collect();
+        fill_batch(&mut b, &set, &idx, &cfg, true, 0, 0)?;
+        let enc = b.encoded.as_ref().ok_or_else(|| anyhow::anyhow!("the loader built no encoded batch"))?;
+        be.decode_input(&mut input, enc, 0..batch)?;
+        be.synchronize()?;
+        let t = Instant::now();
+        let mut images = 0;
+        while t.elapsed().as_secs_f64() < min_seconds {
+            be.decode_input(&mut input, enc, 0..batch)?;
+            images += batch;
+        }
+        be.synchronize()?;
+        let seconds = t.elapsed().as_secs_f64();
+        let ips = images as f64 / seconds;
+        out.push(BenchPoint { pipeline: format!("jpeg224_rrc_flip_{tag}_decode_only"), threads: 0, images, seconds, images_per_s: ips, images_per_s_per_core: f64::NAN });
+    }
+    for &threads in thread_counts {
+        let mut c = cfg.clone();
+        c.num_workers = threads;
+        c.prefetch = 4;
+        let plan = LoaderPlan { set: set.clone(), sampler: Sampler::new(set.len(), batch, true, 0, false), cfg: c, train: true, seed: 0, rank: 0, world: 1, gas: 1, start_epoch: 0, start_step: 0, steps: u64::MAX, mix: None };
+        let mut loader = Loader::start(plan)?;
+        let mut next = |input: &mut crate::backend::cuda::CudaBuf| -> anyhow::Result<usize> {
+            let p = loader.next().ok_or_else(|| anyhow::anyhow!("loader ended"))??;
+            let n = p.batch.len();
+            let enc = p.batch.encoded.as_ref().ok_or_else(|| anyhow::anyhow!("the loader built no encoded batch"))?;
+            be.decode_input(input, enc, 0..n)?;
+            loader.recycle(p.batch);
+            Ok(n)
+        };
+        for _ in 0..4 {
+            next(&mut input)?;
+        }
+        be.synchronize()?;
+        let t = Instant::now();
+        let mut images = 0;
+        while t.elapsed().as_secs_f64() < min_seconds {
+            images += next(&mut input)?;
+        }
+        be.synchronize()?;
+        let seconds = t.elapsed().as_secs_f64();
+        let ips = images as f64 / seconds;
+        out.push(BenchPoint { pipeline: format!("jpeg224_rrc_flip_{tag}_loader"), threads, images, seconds, images_per_s: ips, images_per_s_per_core: ips / threads as f64 });
+    }
+    if jpeg_dir.is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    Ok(out)
+}
+
 /// `vitscale bench --data`: runs [`run`] and prints a table (and with `json`, one JSON object
 /// `{"machine": …, "points": […]}` as the last line).
-pub fn command(threads: usize, min_seconds: f64, jpeg_dir: Option<&Path>, json: bool) -> anyhow::Result<()> {
+/// With `gpu` (`--device cuda`), the GPU decode points follow (`gpu_decode_points`, micro-batch
+/// 256, loader threads 1, 2 and 4).
+pub fn command(threads: usize, min_seconds: f64, jpeg_dir: Option<&Path>, json: bool, gpu: Option<usize>) -> anyhow::Result<()> {
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let load = std::fs::read_to_string("/proc/loadavg").ok().and_then(|l| l.split_whitespace().next().map(str::to_string));
     eprintln!("data loader benchmark: {cores} cores, load average {}", load.as_deref().unwrap_or("unknown"));
-    let points = run(threads, min_seconds, jpeg_dir)?;
-    crate::outln!("{:<34} {:>7} {:>12} {:>14}", "pipeline", "threads", "images/s", "images/s/core");
+    let mut points = run(threads, min_seconds, jpeg_dir)?;
+    if let Some(index) = gpu {
+        let be = crate::backend::cuda::Cuda::new(index)?;
+        points.extend(gpu_decode_points(&be, jpeg_dir, 256, &[1, 2, 4], min_seconds)?);
+    }
+    crate::outln!("{:<44} {:>7} {:>12} {:>14}", "pipeline", "threads", "images/s", "images/s/core");
     for p in &points {
-        crate::outln!("{:<34} {:>7} {:>12.0} {:>14.0}", p.pipeline, p.threads, p.images_per_s, p.images_per_s_per_core);
+        crate::outln!("{:<44} {:>7} {:>12.0} {:>14.0}", p.pipeline, p.threads, p.images_per_s, p.images_per_s_per_core);
     }
     if json {
         crate::outln!("{}", serde_json::json!({ "cores": cores, "load_average": load, "points": points }));

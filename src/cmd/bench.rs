@@ -29,7 +29,8 @@ pub fn run(mut args: BenchArgs) -> anyhow::Result<()> {
         return crate::bench::comm::command(&args.comm, &args.device, args.warmup, args.json);
     }
     if args.data {
-        return crate::bench::data::command(args.threads, args.secs, args.jpeg_dir.as_deref(), args.json);
+        let gpu = (args.device == "cuda").then_some(args.gpu);
+        return crate::bench::data::command(args.threads, args.secs, args.jpeg_dir.as_deref(), args.json, gpu);
     }
     let (model, micro) = default_model_and_micro(&args.device);
     args.model = args.model_arg.clone().unwrap_or_else(|| model.to_string());

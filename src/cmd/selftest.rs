@@ -112,6 +112,7 @@ pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
                 Err(e) => checks.push(Check { name: format!("hopper GEMM checks: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false }),
             }
             checks.extend(attention_path_checks(&be, seed)?);
+            checks.extend(crate::selftest::decode::decode_checks(&be, seed)?);
             let mut comm = crate::backend::cuda::nccl::NcclComm::connect(&env, &opts, "selftest", &be)?;
             checks.extend(comm_checks(&be, &mut comm, seed)?);
             if env.rank == 0 {

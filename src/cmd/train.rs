@@ -173,6 +173,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     if let (Device::Cuda(_), sp @ 2..) = (&device, cfg.batch.sequence_parallel_size) {
         anyhow::bail!("sequence_parallel_size = {sp}: sequence parallelism is not yet available on the CUDA backend; it runs on CPU ranks (--device cpu)");
     }
+    cfg.data.decode = crate::data::resolve_decode(&cfg.data, matches!(device, Device::Cuda(_)))?;
     cfg.warnings.extend(engine_warnings(&cfg, &device));
     let plan = plan_on(&cfg, &device);
     check_memory(&plan, &device, "this training run")?;

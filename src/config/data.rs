@@ -49,11 +49,14 @@ const D_REPROB: KeyDef = key("reprob", UNIT, Dflt::Num(0.0), "Random erasing pro
 const D_REMODE: KeyDef = key("remode", Ty::Choice(&["pixel", "const", "rand"]), Dflt::Str("pixel"),
     "Random erasing fill: pixel = per-pixel normal noise, const = 0 (the mean), rand = one normal value per channel (timm --remode).");
 const D_RECOUNT: KeyDef = key("recount", POS_INT, Dflt::Int(1), "Random erasing: up to this many boxes per image (timm --recount).");
+const D_DECODE: KeyDef = key("decode", Ty::Choice(Decode::NAMES), Dflt::Str("cpu"),
+    "Where JPEG files are decoded: cpu = the loader's threads; gpu = nvJPEG on the training GPU (its hardware JPEG engines where it has them), with RandomResizedCrop, flip and normalization as kernels, the loader's threads only reading files; auto = gpu where that can run (CUDA device, image files, no RandAugment, random erasing, mixup or CutMix), else cpu. docs/data.md says which augmentation runs where.")
+    .resume_free();
 /// Keys of the `data` section (extend here).
 pub const DATA_KEYS: &[KeyDef] = &[
     D_DATASET, D_PATH, D_MEAN, D_STD, D_AUGMENT, D_SHUFFLE, D_WORKERS, D_TRAIN_SIZE, D_VAL_SIZE, D_LABEL, D_SKIP_BAD, D_VAL_SPLIT,
     D_CROP_PCT, D_SCALE, D_RATIO, D_INTERPOLATION, D_PREFETCH, D_AUTO_AUGMENT, D_MIXUP, D_CUTMIX, D_MIXUP_PROB, D_MIXUP_SWITCH, D_MIXUP_MODE,
-    D_REPROB, D_REMODE, D_RECOUNT,
+    D_REPROB, D_REMODE, D_RECOUNT, D_DECODE,
 ];
 
 /// Parses a timm RandAugment string (`rand-m9-n2-mstd0.5-mmax10-inc1-p0.5`; sections in any
@@ -215,6 +218,11 @@ pub(super) fn parse(sec: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<Dat
             _ => Interpolation::Bilinear,
         },
         prefetch: get_int(sec, p, &D_PREFETCH, cx)? as usize,
+        decode: match get_str(sec, p, &D_DECODE, cx)? {
+            "gpu" => Decode::Gpu,
+            "auto" => Decode::Auto,
+            _ => Decode::Cpu,
+        },
         aug,
     })
 }
@@ -249,6 +257,7 @@ pub(super) fn write(d: &DataConfig) -> Value {
     put(&mut out, &D_RATIO, json!(d.ratio));
     put(&mut out, &D_INTERPOLATION, json!(d.interpolation.as_str()));
     put(&mut out, &D_PREFETCH, json!(d.prefetch));
+    put(&mut out, &D_DECODE, json!(d.decode.as_str()));
     put(&mut out, &D_AUTO_AUGMENT, json!(d.aug.auto_augment.as_ref().map_or("none", |r| r.spec.as_str())));
     put(&mut out, &D_MIXUP, json!(d.aug.mixup));
     put(&mut out, &D_CUTMIX, json!(d.aug.cutmix));

@@ -230,6 +230,31 @@ impl Interpolation {
     }
 }
 
+/// `data.decode`: where JPEG files are decoded and resampled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Decode {
+    /// On the loader's CPU threads.
+    Cpu,
+    /// On the GPU (nvJPEG, then the crop, flip and normalization as kernels); the loader's
+    /// threads only read files.
+    Gpu,
+    /// The GPU where it can run (a CUDA device, images from files, no CPU-only augmentation),
+    /// else the CPU.
+    Auto,
+}
+
+impl Decode {
+    pub const NAMES: &'static [&'static str] = &["cpu", "gpu", "auto"];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Decode::Cpu => "cpu",
+            Decode::Gpu => "gpu",
+            Decode::Auto => "auto",
+        }
+    }
+}
+
 /// The `data` section.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct DataConfig {
@@ -266,6 +291,9 @@ pub struct DataConfig {
     pub interpolation: Interpolation,
     /// `data.prefetch` (default 2, ≥ 1): batches the loader prepares ahead of the training step.
     pub prefetch: usize,
+    /// `data.decode` (default cpu): where images are decoded. The trainer resolves `auto`
+    /// before the loaders start; a loader seeing `gpu` builds encoded batches.
+    pub decode: Decode,
     /// Extra training augmentations with timm names (all off by default).
     pub aug: AugmentOptions,
 }
@@ -398,6 +426,7 @@ impl DataConfig {
             ratio: Self::DEFAULT_RATIO,
             interpolation: Interpolation::Bilinear,
             prefetch: Self::DEFAULT_PREFETCH,
+            decode: Decode::Cpu,
             aug: Default::default(),
         }
     }

@@ -6,6 +6,8 @@
 //! the decay groups, the model builds the groups from its parameter table, and the config parser
 //! fills in the same types from the user's file.
 
+pub mod encoded;
+
 use serde::Serialize;
 
 /// A window of a flat buffer, in elements.

@@ -45,7 +45,8 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::config::{Augment, DataConfig, DatasetKind, LabelKind};
+use crate::config::{Augment, DataConfig, DatasetKind, Decode, Interpolation, LabelKind};
+use crate::core::encoded::{EncodedBatch, EncodedImage, Encoding};
 
 pub use augment::{Normalizer, Policy};
 pub use loader::{Loader, LoaderPlan, MixTargets, Prepared};
@@ -244,6 +245,9 @@ pub struct Batch {
     /// Per-image randomness of the step (stochastic depth) is drawn from it, so it does not
     /// depend on how the global batch was split over ranks and micro-batches.
     pub keys: Vec<u64>,
+    /// `data.decode = "gpu"`: the images still encoded, with their crops and flips drawn
+    /// (`images` is then empty); the backend decodes them into its input.
+    pub encoded: Option<EncodedBatch>,
 }
 
 /// The key of dataset image `index` seen in `epoch` (`Batch::keys`): unique per visit for
@@ -439,6 +443,35 @@ pub fn policy(cfg: &DataConfig, train: bool) -> Policy {
     }
 }
 
+/// Where this run decodes its images (`data.decode`), for a training run on a GPU (`on_gpu`)
+/// or not: `auto` becomes `gpu` when the images come from files, the device is a GPU and no
+/// augmentation that works on decoded pixels on the CPU is on (RandAugment, random erasing,
+/// mixup, CutMix); else `cpu`. An explicit `gpu` that cannot run is an error naming why.
+pub fn resolve_decode(cfg: &DataConfig, on_gpu: bool) -> Result<Decode, DataError> {
+    let augmented = cfg.augment == Augment::Default;
+    let cpu_only: Vec<&str> = [
+        ("data.auto_augment", cfg.aug.auto_augment.is_some()),
+        ("data.reprob", cfg.aug.reprob > 0.0),
+        ("data.mixup", cfg.aug.mixup > 0.0),
+        ("data.cutmix", cfg.aug.cutmix > 0.0),
+    ]
+    .into_iter()
+    .filter(|&(_, on)| on && augmented)
+    .map(|(k, _)| k)
+    .collect();
+    let files = matches!(cfg.dataset, DatasetKind::Folder | DatasetKind::Shards);
+    match cfg.decode {
+        Decode::Cpu => Ok(Decode::Cpu),
+        Decode::Auto => Ok(if on_gpu && files && cpu_only.is_empty() { Decode::Gpu } else { Decode::Cpu }),
+        Decode::Gpu if !on_gpu => Err(DataError::Invalid { key: "data.decode", msg: "\"gpu\" decodes on the training GPU: it needs --device cuda (use \"cpu\" or \"auto\")".into() }),
+        Decode::Gpu if !cpu_only.is_empty() => Err(DataError::Invalid {
+            key: "data.decode",
+            msg: format!("\"gpu\" cannot apply {} (they work on decoded pixels on the CPU): use \"cpu\", or \"auto\" to decode on the GPU only when nothing needs the CPU", cpu_only.join(", ")),
+        }),
+        Decode::Gpu => Ok(if files { Decode::Gpu } else { Decode::Cpu }),
+    }
+}
+
 /// Builds the batch of dataset `indices` from an in-memory set (the sets of every dataset but
 /// `folder`). Kept infallible for the training loop of in-memory datasets; for file-backed sets
 /// use [`try_make_batch`] or a [`Loader`], which report unreadable files as errors.
@@ -472,6 +505,9 @@ pub fn fill_batch(batch: &mut Batch, set: &ImageSet, indices: &[usize], cfg: &Da
 /// decode times vary by several ×); the loader uses it to build its prefetch window at once.
 pub fn fill_batches(batches: &mut [Batch], jobs: &[(&[usize], u64)], set: &ImageSet, cfg: &DataConfig, train: bool, seed: u64) -> Result<(), DataError> {
     assert_eq!(batches.len(), jobs.len(), "fill_batches: one job per batch");
+    if cfg.decode == Decode::Gpu && set.is_file_backed() {
+        return fill_encoded(batches, jobs, set, cfg, train, seed);
+    }
     let side = set.batch_side;
     let per = (3 * side * side).max(1);
     let mut tasks: Vec<(&mut [f32], &mut u32, usize, u64)> = Vec::new();
@@ -480,6 +516,7 @@ pub fn fill_batches(batches: &mut [Batch], jobs: &[(&[usize], u64)], set: &Image
         b.labels.clear();
         b.labels.resize(indices.len(), 0);
         b.targets = None;
+        b.encoded = None;
         b.keys.clear();
         // an evaluation batch is the same whatever the epoch (nothing per-image is drawn)
         b.keys.extend(indices.iter().map(|&i| sample_key(i, if train { epoch } else { 0 })));
@@ -547,6 +584,104 @@ pub fn fill_batches(batches: &mut [Batch], jobs: &[(&[usize], u64)], set: &Image
     })
 }
 
+/// [`fill_batches`] for `data.decode = "gpu"`: each image's file is read (a JPEG's header
+/// parsed for its size; another format decoded here to RGB) and its crop and flip drawn exactly
+/// as the CPU path draws them, so the device produces the same images up to decoding and
+/// resampling differences. RandAugment and random erasing work on decoded pixels and are not
+/// available here (the config is refused before a loader starts).
+fn fill_encoded(batches: &mut [Batch], jobs: &[(&[usize], u64)], set: &ImageSet, cfg: &DataConfig, train: bool, seed: u64) -> Result<(), DataError> {
+    let extra = train && cfg.augment == Augment::Default;
+    if extra && (cfg.aug.auto_augment.is_some() || cfg.aug.reprob > 0.0) {
+        return Err(DataError::Invalid { key: "data.decode", msg: "\"gpu\" does not run data.auto_augment or data.reprob; use \"cpu\"".into() });
+    }
+    let side = set.batch_side;
+    let mut tasks: Vec<(&mut EncodedImage, &mut u32, usize, u64)> = Vec::new();
+    for (b, &(indices, epoch)) in batches.iter_mut().zip(jobs) {
+        b.images.clear();
+        b.labels.clear();
+        b.labels.resize(indices.len(), 0);
+        b.targets = None;
+        b.keys.clear();
+        b.keys.extend(indices.iter().map(|&i| sample_key(i, if train { epoch } else { 0 })));
+        let mut enc = b.encoded.take().unwrap_or_default();
+        enc.images.resize_with(indices.len(), || EncodedImage { bytes: Vec::new(), encoding: Encoding::Jpeg, width: 0, height: 0, crop: [0.0; 4], flip: false, source: String::new() });
+        enc.side = side;
+        enc.bicubic = cfg.interpolation == Interpolation::Bicubic;
+        enc.mean = cfg.mean;
+        enc.std = cfg.std;
+        b.encoded = Some(enc);
+        let Batch { labels, encoded, .. } = b;
+        let images = &mut encoded.as_mut().expect("just set").images;
+        for ((img, label), &i) in images.iter_mut().zip(labels.iter_mut()).zip(indices) {
+            tasks.push((img, label, i, epoch));
+        }
+    }
+    tasks.into_par_iter().try_for_each(|(img, label, i, epoch)| {
+        let (j, (w, h)) = first_readable(set, i, cfg.skip_bad, |j| read_encoded(set, j, img))?;
+        let (region, flip) = if extra { resize::draw_rrc(seed, epoch, i, w, h, cfg.scale, cfg.ratio) } else { (resize::center_crop(w, h, side, cfg.crop_pct), false) };
+        img.crop = [region.x0, region.y0, region.w, region.h];
+        img.flip = flip;
+        *label = set.labels[j] as u32;
+        Ok(())
+    })
+}
+
+/// Reads image `j` of the file-backed `set` into `img` (bytes, encoding, size, source) for the
+/// device to decode, returning its size. A JPEG is only parsed up to its frame header here; a
+/// file the header parser rejects is reported (or skipped) like an undecodable one.
+fn read_encoded(set: &ImageSet, j: usize, img: &mut EncodedImage) -> Result<(usize, usize), DataError> {
+    let (range, source, fail): (std::ops::Range<usize>, String, Box<dyn Fn(String) -> DataError>) = match &set.shards {
+        Some(sh) => {
+            let (range, name) = shards::read_image(sh, j, set.labels[j], set.num_classes, &mut img.bytes)?;
+            let m = sh.members[j];
+            let path = sh.files[m.shard as usize].clone();
+            let source = format!("{} (member {name} at byte offset {})", path.display(), m.offset);
+            let fail = Box::new(move |msg: String| DataError::Member { path: path.clone(), offset: m.offset, member: name.clone(), msg: format!("cannot decode image: {msg} (set data.skip_bad=true to skip such images)") });
+            (range, source, fail)
+        }
+        None => {
+            use std::io::Read;
+            let path = set.files[j].clone();
+            img.bytes.clear();
+            std::fs::File::open(&path).and_then(|mut f| f.read_to_end(&mut img.bytes)).map_err(|source| DataError::Io { path: path.clone(), source })?;
+            let n = img.bytes.len();
+            let source = path.display().to_string();
+            (0..n, source, Box::new(move |msg: String| DataError::Decode { path: path.clone(), msg }))
+        }
+    };
+    if range.start > 0 || range.end < img.bytes.len() {
+        img.bytes.copy_within(range.clone(), 0);
+        img.bytes.truncate(range.len());
+    }
+    img.source = source;
+    let (w, h) = if img.bytes.starts_with(&[0xff, 0xd8, 0xff]) {
+        img.encoding = Encoding::Jpeg;
+        jpeg_size(&img.bytes).map_err(&fail)?
+    } else {
+        img.encoding = Encoding::Rgb;
+        let mut px = Vec::new();
+        let (w, h) = decode_bytes(&img.bytes, &mut px).map_err(&fail)?;
+        px.truncate(w * h * 3);
+        img.bytes = px;
+        (w, h)
+    };
+    if w == 0 || h == 0 {
+        return Err(fail(format!("empty image ({w}×{h})")));
+    }
+    img.width = w;
+    img.height = h;
+    Ok((w, h))
+}
+
+/// A JPEG's (width, height) from its headers, without decoding the scan.
+fn jpeg_size(bytes: &[u8]) -> Result<(usize, usize), String> {
+    use zune_jpeg::zune_core::{bytestream::ZCursor, options::DecoderOptions};
+    let options = DecoderOptions::default().set_strict_mode(false).set_max_width(usize::MAX).set_max_height(usize::MAX);
+    let mut dec = zune_jpeg::JpegDecoder::new_with_options(ZCursor::new(bytes), options);
+    dec.decode_headers().map_err(|e| format!("JPEG: {e}"))?;
+    dec.dimensions().ok_or_else(|| "JPEG: no dimensions".to_string())
+}
+
 /// Per-thread buffers reused across images: file bytes, decoded pixels, augmented pixels,
 /// RandAugment scratch.
 #[derive(Default)]
@@ -599,30 +734,7 @@ pub fn decode_into(path: &Path, file: &mut Vec<u8>, pixels: &mut Vec<u8>) -> Res
 /// Decodes the image file bytes `file` as [`decode_into`] does; the error is the decoder's
 /// message, for the caller to say where the bytes came from.
 fn decode_bytes(file: &[u8], pixels: &mut Vec<u8>) -> Result<(usize, usize), String> {
-    if file.starts_with(&[0xff, 0xd8, 0xff]) {
-        use zune_jpeg::zune_core::{bytestream::ZCursor, colorspace::ColorSpace, options::DecoderOptions};
-        let options = DecoderOptions::default()
-            .set_strict_mode(false)
-            .set_max_width(usize::MAX)
-            .set_max_height(usize::MAX)
-            .jpeg_set_out_colorspace(ColorSpace::RGB);
-        let mut dec = zune_jpeg::JpegDecoder::new_with_options(ZCursor::new(file), options);
-        dec.decode_headers().map_err(|e| format!("JPEG: {e}"))?;
-        let (w, h) = dec.dimensions().ok_or("JPEG: no dimensions")?;
-        let n = dec.output_buffer_size().ok_or("JPEG: image too large")?;
-        if n != w * h * 3 {
-            return Err(format!("JPEG: unexpected output size {n} for {w}×{h} RGB"));
-        }
-        if pixels.len() < n {
-            pixels.resize(n, 0);
-        }
-        dec.decode_into(&mut pixels[..n]).map_err(|e| format!("JPEG: {e}"))?;
-        return Ok((w, h));
-    }
-    let img = image::load_from_memory(file).map_err(|e| e.to_string())?.into_rgb8();
-    let (w, h) = (img.width() as usize, img.height() as usize);
-    *pixels = img.into_raw();
-    Ok((w, h))
+    crate::core::encoded::decode_rgb(file, pixels)
 }
 
 /// Reads and decodes image `i` of the shard-backed set `sh` (label `label` of `num_classes`).
@@ -642,21 +754,27 @@ fn decode_member(sh: &shards::ShardSet, i: usize, label: u16, num_classes: usize
 /// Decodes image `i` of the file-backed `set` (or, with `skip_bad`, the next readable one after
 /// it) into `decoded`; returns the index it came from and its size.
 fn decode_source(set: &ImageSet, i: usize, skip_bad: bool, file: &mut Vec<u8>, decoded: &mut Vec<u8>) -> Result<(usize, usize, usize), DataError> {
+    let (j, (w, h)) = first_readable(set, i, skip_bad, |j| match &set.shards {
+        Some(sh) => decode_member(sh, j, set.labels[j], set.num_classes, file, decoded),
+        None => decode_into(&set.files[j], file, decoded),
+    })?;
+    Ok((j, w, h))
+}
+
+/// `read(i)`, or with `skip_bad` the first of `read(i + 1)`, `read(i + 2)`, … (wrapping) that
+/// succeeds, counting the skipped images; returns the index read and what `read` gave.
+fn first_readable<T>(set: &ImageSet, i: usize, skip_bad: bool, mut read: impl FnMut(usize) -> Result<T, DataError>) -> Result<(usize, T), DataError> {
     // Bounded so a folder of unreadable files fails instead of spinning.
     const TRIES: usize = 64;
     let mut first_err = None;
     for k in 0..TRIES.min(set.len()) {
         let j = (i + k) % set.len();
-        let decoded_one = match &set.shards {
-            Some(sh) => decode_member(sh, j, set.labels[j], set.num_classes, file, decoded),
-            None => decode_into(&set.files[j], file, decoded),
-        };
-        match decoded_one {
-            Ok((w, h)) => {
+        match read(j) {
+            Ok(v) => {
                 if k > 0 {
                     set.skipped.fetch_add(k, Ordering::Relaxed);
                 }
-                return Ok((j, w, h));
+                return Ok((j, v));
             }
             Err(e) if skip_bad => {
                 first_err.get_or_insert(e);

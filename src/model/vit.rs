@@ -743,6 +743,20 @@ impl<B: Backend> Vit<B> {
         Ok(())
     }
 
+    /// `stage_inputs` for images still encoded: the backend decodes `batch.images[range]` (`b`
+    /// of them) into the model's input (`Backend::decode_input`).
+    pub fn stage_encoded_inputs(&mut self, be: &B, batch: &crate::core::encoded::EncodedBatch, range: std::ops::Range<usize>, targets: &[f32], b: usize) -> BResult<()> {
+        if range.len() != b {
+            return Err(crate::backend::BackendError::Shape { op: "stage_encoded_inputs", msg: format!("{} encoded images for a batch of {b}", range.len()) });
+        }
+        self.ensure_capacity(be, b)?;
+        let a = self.acts.as_mut().ok_or_else(|| crate::backend::BackendError::Device("activations missing".into()))?;
+        be.decode_input(&mut a.img, batch, range)?;
+        be.upload_input(&mut a.targets, targets)?;
+        self.unread_inputs = Some(b);
+        Ok(())
+    }
+
     /// Whether `stage_inputs` staged `b` images that no forward has read yet: a caller that
     /// staged the next batch ahead checks this before skipping the staging (anything that ran a
     /// forward in between, such as an evaluation, replaced those inputs).

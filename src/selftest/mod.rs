@@ -15,6 +15,7 @@
 //! and data and compares the loss sequences (bf16 tolerance: 2e-2 relative per step).
 
 pub mod comm;
+pub mod decode;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -818,7 +819,7 @@ fn train_small<B2: Backend>(be: &B2, cfg: &ModelConfig, init: &[f32], batches: &
     for step in 0..steps {
         let (img, t) = &batches[step % batches.len()];
         let targets = |start: usize, n: usize| t[start * cfg.num_classes..(start + n) * cfg.num_classes].to_vec();
-        let mb = MicroBatch { images: img, b, targets: &targets, keys: &[] };
+        let mb = MicroBatch { images: img, encoded: None, b, targets: &targets, keys: &[] };
         st.micro_batch(be, &mb, step as u64, false, None).map_err(as_backend)?;
         st.boundary(be, &mut LocalGrads, opt.lr(), step as u64, false).map_err(as_backend)?;
         let (_, sum) = st.take_losses(be).map_err(as_backend)?.pop().ok_or_else(|| crate::backend::BackendError::Device("no loss kept".into()))?;

@@ -68,7 +68,14 @@ pub fn evaluate_from<B: Backend>(be: &B, vit: &mut Vit<B>, n: usize, mut loader:
         let batch_data = prepared?.batch;
         let b = batch_data.len();
         let targets = smoothed_targets(&batch_data.labels, k, 0.0);
-        let out = vit.forward(be, &batch_data.images, &targets, b, None)?;
+        let out = match &batch_data.encoded {
+            Some(enc) => {
+                vit.stage_encoded_inputs(be, enc, 0..b, &targets, b)?;
+                vit.forward_staged(be, b, None)?;
+                vit.forward_out(be, b)?
+            }
+            None => vit.forward(be, &batch_data.images, &targets, b, None)?,
+        };
         loss_sum += out.losses.iter().map(|&v| v as f64).sum::<f64>();
         for (row, &label) in out.logits.chunks(k).zip(&batch_data.labels) {
             // First maximal index, as torch.argmax.

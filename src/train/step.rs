@@ -20,6 +20,7 @@
 
 use crate::backend::{optimizer_state_len, Backend, ParamGroups, Span, StepHyper};
 use crate::config::OptimizerConfig;
+use crate::core::encoded::EncodedBatch;
 use crate::metrics::trace::{Trace, Track};
 use crate::model::drop_path::DropPath;
 use crate::model::Vit;
@@ -29,9 +30,12 @@ use crate::train::plan::Plan;
 use crate::train::timeline::{Phase, Timeline};
 use crate::train::sync::GradSync;
 
-/// One micro-batch on the host: `images` (B, 3, S, S) normalized, its soft targets by rows.
+/// One micro-batch on the host: `images` (B, 3, S, S) normalized — or, decoded on the device,
+/// `encoded` — and its soft targets by rows.
 pub struct MicroBatch<'a> {
     pub images: &'a [f32],
+    /// The images still encoded (`data.decode = "gpu"`; `images` is then empty).
+    pub encoded: Option<&'a EncodedBatch>,
     pub b: usize,
     /// Soft targets (n, K) of images `start..start + n`.
     pub targets: &'a dyn Fn(usize, usize) -> Vec<f32>,
@@ -82,8 +86,20 @@ impl<B: Backend> Step<B> {
     /// device still runs the previous backward); `micro_batch` skips staging it again.
     pub fn stage_ahead(&mut self, be: &B, batch: &MicroBatch<'_>) -> Result<(), TrainError> {
         let n = batch.b.min(self.plan.pass_images);
-        let per_image = batch.images.len() / batch.b.max(1);
-        self.vit.stage_inputs(be, &batch.images[..n * per_image], &(batch.targets)(0, n), n)?;
+        self.stage_pass(be, batch, 0, n)
+    }
+
+    /// Stages images `start..start + n` of `batch` on the device: copies them, or decodes them
+    /// there when they are still encoded.
+    fn stage_pass(&mut self, be: &B, batch: &MicroBatch<'_>, start: usize, n: usize) -> Result<(), TrainError> {
+        let targets = (batch.targets)(start, n);
+        match batch.encoded {
+            Some(enc) => self.vit.stage_encoded_inputs(be, enc, start..start + n, &targets, n)?,
+            None => {
+                let per_image = batch.images.len() / batch.b.max(1);
+                self.vit.stage_inputs(be, &batch.images[start * per_image..(start + n) * per_image], &targets, n)?;
+            }
+        }
         Ok(())
     }
 
@@ -99,14 +115,12 @@ impl<B: Backend> Step<B> {
     /// first pass. With `sync`, this is the step's last micro-batch: its last pass's backward
     /// reports finished blocks to the sync.
     pub fn micro_batch(&mut self, be: &B, batch: &MicroBatch<'_>, step: u64, first_staged: bool, mut sync: Option<&mut dyn GradSync<B>>) -> Result<(), TrainError> {
-        let per_image = batch.images.len() / batch.b.max(1);
         let passes: Vec<(usize, usize)> = self.plan.passes(batch.b).collect();
         let last = passes.len().saturating_sub(1);
         for (i, (start, n)) in passes.into_iter().enumerate() {
             // staged ahead, unless an evaluation's forward has replaced those inputs since
             if !(i == 0 && first_staged && self.vit.has_unread_inputs(n)) {
-                let images = &batch.images[start * per_image..(start + n) * per_image];
-                self.vit.stage_inputs(be, images, &(batch.targets)(start, n), n)?;
+                self.stage_pass(be, batch, start, n)?;
             }
             self.set_branch_scales(be, batch, start, n)?;
             self.mark(be, Phase::Data)?;

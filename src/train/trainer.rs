@@ -197,7 +197,7 @@ impl Feed {
         let batch = prepared.batch;
         let (k, smoothing) = (self.num_classes, self.label_smoothing);
         let targets = |start: usize, n: usize| soft_targets(&batch, start, n, k, smoothing);
-        let mb = MicroBatch { images: &batch.images, b: batch.len(), targets: &targets, keys: &batch.keys };
+        let mb = MicroBatch { images: &batch.images, encoded: batch.encoded.as_ref(), b: batch.len(), targets: &targets, keys: &batch.keys };
         bal.before_micro(be, mb.b, step, st.trace.as_mut())?;
         st.micro_batch(be, &mb, step, std::mem::take(&mut self.first_pass_staged), report)?;
         bal.after_micro(be, mb.b, step, st.trace.as_mut())?;
@@ -233,7 +233,7 @@ impl Feed {
         if next.batch.len().min(st.plan.pass_images) <= widest_pass {
             let (k, smoothing) = (self.num_classes, self.label_smoothing);
             let targets = |start: usize, n: usize| soft_targets(&next.batch, start, n, k, smoothing);
-            let mb = MicroBatch { images: &next.batch.images, b: next.batch.len(), targets: &targets, keys: &next.batch.keys };
+            let mb = MicroBatch { images: &next.batch.images, encoded: next.batch.encoded.as_ref(), b: next.batch.len(), targets: &targets, keys: &next.batch.keys };
             st.stage_ahead(be, &mb)?;
             self.first_pass_staged = true;
         }

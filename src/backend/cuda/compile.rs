@@ -26,6 +26,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("attention.cu", include_str!("kernels/attention.cu")),
     ("loss.cu", include_str!("kernels/loss.cu")),
     ("optim.cu", include_str!("kernels/optim.cu")),
+    ("image.cu", include_str!("kernels/image.cu")),
 ];
 
 /// Modules whose compile failure is not fatal: their kernels are missing and `get` says why,

@@ -56,7 +56,7 @@ pub fn candidate_dirs() -> Vec<PathBuf> {
                 }
                 for site in ["site-packages", "dist-packages"] {
                     let nv = e.path().join(site).join("nvidia");
-                    for pkg in ["cu13", "cu12", "cublas", "cuda_nvrtc", "cuda_runtime", "nccl"] {
+                    for pkg in ["cu13", "cu12", "cublas", "cuda_nvrtc", "cuda_runtime", "nccl", "nvjpeg"] {
                         let d = nv.join(pkg).join("lib");
                         if d.is_dir() {
                             dirs.push(d);

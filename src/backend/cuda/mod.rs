@@ -49,6 +49,7 @@ pub mod compile;
 mod device;
 mod embed;
 mod gemm;
+mod jpeg;
 pub mod libs;
 pub mod nccl;
 mod linear;
@@ -81,6 +82,8 @@ pub struct Cuda {
     /// the copy of batch k.
     staging: Mutex<[Staging; 2]>,
     next_staging: AtomicUsize,
+    /// The GPU image decoder (`data.decode = "gpu"`), opened on first use.
+    jpeg: Mutex<Option<jpeg::JpegDecoder>>,
     /// Stream for batch-input copies (`upload_input`), so they overlap the compute stream.
     copy_stream: Arc<CudaStream>,
     /// When traced (`time_input_copies`): each input copy's start and end events on the copy
@@ -160,6 +163,7 @@ impl Cuda {
             copy_timing: Mutex::new(None),
             staging,
             next_staging: AtomicUsize::new(0),
+            jpeg: Mutex::new(None),
         })
     }
 }
@@ -240,6 +244,10 @@ impl Backend for Cuda {
 
     fn upload_input(&self, dst: &mut CudaBuf, src: &[f32]) -> BResult<()> {
         self.upload_input_impl(dst, src)
+    }
+
+    fn decode_input(&self, dst: &mut CudaBuf, batch: &crate::core::encoded::EncodedBatch, range: std::ops::Range<usize>) -> BResult<()> {
+        self.decode_input_impl(dst, batch, range)
     }
 
     fn download(&self, src: &CudaBuf) -> BResult<Vec<f32>> {

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# GPU image decode on one GPU, in one call: ImageNet-size JPEGs made from real photographs
+# (PEERS/make_photos.py), `bench --data` on them (CPU pipeline and GPU decode points), then
+# ViT-S/16 and ViT-B/16 at 224 px, micro 256, trained from the folder with data.decode cpu
+# (all cores) and gpu (few loader threads) against the same model on synthetic data, and the
+# peer (PEERS/peer_realdata.py: torchvision + timm ViT-B/16 from the folder). Each run's img/s is the
+# median of its metrics windows after the first two; data_s is its time waiting for data.
+#   scripts/gpu_decode.sh BIN OUT PEERS_DIR [MODELS] [STEPS]
+BIN=$1; O=$2; P=$3; MODELS=${4:-"vit_small_patch16_224 vit_base_patch16_224"}; STEPS=${5:-60}
+export PYTHONUNBUFFERED=1
+mkdir -p "$O"
+t0=$SECONDS
+[ -d "$O/photos/flat" ] || python3 "$P/make_photos.py" "$O/photos" 100 60 > "$O/photos.log" 2>&1
+echo "photos: $(tail -1 "$O/photos.log") ($((SECONDS - t0)) s)"
+timeout 150 "$BIN" bench --data --jpeg-dir "$O/photos/flat" --threads 16 --secs 2 --json > "$O/data.log" 2>&1
+echo "bench --data rc $? ($((SECONDS - t0)) s)"; grep -E "^(jpeg|pipeline)" "$O/data.log"
+median() { python3 - "$1" <<'PY'
+import json, sys, statistics
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+rows = [r for r in rows if "images_per_s" in r][2:]
+if not rows: print("n/a"); sys.exit()
+ips = statistics.median(r["images_per_s"] for r in rows)
+data = statistics.median(r["data_s"] / max(r["train_s"], 1e-9) for r in rows)
+print(f"{ips:.0f} img/s, data wait {100 * data:.0f} % of the step")
+PY
+}
+for model in $MODELS; do
+  common=(--device cuda --json --set model.preset=$model --set model.num_classes=100 --set train_micro_batch_size_per_gpu=256
+          --set train.steps=$STEPS --set train.log_every=5 --set bf16.enabled=true --set train.eval_every=0)
+  for mode in synthetic cpu16 gpu4 gpu2; do
+    case $mode in
+      synthetic) extra=(--set data.dataset=synthetic --set data.train_size=6000 --set data.val_size=512) ;;
+      cpu16) extra=(--set data.dataset=folder --set data.path="$O/photos/folder" --set data.decode=cpu --set data.num_workers=16) ;;
+      gpu4) extra=(--set data.dataset=folder --set data.path="$O/photos/folder" --set data.decode=gpu --set data.num_workers=4) ;;
+      gpu2) extra=(--set data.dataset=folder --set data.path="$O/photos/folder" --set data.decode=gpu --set data.num_workers=2) ;;
+    esac
+    rm -rf "$O/run-$model-$mode"
+    timeout 150 "$BIN" train "${common[@]}" "${extra[@]}" --run-dir "$O/run-$model-$mode" > "$O/train-$model-$mode.log" 2>&1
+    rc=$?
+    echo "$model $mode rc $rc ($((SECONDS - t0)) s): $(median "$O/run-$model-$mode/metrics.jsonl" 2>/dev/null) | $(tail -1 "$O/train-$model-$mode.log" | cut -c1-160)"
+    [ $rc -ne 0 ] && grep -iE "error|panick" "$O/train-$model-$mode.log" | head -3
+  done
+done
+# the peer trains ViT-B/16 (15 loader workers)
+[ "${PEER:-1}" = 1 ] && timeout 150 python3 "$P/peer_realdata.py" "$O/photos/folder/train" 256 15 40 2>> "$O/peer.err" | tail -1 | sed "s/^/peer vit_base_patch16_224: /"
+echo "total $((SECONDS - t0)) s"

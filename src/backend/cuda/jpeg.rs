@@ -1,0 +1,635 @@
+//! GPU image decode (`data.decode = "gpu"`): nvJPEG decodes a batch's JPEGs on the device, then
+//! two kernels (`kernels/image.cu`) resample each crop to S × S with PIL's antialiased filter,
+//! flip and normalize into the model's input — what `data::resize` does on the CPU.
+//!
+//! nvJPEG is opened at run time like the other CUDA libraries (`libs::candidate_dirs`). Two
+//! decoders: the hardware one (the JPEG engines of A100/H100/H200-class GPUs,
+//! `NVJPEG_BACKEND_HARDWARE`, one batched call) when the GPU has engines, and the default
+//! hybrid one (Huffman decoding on the calling thread, the rest on the GPU) for GPUs without
+//! them and for the JPEGs the engines refuse (progressive, some subsamplings): a batch the
+//! hardware call rejects is decoded image by image with the hybrid decoder, and an image that
+//! decoder rejects too is decoded on the CPU (zune-jpeg) and copied up; one that nobody can
+//! decode is an error naming its file. Images the loader already decoded (PNG, WebP) are
+//! copied up as they are.
+//!
+//! Everything runs on a stream of its own, at the device's highest priority, so it overlaps
+//! the compute stream's step and its few kernels are not queued behind the step's; the final
+//! kernel waits for the event that says the previous forward has read the input buffer, and
+//! the compute stream waits for the decode, exactly as `upload_input`'s copy is ordered. The
+//! host never waits for the decode: the bitstreams, the decode table and already-decoded
+//! images go to the device from one of two pinned arenas (a pageable source would make each
+//! copy wait for the stream), and an arena is refilled only after the decode that read it.
+//! nvJPEG's own device and pinned buffers come from caching allocators: its default ones call
+//! `cudaFree`/`cudaFreeHost`, which wait for the whole device, step included.
+
+use std::ffi::{c_int, c_uint, c_void};
+use std::path::PathBuf;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::result as dr;
+use cudarc::driver::sys::{CUevent, CUstream};
+use cudarc::driver::CudaStream;
+
+use super::device::{dev, kargs, CudaBuf, THREADS};
+use super::gemm::Ty;
+use super::{libs, Cuda};
+use crate::backend::{BResult, BackendError};
+use crate::core::encoded::{EncodedBatch, Encoding};
+
+type Handle = *mut c_void;
+type State = *mut c_void;
+
+/// `nvjpegImage_t`: up to 4 channel planes and their pitches; interleaved RGB uses plane 0.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct NvImage {
+    channel: [*mut u8; 4],
+    pitch: [usize; 4],
+}
+
+const BACKEND_DEFAULT: c_int = 0;
+const BACKEND_HARDWARE: c_int = 3;
+const OUTPUT_RGBI: c_int = 5;
+
+/// nvJPEG's status codes, named (nvjpeg.h).
+fn status_name(s: c_int) -> &'static str {
+    match s {
+        1 => "NOT_INITIALIZED",
+        2 => "INVALID_PARAMETER",
+        3 => "BAD_JPEG",
+        4 => "JPEG_NOT_SUPPORTED",
+        5 => "ALLOCATOR_FAILURE",
+        6 => "EXECUTION_FAILED",
+        7 => "ARCH_MISMATCH",
+        8 => "INTERNAL_ERROR",
+        9 => "IMPLEMENTATION_NOT_SUPPORTED",
+        10 => "INCOMPLETE_BITSTREAM",
+        _ => "unknown status",
+    }
+}
+
+fn check(what: &str, s: c_int) -> Result<(), String> {
+    match s {
+        0 => Ok(()),
+        _ => Err(format!("{what}: nvJPEG status {s} ({})", status_name(s))),
+    }
+}
+
+/// The nvJPEG entry points used here (signatures from nvjpeg.h, CUDA 12 and 13).
+struct Api {
+    create_ex: unsafe extern "C" fn(c_int, *mut c_void, *mut c_void, c_uint, *mut Handle) -> c_int,
+    destroy: unsafe extern "C" fn(Handle) -> c_int,
+    state_create: unsafe extern "C" fn(Handle, *mut State) -> c_int,
+    state_destroy: unsafe extern "C" fn(State) -> c_int,
+    decode: unsafe extern "C" fn(Handle, State, *const u8, usize, c_int, *mut NvImage, CUstream) -> c_int,
+    batched_init: unsafe extern "C" fn(Handle, State, c_int, c_int, c_int) -> c_int,
+    batched: unsafe extern "C" fn(Handle, State, *const *const u8, *const usize, *mut NvImage, CUstream) -> c_int,
+    hw_info: unsafe extern "C" fn(Handle, *mut c_uint, *mut c_uint) -> c_int,
+    _lib: libloading::Library,
+}
+
+const NAMES: [&str; 3] = ["libnvjpeg.so.13", "libnvjpeg.so.12", "libnvjpeg.so"];
+
+fn open_api() -> Result<Api, String> {
+    let mut tried = Vec::new();
+    let mut candidates: Vec<PathBuf> = NAMES.iter().map(PathBuf::from).collect();
+    for d in libs::candidate_dirs() {
+        candidates.extend(NAMES.iter().map(|n| d.join(n)).filter(|p| p.exists()));
+    }
+    for path in candidates {
+        // SAFETY: opening the vendor library runs its initializers, as any nvJPEG user does.
+        let lib = match unsafe { libloading::Library::new(&path) } {
+            Ok(l) => l,
+            Err(e) => {
+                tried.push(format!("{}: {e}", path.display()));
+                continue;
+            }
+        };
+        let resolve = |name: &str| -> Result<*const c_void, String> {
+            // SAFETY: looking up an exported symbol by name; the pointer is only used as the
+            // function nvjpeg.h declares under that name.
+            unsafe { lib.get::<*const c_void>(name.as_bytes()) }.map(|s| *s).map_err(|e| format!("{}: {name}: {e}", path.display()))
+        };
+        let names = [
+            "nvjpegCreateEx", "nvjpegDestroy", "nvjpegJpegStateCreate", "nvjpegJpegStateDestroy", "nvjpegDecode",
+            "nvjpegDecodeBatchedInitialize", "nvjpegDecodeBatched", "nvjpegGetHardwareDecoderInfo",
+        ];
+        let table = names.iter().map(|n| resolve(n)).collect::<Result<Vec<_>, String>>().map(|p| {
+            // SAFETY: each pointer is the named nvJPEG function, transmuted to its nvjpeg.h type.
+            unsafe {
+                Api {
+                    create_ex: std::mem::transmute::<*const c_void, _>(p[0]),
+                    destroy: std::mem::transmute::<*const c_void, _>(p[1]),
+                    state_create: std::mem::transmute::<*const c_void, _>(p[2]),
+                    state_destroy: std::mem::transmute::<*const c_void, _>(p[3]),
+                    decode: std::mem::transmute::<*const c_void, _>(p[4]),
+                    batched_init: std::mem::transmute::<*const c_void, _>(p[5]),
+                    batched: std::mem::transmute::<*const c_void, _>(p[6]),
+                    hw_info: std::mem::transmute::<*const c_void, _>(p[7]),
+                    _lib: lib,
+                }
+            }
+        });
+        match table {
+            Ok(t) => return Ok(t),
+            Err(e) => tried.push(e),
+        }
+    }
+    Err(format!(
+        "data.decode = \"gpu\": cannot load libnvjpeg.so.13 (nvJPEG): not on the loader path and not found in the CUDA library folders ({}); install the CUDA toolkit or `pip install nvidia-nvjpeg-cu13`, set VITSCALE_CUDA_LIB_DIR to the folder that holds it, or use data.decode = \"cpu\"",
+        if tried.is_empty() { "no candidate file".to_string() } else { tried.join("; ") }
+    ))
+}
+
+/// `nvjpegDevAllocator_t` and `nvjpegPinnedAllocator_t`.
+#[repr(C)]
+struct DevAllocator {
+    malloc: extern "C" fn(*mut *mut c_void, usize) -> c_int,
+    free: extern "C" fn(*mut c_void) -> c_int,
+}
+
+#[repr(C)]
+struct PinnedAllocator {
+    malloc: extern "C" fn(*mut *mut c_void, usize, c_uint) -> c_int,
+    free: extern "C" fn(*mut c_void) -> c_int,
+}
+
+/// Blocks nvJPEG has freed, each reusable once the event recorded at its free (on the decode
+/// stream, where nvJPEG's work on it was queued) has completed; `sizes` of every block made.
+#[derive(Default)]
+struct Pool {
+    free: Vec<(usize, usize, CUevent)>,
+    sizes: HashMap<usize, usize>,
+}
+
+// SAFETY: a CUevent is a handle the driver lets any thread of the process use.
+unsafe impl Send for Pool {}
+
+static DEVICE_POOL: Mutex<Option<Pool>> = Mutex::new(None);
+static PINNED_POOL: Mutex<Option<Pool>> = Mutex::new(None);
+/// The decode stream, for the events the allocators record (one decoder per process).
+static DECODE_STREAM: AtomicU64 = AtomicU64::new(0);
+
+/// A cached block of at least `size` bytes (at most twice that) whose last use is over.
+fn take_cached(pool: &Mutex<Option<Pool>>, size: usize) -> Option<usize> {
+    let mut g = pool.lock().ok()?;
+    let p = g.get_or_insert_with(Pool::default);
+    let mut best: Option<usize> = None;
+    for (k, &(_, sz, ev)) in p.free.iter().enumerate() {
+        // SAFETY: a live event created by `put_back`.
+        let done = unsafe { dr::event::query(ev) }.is_ok();
+        if done && sz >= size && sz <= size.saturating_mul(2) && best.is_none_or(|b| p.free[b].1 > sz) {
+            best = Some(k);
+        }
+    }
+    let (ptr, _, ev) = p.free.swap_remove(best?);
+    // SAFETY: the event is ours and no longer waited on.
+    let _ = unsafe { dr::event::destroy(ev) };
+    Some(ptr)
+}
+
+fn put_back(pool: &Mutex<Option<Pool>>, ptr: usize) -> c_int {
+    let Ok(mut g) = pool.lock() else { return 1 };
+    let p = g.get_or_insert_with(Pool::default);
+    let Some(&size) = p.sizes.get(&ptr) else { return 1 };
+    let Ok(ev) = dr::event::create(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING) else { return 1 };
+    let stream = DECODE_STREAM.load(Ordering::Relaxed) as CUstream;
+    // SAFETY: a fresh event and the live decode stream.
+    if unsafe { dr::event::record(ev, stream) }.is_err() {
+        return 1;
+    }
+    p.free.push((ptr, size, ev));
+    0
+}
+
+fn remember(pool: &Mutex<Option<Pool>>, ptr: usize, size: usize) {
+    if let Ok(mut g) = pool.lock() {
+        g.get_or_insert_with(Pool::default).sizes.insert(ptr, size);
+    }
+}
+
+extern "C" fn dev_malloc(out: *mut *mut c_void, size: usize) -> c_int {
+    let size = size.max(256);
+    let ptr = match take_cached(&DEVICE_POOL, size) {
+        Some(p) => p,
+        // SAFETY: a plain device allocation in the current (the backend's) context.
+        None => match unsafe { dr::malloc_sync(size) } {
+            Ok(p) => {
+                remember(&DEVICE_POOL, p as usize, size);
+                p as usize
+            }
+            Err(_) => return 1,
+        },
+    };
+    // SAFETY: nvJPEG passes a valid out-pointer.
+    unsafe { *out = ptr as *mut c_void };
+    0
+}
+
+extern "C" fn dev_free(ptr: *mut c_void) -> c_int {
+    if ptr.is_null() {
+        return 0;
+    }
+    put_back(&DEVICE_POOL, ptr as usize)
+}
+
+extern "C" fn pinned_malloc(out: *mut *mut c_void, size: usize, flags: c_uint) -> c_int {
+    let size = size.max(256);
+    let ptr = match take_cached(&PINNED_POOL, size) {
+        Some(p) => p,
+        // SAFETY: a plain pinned host allocation.
+        None => match unsafe { dr::malloc_host(size, flags) } {
+            Ok(p) => {
+                remember(&PINNED_POOL, p as usize, size);
+                p as usize
+            }
+            Err(_) => return 1,
+        },
+    };
+    // SAFETY: nvJPEG passes a valid out-pointer.
+    unsafe { *out = ptr as *mut c_void };
+    0
+}
+
+extern "C" fn pinned_free(ptr: *mut c_void) -> c_int {
+    if ptr.is_null() {
+        return 0;
+    }
+    put_back(&PINNED_POOL, ptr as usize)
+}
+
+static DEV_ALLOCATOR: DevAllocator = DevAllocator { malloc: dev_malloc, free: dev_free };
+static PINNED_ALLOCATOR: PinnedAllocator = PinnedAllocator { malloc: pinned_malloc, free: pinned_free };
+
+/// Pinned host memory the decode reads from: the table, the bitstreams, decoded images.
+struct Arena {
+    ptr: *mut u8,
+    bytes: usize,
+    /// Recorded after the last decode that read this arena.
+    done: Option<cudarc::driver::CudaEvent>,
+}
+
+impl Arena {
+    /// Room for `bytes`, once the decode that last read it is over.
+    fn prepare(&mut self, bytes: usize) -> BResult<&mut [u8]> {
+        if let Some(ev) = self.done.take() {
+            ev.synchronize().map_err(dev("waiting for an earlier decode"))?;
+        }
+        if self.bytes < bytes {
+            if !self.ptr.is_null() {
+                // SAFETY: allocated below by malloc_host; its last reader is done (above).
+                unsafe { dr::free_host(self.ptr as *mut c_void) }.map_err(dev("cuMemFreeHost"))?;
+                self.ptr = std::ptr::null_mut();
+                self.bytes = 0;
+            }
+            let want = bytes + bytes / 4;
+            // SAFETY: a plain pinned allocation.
+            self.ptr = unsafe { dr::malloc_host(want, 0) }.map_err(|e| BackendError::Device(format!("allocating {want} bytes of pinned memory for the decode: {e}")))? as *mut u8;
+            self.bytes = want;
+        }
+        // SAFETY: `ptr` holds `self.bytes ≥ bytes` bytes that nothing else reads now.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, bytes) })
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        if let Some(ev) = self.done.take() {
+            let _ = ev.synchronize();
+        }
+        if !self.ptr.is_null() {
+            // SAFETY: allocated by malloc_host, no longer read.
+            let _ = unsafe { dr::free_host(self.ptr as *mut c_void) };
+        }
+    }
+}
+
+/// One nvJPEG handle and its decode state.
+struct Decoder {
+    handle: Handle,
+    state: State,
+}
+
+impl Decoder {
+    fn new(api: &Api, backend: c_int) -> Result<Decoder, String> {
+        let mut handle: Handle = std::ptr::null_mut();
+        // SAFETY: out-pointer to a live handle; the allocators are the caching ones above.
+        // nvJPEG keeps the allocator tables' function pointers; the tables are statics.
+        let (d, p) = (&DEV_ALLOCATOR as *const DevAllocator as *mut c_void, &PINNED_ALLOCATOR as *const PinnedAllocator as *mut c_void);
+        check("nvjpegCreateEx", unsafe { (api.create_ex)(backend, d, p, 0, &mut handle) })?;
+        let mut state: State = std::ptr::null_mut();
+        // SAFETY: `handle` was just created.
+        if let Err(e) = check("nvjpegJpegStateCreate", unsafe { (api.state_create)(handle, &mut state) }) {
+            // SAFETY: the handle is ours and unused.
+            unsafe { (api.destroy)(handle) };
+            return Err(e);
+        }
+        Ok(Decoder { handle, state })
+    }
+
+    fn free(&mut self, api: &Api) {
+        // SAFETY: both were created by `new` and are destroyed once (the pointers are nulled).
+        unsafe {
+            if !self.state.is_null() {
+                (api.state_destroy)(self.state);
+            }
+            if !self.handle.is_null() {
+                (api.destroy)(self.handle);
+            }
+        }
+        self.state = std::ptr::null_mut();
+        self.handle = std::ptr::null_mut();
+    }
+}
+
+/// One image's place in the decode buffers, as `kernels/image.cu`'s `ImageJob`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct ImageJob {
+    src: i64,
+    w: i32,
+    h: i32,
+    x0: f32,
+    y0: f32,
+    cw: f32,
+    ch: f32,
+    flip: i32,
+    row0: i32,
+    rows: i32,
+    pad: i32,
+    tmp: i64,
+}
+
+/// The source rows the vertical filter reads for a crop starting at `r0` of `rlen` rows of an
+/// image `len` rows high, resampled to `out` rows: (first, count), computed with the kernel's
+/// f32 formulas and widened by a row each side against rounding differences.
+fn row_range(len: usize, r0: f32, rlen: f32, out: usize, bicubic: bool) -> (usize, usize) {
+    let scale = rlen / out as f32;
+    let fscale = scale.max(1.0);
+    let support = if bicubic { 2.0 * fscale } else { fscale };
+    let n = (support.ceil() as usize) * 2 + 1;
+    let (mut lo_all, mut hi_all) = (usize::MAX, 0usize);
+    for i in 0..out {
+        let c = r0 + (i as f32 + 0.5) * scale;
+        let lo = ((c - support).floor().max(0.0) as usize).min(len - 1);
+        let hi = ((c + support).ceil().max(0.0) as usize).max(lo + 1).min(len).min(lo + n);
+        lo_all = lo_all.min(lo);
+        hi_all = hi_all.max(hi);
+    }
+    let lo = lo_all.saturating_sub(1);
+    let hi = (hi_all + 1).min(len);
+    (lo, hi - lo)
+}
+
+/// The decoders and the device buffers they reuse from batch to batch.
+pub(super) struct JpegDecoder {
+    api: Api,
+    hardware: Option<Decoder>,
+    hybrid: Decoder,
+    /// Batch size the hardware decoder was last initialized for (0: must initialize).
+    batched_for: usize,
+    /// Decoded RGB8 images, one after another (bytes; allocated as bf16 words).
+    pixels: Option<CudaBuf>,
+    /// The horizontal pass's f32 rows.
+    tmp: Option<CudaBuf>,
+    /// The batch's `ImageJob`s (bytes; allocated as f32 words).
+    jobs: Option<CudaBuf>,
+    /// The decode stream (highest priority).
+    stream: Arc<CudaStream>,
+    /// Two pinned arenas used in turn.
+    arenas: [Arena; 2],
+    next_arena: usize,
+    /// The hardware decoder's engines (0: none, hybrid only).
+    pub engines: u32,
+}
+
+// SAFETY: the nvJPEG handles are used by one thread at a time (the backend keeps the decoder
+// behind a mutex); nvJPEG allows a handle to move between threads.
+unsafe impl Send for JpegDecoder {}
+
+impl Drop for JpegDecoder {
+    fn drop(&mut self) {
+        let api = &self.api;
+        if let Some(d) = self.hardware.as_mut() {
+            d.free(api);
+        }
+        self.hybrid.free(&self.api);
+    }
+}
+
+impl JpegDecoder {
+    fn new(ctx: &Arc<cudarc::driver::CudaContext>) -> Result<JpegDecoder, String> {
+        ctx.bind_to_thread().map_err(|e| format!("binding the CUDA context: {e}"))?;
+        let (_, greatest) = dr::stream::get_priority_range().map_err(|e| format!("cuCtxGetStreamPriorityRange: {e}"))?;
+        let stream = ctx.new_stream_with_priority(greatest).map_err(|e| format!("creating the decode stream: {e}"))?;
+        DECODE_STREAM.store(stream.cu_stream() as u64, Ordering::Relaxed);
+        let api = open_api()?;
+        let hybrid = Decoder::new(&api, BACKEND_DEFAULT)?;
+        // The hardware backend exists only where the GPU has JPEG engines; elsewhere creating
+        // it fails and the hybrid decoder does everything.
+        let hardware = Decoder::new(&api, BACKEND_HARDWARE).ok();
+        let mut engines = 0;
+        if let Some(hw) = &hardware {
+            let (mut e, mut cores): (c_uint, c_uint) = (0, 0);
+            // SAFETY: a live handle and two out-pointers.
+            if unsafe { (api.hw_info)(hw.handle, &mut e, &mut cores) } == 0 {
+                engines = e;
+            }
+        }
+        let arena = || Arena { ptr: std::ptr::null_mut(), bytes: 0, done: None };
+        Ok(JpegDecoder { api, hardware, hybrid, batched_for: 0, pixels: None, tmp: None, jobs: None, stream, arenas: [arena(), arena()], next_arena: 0, engines })
+    }
+}
+
+/// Grows `slot` to at least `bytes` bytes (as `ty` words), first waiting for the decode stream
+/// so no queued kernel still reads the buffer being replaced.
+fn ensure(be: &Cuda, stream: &CudaStream, slot: &mut Option<CudaBuf>, bytes: usize, ty: Ty, what: &str) -> BResult<u64> {
+    let words = bytes.div_ceil(ty.size()).max(1);
+    if slot.as_ref().is_none_or(|b| b.len < words) {
+        if slot.is_some() {
+            stream.synchronize().map_err(dev("synchronizing the decode stream"))?;
+        }
+        *slot = None;
+        // room to grow: batches vary in their images' sizes
+        let words = words + words / 4;
+        *slot = Some(be.raw_alloc(words, ty).map_err(|e| BackendError::Device(format!("{what}: {e}")))?);
+    }
+    Ok(slot.as_ref().map(|b| b.ptr).unwrap_or(0))
+}
+
+impl Cuda {
+    /// `Backend::decode_input` (see the module doc).
+    pub(super) fn decode_input_impl(&self, dst: &mut CudaBuf, batch: &EncodedBatch, range: std::ops::Range<usize>) -> BResult<()> {
+        let images = batch.images.get(range.clone()).ok_or_else(|| BackendError::Shape { op: "decode_input", msg: format!("images {range:?} of a batch of {}", batch.images.len()) })?;
+        let (b, side) = (images.len(), batch.side);
+        super::device::check_len("decode_input", "dst", dst, b * 3 * side * side)?;
+        if b == 0 {
+            return Ok(());
+        }
+        self.ctx.bind_to_thread().map_err(dev("decode_input"))?;
+        let mut guard = self.jpeg.lock().map_err(|_| BackendError::Device("decode_input: decoder lock poisoned".into()))?;
+        if guard.is_none() {
+            *guard = Some(JpegDecoder::new(&self.ctx).map_err(BackendError::Device)?);
+        }
+        let dec = guard.as_mut().expect("just set");
+        let stream = dec.stream.clone();
+        let cu = stream.cu_stream();
+
+        // Where each image goes: its pixels on the device, its horizontal-pass rows, and its
+        // bytes in the pinned arena (after the table).
+        let mut jobs = Vec::with_capacity(b);
+        let (mut px_bytes, mut tmp_floats) = (0usize, 0usize);
+        let table_bytes = (std::mem::size_of::<ImageJob>() * b).div_ceil(256) * 256;
+        let mut host_at = Vec::with_capacity(b);
+        let mut host_bytes = table_bytes;
+        for img in images {
+            if img.width == 0 || img.height == 0 {
+                return Err(BackendError::Device(format!("{}: empty image", img.source)));
+            }
+            let n = match img.encoding {
+                Encoding::Jpeg => img.bytes.len(),
+                Encoding::Rgb => img.width * img.height * 3,
+            };
+            if img.bytes.len() < n {
+                return Err(BackendError::Device(format!("{}: {} bytes of pixels for {}×{} RGB", img.source, img.bytes.len(), img.width, img.height)));
+            }
+            host_at.push((host_bytes, n));
+            host_bytes += n.div_ceil(64) * 64;
+            let (row0, rows) = row_range(img.height, img.crop[1], img.crop[3], side, batch.bicubic);
+            jobs.push(ImageJob {
+                src: px_bytes as i64,
+                w: img.width as i32,
+                h: img.height as i32,
+                x0: img.crop[0],
+                y0: img.crop[1],
+                cw: img.crop[2],
+                ch: img.crop[3],
+                flip: i32::from(img.flip),
+                row0: row0 as i32,
+                rows: rows as i32,
+                pad: 0,
+                tmp: tmp_floats as i64,
+            });
+            // 256-byte aligned starts, as nvJPEG's planes like them
+            px_bytes += (img.width * img.height * 3).div_ceil(256) * 256;
+            tmp_floats += rows * side * 3;
+        }
+        let px = ensure(self, &stream, &mut dec.pixels, px_bytes, Ty::Bf16, "the decoded images")?;
+        let tmp = ensure(self, &stream, &mut dec.tmp, tmp_floats * 4, Ty::F32, "the resampling rows")?;
+        let jobs_ptr = ensure(self, &stream, &mut dec.jobs, table_bytes, Ty::F32, "the decode table")?;
+        let which = dec.next_arena;
+        dec.next_arena = 1 - which;
+        let arena = dec.arenas[which].prepare(host_bytes)?;
+        // SAFETY: `ImageJob` is plain old data (repr(C), its padding an explicit field).
+        let table = unsafe { std::slice::from_raw_parts(jobs.as_ptr() as *const u8, std::mem::size_of::<ImageJob>() * b) };
+        arena[..table.len()].copy_from_slice(table);
+        for (img, &(at, n)) in images.iter().zip(&host_at) {
+            arena[at..at + n].copy_from_slice(&img.bytes[..n]);
+        }
+        let arena_ptr = arena.as_ptr();
+        // SAFETY (the copies below): each source range lies in the pinned arena, which is not
+        // rewritten before the event recorded at the end of this decode; each destination
+        // range was laid out above within its buffer.
+        unsafe { dr::memcpy_htod_async(jobs_ptr, &arena[..table.len()], cu) }.map_err(dev("copying the decode table"))?;
+
+        // Decode: the JPEGs in one hardware call where possible, the rest one by one.
+        let dest = |j: &ImageJob| NvImage { channel: [(px + j.src as u64) as *mut u8, std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut()], pitch: [j.w as usize * 3, 0, 0, 0] };
+        let jpegs: Vec<usize> = (0..b).filter(|&i| images[i].encoding == Encoding::Jpeg).collect();
+        let mut pending: Vec<usize> = jpegs.clone();
+        if let (Some(hw), false) = (dec.hardware.as_ref(), jpegs.is_empty()) {
+            let api = &dec.api;
+            let mut ok = true;
+            if dec.batched_for != jpegs.len() {
+                // SAFETY: live handle and state of the hardware decoder.
+                ok = check("nvjpegDecodeBatchedInitialize", unsafe { (api.batched_init)(hw.handle, hw.state, jpegs.len() as c_int, 1, OUTPUT_RGBI) }).is_ok();
+                dec.batched_for = if ok { jpegs.len() } else { 0 };
+            }
+            if ok {
+                // SAFETY: pointers into the pinned arena (see above).
+                let data: Vec<*const u8> = jpegs.iter().map(|&i| unsafe { arena_ptr.add(host_at[i].0) }).collect();
+                let lens: Vec<usize> = jpegs.iter().map(|&i| host_at[i].1).collect();
+                let mut outs: Vec<NvImage> = jpegs.iter().map(|&i| dest(&jobs[i])).collect();
+                // SAFETY: `data`/`lens` describe the bitstreams in the arena, each output plane
+                // has room for its image's w·h·3 bytes (laid out above).
+                let r = unsafe { (api.batched)(hw.handle, hw.state, data.as_ptr(), lens.as_ptr(), outs.as_mut_ptr(), cu) };
+                if r == 0 {
+                    pending.clear();
+                } else {
+                    // nvJPEG asks for a fresh initialization after a failed batch
+                    dec.batched_for = 0;
+                }
+            }
+        }
+        let mut cpu_px = Vec::new();
+        for &i in &pending {
+            let img = &images[i];
+            let mut out = dest(&jobs[i]);
+            // SAFETY: as above, for one image with the hybrid decoder.
+            let r = unsafe { (dec.api.decode)(dec.hybrid.handle, dec.hybrid.state, arena_ptr.add(host_at[i].0), host_at[i].1, OUTPUT_RGBI, &mut out, cu) };
+            if r != 0 {
+                // the CPU decoder as a last resort (CMYK, unusual layouts); rare, so this copy
+                // from pageable memory may wait for the stream
+                let (w, h) = crate::core::encoded::decode_rgb(&img.bytes, &mut cpu_px)
+                    .map_err(|msg| BackendError::Device(format!("{}: cannot decode image: nvJPEG status {r} ({}), CPU decoder: {msg}", img.source, status_name(r))))?;
+                if (w, h) != (img.width, img.height) {
+                    return Err(BackendError::Device(format!("{}: decoded {w}×{h}, its header said {}×{}", img.source, img.width, img.height)));
+                }
+                // SAFETY: the destination has w·h·3 bytes; the stream is synchronized before
+                // `cpu_px` is reused or dropped.
+                unsafe { dr::memcpy_htod_async(px + jobs[i].src as u64, &cpu_px[..w * h * 3], cu) }.map_err(dev("copying a CPU-decoded image"))?;
+                stream.synchronize().map_err(dev("copying a CPU-decoded image"))?;
+            }
+        }
+        for (i, _) in images.iter().enumerate().filter(|(_, m)| m.encoding == Encoding::Rgb) {
+            let (at, n) = host_at[i];
+            // SAFETY: see the copies' note above.
+            unsafe { dr::memcpy_htod_async(px + jobs[i].src as u64, &arena[at..at + n], cu) }.map_err(dev("copying decoded images"))?;
+        }
+
+        // Resample: rows, then (after the previous forward has read the inputs) the output.
+        let bicubic = i32::from(batch.bicubic);
+        let side_i = side as i32;
+        let max_rows = jobs.iter().map(|j| j.rows as usize).max().unwrap_or(1);
+        let grid_x = |n: usize| (n.div_ceil(THREADS as usize).clamp(1, 1024)) as u32;
+        self.launch_on(cu, "resample_rows_rgb8", (grid_x(max_rows * side), b as u32, 1), &mut kargs![tmp, px, jobs_ptr, side_i, bicubic])?;
+        if let Some(ev) = self.inputs_read.lock().map_err(|_| BackendError::Device("decode_input: event lock poisoned".into()))?.as_ref() {
+            // SAFETY: a live event of this context; the wait is enqueued on the decode stream.
+            unsafe { cudarc::driver::result::stream::wait_event(cu, ev.cu_event(), cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+                .map_err(dev("cuStreamWaitEvent"))?;
+        }
+        let k: [f32; 3] = std::array::from_fn(|c| 1.0 / (255.0 * batch.std[c]));
+        let o: [f32; 3] = std::array::from_fn(|c| batch.mean[c] / batch.std[c]);
+        let dt = dst.dt();
+        self.launch_on(cu, "resample_cols_norm", (grid_x(side * side), b as u32, 1), &mut kargs![dst.ptr, dt, tmp, jobs_ptr, side_i, bicubic, k[0], k[1], k[2], o[0], o[1], o[2]])?;
+        let done = self.ctx.new_event(None).map_err(dev("cuEventCreate"))?;
+        done.record(&stream).map_err(dev("cuEventRecord"))?;
+        // SAFETY: a live event recorded on the decode stream; later compute waits for the input.
+        unsafe { cudarc::driver::result::stream::wait_event(self.stream.cu_stream(), done.cu_event(), cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+            .map_err(dev("cuStreamWaitEvent"))?;
+        dec.arenas[which].done = Some(done);
+        Ok(())
+    }
+
+    /// Launches kernel `name` on `stream` (the decode runs on the copy stream, not the
+    /// compute stream that `launch` uses).
+    fn launch_on(&self, stream: CUstream, name: &str, grid: (u32, u32, u32), args: &mut [*mut c_void]) -> BResult<()> {
+        let f = self.kernels.get(name)?;
+        // SAFETY: the launch sites above pass arguments matching the kernels' signatures in
+        // kernels/image.cu, device pointers to buffers sized for the batch, and values that
+        // outlive the call.
+        unsafe { dr::launch_kernel(f.cu_function(), grid, (THREADS, 1, 1), 0, stream, args) }.map_err(|e| BackendError::Device(format!("launching {name}: {e}")))
+    }
+
+    /// The GPU decoder's JPEG engines: Some(0) when it decodes without them (hybrid), None
+    /// when nvJPEG cannot be loaded (the error).
+    pub fn jpeg_engines(&self) -> Result<u32, String> {
+        let mut guard = self.jpeg.lock().map_err(|_| "decoder lock poisoned".to_string())?;
+        if guard.is_none() {
+            *guard = Some(JpegDecoder::new(&self.ctx)?);
+        }
+        Ok(guard.as_ref().map_or(0, |d| d.engines))
+    }
+}

@@ -1,0 +1,116 @@
+//! GPU image decode (`data.decode = "gpu"`) against the CPU pipeline: the same encoded batch
+//! (real photographs, colour and greyscale, and a decoded RGB image) decoded, cropped, flipped
+//! and normalized by the device and by `data::resize` on the CPU decoder's pixels.
+//!
+//! Two tolerances, because two things differ. Images handed over already decoded (the RGB
+//! path) isolate the resampling kernels: they must agree with the CPU to float rounding
+//! (≤ 0.05 of a pixel level, on a 0..255 scale). JPEGs add the decoders' own differences
+//! (nvJPEG's and zune-jpeg's IDCT and chroma upsampling, a level or two at edges, more in
+//! rare pixels): the mean absolute difference must stay ≤ 1.5 levels and the largest ≤ 48.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::Check;
+use crate::backend::{BResult, Backend};
+use crate::core::encoded::{decode_rgb, EncodedBatch, EncodedImage, Encoding};
+use crate::config::Interpolation;
+use crate::data::resize::{self, Region};
+
+const PHOTOS: [(&str, &[u8]); 5] = [
+    ("astronaut.jpg", include_bytes!("../../tests/fixtures/photos/astronaut.jpg")),
+    ("camera.jpg", include_bytes!("../../tests/fixtures/photos/camera.jpg")),
+    ("chelsea.jpg", include_bytes!("../../tests/fixtures/photos/chelsea.jpg")),
+    ("coffee.jpg", include_bytes!("../../tests/fixtures/photos/coffee.jpg")),
+    ("rocket.jpg", include_bytes!("../../tests/fixtures/photos/rocket.jpg")),
+];
+
+/// A smooth, textured RGB image (gradients, a ring, fine stripes) of `w` × `h`.
+fn synthetic_rgb(w: usize, h: usize, seed: u64) -> Vec<u8> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let (fx, fy, ph): (f32, f32, f32) = (rng.gen_range(0.01..0.05), rng.gen_range(0.01..0.05), rng.gen_range(0.0..6.0));
+    let mut px = vec![0u8; w * h * 3];
+    for y in 0..h {
+        for x in 0..w {
+            let (xf, yf) = (x as f32, y as f32);
+            let r = ((xf - w as f32 / 2.0).hypot(yf - h as f32 / 2.0) * 0.2).sin();
+            let stripes = if (x / 3) % 2 == 0 { 40.0 } else { 0.0 };
+            let v = [128.0 + 100.0 * (fx * xf + ph).sin(), 128.0 + 90.0 * (fy * yf).cos() + stripes, 128.0 + 120.0 * r];
+            for c in 0..3 {
+                px[(y * w + x) * 3 + c] = v[c].clamp(0.0, 255.0) as u8;
+            }
+        }
+    }
+    px
+}
+
+/// (mean, max) absolute difference in pixel levels of two normalized (B, 3, S, S) batches.
+fn level_diff(a: &[f32], b: &[f32], std: [f32; 3], side: usize) -> (f64, f64) {
+    let plane = side * side;
+    let (mut sum, mut max) = (0f64, 0f64);
+    for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
+        let c = (i / plane) % 3;
+        let d = if x.is_nan() || y.is_nan() { f64::INFINITY } else { ((x - y) * std[c] * 255.0).abs() as f64 };
+        sum += d;
+        max = max.max(d);
+    }
+    (sum / a.len().max(1) as f64, max)
+}
+
+/// The checks (empty, with a notice, when nvJPEG cannot be loaded on this machine).
+pub fn decode_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult<Vec<Check>> {
+    if let Err(e) = be.jpeg_engines() {
+        crate::outln!("GPU image decode not checked: {e}");
+        return Ok(Vec::new());
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x1a6e);
+    let mut checks = Vec::new();
+    let (mean, std) = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]);
+    for (side, bicubic) in [(224, false), (224, true), (32, false)] {
+        let filter = if bicubic { Interpolation::Bicubic } else { Interpolation::Bilinear };
+        for jpeg in [true, false] {
+            let mut batch = EncodedBatch { images: Vec::new(), side, bicubic, mean, std };
+            let mut sources = Vec::new();
+            let count = if jpeg { 2 * PHOTOS.len() } else { 4 };
+            for k in 0..count {
+                let (bytes, encoding, w, h, pixels, name) = if jpeg {
+                    let (name, bytes) = PHOTOS[k % PHOTOS.len()];
+                    let mut px = Vec::new();
+                    let (w, h) = decode_rgb(bytes, &mut px).map_err(|e| crate::backend::BackendError::Device(format!("{name}: {e}")))?;
+                    px.truncate(w * h * 3);
+                    (bytes.to_vec(), Encoding::Jpeg, w, h, px, name.to_string())
+                } else {
+                    let (w, h) = (rng.gen_range(40..500), rng.gen_range(40..400));
+                    let px = synthetic_rgb(w, h, rng.gen());
+                    (px.clone(), Encoding::Rgb, w, h, px, format!("synthetic {w}×{h}"))
+                };
+                // crops from RandomResizedCrop's draw, and (every third) the evaluation's center crop
+                let (region, flip) = if k % 3 == 2 {
+                    (resize::center_crop(w, h, side, 0.875), false)
+                } else {
+                    resize::draw_rrc(rng.gen(), 0, k, w, h, [0.08, 1.0], [0.75, 4.0 / 3.0])
+                };
+                sources.push((pixels, w, h, region, flip));
+                batch.images.push(EncodedImage { bytes, encoding, width: w, height: h, crop: [region.x0, region.y0, region.w, region.h], flip, source: name });
+            }
+            let per = 3 * side * side;
+            let mut cpu = vec![0f32; count * per];
+            for ((px, w, h, region, flip), out) in sources.iter().zip(cpu.chunks_mut(per)) {
+                resize::resample(px, *w, *h, Region { ..*region }, side, *flip, filter, mean, std, out);
+            }
+            let mut dev = be.alloc_f32(count * per)?;
+            be.fill(&mut dev, f32::NAN)?;
+            be.decode_input(&mut dev, &batch, 0..count)?;
+            be.synchronize()?;
+            let got = be.download(&dev)?;
+            let (avg, max) = level_diff(&got, &cpu, std, side);
+            let what = if jpeg { "JPEG photographs (nvJPEG)" } else { "decoded RGB images" };
+            let f = if bicubic { "bicubic" } else { "bilinear" };
+            let name = format!("GPU decode: {count} {what} → {side} px {f}, crops + flips vs CPU: mean |Δ| {avg:.3}, max {max:.2} levels");
+            let (tol_mean, tol_max) = if jpeg { (1.5, 48.0) } else { (0.05, 0.05) };
+            let (err, tol) = if jpeg { (avg, tol_mean) } else { (max, tol_max) };
+            checks.push(Check { name, rel_err: err, tol, pass: avg.is_finite() && avg <= tol_mean && max <= tol_max });
+        }
+    }
+    Ok(checks)
+}
