@@ -76,7 +76,8 @@ pub struct BenchArgs {
     pub json: bool,
     /// Measure the data loader instead of the model (`bench::data`): CIFAR 32-px crop+flip,
     /// 224-px JPEG RandomResizedCrop+flip, and the same + RandAugment, at 1 thread and at
-    /// --threads. Model options are ignored.
+    /// --threads; on a GPU (--device cuda, or auto finding one) also the GPU decode
+    /// (`data.decode = "gpu"`). Model options are ignored.
     #[arg(long)]
     pub data: bool,
     /// With --data: loader threads for the parallel points (0 = every core).

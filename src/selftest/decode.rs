@@ -15,7 +15,7 @@ use super::Check;
 use crate::backend::{BResult, Backend};
 use crate::core::encoded::{decode_rgb, EncodedBatch, EncodedImage, Encoding};
 use crate::config::Interpolation;
-use crate::data::resize::{self, Region};
+use crate::data::resize;
 
 const PHOTOS: [(&str, &[u8]); 5] = [
     ("astronaut.jpg", include_bytes!("../../tests/fixtures/photos/astronaut.jpg")),
@@ -96,7 +96,7 @@ pub fn decode_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult<Vec<
             let per = 3 * side * side;
             let mut cpu = vec![0f32; count * per];
             for ((px, w, h, region, flip), out) in sources.iter().zip(cpu.chunks_mut(per)) {
-                resize::resample(px, *w, *h, Region { ..*region }, side, *flip, filter, mean, std, out);
+                resize::resample(px, *w, *h, *region, side, *flip, filter, mean, std, out);
             }
             let mut dev = be.alloc_f32(count * per)?;
             be.fill(&mut dev, f32::NAN)?;
