@@ -234,7 +234,12 @@ impl Feed {
             let (k, smoothing) = (self.num_classes, self.label_smoothing);
             let targets = |start: usize, n: usize| soft_targets(&next.batch, start, n, k, smoothing);
             let mb = MicroBatch { images: &next.batch.images, encoded: next.batch.encoded.as_ref(), b: next.batch.len(), targets: &targets, keys: &next.batch.keys };
+            let t_stage = Instant::now();
             st.stage_ahead(be, &mb)?;
+            if let Some(tr) = st.trace.as_mut() {
+                let what = if mb.encoded.is_some() { "stage next batch (device decode)" } else { "stage next batch (copy)" };
+                tr.span(Track::Data, what, t_stage, Instant::now(), serde_json::Map::new());
+            }
             self.first_pass_staged = true;
         }
         st.mark(be, Phase::Data)?;

@@ -581,6 +581,7 @@ impl Cuda {
     }
 
     pub(super) fn synchronize_impl(&self) -> BResult<()> {
+        self.order_decoded_input()?;
         self.flush_partial_sums()?;
         self.stream.synchronize().map_err(dev("synchronize"))
     }

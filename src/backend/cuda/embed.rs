@@ -14,6 +14,8 @@ impl Cuda {
         }
         let n = b * chans * size * size;
         check_len("patchify", "img", img, n)?;
+        // the first read of the input: a batch decoded on the GPU must be there by now
+        self.order_decoded_input()?;
         check_len("patchify", "out", out, n)?;
         let (bb, c, s, p) = (b as i32, chans as i32, size as i32, patch as i32);
         // (the 8-output groups stay within one channel's patch when P·P is a multiple of 8)

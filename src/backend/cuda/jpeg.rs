@@ -15,7 +15,8 @@
 //! Everything runs on a stream of its own, at the device's highest priority, so it overlaps
 //! the compute stream's step and its few kernels are not queued behind the step's; the final
 //! kernel waits for the event that says the previous forward has read the input buffer, and
-//! the compute stream waits for the decode, exactly as `upload_input`'s copy is ordered. The
+//! the compute stream waits for the decode only where it first reads the input (`patchify`)
+//! or synchronizes (`order_decoded_input`), so the step still queued ahead of it runs on. The
 //! host never waits for the decode: the bitstreams, the decode table and already-decoded
 //! images go to the device from one of two pinned arenas (a pageable source would make each
 //! copy wait for the stream), and an arena is refilled only after the decode that read it.
@@ -606,10 +607,23 @@ impl Cuda {
         self.launch_on(cu, "resample_cols_norm", (grid_x(side * side), b as u32, 1), &mut kargs![dst.ptr, dt, tmp, jobs_ptr, side_i, bicubic, k[0], k[1], k[2], o[0], o[1], o[2]])?;
         let done = self.ctx.new_event(None).map_err(dev("cuEventCreate"))?;
         done.record(&stream).map_err(dev("cuEventRecord"))?;
-        // SAFETY: a live event recorded on the decode stream; later compute waits for the input.
-        unsafe { cudarc::driver::result::stream::wait_event(self.stream.cu_stream(), done.cu_event(), cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-            .map_err(dev("cuStreamWaitEvent"))?;
         dec.arenas[which].done = Some(done);
+        let ready = self.ctx.new_event(None).map_err(dev("cuEventCreate"))?;
+        ready.record(&stream).map_err(dev("cuEventRecord"))?;
+        *self.decoded_input.lock().map_err(|_| BackendError::Device("decode_input: event lock poisoned".into()))? = Some(ready);
+        Ok(())
+    }
+
+    /// Makes the compute stream wait for a decoded batch still being written to the input
+    /// buffer (`decode_input`), if any: before the first kernel that reads the input, and
+    /// before any synchronization that promises every queued result.
+    pub(super) fn order_decoded_input(&self) -> BResult<()> {
+        let pending = self.decoded_input.lock().map_err(|_| BackendError::Device("decoded input: event lock poisoned".into()))?.take();
+        if let Some(ev) = pending {
+            // SAFETY: a live event of this context recorded on the decode stream.
+            unsafe { cudarc::driver::result::stream::wait_event(self.stream.cu_stream(), ev.cu_event(), cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+                .map_err(dev("cuStreamWaitEvent"))?;
+        }
         Ok(())
     }
 

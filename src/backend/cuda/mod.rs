@@ -84,6 +84,10 @@ pub struct Cuda {
     next_staging: AtomicUsize,
     /// The GPU image decoder (`data.decode = "gpu"`), opened on first use.
     jpeg: Mutex<Option<jpeg::JpegDecoder>>,
+    /// Recorded on the decode stream when a decoded batch is in the input buffer; the compute
+    /// stream waits for it just before it reads the input (`patchify`) or synchronizes, not
+    /// when the decode is enqueued (that would hold back the current step's optimizer).
+    decoded_input: Mutex<Option<cudarc::driver::CudaEvent>>,
     /// Stream for batch-input copies (`upload_input`), so they overlap the compute stream.
     copy_stream: Arc<CudaStream>,
     /// When traced (`time_input_copies`): each input copy's start and end events on the copy
@@ -164,6 +168,7 @@ impl Cuda {
             staging,
             next_staging: AtomicUsize::new(0),
             jpeg: Mutex::new(None),
+            decoded_input: Mutex::new(None),
         })
     }
 }
