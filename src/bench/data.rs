@@ -62,6 +62,36 @@ fn measure(pipeline: &str, set: &ImageSet, cfg: &DataConfig, batch: usize, threa
     Ok(BenchPoint { pipeline: pipeline.into(), threads, images, seconds, images_per_s: ips, images_per_s_per_core: ips / threads as f64 })
 }
 
+/// Full-size JPEG decode alone (no crop, no resampling) on `threads` threads: the figure to
+/// hold against another decoder's (torchvision's `decode_jpeg`, PIL) on the same files.
+fn measure_decode_only(files: &[PathBuf], threads: usize, min_seconds: f64) -> Result<BenchPoint, DataError> {
+    use rayon::prelude::*;
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| DataError::Invalid { key: "bench", msg: format!("thread pool: {e}") })?;
+    let bytes: Vec<Vec<u8>> = files.iter().map(|f| std::fs::read(f).map_err(|source| DataError::Io { path: f.clone(), source })).collect::<Result<_, _>>()?;
+    let round = |k: usize| -> Result<(), DataError> {
+        pool.install(|| {
+            (0..threads * 8).into_par_iter().try_for_each_init(Vec::new, |px, j| {
+                let i = (k * threads * 8 + j) % bytes.len();
+                crate::core::encoded::decode_rgb(&bytes[i], px).map(|_| ()).map_err(|msg| DataError::Decode { path: files[i].clone(), msg })
+            })
+        })
+    };
+    round(0)?;
+    let t = Instant::now();
+    let (mut images, mut k) = (0, 1);
+    while t.elapsed().as_secs_f64() < min_seconds {
+        round(k)?;
+        images += threads * 8;
+        k += 1;
+    }
+    let seconds = t.elapsed().as_secs_f64();
+    let ips = images as f64 / seconds;
+    Ok(BenchPoint { pipeline: "jpeg_decode_only_full_size".into(), threads, images, seconds, images_per_s: ips, images_per_s_per_core: ips / threads as f64 })
+}
+
 /// The same through a [`Loader`] (`num_workers = threads`, prefetch 4) consumed as fast as it
 /// produces: what a training loop would see.
 fn measure_loader(pipeline: &str, set: &Arc<ImageSet>, cfg: &DataConfig, batch: usize, threads: usize, min_seconds: f64) -> Result<BenchPoint, DataError> {
@@ -143,6 +173,7 @@ pub fn run(threads: usize, min_seconds: f64, jpeg_dir: Option<&Path>) -> Result<
         None => write_jpegs(&dir, 64, 1)?,
     };
     let labels = vec![0u16; files.len()];
+    let decode_files = files.clone();
     let set = Arc::new(ImageSet::from_files(files, labels, 224, 1));
     let fcfg = config(DatasetKind::Folder);
     let mut racfg = fcfg.clone();
@@ -150,6 +181,7 @@ pub fn run(threads: usize, min_seconds: f64, jpeg_dir: Option<&Path>) -> Result<
         .map_err(|msg| DataError::Invalid { key: "data.auto_augment", msg })?;
     let result = (|| -> Result<(), DataError> {
         for &t in &counts {
+            out.push(measure_decode_only(&decode_files, t, min_seconds)?);
             out.push(measure("jpeg224_rrc_flip", &set, &fcfg, 128, t, min_seconds)?);
             out.push(measure_loader("jpeg224_rrc_flip", &set, &fcfg, 32, t, min_seconds)?);
             out.push(measure_loader("jpeg224_rrc_flip_randaug", &set, &racfg, 32, t, min_seconds)?);
