@@ -823,6 +823,7 @@ fn resume_free_keys_are_the_run_length_logging_and_batch_split() {
     let mut want = vec![
         "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "sequence_parallel_size", "plan", "memory",
         "zero_optimization.stage", "zero_optimization.reduce_bucket_size", "zero_optimization.reduce_scatter", "zero_optimization.overlap_comm",
+        "zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_param_persistence_threshold", "zero_optimization.stage3_max_live_parameters",
         "train.epochs", "train.steps", "train.recompute", "train.pass_images", "train.eval_every", "train.checkpoint_every", "train.log_every",
         "train.eval_batch_size", "train.checkpoint_on_signal", "train.comm_timeout_s", "train.emulate_slowdown", "train.balance", "train.balance_every",
         "data.path", "data.num_workers", "data.prefetch",
