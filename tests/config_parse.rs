@@ -620,6 +620,9 @@ fn zero3_keys_are_honoured_or_warned_by_name() {
     for k in ["stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save", "stage3_model_persistence_threshold"] {
         assert!(has_warning(&c, k), "{k}: {:?}", c.warnings);
     }
+    // stage 3's buckets are the parameter groups
+    let c = ok(json!({"zero_optimization": {"stage": 3, "reduce_bucket_size": 1000}}));
+    assert!(has_warning(&c, "reduce_bucket_size = 1000: at stage 3"), "{:?}", c.warnings);
     // the honoured ones below stage 3: no effect, said by name
     let c = ok(json!({"zero_optimization": {"stage": 2, "stage3_param_persistence_threshold": 0}}));
     assert!(has_warning(&c, "stage3_param_persistence_threshold only apply at stage 3"), "{:?}", c.warnings);

@@ -116,6 +116,9 @@ pub(super) fn parse(v: Option<&Value>, cx: &mut Cx) -> Result<Zero> {
         cx.warn(format!("zero_optimization.allgather_bucket_size = {n}: the updated weights are all-gathered per reduce bucket (reduce_bucket_size); this value is not used"));
     }
     let stage3 = parse_stage3(block, stage, cx)?;
+    if let (3, Some(n)) = (stage, bucket) {
+        cx.warn(format!("zero_optimization.reduce_bucket_size = {n}: at stage 3 each parameter group (a transformer block, the embedding, the head) is its own bucket, the unit its weights are partitioned and gathered by; not used"));
+    }
     // In the file's order, so the warning reads like the config (the honoured aliases aside).
     let present: Vec<&str> = block
         .iter()
