@@ -651,6 +651,48 @@ mod tests {
     }
 
     #[test]
+    fn stage_3_partitions_every_group_and_holds_what_the_memory_model_predicts() {
+        let m = crate::model::ModelConfig::preset("vit_small_patch16_224").unwrap();
+        let table = crate::model::ParamTable::new(&m);
+        let groups = table.gradient_groups();
+        let p = BucketPlan::new(&groups, 1, 1).unwrap();
+        let be = crate::backend::cpu::Cpu::new();
+        let full: Vec<f32> = (0..table.total).map(|i| i as f32).collect();
+        for world in [1, 3, 4] {
+            let mut seen = vec![0usize; table.total];
+            for rank in 0..world {
+                let l = ZeroLayout::new(&p, &adam(), 3, world, rank, true).unwrap();
+                let parts = l.partition_parts(groups.len()).unwrap();
+                // flat order, each group whole, the owned offsets as `shard_master` lays them out
+                let mine = l.shard_master(&full).unwrap();
+                for (i, g) in parts.iter().enumerate() {
+                    assert_eq!(g.span.off, if i == 0 { 0 } else { parts[i - 1].span.off + parts[i - 1].span.len });
+                    assert_eq!(&mine[g.shard_at..g.shard_at + g.shard.len], &full[g.shard.range()]);
+                    assert_eq!(&mine[g.tail_at..g.tail_at + g.tail.len], &full[g.tail.range()]);
+                    g.shard.range().chain(g.tail.range()).for_each(|j| seen[j] += 1);
+                }
+                assert_eq!(parts.iter().map(|g| g.shard.len + g.tail.len).sum::<usize>(), l.owned_len());
+                assert_eq!(l.owned_pieces().iter().map(|q| q.master_off + q.span.len).max(), Some(l.owned_len()));
+                if rank == 0 {
+                    for (threshold, prefetch) in [(0, true), (0, false), (usize::MAX, true)] {
+                        let z = crate::config::Stage3Config { param_persistence_threshold: threshold, prefetch_bucket_size: if prefetch { usize::MAX } else { 0 }, ..Default::default() };
+                        let opts = crate::model::partition::GatherOptions { persistence_threshold: threshold, prefetch };
+                        let part = crate::model::partition::Partition::new(&be, &table, parts.clone(), Box::new(crate::comm::SingleComm::new()), opts).unwrap();
+                        let [extra, grad_slot] = crate::train::memory::stage3_extra_elems(&m, &z);
+                        assert_eq!(part.held_elems(&be), l.owned_len() + extra as usize, "world {world}, threshold {threshold}, prefetch {prefetch}");
+                        assert_eq!(be.len(&part.grad_slot), grad_slot as usize);
+                    }
+                }
+            }
+            let tails: Vec<Span> = ZeroLayout::new(&p, &adam(), 3, world, 0, true).unwrap().tails();
+            for (j, &n) in seen.iter().enumerate() {
+                let in_tail = tails.iter().any(|t| t.range().contains(&j));
+                assert_eq!(n, if in_tail { world } else { 1 }, "element {j} at world {world}");
+            }
+        }
+    }
+
+    #[test]
     fn one_rank_gathers_the_master_shard_it_was_seeded_with() {
         let p = plan();
         let be = crate::backend::cpu::Cpu::new();
