@@ -67,7 +67,8 @@ pub struct Partition<B: Backend> {
     slots: Vec<Slot<B>>,
     /// The slot whose group is being computed (not to be overwritten by a prefetch).
     in_use: Option<usize>,
-    /// (B·N-independent) scratch for one group's gradients at offset 0 (the backward's).
+    /// One group's gradients at offset 0, where the backward of a group whose weights sit at
+    /// offset 0 of their buffer writes them (the largest group's size).
     pub grad_slot: B::Buf,
     comm: Box<dyn Comm<B::Buf>>,
     /// Values this rank received and sent in gathers so far (drained by `take_gathered`).

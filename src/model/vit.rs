@@ -14,6 +14,12 @@
 //! the group (the gradient all-reduce over every rank) is the whole image's gradient. Parameter gradients accumulate into `grads` (so micro-batches of a
 //! gradient-accumulation window add up), activation gradients overwrite.
 //!
+//! Under ZeRO-3 (`partition`, set by `Vit::partition`) the whole weights are not kept: each
+//! layer reads its parameter group's weights at offset 0 of the group's own buffer (a gather
+//! slot for a partitioned block, filled just before the block runs, the next block's gather
+//! started meanwhile), and the backward writes each group's gradients through a slot of the
+//! same layout into the flat gradient buffer.
+//!
 //! Memory policy (`Recompute`): the LayerNorm outputs and the GELU output are cheap to
 //! regenerate from what is kept anyway (the block input, the saved mean/rstd, the GELU's
 //! pre-activation). When recomputing, one shared buffer of each replaces the per-block copies
