@@ -45,7 +45,7 @@ use crate::train::balance::Balancer;
 use crate::train::error::TrainError;
 use crate::train::ema::{self, Ema};
 use crate::train::loss_scale::LossScaling;
-use crate::train::evaluate::{build_model_for_training, eval_loader, eval_rounds, evaluate_from, evaluate_with, EvalSummary};
+use crate::train::evaluate::{build_model_for_training, eval_loader, eval_rounds, evaluate_rounds, evaluate_with, EvalSummary};
 use crate::train::plan::Plan;
 use crate::train::run_dir::RunDir;
 use crate::train::step::{MicroBatch, Step};
@@ -998,7 +998,7 @@ impl<'r, B: Backend> Trainer<'r, B> {
             None => eval_loader(&self.val_set, self.cfg, self.cfg.train.eval_batch_size, self.data_rank, self.data_world)?,
         };
         let rounds = eval_rounds(self.val_set.len(), self.cfg, self.cfg.train.eval_batch_size, self.data_world);
-        let ev = evaluate_from(self.be, &mut self.st.vit, self.val_set.len(), loader, rounds, &mut *self.comm)?;
+        let ev = evaluate_rounds(self.be, &mut self.st.vit, self.val_set.len(), loader, rounds, &mut *self.comm)?;
         let ema_ev = self.evaluate_ema()?;
         self.st.mark(self.be, Phase::NotTraining)?;
         let spent = t_eval.elapsed();
