@@ -6,6 +6,8 @@
 //! rank holds its share of the weights, optimizer state and the resident groups and gather
 //! slots, as predicted.
 //!
+//! Stage 3 with sequence parallelism is refused with an error naming both keys.
+//!
 //! Runs are the tiny ones of `dist_zero.rs` (default model, 16-px built-in images, 4 steps of
 //! 32 images), with `stage3_param_persistence_threshold = 0` so every block is partitioned
 //! (the default model's blocks are below DeepSpeed's default threshold).
@@ -76,6 +78,9 @@ fn stage_3_equals_stage_0_and_one_process(opt: &str, stage_tol: f32, split_tol: 
     let t = tmp();
     let p = |n: &str| -> PathBuf { t.path().join(n) };
     train(1, 0, 4, &[opt, CLIP], &p("one"));
+    // one process at stage 3 (every gather the identity) is stage 0 bit for bit
+    train(1, 3, 4, &[opt, CLIP, PARTITION_ALL], &p("one_s3"));
+    assert_eq!(max_rel_diff(&p("one_s3"), &p("one")), 0.0, "one process, stage 3 vs stage 0");
     let norms: Vec<f64> = metrics(&p("one"), None).iter().map(|r| r["grad_norm"].as_f64().unwrap_or(f64::NAN)).collect();
     assert!(norms.len() == 4 && norms.iter().all(|&n| n > 0.5), "gradient norms {norms:?} do not exceed the clip 0.05 by far");
     for world in [2usize, 4] {
@@ -155,6 +160,20 @@ fn checkpoints_resume_between_stage_3_and_stage_0_across_world_sizes() {
     let w = |d: &str| p(d).join("checkpoints/step_000002/model.safetensors");
     let d = max_rel_diff_files(&w("two_s3"), &w("straight"));
     assert!(d < SPLIT_TOL_ADAM, "step-2 weights: {d:e}");
+}
+
+#[test]
+fn stage_3_with_sequence_parallelism_is_refused_naming_both_keys() {
+    let t = tmp();
+    let mut args = launch_args(2);
+    args.push("train".into());
+    args.extend(common(1));
+    args.extend(["--set=zero_optimization.stage=3".to_string(), "--set=sequence_parallel_size=2".into()]);
+    args.extend(run_dir_args(t.path()));
+    let out = std::process::Command::new(common::EXE).args(&args).stdin(std::process::Stdio::null()).output().expect("run vitscale");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "stage 3 with sequence parallelism ran");
+    assert!(err.contains("zero_optimization.stage = 3 with sequence_parallel_size = 2"), "{err}");
 }
 
 #[test]
