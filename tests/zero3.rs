@@ -47,6 +47,8 @@ fn common(steps: u64) -> Vec<String> {
         "--set=data.val_size=200".into(),
         "--set=train.checkpoint_every=2".into(),
         "--set=train.log_every=1".into(),
+        // 5 evaluation batches of 200 images: the ranks run different numbers of them
+        "--set=train.eval_batch_size=48".into(),
     ]
     .into()
 }

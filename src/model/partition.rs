@@ -243,15 +243,33 @@ impl<B: Backend> Partition<B> {
         Ok(())
     }
 
-    /// Runs the gathers of `n` forward passes without computing anything: a rank with fewer
-    /// evaluation batches than another keeps the collectives paired.
+    /// The forward's gather calls for block `i`: its group acquired, the next one prefetched.
+    /// Every forward makes exactly these calls, so every rank's slots hold the same groups and
+    /// its collectives pair up with the others'.
+    pub fn forward_block(&mut self, be: &B, i: usize) -> BResult<usize> {
+        let g = Self::block_group(i);
+        self.acquire(be, g)?;
+        self.prefetch(be, g + 1)?;
+        Ok(g)
+    }
+
+    /// The backward's gather calls for block `i` (the one before it prefetched).
+    pub fn backward_block(&mut self, be: &B, i: usize) -> BResult<usize> {
+        let g = Self::block_group(i);
+        self.acquire(be, g)?;
+        self.prefetch(be, g - 1)?;
+        Ok(g)
+    }
+
+    /// Runs the gather calls of `n` forward passes without computing anything: a rank with
+    /// fewer evaluation batches than another keeps the collectives paired.
     pub fn idle_forwards(&mut self, be: &B, n: usize) -> BResult<()> {
+        let depth = self.groups.len() - 2;
         for _ in 0..n {
-            for i in 0..self.groups.len() {
-                self.acquire(be, i)?;
+            for i in 0..depth {
+                self.forward_block(be, i)?;
             }
         }
-        self.in_use = None;
         Ok(())
     }
 

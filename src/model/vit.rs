@@ -858,9 +858,7 @@ impl<B: Backend> Vit<B> {
             // ZeRO-3: this block's weights gathered (or waited for), the next one's started
             let wb = match part.as_deref_mut() {
                 Some(p) => {
-                    let g = Partition::<B>::block_group(i);
-                    p.acquire(be, g)?;
-                    p.prefetch(be, g + 1)?;
+                    let g = p.forward_block(be, i)?;
                     p.weights(g)?
                 }
                 None => w,
@@ -1045,10 +1043,8 @@ impl<B: Backend> Vit<B> {
                 Some(p) => {
                     // this block's weights (still in a slot from the forward, or gathered
                     // again), the one before it started
-                    let grp = Partition::<B>::block_group(i);
+                    let grp = p.backward_block(be, i)?;
                     let span = p.groups[grp].span;
-                    p.acquire(be, grp)?;
-                    p.prefetch(be, grp - 1)?;
                     let (wb, gs) = p.weights_and_grad_slot(grp)?;
                     be.copy_span(gs, 0, g, span.off, span.len)?;
                     block_backward(be, m, (&ts.blocks[i], wb), gs, a, cx, bias, dp, sp.as_deref_mut())?;
