@@ -201,10 +201,11 @@ fn precision_blocks() {
 
 #[test]
 fn zero_stage() {
-    // ZeRO-3 is accepted and runs as stage 2, with a warning saying so
+    // ZeRO-3 runs as itself, with DeepSpeed's stage-3 defaults and no warning
     let c = ok(json!({"zero_optimization": {"stage": 3}}));
-    assert_eq!(c.zero_stage, 2);
-    assert!(has_warning(&c, "zero_optimization.stage 3: partitioned parameters (ZeRO-3) are not implemented; running stage 2"), "{:?}", c.warnings);
+    assert_eq!(c.zero_stage, 3);
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    assert_eq!(c.zero3, vitscale::config::Stage3Config { prefetch_bucket_size: 50_000_000, param_persistence_threshold: 100_000, max_live_parameters: 1_000_000_000 });
     assert_eq!(ok(json!({"zero_optimization": {"stage": 2}})).zero_stage, 2);
     assert!(ok(json!({"zero_optimization": {"stage": 2}})).warnings.is_empty());
     let e = err_names(json!({"zero_optimization": {"stage": 4}}), "zero_optimization.stage");
@@ -608,17 +609,45 @@ fn monitor_blocks_follow_deepspeed_and_bad_values_name_the_key() {
 }
 
 #[test]
+fn zero3_keys_are_honoured_or_warned_by_name() {
+    // the keys with a meaning here, by DeepSpeed's names and its unprefixed aliases; "auto"
+    // keeps the default
+    let c = ok(json!({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0, "param_persistence_threshold": 5e3, "stage3_max_live_parameters": "auto"}}));
+    assert_eq!((c.zero3.prefetch_bucket_size, c.zero3.param_persistence_threshold, c.zero3.max_live_parameters), (0, 5000, 1_000_000_000));
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    assert_eq!(RunConfig { warnings: vec![], ..c.clone() }, resolve(&resolved_json(&c), 1).expect("round trip"));
+    // DeepSpeed stage-3 keys without a meaning here: warned, each by name
+    let c = ok(json!({"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": true, "stage3_model_persistence_threshold": 10}}));
+    for k in ["stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save", "stage3_model_persistence_threshold"] {
+        assert!(has_warning(&c, k), "{k}: {:?}", c.warnings);
+    }
+    // stage 3's buckets are the parameter groups
+    let c = ok(json!({"zero_optimization": {"stage": 3, "reduce_bucket_size": 1000}}));
+    assert!(has_warning(&c, "reduce_bucket_size = 1000: at stage 3"), "{:?}", c.warnings);
+    // the honoured ones below stage 3: no effect, said by name
+    let c = ok(json!({"zero_optimization": {"stage": 2, "stage3_param_persistence_threshold": 0}}));
+    assert!(has_warning(&c, "stage3_param_persistence_threshold only apply at stage 3"), "{:?}", c.warnings);
+    // a key DeepSpeed does not have either is an error naming it; so is a key given twice
+    err_names(json!({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_sise": 1}}), "zero_optimization.stage3_prefetch_bucket_sise");
+    err_names(json!({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 1, "prefetch_bucket_size": 2}}), "zero_optimization.stage3_prefetch_bucket_size");
+    err_names(json!({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 0}}), "zero_optimization.stage3_max_live_parameters");
+}
+
+#[test]
 fn hf_zero3_with_offload() {
     let c = load_fixture("hf_zero3_offload.json", 8);
-    // stage 3 runs as stage 2
-    assert_eq!(c.zero_stage, 2);
-    assert!(has_warning(&c, "ZeRO-3"));
+    // stage 3 runs as itself; the "auto" stage-3 keys keep their defaults, the live-parameter
+    // limit is honoured
+    assert_eq!(c.zero_stage, 3);
+    assert_eq!(c.zero3.max_live_parameters, 1_000_000_000);
+    assert!(!has_warning(&c, "ZeRO-3"));
     // fp16.enabled "auto" is not given → off.
     assert_eq!(c.precision, Precision::Fp32);
     assert!(has_warning(&c, "fp16.enabled: \"auto\""));
     assert!(has_warning(&c, "zero_optimization.offload_optimizer.device = \"cpu\""));
     assert!(has_warning(&c, "zero_optimization.offload_param.device = \"cpu\""));
-    assert!(has_warning(&c, "stage3_max_live_parameters"));
+    assert!(!has_warning(&c, "stage3_max_live_parameters"));
+    assert!(has_warning(&c, "stage3_max_reuse_distance"));
     assert!(has_warning(&c, "stage3_gather_16bit_weights_on_model_save"));
     assert_eq!(c.batch.train_batch_size, 512);
     // WarmupLR with an "auto" max takes the optimizer lr.
@@ -798,6 +827,7 @@ fn resume_free_keys_are_the_run_length_logging_and_batch_split() {
     let mut want = vec![
         "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "sequence_parallel_size", "plan", "memory",
         "zero_optimization.stage", "zero_optimization.reduce_bucket_size", "zero_optimization.reduce_scatter", "zero_optimization.overlap_comm",
+        "zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_param_persistence_threshold", "zero_optimization.stage3_max_live_parameters",
         "train.epochs", "train.steps", "train.recompute", "train.pass_images", "train.eval_every", "train.checkpoint_every", "train.log_every",
         "train.eval_batch_size", "train.checkpoint_on_signal", "train.comm_timeout_s", "train.emulate_slowdown", "train.balance", "train.balance_every",
         "data.path", "data.num_workers", "data.prefetch", "data.decode",

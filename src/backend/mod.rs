@@ -295,6 +295,15 @@ pub trait Backend: Send + Sync {
     /// `dst[dst_off + i] += weight · (src[src_off + i] − dst[dst_off + i])` for `i < len`, over f32
     /// buffers (torch's `lerp_`: the weight EMA's update, `weight` = 1 − decay).
     fn lerp(&self, dst: &mut Self::Buf, dst_off: usize, src: &Self::Buf, src_off: usize, len: usize, weight: f32) -> BResult<()>;
+    /// `dst[dst_off..][..len] = src[src_off..][..len]` between f32 buffers (ZeRO-3's gathers
+    /// and gradient slot). By default a `lerp` of weight 1, which returns `src` exactly for
+    /// finite values.
+    fn copy_span(&self, dst: &mut Self::Buf, dst_off: usize, src: &Self::Buf, src_off: usize, len: usize) -> BResult<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        self.lerp(dst, dst_off, src, src_off, len, 1.0)
+    }
     /// Pools the token sequence `inp` (B, N, C) into `out` (B, C): token 0 (`avg = false`) or
     /// the mean of tokens `prefix..N` (`avg = true`).
     #[allow(clippy::too_many_arguments)]
@@ -342,6 +351,14 @@ pub trait Backend: Send + Sync {
     #[allow(clippy::too_many_arguments)]
     fn optimizer_step_shard(&self, _state: &mut Self::Buf, _grads: &Self::Buf, _compute: &mut Self::Buf, _pieces: &[ShardPiece], _opt: &OptimizerConfig, _decay: &ParamGroups, _hyper: StepHyper) -> BResult<()> {
         Err(BackendError::Shape { op: "optimizer_step_shard", msg: format!("{} keeps whole master weights (its forward reads them)", self.name()) })
+    }
+    /// ZeRO-3 (partitioned weights): the update of `optimizer_step_pieces`, with each piece's
+    /// f32 weights at `master_off` of `master` (this rank's pieces back to back) instead of in
+    /// a whole `params` buffer; `state_off` is into `state`. Provided where stage 3 runs (the
+    /// CPU).
+    #[allow(clippy::too_many_arguments)]
+    fn optimizer_step_master(&self, _master: &mut Self::Buf, _grads: &Self::Buf, _state: &mut Self::Buf, _pieces: &[ShardPiece], _opt: &OptimizerConfig, _decay: &ParamGroups, _hyper: StepHyper) -> BResult<()> {
+        Err(BackendError::Shape { op: "optimizer_step_master", msg: format!("ZeRO stage 3 is not available on {}", self.name()) })
     }
     /// Peak bytes of device memory this backend has allocated so far, where it counts them
     /// (the CUDA backend); None where memory is the host's (the CPU backend).

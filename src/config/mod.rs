@@ -107,6 +107,7 @@ pub fn resolve(value: &Value, world_size: usize) -> Result<RunConfig> {
         reduce_bucket_size: zero.bucket,
         zero_reduce_scatter: zero.reduce_scatter,
         zero_overlap_comm: zero.overlap_comm,
+        zero3: zero.stage3,
         grad_comm,
         model,
         drop_path_rate,

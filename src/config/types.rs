@@ -546,6 +546,25 @@ impl Balance {
     }
 }
 
+/// `zero_optimization.stage3_*`: how ZeRO stage 3 gathers the partitioned weights
+/// (`model::partition`), with DeepSpeed's defaults.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Stage3Config {
+    /// The next block's gather starts while the current one computes when the block has at
+    /// most this many elements (0: no prefetch).
+    pub prefetch_bucket_size: usize,
+    /// Blocks of at most this many elements stay whole on every rank.
+    pub param_persistence_threshold: usize,
+    /// Gathered elements a rank may hold at once: two blocks' worth allows the prefetch.
+    pub max_live_parameters: usize,
+}
+
+impl Default for Stage3Config {
+    fn default() -> Self {
+        Stage3Config { prefetch_bucket_size: 50_000_000, param_persistence_threshold: 100_000, max_live_parameters: 1_000_000_000 }
+    }
+}
+
 /// A complete, validated run configuration.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RunConfig {
@@ -557,7 +576,7 @@ pub struct RunConfig {
     /// Clip the global gradient norm to this value (0 disables), DeepSpeed `gradient_clipping`.
     pub gradient_clipping: f64,
     pub precision: Precision,
-    /// DeepSpeed `zero_optimization.stage` as it runs: 0, 1 or 2 (a configured 3 runs as 2).
+    /// DeepSpeed `zero_optimization.stage`: 0, 1, 2 or 3.
     pub zero_stage: u8,
     /// `zero_optimization.reduce_bucket_size`: elements per gradient bucket (None = the
     /// default of `train::sync`).
@@ -568,6 +587,8 @@ pub struct RunConfig {
     pub zero_reduce_scatter: bool,
     /// `zero_optimization.overlap_comm`: bucket reductions start during the last backward.
     pub zero_overlap_comm: bool,
+    /// `zero_optimization.stage3_*` (used at stage 3).
+    pub zero3: Stage3Config,
     pub model: ModelConfig,
     /// `model.drop_path_rate`: stochastic depth's probability at the last block (0 = off).
     pub drop_path_rate: f64,

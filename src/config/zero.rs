@@ -1,19 +1,20 @@
-//! DeepSpeed's `zero_optimization` block: the ZeRO stage (0-2; 3 runs as 2) and the gradient
-//! buckets' size and schedule. DeepSpeed's many tuning and offload keys are accepted and
-//! listed in one warning.
+//! DeepSpeed's `zero_optimization` block: the ZeRO stage (0-3), the gradient buckets' size and
+//! schedule, and the `stage3_*` keys that have a meaning for vitscale's stage 3 (prefetch,
+//! persistence, live parameters). DeepSpeed's other tuning and offload keys are accepted and
+//! listed by name in one warning.
 
 use serde_json::{json, Map, Value};
 
 use super::key_def::*;
-use super::types::RunConfig;
+use super::types::{RunConfig, Stage3Config};
 use super::value::*;
 
-pub(super) const ZERO_OPTIMIZATION: KeyDef = key("zero_optimization", Ty::Section, Dflt::Unset, "DeepSpeed ZeRO block: stages 0-2 are honoured (3 runs as 2, warned); see the keys below.");
+pub(super) const ZERO_OPTIMIZATION: KeyDef = key("zero_optimization", Ty::Section, Dflt::Unset, "DeepSpeed ZeRO block: stages 0-3 are honoured (stage 3 on CPU ranks); see the keys below.");
 
 // The stage, the buckets and their schedule leave the reduced gradient, and so the
 // trajectory, as it was (tests/dist_zero.rs): a resume may change them.
 pub(super) const ZERO_STAGE: KeyDef = key("stage", Ty::Int { lo: 0, hi: 3 }, Dflt::Int(0),
-    "0 = plain data parallel, 1 = shard the optimizer state (all-reduced gradients), 2 = + reduce-scatter the gradients so each rank gets only its shard; 3 (partitioned parameters) is not implemented and runs as 2.")
+    "0 = plain data parallel, 1 = shard the optimizer state (all-reduced gradients), 2 = + reduce-scatter the gradients so each rank gets only its shard, 3 = + partition the weights: each block's gathered just before its forward and backward (CPU ranks; refused on the CUDA backend).")
     .resume_free();
 const ZERO_BUCKET: KeyDef = key(
     "reduce_bucket_size",
@@ -38,16 +39,39 @@ const ZERO_ALLGATHER_BUCKET: KeyDef = key(
 .support(Support::Warn);
 const ZERO_CONTIGUOUS: KeyDef = key("contiguous_gradients", Ty::Bool, Dflt::Bool(true), "Gradients always live in one flat contiguous buffer in vitscale.")
     .support(Support::NoEffect);
+// Stage 3's gathers change when the weights travel, never their values: a resume may change them.
+const ZERO3_PREFETCH: KeyDef = key(
+    "stage3_prefetch_bucket_size",
+    NONNEG_INT,
+    Dflt::Int(50_000_000),
+    "Stage 3: the next block's weights are gathered while the current block computes when the block has at most this many elements (0: no prefetch; DeepSpeed's default). Alias: prefetch_bucket_size.",
+)
+.resume_free();
+const ZERO3_PERSIST: KeyDef = key(
+    "stage3_param_persistence_threshold",
+    NONNEG_INT,
+    Dflt::Int(100_000),
+    "Stage 3: a transformer block of at most this many elements stays whole on every rank (gathered once per step, after the update); the embedding and the head always do. Alias: param_persistence_threshold.",
+)
+.resume_free();
+const ZERO3_LIVE: KeyDef = key(
+    "stage3_max_live_parameters",
+    POS_INT,
+    Dflt::Int(1_000_000_000),
+    "Stage 3: gathered elements a rank holds at once; the prefetch needs two blocks' worth (below that one block is gathered at a time). Alias: max_live_parameters.",
+)
+.resume_free();
 /// The `zero_optimization` keys vitscale reads.
-pub(super) const ZERO_KEYS: &[KeyDef] = &[ZERO_STAGE, ZERO_BUCKET, ZERO_REDUCE_SCATTER, ZERO_OVERLAP, ZERO_ALLGATHER_BUCKET, ZERO_CONTIGUOUS];
+pub(super) const ZERO_KEYS: &[KeyDef] = &[ZERO_STAGE, ZERO_BUCKET, ZERO_REDUCE_SCATTER, ZERO_OVERLAP, ZERO_ALLGATHER_BUCKET, ZERO_CONTIGUOUS, ZERO3_PREFETCH, ZERO3_PERSIST, ZERO3_LIVE];
+/// DeepSpeed's unprefixed names of the stage-3 keys (its config accepts both).
+const ZERO3_ALIASES: &[(&str, &KeyDef)] = &[("prefetch_bucket_size", &ZERO3_PREFETCH), ("param_persistence_threshold", &ZERO3_PERSIST), ("max_live_parameters", &ZERO3_LIVE)];
 /// `zero_optimization` tuning keys (DeepSpeed names, current and legacy): accepted, not
 /// implemented; listed in the warnings when present.
 pub(super) const ZERO_TUNING: &[&str] = &[
     "allgather_partitions", "load_from_fp32_weights", "elastic_checkpoint", "offload_param", "offload_optimizer",
     "sub_group_size", "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory", "prefetch_bucket_size",
-    "stage3_prefetch_bucket_size", "param_persistence_threshold", "stage3_param_persistence_threshold",
-    "model_persistence_threshold", "stage3_model_persistence_threshold", "max_live_parameters",
-    "stage3_max_live_parameters", "max_reuse_distance", "stage3_max_reuse_distance",
+    "param_persistence_threshold", "model_persistence_threshold", "stage3_model_persistence_threshold",
+    "max_live_parameters", "max_reuse_distance", "stage3_max_reuse_distance",
     "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
     "stage3_gather_fp16_weights_on_model_save", "ignore_unused_parameters", "legacy_stage1", "round_robin_gradients",
     "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
@@ -65,17 +89,18 @@ pub(super) struct Zero {
     pub(super) bucket: Option<usize>,
     pub(super) reduce_scatter: bool,
     pub(super) overlap_comm: bool,
+    pub(super) stage3: Stage3Config,
 }
 
 /// `zero_optimization`: the stage, the bucket size if given, and the keys of the sharded
 /// update; stage 3 resolves to stage 2 (warned).
 pub(super) fn parse(v: Option<&Value>, cx: &mut Cx) -> Result<Zero> {
     let block = match v {
-        None | Some(Value::Null) => return Ok(Zero { stage: 0, bucket: None, reduce_scatter: true, overlap_comm: true }),
+        None | Some(Value::Null) => return Ok(Zero { stage: 0, bucket: None, reduce_scatter: true, overlap_comm: true, stage3: Stage3Config::default() }),
         // Legacy form: `"zero_optimization": true` meant stage 1.
         Some(Value::Bool(b)) => {
             cx.warn("zero_optimization = true/false is DeepSpeed's deprecated form; use {\"stage\": N}".into());
-            return Ok(Zero { stage: u8::from(*b), bucket: None, reduce_scatter: true, overlap_comm: true });
+            return Ok(Zero { stage: u8::from(*b), bucket: None, reduce_scatter: true, overlap_comm: true, stage3: Stage3Config::default() });
         }
         Some(Value::Object(m)) => m,
         Some(other) => return Err(key_err(ZERO_OPTIMIZATION.name, format!("expected an object, got {}", kind_of(other)))),
@@ -90,17 +115,14 @@ pub(super) fn parse(v: Option<&Value>, cx: &mut Cx) -> Result<Zero> {
     if let Some(n) = opt_int(Some(block), p, &ZERO_ALLGATHER_BUCKET, cx)? {
         cx.warn(format!("zero_optimization.allgather_bucket_size = {n}: the updated weights are all-gathered per reduce bucket (reduce_bucket_size); this value is not used"));
     }
-    // the resolved stage is the one that runs
-    let stage = if stage == 3 {
-        cx.warn("zero_optimization.stage 3: partitioned parameters (ZeRO-3) are not implemented; running stage 2 (optimizer state and gradients partitioned, every rank keeps the whole weights)".into());
-        2
-    } else {
-        stage
-    };
-    // In the file's order, so the warning reads like the config.
+    let stage3 = parse_stage3(block, stage, cx)?;
+    if let (3, Some(n)) = (stage, bucket) {
+        cx.warn(format!("zero_optimization.reduce_bucket_size = {n}: at stage 3 each parameter group (a transformer block, the embedding, the head) is its own bucket, the unit its weights are partitioned and gathered by; not used"));
+    }
+    // In the file's order, so the warning reads like the config (the honoured aliases aside).
     let present: Vec<&str> = block
         .iter()
-        .filter(|(k, v)| ZERO_TUNING.contains(&k.as_str()) && !v.is_null())
+        .filter(|(k, v)| ZERO_TUNING.contains(&k.as_str()) && !ZERO3_ALIASES.iter().any(|(a, _)| a == k) && !v.is_null())
         .map(|(k, _)| k.as_str())
         .collect();
     for off in ["offload_optimizer", "offload_param"] {
@@ -119,7 +141,39 @@ pub(super) fn parse(v: Option<&Value>, cx: &mut Cx) -> Result<Zero> {
             present.join(", ")
         ));
     }
-    Ok(Zero { stage, bucket, reduce_scatter, overlap_comm })
+    Ok(Zero { stage, bucket, reduce_scatter, overlap_comm, stage3 })
+}
+
+/// The `stage3_*` keys (or DeepSpeed's unprefixed aliases; "auto", as the Hugging Face
+/// integration writes, keeps the default). Below stage 3 they have no effect: warned by name.
+fn parse_stage3(block: &Map<String, Value>, stage: u8, cx: &mut Cx) -> Result<Stage3Config> {
+    let p = ZERO_OPTIMIZATION.name;
+    let mut vals = [0usize; 3];
+    let mut given = Vec::new();
+    for (i, def) in [&ZERO3_PREFETCH, &ZERO3_PERSIST, &ZERO3_LIVE].into_iter().enumerate() {
+        let alias = ZERO3_ALIASES.iter().find(|(_, d)| d.name == def.name).map(|(a, _)| *a).unwrap_or(def.name);
+        let name = match (block.get(def.name).filter(|v| !v.is_null()), block.get(alias).filter(|v| !v.is_null())) {
+            (Some(_), Some(_)) => return Err(key_err(format!("{p}.{}", def.name), format!("given twice (also as {alias})"))),
+            (Some(_), None) => def.name,
+            (None, Some(_)) => alias,
+            (None, None) => "",
+        };
+        let v = block.get(name);
+        vals[i] = match v {
+            None => get_int(None, p, def, cx)? as usize,
+            Some(Value::String(a)) if a == "auto" => get_int(None, p, def, cx)? as usize,
+            Some(v) => {
+                given.push(name);
+                let mut one = Map::new();
+                one.insert(def.name.to_string(), v.clone());
+                get_int(Some(&one), p, def, cx)? as usize
+            }
+        };
+    }
+    if stage < 3 && !given.is_empty() {
+        cx.warn(format!("zero_optimization: {} only apply at stage 3 (this run is stage {stage}); not used", given.join(", ")));
+    }
+    Ok(Stage3Config { prefetch_bucket_size: vals[0], param_persistence_threshold: vals[1], max_live_parameters: vals[2] })
 }
 
 /// The stage that runs and the bucket schedule; the bucket size only when given (absent
@@ -131,6 +185,12 @@ pub(super) fn write(cfg: &RunConfig) -> Value {
     put(&mut block, &ZERO_OVERLAP, json!(cfg.zero_overlap_comm));
     if let Some(n) = cfg.reduce_bucket_size {
         put(&mut block, &ZERO_BUCKET, json!(n));
+    }
+    let (z, d) = (cfg.zero3, Stage3Config::default());
+    for (def, v, dv) in [(&ZERO3_PREFETCH, z.prefetch_bucket_size, d.prefetch_bucket_size), (&ZERO3_PERSIST, z.param_persistence_threshold, d.param_persistence_threshold), (&ZERO3_LIVE, z.max_live_parameters, d.max_live_parameters)] {
+        if v != dv {
+            put(&mut block, def, json!(v));
+        }
     }
     Value::Object(block)
 }

@@ -7,6 +7,7 @@
 pub mod drop_path;
 pub mod init;
 pub mod params;
+pub mod partition;
 pub mod resample;
 pub mod seq_parallel;
 pub mod spec;

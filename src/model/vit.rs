@@ -14,6 +14,12 @@
 //! the group (the gradient all-reduce over every rank) is the whole image's gradient. Parameter gradients accumulate into `grads` (so micro-batches of a
 //! gradient-accumulation window add up), activation gradients overwrite.
 //!
+//! Under ZeRO-3 (`partition`, set by `Vit::partition`) the whole weights are not kept: each
+//! layer reads its parameter group's weights at offset 0 of the group's own buffer (a gather
+//! slot for a partitioned block, filled just before the block runs, the next block's gather
+//! started meanwhile), and the backward writes each group's gradients through a slot of the
+//! same layout into the flat gradient buffer.
+//!
 //! Memory policy (`Recompute`): the LayerNorm outputs and the GELU output are cheap to
 //! regenerate from what is kept anyway (the block input, the saved mean/rstd, the GELU's
 //! pre-activation). When recomputing, one shared buffer of each replaces the per-block copies
@@ -22,7 +28,8 @@
 use crate::backend::{BResult, Backend, GeluSaved, Span};
 
 use super::drop_path::BranchScales;
-use super::params::{BlockSpans, ParamTable};
+use super::params::{BlockSpans, ModelSpans, ParamTable};
+use super::partition::Partition;
 use super::seq_parallel::SeqParallel;
 use super::spec::{GlobalPool, ModelConfig};
 
@@ -533,6 +540,8 @@ pub struct Vit<B: Backend> {
     dropped_forward: bool,
     /// This rank's sequence-parallel group (`set_sequence_parallel`); None: whole images.
     sp: Option<SeqParallel<B>>,
+    /// ZeRO-3: this rank's share of the weights, the rest gathered per block (`partition`).
+    part: Option<Partition<B>>,
 }
 
 impl<B: Backend> Vit<B> {
@@ -554,7 +563,7 @@ impl<B: Backend> Vit<B> {
         let params = be.alloc_f32(table.total)?;
         let grads = be.alloc_f32(grads_len)?;
         let compute = if be.needs_compute_copy() { Some(be.alloc(table.total)?) } else { None };
-        Ok(Vit { cfg, table, params, master_released: false, pending_weights: Vec::new(), compute, grads, acts: None, recompute: Recompute::Auto, unread_inputs: None, pending_backward: 0, class_token_tail: true, drop: None, dropped_forward: false, sp: None })
+        Ok(Vit { cfg, table, params, master_released: false, pending_weights: Vec::new(), compute, grads, acts: None, recompute: Recompute::Auto, unread_inputs: None, pending_backward: 0, class_token_tail: true, drop: None, dropped_forward: false, sp: None, part: None })
     }
 
     /// Replaces all weights from a host vector in table layout.
@@ -580,6 +589,37 @@ impl<B: Backend> Vit<B> {
         self.params = be.alloc_f32(1)?;
         self.master_released = true;
         Ok(())
+    }
+
+    /// ZeRO-3: hands the whole f32 weights over to `part` (this rank's pieces and the resident
+    /// groups cut from them), then frees them; from now on the forward and backward gather
+    /// each partitioned block's weights as they reach it. Only where the forward reads the
+    /// f32 weights (the CPU) and without sequence parallelism.
+    pub fn partition(&mut self, be: &B, mut part: Partition<B>) -> BResult<()> {
+        if self.compute.is_some() || self.sp.is_some() {
+            return Err(crate::backend::BackendError::Shape { op: "partition", msg: "partitioned weights need a forward that reads the f32 weights and whole images".into() });
+        }
+        self.check_master("partition")?;
+        part.seed(be, &be.download(&self.params)?)?;
+        self.params = be.alloc_f32(1)?;
+        self.master_released = true;
+        self.part = Some(part);
+        Ok(())
+    }
+
+    /// The ZeRO-3 partition, where the weights are partitioned.
+    pub fn partitioned(&self) -> Option<&Partition<B>> {
+        self.part.as_ref()
+    }
+
+    pub fn partitioned_mut(&mut self) -> Option<&mut Partition<B>> {
+        self.part.as_mut()
+    }
+
+    /// The partition's own weights and the gradients (the ZeRO-3 update reads one, writes the
+    /// other).
+    pub fn partition_and_grads(&mut self) -> Option<(&mut Partition<B>, &B::Buf)> {
+        self.part.as_mut().map(|p| (p, &self.grads))
     }
 
     /// `span` of the compute copy is being written by a transfer still in flight: the next
@@ -794,6 +834,10 @@ impl<B: Backend> Vit<B> {
         };
         let embed_end = t.blocks.first().map_or(t.final_norm_w.off, |blk| blk.norm1_w.off);
         let w = self.compute.as_ref().unwrap_or(&self.params);
+        // ZeRO-3: each group's weights at offset 0 of its own buffer (`model::partition`)
+        let mut part = self.part.as_mut();
+        let local: Option<ModelSpans> = part.as_ref().map(|p| p.spans.clone());
+        let ts = local.as_ref().unwrap_or(t);
         let a = self.acts.as_mut().ok_or_else(|| crate::backend::BackendError::Device("activations missing".into()))?;
         // stochastic depth scales the residual branches of training passes only
         let mut drop = self.drop.as_mut().filter(|_| dloss_scale.is_some());
@@ -804,15 +848,19 @@ impl<B: Backend> Vit<B> {
 
         // ---- embedding: patches → tokens
         arrive(Span { off: 0, len: embed_end })?;
+        let we = match part.as_deref() {
+            Some(p) => p.weights(0)?,
+            None => w,
+        };
         be.patchify(&mut a.patches, &a.img, b, m.in_chans, m.image_size, m.patch_size)?;
-        be.matmul_forward(&mut a.patch_emb, None, &a.patches, w, t.patch_w, Some(t.patch_b), b * np, m.patch_dim(), c)?;
+        be.matmul_forward(&mut a.patch_emb, None, &a.patches, we, t.patch_w, Some(t.patch_b), b * np, m.patch_dim(), c)?;
         match (sp.as_deref_mut(), a.sp.as_mut()) {
             // the whole image's tokens, then this rank's of them
             (Some(p), Some(x)) => {
-                be.embed_forward(&mut x.full, &a.patch_emb, w, t.pos_embed, t.cls_token, b, np, c)?;
+                be.embed_forward(&mut x.full, &a.patch_emb, we, t.pos_embed, t.cls_token, b, np, c)?;
                 p.take_tokens(be, &mut a.x0, &x.full, b, n, c)?;
             }
-            _ => be.embed_forward(&mut a.x0, &a.patch_emb, w, t.pos_embed, t.cls_token, b, np, c)?,
+            _ => be.embed_forward(&mut a.x0, &a.patch_emb, we, t.pos_embed, t.cls_token, b, np, c)?,
         }
 
         // ---- transformer blocks: x → x1 = x + proj(attn(ln1(x))) → x2 = x1 + mlp(ln2(x1))
@@ -821,6 +869,15 @@ impl<B: Backend> Vit<B> {
         for i in 0..m.depth {
             let s = &t.blocks[i];
             arrive(Span { off: s.norm1_w.off, len: s.fc2_b.off + s.fc2_b.len - s.norm1_w.off })?;
+            // ZeRO-3: this block's weights gathered (or waited for), the next one's started
+            let wb = match part.as_deref_mut() {
+                Some(p) => {
+                    let g = p.forward_block(be, i)?;
+                    p.weights(g)?
+                }
+                None => w,
+            };
+            let s = &ts.blocks[i];
             let (prev, rest) = a.outputs.split_at_mut(i);
             let x = if i == 0 { &a.x0 } else { &prev[i - 1] };
             let blk = &mut a.blocks[if a.checkpointing { 0 } else { i }];
@@ -828,7 +885,7 @@ impl<B: Backend> Vit<B> {
             // this block's branch factors, when it can drop anything
             let dp = drop.as_deref_mut().filter(|d| d.active[i]);
             let spp = sp.as_deref_mut().zip(a.sp.as_mut());
-            block_forward(be, m, (s, w), (i, b, tail && i + 1 == m.depth), io, blk, a.regen.as_mut(), gelu_saved, dp, spp)?;
+            block_forward(be, m, (s, wb), (i, b, tail && i + 1 == m.depth), io, blk, a.regen.as_mut(), gelu_saved, dp, spp)?;
         }
         let x_last = a.outputs.last().unwrap_or(&a.x0);
 
@@ -849,8 +906,12 @@ impl<B: Backend> Vit<B> {
             Some(p) => p.pool_forward(be, &mut a.pooled_raw, x_last, b, n, c, prefix, avg)?,
             None => be.pool_forward(&mut a.pooled_raw, x_last, b, n_out, c, prefix, avg)?,
         }
-        be.layernorm_forward(&mut a.pooled, &mut a.final_mean, &mut a.final_rstd, &a.pooled_raw, w, t.final_norm_w, t.final_norm_b, b, c)?;
-        be.matmul_forward(&mut a.logits, None, &a.pooled, w, t.head_w, Some(t.head_b), b, c, k)?;
+        let wh = match part.as_deref() {
+            Some(p) => p.weights(m.depth + 1)?,
+            None => w,
+        };
+        be.layernorm_forward(&mut a.pooled, &mut a.final_mean, &mut a.final_rstd, &a.pooled_raw, wh, ts.final_norm_w, ts.final_norm_b, b, c)?;
+        be.matmul_forward(&mut a.logits, None, &a.pooled, wh, ts.head_w, Some(ts.head_b), b, c, k)?;
 
         // ---- loss (and its gradient, when a backward follows)
         let dl = dloss_scale.map(|_| &mut a.dlogits);
@@ -929,6 +990,13 @@ impl<B: Backend> Vit<B> {
         let tail = self.tail_on_class_token();
         let mut sp = self.sp.as_mut();
         let g = &mut self.grads;
+        // ZeRO-3: each group's weights, and its gradients in the gradient slot, at offset 0
+        // (the slot takes the group's accumulated gradients in and gives them back, so the
+        // sums are stage 0's); no LayerNorm backward sums another group's bias gradient
+        let mut part = self.part.as_mut();
+        let local: Option<ModelSpans> = part.as_ref().map(|p| p.spans.clone());
+        let ts = local.as_ref().unwrap_or(t);
+        let partitioned = part.is_some();
         let a = self.acts.as_mut().ok_or_else(|| crate::backend::BackendError::Device("activations missing".into()))?;
         let prefix = m.num_prefix_tokens();
         // the forward's stochastic depth: a scaled branch's bias gradient is summed from its
@@ -937,15 +1005,24 @@ impl<B: Backend> Vit<B> {
         let dropping: Vec<bool> = (0..m.depth).map(|i| drop.as_ref().is_some_and(|d| d.active[i])).collect();
 
         // ---- head, pooling, final norm → residual-stream gradient of the last block (dres_a)
-        be.matmul_backward(&mut a.dpooled, g, &a.dlogits, &a.pooled, None, w, t.head_w, Some(t.head_b), b, c, k)?;
+        let head = Span { off: t.final_norm_w.off, len: self.table.total - t.final_norm_w.off };
+        let (wh, gh) = match part.as_deref_mut() {
+            Some(p) => {
+                let (wb, gs) = p.weights_and_grad_slot(m.depth + 1)?;
+                be.copy_span(gs, 0, g, head.off, head.len)?;
+                (wb, gs)
+            }
+            None => (w, &mut *g),
+        };
+        be.matmul_backward(&mut a.dpooled, gh, &a.dlogits, &a.pooled, None, wh, ts.head_w, Some(ts.head_b), b, c, k)?;
         // The final norm's backward also sums its input gradient into the last fc2's bias
         // gradient: the pool's backward spreads dpooled_raw over the tokens without changing its
         // column sums (the class token's row, or N − prefix rows of 1/(N − prefix) each).
         // `fc2_bias_summed`: the block about to be differentiated has its fc2 bias gradient.
         // (not under sequence parallelism: each rank's pool backward spreads a part of it)
-        let last_fc2_b = t.blocks.last().map(|s| s.fc2_b).filter(|_| !dropping[m.depth - 1] && sp.is_none());
+        let last_fc2_b = t.blocks.last().map(|s| s.fc2_b).filter(|_| !dropping[m.depth - 1] && sp.is_none() && !partitioned);
         let avg = m.global_pool == GlobalPool::Avg;
-        be.layernorm_backward(&mut a.dpooled_raw, g, &a.dpooled, None, &a.pooled_raw, &a.final_mean, &a.final_rstd, w, t.final_norm_w, t.final_norm_b, b, c, last_fc2_b)?;
+        be.layernorm_backward(&mut a.dpooled_raw, gh, &a.dpooled, None, &a.pooled_raw, &a.final_mean, &a.final_rstd, wh, ts.final_norm_w, ts.final_norm_b, b, c, last_fc2_b)?;
         let n_out = if tail { 1 } else { n };
         match sp.as_deref_mut() {
             Some(p) => {
@@ -956,11 +1033,14 @@ impl<B: Backend> Vit<B> {
                     be.defer_gradient_sums(false)?;
                     be.defer_gradient_sums(true)?;
                     for s in [t.final_norm_w, t.final_norm_b, t.head_w, t.head_b] {
-                        be.upload(g, s.off, &vec![0.0; s.len])?;
+                        be.upload(gh, s.off, &vec![0.0; s.len])?;
                     }
                 }
             }
             None => be.pool_backward(&mut a.dres_a, &a.dpooled_raw, b, n_out, c, prefix, avg)?,
+        }
+        if let Some(p) = part.as_deref() {
+            be.copy_span(g, head.off, &p.grad_slot, 0, head.len)?;
         }
         let mut fc2_bias_summed = last_fc2_b.is_some();
         report(g, 0)?;
@@ -969,15 +1049,33 @@ impl<B: Backend> Vit<B> {
         for i in (0..m.depth).rev() {
             // a block's fc2 bias gradient is summed by the LayerNorm backward that follows
             // the block after it (or the final norm's), unless a branch factor scales it
-            let prev_fc2_b = i.checked_sub(1).filter(|&p| !dropping[p]).map(|p| t.blocks[p].fc2_b);
-            let bias = BiasSums { fc2: (!fc2_bias_summed).then_some(t.blocks[i].fc2_b), proj_in_ln2: !dropping[i], prev_fc2: prev_fc2_b };
+            let prev_fc2_b = i.checked_sub(1).filter(|&p| !dropping[p] && !partitioned).map(|p| t.blocks[p].fc2_b);
+            let bias = BiasSums { fc2: (!fc2_bias_summed).then_some(ts.blocks[i].fc2_b), proj_in_ln2: !dropping[i], prev_fc2: prev_fc2_b };
             let dp = drop.as_deref_mut().filter(|d| d.active[i]);
-            block_backward(be, m, (&t.blocks[i], w), g, a, (i, b, tail && i + 1 == m.depth), bias, dp, sp.as_deref_mut())?;
+            let cx = (i, b, tail && i + 1 == m.depth);
+            match part.as_deref_mut() {
+                Some(p) => {
+                    // this block's weights (still in a slot from the forward, or gathered
+                    // again), the one before it started
+                    let grp = p.backward_block(be, i)?;
+                    let span = p.groups[grp].span;
+                    let (wb, gs) = p.weights_and_grad_slot(grp)?;
+                    be.copy_span(gs, 0, g, span.off, span.len)?;
+                    block_backward(be, m, (&ts.blocks[i], wb), gs, a, cx, bias, dp, sp.as_deref_mut())?;
+                    be.copy_span(g, span.off, gs, 0, span.len)?;
+                }
+                None => block_backward(be, m, (&t.blocks[i], w), g, a, cx, bias, dp, sp.as_deref_mut())?,
+            }
             fc2_bias_summed = prev_fc2_b.is_some();
             report(g, m.depth - i)?;
         }
 
-        // ---- embedding
+        // ---- embedding (its spans start at 0 in the partition too, so its gradients go
+        // straight into the flat buffer)
+        let w = match part.as_deref() {
+            Some(p) => p.weights(0)?,
+            None => w,
+        };
         match (sp, a.sp.as_mut()) {
             // this rank's rows of the whole image's gradient (zeros in the others'): the
             // position embedding, class token and patch embedding gradients of its tokens

@@ -51,6 +51,7 @@ pub fn scenario(cfg: &RunConfig, plan: &Plan) -> Scenario {
     let world = plan.world_size;
     let mut s = Scenario::new(plan.micro_batch, plan.gradient_accumulation_steps);
     s.zero_stage = plan.zero.stage;
+    s.stage3 = cfg.zero3;
     s.reduce_scatter = plan.zero.reduce_scatter;
     s.bucket_elems = plan.zero.bucket_elems;
     s.overlap = plan.zero.overlap_comm;

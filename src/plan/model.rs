@@ -7,6 +7,7 @@
 //!      + exposed communication                   buckets on the last backward's timeline,
 //!                                                and the wait for the slowest of N ranks
 //!      + optimizer                               stage 0: whole; stage ≥ 1: 1/N + all-gather
+//!      + stage 3's weight gathers                every pass, less what the prefetch hides
 //!      + exposed data                            loader time not hidden behind compute
 //! ```
 //!
@@ -201,8 +202,11 @@ impl Network {
 pub struct Scenario {
     pub micro: usize,
     pub gas: usize,
-    /// 0, 1 or 2.
+    /// 0, 1, 2 or 3.
     pub zero_stage: u8,
+    /// Stage 3's gathers: which blocks are partitioned and whether the next is prefetched
+    /// (`zero_optimization.stage3_*`).
+    pub stage3: crate::config::Stage3Config,
     /// Stage 2 reduce-scatters its buckets (`zero_optimization.reduce_scatter`).
     pub reduce_scatter: bool,
     /// `reduce_bucket_size` in elements.
@@ -230,6 +234,7 @@ impl Scenario {
             micro,
             gas,
             zero_stage: 0,
+            stage3: crate::config::Stage3Config::default(),
             reduce_scatter: true,
             bucket_elems: crate::train::sync::DEFAULT_BUCKET_ELEMS,
             overlap: true,
@@ -369,7 +374,8 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
         acc += g * k;
         done.push(acc);
     }
-    let plan = BucketPlan::for_bucket_size(groups, s.bucket_elems.max(1))?;
+    // (stage 3: one bucket per parameter group, the unit of its partition)
+    let plan = if s.zero_stage >= 3 { BucketPlan::new(groups, 1, 1)? } else { BucketPlan::for_bucket_size(groups, s.bucket_elems.max(1))? };
     let grad_bytes = if s.comm_bf16 { 2.0 } else { 4.0 };
     let scatters = s.zero_stage >= 2 && s.reduce_scatter;
     let bucket_time = |i: usize| -> Result<(f64, f64), String> {
@@ -397,8 +403,14 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
     // collective finishes with the last of `world` ranks
     let straggle = t.pass_spread_s * k * (s.gas as f64).sqrt() * expected_max_normal(world);
     let exposed = exposed + straggle;
-    let comm_total: f64 = buckets.iter().map(|b| b.end_s - b.start_s).sum();
+    let mut comm_total: f64 = buckets.iter().map(|b| b.end_s - b.start_s).sum();
     let mut bytes: f64 = buckets.iter().map(|b| b.bytes).sum();
+    // stage 3: the partitioned blocks' gathers of every pass, each hidden behind the block
+    // before it where prefetched (`model::partition`)
+    let (gather_exposed, gather_total, gather_bytes) = if s.zero_stage >= 3 && world > 1 { stage3_gathers(groups, &t.backward_groups_s, fwd, s, net, k)? } else { (0.0, 0.0, 0.0) };
+    let exposed = exposed + gather_exposed;
+    comm_total += gather_total;
+    bytes += gather_bytes;
     // the optimizer: whole at stage 0, this rank's shard at stage ≥ 1, then the gradient
     // norm's all-reduce and the updated weights gathered bucket by bucket: on a GPU the
     // compute copy (`compute_bytes` a value, the master weights stay sharded) behind the next
@@ -408,7 +420,9 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
         let gpu = profile.device_kind != "cpu";
         let value_bytes = if gpu { profile.compute_bytes } else { 4.0 };
         let mut gathers = Vec::with_capacity(plan.buckets.len());
-        for b in &plan.buckets {
+        // (stage 3 gathers the resident groups after the update; the blocks in the passes)
+        let resident = |i: usize| s.zero_stage < 3 || i == 0 || i + 1 == plan.buckets.len() || plan.buckets[i].span.len <= s.stage3.param_persistence_threshold;
+        for (_, b) in plan.buckets.iter().enumerate().filter(|(i, _)| resident(*i)) {
             let cut = (b.span.len - b.span.len % world) as f64 * value_bytes;
             gathers.push(net.time(Op::AllGather, cut)?);
             bytes += cut;
@@ -463,6 +477,40 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
         rank_micro,
         notes,
     })
+}
+
+/// ZeRO-3's weight gathers over one step of `s`: (exposed seconds, seconds on the wire,
+/// bytes). `groups` in backward order (head, blocks last to first, embedding) with their
+/// backward seconds; each block's forward is taken as the forward's share in proportion to
+/// its backward. The schedule of `model::partition`: the first forward of a step gathers
+/// every partitioned block, each backward and later forward all but the blocks still in the
+/// slots (two with the prefetch, one without). Prefetched, a gather waits only for what the
+/// block before it does not cover; otherwise it is exposed whole.
+fn stage3_gathers(groups: &[Span], backward_groups_s: &[f64], fwd: f64, s: &Scenario, net: &Network, k: f64) -> Result<(f64, f64, f64), String> {
+    let world = net.world();
+    let z = &s.stage3;
+    let blocks: Vec<(usize, f64)> = (1..groups.len().saturating_sub(1)).filter(|&i| groups[i].len > z.param_persistence_threshold).map(|i| (groups[i].len, backward_groups_s[i] * k)).collect();
+    let Some(largest) = blocks.iter().map(|b| b.0).max() else { return Ok((0.0, 0.0, 0.0)) };
+    let prefetch = largest <= z.prefetch_bucket_size && 2 * largest <= z.max_live_parameters;
+    let bwd_sum: f64 = backward_groups_s.iter().sum::<f64>() * k;
+    let fwd_of = |b: f64| if bwd_sum > 0.0 { fwd * b / bwd_sum } else { 0.0 };
+    let kept = if prefetch { 2 } else { 1 };
+    let (mut exposed, mut total, mut bytes) = (0.0, 0.0, 0.0);
+    for pass in 0..2 * s.gas {
+        // the first forward gathers every block; each later pass all but those still in a slot
+        let skip = if pass == 0 { 0 } else { kept.min(blocks.len()) };
+        let gathered: Vec<&(usize, f64)> = blocks.iter().skip(skip).collect();
+        for (j, &&(len, bwd_s)) in gathered.iter().enumerate() {
+            let cut = (len - len % world) as f64 * 4.0;
+            let g = net.time(Op::AllGather, cut)?;
+            total += g;
+            bytes += cut;
+            // what the previous block of the pass computes while this gather runs
+            let cover = if pass % 2 == 0 { fwd_of(bwd_s) } else { bwd_s };
+            exposed += if prefetch && j > 0 { (g - cover).max(0.0) } else { g };
+        }
+    }
+    Ok((exposed, total, bytes))
 }
 
 /// The factor on the profile's compute for one of `k` ranks sharing a device. A GPU (or an
@@ -665,6 +713,31 @@ mod tests {
         // one rank per GPU overlaps again
         let own = predict(&p, &groups, &buckets, &net).expect("own");
         assert!(own.buckets.len() > 2 && own.comm_exposed_s < own.comm_total_s);
+    }
+
+    /// ZeRO-3 adds the blocks' gathers of every pass (the first forward of a step all of them,
+    /// every later pass all but the two still in the slots), reduce-scatters one bucket per
+    /// group, and gathers only the resident groups after the update; the prefetch hides
+    /// gathers behind compute, and blocks kept whole gather nothing in the passes.
+    #[test]
+    fn zero_3_gathers_every_pass_and_the_prefetch_hides_them() {
+        let p = toy_profile();
+        let groups = crate::plan::groups(&p);
+        let net = two_ranks(ab(10.0, 1.0));
+        let all = crate::config::Stage3Config { param_persistence_threshold: 0, ..Default::default() };
+        let z2 = predict(&p, &groups, &Scenario { zero_stage: 2, bucket_elems: 1, ..Scenario::new(8, 2) }, &net).expect("stage 2");
+        let z3 = predict(&p, &groups, &Scenario { zero_stage: 3, stage3: all, ..Scenario::new(8, 2) }, &net).expect("stage 3");
+        let d = groups.len() - 2;
+        let block = groups[1].len;
+        // 4 passes (GAS 2): d + 3·(d − 2) block gathers, less stage 2's gather of the blocks after the update
+        let gathers = (d + 3 * (d - 2)) as f64 * (block - block % 2) as f64 * 4.0;
+        let blocks_after_update: f64 = groups[1..groups.len() - 1].iter().map(|g| (g.len - g.len % 2) as f64 * 4.0).sum();
+        assert!((z3.comm_bytes_per_step - z2.comm_bytes_per_step - gathers + blocks_after_update).abs() < 1.0, "{} vs {}", z3.comm_bytes_per_step, z2.comm_bytes_per_step);
+        assert!(z3.step_s > z2.step_s);
+        let serial = predict(&p, &groups, &Scenario { zero_stage: 3, stage3: crate::config::Stage3Config { prefetch_bucket_size: 0, ..all }, ..Scenario::new(8, 2) }, &net).expect("no prefetch");
+        assert!(serial.comm_exposed_s > z3.comm_exposed_s, "{} vs {}", serial.comm_exposed_s, z3.comm_exposed_s);
+        let resident = predict(&p, &groups, &Scenario { zero_stage: 3, ..Scenario::new(8, 2) }, &net).expect("resident");
+        assert!((resident.comm_bytes_per_step - z2.comm_bytes_per_step).abs() < 1.0, "{} vs {}", resident.comm_bytes_per_step, z2.comm_bytes_per_step);
     }
 
     /// On a GPU, ZeRO gathers the compute copy (2 bytes a value) behind the next forward; on

@@ -4,7 +4,8 @@
 //!
 //! Each rank averages the weights it updates: the whole flat buffer where the rank keeps whole
 //! master weights (one rank, ZeRO on the CPU, stage 0 on a GPU), or only its own pieces where
-//! ZeRO shards the master weights (GPU ranks: `ZeroLayout::master_shard`), so the average costs
+//! ZeRO shards the master weights (GPU ranks: `ZeroLayout::master_shard`; stage 3: the
+//! partition's own pieces, `model::partition`), so the average costs
 //! each rank what its master weights cost. Every rank's average is of identical weights, so the
 //! pieces put together are the one-rank average. Evaluating or saving it gathers the pieces (a
 //! collective) and runs a model of its own, leaving the training model untouched.
@@ -26,20 +27,23 @@ pub struct Ema<B: Backend> {
     /// Under a master shard, the offset of the owned master weights in the optimizer's compact
     /// buffer (`ZeroLayout::state_len`); None when the source is the model's whole `params`.
     shard_master_off: Option<usize>,
+    /// ZeRO-3: the source is the model's partition (`Partition::owned`, laid out as `buf`).
+    partitioned: bool,
 }
 
 impl<B: Backend> Ema<B> {
     /// An average starting at `weights` (whole, `table.total` values): the training model's
     /// current weights, or a checkpoint's average.
     pub fn new(be: &B, cfg: EmaConfig, weights: &[f32], zero: Option<&ZeroLayout>) -> Result<Self, TrainError> {
-        let sharded = zero.filter(|z| z.master_shard);
+        let sharded = zero.filter(|z| z.master_shard || z.stage == 3);
         let own: Vec<f32> = match sharded {
             Some(z) => z.shard_master(weights)?,
             None => weights.to_vec(),
         };
         let mut buf = be.alloc_f32(own.len().max(1))?;
         be.upload(&mut buf, 0, &own)?;
-        Ok(Ema { cfg, buf, shard_master_off: sharded.map(|z| z.state_len) })
+        let partitioned = sharded.is_some_and(|z| z.stage == 3);
+        Ok(Ema { cfg, buf, shard_master_off: sharded.filter(|_| !partitioned).map(|z| z.state_len), partitioned })
     }
 
     /// The update after optimizer step `step` (1-based count of updates), from the weights that
@@ -47,26 +51,28 @@ impl<B: Backend> Ema<B> {
     pub fn update(&mut self, be: &B, step: u64, vit: &Vit<B>, opt_state: &B::Buf) -> Result<(), TrainError> {
         let weight = (1.0 - self.cfg.decay_at(step)) as f32;
         let len = be.len(&self.buf);
-        match self.shard_master_off {
-            Some(off) => be.lerp(&mut self.buf, 0, opt_state, off, len, weight)?,
-            None => be.lerp(&mut self.buf, 0, &vit.params, 0, len, weight)?,
+        match (self.shard_master_off, vit.partitioned().filter(|_| self.partitioned)) {
+            (_, Some(p)) => be.lerp(&mut self.buf, 0, &p.owned, 0, len, weight)?,
+            (Some(off), None) => be.lerp(&mut self.buf, 0, opt_state, off, len, weight)?,
+            (None, None) if self.partitioned => return Err(TrainError::Config("the weight EMA follows partitioned weights the model does not have".into())),
+            (None, None) => be.lerp(&mut self.buf, 0, &vit.params, 0, len, weight)?,
         }
         Ok(())
     }
 
     /// Whether each rank holds only its pieces of the average (gathering it is a collective).
     pub fn is_sharded(&self) -> bool {
-        self.shard_master_off.is_some()
+        self.shard_master_off.is_some() || self.partitioned
     }
 
     /// The whole average on the host: every rank's pieces gathered under a master shard (a
     /// collective: every rank calls it at the same point).
     pub fn full(&self, be: &B, comm: &mut dyn Comm<B::Buf>, zero: Option<&ZeroLayout>) -> Result<Vec<f32>, TrainError> {
         let own = be.download(&self.buf)?;
-        match (self.shard_master_off, zero) {
-            (Some(_), Some(z)) => z.gather_owned(be, comm, &own),
-            (Some(_), None) => Err(TrainError::Config("the weight EMA is sharded but the run has no ZeRO layout".into())),
-            (None, _) => Ok(own),
+        match (self.is_sharded(), zero) {
+            (true, Some(z)) => z.gather_owned(be, comm, &own),
+            (true, None) => Err(TrainError::Config("the weight EMA is sharded but the run has no ZeRO layout".into())),
+            (false, _) => Ok(own),
         }
     }
 }

@@ -45,7 +45,15 @@ pub fn evaluate_with<B: Backend>(
     // a sequence-parallel group runs the same batches (each rank its tokens of them)
     let sp = vit.sequence_parallel().map_or(1, |(_, size)| size);
     let loader = eval_loader(set, cfg, batch, comm.rank() / sp, comm.world_size() / sp)?;
-    evaluate_from(be, vit, set.len(), loader, comm)
+    let rounds = eval_rounds(set.len(), cfg, batch, comm.world_size() / sp);
+    evaluate_rounds(be, vit, set.len(), loader, rounds, comm)
+}
+
+/// The most batches any of `world` ranks runs in an evaluation of `n` images (`eval_loader`'s
+/// split): rank 0's.
+pub fn eval_rounds(n: usize, cfg: &RunConfig, batch: usize, world: usize) -> usize {
+    let batch = batch.clamp(1, plan::pass_images_cap(cfg.train.pass_images));
+    n.div_ceil(batch).div_ceil(world.max(1))
 }
 
 /// The loader of rank `rank`'s evaluation batches of `set` (batch `i` of the split is rank
@@ -60,11 +68,24 @@ pub fn eval_loader(set: &Arc<ImageSet>, cfg: &RunConfig, batch: usize, rank: usi
 }
 
 /// [`evaluate_with`] on the batches of `loader` (from [`eval_loader`] for this rank of `comm`,
-/// over a split of `n` images).
-pub fn evaluate_from<B: Backend>(be: &B, vit: &mut Vit<B>, n: usize, mut loader: Loader, comm: &mut dyn Comm<B::Buf>) -> Result<EvalSummary, TrainError> {
+/// over a split of `n` images). A model with partitioned weights (ZeRO-3) over several ranks
+/// needs `evaluate_rounds`.
+pub fn evaluate_from<B: Backend>(be: &B, vit: &mut Vit<B>, n: usize, loader: Loader, comm: &mut dyn Comm<B::Buf>) -> Result<EvalSummary, TrainError> {
+    if vit.partitioned().is_some() && comm.world_size() > 1 {
+        return Err(TrainError::Config("evaluating partitioned weights (ZeRO-3) over several ranks needs the most batches a rank runs: evaluate_rounds".into()));
+    }
+    evaluate_rounds(be, vit, n, loader, 0, comm)
+}
+
+/// [`evaluate_from`] where `rounds` is the most batches a rank runs (`eval_rounds`): under
+/// ZeRO-3 a rank with fewer runs the rest of the forwards' weight gathers idle, so every
+/// rank's gathers pair up.
+pub fn evaluate_rounds<B: Backend>(be: &B, vit: &mut Vit<B>, n: usize, mut loader: Loader, rounds: usize, comm: &mut dyn Comm<B::Buf>) -> Result<EvalSummary, TrainError> {
     let k = vit.cfg.num_classes;
     let (mut loss_sum, mut correct) = (0.0f64, 0usize);
+    let mut ran = 0;
     while let Some(prepared) = loader.next() {
+        ran += 1;
         let batch_data = prepared?.batch;
         let b = batch_data.len();
         let targets = smoothed_targets(&batch_data.labels, k, 0.0);
@@ -83,6 +104,11 @@ pub fn evaluate_from<B: Backend>(be: &B, vit: &mut Vit<B>, n: usize, mut loader:
             correct += usize::from(pred == label as usize);
         }
         loader.recycle(batch_data);
+    }
+    if let Some(p) = vit.partitioned_mut() {
+        p.idle_forwards(be, rounds.saturating_sub(ran))?;
+        // (the evaluation's gathers are no step's traffic)
+        p.take_gathered();
     }
     let mut sums = [loss_sum, correct as f64];
     // every rank of a sequence-parallel group computed the same losses: rank 0 of it counts them

@@ -15,7 +15,7 @@
 use serde::Serialize;
 
 use crate::backend::{optimizer_state_len, Backend};
-use crate::config::{DatasetKind, RunConfig};
+use crate::config::{DatasetKind, RunConfig, Stage3Config};
 use crate::model::{ModelConfig, Vit};
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -63,13 +63,37 @@ pub struct Limit {
 
 /// Bytes of [f32 weights, compute copy, f32 gradients, optimizer state] one rank holds for
 /// `params` parameters at ZeRO stage `stage` of `world` ranks: the optimizer state (`per_param`
-/// f32 values per parameter) divided by the world size at stages 1/2, and where the forward
-/// reads a compute copy, the f32 master weights too; every other buffer whole. In u128 so that
+/// f32 values per parameter) divided by the world size at stages ≥ 1, and the f32 master
+/// weights too where the forward reads a compute copy or at stage 3; every other buffer whole
+/// (the gradients are accumulated locally whole at every stage). In u128 so that
 /// absurd configured sizes give a huge number rather than an overflow.
 pub fn state_bytes(params: u128, per_param: u128, compute_copy: bool, stage: u8, world: usize) -> [u128; 4] {
     let split = |bytes: u128| if stage >= 1 { bytes.div_ceil(world.max(1) as u128) } else { bytes };
-    let weights = if compute_copy { split(4 * params) } else { 4 * params };
+    // (stage 3 adds its resident groups and gather slots: `stage3_extra_elems`)
+    let weights = if compute_copy || stage >= 3 { split(4 * params) } else { 4 * params };
     [weights, if compute_copy { 2 * params } else { 0 }, 4 * params, split(per_param * 4 * params)]
+}
+
+/// ZeRO-3's elements beyond the ÷N shares (`model::partition`): [the resident groups'
+/// whole weights plus the gather slots, the gradient slot]. The embedding and the head are
+/// resident, and the blocks too when they have at most `stage3_param_persistence_threshold`
+/// elements; otherwise one slot of a block, two with the prefetch (a block within
+/// `stage3_prefetch_bucket_size`, two of them within `stage3_max_live_parameters`). The
+/// gradient slot holds the largest group. In f64, as `estimate`.
+pub fn stage3_extra_elems(m: &ModelConfig, z: &Stage3Config) -> [f64; 2] {
+    let (c, f, k) = (m.embed_dim as f64, m.mlp_hidden() as f64, m.num_classes as f64);
+    let n = (m.image_size / m.patch_size.max(1)).pow(2) as f64 + f64::from(u8::from(m.class_token));
+    let pd = (m.in_chans * m.patch_size * m.patch_size) as f64;
+    let block = 4.0 * c * c + 2.0 * c * f + if m.qkv_bias { 3.0 * c } else { 0.0 } + 2.0 * c + f + 4.0 * c;
+    let embed = pd * c + c + n * c + if m.class_token { c } else { 0.0 };
+    let head = 2.0 * c + c * k + k;
+    let gathered = m.depth > 0 && block > z.param_persistence_threshold as f64;
+    let prefetch = block <= z.prefetch_bucket_size as f64 && 2.0 * block <= z.max_live_parameters as f64;
+    let (resident, slots) = match gathered {
+        true => (embed + head, if prefetch { 2.0 } else { 1.0 } * block),
+        false => (embed + head + m.depth as f64 * block, 0.0),
+    };
+    [resident + slots, embed.max(head).max(if m.depth > 0 { block } else { 0.0 })]
 }
 
 /// Bytes a rank holds for the model and its training state, by kind: what the run accounted
@@ -108,11 +132,17 @@ impl MemoryBytes {
     /// What this rank holds: the lengths of its buffers (`master_in_state`: elements of the
     /// state buffer that are this rank's master weights, under a ZeRO master shard).
     pub fn account<B: Backend>(be: &B, vit: &Vit<B>, state: &B::Buf, master_in_state: usize) -> Self {
-        let whole = if vit.master_released() { 0 } else { be.len(&vit.params) as u64 };
+        // ZeRO-3: its own pieces, the resident groups and the gather slots
+        let whole = match vit.partitioned() {
+            Some(part) => part.held_elems(be) as u64,
+            None if vit.master_released() => 0,
+            None => be.len(&vit.params) as u64,
+        };
+        let grad_slot = vit.partitioned().map_or(0, |part| be.len(&part.grad_slot)) as u64;
         let p = vit.table.total as u64;
         let master = whole + master_in_state as u64;
         let state = (be.len(state) - master_in_state) as u64;
-        MemoryBytes::new(4 * master, if be.needs_compute_copy() { 2 * p } else { 0 }, 4 * be.len(&vit.grads) as u64, 4 * state)
+        MemoryBytes::new(4 * master, if be.needs_compute_copy() { 2 * p } else { 0 }, 4 * (be.len(&vit.grads) as u64 + grad_slot), 4 * state)
     }
 }
 
@@ -190,7 +220,9 @@ pub struct DeviceMemory<'a> {
 pub fn estimate(cfg: &RunConfig, shape: RankBatch, dev: &DeviceMemory<'_>, regenerate: bool, checkpointing: bool) -> Estimate {
     let m = &cfg.model;
     let per_param = optimizer_state_len(&cfg.optimizer, 1) as u128;
-    let [weights, copy, grads, optimizer] = state_bytes(param_count(m) as u128, per_param, dev.compute_copy, cfg.zero_stage, shape.world).map(|b| b as f64);
+    let [shard, copy, grads, optimizer] = state_bytes(param_count(m) as u128, per_param, dev.compute_copy, cfg.zero_stage, shape.world).map(|b| b as f64);
+    let [w3, g3] = if cfg.zero_stage >= 3 { stage3_extra_elems(m, &cfg.zero3) } else { [0.0, 0.0] };
+    let (weights, grads) = (shard + 4.0 * w3, grads + 4.0 * g3);
     let b = shape.pass_images.max(shape.eval_images).max(1);
     let n = (m.image_size / m.patch_size.max(1)).pow(2) + usize::from(m.class_token);
     let h = m.num_heads.max(1);
@@ -220,7 +252,7 @@ pub fn estimate(cfg: &RunConfig, shape: RankBatch, dev: &DeviceMemory<'_>, regen
     let params = weights + copy;
     let whole = param_count(m) as f64;
     let ema = match cfg.train.ema {
-        Some(_) => weights + 4.0 * whole + if dev.compute_copy { dev.compute_bytes * whole } else { 0.0 },
+        Some(_) => shard + 4.0 * whole + if dev.compute_copy { dev.compute_bytes * whole } else { 0.0 },
         None => 0.0,
     };
     Estimate {

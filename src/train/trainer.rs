@@ -45,7 +45,7 @@ use crate::train::balance::Balancer;
 use crate::train::error::TrainError;
 use crate::train::ema::{self, Ema};
 use crate::train::loss_scale::LossScaling;
-use crate::train::evaluate::{build_model_for_training, eval_loader, evaluate_from, evaluate_with, EvalSummary};
+use crate::train::evaluate::{build_model_for_training, eval_loader, eval_rounds, evaluate_rounds, evaluate_with, EvalSummary};
 use crate::train::plan::Plan;
 use crate::train::run_dir::RunDir;
 use crate::train::step::{MicroBatch, Step};
@@ -372,8 +372,23 @@ fn build_step<B: Backend>(be: &B, cfg: &RunConfig, plan: &Plan, opts: &TrainOpti
     if let Some(ld) = cfg.layer_decay {
         decay = decay.with_layer_decay(&vit.table, ld);
     }
-    // the gradient buckets, reduced while the step's last backward goes on
-    let buckets = BucketPlan::new(&vit.gradient_groups(), plan.zero.first_bucket_elems, plan.zero.bucket_elems).map_err(TrainError::Config)?;
+    // the gradient buckets, reduced while the step's last backward goes on; at stage 3 one
+    // per parameter group, the unit its weights are partitioned and gathered by
+    let buckets = match plan.zero.stage {
+        3 => {
+            if be.needs_compute_copy() || !be.name().starts_with("cpu") {
+                return Err(TrainError::Config(format!(
+                    "zero_optimization.stage = 3: partitioned parameters are implemented for CPU ranks (--device cpu), not on {}; use stage 2 on the GPU",
+                    be.name()
+                )));
+            }
+            if plan.sequence_parallel > 1 {
+                return Err(TrainError::Config(format!("zero_optimization.stage = 3 with sequence_parallel_size = {}: the two are not implemented together; use stage 2 with sequence parallelism", plan.sequence_parallel)));
+            }
+            BucketPlan::new(&vit.gradient_groups(), 1, 1).map_err(TrainError::Config)?
+        }
+        _ => BucketPlan::new(&vit.gradient_groups(), plan.zero.first_bucket_elems, plan.zero.bucket_elems).map_err(TrainError::Config)?,
+    };
     let zero = match plan.zero.stage {
         0 => None,
         // where the forward reads a compute copy, nobody needs the whole f32 weights
@@ -392,6 +407,27 @@ fn build_step<B: Backend>(be: &B, cfg: &RunConfig, plan: &Plan, opts: &TrainOpti
     // reduce-scatters a bf16 wire; CPU ranks' ring does not: fp32 there)
     let wire = if zero.is_none() || be.needs_compute_copy() { gradient_wire(&cfg.grad_comm, world) } else { Wire::PLAIN };
     Ok((st, Gradients { buckets, zero, wire, overlap: plan.zero.overlap_comm, epoch: t_start }))
+}
+
+/// ZeRO-3: `vit`'s whole weights handed over to this rank's partition (its pieces, the
+/// resident groups), its gathers on a communicator of their own over every rank.
+fn partition_weights<B: Backend>(be: &B, cfg: &RunConfig, z: &ZeroLayout, vit: &mut crate::model::Vit<B>, comm: &mut dyn Comm<B::Buf>, quiet: bool) -> Result<(), TrainError> {
+    let s3 = cfg.zero3;
+    let groups = vit.gradient_groups().len();
+    let parts = z.partition_parts(groups)?;
+    let largest = parts[1..groups - 1].iter().map(|g| g.span.len).filter(|&n| n > s3.param_persistence_threshold).max().unwrap_or(0);
+    if largest > s3.max_live_parameters && !quiet {
+        crate::errln!(
+            "warning: zero_optimization.stage3_max_live_parameters = {} is below one block ({largest} elements): one block is gathered at a time",
+            s3.max_live_parameters
+        );
+    }
+    let prefetch = largest <= s3.prefetch_bucket_size && 2 * largest <= s3.max_live_parameters;
+    let opts = crate::model::partition::GatherOptions { persistence_threshold: s3.param_persistence_threshold, prefetch };
+    let gathers = comm.split_groups(comm.world_size())?;
+    let part = crate::model::partition::Partition::new(be, &vit.table, parts, gathers, opts)?;
+    vit.partition(be, part)?;
+    Ok(())
 }
 
 /// What this rank holds, against what the plan predicts for its stage (the lab charts it).
@@ -522,13 +558,17 @@ impl<'r, B: Backend> Trainer<'r, B> {
             st.vit.set_sequence_parallel(Some(crate::model::seq_parallel::SeqParallel::new(group)))?;
         }
         let (data_rank, data_world) = (rank / sp, world / sp);
-        run.add_to_config("memory", &memory_record(be, &st, &grads, None))?;
         let (start_step, restored_ema) = restore(be, opts, &plan, &mut st, &grads, &mut *comm, &mut run, total_steps)?;
         let ema = start_ema(be, cfg, &st, &grads, restored_ema)?;
         // a master shard: this rank's pieces of rank 0's weights, then the whole copy goes
         if let Some(z) = &grads.zero {
             z.take_master(be, &mut st.vit, &mut st.opt_state)?;
+            if z.stage == 3 {
+                partition_weights(be, cfg, z, &mut st.vit, &mut *comm, opts.quiet)?;
+            }
         }
+        // what this rank holds once the weights are where they stay
+        run.add_to_config("memory", &memory_record(be, &st, &grads, None))?;
         let bal = Balancer::new(cfg, &plan, data_rank, start_step, cfg.data.prefetch);
         if !opts.quiet {
             announce(be, cfg, &plan, &data, &bal, st.vit.table.total, total_steps);
@@ -740,6 +780,11 @@ impl<'r, B: Backend> Trainer<'r, B> {
     fn full_params(&mut self) -> Result<Vec<f32>, TrainError> {
         match &self.grads.zero {
             Some(z) if z.master_shard => z.gather_master(self.be, &mut *self.comm, &self.st.opt_state),
+            Some(z) if z.stage == 3 => {
+                let part = self.st.vit.partitioned().ok_or_else(|| TrainError::Config("ZeRO stage 3 without partitioned weights".into()))?;
+                let owned = self.be.download(&part.owned)?;
+                z.gather_owned(self.be, &mut *self.comm, &owned[..z.owned_len()])
+            }
             _ => Ok(self.st.vit.params_host(self.be)?),
         }
     }
@@ -957,7 +1002,8 @@ impl<'r, B: Backend> Trainer<'r, B> {
             Some(l) => l,
             None => eval_loader(&self.val_set, self.cfg, self.cfg.train.eval_batch_size, self.data_rank, self.data_world)?,
         };
-        let ev = evaluate_from(self.be, &mut self.st.vit, self.val_set.len(), loader, &mut *self.comm)?;
+        let rounds = eval_rounds(self.val_set.len(), self.cfg, self.cfg.train.eval_batch_size, self.data_world);
+        let ev = evaluate_rounds(self.be, &mut self.st.vit, self.val_set.len(), loader, rounds, &mut *self.comm)?;
         let ema_ev = self.evaluate_ema()?;
         self.st.mark(self.be, Phase::NotTraining)?;
         let spent = t_eval.elapsed();

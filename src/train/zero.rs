@@ -43,6 +43,7 @@ use std::time::Instant;
 use crate::backend::{optimizer_state_len, Backend, ParamGroups, ShardPiece, Span, StepHyper};
 use crate::comm::{shard, Collective, Comm, ReduceOp, Wire, Work};
 use crate::config::OptimizerConfig;
+use crate::model::partition::GroupPart;
 use crate::model::Vit;
 use crate::train::error::TrainError;
 use crate::train::sync::{GradSync, Updated};
@@ -76,8 +77,8 @@ pub struct ZeroLayout {
 
 impl ZeroLayout {
     pub fn new(plan: &BucketPlan, opt: &OptimizerConfig, stage: u8, world: usize, rank: usize, reduce_scatter: bool) -> Result<ZeroLayout, TrainError> {
-        if !(1..=2).contains(&stage) || world == 0 || rank >= world {
-            return Err(TrainError::Config(format!("ZeRO layout for stage {stage}, rank {rank} of {world}: expected stage 1 or 2 and a rank below the world size")));
+        if !(1..=3).contains(&stage) || world == 0 || rank >= world {
+            return Err(TrainError::Config(format!("ZeRO layout for stage {stage}, rank {rank} of {world}: expected stage 1, 2 or 3 and a rank below the world size")));
         }
         let per_param = optimizer_state_len(opt, 1);
         let mut parts = Vec::with_capacity(plan.buckets.len());
@@ -106,6 +107,34 @@ impl ZeroLayout {
     pub fn with_master_shard(mut self) -> Self {
         self.master_shard = true;
         self
+    }
+
+    /// Stage 3's partition of the weights: one `GroupPart` per gradient group in flat order
+    /// (embedding, blocks, head), the offsets into this rank's pieces laid out as
+    /// `shard_master` lays them out. Stage 3's buckets are the groups (`zero3_buckets`);
+    /// `groups` is how many the model has.
+    pub fn partition_parts(&self, groups: usize) -> Result<Vec<GroupPart>, TrainError> {
+        if self.stage != 3 || self.parts.len() != groups {
+            return Err(TrainError::Config(format!("stage {} layout of {} buckets: partitioning weights needs stage 3 with one bucket per parameter group ({groups})", self.stage, self.parts.len())));
+        }
+        let mut out = Vec::with_capacity(groups);
+        let mut at = 0;
+        for &(prefix, tail) in &self.parts {
+            let sh = shard(prefix, self.world, self.rank);
+            let shard_at = at;
+            at += sh.len;
+            out.push(GroupPart { span: Span { off: prefix.off, len: prefix.len + tail.len }, prefix, shard: sh, shard_at, tail, tail_at: at });
+            at += tail.len;
+        }
+        // the buckets run in backward order; the partition's groups in flat order
+        out.reverse();
+        Ok(out)
+    }
+
+    /// Stage 3's pieces with the offsets of their weights in the partition's own buffer
+    /// (`Partition::owned`).
+    pub fn owned_pieces(&self) -> Vec<ShardPiece> {
+        self.shard_pieces().into_iter().map(|p| ShardPiece { master_off: p.master_off - self.state_len, ..p }).collect()
     }
 
     /// Elements this rank owns (its shards and the replicated tails).
@@ -373,6 +402,23 @@ impl<B: Backend> GradSync<B> for ZeroSync<'_, B::Buf> {
             _ => hyper.grad_scale,
         };
         let sharded = StepHyper { grad_scale, clip_norm: 0.0, ..hyper };
+        if l.stage == 3 {
+            // this rank's pieces of the weights updated in the partition, then the resident
+            // groups gathered whole again (the blocks are gathered as the passes reach them)
+            let pieces = l.owned_pieces();
+            let (part, grads) = vit.partition_and_grads().ok_or_else(|| TrainError::Config("ZeRO stage 3 on a model whose weights are not partitioned".into()))?;
+            be.optimizer_step_master(&mut part.owned, grads, state, &pieces, opt, decay, sharded)?;
+            let t = Instant::now();
+            part.refresh(be)?;
+            let comm_s = t.elapsed().as_secs_f64();
+            self.track.times.total_s += comm_s;
+            self.track.times.exposed_s += comm_s;
+            // every gather of the step (forward, backward, this one), counted as the update's
+            // gather is below: half the bytes of an all-reduce of the same f32 values
+            let gathered = part.take_gathered();
+            let bytes = if l.world > 1 { 2 * gathered } else { 0 };
+            return Ok(Updated { norm: if read_norm { norm } else { None }, bytes });
+        }
         // Every rank's updated shards to every rank: the compute copy (bf16 on a GPU) when the
         // master weights are sharded too, else the f32 weights (which the CPU's forward reads).
         // Bytes count as the all-reduce of the same values would (see `start_bucket`): half
@@ -527,7 +573,7 @@ mod tests {
                 assert_eq!(owners[i] + usize::from(tails[i]) * world, if tails[i] { world } else { 1 }, "element {i} at world {world}");
             }
         }
-        assert!(ZeroLayout::new(&p, &sgd(), 3, 2, 0, true).is_err());
+        assert!(ZeroLayout::new(&p, &sgd(), 4, 2, 0, true).is_err());
         assert!(ZeroLayout::new(&p, &sgd(), 1, 2, 2, true).is_err());
     }
 
@@ -600,6 +646,48 @@ mod tests {
             for &(prefix, tail) in &l.parts {
                 assert!(prefix.range().all(|i| seen[i] == 1), "world {world}: a shard owned twice or never");
                 assert!(tail.range().all(|i| seen[i] == world), "world {world}: a tail not on every rank");
+            }
+        }
+    }
+
+    #[test]
+    fn stage_3_partitions_every_group_and_holds_what_the_memory_model_predicts() {
+        let m = crate::model::ModelConfig::preset("vit_small_patch16_224").unwrap();
+        let table = crate::model::ParamTable::new(&m);
+        let groups = table.gradient_groups();
+        let p = BucketPlan::new(&groups, 1, 1).unwrap();
+        let be = crate::backend::cpu::Cpu::new();
+        let full: Vec<f32> = (0..table.total).map(|i| i as f32).collect();
+        for world in [1, 3, 4] {
+            let mut seen = vec![0usize; table.total];
+            for rank in 0..world {
+                let l = ZeroLayout::new(&p, &adam(), 3, world, rank, true).unwrap();
+                let parts = l.partition_parts(groups.len()).unwrap();
+                // flat order, each group whole, the owned offsets as `shard_master` lays them out
+                let mine = l.shard_master(&full).unwrap();
+                for (i, g) in parts.iter().enumerate() {
+                    assert_eq!(g.span.off, if i == 0 { 0 } else { parts[i - 1].span.off + parts[i - 1].span.len });
+                    assert_eq!(&mine[g.shard_at..g.shard_at + g.shard.len], &full[g.shard.range()]);
+                    assert_eq!(&mine[g.tail_at..g.tail_at + g.tail.len], &full[g.tail.range()]);
+                    g.shard.range().chain(g.tail.range()).for_each(|j| seen[j] += 1);
+                }
+                assert_eq!(parts.iter().map(|g| g.shard.len + g.tail.len).sum::<usize>(), l.owned_len());
+                assert_eq!(l.owned_pieces().iter().map(|q| q.master_off + q.span.len).max(), Some(l.owned_len()));
+                if rank == 0 {
+                    for (threshold, prefetch) in [(0, true), (0, false), (usize::MAX, true)] {
+                        let z = crate::config::Stage3Config { param_persistence_threshold: threshold, prefetch_bucket_size: if prefetch { usize::MAX } else { 0 }, ..Default::default() };
+                        let opts = crate::model::partition::GatherOptions { persistence_threshold: threshold, prefetch };
+                        let part = crate::model::partition::Partition::new(&be, &table, parts.clone(), Box::new(crate::comm::SingleComm::new()), opts).unwrap();
+                        let [extra, grad_slot] = crate::train::memory::stage3_extra_elems(&m, &z);
+                        assert_eq!(part.held_elems(&be), l.owned_len() + extra as usize, "world {world}, threshold {threshold}, prefetch {prefetch}");
+                        assert_eq!(be.len(&part.grad_slot), grad_slot as usize);
+                    }
+                }
+            }
+            let tails: Vec<Span> = ZeroLayout::new(&p, &adam(), 3, world, 0, true).unwrap().tails();
+            for (j, &n) in seen.iter().enumerate() {
+                let in_tail = tails.iter().any(|t| t.range().contains(&j));
+                assert_eq!(n, if in_tail { world } else { 1 }, "element {j} at world {world}");
             }
         }
     }

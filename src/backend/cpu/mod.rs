@@ -10,7 +10,7 @@ pub mod optim;
 use rayon::prelude::*;
 
 use self::gemm::{matmul, Mat, MatMut};
-use super::{BResult, Backend, BackendError, ParamGroups, GeluSaved, Span, StepHyper};
+use super::{BResult, Backend, BackendError, ParamGroups, GeluSaved, ShardPiece, Span, StepHyper};
 use crate::core::{OptimizerConfig, LN_EPS};
 
 /// The CPU backend. Stateless: threads come from the global rayon pool.
@@ -598,6 +598,13 @@ impl Backend for Cpu {
         Ok(())
     }
 
+    fn copy_span(&self, dst: &mut Vec<f32>, dst_off: usize, src: &Vec<f32>, src_off: usize, len: usize) -> BResult<()> {
+        check("copy_span", "dst", dst, dst_off + len)?;
+        check("copy_span", "src", src, src_off + len)?;
+        dst[dst_off..dst_off + len].copy_from_slice(&src[src_off..src_off + len]);
+        Ok(())
+    }
+
     fn lerp(&self, dst: &mut Vec<f32>, dst_off: usize, src: &Vec<f32>, src_off: usize, len: usize, weight: f32) -> BResult<()> {
         check("lerp", "dst", dst, dst_off + len)?;
         check("lerp", "src", src, src_off + len)?;
@@ -681,6 +688,10 @@ impl Backend for Cpu {
             total += optim::sum_squares(&buf[s.range()]);
         }
         Ok(total)
+    }
+
+    fn optimizer_step_master(&self, master: &mut Vec<f32>, grads: &Vec<f32>, state: &mut Vec<f32>, pieces: &[ShardPiece], opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()> {
+        optim::optimizer_step_master(master, grads, state, pieces, opt, decay, hyper)
     }
 
     fn optimizer_step_pieces(&self, params: &mut Vec<f32>, grads: &Vec<f32>, state: &mut Vec<f32>, pieces: &[(Span, usize)], opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()> {

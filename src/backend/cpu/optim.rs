@@ -10,7 +10,7 @@
 
 use rayon::prelude::*;
 
-use crate::backend::{optimizer_state_len, BResult, BackendError, ParamGroups, Span, StepHyper};
+use crate::backend::{optimizer_state_len, BResult, BackendError, ParamGroups, ShardPiece, Span, StepHyper};
 use crate::core::OptimizerConfig;
 
 /// Elements per parallel work item: large enough to amortize scheduling, small enough to
@@ -190,6 +190,39 @@ pub fn optimizer_step_pieces(
             )));
         }
         optimizer_step(&mut params[span.range()], &grads[span.range()], &mut state[soff..soff + slen], opt, &decay.restrict(span), hyper)?;
+    }
+    Ok(())
+}
+
+/// `optimizer_step_pieces` with each piece's weights at `master_off` of `master` (ZeRO-3: a
+/// rank's own pieces back to back) rather than at its span of a whole buffer.
+pub fn optimizer_step_master(
+    master: &mut [f32],
+    grads: &[f32],
+    state: &mut [f32],
+    pieces: &[ShardPiece],
+    opt: &OptimizerConfig,
+    decay: &ParamGroups,
+    hyper: StepHyper,
+) -> BResult<()> {
+    if hyper.clip_norm > 0.0 {
+        return Err(shape_err("optimizer_step_master clips nothing itself: fold the global clipping factor into grad_scale".into()));
+    }
+    for p in pieces {
+        let (span, slen) = (p.span, optimizer_state_len(opt, p.span.len));
+        if span.off + span.len > grads.len() || p.state_off + slen > state.len() || p.master_off + span.len > master.len() {
+            return Err(shape_err(format!(
+                "piece {}..{} (state at {}, weights at {}) outside {} gradients / {} state / {} weights",
+                span.off,
+                span.off + span.len,
+                p.state_off,
+                p.master_off,
+                grads.len(),
+                state.len(),
+                master.len()
+            )));
+        }
+        optimizer_step(&mut master[p.master_off..p.master_off + span.len], &grads[span.range()], &mut state[p.state_off..p.state_off + slen], opt, &decay.restrict(span), hyper)?;
     }
     Ok(())
 }

@@ -1,0 +1,370 @@
+//! ZeRO stage 3 (partitioned weights) on CPU ranks: 2 and 4 ranks equal one process with the
+//! same global batch (GAS 4, gradient clipping, SGD with momentum and AdamW), and stage 0 at
+//! the same world size; the gathered optimizer state a checkpoint holds is stage 0's; the
+//! prefetch changes nothing but when the weights travel; checkpoints resume between stage 3
+//! and stage 0 at other world sizes; the weight EMA follows the partitioned weights; each
+//! rank holds its share of the weights, optimizer state and the resident groups and gather
+//! slots, as predicted.
+//!
+//! Stage 3 with sequence parallelism is refused with an error naming both keys.
+//!
+//! Runs are the tiny ones of `dist_zero.rs` (default model, 16-px built-in images, 4 steps of
+//! 32 images), with `stage3_param_persistence_threshold = 0` so every block is partitioned
+//! (the default model's blocks are below DeepSpeed's default threshold).
+
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+mod common;
+use common::{launch_args, max_rel_diff, max_rel_diff_files, metrics, read_json, run, run_dir_args, tmp};
+
+/// Same world size, stage 3 against stage 0: the same per-element update from gradients
+/// reduced in another order (stage 3 reduce-scatters one bucket per parameter group, cut
+/// where stage 0's all-reduce of its larger buckets does not). Measured after 4 steps:
+/// bitwise equal at 2 ranks; at 4 ranks SGD ≤ 1e-8, AdamW (which amplifies rounding on
+/// near-zero gradients) 2.7e-7. Against stage 2 with the same buckets (one per group) the
+/// reductions are the same collectives: bitwise equal.
+const STAGE_TOL_SGD: f32 = 1e-8;
+const STAGE_TOL_ADAM: f32 = 2e-6;
+/// Against one process with the same global batch (as `dist_zero.rs`): per-sample gradients
+/// summed in another order.
+const SPLIT_TOL_SGD: f32 = 1e-6;
+const SPLIT_TOL_ADAM: f32 = 3e-5;
+
+const SGD: &str = "--set=optimizer={\"type\":\"SGD\",\"params\":{\"lr\":0.05,\"momentum\":0.9}}";
+const ADAMW: &str = "--set=optimizer={\"type\":\"AdamW\",\"params\":{\"lr\":0.001}}";
+/// Far below the gradient norms of these runs, so every step is clipped.
+const CLIP: &str = "--set=gradient_clipping=0.05";
+/// Every block partitioned (gathered per pass), not kept whole.
+const PARTITION_ALL: &str = "--set=zero_optimization.stage3_param_persistence_threshold=0";
+
+fn common(steps: u64) -> Vec<String> {
+    [
+        "--device=cpu".to_string(),
+        format!("--set=train.steps={steps}"),
+        "--set=train_batch_size=32".into(),
+        "--set=gradient_accumulation_steps=4".into(),
+        "--set=data.val_size=200".into(),
+        "--set=train.checkpoint_every=2".into(),
+        "--set=train.log_every=1".into(),
+        // 5 evaluation batches of 200 images: the ranks run different numbers of them
+        "--set=train.eval_batch_size=48".into(),
+    ]
+    .into()
+}
+
+fn train(nproc: usize, stage: u8, steps: u64, extra: &[&str], dir: &Path) -> Output {
+    let mut args = launch_args(nproc);
+    args.push("train".into());
+    args.extend(common(steps));
+    args.push(format!("--set=zero_optimization.stage={stage}"));
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args.extend(run_dir_args(dir));
+    run(&args)
+}
+
+/// The default model's stage-3 layout at `world` ranks: (groups with a tail, groups).
+fn tails_at(world: usize) -> (usize, usize) {
+    let m = vitscale::model::ModelConfig::preset("vit_builtin_default").expect("preset");
+    let table = vitscale::model::ParamTable::new(&m);
+    let groups = table.gradient_groups();
+    (groups.iter().filter(|g| g.len % world != 0).count(), groups.len())
+}
+
+/// `reduce_bucket_size` 1: one bucket per parameter group, stage 3's buckets.
+const GROUP_BUCKETS: &str = "--set=zero_optimization.reduce_bucket_size=1";
+
+fn stage_3_equals_stage_0_and_one_process(opt: &str, stage_tol: f32, split_tol: f32) {
+    // 4 ranks give groups whose length does not divide (uneven shards, replicated tails)
+    assert!(tails_at(4).0 > 0, "no group of the default model has a tail at 4 ranks");
+    let t = tmp();
+    let p = |n: &str| -> PathBuf { t.path().join(n) };
+    train(1, 0, 4, &[opt, CLIP], &p("one"));
+    // one process at stage 3 (every gather the identity) is stage 0 bit for bit
+    train(1, 3, 4, &[opt, CLIP, PARTITION_ALL], &p("one_s3"));
+    assert_eq!(max_rel_diff(&p("one_s3"), &p("one")), 0.0, "one process, stage 3 vs stage 0");
+    let norms: Vec<f64> = metrics(&p("one"), None).iter().map(|r| r["grad_norm"].as_f64().unwrap_or(f64::NAN)).collect();
+    assert!(norms.len() == 4 && norms.iter().all(|&n| n > 0.5), "gradient norms {norms:?} do not exceed the clip 0.05 by far");
+    for world in [2usize, 4] {
+        let (base, s2, name) = (format!("w{world}s0"), format!("w{world}s2"), format!("w{world}s3"));
+        train(world, 0, 4, &[opt, CLIP], &p(&base));
+        train(world, 2, 4, &[opt, CLIP, GROUP_BUCKETS], &p(&s2));
+        train(world, 3, 4, &[opt, CLIP, PARTITION_ALL], &p(&name));
+        let d0 = max_rel_diff(&p(&name), &p(&base));
+        let d1 = max_rel_diff(&p(&name), &p("one"));
+        let d2 = max_rel_diff(&p(&name), &p(&s2));
+        eprintln!("{opt}: {world} ranks stage 3: vs stage 0 {d0:e}, vs 1 process {d1:e}, vs stage 2 with its buckets {d2:e}");
+        assert!(d0 < stage_tol, "{world} ranks stage 3 vs stage 0: {d0:e}");
+        assert!(d1 < split_tol, "{world} ranks stage 3 vs 1 process: {d1:e}");
+        assert_eq!(d2, 0.0, "{world} ranks stage 3 vs stage 2 with the same buckets");
+        let loss = |d: &Path| metrics(d, None).iter().map(|r| r["loss"].as_f64().unwrap_or(f64::NAN)).collect::<Vec<f64>>();
+        for (a, b) in loss(&p(&name)).iter().zip(loss(&p("one"))) {
+            assert!((a - b).abs() < 1e-5, "losses {a} vs {b}");
+        }
+        // the gathered optimizer state of the step-4 checkpoint is stage 0's
+        let opt_file = |d: &str| p(d).join("checkpoints/step_000004/optimizer.safetensors");
+        let ds = max_rel_diff_files(&opt_file(&name), &opt_file(&base));
+        assert!(ds < stage_tol, "{world} ranks stage 3: optimizer state vs stage 0: {ds:e}");
+        // the evaluation (the ranks run different numbers of batches) agrees with stage 0's
+        let val = |d: &str| read_json(&p(d).join("summary.json"))["val_loss"].as_f64().unwrap_or(f64::NAN);
+        assert!((val(&name) - val(&base)).abs() < 1e-6, "val_loss {} vs {}", val(&name), val(&base));
+        let h0 = read_json(&p(&name).join("summary.json"))["weights_hash"].clone();
+        for r in 1..world {
+            assert_eq!(read_json(&p(&name).join(format!("rank{r}/summary.json")))["weights_hash"], h0, "rank {r}");
+        }
+    }
+}
+
+#[test]
+fn sgd_stage_3_at_2_and_4_ranks_equals_stage_0_and_one_process_with_gas_and_clipping() {
+    stage_3_equals_stage_0_and_one_process(SGD, STAGE_TOL_SGD, SPLIT_TOL_SGD);
+}
+
+#[test]
+fn adamw_stage_3_at_2_and_4_ranks_equals_stage_0_and_one_process_with_gas_and_clipping() {
+    stage_3_equals_stage_0_and_one_process(ADAMW, STAGE_TOL_ADAM, SPLIT_TOL_ADAM);
+}
+
+#[test]
+fn the_prefetch_and_the_persistence_rule_change_when_weights_travel_not_the_values() {
+    let t = tmp();
+    let p = |n: &str| -> PathBuf { t.path().join(n) };
+    train(2, 3, 4, &[ADAMW, CLIP, PARTITION_ALL], &p("prefetch"));
+    train(2, 3, 4, &[ADAMW, CLIP, PARTITION_ALL, "--set=zero_optimization.stage3_prefetch_bucket_size=0"], &p("no_prefetch"));
+    // DeepSpeed's default threshold keeps every block of the default model whole
+    train(2, 3, 4, &[ADAMW, CLIP], &p("resident"));
+    for name in ["no_prefetch", "resident"] {
+        let d = max_rel_diff(&p(name), &p("prefetch"));
+        eprintln!("{name} vs prefetch: {d:e}");
+        assert_eq!(d, 0.0, "{name}");
+    }
+}
+
+#[test]
+fn checkpoints_resume_between_stage_3_and_stage_0_across_world_sizes() {
+    let t = tmp();
+    let p = |n: &str| -> PathBuf { t.path().join(n) };
+    let ck = |d: &str| p(d).join("checkpoints/step_000002").display().to_string();
+    train(1, 0, 4, &[ADAMW, CLIP], &p("straight"));
+    // 2 ranks at stage 3 stop at step 2; one process at stage 0 continues
+    train(2, 3, 2, &[ADAMW, CLIP, PARTITION_ALL], &p("two_s3"));
+    train(1, 0, 4, &[ADAMW, CLIP, "--resume", &ck("two_s3")], &p("two_to_one"));
+    // one process's checkpoint continued by 4 ranks at stage 3; the stage-3 checkpoint by 4 ranks at stage 3
+    train(4, 3, 4, &[ADAMW, CLIP, PARTITION_ALL, "--resume", &ck("straight")], &p("one_to_four_s3"));
+    train(4, 3, 4, &[ADAMW, CLIP, PARTITION_ALL, "--resume", &ck("two_s3")], &p("two_to_four_s3"));
+    for name in ["two_to_one", "one_to_four_s3", "two_to_four_s3"] {
+        let d = max_rel_diff(&p(name), &p("straight"));
+        eprintln!("resumed {name} vs straight: {d:e}");
+        assert!(d < SPLIT_TOL_ADAM, "{name}: {d:e}");
+    }
+    assert_eq!(read_json(&p("two_s3").join("checkpoints/step_000002/state.json"))["zero_stage"], 3);
+    // the stage-3 checkpoint holds the whole weights: the same file a stage-0 run writes
+    let w = |d: &str| p(d).join("checkpoints/step_000002/model.safetensors");
+    let d = max_rel_diff_files(&w("two_s3"), &w("straight"));
+    assert!(d < SPLIT_TOL_ADAM, "step-2 weights: {d:e}");
+}
+
+#[test]
+fn stage_3_with_sequence_parallelism_is_refused_naming_both_keys() {
+    let t = tmp();
+    let mut args = launch_args(2);
+    args.push("train".into());
+    args.extend(common(1));
+    args.extend(["--set=zero_optimization.stage=3".to_string(), "--set=sequence_parallel_size=2".into()]);
+    args.extend(run_dir_args(t.path()));
+    let out = std::process::Command::new(common::EXE).args(&args).stdin(std::process::Stdio::null()).output().expect("run vitscale");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "stage 3 with sequence parallelism ran");
+    assert!(err.contains("zero_optimization.stage = 3 with sequence_parallel_size = 2"), "{err}");
+}
+
+#[test]
+fn the_weight_ema_follows_the_partitioned_weights() {
+    let t = tmp();
+    let p = |n: &str| -> PathBuf { t.path().join(n) };
+    let ema = "--set=train.ema={\"decay\":0.5}";
+    train(2, 0, 4, &[ADAMW, CLIP, ema], &p("s0"));
+    train(2, 3, 4, &[ADAMW, CLIP, ema, PARTITION_ALL], &p("s3"));
+    let f = |d: &str| p(d).join("w_ema.safetensors");
+    // (the weights themselves are bitwise stage 0's at 2 ranks, above)
+    let d = max_rel_diff_files(&f("s3"), &f("s0"));
+    eprintln!("EMA, 2 ranks stage 3 vs stage 0: {d:e}");
+    assert_eq!(d, 0.0);
+    let ev = |d: &str| read_json(&p(d).join("summary.json"))["ema_val_loss"].as_f64().unwrap_or(f64::NAN);
+    assert!((ev("s3") - ev("s0")).abs() < 1e-9, "EMA val_loss {} vs {}", ev("s3"), ev("s0"));
+}
+
+/// Per rank, what the run accounted from its buffers against the prediction and against an
+/// independent count from the parameter table: the weights are this rank's share of every
+/// group (its shard plus the tails) plus the resident embedding and head plus two gather slots
+/// of a block; the optimizer state is its share; the gradients are whole, plus a slot of the
+/// largest group. A deeper model than the default so the share shows.
+#[test]
+fn each_rank_holds_its_share_of_the_weights_and_state_as_predicted() {
+    let t = tmp();
+    let p = |n: &str| -> PathBuf { t.path().join(n) };
+    let deep = "--set=model.depth=12";
+    let m = {
+        let mut m = vitscale::model::ModelConfig::preset("vit_builtin_default").expect("preset");
+        m.depth = 12;
+        m
+    };
+    let table = vitscale::model::ParamTable::new(&m);
+    let total = table.total as u64;
+    let sum = |pred: &dyn Fn(&str) -> bool| -> u64 { table.entries.iter().filter(|e| pred(&e.name)).map(|e| e.span.len as u64).sum() };
+    let block = sum(&|n| n.starts_with("blocks.0."));
+    let embed = sum(&|n| ["cls_token", "pos_embed", "patch_embed.proj.weight", "patch_embed.proj.bias"].contains(&n));
+    let head = sum(&|n| n.starts_with("norm.") || n.starts_with("fc_norm.") || n.starts_with("head."));
+    assert_eq!(embed + head + 12 * block, total, "the independent count misses parameters");
+    train(1, 0, 1, &[ADAMW, deep], &p("s0"));
+    let s0 = read_json(&p("s0").join("config.json"))["memory"]["accounted"].clone();
+    for world in [2u64, 4] {
+        let name = format!("w{world}");
+        train(world as usize, 3, 1, &[ADAMW, deep, PARTITION_ALL], &p(&name));
+        let groups = 14u64;
+        for r in 0..world {
+            let dir = if r == 0 { p(&name) } else { p(&name).join(format!("rank{r}")) };
+            let mem = metrics(&dir, Some("memory")).last().cloned().unwrap_or_else(|| panic!("rank {r}: no memory record"));
+            let (acc, pred) = (&mem["accounted"], &mem["predicted"]);
+            let get = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap_or_else(|| panic!("{k} missing"));
+            // the share: total/N, up to the tails (fewer than N values a group, on every rank)
+            let share_lo = total.div_ceil(world) - groups;
+            let share_hi = total / world + groups * world;
+            let weights = get(acc, "weights") / 4 - (embed + head + 2 * block);
+            assert!(weights >= share_lo && weights <= share_hi, "rank {r} of {world}: {weights} own weights, share {}", total / world);
+            let state = get(acc, "optimizer_state") / 8;
+            assert!(state >= share_lo && state <= share_hi, "rank {r} of {world}: optimizer state of {state} values");
+            assert_eq!(get(acc, "gradients"), 4 * (total + block.max(embed).max(head)), "rank {r} of {world}: gradients");
+            // the prediction is the same rule, up to the tails
+            for k in ["weights", "optimizer_state", "gradients"] {
+                let (a, b) = (get(acc, k) as f64, get(pred, k) as f64);
+                assert!((a - b).abs() <= (8 * groups * world) as f64, "rank {r} of {world}: {k} accounted {a}, predicted {b}");
+            }
+            // against stage 0: the weights and the state shrink with the world size
+            assert!(get(acc, "weights") < get(&s0, "weights") * 2 / world + 4 * (embed + head + 2 * block), "rank {r} of {world}: weights");
+            assert!(get(acc, "optimizer_state") * world <= get(&s0, "optimizer_state") + 8 * groups * world * world, "rank {r} of {world}: state");
+        }
+    }
+}
+
+/// The model's passes over partitioned weights, 2 ranks in one process (threads, a TCP ring
+/// for the gathers): forward and backward give the loss, logits and gradients of the model with
+/// whole weights bit for bit, and the gathers follow the schedule. Per micro-batch, with D
+/// partitioned blocks: the first forward gathers every block; the backward reuses the last two
+/// from the forward's slots and gathers the other D − 2 again; the next forward finds the
+/// first two still there. Without prefetch one slot: the backward reuses only the last block.
+#[test]
+fn partitioned_passes_equal_whole_weights_and_gather_each_block_before_forward_and_backward() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+    use vitscale::backend::cpu::Cpu;
+    use vitscale::backend::Backend;
+    use vitscale::comm::{CResult, Collective, Comm, CommOptions, DistEnv, Span, TcpComm, Work};
+    use vitscale::model::partition::{GatherOptions, Partition};
+    use vitscale::model::Vit;
+
+    /// Counts the all-gathers started.
+    struct Counting {
+        inner: TcpComm,
+        gathers: Arc<AtomicUsize>,
+    }
+    impl Comm<Vec<f32>> for Counting {
+        fn rank(&self) -> usize {
+            Comm::<Vec<f32>>::rank(&self.inner)
+        }
+        fn world_size(&self) -> usize {
+            Comm::<Vec<f32>>::world_size(&self.inner)
+        }
+        fn describe(&self) -> String {
+            "counting tcp ring".into()
+        }
+        fn start(&mut self, op: Collective, buf: &mut Vec<f32>, span: Span) -> CResult<Work> {
+            if op == Collective::AllGather {
+                self.gathers.fetch_add(1, Ordering::Relaxed);
+            }
+            self.inner.start(op, buf, span)
+        }
+        fn wait(&mut self, work: Work, buf: &mut Vec<f32>) -> CResult<()> {
+            self.inner.wait(work, buf)
+        }
+        fn barrier(&mut self) -> CResult<()> {
+            Comm::<Vec<f32>>::barrier(&mut self.inner)
+        }
+        fn all_reduce_host(&mut self, vals: &mut [f64]) -> CResult<()> {
+            Comm::<Vec<f32>>::all_reduce_host(&mut self.inner, vals)
+        }
+    }
+
+    let world = 2;
+    let depth = 5;
+    let mut m = vitscale::model::ModelConfig::preset("vit_builtin_default").expect("preset");
+    m.depth = depth;
+    let table = vitscale::model::ParamTable::new(&m);
+    let weights = vitscale::model::init::init_params(&table, 7);
+    let b = 3;
+    let images: Vec<f32> = (0..b * m.in_chans * m.image_size * m.image_size).map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0).collect();
+    let targets = vitscale::model::smoothed_targets(&[1, 4, 7], m.num_classes, 0.1);
+    let be = Cpu::new();
+    // the reference: whole weights, two micro-batches accumulated, then an evaluation forward
+    let mut whole = Vit::new(&be, m.clone()).expect("model");
+    whole.set_params(&be, &weights).expect("weights");
+    whole.zero_grads(&be).expect("zero");
+    let mut want = Vec::new();
+    for _ in 0..2 {
+        want.push(whole.forward(&be, &images, &targets, b, Some(1.0 / b as f32)).expect("forward").logits);
+        whole.backward(&be).expect("backward");
+    }
+    let want_grads = be.download(&whole.grads).expect("grads");
+    let want_eval = whole.forward(&be, &images, &targets, b, None).expect("eval").logits;
+
+    for prefetch in [true, false] {
+        let port = common::free_port();
+        let opts = CommOptions { timeout: Duration::from_secs(60), rendezvous_timeout: Duration::from_secs(30) };
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..world)
+                .map(|rank| {
+                    let (m, table, weights, images, targets, opts) = (&m, &table, &weights, &images, &targets, &opts);
+                    let (want, want_grads, want_eval) = (&want, &want_grads, &want_eval);
+                    s.spawn(move || {
+                        let be = Cpu::new();
+                        let gathers = Arc::new(AtomicUsize::new(0));
+                        let inner = TcpComm::connect(&DistEnv::loopback(rank, world, port), opts, "zero3-passes").expect("connect");
+                        let comm = Box::new(Counting { inner, gathers: gathers.clone() });
+                        let plan = vitscale::train::sync::BucketPlan::new(&table.gradient_groups(), 1, 1).expect("plan");
+                        let opt = vitscale::config::OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, dampening: 0.0, weight_decay: 0.0, nesterov: false };
+                        let layout = vitscale::train::zero::ZeroLayout::new(&plan, &opt, 3, world, rank, true).expect("layout");
+                        let parts = layout.partition_parts(depth + 2).expect("parts");
+                        let part = Partition::new(&be, table, parts, comm, GatherOptions { persistence_threshold: 0, prefetch }).expect("partition");
+                        let mut vit = Vit::new(&be, m.clone()).expect("model");
+                        vit.set_params(&be, weights).expect("weights");
+                        vit.partition(&be, part).expect("partition");
+                        assert!(vit.params_host(&be).is_err(), "the whole weights are still there");
+                        vit.zero_grads(&be).expect("zero");
+                        let mut counts = Vec::new();
+                        for (i, w) in want.iter().enumerate() {
+                            let got = vit.forward(&be, images, targets, b, Some(1.0 / b as f32)).expect("forward").logits;
+                            assert_eq!(&got, w, "rank {rank}: logits of micro-batch {i}");
+                            counts.push(gathers.swap(0, Ordering::Relaxed));
+                            vit.backward(&be).expect("backward");
+                            counts.push(gathers.swap(0, Ordering::Relaxed));
+                        }
+                        assert_eq!(&be.download(&vit.grads).expect("grads"), want_grads, "rank {rank}: accumulated gradients");
+                        let want_counts = if prefetch { [depth, depth - 2, depth - 2, depth - 2] } else { [depth, depth - 1, depth - 1, depth - 1] };
+                        assert_eq!(counts, want_counts, "rank {rank}, prefetch {prefetch}: gathers per pass");
+                        // after an update the slots are stale: everything is gathered again
+                        vit.partitioned_mut().expect("partitioned").refresh(&be).expect("refresh");
+                        gathers.swap(0, Ordering::Relaxed);
+                        assert_eq!(&vit.forward(&be, images, targets, b, None).expect("eval").logits, want_eval, "rank {rank}: evaluation");
+                        assert_eq!(gathers.load(Ordering::Relaxed), depth, "rank {rank}: gathers of a forward after an update");
+                        let p = vit.partitioned().expect("partitioned");
+                        assert_eq!(p.slot_elems(&be), if prefetch { 2 } else { 1 } * p.groups[1].span.len, "rank {rank}: gather slots");
+                    })
+                })
+                .collect();
+            for h in hs {
+                h.join().expect("rank thread panicked");
+            }
+        });
+    }
+}
