@@ -217,6 +217,7 @@ mod tests {
             labels: (0..b as u32).map(|i| i % 3).collect(),
             targets: None,
             keys: Vec::new(),
+            encoded: None,
         }
     }
 
@@ -227,6 +228,7 @@ mod tests {
             labels: (0..b).map(|_| rng.below(7) as u32).collect(),
             targets: None,
             keys: Vec::new(),
+            encoded: None,
         }
     }
 
@@ -450,7 +452,7 @@ mod tests {
                 mix_batch(&mut again, &idx, &o, 4, 3, step, side, 7, 0.1);
                 assert_eq!(bits(&again.images), bits(&whole.images));
                 for (lo, hi) in [(0, 4), (4, 6), (6, 12)] {
-                    let mut part = Batch { images: orig.images[lo * per..hi * per].to_vec(), labels: orig.labels[lo..hi].to_vec(), targets: None, keys: Vec::new() };
+                    let mut part = Batch { images: orig.images[lo * per..hi * per].to_vec(), labels: orig.labels[lo..hi].to_vec(), targets: None, keys: Vec::new(), encoded: None };
                     mix_batch(&mut part, &idx[lo..hi], &o, 4, 3, step, side, 7, 0.1);
                     assert_eq!(bits(&part.images), bits(&whole.images[lo * per..hi * per]), "{m:?} step {step} slice {lo}..{hi}");
                     assert_eq!(bits(part.targets.as_ref().unwrap()), bits(&whole.targets.as_ref().unwrap()[lo * 7..hi * 7]));
@@ -550,6 +552,7 @@ mod tests {
                     labels: whole.labels[r * 2..(r + 1) * 2].to_vec(),
                     targets: None,
                     keys: Vec::new(),
+                    encoded: None,
                 };
                 apply(&mut p, d, 4, 3, 0.1);
                 p
