@@ -159,7 +159,8 @@ impl OrderCheck {
         (self.apart > 0).then(|| self.right as f64 / self.apart as f64)
     }
 
-    /// One line: "5 of 6 pairs apart beyond their spread ordered right (83 %), 9 tied within it".
+    /// One line: "5 of 6 pairs apart beyond their spread ordered right (83 %), 9 pairs within
+    /// it (tied)".
     pub fn text(&self) -> String {
         let mut s = match self.share_right() {
             Some(r) => format!("{} of {} ordered right ({:.0} %)", self.right, crate::util::plural(self.apart, "pair apart beyond its spread", "pairs apart beyond their spread"), r * 100.0),
