@@ -16,7 +16,7 @@ mkdir -p "$OUT"
 "$BIN" bench --device cpu --model vit_tiny_patch4_32 --profile-out "$OUT/profile.json" --profile-micros 4,8,16,32 --steps 20 --warmup 3
 # one rank as each of 2 launched ranks runs: ⌈cores / 2⌉ threads, the other rank beside it
 "$BIN" launch --nproc-per-node 2 -- bench --device cpu --model vit_tiny_patch4_32 --profile-out "$OUT/profile_2ranks.json" --profile-micros 4,8,16,32 --steps 20 --warmup 3
-"$BIN" launch --nproc-per-node 2 -- bench --comm --device cpu --comm-max-bytes 33554432 --comm-buckets vit_tiny_patch4_32 --comm-iters 5 --warmup 2 --comm-out "$OUT/comm_2.json" > "$OUT/comm_2.txt"
+"$BIN" launch --nproc-per-node 2 -- bench --comm --device cpu --comm-max-bytes 33554432 --comm-buckets vit_tiny_patch4_32 --comm-iters 9 --warmup 2 --comm-out "$OUT/comm_2.json" > "$OUT/comm_2.txt"
 "$BIN" sweep configs/study/plan_validation_cpu.json --out "$OUT" --resume
 "$BIN" plan --validate "$OUT"
 "$BIN" report "$OUT"

@@ -2,9 +2,9 @@
 //! all-gather over message sizes, on the ranks of the job (CPU ranks over the TCP ring, GPU
 //! ranks over NCCL; start several with `vitscale launch`). Run on every rank; rank 0 prints.
 //!
-//! Definitions are nccl-tests': `size` is the bytes of the whole buffer (the all-reduce's
-//! input, the reduce-scatter's input, the all-gather's output), `time` the mean over ranks of
-//! the mean per-iteration time, `algbw = size / time`, and `busbw = algbw · f` with
+//! Definitions are nccl-tests' but for the time: `size` is the bytes of the whole buffer (the
+//! all-reduce's input, the reduce-scatter's input, the all-gather's output), `time` the mean
+//! over ranks of the median iteration (nccl-tests: the mean one), `algbw = size / time`, and `busbw = algbw · f` with
 //! f = 2(n−1)/n for all-reduce and (n−1)/n for reduce-scatter and all-gather, so busbw is
 //! comparable with the link's bandwidth whatever the rank count. Before timing each size, one
 //! operation on known values is checked (`wrong` counts the elements that differ).
@@ -204,13 +204,17 @@ pub fn run<B: Backend>(be: &B, comm: &mut dyn Comm<B::Buf>, args: &CommBenchArgs
                 comm.wait(w, &mut buf).map_err(|e| e.to_string())?;
             }
             comm.barrier().map_err(|e| e.to_string())?;
-            let t = Instant::now();
+            let mut times = Vec::with_capacity(iters);
             for _ in 0..iters {
+                let t = Instant::now();
                 let w = comm.start(op, &mut buf, span).map_err(|e| e.to_string())?;
                 comm.wait(w, &mut buf).map_err(|e| e.to_string())?;
+                be.synchronize().map_err(|e| e.to_string())?;
+                times.push(t.elapsed().as_secs_f64());
             }
-            be.synchronize().map_err(|e| e.to_string())?;
-            let secs = t.elapsed().as_secs_f64() / iters as f64;
+            // the median iteration: a stretch of a shared host's noise moves it only when it
+            // covers half the iterations (the planner's profiles keep medians too)
+            let secs = crate::util::median(&times).unwrap_or(0.0);
             // drop the transport's own timing records of these operations
             let _ = comm.take_device_timing(std::time::Instant::now());
             let mut v = [secs, wrong as f64];
