@@ -5,7 +5,7 @@
 # the doubling sizes and at the sizes of the model's gradient buckets), the sweep they must
 # predict (configs/study/plan_validation_cpu.json: 1 and 2 ranks × micro 4, 8, 16, 32, three
 # rounds; each run's steady throughput is its median step, each point's the median of its
-# runs, its spread half their range), then `plan --validate` and `report`. About 8 minutes on
+# runs, its spread half their range), then `plan --validate` and `report`. About 9 minutes on
 # 2 cores.
 #
 #   scripts/plan_cpu.sh [BIN] [OUTDIR]
