@@ -73,8 +73,9 @@ fn bad_cluster_files_name_the_key() {
     }
 }
 
-/// Profile + comm bench + a small sweep → `plan --validate` predicts every point with finite
-/// errors and writes `plan.json`; the report shows it; the presets predict, recommend, project.
+/// Profile + comm bench + a small sweep (every point run twice) → `plan --validate` predicts
+/// every point with finite errors from the median of its runs, and writes `plan.json`; the
+/// report shows it; the presets predict, recommend, project.
 #[test]
 fn validate_a_small_cpu_sweep_and_plan_on_the_presets() {
     let tmp = tmp();
@@ -88,12 +89,12 @@ fn validate_a_small_cpu_sweep_and_plan_on_the_presets() {
         },
         "set": {"train.eval_batch_size": 32},
         "grid": {"nproc": [1, 2], "train_micro_batch_size_per_gpu": [8, 32]},
-        "device": "cpu", "steps": 8, "warmup_steps": 2, "timeout_s": 120
+        "device": "cpu", "steps": 8, "warmup_steps": 2, "timeout_s": 120, "repeats": 2
     });
     std::fs::write(cwd.join("spec.json"), spec.to_string()).unwrap();
     let out = vitscale(cwd, &["sweep", "spec.json", "--out", "sw", "--json"]);
     ok(&out, "sweep");
-    assert_eq!(last_json(&out)["ok"], 4);
+    assert_eq!(last_json(&out)["ok"], 8);
     profile(cwd, "sw/profile.json");
     // each of 2 launched ranks profiles its own step beside the other: rank 0 writes the file,
     // with the threads the launcher gives a rank of 2
@@ -135,21 +136,34 @@ fn validate_a_small_cpu_sweep_and_plan_on_the_presets() {
         // one rank is predicted from the rank alone on every core, two from the two side by side
         let want = if p["world"] == 1 { "profile.json" } else { "profile_2ranks.json" };
         assert!(p["profile"].as_str().unwrap().ends_with(want), "{p}");
-        // measured: the global batch over rank 0's median step after the 2 warm-up steps, read
-        // here from its metrics lines (one a step)
-        let metrics = std::fs::read_to_string(cwd.join("sw/points").join(p["id"].as_str().unwrap()).join("run/metrics.jsonl")).unwrap();
-        let mut secs: Vec<f64> = metrics
-            .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter(|r| r.get("kind").is_none() && r["step"].as_u64().is_some_and(|s| s > 2))
-            .map(|r| r["train_s"].as_f64().unwrap() / r["steps"].as_f64().unwrap())
-            .collect();
-        secs.sort_by(f64::total_cmp);
-        assert_eq!(secs.len(), 6, "{p}");
-        let median = (secs[2] + secs[3]) / 2.0;
+        // measured: per run, the global batch over rank 0's median step after the 2 warm-up
+        // steps, read here from its metrics lines (one a step); the point's, the median (here
+        // the mean) of its 2 runs, and its spread half their difference
         let global = (p["world"].as_u64().unwrap() * p["micro"].as_u64().unwrap()) as f64;
-        assert!((m - global / median).abs() < 1e-6 * m, "{p}: measured {m}, median step {median} s");
+        let runs: Vec<f64> = (1..=2)
+            .map(|r| {
+                let metrics = std::fs::read_to_string(cwd.join("sw/points").join(format!("{}_r{r}", p["id"].as_str().unwrap())).join("run/metrics.jsonl")).unwrap();
+                let mut secs: Vec<f64> = metrics
+                    .lines()
+                    .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                    .filter(|r| r.get("kind").is_none() && r["step"].as_u64().is_some_and(|s| s > 2))
+                    .map(|r| r["train_s"].as_f64().unwrap() / r["steps"].as_f64().unwrap())
+                    .collect();
+                secs.sort_by(f64::total_cmp);
+                assert_eq!(secs.len(), 6, "{p}");
+                global / ((secs[2] + secs[3]) / 2.0)
+            })
+            .collect();
+        let got: Vec<f64> = p["runs_images_per_s"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+        assert!(got.len() == 2 && got.iter().zip(&runs).all(|(a, b)| (a - b).abs() < 1e-6 * b), "{p}: runs {runs:?}");
+        assert!((m - (runs[0] + runs[1]) / 2.0).abs() < 1e-6 * m, "{p}: measured {m}, runs {runs:?}");
+        assert!((p["spread_images_per_s"].as_f64().unwrap() - (runs[0] - runs[1]).abs() / 2.0).abs() < 1e-6 * m, "{p}");
     }
+    // 4 points: 6 pairs, each apart beyond the spread of its runs or tied within it
+    let order = &v["order"];
+    assert_eq!((order["pairs"].as_u64(), order["min_runs"].as_u64()), (Some(6), Some(2)), "{order}");
+    assert_eq!(order["apart"].as_u64().unwrap() + order["tied"].as_u64().unwrap(), 6, "{order}");
+    assert!(order["right"].as_u64().unwrap() <= order["apart"].as_u64().unwrap(), "{order}");
     // every point is a prediction, the one-rank points too (nothing is fitted on the sweep)
     let errs: Vec<f64> = points.iter().map(|p| p["err"].as_f64().unwrap().abs()).collect();
     let max = errs.iter().cloned().fold(0.0, f64::max);

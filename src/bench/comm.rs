@@ -2,12 +2,17 @@
 //! all-gather over message sizes, on the ranks of the job (CPU ranks over the TCP ring, GPU
 //! ranks over NCCL; start several with `vitscale launch`). Run on every rank; rank 0 prints.
 //!
-//! Definitions are nccl-tests': `size` is the bytes of the whole buffer (the all-reduce's
-//! input, the reduce-scatter's input, the all-gather's output), `time` the mean over ranks of
-//! the mean per-iteration time, `algbw = size / time`, and `busbw = algbw · f` with
+//! Definitions are nccl-tests' but for the time: `size` is the bytes of the whole buffer (the
+//! all-reduce's input, the reduce-scatter's input, the all-gather's output), `time` the mean
+//! over ranks of the median iteration (nccl-tests: the mean one), `algbw = size / time`, and `busbw = algbw · f` with
 //! f = 2(n−1)/n for all-reduce and (n−1)/n for reduce-scatter and all-gather, so busbw is
 //! comparable with the link's bandwidth whatever the rank count. Before timing each size, one
 //! operation on known values is checked (`wrong` counts the elements that differ).
+//!
+//! `--comm-buckets PRESET` adds the sizes of that model's gradient buckets (on an fp32 and a
+//! bf16 wire, at the default `reduce_bucket_size`) to the doubling ones, so the planner reads
+//! the time of the messages a run sends off measured points instead of interpolating between
+//! sizes twice apart, across which a host's caches and allocator can change the cost per byte.
 
 use std::time::Instant;
 
@@ -33,6 +38,10 @@ pub struct CommBenchArgs {
     /// With --comm: timed iterations per size (after --warmup ones, at least 1).
     #[arg(long, default_value_t = 20)]
     pub comm_iters: usize,
+    /// With --comm: also measure the sizes of this model preset's gradient buckets (as
+    /// training sends them at the default reduce_bucket_size, on an fp32 and a bf16 wire).
+    #[arg(long, value_name = "PRESET")]
+    pub comm_buckets: Option<String>,
     /// With --comm: the collectives, comma-separated, of all_reduce, reduce_scatter, all_gather.
     #[arg(long, default_value = "all_reduce,reduce_scatter,all_gather")]
     pub comm_ops: String,
@@ -83,6 +92,29 @@ pub fn sizes(min: u64, max: u64, world: usize) -> Result<Vec<usize>, String> {
         }
         b = b.saturating_mul(2);
     }
+    Ok(out)
+}
+
+/// The bytes of `preset`'s gradient buckets at the default bucket size, on an fp32 wire and on
+/// a bf16 one, in increasing order.
+pub fn bucket_bytes(preset: &str) -> Result<Vec<u64>, String> {
+    let cfg = crate::model::ModelConfig::preset(preset).ok_or_else(|| format!("--comm-buckets {preset}: not a model preset (`vitscale bench --help` names the presets)"))?;
+    let groups = crate::model::ParamTable::new(&cfg).gradient_groups();
+    let plan = crate::train::sync::BucketPlan::for_bucket_size(&groups, crate::train::sync::DEFAULT_BUCKET_ELEMS).map_err(|e| format!("--comm-buckets {preset}: {e}"))?;
+    let mut out: Vec<u64> = plan.buckets.iter().flat_map(|b| [b.span.len as u64 * 4, b.span.len as u64 * 2]).filter(|&b| b > 0).collect();
+    out.sort_unstable();
+    out.dedup();
+    Ok(out)
+}
+
+/// `sizes(min, max, world)` with the sizes of `extra` (bytes, each rounded up as those are)
+/// merged in.
+pub fn sizes_with(min: u64, max: u64, extra: &[u64], world: usize) -> Result<Vec<usize>, String> {
+    let mut out = sizes(min, max, world)?;
+    let unit = 4 * world as u64;
+    out.extend(extra.iter().map(|&b| (b.div_ceil(unit) * unit / 4) as usize));
+    out.sort_unstable();
+    out.dedup();
     Ok(out)
 }
 
@@ -154,7 +186,11 @@ impl Contains for Span {
 pub fn run<B: Backend>(be: &B, comm: &mut dyn Comm<B::Buf>, args: &CommBenchArgs, warmup: usize) -> Result<CommBenchResult, String> {
     let world = comm.world_size();
     let ops = parse_ops(&args.comm_ops)?;
-    let counts = sizes(args.comm_min_bytes, args.comm_max_bytes, world)?;
+    let extra = match &args.comm_buckets {
+        Some(preset) => bucket_bytes(preset)?,
+        None => Vec::new(),
+    };
+    let counts = sizes_with(args.comm_min_bytes, args.comm_max_bytes, &extra, world)?;
     let iters = args.comm_iters.max(1);
     let max_count = counts.iter().copied().max().unwrap_or(0);
     let mut buf = be.alloc_f32(max_count).map_err(|e| format!("allocating {} bytes: {e}", max_count * 4))?;
@@ -168,13 +204,17 @@ pub fn run<B: Backend>(be: &B, comm: &mut dyn Comm<B::Buf>, args: &CommBenchArgs
                 comm.wait(w, &mut buf).map_err(|e| e.to_string())?;
             }
             comm.barrier().map_err(|e| e.to_string())?;
-            let t = Instant::now();
+            let mut times = Vec::with_capacity(iters);
             for _ in 0..iters {
+                let t = Instant::now();
                 let w = comm.start(op, &mut buf, span).map_err(|e| e.to_string())?;
                 comm.wait(w, &mut buf).map_err(|e| e.to_string())?;
+                be.synchronize().map_err(|e| e.to_string())?;
+                times.push(t.elapsed().as_secs_f64());
             }
-            be.synchronize().map_err(|e| e.to_string())?;
-            let secs = t.elapsed().as_secs_f64() / iters as f64;
+            // the median iteration: a stretch of a shared host's noise moves it only when it
+            // covers half the iterations (the planner's profiles keep medians too)
+            let secs = crate::util::median(&times).unwrap_or(0.0);
             // drop the transport's own timing records of these operations
             let _ = comm.take_device_timing(std::time::Instant::now());
             let mut v = [secs, wrong as f64];
@@ -211,7 +251,7 @@ pub fn command(args: &CommBenchArgs, device: &str, warmup: usize, json: bool) ->
     let env = crate::comm::DistEnv::detect()?;
     let opts = crate::comm::CommOptions::from_env()?;
     // every rank of the job runs the same sweep; the hash makes ranks with other flags refuse
-    let hash = format!("bench-comm {} {} {} {} {}", args.comm_min_bytes, args.comm_max_bytes, args.comm_iters, args.comm_ops, warmup);
+    let hash = format!("bench-comm {} {} {} {} {} {:?}", args.comm_min_bytes, args.comm_max_bytes, args.comm_iters, args.comm_ops, warmup, args.comm_buckets);
     let result = match device {
         "cpu" => {
             let be = crate::backend::cpu::Cpu::new();
@@ -266,6 +306,24 @@ mod tests {
         assert!(s.windows(2).all(|w| w[1] > w[0]));
         assert!(sizes(0, 10, 1).is_err());
         assert!(sizes(10, 5, 1).is_err());
+    }
+
+    /// ViT-Ti/4 32 px's gradients (under 25 MiB of f32) go in two buckets: the first of about
+    /// 1 MiB of f32, then the rest. Each is measured on an fp32 wire (× 4 bytes) and a bf16
+    /// one (× 2), and the sizes join the doubling series in order.
+    #[test]
+    fn bucket_sizes_join_the_series() {
+        let cfg = crate::model::ModelConfig::preset("vit_tiny_patch4_32").expect("preset");
+        let total = crate::model::ParamTable::new(&cfg).gradient_groups().iter().map(|g| g.len).sum::<usize>() as u64;
+        let b = bucket_bytes("vit_tiny_patch4_32").expect("buckets");
+        assert_eq!(b.len(), 4, "{b:?}");
+        assert_eq!((b[1], b[3]), (2 * b[0], 2 * b[2]), "{b:?}");
+        assert_eq!(b[1] + b[3], 4 * total, "{b:?}");
+        assert!(b[1] >= 4 << 18 && b[1] < 4 << 20, "first bucket {} bytes", b[1]);
+        assert!(bucket_bytes("no_such_model").expect_err("unknown").contains("no_such_model"));
+        let s = sizes_with(1 << 20, 4 << 20, &[3_000_001, 2 << 20], 2).expect("sizes");
+        // 1, 2, 4 MiB and 3 000 001 bytes rounded up to whole f32 per rank (3 000 008)
+        assert_eq!(s, vec![1 << 18, 1 << 19, 750_002, 1 << 20]);
     }
 
     #[test]

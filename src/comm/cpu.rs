@@ -127,8 +127,13 @@ pub struct TcpComm {
     next_id: u64,
     /// Why the communicator is unusable, once it is.
     failed: Option<String>,
+    /// Payload vectors of finished collectives, reused by the next ones (`payload`).
+    spare: Vec<Vec<f32>>,
     _worker: Option<JoinHandle<()>>,
 }
+
+/// Payload vectors `TcpComm` keeps for reuse: a step's gradient buckets in flight at once.
+const SPARE_PAYLOADS: usize = 4;
 
 impl std::fmt::Debug for TcpComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -170,7 +175,7 @@ impl TcpComm {
         let bind_ip = listener.local_addr().map_err(|e| io_err(rank, rank, "reading the ring listener address", e))?.ip();
         let net = Net { peers: rv.peers.clone(), session: rv.session, bind_ip, opts: opts.clone() };
         if world == 1 {
-            return Ok(TcpComm { rank, world, net: Some(net), jobs: None, pending: HashMap::new(), arrived: HashMap::new(), next_id: 0, failed: None, _worker: None });
+            return Ok(TcpComm { rank, world, net: Some(net), jobs: None, pending: HashMap::new(), arrived: HashMap::new(), next_id: 0, failed: None, spare: Vec::new(), _worker: None });
         }
         let next = (rank + 1) % world;
         let prev = (rank + world - 1) % world;
@@ -179,7 +184,7 @@ impl TcpComm {
         let from_prev = accept_prev(rank, prev, &listener, rv.session, deadline)?;
         drop(listener);
         let (jobs, worker) = start_ring(rank, world, (0..world).collect(), (to_next, from_prev), Some(rv.control), opts.timeout)?;
-        Ok(TcpComm { rank, world, net: Some(net), jobs: Some(jobs), pending: HashMap::new(), arrived: HashMap::new(), next_id: 0, failed: None, _worker: Some(worker) })
+        Ok(TcpComm { rank, world, net: Some(net), jobs: Some(jobs), pending: HashMap::new(), arrived: HashMap::new(), next_id: 0, failed: None, spare: Vec::new(), _worker: Some(worker) })
     }
 
 
@@ -204,7 +209,7 @@ impl TcpComm {
         let from_prev = accept_prev(rank, prev, &listener, session, deadline)?;
         drop(listener);
         let (jobs, worker) = start_ring(local, size, (base..base + size).collect(), (to_next, from_prev), None, net.opts.timeout)?;
-        Ok(TcpComm { rank: local, world: size, net: None, jobs: Some(jobs), pending: HashMap::new(), arrived: HashMap::new(), next_id: 0, failed: None, _worker: Some(worker) })
+        Ok(TcpComm { rank: local, world: size, net: None, jobs: Some(jobs), pending: HashMap::new(), arrived: HashMap::new(), next_id: 0, failed: None, spare: Vec::new(), _worker: Some(worker) })
     }
 
     fn submit(&mut self, op: JobOp, data: Payload) -> CResult<u64> {
@@ -240,6 +245,27 @@ impl TcpComm {
                 Err(e)
             }
             Err(_) => Err(self.poison("the ring thread ended".into())),
+        }
+    }
+
+    /// A copy of `src` in a vector a finished collective left behind when one is large
+    /// enough (the smallest such), else a fresh one. A fresh vector of 32 MiB or more is,
+    /// with glibc, always a new mapping whose pages fault in on the copy: reusing
+    /// the vectors keeps a large bucket's collective at the cost of its bytes moved.
+    fn payload(&mut self, src: &[f32]) -> Vec<f32> {
+        let fit = self.spare.iter().enumerate().filter(|(_, v)| v.capacity() >= src.len()).min_by_key(|(_, v)| v.capacity()).map(|(i, _)| i);
+        let mut v = fit.map(|i| self.spare.swap_remove(i)).unwrap_or_default();
+        v.clear();
+        v.extend_from_slice(src);
+        v
+    }
+
+    /// Keeps a finished collective's payload for `payload`, the largest `SPARE_PAYLOADS`.
+    fn recycle(&mut self, v: Vec<f32>) {
+        self.spare.push(v);
+        if self.spare.len() > SPARE_PAYLOADS {
+            let smallest = self.spare.iter().enumerate().min_by_key(|(_, v)| v.capacity()).map_or(0, |(i, _)| i);
+            self.spare.swap_remove(smallest);
         }
     }
 
@@ -348,7 +374,8 @@ impl Comm<Vec<f32>> for TcpComm {
         if !wire.is_plain() && !matches!(op, Collective::AllReduce(_)) {
             return Err(CommError::Unsupported { what: format!("{} with {wire:?} on {}", op.name(), self.describe()) });
         }
-        let id = self.submit(JobOp::Coll(op, wire), Payload::F32(buf[span.range()].to_vec()))?;
+        let data = self.payload(&buf[span.range()]);
+        let id = self.submit(JobOp::Coll(op, wire), Payload::F32(data))?;
         Ok(Work { id, op, span })
     }
 
@@ -365,6 +392,7 @@ impl Comm<Vec<f32>> for TcpComm {
             }
             _ => buf[span.range()].copy_from_slice(&data),
         }
+        self.recycle(data);
         Ok(())
     }
 

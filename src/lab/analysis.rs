@@ -502,6 +502,7 @@ mod tests {
             id: format!("w{world}m{micro}g{gas}"),
             index: 0,
             keys,
+            repeat: 0,
             status: "ok".into(),
             reason: None,
             exit_code: Some(0),

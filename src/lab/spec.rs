@@ -9,6 +9,10 @@
 //! `base` is a path relative to the spec file or an inline config object. Grid keys are the
 //! dotted keys `vitscale train --set` takes, plus two of the lab's own: `nproc` (ranks, run
 //! through `vitscale launch --nproc-per-node`) and `one_gpu` (every rank on GPU 0).
+//!
+//! `"repeats": R` runs every point R times, in rounds (every point once, then every point
+//! again, …), so that a slow stretch of a shared machine falls on all points alike; the runs'
+//! ids end in `_r1` … `_rR`, and `plan --validate` measures each point's spread from them.
 
 use std::path::{Path, PathBuf};
 
@@ -32,6 +36,7 @@ pub const SPEC_KEYS: &[(&str, &str)] = &[
     ("warmup_steps", "leading steps left out of each point's summary (default 5)"),
     ("full_training", "train each point to the end of its configured run instead of `steps` (default false)"),
     ("timeout_s", "seconds a point may run before it is stopped and recorded as failed (default 900)"),
+    ("repeats", "runs of every point, in rounds of one run each (default 1)"),
     ("name", "a title for the report (default: the spec file's name)"),
     ("description", "free text shown in the report"),
 ];
@@ -59,15 +64,25 @@ pub struct SweepSpec {
     pub warmup_steps: u64,
     pub full_training: bool,
     pub timeout_s: f64,
+    /// Runs of every point (rounds); left out of `spec.json` when 1, as specs without it wrote.
+    #[serde(skip_serializing_if = "is_one")]
+    pub repeats: u64,
+}
+
+fn is_one(x: &u64) -> bool {
+    *x == 1
 }
 
 /// One point of the grid: its values of the grid keys, in the grid's order.
 #[derive(Clone, Debug, Serialize)]
 pub struct Point {
     pub index: usize,
-    /// A file-name-safe id unique in the sweep, e.g. `p003_micro64_gas1_nproc2`.
+    /// A file-name-safe id unique in the sweep, e.g. `p003_micro64_gas1_nproc2` (with
+    /// `repeats`, `p003_micro64_gas1_nproc2_r2` for the second run).
     pub id: String,
     pub keys: Map<String, Value>,
+    /// Which run of the point this is (0-based; 0 without `repeats`).
+    pub repeat: usize,
 }
 
 impl Point {
@@ -163,6 +178,7 @@ impl SweepSpec {
             }
         };
         let steps = uint("steps", 30, 1)?;
+        let repeats = uint("repeats", 1, 1)?;
         let warmup_steps = uint("warmup_steps", 5, 0)?;
         let full_training = match obj.get("full_training") {
             None => false,
@@ -202,6 +218,7 @@ impl SweepSpec {
             warmup_steps,
             full_training,
             timeout_s,
+            repeats,
         })
     }
 
@@ -247,7 +264,8 @@ impl SweepSpec {
         Ok(())
     }
 
-    /// Every point of the grid, the last key varying fastest.
+    /// Every run of every point of the grid in the order they run: the grid's points (the
+    /// last key varying fastest) once per round of `repeats`.
     pub fn points(&self) -> Vec<Point> {
         let mut combos: Vec<Vec<&Value>> = vec![vec![]];
         for (_, vals) in &self.grid {
@@ -257,7 +275,7 @@ impl SweepSpec {
                 c
             })).collect();
         }
-        combos
+        let grid: Vec<(String, Map<String, Value>)> = combos
             .into_iter()
             .enumerate()
             .map(|(index, vals)| {
@@ -268,7 +286,16 @@ impl SweepSpec {
                     id.push_str(&short_key(k));
                     id.push_str(&slug(v));
                 }
-                Point { index, id, keys }
+                (id, keys)
+            })
+            .collect();
+        let rounds = self.repeats.max(1) as usize;
+        (0..rounds)
+            .flat_map(|repeat| grid.iter().map(move |(id, keys)| (repeat, id, keys)))
+            .enumerate()
+            .map(|(index, (repeat, id, keys))| {
+                let id = if rounds > 1 { format!("{id}_r{}", repeat + 1) } else { id.clone() };
+                Point { index, id, keys: keys.clone(), repeat }
             })
             .collect()
     }
@@ -341,6 +368,22 @@ mod tests {
         assert!(cfg.get("nproc").is_none());
     }
 
+    /// Three rounds of a grid of two points: every point once per round, in the grid's order.
+    #[test]
+    fn repeats_run_in_rounds() {
+        let v = json!({"base": {"model": {"preset": "vit_builtin_default"}}, "grid": {"nproc": [1, 2]}, "repeats": 3, "steps": 4, "warmup_steps": 1});
+        let s = SweepSpec::from_value(&v, Path::new("."), "t", "t").expect("valid spec");
+        let pts = s.points();
+        let ids: Vec<&str> = pts.iter().map(|p| p.id.as_str()).collect();
+        assert_eq!(ids, ["p000_nproc1_r1", "p001_nproc2_r1", "p000_nproc1_r2", "p001_nproc2_r2", "p000_nproc1_r3", "p001_nproc2_r3"]);
+        assert_eq!(pts.iter().map(|p| (p.index, p.repeat, p.nproc())).collect::<Vec<_>>(), [(0, 0, 1), (1, 0, 2), (2, 1, 1), (3, 1, 2), (4, 2, 1), (5, 2, 2)]);
+        // without repeats the ids and the recorded spec are as before
+        let one = SweepSpec::from_value(&json!({"base": {}, "grid": {"nproc": [1]}}), Path::new("."), "t", "t").expect("valid spec");
+        assert_eq!(one.points()[0].id, "p000_nproc1");
+        assert!(serde_json::to_value(&one).expect("json").get("repeats").is_none());
+        assert_eq!(serde_json::to_value(&s).expect("json")["repeats"], json!(3));
+    }
+
     #[test]
     fn bad_specs_name_the_key() {
         let cases = [
@@ -356,6 +399,8 @@ mod tests {
             (json!({"base": {}, "grid": {"x": [1]}, "name": "a/b"}), "name"),
             (json!({"base": {}, "grid": {"x": [1]}, "name": ".."}), "name"),
             (json!({"base": {}, "grid": {"x": [1]}, "name": ""}), "name"),
+            (json!({"base": {}, "grid": {"x": [1]}, "repeats": 0}), "repeats"),
+            (json!({"base": {}, "grid": {"x": [1]}, "repeats": "3"}), "repeats"),
         ];
         for (v, key) in cases {
             let e = SweepSpec::from_value(&v, Path::new("."), "t", "t").expect_err("invalid").to_string();

@@ -27,6 +27,9 @@ pub struct PointRecord {
     pub id: String,
     pub index: usize,
     pub keys: Map<String, Value>,
+    /// Which run of the point (0-based; the spec's `repeats` runs each point several times).
+    #[serde(default)]
+    pub repeat: usize,
     /// "ok" or "failed".
     pub status: String,
     /// Why a point failed: exit code, signal, timeout or out-of-memory text.
@@ -452,7 +455,7 @@ fn run_point(spec: &SweepSpec, p: &Point, opts: &SweepOptions) -> Result<PointRe
             Err(e) => ("failed", Some(format!("exited 0 but its run directory cannot be summarized: {e}")), None),
         },
     };
-    Ok(PointRecord { id: p.id.clone(), index: p.index, keys: p.keys.clone(), status: status_text.into(), reason, exit_code, wall_s, run_dir: rel, command, figures })
+    Ok(PointRecord { id: p.id.clone(), index: p.index, keys: p.keys.clone(), repeat: p.repeat, status: status_text.into(), reason, exit_code, wall_s, run_dir: rel, command, figures })
 }
 
 /// SIGTERM to the point's process group, SIGKILL after 5 s.

@@ -8,6 +8,13 @@
 //! error is (predicted − measured) / measured images/s, measured at the point's median step
 //! (`PointFigures::steady_images_per_s`); per term (compute, exposed
 //! communication, optimizer, the rest) the mean gap in seconds says which term misses.
+//!
+//! A sweep with `repeats` runs each point several times: the point's throughput is the
+//! median of its runs and its spread half their range. Two points are in a measured order
+//! only when their medians differ by more than the sum of their spreads (their runs' ranges,
+//! centred on the medians, do not overlap); closer pairs are ties within the run-to-run noise,
+//! and the order check (`OrderCheck`) counts how many of the pairs apart the prediction
+//! orders right. Spearman's ρ is over every point.
 
 use std::path::{Path, PathBuf};
 
@@ -34,7 +41,14 @@ pub struct PointCheck {
     pub ranks_per_device: usize,
     /// The profile that predicted it.
     pub profile: String,
+    /// The median of the runs' throughputs.
     pub measured_images_per_s: f64,
+    /// Each run's throughput, in the order they ran (one without `repeats`).
+    #[serde(default)]
+    pub runs_images_per_s: Vec<f64>,
+    /// Half the range of `runs_images_per_s` (0 with one run).
+    #[serde(default)]
+    pub spread_images_per_s: f64,
     pub predicted_images_per_s: f64,
     /// (predicted − measured) / measured.
     pub err: f64,
@@ -63,8 +77,12 @@ pub struct Validation {
     pub max_abs_err: f64,
     /// Spearman's rank correlation of predicted with measured throughput.
     pub spearman: Option<f64>,
-    /// Share of point pairs the prediction orders as measured.
+    /// Share of point pairs the prediction orders as measured (every pair, ties in the noise
+    /// too).
     pub pairwise_correct: Option<f64>,
+    /// The order over the pairs the measurement tells apart.
+    #[serde(default)]
+    pub order: OrderCheck,
     /// Mean |predicted − measured| per term over the points, as a share of the measured step.
     pub term_gaps: Vec<(String, f64)>,
     pub notes: Vec<String>,
@@ -119,6 +137,72 @@ pub fn pairwise_correct(meas: &[f64], pred: &[f64]) -> Option<f64> {
     (total > 0).then(|| right as f64 / total as f64)
 }
 
+/// The prediction's order against the measured one, over the pairs of points whose measured
+/// throughputs differ by more than their combined spread.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct OrderCheck {
+    pub pairs: usize,
+    /// Pairs whose medians differ by more than the sum of their spreads.
+    pub apart: usize,
+    /// Of those, the pairs the prediction orders as measured.
+    pub right: usize,
+    /// Pairs within their combined spread: which is faster is noise.
+    pub tied: usize,
+    /// Fewest runs of a point; with one run no spread was measured and every pair of unequal
+    /// throughputs counts as apart.
+    pub min_runs: usize,
+}
+
+impl OrderCheck {
+    /// Share of the pairs apart ordered right; None when no pair is apart.
+    pub fn share_right(&self) -> Option<f64> {
+        (self.apart > 0).then(|| self.right as f64 / self.apart as f64)
+    }
+
+    /// One line: "5 of 6 pairs apart beyond their spread ordered right (83 %), 9 pairs within
+    /// it (tied)".
+    pub fn text(&self) -> String {
+        let mut s = match self.share_right() {
+            Some(r) => format!("{} of {} ordered right ({:.0} %)", self.right, crate::util::plural(self.apart, "pair apart beyond its spread", "pairs apart beyond their spread"), r * 100.0),
+            None => "no pair apart beyond its spread".to_string(),
+        };
+        s.push_str(&format!(", {} within it (tied)", crate::util::plural(self.tied, "pair", "pairs")));
+        if self.min_runs <= 1 {
+            s.push_str("; a point ran once, so no spread was measured (give the sweep `repeats`)");
+        }
+        s
+    }
+}
+
+/// The order check of points with measured medians `meas`, spreads `spread` (half the range
+/// of their runs), `runs` runs each, and predictions `pred`. A pair is apart when
+/// |meas_i − meas_j| > spread_i + spread_j, and right when the prediction puts the faster
+/// one first (an equal prediction is not right).
+pub fn order_check(meas: &[f64], spread: &[f64], runs: &[usize], pred: &[f64]) -> OrderCheck {
+    let n = meas.len().min(spread.len()).min(pred.len());
+    let mut c = OrderCheck { min_runs: runs.iter().copied().min().unwrap_or(0), ..OrderCheck::default() };
+    for i in 0..n {
+        for j in i + 1..n {
+            c.pairs += 1;
+            let d = meas[i] - meas[j];
+            if d.abs() > spread[i] + spread[j] {
+                c.apart += 1;
+                if d * (pred[i] - pred[j]) > 0.0 {
+                    c.right += 1;
+                }
+            } else {
+                c.tied += 1;
+            }
+        }
+    }
+    c
+}
+
+/// A run's id without the `_rN` its repeat added (`lab::spec::SweepSpec::points`).
+fn point_id(id: &str, repeat: usize) -> &str {
+    id.strip_suffix(&format!("_r{}", repeat + 1)).unwrap_or(id)
+}
+
 /// The fit measured at the rank count nearest `world` (equal first, then the larger).
 fn nearest(comm: &[CommFit], world: usize) -> Option<&CommFit> {
     comm.iter().min_by_key(|c| (c.world_size.abs_diff(world), std::cmp::Reverse(c.world_size)))
@@ -170,28 +254,39 @@ pub fn validate(dir: &Path, profiles: &[(String, Profile)], comm: &[CommFit], lo
     let groups = super::groups(profile);
     let mut points = Vec::new();
     let mut notes = Vec::new();
+    // the runs of each point (its grid keys), in the order the points first ran
+    let mut runs: Vec<Vec<(&crate::lab::sweep::PointRecord, crate::lab::summary::PointFigures)>> = Vec::new();
     for r in records.iter().filter(|r| r.ok()) {
-        let run = dir.join(&r.run_dir);
-        let f = match read_point(&run, warmup) {
+        let f = match read_point(&dir.join(&r.run_dir), warmup) {
             Ok(f) => f,
             Err(e) => {
                 notes.push(format!("{}: not predicted ({e})", r.id));
                 continue;
             }
         };
+        match runs.iter_mut().find(|g| g[0].0.keys == r.keys) {
+            Some(g) => g.push((r, f)),
+            None => runs.push(vec![(r, f)]),
+        }
+    }
+    for group in &runs {
+        let (r, _) = &group[0];
+        let id = point_id(&r.id, r.repeat).to_string();
+        let run = dir.join(&r.run_dir);
         let cfg_path = run.join("config.json");
         let v = crate::config::load_json(Some(&cfg_path), &[]).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
+        let f = &group[0].1;
         let cfg = crate::config::resolve(&v, f.world_size).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
         let world = f.world_size;
         let (src, profile) = profiles.get(pick_profile(profiles, world)).map(|(s, p)| (s.as_str(), p)).unwrap_or((profile_source, profile));
-        super::check_model(profile, &cfg, &format!("point {}", r.id))?;
+        super::check_model(profile, &cfg, &format!("point {id}"))?;
         // CPU ranks share the machine; GPU ranks share GPU 0 under --one-gpu
         let shared = device == "cpu" || r.command.contains("--one-gpu") || r.keys.get(crate::lab::spec::ONE_GPU_KEY).and_then(serde_json::Value::as_bool).unwrap_or(false);
         let (rpd, gpus) = if shared { (world, 1) } else { (1, world) };
         let intra = if world > 1 {
-            let fit = nearest(comm, world).ok_or_else(|| format!("point {} has {world} ranks: give a comm bench of these ranks (`--comm C.json`, or a comm*.json in {})", r.id, dir.display()))?;
+            let fit = nearest(comm, world).ok_or_else(|| format!("point {id} has {world} ranks: give a comm bench of these ranks (`--comm C.json`, or a comm*.json in {})", dir.display()))?;
             if fit.world_size != world {
-                notes.push(format!("{}: {world} ranks predicted with the comm bench of {} ranks ({})", r.id, fit.world_size, fit.source));
+                notes.push(format!("{id}: {world} ranks predicted with the comm bench of {} ranks ({})", fit.world_size, fit.source));
             }
             Some(fit.level("intra"))
         } else {
@@ -201,15 +296,16 @@ pub fn validate(dir: &Path, profiles: &[(String, Profile)], comm: &[CommFit], lo
         let mut s = super::scenario(&cfg, &super::run_plan(profile, &cfg));
         s.ranks_per_device = rpd;
         s.loader = loader_per_core.map(|r| (r, cfg.data.num_workers.max(1) as f64));
-        let p = model::predict(profile, &groups, &s, &net).map_err(|e| format!("point {}: {e}", r.id))?;
-        let b = &f.breakdown;
-        let measured_compute = b.forward_s + b.backward_s;
-        let measured_other = b.data_s + b.other_s;
-        // the point's steady throughput (its median step), as the profile keeps its medians:
+        let p = model::predict(profile, &groups, &s, &net).map_err(|e| format!("point {id}: {e}"))?;
+        // each run's steady throughput (its median step), as the profile keeps its medians:
         // a stretch of slow steps on a shared machine moves neither unless it lasts half the run
-        let measured_ips = if f.steady_images_per_s > 0.0 { f.steady_images_per_s } else { f.images_per_s };
+        let ips: Vec<f64> = group.iter().map(|(_, f)| if f.steady_images_per_s > 0.0 { f.steady_images_per_s } else { f.images_per_s }).collect();
+        let measured_ips = crate::util::median(&ips).unwrap_or(f64::NAN);
+        let spread = (ips.iter().copied().fold(f64::MIN, f64::max) - ips.iter().copied().fold(f64::MAX, f64::min)) / 2.0;
+        // each term the median over the runs
+        let term = |t: fn(&crate::lab::summary::Breakdown) -> f64| crate::util::median(&group.iter().map(|(_, f)| t(&f.breakdown)).collect::<Vec<_>>()).unwrap_or(f64::NAN);
         points.push(PointCheck {
-            id: r.id.clone(),
+            id,
             world,
             micro: f.micro_batch,
             gas: f.gradient_accumulation_steps,
@@ -217,13 +313,15 @@ pub fn validate(dir: &Path, profiles: &[(String, Profile)], comm: &[CommFit], lo
             ranks_per_device: rpd,
             profile: src.to_string(),
             measured_images_per_s: measured_ips,
+            runs_images_per_s: ips,
+            spread_images_per_s: spread,
             predicted_images_per_s: p.images_per_s,
             err: (p.images_per_s - measured_ips) / measured_ips,
-            compute_s: (measured_compute, p.compute_s),
-            comm_exposed_s: (b.comm_exposed_s, p.comm_exposed_s),
-            optimizer_s: (b.optimizer_s, p.optimizer_s),
-            other_s: (measured_other, p.data_s + p.loop_s),
-            step_s: (b.step_s, p.step_s),
+            compute_s: (term(|b| b.forward_s + b.backward_s), p.compute_s),
+            comm_exposed_s: (term(|b| b.comm_exposed_s), p.comm_exposed_s),
+            optimizer_s: (term(|b| b.optimizer_s), p.optimizer_s),
+            other_s: (term(|b| b.data_s + b.other_s), p.data_s + p.loop_s),
+            step_s: (term(|b| b.step_s), p.step_s),
             loop_cost_s: p.loop_s,
         });
     }
@@ -249,10 +347,20 @@ pub fn validate(dir: &Path, profiles: &[(String, Profile)], comm: &[CommFit], lo
         max_abs_err: abs.iter().copied().fold(0.0, f64::max),
         spearman: spearman(&meas, &pred),
         pairwise_correct: pairwise_correct(&meas, &pred),
+        order: order_check(&meas, &points.iter().map(|p| p.spread_images_per_s).collect::<Vec<_>>(), &points.iter().map(|p| p.runs_images_per_s.len().max(1)).collect::<Vec<_>>(), &pred),
         term_gaps,
         notes,
         points,
     })
+}
+
+/// A point's measured throughput, with ± its spread when it ran more than once.
+fn measured(p: &PointCheck) -> String {
+    if p.runs_images_per_s.len() > 1 {
+        format!("{:.1} ± {:.1}", p.measured_images_per_s, p.spread_images_per_s)
+    } else {
+        format!("{:.1}", p.measured_images_per_s)
+    }
 }
 
 /// The validation as a table.
@@ -260,18 +368,18 @@ pub fn table(v: &Validation) -> String {
     let ms = |x: f64| format!("{:.2}", x * 1e3);
     let mut s = format!("predicted from {} and {}\n", v.profile, if v.comm.is_empty() { "no comm bench".to_string() } else { v.comm.join(", ") });
     s.push_str(&format!(
-        "{:<28} {:>5} {:>6} {:>4} {:>11} {:>11} {:>8}  {:>17} {:>17} {:>17} {:>17}\n",
+        "{:<28} {:>5} {:>6} {:>4} {:>14} {:>11} {:>8}  {:>17} {:>17} {:>17} {:>17}\n",
         "point", "ranks", "micro", "GAS", "measured/s", "predicted/s", "error", "compute ms m/p", "exposed ms m/p", "optimizer ms m/p", "rest ms m/p"
     ));
     for p in &v.points {
         let id = p.id.clone();
         s.push_str(&format!(
-            "{:<28} {:>5} {:>6} {:>4} {:>11.1} {:>11.1} {:>7.1}%  {:>8}/{:<8} {:>8}/{:<8} {:>8}/{:<8} {:>8}/{:<8}\n",
+            "{:<28} {:>5} {:>6} {:>4} {:>14} {:>11.1} {:>7.1}%  {:>8}/{:<8} {:>8}/{:<8} {:>8}/{:<8} {:>8}/{:<8}\n",
             id,
             p.world,
             p.micro,
             p.gas,
-            p.measured_images_per_s,
+            measured(p),
             p.predicted_images_per_s,
             p.err * 100.0,
             ms(p.compute_s.0),
@@ -292,6 +400,9 @@ pub fn table(v: &Validation) -> String {
         s.push_str(&format!(", pairs ordered right {:.0} %", r * 100.0));
     }
     s.push('\n');
+    if v.order.pairs > 0 {
+        s.push_str(&format!("order: {}\n", v.order.text()));
+    }
     s.push_str("mean |gap| per term (share of the measured step): ");
     s.push_str(&v.term_gaps.iter().map(|(t, g)| format!("{t} {:.1} %", g * 100.0)).collect::<Vec<_>>().join(", "));
     s.push('\n');
@@ -322,6 +433,7 @@ impl Section for Validation {
             (None, Some(p)) => format!(" {:.0} % of pairs in the measured order.", p * 100.0),
             _ => String::new(),
         };
+        let rank = if v.order.pairs > 0 { format!("{rank} Order over the pairs the runs tell apart: {}.", v.order.text()) } else { rank };
         let gaps = v.term_gaps.iter().map(|(t, g)| format!("{t} {:.1} %", g * 100.0)).collect::<Vec<_>>().join(", ");
         blocks.push(Block::P(format!(
             "Every point predicted from the one-rank compute profile ({}) and the comm bench ({}) alone; no multi-rank point feeds the model. {}: median |error| {:.1} %, max |error| {:.1} %.{rank} Mean gap per term, as a share of the measured step: {gaps}.",
@@ -341,7 +453,7 @@ impl Section for Validation {
                     p.id.clone(),
                     p.world.to_string(),
                     format!("{} × {}", p.micro, p.gas),
-                    format!("{:.1}", p.measured_images_per_s),
+                    measured(p),
                     format!("{:.1}", p.predicted_images_per_s),
                     format!("{:+.1} %", p.err * 100.0),
                     pair(p.compute_s),
@@ -408,6 +520,41 @@ mod tests {
         assert_eq!(pick_profile(&all, 3), 1);
         let gpu: Vec<(String, Profile)> = all.iter().map(|(s, p)| (s.clone(), Profile { device_kind: "cuda".into(), cores: 0, ..p.clone() })).collect();
         assert_eq!(pick_profile(&gpu, 2), 0);
+    }
+
+    /// Points A 100 ± 2, B 97 ± 0.5, C 90 ± 1, D 89.5 ± 0 (medians ± half their ranges).
+    /// A–B: 3 > 2.5, apart; A–C: 10 > 3; A–D: 10.5 > 2; B–C: 7 > 1.5; B–D: 7.5 > 0.5;
+    /// C–D: 0.5 ≤ 1, tied. The prediction swaps A and B and gets C–D (a tie) "wrong" too:
+    /// 4 of the 5 pairs apart right, 1 tied.
+    #[test]
+    fn the_order_counts_only_pairs_apart_beyond_their_spread() {
+        let meas = [100.0, 97.0, 90.0, 89.5];
+        let spread = [2.0, 0.5, 1.0, 0.0];
+        let pred = [96.0, 98.0, 80.0, 85.0];
+        let c = order_check(&meas, &spread, &[3, 3, 3, 3], &pred);
+        assert_eq!(c, OrderCheck { pairs: 6, apart: 5, right: 4, tied: 1, min_runs: 3 });
+        assert_eq!(c.share_right(), Some(0.8));
+        // over every pair, the tie counts: 4 of 6
+        assert!((pairwise_correct(&meas, &pred).unwrap() - 4.0 / 6.0).abs() < 1e-12);
+        // wider spreads turn A–B into a tie too (3 ≤ 2 + 1.5), and the swap no longer counts
+        let c = order_check(&meas, &[2.0, 1.5, 1.0, 0.0], &[3, 3, 3, 3], &pred);
+        assert_eq!((c.apart, c.right, c.tied), (4, 4, 2));
+        // a difference equal to the combined spread is a tie; an equal prediction is not right
+        let c = order_check(&[10.0, 8.0, 5.0], &[1.0, 1.0, 0.0], &[2, 2, 1], &[7.0, 1.0, 1.0]);
+        assert_eq!(c, OrderCheck { pairs: 3, apart: 2, right: 1, tied: 1, min_runs: 1 });
+        assert!(c.text().contains("no spread was measured"), "{}", c.text());
+        // nothing apart: no share
+        let c = order_check(&[10.0, 10.5], &[1.0, 1.0], &[3, 3], &[1.0, 2.0]);
+        assert_eq!((c.apart, c.tied, c.share_right()), (0, 1, None));
+        assert!(c.text().starts_with("no pair apart"), "{}", c.text());
+    }
+
+    #[test]
+    fn a_run_id_names_its_point() {
+        assert_eq!(point_id("p003_micro8_nproc2_r2", 1), "p003_micro8_nproc2");
+        assert_eq!(point_id("p003_micro8_nproc2", 0), "p003_micro8_nproc2");
+        // only the run's own suffix goes
+        assert_eq!(point_id("p003_micro8_nproc2_r2", 0), "p003_micro8_nproc2_r2");
     }
 
     #[test]
