@@ -24,7 +24,6 @@
 //! `cudaFree`/`cudaFreeHost`, which wait for the whole device, step included.
 
 use std::ffi::{c_int, c_uint, c_void};
-use std::path::PathBuf;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -95,54 +94,31 @@ struct Api {
 const NAMES: [&str; 3] = ["libnvjpeg.so.13", "libnvjpeg.so.12", "libnvjpeg.so"];
 
 fn open_api() -> Result<Api, String> {
-    let mut tried = Vec::new();
-    let mut candidates: Vec<PathBuf> = NAMES.iter().map(PathBuf::from).collect();
-    for d in libs::candidate_dirs() {
-        candidates.extend(NAMES.iter().map(|n| d.join(n)).filter(|p| p.exists()));
-    }
-    for path in candidates {
-        // SAFETY: opening the vendor library runs its initializers, as any nvJPEG user does.
-        let lib = match unsafe { libloading::Library::new(&path) } {
-            Ok(l) => l,
-            Err(e) => {
-                tried.push(format!("{}: {e}", path.display()));
-                continue;
-            }
-        };
-        let resolve = |name: &str| -> Result<*const c_void, String> {
-            // SAFETY: looking up an exported symbol by name; the pointer is only used as the
-            // function nvjpeg.h declares under that name.
-            unsafe { lib.get::<*const c_void>(name.as_bytes()) }.map(|s| *s).map_err(|e| format!("{}: {name}: {e}", path.display()))
-        };
-        let names = [
-            "nvjpegCreateEx", "nvjpegDestroy", "nvjpegJpegStateCreate", "nvjpegJpegStateDestroy", "nvjpegDecode",
-            "nvjpegDecodeBatchedInitialize", "nvjpegDecodeBatched", "nvjpegGetHardwareDecoderInfo",
-        ];
-        let table = names.iter().map(|n| resolve(n)).collect::<Result<Vec<_>, String>>().map(|p| {
-            // SAFETY: each pointer is the named nvJPEG function, transmuted to its nvjpeg.h type.
-            unsafe {
-                Api {
-                    create_ex: std::mem::transmute::<*const c_void, _>(p[0]),
-                    destroy: std::mem::transmute::<*const c_void, _>(p[1]),
-                    state_create: std::mem::transmute::<*const c_void, _>(p[2]),
-                    state_destroy: std::mem::transmute::<*const c_void, _>(p[3]),
-                    decode: std::mem::transmute::<*const c_void, _>(p[4]),
-                    batched_init: std::mem::transmute::<*const c_void, _>(p[5]),
-                    batched: std::mem::transmute::<*const c_void, _>(p[6]),
-                    hw_info: std::mem::transmute::<*const c_void, _>(p[7]),
-                    _lib: lib,
-                }
-            }
-        });
-        match table {
-            Ok(t) => return Ok(t),
-            Err(e) => tried.push(e),
+    let symbols = [
+        "nvjpegCreateEx", "nvjpegDestroy", "nvjpegJpegStateCreate", "nvjpegJpegStateDestroy", "nvjpegDecode",
+        "nvjpegDecodeBatchedInitialize", "nvjpegDecodeBatched", "nvjpegGetHardwareDecoderInfo",
+    ];
+    let (lib, p) = libs::open_with_symbols(&NAMES, &symbols).map_err(|tried| {
+        format!(
+            "data.decode = \"gpu\": cannot load libnvjpeg.so.13 (nvJPEG): not on the loader path and not found in the CUDA library folders ({}); install the CUDA toolkit or `pip install nvidia-nvjpeg-cu13`, set VITSCALE_CUDA_LIB_DIR to the folder that holds it, or use data.decode = \"cpu\"",
+            if tried.is_empty() { "no candidate file".to_string() } else { tried.join("; ") }
+        )
+    })?;
+    // SAFETY: each address is the named nvJPEG function, transmuted to its nvjpeg.h type;
+    // `lib` moves into the table that keeps it loaded.
+    Ok(unsafe {
+        Api {
+            create_ex: std::mem::transmute::<*const c_void, _>(p[0]),
+            destroy: std::mem::transmute::<*const c_void, _>(p[1]),
+            state_create: std::mem::transmute::<*const c_void, _>(p[2]),
+            state_destroy: std::mem::transmute::<*const c_void, _>(p[3]),
+            decode: std::mem::transmute::<*const c_void, _>(p[4]),
+            batched_init: std::mem::transmute::<*const c_void, _>(p[5]),
+            batched: std::mem::transmute::<*const c_void, _>(p[6]),
+            hw_info: std::mem::transmute::<*const c_void, _>(p[7]),
+            _lib: lib,
         }
-    }
-    Err(format!(
-        "data.decode = \"gpu\": cannot load libnvjpeg.so.13 (nvJPEG): not on the loader path and not found in the CUDA library folders ({}); install the CUDA toolkit or `pip install nvidia-nvjpeg-cu13`, set VITSCALE_CUDA_LIB_DIR to the folder that holds it, or use data.decode = \"cpu\"",
-        if tried.is_empty() { "no candidate file".to_string() } else { tried.join("; ") }
-    ))
+    })
 }
 
 /// `nvjpegDevAllocator_t` and `nvjpegPinnedAllocator_t`.

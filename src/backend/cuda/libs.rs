@@ -153,3 +153,36 @@ pub fn ensure_loaded() -> Result<(), String> {
     DONE.get_or_init(|| std::panic::catch_unwind(load_all).unwrap_or_else(|_| Err("loading the CUDA libraries panicked".into())))
         .clone()
 }
+
+/// Opens the first library file named in `names` — by bare name (the loader's search path),
+/// then in each of [`candidate_dirs`] — that exports every symbol in `symbols`, and returns it
+/// with the symbols' addresses in order (a file lacking one is skipped: an older version).
+/// The error lists every file tried and why it was not taken.
+pub fn open_with_symbols(names: &[&str], symbols: &[&str]) -> Result<(libloading::Library, Vec<*const std::ffi::c_void>), Vec<String>> {
+    let mut tried = Vec::new();
+    let mut candidates: Vec<PathBuf> = names.iter().map(PathBuf::from).collect();
+    for d in candidate_dirs() {
+        candidates.extend(names.iter().map(|n| d.join(n)).filter(|p| p.exists()));
+    }
+    for path in candidates {
+        // SAFETY: opening a vendor library runs its initializers, as any user of it does.
+        let lib = match unsafe { libloading::Library::new(&path) } {
+            Ok(l) => l,
+            Err(e) => {
+                tried.push(format!("{}: {e}", path.display()));
+                continue;
+            }
+        };
+        // SAFETY: looking up exported symbols by name; the caller uses each address only as
+        // the function its header declares under that name, while `lib` stays loaded.
+        let found = symbols
+            .iter()
+            .map(|name| unsafe { lib.get::<*const std::ffi::c_void>(name.as_bytes()) }.map(|s| *s).map_err(|e| format!("{}: {name}: {e}", path.display())))
+            .collect::<Result<Vec<_>, String>>();
+        match found {
+            Ok(addrs) => return Ok((lib, addrs)),
+            Err(e) => tried.push(e),
+        }
+    }
+    Err(tried)
+}

@@ -21,7 +21,6 @@
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -65,57 +64,34 @@ const NAMES: [&str; 2] = ["libnccl.so.2", "libnccl.so"];
 
 fn open_lib() -> Result<Lib, String> {
     libs::ensure_loaded()?;
-    let mut tried = Vec::new();
-    let mut candidates: Vec<PathBuf> = NAMES.iter().map(PathBuf::from).collect();
-    for d in libs::candidate_dirs() {
-        candidates.extend(NAMES.iter().map(|n| d.join(n)).filter(|p| p.exists()));
-    }
-    for path in candidates {
-        // SAFETY: opening the vendor library runs its initializers, as any NCCL user does.
-        let lib = match unsafe { libloading::Library::new(&path) } {
-            Ok(l) => l,
-            Err(e) => {
-                tried.push(format!("{}: {e}", path.display()));
-                continue;
-            }
-        };
-        // SAFETY: the signatures are nccl.h's (NCCL 2.x, stable ABI); each symbol is looked up
-        // by its exported name, and `lib` moves into the table that keeps it loaded.
-        let resolve = |name: &str| -> Result<*const c_void, String> {
-            unsafe { lib.get::<*const c_void>(name.as_bytes()) }.map(|s| *s).map_err(|e| format!("{}: {name}: {e}", path.display()))
-        };
-        let names = [
-            "ncclGetUniqueId", "ncclCommInitRank", "ncclAllReduce", "ncclReduceScatter", "ncclAllGather", "ncclBroadcast",
-            "ncclCommAbort", "ncclCommDestroy", "ncclCommGetAsyncError", "ncclGetErrorString", "ncclGetVersion",
-        ];
-        let table = names.iter().map(|n| resolve(n)).collect::<Result<Vec<_>, String>>().map(|p| {
-            // SAFETY: each pointer is the named NCCL function, transmuted to its nccl.h type.
-            unsafe {
-                Lib {
-                    get_unique_id: std::mem::transmute::<*const c_void, _>(p[0]),
-                    comm_init_rank: std::mem::transmute::<*const c_void, _>(p[1]),
-                    all_reduce: std::mem::transmute::<*const c_void, _>(p[2]),
-                    reduce_scatter: std::mem::transmute::<*const c_void, _>(p[3]),
-                    all_gather: std::mem::transmute::<*const c_void, _>(p[4]),
-                    broadcast: std::mem::transmute::<*const c_void, _>(p[5]),
-                    comm_abort: std::mem::transmute::<*const c_void, _>(p[6]),
-                    comm_destroy: std::mem::transmute::<*const c_void, _>(p[7]),
-                    async_error: std::mem::transmute::<*const c_void, _>(p[8]),
-                    error_string: std::mem::transmute::<*const c_void, _>(p[9]),
-                    get_version: std::mem::transmute::<*const c_void, _>(p[10]),
-                    _lib: lib,
-                }
-            }
-        });
-        match table {
-            Ok(t) => return Ok(t),
-            Err(e) => tried.push(e),
+    let symbols = [
+        "ncclGetUniqueId", "ncclCommInitRank", "ncclAllReduce", "ncclReduceScatter", "ncclAllGather", "ncclBroadcast",
+        "ncclCommAbort", "ncclCommDestroy", "ncclCommGetAsyncError", "ncclGetErrorString", "ncclGetVersion",
+    ];
+    let (lib, p) = libs::open_with_symbols(&NAMES, &symbols).map_err(|tried| {
+        format!(
+            "cannot load libnccl.so.2 (NCCL, the GPU collectives): not on the loader path and not found in the CUDA library folders ({}); install NCCL or `pip install nvidia-nccl-cu13`, or set VITSCALE_CUDA_LIB_DIR to the folder that holds it",
+            if tried.is_empty() { "no candidate file".to_string() } else { tried.join("; ") }
+        )
+    })?;
+    // SAFETY: each address is the named NCCL function (nccl.h, NCCL 2.x stable ABI),
+    // transmuted to its type; `lib` moves into the table that keeps it loaded.
+    Ok(unsafe {
+        Lib {
+            get_unique_id: std::mem::transmute::<*const c_void, _>(p[0]),
+            comm_init_rank: std::mem::transmute::<*const c_void, _>(p[1]),
+            all_reduce: std::mem::transmute::<*const c_void, _>(p[2]),
+            reduce_scatter: std::mem::transmute::<*const c_void, _>(p[3]),
+            all_gather: std::mem::transmute::<*const c_void, _>(p[4]),
+            broadcast: std::mem::transmute::<*const c_void, _>(p[5]),
+            comm_abort: std::mem::transmute::<*const c_void, _>(p[6]),
+            comm_destroy: std::mem::transmute::<*const c_void, _>(p[7]),
+            async_error: std::mem::transmute::<*const c_void, _>(p[8]),
+            error_string: std::mem::transmute::<*const c_void, _>(p[9]),
+            get_version: std::mem::transmute::<*const c_void, _>(p[10]),
+            _lib: lib,
         }
-    }
-    Err(format!(
-        "cannot load libnccl.so.2 (NCCL, the GPU collectives): not on the loader path and not found in the CUDA library folders ({}); install NCCL or `pip install nvidia-nccl-cu13`, or set VITSCALE_CUDA_LIB_DIR to the folder that holds it",
-        if tried.is_empty() { "no candidate file".to_string() } else { tried.join("; ") }
-    ))
+    })
 }
 
 fn lib() -> Result<&'static Lib, String> {
