@@ -62,6 +62,28 @@ fn measure(pipeline: &str, set: &ImageSet, cfg: &DataConfig, batch: usize, threa
     Ok(BenchPoint { pipeline: pipeline.into(), threads, images, seconds, images_per_s: ips, images_per_s_per_core: ips / threads as f64 })
 }
 
+/// One rank's training batches of `batch` images from `set`, on and on, built by `threads`
+/// loader threads with 4 batches of prefetch.
+fn endless_plan(set: &Arc<ImageSet>, cfg: &DataConfig, batch: usize, threads: usize) -> LoaderPlan {
+    let mut cfg = cfg.clone();
+    cfg.num_workers = threads;
+    cfg.prefetch = 4;
+    LoaderPlan {
+        set: set.clone(),
+        sampler: Sampler::new(set.len(), batch, true, 0, false),
+        cfg,
+        train: true,
+        seed: 0,
+        rank: 0,
+        world: 1,
+        gas: 1,
+        start_epoch: 0,
+        start_step: 0,
+        steps: u64::MAX,
+        mix: None,
+    }
+}
+
 /// Full-size JPEG decode alone (no crop, no resampling) on `threads` threads: the figure to
 /// hold against another decoder's (torchvision's `decode_jpeg`, PIL) on the same files.
 fn measure_decode_only(files: &[PathBuf], threads: usize, min_seconds: f64) -> Result<BenchPoint, DataError> {
@@ -95,24 +117,7 @@ fn measure_decode_only(files: &[PathBuf], threads: usize, min_seconds: f64) -> R
 /// The same through a [`Loader`] (`num_workers = threads`, prefetch 4) consumed as fast as it
 /// produces: what a training loop would see.
 fn measure_loader(pipeline: &str, set: &Arc<ImageSet>, cfg: &DataConfig, batch: usize, threads: usize, min_seconds: f64) -> Result<BenchPoint, DataError> {
-    let mut cfg = cfg.clone();
-    cfg.num_workers = threads;
-    cfg.prefetch = 4;
-    let plan = LoaderPlan {
-        set: set.clone(),
-        sampler: Sampler::new(set.len(), batch, true, 0, false),
-        cfg,
-        train: true,
-        seed: 0,
-        rank: 0,
-        world: 1,
-        gas: 1,
-        start_epoch: 0,
-        start_step: 0,
-        steps: u64::MAX,
-        mix: None,
-    };
-    let mut loader = Loader::start(plan)?;
+    let mut loader = Loader::start(endless_plan(set, cfg, batch, threads))?;
     // Warm-up: the first window.
     for _ in 0..4 {
         if let Some(p) = loader.next() {
@@ -235,11 +240,7 @@ pub fn gpu_decode_points(be: &crate::backend::cuda::Cuda, jpeg_dir: Option<&Path
         out.push(BenchPoint { pipeline: format!("jpeg224_rrc_flip_{tag}_decode_only"), threads: 0, images, seconds, images_per_s: ips, images_per_s_per_core: f64::NAN });
     }
     for &threads in thread_counts {
-        let mut c = cfg.clone();
-        c.num_workers = threads;
-        c.prefetch = 4;
-        let plan = LoaderPlan { set: set.clone(), sampler: Sampler::new(set.len(), batch, true, 0, false), cfg: c, train: true, seed: 0, rank: 0, world: 1, gas: 1, start_epoch: 0, start_step: 0, steps: u64::MAX, mix: None };
-        let mut loader = Loader::start(plan)?;
+        let mut loader = Loader::start(endless_plan(&set, &cfg, batch, threads))?;
         let mut next = |input: &mut crate::backend::cuda::CudaBuf| -> anyhow::Result<usize> {
             let p = loader.next().ok_or_else(|| anyhow::anyhow!("loader ended"))??;
             let n = p.batch.len();

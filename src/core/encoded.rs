@@ -62,13 +62,7 @@ impl EncodedBatch {
 /// CPU's decoder, shared by the loader and by a device decoder's last resort.
 pub fn decode_rgb(file: &[u8], pixels: &mut Vec<u8>) -> Result<(usize, usize), String> {
     if file.starts_with(&[0xff, 0xd8, 0xff]) {
-        use zune_jpeg::zune_core::{bytestream::ZCursor, colorspace::ColorSpace, options::DecoderOptions};
-        let options = DecoderOptions::default()
-            .set_strict_mode(false)
-            .set_max_width(usize::MAX)
-            .set_max_height(usize::MAX)
-            .jpeg_set_out_colorspace(ColorSpace::RGB);
-        let mut dec = zune_jpeg::JpegDecoder::new_with_options(ZCursor::new(file), options);
+        let mut dec = jpeg_decoder(file);
         dec.decode_headers().map_err(|e| format!("JPEG: {e}"))?;
         let (w, h) = dec.dimensions().ok_or("JPEG: no dimensions")?;
         let n = dec.output_buffer_size().ok_or("JPEG: image too large")?;
@@ -87,3 +81,22 @@ pub fn decode_rgb(file: &[u8], pixels: &mut Vec<u8>) -> Result<(usize, usize), S
     Ok((w, h))
 }
 
+
+/// A JPEG's (width, height) from its headers, without decoding the scan (the same decoder and
+/// options as [`decode_rgb`], so the size is the one a decode produces).
+pub fn jpeg_size(bytes: &[u8]) -> Result<(usize, usize), String> {
+    let mut dec = jpeg_decoder(bytes);
+    dec.decode_headers().map_err(|e| format!("JPEG: {e}"))?;
+    dec.dimensions().ok_or_else(|| "JPEG: no dimensions".to_string())
+}
+
+/// zune-jpeg with the image crate's leniency, no size limit, RGB output.
+fn jpeg_decoder(bytes: &[u8]) -> zune_jpeg::JpegDecoder<zune_jpeg::zune_core::bytestream::ZCursor<&[u8]>> {
+    use zune_jpeg::zune_core::{bytestream::ZCursor, colorspace::ColorSpace, options::DecoderOptions};
+    let options = DecoderOptions::default()
+        .set_strict_mode(false)
+        .set_max_width(usize::MAX)
+        .set_max_height(usize::MAX)
+        .jpeg_set_out_colorspace(ColorSpace::RGB);
+    zune_jpeg::JpegDecoder::new_with_options(ZCursor::new(bytes), options)
+}

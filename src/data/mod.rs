@@ -448,17 +448,7 @@ pub fn policy(cfg: &DataConfig, train: bool) -> Policy {
 /// augmentation that works on decoded pixels on the CPU is on (RandAugment, random erasing,
 /// mixup, CutMix); else `cpu`. An explicit `gpu` that cannot run is an error naming why.
 pub fn resolve_decode(cfg: &DataConfig, on_gpu: bool) -> Result<Decode, DataError> {
-    let augmented = cfg.augment == Augment::Default;
-    let cpu_only: Vec<&str> = [
-        ("data.auto_augment", cfg.aug.auto_augment.is_some()),
-        ("data.reprob", cfg.aug.reprob > 0.0),
-        ("data.mixup", cfg.aug.mixup > 0.0),
-        ("data.cutmix", cfg.aug.cutmix > 0.0),
-    ]
-    .into_iter()
-    .filter(|&(_, on)| on && augmented)
-    .map(|(k, _)| k)
-    .collect();
+    let cpu_only = cpu_only_augmentations(cfg);
     let files = matches!(cfg.dataset, DatasetKind::Folder | DatasetKind::Shards);
     match cfg.decode {
         Decode::Cpu => Ok(Decode::Cpu),
@@ -470,6 +460,24 @@ pub fn resolve_decode(cfg: &DataConfig, on_gpu: bool) -> Result<Decode, DataErro
         }),
         Decode::Gpu => Ok(if files { Decode::Gpu } else { Decode::Cpu }),
     }
+}
+
+/// The keys of the training augmentations that are on and work on decoded pixels on the
+/// CPU, so cannot follow a decode on the GPU.
+fn cpu_only_augmentations(cfg: &DataConfig) -> Vec<&'static str> {
+    if cfg.augment != Augment::Default {
+        return Vec::new();
+    }
+    [
+        ("data.auto_augment", cfg.aug.auto_augment.is_some()),
+        ("data.reprob", cfg.aug.reprob > 0.0),
+        ("data.mixup", cfg.aug.mixup > 0.0),
+        ("data.cutmix", cfg.aug.cutmix > 0.0),
+    ]
+    .into_iter()
+    .filter(|&(_, on)| on)
+    .map(|(k, _)| k)
+    .collect()
 }
 
 /// Builds the batch of dataset `indices` from an in-memory set (the sets of every dataset but
@@ -587,12 +595,13 @@ pub fn fill_batches(batches: &mut [Batch], jobs: &[(&[usize], u64)], set: &Image
 /// [`fill_batches`] for `data.decode = "gpu"`: each image's file is read (a JPEG's header
 /// parsed for its size; another format decoded here to RGB) and its crop and flip drawn exactly
 /// as the CPU path draws them, so the device produces the same images up to decoding and
-/// resampling differences. RandAugment and random erasing work on decoded pixels and are not
-/// available here (the config is refused before a loader starts).
+/// resampling differences. Augmentations on decoded pixels (`cpu_only_augmentations`) are not
+/// available here (`resolve_decode` refuses them before a loader starts).
 fn fill_encoded(batches: &mut [Batch], jobs: &[(&[usize], u64)], set: &ImageSet, cfg: &DataConfig, train: bool, seed: u64) -> Result<(), DataError> {
     let extra = train && cfg.augment == Augment::Default;
-    if extra && (cfg.aug.auto_augment.is_some() || cfg.aug.reprob > 0.0) {
-        return Err(DataError::Invalid { key: "data.decode", msg: "\"gpu\" does not run data.auto_augment or data.reprob; use \"cpu\"".into() });
+    let cpu_only = cpu_only_augmentations(cfg);
+    if extra && !cpu_only.is_empty() {
+        return Err(DataError::Invalid { key: "data.decode", msg: format!("\"gpu\" does not run {}; use \"cpu\"", cpu_only.join(", ")) });
     }
     let side = set.batch_side;
     let mut tasks: Vec<(&mut EncodedImage, &mut u32, usize, u64)> = Vec::new();
@@ -636,7 +645,7 @@ fn read_encoded(set: &ImageSet, j: usize, img: &mut EncodedImage) -> Result<(usi
             let m = sh.members[j];
             let path = sh.files[m.shard as usize].clone();
             let source = format!("{} (member {name} at byte offset {})", path.display(), m.offset);
-            let fail = Box::new(move |msg: String| DataError::Member { path: path.clone(), offset: m.offset, member: name.clone(), msg: format!("cannot decode image: {msg} (set data.skip_bad=true to skip such images)") });
+            let fail = Box::new(move |msg: String| member_decode_err(&path, m.offset, &name, msg));
             (range, source, fail)
         }
         None => {
@@ -656,7 +665,7 @@ fn read_encoded(set: &ImageSet, j: usize, img: &mut EncodedImage) -> Result<(usi
     img.source = source;
     let (w, h) = if img.bytes.starts_with(&[0xff, 0xd8, 0xff]) {
         img.encoding = Encoding::Jpeg;
-        jpeg_size(&img.bytes).map_err(&fail)?
+        crate::core::encoded::jpeg_size(&img.bytes).map_err(&fail)?
     } else {
         img.encoding = Encoding::Rgb;
         let mut px = Vec::new();
@@ -671,15 +680,6 @@ fn read_encoded(set: &ImageSet, j: usize, img: &mut EncodedImage) -> Result<(usi
     img.width = w;
     img.height = h;
     Ok((w, h))
-}
-
-/// A JPEG's (width, height) from its headers, without decoding the scan.
-fn jpeg_size(bytes: &[u8]) -> Result<(usize, usize), String> {
-    use zune_jpeg::zune_core::{bytestream::ZCursor, options::DecoderOptions};
-    let options = DecoderOptions::default().set_strict_mode(false).set_max_width(usize::MAX).set_max_height(usize::MAX);
-    let mut dec = zune_jpeg::JpegDecoder::new_with_options(ZCursor::new(bytes), options);
-    dec.decode_headers().map_err(|e| format!("JPEG: {e}"))?;
-    dec.dimensions().ok_or_else(|| "JPEG: no dimensions".to_string())
 }
 
 /// Per-thread buffers reused across images: file bytes, decoded pixels, augmented pixels,
@@ -740,15 +740,13 @@ fn decode_bytes(file: &[u8], pixels: &mut Vec<u8>) -> Result<(usize, usize), Str
 /// Reads and decodes image `i` of the shard-backed set `sh` (label `label` of `num_classes`).
 fn decode_member(sh: &shards::ShardSet, i: usize, label: u16, num_classes: usize, file: &mut Vec<u8>, pixels: &mut Vec<u8>) -> Result<(usize, usize), DataError> {
     let (range, name) = shards::read_image(sh, i, label, num_classes, file)?;
-    decode_bytes(&file[range], pixels).map_err(|msg| {
-        let m = sh.members[i];
-        DataError::Member {
-            path: sh.files[m.shard as usize].clone(),
-            offset: m.offset,
-            member: name,
-            msg: format!("cannot decode image: {msg} (set data.skip_bad=true to skip such images)"),
-        }
-    })
+    let m = sh.members[i];
+    decode_bytes(&file[range], pixels).map_err(|msg| member_decode_err(&sh.files[m.shard as usize], m.offset, &name, msg))
+}
+
+/// A shard member `name` (at byte `offset` of `path`) that cannot be decoded.
+fn member_decode_err(path: &Path, offset: u64, name: &str, msg: String) -> DataError {
+    DataError::Member { path: path.to_path_buf(), offset, member: name.to_string(), msg: format!("cannot decode image: {msg} (set data.skip_bad=true to skip such images)") }
 }
 
 /// Decodes image `i` of the file-backed `set` (or, with `skip_bad`, the next readable one after

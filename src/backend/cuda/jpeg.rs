@@ -188,54 +188,48 @@ fn remember(pool: &Mutex<Option<Pool>>, ptr: usize, size: usize) {
     }
 }
 
-extern "C" fn dev_malloc(out: *mut *mut c_void, size: usize) -> c_int {
+/// An allocation for nvJPEG: a cached block of `pool` when one fits and is free, else a fresh
+/// one from `fresh` (remembered, so it returns to the pool when freed). 0 on success.
+fn pool_malloc(pool: &Mutex<Option<Pool>>, out: *mut *mut c_void, size: usize, fresh: impl FnOnce(usize) -> Option<usize>) -> c_int {
     let size = size.max(256);
-    let ptr = match take_cached(&DEVICE_POOL, size) {
+    let ptr = match take_cached(pool, size) {
         Some(p) => p,
-        // SAFETY: a plain device allocation in the current (the backend's) context.
-        None => match unsafe { dr::malloc_sync(size) } {
-            Ok(p) => {
-                remember(&DEVICE_POOL, p as usize, size);
-                p as usize
+        None => match fresh(size) {
+            Some(p) => {
+                remember(pool, p, size);
+                p
             }
-            Err(_) => return 1,
+            None => return 1,
         },
     };
     // SAFETY: nvJPEG passes a valid out-pointer.
     unsafe { *out = ptr as *mut c_void };
     0
+}
+
+fn pool_free(pool: &Mutex<Option<Pool>>, ptr: *mut c_void) -> c_int {
+    if ptr.is_null() {
+        return 0;
+    }
+    put_back(pool, ptr as usize)
+}
+
+extern "C" fn dev_malloc(out: *mut *mut c_void, size: usize) -> c_int {
+    // SAFETY: a plain device allocation in the current (the backend's) context.
+    pool_malloc(&DEVICE_POOL, out, size, |n| unsafe { dr::malloc_sync(n) }.ok().map(|p| p as usize))
 }
 
 extern "C" fn dev_free(ptr: *mut c_void) -> c_int {
-    if ptr.is_null() {
-        return 0;
-    }
-    put_back(&DEVICE_POOL, ptr as usize)
+    pool_free(&DEVICE_POOL, ptr)
 }
 
 extern "C" fn pinned_malloc(out: *mut *mut c_void, size: usize, flags: c_uint) -> c_int {
-    let size = size.max(256);
-    let ptr = match take_cached(&PINNED_POOL, size) {
-        Some(p) => p,
-        // SAFETY: a plain pinned host allocation.
-        None => match unsafe { dr::malloc_host(size, flags) } {
-            Ok(p) => {
-                remember(&PINNED_POOL, p as usize, size);
-                p as usize
-            }
-            Err(_) => return 1,
-        },
-    };
-    // SAFETY: nvJPEG passes a valid out-pointer.
-    unsafe { *out = ptr as *mut c_void };
-    0
+    // SAFETY: a plain pinned host allocation.
+    pool_malloc(&PINNED_POOL, out, size, |n| unsafe { dr::malloc_host(n, flags) }.ok().map(|p| p as usize))
 }
 
 extern "C" fn pinned_free(ptr: *mut c_void) -> c_int {
-    if ptr.is_null() {
-        return 0;
-    }
-    put_back(&PINNED_POOL, ptr as usize)
+    pool_free(&PINNED_POOL, ptr)
 }
 
 static DEV_ALLOCATOR: DevAllocator = DevAllocator { malloc: dev_malloc, free: dev_free };
@@ -448,10 +442,7 @@ impl Cuda {
         }
         self.ctx.bind_to_thread().map_err(dev("decode_input"))?;
         let mut guard = self.jpeg.lock().map_err(|_| BackendError::Device("decode_input: decoder lock poisoned".into()))?;
-        if guard.is_none() {
-            *guard = Some(JpegDecoder::new(&self.ctx).map_err(BackendError::Device)?);
-        }
-        let dec = guard.as_mut().expect("just set");
+        let dec = self.opened_decoder(&mut guard).map_err(BackendError::Device)?;
         let stream = dec.stream.clone();
         let cu = stream.cu_stream();
 
@@ -617,9 +608,14 @@ impl Cuda {
     /// when nvJPEG cannot be loaded (the error).
     pub fn jpeg_engines(&self) -> Result<u32, String> {
         let mut guard = self.jpeg.lock().map_err(|_| "decoder lock poisoned".to_string())?;
-        if guard.is_none() {
-            *guard = Some(JpegDecoder::new(&self.ctx)?);
+        Ok(self.opened_decoder(&mut guard)?.engines)
+    }
+
+    /// The decoder in `slot`, opened on first use.
+    fn opened_decoder<'a>(&self, slot: &'a mut Option<JpegDecoder>) -> Result<&'a mut JpegDecoder, String> {
+        if slot.is_none() {
+            *slot = Some(JpegDecoder::new(&self.ctx)?);
         }
-        Ok(guard.as_ref().map_or(0, |d| d.engines))
+        slot.as_mut().ok_or_else(|| "the GPU image decoder could not be opened".to_string())
     }
 }
