@@ -12,7 +12,7 @@ use std::process::Output;
 use std::time::Duration;
 
 mod common;
-use common::{free_port, launch_args, max_rel_diff, max_rel_diff_files, metrics, read_json, run, run_dir_args, tmp};
+use common::{free_port, max_rel_diff, train_at_stage, zero_run_args, ADAMW, CLIP, SGD, max_rel_diff_files, metrics, read_json, tmp};
 
 /// Same world size, stage 1/2 against stage 0: the same per-element update from gradients
 /// reduced in another order (the ring's reduce-scatter of a bucket's prefix cuts it where
@@ -25,33 +25,9 @@ const STAGE_TOL: f32 = 1e-8;
 const SPLIT_TOL_SGD: f32 = 1e-6;
 const SPLIT_TOL_ADAM: f32 = 3e-5;
 
-const SGD: &str = "--set=optimizer={\"type\":\"SGD\",\"params\":{\"lr\":0.05,\"momentum\":0.9}}";
-const ADAMW: &str = "--set=optimizer={\"type\":\"AdamW\",\"params\":{\"lr\":0.001}}";
-/// Far below the gradient norms of these runs (2.4–3.9), so every step is clipped.
-const CLIP: &str = "--set=gradient_clipping=0.05";
-
-fn common(steps: u64) -> Vec<String> {
-    [
-        "--device=cpu".to_string(),
-        format!("--set=train.steps={steps}"),
-        "--set=train_batch_size=32".into(),
-        "--set=gradient_accumulation_steps=4".into(),
-        "--set=data.val_size=200".into(),
-        "--set=train.checkpoint_every=2".into(),
-        "--set=train.log_every=1".into(),
-    ]
-    .into()
-}
-
-/// `vitscale [launch --nproc-per-node n --] train <common> --set=zero_optimization.stage=<stage> <extra>`.
+/// `vitscale [launch --nproc-per-node n --] train <tiny run> --set=zero_optimization.stage=<stage> <extra>`.
 fn train(nproc: usize, stage: u8, steps: u64, extra: &[&str], dir: &Path) -> Output {
-    let mut args = launch_args(nproc);
-    args.push("train".into());
-    args.extend(common(steps));
-    args.push(format!("--set=zero_optimization.stage={stage}"));
-    args.extend(extra.iter().map(|s| s.to_string()));
-    args.extend(run_dir_args(dir));
-    run(&args)
+    train_at_stage(nproc, stage, zero_run_args(steps), extra, dir)
 }
 
 /// Whether the default model's bucket plan (default bucket size) leaves a bucket tail

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 
 mod common;
-use common::{launch_args, max_rel_diff, max_rel_diff_files, metrics, read_json, run, run_dir_args, tmp};
+use common::{launch_args, max_rel_diff, train_at_stage, zero_run_args, ADAMW, CLIP, SGD, max_rel_diff_files, metrics, read_json, run_dir_args, tmp};
 
 /// Same world size, stage 3 against stage 0: the same per-element update from gradients
 /// reduced in another order (stage 3 reduce-scatters one bucket per parameter group, cut
@@ -31,36 +31,17 @@ const STAGE_TOL_ADAM: f32 = 2e-6;
 const SPLIT_TOL_SGD: f32 = 1e-6;
 const SPLIT_TOL_ADAM: f32 = 3e-5;
 
-const SGD: &str = "--set=optimizer={\"type\":\"SGD\",\"params\":{\"lr\":0.05,\"momentum\":0.9}}";
-const ADAMW: &str = "--set=optimizer={\"type\":\"AdamW\",\"params\":{\"lr\":0.001}}";
-/// Far below the gradient norms of these runs, so every step is clipped.
-const CLIP: &str = "--set=gradient_clipping=0.05";
-/// Every block partitioned (gathered per pass), not kept whole.
 const PARTITION_ALL: &str = "--set=zero_optimization.stage3_param_persistence_threshold=0";
 
 fn common(steps: u64) -> Vec<String> {
-    [
-        "--device=cpu".to_string(),
-        format!("--set=train.steps={steps}"),
-        "--set=train_batch_size=32".into(),
-        "--set=gradient_accumulation_steps=4".into(),
-        "--set=data.val_size=200".into(),
-        "--set=train.checkpoint_every=2".into(),
-        "--set=train.log_every=1".into(),
-        // 5 evaluation batches of 200 images: the ranks run different numbers of them
-        "--set=train.eval_batch_size=48".into(),
-    ]
-    .into()
+    let mut args = zero_run_args(steps);
+    // 5 evaluation batches of 200 images: the ranks run different numbers of them
+    args.push("--set=train.eval_batch_size=48".into());
+    args
 }
 
 fn train(nproc: usize, stage: u8, steps: u64, extra: &[&str], dir: &Path) -> Output {
-    let mut args = launch_args(nproc);
-    args.push("train".into());
-    args.extend(common(steps));
-    args.push(format!("--set=zero_optimization.stage={stage}"));
-    args.extend(extra.iter().map(|s| s.to_string()));
-    args.extend(run_dir_args(dir));
-    run(&args)
+    train_at_stage(nproc, stage, common(steps), extra, dir)
 }
 
 /// The default model's stage-3 layout at `world` ranks: (groups with a tail, groups).

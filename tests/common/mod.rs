@@ -225,3 +225,36 @@ pub fn max_rel_l2(a: &Path, b: &Path) -> f64 {
     })
     .fold(0.0, f64::max)
 }
+
+/// The optimizers and clipping the ZeRO equality tests train with.
+pub const SGD: &str = "--set=optimizer={\"type\":\"SGD\",\"params\":{\"lr\":0.05,\"momentum\":0.9}}";
+pub const ADAMW: &str = "--set=optimizer={\"type\":\"AdamW\",\"params\":{\"lr\":0.001}}";
+/// Far below the gradient norms of those runs (2.4–3.9), so every step is clipped.
+pub const CLIP: &str = "--set=gradient_clipping=0.05";
+
+/// The ZeRO tests' tiny run on CPU ranks: `steps` steps of 32 images in 4 micro-batches, a
+/// checkpoint every 2 steps, a metrics line every step.
+pub fn zero_run_args(steps: u64) -> Vec<String> {
+    [
+        "--device=cpu".to_string(),
+        format!("--set=train.steps={steps}"),
+        "--set=train_batch_size=32".into(),
+        "--set=gradient_accumulation_steps=4".into(),
+        "--set=data.val_size=200".into(),
+        "--set=train.checkpoint_every=2".into(),
+        "--set=train.log_every=1".into(),
+    ]
+    .into()
+}
+
+/// `vitscale [launch --nproc-per-node n --] train <args> --set=zero_optimization.stage=<stage> <extra>`
+/// with its run directory in `dir`.
+pub fn train_at_stage(nproc: usize, stage: u8, args: Vec<String>, extra: &[&str], dir: &Path) -> Output {
+    let mut all = launch_args(nproc);
+    all.push("train".into());
+    all.extend(args);
+    all.push(format!("--set=zero_optimization.stage={stage}"));
+    all.extend(extra.iter().map(|s| s.to_string()));
+    all.extend(run_dir_args(dir));
+    run(&all)
+}
