@@ -15,6 +15,10 @@ use common::{launch_args, max_rel_l2, metrics, read_json, run, run_dir_args, tmp
 
 const SPLIT_TOL: f64 = 5e-6;
 
+/// The tests take turns: run side by side, their launched ranks share the cores, and a rank
+/// descheduled for its whole backward cannot show a reduction finishing inside it.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Trains 4 steps of a 32-image global batch on `nproc` ranks with `micro` × `gas`.
 fn train(nproc: usize, micro: usize, gas: usize, dir: &Path, extra: &[String]) {
     let mut args = launch_args(nproc);
@@ -40,6 +44,7 @@ fn train(nproc: usize, micro: usize, gas: usize, dir: &Path, extra: &[String]) {
 
 #[test]
 fn ranks_match_one_rank_through_the_bucketed_path_at_gas_1_and_4() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let t = tmp();
     let p = |n: &str| t.path().join(n);
     train(1, 8, 4, &p("one"), &[]);
@@ -55,6 +60,7 @@ fn ranks_match_one_rank_through_the_bucketed_path_at_gas_1_and_4() {
 
 #[test]
 fn the_trace_shows_a_bucket_reduced_during_the_backward_and_metrics_carry_exposed_comm() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let t = tmp();
     let (run, trace_dir) = (t.path().join("run"), t.path().join("trace"));
     train(2, 16, 1, &run, &["--trace".into(), trace_dir.display().to_string()]);
