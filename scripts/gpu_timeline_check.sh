@@ -3,7 +3,7 @@
 # evaluation inside it (phases against the window's wall time, eval_s, MFU), the same run with
 # the timeline off (what the timing costs), bench at the same shape, two ranks sharing the GPU,
 # and Chrome traces of both (the device tracks beside the host's).
-#   scripts/gpu_timeline_check.sh BIN OUTDIR
+#   scripts/gpu_timeline_check.sh BIN OUTDIR   (REPS, default 2: how often the timeline on/off pair runs)
 BIN=$1; O=$2; mkdir -p "$O"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 b16='--set model.preset=vit_base_patch16_224 --set data.dataset=synthetic --set data.train_size=8192 --set data.val_size=2048 --set model.num_classes=10 --set train_micro_batch_size_per_gpu=64 --set train.log_every=10'
@@ -19,7 +19,7 @@ for l in open(sys.argv[1]):
     print(f"step {r['step']:4d} img/s {r['images_per_s']:8.1f} train {r['train_s']*1e3/n:7.2f} ms/step phases {tot*1e3/n:7.2f} (timed_s {(r['timed_s'] or 0)*1e3/n:7.2f}) ratio {tot/r['train_s']:.4f} | " + " ".join(f"{k[:-2]} {r[k]*1e3/n:.2f}" for k in ph) + f" | eval_s {r['eval_s']:.3f} ckpt_s {r['checkpoint_s']:.3f} mfu {r['mfu']}")
 PY
 }
-for rep in 1 2; do
+for rep in $(seq 1 ${REPS:-2}); do
   for tl in on off; do
     VITSCALE_TIMELINE=$tl "$BIN" train --device cuda $b16 --set train.steps=80 --set train.eval_every=40 --run-dir "$O/b16-$tl-$rep" --json > /dev/null 2> "$O/b16-$tl-$rep.err"
     echo "== ViT-B/16 micro 64, 1 rank, timeline $tl (run $rep)"; summ "$O/b16-$tl-$rep/metrics.jsonl"

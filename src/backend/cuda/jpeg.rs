@@ -431,8 +431,169 @@ fn ensure(be: &Cuda, stream: &CudaStream, slot: &mut Option<CudaBuf>, bytes: usi
     Ok(slot.as_ref().map(|b| b.ptr).unwrap_or(0))
 }
 
+/// What the decode thread needs for one batch, prepared by the caller: the table and the
+/// bitstreams are already in the pinned arena, the device buffers already sized.
+struct Submission {
+    arena_ptr: usize,
+    which: usize,
+    host_at: Vec<(usize, usize)>,
+    table_len: usize,
+    jobs: Vec<ImageJob>,
+    encodings: Vec<Encoding>,
+    sources: Vec<String>,
+    px: u64,
+    tmp: u64,
+    jobs_ptr: u64,
+    dst: u64,
+    dst_dt: i32,
+    side: usize,
+    bicubic: bool,
+    mean: [f32; 3],
+    std: [f32; 3],
+    rows_kernel: cudarc::driver::CudaFunction,
+    cols_kernel: cudarc::driver::CudaFunction,
+}
+
+/// The decode thread's share of the backend: the decoder, the compute stream's "inputs read"
+/// event and the context, each shared, so the thread never borrows the backend itself.
+struct DecodeThread {
+    ctx: Arc<cudarc::driver::CudaContext>,
+    jpeg: Arc<Mutex<Option<JpegDecoder>>>,
+    inputs_read: Arc<Mutex<Option<cudarc::driver::CudaEvent>>>,
+}
+
+/// The decoded batch's state: being enqueued by the decode thread, or enqueued with the event
+/// its last kernel recorded.
+pub(super) enum PendingDecode {
+    Running(std::thread::JoinHandle<BResult<cudarc::driver::CudaEvent>>),
+    Enqueued(cudarc::driver::CudaEvent),
+}
+
+impl PendingDecode {
+    /// The event, once the decode thread has enqueued the batch (its error otherwise).
+    pub(super) fn settle(self) -> BResult<cudarc::driver::CudaEvent> {
+        match self {
+            PendingDecode::Enqueued(ev) => Ok(ev),
+            PendingDecode::Running(h) => h.join().map_err(|_| BackendError::Device("the GPU decode thread panicked".into()))?,
+        }
+    }
+}
+
+impl DecodeThread {
+    /// Enqueues one prepared batch on the decode stream: the decode (hardware, hybrid, CPU as
+    /// the module doc says), the copies of already-decoded images, then the two resampling
+    /// kernels, the second after the compute stream has read the previous inputs. Returns the
+    /// event recorded after the last kernel.
+    fn enqueue(self, sub: Submission) -> BResult<cudarc::driver::CudaEvent> {
+        self.ctx.bind_to_thread().map_err(dev("the GPU decode thread"))?;
+        let mut guard = self.jpeg.lock().map_err(|_| BackendError::Device("decode_input: decoder lock poisoned".into()))?;
+        let dec = guard.as_mut().ok_or_else(|| BackendError::Device("the GPU image decoder is not open".into()))?;
+        let stream = dec.stream.clone();
+        let cu = stream.cu_stream();
+        let b = sub.jobs.len();
+        // SAFETY: the arena is pinned memory of at least the laid-out bytes; it is not
+        // rewritten before the event recorded at the end of this decode (`Arena::prepare`),
+        // and not freed while this thread runs (the caller settles it first).
+        let arena_ptr = sub.arena_ptr as *const u8;
+        let bytes_of = |i: usize| unsafe { std::slice::from_raw_parts(arena_ptr.add(sub.host_at[i].0), sub.host_at[i].1) };
+        // SAFETY (the copies below): each source range lies in the pinned arena (see above);
+        // each destination range was laid out within its buffer by the caller.
+        let table = unsafe { std::slice::from_raw_parts(arena_ptr, sub.table_len) };
+        unsafe { dr::memcpy_htod_async(sub.jobs_ptr, table, cu) }.map_err(dev("copying the decode table"))?;
+
+        // Decode: the JPEGs in one hardware call where possible, the rest one by one.
+        let dest = |j: &ImageJob| NvImage { channel: [(sub.px + j.src as u64) as *mut u8, std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut()], pitch: [j.w as usize * 3, 0, 0, 0] };
+        let jpegs: Vec<usize> = (0..b).filter(|&i| sub.encodings[i] == Encoding::Jpeg).collect();
+        let mut pending: Vec<usize> = jpegs.clone();
+        if let (Some(hw), false) = (dec.hardware.as_ref(), jpegs.is_empty()) {
+            let api = &dec.api;
+            let mut ok = true;
+            if dec.batched_for != jpegs.len() {
+                // SAFETY: live handle and state of the hardware decoder.
+                ok = check("nvjpegDecodeBatchedInitialize", unsafe { (api.batched_init)(hw.handle, hw.state, jpegs.len() as c_int, 1, OUTPUT_RGBI) }).is_ok();
+                dec.batched_for = if ok { jpegs.len() } else { 0 };
+            }
+            if ok {
+                let data: Vec<*const u8> = jpegs.iter().map(|&i| bytes_of(i).as_ptr()).collect();
+                let lens: Vec<usize> = jpegs.iter().map(|&i| sub.host_at[i].1).collect();
+                let mut outs: Vec<NvImage> = jpegs.iter().map(|&i| dest(&sub.jobs[i])).collect();
+                // SAFETY: `data`/`lens` describe the bitstreams in the arena, each output plane
+                // has room for its image's w·h·3 bytes (laid out by the caller).
+                let r = unsafe { (api.batched)(hw.handle, hw.state, data.as_ptr(), lens.as_ptr(), outs.as_mut_ptr(), cu) };
+                if r == 0 {
+                    pending.clear();
+                } else {
+                    // nvJPEG asks for a fresh initialization after a failed batch
+                    dec.batched_for = 0;
+                }
+            }
+        }
+        let mut cpu_px = Vec::new();
+        for &i in &pending {
+            let job = &sub.jobs[i];
+            let mut out = dest(job);
+            let bits = bytes_of(i);
+            // SAFETY: as above, for one image with the hybrid decoder.
+            let r = unsafe { (dec.api.decode)(dec.hybrid.handle, dec.hybrid.state, bits.as_ptr(), bits.len(), OUTPUT_RGBI, &mut out, cu) };
+            if r != 0 {
+                // the CPU decoder as a last resort (CMYK, unusual layouts); rare, so this copy
+                // from pageable memory may wait for the stream
+                let src = &sub.sources[i];
+                let (w, h) = crate::core::encoded::decode_rgb(bits, &mut cpu_px)
+                    .map_err(|msg| BackendError::Device(format!("{src}: cannot decode image: nvJPEG status {r} ({}), CPU decoder: {msg}", status_name(r))))?;
+                if (w as i32, h as i32) != (job.w, job.h) {
+                    return Err(BackendError::Device(format!("{src}: decoded {w}×{h}, its header said {}×{}", job.w, job.h)));
+                }
+                // SAFETY: the destination has w·h·3 bytes; the stream is synchronized before
+                // `cpu_px` is reused or dropped.
+                unsafe { dr::memcpy_htod_async(sub.px + job.src as u64, &cpu_px[..w * h * 3], cu) }.map_err(dev("copying a CPU-decoded image"))?;
+                stream.synchronize().map_err(dev("copying a CPU-decoded image"))?;
+            }
+        }
+        for i in (0..b).filter(|&i| sub.encodings[i] == Encoding::Rgb) {
+            // SAFETY: see the copies' note above.
+            unsafe { dr::memcpy_htod_async(sub.px + sub.jobs[i].src as u64, bytes_of(i), cu) }.map_err(dev("copying decoded images"))?;
+        }
+
+        // Resample: rows, then (after the previous forward has read the inputs) the output.
+        let (px, tmp, jobs_ptr, dst, dt) = (sub.px, sub.tmp, sub.jobs_ptr, sub.dst, sub.dst_dt);
+        let bicubic = i32::from(sub.bicubic);
+        let side = sub.side;
+        let side_i = side as i32;
+        let max_rows = sub.jobs.iter().map(|j| j.rows as usize).max().unwrap_or(1);
+        let grid_x = |n: usize| (n.div_ceil(THREADS as usize).clamp(1, 1024)) as u32;
+        launch(cu, &sub.rows_kernel, "resample_rows_rgb8", (grid_x(max_rows * side), b as u32, 1), &mut kargs![tmp, px, jobs_ptr, side_i, bicubic])?;
+        // (the compute thread records a newer event only after it has settled this batch)
+        if let Some(ev) = self.inputs_read.lock().map_err(|_| BackendError::Device("decode_input: event lock poisoned".into()))?.as_ref() {
+            // SAFETY: a live event of this context; the wait is enqueued on the decode stream.
+            unsafe { cudarc::driver::result::stream::wait_event(cu, ev.cu_event(), cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+                .map_err(dev("cuStreamWaitEvent"))?;
+        }
+        let k: [f32; 3] = std::array::from_fn(|c| 1.0 / (255.0 * sub.std[c]));
+        let o: [f32; 3] = std::array::from_fn(|c| sub.mean[c] / sub.std[c]);
+        launch(cu, &sub.cols_kernel, "resample_cols_norm", (grid_x(side * side), b as u32, 1), &mut kargs![dst, dt, tmp, jobs_ptr, side_i, bicubic, k[0], k[1], k[2], o[0], o[1], o[2]])?;
+        let done = self.ctx.new_event(None).map_err(dev("cuEventCreate"))?;
+        done.record(&stream).map_err(dev("cuEventRecord"))?;
+        dec.arenas[sub.which].done = Some(done);
+        let ready = self.ctx.new_event(None).map_err(dev("cuEventCreate"))?;
+        ready.record(&stream).map_err(dev("cuEventRecord"))?;
+        Ok(ready)
+    }
+}
+
+/// Launches `f` (kernel `name` of kernels/image.cu) on `stream`.
+fn launch(stream: CUstream, f: &cudarc::driver::CudaFunction, name: &str, grid: (u32, u32, u32), args: &mut [*mut c_void]) -> BResult<()> {
+    // SAFETY: the launch sites pass arguments matching the kernels' signatures in
+    // kernels/image.cu, device pointers to buffers sized for the batch, and values that
+    // outlive the call.
+    unsafe { dr::launch_kernel(f.cu_function(), grid, (THREADS, 1, 1), 0, stream, args) }.map_err(|e| BackendError::Device(format!("launching {name}: {e}")))
+}
+
 impl Cuda {
-    /// `Backend::decode_input` (see the module doc).
+    /// `Backend::decode_input` (see the module doc). The caller's thread lays the batch out and
+    /// copies it into a pinned arena; a thread of its own then makes the nvJPEG calls, which
+    /// hold the calling thread for as long as the engines take (they would hold back the
+    /// launches of the step queued meanwhile), and enqueues the resampling.
     pub(super) fn decode_input_impl(&self, dst: &mut CudaBuf, batch: &EncodedBatch, range: std::ops::Range<usize>) -> BResult<()> {
         let images = batch.images.get(range.clone()).ok_or_else(|| BackendError::Shape { op: "decode_input", msg: format!("images {range:?} of a batch of {}", batch.images.len()) })?;
         let (b, side) = (images.len(), batch.side);
@@ -440,11 +601,12 @@ impl Cuda {
         if b == 0 {
             return Ok(());
         }
+        // The previous batch is enqueued before this one reuses the decoder and its buffers.
+        self.settle_pending_decode()?;
         self.ctx.bind_to_thread().map_err(dev("decode_input"))?;
         let mut guard = self.jpeg.lock().map_err(|_| BackendError::Device("decode_input: decoder lock poisoned".into()))?;
         let dec = self.opened_decoder(&mut guard).map_err(BackendError::Device)?;
         let stream = dec.stream.clone();
-        let cu = stream.cu_stream();
 
         // Where each image goes: its pixels on the device, its horizontal-pass rows, and its
         // bytes in the pinned arena (after the table).
@@ -497,87 +659,43 @@ impl Cuda {
         for (img, &(at, n)) in images.iter().zip(&host_at) {
             arena[at..at + n].copy_from_slice(&img.bytes[..n]);
         }
-        let arena_ptr = arena.as_ptr();
-        // SAFETY (the copies below): each source range lies in the pinned arena, which is not
-        // rewritten before the event recorded at the end of this decode; each destination
-        // range was laid out above within its buffer.
-        unsafe { dr::memcpy_htod_async(jobs_ptr, &arena[..table.len()], cu) }.map_err(dev("copying the decode table"))?;
+        let sub = Submission {
+            arena_ptr: arena.as_ptr() as usize,
+            which,
+            host_at,
+            table_len: table.len(),
+            jobs,
+            encodings: images.iter().map(|m| m.encoding).collect(),
+            sources: images.iter().map(|m| m.source.clone()).collect(),
+            px,
+            tmp,
+            jobs_ptr,
+            dst: dst.ptr,
+            dst_dt: dst.dt(),
+            side,
+            bicubic: batch.bicubic,
+            mean: batch.mean,
+            std: batch.std,
+            rows_kernel: self.kernels.get("resample_rows_rgb8")?.clone(),
+            cols_kernel: self.kernels.get("resample_cols_norm")?.clone(),
+        };
+        drop(guard);
+        let thread = DecodeThread { ctx: self.ctx.clone(), jpeg: self.jpeg.clone(), inputs_read: self.inputs_read.clone() };
+        let handle = std::thread::Builder::new()
+            .name("gpu-decode".into())
+            .spawn(move || thread.enqueue(sub))
+            .map_err(|e| BackendError::Device(format!("starting the GPU decode thread: {e}")))?;
+        *self.decoded_input.lock().map_err(|_| BackendError::Device("decode_input: event lock poisoned".into()))? = Some(PendingDecode::Running(handle));
+        Ok(())
+    }
 
-        // Decode: the JPEGs in one hardware call where possible, the rest one by one.
-        let dest = |j: &ImageJob| NvImage { channel: [(px + j.src as u64) as *mut u8, std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut()], pitch: [j.w as usize * 3, 0, 0, 0] };
-        let jpegs: Vec<usize> = (0..b).filter(|&i| images[i].encoding == Encoding::Jpeg).collect();
-        let mut pending: Vec<usize> = jpegs.clone();
-        if let (Some(hw), false) = (dec.hardware.as_ref(), jpegs.is_empty()) {
-            let api = &dec.api;
-            let mut ok = true;
-            if dec.batched_for != jpegs.len() {
-                // SAFETY: live handle and state of the hardware decoder.
-                ok = check("nvjpegDecodeBatchedInitialize", unsafe { (api.batched_init)(hw.handle, hw.state, jpegs.len() as c_int, 1, OUTPUT_RGBI) }).is_ok();
-                dec.batched_for = if ok { jpegs.len() } else { 0 };
-            }
-            if ok {
-                // SAFETY: pointers into the pinned arena (see above).
-                let data: Vec<*const u8> = jpegs.iter().map(|&i| unsafe { arena_ptr.add(host_at[i].0) }).collect();
-                let lens: Vec<usize> = jpegs.iter().map(|&i| host_at[i].1).collect();
-                let mut outs: Vec<NvImage> = jpegs.iter().map(|&i| dest(&jobs[i])).collect();
-                // SAFETY: `data`/`lens` describe the bitstreams in the arena, each output plane
-                // has room for its image's w·h·3 bytes (laid out above).
-                let r = unsafe { (api.batched)(hw.handle, hw.state, data.as_ptr(), lens.as_ptr(), outs.as_mut_ptr(), cu) };
-                if r == 0 {
-                    pending.clear();
-                } else {
-                    // nvJPEG asks for a fresh initialization after a failed batch
-                    dec.batched_for = 0;
-                }
-            }
+    /// Waits (on the host) until the decode thread has enqueued the pending batch, keeping its
+    /// event; a decode that failed is reported here, naming its file.
+    fn settle_pending_decode(&self) -> BResult<()> {
+        let mut slot = self.decoded_input.lock().map_err(|_| BackendError::Device("decoded input: event lock poisoned".into()))?;
+        if let Some(p) = slot.take() {
+            *slot = Some(PendingDecode::Enqueued(p.settle()?));
         }
-        let mut cpu_px = Vec::new();
-        for &i in &pending {
-            let img = &images[i];
-            let mut out = dest(&jobs[i]);
-            // SAFETY: as above, for one image with the hybrid decoder.
-            let r = unsafe { (dec.api.decode)(dec.hybrid.handle, dec.hybrid.state, arena_ptr.add(host_at[i].0), host_at[i].1, OUTPUT_RGBI, &mut out, cu) };
-            if r != 0 {
-                // the CPU decoder as a last resort (CMYK, unusual layouts); rare, so this copy
-                // from pageable memory may wait for the stream
-                let (w, h) = crate::core::encoded::decode_rgb(&img.bytes, &mut cpu_px)
-                    .map_err(|msg| BackendError::Device(format!("{}: cannot decode image: nvJPEG status {r} ({}), CPU decoder: {msg}", img.source, status_name(r))))?;
-                if (w, h) != (img.width, img.height) {
-                    return Err(BackendError::Device(format!("{}: decoded {w}×{h}, its header said {}×{}", img.source, img.width, img.height)));
-                }
-                // SAFETY: the destination has w·h·3 bytes; the stream is synchronized before
-                // `cpu_px` is reused or dropped.
-                unsafe { dr::memcpy_htod_async(px + jobs[i].src as u64, &cpu_px[..w * h * 3], cu) }.map_err(dev("copying a CPU-decoded image"))?;
-                stream.synchronize().map_err(dev("copying a CPU-decoded image"))?;
-            }
-        }
-        for (i, _) in images.iter().enumerate().filter(|(_, m)| m.encoding == Encoding::Rgb) {
-            let (at, n) = host_at[i];
-            // SAFETY: see the copies' note above.
-            unsafe { dr::memcpy_htod_async(px + jobs[i].src as u64, &arena[at..at + n], cu) }.map_err(dev("copying decoded images"))?;
-        }
-
-        // Resample: rows, then (after the previous forward has read the inputs) the output.
-        let bicubic = i32::from(batch.bicubic);
-        let side_i = side as i32;
-        let max_rows = jobs.iter().map(|j| j.rows as usize).max().unwrap_or(1);
-        let grid_x = |n: usize| (n.div_ceil(THREADS as usize).clamp(1, 1024)) as u32;
-        self.launch_on(cu, "resample_rows_rgb8", (grid_x(max_rows * side), b as u32, 1), &mut kargs![tmp, px, jobs_ptr, side_i, bicubic])?;
-        if let Some(ev) = self.inputs_read.lock().map_err(|_| BackendError::Device("decode_input: event lock poisoned".into()))?.as_ref() {
-            // SAFETY: a live event of this context; the wait is enqueued on the decode stream.
-            unsafe { cudarc::driver::result::stream::wait_event(cu, ev.cu_event(), cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-                .map_err(dev("cuStreamWaitEvent"))?;
-        }
-        let k: [f32; 3] = std::array::from_fn(|c| 1.0 / (255.0 * batch.std[c]));
-        let o: [f32; 3] = std::array::from_fn(|c| batch.mean[c] / batch.std[c]);
-        let dt = dst.dt();
-        self.launch_on(cu, "resample_cols_norm", (grid_x(side * side), b as u32, 1), &mut kargs![dst.ptr, dt, tmp, jobs_ptr, side_i, bicubic, k[0], k[1], k[2], o[0], o[1], o[2]])?;
-        let done = self.ctx.new_event(None).map_err(dev("cuEventCreate"))?;
-        done.record(&stream).map_err(dev("cuEventRecord"))?;
-        dec.arenas[which].done = Some(done);
-        let ready = self.ctx.new_event(None).map_err(dev("cuEventCreate"))?;
-        ready.record(&stream).map_err(dev("cuEventRecord"))?;
-        *self.decoded_input.lock().map_err(|_| BackendError::Device("decode_input: event lock poisoned".into()))? = Some(ready);
         Ok(())
     }
 
@@ -586,22 +704,13 @@ impl Cuda {
     /// before any synchronization that promises every queued result.
     pub(super) fn order_decoded_input(&self) -> BResult<()> {
         let pending = self.decoded_input.lock().map_err(|_| BackendError::Device("decoded input: event lock poisoned".into()))?.take();
-        if let Some(ev) = pending {
+        if let Some(p) = pending {
+            let ev = p.settle()?;
             // SAFETY: a live event of this context recorded on the decode stream.
             unsafe { cudarc::driver::result::stream::wait_event(self.stream.cu_stream(), ev.cu_event(), cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
                 .map_err(dev("cuStreamWaitEvent"))?;
         }
         Ok(())
-    }
-
-    /// Launches kernel `name` on `stream` (the decode runs on the copy stream, not the
-    /// compute stream that `launch` uses).
-    fn launch_on(&self, stream: CUstream, name: &str, grid: (u32, u32, u32), args: &mut [*mut c_void]) -> BResult<()> {
-        let f = self.kernels.get(name)?;
-        // SAFETY: the launch sites above pass arguments matching the kernels' signatures in
-        // kernels/image.cu, device pointers to buffers sized for the batch, and values that
-        // outlive the call.
-        unsafe { dr::launch_kernel(f.cu_function(), grid, (THREADS, 1, 1), 0, stream, args) }.map_err(|e| BackendError::Device(format!("launching {name}: {e}")))
     }
 
     /// The GPU decoder's JPEG engines: Some(0) when it decodes without them (hybrid), None

@@ -83,11 +83,12 @@ pub struct Cuda {
     staging: Mutex<[Staging; 2]>,
     next_staging: AtomicUsize,
     /// The GPU image decoder (`data.decode = "gpu"`), opened on first use.
-    jpeg: Mutex<Option<jpeg::JpegDecoder>>,
-    /// Recorded on the decode stream when a decoded batch is in the input buffer; the compute
-    /// stream waits for it just before it reads the input (`patchify`) or synchronizes, not
-    /// when the decode is enqueued (that would hold back the current step's optimizer).
-    decoded_input: Mutex<Option<cudarc::driver::CudaEvent>>,
+    jpeg: Arc<Mutex<Option<jpeg::JpegDecoder>>>,
+    /// The batch being decoded into the input buffer: the decode thread still enqueuing it, or
+    /// the event it recorded on the decode stream. The compute stream waits for it just before
+    /// it reads the input (`patchify`) or synchronizes, not when the decode is enqueued (that
+    /// would hold back the current step's optimizer).
+    decoded_input: Mutex<Option<jpeg::PendingDecode>>,
     /// Stream for batch-input copies (`upload_input`), so they overlap the compute stream.
     copy_stream: Arc<CudaStream>,
     /// When traced (`time_input_copies`): each input copy's start and end events on the copy
@@ -117,7 +118,19 @@ pub struct Cuda {
     /// Recorded on the compute stream after each forward's last read of the staged inputs;
     /// `upload_input`'s copy waits for it, so a batch staged ahead never overwrites inputs
     /// that a queued forward has yet to read.
-    inputs_read: Mutex<Option<cudarc::driver::CudaEvent>>,
+    inputs_read: Arc<Mutex<Option<cudarc::driver::CudaEvent>>>,
+}
+
+impl Drop for Cuda {
+    /// A decode thread still enqueuing a batch uses the context and the decoder: let it finish
+    /// before they go.
+    fn drop(&mut self) {
+        if let Ok(mut slot) = self.decoded_input.lock() {
+            if let Some(p) = slot.take() {
+                let _ = p.settle();
+            }
+        }
+    }
 }
 
 impl Cuda {
@@ -162,12 +175,12 @@ impl Cuda {
             ceiling_tflops: std::sync::OnceLock::new(),
             profile: Mutex::new(None),
             knobs: options::Knobs::new(&options),
-            inputs_read: Mutex::new(None),
+            inputs_read: Arc::new(Mutex::new(None)),
             copy_stream,
             copy_timing: Mutex::new(None),
             staging,
             next_staging: AtomicUsize::new(0),
-            jpeg: Mutex::new(None),
+            jpeg: Arc::new(Mutex::new(None)),
             decoded_input: Mutex::new(None),
         })
     }
