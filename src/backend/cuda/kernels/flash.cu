@@ -14,7 +14,10 @@
 // backwards share fa_bwd_step (one warp's 16 keys against a step of queries) and
 // fa_store_dkdv. (On Hopper, 193 ≤ N ≤ 208 at D 64 runs `flash_{fwd,bwd}_wg_d64` in hopper.cu.)
 //
-// Tiles: 64 query rows × 64 keys per block of 4 warps; each warp owns 16 rows of the tile.
+// Tiles: each warp owns 16 rows of a tile. The tiled forward steps through keys 64 at a time
+// with 64 query rows on 4 warps (`_pipe`) or 128 on 8 warps (`_pipe128`, which the host picks
+// for long sequences); the tiled backward holds fa_bwd_keys<D>() keys a block (128 on 8 warps
+// where D / 2 is a multiple of 16, else 64 on 4) and steps through queries 64 at a time.
 // Shared-memory rows are padded by 8 bf16 (16 bytes) so fragment loads hit 32 distinct banks.
 // Ragged N: rows ≥ N load as zeros; keys ≥ N get probability 0; rows ≥ N are never stored.
 //
