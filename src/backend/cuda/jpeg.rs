@@ -17,9 +17,11 @@
 //! kernel waits for the event that says the previous forward has read the input buffer, and
 //! the compute stream waits for the decode only where it first reads the input (`patchify`)
 //! or synchronizes (`order_decoded_input`), so the step still queued ahead of it runs on. The
-//! host never waits for the decode: the bitstreams, the decode table and already-decoded
-//! images go to the device from one of two pinned arenas (a pageable source would make each
-//! copy wait for the stream), and an arena is refilled only after the decode that read it.
+//! calling thread only lays the batch out and copies it into one of two pinned arenas (a
+//! pageable source would make each copy wait for the stream; an arena is refilled only after
+//! the decode that read it); the nvJPEG calls and the launches are made by a thread of their
+//! own (`DecodeThread`), because nvJPEG's batched hardware call holds its thread until the
+//! whole device is idle, and the training thread must go on launching the step meanwhile.
 //! nvJPEG's own device and pinned buffers come from caching allocators: its default ones call
 //! `cudaFree`/`cudaFreeHost`, which wait for the whole device, step included.
 
