@@ -157,45 +157,9 @@ fn the_run_records_the_sharded_memory_against_the_prediction() {
 fn stage_2_communicates_only_at_the_accumulation_boundary() {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
-    use vitscale::comm::{CResult, Collective, Comm, CommOptions, DistEnv, Span, TcpComm, Work};
+    use common::CountingComm;
+    use vitscale::comm::{CommOptions, DistEnv, TcpComm};
     use vitscale::train::trainer::{self, TrainOptions};
-
-    /// Counts the collectives started on a TCP ring: [all_reduce, reduce_scatter, all_gather, broadcast].
-    struct Counting {
-        inner: TcpComm,
-        counts: Arc<[AtomicUsize; 4]>,
-    }
-    impl Comm<Vec<f32>> for Counting {
-        fn rank(&self) -> usize {
-            Comm::<Vec<f32>>::rank(&self.inner)
-        }
-        fn world_size(&self) -> usize {
-            Comm::<Vec<f32>>::world_size(&self.inner)
-        }
-        fn describe(&self) -> String {
-            "counting tcp ring".into()
-        }
-        fn start(&mut self, op: Collective, buf: &mut Vec<f32>, span: Span) -> CResult<Work> {
-            let i = match op {
-                Collective::AllReduce(_) => 0,
-                Collective::ReduceScatter(_) => 1,
-                Collective::AllGather => 2,
-                // (data parallelism starts no all-to-all: one would count as a broadcast)
-                Collective::Broadcast { .. } | Collective::AllToAll => 3,
-            };
-            self.counts[i].fetch_add(1, Ordering::Relaxed);
-            self.inner.start(op, buf, span)
-        }
-        fn wait(&mut self, work: Work, buf: &mut Vec<f32>) -> CResult<()> {
-            self.inner.wait(work, buf)
-        }
-        fn barrier(&mut self) -> CResult<()> {
-            Comm::<Vec<f32>>::barrier(&mut self.inner)
-        }
-        fn all_reduce_host(&mut self, vals: &mut [f64]) -> CResult<()> {
-            Comm::<Vec<f32>>::all_reduce_host(&mut self.inner, vals)
-        }
-    }
 
     let world = 2;
     let steps = 3u64;
@@ -221,7 +185,7 @@ fn stage_2_communicates_only_at_the_accumulation_boundary() {
                     s.spawn(move || {
                         let env = DistEnv::loopback(rank, world, port);
                         let inner = TcpComm::connect(&env, opts, "zero-count").expect("connect");
-                        let mut comm = Counting { inner, counts };
+                        let mut comm = CountingComm { inner, counts };
                         let o = TrainOptions { run_dir: t.path().join(format!("rank{rank}")), quiet: true, ..Default::default() };
                         trainer::train_with(&vitscale::backend::cpu::Cpu::new(), cfg, &o, &mut comm).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
                     })

@@ -236,46 +236,15 @@ fn each_rank_holds_its_share_of_the_weights_and_state_as_predicted() {
 /// first two still there. Without prefetch one slot: the backward reuses only the last block.
 #[test]
 fn partitioned_passes_equal_whole_weights_and_gather_each_block_before_forward_and_backward() {
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::atomic::AtomicUsize;
     use std::sync::Arc;
     use std::time::Duration;
     use vitscale::backend::cpu::Cpu;
     use vitscale::backend::Backend;
-    use vitscale::comm::{CResult, Collective, Comm, CommOptions, DistEnv, Span, TcpComm, Work};
+    use common::CountingComm;
+    use vitscale::comm::{CommOptions, DistEnv, TcpComm};
     use vitscale::model::partition::{GatherOptions, Partition};
     use vitscale::model::Vit;
-
-    /// Counts the all-gathers started.
-    struct Counting {
-        inner: TcpComm,
-        gathers: Arc<AtomicUsize>,
-    }
-    impl Comm<Vec<f32>> for Counting {
-        fn rank(&self) -> usize {
-            Comm::<Vec<f32>>::rank(&self.inner)
-        }
-        fn world_size(&self) -> usize {
-            Comm::<Vec<f32>>::world_size(&self.inner)
-        }
-        fn describe(&self) -> String {
-            "counting tcp ring".into()
-        }
-        fn start(&mut self, op: Collective, buf: &mut Vec<f32>, span: Span) -> CResult<Work> {
-            if op == Collective::AllGather {
-                self.gathers.fetch_add(1, Ordering::Relaxed);
-            }
-            self.inner.start(op, buf, span)
-        }
-        fn wait(&mut self, work: Work, buf: &mut Vec<f32>) -> CResult<()> {
-            self.inner.wait(work, buf)
-        }
-        fn barrier(&mut self) -> CResult<()> {
-            Comm::<Vec<f32>>::barrier(&mut self.inner)
-        }
-        fn all_reduce_host(&mut self, vals: &mut [f64]) -> CResult<()> {
-            Comm::<Vec<f32>>::all_reduce_host(&mut self.inner, vals)
-        }
-    }
 
     let world = 2;
     let depth = 5;
@@ -309,9 +278,10 @@ fn partitioned_passes_equal_whole_weights_and_gather_each_block_before_forward_a
                     let (want, want_grads, want_eval) = (&want, &want_grads, &want_eval);
                     s.spawn(move || {
                         let be = Cpu::new();
-                        let gathers = Arc::new(AtomicUsize::new(0));
+                        let counts: Arc<[AtomicUsize; 4]> = Arc::new(Default::default());
                         let inner = TcpComm::connect(&DistEnv::loopback(rank, world, port), opts, "zero3-passes").expect("connect");
-                        let comm = Box::new(Counting { inner, gathers: gathers.clone() });
+                        let comm = Box::new(CountingComm { inner, counts: counts.clone() });
+                        let gathers = || CountingComm::take(&counts, CountingComm::ALL_GATHER);
                         let plan = vitscale::train::sync::BucketPlan::new(&table.gradient_groups(), 1, 1).expect("plan");
                         let opt = vitscale::config::OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, dampening: 0.0, weight_decay: 0.0, nesterov: false };
                         let layout = vitscale::train::zero::ZeroLayout::new(&plan, &opt, 3, world, rank, true).expect("layout");
@@ -322,22 +292,22 @@ fn partitioned_passes_equal_whole_weights_and_gather_each_block_before_forward_a
                         vit.partition(&be, part).expect("partition");
                         assert!(vit.params_host(&be).is_err(), "the whole weights are still there");
                         vit.zero_grads(&be).expect("zero");
-                        let mut counts = Vec::new();
+                        let mut passes = Vec::new();
                         for (i, w) in want.iter().enumerate() {
                             let got = vit.forward(&be, images, targets, b, Some(1.0 / b as f32)).expect("forward").logits;
                             assert_eq!(&got, w, "rank {rank}: logits of micro-batch {i}");
-                            counts.push(gathers.swap(0, Ordering::Relaxed));
+                            passes.push(gathers());
                             vit.backward(&be).expect("backward");
-                            counts.push(gathers.swap(0, Ordering::Relaxed));
+                            passes.push(gathers());
                         }
                         assert_eq!(&be.download(&vit.grads).expect("grads"), want_grads, "rank {rank}: accumulated gradients");
                         let want_counts = if prefetch { [depth, depth - 2, depth - 2, depth - 2] } else { [depth, depth - 1, depth - 1, depth - 1] };
-                        assert_eq!(counts, want_counts, "rank {rank}, prefetch {prefetch}: gathers per pass");
+                        assert_eq!(passes, want_counts, "rank {rank}, prefetch {prefetch}: gathers per pass");
                         // after an update the slots are stale: everything is gathered again
                         vit.partitioned_mut().expect("partitioned").refresh(&be).expect("refresh");
-                        gathers.swap(0, Ordering::Relaxed);
+                        gathers();
                         assert_eq!(&vit.forward(&be, images, targets, b, None).expect("eval").logits, want_eval, "rank {rank}: evaluation");
-                        assert_eq!(gathers.load(Ordering::Relaxed), depth, "rank {rank}: gathers of a forward after an update");
+                        assert_eq!(gathers(), depth, "rank {rank}: gathers of a forward after an update");
                         let p = vit.partitioned().expect("partitioned");
                         assert_eq!(p.slot_elems(&be), if prefetch { 2 } else { 1 } * p.groups[1].span.len, "rank {rank}: gather slots");
                     })

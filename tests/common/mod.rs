@@ -258,3 +258,54 @@ pub fn train_at_stage(nproc: usize, stage: u8, args: Vec<String>, extra: &[&str]
     all.extend(run_dir_args(dir));
     run(&all)
 }
+
+/// A TCP ring that counts the collectives it starts, by kind: `counts[i]` for `CountingComm::ALL_REDUCE`,
+/// `REDUCE_SCATTER`, `ALL_GATHER` and `OTHER` (broadcasts, all-to-alls).
+pub struct CountingComm {
+    pub inner: vitscale::comm::TcpComm,
+    pub counts: std::sync::Arc<[std::sync::atomic::AtomicUsize; 4]>,
+}
+
+impl CountingComm {
+    pub const ALL_REDUCE: usize = 0;
+    pub const REDUCE_SCATTER: usize = 1;
+    pub const ALL_GATHER: usize = 2;
+    pub const OTHER: usize = 3;
+
+    /// How many of kind `i` were started since the last call, resetting that count.
+    pub fn take(counts: &[std::sync::atomic::AtomicUsize; 4], i: usize) -> usize {
+        counts[i].swap(0, std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl vitscale::comm::Comm<Vec<f32>> for CountingComm {
+    fn rank(&self) -> usize {
+        vitscale::comm::Comm::<Vec<f32>>::rank(&self.inner)
+    }
+    fn world_size(&self) -> usize {
+        vitscale::comm::Comm::<Vec<f32>>::world_size(&self.inner)
+    }
+    fn describe(&self) -> String {
+        "counting tcp ring".into()
+    }
+    fn start(&mut self, op: vitscale::comm::Collective, buf: &mut Vec<f32>, span: vitscale::comm::Span) -> vitscale::comm::CResult<vitscale::comm::Work> {
+        use vitscale::comm::Collective;
+        let i = match op {
+            Collective::AllReduce(_) => Self::ALL_REDUCE,
+            Collective::ReduceScatter(_) => Self::REDUCE_SCATTER,
+            Collective::AllGather => Self::ALL_GATHER,
+            Collective::Broadcast { .. } | Collective::AllToAll => Self::OTHER,
+        };
+        self.counts[i].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.start(op, buf, span)
+    }
+    fn wait(&mut self, work: vitscale::comm::Work, buf: &mut Vec<f32>) -> vitscale::comm::CResult<()> {
+        self.inner.wait(work, buf)
+    }
+    fn barrier(&mut self) -> vitscale::comm::CResult<()> {
+        vitscale::comm::Comm::<Vec<f32>>::barrier(&mut self.inner)
+    }
+    fn all_reduce_host(&mut self, vals: &mut [f64]) -> vitscale::comm::CResult<()> {
+        vitscale::comm::Comm::<Vec<f32>>::all_reduce_host(&mut self.inner, vals)
+    }
+}
