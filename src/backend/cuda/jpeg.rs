@@ -55,6 +55,7 @@ struct NvImage {
 const BACKEND_DEFAULT: c_int = 0;
 const BACKEND_HARDWARE: c_int = 3;
 const OUTPUT_RGBI: c_int = 5;
+const CSS_420: c_int = 2;
 
 /// nvJPEG's status codes, named (nvjpeg.h).
 fn status_name(s: c_int) -> &'static str {
@@ -90,6 +91,8 @@ struct Api {
     batched_init: unsafe extern "C" fn(Handle, State, c_int, c_int, c_int) -> c_int,
     batched: unsafe extern "C" fn(Handle, State, *const *const u8, *const usize, *mut NvImage, CUstream) -> c_int,
     hw_info: unsafe extern "C" fn(Handle, *mut c_uint, *mut c_uint) -> c_int,
+    /// `nvjpegDecodeBatchedPreAllocate` (CUDA 11.6 on; absent in older libraries).
+    pre_allocate: Option<unsafe extern "C" fn(Handle, State, c_int, c_int, c_int, c_int, c_int) -> c_int>,
     _lib: libloading::Library,
 }
 
@@ -106,6 +109,9 @@ fn open_api() -> Result<Api, String> {
             if tried.is_empty() { "no candidate file".to_string() } else { tried.join("; ") }
         )
     })?;
+    // SAFETY: the symbol, where the library has it, is nvjpegDecodeBatchedPreAllocate with
+    // this nvjpeg.h signature; the pointer is used only while `lib` stays loaded (below).
+    let pre_allocate = unsafe { lib.get::<unsafe extern "C" fn(Handle, State, c_int, c_int, c_int, c_int, c_int) -> c_int>(b"nvjpegDecodeBatchedPreAllocate\0") }.ok().map(|f| *f);
     // SAFETY: each address is the named nvJPEG function, transmuted to its nvjpeg.h type;
     // `lib` moves into the table that keeps it loaded.
     Ok(unsafe {
@@ -118,6 +124,7 @@ fn open_api() -> Result<Api, String> {
             batched_init: std::mem::transmute::<*const c_void, _>(p[5]),
             batched: std::mem::transmute::<*const c_void, _>(p[6]),
             hw_info: std::mem::transmute::<*const c_void, _>(p[7]),
+            pre_allocate,
             _lib: lib,
         }
     })
@@ -364,6 +371,8 @@ pub(super) struct JpegDecoder {
     hybrid: Decoder,
     /// Batch size the hardware decoder was last initialized for (0: must initialize).
     batched_for: usize,
+    /// Whether the hardware decoder's memory pool was set up (`nvjpegDecodeBatchedPreAllocate`).
+    pooled: bool,
     /// Decoded RGB8 images, one after another (bytes; allocated as bf16 words).
     pixels: Option<CudaBuf>,
     /// The horizontal pass's f32 rows.
@@ -413,7 +422,7 @@ impl JpegDecoder {
             }
         }
         let arena = || Arena { ptr: std::ptr::null_mut(), bytes: 0, done: None };
-        Ok(JpegDecoder { api, hardware, hybrid, batched_for: 0, pixels: None, tmp: None, jobs: None, stream, arenas: [arena(), arena()], next_arena: 0, engines })
+        Ok(JpegDecoder { api, hardware, hybrid, batched_for: 0, pooled: false, pixels: None, tmp: None, jobs: None, stream, arenas: [arena(), arena()], next_arena: 0, engines })
     }
 }
 
@@ -510,6 +519,20 @@ impl DecodeThread {
         if let (Some(hw), false) = (dec.hardware.as_ref(), jpegs.is_empty()) {
             let api = &dec.api;
             let mut ok = true;
+            if !dec.pooled {
+                // Without a pool the hardware decoder allocates and frees its buffers in every
+                // call, bypassing the allocators above, and a free waits for the whole device:
+                // each batch's decode would then wait for the step running beside it. The pool
+                // is sized for this batch (it grows if a later batch needs more); a library
+                // without the call, or one that refuses it, decodes as before.
+                dec.pooled = true;
+                if let Some(pre) = dec.api.pre_allocate {
+                    let (w, h) = jpegs.iter().fold((1, 1), |(w, h), &i| (w.max(sub.jobs[i].w), h.max(sub.jobs[i].h)));
+                    // SAFETY: live handle and state of the hardware decoder, before its first
+                    // batched initialization.
+                    let _ = unsafe { pre(hw.handle, hw.state, jpegs.len() as c_int, w, h, CSS_420, OUTPUT_RGBI) };
+                }
+            }
             if dec.batched_for != jpegs.len() {
                 // SAFETY: live handle and state of the hardware decoder.
                 ok = check("nvjpegDecodeBatchedInitialize", unsafe { (api.batched_init)(hw.handle, hw.state, jpegs.len() as c_int, 1, OUTPUT_RGBI) }).is_ok();
