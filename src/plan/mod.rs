@@ -56,6 +56,7 @@ pub fn scenario(cfg: &RunConfig, plan: &Plan) -> Scenario {
     s.bucket_elems = plan.zero.bucket_elems;
     s.overlap = plan.zero.overlap_comm;
     s.comm_bf16 = cfg.grad_comm.dtype == CommDtype::Bf16;
+    s.sequence_parallel = plan.sequence_parallel;
     let mut slow = vec![1.0; world];
     for &(r, f) in &cfg.train.emulate_slowdown {
         if let Some(x) = slow.get_mut(r) {

@@ -8,6 +8,7 @@
 //!                                                and the wait for the slowest of N ranks
 //!      + optimizer                               stage 0: whole; stage ≥ 1: 1/N + all-gather
 //!      + stage 3's weight gathers                every pass, less what the prefetch hides
+//!      + sequence parallelism's all-to-alls      four per block and pass, none hidden
 //!      + exposed data                            loader time not hidden behind compute
 //! ```
 //!
@@ -22,6 +23,17 @@
 //! backward is exposed. Only the boundary micro-batch communicates. The boundary also waits
 //! for the slowest rank: with the profile's spread σ of one pass, GAS passes and N ranks,
 //! σ·√GAS·E[max of N standard normals].
+//!
+//! Sequence parallelism (`sequence_parallel_size` = SP, `model::seq_parallel`): the world is
+//! DP × SP ranks, and the SP consecutive ranks of a group split each image's tokens. A rank's
+//! compute is that of micro/SP images at full length (its tokens for the token-wise layers,
+//! its H/SP heads over every token for the attention: the same products either way). Each
+//! block exchanges qkv and the attention's output in the forward and their gradients in the
+//! backward, each an all-to-all of the rank's own tokens (B·N/SP tokens × 3E or E values of
+//! `compute_bytes`) over the group: costed as an all-gather of that buffer ((SP−1)/SP of it
+//! crosses the group's link), none of it hidden, since the attention needs its inputs and the
+//! next layer its outputs: the passes grow by it, as the engine's timed forward and backward
+//! do. The gradients are reduced over every rank, as without SP.
 //!
 //! Sharing: K ranks on one GPU (`launch --one-gpu`) are modelled as time-slicing it, so each
 //! rank's compute takes K × what it takes alone. K CPU ranks on one machine run side by side
@@ -225,6 +237,8 @@ pub struct Scenario {
     pub slowdown: Vec<f64>,
     /// Loader images/s per core and cores per rank, when known.
     pub loader: Option<(f64, f64)>,
+    /// Ranks per sequence-parallel group (`sequence_parallel_size`; 1: none).
+    pub sequence_parallel: usize,
 }
 
 impl Scenario {
@@ -244,6 +258,7 @@ impl Scenario {
             shares: None,
             slowdown: Vec::new(),
             loader: None,
+            sequence_parallel: 1,
         }
     }
 }
@@ -325,6 +340,9 @@ pub struct Prediction {
     pub allgather_s: f64,
     /// Loader time not hidden behind compute (0 when the loader is not modelled).
     pub data_s: f64,
+    /// Sequence parallelism's all-to-alls over the step (every pass), none hidden; already
+    /// part of `forward_s` and `backward_s`, as the engine measures them.
+    pub all_to_all_s: f64,
     /// The training loop's per-step read-back of the losses and the norm beyond the profiled
     /// parts (`ProfilePoint::loop_s`).
     pub loop_s: f64,
@@ -345,6 +363,10 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
     if groups.len() != profile.points[0].backward_groups_s.len() {
         return Err(format!("the model has {} gradient groups, the profile {}", groups.len(), profile.points[0].backward_groups_s.len()));
     }
+    let sp = s.sequence_parallel.max(1);
+    if !world.is_multiple_of(sp) || !profile.model_config.num_heads.is_multiple_of(sp) {
+        return Err(format!("sequence_parallel_size {sp} must divide the {world} ranks and the model's {} heads", profile.model_config.num_heads));
+    }
     let mut notes = Vec::new();
     // each rank's micro-batch: equal, or the balance's shares of world × micro
     let rank_micro: Vec<f64> = match &s.shares {
@@ -361,17 +383,21 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
     let (slow, t) = rank_micro
         .iter()
         .enumerate()
-        .map(|(r, &m)| (r, profile.at(m)))
+        .map(|(r, &m)| (r, profile.at(m / sp as f64)))
         .max_by(|a, b| ((a.1.forward_s + a.1.backward_s) * factor(a.0)).total_cmp(&((b.1.forward_s + b.1.backward_s) * factor(b.0))))
         .ok_or("no rank")?;
     let k = factor(slow);
-    let (fwd, bwd) = (t.forward_s * k, t.backward_s * k);
+    // sequence parallelism's exchanges happen inside the passes (the engine's forward and
+    // backward include them): half of each pass's in each, spread over the backward's groups
+    let (a2a_pass, a2a_bytes) = if sp > 1 { sequence_all_to_alls(profile, rank_micro[slow], sp, net)? } else { (0.0, 0.0) };
+    let (fwd, bwd) = (t.forward_s * k + a2a_pass / 2.0, t.backward_s * k + a2a_pass / 2.0);
     let compute = s.gas as f64 * (fwd + bwd);
     // the last backward's timeline: group g is done at the sum of the first g+1 groups
+    let stretch = if t.backward_s > 0.0 { bwd / (t.backward_s * k) } else { 1.0 };
     let mut done = Vec::with_capacity(t.backward_groups_s.len());
     let mut acc = 0.0;
     for g in &t.backward_groups_s {
-        acc += g * k;
+        acc += g * k * stretch;
         done.push(acc);
     }
     // (stage 3: one bucket per parameter group, the unit of its partition)
@@ -411,6 +437,9 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
     let exposed = exposed + gather_exposed;
     comm_total += gather_total;
     bytes += gather_bytes;
+    let all_to_all = s.gas as f64 * a2a_pass;
+    comm_total += all_to_all;
+    bytes += s.gas as f64 * a2a_bytes;
     // the optimizer: whole at stage 0, this rank's shard at stage ≥ 1, then the gradient
     // norm's all-reduce and the updated weights gathered bucket by bucket: on a GPU the
     // compute copy (`compute_bytes` a value, the master weights stay sharded) behind the next
@@ -454,7 +483,8 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
     // the CPU every call is synchronous, and two separately timed steps differ by noise only
     let loop_s = if profile.device_kind == "cpu" { 0.0 } else { t.loop_s };
     let step = compute + exposed + optimizer + data + loop_s;
-    let global_batch = s.micro * s.gas * world;
+    // the ranks of a sequence-parallel group share their images
+    let global_batch = s.micro * s.gas * (world / sp);
     let ips = global_batch as f64 / step;
     Ok(Prediction {
         world,
@@ -471,12 +501,27 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
         optimizer_s: optimizer,
         allgather_s: allgather,
         data_s: data,
+        all_to_all_s: all_to_all,
         loop_s,
         comm_bytes_per_step: bytes,
         buckets,
         rank_micro,
         notes,
     })
+}
+
+/// Sequence parallelism's all-to-alls over one pass (forward + backward): (seconds, bytes sent
+/// per rank). Per block four exchanges of the rank's `micro`·N/SP tokens (qkv 3E and the output E
+/// values in the forward, their gradients in the backward), over the group of `sp`
+/// consecutive ranks: inside a node when it fits there, else across `sp`/g nodes.
+fn sequence_all_to_alls(profile: &Profile, micro: f64, sp: usize, net: &Network) -> Result<(f64, f64), String> {
+    let m = &profile.model_config;
+    let own = micro * m.num_tokens().div_ceil(sp) as f64 * m.embed_dim as f64 * profile.compute_bytes;
+    let g = net.ranks_per_node.max(1);
+    let group = if sp <= g { Network { ranks_per_node: sp, nodes: 1, ..net.clone() } } else { Network { ranks_per_node: g, nodes: sp.div_ceil(g), ..net.clone() } };
+    let per_block = 2.0 * (group.time(Op::AllGather, 3.0 * own)? + group.time(Op::AllGather, own)?);
+    let blocks = m.depth as f64;
+    Ok((blocks * per_block, blocks * 2.0 * 4.0 * own * (sp - 1) as f64 / sp as f64))
 }
 
 /// ZeRO-3's weight gathers over one step of `s`: (exposed seconds, seconds on the wire,
@@ -844,6 +889,33 @@ mod tests {
         // balance shares: the rank given 3/4 of 2 × 8 images sets the pace (12 images)
         let bal = predict(&p, &groups, &Scenario { shares: Some(vec![3.0, 1.0]), ..Scenario::new(8, 1) }, &net).expect("shares");
         assert!((bal.compute_s - mid.compute_s).abs() < 1e-12);
+    }
+
+    /// Sequence parallelism: two ranks of one group do the compute of half the images each,
+    /// plus four all-to-alls a block and pass that nothing hides, and count their images once.
+    #[test]
+    fn sequence_parallel_halves_the_compute_and_adds_the_all_to_alls() {
+        let p = toy_profile();
+        let groups = crate::plan::groups(&p);
+        let (alpha, beta) = (10e-6, 1e9);
+        let net = two_ranks(ab(10.0, 1.0));
+        let dp = predict(&p, &groups, &Scenario::new(16, 2), &net).expect("data parallel");
+        let sp = predict(&p, &groups, &Scenario { sequence_parallel: 2, ..Scenario::new(16, 2) }, &net).expect("sp 2");
+        let half = predict(&p, &groups, &Scenario::new(8, 2), &net).expect("micro 8");
+        // a rank's own tokens of 16 images: ⌈N/2⌉ tokens × E values of 2 bytes
+        let m = &p.model_config;
+        let own = 16.0 * m.num_tokens().div_ceil(2) as f64 * m.embed_dim as f64 * 2.0;
+        // each exchange: half of the buffer crosses, one latency (two ranks)
+        let x = |bytes: f64| bytes / 2.0 / beta + alpha;
+        let pass = m.depth as f64 * 2.0 * (x(3.0 * own) + x(own));
+        assert!((sp.all_to_all_s - 2.0 * pass).abs() < 1e-12, "{} vs {}", sp.all_to_all_s, 2.0 * pass);
+        assert!((sp.compute_s - (half.compute_s + 2.0 * pass)).abs() < 1e-12);
+        assert!(sp.comm_total_s > sp.all_to_all_s);
+        assert_eq!(sp.global_batch, 16 * 2);
+        assert_eq!(dp.global_batch, 16 * 2 * 2);
+        assert_eq!(dp.all_to_all_s, 0.0);
+        // the group must divide the ranks and the heads
+        assert!(predict(&p, &groups, &Scenario { sequence_parallel: 3, ..Scenario::new(16, 1) }, &net).is_err());
     }
 
     /// Sharing: a GPU profile is time-sliced (× k); CPU ranks get ⌈cores / k⌉ threads and the
