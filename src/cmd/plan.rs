@@ -253,6 +253,9 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         ms(p.data_s),
         ms(p.loop_s)
     );
+    if s.sequence_parallel > 1 {
+        crate::outln!("  sequence parallelism: groups of {} ranks, each all-to-all a block and pass inside the passes: {:.3} ms a step", s.sequence_parallel, ms(p.all_to_all_s));
+    }
     crate::outln!(
         "  memory per rank {:.3} GiB: weights {:.3}, compute copy {:.3}, gradients {:.3}, optimizer state {:.3}, activations {:.3}",
         mem.total as f64 / GIB,

@@ -611,7 +611,8 @@ pub fn expected_max_normal(n: usize) -> f64 {
 /// (no communication): `world / ranks_per_device` devices, so K ranks time-sharing a device
 /// are compared with that device's one rank, not with K of them.
 pub fn efficiency(profile: &Profile, groups: &[Span], s: &Scenario, p: &Prediction) -> Result<f64, String> {
-    let one = Scenario { ranks_per_device: 1, shares: None, slowdown: Vec::new(), ..s.clone() };
+    // (one device alone runs whole images: no sequence-parallel group)
+    let one = Scenario { ranks_per_device: 1, shares: None, slowdown: Vec::new(), sequence_parallel: 1, ..s.clone() };
     let alone = predict(profile, groups, &one, &Network { ranks_per_node: 1, nodes: 1, intra: None, inter: None })?;
     let devices = p.world as f64 / s.ranks_per_device.max(1) as f64;
     Ok(p.images_per_s / (alone.images_per_s * devices))
