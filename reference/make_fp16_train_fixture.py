@@ -70,7 +70,7 @@ def run(stage, init, x, y):
     rec = {k: [] for k in ["lr", "loss", "loss_scale", "loss_scale_after", "skipped", "skipped_steps", "global_steps"]}
     for step in range(STEPS):
         step_loss = 0.0
-        scale = float(opt.cur_scale)
+        scale = float(opt.loss_scale)
         skipped_before = engine.skipped_steps
         for m in range(GAS):
             idx = micro_batch(step, m)
@@ -83,7 +83,7 @@ def run(stage, init, x, y):
             engine.step()
         rec["loss"].append(step_loss)
         rec["loss_scale"].append(scale)
-        rec["loss_scale_after"].append(float(opt.cur_scale))
+        rec["loss_scale_after"].append(float(opt.loss_scale))
         rec["skipped"].append(float(engine.skipped_steps - skipped_before))
         rec["skipped_steps"].append(float(engine.skipped_steps))
         rec["global_steps"].append(float(engine.global_steps))
