@@ -6,7 +6,7 @@
 # compares per step the loss scale after the step and the skipped steps (exactly), the losses,
 # and the final weights (largest per-tensor relative L2 error). One JSON line per case.
 #
-#   scripts/gpu_fp16_check.sh BIN OUT FIXTURE_DIR [DEVICE]
+#   scripts/gpu_fp16_deepspeed_check.sh BIN OUT FIXTURE_DIR [DEVICE]
 # FIXTURE_DIR holds fp16_zero0.safetensors and fp16_zero1.safetensors; DEVICE is cuda
 # (default) or cpu.
 set -u
