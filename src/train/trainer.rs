@@ -548,12 +548,6 @@ impl<'r, B: Backend> Trainer<'r, B> {
         // sequence parallelism: the group's communicator (every rank opens its group here)
         let sp = plan.sequence_parallel;
         if sp > 1 {
-            if be.needs_compute_copy() || !be.name().starts_with("cpu") {
-                return Err(TrainError::Config(format!(
-                    "sequence_parallel_size = {sp}: sequence parallelism is not yet available on the CUDA backend ({}); it runs on CPU ranks (--device cpu)",
-                    be.name()
-                )));
-            }
             let group = comm.split_groups(sp)?;
             st.vit.set_sequence_parallel(Some(crate::model::seq_parallel::SeqParallel::new(group)))?;
         }
