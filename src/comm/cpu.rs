@@ -191,7 +191,7 @@ impl TcpComm {
     /// The ring of this rank's group of `size` consecutive ranks (see `Comm::split_groups`):
     /// every rank binds a listener, the world ring tells every rank every port, and each rank
     /// connects to the next rank of its group.
-    fn group_ring(&mut self, size: usize) -> CResult<TcpComm> {
+    pub(crate) fn group_ring(&mut self, size: usize) -> CResult<TcpComm> {
         let net = self.net.clone().ok_or_else(|| CommError::Unsupported { what: format!("groups of a group ({})", self.describe()) })?;
         let (rank, world) = (self.rank, self.world);
         let listener = TcpListener::bind(SocketAddr::new(net.bind_ip, 0)).map_err(|e| io_err(rank, rank, "binding the group listener", e))?;

@@ -22,7 +22,7 @@ pub(super) const GAS: KeyDef = key("gradient_accumulation_steps", NONNEG_INT, Df
     "Micro-batches accumulated per optimizer step.")
     .resume_free();
 pub(super) const SEQUENCE_PARALLEL_SIZE: KeyDef = key("sequence_parallel_size", POS_INT, Dflt::Int(1),
-    "DeepSpeed-Ulysses sequence parallelism: each image's tokens are split over this many consecutive ranks, which trade tokens for attention heads by all-to-all around every attention. The data-parallel degree is the world size ÷ this, and the batch triple counts it (as DeepSpeed does). Must divide the world size and model.num_heads. CPU ranks only so far.")
+    "DeepSpeed-Ulysses sequence parallelism: each image's tokens are split over this many consecutive ranks, which trade tokens for attention heads by all-to-all around every attention. The data-parallel degree is the world size ÷ this, and the batch triple counts it (as DeepSpeed does). Must divide the world size and model.num_heads.")
     .resume_free();
 pub(super) const GRADIENT_CLIPPING: KeyDef = key("gradient_clipping", NONNEG, Dflt::Num(0.0),
     "Clip the global gradient L2 norm to this value; 0 disables.");
@@ -62,7 +62,7 @@ pub const TOP_KEYS: &[KeyDef] = &[
     ds_noop("zero_allow_untested_optimizer", "Only concerns client optimizers; every vitscale optimizer supports ZeRO."),
     ds_noop("zero_force_ds_cpu_optimizer", "Only concerns ZeRO-Offload, which is not implemented (warned there)."),
     ds_noop("aio", "Async I/O settings, used only by NVMe offload (not implemented, warned there)."),
-    ds_noop("seq_parallel_communication_data_type", "The all-to-alls of sequence parallelism move the activations in their own type (f32 on CPU ranks)."),
+    ds_noop("seq_parallel_communication_data_type", "The all-to-alls of sequence parallelism move the activations in their own type (f32 on CPU ranks, bf16 on GPUs)."),
     ds_noop("timers", "Timer settings of DeepSpeed's own engine; vitscale's timers are always on."),
     COMM_DTYPE,
     PRESCALE,

@@ -9,12 +9,12 @@ use super::key_def::*;
 use super::types::{RunConfig, Stage3Config};
 use super::value::*;
 
-pub(super) const ZERO_OPTIMIZATION: KeyDef = key("zero_optimization", Ty::Section, Dflt::Unset, "DeepSpeed ZeRO block: stages 0-3 are honoured (stage 3 on CPU ranks); see the keys below.");
+pub(super) const ZERO_OPTIMIZATION: KeyDef = key("zero_optimization", Ty::Section, Dflt::Unset, "DeepSpeed ZeRO block: stages 0-3 are honoured; see the keys below.");
 
 // The stage, the buckets and their schedule leave the reduced gradient, and so the
 // trajectory, as it was (tests/dist_zero.rs): a resume may change them.
 pub(super) const ZERO_STAGE: KeyDef = key("stage", Ty::Int { lo: 0, hi: 3 }, Dflt::Int(0),
-    "0 = plain data parallel, 1 = shard the optimizer state (all-reduced gradients), 2 = + reduce-scatter the gradients so each rank gets only its shard, 3 = + partition the weights: each block's gathered just before its forward and backward (CPU ranks; refused on the CUDA backend).")
+    "0 = plain data parallel, 1 = shard the optimizer state (all-reduced gradients), 2 = + reduce-scatter the gradients so each rank gets only its shard, 3 = + partition the weights: each block's gathered just before its forward and backward (on a GPU in bf16, the dtype the forward reads).")
     .resume_free();
 const ZERO_BUCKET: KeyDef = key(
     "reduce_bucket_size",

@@ -18,6 +18,11 @@
 //! own so it overlaps both the compute and the gradient reductions; a slot is overwritten
 //! (released) by the gather after next. The compute reads a group's weights at offset 0 of
 //! its buffer (`spans`: the table's spans rebased to each group's start).
+//!
+//! Where the forward reads a compute copy (bf16 on a GPU), the resident groups and the slots
+//! are in the compute dtype: a gather copies this rank's f32 pieces into the buffer, rounding
+//! them as the compute copy's cast would, and all-gathers the rounded values (2 bytes each, as
+//! DeepSpeed gathers its bf16 parameters). The f32 weights stay in the owners' pieces alone.
 
 use crate::backend::{BResult, Backend, BackendError};
 use crate::comm::{Collective, Comm, Span, Work};
@@ -73,6 +78,9 @@ pub struct Partition<B: Backend> {
     comm: Box<dyn Comm<B::Buf>>,
     /// Values this rank received and sent in gathers so far (drained by `take_gathered`).
     gathered: u64,
+    /// Whether the resident groups and the slots hold the compute dtype (`Backend::alloc`)
+    /// rather than f32.
+    compute_dtype: bool,
 }
 
 impl<B: Backend> Partition<B> {
@@ -85,15 +93,18 @@ impl<B: Backend> Partition<B> {
         }
         let owned_len = groups.iter().map(|g| g.shard.len + g.tail.len).sum::<usize>();
         let resident_group = |i: usize| i == 0 || i == depth + 1 || groups[i].span.len <= opts.persistence_threshold;
+        // the whole weights the forward reads, in the dtype it reads them in
+        let compute_dtype = be.needs_compute_copy();
+        let whole = |len: usize| if compute_dtype { be.alloc(len) } else { be.alloc_f32(len) };
         let mut resident = Vec::with_capacity(groups.len());
         for (i, g) in groups.iter().enumerate() {
-            resident.push(if resident_group(i) { Some(be.alloc_f32(g.span.len.max(1))?) } else { None });
+            resident.push(if resident_group(i) { Some(whole(g.span.len.max(1))?) } else { None });
         }
         let widest_gathered = (0..groups.len()).filter(|&i| !resident_group(i)).map(|i| groups[i].span.len).max();
         let mut slots = Vec::new();
         if let Some(w) = widest_gathered {
             for _ in 0..if opts.prefetch { 2 } else { 1 } {
-                slots.push(Slot { buf: be.alloc_f32(w)?, group: None, work: None });
+                slots.push(Slot { buf: whole(w)?, group: None, work: None });
             }
         }
         let widest = groups.iter().map(|g| g.span.len).max().unwrap_or(1);
@@ -107,6 +118,7 @@ impl<B: Backend> Partition<B> {
             groups,
             comm,
             gathered: 0,
+            compute_dtype,
         })
     }
 
@@ -276,6 +288,22 @@ impl<B: Backend> Partition<B> {
     /// Elements this rank holds for the weights: its pieces, the resident groups, the slots.
     pub fn held_elems(&self, be: &B) -> usize {
         be.len(&self.owned) + self.resident.iter().flatten().map(|b| be.len(b)).sum::<usize>() + self.slots.iter().map(|s| be.len(&s.buf)).sum::<usize>()
+    }
+
+    /// Bytes this rank holds for the weights: (f32: its pieces, compute dtype: the resident
+    /// groups and the slots) when they are in a compute dtype of `compute_bytes` each, else
+    /// (all of `held_elems` in f32, 0).
+    pub fn held_bytes(&self, be: &B, compute_bytes: u64) -> (u64, u64) {
+        let whole = (self.held_elems(be) - be.len(&self.owned)) as u64;
+        match self.compute_dtype {
+            true => (4 * be.len(&self.owned) as u64, compute_bytes * whole),
+            false => (4 * self.held_elems(be) as u64, 0),
+        }
+    }
+
+    /// Whether the whole weights are held in the compute dtype (see the module doc).
+    pub fn in_compute_dtype(&self) -> bool {
+        self.compute_dtype
     }
 
     /// Elements of the gather slots (what a rank holds of the gathered blocks at once).

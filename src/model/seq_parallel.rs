@@ -20,8 +20,11 @@
 //! gradients, so the gradient summed over the group counts each image once (see `Vit`).
 //!
 //! The exchanges pack and unpack on the host (`Backend::download`/`upload`), which is the CPU
-//! backend's own memory; a device backend would do the same permutation in a kernel around
-//! the same `Comm::all_to_all`.
+//! backend's own memory; on a GPU that is a round trip per exchange (a permutation kernel
+//! around the same `Comm::all_to_all` would avoid it). The all-to-all itself moves the compute
+//! dtype (bf16 on a GPU: the values are bf16 already, so nothing is rounded on the way), while
+//! the pool's partial sums are added over the group in f32 and rounded once, as the
+//! backend's own pool rounds its f32 sum.
 
 use std::ops::Range;
 
@@ -35,8 +38,10 @@ pub struct SeqParallel<B: Backend> {
     pub rank: usize,
     /// Ranks in the group (`sequence_parallel_size`).
     pub size: usize,
-    /// Staging buffer of the all-to-alls, grown on demand.
+    /// Staging buffer of the all-to-alls (compute dtype), grown on demand.
     xfer: Option<B::Buf>,
+    /// The pool's f32 partial sums, reduced over the group (grown on demand).
+    pool_sum: Option<B::Buf>,
 }
 
 /// Run `r` of `n` tokens split over `size` ranks: lengths differ by at most one, longer first.
@@ -60,7 +65,7 @@ impl<B: Backend> SeqParallel<B> {
     /// The group of `comm` (`Comm::split_groups`' communicator).
     pub fn new(comm: Box<dyn Comm<B::Buf>>) -> Self {
         let (rank, size) = (comm.rank(), comm.world_size());
-        SeqParallel { comm, rank, size, xfer: None }
+        SeqParallel { comm, rank, size, xfer: None, pool_sum: None }
     }
 
     /// This rank's tokens of an image of `n`.
@@ -77,7 +82,8 @@ impl<B: Backend> SeqParallel<B> {
     fn exchange(&mut self, be: &B, send: &[f32]) -> BResult<Vec<f32>> {
         let len = send.len();
         if self.xfer.as_ref().is_none_or(|x| be.len(x) < len) {
-            self.xfer = Some(be.alloc_f32(len)?);
+            // (the activations' own dtype: what they hold travels exactly, in the fewest bytes)
+            self.xfer = Some(be.alloc(len)?);
         }
         let x = self.xfer.as_mut().ok_or_else(|| BackendError::Device("sequence-parallel staging buffer missing".into()))?;
         be.upload(x, 0, send)?;
@@ -200,9 +206,17 @@ impl<B: Backend> SeqParallel<B> {
             }
         }
         part.iter_mut().for_each(|d| *d *= scale);
-        be.upload(out, 0, &part)?;
-        self.comm.all_reduce(out, Span { off: 0, len: b * c }, ReduceOp::Sum).map_err(comm_err)?;
-        Ok(())
+        // summed in f32 (a bf16 `out` would round every partial sum), rounded once into `out`
+        let len = b * c;
+        if self.pool_sum.as_ref().is_none_or(|s| be.len(s) < len) {
+            self.pool_sum = Some(be.alloc_f32(len)?);
+        }
+        let sum = self.pool_sum.as_mut().ok_or_else(|| BackendError::Device("sequence-parallel pool buffer missing".into()))?;
+        be.upload(sum, 0, &part)?;
+        self.comm.all_reduce(sum, Span { off: 0, len }, ReduceOp::Sum).map_err(comm_err)?;
+        let mut total = be.download(sum)?;
+        total.truncate(len);
+        be.upload(out, 0, &total)
     }
 
     /// Backward of `pool_forward`: `dx` (B, n_r, C) ← `dout` (B, C) on the rows this rank's

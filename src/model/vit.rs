@@ -592,16 +592,22 @@ impl<B: Backend> Vit<B> {
     }
 
     /// ZeRO-3: hands the whole f32 weights over to `part` (this rank's pieces and the resident
-    /// groups cut from them), then frees them; from now on the forward and backward gather
-    /// each partitioned block's weights as they reach it. Only where the forward reads the
-    /// f32 weights (the CPU) and without sequence parallelism.
+    /// groups cut from them), then frees them, and the whole compute copy with them where
+    /// there is one (the partition's gathers fill compute-dtype buffers of their own); from
+    /// now on the forward and backward gather each partitioned block's weights as they reach
+    /// it. Whole images only (no sequence parallelism).
     pub fn partition(&mut self, be: &B, mut part: Partition<B>) -> BResult<()> {
-        if self.compute.is_some() || self.sp.is_some() {
-            return Err(crate::backend::BackendError::Shape { op: "partition", msg: "partitioned weights need a forward that reads the f32 weights and whole images".into() });
+        if self.sp.is_some() {
+            return Err(crate::backend::BackendError::Shape { op: "partition", msg: "partitioned weights need whole images (no sequence parallelism)".into() });
+        }
+        if self.compute.is_some() != part.in_compute_dtype() {
+            return Err(crate::backend::BackendError::Shape { op: "partition", msg: "the partition's gathered weights are not in the dtype the forward reads".into() });
         }
         self.check_master("partition")?;
+        self.await_weights()?;
         part.seed(be, &be.download(&self.params)?)?;
         self.params = be.alloc_f32(1)?;
+        self.compute = None;
         self.master_released = true;
         self.part = Some(part);
         Ok(())

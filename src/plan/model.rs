@@ -431,9 +431,13 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
     let exposed = exposed + straggle;
     let mut comm_total: f64 = buckets.iter().map(|b| b.end_s - b.start_s).sum();
     let mut bytes: f64 = buckets.iter().map(|b| b.bytes).sum();
+    // what a gathered weight costs on the wire: the dtype the forward reads (a GPU's compute
+    // copy; the CPU's f32)
+    let gpu = profile.device_kind != "cpu";
+    let value_bytes = if gpu { profile.compute_bytes } else { 4.0 };
     // stage 3: the partitioned blocks' gathers of every pass, each hidden behind the block
     // before it where prefetched (`model::partition`)
-    let (gather_exposed, gather_total, gather_bytes) = if s.zero_stage >= 3 && world > 1 { stage3_gathers(groups, &t.backward_groups_s, fwd, s, net, k)? } else { (0.0, 0.0, 0.0) };
+    let (gather_exposed, gather_total, gather_bytes) = if s.zero_stage >= 3 && world > 1 { stage3_gathers(groups, &t.backward_groups_s, fwd, s, net, k, value_bytes)? } else { (0.0, 0.0, 0.0) };
     let exposed = exposed + gather_exposed;
     comm_total += gather_total;
     bytes += gather_bytes;
@@ -446,8 +450,6 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
     // forward, on the CPU the f32 weights at the boundary
     let opt_full = t.optimizer_s * share * s.compute_scale;
     let (optimizer, allgather) = if s.zero_stage >= 1 && world > 1 {
-        let gpu = profile.device_kind != "cpu";
-        let value_bytes = if gpu { profile.compute_bytes } else { 4.0 };
         let mut gathers = Vec::with_capacity(plan.buckets.len());
         // (stage 3 gathers the resident groups after the update; the blocks in the passes)
         let resident = |i: usize| s.zero_stage < 3 || i == 0 || i + 1 == plan.buckets.len() || plan.buckets[i].span.len <= s.stage3.param_persistence_threshold;
@@ -457,7 +459,8 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
             bytes += cut;
         }
         let norm = net.time(Op::AllReduce, 8.0)?;
-        let ag = if gpu && overlap {
+        // (stage 3 waits for its resident groups' gather at the boundary)
+        let ag = if gpu && overlap && s.zero_stage < 3 {
             gather_behind_forward(&plan, &gathers, &t.backward_groups_s, fwd)?
         } else {
             gathers.iter().sum()
@@ -531,7 +534,8 @@ fn sequence_all_to_alls(profile: &Profile, micro: f64, sp: usize, net: &Network)
 /// every partitioned block, each backward and later forward all but the blocks still in the
 /// slots (two with the prefetch, one without). Prefetched, a gather waits only for what the
 /// block before it does not cover; otherwise it is exposed whole.
-fn stage3_gathers(groups: &[Span], backward_groups_s: &[f64], fwd: f64, s: &Scenario, net: &Network, k: f64) -> Result<(f64, f64, f64), String> {
+#[allow(clippy::too_many_arguments)]
+fn stage3_gathers(groups: &[Span], backward_groups_s: &[f64], fwd: f64, s: &Scenario, net: &Network, k: f64, value_bytes: f64) -> Result<(f64, f64, f64), String> {
     let world = net.world();
     let z = &s.stage3;
     let blocks: Vec<(usize, f64)> = (1..groups.len().saturating_sub(1)).filter(|&i| groups[i].len > z.param_persistence_threshold).map(|i| (groups[i].len, backward_groups_s[i] * k)).collect();
@@ -546,7 +550,7 @@ fn stage3_gathers(groups: &[Span], backward_groups_s: &[f64], fwd: f64, s: &Scen
         let skip = if pass == 0 { 0 } else { kept.min(blocks.len()) };
         let gathered: Vec<&(usize, f64)> = blocks.iter().skip(skip).collect();
         for (j, &&(len, bwd_s)) in gathered.iter().enumerate() {
-            let cut = (len - len % world) as f64 * 4.0;
+            let cut = (len - len % world) as f64 * value_bytes;
             let g = net.time(Op::AllGather, cut)?;
             total += g;
             bytes += cut;
@@ -784,6 +788,13 @@ mod tests {
         assert!(serial.comm_exposed_s > z3.comm_exposed_s, "{} vs {}", serial.comm_exposed_s, z3.comm_exposed_s);
         let resident = predict(&p, &groups, &Scenario { zero_stage: 3, ..Scenario::new(8, 2) }, &net).expect("resident");
         assert!((resident.comm_bytes_per_step - z2.comm_bytes_per_step).abs() < 1.0, "{} vs {}", resident.comm_bytes_per_step, z2.comm_bytes_per_step);
+        // on a GPU every gathered weight is the bf16 value the forward reads: half the bytes
+        let mut gp = p.clone();
+        gp.device_kind = "cuda".into();
+        assert_eq!(gp.compute_bytes, 2.0);
+        let g2 = predict(&gp, &groups, &Scenario { zero_stage: 2, bucket_elems: 1, ..Scenario::new(8, 2) }, &net).expect("gpu stage 2");
+        let g3 = predict(&gp, &groups, &Scenario { zero_stage: 3, stage3: all, ..Scenario::new(8, 2) }, &net).expect("gpu stage 3");
+        assert!((g3.comm_bytes_per_step - g2.comm_bytes_per_step - (gathers - blocks_after_update) / 2.0).abs() < 1.0, "{} vs {}", g3.comm_bytes_per_step, g2.comm_bytes_per_step);
     }
 
     /// On a GPU, ZeRO gathers the compute copy (2 bytes a value) behind the next forward; on

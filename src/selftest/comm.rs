@@ -99,11 +99,12 @@ pub fn comm_checks<B: Backend>(be: &B, comm: &mut dyn Comm<B::Buf>, seed: u64) -
     let got = run(be, comm, &mut buf, Collective::Broadcast { root }, span_odd, plain)?;
     out.push(check(format!("comm broadcast from rank {root} {tag}"), &got, &all[root][span_odd.range()], 0.0));
     // all-to-all (sequence parallelism): block j of this rank's span comes from rank j's block
-    // `rank`; a transport without it refuses, and then there is nothing to check
-    let blocks = |members: &[usize], me: usize, span: Span| -> Vec<f32> {
+    // `rank`. Every transport has it (and `split_groups`): a refusal is a failed check.
+    let blocks = |inputs: &[Vec<f32>], members: &[usize], me: usize, span: Span| -> Vec<f32> {
         let c = span.len / members.len();
-        members.iter().flat_map(|&r| all[r][span.range()][me * c..(me + 1) * c].to_vec()).collect()
+        members.iter().flat_map(|&r| inputs[r][span.range()][me * c..(me + 1) * c].to_vec()).collect()
     };
+    let refused = |name: String, e: crate::comm::CommError| Check { name: format!("{name}: refused: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false };
     let world_ranks: Vec<usize> = (0..world).collect();
     be.upload(&mut buf, 0, &all[rank])?;
     match comm.start(Collective::AllToAll, &mut buf, span_even) {
@@ -111,27 +112,69 @@ pub fn comm_checks<B: Backend>(be: &B, comm: &mut dyn Comm<B::Buf>, seed: u64) -
             comm.wait(w, &mut buf).map_err(comm_err)?;
             be.synchronize()?;
             let got = be.download(&buf)?[span_even.range()].to_vec();
-            out.push(check(format!("comm all_to_all {tag}"), &got, &blocks(&world_ranks, rank, span_even), 0.0));
+            out.push(check(format!("comm all_to_all {tag}"), &got, &blocks(&all, &world_ranks, rank, span_even), 0.0));
         }
-        Err(crate::comm::CommError::Unsupported { .. }) => {}
+        Err(e @ crate::comm::CommError::Unsupported { .. }) => out.push(refused(format!("comm all_to_all {tag}"), e)),
         Err(e) => return Err(comm_err(e)),
     }
+    // the same in the compute dtype (bf16 on a GPU: the activations sequence parallelism
+    // moves), on values the dtype holds exactly, so the result is still exact
+    let exact: Vec<Vec<f32>> = all.iter().map(|v| v.iter().map(|x| f32::from_bits(x.to_bits() & 0xffff_0000)).collect()).collect();
+    let mut act = be.alloc(total)?;
+    let run_act = |comm: &mut dyn Comm<B::Buf>, act: &mut B::Buf, me: usize| -> BResult<Result<Vec<f32>, crate::comm::CommError>> {
+        be.upload(act, 0, &exact[me])?;
+        let w = match comm.start(Collective::AllToAll, act, span_even) {
+            Ok(w) => w,
+            Err(e @ crate::comm::CommError::Unsupported { .. }) => return Ok(Err(e)),
+            Err(e) => return Err(comm_err(e)),
+        };
+        comm.wait(w, act).map_err(comm_err)?;
+        be.synchronize()?;
+        Ok(Ok(be.download(act)?[span_even.range()].to_vec()))
+    };
+    match run_act(comm, &mut act, rank)? {
+        Ok(got) => out.push(check(format!("comm all_to_all in the compute dtype {tag}"), &got, &blocks(&exact, &world_ranks, rank, span_even), 0.0)),
+        Err(e) => out.push(refused(format!("comm all_to_all in the compute dtype {tag}"), e)),
+    }
     // groups of consecutive ranks (sequence parallelism's groups): all-to-all and all-reduce
-    // within the group, on the group's own communicator
-    // (pairs, the layout tests use; a world of 2 is one pair)
-    for size in [2].into_iter().filter(|&g| world > 1 && world.is_multiple_of(g)) {
+    // within the group, on the group's own communicator, while the world's is still in use
+    // (pairs, fours and the whole world: sequence_parallel_size 2 and 4 with and without
+    // data parallelism)
+    let mut sizes: Vec<usize> = [2, 4, world].into_iter().filter(|&g| g > 1 && world.is_multiple_of(g)).collect();
+    sizes.dedup();
+    for size in sizes {
         let mut group = match comm.split_groups(size) {
             Ok(g) => g,
-            Err(crate::comm::CommError::Unsupported { .. }) => break,
+            Err(e @ crate::comm::CommError::Unsupported { .. }) => {
+                out.push(refused(format!("comm groups of {size} {tag}"), e));
+                continue;
+            }
             Err(e) => return Err(comm_err(e)),
         };
         let base = rank / size * size;
         let members: Vec<usize> = (base..base + size).collect();
+        let local_ok = group.rank() == rank - base && group.world_size() == size;
+        out.push(Check { name: format!("comm groups of {size}: rank {} of {} in the group {tag}", group.rank(), group.world_size()), rel_err: if local_ok { 0.0 } else { 1.0 }, tol: 0.0, pass: local_ok });
+        // a world collective in flight while the group's runs: neither waits on the other's
+        be.upload(&mut buf, 0, &all[rank])?;
+        let world_work = comm.start(Collective::AllReduce(ReduceOp::Sum), &mut buf, span_even).map_err(comm_err)?;
+        match run_act(&mut *group, &mut act, rank)? {
+            Ok(got) => out.push(check(format!("comm all_to_all in groups of {size}, compute dtype {tag}"), &got, &blocks(&exact, &members, rank - base, span_even), 0.0)),
+            Err(e) => out.push(refused(format!("comm all_to_all in groups of {size} {tag}"), e)),
+        }
+        comm.wait(world_work, &mut buf).map_err(comm_err)?;
+        be.synchronize()?;
+        let got = be.download(&buf)?[span_even.range()].to_vec();
+        out.push(check(format!("comm all_reduce of the world beside a group's all_to_all {tag}"), &got, &sum(span_even), 1e-6));
         let got = run(be, &mut *group, &mut buf, Collective::AllToAll, span_even, plain)?;
-        out.push(check(format!("comm all_to_all in groups of {size} {tag}"), &got, &blocks(&members, rank - base, span_even), 0.0));
+        out.push(check(format!("comm all_to_all in groups of {size} {tag}"), &got, &blocks(&all, &members, rank - base, span_even), 0.0));
         let got = run(be, &mut *group, &mut buf, Collective::AllReduce(ReduceOp::Sum), span_odd, plain)?;
         let want: Vec<f32> = span_odd.range().map(|i| members.iter().map(|&r| all[r][i] as f64).sum::<f64>() as f32).collect();
         out.push(check(format!("comm all_reduce in groups of {size} {tag}"), &got, &want, 1e-6));
+        let mut host = vec![rank as f64];
+        group.all_reduce_host(&mut host).map_err(comm_err)?;
+        let ok = host[0] == members.iter().sum::<usize>() as f64;
+        out.push(Check { name: format!("comm all_reduce_host in groups of {size} {tag}"), rel_err: if ok { 0.0 } else { 1.0 }, tol: 0.0, pass: ok });
     }
     // several collectives in flight at once complete in order, each with its own result
     be.upload(&mut buf, 0, &all[rank])?;

@@ -682,6 +682,17 @@ fn optimizer_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
             cx.be.upload(&mut compact, soff, &masters)?;
             cx.be.cast(&mut copy_shard, &pd)?;
         }
+        // ZeRO-3's update: the pieces' f32 weights back to back in a buffer of their own
+        let mut master_pieces = Vec::new();
+        let mut master_off = 0;
+        for &(span, state_off) in &pieces {
+            master_pieces.push(crate::backend::ShardPiece { span, state_off, master_off });
+            master_off += span.len;
+        }
+        let mut master = cx.be.alloc_f32(master_off.max(1))?;
+        let owned: Vec<f32> = pieces_at.iter().flat_map(|s| p0[s.range()].to_vec()).collect();
+        cx.be.upload(&mut master, 0, &owned)?;
+        let mut sd_master = cx.be.alloc_f32(soff.max(1))?;
         let mut ss_err = 0f64;
         for step in 1..=3u64 {
             let g = cx.randn(n, 1.0);
@@ -706,6 +717,7 @@ fn optimizer_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
             if shard_check {
                 cx.be.optimizer_step_shard(&mut compact, &gd, &mut copy_shard, &shard_pieces, &opt, decay, sharded)?;
             }
+            cx.be.optimizer_step_master(&mut master, &gd, &mut sd_master, &master_pieces, &opt, decay, sharded)?;
             let g64: Vec<f64> = g.iter().map(|&v| v as f64).collect();
             optimizer_reference(&mut pr, &g64, &mut sr, &opt, &decays, &lr_scales, hyper);
         }
@@ -761,7 +773,45 @@ fn optimizer_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
             exact &= (0..n).filter(|&i| !covered[i]).all(|i| copy[i].to_bits() == p0_copy[i].to_bits());
             cx.checks.push(Check { name: format!("optimizer_step_shard {name}, {layout}: master, state and compute copy as optimizer_step_pieces"), rel_err: if exact { 0.0 } else { 1.0 }, tol: 0.0, pass: exact });
         }
+        {
+            // the same kernel on the same values: weights and state exact
+            let (m, st_m, st) = (cx.be.download(&master)?, cx.be.download(&sd_master)?, cx.be.download(&sd_pieces)?);
+            let mut exact = st_m[..soff] == st[..soff];
+            for q in &master_pieces {
+                exact &= m[q.master_off..q.master_off + q.span.len].iter().zip(&got_pieces[q.span.range()]).all(|(a, b)| a.to_bits() == b.to_bits());
+            }
+            cx.checks.push(Check { name: format!("optimizer_step_master {name}, {layout}: pieces back to back and state as optimizer_step_pieces"), rel_err: if exact { 0.0 } else { 1.0 }, tol: 0.0, pass: exact });
+        }
         cx.checks.push(Check { name: format!("sum_squares_spans {name}, {layout} (vs f64 on the host)"), rel_err: ss_err, tol: 1e-6, pass: ss_err.is_finite() && ss_err <= 1e-6 });
+    }
+    Ok(())
+}
+
+/// `copy_span` as ZeRO-3's gathers and gradient slot use it, on fresh random values at odd
+/// offsets: f32 → f32 and compute → compute exact, f32 → compute dtype as `cast` rounds it
+/// (exact too), and every element outside the span untouched.
+fn copy_span_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
+    let (n, off_s, off_d, len) = (3001, 17, 233, 2021);
+    let src = cx.randn(n, 1.0);
+    let before = cx.randn(n, 1.0);
+    let mut s32 = cx.be.alloc_f32(n)?;
+    cx.be.upload(&mut s32, 0, &src)?;
+    // the reference of the dtype conversion: the backend's own whole-buffer cast
+    let mut s_c = cx.be.alloc(n)?;
+    cx.be.cast(&mut s_c, &s32)?;
+    let src_c = cx.be.download(&s_c)?;
+    for (what, to_compute, from_compute) in [("f32 -> f32", false, false), ("f32 -> compute dtype", true, false), ("compute dtype -> compute dtype", true, true)] {
+        let mut dst = if to_compute { cx.be.alloc(n)? } else { cx.be.alloc_f32(n)? };
+        cx.be.upload(&mut dst, 0, &before)?;
+        let old = cx.be.download(&dst)?;
+        let from = if from_compute { &s_c } else { &s32 };
+        cx.be.copy_span(&mut dst, off_d, from, off_s, len)?;
+        let got = cx.be.download(&dst)?;
+        let want_src = if to_compute { &src_c } else { &src };
+        let inside = (0..len).all(|i| got[off_d + i].to_bits() == want_src[off_s + i].to_bits());
+        let outside = (0..n).filter(|&i| i < off_d || i >= off_d + len).all(|i| got[i].to_bits() == old[i].to_bits());
+        let ok = inside && outside;
+        cx.checks.push(Check { name: format!("copy_span {what}: the span exact, the rest untouched"), rel_err: if ok { 0.0 } else { 1.0 }, tol: 0.0, pass: ok });
     }
     Ok(())
 }
@@ -837,6 +887,7 @@ pub fn run_checks<B: Backend>(be: &B, seed: Option<u64>) -> BResult<(u64, Vec<Ch
     let mut cx = Ctx { be, cpu: Cpu::new(), rng: ChaCha8Rng::seed_from_u64(seed), checks: Vec::new(), tol_c };
     op_checks(&mut cx)?;
     optimizer_checks(&mut cx)?;
+    copy_span_checks(&mut cx)?;
     let (dev, cpu) = training_losses(be, seed, 20)?;
     let tol = if be.needs_compute_copy() { 2e-2 } else { 1e-4 };
     let worst = dev.iter().zip(&cpu).map(|(a, b)| if a.is_nan() { f64::NAN } else { ((a - b) / b).abs() as f64 }).fold(0f64, |m, e| if e.is_nan() || m.is_nan() { f64::NAN } else { m.max(e) });

@@ -71,7 +71,9 @@ pub fn state_bytes(params: u128, per_param: u128, compute_copy: bool, stage: u8,
     let split = |bytes: u128| if stage >= 1 { bytes.div_ceil(world.max(1) as u128) } else { bytes };
     // (stage 3 adds its resident groups and gather slots: `stage3_extra_elems`)
     let weights = if compute_copy || stage >= 3 { split(4 * params) } else { 4 * params };
-    [weights, if compute_copy { 2 * params } else { 0 }, 4 * params, split(per_param * 4 * params)]
+    // (at stage 3 no rank keeps a whole compute copy: its resident groups and slots are
+    // `stage3_extra_elems`, in the compute dtype)
+    [weights, if compute_copy && stage < 3 { 2 * params } else { 0 }, 4 * params, split(per_param * 4 * params)]
 }
 
 /// ZeRO-3's elements beyond the ÷N shares (`model::partition`): [the resident groups'
@@ -133,16 +135,17 @@ impl MemoryBytes {
     /// state buffer that are this rank's master weights, under a ZeRO master shard).
     pub fn account<B: Backend>(be: &B, vit: &Vit<B>, state: &B::Buf, master_in_state: usize) -> Self {
         // ZeRO-3: its own pieces, the resident groups and the gather slots
-        let whole = match vit.partitioned() {
-            Some(part) => part.held_elems(be) as u64,
-            None if vit.master_released() => 0,
-            None => be.len(&vit.params) as u64,
+        // (on a GPU the resident groups and the slots are bf16 and there is no whole compute copy)
+        let p = vit.table.total as u64;
+        let copy_whole = if be.needs_compute_copy() { 2 * p } else { 0 };
+        let (whole, copy) = match vit.partitioned() {
+            Some(part) => part.held_bytes(be, 2),
+            None if vit.master_released() => (0, copy_whole),
+            None => (4 * be.len(&vit.params) as u64, copy_whole),
         };
         let grad_slot = vit.partitioned().map_or(0, |part| be.len(&part.grad_slot)) as u64;
-        let p = vit.table.total as u64;
-        let master = whole + master_in_state as u64;
         let state = (be.len(state) - master_in_state) as u64;
-        MemoryBytes::new(4 * master, if be.needs_compute_copy() { 2 * p } else { 0 }, 4 * (be.len(&vit.grads) as u64 + grad_slot), 4 * state)
+        MemoryBytes::new(whole + 4 * master_in_state as u64, copy, 4 * (be.len(&vit.grads) as u64 + grad_slot), 4 * state)
     }
 }
 
@@ -222,7 +225,9 @@ pub fn estimate(cfg: &RunConfig, shape: RankBatch, dev: &DeviceMemory<'_>, regen
     let per_param = optimizer_state_len(&cfg.optimizer, 1) as u128;
     let [shard, copy, grads, optimizer] = state_bytes(param_count(m) as u128, per_param, dev.compute_copy, cfg.zero_stage, shape.world).map(|b| b as f64);
     let [w3, g3] = if cfg.zero_stage >= 3 { stage3_extra_elems(m, &cfg.zero3) } else { [0.0, 0.0] };
-    let (weights, grads) = (shard + 4.0 * w3, grads + 4.0 * g3);
+    // the resident groups and the slots hold what the forward reads: f32, or the compute copy's dtype
+    let (weights, copy) = if dev.compute_copy { (shard, copy + dev.compute_bytes * w3) } else { (shard + 4.0 * w3, copy) };
+    let grads = grads + 4.0 * g3;
     let b = shape.pass_images.max(shape.eval_images).max(1);
     let n = (m.image_size / m.patch_size.max(1)).pow(2) + usize::from(m.class_token);
     let h = m.num_heads.max(1);
@@ -328,6 +333,37 @@ mod tests {
             let t = crate::model::ParamTable::new(&m);
             assert_eq!(param_count(&m), t.total as f64, "{name}");
         }
+    }
+
+    /// Stage 3 where the forward reads a bf16 compute copy: no rank keeps a whole copy; its
+    /// resident groups and gather slots count 2 bytes a value (in the compute copy's column),
+    /// the f32 weights are the rank's P/N, and the gradient slot is f32. Against the
+    /// arithmetic of the parameter table's own groups.
+    #[test]
+    fn stage_3_on_a_gpu_holds_bf16_gathered_weights_and_no_whole_compute_copy() {
+        let v = serde_json::json!({"model": {"preset": "vit_base_patch16_224", "num_classes": 10}, "zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 8});
+        let world = 4;
+        let cfg = crate::config::resolve(&v, world).expect("config");
+        let att = |b: usize, n: usize, h: usize, _d: usize| b * h * n * n;
+        let gpu = DeviceMemory { compute_bytes: 2.0, compute_copy: true, attention_saved: &att };
+        let shape = RankBatch { micro: 8, pass_images: 8, eval_images: 1, world };
+        let e = estimate(&cfg, shape, &gpu, false, false);
+        let t = crate::model::ParamTable::new(&cfg.model);
+        let groups = t.gradient_groups();
+        // groups: head (+ final norm), blocks last to first, embedding
+        let (head, embed, block) = (groups[0].len as u64, groups[groups.len() - 1].len as u64, groups[1].len as u64);
+        let p = t.total as u64;
+        // ViT-B/16's block exceeds every stage-3 default but fits two within max_live: two slots
+        assert_eq!(e.state.compute_copy, 2 * (embed + head + 2 * block));
+        assert_eq!(e.state.weights, (4 * p).div_ceil(world as u64));
+        assert_eq!(e.state.gradients, 4 * p + 4 * block.max(embed).max(head));
+        // the same run on the CPU: the gathered weights are f32 and there is no compute copy
+        let cpu = DeviceMemory { compute_bytes: 4.0, compute_copy: false, attention_saved: &att };
+        let c = estimate(&cfg, shape, &cpu, false, false);
+        assert_eq!((c.state.compute_copy, c.state.weights), (0, (4 * p).div_ceil(world as u64) + 4 * (embed + head + 2 * block)));
+        // below stage 3 the GPU keeps the whole bf16 copy
+        assert_eq!(MemoryBytes::predict(t.total, 2, true, 2, world).compute_copy, 2 * p);
+        assert_eq!(MemoryBytes::predict(t.total, 2, true, 3, world).compute_copy, 0);
     }
 
     /// Absurd sizes give a finite, huge estimate, not an overflow.

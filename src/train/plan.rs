@@ -131,7 +131,8 @@ impl Plan {
             stage: cfg.zero_stage,
             reduce_scatter: cfg.zero_reduce_scatter,
             overlap_comm: cfg.zero_overlap_comm,
-            master_shard: cfg.zero_stage > 0 && dev.memory.compute_copy,
+            // (stage 3's partition keeps the f32 pieces itself: no master shard in the state)
+            master_shard: (1..=2).contains(&cfg.zero_stage) && dev.memory.compute_copy,
             first_bucket_elems: FIRST_BUCKET_ELEMS.min(bucket_elems),
             bucket_elems,
         };

@@ -376,12 +376,6 @@ fn build_step<B: Backend>(be: &B, cfg: &RunConfig, plan: &Plan, opts: &TrainOpti
     // per parameter group, the unit its weights are partitioned and gathered by
     let buckets = match plan.zero.stage {
         3 => {
-            if be.needs_compute_copy() || !be.name().starts_with("cpu") {
-                return Err(TrainError::Config(format!(
-                    "zero_optimization.stage = 3: partitioned parameters are implemented for CPU ranks (--device cpu), not on {}; use stage 2 on the GPU",
-                    be.name()
-                )));
-            }
             if plan.sequence_parallel > 1 {
                 return Err(TrainError::Config(format!("zero_optimization.stage = 3 with sequence_parallel_size = {}: the two are not implemented together; use stage 2 with sequence parallelism", plan.sequence_parallel)));
             }
@@ -548,12 +542,6 @@ impl<'r, B: Backend> Trainer<'r, B> {
         // sequence parallelism: the group's communicator (every rank opens its group here)
         let sp = plan.sequence_parallel;
         if sp > 1 {
-            if be.needs_compute_copy() || !be.name().starts_with("cpu") {
-                return Err(TrainError::Config(format!(
-                    "sequence_parallel_size = {sp}: sequence parallelism is not yet available on the CUDA backend ({}); it runs on CPU ranks (--device cpu)",
-                    be.name()
-                )));
-            }
             let group = comm.split_groups(sp)?;
             st.vit.set_sequence_parallel(Some(crate::model::seq_parallel::SeqParallel::new(group)))?;
         }

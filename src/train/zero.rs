@@ -414,9 +414,11 @@ impl<B: Backend> GradSync<B> for ZeroSync<'_, B::Buf> {
             self.track.times.total_s += comm_s;
             self.track.times.exposed_s += comm_s;
             // every gather of the step (forward, backward, this one), counted as the update's
-            // gather is below: half the bytes of an all-reduce of the same f32 values
+            // gather is below: half the bytes of an all-reduce of the same f32 values, a
+            // quarter where the gathered weights are 2-byte (a GPU's bf16)
             let gathered = part.take_gathered();
-            let bytes = if l.world > 1 { 2 * gathered } else { 0 };
+            let per_elem = if part.in_compute_dtype() { 1 } else { 2 };
+            let bytes = if l.world > 1 { per_elem * gathered } else { 0 };
             return Ok(Updated { norm: if read_norm { norm } else { None }, bytes });
         }
         // Every rank's updated shards to every rank: the compute copy (bf16 on a GPU) when the

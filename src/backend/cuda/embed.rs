@@ -153,6 +153,22 @@ impl Cuda {
         self.launch1("lerp_kernel", len, &mut kargs![d, s, n, weight])
     }
 
+    /// `Backend::copy_span` between buffers of any dtypes (f32 → bf16 rounds, as `cast`):
+    /// ZeRO-3's gathers copy a rank's f32 pieces into a compute-dtype slot. The deferred
+    /// gradient sums are flushed first, since a span copied out of the gradient slot must hold
+    /// them.
+    pub(super) fn copy_span_impl(&self, dst: &mut CudaBuf, dst_off: usize, src: &CudaBuf, src_off: usize, len: usize) -> BResult<()> {
+        const OP: &str = "copy_span";
+        check_len(OP, "dst", dst, dst_off + len)?;
+        check_len(OP, "src", src, src_off + len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.flush_partial_sums()?;
+        let (d, s, n) = (dst.at(dst_off), src.at(src_off), len as i64);
+        self.launch1("scaled_cast_kernel", len, &mut kargs![d, dst.dt(), s, src.dt(), n, 1.0f32])
+    }
+
     pub(super) fn add_impl(&self, out: &mut CudaBuf, a: &CudaBuf, b: &CudaBuf) -> BResult<()> {
         let n = a.len.min(b.len);
         check_len("add", "out", out, n)?;

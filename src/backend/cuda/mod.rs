@@ -398,6 +398,10 @@ impl Backend for Cuda {
         self.lerp_impl(dst, dst_off, src, src_off, len, weight)
     }
 
+    fn copy_span(&self, dst: &mut CudaBuf, dst_off: usize, src: &CudaBuf, src_off: usize, len: usize) -> BResult<()> {
+        self.copy_span_impl(dst, dst_off, src, src_off, len)
+    }
+
     fn pool_forward(&self, out: &mut CudaBuf, inp: &CudaBuf, b: usize, n: usize, c: usize, prefix: usize, avg: bool) -> BResult<()> {
         self.pool_forward_impl(out, inp, b, n, c, prefix, avg)
     }
@@ -424,6 +428,10 @@ impl Backend for Cuda {
 
     fn optimizer_step_shard(&self, state: &mut CudaBuf, grads: &CudaBuf, compute: &mut CudaBuf, pieces: &[ShardPiece], opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()> {
         self.optimizer_step_shard_impl(state, grads, compute, pieces, opt, decay, hyper)
+    }
+
+    fn optimizer_step_master(&self, master: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, pieces: &[ShardPiece], opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()> {
+        self.optimizer_step_master_impl(master, grads, state, pieces, opt, decay, hyper)
     }
 
     fn peak_bytes(&self) -> Option<u64> {

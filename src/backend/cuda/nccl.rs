@@ -14,6 +14,11 @@
 //!   (its duration), and the boundary's waits by events on the compute stream (the exposed
 //!   part, `begin_waits` / `end_waits`); `take_device_timing` reads them after a host
 //!   synchronization.
+//! - `all_to_all` is NCCL's grouped `ncclSend`/`ncclRecv`, one pair per peer, from a copy of
+//!   the span (send and receive buffers must not overlap). `split_groups` makes each group's
+//!   communicator with `ncclCommSplit` (NCCL 2.18+), else from a unique id the group's first
+//!   rank hands the others over the group's host ring; the group has its own stream, host ring
+//!   and watchdog, so its collectives and the world's run independently.
 //! - A watchdog thread polls the completion events: a collective outstanding for longer than
 //!   the communicator's timeout is aborted (`ncclCommAbort`) and every later call fails with
 //!   an error naming the collective, its span and this rank; NCCL's own asynchronous errors
@@ -32,7 +37,7 @@ use cudarc::nccl::sys::ncclUniqueId;
 use super::device::{kargs, MemStats, THREADS};
 use super::gemm::Ty;
 use super::{libs, Cuda, CudaBuf};
-use crate::comm::{check_args, Arrivals, CResult, Collective, Comm, CommError, CommOptions, DeviceTiming, DistEnv, ReduceOp, Span, TcpComm, Wire, Work};
+use crate::comm::{check_args, check_group, Arrivals, CResult, Collective, Comm, CommError, CommOptions, DeviceTiming, DistEnv, ReduceOp, SingleComm, Span, TcpComm, Wire, Work};
 
 type RawComm = *mut c_void;
 // NCCL's result, data type and operation codes (nccl.h), as plain integers: a value this
@@ -57,6 +62,13 @@ struct Lib {
     async_error: unsafe extern "C" fn(RawComm, *mut c_int) -> c_int,
     error_string: unsafe extern "C" fn(c_int) -> *const c_char,
     get_version: unsafe extern "C" fn(*mut c_int) -> c_int,
+    send: unsafe extern "C" fn(*const c_void, usize, c_int, c_int, RawComm, CUstream) -> c_int,
+    recv: unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, RawComm, CUstream) -> c_int,
+    group_start: unsafe extern "C" fn() -> c_int,
+    group_end: unsafe extern "C" fn() -> c_int,
+    /// `ncclCommSplit` (NCCL 2.18 and later; None before): a group's communicator made from
+    /// the world's without another unique id.
+    comm_split: Option<unsafe extern "C" fn(RawComm, c_int, c_int, *mut RawComm, *mut c_void) -> c_int>,
     _lib: libloading::Library,
 }
 
@@ -66,7 +78,8 @@ fn open_lib() -> Result<Lib, String> {
     libs::ensure_loaded()?;
     let symbols = [
         "ncclGetUniqueId", "ncclCommInitRank", "ncclAllReduce", "ncclReduceScatter", "ncclAllGather", "ncclBroadcast",
-        "ncclCommAbort", "ncclCommDestroy", "ncclCommGetAsyncError", "ncclGetErrorString", "ncclGetVersion",
+        "ncclCommAbort", "ncclCommDestroy", "ncclCommGetAsyncError", "ncclGetErrorString", "ncclGetVersion", "ncclSend", "ncclRecv",
+        "ncclGroupStart", "ncclGroupEnd",
     ];
     let (lib, p) = libs::open_with_symbols(&NAMES, &symbols).map_err(|tried| {
         format!(
@@ -74,6 +87,8 @@ fn open_lib() -> Result<Lib, String> {
             if tried.is_empty() { "no candidate file".to_string() } else { tried.join("; ") }
         )
     })?;
+    // SAFETY: looking up an optional symbol of the library just opened.
+    let split = unsafe { lib.get::<*const c_void>(b"ncclCommSplit") }.ok().map(|s| *s).filter(|p| !p.is_null());
     // SAFETY: each address is the named NCCL function (nccl.h, NCCL 2.x stable ABI),
     // transmuted to its type; `lib` moves into the table that keeps it loaded.
     Ok(unsafe {
@@ -89,6 +104,11 @@ fn open_lib() -> Result<Lib, String> {
             async_error: std::mem::transmute::<*const c_void, _>(p[8]),
             error_string: std::mem::transmute::<*const c_void, _>(p[9]),
             get_version: std::mem::transmute::<*const c_void, _>(p[10]),
+            send: std::mem::transmute::<*const c_void, _>(p[11]),
+            recv: std::mem::transmute::<*const c_void, _>(p[12]),
+            group_start: std::mem::transmute::<*const c_void, _>(p[13]),
+            group_end: std::mem::transmute::<*const c_void, _>(p[14]),
+            comm_split: split.map(|a| std::mem::transmute::<*const c_void, _>(a)),
             _lib: lib,
         }
     })
@@ -167,6 +187,37 @@ pub struct NcclComm {
     arrivals: Arrivals,
     /// The caller's name for the next collective (`label_next`).
     label: Option<String>,
+    /// The collectives' timeout (a group's communicator made by `split_groups` inherits it).
+    timeout: Duration,
+    /// The all-to-all's copy of its input: NCCL's send and receive buffers must not overlap,
+    /// and every block of the span is both sent and received (grown on first use).
+    a2a_scratch: Option<CudaBuf>,
+    /// Rank in the world communicator (errors name it); `rank` is the rank in a group.
+    world_rank: usize,
+}
+
+/// What a communicator takes from the backend (a group's communicator, from the world's).
+struct Parts {
+    ctx: Arc<CudaContext>,
+    compute: Arc<CudaStream>,
+    scaled_cast: (cudarc::driver::CudaFunction, u32),
+    mem: Arc<MemStats>,
+    timeout: Duration,
+}
+
+/// Set (to anything but 0) to make `split_groups` build its communicators from a fresh unique
+/// id even where NCCL has `ncclCommSplit`: the fallback's path, for checking it.
+pub const ENV_NO_SPLIT: &str = "VITSCALE_NCCL_NO_SPLIT";
+
+/// `ncclCommInitRank` for rank `rank` of `world` with `id`; blocks until every rank has joined.
+fn init_rank(l: &Lib, world_rank: usize, id: ncclUniqueId, world: usize, rank: usize) -> CResult<RawComm> {
+    let mut comm: RawComm = std::ptr::null_mut();
+    // SAFETY: every rank of the communicator calls this once with the same id.
+    let r = unsafe { (l.comm_init_rank)(&mut comm, world as c_int, id, rank as c_int) };
+    if r != NCCL_SUCCESS {
+        return Err(CommError::Device { rank: world_rank, msg: format!("ncclCommInitRank (rank {rank} of {world}): {}", nccl_text(l, r)) });
+    }
+    Ok(comm)
 }
 
 fn cu(rank: usize, what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> CommError + '_ {
@@ -197,31 +248,41 @@ impl NcclComm {
         }
         let ctx = be.context().clone();
         ctx.bind_to_thread().map_err(cu(rank, "binding the CUDA context"))?;
-        let mut comm: RawComm = std::ptr::null_mut();
-        // SAFETY: every rank calls this once with the same id; blocks until all have joined.
-        let r = unsafe { (l.comm_init_rank)(&mut comm, env.world_size as c_int, id, rank as c_int) };
-        if r != NCCL_SUCCESS {
-            return Err(CommError::Device { rank, msg: format!("ncclCommInitRank (rank {rank} of {}): {}", env.world_size, nccl_text(l, r)) });
-        }
-        let stream = ctx.new_stream().map_err(cu(rank, "creating the communication stream"))?;
+        let comm = init_rank(l, rank, id, env.world_size, rank)?;
+        let scaled_cast = be.kernel_for_stream("scaled_cast_kernel").map_err(|e| CommError::Device { rank, msg: e.to_string() })?;
+        let parts = Parts { ctx, compute: be.stream().clone(), scaled_cast, mem: be.mem_stats().clone(), timeout: opts.timeout };
+        Self::assemble(l, comm, rank, rank, env.world_size, host, parts)
+    }
+
+    /// The communicator around an initialized NCCL handle `comm` (rank `rank` of `world`,
+    /// `world_rank` in the job): its stream, its watchdog, `host` for host-side values.
+    fn assemble(l: &'static Lib, comm: RawComm, world_rank: usize, rank: usize, world: usize, host: TcpComm, parts: Parts) -> CResult<NcclComm> {
+        let Parts { ctx, compute, scaled_cast, mem, timeout } = parts;
+        let stream = match ctx.new_stream() {
+            Ok(s) => s,
+            Err(e) => {
+                // SAFETY: the handle was just made and nothing was enqueued on it.
+                unsafe { (l.comm_destroy)(comm) };
+                return Err(cu(world_rank, "creating the communication stream")(e));
+            }
+        };
         let shared = Arc::new(Shared { in_flight: Mutex::new(Vec::new()), failed: Mutex::new(None), stop: AtomicBool::new(false) });
         let handle = Arc::new(Handle(comm));
         let arrivals = host.arrivals();
         let watchdog = {
             let (shared, handle, ctx, arrivals) = (shared.clone(), handle.clone(), ctx.clone(), arrivals.clone());
-            let timeout = opts.timeout;
             std::thread::Builder::new()
-                .name(format!("vitscale-nccl-watchdog-{rank}"))
-                .spawn(move || watch(l, rank, &shared, &handle, &ctx, timeout, &arrivals))
-                .map_err(|e| CommError::Device { rank, msg: format!("starting the NCCL watchdog: {e}") })?
+                .name(format!("vitscale-nccl-watchdog-{world_rank}"))
+                .spawn(move || watch(l, world_rank, &shared, &handle, &ctx, timeout, &arrivals))
+                .map_err(|e| CommError::Device { rank: world_rank, msg: format!("starting the NCCL watchdog: {e}") })?
         };
         Ok(NcclComm {
             rank,
-            world: env.world_size,
+            world,
             lib: l,
             comm: handle,
             ctx,
-            compute: be.stream().clone(),
+            compute,
             stream,
             host,
             shared,
@@ -231,19 +292,68 @@ impl NcclComm {
             timed: Vec::new(),
             waits: Vec::new(),
             open_wait: None,
-            scaled_cast: be.kernel_for_stream("scaled_cast_kernel").map_err(|e| CommError::Device { rank, msg: e.to_string() })?,
-            mem: be.mem_stats().clone(),
+            scaled_cast,
+            mem,
             wire_bf16: None,
             arrivals,
             label: None,
+            timeout,
+            a2a_scratch: None,
+            world_rank,
         })
+    }
+
+    /// This rank's communicator of its group of `size` consecutive ranks (`Comm::split_groups`):
+    /// `ncclCommSplit` where the library has it (and `VITSCALE_NCCL_NO_SPLIT` is unset), else
+    /// `ncclCommInitRank` with a unique id the group's first rank makes and hands the others
+    /// over the group's host ring. The group gets its own host ring, stream and watchdog.
+    fn group(&mut self, size: usize) -> CResult<NcclComm> {
+        let (l, me) = (self.lib, self.world_rank);
+        // every rank of the world opens its group's host ring first: that is collective over
+        // the world ring, so it also lines the ranks up before NCCL's own bootstrap
+        let mut host = self.host.group_ring(size)?;
+        let (color, key) = (self.rank / size, self.rank % size);
+        self.ctx.bind_to_thread().map_err(cu(me, "binding the CUDA context"))?;
+        let use_split = l.comm_split.filter(|_| std::env::var_os(ENV_NO_SPLIT).is_none_or(|v| v.is_empty() || v == "0"));
+        let comm = match use_split {
+            Some(split) => {
+                let mut comm: RawComm = std::ptr::null_mut();
+                // SAFETY: every rank of the world communicator calls this once, in the same
+                // order with respect to its other collectives; a null config inherits the
+                // parent's.
+                let r = unsafe { split(self.comm.0, color as c_int, key as c_int, &mut comm, std::ptr::null_mut()) };
+                if r != NCCL_SUCCESS || comm.is_null() {
+                    return Err(CommError::Device { rank: me, msg: format!("ncclCommSplit into groups of {size} (group {color}, rank {key}): {}", nccl_text(l, r)) });
+                }
+                comm
+            }
+            None => {
+                let mut id = ncclUniqueId { internal: [0; 128] };
+                if key == 0 {
+                    // SAFETY: fills the 128-byte id.
+                    let r = unsafe { (l.get_unique_id)(&mut id) };
+                    if r != NCCL_SUCCESS {
+                        return Err(CommError::Device { rank: me, msg: format!("ncclGetUniqueId for group {color}: {}", nccl_text(l, r)) });
+                    }
+                }
+                // the group's first rank holds the id, every other rank zeros: the sum is the id
+                let mut bytes: Vec<f64> = id.internal.iter().map(|&c| f64::from(c as u8)).collect();
+                Comm::<Vec<f32>>::all_reduce_host(&mut host, &mut bytes)?;
+                for (d, s) in id.internal.iter_mut().zip(&bytes) {
+                    *d = *s as u8 as c_char;
+                }
+                init_rank(l, me, id, size, key)?
+            }
+        };
+        let parts = Parts { ctx: self.ctx.clone(), compute: self.compute.clone(), scaled_cast: self.scaled_cast.clone(), mem: self.mem.clone(), timeout: self.timeout };
+        Self::assemble(l, comm, me, key, size, host, parts)
     }
 
     fn check_failed(&self) -> CResult<()> {
         match self.shared.failed.lock().map(|f| f.clone()) {
             Ok(None) => Ok(()),
-            Ok(Some(cause)) => Err(CommError::Poisoned { rank: self.rank, cause }),
-            Err(_) => Err(CommError::Poisoned { rank: self.rank, cause: "the NCCL watchdog panicked".into() }),
+            Ok(Some(cause)) => Err(CommError::Poisoned { rank: self.world_rank, cause }),
+            Err(_) => Err(CommError::Poisoned { rank: self.world_rank, cause: "the NCCL watchdog panicked".into() }),
         }
     }
 
@@ -257,12 +367,12 @@ impl NcclComm {
         // SAFETY: the kernel's signature is (void*, int, const void*, int, i64, float); both
         // addresses lie inside live buffers for n elements of their types (checked by the caller).
         unsafe { cudarc::driver::result::launch_kernel(f.cu_function(), (grid, 1, 1), (THREADS, 1, 1), 0, self.stream.cu_stream(), &mut args) }
-            .map_err(cu(self.rank, "scaling a gradient bucket"))
+            .map_err(cu(self.world_rank, "scaling a gradient bucket"))
     }
 
     fn event(&self, timing: bool) -> CResult<CudaEvent> {
         let flags = if timing { CUevent_flags::CU_EVENT_DEFAULT } else { CUevent_flags::CU_EVENT_DISABLE_TIMING };
-        self.ctx.new_event(Some(flags)).map_err(cu(self.rank, "creating an event"))
+        self.ctx.new_event(Some(flags)).map_err(cu(self.world_rank, "creating an event"))
     }
 }
 
@@ -404,11 +514,8 @@ impl Comm<CudaBuf> for NcclComm {
     fn start_as(&mut self, op: Collective, buf: &mut CudaBuf, span: Span, wire: Wire) -> CResult<Work> {
         self.check_failed()?;
         check_args(op, span, buf.len, self.world)?;
-        let rank = self.rank;
-        if op == Collective::AllToAll {
-            // (sequence parallelism runs on CPU ranks so far; NCCL's form is grouped send/recv)
-            return Err(CommError::Unsupported { what: "all_to_all on NCCL (not yet implemented)".into() });
-        }
+        // `rank` places the shards; errors name the rank in the job
+        let (rank, me) = (self.rank, self.world_rank);
         // a reduce-scatter's result is the rank's own shard: only that comes back from the wire
         let own = match op {
             Collective::ReduceScatter(_) => {
@@ -423,15 +530,20 @@ impl Comm<CudaBuf> for NcclComm {
         if wire.bf16 && self.wire_bf16.as_ref().is_none_or(|b| b.len < buf.len) {
             // allocated (and zeroed) on the communication stream, before any kernel uses it
             self.wire_bf16 = None;
-            let b = Cuda::raw_alloc_with(&self.ctx, &self.stream, &self.mem, buf.len, Ty::Bf16).map_err(|e| CommError::Device { rank, msg: format!("allocating the bf16 gradient wire: {e}") })?;
+            let b = Cuda::raw_alloc_with(&self.ctx, &self.stream, &self.mem, buf.len, Ty::Bf16).map_err(|e| CommError::Device { rank: me, msg: format!("allocating the bf16 gradient wire: {e}") })?;
             self.wire_bf16 = Some(b);
+        }
+        if op == Collective::AllToAll && self.a2a_scratch.as_ref().is_none_or(|b| b.bytes() < span.len * buf.ty.size()) {
+            self.a2a_scratch = None;
+            let b = Cuda::raw_alloc_with(&self.ctx, &self.stream, &self.mem, span.len, buf.ty).map_err(|e| CommError::Device { rank: me, msg: format!("allocating the all-to-all's copy: {e}") })?;
+            self.a2a_scratch = Some(b);
         }
         // the collective may read the span once the compute stream has written it
         let ready = self.event(false)?;
-        ready.record(&self.compute).map_err(cu(rank, "recording the gradients' event"))?;
-        self.stream.wait(&ready).map_err(cu(rank, "ordering the communication stream"))?;
+        ready.record(&self.compute).map_err(cu(me, "recording the gradients' event"))?;
+        self.stream.wait(&ready).map_err(cu(me, "ordering the communication stream"))?;
         let start = Arc::new(self.event(true)?);
-        start.record(&self.stream).map_err(cu(rank, "recording a collective's start"))?;
+        start.record(&self.stream).map_err(cu(me, "recording a collective's start"))?;
         let (l, c, s) = (self.lib, self.comm.0, self.stream.cu_stream());
         let (mut ty, mut elem, mut base) = (nccl_type(buf), buf.bytes() / buf.len.max(1), buf.at(span.off) as *mut c_void);
         let grads = buf.at(span.off);
@@ -458,11 +570,36 @@ impl Comm<CudaBuf> for NcclComm {
                     (l.all_gather)(base.byte_add(rank * n * elem), base, n, ty, c, s)
                 }
                 Collective::Broadcast { root } => (l.broadcast)(base, base, span.len, ty, root as c_int, c, s),
-                Collective::AllToAll => return Err(CommError::Unsupported { what: "all_to_all on NCCL (not yet implemented)".into() }),
+                Collective::AllToAll => {
+                    // block j goes to rank j and block j comes from rank j: the blocks leave
+                    // from a copy of the span, so a block received never overwrites one still
+                    // to be sent; the own block stays where it is
+                    let n = span.len / self.world;
+                    let copy = self.a2a_scratch.as_ref().map(|b| b.ptr()).unwrap_or_default();
+                    cudarc::driver::result::memcpy_dtod_async(copy, base as u64, span.len * elem, s).map_err(cu(me, "copying the all-to-all's input"))?;
+                    let copy = copy as *const c_void;
+                    let mut r = (l.group_start)();
+                    for j in (0..self.world).filter(|&j| j != rank) {
+                        if r != NCCL_SUCCESS {
+                            break;
+                        }
+                        r = (l.send)(copy.byte_add(j * n * elem), n, ty, j as c_int, c, s);
+                        if r == NCCL_SUCCESS {
+                            r = (l.recv)(base.byte_add(j * n * elem), n, ty, j as c_int, c, s);
+                        }
+                    }
+                    // the group is closed whatever failed inside it
+                    let end = (l.group_end)();
+                    if r == NCCL_SUCCESS {
+                        end
+                    } else {
+                        r
+                    }
+                }
             }
         };
         if r != NCCL_SUCCESS && r != NCCL_IN_PROGRESS {
-            return Err(CommError::Device { rank, msg: format!("nccl {} of elements {}..{}: {}", op.name(), span.off, span.off + span.len, nccl_text(l, r)) });
+            return Err(CommError::Device { rank: me, msg: format!("nccl {} of elements {}..{}: {}", op.name(), span.off, span.off + span.len, nccl_text(l, r)) });
         }
         let (own_f32, own_wire) = (grads + (own.0 * 4) as u64, base as u64 + (own.0 * elem) as u64);
         if wire.bf16 {
@@ -471,7 +608,7 @@ impl Comm<CudaBuf> for NcclComm {
             self.scaled_cast_on_stream(own_f32, 0, own_f32, 0, own.1, wire.post)?;
         }
         let done = Arc::new(self.event(true)?);
-        done.record(&self.stream).map_err(cu(rank, "recording a collective's end"))?;
+        done.record(&self.stream).map_err(cu(me, "recording a collective's end"))?;
         self.next_id += 1;
         let id = self.next_id;
         self.arrivals.arrive(id);
@@ -495,7 +632,7 @@ impl Comm<CudaBuf> for NcclComm {
         self.check_failed()?;
         let (start, done, what) = self.pending.remove(&work.id).ok_or(CommError::UnknownWork { id: work.id })?;
         // the compute stream goes on once the collective is done; the host does not wait
-        self.compute.wait(&done).map_err(cu(self.rank, "ordering the compute stream"))?;
+        self.compute.wait(&done).map_err(cu(self.world_rank, "ordering the compute stream"))?;
         self.timed.push((start, done, what));
         Ok(())
     }
@@ -508,12 +645,12 @@ impl Comm<CudaBuf> for NcclComm {
         self.check_failed()?;
         let (start, done, what) = self.pending.remove(&work.id).ok_or(CommError::UnknownWork { id: work.id })?;
         self.timed.push((start, done.clone(), what));
-        Ok(Box::new(StreamFence { compute: self.compute.clone(), done, rank: self.rank }))
+        Ok(Box::new(StreamFence { compute: self.compute.clone(), done, rank: self.world_rank }))
     }
 
     fn begin_waits(&mut self) -> CResult<()> {
         let e = self.event(true)?;
-        e.record(&self.compute).map_err(cu(self.rank, "recording the backward's end"))?;
+        e.record(&self.compute).map_err(cu(self.world_rank, "recording the backward's end"))?;
         self.open_wait = Some(e);
         Ok(())
     }
@@ -521,7 +658,7 @@ impl Comm<CudaBuf> for NcclComm {
     fn end_waits(&mut self) -> CResult<()> {
         if let Some(begin) = self.open_wait.take() {
             let e = self.event(true)?;
-            e.record(&self.compute).map_err(cu(self.rank, "recording the waits' end"))?;
+            e.record(&self.compute).map_err(cu(self.world_rank, "recording the waits' end"))?;
             self.waits.push((begin, e));
         }
         Ok(())
@@ -529,7 +666,7 @@ impl Comm<CudaBuf> for NcclComm {
 
     fn take_device_timing(&mut self, epoch: Instant) -> CResult<Option<DeviceTiming>> {
         self.check_failed()?;
-        let rank = self.rank;
+        let rank = self.world_rank;
         let ms = |a: &CudaEvent, b: &CudaEvent| -> CResult<f64> {
             b.synchronize().map_err(cu(rank, "waiting for a timing event"))?;
             Ok(a.elapsed_ms(b).map_err(cu(rank, "reading a timing event"))? as f64 * 1e-3)
@@ -555,12 +692,21 @@ impl Comm<CudaBuf> for NcclComm {
 
     fn barrier(&mut self) -> CResult<()> {
         self.check_failed()?;
-        self.compute.synchronize().map_err(cu(self.rank, "synchronizing before a barrier"))?;
+        self.compute.synchronize().map_err(cu(self.world_rank, "synchronizing before a barrier"))?;
         Comm::<Vec<f32>>::barrier(&mut self.host)
     }
 
     fn all_reduce_host(&mut self, vals: &mut [f64]) -> CResult<()> {
         self.check_failed()?;
         Comm::<Vec<f32>>::all_reduce_host(&mut self.host, vals)
+    }
+
+    fn split_groups(&mut self, size: usize) -> CResult<Box<dyn Comm<CudaBuf>>> {
+        check_group(size, self.world)?;
+        self.check_failed()?;
+        if size == 1 {
+            return Ok(Box::new(SingleComm::new()));
+        }
+        Ok(Box::new(self.group(size)?))
     }
 }

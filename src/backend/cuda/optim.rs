@@ -129,6 +129,29 @@ impl Cuda {
         Ok(())
     }
 
+    /// `Backend::optimizer_step_master` (ZeRO-3): per piece, the update kernel with its f32
+    /// weights at `master_off` of `master` and its state at `state_off`; nothing else is
+    /// written (the partition's gathers make the compute-dtype weights from `master`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn optimizer_step_master_impl(&self, master: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, pieces: &[ShardPiece], opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()> {
+        self.flush_partial_sums()?;
+        const OP: &str = "optimizer_step_master";
+        check_f32(OP, "master", master)?;
+        check_f32(OP, "grads", grads)?;
+        check_f32(OP, "state", state)?;
+        if hyper.clip_norm > 0.0 {
+            return Err(BackendError::Shape { op: OP, msg: "clips nothing itself: fold the global clipping factor into grad_scale".into() });
+        }
+        for p in pieces {
+            check_span(OP, "piece", grads, p.span)?;
+            check_len(OP, "state", state, p.state_off + optimizer_state_len(opt, p.span.len))?;
+            check_len(OP, "master", master, p.master_off + p.span.len)?;
+            let v = state.at(p.state_off + p.span.len);
+            self.optimizer_launch(master.at(p.master_off), grads.at(p.span.off), state.at(p.state_off), v, 0, p.span.len, opt, &decay.restrict(p.span), hyper, 0, 0.0)?;
+        }
+        Ok(())
+    }
+
     /// Σ g² of several spans, summed into `acc` on the stream, then read back (one wait).
     pub(super) fn sum_squares_spans_impl(&self, buf: &CudaBuf, spans: &[Span]) -> BResult<f64> {
         self.flush_partial_sums()?;
