@@ -2,6 +2,7 @@
 //! and their report (one line per check, the two loss sequences, PASS or FAIL).
 
 use crate::backend::cpu::Cpu;
+use crate::backend::half::HalfFormat;
 use crate::backend::Backend;
 use crate::selftest::{attention_path_checks, hopper_gemm_checks, run_checks, Check};
 
@@ -23,13 +24,29 @@ pub struct SelftestArgs {
     pub json: bool,
     /// Only compile every CUDA kernel module for this architecture (e.g. sm_90, sm_80, or
     /// compute_75 for PTX as `VITSCALE_CUDA_ARCH=sm_75` builds it) with NVRTC and report
-    /// each: needs the NVRTC library, no GPU.
+    /// each, for the 16-bit format `--half` names (both when not given): needs the NVRTC
+    /// library, no GPU.
     #[arg(long, value_name = "ARCH")]
     pub compile_kernels: Option<String>,
+    /// The GPU's 16-bit compute format to check: bf16 or fp16 (as a run with a bf16 or fp16
+    /// block computes). Default: what a run without either block gets (bf16; fp16 before
+    /// Ampere, also under `VITSCALE_CUDA_ARCH=sm_75`).
+    #[arg(long, value_name = "FORMAT")]
+    pub half: Option<String>,
 }
 
-/// `--compile-kernels ARCH`: one line per module; an error when any failed to compile.
-fn compile_kernels(arch: &str) -> anyhow::Result<()> {
+/// `--half`: the format by name.
+fn parse_half(v: &str) -> anyhow::Result<HalfFormat> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "bf16" | "bfloat16" => Ok(HalfFormat::Bf16),
+        "fp16" | "f16" | "float16" => Ok(HalfFormat::F16),
+        other => anyhow::bail!("--half: {other:?} is not a 16-bit format; expected bf16 or fp16"),
+    }
+}
+
+/// `--compile-kernels ARCH`: one line per module and format; an error when any failed to
+/// compile.
+fn compile_kernels(arch: &str, halves: &[HalfFormat]) -> anyhow::Result<()> {
     if !crate::backend::cuda::compile::is_arch_name(arch) {
         anyhow::bail!("--compile-kernels: {arch:?} is not an architecture name like sm_90, sm_80 or compute_75 (PTX)");
     }
@@ -37,7 +54,7 @@ fn compile_kernels(arch: &str) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("--compile-kernels needs the NVRTC library (libnvrtc), which could not be loaded: {e}"))?;
     crate::outln!("compiling every kernel module for {arch} with NVRTC {maj}.{min}");
     let mut failed = 0;
-    for (module, r) in crate::backend::cuda::compile::compile_all(arch) {
+    for (module, r) in halves.iter().flat_map(|&h| crate::backend::cuda::compile::compile_all(arch, h)) {
         match r {
             Ok(bytes) => crate::outln!("  ok   {module:<28} {bytes} bytes of {}", if arch.starts_with("compute_") { "PTX" } else { "cubin" }),
             Err(e) => {
@@ -94,8 +111,9 @@ fn report_ranks(comm: &mut dyn crate::comm::Comm<impl Sized>, name: &str, seed: 
 
 /// `vitscale selftest`: the report, then an error when any check failed.
 pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
+    let half = args.half.as_deref().map(parse_half).transpose()?;
     if let Some(arch) = &args.compile_kernels {
-        return compile_kernels(arch);
+        return compile_kernels(arch, &half.map_or(vec![HalfFormat::Bf16, HalfFormat::F16], |h| vec![h]));
     }
     let env = crate::comm::DistEnv::detect()?;
     let opts = crate::comm::CommOptions::from_config_and_env(60.0)?;
@@ -103,7 +121,19 @@ pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
     let ok = match device.as_str() {
         "cuda" | "gpu" => {
             let gpu = if env.world_size > 1 { super::train::gpu_index(&env)? } else { args.gpu };
-            let be = crate::backend::cuda::Cuda::new(gpu)?;
+            // the precision a run that asks for this format has
+            let precision = match half {
+                None => crate::config::Precision::Fp32,
+                Some(HalfFormat::Bf16) => crate::config::Precision::Bf16,
+                Some(HalfFormat::F16) => crate::backend::half::deepspeed_default_fp16(),
+            };
+            let be = crate::backend::cuda::Cuda::for_precision(gpu, &precision)?;
+            if env.rank == 0 {
+                if let Some(n) = be.half_notice() {
+                    crate::outln!("notice: {n}");
+                }
+                crate::outln!("compute format: {}", be.half_format().name());
+            }
             let chosen = be.attention_path();
             let (seed, mut checks, d, c) = run_checks(&be, args.seed)?;
             match hopper_gemm_checks(&be, seed) {

@@ -168,7 +168,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         check_writable_dir(d, "--trace", d)?;
         crate::metrics::trace::check_fresh(d, rank).map_err(|e| anyhow::anyhow!("--trace {}: {e}", d.display()))?;
     }
-    let device = open_device(args.common.device, gpu_index(&env)?, rank == 0)?;
+    let device = open_device(args.common.device, gpu_index(&env)?, rank == 0, &cfg.precision)?;
     // refused before any communicator is opened (the trainer refuses it too)
     if let (Device::Cuda(_), sp @ 2..) = (&device, cfg.batch.sequence_parallel_size) {
         anyhow::bail!("sequence_parallel_size = {sp}: sequence parallelism is not yet available on the CUDA backend; it runs on CPU ranks (--device cpu)");

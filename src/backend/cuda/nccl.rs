@@ -31,6 +31,7 @@ use cudarc::nccl::sys::ncclUniqueId;
 
 use super::device::{kargs, MemStats, THREADS};
 use super::gemm::Ty;
+use crate::backend::half::HalfFormat;
 use super::{libs, Cuda, CudaBuf};
 use crate::comm::{check_args, Arrivals, CResult, Collective, Comm, CommError, CommOptions, DeviceTiming, DistEnv, ReduceOp, Span, TcpComm, Wire, Work};
 
@@ -39,8 +40,12 @@ type RawComm = *mut c_void;
 // build does not know must not be read into a Rust enum.
 const NCCL_SUCCESS: c_int = 0;
 const NCCL_IN_PROGRESS: c_int = 7;
+const NCCL_FLOAT16: c_int = 6;
 const NCCL_FLOAT32: c_int = 7;
 const NCCL_BFLOAT16: c_int = 9;
+/// `scaled_cast_kernel`'s code for bf16 whatever the kernels' 16-bit format (common.cuh): the
+/// bf16 wire stays bf16 in an fp16 run, where loss-scaled gradient sums may pass fp16's 65504.
+const DT_BF16: i32 = 2;
 const NCCL_SUM: c_int = 0;
 const NCCL_AVG: c_int = 4;
 
@@ -161,8 +166,11 @@ pub struct NcclComm {
     /// the communication stream, so they overlap the backward like the collective itself.
     scaled_cast: (cudarc::driver::CudaFunction, u32),
     mem: Arc<MemStats>,
-    /// bf16 copy of the reduced buffer's spans for a bf16 wire (grown on first use).
+    /// bf16 copy of the reduced buffer's spans for a bf16 wire (grown on first use; bf16 also
+    /// on an fp16 backend, the tag `Ty::Half` only gives its element size).
     wire_bf16: Option<CudaBuf>,
+    /// The backend's 16-bit compute format: the NCCL type of its 16-bit buffers.
+    half: HalfFormat,
     /// Each collective's arrival, reported to rank 0 through the host ring's control link.
     arrivals: Arrivals,
     /// The caller's name for the next collective (`label_next`).
@@ -234,6 +242,7 @@ impl NcclComm {
             scaled_cast: be.kernel_for_stream("scaled_cast_kernel").map_err(|e| CommError::Device { rank, msg: e.to_string() })?,
             mem: be.mem_stats().clone(),
             wire_bf16: None,
+            half: be.half_format(),
             arrivals,
             label: None,
         })
@@ -248,7 +257,7 @@ impl NcclComm {
     }
 
     /// dst[..n] = src[..n] × s on the communication stream (device addresses, types by code:
-    /// 0 f32, 1 bf16, as `CudaBuf::dt`).
+    /// 0 f32, 1 the backend's 16-bit format, as `CudaBuf::dt`; 2 bf16 in either case).
     fn scaled_cast_on_stream(&self, dst: u64, dtd: i32, src: u64, dts: i32, n: usize, s: f32) -> CResult<()> {
         let (f, cap) = &self.scaled_cast;
         let grid = (n.div_ceil(THREADS as usize).max(1) as u32).min(*cap);
@@ -365,11 +374,12 @@ impl Drop for NcclComm {
     }
 }
 
-fn nccl_type(buf: &CudaBuf) -> c_int {
-    if buf.is_bf16() {
-        NCCL_BFLOAT16
-    } else {
-        NCCL_FLOAT32
+/// The NCCL element type of `buf` on a backend whose 16-bit format is `half`.
+fn nccl_type(buf: &CudaBuf, half: HalfFormat) -> c_int {
+    match (buf.is_half(), half) {
+        (true, HalfFormat::Bf16) => NCCL_BFLOAT16,
+        (true, HalfFormat::F16) => NCCL_FLOAT16,
+        (false, _) => NCCL_FLOAT32,
     }
 }
 
@@ -418,12 +428,12 @@ impl Comm<CudaBuf> for NcclComm {
             _ => (0, span.len),
         };
         if !wire.is_plain() && !(matches!(op, Collective::AllReduce(_) | Collective::ReduceScatter(_)) && buf.ty == Ty::F32) {
-            return Err(CommError::Unsupported { what: format!("{} of a {} buffer with {wire:?} on NCCL", op.name(), if buf.is_bf16() { "bf16" } else { "f32" }) });
+            return Err(CommError::Unsupported { what: format!("{} of a {} buffer with {wire:?} on NCCL", op.name(), if buf.is_half() { self.half.name() } else { "f32" }) });
         }
         if wire.bf16 && self.wire_bf16.as_ref().is_none_or(|b| b.len < buf.len) {
             // allocated (and zeroed) on the communication stream, before any kernel uses it
             self.wire_bf16 = None;
-            let b = Cuda::raw_alloc_with(&self.ctx, &self.stream, &self.mem, buf.len, Ty::Bf16).map_err(|e| CommError::Device { rank, msg: format!("allocating the bf16 gradient wire: {e}") })?;
+            let b = Cuda::raw_alloc_with(&self.ctx, &self.stream, &self.mem, buf.len, Ty::Half).map_err(|e| CommError::Device { rank, msg: format!("allocating the bf16 gradient wire: {e}") })?;
             self.wire_bf16 = Some(b);
         }
         // the collective may read the span once the compute stream has written it
@@ -433,11 +443,11 @@ impl Comm<CudaBuf> for NcclComm {
         let start = Arc::new(self.event(true)?);
         start.record(&self.stream).map_err(cu(rank, "recording a collective's start"))?;
         let (l, c, s) = (self.lib, self.comm.0, self.stream.cu_stream());
-        let (mut ty, mut elem, mut base) = (nccl_type(buf), buf.bytes() / buf.len.max(1), buf.at(span.off) as *mut c_void);
+        let (mut ty, mut elem, mut base) = (nccl_type(buf, self.half), buf.bytes() / buf.len.max(1), buf.at(span.off) as *mut c_void);
         let grads = buf.at(span.off);
         if wire.bf16 {
             let w = self.wire_bf16.as_ref().map(|b| b.at(span.off)).unwrap_or_default();
-            self.scaled_cast_on_stream(w, 1, grads, 0, span.len, wire.pre)?;
+            self.scaled_cast_on_stream(w, DT_BF16, grads, 0, span.len, wire.pre)?;
             (ty, elem, base) = (NCCL_BFLOAT16, 2, w as *mut c_void);
         } else if wire.pre != 1.0 {
             self.scaled_cast_on_stream(grads, 0, grads, 0, span.len, wire.pre)?;
@@ -466,7 +476,7 @@ impl Comm<CudaBuf> for NcclComm {
         }
         let (own_f32, own_wire) = (grads + (own.0 * 4) as u64, base as u64 + (own.0 * elem) as u64);
         if wire.bf16 {
-            self.scaled_cast_on_stream(own_f32, 0, own_wire, 1, own.1, wire.post)?;
+            self.scaled_cast_on_stream(own_f32, 0, own_wire, DT_BF16, own.1, wire.post)?;
         } else if wire.post != 1.0 {
             self.scaled_cast_on_stream(own_f32, 0, own_f32, 0, own.1, wire.post)?;
         }

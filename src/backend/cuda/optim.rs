@@ -44,7 +44,7 @@ impl Cuda {
 
     #[allow(clippy::too_many_arguments)]
     pub(super) fn optimizer_step_cast_impl(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, compute: &mut CudaBuf, opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()> {
-        if compute.ty != Ty::Bf16 {
+        if compute.ty != Ty::Half {
             self.optimizer_step_impl(params, grads, state, None, opt, decay, hyper)?;
             return self.cast(compute, params);
         }
@@ -111,7 +111,7 @@ impl Cuda {
         const OP: &str = "optimizer_step_shard";
         check_f32(OP, "grads", grads)?;
         check_f32(OP, "state", state)?;
-        if compute.ty != Ty::Bf16 {
+        if compute.ty != Ty::Half {
             return Err(BackendError::Shape { op: OP, msg: "the compute copy must be bf16".into() });
         }
         check_len(OP, "compute copy", compute, grads.len)?;
