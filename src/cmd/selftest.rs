@@ -109,6 +109,40 @@ fn report_ranks(comm: &mut dyn crate::comm::Comm<impl Sized>, name: &str, seed: 
     Ok(report(name, seed, checks, dev, cpu, json, others))
 }
 
+/// One pass of the device checks on GPU `gpu` opened for the 16-bit format `half` (None: as a
+/// run without a precision block): (every check passed, the seed).
+fn cuda_pass(gpu: usize, half: Option<HalfFormat>, seed: Option<u64>, env: &crate::comm::DistEnv, opts: &crate::comm::CommOptions, json: bool) -> anyhow::Result<(bool, u64)> {
+    // the precision a run that asks for this format has
+    let precision = match half {
+        None => crate::config::Precision::Fp32,
+        Some(HalfFormat::Bf16) => crate::config::Precision::Bf16,
+        Some(HalfFormat::F16) => crate::backend::half::deepspeed_default_fp16(),
+    };
+    let be = crate::backend::cuda::Cuda::for_precision(gpu, &precision)?;
+    if env.rank == 0 {
+        if let Some(n) = be.half_notice() {
+            crate::outln!("notice: {n}");
+        }
+        crate::outln!("compute format: {}", be.half_format().name());
+    }
+    let chosen = be.attention_path();
+    let (seed, mut checks, d, c) = run_checks(&be, seed)?;
+    match hopper_gemm_checks(&be, seed) {
+        Ok(Some(cs)) => checks.extend(cs),
+        Ok(None) => crate::outln!("hopper GEMM kernel not compiled for this device and format (sm_90 with bf16 only): its checks skipped"),
+        Err(e) => checks.push(Check { name: format!("hopper GEMM checks: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false }),
+    }
+    checks.extend(attention_path_checks(&be, seed)?);
+    checks.extend(crate::selftest::half::half_format_checks(&be, seed)?);
+    checks.extend(crate::selftest::decode::decode_checks(&be, seed)?);
+    let mut comm = crate::backend::cuda::nccl::NcclComm::connect(env, opts, "selftest", &be)?;
+    checks.extend(comm_checks(&be, &mut comm, seed)?);
+    if env.rank == 0 {
+        crate::outln!("attention path for the model checks: {}", chosen.name());
+    }
+    Ok((report_ranks(&mut comm, &be.name(), seed, &checks, &d, &c, json)?, seed))
+}
+
 /// `vitscale selftest`: the report, then an error when any check failed.
 pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
     let half = args.half.as_deref().map(parse_half).transpose()?;
@@ -118,37 +152,33 @@ pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
     let env = crate::comm::DistEnv::detect()?;
     let opts = crate::comm::CommOptions::from_config_and_env(60.0)?;
     let device = super::common::resolve_device_name(&args.device, args.gpu);
+    let mut last_seed = None;
     let ok = match device.as_str() {
         "cuda" | "gpu" => {
             let gpu = if env.world_size > 1 { super::train::gpu_index(&env)? } else { args.gpu };
-            // the precision a run that asks for this format has
-            let precision = match half {
-                None => crate::config::Precision::Fp32,
-                Some(HalfFormat::Bf16) => crate::config::Precision::Bf16,
-                Some(HalfFormat::F16) => crate::backend::half::deepspeed_default_fp16(),
-            };
-            let be = crate::backend::cuda::Cuda::for_precision(gpu, &precision)?;
-            if env.rank == 0 {
-                if let Some(n) = be.half_notice() {
-                    crate::outln!("notice: {n}");
+            // Without --half: the default format, then on one process the other one the GPU
+            // computes in (fp16 from Ampere on; bf16 has no hardware before it). Under a
+            // launcher one format a run (--half), so the ranks meet once.
+            let formats = match half {
+                Some(h) => vec![h],
+                None => {
+                    let info = crate::backend::cuda::probe(gpu).map_err(|e| anyhow::anyhow!("--device cuda: GPU {gpu}: {e}"))?;
+                    let cc = crate::backend::cuda::compile::forced_capability()?.unwrap_or(info.compute_capability);
+                    let first = crate::backend::half::choose(&crate::config::Precision::Fp32, cc, &info.name).map_err(|e| anyhow::anyhow!(e))?.format;
+                    match (first, env.world_size) {
+                        (HalfFormat::Bf16, 1) => vec![HalfFormat::Bf16, HalfFormat::F16],
+                        _ => vec![first],
+                    }
                 }
-                crate::outln!("compute format: {}", be.half_format().name());
+            };
+            let mut ok = true;
+            for (i, &h) in formats.iter().enumerate() {
+                let seed = if i == 0 { args.seed } else { args.seed.or(last_seed) };
+                let (pass_ok, s) = cuda_pass(gpu, Some(h).filter(|_| half.is_some() || i > 0), seed, &env, &opts, args.json)?;
+                last_seed = Some(s);
+                ok &= pass_ok;
             }
-            let chosen = be.attention_path();
-            let (seed, mut checks, d, c) = run_checks(&be, args.seed)?;
-            match hopper_gemm_checks(&be, seed) {
-                Ok(Some(cs)) => checks.extend(cs),
-                Ok(None) => crate::outln!("hopper GEMM kernel not compiled for this device (sm_90 only): its checks skipped"),
-                Err(e) => checks.push(Check { name: format!("hopper GEMM checks: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false }),
-            }
-            checks.extend(attention_path_checks(&be, seed)?);
-            checks.extend(crate::selftest::decode::decode_checks(&be, seed)?);
-            let mut comm = crate::backend::cuda::nccl::NcclComm::connect(&env, &opts, "selftest", &be)?;
-            checks.extend(comm_checks(&be, &mut comm, seed)?);
-            if env.rank == 0 {
-                crate::outln!("attention path for the model checks: {}", chosen.name());
-            }
-            report_ranks(&mut comm, &be.name(), seed, &checks, &d, &c, args.json)?
+            ok
         }
         "cpu" => {
             let be = Cpu::new();
