@@ -152,6 +152,9 @@ pub fn engine_warnings(cfg: &RunConfig, device: &Device) -> Vec<String> {
             w.push("fp16.enabled: the CPU backend computes in f32 (fp16 compute needs a GPU); DeepSpeed's loss scaling still runs: the loss gradient is scaled, overflowing steps are skipped and the scale adapts".into())
         }
     }
+    if let Device::Cuda(be) = device {
+        w.extend(be.slower_paths());
+    }
     w
 }
 

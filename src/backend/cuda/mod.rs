@@ -38,7 +38,7 @@
 //!   the gradient's rows; `partials` queues their column sums during a backward and adds them
 //!   up in batched launches.
 //! - The optimizer kernels clip by the global norm (its square summed on the device just
-//!   before) and write the bf16 compute copy of the weights as they update them.
+//!   before) and write the 16-bit compute copy of the weights as they update them.
 //!
 //! The host code is split by layer, as the kernels are: `device` (buffers, launches, capture,
 //! the memory ops), `linear`, `attention`, `norm`, `embed` (patches, embedding, pooling, loss,
@@ -111,7 +111,7 @@ pub struct Cuda {
     segments: Mutex<Vec<(Vec<i64>, CudaBuf)>>,
     /// One f64 accumulator for `sum_squares`.
     acc: CudaBuf,
-    /// The measured bf16 matrix rate (`matrix_ceiling_tflops`), once measured.
+    /// The measured 16-bit matrix rate (in the backend's format) (`matrix_ceiling_tflops`), once measured.
     ceiling_tflops: std::sync::OnceLock<f64>,
     /// When set, every kernel and GEMM is bracketed by events (see `set_profiling`).
     profile: Mutex<Option<Vec<(String, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>>>,
@@ -206,6 +206,22 @@ impl Cuda {
         self.half.format
     }
 
+    /// What runs slower on this device and format than on a bf16 GPU from Ampere on, one line
+    /// each (docs/precision.md's table): the run's warnings say it.
+    pub fn slower_paths(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let arch = self.kernels.forced.clone().unwrap_or_else(|| self.info.arch());
+        if !self.has_flash_attention() {
+            out.push(format!(
+                "fused attention (kernels/flash.cu) is not available for {arch} (it needs sm_80: cp.async, mma.m16n8k16): attention materializes the (N, N) scores through cuBLASLt and a softmax kernel, slower and with more memory at long sequences"
+            ));
+        }
+        if self.half.format == HalfFormat::F16 && self.info.compute_capability.0 == 9 && self.kernels.forced.is_none() {
+            out.push("fp16 on Hopper: the wgmma kernels (fused MLP GEMMs, N = 197 attention) are bf16 only; cuBLASLt and flash.cu run instead, slower than bf16 here".into());
+        }
+        out
+    }
+
     /// " [fp16]" in the device's name when it computes in fp16 (bf16, the usual, goes unsaid).
     fn half_tag(&self) -> &'static str {
         if self.half.format == HalfFormat::F16 { " [fp16]" } else { "" }
@@ -236,7 +252,7 @@ impl Backend for Cuda {
         if let Some(&t) = self.ceiling_tflops.get() {
             return Ok(Some(t));
         }
-        // bench's measurement: the median of 10 bf16 8192³ products on random data; its
+        // bench's measurement: the median of 10 16-bit 8192³ products on random data; its
         // operands are freed again and stay out of the run's peak memory
         let peak = self.mem.peak.load(std::sync::atomic::Ordering::Relaxed);
         let t = self.matmul_tflops(8192, 10)?;
@@ -477,7 +493,7 @@ impl Backend for Cuda {
         self.optimizer_step_impl(params, grads, state, None, opt, decay, hyper)
     }
 
-    /// The update kernels write the bf16 compute copy as they go: no separate cast pass.
+    /// The update kernels write the 16-bit compute copy as they go: no separate cast pass.
     fn optimizer_step_cast(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, compute: &mut CudaBuf, opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()> {
         self.optimizer_step_cast_impl(params, grads, state, compute, opt, decay, hyper)
     }
