@@ -111,7 +111,7 @@ pub struct Cuda {
     segments: Mutex<Vec<(Vec<i64>, CudaBuf)>>,
     /// One f64 accumulator for `sum_squares`.
     acc: CudaBuf,
-    /// The measured 16-bit matrix rate (in the backend's format) (`matrix_ceiling_tflops`), once measured.
+    /// The measured matrix rate in the backend's 16-bit format (`matrix_ceiling_tflops`), once measured.
     ceiling_tflops: std::sync::OnceLock<f64>,
     /// When set, every kernel and GEMM is bracketed by events (see `set_profiling`).
     profile: Mutex<Option<Vec<(String, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>>>,
