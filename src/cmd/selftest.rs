@@ -152,7 +152,6 @@ pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
     let env = crate::comm::DistEnv::detect()?;
     let opts = crate::comm::CommOptions::from_config_and_env(60.0)?;
     let device = super::common::resolve_device_name(&args.device, args.gpu);
-    let mut last_seed = None;
     let ok = match device.as_str() {
         "cuda" | "gpu" => {
             let gpu = if env.world_size > 1 { super::train::gpu_index(&env)? } else { args.gpu };
@@ -171,7 +170,8 @@ pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
                     }
                 }
             };
-            let mut ok = true;
+            // every pass draws the same inputs (the first pass's seed)
+            let (mut ok, mut last_seed) = (true, None);
             for (i, &h) in formats.iter().enumerate() {
                 let seed = if i == 0 { args.seed } else { args.seed.or(last_seed) };
                 let (pass_ok, s) = cuda_pass(gpu, Some(h).filter(|_| half.is_some() || i > 0), seed, &env, &opts, args.json)?;

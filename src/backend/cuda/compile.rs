@@ -140,11 +140,18 @@ pub fn forced_arch() -> Result<Option<String>, BackendError> {
 /// The compute capability `VITSCALE_CUDA_ARCH` forces ((7, 5) for sm_75), if any: what the
 /// backend's choices (the 16-bit format) follow, as the kernels do.
 pub fn forced_capability() -> Result<Option<(i32, i32)>, BackendError> {
-    Ok(forced_arch()?.and_then(|a| {
-        let d = a.trim_start_matches("compute_");
-        let (maj, min) = d.split_at(d.len().saturating_sub(1));
-        Some((maj.parse().ok()?, min.parse().ok()?))
-    }))
+    Ok(forced_arch()?.as_deref().and_then(capability_of))
+}
+
+/// The compute capability an architecture name stands for: "sm_75" or "compute_75" → (7, 5),
+/// "sm_100" → (10, 0) (the last digit is the minor version).
+pub fn capability_of(arch: &str) -> Option<(i32, i32)> {
+    let d = arch.strip_prefix("sm_").or_else(|| arch.strip_prefix("compute_"))?;
+    if d.len() < 2 || !d.chars().all(|c| c.is_ascii_digit()) {
+        return None;
+    }
+    let (maj, min) = d.split_at(d.len() - 1);
+    Some((maj.parse().ok()?, min.parse().ok()?))
 }
 
 /// Compiles every module for `arch` (e.g. "sm_90", or "compute_75" for PTX) with NVRTC alone, with the options the
@@ -362,6 +369,17 @@ fn kernel_names(src: &str) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn capability_of_architecture_names() {
+        assert_eq!(capability_of("compute_75"), Some((7, 5)));
+        assert_eq!(capability_of("sm_80"), Some((8, 0)));
+        assert_eq!(capability_of("sm_90"), Some((9, 0)));
+        assert_eq!(capability_of("sm_100"), Some((10, 0)));
+        for bad in ["sm_", "sm_7", "75", "compute_7x", "sm_75a"] {
+            assert_eq!(capability_of(bad), None, "{bad}");
+        }
+    }
 
     /// Every listed name must be a plain identifier (a launch-bounds attribute once came back as
     /// a kernel name, and every module load then failed on the device), and the launch sites'

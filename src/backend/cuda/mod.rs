@@ -157,8 +157,9 @@ impl Cuda {
     /// the architecture `VITSCALE_CUDA_ARCH` forces), creates the cuBLASLt handle and workspace.
     pub fn with_options(index: usize, options: CudaOptions, precision: &crate::config::Precision) -> BResult<Cuda> {
         let info = probe(index).map_err(BackendError::Device)?;
-        let cc = compile::forced_capability()?.unwrap_or(info.compute_capability);
-        let half = super::half::choose(precision, cc, &info.name).map_err(BackendError::Device)?;
+        let forced = compile::forced_capability()?;
+        let gpu = if forced.is_some() { format!("{} under VITSCALE_CUDA_ARCH", info.name) } else { info.name.clone() };
+        let half = super::half::choose(precision, forced.unwrap_or(info.compute_capability), &gpu).map_err(BackendError::Device)?;
         let ctx = CudaContext::new(index).map_err(dev("cuCtxCreate"))?;
         // One stream and raw allocations: cudarc's per-slice event tracking is not needed.
         // SAFETY: no CudaSlice of this context is shared across streams.
