@@ -16,7 +16,8 @@
 //! bf16 bounds hold for it with margin; `half` checks the format's range ends exactly.
 //! The optimizer is checked against a float64 reference with torch semantics written here.
 //! The model check trains a small ViT for 20 SGD steps on both backends from the same weights
-//! and data and compares the loss sequences (bf16 tolerance: 2e-2 relative per step).
+//! and data, with a static loss scale of 1024 (exact in f32 and bf16; what fp16 needs), and
+//! compares the loss sequences (16-bit tolerance: 2e-2 relative per step).
 
 pub mod comm;
 pub mod decode;
@@ -820,6 +821,18 @@ fn train_small<B2: Backend>(be: &B2, cfg: &ModelConfig, init: &[f32], batches: &
     m.set_params(be, init)?;
     let plan = Plan::new(be, cfg, b, 1, 1, Some(b), policy);
     let mut st = Step::new(be, m, opt.clone(), decay.clone(), 0.0, plan).map_err(as_backend)?;
+    // A static loss scale of 1024 on every backend, as an fp16 block would set it: a power of
+    // two, so f32 and bf16 training are unchanged by it, and it keeps an fp16 device's
+    // activation gradients out of fp16's subnormal range (the loss gradient, at most
+    // 1024 / 16 = 64, stays far below 65504, so no step is skipped).
+    st.loss_scaling = crate::train::loss_scale::LossScaling::for_precision(&crate::config::Precision::Fp16 {
+        loss_scale: 1024.0,
+        initial_scale_power: 16,
+        loss_scale_window: 1000,
+        hysteresis: 2,
+        min_loss_scale: 1.0,
+        consecutive_hysteresis: false,
+    });
     let mut out = Vec::new();
     for step in 0..steps {
         let (img, t) = &batches[step % batches.len()];
