@@ -2,6 +2,8 @@
 # The CUDA kernels built for older architectures on this GPU (VITSCALE_CUDA_ARCH: PTX for the
 # older target, JIT-compiled at load): selftest and a 30-step training run against the CPU
 # for each, then what each target could not load (optional modules, their paths fell back).
+# Under sm_75 both compute in fp16 (no bf16 before Ampere: docs/precision.md); the fp16 block
+# natively and the CPU comparison with the same block are in scripts/gpu_fp16_check.sh.
 # One line per target on stdout; logs in OUT.
 #
 #   scripts/gpu_older_arch_check.sh [BIN] [OUTDIR]

@@ -35,6 +35,25 @@ fn cuda_backend_matches_cpu() {
     }
 }
 
+/// The same parity run with the GPU computing in fp16 (an fp16 block's backend), every
+/// attention path included; the format's range ends and overflow path (`selftest::half`).
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine"]
+fn cuda_backend_matches_cpu_in_fp16() {
+    probe(0).unwrap_or_else(|why| panic!("the CUDA parity test needs a usable GPU 0 and found none: {why}"));
+    let be = vitscale::backend::cuda::Cuda::for_precision(0, &vitscale::backend::half::deepspeed_default_fp16())
+        .unwrap_or_else(|e| panic!("a GPU was found but the CUDA backend failed to start in fp16: {e}"));
+    assert_eq!(be.half_format(), vitscale::backend::half::HalfFormat::F16);
+    let (seed, mut checks, dev, cpu) = vitscale::selftest::run_checks(&be, None).expect("fp16 parity run failed");
+    checks.extend(vitscale::selftest::half::half_format_checks(&be, seed).expect("fp16 format checks failed to run"));
+    for path in vitscale::backend::cuda::AttentionPath::ALL {
+        be.set_attention(path);
+        checks.extend(vitscale::selftest::attention_checks(&be, seed ^ path as u64, path.name()).expect("attention checks failed to run"));
+    }
+    let failed: Vec<_> = checks.iter().filter(|c| !c.pass).collect();
+    assert!(failed.is_empty(), "seed {seed}, fp16: failed checks {failed:#?}\nlosses device {dev:?}\nlosses cpu {cpu:?}");
+}
+
 /// What a successful probe must say about GPU `index`.
 fn check_description(info: &DeviceInfo, index: usize) {
     assert_eq!(info.index, index, "{info:?}");

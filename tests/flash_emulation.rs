@@ -2,7 +2,9 @@
 //! by lane: the same tiles, fragment loads, online softmax, packing, shuffles, shared-memory
 //! indices and atomics, with `mma.sync.m16n8k16` and `ldmatrix` rebuilt from the PTX ISA's
 //! fragment layouts (written here independently of the kernel's own comments). bf16 rounding
-//! happens where the kernel rounds. It mirrors, as if the tiles were loaded synchronously, the
+//! happens where the kernel rounds: this is the kernels' bf16 build (the fp16 build,
+//! `-DVITSCALE_HALF_F16`, differs only in common.cuh's conversions and the mma operand type, and
+//! is checked against the CPU on the device by `vitscale selftest`). It mirrors, as if the tiles were loaded synchronously, the
 //! per-lane arithmetic of the tiled kernels `FA_PIPE(D)` for every head dim they are compiled for
 //! (32, 64, 80, 96, 128: D/16 k-steps, D/8 n-tiles):
 //! - the forward `flash_fwd_pipe<D, BR>`: blocks of BR = 64 or 128 queries on BR/16 warps, key
@@ -865,6 +867,9 @@ fn fused_attention_kernels_match_cpu() {
 // ---- The emulation against the kernel source it transcribes.
 
 const FLASH_CU: &str = include_str!("../src/backend/cuda/kernels/flash.cu");
+/// The conversions flash.cu calls (`f2bf2`, `lo16`, `hi16`) and its mma operand type
+/// (`HALF_PTX`) are common.cuh's, per 16-bit format; the emulation is of the bf16 build.
+const COMMON_CUH: &str = include_str!("../src/backend/cuda/kernels/common.cuh");
 
 /// The one host source file of the CUDA backend (`src/backend/cuda/*.rs`) that contains `needle`,
 /// as (file name, text).
@@ -889,8 +894,8 @@ fn host_source_with(needle: &str) -> (String, String) {
 /// After an edit of one of them: re-check the emulation against the new text, change it where
 /// needed, run this test, and pin the fingerprint it prints.
 const KERNEL_FUNCTIONS: &[(&str, &str, u64)] = &[
-    ("void mma_bf16(", "mma", 0xa177_14f3_1131_dda3),
-    ("unsigned pack_bf16(", "pack", 0xcdcb_9d8e_3441_20a0),
+    ("void mma_bf16(", "mma", 0x1088_a553_0d35_b67d),
+    ("unsigned pack_bf16(", "pack", 0x4e42_1eb1_667b_4314),
     ("unsigned ld2(", "ld2", 0x1ced_7b9b_f383_ebaf),
     ("void ldb_row(", "the B fragment layout ldb_rows2 is checked against", 0x3f38_6ffb_bb25_d1e1),
     ("void ldsm_x4(", "ldsm_x4, ldsm_x4_t", 0x7f2f_d431_be7a_cc8a),
@@ -907,7 +912,7 @@ const KERNEL_FUNCTIONS: &[(&str, &str, u64)] = &[
     ("void fa_exp2_rows(", "flash_fwd: exp2 and row sums", 0x55db_3d35_bed1_c483),
     ("void mma_a_tile(", "mma_a_tile", 0x7631_a603_2c2e_8dc5),
     ("void ds_as_a(", "ds_as_a", 0xcccb_a64f_21e1_9379),
-    ("float dot8_acc(", "flash_bwd_pre", 0x7cf2_a6c5_5e1b_0d82),
+    ("float dot8_acc(", "flash_bwd_pre", 0xeb52_2398_783a_83a2),
     ("float row_dot(", "flash_bwd_pre", 0x6806_4dbf_bd86_0dcf),
     ("void flash_bwd_pre(", "flash_bwd_pre", 0xb481_68b5_9606_3d7d),
     ("void flash_dq_store(", "flash_dq_store", 0x83b5_4c2f_be1a_9c0d),
@@ -921,7 +926,7 @@ const KERNEL_FUNCTIONS: &[(&str, &str, u64)] = &[
     ("void flash_bwd_pipe(", "flash_bwd: key blocks, the dQ phase", 0x1e69_6c35_f443_b5c3),
     ("void fa_load_rows_async(", "load_tile (small-head geometry)", 0x62cd_034b_5b0c_69db),
     ("void flash_fwd_small(", "flash_fwd at the small-head geometry", 0xba94_2025_af9a_6ab7),
-    ("void flash_bwd_small(", "flash_bwd at the small-head geometry", 0xe03b_27e1_aefd_9161),
+    ("void flash_bwd_small(", "flash_bwd at the small-head geometry", 0x98a9_7fa7_0429_f641),
 ];
 
 /// Source text without comments, with whitespace dropped except one blank between two word
@@ -1101,10 +1106,26 @@ fn emulated_kernel_source_is_unchanged() {
             problems.push(format!("`{func}…` in backend/cuda/{file} no longer has `{expr}` ({emulated})"));
         }
     }
+    // The bf16 build (no VITSCALE_HALF_F16) of what flash.cu takes from common.cuh: bf16 mma
+    // operands, round-to-nearest-even packing with lo in the low half, and bf16 words widened
+    // by a shift (low half) or a mask (high half).
+    let bf16_build = COMMON_CUH.split("\n#define HALF_PTX \"bf16\"\n").nth(1).map(|t| t.split("\n#endif").next().unwrap_or(""));
+    for line in [
+        "__device__ __forceinline__ unsigned f2bf2(float lo, float hi) { return f2bf16x2(lo, hi); }",
+        "__device__ __forceinline__ float lo16(unsigned w) { return __uint_as_float(w << 16); }",
+        "__device__ __forceinline__ float hi16(unsigned w) { return __uint_as_float(w & 0xffff0000u); }",
+    ] {
+        if !bf16_build.is_some_and(|t| t.lines().any(|l| l.trim() == line)) {
+            problems.push(format!("common.cuh's bf16 build no longer has `{line}`"));
+        }
+    }
+    if !defines(COMMON_CUH, "unsigned f2bf16x2(", r#"asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));"#) {
+        problems.push("common.cuh's f2bf16x2 no longer packs by cvt.rn.bf16x2.f32 with lo in the low half".into());
+    }
     // Expressions the emulation copies: (definition, text that must be in it, emulated where).
     for (start, expr, emulated) in [
-        ("void mma_bf16(", "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "mma"),
-        ("unsigned pack_bf16(", r#"asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));"#, "pack: lo in the low half, round to nearest even"),
+        ("void mma_bf16(", r#""mma.sync.aligned.m16n8k16.row.col.f32." HALF_PTX "." HALF_PTX ".f32"#, "mma"),
+        ("unsigned pack_bf16(", "return f2bf2(lo, hi);", "pack: lo in the low half, round to nearest even"),
         ("void ldb_rows2(", "s + (n0 + (mi >> 1) * 8 + (lane & 7)) * ld + k0 + (mi & 1) * 8", "ldb_rows2"),
         ("void ldb_t2(", "ldsm_x4<true>(r, s + (k0 + (mi & 1) * 8 + (lane & 7)) * ld + c0 + (mi >> 1) * 8)", "ldb_t2"),
         ("void ds_as_a(", "a[0] = r[0]; a[1] = r[2]; a[2] = r[1]; a[3] = r[3];", "ds_as_a"),

@@ -15,6 +15,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod half;
 
 use crate::core::OptimizerConfig;
 // The shared vocabulary the trait's signatures use, under the paths callers know.
@@ -84,11 +85,18 @@ pub trait Backend: Send + Sync {
 
     // ---- memory -------------------------------------------------------------------------
     /// A zero-filled buffer of `len` elements in the compute dtype (activations, their
-    /// gradients, the compute copy of the weights): f32 on the CPU, bf16 on a GPU.
+    /// gradients, the compute copy of the weights): f32 on the CPU, bf16 or fp16 on a GPU
+    /// (`half`).
     fn alloc(&self, len: usize) -> BResult<Self::Buf>;
     /// A zero-filled f32 buffer: master weights, parameter gradients, optimizer state, losses,
     /// targets.
     fn alloc_f32(&self, len: usize) -> BResult<Self::Buf>;
+    /// Whether this backend computes in fp16 although the run has no fp16 block (a GPU before
+    /// Ampere, `backend::half::choose`): the trainer then runs DeepSpeed's default dynamic loss
+    /// scaler, as `"fp16": {"enabled": true}` would.
+    fn implicit_fp16(&self) -> bool {
+        false
+    }
     /// Whether the forward pass needs a compute-dtype copy of the f32 master weights (false
     /// when the compute dtype is f32: the master buffer is used directly).
     fn needs_compute_copy(&self) -> bool {

@@ -141,16 +141,19 @@ pub fn engine_warnings(cfg: &RunConfig, device: &Device) -> Vec<String> {
     match (&cfg.precision, device) {
         (config::Precision::Bf16, Device::Cuda(_)) => {}
         (config::Precision::Fp32, Device::Cpu(_)) => {}
+        // before Ampere the backend chose fp16 and said so in a notice when it opened
+        (config::Precision::Fp32, Device::Cuda(be)) if crate::backend::Backend::implicit_fp16(be) => {}
         (config::Precision::Fp32, Device::Cuda(_)) => w.push(
             "no bf16/fp16 block: the CUDA backend computes in bf16 with f32 master weights, optimizer state and gradient accumulation (f32 compute is CPU-only)".into(),
         ),
-        (config::Precision::Fp16 { .. }, Device::Cuda(_)) => w.push(
-            "fp16.enabled: the CUDA backend computes in bf16 (fp16 compute kernels are not implemented yet); DeepSpeed's loss scaling still runs: the loss gradient is scaled, overflowing steps are skipped and the scale adapts".into(),
-        ),
+        (config::Precision::Fp16 { .. }, Device::Cuda(_)) => {}
         (config::Precision::Bf16, Device::Cpu(_)) => w.push("bf16.enabled: the CPU backend computes in f32; bf16 applies on GPUs".into()),
         (config::Precision::Fp16 { .. }, Device::Cpu(_)) => {
             w.push("fp16.enabled: the CPU backend computes in f32 (fp16 compute needs a GPU); DeepSpeed's loss scaling still runs: the loss gradient is scaled, overflowing steps are skipped and the scale adapts".into())
         }
+    }
+    if let Device::Cuda(be) = device {
+        w.extend(be.slower_paths());
     }
     w
 }
@@ -216,16 +219,25 @@ pub enum Device {
 
 /// Resolves `--device`: `cuda` must find a usable GPU (the error says which library or driver
 /// call failed); `auto` takes the GPU of this process's local rank when there is one and
-/// otherwise falls back to the CPU, saying so in one line when `notice` (rank 0).
-pub fn open_device(arg: DeviceArg, local_rank: usize, notice: bool) -> anyhow::Result<Device> {
+/// otherwise falls back to the CPU, saying so in one line when `notice` (rank 0). A GPU is
+/// opened for `precision` (its 16-bit format, `backend::half::choose`; an automatic choice is
+/// said in one line when `notice`).
+pub fn open_device(arg: DeviceArg, local_rank: usize, notice: bool, precision: &config::Precision) -> anyhow::Result<Device> {
+    let open = |what: &str| -> anyhow::Result<Device> {
+        let be = Cuda::for_precision(local_rank, precision).map_err(|e| anyhow::anyhow!("{what}GPU {local_rank}: {e}"))?;
+        if let (true, Some(n)) = (notice, be.half_notice()) {
+            eprintln!("notice: {n}");
+        }
+        Ok(Device::Cuda(be))
+    };
     match arg {
         DeviceArg::Cpu => Ok(Device::Cpu(Cpu::new())),
         DeviceArg::Cuda => {
             cuda::probe(local_rank).map_err(|e| anyhow::anyhow!("--device cuda: no usable GPU {local_rank}: {e}"))?;
-            Ok(Device::Cuda(Cuda::new(local_rank).map_err(|e| anyhow::anyhow!("--device cuda: GPU {local_rank}: {e}"))?))
+            open("--device cuda: ")
         }
         DeviceArg::Auto => match cuda::probe(local_rank) {
-            Ok(_) => Ok(Device::Cuda(Cuda::new(local_rank).map_err(|e| anyhow::anyhow!("GPU {local_rank}: {e}"))?)),
+            Ok(_) => open(""),
             Err(why) => {
                 if notice {
                     cpu_fallback_notice(&why.to_string());

@@ -40,7 +40,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         let dropped = v.as_object_mut().and_then(|o| o.remove("sequence_parallel_size"));
         Ok(dropped.filter(|d| d.as_u64() != Some(1)).map(|d| format!("sequence_parallel_size = {d} ignored: evaluation runs whole images in one process")).into_iter().collect())
     })?;
-    let device = open_device(args.common.device, 0, true)?;
+    let device = open_device(args.common.device, 0, true, &cfg.precision)?;
     cfg.warnings.extend(engine_warnings(&cfg, &device));
     check_memory(&plan_on(&cfg, &device), &device, "this evaluation")?;
     for w in &cfg.warnings {

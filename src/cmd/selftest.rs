@@ -2,6 +2,7 @@
 //! and their report (one line per check, the two loss sequences, PASS or FAIL).
 
 use crate::backend::cpu::Cpu;
+use crate::backend::half::HalfFormat;
 use crate::backend::Backend;
 use crate::selftest::{attention_path_checks, hopper_gemm_checks, run_checks, Check};
 
@@ -23,13 +24,29 @@ pub struct SelftestArgs {
     pub json: bool,
     /// Only compile every CUDA kernel module for this architecture (e.g. sm_90, sm_80, or
     /// compute_75 for PTX as `VITSCALE_CUDA_ARCH=sm_75` builds it) with NVRTC and report
-    /// each: needs the NVRTC library, no GPU.
+    /// each, for the 16-bit format `--half` names (both when not given): needs the NVRTC
+    /// library, no GPU.
     #[arg(long, value_name = "ARCH")]
     pub compile_kernels: Option<String>,
+    /// The GPU's 16-bit compute format to check: bf16 or fp16 (as a run with a bf16 or fp16
+    /// block computes). Default: what a run without either block gets (bf16; fp16 before
+    /// Ampere, also under `VITSCALE_CUDA_ARCH=sm_75`).
+    #[arg(long, value_name = "FORMAT")]
+    pub half: Option<String>,
 }
 
-/// `--compile-kernels ARCH`: one line per module; an error when any failed to compile.
-fn compile_kernels(arch: &str) -> anyhow::Result<()> {
+/// `--half`: the format by name.
+fn parse_half(v: &str) -> anyhow::Result<HalfFormat> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "bf16" | "bfloat16" => Ok(HalfFormat::Bf16),
+        "fp16" | "f16" | "float16" => Ok(HalfFormat::F16),
+        other => anyhow::bail!("--half: {other:?} is not a 16-bit format; expected bf16 or fp16"),
+    }
+}
+
+/// `--compile-kernels ARCH`: one line per module and format; an error when any failed to
+/// compile.
+fn compile_kernels(arch: &str, halves: &[HalfFormat]) -> anyhow::Result<()> {
     if !crate::backend::cuda::compile::is_arch_name(arch) {
         anyhow::bail!("--compile-kernels: {arch:?} is not an architecture name like sm_90, sm_80 or compute_75 (PTX)");
     }
@@ -37,7 +54,7 @@ fn compile_kernels(arch: &str) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("--compile-kernels needs the NVRTC library (libnvrtc), which could not be loaded: {e}"))?;
     crate::outln!("compiling every kernel module for {arch} with NVRTC {maj}.{min}");
     let mut failed = 0;
-    for (module, r) in crate::backend::cuda::compile::compile_all(arch) {
+    for (module, r) in halves.iter().flat_map(|&h| crate::backend::cuda::compile::compile_all(arch, h)) {
         match r {
             Ok(bytes) => crate::outln!("  ok   {module:<28} {bytes} bytes of {}", if arch.starts_with("compute_") { "PTX" } else { "cubin" }),
             Err(e) => {
@@ -92,10 +109,45 @@ fn report_ranks(comm: &mut dyn crate::comm::Comm<impl Sized>, name: &str, seed: 
     Ok(report(name, seed, checks, dev, cpu, json, others))
 }
 
+/// One pass of the device checks on GPU `gpu` opened for the 16-bit format `half` (None: as a
+/// run without a precision block): (every check passed, the seed).
+fn cuda_pass(gpu: usize, half: Option<HalfFormat>, seed: Option<u64>, env: &crate::comm::DistEnv, opts: &crate::comm::CommOptions, json: bool) -> anyhow::Result<(bool, u64)> {
+    // the precision a run that asks for this format has
+    let precision = match half {
+        None => crate::config::Precision::Fp32,
+        Some(HalfFormat::Bf16) => crate::config::Precision::Bf16,
+        Some(HalfFormat::F16) => crate::backend::half::deepspeed_default_fp16(),
+    };
+    let be = crate::backend::cuda::Cuda::for_precision(gpu, &precision)?;
+    if env.rank == 0 {
+        if let Some(n) = be.half_notice() {
+            crate::outln!("notice: {n}");
+        }
+        crate::outln!("compute format: {}", be.half_format().name());
+    }
+    let chosen = be.attention_path();
+    let (seed, mut checks, d, c) = run_checks(&be, seed)?;
+    match hopper_gemm_checks(&be, seed) {
+        Ok(Some(cs)) => checks.extend(cs),
+        Ok(None) => crate::outln!("hopper GEMM kernel not compiled for this device and format (sm_90 with bf16 only): its checks skipped"),
+        Err(e) => checks.push(Check { name: format!("hopper GEMM checks: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false }),
+    }
+    checks.extend(attention_path_checks(&be, seed)?);
+    checks.extend(crate::selftest::half::half_format_checks(&be, seed)?);
+    checks.extend(crate::selftest::decode::decode_checks(&be, seed)?);
+    let mut comm = crate::backend::cuda::nccl::NcclComm::connect(env, opts, "selftest", &be)?;
+    checks.extend(comm_checks(&be, &mut comm, seed)?);
+    if env.rank == 0 {
+        crate::outln!("attention path for the model checks: {}", chosen.name());
+    }
+    Ok((report_ranks(&mut comm, &be.name(), seed, &checks, &d, &c, json)?, seed))
+}
+
 /// `vitscale selftest`: the report, then an error when any check failed.
 pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
+    let half = args.half.as_deref().map(parse_half).transpose()?;
     if let Some(arch) = &args.compile_kernels {
-        return compile_kernels(arch);
+        return compile_kernels(arch, &half.map_or(vec![HalfFormat::Bf16, HalfFormat::F16], |h| vec![h]));
     }
     let env = crate::comm::DistEnv::detect()?;
     let opts = crate::comm::CommOptions::from_config_and_env(60.0)?;
@@ -103,22 +155,30 @@ pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
     let ok = match device.as_str() {
         "cuda" | "gpu" => {
             let gpu = if env.world_size > 1 { super::train::gpu_index(&env)? } else { args.gpu };
-            let be = crate::backend::cuda::Cuda::new(gpu)?;
-            let chosen = be.attention_path();
-            let (seed, mut checks, d, c) = run_checks(&be, args.seed)?;
-            match hopper_gemm_checks(&be, seed) {
-                Ok(Some(cs)) => checks.extend(cs),
-                Ok(None) => crate::outln!("hopper GEMM kernel not compiled for this device (sm_90 only): its checks skipped"),
-                Err(e) => checks.push(Check { name: format!("hopper GEMM checks: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false }),
+            // Without --half: the default format, then on one process the other one the GPU
+            // computes in (fp16 from Ampere on; bf16 has no hardware before it). Under a
+            // launcher one format a run (--half), so the ranks meet once.
+            let formats = match half {
+                Some(h) => vec![h],
+                None => {
+                    let info = crate::backend::cuda::probe(gpu).map_err(|e| anyhow::anyhow!("--device cuda: GPU {gpu}: {e}"))?;
+                    let cc = crate::backend::cuda::compile::forced_capability()?.unwrap_or(info.compute_capability);
+                    let first = crate::backend::half::choose(&crate::config::Precision::Fp32, cc, &info.name).map_err(|e| anyhow::anyhow!(e))?.format;
+                    match (first, env.world_size) {
+                        (HalfFormat::Bf16, 1) => vec![HalfFormat::Bf16, HalfFormat::F16],
+                        _ => vec![first],
+                    }
+                }
+            };
+            // every pass draws the same inputs (the first pass's seed)
+            let (mut ok, mut last_seed) = (true, None);
+            for (i, &h) in formats.iter().enumerate() {
+                let seed = if i == 0 { args.seed } else { args.seed.or(last_seed) };
+                let (pass_ok, s) = cuda_pass(gpu, Some(h).filter(|_| half.is_some() || i > 0), seed, &env, &opts, args.json)?;
+                last_seed = Some(s);
+                ok &= pass_ok;
             }
-            checks.extend(attention_path_checks(&be, seed)?);
-            checks.extend(crate::selftest::decode::decode_checks(&be, seed)?);
-            let mut comm = crate::backend::cuda::nccl::NcclComm::connect(&env, &opts, "selftest", &be)?;
-            checks.extend(comm_checks(&be, &mut comm, seed)?);
-            if env.rank == 0 {
-                crate::outln!("attention path for the model checks: {}", chosen.name());
-            }
-            report_ranks(&mut comm, &be.name(), seed, &checks, &d, &c, args.json)?
+            ok
         }
         "cpu" => {
             let be = Cpu::new();

@@ -168,7 +168,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         check_writable_dir(d, "--trace", d)?;
         crate::metrics::trace::check_fresh(d, rank).map_err(|e| anyhow::anyhow!("--trace {}: {e}", d.display()))?;
     }
-    let device = open_device(args.common.device, gpu_index(&env)?, rank == 0)?;
+    let device = open_device(args.common.device, gpu_index(&env)?, rank == 0, &cfg.precision)?;
     cfg.data.decode = crate::data::resolve_decode(&cfg.data, matches!(device, Device::Cuda(_)))?;
     cfg.warnings.extend(engine_warnings(&cfg, &device));
     let plan = plan_on(&cfg, &device);

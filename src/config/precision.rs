@@ -7,8 +7,8 @@ use super::key_def::*;
 use super::types::Precision;
 use super::value::*;
 
-pub(super) const FP16: KeyDef = key("fp16", Ty::Section, Dflt::Unset, "DeepSpeed fp16 block: DeepSpeed's loss scaling (dynamic when loss_scale is 0), overflowing steps skipped; compute stays f32 on the CPU and bf16 on GPUs for now (docs/precision.md).");
-pub(super) const BF16: KeyDef = key("bf16", Ty::Section, Dflt::Unset, "DeepSpeed bf16 block: {\"enabled\": true} computes in bf16 on GPUs.");
+pub(super) const FP16: KeyDef = key("fp16", Ty::Section, Dflt::Unset, "DeepSpeed fp16 block: fp16 compute on GPUs with DeepSpeed's loss scaling (dynamic when loss_scale is 0), overflowing steps skipped; the CPU computes in f32 and scales alike. Without a bf16 or fp16 block a GPU before Ampere (sm_75, sm_70) computes in fp16 with this block's defaults (docs/precision.md).");
+pub(super) const BF16: KeyDef = key("bf16", Ty::Section, Dflt::Unset, "DeepSpeed bf16 block: {\"enabled\": true} computes in bf16 on GPUs from Ampere (sm_80) on; an error on older GPUs, which have no bf16 arithmetic (use fp16).");
 pub(super) const BFLOAT16: KeyDef = key("bfloat16", Ty::Section, Dflt::Unset, "Older DeepSpeed spelling of bf16.");
 
 const FP_ENABLED: KeyDef = key("enabled", Ty::Bool, Dflt::Bool(false), "Turn the mode on.");

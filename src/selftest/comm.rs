@@ -65,6 +65,17 @@ pub fn comm_checks<B: Backend>(be: &B, comm: &mut dyn Comm<B::Buf>, seed: u64) -
         let rounded = got.iter().all(|v| v.to_bits() & 0xffff == 0);
         out.push(Check { name: format!("comm bf16 wire results are bf16 values {tag}"), rel_err: if rounded { 0.0 } else { 1.0 }, tol: 0.0, pass: rounded });
     }
+    if world > 1 {
+        // a compute-dtype buffer (bf16 or fp16 on a GPU: the collective must name the format the
+        // buffer holds); its inputs and the sum are rounded once each: the compute tolerance
+        let mut half = be.alloc(total)?;
+        be.upload(&mut half, 0, &all[rank])?;
+        let w = comm.start_as(Collective::AllReduce(ReduceOp::Sum), &mut half, span_odd, plain).map_err(comm_err)?;
+        comm.wait(w, &mut half).map_err(comm_err)?;
+        be.synchronize()?;
+        let got = be.download(&half)?[span_odd.range()].to_vec();
+        out.push(check(format!("comm all_reduce sum of a compute-dtype buffer {tag}"), &got, &sum(span_odd), 1e-2));
+    }
     // reduce-scatter: this rank's shard of the sum
     let got = run(be, comm, &mut buf, Collective::ReduceScatter(ReduceOp::Sum), span_even, plain)?;
     let sh = crate::comm::shard(Span { off: 0, len: span_even.len }, world, rank);

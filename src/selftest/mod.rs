@@ -8,14 +8,20 @@
 //! the error measures the op alone. Outputs written with `=` are poisoned with NaN first, so an
 //! element the device forgets to write fails; outputs accumulated with `+=` start random.
 //!
-//! Tolerances: outputs in the compute dtype, when that is bf16: 1e-2; f32 outputs: 1e-5, except
-//! f32 values derived from bf16 GEMMs with long reductions (documented per check). NaN never passes.
+//! Tolerances: outputs in the compute dtype, when that is bf16 or fp16: 1e-2; f32 outputs: 1e-5,
+//! except f32 values derived from 16-bit GEMMs with long reductions (documented per check). NaN
+//! never passes. The GPU runs every check once per 16-bit format (`vitscale selftest`; the
+//! header names an fp16 pass `[fp16]`) with the same tolerances: fp16's relative step (2^-11)
+//! is 8× finer than bf16's and the random inputs (unit scale) stay far inside its range, so the
+//! bf16 bounds hold for it with margin; `half` checks the format's range ends exactly.
 //! The optimizer is checked against a float64 reference with torch semantics written here.
 //! The model check trains a small ViT for 20 SGD steps on both backends from the same weights
-//! and data and compares the loss sequences (bf16 tolerance: 2e-2 relative per step).
+//! and data, with a static loss scale of 1024 (exact in f32 and bf16; what fp16 needs), and
+//! compares the loss sequences (16-bit tolerance: 2e-2 relative per step).
 
 pub mod comm;
 pub mod decode;
+pub mod half;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -865,6 +871,18 @@ fn train_small<B2: Backend>(be: &B2, cfg: &ModelConfig, init: &[f32], batches: &
     m.set_params(be, init)?;
     let plan = Plan::new(be, cfg, b, 1, 1, Some(b), policy);
     let mut st = Step::new(be, m, opt.clone(), decay.clone(), 0.0, plan).map_err(as_backend)?;
+    // A static loss scale of 1024 on every backend, as an fp16 block would set it: a power of
+    // two, so f32 and bf16 training are unchanged by it, and it keeps an fp16 device's
+    // activation gradients out of fp16's subnormal range (the loss gradient, at most
+    // 1024 / 16 = 64, stays far below 65504, so no step is skipped).
+    st.loss_scaling = crate::train::loss_scale::LossScaling::for_precision(&crate::config::Precision::Fp16 {
+        loss_scale: 1024.0,
+        initial_scale_power: 16,
+        loss_scale_window: 1000,
+        hysteresis: 2,
+        min_loss_scale: 1.0,
+        consecutive_hysteresis: false,
+    });
     let mut out = Vec::new();
     for step in 0..steps {
         let (img, t) = &batches[step % batches.len()];

@@ -392,7 +392,11 @@ fn build_step<B: Backend>(be: &B, cfg: &RunConfig, plan: &Plan, opts: &TrainOpti
     let state_len = zero.as_ref().map_or(optimizer_state_len(&cfg.optimizer, vit.table.total), |z| z.buffer_len());
     let mut st = Step::with_state_len(be, vit, cfg.optimizer.clone(), decay, cfg.gradient_clipping, plan.clone(), state_len)?;
     st.drop_path = crate::model::drop_path::DropPath::new(cfg.drop_path_rate, cfg.model.depth, cfg.train.seed);
-    st.loss_scaling = LossScaling::for_precision(&cfg.precision);
+    // a GPU before Ampere computes in fp16 without an fp16 block: DeepSpeed's default scaler
+    st.loss_scaling = match be.implicit_fp16() {
+        true => LossScaling::for_precision(&crate::backend::half::deepspeed_default_fp16()),
+        false => LossScaling::for_precision(&cfg.precision),
+    };
     if opts.trace.is_some() {
         be.time_input_copies(true)?;
         st.trace = Some(Trace::new(rank, t_start));

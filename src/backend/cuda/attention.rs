@@ -207,7 +207,7 @@ impl Cuda {
         // S(N, N) = q·kᵀ/√D per head  ⇔  Sᵀ = K(D×N)ᵀ·Q(D×N), column-major.
         let s = GemmShape {
             ta: true, tb: false, m: n as u64, n: n as u64, k: d as u64,
-            a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
+            a_ty: Ty::Half, b_ty: Ty::Half, d_ty: Ty::Half,
             lda: d as i64, ldb: d as i64, ldd: ld as i64,
             batch, stride_a: nd, stride_b: nd, stride_d: nld,
             bias: false, accumulate: false, align: 0,
@@ -220,7 +220,7 @@ impl Cuda {
         // O(N, D) = P·V  ⇔  Oᵀ(D×N) = Vᵀ(D×N)·Pᵀ(N×N), column-major.
         let s = GemmShape {
             ta: false, tb: false, m: d as u64, n: n as u64, k: n as u64,
-            a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
+            a_ty: Ty::Half, b_ty: Ty::Half, d_ty: Ty::Half,
             lda: d as i64, ldb: ld as i64, ldd: d as i64,
             batch, stride_a: nd, stride_b: nld, stride_d: nd,
             bias: false, accumulate: false, align: 0,
@@ -334,7 +334,7 @@ impl Cuda {
         let scale = 1.0 / (d as f32).sqrt();
         let base = GemmShape {
             ta: false, tb: false, m: 0, n: 0, k: 0,
-            a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
+            a_ty: Ty::Half, b_ty: Ty::Half, d_ty: Ty::Half,
             lda: 0, ldb: 0, ldd: 0, batch, stride_a: 0, stride_b: 0, stride_d: 0,
             bias: false, accumulate: false, align: 0,
         };

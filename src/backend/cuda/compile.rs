@@ -1,6 +1,11 @@
 //! Kernel sources (the `.cu` files beside this module, embedded in the binary), compiled by
 //! NVRTC for the device's architecture and cached on disk as cubins.
 //!
+//! Every module is built for one 16-bit compute format (`HalfFormat`): bf16, or fp16 with
+//! `-DVITSCALE_HALF_F16`, which common.cuh's conversions and flash.cu's mma types follow; the
+//! Hopper module (bf16 wgmma) is built for bf16 only, so an fp16 backend runs cuBLASLt and
+//! flash.cu there.
+//!
 //! Cache key: SHA-256 of (common header + source + arch + NVRTC version + options); the
 //! folder is `$VITSCALE_CACHE_DIR`, else `$XDG_CACHE_HOME/vitscale/kernels`, else
 //! `~/.cache/vitscale/kernels`. A cache that cannot be written only costs a recompile.
@@ -14,6 +19,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::sys as nv;
 use sha2::{Digest, Sha256};
 
+use crate::backend::half::HalfFormat;
 use crate::backend::BackendError;
 
 const COMMON: &str = include_str!("kernels/common.cuh");
@@ -131,16 +137,33 @@ pub fn forced_arch() -> Result<Option<String>, BackendError> {
     }
 }
 
+/// The compute capability `VITSCALE_CUDA_ARCH` forces ((7, 5) for sm_75), if any: what the
+/// backend's choices (the 16-bit format) follow, as the kernels do.
+pub fn forced_capability() -> Result<Option<(i32, i32)>, BackendError> {
+    Ok(forced_arch()?.as_deref().and_then(capability_of))
+}
+
+/// The compute capability an architecture name stands for: "sm_75" or "compute_75" → (7, 5),
+/// "sm_100" → (10, 0) (the last digit is the minor version).
+pub fn capability_of(arch: &str) -> Option<(i32, i32)> {
+    let d = arch.strip_prefix("sm_").or_else(|| arch.strip_prefix("compute_"))?;
+    if d.len() < 2 || !d.chars().all(|c| c.is_ascii_digit()) {
+        return None;
+    }
+    let (maj, min) = d.split_at(d.len() - 1);
+    Some((maj.parse().ok()?, min.parse().ok()?))
+}
+
 /// Compiles every module for `arch` (e.g. "sm_90", or "compute_75" for PTX) with NVRTC alone, with the options the
 /// device load uses: no GPU, driver or cache is involved. (module, cubin bytes or the
 /// compiler's error) for the required, the optional and (for sm_90) the Hopper modules: what
 /// `vitscale selftest --compile-kernels` reports, so kernel sources can be checked on a
-/// machine without a GPU.
-pub fn compile_all(arch: &str) -> Vec<(String, Result<usize, BackendError>)> {
-    modules_for(arch)
+/// machine without a GPU. `half`: the 16-bit compute format the modules are built for.
+pub fn compile_all(arch: &str, half: HalfFormat) -> Vec<(String, Result<usize, BackendError>)> {
+    modules_for(arch, half)
         .map(|m| {
             let (src, opts) = m.source_and_options();
-            (format!("{} ({})", m.name, m.arch), nvrtc_cubin(m.name, &src, m.arch, &opts).map(|c| c.len()))
+            (format!("{} ({}, {})", m.name, m.arch, half.name()), nvrtc_cubin(m.name, &src, m.arch, &opts).map(|c| c.len()))
         })
         .collect()
 }
@@ -157,22 +180,26 @@ struct Module<'a> {
     /// A compile or load failure leaves its kernels missing instead of failing the backend.
     optional: bool,
     arch: &'a str,
+    half: HalfFormat,
 }
 
 impl Module<'_> {
     /// The source NVRTC compiles (the common header first) and its options.
     fn source_and_options(&self) -> (String, Vec<String>) {
         let src = format!("{COMMON}\n#line 1 \"{}\"\n{}", self.name, self.body);
-        let opts = [format!("--gpu-architecture={}", self.arch), "--std=c++17".into(), "-default-device".into(), "--use_fast_math".into()];
-        (src, opts.to_vec())
+        let mut opts = vec![format!("--gpu-architecture={}", self.arch), "--std=c++17".into(), "-default-device".into(), "--use_fast_math".into()];
+        if self.half == HalfFormat::F16 {
+            opts.push("-DVITSCALE_HALF_F16".into());
+        }
+        (src, opts)
     }
 }
 
-/// Every module built for `arch`: the required ones, the optional ones, and on sm_90 the
-/// Hopper ones (for sm_90a).
-fn modules_for(arch: &str) -> impl Iterator<Item = Module<'_>> {
-    let hopper: &[(&str, &str)] = if arch == "sm_90" { HOPPER } else { &[] };
-    let module = move |(name, body): &(&'static str, &'static str), optional, arch| Module { name, body, optional, arch };
+/// Every module built for `arch` and `half`: the required ones, the optional ones, and on
+/// sm_90 with bf16 the Hopper ones (for sm_90a; their wgmma kernels are bf16 only).
+fn modules_for(arch: &str, half: HalfFormat) -> impl Iterator<Item = Module<'_>> {
+    let hopper: &[(&str, &str)] = if arch == "sm_90" && half == HalfFormat::Bf16 { HOPPER } else { &[] };
+    let module = move |(name, body): &(&'static str, &'static str), optional, arch| Module { name, body, optional, arch, half };
     SOURCES
         .iter()
         .map(move |m| module(m, false, arch))
@@ -190,10 +217,12 @@ pub struct Kernels {
     pub compile_s: f64,
     /// The older architecture forced by `VITSCALE_CUDA_ARCH` (PTX target), if any.
     pub forced: Option<String>,
+    /// The 16-bit compute format the modules were built for.
+    pub half: HalfFormat,
 }
 
 impl Kernels {
-    pub fn load(ctx: &Arc<CudaContext>, arch: &str) -> Result<Kernels, BackendError> {
+    pub fn load(ctx: &Arc<CudaContext>, arch: &str, half: HalfFormat) -> Result<Kernels, BackendError> {
         let (maj, min) = nvrtc_version()?;
         let dir = cache_dir();
         let mut funcs = HashMap::new();
@@ -203,7 +232,7 @@ impl Kernels {
         // a forced older target replaces the device's (PTX, JIT-compiled at load)
         let forced = forced_arch()?;
         let arch: &str = forced.as_deref().unwrap_or(arch);
-        for m in modules_for(arch) {
+        for m in modules_for(arch, half) {
             let (name, body, optional, arch) = (m.name, m.body, m.optional, m.arch);
             let (src, opts) = m.source_and_options();
             let mut h = Sha256::new();
@@ -212,7 +241,8 @@ impl Kernels {
             h.update(format!("nvrtc {maj}.{min} {opts:?}").as_bytes());
             let key: String = h.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect();
             let ext = if arch.starts_with("compute_") { "ptx" } else { "cubin" };
-            let path = dir.as_ref().map(|d| d.join(format!("{}-{arch}-{key}.{ext}", name.trim_end_matches(".cu"))));
+            let fmt = if half == HalfFormat::F16 { "-f16" } else { "" };
+            let path = dir.as_ref().map(|d| d.join(format!("{}-{arch}{fmt}-{key}.{ext}", name.trim_end_matches(".cu"))));
             let cached = path.as_ref().and_then(|p| std::fs::read(p).ok());
             let cubin = match cached {
                 Some(c) => c,
@@ -258,7 +288,7 @@ impl Kernels {
                 Err(e) => return Err(e),
             }
         }
-        Ok(Kernels { funcs, _modules: modules, failed, compile_s, forced })
+        Ok(Kernels { funcs, _modules: modules, failed, compile_s, forced, half })
     }
 
     pub fn get(&self, name: &str) -> Result<&CudaFunction, BackendError> {
@@ -339,6 +369,17 @@ fn kernel_names(src: &str) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn capability_of_architecture_names() {
+        assert_eq!(capability_of("compute_75"), Some((7, 5)));
+        assert_eq!(capability_of("sm_80"), Some((8, 0)));
+        assert_eq!(capability_of("sm_90"), Some((9, 0)));
+        assert_eq!(capability_of("sm_100"), Some((10, 0)));
+        for bad in ["sm_", "sm_7", "75", "compute_7x", "sm_75a"] {
+            assert_eq!(capability_of(bad), None, "{bad}");
+        }
+    }
 
     /// Every listed name must be a plain identifier (a launch-bounds attribute once came back as
     /// a kernel name, and every module load then failed on the device), and the launch sites'

@@ -108,8 +108,9 @@ impl CudaBuf {
     pub fn ptr(&self) -> CUdeviceptr {
         self.ptr
     }
-    pub fn is_bf16(&self) -> bool {
-        self.ty == Ty::Bf16
+    /// Whether the buffer holds the backend's 16-bit compute format (bf16 or fp16).
+    pub fn is_half(&self) -> bool {
+        self.ty == Ty::Half
     }
     pub(super) fn bytes(&self) -> usize {
         self.len * self.ty.size()
@@ -117,7 +118,7 @@ impl CudaBuf {
     pub(super) fn dt(&self) -> i32 {
         match self.ty {
             Ty::F32 => 0,
-            Ty::Bf16 => 1,
+            Ty::Half => 1,
         }
     }
     /// Address of element `off`.
@@ -221,7 +222,7 @@ pub(super) const THREADS: u32 = 256;
 /// Whether the 16-byte (8 × bf16) kernel variants apply: every buffer bf16, rows of `c` in
 /// whole 16-byte groups, every address 16-byte aligned, and `total / 8` within 32-bit indices.
 pub(super) fn v8_ok(c: usize, total: usize, bufs: &[&CudaBuf], ptrs: &[CUdeviceptr]) -> bool {
-    c % 8 == 0 && total / 8 <= i32::MAX as usize && bufs.iter().all(|b| b.ty == Ty::Bf16) && ptrs.iter().all(|p| p % 16 == 0)
+    c % 8 == 0 && total / 8 <= i32::MAX as usize && bufs.iter().all(|b| b.ty == Ty::Half) && ptrs.iter().all(|p| p % 16 == 0)
 }
 
 pub(super) fn check_len(op: &'static str, what: &str, buf: &CudaBuf, want: usize) -> BResult<()> {
@@ -232,8 +233,8 @@ pub(super) fn check_len(op: &'static str, what: &str, buf: &CudaBuf, want: usize
 }
 
 pub(super) fn check_bf16(op: &'static str, what: &str, buf: &CudaBuf) -> BResult<()> {
-    if buf.ty != Ty::Bf16 {
-        return Err(BackendError::Shape { op, msg: format!("{what} must be a compute-dtype (bf16) buffer") });
+    if buf.ty != Ty::Half {
+        return Err(BackendError::Shape { op, msg: format!("{what} must be a compute-dtype (16-bit) buffer") });
     }
     Ok(())
 }
@@ -252,9 +253,6 @@ pub(super) fn check_span(op: &'static str, what: &str, buf: &CudaBuf, s: Span) -
     Ok(())
 }
 
-fn bf16_bits(x: f32) -> u16 {
-    half::bf16::from_f32(x).to_bits()
-}
 
 impl Cuda {
     pub fn info(&self) -> &DeviceInfo {
@@ -354,7 +352,7 @@ impl Cuda {
                 self.synchronize()?;
             }
             s.slots.remove(name);
-            let b = self.raw_alloc(len, Ty::Bf16)?;
+            let b = self.raw_alloc(len, Ty::Half)?;
             s.slots.insert(name, b);
         }
         Ok(s.slots[name].ptr)
@@ -410,8 +408,9 @@ impl Cuda {
         unsafe {
             match dst.ty {
                 Ty::F32 => dr::memcpy_htod_async(dst.at(off), src, s).map_err(dev("upload"))?,
-                Ty::Bf16 => {
-                    let h: Vec<u16> = src.iter().map(|&x| bf16_bits(x)).collect();
+                Ty::Half => {
+                    let half = self.half_format();
+                    let h: Vec<u16> = src.iter().map(|&x| half.to_bits(x)).collect();
                     dr::memcpy_htod_async(dst.at(off), &h, s).map_err(dev("upload"))?;
                     return self.synchronize();
                 }
@@ -472,11 +471,12 @@ impl Cuda {
         // reads `dst` (the trait's contract).
         unsafe {
             match dst.ty {
-                Ty::Bf16 => {
+                Ty::Half => {
+                    let half = self.half_format();
                     let h = std::slice::from_raw_parts_mut(slot.host as *mut u16, src.len());
                     h.par_chunks_mut(1 << 16).zip(src.par_chunks(1 << 16)).for_each(|(o, i)| {
                         for (o, &x) in o.iter_mut().zip(i) {
-                            *o = bf16_bits(x);
+                            *o = half.to_bits(x);
                         }
                     });
                     dr::memcpy_htod_async(dst.ptr, &h[..], copy).map_err(dev("upload_input"))?;
@@ -551,10 +551,11 @@ impl Cuda {
                     dr::memcpy_dtoh_sync(&mut h, src.ptr).map_err(dev("download"))?;
                     Ok(h)
                 }
-                Ty::Bf16 => {
+                Ty::Half => {
                     let mut h = vec![0u16; src.len];
                     dr::memcpy_dtoh_sync(&mut h, src.ptr).map_err(dev("download"))?;
-                    Ok(h.into_iter().map(|b| half::bf16::from_bits(b).to_f32()).collect())
+                    let half = self.half_format();
+                    Ok(h.into_iter().map(|b| half.from_bits(b)).collect())
                 }
             }
         }

@@ -175,7 +175,7 @@ impl Cuda {
         if a.len != b.len {
             return Err(BackendError::Shape { op: "add", msg: format!("operands differ in length: {} vs {}", a.len, b.len) });
         }
-        if n % 8 == 0 && [out.ty, a.ty, b.ty].iter().all(|&t| t == Ty::Bf16) && [out.ptr, a.ptr, b.ptr].iter().all(|&p| p % 16 == 0) {
+        if n % 8 == 0 && [out.ty, a.ty, b.ty].iter().all(|&t| t == Ty::Half) && [out.ptr, a.ptr, b.ptr].iter().all(|&p| p % 16 == 0) {
             let n8 = (n / 8) as i64;
             return self.launch1("add_v8", n / 8, &mut kargs![out.ptr, a.ptr, b.ptr, n8]);
         }

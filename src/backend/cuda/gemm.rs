@@ -1,4 +1,4 @@
-//! cuBLASLt GEMMs: bf16 (or f32) operands, fp32 accumulation, optional bias epilogue,
+//! cuBLASLt GEMMs: 16-bit (bf16 or fp16, the backend's `HalfFormat`) or f32 operands, fp32 accumulation, optional bias epilogue,
 //! strided batches. Descriptors, layouts and the chosen algorithm are cached per shape so a
 //! call costs one attribute update and one `cublasLtMatmul`. The algorithm is chosen by timing
 //! the heuristic's candidates on first use (`fastest`); the choices persist on disk beside the
@@ -17,24 +17,28 @@ use std::sync::Mutex;
 use cudarc::cublaslt::sys as lt;
 use cudarc::driver::sys::CUdeviceptr;
 
+use crate::backend::half::HalfFormat;
 use crate::backend::BackendError;
 
+/// A buffer's element type. `Half` is the backend's 16-bit compute format, bf16 or fp16
+/// (`HalfFormat`, one per backend): buffers and shapes say "16-bit", the backend says which.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Ty {
-    Bf16,
+    Half,
     F32,
 }
 
 impl Ty {
-    fn cuda(self) -> lt::cudaDataType {
-        match self {
-            Ty::Bf16 => lt::cudaDataType::CUDA_R_16BF,
-            Ty::F32 => lt::cudaDataType::CUDA_R_32F,
+    fn cuda(self, half: HalfFormat) -> lt::cudaDataType {
+        match (self, half) {
+            (Ty::Half, HalfFormat::Bf16) => lt::cudaDataType::CUDA_R_16BF,
+            (Ty::Half, HalfFormat::F16) => lt::cudaDataType::CUDA_R_16F,
+            (Ty::F32, _) => lt::cudaDataType::CUDA_R_32F,
         }
     }
     pub fn size(self) -> usize {
         match self {
-            Ty::Bf16 => 2,
+            Ty::Half => 2,
             Ty::F32 => 4,
         }
     }
@@ -102,6 +106,8 @@ pub struct Gemm {
     plans: Mutex<HashMap<GemmShape, Plan>>,
     choices: Mutex<ChoiceStore>,
     sustained: bool,
+    /// The format of `Ty::Half` operands.
+    half: HalfFormat,
 }
 
 /// The tuner's choices on disk: one line per product, `key<TAB>index<TAB>candidates`, where
@@ -214,7 +220,8 @@ impl Gemm {
     /// `card` names the GPU in the on-disk choice store's keys; `store_path` is the store's
     /// file (None: choices are kept for this process only); `sustained` adds the sustained
     /// timing of long products to the interleaved rounds (`CudaOptions::gemm_tune`).
-    pub fn new(workspace: CUdeviceptr, workspace_size: usize, card: &str, store_path: Option<PathBuf>, sustained: bool) -> Result<Gemm, BackendError> {
+    /// `half`: the format of `Ty::Half` operands (part of the store's keys when fp16).
+    pub fn new(workspace: CUdeviceptr, workspace_size: usize, card: &str, store_path: Option<PathBuf>, sustained: bool, half: HalfFormat) -> Result<Gemm, BackendError> {
         let mut handle = std::ptr::null_mut();
         // SAFETY: out-pointer to a handle.
         check("cublasLtCreate", unsafe { lt::cublasLtCreate(&mut handle) })?;
@@ -222,9 +229,11 @@ impl Gemm {
         let version = unsafe { lt::cublasLtGetVersion() };
         // the tuning rule is part of the key: choices made under another rule are not reused
         let rule = if sustained { format!("sustained from {SUSTAINED_MIN_MS} ms, {SUSTAINED_MS} ms, spread {SUSTAINED_SPREAD}") } else { "quick".to_string() };
-        let prefix = format!("{card}|cublasLt {version}|{rule}");
+        // fp16 products are other products than bf16 ones: their own keys
+        let fmt = if half == HalfFormat::F16 { "|fp16" } else { "" };
+        let prefix = format!("{card}|cublasLt {version}|{rule}{fmt}");
         let choices = Mutex::new(ChoiceStore::open(store_path, prefix));
-        Ok(Gemm { handle, workspace, workspace_size, plans: Mutex::new(HashMap::new()), choices, sustained })
+        Ok(Gemm { handle, workspace, workspace_size, plans: Mutex::new(HashMap::new()), choices, sustained, half })
     }
 
     fn make_plan(&self, s: &GemmShape) -> Result<Plan, BackendError> {
@@ -243,12 +252,12 @@ impl Gemm {
             if s.bias {
                 let epi = lt::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
                 set(lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE, &epi as *const _ as *const c_void, std::mem::size_of_val(&epi))?;
-                let bt = s.d_ty.cuda();
+                let bt = s.d_ty.cuda(self.half);
                 set(lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt as *const _ as *const c_void, std::mem::size_of_val(&bt))?;
             }
             let layout = |ty: Ty, rows: u64, cols: u64, ld: i64, stride: i64| -> Result<lt::cublasLtMatrixLayout_t, BackendError> {
                 let mut l = std::ptr::null_mut();
-                check("cublasLtMatrixLayoutCreate", lt::cublasLtMatrixLayoutCreate(&mut l, ty.cuda(), rows, cols, ld))?;
+                check("cublasLtMatrixLayoutCreate", lt::cublasLtMatrixLayoutCreate(&mut l, ty.cuda(self.half), rows, cols, ld))?;
                 if s.batch > 1 {
                     check("cublasLtMatrixLayoutSetAttribute", lt::cublasLtMatrixLayoutSetAttribute(l, lt::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &s.batch as *const i32 as *const c_void, 4))?;
                     check("cublasLtMatrixLayoutSetAttribute", lt::cublasLtMatrixLayoutSetAttribute(l, lt::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride as *const i64 as *const c_void, 8))?;
@@ -520,7 +529,7 @@ mod tests {
     use super::*;
 
     fn shape(n: u64) -> GemmShape {
-        GemmShape { ta: true, tb: false, m: 768, n, k: 3072, a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16, lda: 3072, ldb: 3072, ldd: 768, batch: 1, stride_a: 0, stride_b: 0, stride_d: 0, bias: true, accumulate: false, align: 256 }
+        GemmShape { ta: true, tb: false, m: 768, n, k: 3072, a_ty: Ty::Half, b_ty: Ty::Half, d_ty: Ty::Half, lda: 3072, ldb: 3072, ldd: 768, batch: 1, stride_a: 0, stride_b: 0, stride_d: 0, bias: true, accumulate: false, align: 256 }
     }
 
     #[test]

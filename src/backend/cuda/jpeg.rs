@@ -672,7 +672,7 @@ impl Cuda {
             px_bytes += (img.width * img.height * 3).div_ceil(256) * 256;
             tmp_floats += rows * side * 3;
         }
-        let px = ensure(self, &stream, &mut dec.pixels, px_bytes, Ty::Bf16, "the decoded images")?;
+        let px = ensure(self, &stream, &mut dec.pixels, px_bytes, Ty::Half, "the decoded images")?;
         let tmp = ensure(self, &stream, &mut dec.tmp, tmp_floats * 4, Ty::F32, "the resampling rows")?;
         let jobs_ptr = ensure(self, &stream, &mut dec.jobs, table_bytes, Ty::F32, "the decode table")?;
         let which = dec.next_arena;

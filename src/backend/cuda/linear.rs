@@ -29,7 +29,7 @@ const HOPPER_GEMM_SMEM_WIDE: u32 = 3 * 49152 + 2 * 128 * 136 * 2 + 2 * 8 * 128 *
 fn linear_shape(rows: usize, ic: usize, oc: usize, bias: bool, accumulate: bool) -> GemmShape {
     GemmShape {
         ta: true, tb: false, m: oc as u64, n: rows as u64, k: ic as u64,
-        a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
+        a_ty: Ty::Half, b_ty: Ty::Half, d_ty: Ty::Half,
         lda: ic as i64, ldb: ic as i64, ldd: oc as i64,
         batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
         bias, accumulate, align: 0,
@@ -158,7 +158,7 @@ impl Cuda {
         self.fill_random(&mut b, 2, 1.0)?;
         let s = GemmShape {
             ta: true, tb: false, m: n as u64, n: n as u64, k: n as u64,
-            a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
+            a_ty: Ty::Half, b_ty: Ty::Half, d_ty: Ty::Half,
             lda: n as i64, ldb: n as i64, ldd: n as i64,
             batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
             bias: false, accumulate: false, align: 0,
@@ -272,7 +272,7 @@ impl Cuda {
         // dinp(R, IC) = dout(R, OC)·W(OC, IC)  ⇔  dinpᵀ(IC×R) = W(IC×OC, ld IC)·doutᵀ(OC×R, ld OC).
         let s = GemmShape {
             ta: false, tb: false, m: ic as u64, n: rows as u64, k: oc as u64,
-            a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::Bf16,
+            a_ty: Ty::Half, b_ty: Ty::Half, d_ty: Ty::Half,
             lda: ic as i64, ldb: oc as i64, ldd: ic as i64,
             batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
             bias: false, accumulate: false, align: 0,
@@ -344,7 +344,7 @@ impl Cuda {
         // as column-major OC×R (ld OC) transposed. fp32 output, beta = 1.
         let s = GemmShape {
             ta: false, tb: true, m: ic as u64, n: oc as u64, k: rows as u64,
-            a_ty: Ty::Bf16, b_ty: Ty::Bf16, d_ty: Ty::F32,
+            a_ty: Ty::Half, b_ty: Ty::Half, d_ty: Ty::F32,
             lda: ic as i64, ldb: oc as i64, ldd: ic as i64,
             batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
             bias: false, accumulate: true, align: 0,

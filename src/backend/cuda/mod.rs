@@ -1,10 +1,12 @@
 //! The CUDA backend: the `Backend` trait on one NVIDIA GPU.
 //!
 //! - Libraries are found at run time (`libs`): the binary builds and runs without CUDA.
-//! - Compute dtype is bf16 (`alloc`); master weights, gradients, optimizer state and losses
-//!   are f32 (`alloc_f32`). A buffer carries its dtype, and kernels that touch parameters,
-//!   statistics or losses accept either, so the model may choose.
-//! - GEMMs go through cuBLASLt (`gemm`): bf16 operands, fp32 accumulation, bias in the
+//! - Compute dtype is 16-bit (`alloc`): bf16, or fp16 (`backend::half`: an fp16 block, or a GPU
+//!   before Ampere), one format for the whole backend, chosen when it is opened
+//!   (`for_precision`); the kernels are compiled for it. Master weights, gradients, optimizer
+//!   state and losses are f32 (`alloc_f32`). A buffer carries its dtype, and kernels that touch
+//!   parameters, statistics or losses accept either, so the model may choose.
+//! - GEMMs go through cuBLASLt (`gemm`): 16-bit operands, fp32 accumulation, bias in the
 //!   epilogue; weight gradients accumulate into the f32 gradient buffer with beta = 1 (`+=`).
 //! - Every other op is a CUDA C kernel in `kernels/*.cu`, compiled by NVRTC for the device's
 //!   architecture and cached on disk (`compile`).
@@ -36,7 +38,7 @@
 //!   the gradient's rows; `partials` queues their column sums during a backward and adds them
 //!   up in batched launches.
 //! - The optimizer kernels clip by the global norm (its square summed on the device just
-//!   before) and write the bf16 compute copy of the weights as they update them.
+//!   before) and write the 16-bit compute copy of the weights as they update them.
 //!
 //! The host code is split by layer, as the kernels are: `device` (buffers, launches, capture,
 //! the memory ops), `linear`, `attention`, `norm`, `embed` (patches, embedding, pooling, loss,
@@ -71,6 +73,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 
 use self::device::{dev, Scratch, Staging};
 use self::gemm::{Gemm, Ty};
+use super::half::{HalfChoice, HalfFormat};
 use super::{BResult, Backend, BackendError, ParamGroups, GeluSaved, ShardPiece, Span, StepHyper};
 use crate::core::OptimizerConfig;
 
@@ -108,7 +111,7 @@ pub struct Cuda {
     segments: Mutex<Vec<(Vec<i64>, CudaBuf)>>,
     /// One f64 accumulator for `sum_squares`.
     acc: CudaBuf,
-    /// The measured bf16 matrix rate (`matrix_ceiling_tflops`), once measured.
+    /// The measured matrix rate in the backend's 16-bit format (`matrix_ceiling_tflops`), once measured.
     ceiling_tflops: std::sync::OnceLock<f64>,
     /// When set, every kernel and GEMM is bracketed by events (see `set_profiling`).
     profile: Mutex<Option<Vec<(String, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>>>,
@@ -119,6 +122,8 @@ pub struct Cuda {
     /// `upload_input`'s copy waits for it, so a batch staged ahead never overwrites inputs
     /// that a queued forward has yet to read.
     inputs_read: Arc<Mutex<Option<cudarc::driver::CudaEvent>>>,
+    /// The 16-bit compute format and why (`backend::half::choose`).
+    half: HalfChoice,
 }
 
 impl Drop for Cuda {
@@ -134,16 +139,27 @@ impl Drop for Cuda {
 }
 
 impl Cuda {
-    /// Opens GPU `index` with the kernel choices of the `VITSCALE_*` variables
+    /// Opens GPU `index` as a run without a bf16 or fp16 block would (bf16, fp16 before
+    /// Ampere), with the kernel choices of the `VITSCALE_*` variables
     /// (`CudaOptions::from_env`; a value it does not accept is an error).
     pub fn new(index: usize) -> BResult<Cuda> {
-        Self::with_options(index, CudaOptions::from_env().map_err(BackendError::Device)?)
+        Self::for_precision(index, &crate::config::Precision::Fp32)
+    }
+
+    /// Opens GPU `index` for a run of `precision`: its 16-bit compute format follows
+    /// `backend::half::choose` (an error for a bf16 block on a GPU before Ampere).
+    pub fn for_precision(index: usize, precision: &crate::config::Precision) -> BResult<Cuda> {
+        Self::with_options(index, CudaOptions::from_env().map_err(BackendError::Device)?, precision)
     }
 
     /// Opens GPU `index`: loads libraries, creates the context and stream, compiles (or loads
-    /// from the cache) every kernel, creates the cuBLASLt handle and workspace.
-    pub fn with_options(index: usize, options: CudaOptions) -> BResult<Cuda> {
+    /// from the cache) every kernel for the compute format `precision` gets on this GPU (or on
+    /// the architecture `VITSCALE_CUDA_ARCH` forces), creates the cuBLASLt handle and workspace.
+    pub fn with_options(index: usize, options: CudaOptions, precision: &crate::config::Precision) -> BResult<Cuda> {
         let info = probe(index).map_err(BackendError::Device)?;
+        let forced = compile::forced_capability()?;
+        let gpu = if forced.is_some() { format!("{} under VITSCALE_CUDA_ARCH", info.name) } else { info.name.clone() };
+        let half = super::half::choose(precision, forced.unwrap_or(info.compute_capability), &gpu).map_err(BackendError::Device)?;
         let ctx = CudaContext::new(index).map_err(dev("cuCtxCreate"))?;
         // One stream and raw allocations: cudarc's per-slice event tracking is not needed.
         // SAFETY: no CudaSlice of this context is shared across streams.
@@ -151,14 +167,14 @@ impl Cuda {
         let stream = ctx.new_stream().map_err(dev("cuStreamCreate"))?;
         let copy_stream = ctx.new_stream().map_err(dev("cuStreamCreate"))?;
         let staging = Mutex::new([Staging::new()?, Staging::new()?]);
-        let kernels = compile::Kernels::load(&ctx, &info.arch())?;
+        let kernels = compile::Kernels::load(&ctx, &info.arch(), half.format)?;
         let mem = Arc::new(MemStats::default());
         let ws_size = 32usize << 20;
-        let workspace = Self::raw_alloc_with(&ctx, &stream, &mem, ws_size, Ty::Bf16)?;
+        let workspace = Self::raw_alloc_with(&ctx, &stream, &mem, ws_size, Ty::Half)?;
         // the tuner's choices beside the compiled kernels, keyed by card (name and multiprocessors)
         let card = format!("{} ({} SMs)", info.name, info.multiprocessors);
         let sustained = options.gemm_tune == GemmTune::Sustained;
-        let gemm = Gemm::new(workspace.ptr, ws_size, &card, compile::cache_dir().map(|d| d.join("gemm-choices.tsv")), sustained)?;
+        let gemm = Gemm::new(workspace.ptr, ws_size, &card, compile::cache_dir().map(|d| d.join("gemm-choices.tsv")), sustained, half.format)?;
         let acc = Self::raw_alloc_with(&ctx, &stream, &mem, 2, Ty::F32)?;
         Ok(Cuda {
             info,
@@ -182,7 +198,39 @@ impl Cuda {
             next_staging: AtomicUsize::new(0),
             jpeg: Arc::new(Mutex::new(None)),
             decoded_input: Mutex::new(None),
+            half,
         })
+    }
+
+    /// The 16-bit compute format of this backend's buffers and kernels.
+    pub fn half_format(&self) -> HalfFormat {
+        self.half.format
+    }
+
+    /// What runs slower on this device and format than on a bf16 GPU from Ampere on, one line
+    /// each (docs/precision.md's table): the run's warnings say it.
+    pub fn slower_paths(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let arch = self.kernels.forced.clone().unwrap_or_else(|| self.info.arch());
+        if !self.has_flash_attention() {
+            out.push(format!(
+                "fused attention (kernels/flash.cu) is not available for {arch} (it needs sm_80: cp.async, mma.m16n8k16): attention materializes the (N, N) scores through cuBLASLt and a softmax kernel, slower and with more memory at long sequences"
+            ));
+        }
+        if self.half.format == HalfFormat::F16 && self.info.compute_capability.0 == 9 && self.kernels.forced.is_none() {
+            out.push("fp16 on Hopper: the wgmma kernels (fused MLP GEMMs, N = 197 attention) are bf16 only; cuBLASLt and flash.cu run instead, slower than bf16 here".into());
+        }
+        out
+    }
+
+    /// " [fp16]" in the device's name when it computes in fp16 (bf16, the usual, goes unsaid).
+    fn half_tag(&self) -> &'static str {
+        if self.half.format == HalfFormat::F16 { " [fp16]" } else { "" }
+    }
+
+    /// The one-line notice of an automatic format choice (fp16 before Ampere), if any.
+    pub fn half_notice(&self) -> Option<&str> {
+        self.half.notice.as_deref()
     }
 }
 
@@ -205,7 +253,7 @@ impl Backend for Cuda {
         if let Some(&t) = self.ceiling_tflops.get() {
             return Ok(Some(t));
         }
-        // bench's measurement: the median of 10 bf16 8192³ products on random data; its
+        // bench's measurement: the median of 10 16-bit 8192³ products on random data; its
         // operands are freed again and stay out of the run's peak memory
         let peak = self.mem.peak.load(std::sync::atomic::Ordering::Relaxed);
         let t = self.matmul_tflops(8192, 10)?;
@@ -217,13 +265,17 @@ impl Backend for Cuda {
     fn name(&self) -> String {
         match &self.kernels.forced {
             // said wherever the device is named: the kernels are another architecture's
-            Some(arch) => format!("cuda:{} {} (kernels for {arch}, VITSCALE_CUDA_ARCH)", self.info.index, self.info.name),
-            None => format!("cuda:{} {}", self.info.index, self.info.name),
+            Some(arch) => format!("cuda:{} {} (kernels for {arch}, VITSCALE_CUDA_ARCH){}", self.info.index, self.info.name, self.half_tag()),
+            None => format!("cuda:{} {}{}", self.info.index, self.info.name, self.half_tag()),
         }
     }
 
     fn alloc(&self, len: usize) -> BResult<CudaBuf> {
-        self.raw_alloc(len, Ty::Bf16)
+        self.raw_alloc(len, Ty::Half)
+    }
+
+    fn implicit_fp16(&self) -> bool {
+        self.half.implicit_fp16
     }
 
     fn alloc_f32(&self, len: usize) -> BResult<CudaBuf> {
@@ -450,7 +502,7 @@ impl Backend for Cuda {
         self.optimizer_step_impl(params, grads, state, None, opt, decay, hyper)
     }
 
-    /// The update kernels write the bf16 compute copy as they go: no separate cast pass.
+    /// The update kernels write the 16-bit compute copy as they go: no separate cast pass.
     fn optimizer_step_cast(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, compute: &mut CudaBuf, opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()> {
         self.optimizer_step_cast_impl(params, grads, state, compute, opt, decay, hyper)
     }

@@ -36,6 +36,7 @@ use cudarc::nccl::sys::ncclUniqueId;
 
 use super::device::{kargs, MemStats, THREADS};
 use super::gemm::Ty;
+use crate::backend::half::HalfFormat;
 use super::{libs, Cuda, CudaBuf};
 use crate::comm::{check_args, check_group, Arrivals, CResult, Collective, Comm, CommError, CommOptions, DeviceTiming, DistEnv, ReduceOp, SingleComm, Span, TcpComm, Wire, Work};
 
@@ -44,8 +45,12 @@ type RawComm = *mut c_void;
 // build does not know must not be read into a Rust enum.
 const NCCL_SUCCESS: c_int = 0;
 const NCCL_IN_PROGRESS: c_int = 7;
+const NCCL_FLOAT16: c_int = 6;
 const NCCL_FLOAT32: c_int = 7;
 const NCCL_BFLOAT16: c_int = 9;
+/// `scaled_cast_kernel`'s code for bf16 whatever the kernels' 16-bit format (common.cuh): the
+/// bf16 wire stays bf16 in an fp16 run, where loss-scaled gradient sums may pass fp16's 65504.
+const DT_BF16: i32 = 2;
 const NCCL_SUM: c_int = 0;
 const NCCL_AVG: c_int = 4;
 
@@ -181,8 +186,11 @@ pub struct NcclComm {
     /// the communication stream, so they overlap the backward like the collective itself.
     scaled_cast: (cudarc::driver::CudaFunction, u32),
     mem: Arc<MemStats>,
-    /// bf16 copy of the reduced buffer's spans for a bf16 wire (grown on first use).
+    /// bf16 copy of the reduced buffer's spans for a bf16 wire (grown on first use; bf16 also
+    /// on an fp16 backend, the tag `Ty::Half` only gives its element size).
     wire_bf16: Option<CudaBuf>,
+    /// The backend's 16-bit compute format: the NCCL type of its 16-bit buffers.
+    half: HalfFormat,
     /// Each collective's arrival, reported to rank 0 through the host ring's control link.
     arrivals: Arrivals,
     /// The caller's name for the next collective (`label_next`).
@@ -203,6 +211,8 @@ struct Parts {
     scaled_cast: (cudarc::driver::CudaFunction, u32),
     mem: Arc<MemStats>,
     timeout: Duration,
+    /// The backend's 16-bit format (what NCCL is told a 16-bit buffer holds).
+    half: HalfFormat,
 }
 
 /// Set (to anything but 0) to make `split_groups` build its communicators from a fresh unique
@@ -250,14 +260,14 @@ impl NcclComm {
         ctx.bind_to_thread().map_err(cu(rank, "binding the CUDA context"))?;
         let comm = init_rank(l, rank, id, env.world_size, rank)?;
         let scaled_cast = be.kernel_for_stream("scaled_cast_kernel").map_err(|e| CommError::Device { rank, msg: e.to_string() })?;
-        let parts = Parts { ctx, compute: be.stream().clone(), scaled_cast, mem: be.mem_stats().clone(), timeout: opts.timeout };
+        let parts = Parts { ctx, compute: be.stream().clone(), scaled_cast, mem: be.mem_stats().clone(), timeout: opts.timeout, half: be.half_format() };
         Self::assemble(l, comm, rank, rank, env.world_size, host, parts)
     }
 
     /// The communicator around an initialized NCCL handle `comm` (rank `rank` of `world`,
     /// `world_rank` in the job): its stream, its watchdog, `host` for host-side values.
     fn assemble(l: &'static Lib, comm: RawComm, world_rank: usize, rank: usize, world: usize, host: TcpComm, parts: Parts) -> CResult<NcclComm> {
-        let Parts { ctx, compute, scaled_cast, mem, timeout } = parts;
+        let Parts { ctx, compute, scaled_cast, mem, timeout, half } = parts;
         let stream = match ctx.new_stream() {
             Ok(s) => s,
             Err(e) => {
@@ -295,6 +305,7 @@ impl NcclComm {
             scaled_cast,
             mem,
             wire_bf16: None,
+            half,
             arrivals,
             label: None,
             timeout,
@@ -345,7 +356,7 @@ impl NcclComm {
                 init_rank(l, me, id, size, key)?
             }
         };
-        let parts = Parts { ctx: self.ctx.clone(), compute: self.compute.clone(), scaled_cast: self.scaled_cast.clone(), mem: self.mem.clone(), timeout: self.timeout };
+        let parts = Parts { ctx: self.ctx.clone(), compute: self.compute.clone(), scaled_cast: self.scaled_cast.clone(), mem: self.mem.clone(), timeout: self.timeout, half: self.half };
         Self::assemble(l, comm, me, key, size, host, parts)
     }
 
@@ -358,7 +369,7 @@ impl NcclComm {
     }
 
     /// dst[..n] = src[..n] × s on the communication stream (device addresses, types by code:
-    /// 0 f32, 1 bf16, as `CudaBuf::dt`).
+    /// 0 f32, 1 the backend's 16-bit format, as `CudaBuf::dt`; 2 bf16 in either case).
     fn scaled_cast_on_stream(&self, dst: u64, dtd: i32, src: u64, dts: i32, n: usize, s: f32) -> CResult<()> {
         let (f, cap) = &self.scaled_cast;
         let grid = (n.div_ceil(THREADS as usize).max(1) as u32).min(*cap);
@@ -475,11 +486,12 @@ impl Drop for NcclComm {
     }
 }
 
-fn nccl_type(buf: &CudaBuf) -> c_int {
-    if buf.is_bf16() {
-        NCCL_BFLOAT16
-    } else {
-        NCCL_FLOAT32
+/// The NCCL element type of `buf` on a backend whose 16-bit format is `half`.
+fn nccl_type(buf: &CudaBuf, half: HalfFormat) -> c_int {
+    match (buf.is_half(), half) {
+        (true, HalfFormat::Bf16) => NCCL_BFLOAT16,
+        (true, HalfFormat::F16) => NCCL_FLOAT16,
+        (false, _) => NCCL_FLOAT32,
     }
 }
 
@@ -525,12 +537,12 @@ impl Comm<CudaBuf> for NcclComm {
             _ => (0, span.len),
         };
         if !wire.is_plain() && !(matches!(op, Collective::AllReduce(_) | Collective::ReduceScatter(_)) && buf.ty == Ty::F32) {
-            return Err(CommError::Unsupported { what: format!("{} of a {} buffer with {wire:?} on NCCL", op.name(), if buf.is_bf16() { "bf16" } else { "f32" }) });
+            return Err(CommError::Unsupported { what: format!("{} of a {} buffer with {wire:?} on NCCL", op.name(), if buf.is_half() { self.half.name() } else { "f32" }) });
         }
         if wire.bf16 && self.wire_bf16.as_ref().is_none_or(|b| b.len < buf.len) {
             // allocated (and zeroed) on the communication stream, before any kernel uses it
             self.wire_bf16 = None;
-            let b = Cuda::raw_alloc_with(&self.ctx, &self.stream, &self.mem, buf.len, Ty::Bf16).map_err(|e| CommError::Device { rank: me, msg: format!("allocating the bf16 gradient wire: {e}") })?;
+            let b = Cuda::raw_alloc_with(&self.ctx, &self.stream, &self.mem, buf.len, Ty::Half).map_err(|e| CommError::Device { rank: me, msg: format!("allocating the bf16 gradient wire: {e}") })?;
             self.wire_bf16 = Some(b);
         }
         if op == Collective::AllToAll && self.a2a_scratch.as_ref().is_none_or(|b| b.bytes() < span.len * buf.ty.size()) {
@@ -545,11 +557,11 @@ impl Comm<CudaBuf> for NcclComm {
         let start = Arc::new(self.event(true)?);
         start.record(&self.stream).map_err(cu(me, "recording a collective's start"))?;
         let (l, c, s) = (self.lib, self.comm.0, self.stream.cu_stream());
-        let (mut ty, mut elem, mut base) = (nccl_type(buf), buf.bytes() / buf.len.max(1), buf.at(span.off) as *mut c_void);
+        let (mut ty, mut elem, mut base) = (nccl_type(buf, self.half), buf.bytes() / buf.len.max(1), buf.at(span.off) as *mut c_void);
         let grads = buf.at(span.off);
         if wire.bf16 {
             let w = self.wire_bf16.as_ref().map(|b| b.at(span.off)).unwrap_or_default();
-            self.scaled_cast_on_stream(w, 1, grads, 0, span.len, wire.pre)?;
+            self.scaled_cast_on_stream(w, DT_BF16, grads, 0, span.len, wire.pre)?;
             (ty, elem, base) = (NCCL_BFLOAT16, 2, w as *mut c_void);
         } else if wire.pre != 1.0 {
             self.scaled_cast_on_stream(grads, 0, grads, 0, span.len, wire.pre)?;
@@ -603,7 +615,7 @@ impl Comm<CudaBuf> for NcclComm {
         }
         let (own_f32, own_wire) = (grads + (own.0 * 4) as u64, base as u64 + (own.0 * elem) as u64);
         if wire.bf16 {
-            self.scaled_cast_on_stream(own_f32, 0, own_wire, 1, own.1, wire.post)?;
+            self.scaled_cast_on_stream(own_f32, 0, own_wire, DT_BF16, own.1, wire.post)?;
         } else if wire.post != 1.0 {
             self.scaled_cast_on_stream(own_f32, 0, own_f32, 0, own.1, wire.post)?;
         }

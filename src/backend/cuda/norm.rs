@@ -21,7 +21,7 @@ fn ln_fast_j(c: usize, bf16s: &[&CudaBuf], f32s: &[&CudaBuf]) -> Option<usize> {
     let j = c / 32;
     let ok = c % 32 == 0
         && [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 44].contains(&j)
-        && bf16s.iter().all(|b| b.ty == Ty::Bf16)
+        && bf16s.iter().all(|b| b.ty == Ty::Half)
         && f32s.iter().all(|b| b.ty == Ty::F32);
     ok.then_some(j)
 }
@@ -96,7 +96,7 @@ impl Cuda {
             }
             None => (0u64, 0i32),
         };
-        let dres_bf16 = dresidual.is_none_or(|d| d.ty == Ty::Bf16);
+        let dres_bf16 = dresidual.is_none_or(|d| d.ty == Ty::Half);
         if let (Some(j), true) = (ln_fast_j(c, &[&*dinp, dout, inp, params], &[mean, rstd]), dres_bf16) {
             if ln_vec_ok(j, &[dinp.ptr, dout.ptr, inp.ptr, dres]) {
                 let (wo, bo, r) = (w.off as i64, b.off as i64, rows as i64);

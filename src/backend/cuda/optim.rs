@@ -1,5 +1,5 @@
 //! The optimizer step (Adam and SGD kernels over decay segments, clipping by the global norm
-//! on the device, writing the bf16 compute copy as they go), and the whole-buffer reductions
+//! on the device, writing the 16-bit compute copy as they go), and the whole-buffer reductions
 //! around it (`sum_squares`, `scale`).
 
 use cudarc::driver::result as dr;
@@ -44,7 +44,7 @@ impl Cuda {
 
     #[allow(clippy::too_many_arguments)]
     pub(super) fn optimizer_step_cast_impl(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, compute: &mut CudaBuf, opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()> {
-        if compute.ty != Ty::Bf16 {
+        if compute.ty != Ty::Half {
             self.optimizer_step_impl(params, grads, state, None, opt, decay, hyper)?;
             return self.cast(compute, params);
         }
@@ -103,7 +103,7 @@ impl Cuda {
     }
 
     /// `Backend::optimizer_step_shard`: per piece, the update kernel with its master weights
-    /// and state at offsets of the compact buffer, writing the bf16 weights into the compute
+    /// and state at offsets of the compact buffer, writing the 16-bit weights into the compute
     /// copy at the piece's span as it goes (the same kernel, so the same values, as stage 0).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn optimizer_step_shard_impl(&self, state: &mut CudaBuf, grads: &CudaBuf, compute: &mut CudaBuf, pieces: &[ShardPiece], opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()> {
@@ -111,8 +111,8 @@ impl Cuda {
         const OP: &str = "optimizer_step_shard";
         check_f32(OP, "grads", grads)?;
         check_f32(OP, "state", state)?;
-        if compute.ty != Ty::Bf16 {
-            return Err(BackendError::Shape { op: OP, msg: "the compute copy must be bf16".into() });
+        if compute.ty != Ty::Half {
+            return Err(BackendError::Shape { op: OP, msg: "the compute copy must be a compute-dtype (16-bit) buffer".into() });
         }
         check_len(OP, "compute copy", compute, grads.len)?;
         if hyper.clip_norm > 0.0 {
@@ -174,7 +174,7 @@ impl Cuda {
     }
 
     /// The update kernels over `p` elements at these addresses (`v`: Adam's second moment;
-    /// `pc`: the bf16 compute copy or 0), decay groups in the coordinates of `params`.
+    /// `pc`: the 16-bit compute copy or 0), decay groups in the coordinates of `params`.
     #[allow(clippy::too_many_arguments)]
     fn optimizer_launch(&self, params: u64, grads: u64, m: u64, v: u64, pc: u64, p: usize, opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper, norm2: u64, clip: f32) -> BResult<()> {
         const OP: &str = "optimizer_step";

@@ -140,7 +140,7 @@ impl Cuda {
         let splits = (rows.div_ceil(64)).clamp(1, 256) as u32;
         let (r, o) = (rows as i64, cols as i32);
         let partial = self.partial_rows(splits as usize * cols)?;
-        if cols % 8 == 0 && src.ptr % 16 == 0 && src.ty == Ty::Bf16 {
+        if cols % 8 == 0 && src.ptr % 16 == 0 && src.ty == Ty::Half {
             self.launch("bias_grad_v8", (cols.div_ceil(256) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![partial, src.ptr, r, o])?;
         } else {
             self.launch("bias_grad_kernel", (cols.div_ceil(32) as u32, splits, 1), (32, 8, 1), 0, &mut kargs![partial, src.ptr, src.dt(), r, o])?;

@@ -1,7 +1,14 @@
 // Shared helpers, prepended to every kernel file before NVRTC compiles it (no CUDA headers are
 // needed, so a driver plus libnvrtc is all a user must have).
 //
-// dtype codes passed to kernels as `int dt`: 0 = f32, 1 = bf16 (stored as raw 16-bit words).
+// The 16-bit compute format is chosen when a module is compiled: bf16 by default, IEEE fp16
+// when the host passes -DVITSCALE_HALF_F16 (fp16 compute, and GPUs before Ampere, which have no
+// bf16 arithmetic). One source serves both: `bf16` below names the 16-bit storage word of
+// whichever format the module was built for, and bf2f / f2bf2 / f2bf / lo16 / hi16 convert it,
+// so the kernels never look at the bits themselves.
+//
+// dtype codes passed to kernels as `int dt`: 0 = f32, 1 = the module's 16-bit format, 2 = bf16
+// whatever the module's format (the bf16 gradient wire of an fp16 run; only ldx / stx know it).
 
 typedef unsigned short bf16;
 typedef long long i64;
@@ -9,12 +16,13 @@ typedef long long i64;
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
-__device__ __forceinline__ float bf2f(bf16 x) { return __uint_as_float(((unsigned)x) << 16); }
+// bf16 proper, independent of the module's format (the dt = 2 buffers).
+__device__ __forceinline__ float bf16_bits_to_f(unsigned short x) { return __uint_as_float(((unsigned)x) << 16); }
 
-// Two f32 → bf16 (round to nearest even; NaN stays NaN), `lo` in the low half. From sm_80 one
-// cvt instruction does both: the integer rounding it replaces cost ~7 instructions per value,
-// and the GELU passes are bound by instruction issue, not memory.
-__device__ __forceinline__ unsigned f2bf2(float lo, float hi) {
+// Two f32 → bf16 (round to nearest even; NaN stays NaN, ±inf and overflow give ±inf), `lo` in
+// the low half. From sm_80 one cvt instruction does both: the integer rounding it replaces
+// cost ~7 instructions per value, and the GELU passes are bound by instruction issue, not memory.
+__device__ __forceinline__ unsigned f2bf16x2(float lo, float hi) {
 #if __CUDA_ARCH__ >= 800
     unsigned r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
@@ -32,15 +40,53 @@ __device__ __forceinline__ unsigned f2bf2(float lo, float hi) {
 #endif
 }
 
-// One f32 → bf16, as f2bf2.
+#ifdef VITSCALE_HALF_F16
+// IEEE fp16: 10 mantissa bits (relative step 2^-11), largest finite 65504. Conversions by cvt,
+// which every architecture has: round to nearest even, values past the range become ±inf and
+// NaN stays NaN, so an overflowing gradient reaches the loss scaler's overflow check.
+#define HALF_PTX "f16"
+__device__ __forceinline__ float bf2f(bf16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(x));
+    return f;
+}
+__device__ __forceinline__ unsigned f2bf2(float lo, float hi) {
+#if __CUDA_ARCH__ >= 800
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    unsigned short a, b;
+    asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(a) : "f"(lo));
+    asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(b) : "f"(hi));
+    return (unsigned)a | ((unsigned)b << 16);
+#endif
+}
+// Packed pairs (low half first) as f32.
+__device__ __forceinline__ float lo16(unsigned w) { return bf2f((bf16)(w & 0xffffu)); }
+__device__ __forceinline__ float hi16(unsigned w) { return bf2f((bf16)(w >> 16)); }
+#else
+#define HALF_PTX "bf16"
+__device__ __forceinline__ float bf2f(bf16 x) { return bf16_bits_to_f(x); }
+__device__ __forceinline__ unsigned f2bf2(float lo, float hi) { return f2bf16x2(lo, hi); }
+// Packed pairs (low half first) as f32: a shift or a mask, no conversion instruction.
+__device__ __forceinline__ float lo16(unsigned w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float hi16(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+#endif
+
+// One f32 → the module's 16-bit format, as f2bf2.
 __device__ __forceinline__ bf16 f2bf(float f) { return (bf16)(f2bf2(f, 0.f) & 0xffffu); }
 
-// Element i of a buffer of either dtype, as f32.
+// Element i of a buffer of any dtype code, as f32.
 __device__ __forceinline__ float ldx(const void* p, int dt, i64 i) {
-    return dt ? bf2f(((const bf16*)p)[i]) : ((const float*)p)[i];
+    if (dt == 1) return bf2f(((const bf16*)p)[i]);
+    if (dt == 2) return bf16_bits_to_f(((const unsigned short*)p)[i]);
+    return ((const float*)p)[i];
 }
 __device__ __forceinline__ void stx(void* p, int dt, i64 i, float v) {
-    if (dt) ((bf16*)p)[i] = f2bf(v); else ((float*)p)[i] = v;
+    if (dt == 1) ((bf16*)p)[i] = f2bf(v);
+    else if (dt == 2) ((unsigned short*)p)[i] = (unsigned short)(f2bf16x2(v, 0.f) & 0xffffu);
+    else ((float*)p)[i] = v;
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -80,9 +126,7 @@ __device__ __forceinline__ float dgelu_f(float x) {
     return fmaf(x, phi, cdf);
 }
 
-// Packed bf16 pairs (low half first) as f32, and back (16-byte kernels, GEMM epilogues).
-__device__ __forceinline__ float lo16(unsigned w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float hi16(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+// Two f32 as a packed pair (16-byte kernels, GEMM epilogues); lo16 / hi16 above read them.
 __device__ __forceinline__ unsigned pk16(float a, float b) { return f2bf2(a, b); }
 // a + b for packed bf16 pairs, in f32 and rounded once (residual adds, position embedding)
 __device__ __forceinline__ unsigned add_w(unsigned a, unsigned b) { return pk16(lo16(a) + lo16(b), hi16(a) + hi16(b)); }

@@ -1,5 +1,6 @@
 // Fused attention (flash-attention-2 style), forward and backward, on the tensor cores
-// (mma.sync m16n8k16, bf16 in, fp32 accumulate). Reads q, k, v straight from the interleaved
+// (mma.sync m16n8k16, 16-bit in — bf16, or fp16 in a module built with VITSCALE_HALF_F16 —
+// fp32 accumulate). Reads q, k, v straight from the interleaved
 // qkv layout (B, N, 3, H, D), writes out (B, N, H·D) and dqkv (B, N, 3, H, D): no head moves.
 //
 // Saved state: per (b, h, query row) the log-sum-exp of the scaled scores in base 2,
@@ -33,17 +34,13 @@
 
 __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, const unsigned* b) {
     asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        "mma.sync.aligned.m16n8k16.row.col.f32." HALF_PTX "." HALF_PTX ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Two f32 → bf16x2 (round to nearest even), `lo` in the low half.
-__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
+// Two f32 → a packed 16-bit pair (round to nearest even), `lo` in the low half.
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) { return f2bf2(lo, hi); }
 
 // Two consecutive bf16 at p (4-byte aligned) as one register.
 __device__ __forceinline__ unsigned ld2(const bf16* p) { return *(const unsigned*)p; }
@@ -238,8 +235,8 @@ __device__ __forceinline__ float dot8_acc(float acc, uint4 x, uint4 y) {
     const unsigned ys[4] = {y.x, y.y, y.z, y.w};
     #pragma unroll
     for (int e = 0; e < 4; e++) {
-        acc += __uint_as_float(xs[e] << 16) * __uint_as_float(ys[e] << 16);
-        acc += __uint_as_float(xs[e] & 0xffff0000u) * __uint_as_float(ys[e] & 0xffff0000u);
+        acc += lo16(xs[e]) * lo16(ys[e]);
+        acc += hi16(xs[e]) * hi16(ys[e]);
     }
     return acc;
 }
@@ -972,8 +969,8 @@ __device__ __forceinline__ void flash_bwd_small(bf16* __restrict__ dqkv, const b
         #pragma unroll 4
         for (int r = gr * GROWS; r < (gr + 1) * GROWS; r++) {
             const unsigned u = ld2(sdO + r * LD + 2 * cp);
-            bv0 += __uint_as_float(u << 16);
-            bv1 += __uint_as_float(u & 0xffff0000u);
+            bv0 += lo16(u);
+            bv1 += hi16(u);
         }
     }
     __syncthreads();

@@ -170,8 +170,8 @@ template <int WPV> __device__ __forceinline__ void stw(bf16* p, const unsigned* 
     else if constexpr (WPV == 2) { *(uint2*)p = make_uint2(w[0], w[1]); }
     else { *(unsigned*)p = w[0]; }
 }
-__device__ __forceinline__ float wlo(unsigned w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float whi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ float wlo(unsigned w) { return lo16(w); }
+__device__ __forceinline__ float whi(unsigned w) { return hi16(w); }
 __device__ __forceinline__ float wel(const unsigned* w, int e) { return (e & 1) ? whi(w[e >> 1]) : wlo(w[e >> 1]); }
 __device__ __forceinline__ unsigned wpack(float a, float b) { return f2bf2(a, b); }
 
