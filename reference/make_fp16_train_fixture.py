@@ -3,7 +3,7 @@
 vitscale's loss-scaling engine (`train::loss_scale`) once fp16 compute runs on the GPU.
 
 The training is `make_train_fixtures.py`'s (its model, data, batch split, loss and helpers,
-imported from it), with `"fp16": {"enabled": true, ...}` and an initial scale of 2^18, past
+imported from it), with `"fp16": {"enabled": true, ...}` and an initial scale of 2^28, far past
 fp16's range (65504) for this model's gradients, so the first steps overflow and are skipped
 while the hysteresis is spent and the scale halves; a short `loss_scale_window` then doubles the
 scale again, which may overflow again. One rank, ZeRO stages 0 (DeepSpeed's FP16_Optimizer) and
@@ -39,7 +39,7 @@ from make_fixtures import disable_fused_attn, param_groups
 from make_train_fixtures import ADAMW, GAS, SMOOTHING, micro_batch, new_model, read_cifar, vitscale_sets
 
 STEPS = 16
-FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 18, "loss_scale_window": 4, "hysteresis": 2,
+FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 28, "loss_scale_window": 4, "hysteresis": 2,
         "consecutive_hysteresis": False, "min_loss_scale": 1}
 CASE = dict(
     optimizer=ADAMW,
@@ -87,6 +87,7 @@ def run(stage, init, x, y):
         rec["skipped"].append(float(engine.skipped_steps - skipped_before))
         rec["skipped_steps"].append(float(engine.skipped_steps))
         rec["global_steps"].append(float(engine.global_steps))
+    print(json.dumps({k: rec[k] for k in ("loss_scale", "loss_scale_after", "skipped_steps", "global_steps")}), flush=True)
     assert sum(rec["skipped"]) >= 1, "the schedule was meant to overflow at least once"
     names = {id(p): n for n, p in engine.module.named_parameters()}
     final = {names[id(p)]: safe_get_full_fp32_param(p).detach().float().cpu().contiguous() for p in engine.module.parameters()}
