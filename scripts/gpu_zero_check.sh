@@ -20,6 +20,7 @@
 #
 #   scripts/gpu_zero_check.sh [BIN] [OUTDIR]     (SKIP_MEMORY=1: part 1 only; SKIP_EQUAL=1: part 2 only)
 set -u
+HERE=$(cd "$(dirname "$0")" && pwd)
 BIN=${1:-target/release/vitscale}
 OUT=${2:-gpu-zero}
 mkdir -p "$OUT"
@@ -37,32 +38,7 @@ run() { # nproc stage dir args...
 }
 
 compare() { # dirA dirB label loss_tol weight_tol world
-  python3 - "$@" <<'EOF'
-import json, struct, sys
-a, b, label, ltol, wtol, world = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6])
-def steps(d):
-    return [json.loads(l) for l in open(d + "/metrics.jsonl") if '"kind"' not in l]
-def weights(d):
-    raw = open(d + "/w.safetensors", "rb").read()
-    n = struct.unpack("<Q", raw[:8])[0]
-    head = json.loads(raw[8:8 + n]); data = raw[8 + n:]
-    out = {}
-    for k, v in head.items():
-        if k == "__metadata__":
-            continue
-        s, e = v["data_offsets"]
-        out[k] = struct.unpack("<%df" % ((e - s) // 4), data[s:e])
-    return out
-la, lb = [r["loss"] for r in steps(a)], [r["loss"] for r in steps(b)]
-loss_rel = max(abs(x - y) / abs(y) for x, y in zip(la, lb))
-wa, wb = weights(a), weights(b)
-w_rel = max(abs(x - y) / (1 + abs(y)) for k in wb for x, y in zip(wa[k], wb[k]))
-h0 = json.load(open(a + "/summary.json"))["weights_hash"]
-hashes_ok = all(json.load(open("%s/rank%d/summary.json" % (a, r)))["weights_hash"] == h0 for r in range(1, world))
-ok = len(la) == len(lb) and loss_rel < ltol and w_rel < wtol and hashes_ok
-print(json.dumps({"check": label, "ok": ok, "steps": len(la), "loss_max_rel": loss_rel, "weights_max_rel": w_rel, "ranks_agree": hashes_ok}))
-sys.exit(0 if ok else 1)
-EOF
+  python3 "$HERE/compare_runs.py" "$@"
 }
 
 if [ "${SKIP_EQUAL:-0}" != 1 ]; then
