@@ -244,6 +244,29 @@ fn bench_comm_over_cpu_ranks_reports_nccl_tests_columns() {
     assert_eq!(ops.into_iter().collect::<Vec<_>>(), vec!["all_gather", "all_reduce", "reduce_scatter"]);
 }
 
+/// The all-to-all, on request: every rank's result checked element by element (`#wrong` 0
+/// at every size over 3 ranks), nccl-tests' (n−1)/n bus factor.
+#[test]
+fn bench_comm_measures_the_all_to_all_on_request() {
+    let tmp = tmp();
+    let port = free_port();
+    let out = vitscale(
+        tmp.path(),
+        &["launch", "--nproc-per-node", "3", "--master-port", &port.to_string(), "--", "bench", "--comm", "--device", "cpu",
+          "--comm-ops", "all_to_all", "--comm-min-bytes", "1000", "--comm-max-bytes", "64000", "--comm-iters", "3", "--warmup", "1", "--json"],
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let r = last_json(&out);
+    let rows = r["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), 7, "{r}");
+    for row in rows {
+        assert_eq!(row["op"], "all_to_all", "{row}");
+        assert_eq!(row["wrong"], 0, "{row}");
+        let (alg, bus) = (row["algbw_gb_s"].as_f64().expect("alg"), row["busbw_gb_s"].as_f64().expect("bus"));
+        assert!((bus - alg * 2.0 / 3.0).abs() <= 1e-9 * bus.max(1.0), "{row}");
+    }
+}
+
 /// A sweep over an emulated slowdown × the split: every point records its mixed-speed
 /// figures, and the report has their table and the chart of equal split, balanced and ideal.
 #[test]

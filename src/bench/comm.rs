@@ -42,7 +42,8 @@ pub struct CommBenchArgs {
     /// training sends them at the default reduce_bucket_size, on an fp32 and a bf16 wire).
     #[arg(long, value_name = "PRESET")]
     pub comm_buckets: Option<String>,
-    /// With --comm: the collectives, comma-separated, of all_reduce, reduce_scatter, all_gather.
+    /// With --comm: the collectives, comma-separated, of all_reduce, reduce_scatter, all_gather,
+    /// all_to_all (sequence parallelism's exchange; not in the default list).
     #[arg(long, default_value = "all_reduce,reduce_scatter,all_gather")]
     pub comm_ops: String,
     /// With --comm: rank 0 also writes the table as JSON to this file (the `--json` object),
@@ -126,7 +127,8 @@ fn parse_ops(s: &str) -> Result<Vec<Collective>, String> {
             "all_reduce" | "allreduce" => Ok(Collective::AllReduce(ReduceOp::Sum)),
             "reduce_scatter" | "reducescatter" => Ok(Collective::ReduceScatter(ReduceOp::Sum)),
             "all_gather" | "allgather" => Ok(Collective::AllGather),
-            other => Err(format!("--comm-ops: unknown collective `{other}` (all_reduce, reduce_scatter, all_gather)")),
+            "all_to_all" | "alltoall" => Ok(Collective::AllToAll),
+            other => Err(format!("--comm-ops: unknown collective `{other}` (all_reduce, reduce_scatter, all_gather, all_to_all)")),
         })
         .collect()
 }
@@ -148,6 +150,8 @@ fn check<B: Backend>(be: &B, comm: &mut dyn Comm<B::Buf>, buf: &mut B::Buf, op: 
     // values small enough that every sum is exact in f32
     let input: Vec<f32> = match op {
         Collective::AllGather => (0..count).map(|i| if shard(span, world, rank).contains(i) { (rank + 1) as f32 + (i % 7) as f32 } else { -1.0 }).collect(),
+        // block j (count / world values) goes to rank j; each value names its sender
+        Collective::AllToAll => (0..count).map(|i| ((rank + 1) * 8 + i % 8) as f32).collect(),
         _ => (0..count).map(|i| (rank + 1) as f32 + (i % 7) as f32).collect(),
     };
     be.upload(buf, 0, &input).map_err(|e| e.to_string())?;
@@ -167,8 +171,10 @@ fn check<B: Backend>(be: &B, comm: &mut dyn Comm<B::Buf>, buf: &mut B::Buf, op: 
                 out[i] != (owner + 1) as f32 + (i % 7) as f32
             })
             .count(),
-        // (not benchmarked: `--comm-ops` offers the gradient collectives)
-        Collective::Broadcast { .. } | Collective::AllToAll => 0,
+        // block j of rank r's result is block r of rank j's input
+        Collective::AllToAll => (0..count).filter(|&i| out[i] != ((i / (count / world) + 1) * 8 + (rank * (count / world) + i % (count / world)) % 8) as f32).count(),
+        // (not benchmarked)
+        Collective::Broadcast { .. } => 0,
     };
     Ok(wrong)
 }
