@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # vitscale's fp16 training on the GPU against the real DeepSpeed engine in fp16
 # (`reference/make_fp16_train_fixture.py`: one rank, dynamic loss scaling from 2^18, a schedule
-# that overflows, ZeRO 0 and 1). Each case trains with the fixture's own `--set` overrides from
+# that overflows, ZeRO 1 and 2). Each case trains with the fixture's own `--set` overrides from
 # its `param.*` initial weights on `tests/fixtures/cifar_tiny`, logging every step, then
 # compares per step the loss scale after the step and the skipped steps (exactly), the losses,
 # and the final weights (largest per-tensor relative L2 error). One JSON line per case.
 #
 #   scripts/gpu_fp16_deepspeed_check.sh BIN OUT FIXTURE_DIR [DEVICE]
-# FIXTURE_DIR holds fp16_zero0.safetensors and fp16_zero1.safetensors; DEVICE is cuda
+# FIXTURE_DIR holds fp16_zero1.safetensors and fp16_zero2.safetensors; DEVICE is cuda
 # (default) or cpu.
 set -u
 BIN=$1; OUT=$2; FX=$3; DEV=${4:-cuda}
@@ -23,7 +23,7 @@ init = os.path.join(out, "init.safetensors")
 params = load_file("tests/fixtures/timm_cifar.safetensors")
 save_file({k[len("param."):]: v for k, v in params.items() if k.startswith("param.")}, init)
 ok_all = True
-for stage in (0, 1):
+for stage in (1, 2):
     path = os.path.join(fx, f"fp16_zero{stage}.safetensors")
     with safe_open(path, "np") as f:
         meta = f.metadata()
