@@ -41,7 +41,7 @@ fn cuda_backend_matches_cpu() {
 #[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine"]
 fn cuda_backend_matches_cpu_in_fp16() {
     probe(0).unwrap_or_else(|why| panic!("the CUDA parity test needs a usable GPU 0 and found none: {why}"));
-    let be = vitscale::backend::cuda::Cuda::for_precision(0, &vitscale::backend::half::deepspeed_default_fp16())
+    let be = vitscale::backend::cuda::Cuda::for_precision(0, &vitscale::config::fp16_defaults())
         .unwrap_or_else(|e| panic!("a GPU was found but the CUDA backend failed to start in fp16: {e}"));
     assert_eq!(be.half_format(), vitscale::backend::half::HalfFormat::F16);
     let (seed, mut checks, dev, cpu) = vitscale::selftest::run_checks(&be, None).expect("fp16 parity run failed");

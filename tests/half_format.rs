@@ -4,8 +4,8 @@
 //! would silently misread a shift-by-16 conversion elsewhere).
 
 use serde_json::json;
-use vitscale::backend::half::{choose, deepspeed_default_fp16, HalfFormat};
-use vitscale::config::{resolve, Precision};
+use vitscale::backend::half::{choose, HalfFormat};
+use vitscale::config::{fp16_defaults, resolve, Precision};
 
 const AMPERE: (i32, i32) = (8, 0);
 const HOPPER: (i32, i32) = (9, 0);
@@ -14,7 +14,7 @@ const V100: (i32, i32) = (7, 0);
 
 #[test]
 fn fp16_block_gives_fp16_on_every_generation() {
-    let p = deepspeed_default_fp16();
+    let p = fp16_defaults();
     for cc in [V100, T4, AMPERE, HOPPER] {
         let c = choose(&p, cc, "gpu").unwrap();
         assert_eq!(c.format, HalfFormat::F16, "{cc:?}");
@@ -46,11 +46,14 @@ fn bf16_block_before_ampere_is_an_error_naming_the_key() {
     }
 }
 
-/// The scaler an implicit fp16 run gets is exactly what `{"fp16": {"enabled": true}}` parses to.
+/// The scaler an implicit fp16 run gets is exactly what `{"fp16": {"enabled": true}}` parses to,
+/// and that is DeepSpeed's documented default block.
 #[test]
 fn implicit_scaler_is_the_fp16_blocks_defaults() {
+    let deepspeed = Precision::Fp16 { loss_scale: 0.0, initial_scale_power: 16, loss_scale_window: 1000, hysteresis: 2, min_loss_scale: 1.0, consecutive_hysteresis: false };
+    assert_eq!(fp16_defaults(), deepspeed);
     let c = resolve(&json!({"fp16": {"enabled": true}}), 1).unwrap();
-    assert_eq!(c.precision, deepspeed_default_fp16());
+    assert_eq!(c.precision, fp16_defaults());
 }
 
 #[test]

@@ -87,9 +87,3 @@ pub fn choose(precision: &Precision, cc: (i32, i32), gpu: &str) -> Result<HalfCh
         Precision::Fp32 => Ok(HalfChoice { format: HalfFormat::Bf16, implicit_fp16: false, notice: None }),
     }
 }
-
-/// The fp16 block DeepSpeed assumes for `{"fp16": {"enabled": true}}`: dynamic scaling from
-/// 2^16, window 1000, hysteresis 2, minimum scale 1.
-pub fn deepspeed_default_fp16() -> Precision {
-    Precision::Fp16 { loss_scale: 0.0, initial_scale_power: 16, loss_scale_window: 1000, hysteresis: 2, min_loss_scale: 1.0, consecutive_hysteresis: false }
-}

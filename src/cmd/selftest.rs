@@ -116,7 +116,7 @@ fn cuda_pass(gpu: usize, half: Option<HalfFormat>, seed: Option<u64>, env: &crat
     let precision = match half {
         None => crate::config::Precision::Fp32,
         Some(HalfFormat::Bf16) => crate::config::Precision::Bf16,
-        Some(HalfFormat::F16) => crate::backend::half::deepspeed_default_fp16(),
+        Some(HalfFormat::F16) => crate::config::fp16_defaults(),
     };
     let be = crate::backend::cuda::Cuda::for_precision(gpu, &precision)?;
     if env.rank == 0 {

@@ -54,6 +54,7 @@ pub use keys::{ConfigBuilder, KeyPath};
 pub use load::{apply_set, load_json, parse_json_strict};
 pub use model::MODEL_KEYS;
 pub use monitor::MONITOR_KEYS;
+pub use precision::fp16_defaults;
 pub use optimizer::{ADAM_KEYS, DEFAULT_WEIGHT_DECAY, OPTIMIZER_TYPES, SGD_KEYS};
 pub use reference::help_text;
 pub use resume::{carry_over, keep_global_batch, resume_differences, resume_free_keys};

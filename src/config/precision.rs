@@ -76,6 +76,16 @@ pub(super) fn parse(root: &Map<String, Value>, cx: &mut Cx) -> Result<Precision>
     Ok(Precision::Fp32)
 }
 
+/// What `{"fp16": {"enabled": true}}` means: DeepSpeed's defaults for every key of the block
+/// (dynamic scaling from 2^16, window 1000, hysteresis 2, minimum scale 1), as a run without a
+/// precision block on a GPU before Ampere computes (`backend::half::choose`).
+pub fn fp16_defaults() -> Precision {
+    let mut root = Map::new();
+    root.insert(FP16.name.into(), json!({ FP_ENABLED.name: true }));
+    // the keys' defaults pass their own checks, so the block parses
+    parse(&root, &mut Cx::default()).unwrap_or(Precision::Fp32)
+}
+
 /// The enabled mode's block under its current name (`bf16`, also when given as `bfloat16`);
 /// fp32 writes neither.
 pub(super) fn write(precision: &Precision, out: &mut Map<String, Value>) {

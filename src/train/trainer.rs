@@ -394,7 +394,7 @@ fn build_step<B: Backend>(be: &B, cfg: &RunConfig, plan: &Plan, opts: &TrainOpti
     st.drop_path = crate::model::drop_path::DropPath::new(cfg.drop_path_rate, cfg.model.depth, cfg.train.seed);
     // a GPU before Ampere computes in fp16 without an fp16 block: DeepSpeed's default scaler
     st.loss_scaling = match be.implicit_fp16() {
-        true => LossScaling::for_precision(&crate::backend::half::deepspeed_default_fp16()),
+        true => LossScaling::for_precision(&crate::config::fp16_defaults()),
         false => LossScaling::for_precision(&cfg.precision),
     };
     if opts.trace.is_some() {
