@@ -90,48 +90,7 @@ if [ "${SKIP_MEMORY:-0}" != 1 ]; then
       run "$n" "$s" "$OUT/mem_w${n}_s$s" "${mem[@]}" || fail=1
     done
   done
-  python3 - "$OUT" <<'EOF' || fail=1
-import json, os, sys
-out = sys.argv[1]
-rows, ok = [], True
-def record(d):
-    for l in open(d + "/metrics.jsonl"):
-        r = json.loads(l)
-        if r.get("kind") == "memory":
-            return r
-    raise SystemExit("no memory record in " + d)
-for n in (1, 2, 4):
-    for s in (0, 2, 3):
-        d = "%s/mem_w%d_s%d" % (out, n, s)
-        if not os.path.isdir(d):
-            continue
-        for r in range(n):
-            rec = record(d if r == 0 else "%s/rank%d" % (d, r))
-            g = lambda k: rec[k]["total"] / 2**30
-            rows.append({"world": n, "stage": s, "rank": r, "accounted_gib": g("accounted"), "predicted_gib": g("predicted"),
-                         "measured_peak_gib": (rec["measured_peak"] or 0) / 2**30,
-                         "predicted": {k: v / 2**30 for k, v in rec["predicted"].items()}})
-def peak(n, s):
-    v = [r["measured_peak_gib"] for r in rows if r["world"] == n and r["stage"] == s]
-    return max(v) if v else None
-def pred(n, s):
-    v = [r["predicted_gib"] for r in rows if r["world"] == n and r["stage"] == s]
-    return max(v) if v else None
-checks = []
-for n in (2, 4):
-    if peak(n, 2) is None or peak(n, 3) is None:
-        ok = False
-        continue
-    drop_m, drop_p = peak(n, 2) - peak(n, 3), pred(n, 2) - pred(n, 3)
-    good = drop_p > 0 and abs(drop_m - drop_p) <= 0.1 * drop_p
-    ok &= good
-    checks.append({"world": n, "measured_drop_gib": drop_m, "predicted_drop_gib": drop_p, "ok": good})
-json.dump({"rows": rows, "drops": checks}, open(out + "/memory3.json", "w"), indent=1)
-for r in rows:
-    print(json.dumps(r))
-print(json.dumps({"check": "memory drop stage 2 -> 3 within 10% of the prediction", "ok": ok, "drops": checks}))
-sys.exit(0 if ok else 1)
-EOF
+  python3 "$HERE/memory_drops.py" "$OUT" 2 3 memory3.json || fail=1
   if [ -d "$WHL" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/ds-site "$WHL"/*.whl > "$OUT/pip.log" 2>&1; then
     echo "== 3. DeepSpeed ZeRO-3 in the same call (reported)"
     for n in 2 4; do

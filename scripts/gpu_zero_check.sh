@@ -88,47 +88,6 @@ if [ "${SKIP_MEMORY:-0}" != 1 ]; then
       run "$n" "$s" "$OUT/mem_w${n}_s$s" "${mem[@]}" || fail=1
     done
   done
-  python3 - "$OUT" <<'EOF' || fail=1
-import json, os, sys
-out = sys.argv[1]
-rows, ok = [], True
-def record(d):
-    for l in open(d + "/metrics.jsonl"):
-        r = json.loads(l)
-        if r.get("kind") == "memory":
-            return r
-    raise SystemExit("no memory record in " + d)
-for n in (1, 2, 4):
-    for s in (0, 1, 2):
-        d = "%s/mem_w%d_s%d" % (out, n, s)
-        if not os.path.isdir(d):
-            continue
-        for r in range(n):
-            rec = record(d if r == 0 else "%s/rank%d" % (d, r))
-            rows.append({"world": n, "stage": s, "rank": r, "accounted_gib": rec["accounted"]["total"] / 2**30,
-                         "predicted_gib": rec["predicted"]["total"] / 2**30, "measured_peak_gib": (rec["measured_peak"] or 0) / 2**30,
-                         "optimizer_state_gib": rec["accounted"]["optimizer_state"] / 2**30})
-def peak(n, s):
-    v = [r["measured_peak_gib"] for r in rows if r["world"] == n and r["stage"] == s]
-    return max(v) if v else None
-def pred(n, s):
-    v = [r["predicted_gib"] for r in rows if r["world"] == n and r["stage"] == s]
-    return max(v) if v else None
-checks = []
-for n in (2, 4):
-    for s in (1, 2):
-        if peak(n, 0) is None or peak(n, s) is None:
-            ok = False
-            continue
-        drop_m, drop_p = peak(n, 0) - peak(n, s), pred(n, 0) - pred(n, s)
-        good = drop_p > 0 and abs(drop_m - drop_p) <= 0.1 * drop_p
-        ok &= good
-        checks.append({"world": n, "stage": s, "measured_drop_gib": drop_m, "predicted_drop_gib": drop_p, "ok": good})
-json.dump({"rows": rows, "drops": checks}, open(out + "/memory.json", "w"), indent=1)
-for r in rows:
-    print(json.dumps(r))
-print(json.dumps({"check": "memory drop stage 0 -> 1/2 within 10% of the prediction", "ok": ok, "drops": checks}))
-sys.exit(0 if ok else 1)
-EOF
+  python3 "$HERE/memory_drops.py" "$OUT" 0 1,2 memory.json || fail=1
 fi
 exit $fail

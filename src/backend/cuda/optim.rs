@@ -107,26 +107,12 @@ impl Cuda {
     /// copy at the piece's span as it goes (the same kernel, so the same values, as stage 0).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn optimizer_step_shard_impl(&self, state: &mut CudaBuf, grads: &CudaBuf, compute: &mut CudaBuf, pieces: &[ShardPiece], opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()> {
-        self.flush_partial_sums()?;
         const OP: &str = "optimizer_step_shard";
-        check_f32(OP, "grads", grads)?;
-        check_f32(OP, "state", state)?;
         if compute.ty != Ty::Half {
             return Err(BackendError::Shape { op: OP, msg: "the compute copy must be a compute-dtype (16-bit) buffer".into() });
         }
         check_len(OP, "compute copy", compute, grads.len)?;
-        if hyper.clip_norm > 0.0 {
-            return Err(BackendError::Shape { op: OP, msg: "clips nothing itself: fold the global clipping factor into grad_scale".into() });
-        }
-        for p in pieces {
-            check_span(OP, "piece", grads, p.span)?;
-            check_len(OP, "state", state, p.state_off + optimizer_state_len(opt, p.span.len))?;
-            check_len(OP, "state (master weights)", state, p.master_off + p.span.len)?;
-            let v = state.at(p.state_off + p.span.len);
-            let (master, g, m, pc) = (state.at(p.master_off), grads.at(p.span.off), state.at(p.state_off), compute.at(p.span.off));
-            self.optimizer_launch(master, g, m, v, pc, p.span.len, opt, &decay.restrict(p.span), hyper, 0, 0.0)?;
-        }
-        Ok(())
+        self.step_pieces(OP, None, grads, state, Some(compute), pieces, opt, decay, hyper)
     }
 
     /// `Backend::optimizer_step_master` (ZeRO-3): per piece, the update kernel with its f32
@@ -134,20 +120,32 @@ impl Cuda {
     /// written (the partition's gathers make the compute-dtype weights from `master`).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn optimizer_step_master_impl(&self, master: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, pieces: &[ShardPiece], opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()> {
+        check_f32("optimizer_step_master", "master", master)?;
+        self.step_pieces("optimizer_step_master", Some(master), grads, state, None, pieces, opt, decay, hyper)
+    }
+
+    /// The update kernel per piece: master weights at `master_off` of `master` (None: of
+    /// `state`), state at `state_off` of `state`, the 16-bit weights into `compute` at the
+    /// piece's span when given. Clipping must already be folded into `grad_scale`.
+    #[allow(clippy::too_many_arguments)]
+    fn step_pieces(&self, op: &'static str, master: Option<&CudaBuf>, grads: &CudaBuf, state: &CudaBuf, compute: Option<&CudaBuf>, pieces: &[ShardPiece], opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()> {
         self.flush_partial_sums()?;
-        const OP: &str = "optimizer_step_master";
-        check_f32(OP, "master", master)?;
-        check_f32(OP, "grads", grads)?;
-        check_f32(OP, "state", state)?;
+        check_f32(op, "grads", grads)?;
+        check_f32(op, "state", state)?;
         if hyper.clip_norm > 0.0 {
-            return Err(BackendError::Shape { op: OP, msg: "clips nothing itself: fold the global clipping factor into grad_scale".into() });
+            return Err(BackendError::Shape { op, msg: "clips nothing itself: fold the global clipping factor into grad_scale".into() });
         }
+        let (weights, what) = match master {
+            Some(m) => (m, "master"),
+            None => (state, "state (master weights)"),
+        };
         for p in pieces {
-            check_span(OP, "piece", grads, p.span)?;
-            check_len(OP, "state", state, p.state_off + optimizer_state_len(opt, p.span.len))?;
-            check_len(OP, "master", master, p.master_off + p.span.len)?;
+            check_span(op, "piece", grads, p.span)?;
+            check_len(op, "state", state, p.state_off + optimizer_state_len(opt, p.span.len))?;
+            check_len(op, what, weights, p.master_off + p.span.len)?;
             let v = state.at(p.state_off + p.span.len);
-            self.optimizer_launch(master.at(p.master_off), grads.at(p.span.off), state.at(p.state_off), v, 0, p.span.len, opt, &decay.restrict(p.span), hyper, 0, 0.0)?;
+            let pc = compute.map_or(0, |c| c.at(p.span.off));
+            self.optimizer_launch(weights.at(p.master_off), grads.at(p.span.off), state.at(p.state_off), v, pc, p.span.len, opt, &decay.restrict(p.span), hyper, 0, 0.0)?;
         }
         Ok(())
     }
