@@ -23,6 +23,8 @@ use crate::backend::half::HalfFormat;
 use crate::backend::BackendError;
 
 const COMMON: &str = include_str!("kernels/common.cuh");
+/// The wgmma/TMA building blocks, after `COMMON` in front of every `HOPPER` module.
+const HOPPER_COMMON: &str = include_str!("kernels/hopper.cuh");
 
 /// (file name, source): each becomes one module.
 pub const SOURCES: &[(&str, &str)] = &[
@@ -186,7 +188,8 @@ struct Module<'a> {
 impl Module<'_> {
     /// The source NVRTC compiles (the common header first) and its options.
     fn source_and_options(&self) -> (String, Vec<String>) {
-        let src = format!("{COMMON}\n#line 1 \"{}\"\n{}", self.name, self.body);
+        let hopper = if HOPPER.iter().any(|(name, _)| *name == self.name) { format!("#line 1 \"hopper.cuh\"\n{HOPPER_COMMON}\n") } else { String::new() };
+        let src = format!("{COMMON}\n{hopper}#line 1 \"{}\"\n{}", self.name, self.body);
         let mut opts = vec![format!("--gpu-architecture={}", self.arch), "--std=c++17".into(), "-default-device".into(), "--use_fast_math".into()];
         if self.half == HalfFormat::F16 {
             opts.push("-DVITSCALE_HALF_F16".into());
