@@ -22,6 +22,7 @@ p.add_argument("--compile", action="store_true")
 p.add_argument("--steps", type=int, default=30)
 p.add_argument("--warmup", type=int, default=10)
 p.add_argument("--patch", type=int, default=0)
+p.add_argument("--half", default="bf16", choices=["bf16", "fp16"], help="16-bit format: bf16, or fp16 with loss scaling (DeepSpeed's fp16 block; torch.amp.GradScaler)")
 p.add_argument("--one-gpu", action="store_true", help="every rank on cuda:0 (needs NCCL_HOSTID per rank: hostid.sh)")
 a = p.parse_args()
 
@@ -43,6 +44,8 @@ def make_model():
     torch.manual_seed(0)
     return timm.create_model(a.model, **kw).to(dev)
 
+half = torch.float16 if a.half == "fp16" else torch.bfloat16
+
 def run(micro, gas):
     model = make_model()
     nparams = sum(p.numel() for p in model.parameters())
@@ -51,13 +54,13 @@ def run(micro, gas):
     y = torch.randint(0, a.classes, (micro,), device=dev)
     if a.mode == "deepspeed":
         cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
-               "bf16": {"enabled": True}, "zero_optimization": {"stage": a.zero},
+               a.half: {"enabled": True}, "zero_optimization": {"stage": a.zero},
                "gradient_clipping": 1.0, "steps_per_print": 10**9, "wall_clock_breakdown": False}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=True)
         eng, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
         def step():
             for _ in range(gas):
-                loss = lossf(eng(x.to(torch.bfloat16)), y)
+                loss = lossf(eng(x.to(half)), y)
                 eng.backward(loss); eng.step()
             return loss
     else:
@@ -67,15 +70,17 @@ def run(micro, gas):
             m = nn.parallel.DistributedDataParallel(model, device_ids=[gpu], gradient_as_bucket_view=True)
         fwd = torch.compile(m) if a.compile else m
         import contextlib
+        scaler = torch.amp.GradScaler("cuda", enabled=a.half == "fp16")
         def step():
             for i in range(gas):
                 ctx = m.no_sync() if (a.mode == "ddp" and world > 1 and i < gas - 1) else contextlib.nullcontext()
                 with ctx:
-                    with torch.autocast("cuda", dtype=torch.bfloat16):
+                    with torch.autocast("cuda", dtype=half):
                         loss = lossf(fwd(x), y) / gas
-                    loss.backward()
+                    scaler.scale(loss).backward()
+            scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step(); opt.zero_grad(set_to_none=True)
+            scaler.step(opt); scaler.update(); opt.zero_grad(set_to_none=True)
             return loss
     for _ in range(a.warmup): step()
     torch.cuda.synchronize()
@@ -87,7 +92,7 @@ def run(micro, gas):
     imgs = micro * gas * world
     mem = torch.cuda.max_memory_allocated(dev) / 2**30
     if rank == 0:
-        print(json.dumps({"mode": a.mode + ("+compile" if a.compile else "") + (f"+z{a.zero}" if a.mode == "deepspeed" else ""),
+        print(json.dumps({"mode": a.mode + ("+compile" if a.compile else "") + (f"+z{a.zero}" if a.mode == "deepspeed" else "") + ("+fp16" if a.half == "fp16" else ""),
                           "model": a.model, "img": a.img, "params": nparams, "world": world, "micro": micro, "gas": gas,
                           "one_gpu": a.one_gpu, "step_ms": round(dt * 1e3, 2), "img_per_s": round(imgs / dt, 1), "img_per_s_per_gpu": round(imgs / dt / world, 1),
                           "max_mem_gib": round(mem, 2), "loss": round(float(loss), 4)}), flush=True)
