@@ -21,6 +21,12 @@ use crate::core::OptimizerConfig;
 // The shared vocabulary the trait's signatures use, under the paths callers know.
 pub use crate::core::{optimizer_state_len, ParamGroup, ParamGroups, Span, StepHyper};
 
+/// The smallest magnitude an f32 value rounds to infinity at in fp16 (round to nearest even:
+/// 65504 is fp16's largest finite value, 65520 lies halfway to the next power of two). The fp16
+/// overflow check counts a gradient this large as infinite, as DeepSpeed's fp16 engine, whose
+/// gradients are fp16 tensors, would hold it.
+pub const FP16_INF_FROM: f32 = 65520.0;
+
 /// What the MLP's fc1 forward keeps for the GELU backward (`matmul_forward` with a GELU,
 /// `matmul_backward_gelu_bias`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -329,7 +335,10 @@ pub trait Backend: Send + Sync {
 
     // ---- optimizer ----------------------------------------------------------------------
     /// Σ g² over the whole gradient buffer (for the global norm; f64 accumulation on CPU).
-    fn sum_squares(&self, buf: &Self::Buf) -> BResult<f64>;
+    /// A value of magnitude ≥ `inf_from` counts as infinite (the fp16 overflow check passes
+    /// [`FP16_INF_FROM`]: a gradient that fp16 cannot hold); `f32::INFINITY` for the plain sum.
+    /// Non-finite exactly when some value is inf, NaN or that large.
+    fn sum_squares(&self, buf: &Self::Buf, inf_from: f32) -> BResult<f64>;
     /// `buf *= s`.
     fn scale(&self, buf: &mut Self::Buf, s: f32) -> BResult<()>;
     /// One optimizer step over the flat f32 buffers: master `params` updated in place from
@@ -341,7 +350,8 @@ pub trait Backend: Send + Sync {
     fn optimizer_step(&self, params: &mut Self::Buf, grads: &Self::Buf, state: &mut Self::Buf, opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()>;
     /// Σ g² over several spans of `buf` (f64): the gradient norm of a ZeRO shard, whose
     /// pieces are spans of the flat buffer.
-    fn sum_squares_spans(&self, buf: &Self::Buf, spans: &[Span]) -> BResult<f64>;
+    /// `inf_from` as in `sum_squares`.
+    fn sum_squares_spans(&self, buf: &Self::Buf, spans: &[Span], inf_from: f32) -> BResult<f64>;
     /// `optimizer_step` restricted to pieces of the flat buffers (ZeRO: the pieces this rank
     /// owns). Each piece is (span of `params`/`grads`, offset into `state`): the piece's own
     /// optimizer state, `optimizer_state_len(opt, span.len)` elements laid out as

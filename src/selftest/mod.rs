@@ -209,8 +209,8 @@ fn op_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
         cpu.scale(&mut s.c, 0.7)?;
         cx.compare("scale", &s, F32_TOL)?;
         let g = cx.rand(100_003, 1.0, false)?;
-        let ss_d = cx.be.sum_squares(&g.d)?;
-        let ss_c = cpu.sum_squares(&g.c)?;
+        let ss_d = cx.be.sum_squares(&g.d, f32::INFINITY)?;
+        let ss_c = cpu.sum_squares(&g.c, f32::INFINITY)?;
         let e = ((ss_d - ss_c) / ss_c).abs();
         cx.checks.push(Check { name: "sum_squares".into(), rel_err: e, tol: F32_TOL, pass: e.is_finite() && e <= F32_TOL });
     }
@@ -704,7 +704,7 @@ fn optimizer_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
             let g = cx.randn(n, 1.0);
             let mut gd = cx.be.alloc_f32(n)?;
             cx.be.upload(&mut gd, 0, &g)?;
-            let ss_dev = cx.be.sum_squares_spans(&gd, &pieces_at)?;
+            let ss_dev = cx.be.sum_squares_spans(&gd, &pieces_at, f32::INFINITY)?;
             let ss_ref: f64 = pieces_at.iter().flat_map(|s| &g[s.range()]).map(|&v| (v as f64) * (v as f64)).sum();
             ss_err = ss_err.max((ss_dev - ss_ref).abs() / ss_ref.max(f64::MIN_POSITIVE));
             // step 2 clips by the global norm (‖0.5·g‖ ≈ 0.5·√n, so a bound of 0.25·√n halves
@@ -717,7 +717,7 @@ fn optimizer_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
             let hyper = StepHyper { lr: opt.lr() as f32 * (1.0 + 0.1 * step as f32), step, grad_scale: 0.5, clip_norm };
             cx.be.optimizer_step(&mut pd, &gd, &mut sd, &opt, decay, hyper)?;
             cx.be.optimizer_step_cast(&mut pd_cast, &gd, &mut sd_cast, &mut copy, &opt, decay, hyper)?;
-            let full_norm = cx.be.sum_squares_spans(&gd, &[Span { off: 0, len: n }])?.sqrt();
+            let full_norm = cx.be.sum_squares_spans(&gd, &[Span { off: 0, len: n }], f32::INFINITY)?.sqrt();
             let sharded = StepHyper { grad_scale: hyper.effective_grad_scale(full_norm), clip_norm: 0.0, ..hyper };
             cx.be.optimizer_step_pieces(&mut pd_pieces, &gd, &mut sd_pieces, &pieces, &opt, decay, sharded)?;
             if shard_check {

@@ -401,8 +401,8 @@ impl<B: Backend> GradSync<B> for Timed<'_, B> {
         self.wait_s += t.elapsed().as_secs_f64();
         Ok(bytes)
     }
-    fn global_sum_squares(&mut self, be: &B, grads: &B::Buf) -> Result<f64, TrainError> {
-        self.inner.global_sum_squares(be, grads)
+    fn global_sum_squares(&mut self, be: &B, grads: &B::Buf, inf_from: f32) -> Result<f64, TrainError> {
+        self.inner.global_sum_squares(be, grads, inf_from)
     }
     // the sync's own update (ZeRO's sharded one), or the update of the whole gradient
     #[allow(clippy::too_many_arguments)]

@@ -18,7 +18,7 @@
 //! has no host synchronization at all except on those steps, which have two (the norm, the
 //! losses).
 
-use crate::backend::{optimizer_state_len, Backend, ParamGroups, Span, StepHyper};
+use crate::backend::{optimizer_state_len, Backend, ParamGroups, Span, StepHyper, FP16_INF_FROM};
 use crate::config::OptimizerConfig;
 use crate::core::encoded::EncodedBatch;
 use crate::metrics::trace::{Trace, Track};
@@ -237,7 +237,7 @@ impl<B: Backend> Step<B> {
         let mut hyper = StepHyper { lr: lr as f32, step: step + 1, grad_scale: 1.0, clip_norm: self.clip };
         let mut unscaled_norm = None;
         if let Some(ls) = self.loss_scaling.as_mut() {
-            match ls.at_boundary(sync.global_sum_squares(be, &self.vit.grads)?)? {
+            match ls.at_boundary(sync.global_sum_squares(be, &self.vit.grads, FP16_INF_FROM)?)? {
                 Verdict::Skip => {
                     self.vit.zero_grads(be)?;
                     self.mark(be, Phase::Optimizer)?;

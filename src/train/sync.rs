@@ -38,9 +38,10 @@ pub trait GradSync<B: Backend> {
     /// Every gradient is written: complete the reduction. Returns the bytes this rank sent.
     fn finish(&mut self, be: &B, grads: &mut B::Buf) -> Result<u64, TrainError>;
     /// After `finish`: the sum of squares of the whole reduced gradient, the same value on
-    /// every rank (the fp16 overflow check: non-finite exactly when some gradient is).
-    fn global_sum_squares(&mut self, be: &B, grads: &B::Buf) -> Result<f64, TrainError> {
-        Ok(be.sum_squares(grads)?)
+    /// every rank (the fp16 overflow check: non-finite exactly when some gradient is, or is of
+    /// magnitude ≥ `inf_from`, as `Backend::sum_squares`).
+    fn global_sum_squares(&mut self, be: &B, grads: &B::Buf, inf_from: f32) -> Result<f64, TrainError> {
+        Ok(be.sum_squares(grads, inf_from)?)
     }
     /// After `finish`: the optimizer step with `hyper` (clipping included), which leaves the
     /// updated weights on every rank. By default every rank updates every parameter from the
@@ -48,7 +49,7 @@ pub trait GradSync<B: Backend> {
     /// With `read_norm` the pre-clip global gradient norm comes back.
     #[allow(clippy::too_many_arguments)]
     fn update(&mut self, be: &B, vit: &mut Vit<B>, state: &mut B::Buf, opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper, read_norm: bool) -> Result<Updated, TrainError> {
-        let norm = if read_norm { Some(be.sum_squares(&vit.grads)?.sqrt()) } else { None };
+        let norm = if read_norm { Some(be.sum_squares(&vit.grads, f32::INFINITY)?.sqrt()) } else { None };
         vit.update(be, state, opt, decay, hyper)?;
         Ok(Updated { norm, bytes: 0 })
     }
@@ -306,8 +307,8 @@ impl<B: Backend> GradSync<B> for BucketSync<'_, B::Buf> {
 
     // Every rank holds the same reduced gradient; the ranks still agree on whether it
     // overflowed (DeepSpeed all-reduces its overflow flag), so no rank can step alone.
-    fn global_sum_squares(&mut self, be: &B, grads: &B::Buf) -> Result<f64, TrainError> {
-        let sq = be.sum_squares(grads)?;
+    fn global_sum_squares(&mut self, be: &B, grads: &B::Buf, inf_from: f32) -> Result<f64, TrainError> {
+        let sq = be.sum_squares(grads, inf_from)?;
         if self.comm.world_size() == 1 {
             return Ok(sq);
         }

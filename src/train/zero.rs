@@ -385,18 +385,18 @@ impl<B: Backend> GradSync<B> for ZeroSync<'_, B::Buf> {
 
     // the global norm: every rank's own shards once (summed over ranks), the replicated
     // tails once
-    fn global_sum_squares(&mut self, be: &B, grads: &B::Buf) -> Result<f64, TrainError> {
+    fn global_sum_squares(&mut self, be: &B, grads: &B::Buf, inf_from: f32) -> Result<f64, TrainError> {
         let l = self.layout;
-        let mut own = [be.sum_squares_spans(grads, &l.own_shards())?];
+        let mut own = [be.sum_squares_spans(grads, &l.own_shards(), inf_from)?];
         if l.world > 1 {
             self.comm.all_reduce_host(&mut own)?;
         }
-        Ok(own[0] + be.sum_squares_spans(grads, &l.tails())?)
+        Ok(own[0] + be.sum_squares_spans(grads, &l.tails(), inf_from)?)
     }
 
     fn update(&mut self, be: &B, vit: &mut Vit<B>, state: &mut B::Buf, opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper, read_norm: bool) -> Result<Updated, TrainError> {
         let l = self.layout;
-        let norm = if hyper.clip_norm > 0.0 || read_norm { Some(self.global_sum_squares(be, &vit.grads)?.sqrt()) } else { None };
+        let norm = if hyper.clip_norm > 0.0 || read_norm { Some(self.global_sum_squares(be, &vit.grads, f32::INFINITY)?.sqrt()) } else { None };
         let grad_scale = match norm {
             Some(n) if hyper.clip_norm > 0.0 => hyper.effective_grad_scale(n),
             _ => hyper.grad_scale,
@@ -512,10 +512,10 @@ impl<B: Backend> GradSync<B> for AnySync<'_, B::Buf> {
             AnySync::Zero(s) => s.finish(be, grads),
         }
     }
-    fn global_sum_squares(&mut self, be: &B, grads: &B::Buf) -> Result<f64, TrainError> {
+    fn global_sum_squares(&mut self, be: &B, grads: &B::Buf, inf_from: f32) -> Result<f64, TrainError> {
         match self {
-            AnySync::Plain(s) => s.global_sum_squares(be, grads),
-            AnySync::Zero(s) => s.global_sum_squares(be, grads),
+            AnySync::Plain(s) => s.global_sum_squares(be, grads, inf_from),
+            AnySync::Zero(s) => s.global_sum_squares(be, grads, inf_from),
         }
     }
     fn update(&mut self, be: &B, vit: &mut Vit<B>, state: &mut B::Buf, opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper, read_norm: bool) -> Result<Updated, TrainError> {

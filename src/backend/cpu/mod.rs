@@ -677,15 +677,15 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn sum_squares(&self, buf: &Vec<f32>) -> BResult<f64> {
-        Ok(optim::sum_squares(buf))
+    fn sum_squares(&self, buf: &Vec<f32>, inf_from: f32) -> BResult<f64> {
+        Ok(optim::sum_squares(buf, inf_from))
     }
 
-    fn sum_squares_spans(&self, buf: &Vec<f32>, spans: &[Span]) -> BResult<f64> {
+    fn sum_squares_spans(&self, buf: &Vec<f32>, spans: &[Span], inf_from: f32) -> BResult<f64> {
         let mut total = 0.0;
         for s in spans {
             check("sum_squares_spans", "buf", buf, s.off + s.len)?;
-            total += optim::sum_squares(&buf[s.range()]);
+            total += optim::sum_squares(&buf[s.range()], inf_from);
         }
         Ok(total)
     }

@@ -227,10 +227,12 @@ pub fn optimizer_step_master(
     Ok(())
 }
 
-/// Σ x² accumulated in f64; partial sums are added in chunk order so the result does not
+/// Σ x² accumulated in f64, a value of magnitude ≥ `inf_from` counted as infinite (see
+/// `Backend::sum_squares`); partial sums are added in chunk order so the result does not
 /// depend on the thread schedule.
-pub fn sum_squares(x: &[f32]) -> f64 {
-    let parts: Vec<f64> = x.par_chunks(CHUNK).map(|c| c.iter().map(|&v| (v as f64) * (v as f64)).sum()).collect();
+pub fn sum_squares(x: &[f32], inf_from: f32) -> f64 {
+    let sq = |v: f32| if v.abs() >= inf_from { f64::INFINITY } else { (v as f64) * (v as f64) };
+    let parts: Vec<f64> = x.par_chunks(CHUNK).map(|c| c.iter().map(|&v| sq(v)).sum()).collect();
     parts.iter().sum()
 }
 
@@ -468,11 +470,32 @@ mod tests {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
         let x = random(3 * CHUNK + 17, &mut rng);
         let want: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
-        let got = sum_squares(&x);
+        let got = sum_squares(&x, f32::INFINITY);
         assert!((got - want).abs() <= 1e-12 * want, "{got} vs {want}");
-        assert_eq!(sum_squares(&[]), 0.0);
-        assert_eq!(sum_squares(&[3.0, 4.0]), 25.0);
+        assert_eq!(sum_squares(&[], f32::INFINITY), 0.0);
+        assert_eq!(sum_squares(&[3.0, 4.0], f32::INFINITY), 25.0);
         // Same result every call (chunk-ordered reduction).
-        assert_eq!(got.to_bits(), sum_squares(&x).to_bits());
+        assert_eq!(got.to_bits(), sum_squares(&x, f32::INFINITY).to_bits());
+    }
+
+    /// The fp16 overflow check's bound: 65504 (fp16's largest value) and 65519.99 stay finite,
+    /// 65520 (rounds to inf in fp16) does not, in any chunk; inf and NaN stay non-finite.
+    #[test]
+    fn sum_squares_counts_values_past_the_bound_as_infinite() {
+        use crate::backend::FP16_INF_FROM;
+        assert_eq!(half::f16::from_f32(65519.99).to_f32(), 65504.0);
+        assert!(half::f16::from_f32(FP16_INF_FROM).is_infinite());
+        let mut x = vec![0.5f32; 2 * CHUNK + 3];
+        x[CHUNK + 1] = -65504.0;
+        x[7] = 65519.99;
+        assert!(sum_squares(&x, FP16_INF_FROM).is_finite());
+        for (i, v) in [(2 * CHUNK + 2, 65520.0f32), (0, -7.0e4), (CHUNK, f32::INFINITY)] {
+            let mut y = x.clone();
+            y[i] = v;
+            assert_eq!(sum_squares(&y, FP16_INF_FROM), f64::INFINITY, "{v} at {i}");
+            assert!(sum_squares(&y, f32::INFINITY).is_finite() || v.is_infinite());
+        }
+        x[3] = f32::NAN;
+        assert!(sum_squares(&x, FP16_INF_FROM).is_nan());
     }
 }

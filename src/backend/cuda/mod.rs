@@ -466,12 +466,12 @@ impl Backend for Cuda {
         self.cross_entropy_impl(losses, dlogits, logits, targets, b, k, dloss_scale)
     }
 
-    fn sum_squares(&self, buf: &CudaBuf) -> BResult<f64> {
-        self.sum_squares_impl(buf)
+    fn sum_squares(&self, buf: &CudaBuf, inf_from: f32) -> BResult<f64> {
+        self.sum_squares_impl(buf, inf_from)
     }
 
-    fn sum_squares_spans(&self, buf: &CudaBuf, spans: &[Span]) -> BResult<f64> {
-        self.sum_squares_spans_impl(buf, spans)
+    fn sum_squares_spans(&self, buf: &CudaBuf, spans: &[Span], inf_from: f32) -> BResult<f64> {
+        self.sum_squares_spans_impl(buf, spans, inf_from)
     }
 
     fn optimizer_step_pieces(&self, params: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, pieces: &[(Span, usize)], opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()> {

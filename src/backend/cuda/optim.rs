@@ -17,9 +17,9 @@ const OPT_CHUNK: usize = 8 * 4 * THREADS as usize;
 const SEGMENT_TABLES: usize = 256;
 
 impl Cuda {
-    pub(super) fn sum_squares_impl(&self, buf: &CudaBuf) -> BResult<f64> {
+    pub(super) fn sum_squares_impl(&self, buf: &CudaBuf, inf_from: f32) -> BResult<f64> {
         self.flush_partial_sums()?;
-        self.sum_squares_async(buf)?;
+        self.sum_squares_async(buf, inf_from)?;
         self.synchronize()?;
         let mut h = [0f64; 1];
         // SAFETY: 8 bytes from `acc` into an f64; the stream is idle.
@@ -33,13 +33,14 @@ impl Cuda {
         self.launch1("scale_kernel", buf.len, &mut kargs![buf.ptr, buf.dt(), n, s])
     }
 
-    /// Σ buf² into the f64 `acc` on the stream (zeroed first); no waiting.
-    fn sum_squares_async(&self, buf: &CudaBuf) -> BResult<()> {
+    /// Σ buf² into the f64 `acc` on the stream (zeroed first), `inf_from` as in
+    /// `Backend::sum_squares`; no waiting.
+    fn sum_squares_async(&self, buf: &CudaBuf, inf_from: f32) -> BResult<()> {
         // SAFETY: `acc` holds 8 bytes.
         unsafe { dr::memset_d8_async(self.acc.ptr, 0, 8, self.stream.cu_stream()) }.map_err(dev("sum_squares"))?;
         let n = buf.len as i64;
         let grid = self.grid(buf.len).min(self.info.multiprocessors * 4);
-        self.launch("sum_squares_kernel", (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![self.acc.ptr, buf.ptr, buf.dt(), n])
+        self.launch("sum_squares_kernel", (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![self.acc.ptr, buf.ptr, buf.dt(), n, inf_from])
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -70,7 +71,7 @@ impl Cuda {
         };
         // clipping by the global norm: its square summed into `acc` just before the update
         let (norm2, clip) = if hyper.clip_norm > 0.0 {
-            self.sum_squares_async(grads)?;
+            self.sum_squares_async(grads, f32::INFINITY)?;
             (self.acc.ptr, hyper.clip_norm as f32)
         } else {
             (0, 0.0f32)
@@ -151,7 +152,7 @@ impl Cuda {
     }
 
     /// Σ g² of several spans, summed into `acc` on the stream, then read back (one wait).
-    pub(super) fn sum_squares_spans_impl(&self, buf: &CudaBuf, spans: &[Span]) -> BResult<f64> {
+    pub(super) fn sum_squares_spans_impl(&self, buf: &CudaBuf, spans: &[Span], inf_from: f32) -> BResult<f64> {
         self.flush_partial_sums()?;
         // SAFETY: `acc` holds 8 bytes.
         unsafe { dr::memset_d8_async(self.acc.ptr, 0, 8, self.stream.cu_stream()) }.map_err(dev("sum_squares_spans"))?;
@@ -162,7 +163,7 @@ impl Cuda {
             }
             let n = s.len as i64;
             let grid = self.grid(s.len).min(self.info.multiprocessors * 4);
-            self.launch("sum_squares_kernel", (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![self.acc.ptr, buf.at(s.off), buf.dt(), n])?;
+            self.launch("sum_squares_kernel", (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![self.acc.ptr, buf.at(s.off), buf.dt(), n, inf_from])?;
         }
         self.synchronize()?;
         let mut h = [0f64; 1];

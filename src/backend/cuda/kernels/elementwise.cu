@@ -71,10 +71,16 @@ extern "C" __global__ void gelu_bwd(void* dx, int dtx, const void* pre, int dtp,
 }
 
 // *out += Σ x², f64 accumulation per block.
-extern "C" __global__ void sum_squares_kernel(double* out, const void* x, int dt, i64 n) {
+// A value of magnitude ≥ inf_from adds +inf (the fp16 overflow check; INFINITY for the plain
+// sum); NaN stays NaN.
+extern "C" __global__ void sum_squares_kernel(double* out, const void* x, int dt, i64 n, float inf_from) {
     __shared__ double part[32];
     double acc = 0.0;
-    GRID_STRIDE(i, n) { double v = (double)ldx(x, dt, i); acc += v * v; }
+    GRID_STRIDE(i, n) {
+        const float f = ldx(x, dt, i);
+        const double v = fabsf(f) >= inf_from ? (double)INFINITY : (double)f;
+        acc += v * v;
+    }
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
     int w = threadIdx.x >> 5, l = threadIdx.x & 31;
