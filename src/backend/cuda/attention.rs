@@ -60,20 +60,6 @@ fn class_attention_v8(d: usize, ptrs: &[CUdeviceptr]) -> bool {
     d % 8 == 0 && d <= 1024 && ptrs.iter().all(|p| p % 16 == 0)
 }
 
-/// Consumer warpgroups per block of the long-sequence wgmma forward at N tokens: three (192
-/// queries: each K and V tile copied into shared memory serves half as many queries again;
-/// ViT-B/16 at 512 px ran its forward 13 % faster than with two on an H100) unless their
-/// padding of the last block costs more than a tenth over two's (577 tokens: 768 against 640
-/// query rows).
-fn long_forward_warpgroups(n: usize) -> usize {
-    let rows = |w: usize| n.div_ceil(64 * w) * 64 * w;
-    if rows(3) * 10 <= rows(2) * 11 {
-        3
-    } else {
-        2
-    }
-}
-
 /// The fused attention kernels put B·H on grid.y (at most 65535 blocks).
 fn check_grid(op: &'static str, bh: usize) -> BResult<()> {
     if bh > 65535 {
@@ -139,22 +125,19 @@ impl Cuda {
         self.wgmma_attention_applies(n, d).then_some((2 * 208 * 128 + 2 * 224 * 128 + 4 * 208 * 128 + 2 * 224 * 4 + 16 + 1024) as u32)
     }
 
-    /// The long-sequence wgmma forward (hopper_flash_fwd.cu, sm_90 only: 64·W queries per block
-    /// of W consumer warpgroups against key tiles of 128 with an online softmax) when it
-    /// applies — path `fused`, D = 64, N > 256, switched on and compiled: (kernel, W, dynamic
-    /// shared memory). Mirrors FL_SMEM (W Q tiles, a 2-stage ring of K and V tiles, 7 mbarriers).
-    fn wgmma_long_attention_forward(&self, n: usize, d: usize) -> Option<(&'static str, usize, u32)> {
-        if !(self.attention_path() == AttentionPath::Fused && d == 64 && n > 256 && self.wgmma_attention() && self.has_wgmma_long_attention()) {
-            return None;
-        }
-        let w = long_forward_warpgroups(n);
-        let name = if w == 3 { "flash_fwd_wg_long3_d64" } else { "flash_fwd_wg_long_d64" };
-        Some((name, w, (w * 64 * 128 + 2 * 2 * 128 * 128 + 8 * 7 + 1024) as u32))
+    /// Dynamic shared memory of the long-sequence wgmma forward `flash_fwd_wg_long_d64`
+    /// (hopper_flash_fwd.cu, sm_90 only: 192 queries per block of three consumer warpgroups
+    /// against key tiles of 128 with an online softmax), when it applies: path `fused`, D = 64,
+    /// N > 256, switched on and compiled. Mirrors FL_SMEM(3) (three Q tiles, a 2-stage ring of K
+    /// and V tiles, 7 mbarriers).
+    fn wgmma_long_attention_forward(&self, n: usize, d: usize) -> Option<u32> {
+        let applies = self.attention_path() == AttentionPath::Fused && d == 64 && n > 256 && self.wgmma_attention() && self.has_wgmma_long_attention();
+        applies.then_some((3 * 64 * 128 + 2 * 2 * 128 * 128 + 8 * 7 + 1024) as u32)
     }
 
     /// Whether the long-sequence wgmma forward is compiled (sm_90; its module may fail on its own).
     pub fn has_wgmma_long_attention(&self) -> bool {
-        self.kernels.get("flash_fwd_wg_long_d64").is_ok() && self.kernels.get("flash_fwd_wg_long3_d64").is_ok()
+        self.kernels.get("flash_fwd_wg_long_d64").is_ok()
     }
 
     fn wgmma_attention_applies(&self, n: usize, d: usize) -> bool {
@@ -211,13 +194,13 @@ impl Cuda {
                 let tm_out = tensor_map_3d(out.ptr, c, n, b, 64)?;
                 return self.launch_dyn("flash_fwd_wg_d64", ((b * h) as u32, 1, 1), (128, 1, 1), smem, &mut kargs![tm_kv, tm_q, tm_out, probs.ptr, nn, hh, scale_log2]);
             }
-            if let (Some((name, w, smem)), true) = (self.wgmma_long_attention_forward(n, d), qkv.ptr % 16 == 0 && out.ptr % 16 == 0) {
+            if let (Some(smem), true) = (self.wgmma_long_attention_forward(n, d), qkv.ptr % 16 == 0 && out.ptr % 16 == 0) {
                 let c = h * d;
                 let tm_kv = tensor_map_3d(qkv.ptr, 3 * c, n, b, 128)?;
                 let tm_q = tensor_map_3d(qkv.ptr, 3 * c, n, b, 64)?;
                 let tm_out = tensor_map_3d(out.ptr, c, n, b, 64)?;
-                let grid = (n.div_ceil(64 * w) as u32, (b * h) as u32, 1);
-                return self.launch_dyn(name, grid, (128 * (w as u32 + 1), 1, 1), smem, &mut kargs![tm_kv, tm_q, tm_out, probs.ptr, nn, hh, scale_log2]);
+                let grid = (n.div_ceil(192) as u32, (b * h) as u32, 1);
+                return self.launch_dyn("flash_fwd_wg_long_d64", grid, (512, 1, 1), smem, &mut kargs![tm_kv, tm_q, tm_out, probs.ptr, nn, hh, scale_log2]);
             }
             if let Some((w, smem, _)) = self.small_attention(n, d) {
                 let block = (32 * w as u32, 1, 1);
