@@ -1014,7 +1014,8 @@ pub fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult
 /// and 209–256 (N 81, 129, 209, 256); at D 64, N 193–208 the wgmma kernels replace the
 /// 13-warp backward and the tiled forward when chosen (`wgmma`: compiled, sm_90, and switched
 /// on); at D 64, N > 256 (N 577, 1025, 4097, 16384) the long-sequence wgmma forward replaces
-/// the tiled one when chosen and its module loaded (`long`). A count off by one fails: the selection would have changed under the checks.
+/// the tiled one when chosen and its module loaded (`long`). A count off by one fails: the
+/// selection would have changed under the checks.
 fn attention_kernel_choice(launched: &[(String, f64, usize)], wgmma: bool, long: bool, label: &str) -> Vec<Check> {
     let count = |kernel: &str| launched.iter().filter(|(name, _, _)| name == kernel).map(|&(_, _, c)| c).sum::<usize>();
     let (wg, w13) = if wgmma { (8, 0) } else { (0, 8) };
