@@ -1,7 +1,7 @@
 //! Attention: the path choice (gemm, fused, and within fused the small-head, whole-head,
 //! short-sequence, wgmma and key-block kernels, each with the shared memory its kernel in
-//! `kernels/flash.cu` or `kernels/hopper.cu` expects), the forward and backward of every path,
-//! and the class-token attention of a pooled last block.
+//! `kernels/flash.cu`, `kernels/hopper.cu` or `kernels/hopper_flash_fwd.cu` expects), the
+//! forward and backward of every path, and the class-token attention of a pooled last block.
 
 use cudarc::driver::result as dr;
 use cudarc::driver::sys::CUdeviceptr;
@@ -125,6 +125,21 @@ impl Cuda {
         self.wgmma_attention_applies(n, d).then_some((2 * 208 * 128 + 2 * 224 * 128 + 4 * 208 * 128 + 2 * 224 * 4 + 16 + 1024) as u32)
     }
 
+    /// Dynamic shared memory of the long-sequence wgmma forward `flash_fwd_wg_long_d64`
+    /// (hopper_flash_fwd.cu, sm_90 only: 192 queries per block of three consumer warpgroups
+    /// against key tiles of 128 with an online softmax), when it applies: path `fused`, D = 64,
+    /// N > 256, switched on and compiled. Mirrors FL_SMEM(3) (three Q tiles, a 2-stage ring of K
+    /// and V tiles, 7 mbarriers).
+    fn wgmma_long_attention_forward(&self, n: usize, d: usize) -> Option<u32> {
+        let applies = self.attention_path() == AttentionPath::Fused && d == 64 && n > 256 && self.wgmma_attention() && self.has_wgmma_long_attention();
+        applies.then_some((3 * 64 * 128 + 2 * 2 * 128 * 128 + 8 * 7 + 1024) as u32)
+    }
+
+    /// Whether the long-sequence wgmma forward is compiled (sm_90; its module may fail on its own).
+    pub fn has_wgmma_long_attention(&self) -> bool {
+        self.kernels.get("flash_fwd_wg_long_d64").is_ok()
+    }
+
     fn wgmma_attention_applies(&self, n: usize, d: usize) -> bool {
         self.head_of_197(n, d) && self.wgmma_attention() && self.has_wgmma_attention()
     }
@@ -178,6 +193,14 @@ impl Cuda {
                 let tm_q = tensor_map_3d(qkv.ptr, 3 * c, n, b, 64)?;
                 let tm_out = tensor_map_3d(out.ptr, c, n, b, 64)?;
                 return self.launch_dyn("flash_fwd_wg_d64", ((b * h) as u32, 1, 1), (128, 1, 1), smem, &mut kargs![tm_kv, tm_q, tm_out, probs.ptr, nn, hh, scale_log2]);
+            }
+            if let (Some(smem), true) = (self.wgmma_long_attention_forward(n, d), qkv.ptr % 16 == 0 && out.ptr % 16 == 0) {
+                let c = h * d;
+                let tm_kv = tensor_map_3d(qkv.ptr, 3 * c, n, b, 128)?;
+                let tm_q = tensor_map_3d(qkv.ptr, 3 * c, n, b, 64)?;
+                let tm_out = tensor_map_3d(out.ptr, c, n, b, 64)?;
+                let grid = (n.div_ceil(192) as u32, (b * h) as u32, 1);
+                return self.launch_dyn("flash_fwd_wg_long_d64", grid, (512, 1, 1), smem, &mut kargs![tm_kv, tm_q, tm_out, probs.ptr, nn, hh, scale_log2]);
             }
             if let Some((w, smem, _)) = self.small_attention(n, d) {
                 let block = (32 * w as u32, 1, 1);
