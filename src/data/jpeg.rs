@@ -161,7 +161,7 @@ unsafe fn decode_with(h: tj::tjhandle, bytes: &[u8], want: impl FnOnce(usize, us
     if pixels.len() < n {
         pixels.resize(n, 0);
     }
-    if tj::tj3Decompress8(h, bytes.as_ptr(), bytes.len() as _, pixels.as_mut_ptr(), (ow * 3) as i32, tj::TJPF_TJPF_RGB as i32) != 0 {
+    if tj::tj3Decompress8(h, bytes.as_ptr(), bytes.len() as _, pixels.as_mut_ptr(), (ow * 3) as i32, tj::TJPF_TJPF_RGB) != 0 {
         return Err(message(h));
     }
     Ok(Partial { width: ow, height: oh, region, source: (width, height), reduction: r })
