@@ -77,6 +77,7 @@ fn empty_config_gives_every_default() {
             interpolation: Interpolation::Bilinear,
             prefetch: 2,
             decode: Decode::Cpu,
+            decode_scale: DecodeScale::Auto,
             aug: Default::default(),
         }
     );
@@ -830,7 +831,7 @@ fn resume_free_keys_are_the_run_length_logging_and_batch_split() {
         "zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_param_persistence_threshold", "zero_optimization.stage3_max_live_parameters",
         "train.epochs", "train.steps", "train.recompute", "train.pass_images", "train.eval_every", "train.checkpoint_every", "train.log_every",
         "train.eval_batch_size", "train.checkpoint_on_signal", "train.comm_timeout_s", "train.emulate_slowdown", "train.balance", "train.balance_every",
-        "data.path", "data.num_workers", "data.prefetch", "data.decode",
+        "data.path", "data.num_workers", "data.prefetch", "data.decode", "data.decode_scale",
     ];
     want.sort();
     assert_eq!(free, want);

@@ -10,7 +10,7 @@ use std::path::Path;
 
 use vitscale::backend::cpu::Cpu;
 use vitscale::backend::Backend;
-use vitscale::config::{DataConfig, DatasetKind, Decode, Interpolation};
+use vitscale::config::{DataConfig, DatasetKind, Decode, DecodeScale, Interpolation};
 use vitscale::core::encoded::{decode_rgb, Encoding};
 use vitscale::data::resize::{resample, Region};
 use vitscale::data::shards::{self, PackOptions};
@@ -31,8 +31,10 @@ fn photo_folder(root: &Path) {
     png.save(root.join("astronaut/drawing.png")).unwrap();
 }
 
+/// The CPU path decodes whole images at full size here (`data.decode_scale = "full"`), as the
+/// device does, so the emulated device batch can equal it bit for bit.
 fn cfg(root: &Path, decode: Decode) -> DataConfig {
-    DataConfig { val_split: 0.0, num_workers: 2, decode, ..DataConfig::for_dataset(DatasetKind::Folder, Some(root.to_path_buf()), [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]) }
+    DataConfig { val_split: 0.0, num_workers: 2, decode, decode_scale: DecodeScale::Full, ..DataConfig::for_dataset(DatasetKind::Folder, Some(root.to_path_buf()), [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]) }
 }
 
 #[test]

@@ -5,7 +5,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use vitscale::config::{DataConfig, DatasetKind, Interpolation};
+use vitscale::config::{DataConfig, DatasetKind, DecodeScale, Interpolation};
 use vitscale::data::{open, shard, try_make_batch, DataError, Loader, LoaderPlan, Sampler};
 
 mod common;
@@ -366,6 +366,47 @@ fn training_on_a_bad_file_fails_naming_it_or_skips_and_counts_it() {
     assert!(data_s >= 0.0 && data_s <= step["wall_s"].as_f64().unwrap(), "{step}");
 }
 
+/// Damaged photographs through the default partial decode (`data.decode_scale = "auto"`):
+/// whatever libjpeg-turbo rejects or warns about goes to the full-size decoder, so each file
+/// gives exactly the `"full"` path's result — the same pixels, or the same error naming the
+/// file — and with `data.skip_bad` an undecodable one is replaced and counted.
+#[test]
+fn damaged_photos_take_the_full_paths_result() {
+    let dir = tmp();
+    let bytes = fs::read(common::fixtures().join("photos/chelsea.jpg")).unwrap();
+    fs::create_dir_all(dir.path().join("a")).unwrap();
+    fs::write(dir.path().join("a/0_good.jpg"), &bytes).unwrap();
+    fs::write(dir.path().join("a/1_truncated.jpg"), &bytes[..bytes.len() * 2 / 3]).unwrap();
+    let mut garbled = bytes.clone();
+    garbled[2000..2400].iter_mut().for_each(|b| *b ^= 0x5a);
+    fs::write(dir.path().join("a/2_garbled.jpg"), &garbled).unwrap();
+    fs::write(dir.path().join("a/3_header_only.jpg"), &bytes[..300]).unwrap();
+    let c = DataConfig { val_split: 0.0, ..cfg(dir.path()) };
+    let d = open(&c, 48, 1, 0).unwrap();
+    for k in 0..d.train.len() {
+        for train in [true, false] {
+            let run = |scale| try_make_batch(&d.train, &[k], &DataConfig { decode_scale: scale, ..c.clone() }, train, 0, 0);
+            match (run(DecodeScale::Auto), run(DecodeScale::Full)) {
+                (Ok(a), Ok(f)) => {
+                    if k > 0 {
+                        assert_eq!(a.images, f.images, "{}", d.train.files[k].display());
+                    }
+                }
+                (Err(a), Err(f)) => {
+                    assert_eq!(a.to_string(), f.to_string());
+                    assert!(a.to_string().contains(&*d.train.files[k].file_name().unwrap().to_string_lossy()), "{a}");
+                }
+                (a, f) => panic!("{}: auto {:?} vs full {:?}", d.train.files[k].display(), a.map(|_| ()), f.map(|_| ())),
+            }
+        }
+    }
+    let header_only = d.train.files.iter().position(|f| f.ends_with("3_header_only.jpg")).unwrap();
+    assert!(try_make_batch(&d.train, &[header_only], &c, true, 0, 0).is_err());
+    let skip = DataConfig { skip_bad: true, ..c.clone() };
+    try_make_batch(&d.train, &[header_only], &skip, true, 0, 0).unwrap();
+    assert!(d.train.skipped.load(std::sync::atomic::Ordering::Relaxed) >= 1);
+}
+
 /// An `[8][8][3]` grid of block means of an HWC image (block rows `i*h/8 .. (i+1)*h/8`,
 /// likewise columns), as `tests/fixtures/photos/make_reference.py` computes them.
 fn block_means(px: impl Fn(usize, usize, usize) -> f64, w: usize, h: usize) -> Vec<f64> {
@@ -413,14 +454,20 @@ fn photos_decode_and_crop_as_pil_does() {
         assert_eq!([w as u64, h as u64], [r["size"][0].as_u64().unwrap(), r["size"][1].as_u64().unwrap()], "{name}");
         let decoded = block_means(|x, y, ch| img.get_pixel(x as u32, y as u32)[ch] as f64, w, h);
         let dec_err = worst(&decoded, &flat(&r["decoded"]));
-        let b = try_make_batch(&d.train, &[k], &c, false, 0, 0).unwrap();
-        assert_eq!(b.labels, vec![k as u32]);
-        // CHW, normalized value == pixel value
-        let eval = block_means(|x, y, ch| b.images[ch * 64 * 64 + y * 64 + x] as f64, 64, 64);
-        // timm's evaluation transform as torchvision runs it (Resize + CenterCrop)
-        let eval_err = worst(&eval, &flat(&r["eval64_torchvision"]));
-        eprintln!("{name}: block means within {dec_err:.3} (decode, PIL) and {eval_err:.3} (evaluation crop, torchvision) levels");
         assert!(dec_err < 1.0, "{name}: decoded block means differ from PIL's by up to {dec_err:.3} levels");
-        assert!(eval_err < 1.0, "{name}: evaluation-crop block means differ from torchvision's by up to {eval_err:.3} levels");
+        // The full-size decode (data.decode_scale = "full") resamples as PIL does; the default
+        // "auto" decodes these 64-px crops at 1/2 scale, whose scaled IDCT filters a little
+        // differently (src/data/jpeg.rs bounds it on full images).
+        for (scale, bound) in [(DecodeScale::Full, 1.0), (DecodeScale::Auto, 2.0)] {
+            let c = DataConfig { decode_scale: scale, ..c.clone() };
+            let b = try_make_batch(&d.train, &[k], &c, false, 0, 0).unwrap();
+            assert_eq!(b.labels, vec![k as u32]);
+            // CHW, normalized value == pixel value
+            let eval = block_means(|x, y, ch| b.images[ch * 64 * 64 + y * 64 + x] as f64, 64, 64);
+            // timm's evaluation transform as torchvision runs it (Resize + CenterCrop)
+            let eval_err = worst(&eval, &flat(&r["eval64_torchvision"]));
+            eprintln!("{name}: block means within {dec_err:.3} (decode, PIL) and {eval_err:.3} (evaluation crop, torchvision, decode_scale {}) levels", scale.as_str());
+            assert!(eval_err < bound, "{name}: evaluation-crop block means (decode_scale {}) differ from torchvision's by up to {eval_err:.3} levels", scale.as_str());
+        }
     }
 }

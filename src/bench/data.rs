@@ -4,6 +4,12 @@
 //! JPEG files (decode included), and the same + RandAugment (`rand-m9-mstd0.5-inc1`, timm's
 //! ViT recipe) — at 1 thread and at every core. BENCHMARKS.md keeps the measured numbers.
 //!
+//! Where one core's time goes on the 224-px JPEG path, each stage alone on one thread
+//! ([`stage_points`]): reading the files (page cache), the full-size decode (zune-jpeg, the
+//! `data.decode_scale = "full"` decoder: `jpeg_decode_only_full_size`; and libjpeg-turbo at
+//! full size), the partial decode `"auto"` does for each image's RandomResizedCrop window, and
+//! the whole per-image pipeline (read + decode + crop + flip + normalize) with each setting.
+//!
 //! Inputs are generated (no dataset download): 32-px random images for the CIFAR path, and
 //! 500×375 JPEGs (ImageNet's typical size and quality 90, smooth content plus noise so the
 //! entropy decoder has real work) written to a temporary folder for the JPEG path, or the JPEGs
@@ -32,6 +38,9 @@ pub struct BenchPoint {
     pub seconds: f64,
     pub images_per_s: f64,
     pub images_per_s_per_core: f64,
+    /// Partial-decode points: decoded pixels as a fraction of the full-size images' pixels.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decoded_fraction: Option<f64>,
 }
 
 fn config(dataset: DatasetKind) -> DataConfig {
@@ -59,7 +68,7 @@ fn measure(pipeline: &str, set: &ImageSet, cfg: &DataConfig, batch: usize, threa
     }
     let seconds = t.elapsed().as_secs_f64();
     let ips = images as f64 / seconds;
-    Ok(BenchPoint { pipeline: pipeline.into(), threads, images, seconds, images_per_s: ips, images_per_s_per_core: ips / threads as f64 })
+    Ok(BenchPoint { pipeline: pipeline.into(), threads, images, seconds, images_per_s: ips, images_per_s_per_core: ips / threads as f64, decoded_fraction: None })
 }
 
 /// One rank's training batches of `batch` images from `set`, on and on, built by `threads`
@@ -84,7 +93,8 @@ fn endless_plan(set: &Arc<ImageSet>, cfg: &DataConfig, batch: usize, threads: us
     }
 }
 
-/// Full-size JPEG decode alone (no crop, no resampling) on `threads` threads: the figure to
+/// Full-size JPEG decode alone (zune-jpeg, the `data.decode_scale = "full"` decoder; no crop, no
+/// resampling) on `threads` threads: the figure to
 /// hold against another decoder's (torchvision's `decode_jpeg`, PIL) on the same files.
 fn measure_decode_only(files: &[PathBuf], threads: usize, min_seconds: f64) -> Result<BenchPoint, DataError> {
     use rayon::prelude::*;
@@ -111,7 +121,81 @@ fn measure_decode_only(files: &[PathBuf], threads: usize, min_seconds: f64) -> R
     }
     let seconds = t.elapsed().as_secs_f64();
     let ips = images as f64 / seconds;
-    Ok(BenchPoint { pipeline: "jpeg_decode_only_full_size".into(), threads, images, seconds, images_per_s: ips, images_per_s_per_core: ips / threads as f64 })
+    Ok(BenchPoint { pipeline: "jpeg_decode_only_full_size".into(), threads, images, seconds, images_per_s: ips, images_per_s_per_core: ips / threads as f64, decoded_fraction: None })
+}
+
+/// Runs `one(k)` (image `k` of an endless sequence) on this thread for at least `min_seconds`
+/// after a warm-up pass over `warm` images; returns (images, seconds).
+fn time_one_thread(warm: usize, min_seconds: f64, mut one: impl FnMut(usize) -> Result<(), DataError>) -> Result<(usize, f64), DataError> {
+    for k in 0..warm {
+        one(k)?;
+    }
+    let t = Instant::now();
+    let mut k = 0;
+    while t.elapsed().as_secs_f64() < min_seconds {
+        for _ in 0..16 {
+            one(k)?;
+            k += 1;
+        }
+    }
+    Ok((k, t.elapsed().as_secs_f64()))
+}
+
+fn one_thread_point(pipeline: &str, (images, seconds): (usize, f64), decoded_fraction: Option<f64>) -> BenchPoint {
+    let ips = images as f64 / seconds;
+    BenchPoint { pipeline: pipeline.into(), threads: 1, images, seconds, images_per_s: ips, images_per_s_per_core: ips, decoded_fraction }
+}
+
+/// Each stage of the 224-px JPEG training path alone, on the calling thread (one core), over
+/// `files` in turn, image `k` with the RandomResizedCrop window training would draw for it:
+///
+/// - `jpeg_file_read_only`: open + read each file into a reused buffer (the page cache after
+///   the first pass: what the loader pays per file once the set is cached);
+/// - `jpeg_decode_only_full_size_turbo`, `…_scale_1_2_turbo`, `…_scale_1_4_turbo`:
+///   libjpeg-turbo decoding the whole image at full size, 1/2 and 1/4 (from memory);
+/// - `jpeg224_decode_only_crop_scaled`: the `"auto"` decode, from memory: only the window's
+///   rows and columns, at the DCT reduction the window allows (`decoded_fraction`: its decoded
+///   pixels over the full images'); `jpeg128_…` the same for 128-px outputs, where windows of
+///   256 px and more decode at 1/2;
+/// - `jpeg224_rrc_flip_image_{auto,full}`: one image's whole CPU path — read, decode, crop +
+///   resample to 224, flip, normalize to f32 — with each `data.decode_scale`.
+pub fn stage_points(files: &[PathBuf], min_seconds: f64) -> Result<Vec<BenchPoint>, DataError> {
+    use crate::config::DecodeScale;
+    use crate::data::{decode_window, jpeg, read_file, resize};
+    let n = files.len();
+    let bytes: Vec<Vec<u8>> = files.iter().map(|f| std::fs::read(f).map_err(|source| DataError::Io { path: f.clone(), source })).collect::<Result<_, _>>()?;
+    let cfg = config(DatasetKind::Folder);
+    let side = 224;
+    let window = |k: usize, w: usize, h: usize| resize::draw_rrc(0, (k / n) as u64, k % n, w, h, cfg.scale, cfg.ratio);
+    let (mut file, mut px) = (Vec::new(), Vec::new());
+    let mut out = Vec::new();
+    let t = time_one_thread(n, min_seconds, |k| read_file(&files[k % n], &mut file))?;
+    out.push(one_thread_point("jpeg_file_read_only", t, None));
+    for (r, name) in [(1, "jpeg_decode_only_full_size_turbo"), (2, "jpeg_decode_only_scale_1_2_turbo"), (4, "jpeg_decode_only_scale_1_4_turbo")] {
+        let t = time_one_thread(n, min_seconds, |k| jpeg::decode_whole(&bytes[k % n], r, &mut px).map(|_| ()).map_err(|msg| DataError::Decode { path: files[k % n].clone(), msg }))?;
+        out.push(one_thread_point(name, t, None));
+    }
+    for out_side in [side, 128] {
+        let (mut decoded, mut full) = (0f64, 0f64);
+        let t = time_one_thread(n, min_seconds, |k| {
+            let p = jpeg::decode(&bytes[k % n], |w, h| Some((window(k, w, h).0, out_side)), &mut px).map_err(|msg| DataError::Decode { path: files[k % n].clone(), msg })?;
+            decoded += (p.width * p.height) as f64;
+            full += (p.source.0 * p.source.1) as f64;
+            Ok(())
+        })?;
+        out.push(one_thread_point(&format!("jpeg{out_side}_decode_only_crop_scaled"), t, Some(decoded / full)));
+    }
+    let mut f32s = vec![0f32; 3 * side * side];
+    for scale in [DecodeScale::Auto, DecodeScale::Full] {
+        let t = time_one_thread(n, min_seconds, |k| {
+            read_file(&files[k % n], &mut file)?;
+            let d = decode_window(&file, scale, side, |w, h| window(k, w, h), &mut px).map_err(|msg| DataError::Decode { path: files[k % n].clone(), msg })?;
+            resize::resample(&px[..d.width * d.height * 3], d.width, d.height, d.region, side, d.flip, cfg.interpolation, cfg.mean, cfg.std, &mut f32s);
+            Ok(())
+        })?;
+        out.push(one_thread_point(&format!("jpeg224_rrc_flip_image_{}", scale.as_str()), t, None));
+    }
+    Ok(out)
 }
 
 /// The same through a [`Loader`] (`num_workers = threads`, prefetch 4) consumed as fast as it
@@ -138,7 +222,7 @@ fn measure_loader(pipeline: &str, set: &Arc<ImageSet>, cfg: &DataConfig, batch: 
     }
     let seconds = t.elapsed().as_secs_f64();
     let ips = images as f64 / seconds;
-    Ok(BenchPoint { pipeline: format!("{pipeline}_loader"), threads, images, seconds, images_per_s: ips, images_per_s_per_core: ips / threads as f64 })
+    Ok(BenchPoint { pipeline: format!("{pipeline}_loader"), threads, images, seconds, images_per_s: ips, images_per_s_per_core: ips / threads as f64, decoded_fraction: None })
 }
 
 /// The `.jpg` files directly in `dir`, sorted.
@@ -155,7 +239,8 @@ fn jpegs_in(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
     Ok(files)
 }
 
-/// Runs both pipelines at 1 thread and at `threads` (0 = all cores), each for `min_seconds`.
+/// Runs both pipelines at 1 thread and at `threads` (0 = all cores), each for `min_seconds`,
+/// and the one-thread [`stage_points`] of the JPEG path.
 /// The JPEG pipeline reads the `.jpg` files of `jpeg_dir` when given (to compare with another
 /// loader on the very same files), else generated ones.
 pub fn run(threads: usize, min_seconds: f64, jpeg_dir: Option<&Path>) -> Result<Vec<BenchPoint>, DataError> {
@@ -184,10 +269,14 @@ pub fn run(threads: usize, min_seconds: f64, jpeg_dir: Option<&Path>) -> Result<
     let mut racfg = fcfg.clone();
     racfg.aug.auto_augment = crate::config::parse_rand_augment("rand-m9-mstd0.5-inc1")
         .map_err(|msg| DataError::Invalid { key: "data.auto_augment", msg })?;
+    let mut fullcfg = fcfg.clone();
+    fullcfg.decode_scale = crate::config::DecodeScale::Full;
     let result = (|| -> Result<(), DataError> {
+        out.extend(stage_points(&decode_files, min_seconds)?);
         for &t in &counts {
             out.push(measure_decode_only(&decode_files, t, min_seconds)?);
             out.push(measure("jpeg224_rrc_flip", &set, &fcfg, 128, t, min_seconds)?);
+            out.push(measure("jpeg224_rrc_flip_full_decode", &set, &fullcfg, 128, t, min_seconds)?);
             out.push(measure_loader("jpeg224_rrc_flip", &set, &fcfg, 32, t, min_seconds)?);
             out.push(measure_loader("jpeg224_rrc_flip_randaug", &set, &racfg, 32, t, min_seconds)?);
         }
@@ -237,7 +326,7 @@ pub fn gpu_decode_points(be: &crate::backend::cuda::Cuda, jpeg_dir: Option<&Path
         be.synchronize()?;
         let seconds = t.elapsed().as_secs_f64();
         let ips = images as f64 / seconds;
-        out.push(BenchPoint { pipeline: format!("jpeg224_rrc_flip_{tag}_decode_only"), threads: 0, images, seconds, images_per_s: ips, images_per_s_per_core: f64::NAN });
+        out.push(BenchPoint { pipeline: format!("jpeg224_rrc_flip_{tag}_decode_only"), threads: 0, images, seconds, images_per_s: ips, images_per_s_per_core: f64::NAN, decoded_fraction: None });
     }
     for &threads in thread_counts {
         let mut loader = Loader::start(endless_plan(&set, &cfg, batch, threads))?;
@@ -261,7 +350,7 @@ pub fn gpu_decode_points(be: &crate::backend::cuda::Cuda, jpeg_dir: Option<&Path
         be.synchronize()?;
         let seconds = t.elapsed().as_secs_f64();
         let ips = images as f64 / seconds;
-        out.push(BenchPoint { pipeline: format!("jpeg224_rrc_flip_{tag}_loader"), threads, images, seconds, images_per_s: ips, images_per_s_per_core: ips / threads as f64 });
+        out.push(BenchPoint { pipeline: format!("jpeg224_rrc_flip_{tag}_loader"), threads, images, seconds, images_per_s: ips, images_per_s_per_core: ips / threads as f64, decoded_fraction: None });
     }
     if jpeg_dir.is_none() {
         let _ = std::fs::remove_dir_all(&dir);
@@ -282,9 +371,10 @@ pub fn command(threads: usize, min_seconds: f64, jpeg_dir: Option<&Path>, json: 
         let be = crate::backend::cuda::Cuda::new(index)?;
         points.extend(gpu_decode_points(&be, jpeg_dir, 256, &[1, 2, 4], min_seconds)?);
     }
-    crate::outln!("{:<44} {:>7} {:>12} {:>14}", "pipeline", "threads", "images/s", "images/s/core");
+    crate::outln!("{:<44} {:>7} {:>12} {:>14} {:>8}", "pipeline", "threads", "images/s", "images/s/core", "decoded");
     for p in &points {
-        crate::outln!("{:<44} {:>7} {:>12.0} {:>14.0}", p.pipeline, p.threads, p.images_per_s, p.images_per_s_per_core);
+        let frac = p.decoded_fraction.map_or(String::new(), |f| format!("{:.0} %", f * 100.0));
+        crate::outln!("{:<44} {:>7} {:>12.0} {:>14.0} {:>8}", p.pipeline, p.threads, p.images_per_s, p.images_per_s_per_core, frac);
     }
     if json {
         crate::outln!("{}", serde_json::json!({ "cores": cores, "load_average": load, "points": points }));

@@ -52,11 +52,14 @@ const D_RECOUNT: KeyDef = key("recount", POS_INT, Dflt::Int(1), "Random erasing:
 const D_DECODE: KeyDef = key("decode", Ty::Choice(Decode::NAMES), Dflt::Str("cpu"),
     "Where JPEG files are decoded: cpu = the loader's threads; gpu = nvJPEG on the training GPU (its hardware JPEG engines where it has them), with RandomResizedCrop, flip and normalization as kernels, the loader's threads only reading files; auto = gpu where that can run (CUDA device, image files, no RandAugment, random erasing, mixup or CutMix), else cpu. docs/data.md says which augmentation runs where.")
     .resume_free();
+const D_DECODE_SCALE: KeyDef = key("decode_scale", Ty::Choice(DecodeScale::NAMES), Dflt::Str("auto"),
+    "How much of each JPEG the CPU path (data.decode = cpu) decodes: auto = libjpeg-turbo decodes only the rows and columns the crop's resampling reads, at the largest DCT reduction 1/2, 1/4 or 1/8 that still leaves the crop at least image_size px both ways (training crops and the evaluation resize alike), so the images equal a full decode's up to resampling differences (docs/data.md); full = the whole image at full size (zune-jpeg). Other formats, and JPEGs libjpeg-turbo rejects or warns about, are always decoded whole.")
+    .resume_free();
 /// Keys of the `data` section (extend here).
 pub const DATA_KEYS: &[KeyDef] = &[
     D_DATASET, D_PATH, D_MEAN, D_STD, D_AUGMENT, D_SHUFFLE, D_WORKERS, D_TRAIN_SIZE, D_VAL_SIZE, D_LABEL, D_SKIP_BAD, D_VAL_SPLIT,
     D_CROP_PCT, D_SCALE, D_RATIO, D_INTERPOLATION, D_PREFETCH, D_AUTO_AUGMENT, D_MIXUP, D_CUTMIX, D_MIXUP_PROB, D_MIXUP_SWITCH, D_MIXUP_MODE,
-    D_REPROB, D_REMODE, D_RECOUNT, D_DECODE,
+    D_REPROB, D_REMODE, D_RECOUNT, D_DECODE, D_DECODE_SCALE,
 ];
 
 /// Parses a timm RandAugment string (`rand-m9-n2-mstd0.5-mmax10-inc1-p0.5`; sections in any
@@ -223,6 +226,10 @@ pub(super) fn parse(sec: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<Dat
             "auto" => Decode::Auto,
             _ => Decode::Cpu,
         },
+        decode_scale: match get_str(sec, p, &D_DECODE_SCALE, cx)? {
+            "full" => DecodeScale::Full,
+            _ => DecodeScale::Auto,
+        },
         aug,
     })
 }
@@ -258,6 +265,7 @@ pub(super) fn write(d: &DataConfig) -> Value {
     put(&mut out, &D_INTERPOLATION, json!(d.interpolation.as_str()));
     put(&mut out, &D_PREFETCH, json!(d.prefetch));
     put(&mut out, &D_DECODE, json!(d.decode.as_str()));
+    put(&mut out, &D_DECODE_SCALE, json!(d.decode_scale.as_str()));
     put(&mut out, &D_AUTO_AUGMENT, json!(d.aug.auto_augment.as_ref().map_or("none", |r| r.spec.as_str())));
     put(&mut out, &D_MIXUP, json!(d.aug.mixup));
     put(&mut out, &D_CUTMIX, json!(d.aug.cutmix));

@@ -255,6 +255,27 @@ impl Decode {
     }
 }
 
+/// `data.decode_scale`: how much of a JPEG the CPU path decodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DecodeScale {
+    /// libjpeg-turbo decodes only the rows and columns the crop's resampling reads, at the
+    /// largest DCT reduction (1/2, 1/4, 1/8) that leaves the crop at least the output size.
+    Auto,
+    /// The whole image at full size (zune-jpeg).
+    Full,
+}
+
+impl DecodeScale {
+    pub const NAMES: &'static [&'static str] = &["auto", "full"];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DecodeScale::Auto => "auto",
+            DecodeScale::Full => "full",
+        }
+    }
+}
+
 /// The `data` section.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct DataConfig {
@@ -294,6 +315,9 @@ pub struct DataConfig {
     /// `data.decode` (default cpu): where images are decoded. The trainer resolves `auto`
     /// before the loaders start; a loader seeing `gpu` builds encoded batches.
     pub decode: Decode,
+    /// `data.decode_scale` (default auto): on the CPU path, decode a JPEG only where its crop
+    /// reads, at a reduced DCT scale when the crop is large enough (`data::jpeg`).
+    pub decode_scale: DecodeScale,
     /// Extra training augmentations with timm names (all off by default).
     pub aug: AugmentOptions,
 }
@@ -427,6 +451,7 @@ impl DataConfig {
             interpolation: Interpolation::Bilinear,
             prefetch: Self::DEFAULT_PREFETCH,
             decode: Decode::Cpu,
+            decode_scale: DecodeScale::Auto,
             aug: Default::default(),
         }
     }

@@ -28,6 +28,7 @@ pub mod builtin;
 pub mod cifar;
 pub mod erase;
 pub mod folder;
+pub mod jpeg;
 pub mod loader;
 pub mod mix;
 pub mod pickle;
@@ -45,8 +46,9 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::config::{Augment, DataConfig, DatasetKind, Decode, Interpolation, LabelKind};
+use crate::config::{Augment, DataConfig, DatasetKind, Decode, DecodeScale, Interpolation, LabelKind};
 use crate::core::encoded::{EncodedBatch, EncodedImage, Encoding};
+use resize::Region;
 
 pub use augment::{Normalizer, Policy};
 pub use loader::{Loader, LoaderPlan, MixTargets, Prepared};
@@ -566,15 +568,22 @@ pub fn fill_batches(batches: &mut [Batch], jobs: &[(&[usize], u64)], set: &Image
     tasks.into_par_iter().try_for_each(|(out, label, i, epoch)| {
         with_buffers(|b| {
             let Buffers { file, decoded, pixels, scratch } = b;
-            let (j, w, h) = if set.is_file_backed() { decode_source(set, i, cfg.skip_bad, file, decoded)? } else { (i, set.side, set.side) };
-            let src: &[u8] = if set.is_file_backed() { &decoded[..w * h * 3] } else { set.image(i) };
             // Randomness is keyed by the index asked for, not the replacement, so skipping a bad
             // file does not shift the augmentation of any other image.
-            let (region, flip) = if extra {
-                resize::draw_rrc(seed, epoch, i, w, h, cfg.scale, cfg.ratio)
-            } else {
-                (resize::center_crop(w, h, side, cfg.crop_pct), false)
+            let window = |w: usize, h: usize| {
+                if extra {
+                    resize::draw_rrc(seed, epoch, i, w, h, cfg.scale, cfg.ratio)
+                } else {
+                    (resize::center_crop(w, h, side, cfg.crop_pct), false)
+                }
             };
+            let (j, Decoded { width: w, height: h, region, flip }) = if set.is_file_backed() {
+                decode_source(set, i, cfg, side, &window, file, decoded)?
+            } else {
+                let (region, flip) = window(set.side, set.side);
+                (i, Decoded { width: set.side, height: set.side, region, flip })
+            };
+            let src: &[u8] = if set.is_file_backed() { &decoded[..w * h * 3] } else { set.image(i) };
             match ra {
                 None => resize::resample(src, w, h, region, side, flip, cfg.interpolation, cfg.mean, cfg.std, out),
                 Some(ra) => {
@@ -725,10 +734,15 @@ pub fn decode(path: &Path) -> Result<image::RgbImage, DataError> {
 /// JPEG goes straight through zune-jpeg (the decoder the image crate wraps, with the image
 /// crate's options) into the reused buffer; other formats through the image crate.
 pub fn decode_into(path: &Path, file: &mut Vec<u8>, pixels: &mut Vec<u8>) -> Result<(usize, usize), DataError> {
+    read_file(path, file)?;
+    decode_bytes(file, pixels).map_err(|msg| DataError::Decode { path: path.to_path_buf(), msg })
+}
+
+/// The bytes of `path` into `file` (cleared first).
+pub fn read_file(path: &Path, file: &mut Vec<u8>) -> Result<(), DataError> {
     use std::io::Read;
     file.clear();
-    std::fs::File::open(path).and_then(|mut f| f.read_to_end(file)).map_err(|source| DataError::Io { path: path.to_path_buf(), source })?;
-    decode_bytes(file, pixels).map_err(|msg| DataError::Decode { path: path.to_path_buf(), msg })
+    std::fs::File::open(path).and_then(|mut f| f.read_to_end(file)).map(|_| ()).map_err(|source| DataError::Io { path: path.to_path_buf(), source })
 }
 
 /// Decodes the image file bytes `file` as [`decode_into`] does; the error is the decoder's
@@ -737,11 +751,41 @@ fn decode_bytes(file: &[u8], pixels: &mut Vec<u8>) -> Result<(usize, usize), Str
     crate::core::encoded::decode_rgb(file, pixels)
 }
 
-/// Reads and decodes image `i` of the shard-backed set `sh` (label `label` of `num_classes`).
-fn decode_member(sh: &shards::ShardSet, i: usize, label: u16, num_classes: usize, file: &mut Vec<u8>, pixels: &mut Vec<u8>) -> Result<(usize, usize), DataError> {
-    let (range, name) = shards::read_image(sh, i, label, num_classes, file)?;
-    let m = sh.members[i];
-    decode_bytes(&file[range], pixels).map_err(|msg| member_decode_err(&sh.files[m.shard as usize], m.offset, &name, msg))
+/// A decoded image ready to resample: `width` × `height` RGB8 pixels, the crop window in them
+/// and the flip.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Decoded {
+    pub width: usize,
+    pub height: usize,
+    pub region: Region,
+    pub flip: bool,
+}
+
+/// Decodes the image file bytes `bytes` into `pixels` for resampling to `side` px through the
+/// window and flip `window(width, height)` draws on the full-size image. With
+/// `data.decode_scale = "auto"` a JPEG is decoded by [`jpeg::decode`], only where the window's
+/// resampling reads and at a reduced DCT scale when the window allows; any other file, and a
+/// JPEG libjpeg-turbo rejects or warns about, is decoded whole by [`decode_bytes`] (whose error
+/// is the one reported).
+pub fn decode_window(bytes: &[u8], scale: DecodeScale, side: usize, window: impl Fn(usize, usize) -> (Region, bool), pixels: &mut Vec<u8>) -> Result<Decoded, String> {
+    if scale == DecodeScale::Auto && bytes.starts_with(&[0xff, 0xd8, 0xff]) {
+        let mut flip = false;
+        let drawn = jpeg::decode(
+            bytes,
+            |w, h| {
+                let (region, f) = window(w, h);
+                flip = f;
+                Some((region, side))
+            },
+            pixels,
+        );
+        if let Ok(p) = drawn {
+            return Ok(Decoded { width: p.width, height: p.height, region: p.region, flip });
+        }
+    }
+    let (width, height) = decode_bytes(bytes, pixels)?;
+    let (region, flip) = window(width, height);
+    Ok(Decoded { width, height, region, flip })
 }
 
 /// A shard member `name` (at byte `offset` of `path`) that cannot be decoded.
@@ -749,14 +793,21 @@ fn member_decode_err(path: &Path, offset: u64, name: &str, msg: String) -> DataE
     DataError::Member { path: path.to_path_buf(), offset, member: name.to_string(), msg: format!("cannot decode image: {msg} (set data.skip_bad=true to skip such images)") }
 }
 
-/// Decodes image `i` of the file-backed `set` (or, with `skip_bad`, the next readable one after
-/// it) into `decoded`; returns the index it came from and its size.
-fn decode_source(set: &ImageSet, i: usize, skip_bad: bool, file: &mut Vec<u8>, decoded: &mut Vec<u8>) -> Result<(usize, usize, usize), DataError> {
-    let (j, (w, h)) = first_readable(set, i, skip_bad, |j| match &set.shards {
-        Some(sh) => decode_member(sh, j, set.labels[j], set.num_classes, file, decoded),
-        None => decode_into(&set.files[j], file, decoded),
-    })?;
-    Ok((j, w, h))
+/// Reads image `i` of the file-backed `set` (or, with `skip_bad`, the next readable one after
+/// it) and decodes it into `decoded` for resampling to `side` px ([`decode_window`]); returns
+/// the index it came from and what was decoded.
+fn decode_source(set: &ImageSet, i: usize, cfg: &DataConfig, side: usize, window: &dyn Fn(usize, usize) -> (Region, bool), file: &mut Vec<u8>, decoded: &mut Vec<u8>) -> Result<(usize, Decoded), DataError> {
+    first_readable(set, i, cfg.skip_bad, |j| match &set.shards {
+        Some(sh) => {
+            let (range, name) = shards::read_image(sh, j, set.labels[j], set.num_classes, file)?;
+            let m = sh.members[j];
+            decode_window(&file[range], cfg.decode_scale, side, window, decoded).map_err(|msg| member_decode_err(&sh.files[m.shard as usize], m.offset, &name, msg))
+        }
+        None => {
+            read_file(&set.files[j], file)?;
+            decode_window(file, cfg.decode_scale, side, window, decoded).map_err(|msg| DataError::Decode { path: set.files[j].clone(), msg })
+        }
+    })
 }
 
 /// `read(i)`, or with `skip_bad` the first of `read(i + 1)`, `read(i + 2)`, … (wrapping) that
