@@ -171,11 +171,12 @@ pub fn stage_points(files: &[PathBuf], min_seconds: f64) -> Result<Vec<BenchPoin
     let mut out = Vec::new();
     let t = time_one_thread(n, min_seconds, |k| read_file(&files[k % n], &mut file))?;
     out.push(one_thread_point("jpeg_file_read_only", t, None));
-    for (r, name) in [(1, "jpeg_decode_only_full_size_turbo"), (2, "jpeg_decode_only_scale_1_2_turbo"), (4, "jpeg_decode_only_scale_1_4_turbo")] {
+    let partial: &[(usize, &str)] = if jpeg::AVAILABLE { &[(1, "jpeg_decode_only_full_size_turbo"), (2, "jpeg_decode_only_scale_1_2_turbo"), (4, "jpeg_decode_only_scale_1_4_turbo")] } else { &[] };
+    for &(r, name) in partial {
         let t = time_one_thread(n, min_seconds, |k| jpeg::decode_whole(&bytes[k % n], r, &mut px).map(|_| ()).map_err(|msg| DataError::Decode { path: files[k % n].clone(), msg }))?;
         out.push(one_thread_point(name, t, None));
     }
-    for out_side in [side, 128] {
+    for out_side in if jpeg::AVAILABLE { vec![side, 128] } else { vec![] } {
         let (mut decoded, mut full) = (0f64, 0f64);
         let t = time_one_thread(n, min_seconds, |k| {
             let p = jpeg::decode(&bytes[k % n], |w, h| Some((window(k, w, h).0, out_side)), &mut px).map_err(|msg| DataError::Decode { path: files[k % n].clone(), msg })?;

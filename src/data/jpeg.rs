@@ -13,11 +13,20 @@
 //! below it never read. Resampling that rectangle reads exactly the pixels a decode of the
 //! whole image at the same scale would give it.
 
+#[cfg(feature = "turbojpeg")]
 use std::cell::RefCell;
 
+#[cfg(feature = "turbojpeg")]
 use turbojpeg_sys as tj;
 
 use super::resize::Region;
+
+/// Whether this binary has the partial decode (the `turbojpeg` cargo feature, which builds
+/// libjpeg-turbo from source: cmake and nasm at build time). Without it `"auto"` decodes whole.
+pub const AVAILABLE: bool = cfg!(feature = "turbojpeg");
+
+#[cfg(not(feature = "turbojpeg"))]
+const UNAVAILABLE: &str = "partial JPEG decode: vitscale was built without the turbojpeg feature";
 
 /// The largest DCT reduction r ∈ {1, 2, 4, 8} at which `region` (source pixels) still spans at
 /// least `side` pixels in both directions.
@@ -46,8 +55,10 @@ pub struct Partial {
 }
 
 /// A libjpeg-turbo decompressor, one per thread.
+#[cfg(feature = "turbojpeg")]
 struct Handle(tj::tjhandle);
 
+#[cfg(feature = "turbojpeg")]
 impl Drop for Handle {
     fn drop(&mut self) {
         // SAFETY: the handle came from tj3Init and is destroyed once.
@@ -55,11 +66,13 @@ impl Drop for Handle {
     }
 }
 
+#[cfg(feature = "turbojpeg")]
 thread_local! {
     static HANDLE: RefCell<Option<Handle>> = const { RefCell::new(None) };
 }
 
 /// libjpeg-turbo's message for the last error on `h`.
+#[cfg(feature = "turbojpeg")]
 fn message(h: tj::tjhandle) -> String {
     // SAFETY: tj3GetErrorStr returns a NUL-terminated string owned by the handle.
     let s = unsafe { std::ffi::CStr::from_ptr(tj::tj3GetErrorStr(h)) };
@@ -68,6 +81,7 @@ fn message(h: tj::tjhandle) -> String {
 
 /// The width of an iMCU (the horizontal unit libjpeg-turbo can start a cropped row at) of
 /// TurboJPEG subsampling `subsamp`, in full-size pixels; None when unknown.
+#[cfg(feature = "turbojpeg")]
 fn mcu_width(subsamp: i32) -> Option<usize> {
     match subsamp {
         tj::TJSAMP_TJSAMP_444 | tj::TJSAMP_TJSAMP_GRAY | tj::TJSAMP_TJSAMP_440 | tj::TJSAMP_TJSAMP_441 => Some(8),
@@ -85,6 +99,7 @@ fn mcu_width(subsamp: i32) -> Option<usize> {
 /// Any error *or warning* of libjpeg-turbo (a truncated file, stray bytes between markers) is
 /// returned as an error, so the caller can fall back to its full decoder, whose handling of
 /// damaged files is the reference.
+#[cfg(feature = "turbojpeg")]
 pub fn decode(bytes: &[u8], want: impl FnOnce(usize, usize) -> Option<(Region, usize)>, pixels: &mut Vec<u8>) -> Result<Partial, String> {
     HANDLE.with(|cell| {
         let mut slot = cell.borrow_mut();
@@ -103,6 +118,12 @@ pub fn decode(bytes: &[u8], want: impl FnOnce(usize, usize) -> Option<(Region, u
     })
 }
 
+/// Built without the `turbojpeg` feature: no partial decode, so the caller decodes whole.
+#[cfg(not(feature = "turbojpeg"))]
+pub fn decode(_bytes: &[u8], _want: impl FnOnce(usize, usize) -> Option<(Region, usize)>, _pixels: &mut Vec<u8>) -> Result<Partial, String> {
+    Err(UNAVAILABLE.to_string())
+}
+
 /// The whole JPEG `bytes` at 1/`r` (r ∈ {1, 2, 4, 8}) into `pixels`, as [`decode`].
 pub fn decode_whole(bytes: &[u8], r: usize, pixels: &mut Vec<u8>) -> Result<Partial, String> {
     // A window of the whole image with an output of its shorter side / r: reduction r exactly,
@@ -110,6 +131,7 @@ pub fn decode_whole(bytes: &[u8], r: usize, pixels: &mut Vec<u8>) -> Result<Part
     decode(bytes, |w, h| Some((Region { x0: 0.0, y0: 0.0, w: w as f32, h: h as f32 }, (w.min(h) / r).max(1))), pixels)
 }
 
+#[cfg(feature = "turbojpeg")]
 unsafe fn decode_with(h: tj::tjhandle, bytes: &[u8], want: impl FnOnce(usize, usize) -> Option<(Region, usize)>, pixels: &mut Vec<u8>) -> Result<Partial, String> {
     if tj::tj3DecompressHeader(h, bytes.as_ptr(), bytes.len() as _) != 0 {
         return Err(message(h));
@@ -167,7 +189,7 @@ unsafe fn decode_with(h: tj::tjhandle, bytes: &[u8], want: impl FnOnce(usize, us
     Ok(Partial { width: ow, height: oh, region, source: (width, height), reduction: r })
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "turbojpeg"))]
 mod tests {
     use super::*;
     use crate::config::Interpolation;
