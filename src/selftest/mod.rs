@@ -1013,11 +1013,14 @@ pub fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult
 /// at D 64, N 193–208 (4 shapes in `attention_checks`) and the short-sequence kernel at 81–192
 /// and 209–256 (N 81, 129, 209, 256); at D 64, N 193–208 the wgmma kernels replace the
 /// 13-warp backward and the tiled forward when chosen (`wgmma`: compiled, sm_90, and switched
-/// on). A count off by one fails: the selection would have changed under the checks.
+/// on), and at D 64, N > 256 (N 1025, 4097, 16384) `flash_bwd_wg_long_d64` replaces the tiled
+/// backward `flash_bwd_d64_pipe`. A count off by one fails: the selection would have changed
+/// under the checks.
 fn attention_kernel_choice(launched: &[(String, f64, usize)], wgmma: bool, label: &str) -> Vec<Check> {
     let count = |kernel: &str| launched.iter().filter(|(name, _, _)| name == kernel).map(|&(_, _, c)| c).sum::<usize>();
     let (wg, w13) = if wgmma { (8, 0) } else { (0, 8) };
-    [("flash_bwd_wg_d64", wg), ("flash_bwd_small_d64_w13", w13), ("flash_bwd_short_d64", 6), ("flash_bwd_short_d32", 2), ("flash_fwd_wg_d64", wg / 2)]
+    let (long_wg, long_pipe) = if wgmma { (6, 0) } else { (0, 6) };
+    [("flash_bwd_wg_d64", wg), ("flash_bwd_small_d64_w13", w13), ("flash_bwd_short_d64", 6), ("flash_bwd_short_d32", 2), ("flash_fwd_wg_d64", wg / 2), ("flash_bwd_wg_long_d64", long_wg), ("flash_bwd_d64_pipe", long_pipe)]
         .into_iter()
         .map(|(kernel, want)| {
             let got = count(kernel);
