@@ -39,9 +39,11 @@
 // which zeroes its dS. dQ rows ≥ N are not reduced, dK and dV rows ≥ N not stored (TMA store).
 // The qkv bias gradient is left to the host's column sums of dqkv.
 //
-// Registers: 288 threads a block, one block per SM (≈ 147 KiB of shared memory). Under
-// __launch_bounds__(288, 1) ptxas held every thread to 168 registers and spilled; __maxnreg__(224)
-// lets the consumers take what they need (65536 / 288 ≥ 224) without setmaxnreg.
+// Registers: 288 threads a block, one block per SM (≈ 147 KiB of shared memory). ptxas budgets
+// 288 threads like 384 (168 registers a thread; it spills 8 bytes); under __maxnreg__(224) it
+// used 194 without spilling, but that launch failed for lack of registers, as if they were
+// allocated by whole warpgroups. A producer warpgroup with setmaxnreg (24 for it, 240 for the
+// consumers, 384 threads) would lift the limit.
 
 #define FL_STAGES 3
 #define FL_KEYS 128
@@ -116,7 +118,7 @@ __device__ __forceinline__ void fl_dq_reduce(float* base, const float (&dq)[16],
 // 128-row boxes, tm_q the same with 64-row boxes, tm_do over dout (B, N, H·D) with 64-row boxes,
 // tm_dqkv over dqkv with 64-row boxes (dK, dV stores). lse2, delta: (B·H, N) f32; dq_acc:
 // (B, N, H·D) f32, zeroed by the host, 16-byte aligned.
-extern "C" __maxnreg__(224) __global__ void flash_bwd_wg_long_d64(const __grid_constant__ HgTmap tm_kv, const __grid_constant__ HgTmap tm_q, const __grid_constant__ HgTmap tm_do, const __grid_constant__ HgTmap tm_dqkv, const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc, int n, int h, float scale, float scale_log2) {
+extern "C" __global__ void __launch_bounds__(288, 1) flash_bwd_wg_long_d64(const __grid_constant__ HgTmap tm_kv, const __grid_constant__ HgTmap tm_q, const __grid_constant__ HgTmap tm_do, const __grid_constant__ HgTmap tm_dqkv, const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc, int n, int h, float scale, float scale_log2) {
     constexpr int D = 64;
     extern __shared__ unsigned char fl_raw[];
     const unsigned raw = smem_u32(fl_raw);
