@@ -1014,13 +1014,16 @@ pub fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult
 /// and 209–256 (N 81, 129, 209, 256); at D 64, N 193–208 the wgmma kernels replace the
 /// 13-warp backward and the tiled forward when chosen (`wgmma`: compiled, sm_90, and switched
 /// on); at D 64, N > 256 (N 577, 1025, 4097, 16384) the long-sequence wgmma forward replaces
-/// the tiled one when chosen and its module loaded (`long`). A count off by one fails: the
+/// the tiled one when chosen and its module loaded (`long_fwd`), and `flash_bwd_wg_long_d64`
+/// the tiled backward `flash_bwd_d64_pipe` likewise (`long_bwd`). A count off by one fails: the
 /// selection would have changed under the checks.
-fn attention_kernel_choice(launched: &[(String, f64, usize)], wgmma: bool, long: bool, label: &str) -> Vec<Check> {
+fn attention_kernel_choice(launched: &[(String, f64, usize)], wgmma: bool, long_fwd: bool, long_bwd: bool, label: &str) -> Vec<Check> {
     let count = |kernel: &str| launched.iter().filter(|(name, _, _)| name == kernel).map(|&(_, _, c)| c).sum::<usize>();
     let (wg, w13) = if wgmma { (8, 0) } else { (0, 8) };
-    let long_fwd = if wgmma && long { 4 } else { 0 };
-    [("flash_bwd_wg_d64", wg), ("flash_bwd_small_d64_w13", w13), ("flash_bwd_short_d64", 6), ("flash_bwd_short_d32", 2), ("flash_fwd_wg_d64", wg / 2), ("flash_fwd_wg_long_d64", long_fwd)]
+    let long_fwd = if wgmma && long_fwd { 4 } else { 0 };
+    // each long shape's backward runs twice (without and with the qkv bias gradient)
+    let (long_wg, long_pipe) = if wgmma && long_bwd { (8, 0) } else { (0, 8) };
+    [("flash_bwd_wg_d64", wg), ("flash_bwd_small_d64_w13", w13), ("flash_bwd_short_d64", 6), ("flash_bwd_short_d32", 2), ("flash_fwd_wg_d64", wg / 2), ("flash_fwd_wg_long_d64", long_fwd), ("flash_bwd_wg_long_d64", long_wg), ("flash_bwd_d64_pipe", long_pipe)]
         .into_iter()
         .map(|(kernel, want)| {
             let got = count(kernel);
@@ -1062,7 +1065,7 @@ pub fn attention_path_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BRes
             Err(e) => checks.push(Check { name: format!("attention checks{label}: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false }),
         }
         if fused {
-            checks.extend(attention_kernel_choice(&launched?, wgmma, be.has_wgmma_long_attention(), &label));
+            checks.extend(attention_kernel_choice(&launched?, wgmma, be.has_wgmma_long_attention(), be.has_wgmma_long_backward(), &label));
         }
     }
     be.set_wgmma_attention(wgmma_chosen);

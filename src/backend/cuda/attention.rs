@@ -1,7 +1,8 @@
 //! Attention: the path choice (gemm, fused, and within fused the small-head, whole-head,
 //! short-sequence, wgmma and key-block kernels, each with the shared memory its kernel in
-//! `kernels/flash.cu`, `kernels/hopper.cu` or `kernels/hopper_flash_fwd.cu` expects), the
-//! forward and backward of every path, and the class-token attention of a pooled last block.
+//! `kernels/flash.cu`, `kernels/hopper.cu`, `kernels/hopper_flash_fwd.cu` or
+//! `kernels/hopper_flash_bwd.cu` expects), the forward and backward of every path, and the
+//! class-token attention of a pooled last block.
 
 use cudarc::driver::result as dr;
 use cudarc::driver::sys::CUdeviceptr;
@@ -153,6 +154,22 @@ impl Cuda {
     /// Whether the wgmma attention kernels are compiled (sm_90).
     pub fn has_wgmma_attention(&self) -> bool {
         self.kernels.get("flash_fwd_wg_d64").is_ok() && self.kernels.get("flash_bwd_wg_d64").is_ok()
+    }
+
+    /// Whether the long-sequence wgmma backward `flash_bwd_wg_long_d64` (hopper_flash_bwd.cu, its
+    /// own module) is compiled and loaded.
+    pub fn has_wgmma_long_backward(&self) -> bool {
+        self.kernels.get("flash_bwd_wg_long_d64").is_ok()
+    }
+
+    /// Dynamic shared memory of `flash_bwd_wg_long_d64` (128 keys a block, query tiles of 64),
+    /// when it replaces the tiled backward: path `fused`, wgmma attention on, D = 64, N > 256
+    /// (below, the whole-head kernels run). Mirrors FL_SMEM: K, V (128 rows), a 3-stage ring of
+    /// Q and dO tiles (64 rows), two dSᵀ buffers and the dK, dV staging (128 rows each), the
+    /// ring's lse2 and delta (64 pairs of f32 a stage), 7 mbarriers, 1 KiB of alignment slack.
+    fn wgmma_long_backward(&self, n: usize, d: usize) -> Option<u32> {
+        let applies = self.attention_path() == AttentionPath::Fused && d == 64 && n > 256 && self.wgmma_attention() && self.has_wgmma_long_backward();
+        applies.then_some((2 * 128 * 128 + 3 * 2 * 64 * 128 + 2 * 128 * 128 + 2 * 128 * 128 + 3 * 64 * 8 + 8 * 7 + 1024) as u32)
     }
 
     /// Dynamic shared memory of `flash_bwd_short_d{d}` for sequence length `n`, when the
@@ -330,9 +347,21 @@ impl Cuda {
             let rows = b * n * h;
             let grid = rows.div_ceil(THREADS as usize).clamp(1, self.info.multiprocessors as usize * 16) as u32;
             self.launch(&format!("flash_bwd_pre_d{d}"), (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![delta, dout.ptr, out.ptr, bb, nn, hh])?;
-            let bc = pipe_keys(d);
-            let g = (n.div_ceil(bc) as u32, (b * h) as u32, 1);
-            self.launch_dyn(&format!("flash_bwd_{sfx}"), g, (2 * bc as u32, 1, 1), smem, &mut kargs![dqkv.ptr, dq_acc, dout.ptr, qkv.ptr, probs.ptr, delta, nn, hh, scale, scale_log2])?;
+            // On Hopper the key blocks run on wgmma (TMA copies: 16-byte aligned bases; 16-byte
+            // dQ reductions).
+            if let Some(lsmem) = self.wgmma_long_backward(n, d).filter(|_| tma_ok && dq_acc % 16 == 0) {
+                let c = h * d;
+                let tm_kv = tensor_map_3d(qkv.ptr, 3 * c, n, b, 128)?;
+                let tm_q = tensor_map_3d(qkv.ptr, 3 * c, n, b, 64)?;
+                let tm_do = tensor_map_3d(dout.ptr, c, n, b, 64)?;
+                let tm_dqkv = tensor_map_3d(dqkv.ptr, 3 * c, n, b, 64)?;
+                let g = (n.div_ceil(128) as u32, (b * h) as u32, 1);
+                self.launch_dyn("flash_bwd_wg_long_d64", g, (288, 1, 1), lsmem, &mut kargs![tm_kv, tm_q, tm_do, tm_dqkv, probs.ptr, delta, dq_acc, nn, hh, scale, scale_log2])?;
+            } else {
+                let bc = pipe_keys(d);
+                let g = (n.div_ceil(bc) as u32, (b * h) as u32, 1);
+                self.launch_dyn(&format!("flash_bwd_{sfx}"), g, (2 * bc as u32, 1, 1), smem, &mut kargs![dqkv.ptr, dq_acc, dout.ptr, qkv.ptr, probs.ptr, delta, nn, hh, scale, scale_log2])?;
+            }
             let (brows, hd8) = ((b * n) as i64, (h * d / 8) as i32);
             return self.launch1("flash_dq_store", bhnd / 8, &mut kargs![dqkv.ptr, dq_acc, brows, hd8]).map(|_| false);
         }

@@ -1,0 +1,302 @@
+// Attention backward on wgmma for long sequences (N > 256) at D = 64 (sm_90a; hopper.cuh in
+// front): `flash_bwd_wg_long_d64`, the long-sequence form of hopper.cu's whole-head
+// `flash_bwd_wg_d64`, in the place of flash.cu's `flash_bwd_d64_pipe` (mma.sync). Around it the
+// host runs the same passes as for the tiled kernel: `flash_bwd_pre_d64` (delta = rowsum(dO ∘ O),
+// (B·H, N) f32) before, and `flash_dq_store` (the f32 dQ sums rounded into dqkv) after.
+//
+// A block owns 128 keys of one (b, h) and walks every query tile of 64. Warps 0–7 are two
+// consumer warpgroups, warpgroup w owning keys k0 + 64w…; warp 8 produces. Per query tile:
+// - Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (m64n64k16, both operands K-major in shared memory),
+// - Pᵀ = exp2(Sᵀ·scale·log2(e) − lse2) and dSᵀ = Pᵀ ∘ (dPᵀ − delta) in registers,
+// - dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ, dSᵀ as register A operands against dO and Q read
+//   MN-major (their query rows as stored), dK and dV staying in registers for the whole walk,
+// - dSᵀ staged (bf16, 128-byte swizzle, stmatrix) in one of two buffers; after a barrier of the
+//   two warpgroups, warpgroup w computes dQ columns 32w…32w + 31 of the tile over all 128 keys
+//   (m64n32k16, A = dS read MN-major from the staged dSᵀ, B = K read MN-major) and adds them,
+//   times the softmax scale, into the f32 dQ sums (B, N, H·D) with 16-byte vector reductions.
+// The column split keeps one dQ reduction per value and block (splitting by keys would double
+// the L2 reductions).
+// Every wgmma group is waited for within the tile that issued it: with a group still in flight
+// across the loop's back edge (tile i's dQ reduced while tile i + 1's Sᵀ, dPᵀ run) ptxas
+// serializes the wgmmas (C7514/C7517), so each warpgroup's tile is Sᵀ, dPᵀ → P, dS → dV, dK →
+// barrier → dQ → reductions, and the tensor cores overlap the two warpgroups' work instead.
+// The two dSᵀ buffers let one barrier per tile suffice: buffer i % 2 is written again at tile
+// i + 2, after both warpgroups passed tile i + 1's barrier, which each reaches only once its dQ
+// products of tile i completed.
+//
+// The producer warp copies K and V (128-row boxes) once, then each query tile's Q and dO
+// (64-row boxes) through the tensor-memory accelerator into a FL_STAGES-deep ring, and the tile's
+// lse2 and delta (64 f32 pairs, ordinary loads: the rows of a head start at arbitrary
+// alignment) into the stage beside them. mbarriers: kv (K, V landed), full[s] (the copies' bytes
+// landed and the producer warp's 32 lanes stored the statistics), empty[s] (the 8 consumer
+// warps are done with stage s: signalled at the end of the tile, once the dV, dK products that
+// read its Q and dO have completed). The key blocks of a head start their query walk at different tiles so that
+// they do not reduce into the same dQ rows at the same time.
+//
+// Ragged N: the tensor maps read rows ≥ N as zeros (K, V, Q and dO) and the producer gives
+// queries ≥ N lse2 = delta = 0, so every score is finite; in tiles that reach past N (the last
+// key block, the last query tile) the probability of a key or query ≥ N is replaced by zero,
+// which zeroes its dS. dQ rows ≥ N are not reduced, dK and dV rows ≥ N not stored (TMA store).
+// The qkv bias gradient is left to the host's column sums of dqkv.
+//
+// Registers: 288 threads a block, one block per SM (≈ 147 KiB of shared memory). ptxas budgets
+// 288 threads like 384 (168 registers a thread; it spills 8 bytes); under __maxnreg__(224) it
+// used 194 without spilling, but that launch failed for lack of registers, as if they were
+// allocated by whole warpgroups. A producer warpgroup with setmaxnreg (24 for it, 240 for the
+// consumers, 384 threads) would lift the limit.
+
+#define FL_STAGES 3
+#define FL_KEYS 128
+// shared-memory layout from the 1024-byte aligned base (every tile 1024-byte aligned, 128-byte rows)
+#define FL_K 0                                      // K, 128 key rows
+#define FL_V (FL_K + FL_KEYS * 128)                 // V, 128 key rows
+#define FL_RING (FL_V + FL_KEYS * 128)              // stage s: Q (64 rows) at FL_RING + 16384·s, dO 8192 after
+#define FL_DS (FL_RING + FL_STAGES * 16384)         // two dSᵀ buffers of 128 key rows × 64 queries
+#define FL_OUT (FL_DS + 2 * FL_KEYS * 128)          // dK, dV staging: warpgroup w's dK at FL_OUT + 16384·w, dV 8192 after
+#define FL_STAT (FL_OUT + 2 * 16384)                // stage s: 64 (lse2, delta) pairs at FL_STAT + 512·s
+#define FL_BAR (FL_STAT + FL_STAGES * 512)          // kv, full[FL_STAGES], empty[FL_STAGES]
+// dynamic shared memory, with 1 KiB of alignment slack (attention.rs mirrors it)
+#define FL_SMEM (FL_BAR + 8 * (1 + 2 * FL_STAGES) + 1024)
+
+// d (32 of the warpgroup's 64×64 f32 tile) += A(64×16)·B(64×16)ᵀ, both K-major in shared memory:
+// Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for 64 keys against a tile of 64 queries.
+__device__ __forceinline__ void fl_wgmma_m64n64k16_ss(float (&d)[32], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, 1, 1, 1, 0, 0;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db));
+}
+
+// d (16 of the warpgroup's 64×32 f32 tile) += A(64×16)·B(16×32), both MN-major in shared memory
+// (A's 64 rows contiguous: the staged dSᵀ; B's 32 columns contiguous: half of K's 64-column
+// rows, the descriptor starting 64 bytes into the swizzled row for the upper half).
+__device__ __forceinline__ void fl_wgmma_m64n32k16_tt(float (&d)[16], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "%16, %17, 1, 1, 1, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(da), "l"(db));
+}
+
+// Ties the registers to this point of the program: the compiler may not move their reads before
+// a preceding wgmma wait (they are written asynchronously) or their writes after a following
+// wgmma issue.
+template <int N>
+__device__ __forceinline__ void fl_pin(float (&r)[N]) {
+    #pragma unroll
+    for (int k = 0; k < N; k++) asm volatile("" : "+f"(r[k])::"memory");
+}
+
+// This thread's 16 dQ values of a tile (m64n32 accumulator: value 4j + e is query row
+// 16·wi + g + 8(e / 2), column 8j + 2t + e % 2 of the warpgroup's 32) times `scale` into the f32
+// sums. Lanes t and t ^ 1 swap halves so that each adds four consecutive columns of one row:
+// even t row g, columns 8j + 2t…; odd t row g + 8, columns 8j + 2t − 2…. `base`: column 0 of
+// the warpgroup's 32 in query row 0 of the (b, h); rows `rstride` floats apart.
+__device__ __forceinline__ void fl_dq_reduce(float* base, const float (&dq)[16], int q0, int n, int wi, int g, int t, i64 rstride, float scale) {
+    const bool odd = t & 1;
+    const int r = q0 + wi * 16 + g + (odd ? 8 : 0);
+    float* p = base + (i64)r * rstride + 2 * (t & ~1);
+    #pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const float s0 = odd ? dq[4 * j] : dq[4 * j + 2], s1 = odd ? dq[4 * j + 1] : dq[4 * j + 3];
+        const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1), r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+        const float4 v = odd ? make_float4(r0 * scale, r1 * scale, dq[4 * j + 2] * scale, dq[4 * j + 3] * scale)
+                             : make_float4(dq[4 * j] * scale, dq[4 * j + 1] * scale, r0 * scale, r1 * scale);
+        if (r < n) asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p + 8 * j), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+    }
+}
+
+// Grid (ceil(N / 128), B·H), 288 threads, FL_SMEM bytes of dynamic shared memory. Tensor maps
+// (`tensor_map_3d`, 64-column boxes, 128-byte swizzle): tm_kv over qkv (B, N, 3·H·D) with
+// 128-row boxes, tm_q the same with 64-row boxes, tm_do over dout (B, N, H·D) with 64-row boxes,
+// tm_dqkv over dqkv with 64-row boxes (dK, dV stores). lse2, delta: (B·H, N) f32; dq_acc:
+// (B, N, H·D) f32, zeroed by the host, 16-byte aligned.
+extern "C" __global__ void __launch_bounds__(288, 1) flash_bwd_wg_long_d64(const __grid_constant__ HgTmap tm_kv, const __grid_constant__ HgTmap tm_q, const __grid_constant__ HgTmap tm_do, const __grid_constant__ HgTmap tm_dqkv, const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc, int n, int h, float scale, float scale_log2) {
+    constexpr int D = 64;
+    extern __shared__ unsigned char fl_raw[];
+    const unsigned raw = smem_u32(fl_raw);
+    const unsigned base = (raw + 1023u) & ~1023u;
+    float* stat = (float*)(fl_raw + (base - raw) + FL_STAT);
+    const unsigned sk = base + FL_K, sv = base + FL_V, ring = base + FL_RING, sds = base + FL_DS;
+    const unsigned kvbar = base + FL_BAR, full0 = kvbar + 8, empty0 = full0 + 8 * FL_STAGES;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int bh = blockIdx.y, bi = bh / h, hi = bh - bi * h;
+    const int k0 = blockIdx.x * FL_KEYS;
+    const int nq = (n + 63) / 64;
+    const int qoff = blockIdx.x % nq;  // the first query tile of this key block's walk
+    if (tid == 0) {
+        ht_mbar_init(kvbar, 1);
+        #pragma unroll
+        for (int s = 0; s < FL_STAGES; s++) {
+            ht_mbar_init(full0 + 8 * s, 32);
+            ht_mbar_init(empty0 + 8 * s, 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();  // the mbarriers' initialization before anyone uses them
+
+    if (warp == 8) {
+        // producer
+        const float* lg = lse2 + (i64)bh * n;
+        const float* dg = delta + (i64)bh * n;
+        if (lane == 0) {
+            ht_mbar_expect_tx(kvbar, 2 * FL_KEYS * 128);
+            ht_tma_load3(sk, &tm_kv, (h + hi) * D, k0, bi, kvbar);
+            ht_tma_load3(sv, &tm_kv, (2 * h + hi) * D, k0, bi, kvbar);
+        }
+        int s = 0;
+        unsigned round = 0;
+        for (int i = 0; i < nq; i++) {
+            int qt = i + qoff;
+            if (qt >= nq) qt -= nq;
+            const int q0 = qt * 64, qa = q0 + lane, qb = qa + 32;
+            // this lane's queries' statistics, loaded before waiting for the slot
+            const float la = qa < n ? lg[qa] : 0.f, da = qa < n ? dg[qa] : 0.f;
+            const float lb = qb < n ? lg[qb] : 0.f, db = qb < n ? dg[qb] : 0.f;
+            if (i >= FL_STAGES) ht_mbar_wait(empty0 + 8 * s, (round & 1) ^ 1);
+            float* st = stat + s * 128;
+            *(float2*)(st + 2 * lane) = make_float2(la, da);
+            *(float2*)(st + 2 * lane + 64) = make_float2(lb, db);
+            const unsigned full = full0 + 8 * s, sq = ring + s * 16384;
+            if (lane == 0) {
+                ht_mbar_expect_tx(full, 2 * 64 * 128);
+                ht_tma_load3(sq, &tm_q, hi * D, q0, bi, full);
+                ht_tma_load3(sq + 8192, &tm_do, hi * D, q0, bi, full);
+            } else {
+                ht_mbar_arrive(full);
+            }
+            if (++s == FL_STAGES) {
+                s = 0;
+                round++;
+            }
+        }
+        return;
+    }
+
+    // consumers. wg through a shuffle: known warp-uniform, so the descriptors stay in uniform registers
+    const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0), wi = warp & 3, g = lane >> 2, t = lane & 3;
+    // this thread's key rows: accumulator rows g (values e < 2) and g + 8 of warp wi
+    const int kr0 = k0 + wg * 64 + wi * 16 + g, kr1 = kr0 + 8;
+    const bool keys_in = k0 + FL_KEYS <= n;  // every key of the block < N (block-uniform)
+    const unsigned long long dka = hg_desc(sk + wg * 64 * 128), dva = hg_desc(sv + wg * 64 * 128);
+    float* dq_base = dq_acc + ((i64)bi * n * h + hi) * D + 32 * wg;
+    const i64 rstride = (i64)h * D;
+    // stmatrix addresses of the dSᵀ stores: lanes 8m… give the rows of 8×8 matrix m (rows
+    // 16wi + 8(m % 2)…, 16-byte chunk 2kk + m / 2)
+    const int mi = lane >> 3, srow = wi * 16 + (mi & 1) * 8 + (lane & 7);
+
+    float dk[32], dv[32];
+    #pragma unroll
+    for (int k = 0; k < 32; k++) dk[k] = dv[k] = 0.f;
+    ht_mbar_wait(kvbar, 0);
+    int s = 0;
+    unsigned round = 0;
+    for (int i = 0; i < nq; i++) {
+        int qt = i + qoff;
+        if (qt >= nq) qt -= nq;
+        const int q0 = qt * 64;
+        const unsigned sq = ring + s * 16384, sdo = sq + 8192;
+        const float* sst = stat + s * 128;
+        ht_mbar_wait(full0 + 8 * s, round & 1);
+
+        float st[32], dpt[32];
+        #pragma unroll
+        for (int k = 0; k < 32; k++) st[k] = dpt[k] = 0.f;
+        const unsigned long long dqd = hg_desc(sq), dod = hg_desc(sdo);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        #pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) fl_wgmma_m64n64k16_ss(st, dka + 2 * kk, dqd + 2 * kk);
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        #pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) fl_wgmma_m64n64k16_ss(dpt, dva + 2 * kk, dod + 2 * kk);
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        fl_pin(st);
+
+        // value 4j + e: key kr0 (e < 2) or kr1, query q0 + 8j + 2t + (e & 1). P in place of Sᵀ.
+        const bool inside = keys_in && q0 + 64 <= n;
+        unsigned pa[4][4], sa[4][4];
+        #pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const float4 ld = *(const float4*)(sst + 2 * (8 * j + 2 * t));  // (lse2, delta) of queries q, q + 1
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float p = exp2f(fmaf(st[4 * j + e], scale_log2, -(e & 1 ? ld.z : ld.x)));
+                if (!inside) {
+                    const int q = q0 + 8 * j + 2 * t + (e & 1);
+                    if ((e < 2 ? kr0 : kr1) >= n || q >= n) p = 0.f;
+                }
+                st[4 * j + e] = p;
+            }
+            // queries 16kk… as the A fragment: n8 block 2kk → a[0], a[1]; 2kk + 1 → a[2], a[3]
+            pa[j >> 1][(j & 1) * 2] = f2bf2(st[4 * j], st[4 * j + 1]);
+            pa[j >> 1][(j & 1) * 2 + 1] = f2bf2(st[4 * j + 2], st[4 * j + 3]);
+        }
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        fl_pin(dpt);
+        #pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const float4 ld = *(const float4*)(sst + 2 * (8 * j + 2 * t));
+            float ds[4];
+            #pragma unroll
+            for (int e = 0; e < 4; e++) ds[e] = st[4 * j + e] * (dpt[4 * j + e] - (e & 1 ? ld.w : ld.y));
+            sa[j >> 1][(j & 1) * 2] = f2bf2(ds[0], ds[1]);
+            sa[j >> 1][(j & 1) * 2 + 1] = f2bf2(ds[2], ds[3]);
+        }
+        // dSᵀ (key row, query column) into buffer i % 2: this warpgroup's 64 key rows
+        const unsigned dsb = sds + (i & 1) * (FL_KEYS * 128);
+        #pragma unroll
+        for (int kk = 0; kk < 4; kk++) stsm_x4(dsb + wg * 64 * 128 + sw128(srow, 2 * kk + (mi >> 1)), sa[kk][0], sa[kk][1], sa[kk][2], sa[kk][3]);
+
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        // query rows 16kk… of dO and Q: 2048 bytes (two 8-row groups) per step
+        #pragma unroll
+        for (int kk = 0; kk < 4; kk++) wgmma_m64n64k16_rs(dv, pa[kk], hg_desc(sdo + kk * 2048));
+        #pragma unroll
+        for (int kk = 0; kk < 4; kk++) wgmma_m64n64k16_rs(dk, sa[kk], hg_desc(sq + kk * 2048));
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both warpgroups' dSᵀ rows are staged
+        float dq[16];
+        #pragma unroll
+        for (int k = 0; k < 16; k++) dq[k] = 0.f;
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        // keys 16kk… : dSᵀ rows and K rows 16kk…, 2048 bytes per step; K's columns 32·wg…
+        #pragma unroll
+        for (int kk = 0; kk < FL_KEYS / 16; kk++) fl_wgmma_m64n32k16_tt(dq, hg_desc(dsb + kk * 2048), hg_desc(sk + kk * 2048 + 64 * wg));
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        fl_pin(dq);
+        if (lane == 0) ht_mbar_arrive(empty0 + 8 * s);  // this tile's Q, dO are no longer read
+        fl_dq_reduce(dq_base, dq, q0, n, wi, g, t, rstride, scale);
+        if (++s == FL_STAGES) {
+            s = 0;
+            round++;
+        }
+    }
+    fl_pin(dk);
+    fl_pin(dv);
+
+    // dK (times the softmax scale) and dV of this warpgroup's 64 keys out through shared tiles
+    const unsigned tk = base + FL_OUT + wg * 16384, tv = tk + 8192;
+    wg_stage_tile(tk, dk, scale, scale, wi, lane);
+    wg_stage_tile(tv, dv, 1.f, 1.f, wi, lane);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");
+    if ((tid & 127) == 0 && k0 + wg * 64 < n) {
+        ht_tma_store3(&tm_dqkv, (h + hi) * D, k0 + wg * 64, bi, tk);
+        ht_tma_store3(&tm_dqkv, (2 * h + hi) * D, k0 + wg * 64, bi, tv);
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+        // the block's shared memory must outlive the copies' reads
+        asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    }
+}
