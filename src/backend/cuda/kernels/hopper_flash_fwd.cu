@@ -3,9 +3,8 @@
 // queries of one (b, h) and walks the keys in tiles of 128 with an online softmax (running row
 // maximum, O rescaled when it grows), the key tiles streamed through shared memory by the
 // tensor-memory accelerator. Three consumer warpgroups rather than two: each K and V tile
-// copied into shared memory serves half as many queries again, and the H100 ran the forward
-// 1.12× (N 577, where 192-query blocks pad 768 rows against 640) to 1.15× (N 1025) faster.
-// Taking turns issuing the products (FA3's ping-pong on named barriers) ran 2–4 % slower.
+// copied into shared memory serves half as many queries again, which outweighs the padding of
+// the last query block (BENCHMARKS.md has the measurements).
 //
 // Warpgroup 0 produces: one thread issues the TMA copies (3-D maps over (B, N, columns), so
 // rows ≥ N load as zeros) of the block's 64-query Q tiles and of each key tile's K and V into a
