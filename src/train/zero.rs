@@ -22,6 +22,11 @@
 //!           weights the forward reads
 //! ```
 //!
+//! Stage 3 (`model::partition`) partitions the gradients too: every pass of every micro-batch
+//! reduces each group as its backward finishes it, in the gradient slot (`reduce_group`:
+//! reduce-scatter of its prefix, all-reduce of its tail, waited for), and each rank adds its
+//! pieces into its partitioned gradients; the boundary then has nothing left to wait for.
+//!
 //! What is gathered depends on the backend. The CPU's forward reads the f32 weights, so every
 //! rank keeps them whole and the gather moves f32 values. A GPU's forward reads a bf16 compute
 //! copy: there a rank keeps only its pieces of the f32 master weights, after its optimizer
