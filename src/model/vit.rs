@@ -1114,7 +1114,7 @@ impl<B: Backend> Vit<B> {
             _ => be.embed_backward(&mut a.dpatch_emb, ge, &a.dres_a, t.pos_embed, t.cls_token, b, np, c)?,
         }
         be.matmul_backward_weights(ge, &a.dpatch_emb, &a.patches, w, t.patch_w, Some(t.patch_b), b * np, m.patch_dim(), c)?;
-        match part.as_deref_mut() {
+        match part {
             Some(p) => {
                 report(&mut p.grad_slot, m.depth + 1)?;
                 p.add_grads(be, 0, g)?;
