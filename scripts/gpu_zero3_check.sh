@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # ZeRO stage 3 (partitioned weights) on CUDA ranks, every rank on GPU 0 as its own NCCL "node"
 # (`vitscale launch --one-gpu`, as scripts/gpu_zero_check.sh). Checks, on the GPU machine:
-#   0. `selftest --device cuda` on one rank: copy_span (f32 -> bf16 as cast, exact) and
-#      optimizer_step_master (as optimizer_step_pieces, exact), the two operations stage 3 adds
-#      to the CUDA backend;
+#   0. `selftest --device cuda` on one rank: copy_span (f32 -> bf16 as cast, exact),
+#      add_span (the partitioned gradients' accumulation, exact f32 sums) and
+#      optimizer_step_master (as optimizer_step_pieces, gradients partitioned as the weights,
+#      exact), the operations stage 3 adds to the CUDA backend;
 #   1. equalities (default model, AdamW, GAS 4, gradient_clipping 1.0, 24 steps): stage 3 at 2
 #      and 4 ranks against 1 rank at stage 0 with the same global batch (per-step loss within
 #      2e-2 relative, final weights within 2e-2 of 1 + |w|: bf16 compute over other splits of
@@ -15,7 +16,8 @@
 #      per rank the accounted bytes, the predicted bytes (src/train/memory.rs) and the device's
 #      measured peak (the run's "memory" record). Passes when the measured drop from stage 2 to
 #      stage 3 at the same world size is within 10 % of the predicted drop (the whole bf16
-#      compute copy, less the resident groups, the gather slots and the gradient slot).
+#      compute copy and 4·P·(1 − 1/N) of the gradients, less the resident groups, the gather
+#      slots and the gradient slot).
 #      The table goes to OUT/memory3.json; the predicted bytes per rank are what to compare with
 #      DeepSpeed's `peers/vit_bench.py --mode deepspeed --zero 3 --micro 64` max_mem_gib (part 3).
 #   3. (optional, reported) DeepSpeed ZeRO-3 in the same call when its wheels install from WHL
@@ -38,10 +40,11 @@ port() { echo $((29500 + RANDOM % 2000)); }
 if [ "${SKIP_SELFTEST:-0}" != 1 ]; then
   echo "== 0. selftest: the backend operations stage 3 uses"
   "$BIN" selftest --device cuda > "$OUT/selftest.log" 2>&1
-  n_ok=$(grep -cE "^  ok   (copy_span|optimizer_step_master)" "$OUT/selftest.log")
-  n_bad=$(grep -cE "^  FAIL (copy_span|optimizer_step_master)" "$OUT/selftest.log")
-  ok=$([ "$n_bad" = 0 ] && [ "$n_ok" -ge 4 ] && echo true || echo false)
-  echo "{\"check\": \"selftest copy_span and optimizer_step_master\", \"ok\": $ok, \"passed\": $n_ok, \"failed\": $n_bad}"
+  n_ok=$(grep -cE "^  ok   (copy_span|add_span|optimizer_step_master)" "$OUT/selftest.log")
+  n_bad=$(grep -cE "^  FAIL (copy_span|add_span|optimizer_step_master)" "$OUT/selftest.log")
+  n_add=$(grep -cE "^  ok   add_span" "$OUT/selftest.log")
+  ok=$([ "$n_bad" = 0 ] && [ "$n_ok" -ge 5 ] && [ "$n_add" -ge 1 ] && echo true || echo false)
+  echo "{\"check\": \"selftest copy_span, add_span and optimizer_step_master\", \"ok\": $ok, \"passed\": $n_ok, \"failed\": $n_bad}"
   [ "$ok" = true ] || fail=1
 fi
 

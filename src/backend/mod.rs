@@ -318,6 +318,12 @@ pub trait Backend: Send + Sync {
         }
         self.lerp(dst, dst_off, src, src_off, len, 1.0)
     }
+    /// `dst[dst_off..][..len] += src[src_off..][..len]` between f32 buffers: ZeRO-3 adds a
+    /// group's reduced gradient shard from the gradient slot into this rank's partitioned
+    /// gradients (`model::partition`). Flushes deferred gradient sums first, as `copy_span`.
+    fn add_span(&self, _dst: &mut Self::Buf, _dst_off: usize, _src: &Self::Buf, _src_off: usize, _len: usize) -> BResult<()> {
+        Err(BackendError::Shape { op: "add_span", msg: format!("ZeRO stage 3 is not available on {}", self.name()) })
+    }
     /// Pools the token sequence `inp` (B, N, C) into `out` (B, C): token 0 (`avg = false`) or
     /// the mean of tokens `prefix..N` (`avg = true`).
     #[allow(clippy::too_many_arguments)]
@@ -370,10 +376,11 @@ pub trait Backend: Send + Sync {
     fn optimizer_step_shard(&self, _state: &mut Self::Buf, _grads: &Self::Buf, _compute: &mut Self::Buf, _pieces: &[ShardPiece], _opt: &OptimizerConfig, _decay: &ParamGroups, _hyper: StepHyper) -> BResult<()> {
         Err(BackendError::Shape { op: "optimizer_step_shard", msg: format!("{} keeps whole master weights (its forward reads them)", self.name()) })
     }
-    /// ZeRO-3 (partitioned weights): the update of `optimizer_step_pieces`, with each piece's
-    /// f32 weights at `master_off` of `master` (this rank's pieces back to back) instead of in
-    /// a whole `params` buffer; `state_off` is into `state`. Provided where stage 3 runs (the
-    /// CPU).
+    /// ZeRO-3 (partitioned weights and gradients): the update of `optimizer_step_pieces`, with
+    /// each piece's f32 weights at `master_off` of `master` (this rank's pieces back to back)
+    /// instead of in a whole `params` buffer, and its gradients at the same `master_off` of
+    /// `grads` (the partitioned gradients, laid out as `master`); `state_off` is into `state`.
+    /// The piece's `span` (flat coordinates) says which weight-decay group it is in.
     #[allow(clippy::too_many_arguments)]
     fn optimizer_step_master(&self, _master: &mut Self::Buf, _grads: &Self::Buf, _state: &mut Self::Buf, _pieces: &[ShardPiece], _opt: &OptimizerConfig, _decay: &ParamGroups, _hyper: StepHyper) -> BResult<()> {
         Err(BackendError::Shape { op: "optimizer_step_master", msg: format!("ZeRO stage 3 is not available on {}", self.name()) })

@@ -19,6 +19,12 @@
 //! (released) by the gather after next. The compute reads a group's weights at offset 0 of
 //! its buffer (`spans`: the table's spans rebased to each group's start).
 //!
+//! Gradients are partitioned the same way: no rank keeps a whole gradient buffer. Each
+//! group's backward writes that pass's gradients into the gradient slot (zeroed first), the
+//! ranks reduce-scatter the slot's prefix and all-reduce its tail (`train::zero`, every pass,
+//! as DeepSpeed does), and each rank adds its own shard and the tail into its partitioned
+//! gradients, laid out as `owned` (`add_grads`).
+//!
 //! Where the forward reads a compute copy (bf16 on a GPU), the resident groups and the slots
 //! are in the compute dtype: a gather copies this rank's f32 pieces into the buffer, rounding
 //! them as the compute copy's cast would, and all-gathers the rounded values (2 bytes each, as
@@ -72,8 +78,10 @@ pub struct Partition<B: Backend> {
     slots: Vec<Slot<B>>,
     /// The slot whose group is being computed (not to be overwritten by a prefetch).
     in_use: Option<usize>,
-    /// One group's gradients at offset 0, where the backward of a group whose weights sit at
-    /// offset 0 of their buffer writes them (the largest group's size).
+    /// One group's gradients of one pass at offset 0, where the backward of a group whose
+    /// weights sit at offset 0 of their buffer writes them (the largest group's size); reduced
+    /// over the ranks there, then this rank's pieces added into the partitioned gradients
+    /// (`add_grads`).
     pub grad_slot: B::Buf,
     comm: Box<dyn Comm<B::Buf>>,
     /// Values this rank received and sent in gathers so far (drained by `take_gathered`).
@@ -125,6 +133,26 @@ impl<B: Backend> Partition<B> {
     /// The group of block `i`.
     pub fn block_group(i: usize) -> usize {
         i + 1
+    }
+
+    /// Ranks the weights (and gradients) are partitioned over.
+    pub fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    /// Elements of this rank's pieces (`owned`), and of its partitioned gradients (laid out
+    /// the same way: `GroupPart::shard_at` / `tail_at`).
+    pub fn owned_len(&self) -> usize {
+        self.groups.iter().map(|g| g.shard.len + g.tail.len).sum()
+    }
+
+    /// Adds group `g`'s gradients of this rank's pieces from the gradient slot (the group at
+    /// offset 0, reduced over the ranks: this rank's shard and the tail hold the sums) into
+    /// `grads`, this rank's partitioned gradients.
+    pub fn add_grads(&self, be: &B, g: usize, grads: &mut B::Buf) -> BResult<()> {
+        let p = &self.groups[g];
+        be.add_span(grads, p.shard_at, &self.grad_slot, p.shard.off - p.span.off, p.shard.len)?;
+        be.add_span(grads, p.tail_at, &self.grad_slot, p.tail.off - p.span.off, p.tail.len)
     }
 
     /// Whether group `g` stays whole on every rank.

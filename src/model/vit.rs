@@ -595,7 +595,10 @@ impl<B: Backend> Vit<B> {
     /// groups cut from them), then frees them, and the whole compute copy with them where
     /// there is one (the partition's gathers fill compute-dtype buffers of their own); from
     /// now on the forward and backward gather each partitioned block's weights as they reach
-    /// it. Whole images only (no sequence parallelism).
+    /// it. The whole gradient buffer is replaced by this rank's partitioned gradients (its
+    /// pieces, laid out as `Partition::owned`): with more than one rank every backward must
+    /// then be given a `ready` that reduces each group's gradients in the gradient slot
+    /// (`backward_reporting`). Whole images only (no sequence parallelism).
     pub fn partition(&mut self, be: &B, mut part: Partition<B>) -> BResult<()> {
         if self.sp.is_some() {
             return Err(crate::backend::BackendError::Shape { op: "partition", msg: "partitioned weights need whole images (no sequence parallelism)".into() });
@@ -608,6 +611,8 @@ impl<B: Backend> Vit<B> {
         part.seed(be, &be.download(&self.params)?)?;
         self.params = be.alloc_f32(1)?;
         self.compute = None;
+        // the gradients are partitioned too: this rank's pieces, laid out as `Partition::owned`
+        self.grads = be.alloc_f32(part.owned_len().max(1))?;
         self.master_released = true;
         self.part = Some(part);
         Ok(())
@@ -954,7 +959,10 @@ impl<B: Backend> Vit<B> {
     /// `backward`, calling `ready(grads, span)` as soon as the gradients of each contiguous
     /// group of parameters are final for this pass, in the backward's order: the head with the
     /// final norm, then blocks last to first, then the embedding. Each call comes after the
-    /// deferred bias sums written so far are flushed, so the span really is complete.
+    /// deferred bias sums written so far are flushed, so the span really is complete. Under
+    /// ZeRO-3 (`partition`) the buffer is the gradient slot holding this pass's gradients of
+    /// the group `span` at offset 0, which `ready` reduces over the ranks in place before it
+    /// returns (this rank's pieces of it are then added to the partitioned gradients).
     pub fn backward_reporting<E: From<crate::backend::BackendError>>(
         &mut self,
         be: &B,
@@ -975,6 +983,11 @@ impl<B: Backend> Vit<B> {
 
     fn backward_pass<E: From<crate::backend::BackendError>>(&mut self, be: &B, mut ready: Option<&mut dyn FnMut(&mut B::Buf, Span) -> Result<(), E>>) -> Result<(), E> {
         let groups = if ready.is_some() { self.gradient_groups() } else { Vec::new() };
+        // ZeRO-3's gradients are partitioned: each group's must be reduced over the ranks
+        // before this rank keeps its pieces of it
+        if ready.is_none() && self.part.as_ref().is_some_and(|p| p.world_size() > 1) {
+            return Err(crate::backend::BackendError::Device("a backward over partitioned gradients (ZeRO stage 3) on several ranks needs the gradient reduction of each group (`backward_reporting`)".into()).into());
+        }
         // flushes the deferred sums, then hands the group over
         let mut report = |g: &mut B::Buf, idx: usize| -> Result<(), E> {
             if let Some(f) = ready.as_mut() {
@@ -996,9 +1009,10 @@ impl<B: Backend> Vit<B> {
         let tail = self.tail_on_class_token();
         let mut sp = self.sp.as_mut();
         let g = &mut self.grads;
-        // ZeRO-3: each group's weights, and its gradients in the gradient slot, at offset 0
-        // (the slot takes the group's accumulated gradients in and gives them back, so the
-        // sums are stage 0's); no LayerNorm backward sums another group's bias gradient
+        // ZeRO-3: each group's weights, and this pass's gradients of it in the gradient slot
+        // (zeroed first), at offset 0; the slot is reduced over the ranks (`report`) and this
+        // rank's pieces of it are added into `g`, its partitioned gradients (`add_grads`). No
+        // LayerNorm backward sums another group's bias gradient
         let mut part = self.part.as_mut();
         let local: Option<ModelSpans> = part.as_ref().map(|p| p.spans.clone());
         let ts = local.as_ref().unwrap_or(t);
@@ -1011,11 +1025,10 @@ impl<B: Backend> Vit<B> {
         let dropping: Vec<bool> = (0..m.depth).map(|i| drop.as_ref().is_some_and(|d| d.active[i])).collect();
 
         // ---- head, pooling, final norm → residual-stream gradient of the last block (dres_a)
-        let head = Span { off: t.final_norm_w.off, len: self.table.total - t.final_norm_w.off };
         let (wh, gh) = match part.as_deref_mut() {
             Some(p) => {
                 let (wb, gs) = p.weights_and_grad_slot(m.depth + 1)?;
-                be.copy_span(gs, 0, g, head.off, head.len)?;
+                be.fill(gs, 0.0)?;
                 (wb, gs)
             }
             None => (w, &mut *g),
@@ -1045,11 +1058,14 @@ impl<B: Backend> Vit<B> {
             }
             None => be.pool_backward(&mut a.dres_a, &a.dpooled_raw, b, n_out, c, prefix, avg)?,
         }
-        if let Some(p) = part.as_deref() {
-            be.copy_span(g, head.off, &p.grad_slot, 0, head.len)?;
-        }
         let mut fc2_bias_summed = last_fc2_b.is_some();
-        report(g, 0)?;
+        match part.as_deref_mut() {
+            Some(p) => {
+                report(&mut p.grad_slot, 0)?;
+                p.add_grads(be, m.depth + 1, g)?;
+            }
+            None => report(g, 0)?,
+        }
 
         // ---- blocks in reverse; dres_a holds d(block output) on entry and d(block input) on exit
         for i in (0..m.depth).rev() {
@@ -1064,35 +1080,47 @@ impl<B: Backend> Vit<B> {
                     // this block's weights (still in a slot from the forward, or gathered
                     // again), the one before it started
                     let grp = p.backward_block(be, i)?;
-                    let span = p.groups[grp].span;
                     let (wb, gs) = p.weights_and_grad_slot(grp)?;
-                    be.copy_span(gs, 0, g, span.off, span.len)?;
+                    be.fill(gs, 0.0)?;
                     block_backward(be, m, (&ts.blocks[i], wb), gs, a, cx, bias, dp, sp.as_deref_mut())?;
-                    be.copy_span(g, span.off, gs, 0, span.len)?;
+                    report(&mut p.grad_slot, m.depth - i)?;
+                    p.add_grads(be, grp, g)?;
                 }
-                None => block_backward(be, m, (&t.blocks[i], w), g, a, cx, bias, dp, sp.as_deref_mut())?,
+                None => {
+                    block_backward(be, m, (&t.blocks[i], w), g, a, cx, bias, dp, sp.as_deref_mut())?;
+                    report(g, m.depth - i)?;
+                }
             }
             fc2_bias_summed = prev_fc2_b.is_some();
-            report(g, m.depth - i)?;
         }
 
-        // ---- embedding (its spans start at 0 in the partition too, so its gradients go
-        // straight into the flat buffer)
-        let w = match part.as_deref() {
-            Some(p) => p.weights(0)?,
-            None => w,
+        // ---- embedding (its spans start at 0 in the partition too: at stage 3 its gradients
+        // go into the gradient slot at the table's offsets)
+        let (w, ge) = match part.as_deref_mut() {
+            Some(p) => {
+                let (wb, gs) = p.weights_and_grad_slot(0)?;
+                be.fill(gs, 0.0)?;
+                (wb, gs)
+            }
+            None => (w, &mut *g),
         };
         match (sp, a.sp.as_mut()) {
             // this rank's rows of the whole image's gradient (zeros in the others'): the
             // position embedding, class token and patch embedding gradients of its tokens
             (Some(p), Some(x)) => {
                 p.put_tokens(be, &mut x.full, &a.dres_a, b, n, c)?;
-                be.embed_backward(&mut a.dpatch_emb, g, &x.full, t.pos_embed, t.cls_token, b, np, c)?;
+                be.embed_backward(&mut a.dpatch_emb, ge, &x.full, t.pos_embed, t.cls_token, b, np, c)?;
             }
-            _ => be.embed_backward(&mut a.dpatch_emb, g, &a.dres_a, t.pos_embed, t.cls_token, b, np, c)?,
+            _ => be.embed_backward(&mut a.dpatch_emb, ge, &a.dres_a, t.pos_embed, t.cls_token, b, np, c)?,
         }
-        be.matmul_backward_weights(g, &a.dpatch_emb, &a.patches, w, t.patch_w, Some(t.patch_b), b * np, m.patch_dim(), c)?;
-        report(g, m.depth + 1)?;
+        be.matmul_backward_weights(ge, &a.dpatch_emb, &a.patches, w, t.patch_w, Some(t.patch_b), b * np, m.patch_dim(), c)?;
+        match part {
+            Some(p) => {
+                report(&mut p.grad_slot, m.depth + 1)?;
+                p.add_grads(be, 0, g)?;
+            }
+            None => report(g, m.depth + 1)?,
+        }
         Ok(())
     }
 }

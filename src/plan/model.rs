@@ -294,6 +294,25 @@ pub fn bucket_timeline(plan: &BucketPlan, group_done_s: &[f64], backward_end_s: 
     Ok((out, exposed))
 }
 
+/// ZeRO-3's gradient reductions (`train::zero::ZeroSync::reduce_group`): one per group in
+/// every micro-batch's backward, each started once its group is done and waited for before
+/// the next group's backward, so the backward is stretched by all of them. Returns the last
+/// micro-batch's timeline (each reduction shifting the groups after it) and the exposed
+/// seconds of the step (`gas` micro-batches' worth).
+pub fn stage3_reductions(plan: &BucketPlan, group_done_s: &[f64], time: &dyn Fn(usize) -> Result<(f64, f64), String>, gas: usize) -> Result<(Vec<BucketTiming>, f64), String> {
+    let mut out = Vec::with_capacity(plan.buckets.len());
+    let mut shift = 0.0;
+    for (i, b) in plan.buckets.iter().enumerate() {
+        let last = b.groups.end.checked_sub(1).ok_or_else(|| format!("bucket {i} holds no group"))?;
+        let done = *group_done_s.get(last).ok_or_else(|| format!("bucket {i} ends at group {last}, the profile has {}", group_done_s.len()))?;
+        let (secs, bytes) = time(i)?;
+        let ready = done + shift;
+        out.push(BucketTiming { elements: b.span.len, bytes, ready_s: ready, start_s: ready, end_s: ready + secs });
+        shift += secs;
+    }
+    Ok((out, gas as f64 * shift))
+}
+
 /// The part of the weights' all-gather the next forward waits for: the buckets are gathered
 /// one after another from the last (the embedding's, which the forward reads first), taking
 /// `gathers[b]` each, and the forward runs the groups in its order (the backward's reversed),
@@ -423,14 +442,23 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
         notes.push("ranks time-slicing one GPU: the reductions are not overlapped with the backward (the collectives' kernels hold the GPU in turn)".into());
     }
     let overlap = s.overlap && !time_sliced;
-    let (buckets, exposed) = if world > 1 { bucket_timeline(&plan, &done, bwd, overlap, &bucket_time)? } else { (Vec::new(), 0.0) };
+    // stage 3 partitions the gradients: every micro-batch's backward reduces each group as it
+    // finishes and waits for it there (the gradient slot is the next group's), so its
+    // reductions are exposed, GAS times a step
+    let stage3 = s.zero_stage >= 3;
+    let rounds = if stage3 { s.gas as f64 } else { 1.0 };
+    let (buckets, exposed) = match world > 1 {
+        true if stage3 => stage3_reductions(&plan, &done, &bucket_time, s.gas)?,
+        true => bucket_timeline(&plan, &done, bwd, overlap, &bucket_time)?,
+        false => (Vec::new(), 0.0),
+    };
     // the boundary also waits for the slowest rank: the step's compute varies between
     // repetitions (the profile's spread, GAS passes adding up independently), and the
     // collective finishes with the last of `world` ranks
     let straggle = t.pass_spread_s * k * (s.gas as f64).sqrt() * expected_max_normal(world);
     let exposed = exposed + straggle;
-    let mut comm_total: f64 = buckets.iter().map(|b| b.end_s - b.start_s).sum();
-    let mut bytes: f64 = buckets.iter().map(|b| b.bytes).sum();
+    let mut comm_total: f64 = rounds * buckets.iter().map(|b| b.end_s - b.start_s).sum::<f64>();
+    let mut bytes: f64 = rounds * buckets.iter().map(|b| b.bytes).sum::<f64>();
     // what a gathered weight costs on the wire: the dtype the forward reads (a GPU's compute
     // copy; the CPU's f32)
     let gpu = profile.device_kind != "cpu";
@@ -767,8 +795,9 @@ mod tests {
 
     /// ZeRO-3 adds the blocks' gathers of every pass (the first forward of a step all of them,
     /// every later pass all but the two still in the slots), reduce-scatters one bucket per
-    /// group, and gathers only the resident groups after the update; the prefetch hides
-    /// gathers behind compute, and blocks kept whole gather nothing in the passes.
+    /// group in every micro-batch (GAS times stage 2's gradient bytes, all exposed), and
+    /// gathers only the resident groups after the update; the prefetch hides gathers behind
+    /// compute, and blocks kept whole gather nothing in the passes.
     #[test]
     fn zero_3_gathers_every_pass_and_the_prefetch_hides_them() {
         let p = toy_profile();
@@ -782,19 +811,25 @@ mod tests {
         // 4 passes (GAS 2): d + 3·(d − 2) block gathers, less stage 2's gather of the blocks after the update
         let gathers = (d + 3 * (d - 2)) as f64 * (block - block % 2) as f64 * 4.0;
         let blocks_after_update: f64 = groups[1..groups.len() - 1].iter().map(|g| (g.len - g.len % 2) as f64 * 4.0).sum();
-        assert!((z3.comm_bytes_per_step - z2.comm_bytes_per_step - gathers + blocks_after_update).abs() < 1.0, "{} vs {}", z3.comm_bytes_per_step, z2.comm_bytes_per_step);
+        // the gradients reduce-scattered in both micro-batches: one more round of stage 2's
+        let round: f64 = z2.buckets.iter().map(|b| b.bytes).sum();
+        assert!(round > 0.0);
+        assert!((z3.comm_bytes_per_step - z2.comm_bytes_per_step - gathers + blocks_after_update - round).abs() < 1.0, "{} vs {}", z3.comm_bytes_per_step, z2.comm_bytes_per_step);
         assert!(z3.step_s > z2.step_s);
+        let z3_reductions: f64 = z3.buckets.iter().map(|b| b.end_s - b.start_s).sum();
+        assert!(z3.comm_exposed_s >= 2.0 * z3_reductions, "{} vs 2 × {z3_reductions}", z3.comm_exposed_s);
         let serial = predict(&p, &groups, &Scenario { zero_stage: 3, stage3: crate::config::Stage3Config { prefetch_bucket_size: 0, ..all }, ..Scenario::new(8, 2) }, &net).expect("no prefetch");
         assert!(serial.comm_exposed_s > z3.comm_exposed_s, "{} vs {}", serial.comm_exposed_s, z3.comm_exposed_s);
         let resident = predict(&p, &groups, &Scenario { zero_stage: 3, ..Scenario::new(8, 2) }, &net).expect("resident");
-        assert!((resident.comm_bytes_per_step - z2.comm_bytes_per_step).abs() < 1.0, "{} vs {}", resident.comm_bytes_per_step, z2.comm_bytes_per_step);
+        assert!((resident.comm_bytes_per_step - z2.comm_bytes_per_step - round).abs() < 1.0, "{} vs {}", resident.comm_bytes_per_step, z2.comm_bytes_per_step);
         // on a GPU every gathered weight is the bf16 value the forward reads: half the bytes
         let mut gp = p.clone();
         gp.device_kind = "cuda".into();
         assert_eq!(gp.compute_bytes, 2.0);
         let g2 = predict(&gp, &groups, &Scenario { zero_stage: 2, bucket_elems: 1, ..Scenario::new(8, 2) }, &net).expect("gpu stage 2");
         let g3 = predict(&gp, &groups, &Scenario { zero_stage: 3, stage3: all, ..Scenario::new(8, 2) }, &net).expect("gpu stage 3");
-        assert!((g3.comm_bytes_per_step - g2.comm_bytes_per_step - (gathers - blocks_after_update) / 2.0).abs() < 1.0, "{} vs {}", g3.comm_bytes_per_step, g2.comm_bytes_per_step);
+        let g_round: f64 = g2.buckets.iter().map(|b| b.bytes).sum();
+        assert!((g3.comm_bytes_per_step - g2.comm_bytes_per_step - (gathers - blocks_after_update) / 2.0 - g_round).abs() < 1.0, "{} vs {}", g3.comm_bytes_per_step, g2.comm_bytes_per_step);
     }
 
     /// On a GPU, ZeRO gathers the compute copy (2 bytes a value) behind the next forward; on

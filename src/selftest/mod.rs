@@ -723,7 +723,11 @@ fn optimizer_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
             if shard_check {
                 cx.be.optimizer_step_shard(&mut compact, &gd, &mut copy_shard, &shard_pieces, &opt, decay, sharded)?;
             }
-            cx.be.optimizer_step_master(&mut master, &gd, &mut sd_master, &master_pieces, &opt, decay, sharded)?;
+            // (its gradients partitioned as its weights: the pieces' back to back)
+            let g_master: Vec<f32> = pieces_at.iter().flat_map(|s| g[s.range()].to_vec()).collect();
+            let mut gd_master = cx.be.alloc_f32(g_master.len().max(1))?;
+            cx.be.upload(&mut gd_master, 0, &g_master)?;
+            cx.be.optimizer_step_master(&mut master, &gd_master, &mut sd_master, &master_pieces, &opt, decay, sharded)?;
             let g64: Vec<f64> = g.iter().map(|&v| v as f64).collect();
             optimizer_reference(&mut pr, &g64, &mut sr, &opt, &decays, &lr_scales, hyper);
         }
@@ -786,7 +790,7 @@ fn optimizer_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
             for q in &master_pieces {
                 exact &= m[q.master_off..q.master_off + q.span.len].iter().zip(&got_pieces[q.span.range()]).all(|(a, b)| a.to_bits() == b.to_bits());
             }
-            cx.checks.push(Check { name: format!("optimizer_step_master {name}, {layout}: pieces back to back and state as optimizer_step_pieces"), rel_err: if exact { 0.0 } else { 1.0 }, tol: 0.0, pass: exact });
+            cx.checks.push(Check { name: format!("optimizer_step_master {name}, {layout}: pieces and their gradients back to back, state as optimizer_step_pieces"), rel_err: if exact { 0.0 } else { 1.0 }, tol: 0.0, pass: exact });
         }
         cx.checks.push(Check { name: format!("sum_squares_spans {name}, {layout} (vs f64 on the host)"), rel_err: ss_err, tol: 1e-6, pass: ss_err.is_finite() && ss_err <= 1e-6 });
     }
@@ -795,7 +799,8 @@ fn optimizer_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
 
 /// `copy_span` as ZeRO-3's gathers and gradient slot use it, on fresh random values at odd
 /// offsets: f32 → f32 and compute → compute exact, f32 → compute dtype as `cast` rounds it
-/// (exact too), and every element outside the span untouched.
+/// (exact too), and every element outside the span untouched; `add_span` (ZeRO-3's gradient
+/// accumulation) exact against the host's f32 sums.
 fn copy_span_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
     let (n, off_s, off_d, len) = (3001, 17, 233, 2021);
     let src = cx.randn(n, 1.0);
@@ -819,6 +824,16 @@ fn copy_span_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
         let ok = inside && outside;
         cx.checks.push(Check { name: format!("copy_span {what}: the span exact, the rest untouched"), rel_err: if ok { 0.0 } else { 1.0 }, tol: 0.0, pass: ok });
     }
+    // add_span, as ZeRO-3 adds a reduced gradient shard into the partitioned gradients: each
+    // element of the span the f32 sum (exact: one rounding, the host's), the rest untouched
+    let mut dst = cx.be.alloc_f32(n)?;
+    cx.be.upload(&mut dst, 0, &before)?;
+    cx.be.add_span(&mut dst, off_d, &s32, off_s, len)?;
+    let got = cx.be.download(&dst)?;
+    let inside = (0..len).all(|i| got[off_d + i].to_bits() == (before[off_d + i] + src[off_s + i]).to_bits());
+    let outside = (0..n).filter(|&i| i < off_d || i >= off_d + len).all(|i| got[i].to_bits() == before[i].to_bits());
+    let ok = inside && outside;
+    cx.checks.push(Check { name: "add_span f32: the span the exact f32 sum, the rest untouched".into(), rel_err: if ok { 0.0 } else { 1.0 }, tol: 0.0, pass: ok });
     Ok(())
 }
 

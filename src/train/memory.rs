@@ -64,16 +64,18 @@ pub struct Limit {
 /// Bytes of [f32 weights, compute copy, f32 gradients, optimizer state] one rank holds for
 /// `params` parameters at ZeRO stage `stage` of `world` ranks: the optimizer state (`per_param`
 /// f32 values per parameter) divided by the world size at stages ≥ 1, and the f32 master
-/// weights too where the forward reads a compute copy or at stage 3; every other buffer whole
-/// (the gradients are accumulated locally whole at every stage). In u128 so that
-/// absurd configured sizes give a huge number rather than an overflow.
+/// weights too where the forward reads a compute copy or at stage 3, and the f32 gradients at
+/// stage 3 (partitioned as the weights; below it they are accumulated locally whole). In u128
+/// so that absurd configured sizes give a huge number rather than an overflow.
 pub fn state_bytes(params: u128, per_param: u128, compute_copy: bool, stage: u8, world: usize) -> [u128; 4] {
     let split = |bytes: u128| if stage >= 1 { bytes.div_ceil(world.max(1) as u128) } else { bytes };
     // (stage 3 adds its resident groups and gather slots: `stage3_extra_elems`)
     let weights = if compute_copy || stage >= 3 { split(4 * params) } else { 4 * params };
     // (at stage 3 no rank keeps a whole compute copy: its resident groups and slots are
     // `stage3_extra_elems`, in the compute dtype)
-    [weights, if compute_copy && stage < 3 { 2 * params } else { 0 }, 4 * params, split(per_param * 4 * params)]
+    // (stage 3 adds the gradient slot: `stage3_extra_elems`)
+    let grads = if stage >= 3 { split(4 * params) } else { 4 * params };
+    [weights, if compute_copy && stage < 3 { 2 * params } else { 0 }, grads, split(per_param * 4 * params)]
 }
 
 /// ZeRO-3's elements beyond the ÷N shares (`model::partition`): [the resident groups'
@@ -108,7 +110,8 @@ pub struct MemoryBytes {
     pub weights: u64,
     /// The compute-dtype copy the GPU's forward reads (bf16), 0 where the forward reads f32.
     pub compute_copy: u64,
-    /// f32 gradients, accumulated locally over the micro-batches at every stage.
+    /// f32 gradients: accumulated locally over the micro-batches, whole, at stages 0–2; at
+    /// stage 3 this rank's pieces of them (partitioned as the weights) plus the gradient slot.
     pub gradients: u64,
     pub optimizer_state: u64,
     pub total: u64,
@@ -356,7 +359,8 @@ mod tests {
         // ViT-B/16's block exceeds every stage-3 default but fits two within max_live: two slots
         assert_eq!(e.state.compute_copy, 2 * (embed + head + 2 * block));
         assert_eq!(e.state.weights, (4 * p).div_ceil(world as u64));
-        assert_eq!(e.state.gradients, 4 * p + 4 * block.max(embed).max(head));
+        // the gradients partitioned as the weights, plus the gradient slot
+        assert_eq!(e.state.gradients, (4 * p).div_ceil(world as u64) + 4 * block.max(embed).max(head));
         // the same run on the CPU: the gathered weights are f32 and there is no compute copy
         let cpu = DeviceMemory { compute_bytes: 4.0, compute_copy: false, attention_saved: &att };
         let c = estimate(&cfg, shape, &cpu, false, false);

@@ -11,7 +11,9 @@
 //!           all-gather of the weights) → zero the gradients
 //! ```
 //!
-//! No communication happens on non-boundary micro-batches. Nothing is read back to the host
+//! No gradient communication happens on non-boundary micro-batches, except at ZeRO stage 3:
+//! there no rank keeps a whole gradient buffer, so every pass's backward reduce-scatters each
+//! group's gradients as it produces them (`GradSync::reduces_every_pass`), as DeepSpeed does. Nothing is read back to the host
 //! unless asked: each pass's per-image losses are copied into a device buffer of their own and
 //! come back when the caller takes them (`take_losses`, on logging steps), and the gradient
 //! norm is computed for the host only when the boundary is asked for it. So a step on a GPU
@@ -113,10 +115,13 @@ impl<B: Backend> Step<B> {
 
     /// Every pass of one micro-batch of step `step`. `first_staged`: `stage_ahead` staged its
     /// first pass. With `sync`, this is the step's last micro-batch: its last pass's backward
-    /// reports finished blocks to the sync.
+    /// reports finished blocks to the sync (every pass's, where the sync reduces every pass:
+    /// ZeRO-3, whose sync every micro-batch is given).
     pub fn micro_batch(&mut self, be: &B, batch: &MicroBatch<'_>, step: u64, first_staged: bool, mut sync: Option<&mut dyn GradSync<B>>) -> Result<(), TrainError> {
         let passes: Vec<(usize, usize)> = self.plan.passes(batch.b).collect();
         let last = passes.len().saturating_sub(1);
+        // (ZeRO-3: every pass's backward reduces its gradients)
+        let every = sync.as_ref().is_some_and(|s| s.reduces_every_pass());
         for (i, (start, n)) in passes.into_iter().enumerate() {
             // staged ahead, unless an evaluation's forward has replaced those inputs since
             if !(i == 0 && first_staged && self.vit.has_unread_inputs(n)) {
@@ -124,7 +129,10 @@ impl<B: Backend> Step<B> {
             }
             self.set_branch_scales(be, batch, start, n)?;
             self.mark(be, Phase::Data)?;
-            let report = if i == last { sync.take() } else { None };
+            let report = match sync.as_mut() {
+                Some(s) if every || i == last => Some(&mut **s as &mut dyn GradSync<B>),
+                _ => None,
+            };
             self.pass(be, n, step, report)?;
         }
         Ok(())

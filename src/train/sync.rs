@@ -31,7 +31,15 @@ pub trait GradSync<B: Backend> {
     fn reports_blocks(&self) -> bool {
         false
     }
-    /// The gradients of `span` are final for this step.
+    /// Whether every pass's backward (of every micro-batch, not only the step's last) must
+    /// hand each group to `ready`: ZeRO-3, whose ranks keep only their pieces of the
+    /// gradients, so each pass's gradients are reduced group by group as the backward
+    /// produces them.
+    fn reduces_every_pass(&self) -> bool {
+        false
+    }
+    /// The gradients of `span` are final for this step (ZeRO-3: this pass's gradients of the
+    /// group `span`, at offset 0 of `grads`, the gradient slot, reduced before returning).
     fn ready(&mut self, _be: &B, _grads: &mut B::Buf, _span: Span) -> Result<(), TrainError> {
         Ok(())
     }
@@ -222,6 +230,17 @@ impl BucketTracker {
     pub fn started(&mut self, b: usize, works: Vec<Work>, bytes: u64) {
         self.times.bytes += bytes;
         self.in_flight.push((b, Instant::now(), None, works));
+    }
+
+    /// Bucket `b`'s collectives, started at `started` and waited for until now by the backward
+    /// itself (ZeRO-3's per-pass reduction of a group in the gradient slot): all of it exposed.
+    pub fn waited(&mut self, b: usize, started: Instant, bytes: u64) {
+        let done = Instant::now();
+        let s = (done - started).as_secs_f64();
+        self.times.bytes += bytes;
+        self.times.total_s += s;
+        self.times.exposed_s += s;
+        self.events.push(BucketEvent { bucket: b, start_s: (started - self.epoch).as_secs_f64(), end_s: (done - self.epoch).as_secs_f64() });
     }
 
     /// Notes which buckets have completed by now (the trace then shows when).

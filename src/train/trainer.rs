@@ -135,7 +135,8 @@ struct Gradients {
 
 impl Gradients {
     /// The sync of one step: gradients are summed over ranks once per step, bucket by bucket
-    /// during the last micro-batch's backward.
+    /// during the last micro-batch's backward (ZeRO-3: group by group during every pass's
+    /// backward).
     fn begin<'c, Buf>(&'c self, comm: &'c mut dyn Comm<Buf>) -> AnySync<'c, Buf> {
         match &self.zero {
             Some(z) => {
@@ -688,9 +689,11 @@ impl<'r, B: Backend> Trainer<'r, B> {
         let be: &B = be;
         let mut sync = grads.begin(&mut **comm);
         let gas = st.plan.gradient_accumulation_steps;
+        // ZeRO-3 reduces the gradients of every micro-batch (no rank keeps them whole)
+        let every = GradSync::<B>::reduces_every_pass(&sync);
         for m in 0..gas {
             let last_micro = m + 1 == gas;
-            let report: Option<&mut dyn GradSync<B>> = if last_micro && grads.overlap { Some(&mut sync) } else { None };
+            let report: Option<&mut dyn GradSync<B>> = if (last_micro && grads.overlap) || every { Some(&mut sync) } else { None };
             feed.run_micro(be, st, bal, report, (at.step, m), at.last && last_micro)?;
         }
         let step = at.step;

@@ -22,6 +22,11 @@
 //!           weights the forward reads
 //! ```
 //!
+//! Stage 3 (`model::partition`) partitions the gradients too: every pass of every micro-batch
+//! reduces each group as its backward finishes it, in the gradient slot (`reduce_group`:
+//! reduce-scatter of its prefix, all-reduce of its tail, waited for), and each rank adds its
+//! pieces into its partitioned gradients; the boundary then has nothing left to wait for.
+//!
 //! What is gathered depends on the backend. The CPU's forward reads the f32 weights, so every
 //! rank keeps them whole and the gather moves f32 values. A GPU's forward reads a bf16 compute
 //! copy: there a rank keeps only its pieces of the f32 master weights, after its optimizer
@@ -245,6 +250,25 @@ impl ZeroLayout {
         Ok(())
     }
 
+    /// Stage 3: this rank's own shards and the replicated tails as spans of its partitioned
+    /// gradients (laid out as `Partition::owned`: per bucket its shard, then its tail).
+    fn partitioned_spans(&self) -> (Vec<Span>, Vec<Span>) {
+        let (mut shards, mut tails) = (Vec::new(), Vec::new());
+        let mut at = 0;
+        for &(prefix, tail) in &self.parts {
+            let sh = shard(prefix, self.world, self.rank);
+            if sh.len > 0 {
+                shards.push(Span { off: at, len: sh.len });
+            }
+            at += sh.len;
+            if tail.len > 0 {
+                tails.push(Span { off: at, len: tail.len });
+            }
+            at += tail.len;
+        }
+        (shards, tails)
+    }
+
     /// Whether the boundary reduce-scatters (stage 2 with `reduce_scatter`).
     pub fn scatters(&self) -> bool {
         self.stage >= 2 && self.reduce_scatter
@@ -333,6 +357,36 @@ impl<'c, Buf> ZeroSync<'c, Buf> {
         Ok(self.comm.start_as(op, buf, span, self.wire)?)
     }
 
+    /// ZeRO-3: this pass's gradients of the group `span` (a bucket), at offset 0 of the
+    /// gradient slot, reduced over the ranks there: its prefix reduce-scattered (this rank's
+    /// shard holds the sum), its tail all-reduced, and waited for before returning, since the
+    /// backward adds this rank's pieces into its partitioned gradients next and then reuses
+    /// the slot. Bytes counted as `start_bucket` counts them.
+    fn reduce_group(&mut self, slot: &mut Buf, span: Span) -> Result<(), TrainError> {
+        let b = self.plan.buckets.iter().position(|k| k.span == span).ok_or_else(|| TrainError::Config(format!("ZeRO-3: the backward reported {span:?}, which is no parameter group of the partition")))?;
+        let (prefix, tail) = self.layout.parts[b];
+        let value = self.wire.elem_bytes();
+        let started = Instant::now();
+        let mut works = Vec::new();
+        let bytes = if self.layout.scatters() {
+            if prefix.len > 0 {
+                works.push(self.start_gradients(Collective::ReduceScatter(ReduceOp::Sum), slot, Span { off: 0, len: prefix.len })?);
+            }
+            if tail.len > 0 {
+                works.push(self.start_gradients(Collective::AllReduce(ReduceOp::Sum), slot, Span { off: prefix.len, len: tail.len })?);
+            }
+            prefix.len * value / 2 + tail.len * value
+        } else {
+            works.push(self.start_gradients(Collective::AllReduce(ReduceOp::Sum), slot, Span { off: 0, len: span.len })?);
+            span.len * value
+        };
+        for w in works {
+            self.comm.wait(w, slot)?;
+        }
+        self.track.waited(b, started, bytes as u64);
+        Ok(())
+    }
+
     /// Starts bucket `b`'s reduction. Bytes are counted as the all-reduce of the same
     /// values would be (the busbw the metrics derive stays comparable across stages): a
     /// reduce-scatter and the all-gather that follows it count half each.
@@ -360,11 +414,21 @@ impl<'c, Buf> ZeroSync<'c, Buf> {
 
 impl<B: Backend> GradSync<B> for ZeroSync<'_, B::Buf> {
     fn reports_blocks(&self) -> bool {
-        self.overlap && self.comm.world_size() > 1
+        (self.overlap || self.layout.stage == 3) && self.comm.world_size() > 1
+    }
+
+    fn reduces_every_pass(&self) -> bool {
+        self.layout.stage == 3 && self.comm.world_size() > 1
     }
 
     fn ready(&mut self, _be: &B, grads: &mut B::Buf, span: Span) -> Result<(), TrainError> {
-        if !self.overlap || self.comm.world_size() == 1 {
+        if self.comm.world_size() == 1 {
+            return Ok(());
+        }
+        if self.layout.stage == 3 {
+            return self.reduce_group(grads, span);
+        }
+        if !self.overlap {
             return Ok(());
         }
         if let Some(b) = self.track.group_done(self.plan, span)? {
@@ -377,6 +441,10 @@ impl<B: Backend> GradSync<B> for ZeroSync<'_, B::Buf> {
         if self.comm.world_size() == 1 {
             return Ok(0);
         }
+        if self.layout.stage == 3 {
+            // every group of every pass was reduced during its backward
+            return Ok(std::mem::take(&mut self.track.times.bytes));
+        }
         for b in self.track.unreported(self.plan) {
             self.start_bucket(grads, b)?;
         }
@@ -384,14 +452,15 @@ impl<B: Backend> GradSync<B> for ZeroSync<'_, B::Buf> {
     }
 
     // the global norm: every rank's own shards once (summed over ranks), the replicated
-    // tails once
+    // tails once (stage 3: in its partitioned gradients, where only those are)
     fn global_sum_squares(&mut self, be: &B, grads: &B::Buf, inf_from: f32) -> Result<f64, TrainError> {
         let l = self.layout;
-        let mut own = [be.sum_squares_spans(grads, &l.own_shards(), inf_from)?];
+        let (shards, tails) = if l.stage == 3 { l.partitioned_spans() } else { (l.own_shards(), l.tails()) };
+        let mut own = [be.sum_squares_spans(grads, &shards, inf_from)?];
         if l.world > 1 {
             self.comm.all_reduce_host(&mut own)?;
         }
-        Ok(own[0] + be.sum_squares_spans(grads, &l.tails(), inf_from)?)
+        Ok(own[0] + be.sum_squares_spans(grads, &tails, inf_from)?)
     }
 
     fn update(&mut self, be: &B, vit: &mut Vit<B>, state: &mut B::Buf, opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper, read_norm: bool) -> Result<Updated, TrainError> {
@@ -403,8 +472,9 @@ impl<B: Backend> GradSync<B> for ZeroSync<'_, B::Buf> {
         };
         let sharded = StepHyper { grad_scale, clip_norm: 0.0, ..hyper };
         if l.stage == 3 {
-            // this rank's pieces of the weights updated in the partition, then the resident
-            // groups gathered whole again (the blocks are gathered as the passes reach them)
+            // this rank's pieces of the weights updated in the partition from its partitioned
+            // gradients (laid out as the pieces), then the resident groups gathered whole
+            // again (the blocks are gathered as the passes reach them)
             let pieces = l.owned_pieces();
             let (part, grads) = vit.partition_and_grads().ok_or_else(|| TrainError::Config("ZeRO stage 3 on a model whose weights are not partitioned".into()))?;
             be.optimizer_step_master(&mut part.owned, grads, state, &pieces, opt, decay, sharded)?;
@@ -498,6 +568,12 @@ impl<B: Backend> GradSync<B> for AnySync<'_, B::Buf> {
         match self {
             AnySync::Plain(s) => GradSync::<B>::reports_blocks(s),
             AnySync::Zero(s) => GradSync::<B>::reports_blocks(s),
+        }
+    }
+    fn reduces_every_pass(&self) -> bool {
+        match self {
+            AnySync::Plain(s) => GradSync::<B>::reduces_every_pass(s),
+            AnySync::Zero(s) => GradSync::<B>::reduces_every_pass(s),
         }
     }
     fn ready(&mut self, be: &B, grads: &mut B::Buf, span: Span) -> Result<(), TrainError> {

@@ -605,6 +605,13 @@ impl Backend for Cpu {
         Ok(())
     }
 
+    fn add_span(&self, dst: &mut Vec<f32>, dst_off: usize, src: &Vec<f32>, src_off: usize, len: usize) -> BResult<()> {
+        check("add_span", "dst", dst, dst_off + len)?;
+        check("add_span", "src", src, src_off + len)?;
+        dst[dst_off..dst_off + len].par_iter_mut().zip(&src[src_off..src_off + len]).for_each(|(d, &s)| *d += s);
+        Ok(())
+    }
+
     fn lerp(&self, dst: &mut Vec<f32>, dst_off: usize, src: &Vec<f32>, src_off: usize, len: usize, weight: f32) -> BResult<()> {
         check("lerp", "dst", dst, dst_off + len)?;
         check("lerp", "src", src, src_off + len)?;

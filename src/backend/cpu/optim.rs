@@ -210,7 +210,7 @@ pub fn optimizer_step_master(
     }
     for p in pieces {
         let (span, slen) = (p.span, optimizer_state_len(opt, p.span.len));
-        if span.off + span.len > grads.len() || p.state_off + slen > state.len() || p.master_off + span.len > master.len() {
+        if p.master_off + span.len > grads.len() || p.state_off + slen > state.len() || p.master_off + span.len > master.len() {
             return Err(shape_err(format!(
                 "piece {}..{} (state at {}, weights at {}) outside {} gradients / {} state / {} weights",
                 span.off,
@@ -222,7 +222,7 @@ pub fn optimizer_step_master(
                 master.len()
             )));
         }
-        optimizer_step(&mut master[p.master_off..p.master_off + span.len], &grads[span.range()], &mut state[p.state_off..p.state_off + slen], opt, &decay.restrict(span), hyper)?;
+        optimizer_step(&mut master[p.master_off..p.master_off + span.len], &grads[p.master_off..p.master_off + span.len], &mut state[p.state_off..p.state_off + slen], opt, &decay.restrict(span), hyper)?;
     }
     Ok(())
 }

@@ -169,6 +169,25 @@ impl Cuda {
         self.launch1("scaled_cast_kernel", len, &mut kargs![d, dst.dt(), s, src.dt(), n, 1.0f32])
     }
 
+    /// `Backend::add_span` (f32): `add_kernel` at offset pointers, in place (each element read
+    /// before it is written by the same thread). The deferred gradient sums are flushed first:
+    /// ZeRO-3 adds a span of the gradient slot the backward just wrote.
+    pub(super) fn add_span_impl(&self, dst: &mut CudaBuf, dst_off: usize, src: &CudaBuf, src_off: usize, len: usize) -> BResult<()> {
+        const OP: &str = "add_span";
+        check_len(OP, "dst", dst, dst_off + len)?;
+        check_len(OP, "src", src, src_off + len)?;
+        if dst.ty != Ty::F32 || src.ty != Ty::F32 {
+            return Err(BackendError::Shape { op: OP, msg: "both buffers must be f32".into() });
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        self.flush_partial_sums()?;
+        let (d, s, n) = (dst.at(dst_off), src.at(src_off), len as i64);
+        let (dtd, dts) = (dst.dt(), src.dt());
+        self.launch1("add_kernel", len, &mut kargs![d, dtd, d, dtd, s, dts, n])
+    }
+
     pub(super) fn add_impl(&self, out: &mut CudaBuf, a: &CudaBuf, b: &CudaBuf) -> BResult<()> {
         let n = a.len.min(b.len);
         check_len("add", "out", out, n)?;

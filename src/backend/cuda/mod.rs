@@ -454,6 +454,10 @@ impl Backend for Cuda {
         self.copy_span_impl(dst, dst_off, src, src_off, len)
     }
 
+    fn add_span(&self, dst: &mut CudaBuf, dst_off: usize, src: &CudaBuf, src_off: usize, len: usize) -> BResult<()> {
+        self.add_span_impl(dst, dst_off, src, src_off, len)
+    }
+
     fn pool_forward(&self, out: &mut CudaBuf, inp: &CudaBuf, b: usize, n: usize, c: usize, prefix: usize, avg: bool) -> BResult<()> {
         self.pool_forward_impl(out, inp, b, n, c, prefix, avg)
     }

@@ -117,7 +117,8 @@ impl Cuda {
     }
 
     /// `Backend::optimizer_step_master` (ZeRO-3): per piece, the update kernel with its f32
-    /// weights at `master_off` of `master` and its state at `state_off`; nothing else is
+    /// weights and its gradients at `master_off` of `master` and of `grads` (the partitioned
+    /// gradients) and its state at `state_off`; nothing else is
     /// written (the partition's gathers make the compute-dtype weights from `master`).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn optimizer_step_master_impl(&self, master: &mut CudaBuf, grads: &CudaBuf, state: &mut CudaBuf, pieces: &[ShardPiece], opt: &OptimizerConfig, decay: &ParamGroups, hyper: StepHyper) -> BResult<()> {
@@ -141,12 +142,14 @@ impl Cuda {
             None => (state, "state (master weights)"),
         };
         for p in pieces {
-            check_span(op, "piece", grads, p.span)?;
+            // ZeRO-3's gradients are partitioned as its master weights (`optimizer_step_master`)
+            let g_off = if master.is_some() { p.master_off } else { p.span.off };
+            check_len(op, "grads", grads, g_off + p.span.len)?;
             check_len(op, "state", state, p.state_off + optimizer_state_len(opt, p.span.len))?;
             check_len(op, what, weights, p.master_off + p.span.len)?;
             let v = state.at(p.state_off + p.span.len);
             let pc = compute.map_or(0, |c| c.at(p.span.off));
-            self.optimizer_launch(weights.at(p.master_off), grads.at(p.span.off), state.at(p.state_off), v, pc, p.span.len, opt, &decay.restrict(p.span), hyper, 0, 0.0)?;
+            self.optimizer_launch(weights.at(p.master_off), grads.at(g_off), state.at(p.state_off), v, pc, p.span.len, opt, &decay.restrict(p.span), hyper, 0, 0.0)?;
         }
         Ok(())
     }
