@@ -28,7 +28,7 @@ use safetensors::SafeTensors;
 use vitscale::model::weights;
 
 mod common;
-use common::{fixture_tensors, fixtures, metrics, rel_l2, tmp, vitscale, write_weights};
+use common::{fixture_tensors, fixtures, metrics, rel_l2, tmp, train_fixture_case, write_weights};
 
 const TOL_LOSS: f64 = 3e-3;
 const TOL_WEIGHTS: f64 = 3e-3;
@@ -88,18 +88,7 @@ fn train(r: &Reference, fp16_changes: &[(&str, serde_json::Value)], tmp: &Path, 
     for (k, v) in fp16_changes {
         sets["fp16"][*k] = v.clone();
     }
-    let mut args: Vec<String> = ["train", "--device", "cpu", "--json", "--init"].map(String::from).into();
-    args.push(init.display().to_string());
-    args.extend(["--save-weights".into(), saved.display().to_string(), "--run-dir".into(), run_dir.display().to_string()]);
-    for (k, v) in &sets {
-        let v = match v {
-            serde_json::Value::String(s) => s.clone(),
-            other => other.to_string(),
-        };
-        args.extend(["--set".into(), format!("{k}={v}")]);
-    }
-    let out = vitscale(tmp, &args);
-    assert!(out.status.success(), "{tag}: train failed: {}", String::from_utf8_lossy(&out.stderr));
+    train_fixture_case(tmp, &sets, &init, &saved, &run_dir, tag);
     let (mut lr, mut loss, mut scale_after, mut skipped_steps) = (vec![], vec![], vec![], vec![]);
     for rec in metrics(&run_dir, None) {
         assert_eq!(rec["step"].as_u64(), Some(lr.len() as u64 + 1), "{tag}: one metrics line per step (train.log_every = 1)");

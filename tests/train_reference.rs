@@ -28,7 +28,7 @@ use safetensors::SafeTensors;
 use vitscale::model::weights;
 
 mod common;
-use common::{fixture_tensors, fixtures, metrics, rel_l2, tmp, vitscale, write_weights};
+use common::{fixture_tensors, fixtures, metrics, rel_l2, tmp, train_fixture_case, write_weights};
 
 const TOL_WEIGHTS: f64 = 1e-5;
 const TOL_STEP: f64 = 1e-5;
@@ -102,18 +102,7 @@ fn train(r: &Reference, changes: &[(&str, Option<serde_json::Value>)], tmp: &Pat
             None => sets.remove(*k),
         };
     }
-    let mut args: Vec<String> = ["train", "--device", "cpu", "--json", "--init"].map(String::from).into();
-    args.push(init.display().to_string());
-    args.extend(["--save-weights".into(), saved.display().to_string(), "--run-dir".into(), run_dir.display().to_string()]);
-    for (k, v) in &sets {
-        let v = match v {
-            serde_json::Value::String(s) => s.clone(),
-            other => other.to_string(),
-        };
-        args.extend(["--set".into(), format!("{k}={v}")]);
-    }
-    let out = vitscale(tmp, &args);
-    assert!(out.status.success(), "{} ({tag}): train failed: {}", r.name, String::from_utf8_lossy(&out.stderr));
+    train_fixture_case(tmp, &sets, &init, &saved, &run_dir, &format!("{} ({tag})", r.name));
 
     let bytes = std::fs::read(&saved).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();

@@ -226,6 +226,24 @@ pub fn max_rel_l2(a: &Path, b: &Path) -> f64 {
     .fold(0.0, f64::max)
 }
 
+/// Trains a DeepSpeed-engine fixture's case on the CPU: `vitscale train` from the weights file
+/// `init` with every key of `sets` as a `--set` override (`data.path` included), the weights
+/// saved to `saved` and the run written to `run_dir`; panics naming `tag` when the run fails.
+pub fn train_fixture_case(cwd: &Path, sets: &serde_json::Map<String, Value>, init: &Path, saved: &Path, run_dir: &Path, tag: &str) {
+    let mut args: Vec<String> = ["train", "--device", "cpu", "--json", "--init"].map(String::from).into();
+    args.push(init.display().to_string());
+    args.extend(["--save-weights".into(), saved.display().to_string(), "--run-dir".into(), run_dir.display().to_string()]);
+    for (k, v) in sets {
+        let v = match v {
+            Value::String(s) => s.clone(),
+            other => other.to_string(),
+        };
+        args.extend(["--set".into(), format!("{k}={v}")]);
+    }
+    let out = vitscale(cwd, &args);
+    assert!(out.status.success(), "{tag}: train failed: {}", String::from_utf8_lossy(&out.stderr));
+}
+
 /// The optimizers and clipping the ZeRO equality tests train with.
 pub const SGD: &str = "--set=optimizer={\"type\":\"SGD\",\"params\":{\"lr\":0.05,\"momentum\":0.9}}";
 pub const ADAMW: &str = "--set=optimizer={\"type\":\"AdamW\",\"params\":{\"lr\":0.001}}";
