@@ -126,6 +126,21 @@ __device__ __forceinline__ void fl_pack_p(unsigned (&pa)[8][4], const float (&p)
     }
 }
 
+// The O accumulator (this thread's 32 values: rows g, g + 8 alternating in pairs) to a new
+// row maximum: row g's values times alpha0, row g + 8's times alpha1.
+__device__ __forceinline__ void fl_rescale(float (&o)[32], float alpha0, float alpha1) {
+    #pragma unroll
+    for (int k = 0; k < 32; k += 4) {
+        o[k] *= alpha0;
+        o[k + 1] *= alpha0;
+        o[k + 2] *= alpha1;
+        o[k + 3] *= alpha1;
+    }
+}
+
+// Grid (⌈N / 192⌉, B·H), 512 threads, FL_SMEM(3) bytes of dynamic shared memory. Tensor maps
+// (`tensor_map_3d`, 64-column boxes, 128-byte swizzle): tm_kv over qkv (B, N, 3·H·D) with
+// 128-row boxes, tm_q the same with 64-row boxes, tm_out over out (B, N, H·D) with 64-row boxes.
 // The kernel body for CW consumer warpgroups (64·CW queries per block, 128·(CW + 1) threads;
 // the producer's registers go to the consumers: 24 against 160 at CW = 3).
 template <int CW>
@@ -200,13 +215,7 @@ __device__ __forceinline__ void fl_fwd_long(const HgTmap& tm_kv, const HgTmap& t
         ht_mbar_wait(vfull0 + 8 * ps, ((j - 1) / FL_ST) & 1);
         fl_issue_qk(s, dq, sk + st * FL_KV);
         // O to the maximum P_{j−1} was taken against, while S_j multiplies
-        #pragma unroll
-        for (int k = 0; k < 32; k += 4) {
-            o[k] *= alpha0;
-            o[k + 1] *= alpha0;
-            o[k + 2] *= alpha1;
-            o[k + 3] *= alpha1;
-        }
+        fl_rescale(o, alpha0, alpha1);
         fl_issue_pv(o, pa, sv + ps * FL_KV);
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // S_j (the older group)
         fl_fence(s);
@@ -216,13 +225,7 @@ __device__ __forceinline__ void fl_fwd_long(const HgTmap& tm_kv, const HgTmap& t
         if (lane == 0) ht_mbar_arrive(empty0 + 8 * ps);
         fl_pack_p(pa, s);
     }
-    #pragma unroll
-    for (int k = 0; k < 32; k += 4) {
-        o[k] *= alpha0;
-        o[k + 1] *= alpha0;
-        o[k + 2] *= alpha1;
-        o[k + 3] *= alpha1;
-    }
+    fl_rescale(o, alpha0, alpha1);
     const int ls = (nkt - 1) % FL_ST;
     ht_mbar_wait(vfull0 + 8 * ls, ((nkt - 1) / FL_ST) & 1);
     fl_issue_pv(o, pa, sv + ls * FL_KV);
@@ -251,9 +254,6 @@ __device__ __forceinline__ void fl_fwd_long(const HgTmap& tm_kv, const HgTmap& t
     }
 }
 
-// Grid (⌈N / 192⌉, B·H), 512 threads, FL_SMEM(3) bytes of dynamic shared memory. Tensor maps
-// (`tensor_map_3d`, 64-column boxes, 128-byte swizzle): tm_kv over qkv (B, N, 3·H·D) with
-// 128-row boxes, tm_q the same with 64-row boxes, tm_out over out (B, N, H·D) with 64-row boxes.
 extern "C" __global__ void __launch_bounds__(512, 1) flash_fwd_wg_long_d64(const __grid_constant__ HgTmap tm_kv, const __grid_constant__ HgTmap tm_q, const __grid_constant__ HgTmap tm_out, float* __restrict__ lse2, int n, int h, float scale_log2) {
     fl_fwd_long<3>(tm_kv, tm_q, tm_out, lse2, n, h, scale_log2);
 }
