@@ -106,7 +106,8 @@ fn nvrtc_cubin(name: &str, src: &str, arch: &str, opts: &[String]) -> Result<Vec
             nv::nvrtcGetProgramLog(prog, buf.as_mut_ptr() as *mut c_char);
             String::from_utf8_lossy(&buf).trim_end_matches('\0').to_string()
         };
-        Err(BackendError::Device(format!("NVRTC failed to compile {name} for {arch} ({r:?}):\n{log}")))
+        let hint = if r == nv::nvrtcResult::NVRTC_ERROR_INVALID_OPTION { unsupported_arch_hint(arch, nvrtc_version().ok()) } else { None };
+        Err(BackendError::Device(format!("NVRTC failed to compile {name} for {arch} ({r:?}):\n{log}{}", hint.map(|h| format!("\n{h}")).unwrap_or_default())))
     } else {
         let mut size = 0usize;
         // SAFETY: `prog` compiled successfully; the buffer has the size NVRTC reported.
@@ -158,6 +159,19 @@ pub fn capability_of(arch: &str) -> Option<(i32, i32)> {
     }
     let (maj, min) = d.split_at(d.len() - 1);
     Some((maj.parse().ok()?, min.parse().ok()?))
+}
+
+/// What to do when this NVRTC rejects `arch` as a target: NVRTC 13 (CUDA 13) dropped Volta
+/// (sm_70, sm_72), which CUDA 12's NVRTC still builds for.
+fn unsupported_arch_hint(arch: &str, nvrtc: Option<(i32, i32)>) -> Option<String> {
+    let (cap, (major, minor)) = (capability_of(arch)?, nvrtc?);
+    (major >= 13 && cap < (7, 5)).then(|| {
+        format!(
+            "NVRTC {major}.{minor} (CUDA {major}) no longer targets {arch}; CUDA 12's NVRTC does: put a folder holding \
+             libnvrtc.so.12 (and its libnvrtc-builtins) first on LD_LIBRARY_PATH, e.g. from `pip install nvidia-cuda-nvrtc-cu12`, \
+             with a symlink libnvrtc.so -> libnvrtc.so.12 there so it is loaded before any libnvrtc.so.13 (docs/precision.md)"
+        )
+    })
 }
 
 /// Compiles every module for `arch` (e.g. "sm_90", or "compute_75" for PTX) with NVRTC alone, with the options the
@@ -376,6 +390,15 @@ fn kernel_names(src: &str) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn volta_under_nvrtc_13_says_where_to_get_nvrtc_12() {
+        let h = unsupported_arch_hint("sm_70", Some((13, 0))).unwrap();
+        assert!(h.contains("NVRTC 13.0") && h.contains("sm_70") && h.contains("libnvrtc.so.12"), "{h}");
+        assert_eq!(unsupported_arch_hint("sm_70", Some((12, 9))), None);
+        assert_eq!(unsupported_arch_hint("sm_75", Some((13, 0))), None);
+        assert_eq!(unsupported_arch_hint("compute_72", Some((13, 1))).is_some(), true);
+    }
 
     #[test]
     fn capability_of_architecture_names() {
