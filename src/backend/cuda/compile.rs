@@ -397,7 +397,7 @@ mod tests {
         assert!(h.contains("NVRTC 13.0") && h.contains("sm_70") && h.contains("libnvrtc.so.12"), "{h}");
         assert_eq!(unsupported_arch_hint("sm_70", Some((12, 9))), None);
         assert_eq!(unsupported_arch_hint("sm_75", Some((13, 0))), None);
-        assert_eq!(unsupported_arch_hint("compute_72", Some((13, 1))).is_some(), true);
+        assert!(unsupported_arch_hint("compute_72", Some((13, 1))).is_some());
     }
 
     #[test]
