@@ -151,6 +151,17 @@ pub trait Backend: Send + Sync {
     }
     /// Copies the whole buffer to the host as f32.
     fn download(&self, src: &Self::Buf) -> BResult<Vec<f32>>;
+    /// The buffer's values in place, where the backend keeps them as f32 in this process's
+    /// memory (the CPU backend); `None` for device memory. Host-side code (the
+    /// sequence-parallel exchanges) then reads and writes them without `download`/`upload`
+    /// copies.
+    fn host_view<'a>(&self, _buf: &'a Self::Buf) -> Option<&'a [f32]> {
+        None
+    }
+    /// `host_view`, writable.
+    fn host_view_mut<'a>(&self, _buf: &'a mut Self::Buf) -> Option<&'a mut [f32]> {
+        None
+    }
     fn fill(&self, buf: &mut Self::Buf, value: f32) -> BResult<()>;
     /// `dst = src` (same length).
     fn copy(&self, dst: &mut Self::Buf, src: &Self::Buf) -> BResult<()>;

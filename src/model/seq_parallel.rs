@@ -19,13 +19,14 @@
 //! the final norm, the head and the loss on them; only rank 0 keeps their parameter
 //! gradients, so the gradient summed over the group counts each image once (see `Vit`).
 //!
-//! The exchanges pack and unpack on the host (`Backend::download`/`upload`), which is the CPU
-//! backend's own memory; on a GPU that is a round trip per exchange (a permutation kernel
-//! around the same `Comm::all_to_all` would avoid it). The all-to-all itself moves the compute
+//! The exchanges pack and unpack on the host: in place in the CPU backend's own buffers
+//! (`Backend::host_view`), through `Backend::download`/`upload` on a GPU, where that is a round
+//! trip per exchange (a permutation kernel around the same `Comm::all_to_all` would avoid it). The all-to-all itself moves the compute
 //! dtype (bf16 on a GPU: the values are bf16 already, so nothing is rounded on the way), while
 //! the pool's partial sums are added over the group in f32 and rounded once, as the
 //! backend's own pool rounds its f32 sum.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use crate::backend::{BResult, Backend, BackendError};
@@ -61,6 +62,32 @@ fn comm_err(e: crate::comm::CommError) -> BackendError {
     BackendError::Device(format!("sequence-parallel group: {e}"))
 }
 
+/// `buf`'s values: in place where the backend keeps them on the host, else downloaded.
+fn values<'a, B: Backend>(be: &B, buf: &'a B::Buf) -> BResult<Cow<'a, [f32]>> {
+    Ok(match be.host_view(buf) {
+        Some(v) => Cow::Borrowed(v),
+        None => Cow::Owned(be.download(buf)?),
+    })
+}
+
+/// The first `len` values of `dst` written by `fill`: in place where the backend keeps `dst` on
+/// the host (set to zeros first when `zeroed`), else into a host vector of zeros that is then
+/// uploaded.
+fn write_values<B: Backend>(be: &B, dst: &mut B::Buf, len: usize, zeroed: bool, fill: impl FnOnce(&mut [f32])) -> BResult<()> {
+    if let Some(v) = be.host_view_mut(dst) {
+        let have = v.len();
+        let v = v.get_mut(..len).ok_or_else(|| BackendError::Device(format!("sequence parallelism: a buffer of {have} values where {len} are written")))?;
+        if zeroed {
+            v.fill(0.0);
+        }
+        fill(v);
+        return Ok(());
+    }
+    let mut out = vec![0.0f32; len];
+    fill(&mut out);
+    be.upload(dst, 0, &out)
+}
+
 impl<B: Backend> SeqParallel<B> {
     /// The group of `comm` (`Comm::split_groups`' communicator).
     pub fn new(comm: Box<dyn Comm<B::Buf>>) -> Self {
@@ -78,19 +105,30 @@ impl<B: Backend> SeqParallel<B> {
         n.div_ceil(self.size)
     }
 
-    /// Sends block j of `send` (host, `size` equal blocks) to rank j; returns block j from rank j.
-    fn exchange(&mut self, be: &B, send: &[f32]) -> BResult<Vec<f32>> {
-        let len = send.len();
+    /// Packs `len` values (`size` equal blocks, block j for rank j) into the staging buffer with
+    /// `pack`, exchanges the blocks, and hands what arrived (block j from rank j) to `unpack`.
+    /// Where the backend keeps buffers on the host, `pack` writes the staging buffer in place
+    /// and `unpack` reads it there; a block's padding rows are not written (they hold whatever
+    /// an earlier exchange left) and are dropped on arrival.
+    fn exchange(&mut self, be: &B, len: usize, pack: impl FnOnce(&mut [f32]), unpack: impl FnOnce(&[f32]) -> BResult<()>) -> BResult<()> {
         if self.xfer.as_ref().is_none_or(|x| be.len(x) < len) {
             // (the activations' own dtype: what they hold travels exactly, in the fewest bytes)
             self.xfer = Some(be.alloc(len)?);
         }
         let x = self.xfer.as_mut().ok_or_else(|| BackendError::Device("sequence-parallel staging buffer missing".into()))?;
-        be.upload(x, 0, send)?;
+        match be.host_view_mut(x) {
+            Some(v) => pack(&mut v[..len]),
+            None => {
+                let mut send = vec![0.0f32; len];
+                pack(&mut send);
+                be.upload(x, 0, &send)?;
+            }
+        }
         self.comm.all_to_all(x, Span { off: 0, len }).map_err(comm_err)?;
-        let mut got = be.download(x)?;
-        got.truncate(len);
-        Ok(got)
+        match be.host_view(x) {
+            Some(v) => unpack(&v[..len]),
+            None => unpack(&be.download(x)?[..len]),
+        }
     }
 
     /// `dst` (B, N, parts, H/SP, D) ← `src` (B, n_r, parts, H, D): every token of the image for
@@ -99,34 +137,38 @@ impl<B: Backend> SeqParallel<B> {
     pub fn tokens_to_heads(&mut self, be: &B, dst: &mut B::Buf, src: &B::Buf, b: usize, n: usize, parts: usize, h: usize, d: usize) -> BResult<()> {
         let (sp, hl, m) = (self.size, h / self.size, self.max_tokens(n));
         let mine = self.local(n);
-        let src = be.download(src)?;
+        let src = values(be, src)?;
         let (row, block) = (parts * h * d, b * m * parts * hl * d);
         // block j: this rank's tokens (padded to m), heads of rank j
-        let mut send = vec![0.0f32; sp * block];
-        for j in 0..sp {
-            for bi in 0..b {
-                for t in 0..mine.len() {
-                    for p in 0..parts {
-                        let from = (bi * mine.len() + t) * row + (p * h + j * hl) * d;
-                        let to = j * block + ((bi * m + t) * parts + p) * hl * d;
-                        send[to..to + hl * d].copy_from_slice(&src[from..from + hl * d]);
+        let pack = |send: &mut [f32]| {
+            for j in 0..sp {
+                for bi in 0..b {
+                    for t in 0..mine.len() {
+                        for p in 0..parts {
+                            let from = (bi * mine.len() + t) * row + (p * h + j * hl) * d;
+                            let to = j * block + ((bi * m + t) * parts + p) * hl * d;
+                            send[to..to + hl * d].copy_from_slice(&src[from..from + hl * d]);
+                        }
                     }
                 }
             }
-        }
-        let got = self.exchange(be, &send)?;
-        let mut out = vec![0.0f32; b * n * parts * hl * d];
-        for j in 0..sp {
-            let theirs = tokens(n, sp, j);
-            for bi in 0..b {
-                for (t, tok) in theirs.clone().enumerate() {
-                    let from = j * block + (bi * m + t) * parts * hl * d;
-                    let to = (bi * n + tok) * parts * hl * d;
-                    out[to..to + parts * hl * d].copy_from_slice(&got[from..from + parts * hl * d]);
+        };
+        // every token of every image: all of `dst`'s B·N·parts·H/SP·D values are written
+        let unpack = |got: &[f32]| {
+            write_values(be, dst, b * n * parts * hl * d, false, |out| {
+                for j in 0..sp {
+                    let theirs = tokens(n, sp, j);
+                    for bi in 0..b {
+                        for (t, tok) in theirs.clone().enumerate() {
+                            let from = j * block + (bi * m + t) * parts * hl * d;
+                            let to = (bi * n + tok) * parts * hl * d;
+                            out[to..to + parts * hl * d].copy_from_slice(&got[from..from + parts * hl * d]);
+                        }
+                    }
                 }
-            }
-        }
-        be.upload(dst, 0, &out)
+            })
+        };
+        self.exchange(be, sp * block, pack, unpack)
     }
 
     /// `dst` (B, n_r, parts, H, D) ← `src` (B, N, parts, H/SP, D): this rank's tokens for every
@@ -135,55 +177,63 @@ impl<B: Backend> SeqParallel<B> {
     pub fn heads_to_tokens(&mut self, be: &B, dst: &mut B::Buf, src: &B::Buf, b: usize, n: usize, parts: usize, h: usize, d: usize) -> BResult<()> {
         let (sp, hl, m) = (self.size, h / self.size, self.max_tokens(n));
         let mine = self.local(n);
-        let src = be.download(src)?;
+        let src = values(be, src)?;
         let block = b * m * parts * hl * d;
         // block j: rank j's tokens (padded to m), this rank's heads
-        let mut send = vec![0.0f32; sp * block];
-        for j in 0..sp {
-            let theirs = tokens(n, sp, j);
-            for bi in 0..b {
-                for (t, tok) in theirs.clone().enumerate() {
-                    let from = (bi * n + tok) * parts * hl * d;
-                    let to = j * block + (bi * m + t) * parts * hl * d;
-                    send[to..to + parts * hl * d].copy_from_slice(&src[from..from + parts * hl * d]);
-                }
-            }
-        }
-        let got = self.exchange(be, &send)?;
-        let row = parts * h * d;
-        let mut out = vec![0.0f32; b * mine.len() * row];
-        for j in 0..sp {
-            for bi in 0..b {
-                for t in 0..mine.len() {
-                    for p in 0..parts {
-                        let from = j * block + ((bi * m + t) * parts + p) * hl * d;
-                        let to = (bi * mine.len() + t) * row + (p * h + j * hl) * d;
-                        out[to..to + hl * d].copy_from_slice(&got[from..from + hl * d]);
+        let pack = |send: &mut [f32]| {
+            for j in 0..sp {
+                let theirs = tokens(n, sp, j);
+                for bi in 0..b {
+                    for (t, tok) in theirs.clone().enumerate() {
+                        let from = (bi * n + tok) * parts * hl * d;
+                        let to = j * block + (bi * m + t) * parts * hl * d;
+                        send[to..to + parts * hl * d].copy_from_slice(&src[from..from + parts * hl * d]);
                     }
                 }
             }
-        }
-        be.upload(dst, 0, &out)
+        };
+        let row = parts * h * d;
+        // every head of this rank's tokens: all of `dst`'s B·n_r·parts·H·D values are written
+        let unpack = |got: &[f32]| {
+            write_values(be, dst, b * mine.len() * row, false, |out| {
+                for j in 0..sp {
+                    for bi in 0..b {
+                        for t in 0..mine.len() {
+                            for p in 0..parts {
+                                let from = j * block + ((bi * m + t) * parts + p) * hl * d;
+                                let to = (bi * mine.len() + t) * row + (p * h + j * hl) * d;
+                                out[to..to + hl * d].copy_from_slice(&got[from..from + hl * d]);
+                            }
+                        }
+                    }
+                }
+            })
+        };
+        self.exchange(be, sp * block, pack, unpack)
     }
 
     /// `dst` (B, n_r, C) ← this rank's rows of `src` (B, N, C).
     pub fn take_tokens(&self, be: &B, dst: &mut B::Buf, src: &B::Buf, b: usize, n: usize, c: usize) -> BResult<()> {
         let mine = self.local(n);
-        let src = be.download(src)?;
-        let out: Vec<f32> = (0..b).flat_map(|bi| src[(bi * n + mine.start) * c..(bi * n + mine.end) * c].to_vec()).collect();
-        be.upload(dst, 0, &out)
+        let src = values(be, src)?;
+        let rows = mine.len() * c;
+        write_values(be, dst, b * rows, false, |out| {
+            for bi in 0..b {
+                out[bi * rows..(bi + 1) * rows].copy_from_slice(&src[(bi * n + mine.start) * c..(bi * n + mine.end) * c]);
+            }
+        })
     }
 
     /// `dst` (B, N, C) ← `src` (B, n_r, C) in this rank's rows, zeros in every other rank's:
     /// the embedding's output gradient, whose parameter gradients then cover this rank's tokens.
     pub fn put_tokens(&self, be: &B, dst: &mut B::Buf, src: &B::Buf, b: usize, n: usize, c: usize) -> BResult<()> {
         let mine = self.local(n);
-        let src = be.download(src)?;
-        let mut out = vec![0.0f32; b * n * c];
-        for bi in 0..b {
-            out[(bi * n + mine.start) * c..(bi * n + mine.end) * c].copy_from_slice(&src[bi * mine.len() * c..(bi + 1) * mine.len() * c]);
-        }
-        be.upload(dst, 0, &out)
+        let src = values(be, src)?;
+        write_values(be, dst, b * n * c, true, |out| {
+            for bi in 0..b {
+                out[(bi * n + mine.start) * c..(bi * n + mine.end) * c].copy_from_slice(&src[bi * mine.len() * c..(bi + 1) * mine.len() * c]);
+            }
+        })
     }
 
     /// The pool over the whole group: `out` (B, C) ← the class token (rank 0's token 0), or
@@ -192,7 +242,7 @@ impl<B: Backend> SeqParallel<B> {
     #[allow(clippy::too_many_arguments)]
     pub fn pool_forward(&mut self, be: &B, out: &mut B::Buf, x: &B::Buf, b: usize, n: usize, c: usize, prefix: usize, avg: bool) -> BResult<()> {
         let mine = self.local(n);
-        let x = be.download(x)?;
+        let x = values(be, x)?;
         // each rank's share of the mean (1/(N − prefix) of its partial sum), summed over the group
         let scale = if avg { 1.0 / (n - prefix) as f32 } else { 1.0 };
         let mut part = vec![0.0f32; b * c];
@@ -225,18 +275,18 @@ impl<B: Backend> SeqParallel<B> {
     #[allow(clippy::too_many_arguments)]
     pub fn pool_backward(&self, be: &B, dx: &mut B::Buf, dout: &B::Buf, b: usize, n: usize, c: usize, prefix: usize, avg: bool) -> BResult<()> {
         let mine = self.local(n);
-        let dout = be.download(dout)?;
+        let dout = values(be, dout)?;
         let inv = if avg { 1.0 / (n - prefix) as f32 } else { 1.0 };
-        let mut out = vec![0.0f32; b * mine.len() * c];
-        for bi in 0..b {
-            for (t, tok) in mine.clone().enumerate() {
-                if pooled_token(tok, prefix, avg) {
-                    let row = &mut out[(bi * mine.len() + t) * c..(bi * mine.len() + t + 1) * c];
-                    row.iter_mut().zip(&dout[bi * c..(bi + 1) * c]).for_each(|(d, v)| *d = v * inv);
+        write_values(be, dx, b * mine.len() * c, true, |out| {
+            for bi in 0..b {
+                for (t, tok) in mine.clone().enumerate() {
+                    if pooled_token(tok, prefix, avg) {
+                        let row = &mut out[(bi * mine.len() + t) * c..(bi * mine.len() + t + 1) * c];
+                        row.iter_mut().zip(&dout[bi * c..(bi + 1) * c]).for_each(|(d, v)| *d = v * inv);
+                    }
                 }
             }
-        }
-        be.upload(dx, 0, &out)
+        })
     }
 }
 

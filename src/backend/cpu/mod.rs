@@ -137,6 +137,12 @@ impl Backend for Cpu {
     fn download(&self, src: &Vec<f32>) -> BResult<Vec<f32>> {
         Ok(src.clone())
     }
+    fn host_view<'a>(&self, buf: &'a Vec<f32>) -> Option<&'a [f32]> {
+        Some(buf)
+    }
+    fn host_view_mut<'a>(&self, buf: &'a mut Vec<f32>) -> Option<&'a mut [f32]> {
+        Some(buf)
+    }
     fn fill(&self, buf: &mut Vec<f32>, value: f32) -> BResult<()> {
         buf.fill(value);
         Ok(())
