@@ -21,9 +21,8 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 BIN=${1:-target/release/vitscale}
 OUT=${2:-gpu-sp}
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. "$HERE/gpu_ranks.sh"
 fail=0
-port() { echo $((29500 + RANDOM % 2000)); }
 
 if [ "${SKIP_SELFTEST:-0}" != 1 ]; then
   echo "== 1. selftest: NCCL all_to_all and groups"
@@ -48,16 +47,11 @@ common=(--device cuda --json --set train.steps=12 --set train.log_every=1 --set 
         --set 'optimizer={"type":"SGD","params":{"lr":0.05,"momentum":0.9}}')
 run() { # nproc dir args...
   local n=$1 d=$2; shift 2
-  if [ "$n" = 1 ]; then
-    "$BIN" train "${common[@]}" "$@" --run-dir "$d" --save-weights "$d/w.safetensors" > "$d.log" 2>&1
-  else
-    "$BIN" launch --nproc-per-node "$n" --one-gpu --master-port "$(port)" -- train "${common[@]}" "$@" \
-      --run-dir "$d" --save-weights "$d/w.safetensors" > "$d.log" 2>&1
-  fi || { echo "{\"check\": \"run $d\", \"ok\": false, \"log_tail\": $(tail -5 "$d.log" | python3 -c 'import json,sys; print(json.dumps(sys.stdin.read()))')}"; return 1; }
+  train_ranks "$n" "$d" "${common[@]}" "$@"
 }
 
 compare() { # dir one label world (bf16 tolerances: loss 2e-2, weights 1e-2)
-  python3 "$HERE/compare_runs.py" "$1" "$2" "$3" 2e-2 1e-2 "$4"
+  compare_runs "$1" "$2" "$3" 2e-2 1e-2 "$4"
 }
 
 for pool in token avg; do

@@ -33,9 +33,8 @@ OUT=$(realpath -m "${2:-gpu-zero3}")
 PEERS=$(realpath -m "${3:-peers}")
 WHL=$(realpath -m "${4:-.whl}")
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. "$HERE/gpu_ranks.sh"
 fail=0
-port() { echo $((29500 + RANDOM % 2000)); }
 
 if [ "${SKIP_SELFTEST:-0}" != 1 ]; then
   echo "== 0. selftest: the backend operations stage 3 uses"
@@ -50,16 +49,7 @@ fi
 
 run() { # nproc stage dir args...
   local n=$1 s=$2 d=$3; shift 3
-  if [ "$n" = 1 ]; then
-    "$BIN" train --device cuda --json --set zero_optimization.stage="$s" "$@" --run-dir "$d" --save-weights "$d/w.safetensors" > "$d.log" 2>&1
-  else
-    "$BIN" launch --nproc-per-node "$n" --one-gpu --master-port "$(port)" -- train --device cuda --json --set zero_optimization.stage="$s" "$@" \
-      --run-dir "$d" --save-weights "$d/w.safetensors" > "$d.log" 2>&1
-  fi || { echo "{\"check\": \"run $d\", \"ok\": false, \"log_tail\": $(tail -5 "$d.log" | python3 -c 'import json,sys; print(json.dumps(sys.stdin.read()))')}"; return 1; }
-}
-
-compare() { # dirA dirB label loss_tol weight_tol world
-  python3 "$HERE/compare_runs.py" "$@"
+  train_ranks "$n" "$d" --device cuda --json --set zero_optimization.stage="$s" "$@"
 }
 
 if [ "${SKIP_EQUAL:-0}" != 1 ]; then
@@ -72,14 +62,14 @@ if [ "${SKIP_EQUAL:-0}" != 1 ]; then
   for n in 2 4; do
     run "$n" 2 "$OUT/w${n}_s2" "${eq[@]}" || fail=1
     run "$n" 3 "$OUT/w${n}_s3" "${eq[@]}" || { fail=1; continue; }
-    compare "$OUT/w${n}_s3" "$OUT/one_s0" "$n ranks stage 3 vs 1 rank stage 0" 2e-2 2e-2 "$n" || fail=1
-    compare "$OUT/w${n}_s3" "$OUT/w${n}_s2" "$n ranks stage 3 vs $n ranks stage 2" 1e-2 2e-2 "$n" || fail=1
+    compare_runs "$OUT/w${n}_s3" "$OUT/one_s0" "$n ranks stage 3 vs 1 rank stage 0" 2e-2 2e-2 "$n" || fail=1
+    compare_runs "$OUT/w${n}_s3" "$OUT/w${n}_s2" "$n ranks stage 3 vs $n ranks stage 2" 1e-2 2e-2 "$n" || fail=1
   done
   sgd=("${eq[@]}" --set 'optimizer={"type":"SGD","params":{"lr":0.01,"momentum":0.9}}')
   for s in 2 3; do
     run 2 "$s" "$OUT/sgd_s$s" "${sgd[@]}" || fail=1
   done
-  compare "$OUT/sgd_s3" "$OUT/sgd_s2" "2 ranks stage 3 vs stage 2, SGD" 1e-4 1e-4 2 || fail=1
+  compare_runs "$OUT/sgd_s3" "$OUT/sgd_s2" "2 ranks stage 3 vs stage 2, SGD" 1e-4 1e-4 2 || fail=1
 fi
 
 if [ "${SKIP_MEMORY:-0}" != 1 ]; then

@@ -24,21 +24,11 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 BIN=${1:-target/release/vitscale}
 OUT=${2:-gpu-zero}
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. "$HERE/gpu_ranks.sh"
 fail=0
-port() { echo $((29500 + RANDOM % 2000)); }
 run() { # nproc stage dir args...
   local n=$1 s=$2 d=$3; shift 3
-  if [ "$n" = 1 ]; then
-    "$BIN" train --device cuda --json --set zero_optimization.stage="$s" "$@" --run-dir "$d" --save-weights "$d/w.safetensors" > "$d.log" 2>&1
-  else
-    "$BIN" launch --nproc-per-node "$n" --one-gpu --master-port "$(port)" -- train --device cuda --json --set zero_optimization.stage="$s" "$@" \
-      --run-dir "$d" --save-weights "$d/w.safetensors" > "$d.log" 2>&1
-  fi || { echo "{\"check\": \"run $d\", \"ok\": false, \"log_tail\": $(tail -5 "$d.log" | python3 -c 'import json,sys; print(json.dumps(sys.stdin.read()))')}"; return 1; }
-}
-
-compare() { # dirA dirB label loss_tol weight_tol world
-  python3 "$HERE/compare_runs.py" "$@"
+  train_ranks "$n" "$d" --device cuda --json --set zero_optimization.stage="$s" "$@"
 }
 
 if [ "${SKIP_EQUAL:-0}" != 1 ]; then
@@ -51,12 +41,12 @@ if [ "${SKIP_EQUAL:-0}" != 1 ]; then
     run "$n" 0 "$OUT/w${n}_s0" "${eq[@]}" || fail=1
     for s in 1 2; do
       run "$n" "$s" "$OUT/w${n}_s$s" "${eq[@]}" || { fail=1; continue; }
-      compare "$OUT/w${n}_s$s" "$OUT/one_s0" "$n ranks stage $s vs 1 rank stage 0" 2e-2 2e-2 "$n" || fail=1
+      compare_runs "$OUT/w${n}_s$s" "$OUT/one_s0" "$n ranks stage $s vs 1 rank stage 0" 2e-2 2e-2 "$n" || fail=1
       # AdamW steps every element by about lr whatever its gradient's size, so the last-bit
       # change in the clip factor (the stages sum the norm's squares in another order) moves
       # near-zero-gradient elements by up to lr a step: at most 24 × 1e-3 here (part 3 shows
       # the stages 10× closer without clipping; part 4, SGD, shows the update itself exact)
-      compare "$OUT/w${n}_s$s" "$OUT/w${n}_s0" "$n ranks stage $s vs $n ranks stage 0" 1e-2 2e-2 "$n" || fail=1
+      compare_runs "$OUT/w${n}_s$s" "$OUT/w${n}_s0" "$n ranks stage $s vs $n ranks stage 0" 1e-2 2e-2 "$n" || fail=1
     done
   done
 fi
@@ -67,14 +57,14 @@ if [ "${SKIP_EQUAL:-0}" != 1 ]; then
     run 2 "$s" "$OUT/noclip_s$s" "${eq[@]}" --set gradient_clipping=0 || fail=1
   done
   for s in 1 2; do
-    compare "$OUT/noclip_s$s" "$OUT/noclip_s0" "2 ranks stage $s vs stage 0, no clipping (reported)" 1 1 2 || true
+    compare_runs "$OUT/noclip_s$s" "$OUT/noclip_s0" "2 ranks stage $s vs stage 0, no clipping (reported)" 1 1 2 || true
   done
   echo "== 4. SGD with momentum, GAS 4, clipping: stage 2 == stage 0 at 2 ranks"
   sgd=("${eq[@]}" --set 'optimizer={"type":"SGD","params":{"lr":0.01,"momentum":0.9}}')
   for s in 0 2; do
     run 2 "$s" "$OUT/sgd_s$s" "${sgd[@]}" || fail=1
   done
-  compare "$OUT/sgd_s2" "$OUT/sgd_s0" "2 ranks stage 2 vs stage 0, SGD" 1e-4 1e-4 2 || fail=1
+  compare_runs "$OUT/sgd_s2" "$OUT/sgd_s0" "2 ranks stage 2 vs stage 0, SGD" 1e-4 1e-4 2 || fail=1
 fi
 
 if [ "${SKIP_MEMORY:-0}" != 1 ]; then
