@@ -17,9 +17,9 @@ def steps(d):
     return [json.loads(l) for l in open(d + "/metrics.jsonl") if '"kind"' not in l]
 
 
-def weights(d):
+def read_f32_safetensors(path):
     """The f32 tensors of a safetensors file, read without the safetensors package."""
-    raw = open(d + "/w.safetensors", "rb").read()
+    raw = open(path, "rb").read()
     n = struct.unpack("<Q", raw[:8])[0]
     head = json.loads(raw[8:8 + n])
     data = raw[8 + n:]
@@ -30,6 +30,11 @@ def weights(d):
         s, e = v["data_offsets"]
         out[k] = struct.unpack("<%df" % ((e - s) // 4), data[s:e])
     return out
+
+
+def weights(d):
+    """A run's saved weights (`--save-weights DIR/w.safetensors`)."""
+    return read_f32_safetensors(d + "/w.safetensors")
 
 
 def median_images_per_s(s):

@@ -37,23 +37,14 @@ run() { # nproc dir args...
       --run-dir "$d" --save-weights "$d/w.safetensors" > "$d.log" 2>&1
   fi || { report "run $d" false "$(tail -5 "$d.log" | python3 -c 'import json,sys; print(json.dumps(sys.stdin.read()))')"; return 1; }
 }
-# python helpers: safetensors read with the standard library
-PY_LOAD='
-import json, struct
-def load(path):
-    raw = open(path, "rb").read()
-    n = struct.unpack("<Q", raw[:8])[0]
-    head = json.loads(raw[8:8 + n]); data = raw[8 + n:]
-    out = {}
-    for k, v in head.items():
-        if k == "__metadata__":
-            continue
-        s, e = v["data_offsets"]
-        out[k] = struct.unpack("<%df" % ((e - s) // 4), data[s:e])
-    return out
+# python helpers: safetensors read with the standard library (compare_runs.py's reader)
+PY_LOAD="
+import json, sys
+sys.path.insert(0, '$(cd "$(dirname "$0")" && pwd)')
+from compare_runs import read_f32_safetensors as load
 def rel(a, b):
     return max(abs(x - y) / (1 + abs(y)) for k in b for x, y in zip(a[k], b[k]))
-'
+"
 SGD='optimizer={"type":"SGD","params":{"lr":0.05,"momentum":0.9}}'
 BASE=(--set data.train_size=2048 --set data.val_size=256 --set train.eval_every=0 --set train_batch_size=16)
 
