@@ -28,7 +28,7 @@ use safetensors::SafeTensors;
 use vitscale::model::weights;
 
 mod common;
-use common::{fixture_tensors, fixtures, metrics, rel_l2, tmp, train_fixture_case, write_weights};
+use common::{f64s, fixture_tensors, fixtures, metrics, rel_l2, tmp, train_fixture_case, write_weights};
 
 const TOL_WEIGHTS: f64 = 1e-5;
 const TOL_STEP: f64 = 1e-5;
@@ -43,12 +43,6 @@ struct Reference {
     lr: Vec<f64>,
     loss: Vec<f64>,
     grad_norm: Vec<f64>,
-}
-
-fn f64s(st: &SafeTensors<'_>, key: &str) -> Vec<f64> {
-    let v = st.tensor(key).unwrap_or_else(|_| panic!("fixture lacks {key}"));
-    assert_eq!(v.dtype(), safetensors::Dtype::F64, "{key}");
-    v.data().chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect()
 }
 
 fn load(name: &str) -> Reference {

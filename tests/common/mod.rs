@@ -226,6 +226,13 @@ pub fn max_rel_l2(a: &Path, b: &Path) -> f64 {
     .fold(0.0, f64::max)
 }
 
+/// A fixture's f64 tensor `key` (a per-step series), panicking when it is missing or not f64.
+pub fn f64s(st: &safetensors::SafeTensors<'_>, key: &str) -> Vec<f64> {
+    let v = st.tensor(key).unwrap_or_else(|_| panic!("fixture lacks {key}"));
+    assert_eq!(v.dtype(), safetensors::Dtype::F64, "{key}");
+    v.data().chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
 /// Trains a DeepSpeed-engine fixture's case on the CPU: `vitscale train` from the weights file
 /// `init` with every key of `sets` as a `--set` override (`data.path` included), the weights
 /// saved to `saved` and the run written to `run_dir`; panics naming `tag` when the run fails.
