@@ -714,13 +714,18 @@ impl Ring {
     fn all_to_all(&mut self, d: &mut [f32]) -> CResult<()> {
         let (r, w) = (self.rank, self.world);
         let c = d.len() / w;
-        let mut carry: Vec<f32> = (1..w).flat_map(|k| d[(r + k) % w * c..][..c].to_vec()).collect();
+        let mut carry: Vec<f32> = Vec::with_capacity((w - 1) * c);
+        for k in 1..w {
+            carry.extend_from_slice(&d[(r + k) % w * c..][..c]);
+        }
         for s in 0..w - 1 {
             self.send_frame(OP_ALL_TO_ALL, s as u32, &carry)?;
-            let got: Vec<f32> = self.recv_frame(OP_ALL_TO_ALL, s as u32, (w - 1 - s) * c)?;
+            let mut got: Vec<f32> = self.recv_frame(OP_ALL_TO_ALL, s as u32, (w - 1 - s) * c)?;
             let origin = (r + 2 * w - 1 - s) % w;
             d[origin * c..(origin + 1) * c].copy_from_slice(&got[..c]);
-            carry = got[c..].to_vec();
+            // what is left travels on: drop the kept block in place rather than copy the rest
+            got.drain(..c);
+            carry = got;
         }
         Ok(())
     }
