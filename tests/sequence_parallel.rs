@@ -1,6 +1,6 @@
 //! Sequence parallelism (`sequence_parallel_size`, DeepSpeed-Ulysses' scheme) on CPU ranks:
 //! N ranks equal one process with the same global batch — per-step losses, the evaluation and
-//! the final weights — for SP 2, SP 4 and DP 2 × SP 2, with GAS 2, ZeRO 1 and 2, token pooling
+//! the final weights — for SP 2, SP 4 and DP 2 × SP 2, with GAS 2, ZeRO 1, 2 and 3, token pooling
 //! over 17 tokens (class token + 16 patches: split unevenly over 2 and 4 ranks) and average
 //! pooling over 16 patch tokens (split evenly), activation checkpointing, regenerated
 //! activations in several passes per micro-batch, stochastic depth, evaluation and resuming
@@ -122,7 +122,7 @@ fn zero_stages_and_checkpointing_compose_with_sequence_parallelism() {
     let t = tmp();
     let p = |n: &str| -> PathBuf { t.path().join(n) };
     train(1, &[], &p("one"));
-    for stage in [1, 2] {
+    for stage in [1, 2, 3] {
         let z = format!("--set=zero_optimization.stage={stage}");
         for (world, sp) in [(4usize, 2usize), (4, 4)] {
             let dir = p(&format!("z{stage}w{world}sp{sp}"));
@@ -159,7 +159,12 @@ fn checkpoints_resume_across_sequence_parallel_layouts() {
     train(4, &[every, "--set=sequence_parallel_size=2", "--resume", &ck("straight")], &p("one_to_sp"));
     train(4, &[every, "--set=sequence_parallel_size=2"], &p("sp"));
     train(1, &[every, "--resume", &ck("sp")], &p("sp_to_one"));
-    for name in ["one_to_sp", "sp_to_one"] {
+    // ZeRO-3 under DP 2 × SP 2 writes the whole weights, gathered; 2 ranks as one SP group of 2
+    // at stage 3 continue them
+    let s3 = "--set=zero_optimization.stage=3";
+    train(4, &[every, s3, "--set=sequence_parallel_size=2"], &p("sp_s3"));
+    train(2, &[every, s3, "--set=sequence_parallel_size=2", "--resume", &ck("sp_s3")], &p("sp_s3_to_sp2"));
+    for name in ["one_to_sp", "sp_to_one", "sp_s3", "sp_s3_to_sp2"] {
         let d = max_rel_diff(&p(name), &p("straight"));
         eprintln!("resumed {name} vs straight: {d:e}");
         assert!(d < WEIGHTS_TOL, "{name}: {d:e}");

@@ -598,11 +598,9 @@ impl<B: Backend> Vit<B> {
     /// it. The whole gradient buffer is replaced by this rank's partitioned gradients (its
     /// pieces, laid out as `Partition::owned`): with more than one rank every backward must
     /// then be given a `ready` that reduces each group's gradients in the gradient slot
-    /// (`backward_reporting`). Whole images only (no sequence parallelism).
+    /// (`backward_reporting`). Under sequence parallelism the group's ranks each hold their
+    /// pieces like any other rank: the partition is over the whole world.
     pub fn partition(&mut self, be: &B, mut part: Partition<B>) -> BResult<()> {
-        if self.sp.is_some() {
-            return Err(crate::backend::BackendError::Shape { op: "partition", msg: "partitioned weights need whole images (no sequence parallelism)".into() });
-        }
         if self.compute.is_some() != part.in_compute_dtype() {
             return Err(crate::backend::BackendError::Shape { op: "partition", msg: "the partition's gathered weights are not in the dtype the forward reads".into() });
         }
@@ -1051,7 +1049,7 @@ impl<B: Backend> Vit<B> {
                     // their gradients (the deferred bias sums written first)
                     be.defer_gradient_sums(false)?;
                     be.defer_gradient_sums(true)?;
-                    for s in [t.final_norm_w, t.final_norm_b, t.head_w, t.head_b] {
+                    for s in [ts.final_norm_w, ts.final_norm_b, ts.head_w, ts.head_b] {
                         be.upload(gh, s.off, &vec![0.0; s.len])?;
                     }
                 }

@@ -376,12 +376,7 @@ fn build_step<B: Backend>(be: &B, cfg: &RunConfig, plan: &Plan, opts: &TrainOpti
     // the gradient buckets, reduced while the step's last backward goes on; at stage 3 one
     // per parameter group, the unit its weights are partitioned and gathered by
     let buckets = match plan.zero.stage {
-        3 => {
-            if plan.sequence_parallel > 1 {
-                return Err(TrainError::Config(format!("zero_optimization.stage = 3 with sequence_parallel_size = {}: the two are not implemented together; use stage 2 with sequence parallelism", plan.sequence_parallel)));
-            }
-            BucketPlan::new(&vit.gradient_groups(), 1, 1).map_err(TrainError::Config)?
-        }
+        3 => BucketPlan::new(&vit.gradient_groups(), 1, 1).map_err(TrainError::Config)?,
         _ => BucketPlan::new(&vit.gradient_groups(), plan.zero.first_bucket_elems, plan.zero.bucket_elems).map_err(TrainError::Config)?,
     };
     let zero = match plan.zero.stage {
