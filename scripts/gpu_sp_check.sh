@@ -7,8 +7,8 @@
 #      ncclCommSplit and once with the unique-id fallback (VITSCALE_NCCL_NO_SPLIT=1);
 #   2. N ranks == 1 rank on the same global batch (16 images a step, GAS 2, SGD with momentum so
 #      the weights compare the gradients, 12 steps): SP 2, SP 4 and DP 2 × SP 2, with the class
-#      token pool (17 tokens: split unevenly) and the average pool over 16 patch tokens, and
-#      SP 2 under activation checkpointing. Tolerances for bf16 compute: per-step loss within
+#      token pool (17 tokens: split unevenly) and the average pool over 16 patch tokens,
+#      SP 2 under activation checkpointing, and DP 2 × SP 2 at ZeRO stage 3. Tolerances for bf16 compute: per-step loss within
 #      2e-2 relative and final weights within 1e-2 of 1 + |w| (the attention sees bf16 qkv either
 #      way; what differs is the order of the bf16 GEMMs' row blocks and the group's sums of
 #      partial gradients), every rank ending with rank 0's weights hash.
@@ -68,4 +68,10 @@ for pool in token avg; do
 done
 run 2 "$OUT/w2_sp2_ckpt" --set sequence_parallel_size=2 --set 'train.recompute="blocks"' || fail=1
 [ -d "$OUT/w2_sp2_ckpt" ] && { compare "$OUT/w2_sp2_ckpt" "$OUT/one_token" "2 ranks, SP 2, activation checkpointing vs 1 rank" 2 || fail=1; }
+# ZeRO-3 under sequence parallelism: weights partitioned over all 4 ranks, gathered per block
+if run 4 "$OUT/w4_sp2_z3" --set sequence_parallel_size=2 --set zero_optimization.stage=3; then
+  compare "$OUT/w4_sp2_z3" "$OUT/one_token" "4 ranks, SP 2 (DP 2), ZeRO-3 vs 1 rank" 4 || fail=1
+else
+  fail=1
+fi
 exit $fail
