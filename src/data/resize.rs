@@ -804,6 +804,44 @@ mod tests {
         }
     }
 
+    /// Tiny and odd shapes (1-px images and outputs, windows narrower than a pixel at fractional
+    /// offsets, strong up- and downscales): both code paths give the same bits, every value in
+    /// the byte range, and a flat image stays exactly flat (each output's fixed-point weights
+    /// sum to one).
+    #[test]
+    fn odd_shapes_agree_across_paths_and_keep_flat_images_flat() {
+        let mut rng = SplitMix::new(hash(&[std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)]));
+        for case in 0..300 {
+            let (w, h) = (1 + rng.below(40) as usize, 1 + rng.below(40) as usize);
+            let side = 1 + rng.below(40) as usize;
+            let rw = (rng.f32() * w as f32).max(0.25);
+            let rh = (rng.f32() * h as f32).max(0.25);
+            let region = Region { x0: rng.f32() * (w as f32 - rw), y0: rng.f32() * (h as f32 - rh), w: rw, h: rh };
+            let flip = rng.coin();
+            let flat = case % 3 == 0;
+            let level = rng.below(256) as u8;
+            let src: Vec<u8> = (0..w * h * 3).map(|_| if flat { level } else { rng.below(256) as u8 }).collect();
+            for filter in [Interpolation::Bilinear, Interpolation::Bicubic] {
+                let mut rows = [Vec::new(), Vec::new()];
+                let paths: &[bool] = if has_avx2() { &[false, true] } else { &[false] };
+                for (k, &avx2) in paths.iter().enumerate() {
+                    resample_rows_on(&src, w, h, region, side, flip, filter, IDENTITY, avx2, |_, row| rows[k].extend(row.chunks_exact(LANES).flat_map(|p| p[..3].to_vec())));
+                }
+                let what = format!("{w}x{h} -> {side}, {region:?}, {filter:?}");
+                assert_eq!(rows[0].len(), 3 * side * side, "{what}");
+                if has_avx2() {
+                    assert!(rows[0].iter().zip(&rows[1]).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: AVX2 and scalar differ");
+                }
+                for &v in &rows[0] {
+                    assert!((0.0..=255.0).contains(&v), "{what}: {v} outside the byte range");
+                    if flat {
+                        assert_eq!(v, level as f32, "{what}: a flat image of {level} gave {v}");
+                    }
+                }
+            }
+        }
+    }
+
     /// A centered square of side · shorter / floor(side / 0.875) source pixels, fractional
     /// offsets: a fixed window for the pinned resampling below (the evaluation crop's own
     /// geometry is `center_crop`'s, tested against torchvision apart).
