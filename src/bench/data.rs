@@ -377,10 +377,41 @@ pub fn command(threads: usize, min_seconds: f64, jpeg_dir: Option<&Path>, json: 
         let frac = p.decoded_fraction.map_or(String::new(), |f| format!("{:.0} %", f * 100.0));
         crate::outln!("{:<44} {:>7} {:>12.0} {:>14.0} {:>8}", p.pipeline, p.threads, p.images_per_s, p.images_per_s_per_core, frac);
     }
+    let ratio = path_against_plain_decode(&points);
+    if let Some(r) = ratio {
+        crate::outln!("one core: the 224-px CPU path (read, decode, crop, flip, normalize) at {:.1} % of a plain full-size libjpeg-turbo decode", 100.0 * r);
+    }
     if json {
-        crate::outln!("{}", serde_json::json!({ "cores": cores, "load_average": load, "points": points }));
+        crate::outln!("{}", serde_json::json!({ "cores": cores, "load_average": load, "points": points, "cpu_path_vs_plain_decode": ratio }));
     }
     Ok(())
+}
+
+/// The one-thread images/s of the whole `"auto"` path over those of libjpeg-turbo decoding the
+/// same files whole at full size, both from [`stage_points`] of one run (None without the
+/// `turbojpeg` feature or a JPEG folder's points).
+fn path_against_plain_decode(points: &[BenchPoint]) -> Option<f64> {
+    let rate = |name: &str| points.iter().find(|p| p.pipeline == name && p.threads == 1).map(|p| p.images_per_s);
+    let (path, plain) = (rate("jpeg224_rrc_flip_image_auto")?, rate("jpeg_decode_only_full_size_turbo")?);
+    (plain > 0.0).then(|| path / plain)
+}
+
+#[cfg(test)]
+mod ratio {
+    use super::*;
+
+    fn point(pipeline: &str, threads: usize, ips: f64) -> BenchPoint {
+        BenchPoint { pipeline: pipeline.into(), threads, images: 1, seconds: 1.0, images_per_s: ips, images_per_s_per_core: ips / threads as f64, decoded_fraction: None }
+    }
+
+    #[test]
+    fn the_path_is_compared_with_the_plain_decode_on_one_thread() {
+        let pts = [point("jpeg224_rrc_flip_image_auto", 4, 9000.0), point("jpeg224_rrc_flip_image_auto", 1, 1500.0), point("jpeg_decode_only_full_size_turbo", 1, 1600.0)];
+        assert_eq!(path_against_plain_decode(&pts), Some(1500.0 / 1600.0));
+        // without the libjpeg-turbo points (no turbojpeg feature) there is nothing to compare
+        assert_eq!(path_against_plain_decode(&pts[..2]), None);
+        assert_eq!(path_against_plain_decode(&[point("jpeg_decode_only_full_size_turbo", 1, 0.0), point("jpeg224_rrc_flip_image_auto", 1, 5.0)]), None);
+    }
 }
 
 #[cfg(test)]
