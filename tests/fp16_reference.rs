@@ -22,13 +22,14 @@
 //! must give another scale sequence, and one with the scale held at 2^20 (`loss_scale`
 //! 1048576, static) another skip sequence.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use safetensors::SafeTensors;
 use vitscale::model::weights;
 
 mod common;
-use common::{f64s, fixture_tensors, fixtures, metrics, rel_l2, tmp, train_fixture_case, write_weights};
+use common::{fixture_tensors, fixtures, metrics, rel_l2, tmp, train_fixture, train_fixture_case, write_weights};
 
 const TOL_LOSS: f64 = 3e-3;
 const TOL_WEIGHTS: f64 = 3e-3;
@@ -36,7 +37,7 @@ const TOL_LR: f64 = 1e-9;
 
 struct Reference {
     sets: serde_json::Map<String, serde_json::Value>,
-    finals: Vec<(String, Vec<f32>)>,
+    finals: BTreeMap<String, Vec<f32>>,
     lr: Vec<f64>,
     loss: Vec<f64>,
     scale_after: Vec<f64>,
@@ -44,21 +45,9 @@ struct Reference {
 }
 
 fn load(stage: u8) -> Reference {
-    let path = fixtures().join("train_ref").join(format!("fp16_zero{stage}.safetensors"));
-    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let (_, md) = SafeTensors::read_metadata(&bytes).unwrap();
-    let meta = md.metadata().clone().unwrap_or_default();
-    let sets: serde_json::Value = serde_json::from_str(&meta["vitscale"]).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let finals = st.tensors().into_iter().filter_map(|(k, v)| k.strip_prefix("final.").map(|key| (key.to_string(), weights::to_f32(&path, &k, &v).unwrap()))).collect();
-    Reference {
-        sets: sets.as_object().unwrap().clone(),
-        finals,
-        lr: f64s(&st, "lr"),
-        loss: f64s(&st, "loss"),
-        scale_after: f64s(&st, "loss_scale_after"),
-        skipped_steps: f64s(&st, "skipped_steps").into_iter().map(|v| v as u64).collect(),
-    }
+    let f = train_fixture(&format!("fp16_zero{stage}"), &["lr", "loss", "loss_scale_after", "skipped_steps"]);
+    let [lr, loss, scale_after, skipped] = ["lr", "loss", "loss_scale_after", "skipped_steps"].map(|k| f.series[k].clone());
+    Reference { sets: f.sets, finals: f.finals, lr, loss, scale_after, skipped_steps: skipped.into_iter().map(|v| v as u64).collect() }
 }
 
 /// What one run logged per step, and its saved weights.

@@ -28,7 +28,7 @@ use safetensors::SafeTensors;
 use vitscale::model::weights;
 
 mod common;
-use common::{f64s, fixture_tensors, fixtures, metrics, rel_l2, tmp, train_fixture_case, write_weights};
+use common::{fixture_tensors, fixtures, metrics, rel_l2, tmp, train_fixture, train_fixture_case, write_weights};
 
 const TOL_WEIGHTS: f64 = 1e-5;
 const TOL_STEP: f64 = 1e-5;
@@ -46,26 +46,9 @@ struct Reference {
 }
 
 fn load(name: &str) -> Reference {
-    let path = fixtures().join("train_ref").join(format!("{name}.safetensors"));
-    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let (_, md) = SafeTensors::read_metadata(&bytes).unwrap();
-    let meta = md.metadata().clone().unwrap_or_default();
-    let sets: serde_json::Value = serde_json::from_str(&meta["vitscale"]).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let mut finals = BTreeMap::new();
-    for (k, v) in st.tensors() {
-        if let Some(key) = k.strip_prefix("final.") {
-            finals.insert(key.to_string(), weights::to_f32(&path, &k, &v).unwrap());
-        }
-    }
-    Reference {
-        name: name.to_string(),
-        sets: sets.as_object().unwrap().clone(),
-        finals,
-        lr: f64s(&st, "lr"),
-        loss: f64s(&st, "loss"),
-        grad_norm: f64s(&st, "grad_norm"),
-    }
+    let f = train_fixture(name, &["lr", "loss", "grad_norm"]);
+    let [lr, loss, grad_norm] = ["lr", "loss", "grad_norm"].map(|k| f.series[k].clone());
+    Reference { name: name.to_string(), sets: f.sets, finals: f.finals, lr, loss, grad_norm }
 }
 
 /// The fixture's initial weights as a plain timm weights file.

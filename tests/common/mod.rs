@@ -226,11 +226,29 @@ pub fn max_rel_l2(a: &Path, b: &Path) -> f64 {
     .fold(0.0, f64::max)
 }
 
-/// A fixture's f64 tensor `key` (a per-step series), panicking when it is missing or not f64.
-pub fn f64s(st: &safetensors::SafeTensors<'_>, key: &str) -> Vec<f64> {
-    let v = st.tensor(key).unwrap_or_else(|_| panic!("fixture lacks {key}"));
-    assert_eq!(v.dtype(), safetensors::Dtype::F64, "{key}");
-    v.data().chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect()
+/// A DeepSpeed-engine fixture, `tests/fixtures/train_ref/NAME.safetensors`: the case's `--set`
+/// overrides (the metadata's "vitscale" entry), the final weights (tensors `final.*`, keyed
+/// without the prefix) and the per-step f64 series named in `series`.
+pub struct TrainFixture {
+    pub sets: serde_json::Map<String, Value>,
+    pub finals: std::collections::BTreeMap<String, Vec<f32>>,
+    pub series: std::collections::BTreeMap<String, Vec<f64>>,
+}
+
+pub fn train_fixture(name: &str, series: &[&str]) -> TrainFixture {
+    let path = fixtures().join("train_ref").join(format!("{name}.safetensors"));
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let (_, md) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let meta = md.metadata().clone().unwrap_or_default();
+    let sets: Value = serde_json::from_str(&meta["vitscale"]).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let finals = st.tensors().into_iter().filter_map(|(k, v)| k.strip_prefix("final.").map(|key| (key.to_string(), vitscale::model::weights::to_f32(&path, &k, &v).unwrap()))).collect();
+    let f64s = |key: &str| {
+        let v = st.tensor(key).unwrap_or_else(|_| panic!("{name} lacks {key}"));
+        assert_eq!(v.dtype(), safetensors::Dtype::F64, "{name}: {key}");
+        v.data().chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect()
+    };
+    TrainFixture { sets: sets.as_object().unwrap().clone(), finals, series: series.iter().map(|&k| (k.to_string(), f64s(k))).collect() }
 }
 
 /// Trains a DeepSpeed-engine fixture's case on the CPU: `vitscale train` from the weights file
