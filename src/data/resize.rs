@@ -205,7 +205,7 @@ struct FixedTaps {
 /// which every weight, after the residual, fits an i16 and no output's sum of |weight| ×
 /// `input_max` can leave an i32: the precision adapts to the filter, so a strong downscale
 /// (many small weights) keeps as many significant bits per weight as a copy does.
-fn fixed_taps(t: &Taps, max_bits: u32, min_bits: u32, input_max: f64) -> FixedTaps {
+fn fixed_taps(t: Taps, max_bits: u32, min_bits: u32, input_max: f64) -> FixedTaps {
     let outputs = t.start.len();
     let (mut max_w, mut max_abs_sum) = (0f64, 0f64);
     for i in 0..outputs {
@@ -243,7 +243,7 @@ fn fixed_taps(t: &Taps, max_bits: u32, min_bits: u32, input_max: f64) -> FixedTa
             dst[big] += ((1i32 << bits) - sum) as i16;
         }
     }
-    FixedTaps { start: t.start.clone(), len: t.len.clone(), n, bits, weights }
+    FixedTaps { start: t.start, len: t.len, n, bits, weights }
 }
 
 thread_local! {
@@ -493,8 +493,8 @@ const IDENTITY: Affine = Affine { mul: [1.0; 3], sub: [0.0; 3] };
 #[allow(clippy::too_many_arguments)]
 fn resample_rows_on(src: &[u8], width: usize, height: usize, region: Region, side: usize, flip: bool, filter: Interpolation, affine: Affine, avx2: bool, mut sink: impl FnMut(usize, &[f32])) {
     debug_assert_eq!(src.len(), width * height * 3);
-    let tx = fixed_taps(&taps(width, region.x0, region.w, side, filter), 22, MID_BITS + 1, 255.0);
-    let ty = fixed_taps(&taps(height, region.y0, region.h, side, filter), 22, 1, MID_MAX as f64);
+    let tx = fixed_taps(taps(width, region.x0, region.w, side, filter), 22, MID_BITS + 1, 255.0);
+    let ty = fixed_taps(taps(height, region.y0, region.h, side, filter), 22, 1, MID_MAX as f64);
     let clip = filter == Interpolation::Bicubic;
     // Source rows the vertical pass touches, source columns the horizontal pass touches.
     let row_lo = ty.start.iter().copied().min().unwrap_or(0);
