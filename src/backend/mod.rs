@@ -63,6 +63,64 @@ pub struct ShardPiece {
     pub master_off: usize,
 }
 
+/// A strided copy of rows of `len` values, for every index `(i0, i1, i2)` below `count`:
+/// `dst[dst_off + Σ ik·dst_stride[k] ..][..len] = src[src_off + Σ ik·src_stride[k] ..][..len]`
+/// (`Backend::copy_strided`; sequence parallelism's token/head permutations).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StridedCopy {
+    pub count: [usize; 3],
+    pub len: usize,
+    pub src_off: usize,
+    pub src_stride: [usize; 3],
+    pub dst_off: usize,
+    pub dst_stride: [usize; 3],
+}
+
+impl StridedCopy {
+    /// Rows copied (`count`'s product).
+    pub fn rows(&self) -> usize {
+        self.count.iter().product()
+    }
+
+    /// One past the last element read (`src`) or written (`dst`); 0 when nothing is copied.
+    pub fn extent(&self, off: usize, stride: [usize; 3]) -> usize {
+        if self.rows() == 0 || self.len == 0 {
+            return 0;
+        }
+        off + (0..3).map(|k| (self.count[k] - 1) * stride[k]).sum::<usize>() + self.len
+    }
+
+    /// Checks both extents against the buffers' lengths (`Backend::copy_strided`'s error).
+    pub fn check(&self, dst_len: usize, src_len: usize) -> BResult<()> {
+        let (d, s) = (self.extent(self.dst_off, self.dst_stride), self.extent(self.src_off, self.src_stride));
+        if d > dst_len || s > src_len {
+            return Err(BackendError::Shape { op: "copy_strided", msg: format!("{self:?} reaches {s} of src ({src_len} values) and {d} of dst ({dst_len} values)") });
+        }
+        Ok(())
+    }
+
+    /// Every row as (src offset, dst offset), in order.
+    pub fn row_offsets(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let [c0, c1, c2] = self.count;
+        (0..c0).flat_map(move |i0| (0..c1).flat_map(move |i1| (0..c2).map(move |i2| {
+            let at = |off: usize, st: [usize; 3]| off + i0 * st[0] + i1 * st[1] + i2 * st[2];
+            (at(self.src_off, self.src_stride), at(self.dst_off, self.dst_stride))
+        })))
+    }
+
+    /// The copy over host slices (the CPU backend, and the fallback of backends without a
+    /// kernel for it).
+    pub fn apply(&self, dst: &mut [f32], src: &[f32]) -> BResult<()> {
+        self.check(dst.len(), src.len())?;
+        if self.len > 0 {
+            for (s, d) in self.row_offsets() {
+                dst[d..d + self.len].copy_from_slice(&src[s..s + self.len]);
+            }
+        }
+        Ok(())
+    }
+}
+
 /// One device's implementation of every op. See the module doc for the conventions.
 pub trait Backend: Send + Sync {
     /// A device buffer of elements (f32 on the CPU).
@@ -334,6 +392,22 @@ pub trait Backend: Send + Sync {
     /// gradients (`model::partition`). Flushes deferred gradient sums first, as `copy_span`.
     fn add_span(&self, _dst: &mut Self::Buf, _dst_off: usize, _src: &Self::Buf, _src_off: usize, _len: usize) -> BResult<()> {
         Err(BackendError::Shape { op: "add_span", msg: format!("ZeRO stage 3 is not available on {}", self.name()) })
+    }
+    /// `copy`'s rows (`StridedCopy`) from `src` into `dst`, buffers of the same dtype or
+    /// converted as `cast`; the rows of one call must not overlap in `dst`. By default through
+    /// host views, or a download of both buffers and an upload of `dst` where the backend has
+    /// none (correct, not fast: a device backend overrides it with a kernel).
+    fn copy_strided(&self, dst: &mut Self::Buf, src: &Self::Buf, copy: &StridedCopy) -> BResult<()> {
+        copy.check(self.len(dst), self.len(src))?;
+        if let Some(s) = self.host_view(src) {
+            if let Some(d) = self.host_view_mut(dst) {
+                return copy.apply(d, s);
+            }
+        }
+        let s = self.download(src)?;
+        let mut d = self.download(dst)?;
+        copy.apply(&mut d, &s)?;
+        self.upload(dst, 0, &d)
     }
     /// Pools the token sequence `inp` (B, N, C) into `out` (B, C): token 0 (`avg = false`) or
     /// the mean of tokens `prefix..N` (`avg = true`).

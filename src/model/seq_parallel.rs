@@ -19,17 +19,15 @@
 //! the final norm, the head and the loss on them; only rank 0 keeps their parameter
 //! gradients, so the gradient summed over the group counts each image once (see `Vit`).
 //!
-//! The exchanges pack and unpack on the host: in place in the CPU backend's own buffers
-//! (`Backend::host_view`), through `Backend::download`/`upload` on a GPU, where that is a round
-//! trip per exchange (a permutation kernel around the same `Comm::all_to_all` would avoid it). The all-to-all itself moves the compute
+//! The exchanges pack and unpack with `Backend::copy_strided` (a kernel on a GPU, so the
+//! activations never leave the device) around one `Comm::all_to_all` of a staging buffer in the compute
 //! dtype (bf16 on a GPU: the values are bf16 already, so nothing is rounded on the way), while
 //! the pool's partial sums are added over the group in f32 and rounded once, as the
 //! backend's own pool rounds its f32 sum.
 
-use std::borrow::Cow;
 use std::ops::Range;
 
-use crate::backend::{BResult, Backend, BackendError};
+use crate::backend::{BResult, Backend, BackendError, StridedCopy};
 use crate::comm::{Comm, ReduceOp, Span};
 
 /// This rank's place in its sequence-parallel group and the group's communicator.
@@ -39,7 +37,8 @@ pub struct SeqParallel<B: Backend> {
     pub rank: usize,
     /// Ranks in the group (`sequence_parallel_size`).
     pub size: usize,
-    /// Staging buffer of the all-to-alls (compute dtype), grown on demand.
+    /// Staging buffer of the all-to-alls, grown on demand: in the compute dtype, so what the
+    /// activations hold travels exactly, in the fewest bytes.
     xfer: Option<B::Buf>,
     /// The pool's f32 partial sums, reduced over the group (grown on demand).
     pool_sum: Option<B::Buf>,
@@ -52,40 +51,17 @@ pub fn tokens(n: usize, size: usize, r: usize) -> Range<usize> {
     start..start + base + usize::from(r < rem)
 }
 
-/// Whether token `tok` of an image enters the pool: every patch token for the mean, the class
-/// token otherwise.
-fn pooled_token(tok: usize, prefix: usize, avg: bool) -> bool {
-    if avg { tok >= prefix } else { tok == 0 }
-}
-
 fn comm_err(e: crate::comm::CommError) -> BackendError {
     BackendError::Device(format!("sequence-parallel group: {e}"))
 }
 
-/// `buf`'s values: in place where the backend keeps them on the host, else downloaded.
-fn values<'a, B: Backend>(be: &B, buf: &'a B::Buf) -> BResult<Cow<'a, [f32]>> {
-    Ok(match be.host_view(buf) {
-        Some(v) => Cow::Borrowed(v),
-        None => Cow::Owned(be.download(buf)?),
-    })
-}
-
-/// The first `len` values of `dst` written by `fill`: in place where the backend keeps `dst` on
-/// the host (set to zeros first when `zeroed`), else into a host vector of zeros that is then
-/// uploaded.
-fn write_values<B: Backend>(be: &B, dst: &mut B::Buf, len: usize, zeroed: bool, fill: impl FnOnce(&mut [f32])) -> BResult<()> {
-    if let Some(v) = be.host_view_mut(dst) {
-        let have = v.len();
-        let v = v.get_mut(..len).ok_or_else(|| BackendError::Device(format!("sequence parallelism: a buffer of {have} values where {len} are written")))?;
-        if zeroed {
-            v.fill(0.0);
-        }
-        fill(v);
-        return Ok(());
+/// `slot`'s buffer, allocated (f32 when `f32`, else in the compute dtype) or grown to at least
+/// `len` values.
+fn grown<'a, B: Backend>(be: &B, slot: &'a mut Option<B::Buf>, len: usize, f32: bool) -> BResult<&'a mut B::Buf> {
+    if slot.as_ref().is_none_or(|x| be.len(x) < len) {
+        *slot = Some(if f32 { be.alloc_f32(len)? } else { be.alloc(len)? });
     }
-    let mut out = vec![0.0f32; len];
-    fill(&mut out);
-    be.upload(dst, 0, &out)
+    slot.as_mut().ok_or_else(|| BackendError::Device("sequence-parallel buffer missing".into()))
 }
 
 impl<B: Backend> SeqParallel<B> {
@@ -105,135 +81,98 @@ impl<B: Backend> SeqParallel<B> {
         n.div_ceil(self.size)
     }
 
-    /// Packs `len` values (`size` equal blocks, block j for rank j) into the staging buffer with
-    /// `pack`, exchanges the blocks, and hands what arrived (block j from rank j) to `unpack`.
-    /// Where the backend keeps buffers on the host, `pack` writes the staging buffer in place
-    /// and `unpack` reads it there; a block's padding rows are not written (they hold whatever
-    /// an earlier exchange left) and are dropped on arrival.
-    fn exchange(&mut self, be: &B, len: usize, pack: impl FnOnce(&mut [f32]), unpack: impl FnOnce(&[f32]) -> BResult<()>) -> BResult<()> {
-        if self.xfer.as_ref().is_none_or(|x| be.len(x) < len) {
-            // (the activations' own dtype: what they hold travels exactly, in the fewest bytes)
-            self.xfer = Some(be.alloc(len)?);
-        }
-        let x = self.xfer.as_mut().ok_or_else(|| BackendError::Device("sequence-parallel staging buffer missing".into()))?;
-        match be.host_view_mut(x) {
-            Some(v) => pack(&mut v[..len]),
-            None => {
-                let mut send = vec![0.0f32; len];
-                pack(&mut send);
-                be.upload(x, 0, &send)?;
-            }
-        }
-        self.comm.all_to_all(x, Span { off: 0, len }).map_err(comm_err)?;
-        match be.host_view(x) {
-            Some(v) => unpack(&v[..len]),
-            None => unpack(&be.download(x)?[..len]),
-        }
-    }
-
     /// `dst` (B, N, parts, H/SP, D) ← `src` (B, n_r, parts, H, D): every token of the image for
     /// this rank's heads (qkv before the attention, datt before its backward).
     #[allow(clippy::too_many_arguments)]
     pub fn tokens_to_heads(&mut self, be: &B, dst: &mut B::Buf, src: &B::Buf, b: usize, n: usize, parts: usize, h: usize, d: usize) -> BResult<()> {
-        let (sp, hl, m) = (self.size, h / self.size, self.max_tokens(n));
+        let (sp, hd, m) = (self.size, h / self.size * d, self.max_tokens(n));
         let mine = self.local(n);
-        let src = values(be, src)?;
-        let (row, block) = (parts * h * d, b * m * parts * hl * d);
-        // block j: this rank's tokens (padded to m), heads of rank j
-        let pack = |send: &mut [f32]| {
-            for j in 0..sp {
-                for bi in 0..b {
-                    for t in 0..mine.len() {
-                        for p in 0..parts {
-                            let from = (bi * mine.len() + t) * row + (p * h + j * hl) * d;
-                            let to = j * block + ((bi * m + t) * parts + p) * hl * d;
-                            send[to..to + hl * d].copy_from_slice(&src[from..from + hl * d]);
-                        }
-                    }
-                }
-            }
-        };
-        // every token of every image: all of `dst`'s B·N·parts·H/SP·D values are written
-        let unpack = |got: &[f32]| {
-            write_values(be, dst, b * n * parts * hl * d, false, |out| {
-                for j in 0..sp {
-                    let theirs = tokens(n, sp, j);
-                    for bi in 0..b {
-                        for (t, tok) in theirs.clone().enumerate() {
-                            let from = j * block + (bi * m + t) * parts * hl * d;
-                            let to = (bi * n + tok) * parts * hl * d;
-                            out[to..to + parts * hl * d].copy_from_slice(&got[from..from + parts * hl * d]);
-                        }
-                    }
-                }
-            })
-        };
-        self.exchange(be, sp * block, pack, unpack)
+        let block = b * m * parts * hd;
+        let x = grown(be, &mut self.xfer, sp * block, false)?;
+        // block j of the staging buffer: this rank's tokens (padded to m; the padding rows hold
+        // whatever an earlier exchange left and are dropped on arrival), heads of rank j
+        be.copy_strided(x, src, &StridedCopy {
+            count: [sp, b, mine.len() * parts],
+            len: hd,
+            src_off: 0,
+            src_stride: [hd, mine.len() * parts * h * d, h * d],
+            dst_off: 0,
+            dst_stride: [block, m * parts * hd, hd],
+        })?;
+        self.comm.all_to_all(x, Span { off: 0, len: sp * block }).map_err(comm_err)?;
+        // block j arrived from rank j: its tokens, this rank's heads
+        for j in 0..sp {
+            let theirs = tokens(n, sp, j);
+            be.copy_strided(dst, x, &StridedCopy {
+                count: [1, b, theirs.len()],
+                len: parts * hd,
+                src_off: j * block,
+                src_stride: [0, m * parts * hd, parts * hd],
+                dst_off: theirs.start * parts * hd,
+                dst_stride: [0, n * parts * hd, parts * hd],
+            })?;
+        }
+        Ok(())
     }
 
     /// `dst` (B, n_r, parts, H, D) ← `src` (B, N, parts, H/SP, D): this rank's tokens for every
     /// head (the attention's output, the qkv gradient).
     #[allow(clippy::too_many_arguments)]
     pub fn heads_to_tokens(&mut self, be: &B, dst: &mut B::Buf, src: &B::Buf, b: usize, n: usize, parts: usize, h: usize, d: usize) -> BResult<()> {
-        let (sp, hl, m) = (self.size, h / self.size, self.max_tokens(n));
+        let (sp, hd, m) = (self.size, h / self.size * d, self.max_tokens(n));
         let mine = self.local(n);
-        let src = values(be, src)?;
-        let block = b * m * parts * hl * d;
+        let block = b * m * parts * hd;
+        let x = grown(be, &mut self.xfer, sp * block, false)?;
         // block j: rank j's tokens (padded to m), this rank's heads
-        let pack = |send: &mut [f32]| {
-            for j in 0..sp {
-                let theirs = tokens(n, sp, j);
-                for bi in 0..b {
-                    for (t, tok) in theirs.clone().enumerate() {
-                        let from = (bi * n + tok) * parts * hl * d;
-                        let to = j * block + (bi * m + t) * parts * hl * d;
-                        send[to..to + parts * hl * d].copy_from_slice(&src[from..from + parts * hl * d]);
-                    }
-                }
-            }
-        };
-        let row = parts * h * d;
-        // every head of this rank's tokens: all of `dst`'s B·n_r·parts·H·D values are written
-        let unpack = |got: &[f32]| {
-            write_values(be, dst, b * mine.len() * row, false, |out| {
-                for j in 0..sp {
-                    for bi in 0..b {
-                        for t in 0..mine.len() {
-                            for p in 0..parts {
-                                let from = j * block + ((bi * m + t) * parts + p) * hl * d;
-                                let to = (bi * mine.len() + t) * row + (p * h + j * hl) * d;
-                                out[to..to + hl * d].copy_from_slice(&got[from..from + hl * d]);
-                            }
-                        }
-                    }
-                }
-            })
-        };
-        self.exchange(be, sp * block, pack, unpack)
+        for j in 0..sp {
+            let theirs = tokens(n, sp, j);
+            be.copy_strided(x, src, &StridedCopy {
+                count: [1, b, theirs.len()],
+                len: parts * hd,
+                src_off: theirs.start * parts * hd,
+                src_stride: [0, n * parts * hd, parts * hd],
+                dst_off: j * block,
+                dst_stride: [0, m * parts * hd, parts * hd],
+            })?;
+        }
+        self.comm.all_to_all(x, Span { off: 0, len: sp * block }).map_err(comm_err)?;
+        // block j arrived from rank j: this rank's tokens, rank j's heads
+        be.copy_strided(dst, x, &StridedCopy {
+            count: [sp, b, mine.len() * parts],
+            len: hd,
+            src_off: 0,
+            src_stride: [block, m * parts * hd, hd],
+            dst_off: 0,
+            dst_stride: [hd, mine.len() * parts * h * d, h * d],
+        })
     }
 
     /// `dst` (B, n_r, C) ← this rank's rows of `src` (B, N, C).
     pub fn take_tokens(&self, be: &B, dst: &mut B::Buf, src: &B::Buf, b: usize, n: usize, c: usize) -> BResult<()> {
         let mine = self.local(n);
-        let src = values(be, src)?;
         let rows = mine.len() * c;
-        write_values(be, dst, b * rows, false, |out| {
-            for bi in 0..b {
-                out[bi * rows..(bi + 1) * rows].copy_from_slice(&src[(bi * n + mine.start) * c..(bi * n + mine.end) * c]);
-            }
-        })
+        be.copy_strided(dst, src, &StridedCopy { count: [1, 1, b], len: rows, src_off: mine.start * c, src_stride: [0, 0, n * c], dst_off: 0, dst_stride: [0, 0, rows] })
     }
 
     /// `dst` (B, N, C) ← `src` (B, n_r, C) in this rank's rows, zeros in every other rank's:
     /// the embedding's output gradient, whose parameter gradients then cover this rank's tokens.
     pub fn put_tokens(&self, be: &B, dst: &mut B::Buf, src: &B::Buf, b: usize, n: usize, c: usize) -> BResult<()> {
         let mine = self.local(n);
-        let src = values(be, src)?;
-        write_values(be, dst, b * n * c, true, |out| {
-            for bi in 0..b {
-                out[(bi * n + mine.start) * c..(bi * n + mine.end) * c].copy_from_slice(&src[bi * mine.len() * c..(bi + 1) * mine.len() * c]);
-            }
-        })
+        let rows = mine.len() * c;
+        be.fill(dst, 0.0)?;
+        be.copy_strided(dst, src, &StridedCopy { count: [1, 1, b], len: rows, src_off: 0, src_stride: [0, 0, rows], dst_off: mine.start * c, dst_stride: [0, 0, n * c] })
+    }
+
+    /// The pooled tokens among this rank's (a run at its end), as `(local prefix, count)`:
+    /// the backend's pool over the local rows with that prefix reads exactly them.
+    fn pooled_here(&self, n: usize, prefix: usize, avg: bool) -> (usize, usize) {
+        let mine = self.local(n);
+        if avg {
+            let lp = prefix.saturating_sub(mine.start).min(mine.len());
+            (lp, mine.len() - lp)
+        } else {
+            (0, usize::from(mine.start == 0 && !mine.is_empty()))
+        }
     }
 
     /// The pool over the whole group: `out` (B, C) ← the class token (rank 0's token 0), or
@@ -241,52 +180,45 @@ impl<B: Backend> SeqParallel<B> {
     /// same values on every rank of the group.
     #[allow(clippy::too_many_arguments)]
     pub fn pool_forward(&mut self, be: &B, out: &mut B::Buf, x: &B::Buf, b: usize, n: usize, c: usize, prefix: usize, avg: bool) -> BResult<()> {
-        let mine = self.local(n);
-        let x = values(be, x)?;
-        // each rank's share of the mean (1/(N − prefix) of its partial sum), summed over the group
-        let scale = if avg { 1.0 / (n - prefix) as f32 } else { 1.0 };
-        let mut part = vec![0.0f32; b * c];
-        for bi in 0..b {
-            let o = &mut part[bi * c..(bi + 1) * c];
-            for (t, tok) in mine.clone().enumerate() {
-                if pooled_token(tok, prefix, avg) {
-                    let row = &x[(bi * mine.len() + t) * c..(bi * mine.len() + t + 1) * c];
-                    o.iter_mut().zip(row).for_each(|(d, v)| *d += v);
-                }
+        let ml = self.local(n).len();
+        let (lp, count) = self.pooled_here(n, prefix, avg);
+        let len = b * c;
+        let sum = grown(be, &mut self.pool_sum, len, true)?;
+        // each rank's share (its mean × its count / (N − prefix), i.e. its partial sum over the
+        // image's count), in f32: a bf16 `out` would round every partial sum
+        if count == 0 {
+            be.fill(sum, 0.0)?;
+        } else {
+            be.pool_forward(sum, x, b, ml, c, lp, avg)?;
+            if avg && count != n - prefix {
+                be.scale(sum, count as f32 / (n - prefix) as f32)?;
             }
         }
-        part.iter_mut().for_each(|d| *d *= scale);
-        // summed in f32 (a bf16 `out` would round every partial sum), rounded once into `out`
-        let len = b * c;
-        if self.pool_sum.as_ref().is_none_or(|s| be.len(s) < len) {
-            self.pool_sum = Some(be.alloc_f32(len)?);
-        }
-        let sum = self.pool_sum.as_mut().ok_or_else(|| BackendError::Device("sequence-parallel pool buffer missing".into()))?;
-        be.upload(sum, 0, &part)?;
         self.comm.all_reduce(sum, Span { off: 0, len }, ReduceOp::Sum).map_err(comm_err)?;
-        let mut total = be.download(sum)?;
-        total.truncate(len);
-        be.upload(out, 0, &total)
+        // rounded once into `out`
+        be.copy_span(out, 0, sum, 0, len)
     }
 
     /// Backward of `pool_forward`: `dx` (B, n_r, C) ← `dout` (B, C) on the rows this rank's
     /// pool read (zeros elsewhere). `dout` is the same on every rank of the group, so this
     /// needs no communication.
     #[allow(clippy::too_many_arguments)]
-    pub fn pool_backward(&self, be: &B, dx: &mut B::Buf, dout: &B::Buf, b: usize, n: usize, c: usize, prefix: usize, avg: bool) -> BResult<()> {
-        let mine = self.local(n);
-        let dout = values(be, dout)?;
-        let inv = if avg { 1.0 / (n - prefix) as f32 } else { 1.0 };
-        write_values(be, dx, b * mine.len() * c, true, |out| {
-            for bi in 0..b {
-                for (t, tok) in mine.clone().enumerate() {
-                    if pooled_token(tok, prefix, avg) {
-                        let row = &mut out[(bi * mine.len() + t) * c..(bi * mine.len() + t + 1) * c];
-                        row.iter_mut().zip(&dout[bi * c..(bi + 1) * c]).for_each(|(d, v)| *d = v * inv);
-                    }
-                }
-            }
-        })
+    pub fn pool_backward(&mut self, be: &B, dx: &mut B::Buf, dout: &B::Buf, b: usize, n: usize, c: usize, prefix: usize, avg: bool) -> BResult<()> {
+        let ml = self.local(n).len();
+        let (lp, count) = self.pooled_here(n, prefix, avg);
+        if count == 0 {
+            return be.fill(dx, 0.0);
+        }
+        if !avg || count == n - prefix {
+            return be.pool_backward(dx, dout, b, ml, c, lp, avg);
+        }
+        // the backend's pool divides by this rank's count: scale dout by count / (N − prefix)
+        // first, in f32, so that dx is rounded once
+        let len = b * c;
+        let scaled = grown(be, &mut self.pool_sum, len, true)?;
+        be.copy_span(scaled, 0, dout, 0, len)?;
+        be.scale(scaled, count as f32 / (n - prefix) as f32)?;
+        be.pool_backward(dx, scaled, b, ml, c, lp, avg)
     }
 }
 

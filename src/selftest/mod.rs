@@ -837,6 +837,61 @@ fn copy_span_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
     Ok(())
 }
 
+/// `copy_strided` as sequence parallelism packs and unpacks its all-to-alls, on fresh random
+/// values: every copied row exact and every other element untouched, against a host loop over
+/// the same indices; shapes that take the 16-byte path on a GPU (compute dtype, multiples of
+/// 8 values) and the element path (odd lengths and offsets, f32 → compute dtype as `cast`).
+fn copy_strided_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
+    use crate::backend::StridedCopy;
+    // (what, copy, src in f32, dst in f32): an SP pack of 2 ranks' blocks (B 3, 5 tokens × 3
+    // parts, head slice of 64 of 128), its unpack, and an unaligned copy
+    let cases = [
+        ("pack, 16-byte rows", StridedCopy { count: [2, 3, 15], len: 64, src_off: 0, src_stride: [64, 15 * 128, 128], dst_off: 0, dst_stride: [3 * 16 * 64, 16 * 64, 64] }, false, false),
+        ("unpack, 16-byte rows", StridedCopy { count: [1, 3, 5], len: 3 * 64, src_off: 1024, src_stride: [0, 16 * 64, 3 * 64], dst_off: 5 * 192, dst_stride: [0, 11 * 192, 192] }, false, false),
+        ("odd offsets and length", StridedCopy { count: [3, 2, 7], len: 13, src_off: 5, src_stride: [301, 97, 13], dst_off: 3, dst_stride: [200, 99, 14] }, false, false),
+        ("f32 -> compute dtype", StridedCopy { count: [2, 2, 6], len: 24, src_off: 8, src_stride: [400, 150, 24], dst_off: 16, dst_stride: [320, 160, 24] }, true, false),
+    ];
+    for (what, c, src_f32, dst_f32) in cases {
+        let (ns, nd) = (c.extent(c.src_off, c.src_stride) + 11, c.extent(c.dst_off, c.dst_stride) + 11);
+        let (sv, dv) = (cx.randn(ns, 1.0), cx.randn(nd, 1.0));
+        let mut src = if src_f32 { cx.be.alloc_f32(ns)? } else { cx.be.alloc(ns)? };
+        let mut dst = if dst_f32 { cx.be.alloc_f32(nd)? } else { cx.be.alloc(nd)? };
+        cx.be.upload(&mut src, 0, &sv)?;
+        cx.be.upload(&mut dst, 0, &dv)?;
+        // the values as the buffers hold them; a converted copy rounds as the backend's cast
+        let held = cx.be.download(&src)?;
+        let want_from = if src_f32 && !dst_f32 {
+            let mut as_dst = cx.be.alloc(ns)?;
+            cx.be.cast(&mut as_dst, &src)?;
+            cx.be.download(&as_dst)?
+        } else {
+            held
+        };
+        let mut want = cx.be.download(&dst)?;
+        for i0 in 0..c.count[0] {
+            for i1 in 0..c.count[1] {
+                for i2 in 0..c.count[2] {
+                    let s0 = c.src_off + i0 * c.src_stride[0] + i1 * c.src_stride[1] + i2 * c.src_stride[2];
+                    let d0 = c.dst_off + i0 * c.dst_stride[0] + i1 * c.dst_stride[1] + i2 * c.dst_stride[2];
+                    for e in 0..c.len {
+                        want[d0 + e] = want_from[s0 + e];
+                    }
+                }
+            }
+        }
+        cx.be.copy_strided(&mut dst, &src, &c)?;
+        let got = cx.be.download(&dst)?;
+        let ok = got.len() == want.len() && got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+        cx.checks.push(Check { name: format!("copy_strided {what}: the rows exact, the rest untouched"), rel_err: if ok { 0.0 } else { 1.0 }, tol: 0.0, pass: ok });
+    }
+    // a copy reaching past a buffer is an error, not a write
+    let small = cx.be.alloc(10)?;
+    let mut big = cx.be.alloc(100)?;
+    let refused = cx.be.copy_strided(&mut big, &small, &StridedCopy { count: [1, 1, 2], len: 8, src_off: 0, src_stride: [0, 0, 8], dst_off: 0, dst_stride: [0, 0, 8] }).is_err();
+    cx.checks.push(Check { name: "copy_strided past the end of src: an error".into(), rel_err: if refused { 0.0 } else { 1.0 }, tol: 0.0, pass: refused });
+    Ok(())
+}
+
 /// Trains a small ViT for `steps` SGD steps on both backends; returns (device, cpu) losses.
 pub fn training_losses<B: Backend>(be: &B, seed: u64, steps: usize) -> BResult<(Vec<f32>, Vec<f32>)> {
     let (cfg, init, batches, opt, decay, b) = small_training_setup(seed);
@@ -921,6 +976,7 @@ pub fn run_checks<B: Backend>(be: &B, seed: Option<u64>) -> BResult<(u64, Vec<Ch
     op_checks(&mut cx)?;
     optimizer_checks(&mut cx)?;
     copy_span_checks(&mut cx)?;
+    copy_strided_checks(&mut cx)?;
     let (dev, cpu) = training_losses(be, seed, 20)?;
     let tol = if be.needs_compute_copy() { 2e-2 } else { 1e-4 };
     let worst = dev.iter().zip(&cpu).map(|(a, b)| if a.is_nan() { f64::NAN } else { ((a - b) / b).abs() as f64 }).fold(0f64, |m, e| if e.is_nan() || m.is_nan() { f64::NAN } else { m.max(e) });

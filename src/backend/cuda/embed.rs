@@ -5,7 +5,7 @@
 use super::device::{check_f32, check_len, check_span, kargs, v8_ok, CudaBuf, THREADS};
 use super::gemm::Ty;
 use super::Cuda;
-use crate::backend::{BResult, BackendError, Span};
+use crate::backend::{BResult, BackendError, Span, StridedCopy};
 
 impl Cuda {
     pub(super) fn patchify_impl(&self, out: &mut CudaBuf, img: &CudaBuf, b: usize, chans: usize, size: usize, patch: usize) -> BResult<()> {
@@ -167,6 +167,32 @@ impl Cuda {
         self.flush_partial_sums()?;
         let (d, s, n) = (dst.at(dst_off), src.at(src_off), len as i64);
         self.launch1("scaled_cast_kernel", len, &mut kargs![d, dst.dt(), s, src.dt(), n, 1.0f32])
+    }
+
+    /// `Backend::copy_strided`: 16-byte moves where both buffers have one dtype and every
+    /// offset, stride and length (in bytes) and both base addresses divide by 16, else one
+    /// element a thread with `cast`'s conversion.
+    pub(super) fn copy_strided_impl(&self, dst: &mut CudaBuf, src: &CudaBuf, c: &StridedCopy) -> BResult<()> {
+        c.check(dst.len, src.len)?;
+        if c.rows() == 0 || c.len == 0 {
+            return Ok(());
+        }
+        self.flush_partial_sums()?;
+        let es = dst.ty.size();
+        let unit = 16 / es;
+        let all = [c.len, c.src_off, c.dst_off, c.src_stride[0], c.src_stride[1], c.src_stride[2], c.dst_stride[0], c.dst_stride[1], c.dst_stride[2]];
+        let (c1, c2) = (c.count[1] as i64, c.count[2] as i64);
+        let [ss0, ss1, ss2] = c.src_stride.map(|v| v as i64);
+        let [ds0, ds1, ds2] = c.dst_stride.map(|v| v as i64);
+        if dst.ty == src.ty && dst.ptr % 16 == 0 && src.ptr % 16 == 0 && all.iter().all(|v| v % unit == 0) {
+            let u = unit as i64;
+            let (len, total) = (c.len as i64 / u, (c.rows() * c.len / unit) as i64);
+            let (so, dof) = (c.src_off as i64 / u, c.dst_off as i64 / u);
+            let (ss0, ss1, ss2, ds0, ds1, ds2) = (ss0 / u, ss1 / u, ss2 / u, ds0 / u, ds1 / u, ds2 / u);
+            return self.launch1("copy_strided_u4", c.rows() * c.len / unit, &mut kargs![dst.ptr, src.ptr, len, c1, c2, total, so, ss0, ss1, ss2, dof, ds0, ds1, ds2]);
+        }
+        let (len, total, so, dof) = (c.len as i64, (c.rows() * c.len) as i64, c.src_off as i64, c.dst_off as i64);
+        self.launch1("copy_strided_kernel", c.rows() * c.len, &mut kargs![dst.ptr, dst.dt(), src.ptr, src.dt(), len, c1, c2, total, so, ss0, ss1, ss2, dof, ds0, ds1, ds2])
     }
 
     /// `Backend::add_span` (f32): `add_kernel` at offset pointers, in place (each element read

@@ -74,7 +74,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use self::device::{dev, Scratch, Staging};
 use self::gemm::{Gemm, Ty};
 use super::half::{HalfChoice, HalfFormat};
-use super::{BResult, Backend, BackendError, ParamGroups, GeluSaved, ShardPiece, Span, StepHyper};
+use super::{BResult, Backend, BackendError, ParamGroups, GeluSaved, ShardPiece, Span, StepHyper, StridedCopy};
 use crate::core::OptimizerConfig;
 
 /// One GPU behind the `Backend` trait (see the module doc).
@@ -452,6 +452,10 @@ impl Backend for Cuda {
 
     fn copy_span(&self, dst: &mut CudaBuf, dst_off: usize, src: &CudaBuf, src_off: usize, len: usize) -> BResult<()> {
         self.copy_span_impl(dst, dst_off, src, src_off, len)
+    }
+
+    fn copy_strided(&self, dst: &mut CudaBuf, src: &CudaBuf, copy: &StridedCopy) -> BResult<()> {
+        self.copy_strided_impl(dst, src, copy)
     }
 
     fn add_span(&self, dst: &mut CudaBuf, dst_off: usize, src: &CudaBuf, src_off: usize, len: usize) -> BResult<()> {

@@ -1,4 +1,4 @@
-// Elementwise ops over whole buffers: cast, fill, add, scale, stochastic depth's row factors, the
+// Elementwise ops over whole buffers: cast, fill, add, scale, strided row copies, stochastic depth's row factors, the
 // EMA's lerp, GELU and its backward, and the sum of squares used for the global gradient norm.
 
 extern "C" __global__ void cast_kernel(void* dst, int dtd, const void* src, int dts, i64 n) {
@@ -7,6 +7,31 @@ extern "C" __global__ void cast_kernel(void* dst, int dtd, const void* src, int 
 
 extern "C" __global__ void fill_kernel(void* dst, int dt, i64 n, float v) {
     GRID_STRIDE(i, n) stx(dst, dt, i, v);
+}
+
+// Strided row copy (Backend::copy_strided): row (i0, i1, i2) of counts (., c1, c2) copies len
+// values from src + so + i0·ss0 + i1·ss1 + i2·ss2 to dst + do + i0·ds0 + i1·ds1 + i2·ds2,
+// converting between the buffers' types; total = rows · len.
+extern "C" __global__ void copy_strided_kernel(void* dst, int dtd, const void* src, int dts, i64 len, i64 c1, i64 c2, i64 total,
+                                               i64 so, i64 ss0, i64 ss1, i64 ss2, i64 dof, i64 ds0, i64 ds1, i64 ds2) {
+    GRID_STRIDE(i, total) {
+        i64 r = i / len, e = i - r * len;
+        i64 i2 = r % c2, t = r / c2;
+        i64 i1 = t % c1, i0 = t / c1;
+        stx(dst, dtd, dof + i0 * ds0 + i1 * ds1 + i2 * ds2 + e, ldx(src, dts, so + i0 * ss0 + i1 * ss1 + i2 * ss2 + e));
+    }
+}
+
+// copy_strided_kernel between buffers of one type, every offset, stride and length in 16-byte
+// units (the launch checks they divide): one uint4 a thread.
+extern "C" __global__ void copy_strided_u4(uint4* dst, const uint4* src, i64 len, i64 c1, i64 c2, i64 total,
+                                           i64 so, i64 ss0, i64 ss1, i64 ss2, i64 dof, i64 ds0, i64 ds1, i64 ds2) {
+    GRID_STRIDE(i, total) {
+        i64 r = i / len, e = i - r * len;
+        i64 i2 = r % c2, t = r / c2;
+        i64 i1 = t % c1, i0 = t / c1;
+        dst[dof + i0 * ds0 + i1 * ds1 + i2 * ds2 + e] = src[so + i0 * ss0 + i1 * ss1 + i2 * ss2 + e];
+    }
 }
 
 // out = a + b
