@@ -12,10 +12,14 @@
 #      2e-2 relative and final weights within 1e-2 of 1 + |w| (the attention sees bf16 qkv either
 #      way; what differs is the order of the bf16 GEMMs' row blocks and the group's sums of
 #      partial gradients), every rank ending with rank 0's weights hash.
-#   3. (reported, not a pass condition) the runs' median images/s against one rank's.
+#   3. activation memory per rank: ViT-L/16 at 1024 px (4 097 tokens), 2 images a step, 3
+#      steps on synthetic data, on 1 rank and as SP 2 and SP 4: each rank's measured peak (the
+#      run's "memory" record) against config.json's prediction (`plan.memory`). Passes when the
+#      measured drop of the largest rank's peak from 1 rank to SP 2 and SP 4 is within 15 % of
+#      the predicted drop (the activations ÷ SP; the weights and optimizer state stay whole).
 #   Results: one JSON line per check on stdout.
 #
-#   scripts/gpu_sp_check.sh [BIN] [OUTDIR]     (SKIP_SELFTEST=1: part 2 only)
+#   scripts/gpu_sp_check.sh [BIN] [OUTDIR]     (SKIP_SELFTEST=1: no part 1; SKIP_MEMORY=1: no part 3)
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 BIN=${1:-target/release/vitscale}
@@ -73,5 +77,49 @@ if run 4 "$OUT/w4_sp2_z3" --set sequence_parallel_size=2 --set zero_optimization
   compare "$OUT/w4_sp2_z3" "$OUT/one_token" "4 ranks, SP 2 (DP 2), ZeRO-3 vs 1 rank" 4 || fail=1
 else
   fail=1
+fi
+
+if [ "${SKIP_MEMORY:-0}" != 1 ]; then
+  echo "== 3. activation memory per rank: ViT-L/16 1024 px"
+  mem=(--device cuda --json --set model.preset=vit_large_patch16_224 --set model.image_size=1024 --set model.num_classes=10
+       --set data.dataset=synthetic --set data.train_size=64 --set data.val_size=4 --set train.steps=3 --set train.log_every=1
+       --set train_batch_size=2 --set gradient_accumulation_steps=1 --set train.eval_batch_size=2
+       --set 'optimizer={"type":"AdamW","params":{"lr":0.0001}}')
+  for sp in 1 2 4; do
+    if [ "$sp" = 1 ]; then train_ranks 1 "$OUT/mem_sp1" "${mem[@]}" || fail=1
+    else train_ranks "$sp" "$OUT/mem_sp$sp" "${mem[@]}" --set sequence_parallel_size="$sp" || fail=1; fi
+  done
+  python3 - "$OUT" <<'PY' || fail=1
+import json, os, sys
+out, GIB = sys.argv[1], 2**30
+def peaks(d, n):
+    got = []
+    for r in range(n):
+        rd = d if r == 0 else os.path.join(d, "rank%d" % r)
+        rec = [json.loads(l) for l in open(os.path.join(rd, "metrics.jsonl")) if '"kind":"memory"' in l.replace(" ", "")]
+        got.append((rec[0]["measured_peak"] or 0) / GIB if rec else None)
+    return got
+rows, ok = {}, True
+for sp in (1, 2, 4):
+    d = os.path.join(out, "mem_sp%d" % sp)
+    if not os.path.isdir(d):
+        ok = False
+        continue
+    plan = json.load(open(os.path.join(d, "config.json")))["plan"]["memory"]
+    rows[sp] = {"sp": sp, "measured_peak_gib": peaks(d, sp), "predicted_gib": plan["total"] / GIB, "predicted_activations_gib": plan["activations"] / GIB}
+    print(json.dumps(rows[sp]))
+drops = []
+for sp in (2, 4):
+    if 1 not in rows or sp not in rows or None in rows[sp]["measured_peak_gib"] + rows[1]["measured_peak_gib"]:
+        ok = False
+        continue
+    dm = max(rows[1]["measured_peak_gib"]) - max(rows[sp]["measured_peak_gib"])
+    dp = rows[1]["predicted_gib"] - rows[sp]["predicted_gib"]
+    good = dp > 0 and abs(dm - dp) <= 0.15 * dp
+    ok &= good
+    drops.append({"sp": sp, "measured_drop_gib": round(dm, 3), "predicted_drop_gib": round(dp, 3), "ok": good})
+print(json.dumps({"check": "SP activation memory: measured drop from 1 rank within 15 % of the predicted", "ok": ok, "drops": drops}))
+sys.exit(0 if ok else 1)
+PY
 fi
 exit $fail
