@@ -6,16 +6,19 @@
 # peer (PEERS/peer_realdata.py: torchvision + timm ViT-B/16 from the folder). Each run's img/s is the
 # median of its metrics windows after the first two; data_s is its time waiting for data.
 #   scripts/gpu_decode.sh BIN OUT PEERS_DIR [MODELS] [STEPS]
-# MODES (default "synthetic cpu16 gpu4 gpu2") picks the runs per model, SECS (2) the seconds per
-# bench point, PEER=0 skips the peer.
+# MODES (default "synthetic cpu16 gpu4 gpu2") picks the runs per model (gpu4h: gpu4 with nvJPEG's
+# GPU-assisted Huffman decoder for the batched call, VITSCALE_NVJPEG_BATCHED=gpu_hybrid), SECS
+# (2) the seconds per bench point, PEER=0 skips the peer, DATA_BENCH=0 skips `bench --data`.
 BIN=$1; O=$2; P=$3; MODELS=${4:-"vit_small_patch16_224 vit_base_patch16_224"}; STEPS=${5:-60}
 export PYTHONUNBUFFERED=1
 mkdir -p "$O"
 t0=$SECONDS
 [ -d "$O/photos/flat" ] || python3 "$P/make_photos.py" "$O/photos" 100 60 > "$O/photos.log" 2>&1
 echo "photos: $(tail -1 "$O/photos.log") ($((SECONDS - t0)) s)"
-timeout 150 "$BIN" bench --data --jpeg-dir "$O/photos/flat" --threads 16 --secs "${SECS:-2}" --json > "$O/data.log" 2>&1
-echo "bench --data rc $? ($((SECONDS - t0)) s)"; grep -E "^(jpeg|pipeline)" "$O/data.log"
+if [ "${DATA_BENCH:-1}" = 1 ]; then
+  timeout 150 "$BIN" bench --data --jpeg-dir "$O/photos/flat" --threads 16 --secs "${SECS:-2}" --json > "$O/data.log" 2>&1
+  echo "bench --data rc $? ($((SECONDS - t0)) s)"; grep -E "^(jpeg|pipeline)" "$O/data.log"
+fi
 median() { python3 - "$1" <<'PY'
 import json, sys, statistics
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
@@ -30,14 +33,17 @@ for model in $MODELS; do
   common=(--device cuda --json --set model.preset=$model --set model.num_classes=100 --set train_micro_batch_size_per_gpu=256
           --set train.steps=$STEPS --set train.log_every=5 --set bf16.enabled=true --set train.eval_every=0)
   for mode in ${MODES:-synthetic cpu16 gpu4 gpu2}; do
+    envs=(VITSCALE_NVJPEG_BATCHED=hardware)
     case $mode in
       synthetic) extra=(--set data.dataset=synthetic --set data.train_size=6000 --set data.val_size=512) ;;
       cpu16) extra=(--set data.dataset=folder --set data.path="$O/photos/folder" --set data.decode=cpu --set data.num_workers=16) ;;
       gpu4) extra=(--set data.dataset=folder --set data.path="$O/photos/folder" --set data.decode=gpu --set data.num_workers=4) ;;
+      gpu4h) extra=(--set data.dataset=folder --set data.path="$O/photos/folder" --set data.decode=gpu --set data.num_workers=4)
+             envs=(VITSCALE_NVJPEG_BATCHED=gpu_hybrid) ;;
       gpu2) extra=(--set data.dataset=folder --set data.path="$O/photos/folder" --set data.decode=gpu --set data.num_workers=2) ;;
     esac
     rm -rf "$O/run-$model-$mode"
-    timeout 150 "$BIN" train "${common[@]}" "${extra[@]}" --run-dir "$O/run-$model-$mode" > "$O/train-$model-$mode.log" 2>&1
+    env "${envs[@]}" timeout 150 "$BIN" train "${common[@]}" "${extra[@]}" --run-dir "$O/run-$model-$mode" > "$O/train-$model-$mode.log" 2>&1
     rc=$?
     echo "$model $mode rc $rc ($((SECONDS - t0)) s): $(median "$O/run-$model-$mode/metrics.jsonl" 2>/dev/null) | $(tail -1 "$O/train-$model-$mode.log" | cut -c1-160)"
     [ $rc -ne 0 ] && grep -iE "error|panick" "$O/train-$model-$mode.log" | head -3

@@ -53,6 +53,7 @@ struct NvImage {
 }
 
 const BACKEND_DEFAULT: c_int = 0;
+const BACKEND_GPU_HYBRID: c_int = 2;
 const BACKEND_HARDWARE: c_int = 3;
 const OUTPUT_RGBI: c_int = 5;
 const CSS_420: c_int = 2;
@@ -410,11 +411,17 @@ impl JpegDecoder {
         DECODE_STREAM.store(stream.cu_stream() as u64, Ordering::Relaxed);
         let api = open_api()?;
         let hybrid = Decoder::new(&api, BACKEND_DEFAULT)?;
-        // The hardware backend exists only where the GPU has JPEG engines; elsewhere creating
-        // it fails and the hybrid decoder does everything.
-        let hardware = Decoder::new(&api, BACKEND_HARDWARE).ok();
+        // The batched call's decoder: the hardware backend, which exists only where the GPU
+        // has JPEG engines (elsewhere creating it fails and the hybrid decoder does
+        // everything), or with `VITSCALE_NVJPEG_BATCHED=gpu_hybrid` nvJPEG's GPU-assisted
+        // Huffman decoder, whose batched call is kernels on the decode stream.
+        let hardware = match std::env::var("VITSCALE_NVJPEG_BATCHED").as_deref() {
+            Ok("gpu_hybrid") => Some(Decoder::new(&api, BACKEND_GPU_HYBRID)?),
+            Ok("hardware") | Ok("") | Err(_) => Decoder::new(&api, BACKEND_HARDWARE).ok(),
+            Ok(other) => return Err(format!("VITSCALE_NVJPEG_BATCHED must be hardware or gpu_hybrid, got {other:?}")),
+        };
         let mut engines = 0;
-        if let Some(hw) = &hardware {
+        if let (Some(hw), false) = (&hardware, std::env::var("VITSCALE_NVJPEG_BATCHED").as_deref() == Ok("gpu_hybrid")) {
             let (mut e, mut cores): (c_uint, c_uint) = (0, 0);
             // SAFETY: a live handle and two out-pointers.
             if unsafe { (api.hw_info)(hw.handle, &mut e, &mut cores) } == 0 {
