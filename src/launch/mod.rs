@@ -451,7 +451,31 @@ fn stop_all(procs: &mut [Proc], sig: i32) {
     }
 }
 
-fn free_port() -> Option<u16> {
+/// A free loopback port for rank 0's rendezvous, drawn below the kernel's ephemeral range
+/// (`ip_local_port_range`): a port from that range, which `bind(0)` hands out, can be taken by
+/// any outgoing connection (another run's ring) between this check and rank 0's bind moments
+/// later. Falls back to `bind(0)` where the range leaves no room below it.
+pub fn free_port() -> Option<u16> {
+    let bindable = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse::<u32>().ok()))
+        .unwrap_or(32768);
+    let (lo, hi) = (10_000u32, ephemeral_low.min(32_768));
+    if hi >= lo + 1000 {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+        let mut x = u64::from(nanos) ^ (u64::from(std::process::id()) << 32) ^ 0x9e37_79b9_7f4a_7c15;
+        for _ in 0..64 {
+            // xorshift: a different draw for each concurrent launcher
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let p = (lo + (x % u64::from(hi - lo)) as u32) as u16;
+            if bindable(p) {
+                return Some(p);
+            }
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).ok()
 }
 

@@ -180,7 +180,7 @@ mod tests {
 
     /// Runs `f(rank, comm)` on `world` threads joined in one TcpComm ring over loopback.
     fn with_world<T: Send>(world: usize, f: impl Fn(usize, &mut TcpComm) -> T + Sync) -> Vec<T> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("loopback port");
+        let port = crate::launch::free_port().expect("loopback port");
         let opts = CommOptions { timeout: Duration::from_secs(10), rendezvous_timeout: Duration::from_secs(10) };
         std::thread::scope(|s| {
             let hs: Vec<_> = (0..world)

@@ -5,7 +5,6 @@
 #![allow(dead_code)]
 
 use std::ffi::OsStr;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
@@ -41,7 +40,7 @@ pub fn fresh_rng() -> (rand_chacha::ChaCha8Rng, u64) {
 
 /// A port that was free a moment ago (each run takes its own, so tests run in parallel).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("loopback port")
+    vitscale::launch::free_port().expect("loopback port")
 }
 
 /// The variables a launcher hands its workers: a test's binary must not inherit them.
