@@ -20,10 +20,10 @@
 //! gradients, so the gradient summed over the group counts each image once (see `Vit`).
 //!
 //! The exchanges pack and unpack with `Backend::copy_strided` (a kernel on a GPU, so the
-//! activations never leave the device) around one `Comm::all_to_all` of a staging buffer in the compute
-//! dtype (bf16 on a GPU: the values are bf16 already, so nothing is rounded on the way), while
-//! the pool's partial sums are added over the group in f32 and rounded once, as the
-//! backend's own pool rounds its f32 sum.
+//! activations never leave the device) around one `Comm::all_to_all` of a staging buffer in
+//! the compute dtype (bf16 on a GPU: the values are bf16 already, so nothing is rounded on the
+//! way), while the pool's partial sums are added over the group in f32 and rounded once, as
+//! the backend's own pool rounds its f32 sum.
 
 use std::ops::Range;
 
