@@ -463,17 +463,11 @@ pub fn free_port() -> Option<u16> {
         .unwrap_or(32768);
     let (lo, hi) = (10_000u32, ephemeral_low.min(32_768));
     if hi >= lo + 1000 {
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
-        let mut x = u64::from(nanos) ^ (u64::from(std::process::id()) << 32) ^ 0x9e37_79b9_7f4a_7c15;
-        for _ in 0..64 {
-            // xorshift: a different draw for each concurrent launcher
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let p = (lo + (x % u64::from(hi - lo)) as u32) as u16;
-            if bindable(p) {
-                return Some(p);
-            }
+        use rand::Rng;
+        let mut rng = rand::thread_rng();
+        // random draws, so concurrent launchers pick different ports
+        if let Some(p) = (0..64).map(|_| rng.gen_range(lo..hi) as u16).find(|&p| bindable(p)) {
+            return Some(p);
         }
     }
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).ok()

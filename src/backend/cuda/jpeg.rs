@@ -415,13 +415,14 @@ impl JpegDecoder {
         // has JPEG engines (elsewhere creating it fails and the hybrid decoder does
         // everything), or with `VITSCALE_NVJPEG_BATCHED=gpu_hybrid` nvJPEG's GPU-assisted
         // Huffman decoder, whose batched call is kernels on the decode stream.
-        let hardware = match std::env::var("VITSCALE_NVJPEG_BATCHED").as_deref() {
-            Ok("gpu_hybrid") => Some(Decoder::new(&api, BACKEND_GPU_HYBRID)?),
-            Ok("hardware") | Ok("") | Err(_) => Decoder::new(&api, BACKEND_HARDWARE).ok(),
+        let gpu_hybrid = match std::env::var("VITSCALE_NVJPEG_BATCHED").as_deref() {
+            Ok("gpu_hybrid") => true,
+            Ok("hardware") | Ok("") | Err(_) => false,
             Ok(other) => return Err(format!("VITSCALE_NVJPEG_BATCHED must be hardware or gpu_hybrid, got {other:?}")),
         };
+        let hardware = if gpu_hybrid { Some(Decoder::new(&api, BACKEND_GPU_HYBRID)?) } else { Decoder::new(&api, BACKEND_HARDWARE).ok() };
         let mut engines = 0;
-        if let (Some(hw), false) = (&hardware, std::env::var("VITSCALE_NVJPEG_BATCHED").as_deref() == Ok("gpu_hybrid")) {
+        if let (Some(hw), false) = (&hardware, gpu_hybrid) {
             let (mut e, mut cores): (c_uint, c_uint) = (0, 0);
             // SAFETY: a live handle and two out-pointers.
             if unsafe { (api.hw_info)(hw.handle, &mut e, &mut cores) } == 0 {

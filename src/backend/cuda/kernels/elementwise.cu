@@ -1,5 +1,6 @@
-// Elementwise ops over whole buffers: cast, fill, add, scale, strided row copies, stochastic depth's row factors, the
-// EMA's lerp, GELU and its backward, and the sum of squares used for the global gradient norm.
+// Elementwise ops over whole buffers: cast, fill, add, scale, strided row copies, stochastic
+// depth's row factors, the EMA's lerp, GELU and its backward, and the sum of squares used for
+// the global gradient norm.
 
 extern "C" __global__ void cast_kernel(void* dst, int dtd, const void* src, int dts, i64 n) {
     GRID_STRIDE(i, n) stx(dst, dtd, i, ldx(src, dts, i));
