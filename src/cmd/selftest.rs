@@ -126,17 +126,31 @@ fn cuda_pass(gpu: usize, half: Option<HalfFormat>, seed: Option<u64>, env: &crat
         crate::outln!("compute format: {}", be.half_format().name());
     }
     let chosen = be.attention_path();
+    // A pass takes a minute or more (the CPU references of the long attention shapes): say
+    // which part runs, on stderr, so a slow part is told from a stuck one.
+    let t0 = std::time::Instant::now();
+    let stage = |what: &str| {
+        if env.rank == 0 {
+            crate::errln!("selftest: {what} ({:.1} s)", t0.elapsed().as_secs_f64());
+        }
+    };
+    stage("operator and training checks");
     let (seed, mut checks, d, c) = run_checks(&be, seed)?;
+    stage("hopper GEMM checks");
     match hopper_gemm_checks(&be, seed) {
         Ok(Some(cs)) => checks.extend(cs),
         Ok(None) => crate::outln!("hopper GEMM kernel not compiled for this device and format (sm_90 with bf16 only): its checks skipped"),
         Err(e) => checks.push(Check { name: format!("hopper GEMM checks: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false }),
     }
-    checks.extend(attention_path_checks(&be, seed)?);
+    checks.extend(attention_path_checks(&be, seed, &|what| stage(what))?);
+    stage("16-bit format checks");
     checks.extend(crate::selftest::half::half_format_checks(&be, seed)?);
+    stage("JPEG decode checks");
     checks.extend(crate::selftest::decode::decode_checks(&be, seed)?);
+    stage("communicator checks");
     let mut comm = crate::backend::cuda::nccl::NcclComm::connect(env, opts, "selftest", &be)?;
     checks.extend(comm_checks(&be, &mut comm, seed)?);
+    stage("done");
     if env.rank == 0 {
         crate::outln!("attention path for the model checks: {}", chosen.name());
     }

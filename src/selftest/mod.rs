@@ -1105,8 +1105,9 @@ fn attention_kernel_choice(launched: &[(String, f64, usize)], wgmma: bool, long_
 
 /// The attention checks on every attention path, whatever `VITSCALE_ATTENTION` chose (restored
 /// after): the fused path twice where the wgmma kernels exist, with them and with flash.cu's,
-/// and on the fused path which kernels ran (`attention_kernel_choice`). Seeds follow `seed`.
-pub fn attention_path_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult<Vec<Check>> {
+/// and on the fused path which kernels ran (`attention_kernel_choice`). Seeds follow `seed`;
+/// `progress` hears each run's label as it starts.
+pub fn attention_path_checks(be: &crate::backend::cuda::Cuda, seed: u64, progress: &dyn Fn(&str)) -> BResult<Vec<Check>> {
     let chosen = be.chosen_attention_path();
     let mut checks = Vec::new();
     let wgmma_chosen = be.wgmma_attention();
@@ -1128,6 +1129,7 @@ pub fn attention_path_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BRes
         let fused = path == crate::backend::cuda::AttentionPath::Fused;
         let label = if fused && be.has_wgmma_attention() { format!(" {}{}", path.name(), if wgmma { " wgmma" } else { " mma.sync" }) } else { format!(" {}", path.name()) };
         be.set_profiling(fused);
+        progress(&format!("attention checks,{label} path"));
         let result = attention_checks(be, seed.wrapping_add(1 + i as u64), &label);
         let launched = if fused { be.take_profile() } else { Ok(Vec::new()) };
         be.set_profiling(false);
