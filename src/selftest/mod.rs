@@ -72,6 +72,16 @@ struct Ctx<'a, B: Backend> {
     checks: Vec<Check>,
     /// Tolerance for compute-dtype outputs.
     tol_c: f64,
+    /// CPU results kept across passes over the same inputs (`cpu_ref`).
+    memo: ReferenceMemo,
+}
+
+/// CPU reference outputs by (seed, op and shape): the attention checks run once per attention
+/// path on the same inputs, and the reference of a 16k-token head costs seconds on the CPU.
+#[derive(Default)]
+pub struct ReferenceMemo {
+    seed: u64,
+    outputs: std::collections::HashMap<String, Vec<Vec<f32>>>,
 }
 
 /// A buffer on both backends.
@@ -110,6 +120,19 @@ impl<'a, B: Backend> Ctx<'a, B> {
         let mut d = if compute { self.be.alloc(n)? } else { self.be.alloc_f32(n)? };
         self.be.fill(&mut d, f32::NAN)?;
         Ok(Both { d, c: vec![0.0; n], compute })
+    }
+    /// The CPU reference `op` writing `outs`, or its outputs from an earlier pass whose rng
+    /// drew the same inputs: `key` names the op and shape, the memo's seed the draws.
+    fn cpu_ref(&mut self, key: &str, outs: &mut [&mut Vec<f32>], op: impl FnOnce(&Cpu, &mut [&mut Vec<f32>]) -> BResult<()>) -> BResult<()> {
+        if let Some(kept) = self.memo.outputs.get(key) {
+            for (o, k) in outs.iter_mut().zip(kept) {
+                o.clone_from(k);
+            }
+            return Ok(());
+        }
+        op(&self.cpu, outs)?;
+        self.memo.outputs.insert(key.to_string(), outs.iter().map(|o| o.to_vec()).collect());
+        Ok(())
     }
     fn compare(&mut self, name: &str, b: &Both<B>, tol_f32: f64) -> BResult<()> {
         let dev = self.be.download(&b.d)?;
@@ -490,17 +513,20 @@ fn op_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
 /// only when the device keeps the probabilities; each backward reads its own forward's state
 /// and output.
 fn attention_check<B: Backend>(cx: &mut Ctx<B>, b: usize, n: usize, h: usize, d: usize, path: &str) -> BResult<()> {
-    let cpu = cx.cpu;
     let c = h * d;
     let bn = b * n;
-    let tag = format!("[B{b} N{n} H{h} D{d}]{path}");
+    let shape = format!("[B{b} N{n} H{h} D{d}]");
+    let tag = format!("{shape}{path}");
     let qkv = cx.rand(bn * 3 * c, 1.0, true)?;
     let mut att = cx.out(bn * c, true)?;
     let saved = cx.be.attention_saved_len(b, n, h, d);
     // the saved state can exceed B·H·N·N (an f32 log-sum-exp per row when N = 1)
     let mut probs = cx.out(saved.max(b * h * n * n), true)?;
     cx.be.attention_forward(&mut att.d, &mut probs.d, &qkv.d, b, n, h, d)?;
-    cpu.attention_forward(&mut att.c, &mut probs.c, &qkv.c, b, n, h, d)?;
+    cx.cpu_ref(&format!("attention_forward {shape}"), &mut [&mut att.c, &mut probs.c], |cpu, o| {
+        let [att, probs] = o else { unreachable!() };
+        cpu.attention_forward(att, probs, &qkv.c, b, n, h, d)
+    })?;
     cx.compare(&format!("attention_forward out {tag}"), &att, F32_TOL)?;
     if saved == b * h * n * n {
         cx.compare(&format!("attention_forward probs {tag}"), &probs, F32_TOL)?;
@@ -509,14 +535,17 @@ fn attention_check<B: Backend>(cx: &mut Ctx<B>, b: usize, n: usize, h: usize, d:
     let datt = cx.rand(bn * c, 1.0, true)?;
     let mut dqkv = cx.out(bn * 3 * c, true)?;
     cx.be.attention_backward(&mut dqkv.d, &datt.d, &qkv.d, &att.d, &probs.d, b, n, h, d)?;
-    cpu.attention_backward(&mut dqkv.c, &datt.c, &qkv.c, &att.c, &probs.c, b, n, h, d)?;
+    cx.cpu_ref(&format!("attention_backward {shape}"), &mut [&mut dqkv.c], |cpu, o| cpu.attention_backward(o[0], &datt.c, &qkv.c, &att.c, &probs.c, b, n, h, d))?;
     cx.compare(&format!("attention_backward dqkv {tag}"), &dqkv, F32_TOL)?;
     // with the qkv bias gradient added into a span of a larger f32 buffer (+=; the rest untouched)
     let span = Span { off: 4, len: 3 * c };
     let mut dparams = cx.rand(3 * c + 8, 0.1, false)?;
     let mut dqkv2 = cx.out(bn * 3 * c, true)?;
     cx.be.attention_backward_bias(&mut dqkv2.d, &mut dparams.d, span, &datt.d, &qkv.d, &att.d, &probs.d, b, n, h, d)?;
-    cpu.attention_backward_bias(&mut dqkv2.c, &mut dparams.c, span, &datt.c, &qkv.c, &att.c, &probs.c, b, n, h, d)?;
+    cx.cpu_ref(&format!("attention_backward_bias {shape}"), &mut [&mut dqkv2.c, &mut dparams.c], |cpu, o| {
+        let [dqkv2, dparams] = o else { unreachable!() };
+        cpu.attention_backward_bias(dqkv2, dparams, span, &datt.c, &qkv.c, &att.c, &probs.c, b, n, h, d)
+    })?;
     cx.compare(&format!("attention_backward_bias dqkv {tag}"), &dqkv2, F32_TOL)?;
     cx.compare_split(&format!("attention_backward_bias rest {tag}"), &dparams, span, "dbias(+=)", F32_TOL)?;
     class_attention_check(cx, b, n, h, d, &tag)
@@ -565,15 +594,26 @@ fn class_attention_check<B: Backend>(cx: &mut Ctx<B>, b: usize, n: usize, h: usi
 /// 257 tokens and a ragged 50; 96; 128 short, at 1025 and long) and long sequences (4097:
 /// ViT-B/16 at 1024 px; 16384; past 1024 tokens the forward's 128-query blocks, every head dim). `path` labels the checks.
 pub fn attention_checks<B: Backend>(be: &B, seed: u64, path: &str) -> BResult<Vec<Check>> {
+    attention_checks_memo(be, seed, path, &mut ReferenceMemo::default())
+}
+
+/// `attention_checks` keeping the CPU references in `memo` for another pass with the same
+/// seed (a pass with another seed clears it).
+pub fn attention_checks_memo<B: Backend>(be: &B, seed: u64, path: &str, memo: &mut ReferenceMemo) -> BResult<Vec<Check>> {
     let tol_c = if be.needs_compute_copy() { 1e-2 } else { F32_TOL };
-    let mut cx = Ctx { be, cpu: Cpu::new(), rng: ChaCha8Rng::seed_from_u64(seed), checks: Vec::new(), tol_c };
+    if memo.seed != seed {
+        *memo = ReferenceMemo { seed, ..Default::default() };
+    }
+    let mut cx = Ctx { be, cpu: Cpu::new(), rng: ChaCha8Rng::seed_from_u64(seed), checks: Vec::new(), tol_c, memo: std::mem::take(memo) };
     for &(b, n, h, d) in &[(2usize, 65usize, 6usize, 64usize), (3, 197, 4, 64), (3, 50, 5, 64), (2, 17, 3, 32), (2, 65, 3, 32), (1, 1025, 2, 64), (32, 197, 12, 64), (2, 256, 2, 64), (2, 129, 3, 32), (64, 65, 6, 64), (2, 80, 2, 64), (2, 64, 3, 32), (3, 1, 2, 64), (2, 81, 2, 64), (2, 193, 2, 64), (2, 208, 3, 64), (2, 209, 2, 64),
         (2, 257, 4, 80), (2, 50, 3, 80), (2, 197, 2, 96), (2, 65, 2, 128), (1, 1025, 2, 128), (1, 4097, 2, 64), (1, 4097, 1, 80), (1, 16384, 1, 64), (1, 1090, 2, 32), (1, 1030, 2, 96), (2, 577, 2, 64)] {
         attention_check(&mut cx, b, n, h, d, path)?;
     }
     // a head dim that is no multiple of 8: the class-token attention's element-wise kernels
     let (b, n, h, d) = (2, 9, 3, 12);
-    class_attention_check(&mut cx, b, n, h, d, &format!("[B{b} N{n} H{h} D{d}]{path}"))?;
+    let tail = class_attention_check(&mut cx, b, n, h, d, &format!("[B{b} N{n} H{h} D{d}]{path}"));
+    *memo = cx.memo;
+    tail?;
     Ok(cx.checks)
 }
 
@@ -972,7 +1012,7 @@ pub fn run_checks<B: Backend>(be: &B, seed: Option<u64>) -> BResult<(u64, Vec<Ch
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
     });
     let tol_c = if be.needs_compute_copy() { 1e-2 } else { F32_TOL };
-    let mut cx = Ctx { be, cpu: Cpu::new(), rng: ChaCha8Rng::seed_from_u64(seed), checks: Vec::new(), tol_c };
+    let mut cx = Ctx { be, cpu: Cpu::new(), rng: ChaCha8Rng::seed_from_u64(seed), checks: Vec::new(), tol_c, memo: ReferenceMemo::default() };
     op_checks(&mut cx)?;
     optimizer_checks(&mut cx)?;
     copy_span_checks(&mut cx)?;
@@ -1105,8 +1145,9 @@ fn attention_kernel_choice(launched: &[(String, f64, usize)], wgmma: bool, long_
 
 /// The attention checks on every attention path, whatever `VITSCALE_ATTENTION` chose (restored
 /// after): the fused path twice where the wgmma kernels exist, with them and with flash.cu's,
-/// and on the fused path which kernels ran (`attention_kernel_choice`). Seeds follow `seed`;
-/// `progress` hears each run's label as it starts.
+/// and on the fused path which kernels ran (`attention_kernel_choice`). Every path gets the
+/// same inputs (drawn from `seed`) and one CPU reference; `progress` hears each run's label as
+/// it starts.
 pub fn attention_path_checks(be: &crate::backend::cuda::Cuda, seed: u64, progress: &dyn Fn(&str)) -> BResult<Vec<Check>> {
     let chosen = be.chosen_attention_path();
     let mut checks = Vec::new();
@@ -1123,14 +1164,16 @@ pub fn attention_path_checks(be: &crate::backend::cuda::Cuda, seed: u64, progres
             runs.push((path, false));
         }
     }
-    for (i, (path, wgmma)) in runs.into_iter().enumerate() {
+    // every path draws the same inputs, so the CPU computes each reference once
+    let mut memo = ReferenceMemo::default();
+    for (path, wgmma) in runs {
         be.set_attention(path);
         be.set_wgmma_attention(wgmma);
         let fused = path == crate::backend::cuda::AttentionPath::Fused;
         let label = if fused && be.has_wgmma_attention() { format!(" {}{}", path.name(), if wgmma { " wgmma" } else { " mma.sync" }) } else { format!(" {}", path.name()) };
         be.set_profiling(fused);
         progress(&format!("attention checks,{label} path"));
-        let result = attention_checks(be, seed.wrapping_add(1 + i as u64), &label);
+        let result = attention_checks_memo(be, seed.wrapping_add(1), &label, &mut memo);
         let launched = if fused { be.take_profile() } else { Ok(Vec::new()) };
         be.set_profiling(false);
         match result {
