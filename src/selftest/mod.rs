@@ -84,6 +84,19 @@ pub struct ReferenceMemo {
     outputs: std::collections::HashMap<String, Vec<Vec<f32>>>,
 }
 
+impl ReferenceMemo {
+    /// The memo for a pass drawing its inputs from `seed`: what it holds if that was its seed,
+    /// else emptied.
+    fn for_seed(&mut self, seed: u64) -> ReferenceMemo {
+        let kept = std::mem::take(self);
+        if kept.seed == seed {
+            kept
+        } else {
+            ReferenceMemo { seed, ..Default::default() }
+        }
+    }
+}
+
 /// A buffer on both backends.
 struct Both<B: Backend> {
     d: B::Buf,
@@ -601,10 +614,7 @@ pub fn attention_checks<B: Backend>(be: &B, seed: u64, path: &str) -> BResult<Ve
 /// seed (a pass with another seed clears it).
 pub fn attention_checks_memo<B: Backend>(be: &B, seed: u64, path: &str, memo: &mut ReferenceMemo) -> BResult<Vec<Check>> {
     let tol_c = if be.needs_compute_copy() { 1e-2 } else { F32_TOL };
-    if memo.seed != seed {
-        *memo = ReferenceMemo { seed, ..Default::default() };
-    }
-    let mut cx = Ctx { be, cpu: Cpu::new(), rng: ChaCha8Rng::seed_from_u64(seed), checks: Vec::new(), tol_c, memo: std::mem::take(memo) };
+    let mut cx = Ctx { be, cpu: Cpu::new(), rng: ChaCha8Rng::seed_from_u64(seed), checks: Vec::new(), tol_c, memo: memo.for_seed(seed) };
     for &(b, n, h, d) in &[(2usize, 65usize, 6usize, 64usize), (3, 197, 4, 64), (3, 50, 5, 64), (2, 17, 3, 32), (2, 65, 3, 32), (1, 1025, 2, 64), (32, 197, 12, 64), (2, 256, 2, 64), (2, 129, 3, 32), (64, 65, 6, 64), (2, 80, 2, 64), (2, 64, 3, 32), (3, 1, 2, 64), (2, 81, 2, 64), (2, 193, 2, 64), (2, 208, 3, 64), (2, 209, 2, 64),
         (2, 257, 4, 80), (2, 50, 3, 80), (2, 197, 2, 96), (2, 65, 2, 128), (1, 1025, 2, 128), (1, 4097, 2, 64), (1, 4097, 1, 80), (1, 16384, 1, 64), (1, 1090, 2, 32), (1, 1030, 2, 96), (2, 577, 2, 64)] {
         attention_check(&mut cx, b, n, h, d, path)?;
@@ -1187,4 +1197,52 @@ pub fn attention_path_checks(be: &crate::backend::cuda::Cuda, seed: u64, progres
     be.set_wgmma_attention(wgmma_chosen);
     be.set_attention(chosen);
     Ok(checks)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ctx(be: &Cpu, memo: ReferenceMemo) -> Ctx<'_, Cpu> {
+        Ctx { be, cpu: Cpu::new(), rng: ChaCha8Rng::seed_from_u64(1), checks: Vec::new(), tol_c: F32_TOL, memo }
+    }
+
+    #[test]
+    fn a_reference_is_computed_once_per_seed_op_and_shape() {
+        let be = Cpu::new();
+        let mut memo = ReferenceMemo::default().for_seed(7);
+        let mut calls = 0;
+        let mut runs = Vec::new();
+        for pass in 0..2 {
+            let mut cx = ctx(&be, memo);
+            let (mut a, mut b) = (vec![0.0f32; 3], vec![0.0f32; 2]);
+            cx.cpu_ref("op [N3]", &mut [&mut a, &mut b], |_, o| {
+                calls += 1;
+                o[0].copy_from_slice(&[1.0, 2.0, 3.0 + pass as f32]);
+                o[1].copy_from_slice(&[4.0, 5.0]);
+                Ok(())
+            })
+            .unwrap();
+            // another shape under the same op is its own reference
+            let mut c = vec![0.0f32; 1];
+            cx.cpu_ref("op [N1]", &mut [&mut c], |_, o| {
+                calls += 1;
+                o[0][0] = 9.0;
+                Ok(())
+            })
+            .unwrap();
+            runs.push((a, b, c));
+            memo = cx.memo;
+        }
+        assert_eq!(calls, 2, "the second pass must reuse both references");
+        assert_eq!(runs[0], runs[1], "the second pass gets the first pass's outputs");
+        assert_eq!(runs[1].0, vec![1.0, 2.0, 3.0]);
+        // a pass with the same seed keeps them, one with another seed starts empty
+        let same = memo.for_seed(7);
+        assert_eq!(same.outputs.len(), 2);
+        let mut same = same;
+        let other = same.for_seed(8);
+        assert!(other.outputs.is_empty());
+        assert_eq!(other.seed, 8);
+    }
 }
