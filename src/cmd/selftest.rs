@@ -126,8 +126,8 @@ fn cuda_pass(gpu: usize, half: Option<HalfFormat>, seed: Option<u64>, env: &crat
         crate::outln!("compute format: {}", be.half_format().name());
     }
     let chosen = be.attention_path();
-    // A pass takes a minute or more (the CPU references of the long attention shapes): say
-    // which part runs, on stderr, so a slow part is told from a stuck one.
+    // A pass takes tens of seconds, most of it the CPU references of the long attention
+    // shapes: say which part runs, on stderr, so a slow part is told from a stuck one.
     let t0 = std::time::Instant::now();
     let stage = |what: &str| {
         if env.rank == 0 {
