@@ -87,10 +87,9 @@ pub struct ReferenceMemo {
 impl ReferenceMemo {
     /// The memo for a pass drawing its inputs from `seed`: what it holds if that was its seed,
     /// else emptied.
-    fn for_seed(&mut self, seed: u64) -> ReferenceMemo {
-        let kept = std::mem::take(self);
-        if kept.seed == seed {
-            kept
+    fn for_seed(self, seed: u64) -> ReferenceMemo {
+        if self.seed == seed {
+            self
         } else {
             ReferenceMemo { seed, ..Default::default() }
         }
@@ -614,7 +613,7 @@ pub fn attention_checks<B: Backend>(be: &B, seed: u64, path: &str) -> BResult<Ve
 /// seed (a pass with another seed clears it).
 pub fn attention_checks_memo<B: Backend>(be: &B, seed: u64, path: &str, memo: &mut ReferenceMemo) -> BResult<Vec<Check>> {
     let tol_c = if be.needs_compute_copy() { 1e-2 } else { F32_TOL };
-    let mut cx = Ctx { be, cpu: Cpu::new(), rng: ChaCha8Rng::seed_from_u64(seed), checks: Vec::new(), tol_c, memo: memo.for_seed(seed) };
+    let mut cx = Ctx { be, cpu: Cpu::new(), rng: ChaCha8Rng::seed_from_u64(seed), checks: Vec::new(), tol_c, memo: std::mem::take(memo).for_seed(seed) };
     for &(b, n, h, d) in &[(2usize, 65usize, 6usize, 64usize), (3, 197, 4, 64), (3, 50, 5, 64), (2, 17, 3, 32), (2, 65, 3, 32), (1, 1025, 2, 64), (32, 197, 12, 64), (2, 256, 2, 64), (2, 129, 3, 32), (64, 65, 6, 64), (2, 80, 2, 64), (2, 64, 3, 32), (3, 1, 2, 64), (2, 81, 2, 64), (2, 193, 2, 64), (2, 208, 3, 64), (2, 209, 2, 64),
         (2, 257, 4, 80), (2, 50, 3, 80), (2, 197, 2, 96), (2, 65, 2, 128), (1, 1025, 2, 128), (1, 4097, 2, 64), (1, 4097, 1, 80), (1, 16384, 1, 64), (1, 1090, 2, 32), (1, 1030, 2, 96), (2, 577, 2, 64)] {
         attention_check(&mut cx, b, n, h, d, path)?;
@@ -1240,7 +1239,6 @@ mod tests {
         // a pass with the same seed keeps them, one with another seed starts empty
         let same = memo.for_seed(7);
         assert_eq!(same.outputs.len(), 2);
-        let mut same = same;
         let other = same.for_seed(8);
         assert!(other.outputs.is_empty());
         assert_eq!(other.seed, 8);
