@@ -19,7 +19,8 @@
 #      the predicted drop (the activations ÷ SP; the weights and optimizer state stay whole).
 #   Results: one JSON line per check on stdout.
 #
-#   scripts/gpu_sp_check.sh [BIN] [OUTDIR]     (SKIP_SELFTEST=1: no part 1; SKIP_MEMORY=1: no part 3)
+#   scripts/gpu_sp_check.sh [BIN] [OUTDIR]
+#   (SKIP_SELFTEST=1: no part 1; SKIP_PARITY=1: no part 2; SKIP_MEMORY=1: no part 3)
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 BIN=${1:-target/release/vitscale}
@@ -45,6 +46,7 @@ if [ "${SKIP_SELFTEST:-0}" != 1 ]; then
   done
 fi
 
+if [ "${SKIP_PARITY:-0}" != 1 ]; then
 echo "== 2. N ranks == 1 rank"
 common=(--device cuda --json --set train.steps=12 --set train.log_every=1 --set data.train_size=4096 --set data.val_size=256
         --set train_batch_size=16 --set gradient_accumulation_steps=2
@@ -77,6 +79,7 @@ if run 4 "$OUT/w4_sp2_z3" --set sequence_parallel_size=2 --set zero_optimization
   compare "$OUT/w4_sp2_z3" "$OUT/one_token" "4 ranks, SP 2 (DP 2), ZeRO-3 vs 1 rank" 4 || fail=1
 else
   fail=1
+fi
 fi
 
 if [ "${SKIP_MEMORY:-0}" != 1 ]; then
