@@ -19,7 +19,7 @@ run() { # name cmd...: stdout to OUT/name.txt, stderr to OUT/name.err
 }
 t0=$SECONDS
 echo "== 1. compute profile (one rank)"
-run profile "$BIN" bench --device cuda --model vit_base_patch16_224 --img 384 --profile-out "$OUT/sweep/profile.json" --profile-micros 2,4,8,16 --steps 10 --warmup 3
+run profile "$BIN" bench --device cuda --model vit_base_patch16_224 --img 384 --classes 10 --profile-out "$OUT/sweep/profile.json" --profile-micros 2,4,8,16 --steps 10 --warmup 3
 echo "   ($((SECONDS - t0)) s)"
 echo "== 2. comm bench, 2 ranks on one GPU"
 run comm_2 "$BIN" launch --one-gpu --nproc-per-node 2 -- bench --comm --device cuda --comm-max-bytes 67108864 --comm-iters 10 --warmup 3 --comm-out "$OUT/sweep/comm_2.json"

@@ -164,7 +164,11 @@ pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
         return compile_kernels(arch, &half.map_or(vec![HalfFormat::Bf16, HalfFormat::F16], |h| vec![h]));
     }
     let env = crate::comm::DistEnv::detect()?;
-    let opts = crate::comm::CommOptions::from_config_and_env(60.0)?;
+    // The ranks meet only after their own device checks, which take a minute or more and can
+    // end minutes apart (ranks sharing one GPU and the host's cores): the rendezvous waits up
+    // to 10 minutes, a collective once met 60 s; the variables override both.
+    let base = crate::comm::CommOptions { timeout: std::time::Duration::from_secs(60), rendezvous_timeout: std::time::Duration::from_secs(600) };
+    let opts = crate::comm::CommOptions::over(base, |k| std::env::var(k).ok())?;
     let device = super::common::resolve_device_name(&args.device, args.gpu);
     let ok = match device.as_str() {
         "cuda" | "gpu" => {
