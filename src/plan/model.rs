@@ -36,7 +36,8 @@
 //! do. The gradients are reduced over every rank, as without SP.
 //!
 //! Sharing: K ranks on one GPU (`launch --one-gpu`) are modelled as time-slicing it, so each
-//! rank's compute takes K × what it takes alone. K CPU ranks on one machine run side by side
+//! rank's compute takes K × what it takes alone, and a reduction runs during the backward
+//! only while the ranks wait on the network there (sequence parallelism's all-to-alls). K CPU ranks on one machine run side by side
 //! on its cores: their compute is that of a profile taken by K ranks at once, or a profile's
 //! scaled by threads (`sharing_factor`). The network between them is the cluster's level
 //! measured on that same machine.
@@ -279,15 +280,27 @@ pub struct BucketTiming {
 /// each starts when its last group is done (at the end without `overlap`) and the link is
 /// free, and takes `time(bucket)`. Returns the timings and the exposed seconds.
 pub fn bucket_timeline(plan: &BucketPlan, group_done_s: &[f64], backward_end_s: f64, overlap: bool, time: &dyn Fn(usize) -> Result<(f64, f64), String>) -> Result<(Vec<BucketTiming>, f64), String> {
+    bucket_timeline_at_rate(plan, group_done_s, backward_end_s, if overlap { 1.0 } else { 0.0 }, time)
+}
+
+/// As [`bucket_timeline`], with the reductions progressing at `rate` ∈ [0, 1] of their speed
+/// until the backward ends and at full speed after it: 1 is full overlap, 0 none (every
+/// reduction starts at the end), a share between for ranks that can run a reduction only in
+/// part of the backward (time-slicing ranks, while they wait on sequence parallelism's
+/// all-to-alls).
+pub fn bucket_timeline_at_rate(plan: &BucketPlan, group_done_s: &[f64], backward_end_s: f64, rate: f64, time: &dyn Fn(usize) -> Result<(f64, f64), String>) -> Result<(Vec<BucketTiming>, f64), String> {
+    let rate = if rate.is_finite() { rate.clamp(0.0, 1.0) } else { 0.0 };
     let mut out = Vec::with_capacity(plan.buckets.len());
     let mut free = 0.0f64;
     for (i, b) in plan.buckets.iter().enumerate() {
         let last = b.groups.end.checked_sub(1).ok_or_else(|| format!("bucket {i} holds no group"))?;
         let done = *group_done_s.get(last).ok_or_else(|| format!("bucket {i} ends at group {last}, the profile has {}", group_done_s.len()))?;
-        let ready = if overlap { done } else { backward_end_s };
+        let ready = if rate > 0.0 { done } else { backward_end_s };
         let start = ready.max(free);
         let (secs, bytes) = time(i)?;
-        free = start + secs;
+        // the part done before the backward ends, at `rate`, then the rest at full speed
+        let inside = if start < backward_end_s { (backward_end_s - start) * rate } else { 0.0 };
+        free = if secs <= inside { start + secs / rate } else { start.max(backward_end_s) + (secs - inside) };
         out.push(BucketTiming { elements: b.span.len, bytes, ready_s: ready, start_s: start, end_s: free });
     }
     let exposed = (free - backward_end_s).max(0.0);
@@ -436,11 +449,24 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
     };
     // ranks time-slicing one GPU take turns on it, and a collective's kernels hold the GPU
     // while they wait for the network: the reductions cannot run beside the other ranks'
-    // backward, so none is hidden
+    // backward compute. They can while the ranks wait on the network themselves: inside the
+    // backward of a sequence-parallel group, its all-to-alls (on the group's own
+    // communicator), the share `a2a / bwd` of it.
     let time_sliced = s.ranks_per_device > 1 && profile.device_kind != "cpu";
+    let bwd_a2a = a2a_pass / 2.0;
     if time_sliced && s.overlap {
-        notes.push("ranks time-slicing one GPU: the reductions are not overlapped with the backward (the collectives' kernels hold the GPU in turn)".into());
+        notes.push(if bwd_a2a > 0.0 {
+            "ranks time-slicing one GPU: the reductions overlap the backward only while it waits on the sequence-parallel all-to-alls (the collectives' kernels hold the GPU in turn)".into()
+        } else {
+            "ranks time-slicing one GPU: the reductions are not overlapped with the backward (the collectives' kernels hold the GPU in turn)".into()
+        });
     }
+    let overlap_rate = match (s.overlap, time_sliced) {
+        (false, _) => 0.0,
+        (true, false) => 1.0,
+        (true, true) if bwd > 0.0 => bwd_a2a / bwd,
+        (true, true) => 0.0,
+    };
     let overlap = s.overlap && !time_sliced;
     // stage 3 partitions the gradients: every micro-batch's backward reduces each group as it
     // finishes and waits for it there (the gradient slot is the next group's), so its
@@ -449,7 +475,7 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
     let rounds = if stage3 { s.gas as f64 } else { 1.0 };
     let (buckets, exposed) = match world > 1 {
         true if stage3 => stage3_reductions(&plan, &done, &bucket_time, s.gas)?,
-        true => bucket_timeline(&plan, &done, bwd, overlap, &bucket_time)?,
+        true => bucket_timeline_at_rate(&plan, &done, bwd, overlap_rate, &bucket_time)?,
         false => (Vec::new(), 0.0),
     };
     // the boundary also waits for the slowest rank: the step's compute varies between
@@ -771,7 +797,7 @@ mod tests {
         assert!((hidden - 0.1).abs() < 1e-12, "{hidden}");
     }
 
-    /// Ranks time-slicing one GPU hide none of their reductions behind the backward: the
+    /// Data-parallel ranks time-slicing one GPU hide none of their reductions behind the backward: the
     /// exposed time is every bucket's (as without `overlap_comm`); CPU ranks keep the overlap.
     #[test]
     fn time_sliced_gpu_ranks_expose_every_reduction() {
@@ -791,6 +817,51 @@ mod tests {
         // one rank per GPU overlaps again
         let own = predict(&p, &groups, &buckets, &net).expect("own");
         assert!(own.buckets.len() > 2 && own.comm_exposed_s < own.comm_total_s);
+    }
+
+    /// At rate ½ during the backward (ends at 3 s), three reductions of 1.5 s whose groups are
+    /// done at 1, 2 and 3 s: the first does 1 s of its work by 3 s (2 s at half speed) and ends
+    /// at 3.5; the others start after it at full speed: 5.0 and 6.5, 3.5 s exposed — between
+    /// full overlap's 2.5 and none's 4.5. Quick ones (0.25 s) end at 1.5, 2.5 and 3.25.
+    #[test]
+    fn a_reduction_at_a_share_of_its_speed_during_the_backward() {
+        let groups = vec![Span { off: 20, len: 10 }, Span { off: 10, len: 10 }, Span { off: 0, len: 10 }];
+        let plan = BucketPlan::new(&groups, 10, 10).expect("plan");
+        let time = |_: usize| Ok((1.5, 40.0));
+        let (t, exposed) = bucket_timeline_at_rate(&plan, &[1.0, 2.0, 3.0], 3.0, 0.5, &time).expect("timeline");
+        let ends: Vec<f64> = t.iter().map(|b| b.end_s).collect();
+        assert_eq!(ends, vec![3.5, 5.0, 6.5]);
+        assert!((exposed - 3.5).abs() < 1e-12, "{exposed}");
+        let quick = |_: usize| Ok((0.25, 40.0));
+        let (t, exposed) = bucket_timeline_at_rate(&plan, &[1.0, 2.0, 3.0], 3.0, 0.5, &quick).expect("timeline");
+        let ends: Vec<f64> = t.iter().map(|b| b.end_s).collect();
+        assert_eq!(ends, vec![1.5, 2.5, 3.25]);
+        assert!((exposed - 0.25).abs() < 1e-12);
+        // the ends of the range are the two plain timelines
+        for (rate, overlap) in [(1.0, true), (0.0, false)] {
+            let (_, a) = bucket_timeline_at_rate(&plan, &[1.0, 2.0, 3.0], 3.0, rate, &time).expect("rate");
+            let (_, b) = bucket_timeline(&plan, &[1.0, 2.0, 3.0], 3.0, overlap, &time).expect("plain");
+            assert!((a - b).abs() < 1e-12, "rate {rate}: {a} vs {b}");
+        }
+    }
+
+    /// Time-slicing GPU ranks of a sequence-parallel group hide part of the reductions: those
+    /// run while the backward waits on its all-to-alls, so less is exposed than with no
+    /// overlap, and more than with the overlap of ranks on GPUs of their own.
+    #[test]
+    fn time_sliced_sequence_parallel_ranks_hide_reductions_behind_their_all_to_alls() {
+        let mut p = toy_profile();
+        p.device_kind = "cuda".into();
+        let groups = crate::plan::groups(&p);
+        let net = two_ranks(ab(10.0, 1.0));
+        let buckets = Scenario { bucket_elems: groups.iter().map(|g| g.len).max().unwrap_or(1), sequence_parallel: 2, ..Scenario::new(8, 2) };
+        let shared = Scenario { ranks_per_device: 2, ..buckets.clone() };
+        let sliced = predict(&p, &groups, &shared, &net).expect("time-sliced");
+        let serial = predict(&p, &groups, &Scenario { overlap: false, ..shared.clone() }, &net).expect("no overlap");
+        assert!(sliced.all_to_all_s > 0.0);
+        assert!(sliced.comm_exposed_s < serial.comm_exposed_s, "{} vs {}", sliced.comm_exposed_s, serial.comm_exposed_s);
+        let separate = predict(&p, &groups, &buckets, &net).expect("one rank a GPU");
+        assert!(separate.comm_exposed_s < sliced.comm_exposed_s, "{} vs {}", separate.comm_exposed_s, sliced.comm_exposed_s);
     }
 
     /// ZeRO-3 adds the blocks' gathers of every pass (the first forward of a step all of them,
