@@ -20,7 +20,8 @@
 #   Results: one JSON line per check on stdout.
 #
 #   scripts/gpu_sp_check.sh [BIN] [OUTDIR]
-#   (SKIP_SELFTEST=1: no part 1; SELFTEST_RANKS="4": its world sizes; SKIP_PARITY=1: no part 2;
+#   (SKIP_SELFTEST=1: no part 1; SELFTEST_RANKS="4", SELFTEST_NOSPLIT="0": its world sizes and
+#   split paths; SKIP_PARITY=1: no part 2;
 #   SKIP_MEMORY=1: no part 3)
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -33,7 +34,7 @@ fail=0
 if [ "${SKIP_SELFTEST:-0}" != 1 ]; then
   echo "== 1. selftest: NCCL all_to_all and groups"
   for n in ${SELFTEST_RANKS:-2 4}; do
-    for nosplit in 0 1; do
+    for nosplit in ${SELFTEST_NOSPLIT:-0 1}; do
       log="$OUT/selftest_w${n}_nosplit$nosplit.log"
       VITSCALE_NCCL_NO_SPLIT=$nosplit "$BIN" launch --nproc-per-node "$n" --one-gpu --master-port "$(port)" -- selftest --device cuda > "$log" 2>&1
       rc=$?
