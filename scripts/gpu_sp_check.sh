@@ -20,9 +20,8 @@
 #   Results: one JSON line per check on stdout.
 #
 #   scripts/gpu_sp_check.sh [BIN] [OUTDIR]
-#   (SKIP_SELFTEST=1: no part 1; SELFTEST_RANKS="4", SELFTEST_NOSPLIT="0": its world sizes and
-#   split paths; SKIP_PARITY=1: no part 2;
-#   SKIP_MEMORY=1: no part 3)
+#   SKIP_SELFTEST=1: no part 1; SELFTEST_RANKS ("2 4") and SELFTEST_NOSPLIT ("0 1"): part 1's
+#   world sizes and split paths; SKIP_PARITY=1: no part 2; SKIP_MEMORY=1: no part 3.
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 BIN=${1:-target/release/vitscale}

@@ -37,10 +37,10 @@
 //!
 //! Sharing: K ranks on one GPU (`launch --one-gpu`) are modelled as time-slicing it, so each
 //! rank's compute takes K × what it takes alone, and a reduction runs during the backward
-//! only while the ranks wait on the network there (sequence parallelism's all-to-alls). K CPU ranks on one machine run side by side
-//! on its cores: their compute is that of a profile taken by K ranks at once, or a profile's
-//! scaled by threads (`sharing_factor`). The network between them is the cluster's level
-//! measured on that same machine.
+//! only while the ranks wait on the network there (sequence parallelism's all-to-alls). K CPU
+//! ranks on one machine run side by side on its cores: their compute is that of a profile
+//! taken by K ranks at once, or a profile's scaled by threads (`sharing_factor`). The network
+//! between them is the cluster's level measured on that same machine.
 
 use serde::Serialize;
 
@@ -797,8 +797,9 @@ mod tests {
         assert!((hidden - 0.1).abs() < 1e-12, "{hidden}");
     }
 
-    /// Data-parallel ranks time-slicing one GPU hide none of their reductions behind the backward: the
-    /// exposed time is every bucket's (as without `overlap_comm`); CPU ranks keep the overlap.
+    /// Data-parallel ranks time-slicing one GPU hide none of their reductions behind the
+    /// backward: the exposed time is every bucket's (as without `overlap_comm`); CPU ranks keep
+    /// the overlap.
     #[test]
     fn time_sliced_gpu_ranks_expose_every_reduction() {
         let mut p = toy_profile();
