@@ -9,9 +9,10 @@
 #      the weights compare the gradients, 12 steps): SP 2, SP 4 and DP 2 × SP 2, with the class
 #      token pool (17 tokens: split unevenly) and the average pool over 16 patch tokens, SP 2
 #      under activation checkpointing, and DP 2 × SP 2 at ZeRO stage 3. Tolerances for bf16
-#      compute: per-step loss within 2e-2 relative and final weights within 1e-2 of 1 + |w| (the attention sees bf16 qkv either
-#      way; what differs is the order of the bf16 GEMMs' row blocks and the group's sums of
-#      partial gradients), every rank ending with rank 0's weights hash.
+#      compute: per-step loss within 2e-2 relative and final weights within 1e-2 of 1 + |w|
+#      (the attention sees bf16 qkv either way; what differs is the order of the bf16 GEMMs'
+#      row blocks and the group's sums of partial gradients), every rank ending with rank 0's
+#      weights hash.
 #   3. activation memory per rank: ViT-L/16 at 1024 px (4 097 tokens), 2 images a step, 3
 #      steps on synthetic data, on 1 rank and as SP 2 and SP 4: each rank's measured peak (the
 #      run's "memory" record) against config.json's prediction (`plan.memory`). Passes when the
