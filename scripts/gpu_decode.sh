@@ -7,7 +7,9 @@
 # median of its metrics windows after the first two; data_s is its time waiting for data.
 #   scripts/gpu_decode.sh BIN OUT PEERS_DIR [MODELS] [STEPS]
 # MODES (default "synthetic cpu16 gpu4 gpu2") picks the runs per model (gpu4h: gpu4 with nvJPEG's
-# GPU-assisted Huffman decoder for the batched call, VITSCALE_NVJPEG_BATCHED=gpu_hybrid), SECS
+# GPU-assisted Huffman decoder for the batched call, VITSCALE_NVJPEG_BATCHED=gpu_hybrid;
+# synthetic8 and gpu4q8: synthetic and gpu4 with the driver's default 8 hardware queues,
+# CUDA_DEVICE_MAX_CONNECTIONS=8, instead of the 32 vitscale asks for), SECS
 # (2) the seconds per bench point, PEER=0 skips the peer, DATA_BENCH=0 skips `bench --data`.
 BIN=$1; O=$2; P=$3; MODELS=${4:-"vit_small_patch16_224 vit_base_patch16_224"}; STEPS=${5:-60}
 export PYTHONUNBUFFERED=1
@@ -40,6 +42,10 @@ for model in $MODELS; do
       gpu4) extra=(--set data.dataset=folder --set data.path="$O/photos/folder" --set data.decode=gpu --set data.num_workers=4) ;;
       gpu4h) extra=(--set data.dataset=folder --set data.path="$O/photos/folder" --set data.decode=gpu --set data.num_workers=4)
              envs=(VITSCALE_NVJPEG_BATCHED=gpu_hybrid) ;;
+      synthetic8) extra=(--set data.dataset=synthetic --set data.train_size=6000 --set data.val_size=512)
+                  envs+=(CUDA_DEVICE_MAX_CONNECTIONS=8) ;;
+      gpu4q8) extra=(--set data.dataset=folder --set data.path="$O/photos/folder" --set data.decode=gpu --set data.num_workers=4)
+              envs+=(CUDA_DEVICE_MAX_CONNECTIONS=8) ;;
       gpu2) extra=(--set data.dataset=folder --set data.path="$O/photos/folder" --set data.decode=gpu --set data.num_workers=2) ;;
     esac
     rm -rf "$O/run-$model-$mode"

@@ -41,6 +41,8 @@ enum Command {
 }
 
 fn main() {
+    // Before any thread or CUDA call: see `request_hardware_queues`.
+    vitscale::backend::cuda::libs::request_hardware_queues();
     let cli = Cli::parse();
     // The main thread is the global rayon pool's first thread (RAYON_NUM_THREADS threads in
     // all, as before): a parallel loop started here runs on it and the others steal from it,

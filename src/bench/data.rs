@@ -124,6 +124,24 @@ fn measure_decode_only(files: &[PathBuf], threads: usize, min_seconds: f64) -> R
     Ok(BenchPoint { pipeline: "jpeg_decode_only_full_size".into(), threads, images, seconds, images_per_s: ips, images_per_s_per_core: ips / threads as f64, decoded_fraction: None })
 }
 
+/// Rounds of [`alternate`].
+pub const ROUNDS: usize = 5;
+
+/// Times `a` and `b` as [`time_one_thread`] does, in [`ROUNDS`] alternating rounds of
+/// `min_seconds / ROUNDS` each (after one warm-up pass over `warm` images each); returns each
+/// one's (images, seconds) summed over its rounds.
+fn alternate(warm: usize, min_seconds: f64, mut a: impl FnMut(usize) -> Result<(), DataError>, mut b: impl FnMut(usize) -> Result<(), DataError>) -> Result<((usize, f64), (usize, f64)), DataError> {
+    let (mut ta, mut tb) = ((0, 0.0), (0, 0.0));
+    for round in 0..ROUNDS {
+        let w = if round == 0 { warm } else { 0 };
+        let (ia, sa) = time_one_thread(w, min_seconds / ROUNDS as f64, &mut a)?;
+        let (ib, sb) = time_one_thread(w, min_seconds / ROUNDS as f64, &mut b)?;
+        ta = (ta.0 + ia, ta.1 + sa);
+        tb = (tb.0 + ib, tb.1 + sb);
+    }
+    Ok((ta, tb))
+}
+
 /// Runs `one(k)` (image `k` of an endless sequence) on this thread for at least `min_seconds`
 /// after a warm-up pass over `warm` images; returns (images, seconds).
 fn time_one_thread(warm: usize, min_seconds: f64, mut one: impl FnMut(usize) -> Result<(), DataError>) -> Result<(usize, f64), DataError> {
@@ -159,6 +177,11 @@ fn one_thread_point(pipeline: &str, (images, seconds): (usize, f64), decoded_fra
 ///   256 px and more decode at 1/2;
 /// - `jpeg224_rrc_flip_image_{auto,full}`: one image's whole CPU path — read, decode, crop +
 ///   resample to 224, flip, normalize to f32 — with each `data.decode_scale`.
+///
+/// The plain full-size decode and the `"auto"` path, which `bench --data` compares, are timed
+/// in [`ROUNDS`] alternating rounds and each point sums its rounds: a core's speed drifts on a
+/// shared host (clocks, neighbours), and two points timed one after the other can differ by
+/// more than the paths do.
 pub fn stage_points(files: &[PathBuf], min_seconds: f64) -> Result<Vec<BenchPoint>, DataError> {
     use crate::config::DecodeScale;
     use crate::data::{decode_window, jpeg, read_file, resize};
@@ -171,7 +194,24 @@ pub fn stage_points(files: &[PathBuf], min_seconds: f64) -> Result<Vec<BenchPoin
     let mut out = Vec::new();
     let t = time_one_thread(n, min_seconds, |k| read_file(&files[k % n], &mut file))?;
     out.push(one_thread_point("jpeg_file_read_only", t, None));
-    let partial: &[(usize, &str)] = if jpeg::AVAILABLE { &[(1, "jpeg_decode_only_full_size_turbo"), (2, "jpeg_decode_only_scale_1_2_turbo"), (4, "jpeg_decode_only_scale_1_4_turbo")] } else { &[] };
+    let partial: &[(usize, &str)] = if jpeg::AVAILABLE { &[(2, "jpeg_decode_only_scale_1_2_turbo"), (4, "jpeg_decode_only_scale_1_4_turbo")] } else { &[] };
+    if jpeg::AVAILABLE {
+        let (mut plain_px, mut path_px, mut path_file) = (Vec::new(), Vec::new(), Vec::new());
+        let mut f32s = vec![0f32; 3 * side * side];
+        let (plain, path) = alternate(
+            n,
+            min_seconds,
+            |k| jpeg::decode_whole(&bytes[k % n], 1, &mut plain_px).map(|_| ()).map_err(|msg| DataError::Decode { path: files[k % n].clone(), msg }),
+            |k| {
+                read_file(&files[k % n], &mut path_file)?;
+                let d = decode_window(&path_file, DecodeScale::Auto, side, |w, h| window(k, w, h), &mut path_px).map_err(|msg| DataError::Decode { path: files[k % n].clone(), msg })?;
+                resize::resample(&path_px[..d.width * d.height * 3], d.width, d.height, d.region, side, d.flip, cfg.interpolation, cfg.mean, cfg.std, &mut f32s);
+                Ok(())
+            },
+        )?;
+        out.push(one_thread_point("jpeg_decode_only_full_size_turbo", plain, None));
+        out.push(one_thread_point("jpeg224_rrc_flip_image_auto", path, None));
+    }
     for &(r, name) in partial {
         let t = time_one_thread(n, min_seconds, |k| jpeg::decode_whole(&bytes[k % n], r, &mut px).map(|_| ()).map_err(|msg| DataError::Decode { path: files[k % n].clone(), msg }))?;
         out.push(one_thread_point(name, t, None));
@@ -187,7 +227,7 @@ pub fn stage_points(files: &[PathBuf], min_seconds: f64) -> Result<Vec<BenchPoin
         out.push(one_thread_point(&format!("jpeg{out_side}_decode_only_crop_scaled"), t, Some(decoded / full)));
     }
     let mut f32s = vec![0f32; 3 * side * side];
-    for scale in [DecodeScale::Auto, DecodeScale::Full] {
+    for scale in [DecodeScale::Full] {
         let t = time_one_thread(n, min_seconds, |k| {
             read_file(&files[k % n], &mut file)?;
             let d = decode_window(&file, scale, side, |w, h| window(k, w, h), &mut px).map_err(|msg| DataError::Decode { path: files[k % n].clone(), msg })?;

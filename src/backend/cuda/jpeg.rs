@@ -20,8 +20,11 @@
 //! calling thread only lays the batch out and copies it into one of two pinned arenas (a
 //! pageable source would make each copy wait for the stream; an arena is refilled only after
 //! the decode that read it); the nvJPEG calls and the launches are made by a thread of their
-//! own (`DecodeThread`), because nvJPEG's batched hardware call holds its thread until the
-//! whole device is idle, and the training thread must go on launching the step meanwhile.
+//! own (`DecodeThread`), because nvJPEG's batched hardware call holds its thread while the
+//! engines decode, and the training thread must go on launching the step meanwhile. The
+//! process asks for 32 hardware queues (`libs::request_hardware_queues`): with the driver's
+//! default 8, nvJPEG's streams share the compute stream's queue and each batched call also
+//! waits for the whole queued step.
 //! nvJPEG's own device and pinned buffers come from caching allocators: its default ones call
 //! `cudaFree`/`cudaFreeHost`, which wait for the whole device, step included.
 
@@ -376,6 +379,11 @@ pub(super) struct JpegDecoder {
     pooled: bool,
     /// Decoded RGB8 images, one after another (bytes; allocated as bf16 words).
     pixels: Option<CudaBuf>,
+    /// Recorded after the kernel that last read `pixels`. The hardware decoder writes its
+    /// output while it is called, not in the order of the stream it is given, so a batched
+    /// call first waits for this on the host: the previous batch's resampling may still be
+    /// queued behind other work.
+    pixels_read: Option<cudarc::driver::CudaEvent>,
     /// The horizontal pass's f32 rows.
     tmp: Option<CudaBuf>,
     /// The batch's `ImageJob`s (bytes; allocated as f32 words).
@@ -430,7 +438,7 @@ impl JpegDecoder {
             }
         }
         let arena = || Arena { ptr: std::ptr::null_mut(), bytes: 0, done: None };
-        Ok(JpegDecoder { api, hardware, hybrid, batched_for: 0, pooled: false, pixels: None, tmp: None, jobs: None, stream, arenas: [arena(), arena()], next_arena: 0, engines })
+        Ok(JpegDecoder { api, hardware, hybrid, batched_for: 0, pooled: false, pixels: None, pixels_read: None, tmp: None, jobs: None, stream, arenas: [arena(), arena()], next_arena: 0, engines })
     }
 }
 
@@ -546,6 +554,9 @@ impl DecodeThread {
                 ok = check("nvjpegDecodeBatchedInitialize", unsafe { (api.batched_init)(hw.handle, hw.state, jpegs.len() as c_int, 1, OUTPUT_RGBI) }).is_ok();
                 dec.batched_for = if ok { jpegs.len() } else { 0 };
             }
+            if let (true, Some(ev)) = (ok, dec.pixels_read.take()) {
+                ev.synchronize().map_err(dev("waiting for the previous batch's resampling"))?;
+            }
             if ok {
                 let data: Vec<*const u8> = jpegs.iter().map(|&i| bytes_of(i).as_ptr()).collect();
                 let lens: Vec<usize> = jpegs.iter().map(|&i| sub.host_at[i].1).collect();
@@ -596,6 +607,9 @@ impl DecodeThread {
         let max_rows = sub.jobs.iter().map(|j| j.rows as usize).max().unwrap_or(1);
         let grid_x = |n: usize| (n.div_ceil(THREADS as usize).clamp(1, 1024)) as u32;
         launch(cu, &sub.rows_kernel, "resample_rows_rgb8", (grid_x(max_rows * side), b as u32, 1), &mut kargs![tmp, px, jobs_ptr, side_i, bicubic])?;
+        let read = self.ctx.new_event(None).map_err(dev("cuEventCreate"))?;
+        read.record(&stream).map_err(dev("cuEventRecord"))?;
+        dec.pixels_read = Some(read);
         // (the compute thread records a newer event only after it has settled this batch)
         if let Some(ev) = self.inputs_read.lock().map_err(|_| BackendError::Device("decode_input: event lock poisoned".into()))?.as_ref() {
             // SAFETY: a live event of this context; the wait is enqueued on the decode stream.

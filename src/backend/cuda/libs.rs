@@ -27,6 +27,23 @@ const LIBS: &[Lib] = &[
     Lib { what: "libcublasLt.so.13 (cuBLASLt, the GEMMs)", present: cudarc::cublaslt::sys::is_culib_present, files: &["libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"], remedy: "install the CUDA toolkit or `pip install nvidia-cublas`" },
 ];
 
+/// The hardware work queues a CUDA context gets (`CUDA_DEVICE_MAX_CONNECTIONS`) when the user
+/// sets none: 32, the most the driver allows, instead of its default 8. Streams share the queues
+/// round-robin, and work behind another stream's work in the same queue waits for it. nvJPEG's
+/// hardware decoder makes streams of its own; with 8 queues one of them shares the compute
+/// stream's queue, and each batched decode waited for the whole queued training step (so the
+/// decode never overlapped the step). With 32 the decode runs beside the step.
+pub const HARDWARE_QUEUES: &str = "32";
+
+/// Sets `CUDA_DEVICE_MAX_CONNECTIONS` to [`HARDWARE_QUEUES`] unless the user set it. The driver
+/// reads it when it starts, so this must run before any CUDA call and, since it changes the
+/// process environment, while the process has one thread: at the top of `main`.
+pub fn request_hardware_queues() {
+    if std::env::var_os("CUDA_DEVICE_MAX_CONNECTIONS").is_none() {
+        std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", HARDWARE_QUEUES);
+    }
+}
+
 /// Directories that may hold CUDA libraries, most specific first.
 pub fn candidate_dirs() -> Vec<PathBuf> {
     let mut dirs = Vec::new();
