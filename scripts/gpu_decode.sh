@@ -9,7 +9,8 @@
 # MODES (default "synthetic cpu16 gpu4 gpu2") picks the runs per model (gpu4h: gpu4 with nvJPEG's
 # GPU-assisted Huffman decoder for the batched call, VITSCALE_NVJPEG_BATCHED=gpu_hybrid;
 # synthetic8 and gpu4q8: synthetic and gpu4 with the driver's default 8 hardware queues,
-# CUDA_DEVICE_MAX_CONNECTIONS=8, instead of the 32 vitscale asks for), SECS
+# CUDA_DEVICE_MAX_CONNECTIONS=8, instead of the 32 vitscale asks for; shards_cpu16, shards_gpu4,
+# shards_gpu2: cpu16, gpu4, gpu2 from tar shards that `data pack` makes of the folder), SECS
 # (2) the seconds per bench point, PEER=0 skips the peer, DATA_BENCH=0 skips `bench --data`.
 BIN=$1; O=$2; P=$3; MODELS=${4:-"vit_small_patch16_224 vit_base_patch16_224"}; STEPS=${5:-60}
 export PYTHONUNBUFFERED=1
@@ -17,6 +18,10 @@ mkdir -p "$O"
 t0=$SECONDS
 [ -d "$O/photos/flat" ] || python3 "$P/make_photos.py" "$O/photos" 100 60 > "$O/photos.log" 2>&1
 echo "photos: $(tail -1 "$O/photos.log") ($((SECONDS - t0)) s)"
+case "${MODES:-}" in *shards*)
+  [ -d "$O/photos/shards" ] || "$BIN" data pack "$O/photos/folder" "$O/photos/shards" --shard-size 16MiB > "$O/pack.log" 2>&1
+  echo "pack: $(tail -1 "$O/pack.log")" ;;
+esac
 if [ "${DATA_BENCH:-1}" = 1 ]; then
   timeout 150 "$BIN" bench --data --jpeg-dir "$O/photos/flat" --threads 16 --secs "${SECS:-2}" --json > "$O/data.log" 2>&1
   echo "bench --data rc $? ($((SECONDS - t0)) s)"; grep -E "^(jpeg|pipeline)" "$O/data.log"
@@ -46,6 +51,9 @@ for model in $MODELS; do
                   envs+=(CUDA_DEVICE_MAX_CONNECTIONS=8) ;;
       gpu4q8) extra=(--set data.dataset=folder --set data.path="$O/photos/folder" --set data.decode=gpu --set data.num_workers=4)
               envs+=(CUDA_DEVICE_MAX_CONNECTIONS=8) ;;
+      shards_cpu16) extra=(--set data.dataset=shards --set data.path="$O/photos/shards" --set data.decode=cpu --set data.num_workers=16) ;;
+      shards_gpu4) extra=(--set data.dataset=shards --set data.path="$O/photos/shards" --set data.decode=gpu --set data.num_workers=4) ;;
+      shards_gpu2) extra=(--set data.dataset=shards --set data.path="$O/photos/shards" --set data.decode=gpu --set data.num_workers=2) ;;
       gpu2) extra=(--set data.dataset=folder --set data.path="$O/photos/folder" --set data.decode=gpu --set data.num_workers=2) ;;
     esac
     rm -rf "$O/run-$model-$mode"
