@@ -445,6 +445,29 @@ mod ratio {
     }
 
     #[test]
+    fn the_two_compared_points_alternate_and_sum_their_rounds() {
+        use std::cell::RefCell;
+        let order = RefCell::new(Vec::new());
+        let ((ia, sa), (ib, sb)) = alternate(3, 0.01, |_| Ok(order.borrow_mut().push('a')), |_| Ok(order.borrow_mut().push('b'))).unwrap();
+        let order = order.into_inner();
+        // 2·ROUNDS runs, each switching to the other closure: a, b, a, b, …
+        let mut runs: Vec<(char, usize)> = Vec::new();
+        for &c in &order {
+            match runs.last_mut() {
+                Some((last, n)) if *last == c => *n += 1,
+                _ => runs.push((c, 1)),
+            }
+        }
+        assert_eq!(runs.len(), 2 * ROUNDS, "{runs:?}");
+        assert!(runs.iter().enumerate().all(|(i, &(c, _))| c == if i % 2 == 0 { 'a' } else { 'b' }), "{runs:?}");
+        // the warm-up (3 images each, first round only) is run but not counted
+        let (na, nb) = (order.iter().filter(|&&c| c == 'a').count(), order.iter().filter(|&&c| c == 'b').count());
+        assert_eq!((ia + 3, ib + 3), (na, nb));
+        // each round lasts at least its share of the time
+        assert!(sa >= 0.0099 && sb >= 0.0099, "{sa} {sb}");
+    }
+
+    #[test]
     fn the_path_is_compared_with_the_plain_decode_on_one_thread() {
         let pts = [point("jpeg224_rrc_flip_image_auto", 4, 9000.0), point("jpeg224_rrc_flip_image_auto", 1, 1500.0), point("jpeg_decode_only_full_size_turbo", 1, 1600.0)];
         assert_eq!(path_against_plain_decode(&pts), Some(1500.0 / 1600.0));
