@@ -132,10 +132,8 @@ fn default_folder_classes(value: &mut serde_json::Value) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A warm-up that does not end before the run does: the learning rate never reaches its peak
-/// (with the default warmup_min_lr of 0 and a short run, it trains at nearly 0). Only when the
-/// Settings the configuration accepts but the chosen device does not honour (yet): each
-/// becomes a warning, never a silent no-op.
+/// Settings the configuration accepts but the chosen device does not honour (yet), or honours
+/// only slowly: each becomes a warning, never a silent no-op.
 pub fn engine_warnings(cfg: &RunConfig, device: &Device) -> Vec<String> {
     let mut w = Vec::new();
     match (&cfg.precision, device) {
@@ -154,6 +152,10 @@ pub fn engine_warnings(cfg: &RunConfig, device: &Device) -> Vec<String> {
     }
     if let Device::Cuda(be) = device {
         w.extend(be.slower_paths());
+        if cfg.data.decode == config::Decode::Gpu {
+            let queues = std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok();
+            w.extend(crate::backend::cuda::libs::hardware_queue_warning(queues.as_deref()));
+        }
     }
     w
 }

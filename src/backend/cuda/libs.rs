@@ -44,6 +44,20 @@ pub fn request_hardware_queues() {
     }
 }
 
+/// The warning for a run that decodes images on the GPU under `CUDA_DEVICE_MAX_CONNECTIONS`
+/// = `value` (the environment's, which [`request_hardware_queues`] keeps): with fewer than 16
+/// queues nvJPEG's streams may share the compute stream's (8 and fewer were measured to), and
+/// each batched decode then waits for the whole queued step.
+pub fn hardware_queue_warning(value: Option<&str>) -> Option<String> {
+    let v = value?;
+    match v.trim().parse::<u32>() {
+        Ok(n) if n >= 16 => None,
+        _ => Some(format!(
+            "data.decode = gpu with CUDA_DEVICE_MAX_CONNECTIONS={v} in the environment: with fewer than 16 hardware queues the GPU decode waits for each queued training step instead of running beside it (docs/data.md); unset it (vitscale then uses {HARDWARE_QUEUES}) or set 16 to 32"
+        )),
+    }
+}
+
 /// Directories that may hold CUDA libraries, most specific first.
 pub fn candidate_dirs() -> Vec<PathBuf> {
     let mut dirs = Vec::new();
@@ -202,4 +216,22 @@ pub fn open_with_symbols(names: &[&str], symbols: &[&str]) -> Result<(libloading
         }
     }
     Err(tried)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn too_few_hardware_queues_for_the_gpu_decode_are_warned() {
+        // unset: vitscale's own 32 applies
+        assert_eq!(hardware_queue_warning(None), None);
+        for ok in ["16", "32", " 24 "] {
+            assert_eq!(hardware_queue_warning(Some(ok)), None, "{ok}");
+        }
+        for low in ["1", "8", "15", "", "many"] {
+            let w = hardware_queue_warning(Some(low)).unwrap_or_default();
+            assert!(w.contains(&format!("CUDA_DEVICE_MAX_CONNECTIONS={low} ")) && w.contains("data.decode = gpu"), "{low}: {w}");
+        }
+    }
 }
