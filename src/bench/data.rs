@@ -195,6 +195,13 @@ pub fn stage_points(files: &[PathBuf], min_seconds: f64) -> Result<Vec<BenchPoin
     let t = time_one_thread(n, min_seconds, |k| read_file(&files[k % n], &mut file))?;
     out.push(one_thread_point("jpeg_file_read_only", t, None));
     let partial: &[(usize, &str)] = if jpeg::AVAILABLE { &[(2, "jpeg_decode_only_scale_1_2_turbo"), (4, "jpeg_decode_only_scale_1_4_turbo")] } else { &[] };
+    // One image's whole CPU path with `scale`, into the given buffers.
+    let whole_path = |k: usize, scale: DecodeScale, file: &mut Vec<u8>, px: &mut Vec<u8>, f32s: &mut [f32]| -> Result<(), DataError> {
+        read_file(&files[k % n], file)?;
+        let d = decode_window(file, scale, side, |w, h| window(k, w, h), px).map_err(|msg| DataError::Decode { path: files[k % n].clone(), msg })?;
+        resize::resample(&px[..d.width * d.height * 3], d.width, d.height, d.region, side, d.flip, cfg.interpolation, cfg.mean, cfg.std, f32s);
+        Ok(())
+    };
     if jpeg::AVAILABLE {
         let (mut plain_px, mut path_px, mut path_file) = (Vec::new(), Vec::new(), Vec::new());
         let mut f32s = vec![0f32; 3 * side * side];
@@ -202,12 +209,7 @@ pub fn stage_points(files: &[PathBuf], min_seconds: f64) -> Result<Vec<BenchPoin
             n,
             min_seconds,
             |k| jpeg::decode_whole(&bytes[k % n], 1, &mut plain_px).map(|_| ()).map_err(|msg| DataError::Decode { path: files[k % n].clone(), msg }),
-            |k| {
-                read_file(&files[k % n], &mut path_file)?;
-                let d = decode_window(&path_file, DecodeScale::Auto, side, |w, h| window(k, w, h), &mut path_px).map_err(|msg| DataError::Decode { path: files[k % n].clone(), msg })?;
-                resize::resample(&path_px[..d.width * d.height * 3], d.width, d.height, d.region, side, d.flip, cfg.interpolation, cfg.mean, cfg.std, &mut f32s);
-                Ok(())
-            },
+            |k| whole_path(k, DecodeScale::Auto, &mut path_file, &mut path_px, &mut f32s),
         )?;
         out.push(one_thread_point("jpeg_decode_only_full_size_turbo", plain, None));
         out.push(one_thread_point("jpeg224_rrc_flip_image_auto", path, None));
@@ -230,12 +232,7 @@ pub fn stage_points(files: &[PathBuf], min_seconds: f64) -> Result<Vec<BenchPoin
     // (with libjpeg-turbo the `"auto"` point was timed above, against the plain decode)
     let scales: &[DecodeScale] = if jpeg::AVAILABLE { &[DecodeScale::Full] } else { &[DecodeScale::Auto, DecodeScale::Full] };
     for &scale in scales {
-        let t = time_one_thread(n, min_seconds, |k| {
-            read_file(&files[k % n], &mut file)?;
-            let d = decode_window(&file, scale, side, |w, h| window(k, w, h), &mut px).map_err(|msg| DataError::Decode { path: files[k % n].clone(), msg })?;
-            resize::resample(&px[..d.width * d.height * 3], d.width, d.height, d.region, side, d.flip, cfg.interpolation, cfg.mean, cfg.std, &mut f32s);
-            Ok(())
-        })?;
+        let t = time_one_thread(n, min_seconds, |k| whole_path(k, scale, &mut file, &mut px, &mut f32s))?;
         out.push(one_thread_point(&format!("jpeg224_rrc_flip_image_{}", scale.as_str()), t, None));
     }
     Ok(out)
