@@ -40,21 +40,20 @@ for model in $MODELS; do
   common=(--device cuda --json --set model.preset=$model --set model.num_classes=100 --set train_micro_batch_size_per_gpu=256
           --set train.steps=$STEPS --set train.log_every=5 --set bf16.enabled=true --set train.eval_every=0)
   for mode in ${MODES:-synthetic cpu16 gpu4 gpu2}; do
+    # a mode is a base run (synthetic, cpu16, gpu4, gpu2, gpu4h) with an optional source
+    # (shards_) and queue count (…8 / …q8) around it
     envs=(VITSCALE_NVJPEG_BATCHED=hardware)
-    case $mode in
+    src=(--set data.dataset=folder --set data.path="$O/photos/folder")
+    base=$mode
+    case $base in synthetic8|*q8) envs+=(CUDA_DEVICE_MAX_CONNECTIONS=8); base=${base%8}; base=${base%q} ;; esac
+    case $base in shards_*) src=(--set data.dataset=shards --set data.path="$O/photos/shards"); base=${base#shards_} ;; esac
+    case $base in
       synthetic) extra=(--set data.dataset=synthetic --set data.train_size=6000 --set data.val_size=512) ;;
-      cpu16) extra=(--set data.dataset=folder --set data.path="$O/photos/folder" --set data.decode=cpu --set data.num_workers=16) ;;
-      gpu4) extra=(--set data.dataset=folder --set data.path="$O/photos/folder" --set data.decode=gpu --set data.num_workers=4) ;;
-      gpu4h) extra=(--set data.dataset=folder --set data.path="$O/photos/folder" --set data.decode=gpu --set data.num_workers=4)
+      cpu16) extra=("${src[@]}" --set data.decode=cpu --set data.num_workers=16) ;;
+      gpu4|gpu2) extra=("${src[@]}" --set data.decode=gpu --set data.num_workers=${base#gpu}) ;;
+      gpu4h) extra=("${src[@]}" --set data.decode=gpu --set data.num_workers=4)
              envs=(VITSCALE_NVJPEG_BATCHED=gpu_hybrid) ;;
-      synthetic8) extra=(--set data.dataset=synthetic --set data.train_size=6000 --set data.val_size=512)
-                  envs+=(CUDA_DEVICE_MAX_CONNECTIONS=8) ;;
-      gpu4q8) extra=(--set data.dataset=folder --set data.path="$O/photos/folder" --set data.decode=gpu --set data.num_workers=4)
-              envs+=(CUDA_DEVICE_MAX_CONNECTIONS=8) ;;
-      shards_cpu16) extra=(--set data.dataset=shards --set data.path="$O/photos/shards" --set data.decode=cpu --set data.num_workers=16) ;;
-      shards_gpu4) extra=(--set data.dataset=shards --set data.path="$O/photos/shards" --set data.decode=gpu --set data.num_workers=4) ;;
-      shards_gpu2) extra=(--set data.dataset=shards --set data.path="$O/photos/shards" --set data.decode=gpu --set data.num_workers=2) ;;
-      gpu2) extra=(--set data.dataset=folder --set data.path="$O/photos/folder" --set data.decode=gpu --set data.num_workers=2) ;;
+      *) echo "unknown mode $mode"; continue ;;
     esac
     rm -rf "$O/run-$model-$mode"
     env "${envs[@]}" timeout 150 "$BIN" train "${common[@]}" "${extra[@]}" --run-dir "$O/run-$model-$mode" > "$O/train-$model-$mode.log" 2>&1
