@@ -300,7 +300,7 @@ pub fn bucket_timeline_at_rate(plan: &BucketPlan, group_done_s: &[f64], backward
         let (secs, bytes) = time(i)?;
         // the part done before the backward ends, at `rate`, then the rest at full speed
         let inside = if start < backward_end_s { (backward_end_s - start) * rate } else { 0.0 };
-        free = if secs <= inside { start + secs / rate } else { start.max(backward_end_s) + (secs - inside) };
+        free = if inside > 0.0 && secs <= inside { start + secs / rate } else { start.max(backward_end_s) + (secs - inside) };
         out.push(BucketTiming { elements: b.span.len, bytes, ready_s: ready, start_s: start, end_s: free });
     }
     let exposed = (free - backward_end_s).max(0.0);
@@ -838,6 +838,11 @@ mod tests {
         let ends: Vec<f64> = t.iter().map(|b| b.end_s).collect();
         assert_eq!(ends, vec![1.5, 2.5, 3.25]);
         assert!((exposed - 0.25).abs() < 1e-12);
+        // a reduction that takes no time ends where it starts, at any rate (0 included)
+        for rate in [0.0, 0.5] {
+            let (t, exposed) = bucket_timeline_at_rate(&plan, &[1.0, 2.0, 3.0], 3.0, rate, &|_| Ok((0.0, 0.0))).expect("timeline");
+            assert!(t.iter().all(|b| b.end_s == b.start_s) && exposed == 0.0, "rate {rate}");
+        }
         // the ends of the range are the two plain timelines
         for (rate, overlap) in [(1.0, true), (0.0, false)] {
             let (_, a) = bucket_timeline_at_rate(&plan, &[1.0, 2.0, 3.0], 3.0, rate, &time).expect("rate");
