@@ -554,10 +554,10 @@ impl DecodeThread {
                 ok = check("nvjpegDecodeBatchedInitialize", unsafe { (api.batched_init)(hw.handle, hw.state, jpegs.len() as c_int, 1, OUTPUT_RGBI) }).is_ok();
                 dec.batched_for = if ok { jpegs.len() } else { 0 };
             }
-            if let (true, Some(ev)) = (ok, dec.pixels_read.take()) {
-                ev.synchronize().map_err(dev("waiting for the previous batch's resampling"))?;
-            }
             if ok {
+                if let Some(ev) = dec.pixels_read.take() {
+                    ev.synchronize().map_err(dev("waiting for the previous batch's resampling"))?;
+                }
                 let data: Vec<*const u8> = jpegs.iter().map(|&i| bytes_of(i).as_ptr()).collect();
                 let lens: Vec<usize> = jpegs.iter().map(|&i| sub.host_at[i].1).collect();
                 let mut outs: Vec<NvImage> = jpegs.iter().map(|&i| dest(&sub.jobs[i])).collect();
