@@ -31,8 +31,8 @@ const LIBS: &[Lib] = &[
 /// sets none: 32, the most the driver allows, instead of its default 8. Streams share the queues
 /// round-robin, and work behind another stream's work in the same queue waits for it. nvJPEG's
 /// hardware decoder makes streams of its own; with 8 queues one of them shares the compute
-/// stream's queue, and each batched decode waited for the whole queued training step (so the
-/// decode never overlapped the step). With 32 the decode runs beside the step.
+/// stream's queue, and each batched decode waits for the whole queued training step instead
+/// of running beside it. With 32 it runs beside the step.
 pub const HARDWARE_QUEUES: &str = "32";
 
 /// Sets `CUDA_DEVICE_MAX_CONNECTIONS` to [`HARDWARE_QUEUES`] unless the user set it. The driver
