@@ -1,5 +1,5 @@
 //! GPU image decode (`data.decode = "gpu"`): nvJPEG decodes a batch's JPEGs on the device, then
-//! two kernels (`kernels/image.cu`) resample each crop to S × S with PIL's antialiased filter,
+//! three kernels (`kernels/image.cu`) resample each crop to S × S with PIL's antialiased filter,
 //! flip and normalize into the model's input — what `data::resize` does on the CPU.
 //!
 //! nvJPEG is opened at run time like the other CUDA libraries (`libs::candidate_dirs`). Two
@@ -343,8 +343,20 @@ struct ImageJob {
     flip: i32,
     row0: i32,
     rows: i32,
-    pad: i32,
+    kx: i32,
     tmp: i64,
+    ky: i32,
+    pad: i32,
+    taps: i64,
+}
+
+/// Taps per output pixel along an axis whose window of `rlen` source pixels becomes `out`
+/// pixels: the filter's support (widened by the downscale factor) each side and the center,
+/// with the kernels' f32 formulas. Sizes the tap table; the kernels never use more.
+fn taps_per_output(rlen: f32, out: usize, bicubic: bool) -> usize {
+    let fscale = (rlen / out as f32).max(1.0);
+    let support = if bicubic { 2.0 * fscale } else { fscale };
+    (support.ceil() as usize) * 2 + 1
 }
 
 /// The source rows the vertical filter reads for a crop starting at `r0` of `rlen` rows of an
@@ -354,7 +366,7 @@ fn row_range(len: usize, r0: f32, rlen: f32, out: usize, bicubic: bool) -> (usiz
     let scale = rlen / out as f32;
     let fscale = scale.max(1.0);
     let support = if bicubic { 2.0 * fscale } else { fscale };
-    let n = (support.ceil() as usize) * 2 + 1;
+    let n = taps_per_output(rlen, out, bicubic);
     let (mut lo_all, mut hi_all) = (usize::MAX, 0usize);
     for i in 0..out {
         let c = r0 + (i as f32 + 0.5) * scale;
@@ -386,6 +398,8 @@ pub(super) struct JpegDecoder {
     pixels_read: Option<cudarc::driver::CudaEvent>,
     /// The horizontal pass's f32 rows.
     tmp: Option<CudaBuf>,
+    /// The images' filter taps (`resample_taps`).
+    taps: Option<CudaBuf>,
     /// The batch's `ImageJob`s (bytes; allocated as f32 words).
     jobs: Option<CudaBuf>,
     /// The decode stream (highest priority).
@@ -438,7 +452,7 @@ impl JpegDecoder {
             }
         }
         let arena = || Arena { ptr: std::ptr::null_mut(), bytes: 0, done: None };
-        Ok(JpegDecoder { api, hardware, hybrid, batched_for: 0, pooled: false, pixels: None, pixels_read: None, tmp: None, jobs: None, stream, arenas: [arena(), arena()], next_arena: 0, engines })
+        Ok(JpegDecoder { api, hardware, hybrid, batched_for: 0, pooled: false, pixels: None, pixels_read: None, tmp: None, taps: None, jobs: None, stream, arenas: [arena(), arena()], next_arena: 0, engines })
     }
 }
 
@@ -470,6 +484,7 @@ struct Submission {
     sources: Vec<String>,
     px: u64,
     tmp: u64,
+    taps: u64,
     jobs_ptr: u64,
     dst: u64,
     dst_dt: i32,
@@ -477,6 +492,7 @@ struct Submission {
     bicubic: bool,
     mean: [f32; 3],
     std: [f32; 3],
+    taps_kernel: cudarc::driver::CudaFunction,
     rows_kernel: cudarc::driver::CudaFunction,
     cols_kernel: cudarc::driver::CudaFunction,
 }
@@ -599,14 +615,16 @@ impl DecodeThread {
             unsafe { dr::memcpy_htod_async(sub.px + sub.jobs[i].src as u64, bytes_of(i), cu) }.map_err(dev("copying decoded images"))?;
         }
 
-        // Resample: rows, then (after the previous forward has read the inputs) the output.
-        let (px, tmp, jobs_ptr, dst, dt) = (sub.px, sub.tmp, sub.jobs_ptr, sub.dst, sub.dst_dt);
+        // Resample: the taps, the rows, then (after the previous forward has read the inputs)
+        // the output.
+        let (px, tmp, taps, jobs_ptr, dst, dt) = (sub.px, sub.tmp, sub.taps, sub.jobs_ptr, sub.dst, sub.dst_dt);
         let bicubic = i32::from(sub.bicubic);
         let side = sub.side;
         let side_i = side as i32;
         let max_rows = sub.jobs.iter().map(|j| j.rows as usize).max().unwrap_or(1);
         let grid_x = |n: usize| (n.div_ceil(THREADS as usize).clamp(1, 1024)) as u32;
-        launch(cu, &sub.rows_kernel, "resample_rows_rgb8", (grid_x(max_rows * side), b as u32, 1), &mut kargs![tmp, px, jobs_ptr, side_i, bicubic])?;
+        launch(cu, &sub.taps_kernel, "resample_taps", (grid_x(2 * side), b as u32, 1), &mut kargs![taps, jobs_ptr, side_i, bicubic])?;
+        launch(cu, &sub.rows_kernel, "resample_rows_rgb8", (grid_x(max_rows * side), b as u32, 1), &mut kargs![tmp, px, jobs_ptr, taps, side_i, bicubic])?;
         let read = self.ctx.new_event(None).map_err(dev("cuEventCreate"))?;
         read.record(&stream).map_err(dev("cuEventRecord"))?;
         dec.pixels_read = Some(read);
@@ -618,7 +636,7 @@ impl DecodeThread {
         }
         let k: [f32; 3] = std::array::from_fn(|c| 1.0 / (255.0 * sub.std[c]));
         let o: [f32; 3] = std::array::from_fn(|c| sub.mean[c] / sub.std[c]);
-        launch(cu, &sub.cols_kernel, "resample_cols_norm", (grid_x(side * side), b as u32, 1), &mut kargs![dst, dt, tmp, jobs_ptr, side_i, bicubic, k[0], k[1], k[2], o[0], o[1], o[2]])?;
+        launch(cu, &sub.cols_kernel, "resample_cols_norm", (grid_x(side * side), b as u32, 1), &mut kargs![dst, dt, tmp, jobs_ptr, taps, side_i, bicubic, k[0], k[1], k[2], o[0], o[1], o[2]])?;
         let done = self.ctx.new_event(None).map_err(dev("cuEventCreate"))?;
         done.record(&stream).map_err(dev("cuEventRecord"))?;
         dec.arenas[sub.which].done = Some(done);
@@ -658,7 +676,7 @@ impl Cuda {
         // Where each image goes: its pixels on the device, its horizontal-pass rows, and its
         // bytes in the pinned arena (after the table).
         let mut jobs = Vec::with_capacity(b);
-        let (mut px_bytes, mut tmp_floats) = (0usize, 0usize);
+        let (mut px_bytes, mut tmp_floats, mut tap_words) = (0usize, 0usize, 0usize);
         let table_bytes = (std::mem::size_of::<ImageJob>() * b).div_ceil(256) * 256;
         let mut host_at = Vec::with_capacity(b);
         let mut host_bytes = table_bytes;
@@ -676,6 +694,7 @@ impl Cuda {
             host_at.push((host_bytes, n));
             host_bytes += n.div_ceil(64) * 64;
             let (row0, rows) = row_range(img.height, img.crop[1], img.crop[3], side, batch.bicubic);
+            let (kx, ky) = (taps_per_output(img.crop[2], side, batch.bicubic), taps_per_output(img.crop[3], side, batch.bicubic));
             jobs.push(ImageJob {
                 src: px_bytes as i64,
                 w: img.width as i32,
@@ -687,15 +706,20 @@ impl Cuda {
                 flip: i32::from(img.flip),
                 row0: row0 as i32,
                 rows: rows as i32,
-                pad: 0,
+                kx: kx as i32,
                 tmp: tmp_floats as i64,
+                ky: ky as i32,
+                pad: 0,
+                taps: tap_words as i64,
             });
             // 256-byte aligned starts, as nvJPEG's planes like them
             px_bytes += (img.width * img.height * 3).div_ceil(256) * 256;
             tmp_floats += rows * side * 3;
+            tap_words += side * (4 + kx + ky);
         }
         let px = ensure(self, &stream, &mut dec.pixels, px_bytes, Ty::Half, "the decoded images")?;
         let tmp = ensure(self, &stream, &mut dec.tmp, tmp_floats * 4, Ty::F32, "the resampling rows")?;
+        let taps = ensure(self, &stream, &mut dec.taps, tap_words * 4, Ty::F32, "the resampling taps")?;
         let jobs_ptr = ensure(self, &stream, &mut dec.jobs, table_bytes, Ty::F32, "the decode table")?;
         let which = dec.next_arena;
         dec.next_arena = 1 - which;
@@ -716,6 +740,7 @@ impl Cuda {
             sources: images.iter().map(|m| m.source.clone()).collect(),
             px,
             tmp,
+            taps,
             jobs_ptr,
             dst: dst.ptr,
             dst_dt: dst.dt(),
@@ -723,6 +748,7 @@ impl Cuda {
             bicubic: batch.bicubic,
             mean: batch.mean,
             std: batch.std,
+            taps_kernel: self.kernels.get("resample_taps")?.clone(),
             rows_kernel: self.kernels.get("resample_rows_rgb8")?.clone(),
             cols_kernel: self.kernels.get("resample_cols_norm")?.clone(),
         };
@@ -773,5 +799,43 @@ impl Cuda {
             *slot = Some(JpegDecoder::new(&self.ctx)?);
         }
         slot.as_mut().ok_or_else(|| "the GPU image decoder could not be opened".to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `ImageJob` is read by the kernels as kernels/image.cu declares it: the C struct's
+    /// natural layout (an i64 at each 8-byte boundary it needs), 72 bytes.
+    #[test]
+    fn image_job_layout_matches_the_kernels() {
+        let j = ImageJob::default();
+        let base = &j as *const ImageJob as usize;
+        let at = |f: *const u8| f as usize - base;
+        assert_eq!(std::mem::size_of::<ImageJob>(), 72);
+        assert_eq!(at(&j.src as *const i64 as *const u8), 0);
+        assert_eq!(at(&j.w as *const i32 as *const u8), 8);
+        assert_eq!(at(&j.x0 as *const f32 as *const u8), 16);
+        assert_eq!(at(&j.flip as *const i32 as *const u8), 32);
+        assert_eq!(at(&j.kx as *const i32 as *const u8), 44);
+        assert_eq!(at(&j.tmp as *const i64 as *const u8), 48);
+        assert_eq!(at(&j.ky as *const i32 as *const u8), 56);
+        assert_eq!(at(&j.taps as *const i64 as *const u8), 64);
+    }
+
+    /// The tap table's room per output: the filter's support each side of the center and the
+    /// center (PIL's `ceil(support) * 2 + 1`), the support widening with the downscale factor.
+    #[test]
+    fn taps_per_output_follows_the_support() {
+        // upscaling or equal size: bilinear support 1 → 3 taps, bicubic 2 → 5
+        assert_eq!(taps_per_output(100.0, 224, false), 3);
+        assert_eq!(taps_per_output(224.0, 224, true), 5);
+        // 448 → 224: factor 2, supports 2 and 4
+        assert_eq!(taps_per_output(448.0, 224, false), 5);
+        assert_eq!(taps_per_output(448.0, 224, true), 9);
+        // 500 → 224: factor 2.23, supports 2.23 (ceil 3) and 4.46 (ceil 5)
+        assert_eq!(taps_per_output(500.0, 224, false), 7);
+        assert_eq!(taps_per_output(500.0, 224, true), 11);
     }
 }
