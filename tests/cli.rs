@@ -319,6 +319,25 @@ fn without_a_gpu_cuda_is_refused_clearly_and_auto_falls_back() {
     assert!(last_json(&out)["val_top1"].as_f64().is_some());
 }
 
+/// `selftest --only`: only the parts named run, the report says so, and a name that is not a
+/// part (or a GPU part on the CPU) is refused naming the parts.
+#[test]
+fn selftest_only_runs_the_parts_named() {
+    let out = vitscale(&["selftest", "--device", "cpu", "--only", "optimizer", "--json"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let r = last_json(&out);
+    assert_eq!(r["parts"], serde_json::json!(["optimizer"]), "{r}");
+    let checks = r["checks"].as_array().cloned().unwrap_or_default();
+    assert!(!checks.is_empty() && checks.iter().all(|c| c["name"].as_str().is_some_and(|n| n.starts_with("optimizer_step") || n.starts_with("sum_squares"))), "{r}");
+    assert!(stdout.contains("failed: PASS (only optimizer)"), "{stdout}");
+    for (only, want) in [("jpeg", "\"jpeg\" is not a part of the checks; the parts are ops, optimizer"), ("decode", "--only decode: GPU parts, checked with --device cuda")] {
+        let out = vitscale(&["selftest", "--device", "cpu", "--only", only]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(want), "--only {only}: {stderr}");
+    }
+}
+
 /// `vitscale selftest --device cpu` in one process: every op and the single-process
 /// communicator pass, and the JSON says so check by check.
 #[test]

@@ -4,7 +4,7 @@
 use crate::backend::cpu::Cpu;
 use crate::backend::half::HalfFormat;
 use crate::backend::Backend;
-use crate::selftest::{attention_path_checks, hopper_gemm_checks, run_checks, Check};
+use crate::selftest::{attention_path_checks, hopper_gemm_checks, run_parts, Check, Parts};
 
 /// Command-line options of `vitscale selftest`.
 #[derive(clap::Args, Debug, Clone)]
@@ -33,6 +33,10 @@ pub struct SelftestArgs {
     /// Ampere, also under `VITSCALE_CUDA_ARCH=sm_75`).
     #[arg(long, value_name = "FORMAT")]
     pub half: Option<String>,
+    /// Only these parts of the checks, comma-separated: ops, optimizer, training, gemm,
+    /// attention, half, decode, comm (default: all). The report says which ran.
+    #[arg(long, value_name = "PARTS")]
+    pub only: Option<String>,
 }
 
 /// `--half`: the format by name.
@@ -70,22 +74,39 @@ fn compile_kernels(arch: &str, halves: &[HalfFormat]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The report; `others`: (world, failed checks of ranks 1..world) under a launcher.
-fn report(name: &str, seed: u64, checks: &[Check], dev: &[f32], cpu: &[f32], json: bool, others: Option<(usize, usize)>) -> bool {
-    let ok = checks.iter().all(|c| c.pass) && others.is_none_or(|(_, f)| f == 0);
-    crate::outln!("selftest on {name} (seed {seed})");
-    for c in checks {
+/// What ran and how it went, for the report.
+struct Outcome<'a> {
+    name: &'a str,
+    seed: u64,
+    /// The parts that ran; `only`: picked with `--only`.
+    parts: Parts,
+    only: bool,
+    checks: &'a [Check],
+    dev: &'a [f32],
+    cpu: &'a [f32],
+}
+
+/// The report; `others`: (world, failed checks of ranks 1..world) under a launcher. A run of
+/// some parts (`--only`) names them on its last line, so it is not read as a whole selftest.
+fn report(o: &Outcome, json: bool, others: Option<(usize, usize)>) -> bool {
+    let ok = o.checks.iter().all(|c| c.pass) && others.is_none_or(|(_, f)| f == 0);
+    let only = o.only.then(|| o.parts.names().join(", "));
+    crate::outln!("selftest on {} (seed {}){}", o.name, o.seed, only.as_ref().map_or(String::new(), |p| format!(", only: {p}")));
+    for c in o.checks {
         crate::outln!("  {} {:<78} rel err {:.2e} (tol {:.0e})", if c.pass { "ok  " } else { "FAIL" }, c.name, c.rel_err, c.tol);
     }
-    crate::outln!("  losses device: {}", dev.iter().map(|v| format!("{v:.4}")).collect::<Vec<_>>().join(" "));
-    crate::outln!("  losses cpu:    {}", cpu.iter().map(|v| format!("{v:.4}")).collect::<Vec<_>>().join(" "));
-    let failed = checks.iter().filter(|c| !c.pass).count();
+    if !o.dev.is_empty() || !o.cpu.is_empty() {
+        crate::outln!("  losses device: {}", o.dev.iter().map(|v| format!("{v:.4}")).collect::<Vec<_>>().join(" "));
+        crate::outln!("  losses cpu:    {}", o.cpu.iter().map(|v| format!("{v:.4}")).collect::<Vec<_>>().join(" "));
+    }
+    let failed = o.checks.iter().filter(|c| !c.pass).count();
     if let Some((world, f)) = others {
         crate::outln!("ranks 1..{}: {f} failed checks", world - 1);
     }
-    crate::outln!("{} checks, {} failed: {}", checks.len(), failed, if ok { "PASS" } else { "FAIL" });
+    let scope = only.as_ref().map_or(String::new(), |p| format!(" (only {p})"));
+    crate::outln!("{} checks, {} failed: {}{scope}", o.checks.len(), failed, if ok { "PASS" } else { "FAIL" });
     if json {
-        crate::outln!("{}", serde_json::json!({"device": name, "seed": seed, "pass": ok, "checks": checks, "losses_device": dev, "losses_cpu": cpu, "other_ranks_failed": others.map(|o| o.1)}));
+        crate::outln!("{}", serde_json::json!({"device": o.name, "seed": o.seed, "pass": ok, "parts": o.parts.names(), "checks": o.checks, "losses_device": o.dev, "losses_cpu": o.cpu, "other_ranks_failed": others.map(|o| o.1)}));
     }
     ok
 }
@@ -98,20 +119,21 @@ fn comm_checks<B: Backend>(be: &B, comm: &mut dyn crate::comm::Comm<B::Buf>, see
 }
 
 /// Under a launcher every rank checks; rank 0 reports, with the other ranks' failure count.
-fn report_ranks(comm: &mut dyn crate::comm::Comm<impl Sized>, name: &str, seed: u64, checks: &[Check], dev: &[f32], cpu: &[f32], json: bool) -> anyhow::Result<bool> {
-    let mut failed = [checks.iter().filter(|c| !c.pass).count() as f64];
+fn report_ranks(comm: &mut dyn crate::comm::Comm<impl Sized>, o: &Outcome, json: bool) -> anyhow::Result<bool> {
+    let mut failed = [o.checks.iter().filter(|c| !c.pass).count() as f64];
     let own = failed[0];
     comm.all_reduce_host(&mut failed)?;
     if comm.rank() != 0 {
         return Ok(own == 0.0);
     }
     let others = (comm.world_size() > 1).then(|| (comm.world_size(), (failed[0] - own) as usize));
-    Ok(report(name, seed, checks, dev, cpu, json, others))
+    Ok(report(o, json, others))
 }
 
 /// One pass of the device checks on GPU `gpu` opened for the 16-bit format `half` (None: as a
 /// run without a precision block): (every check passed, the seed).
-fn cuda_pass(gpu: usize, half: Option<HalfFormat>, seed: Option<u64>, env: &crate::comm::DistEnv, opts: &crate::comm::CommOptions, json: bool) -> anyhow::Result<(bool, u64)> {
+#[allow(clippy::too_many_arguments)]
+fn cuda_pass(gpu: usize, half: Option<HalfFormat>, seed: Option<u64>, parts: Parts, env: &crate::comm::DistEnv, opts: &crate::comm::CommOptions, json: bool) -> anyhow::Result<(bool, u64)> {
     // the precision a run that asks for this format has
     let precision = match half {
         None => crate::config::Precision::Fp32,
@@ -135,26 +157,38 @@ fn cuda_pass(gpu: usize, half: Option<HalfFormat>, seed: Option<u64>, env: &crat
         }
     };
     stage("operator and training checks");
-    let (seed, mut checks, d, c) = run_checks(&be, seed)?;
-    stage("hopper GEMM checks");
-    match hopper_gemm_checks(&be, seed) {
-        Ok(Some(cs)) => checks.extend(cs),
-        Ok(None) => crate::outln!("hopper GEMM kernel not compiled for this device and format (sm_90 with bf16 only): its checks skipped"),
-        Err(e) => checks.push(Check { name: format!("hopper GEMM checks: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false }),
+    let (seed, mut checks, d, c) = run_parts(&be, seed, parts)?;
+    if parts.gemm {
+        stage("hopper GEMM checks");
+        match hopper_gemm_checks(&be, seed) {
+            Ok(Some(cs)) => checks.extend(cs),
+            Ok(None) => crate::outln!("hopper GEMM kernel not compiled for this device and format (sm_90 with bf16 only): its checks skipped"),
+            Err(e) => checks.push(Check { name: format!("hopper GEMM checks: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false }),
+        }
     }
-    checks.extend(attention_path_checks(&be, seed, &|what| stage(what))?);
-    stage("16-bit format checks");
-    checks.extend(crate::selftest::half::half_format_checks(&be, seed)?);
-    stage("JPEG decode checks");
-    checks.extend(crate::selftest::decode::decode_checks(&be, seed)?);
-    stage("communicator checks");
+    if parts.attention {
+        checks.extend(attention_path_checks(&be, seed, &|what| stage(what))?);
+    }
+    if parts.half {
+        stage("16-bit format checks");
+        checks.extend(crate::selftest::half::half_format_checks(&be, seed)?);
+    }
+    if parts.decode {
+        stage("JPEG decode checks");
+        checks.extend(crate::selftest::decode::decode_checks(&be, seed)?);
+    }
+    // the communicator also gathers the other ranks' failures for the report
     let mut comm = crate::backend::cuda::nccl::NcclComm::connect(env, opts, "selftest", &be)?;
-    checks.extend(comm_checks(&be, &mut comm, seed)?);
+    if parts.comm {
+        stage("communicator checks");
+        checks.extend(comm_checks(&be, &mut comm, seed)?);
+    }
     stage("done");
-    if env.rank == 0 {
+    if env.rank == 0 && (parts.training || parts.attention) {
         crate::outln!("attention path for the model checks: {}", chosen.name());
     }
-    Ok((report_ranks(&mut comm, &be.name(), seed, &checks, &d, &c, json)?, seed))
+    let outcome = Outcome { name: &be.name(), seed, parts, only: parts != Parts::ALL, checks: &checks, dev: &d, cpu: &c };
+    Ok((report_ranks(&mut comm, &outcome, json)?, seed))
 }
 
 /// `vitscale selftest`: the report, then an error when any check failed.
@@ -163,6 +197,7 @@ pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
     if let Some(arch) = &args.compile_kernels {
         return compile_kernels(arch, &half.map_or(vec![HalfFormat::Bf16, HalfFormat::F16], |h| vec![h]));
     }
+    let parts = args.only.as_deref().map(Parts::parse).transpose().map_err(|e| anyhow::anyhow!("--only: {e}"))?.unwrap_or(Parts::ALL);
     let env = crate::comm::DistEnv::detect()?;
     // The ranks meet only after their own device checks, which take a minute or more and can
     // end minutes apart (ranks sharing one GPU and the host's cores): the rendezvous waits up
@@ -192,18 +227,27 @@ pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
             let (mut ok, mut last_seed) = (true, None);
             for (i, &h) in formats.iter().enumerate() {
                 let seed = if i == 0 { args.seed } else { args.seed.or(last_seed) };
-                let (pass_ok, s) = cuda_pass(gpu, Some(h).filter(|_| half.is_some() || i > 0), seed, &env, &opts, args.json)?;
+                let (pass_ok, s) = cuda_pass(gpu, Some(h).filter(|_| half.is_some() || i > 0), seed, parts, &env, &opts, args.json)?;
                 last_seed = Some(s);
                 ok &= pass_ok;
             }
             ok
         }
         "cpu" => {
+            let gpu_only: Vec<&str> = [(parts.gemm, "gemm"), (parts.attention, "attention"), (parts.half, "half"), (parts.decode, "decode")].into_iter().filter(|&(on, _)| on).map(|(_, n)| n).collect();
+            if args.only.is_some() && !gpu_only.is_empty() {
+                anyhow::bail!("--only {}: GPU parts, checked with --device cuda; on the CPU the parts are ops, optimizer, training, comm", gpu_only.join(","));
+            }
             let be = Cpu::new();
-            let (seed, mut checks, d, c) = run_checks(&be, args.seed)?;
+            let (seed, mut checks, d, c) = run_parts(&be, args.seed, parts)?;
             let mut comm = crate::comm::init_cpu(&env, &opts, "selftest")?;
-            checks.extend(comm_checks(&be, comm.as_mut(), seed)?);
-            report_ranks(comm.as_mut(), &be.name(), seed, &checks, &d, &c, args.json)?
+            if parts.comm {
+                checks.extend(comm_checks(&be, comm.as_mut(), seed)?);
+            }
+            // the GPU parts have nothing to check on the CPU backend
+            let ran = Parts { gemm: false, attention: false, half: false, decode: false, ..parts };
+            let outcome = Outcome { name: &be.name(), seed, parts: ran, only: args.only.is_some(), checks: &checks, dev: &d, cpu: &c };
+            report_ranks(comm.as_mut(), &outcome, args.json)?
         }
         other => anyhow::bail!("--device must be cuda, cpu or auto, got {other:?}"),
     };

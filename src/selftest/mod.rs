@@ -36,6 +36,67 @@ use crate::config::{DecaySkip, OptimizerConfig};
 use crate::model::vit::{Recompute, Vit};
 use crate::model::{GlobalPool, ModelConfig, ParamTable};
 
+/// The parts of the checks, which `vitscale selftest --only` picks by name (every part when not
+/// given): so that a change to one area can be checked on a GPU in seconds of device time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Parts {
+    /// Every backend op and the buffer copies.
+    pub ops: bool,
+    /// The optimizer kernels against the float64 reference, and their shard forms.
+    pub optimizer: bool,
+    /// The short training runs (losses against the CPU; regenerated activations bitwise).
+    pub training: bool,
+    /// The opt-in Hopper GEMM kernels (GPU).
+    pub gemm: bool,
+    /// Every attention path at every head dim and length (GPU).
+    pub attention: bool,
+    /// The 16-bit format's range ends (GPU).
+    pub half: bool,
+    /// JPEG decode on the GPU against the CPU pipeline (GPU).
+    pub decode: bool,
+    /// The communicator's collectives.
+    pub comm: bool,
+}
+
+impl Parts {
+    /// The parts' names, in the order they run.
+    pub const NAMES: [&'static str; 8] = ["ops", "optimizer", "training", "gemm", "attention", "half", "decode", "comm"];
+    pub const ALL: Parts = Parts { ops: true, optimizer: true, training: true, gemm: true, attention: true, half: true, decode: true, comm: true };
+    const NONE: Parts = Parts { ops: false, optimizer: false, training: false, gemm: false, attention: false, half: false, decode: false, comm: false };
+
+    fn slot(&mut self, name: &str) -> Option<&mut bool> {
+        Some(match name {
+            "ops" => &mut self.ops,
+            "optimizer" => &mut self.optimizer,
+            "training" => &mut self.training,
+            "gemm" => &mut self.gemm,
+            "attention" => &mut self.attention,
+            "half" => &mut self.half,
+            "decode" => &mut self.decode,
+            "comm" => &mut self.comm,
+            _ => return None,
+        })
+    }
+
+    /// A comma-separated list of part names (`--only`'s value).
+    pub fn parse(list: &str) -> Result<Parts, String> {
+        let mut parts = Parts::NONE;
+        for name in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            *parts.slot(&name.to_ascii_lowercase()).ok_or_else(|| format!("{name:?} is not a part of the checks; the parts are {}", Parts::NAMES.join(", ")))? = true;
+        }
+        if parts == Parts::NONE {
+            return Err(format!("names no part; the parts are {}", Parts::NAMES.join(", ")));
+        }
+        Ok(parts)
+    }
+
+    /// The names of the parts picked.
+    pub fn names(&self) -> Vec<&'static str> {
+        let mut copy = *self;
+        Parts::NAMES.into_iter().filter(|n| copy.slot(n).is_some_and(|b| *b)).collect()
+    }
+}
+
 /// One comparison.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Check {
@@ -1017,15 +1078,31 @@ fn train_small<B2: Backend>(be: &B2, cfg: &ModelConfig, init: &[f32], batches: &
 
 /// Runs every check on `be` against the CPU backend. `seed = None` draws a fresh seed.
 pub fn run_checks<B: Backend>(be: &B, seed: Option<u64>) -> BResult<(u64, Vec<Check>, Vec<f32>, Vec<f32>)> {
+    run_parts(be, seed, Parts::ALL)
+}
+
+/// [`run_checks`] of the backend-independent parts picked (`ops`, `optimizer`, `training`);
+/// without `training` the two loss sequences are empty.
+pub fn run_parts<B: Backend>(be: &B, seed: Option<u64>, parts: Parts) -> BResult<(u64, Vec<Check>, Vec<f32>, Vec<f32>)> {
     let seed = seed.unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
     });
     let tol_c = if be.needs_compute_copy() { 1e-2 } else { F32_TOL };
     let mut cx = Ctx { be, cpu: Cpu::new(), rng: ChaCha8Rng::seed_from_u64(seed), checks: Vec::new(), tol_c, memo: ReferenceMemo::default() };
-    op_checks(&mut cx)?;
-    optimizer_checks(&mut cx)?;
-    copy_span_checks(&mut cx)?;
-    copy_strided_checks(&mut cx)?;
+    // the inputs each part draws depend on the parts before it: a part alone draws others
+    if parts.ops {
+        op_checks(&mut cx)?;
+    }
+    if parts.optimizer {
+        optimizer_checks(&mut cx)?;
+    }
+    if parts.ops {
+        copy_span_checks(&mut cx)?;
+        copy_strided_checks(&mut cx)?;
+    }
+    if !parts.training {
+        return Ok((seed, cx.checks, Vec::new(), Vec::new()));
+    }
     let (dev, cpu) = training_losses(be, seed, 20)?;
     let tol = if be.needs_compute_copy() { 2e-2 } else { 1e-4 };
     let worst = dev.iter().zip(&cpu).map(|(a, b)| if a.is_nan() { f64::NAN } else { ((a - b) / b).abs() as f64 }).fold(0f64, |m, e| if e.is_nan() || m.is_nan() { f64::NAN } else { m.max(e) });
@@ -1201,6 +1278,27 @@ pub fn attention_path_checks(be: &crate::backend::cuda::Cuda, seed: u64, progres
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `--only`'s list: names in any case and order, blanks ignored; an unknown name or an
+    /// empty list is an error naming the parts.
+    #[test]
+    fn parts_parse_by_name() {
+        let p = Parts::parse("decode, Optimizer,").unwrap();
+        assert_eq!(p, Parts { optimizer: true, decode: true, ..Parts::NONE });
+        assert_eq!(p.names(), vec!["optimizer", "decode"]);
+        assert_eq!(Parts::ALL.names(), Parts::NAMES.to_vec());
+        let e = Parts::parse("ops,jpeg").unwrap_err();
+        assert!(e.contains("\"jpeg\"") && e.contains("ops, optimizer, training, gemm, attention, half, decode, comm"), "{e}");
+        assert!(Parts::parse(" , ").unwrap_err().contains("names no part"));
+    }
+
+    /// Only the picked parts run: the optimizer alone gives optimizer checks and no losses.
+    #[test]
+    fn run_parts_runs_only_the_picked_parts() {
+        let (_, checks, dev, cpu) = run_parts(&Cpu::new(), Some(3), Parts { optimizer: true, ..Parts::NONE }).unwrap();
+        assert!(!checks.is_empty() && checks.iter().all(|c| c.name.starts_with("optimizer_step") || c.name.starts_with("sum_squares")), "{:?}", checks.iter().map(|c| &c.name).collect::<Vec<_>>());
+        assert!(dev.is_empty() && cpu.is_empty());
+    }
 
     fn ctx(be: &Cpu, memo: ReferenceMemo) -> Ctx<'_, Cpu> {
         Ctx { be, cpu: Cpu::new(), rng: ChaCha8Rng::seed_from_u64(1), checks: Vec::new(), tol_c: F32_TOL, memo }
