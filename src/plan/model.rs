@@ -277,18 +277,12 @@ pub struct BucketTiming {
 
 /// The reductions of `plan`'s buckets placed on a backward whose groups finish at
 /// `group_done_s` (cumulative, backward order) and which ends at `backward_end_s`:
-/// each starts when its last group is done (at the end without `overlap`) and the link is
-/// free, and takes `time(bucket)`. Returns the timings and the exposed seconds.
-pub fn bucket_timeline(plan: &BucketPlan, group_done_s: &[f64], backward_end_s: f64, overlap: bool, time: &dyn Fn(usize) -> Result<(f64, f64), String>) -> Result<(Vec<BucketTiming>, f64), String> {
-    bucket_timeline_at_rate(plan, group_done_s, backward_end_s, if overlap { 1.0 } else { 0.0 }, time)
-}
-
-/// As [`bucket_timeline`], with the reductions progressing at `rate` ∈ [0, 1] of their speed
-/// until the backward ends and at full speed after it: 1 is full overlap, 0 none (every
-/// reduction starts at the end), a share between for ranks that can run a reduction only in
-/// part of the backward (time-slicing ranks, while they wait on sequence parallelism's
-/// all-to-alls).
-pub fn bucket_timeline_at_rate(plan: &BucketPlan, group_done_s: &[f64], backward_end_s: f64, rate: f64, time: &dyn Fn(usize) -> Result<(f64, f64), String>) -> Result<(Vec<BucketTiming>, f64), String> {
+/// each starts when its last group is done and the link is free, and takes `time(bucket)` at
+/// full speed. Until the backward ends a reduction progresses at `rate` ∈ [0, 1] of its speed:
+/// 1 is full overlap, 0 none (every reduction starts at the end), a share between for ranks
+/// that can run a reduction only in part of the backward (time-slicing ranks, while they wait
+/// on sequence parallelism's all-to-alls). Returns the timings and the exposed seconds.
+pub fn bucket_timeline(plan: &BucketPlan, group_done_s: &[f64], backward_end_s: f64, rate: f64, time: &dyn Fn(usize) -> Result<(f64, f64), String>) -> Result<(Vec<BucketTiming>, f64), String> {
     let rate = if rate.is_finite() { rate.clamp(0.0, 1.0) } else { 0.0 };
     let mut out = Vec::with_capacity(plan.buckets.len());
     let mut free = 0.0f64;
@@ -475,7 +469,7 @@ pub fn predict(profile: &Profile, groups: &[Span], s: &Scenario, net: &Network) 
     let rounds = if stage3 { s.gas as f64 } else { 1.0 };
     let (buckets, exposed) = match world > 1 {
         true if stage3 => stage3_reductions(&plan, &done, &bucket_time, s.gas)?,
-        true => bucket_timeline_at_rate(&plan, &done, bwd, overlap_rate, &bucket_time)?,
+        true => bucket_timeline(&plan, &done, bwd, overlap_rate, &bucket_time)?,
         false => (Vec::new(), 0.0),
     };
     // the boundary also waits for the slowest rank: the step's compute varies between
@@ -768,17 +762,17 @@ mod tests {
         let plan = BucketPlan::new(&groups, 10, 10).expect("plan");
         assert_eq!(plan.buckets.len(), 3);
         let time = |_: usize| Ok((1.5, 40.0));
-        let (t, exposed) = bucket_timeline(&plan, &[1.0, 2.0, 3.0], 3.0, true, &time).expect("timeline");
+        let (t, exposed) = bucket_timeline(&plan, &[1.0, 2.0, 3.0], 3.0, 1.0, &time).expect("timeline");
         let starts: Vec<f64> = t.iter().map(|b| b.start_s).collect();
         let ends: Vec<f64> = t.iter().map(|b| b.end_s).collect();
         assert_eq!(starts, vec![1.0, 2.5, 4.0]);
         assert_eq!(ends, vec![2.5, 4.0, 5.5]);
         assert!((exposed - 2.5).abs() < 1e-12);
-        let (_, exposed) = bucket_timeline(&plan, &[1.0, 2.0, 3.0], 3.0, false, &time).expect("timeline");
+        let (_, exposed) = bucket_timeline(&plan, &[1.0, 2.0, 3.0], 3.0, 0.0, &time).expect("timeline");
         assert!((exposed - 4.5).abs() < 1e-12);
         // fast reductions hide completely except the last bucket's
         let quick = |_: usize| Ok((0.25, 40.0));
-        let (_, exposed) = bucket_timeline(&plan, &[1.0, 2.0, 3.0], 3.0, true, &quick).expect("timeline");
+        let (_, exposed) = bucket_timeline(&plan, &[1.0, 2.0, 3.0], 3.0, 1.0, &quick).expect("timeline");
         assert!((exposed - 0.25).abs() < 1e-12);
     }
 
@@ -829,25 +823,19 @@ mod tests {
         let groups = vec![Span { off: 20, len: 10 }, Span { off: 10, len: 10 }, Span { off: 0, len: 10 }];
         let plan = BucketPlan::new(&groups, 10, 10).expect("plan");
         let time = |_: usize| Ok((1.5, 40.0));
-        let (t, exposed) = bucket_timeline_at_rate(&plan, &[1.0, 2.0, 3.0], 3.0, 0.5, &time).expect("timeline");
+        let (t, exposed) = bucket_timeline(&plan, &[1.0, 2.0, 3.0], 3.0, 0.5, &time).expect("timeline");
         let ends: Vec<f64> = t.iter().map(|b| b.end_s).collect();
         assert_eq!(ends, vec![3.5, 5.0, 6.5]);
         assert!((exposed - 3.5).abs() < 1e-12, "{exposed}");
         let quick = |_: usize| Ok((0.25, 40.0));
-        let (t, exposed) = bucket_timeline_at_rate(&plan, &[1.0, 2.0, 3.0], 3.0, 0.5, &quick).expect("timeline");
+        let (t, exposed) = bucket_timeline(&plan, &[1.0, 2.0, 3.0], 3.0, 0.5, &quick).expect("timeline");
         let ends: Vec<f64> = t.iter().map(|b| b.end_s).collect();
         assert_eq!(ends, vec![1.5, 2.5, 3.25]);
         assert!((exposed - 0.25).abs() < 1e-12);
         // a reduction that takes no time ends where it starts, at any rate (0 included)
         for rate in [0.0, 0.5] {
-            let (t, exposed) = bucket_timeline_at_rate(&plan, &[1.0, 2.0, 3.0], 3.0, rate, &|_| Ok((0.0, 0.0))).expect("timeline");
+            let (t, exposed) = bucket_timeline(&plan, &[1.0, 2.0, 3.0], 3.0, rate, &|_| Ok((0.0, 0.0))).expect("timeline");
             assert!(t.iter().all(|b| b.end_s == b.start_s) && exposed == 0.0, "rate {rate}");
-        }
-        // the ends of the range are the two plain timelines
-        for (rate, overlap) in [(1.0, true), (0.0, false)] {
-            let (_, a) = bucket_timeline_at_rate(&plan, &[1.0, 2.0, 3.0], 3.0, rate, &time).expect("rate");
-            let (_, b) = bucket_timeline(&plan, &[1.0, 2.0, 3.0], 3.0, overlap, &time).expect("plain");
-            assert!((a - b).abs() < 1e-12, "rate {rate}: {a} vs {b}");
         }
     }
 
