@@ -234,9 +234,10 @@ pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
             ok
         }
         "cpu" => {
-            let gpu_only: Vec<&str> = [(parts.gemm, "gemm"), (parts.attention, "attention"), (parts.half, "half"), (parts.decode, "decode")].into_iter().filter(|&(on, _)| on).map(|(_, n)| n).collect();
-            if args.only.is_some() && !gpu_only.is_empty() {
-                anyhow::bail!("--only {}: GPU parts, checked with --device cuda; on the CPU the parts are ops, optimizer, training, comm", gpu_only.join(","));
+            let ran = parts.on_cpu();
+            if args.only.is_some() && ran != parts {
+                let gpu_only: Vec<&str> = parts.names().into_iter().filter(|n| !ran.names().contains(n)).collect();
+                anyhow::bail!("--only {}: GPU parts, checked with --device cuda; on the CPU the parts are {}", gpu_only.join(","), Parts::ALL.on_cpu().names().join(", "));
             }
             let be = Cpu::new();
             let (seed, mut checks, d, c) = run_parts(&be, args.seed, parts)?;
@@ -244,9 +245,7 @@ pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
             if parts.comm {
                 checks.extend(comm_checks(&be, comm.as_mut(), seed)?);
             }
-            // the GPU parts have nothing to check on the CPU backend
-            let ran = Parts { gemm: false, attention: false, half: false, decode: false, ..parts };
-            let outcome = Outcome { name: &be.name(), seed, parts: ran, only: args.only.is_some(), checks: &checks, dev: &d, cpu: &c };
+            let outcome = Outcome { name: &be.name(), seed, parts: ran, only: ran != Parts::ALL.on_cpu(), checks: &checks, dev: &d, cpu: &c };
             report_ranks(comm.as_mut(), &outcome, args.json)?
         }
         other => anyhow::bail!("--device must be cuda, cpu or auto, got {other:?}"),

@@ -90,6 +90,12 @@ impl Parts {
         Ok(parts)
     }
 
+    /// These parts less the GPU-only ones (`gemm`, `attention`, `half`, `decode`): what the
+    /// CPU backend has to check.
+    pub fn on_cpu(self) -> Parts {
+        Parts { gemm: false, attention: false, half: false, decode: false, ..self }
+    }
+
     /// The names of the parts picked.
     pub fn names(&self) -> Vec<&'static str> {
         let mut copy = *self;
