@@ -5,6 +5,8 @@
 #   scripts/gpu_large.sh BIN OUTDIR [ROWS]
 # ROWS picks rows by number (default all), e.g. "1 2 4"; PEERS is "eager", "compile" or
 # "eager compile" (default eager); PROFILE=1 adds a per-kernel profile of each vitscale row.
+# Rows whose vitscale run recomputes the blocks ("blocks") run the peer with timm's activation
+# checkpointing too (scripts/peer_checkpointed.py), so that both sides do the same work.
 BIN=$1; O=$2; ROWS=${3:-"1 2 3 4 5 6 7"}
 PEER=${PEER:-peers/vit_bench.py}; PEERS=${PEERS:-eager}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -28,7 +30,8 @@ echo "$table" | while read -r num model img micro rec; do
   tail -n 1 "$O/v_$num.log" | grep '^{' | python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['row']=$num; r['recompute_policy']='$rec'; print(json.dumps(r))" >> "$O/vitscale.jsonl"
   for mode in $PEERS; do
     flag=""; to=90; [ "$mode" = compile ] && { flag="--compile"; to=200; }
-    timeout $to python3 "$PEER" --mode torch $flag --model "$model" --img "$img" --micro "$micro" --steps 10 --warmup 3 2>> "$O/peer.err" \
+    wrap=""; [ "$rec" = blocks ] && wrap="$here/peer_checkpointed.py"
+    timeout $to python3 $wrap "$PEER" --mode torch $flag --model "$model" --img "$img" --micro "$micro" --steps 10 --warmup 3 2>> "$O/peer.err" \
       | python3 -c "import json,sys
 for l in sys.stdin:
     if l.startswith('{'): r=json.loads(l); r['row']=$num; print(json.dumps(r))" | tee -a "$O/peer.jsonl" | cut -c1-220

@@ -166,10 +166,10 @@ impl Cuda {
     /// when it replaces the tiled backward: path `fused`, wgmma attention on, D = 64, N > 256
     /// (below, the whole-head kernels run). Mirrors FL_SMEM: K, V (128 rows), a 3-stage ring of
     /// Q and dO tiles (64 rows), two dSᵀ buffers and the dK, dV staging (128 rows each), the
-    /// ring's lse2 and delta (64 pairs of f32 a stage), 7 mbarriers, 1 KiB of alignment slack.
+    /// ring's lse2 and delta (64 pairs of f32 a stage), 11 mbarriers, 1 KiB of alignment slack.
     fn wgmma_long_backward(&self, n: usize, d: usize) -> Option<u32> {
         let applies = self.attention_path() == AttentionPath::Fused && d == 64 && n > 256 && self.wgmma_attention() && self.has_wgmma_long_backward();
-        applies.then_some((2 * 128 * 128 + 3 * 2 * 64 * 128 + 2 * 128 * 128 + 2 * 128 * 128 + 3 * 64 * 8 + 8 * 7 + 1024) as u32)
+        applies.then_some((2 * 128 * 128 + 3 * 2 * 64 * 128 + 2 * 128 * 128 + 2 * 128 * 128 + 3 * 64 * 8 + 8 * 11 + 1024) as u32)
     }
 
     /// Dynamic shared memory of `flash_bwd_short_d{d}` for sequence length `n`, when the
@@ -356,7 +356,7 @@ impl Cuda {
                 let tm_do = tensor_map_3d(dout.ptr, c, n, b, 64)?;
                 let tm_dqkv = tensor_map_3d(dqkv.ptr, 3 * c, n, b, 64)?;
                 let g = (n.div_ceil(128) as u32, (b * h) as u32, 1);
-                self.launch_dyn("flash_bwd_wg_long_d64", g, (288, 1, 1), lsmem, &mut kargs![tm_kv, tm_q, tm_do, tm_dqkv, probs.ptr, delta, dq_acc, nn, hh, scale, scale_log2])?;
+                self.launch_dyn("flash_bwd_wg_long_d64", g, (512, 1, 1), lsmem, &mut kargs![tm_kv, tm_q, tm_do, tm_dqkv, probs.ptr, delta, dq_acc, nn, hh, scale, scale_log2])?;
             } else {
                 let bc = pipe_keys(d);
                 let g = (n.div_ceil(bc) as u32, (b * h) as u32, 1);

@@ -96,16 +96,41 @@ extern "C" __global__ void gelu_bwd(void* dx, int dtx, const void* pre, int dtp,
     GRID_STRIDE(i, n) stx(dx, dtx, i, ldx(dx, dtx, i) * dgelu_f(ldx(pre, dtp, i)));
 }
 
+// x² in f64, or +inf for a value of magnitude ≥ inf_from (the fp16 overflow check; INFINITY for
+// the plain sum); NaN stays NaN.
+__device__ __forceinline__ double square_or_inf(float f, float inf_from) {
+    const double v = fabsf(f) >= inf_from ? (double)INFINITY : (double)f;
+    return v * v;
+}
+
 // *out += Σ x², f64 accumulation per block.
-// A value of magnitude ≥ inf_from adds +inf (the fp16 overflow check; INFINITY for the plain
-// sum); NaN stays NaN.
+// f32 buffers (the gradients) go through 16-byte loads from the first 16-byte boundary, two
+// vectors per thread and iteration in flight: the pass is bound by memory, and scalar loads
+// reached about 40 % of its bandwidth. The elements before that boundary and after the last
+// whole vector, and other dtypes, are read one at a time.
 extern "C" __global__ void sum_squares_kernel(double* out, const void* x, int dt, i64 n, float inf_from) {
     __shared__ double part[32];
     double acc = 0.0;
-    GRID_STRIDE(i, n) {
-        const float f = ldx(x, dt, i);
-        const double v = fabsf(f) >= inf_from ? (double)INFINITY : (double)f;
-        acc += v * v;
+    const i64 tid = (i64)blockIdx.x * blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
+    if (dt == 0) {
+        const float* xf = (const float*)x;
+        const i64 head = min(n, (i64)(((16u - ((unsigned)(size_t)xf & 15u)) & 15u) >> 2));
+        const i64 nv = (n - head) >> 2, tail = head + 4 * nv;
+        const float4* xv = (const float4*)(xf + head);
+        i64 i = tid;
+        for (; i + stride < nv; i += 2 * stride) {
+            const float4 a = xv[i], b = xv[i + stride];
+            acc += square_or_inf(a.x, inf_from) + square_or_inf(a.y, inf_from) + square_or_inf(a.z, inf_from) + square_or_inf(a.w, inf_from);
+            acc += square_or_inf(b.x, inf_from) + square_or_inf(b.y, inf_from) + square_or_inf(b.z, inf_from) + square_or_inf(b.w, inf_from);
+        }
+        if (i < nv) {
+            const float4 a = xv[i];
+            acc += square_or_inf(a.x, inf_from) + square_or_inf(a.y, inf_from) + square_or_inf(a.z, inf_from) + square_or_inf(a.w, inf_from);
+        }
+        if (tid < head) acc += square_or_inf(xf[tid], inf_from);
+        if (tail + tid < n) acc += square_or_inf(xf[tail + tid], inf_from);
+    } else {
+        for (i64 i = tid; i < n; i += stride) acc += square_or_inf(ldx(x, dt, i), inf_from);
     }
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);

@@ -4,34 +4,36 @@
 // host runs the same passes as for the tiled kernel: `flash_bwd_pre_d64` (delta = rowsum(dO ∘ O),
 // (B·H, N) f32) before, and `flash_dq_store` (the f32 dQ sums rounded into dqkv) after.
 //
-// A block owns 128 keys of one (b, h) and walks every query tile of 64. Warps 0–7 are two
-// consumer warpgroups, warpgroup w owning keys k0 + 64w…; warp 8 produces. Per query tile:
+// A block owns 128 keys of one (b, h) and walks every query tile of 64. Four warpgroups:
+// 0 and 1 consume, warpgroup w owning keys k0 + 64w…; 2 computes dQ; warp 12 (of warpgroup 3)
+// produces. Per query tile:
 // - Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (m64n64k16, both operands K-major in shared memory),
 // - Pᵀ = exp2(Sᵀ·scale·log2(e) − lse2) and dSᵀ = Pᵀ ∘ (dPᵀ − delta) in registers,
+// - dSᵀ staged (bf16, 128-byte swizzle, stmatrix) into one of FL_DSB buffers, handed to the
+//   dQ warpgroup through an mbarrier,
 // - dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ, dSᵀ as register A operands against dO and Q read
-//   MN-major (their query rows as stored), dK and dV staying in registers for the whole walk,
-// - dSᵀ staged (bf16, 128-byte swizzle, stmatrix) in one of two buffers; after a barrier of the
-//   two warpgroups, warpgroup w computes dQ columns 32w…32w + 31 of the tile over all 128 keys
-//   (m64n32k16, A = dS read MN-major from the staged dSᵀ, B = K read MN-major) and adds them,
-//   times the softmax scale, into the f32 dQ sums (B, N, H·D) with 16-byte vector reductions.
-// The column split keeps one dQ reduction per value and block (splitting by keys would double
-// the L2 reductions).
+//   MN-major (their query rows as stored), dK and dV staying in registers for the whole walk;
+// and the dQ warpgroup, once both consumers staged their halves of a tile's dSᵀ, computes
+// dQ = dS·K over all 128 keys (m64n64k16, A = dS read MN-major from the staged dSᵀ, B = K read
+// MN-major) and adds it, times the softmax scale, into the f32 dQ sums (B, N, H·D) with 16-byte
+// vector reductions: one reduction per value and block, as a split by keys would double.
+// The consumers never wait for each other: with the dQ product in a warpgroup of its own there
+// is no barrier between them within a tile, so one consumer's softmax runs beside the other's
+// products (a shared dQ step made both reach every tile's exponentials at the same time, the
+// tensor cores idle meanwhile).
 // Every wgmma group is waited for within the tile that issued it: with a group still in flight
-// across the loop's back edge (tile i's dQ reduced while tile i + 1's Sᵀ, dPᵀ run) ptxas
-// serializes the wgmmas (C7514/C7517), so each warpgroup's tile is Sᵀ, dPᵀ → P, dS → dV, dK →
-// barrier → dQ → reductions, and the tensor cores overlap the two warpgroups' work instead.
-// The two dSᵀ buffers let one barrier per tile suffice: buffer i % 2 is written again at tile
-// i + 2, after both warpgroups passed tile i + 1's barrier, which each reaches only once its dQ
-// products of tile i completed.
+// across the loop's back edge ptxas serializes the wgmmas (C7514/C7517).
+// mbarriers: kv (K, V landed), full[s] (stage s's copies landed and the producer warp's 32 lanes
+// stored its statistics), empty[s] (the 8 consumer warps are done with stage s: signalled once
+// the dV, dK products that read its Q and dO have completed), ds_full[b] (the 256 consumer
+// threads staged their rows of dSᵀ buffer b), ds_empty[b] (the dQ warpgroup's 4 warps are done
+// reading it).
 //
 // The producer warp copies K and V (128-row boxes) once, then each query tile's Q and dO
 // (64-row boxes) through the tensor-memory accelerator into a FL_STAGES-deep ring, and the tile's
 // lse2 and delta (64 f32 pairs, ordinary loads: the rows of a head start at arbitrary
-// alignment) into the stage beside them. mbarriers: kv (K, V landed), full[s] (the copies' bytes
-// landed and the producer warp's 32 lanes stored the statistics), empty[s] (the 8 consumer
-// warps are done with stage s: signalled at the end of the tile, once the dV, dK products that
-// read its Q and dO have completed). The key blocks of a head start their query walk at different tiles so that
-// they do not reduce into the same dQ rows at the same time.
+// alignment) into the stage beside them. The key blocks of a head start their query walk at
+// different tiles so that they do not reduce into the same dQ rows at the same time.
 //
 // Ragged N: the tensor maps read rows ≥ N as zeros (K, V, Q and dO) and the producer gives
 // queries ≥ N lse2 = delta = 0, so every score is finite; in tiles that reach past N (the last
@@ -39,24 +41,23 @@
 // which zeroes its dS. dQ rows ≥ N are not reduced, dK and dV rows ≥ N not stored (TMA store).
 // The qkv bias gradient is left to the host's column sums of dqkv.
 //
-// Registers: 288 threads a block, one block per SM (≈ 147 KiB of shared memory). ptxas budgets
-// 288 threads like 384 (168 registers a thread; it spills 8 bytes); under __maxnreg__(224) it
-// used 194 without spilling, but that launch failed for lack of registers, as if they were
-// allocated by whole warpgroups. A producer warpgroup with setmaxnreg (24 for it, 240 for the
-// consumers, 384 threads) would lift the limit.
+// Registers: 512 threads, one block per SM (≈ 147 KiB of shared memory), 128 registers a thread
+// at launch; the producer warpgroup gives back to 32 and the dQ warpgroup to 96, which lets the
+// consumers hold 192 (setmaxnreg): their Sᵀ, dPᵀ, dK and dV accumulators alone are 128.
 
 #define FL_STAGES 3
 #define FL_KEYS 128
+#define FL_DSB 2                                    // dSᵀ buffers between the consumers and the dQ warpgroup
 // shared-memory layout from the 1024-byte aligned base (every tile 1024-byte aligned, 128-byte rows)
 #define FL_K 0                                      // K, 128 key rows
 #define FL_V (FL_K + FL_KEYS * 128)                 // V, 128 key rows
 #define FL_RING (FL_V + FL_KEYS * 128)              // stage s: Q (64 rows) at FL_RING + 16384·s, dO 8192 after
-#define FL_DS (FL_RING + FL_STAGES * 16384)         // two dSᵀ buffers of 128 key rows × 64 queries
-#define FL_OUT (FL_DS + 2 * FL_KEYS * 128)          // dK, dV staging: warpgroup w's dK at FL_OUT + 16384·w, dV 8192 after
+#define FL_DS (FL_RING + FL_STAGES * 16384)         // FL_DSB dSᵀ buffers of 128 key rows × 64 queries
+#define FL_OUT (FL_DS + FL_DSB * FL_KEYS * 128)          // dK, dV staging: warpgroup w's dK at FL_OUT + 16384·w, dV 8192 after
 #define FL_STAT (FL_OUT + 2 * 16384)                // stage s: 64 (lse2, delta) pairs at FL_STAT + 512·s
-#define FL_BAR (FL_STAT + FL_STAGES * 512)          // kv, full[FL_STAGES], empty[FL_STAGES]
+#define FL_BAR (FL_STAT + FL_STAGES * 512)          // kv, full[FL_STAGES], empty[FL_STAGES], ds_full[FL_DSB], ds_empty[FL_DSB]
 // dynamic shared memory, with 1 KiB of alignment slack (attention.rs mirrors it)
-#define FL_SMEM (FL_BAR + 8 * (1 + 2 * FL_STAGES) + 1024)
+#define FL_SMEM (FL_BAR + 8 * (1 + 2 * FL_STAGES + 2 * FL_DSB) + 1024)
 
 // d (32 of the warpgroup's 64×64 f32 tile) += A(64×16)·B(64×16)ᵀ, both K-major in shared memory:
 // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for 64 keys against a tile of 64 queries.
@@ -71,20 +72,6 @@ __device__ __forceinline__ void fl_wgmma_m64n64k16_ss(float (&d)[32], unsigned l
         : "l"(da), "l"(db));
 }
 
-// d (16 of the warpgroup's 64×32 f32 tile) += A(64×16)·B(16×32), both MN-major in shared memory
-// (A's 64 rows contiguous: the staged dSᵀ; B's 32 columns contiguous: half of K's 64-column
-// rows, the descriptor starting 64 bytes into the swizzled row for the upper half).
-__device__ __forceinline__ void fl_wgmma_m64n32k16_tt(float (&d)[16], unsigned long long da, unsigned long long db) {
-    asm volatile(
-        "{\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-        "%16, %17, 1, 1, 1, 1, 1;\n"
-        "}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "l"(da), "l"(db));
-}
-
 // Ties the registers to this point of the program: the compiler may not move their reads before
 // a preceding wgmma wait (they are written asynchronously) or their writes after a following
 // wgmma issue.
@@ -94,17 +81,17 @@ __device__ __forceinline__ void fl_pin(float (&r)[N]) {
     for (int k = 0; k < N; k++) asm volatile("" : "+f"(r[k])::"memory");
 }
 
-// This thread's 16 dQ values of a tile (m64n32 accumulator: value 4j + e is query row
-// 16·wi + g + 8(e / 2), column 8j + 2t + e % 2 of the warpgroup's 32) times `scale` into the f32
-// sums. Lanes t and t ^ 1 swap halves so that each adds four consecutive columns of one row:
-// even t row g, columns 8j + 2t…; odd t row g + 8, columns 8j + 2t − 2…. `base`: column 0 of
-// the warpgroup's 32 in query row 0 of the (b, h); rows `rstride` floats apart.
-__device__ __forceinline__ void fl_dq_reduce(float* base, const float (&dq)[16], int q0, int n, int wi, int g, int t, i64 rstride, float scale) {
+// This thread's 32 dQ values of a tile (m64n64 accumulator: value 4j + e is query row
+// 16·wi + g + 8(e / 2), column 8j + 2t + e % 2) times `scale` into the f32 sums. Lanes t and
+// t ^ 1 swap halves so that each adds four consecutive columns of one row: even t row g,
+// columns 8j + 2t…; odd t row g + 8, columns 8j + 2t − 2…. `base`: column 0 in query row 0 of
+// the (b, h); rows `rstride` floats apart.
+__device__ __forceinline__ void fl_dq_reduce(float* base, const float (&dq)[32], int q0, int n, int wi, int g, int t, i64 rstride, float scale) {
     const bool odd = t & 1;
     const int r = q0 + wi * 16 + g + (odd ? 8 : 0);
     float* p = base + (i64)r * rstride + 2 * (t & ~1);
     #pragma unroll
-    for (int j = 0; j < 4; j++) {
+    for (int j = 0; j < 8; j++) {
         const float s0 = odd ? dq[4 * j] : dq[4 * j + 2], s1 = odd ? dq[4 * j + 1] : dq[4 * j + 3];
         const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1), r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
         const float4 v = odd ? make_float4(r0 * scale, r1 * scale, dq[4 * j + 2] * scale, dq[4 * j + 3] * scale)
@@ -113,12 +100,12 @@ __device__ __forceinline__ void fl_dq_reduce(float* base, const float (&dq)[16],
     }
 }
 
-// Grid (ceil(N / 128), B·H), 288 threads, FL_SMEM bytes of dynamic shared memory. Tensor maps
+// Grid (ceil(N / 128), B·H), 512 threads, FL_SMEM bytes of dynamic shared memory. Tensor maps
 // (`tensor_map_3d`, 64-column boxes, 128-byte swizzle): tm_kv over qkv (B, N, 3·H·D) with
 // 128-row boxes, tm_q the same with 64-row boxes, tm_do over dout (B, N, H·D) with 64-row boxes,
 // tm_dqkv over dqkv with 64-row boxes (dK, dV stores). lse2, delta: (B·H, N) f32; dq_acc:
 // (B, N, H·D) f32, zeroed by the host, 16-byte aligned.
-extern "C" __global__ void __launch_bounds__(288, 1) flash_bwd_wg_long_d64(const __grid_constant__ HgTmap tm_kv, const __grid_constant__ HgTmap tm_q, const __grid_constant__ HgTmap tm_do, const __grid_constant__ HgTmap tm_dqkv, const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc, int n, int h, float scale, float scale_log2) {
+extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_long_d64(const __grid_constant__ HgTmap tm_kv, const __grid_constant__ HgTmap tm_q, const __grid_constant__ HgTmap tm_do, const __grid_constant__ HgTmap tm_dqkv, const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc, int n, int h, float scale, float scale_log2) {
     constexpr int D = 64;
     extern __shared__ unsigned char fl_raw[];
     const unsigned raw = smem_u32(fl_raw);
@@ -126,6 +113,7 @@ extern "C" __global__ void __launch_bounds__(288, 1) flash_bwd_wg_long_d64(const
     float* stat = (float*)(fl_raw + (base - raw) + FL_STAT);
     const unsigned sk = base + FL_K, sv = base + FL_V, ring = base + FL_RING, sds = base + FL_DS;
     const unsigned kvbar = base + FL_BAR, full0 = kvbar + 8, empty0 = full0 + 8 * FL_STAGES;
+    const unsigned dsfull0 = empty0 + 8 * FL_STAGES, dsempty0 = dsfull0 + 8 * FL_DSB;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int bh = blockIdx.y, bi = bh / h, hi = bh - bi * h;
     const int k0 = blockIdx.x * FL_KEYS;
@@ -138,11 +126,20 @@ extern "C" __global__ void __launch_bounds__(288, 1) flash_bwd_wg_long_d64(const
             ht_mbar_init(full0 + 8 * s, 32);
             ht_mbar_init(empty0 + 8 * s, 8);
         }
+        #pragma unroll
+        for (int b = 0; b < FL_DSB; b++) {
+            ht_mbar_init(dsfull0 + 8 * b, 256);
+            ht_mbar_init(dsempty0 + 8 * b, 4);
+        }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();  // the mbarriers' initialization before anyone uses them
+    // the warpgroup through a shuffle: known warp-uniform, so the descriptors stay in uniform registers
+    const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0), wi = warp & 3, g = lane >> 2, t = lane & 3;
 
-    if (warp == 8) {
+    if (wg == 3) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n" ::: "memory");
+        if (warp != 12) return;
         // producer
         const float* lg = lse2 + (i64)bh * n;
         const float* dg = delta + (i64)bh * n;
@@ -180,14 +177,40 @@ extern "C" __global__ void __launch_bounds__(288, 1) flash_bwd_wg_long_d64(const
         return;
     }
 
-    // consumers. wg through a shuffle: known warp-uniform, so the descriptors stay in uniform registers
-    const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0), wi = warp & 3, g = lane >> 2, t = lane & 3;
+    if (wg == 2) {
+        // dQ = dS·K of each tile over the block's 128 keys, into the f32 sums
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 96;\n" ::: "memory");
+        float* dq_base = dq_acc + ((i64)bi * n * h + hi) * D;
+        const i64 rstride = (i64)h * D;
+        ht_mbar_wait(kvbar, 0);
+        for (int i = 0; i < nq; i++) {
+            int qt = i + qoff;
+            if (qt >= nq) qt -= nq;
+            const int b = i % FL_DSB;
+            const unsigned dsb = sds + b * (FL_KEYS * 128);
+            ht_mbar_wait(dsfull0 + 8 * b, (i / FL_DSB) & 1);
+            float dq[32];
+            #pragma unroll
+            for (int k = 0; k < 32; k++) dq[k] = 0.f;
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+            // keys 16kk…: dSᵀ rows and K rows 16kk…, 2048 bytes per step
+            #pragma unroll
+            for (int kk = 0; kk < FL_KEYS / 16; kk++) wgmma_m64n64k16_tt(dq, hg_desc(dsb + kk * 2048), hg_desc(sk + kk * 2048));
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+            fl_pin(dq);
+            if (lane == 0) ht_mbar_arrive(dsempty0 + 8 * b);  // buffer b may be written again
+            fl_dq_reduce(dq_base, dq, qt * 64, n, wi, g, t, rstride, scale);
+        }
+        return;
+    }
+
+    // consumers
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 192;\n" ::: "memory");
     // this thread's key rows: accumulator rows g (values e < 2) and g + 8 of warp wi
     const int kr0 = k0 + wg * 64 + wi * 16 + g, kr1 = kr0 + 8;
     const bool keys_in = k0 + FL_KEYS <= n;  // every key of the block < N (block-uniform)
     const unsigned long long dka = hg_desc(sk + wg * 64 * 128), dva = hg_desc(sv + wg * 64 * 128);
-    float* dq_base = dq_acc + ((i64)bi * n * h + hi) * D + 32 * wg;
-    const i64 rstride = (i64)h * D;
     // stmatrix addresses of the dSᵀ stores: lanes 8m… give the rows of 8×8 matrix m (rows
     // 16wi + 8(m % 2)…, 16-byte chunk 2kk + m / 2)
     const int mi = lane >> 3, srow = wi * 16 + (mi & 1) * 8 + (lane & 7);
@@ -250,10 +273,16 @@ extern "C" __global__ void __launch_bounds__(288, 1) flash_bwd_wg_long_d64(const
             sa[j >> 1][(j & 1) * 2] = f2bf2(ds[0], ds[1]);
             sa[j >> 1][(j & 1) * 2 + 1] = f2bf2(ds[2], ds[3]);
         }
-        // dSᵀ (key row, query column) into buffer i % 2: this warpgroup's 64 key rows
-        const unsigned dsb = sds + (i & 1) * (FL_KEYS * 128);
+        // dSᵀ (key row, query column) into buffer i % FL_DSB, this warpgroup's 64 key rows, once
+        // the dQ warpgroup has read what tile i − FL_DSB left there
+        const int b = i % FL_DSB;
+        const unsigned dsb = sds + b * (FL_KEYS * 128);
+        if (i >= FL_DSB) ht_mbar_wait(dsempty0 + 8 * b, ((i / FL_DSB) - 1) & 1);
         #pragma unroll
         for (int kk = 0; kk < 4; kk++) stsm_x4(dsb + wg * 64 * 128 + sw128(srow, 2 * kk + (mi >> 1)), sa[kk][0], sa[kk][1], sa[kk][2], sa[kk][3]);
+        // the staged rows visible to the dQ warpgroup's wgmma (the async proxy) before the arrival
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        ht_mbar_arrive(dsfull0 + 8 * b);
 
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
         // query rows 16kk… of dO and Q: 2048 bytes (two 8-row groups) per step
@@ -262,22 +291,10 @@ extern "C" __global__ void __launch_bounds__(288, 1) flash_bwd_wg_long_d64(const
         #pragma unroll
         for (int kk = 0; kk < 4; kk++) wgmma_m64n64k16_rs(dk, sa[kk], hg_desc(sq + kk * 2048));
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both warpgroups' dSᵀ rows are staged
-        float dq[16];
-        #pragma unroll
-        for (int k = 0; k < 16; k++) dq[k] = 0.f;
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-        // keys 16kk… : dSᵀ rows and K rows 16kk…, 2048 bytes per step; K's columns 32·wg…
-        #pragma unroll
-        for (int kk = 0; kk < FL_KEYS / 16; kk++) fl_wgmma_m64n32k16_tt(dq, hg_desc(dsb + kk * 2048), hg_desc(sk + kk * 2048 + 64 * wg));
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        fl_pin(dq);
+        fl_pin(dk);
+        fl_pin(dv);
         if (lane == 0) ht_mbar_arrive(empty0 + 8 * s);  // this tile's Q, dO are no longer read
-        fl_dq_reduce(dq_base, dq, q0, n, wi, g, t, rstride, scale);
         if (++s == FL_STAGES) {
             s = 0;
             round++;
