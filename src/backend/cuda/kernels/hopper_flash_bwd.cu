@@ -262,7 +262,12 @@ extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_long_d64(const
             pa[j >> 1][(j & 1) * 2] = f2bf2(st[4 * j], st[4 * j + 1]);
             pa[j >> 1][(j & 1) * 2 + 1] = f2bf2(st[4 * j + 2], st[4 * j + 3]);
         }
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        // dV += Pᵀ·dO (query rows 16kk… of dO, 2048 bytes per step) runs while dSᵀ is formed
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        #pragma unroll
+        for (int kk = 0; kk < 4; kk++) wgmma_m64n64k16_rs(dv, pa[kk], hg_desc(sdo + kk * 2048));
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // dPᵀ (dV may still run)
         fl_pin(dpt);
         #pragma unroll
         for (int j = 0; j < 8; j++) {
@@ -285,9 +290,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_long_d64(const
         ht_mbar_arrive(dsfull0 + 8 * b);
 
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-        // query rows 16kk… of dO and Q: 2048 bytes (two 8-row groups) per step
-        #pragma unroll
-        for (int kk = 0; kk < 4; kk++) wgmma_m64n64k16_rs(dv, pa[kk], hg_desc(sdo + kk * 2048));
+        // dK += dSᵀ·Q: query rows 16kk… of Q
         #pragma unroll
         for (int kk = 0; kk < 4; kk++) wgmma_m64n64k16_rs(dk, sa[kk], hg_desc(sq + kk * 2048));
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
