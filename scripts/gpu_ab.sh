@@ -11,7 +11,7 @@ for cfg in "vit_base_patch16_224 16 40" "vit_base_patch16_224 256 20" "vit_small
   for round in 1 2; do
     for who in A B; do
       bin=${!who}
-      line=$(timeout 60 "$bin" bench --model "$1" --micro "$2" --steps "$3" --warmup 5 --no-ceiling --classes 10 2>&1 | grep "ms/step" | sed 's/ | recompute.*//')
+      line=$(timeout 60 "$bin" bench --model "$1" --micro "$2" --steps "$3" --warmup 5 --no-ceiling --classes 10 2>&1 | grep "ms/step" | sed 's/ | norm\/GELU.*//')
       echo "$who $1 m$2 r$round: ${line#* on }"
     done
   done

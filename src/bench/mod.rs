@@ -66,8 +66,12 @@ pub struct BenchResult {
     pub kernel_compile_s: f64,
     /// Attention path on CUDA ("fused", "fused-pipe", "gemm"); "cpu" on the CPU.
     pub attention: String,
-    /// Whether the backward regenerated LayerNorm/GELU outputs (`--recompute`).
+    /// Whether the backward regenerated LayerNorm/GELU outputs (`--recompute always`, or `auto`
+    /// where the pass is small enough).
     pub recomputed: bool,
+    /// Whether the backward ran each block's forward again from its saved input
+    /// (`--recompute blocks`, activation checkpointing).
+    pub checkpointed: bool,
     /// SM clock and board power during the timed steps (CUDA with NVML only).
     pub gpu_power: Option<PowerSummary>,
     /// The same during the ceiling GEMM.
@@ -162,6 +166,7 @@ fn bench_cpu(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     let loss = mean_loss(&be, &st.vit, args.micro)?;
     let mut r = result(args, s, "cpu".into(), st.vit.table.total, false, ms, 0.0, 0.0, loss, 0.0);
     r.recomputed = st.plan.recompute;
+    r.checkpointed = st.plan.checkpointing;
     Ok(r)
 }
 
@@ -191,6 +196,7 @@ fn result(args: &BenchArgs, s: &Setup, device: String, params: usize, graph: boo
         kernel_compile_s: compile_s,
         attention: "cpu".into(),
         recomputed: false,
+        checkpointed: false,
         gpu_power: None,
         ceiling_gpu_power: None,
     }
@@ -262,6 +268,7 @@ fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     let mut r = result(args, s, be.name(), st.vit.table.total, graph.is_some(), ms, ceiling, peak, loss, compile_s);
     r.attention = be.attention_path().name().to_string();
     r.recomputed = st.plan.recompute;
+    r.checkpointed = st.plan.checkpointing;
     r.gpu_power = power;
     r.ceiling_gpu_power = ceiling_power;
     Ok(r)

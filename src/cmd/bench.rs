@@ -97,8 +97,8 @@ pub fn run(mut args: BenchArgs) -> anyhow::Result<()> {
         _ => format!("peak mem {:.2} GiB", r.peak_mem_gib),
     };
     println!(
-        "{} on {}: micro {} | {:.2} ms/step | {:.1} img/s | {mfu} | {peak} | graph {} | recompute {} | loss {:.4}",
-        r.model, r.device, r.micro, r.step_ms, r.img_per_s, r.graph, r.recomputed, r.loss
+        "{} on {}: micro {} | {:.2} ms/step | {:.1} img/s | {mfu} | {peak} | graph {} | norm/GELU recomputed {} | blocks checkpointed {} | loss {:.4}",
+        r.model, r.device, r.micro, r.step_ms, r.img_per_s, r.graph, r.recomputed, r.checkpointed, r.loss
     );
     if r.executed_share < 1.0 {
         println!(
