@@ -241,6 +241,23 @@ fn bench_and_selftest_default_to_auto_and_print_real_figures() {
     assert!(String::from_utf8_lossy(&o.stdout).contains("PASS"));
 }
 
+/// The bench result names both recompute settings: a run with `--recompute blocks` says its
+/// blocks were checkpointed (line and JSON), one without says they were not.
+#[test]
+fn bench_says_whether_blocks_were_checkpointed() {
+    let tmp = tempfile::tempdir().expect("scratch");
+    for (extra, want) in [(&["--recompute", "blocks"][..], true), (&[][..], false)] {
+        let mut args = vec!["bench", "--device", "cpu", "--model", "vit_builtin_default", "--micro", "4", "--steps", "1", "--warmup", "0", "--json"];
+        args.extend_from_slice(extra);
+        let o = vitscale(tmp.path(), &args);
+        ok(&o, "bench");
+        let s = String::from_utf8_lossy(&o.stdout);
+        assert!(s.contains(&format!("blocks checkpointed {want}")), "{s}");
+        let json: serde_json::Value = serde_json::from_str(s.lines().rev().find(|l| l.starts_with('{')).expect("a JSON line")).expect("JSON");
+        assert_eq!(json["checkpointed"], serde_json::Value::Bool(want), "{s}");
+    }
+}
+
 // ---- 12: sweeps ---------------------------------------------------------------------------
 
 /// A grid (or set) key the configuration does not know is an error before any point runs,
