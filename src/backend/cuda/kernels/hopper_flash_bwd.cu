@@ -8,19 +8,17 @@
 // 0 and 1 consume, warpgroup w owning keys k0 + 64w…; 2 computes dQ; warp 12 (of warpgroup 3)
 // produces. Per query tile:
 // - Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (m64n64k16, both operands K-major in shared memory),
-// - Pᵀ = exp2(Sᵀ·scale·log2(e) − lse2) and dSᵀ = Pᵀ ∘ (dPᵀ − delta) in registers,
-// - dSᵀ staged (bf16, 128-byte swizzle, stmatrix) into one of FL_DSB buffers, handed to the
-//   dQ warpgroup through an mbarrier,
-// - dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ, dSᵀ as register A operands against dO and Q read
-//   MN-major (their query rows as stored), dK and dV staying in registers for the whole walk;
+// - Pᵀ = exp2(Sᵀ·scale·log2(e) − lse2) in registers, and dV += Pᵀ·dO issued at once (Pᵀ as the
+//   register A operand, dO read MN-major: its query rows as stored),
+// - dSᵀ = Pᵀ ∘ (dPᵀ − delta) in registers while that product runs, staged (bf16, 128-byte
+//   swizzle, stmatrix) into one of FL_DSB buffers and handed to the dQ warpgroup through an
+//   mbarrier, then dK += dSᵀ·Q likewise; dK and dV stay in registers for the whole walk;
 // and the dQ warpgroup, once both consumers staged their halves of a tile's dSᵀ, computes
 // dQ = dS·K over all 128 keys (m64n64k16, A = dS read MN-major from the staged dSᵀ, B = K read
 // MN-major) and adds it, times the softmax scale, into the f32 dQ sums (B, N, H·D) with 16-byte
-// vector reductions: one reduction per value and block, as a split by keys would double.
-// The consumers never wait for each other: with the dQ product in a warpgroup of its own there
-// is no barrier between them within a tile, so one consumer's softmax runs beside the other's
-// products (a shared dQ step made both reach every tile's exponentials at the same time, the
-// tensor cores idle meanwhile).
+// vector reductions: one reduction per value and block, where a split by keys would double them.
+// The consumers never wait for each other (no barrier between them within a tile), so one
+// consumer's softmax runs while the other's products do.
 // Every wgmma group is waited for within the tile that issued it: with a group still in flight
 // across the loop's back edge ptxas serializes the wgmmas (C7514/C7517).
 // mbarriers: kv (K, V landed), full[s] (stage s's copies landed and the producer warp's 32 lanes
@@ -53,7 +51,7 @@
 #define FL_V (FL_K + FL_KEYS * 128)                 // V, 128 key rows
 #define FL_RING (FL_V + FL_KEYS * 128)              // stage s: Q (64 rows) at FL_RING + 16384·s, dO 8192 after
 #define FL_DS (FL_RING + FL_STAGES * 16384)         // FL_DSB dSᵀ buffers of 128 key rows × 64 queries
-#define FL_OUT (FL_DS + FL_DSB * FL_KEYS * 128)          // dK, dV staging: warpgroup w's dK at FL_OUT + 16384·w, dV 8192 after
+#define FL_OUT (FL_DS + FL_DSB * FL_KEYS * 128)     // dK, dV staging: warpgroup w's dK at FL_OUT + 16384·w, dV 8192 after
 #define FL_STAT (FL_OUT + 2 * 16384)                // stage s: 64 (lse2, delta) pairs at FL_STAT + 512·s
 #define FL_BAR (FL_STAT + FL_STAGES * 512)          // kv, full[FL_STAGES], empty[FL_STAGES], ds_full[FL_DSB], ds_empty[FL_DSB]
 // dynamic shared memory, with 1 KiB of alignment slack (attention.rs mirrors it)
