@@ -35,7 +35,12 @@ class MarkLines:
         lines = []
         for line in text.split("\n"):
             if line.startswith("{"):
-                row = json.loads(line)
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    # not a result line: passed on as it is
+                    lines.append(line)
+                    continue
                 row["checkpointed"] = True
                 line = json.dumps(row)
             lines.append(line)

@@ -350,13 +350,22 @@ struct ImageJob {
     taps: i64,
 }
 
-/// Taps per output pixel along an axis whose window of `rlen` source pixels becomes `out`
-/// pixels: the filter's support (widened by the downscale factor) each side and the center,
-/// with the kernels' f32 formulas. Sizes the tap table; the kernels never use more.
-fn taps_per_output(rlen: f32, out: usize, bicubic: bool) -> usize {
+/// The filter's reach in source pixels each side of an output's center, along an axis whose
+/// window of `rlen` source pixels becomes `out` pixels: bilinear 1, bicubic 2, widened by the
+/// downscale factor (the kernels' f32 formula).
+fn filter_support(rlen: f32, out: usize, bicubic: bool) -> f32 {
     let fscale = (rlen / out as f32).max(1.0);
-    let support = if bicubic { 2.0 * fscale } else { fscale };
-    (support.ceil() as usize) * 2 + 1
+    if bicubic {
+        2.0 * fscale
+    } else {
+        fscale
+    }
+}
+
+/// Taps per output pixel along such an axis: the support each side and the center. Sizes the
+/// tap table; the kernels never use more.
+fn taps_per_output(rlen: f32, out: usize, bicubic: bool) -> usize {
+    (filter_support(rlen, out, bicubic).ceil() as usize) * 2 + 1
 }
 
 /// The source rows the vertical filter reads for a crop starting at `r0` of `rlen` rows of an
@@ -364,8 +373,7 @@ fn taps_per_output(rlen: f32, out: usize, bicubic: bool) -> usize {
 /// f32 formulas and widened by a row each side against rounding differences.
 fn row_range(len: usize, r0: f32, rlen: f32, out: usize, bicubic: bool) -> (usize, usize) {
     let scale = rlen / out as f32;
-    let fscale = scale.max(1.0);
-    let support = if bicubic { 2.0 * fscale } else { fscale };
+    let support = filter_support(rlen, out, bicubic);
     let n = taps_per_output(rlen, out, bicubic);
     let (mut lo_all, mut hi_all) = (usize::MAX, 0usize);
     for i in 0..out {
