@@ -3,6 +3,9 @@
 //! keeping every block's activations (every pooling layout, the class token tail, stochastic
 //! depth), the same trained weights end to end, the DeepSpeed block's keys honoured or warned
 //! by name, and the memory estimate that knows one block's activations are held at a time.
+//! Both recomputes are covered: the whole block's (the CPU's probabilities are larger than the
+//! attention output) and the one that reuses each block's kept attention output (a model whose
+//! tokens are no more than its head dim, where the CPU's probabilities are no larger).
 
 use rand::Rng;
 use vitscale::backend::cpu::Cpu;
@@ -12,8 +15,9 @@ use vitscale::model::{GlobalPool, ModelConfig, Recompute, Vit};
 mod common;
 use common::{fresh_rng, ok, tmp, vitscale};
 
-/// (per-image losses, gradients, logits) of one forward + backward under `policy`.
-fn pass(cfg: &ModelConfig, weights: &[f32], imgs: &[f32], targets: &[f32], b: usize, policy: Recompute, scales: Option<&[f32]>) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+/// (per-image losses, gradients, logits, whether each block kept its attention output) of one
+/// forward + backward under `policy`.
+fn pass(cfg: &ModelConfig, weights: &[f32], imgs: &[f32], targets: &[f32], b: usize, policy: Recompute, scales: Option<&[f32]>) -> (Vec<f32>, Vec<f32>, Vec<f32>, bool) {
     let be = Cpu::new();
     let mut vit = Vit::new(&be, cfg.clone()).unwrap();
     vit.set_params(&be, weights).unwrap();
@@ -27,7 +31,8 @@ fn pass(cfg: &ModelConfig, weights: &[f32], imgs: &[f32], targets: &[f32], b: us
     vit.zero_grads(&be).unwrap();
     let out = vit.forward(&be, imgs, targets, b, Some(1.0 / b as f32)).unwrap();
     vit.backward(&be).unwrap();
-    (out.losses, be.download(&vit.grads).unwrap(), out.logits)
+    let kept = vit.checkpoint_kept_attention().expect("activations after a forward");
+    (out.losses, be.download(&vit.grads).unwrap(), out.logits, kept)
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -38,12 +43,14 @@ fn bits(v: &[f32]) -> Vec<u32> {
 fn checkpointed_blocks_give_the_same_gradients_bit_for_bit() {
     let (mut rng, seed) = fresh_rng();
     let layouts = [(GlobalPool::Token, true), (GlobalPool::Avg, true), (GlobalPool::Avg, false)];
-    for (pool, class_token) in layouts {
-        let cfg = ModelConfig { image_size: 12, patch_size: 4, in_chans: 3, embed_dim: 24, depth: 3, num_heads: 3, mlp_ratio: 2.0, num_classes: 5, qkv_bias: true, class_token, global_pool: pool };
+    // 12 px: 9 or 10 tokens over head dim 8 (the whole block recomputed); 8 px: 4 or 5 tokens
+    // (each block's attention output kept)
+    for (image_size, (pool, class_token)) in [12, 8].into_iter().flat_map(|px| layouts.map(|l| (px, l))) {
+        let cfg = ModelConfig { image_size, patch_size: 4, in_chans: 3, embed_dim: 24, depth: 3, num_heads: 3, mlp_ratio: 2.0, num_classes: 5, qkv_bias: true, class_token, global_pool: pool };
         let total = vitscale::model::ParamTable::new(&cfg).total;
         let weights: Vec<f32> = (0..total).map(|_| rng.gen_range(-0.2f32..0.2)).collect();
         let b = 3;
-        let imgs: Vec<f32> = (0..b * 3 * 12 * 12).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+        let imgs: Vec<f32> = (0..b * 3 * image_size * image_size).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
         let mut targets = vec![0.0f32; b * 5];
         (0..b).for_each(|i| targets[i * 5 + rng.gen_range(0..5)] = 1.0);
         let scales: Vec<f32> = (0..cfg.depth * 2 * b).map(|_| if rng.gen_bool(0.3) { 0.0 } else { 1.0 / 0.7 }).collect();
@@ -51,7 +58,9 @@ fn checkpointed_blocks_give_the_same_gradients_bit_for_bit() {
             let kept = pass(&cfg, &weights, &imgs, &targets, b, Recompute::Never, drop);
             let regen = pass(&cfg, &weights, &imgs, &targets, b, Recompute::Always, drop);
             let ckpt = pass(&cfg, &weights, &imgs, &targets, b, Recompute::Blocks, drop);
-            let what = format!("{pool:?}, class token {class_token}, drop path {} (seed {seed})", drop.is_some());
+            let what = format!("{image_size} px, {pool:?}, class token {class_token}, drop path {} (seed {seed})", drop.is_some());
+            assert_eq!(ckpt.3, image_size == 8, "attention output kept: {what}");
+            assert!(!kept.3 && !regen.3, "kept attention without checkpointing: {what}");
             assert_eq!(bits(&ckpt.0), bits(&kept.0), "losses: {what}");
             assert_eq!(bits(&ckpt.2), bits(&kept.2), "logits: {what}");
             assert_eq!(bits(&ckpt.1), bits(&kept.1), "gradients: {what}");
@@ -113,4 +122,16 @@ fn the_memory_estimate_holds_one_block_under_checkpointing() {
     // one block: the saved attention of one (16 × 16 heads × 4097²) at 2 bytes is within it
     let one_attention = 16.0 * 16.0 * 4097.0 * 4097.0 * 2.0;
     assert!(ckpt.activations > one_attention && ckpt.activations < 3.0 * one_attention);
+
+    // the fused attention's state (a log-sum-exp per row: 2·B·H·N slots) is smaller than the
+    // attention output, so each checkpointed block keeps both: 24 × (B·N·C + 2·B·H·N) more
+    // elements than one block's state alone, the probabilities' (B·H·N²) gone
+    let lse = |b: usize, n: usize, h: usize, _d: usize| 2 * b * h * n;
+    let fused = DeviceMemory { compute_bytes: 2.0, compute_copy: true, attention_saved: &lse };
+    let kept = estimate(&cfg, shape, &fused, false, true);
+    let (b, n, h, c) = (16.0, 4097.0, 16.0, 1024.0);
+    let (state, probs) = (2.0 * b * h * n, b * h * n * n);
+    let expected = ckpt.activations + 2.0 * (state - probs + 24.0 * (b * n * c + state));
+    assert!((kept.activations - expected).abs() < 1e-9 * expected, "{} against {expected}", kept.activations);
+    eprintln!("with the fused attention: {:.1} GB of activations checkpointed, {:.1} GB in all", gb(kept.activations), gb(kept.total));
 }

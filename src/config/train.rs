@@ -22,7 +22,7 @@ pub(super) const T_STEPS: KeyDef = key("steps", POS_INT, Dflt::Unset, "Run lengt
     .resume_free();
 const T_SEED: KeyDef = key("seed", NONNEG_INT, Dflt::Int(0), "Seed for initialization, shuffling and augmentation.");
 const T_RECOMPUTE: KeyDef = key("recompute", Ty::Choice(Recompute::NAMES), Dflt::Derived("\"blocks\" when the activation_checkpointing block is given, else \"auto\""),
-    "Activation memory: \"always\" regenerates every block's LayerNorm and GELU outputs in the backward instead of keeping them (saves 2·C + F values per token and block), \"never\" keeps them, \"auto\" regenerates only where the backend says it is nearly free (small batches on a GPU; never on the CPU); \"blocks\" checkpoints every block (keeps its output alone and runs its forward again in the backward: one block's activations held at a time, one more forward; the same gradients).")
+    "Activation memory: \"always\" regenerates every block's LayerNorm and GELU outputs in the backward instead of keeping them (saves 2·C + F values per token and block), \"never\" keeps them, \"auto\" regenerates only where the backend says it is nearly free (small batches on a GPU; never on the CPU); \"blocks\" checkpoints every block (keeps its output and runs its forward again in the backward, up to fc2's input: one block's activations held at a time; where the attention's saved state is no larger than its output, as with the GPU's fused attention, each block also keeps its attention output and the recompute skips the attention core; the same gradients).")
     .resume_free();
 const T_EVAL_EVERY: KeyDef = key("eval_every", NONNEG_INT, Dflt::Int(0), "Evaluate every N optimizer steps; 0 = at the end of each epoch.")
     .resume_free();

@@ -17,4 +17,4 @@ pub mod weights;
 
 pub use params::{ParamEntry, ParamKind, ParamTable};
 pub use spec::{GlobalPool, ModelConfig, LN_EPS};
-pub use vit::{smoothed_targets, ForwardOut, Recompute, Vit};
+pub use vit::{checkpoint_keeps_attention, smoothed_targets, ForwardOut, Recompute, Vit};

@@ -46,9 +46,13 @@ pub enum Recompute {
     /// Always regenerate them in the backward.
     Always,
     /// Activation checkpointing per block (timm's `set_grad_checkpointing`, DeepSpeed's
-    /// `activation_checkpointing`): the forward keeps each block's output alone, and the
-    /// backward runs each block's forward again from its input before differentiating it, so
-    /// one block's activations are held at a time (least memory, one more forward).
+    /// `activation_checkpointing`): the forward keeps each block's output, and the backward
+    /// runs each block's forward again from its input before differentiating it, so one
+    /// block's activations are held at a time. Where the attention's saved state is no larger
+    /// than its output (the fused attention's log-sum-exp; `checkpoint_keeps_attention`) each
+    /// block also keeps its attention output and that state, and the recompute skips the
+    /// attention core, the most expensive part of a block at long sequences. The recompute never
+    /// runs fc2: the backward needs its input, not its output.
     Blocks,
 }
 
@@ -93,6 +97,23 @@ struct BlockActs<B: Backend> {
     fc1_act: Option<B::Buf>, // (B·N, F) after GELU
 }
 
+/// Whether per-block checkpointing (`Recompute::Blocks`) keeps each block's attention output
+/// ((B·N, C), `rows · c` elements) and saved state (`saved` elements) instead of recomputing
+/// the attention core: when that state is no larger than the output itself, the fused
+/// attention's per-row log-sum-exp, not the CPU's or the GEMM path's B·H·N·N probabilities
+/// (keeping those per block would undo what checkpointing saves). Not under sequence
+/// parallelism, whose attention output is the heads' layout exchanged between ranks.
+pub fn checkpoint_keeps_attention(saved: f64, rows: f64, c: f64, sequence_parallel: bool) -> bool {
+    !sequence_parallel && saved <= rows * c
+}
+
+/// A block's attention output and saved state under checkpointing, swapped into the one shared
+/// `BlockActs` while that block runs (`Activations::swap_kept_attention`).
+struct KeptAttention<B: Backend> {
+    att: B::Buf,
+    probs: B::Buf,
+}
+
 /// Shared buffers standing in for the per-block LayerNorm and GELU outputs when they are
 /// regenerated: the forward writes them just before their consumer reads them, and the
 /// backward recomputes them just before the weight gradient that needs them.
@@ -125,6 +146,9 @@ struct Activations<B: Backend> {
     /// every block's forward and recomputed forward writes in turn.
     blocks: Vec<BlockActs<B>>,
     checkpointing: bool,
+    /// Under checkpointing, each block's attention output and saved state when
+    /// `checkpoint_keeps_attention` says so (else empty).
+    kept_attention: Vec<KeptAttention<B>>,
     /// (B·N, C) each block's output: the residual stream after its MLP, the next block's input.
     outputs: Vec<B::Buf>,
     final_mean: B::Buf,
@@ -195,6 +219,13 @@ impl<B: Backend> Activations<B> {
             });
         }
         let outputs = (0..m.depth).map(|_| be.alloc(bn * c)).collect::<BResult<Vec<_>>>()?;
+        let saved = be.attention_saved_len(cap, n_all, heads, m.embed_dim / m.num_heads);
+        let keep_attention = checkpointing && checkpoint_keeps_attention(saved as f64, bn as f64, c as f64, sp.is_some());
+        let kept_attention = if keep_attention {
+            (0..m.depth).map(|_| Ok(KeptAttention { att: be.alloc(bn * c)?, probs: be.alloc(saved)? })).collect::<BResult<Vec<_>>>()?
+        } else {
+            Vec::new()
+        };
         Ok(Activations {
             cap,
             regen,
@@ -205,6 +236,7 @@ impl<B: Backend> Activations<B> {
             x0: be.alloc(bn * c)?,
             blocks,
             checkpointing,
+            kept_attention,
             outputs,
             final_mean: be.alloc_f32(cap)?,
             final_rstd: be.alloc_f32(cap)?,
@@ -232,6 +264,19 @@ impl<B: Backend> Activations<B> {
                 None => None,
             },
         })
+    }
+}
+
+impl<B: Backend> Activations<B> {
+    /// Exchanges block `i`'s kept attention output and state with the shared set's (every
+    /// buffer of either has the same size): called before block `i` runs, so that its forward
+    /// writes and its backward reads its own, and again after, to put them back. No-op when
+    /// nothing is kept.
+    fn swap_kept_attention(&mut self, i: usize) {
+        if let (Some(k), Some(blk)) = (self.kept_attention.get_mut(i), self.blocks.first_mut()) {
+            std::mem::swap(&mut k.att, &mut blk.att);
+            std::mem::swap(&mut k.probs, &mut blk.probs);
+        }
     }
 }
 
@@ -296,14 +341,19 @@ fn block_backward<B: Backend>(
     // the last block with the class token tail: B rows (one per image) after attention
     let rows = if class_tail { b } else { bn };
     let per_image = if class_tail { 1 } else { n };
+    // this block's kept attention output and state into the shared set (put back at the end)
+    if !class_tail {
+        a.swap_kept_attention(i);
+    }
     let (prev, rest) = a.outputs.split_at_mut(i);
     let x = if i == 0 { &a.x0 } else { &prev[i - 1] };
     if a.checkpointing {
-        // the block's activations again from its saved input (its output is rewritten
-        // with the values it holds)
+        // the block's activations again from its saved input, up to the fc2 input (its
+        // attention output and state are this block's own when kept: see `Activations`)
+        let attention_kept = !class_tail && !a.kept_attention.is_empty();
         let io = BlockIo { x, out: &mut rest[0], cls_ln1: &mut a.cls_ln1, cls_q: &mut a.cls_q };
         let spp = sp.as_deref_mut().zip(a.sp.as_mut());
-        block_forward(be, m, (s, w), (i, b, class_tail), io, &mut a.blocks[0], None, a.gelu_saved, dp.as_deref_mut(), spp)?;
+        block_forward(be, m, (s, w), (i, b, class_tail), io, &mut a.blocks[0], None, a.gelu_saved, dp.as_deref_mut(), spp, Pass::Recompute { attention_kept })?;
     }
     let blk = &a.blocks[if a.checkpointing { 0 } else { i }];
     // MLP: fc2 (with the GELU backward fused), fc1, ln2 (+ residual) → dres_b = dx1
@@ -372,7 +422,19 @@ fn block_backward<B: Backend>(
     // dres_a is the previous block's fc2 output gradient: its bias gradient from this pass
     let prev_fc2_b = bias.prev_fc2;
     be.layernorm_backward(&mut a.dres_a, g, &a.dln, Some(dx1), x, &blk.ln1_mean, &blk.ln1_rstd, w, s.norm1_w, s.norm1_b, bn, c, prev_fc2_b)?;
+    if !class_tail {
+        a.swap_kept_attention(i);
+    }
     Ok(())
+}
+
+/// Which forward of a block runs: the forward pass, or its rerun in the backward under
+/// checkpointing, which stops at fc2's input (the backward reads that, never the block's output)
+/// and skips the attention core when the block kept its output and state.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    Forward,
+    Recompute { attention_kept: bool },
 }
 
 /// What one block's forward reads and writes outside its own activations.
@@ -390,8 +452,8 @@ struct BlockIo<'a, B: Backend> {
 /// mlp(ln2(x1)), saving what its backward needs in `blk` (LayerNorm and GELU outputs in the
 /// shared `regen` buffers when those are regenerated). `tail_block`: the last block under the
 /// class token tail, whose rows past the attention are the class tokens alone. Also what the
-/// backward runs again under checkpointing: the same kernels on the same input and weights
-/// write the same activations.
+/// backward runs again under checkpointing (`pass`): the same kernels on the same input and
+/// weights write the same activations.
 #[allow(clippy::too_many_arguments)]
 fn block_forward<B: Backend>(
     be: &B,
@@ -404,6 +466,7 @@ fn block_forward<B: Backend>(
     gelu_saved: GeluSaved,
     mut dp: Option<&mut BranchScales<B>>,
     sp: Option<(&mut SeqParallel<B>, &mut SpScratch<B>)>,
+    pass: Pass,
 ) -> BResult<()> {
     let (n_all, c, h, d, f) = (m.num_tokens(), m.embed_dim, m.num_heads, m.head_dim(), m.mlp_hidden());
     // rows per image: every token, or this rank's under sequence parallelism
@@ -442,7 +505,9 @@ fn block_forward<B: Backend>(
         bn
     } else {
         be.matmul_forward(&mut blk.qkv, None, ln1, w, s.qkv_w, s.qkv_b, bn, c, 3 * c)?;
-        be.attention_forward(&mut blk.att, &mut blk.probs, &blk.qkv, b, n, h, d)?;
+        if pass != (Pass::Recompute { attention_kept: true }) {
+            be.attention_forward(&mut blk.att, &mut blk.probs, &blk.qkv, b, n, h, d)?;
+        }
         residual_branch(be, dp.as_deref_mut(), (i, 0), &mut blk.x1, x, &blk.att, w, (s.proj_w, s.proj_b), (bn, n), c, c)?;
         bn
     };
@@ -451,6 +516,9 @@ fn block_forward<B: Backend>(
     be.layernorm_forward(ln2, &mut blk.ln2_mean, &mut blk.ln2_rstd, &blk.x1, w, s.norm2_w, s.norm2_b, rows, c)?;
     let act = kept_or_shared(&mut blk.fc1_act, shared_act.as_deref_mut())?;
     be.matmul_forward(act, Some((&mut blk.fc1_pre, gelu_saved)), ln2, w, s.fc1_w, Some(s.fc1_b), rows, c, f)?;
+    if pass != Pass::Forward {
+        return Ok(());
+    }
     residual_branch(be, dp, (i, 1), out, &blk.x1, act, w, (s.fc2_w, s.fc2_b), (rows, per_image), f, c)
 }
 
@@ -702,6 +770,12 @@ impl<B: Backend> Vit<B> {
         self.acts.as_ref().map(|a| a.regen.is_some())
     }
 
+    /// Under checkpointing, whether each block kept its attention output and saved state
+    /// (`checkpoint_keeps_attention`); None before the first forward.
+    pub fn checkpoint_kept_attention(&self) -> Option<bool> {
+        self.acts.as_ref().map(|a| !a.kept_attention.is_empty())
+    }
+
     /// Whether the last block runs on the class token alone after its keys and values. Under
     /// token pooling the head reads nothing but the class token of the last block's output,
     /// and within that block only the attention mixes tokens: every other token's query,
@@ -887,6 +961,10 @@ impl<B: Backend> Vit<B> {
                 None => w,
             };
             let s = &ts.blocks[i];
+            let tail_block = tail && i + 1 == m.depth;
+            if !tail_block {
+                a.swap_kept_attention(i);
+            }
             let (prev, rest) = a.outputs.split_at_mut(i);
             let x = if i == 0 { &a.x0 } else { &prev[i - 1] };
             let blk = &mut a.blocks[if a.checkpointing { 0 } else { i }];
@@ -894,7 +972,10 @@ impl<B: Backend> Vit<B> {
             // this block's branch factors, when it can drop anything
             let dp = drop.as_deref_mut().filter(|d| d.active[i]);
             let spp = sp.as_deref_mut().zip(a.sp.as_mut());
-            block_forward(be, m, (s, wb), (i, b, tail && i + 1 == m.depth), io, blk, a.regen.as_mut(), gelu_saved, dp, spp)?;
+            block_forward(be, m, (s, wb), (i, b, tail_block), io, blk, a.regen.as_mut(), gelu_saved, dp, spp, Pass::Forward)?;
+            if !tail_block {
+                a.swap_kept_attention(i);
+            }
         }
         let x_last = a.outputs.last().unwrap_or(&a.x0);
 

@@ -1016,13 +1016,15 @@ pub fn training_losses<B: Backend>(be: &B, seed: u64, steps: usize) -> BResult<(
     Ok((dev, cpu))
 }
 
-/// The same training on `be` keeping every activation and regenerating LayerNorm/GELU outputs:
-/// (never, always) losses, which must be identical (same kernels on the same inputs).
-pub fn recompute_losses<B: Backend>(be: &B, seed: u64, steps: usize) -> BResult<(Vec<f32>, Vec<f32>)> {
+/// The same training on `be` keeping every activation, regenerating LayerNorm/GELU outputs,
+/// and checkpointing every block: (never, always, blocks) losses, which must be identical (the
+/// same kernels on the same inputs; a checkpointed block's attention output kept or recomputed).
+pub fn recompute_losses<B: Backend>(be: &B, seed: u64, steps: usize) -> BResult<(Vec<f32>, Vec<f32>, Vec<f32>)> {
     let (cfg, init, batches, opt, decay, b) = small_training_setup(seed);
     let never = train_small(be, &cfg, &init, &batches, &opt, &decay, b, steps, Recompute::Never)?;
     let always = train_small(be, &cfg, &init, &batches, &opt, &decay, b, steps, Recompute::Always)?;
-    Ok((never, always))
+    let blocks = train_small(be, &cfg, &init, &batches, &opt, &decay, b, steps, Recompute::Blocks)?;
+    Ok((never, always, blocks))
 }
 
 type Batches = Vec<(Vec<f32>, Vec<f32>)>;
@@ -1113,10 +1115,12 @@ pub fn run_parts<B: Backend>(be: &B, seed: Option<u64>, parts: Parts) -> BResult
     let tol = if be.needs_compute_copy() { 2e-2 } else { 1e-4 };
     let worst = dev.iter().zip(&cpu).map(|(a, b)| if a.is_nan() { f64::NAN } else { ((a - b) / b).abs() as f64 }).fold(0f64, |m, e| if e.is_nan() || m.is_nan() { f64::NAN } else { m.max(e) });
     cx.checks.push(Check { name: "training: 20 SGD steps, small ViT (32px/4, C96, depth 3), per-step loss".into(), rel_err: worst, tol, pass: worst.is_finite() && worst <= tol && dev.len() == cpu.len() });
-    let (never, always) = recompute_losses(be, seed, 5)?;
-    let same = never.len() == 5 && never.iter().zip(&always).all(|(a, b)| a.to_bits() == b.to_bits());
-    let diff = never.iter().zip(&always).map(|(a, b)| ((a - b) / b).abs() as f64).fold(0f64, f64::max);
-    cx.checks.push(Check { name: "training: 5 steps keeping vs regenerating LayerNorm/GELU outputs, bitwise".into(), rel_err: diff, tol: 0.0, pass: same });
+    let (never, always, blocks) = recompute_losses(be, seed, 5)?;
+    for (other, what) in [(&always, "regenerating LayerNorm/GELU outputs"), (&blocks, "checkpointing every block")] {
+        let same = never.len() == 5 && other.len() == 5 && never.iter().zip(other).all(|(a, b)| a.to_bits() == b.to_bits());
+        let diff = never.iter().zip(other).map(|(a, b)| ((a - b) / b).abs() as f64).fold(0f64, f64::max);
+        cx.checks.push(Check { name: format!("training: 5 steps keeping every activation vs {what}, bitwise"), rel_err: diff, tol: 0.0, pass: same });
+    }
     Ok((seed, cx.checks, dev, cpu))
 }
 

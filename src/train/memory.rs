@@ -177,7 +177,7 @@ pub fn param_count(m: &ModelConfig) -> f64 {
 /// Activation elements (compute dtype) of one pass of `b` images, and its f32 statistics, as
 /// `model::Vit` allocates them; `attention_saved` is the backend's saved attention length for
 /// one block at this batch.
-fn activation_elems(m: &ModelConfig, b: f64, attention_saved: f64, regenerate: bool, checkpointing: bool) -> (f64, f64) {
+fn activation_elems(m: &ModelConfig, b: f64, attention_saved: f64, regenerate: bool, checkpointing: bool, sequence_parallel: bool) -> (f64, f64) {
     // F as timm truncates it (`int(embed_dim * mlp_ratio)`), as the parameter table has it
     let (c, f, k) = (m.embed_dim as f64, m.mlp_hidden() as f64, m.num_classes as f64);
     let n = (m.image_size / m.patch_size.max(1)).pow(2) as f64 + f64::from(u8::from(m.class_token));
@@ -185,11 +185,17 @@ fn activation_elems(m: &ModelConfig, b: f64, attention_saved: f64, regenerate: b
     let pd = (m.in_chans * m.patch_size * m.patch_size) as f64;
     let bn = b * n;
     // per block: qkv, att, x1, fc1_pre (+ ln1, ln2, fc1_act when kept), and its output; under
-    // checkpointing one block's set serves every block and the outputs stay
+    // checkpointing one block's set serves every block and the outputs stay, with each
+    // block's attention output and state where the model keeps them
     let kept = if regenerate { 0.0 } else { 2.0 * c + f };
     let block = bn * (3.0 * c + 2.0 * c + f + kept) + attention_saved;
     let sets = if checkpointing { (m.depth as f64).min(1.0) } else { m.depth as f64 };
-    let outputs = m.depth as f64 * bn * c;
+    let kept_attention = if checkpointing && crate::model::checkpoint_keeps_attention(attention_saved, bn, c, sequence_parallel) {
+        m.depth as f64 * (bn * c + attention_saved)
+    } else {
+        0.0
+    };
+    let outputs = m.depth as f64 * bn * c + kept_attention;
     let regen = if regenerate { bn * (c + f) } else { 0.0 };
     // embedding, residual and gradient scratch shared by the blocks
     let shared = b * 3.0 * (m.image_size * m.image_size) as f64 + b * np * (pd + 2.0 * c) + bn * (c + 5.0 * c + 3.0 * c + f) + b * (8.0 * c + 2.0 * k);
@@ -240,7 +246,7 @@ pub fn estimate(cfg: &RunConfig, shape: RankBatch, dev: &DeviceMemory<'_>, regen
     } else {
         b as f64 * h as f64 * n as f64 * n as f64
     };
-    let (elems, stats) = activation_elems(m, b as f64, att, regenerate, checkpointing);
+    let (elems, stats) = activation_elems(m, b as f64, att, regenerate, checkpointing, cfg.batch.sequence_parallel_size > 1);
     // stochastic depth: one branch's output through a scratch, and each image's factors
     let drop_path = if cfg.drop_path_rate > 0.0 { b as f64 * n as f64 * m.embed_dim as f64 * dev.compute_bytes + (2 * m.depth * b) as f64 * 4.0 } else { 0.0 };
     // sequence parallelism: a rank keeps its 1/SP of the tokens' activations and its 1/SP of the
