@@ -265,9 +265,7 @@ impl<B: Backend> Activations<B> {
             },
         })
     }
-}
 
-impl<B: Backend> Activations<B> {
     /// Exchanges block `i`'s kept attention output and state with the shared set's (every
     /// buffer of either has the same size): called before block `i` runs, so that its forward
     /// writes and its backward reads its own, and again after, to put them back. No-op when
