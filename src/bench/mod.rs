@@ -72,6 +72,9 @@ pub struct BenchResult {
     /// Whether the backward ran each block's forward again from its saved input
     /// (`--recompute blocks`, activation checkpointing).
     pub checkpointed: bool,
+    /// Under checkpointing, whether each block kept its attention output, so that the rerun
+    /// skipped the attention core (`model::checkpoint_keeps_attention`).
+    pub attention_kept: bool,
     /// SM clock and board power during the timed steps (CUDA with NVML only).
     pub gpu_power: Option<PowerSummary>,
     /// The same during the ceiling GEMM.
@@ -167,6 +170,7 @@ fn bench_cpu(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     let mut r = result(args, s, "cpu".into(), st.vit.table.total, false, ms, 0.0, 0.0, loss, 0.0);
     r.recomputed = st.plan.recompute;
     r.checkpointed = st.plan.checkpointing;
+    r.attention_kept = st.vit.checkpoint_kept_attention() == Some(true);
     Ok(r)
 }
 
@@ -197,6 +201,7 @@ fn result(args: &BenchArgs, s: &Setup, device: String, params: usize, graph: boo
         attention: "cpu".into(),
         recomputed: false,
         checkpointed: false,
+        attention_kept: false,
         gpu_power: None,
         ceiling_gpu_power: None,
     }
@@ -269,6 +274,7 @@ fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     r.attention = be.attention_path().name().to_string();
     r.recomputed = st.plan.recompute;
     r.checkpointed = st.plan.checkpointing;
+    r.attention_kept = st.vit.checkpoint_kept_attention() == Some(true);
     r.gpu_power = power;
     r.ceiling_gpu_power = ceiling_power;
     Ok(r)

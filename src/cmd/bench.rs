@@ -96,8 +96,9 @@ pub fn run(mut args: BenchArgs) -> anyhow::Result<()> {
         ("cpu", None) => "peak mem n/a on the CPU (no device memory)".to_string(),
         _ => format!("peak mem {:.2} GiB", r.peak_mem_gib),
     };
+    let kept = if r.attention_kept { " (attention outputs kept)" } else { "" };
     println!(
-        "{} on {}: micro {} | {:.2} ms/step | {:.1} img/s | {mfu} | {peak} | graph {} | norm/GELU recomputed {} | blocks checkpointed {} | loss {:.4}",
+        "{} on {}: micro {} | {:.2} ms/step | {:.1} img/s | {mfu} | {peak} | graph {} | norm/GELU recomputed {} | blocks checkpointed {}{kept} | loss {:.4}",
         r.model, r.device, r.micro, r.step_ms, r.img_per_s, r.graph, r.recomputed, r.checkpointed, r.loss
     );
     if r.executed_share < 1.0 {
