@@ -58,6 +58,7 @@ fn checkpointed_blocks_give_the_same_gradients_bit_for_bit() {
             let kept = pass(&cfg, &weights, &imgs, &targets, b, Recompute::Never, drop);
             let regen = pass(&cfg, &weights, &imgs, &targets, b, Recompute::Always, drop);
             let ckpt = pass(&cfg, &weights, &imgs, &targets, b, Recompute::Blocks, drop);
+            let full = pass(&cfg, &weights, &imgs, &targets, b, Recompute::BlocksFull, drop);
             let what = format!("{image_size} px, {pool:?}, class token {class_token}, drop path {} (seed {seed})", drop.is_some());
             assert_eq!(ckpt.3, image_size == 8, "attention output kept: {what}");
             assert!(!kept.3 && !regen.3, "kept attention without checkpointing: {what}");
@@ -65,6 +66,8 @@ fn checkpointed_blocks_give_the_same_gradients_bit_for_bit() {
             assert_eq!(bits(&ckpt.2), bits(&kept.2), "logits: {what}");
             assert_eq!(bits(&ckpt.1), bits(&kept.1), "gradients: {what}");
             assert_eq!(bits(&regen.1), bits(&kept.1), "regenerated LayerNorm/GELU: {what}");
+            assert_eq!((bits(&full.0), bits(&full.1)), (bits(&kept.0), bits(&kept.1)), "blocks_full: {what}");
+            assert!(!full.3, "blocks_full kept an attention output: {what}");
             assert!(kept.1.iter().any(|&g| g != 0.0));
         }
     }
@@ -93,6 +96,9 @@ fn the_deepspeed_block_checkpoints_every_block_and_trains_the_same() {
     assert!(err.contains("activation_checkpointing.cpu_checkpointing") && !err.contains("activation_checkpointing.partition_activations"), "{err}");
     let (_, _, explicit) = run("explicit", &["--set", "activation_checkpointing={}", "--set", "train.recompute=never"]);
     assert_eq!(explicit["train"]["recompute"], "never");
+    let (full, _, full_cfg) = run("full", &["--set", "train.recompute=blocks_full"]);
+    assert_eq!(full_cfg["train"]["recompute"], "blocks_full");
+    assert_eq!(plain["weights_hash"], full["weights_hash"], "blocks_full changed the trained weights");
     let bad = vitscale(t.path(), &["train", "--device", "cpu", "--set", "activation_checkpointing={\"number_checkpoint\": 4}"]);
     assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("activation_checkpointing.number_checkpoint"));
 }
@@ -134,4 +140,11 @@ fn the_memory_estimate_holds_one_block_under_checkpointing() {
     let expected = ckpt.activations + 2.0 * (state - probs + 24.0 * (b * n * c + state));
     assert!((kept.activations - expected).abs() < 1e-9 * expected, "{} against {expected}", kept.activations);
     eprintln!("with the fused attention: {:.1} GB of activations checkpointed, {:.1} GB in all", gb(kept.activations), gb(kept.total));
+    // "blocks_full" keeps no attention output: one block's state in place of the probabilities
+    let mut full_cfg = v.clone();
+    full_cfg["train"] = serde_json::json!({"recompute": "blocks_full"});
+    let full_cfg = vitscale::config::resolve(&full_cfg, 1).expect("config");
+    let full = estimate(&full_cfg, shape, &fused, false, true);
+    let expected = ckpt.activations + 2.0 * (state - probs);
+    assert!((full.activations - expected).abs() < 1e-9 * expected, "{} against {expected}", full.activations);
 }

@@ -242,15 +242,20 @@ fn bench_and_selftest_default_to_auto_and_print_real_figures() {
 }
 
 /// The bench result names both recompute settings: a run with `--recompute blocks` says its
-/// blocks were checkpointed (line and JSON), and whether they kept their attention outputs;
-/// one without says they were not.
+/// blocks were checkpointed (line and JSON), and whether they kept their attention outputs
+/// (never under `blocks_full`); one without says they were not.
 #[test]
 fn bench_says_whether_blocks_were_checkpointed() {
     let tmp = tempfile::tempdir().expect("scratch");
     // (the built-in model at 16 px: 17 tokens over head dim 16, so the CPU's probabilities are
     // larger than the attention output and the whole block runs again; at 12 px, 10 tokens,
     // each block keeps its attention output)
-    let cases: [(&[&str], bool, bool); 3] = [(&["--recompute", "blocks"], true, false), (&["--recompute", "blocks", "--img", "12"], true, true), (&[], false, false)];
+    let cases: [(&[&str], bool, bool); 4] = [
+        (&["--recompute", "blocks"], true, false),
+        (&["--recompute", "blocks", "--img", "12"], true, true),
+        (&["--recompute", "blocks_full", "--img", "12"], true, false),
+        (&[], false, false),
+    ];
     for (extra, want, kept) in cases {
         let mut args = vec!["bench", "--device", "cpu", "--model", "vit_builtin_default", "--micro", "4", "--steps", "1", "--warmup", "0", "--json"];
         args.extend_from_slice(extra);

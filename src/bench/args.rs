@@ -49,8 +49,10 @@ pub struct BenchArgs {
     /// CUDA attention path: fused, fused-pipe or gemm (default: $VITSCALE_ATTENTION, else fused).
     #[arg(long)]
     pub attention: Option<String>,
-    /// Activation memory policy: auto (regenerate LayerNorm/GELU outputs in the backward when
-    /// the backend says it is nearly free), never, always.
+    /// Activation memory policy (`train.recompute`): auto (regenerate LayerNorm/GELU outputs in
+    /// the backward when the backend says it is nearly free), never, always, blocks (checkpoint
+    /// every block, keeping its attention output where the attention's state allows),
+    /// blocks_full (checkpoint every block, the attention recomputed too).
     #[arg(long, default_value = "auto")]
     pub recompute: String,
     /// Compute the last block for every token, as timm does, instead of the class token alone

@@ -54,17 +54,27 @@ pub enum Recompute {
     /// attention core, the most expensive part of a block at long sequences. The recompute never
     /// runs fc2: the backward needs its input, not its output.
     Blocks,
+    /// `Blocks` keeping nothing more than each block's output: the recompute runs the attention
+    /// core again too (least memory; what timm's and DeepSpeed's checkpointing of a whole block
+    /// does).
+    #[serde(rename = "blocks_full")]
+    BlocksFull,
 }
 
 impl Recompute {
-    pub const NAMES: &'static [&'static str] = &["auto", "never", "always", "blocks"];
+    pub const NAMES: &'static [&'static str] = &["auto", "never", "always", "blocks", "blocks_full"];
     pub fn as_str(self) -> &'static str {
         match self {
             Recompute::Auto => "auto",
             Recompute::Never => "never",
             Recompute::Always => "always",
             Recompute::Blocks => "blocks",
+            Recompute::BlocksFull => "blocks_full",
         }
+    }
+    /// Whether this policy checkpoints every block (`Blocks`, `BlocksFull`).
+    pub fn checkpoints(self) -> bool {
+        matches!(self, Recompute::Blocks | Recompute::BlocksFull)
     }
     pub fn parse(v: &str) -> Result<Recompute, String> {
         match v {
@@ -72,7 +82,8 @@ impl Recompute {
             "never" | "none" => Ok(Recompute::Never),
             "always" => Ok(Recompute::Always),
             "blocks" => Ok(Recompute::Blocks),
-            other => Err(format!("unknown recompute policy {other:?} (auto, never, always, blocks)")),
+            "blocks_full" => Ok(Recompute::BlocksFull),
+            other => Err(format!("unknown recompute policy {other:?} (auto, never, always, blocks, blocks_full)")),
         }
     }
 }
@@ -97,9 +108,9 @@ struct BlockActs<B: Backend> {
     fc1_act: Option<B::Buf>, // (B·N, F) after GELU
 }
 
-/// Whether per-block checkpointing (`Recompute::Blocks`) keeps each block's attention output
-/// ((B·N, C), `rows · c` elements) and saved state (`saved` elements) instead of recomputing
-/// the attention core: when that state is no larger than the output itself, the fused
+/// Whether per-block checkpointing (`Recompute::Blocks`; never `BlocksFull`) keeps each block's
+/// attention output ((B·N, C), `rows · c` elements) and saved state (`saved` elements) instead
+/// of recomputing the attention core: when that state is no larger than the output itself, the fused
 /// attention's per-row log-sum-exp, not the CPU's or the GEMM path's B·H·N·N probabilities
 /// (keeping those per block would undo what checkpointing saves). Not under sequence
 /// parallelism, whose attention output is the heads' layout exchanged between ranks.
@@ -189,10 +200,10 @@ impl<B: Backend> Activations<B> {
         let bn = cap * n;
         let regenerate = match policy {
             Recompute::Auto => bn * f <= be.recompute_below(),
-            Recompute::Never | Recompute::Blocks => false,
+            Recompute::Never | Recompute::Blocks | Recompute::BlocksFull => false,
             Recompute::Always => true,
         };
-        let checkpointing = policy == Recompute::Blocks;
+        let checkpointing = policy.checkpoints();
         let kept = |len: usize| -> BResult<Option<B::Buf>> { if regenerate { Ok(None) } else { be.alloc(len).map(Some) } };
         let regen = if regenerate {
             Some(Regen { ln: be.alloc(bn * c)?, mean: be.alloc_f32(bn)?, rstd: be.alloc_f32(bn)?, act: be.alloc(bn * f)? })
@@ -220,7 +231,7 @@ impl<B: Backend> Activations<B> {
         }
         let outputs = (0..m.depth).map(|_| be.alloc(bn * c)).collect::<BResult<Vec<_>>>()?;
         let saved = be.attention_saved_len(cap, n_all, heads, m.embed_dim / m.num_heads);
-        let keep_attention = checkpointing && checkpoint_keeps_attention(saved as f64, bn as f64, c as f64, sp.is_some());
+        let keep_attention = policy == Recompute::Blocks && checkpoint_keeps_attention(saved as f64, bn as f64, c as f64, sp.is_some());
         let kept_attention = if keep_attention {
             (0..m.depth).map(|_| Ok(KeptAttention { att: be.alloc(bn * c)?, probs: be.alloc(saved)? })).collect::<BResult<Vec<_>>>()?
         } else {

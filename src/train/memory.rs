@@ -177,7 +177,7 @@ pub fn param_count(m: &ModelConfig) -> f64 {
 /// Activation elements (compute dtype) of one pass of `b` images, and its f32 statistics, as
 /// `model::Vit` allocates them; `attention_saved` is the backend's saved attention length for
 /// one block at this batch.
-fn activation_elems(m: &ModelConfig, b: f64, attention_saved: f64, regenerate: bool, checkpointing: bool, sequence_parallel: bool) -> (f64, f64) {
+fn activation_elems(m: &ModelConfig, b: f64, attention_saved: f64, regenerate: bool, checkpointing: bool, no_kept_attention: bool) -> (f64, f64) {
     // F as timm truncates it (`int(embed_dim * mlp_ratio)`), as the parameter table has it
     let (c, f, k) = (m.embed_dim as f64, m.mlp_hidden() as f64, m.num_classes as f64);
     let n = (m.image_size / m.patch_size.max(1)).pow(2) as f64 + f64::from(u8::from(m.class_token));
@@ -190,7 +190,7 @@ fn activation_elems(m: &ModelConfig, b: f64, attention_saved: f64, regenerate: b
     let kept = if regenerate { 0.0 } else { 2.0 * c + f };
     let block = bn * (3.0 * c + 2.0 * c + f + kept) + attention_saved;
     let sets = if checkpointing { (m.depth as f64).min(1.0) } else { m.depth as f64 };
-    let kept_attention = if checkpointing && crate::model::checkpoint_keeps_attention(attention_saved, bn, c, sequence_parallel) {
+    let kept_attention = if checkpointing && !no_kept_attention && crate::model::checkpoint_keeps_attention(attention_saved, bn, c, false) {
         m.depth as f64 * (bn * c + attention_saved)
     } else {
         0.0
@@ -246,7 +246,10 @@ pub fn estimate(cfg: &RunConfig, shape: RankBatch, dev: &DeviceMemory<'_>, regen
     } else {
         b as f64 * h as f64 * n as f64 * n as f64
     };
-    let (elems, stats) = activation_elems(m, b as f64, att, regenerate, checkpointing, cfg.batch.sequence_parallel_size > 1);
+    // ("blocks_full" keeps no attention output: as under sequence parallelism, the rerun
+    // computes the attention again)
+    let no_kept_attention = cfg.batch.sequence_parallel_size > 1 || cfg.train.recompute == crate::model::Recompute::BlocksFull;
+    let (elems, stats) = activation_elems(m, b as f64, att, regenerate, checkpointing, no_kept_attention);
     // stochastic depth: one branch's output through a scratch, and each image's factors
     let drop_path = if cfg.drop_path_rate > 0.0 { b as f64 * n as f64 * m.embed_dim as f64 * dev.compute_bytes + (2 * m.depth * b) as f64 * 4.0 } else { 0.0 };
     // sequence parallelism: a rank keeps its 1/SP of the tokens' activations and its 1/SP of the

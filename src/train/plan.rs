@@ -93,8 +93,11 @@ pub struct Plan {
     /// the pass size on this device).
     pub recompute: bool,
     /// Whether the backward runs each block's forward again from its saved input
-    /// (`train.recompute = "blocks"`, DeepSpeed's `activation_checkpointing`).
+    /// (`train.recompute = "blocks"` or `"blocks_full"`, DeepSpeed's `activation_checkpointing`).
     pub checkpointing: bool,
+    /// Under checkpointing, whether that rerun computes the attention core again too, keeping
+    /// no block's attention output (`"blocks_full"`).
+    pub checkpoint_full: bool,
     pub zero: ZeroPlan,
     /// The memory one rank needs (`train::memory`): the pre-flight check, `config.json`'s
     /// `"memory"` prediction and the planner read this. None for a bare step shape
@@ -138,7 +141,7 @@ impl Plan {
         };
         let cap = pass_images_cap(cfg.train.pass_images);
         let shape = RankBatch { micro: widest, pass_images, eval_images: cfg.train.eval_batch_size.min(cap), world: world * sp };
-        let checkpointing = cfg.train.recompute == Recompute::Blocks;
+        let checkpointing = cfg.train.recompute.checkpoints();
         let memory = memory::estimate(cfg, shape, &dev.memory, recompute, checkpointing);
         Plan {
             world_size: world * sp,
@@ -153,6 +156,7 @@ impl Plan {
             passes_per_micro: micro.div_ceil(pass_images),
             recompute,
             checkpointing,
+            checkpoint_full: cfg.train.recompute == Recompute::BlocksFull,
             zero,
             memory: Some(memory),
             device: dev.choices,
@@ -176,7 +180,8 @@ impl Plan {
             pass_images,
             passes_per_micro: micro.div_ceil(pass_images),
             recompute: resolve_recompute(model, pass_images, recompute, be.recompute_below()),
-            checkpointing: recompute == Recompute::Blocks,
+            checkpointing: recompute.checkpoints(),
+            checkpoint_full: recompute == Recompute::BlocksFull,
             zero: ZeroPlan { stage: 0, reduce_scatter: true, overlap_comm: true, master_shard: false, first_bucket_elems: FIRST_BUCKET_ELEMS, bucket_elems: DEFAULT_BUCKET_ELEMS },
             memory: None,
             device: be.choices(),
@@ -185,7 +190,9 @@ impl Plan {
 
     /// The recompute policy that makes the model do what this plan says.
     pub fn recompute_policy(&self) -> Recompute {
-        if self.checkpointing {
+        if self.checkpoint_full {
+            Recompute::BlocksFull
+        } else if self.checkpointing {
             Recompute::Blocks
         } else if self.recompute {
             Recompute::Always
@@ -205,7 +212,7 @@ fn resolve_recompute(model: &ModelConfig, pass_images: usize, recompute: Recompu
     match recompute {
         Recompute::Always => true,
         // a checkpointed block keeps its LayerNorm and GELU outputs while it is the one held
-        Recompute::Never | Recompute::Blocks => false,
+        Recompute::Never | Recompute::Blocks | Recompute::BlocksFull => false,
         Recompute::Auto => pass_images * model.num_tokens() * model.mlp_hidden() <= recompute_below,
     }
 }
