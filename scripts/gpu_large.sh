@@ -5,7 +5,7 @@
 #   scripts/gpu_large.sh BIN OUTDIR [ROWS]
 # ROWS picks rows by number (default all), e.g. "1 2 4"; PEERS is "eager", "compile" or
 # "eager compile" (default eager); PROFILE=1 adds a per-kernel profile of each vitscale row.
-# Rows whose vitscale run recomputes the blocks ("blocks") run the peer with timm's activation
+# Rows whose vitscale run checkpoints the blocks ("blocks", "blocks_full") run the peer with timm's activation
 # checkpointing too (scripts/peer_checkpointed.py), so that both sides do the same work.
 BIN=$1; O=$2; ROWS=${3:-"1 2 3 4 5 6 7"}
 PEER=${PEER:-peers/vit_bench.py}; PEERS=${PEERS:-eager}
@@ -30,7 +30,7 @@ echo "$table" | while read -r num model img micro rec; do
   tail -n 1 "$O/v_$num.log" | grep '^{' | python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['row']=$num; r['recompute_policy']='$rec'; print(json.dumps(r))" >> "$O/vitscale.jsonl"
   for mode in $PEERS; do
     flag=""; to=90; [ "$mode" = compile ] && { flag="--compile"; to=200; }
-    wrap=""; [ "$rec" = blocks ] && wrap="$here/peer_checkpointed.py"
+    wrap=""; case $rec in blocks*) wrap="$here/peer_checkpointed.py" ;; esac
     timeout $to python3 $wrap "$PEER" --mode torch $flag --model "$model" --img "$img" --micro "$micro" --steps 10 --warmup 3 2>> "$O/peer.err" \
       | python3 -c "import json,sys
 for l in sys.stdin:

@@ -150,6 +150,15 @@ fn passes<B: Backend>(be: &B, st: &mut Step<B>, args: &BenchArgs) -> anyhow::Res
     Ok(())
 }
 
+impl BenchResult {
+    /// What the step's activation memory policy did: regenerated, checkpointed, kept attention.
+    fn memory_policy<B: Backend>(&mut self, st: &Step<B>) {
+        self.recomputed = st.plan.recompute;
+        self.checkpointed = st.plan.checkpointing;
+        self.attention_kept = st.vit.checkpoint_kept_attention() == Some(true);
+    }
+}
+
 fn bench_cpu(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     let be = Cpu::new();
     let mut st = bench_step(&be, args, s, 1)?;
@@ -168,9 +177,7 @@ fn bench_cpu(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     let ms = t.elapsed().as_secs_f64() * 1e3 / args.steps as f64;
     let loss = mean_loss(&be, &st.vit, args.micro)?;
     let mut r = result(args, s, "cpu".into(), st.vit.table.total, false, ms, 0.0, 0.0, loss, 0.0);
-    r.recomputed = st.plan.recompute;
-    r.checkpointed = st.plan.checkpointing;
-    r.attention_kept = st.vit.checkpoint_kept_attention() == Some(true);
+    r.memory_policy(&st);
     Ok(r)
 }
 
@@ -272,9 +279,7 @@ fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     let compile_s = be.compile_seconds();
     let mut r = result(args, s, be.name(), st.vit.table.total, graph.is_some(), ms, ceiling, peak, loss, compile_s);
     r.attention = be.attention_path().name().to_string();
-    r.recomputed = st.plan.recompute;
-    r.checkpointed = st.plan.checkpointing;
-    r.attention_kept = st.vit.checkpoint_kept_attention() == Some(true);
+    r.memory_policy(&st);
     r.gpu_power = power;
     r.ceiling_gpu_power = ceiling_power;
     Ok(r)

@@ -1016,17 +1016,21 @@ pub fn training_losses<B: Backend>(be: &B, seed: u64, steps: usize) -> BResult<(
     Ok((dev, cpu))
 }
 
-/// The same training on `be` keeping every activation, then under each other policy:
-/// regenerating LayerNorm/GELU outputs, checkpointing every block (the attention output kept
-/// where the backend's state allows) and checkpointing with the attention recomputed. Every
-/// policy's losses must equal keeping every activation's (the same kernels on the same inputs).
-pub fn recompute_losses<B: Backend>(be: &B, seed: u64, steps: usize) -> BResult<(Vec<f32>, Vec<(Recompute, Vec<f32>)>)> {
+/// The memory policies the training checks compare with keeping every activation, and what
+/// each does: regenerating LayerNorm/GELU outputs, checkpointing every block (the attention
+/// output kept where the backend's state allows), checkpointing with the attention recomputed.
+const OTHER_POLICIES: [(Recompute, &str); 3] = [
+    (Recompute::Always, "regenerating LayerNorm/GELU outputs"),
+    (Recompute::Blocks, "checkpointing every block"),
+    (Recompute::BlocksFull, "checkpointing every block, attention recomputed"),
+];
+
+/// The same training on `be` keeping every activation, then under each of `OTHER_POLICIES`:
+/// (kept, each policy's losses), which must be identical (the same kernels on the same inputs).
+pub fn recompute_losses<B: Backend>(be: &B, seed: u64, steps: usize) -> BResult<(Vec<f32>, Vec<Vec<f32>>)> {
     let (cfg, init, batches, opt, decay, b) = small_training_setup(seed);
     let never = train_small(be, &cfg, &init, &batches, &opt, &decay, b, steps, Recompute::Never)?;
-    let others = [Recompute::Always, Recompute::Blocks, Recompute::BlocksFull]
-        .into_iter()
-        .map(|p| Ok((p, train_small(be, &cfg, &init, &batches, &opt, &decay, b, steps, p)?)))
-        .collect::<BResult<Vec<_>>>()?;
+    let others = OTHER_POLICIES.iter().map(|&(p, _)| train_small(be, &cfg, &init, &batches, &opt, &decay, b, steps, p)).collect::<BResult<Vec<_>>>()?;
     Ok((never, others))
 }
 
@@ -1119,12 +1123,7 @@ pub fn run_parts<B: Backend>(be: &B, seed: Option<u64>, parts: Parts) -> BResult
     let worst = dev.iter().zip(&cpu).map(|(a, b)| if a.is_nan() { f64::NAN } else { ((a - b) / b).abs() as f64 }).fold(0f64, |m, e| if e.is_nan() || m.is_nan() { f64::NAN } else { m.max(e) });
     cx.checks.push(Check { name: "training: 20 SGD steps, small ViT (32px/4, C96, depth 3), per-step loss".into(), rel_err: worst, tol, pass: worst.is_finite() && worst <= tol && dev.len() == cpu.len() });
     let (never, others) = recompute_losses(be, seed, 5)?;
-    for (policy, other) in &others {
-        let what = match policy {
-            Recompute::Always => "regenerating LayerNorm/GELU outputs",
-            Recompute::BlocksFull => "checkpointing every block, attention recomputed",
-            _ => "checkpointing every block",
-        };
+    for ((_, what), other) in OTHER_POLICIES.iter().zip(&others) {
         let same = never.len() == 5 && other.len() == 5 && never.iter().zip(other).all(|(a, b)| a.to_bits() == b.to_bits());
         let diff = never.iter().zip(other).map(|(a, b)| ((a - b) / b).abs() as f64).fold(0f64, f64::max);
         cx.checks.push(Check { name: format!("training: 5 steps keeping every activation vs {what}, bitwise"), rel_err: diff, tol: 0.0, pass: same });

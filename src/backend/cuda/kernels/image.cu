@@ -22,7 +22,7 @@ struct ImageJob {
     i64 tmp;        // float offset of its rows × S × 3 horizontal-pass values in `tmp`
     int ky;         // taps per output row
     int pad;
-    i64 taps;       // word offset of its tap table in `taps` (layout: `tap_table`)
+    i64 taps;       // word offset of its tap table in `taps` (layout: `tap_axis`)
 };
 
 // An image's tap table, S·(4 + kx + ky) words from job.taps: per axis (columns, then rows)
