@@ -1133,9 +1133,10 @@ pub fn run_parts<B: Backend>(be: &B, seed: Option<u64>, parts: Parts) -> BResult
 
 /// The opt-in Hopper GEMM kernels (`kernels/hopper.cu`) against the default cuBLASLt product
 /// plus GELU passes, at the CIFAR ViT-S and ViT-B/16 MLP shapes, 40 CIFAR images (252 tiles, so
-/// every block walks two or more and the epilogue's reads a tile ahead are exercised) and a
-/// small one, each with a partial last row tile (fresh random inputs) — the widths that allow it
-/// (a multiple of 256) with 128×256 tiles and again with 128×128 — with either saved form
+/// every block walks two or more and the epilogue's reads a tile ahead are exercised), 120, and
+/// a small one, each with a partial last row tile (fresh random inputs) — the widths that allow
+/// it (a multiple of 256) with 128×256 tiles in clusters of two blocks, as single blocks, and
+/// again with 128×128 — with either saved form
 /// (`GeluSaved`): fc1's forward (pre or gelu', and the GELU output) and fc2's input gradient with the GELU backward (dinp, and the weight and fc1-bias gradients
 /// accumulated into random f32 values). Both paths round to bf16 from f32 sums (possibly in
 /// different orders): relative error ≤ 1e-2 for bf16 outputs, 1e-4 for the f32 gradients; NaN
@@ -1149,8 +1150,10 @@ pub fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult
     let mut checks = Vec::new();
     let chosen = be.fused_gemm();
     let wide_chosen = be.wide_gemm();
+    let cluster_chosen = be.gemm_cluster();
     // runs `f` with the Hopper kernels on or off and records whether `kernel` ran as chosen
-    let run = |fused: bool, kernel: &str, shape: &str, checks: &mut Vec<Check>, f: &mut dyn FnMut() -> BResult<()>| -> BResult<()> {
+    // (and, with `clustered`, whether it ran in clusters: the launch table's name ends in "/c2")
+    let run = |fused: bool, clustered: bool, kernel: &str, shape: &str, checks: &mut Vec<Check>, f: &mut dyn FnMut() -> BResult<()>| -> BResult<()> {
         be.set_fused_gemm(fused, fused);
         be.set_profiling(true);
         let r = f();
@@ -1159,20 +1162,31 @@ pub fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult
         be.set_profiling(false);
         r?;
         // (the 128×256-tile form of a kernel is its name with `_w`)
-        let ran = launched?.iter().any(|(name, _, _)| name == kernel || name.strip_suffix("_w") == Some(kernel));
+        let launched = launched?;
+        let ours = |name: &str| name == kernel || name.strip_suffix("_w") == Some(kernel);
+        let ran = launched.iter().any(|(name, _, _)| ours(name.strip_suffix("/c2").unwrap_or(name)));
         if ran != fused {
             checks.push(Check { name: format!("{kernel} chosen = {fused} but it {} [{shape}]", if ran { "ran" } else { "did not run" }), rel_err: f64::NAN, tol: 0.0, pass: false });
         }
+        let in_clusters = launched.iter().any(|(name, _, _)| name.strip_suffix("/c2").is_some_and(ours));
+        if ran && in_clusters != clustered {
+            checks.push(Check { name: format!("{kernel} clusters chosen = {clustered} but it ran {} [{shape}]", if in_clusters { "in clusters" } else { "as single blocks" }), rel_err: f64::NAN, tol: 0.0, pass: false });
+        }
         Ok(())
     };
-    // every shape with 128×256 tiles where the width allows (f % 256 == 0) and with 128×128 tiles
-    for (wide, &(rows, c, f)) in [true, false].into_iter().flat_map(|w| [(3 * 65, 384, 1536), (40 * 65, 384, 1536), (2 * 197, 768, 3072), (5, 64, 128)].iter().map(move |s| (w, s))) {
-        if !wide && f % 256 != 0 {
-            continue;  // the same kernels as with `wide`
+    // every shape with 128×256 tiles where the width allows (f % 256 == 0), in clusters of two
+    // and as single blocks, and with 128×128 tiles. 120 CIFAR images: 61 row tiles, so the
+    // last cluster's second block is past the rows, and every cluster walks two or more units.
+    let shapes = [(3 * 65, 384, 1536), (40 * 65, 384, 1536), (120 * 65, 384, 1536), (2 * 197, 768, 3072), (5, 64, 128)];
+    for ((wide, cluster), &(rows, c, f)) in [(true, true), (true, false), (false, false)].into_iter().flat_map(|w| shapes.iter().map(move |s| (w, s))) {
+        if (!wide || !cluster) && f % 256 != 0 {
+            continue;  // the same kernels as with `wide` and `cluster`
         }
         let tiles = if wide { crate::backend::cuda::WideTiles::Always } else { crate::backend::cuda::WideTiles::Off };
         be.set_wide_gemm(tiles, tiles);
-        let shape = format!("{rows}×{c}·{f}{}", if wide && f % 256 == 0 { ", 128×256 tiles" } else { "" });
+        be.set_gemm_cluster(cluster);
+        let wide_here = wide && f % 256 == 0;
+        let shape = format!("{rows}×{c}·{f}{}", if wide_here && cluster { ", 128×256 tiles in clusters of 2" } else if wide_here { ", 128×256 tiles" } else { "" });
         let mut r = |n: usize, s: f32| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-s..s)).collect() };
         // one flat compute buffer: fc1 (f × c), its bias (f), fc2 (c × f)
         let (w1, b1, w2) = (Span { off: 0, len: f * c }, Span { off: f * c, len: f }, Span { off: f * c + f, len: c * f });
@@ -1190,11 +1204,11 @@ pub fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult
             let mut bwd = Vec::new();
             for fused in [false, true] {
                 let (mut act, mut pre) = (be.alloc(rows * f)?, be.alloc(rows * f)?);
-                run(fused, fwd_kernel, &shape, &mut checks, &mut || be.matmul_forward(&mut act, Some((&mut pre, saved)), &x, &params, w1, Some(b1), rows, c, f))?;
+                run(fused, wide_here && cluster, fwd_kernel, &shape, &mut checks, &mut || be.matmul_forward(&mut act, Some((&mut pre, saved)), &x, &params, w1, Some(b1), rows, c, f))?;
                 let mut dinp = be.alloc(rows * f)?;
                 let mut grads = be.alloc_f32(2 * f * c + f)?;
                 be.upload(&mut grads, 0, &grads0)?;
-                run(fused, bwd_kernel, &shape, &mut checks, &mut || be.matmul_backward_gelu_bias(&mut dinp, &mut grads, &dout, &act, &pre, saved, b1, &params, w2, None, rows, f, c))?;
+                run(fused, wide_here && cluster, bwd_kernel, &shape, &mut checks, &mut || be.matmul_backward_gelu_bias(&mut dinp, &mut grads, &dout, &act, &pre, saved, b1, &params, w2, None, rows, f, c))?;
                 fwd.push((be.download(&act)?, be.download(&pre)?));
                 bwd.push((be.download(&dinp)?, be.download(&grads)?));
             }
@@ -1219,6 +1233,7 @@ pub fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult
         }
     }
     be.set_wide_gemm(wide_chosen.0, wide_chosen.1);
+    be.set_gemm_cluster(cluster_chosen);
     Ok(Some(checks))
 }
 

@@ -391,6 +391,53 @@ impl Cuda {
         self.launch(name, grid, block, smem, args)
     }
 
+    /// `launch_dyn` in clusters of `cluster` blocks along x (`grid.0` a multiple of it).
+    pub(super) fn launch_clustered(&self, name: &str, grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32, cluster: u32, args: &mut [*mut c_void]) -> BResult<()> {
+        use cudarc::driver::sys as cu;
+        if cluster <= 1 {
+            return self.launch_dyn(name, grid, block, smem, args);
+        }
+        let f = self.kernels.get(name)?;
+        if smem > 48 * 1024 {
+            f.set_attribute(cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+                .map_err(|e| BackendError::Device(format!("{name}: raising dynamic shared memory to {smem} bytes: {e}")))?;
+        }
+        // (named "{name}/c{cluster}" in the profile's launch table)
+        self.timed(&format!("{name}/c{cluster}"), || {
+            let mut attr = cluster_attribute(cluster);
+            let config = launch_config(grid, block, smem, self.stream.cu_stream(), &mut attr);
+            // SAFETY: as in `launch`; the configuration and its one attribute outlive the call.
+            let r = unsafe { cu::cuLaunchKernelEx(&config, f.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()) };
+            if r != cu::CUresult::CUDA_SUCCESS {
+                return Err(BackendError::Device(format!("launching {name} in clusters of {cluster}: {r:?}")));
+            }
+            Ok(())
+        })
+    }
+
+    /// How many clusters of `cluster` blocks of kernel `name` (`block` threads, `smem` bytes of
+    /// dynamic shared memory each) the device runs at once; 0 where it cannot run them. Asked
+    /// of the driver once per kernel and cluster size: a persistent grid larger than this would
+    /// run its last clusters after the others.
+    pub(super) fn max_active_clusters(&self, name: &str, block: u32, smem: u32, cluster: u32) -> BResult<u32> {
+        use cudarc::driver::sys as cu;
+        let key = (name.to_string(), cluster);
+        if let Some(&n) = self.cluster_fit.lock().map_err(|_| BackendError::Device("cluster_fit lock poisoned".into()))?.get(&key) {
+            return Ok(n);
+        }
+        let f = self.kernels.get(name)?;
+        f.set_attribute(cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+            .map_err(|e| BackendError::Device(format!("{name}: raising dynamic shared memory to {smem} bytes: {e}")))?;
+        let mut attr = cluster_attribute(cluster);
+        let config = launch_config((cluster * self.info.multiprocessors.max(1) as u32, 1, 1), (block, 1, 1), smem, self.stream.cu_stream(), &mut attr);
+        let mut n: i32 = 0;
+        // SAFETY: out-pointer to a live i32; the configuration and its attribute outlive the call.
+        let r = unsafe { cu::cuOccupancyMaxActiveClusters(&mut n, f.cu_function(), &config) };
+        let n = if r == cu::CUresult::CUDA_SUCCESS { n.max(0) as u32 } else { 0 };
+        self.cluster_fit.lock().map_err(|_| BackendError::Device("cluster_fit lock poisoned".into()))?.insert(key, n);
+        Ok(n)
+    }
+
     pub(super) fn cast_impl(&self, dst: &mut CudaBuf, src: &CudaBuf) -> BResult<()> {
         self.flush_partial_sums()?;
         check_len("cast", "dst", dst, src.len)?;
@@ -585,5 +632,31 @@ impl Cuda {
         self.order_decoded_input()?;
         self.flush_partial_sums()?;
         self.stream.synchronize().map_err(dev("synchronize"))
+    }
+}
+
+/// The launch attribute that groups blocks into clusters of `x` along the grid's x.
+fn cluster_attribute(x: u32) -> cudarc::driver::sys::CUlaunchAttribute {
+    use cudarc::driver::sys as cu;
+    // SAFETY: a plain-old-data struct; the fields the driver reads for this id are set below.
+    let mut attr: cu::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.clusterDim = cu::CUlaunchAttributeValue_union__bindgen_ty_1 { x, y: 1, z: 1 };
+    attr
+}
+
+/// A `cuLaunchKernelEx` configuration with the one attribute `attr`.
+fn launch_config(grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32, stream: cudarc::driver::sys::CUstream, attr: &mut cudarc::driver::sys::CUlaunchAttribute) -> cudarc::driver::sys::CUlaunchConfig {
+    cudarc::driver::sys::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: block.0,
+        blockDimY: block.1,
+        blockDimZ: block.2,
+        sharedMemBytes: smem,
+        hStream: stream,
+        attrs: attr,
+        numAttrs: 1,
     }
 }

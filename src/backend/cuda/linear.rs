@@ -23,6 +23,19 @@ const HOPPER_GEMM_SMEM: u32 = 4 * 32768 + 2 * 128 * 136 * 2 + 2 * 8 * 128 * 4 + 
 /// tile, the rest as above).
 const HOPPER_GEMM_SMEM_WIDE: u32 = 3 * 49152 + 2 * 128 * 136 * 2 + 2 * 8 * 128 * 4 + 96 + 1024;
 
+/// How a Hopper GEMM kernel is launched: the kernel (`base`, with `_w` for 128×256 tiles), its
+/// grid (persistent: one block per SM at most, or as many clusters as run at once), block size,
+/// dynamic shared memory, tile width and cluster size (2: the wide kernels' blocks in pairs
+/// sharing their B tile; 1: none).
+struct HopperLaunch {
+    name: String,
+    grid: u32,
+    threads: u32,
+    smem: u32,
+    bn: usize,
+    cluster: u32,
+}
+
 /// A linear layer's forward product. Row-major out(R, OC) = inp(R, IC)·Wᵀ  ⇔  column-major
 /// outᵀ(OC×R) = Wᵀ·inpᵀ with W read as column-major IC×OC (ld IC) transposed, inp as IC×R
 /// (ld IC). `accumulate`: beta = 1 (C read from the residual buffer).
@@ -123,10 +136,8 @@ impl Cuda {
         self.kernels.get("gemm_gelu_fwd_ws").is_ok()
     }
 
-    /// Launch shape of a Hopper GEMM kernel for `rows` × `n` outputs: the kernel name (`base`,
-    /// with `_w` for 128×256 tiles), its grid (one block per SM at most: the kernels are
-    /// persistent), block size, dynamic shared memory and tile width.
-    fn hopper_gemm_shape(&self, base: &'static str, rows: usize, n: usize, bwd: bool) -> (String, u32, u32, u32, usize) {
+    /// Launch shape of a Hopper GEMM kernel for `rows` × `n` outputs (`HopperLaunch`).
+    fn hopper_gemm_shape(&self, base: &'static str, rows: usize, n: usize, bwd: bool) -> BResult<HopperLaunch> {
         let mode = self.knobs.wide_tiles(bwd);
         // Each block walks its tiles in turn, so a kernel lasts about ceil(tiles / SMs) tiles;
         // a 128×256 tile costs less than two 128×128 ones, but with few row tiles (micro 16:
@@ -145,8 +156,21 @@ impl Cuda {
         } else {
             (base.to_string(), 544, HOPPER_GEMM_SMEM, 128)
         };
-        let grid = (self.info.multiprocessors as usize).min(rows.div_ceil(128) * (n / bn)).max(1) as u32;
-        (name, grid, threads, smem, bn)
+        let tiles = rows.div_ceil(128) * (n / bn);
+        if wide && self.gemm_cluster() {
+            // clusters of two: one per pair of row tiles and column tile, as many as run at once
+            let fit = self.max_active_clusters(&name, threads, smem, 2)? as usize;
+            if fit > 0 {
+                let clusters = fit.min(rows.div_ceil(256) * (n / bn)).max(1);
+                return Ok(HopperLaunch { name, grid: 2 * clusters as u32, threads, smem, bn, cluster: 2 });
+            }
+        }
+        let grid = (self.info.multiprocessors as usize).min(tiles).max(1) as u32;
+        Ok(HopperLaunch { name, grid, threads, smem, bn, cluster: 1 })
+    }
+
+    fn launch_hopper_gemm(&self, l: &HopperLaunch, args: &mut [*mut c_void]) -> BResult<()> {
+        self.launch_clustered(&l.name, (l.grid, 1, 1), (l.threads, 1, 1), l.smem, l.cluster, args)
     }
 
     /// Measures the bf16 GEMM ceiling: median TFLOP/s of `reps` n×n×n products on random data.
@@ -204,10 +228,11 @@ impl Cuda {
                         GeluSaved::Pre => "gemm_gelu_fwd_ws",
                         GeluSaved::Grad => "gemm_gelu_fwd_grad_ws",
                     };
-                    let (name, grid, threads, smem, bn) = self.hopper_gemm_shape(base, rows, oc, false);
+                    let l = self.hopper_gemm_shape(base, rows, oc, false)?;
                     let ta = tensor_map_2d(inp.ptr, ic, rows, 128)?;
-                    let tb = tensor_map_2d(w_ptr, ic, oc, bn as u32)?;
-                    return self.launch_dyn(&name, (grid, 1, 1), (threads, 1, 1), smem, &mut kargs![out.ptr, pre.ptr, ta, tb, bias_ptr, m, n, k]);
+                    // (in a cluster each block copies its share of the B tile's rows)
+                    let tb = tensor_map_2d(w_ptr, ic, oc, (l.bn / l.cluster as usize) as u32)?;
+                    return self.launch_hopper_gemm(&l, &mut kargs![out.ptr, pre.ptr, ta, tb, bias_ptr, m, n, k]);
                 }
                 // the plain product (no bias epilogue: faster), the bias joins in the GELU pass
                 self.gemm(OP, linear_shape(rows, ic, oc, false, false), params.at(w.off), inp.ptr, pre.ptr, 0, 1.0, 0.0)?;
@@ -372,14 +397,14 @@ impl Cuda {
             GeluSaved::Pre => "gemm_dgelu_bwd_ws",
             GeluSaved::Grad => "gemm_dgelu_mul_ws",
         };
-        let (name, grid, threads, smem, _) = self.hopper_gemm_shape(base, rows, ic, true);
+        let l = self.hopper_gemm_shape(base, rows, ic, true)?;
         match what {
             GeluSaved::Pre => {
                 let bias_ptr = params.at(pb.off);
-                self.launch_dyn(&name, (grid, 1, 1), (threads, 1, 1), smem, &mut kargs![dinp.ptr, pre.ptr, partial, ta, tb, bias_ptr, m, n, k])?;
+                self.launch_hopper_gemm(&l, &mut kargs![dinp.ptr, pre.ptr, partial, ta, tb, bias_ptr, m, n, k])?;
             }
             // the saved derivative already holds the bias
-            GeluSaved::Grad => self.launch_dyn(&name, (grid, 1, 1), (threads, 1, 1), smem, &mut kargs![dinp.ptr, pre.ptr, partial, ta, tb, m, n, k])?,
+            GeluSaved::Grad => self.launch_hopper_gemm(&l, &mut kargs![dinp.ptr, pre.ptr, partial, ta, tb, m, n, k])?,
         }
         let dst = dparams.at(pb.off);
         self.reduce_partials(dst, dst, dst, ic, partial, row_tiles, ic)

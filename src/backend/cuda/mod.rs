@@ -105,6 +105,9 @@ pub struct Cuda {
     _workspace: CudaBuf,
     mem: Arc<MemStats>,
     scratch: Mutex<Scratch>,
+    /// How many clusters of each clustered kernel fit on the device at once (by kernel name and
+    /// cluster size), for the persistent grids (`max_active_clusters`).
+    cluster_fit: Mutex<std::collections::HashMap<(String, u32), u32>>,
     /// Bias and LayerNorm-parameter gradient reductions waiting for one launch (`partials`).
     partial_sums: Mutex<partials::PendingSums>,
     /// Uploaded optimizer segments (start, end, code), one table per grouping seen.
@@ -185,6 +188,7 @@ impl Cuda {
             _workspace: workspace,
             mem,
             scratch: Mutex::new(Scratch::default()),
+            cluster_fit: Mutex::new(std::collections::HashMap::new()),
             partial_sums: Mutex::new(partials::PendingSums::default()),
             segments: Mutex::new(Vec::new()),
             acc,

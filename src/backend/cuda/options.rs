@@ -18,6 +18,8 @@ pub const FUSED_GEMM_ENV: &str = "VITSCALE_FUSED_GEMM";
 pub const WGMMA_ATTENTION_ENV: &str = "VITSCALE_WGMMA_ATTENTION";
 /// The environment variable of [`CudaOptions::wide_gemm`].
 pub const WIDE_GEMM_ENV: &str = "VITSCALE_WIDE_GEMM";
+/// The environment variable of [`CudaOptions::gemm_cluster`].
+pub const GEMM_CLUSTER_ENV: &str = "VITSCALE_GEMM_CLUSTER";
 /// The environment variable of [`CudaOptions::gemm_tune`].
 pub const GEMM_TUNE_ENV: &str = "VITSCALE_GEMM_TUNE";
 
@@ -127,6 +129,11 @@ pub struct CudaOptions {
     /// with 128×128 tiles, CIFAR ViT-S ≈ 0.5 %; BENCHMARKS.md); `fwd` — the forward only;
     /// `always` — both, wherever the width allows; `0` or `off` — 128×128 tiles everywhere.
     pub wide_gemm: (WideTiles, WideTiles),
+    /// Whether the 128×256-tile Hopper GEMM kernels run in clusters of two blocks that share
+    /// their B tile through multicast copies (`set_gemm_cluster` changes it later; it falls
+    /// back to single blocks where the device cannot hold a cluster a block's size).
+    /// `VITSCALE_GEMM_CLUSTER`: `on` (the default; also `1`); `0` or `off`.
+    pub gemm_cluster: bool,
     /// How the GEMM tuner times cuBLASLt's candidates on first use; fixed when the backend
     /// opens, and part of the key of the choices kept on disk. `VITSCALE_GEMM_TUNE`:
     /// `sustained` (the default) or `quick` (`GemmTune`).
@@ -140,6 +147,7 @@ impl Default for CudaOptions {
             fused_gemm: (true, true),
             wgmma_attention: true,
             wide_gemm: (WideTiles::Auto, WideTiles::Auto),
+            gemm_cluster: true,
             gemm_tune: GemmTune::Sustained,
         }
     }
@@ -167,6 +175,7 @@ impl CudaOptions {
                 ("0", (WideTiles::Off, WideTiles::Off)),
                 ("off", (WideTiles::Off, WideTiles::Off)),
             ])?,
+            gemm_cluster: choose(&get, GEMM_CLUSTER_ENV, true, &[("on", true), ("1", true), ("0", false), ("off", false)])?,
             gemm_tune: choose(&get, GEMM_TUNE_ENV, GemmTune::Sustained, &[("sustained", GemmTune::Sustained), ("quick", GemmTune::Quick)])?,
         })
     }
@@ -198,6 +207,7 @@ pub(super) struct Knobs {
     /// `WideTiles as u8`, fc1's forward and fc2's input gradient.
     wide_gemm: AtomicU8,
     wide_gemm_bwd: AtomicU8,
+    pub(super) gemm_cluster: AtomicBool,
 }
 
 impl Knobs {
@@ -209,6 +219,7 @@ impl Knobs {
             wgmma_attention: AtomicBool::new(o.wgmma_attention),
             wide_gemm: AtomicU8::new(o.wide_gemm.0 as u8),
             wide_gemm_bwd: AtomicU8::new(o.wide_gemm.1 as u8),
+            gemm_cluster: AtomicBool::new(o.gemm_cluster),
         }
     }
 
@@ -244,6 +255,17 @@ impl Cuda {
     pub fn set_wide_gemm(&self, fwd: WideTiles, bwd: WideTiles) {
         self.knobs.wide_gemm.store(fwd as u8, Ordering::Relaxed);
         self.knobs.wide_gemm_bwd.store(bwd as u8, Ordering::Relaxed);
+    }
+
+    /// Whether the 128×256-tile Hopper GEMM kernels run in clusters of two (`set_gemm_cluster`).
+    pub fn gemm_cluster(&self) -> bool {
+        self.knobs.gemm_cluster.load(Ordering::Relaxed)
+    }
+
+    /// Runs the 128×256-tile Hopper GEMM kernels in clusters of two blocks sharing their B
+    /// tile (`on`, the default) or as single blocks (`CudaOptions::gemm_cluster`).
+    pub fn set_gemm_cluster(&self, on: bool) {
+        self.knobs.gemm_cluster.store(on, Ordering::Relaxed);
     }
 
     /// Chooses the attention path for later calls. Buffers sized by `attention_saved_len`

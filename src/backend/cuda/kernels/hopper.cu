@@ -78,11 +78,18 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
     const unsigned bars = ring + STAGES * STAGE + 2 * HW_STG + 2 * 8 * 128 * 4;
     const unsigned full0 = bars, empty0 = bars + 8 * STAGES, sfull0 = bars + 16 * STAGES, sempty0 = sfull0 + 16;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    // Launched in clusters of two (the wide kernels; `hopper_gemm_shape`), the blocks of a
+    // cluster take vertically neighbouring output tiles, which read the same B tile: each block
+    // copies half of it and multicasts that half to both, so a block streams 32 KiB per K step
+    // out of L2 instead of 48. Both producers then write every ring slot, so a slot is free
+    // only once the multiplying warps of both blocks are done with it: each of them arrives on
+    // the slot's empty barrier in every block of the cluster.
+    const unsigned ncta = WIDE ? ht_cluster_size() : 1, crank = WIDE ? ht_cluster_rank() : 0;
     if (tid == 0) {
         #pragma unroll
         for (int s = 0; s < STAGES; s++) {
             ht_mbar_init(full0 + 8 * s, 1);
-            ht_mbar_init(empty0 + 8 * s, 8);
+            ht_mbar_init(empty0 + 8 * s, 8 * ncta);
         }
         #pragma unroll
         for (int b = 0; b < 2; b++) {
@@ -91,22 +98,40 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    __syncthreads();
-    const int n_tiles = N / BN, tiles = ((M + 127) / 128) * n_tiles, kt_n = K / HG_BK;
-    const int mine = tiles > (int)blockIdx.x ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+    // the barriers' initialization before anyone (in the cluster) uses them
+    if (ncta > 1) ht_cluster_sync();
+    else __syncthreads();
+    // Work units (a group of ncta row tiles, a column tile), row-group major; block rank r
+    // takes row tile ncta·group + r of its unit (past M in the last group when the row tiles do
+    // not divide: it reads zeros, stores nothing, and still multicasts its half of B).
+    const int n_tiles = N / BN, m_tiles = (M + 127) / 128, kt_n = K / HG_BK;
+    const int units = ((m_tiles + (int)ncta - 1) / (int)ncta) * n_tiles, unit0 = blockIdx.x / ncta, ustep = gridDim.x / ncta;
+    const int mine = units > unit0 ? (units - 1 - unit0) / ustep + 1 : 0;
+    auto tile_m = [&](int i) { return ((unit0 + i * ustep) / n_tiles) * (int)ncta + (int)crank; };
+    auto tile_n = [&](int i) { return (unit0 + i * ustep) % n_tiles; };
     if (warp >= PRODUCER) {
         if (WIDE) asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
         if (warp == PRODUCER && lane == 0) {
             for (int i = 0; i < mine; i++) {
-                const int t = blockIdx.x + i * gridDim.x;
-                const int m0 = (t / n_tiles) * 128, n0 = (t % n_tiles) * BN;
+                const int m0 = tile_m(i) * 128, n0 = tile_n(i) * BN;
                 for (int kt = 0; kt < kt_n; kt++) {
                     const int g = i * kt_n + kt, s = g % STAGES;
                     const unsigned full = full0 + 8 * s, st = ring + s * STAGE;
                     if (g >= STAGES) ht_mbar_wait(empty0 + 8 * s, ((g / STAGES) + 1) & 1);
                     ht_mbar_expect_tx(full, STAGE);
                     ht_tma_load(st, tmA, kt * HG_BK, m0, full);
-                    if (MODE == 1) {
+                    if (ncta > 1) {
+                        // this block's share of B (columns or rows BN / ncta · rank …), into every
+                        // block of the cluster
+                        const unsigned short all = (unsigned short)((1u << ncta) - 1);
+                        if (MODE == 1) {
+                            const int per = BN / 64 / (int)ncta;
+                            for (int a = (int)crank * per; a < ((int)crank + 1) * per; a++) ht_tma_load_mc(st + A_BYTES + 8192 * a, tmB, n0 + 64 * a, kt * HG_BK, full, all);
+                        } else {
+                            const int rows = BN / (int)ncta;
+                            ht_tma_load_mc(st + A_BYTES + (int)crank * rows * 128, tmB, kt * HG_BK, n0 + (int)crank * rows, full, all);
+                        }
+                    } else if (MODE == 1) {
                         // B = W2 as stored (K rows, N contiguous): 64-column boxes
                         #pragma unroll
                         for (int a = 0; a < BN / 64; a++) ht_tma_load(st + A_BYTES + 8192 * a, tmB, n0 + 64 * a, kt * HG_BK, full);
@@ -134,6 +159,15 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
         // 64-column atom (2 × 8 KiB) MN-major; in 16-byte units
         constexpr unsigned BHALF = (MODE == 1 ? 2 * 8192 : 128 * 128) >> 4;
         unsigned s = 0, ph = 0, prev = 0;  // ring slot of the next K tile, its full-barrier parity, the last slot
+        // ring slot `slot` may be written again, as far as this warp is concerned
+        auto release = [&](unsigned slot) {
+            if (lane != 0) return;
+            if (ncta > 1) {
+                for (unsigned r = 0; r < ncta; r++) ht_mbar_arrive_remote(empty0 + 8 * slot, r);
+            } else {
+                ht_mbar_arrive(empty0 + 8 * slot);
+            }
+        };
         for (int i = 0; i < mine; i++) {
             float acc[HALVES][64];  // by 128-column half
             #pragma unroll
@@ -155,12 +189,12 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
                 asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
                 asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
                 // this warpgroup's wgmma on the previous slot are complete: release it
-                if (kt > 0 && lane == 0) ht_mbar_arrive(empty0 + 8 * prev);
+                if (kt > 0) release(prev);
                 prev = s;
                 if (++s == STAGES) { s = 0; ph ^= 1; }
             }
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-            if (lane == 0) ht_mbar_arrive(empty0 + 8 * prev);
+            release(prev);
             // accumulator (warp w of warpgroup wg, lane l): value 4j + {0,1} is row
             // 64wg + 16w + l/4, columns 8j + 2(l % 4) + {0,1}; 4j + {2,3} the row 8 below.
             // Staged in 128-column halves q = HALVES·i + h, alternating between the buffers.
@@ -196,8 +230,7 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
     const int halves = HALVES * mine;
     uint4 pv[CH];
     auto pre_chunk = [&](int q, int k) {
-        const int t = blockIdx.x + (q / HALVES) * gridDim.x;
-        const int gm = (t / n_tiles) * 128 + (e >> 4) + RSTEP * k, n0 = (t % n_tiles) * BN + (q % HALVES) * 128;
+        const int gm = tile_m(q / HALVES) * 128 + (e >> 4) + RSTEP * k, n0 = tile_n(q / HALVES) * BN + (q % HALVES) * 128;
         return q < halves && gm < M ? __ldcs((const uint4*)(aux + (i64)gm * N + n0 + c)) : make_uint4(0u, 0u, 0u, 0u);
     };
     if (MODE == 1) {
@@ -209,13 +242,12 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
     // the epilogue's largest stall, and in mode 1 the multiplying warps then waited for the
     // staging buffer).
     auto load_bias = [&](int q) {
-        const int n0 = ((blockIdx.x + (q / HALVES) * gridDim.x) % n_tiles) * BN + (q % HALVES) * 128;
+        const int n0 = tile_n(q / HALVES) * BN + (q % HALVES) * 128;
         return bias && q < halves ? *(const uint4*)(bias + n0 + c) : make_uint4(0u, 0u, 0u, 0u);
     };
     uint4 bw = load_bias(0);
     for (int q = 0; q < halves; q++) {
-        const int t = blockIdx.x + (q / HALVES) * gridDim.x;
-        const int m0 = (t / n_tiles) * 128, n0 = (t % n_tiles) * BN + (q % HALVES) * 128;
+        const int mt = tile_m(q / HALVES), m0 = mt * 128, n0 = tile_n(q / HALVES) * BN + (q % HALVES) * 128;
         const int b = q & 1;
         const uint4 bn = load_bias(q + 1);
         ht_mbar_wait(sfull0 + 8 * b, (q >> 1) & 1);
@@ -271,14 +303,20 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
                 for (int k = 0; k < 8; k++) set[ew * 128 + c + k] = cs[k];
             }
             hw_epi_sync<EPI>();
-            if (e < 128) {
+            if (e < 128 && mt < m_tiles) {
                 float s = 0.f;
                 #pragma unroll
                 for (int w = 0; w < EPI / 32; w++) s += set[w * 128 + e];
-                partial[(i64)(t / n_tiles) * N + n0 + e] = s;
+                partial[(i64)mt * N + n0 + e] = s;
             }
         }
     }
+}
+
+// A block of a cluster may not exit while the other's multiplying warps can still arrive on
+// its barriers.
+__device__ __forceinline__ void hw_cluster_exit() {
+    if (ht_cluster_size() > 1) ht_cluster_sync();
 }
 
 // Grid ≤ the SM count, 544 threads, HW_SMEM bytes of dynamic shared memory; tmA: 64-column ×
@@ -311,18 +349,22 @@ extern "C" __global__ void __launch_bounds__(544, 1) gemm_dgelu_mul_ws(bf16* __r
 extern "C" __global__ void __launch_bounds__(640, 1) gemm_gelu_fwd_ws_w(bf16* __restrict__ act, bf16* __restrict__ pre, const __grid_constant__ HgTmap tmA, const __grid_constant__ HgTmap tmB, const bf16* __restrict__ bias, int M, int N, int K) {
     extern __shared__ unsigned char hx_raw0[];
     hw_gemm<0, false, true>(act, pre, nullptr, &tmA, &tmB, bias, M, N, K, hx_raw0);
+    hw_cluster_exit();
 }
 extern "C" __global__ void __launch_bounds__(512, 1) gemm_dgelu_bwd_ws_w(bf16* __restrict__ dpre, const bf16* __restrict__ pre, float* __restrict__ partial, const __grid_constant__ HgTmap tmA, const __grid_constant__ HgTmap tmB, const bf16* __restrict__ bias, int M, int N, int K) {
     extern __shared__ unsigned char hx_raw1[];
     hw_gemm<1, false, true, 1>(dpre, (bf16*)pre, partial, &tmA, &tmB, bias, M, N, K, hx_raw1);
+    hw_cluster_exit();
 }
 extern "C" __global__ void __launch_bounds__(640, 1) gemm_gelu_fwd_grad_ws_w(bf16* __restrict__ act, bf16* __restrict__ grad, const __grid_constant__ HgTmap tmA, const __grid_constant__ HgTmap tmB, const bf16* __restrict__ bias, int M, int N, int K) {
     extern __shared__ unsigned char hx_raw2[];
     hw_gemm<0, true, true>(act, grad, nullptr, &tmA, &tmB, bias, M, N, K, hx_raw2);
+    hw_cluster_exit();
 }
 extern "C" __global__ void __launch_bounds__(512, 1) gemm_dgelu_mul_ws_w(bf16* __restrict__ dpre, const bf16* __restrict__ grad, float* __restrict__ partial, const __grid_constant__ HgTmap tmA, const __grid_constant__ HgTmap tmB, int M, int N, int K) {
     extern __shared__ unsigned char hx_raw3[];
     hw_gemm<1, true, true, 1>(dpre, (bf16*)grad, partial, &tmA, &tmB, nullptr, M, N, K, hx_raw3);
+    hw_cluster_exit();
 }
 
 // ---- Attention forward on wgmma for 193 ≤ N ≤ 208 at D = 64 (224 px / 16: 197 tokens) ----

@@ -114,6 +114,42 @@ __device__ __forceinline__ void ht_tma_load(unsigned dst, const HgTmap* map, int
                  ::"r"(dst), "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
 
+// The same copy into shared `dst` of every block of the cluster in `mask` (bit i: block rank
+// i), each completing on its own mbarrier at offset `bar`.
+__device__ __forceinline__ void ht_tma_load_mc(unsigned dst, const HgTmap* map, int c0, int c1, unsigned bar, unsigned short mask) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;\n"
+                 ::"r"(dst), "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(bar), "h"(mask) : "memory");
+}
+
+// Cluster geometry: the number of blocks in this block's cluster (1 when launched without one)
+// and this block's rank in it.
+__device__ __forceinline__ unsigned ht_cluster_size() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ unsigned ht_cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+
+// An arrival on the mbarrier at offset `bar` in the shared memory of cluster block `rank`.
+__device__ __forceinline__ void ht_mbar_arrive_remote(unsigned bar, unsigned rank) {
+    asm volatile(
+        "{\n"
+        ".reg .b32 ra;\n"
+        "mapa.shared::cluster.u32 ra, %0, %1;\n"
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n"
+        "}\n" ::"r"(bar), "r"(rank) : "memory");
+}
+
+// Every thread of every block in the cluster meets here (all threads must reach it; the warps
+// need not be converged).
+__device__ __forceinline__ void ht_cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
 // Byte offset of 16-byte chunk c of row r in a tile of 128-byte rows with the 128-byte swizzle.
 __device__ __forceinline__ unsigned sw128(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
 
