@@ -341,6 +341,9 @@ mod tests {
         for (v, want) in [("auto", (Auto, Auto)), ("fwd", (Auto, Off)), ("always", (Always, Always)), ("0", (Off, Off)), ("off", (Off, Off))] {
             assert_eq!(o(&[(WIDE_GEMM_ENV, v)]).wide_gemm, want, "{v}");
         }
+        for (v, want) in [("on", true), ("1", true), ("0", false), ("off", false)] {
+            assert_eq!(o(&[(GEMM_CLUSTER_ENV, v)]).gemm_cluster, want, "{v}");
+        }
         assert_eq!(o(&[(GEMM_TUNE_ENV, "quick")]).gemm_tune, GemmTune::Quick);
         assert_eq!(o(&[(GEMM_TUNE_ENV, "sustained")]).gemm_tune, GemmTune::Sustained);
         // one variable leaves the others at their defaults
@@ -355,6 +358,7 @@ mod tests {
         assert_eq!(err(FUSED_GEMM_ENV, "yes"), "VITSCALE_FUSED_GEMM=\"yes\": expected on, 1, all, fwd, 0 or off");
         assert_eq!(err(WGMMA_ATTENTION_ENV, "true"), "VITSCALE_WGMMA_ATTENTION=\"true\": expected on, 1, 0 or off");
         assert_eq!(err(WIDE_GEMM_ENV, "wide"), "VITSCALE_WIDE_GEMM=\"wide\": expected auto, fwd, always, 0 or off");
+        assert_eq!(err(GEMM_CLUSTER_ENV, "2"), "VITSCALE_GEMM_CLUSTER=\"2\": expected on, 1, 0 or off");
         assert_eq!(err(GEMM_TUNE_ENV, "slow"), "VITSCALE_GEMM_TUNE=\"slow\": expected sustained or quick");
         // matching is exact after trimming
         assert!(CudaOptions::from_vars(vars(&[(ATTENTION_ENV, "Fused")])).is_err());
@@ -362,11 +366,12 @@ mod tests {
 
     #[test]
     fn knobs_start_from_the_options() {
-        let o = CudaOptions { attention: AttentionPath::FusedPipe, fused_gemm: (true, false), wgmma_attention: false, wide_gemm: (WideTiles::Always, WideTiles::Off), gemm_tune: GemmTune::Quick };
+        let o = CudaOptions { attention: AttentionPath::FusedPipe, fused_gemm: (true, false), wgmma_attention: false, wide_gemm: (WideTiles::Always, WideTiles::Off), gemm_cluster: false, gemm_tune: GemmTune::Quick };
         let k = Knobs::new(&o);
         assert_eq!(AttentionPath::from_u8(k.attention.load(Ordering::Relaxed)), AttentionPath::FusedPipe);
         assert_eq!((k.fused_gemm.load(Ordering::Relaxed), k.fused_gemm_bwd.load(Ordering::Relaxed)), (true, false));
         assert!(!k.wgmma_attention.load(Ordering::Relaxed));
         assert_eq!((k.wide_tiles(false), k.wide_tiles(true)), (WideTiles::Always, WideTiles::Off));
+        assert!(!k.gemm_cluster.load(Ordering::Relaxed));
     }
 }
