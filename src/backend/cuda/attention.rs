@@ -344,9 +344,10 @@ impl Cuda {
             // SAFETY: dq_acc holds 2·bhnd bf16 slots = bhnd f32 values.
             unsafe { dr::memset_d8_async(dq_acc, 0, bhnd * 4, self.stream.cu_stream()) }.map_err(dev("cuMemsetD8Async"))?;
             let (bb, nn, hh) = (b as i32, n as i32, h as i32);
+            // 32 (token, head) rows a block and step, 32·D/8 threads (FA_PRE_THREADS in flash.cu)
             let rows = b * n * h;
-            let grid = rows.div_ceil(THREADS as usize).clamp(1, self.info.multiprocessors as usize * 16) as u32;
-            self.launch(&format!("flash_bwd_pre_d{d}"), (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![delta, dout.ptr, out.ptr, bb, nn, hh])?;
+            let grid = rows.div_ceil(32).clamp(1, self.info.multiprocessors as usize * 8) as u32;
+            self.launch(&format!("flash_bwd_pre_d{d}"), (grid, 1, 1), (32 * (d / 8) as u32, 1, 1), 0, &mut kargs![delta, dout.ptr, out.ptr, bb, nn, hh])?;
             // On Hopper the key blocks run on wgmma (TMA copies: 16-byte aligned bases; 16-byte
             // dQ reductions).
             if let Some(lsmem) = self.wgmma_long_backward(n, d).filter(|_| tma_ok && dq_acc % 16 == 0) {

@@ -250,18 +250,35 @@ __device__ __forceinline__ float row_dot(const bf16* a, const bf16* b) {
     return acc;
 }
 
-// Backward pre-pass: delta (B·H, N) = rowsum(dO ∘ O) per head, f32. One thread per
-// (b, n, h) row of D values, 16-byte loads. dout, out (B, N, H·D).
+// Backward pre-pass: delta (B·H, N) = rowsum(dO ∘ O) per head, f32; dout, out (B, N, H·D).
+// Thread e of a step takes 16-byte chunk e of the step's rows, so a warp's loads are consecutive
+// addresses (one thread per D-wide row strided its loads D·2 bytes apart, and the rows of the
+// resident warps overflowed L1: each sector came from L2 about twice). A block of 32·D/8
+// threads covers 32 whole (token, head) rows a step; the first 32 threads then sum their row's
+// chunk products in order. The host launches 32·D/8 threads a block.
 template <int D>
 __device__ __forceinline__ void flash_bwd_pre(float* __restrict__ delta, const bf16* __restrict__ dout, const bf16* __restrict__ out, int b, int n, int h) {
-    i64 rows = (i64)b * n * h;
-    GRID_STRIDE(r, rows) {
-        const float acc = row_dot<D>(dout + r * D, out + r * D);
-        int hi = (int)(r % h);
-        i64 tok = r / h;  // b·n + token
-        int ni = (int)(tok % n);
-        i64 bi = tok / n;
-        delta[(bi * h + hi) * n + ni] = acc;
+    constexpr int CPR = D / 8;  // chunks per row
+    __shared__ float part[32 * CPR];
+    const i64 rows = (i64)b * n * h;
+    const uint4* d4 = (const uint4*)dout;
+    const uint4* o4 = (const uint4*)out;
+    for (i64 r0 = (i64)blockIdx.x * 32; r0 < rows; r0 += (i64)gridDim.x * 32) {
+        const i64 e = r0 * CPR + threadIdx.x;
+        part[threadIdx.x] = e < rows * CPR ? dot8_acc(0.f, d4[e], o4[e]) : 0.f;
+        __syncthreads();
+        const i64 r = r0 + threadIdx.x;
+        if (threadIdx.x < 32 && r < rows) {
+            float acc = 0.f;
+            #pragma unroll
+            for (int c = 0; c < CPR; c++) acc += part[threadIdx.x * CPR + c];
+            const int hi = (int)(r % h);
+            const i64 tok = r / h;  // b·n + token
+            const int ni = (int)(tok % n);
+            const i64 bi = tok / n;
+            delta[(bi * h + hi) * n + ni] = acc;
+        }
+        __syncthreads();  // part is rewritten by the next step
     }
 }
 
