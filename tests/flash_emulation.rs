@@ -562,11 +562,17 @@ fn flash_fwd(tl: FwdTiles, out: &mut [f32], lse2: &mut [f32], qkv: &[f32], b: us
     }
 }
 
+/// `flash_bwd_pre<D>`: a thread's 8-value chunk summed from zero (`dot8_acc`), then the row's
+/// D/8 chunk sums added in order.
 fn flash_bwd_pre(delta: &mut [f32], dout: &[f32], out: &[f32], b: usize, n: usize, h: usize, d: usize) {
     for r in 0..b * n * h {
         let mut acc = 0f32;
-        for c in 0..d {
-            acc += dout[r * d + c] * out[r * d + c];
+        for c in 0..d / 8 {
+            let mut part = 0f32;
+            for k in r * d + 8 * c..r * d + 8 * c + 8 {
+                part += dout[k] * out[k];
+            }
+            acc += part;
         }
         let hi = r % h;
         let tok = r / h;
@@ -913,8 +919,7 @@ const KERNEL_FUNCTIONS: &[(&str, &str, u64)] = &[
     ("void mma_a_tile(", "mma_a_tile", 0x7631_a603_2c2e_8dc5),
     ("void ds_as_a(", "ds_as_a", 0xcccb_a64f_21e1_9379),
     ("float dot8_acc(", "flash_bwd_pre", 0xeb52_2398_783a_83a2),
-    ("float row_dot(", "flash_bwd_pre", 0x6806_4dbf_bd86_0dcf),
-    ("void flash_bwd_pre(", "flash_bwd_pre", 0xb481_68b5_9606_3d7d),
+    ("void flash_bwd_pre(", "flash_bwd_pre", 0x8ce1_6179_e256_e530),
     ("void flash_dq_store(", "flash_dq_store", 0x83b5_4c2f_be1a_9c0d),
     ("void fa_load_tile_async(", "load_tile", 0xc911_a432_f1d8_b686),
     ("constexpr int fa_bwd_keys(", "pipe_bwd: keys a block", 0x1b5c_0100_323b_4701),
