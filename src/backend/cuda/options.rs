@@ -132,7 +132,7 @@ pub struct CudaOptions {
     /// Whether the 128×256-tile Hopper GEMM kernels run in clusters of two blocks that share
     /// their B tile through multicast copies (`set_gemm_cluster` changes it later; it falls
     /// back to single blocks where the device cannot hold a cluster a block's size).
-    /// `VITSCALE_GEMM_CLUSTER`: `on` (the default; also `1`); `0` or `off`.
+    /// `VITSCALE_GEMM_CLUSTER`: `0` or `off` (the default); `on` or `1`.
     pub gemm_cluster: bool,
     /// How the GEMM tuner times cuBLASLt's candidates on first use; fixed when the backend
     /// opens, and part of the key of the choices kept on disk. `VITSCALE_GEMM_TUNE`:
@@ -147,7 +147,7 @@ impl Default for CudaOptions {
             fused_gemm: (true, true),
             wgmma_attention: true,
             wide_gemm: (WideTiles::Auto, WideTiles::Auto),
-            gemm_cluster: true,
+            gemm_cluster: false,
             gemm_tune: GemmTune::Sustained,
         }
     }
@@ -175,7 +175,7 @@ impl CudaOptions {
                 ("0", (WideTiles::Off, WideTiles::Off)),
                 ("off", (WideTiles::Off, WideTiles::Off)),
             ])?,
-            gemm_cluster: choose(&get, GEMM_CLUSTER_ENV, true, &[("on", true), ("1", true), ("0", false), ("off", false)])?,
+            gemm_cluster: choose(&get, GEMM_CLUSTER_ENV, false, &[("on", true), ("1", true), ("0", false), ("off", false)])?,
             gemm_tune: choose(&get, GEMM_TUNE_ENV, GemmTune::Sustained, &[("sustained", GemmTune::Sustained), ("quick", GemmTune::Quick)])?,
         })
     }
@@ -366,12 +366,12 @@ mod tests {
 
     #[test]
     fn knobs_start_from_the_options() {
-        let o = CudaOptions { attention: AttentionPath::FusedPipe, fused_gemm: (true, false), wgmma_attention: false, wide_gemm: (WideTiles::Always, WideTiles::Off), gemm_cluster: false, gemm_tune: GemmTune::Quick };
+        let o = CudaOptions { attention: AttentionPath::FusedPipe, fused_gemm: (true, false), wgmma_attention: false, wide_gemm: (WideTiles::Always, WideTiles::Off), gemm_cluster: true, gemm_tune: GemmTune::Quick };
         let k = Knobs::new(&o);
         assert_eq!(AttentionPath::from_u8(k.attention.load(Ordering::Relaxed)), AttentionPath::FusedPipe);
         assert_eq!((k.fused_gemm.load(Ordering::Relaxed), k.fused_gemm_bwd.load(Ordering::Relaxed)), (true, false));
         assert!(!k.wgmma_attention.load(Ordering::Relaxed));
         assert_eq!((k.wide_tiles(false), k.wide_tiles(true)), (WideTiles::Always, WideTiles::Off));
-        assert!(!k.gemm_cluster.load(Ordering::Relaxed));
+        assert!(k.gemm_cluster.load(Ordering::Relaxed));
     }
 }
