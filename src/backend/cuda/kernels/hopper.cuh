@@ -135,9 +135,8 @@ __device__ __forceinline__ unsigned ht_cluster_rank() {
 }
 
 // An arrival on the mbarrier at offset `bar` in the shared memory of cluster block `rank`, with
-// the default (CTA-scope release) semantics: it tells a producer that this warp's reads of a
-// ring slot are complete. A cluster-scope release made every arrival wait for the block's
-// outstanding memory operations, and the multiplying warps issue one per K step.
+// the default (CTA-scope release) semantics: it only tells a producer that this warp's reads of
+// a ring slot are complete, and the multiplying warps issue one per K step.
 __device__ __forceinline__ void ht_mbar_arrive_remote(unsigned bar, unsigned rank) {
     asm volatile(
         "{\n"
