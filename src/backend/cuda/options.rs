@@ -131,7 +131,8 @@ pub struct CudaOptions {
     pub wide_gemm: (WideTiles, WideTiles),
     /// Whether the 128×256-tile Hopper GEMM kernels run in clusters of two blocks that share
     /// their B tile through multicast copies (`set_gemm_cluster` changes it later; it falls
-    /// back to single blocks where the device cannot hold a cluster a block's size).
+    /// back to single blocks where the device cannot hold a cluster a block's size; on an H100
+    /// they ran at the speed of single blocks, BENCHMARKS.md).
     /// `VITSCALE_GEMM_CLUSTER`: `0` or `off` (the default); `on` or `1`.
     pub gemm_cluster: bool,
     /// How the GEMM tuner times cuBLASLt's candidates on first use; fixed when the backend

@@ -13,7 +13,8 @@
 // and ViT-B/16's attention (197 tokens: `flash_fwd_wg_d64`, `flash_bwd_wg_d64`, at the end;
 // VITSCALE_WGMMA_ATTENTION=0 turns them off).
 // Both are the default on sm_90 (VITSCALE_FUSED_GEMM=fwd keeps mode 0 only, =0 neither), with
-// 128×256 tiles where N % 256 == 0 (the `_w` kernels, WIDE below; VITSCALE_WIDE_GEMM). With
+// 128×256 tiles where N % 256 == 0 (the `_w` kernels, WIDE below; VITSCALE_WIDE_GEMM; launched
+// in clusters of two under VITSCALE_GEMM_CLUSTER, see hw_gemm). With
 // trivial epilogues the 128×128 main loop ran ≈ 30 % slower than cuBLASLt's product of the
 // same shape. BENCHMARKS.md has the measurements.
 //
