@@ -383,12 +383,19 @@ impl Cuda {
     /// limit above the default 48 KiB first (a function attribute, not a stream operation, so
     /// it is allowed during graph capture).
     pub(super) fn launch_dyn(&self, name: &str, grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32, args: &mut [*mut c_void]) -> BResult<()> {
+        self.allow_dynamic_smem(name, smem)?;
+        self.launch(name, grid, block, smem, args)
+    }
+
+    /// Raises kernel `name`'s dynamic shared-memory limit to `smem` bytes where that is above
+    /// the default 48 KiB.
+    fn allow_dynamic_smem(&self, name: &str, smem: u32) -> BResult<()> {
         if smem > 48 * 1024 {
             let f = self.kernels.get(name)?;
             f.set_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
                 .map_err(|e| BackendError::Device(format!("{name}: raising dynamic shared memory to {smem} bytes: {e}")))?;
         }
-        self.launch(name, grid, block, smem, args)
+        Ok(())
     }
 
     /// `launch_dyn` in clusters of `cluster` blocks along x (`grid.0` a multiple of it).
@@ -398,10 +405,7 @@ impl Cuda {
             return self.launch_dyn(name, grid, block, smem, args);
         }
         let f = self.kernels.get(name)?;
-        if smem > 48 * 1024 {
-            f.set_attribute(cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
-                .map_err(|e| BackendError::Device(format!("{name}: raising dynamic shared memory to {smem} bytes: {e}")))?;
-        }
+        self.allow_dynamic_smem(name, smem)?;
         // (named "{name}/c{cluster}" in the profile's launch table)
         self.timed(&format!("{name}/c{cluster}"), || {
             let mut attr = cluster_attribute(cluster);
@@ -426,10 +430,9 @@ impl Cuda {
             return Ok(n);
         }
         let f = self.kernels.get(name)?;
-        f.set_attribute(cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
-            .map_err(|e| BackendError::Device(format!("{name}: raising dynamic shared memory to {smem} bytes: {e}")))?;
+        self.allow_dynamic_smem(name, smem)?;
         let mut attr = cluster_attribute(cluster);
-        let config = launch_config((cluster * self.info.multiprocessors.max(1) as u32, 1, 1), (block, 1, 1), smem, self.stream.cu_stream(), &mut attr);
+        let config = launch_config((cluster * self.info.multiprocessors.max(1), 1, 1), (block, 1, 1), smem, self.stream.cu_stream(), &mut attr);
         let mut n: i32 = 0;
         // SAFETY: out-pointer to a live i32; the configuration and its attribute outlive the call.
         let r = unsafe { cu::cuOccupancyMaxActiveClusters(&mut n, f.cu_function(), &config) };

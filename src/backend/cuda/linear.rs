@@ -169,6 +169,7 @@ impl Cuda {
         Ok(HopperLaunch { name, grid, threads, smem, bn, cluster: 1 })
     }
 
+    /// Launches a Hopper GEMM kernel as `hopper_gemm_shape` chose.
     fn launch_hopper_gemm(&self, l: &HopperLaunch, args: &mut [*mut c_void]) -> BResult<()> {
         self.launch_clustered(&l.name, (l.grid, 1, 1), (l.threads, 1, 1), l.smem, l.cluster, args)
     }
