@@ -563,8 +563,11 @@ fn flash_fwd(tl: FwdTiles, out: &mut [f32], lse2: &mut [f32], qkv: &[f32], b: us
 }
 
 /// `flash_bwd_pre<D>`: a thread's 8-value chunk summed from zero (`dot8_acc`), then the row's
-/// D/8 chunk sums added in order.
-fn flash_bwd_pre(delta: &mut [f32], dout: &[f32], out: &[f32], b: usize, n: usize, h: usize, d: usize) {
+/// D/8 chunk sums added in order; and the chunk's 8 values of the dQ sums zeroed.
+fn flash_bwd_pre(delta: &mut [f32], dq_acc: &mut [f32], dout: &[f32], out: &[f32], b: usize, n: usize, h: usize, d: usize) {
+    for e in 0..b * n * h * d / 8 {
+        dq_acc[8 * e..8 * e + 8].fill(0.0);
+    }
     for r in 0..b * n * h {
         let mut acc = 0f32;
         for c in 0..d / 8 {
@@ -856,8 +859,9 @@ fn fused_attention_kernels_match_cpu() {
         }
         let (out, lse2) = &fwd_outs[0];
         let mut delta = vec![f32::NAN; b * h * n];
-        flash_bwd_pre(&mut delta, &dout, out, b, n, h, d);
-        let mut dq_acc = vec![0f32; b * n * c];
+        // (NaN: every value the backward reduces into must have been zeroed by the pre-pass)
+        let mut dq_acc = vec![f32::NAN; b * n * c];
+        flash_bwd_pre(&mut delta, &mut dq_acc, &dout, out, b, n, h, d);
         let mut dqkv = vec![f32::NAN; b * n * 3 * c];
         flash_bwd(bwd, &mut dqkv, &mut dq_acc, &dout, &qkv, lse2, &delta, b, n, h, d, scale, scale_log2);
         flash_dq_store(&mut dqkv, &dq_acc, b * n, c / 8);
@@ -919,7 +923,7 @@ const KERNEL_FUNCTIONS: &[(&str, &str, u64)] = &[
     ("void mma_a_tile(", "mma_a_tile", 0x7631_a603_2c2e_8dc5),
     ("void ds_as_a(", "ds_as_a", 0xcccb_a64f_21e1_9379),
     ("float dot8_acc(", "flash_bwd_pre", 0xeb52_2398_783a_83a2),
-    ("void flash_bwd_pre(", "flash_bwd_pre", 0x8ce1_6179_e256_e530),
+    ("void flash_bwd_pre(", "flash_bwd_pre", 0x2084_afde_85cd_2ead),
     ("void flash_dq_store(", "flash_dq_store", 0x83b5_4c2f_be1a_9c0d),
     ("void fa_load_tile_async(", "load_tile", 0xc911_a432_f1d8_b686),
     ("constexpr int fa_bwd_keys(", "pipe_bwd: keys a block", 0x1b5c_0100_323b_4701),

@@ -4,10 +4,9 @@
 //! `kernels/hopper_flash_bwd.cu` expects), the forward and backward of every path, and the
 //! class-token attention of a pooled last block.
 
-use cudarc::driver::result as dr;
 use cudarc::driver::sys::CUdeviceptr;
 
-use super::device::{check_bf16, check_f32, check_len, check_span, dev, kargs, CudaBuf, THREADS};
+use super::device::{check_bf16, check_f32, check_len, check_span, kargs, CudaBuf, THREADS};
 use super::gemm::{GemmShape, Ty};
 use super::linear::tensor_map_3d;
 use super::options::AttentionPath;
@@ -341,13 +340,12 @@ impl Cuda {
             // f32 scratch: dQ accumulator (B, N, H·D) and delta (B·H, N), in bf16-sized slots.
             let dq_acc = self.scratch("flash_dq_acc", 2 * bhnd)?;
             let delta = self.scratch("flash_delta", 2 * b * h * n)?;
-            // SAFETY: dq_acc holds 2·bhnd bf16 slots = bhnd f32 values.
-            unsafe { dr::memset_d8_async(dq_acc, 0, bhnd * 4, self.stream.cu_stream()) }.map_err(dev("cuMemsetD8Async"))?;
             let (bb, nn, hh) = (b as i32, n as i32, h as i32);
-            // 32 (token, head) rows a block and step, 32·D/8 threads (FA_PRE_THREADS in flash.cu)
+            // 32 (token, head) rows a block and step, 32·D/8 threads; the pass also zeroes the
+            // dQ accumulator (each thread the 8 values of its 16-byte chunk of dout)
             let rows = b * n * h;
             let grid = rows.div_ceil(32).clamp(1, self.info.multiprocessors as usize * 8) as u32;
-            self.launch(&format!("flash_bwd_pre_d{d}"), (grid, 1, 1), (32 * (d / 8) as u32, 1, 1), 0, &mut kargs![delta, dout.ptr, out.ptr, bb, nn, hh])?;
+            self.launch(&format!("flash_bwd_pre_d{d}"), (grid, 1, 1), (32 * (d / 8) as u32, 1, 1), 0, &mut kargs![delta, dq_acc, dout.ptr, out.ptr, bb, nn, hh])?;
             // On Hopper the key blocks run on wgmma (TMA copies: 16-byte aligned bases; 16-byte
             // dQ reductions).
             if let Some(lsmem) = self.wgmma_long_backward(n, d).filter(|_| tma_ok && dq_acc % 16 == 0) {

@@ -256,16 +256,25 @@ __device__ __forceinline__ float row_dot(const bf16* a, const bf16* b) {
 // resident warps overflowed L1: each sector came from L2 about twice). A block of 32·D/8
 // threads covers 32 whole (token, head) rows a step; the first 32 threads then sum their row's
 // chunk products in order. The host launches 32·D/8 threads a block.
+// The pass also zeroes the backward's f32 dQ sums dq_acc (B, N, H·D), which share dout's layout:
+// each thread the 8 values of its chunk. As a memset of its own the zeroing sat between the
+// weight gradient and this pass, the GPU doing nothing else.
 template <int D>
-__device__ __forceinline__ void flash_bwd_pre(float* __restrict__ delta, const bf16* __restrict__ dout, const bf16* __restrict__ out, int b, int n, int h) {
+__device__ __forceinline__ void flash_bwd_pre(float* __restrict__ delta, float* __restrict__ dq_acc, const bf16* __restrict__ dout, const bf16* __restrict__ out, int b, int n, int h) {
     constexpr int CPR = D / 8;  // chunks per row
     __shared__ float part[32 * CPR];
     const i64 rows = (i64)b * n * h;
     const uint4* d4 = (const uint4*)dout;
     const uint4* o4 = (const uint4*)out;
+    float4* z4 = (float4*)dq_acc;
     for (i64 r0 = (i64)blockIdx.x * 32; r0 < rows; r0 += (i64)gridDim.x * 32) {
         const i64 e = r0 * CPR + threadIdx.x;
-        part[threadIdx.x] = e < rows * CPR ? dot8_acc(0.f, d4[e], o4[e]) : 0.f;
+        float p = 0.f;
+        if (e < rows * CPR) {
+            p = dot8_acc(0.f, d4[e], o4[e]);
+            z4[2 * e] = z4[2 * e + 1] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+        part[threadIdx.x] = p;
         __syncthreads();
         const i64 r = r0 + threadIdx.x;
         if (threadIdx.x < 32 && r < rows) {
@@ -660,8 +669,8 @@ __device__ __forceinline__ void flash_bwd_pipe(bf16* __restrict__ dqkv, float* _
 // ViT-S/B/L's 64, ViT-H/14's 80, 32, 96 and 128); their host side is PIPE_HEAD_DIMS in
 // attention.rs.
 #define FA_PIPE(D) \
-    extern "C" __global__ void flash_bwd_pre_d##D(float* delta, const bf16* dout, const bf16* out, int b, int n, int h) { \
-        flash_bwd_pre<D>(delta, dout, out, b, n, h); \
+    extern "C" __global__ void flash_bwd_pre_d##D(float* delta, float* dq_acc, const bf16* dout, const bf16* out, int b, int n, int h) { \
+        flash_bwd_pre<D>(delta, dq_acc, dout, out, b, n, h); \
     } \
     extern "C" __global__ void flash_fwd_d##D##_pipe(bf16* out, float* lse2, const bf16* qkv, int n, int h, float scale_log2) { \
         flash_fwd_pipe<D, 64>(out, lse2, qkv, n, h, scale_log2); \
