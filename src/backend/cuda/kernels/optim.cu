@@ -66,8 +66,9 @@ template <> struct FloatVec<2> { typedef float2 T; typedef unsigned H; };
 
 // Elements [a, b), b − a a multiple of V, with every array at a V-element boundary at a: loads
 // and stores of V floats (16 or 8 bytes), two vectors per thread in flight: the same bytes in
-// a quarter (a half) of the memory instructions.
-template <int V>
+// a quarter (a half) of the memory instructions. SPLIT (V = 4): v is only at a 2-element
+// boundary and goes as two 8-byte halves, the other arrays still 16 bytes at a time.
+template <int V, bool SPLIT = false>
 __device__ __forceinline__ void adam_vector(float* p, const float* g, float* m, float* v, bf16* pc, i64 a, i64 b, i64 tid, i64 stride,
                                             float lr, float b1, float b2, float eps, float decay, int adamw, float bc1, float bc2, float gscale) {
     typedef typename FloatVec<V>::T T;
@@ -75,14 +76,32 @@ __device__ __forceinline__ void adam_vector(float* p, const float* g, float* m, 
     T* pv = (T*)(p + a);
     const T* gv = (const T*)(g + a);
     T* mv = (T*)(m + a);
-    T* vv = (T*)(v + a);
+    static_assert(!SPLIT || V == 4, "the split second moments are for 16-byte vectors");
+    float* vb = v + a;
+    // v's V values at vector q, whole or as two 8-byte halves
+    auto load_v = [&](i64 q) -> T {
+        if constexpr (SPLIT) {
+            const float2 lo = ((const float2*)vb)[2 * q], hi = ((const float2*)vb)[2 * q + 1];
+            return make_float4(lo.x, lo.y, hi.x, hi.y);
+        } else {
+            return ((const T*)vb)[q];
+        }
+    };
+    auto store_v = [&](i64 q, const T& val) {
+        if constexpr (SPLIT) {
+            ((float2*)vb)[2 * q] = make_float2(val.x, val.y);
+            ((float2*)vb)[2 * q + 1] = make_float2(val.z, val.w);
+        } else {
+            ((T*)vb)[q] = val;
+        }
+    };
     H* hv = pc ? (H*)(pc + a) : nullptr;
     const i64 n = (b - a) / V;
     for (i64 q = tid; q < n; q += 2 * stride) {
         const bool two = q + stride < n;
         T pr[2], gr[2], mr[2], vr[2];
-        pr[0] = pv[q]; gr[0] = gv[q]; mr[0] = mv[q]; vr[0] = vv[q];
-        if (two) { pr[1] = pv[q + stride]; gr[1] = gv[q + stride]; mr[1] = mv[q + stride]; vr[1] = vv[q + stride]; }
+        pr[0] = pv[q]; gr[0] = gv[q]; mr[0] = mv[q]; vr[0] = load_v(q);
+        if (two) { pr[1] = pv[q + stride]; gr[1] = gv[q + stride]; mr[1] = mv[q + stride]; vr[1] = load_v(q + stride); }
         #pragma unroll
         for (int u = 0; u < 2; u++) {
             if (u == 1 && !two) break;
@@ -93,7 +112,7 @@ __device__ __forceinline__ void adam_vector(float* p, const float* g, float* m, 
             #pragma unroll
             for (int k = 0; k < V; k++) adam_update(pe[k], __fmul_rn(ge[k], gscale), me[k], ve[k], lr, b1, b2, eps, decay, adamw, bc1, bc2);
             const i64 at = q + u * stride;
-            pv[at] = pr[u]; mv[at] = mr[u]; vv[at] = vr[u];
+            pv[at] = pr[u]; mv[at] = mr[u]; store_v(at, vr[u]);
             if (hv) {
                 H h;
                 unsigned* hw = (unsigned*)&h;
@@ -105,17 +124,18 @@ __device__ __forceinline__ void adam_vector(float* p, const float* g, float* m, 
     }
 }
 
-// Whether elements from j on can go V at a time: every array at a V-element boundary at j.
-__device__ __forceinline__ bool vector_aligned(const float* p, const float* g, const float* m, const float* v, const bf16* pc, i64 j, int V) {
+// Whether elements from j on can go V at a time: every array at a V-element boundary at j
+// (v at a VV-element one).
+__device__ __forceinline__ bool vector_aligned(const float* p, const float* g, const float* m, const float* v, const bf16* pc, i64 j, int V, int VV) {
     const unsigned long long f = 4ull * V, h = 2ull * V;
     return (unsigned long long)(p + j) % f == 0 && (unsigned long long)(g + j) % f == 0 && (unsigned long long)(m + j) % f == 0
-        && (unsigned long long)(v + j) % f == 0 && (!pc || (unsigned long long)(pc + j) % h == 0);
+        && (unsigned long long)(v + j) % (4ull * VV) == 0 && (!pc || (unsigned long long)(pc + j) % h == 0);
 }
 
 // One block per segment chunk (grid.y). The chunk's start is moved to the first element at
-// which every array is 16-byte aligned (8-byte where 16 cannot be had: Adam's v follows m at
-// an offset of P floats, any even count), the elements before it and after the last whole
-// vector go one at a time.
+// which every array is 16-byte aligned (v 8-byte where 16 cannot be had: Adam's v follows m at
+// an offset of P floats, any even count; all 8-byte where p, g, m are only that), the elements
+// before it and after the last whole vector go one at a time.
 extern "C" __global__ void adam_kernel(float* p, const float* g, float* m, float* v, const i64* segs,
                                        float lr, float b1, float b2, float eps, float wd, int adamw,
                                        float bc1, float bc2, float gscale, bf16* pc, const double* norm2, float clip) {
@@ -129,16 +149,19 @@ extern "C" __global__ void adam_kernel(float* p, const float* g, float* m, float
     const i64 head4 = start + (i64)((16 - (unsigned long long)(p + start) % 16) % 16) / 4;
     const i64 head2 = start + (i64)((8 - (unsigned long long)(p + start) % 8) % 8) / 4;
     int V = 1;
+    bool split = false;
     i64 a = end;
-    if (head4 + 4 <= end && vector_aligned(p, g, m, v, pc, head4, 4)) { V = 4; a = head4; }
-    else if (head2 + 2 <= end && vector_aligned(p, g, m, v, pc, head2, 2)) { V = 2; a = head2; }
+    if (head4 + 4 <= end && vector_aligned(p, g, m, v, pc, head4, 4, 4)) { V = 4; a = head4; }
+    else if (head4 + 4 <= end && vector_aligned(p, g, m, v, pc, head4, 4, 2)) { V = 4; a = head4; split = true; }
+    else if (head2 + 2 <= end && vector_aligned(p, g, m, v, pc, head2, 2, 2)) { V = 2; a = head2; }
     if (V == 1) {
         adam_scalar(p, g, m, v, pc, start, end, tid, stride, lr, b1, b2, eps, decay, adamw, bc1, bc2, gscale);
         return;
     }
     const i64 b = a + (end - a) / V * V;
     adam_scalar(p, g, m, v, pc, start, a, tid, stride, lr, b1, b2, eps, decay, adamw, bc1, bc2, gscale);
-    if (V == 4) adam_vector<4>(p, g, m, v, pc, a, b, tid, stride, lr, b1, b2, eps, decay, adamw, bc1, bc2, gscale);
+    if (V == 4 && split) adam_vector<4, true>(p, g, m, v, pc, a, b, tid, stride, lr, b1, b2, eps, decay, adamw, bc1, bc2, gscale);
+    else if (V == 4) adam_vector<4>(p, g, m, v, pc, a, b, tid, stride, lr, b1, b2, eps, decay, adamw, bc1, bc2, gscale);
     else adam_vector<2>(p, g, m, v, pc, a, b, tid, stride, lr, b1, b2, eps, decay, adamw, bc1, bc2, gscale);
     adam_scalar(p, g, m, v, pc, b, end, tid, stride, lr, b1, b2, eps, decay, adamw, bc1, bc2, gscale);
 }
