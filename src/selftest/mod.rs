@@ -671,7 +671,9 @@ fn class_attention_check<B: Backend>(cx: &mut Ctx<B>, b: usize, n: usize, h: usi
 /// 81, the first N past them), and the 13-warp whole-head backward's (D 64, N 193–208: 197,
 /// 193 and 208 at its ends, 209 past it); the tiled kernels' other head dims (80: ViT-H/14 at
 /// 257 tokens and a ragged 50; 96; 128 short, at 1025 and long) and long sequences (4097:
-/// ViT-B/16 at 1024 px; 16384; past 1024 tokens the forward's 128-query blocks, every head dim). `path` labels the checks.
+/// ViT-B/16 at 1024 px; 16384; past 1024 tokens the forward's 128-query blocks, every head dim),
+/// and the long wgmma forward's first key tile (N mod 128 = 1, 2, 16: the short tile of 16
+/// keys; 17, 65: a masked whole tile; 0: none masked). `path` labels the checks.
 pub fn attention_checks<B: Backend>(be: &B, seed: u64, path: &str) -> BResult<Vec<Check>> {
     attention_checks_memo(be, seed, path, &mut ReferenceMemo::default())
 }
@@ -682,7 +684,8 @@ pub fn attention_checks_memo<B: Backend>(be: &B, seed: u64, path: &str, memo: &m
     let tol_c = if be.needs_compute_copy() { 1e-2 } else { F32_TOL };
     let mut cx = Ctx { be, cpu: Cpu::new(), rng: ChaCha8Rng::seed_from_u64(seed), checks: Vec::new(), tol_c, memo: std::mem::take(memo).for_seed(seed) };
     for &(b, n, h, d) in &[(2usize, 65usize, 6usize, 64usize), (3, 197, 4, 64), (3, 50, 5, 64), (2, 17, 3, 32), (2, 65, 3, 32), (1, 1025, 2, 64), (32, 197, 12, 64), (2, 256, 2, 64), (2, 129, 3, 32), (64, 65, 6, 64), (2, 80, 2, 64), (2, 64, 3, 32), (3, 1, 2, 64), (2, 81, 2, 64), (2, 193, 2, 64), (2, 208, 3, 64), (2, 209, 2, 64),
-        (2, 257, 4, 80), (2, 50, 3, 80), (2, 197, 2, 96), (2, 65, 2, 128), (1, 1025, 2, 128), (1, 4097, 2, 64), (1, 4097, 1, 80), (1, 16384, 1, 64), (1, 1090, 2, 32), (1, 1030, 2, 96), (2, 577, 2, 64)] {
+        (2, 257, 4, 80), (2, 50, 3, 80), (2, 197, 2, 96), (2, 65, 2, 128), (1, 1025, 2, 128), (1, 4097, 2, 64), (1, 4097, 1, 80), (1, 16384, 1, 64), (1, 1090, 2, 32), (1, 1030, 2, 96), (2, 577, 2, 64),
+        (1, 272, 2, 80), (1, 384, 2, 80), (1, 258, 2, 64), (1, 273, 3, 64)] {
         attention_check(&mut cx, b, n, h, d, path)?;
     }
     // a head dim that is no multiple of 8: the class-token attention's element-wise kernels
@@ -1242,17 +1245,19 @@ pub fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult
 /// at D 64, N 193–208 (4 shapes in `attention_checks`) and the short-sequence kernel at 81–192
 /// and 209–256 (N 81, 129, 209, 256); at D 64, N 193–208 the wgmma kernels replace the
 /// 13-warp backward and the tiled forward when chosen (`wgmma`: compiled, sm_90, and switched
-/// on); at D 64, N > 256 (N 577, 1025, 4097, 16384) the long-sequence wgmma forward replaces
-/// the tiled one when chosen and its module loaded (`long_fwd`), and `flash_bwd_wg_long_d64`
-/// the tiled backward `flash_bwd_d64_pipe` likewise (`long_bwd`). A count off by one fails: the
-/// selection would have changed under the checks.
-fn attention_kernel_choice(launched: &[(String, f64, usize)], wgmma: bool, long_fwd: bool, long_bwd: bool, label: &str) -> Vec<Check> {
+/// on); at D 64, N > 256 (N 577, 1025, 4097, 16384, 258, 273) the long-sequence wgmma forward
+/// replaces the tiled one when chosen and its module loaded (`long_fwd`), and
+/// `flash_bwd_wg_long_d64` the tiled backward `flash_bwd_d64_pipe` likewise (`long_bwd`); at D
+/// 80, N > 256 (N 257, 4097, 272, 384) `flash_fwd_wg_long_d80` replaces `flash_fwd_d80_pipe`
+/// (`long_fwd80`). A count off by one fails: the selection would have changed under the checks.
+fn attention_kernel_choice(launched: &[(String, f64, usize)], wgmma: bool, long_fwd: bool, long_fwd80: bool, long_bwd: bool, label: &str) -> Vec<Check> {
     let count = |kernel: &str| launched.iter().filter(|(name, _, _)| name == kernel).map(|&(_, _, c)| c).sum::<usize>();
     let (wg, w13) = if wgmma { (8, 0) } else { (0, 8) };
-    let long_fwd = if wgmma && long_fwd { 4 } else { 0 };
+    let long_fwd = if wgmma && long_fwd { 6 } else { 0 };
+    let long_fwd80 = if wgmma && long_fwd80 { 4 } else { 0 };
     // each long shape's backward runs twice (without and with the qkv bias gradient)
-    let (long_wg, long_pipe) = if wgmma && long_bwd { (8, 0) } else { (0, 8) };
-    [("flash_bwd_wg_d64", wg), ("flash_bwd_small_d64_w13", w13), ("flash_bwd_short_d64", 6), ("flash_bwd_short_d32", 2), ("flash_fwd_wg_d64", wg / 2), ("flash_fwd_wg_long_d64", long_fwd), ("flash_bwd_wg_long_d64", long_wg), ("flash_bwd_d64_pipe", long_pipe)]
+    let (long_wg, long_pipe) = if wgmma && long_bwd { (12, 0) } else { (0, 12) };
+    [("flash_bwd_wg_d64", wg), ("flash_bwd_small_d64_w13", w13), ("flash_bwd_short_d64", 6), ("flash_bwd_short_d32", 2), ("flash_fwd_wg_d64", wg / 2), ("flash_fwd_wg_long_d64", long_fwd), ("flash_fwd_wg_long_d80", long_fwd80), ("flash_bwd_wg_long_d64", long_wg), ("flash_bwd_d64_pipe", long_pipe)]
         .into_iter()
         .map(|(kernel, want)| {
             let got = count(kernel);
@@ -1299,7 +1304,7 @@ pub fn attention_path_checks(be: &crate::backend::cuda::Cuda, seed: u64, progres
             Err(e) => checks.push(Check { name: format!("attention checks{label}: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false }),
         }
         if fused {
-            checks.extend(attention_kernel_choice(&launched?, wgmma, be.has_wgmma_long_attention(), be.has_wgmma_long_backward(), &label));
+            checks.extend(attention_kernel_choice(&launched?, wgmma, be.has_wgmma_long_attention(64), be.has_wgmma_long_attention(80), be.has_wgmma_long_backward(), &label));
         }
     }
     be.set_wgmma_attention(wgmma_chosen);

@@ -8,7 +8,7 @@ use cudarc::driver::sys::CUdeviceptr;
 
 use super::device::{check_bf16, check_f32, check_len, check_span, kargs, CudaBuf, THREADS};
 use super::gemm::{GemmShape, Ty};
-use super::linear::tensor_map_3d;
+use super::linear::{tensor_map_3d, tensor_map_3d_cols16};
 use super::options::AttentionPath;
 use super::Cuda;
 use crate::backend::{BResult, Backend, BackendError, Span};
@@ -125,19 +125,23 @@ impl Cuda {
         self.wgmma_attention_applies(n, d).then_some((2 * 208 * 128 + 2 * 224 * 128 + 4 * 208 * 128 + 2 * 224 * 4 + 16 + 1024) as u32)
     }
 
-    /// Dynamic shared memory of the long-sequence wgmma forward `flash_fwd_wg_long_d64`
-    /// (hopper_flash_fwd.cu, sm_90 only: 192 queries per block of three consumer warpgroups
-    /// against key tiles of 128 with an online softmax), when it applies: path `fused`, D = 64,
-    /// N > 256, switched on and compiled. Mirrors FL_SMEM(3) (three Q tiles, a 2-stage ring of K
-    /// and V tiles, 7 mbarriers).
-    fn wgmma_long_attention_forward(&self, n: usize, d: usize) -> Option<u32> {
-        let applies = self.attention_path() == AttentionPath::Fused && d == 64 && n > 256 && self.wgmma_attention() && self.has_wgmma_long_attention();
-        applies.then_some((3 * 64 * 128 + 2 * 2 * 128 * 128 + 8 * 7 + 1024) as u32)
+    /// The long-sequence wgmma forward `flash_fwd_wg_long_d{d}` (hopper_flash_fwd.cu, sm_90 only:
+    /// 64·CW queries per block of CW consumer warpgroups against key tiles of 128 with an online
+    /// softmax; CW = 3 at D = 64, 2 at D = 80), when it applies: path `fused`, D = 64 or 80,
+    /// N > 256, switched on and compiled. Gives CW and the dynamic shared memory, which mirrors
+    /// FL_SMEM(CW, D) (CW Q tiles, a 2-stage ring of K and V tiles, at D = 80 the same again for
+    /// columns 64…79 in rows of 32 bytes, 7 mbarriers).
+    fn wgmma_long_attention_forward(&self, n: usize, d: usize) -> Option<(usize, u32)> {
+        let applies = self.attention_path() == AttentionPath::Fused && (d == 64 || d == 80) && n > 256 && self.wgmma_attention() && self.has_wgmma_long_attention(d);
+        let cw = if d == 80 { 2 } else { 3 };
+        let cols16 = if d == 80 { cw * 64 * 32 + 2 * 2 * 128 * 32 } else { 0 };
+        applies.then_some((cw, (cw * 64 * 128 + 2 * 2 * 128 * 128 + cols16 + 8 * 7 + 1024) as u32))
     }
 
-    /// Whether the long-sequence wgmma forward is compiled (sm_90; its module may fail on its own).
-    pub fn has_wgmma_long_attention(&self) -> bool {
-        self.kernels.get("flash_fwd_wg_long_d64").is_ok()
+    /// Whether the long-sequence wgmma forward for head dim `d` is compiled (sm_90; its module
+    /// may fail on its own).
+    pub fn has_wgmma_long_attention(&self, d: usize) -> bool {
+        self.kernels.get(&format!("flash_fwd_wg_long_d{d}")).is_ok()
     }
 
     fn wgmma_attention_applies(&self, n: usize, d: usize) -> bool {
@@ -210,13 +214,20 @@ impl Cuda {
                 let tm_out = tensor_map_3d(out.ptr, c, n, b, 64)?;
                 return self.launch_dyn("flash_fwd_wg_d64", ((b * h) as u32, 1, 1), (128, 1, 1), smem, &mut kargs![tm_kv, tm_q, tm_out, probs.ptr, nn, hh, scale_log2]);
             }
-            if let (Some(smem), true) = (self.wgmma_long_attention_forward(n, d), qkv.ptr % 16 == 0 && out.ptr % 16 == 0) {
+            if let (Some((cw, smem)), true) = (self.wgmma_long_attention_forward(n, d), qkv.ptr % 16 == 0 && out.ptr % 16 == 0) {
                 let c = h * d;
                 let tm_kv = tensor_map_3d(qkv.ptr, 3 * c, n, b, 128)?;
                 let tm_q = tensor_map_3d(qkv.ptr, 3 * c, n, b, 64)?;
                 let tm_out = tensor_map_3d(out.ptr, c, n, b, 64)?;
-                let grid = (n.div_ceil(192) as u32, (b * h) as u32, 1);
-                return self.launch_dyn("flash_fwd_wg_long_d64", grid, (512, 1, 1), smem, &mut kargs![tm_kv, tm_q, tm_out, probs.ptr, nn, hh, scale_log2]);
+                let grid = (n.div_ceil(64 * cw) as u32, (b * h) as u32, 1);
+                let block = (128 * (cw as u32 + 1), 1, 1);
+                if d == 80 {
+                    // columns 64…79 of each head through maps of their own (32-byte swizzle)
+                    let tm_kvt = tensor_map_3d_cols16(qkv.ptr, 3 * c, n, b, 128)?;
+                    let tm_qt = tensor_map_3d_cols16(qkv.ptr, 3 * c, n, b, 64)?;
+                    return self.launch_dyn("flash_fwd_wg_long_d80", grid, block, smem, &mut kargs![tm_kv, tm_q, tm_out, tm_kvt, tm_qt, out.ptr, probs.ptr, nn, hh, scale_log2]);
+                }
+                return self.launch_dyn("flash_fwd_wg_long_d64", grid, block, smem, &mut kargs![tm_kv, tm_q, tm_out, probs.ptr, nn, hh, scale_log2]);
             }
             if let Some((w, smem, _)) = self.small_attention(n, d) {
                 let block = (32 * w as u32, 1, 1);

@@ -63,9 +63,20 @@ pub(super) fn tensor_map_3d(ptr: CUdeviceptr, cols: usize, rows: usize, batches:
     tensor_map(ptr, &[cols, rows, batches], &[64, box_rows, 1])
 }
 
+/// `tensor_map_3d` with boxes of 16 columns (32 bytes) and the 32-byte swizzle: the columns
+/// past 64 of a head of 80, which the wgmma kernels keep in tiles of their own.
+pub(super) fn tensor_map_3d_cols16(ptr: CUdeviceptr, cols: usize, rows: usize, batches: usize, box_rows: u32) -> BResult<cudarc::driver::sys::CUtensorMap> {
+    tensor_map_swizzled(ptr, &[cols, rows, batches], &[16, box_rows, 1], cudarc::driver::sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_32B)
+}
+
 /// A tensor map over a dense bf16 tensor of `dims` (innermost first), boxes of `boxes`, 128-byte
 /// swizzle, elements outside the tensor read as zeros.
 fn tensor_map<const R: usize>(ptr: CUdeviceptr, dims: &[usize; R], boxes: &[u32; R]) -> BResult<cudarc::driver::sys::CUtensorMap> {
+    tensor_map_swizzled(ptr, dims, boxes, cudarc::driver::sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B)
+}
+
+/// `tensor_map` with the given swizzle (the box's row of bytes at most its width).
+fn tensor_map_swizzled<const R: usize>(ptr: CUdeviceptr, dims: &[usize; R], boxes: &[u32; R], swizzle: cudarc::driver::sys::CUtensorMapSwizzle) -> BResult<cudarc::driver::sys::CUtensorMap> {
     use cudarc::driver::sys as cu;
     // SAFETY: a plain-old-data struct the driver fills in below.
     let mut map: cu::CUtensorMap = unsafe { std::mem::zeroed() };
@@ -92,7 +103,7 @@ fn tensor_map<const R: usize>(ptr: CUdeviceptr, dims: &[usize; R], boxes: &[u32;
             boxes.as_ptr(),
             elem.as_ptr(),
             cu::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            cu::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            swizzle,
             cu::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             cu::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )

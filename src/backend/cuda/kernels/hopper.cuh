@@ -16,6 +16,43 @@ __device__ __forceinline__ unsigned long long hg_desc_mn128(unsigned saddr) {
     return (unsigned long long)((saddr & 0x3FFFF) >> 4) | ((unsigned long long)(8192 >> 4) << 16) | ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
 }
 
+// The same two with the 32-byte swizzle, for the 16 columns past 64 of a head of 80 (tiles of
+// 32-byte rows: 16-byte chunk c of row r at c ^ ((r / 4) % 2), 256-byte aligned). K-major: one
+// 16-deep K step spans the row, 8-row groups 256 bytes apart (stride byte offset), swizzle mode
+// 3 (32 B). MN-major: 16 columns (one swizzle atom) of K rows of 32 bytes, 8-row groups 256 bytes
+// apart; the leading byte offset (the next 16-column atom) is never used at N = 16.
+__device__ __forceinline__ unsigned long long hg_desc32(unsigned saddr) {
+    return (unsigned long long)((saddr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(256 >> 4) << 32) | (3ull << 62);
+}
+__device__ __forceinline__ unsigned long long hg_desc_mn32(unsigned saddr) {
+    return (unsigned long long)((saddr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(256 >> 4) << 32) | (3ull << 62);
+}
+
+// d (8 of the warpgroup's 64×16 f32 tile) += A(64×16)·B(16×16)ᵀ, both K-major in shared memory
+// (ACC = 0: d is overwritten).
+template <int ACC = 1>
+__device__ __forceinline__ void wgmma_m64n16k16_ss(float (&d)[8], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, %10, 1, 1, 0, 0;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(da), "l"(db), "n"(ACC));
+}
+
+// d (8 of the warpgroup's 64×16 f32 tile) += A(64×16, registers as wgmma_m64n64k16_rs)·B(16×16)
+// from an MN-major shared-memory descriptor: P·V for the 16 columns past 64 of a head of 80.
+__device__ __forceinline__ void wgmma_m64n16k16_rs(float (&d)[8], const unsigned (&a)[4], unsigned long long db) {
+    asm volatile(
+        "{\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, 1, 1, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
 // d (this thread's 64 of the warpgroup's 64×128 f32 tile) += A(64×16)·B(128×16)ᵀ from the
 // shared-memory descriptors (accumulate, no negation; A K-major, B K-major or, with TB = 1,
 // MN-major: B's 128 columns contiguous in two 64-column swizzle atoms).
