@@ -159,20 +159,23 @@ impl Cuda {
         self.kernels.get("flash_fwd_wg_d64").is_ok() && self.kernels.get("flash_bwd_wg_d64").is_ok()
     }
 
-    /// Whether the long-sequence wgmma backward `flash_bwd_wg_long_d64` (hopper_flash_bwd.cu, its
+    /// Whether the long-sequence wgmma backward `flash_bwd_wg_long_d{d}` (hopper_flash_bwd.cu, its
     /// own module) is compiled and loaded.
-    pub fn has_wgmma_long_backward(&self) -> bool {
-        self.kernels.get("flash_bwd_wg_long_d64").is_ok()
+    pub fn has_wgmma_long_backward(&self, d: usize) -> bool {
+        self.kernels.get(&format!("flash_bwd_wg_long_d{d}")).is_ok()
     }
 
-    /// Dynamic shared memory of `flash_bwd_wg_long_d64` (128 keys a block, query tiles of 64),
-    /// when it replaces the tiled backward: path `fused`, wgmma attention on, D = 64, N > 256
-    /// (below, the whole-head kernels run). Mirrors FL_SMEM: K, V (128 rows), a 3-stage ring of
-    /// Q and dO tiles (64 rows), two dSᵀ buffers and the dK, dV staging (128 rows each), the
-    /// ring's lse2 and delta (64 pairs of f32 a stage), 11 mbarriers, 1 KiB of alignment slack.
+    /// Dynamic shared memory of `flash_bwd_wg_long_d{d}` (128 keys a block, query tiles of 64),
+    /// when it replaces the tiled backward: path `fused`, wgmma attention on, D = 64 or 80,
+    /// N > 256 (below, the whole-head kernels run at D = 64). Mirrors FlBwdSmem<D>::BYTES: K, V
+    /// (128 rows), a 3-stage ring of Q and dO tiles (64 rows; at D = 80 with their columns 64…79
+    /// in rows of 32 bytes), two dSᵀ buffers and the dK, dV staging (128 rows each), at D = 80 K's
+    /// and V's columns 64…79, the ring's lse2 and delta (64 pairs of f32 a stage), 11 mbarriers,
+    /// 1 KiB of alignment slack.
     fn wgmma_long_backward(&self, n: usize, d: usize) -> Option<u32> {
-        let applies = self.attention_path() == AttentionPath::Fused && d == 64 && n > 256 && self.wgmma_attention() && self.has_wgmma_long_backward();
-        applies.then_some((2 * 128 * 128 + 3 * 2 * 64 * 128 + 2 * 128 * 128 + 2 * 128 * 128 + 3 * 64 * 8 + 8 * 11 + 1024) as u32)
+        let applies = self.attention_path() == AttentionPath::Fused && (d == 64 || d == 80) && n > 256 && self.wgmma_attention() && self.has_wgmma_long_backward(d);
+        let (stage, cols16) = if d == 80 { (2 * 64 * 128 + 2 * 64 * 32, 2 * 128 * 32) } else { (2 * 64 * 128, 0) };
+        applies.then_some((2 * 128 * 128 + 3 * stage + 2 * 128 * 128 + 2 * 128 * 128 + cols16 + 3 * 64 * 8 + 8 * 11 + 1024) as u32)
     }
 
     /// Dynamic shared memory of `flash_bwd_short_d{d}` for sequence length `n`, when the
@@ -366,7 +369,15 @@ impl Cuda {
                 let tm_do = tensor_map_3d(dout.ptr, c, n, b, 64)?;
                 let tm_dqkv = tensor_map_3d(dqkv.ptr, 3 * c, n, b, 64)?;
                 let g = (n.div_ceil(128) as u32, (b * h) as u32, 1);
-                self.launch_dyn("flash_bwd_wg_long_d64", g, (512, 1, 1), lsmem, &mut kargs![tm_kv, tm_q, tm_do, tm_dqkv, probs.ptr, delta, dq_acc, nn, hh, scale, scale_log2])?;
+                if d == 80 {
+                    // columns 64…79 of each head through maps of their own (32-byte swizzle)
+                    let tm_kvt = tensor_map_3d_cols16(qkv.ptr, 3 * c, n, b, 128)?;
+                    let tm_qt = tensor_map_3d_cols16(qkv.ptr, 3 * c, n, b, 64)?;
+                    let tm_dot = tensor_map_3d_cols16(dout.ptr, c, n, b, 64)?;
+                    self.launch_dyn("flash_bwd_wg_long_d80", g, (512, 1, 1), lsmem, &mut kargs![tm_kv, tm_q, tm_do, tm_dqkv, tm_kvt, tm_qt, tm_dot, dqkv.ptr, probs.ptr, delta, dq_acc, nn, hh, scale, scale_log2])?;
+                } else {
+                    self.launch_dyn("flash_bwd_wg_long_d64", g, (512, 1, 1), lsmem, &mut kargs![tm_kv, tm_q, tm_do, tm_dqkv, probs.ptr, delta, dq_acc, nn, hh, scale, scale_log2])?;
+                }
             } else {
                 let bc = pipe_keys(d);
                 let g = (n.div_ceil(bc) as u32, (b * h) as u32, 1);

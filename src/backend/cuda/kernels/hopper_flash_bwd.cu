@@ -1,8 +1,9 @@
-// Attention backward on wgmma for long sequences (N > 256) at D = 64 (sm_90a; hopper.cuh in
-// front): `flash_bwd_wg_long_d64`, the long-sequence form of hopper.cu's whole-head
-// `flash_bwd_wg_d64`, in the place of flash.cu's `flash_bwd_d64_pipe` (mma.sync). Around it the
-// host runs the same passes as for the tiled kernel: `flash_bwd_pre_d64` (delta = rowsum(dO ∘ O),
-// (B·H, N) f32) before, and `flash_dq_store` (the f32 dQ sums rounded into dqkv) after.
+// Attention backward on wgmma for long sequences (N > 256) at D = 64 and 80 (sm_90a; hopper.cuh
+// in front): `flash_bwd_wg_long_d64`, the long-sequence form of hopper.cu's whole-head
+// `flash_bwd_wg_d64`, in the place of flash.cu's `flash_bwd_d64_pipe` (mma.sync), and
+// `flash_bwd_wg_long_d80` in the place of `flash_bwd_d80_pipe`. Around it the host runs the same
+// passes as for the tiled kernel: `flash_bwd_pre_d{D}` (delta = rowsum(dO ∘ O), (B·H, N) f32)
+// before, and `flash_dq_store` (the f32 dQ sums rounded into dqkv) after.
 //
 // A block owns 128 keys of one (b, h) and walks every query tile of 64. Four warpgroups:
 // 0 and 1 consume, warpgroup w owning keys k0 + 64w…; 2 computes dQ; warp 12 (of warpgroup 3)
@@ -39,23 +40,41 @@
 // which zeroes its dS. dQ rows ≥ N are not reduced, dK and dV rows ≥ N not stored (TMA store).
 // The qkv bias gradient is left to the host's column sums of dqkv.
 //
-// Registers: 512 threads, one block per SM (≈ 147 KiB of shared memory), 128 registers a thread
-// at launch; the producer warpgroup gives back to 32 and the dQ warpgroup to 96, which lets the
-// consumers hold 192 (setmaxnreg): their Sᵀ, dPᵀ, dK and dV accumulators alone are 128.
+// A key block whose second 64 keys are all ≥ N (the last one, where N mod 128 is 1…64) runs
+// one consumer warpgroup: the barriers count its arrivals alone and the dQ warpgroup multiplies
+// over its 64 keys.
+//
+// D = 80 (ViT-H/14): each K, V, Q and dO tile is two tiles, columns 0…63 with the 128-byte
+// swizzle and 64…79 with the 32-byte one (`hg_desc32`, their own tensor maps of 16-column
+// boxes). Sᵀ and dPᵀ take a fifth 16-deep step over the second pair; dV, dK and dQ each a
+// 64×16 product of their own, whose accumulators go out straight from registers (dK, dV stores;
+// dQ reductions).
+//
+// Registers: 512 threads, one block per SM (≈ 147 KiB of shared memory at D = 64, ≈ 167 at
+// 80), 128 registers a thread at launch. D = 64: the producer warpgroup gives back to 32 and the
+// dQ warpgroup to 96, which lets the consumers hold 192 (setmaxnreg): their Sᵀ, dPᵀ, dK and dV
+// accumulators alone are 128. D = 80: 24, 80 and 200 (16 more accumulators a consumer).
 
 #define FL_STAGES 3
 #define FL_KEYS 128
 #define FL_DSB 2                                    // dSᵀ buffers between the consumers and the dQ warpgroup
-// shared-memory layout from the 1024-byte aligned base (every tile 1024-byte aligned, 128-byte rows)
-#define FL_K 0                                      // K, 128 key rows
-#define FL_V (FL_K + FL_KEYS * 128)                 // V, 128 key rows
-#define FL_RING (FL_V + FL_KEYS * 128)              // stage s: Q (64 rows) at FL_RING + 16384·s, dO 8192 after
-#define FL_DS (FL_RING + FL_STAGES * 16384)         // FL_DSB dSᵀ buffers of 128 key rows × 64 queries
-#define FL_OUT (FL_DS + FL_DSB * FL_KEYS * 128)     // dK, dV staging: warpgroup w's dK at FL_OUT + 16384·w, dV 8192 after
-#define FL_STAT (FL_OUT + 2 * 16384)                // stage s: 64 (lse2, delta) pairs at FL_STAT + 512·s
-#define FL_BAR (FL_STAT + FL_STAGES * 512)          // kv, full[FL_STAGES], empty[FL_STAGES], ds_full[FL_DSB], ds_empty[FL_DSB]
-// dynamic shared memory, with 1 KiB of alignment slack (attention.rs mirrors it)
-#define FL_SMEM (FL_BAR + 8 * (1 + 2 * FL_STAGES + 2 * FL_DSB) + 1024)
+// Shared-memory layout for head dim D from the 1024-byte aligned base (every tile 1024-byte
+// aligned; 128-byte rows, 32-byte rows in the D = 80 tiles of columns 64…79):
+template <int D>
+struct FlBwdSmem {
+    static constexpr int COLS16 = D > 64;                        // tiles of columns 64…79
+    static constexpr int K = 0;                                  // K, 128 key rows
+    static constexpr int V = K + FL_KEYS * 128;                  // V, 128 key rows
+    static constexpr int STAGE = 16384 + COLS16 * 4096;          // Q (64 rows), dO 8192 after; at D = 80 their columns 64…79 at 16384, 18432
+    static constexpr int RING = V + FL_KEYS * 128;               // FL_STAGES stages
+    static constexpr int DS = RING + FL_STAGES * STAGE;          // FL_DSB dSᵀ buffers of 128 key rows × 64 queries
+    static constexpr int OUT = DS + FL_DSB * FL_KEYS * 128;      // dK, dV staging: warpgroup w's dK at OUT + 16384·w, dV 8192 after
+    static constexpr int KT = OUT + 2 * 16384;                   // D = 80: K's columns 64…79 (128 rows of 32 bytes), V's 4096 after
+    static constexpr int STAT = KT + COLS16 * 2 * FL_KEYS * 32;  // stage s: 64 (lse2, delta) pairs at STAT + 512·s
+    static constexpr int BAR = STAT + FL_STAGES * 512;           // kv, full[FL_STAGES], empty[FL_STAGES], ds_full[FL_DSB], ds_empty[FL_DSB]
+    // dynamic shared memory, with 1 KiB of alignment slack (attention.rs mirrors it)
+    static constexpr int BYTES = BAR + 8 * (1 + 2 * FL_STAGES + 2 * FL_DSB) + 1024;
+};
 
 // d (32 of the warpgroup's 64×64 f32 tile) += A(64×16)·B(64×16)ᵀ, both K-major in shared memory:
 // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for 64 keys against a tile of 64 queries.
@@ -84,12 +103,14 @@ __device__ __forceinline__ void fl_pin(float (&r)[N]) {
 // t ^ 1 swap halves so that each adds four consecutive columns of one row: even t row g,
 // columns 8j + 2t…; odd t row g + 8, columns 8j + 2t − 2…. `base`: column 0 in query row 0 of
 // the (b, h); rows `rstride` floats apart.
-__device__ __forceinline__ void fl_dq_reduce(float* base, const float (&dq)[32], int q0, int n, int wi, int g, int t, i64 rstride, float scale) {
+// J = 2: the 64×16 accumulator of columns 64…79 at D = 80 (`base` then at column 64).
+template <int J = 8>
+__device__ __forceinline__ void fl_dq_reduce(float* base, const float (&dq)[4 * J], int q0, int n, int wi, int g, int t, i64 rstride, float scale) {
     const bool odd = t & 1;
     const int r = q0 + wi * 16 + g + (odd ? 8 : 0);
     float* p = base + (i64)r * rstride + 2 * (t & ~1);
     #pragma unroll
-    for (int j = 0; j < 8; j++) {
+    for (int j = 0; j < J; j++) {
         const float s0 = odd ? dq[4 * j] : dq[4 * j + 2], s1 = odd ? dq[4 * j + 1] : dq[4 * j + 3];
         const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1), r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
         const float4 v = odd ? make_float4(r0 * scale, r1 * scale, dq[4 * j + 2] * scale, dq[4 * j + 3] * scale)
@@ -98,35 +119,66 @@ __device__ __forceinline__ void fl_dq_reduce(float* base, const float (&dq)[32],
     }
 }
 
-// Grid (ceil(N / 128), B·H), 512 threads, FL_SMEM bytes of dynamic shared memory. Tensor maps
-// (`tensor_map_3d`, 64-column boxes, 128-byte swizzle): tm_kv over qkv (B, N, 3·H·D) with
+// d (8 of the warpgroup's 64×16 f32 tile) += A(64×16)·B(16×16), both MN-major in shared memory:
+// dQ's columns 64…79 at D = 80 from the staged dSᵀ and K's 32-byte-swizzled tile.
+__device__ __forceinline__ void wgmma_m64n16k16_tt(float (&d)[8], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, 1, 1, 1, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(da), "l"(db));
+}
+
+// A 64×16 accumulator of columns 64…79 (value 4j + e: row r0 for e < 2, r1 below, column
+// 64 + 8j + 2t + e % 2) times `scale` as bf16 at `row0` (column 64 of row 0 of the (b, h)'s
+// slice), rows `rstride` elements apart; rows ≥ n are not stored.
+__device__ __forceinline__ void fl_store_cols16(bf16* row0, const float (&acc)[8], int r0, int n, int t, i64 rstride, float scale) {
+    #pragma unroll
+    for (int j = 0; j < 2; j++) {
+        if (r0 < n) *(unsigned*)(row0 + (i64)r0 * rstride + 8 * j + 2 * t) = f2bf2(acc[4 * j] * scale, acc[4 * j + 1] * scale);
+        if (r0 + 8 < n) *(unsigned*)(row0 + (i64)(r0 + 8) * rstride + 8 * j + 2 * t) = f2bf2(acc[4 * j + 2] * scale, acc[4 * j + 3] * scale);
+    }
+}
+
+// Grid (ceil(N / 128), B·H), 512 threads, FlBwdSmem<D>::BYTES of dynamic shared memory. Tensor
+// maps (`tensor_map_3d`, 64-column boxes, 128-byte swizzle): tm_kv over qkv (B, N, 3·H·D) with
 // 128-row boxes, tm_q the same with 64-row boxes, tm_do over dout (B, N, H·D) with 64-row boxes,
-// tm_dqkv over dqkv with 64-row boxes (dK, dV stores). lse2, delta: (B·H, N) f32; dq_acc:
-// (B, N, H·D) f32, zeroed by the host, 16-byte aligned.
-extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_long_d64(const __grid_constant__ HgTmap tm_kv, const __grid_constant__ HgTmap tm_q, const __grid_constant__ HgTmap tm_do, const __grid_constant__ HgTmap tm_dqkv, const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc, int n, int h, float scale, float scale_log2) {
-    constexpr int D = 64;
+// tm_dqkv over dqkv with 64-row boxes (dK, dV stores); at D = 80 tm_kvt, tm_qt, tm_dot as tm_kv,
+// tm_q, tm_do with 16-column boxes and the 32-byte swizzle (`tensor_map_3d_cols16`; not read at
+// D = 64). lse2, delta: (B·H, N) f32; dq_acc: (B, N, H·D) f32, zeroed by the delta pass, 16-byte
+// aligned; dqkv: the dK, dV columns 64…79 at D = 80.
+template <int D>
+__device__ __forceinline__ void fl_bwd_long(const HgTmap& tm_kv, const HgTmap& tm_q, const HgTmap& tm_do, const HgTmap& tm_dqkv, const HgTmap& tm_kvt, const HgTmap& tm_qt, const HgTmap& tm_dot,
+                                            bf16* __restrict__ dqkv, const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc, int n, int h, float scale, float scale_log2) {
+    static_assert(D == 64 || D == 80, "head dims 64 and 80");
+    using L = FlBwdSmem<D>;
+    constexpr bool C16 = D > 64;
     extern __shared__ unsigned char fl_raw[];
     const unsigned raw = smem_u32(fl_raw);
     const unsigned base = (raw + 1023u) & ~1023u;
-    float* stat = (float*)(fl_raw + (base - raw) + FL_STAT);
-    const unsigned sk = base + FL_K, sv = base + FL_V, ring = base + FL_RING, sds = base + FL_DS;
-    const unsigned kvbar = base + FL_BAR, full0 = kvbar + 8, empty0 = full0 + 8 * FL_STAGES;
+    float* stat = (float*)(fl_raw + (base - raw) + L::STAT);
+    const unsigned sk = base + L::K, sv = base + L::V, ring = base + L::RING, sds = base + L::DS;
+    const unsigned skt = base + L::KT, svt = skt + FL_KEYS * 32;  // D = 80
+    const unsigned kvbar = base + L::BAR, full0 = kvbar + 8, empty0 = full0 + 8 * FL_STAGES;
     const unsigned dsfull0 = empty0 + 8 * FL_STAGES, dsempty0 = dsfull0 + 8 * FL_DSB;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int bh = blockIdx.y, bi = bh / h, hi = bh - bi * h;
     const int k0 = blockIdx.x * FL_KEYS;
     const int nq = (n + 63) / 64;
     const int qoff = blockIdx.x % nq;  // the first query tile of this key block's walk
+    const int nwk = n - k0 > 64 ? 2 : 1;  // consumer warpgroups with keys < n
     if (tid == 0) {
         ht_mbar_init(kvbar, 1);
         #pragma unroll
         for (int s = 0; s < FL_STAGES; s++) {
             ht_mbar_init(full0 + 8 * s, 32);
-            ht_mbar_init(empty0 + 8 * s, 8);
+            ht_mbar_init(empty0 + 8 * s, 4 * nwk);
         }
         #pragma unroll
         for (int b = 0; b < FL_DSB; b++) {
-            ht_mbar_init(dsfull0 + 8 * b, 256);
+            ht_mbar_init(dsfull0 + 8 * b, 128 * nwk);
             ht_mbar_init(dsempty0 + 8 * b, 4);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -136,15 +188,20 @@ extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_long_d64(const
     const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0), wi = warp & 3, g = lane >> 2, t = lane & 3;
 
     if (wg == 3) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n" ::: "memory");
+        if constexpr (C16) asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        else asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n" ::: "memory");
         if (warp != 12) return;
         // producer
         const float* lg = lse2 + (i64)bh * n;
         const float* dg = delta + (i64)bh * n;
         if (lane == 0) {
-            ht_mbar_expect_tx(kvbar, 2 * FL_KEYS * 128);
+            ht_mbar_expect_tx(kvbar, 2 * FL_KEYS * (128 + C16 * 32));
             ht_tma_load3(sk, &tm_kv, (h + hi) * D, k0, bi, kvbar);
             ht_tma_load3(sv, &tm_kv, (2 * h + hi) * D, k0, bi, kvbar);
+            if constexpr (C16) {
+                ht_tma_load3(skt, &tm_kvt, (h + hi) * D + 64, k0, bi, kvbar);
+                ht_tma_load3(svt, &tm_kvt, (2 * h + hi) * D + 64, k0, bi, kvbar);
+            }
         }
         int s = 0;
         unsigned round = 0;
@@ -159,11 +216,15 @@ extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_long_d64(const
             float* st = stat + s * 128;
             *(float2*)(st + 2 * lane) = make_float2(la, da);
             *(float2*)(st + 2 * lane + 64) = make_float2(lb, db);
-            const unsigned full = full0 + 8 * s, sq = ring + s * 16384;
+            const unsigned full = full0 + 8 * s, sq = ring + s * L::STAGE;
             if (lane == 0) {
-                ht_mbar_expect_tx(full, 2 * 64 * 128);
+                ht_mbar_expect_tx(full, L::STAGE);
                 ht_tma_load3(sq, &tm_q, hi * D, q0, bi, full);
                 ht_tma_load3(sq + 8192, &tm_do, hi * D, q0, bi, full);
+                if constexpr (C16) {
+                    ht_tma_load3(sq + 16384, &tm_qt, hi * D + 64, q0, bi, full);
+                    ht_tma_load3(sq + 18432, &tm_dot, hi * D + 64, q0, bi, full);
+                }
             } else {
                 ht_mbar_arrive(full);
             }
@@ -176,8 +237,9 @@ extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_long_d64(const
     }
 
     if (wg == 2) {
-        // dQ = dS·K of each tile over the block's 128 keys, into the f32 sums
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 96;\n" ::: "memory");
+        // dQ = dS·K of each tile over the block's 128 keys (64 with one consumer), into the f32 sums
+        if constexpr (C16) asm volatile("setmaxnreg.dec.sync.aligned.u32 80;\n" ::: "memory");
+        else asm volatile("setmaxnreg.dec.sync.aligned.u32 96;\n" ::: "memory");
         float* dq_base = dq_acc + ((i64)bi * n * h + hi) * D;
         const i64 rstride = (i64)h * D;
         ht_mbar_wait(kvbar, 0);
@@ -187,35 +249,60 @@ extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_long_d64(const
             const int b = i % FL_DSB;
             const unsigned dsb = sds + b * (FL_KEYS * 128);
             ht_mbar_wait(dsfull0 + 8 * b, (i / FL_DSB) & 1);
-            float dq[32];
+            float dq[32], dqt[8];
             #pragma unroll
             for (int k = 0; k < 32; k++) dq[k] = 0.f;
-            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-            // keys 16kk…: dSᵀ rows and K rows 16kk…, 2048 bytes per step
             #pragma unroll
-            for (int kk = 0; kk < FL_KEYS / 16; kk++) wgmma_m64n64k16_tt(dq, hg_desc(dsb + kk * 2048), hg_desc(sk + kk * 2048));
+            for (int k = 0; k < 8; k++) dqt[k] = 0.f;
+            // the zeros written before the fence (after it, ptxas adds a fence of its own)
+            fl_pin(dq);
+            if constexpr (C16) fl_pin(dqt);
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+            // keys 16kk…: dSᵀ rows and K rows 16kk…, 2048 bytes per step (512 in K's 32-byte rows)
+            if (nwk == 2) {
+                #pragma unroll
+                for (int kk = 0; kk < FL_KEYS / 16; kk++) wgmma_m64n64k16_tt(dq, hg_desc(dsb + kk * 2048), hg_desc(sk + kk * 2048));
+                if constexpr (C16) {
+                    #pragma unroll
+                    for (int kk = 0; kk < FL_KEYS / 16; kk++) wgmma_m64n16k16_tt(dqt, hg_desc(dsb + kk * 2048), hg_desc_mn32(skt + kk * 512));
+                }
+            } else {
+                #pragma unroll
+                for (int kk = 0; kk < FL_KEYS / 32; kk++) wgmma_m64n64k16_tt(dq, hg_desc(dsb + kk * 2048), hg_desc(sk + kk * 2048));
+                if constexpr (C16) {
+                    #pragma unroll
+                    for (int kk = 0; kk < FL_KEYS / 32; kk++) wgmma_m64n16k16_tt(dqt, hg_desc(dsb + kk * 2048), hg_desc_mn32(skt + kk * 512));
+                }
+            }
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
             fl_pin(dq);
+            if constexpr (C16) fl_pin(dqt);
             if (lane == 0) ht_mbar_arrive(dsempty0 + 8 * b);  // buffer b may be written again
             fl_dq_reduce(dq_base, dq, qt * 64, n, wi, g, t, rstride, scale);
+            if constexpr (C16) fl_dq_reduce<2>(dq_base + 64, dqt, qt * 64, n, wi, g, t, rstride, scale);
         }
         return;
     }
 
     // consumers
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 192;\n" ::: "memory");
+    if constexpr (C16) asm volatile("setmaxnreg.inc.sync.aligned.u32 200;\n" ::: "memory");
+    else asm volatile("setmaxnreg.inc.sync.aligned.u32 192;\n" ::: "memory");
+    if (wg >= nwk) return;  // 64 keys that are all ≥ n
     // this thread's key rows: accumulator rows g (values e < 2) and g + 8 of warp wi
     const int kr0 = k0 + wg * 64 + wi * 16 + g, kr1 = kr0 + 8;
     const bool keys_in = k0 + FL_KEYS <= n;  // every key of the block < N (block-uniform)
     const unsigned long long dka = hg_desc(sk + wg * 64 * 128), dva = hg_desc(sv + wg * 64 * 128);
+    const unsigned long long dkat = hg_desc32(skt + wg * 64 * 32), dvat = hg_desc32(svt + wg * 64 * 32);  // D = 80
     // stmatrix addresses of the dSᵀ stores: lanes 8m… give the rows of 8×8 matrix m (rows
     // 16wi + 8(m % 2)…, 16-byte chunk 2kk + m / 2)
     const int mi = lane >> 3, srow = wi * 16 + (mi & 1) * 8 + (lane & 7);
 
-    float dk[32], dv[32];
+    float dk[32], dv[32], dkt[8], dvt[8];  // dkt, dvt: columns 64…79 at D = 80
     #pragma unroll
     for (int k = 0; k < 32; k++) dk[k] = dv[k] = 0.f;
+    #pragma unroll
+    for (int k = 0; k < 8; k++) dkt[k] = dvt[k] = 0.f;
     ht_mbar_wait(kvbar, 0);
     int s = 0;
     unsigned round = 0;
@@ -223,7 +310,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_long_d64(const
         int qt = i + qoff;
         if (qt >= nq) qt -= nq;
         const int q0 = qt * 64;
-        const unsigned sq = ring + s * 16384, sdo = sq + 8192;
+        const unsigned sq = ring + s * L::STAGE, sdo = sq + 8192, sqt = sq + 16384, sdot = sq + 18432;
         const float* sst = stat + s * 128;
         ht_mbar_wait(full0 + 8 * s, round & 1);
 
@@ -233,10 +320,12 @@ extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_long_d64(const
         const unsigned long long dqd = hg_desc(sq), dod = hg_desc(sdo);
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
         #pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) fl_wgmma_m64n64k16_ss(st, dka + 2 * kk, dqd + 2 * kk);
+        for (int kk = 0; kk < 4; kk++) fl_wgmma_m64n64k16_ss(st, dka + 2 * kk, dqd + 2 * kk);
+        if constexpr (C16) fl_wgmma_m64n64k16_ss(st, dkat, hg_desc32(sqt));
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         #pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) fl_wgmma_m64n64k16_ss(dpt, dva + 2 * kk, dod + 2 * kk);
+        for (int kk = 0; kk < 4; kk++) fl_wgmma_m64n64k16_ss(dpt, dva + 2 * kk, dod + 2 * kk);
+        if constexpr (C16) fl_wgmma_m64n64k16_ss(dpt, dvat, hg_desc32(sdot));
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
         fl_pin(st);
@@ -264,6 +353,10 @@ extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_long_d64(const
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
         #pragma unroll
         for (int kk = 0; kk < 4; kk++) wgmma_m64n64k16_rs(dv, pa[kk], hg_desc(sdo + kk * 2048));
+        if constexpr (C16) {
+            #pragma unroll
+            for (int kk = 0; kk < 4; kk++) wgmma_m64n16k16_rs(dvt, pa[kk], hg_desc_mn32(sdot + kk * 512));
+        }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // dPᵀ (dV may still run)
         fl_pin(dpt);
@@ -291,10 +384,18 @@ extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_long_d64(const
         // dK += dSᵀ·Q: query rows 16kk… of Q
         #pragma unroll
         for (int kk = 0; kk < 4; kk++) wgmma_m64n64k16_rs(dk, sa[kk], hg_desc(sq + kk * 2048));
+        if constexpr (C16) {
+            #pragma unroll
+            for (int kk = 0; kk < 4; kk++) wgmma_m64n16k16_rs(dkt, sa[kk], hg_desc_mn32(sqt + kk * 512));
+        }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         fl_pin(dk);
         fl_pin(dv);
+        if constexpr (C16) {
+            fl_pin(dkt);
+            fl_pin(dvt);
+        }
         if (lane == 0) ht_mbar_arrive(empty0 + 8 * s);  // this tile's Q, dO are no longer read
         if (++s == FL_STAGES) {
             s = 0;
@@ -304,8 +405,15 @@ extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_long_d64(const
     fl_pin(dk);
     fl_pin(dv);
 
+    if constexpr (C16) {
+        // columns 64…79 of dK (times the softmax scale) and dV straight from the accumulators
+        const i64 rstride = (i64)3 * h * D;
+        bf16* rows0 = dqkv + (i64)bi * n * rstride;
+        fl_store_cols16(rows0 + (h + hi) * D + 64, dkt, kr0, n, t, rstride, scale);
+        fl_store_cols16(rows0 + (2 * h + hi) * D + 64, dvt, kr0, n, t, rstride, 1.f);
+    }
     // dK (times the softmax scale) and dV of this warpgroup's 64 keys out through shared tiles
-    const unsigned tk = base + FL_OUT + wg * 16384, tv = tk + 8192;
+    const unsigned tk = base + L::OUT + wg * 16384, tv = tk + 8192;
     wg_stage_tile(tk, dk, scale, scale, wi, lane);
     wg_stage_tile(tv, dv, 1.f, 1.f, wi, lane);
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -317,4 +425,12 @@ extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_long_d64(const
         // the block's shared memory must outlive the copies' reads
         asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
     }
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_long_d64(const __grid_constant__ HgTmap tm_kv, const __grid_constant__ HgTmap tm_q, const __grid_constant__ HgTmap tm_do, const __grid_constant__ HgTmap tm_dqkv, const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc, int n, int h, float scale, float scale_log2) {
+    fl_bwd_long<64>(tm_kv, tm_q, tm_do, tm_dqkv, tm_kv, tm_q, tm_do, nullptr, lse2, delta, dq_acc, n, h, scale, scale_log2);
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_long_d80(const __grid_constant__ HgTmap tm_kv, const __grid_constant__ HgTmap tm_q, const __grid_constant__ HgTmap tm_do, const __grid_constant__ HgTmap tm_dqkv, const __grid_constant__ HgTmap tm_kvt, const __grid_constant__ HgTmap tm_qt, const __grid_constant__ HgTmap tm_dot, bf16* __restrict__ dqkv, const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc, int n, int h, float scale, float scale_log2) {
+    fl_bwd_long<80>(tm_kv, tm_q, tm_do, tm_dqkv, tm_kvt, tm_qt, tm_dot, dqkv, lse2, delta, dq_acc, n, h, scale, scale_log2);
 }
