@@ -119,6 +119,12 @@ __device__ __forceinline__ void fl_dq_reduce(float* base, const float (&dq)[4 * 
     }
 }
 
+// A compile-time count for the generic lambdas' template arguments.
+template <int V>
+struct FlTag {
+    static constexpr int value = V;
+};
+
 // d (8 of the warpgroup's 64×16 f32 tile) += A(64×16)·B(16×16), both MN-major in shared memory:
 // dQ's columns 64…79 at D = 80 from the staged dSᵀ and K's 32-byte-swizzled tile.
 __device__ __forceinline__ void wgmma_m64n16k16_tt(float (&d)[8], unsigned long long da, unsigned long long db) {
@@ -303,38 +309,49 @@ __device__ __forceinline__ void fl_bwd_long(const HgTmap& tm_kv, const HgTmap& t
     for (int k = 0; k < 32; k++) dk[k] = dv[k] = 0.f;
     #pragma unroll
     for (int k = 0; k < 8; k++) dkt[k] = dvt[k] = 0.f;
-    ht_mbar_wait(kvbar, 0);
-    int s = 0;
-    unsigned round = 0;
-    for (int i = 0; i < nq; i++) {
-        int qt = i + qoff;
-        if (qt >= nq) qt -= nq;
-        const int q0 = qt * 64;
-        const unsigned sq = ring + s * L::STAGE, sdo = sq + 8192, sqt = sq + 16384, sdot = sq + 18432;
+    // One query tile of QJ blocks of 8 queries: all 64 (QJ = 8), or the first 16 of the last
+    // tile where no query past them is < n (QJ = 2; its dSᵀ columns 16… are left as they were,
+    // and the dQ rows they feed are ≥ n, never reduced).
+    auto tile = [&](auto qj_tag, int i, int q0, int s) {
+        constexpr int QJ = decltype(qj_tag)::value, QK = QJ / 2;  // QK 16-query steps
+        const unsigned sq = ring + s * L::STAGE, sdo = sq + 8192;
+        [[maybe_unused]] const unsigned sqt = sq + 16384, sdot = sq + 18432;  // D = 80
         const float* sst = stat + s * 128;
-        ht_mbar_wait(full0 + 8 * s, round & 1);
-
-        float st[32], dpt[32];
+        float st[4 * QJ], dpt[4 * QJ];
         #pragma unroll
-        for (int k = 0; k < 32; k++) st[k] = dpt[k] = 0.f;
+        for (int k = 0; k < 4 * QJ; k++) st[k] = dpt[k] = 0.f;
+        fl_pin(st);
+        fl_pin(dpt);
         const unsigned long long dqd = hg_desc(sq), dod = hg_desc(sdo);
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-        #pragma unroll
-        for (int kk = 0; kk < 4; kk++) fl_wgmma_m64n64k16_ss(st, dka + 2 * kk, dqd + 2 * kk);
-        if constexpr (C16) fl_wgmma_m64n64k16_ss(st, dkat, hg_desc32(sqt));
+        if constexpr (QJ == 8) {
+            #pragma unroll
+            for (int kk = 0; kk < 4; kk++) fl_wgmma_m64n64k16_ss(st, dka + 2 * kk, dqd + 2 * kk);
+            if constexpr (C16) fl_wgmma_m64n64k16_ss(st, dkat, hg_desc32(sqt));
+        } else {
+            #pragma unroll
+            for (int kk = 0; kk < 4; kk++) wgmma_m64n16k16_ss(st, dka + 2 * kk, dqd + 2 * kk);
+            if constexpr (C16) wgmma_m64n16k16_ss(st, dkat, hg_desc32(sqt));
+        }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        #pragma unroll
-        for (int kk = 0; kk < 4; kk++) fl_wgmma_m64n64k16_ss(dpt, dva + 2 * kk, dod + 2 * kk);
-        if constexpr (C16) fl_wgmma_m64n64k16_ss(dpt, dvat, hg_desc32(sdot));
+        if constexpr (QJ == 8) {
+            #pragma unroll
+            for (int kk = 0; kk < 4; kk++) fl_wgmma_m64n64k16_ss(dpt, dva + 2 * kk, dod + 2 * kk);
+            if constexpr (C16) fl_wgmma_m64n64k16_ss(dpt, dvat, hg_desc32(sdot));
+        } else {
+            #pragma unroll
+            for (int kk = 0; kk < 4; kk++) wgmma_m64n16k16_ss(dpt, dva + 2 * kk, dod + 2 * kk);
+            if constexpr (C16) wgmma_m64n16k16_ss(dpt, dvat, hg_desc32(sdot));
+        }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
         fl_pin(st);
 
         // value 4j + e: key kr0 (e < 2) or kr1, query q0 + 8j + 2t + (e & 1). P in place of Sᵀ.
         const bool inside = keys_in && q0 + 64 <= n;
-        unsigned pa[4][4], sa[4][4];
+        unsigned pa[QK][4], sa[QK][4];
         #pragma unroll
-        for (int j = 0; j < 8; j++) {
+        for (int j = 0; j < QJ; j++) {
             const float4 ld = *(const float4*)(sst + 2 * (8 * j + 2 * t));  // (lse2, delta) of queries q, q + 1
             #pragma unroll
             for (int e = 0; e < 4; e++) {
@@ -352,16 +369,16 @@ __device__ __forceinline__ void fl_bwd_long(const HgTmap& tm_kv, const HgTmap& t
         // dV += Pᵀ·dO (query rows 16kk… of dO, 2048 bytes per step) runs while dSᵀ is formed
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
         #pragma unroll
-        for (int kk = 0; kk < 4; kk++) wgmma_m64n64k16_rs(dv, pa[kk], hg_desc(sdo + kk * 2048));
+        for (int kk = 0; kk < QK; kk++) wgmma_m64n64k16_rs(dv, pa[kk], hg_desc(sdo + kk * 2048));
         if constexpr (C16) {
             #pragma unroll
-            for (int kk = 0; kk < 4; kk++) wgmma_m64n16k16_rs(dvt, pa[kk], hg_desc_mn32(sdot + kk * 512));
+            for (int kk = 0; kk < QK; kk++) wgmma_m64n16k16_rs(dvt, pa[kk], hg_desc_mn32(sdot + kk * 512));
         }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // dPᵀ (dV may still run)
         fl_pin(dpt);
         #pragma unroll
-        for (int j = 0; j < 8; j++) {
+        for (int j = 0; j < QJ; j++) {
             const float4 ld = *(const float4*)(sst + 2 * (8 * j + 2 * t));
             float ds[4];
             #pragma unroll
@@ -375,7 +392,7 @@ __device__ __forceinline__ void fl_bwd_long(const HgTmap& tm_kv, const HgTmap& t
         const unsigned dsb = sds + b * (FL_KEYS * 128);
         if (i >= FL_DSB) ht_mbar_wait(dsempty0 + 8 * b, ((i / FL_DSB) - 1) & 1);
         #pragma unroll
-        for (int kk = 0; kk < 4; kk++) stsm_x4(dsb + wg * 64 * 128 + sw128(srow, 2 * kk + (mi >> 1)), sa[kk][0], sa[kk][1], sa[kk][2], sa[kk][3]);
+        for (int kk = 0; kk < QK; kk++) stsm_x4(dsb + wg * 64 * 128 + sw128(srow, 2 * kk + (mi >> 1)), sa[kk][0], sa[kk][1], sa[kk][2], sa[kk][3]);
         // the staged rows visible to the dQ warpgroup's wgmma (the async proxy) before the arrival
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         ht_mbar_arrive(dsfull0 + 8 * b);
@@ -383,10 +400,10 @@ __device__ __forceinline__ void fl_bwd_long(const HgTmap& tm_kv, const HgTmap& t
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
         // dK += dSᵀ·Q: query rows 16kk… of Q
         #pragma unroll
-        for (int kk = 0; kk < 4; kk++) wgmma_m64n64k16_rs(dk, sa[kk], hg_desc(sq + kk * 2048));
+        for (int kk = 0; kk < QK; kk++) wgmma_m64n64k16_rs(dk, sa[kk], hg_desc(sq + kk * 2048));
         if constexpr (C16) {
             #pragma unroll
-            for (int kk = 0; kk < 4; kk++) wgmma_m64n16k16_rs(dkt, sa[kk], hg_desc_mn32(sqt + kk * 512));
+            for (int kk = 0; kk < QK; kk++) wgmma_m64n16k16_rs(dkt, sa[kk], hg_desc_mn32(sqt + kk * 512));
         }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
@@ -397,6 +414,17 @@ __device__ __forceinline__ void fl_bwd_long(const HgTmap& tm_kv, const HgTmap& t
             fl_pin(dvt);
         }
         if (lane == 0) ht_mbar_arrive(empty0 + 8 * s);  // this tile's Q, dO are no longer read
+    };
+    const bool short_last = n - 64 * (nq - 1) <= 16;
+    ht_mbar_wait(kvbar, 0);
+    int s = 0;
+    unsigned round = 0;
+    for (int i = 0; i < nq; i++) {
+        int qt = i + qoff;
+        if (qt >= nq) qt -= nq;
+        ht_mbar_wait(full0 + 8 * s, round & 1);
+        if (short_last && qt == nq - 1) tile(FlTag<2>{}, i, qt * 64, s);
+        else tile(FlTag<8>{}, i, qt * 64, s);
         if (++s == FL_STAGES) {
             s = 0;
             round++;
