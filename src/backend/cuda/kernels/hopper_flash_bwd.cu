@@ -119,6 +119,23 @@ __device__ __forceinline__ void fl_dq_reduce(float* base, const float (&dq)[4 * 
     }
 }
 
+// acc (64 keys × 8·QJ queries) = A·Bᵀ over the head dim, issued and committed: Sᵀ = K·Qᵀ or
+// dPᵀ = V·dOᵀ. A: the warpgroup's 64 key rows (descriptor da; dat: their columns 64…79 at D
+// = 80), B: the query tile (db; its 32-byte-swizzled tile at sbt), both K-major; four 16-deep
+// steps over the 128-byte-swizzled tiles, and at D = 80 a fifth over the columns past 64.
+template <int QJ, bool C16>
+__device__ __forceinline__ void fl_issue_over_head(float (&acc)[4 * QJ], unsigned long long da, unsigned long long dat, unsigned long long db, unsigned sbt) {
+    static_assert(QJ == 8 || QJ == 2, "query tiles of 64 or 16");
+    #pragma unroll
+    for (int kk = 0; kk < 5; kk++) {
+        if (kk == 4 && !C16) break;
+        const unsigned long long a = kk < 4 ? da + 2 * kk : dat, b = kk < 4 ? db + 2 * kk : hg_desc32(sbt);
+        if constexpr (QJ == 8) fl_wgmma_m64n64k16_ss(acc, a, b);
+        else wgmma_m64n16k16_ss(acc, a, b);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
 // A compile-time count for the generic lambdas' template arguments.
 template <int V>
 struct FlTag {
@@ -324,26 +341,8 @@ __device__ __forceinline__ void fl_bwd_long(const HgTmap& tm_kv, const HgTmap& t
         fl_pin(dpt);
         const unsigned long long dqd = hg_desc(sq), dod = hg_desc(sdo);
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-        if constexpr (QJ == 8) {
-            #pragma unroll
-            for (int kk = 0; kk < 4; kk++) fl_wgmma_m64n64k16_ss(st, dka + 2 * kk, dqd + 2 * kk);
-            if constexpr (C16) fl_wgmma_m64n64k16_ss(st, dkat, hg_desc32(sqt));
-        } else {
-            #pragma unroll
-            for (int kk = 0; kk < 4; kk++) wgmma_m64n16k16_ss(st, dka + 2 * kk, dqd + 2 * kk);
-            if constexpr (C16) wgmma_m64n16k16_ss(st, dkat, hg_desc32(sqt));
-        }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        if constexpr (QJ == 8) {
-            #pragma unroll
-            for (int kk = 0; kk < 4; kk++) fl_wgmma_m64n64k16_ss(dpt, dva + 2 * kk, dod + 2 * kk);
-            if constexpr (C16) fl_wgmma_m64n64k16_ss(dpt, dvat, hg_desc32(sdot));
-        } else {
-            #pragma unroll
-            for (int kk = 0; kk < 4; kk++) wgmma_m64n16k16_ss(dpt, dva + 2 * kk, dod + 2 * kk);
-            if constexpr (C16) wgmma_m64n16k16_ss(dpt, dvat, hg_desc32(sdot));
-        }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        fl_issue_over_head<QJ, C16>(st, dka, dkat, dqd, sqt);
+        fl_issue_over_head<QJ, C16>(dpt, dva, dvat, dod, sdot);
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
         fl_pin(st);
 
