@@ -1240,60 +1240,6 @@ pub fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult
     Ok(Some(checks))
 }
 
-/// The weight and bias gradients of a linear layer (`matmul_backward_weights` with a bias,
-/// accumulated into random f32 values), with the bias gradient summed in the weight gradient's
-/// cuBLASLt product (`set_bias_grad_in_gemm(true)`) and in the pass of its own, each against
-/// an f64 reference of dW += doutᵀ·inp and dbias += Σ_rows dout (relative error ≤ 1e-4: f32
-/// sums of bf16 values in other orders), at ViT shapes (rows 2·197 and 3·65 + 5, widths 384 to
-/// 3 072) and a small odd one. Where cuBLASLt offers the epilogue for a shape
-/// (`bias_grad_gemm_supported`), the launch table must show the product that sums it.
-pub fn bias_grad_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult<Vec<Check>> {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0xb1a5);
-    let chosen = be.bias_grad_in_gemm();
-    let mut checks = Vec::new();
-    for &(rows, ic, oc) in &[(2 * 197, 768, 2304), (3 * 65 + 5, 384, 1536), (2 * 197, 3072, 768), (13, 40, 24)] {
-        let mut r = |n: usize, s: f32| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-s..s)).collect() };
-        let (x, dy, g0) = (r(rows * ic, 1.0), r(rows * oc, 1.0), r(oc * ic + oc, 0.01));
-        let mut inp = be.alloc(rows * ic)?;
-        be.upload(&mut inp, 0, &x)?;
-        let mut dout = be.alloc(rows * oc)?;
-        be.upload(&mut dout, 0, &dy)?;
-        // the reference from what the device holds: the inputs rounded to the compute format
-        let (xr, dyr) = (be.download(&inp)?, be.download(&dout)?);
-        let mut want: Vec<f64> = g0.iter().map(|&v| v as f64).collect();
-        for o in 0..oc {
-            for i in 0..ic {
-                want[o * ic + i] += (0..rows).map(|t| dyr[t * oc + o] as f64 * xr[t * ic + i] as f64).sum::<f64>();
-            }
-            want[oc * ic + o] += (0..rows).map(|t| dyr[t * oc + o] as f64).sum::<f64>();
-        }
-        let want: Vec<f32> = want.iter().map(|&v| v as f32).collect();
-        let (w, bspan) = (Span { off: 0, len: oc * ic }, Span { off: oc * ic, len: oc });
-        let params = be.alloc(oc * ic + oc)?;
-        for in_gemm in [true, false] {
-            be.set_bias_grad_in_gemm(in_gemm);
-            let mut grads = be.alloc_f32(oc * ic + oc)?;
-            be.upload(&mut grads, 0, &g0)?;
-            be.set_profiling(true);
-            let r = be.matmul_backward_weights(&mut grads, &dout, &inp, &params, w, Some(bspan), rows, ic, oc);
-            let launched = be.take_profile();
-            be.set_profiling(false);
-            be.set_bias_grad_in_gemm(chosen);
-            r?;
-            let got = be.download(&grads)?;
-            let shape = format!("{rows}×{oc}ᵀ·{rows}×{ic}, bias summed {}", if in_gemm { "in the product" } else { "by the pass" });
-            let (ew, eb) = (rel_err(&got[w.range()], &want[w.range()]), rel_err(&got[bspan.range()], &want[bspan.range()]));
-            checks.push(Check { name: format!("matmul_backward_weights dW (+=) [{shape}]"), rel_err: ew, tol: 1e-4, pass: ew.is_finite() && ew <= 1e-4 });
-            checks.push(Check { name: format!("matmul_backward_weights dbias (+=) [{shape}]"), rel_err: eb, tol: 1e-4, pass: eb.is_finite() && eb <= 1e-4 });
-            if in_gemm && be.bias_grad_gemm_supported(&grads, &dout, &inp, w, rows, ic, oc) {
-                let ran = launched?.iter().any(|(name, _, _)| name.starts_with("gemm matmul_backward (dW, dbias)"));
-                checks.push(Check { name: format!("matmul_backward_weights: the product summing the bias ran [{shape}]"), rel_err: if ran { 0.0 } else { 1.0 }, tol: 0.0, pass: ran });
-            }
-        }
-    }
-    Ok(checks)
-}
-
 /// Which kernels the `fused` attention checks launched (the profile's launch table): each of
 /// the shapes' two backward calls (plain and with the bias) picks the whole-head 13-warp kernel
 /// at D 64, N 193–208 (4 shapes in `attention_checks`) and the short-sequence kernel at 81–192

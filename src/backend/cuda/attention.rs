@@ -7,7 +7,7 @@
 use cudarc::driver::sys::CUdeviceptr;
 
 use super::device::{check_bf16, check_f32, check_len, check_span, kargs, CudaBuf, THREADS};
-use super::gemm::{GemmEpilogue, GemmShape, Ty};
+use super::gemm::{GemmShape, Ty};
 use super::linear::{tensor_map_3d, tensor_map_3d_cols16};
 use super::options::AttentionPath;
 use super::Cuda;
@@ -263,7 +263,7 @@ impl Cuda {
             a_ty: Ty::Half, b_ty: Ty::Half, d_ty: Ty::Half,
             lda: d as i64, ldb: d as i64, ldd: ld as i64,
             batch, stride_a: nd, stride_b: nd, stride_d: nld,
-            epilogue: GemmEpilogue::None, accumulate: false, align: 0,
+            bias: false, accumulate: false, align: 0,
         };
         self.gemm("attention_forward (q·kᵀ)", s, k, q, sp, 0, 1.0 / (d as f32).sqrt(), 0.0)?;
         let rows = (b * h * n) as i64;
@@ -276,7 +276,7 @@ impl Cuda {
             a_ty: Ty::Half, b_ty: Ty::Half, d_ty: Ty::Half,
             lda: d as i64, ldb: ld as i64, ldd: d as i64,
             batch, stride_a: nd, stride_b: nld, stride_d: nd,
-            epilogue: GemmEpilogue::None, accumulate: false, align: 0,
+            bias: false, accumulate: false, align: 0,
         };
         self.gemm("attention_forward (p·v)", s, v, sp, oh, 0, 1.0, 0.0)?;
         self.move_heads(false, out.ptr, oh, b, n, 1, h, d)
@@ -409,7 +409,7 @@ impl Cuda {
             ta: false, tb: false, m: 0, n: 0, k: 0,
             a_ty: Ty::Half, b_ty: Ty::Half, d_ty: Ty::Half,
             lda: 0, ldb: 0, ldd: 0, batch, stride_a: 0, stride_b: 0, stride_d: 0,
-            epilogue: GemmEpilogue::None, accumulate: false, align: 0,
+            bias: false, accumulate: false, align: 0,
         };
         // dP(N, N) = dO·Vᵀ  (same form as q·kᵀ), rows padded to `ld`.
         let s = GemmShape { ta: true, m: n as u64, n: n as u64, k: d as u64, lda: d as i64, ldb: d as i64, ldd: ld as i64, stride_a: nd, stride_b: nd, stride_d: nld, ..base };

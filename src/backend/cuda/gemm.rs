@@ -44,20 +44,8 @@ impl Ty {
     }
 }
 
-/// What cuBLASLt does besides the product (`GemmShape::epilogue`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum GemmEpilogue {
-    None,
-    /// D += bias per row of D (bias: D's type).
-    Bias,
-    /// The bias pointer receives Σ over k of op(B), one f32 per column of D: with D = dWᵀ and
-    /// op(B) the output gradient, the bias gradient, summed while B streams through the
-    /// product instead of in a pass over it of its own. Written, not added.
-    BiasGradB,
-}
-
-/// One column-major product D = alpha·op(A)·op(B) + beta·C (+ the epilogue); C has D's type and
-/// layout and is either D itself (accumulate) or another buffer (a residual input).
+/// One column-major product D = alpha·op(A)·op(B) + beta·C (+ bias per row of D); C has D's
+/// type and layout and is either D itself (accumulate) or another buffer (a residual input).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct GemmShape {
     pub ta: bool,
@@ -75,7 +63,7 @@ pub struct GemmShape {
     pub stride_a: i64,
     pub stride_b: i64,
     pub stride_d: i64,
-    pub epilogue: GemmEpilogue,
+    pub bias: bool,
     /// beta ≠ 0 (accumulate into D).
     pub accumulate: bool,
     /// Smallest pointer alignment in bytes across A, B, D (power of two, ≤ 256).
@@ -261,13 +249,10 @@ impl Gemm {
             let tb: i32 = if s.tb { 1 } else { 0 };
             set(lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &ta as *const i32 as *const c_void, 4)?;
             set(lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, &tb as *const i32 as *const c_void, 4)?;
-            let epilogue = match s.epilogue {
-                GemmEpilogue::None => None,
-                GemmEpilogue::Bias => Some((lt::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS, s.d_ty.cuda(self.half))),
-                GemmEpilogue::BiasGradB => Some((lt::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADB, lt::cudaDataType::CUDA_R_32F)),
-            };
-            if let Some((epi, bt)) = epilogue {
+            if s.bias {
+                let epi = lt::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
                 set(lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE, &epi as *const _ as *const c_void, std::mem::size_of_val(&epi))?;
+                let bt = s.d_ty.cuda(self.half);
                 set(lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt as *const _ as *const c_void, std::mem::size_of_val(&bt))?;
             }
             let layout = |ty: Ty, rows: u64, cols: u64, ld: i64, stride: i64| -> Result<lt::cublasLtMatrixLayout_t, BackendError> {
@@ -309,21 +294,6 @@ impl Gemm {
         }
     }
 
-    /// Whether cuBLASLt offers an algorithm for `s` (the plan is made and kept on first ask).
-    pub fn has_algorithm(&self, s: &GemmShape) -> bool {
-        let Ok(mut plans) = self.plans.lock() else { return false };
-        if plans.contains_key(s) {
-            return true;
-        }
-        match self.make_plan(s) {
-            Ok(p) => {
-                plans.insert(*s, p);
-                true
-            }
-            Err(_) => false,
-        }
-    }
-
     /// Runs the product on `stream`. Pointers are device addresses matching `s`.
     #[allow(clippy::too_many_arguments)]
     pub fn run(&self, op: &str, s: &GemmShape, a: CUdeviceptr, b: CUdeviceptr, c: CUdeviceptr, d: CUdeviceptr, bias: CUdeviceptr, alpha: f32, beta: f32, stream: cudarc::driver::sys::CUstream) -> Result<(), BackendError> {
@@ -336,7 +306,7 @@ impl Gemm {
         // SAFETY: the plan's objects live in the cache; pointers are device buffers the
         // caller checked against the shape; alpha/beta are host f32 (scale type 32F).
         unsafe {
-            if s.epilogue != GemmEpilogue::None {
+            if s.bias {
                 check(op, lt::cublasLtMatmulDescSetAttribute(p.desc, lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias as *const u64 as *const c_void, 8))?;
             }
             // First use: a choice stored by an earlier process (a host lookup, fine during graph
@@ -559,7 +529,7 @@ mod tests {
     use super::*;
 
     fn shape(n: u64) -> GemmShape {
-        GemmShape { ta: true, tb: false, m: 768, n, k: 3072, a_ty: Ty::Half, b_ty: Ty::Half, d_ty: Ty::Half, lda: 3072, ldb: 3072, ldd: 768, batch: 1, stride_a: 0, stride_b: 0, stride_d: 0, epilogue: GemmEpilogue::Bias, accumulate: false, align: 256 }
+        GemmShape { ta: true, tb: false, m: 768, n, k: 3072, a_ty: Ty::Half, b_ty: Ty::Half, d_ty: Ty::Half, lda: 3072, ldb: 3072, ldd: 768, batch: 1, stride_a: 0, stride_b: 0, stride_d: 0, bias: true, accumulate: false, align: 256 }
     }
 
     #[test]

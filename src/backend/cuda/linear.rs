@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use cudarc::driver::sys::CUdeviceptr;
 
 use super::device::{check_bf16, check_f32, check_len, check_span, dev, kargs, CudaBuf};
-use super::gemm::{alignment, GemmEpilogue, GemmShape, Ty};
+use super::gemm::{alignment, GemmShape, Ty};
 use super::options::WideTiles;
 use super::Cuda;
 use crate::backend::{BResult, Backend, BackendError, GeluSaved, Span};
@@ -39,38 +39,13 @@ struct HopperLaunch {
 /// A linear layer's forward product. Row-major out(R, OC) = inp(R, IC)·Wᵀ  ⇔  column-major
 /// outᵀ(OC×R) = Wᵀ·inpᵀ with W read as column-major IC×OC (ld IC) transposed, inp as IC×R
 /// (ld IC). `accumulate`: beta = 1 (C read from the residual buffer).
-/// `s` as a call with these operands makes it: the operands' common alignment and whether it
-/// accumulates (beta ≠ 0), which pick the plan.
-fn gemm_call_shape(mut s: GemmShape, a: CUdeviceptr, b: CUdeviceptr, c: CUdeviceptr, d: CUdeviceptr, beta: f32) -> GemmShape {
-    let sz = |t: Ty| t.size() as u64;
-    let mut addrs = vec![a, b, c, d, s.lda as u64 * sz(s.a_ty), s.ldb as u64 * sz(s.b_ty), s.ldd as u64 * sz(s.d_ty)];
-    if s.batch > 1 {
-        addrs.extend([s.stride_a as u64 * sz(s.a_ty), s.stride_b as u64 * sz(s.b_ty), s.stride_d as u64 * sz(s.d_ty)]);
-    }
-    s.align = alignment(&addrs);
-    s.accumulate = beta != 0.0;
-    s
-}
-
-/// dW(OC, IC) += doutᵀ·inp  ⇔  dWᵀ(IC×OC, ld IC) += inpᵀ(IC×R, ld IC)·dout(R×OC), dout read as
-/// column-major OC×R (ld OC) transposed. fp32 output, beta = 1.
-fn weight_grad_shape(rows: usize, ic: usize, oc: usize) -> GemmShape {
-    GemmShape {
-        ta: false, tb: true, m: ic as u64, n: oc as u64, k: rows as u64,
-        a_ty: Ty::Half, b_ty: Ty::Half, d_ty: Ty::F32,
-        lda: ic as i64, ldb: oc as i64, ldd: ic as i64,
-        batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
-        epilogue: GemmEpilogue::None, accumulate: true, align: 0,
-    }
-}
-
 fn linear_shape(rows: usize, ic: usize, oc: usize, bias: bool, accumulate: bool) -> GemmShape {
     GemmShape {
         ta: true, tb: false, m: oc as u64, n: rows as u64, k: ic as u64,
         a_ty: Ty::Half, b_ty: Ty::Half, d_ty: Ty::Half,
         lda: ic as i64, ldb: ic as i64, ldd: oc as i64,
         batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
-        epilogue: if bias { GemmEpilogue::Bias } else { GemmEpilogue::None }, accumulate, align: 0,
+        bias, accumulate, align: 0,
     }
 }
 
@@ -222,7 +197,7 @@ impl Cuda {
             a_ty: Ty::Half, b_ty: Ty::Half, d_ty: Ty::Half,
             lda: n as i64, ldb: n as i64, ldd: n as i64,
             batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
-            epilogue: GemmEpilogue::None, accumulate: false, align: 0,
+            bias: false, accumulate: false, align: 0,
         };
         let ev = |op: &str| self.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| BackendError::Device(format!("{op}: {e}")));
         // The first call tunes the algorithm (16 candidates × 8 runs of 8192³ back to back).
@@ -337,7 +312,7 @@ impl Cuda {
             a_ty: Ty::Half, b_ty: Ty::Half, d_ty: Ty::Half,
             lda: ic as i64, ldb: oc as i64, ldd: ic as i64,
             batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
-            epilogue: GemmEpilogue::None, accumulate: false, align: 0,
+            bias: false, accumulate: false, align: 0,
         };
         if let Some((_, None, GeluSaved::Grad)) = dgelu {
             return Err(BackendError::Shape { op: OP, msg: "a saved GELU derivative needs the pre-activation's bias span".into() });
@@ -398,38 +373,25 @@ impl Cuda {
         self.weight_grads(dparams, dout, inp, w, bias, rows, ic, oc)
     }
 
-    /// Whether `weight_grads` of these operands (with a bias) sums the bias gradient in
-    /// cuBLASLt's product: chosen (`bias_grad_in_gemm`) and offered for the shape.
-    #[allow(clippy::too_many_arguments)]
-    pub fn bias_grad_gemm_supported(&self, dparams: &CudaBuf, dout: &CudaBuf, inp: &CudaBuf, w: Span, rows: usize, ic: usize, oc: usize) -> bool {
-        let dw = dparams.at(w.off);
-        let bgrad = GemmShape { epilogue: GemmEpilogue::BiasGradB, ..weight_grad_shape(rows, ic, oc) };
-        self.bias_grad_in_gemm() && self.gemm.has_algorithm(&gemm_call_shape(bgrad, inp.ptr, dout.ptr, dw, dw, 1.0))
-    }
-
     /// `dW += doutᵀ·inp` and `dbias += Σ_rows dout` (the checks of matmul_backward done).
     #[allow(clippy::too_many_arguments)]
     fn weight_grads(&self, dparams: &mut CudaBuf, dout: &CudaBuf, inp: &CudaBuf, w: Span, bias: Option<Span>, rows: usize, ic: usize, oc: usize) -> BResult<()> {
         const OP: &str = "matmul_backward";
-        let s = weight_grad_shape(rows, ic, oc);
-        let dw = dparams.at(w.off);
-        let Some(bs) = bias else {
-            return self.gemm("matmul_backward (dW)", s, inp.ptr, dout.ptr, dw, 0, 1.0, 1.0);
+        // dW(OC, IC) += doutᵀ·inp  ⇔  dWᵀ(IC×OC, ld IC) += inpᵀ(IC×R, ld IC)·dout(R×OC), dout read
+        // as column-major OC×R (ld OC) transposed. fp32 output, beta = 1.
+        let s = GemmShape {
+            ta: false, tb: true, m: ic as u64, n: oc as u64, k: rows as u64,
+            a_ty: Ty::Half, b_ty: Ty::Half, d_ty: Ty::F32,
+            lda: ic as i64, ldb: oc as i64, ldd: ic as i64,
+            batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
+            bias: false, accumulate: true, align: 0,
         };
-        check_span(OP, "bias gradient", dparams, bs)?;
-        let dst = dparams.at(bs.off);
-        // The bias gradient Σ_rows dout is Σ over the product's k of op(B): cuBLASLt's BGRADB
-        // epilogue writes it (f32, not added) while dout streams through, and the partial-sum
-        // queue adds it into dparams.
-        if self.bias_grad_gemm_supported(dparams, dout, inp, w, rows, ic, oc) {
-            let bgrad = GemmShape { epilogue: GemmEpilogue::BiasGradB, ..s };
-            // (the bias vector 16-byte aligned, as cuBLASLt's vector epilogues want it)
-            let part = self.partial_rows(oc + 3)?.next_multiple_of(16);
-            self.gemm("matmul_backward (dW, dbias)", bgrad, inp.ptr, dout.ptr, dw, part, 1.0, 1.0)?;
-            return self.reduce_partials(dst, dst, dst, oc, part, 1, oc);
+        self.gemm("matmul_backward (dW)", s, inp.ptr, dout.ptr, dparams.at(w.off), 0, 1.0, 1.0)?;
+        if let Some(bs) = bias {
+            check_span(OP, "bias gradient", dparams, bs)?;
+            self.add_column_sums(dparams.at(bs.off), dout, rows, oc)?;
         }
-        self.gemm("matmul_backward (dW)", s, inp.ptr, dout.ptr, dw, 0, 1.0, 1.0)?;
-        self.add_column_sums(dst, dout, rows, oc)
+        Ok(())
     }
 
     /// fc2's input gradient through the Hopper kernel: dinp = (dout·W) ⊙ gelu'(pre + bias) (or
@@ -530,8 +492,14 @@ impl Cuda {
 
     /// `gemm` with C read from its own buffer (D's type and layout): D = alpha·A·B + beta·C + bias.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn gemm_c(&self, op: &str, s: GemmShape, a: CUdeviceptr, b: CUdeviceptr, c: CUdeviceptr, d: CUdeviceptr, bias: CUdeviceptr, alpha: f32, beta: f32) -> BResult<()> {
-        let s = gemm_call_shape(s, a, b, c, d, beta);
+    pub(super) fn gemm_c(&self, op: &str, mut s: GemmShape, a: CUdeviceptr, b: CUdeviceptr, c: CUdeviceptr, d: CUdeviceptr, bias: CUdeviceptr, alpha: f32, beta: f32) -> BResult<()> {
+        let sz = |t: Ty| t.size() as u64;
+        let mut addrs = vec![a, b, c, d, s.lda as u64 * sz(s.a_ty), s.ldb as u64 * sz(s.b_ty), s.ldd as u64 * sz(s.d_ty)];
+        if s.batch > 1 {
+            addrs.extend([s.stride_a as u64 * sz(s.a_ty), s.stride_b as u64 * sz(s.b_ty), s.stride_d as u64 * sz(s.d_ty)]);
+        }
+        s.align = alignment(&addrs);
+        s.accumulate = beta != 0.0;
         let label = format!("gemm {op} m{} n{} k{} b{}", s.m, s.n, s.k, s.batch);
         self.timed(&label, || self.gemm.run(op, &s, a, b, c, d, bias, alpha, beta, self.stream.cu_stream()))
     }

@@ -22,8 +22,6 @@ pub const WIDE_GEMM_ENV: &str = "VITSCALE_WIDE_GEMM";
 pub const GEMM_CLUSTER_ENV: &str = "VITSCALE_GEMM_CLUSTER";
 /// The environment variable of [`CudaOptions::gemm_tune`].
 pub const GEMM_TUNE_ENV: &str = "VITSCALE_GEMM_TUNE";
-/// The environment variable of [`CudaOptions::bias_grad_in_gemm`].
-pub const BIAS_GRAD_ENV: &str = "VITSCALE_BIAS_GRAD";
 
 /// How the CUDA backend computes attention.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -141,12 +139,6 @@ pub struct CudaOptions {
     /// opens, and part of the key of the choices kept on disk. `VITSCALE_GEMM_TUNE`:
     /// `sustained` (the default) or `quick` (`GemmTune`).
     pub gemm_tune: GemmTune,
-    /// Where a linear layer's bias gradient is summed (`set_bias_grad_in_gemm` changes it
-    /// later): in the weight gradient's cuBLASLt product (its BGRADB epilogue sums the output
-    /// gradient while it streams through; where cuBLASLt offers no algorithm for that shape,
-    /// the pass) or in a column-sum pass over the output gradient of its own.
-    /// `VITSCALE_BIAS_GRAD`: `gemm` (the default) or `pass`.
-    pub bias_grad_in_gemm: bool,
 }
 
 impl Default for CudaOptions {
@@ -158,7 +150,6 @@ impl Default for CudaOptions {
             wide_gemm: (WideTiles::Auto, WideTiles::Auto),
             gemm_cluster: false,
             gemm_tune: GemmTune::Sustained,
-            bias_grad_in_gemm: true,
         }
     }
 }
@@ -187,7 +178,6 @@ impl CudaOptions {
             ])?,
             gemm_cluster: choose(&get, GEMM_CLUSTER_ENV, false, &[("on", true), ("1", true), ("0", false), ("off", false)])?,
             gemm_tune: choose(&get, GEMM_TUNE_ENV, GemmTune::Sustained, &[("sustained", GemmTune::Sustained), ("quick", GemmTune::Quick)])?,
-            bias_grad_in_gemm: choose(&get, BIAS_GRAD_ENV, true, &[("gemm", true), ("pass", false)])?,
         })
     }
 }
@@ -219,7 +209,6 @@ pub(super) struct Knobs {
     wide_gemm: AtomicU8,
     wide_gemm_bwd: AtomicU8,
     pub(super) gemm_cluster: AtomicBool,
-    pub(super) bias_grad_in_gemm: AtomicBool,
 }
 
 impl Knobs {
@@ -232,7 +221,6 @@ impl Knobs {
             wide_gemm: AtomicU8::new(o.wide_gemm.0 as u8),
             wide_gemm_bwd: AtomicU8::new(o.wide_gemm.1 as u8),
             gemm_cluster: AtomicBool::new(o.gemm_cluster),
-            bias_grad_in_gemm: AtomicBool::new(o.bias_grad_in_gemm),
         }
     }
 
@@ -279,18 +267,6 @@ impl Cuda {
     /// tile (`on`, the default) or as single blocks (`CudaOptions::gemm_cluster`).
     pub fn set_gemm_cluster(&self, on: bool) {
         self.knobs.gemm_cluster.store(on, Ordering::Relaxed);
-    }
-
-    /// Whether linear layers' bias gradients are summed in the weight gradient's product
-    /// (`set_bias_grad_in_gemm`).
-    pub fn bias_grad_in_gemm(&self) -> bool {
-        self.knobs.bias_grad_in_gemm.load(Ordering::Relaxed)
-    }
-
-    /// Sums bias gradients in the weight gradient's cuBLASLt product (`true`, the default) or in
-    /// a pass of their own (`CudaOptions::bias_grad_in_gemm`).
-    pub fn set_bias_grad_in_gemm(&self, on: bool) {
-        self.knobs.bias_grad_in_gemm.store(on, Ordering::Relaxed);
     }
 
     /// Chooses the attention path for later calls. Buffers sized by `attention_saved_len`
@@ -345,7 +321,7 @@ mod tests {
     #[test]
     fn nothing_set_is_the_default() {
         assert_eq!(CudaOptions::from_vars(|_| None), Ok(CudaOptions::default()));
-        let empty = [ATTENTION_ENV, FUSED_GEMM_ENV, WGMMA_ATTENTION_ENV, WIDE_GEMM_ENV, GEMM_TUNE_ENV, BIAS_GRAD_ENV].map(|n| (n, " "));
+        let empty = [ATTENTION_ENV, FUSED_GEMM_ENV, WGMMA_ATTENTION_ENV, WIDE_GEMM_ENV, GEMM_TUNE_ENV].map(|n| (n, " "));
         assert_eq!(CudaOptions::from_vars(vars(&empty)), Ok(CudaOptions::default()));
     }
 
@@ -371,8 +347,6 @@ mod tests {
         }
         assert_eq!(o(&[(GEMM_TUNE_ENV, "quick")]).gemm_tune, GemmTune::Quick);
         assert_eq!(o(&[(GEMM_TUNE_ENV, "sustained")]).gemm_tune, GemmTune::Sustained);
-        assert!(!o(&[(BIAS_GRAD_ENV, "pass")]).bias_grad_in_gemm);
-        assert!(o(&[(BIAS_GRAD_ENV, "gemm")]).bias_grad_in_gemm);
         // one variable leaves the others at their defaults
         let only = o(&[(FUSED_GEMM_ENV, "fwd")]);
         assert_eq!(CudaOptions { fused_gemm: (true, true), ..only }, CudaOptions::default());
@@ -387,7 +361,6 @@ mod tests {
         assert_eq!(err(WIDE_GEMM_ENV, "wide"), "VITSCALE_WIDE_GEMM=\"wide\": expected auto, fwd, always, 0 or off");
         assert_eq!(err(GEMM_CLUSTER_ENV, "2"), "VITSCALE_GEMM_CLUSTER=\"2\": expected on, 1, 0 or off");
         assert_eq!(err(GEMM_TUNE_ENV, "slow"), "VITSCALE_GEMM_TUNE=\"slow\": expected sustained or quick");
-        assert_eq!(err(BIAS_GRAD_ENV, "cublas"), "VITSCALE_BIAS_GRAD=\"cublas\": expected gemm or pass");
         // matching is exact after trimming
         assert!(CudaOptions::from_vars(vars(&[(ATTENTION_ENV, "Fused")])).is_err());
     }
