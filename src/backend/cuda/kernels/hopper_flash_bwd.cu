@@ -42,7 +42,8 @@
 //
 // A key block whose second 64 keys are all ≥ N (the last one, where N mod 128 is 1…64) runs
 // one consumer warpgroup: the barriers count its arrivals alone and the dQ warpgroup multiplies
-// over its 64 keys.
+// over its 64 keys. A last query tile with no query < N past its first 16 (N mod 64 is 1…16)
+// is multiplied as 16 queries: m64n16 products for Sᵀ and dPᵀ, one 16-deep step of dV and dK.
 //
 // D = 80 (ViT-H/14): each K, V, Q and dO tile is two tiles, columns 0…63 with the 128-byte
 // swizzle and 64…79 with the 32-byte one (`hg_desc32`, their own tensor maps of 16-column

@@ -1,10 +1,10 @@
 // ---- Attention forward on wgmma for long sequences (N > 256) at D = 64 and 80 ----
-// FlashAttention-3's structure on the building blocks of hopper.cuh: a block owns 64·CW = 192
-// queries of one (b, h) and walks the keys in tiles of 128 with an online softmax (running row
-// maximum, O rescaled when it grows), the key tiles streamed through shared memory by the
-// tensor-memory accelerator. Three consumer warpgroups rather than two: each K and V tile
-// copied into shared memory serves half as many queries again, which outweighs the padding of
-// the last query block (BENCHMARKS.md has the measurements).
+// FlashAttention-3's structure on the building blocks of hopper.cuh: a block owns 64·CW queries
+// of one (b, h) and walks the keys in tiles of 128 with an online softmax (running row maximum,
+// O rescaled when it grows), the key tiles streamed through shared memory by the tensor-memory
+// accelerator. At D = 64 three consumer warpgroups (CW = 3, 192 queries) rather than two: each
+// K and V tile copied into shared memory serves half as many queries again, which outweighs the
+// padding of the last query block (BENCHMARKS.md has the measurements); D = 80 has two (below).
 //
 // Warpgroup 0 produces: one thread issues the TMA copies (3-D maps over (B, N, columns), so
 // rows ≥ N load as zeros) of the block's 64-query Q tiles and of each key tile's K and V into a
@@ -21,11 +21,11 @@
 // rounding of P_j waits for it (P_{j−1}'s registers are still being read). Per 128×128 tile the
 // exponentials (one MUFU op per score) cost about what the two products do at D = 64, so they
 // have to run beside the tensor cores: here beside the own warpgroup's P·V and the other
-// warpgroup's products. Keys ≥ N (the last tile only) are
-// −∞ before the maximum; query rows ≥ N are zeros and are never stored.
+// warpgroup's products. Query rows ≥ N are zeros and are never stored.
 //
 // The ragged part of the keys comes first: with r = N mod 128, tile 0 holds keys 0…r − 1 and
-// every later tile 128 whole keys from r on, so only tile 0 is masked. Where r ≤ 16 (ViT-H/14's
+// every later tile 128 whole keys from r on, so only tile 0 is masked (its keys ≥ r are −∞
+// before the maximum; they are keys of tile 1, read again there). Where r ≤ 16 (ViT-H/14's
 // 257 tokens, 4 097 at 1 024 px) tile 0 is multiplied as 16 keys (m64n16 products and one
 // 16-deep step of P·V) instead of a tile of 128 that is almost all masked.
 //
