@@ -16,15 +16,12 @@ __device__ __forceinline__ unsigned long long hg_desc_mn128(unsigned saddr) {
     return (unsigned long long)((saddr & 0x3FFFF) >> 4) | ((unsigned long long)(8192 >> 4) << 16) | ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
 }
 
-// The same two with the 32-byte swizzle, for the 16 columns past 64 of a head of 80 (tiles of
-// 32-byte rows: 16-byte chunk c of row r at c ^ ((r / 4) % 2), 256-byte aligned). K-major: one
-// 16-deep K step spans the row, 8-row groups 256 bytes apart (stride byte offset), swizzle mode
-// 3 (32 B). MN-major: 16 columns (one swizzle atom) of K rows of 32 bytes, 8-row groups 256 bytes
-// apart; the leading byte offset (the next 16-column atom) is never used at N = 16.
+// The same with the 32-byte swizzle, for the 16 columns past 64 of a head of 80 (tiles of
+// 32-byte rows: 16-byte chunk c of row r at c ^ ((r / 4) % 2), 256-byte aligned), in either
+// layout: 8-row groups 256 bytes apart (stride byte offset), swizzle mode 3 (32 B). K-major,
+// one 16-deep K step spans the row; MN-major, the 16 columns are one swizzle atom, so the
+// leading byte offset (the next atom) is never used.
 __device__ __forceinline__ unsigned long long hg_desc32(unsigned saddr) {
-    return (unsigned long long)((saddr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(256 >> 4) << 32) | (3ull << 62);
-}
-__device__ __forceinline__ unsigned long long hg_desc_mn32(unsigned saddr) {
     return (unsigned long long)((saddr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(256 >> 4) << 32) | (3ull << 62);
 }
 
@@ -187,6 +184,18 @@ __device__ __forceinline__ void ht_mbar_arrive_remote(unsigned bar, unsigned ran
 // need not be converged).
 __device__ __forceinline__ void ht_cluster_sync() {
     asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
+// A warpgroup's 64×16 f32 accumulator of a head's columns 64…79 (value 4j + e: row r0 for
+// e < 2, r0 + 8 below, column 64 + 8j + 2t + e % 2) as bf16 at `row0` (column 64 of row 0),
+// rows `rstride` elements apart, row r0 times s0 and row r0 + 8 times s1; rows ≥ n are not
+// stored.
+__device__ __forceinline__ void wg_store_cols16(bf16* row0, const float (&acc)[8], int r0, int n, int t, i64 rstride, float s0, float s1) {
+    #pragma unroll
+    for (int j = 0; j < 2; j++) {
+        if (r0 < n) *(unsigned*)(row0 + (i64)r0 * rstride + 8 * j + 2 * t) = f2bf2(acc[4 * j] * s0, acc[4 * j + 1] * s0);
+        if (r0 + 8 < n) *(unsigned*)(row0 + (i64)(r0 + 8) * rstride + 8 * j + 2 * t) = f2bf2(acc[4 * j + 2] * s1, acc[4 * j + 3] * s1);
+    }
 }
 
 // Byte offset of 16-byte chunk c of row r in a tile of 128-byte rows with the 128-byte swizzle.

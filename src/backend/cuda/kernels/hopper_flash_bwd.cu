@@ -155,17 +155,6 @@ __device__ __forceinline__ void wgmma_m64n16k16_tt(float (&d)[8], unsigned long 
         : "l"(da), "l"(db));
 }
 
-// A 64×16 accumulator of columns 64…79 (value 4j + e: row r0 for e < 2, r1 below, column
-// 64 + 8j + 2t + e % 2) times `scale` as bf16 at `row0` (column 64 of row 0 of the (b, h)'s
-// slice), rows `rstride` elements apart; rows ≥ n are not stored.
-__device__ __forceinline__ void fl_store_cols16(bf16* row0, const float (&acc)[8], int r0, int n, int t, i64 rstride, float scale) {
-    #pragma unroll
-    for (int j = 0; j < 2; j++) {
-        if (r0 < n) *(unsigned*)(row0 + (i64)r0 * rstride + 8 * j + 2 * t) = f2bf2(acc[4 * j] * scale, acc[4 * j + 1] * scale);
-        if (r0 + 8 < n) *(unsigned*)(row0 + (i64)(r0 + 8) * rstride + 8 * j + 2 * t) = f2bf2(acc[4 * j + 2] * scale, acc[4 * j + 3] * scale);
-    }
-}
-
 // Grid (ceil(N / 128), B·H), 512 threads, FlBwdSmem<D>::BYTES of dynamic shared memory. Tensor
 // maps (`tensor_map_3d`, 64-column boxes, 128-byte swizzle): tm_kv over qkv (B, N, 3·H·D) with
 // 128-row boxes, tm_q the same with 64-row boxes, tm_do over dout (B, N, H·D) with 64-row boxes,
@@ -288,14 +277,14 @@ __device__ __forceinline__ void fl_bwd_long(const HgTmap& tm_kv, const HgTmap& t
                 for (int kk = 0; kk < FL_KEYS / 16; kk++) wgmma_m64n64k16_tt(dq, hg_desc(dsb + kk * 2048), hg_desc(sk + kk * 2048));
                 if constexpr (C16) {
                     #pragma unroll
-                    for (int kk = 0; kk < FL_KEYS / 16; kk++) wgmma_m64n16k16_tt(dqt, hg_desc(dsb + kk * 2048), hg_desc_mn32(skt + kk * 512));
+                    for (int kk = 0; kk < FL_KEYS / 16; kk++) wgmma_m64n16k16_tt(dqt, hg_desc(dsb + kk * 2048), hg_desc32(skt + kk * 512));
                 }
             } else {
                 #pragma unroll
                 for (int kk = 0; kk < FL_KEYS / 32; kk++) wgmma_m64n64k16_tt(dq, hg_desc(dsb + kk * 2048), hg_desc(sk + kk * 2048));
                 if constexpr (C16) {
                     #pragma unroll
-                    for (int kk = 0; kk < FL_KEYS / 32; kk++) wgmma_m64n16k16_tt(dqt, hg_desc(dsb + kk * 2048), hg_desc_mn32(skt + kk * 512));
+                    for (int kk = 0; kk < FL_KEYS / 32; kk++) wgmma_m64n16k16_tt(dqt, hg_desc(dsb + kk * 2048), hg_desc32(skt + kk * 512));
                 }
             }
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
@@ -372,7 +361,7 @@ __device__ __forceinline__ void fl_bwd_long(const HgTmap& tm_kv, const HgTmap& t
         for (int kk = 0; kk < QK; kk++) wgmma_m64n64k16_rs(dv, pa[kk], hg_desc(sdo + kk * 2048));
         if constexpr (C16) {
             #pragma unroll
-            for (int kk = 0; kk < QK; kk++) wgmma_m64n16k16_rs(dvt, pa[kk], hg_desc_mn32(sdot + kk * 512));
+            for (int kk = 0; kk < QK; kk++) wgmma_m64n16k16_rs(dvt, pa[kk], hg_desc32(sdot + kk * 512));
         }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // dPᵀ (dV may still run)
@@ -403,7 +392,7 @@ __device__ __forceinline__ void fl_bwd_long(const HgTmap& tm_kv, const HgTmap& t
         for (int kk = 0; kk < QK; kk++) wgmma_m64n64k16_rs(dk, sa[kk], hg_desc(sq + kk * 2048));
         if constexpr (C16) {
             #pragma unroll
-            for (int kk = 0; kk < QK; kk++) wgmma_m64n16k16_rs(dkt, sa[kk], hg_desc_mn32(sqt + kk * 512));
+            for (int kk = 0; kk < QK; kk++) wgmma_m64n16k16_rs(dkt, sa[kk], hg_desc32(sqt + kk * 512));
         }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
@@ -437,8 +426,8 @@ __device__ __forceinline__ void fl_bwd_long(const HgTmap& tm_kv, const HgTmap& t
         // columns 64…79 of dK (times the softmax scale) and dV straight from the accumulators
         const i64 rstride = (i64)3 * h * D;
         bf16* rows0 = dqkv + (i64)bi * n * rstride;
-        fl_store_cols16(rows0 + (h + hi) * D + 64, dkt, kr0, n, t, rstride, scale);
-        fl_store_cols16(rows0 + (2 * h + hi) * D + 64, dvt, kr0, n, t, rstride, 1.f);
+        wg_store_cols16(rows0 + (h + hi) * D + 64, dkt, kr0, n, t, rstride, scale, scale);
+        wg_store_cols16(rows0 + (2 * h + hi) * D + 64, dvt, kr0, n, t, rstride, 1.f, 1.f);
     }
     // dK (times the softmax scale) and dV of this warpgroup's 64 keys out through shared tiles
     const unsigned tk = base + L::OUT + wg * 16384, tv = tk + 8192;

@@ -109,7 +109,7 @@ __device__ __forceinline__ void fl_issue_pv(float (&o)[32], float (&ot)[8], cons
     #pragma unroll
     for (int kk = 0; kk < KS; kk++) wgmma_m64n64k16_rs(o, pa[kk], dv + 128 * kk);
     if constexpr (D == 80) {
-        const unsigned long long dvt = hg_desc_mn32(t.vt + st * FL_KVT);
+        const unsigned long long dvt = hg_desc32(t.vt + st * FL_KVT);
         #pragma unroll
         for (int kk = 0; kk < KS; kk++) wgmma_m64n16k16_rs(ot, pa[kk], dvt + 32 * kk);
     }
@@ -304,8 +304,9 @@ __device__ __forceinline__ void fl_fwd_long(const HgTmap& tm_kv, const HgTmap& t
         fl_pack_p<16>(pa, s);
     }
 
+    // (N > 256: tile 0 is followed by at least two whole tiles)
     int j = 1;
-    if (short_first && nkt > 1) {
+    if (short_first) {
         fl_step<D, 1>(1, s, o, ot, pa, tl, kfull0, vfull0, empty0, lane, t, scale_log2, mb0, mb1, l0, l1, alpha0, alpha1);
         j = 2;
     }
@@ -314,8 +315,7 @@ __device__ __forceinline__ void fl_fwd_long(const HgTmap& tm_kv, const HgTmap& t
     if constexpr (D == 80) fl_rescale(ot, alpha0, alpha1);
     const int ls = (nkt - 1) % FL_ST;
     ht_mbar_wait(vfull0 + 8 * ls, ((nkt - 1) / FL_ST) & 1);
-    if (short_first && nkt == 1) fl_issue_pv<D, 1>(o, ot, pa, tl, ls);
-    else fl_issue_pv<D, 8>(o, ot, pa, tl, ls);
+    fl_issue_pv<D, 8>(o, ot, pa, tl, ls);
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     fl_fence(o);
     if constexpr (D == 80) fl_fence(ot);
@@ -331,14 +331,9 @@ __device__ __forceinline__ void fl_fwd_long(const HgTmap& tm_kv, const HgTmap& t
         if (r1 < n) lse2[(i64)bh * n + r1] = mb1 + __log2f(l1);
     }
     if constexpr (D == 80) {
-        // columns 64…79 straight from the accumulator: value 4jj + {0,1} row r0, columns
-        // 64 + 8jj + 2t…, 4jj + {2,3} row r1
-        const i64 hd = (i64)h * D, col = (i64)hi * D + 64 + 2 * t;
-        #pragma unroll
-        for (int jj = 0; jj < 2; jj++) {
-            if (r0 < n) *(unsigned*)(out + ((i64)bi * n + r0) * hd + col + 8 * jj) = f2bf2(ot[4 * jj] * il0, ot[4 * jj + 1] * il0);
-            if (r1 < n) *(unsigned*)(out + ((i64)bi * n + r1) * hd + col + 8 * jj) = f2bf2(ot[4 * jj + 2] * il1, ot[4 * jj + 3] * il1);
-        }
+        // columns 64…79 straight from the accumulator
+        const i64 hd = (i64)h * D;
+        wg_store_cols16(out + (i64)bi * n * hd + hi * D + 64, ot, r0, n, t, hd, il0, il1);
     }
     // the warpgroup's last Q·Kᵀ has read its Q tile before the output overwrites it
     asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
