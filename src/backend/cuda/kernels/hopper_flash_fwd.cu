@@ -181,6 +181,18 @@ __device__ __forceinline__ void fl_rescale(float (&o)[N], float alpha0, float al
     }
 }
 
+// Tile 0 of a consumer's walk, its first J blocks of 8 keys (J = 2: the short first tile):
+// S_0 multiplied and waited for, its softmax masked at `first` unless whole, P_0 packed.
+template <int D, int J>
+__device__ __forceinline__ void fl_tile0(float (&s)[4 * J], unsigned (&pa)[8][4], const FlTiles& tl, int first, int t, float scale_log2,
+                                         float& mb0, float& mb1, float& l0, float& l1, float& alpha0, float& alpha1) {
+    fl_issue_qk<D, J>(s, tl, 0);
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    fl_fence(s);
+    fl_softmax<J>(s, first < FL_BN, first, t, scale_log2, mb0, mb1, l0, l1, alpha0, alpha1);
+    fl_pack_p<J>(pa, s);
+}
+
 // Step j ≥ 1 of a consumer's walk (see the file's comment): S_j = Q·K_jᵀ issued, O rescaled and
 // O += P_{j−1}·V_{j−1} issued over KS 16-key steps (1 after a short first tile), tile j's
 // softmax while that runs, then P_j packed.
@@ -291,17 +303,9 @@ __device__ __forceinline__ void fl_fwd_long(const HgTmap& tm_kv, const HgTmap& t
     ht_mbar_wait(kfull0, 0);
     if (short_first) {
         float s16[8];
-        fl_issue_qk<D, 2>(s16, tl, 0);
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        fl_fence(s16);
-        fl_softmax<2>(s16, true, first, t, scale_log2, mb0, mb1, l0, l1, alpha0, alpha1);
-        fl_pack_p<2>(pa, s16);
+        fl_tile0<D, 2>(s16, pa, tl, first, t, scale_log2, mb0, mb1, l0, l1, alpha0, alpha1);
     } else {
-        fl_issue_qk<D, 16>(s, tl, 0);
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        fl_fence(s);
-        fl_softmax<16>(s, first < FL_BN, first, t, scale_log2, mb0, mb1, l0, l1, alpha0, alpha1);
-        fl_pack_p<16>(pa, s);
+        fl_tile0<D, 16>(s, pa, tl, first, t, scale_log2, mb0, mb1, l0, l1, alpha0, alpha1);
     }
 
     // (N > 256: tile 0 is followed by at least two whole tiles)
