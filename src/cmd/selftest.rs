@@ -4,7 +4,7 @@
 use crate::backend::cpu::Cpu;
 use crate::backend::half::HalfFormat;
 use crate::backend::Backend;
-use crate::selftest::{attention_path_checks, hopper_gemm_checks, run_parts, Check, Parts};
+use crate::selftest::{attention_path_checks, hopper_gemm_checks, hopper_wgrad_checks, run_parts, Check, Parts};
 
 /// Command-line options of `vitscale selftest`.
 #[derive(clap::Args, Debug, Clone)]
@@ -164,6 +164,11 @@ fn cuda_pass(gpu: usize, half: Option<HalfFormat>, seed: Option<u64>, parts: Par
             Ok(Some(cs)) => checks.extend(cs),
             Ok(None) => crate::outln!("hopper GEMM kernel not compiled for this device and format (sm_90 with bf16 only): its checks skipped"),
             Err(e) => checks.push(Check { name: format!("hopper GEMM checks: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false }),
+        }
+        match hopper_wgrad_checks(&be, seed) {
+            Ok(Some(cs)) => checks.extend(cs),
+            Ok(None) => {}
+            Err(e) => checks.push(Check { name: format!("weight-gradient kernel checks: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false }),
         }
     }
     if parts.attention {

@@ -1240,6 +1240,68 @@ pub fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult
     Ok(Some(checks))
 }
 
+/// The weight-gradient kernel `gemm_wgrad_tt` (kernels/hopper_wgrad.cu) and cuBLASLt, each
+/// against an f64 sum on the host: `matmul_backward_weights` with fresh random bf16 dout and
+/// inp and a dW span of random f32 values it adds into (dW += doutᵀ·inp). The shapes give K
+/// cut into many chunks (few tiles), one chunk (more tiles than SMs), edge tiles in both
+/// dimensions (widths not multiples of 128 and 256), rows not a multiple of 64 and a single
+/// K step; the last puts dW at an offset that is not 16-byte aligned, where cuBLASLt must run
+/// instead. Relative error ≤ 1e-5 (f32 sums of exact bf16 products); a failed check too when
+/// the launch table shows the other path ran. None when the kernel is not compiled.
+pub fn hopper_wgrad_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult<Option<Vec<Check>>> {
+    use rayon::prelude::*;
+    if !be.has_fused_gemm() {
+        return Ok(None);
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x3a7d);
+    let mut checks = Vec::new();
+    let chosen = be.wgrad_gemm();
+    // (rows, ic, oc, offset of dW in the gradient buffer, whether the kernel takes it)
+    let shapes = [(1000, 768, 384, 64, true), (257, 320, 192, 4, true), (2050, 512, 1024, 0, true), (3, 64, 64, 8, true), (64, 2304, 4096, 0, true), (100, 128, 128, 2, false)];
+    for (rows, ic, oc, off, ours) in shapes {
+        let shape = format!("{rows} rows, {oc}×{ic}, dW at {off}");
+        let mut r = |n: usize, s: f32| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-s..s)).collect() };
+        let w = Span { off, len: oc * ic };
+        let params = be.alloc(off + oc * ic)?;
+        let mut dout = be.alloc(rows * oc)?;
+        be.upload(&mut dout, 0, &r(rows * oc, 1.0))?;
+        let mut inp = be.alloc(rows * ic)?;
+        be.upload(&mut inp, 0, &r(rows * ic, 1.0))?;
+        let grads0 = r(off + oc * ic, 0.5);
+        // the reference from the operands as the device holds them (rounded to bf16)
+        let (dh, ih) = (be.download(&dout)?, be.download(&inp)?);
+        let want: Vec<f32> = (0..oc * ic)
+            .into_par_iter()
+            .map(|e| {
+                let (o, i) = (e / ic, e % ic);
+                let sum: f64 = (0..rows).map(|k| dh[k * oc + o] as f64 * ih[k * ic + i] as f64).sum();
+                (grads0[off + e] as f64 + sum) as f32
+            })
+            .collect();
+        for kernel in [true, false] {
+            let mut grads = be.alloc_f32(off + oc * ic)?;
+            be.upload(&mut grads, 0, &grads0)?;
+            be.set_wgrad_gemm(kernel);
+            be.set_profiling(true);
+            let res = be.matmul_backward_weights(&mut grads, &dout, &inp, &params, w, None, rows, ic, oc);
+            be.set_wgrad_gemm(chosen);
+            let launched = be.take_profile();
+            be.set_profiling(false);
+            res?;
+            let ran = launched?.iter().any(|(name, _, _)| name == "gemm_wgrad_tt");
+            if ran != (kernel && ours) {
+                checks.push(Check { name: format!("gemm_wgrad_tt expected {} but it {} [{shape}]", kernel && ours, if ran { "ran" } else { "did not run" }), rel_err: f64::NAN, tol: 0.0, pass: false });
+            }
+            let got = be.download(&grads)?;
+            let e = rel_err(&got[off..], &want);
+            let untouched = got[..off] == grads0[..off];
+            let path = if ran { "gemm_wgrad_tt" } else { "cuBLASLt" };
+            checks.push(Check { name: format!("weight gradient dW(+=) {path} vs f64 [{shape}]"), rel_err: e, tol: 1e-5, pass: e.is_finite() && e <= 1e-5 && untouched });
+        }
+    }
+    Ok(Some(checks))
+}
+
 /// Which kernels the `fused` attention checks launched (the profile's launch table): each of
 /// the shapes' two backward calls (plain and with the bias) picks the whole-head 13-warp kernel
 /// at D 64, N 193–208 (4 shapes in `attention_checks`) and the short-sequence kernel at 81–192

@@ -23,6 +23,20 @@ const HOPPER_GEMM_SMEM: u32 = 4 * 32768 + 2 * 128 * 136 * 2 + 2 * 8 * 128 * 4 + 
 /// tile, the rest as above).
 const HOPPER_GEMM_SMEM_WIDE: u32 = 3 * 49152 + 2 * 128 * 136 * 2 + 2 * 8 * 128 * 4 + 96 + 1024;
 
+/// Dynamic shared memory of the weight-gradient kernel (WGR_SMEM in hopper_wgrad.cu: a 4-stage
+/// ring of a 128×64 and a 256×64 bf16 tile, 8 barriers, 1 KiB of alignment slack).
+const WGRAD_SMEM: u32 = 4 * 49152 + 64 + 1024;
+
+/// How many chunks `gemm_wgrad_tt` cuts the K range of each of its `tiles` output tiles into
+/// (`kt` K steps of 64 rows each), on `sms` SMs: the count that makes the busiest block's
+/// work least, counted in K steps plus two per unit for its reduction into dW (the smallest
+/// count among equals: fewer reductions). ViT-H/14 at micro 64, fc1's dW: 200 tiles of 257
+/// steps on 132 SMs take 2 × 259 steps as they are, 11 × 39 in 7 chunks.
+fn wgrad_splits(tiles: usize, kt: usize, sms: usize) -> usize {
+    let sms = sms.max(1);
+    (1..=kt.clamp(1, 64)).min_by_key(|&s| (tiles * s).div_ceil(sms) * (kt.div_ceil(s) + 2)).unwrap_or(1)
+}
+
 /// How a Hopper GEMM kernel is launched: the kernel (`base`, with `_w` for 128×256 tiles), its
 /// grid (persistent: one block per SM at most, or as many clusters as run at once), block size,
 /// dynamic shared memory, tile width and cluster size (2: the wide kernels' blocks in pairs
@@ -386,12 +400,45 @@ impl Cuda {
             batch: 1, stride_a: 0, stride_b: 0, stride_d: 0,
             bias: false, accumulate: true, align: 0,
         };
-        self.gemm("matmul_backward (dW)", s, inp.ptr, dout.ptr, dparams.at(w.off), 0, 1.0, 1.0)?;
+        let dw = dparams.at(w.off);
+        if self.wgrad_kernel_ok(rows, ic, oc, &[dw, dout.ptr, inp.ptr]) {
+            self.wgrad_kernel(dw, dout, inp, rows, ic, oc)?;
+        } else {
+            self.gemm("matmul_backward (dW)", s, inp.ptr, dout.ptr, dw, 0, 1.0, 1.0)?;
+        }
         if let Some(bs) = bias {
             check_span(OP, "bias gradient", dparams, bs)?;
             self.add_column_sums(dparams.at(bs.off), dout, rows, oc)?;
         }
         Ok(())
+    }
+
+    /// Whether `gemm_wgrad_tt` (`kernels/hopper_wgrad.cu`) takes dW(oc × ic) += doutᵀ·inp over
+    /// `rows` rows: chosen (`set_wgrad_gemm`), compiled (sm_90), both widths multiples of 64,
+    /// 16-byte aligned operands and dW (`ptrs`).
+    fn wgrad_kernel_ok(&self, rows: usize, ic: usize, oc: usize, ptrs: &[CUdeviceptr]) -> bool {
+        self.knobs.wgrad_gemm.load(Ordering::Relaxed)
+            && rows > 0
+            && ic > 0
+            && oc > 0
+            && ic % 64 == 0
+            && oc % 64 == 0
+            && rows.div_ceil(64) <= i32::MAX as usize
+            && oc.div_ceil(128) * ic.div_ceil(256) * 64 <= i32::MAX as usize
+            && ptrs.iter().all(|&p| p % 16 == 0)
+            && self.kernels.get("gemm_wgrad_tt").is_ok()
+    }
+
+    /// dW (f32 at `dw`, oc × ic) += doutᵀ·inp through `gemm_wgrad_tt` (`wgrad_kernel_ok` holds).
+    fn wgrad_kernel(&self, dw: CUdeviceptr, dout: &CudaBuf, inp: &CudaBuf, rows: usize, ic: usize, oc: usize) -> BResult<()> {
+        let tm_dout = tensor_map_2d(dout.ptr, oc, rows, 64)?;
+        let tm_inp = tensor_map_2d(inp.ptr, ic, rows, 64)?;
+        let sms = self.info.multiprocessors.max(1) as usize;
+        let (tiles, kt) = (oc.div_ceil(128) * ic.div_ceil(256), rows.div_ceil(64));
+        let splits = wgrad_splits(tiles, kt, sms);
+        let grid = sms.min(tiles * splits) as u32;
+        let (oc_i, ic_i, kt_i, splits_i) = (oc as i32, ic as i32, kt as i32, splits as i32);
+        self.launch_dyn("gemm_wgrad_tt", (grid, 1, 1), (288, 1, 1), WGRAD_SMEM, &mut kargs![dw, tm_dout, tm_inp, oc_i, ic_i, kt_i, splits_i])
     }
 
     /// fc2's input gradient through the Hopper kernel: dinp = (dout·W) ⊙ gelu'(pre + bias) (or
@@ -502,5 +549,29 @@ impl Cuda {
         s.accumulate = beta != 0.0;
         let label = format!("gemm {op} m{} n{} k{} b{}", s.m, s.n, s.k, s.batch);
         self.timed(&label, || self.gemm.run(op, &s, a, b, c, d, bias, alpha, beta, self.stream.cu_stream()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::wgrad_splits;
+
+    #[test]
+    fn wgrad_splits_even_out_the_blocks() {
+        // ViT-H/14 micro 64, fc1's dW on 132 SMs: 200 tiles of 257 K steps. Whole tiles take
+        // two waves (2 × 259); 7 chunks take 11 rounds of 39 (the least of every count).
+        assert_eq!(wgrad_splits(200, 257, 132), 7);
+        let cost = |s: usize| (200 * s).div_ceil(132) * (257usize.div_ceil(s) + 2);
+        assert!((1..=64).all(|s| cost(7) <= cost(s)));
+        // more tiles than SMs and one K step: no split
+        assert_eq!(wgrad_splits(288, 1, 132), 1);
+        // never more chunks than K steps, and at least one
+        for (tiles, kt) in [(1, 1), (1, 3), (9, 16), (50, 257), (5000, 2)] {
+            let s = wgrad_splits(tiles, kt, 132);
+            assert!((1..=kt).contains(&s), "{tiles} tiles, {kt} steps: {s}");
+        }
+        // a single tile of many steps is spread over the SMs
+        assert!(wgrad_splits(1, 1000, 132) >= 32);
+        assert_eq!(wgrad_splits(3, 10, 0), wgrad_splits(3, 10, 1));
     }
 }

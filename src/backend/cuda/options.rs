@@ -20,6 +20,8 @@ pub const WGMMA_ATTENTION_ENV: &str = "VITSCALE_WGMMA_ATTENTION";
 pub const WIDE_GEMM_ENV: &str = "VITSCALE_WIDE_GEMM";
 /// The environment variable of [`CudaOptions::gemm_cluster`].
 pub const GEMM_CLUSTER_ENV: &str = "VITSCALE_GEMM_CLUSTER";
+/// The environment variable of [`CudaOptions::wgrad_gemm`].
+pub const WGRAD_GEMM_ENV: &str = "VITSCALE_WGRAD_GEMM";
 /// The environment variable of [`CudaOptions::gemm_tune`].
 pub const GEMM_TUNE_ENV: &str = "VITSCALE_GEMM_TUNE";
 
@@ -135,6 +137,12 @@ pub struct CudaOptions {
     /// they ran at the speed of single blocks, BENCHMARKS.md).
     /// `VITSCALE_GEMM_CLUSTER`: `0` or `off` (the default); `on` or `1`.
     pub gemm_cluster: bool,
+    /// Whether the weight gradients take the Hopper kernel `gemm_wgrad_tt`
+    /// (`kernels/hopper_wgrad.cu`: K split into chunks so that few output tiles still fill
+    /// the GPU) where it applies (sm_90, both widths multiples of 64); else cuBLASLt
+    /// (`set_wgrad_gemm` changes it later). `VITSCALE_WGRAD_GEMM`: `on` (the default; also `1`),
+    /// `0` or `off`.
+    pub wgrad_gemm: bool,
     /// How the GEMM tuner times cuBLASLt's candidates on first use; fixed when the backend
     /// opens, and part of the key of the choices kept on disk. `VITSCALE_GEMM_TUNE`:
     /// `sustained` (the default) or `quick` (`GemmTune`).
@@ -149,6 +157,7 @@ impl Default for CudaOptions {
             wgmma_attention: true,
             wide_gemm: (WideTiles::Auto, WideTiles::Auto),
             gemm_cluster: false,
+            wgrad_gemm: true,
             gemm_tune: GemmTune::Sustained,
         }
     }
@@ -177,6 +186,7 @@ impl CudaOptions {
                 ("off", (WideTiles::Off, WideTiles::Off)),
             ])?,
             gemm_cluster: choose(&get, GEMM_CLUSTER_ENV, false, &[("on", true), ("1", true), ("0", false), ("off", false)])?,
+            wgrad_gemm: choose(&get, WGRAD_GEMM_ENV, true, &[("on", true), ("1", true), ("0", false), ("off", false)])?,
             gemm_tune: choose(&get, GEMM_TUNE_ENV, GemmTune::Sustained, &[("sustained", GemmTune::Sustained), ("quick", GemmTune::Quick)])?,
         })
     }
@@ -209,6 +219,7 @@ pub(super) struct Knobs {
     wide_gemm: AtomicU8,
     wide_gemm_bwd: AtomicU8,
     pub(super) gemm_cluster: AtomicBool,
+    pub(super) wgrad_gemm: AtomicBool,
 }
 
 impl Knobs {
@@ -221,6 +232,7 @@ impl Knobs {
             wide_gemm: AtomicU8::new(o.wide_gemm.0 as u8),
             wide_gemm_bwd: AtomicU8::new(o.wide_gemm.1 as u8),
             gemm_cluster: AtomicBool::new(o.gemm_cluster),
+            wgrad_gemm: AtomicBool::new(o.wgrad_gemm),
         }
     }
 
@@ -267,6 +279,17 @@ impl Cuda {
     /// tile (`on`, the default) or as single blocks (`CudaOptions::gemm_cluster`).
     pub fn set_gemm_cluster(&self, on: bool) {
         self.knobs.gemm_cluster.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether the weight gradients take the Hopper kernel where it applies (`set_wgrad_gemm`).
+    pub fn wgrad_gemm(&self) -> bool {
+        self.knobs.wgrad_gemm.load(Ordering::Relaxed)
+    }
+
+    /// Computes the weight gradients with `gemm_wgrad_tt` where it applies (`on`, the default)
+    /// or with cuBLASLt everywhere (`CudaOptions::wgrad_gemm`).
+    pub fn set_wgrad_gemm(&self, on: bool) {
+        self.knobs.wgrad_gemm.store(on, Ordering::Relaxed);
     }
 
     /// Chooses the attention path for later calls. Buffers sized by `attention_saved_len`
@@ -321,7 +344,7 @@ mod tests {
     #[test]
     fn nothing_set_is_the_default() {
         assert_eq!(CudaOptions::from_vars(|_| None), Ok(CudaOptions::default()));
-        let empty = [ATTENTION_ENV, FUSED_GEMM_ENV, WGMMA_ATTENTION_ENV, WIDE_GEMM_ENV, GEMM_TUNE_ENV].map(|n| (n, " "));
+        let empty = [ATTENTION_ENV, FUSED_GEMM_ENV, WGMMA_ATTENTION_ENV, WIDE_GEMM_ENV, WGRAD_GEMM_ENV, GEMM_TUNE_ENV].map(|n| (n, " "));
         assert_eq!(CudaOptions::from_vars(vars(&empty)), Ok(CudaOptions::default()));
     }
 
@@ -344,6 +367,7 @@ mod tests {
         }
         for (v, want) in [("on", true), ("1", true), ("0", false), ("off", false)] {
             assert_eq!(o(&[(GEMM_CLUSTER_ENV, v)]).gemm_cluster, want, "{v}");
+            assert_eq!(o(&[(WGRAD_GEMM_ENV, v)]).wgrad_gemm, want, "{v}");
         }
         assert_eq!(o(&[(GEMM_TUNE_ENV, "quick")]).gemm_tune, GemmTune::Quick);
         assert_eq!(o(&[(GEMM_TUNE_ENV, "sustained")]).gemm_tune, GemmTune::Sustained);
@@ -360,6 +384,7 @@ mod tests {
         assert_eq!(err(WGMMA_ATTENTION_ENV, "true"), "VITSCALE_WGMMA_ATTENTION=\"true\": expected on, 1, 0 or off");
         assert_eq!(err(WIDE_GEMM_ENV, "wide"), "VITSCALE_WIDE_GEMM=\"wide\": expected auto, fwd, always, 0 or off");
         assert_eq!(err(GEMM_CLUSTER_ENV, "2"), "VITSCALE_GEMM_CLUSTER=\"2\": expected on, 1, 0 or off");
+        assert_eq!(err(WGRAD_GEMM_ENV, "yes"), "VITSCALE_WGRAD_GEMM=\"yes\": expected on, 1, 0 or off");
         assert_eq!(err(GEMM_TUNE_ENV, "slow"), "VITSCALE_GEMM_TUNE=\"slow\": expected sustained or quick");
         // matching is exact after trimming
         assert!(CudaOptions::from_vars(vars(&[(ATTENTION_ENV, "Fused")])).is_err());
@@ -367,12 +392,13 @@ mod tests {
 
     #[test]
     fn knobs_start_from_the_options() {
-        let o = CudaOptions { attention: AttentionPath::FusedPipe, fused_gemm: (true, false), wgmma_attention: false, wide_gemm: (WideTiles::Always, WideTiles::Off), gemm_cluster: true, gemm_tune: GemmTune::Quick };
+        let o = CudaOptions { attention: AttentionPath::FusedPipe, fused_gemm: (true, false), wgmma_attention: false, wide_gemm: (WideTiles::Always, WideTiles::Off), gemm_cluster: true, wgrad_gemm: false, gemm_tune: GemmTune::Quick };
         let k = Knobs::new(&o);
         assert_eq!(AttentionPath::from_u8(k.attention.load(Ordering::Relaxed)), AttentionPath::FusedPipe);
         assert_eq!((k.fused_gemm.load(Ordering::Relaxed), k.fused_gemm_bwd.load(Ordering::Relaxed)), (true, false));
         assert!(!k.wgmma_attention.load(Ordering::Relaxed));
         assert_eq!((k.wide_tiles(false), k.wide_tiles(true)), (WideTiles::Always, WideTiles::Off));
         assert!(k.gemm_cluster.load(Ordering::Relaxed));
+        assert!(!k.wgrad_gemm.load(Ordering::Relaxed));
     }
 }
