@@ -294,6 +294,13 @@ pub trait Backend: Send + Sync {
     fn gelu_saves_grad(&self, _rows: usize, _ic: usize, _oc: usize) -> bool {
         false
     }
+    /// Whether `matmul_backward`'s bias gradient (`Σ_rows dout`) rides along with the weight
+    /// gradient of a layer of this shape, from the operands its product reads anyway: then a
+    /// model hands its bias gradients to the products rather than to another pass (a LayerNorm
+    /// or attention backward's column sums). False where it would be a pass of its own.
+    fn bias_grads_in_products(&self, _rows: usize, _ic: usize, _oc: usize) -> bool {
+        false
+    }
     /// Backward of `matmul_forward` (without the GELU; see `dgelu_pre`):
     /// `dinp = dout · W` (then `dinp *= gelu'(pre)` when `dgelu_pre` is given: the backward of
     /// the GELU that produced `inp`), `dW += doutᵀ · inp`, `dbias += Σ_rows dout`.

@@ -326,6 +326,9 @@ struct BiasSums {
     proj_in_ln2: bool,
     /// The previous block's fc2 bias, summed by this block's ln1 backward.
     prev_fc2: Option<Span>,
+    /// The qkv bias gradient comes from the qkv weight product (`bias_grads_in_products`)
+    /// rather than from the attention backward.
+    qkv_in_product: bool,
 }
 
 /// Block `i`'s backward: `a.dres_a` holds the gradient of its output on entry and of its input
@@ -400,8 +403,8 @@ fn block_backward<B: Backend>(
         p.heads_to_tokens(be, &mut x.qkv, &a.dqkv, b, n_all, 3, h, d)?;
     } else {
         match s.qkv_b {
-            Some(qb) => be.attention_backward_bias(&mut a.dqkv, g, qb, &a.datt, &blk.qkv, &blk.att, &blk.probs, b, n, h, d)?,
-            None => be.attention_backward(&mut a.dqkv, &a.datt, &blk.qkv, &blk.att, &blk.probs, b, n, h, d)?,
+            Some(qb) if !bias.qkv_in_product => be.attention_backward_bias(&mut a.dqkv, g, qb, &a.datt, &blk.qkv, &blk.att, &blk.probs, b, n, h, d)?,
+            _ => be.attention_backward(&mut a.dqkv, &a.datt, &blk.qkv, &blk.att, &blk.probs, b, n, h, d)?,
         }
     }
     if let Some(r) = a.regen.as_mut() {
@@ -418,7 +421,8 @@ fn block_backward<B: Backend>(
         // (the qkv bias gradient from these rows: the attention saw other heads' layout)
         be.matmul_backward(&mut a.dln, g, &x.qkv, ln1, None, w, s.qkv_w, s.qkv_b, bn, c, 3 * c)?;
     } else {
-        be.matmul_backward(&mut a.dln, g, &a.dqkv, ln1, None, w, s.qkv_w, None, bn, c, 3 * c)?;
+        let qkv_b = s.qkv_b.filter(|_| bias.qkv_in_product);
+        be.matmul_backward(&mut a.dln, g, &a.dqkv, ln1, None, w, s.qkv_w, qkv_b, bn, c, 3 * c)?;
     }
     let dx1 = if class_tail {
         // the residual gradient dx1 lives on the class tokens: spread it over every
@@ -1156,11 +1160,17 @@ impl<B: Backend> Vit<B> {
         }
 
         // ---- blocks in reverse; dres_a holds d(block output) on entry and d(block input) on exit
+        // Where the backend's weight products sum the bias gradients from their own operands,
+        // no LayerNorm or attention backward sums them.
+        let (proj_fc2_in_products, qkv_in_product) = {
+            let rows = b * n;
+            (be.bias_grads_in_products(rows, c, c) && be.bias_grads_in_products(rows, m.mlp_hidden(), c), be.bias_grads_in_products(rows, c, 3 * c))
+        };
         for i in (0..m.depth).rev() {
             // a block's fc2 bias gradient is summed by the LayerNorm backward that follows
             // the block after it (or the final norm's), unless a branch factor scales it
-            let prev_fc2_b = i.checked_sub(1).filter(|&p| !dropping[p] && !partitioned).map(|p| t.blocks[p].fc2_b);
-            let bias = BiasSums { fc2: (!fc2_bias_summed).then_some(ts.blocks[i].fc2_b), proj_in_ln2: !dropping[i], prev_fc2: prev_fc2_b };
+            let prev_fc2_b = i.checked_sub(1).filter(|&p| !dropping[p] && !partitioned && !proj_fc2_in_products).map(|p| t.blocks[p].fc2_b);
+            let bias = BiasSums { fc2: (!fc2_bias_summed).then_some(ts.blocks[i].fc2_b), proj_in_ln2: !dropping[i] && !proj_fc2_in_products, prev_fc2: prev_fc2_b, qkv_in_product };
             let dp = drop.as_deref_mut().filter(|d| d.active[i]);
             let cx = (i, b, tail && i + 1 == m.depth);
             match part.as_deref_mut() {

@@ -1242,7 +1242,8 @@ pub fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult
 
 /// The weight-gradient kernel `gemm_wgrad_tt` (kernels/hopper_wgrad.cu) and cuBLASLt, each
 /// against an f64 sum on the host: `matmul_backward_weights` with fresh random bf16 dout and
-/// inp and a dW span of random f32 values it adds into (dW += doutᵀ·inp). The shapes give K
+/// inp and dW and bias spans of random f32 values it adds into (dW += doutᵀ·inp, dbias +=
+/// Σ_rows dout; half the shapes without a bias). The shapes give K
 /// cut into many chunks (few tiles), one chunk (more tiles than SMs), edge tiles in both
 /// dimensions (widths not multiples of 128 and 256), rows not a multiple of 64 and a single
 /// K step; the last puts dW at an offset that is not 16-byte aligned, where cuBLASLt must run
@@ -1256,21 +1257,25 @@ pub fn hopper_wgrad_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResul
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x3a7d);
     let mut checks = Vec::new();
     let chosen = be.wgrad_gemm();
-    // (rows, ic, oc, offset of dW in the gradient buffer, whether the kernel takes it)
-    let shapes = [(1000, 768, 384, 64, true), (257, 320, 192, 4, true), (2050, 512, 1024, 0, true), (3, 64, 64, 8, true), (64, 2304, 4096, 0, true), (100, 128, 128, 2, false)];
-    for (rows, ic, oc, off, ours) in shapes {
-        let shape = format!("{rows} rows, {oc}×{ic}, dW at {off}");
+    // (rows, ic, oc, offset of dW in the gradient buffer, with a bias, whether the kernel takes it)
+    let shapes = [(1000, 768, 384, 64, true, true), (257, 320, 192, 4, true, true), (2050, 512, 1024, 0, false, true), (3, 64, 64, 8, true, true), (64, 2304, 4096, 0, false, true), (100, 128, 128, 2, true, false)];
+    for (rows, ic, oc, off, with_bias, ours) in shapes {
+        let shape = format!("{rows} rows, {oc}×{ic}, dW at {off}{}", if with_bias { ", bias" } else { "" });
         let mut r = |n: usize, s: f32| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-s..s)).collect() };
+        // dW, then the bias gradient (oc values) right after it
         let w = Span { off, len: oc * ic };
-        let params = be.alloc(off + oc * ic)?;
+        let bias = with_bias.then_some(Span { off: off + oc * ic, len: oc });
+        let total = off + oc * ic + oc;
+        let params = be.alloc(total)?;
         let mut dout = be.alloc(rows * oc)?;
         be.upload(&mut dout, 0, &r(rows * oc, 1.0))?;
         let mut inp = be.alloc(rows * ic)?;
         be.upload(&mut inp, 0, &r(rows * ic, 1.0))?;
-        let grads0 = r(off + oc * ic, 0.5);
-        // the reference from the operands as the device holds them (rounded to bf16)
+        let grads0 = r(total, 0.5);
+        // the reference from the operands as the device holds them (rounded to bf16): dW, and
+        // the bias gradient where there is one (else the span stays as it was)
         let (dh, ih) = (be.download(&dout)?, be.download(&inp)?);
-        let want: Vec<f32> = (0..oc * ic)
+        let mut want: Vec<f32> = (0..oc * ic)
             .into_par_iter()
             .map(|e| {
                 let (o, i) = (e / ic, e % ic);
@@ -1278,12 +1283,16 @@ pub fn hopper_wgrad_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResul
                 (grads0[off + e] as f64 + sum) as f32
             })
             .collect();
+        want.extend((0..oc).map(|o| {
+            let sum: f64 = if with_bias { (0..rows).map(|k| dh[k * oc + o] as f64).sum() } else { 0.0 };
+            (grads0[off + oc * ic + o] as f64 + sum) as f32
+        }));
         for kernel in [true, false] {
-            let mut grads = be.alloc_f32(off + oc * ic)?;
+            let mut grads = be.alloc_f32(total)?;
             be.upload(&mut grads, 0, &grads0)?;
             be.set_wgrad_gemm(kernel);
             be.set_profiling(true);
-            let res = be.matmul_backward_weights(&mut grads, &dout, &inp, &params, w, None, rows, ic, oc);
+            let res = be.matmul_backward_weights(&mut grads, &dout, &inp, &params, w, bias, rows, ic, oc);
             be.set_wgrad_gemm(chosen);
             let launched = be.take_profile();
             be.set_profiling(false);
@@ -1293,10 +1302,14 @@ pub fn hopper_wgrad_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResul
                 checks.push(Check { name: format!("gemm_wgrad_tt expected {} but it {} [{shape}]", kernel && ours, if ran { "ran" } else { "did not run" }), rel_err: f64::NAN, tol: 0.0, pass: false });
             }
             let got = be.download(&grads)?;
-            let e = rel_err(&got[off..], &want);
             let untouched = got[..off] == grads0[..off];
             let path = if ran { "gemm_wgrad_tt" } else { "cuBLASLt" };
+            let (dw_got, db_got) = got[off..].split_at(oc * ic);
+            let (dw_want, db_want) = want.split_at(oc * ic);
+            let e = rel_err(dw_got, dw_want);
             checks.push(Check { name: format!("weight gradient dW(+=) {path} vs f64 [{shape}]"), rel_err: e, tol: 1e-5, pass: e.is_finite() && e <= 1e-5 && untouched });
+            let e = rel_err(db_got, db_want);
+            checks.push(Check { name: format!("weight gradient dbias(+=) {path} vs f64 [{shape}]"), rel_err: e, tol: 1e-5, pass: e.is_finite() && e <= 1e-5 });
         }
     }
     Ok(Some(checks))

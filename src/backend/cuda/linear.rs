@@ -24,8 +24,9 @@ const HOPPER_GEMM_SMEM: u32 = 4 * 32768 + 2 * 128 * 136 * 2 + 2 * 8 * 128 * 4 + 
 const HOPPER_GEMM_SMEM_WIDE: u32 = 3 * 49152 + 2 * 128 * 136 * 2 + 2 * 8 * 128 * 4 + 96 + 1024;
 
 /// Dynamic shared memory of the weight-gradient kernel (WGR_SMEM in hopper_wgrad.cu: a 4-stage
-/// ring of a 128×64 and a 256×64 bf16 tile, 8 barriers, 1 KiB of alignment slack).
-const WGRAD_SMEM: u32 = 4 * 49152 + 64 + 1024;
+/// ring of a 128×64 and a 256×64 bf16 tile, 1 KiB of ones, 8 barriers, 1 KiB of alignment
+/// slack).
+const WGRAD_SMEM: u32 = 4 * 49152 + 1024 + 64 + 1024;
 
 /// How many chunks `gemm_wgrad_tt` cuts the K range of each of its `tiles` output tiles into
 /// (`kt` K steps of 64 rows each), on `sms` SMs: the count that makes the busiest block's
@@ -401,13 +402,18 @@ impl Cuda {
             bias: false, accumulate: true, align: 0,
         };
         let dw = dparams.at(w.off);
-        if self.wgrad_kernel_ok(rows, ic, oc, &[dw, dout.ptr, inp.ptr]) {
-            self.wgrad_kernel(dw, dout, inp, rows, ic, oc)?;
-        } else {
-            self.gemm("matmul_backward (dW)", s, inp.ptr, dout.ptr, dw, 0, 1.0, 1.0)?;
-        }
         if let Some(bs) = bias {
             check_span(OP, "bias gradient", dparams, bs)?;
+            if bs.len < oc {
+                return Err(BackendError::Shape { op: OP, msg: format!("bias gradient span has {} elements, the layer {oc} outputs", bs.len) });
+            }
+        }
+        if self.wgrad_kernel_ok(rows, ic, oc, &[dw, dout.ptr, inp.ptr]) {
+            // (the kernel adds the bias gradient from the dout tiles it multiplies)
+            return self.wgrad_kernel(dw, bias.map_or(0, |bs| dparams.at(bs.off)), dout, inp, rows, ic, oc);
+        }
+        self.gemm("matmul_backward (dW)", s, inp.ptr, dout.ptr, dw, 0, 1.0, 1.0)?;
+        if let Some(bs) = bias {
             self.add_column_sums(dparams.at(bs.off), dout, rows, oc)?;
         }
         Ok(())
@@ -417,6 +423,11 @@ impl Cuda {
     /// `rows` rows: chosen (`set_wgrad_gemm`), compiled (sm_90), both widths multiples of 64,
     /// 16-byte aligned operands and dW (`ptrs`).
     fn wgrad_kernel_ok(&self, rows: usize, ic: usize, oc: usize, ptrs: &[CUdeviceptr]) -> bool {
+        self.wgrad_kernel_applies(rows, ic, oc) && ptrs.iter().all(|&p| p % 16 == 0)
+    }
+
+    /// `wgrad_kernel_ok` before the operands are known (`Backend::bias_grads_in_products`).
+    pub(super) fn wgrad_kernel_applies(&self, rows: usize, ic: usize, oc: usize) -> bool {
         self.knobs.wgrad_gemm.load(Ordering::Relaxed)
             && rows > 0
             && ic > 0
@@ -425,12 +436,13 @@ impl Cuda {
             && oc % 64 == 0
             && rows.div_ceil(64) <= i32::MAX as usize
             && oc.div_ceil(128) * ic.div_ceil(256) * 64 <= i32::MAX as usize
-            && ptrs.iter().all(|&p| p % 16 == 0)
             && self.kernels.get("gemm_wgrad_tt").is_ok()
     }
 
-    /// dW (f32 at `dw`, oc × ic) += doutᵀ·inp through `gemm_wgrad_tt` (`wgrad_kernel_ok` holds).
-    fn wgrad_kernel(&self, dw: CUdeviceptr, dout: &CudaBuf, inp: &CudaBuf, rows: usize, ic: usize, oc: usize) -> BResult<()> {
+    /// dW (f32 at `dw`, oc × ic) += doutᵀ·inp through `gemm_wgrad_tt` (`wgrad_kernel_ok` holds),
+    /// and with `dbias` (f32, oc values; 0: none) dbias += dout's column sums.
+    #[allow(clippy::too_many_arguments)]
+    fn wgrad_kernel(&self, dw: CUdeviceptr, dbias: CUdeviceptr, dout: &CudaBuf, inp: &CudaBuf, rows: usize, ic: usize, oc: usize) -> BResult<()> {
         let tm_dout = tensor_map_2d(dout.ptr, oc, rows, 64)?;
         let tm_inp = tensor_map_2d(inp.ptr, ic, rows, 64)?;
         let sms = self.info.multiprocessors.max(1) as usize;
@@ -438,7 +450,7 @@ impl Cuda {
         let splits = wgrad_splits(tiles, kt, sms);
         let grid = sms.min(tiles * splits) as u32;
         let (oc_i, ic_i, kt_i, splits_i) = (oc as i32, ic as i32, kt as i32, splits as i32);
-        self.launch_dyn("gemm_wgrad_tt", (grid, 1, 1), (288, 1, 1), WGRAD_SMEM, &mut kargs![dw, tm_dout, tm_inp, oc_i, ic_i, kt_i, splits_i])
+        self.launch_dyn("gemm_wgrad_tt", (grid, 1, 1), (288, 1, 1), WGRAD_SMEM, &mut kargs![dw, dbias, tm_dout, tm_inp, oc_i, ic_i, kt_i, splits_i])
     }
 
     /// fc2's input gradient through the Hopper kernel: dinp = (dout·W) ⊙ gelu'(pre + bias) (or

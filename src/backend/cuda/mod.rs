@@ -344,6 +344,10 @@ impl Backend for Cuda {
         self.set_defer_partial_sums(defer)
     }
 
+    fn bias_grads_in_products(&self, rows: usize, ic: usize, oc: usize) -> bool {
+        self.wgrad_kernel_applies(rows, ic, oc)
+    }
+
     fn inputs_consumed(&self) -> BResult<()> {
         self.mark_inputs_read()
     }

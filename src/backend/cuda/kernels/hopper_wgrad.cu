@@ -22,6 +22,11 @@
 // producer fills the ring for the next unit meanwhile. mbarriers: full[s] (stage s's copies
 // landed), empty[s] (the 8 multiplying warps are done with it).
 //
+// With a bias (dbias not null), the units of the first column tile also add dbias[o] += Σ_r
+// dout[r][o]: one more m64n8k16 per 16-deep K step, A the same dout tile and B eight columns of
+// ones (a 1 KiB tile of ones in shared memory, the same for every step), so the column sums
+// ride along on operands already in shared memory instead of a pass that reads dout again.
+//
 // Requires OC and IC multiples of 64 and 16-byte aligned operands and dW; R is free (the
 // tensor maps read rows ≥ R as zeros), and dW rows ≥ OC and columns ≥ IC of an edge tile are
 // not added.
@@ -29,8 +34,9 @@
 #define WGR_STAGES 4
 #define WGR_A (128 * 64 * 2)              // dout's 128 columns × 64 rows: 16 KiB
 #define WGR_STAGE (WGR_A + 256 * 64 * 2)  // and inp's 256 columns: 48 KiB
-// dynamic shared memory: the ring, 8 barriers, 1 KiB of alignment slack
-#define WGR_SMEM (WGR_STAGES * WGR_STAGE + 64 + 1024)
+#define WGR_ONES 1024                     // a 1 KiB tile of bf16 ones (the bias sums' B)
+// dynamic shared memory: the ring, the ones, 8 barriers, 1 KiB of alignment slack
+#define WGR_SMEM (WGR_STAGES * WGR_STAGE + WGR_ONES + 64 + 1024)
 
 // d (this thread's 128 of the warpgroup's 64×256 f32 tile) += A(64×16)·B(16×256), both
 // MN-major in shared memory (A's 64 rows contiguous in one 128-byte swizzle atom, B's 256
@@ -46,16 +52,58 @@ __device__ __forceinline__ void wgmma_m64n256k16_tt(float (&d)[128], unsigned lo
         : "l"(da), "l"(db));
 }
 
+// d (4 of the warpgroup's 64×8 f32 tile: value e is row g + 8(e / 2), column 2t + e % 2) +=
+// A(64×16, MN-major as above)·B(8×16)ᵀ with B K-major: the bias sums against a tile of ones.
+__device__ __forceinline__ void wgmma_m64n8k16_tn(float (&d)[4], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3}, %4, %5, 1, 1, 1, 1, 0;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "l"(da), "l"(db));
+}
+
+// The multiplying warpgroup's K steps [kb, ke) of one unit into acc, with BIAS also dout's
+// column sums into bsum; s, ph: the next ring slot and its full-barrier parity.
+template <bool BIAS>
+__device__ __forceinline__ void wgr_steps(float (&acc)[128], float (&bsum)[4], int kb, int ke, unsigned& s, unsigned& ph, unsigned long long da0, unsigned long long db0, unsigned long long dones, unsigned full0, unsigned empty0, int lane) {
+    unsigned prev = 0;
+    for (int kt = kb; kt < ke; kt++) {
+        ht_mbar_wait(full0 + 8 * s, ph);
+        const unsigned long long off = (unsigned long long)(s * (WGR_STAGE >> 4));
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        #pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            wgmma_m64n256k16_tt(acc, da0 + off + (2048 >> 4) * kk, db0 + off + (2048 >> 4) * kk);
+            if (BIAS) wgmma_m64n8k16_tn(bsum, da0 + off + (2048 >> 4) * kk, dones);
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        // this warpgroup's products of the previous slot are complete: release it
+        if (kt > kb && lane == 0) ht_mbar_arrive(empty0 + 8 * prev);
+        prev = s;
+        if (++s == WGR_STAGES) { s = 0; ph ^= 1; }
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    if (lane == 0) ht_mbar_arrive(empty0 + 8 * prev);
+}
+
 // Grid ≤ the SM count (each block walks units blockIdx.x, + gridDim.x, …), 288 threads,
 // WGR_SMEM bytes of dynamic shared memory. tm_dout: dout as (R rows × OC columns), tm_inp:
 // inp as (R × IC), both in boxes of 64 columns × 64 rows (`tensor_map_2d`). kt_n = ceil(R /
-// 64) K steps, split into `splits` chunks (1 ≤ splits ≤ kt_n).
-extern "C" __global__ void __launch_bounds__(288, 1) gemm_wgrad_tt(float* __restrict__ dw, const __grid_constant__ HgTmap tm_dout, const __grid_constant__ HgTmap tm_inp, int oc, int ic, int kt_n, int splits) {
+// 64) K steps, split into `splits` chunks (1 ≤ splits ≤ kt_n). dbias: OC f32 values or null.
+extern "C" __global__ void __launch_bounds__(288, 1) gemm_wgrad_tt(float* __restrict__ dw, float* __restrict__ dbias, const __grid_constant__ HgTmap tm_dout, const __grid_constant__ HgTmap tm_inp, int oc, int ic, int kt_n, int splits) {
     extern __shared__ unsigned char wgr_raw[];
     const unsigned raw = smem_u32(wgr_raw);
     const unsigned ring = (raw + 1023u) & ~1023u;
-    const unsigned full0 = ring + WGR_STAGES * WGR_STAGE, empty0 = full0 + 8 * WGR_STAGES;
+    const unsigned ones = ring + WGR_STAGES * WGR_STAGE, full0 = ones + WGR_ONES, empty0 = full0 + 8 * WGR_STAGES;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    if (dbias) {
+        for (int i = tid; i < WGR_ONES / 4; i += blockDim.x) asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(ones + 4 * i), "r"(f2bf2(1.f, 1.f)) : "memory");
+        // (generic-proxy stores that wgmma reads through the async proxy)
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    }
     if (tid == 0) {
         #pragma unroll
         for (int s = 0; s < WGR_STAGES; s++) {
@@ -100,31 +148,17 @@ extern "C" __global__ void __launch_bounds__(288, 1) gemm_wgrad_tt(float* __rest
     // warpgroup wg's A: the 64-column box wg of dout's tile; 16-deep K steps are two 1024-byte
     // 8-row groups apart in both operands
     const unsigned long long da0 = hg_desc(ring + 8192 * wg), db0 = hg_desc_mn128(ring + WGR_A);
-    unsigned s = 0, ph = 0, prev = 0;
-    auto release = [&](unsigned slot) {
-        if (lane == 0) ht_mbar_arrive(empty0 + 8 * slot);
-    };
+    const unsigned long long dones = hg_desc(ones);
+    unsigned s = 0, ph = 0;
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
         int m0, n0, kb, ke;
         unit(u, m0, n0, kb, ke);
-        float acc[128];
+        float acc[128], bsum[4] = {0.f, 0.f, 0.f, 0.f};
         #pragma unroll
         for (int k = 0; k < 128; k++) acc[k] = 0.f;
-        for (int kt = kb; kt < ke; kt++) {
-            ht_mbar_wait(full0 + 8 * s, ph);
-            const unsigned long long off = (unsigned long long)(s * (WGR_STAGE >> 4));
-            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-            #pragma unroll
-            for (int kk = 0; kk < 4; kk++) wgmma_m64n256k16_tt(acc, da0 + off + (2048 >> 4) * kk, db0 + off + (2048 >> 4) * kk);
-            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-            // this warpgroup's products of the previous slot are complete: release it
-            if (kt > kb) release(prev);
-            prev = s;
-            if (++s == WGR_STAGES) { s = 0; ph ^= 1; }
-        }
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        release(prev);
+        const bool with_bias = dbias && n0 == 0;  // (warp-uniform)
+        if (with_bias) wgr_steps<true>(acc, bsum, kb, ke, s, ph, da0, db0, dones, full0, empty0, lane);
+        else wgr_steps<false>(acc, bsum, kb, ke, s, ph, da0, db0, dones, full0, empty0, lane);
         // (pairs as the accumulator holds them: gathering four columns a thread through
         // shuffles made ptxas serialize the wgmmas)
         const int jn = min(32, (ic - n0) / 8);
@@ -134,6 +168,11 @@ extern "C" __global__ void __launch_bounds__(288, 1) gemm_wgrad_tt(float* __rest
         for (int j = 0; j < 32; j++) {
             if (j < jn && r < oc) asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p + 8 * j), "f"(acc[4 * j]), "f"(acc[4 * j + 1]) : "memory");
             if (j < jn && r + 8 < oc) asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p + 8 * ic + 8 * j), "f"(acc[4 * j + 2]), "f"(acc[4 * j + 3]) : "memory");
+        }
+        // every column of bsum holds the sums: column 0 (t = 0) goes out
+        if (with_bias && (lane & 3) == 0) {
+            if (r < oc) atomicAdd(dbias + r, bsum[0]);
+            if (r + 8 < oc) atomicAdd(dbias + r + 8, bsum[2]);
         }
     }
 }
