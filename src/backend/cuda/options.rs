@@ -137,11 +137,12 @@ pub struct CudaOptions {
     /// they ran at the speed of single blocks, BENCHMARKS.md).
     /// `VITSCALE_GEMM_CLUSTER`: `0` or `off` (the default); `on` or `1`.
     pub gemm_cluster: bool,
-    /// Whether the weight gradients take the Hopper kernel `gemm_wgrad_tt`
-    /// (`kernels/hopper_wgrad.cu`: K split into chunks so that few output tiles still fill
-    /// the GPU) where it applies (sm_90, both widths multiples of 64); else cuBLASLt
-    /// (`set_wgrad_gemm` changes it later). `VITSCALE_WGRAD_GEMM`: `on` (the default; also `1`),
-    /// `0` or `off`.
+    /// Whether the weight gradients (and the bias gradients beside them) take the Hopper
+    /// kernel `gemm_wgrad_tt` (`kernels/hopper_wgrad.cu`: K split into chunks so that few
+    /// output tiles still fill the GPU) where it applies (sm_90, both widths multiples of 64);
+    /// else cuBLASLt (`set_wgrad_gemm` changes it later). `VITSCALE_WGRAD_GEMM`: `0` or `off`
+    /// (the default: on an H200 it took longer than cuBLASLt and the column-sum passes in
+    /// three of four shapes, BENCHMARKS.md); `on` or `1`.
     pub wgrad_gemm: bool,
     /// How the GEMM tuner times cuBLASLt's candidates on first use; fixed when the backend
     /// opens, and part of the key of the choices kept on disk. `VITSCALE_GEMM_TUNE`:
@@ -157,7 +158,7 @@ impl Default for CudaOptions {
             wgmma_attention: true,
             wide_gemm: (WideTiles::Auto, WideTiles::Auto),
             gemm_cluster: false,
-            wgrad_gemm: true,
+            wgrad_gemm: false,
             gemm_tune: GemmTune::Sustained,
         }
     }
@@ -186,7 +187,7 @@ impl CudaOptions {
                 ("off", (WideTiles::Off, WideTiles::Off)),
             ])?,
             gemm_cluster: choose(&get, GEMM_CLUSTER_ENV, false, &[("on", true), ("1", true), ("0", false), ("off", false)])?,
-            wgrad_gemm: choose(&get, WGRAD_GEMM_ENV, true, &[("on", true), ("1", true), ("0", false), ("off", false)])?,
+            wgrad_gemm: choose(&get, WGRAD_GEMM_ENV, false, &[("on", true), ("1", true), ("0", false), ("off", false)])?,
             gemm_tune: choose(&get, GEMM_TUNE_ENV, GemmTune::Sustained, &[("sustained", GemmTune::Sustained), ("quick", GemmTune::Quick)])?,
         })
     }
@@ -286,8 +287,8 @@ impl Cuda {
         self.knobs.wgrad_gemm.load(Ordering::Relaxed)
     }
 
-    /// Computes the weight gradients with `gemm_wgrad_tt` where it applies (`on`, the default)
-    /// or with cuBLASLt everywhere (`CudaOptions::wgrad_gemm`).
+    /// Computes the weight gradients with `gemm_wgrad_tt` where it applies (`on`) or with
+    /// cuBLASLt everywhere (`off`, the default; `CudaOptions::wgrad_gemm`).
     pub fn set_wgrad_gemm(&self, on: bool) {
         self.knobs.wgrad_gemm.store(on, Ordering::Relaxed);
     }
@@ -392,13 +393,13 @@ mod tests {
 
     #[test]
     fn knobs_start_from_the_options() {
-        let o = CudaOptions { attention: AttentionPath::FusedPipe, fused_gemm: (true, false), wgmma_attention: false, wide_gemm: (WideTiles::Always, WideTiles::Off), gemm_cluster: true, wgrad_gemm: false, gemm_tune: GemmTune::Quick };
+        let o = CudaOptions { attention: AttentionPath::FusedPipe, fused_gemm: (true, false), wgmma_attention: false, wide_gemm: (WideTiles::Always, WideTiles::Off), gemm_cluster: true, wgrad_gemm: true, gemm_tune: GemmTune::Quick };
         let k = Knobs::new(&o);
         assert_eq!(AttentionPath::from_u8(k.attention.load(Ordering::Relaxed)), AttentionPath::FusedPipe);
         assert_eq!((k.fused_gemm.load(Ordering::Relaxed), k.fused_gemm_bwd.load(Ordering::Relaxed)), (true, false));
         assert!(!k.wgmma_attention.load(Ordering::Relaxed));
         assert_eq!((k.wide_tiles(false), k.wide_tiles(true)), (WideTiles::Always, WideTiles::Off));
         assert!(k.gemm_cluster.load(Ordering::Relaxed));
-        assert!(!k.wgrad_gemm.load(Ordering::Relaxed));
+        assert!(k.wgrad_gemm.load(Ordering::Relaxed));
     }
 }
