@@ -148,3 +148,42 @@ fn the_memory_estimate_holds_one_block_under_checkpointing() {
     let expected = ckpt.activations + 2.0 * (state - probs);
     assert!((full.activations - expected).abs() < 1e-9 * expected, "{} against {expected}", full.activations);
 }
+
+/// Bias gradients handed to the weight products (as the CUDA backend does with its
+/// weight-gradient kernel on) instead of to the LayerNorm and attention backwards: the same
+/// gradients to f32 rounding (the sums run in another order), with and without stochastic depth
+/// and the class-token tail.
+#[test]
+fn bias_gradients_from_the_weight_products_match_the_default_routing() {
+    let (mut rng, seed) = fresh_rng();
+    for (pool, class_token) in [(GlobalPool::Token, true), (GlobalPool::Avg, false)] {
+        let cfg = ModelConfig { image_size: 12, patch_size: 4, in_chans: 3, embed_dim: 24, depth: 3, num_heads: 3, mlp_ratio: 2.0, num_classes: 5, qkv_bias: true, class_token, global_pool: pool };
+        let total = vitscale::model::ParamTable::new(&cfg).total;
+        let weights: Vec<f32> = (0..total).map(|_| rng.gen_range(-0.2f32..0.2)).collect();
+        let b = 3;
+        let imgs: Vec<f32> = (0..b * 3 * 12 * 12).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+        let mut targets = vec![0.0f32; b * 5];
+        (0..b).for_each(|i| targets[i * 5 + rng.gen_range(0..5)] = 1.0);
+        let scales: Vec<f32> = (0..cfg.depth * 2 * b).map(|_| if rng.gen_bool(0.3) { 0.0 } else { 1.0 / 0.7 }).collect();
+        for drop in [None, Some(&scales[..])] {
+            let grads = |be: Cpu| {
+                let mut vit = Vit::new(&be, cfg.clone()).unwrap();
+                vit.set_params(&be, &weights).unwrap();
+                if let Some(s) = drop {
+                    vit.set_branch_scales(&be, Some((s, vec![true; cfg.depth])), b).unwrap();
+                }
+                vit.forward(&be, &imgs, &targets, b, Some(1.0 / b as f32)).unwrap();
+                vit.backward(&be).unwrap();
+                be.download(&vit.grads).unwrap()
+            };
+            let (want, got) = (grads(Cpu::new()), grads(Cpu::with_bias_grads_in_products()));
+            let what = format!("{pool:?}, class token {class_token}, drop path {} (seed {seed})", drop.is_some());
+            assert_eq!(want.len(), got.len());
+            let scale = want.iter().fold(0f32, |m, g| m.max(g.abs()));
+            assert!(scale > 0.0, "{what}");
+            for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+                assert!((w - g).abs() <= 1e-5 * scale, "gradient {i}: {g} against {w}: {what}");
+            }
+        }
+    }
+}

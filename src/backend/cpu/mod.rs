@@ -13,13 +13,24 @@ use self::gemm::{matmul, Mat, MatMut};
 use super::{BResult, Backend, BackendError, ParamGroups, GeluSaved, ShardPiece, Span, StepHyper};
 use crate::core::{OptimizerConfig, LN_EPS};
 
-/// The CPU backend. Stateless: threads come from the global rayon pool.
+/// The CPU backend. Threads come from the global rayon pool.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct Cpu;
+pub struct Cpu {
+    /// What `bias_grads_in_products` answers (false: `Cpu::new`).
+    bias_in_products: bool,
+}
 
 impl Cpu {
     pub fn new() -> Self {
-        Cpu
+        Cpu::default()
+    }
+
+    /// A CPU backend whose `bias_grads_in_products` says yes, as the CUDA backend's does with
+    /// its weight-gradient kernel on: a model then hands every bias gradient to the weight
+    /// products instead of to LayerNorm and attention backwards, which the CPU computes alike.
+    /// For checking that routing against the default one.
+    pub fn with_bias_grads_in_products() -> Self {
+        Cpu { bias_in_products: true }
     }
 }
 
@@ -111,6 +122,9 @@ impl Backend for Cpu {
     }
     fn seconds_between(&self, a: &std::time::Instant, b: &std::time::Instant) -> BResult<f64> {
         Ok(b.saturating_duration_since(*a).as_secs_f64())
+    }
+    fn bias_grads_in_products(&self, _rows: usize, _ic: usize, _oc: usize) -> bool {
+        self.bias_in_products
     }
 
     fn name(&self) -> String {
