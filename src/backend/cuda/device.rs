@@ -389,7 +389,7 @@ impl Cuda {
 
     /// Raises kernel `name`'s dynamic shared-memory limit to `smem` bytes where that is above
     /// the default 48 KiB.
-    fn allow_dynamic_smem(&self, name: &str, smem: u32) -> BResult<()> {
+    pub(super) fn allow_dynamic_smem(&self, name: &str, smem: u32) -> BResult<()> {
         if smem > 48 * 1024 {
             let f = self.kernels.get(name)?;
             f.set_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)

@@ -242,14 +242,23 @@ __device__ __forceinline__ void ln_fwd_v(bf16* out, float* mean, float* rstd, co
 // the column sums of the bf16 dinp written (residual included) — the bias gradient of the
 // layer whose output gradient dinp is (a block's proj, the previous block's fc2), taken here
 // instead of a second pass over dinp; its partials follow dw's and db's (3·c per block).
-template <int J, int NA>
+// DYN: the rows in dynamic shared memory (4·NA·c floats, launched with that many bytes), for
+// widths whose three rows pass the 48 KiB of static shared memory.
+template <int J, int NA, bool DYN = false>
 __device__ __forceinline__ void ln_bwd_v(bf16* dinp, float* partial, const bf16* dout, const bf16* dres,
                                          const bf16* inp, const float* mean, const float* rstd,
                                          const bf16* params, i64 w, i64 bo, i64 rows) {
     typedef LnV<J> L;
     const int c = 32 * J;
     constexpr int SW = (J % 4 == 0) ? 4 : 2;  // floats per accumulator access
-    __shared__ __align__(16) float acc[4 * NA * 32 * J];
+    float* acc;
+    if constexpr (DYN) {
+        extern __shared__ __align__(16) float ln_acc_dyn[];
+        acc = ln_acc_dyn;
+    } else {
+        __shared__ __align__(16) float ln_acc[4 * NA * 32 * J];
+        acc = ln_acc;
+    }
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (int i = threadIdx.x; i < 4 * NA * c; i += blockDim.x) acc[i] = 0.f;
     __syncthreads();
@@ -373,11 +382,14 @@ LNV_INSTANCE(2) LNV_INSTANCE(4) LNV_INSTANCE(6) LNV_INSTANCE(8) LNV_INSTANCE(12)
 LNV_INSTANCE(24) LNV_INSTANCE(32)
 LNV_WIDE_INSTANCE(40) LNV_WIDE_INSTANCE(44)
 
-// layernorm_bwd_v with dinp's column sums (NA = 3), up to C = 768: three accumulator rows of
-// 4 warps stay within 48 KiB of static shared memory (C = 1024 falls back to a separate sum).
-#define LNS_INSTANCE(J) \
-extern "C" __global__ void __launch_bounds__(128, 4) layernorm_bwd_s##J(bf16* dinp, float* partial, const bf16* dout, const bf16* dres, \
+// layernorm_bwd_v with dinp's column sums (NA = 3): up to C = 768 three accumulator rows of 4
+// warps stay within 48 KiB of static shared memory; C = 1024, 1280 and 1408 keep them in
+// dynamic shared memory (48, 60 and 66 KiB a block), with the blocks per SM of their `_v` forms.
+#define LNS_KERNEL(J, BB, DYN) \
+extern "C" __global__ void __launch_bounds__(128, BB) layernorm_bwd_s##J(bf16* dinp, float* partial, const bf16* dout, const bf16* dres, \
         const bf16* inp, const float* mean, const float* rstd, const bf16* params, i64 w, i64 bo, i64 rows) { \
-    ln_bwd_v<J, 3>(dinp, partial, dout, dres, inp, mean, rstd, params, w, bo, rows); }
+    ln_bwd_v<J, 3, DYN>(dinp, partial, dout, dres, inp, mean, rstd, params, w, bo, rows); }
+#define LNS_INSTANCE(J) LNS_KERNEL(J, 4, false)
 LNS_INSTANCE(2) LNS_INSTANCE(4) LNS_INSTANCE(6) LNS_INSTANCE(8) LNS_INSTANCE(12) LNS_INSTANCE(16)
 LNS_INSTANCE(24)
+LNS_KERNEL(32, 4, true) LNS_KERNEL(40, 2, true) LNS_KERNEL(44, 2, true)
