@@ -10,6 +10,7 @@ use super::device::{check_bf16, check_f32, check_len, check_span, kargs, CudaBuf
 use super::gemm::{GemmShape, Ty};
 use super::linear::{tensor_map_3d, tensor_map_3d_cols16};
 use super::options::AttentionPath;
+use super::partials::ARENA_LIMIT;
 use super::Cuda;
 use crate::backend::{BResult, Backend, BackendError, Span};
 
@@ -364,19 +365,41 @@ impl Cuda {
             // dQ reductions).
             if let Some(lsmem) = self.wgmma_long_backward(n, d).filter(|_| tma_ok && dq_acc % 16 == 0) {
                 let c = h * d;
+                let nkb = n.div_ceil(128);
+                // with a bias: a row of Σ dV per (image, key block, consumer warp), and the
+                // rows of Σ dQ the store pass writes, reduced into the q and v slots below;
+                // where those rows would outgrow the partial-sum arena, the column-sum pass
+                let splits = (b * n).div_ceil(64).clamp(1, 256);
+                let sums = dbias.filter(|_| (b * nkb * 8 + splits) * c <= ARENA_LIMIT);
+                // (one region: taking a second could flush the queue and reuse the first)
+                let (dv_part, dq_part) = match sums {
+                    Some(_) => {
+                        let part = self.partial_rows((b * nkb * 8 + splits) * c)?;
+                        (part, part + (b * nkb * 8 * c * 4) as u64)
+                    }
+                    None => (0, 0),
+                };
                 let tm_kv = tensor_map_3d(qkv.ptr, 3 * c, n, b, 128)?;
                 let tm_q = tensor_map_3d(qkv.ptr, 3 * c, n, b, 64)?;
                 let tm_do = tensor_map_3d(dout.ptr, c, n, b, 64)?;
                 let tm_dqkv = tensor_map_3d(dqkv.ptr, 3 * c, n, b, 64)?;
-                let g = (n.div_ceil(128) as u32, (b * h) as u32, 1);
+                let g = (nkb as u32, (b * h) as u32, 1);
                 if d == 80 {
                     // columns 64…79 of each head through maps of their own (32-byte swizzle)
                     let tm_kvt = tensor_map_3d_cols16(qkv.ptr, 3 * c, n, b, 128)?;
                     let tm_qt = tensor_map_3d_cols16(qkv.ptr, 3 * c, n, b, 64)?;
                     let tm_dot = tensor_map_3d_cols16(dout.ptr, c, n, b, 64)?;
-                    self.launch_dyn("flash_bwd_wg_long_d80", g, (512, 1, 1), lsmem, &mut kargs![tm_kv, tm_q, tm_do, tm_dqkv, tm_kvt, tm_qt, tm_dot, dqkv.ptr, probs.ptr, delta, dq_acc, nn, hh, scale, scale_log2])?;
+                    self.launch_dyn("flash_bwd_wg_long_d80", g, (512, 1, 1), lsmem, &mut kargs![tm_kv, tm_q, tm_do, tm_dqkv, tm_kvt, tm_qt, tm_dot, dqkv.ptr, probs.ptr, delta, dq_acc, dv_part, nn, hh, scale, scale_log2])?;
                 } else {
-                    self.launch_dyn("flash_bwd_wg_long_d64", g, (512, 1, 1), lsmem, &mut kargs![tm_kv, tm_q, tm_do, tm_dqkv, probs.ptr, delta, dq_acc, nn, hh, scale, scale_log2])?;
+                    self.launch_dyn("flash_bwd_wg_long_d64", g, (512, 1, 1), lsmem, &mut kargs![tm_kv, tm_q, tm_do, tm_dqkv, probs.ptr, delta, dq_acc, dv_part, nn, hh, scale, scale_log2])?;
+                }
+                if let Some(db) = sums {
+                    let (rows, cc) = ((b * n) as i64, c as i32);
+                    self.launch("flash_dq_store_sums", (c.div_ceil(256) as u32, splits as u32, 1), (32, 8, 1), 0, &mut kargs![dqkv.ptr, dq_acc, dq_part, rows, cc])?;
+                    // q bias += Σ dQ, v bias += Σ dV; the k bias's gradient is zero
+                    self.reduce_partials(db, db, db, c, dq_part, splits, c)?;
+                    let dv = db + (2 * c * 4) as u64;
+                    return self.reduce_partials(dv, dv, dv, c, dv_part, b * nkb * 8, c).map(|_| true);
                 }
             } else {
                 let bc = pipe_keys(d);
