@@ -176,7 +176,7 @@ impl Cuda {
     fn wgmma_long_backward(&self, n: usize, d: usize) -> Option<u32> {
         let applies = self.attention_path() == AttentionPath::Fused && (d == 64 || d == 80) && n > 256 && self.wgmma_attention() && self.has_wgmma_long_backward(d);
         let (stage, cols16) = if d == 80 { (2 * 64 * 128 + 2 * 64 * 32, 2 * 128 * 32) } else { (2 * 64 * 128, 0) };
-        applies.then_some((2 * 128 * 128 + 3 * stage + 2 * 128 * 128 + 2 * 128 * 128 + cols16 + 3 * 64 * 8 + 8 * 11 + 1024) as u32)
+        applies.then_some((2 * 128 * 128 + 3 * stage + 2 * 128 * 128 + 2 * 128 * 128 + cols16 + 3 * 64 * 8 + 8 * 11 + 8 * d * 4 + 1024) as u32)
     }
 
     /// Dynamic shared memory of `flash_bwd_short_d{d}` for sequence length `n`, when the
@@ -366,16 +366,16 @@ impl Cuda {
             if let Some(lsmem) = self.wgmma_long_backward(n, d).filter(|_| tma_ok && dq_acc % 16 == 0) {
                 let c = h * d;
                 let nkb = n.div_ceil(128);
-                // with a bias: a row of Σ dV per (image, key block, consumer warp), and the
-                // rows of Σ dQ the store pass writes, reduced into the q and v slots below;
-                // where those rows would outgrow the partial-sum arena, the column-sum pass
+                // with a bias: a row of Σ dV per (image, key block), and the rows of Σ dQ the
+                // store pass writes, reduced into the q and v slots below; where those rows
+                // would outgrow the partial-sum arena, the column-sum pass
                 let splits = (b * n).div_ceil(64).clamp(1, 256);
-                let sums = dbias.filter(|_| (b * nkb * 8 + splits) * c <= ARENA_LIMIT);
+                let sums = dbias.filter(|_| (b * nkb + splits) * c <= ARENA_LIMIT);
                 // (one region: taking a second could flush the queue and reuse the first)
                 let (dv_part, dq_part) = match sums {
                     Some(_) => {
-                        let part = self.partial_rows((b * nkb * 8 + splits) * c)?;
-                        (part, part + (b * nkb * 8 * c * 4) as u64)
+                        let part = self.partial_rows((b * nkb + splits) * c)?;
+                        (part, part + (b * nkb * c * 4) as u64)
                     }
                     None => (0, 0),
                 };
@@ -399,7 +399,7 @@ impl Cuda {
                     // q bias += Σ dQ, v bias += Σ dV; the k bias's gradient is zero
                     self.reduce_partials(db, db, db, c, dq_part, splits, c)?;
                     let dv = db + (2 * c * 4) as u64;
-                    return self.reduce_partials(dv, dv, dv, c, dv_part, b * nkb * 8, c).map(|_| true);
+                    return self.reduce_partials(dv, dv, dv, c, dv_part, b * nkb, c).map(|_| true);
                 }
             } else {
                 let bc = pipe_keys(d);
