@@ -40,10 +40,10 @@ const SHORT_HEAD_DIMS: [usize; 2] = [32, 64];
 /// Dynamic shared memory of the class-token attention kernels (f32: scores, the scaled query,
 /// four warps' partial rows, the reductions; the backward adds dout and dS), within the
 /// 227 KiB a block may have.
-fn class_attention_smem(op: &'static str, n: usize, d: usize, backward: bool, v8: bool) -> BResult<u32> {
+fn class_attention_smem(op: &'static str, n: usize, d: usize, backward: bool, v8: bool, threads: u32) -> BResult<u32> {
     let floats = if v8 {
-        // p | qs | res | acc (1024) | red (32), the backward adds ds and g
-        n + 2 * d + 1024 + 32 + if backward { n + d } else { 0 }
+        // p | qs | res | acc (8 per thread) | red (32), the backward adds ds and g
+        n + 2 * d + 8 * threads as usize + 32 + if backward { n + d } else { 0 }
     } else {
         // p | qs | acc (4·d) | red (32), the backward adds g and ds
         n + 5 * d + 32 + if backward { d + n } else { 0 }
@@ -53,6 +53,17 @@ fn class_attention_smem(op: &'static str, n: usize, d: usize, backward: bool, v8
         return Err(BackendError::Shape { op, msg: format!("{n} tokens of head dim {d} need {bytes} bytes of shared memory, more than 227 KiB") });
     }
     Ok(bytes as u32)
+}
+
+/// Threads a block of the class-token attention's 16-byte kernels: 128, or 512 where the
+/// sequence is long (N ≥ 512) and the B·H blocks are too few for 4 on each of `sms`
+/// multiprocessors: one block then walks thousands of keys, and its latency decides.
+fn class_attention_threads(v8: bool, n: usize, bh: usize, sms: usize) -> u32 {
+    if v8 && n >= 512 && bh < 4 * sms {
+        512
+    } else {
+        128
+    }
 }
 
 /// Whether the class-token attention takes its 16-byte kernels: D a multiple of 8 up to 1024
@@ -474,10 +485,11 @@ impl Cuda {
             return Ok(());
         }
         let v8 = class_attention_v8(d, &[out.ptr, q.ptr, kv.ptr]);
-        let smem = class_attention_smem(OP, n, d, false, v8)?;
+        let threads = class_attention_threads(v8, n, b * h, self.info.multiprocessors as usize);
+        let smem = class_attention_smem(OP, n, d, false, v8, threads)?;
         let (nn, hh, dd, scale) = (n as i32, h as i32, d as i32, 1.0 / (d as f32).sqrt());
         let name = if v8 { "class_attention_fwd_v8" } else { "class_attention_fwd" };
-        self.launch_dyn(name, ((b * h) as u32, 1, 1), (128, 1, 1), smem, &mut kargs![out.ptr, q.ptr, kv.ptr, nn, hh, dd, scale])
+        self.launch_dyn(name, ((b * h) as u32, 1, 1), (threads, 1, 1), smem, &mut kargs![out.ptr, q.ptr, kv.ptr, nn, hh, dd, scale])
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -499,7 +511,8 @@ impl Cuda {
             return Ok(());
         }
         let v8 = class_attention_v8(d, &[dq.ptr, dkv.ptr, dout.ptr, q.ptr, kv.ptr]);
-        let smem = class_attention_smem(OP, n, d, true, v8)?;
+        let threads = class_attention_threads(v8, n, b * h, self.info.multiprocessors as usize);
+        let smem = class_attention_smem(OP, n, d, true, v8, threads)?;
         let (nn, hh, dd, scale) = (n as i32, h as i32, d as i32, 1.0 / (d as f32).sqrt());
         if !v8 {
             self.launch_dyn("class_attention_bwd", ((b * h) as u32, 1, 1), (128, 1, 1), smem, &mut kargs![dq.ptr, dkv.ptr, dout.ptr, q.ptr, kv.ptr, nn, hh, dd, scale])?;
@@ -513,7 +526,7 @@ impl Cuda {
             Some(_) => self.partial_rows(b * c)?,
             None => 0,
         };
-        self.launch_dyn("class_attention_bwd_v8", ((b * h) as u32, 1, 1), (128, 1, 1), smem, &mut kargs![dq.ptr, dkv.ptr, dout.ptr, q.ptr, kv.ptr, nn, hh, dd, scale, part])?;
+        self.launch_dyn("class_attention_bwd_v8", ((b * h) as u32, 1, 1), (threads, 1, 1), smem, &mut kargs![dq.ptr, dkv.ptr, dout.ptr, q.ptr, kv.ptr, nn, hh, dd, scale, part])?;
         match kv_bias {
             // v bias += Σ dout; the k bias's gradient is zero
             Some(s) => {
