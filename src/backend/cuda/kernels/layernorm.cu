@@ -189,13 +189,50 @@ __device__ __forceinline__ void ln_fwd_v(bf16* out, float* mean, float* rstd, co
     typedef LnV<J> L;
     const int c = 32 * J;
     int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
-    unsigned wp[L::NW], bp[L::NW];
-    #pragma unroll
-    for (int e = 0; e < J; e += 2) {
-        int k = L::col(e, lane);
-        wp[e >> 1] = (unsigned)params[w + k] | ((unsigned)params[w + k + 1] << 16);
-        bp[e >> 1] = (unsigned)params[bo + k] | ((unsigned)params[bo + k + 1] << 16);
+    // The weight and bias as packed pairs, each lane's words in the order it reads them: in
+    // registers up to C = 768; past it in shared memory (word i of lane l at 32·i + l, so a
+    // warp's reads are conflict-free), which lets more warps share an SM.
+    constexpr bool SMEM_PARAMS = J > 24;
+    constexpr int PW = SMEM_PARAMS ? 1 : L::NW;
+    __shared__ unsigned sp[SMEM_PARAMS ? 2 * L::NW * 32 : 1];
+    unsigned wp[PW], bp[PW];
+    auto pair = [&](int e, i64 off) {
+        const int k = L::col(e, lane);
+        return (unsigned)params[off + k] | ((unsigned)params[off + k + 1] << 16);
+    };
+    if constexpr (SMEM_PARAMS) {
+        if (threadIdx.x < 32) {
+            #pragma unroll
+            for (int e = 0; e < J; e += 2) {
+                sp[(e >> 1) * 32 + lane] = pair(e, w);
+                sp[(L::NW + (e >> 1)) * 32 + lane] = pair(e, bo);
+            }
+        }
+        __syncthreads();
+    } else {
+        #pragma unroll
+        for (int e = 0; e < J; e += 2) {
+            wp[e >> 1] = pair(e, w);
+            bp[e >> 1] = pair(e, bo);
+        }
     }
+    // element e of the weight (bias) for this lane
+    auto wgt = [&](int e) -> float {
+        if constexpr (SMEM_PARAMS) {
+            const unsigned word = sp[(e >> 1) * 32 + lane];
+            return (e & 1) ? whi(word) : wlo(word);
+        } else {
+            return wel(wp, e);
+        }
+    };
+    auto bia = [&](int e) -> float {
+        if constexpr (SMEM_PARAMS) {
+            const unsigned word = sp[(L::NW + (e >> 1)) * 32 + lane];
+            return (e & 1) ? whi(word) : wlo(word);
+        } else {
+            return wel(bp, e);
+        }
+    };
     // Two rows per warp per iteration, both loaded before either is reduced: a row is one
     // 16·J-byte load per lane followed by dependent reductions, so one row at a time left the
     // warp waiting on memory latency (DRAM ~30 % busy at C = 384).
@@ -211,14 +248,15 @@ __device__ __forceinline__ void ln_fwd_v(bf16* out, float* mean, float* rstd, co
         unsigned ow[L::NW];
         #pragma unroll
         for (int e = 0; e < J; e += 2)
-            ow[e >> 1] = wpack((wel(xw, e) - mu) * rs * wel(wp, e) + wel(bp, e),
-                               (wel(xw, e + 1) - mu) * rs * wel(wp, e + 1) + wel(bp, e + 1));
+            ow[e >> 1] = wpack((wel(xw, e) - mu) * rs * wgt(e) + bia(e),
+                               (wel(xw, e + 1) - mu) * rs * wgt(e + 1) + bia(e + 1));
         bf16* o = out + r * c;
         #pragma unroll
         for (int k = 0; k < L::NV; k++) stw<L::WPV>(o + (k * 32 + lane) * L::VW, ow + k * L::WPV);
         if (lane == 0) { mean[r] = mu; rstd[r] = rs; }
     };
-    // (up to C = 768: beyond, the second row's words no longer fit in 128 registers)
+    // (up to C = 768: beyond, the second row's words no longer fit in 128 registers; there the
+    // parameters' registers go to more warps on each SM instead)
     constexpr int PER = J <= 24 ? 2 : 1;
     const i64 stride = (i64)gridDim.x * warps;
     for (i64 r = (i64)blockIdx.x * warps + (threadIdx.x >> 5); r < rows; r += PER * stride) {
@@ -375,12 +413,12 @@ extern "C" __global__ void __launch_bounds__(128, BB) layernorm_bwd_v##J(bf16* d
         const bf16* inp, const float* mean, const float* rstd, const bf16* params, i64 w, i64 bo, i64 rows) { \
     ln_bwd_v<J, 2>(dinp, partial, dout, dres, inp, mean, rstd, params, w, bo, rows); }
 #define LNV_INSTANCE(J) LNV_KERNELS(J, 2, 4)
-// Widths over 1024 (ViT-H's 1280, ViT-g's 1408): the rows no longer fit 128 registers, so half
-// as many blocks share an SM rather than spilling.
-#define LNV_WIDE_INSTANCE(J) LNV_KERNELS(J, 1, 2)
 LNV_INSTANCE(2) LNV_INSTANCE(4) LNV_INSTANCE(6) LNV_INSTANCE(8) LNV_INSTANCE(12) LNV_INSTANCE(16)
-LNV_INSTANCE(24) LNV_INSTANCE(32)
-LNV_WIDE_INSTANCE(40) LNV_WIDE_INSTANCE(44)
+LNV_INSTANCE(24)
+// Past C = 768 the forward holds one row a warp and its parameters in shared memory, so four
+// blocks share an SM; at widths over 1024 (ViT-H's 1280, ViT-g's 1408) the backward's rows no
+// longer fit 128 registers, so half as many of its blocks share an SM rather than spilling.
+LNV_KERNELS(32, 4, 4) LNV_KERNELS(40, 4, 2) LNV_KERNELS(44, 4, 2)
 
 // layernorm_bwd_v with dinp's column sums (NA = 3): up to C = 768 three accumulator rows of 4
 // warps stay within 48 KiB of static shared memory; C = 1024, 1280 and 1408 keep them in
