@@ -303,12 +303,30 @@ __device__ __forceinline__ void ln_bwd_v(bf16* dinp, float* partial, const bf16*
     float* aw = acc + warp * NA * c;
     float* ab = aw + c;
     float* ad = ab + c;  // NA = 3 only
-    unsigned wp[L::NW];
+    // The weight as packed pairs: in registers up to C = 768, past it in shared memory (word i
+    // of lane l at 32·i + l, conflict-free), which leaves room for more warps on each SM.
+    constexpr bool SMEM_PARAMS = J > 24;
+    __shared__ unsigned sp[SMEM_PARAMS ? L::NW * 32 : 1];
+    unsigned wp[SMEM_PARAMS ? 1 : L::NW];
     #pragma unroll
     for (int e = 0; e < J; e += 2) {
         int k = L::col(e, lane);
-        wp[e >> 1] = (unsigned)params[w + k] | ((unsigned)params[w + k + 1] << 16);
+        const unsigned pr = (unsigned)params[w + k] | ((unsigned)params[w + k + 1] << 16);
+        if constexpr (SMEM_PARAMS) {
+            if (warp == 0) sp[(e >> 1) * 32 + lane] = pr;
+        } else {
+            wp[e >> 1] = pr;
+        }
     }
+    if constexpr (SMEM_PARAMS) __syncthreads();
+    auto wgt = [&](int e) -> float {
+        if constexpr (SMEM_PARAMS) {
+            const unsigned word = sp[(e >> 1) * 32 + lane];
+            return (e & 1) ? whi(word) : wlo(word);
+        } else {
+            return wel(wp, e);
+        }
+    };
     for (i64 r = (i64)blockIdx.x * 4 + warp; r < rows; r += (i64)gridDim.x * 4) {
         const bf16* g = dout + r * c;
         const bf16* x = inp + r * c;
@@ -345,7 +363,7 @@ __device__ __forceinline__ void ln_bwd_v(bf16* dinp, float* partial, const bf16*
             for (int i = 0; i < SW; i++) {
                 int e = q * SW + i;
                 float gv = wel(gw, e), xh = (wel(xw, e) - mu) * rs;
-                float dn = gv * wel(wp, e);
+                float dn = gv * wgt(e);
                 a += dn;
                 bs += dn * xh;
                 tw[i] += gv * xh;
@@ -364,8 +382,8 @@ __device__ __forceinline__ void ln_bwd_v(bf16* dinp, float* partial, const bf16*
         unsigned ow[L::NW];
         #pragma unroll
         for (int e = 0; e < J; e += 2) {
-            float d0 = rs * (wel(gw, e) * wel(wp, e) - a - (wel(xw, e) - mu) * rs * bs) + wel(rw, e);
-            float d1 = rs * (wel(gw, e + 1) * wel(wp, e + 1) - a - (wel(xw, e + 1) - mu) * rs * bs) + wel(rw, e + 1);
+            float d0 = rs * (wel(gw, e) * wgt(e) - a - (wel(xw, e) - mu) * rs * bs) + wel(rw, e);
+            float d1 = rs * (wel(gw, e + 1) * wgt(e + 1) - a - (wel(xw, e + 1) - mu) * rs * bs) + wel(rw, e + 1);
             ow[e >> 1] = wpack(d0, d1);
         }
         if constexpr (NA == 3) {
@@ -415,10 +433,11 @@ extern "C" __global__ void __launch_bounds__(128, BB) layernorm_bwd_v##J(bf16* d
 #define LNV_INSTANCE(J) LNV_KERNELS(J, 2, 4)
 LNV_INSTANCE(2) LNV_INSTANCE(4) LNV_INSTANCE(6) LNV_INSTANCE(8) LNV_INSTANCE(12) LNV_INSTANCE(16)
 LNV_INSTANCE(24)
-// Past C = 768 the forward holds one row a warp and its parameters in shared memory, so four
-// blocks share an SM; at widths over 1024 (ViT-H's 1280, ViT-g's 1408) the backward's rows no
-// longer fit 128 registers, so half as many of its blocks share an SM rather than spilling.
-LNV_KERNELS(32, 4, 4) LNV_KERNELS(40, 4, 2) LNV_KERNELS(44, 4, 2)
+// Past C = 768 both keep the LayerNorm weight in shared memory, and the forward holds one row a
+// warp, so four of its blocks share an SM; at widths over 1024 (ViT-H's 1280, ViT-g's 1408) the
+// backward's rows no longer fit 128 registers: three of its blocks share an SM (170 registers a
+// thread) rather than four.
+LNV_KERNELS(32, 4, 4) LNV_KERNELS(40, 4, 3) LNV_KERNELS(44, 4, 3)
 
 // layernorm_bwd_v with dinp's column sums (NA = 3): up to C = 768 three accumulator rows of 4
 // warps stay within 48 KiB of static shared memory; C = 1024, 1280 and 1408 keep them in
@@ -430,4 +449,4 @@ extern "C" __global__ void __launch_bounds__(128, BB) layernorm_bwd_s##J(bf16* d
 #define LNS_INSTANCE(J) LNS_KERNEL(J, 4, false)
 LNS_INSTANCE(2) LNS_INSTANCE(4) LNS_INSTANCE(6) LNS_INSTANCE(8) LNS_INSTANCE(12) LNS_INSTANCE(16)
 LNS_INSTANCE(24)
-LNS_KERNEL(32, 4, true) LNS_KERNEL(40, 2, true) LNS_KERNEL(44, 2, true)
+LNS_KERNEL(32, 4, true) LNS_KERNEL(40, 3, true) LNS_KERNEL(44, 3, true)
