@@ -183,6 +183,18 @@ template <int J> struct LnV {
     __device__ static __forceinline__ int col(int e, int lane) { return ((e / VW) * 32 + lane) * VW + (e % VW); }
 };
 
+// Element e of this lane's LayerNorm parameter (packed bf16 pairs): from its registers, or
+// from the block's shared copy, where word i of lane l sits at 32·i + l (conflict-free).
+template <bool SMEM>
+__device__ __forceinline__ float ln_param(const unsigned* regs, const unsigned* shared, int e, int lane) {
+    if constexpr (SMEM) {
+        const unsigned word = shared[(e >> 1) * 32 + lane];
+        return (e & 1) ? whi(word) : wlo(word);
+    } else {
+        return wel(regs, e);
+    }
+}
+
 template <int J>
 __device__ __forceinline__ void ln_fwd_v(bf16* out, float* mean, float* rstd, const bf16* inp,
                                          const bf16* params, i64 w, i64 bo, i64 rows, float eps) {
@@ -216,23 +228,8 @@ __device__ __forceinline__ void ln_fwd_v(bf16* out, float* mean, float* rstd, co
             bp[e >> 1] = pair(e, bo);
         }
     }
-    // element e of the weight (bias) for this lane
-    auto wgt = [&](int e) -> float {
-        if constexpr (SMEM_PARAMS) {
-            const unsigned word = sp[(e >> 1) * 32 + lane];
-            return (e & 1) ? whi(word) : wlo(word);
-        } else {
-            return wel(wp, e);
-        }
-    };
-    auto bia = [&](int e) -> float {
-        if constexpr (SMEM_PARAMS) {
-            const unsigned word = sp[(L::NW + (e >> 1)) * 32 + lane];
-            return (e & 1) ? whi(word) : wlo(word);
-        } else {
-            return wel(bp, e);
-        }
-    };
+    auto wgt = [&](int e) { return ln_param<SMEM_PARAMS>(wp, sp, e, lane); };
+    auto bia = [&](int e) { return ln_param<SMEM_PARAMS>(bp, sp + L::NW * 32, e, lane); };
     // Two rows per warp per iteration, both loaded before either is reduced: a row is one
     // 16·J-byte load per lane followed by dependent reductions, so one row at a time left the
     // warp waiting on memory latency (DRAM ~30 % busy at C = 384).
@@ -319,14 +316,7 @@ __device__ __forceinline__ void ln_bwd_v(bf16* dinp, float* partial, const bf16*
         }
     }
     if constexpr (SMEM_PARAMS) __syncthreads();
-    auto wgt = [&](int e) -> float {
-        if constexpr (SMEM_PARAMS) {
-            const unsigned word = sp[(e >> 1) * 32 + lane];
-            return (e & 1) ? whi(word) : wlo(word);
-        } else {
-            return wel(wp, e);
-        }
-    };
+    auto wgt = [&](int e) { return ln_param<SMEM_PARAMS>(wp, sp, e, lane); };
     for (i64 r = (i64)blockIdx.x * 4 + warp; r < rows; r += (i64)gridDim.x * 4) {
         const bf16* g = dout + r * c;
         const bf16* x = inp + r * c;
