@@ -355,10 +355,11 @@ fn op_checks<B: Backend>(cx: &mut Ctx<B>) -> BResult<()> {
     }
 
     // ---- shapes: a small odd one, a ViT-S/4 CIFAR block (C = 384: the 8-byte vector
-    // LayerNorm path), a ViT-B/16 block at batch 2 (C = 768: the 16-byte path), and ViT-H/14's
-    // and ViT-g/14's widths on a 4×4 grid (C = 1280 and 1408: the wide LayerNorm rows; head
-    // dims 80 and 88)
-    for &(b, n_img, p, c, h, f, k) in &[(3usize, 12usize, 4usize, 48usize, 3usize, 96usize, 10usize), (3, 32, 4, 384, 6, 1536, 10), (2, 224, 16, 768, 12, 3072, 1000), (2, 56, 14, 1280, 16, 5120, 10), (1, 56, 14, 1408, 16, 6144, 10)] {
+    // LayerNorm path), a ViT-B/16 block at batch 2 (C = 768: the 16-byte path), ViT-L/16's
+    // width on a 4×4 grid (C = 1024: the LayerNorm backward's column sums in dynamic shared
+    // memory), and ViT-H/14's and ViT-g/14's widths on a 4×4 grid (C = 1280 and 1408: the wide
+    // LayerNorm rows; head dims 80 and 88)
+    for &(b, n_img, p, c, h, f, k) in &[(3usize, 12usize, 4usize, 48usize, 3usize, 96usize, 10usize), (3, 32, 4, 384, 6, 1536, 10), (2, 224, 16, 768, 12, 3072, 1000), (2, 64, 16, 1024, 16, 4096, 10), (2, 56, 14, 1280, 16, 5120, 10), (1, 56, 14, 1408, 16, 6144, 10)] {
         let tag = format!("[B{b} C{c}]");
         let np = (n_img / p) * (n_img / p);
         let n = np + 1;

@@ -10,6 +10,7 @@ use super::device::{check_bf16, check_f32, check_len, check_span, kargs, CudaBuf
 use super::gemm::{GemmShape, Ty};
 use super::linear::{tensor_map_3d, tensor_map_3d_cols16};
 use super::options::AttentionPath;
+use super::partials::ARENA_LIMIT;
 use super::Cuda;
 use crate::backend::{BResult, Backend, BackendError, Span};
 
@@ -39,10 +40,10 @@ const SHORT_HEAD_DIMS: [usize; 2] = [32, 64];
 /// Dynamic shared memory of the class-token attention kernels (f32: scores, the scaled query,
 /// four warps' partial rows, the reductions; the backward adds dout and dS), within the
 /// 227 KiB a block may have.
-fn class_attention_smem(op: &'static str, n: usize, d: usize, backward: bool, v8: bool) -> BResult<u32> {
+fn class_attention_smem(op: &'static str, n: usize, d: usize, backward: bool, v8: bool, threads: u32) -> BResult<u32> {
     let floats = if v8 {
-        // p | qs | res | acc (1024) | red (32), the backward adds ds and g
-        n + 2 * d + 1024 + 32 + if backward { n + d } else { 0 }
+        // p | qs | res | acc (8 per thread) | red (32), the backward adds ds and g
+        n + 2 * d + 8 * threads as usize + 32 + if backward { n + d } else { 0 }
     } else {
         // p | qs | acc (4·d) | red (32), the backward adds g and ds
         n + 5 * d + 32 + if backward { d + n } else { 0 }
@@ -52,6 +53,17 @@ fn class_attention_smem(op: &'static str, n: usize, d: usize, backward: bool, v8
         return Err(BackendError::Shape { op, msg: format!("{n} tokens of head dim {d} need {bytes} bytes of shared memory, more than 227 KiB") });
     }
     Ok(bytes as u32)
+}
+
+/// Threads a block of the class-token attention's 16-byte kernels: 128, or 512 where the
+/// sequence is long (N ≥ 512) and the B·H blocks are too few for 4 on each of `sms`
+/// multiprocessors: one block then walks thousands of keys, and its latency decides.
+fn class_attention_threads(v8: bool, n: usize, bh: usize, sms: usize) -> u32 {
+    if v8 && n >= 512 && bh < 4 * sms {
+        512
+    } else {
+        128
+    }
 }
 
 /// Whether the class-token attention takes its 16-byte kernels: D a multiple of 8 up to 1024
@@ -175,7 +187,7 @@ impl Cuda {
     fn wgmma_long_backward(&self, n: usize, d: usize) -> Option<u32> {
         let applies = self.attention_path() == AttentionPath::Fused && (d == 64 || d == 80) && n > 256 && self.wgmma_attention() && self.has_wgmma_long_backward(d);
         let (stage, cols16) = if d == 80 { (2 * 64 * 128 + 2 * 64 * 32, 2 * 128 * 32) } else { (2 * 64 * 128, 0) };
-        applies.then_some((2 * 128 * 128 + 3 * stage + 2 * 128 * 128 + 2 * 128 * 128 + cols16 + 3 * 64 * 8 + 8 * 11 + 1024) as u32)
+        applies.then_some((2 * 128 * 128 + 3 * stage + 2 * 128 * 128 + 2 * 128 * 128 + cols16 + 3 * 64 * 8 + 8 * 11 + 8 * d * 4 + 1024) as u32)
     }
 
     /// Dynamic shared memory of `flash_bwd_short_d{d}` for sequence length `n`, when the
@@ -364,19 +376,41 @@ impl Cuda {
             // dQ reductions).
             if let Some(lsmem) = self.wgmma_long_backward(n, d).filter(|_| tma_ok && dq_acc % 16 == 0) {
                 let c = h * d;
+                let nkb = n.div_ceil(128);
+                // with a bias: a row of Σ dV per (image, key block), and the rows of Σ dQ the
+                // store pass writes, reduced into the q and v slots below; where those rows
+                // would outgrow the partial-sum arena, the column-sum pass
+                let splits = (b * n).div_ceil(64).clamp(1, 256);
+                let sums = dbias.filter(|_| (b * nkb + splits) * c <= ARENA_LIMIT);
+                // (one region: taking a second could flush the queue and reuse the first)
+                let (dv_part, dq_part) = match sums {
+                    Some(_) => {
+                        let part = self.partial_rows((b * nkb + splits) * c)?;
+                        (part, part + (b * nkb * c * 4) as u64)
+                    }
+                    None => (0, 0),
+                };
                 let tm_kv = tensor_map_3d(qkv.ptr, 3 * c, n, b, 128)?;
                 let tm_q = tensor_map_3d(qkv.ptr, 3 * c, n, b, 64)?;
                 let tm_do = tensor_map_3d(dout.ptr, c, n, b, 64)?;
                 let tm_dqkv = tensor_map_3d(dqkv.ptr, 3 * c, n, b, 64)?;
-                let g = (n.div_ceil(128) as u32, (b * h) as u32, 1);
+                let g = (nkb as u32, (b * h) as u32, 1);
                 if d == 80 {
                     // columns 64…79 of each head through maps of their own (32-byte swizzle)
                     let tm_kvt = tensor_map_3d_cols16(qkv.ptr, 3 * c, n, b, 128)?;
                     let tm_qt = tensor_map_3d_cols16(qkv.ptr, 3 * c, n, b, 64)?;
                     let tm_dot = tensor_map_3d_cols16(dout.ptr, c, n, b, 64)?;
-                    self.launch_dyn("flash_bwd_wg_long_d80", g, (512, 1, 1), lsmem, &mut kargs![tm_kv, tm_q, tm_do, tm_dqkv, tm_kvt, tm_qt, tm_dot, dqkv.ptr, probs.ptr, delta, dq_acc, nn, hh, scale, scale_log2])?;
+                    self.launch_dyn("flash_bwd_wg_long_d80", g, (512, 1, 1), lsmem, &mut kargs![tm_kv, tm_q, tm_do, tm_dqkv, tm_kvt, tm_qt, tm_dot, dqkv.ptr, probs.ptr, delta, dq_acc, dv_part, nn, hh, scale, scale_log2])?;
                 } else {
-                    self.launch_dyn("flash_bwd_wg_long_d64", g, (512, 1, 1), lsmem, &mut kargs![tm_kv, tm_q, tm_do, tm_dqkv, probs.ptr, delta, dq_acc, nn, hh, scale, scale_log2])?;
+                    self.launch_dyn("flash_bwd_wg_long_d64", g, (512, 1, 1), lsmem, &mut kargs![tm_kv, tm_q, tm_do, tm_dqkv, probs.ptr, delta, dq_acc, dv_part, nn, hh, scale, scale_log2])?;
+                }
+                if let Some(db) = sums {
+                    let (rows, cc) = ((b * n) as i64, c as i32);
+                    self.launch("flash_dq_store_sums", (c.div_ceil(256) as u32, splits as u32, 1), (32, 8, 1), 0, &mut kargs![dqkv.ptr, dq_acc, dq_part, rows, cc])?;
+                    // q bias += Σ dQ, v bias += Σ dV; the k bias's gradient is zero
+                    self.reduce_partials(db, db, db, c, dq_part, splits, c)?;
+                    let dv = db + (2 * c * 4) as u64;
+                    return self.reduce_partials(dv, dv, dv, c, dv_part, b * nkb, c).map(|_| true);
                 }
             } else {
                 let bc = pipe_keys(d);
@@ -451,10 +485,11 @@ impl Cuda {
             return Ok(());
         }
         let v8 = class_attention_v8(d, &[out.ptr, q.ptr, kv.ptr]);
-        let smem = class_attention_smem(OP, n, d, false, v8)?;
+        let threads = class_attention_threads(v8, n, b * h, self.info.multiprocessors as usize);
+        let smem = class_attention_smem(OP, n, d, false, v8, threads)?;
         let (nn, hh, dd, scale) = (n as i32, h as i32, d as i32, 1.0 / (d as f32).sqrt());
         let name = if v8 { "class_attention_fwd_v8" } else { "class_attention_fwd" };
-        self.launch_dyn(name, ((b * h) as u32, 1, 1), (128, 1, 1), smem, &mut kargs![out.ptr, q.ptr, kv.ptr, nn, hh, dd, scale])
+        self.launch_dyn(name, ((b * h) as u32, 1, 1), (threads, 1, 1), smem, &mut kargs![out.ptr, q.ptr, kv.ptr, nn, hh, dd, scale])
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -476,7 +511,8 @@ impl Cuda {
             return Ok(());
         }
         let v8 = class_attention_v8(d, &[dq.ptr, dkv.ptr, dout.ptr, q.ptr, kv.ptr]);
-        let smem = class_attention_smem(OP, n, d, true, v8)?;
+        let threads = class_attention_threads(v8, n, b * h, self.info.multiprocessors as usize);
+        let smem = class_attention_smem(OP, n, d, true, v8, threads)?;
         let (nn, hh, dd, scale) = (n as i32, h as i32, d as i32, 1.0 / (d as f32).sqrt());
         if !v8 {
             self.launch_dyn("class_attention_bwd", ((b * h) as u32, 1, 1), (128, 1, 1), smem, &mut kargs![dq.ptr, dkv.ptr, dout.ptr, q.ptr, kv.ptr, nn, hh, dd, scale])?;
@@ -490,7 +526,7 @@ impl Cuda {
             Some(_) => self.partial_rows(b * c)?,
             None => 0,
         };
-        self.launch_dyn("class_attention_bwd_v8", ((b * h) as u32, 1, 1), (128, 1, 1), smem, &mut kargs![dq.ptr, dkv.ptr, dout.ptr, q.ptr, kv.ptr, nn, hh, dd, scale, part])?;
+        self.launch_dyn("class_attention_bwd_v8", ((b * h) as u32, 1, 1), (threads, 1, 1), smem, &mut kargs![dq.ptr, dkv.ptr, dout.ptr, q.ptr, kv.ptr, nn, hh, dd, scale, part])?;
         match kv_bias {
             // v bias += Σ dout; the k bias's gradient is zero
             Some(s) => {

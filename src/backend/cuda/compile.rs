@@ -328,7 +328,7 @@ impl Kernels {
 
 /// Names of the `extern "C" __global__ void NAME(` functions in a source file (an optional
 /// `__launch_bounds__(…)` before the name is skipped). Kernels stamped out by the
-/// `LN_INSTANCE(J)` and `LNV_INSTANCE(J)` macros are listed from their uses.
+/// `LN_INSTANCE(J)`, `LNV_INSTANCE(J)` and `LNV_KERNELS(J, …)` macros are listed from their uses.
 fn kernel_names(src: &str) -> Vec<String> {
     let mut out = Vec::new();
     for part in src.split("__global__ void ").skip(1) {
@@ -346,9 +346,10 @@ fn kernel_names(src: &str) -> Vec<String> {
             }
         }
     }
-    for (mac, suffix) in [("LN_INSTANCE(", "c"), ("LNV_INSTANCE(", "v"), ("LNV_WIDE_INSTANCE(", "v")] {
+    // (LNV_KERNELS(J, FB, BB): the vectorized pair with its blocks per SM spelled out)
+    for (mac, suffix) in [("LN_INSTANCE(", "c"), ("LNV_INSTANCE(", "v"), ("LNV_KERNELS(", "v")] {
         for part in src.split(mac).skip(1) {
-            if let Some(end) = part.find(')') {
+            if let Some(end) = part.find([')', ',']) {
                 if let Ok(j) = part[..end].trim().parse::<u32>() {
                     out.push(format!("layernorm_fwd_{suffix}{j}"));
                     out.push(format!("layernorm_bwd_{suffix}{j}"));
@@ -356,11 +357,14 @@ fn kernel_names(src: &str) -> Vec<String> {
             }
         }
     }
-    // LNS_INSTANCE(J): the LayerNorm backward that also sums dinp's columns (no forward)
-    for part in src.split("LNS_INSTANCE(").skip(1) {
-        if let Some(end) = part.find(')') {
-            if let Ok(j) = part[..end].trim().parse::<u32>() {
-                out.push(format!("layernorm_bwd_s{j}"));
+    // LNS_INSTANCE(J) and LNS_KERNEL(J, …): the LayerNorm backward that also sums dinp's
+    // columns (no forward)
+    for mac in ["LNS_INSTANCE(", "LNS_KERNEL("] {
+        for part in src.split(mac).skip(1) {
+            if let Some(end) = part.find([')', ',']) {
+                if let Ok(j) = part[..end].trim().parse::<u32>() {
+                    out.push(format!("layernorm_bwd_s{j}"));
+                }
             }
         }
     }
@@ -424,9 +428,9 @@ mod tests {
                 all.push(n);
             }
         }
-        for want in ["layernorm_fwd_v24", "layernorm_bwd_v24", "layernorm_bwd_v40", "layernorm_fwd_v44", "layernorm_bwd_v12", "layernorm_fwd_c24", "layernorm_bwd_c3",
+        for want in ["layernorm_fwd_v24", "layernorm_bwd_v24", "layernorm_bwd_v40", "layernorm_fwd_v44", "layernorm_fwd_v32", "layernorm_fwd_v40", "layernorm_bwd_v44", "flash_dq_store_sums", "layernorm_bwd_v12", "layernorm_fwd_c24", "layernorm_bwd_c3",
                      "gelu_fwd_v8", "gelu_bwd_v8", "add_v8", "bias_grad_v8", "reduce_partials_batch", "add_kernel",
-                     "flash_fwd_small_d64_w5", "flash_bwd_small_d32_w4", "flash_fwd_d64_pipe", "flash_fwd_d80_pipe", "flash_fwd_d128_pipe128", "flash_bwd_d128_pipe", "flash_bwd_pre_d96", "layernorm_bwd_s12", "layernorm_bwd_s24", "gelu_fwd_bias_v8",
+                     "flash_fwd_small_d64_w5", "flash_bwd_small_d32_w4", "flash_fwd_d64_pipe", "flash_fwd_d80_pipe", "flash_fwd_d128_pipe128", "flash_bwd_d128_pipe", "flash_bwd_pre_d96", "layernorm_bwd_s12", "layernorm_bwd_s24", "layernorm_bwd_s32", "layernorm_bwd_s40", "layernorm_bwd_s44", "gelu_fwd_bias_v8",
                      "gemm_gelu_fwd_ws", "gemm_dgelu_bwd_ws", "gemm_gelu_fwd_grad_ws_w", "gemm_dgelu_mul_ws_w", "embed_fwd_v8", "embed_bwd_params_part", "pool_bwd_v8", "patchify_v8", "flash_fwd_wg_d64", "flash_bwd_wg_d64", "flash_fwd_wg_long_d64", "flash_fwd_wg_long_d80", "flash_bwd_wg_long_d64", "flash_bwd_wg_long_d80", "gemm_wgrad_tt", "flash_bwd_small_d64_w13",
                      "class_attention_fwd", "class_attention_bwd", "adam_kernel", "class_attention_fwd_v8", "class_attention_bwd_v8", "add_class_rows_v8"] {
             assert!(all.iter().any(|n| n == want), "{want} not listed");

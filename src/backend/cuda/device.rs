@@ -389,8 +389,9 @@ impl Cuda {
 
     /// Raises kernel `name`'s dynamic shared-memory limit to `smem` bytes where that is above
     /// the default 48 KiB.
-    fn allow_dynamic_smem(&self, name: &str, smem: u32) -> BResult<()> {
-        if smem > 48 * 1024 {
+    pub(super) fn allow_dynamic_smem(&self, name: &str, smem: u32) -> BResult<()> {
+        // (from 32 KiB on: the kernel's static shared memory counts against the same default)
+        if smem > 32 * 1024 {
             let f = self.kernels.get(name)?;
             f.set_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
                 .map_err(|e| BackendError::Device(format!("{name}: raising dynamic shared memory to {smem} bytes: {e}")))?;

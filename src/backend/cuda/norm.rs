@@ -11,9 +11,10 @@ use super::Cuda;
 use crate::backend::{BResult, BackendError, Span};
 use crate::core::LN_EPS;
 
-/// Widest `layernorm_bwd_s{J}` (C = 32·J ≤ 768): three accumulator rows per warp must fit
-/// in 48 KiB of static shared memory.
-const LN_SUM_MAX_J: usize = 24;
+/// Widest `layernorm_bwd_s{J}` with its accumulator rows in static shared memory (C = 32·J ≤
+/// 768: three rows per warp fit in 48 KiB); the wider instances (J 32, 40, 44) take them in
+/// dynamic shared memory, 4 warps × 3 rows × C f32 a block.
+const LN_SUM_STATIC_MAX_J: usize = 24;
 
 /// J (= C/32) of the register-resident LayerNorm kernels, when they apply: bf16 tensors,
 /// f32 statistics and a width with a compiled instance.
@@ -64,8 +65,8 @@ impl Cuda {
         self.launch("layernorm_fwd_kernel", (grid, 1, 1), (THREADS, 1, 1), 0, &mut kargs![out.ptr, out.dt(), mean.ptr, rstd.ptr, mean.dt(), inp.ptr, inp.dt(), params.ptr, params.dt(), wo, bo, r, cc, eps])
     }
 
-    /// `layernorm_backward`: with `dinp_sum`, the fast kernels for C ≤ 768 sum dinp's columns
-    /// in the same pass; elsewhere a separate column sum over dinp follows.
+    /// `layernorm_backward`: with `dinp_sum`, the vectorized kernels sum dinp's columns in the
+    /// same pass; elsewhere a separate column sum over dinp follows.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn layernorm_backward_impl(&self, dinp: &mut CudaBuf, dparams: &mut CudaBuf, dout: &CudaBuf, dresidual: Option<&CudaBuf>, inp: &CudaBuf, mean: &CudaBuf, rstd: &CudaBuf, params: &CudaBuf, w: Span, b: Span, rows: usize, c: usize, dinp_sum: Option<Span>) -> BResult<()> {
         const OP: &str = "layernorm_backward";
@@ -102,15 +103,19 @@ impl Cuda {
                 let (wo, bo, r) = (w.off as i64, b.off as i64, rows as i64);
                 // with dinp_sum (C ≤ 768): dinp's column sums as a third partial row
                 let (kernel, na, dsum) = match dinp_sum {
-                    Some(s) if j <= LN_SUM_MAX_J => ("s", 3, Some(dparams.at(s.off))),
-                    _ => ("v", 2, None),
+                    Some(s) => ("s", 3, Some(dparams.at(s.off))),
+                    None => ("v", 2, None),
                 };
+                let name = format!("layernorm_bwd_{kernel}{j}");
+                let smem = if dsum.is_some() && j > LN_SUM_STATIC_MAX_J { (4 * 3 * c * 4) as u32 } else { 0 };
                 // 4 warps per block, one row per warp at a time; as many blocks as fit at once
-                // (4 per SM at 128 registers, 2 for the widest rows)
-                let per_sm = self.kernels.get(&format!("layernorm_bwd_{kernel}{j}"))?.occupancy_max_active_blocks_per_multiprocessor(128, 0, None).unwrap_or(4).max(1);
+                // (4 per SM at 128 registers, 2 for the widest rows; the limit on dynamic shared
+                // memory raised first, or the count would be for none)
+                self.allow_dynamic_smem(&name, smem)?;
+                let per_sm = self.kernels.get(&name)?.occupancy_max_active_blocks_per_multiprocessor(128, smem as usize, None).unwrap_or(4).max(1);
                 let grid = (rows.div_ceil(4 * 8) as u32).min(self.info.multiprocessors * per_sm).max(1);
                 let partial = self.partial_rows(grid as usize * na * c)?;
-                self.launch(&format!("layernorm_bwd_{kernel}{j}"), (grid, 1, 1), (128, 1, 1), 0, &mut kargs![dinp.ptr, partial, dout.ptr, dres, inp.ptr, mean.ptr, rstd.ptr, params.ptr, wo, bo, r])?;
+                self.launch_dyn(&name, (grid, 1, 1), (128, 1, 1), smem, &mut kargs![dinp.ptr, partial, dout.ptr, dres, inp.ptr, mean.ptr, rstd.ptr, params.ptr, wo, bo, r])?;
                 let (dw, db) = (dparams.at(w.off), dparams.at(b.off));
                 self.reduce_partials(dw, db, dsum.unwrap_or(db), c, partial, grid as usize, na * c)?;
                 return if dsum.is_some() { Ok(()) } else { sum_after(self, dinp) };

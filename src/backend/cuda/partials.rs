@@ -33,7 +33,7 @@ const MAX_SEGS: usize = 64;
 /// Most f32 values the arena holds (16 MiB): about one ViT-B block's partial rows at micro 256,
 /// so they are summed while still in L2 (a whole step's, read back from memory at the end,
 /// would gain nothing over one launch per reduction).
-const ARENA_LIMIT: usize = 4 << 20;
+pub(super) const ARENA_LIMIT: usize = 4 << 20;
 
 /// One reduction, laid out as the kernel's `RedSeg`.
 #[repr(C)]

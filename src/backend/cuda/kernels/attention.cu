@@ -105,7 +105,8 @@ extern "C" __global__ void softmax_bwd_pad(bf16* dp, const bf16* p, int ld, i64 
 
 // ---- class-token attention: query 0 of each image only (the last block under token pooling).
 // q (B, H·D) holds the class tokens' queries, kv (B, N, 2, H, D) every token's keys and values.
-// One block per (image, head) = blockIdx.x, 128 threads; the work is N·D per head.
+// One block per (image, head) = blockIdx.x, 128 threads (the 16-byte kernels below may take
+// more); the work is N·D per head.
 // Generic kernels (any D, 2-byte accesses): a key row's D bf16 are read by one warp.
 // Shared memory: p (n) | qs (d) | acc (4·d) | red (32), the backward adds g (d) | ds (n).
 
@@ -222,8 +223,10 @@ extern "C" __global__ void class_attention_bwd(bf16* dq, bf16* dkv, const bf16* 
 }
 
 // The same two kernels with 16-byte loads and stores: D % 8 == 0, D ≤ 1024, 16-byte aligned
-// buffers (checked by the caller). Scores and dP take one thread per key; the weighted row sums
-// split the D/8 chunks of a row over threads and the keys over G = 128 / (D/8) groups.
+// buffers (checked by the caller), a block of T ≥ 128 threads (a multiple of 32; the host
+// takes more for long sequences on few heads, where the blocks alone would leave most SMs
+// idle). Scores and dP take one thread per key; the weighted row sums split the D/8 chunks of
+// a row over threads and the keys over G = T / (D/8) groups.
 
 __device__ __forceinline__ void unpack8(uint4 u, float* f) {
     f[0] = lo16(u.x); f[1] = hi16(u.x); f[2] = lo16(u.y); f[3] = hi16(u.y);
@@ -255,7 +258,7 @@ __device__ void class_probs8(float* p, float* qs, float* red, const bf16* q, con
     }
     class_softmax(p, red, mx, n);
 }
-// res[e] = Σ_j w[j]·rows_j[e] (f32 into shared `res`, d values); acc holds G·d ≤ 1024 floats.
+// res[e] = Σ_j w[j]·rows_j[e] (f32 into shared `res`, d values); acc holds G·d ≤ 8·T floats.
 __device__ void weighted_rows8(float* res, float* acc, const float* w, const bf16* rows, i64 row_stride, int n, int d) {
     int t = threadIdx.x, d8 = d >> 3, groups = blockDim.x / d8;
     int grp = t / d8, ch = t - grp * d8;
@@ -279,11 +282,11 @@ __device__ void weighted_rows8(float* res, float* acc, const float* w, const bf1
     __syncthreads();
 }
 
-// shared: p (n) | qs (d) | res (d) | acc (1024) | red (32)
+// shared: p (n) | qs (d) | res (d) | acc (8·T) | red (32)
 extern "C" __global__ void class_attention_fwd_v8(bf16* out, const bf16* q, const bf16* kv, int n, int h, int d, float scale) {
     extern __shared__ float sm[];
     int bi = blockIdx.x / h, hi = blockIdx.x % h, c = h * d;
-    float *p = sm, *qs = p + n, *res = qs + d, *acc = res + d, *red = acc + 1024;
+    float *p = sm, *qs = p + n, *res = qs + d, *acc = res + d, *red = acc + 8 * blockDim.x;
     const bf16* k = kv + (i64)bi * n * 2 * c + hi * d;
     class_probs8(p, qs, red, q + (i64)bi * c + hi * d, k, n, 2 * c, d, scale);
     weighted_rows8(res, acc, p, k + c, 2 * c, n, d);
@@ -291,13 +294,13 @@ extern "C" __global__ void class_attention_fwd_v8(bf16* out, const bf16* q, cons
     for (int ch = threadIdx.x; ch < (d >> 3); ch += blockDim.x) ((uint4*)o)[ch] = pack8(res + ch * 8);
 }
 
-// shared: p (n) | ds (n) | qs (d) | g (d) | res (d) | acc (1024) | red (32).
+// shared: p (n) | ds (n) | qs (d) | g (d) | res (d) | acc (8·T) | red (32).
 // part (optional, f32 rows of C per image): dout at this head's columns — the image's term of
 // the v bias gradient (Σ_j dv_j = dout since Σ_j P_j = 1; the k bias's, Σ_j dS_j q, is 0).
 extern "C" __global__ void class_attention_bwd_v8(bf16* dq, bf16* dkv, const bf16* dout, const bf16* q, const bf16* kv, int n, int h, int d, float scale, float* part) {
     extern __shared__ float sm[];
     int bi = blockIdx.x / h, hi = blockIdx.x % h, c = h * d, t = threadIdx.x, d8 = d >> 3;
-    float *p = sm, *ds = p + n, *qs = ds + n, *g = qs + d, *res = g + d, *acc = res + d, *red = acc + 1024;
+    float *p = sm, *ds = p + n, *qs = ds + n, *g = qs + d, *res = g + d, *acc = res + d, *red = acc + 8 * blockDim.x;
     const bf16* k = kv + (i64)bi * n * 2 * c + hi * d;
     for (int e = t; e < d; e += blockDim.x) g[e] = bf2f(dout[(i64)bi * c + hi * d + e]);
     class_probs8(p, qs, red, q + (i64)bi * c + hi * d, k, n, 2 * c, d, scale);

@@ -176,4 +176,23 @@ __device__ __forceinline__ float quad_max(float v) {
     return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
+// The end of the (32, 8)-block column sums (bias_grad_v8, gelu_bwd_bias_v8 in elementwise.cu,
+// flash_dq_store_sums in flash.cu): each thread holds 8 adjacent columns' sums over its rows;
+// the 8 block-rows are combined in a fixed order and row blockIdx.y of `dbias` (splits × oc)
+// receives the block's 256 columns.
+__device__ __forceinline__ void block_column_partials(const float (&acc)[8], float* dbias, int oc) {
+    __shared__ float part[8][256 + 4];
+    #pragma unroll
+    for (int k = 0; k < 8; k++) part[threadIdx.y][threadIdx.x * 8 + k] = acc[k];
+    __syncthreads();
+    int t = threadIdx.y * 32 + threadIdx.x;
+    int c = blockIdx.x * 256 + t;
+    if (c < oc) {
+        float s = 0.f;
+        #pragma unroll
+        for (int k = 0; k < 8; k++) s += part[k][t];
+        dbias[(i64)blockIdx.y * oc + c] = s;
+    }
+}
+
 #define GRID_STRIDE(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)

@@ -242,25 +242,6 @@ extern "C" __global__ void gelu_bwd_v8(uint4* dx, const uint4* pre, i64 n8) {
     }
 }
 
-// The end of the (32, 8)-block column sums (bias_grad_v8, gelu_bwd_bias_v8): each thread holds
-// 8 adjacent columns' sums over its rows; the 8 block-rows are combined in a fixed order and
-// row blockIdx.y of `dbias` (splits × oc) receives the block's 256 columns.
-__device__ __forceinline__ void block_column_partials(const float (&acc)[8], float* dbias, int oc) {
-    __shared__ float part[8][256 + 4];
-    #pragma unroll
-    for (int k = 0; k < 8; k++) part[threadIdx.y][threadIdx.x * 8 + k] = acc[k];
-    __syncthreads();
-    int t = threadIdx.y * 32 + threadIdx.x;
-    int c = blockIdx.x * 256 + t;
-    if (c < oc) {
-        float s = 0.f;
-        #pragma unroll
-        for (int k = 0; k < 8; k++) s += part[k][t];
-        dbias[(i64)blockIdx.y * oc + c] = s;
-    }
-}
-
-
 // out = gelu(pre + pb) over n8 16-byte vectors (row-major, oc8 = oc / 8 vectors per row,
 // 16-byte aligned). A flat grid-stride sweep like gelu_fwd_v8 (a (32, 8) block per 256 columns
 // striding over rows ran 17 % slower: 8 warps on 8 distant rows); each thread steps its column

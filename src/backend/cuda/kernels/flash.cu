@@ -310,6 +310,28 @@ extern "C" __global__ void flash_dq_store(bf16* dqkv, const float* dq_acc, i64 r
     }
 }
 
+// flash_dq_store, plus the column sums of dQ (the q bias gradient) from the same pass: block
+// (32, 8) covers 256 of the c = H·D columns (c % 8 == 0, dq_acc 16-byte aligned), grid
+// (ceil(c / 256), splits); row y of `partial` (splits × c) gets block-row y's sums of the f32
+// values, which are what the bf16 stores round.
+extern "C" __global__ void flash_dq_store_sums(bf16* dqkv, const float* dq_acc, float* partial, i64 rows, int c) {
+    const int c0 = (blockIdx.x * 32 + threadIdx.x) * 8;
+    float acc[8];
+    #pragma unroll
+    for (int k = 0; k < 8; k++) acc[k] = 0.f;
+    if (c0 < c) {
+        #pragma unroll 2
+        for (i64 r = (i64)blockIdx.y * 8 + threadIdx.y; r < rows; r += (i64)gridDim.y * 8) {
+            const float4* src = (const float4*)(dq_acc + r * c + c0);
+            const float4 x = src[0], y = src[1];
+            acc[0] += x.x; acc[1] += x.y; acc[2] += x.z; acc[3] += x.w;
+            acc[4] += y.x; acc[5] += y.y; acc[6] += y.z; acc[7] += y.w;
+            *(uint4*)(dqkv + r * 3 * (i64)c + c0) = make_uint4(pack_bf16(x.x, x.y), pack_bf16(x.z, x.w), pack_bf16(y.x, y.y), pack_bf16(y.z, y.w));
+        }
+    }
+    block_column_partials(acc, partial, c);
+}
+
 // ---- Pipelined kernels: the tiles the loop walks over (K, V in the forward; Q, dO, lse2, delta
 // in the key-block backward) are double-buffered in dynamic shared memory and fetched with
 // cp.async one step ahead, so a block computes on tile i while tile i + 1 is in flight. Rows

@@ -38,7 +38,11 @@
 // queries ≥ N lse2 = delta = 0, so every score is finite; in tiles that reach past N (the last
 // key block, the last query tile) the probability of a key or query ≥ N is replaced by zero,
 // which zeroes its dS. dQ rows ≥ N are not reduced, dK and dV rows ≥ N not stored (TMA store).
-// The qkv bias gradient is left to the host's column sums of dqkv.
+// With `dv_part` given, the block also sums its keys' dV over the keys (the v bias gradient; the
+// q bias's comes from flash_dq_store_sums, the k bias's is zero): each consumer warp puts the
+// column sums of its 16 keys into a slot of shared memory, and once both consumers have, the
+// slots are added in a fixed order into row b·nkb + key block of dv_part, at the head's D
+// columns. The host reduces the rows.
 //
 // A key block whose second 64 keys are all ≥ N (the last one, where N mod 128 is 1…64) runs
 // one consumer warpgroup: the barriers count its arrivals alone and the dQ warpgroup multiplies
@@ -73,8 +77,9 @@ struct FlBwdSmem {
     static constexpr int KT = OUT + 2 * 16384;                   // D = 80: K's columns 64…79 (128 rows of 32 bytes), V's 4096 after
     static constexpr int STAT = KT + COLS16 * 2 * FL_KEYS * 32;  // stage s: 64 (lse2, delta) pairs at STAT + 512·s
     static constexpr int BAR = STAT + FL_STAGES * 512;           // kv, full[FL_STAGES], empty[FL_STAGES], ds_full[FL_DSB], ds_empty[FL_DSB]
+    static constexpr int SUMS = BAR + 8 * (1 + 2 * FL_STAGES + 2 * FL_DSB);  // 8 consumer warps' Σ dV rows (D f32 each)
     // dynamic shared memory, with 1 KiB of alignment slack (attention.rs mirrors it)
-    static constexpr int BYTES = BAR + 8 * (1 + 2 * FL_STAGES + 2 * FL_DSB) + 1024;
+    static constexpr int BYTES = SUMS + 8 * D * 4 + 1024;
 };
 
 // d (32 of the warpgroup's 64×64 f32 tile) += A(64×16)·B(64×16)ᵀ, both K-major in shared memory:
@@ -120,6 +125,23 @@ __device__ __forceinline__ void fl_dq_reduce(float* base, const float (&dq)[4 * 
     }
 }
 
+// The sums over this warp's 16 key rows of a 64 × 8J accumulator's columns (value 4j + e in
+// column 8j + 2t + e % 2) into `row` at its column 0: the lanes of one t add their 8 rows g
+// through shuffles, and the lanes with g = 0 write. `row` 8-byte aligned (shared memory here).
+template <int J>
+__device__ __forceinline__ void fl_colsum_store(float* row, const float (&acc)[4 * J], int g, int t) {
+    #pragma unroll
+    for (int j = 0; j < J; j++) {
+        float s0 = acc[4 * j] + acc[4 * j + 2], s1 = acc[4 * j + 1] + acc[4 * j + 3];
+        #pragma unroll
+        for (int o = 4; o < 32; o <<= 1) {
+            s0 += __shfl_xor_sync(0xffffffffu, s0, o);
+            s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+        }
+        if (g == 0) *(float2*)(row + 8 * j + 2 * t) = make_float2(s0, s1);
+    }
+}
+
 // acc (64 keys × 8·QJ queries) = A·Bᵀ over the head dim, issued and committed: Sᵀ = K·Qᵀ or
 // dPᵀ = V·dOᵀ. A: the warpgroup's 64 key rows (descriptor da; dat: their columns 64…79 at D
 // = 80), B: the query tile (db; its 32-byte-swizzled tile at sbt), both K-major; four 16-deep
@@ -161,10 +183,11 @@ __device__ __forceinline__ void wgmma_m64n16k16_tt(float (&d)[8], unsigned long 
 // tm_dqkv over dqkv with 64-row boxes (dK, dV stores); at D = 80 tm_kvt, tm_qt, tm_dot as tm_kv,
 // tm_q, tm_do with 16-column boxes and the 32-byte swizzle (`tensor_map_3d_cols16`; not read at
 // D = 64). lse2, delta: (B·H, N) f32; dq_acc: (B, N, H·D) f32, zeroed by the delta pass, 16-byte
-// aligned; dqkv: the dK, dV columns 64…79 at D = 80.
+// aligned; dqkv: the dK, dV columns 64…79 at D = 80; dv_part: null, or (B · ceil(N / 128), H·D)
+// f32 (the v bias gradient's partial rows, above).
 template <int D>
 __device__ __forceinline__ void fl_bwd_long(const HgTmap& tm_kv, const HgTmap& tm_q, const HgTmap& tm_do, const HgTmap& tm_dqkv, const HgTmap& tm_kvt, const HgTmap& tm_qt, const HgTmap& tm_dot,
-                                            bf16* __restrict__ dqkv, const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc, int n, int h, float scale, float scale_log2) {
+                                            bf16* __restrict__ dqkv, const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc, float* __restrict__ dv_part, int n, int h, float scale, float scale_log2) {
     static_assert(D == 64 || D == 80, "head dims 64 and 80");
     using L = FlBwdSmem<D>;
     constexpr bool C16 = D > 64;
@@ -421,6 +444,18 @@ __device__ __forceinline__ void fl_bwd_long(const HgTmap& tm_kv, const HgTmap& t
     }
     fl_pin(dk);
     fl_pin(dv);
+    if (dv_part) {
+        float* sums = (float*)(fl_raw + (base - raw) + L::SUMS);
+        float* slot = sums + (wg * 4 + wi) * D;
+        fl_colsum_store<8>(slot, dv, g, t);
+        if constexpr (C16) fl_colsum_store<2>(slot + 64, dvt, g, t);
+        asm volatile("bar.sync 1, %0;\n" ::"r"(128 * nwk) : "memory");  // every consumer warp's slot written
+        if (tid < D) {
+            float sum = 0.f;
+            for (int k = 0; k < 4 * nwk; k++) sum += sums[k * D + tid];
+            dv_part[((i64)bi * gridDim.x + blockIdx.x) * h * D + hi * D + tid] = sum;
+        }
+    }
 
     if constexpr (C16) {
         // columns 64…79 of dK (times the softmax scale) and dV straight from the accumulators
@@ -444,10 +479,10 @@ __device__ __forceinline__ void fl_bwd_long(const HgTmap& tm_kv, const HgTmap& t
     }
 }
 
-extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_long_d64(const __grid_constant__ HgTmap tm_kv, const __grid_constant__ HgTmap tm_q, const __grid_constant__ HgTmap tm_do, const __grid_constant__ HgTmap tm_dqkv, const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc, int n, int h, float scale, float scale_log2) {
-    fl_bwd_long<64>(tm_kv, tm_q, tm_do, tm_dqkv, tm_kv, tm_q, tm_do, nullptr, lse2, delta, dq_acc, n, h, scale, scale_log2);
+extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_long_d64(const __grid_constant__ HgTmap tm_kv, const __grid_constant__ HgTmap tm_q, const __grid_constant__ HgTmap tm_do, const __grid_constant__ HgTmap tm_dqkv, const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc, float* __restrict__ dv_part, int n, int h, float scale, float scale_log2) {
+    fl_bwd_long<64>(tm_kv, tm_q, tm_do, tm_dqkv, tm_kv, tm_q, tm_do, nullptr, lse2, delta, dq_acc, dv_part, n, h, scale, scale_log2);
 }
 
-extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_long_d80(const __grid_constant__ HgTmap tm_kv, const __grid_constant__ HgTmap tm_q, const __grid_constant__ HgTmap tm_do, const __grid_constant__ HgTmap tm_dqkv, const __grid_constant__ HgTmap tm_kvt, const __grid_constant__ HgTmap tm_qt, const __grid_constant__ HgTmap tm_dot, bf16* __restrict__ dqkv, const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc, int n, int h, float scale, float scale_log2) {
-    fl_bwd_long<80>(tm_kv, tm_q, tm_do, tm_dqkv, tm_kvt, tm_qt, tm_dot, dqkv, lse2, delta, dq_acc, n, h, scale, scale_log2);
+extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_long_d80(const __grid_constant__ HgTmap tm_kv, const __grid_constant__ HgTmap tm_q, const __grid_constant__ HgTmap tm_do, const __grid_constant__ HgTmap tm_dqkv, const __grid_constant__ HgTmap tm_kvt, const __grid_constant__ HgTmap tm_qt, const __grid_constant__ HgTmap tm_dot, bf16* __restrict__ dqkv, const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc, float* __restrict__ dv_part, int n, int h, float scale, float scale_log2) {
+    fl_bwd_long<80>(tm_kv, tm_q, tm_do, tm_dqkv, tm_kvt, tm_qt, tm_dot, dqkv, lse2, delta, dq_acc, dv_part, n, h, scale, scale_log2);
 }

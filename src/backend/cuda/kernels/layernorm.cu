@@ -183,19 +183,53 @@ template <int J> struct LnV {
     __device__ static __forceinline__ int col(int e, int lane) { return ((e / VW) * 32 + lane) * VW + (e % VW); }
 };
 
+// Element e of this lane's LayerNorm parameter (packed bf16 pairs): from its registers, or
+// from the block's shared copy, where word i of lane l sits at 32·i + l (conflict-free).
+template <bool SMEM>
+__device__ __forceinline__ float ln_param(const unsigned* regs, const unsigned* shared, int e, int lane) {
+    if constexpr (SMEM) {
+        const unsigned word = shared[(e >> 1) * 32 + lane];
+        return (e & 1) ? whi(word) : wlo(word);
+    } else {
+        return wel(regs, e);
+    }
+}
+
 template <int J>
 __device__ __forceinline__ void ln_fwd_v(bf16* out, float* mean, float* rstd, const bf16* inp,
                                          const bf16* params, i64 w, i64 bo, i64 rows, float eps) {
     typedef LnV<J> L;
     const int c = 32 * J;
     int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
-    unsigned wp[L::NW], bp[L::NW];
-    #pragma unroll
-    for (int e = 0; e < J; e += 2) {
-        int k = L::col(e, lane);
-        wp[e >> 1] = (unsigned)params[w + k] | ((unsigned)params[w + k + 1] << 16);
-        bp[e >> 1] = (unsigned)params[bo + k] | ((unsigned)params[bo + k + 1] << 16);
+    // The weight and bias as packed pairs, each lane's words in the order it reads them: in
+    // registers up to C = 768; past it in shared memory (word i of lane l at 32·i + l, so a
+    // warp's reads are conflict-free), which lets more warps share an SM.
+    constexpr bool SMEM_PARAMS = J > 24;
+    constexpr int PW = SMEM_PARAMS ? 1 : L::NW;
+    __shared__ unsigned sp[SMEM_PARAMS ? 2 * L::NW * 32 : 1];
+    unsigned wp[PW], bp[PW];
+    auto pair = [&](int e, i64 off) {
+        const int k = L::col(e, lane);
+        return (unsigned)params[off + k] | ((unsigned)params[off + k + 1] << 16);
+    };
+    if constexpr (SMEM_PARAMS) {
+        if (threadIdx.x < 32) {
+            #pragma unroll
+            for (int e = 0; e < J; e += 2) {
+                sp[(e >> 1) * 32 + lane] = pair(e, w);
+                sp[(L::NW + (e >> 1)) * 32 + lane] = pair(e, bo);
+            }
+        }
+        __syncthreads();
+    } else {
+        #pragma unroll
+        for (int e = 0; e < J; e += 2) {
+            wp[e >> 1] = pair(e, w);
+            bp[e >> 1] = pair(e, bo);
+        }
     }
+    auto wgt = [&](int e) { return ln_param<SMEM_PARAMS>(wp, sp, e, lane); };
+    auto bia = [&](int e) { return ln_param<SMEM_PARAMS>(bp, sp + L::NW * 32, e, lane); };
     // Two rows per warp per iteration, both loaded before either is reduced: a row is one
     // 16·J-byte load per lane followed by dependent reductions, so one row at a time left the
     // warp waiting on memory latency (DRAM ~30 % busy at C = 384).
@@ -211,14 +245,15 @@ __device__ __forceinline__ void ln_fwd_v(bf16* out, float* mean, float* rstd, co
         unsigned ow[L::NW];
         #pragma unroll
         for (int e = 0; e < J; e += 2)
-            ow[e >> 1] = wpack((wel(xw, e) - mu) * rs * wel(wp, e) + wel(bp, e),
-                               (wel(xw, e + 1) - mu) * rs * wel(wp, e + 1) + wel(bp, e + 1));
+            ow[e >> 1] = wpack((wel(xw, e) - mu) * rs * wgt(e) + bia(e),
+                               (wel(xw, e + 1) - mu) * rs * wgt(e + 1) + bia(e + 1));
         bf16* o = out + r * c;
         #pragma unroll
         for (int k = 0; k < L::NV; k++) stw<L::WPV>(o + (k * 32 + lane) * L::VW, ow + k * L::WPV);
         if (lane == 0) { mean[r] = mu; rstd[r] = rs; }
     };
-    // (up to C = 768: beyond, the second row's words no longer fit in 128 registers)
+    // (up to C = 768: beyond, the second row's words no longer fit in 128 registers; there the
+    // parameters' registers go to more warps on each SM instead)
     constexpr int PER = J <= 24 ? 2 : 1;
     const i64 stride = (i64)gridDim.x * warps;
     for (i64 r = (i64)blockIdx.x * warps + (threadIdx.x >> 5); r < rows; r += PER * stride) {
@@ -242,26 +277,46 @@ __device__ __forceinline__ void ln_fwd_v(bf16* out, float* mean, float* rstd, co
 // the column sums of the bf16 dinp written (residual included) — the bias gradient of the
 // layer whose output gradient dinp is (a block's proj, the previous block's fc2), taken here
 // instead of a second pass over dinp; its partials follow dw's and db's (3·c per block).
-template <int J, int NA>
+// DYN: the rows in dynamic shared memory (4·NA·c floats, launched with that many bytes), for
+// widths whose three rows pass the 48 KiB of static shared memory.
+template <int J, int NA, bool DYN = false>
 __device__ __forceinline__ void ln_bwd_v(bf16* dinp, float* partial, const bf16* dout, const bf16* dres,
                                          const bf16* inp, const float* mean, const float* rstd,
                                          const bf16* params, i64 w, i64 bo, i64 rows) {
     typedef LnV<J> L;
     const int c = 32 * J;
     constexpr int SW = (J % 4 == 0) ? 4 : 2;  // floats per accumulator access
-    __shared__ __align__(16) float acc[4 * NA * 32 * J];
+    float* acc;
+    if constexpr (DYN) {
+        extern __shared__ __align__(16) float ln_acc_dyn[];
+        acc = ln_acc_dyn;
+    } else {
+        __shared__ __align__(16) float ln_acc[4 * NA * 32 * J];
+        acc = ln_acc;
+    }
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (int i = threadIdx.x; i < 4 * NA * c; i += blockDim.x) acc[i] = 0.f;
     __syncthreads();
     float* aw = acc + warp * NA * c;
     float* ab = aw + c;
     float* ad = ab + c;  // NA = 3 only
-    unsigned wp[L::NW];
+    // The weight as packed pairs: in registers up to C = 768, past it in shared memory (word i
+    // of lane l at 32·i + l, conflict-free), which leaves room for more warps on each SM.
+    constexpr bool SMEM_PARAMS = J > 24;
+    __shared__ unsigned sp[SMEM_PARAMS ? L::NW * 32 : 1];
+    unsigned wp[SMEM_PARAMS ? 1 : L::NW];
     #pragma unroll
     for (int e = 0; e < J; e += 2) {
         int k = L::col(e, lane);
-        wp[e >> 1] = (unsigned)params[w + k] | ((unsigned)params[w + k + 1] << 16);
+        const unsigned pr = (unsigned)params[w + k] | ((unsigned)params[w + k + 1] << 16);
+        if constexpr (SMEM_PARAMS) {
+            if (warp == 0) sp[(e >> 1) * 32 + lane] = pr;
+        } else {
+            wp[e >> 1] = pr;
+        }
     }
+    if constexpr (SMEM_PARAMS) __syncthreads();
+    auto wgt = [&](int e) { return ln_param<SMEM_PARAMS>(wp, sp, e, lane); };
     for (i64 r = (i64)blockIdx.x * 4 + warp; r < rows; r += (i64)gridDim.x * 4) {
         const bf16* g = dout + r * c;
         const bf16* x = inp + r * c;
@@ -298,7 +353,7 @@ __device__ __forceinline__ void ln_bwd_v(bf16* dinp, float* partial, const bf16*
             for (int i = 0; i < SW; i++) {
                 int e = q * SW + i;
                 float gv = wel(gw, e), xh = (wel(xw, e) - mu) * rs;
-                float dn = gv * wel(wp, e);
+                float dn = gv * wgt(e);
                 a += dn;
                 bs += dn * xh;
                 tw[i] += gv * xh;
@@ -317,8 +372,8 @@ __device__ __forceinline__ void ln_bwd_v(bf16* dinp, float* partial, const bf16*
         unsigned ow[L::NW];
         #pragma unroll
         for (int e = 0; e < J; e += 2) {
-            float d0 = rs * (wel(gw, e) * wel(wp, e) - a - (wel(xw, e) - mu) * rs * bs) + wel(rw, e);
-            float d1 = rs * (wel(gw, e + 1) * wel(wp, e + 1) - a - (wel(xw, e + 1) - mu) * rs * bs) + wel(rw, e + 1);
+            float d0 = rs * (wel(gw, e) * wgt(e) - a - (wel(xw, e) - mu) * rs * bs) + wel(rw, e);
+            float d1 = rs * (wel(gw, e + 1) * wgt(e + 1) - a - (wel(xw, e + 1) - mu) * rs * bs) + wel(rw, e + 1);
             ow[e >> 1] = wpack(d0, d1);
         }
         if constexpr (NA == 3) {
@@ -366,18 +421,22 @@ extern "C" __global__ void __launch_bounds__(128, BB) layernorm_bwd_v##J(bf16* d
         const bf16* inp, const float* mean, const float* rstd, const bf16* params, i64 w, i64 bo, i64 rows) { \
     ln_bwd_v<J, 2>(dinp, partial, dout, dres, inp, mean, rstd, params, w, bo, rows); }
 #define LNV_INSTANCE(J) LNV_KERNELS(J, 2, 4)
-// Widths over 1024 (ViT-H's 1280, ViT-g's 1408): the rows no longer fit 128 registers, so half
-// as many blocks share an SM rather than spilling.
-#define LNV_WIDE_INSTANCE(J) LNV_KERNELS(J, 1, 2)
 LNV_INSTANCE(2) LNV_INSTANCE(4) LNV_INSTANCE(6) LNV_INSTANCE(8) LNV_INSTANCE(12) LNV_INSTANCE(16)
-LNV_INSTANCE(24) LNV_INSTANCE(32)
-LNV_WIDE_INSTANCE(40) LNV_WIDE_INSTANCE(44)
+LNV_INSTANCE(24)
+// Past C = 768 both keep the LayerNorm weight in shared memory, and the forward holds one row a
+// warp, so four of its blocks share an SM; at widths over 1024 (ViT-H's 1280, ViT-g's 1408) the
+// backward's rows no longer fit 128 registers: three of its blocks share an SM (170 registers a
+// thread) rather than four.
+LNV_KERNELS(32, 4, 4) LNV_KERNELS(40, 4, 3) LNV_KERNELS(44, 4, 3)
 
-// layernorm_bwd_v with dinp's column sums (NA = 3), up to C = 768: three accumulator rows of
-// 4 warps stay within 48 KiB of static shared memory (C = 1024 falls back to a separate sum).
-#define LNS_INSTANCE(J) \
-extern "C" __global__ void __launch_bounds__(128, 4) layernorm_bwd_s##J(bf16* dinp, float* partial, const bf16* dout, const bf16* dres, \
+// layernorm_bwd_v with dinp's column sums (NA = 3): up to C = 768 three accumulator rows of 4
+// warps stay within 48 KiB of static shared memory; C = 1024, 1280 and 1408 keep them in
+// dynamic shared memory (48, 60 and 66 KiB a block), with the blocks per SM of their `_v` forms.
+#define LNS_KERNEL(J, BB, DYN) \
+extern "C" __global__ void __launch_bounds__(128, BB) layernorm_bwd_s##J(bf16* dinp, float* partial, const bf16* dout, const bf16* dres, \
         const bf16* inp, const float* mean, const float* rstd, const bf16* params, i64 w, i64 bo, i64 rows) { \
-    ln_bwd_v<J, 3>(dinp, partial, dout, dres, inp, mean, rstd, params, w, bo, rows); }
+    ln_bwd_v<J, 3, DYN>(dinp, partial, dout, dres, inp, mean, rstd, params, w, bo, rows); }
+#define LNS_INSTANCE(J) LNS_KERNEL(J, 4, false)
 LNS_INSTANCE(2) LNS_INSTANCE(4) LNS_INSTANCE(6) LNS_INSTANCE(8) LNS_INSTANCE(12) LNS_INSTANCE(16)
 LNS_INSTANCE(24)
+LNS_KERNEL(32, 4, true) LNS_KERNEL(40, 3, true) LNS_KERNEL(44, 3, true)
