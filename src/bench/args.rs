@@ -46,10 +46,6 @@ pub struct BenchArgs {
     /// After timing, run one eager step with every kernel and GEMM timed and print the table.
     #[arg(long)]
     pub profile: bool,
-    /// With --profile: milliseconds the GPU waits before the profiled step, so that the host
-    /// queues the step ahead of it and no launch's time includes the host's (0: no wait).
-    #[arg(long, default_value_t = 200.0)]
-    pub profile_hold_ms: f64,
     /// CUDA attention path: fused, fused-pipe or gemm (default: $VITSCALE_ATTENTION, else fused).
     #[arg(long)]
     pub attention: Option<String>,

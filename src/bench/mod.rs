@@ -269,10 +269,6 @@ fn bench_cuda(args: &BenchArgs, s: &Setup) -> anyhow::Result<BenchResult> {
     let loss = mean_loss(&be, &st.vit, args.micro)?;
     let peak = be.peak_bytes() as f64 / (1u64 << 30) as f64;
     if args.profile {
-        anyhow::ensure!(args.profile_hold_ms.is_finite() && args.profile_hold_ms >= 0.0, "--profile-hold-ms must be a number ≥ 0, got {}", args.profile_hold_ms);
-        if args.profile_hold_ms > 0.0 {
-            be.hold_stream(args.profile_hold_ms)?;
-        }
         be.set_profiling(true);
         st.pass_unlogged(&be, args.micro)?;
         boundary(&be, &mut st, step)?;

@@ -1,14 +1,10 @@
 //! Per-launch profiling: while on (`set_profiling`), every kernel and GEMM launch is bracketed
 //! by events (`timed`), and a step's launches are read back in queue order or summed by name
 //! (`vitscale bench --profile`).
-//!
-//! The two events around a launch time what the GPU did between reaching them. When the GPU
-//! has caught up with the host, that span also holds the host's own launch work, so a profiled
-//! step starts behind `hold_stream`: the GPU waits while the host queues the step ahead of it.
 
 use std::collections::HashMap;
 
-use super::device::{dev, kargs};
+use super::device::dev;
 use super::Cuda;
 use crate::backend::{BResult, Backend};
 
@@ -69,13 +65,6 @@ impl Cuda {
             prev_end = Some(e1);
         }
         Ok(out)
-    }
-
-    /// Keeps the GPU busy for `ms` milliseconds (at most 10 s) before what is queued next, so
-    /// that the host gets ahead of it (before a profiled step).
-    pub fn hold_stream(&self, ms: f64) -> BResult<()> {
-        let ns = (ms.clamp(0.0, 10_000.0) * 1e6) as u64;
-        self.launch("hold_stream", (1, 1, 1), (1, 1, 1), 0, &mut kargs![ns])
     }
 
     /// Runs `f` between two timing events when profiling is on.

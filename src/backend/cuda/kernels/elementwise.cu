@@ -2,17 +2,6 @@
 // depth's row factors, the EMA's lerp, GELU and its backward, and the sum of squares used for
 // the global gradient norm.
 
-// Keeps the stream busy for `ns` nanoseconds of the GPU's global timer, so that the host can
-// queue work behind it before the GPU reaches that work (the profiled step: see profile.rs).
-extern "C" __global__ void hold_stream(unsigned long long ns) {
-    unsigned long long t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    do {
-        __nanosleep(2000);
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    } while (t - t0 < ns);
-}
-
 extern "C" __global__ void cast_kernel(void* dst, int dtd, const void* src, int dts, i64 n) {
     GRID_STRIDE(i, n) stx(dst, dtd, i, ldx(src, dts, i));
 }
