@@ -549,7 +549,7 @@ mod timing {
         for (i, im) in imgs.iter().enumerate() {
             let (w, h) = (im.width() as usize, im.height() as usize);
             let (r, flip) = resize::draw_rrc(0, 0, i, w, h, cfg.scale, cfg.ratio);
-            resize::resample_rows(im.as_raw(), w, h, r, side, flip, cfg.interpolation, |_, row| sum += row[5]);
+            resize::resample_rows(im.as_raw(), w, h, r, side, flip, cfg.interpolation, |_, [_, g, _]| sum += g[1]);
         }
         eprintln!("resample (rows only): {:.3} ms {sum}", t.elapsed().as_secs_f64() * 1e3 / n as f64);
         let ra = crate::config::parse_rand_augment("rand-m9-mstd0.5-inc1").unwrap().unwrap();

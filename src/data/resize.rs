@@ -15,6 +15,8 @@
 //! evaluation and against a transcription of PIL's `ImagingResample`).
 
 use std::cell::RefCell;
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::__m256i;
 
 use super::rng::{hash, stream, SplitMix};
 use crate::config::Interpolation;
@@ -84,17 +86,8 @@ pub fn draw_rrc(seed: u64, epoch: u64, index: usize, width: usize, height: usize
     (r, rng.coin())
 }
 
-/// Filter taps of one axis: output i reads source indices `start[i]..start[i] + len[i]` with
-/// weights `weights[i * n..][..len[i]]` (rows padded to the widest tap count `n`). Zero-weight
-/// taps at the ends are trimmed so the inner loops do no useless work.
-struct Taps {
-    start: Vec<usize>,
-    len: Vec<usize>,
-    n: usize,
-    weights: Vec<f32>,
-}
-
 /// PIL's bicubic kernel (Keys' cubic convolution, a = −0.5; zero from |x| = 2 on).
+#[inline(always)]
 fn bicubic(x: f64) -> f64 {
     const A: f64 = -0.5;
     let x = x.abs();
@@ -107,92 +100,17 @@ fn bicubic(x: f64) -> f64 {
     }
 }
 
-fn taps(src_len: usize, r0: f32, rlen: f32, out_len: usize, filter: Interpolation) -> Taps {
-    let scale = rlen / out_len as f32;
-    // Kernel of radius 1 (bilinear) or 2 (bicubic) output pixels, widened by the downscale
-    // factor (antialiasing).
-    let fscale = scale.max(1.0);
-    let support = match filter {
-        Interpolation::Bilinear => fscale,
-        Interpolation::Bicubic => 2.0 * fscale,
-    };
-    let n = (support.ceil() as usize) * 2 + 1;
-    // Bicubic follows PIL's `precompute_coeffs` in f64 (bilinear keeps its f32 arithmetic,
-    // which its outputs are pinned to).
-    let (scale64, fscale64) = (rlen as f64 / out_len as f64, (rlen as f64 / out_len as f64).max(1.0));
-    let mut start = Vec::with_capacity(out_len);
-    let mut len = Vec::with_capacity(out_len);
-    let mut weights = vec![0f32; out_len * n];
-    // f64 weights of one output (bicubic), normalized before they are stored as f32.
-    let mut k64 = vec![0f64; if filter == Interpolation::Bicubic { n } else { 0 }];
-    for i in 0..out_len {
-        let w = &mut weights[i * n..(i + 1) * n];
-        let (lo, hi) = match filter {
-            Interpolation::Bilinear => {
-                let center = r0 + (i as f32 + 0.5) * scale;
-                let lo = ((center - support).floor().max(0.0) as usize).min(src_len - 1);
-                let hi = ((center + support).ceil().max(0.0) as usize).clamp(lo + 1, src_len).min(lo + n);
-                let mut sum = 0.0;
-                for (k, j) in (lo..hi).enumerate() {
-                    w[k] = (1.0 - ((j as f32 + 0.5 - center) / fscale).abs()).max(0.0);
-                    sum += w[k];
-                }
-                if sum <= 0.0 {
-                    // Window entirely outside the image (can't happen for valid regions): nearest pixel.
-                    w[0] = 1.0;
-                    sum = 1.0;
-                }
-                w.iter_mut().for_each(|x| *x /= sum);
-                (lo, hi)
-            }
-            Interpolation::Bicubic => {
-                let center = r0 as f64 + (i as f64 + 0.5) * scale64;
-                let support = 2.0 * fscale64;
-                let lo = ((center - support).floor().max(0.0) as usize).min(src_len - 1);
-                let hi = ((center + support).ceil().max(0.0) as usize).clamp(lo + 1, src_len).min(lo + n);
-                let ss = 1.0 / fscale64;
-                let k64 = &mut k64[..hi - lo];
-                let mut sum = 0.0;
-                for (k, j) in (lo..hi).enumerate() {
-                    k64[k] = bicubic((j as f64 + 0.5 - center) * ss);
-                    sum += k64[k];
-                }
-                if sum == 0.0 {
-                    // Window entirely outside the image (can't happen for valid regions).
-                    k64[0] = 1.0;
-                    sum = 1.0;
-                }
-                for (wk, &k) in w.iter_mut().zip(k64.iter()) {
-                    *wk = (k / sum) as f32;
-                }
-                (lo, hi)
-            }
-        };
-        // Trim zero weights at both ends.
-        let mut first = 0;
-        let mut last = hi - lo;
-        while last > first + 1 && w[last - 1] == 0.0 {
-            last -= 1;
-        }
-        while first + 1 < last && w[first] == 0.0 {
-            first += 1;
-        }
-        w.copy_within(first..last, 0);
-        start.push(lo + first);
-        len.push(last - first);
-    }
-    Taps { start, len, n, weights }
-}
-
 /// Fractional bits of the horizontal pass's output (a byte value ·2^7 in an i16), and its
 /// largest value: 255 at that scale. 1/128 of a level is far below what the filters resolve.
 const MID_BITS: u32 = 7;
 const MID_MAX: i32 = 255 << MID_BITS;
 
-/// [`Taps`] in fixed point for the integer passes: each weight times 2^`bits`, rounded to an
-/// i16, with the rounding residual added to the output's largest weight so that every output's
-/// weights still sum to exactly 2^`bits` (a flat image stays flat); `n` is the tap stride,
-/// rounded up to even because the vector passes take taps in pairs (the padding weighs 0).
+/// Filter taps of one axis in fixed point, for the integer passes: output i reads source
+/// indices `start[i]..start[i] + len[i]` with weights `weights[i * n..][..len[i]]` (zero past
+/// len), each a weight times 2^`bits` rounded to an i16, with the rounding residual added to the
+/// output's largest weight so that every output's weights still sum to exactly 2^`bits` (a flat
+/// image stays flat). `n` is the widest tap count rounded up to even (the vector passes take
+/// taps in pairs). Zero-weight taps at the ends are trimmed so the inner loops do no useless work.
 struct FixedTaps {
     start: Vec<usize>,
     len: Vec<usize>,
@@ -201,60 +119,281 @@ struct FixedTaps {
     weights: Vec<i16>,
 }
 
-/// Quantizes `t` to the most fractional bits (at most `max_bits`, at least `min_bits`) for
-/// which every weight, after the residual, fits an i16 and no output's sum of |weight| ×
-/// `input_max` can leave an i32: the precision adapts to the filter, so a strong downscale
-/// (many small weights) keeps as many significant bits per weight as a copy does.
-fn fixed_taps(t: Taps, max_bits: u32, min_bits: u32, input_max: f64) -> FixedTaps {
-    let outputs = t.start.len();
-    let (mut max_w, mut max_abs_sum) = (0f64, 0f64);
-    for i in 0..outputs {
-        let w = &t.weights[i * t.n..i * t.n + t.len[i]];
-        max_w = w.iter().fold(max_w, |m, &x| m.max((x as f64).abs()));
-        max_abs_sum = max_abs_sum.max(w.iter().map(|&x| (x as f64).abs()).sum());
+/// Outputs whose weights [`fixed_taps`] computes side by side, tap by tap: loops over a group's
+/// lanes that the compiler turns into vector instructions.
+const GROUP: usize = 8;
+
+/// The filter of [`fixed_taps`] on one axis: output i is centred at r0 + (i + ½)·scale and
+/// reads the pixels within `support` of it.
+#[derive(Clone, Copy)]
+struct Axis {
+    src_len: usize,
+    r0: f32,
+    rlen: f32,
+    out_len: usize,
+    /// The widest tap count: 2·ceil(support) + 1.
+    n: usize,
+}
+
+/// The pixels lo..hi an output reads, from the floor of its window's start and the ceiling of its
+/// end: `lo = min(max(start, 0) as usize, src_len − 1)`, `hi = min(clamp(max(end, 0) as usize,
+/// lo + 1, src_len), lo + n)`, the casts saturating. In i32, clamped as floats first (NaN to 0,
+/// as the casts take it), so that the compiler vectorizes the conversions; `fixed_taps` keeps
+/// `src_len` below 2^31.
+#[inline(always)]
+fn window(axis: Axis, start: f64, end: f64) -> (i32, i32) {
+    let (len, n) = (axis.src_len as i32, axis.n as i32);
+    // SAFETY: max maps NaN to 0 and min bounds the value: both are numbers in 0..=src_len.
+    let (a, b) = unsafe { (start.max(0.0).min((len - 1) as f64).to_int_unchecked::<i32>(), end.max(0.0).min(len as f64).to_int_unchecked::<i32>()) };
+    (a, b.max(a + 1).min(len).min(a + n))
+}
+
+/// Bilinear weights of outputs i0..i0 + GROUP, normalized in f32 (what the bilinear outputs are
+/// pinned to): `w[k · GROUP + l]` is tap k of output i0 + l (zero from its tap count m on),
+/// which reads pixel lo + k. Returns lo and m per output.
+#[inline(always)]
+fn bilinear_group(axis: Axis, i0: usize, w: &mut [f32]) -> ([i32; GROUP], [i32; GROUP]) {
+    let scale = axis.rlen / axis.out_len as f32;
+    let fscale = scale.max(1.0);
+    let support = fscale;
+    let (mut center, mut lo, mut m) = ([0f32; GROUP], [0i32; GROUP], [0i32; GROUP]);
+    for l in 0..GROUP {
+        let c = axis.r0 + ((i0 + l) as i32 as f32 + 0.5) * scale;
+        let (a, b) = window(axis, (c - support).floor() as f64, (c + support).ceil() as f64);
+        (center[l], lo[l], m[l]) = (c, a, b - a);
     }
+    let mut sum = [0f32; GROUP];
+    for (k, row) in w.chunks_exact_mut(GROUP).enumerate() {
+        for l in 0..GROUP {
+            // (lo + k as f32 is the pixel index's own conversion: the same integer below 2^31.)
+            let x = (1.0 - (((lo[l] + k as i32) as f32 + 0.5 - center[l]) / fscale).abs()).max(0.0);
+            row[l] = if (k as i32) < m[l] { x } else { 0.0 };
+            sum[l] += row[l];
+        }
+    }
+    for l in 0..GROUP {
+        if sum[l] <= 0.0 {
+            // Window entirely outside the image (can't happen for valid regions): nearest pixel.
+            w[l] = 1.0;
+            sum[l] = 1.0;
+        }
+    }
+    for row in w.chunks_exact_mut(GROUP) {
+        for l in 0..GROUP {
+            row[l] /= sum[l];
+        }
+    }
+    (lo, m)
+}
+
+/// Bicubic weights of outputs i0..i0 + GROUP as [`bilinear_group`]'s, following PIL's
+/// `precompute_coeffs` in f64 (`k64`: n · GROUP scratch values) and stored as f32.
+#[inline(always)]
+fn bicubic_group(axis: Axis, i0: usize, w: &mut [f32], k64: &mut [f64]) -> ([i32; GROUP], [i32; GROUP]) {
+    let scale = axis.rlen as f64 / axis.out_len as f64;
+    let fscale = scale.max(1.0);
+    let (support, ss) = (2.0 * fscale, 1.0 / fscale);
+    let (mut center, mut lo, mut m) = ([0f64; GROUP], [0i32; GROUP], [0i32; GROUP]);
+    for l in 0..GROUP {
+        let c = axis.r0 as f64 + ((i0 + l) as i32 as f64 + 0.5) * scale;
+        let (a, b) = window(axis, (c - support).floor(), (c + support).ceil());
+        (center[l], lo[l], m[l]) = (c, a, b - a);
+    }
+    let mut sum = [0f64; GROUP];
+    for (k, row) in k64.chunks_exact_mut(GROUP).enumerate() {
+        for l in 0..GROUP {
+            let x = bicubic(((lo[l] + k as i32) as f64 + 0.5 - center[l]) * ss);
+            row[l] = if (k as i32) < m[l] { x } else { 0.0 };
+            sum[l] += row[l];
+        }
+    }
+    for l in 0..GROUP {
+        if sum[l] == 0.0 {
+            // Window entirely outside the image (can't happen for valid regions).
+            k64[l] = 1.0;
+            sum[l] = 1.0;
+        }
+    }
+    for (row, kr) in w.chunks_exact_mut(GROUP).zip(k64.chunks_exact(GROUP)) {
+        for l in 0..GROUP {
+            row[l] = (kr[l] / sum[l]) as f32;
+        }
+    }
+    (lo, m)
+}
+
+/// The taps of `out_len` outputs over the window [r0, r0 + rlen) of an axis of `src_len` pixels
+/// with `filter`: PIL's antialiased filters (the kernel of radius 1 (bilinear) or 2 (bicubic)
+/// output pixels, widened by the downscale factor), normalized per output, then quantized with
+/// the most fractional bits (at most `max_bits`, at least `min_bits`) for which every weight,
+/// after the residual, fits an i16 and no output's sum of |weight| × `input_max` can leave an
+/// i32: the precision adapts to the filter, so a strong downscale (many small weights) keeps as
+/// many significant bits per weight as a copy does.
+#[allow(clippy::too_many_arguments)]
+fn fixed_taps(src_len: usize, r0: f32, rlen: f32, out_len: usize, filter: Interpolation, max_bits: u32, min_bits: u32, input_max: f64) -> FixedTaps {
+    #[cfg(target_arch = "x86_64")]
+    if simd() != Simd::Scalar {
+        #[target_feature(enable = "avx2")]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn wide(src_len: usize, r0: f32, rlen: f32, out_len: usize, filter: Interpolation, max_bits: u32, min_bits: u32, input_max: f64) -> FixedTaps {
+            fixed_taps_on(src_len, r0, rlen, out_len, filter, max_bits, min_bits, input_max)
+        }
+        // SAFETY: simd() checked the CPU for AVX2.
+        return unsafe { wide(src_len, r0, rlen, out_len, filter, max_bits, min_bits, input_max) };
+    }
+    fixed_taps_on(src_len, r0, rlen, out_len, filter, max_bits, min_bits, input_max)
+}
+
+/// [`fixed_taps`], inlined into its callers so that each compiles it for its own target
+/// features: the same arithmetic, elementwise IEEE operations in the same order, either way.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn fixed_taps_on(src_len: usize, r0: f32, rlen: f32, out_len: usize, filter: Interpolation, max_bits: u32, min_bits: u32, input_max: f64) -> FixedTaps {
+    let scale = rlen / out_len as f32;
+    let support = match filter {
+        Interpolation::Bilinear => scale.max(1.0),
+        Interpolation::Bicubic => 2.0 * scale.max(1.0),
+    };
+    let n = (support.ceil() as usize) * 2 + 1;
+    assert!(src_len > 0 && src_len < 1 << 31, "an axis of {src_len} pixels");
+    let axis = Axis { src_len, r0, rlen, out_len, n };
+    let groups = out_len.div_ceil(GROUP);
+    // Each group's weights, tap-major, its outputs' first pixels, and the range of taps kept
+    // when zero weights at the ends are trimmed.
+    let mut w = vec![0f32; groups * n * GROUP];
+    let mut k64 = vec![0f64; if filter == Interpolation::Bicubic { n * GROUP } else { 0 }];
+    let (mut lo, mut first, mut last) = (vec![0i32; groups * GROUP], vec![0i32; groups * GROUP], vec![0i32; groups * GROUP]);
+    // The largest |weight| (in f32, exactly the f64 of the largest) and the largest sum of one
+    // output's |weights|, summed in f64 in tap order.
+    let (mut max_w, mut max_abs_sum) = (0f32, 0f64);
+    for g in 0..groups {
+        let wg = &mut w[g * n * GROUP..(g + 1) * n * GROUP];
+        let (lo_g, _) = match filter {
+            Interpolation::Bilinear => bilinear_group(axis, g * GROUP, wg),
+            Interpolation::Bicubic => bicubic_group(axis, g * GROUP, wg, &mut k64),
+        };
+        let valid = (out_len - g * GROUP).min(GROUP);
+        let (mut abs_sum, mut big) = ([0f64; GROUP], [0f32; GROUP]);
+        let (mut lo_nz, mut hi_nz) = ([i32::MAX; GROUP], [0i32; GROUP]);
+        for (k, row) in wg.chunks_exact(GROUP).enumerate() {
+            for l in 0..GROUP {
+                let a = row[l].abs();
+                // (A comparison keeps the maximum where f64::max did: a NaN never replaces it.)
+                big[l] = if a > big[l] { a } else { big[l] };
+                abs_sum[l] += a as f64;
+                let nonzero = row[l] != 0.0;
+                lo_nz[l] = if nonzero { lo_nz[l].min(k as i32) } else { lo_nz[l] };
+                hi_nz[l] = if nonzero { k as i32 + 1 } else { hi_nz[l] };
+            }
+        }
+        for l in 0..valid {
+            max_w = if big[l] > max_w { big[l] } else { max_w };
+            max_abs_sum = if abs_sum[l] > max_abs_sum { abs_sum[l] } else { max_abs_sum };
+            let i = g * GROUP + l;
+            lo[i] = lo_g[l];
+            // Without a nonzero weight, one tap is kept.
+            (first[i], last[i]) = if lo_nz[l] == i32::MAX { (0, 1) } else { (lo_nz[l], hi_nz[l]) };
+        }
+    }
+    let max_w = max_w as f64;
     let fits = |bits: u32| {
         let s = (1u64 << bits) as f64;
         // Margins: the residual moves one weight by at most n/2 units, and the vector passes add
         // pairs of products, which the i32 bound covers.
-        max_w * s + t.n as f64 <= i16::MAX as f64 && (max_abs_sum * s + t.n as f64) * input_max <= i32::MAX as f64 * 0.99
+        max_w * s + n as f64 <= i16::MAX as f64 && (max_abs_sum * s + n as f64) * input_max <= i32::MAX as f64 * 0.99
     };
     let mut bits = max_bits;
     while bits > min_bits && !fits(bits) {
         bits -= 1;
     }
-    let n = t.n + (t.n & 1);
     let scale = (1u64 << bits) as f64;
-    let mut weights = vec![0i16; outputs * n];
-    for i in 0..outputs {
-        let (src, dst) = (&t.weights[i * t.n..i * t.n + t.len[i]], &mut weights[i * n..i * n + t.len[i]]);
-        let (mut sum, mut big) = (0i32, 0);
-        for (k, &x) in src.iter().enumerate() {
-            // Rounded half away from zero, as f64::round, without its library call (the cast
-            // truncates); in range by `fits`: |x|·2^bits + n ≤ i16::MAX.
-            let v = x as f64 * scale;
-            dst[k] = (v + 0.5f64.copysign(v)) as i16;
-            sum += dst[k] as i32;
-            if dst[k].unsigned_abs() > dst[big].unsigned_abs() {
-                big = k;
+    let stride = n + (n & 1);
+    let (mut start, mut len) = (vec![0usize; out_len], vec![0usize; out_len]);
+    let mut weights = vec![0i16; out_len * stride];
+    let mut q = vec![0i16; n * GROUP];
+    for g in 0..groups {
+        let i0 = g * GROUP;
+        let (first, last) = (&first[i0..i0 + GROUP], &last[i0..i0 + GROUP]);
+        // Each weight rounded half away from zero, as f64::round, without its library call (the
+        // cast truncates; in range by `fits`: |x|·2^bits + n ≤ i16::MAX, unless even min_bits
+        // does not fit, where the cast saturates); per output the sum and the first of the kept
+        // taps with the largest magnitude.
+        let (mut sum, mut big, mut best) = ([0i32; GROUP], [0i32; GROUP], [-1i32; GROUP]);
+        for (k, (qr, wr)) in q.chunks_exact_mut(GROUP).zip(w[g * n * GROUP..].chunks_exact(GROUP)).enumerate() {
+            let k = k as i32;
+            let mut v = [0f64; GROUP];
+            for l in 0..GROUP {
+                let x = wr[l] as f64 * scale;
+                v[l] = x + 0.5f64.copysign(x);
+            }
+            // `v as i16`, which saturates and takes NaN to 0, in steps the compiler vectorizes.
+            let mut qk = [0i32; GROUP];
+            for l in 0..GROUP {
+                let c = v[l].clamp(i16::MIN as f64, i16::MAX as f64);
+                let c = if v[l].is_nan() { 0.0 } else { c };
+                // SAFETY: c is a number within i16's range, so the truncation is too.
+                qk[l] = unsafe { c.to_int_unchecked::<i32>() };
+            }
+            for l in 0..GROUP {
+                qr[l] = qk[l] as i16;
+                sum[l] += qk[l];
+                let a = qk[l].abs();
+                let larger = (k >= first[l]) & (k < last[l]) & (a > best[l]);
+                big[l] = if larger { k } else { big[l] };
+                best[l] = if larger { a } else { best[l] };
             }
         }
-        if !dst.is_empty() {
-            dst[big] += ((1i32 << bits) - sum) as i16;
+        for l in 0..(out_len - i0).min(GROUP) {
+            let i = i0 + l;
+            let (f, t) = (first[l] as usize, last[l] as usize);
+            start[i] = lo[i] as usize + f;
+            len[i] = t - f;
+            let row = &mut weights[i * stride..i * stride + t - f];
+            for (k, o) in row.iter_mut().enumerate() {
+                *o = q[(f + k) * GROUP + l];
+            }
+            row[big[l] as usize - f] += ((1i32 << bits) - sum[l]) as i16;
         }
     }
-    FixedTaps { start: t.start, len: t.len, n, bits, weights }
+    FixedTaps { start, len, n: stride, bits, weights }
 }
 
 thread_local! {
-    // Scratch buffers per worker thread (a padded copy of a source row where reading in place
-    // could run past the image, the horizontal-pass rows, one f32 output row), reused across
-    // images.
-    static SCRATCH: RefCell<(Vec<u8>, Vec<i16>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+    // Scratch buffers per worker thread, reused across images.
+    static SCRATCH: RefCell<Scratch> = const { RefCell::new(Scratch::new()) };
 }
 
-/// Pixels of the horizontal-pass rows and of the rows handed to the sink are 4 lanes (R, G, B
-/// and an unused 0), so that one pixel is one SIMD lane group.
+/// [`resample_rows_on`]'s buffers: a padded copy of a source row where reading in place could
+/// run past the image, the vector horizontal pass's expanded source row, the horizontal-pass
+/// rows, the scalar vertical pass's pixel row, and one output row as three planes where the
+/// destination is not a CHW buffer.
+struct Scratch {
+    padded: Vec<u8>,
+    expanded: Vec<i16>,
+    tmp: Vec<i16>,
+    acc: Vec<f32>,
+    planes: Vec<f32>,
+}
+
+impl Scratch {
+    const fn new() -> Self {
+        Scratch { padded: Vec::new(), expanded: Vec::new(), tmp: Vec::new(), acc: Vec::new(), planes: Vec::new() }
+    }
+}
+
+/// `len` values of `buf` from a 64-byte boundary on, so that fewer of the vector passes' loads
+/// and stores straddle two cache lines. `buf` only grows: values it held stay (zero where it
+/// grew), so a buffer that is written before it is read costs no clearing per image.
+fn aligned(buf: &mut Vec<i16>, len: usize) -> &mut [i16] {
+    if buf.len() < len + 32 {
+        buf.resize(len + 32, 0);
+    }
+    let at = buf.as_ptr().align_offset(64).min(32);
+    &mut buf[at..at + len]
+}
+
+/// Pixels of the scalar passes' horizontal-pass rows and vertical-pass output are 4 lanes (R, G,
+/// B and an unused 0).
 const LANES: usize = 4;
 
 /// One output column's horizontal taps: first source pixel (relative to the row span), tap
@@ -288,67 +427,246 @@ fn hpass_fixed(row: &[u8], cols: &[Col], weights: &[i16], bits: u32, out: &mut [
     }
 }
 
-/// The slot of pixel j of a group of four in the AVX2 passes' horizontal-pass rows (pixels 1
-/// and 2 swapped; the order is its own inverse). [`hpass_fixed_avx2`] stores two column pairs
-/// with one pack, which interleaves them this way, and [`vpass_fixed_avx2`]'s unpacking of
-/// lanes undoes it, so neither pass spends a lane-crossing shuffle on order.
-const GROUP_SLOT: [usize; 4] = [0, 2, 1, 3];
+/// The code paths the CPU allows: the scalar passes, AVX2, or AVX2 with AVX-512 (F, BW, VL and
+/// VNNI), which expands source rows four pixels per shuffle and multiplies and accumulates in
+/// one instruction (`vpdpwssd`, on 256-bit vectors). All give the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+enum Simd {
+    Scalar,
+    Avx2,
+    Avx512,
+}
 
-/// [`hpass_fixed`] with AVX2, two output columns per 256-bit vector and two taps per
-/// multiply-add: for column pair `pr` and tap pair `kk`, `pairs[(pr · n/2 + kk) · 16..][..16]`
-/// holds (w_2kk, w_2kk+1) three times and two zeros, for the left column and then the right one
-/// (zero past a column's tap count). Pixels are stored in groups of four in [`GROUP_SLOT`]
-/// order, which only [`vpass_fixed_avx2`] reads.
+/// The fastest [`Simd`] level of this CPU.
+fn simd() -> Simd {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512bw")
+            && std::is_x86_feature_detected!("avx512vl")
+            && std::is_x86_feature_detected!("avx512vnni")
+        {
+            return Simd::Avx512;
+        }
+        if std::is_x86_feature_detected!("avx2") {
+            return Simd::Avx2;
+        }
+    }
+    Simd::Scalar
+}
+
+/// Output pixels per block of the vector passes' horizontal-pass rows. A block is 48 i16 values,
+/// three 256-bit vectors: (R0..R3, G0..G3 | R4..R7, G4..G7) of its pixels 0–7, the same of
+/// pixels 8–15, then (B0..B3, B8..B11 | B4..B7, B12..B15). The vertical pass's unpacking within
+/// 128-bit lanes turns each of the three into two vectors of one channel's 8 consecutive pixels,
+/// ready for the CHW planes: neither pass computes an unused fourth lane, and the output needs
+/// no transposition.
+const BLOCK: usize = 16;
+const BLOCK_VALUES: usize = 3 * BLOCK;
+
+/// i16 values per source pixel of the expanded rows ([`expand_avx2`]): (R_s, R_s+1, G_s,
+/// G_s+1, B_s, B_s+1, 0, 0) for pixel s, so that a 128-bit load at pixel s holds a pair of taps
+/// of all three channels, ready for a multiply-add.
+const ENTRY: usize = 8;
+
+/// Expands the source bytes `row` (RGB from the span's first column) into `e.len() / ENTRY`
+/// entries, an even count, of the layout above: one shuffle per two entries.
 ///
 /// # Safety
-/// The CPU has AVX2, and every column's tap pairs read inside `row`: `c.len ≤ n` and
-/// `3(c.start + n) + 10 ≤ row.len()` (the last pair starts at 3(start + n − 2) and reads 16
-/// bytes). The caller checks this once per image rather than once per row.
+/// The CPU has AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn hpass_fixed_avx2(row: &[u8], cols: &[Col], weights: &[i16], pairs: &[i16], n: usize, bits: u32, out: &mut [i16]) {
+unsafe fn expand_avx2(row: &[u8], e: &mut [i16]) {
     use std::arch::x86_64::*;
-    let groups = cols.len() / 4;
-    assert!(n % 2 == 0 && pairs.len() >= cols.len() / 2 * n * 8 && out.len() >= cols.len().next_multiple_of(4) * LANES);
-    // Bytes (R_k G_k B_k R_k+1 G_k+1 B_k+1) to words (R_k R_k+1 G_k G_k+1 B_k B_k+1 0 0).
-    let shuffle = _mm256_setr_epi8(0, -128, 3, -128, 1, -128, 4, -128, 2, -128, 5, -128, -128, -128, -128, -128, 0, -128, 3, -128, 1, -128, 4, -128, 2, -128, 5, -128, -128, -128, -128, -128);
-    let shift = _mm256_set1_epi32((bits - MID_BITS) as i32);
-    let round = _mm256_set1_epi32(1 << (bits - MID_BITS - 1));
-    let (zero, max) = (_mm256_setzero_si256(), _mm256_set1_epi32(MID_MAX));
-    // One column pair's four sums per lane, rounded to MID_BITS and clamped.
-    let pair = |pr: usize| {
-        let (c0, c1) = (cols[2 * pr], cols[2 * pr + 1]);
-        let len = c0.len.max(c1.len);
-        // SAFETY: AVX2 and the reads inside `row` are the caller's part (see above); the
-        // weights are inside `pairs` by the assertion above.
+    let count = e.len() / ENTRY;
+    // The last two entries start at pixel count − 2 and load 16 bytes from there.
+    assert!(e.len().is_multiple_of(2 * ENTRY) && (count == 0 || row.len() >= 3 * count + 10));
+    // 16 bytes from pixel s in both lanes: entry s from the low lane, s + 1 from the high one.
+    let ctrl = _mm256_setr_epi8(0, -128, 3, -128, 1, -128, 4, -128, 2, -128, 5, -128, -128, -128, -128, -128, 3, -128, 6, -128, 4, -128, 7, -128, 5, -128, 8, -128, -128, -128, -128, -128);
+    let mut s = 0;
+    while s < count {
+        // SAFETY: bytes 3s..3s + 16 are inside `row` and values ENTRY·s..ENTRY·(s + 2) inside
+        // `e` (assertion above); AVX2 is enabled for this function.
         unsafe {
-            let (p0, p1) = (row.as_ptr().add(3 * c0.start), row.as_ptr().add(3 * c1.start));
-            let w = pairs.as_ptr().add(pr * n * 8);
-            let mut acc = zero;
-            let mut k = 0;
-            while k < len {
-                let a = _mm_loadu_si128(p0.add(3 * k) as *const __m128i);
-                let b = _mm_loadu_si128(p1.add(3 * k) as *const __m128i);
-                let v = _mm256_shuffle_epi8(_mm256_set_m128i(b, a), shuffle);
-                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(v, _mm256_loadu_si256(w.add(8 * k) as *const __m256i)));
-                k += 2;
-            }
-            _mm256_min_epi32(_mm256_max_epi32(_mm256_srav_epi32(_mm256_add_epi32(acc, round), shift), zero), max)
+            let v = _mm256_broadcastsi128_si256(_mm_loadu_si128(row.as_ptr().add(3 * s) as *const __m128i));
+            _mm256_storeu_si256(e.as_mut_ptr().add(ENTRY * s) as *mut __m256i, _mm256_shuffle_epi8(v, ctrl));
         }
-    };
-    for g in 0..groups {
-        let (t01, t23) = (pair(2 * g), pair(2 * g + 1));
-        // SAFETY: the 16 words of group g are inside `out` by the assertion above.
-        unsafe { _mm256_storeu_si256(out.as_mut_ptr().add(16 * g) as *mut __m256i, _mm256_packs_epi32(t01, t23)) };
+        s += 2;
     }
-    // The last cols.len() % 4 pixels, in the same slots.
-    let first = 4 * groups;
-    let mut tail = [0i16; 4 * LANES];
-    hpass_fixed(row, &cols[first..], weights, bits, &mut tail);
-    for j in 0..cols.len() - first {
-        let at = (first + GROUP_SLOT[j]) * LANES;
-        out[at..at + LANES].copy_from_slice(&tail[j * LANES..(j + 1) * LANES]);
+}
+
+/// [`expand_avx2`] with AVX-512: four entries per shuffle, from one 16-byte load; the entry
+/// count is a multiple of four.
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX-512BW.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn expand_avx512(row: &[u8], e: &mut [i16]) {
+    use std::arch::x86_64::*;
+    let count = e.len() / ENTRY;
+    // The last four entries start at pixel count − 4 and load 16 bytes from there.
+    assert!(e.len().is_multiple_of(4 * ENTRY) && (count == 0 || row.len() >= 3 * count + 4));
+    // 16 bytes from pixel s in all four lanes: entry s + j from lane j (pixels s + j and
+    // s + j + 1, bytes 3j..3j + 6).
+    let ctrl = _mm512_set_epi8(
+        -128, -128, -128, -128, -128, 14, -128, 11, -128, 13, -128, 10, -128, 12, -128, 9, //
+        -128, -128, -128, -128, -128, 11, -128, 8, -128, 10, -128, 7, -128, 9, -128, 6, //
+        -128, -128, -128, -128, -128, 8, -128, 5, -128, 7, -128, 4, -128, 6, -128, 3, //
+        -128, -128, -128, -128, -128, 5, -128, 2, -128, 4, -128, 1, -128, 3, -128, 0,
+    );
+    let mut s = 0;
+    while s < count {
+        // SAFETY: bytes 3s..3s + 16 are inside `row` and values ENTRY·s..ENTRY·(s + 4) inside
+        // `e` (assertion above); AVX-512F and BW are enabled for this function.
+        unsafe {
+            let v = _mm512_broadcast_i32x4(_mm_loadu_si128(row.as_ptr().add(3 * s) as *const __m128i));
+            _mm512_storeu_si512(e.as_mut_ptr().add(ENTRY * s) as *mut __m512i, _mm512_shuffle_epi8(v, ctrl));
+        }
+        s += 4;
     }
+}
+
+/// The vector passes' multiply-accumulate, `acc + madd(a, b)`: pairs of i16 products summed
+/// into i32 lanes, added with wrapping. [`Madd`] takes a multiply-add and an add (AVX2),
+/// [`Vnni`] one `vpdpwssd`; the sums are the same bits.
+#[cfg(target_arch = "x86_64")]
+trait Dot {
+    /// Whether the accumulation is free, so that a sum may as well start from a bias.
+    const FUSED: bool;
+    /// # Safety
+    /// The CPU has the instructions (the caller's target features).
+    unsafe fn dot(acc: __m256i, a: __m256i, b: __m256i) -> __m256i;
+}
+
+#[cfg(target_arch = "x86_64")]
+struct Madd;
+
+#[cfg(target_arch = "x86_64")]
+impl Dot for Madd {
+    const FUSED: bool = false;
+    #[inline(always)]
+    unsafe fn dot(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        use std::arch::x86_64::*;
+        // SAFETY: AVX2 is the caller's part.
+        unsafe { _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)) }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+struct Vnni;
+
+#[cfg(target_arch = "x86_64")]
+impl Dot for Vnni {
+    const FUSED: bool = true;
+    #[inline(always)]
+    unsafe fn dot(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        // SAFETY: AVX-512 VNNI and VL are the caller's part.
+        unsafe { std::arch::x86_64::_mm256_dpwssd_epi32(acc, a, b) }
+    }
+}
+
+/// [`hpass_fixed`] with 256-bit vectors on a source row expanded by [`expand_avx2`], into
+/// [`BLOCK`] layout. Columns j and j + 4 of each eight share a vector, one per lane, so that a
+/// multiply-add takes a pair of taps of two columns and the lanes need no adding up. Each such
+/// pair of columns is a record in `records`, in the order the loop takes them ([`PAIR_HEAD`]
+/// values, then `p` tap pairs of 16): the two columns' first pixels in the expanded row as
+/// pointers, then for tap pair t, (w_2t, w_2t+1) three times and two zeros for column j, the
+/// same for column j + 4 (zero past a column's tap count). One pointer walks the records, so that
+/// every load addresses memory from one register and stays a single micro-op. Eight columns'
+/// sums are then transposed to channel vectors and rounded to MID_BITS as the scalar pass does,
+/// clamped to 0..=MID_MAX when `CLAMP` (without negative weights the sums cannot leave that
+/// range). `P` is `p` when known at compile time, else 0. Called through [`hpass_avx2`] and
+/// [`hpass_avx512`].
+///
+/// # Safety
+/// The CPU has AVX2 and what `D` needs; `records` starts 8-byte aligned, and each record's
+/// pointers point at ENTRY · (2p − 1) values that may be read (the last tap pair starts 2p − 2
+/// pixels on).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn hpass_vec<D: Dot, const P: usize, const CLAMP: bool>(records: &[i16], p: usize, bits: u32, out: &mut [i16]) {
+    use std::arch::x86_64::*;
+    let p = if P > 0 { P } else { p };
+    let record = PAIR_HEAD + 16 * p;
+    let blocks = records.len() / (BLOCK / 2 * record);
+    assert!(p > 0 && records.len().is_multiple_of(BLOCK / 2 * record) && out.len() >= blocks * BLOCK_VALUES);
+    // SAFETY: AVX2 is the caller's part (and so in each block below).
+    let (shift, round) = unsafe { (_mm256_set1_epi32((bits - MID_BITS) as i32), _mm256_set1_epi32(1 << (bits - MID_BITS - 1))) };
+    // SAFETY: as above.
+    let (zero, max) = unsafe { (_mm256_setzero_si256(), _mm256_set1_epi32(MID_MAX)) };
+    // Where the accumulation is free, the sums start from the rounding term.
+    let init = if D::FUSED { round } else { zero };
+    let mut r = records.as_ptr();
+    for blk in 0..blocks {
+        // Each half block's eight columns as R, G and B vectors in column order.
+        let mut rgb = [[zero; 3]; 2];
+        for rgb in rgb.iter_mut() {
+            // Columns i and i + 4: (R, G, B, 0) sums (i | i + 4).
+            let mut pair = [zero; 4];
+            for sum in pair.iter_mut() {
+                // SAFETY: D's instructions and the loads through the record's pointers are the
+                // caller's part; the record is inside `records` (assertion above).
+                unsafe {
+                    let (a, b) = (r.cast::<*const i16>().read(), r.add(4).cast::<*const i16>().read());
+                    let w = r.add(PAIR_HEAD);
+                    for t in 0..p {
+                        let v = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(_mm_loadu_si128(a.add(2 * ENTRY * t) as *const __m128i)), _mm_loadu_si128(b.add(2 * ENTRY * t) as *const __m128i));
+                        *sum = D::dot(if t == 0 { init } else { *sum }, v, _mm256_loadu_si256(w.add(16 * t) as *const __m256i));
+                    }
+                    r = r.add(record);
+                }
+            }
+            // A 4 × 4 transposition within each lane, then the rounding.
+            // SAFETY: AVX2.
+            unsafe {
+                let (rg01, b01) = (_mm256_unpacklo_epi32(pair[0], pair[1]), _mm256_unpackhi_epi32(pair[0], pair[1]));
+                let (rg23, b23) = (_mm256_unpacklo_epi32(pair[2], pair[3]), _mm256_unpackhi_epi32(pair[2], pair[3]));
+                let sums = [_mm256_unpacklo_epi64(rg01, rg23), _mm256_unpackhi_epi64(rg01, rg23), _mm256_unpacklo_epi64(b01, b23)];
+                for (o, v) in rgb.iter_mut().zip(sums) {
+                    let v = if D::FUSED { v } else { _mm256_add_epi32(v, round) };
+                    let v = _mm256_srav_epi32(v, shift);
+                    *o = if CLAMP { _mm256_min_epi32(_mm256_max_epi32(v, zero), max) } else { v };
+                }
+            }
+        }
+        let [[r0, g0, b0], [r1, g1, b1]] = rgb;
+        // SAFETY: AVX2; the block's values are inside `out` (assertion above).
+        unsafe {
+            let o = out.as_mut_ptr().add(BLOCK_VALUES * blk);
+            _mm256_storeu_si256(o as *mut __m256i, _mm256_packs_epi32(r0, g0));
+            _mm256_storeu_si256(o.add(16) as *mut __m256i, _mm256_packs_epi32(r1, g1));
+            _mm256_storeu_si256(o.add(32) as *mut __m256i, _mm256_packs_epi32(b0, b1));
+        }
+    }
+}
+
+/// i16 values at the head of a record of [`hpass_vec`]: two pointers, padded to 32 bytes so that
+/// the weights after them start on a 32-byte boundary.
+const PAIR_HEAD: usize = 16;
+
+/// [`hpass_vec`] with AVX2.
+///
+/// # Safety
+/// As [`hpass_vec`]'s, with AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn hpass_avx2<const P: usize, const CLAMP: bool>(records: &[i16], p: usize, bits: u32, out: &mut [i16]) {
+    // SAFETY: the caller's part.
+    unsafe { hpass_vec::<Madd, P, CLAMP>(records, p, bits, out) }
+}
+
+/// [`hpass_vec`] with AVX-512 VNNI.
+///
+/// # Safety
+/// As [`hpass_vec`]'s, with AVX2, AVX-512 VL and VNNI.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
+unsafe fn hpass_avx512<const P: usize, const CLAMP: bool>(records: &[i16], p: usize, bits: u32, out: &mut [i16]) {
+    // SAFETY: the caller's part.
+    unsafe { hpass_vec::<Vnni, P, CLAMP>(records, p, bits, out) }
 }
 
 /// The horizontal-pass rows of one output row: `len` consecutive source rows starting at ring
@@ -393,88 +711,143 @@ fn vpass_fixed(rows: RingRows, w: &[i16], finish: Finish, out: &mut [f32]) {
     }
 }
 
-/// [`vpass_fixed`] with AVX2 on rows in [`GROUP_SLOT`] order, giving `out` in pixel order: 16
-/// values (four pixels) per step, two rows per multiply-add (the rows' values interleaved in
-/// pairs), the sums kept in registers over all taps. `out.len()` is a multiple of 16, at most
-/// the rows' length.
+/// [`vpass_fixed`] with 256-bit vectors on rows in [`BLOCK`] layout, into the three planes (R,
+/// G, B) of one output row, `dst`, `side` values each: per block, two rows per multiply-add (the
+/// rows' values interleaved in pairs) for each of its three vectors, the sums kept in registers
+/// over all taps, then `finish` with plane c's `mul[c]` and `sub[c]`. Called through
+/// [`vpass_avx2`] and [`vpass_avx512`].
+///
+/// # Safety
+/// The CPU has AVX2 and what `D` needs.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn vpass_fixed_avx2(rows: RingRows, w: &[i16], finish: Finish, out: &mut [f32]) {
+#[inline(always)]
+unsafe fn vpass_vec<D: Dot>(rows: RingRows, w: &[i16], finish: Finish, mut dst: [&mut [f32]; 3]) {
     use std::arch::x86_64::*;
-    assert!(out.len() % 16 == 0 && out.len() <= rows.row_len);
-    let len = w.len();
-    // The rows' addresses, on the stack for the usual tap counts.
-    let mut stack = [std::ptr::null::<i16>(); 64];
-    let heap: Vec<*const i16>;
-    let ptrs: &[*const i16] = if len <= stack.len() {
-        stack.iter_mut().enumerate().take(len).for_each(|(k, p)| *p = rows.row(k).as_ptr());
-        &stack[..len]
+    let side = dst[0].len();
+    let blocks = side.div_ceil(BLOCK);
+    assert!(!w.is_empty() && dst.iter().all(|d| d.len() == side) && blocks * BLOCK_VALUES <= rows.row_len);
+    // The rows' addresses and the weights by pairs (an odd last tap is paired with its own row
+    // at weight 0), on the stack for the usual tap counts.
+    let pairs = w.len().div_ceil(2);
+    let (mut ptr_stack, mut w_stack) = ([std::ptr::null::<i16>(); 32], [0i32; 16]);
+    let (mut ptr_heap, mut w_heap): (Vec<*const i16>, Vec<i32>);
+    let (ptrs, wpair): (&mut [*const i16], &mut [i32]) = if pairs <= w_stack.len() {
+        (&mut ptr_stack[..2 * pairs], &mut w_stack[..pairs])
     } else {
-        heap = (0..len).map(|k| rows.row(k).as_ptr()).collect();
-        &heap
+        (ptr_heap, w_heap) = (vec![std::ptr::null(); 2 * pairs], vec![0; pairs]);
+        (&mut ptr_heap, &mut w_heap)
     };
-    let [m0, m1, m2, m3] = finish.mul;
-    let [s0, s1, s2, s3] = finish.sub;
-    let (mul, sub) = (_mm256_setr_ps(m0, m1, m2, m3, m0, m1, m2, m3), _mm256_setr_ps(s0, s1, s2, s3, s0, s1, s2, s3));
-    let (zero, top) = (_mm256_setzero_si256(), _mm256_set1_epi32(finish.clamp.unwrap_or(i32::MAX)));
+    for (k, p) in ptrs.iter_mut().enumerate() {
+        *p = rows.row(k.min(w.len() - 1)).as_ptr();
+    }
+    for (i, wp) in wpair.iter_mut().enumerate() {
+        let b = w.get(2 * i + 1).copied().unwrap_or(0);
+        *wp = (w[2 * i] as u16 as u32 | (b as u16 as u32) << 16) as i32;
+    }
+    let [m0, m1, m2, _] = finish.mul;
+    let [s0, s1, s2, _] = finish.sub;
+    // SAFETY: AVX2 is the caller's part (and so in each block below).
+    let mul = unsafe { [_mm256_set1_ps(m0), _mm256_set1_ps(m1), _mm256_set1_ps(m2)] };
+    // SAFETY: as above.
+    let sub = unsafe { [_mm256_set1_ps(s0), _mm256_set1_ps(s1), _mm256_set1_ps(s2)] };
+    // SAFETY: as above.
+    let (zero, top) = unsafe { (_mm256_setzero_si256(), _mm256_set1_epi32(finish.clamp.unwrap_or(i32::MAX))) };
     let clamp = finish.clamp.is_some();
-    let mut i = 0;
-    while i < out.len() {
-        // SAFETY: AVX2 is enabled for this function; every row holds row_len ≥ out.len() values
-        // and i + 16 ≤ out.len().
+    // (Helpers rather than closures: a closure here would not get the caller's target
+    // features.)
+    // Multiply, then subtract (no fused multiply-add, as the scalar path).
+    #[inline(always)]
+    unsafe fn convert(v: __m256i, clamp: bool, zero: __m256i, top: __m256i, mul: __m256, sub: __m256) -> __m256 {
+        // SAFETY: AVX2 is the caller's part.
         unsafe {
-            let (mut lo, mut hi) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-            let mut k = 0;
-            while k < len {
-                // An odd last tap is paired with itself at weight 0.
-                let (kb, wb) = if k + 1 < len { (k + 1, w[k + 1]) } else { (k, 0) };
-                let wv = _mm256_set1_epi32((w[k] as u16 as u32 | (wb as u16 as u32) << 16) as i32);
-                let a = _mm256_loadu_si256(ptrs[k].add(i) as *const __m256i);
-                let b = _mm256_loadu_si256(ptrs[kb].add(i) as *const __m256i);
-                // Per 128-bit lane: values 0–3 (lo) and 4–7 (hi) of the lane's eight.
-                lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_unpacklo_epi16(a, b), wv));
-                hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_unpackhi_epi16(a, b), wv));
-                k += 2;
-            }
-            if clamp {
-                lo = _mm256_min_epi32(_mm256_max_epi32(lo, zero), top);
-                hi = _mm256_min_epi32(_mm256_max_epi32(hi, zero), top);
-            }
-            // In GROUP_SLOT order the lanes hold pixels (0, 2 | 1, 3): lo is pixels 0 and 1, hi
-            // pixels 2 and 3. Multiply, then subtract (no fused multiply-add, as the scalar path).
-            _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lo), mul), sub));
-            _mm256_storeu_ps(out.as_mut_ptr().add(i + 8), _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hi), mul), sub));
+            let v = if clamp { _mm256_min_epi32(_mm256_max_epi32(v, zero), top) } else { v };
+            _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v), mul), sub)
         }
-        i += 16;
+    }
+    // A block's six sums with a pair of rows (`a`, `b`, at the block) and its weights added.
+    #[inline(always)]
+    unsafe fn accumulate<D: Dot>(mut acc: [__m256i; 6], a: *const i16, b: *const i16, wv: __m256i) -> [__m256i; 6] {
+        // SAFETY: AVX2 and D's instructions, and BLOCK_VALUES values at `a` and `b`, are the
+        // caller's part.
+        unsafe {
+            for v in 0..3 {
+                let x = _mm256_loadu_si256(a.add(16 * v) as *const __m256i);
+                let y = _mm256_loadu_si256(b.add(16 * v) as *const __m256i);
+                acc[2 * v] = D::dot(acc[2 * v], _mm256_unpacklo_epi16(x, y), wv);
+                acc[2 * v + 1] = D::dot(acc[2 * v + 1], _mm256_unpackhi_epi16(x, y), wv);
+            }
+        }
+        acc
+    }
+    // The plane and the pixel offset in the block of each of a block's six sums: the low and
+    // high halves of its three vectors' values.
+    const AT: [(usize, usize); 6] = [(0, 0), (1, 0), (0, 8), (1, 8), (2, 0), (2, 8)];
+    let mut spare = [0f32; BLOCK_VALUES];
+    for blk in 0..blocks {
+        let base = BLOCK_VALUES * blk;
+        // The first pair on its own: with Madd its sums need no add.
+        // SAFETY: D's instructions are the caller's part; every row holds row_len ≥ base +
+        // BLOCK_VALUES values (assertion above).
+        let mut acc = unsafe { accumulate::<D>([zero; 6], ptrs[0].add(base), ptrs[1].add(base), _mm256_set1_epi32(wpair[0])) };
+        for i in 1..pairs {
+            // SAFETY: as above.
+            acc = unsafe { accumulate::<D>(acc, ptrs[2 * i].add(base), ptrs[2 * i + 1].add(base), _mm256_set1_epi32(wpair[i])) };
+        }
+        let x = BLOCK * blk;
+        if x + BLOCK <= side {
+            for (&v, &(c, o)) in acc.iter().zip(&AT) {
+                // SAFETY: x + o + 8 ≤ side, the planes' length.
+                unsafe { _mm256_storeu_ps(dst[c].as_mut_ptr().add(x + o), convert(v, clamp, zero, top, mul[c], sub[c])) };
+            }
+        } else {
+            // A last, partial block: through `spare`.
+            for (&v, &(c, o)) in acc.iter().zip(&AT) {
+                // SAFETY: BLOCK · c + o + 8 ≤ BLOCK_VALUES.
+                unsafe { _mm256_storeu_ps(spare.as_mut_ptr().add(BLOCK * c + o), convert(v, clamp, zero, top, mul[c], sub[c])) };
+            }
+            for (c, d) in dst.iter_mut().enumerate() {
+                d[x..].copy_from_slice(&spare[BLOCK * c..BLOCK * c + side - x]);
+            }
+        }
     }
 }
 
-/// Whether the AVX2 code paths may run.
-fn has_avx2() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::is_x86_feature_detected!("avx2")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+/// [`vpass_vec`] with AVX2.
+///
+/// # Safety
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn vpass_avx2(rows: RingRows, w: &[i16], finish: Finish, dst: [&mut [f32]; 3]) {
+    // SAFETY: the caller's part.
+    unsafe { vpass_vec::<Madd>(rows, w, finish, dst) }
+}
+
+/// [`vpass_vec`] with AVX-512 VNNI.
+///
+/// # Safety
+/// The CPU has AVX2, AVX-512 VL and VNNI.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
+unsafe fn vpass_avx512(rows: RingRows, w: &[i16], finish: Finish, dst: [&mut [f32]; 3]) {
+    // SAFETY: the caller's part.
+    unsafe { vpass_vec::<Vnni>(rows, w, finish, dst) }
 }
 
 /// The separable antialiased resampling with `filter` of `region` of the (height, width, 3)
-/// HWC image `src` to `side` × `side`, mirrored when `flip`: hands each output row, as `side`
-/// pixels of 4 f32 (R, G, B, unused) in source units (0..=255), to `sink(row_index, row)`.
+/// HWC image `src` to `side` × `side`, mirrored when `flip`: hands each output row, as its three
+/// channels' rows (R, G, B) of `side` f32 in source units (0..=255), to `sink(row_index, rows)`.
 ///
 /// The passes run in fixed point (as PIL's and Pillow-SIMD's do): weights as i16 with as many
 /// fractional bits as the filter allows ([`fixed_taps`]), the horizontal pass from the source
 /// bytes into i16 values with 7 fractional bits (rounded; clamped to 0..=255 for bicubic, as
 /// PIL clips its intermediate image), the vertical pass into exact i32 sums, converted to f32
-/// once. Integer sums do not depend on their order, so the AVX2 and the scalar paths give the
+/// once. Integer sums do not depend on their order, so the vector and the scalar paths give the
 /// same bits on every machine. Against an exact evaluation of the same filter the error is
 /// a small fraction of a level (tested).
 #[allow(clippy::too_many_arguments)]
-pub fn resample_rows(src: &[u8], width: usize, height: usize, region: Region, side: usize, flip: bool, filter: Interpolation, sink: impl FnMut(usize, &[f32])) {
-    resample_rows_on(src, width, height, region, side, flip, filter, IDENTITY, has_avx2(), sink)
+pub fn resample_rows(src: &[u8], width: usize, height: usize, region: Region, side: usize, flip: bool, filter: Interpolation, mut sink: impl FnMut(usize, [&[f32]; 3])) {
+    resample_rows_on(src, width, height, region, side, flip, filter, IDENTITY, simd(), Dest::Rows(&mut sink))
 }
 
 /// Per-channel `v · mul − sub` applied to the resampled values (source units) as the rows are
@@ -487,14 +860,23 @@ struct Affine {
 
 const IDENTITY: Affine = Affine { mul: [1.0; 3], sub: [0.0; 3] };
 
-/// [`resample_rows`] with `affine` applied to the values and the AVX2 paths on or off (`avx2`
-/// only where the CPU has it). Folding `affine` into the vertical pass's conversion gives the
+/// Where [`resample_rows_on`] puts the output rows.
+enum Dest<'a> {
+    /// (3, side, side) CHW planes, each row written in place.
+    Chw(&'a mut [f32]),
+    /// A function handed each row as its three channels' rows.
+    Rows(&'a mut dyn FnMut(usize, [&[f32]; 3])),
+}
+
+/// [`resample_rows`] with `affine` applied to the values, on the code paths of `simd` (at most
+/// the CPU's level), into `dest`. Folding `affine` into the vertical pass's conversion gives the
 /// same bits as applying it to the rows afterwards: the fixed-point scale is a power of two.
 #[allow(clippy::too_many_arguments)]
-fn resample_rows_on(src: &[u8], width: usize, height: usize, region: Region, side: usize, flip: bool, filter: Interpolation, affine: Affine, avx2: bool, mut sink: impl FnMut(usize, &[f32])) {
+fn resample_rows_on(src: &[u8], width: usize, height: usize, region: Region, side: usize, flip: bool, filter: Interpolation, affine: Affine, simd: Simd, mut dest: Dest) {
     debug_assert_eq!(src.len(), width * height * 3);
-    let tx = fixed_taps(taps(width, region.x0, region.w, side, filter), 22, MID_BITS + 1, 255.0);
-    let ty = fixed_taps(taps(height, region.y0, region.h, side, filter), 22, 1, MID_MAX as f64);
+    let vector = simd != Simd::Scalar;
+    let tx = fixed_taps(width, region.x0, region.w, side, filter, 22, MID_BITS + 1, 255.0);
+    let ty = fixed_taps(height, region.y0, region.h, side, filter, 22, 1, MID_MAX as f64);
     let clip = filter == Interpolation::Bicubic;
     // Source rows the vertical pass touches, source columns the horizontal pass touches.
     let row_lo = ty.start.iter().copied().min().unwrap_or(0);
@@ -509,37 +891,45 @@ fn resample_rows_on(src: &[u8], width: usize, height: usize, region: Region, sid
             Col { start: tx.start[sx] - col_lo, len: tx.len[sx], w: sx * tx.n }
         })
         .collect();
-    // Values per horizontal-pass row: side pixels, padded to the vertical pass's 16.
-    let row_len = (side * LANES).next_multiple_of(16);
+    // The vector horizontal pass's columns, padded to whole blocks with columns of no taps (they
+    // give 0): offsets of their first pixels in the expanded row, and its records (hpass_vec)
+    // but for the pointers, which wait for the expanded row: pair m takes columns j and j + 4,
+    // j = 8·(m / 4) + m % 4.
+    let p = cols.iter().map(|c| c.len).max().unwrap_or(1).div_ceil(2).max(1);
+    let record = PAIR_HEAD + 16 * p;
+    // (A fresh buffer: zero where no weight is written.)
+    let (mut starts, mut records_buf) = (Vec::new(), Vec::new());
+    let records = aligned(&mut records_buf, if vector { side.next_multiple_of(BLOCK) / 2 * record } else { 0 });
+    if vector {
+        starts.resize(side.next_multiple_of(BLOCK), 0);
+        for (j, c) in cols.iter().enumerate() {
+            starts[j] = ENTRY * c.start;
+            let (m, lane) = ((j / 8) * 4 + j % 4, (j / 4) % 2);
+            for (k, &w) in tx.weights[c.w..c.w + c.len].iter().enumerate() {
+                let at = record * m + PAIR_HEAD + 16 * (k / 2) + 8 * lane + k % 2;
+                for ch in 0..3 {
+                    records[at + 2 * ch] = w;
+                }
+            }
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    let hclamp = tx.weights.iter().any(|&w| w < 0);
+    // Expanded source pixels the vector pass loads (a multiple of four, for either expansion),
+    // and bytes a row's pass may read from its span's start: the span and the widest column's
+    // padding taps, or the expansion's 16-byte loads.
+    let entries = (starts.iter().max().unwrap_or(&0) / ENTRY + 2 * p - 1).next_multiple_of(4);
+    let span_bytes = (3 * (col_hi - col_lo + tx.n) + 16).max(3 * entries + 10);
+    // What hpass_vec needs of every expanded row (each is `entries` long).
+    assert!(starts.iter().all(|&s| s + ENTRY * (2 * p - 1) <= entries * ENTRY));
+    // Values per horizontal-pass row: whole blocks, or side pixels of LANES values.
+    let row_len = if vector { side.div_ceil(BLOCK) * BLOCK_VALUES } else { side * LANES };
     // Horizontal-pass rows live in a ring of `ring` rows: output rows read consecutive source
     // rows whose start never decreases, so the last `ty.n` computed rows are all that is ever
     // needed (a few KiB that stay in L1, instead of the whole window). Should the starts not be
     // monotonic, the ring holds every row.
     let monotonic = ty.start.windows(2).all(|w| w[0] <= w[1]);
     let ring = if monotonic { ty.n.min(rows).max(1) } else { rows };
-    // For the AVX2 horizontal pass: each column pair's weights, tap pair by tap pair.
-    let n = tx.n;
-    let mut pairs = Vec::new();
-    if avx2 {
-        pairs.resize(side / 2 * n * 8, 0i16);
-        for (pr, chunk) in pairs.chunks_exact_mut(n * 8).enumerate() {
-            for (kk, block) in chunk.chunks_exact_mut(16).enumerate() {
-                for (half, c) in [cols[2 * pr], cols[2 * pr + 1]].into_iter().enumerate() {
-                    for (j, k) in [2 * kk, 2 * kk + 1].into_iter().enumerate() {
-                        let w = if k < c.len { tx.weights[c.w + k] } else { 0 };
-                        for ch in 0..3 {
-                            block[8 * half + 2 * ch + j] = w;
-                        }
-                    }
-                }
-            }
-        }
-    }
-    // Bytes a row's horizontal pass may read from its span's start: the span, the widest
-    // column's padding taps, and the 16-byte loads' overhang.
-    let span_bytes = 3 * (col_hi - col_lo + n) + 16;
-    // What hpass_fixed_avx2 needs of every row handed to it (each is span_bytes long).
-    assert!(cols.iter().all(|c| c.len <= n && 3 * (c.start + n) + 10 <= span_bytes));
     let scale = 1.0 / (1u64 << (MID_BITS + ty.bits)) as f32;
     let finish = Finish {
         clamp: clip.then(|| (255i64 << (MID_BITS + ty.bits)).min(i32::MAX as i64) as i32),
@@ -548,11 +938,48 @@ fn resample_rows_on(src: &[u8], width: usize, height: usize, region: Region, sid
     };
     SCRATCH.with(|cell| {
         let mut guard = cell.borrow_mut();
-        let (padded, tmp, acc) = &mut *guard;
-        tmp.clear();
-        tmp.resize(ring * row_len, 0);
-        acc.clear();
-        acc.resize(row_len, 0.0);
+        let Scratch { padded, expanded, tmp, acc, planes } = &mut *guard;
+        // (Every horizontal-pass row and expanded row is written whole before it is read.)
+        let tmp = aligned(tmp, ring * row_len);
+        let expanded = aligned(expanded, if vector { entries * ENTRY } else { 0 });
+        // The expanded row is written through `e_base` and read through pointers derived from
+        // it, the records' pointers to each column's first pixel in it.
+        let e_base = expanded.as_mut_ptr();
+        #[cfg(target_arch = "x86_64")]
+        let e_len = expanded.len();
+        for (m, head) in records.chunks_exact_mut(record).enumerate() {
+            let j = 8 * (m / 4) + m % 4;
+            // SAFETY: every start is inside the expanded row (asserted above), and each record
+            // starts 8-byte aligned (the buffer starts on a cache line, and a record is a
+            // multiple of 32 bytes long).
+            unsafe {
+                head.as_mut_ptr().cast::<*const i16>().write(e_base.add(starts[j]));
+                head.as_mut_ptr().add(4).cast::<*const i16>().write(e_base.add(starts[j + 4]));
+            }
+        }
+        if !vector {
+            acc.clear();
+            acc.resize(side * LANES, 0.0);
+        }
+        if let Dest::Rows(_) = dest {
+            planes.clear();
+            planes.resize(3 * side, 0.0);
+        }
+        // The vertical pass of one output row into its three planes.
+        let mut vertical = |rows: RingRows, w: &[i16], dst: [&mut [f32]; 3]| {
+            #[cfg(target_arch = "x86_64")]
+            match simd {
+                // SAFETY: simd() checked the CPU.
+                Simd::Avx512 => return unsafe { vpass_avx512(rows, w, finish, dst) },
+                Simd::Avx2 => return unsafe { vpass_avx2(rows, w, finish, dst) },
+                Simd::Scalar => {}
+            }
+            vpass_fixed(rows, w, finish, acc);
+            let [r, g, b] = dst;
+            for (x, px) in acc.chunks_exact(LANES).enumerate() {
+                (r[x], g[x], b[x]) = (px[0], px[1], px[2]);
+            }
+        };
         let mut next = row_lo;
         for oy in 0..side {
             let (s0, len) = (ty.start[oy], ty.len[oy]);
@@ -568,33 +995,74 @@ fn resample_rows_on(src: &[u8], width: usize, height: usize, region: Region, sid
                     padded.resize(span_bytes, 0);
                     padded
                 };
+                // The source row two ahead on its way to the cache while this one is filtered
+                // (where the image was decoded long ago, the rows come from memory).
+                #[cfg(target_arch = "x86_64")]
+                if next + 2 < row_hi {
+                    let ahead = ((next + 2) * width + col_lo) * 3;
+                    for off in (0..3 * (col_hi - col_lo)).step_by(64) {
+                        // SAFETY: ahead + off is inside row next + 2 of `src`; prefetching reads
+                        // nothing.
+                        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(src.as_ptr().add(ahead + off) as *const i8) };
+                    }
+                }
                 let r = (next - row_lo) % ring;
                 let trow = &mut tmp[r * row_len..(r + 1) * row_len];
-                #[cfg(target_arch = "x86_64")]
-                if avx2 {
-                    // SAFETY: has_avx2() checked the CPU, the columns' reach is asserted above
-                    // and `row` is span_bytes long.
-                    unsafe { hpass_fixed_avx2(row, &cols, &tx.weights, &pairs, n, tx.bits, trow) };
-                } else {
-                    hpass_fixed(row, &cols, &tx.weights, tx.bits, trow);
-                }
-                #[cfg(not(target_arch = "x86_64"))]
-                hpass_fixed(row, &cols, &tx.weights, tx.bits, trow);
                 next += 1;
+                #[cfg(target_arch = "x86_64")]
+                if vector {
+                    // The pass `$f` (hpass_avx2 or hpass_avx512) for this image's tap pairs and
+                    // clamping.
+                    macro_rules! hpass {
+                        ($f:ident) => {
+                            match (p, hclamp) {
+                                (1, false) => $f::<1, false>(records, p, tx.bits, trow),
+                                (2, false) => $f::<2, false>(records, p, tx.bits, trow),
+                                (3, false) => $f::<3, false>(records, p, tx.bits, trow),
+                                (_, false) => $f::<0, false>(records, p, tx.bits, trow),
+                                (2, true) => $f::<2, true>(records, p, tx.bits, trow),
+                                (3, true) => $f::<3, true>(records, p, tx.bits, trow),
+                                (4, true) => $f::<4, true>(records, p, tx.bits, trow),
+                                (5, true) => $f::<5, true>(records, p, tx.bits, trow),
+                                (_, true) => $f::<0, true>(records, p, tx.bits, trow),
+                            }
+                        };
+                    }
+                    // SAFETY: simd() checked the CPU; `row` is span_bytes ≥ 3 · entries + 10 long,
+                    // the expanded row `entries` long, and every column's reach inside it is
+                    // asserted above; `e` is the only reference to the expanded row while it is
+                    // written.
+                    unsafe {
+                        let e = std::slice::from_raw_parts_mut(e_base, e_len);
+                        if simd == Simd::Avx512 {
+                            expand_avx512(row, e);
+                            hpass!(hpass_avx512);
+                        } else {
+                            expand_avx2(row, e);
+                            hpass!(hpass_avx2);
+                        }
+                    }
+                    continue;
+                }
+                hpass_fixed(row, &cols, &tx.weights, tx.bits, trow);
             }
             // Vertical pass: a weighted sum of whole rows (contiguous, vectorizable).
             let w = &ty.weights[oy * ty.n..oy * ty.n + len];
-            let rows = RingRows { tmp: &tmp[..], row_len, ring, first: (s0 - row_lo) % ring };
-            #[cfg(target_arch = "x86_64")]
-            if avx2 {
-                // SAFETY: has_avx2() checked the CPU; `acc` is row_len (a multiple of 16) long.
-                unsafe { vpass_fixed_avx2(rows, w, finish, acc) };
-            } else {
-                vpass_fixed(rows, w, finish, acc);
+            let rows = RingRows { tmp: &*tmp, row_len, ring, first: (s0 - row_lo) % ring };
+            match &mut dest {
+                Dest::Chw(out) => {
+                    let (plane, o) = (side * side, oy * side);
+                    let (r, rest) = out.split_at_mut(plane);
+                    let (g, b) = rest.split_at_mut(plane);
+                    vertical(rows, w, [&mut r[o..o + side], &mut g[o..o + side], &mut b[o..o + side]]);
+                }
+                Dest::Rows(sink) => {
+                    let (r, rest) = planes.split_at_mut(side);
+                    let (g, b) = rest.split_at_mut(side);
+                    vertical(rows, w, [&mut *r, &mut *g, &mut *b]);
+                    sink(oy, [r, g, b]);
+                }
             }
-            #[cfg(not(target_arch = "x86_64"))]
-            vpass_fixed(rows, w, finish, acc);
-            sink(oy, &acc[..side * LANES]);
         }
     });
 }
@@ -603,91 +1071,69 @@ fn resample_rows_on(src: &[u8], width: usize, height: usize, region: Region, sid
 /// (3, side, side) CHW, mirrored when `flip`, normalized as `(v / 255 − mean) / std`.
 #[allow(clippy::too_many_arguments)]
 pub fn resample(src: &[u8], width: usize, height: usize, region: Region, side: usize, flip: bool, filter: Interpolation, mean: [f32; 3], std: [f32; 3], out: &mut [f32]) {
-    debug_assert_eq!(out.len(), 3 * side * side);
-    let plane = side * side;
+    assert_eq!(out.len(), 3 * side * side);
     let affine = Affine { mul: [0, 1, 2].map(|c| 1.0 / (255.0 * std[c])), sub: [0, 1, 2].map(|c| mean[c] / std[c]) };
-    let (out_r, rest) = out.split_at_mut(plane);
-    let (out_g, out_b) = rest.split_at_mut(plane);
-    // The rows come normalized; what is left is pixels (4 lanes) to planes.
-    resample_rows_on(src, width, height, region, side, flip, filter, affine, has_avx2(), |oy, row| {
-        let o = oy * side;
-        let (r, g, b) = (&mut out_r[o..o + side], &mut out_g[o..o + side], &mut out_b[o..o + side]);
-        #[allow(unused_mut)]
-        let mut done = 0;
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::x86_64::*;
-            // SAFETY: SSE2 is baseline on x86-64; reads 4 pixels (16 floats) of `row` (side
-            // pixels) and writes 4 floats of r, g, b (side each) per step, while done + 4 ≤ side.
-            unsafe {
-                let p = row.as_ptr();
-                while done + 4 <= side {
-                    let q = p.add(done * LANES);
-                    let (mut a, mut b_, mut c, mut d) = (_mm_loadu_ps(q), _mm_loadu_ps(q.add(4)), _mm_loadu_ps(q.add(8)), _mm_loadu_ps(q.add(12)));
-                    _MM_TRANSPOSE4_PS(&mut a, &mut b_, &mut c, &mut d);
-                    _mm_storeu_ps(r.as_mut_ptr().add(done), a);
-                    _mm_storeu_ps(g.as_mut_ptr().add(done), b_);
-                    _mm_storeu_ps(b.as_mut_ptr().add(done), c);
-                    done += 4;
-                }
-            }
-        }
-        for ox in done..side {
-            r[ox] = row[ox * LANES];
-            g[ox] = row[ox * LANES + 1];
-            b[ox] = row[ox * LANES + 2];
-        }
-    });
+    resample_rows_on(src, width, height, region, side, flip, filter, affine, simd(), Dest::Chw(out));
 }
 
 /// [`resample`] to (side, side, 3) HWC bytes, each value rounded half up and clamped to
 /// 0..=255 (what RandAugment works on).
 #[allow(clippy::too_many_arguments)]
 pub fn resample_u8(src: &[u8], width: usize, height: usize, region: Region, side: usize, flip: bool, filter: Interpolation, out: &mut [u8]) {
-    debug_assert_eq!(out.len(), 3 * side * side);
-    let avx2 = has_avx2();
-    resample_rows_on(src, width, height, region, side, flip, filter, IDENTITY, avx2, |oy, row| {
+    resample_u8_on(src, width, height, region, side, flip, filter, simd(), out)
+}
+
+/// [`resample_u8`] on the code paths of `simd` (at most the CPU's level).
+#[allow(clippy::too_many_arguments)]
+fn resample_u8_on(src: &[u8], width: usize, height: usize, region: Region, side: usize, flip: bool, filter: Interpolation, simd: Simd, out: &mut [u8]) {
+    assert_eq!(out.len(), 3 * side * side);
+    resample_rows_on(src, width, height, region, side, flip, filter, IDENTITY, simd, Dest::Rows(&mut |oy, [r, g, b]| {
         let o = &mut out[oy * side * 3..(oy + 1) * side * 3];
         #[allow(unused_mut)]
         let mut done = 0;
         #[cfg(target_arch = "x86_64")]
-        if avx2 {
-            // SAFETY: has_avx2() checked the CPU.
-            done = unsafe { row_to_bytes_avx2(row, o) };
+        if simd != Simd::Scalar {
+            // SAFETY: simd() checked the CPU for AVX2.
+            done = unsafe { planes_to_bytes_avx2([r, g, b], o) };
         }
-        for (q, px) in o[done * 3..].chunks_exact_mut(3).zip(row[done * LANES..].chunks_exact(LANES)) {
-            for c in 0..3 {
+        for (x, q) in o.chunks_exact_mut(3).enumerate().skip(done) {
+            for (c, plane) in [r, g, b].into_iter().enumerate() {
                 // max/min, then a truncating cast: round half up without a library call.
-                q[c] = (px[c].max(0.0) + 0.5).min(255.0) as u8;
+                q[c] = (plane[x].max(0.0) + 0.5).min(255.0) as u8;
             }
         }
-    });
+    }));
 }
 
-/// The leading pixels of a 4-lane row as RGB bytes, rounded as [`resample_u8`]'s scalar loop
-/// (`(max(v, 0) + 0.5) min 255`, truncated), four pixels per step; returns how many it wrote.
-/// Stops while a 16-byte store still fits in `out`.
+/// The leading pixels of one row's three planes as RGB bytes, rounded as [`resample_u8`]'s
+/// scalar loop (`(max(v, 0) + 0.5) min 255`, truncated), eight pixels per step; returns how
+/// many it wrote. Stops while the step's two 16-byte stores still fit in `out`.
+///
+/// # Safety
+/// The CPU has AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn row_to_bytes_avx2(row: &[f32], out: &mut [u8]) -> usize {
+unsafe fn planes_to_bytes_avx2(planes: [&[f32]; 3], out: &mut [u8]) -> usize {
     use std::arch::x86_64::*;
-    let pixels = (row.len() / LANES).min(out.len() / 3);
-    // Bytes (R G B 0) × 4 to (R G B) × 4, then four unused bytes.
-    let compact = _mm_setr_epi8(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -128, -128, -128, -128);
-    let (zero, half, max) = (_mm_setzero_ps(), _mm_set1_ps(0.5), _mm_set1_ps(255.0));
-    let round = |v: __m128| _mm_cvttps_epi32(_mm_min_ps(_mm_add_ps(_mm_max_ps(v, zero), half), max));
+    let pixels = planes.iter().map(|p| p.len()).min().unwrap_or(0).min(out.len() / 3);
+    // Per lane, bytes (R0..R3, G0..G3, B0..B3, 0 × 4) to (R G B) × 4, then four unused bytes.
+    let interleave = _mm256_setr_epi8(0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11, -128, -128, -128, -128, 0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11, -128, -128, -128, -128);
+    let (zero, half, max) = (_mm256_setzero_ps(), _mm256_set1_ps(0.5), _mm256_set1_ps(255.0));
+    let round = |v: __m256| _mm256_cvttps_epi32(_mm256_min_ps(_mm256_add_ps(_mm256_max_ps(v, zero), half), max));
     let mut done = 0;
-    while done + 4 <= pixels && 3 * done + 16 <= out.len() {
-        // SAFETY: pixels done..done + 4 are inside `row` and the 16 bytes written inside `out`
-        // (loop condition); AVX2 (so SSSE3) is enabled for this function.
+    while done + 8 <= pixels && 3 * done + 28 <= out.len() {
+        // SAFETY: pixels done..done + 8 are inside the planes and the bytes written inside `out`
+        // (loop condition); AVX2 is enabled for this function.
         unsafe {
-            let p = row.as_ptr().add(done * LANES);
-            let (a, b) = (round(_mm_loadu_ps(p)), round(_mm_loadu_ps(p.add(4))));
-            let (c, d) = (round(_mm_loadu_ps(p.add(8))), round(_mm_loadu_ps(p.add(12))));
-            let bytes = _mm_packus_epi16(_mm_packs_epi32(a, b), _mm_packs_epi32(c, d));
-            _mm_storeu_si128(out.as_mut_ptr().add(3 * done) as *mut __m128i, _mm_shuffle_epi8(bytes, compact));
+            let [r, g, b] = planes.map(|p| round(_mm256_loadu_ps(p.as_ptr().add(done))));
+            // Per lane (pixels 0–3 | 4–7): R, G as words, then B and zeros; then bytes.
+            let bytes = _mm256_packus_epi16(_mm256_packs_epi32(r, g), _mm256_packs_epi32(b, _mm256_setzero_si256()));
+            let v = _mm256_shuffle_epi8(bytes, interleave);
+            let o = out.as_mut_ptr().add(3 * done);
+            _mm_storeu_si128(o as *mut __m128i, _mm256_castsi256_si128(v));
+            _mm_storeu_si128(o.add(12) as *mut __m128i, _mm256_extracti128_si256::<1>(v));
         }
-        done += 4;
+        done += 8;
     }
     done
 }
@@ -782,30 +1228,38 @@ mod tests {
         }
     }
 
-    /// With and without the AVX2 paths, the rows are bit-identical (integer sums, zero-weight
-    /// padding taps, the pixel order inside groups of four), for both filters and odd sizes.
-    #[test]
-    fn avx2_and_scalar_paths_agree_bitwise() {
-        if !has_avx2() {
-            return;
+    /// The code paths this CPU can run: the scalar one first.
+    fn levels() -> Vec<Simd> {
+        match simd() {
+            Simd::Scalar => vec![Simd::Scalar],
+            Simd::Avx2 => vec![Simd::Scalar, Simd::Avx2],
+            Simd::Avx512 => vec![Simd::Scalar, Simd::Avx2, Simd::Avx512],
         }
+    }
+
+    /// On every code path the rows are bit-identical (integer sums, zero-weight padding taps
+    /// and columns, the pixel order inside blocks), for both filters and odd sizes.
+    #[test]
+    fn vector_and_scalar_paths_agree_bitwise() {
         let mut rng = SplitMix::new(4);
         for &(w, h, side) in &[(500, 375, 224), (37, 29, 15), (3, 2, 9), (640, 480, 33)] {
             let src: Vec<u8> = (0..w * h * 3).map(|_| rng.below(256) as u8).collect();
             for filter in [Interpolation::Bilinear, Interpolation::Bicubic, Interpolation::Bilinear, Interpolation::Bicubic] {
                 let region = random_resized_crop(&mut rng, w, h, [0.08, 1.0], [0.75, 4.0 / 3.0]);
                 let flip = rng.coin();
-                let mut rows = [Vec::new(), Vec::new()];
-                for (k, avx) in [false, true].into_iter().enumerate() {
-                    resample_rows_on(&src, w, h, region, side, flip, filter, IDENTITY, avx, |_, row| rows[k].extend(row.chunks_exact(LANES).flat_map(|p| p[..3].iter().map(|v| v.to_bits()))));
+                let mut rows = vec![Vec::new(); levels().len()];
+                for (k, simd) in levels().into_iter().enumerate() {
+                    resample_rows_on(&src, w, h, region, side, flip, filter, IDENTITY, simd, Dest::Rows(&mut |_, planes| rows[k].extend(planes.iter().flat_map(|p| p.iter().map(|v| v.to_bits())))));
                 }
-                assert_eq!(rows[0], rows[1], "{w}x{h} -> {side}, {region:?}");
+                for (k, simd) in levels().into_iter().enumerate() {
+                    assert_eq!(rows[0], rows[k], "{w}x{h} -> {side}, {region:?}: {simd:?}");
+                }
             }
         }
     }
 
     /// Tiny and odd shapes (1-px images and outputs, windows narrower than a pixel at fractional
-    /// offsets, strong up- and downscales): both code paths give the same bits, every value in
+    /// offsets, strong up- and downscales): every code path gives the same bits, every value in
     /// the byte range, and a flat image stays exactly flat (each output's fixed-point weights
     /// sum to one).
     #[test]
@@ -822,15 +1276,14 @@ mod tests {
             let level = rng.below(256) as u8;
             let src: Vec<u8> = (0..w * h * 3).map(|_| if flat { level } else { rng.below(256) as u8 }).collect();
             for filter in [Interpolation::Bilinear, Interpolation::Bicubic] {
-                let mut rows = [Vec::new(), Vec::new()];
-                let paths: &[bool] = if has_avx2() { &[false, true] } else { &[false] };
-                for (k, &avx2) in paths.iter().enumerate() {
-                    resample_rows_on(&src, w, h, region, side, flip, filter, IDENTITY, avx2, |_, row| rows[k].extend(row.chunks_exact(LANES).flat_map(|p| p[..3].to_vec())));
+                let mut rows = vec![Vec::new(); levels().len()];
+                for (k, simd) in levels().into_iter().enumerate() {
+                    resample_rows_on(&src, w, h, region, side, flip, filter, IDENTITY, simd, Dest::Rows(&mut |_, planes| rows[k].extend(planes.iter().flat_map(|p| p.iter().copied()))));
                 }
                 let what = format!("{w}x{h} -> {side}, {region:?}, {filter:?}");
                 assert_eq!(rows[0].len(), 3 * side * side, "{what}");
-                if has_avx2() {
-                    assert!(rows[0].iter().zip(&rows[1]).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: AVX2 and scalar differ");
+                for (k, simd) in levels().into_iter().enumerate() {
+                    assert!(rows[0].iter().zip(&rows[k]).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: {simd:?} and scalar differ");
                 }
                 for &v in &rows[0] {
                     assert!((0.0..=255.0).contains(&v), "{what}: {v} outside the byte range");
@@ -839,6 +1292,201 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// On every code path, on fresh random images, sizes, windows (integer and fractional, some
+    /// reaching past the image), flips and both filters: the rows handed out, the normalized CHW
+    /// planes written in place and the bytes are bit-identical to the scalar path's.
+    #[test]
+    fn vector_and_scalar_paths_agree_on_random_inputs() {
+        let seed = hash(&[std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)]);
+        let mut rng = SplitMix::new(seed);
+        for case in 0..60 {
+            let (w, h) = (1 + rng.below(700) as usize, 1 + rng.below(700) as usize);
+            let side = 1 + rng.below(300) as usize;
+            let src: Vec<u8> = (0..w * h * 3).map(|_| rng.below(256) as u8).collect();
+            let region = match case % 3 {
+                0 => random_resized_crop(&mut rng, w, h, [0.08, 1.0], [0.75, 4.0 / 3.0]),
+                1 => center_crop(w, h, side, 0.875),
+                _ => {
+                    let (rw, rh) = ((rng.f32() * 1.2 * w as f32).max(0.25), (rng.f32() * 1.2 * h as f32).max(0.25));
+                    Region { x0: rng.f32() * w as f32 - 0.1 * rw, y0: rng.f32() * h as f32 - 0.1 * rh, w: rw, h: rh }
+                }
+            };
+            let flip = rng.coin();
+            for filter in [Interpolation::Bilinear, Interpolation::Bicubic] {
+                let what = format!("seed {seed}: {w}x{h} -> {side}, {region:?}, flip {flip}, {filter:?}");
+                let affine = Affine { mul: [0.0172, 0.0175, 0.0174], sub: [2.118, 2.036, 1.804] };
+                let n = levels().len();
+                let (mut rows, mut chw, mut bytes) = (vec![Vec::new(); n], vec![vec![0f32; 3 * side * side]; n], vec![vec![0u8; 3 * side * side]; n]);
+                for (k, simd) in levels().into_iter().enumerate() {
+                    resample_rows_on(&src, w, h, region, side, flip, filter, IDENTITY, simd, Dest::Rows(&mut |_, planes| rows[k].extend(planes.iter().flat_map(|p| p.iter().map(|v| v.to_bits())))));
+                    resample_rows_on(&src, w, h, region, side, flip, filter, affine, simd, Dest::Chw(&mut chw[k]));
+                    resample_u8_on(&src, w, h, region, side, flip, filter, simd, &mut bytes[k]);
+                }
+                assert_eq!(rows[0].len(), 3 * side * side, "{what}");
+                for (k, simd) in levels().into_iter().enumerate() {
+                    assert!(rows[0] == rows[k], "{what}: the rows of {simd:?} differ");
+                    assert!(chw[0].iter().zip(&chw[k]).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: the CHW planes of {simd:?} differ");
+                    assert!(bytes[0] == bytes[k], "{what}: the bytes of {simd:?} differ");
+                }
+            }
+        }
+    }
+
+    /// The fixed-point taps against a plain transcription of their definition (the f32 or f64
+    /// weights per output, normalized, trimmed, then quantized), on fresh random axes and
+    /// windows (down- and upscales, fractional offsets, windows reaching past the image): the
+    /// same starts, lengths, fractional bits and weights.
+    #[test]
+    fn fixed_taps_match_their_definition() {
+        let seed = hash(&[std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)]);
+        let mut rng = SplitMix::new(seed);
+        for case in 0..3000 {
+            let src_len = 1 + rng.below(if case % 2 == 0 { 40 } else { 3000 }) as usize;
+            let out_len = 1 + rng.below(if case % 3 == 0 { 30 } else { 400 }) as usize;
+            let rlen = (rng.f32() * 1.3 * src_len as f32).max(0.01);
+            let r0 = rng.f32() * src_len as f32 - 0.15 * rlen;
+            let (r0, rlen) = if case % 4 == 0 { (r0.round(), rlen.round().max(1.0)) } else { (r0, rlen) };
+            for filter in [Interpolation::Bilinear, Interpolation::Bicubic] {
+                for (max_bits, min_bits, input_max) in [(22, MID_BITS + 1, 255.0), (22, 1, MID_MAX as f64)] {
+                    let want = reference::fixed_taps(reference::taps(src_len, r0, rlen, out_len, filter), max_bits, min_bits, input_max);
+                    let what = format!("seed {seed}: {src_len} px, window {r0} + {rlen} -> {out_len}, {filter:?}, bits {max_bits}..{min_bits}");
+                    // As dispatched (with AVX2 where the CPU has it) and compiled for the baseline.
+                    for got in [fixed_taps(src_len, r0, rlen, out_len, filter, max_bits, min_bits, input_max), fixed_taps_on(src_len, r0, rlen, out_len, filter, max_bits, min_bits, input_max)] {
+                        assert_eq!((&got.start, &got.len, got.n, got.bits), (&want.start, &want.len, want.n, want.bits), "{what}");
+                        assert!(got.weights == want.weights, "{what}: the weights differ");
+                    }
+                }
+            }
+        }
+    }
+
+    /// The weights as first written: per output in a plain loop, normalized, trimmed, then
+    /// quantized ([`fixed_taps`] computes the same values eight outputs at a time).
+    mod reference {
+        use super::super::{bicubic, Interpolation};
+
+        pub struct Taps {
+            start: Vec<usize>,
+            len: Vec<usize>,
+            n: usize,
+            weights: Vec<f32>,
+        }
+
+        pub struct FixedTaps {
+            pub start: Vec<usize>,
+            pub len: Vec<usize>,
+            pub n: usize,
+            pub bits: u32,
+            pub weights: Vec<i16>,
+        }
+
+        pub fn taps(src_len: usize, r0: f32, rlen: f32, out_len: usize, filter: Interpolation) -> Taps {
+            let scale = rlen / out_len as f32;
+            let fscale = scale.max(1.0);
+            let support = match filter {
+                Interpolation::Bilinear => fscale,
+                Interpolation::Bicubic => 2.0 * fscale,
+            };
+            let n = (support.ceil() as usize) * 2 + 1;
+            let (scale64, fscale64) = (rlen as f64 / out_len as f64, (rlen as f64 / out_len as f64).max(1.0));
+            let mut start = Vec::with_capacity(out_len);
+            let mut len = Vec::with_capacity(out_len);
+            let mut weights = vec![0f32; out_len * n];
+            let mut k64 = vec![0f64; if filter == Interpolation::Bicubic { n } else { 0 }];
+            for i in 0..out_len {
+                let w = &mut weights[i * n..(i + 1) * n];
+                let (lo, hi) = match filter {
+                    Interpolation::Bilinear => {
+                        let center = r0 + (i as f32 + 0.5) * scale;
+                        let lo = ((center - support).floor().max(0.0) as usize).min(src_len - 1);
+                        let hi = ((center + support).ceil().max(0.0) as usize).clamp(lo + 1, src_len).min(lo + n);
+                        let mut sum = 0.0;
+                        for (k, j) in (lo..hi).enumerate() {
+                            w[k] = (1.0 - ((j as f32 + 0.5 - center) / fscale).abs()).max(0.0);
+                            sum += w[k];
+                        }
+                        if sum <= 0.0 {
+                            w[0] = 1.0;
+                            sum = 1.0;
+                        }
+                        w.iter_mut().for_each(|x| *x /= sum);
+                        (lo, hi)
+                    }
+                    Interpolation::Bicubic => {
+                        let center = r0 as f64 + (i as f64 + 0.5) * scale64;
+                        let support = 2.0 * fscale64;
+                        let lo = ((center - support).floor().max(0.0) as usize).min(src_len - 1);
+                        let hi = ((center + support).ceil().max(0.0) as usize).clamp(lo + 1, src_len).min(lo + n);
+                        let ss = 1.0 / fscale64;
+                        let k64 = &mut k64[..hi - lo];
+                        let mut sum = 0.0;
+                        for (k, j) in (lo..hi).enumerate() {
+                            k64[k] = bicubic((j as f64 + 0.5 - center) * ss);
+                            sum += k64[k];
+                        }
+                        if sum == 0.0 {
+                            k64[0] = 1.0;
+                            sum = 1.0;
+                        }
+                        for (wk, &k) in w.iter_mut().zip(k64.iter()) {
+                            *wk = (k / sum) as f32;
+                        }
+                        (lo, hi)
+                    }
+                };
+                let mut first = 0;
+                let mut last = hi - lo;
+                while last > first + 1 && w[last - 1] == 0.0 {
+                    last -= 1;
+                }
+                while first + 1 < last && w[first] == 0.0 {
+                    first += 1;
+                }
+                w.copy_within(first..last, 0);
+                start.push(lo + first);
+                len.push(last - first);
+            }
+            Taps { start, len, n, weights }
+        }
+
+        pub fn fixed_taps(t: Taps, max_bits: u32, min_bits: u32, input_max: f64) -> FixedTaps {
+            let outputs = t.start.len();
+            let (mut max_w, mut max_abs_sum) = (0f64, 0f64);
+            for i in 0..outputs {
+                let w = &t.weights[i * t.n..i * t.n + t.len[i]];
+                max_w = w.iter().fold(max_w, |m, &x| m.max((x as f64).abs()));
+                max_abs_sum = max_abs_sum.max(w.iter().map(|&x| (x as f64).abs()).sum());
+            }
+            let fits = |bits: u32| {
+                let s = (1u64 << bits) as f64;
+                max_w * s + t.n as f64 <= i16::MAX as f64 && (max_abs_sum * s + t.n as f64) * input_max <= i32::MAX as f64 * 0.99
+            };
+            let mut bits = max_bits;
+            while bits > min_bits && !fits(bits) {
+                bits -= 1;
+            }
+            let n = t.n + (t.n & 1);
+            let scale = (1u64 << bits) as f64;
+            let mut weights = vec![0i16; outputs * n];
+            for i in 0..outputs {
+                let (src, dst) = (&t.weights[i * t.n..i * t.n + t.len[i]], &mut weights[i * n..i * n + t.len[i]]);
+                let (mut sum, mut big) = (0i32, 0);
+                for (k, &x) in src.iter().enumerate() {
+                    let v = x as f64 * scale;
+                    dst[k] = (v + 0.5f64.copysign(v)) as i16;
+                    sum += dst[k] as i32;
+                    if dst[k].unsigned_abs() > dst[big].unsigned_abs() {
+                        big = k;
+                    }
+                }
+                if !dst.is_empty() {
+                    dst[big] += ((1i32 << bits) - sum) as i16;
+                }
+            }
+            FixedTaps { start: t.start, len: t.len, n, bits, weights }
         }
     }
 
