@@ -1136,11 +1136,12 @@ pub fn run_parts<B: Backend>(be: &B, seed: Option<u64>, parts: Parts) -> BResult
 }
 
 /// The opt-in Hopper GEMM kernels (`kernels/hopper.cu`) against the default cuBLASLt product
-/// plus GELU passes, at the CIFAR ViT-S and ViT-B/16 MLP shapes, 40 CIFAR images (252 tiles, so
-/// every block walks two or more and the epilogue's reads a tile ahead are exercised), 120, and
-/// a small one, each with a partial last row tile (fresh random inputs) — the widths that allow
-/// it (a multiple of 256) with 128×256 tiles in clusters of two blocks, as single blocks, and
-/// again with 128×128 — with either saved form
+/// plus GELU passes, at the CIFAR ViT-S, ViT-B/16 and ViT-H/14 MLP shapes, 40 CIFAR images (252
+/// tiles, so every block walks two or more and the epilogue's reads a tile ahead are exercised),
+/// 120, and a small one, each with a partial last row tile (fresh random inputs) — the widths
+/// that allow it (a multiple of 256) with 128×256 tiles in clusters of two blocks and as single
+/// blocks, each with the forward's 3- and 4-stage rings, and again with 128×128 — with either
+/// saved form
 /// (`GeluSaved`): fc1's forward (pre or gelu', and the GELU output) and fc2's input gradient with the GELU backward (dinp, and the weight and fc1-bias gradients
 /// accumulated into random f32 values). Both paths round to bf16 from f32 sums (possibly in
 /// different orders): relative error ≤ 1e-2 for bf16 outputs, 1e-4 for the f32 gradients; NaN
@@ -1155,6 +1156,7 @@ pub fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult
     let chosen = be.fused_gemm();
     let wide_chosen = be.wide_gemm();
     let cluster_chosen = be.gemm_cluster();
+    let ring_chosen = be.deep_ring();
     // runs `f` with the Hopper kernels on or off and records whether `kernel` ran as chosen
     // (and, with `clustered`, whether it ran in clusters: the launch table's name ends in "/c2")
     let run = |fused: bool, clustered: bool, kernel: &str, shape: &str, checks: &mut Vec<Check>, f: &mut dyn FnMut() -> BResult<()>| -> BResult<()> {
@@ -1165,9 +1167,9 @@ pub fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult
         let launched = be.take_profile();
         be.set_profiling(false);
         r?;
-        // (the 128×256-tile form of a kernel is its name with `_w`)
+        // (the 128×256-tile forms of a kernel are its name with `_w`, and `_w4` for the deep ring)
         let launched = launched?;
-        let ours = |name: &str| name == kernel || name.strip_suffix("_w") == Some(kernel);
+        let ours = |name: &str| name == kernel || name.strip_suffix("_w") == Some(kernel) || name.strip_suffix("_w4") == Some(kernel);
         let ran = launched.iter().any(|(name, _, _)| ours(name.strip_suffix("/c2").unwrap_or(name)));
         if ran != fused {
             checks.push(Check { name: format!("{kernel} chosen = {fused} but it {} [{shape}]", if ran { "ran" } else { "did not run" }), rel_err: f64::NAN, tol: 0.0, pass: false });
@@ -1179,18 +1181,23 @@ pub fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult
         Ok(())
     };
     // every shape with 128×256 tiles where the width allows (f % 256 == 0), in clusters of two
-    // and as single blocks, and with 128×128 tiles. 120 CIFAR images: 61 row tiles, so the
-    // last cluster's second block is past the rows, and every cluster walks two or more units.
-    let shapes = [(3 * 65, 384, 1536), (40 * 65, 384, 1536), (120 * 65, 384, 1536), (2 * 197, 768, 3072), (5, 64, 128)];
-    for ((wide, cluster), &(rows, c, f)) in [(true, true), (true, false), (false, false)].into_iter().flat_map(|w| shapes.iter().map(move |s| (w, s))) {
-        if (!wide || !cluster) && f % 256 != 0 {
-            continue;  // the same kernels as with `wide` and `cluster`
+    // and as single blocks, each with the forward's 3- and 4-stage rings, and with 128×128
+    // tiles. 120 CIFAR images: 61 row tiles, so the last cluster's second block is past the
+    // rows, and every cluster walks two or more units. 1 280 → 5 120 (ViT-H/14's MLP) has 20
+    // K steps, so the 4-stage ring wraps five times a tile.
+    let shapes = [(3 * 65, 384, 1536), (40 * 65, 384, 1536), (120 * 65, 384, 1536), (2 * 197, 768, 3072), (3 * 257, 1280, 5120), (5, 64, 128)];
+    let variants = [(true, true, false), (true, false, false), (true, true, true), (true, false, true), (false, false, false)];
+    for ((wide, cluster, ring4), &(rows, c, f)) in variants.into_iter().flat_map(|w| shapes.iter().map(move |s| (w, s))) {
+        if (!wide || !cluster || ring4) && f % 256 != 0 {
+            continue;  // the same kernels as with `wide` and `cluster` and the 3-stage ring
         }
         let tiles = if wide { crate::backend::cuda::WideTiles::Always } else { crate::backend::cuda::WideTiles::Off };
         be.set_wide_gemm(tiles, tiles);
         be.set_gemm_cluster(cluster);
+        be.set_deep_ring(ring4);
         let wide_here = wide && f % 256 == 0;
-        let shape = format!("{rows}×{c}·{f}{}", if wide_here && cluster { ", 128×256 tiles in clusters of 2" } else if wide_here { ", 128×256 tiles" } else { "" });
+        let ring = if ring4 { ", 4-stage ring" } else { "" };
+        let shape = format!("{rows}×{c}·{f}{}{ring}", if wide_here && cluster { ", 128×256 tiles in clusters of 2" } else if wide_here { ", 128×256 tiles" } else { "" });
         let mut r = |n: usize, s: f32| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-s..s)).collect() };
         // one flat compute buffer: fc1 (f × c), its bias (f), fc2 (c × f)
         let (w1, b1, w2) = (Span { off: 0, len: f * c }, Span { off: f * c, len: f }, Span { off: f * c + f, len: c * f });
@@ -1238,6 +1245,7 @@ pub fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult
     }
     be.set_wide_gemm(wide_chosen.0, wide_chosen.1);
     be.set_gemm_cluster(cluster_chosen);
+    be.set_deep_ring(ring_chosen);
     Ok(Some(checks))
 }
 

@@ -23,6 +23,11 @@ const HOPPER_GEMM_SMEM: u32 = 4 * 32768 + 2 * 128 * 136 * 2 + 2 * 8 * 128 * 4 + 
 /// tile, the rest as above).
 const HOPPER_GEMM_SMEM_WIDE: u32 = 3 * 49152 + 2 * 128 * 136 * 2 + 2 * 8 * 128 * 4 + 96 + 1024;
 
+/// The same for the 128×256-tile kernels with the deep ring (HX4_SMEM: a 4-stage ring of a
+/// 128×64 and a 256×64 tile, one 128×128 bf16 staging tile, 12 barriers, 1 KiB of alignment
+/// slack).
+const HOPPER_GEMM_SMEM_WIDE4: u32 = 4 * 49152 + 128 * 128 * 2 + 96 + 1024;
+
 /// Dynamic shared memory of the weight-gradient kernel (WGR_SMEM in hopper_wgrad.cu: a 4-stage
 /// ring of a 128×64 and a 256×64 bf16 tile, 1 KiB of ones, 8 barriers, 1 KiB of alignment
 /// slack).
@@ -40,8 +45,9 @@ fn wgrad_splits(tiles: usize, kt: usize, sms: usize) -> usize {
 
 /// How a Hopper GEMM kernel is launched: the kernel (`base`, with `_w` for 128×256 tiles), its
 /// grid (persistent: one block per SM at most, or as many clusters as run at once), block size,
-/// dynamic shared memory, tile width and cluster size (2: the wide kernels' blocks in pairs
-/// sharing their B tile; 1: none).
+/// dynamic shared memory, tile width, cluster size (2: the wide kernels' blocks in pairs
+/// sharing their B tile; 1: none) and how many rows of column partial sums the input-gradient
+/// kernel writes per 128-row tile (4 with the deep ring: one per epilogue warp).
 struct HopperLaunch {
     name: String,
     grid: u32,
@@ -49,6 +55,7 @@ struct HopperLaunch {
     smem: u32,
     bn: usize,
     cluster: u32,
+    partial_rows_per_tile: usize,
 }
 
 /// A linear layer's forward product. Row-major out(R, OC) = inp(R, IC)·Wᵀ  ⇔  column-major
@@ -176,7 +183,11 @@ impl Cuda {
                 WideTiles::Always => true,
                 WideTiles::Auto => 18 * waves(256) < 10 * waves(128),
             };
-        let (name, threads, smem, bn) = if wide {
+        let deep = wide && self.knobs.deep_ring.load(Ordering::Relaxed);
+        let partial_rows_per_tile = if deep { 4 } else { 1 };
+        let (name, threads, smem, bn) = if deep {
+            (format!("{base}_w4"), 512, HOPPER_GEMM_SMEM_WIDE4, 256)
+        } else if wide {
             // (the input gradient's wide kernel has one epilogue warpgroup, the forward's two)
             (format!("{base}_w"), if bwd { 512 } else { 640 }, HOPPER_GEMM_SMEM_WIDE, 256)
         } else {
@@ -188,11 +199,11 @@ impl Cuda {
             let fit = self.max_active_clusters(&name, threads, smem, 2)? as usize;
             if fit > 0 {
                 let clusters = fit.min(rows.div_ceil(256) * (n / bn)).max(1);
-                return Ok(HopperLaunch { name, grid: 2 * clusters as u32, threads, smem, bn, cluster: 2 });
+                return Ok(HopperLaunch { name, grid: 2 * clusters as u32, threads, smem, bn, cluster: 2, partial_rows_per_tile });
             }
         }
         let grid = (self.info.multiprocessors as usize).min(tiles).max(1) as u32;
-        Ok(HopperLaunch { name, grid, threads, smem, bn, cluster: 1 })
+        Ok(HopperLaunch { name, grid, threads, smem, bn, cluster: 1, partial_rows_per_tile })
     }
 
     /// Launches a Hopper GEMM kernel as `hopper_gemm_shape` chose.
@@ -458,17 +469,17 @@ impl Cuda {
     /// (oc × ic) is read as stored, an MN-major B operand.
     #[allow(clippy::too_many_arguments)]
     fn dgelu_gemm_fused(&self, dinp: &mut CudaBuf, dparams: &mut CudaBuf, dout: &CudaBuf, pre: &CudaBuf, what: GeluSaved, params: &CudaBuf, w: Span, pb: Span, rows: usize, ic: usize, oc: usize) -> BResult<()> {
-        let row_tiles = rows.div_ceil(128);
-        // one f32 partial row per 128-row tile
-        let partial = self.partial_rows(row_tiles * ic)?;
-        let ta = tensor_map_2d(dout.ptr, oc, rows, 128)?;
-        let tb = tensor_map_2d(params.at(w.off), ic, oc, 64)?;
-        let (m, n, k) = (rows as i32, ic as i32, oc as i32);
         let base = match what {
             GeluSaved::Pre => "gemm_dgelu_bwd_ws",
             GeluSaved::Grad => "gemm_dgelu_mul_ws",
         };
         let l = self.hopper_gemm_shape(base, rows, ic, true)?;
+        // f32 partial rows of the column sums: one or four per 128-row tile
+        let parts = rows.div_ceil(128) * l.partial_rows_per_tile;
+        let partial = self.partial_rows(parts * ic)?;
+        let ta = tensor_map_2d(dout.ptr, oc, rows, 128)?;
+        let tb = tensor_map_2d(params.at(w.off), ic, oc, 64)?;
+        let (m, n, k) = (rows as i32, ic as i32, oc as i32);
         match what {
             GeluSaved::Pre => {
                 let bias_ptr = params.at(pb.off);
@@ -478,7 +489,7 @@ impl Cuda {
             GeluSaved::Grad => self.launch_hopper_gemm(&l, &mut kargs![dinp.ptr, pre.ptr, partial, ta, tb, m, n, k])?,
         }
         let dst = dparams.at(pb.off);
-        self.reduce_partials(dst, dst, dst, ic, partial, row_tiles, ic)
+        self.reduce_partials(dst, dst, dst, ic, partial, parts, ic)
     }
 
     /// Unaligned fallback of the fused GELU-gradient + bias-sum pass: the two kernels apart

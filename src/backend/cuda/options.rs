@@ -20,6 +20,8 @@ pub const WGMMA_ATTENTION_ENV: &str = "VITSCALE_WGMMA_ATTENTION";
 pub const WIDE_GEMM_ENV: &str = "VITSCALE_WIDE_GEMM";
 /// The environment variable of [`CudaOptions::gemm_cluster`].
 pub const GEMM_CLUSTER_ENV: &str = "VITSCALE_GEMM_CLUSTER";
+/// The environment variable of [`CudaOptions::deep_ring`].
+pub const GEMM_RING_ENV: &str = "VITSCALE_GEMM_RING";
 /// The environment variable of [`CudaOptions::wgrad_gemm`].
 pub const WGRAD_GEMM_ENV: &str = "VITSCALE_WGRAD_GEMM";
 /// The environment variable of [`CudaOptions::gemm_tune`].
@@ -137,6 +139,11 @@ pub struct CudaOptions {
     /// they ran at the speed of single blocks, BENCHMARKS.md).
     /// `VITSCALE_GEMM_CLUSTER`: `0` or `off` (the default); `on` or `1`.
     pub gemm_cluster: bool,
+    /// Whether the Hopper GEMM kernels with 128×256 tiles (fc1's forward, fc2's input gradient)
+    /// take the forms with a 4-stage ring and one staging half (the `_w4` kernels, RING4 in
+    /// hopper.cu) instead of a 3-stage ring and two staging halves (`set_deep_ring` changes it
+    /// later). `VITSCALE_GEMM_RING`: `3` (the default) or `4`.
+    pub deep_ring: bool,
     /// Whether the weight gradients (and the bias gradients beside them) take the Hopper
     /// kernel `gemm_wgrad_tt` (`kernels/hopper_wgrad.cu`: K split into chunks so that few
     /// output tiles still fill the GPU) where it applies (sm_90, both widths multiples of 64);
@@ -158,6 +165,7 @@ impl Default for CudaOptions {
             wgmma_attention: true,
             wide_gemm: (WideTiles::Auto, WideTiles::Auto),
             gemm_cluster: false,
+            deep_ring: false,
             wgrad_gemm: false,
             gemm_tune: GemmTune::Sustained,
         }
@@ -187,6 +195,7 @@ impl CudaOptions {
                 ("off", (WideTiles::Off, WideTiles::Off)),
             ])?,
             gemm_cluster: choose(&get, GEMM_CLUSTER_ENV, false, &[("on", true), ("1", true), ("0", false), ("off", false)])?,
+            deep_ring: choose(&get, GEMM_RING_ENV, false, &[("3", false), ("4", true)])?,
             wgrad_gemm: choose(&get, WGRAD_GEMM_ENV, false, &[("on", true), ("1", true), ("0", false), ("off", false)])?,
             gemm_tune: choose(&get, GEMM_TUNE_ENV, GemmTune::Sustained, &[("sustained", GemmTune::Sustained), ("quick", GemmTune::Quick)])?,
         })
@@ -220,6 +229,7 @@ pub(super) struct Knobs {
     wide_gemm: AtomicU8,
     wide_gemm_bwd: AtomicU8,
     pub(super) gemm_cluster: AtomicBool,
+    pub(super) deep_ring: AtomicBool,
     pub(super) wgrad_gemm: AtomicBool,
 }
 
@@ -233,6 +243,7 @@ impl Knobs {
             wide_gemm: AtomicU8::new(o.wide_gemm.0 as u8),
             wide_gemm_bwd: AtomicU8::new(o.wide_gemm.1 as u8),
             gemm_cluster: AtomicBool::new(o.gemm_cluster),
+            deep_ring: AtomicBool::new(o.deep_ring),
             wgrad_gemm: AtomicBool::new(o.wgrad_gemm),
         }
     }
@@ -280,6 +291,17 @@ impl Cuda {
     /// tile (`on`, the default) or as single blocks (`CudaOptions::gemm_cluster`).
     pub fn set_gemm_cluster(&self, on: bool) {
         self.knobs.gemm_cluster.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether the 128×256-tile Hopper GEMM kernels take the 4-stage ring (`set_deep_ring`).
+    pub fn deep_ring(&self) -> bool {
+        self.knobs.deep_ring.load(Ordering::Relaxed)
+    }
+
+    /// Runs the 128×256-tile Hopper GEMM kernels with the 4-stage ring and one staging half
+    /// (`on`) or the 3-stage ring and two (`off`, the default; `CudaOptions::deep_ring`).
+    pub fn set_deep_ring(&self, on: bool) {
+        self.knobs.deep_ring.store(on, Ordering::Relaxed);
     }
 
     /// Whether the weight gradients take the Hopper kernel where it applies (`set_wgrad_gemm`).
@@ -345,7 +367,7 @@ mod tests {
     #[test]
     fn nothing_set_is_the_default() {
         assert_eq!(CudaOptions::from_vars(|_| None), Ok(CudaOptions::default()));
-        let empty = [ATTENTION_ENV, FUSED_GEMM_ENV, WGMMA_ATTENTION_ENV, WIDE_GEMM_ENV, WGRAD_GEMM_ENV, GEMM_TUNE_ENV].map(|n| (n, " "));
+        let empty = [ATTENTION_ENV, FUSED_GEMM_ENV, WGMMA_ATTENTION_ENV, WIDE_GEMM_ENV, GEMM_RING_ENV, WGRAD_GEMM_ENV, GEMM_TUNE_ENV].map(|n| (n, " "));
         assert_eq!(CudaOptions::from_vars(vars(&empty)), Ok(CudaOptions::default()));
     }
 
@@ -370,6 +392,8 @@ mod tests {
             assert_eq!(o(&[(GEMM_CLUSTER_ENV, v)]).gemm_cluster, want, "{v}");
             assert_eq!(o(&[(WGRAD_GEMM_ENV, v)]).wgrad_gemm, want, "{v}");
         }
+        assert!(o(&[(GEMM_RING_ENV, "4")]).deep_ring);
+        assert!(!o(&[(GEMM_RING_ENV, "3")]).deep_ring);
         assert_eq!(o(&[(GEMM_TUNE_ENV, "quick")]).gemm_tune, GemmTune::Quick);
         assert_eq!(o(&[(GEMM_TUNE_ENV, "sustained")]).gemm_tune, GemmTune::Sustained);
         // one variable leaves the others at their defaults
@@ -386,6 +410,7 @@ mod tests {
         assert_eq!(err(WIDE_GEMM_ENV, "wide"), "VITSCALE_WIDE_GEMM=\"wide\": expected auto, fwd, always, 0 or off");
         assert_eq!(err(GEMM_CLUSTER_ENV, "2"), "VITSCALE_GEMM_CLUSTER=\"2\": expected on, 1, 0 or off");
         assert_eq!(err(WGRAD_GEMM_ENV, "yes"), "VITSCALE_WGRAD_GEMM=\"yes\": expected on, 1, 0 or off");
+        assert_eq!(err(GEMM_RING_ENV, "5"), "VITSCALE_GEMM_RING=\"5\": expected 3 or 4");
         assert_eq!(err(GEMM_TUNE_ENV, "slow"), "VITSCALE_GEMM_TUNE=\"slow\": expected sustained or quick");
         // matching is exact after trimming
         assert!(CudaOptions::from_vars(vars(&[(ATTENTION_ENV, "Fused")])).is_err());
@@ -393,13 +418,14 @@ mod tests {
 
     #[test]
     fn knobs_start_from_the_options() {
-        let o = CudaOptions { attention: AttentionPath::FusedPipe, fused_gemm: (true, false), wgmma_attention: false, wide_gemm: (WideTiles::Always, WideTiles::Off), gemm_cluster: true, wgrad_gemm: true, gemm_tune: GemmTune::Quick };
+        let o = CudaOptions { attention: AttentionPath::FusedPipe, fused_gemm: (true, false), wgmma_attention: false, wide_gemm: (WideTiles::Always, WideTiles::Off), gemm_cluster: true, deep_ring: true, wgrad_gemm: true, gemm_tune: GemmTune::Quick };
         let k = Knobs::new(&o);
         assert_eq!(AttentionPath::from_u8(k.attention.load(Ordering::Relaxed)), AttentionPath::FusedPipe);
         assert_eq!((k.fused_gemm.load(Ordering::Relaxed), k.fused_gemm_bwd.load(Ordering::Relaxed)), (true, false));
         assert!(!k.wgmma_attention.load(Ordering::Relaxed));
         assert_eq!((k.wide_tiles(false), k.wide_tiles(true)), (WideTiles::Always, WideTiles::Off));
         assert!(k.gemm_cluster.load(Ordering::Relaxed));
+        assert!(k.deep_ring.load(Ordering::Relaxed));
         assert!(k.wgrad_gemm.load(Ordering::Relaxed));
     }
 }

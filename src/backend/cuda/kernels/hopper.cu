@@ -58,6 +58,21 @@
 #define HX_STAGES 3
 #define HX_STAGE ((128 + 256) * 64 * 2)    // an A (128 rows) and a B (256 rows) tile: 48 KiB
 #define HX_SMEM (HX_STAGES * HX_STAGE + 2 * HW_STG + 2 * 8 * 128 * 4 + 96 + 1024)
+// The deep-ring form of the wide kernels (RING4, the `_w4` kernels): a 4-stage ring,
+// so that two K steps are in flight while the multiplying warps work on a third (with three
+// stages one is: the slot behind the one being multiplied is released only when its wgmma
+// completes), as cuBLASLt's kernel of the same tile shape has. Shared memory then leaves room
+// for one staging half of 128×128 bf16, unpadded, its 16-byte chunks swizzled (chunk j of row r
+// at j ^ (r % 8): the multiplying warps' 4-byte stores and the epilogue's 16-byte loads meet no
+// bank conflicts). One epilogue warpgroup of 152 registers copies the staged half into its
+// registers at once and frees it, then does the arithmetic; the multiplying warps wait only
+// for that copy between the two halves of a tile. In mode 1 there is no room left for the
+// column sums in shared memory: each epilogue warp writes its own row of partial sums (four
+// per 128-row tile), and it reads the saved values in two groups of eight chunks per half
+// instead of a half ahead (the staged half already takes 64 of its registers).
+#define HX4_STAGES 4
+#define HX4_STG (128 * 128 * 2)
+#define HX4_SMEM (HX4_STAGES * HX_STAGE + HX4_STG + 96 + 1024)
 
 template <int THREADS>
 __device__ __forceinline__ void hw_epi_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory"); }
@@ -65,9 +80,14 @@ __device__ __forceinline__ void hw_epi_sync() { asm volatile("bar.sync 1, %0;\n"
 // MODE 0: out = act, aux = pre (written; gelu'(pre + bias) with GRAD). MODE 1: out = dpre,
 // aux = pre (read; the saved derivative with GRAD), partial: the (ceil(M / 128) × N) f32
 // column sums of dpre per row tile. bias: N bf16 values or null (not read in mode 1 with GRAD).
-template <int MODE, bool GRAD, bool WIDE = false, int EW = 2>
+// RING4: the deep-ring form above (requires WIDE and EW 1); partial then has four rows per row
+// tile.
+template <int MODE, bool GRAD, bool WIDE = false, int EW = 2, bool RING4 = false>
 __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict__ aux, float* __restrict__ partial, const HgTmap* tmA, const HgTmap* tmB, const bf16* __restrict__ bias, int M, int N, int K, unsigned char* raw_p) {
-    constexpr int STAGES = WIDE ? HX_STAGES : HW_STAGES, STAGE = WIDE ? HX_STAGE : HW_STAGE;
+    static_assert(!RING4 || (WIDE && EW == 1), "the deep ring is the wide kernels', with one epilogue warpgroup");
+    constexpr int STAGES = RING4 ? HX4_STAGES : WIDE ? HX_STAGES : HW_STAGES, STAGE = WIDE ? HX_STAGE : HW_STAGE;
+    // staging buffers and (mode 1) column sums between the ring and the barriers
+    constexpr int STG_AREA = RING4 ? HX4_STG : 2 * HW_STG + 2 * 8 * 128 * 4;
     constexpr int BN = WIDE ? 256 : HG_BN, HALVES = BN / 128, A_BYTES = 128 * HG_BK * 2;
     // EW epilogue warpgroups (warps 8 … 8 + 4·EW − 1), then the producer's warp(group)
     constexpr int EPI = 128 * EW, PRODUCER = 8 + 4 * EW, CH = 128 * 16 / EPI, RSTEP = EPI / 16;
@@ -76,7 +96,7 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
     unsigned char* base = raw_p + (ring - raw);
     bf16* stg_p = (bf16*)(base + STAGES * STAGE);
     float* colsum = (float*)(base + STAGES * STAGE + 2 * HW_STG);
-    const unsigned bars = ring + STAGES * STAGE + 2 * HW_STG + 2 * 8 * 128 * 4;
+    const unsigned bars = ring + STAGES * STAGE + STG_AREA;
     const unsigned full0 = bars, empty0 = bars + 8 * STAGES, sfull0 = bars + 16 * STAGES, sempty0 = sfull0 + 16;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     // Launched in clusters of two (the wide kernels; `hopper_gemm_shape`), the blocks of a
@@ -201,7 +221,23 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
             // Staged in 128-column halves q = HALVES·i + h, alternating between the buffers.
             #pragma unroll
             for (int h = 0; h < HALVES; h++) {
-                const int q = HALVES * i + h, b = q & 1;
+                const int q = HALVES * i + h;
+                if (RING4) {
+                    // the one staging half: free once the epilogue has copied half q − 1
+                    if (q >= 1) ht_mbar_wait(sempty0, (q + 1) & 1);
+                    unsigned char* sp = (unsigned char*)stg_p;
+                    // rows r0 and r0 + 8 have the same r % 8 = lane / 4
+                    const int sw = lane >> 2;
+                    #pragma unroll
+                    for (int j = 0; j < 16; j++) {
+                        const int at = ((j ^ sw) << 4) + 2 * cq;
+                        *(unsigned*)(sp + r0 * 256 + at) = f2bf2(acc[h][4 * j], acc[h][4 * j + 1]);
+                        *(unsigned*)(sp + (r0 + 8) * 256 + at) = f2bf2(acc[h][4 * j + 2], acc[h][4 * j + 3]);
+                    }
+                    ht_mbar_arrive(sfull0);
+                    continue;
+                }
+                const int b = q & 1;
                 if (q >= 2) ht_mbar_wait(sempty0 + 8 * b, ((q >> 1) + 1) & 1);
                 bf16* sp = stg_p + b * (HW_STG / 2);
                 #pragma unroll
@@ -229,12 +265,12 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
     // epilogue warpgroups a whole half of reads spilled, and half of one was slower than the
     // 128×128 kernel: so the wide mode-1 kernels have one epilogue warpgroup of 152.)
     const int halves = HALVES * mine;
-    uint4 pv[CH];
+    uint4 pv[RING4 ? 8 : CH];
     auto pre_chunk = [&](int q, int k) {
         const int gm = tile_m(q / HALVES) * 128 + (e >> 4) + RSTEP * k, n0 = tile_n(q / HALVES) * BN + (q % HALVES) * 128;
         return q < halves && gm < M ? __ldcs((const uint4*)(aux + (i64)gm * N + n0 + c)) : make_uint4(0u, 0u, 0u, 0u);
     };
-    if (MODE == 1) {
+    if (MODE == 1 && !RING4) {
         #pragma unroll
         for (int k = 0; k < CH; k++) pv[k] = pre_chunk(0, k);
     }
@@ -249,19 +285,35 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
     uint4 bw = load_bias(0);
     for (int q = 0; q < halves; q++) {
         const int mt = tile_m(q / HALVES), m0 = mt * 128, n0 = tile_n(q / HALVES) * BN + (q % HALVES) * 128;
-        const int b = q & 1;
+        const int b = RING4 ? 0 : q & 1;
         const uint4 bn = load_bias(q + 1);
-        ht_mbar_wait(sfull0 + 8 * b, (q >> 1) & 1);
+        ht_mbar_wait(sfull0 + 8 * b, RING4 ? q & 1 : (q >> 1) & 1);
         const bf16* sp = stg_p + b * (HW_STG / 2);
+        // RING4: the staged half into registers, and the buffer back to the multiplying warps
+        uint4 held[RING4 ? CH : 1];
+        if (RING4) {
+            #pragma unroll
+            for (int k = 0; k < CH; k++) {
+                const int r = (e >> 4) + RSTEP * k;
+                held[k] = *(const uint4*)((const unsigned char*)stg_p + r * 256 + (((e & 15) ^ (r & 7)) << 4));
+            }
+            ht_mbar_arrive(sempty0);
+        }
         float cs[8];
         #pragma unroll
         for (int k = 0; k < 8; k++) cs[k] = 0.f;
         #pragma unroll
         for (int k = 0; k < CH; k++) {
             const int r = (e >> 4) + RSTEP * k;
-            const uint4 v = *(const uint4*)(sp + r * HG_LDO + c);
+            const uint4 v = RING4 ? held[k] : *(const uint4*)(sp + r * HG_LDO + c);
             uint4 p = make_uint4(0u, 0u, 0u, 0u);
-            if (MODE == 1) {
+            if (MODE == 1 && RING4) {
+                if ((k & 7) == 0) {
+                    #pragma unroll
+                    for (int j = 0; j < 8; j++) pv[j] = pre_chunk(q, k + j);
+                }
+                p = pv[k & 7];
+            } else if (MODE == 1) {
                 p = pv[k];
                 pv[k] = pre_chunk(q + 1, k);
             }
@@ -288,9 +340,19 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
                 }
             }
         }
-        ht_mbar_arrive(sempty0 + 8 * b);  // the staged tile has been read
+        if (!RING4) ht_mbar_arrive(sempty0 + 8 * b);  // the staged tile has been read
         bw = bn;
-        if (MODE == 1) {
+        if (MODE == 1 && RING4) {
+            // column sums: lanes l and l ^ 16 share columns; each warp's 128 go to its own row
+            // of partial
+            #pragma unroll
+            for (int k = 0; k < 8; k++) cs[k] += __shfl_xor_sync(0xffffffffu, cs[k], 16);
+            if ((lane & 16) == 0 && mt < m_tiles) {
+                float* row = partial + ((i64)mt * 4 + (e >> 5)) * N + n0 + c;
+                *(float4*)row = make_float4(cs[0], cs[1], cs[2], cs[3]);
+                *(float4*)(row + 4) = make_float4(cs[4], cs[5], cs[6], cs[7]);
+            }
+        } else if (MODE == 1) {
             // column sums: lanes l and l ^ 16 share columns, then the 8 warps through shared
             // memory, in a fixed order (deterministic). The two sets alternate by tile, so one
             // barrier per tile suffices: a set is rewritten two tiles later, after every thread
@@ -365,6 +427,29 @@ extern "C" __global__ void __launch_bounds__(640, 1) gemm_gelu_fwd_grad_ws_w(bf1
 extern "C" __global__ void __launch_bounds__(512, 1) gemm_dgelu_mul_ws_w(bf16* __restrict__ dpre, const bf16* __restrict__ grad, float* __restrict__ partial, const __grid_constant__ HgTmap tmA, const __grid_constant__ HgTmap tmB, int M, int N, int K) {
     extern __shared__ unsigned char hx_raw3[];
     hw_gemm<1, true, true, 1>(dpre, (bf16*)grad, partial, &tmA, &tmB, nullptr, M, N, K, hx_raw3);
+    hw_cluster_exit();
+}
+// The wide forward with the 4-stage ring (RING4): HX4_SMEM bytes, 512 threads (one epilogue
+// warpgroup of 152 registers, which holds a whole staged half).
+extern "C" __global__ void __launch_bounds__(512, 1) gemm_gelu_fwd_ws_w4(bf16* __restrict__ act, bf16* __restrict__ pre, const __grid_constant__ HgTmap tmA, const __grid_constant__ HgTmap tmB, const bf16* __restrict__ bias, int M, int N, int K) {
+    extern __shared__ unsigned char hx_raw4[];
+    hw_gemm<0, false, true, 1, true>(act, pre, nullptr, &tmA, &tmB, bias, M, N, K, hx_raw4);
+    hw_cluster_exit();
+}
+extern "C" __global__ void __launch_bounds__(512, 1) gemm_gelu_fwd_grad_ws_w4(bf16* __restrict__ act, bf16* __restrict__ grad, const __grid_constant__ HgTmap tmA, const __grid_constant__ HgTmap tmB, const bf16* __restrict__ bias, int M, int N, int K) {
+    extern __shared__ unsigned char hx_raw5[];
+    hw_gemm<0, true, true, 1, true>(act, grad, nullptr, &tmA, &tmB, bias, M, N, K, hx_raw5);
+    hw_cluster_exit();
+}
+// fc2's input gradient with the deep ring: partial has 4 · ceil(M / 128) rows.
+extern "C" __global__ void __launch_bounds__(512, 1) gemm_dgelu_bwd_ws_w4(bf16* __restrict__ dpre, const bf16* __restrict__ pre, float* __restrict__ partial, const __grid_constant__ HgTmap tmA, const __grid_constant__ HgTmap tmB, const bf16* __restrict__ bias, int M, int N, int K) {
+    extern __shared__ unsigned char hx_raw6[];
+    hw_gemm<1, false, true, 1, true>(dpre, (bf16*)pre, partial, &tmA, &tmB, bias, M, N, K, hx_raw6);
+    hw_cluster_exit();
+}
+extern "C" __global__ void __launch_bounds__(512, 1) gemm_dgelu_mul_ws_w4(bf16* __restrict__ dpre, const bf16* __restrict__ grad, float* __restrict__ partial, const __grid_constant__ HgTmap tmA, const __grid_constant__ HgTmap tmB, int M, int N, int K) {
+    extern __shared__ unsigned char hx_raw7[];
+    hw_gemm<1, true, true, 1, true>(dpre, (bf16*)grad, partial, &tmA, &tmB, nullptr, M, N, K, hx_raw7);
     hw_cluster_exit();
 }
 
