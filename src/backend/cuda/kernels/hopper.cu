@@ -68,8 +68,9 @@
 // registers at once and frees it, then does the arithmetic; the multiplying warps wait only
 // for that copy between the two halves of a tile. In mode 1 there is no room left for the
 // column sums in shared memory: each epilogue warp writes its own row of partial sums (four
-// per 128-row tile), and it reads the saved values in two groups of eight chunks per half
-// instead of a half ahead (the staged half already takes 64 of its registers).
+// per 128-row tile), and it reads the saved values in two groups of eight chunks per half (the
+// first while it waits for the half) instead of a half ahead (the staged half already takes 64
+// of its registers).
 #define HX4_STAGES 4
 #define HX4_STG (128 * 128 * 2)
 #define HX4_SMEM (HX4_STAGES * HX_STAGE + HX4_STG + 96 + 1024)
@@ -287,6 +288,11 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
         const int mt = tile_m(q / HALVES), m0 = mt * 128, n0 = tile_n(q / HALVES) * BN + (q % HALVES) * 128;
         const int b = RING4 ? 0 : q & 1;
         const uint4 bn = load_bias(q + 1);
+        if (MODE == 1 && RING4) {
+            // the first eight chunks of saved values, in flight while the half is staged
+            #pragma unroll
+            for (int j = 0; j < 8; j++) pv[j] = pre_chunk(q, j);
+        }
         ht_mbar_wait(sfull0 + 8 * b, RING4 ? q & 1 : (q >> 1) & 1);
         const bf16* sp = stg_p + b * (HW_STG / 2);
         // RING4: the staged half into registers, and the buffer back to the multiplying warps
@@ -308,9 +314,9 @@ __device__ __forceinline__ void hw_gemm(bf16* __restrict__ out, bf16* __restrict
             const uint4 v = RING4 ? held[k] : *(const uint4*)(sp + r * HG_LDO + c);
             uint4 p = make_uint4(0u, 0u, 0u, 0u);
             if (MODE == 1 && RING4) {
-                if ((k & 7) == 0) {
+                if (k == 8) {
                     #pragma unroll
-                    for (int j = 0; j < 8; j++) pv[j] = pre_chunk(q, k + j);
+                    for (int j = 0; j < 8; j++) pv[j] = pre_chunk(q, 8 + j);
                 }
                 p = pv[k & 7];
             } else if (MODE == 1) {
