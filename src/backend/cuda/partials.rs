@@ -85,8 +85,10 @@ fn poisoned() -> BackendError {
 impl Cuda {
     /// A region of `len` f32 values for one reduction's partial rows, valid until that
     /// reduction has run (the caller queues it with `reduce_partials` right after the kernel
-    /// that writes the rows).
+    /// that writes the rows). Regions start 16-byte aligned (kernels store the rows four
+    /// values at a time; a bias of 10 classes would otherwise shift every later region).
     pub(super) fn partial_rows(&self, len: usize) -> BResult<CUdeviceptr> {
+        let len = len.next_multiple_of(4);
         let mut p = self.partial_sums.lock().map_err(|_| poisoned())?;
         if p.used + len > p.capacity() || p.segs.len() == MAX_SEGS {
             let demand = p.used + len;
