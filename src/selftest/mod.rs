@@ -1140,7 +1140,7 @@ pub fn run_parts<B: Backend>(be: &B, seed: Option<u64>, parts: Parts) -> BResult
 /// tiles, so every block walks two or more and the epilogue's reads a tile ahead are exercised),
 /// 120, and a small one, each with a partial last row tile (fresh random inputs) — the widths
 /// that allow it (a multiple of 256) with 128×256 tiles in clusters of two blocks and as single
-/// blocks, each with the forward's 3- and 4-stage rings, and again with 128×128 — with either
+/// blocks, each with the 3- and 4-stage rings, and again with 128×128 — with either
 /// saved form
 /// (`GeluSaved`): fc1's forward (pre or gelu', and the GELU output) and fc2's input gradient with the GELU backward (dinp, and the weight and fc1-bias gradients
 /// accumulated into random f32 values). Both paths round to bf16 from f32 sums (possibly in
@@ -1181,7 +1181,7 @@ pub fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult
         Ok(())
     };
     // every shape with 128×256 tiles where the width allows (f % 256 == 0), in clusters of two
-    // and as single blocks, each with the forward's 3- and 4-stage rings, and with 128×128
+    // and as single blocks, each with the 3- and 4-stage rings, and with 128×128
     // tiles. 120 CIFAR images: 61 row tiles, so the last cluster's second block is past the
     // rows, and every cluster walks two or more units. 1 280 → 5 120 (ViT-H/14's MLP) has 20
     // K steps, so the 4-stage ring wraps five times a tile.
