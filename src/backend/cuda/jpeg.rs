@@ -410,7 +410,7 @@ pub(super) struct JpegDecoder {
     taps: Option<CudaBuf>,
     /// The batch's `ImageJob`s (bytes; allocated as f32 words).
     jobs: Option<CudaBuf>,
-    /// The decode stream (highest priority).
+    /// The decode stream (highest priority unless `VITSCALE_DECODE_PRIORITY=normal`).
     stream: Arc<CudaStream>,
     /// Two pinned arenas used in turn.
     arenas: [Arena; 2],
@@ -436,8 +436,15 @@ impl Drop for JpegDecoder {
 impl JpegDecoder {
     fn new(ctx: &Arc<cudarc::driver::CudaContext>) -> Result<JpegDecoder, String> {
         ctx.bind_to_thread().map_err(|e| format!("binding the CUDA context: {e}"))?;
-        let (_, greatest) = dr::stream::get_priority_range().map_err(|e| format!("cuCtxGetStreamPriorityRange: {e}"))?;
-        let stream = ctx.new_stream_with_priority(greatest).map_err(|e| format!("creating the decode stream: {e}"))?;
+        let (least, greatest) = dr::stream::get_priority_range().map_err(|e| format!("cuCtxGetStreamPriorityRange: {e}"))?;
+        // `VITSCALE_DECODE_PRIORITY=normal` puts the decode at the compute stream's priority, so
+        // its kernels take SMs only as the step's blocks finish rather than ahead of them.
+        let priority = match std::env::var("VITSCALE_DECODE_PRIORITY").as_deref() {
+            Ok("high") | Ok("") | Err(_) => greatest,
+            Ok("normal") => least,
+            Ok(other) => return Err(format!("VITSCALE_DECODE_PRIORITY must be high or normal, got {other:?}")),
+        };
+        let stream = ctx.new_stream_with_priority(priority).map_err(|e| format!("creating the decode stream: {e}"))?;
         DECODE_STREAM.store(stream.cu_stream() as u64, Ordering::Relaxed);
         let api = open_api()?;
         let hybrid = Decoder::new(&api, BACKEND_DEFAULT)?;
