@@ -142,7 +142,7 @@ pub struct CudaOptions {
     /// Whether the Hopper GEMM kernels with 128×256 tiles (fc1's forward, fc2's input gradient)
     /// take the forms with a 4-stage ring and one staging half (the `_w4` kernels, RING4 in
     /// hopper.cu) instead of a 3-stage ring and two staging halves (`set_deep_ring` changes it
-    /// later). `VITSCALE_GEMM_RING`: `3` (the default) or `4`.
+    /// later). `VITSCALE_GEMM_RING`: `4` (the default) or `3`.
     pub deep_ring: bool,
     /// Whether the weight gradients (and the bias gradients beside them) take the Hopper
     /// kernel `gemm_wgrad_tt` (`kernels/hopper_wgrad.cu`: K split into chunks so that few
@@ -165,7 +165,7 @@ impl Default for CudaOptions {
             wgmma_attention: true,
             wide_gemm: (WideTiles::Auto, WideTiles::Auto),
             gemm_cluster: false,
-            deep_ring: false,
+            deep_ring: true,
             wgrad_gemm: false,
             gemm_tune: GemmTune::Sustained,
         }
@@ -195,7 +195,7 @@ impl CudaOptions {
                 ("off", (WideTiles::Off, WideTiles::Off)),
             ])?,
             gemm_cluster: choose(&get, GEMM_CLUSTER_ENV, false, &[("on", true), ("1", true), ("0", false), ("off", false)])?,
-            deep_ring: choose(&get, GEMM_RING_ENV, false, &[("3", false), ("4", true)])?,
+            deep_ring: choose(&get, GEMM_RING_ENV, true, &[("3", false), ("4", true)])?,
             wgrad_gemm: choose(&get, WGRAD_GEMM_ENV, false, &[("on", true), ("1", true), ("0", false), ("off", false)])?,
             gemm_tune: choose(&get, GEMM_TUNE_ENV, GemmTune::Sustained, &[("sustained", GemmTune::Sustained), ("quick", GemmTune::Quick)])?,
         })
@@ -299,7 +299,7 @@ impl Cuda {
     }
 
     /// Runs the 128×256-tile Hopper GEMM kernels with the 4-stage ring and one staging half
-    /// (`on`) or the 3-stage ring and two (`off`, the default; `CudaOptions::deep_ring`).
+    /// (`on`, the default) or the 3-stage ring and two (`off`; `CudaOptions::deep_ring`).
     pub fn set_deep_ring(&self, on: bool) {
         self.knobs.deep_ring.store(on, Ordering::Relaxed);
     }
@@ -418,14 +418,14 @@ mod tests {
 
     #[test]
     fn knobs_start_from_the_options() {
-        let o = CudaOptions { attention: AttentionPath::FusedPipe, fused_gemm: (true, false), wgmma_attention: false, wide_gemm: (WideTiles::Always, WideTiles::Off), gemm_cluster: true, deep_ring: true, wgrad_gemm: true, gemm_tune: GemmTune::Quick };
+        let o = CudaOptions { attention: AttentionPath::FusedPipe, fused_gemm: (true, false), wgmma_attention: false, wide_gemm: (WideTiles::Always, WideTiles::Off), gemm_cluster: true, deep_ring: false, wgrad_gemm: true, gemm_tune: GemmTune::Quick };
         let k = Knobs::new(&o);
         assert_eq!(AttentionPath::from_u8(k.attention.load(Ordering::Relaxed)), AttentionPath::FusedPipe);
         assert_eq!((k.fused_gemm.load(Ordering::Relaxed), k.fused_gemm_bwd.load(Ordering::Relaxed)), (true, false));
         assert!(!k.wgmma_attention.load(Ordering::Relaxed));
         assert_eq!((k.wide_tiles(false), k.wide_tiles(true)), (WideTiles::Always, WideTiles::Off));
         assert!(k.gemm_cluster.load(Ordering::Relaxed));
-        assert!(k.deep_ring.load(Ordering::Relaxed));
+        assert!(!k.deep_ring.load(Ordering::Relaxed));
         assert!(k.wgrad_gemm.load(Ordering::Relaxed));
     }
 }
