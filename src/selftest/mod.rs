@@ -1156,10 +1156,11 @@ pub fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult
     let chosen = be.fused_gemm();
     let wide_chosen = be.wide_gemm();
     let cluster_chosen = be.gemm_cluster();
-    let ring_chosen = be.deep_ring();
+    let ring_chosen = be.gemm_ring();
     // runs `f` with the Hopper kernels on or off and records whether `kernel` ran as chosen
     // (and, with `clustered`, whether it ran in clusters: the launch table's name ends in "/c2")
-    let run = |fused: bool, clustered: bool, kernel: &str, shape: &str, checks: &mut Vec<Check>, f: &mut dyn FnMut() -> BResult<()>| -> BResult<()> {
+    // (and, with `deep`, whether its 4-stage-ring form `_w4` ran)
+    let run = |fused: bool, clustered: bool, deep: bool, kernel: &str, shape: &str, checks: &mut Vec<Check>, f: &mut dyn FnMut() -> BResult<()>| -> BResult<()> {
         be.set_fused_gemm(fused, fused);
         be.set_profiling(true);
         let r = f();
@@ -1178,6 +1179,10 @@ pub fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult
         if ran && in_clusters != clustered {
             checks.push(Check { name: format!("{kernel} clusters chosen = {clustered} but it ran {} [{shape}]", if in_clusters { "in clusters" } else { "as single blocks" }), rel_err: f64::NAN, tol: 0.0, pass: false });
         }
+        let ring4 = launched.iter().any(|(name, _, _)| name.strip_suffix("/c2").unwrap_or(name).strip_suffix("_w4") == Some(kernel));
+        if ran && ring4 != deep {
+            checks.push(Check { name: format!("{kernel} 4-stage ring chosen = {deep} but it ran with {} [{shape}]", if ring4 { "4 stages" } else { "3" }), rel_err: f64::NAN, tol: 0.0, pass: false });
+        }
         Ok(())
     };
     // every shape with 128×256 tiles where the width allows (f % 256 == 0), in clusters of two
@@ -1194,7 +1199,7 @@ pub fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult
         let tiles = if wide { crate::backend::cuda::WideTiles::Always } else { crate::backend::cuda::WideTiles::Off };
         be.set_wide_gemm(tiles, tiles);
         be.set_gemm_cluster(cluster);
-        be.set_deep_ring(ring4);
+        be.set_gemm_ring(if ring4 { crate::backend::cuda::GemmRing::Four } else { crate::backend::cuda::GemmRing::Three });
         let wide_here = wide && f % 256 == 0;
         let ring = if ring4 { ", 4-stage ring" } else { "" };
         let shape = format!("{rows}×{c}·{f}{}{ring}", if wide_here && cluster { ", 128×256 tiles in clusters of 2" } else if wide_here { ", 128×256 tiles" } else { "" });
@@ -1215,11 +1220,11 @@ pub fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult
             let mut bwd = Vec::new();
             for fused in [false, true] {
                 let (mut act, mut pre) = (be.alloc(rows * f)?, be.alloc(rows * f)?);
-                run(fused, wide_here && cluster, fwd_kernel, &shape, &mut checks, &mut || be.matmul_forward(&mut act, Some((&mut pre, saved)), &x, &params, w1, Some(b1), rows, c, f))?;
+                run(fused, wide_here && cluster, wide_here && ring4, fwd_kernel, &shape, &mut checks, &mut || be.matmul_forward(&mut act, Some((&mut pre, saved)), &x, &params, w1, Some(b1), rows, c, f))?;
                 let mut dinp = be.alloc(rows * f)?;
                 let mut grads = be.alloc_f32(2 * f * c + f)?;
                 be.upload(&mut grads, 0, &grads0)?;
-                run(fused, wide_here && cluster, bwd_kernel, &shape, &mut checks, &mut || be.matmul_backward_gelu_bias(&mut dinp, &mut grads, &dout, &act, &pre, saved, b1, &params, w2, None, rows, f, c))?;
+                run(fused, wide_here && cluster, wide_here && ring4, bwd_kernel, &shape, &mut checks, &mut || be.matmul_backward_gelu_bias(&mut dinp, &mut grads, &dout, &act, &pre, saved, b1, &params, w2, None, rows, f, c))?;
                 fwd.push((be.download(&act)?, be.download(&pre)?));
                 bwd.push((be.download(&dinp)?, be.download(&grads)?));
             }
@@ -1245,7 +1250,7 @@ pub fn hopper_gemm_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult
     }
     be.set_wide_gemm(wide_chosen.0, wide_chosen.1);
     be.set_gemm_cluster(cluster_chosen);
-    be.set_deep_ring(ring_chosen);
+    be.set_gemm_ring(ring_chosen);
     Ok(Some(checks))
 }
 

@@ -169,8 +169,8 @@ impl Cuda {
         self.kernels.get("gemm_gelu_fwd_ws").is_ok()
     }
 
-    /// Launch shape of a Hopper GEMM kernel for `rows` × `n` outputs (`HopperLaunch`).
-    fn hopper_gemm_shape(&self, base: &'static str, rows: usize, n: usize, bwd: bool) -> BResult<HopperLaunch> {
+    /// Launch shape of a Hopper GEMM kernel for `rows` × `n` outputs of depth `k` (`HopperLaunch`).
+    fn hopper_gemm_shape(&self, base: &'static str, rows: usize, n: usize, k: usize, bwd: bool) -> BResult<HopperLaunch> {
         let mode = self.knobs.wide_tiles(bwd);
         // Each block walks its tiles in turn, so a kernel lasts about ceil(tiles / SMs) tiles;
         // a 128×256 tile costs less than two 128×128 ones, but with few row tiles (micro 16:
@@ -183,7 +183,7 @@ impl Cuda {
                 WideTiles::Always => true,
                 WideTiles::Auto => 18 * waves(256) < 10 * waves(128),
             };
-        let deep = wide && self.knobs.deep_ring.load(Ordering::Relaxed);
+        let deep = wide && self.knobs.gemm_ring().deep_at(k);
         let partial_rows_per_tile = if deep { 4 } else { 1 };
         let (name, threads, smem, bn) = if deep {
             (format!("{base}_w4"), 512, HOPPER_GEMM_SMEM_WIDE4, 256)
@@ -266,7 +266,7 @@ impl Cuda {
                         GeluSaved::Pre => "gemm_gelu_fwd_ws",
                         GeluSaved::Grad => "gemm_gelu_fwd_grad_ws",
                     };
-                    let l = self.hopper_gemm_shape(base, rows, oc, false)?;
+                    let l = self.hopper_gemm_shape(base, rows, oc, ic, false)?;
                     let ta = tensor_map_2d(inp.ptr, ic, rows, 128)?;
                     // (in a cluster each block copies its share of the B tile's rows)
                     let tb = tensor_map_2d(w_ptr, ic, oc, (l.bn / l.cluster as usize) as u32)?;
@@ -473,7 +473,7 @@ impl Cuda {
             GeluSaved::Pre => "gemm_dgelu_bwd_ws",
             GeluSaved::Grad => "gemm_dgelu_mul_ws",
         };
-        let l = self.hopper_gemm_shape(base, rows, ic, true)?;
+        let l = self.hopper_gemm_shape(base, rows, ic, oc, true)?;
         // f32 partial rows of the column sums: one or four per 128-row tile
         let parts = rows.div_ceil(128) * l.partial_rows_per_tile;
         let partial = self.partial_rows(parts * ic)?;

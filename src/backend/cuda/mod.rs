@@ -63,7 +63,7 @@ mod profile;
 pub mod telemetry;
 
 pub use device::{cuda_available, probe, CudaBuf, DeviceInfo, Graph, MemStats};
-pub use options::{parse_attention, AttentionPath, CudaOptions, GemmTune, WideTiles, ATTENTION_ENV, FUSED_GEMM_ENV, GEMM_TUNE_ENV, WGMMA_ATTENTION_ENV, WIDE_GEMM_ENV};
+pub use options::{parse_attention, AttentionPath, CudaOptions, GemmRing, GemmTune, WideTiles, ATTENTION_ENV, FUSED_GEMM_ENV, GEMM_TUNE_ENV, WGMMA_ATTENTION_ENV, WIDE_GEMM_ENV};
 pub use profile::{profile_by_name, ProfiledLaunch};
 
 use std::sync::atomic::AtomicUsize;

@@ -20,7 +20,7 @@ pub const WGMMA_ATTENTION_ENV: &str = "VITSCALE_WGMMA_ATTENTION";
 pub const WIDE_GEMM_ENV: &str = "VITSCALE_WIDE_GEMM";
 /// The environment variable of [`CudaOptions::gemm_cluster`].
 pub const GEMM_CLUSTER_ENV: &str = "VITSCALE_GEMM_CLUSTER";
-/// The environment variable of [`CudaOptions::deep_ring`].
+/// The environment variable of [`CudaOptions::gemm_ring`].
 pub const GEMM_RING_ENV: &str = "VITSCALE_GEMM_RING";
 /// The environment variable of [`CudaOptions::wgrad_gemm`].
 pub const WGRAD_GEMM_ENV: &str = "VITSCALE_WGRAD_GEMM";
@@ -90,6 +90,43 @@ impl WideTiles {
     }
 }
 
+/// Which ring of TMA stages the Hopper GEMM kernels with 128×256 tiles take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmRing {
+    /// The 4-stage ring where the product's depth K (the model's width) is at least
+    /// `DEEP_RING_MIN_K`, else the 3-stage one: the deeper ring hides more of each K step's
+    /// copy, and pays for it with an epilogue that drains one staging half at a time, which
+    /// costs more than it saves when a tile has few K steps.
+    Auto = 0,
+    /// The 3-stage ring and two staging halves.
+    Three = 1,
+    /// The 4-stage ring and one staging half.
+    Four = 2,
+}
+
+/// The smallest K at which `GemmRing::Auto` takes the 4-stage ring (ViT-L's width; at ViT-B's
+/// 768 and ViT-S's 384 the 3-stage ring ran faster, BENCHMARKS.md).
+pub const DEEP_RING_MIN_K: usize = 1024;
+
+impl GemmRing {
+    fn from_u8(v: u8) -> Self {
+        match v {
+            1 => GemmRing::Three,
+            2 => GemmRing::Four,
+            _ => GemmRing::Auto,
+        }
+    }
+
+    /// Whether a product of depth `k` takes the 4-stage ring.
+    pub fn deep_at(self, k: usize) -> bool {
+        match self {
+            GemmRing::Auto => k >= DEEP_RING_MIN_K,
+            GemmRing::Three => false,
+            GemmRing::Four => true,
+        }
+    }
+}
+
 /// How the GEMM tuner picks each product's cuBLASLt algorithm on first use (`gemm`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemmTune {
@@ -139,11 +176,11 @@ pub struct CudaOptions {
     /// they ran at the speed of single blocks, BENCHMARKS.md).
     /// `VITSCALE_GEMM_CLUSTER`: `0` or `off` (the default); `on` or `1`.
     pub gemm_cluster: bool,
-    /// Whether the Hopper GEMM kernels with 128×256 tiles (fc1's forward, fc2's input gradient)
+    /// Where the Hopper GEMM kernels with 128×256 tiles (fc1's forward, fc2's input gradient)
     /// take the forms with a 4-stage ring and one staging half (the `_w4` kernels, RING4 in
-    /// hopper.cu) instead of a 3-stage ring and two staging halves (`set_deep_ring` changes it
-    /// later). `VITSCALE_GEMM_RING`: `4` (the default) or `3`.
-    pub deep_ring: bool,
+    /// hopper.cu) instead of a 3-stage ring and two staging halves (`set_gemm_ring` changes it
+    /// later). `VITSCALE_GEMM_RING`: `auto` (the default), `3` or `4`.
+    pub gemm_ring: GemmRing,
     /// Whether the weight gradients (and the bias gradients beside them) take the Hopper
     /// kernel `gemm_wgrad_tt` (`kernels/hopper_wgrad.cu`: K split into chunks so that few
     /// output tiles still fill the GPU) where it applies (sm_90, both widths multiples of 64);
@@ -165,7 +202,7 @@ impl Default for CudaOptions {
             wgmma_attention: true,
             wide_gemm: (WideTiles::Auto, WideTiles::Auto),
             gemm_cluster: false,
-            deep_ring: true,
+            gemm_ring: GemmRing::Auto,
             wgrad_gemm: false,
             gemm_tune: GemmTune::Sustained,
         }
@@ -195,7 +232,7 @@ impl CudaOptions {
                 ("off", (WideTiles::Off, WideTiles::Off)),
             ])?,
             gemm_cluster: choose(&get, GEMM_CLUSTER_ENV, false, &[("on", true), ("1", true), ("0", false), ("off", false)])?,
-            deep_ring: choose(&get, GEMM_RING_ENV, true, &[("3", false), ("4", true)])?,
+            gemm_ring: choose(&get, GEMM_RING_ENV, GemmRing::Auto, &[("auto", GemmRing::Auto), ("3", GemmRing::Three), ("4", GemmRing::Four)])?,
             wgrad_gemm: choose(&get, WGRAD_GEMM_ENV, false, &[("on", true), ("1", true), ("0", false), ("off", false)])?,
             gemm_tune: choose(&get, GEMM_TUNE_ENV, GemmTune::Sustained, &[("sustained", GemmTune::Sustained), ("quick", GemmTune::Quick)])?,
         })
@@ -229,7 +266,7 @@ pub(super) struct Knobs {
     wide_gemm: AtomicU8,
     wide_gemm_bwd: AtomicU8,
     pub(super) gemm_cluster: AtomicBool,
-    pub(super) deep_ring: AtomicBool,
+    gemm_ring: AtomicU8,
     pub(super) wgrad_gemm: AtomicBool,
 }
 
@@ -243,9 +280,14 @@ impl Knobs {
             wide_gemm: AtomicU8::new(o.wide_gemm.0 as u8),
             wide_gemm_bwd: AtomicU8::new(o.wide_gemm.1 as u8),
             gemm_cluster: AtomicBool::new(o.gemm_cluster),
-            deep_ring: AtomicBool::new(o.deep_ring),
+            gemm_ring: AtomicU8::new(o.gemm_ring as u8),
             wgrad_gemm: AtomicBool::new(o.wgrad_gemm),
         }
+    }
+
+    /// The ring the wide Hopper GEMM kernels take (`set_gemm_ring`).
+    pub(super) fn gemm_ring(&self) -> GemmRing {
+        GemmRing::from_u8(self.gemm_ring.load(Ordering::Relaxed))
     }
 
     /// Where fc1's forward (`bwd` false) or fc2's input gradient (`bwd` true) takes wide tiles.
@@ -293,15 +335,15 @@ impl Cuda {
         self.knobs.gemm_cluster.store(on, Ordering::Relaxed);
     }
 
-    /// Whether the 128×256-tile Hopper GEMM kernels take the 4-stage ring (`set_deep_ring`).
-    pub fn deep_ring(&self) -> bool {
-        self.knobs.deep_ring.load(Ordering::Relaxed)
+    /// Which ring the 128×256-tile Hopper GEMM kernels take (`set_gemm_ring`).
+    pub fn gemm_ring(&self) -> GemmRing {
+        self.knobs.gemm_ring()
     }
 
-    /// Runs the 128×256-tile Hopper GEMM kernels with the 4-stage ring and one staging half
-    /// (`on`, the default) or the 3-stage ring and two (`off`; `CudaOptions::deep_ring`).
-    pub fn set_deep_ring(&self, on: bool) {
-        self.knobs.deep_ring.store(on, Ordering::Relaxed);
+    /// Runs the 128×256-tile Hopper GEMM kernels with the 4-stage ring and one staging half,
+    /// the 3-stage ring and two, or each by its depth (`GemmRing`; `CudaOptions::gemm_ring`).
+    pub fn set_gemm_ring(&self, ring: GemmRing) {
+        self.knobs.gemm_ring.store(ring as u8, Ordering::Relaxed);
     }
 
     /// Whether the weight gradients take the Hopper kernel where it applies (`set_wgrad_gemm`).
@@ -392,8 +434,9 @@ mod tests {
             assert_eq!(o(&[(GEMM_CLUSTER_ENV, v)]).gemm_cluster, want, "{v}");
             assert_eq!(o(&[(WGRAD_GEMM_ENV, v)]).wgrad_gemm, want, "{v}");
         }
-        assert!(o(&[(GEMM_RING_ENV, "4")]).deep_ring);
-        assert!(!o(&[(GEMM_RING_ENV, "3")]).deep_ring);
+        for (v, want) in [("auto", GemmRing::Auto), ("3", GemmRing::Three), ("4", GemmRing::Four)] {
+            assert_eq!(o(&[(GEMM_RING_ENV, v)]).gemm_ring, want, "{v}");
+        }
         assert_eq!(o(&[(GEMM_TUNE_ENV, "quick")]).gemm_tune, GemmTune::Quick);
         assert_eq!(o(&[(GEMM_TUNE_ENV, "sustained")]).gemm_tune, GemmTune::Sustained);
         // one variable leaves the others at their defaults
@@ -410,22 +453,31 @@ mod tests {
         assert_eq!(err(WIDE_GEMM_ENV, "wide"), "VITSCALE_WIDE_GEMM=\"wide\": expected auto, fwd, always, 0 or off");
         assert_eq!(err(GEMM_CLUSTER_ENV, "2"), "VITSCALE_GEMM_CLUSTER=\"2\": expected on, 1, 0 or off");
         assert_eq!(err(WGRAD_GEMM_ENV, "yes"), "VITSCALE_WGRAD_GEMM=\"yes\": expected on, 1, 0 or off");
-        assert_eq!(err(GEMM_RING_ENV, "5"), "VITSCALE_GEMM_RING=\"5\": expected 3 or 4");
+        assert_eq!(err(GEMM_RING_ENV, "5"), "VITSCALE_GEMM_RING=\"5\": expected auto, 3 or 4");
         assert_eq!(err(GEMM_TUNE_ENV, "slow"), "VITSCALE_GEMM_TUNE=\"slow\": expected sustained or quick");
         // matching is exact after trimming
         assert!(CudaOptions::from_vars(vars(&[(ATTENTION_ENV, "Fused")])).is_err());
     }
 
     #[test]
+    fn auto_ring_goes_deep_from_vit_large_width_on() {
+        for (k, deep) in [(384, false), (768, false), (1023, false), (1024, true), (1280, true)] {
+            assert_eq!(GemmRing::Auto.deep_at(k), deep, "K {k}");
+            assert!(GemmRing::Four.deep_at(k));
+            assert!(!GemmRing::Three.deep_at(k));
+        }
+    }
+
+    #[test]
     fn knobs_start_from_the_options() {
-        let o = CudaOptions { attention: AttentionPath::FusedPipe, fused_gemm: (true, false), wgmma_attention: false, wide_gemm: (WideTiles::Always, WideTiles::Off), gemm_cluster: true, deep_ring: false, wgrad_gemm: true, gemm_tune: GemmTune::Quick };
+        let o = CudaOptions { attention: AttentionPath::FusedPipe, fused_gemm: (true, false), wgmma_attention: false, wide_gemm: (WideTiles::Always, WideTiles::Off), gemm_cluster: true, gemm_ring: GemmRing::Three, wgrad_gemm: true, gemm_tune: GemmTune::Quick };
         let k = Knobs::new(&o);
         assert_eq!(AttentionPath::from_u8(k.attention.load(Ordering::Relaxed)), AttentionPath::FusedPipe);
         assert_eq!((k.fused_gemm.load(Ordering::Relaxed), k.fused_gemm_bwd.load(Ordering::Relaxed)), (true, false));
         assert!(!k.wgmma_attention.load(Ordering::Relaxed));
         assert_eq!((k.wide_tiles(false), k.wide_tiles(true)), (WideTiles::Always, WideTiles::Off));
         assert!(k.gemm_cluster.load(Ordering::Relaxed));
-        assert!(!k.deep_ring.load(Ordering::Relaxed));
+        assert_eq!(k.gemm_ring(), GemmRing::Three);
         assert!(k.wgrad_gemm.load(Ordering::Relaxed));
     }
 }
