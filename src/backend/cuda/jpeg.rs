@@ -438,7 +438,8 @@ impl JpegDecoder {
         ctx.bind_to_thread().map_err(|e| format!("binding the CUDA context: {e}"))?;
         let (least, greatest) = dr::stream::get_priority_range().map_err(|e| format!("cuCtxGetStreamPriorityRange: {e}"))?;
         // `VITSCALE_DECODE_PRIORITY=normal` puts the decode at the compute stream's priority, so
-        // its kernels take SMs only as the step's blocks finish rather than ahead of them.
+        // that its kernels wait for the step's blocks instead of going ahead of them (measured
+        // on an H100: no difference either way, BENCHMARKS.md).
         let priority = match std::env::var("VITSCALE_DECODE_PRIORITY").as_deref() {
             Ok("high") | Ok("") | Err(_) => greatest,
             Ok("normal") => least,

@@ -96,7 +96,7 @@ pub enum GemmRing {
     /// The 4-stage ring where the product's depth K (the model's width) is at least
     /// `DEEP_RING_MIN_K`, else the 3-stage one: the deeper ring hides more of each K step's
     /// copy, and pays for it with an epilogue that drains one staging half at a time, which
-    /// costs more than it saves when a tile has few K steps.
+    /// (most likely) costs more than it saves when a tile has few K steps.
     Auto = 0,
     /// The 3-stage ring and two staging halves.
     Three = 1,
