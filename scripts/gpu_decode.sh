@@ -11,7 +11,8 @@
 # synthetic8 and gpu4q8: synthetic and gpu4 with the driver's default 8 hardware queues,
 # CUDA_DEVICE_MAX_CONNECTIONS=8, instead of the 32 vitscale asks for; shards_cpu16, shards_gpu4,
 # shards_gpu2: cpu16, gpu4, gpu2 from tar shards that `data pack` makes of the folder; a mode
-# ending in lo, e.g. gpu2lo, runs the decode stream at normal priority, VITSCALE_DECODE_PRIORITY), SECS
+# ending in lo, e.g. gpu2lo, runs the decode stream at normal priority, VITSCALE_DECODE_PRIORITY;
+# one ending in roi, e.g. gpu2roi, decodes only the crops' windows, VITSCALE_NVJPEG_ROI=on), SECS
 # (2) the seconds per bench point, PEER=0 skips the peer, DATA_BENCH=0 skips `bench --data`.
 BIN=$1; O=$2; P=$3; MODELS=${4:-"vit_small_patch16_224 vit_base_patch16_224"}; STEPS=${5:-60}
 export PYTHONUNBUFFERED=1
@@ -47,6 +48,7 @@ for model in $MODELS; do
     src=(--set data.dataset=folder --set data.path="$O/photos/folder")
     base=$mode
     case $base in *lo) envs+=(VITSCALE_DECODE_PRIORITY=normal); base=${base%lo} ;; esac
+    case $base in *roi) envs+=(VITSCALE_NVJPEG_ROI=on); base=${base%roi} ;; esac
     case $base in synthetic8|*q8) envs+=(CUDA_DEVICE_MAX_CONNECTIONS=8); base=${base%8}; base=${base%q} ;; esac
     case $base in shards_*) src=(--set data.dataset=shards --set data.path="$O/photos/shards"); base=${base#shards_} ;; esac
     case $base in

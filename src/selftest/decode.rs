@@ -7,6 +7,12 @@
 //! (≤ 0.05 of a pixel level, on a 0..255 scale). JPEGs add the decoders' own differences
 //! (nvJPEG's and zune-jpeg's IDCT and chroma upsampling, a level or two at edges, more in
 //! rare pixels): the mean absolute difference must stay ≤ 1.5 levels and the largest ≤ 48.
+//!
+//! On a GPU with JPEG engines the JPEG batches are decoded a second time with only each crop's
+//! window decoded (`VITSCALE_NVJPEG_ROI`): against the CPU with the same tolerances, against
+//! the whole-image decode within 0.1 level on average and 16 at most (the engines' pixels
+//! inside a window should be those of the whole image; the crop's taps are computed from the
+//! window's origin, an f32 rounding step apart), and the path must have run.
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -59,10 +65,15 @@ fn level_diff(a: &[f32], b: &[f32], std: [f32; 3], side: usize) -> (f64, f64) {
 
 /// The checks (empty, with a notice, when nvJPEG cannot be loaded on this machine).
 pub fn decode_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult<Vec<Check>> {
-    if let Err(e) = be.jpeg_engines() {
-        crate::outln!("GPU image decode not checked: {e}");
-        return Ok(Vec::new());
-    }
+    let engines = match be.jpeg_engines() {
+        Ok(n) => n,
+        Err(e) => {
+            crate::outln!("GPU image decode not checked: {e}");
+            return Ok(Vec::new());
+        }
+    };
+    let device = |e: String| crate::backend::BackendError::Device(e);
+    let (windows_chosen, _) = be.jpeg_windows().map_err(device)?;
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x1a6e);
     let mut checks = Vec::new();
     let (mean, std) = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]);
@@ -110,6 +121,24 @@ pub fn decode_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult<Vec<
             let (tol_mean, tol_max) = if jpeg { (1.5, 48.0) } else { (0.05, 0.05) };
             let (err, tol) = if jpeg { (avg, tol_mean) } else { (max, tol_max) };
             checks.push(Check { name, rel_err: err, tol, pass: avg.is_finite() && avg <= tol_mean && max <= tol_max });
+            if jpeg && engines > 0 {
+                // the same batch with only the crops' windows decoded on the engines
+                be.set_jpeg_windows(true).map_err(device)?;
+                let (_, before) = be.jpeg_windows().map_err(device)?;
+                let mut win = be.alloc_f32(count * per)?;
+                be.fill(&mut win, f32::NAN)?;
+                let r = be.decode_input(&mut win, &batch, 0..count).and_then(|_| be.synchronize());
+                let (_, after) = be.jpeg_windows().map_err(device)?;
+                be.set_jpeg_windows(windows_chosen).map_err(device)?;
+                r?;
+                let windowed = be.download(&win)?;
+                let (avg, max) = level_diff(&windowed, &cpu, std, side);
+                let name = format!("GPU decode, crops' windows only: {count} JPEG photographs → {side} px {f} vs CPU: mean |Δ| {avg:.3}, max {max:.2} levels");
+                checks.push(Check { name, rel_err: avg, tol: tol_mean, pass: avg.is_finite() && avg <= tol_mean && max <= tol_max });
+                let (avg, max) = level_diff(&windowed, &got, std, side);
+                let name = format!("GPU decode, crops' windows only vs whole images: mean |Δ| {avg:.3}, max {max:.2} levels ({} of {count} images as windows)", after - before);
+                checks.push(Check { name, rel_err: avg, tol: 0.1, pass: avg.is_finite() && avg <= 0.1 && max <= 16.0 && after > before });
+            }
         }
     }
     Ok(checks)

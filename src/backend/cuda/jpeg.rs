@@ -12,6 +12,11 @@
 //! decode is an error naming its file. Images the loader already decoded (PNG, WebP) are
 //! copied up as they are.
 //!
+//! With `VITSCALE_NVJPEG_ROI=on` the engines decode only each crop's window (the source rows
+//! and columns its filter reads, `crop_window`), through `nvjpegDecodeBatchedEx` with a region
+//! per image, and the image's job moves into the window's coordinates (`ImageJob::in_window`).
+//! A library without that call, or a batch the engines refuse so, is decoded whole as before.
+//!
 //! Everything runs on a stream of its own, at the device's highest priority, so it overlaps
 //! the compute stream's step and its few kernels are not queued behind the step's; the final
 //! kernel waits for the event that says the previous forward has read the input buffer, and
@@ -46,6 +51,7 @@ use crate::core::encoded::{EncodedBatch, Encoding};
 
 type Handle = *mut c_void;
 type State = *mut c_void;
+type Params = *mut c_void;
 
 /// `nvjpegImage_t`: up to 4 channel planes and their pitches; interleaved RGB uses plane 0.
 #[repr(C)]
@@ -97,7 +103,18 @@ struct Api {
     hw_info: unsafe extern "C" fn(Handle, *mut c_uint, *mut c_uint) -> c_int,
     /// `nvjpegDecodeBatchedPreAllocate` (CUDA 11.6 on; absent in older libraries).
     pre_allocate: Option<unsafe extern "C" fn(Handle, State, c_int, c_int, c_int, c_int, c_int) -> c_int>,
+    /// The batched call with a region per image, where the library has it.
+    roi: Option<RoiApi>,
     _lib: libloading::Library,
+}
+
+/// `nvjpegDecodeBatchedEx` and the decode-parameter calls it takes (nvjpeg.h).
+struct RoiApi {
+    batched_ex: unsafe extern "C" fn(Handle, State, *const *const u8, *const usize, *mut NvImage, *mut Params, CUstream) -> c_int,
+    params_create: unsafe extern "C" fn(Handle, *mut Params) -> c_int,
+    params_destroy: unsafe extern "C" fn(Params) -> c_int,
+    set_output_format: unsafe extern "C" fn(Params, c_int) -> c_int,
+    set_roi: unsafe extern "C" fn(Params, c_int, c_int, c_int, c_int) -> c_int,
 }
 
 const NAMES: [&str; 3] = ["libnvjpeg.so.13", "libnvjpeg.so.12", "libnvjpeg.so"];
@@ -116,6 +133,18 @@ fn open_api() -> Result<Api, String> {
     // SAFETY: the symbol, where the library has it, is nvjpegDecodeBatchedPreAllocate with
     // this nvjpeg.h signature; the pointer is used only while `lib` stays loaded (below).
     let pre_allocate = unsafe { lib.get::<unsafe extern "C" fn(Handle, State, c_int, c_int, c_int, c_int, c_int) -> c_int>(b"nvjpegDecodeBatchedPreAllocate\0") }.ok().map(|f| *f);
+    // SAFETY: as above, each symbol with its nvjpeg.h signature; all five or none.
+    let roi = unsafe {
+        let ex = lib.get::<unsafe extern "C" fn(Handle, State, *const *const u8, *const usize, *mut NvImage, *mut Params, CUstream) -> c_int>(b"nvjpegDecodeBatchedEx\0").ok().map(|f| *f);
+        let create = lib.get::<unsafe extern "C" fn(Handle, *mut Params) -> c_int>(b"nvjpegDecodeParamsCreate\0").ok().map(|f| *f);
+        let destroy = lib.get::<unsafe extern "C" fn(Params) -> c_int>(b"nvjpegDecodeParamsDestroy\0").ok().map(|f| *f);
+        let format = lib.get::<unsafe extern "C" fn(Params, c_int) -> c_int>(b"nvjpegDecodeParamsSetOutputFormat\0").ok().map(|f| *f);
+        let set_roi = lib.get::<unsafe extern "C" fn(Params, c_int, c_int, c_int, c_int) -> c_int>(b"nvjpegDecodeParamsSetROI\0").ok().map(|f| *f);
+        match (ex, create, destroy, format, set_roi) {
+            (Some(batched_ex), Some(params_create), Some(params_destroy), Some(set_output_format), Some(set_roi)) => Some(RoiApi { batched_ex, params_create, params_destroy, set_output_format, set_roi }),
+            _ => None,
+        }
+    };
     // SAFETY: each address is the named nvJPEG function, transmuted to its nvjpeg.h type;
     // `lib` moves into the table that keeps it loaded.
     Ok(unsafe {
@@ -129,6 +158,7 @@ fn open_api() -> Result<Api, String> {
             batched: std::mem::transmute::<*const c_void, _>(p[6]),
             hw_info: std::mem::transmute::<*const c_void, _>(p[7]),
             pre_allocate,
+            roi,
             _lib: lib,
         }
     })
@@ -388,6 +418,29 @@ fn row_range(len: usize, r0: f32, rlen: f32, out: usize, bicubic: bool) -> (usiz
     (lo, hi - lo)
 }
 
+/// The window of a JPEG that a crop's filters read, `[x, y, width, height]` in source pixels:
+/// the columns and rows `row_range` finds along each axis. None where the window is not
+/// at least a tenth smaller than the image (a whole decode then costs about the same).
+fn crop_window(width: usize, height: usize, crop: [f32; 4], side: usize, bicubic: bool) -> Option<[usize; 4]> {
+    let (x, w) = row_range(width, crop[0], crop[2], side, bicubic);
+    let (y, h) = row_range(height, crop[1], crop[3], side, bicubic);
+    (10 * w * h <= 9 * width * height).then_some([x, y, w, h])
+}
+
+impl ImageJob {
+    /// The job of the same crop of an image of which only `window` (`crop_window`) was
+    /// decoded, with `pitch`-free rows of `window`'s width: the crop's origin, the image's
+    /// size and the first row the vertical filter reads move into the window's coordinates.
+    /// The window holds every pixel the filters read, so the clamps at the window's edges
+    /// stand in for those at the image's edges. The crop's origin moves by whole pixels,
+    /// exact in f32 below 2^24; the taps' centers are then summed from another origin and
+    /// can differ from the whole image's by an f32 rounding step.
+    fn in_window(&self, window: [usize; 4]) -> ImageJob {
+        let [x, y, w, h] = window;
+        ImageJob { w: w as i32, h: h as i32, x0: self.x0 - x as f32, y0: self.y0 - y as f32, row0: self.row0 - y as i32, ..*self }
+    }
+}
+
 /// The decoders and the device buffers they reuse from batch to batch.
 pub(super) struct JpegDecoder {
     api: Api,
@@ -417,6 +470,13 @@ pub(super) struct JpegDecoder {
     next_arena: usize,
     /// The hardware decoder's engines (0: none, hybrid only).
     pub engines: u32,
+    /// Whether the engines decode only each crop's window (`VITSCALE_NVJPEG_ROI`); cleared
+    /// for the rest of the run when the library lacks the call or the engines refuse it.
+    pub(super) windows: bool,
+    /// One decode-parameter set per image of the batched call with windows.
+    params: Vec<Params>,
+    /// Images decoded as windows so far (the selftest checks that the path ran).
+    pub(super) windowed_images: u64,
 }
 
 // SAFETY: the nvJPEG handles are used by one thread at a time (the backend keeps the decoder
@@ -426,6 +486,12 @@ unsafe impl Send for JpegDecoder {}
 impl Drop for JpegDecoder {
     fn drop(&mut self) {
         let api = &self.api;
+        if let Some(roi) = api.roi.as_ref() {
+            for &p in &self.params {
+                // SAFETY: created by `params_create`, destroyed once, before the handles.
+                unsafe { (roi.params_destroy)(p) };
+            }
+        }
         if let Some(d) = self.hardware.as_mut() {
             d.free(api);
         }
@@ -467,8 +533,13 @@ impl JpegDecoder {
                 engines = e;
             }
         }
+        let windows = match std::env::var("VITSCALE_NVJPEG_ROI").as_deref() {
+            Ok("off") | Ok("0") | Ok("") | Err(_) => false,
+            Ok("on") | Ok("1") => true,
+            Ok(other) => return Err(format!("VITSCALE_NVJPEG_ROI must be on or off, got {other:?}")),
+        };
         let arena = || Arena { ptr: std::ptr::null_mut(), bytes: 0, done: None };
-        Ok(JpegDecoder { api, hardware, hybrid, batched_for: 0, pooled: false, pixels: None, pixels_read: None, tmp: None, taps: None, jobs: None, stream, arenas: [arena(), arena()], next_arena: 0, engines })
+        Ok(JpegDecoder { api, hardware, hybrid, batched_for: 0, pooled: false, pixels: None, pixels_read: None, tmp: None, taps: None, jobs: None, stream, arenas: [arena(), arena()], next_arena: 0, engines, windows, params: Vec::new(), windowed_images: 0 })
     }
 }
 
@@ -496,6 +567,8 @@ struct Submission {
     host_at: Vec<(usize, usize)>,
     table_len: usize,
     jobs: Vec<ImageJob>,
+    /// Each image's window to decode on the engines (`crop_window`), where one is worth it.
+    windows: Vec<Option<[usize; 4]>>,
     encodings: Vec<Encoding>,
     sources: Vec<String>,
     px: u64,
@@ -555,15 +628,17 @@ impl DecodeThread {
         // and not freed while this thread runs (the caller settles it first).
         let arena_ptr = sub.arena_ptr as *const u8;
         let bytes_of = |i: usize| unsafe { std::slice::from_raw_parts(arena_ptr.add(sub.host_at[i].0), sub.host_at[i].1) };
+        // Each image's job, moved into its window's coordinates where only the window is
+        // decoded; the table goes to the device once the decode has settled that.
+        let mut jobs = sub.jobs.clone();
         // SAFETY (the copies below): each source range lies in the pinned arena (see above);
         // each destination range was laid out within its buffer by the caller.
-        let table = unsafe { std::slice::from_raw_parts(arena_ptr, sub.table_len) };
-        unsafe { dr::memcpy_htod_async(sub.jobs_ptr, table, cu) }.map_err(dev("copying the decode table"))?;
 
         // Decode: the JPEGs in one hardware call where possible, the rest one by one.
         let dest = |j: &ImageJob| NvImage { channel: [(sub.px + j.src as u64) as *mut u8, std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut()], pitch: [j.w as usize * 3, 0, 0, 0] };
         let jpegs: Vec<usize> = (0..b).filter(|&i| sub.encodings[i] == Encoding::Jpeg).collect();
         let mut pending: Vec<usize> = jpegs.clone();
+        let windowed = dec.windows && jpegs.iter().any(|&i| sub.windows[i].is_some());
         if let (Some(hw), false) = (dec.hardware.as_ref(), jpegs.is_empty()) {
             let api = &dec.api;
             let mut ok = true;
@@ -592,10 +667,51 @@ impl DecodeThread {
                 }
                 let data: Vec<*const u8> = jpegs.iter().map(|&i| bytes_of(i).as_ptr()).collect();
                 let lens: Vec<usize> = jpegs.iter().map(|&i| sub.host_at[i].1).collect();
-                let mut outs: Vec<NvImage> = jpegs.iter().map(|&i| dest(&sub.jobs[i])).collect();
-                // SAFETY: `data`/`lens` describe the bitstreams in the arena, each output plane
-                // has room for its image's w·h·3 bytes (laid out by the caller).
-                let r = unsafe { (api.batched)(hw.handle, hw.state, data.as_ptr(), lens.as_ptr(), outs.as_mut_ptr(), cu) };
+                let mut r = -1;
+                if windowed {
+                    // the windows' jobs: each window decodes to rows of its own width
+                    let in_windows: Vec<ImageJob> = jpegs.iter().map(|&i| sub.windows[i].map_or(sub.jobs[i], |w| sub.jobs[i].in_window(w))).collect();
+                    r = match api.roi.as_ref() {
+                        Some(roi) => {
+                            while dec.params.len() < jpegs.len() {
+                                let mut p: Params = std::ptr::null_mut();
+                                // SAFETY: a live handle and an out-pointer.
+                                check("nvjpegDecodeParamsCreate", unsafe { (roi.params_create)(hw.handle, &mut p) }).map_err(BackendError::Device)?;
+                                dec.params.push(p);
+                            }
+                            let mut set = 0;
+                            for (k, &i) in jpegs.iter().enumerate() {
+                                let [x, y, w, h] = sub.windows[i].unwrap_or([0, 0, sub.jobs[i].w as usize, sub.jobs[i].h as usize]);
+                                // SAFETY: a live parameter set.
+                                set |= unsafe { (roi.set_output_format)(dec.params[k], OUTPUT_RGBI) };
+                                set |= unsafe { (roi.set_roi)(dec.params[k], x as c_int, y as c_int, w as c_int, h as c_int) };
+                            }
+                            let mut outs: Vec<NvImage> = in_windows.iter().map(dest).collect();
+                            // SAFETY: as the plain call below; each output plane has room for
+                            // its window's w·h·3 bytes (fewer than the image's laid out).
+                            if set == 0 { unsafe { (roi.batched_ex)(hw.handle, hw.state, data.as_ptr(), lens.as_ptr(), outs.as_mut_ptr(), dec.params.as_mut_ptr(), cu) } } else { set }
+                        }
+                        None => -1,
+                    };
+                    if r == 0 {
+                        for (k, &i) in jpegs.iter().enumerate() {
+                            jobs[i] = in_windows[k];
+                        }
+                        dec.windowed_images += jpegs.iter().filter(|&&i| sub.windows[i].is_some()).count() as u64;
+                    } else {
+                        crate::errln!("VITSCALE_NVJPEG_ROI: the JPEG engines did not decode the crops' windows ({}); decoding whole images from here on", if api.roi.is_none() { "this nvJPEG has no nvjpegDecodeBatchedEx".to_string() } else { format!("nvJPEG status {r} ({})", status_name(r)) });
+                        dec.windows = false;
+                        // (nvJPEG asks for a fresh initialization after a failed batch)
+                        ok = check("nvjpegDecodeBatchedInitialize", unsafe { (api.batched_init)(hw.handle, hw.state, jpegs.len() as c_int, 1, OUTPUT_RGBI) }).is_ok();
+                        dec.batched_for = if ok { jpegs.len() } else { 0 };
+                    }
+                }
+                if r != 0 && ok {
+                    let mut outs: Vec<NvImage> = jpegs.iter().map(|&i| dest(&sub.jobs[i])).collect();
+                    // SAFETY: `data`/`lens` describe the bitstreams in the arena, each output
+                    // plane has room for its image's w·h·3 bytes (laid out by the caller).
+                    r = unsafe { (api.batched)(hw.handle, hw.state, data.as_ptr(), lens.as_ptr(), outs.as_mut_ptr(), cu) };
+                }
                 if r == 0 {
                     pending.clear();
                 } else {
@@ -630,6 +746,14 @@ impl DecodeThread {
             // SAFETY: see the copies' note above.
             unsafe { dr::memcpy_htod_async(sub.px + sub.jobs[i].src as u64, bytes_of(i), cu) }.map_err(dev("copying decoded images"))?;
         }
+
+        // SAFETY: `ImageJob` is plain old data (repr(C), its padding an explicit field); the
+        // table's place in the pinned arena is this decode's (see above) and holds b jobs.
+        let table = unsafe {
+            std::ptr::copy_nonoverlapping(jobs.as_ptr() as *const u8, arena_ptr as *mut u8, std::mem::size_of::<ImageJob>() * b);
+            std::slice::from_raw_parts(arena_ptr, sub.table_len)
+        };
+        unsafe { dr::memcpy_htod_async(sub.jobs_ptr, table, cu) }.map_err(dev("copying the decode table"))?;
 
         // Resample: the taps, the rows, then (after the previous forward has read the inputs)
         // the output.
@@ -695,6 +819,7 @@ impl Cuda {
         let (mut px_bytes, mut tmp_floats, mut tap_words) = (0usize, 0usize, 0usize);
         let table_bytes = (std::mem::size_of::<ImageJob>() * b).div_ceil(256) * 256;
         let mut host_at = Vec::with_capacity(b);
+        let mut windows = Vec::with_capacity(b);
         let mut host_bytes = table_bytes;
         for img in images {
             if img.width == 0 || img.height == 0 {
@@ -710,6 +835,7 @@ impl Cuda {
             host_at.push((host_bytes, n));
             host_bytes += n.div_ceil(64) * 64;
             let (row0, rows) = row_range(img.height, img.crop[1], img.crop[3], side, batch.bicubic);
+            windows.push(if dec.windows && img.encoding == Encoding::Jpeg { crop_window(img.width, img.height, img.crop, side, batch.bicubic) } else { None });
             let (kx, ky) = (taps_per_output(img.crop[2], side, batch.bicubic), taps_per_output(img.crop[3], side, batch.bicubic));
             jobs.push(ImageJob {
                 src: px_bytes as i64,
@@ -752,6 +878,7 @@ impl Cuda {
             host_at,
             table_len: table.len(),
             jobs,
+            windows,
             encodings: images.iter().map(|m| m.encoding).collect(),
             sources: images.iter().map(|m| m.source.clone()).collect(),
             px,
@@ -809,6 +936,22 @@ impl Cuda {
         Ok(self.opened_decoder(&mut guard)?.engines)
     }
 
+    /// Whether the JPEG engines decode only each crop's window (`VITSCALE_NVJPEG_ROI`), and
+    /// how many images they have decoded so; `set_jpeg_windows` changes the first.
+    pub fn jpeg_windows(&self) -> Result<(bool, u64), String> {
+        let mut guard = self.jpeg.lock().map_err(|_| "decoder lock poisoned".to_string())?;
+        let dec = self.opened_decoder(&mut guard)?;
+        Ok((dec.windows, dec.windowed_images))
+    }
+
+    /// Decodes only each crop's window on the JPEG engines (`on`) or whole images.
+    pub fn set_jpeg_windows(&self, on: bool) -> Result<(), String> {
+        self.settle_pending_decode().map_err(|e| e.to_string())?;
+        let mut guard = self.jpeg.lock().map_err(|_| "decoder lock poisoned".to_string())?;
+        self.opened_decoder(&mut guard)?.windows = on;
+        Ok(())
+    }
+
     /// The decoder in `slot`, opened on first use.
     fn opened_decoder<'a>(&self, slot: &'a mut Option<JpegDecoder>) -> Result<&'a mut JpegDecoder, String> {
         if slot.is_none() {
@@ -838,6 +981,61 @@ mod tests {
         assert_eq!(at(&j.tmp as *const i64 as *const u8), 48);
         assert_eq!(at(&j.ky as *const i32 as *const u8), 56);
         assert_eq!(at(&j.taps as *const i64 as *const u8), 64);
+    }
+
+    /// A crop's window holds every source pixel its filters can read: for each output pixel
+    /// along each axis, the pixels within the filter's support of its center (PIL's reach,
+    /// computed here in f64), over random RandomResizedCrop-like windows of random images.
+    #[test]
+    fn crop_window_holds_every_pixel_the_filters_read() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x5eed);
+        let mut windowed = 0;
+        for _ in 0..400 {
+            let (width, height) = (rng.gen_range(40..900usize), rng.gen_range(40..900usize));
+            let (side, bicubic) = ([32usize, 224, 384][rng.gen_range(0..3)], rng.gen_bool(0.5));
+            let cw = rng.gen_range(8.0..width as f32);
+            let ch = rng.gen_range(8.0..height as f32);
+            let crop = [rng.gen_range(0.0..(width as f32 - cw).max(0.01)), rng.gen_range(0.0..(height as f32 - ch).max(0.01)), cw, ch];
+            let Some([x, y, w, h]) = crop_window(width, height, crop, side, bicubic) else {
+                continue;
+            };
+            windowed += 1;
+            assert!(x + w <= width && y + h <= height && w >= 1 && h >= 1, "{crop:?} in {width}×{height}: window {:?}", [x, y, w, h]);
+            assert!(10 * w * h <= 9 * width * height);
+            for (len, r0, rlen, lo_win, n_win) in [(width, crop[0], crop[2], x, w), (height, crop[1], crop[3], y, h)] {
+                let scale = rlen as f64 / side as f64;
+                let support = if bicubic { 2.0 } else { 1.0 } * scale.max(1.0);
+                for i in 0..side {
+                    let c = r0 as f64 + (i as f64 + 0.5) * scale;
+                    let first = ((c - support).floor().max(0.0) as usize).min(len - 1);
+                    let last = ((c + support).ceil() as usize).min(len);
+                    assert!(first >= lo_win && last <= lo_win + n_win, "output {i} reads {first}..{last}, window {lo_win}..{} ({crop:?}, {len} px, side {side})", lo_win + n_win);
+                }
+            }
+        }
+        assert!(windowed > 100, "only {windowed} crops had a window");
+    }
+
+    /// A job moved into its window keeps its crop: the origin moves by the window's whole
+    /// pixels exactly, the size becomes the window's (the decoded rows' width), and the
+    /// vertical filter's first row becomes the window's first.
+    #[test]
+    fn a_job_in_its_window_keeps_its_crop() {
+        let (width, height, side) = (471, 376, 224);
+        let crop = [123.37f32, 57.81, 201.5, 170.25];
+        let (row0, rows) = row_range(height, crop[1], crop[3], side, true);
+        let job = ImageJob { src: 4096, w: width as i32, h: height as i32, x0: crop[0], y0: crop[1], cw: crop[2], ch: crop[3], flip: 1, row0: row0 as i32, rows: rows as i32, kx: 9, tmp: 77, ky: 9, pad: 0, taps: 12 };
+        let window = crop_window(width, height, crop, side, true).expect("a crop of under half the image has a window");
+        let [x, y, w, h] = window;
+        assert_eq!((y, h), (row0, rows));
+        let moved = job.in_window(window);
+        assert_eq!((moved.w, moved.h, moved.row0, moved.rows), (w as i32, h as i32, 0, rows as i32));
+        assert_eq!(moved.x0 + x as f32, crop[0]);
+        assert_eq!(moved.y0 + y as f32, crop[1]);
+        assert_eq!((moved.cw, moved.ch, moved.flip, moved.src, moved.tmp, moved.taps, moved.kx, moved.ky), (crop[2], crop[3], 1, 4096, 77, 12, 9, 9));
+        // a crop of the whole image has no window worth decoding
+        assert_eq!(crop_window(width, height, [0.0, 0.0, width as f32, height as f32], side, false), None);
     }
 
     /// The tap table's room per output: the filter's support each side of the center and the
