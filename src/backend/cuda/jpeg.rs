@@ -679,12 +679,16 @@ impl DecodeThread {
                                 check("nvjpegDecodeParamsCreate", unsafe { (roi.params_create)(hw.handle, &mut p) }).map_err(BackendError::Device)?;
                                 dec.params.push(p);
                             }
+                            // (the first refusal's status, if any parameter is refused)
                             let mut set = 0;
                             for (k, &i) in jpegs.iter().enumerate() {
                                 let [x, y, w, h] = sub.windows[i].unwrap_or([0, 0, sub.jobs[i].w as usize, sub.jobs[i].h as usize]);
                                 // SAFETY: a live parameter set.
-                                set |= unsafe { (roi.set_output_format)(dec.params[k], OUTPUT_RGBI) };
-                                set |= unsafe { (roi.set_roi)(dec.params[k], x as c_int, y as c_int, w as c_int, h as c_int) };
+                                for status in [unsafe { (roi.set_output_format)(dec.params[k], OUTPUT_RGBI) }, unsafe { (roi.set_roi)(dec.params[k], x as c_int, y as c_int, w as c_int, h as c_int) }] {
+                                    if set == 0 {
+                                        set = status;
+                                    }
+                                }
                             }
                             let mut outs: Vec<NvImage> = in_windows.iter().map(dest).collect();
                             // SAFETY: as the plain call below; each output plane has room for
