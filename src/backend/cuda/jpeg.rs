@@ -45,6 +45,7 @@ use cudarc::driver::CudaStream;
 
 use super::device::{dev, kargs, CudaBuf, THREADS};
 use super::gemm::Ty;
+use super::options::{choose, env};
 use super::{libs, Cuda};
 use crate::backend::{BResult, BackendError};
 use crate::core::encoded::{EncodedBatch, Encoding};
@@ -506,11 +507,7 @@ impl JpegDecoder {
         // `VITSCALE_DECODE_PRIORITY=normal` puts the decode at the compute stream's priority, so
         // that its kernels wait for the step's blocks instead of going ahead of them (measured
         // on an H100: no difference either way, BENCHMARKS.md).
-        let priority = match std::env::var("VITSCALE_DECODE_PRIORITY").as_deref() {
-            Ok("high") | Ok("") | Err(_) => greatest,
-            Ok("normal") => least,
-            Ok(other) => return Err(format!("VITSCALE_DECODE_PRIORITY must be high or normal, got {other:?}")),
-        };
+        let priority = choose(&env, "VITSCALE_DECODE_PRIORITY", greatest, &[("high", greatest), ("normal", least)])?;
         let stream = ctx.new_stream_with_priority(priority).map_err(|e| format!("creating the decode stream: {e}"))?;
         DECODE_STREAM.store(stream.cu_stream() as u64, Ordering::Relaxed);
         let api = open_api()?;
@@ -533,11 +530,7 @@ impl JpegDecoder {
                 engines = e;
             }
         }
-        let windows = match std::env::var("VITSCALE_NVJPEG_ROI").as_deref() {
-            Ok("off") | Ok("0") | Ok("") | Err(_) => false,
-            Ok("on") | Ok("1") => true,
-            Ok(other) => return Err(format!("VITSCALE_NVJPEG_ROI must be on or off, got {other:?}")),
-        };
+        let windows = choose(&env, "VITSCALE_NVJPEG_ROI", false, &[("on", true), ("1", true), ("off", false), ("0", false)])?;
         let arena = || Arena { ptr: std::ptr::null_mut(), bytes: 0, done: None };
         Ok(JpegDecoder { api, hardware, hybrid, batched_for: 0, pooled: false, pixels: None, pixels_read: None, tmp: None, taps: None, jobs: None, stream, arenas: [arena(), arena()], next_arena: 0, engines, windows, params: Vec::new(), windowed_images: 0 })
     }
@@ -565,7 +558,6 @@ struct Submission {
     arena_ptr: usize,
     which: usize,
     host_at: Vec<(usize, usize)>,
-    table_len: usize,
     jobs: Vec<ImageJob>,
     /// Each image's window to decode on the engines (`crop_window`), where one is worth it.
     windows: Vec<Option<[usize; 4]>>,
@@ -752,10 +744,12 @@ impl DecodeThread {
         }
 
         // SAFETY: `ImageJob` is plain old data (repr(C), its padding an explicit field); the
-        // table's place in the pinned arena is this decode's (see above) and holds b jobs.
+        // arena's first bytes are this decode's table (the caller laid the bitstreams after
+        // room for b jobs), and pinned, so the copy may read them after this call returns.
+        let table_len = std::mem::size_of::<ImageJob>() * b;
         let table = unsafe {
-            std::ptr::copy_nonoverlapping(jobs.as_ptr() as *const u8, arena_ptr as *mut u8, std::mem::size_of::<ImageJob>() * b);
-            std::slice::from_raw_parts(arena_ptr, sub.table_len)
+            std::ptr::copy_nonoverlapping(jobs.as_ptr() as *const u8, arena_ptr as *mut u8, table_len);
+            std::slice::from_raw_parts(arena_ptr, table_len)
         };
         unsafe { dr::memcpy_htod_async(sub.jobs_ptr, table, cu) }.map_err(dev("copying the decode table"))?;
 
@@ -870,9 +864,7 @@ impl Cuda {
         let which = dec.next_arena;
         dec.next_arena = 1 - which;
         let arena = dec.arenas[which].prepare(host_bytes)?;
-        // SAFETY: `ImageJob` is plain old data (repr(C), its padding an explicit field).
-        let table = unsafe { std::slice::from_raw_parts(jobs.as_ptr() as *const u8, std::mem::size_of::<ImageJob>() * b) };
-        arena[..table.len()].copy_from_slice(table);
+        // (the table, at the arena's start, is written by the decode thread once it is final)
         for (img, &(at, n)) in images.iter().zip(&host_at) {
             arena[at..at + n].copy_from_slice(&img.bytes[..n]);
         }
@@ -880,7 +872,6 @@ impl Cuda {
             arena_ptr: arena.as_ptr() as usize,
             which,
             host_at,
-            table_len: table.len(),
             jobs,
             windows,
             encodings: images.iter().map(|m| m.encoding).collect(),

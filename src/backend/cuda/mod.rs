@@ -391,12 +391,7 @@ impl Backend for Cuda {
         m.insert("fused_gemm_fc1".into(), (fc1 && self.has_fused_gemm()).into());
         m.insert("fused_gemm_fc2_dgrad".into(), (fc2_dgrad && self.has_fused_gemm()).into());
         m.insert("wide_tiles".into(), format!("{wide_fwd:?}/{wide_bwd:?}").to_lowercase().into());
-        let ring = match self.gemm_ring() {
-            GemmRing::Auto => "auto",
-            GemmRing::Three => "3",
-            GemmRing::Four => "4",
-        };
-        m.insert("gemm_ring".into(), ring.into());
+        m.insert("gemm_ring".into(), self.gemm_ring().name().into());
         m
     }
 

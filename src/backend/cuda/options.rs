@@ -109,6 +109,17 @@ pub enum GemmRing {
 pub const DEEP_RING_MIN_K: usize = 1024;
 
 impl GemmRing {
+    pub const ALL: [GemmRing; 3] = [GemmRing::Auto, GemmRing::Three, GemmRing::Four];
+
+    /// Its `VITSCALE_GEMM_RING` value.
+    pub fn name(self) -> &'static str {
+        match self {
+            GemmRing::Auto => "auto",
+            GemmRing::Three => "3",
+            GemmRing::Four => "4",
+        }
+    }
+
     fn from_u8(v: u8) -> Self {
         match v {
             1 => GemmRing::Three,
@@ -214,7 +225,7 @@ impl CudaOptions {
     /// valid Unicode) keeps the default. A value outside a variable's list is an error naming
     /// the variable and its accepted values.
     pub fn from_env() -> Result<CudaOptions, String> {
-        Self::from_vars(|name| std::env::var(name).ok())
+        Self::from_vars(env)
     }
 
     /// `from_env` with the variables looked up by `get` (`None`: unset).
@@ -232,16 +243,22 @@ impl CudaOptions {
                 ("off", (WideTiles::Off, WideTiles::Off)),
             ])?,
             gemm_cluster: choose(&get, GEMM_CLUSTER_ENV, false, &[("on", true), ("1", true), ("0", false), ("off", false)])?,
-            gemm_ring: choose(&get, GEMM_RING_ENV, GemmRing::Auto, &[("auto", GemmRing::Auto), ("3", GemmRing::Three), ("4", GemmRing::Four)])?,
+            gemm_ring: choose(&get, GEMM_RING_ENV, GemmRing::Auto, &GemmRing::ALL.map(|r| (r.name(), r)))?,
             wgrad_gemm: choose(&get, WGRAD_GEMM_ENV, false, &[("on", true), ("1", true), ("0", false), ("off", false)])?,
             gemm_tune: choose(&get, GEMM_TUNE_ENV, GemmTune::Sustained, &[("sustained", GemmTune::Sustained), ("quick", GemmTune::Quick)])?,
         })
     }
 }
 
+/// The process environment's value of `name` (`None`: unset or not valid Unicode), as
+/// `choose` looks variables up.
+pub(super) fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
 /// The value of variable `name` (looked up by `get`, trimmed) among `accepted`; `default` when
 /// it is unset or empty.
-fn choose<T: Copy>(get: &impl Fn(&str) -> Option<String>, name: &str, default: T, accepted: &[(&str, T)]) -> Result<T, String> {
+pub(super) fn choose<T: Copy>(get: &impl Fn(&str) -> Option<String>, name: &str, default: T, accepted: &[(&str, T)]) -> Result<T, String> {
     let Some(raw) = get(name) else { return Ok(default) };
     let v = raw.trim();
     if v.is_empty() {
