@@ -1339,10 +1339,11 @@ pub fn hopper_wgrad_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResul
 /// `flash_bwd_wg_long_d64` the tiled backward `flash_bwd_d64_pipe` likewise (`long_bwd`); at D
 /// 80, N > 256 (N 257, 4097, 272, 384) `flash_fwd_wg_long_d80` replaces `flash_fwd_d80_pipe`
 /// (`long_fwd80`) and `flash_bwd_wg_long_d80` `flash_bwd_d80_pipe` (`long_bwd80`; the pipe
-/// kernel still takes N 50). A count off by one fails: the selection would have changed under
-/// the checks.
+/// kernel still takes N 50); before the long wgmma backward, with `fold` (`fold_keys`), the
+/// delta pass takes the first key or two where N mod 128 is 1 or 2. A count off by one fails:
+/// the selection would have changed under the checks.
 #[allow(clippy::too_many_arguments)]
-fn attention_kernel_choice(launched: &[(String, f64, usize)], wgmma: bool, long_fwd: bool, long_fwd80: bool, long_bwd: bool, long_bwd80: bool, label: &str) -> Vec<Check> {
+fn attention_kernel_choice(launched: &[(String, f64, usize)], wgmma: bool, long_fwd: bool, long_fwd80: bool, long_bwd: bool, long_bwd80: bool, fold: bool, label: &str) -> Vec<Check> {
     let count = |kernel: &str| launched.iter().filter(|(name, _, _)| name == kernel).map(|&(_, _, c)| c).sum::<usize>();
     let (wg, w13) = if wgmma { (8, 0) } else { (0, 8) };
     let long_fwd = if wgmma && long_fwd { 6 } else { 0 };
@@ -1350,7 +1351,11 @@ fn attention_kernel_choice(launched: &[(String, f64, usize)], wgmma: bool, long_
     // each shape's backward runs twice (without and with the qkv bias gradient)
     let (long_wg, long_pipe) = if wgmma && long_bwd { (12, 0) } else { (0, 12) };
     let (long_wg80, pipe80) = if wgmma && long_bwd80 { (8, 2) } else { (0, 10) };
-    [("flash_bwd_wg_d64", wg), ("flash_bwd_small_d64_w13", w13), ("flash_bwd_short_d64", 6), ("flash_bwd_short_d32", 2), ("flash_fwd_wg_d64", wg / 2), ("flash_fwd_wg_long_d64", long_fwd), ("flash_fwd_wg_long_d80", long_fwd80), ("flash_bwd_wg_long_d64", long_wg), ("flash_bwd_d64_pipe", long_pipe), ("flash_bwd_wg_long_d80", long_wg80), ("flash_bwd_d80_pipe", pipe80)]
+    // the delta pass takes the first keys where N mod 128 is 1 (D 64: N 1025, 4097; D 80: 257,
+    // 4097) or 2 (D 64: N 258), and a pass after the key blocks stores their dK, dV
+    let fold64 = if wgmma && long_bwd && fold { (4, 2) } else { (0, 0) };
+    let fold80 = if wgmma && long_bwd80 && fold { 4 } else { 0 };
+    [("flash_bwd_pre_fold_d64_r1", fold64.0), ("flash_bwd_pre_fold_d64_r2", fold64.1), ("flash_bwd_pre_fold_d80_r1", fold80), ("flash_fold_keys_store", fold64.0 + fold64.1 + fold80), ("flash_bwd_wg_d64", wg), ("flash_bwd_small_d64_w13", w13), ("flash_bwd_short_d64", 6), ("flash_bwd_short_d32", 2), ("flash_fwd_wg_d64", wg / 2), ("flash_fwd_wg_long_d64", long_fwd), ("flash_fwd_wg_long_d80", long_fwd80), ("flash_bwd_wg_long_d64", long_wg), ("flash_bwd_d64_pipe", long_pipe), ("flash_bwd_wg_long_d80", long_wg80), ("flash_bwd_d80_pipe", pipe80)]
         .into_iter()
         .map(|(kernel, want)| {
             let got = count(kernel);
@@ -1397,7 +1402,7 @@ pub fn attention_path_checks(be: &crate::backend::cuda::Cuda, seed: u64, progres
             Err(e) => checks.push(Check { name: format!("attention checks{label}: {e}"), rel_err: f64::NAN, tol: 0.0, pass: false }),
         }
         if fused {
-            checks.extend(attention_kernel_choice(&launched?, wgmma, be.has_wgmma_long_attention(64), be.has_wgmma_long_attention(80), be.has_wgmma_long_backward(64), be.has_wgmma_long_backward(80), &label));
+            checks.extend(attention_kernel_choice(&launched?, wgmma, be.has_wgmma_long_attention(64), be.has_wgmma_long_attention(80), be.has_wgmma_long_backward(64), be.has_wgmma_long_backward(80), be.fold_keys(), &label));
         }
     }
     be.set_wgmma_attention(wgmma_chosen);

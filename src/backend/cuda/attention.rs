@@ -73,6 +73,27 @@ fn class_attention_v8(d: usize, ptrs: &[CUdeviceptr]) -> bool {
 }
 
 /// The fused attention kernels put B·H on grid.y (at most 65535 blocks).
+/// The first keys that the delta pass takes from the wgmma key-block backward
+/// (`flash_bwd_pre_fold` in flash.cu): `keys` = N mod 128 where that is 1 or 2, so that every
+/// key block holds 128 keys; the pass runs `splits` blocks a head of `rows_per_split` query rows
+/// (about 8 blocks an SM, and about 64 rows or more each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct FoldKeys {
+    keys: usize,
+    splits: usize,
+    rows_per_split: usize,
+}
+
+fn fold_keys(n: usize, heads: usize, sms: usize) -> Option<FoldKeys> {
+    let keys = n % 128;
+    if n < 128 || !(1..=2).contains(&keys) {
+        return None;
+    }
+    let splits = (8 * sms).div_ceil(heads.max(1)).clamp(1, (n / 64).max(1));
+    let rows_per_split = n.div_ceil(splits);
+    Some(FoldKeys { keys, splits: n.div_ceil(rows_per_split), rows_per_split })
+}
+
 fn check_grid(op: &'static str, bh: usize) -> BResult<()> {
     if bh > 65535 {
         return Err(BackendError::Shape { op, msg: format!("B·H = {bh} exceeds the 65535 the fused attention grid supports") });
@@ -370,23 +391,39 @@ impl Cuda {
             // 32 (token, head) rows a block and step, 32·D/8 threads; the pass also zeroes the
             // dQ accumulator (each thread the 8 values of its 16-byte chunk of dout)
             let rows = b * n * h;
-            let grid = rows.div_ceil(32).clamp(1, self.info.multiprocessors as usize * 8) as u32;
-            self.launch(&format!("flash_bwd_pre_d{d}"), (grid, 1, 1), (32 * (d / 8) as u32, 1, 1), 0, &mut kargs![delta, dq_acc, dout.ptr, out.ptr, bb, nn, hh])?;
             // On Hopper the key blocks run on wgmma (TMA copies: 16-byte aligned bases; 16-byte
             // dQ reductions).
-            if let Some(lsmem) = self.wgmma_long_backward(n, d).filter(|_| tma_ok && dq_acc % 16 == 0) {
+            let long = self.wgmma_long_backward(n, d).filter(|_| tma_ok && dq_acc % 16 == 0);
+            // With N mod 128 = 1 or 2 the delta pass takes those first keys (`fold_keys`), the
+            // key blocks the 128·m after them.
+            let fold = long.filter(|_| self.fold_keys()).and_then(|_| fold_keys(n, b * h, self.info.multiprocessors as usize));
+            let koff = fold.map_or(0, |f| f.keys);
+            match fold {
+                Some(f) => {
+                    let part = self.scratch("flash_fold_part", 2 * b * h * f.splits * f.keys * 2 * d)?;
+                    let rps = f.rows_per_split as i32;
+                    self.launch(&format!("flash_bwd_pre_fold_d{d}_r{}", f.keys), (f.splits as u32, (b * h) as u32, 1), (256, 1, 1), 0, &mut kargs![delta, dq_acc, part, dout.ptr, out.ptr, qkv.ptr, probs.ptr, nn, hh, rps, scale, scale_log2])?;
+                }
+                None => {
+                    let grid = rows.div_ceil(32).clamp(1, self.info.multiprocessors as usize * 8) as u32;
+                    self.launch(&format!("flash_bwd_pre_d{d}"), (grid, 1, 1), (32 * (d / 8) as u32, 1, 1), 0, &mut kargs![delta, dq_acc, dout.ptr, out.ptr, bb, nn, hh])?;
+                }
+            }
+            if let Some(lsmem) = long {
                 let c = h * d;
-                let nkb = n.div_ceil(128);
-                // with a bias: a row of Σ dV per (image, key block), and the rows of Σ dQ the
-                // store pass writes, reduced into the q and v slots below; where those rows
-                // would outgrow the partial-sum arena, the column-sum pass
+                let nkb = (n - koff).div_ceil(128);
+                // with a bias: a row of Σ dV per (image, key block) and per image for the folded
+                // keys, and the rows of Σ dQ the store pass writes, reduced into the q and v
+                // slots below; where those rows would outgrow the partial-sum arena, the
+                // column-sum pass
+                let dv_rows = b * nkb + if fold.is_some() { b } else { 0 };
                 let splits = (b * n).div_ceil(64).clamp(1, 256);
-                let sums = dbias.filter(|_| (b * nkb + splits) * c <= ARENA_LIMIT);
+                let sums = dbias.filter(|_| (dv_rows + splits) * c <= ARENA_LIMIT);
                 // (one region: taking a second could flush the queue and reuse the first)
                 let (dv_part, dq_part) = match sums {
                     Some(_) => {
-                        let part = self.partial_rows((b * nkb + splits) * c)?;
-                        (part, part + (b * nkb * c * 4) as u64)
+                        let part = self.partial_rows((dv_rows + splits) * c)?;
+                        (part, part + (dv_rows * c * 4) as u64)
                     }
                     None => (0, 0),
                 };
@@ -395,14 +432,23 @@ impl Cuda {
                 let tm_do = tensor_map_3d(dout.ptr, c, n, b, 64)?;
                 let tm_dqkv = tensor_map_3d(dqkv.ptr, 3 * c, n, b, 64)?;
                 let g = (nkb as u32, (b * h) as u32, 1);
+                let koff_i = koff as i32;
                 if d == 80 {
                     // columns 64…79 of each head through maps of their own (32-byte swizzle)
                     let tm_kvt = tensor_map_3d_cols16(qkv.ptr, 3 * c, n, b, 128)?;
                     let tm_qt = tensor_map_3d_cols16(qkv.ptr, 3 * c, n, b, 64)?;
                     let tm_dot = tensor_map_3d_cols16(dout.ptr, c, n, b, 64)?;
-                    self.launch_dyn("flash_bwd_wg_long_d80", g, (512, 1, 1), lsmem, &mut kargs![tm_kv, tm_q, tm_do, tm_dqkv, tm_kvt, tm_qt, tm_dot, dqkv.ptr, probs.ptr, delta, dq_acc, dv_part, nn, hh, scale, scale_log2])?;
+                    self.launch_dyn("flash_bwd_wg_long_d80", g, (512, 1, 1), lsmem, &mut kargs![tm_kv, tm_q, tm_do, tm_dqkv, tm_kvt, tm_qt, tm_dot, dqkv.ptr, probs.ptr, delta, dq_acc, dv_part, nn, hh, scale, scale_log2, koff_i])?;
                 } else {
-                    self.launch_dyn("flash_bwd_wg_long_d64", g, (512, 1, 1), lsmem, &mut kargs![tm_kv, tm_q, tm_do, tm_dqkv, probs.ptr, delta, dq_acc, dv_part, nn, hh, scale, scale_log2])?;
+                    self.launch_dyn("flash_bwd_wg_long_d64", g, (512, 1, 1), lsmem, &mut kargs![tm_kv, tm_q, tm_do, tm_dqkv, probs.ptr, delta, dq_acc, dv_part, nn, hh, scale, scale_log2, koff_i])?;
+                }
+                if let Some(f) = fold {
+                    // the folded keys' dK, dV from the delta pass's partial sums, and their
+                    // v bias rows after the key blocks'
+                    let part = self.scratch("flash_fold_part", 2 * b * h * f.splits * f.keys * 2 * d)?;
+                    let vsum = if dv_part == 0 { 0 } else { dv_part + (b * nkb * c * 4) as u64 };
+                    let (di, ri, si) = (d as i32, f.keys as i32, f.splits as i32);
+                    self.launch("flash_fold_keys_store", ((b * h) as u32, 1, 1), (2 * d as u32, 1, 1), 0, &mut kargs![dqkv.ptr, vsum, part, nn, hh, di, ri, si])?;
                 }
                 if let Some(db) = sums {
                     let (rows, cc) = ((b * n) as i64, c as i32);
@@ -410,7 +456,7 @@ impl Cuda {
                     // q bias += Σ dQ, v bias += Σ dV; the k bias's gradient is zero
                     self.reduce_partials(db, db, db, c, dq_part, splits, c)?;
                     let dv = db + (2 * c * 4) as u64;
-                    return self.reduce_partials(dv, dv, dv, c, dv_part, b * nkb, c).map(|_| true);
+                    return self.reduce_partials(dv, dv, dv, c, dv_part, dv_rows, c).map(|_| true);
                 }
             } else {
                 let bc = pipe_keys(d);
@@ -574,6 +620,27 @@ impl Cuda {
             let dd = d as i32;
             let name = if to_heads { "tokens_to_heads" } else { "heads_to_tokens" };
             self.launch1(name, total, &mut kargs![dst, src, bb, nn, ss, hh, dd])
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fold_keys_takes_one_or_two_ragged_keys_and_covers_every_query() {
+        for (n, keys) in [(257, Some(1)), (258, Some(2)), (4097, Some(1)), (1025, Some(1)), (259, None), (256, None), (577, None), (384, None), (129, Some(1)), (1, None), (2, None)] {
+            for (heads, sms) in [(1024, 132), (192, 132), (1, 132), (8, 16)] {
+                let f = fold_keys(n, heads, sms);
+                assert_eq!(f.map(|f| f.keys), keys, "N {n}");
+                if let Some(f) = f {
+                    // every query row in exactly one split, none empty, and a full block of keys after
+                    assert!(f.splits >= 1 && f.splits * f.rows_per_split >= n && (f.splits - 1) * f.rows_per_split < n, "{f:?} N {n}");
+                    assert_eq!((n - f.keys) % 128, 0);
+                    assert!(f.rows_per_split >= 64 || f.splits == 1, "{f:?}");
+                }
+            }
         }
     }
 }

@@ -432,7 +432,7 @@ mod tests {
                      "gelu_fwd_v8", "gelu_bwd_v8", "add_v8", "bias_grad_v8", "reduce_partials_batch", "add_kernel",
                      "flash_fwd_small_d64_w5", "flash_bwd_small_d32_w4", "flash_fwd_d64_pipe", "flash_fwd_d80_pipe", "flash_fwd_d128_pipe128", "flash_bwd_d128_pipe", "flash_bwd_pre_d96", "layernorm_bwd_s12", "layernorm_bwd_s24", "layernorm_bwd_s32", "layernorm_bwd_s40", "layernorm_bwd_s44", "gelu_fwd_bias_v8",
                      "gemm_gelu_fwd_ws", "gemm_dgelu_bwd_ws", "gemm_gelu_fwd_grad_ws_w", "gemm_dgelu_mul_ws_w", "gemm_gelu_fwd_ws_w4", "gemm_gelu_fwd_grad_ws_w4", "gemm_dgelu_bwd_ws_w4", "gemm_dgelu_mul_ws_w4", "embed_fwd_v8", "embed_bwd_params_part", "pool_bwd_v8", "patchify_v8", "flash_fwd_wg_d64", "flash_bwd_wg_d64", "flash_fwd_wg_long_d64", "flash_fwd_wg_long_d80", "flash_bwd_wg_long_d64", "flash_bwd_wg_long_d80", "gemm_wgrad_tt", "flash_bwd_small_d64_w13",
-                     "class_attention_fwd", "class_attention_bwd", "adam_kernel", "class_attention_fwd_v8", "class_attention_bwd_v8", "add_class_rows_v8"] {
+                     "class_attention_fwd", "class_attention_bwd", "flash_bwd_pre_fold_d64_r1", "flash_bwd_pre_fold_d80_r2", "flash_fold_keys_store", "adam_kernel", "class_attention_fwd_v8", "class_attention_bwd_v8", "add_class_rows_v8"] {
             assert!(all.iter().any(|n| n == want), "{want} not listed");
         }
         let mod_rs = include_str!("mod.rs");

@@ -392,6 +392,7 @@ impl Backend for Cuda {
         m.insert("fused_gemm_fc2_dgrad".into(), (fc2_dgrad && self.has_fused_gemm()).into());
         m.insert("wide_tiles".into(), format!("{wide_fwd:?}/{wide_bwd:?}").to_lowercase().into());
         m.insert("gemm_ring".into(), self.gemm_ring().name().into());
+        m.insert("fold_keys".into(), self.fold_keys().into());
         m
     }
 

@@ -24,6 +24,8 @@ pub const GEMM_CLUSTER_ENV: &str = "VITSCALE_GEMM_CLUSTER";
 pub const GEMM_RING_ENV: &str = "VITSCALE_GEMM_RING";
 /// The environment variable of [`CudaOptions::wgrad_gemm`].
 pub const WGRAD_GEMM_ENV: &str = "VITSCALE_WGRAD_GEMM";
+/// The environment variable of [`CudaOptions::fold_keys`].
+pub const FOLD_KEYS_ENV: &str = "VITSCALE_FOLD_KEYS";
 /// The environment variable of [`CudaOptions::gemm_tune`].
 pub const GEMM_TUNE_ENV: &str = "VITSCALE_GEMM_TUNE";
 
@@ -199,6 +201,11 @@ pub struct CudaOptions {
     /// (the default: on an H200 it took longer than cuBLASLt and the column-sum passes in
     /// three of four shapes, BENCHMARKS.md); `on` or `1`.
     pub wgrad_gemm: bool,
+    /// Whether the key-block attention backward on wgmma leaves N mod 128 = 1 or 2 first keys
+    /// (a class token, over a patch grid that tiles by 128) to the delta pass
+    /// (`flash_bwd_pre_fold` in flash.cu) instead of a block of their own (`set_fold_keys`
+    /// changes it later). `VITSCALE_FOLD_KEYS`: `on` (the default; also `1`); `0` or `off`.
+    pub fold_keys: bool,
     /// How the GEMM tuner times cuBLASLt's candidates on first use; fixed when the backend
     /// opens, and part of the key of the choices kept on disk. `VITSCALE_GEMM_TUNE`:
     /// `sustained` (the default) or `quick` (`GemmTune`).
@@ -215,6 +222,7 @@ impl Default for CudaOptions {
             gemm_cluster: false,
             gemm_ring: GemmRing::Auto,
             wgrad_gemm: false,
+            fold_keys: true,
             gemm_tune: GemmTune::Sustained,
         }
     }
@@ -245,6 +253,7 @@ impl CudaOptions {
             gemm_cluster: choose(&get, GEMM_CLUSTER_ENV, false, &[("on", true), ("1", true), ("0", false), ("off", false)])?,
             gemm_ring: choose(&get, GEMM_RING_ENV, GemmRing::Auto, &GemmRing::ALL.map(|r| (r.name(), r)))?,
             wgrad_gemm: choose(&get, WGRAD_GEMM_ENV, false, &[("on", true), ("1", true), ("0", false), ("off", false)])?,
+            fold_keys: choose(&get, FOLD_KEYS_ENV, true, &[("on", true), ("1", true), ("0", false), ("off", false)])?,
             gemm_tune: choose(&get, GEMM_TUNE_ENV, GemmTune::Sustained, &[("sustained", GemmTune::Sustained), ("quick", GemmTune::Quick)])?,
         })
     }
@@ -285,6 +294,7 @@ pub(super) struct Knobs {
     pub(super) gemm_cluster: AtomicBool,
     gemm_ring: AtomicU8,
     pub(super) wgrad_gemm: AtomicBool,
+    pub(super) fold_keys: AtomicBool,
 }
 
 impl Knobs {
@@ -298,6 +308,7 @@ impl Knobs {
             wide_gemm_bwd: AtomicU8::new(o.wide_gemm.1 as u8),
             gemm_cluster: AtomicBool::new(o.gemm_cluster),
             gemm_ring: AtomicU8::new(o.gemm_ring as u8),
+            fold_keys: AtomicBool::new(o.fold_keys),
             wgrad_gemm: AtomicBool::new(o.wgrad_gemm),
         }
     }
@@ -412,6 +423,17 @@ impl Cuda {
     pub fn set_wgmma_attention(&self, on: bool) {
         self.knobs.wgmma_attention.store(on, Ordering::Relaxed);
     }
+
+    /// Whether the delta pass takes the wgmma key-block backward's ragged first keys where
+    /// there are 1 or 2 of them (`CudaOptions::fold_keys`).
+    pub fn fold_keys(&self) -> bool {
+        self.knobs.fold_keys.load(Ordering::Relaxed)
+    }
+
+    /// Folds those keys into the delta pass, or gives them a key block of their own.
+    pub fn set_fold_keys(&self, on: bool) {
+        self.knobs.fold_keys.store(on, Ordering::Relaxed);
+    }
 }
 
 #[cfg(test)]
@@ -426,7 +448,7 @@ mod tests {
     #[test]
     fn nothing_set_is_the_default() {
         assert_eq!(CudaOptions::from_vars(|_| None), Ok(CudaOptions::default()));
-        let empty = [ATTENTION_ENV, FUSED_GEMM_ENV, WGMMA_ATTENTION_ENV, WIDE_GEMM_ENV, GEMM_RING_ENV, WGRAD_GEMM_ENV, GEMM_TUNE_ENV].map(|n| (n, " "));
+        let empty = [ATTENTION_ENV, FUSED_GEMM_ENV, WGMMA_ATTENTION_ENV, WIDE_GEMM_ENV, GEMM_RING_ENV, WGRAD_GEMM_ENV, FOLD_KEYS_ENV, GEMM_TUNE_ENV].map(|n| (n, " "));
         assert_eq!(CudaOptions::from_vars(vars(&empty)), Ok(CudaOptions::default()));
     }
 
@@ -451,6 +473,9 @@ mod tests {
             assert_eq!(o(&[(GEMM_CLUSTER_ENV, v)]).gemm_cluster, want, "{v}");
             assert_eq!(o(&[(WGRAD_GEMM_ENV, v)]).wgrad_gemm, want, "{v}");
         }
+        for (v, want) in [("on", true), ("1", true), ("0", false), ("off", false)] {
+            assert_eq!(o(&[(FOLD_KEYS_ENV, v)]).fold_keys, want, "{v}");
+        }
         for (v, want) in [("auto", GemmRing::Auto), ("3", GemmRing::Three), ("4", GemmRing::Four)] {
             assert_eq!(o(&[(GEMM_RING_ENV, v)]).gemm_ring, want, "{v}");
         }
@@ -471,6 +496,7 @@ mod tests {
         assert_eq!(err(GEMM_CLUSTER_ENV, "2"), "VITSCALE_GEMM_CLUSTER=\"2\": expected on, 1, 0 or off");
         assert_eq!(err(WGRAD_GEMM_ENV, "yes"), "VITSCALE_WGRAD_GEMM=\"yes\": expected on, 1, 0 or off");
         assert_eq!(err(GEMM_RING_ENV, "5"), "VITSCALE_GEMM_RING=\"5\": expected auto, 3 or 4");
+        assert_eq!(err(FOLD_KEYS_ENV, "yes"), "VITSCALE_FOLD_KEYS=\"yes\": expected on, 1, 0 or off");
         assert_eq!(err(GEMM_TUNE_ENV, "slow"), "VITSCALE_GEMM_TUNE=\"slow\": expected sustained or quick");
         // matching is exact after trimming
         assert!(CudaOptions::from_vars(vars(&[(ATTENTION_ENV, "Fused")])).is_err());
@@ -487,7 +513,7 @@ mod tests {
 
     #[test]
     fn knobs_start_from_the_options() {
-        let o = CudaOptions { attention: AttentionPath::FusedPipe, fused_gemm: (true, false), wgmma_attention: false, wide_gemm: (WideTiles::Always, WideTiles::Off), gemm_cluster: true, gemm_ring: GemmRing::Three, wgrad_gemm: true, gemm_tune: GemmTune::Quick };
+        let o = CudaOptions { attention: AttentionPath::FusedPipe, fused_gemm: (true, false), wgmma_attention: false, wide_gemm: (WideTiles::Always, WideTiles::Off), gemm_cluster: true, gemm_ring: GemmRing::Three, wgrad_gemm: true, fold_keys: false, gemm_tune: GemmTune::Quick };
         let k = Knobs::new(&o);
         assert_eq!(AttentionPath::from_u8(k.attention.load(Ordering::Relaxed)), AttentionPath::FusedPipe);
         assert_eq!((k.fused_gemm.load(Ordering::Relaxed), k.fused_gemm_bwd.load(Ordering::Relaxed)), (true, false));
@@ -496,5 +522,6 @@ mod tests {
         assert!(k.gemm_cluster.load(Ordering::Relaxed));
         assert_eq!(k.gemm_ring(), GemmRing::Three);
         assert!(k.wgrad_gemm.load(Ordering::Relaxed));
+        assert!(!k.fold_keys.load(Ordering::Relaxed));
     }
 }

@@ -332,6 +332,153 @@ extern "C" __global__ void flash_dq_store_sums(bf16* dqkv, const float* dq_acc, 
     block_column_partials(acc, partial, c);
 }
 
+// ---- The ragged keys folded into the delta pass ----
+// The key-block backward (hopper_flash_bwd.cu) gives each block 128 keys. Where N = 128·m + r
+// with r = 1 or 2 (a class token, or a class and a distillation token, over a patch grid that
+// tiles by 128: ViT-H/14 at 224 px, every /16 model at 512 and 1 024 px), a last block of r
+// keys would take about a whole block's time for them. Instead this pass takes keys 0…r − 1
+// (the ragged part first, as the long forward orders its key tiles) and the key blocks start
+// at key r. For every query row i of a head, with its lse2 and delta = dO_i·O_i:
+//   p_ij = exp2(q_i·k_j·scale·log2 e − lse2_i),  ds_ij = p_ij·(dO_i·v_j − delta_i),
+//   dQ_i = scale·Σ_j ds_ij·k_j   (the f32 sums' starting value, where the plain pass writes 0),
+// the same products the key blocks form for their keys. dK_j = scale·Σ_i ds_ij·q_i and
+// dV_j = Σ_i p_ij·dO_i are summed over the block's rows into `part` (B·H, splits, R, 2, D) f32,
+// in a fixed order, and flash_fold_keys_store adds the splits.
+// Grid (splits, B·H), 256 threads. A row is G lanes (D/8 rounded up to a power of two: 8 at
+// D = 64, 16 at D = 80, the lanes past D/8 holding zeros), each lane 8 columns (16-byte
+// loads); a step takes 256/G rows of one head, and row sums go through G-lane shuffles.
+template <int D, int R>
+__device__ __forceinline__ void flash_bwd_pre_fold(float* __restrict__ delta, float* __restrict__ dq_acc, float* __restrict__ part, const bf16* __restrict__ dout, const bf16* __restrict__ out,
+                                                   const bf16* __restrict__ qkv, const float* __restrict__ lse2, int n, int h, int rows_per_split, float scale, float scale_log2) {
+    constexpr int CPR = D / 8;
+    constexpr int G = CPR <= 8 ? 8 : 16;
+    constexpr int RPS = 256 / G;
+    static_assert(CPR <= G && D % 8 == 0, "head dims up to 128, a multiple of 8");
+    __shared__ float red[8][R][2][D];
+    const int bh = blockIdx.y, bi = bh / h, hi = bh - bi * h;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int c = threadIdx.x % G, rho = threadIdx.x / G;
+    const bool on = c < CPR;
+    const i64 hd = (i64)h * D, qkv_row = 3 * hd;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    auto unpack = [](uint4 u, float (&f)[8]) {
+        const unsigned w[4] = {u.x, u.y, u.z, u.w};
+        #pragma unroll
+        for (int e = 0; e < 4; e++) { f[2 * e] = lo16(w[e]); f[2 * e + 1] = hi16(w[e]); }
+    };
+    auto row_sum = [](float v) {
+        #pragma unroll
+        for (int o = G / 2; o >= 1; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        return v;
+    };
+    // this lane's 8 columns of the folded keys and values
+    uint4 kj[R], vj[R];
+    float kf[R][8], dk[R][8], dv[R][8];
+    #pragma unroll
+    for (int j = 0; j < R; j++) {
+        const bf16* row = qkv + ((i64)bi * n + j) * qkv_row + hi * D + c * 8;
+        kj[j] = on ? *(const uint4*)(row + hd) : zero;
+        vj[j] = on ? *(const uint4*)(row + 2 * hd) : zero;
+        unpack(kj[j], kf[j]);
+        #pragma unroll
+        for (int e = 0; e < 8; e++) dk[j][e] = dv[j][e] = 0.f;
+    }
+    const float* lse = lse2 + (i64)bh * n;
+    const int i0 = blockIdx.x * rows_per_split, i1 = min(n, i0 + rows_per_split);
+    for (int base = i0; base < i1; base += RPS) {  // the same trip count in every lane: the shuffles
+        const int i = base + rho;
+        const bool in = i < i1, ld = in && on;
+        const i64 tok = (i64)bi * n + i;
+        const uint4 d4 = ld ? *(const uint4*)(dout + tok * hd + hi * D + c * 8) : zero;
+        const uint4 o4 = ld ? *(const uint4*)(out + tok * hd + hi * D + c * 8) : zero;
+        const uint4 q4 = ld ? *(const uint4*)(qkv + tok * qkv_row + hi * D + c * 8) : zero;
+        const float l2 = in ? lse[i] : 0.f;
+        const float dl = row_sum(dot8_acc(0.f, d4, o4));
+        float qf[8], df[8], dq[8];
+        unpack(q4, qf);
+        unpack(d4, df);
+        #pragma unroll
+        for (int e = 0; e < 8; e++) dq[e] = 0.f;
+        #pragma unroll
+        for (int j = 0; j < R; j++) {
+            const float s = row_sum(dot8_acc(0.f, q4, kj[j]));
+            const float dp = row_sum(dot8_acc(0.f, d4, vj[j]));
+            const float p = in ? exp2f(s * scale_log2 - l2) : 0.f;
+            const float ds = p * (dp - dl);
+            #pragma unroll
+            for (int e = 0; e < 8; e++) {
+                dq[e] += scale * ds * kf[j][e];
+                dk[j][e] += scale * ds * qf[e];
+                dv[j][e] += p * df[e];
+            }
+        }
+        if (ld) {
+            float4* z = (float4*)(dq_acc + tok * hd + hi * D + c * 8);
+            z[0] = make_float4(dq[0], dq[1], dq[2], dq[3]);
+            z[1] = make_float4(dq[4], dq[5], dq[6], dq[7]);
+        }
+        if (in && c == 0) delta[(i64)bh * n + i] = dl;
+    }
+    // the warp's rows, then the block's warps in order
+    #pragma unroll
+    for (int j = 0; j < R; j++) {
+        #pragma unroll
+        for (int e = 0; e < 8; e++) {
+            #pragma unroll
+            for (int o = G; o < 32; o <<= 1) {
+                dk[j][e] += __shfl_xor_sync(0xffffffffu, dk[j][e], o);
+                dv[j][e] += __shfl_xor_sync(0xffffffffu, dv[j][e], o);
+            }
+            if (lane < G && on) {
+                red[warp][j][0][c * 8 + e] = dk[j][e];
+                red[warp][j][1][c * 8 + e] = dv[j][e];
+            }
+        }
+    }
+    __syncthreads();
+    float* dst = part + ((i64)bh * gridDim.x + blockIdx.x) * R * 2 * D;
+    for (int t = threadIdx.x; t < R * 2 * D; t += blockDim.x) {
+        const int j = t / (2 * D), kv = (t / D) & 1, col = t % D;
+        float sum = 0.f;
+        #pragma unroll
+        for (int w = 0; w < 8; w++) sum += red[w][j][kv][col];
+        dst[t] = sum;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_pre_fold_d64_r1(float* delta, float* dq_acc, float* part, const bf16* dout, const bf16* out, const bf16* qkv, const float* lse2, int n, int h, int rows_per_split, float scale, float scale_log2) {
+    flash_bwd_pre_fold<64, 1>(delta, dq_acc, part, dout, out, qkv, lse2, n, h, rows_per_split, scale, scale_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_pre_fold_d64_r2(float* delta, float* dq_acc, float* part, const bf16* dout, const bf16* out, const bf16* qkv, const float* lse2, int n, int h, int rows_per_split, float scale, float scale_log2) {
+    flash_bwd_pre_fold<64, 2>(delta, dq_acc, part, dout, out, qkv, lse2, n, h, rows_per_split, scale, scale_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_pre_fold_d80_r1(float* delta, float* dq_acc, float* part, const bf16* dout, const bf16* out, const bf16* qkv, const float* lse2, int n, int h, int rows_per_split, float scale, float scale_log2) {
+    flash_bwd_pre_fold<80, 1>(delta, dq_acc, part, dout, out, qkv, lse2, n, h, rows_per_split, scale, scale_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_pre_fold_d80_r2(float* delta, float* dq_acc, float* part, const bf16* dout, const bf16* out, const bf16* qkv, const float* lse2, int n, int h, int rows_per_split, float scale, float scale_log2) {
+    flash_bwd_pre_fold<80, 2>(delta, dq_acc, part, dout, out, qkv, lse2, n, h, rows_per_split, scale, scale_log2);
+}
+
+// The folded keys' dK and dV from flash_bwd_pre_fold's partial sums: block bh (B·H of them)
+// adds its head's `splits` rows in order for each of the r keys and stores them into dqkv's k
+// and v slots; with `vsum` given, also row bi of the v bias gradient's partial rows, (B, H·D)
+// f32, at the head's columns: Σ_j dV_j.
+extern "C" __global__ void flash_fold_keys_store(bf16* dqkv, float* vsum, const float* part, int n, int h, int d, int r, int splits) {
+    const int bh = blockIdx.x, bi = bh / h, hi = bh - bi * h;
+    const i64 hd = (i64)h * d;
+    for (int t = threadIdx.x; t < 2 * d; t += blockDim.x) {
+        const int kv = t / d, col = t - kv * d;
+        float vs = 0.f;
+        for (int j = 0; j < r; j++) {
+            float s = 0.f;
+            for (int sp = 0; sp < splits; sp++) s += part[(((i64)bh * splits + sp) * r + j) * 2 * d + t];
+            dqkv[((i64)bi * n + j) * 3 * hd + (1 + kv) * hd + hi * d + col] = f2bf(s);
+            vs += s;
+        }
+        if (vsum && kv == 1) vsum[(i64)bi * hd + hi * d + col] = vs;
+    }
+}
+
 // ---- Pipelined kernels: the tiles the loop walks over (K, V in the forward; Q, dO, lse2, delta
 // in the key-block backward) are double-buffered in dynamic shared memory and fetched with
 // cp.async one step ahead, so a block computes on tile i while tile i + 1 is in flight. Rows

@@ -3,7 +3,9 @@
 // `flash_bwd_wg_d64`, in the place of flash.cu's `flash_bwd_d64_pipe` (mma.sync), and
 // `flash_bwd_wg_long_d80` in the place of `flash_bwd_d80_pipe`. Around it the host runs the same
 // passes as for the tiled kernel: `flash_bwd_pre_d{D}` (delta = rowsum(dO ∘ O), (B·H, N) f32)
-// before, and `flash_dq_store` (the f32 dQ sums rounded into dqkv) after.
+// before, and `flash_dq_store` (the f32 dQ sums rounded into dqkv) after. Where N mod 128 is
+// 1 or 2, `flash_bwd_pre_fold_d{D}_r{R}` takes those first keys in the delta pass and the key
+// blocks start after them (`koff`), so that no block holds a key or two alone.
 //
 // A block owns 128 keys of one (b, h) and walks every query tile of 64. Four warpgroups:
 // 0 and 1 consume, warpgroup w owning keys k0 + 64w…; 2 computes dQ; warp 12 (of warpgroup 3)
@@ -177,17 +179,18 @@ __device__ __forceinline__ void wgmma_m64n16k16_tt(float (&d)[8], unsigned long 
         : "l"(da), "l"(db));
 }
 
-// Grid (ceil(N / 128), B·H), 512 threads, FlBwdSmem<D>::BYTES of dynamic shared memory. Tensor
-// maps (`tensor_map_3d`, 64-column boxes, 128-byte swizzle): tm_kv over qkv (B, N, 3·H·D) with
+// Grid (ceil((N − koff) / 128), B·H), 512 threads, FlBwdSmem<D>::BYTES of dynamic shared
+// memory; block x owns keys koff + 128·x… (koff > 0: keys 0…koff − 1 were taken by the delta
+// pass, flash_bwd_pre_fold in flash.cu, and N − koff is a multiple of 128). Tensor maps (`tensor_map_3d`, 64-column boxes, 128-byte swizzle): tm_kv over qkv (B, N, 3·H·D) with
 // 128-row boxes, tm_q the same with 64-row boxes, tm_do over dout (B, N, H·D) with 64-row boxes,
 // tm_dqkv over dqkv with 64-row boxes (dK, dV stores); at D = 80 tm_kvt, tm_qt, tm_dot as tm_kv,
 // tm_q, tm_do with 16-column boxes and the 32-byte swizzle (`tensor_map_3d_cols16`; not read at
-// D = 64). lse2, delta: (B·H, N) f32; dq_acc: (B, N, H·D) f32, zeroed by the delta pass, 16-byte
-// aligned; dqkv: the dK, dV columns 64…79 at D = 80; dv_part: null, or (B · ceil(N / 128), H·D)
-// f32 (the v bias gradient's partial rows, above).
+// D = 64). lse2, delta: (B·H, N) f32; dq_acc: (B, N, H·D) f32, zeroed (or started with the folded
+// keys' share) by the delta pass, 16-byte aligned; dqkv: the dK, dV columns 64…79 at D = 80;
+// dv_part: null, or (B · gridDim.x, H·D) f32 (the v bias gradient's partial rows, above).
 template <int D>
 __device__ __forceinline__ void fl_bwd_long(const HgTmap& tm_kv, const HgTmap& tm_q, const HgTmap& tm_do, const HgTmap& tm_dqkv, const HgTmap& tm_kvt, const HgTmap& tm_qt, const HgTmap& tm_dot,
-                                            bf16* __restrict__ dqkv, const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc, float* __restrict__ dv_part, int n, int h, float scale, float scale_log2) {
+                                            bf16* __restrict__ dqkv, const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc, float* __restrict__ dv_part, int n, int h, float scale, float scale_log2, int koff) {
     static_assert(D == 64 || D == 80, "head dims 64 and 80");
     using L = FlBwdSmem<D>;
     constexpr bool C16 = D > 64;
@@ -201,7 +204,7 @@ __device__ __forceinline__ void fl_bwd_long(const HgTmap& tm_kv, const HgTmap& t
     const unsigned dsfull0 = empty0 + 8 * FL_STAGES, dsempty0 = dsfull0 + 8 * FL_DSB;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int bh = blockIdx.y, bi = bh / h, hi = bh - bi * h;
-    const int k0 = blockIdx.x * FL_KEYS;
+    const int k0 = koff + blockIdx.x * FL_KEYS;
     const int nq = (n + 63) / 64;
     const int qoff = blockIdx.x % nq;  // the first query tile of this key block's walk
     const int nwk = n - k0 > 64 ? 2 : 1;  // consumer warpgroups with keys < n
@@ -479,10 +482,10 @@ __device__ __forceinline__ void fl_bwd_long(const HgTmap& tm_kv, const HgTmap& t
     }
 }
 
-extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_long_d64(const __grid_constant__ HgTmap tm_kv, const __grid_constant__ HgTmap tm_q, const __grid_constant__ HgTmap tm_do, const __grid_constant__ HgTmap tm_dqkv, const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc, float* __restrict__ dv_part, int n, int h, float scale, float scale_log2) {
-    fl_bwd_long<64>(tm_kv, tm_q, tm_do, tm_dqkv, tm_kv, tm_q, tm_do, nullptr, lse2, delta, dq_acc, dv_part, n, h, scale, scale_log2);
+extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_long_d64(const __grid_constant__ HgTmap tm_kv, const __grid_constant__ HgTmap tm_q, const __grid_constant__ HgTmap tm_do, const __grid_constant__ HgTmap tm_dqkv, const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc, float* __restrict__ dv_part, int n, int h, float scale, float scale_log2, int koff) {
+    fl_bwd_long<64>(tm_kv, tm_q, tm_do, tm_dqkv, tm_kv, tm_q, tm_do, nullptr, lse2, delta, dq_acc, dv_part, n, h, scale, scale_log2, koff);
 }
 
-extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_long_d80(const __grid_constant__ HgTmap tm_kv, const __grid_constant__ HgTmap tm_q, const __grid_constant__ HgTmap tm_do, const __grid_constant__ HgTmap tm_dqkv, const __grid_constant__ HgTmap tm_kvt, const __grid_constant__ HgTmap tm_qt, const __grid_constant__ HgTmap tm_dot, bf16* __restrict__ dqkv, const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc, float* __restrict__ dv_part, int n, int h, float scale, float scale_log2) {
-    fl_bwd_long<80>(tm_kv, tm_q, tm_do, tm_dqkv, tm_kvt, tm_qt, tm_dot, dqkv, lse2, delta, dq_acc, dv_part, n, h, scale, scale_log2);
+extern "C" __global__ void __launch_bounds__(512, 1) flash_bwd_wg_long_d80(const __grid_constant__ HgTmap tm_kv, const __grid_constant__ HgTmap tm_q, const __grid_constant__ HgTmap tm_do, const __grid_constant__ HgTmap tm_dqkv, const __grid_constant__ HgTmap tm_kvt, const __grid_constant__ HgTmap tm_qt, const __grid_constant__ HgTmap tm_dot, bf16* __restrict__ dqkv, const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc, float* __restrict__ dv_part, int n, int h, float scale, float scale_log2, int koff) {
+    fl_bwd_long<80>(tm_kv, tm_q, tm_do, tm_dqkv, tm_kvt, tm_qt, tm_dot, dqkv, lse2, delta, dq_acc, dv_part, n, h, scale, scale_log2, koff);
 }
