@@ -346,7 +346,8 @@ extern "C" __global__ void flash_dq_store_sums(bf16* dqkv, const float* dq_acc, 
 // in a fixed order, and flash_fold_keys_store adds the splits.
 // Grid (splits, B·H), 256 threads. A row is G lanes (D/8 rounded up to a power of two: 8 at
 // D = 64, 16 at D = 80, the lanes past D/8 holding zeros), each lane 8 columns (16-byte
-// loads); a step takes 256/G rows of one head, and row sums go through G-lane shuffles.
+// loads); a step takes 2·256/G rows of one head (two a lane, both loaded before either is summed),
+// and row sums go through G-lane shuffles.
 template <int D, int R>
 __device__ __forceinline__ void flash_bwd_pre_fold(float* __restrict__ delta, float* __restrict__ dq_acc, float* __restrict__ part, const bf16* __restrict__ dout, const bf16* __restrict__ out,
                                                    const bf16* __restrict__ qkv, const float* __restrict__ lse2, int n, int h, int rows_per_split, float scale, float scale_log2) {
@@ -385,39 +386,52 @@ __device__ __forceinline__ void flash_bwd_pre_fold(float* __restrict__ delta, fl
     }
     const float* lse = lse2 + (i64)bh * n;
     const int i0 = blockIdx.x * rows_per_split, i1 = min(n, i0 + rows_per_split);
-    for (int base = i0; base < i1; base += RPS) {  // the same trip count in every lane: the shuffles
-        const int i = base + rho;
-        const bool in = i < i1, ld = in && on;
-        const i64 tok = (i64)bi * n + i;
-        const uint4 d4 = ld ? *(const uint4*)(dout + tok * hd + hi * D + c * 8) : zero;
-        const uint4 o4 = ld ? *(const uint4*)(out + tok * hd + hi * D + c * 8) : zero;
-        const uint4 q4 = ld ? *(const uint4*)(qkv + tok * qkv_row + hi * D + c * 8) : zero;
-        const float l2 = in ? lse[i] : 0.f;
-        const float dl = row_sum(dot8_acc(0.f, d4, o4));
-        float qf[8], df[8], dq[8];
-        unpack(q4, qf);
-        unpack(d4, df);
+    // U rows a lane per step, all their loads issued before the first row's sums
+    constexpr int U = 2;
+    for (int base = i0; base < i1; base += U * RPS) {  // the same trip count in every lane: the shuffles
+        uint4 d4[U], o4[U], q4[U];
+        float l2[U];
         #pragma unroll
-        for (int e = 0; e < 8; e++) dq[e] = 0.f;
+        for (int u = 0; u < U; u++) {
+            const int i = base + u * RPS + rho;
+            const bool ld = i < i1 && on;
+            const i64 tok = (i64)bi * n + i;
+            d4[u] = ld ? *(const uint4*)(dout + tok * hd + hi * D + c * 8) : zero;
+            o4[u] = ld ? *(const uint4*)(out + tok * hd + hi * D + c * 8) : zero;
+            q4[u] = ld ? *(const uint4*)(qkv + tok * qkv_row + hi * D + c * 8) : zero;
+            l2[u] = i < i1 ? lse[i] : 0.f;
+        }
         #pragma unroll
-        for (int j = 0; j < R; j++) {
-            const float s = row_sum(dot8_acc(0.f, q4, kj[j]));
-            const float dp = row_sum(dot8_acc(0.f, d4, vj[j]));
-            const float p = in ? exp2f(s * scale_log2 - l2) : 0.f;
-            const float ds = p * (dp - dl);
+        for (int u = 0; u < U; u++) {
+            const int i = base + u * RPS + rho;
+            const bool in = i < i1, ld = in && on;
+            const i64 tok = (i64)bi * n + i;
+            const float dl = row_sum(dot8_acc(0.f, d4[u], o4[u]));
+            float qf[8], df[8], dq[8];
+            unpack(q4[u], qf);
+            unpack(d4[u], df);
             #pragma unroll
-            for (int e = 0; e < 8; e++) {
-                dq[e] += scale * ds * kf[j][e];
-                dk[j][e] += scale * ds * qf[e];
-                dv[j][e] += p * df[e];
+            for (int e = 0; e < 8; e++) dq[e] = 0.f;
+            #pragma unroll
+            for (int j = 0; j < R; j++) {
+                const float s = row_sum(dot8_acc(0.f, q4[u], kj[j]));
+                const float dp = row_sum(dot8_acc(0.f, d4[u], vj[j]));
+                const float p = in ? exp2f(s * scale_log2 - l2[u]) : 0.f;
+                const float ds = p * (dp - dl);
+                #pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    dq[e] += scale * ds * kf[j][e];
+                    dk[j][e] += scale * ds * qf[e];
+                    dv[j][e] += p * df[e];
+                }
             }
+            if (ld) {
+                float4* z = (float4*)(dq_acc + tok * hd + hi * D + c * 8);
+                z[0] = make_float4(dq[0], dq[1], dq[2], dq[3]);
+                z[1] = make_float4(dq[4], dq[5], dq[6], dq[7]);
+            }
+            if (in && c == 0) delta[(i64)bh * n + i] = dl;
         }
-        if (ld) {
-            float4* z = (float4*)(dq_acc + tok * hd + hi * D + c * 8);
-            z[0] = make_float4(dq[0], dq[1], dq[2], dq[3]);
-            z[1] = make_float4(dq[4], dq[5], dq[6], dq[7]);
-        }
-        if (in && c == 0) delta[(i64)bh * n + i] = dl;
     }
     // the warp's rows, then the block's warps in order
     #pragma unroll
