@@ -16,6 +16,7 @@
 //! and columns its filter reads, `crop_window`), through `nvjpegDecodeBatchedEx` with a region
 //! per image, and the image's job moves into the window's coordinates (`ImageJob::in_window`).
 //! A library without that call, or a batch the engines refuse so, is decoded whole as before.
+//! It is off by default: on an H100 it trained no faster than whole images (BENCHMARKS.md).
 //!
 //! Everything runs on a stream of its own, at the device's highest priority, so it overlaps
 //! the compute stream's step and its few kernels are not queued behind the step's; the final
