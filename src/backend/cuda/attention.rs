@@ -84,14 +84,17 @@ struct FoldKeys {
     rows_per_split: usize,
 }
 
-fn fold_keys(n: usize, heads: usize, sms: usize) -> Option<FoldKeys> {
-    let keys = n % 128;
-    if n < 128 || !(1..=2).contains(&keys) {
-        return None;
+impl FoldKeys {
+    /// The fold for `heads` heads of N = `n` on `sms` SMs; `None` where N mod 128 is not 1 or 2.
+    fn for_shape(n: usize, heads: usize, sms: usize) -> Option<FoldKeys> {
+        let keys = n % 128;
+        if n < 128 || !(1..=2).contains(&keys) {
+            return None;
+        }
+        let splits = (8 * sms).div_ceil(heads.max(1)).clamp(1, (n / 64).max(1));
+        let rows_per_split = n.div_ceil(splits);
+        Some(FoldKeys { keys, splits: n.div_ceil(rows_per_split), rows_per_split })
     }
-    let splits = (8 * sms).div_ceil(heads.max(1)).clamp(1, (n / 64).max(1));
-    let rows_per_split = n.div_ceil(splits);
-    Some(FoldKeys { keys, splits: n.div_ceil(rows_per_split), rows_per_split })
 }
 
 fn check_grid(op: &'static str, bh: usize) -> BResult<()> {
@@ -388,27 +391,30 @@ impl Cuda {
             let dq_acc = self.scratch("flash_dq_acc", 2 * bhnd)?;
             let delta = self.scratch("flash_delta", 2 * b * h * n)?;
             let (bb, nn, hh) = (b as i32, n as i32, h as i32);
-            // 32 (token, head) rows a block and step, 32·D/8 threads; the pass also zeroes the
-            // dQ accumulator (each thread the 8 values of its 16-byte chunk of dout)
-            let rows = b * n * h;
             // On Hopper the key blocks run on wgmma (TMA copies: 16-byte aligned bases; 16-byte
             // dQ reductions).
             let long = self.wgmma_long_backward(n, d).filter(|_| tma_ok && dq_acc % 16 == 0);
-            // With N mod 128 = 1 or 2 the delta pass takes those first keys (`fold_keys`), the
+            // With N mod 128 = 1 or 2 the delta pass takes those first keys (`FoldKeys`), the
             // key blocks the 128·m after them.
-            let fold = long.filter(|_| self.fold_keys()).and_then(|_| fold_keys(n, b * h, self.info.multiprocessors as usize));
+            let fold = long.filter(|_| self.fold_keys()).and_then(|_| FoldKeys::for_shape(n, b * h, self.info.multiprocessors as usize));
             let koff = fold.map_or(0, |f| f.keys);
-            match fold {
+            // the folded keys' partial dK, dV sums (f32, in bf16-sized slots)
+            let fold_part = match fold {
                 Some(f) => {
                     let part = self.scratch("flash_fold_part", 2 * b * h * f.splits * f.keys * 2 * d)?;
                     let rps = f.rows_per_split as i32;
                     self.launch(&format!("flash_bwd_pre_fold_d{d}_r{}", f.keys), (f.splits as u32, (b * h) as u32, 1), (256, 1, 1), 0, &mut kargs![delta, dq_acc, part, dout.ptr, out.ptr, qkv.ptr, probs.ptr, nn, hh, rps, scale, scale_log2])?;
+                    part
                 }
                 None => {
-                    let grid = rows.div_ceil(32).clamp(1, self.info.multiprocessors as usize * 8) as u32;
+                    // 32 (token, head) rows a block and step, 32·D/8 threads; the pass also
+                    // zeroes the dQ accumulator (each thread the 8 values of its 16-byte chunk
+                    // of dout)
+                    let grid = (b * n * h).div_ceil(32).clamp(1, self.info.multiprocessors as usize * 8) as u32;
                     self.launch(&format!("flash_bwd_pre_d{d}"), (grid, 1, 1), (32 * (d / 8) as u32, 1, 1), 0, &mut kargs![delta, dq_acc, dout.ptr, out.ptr, bb, nn, hh])?;
+                    0
                 }
-            }
+            };
             if let Some(lsmem) = long {
                 let c = h * d;
                 let nkb = (n - koff).div_ceil(128);
@@ -445,10 +451,9 @@ impl Cuda {
                 if let Some(f) = fold {
                     // the folded keys' dK, dV from the delta pass's partial sums, and their
                     // v bias rows after the key blocks'
-                    let part = self.scratch("flash_fold_part", 2 * b * h * f.splits * f.keys * 2 * d)?;
                     let vsum = if dv_part == 0 { 0 } else { dv_part + (b * nkb * c * 4) as u64 };
                     let (di, ri, si) = (d as i32, f.keys as i32, f.splits as i32);
-                    self.launch("flash_fold_keys_store", ((b * h) as u32, 1, 1), (2 * d as u32, 1, 1), 0, &mut kargs![dqkv.ptr, vsum, part, nn, hh, di, ri, si])?;
+                    self.launch("flash_fold_keys_store", ((b * h) as u32, 1, 1), (2 * d as u32, 1, 1), 0, &mut kargs![dqkv.ptr, vsum, fold_part, nn, hh, di, ri, si])?;
                 }
                 if let Some(db) = sums {
                     let (rows, cc) = ((b * n) as i64, c as i32);
@@ -632,7 +637,7 @@ mod tests {
     fn fold_keys_takes_one_or_two_ragged_keys_and_covers_every_query() {
         for (n, keys) in [(257, Some(1)), (258, Some(2)), (4097, Some(1)), (1025, Some(1)), (259, None), (256, None), (577, None), (384, None), (129, Some(1)), (1, None), (2, None)] {
             for (heads, sms) in [(1024, 132), (192, 132), (1, 132), (8, 16)] {
-                let f = fold_keys(n, heads, sms);
+                let f = FoldKeys::for_shape(n, heads, sms);
                 assert_eq!(f.map(|f| f.keys), keys, "N {n}");
                 if let Some(f) = f {
                     // every query row in exactly one split, none empty, and a full block of keys after
