@@ -72,7 +72,6 @@ fn class_attention_v8(d: usize, ptrs: &[CUdeviceptr]) -> bool {
     d % 8 == 0 && d <= 1024 && ptrs.iter().all(|p| p % 16 == 0)
 }
 
-/// The fused attention kernels put B·H on grid.y (at most 65535 blocks).
 /// The first keys that the delta pass takes from the wgmma key-block backward
 /// (`flash_bwd_pre_fold` in flash.cu): `keys` = N mod 128 where that is 1 or 2, so that every
 /// key block holds 128 keys; the pass runs `splits` blocks a head of `rows_per_split` query rows
@@ -97,6 +96,7 @@ impl FoldKeys {
     }
 }
 
+/// The fused attention kernels put B·H on grid.y (at most 65535 blocks).
 fn check_grid(op: &'static str, bh: usize) -> BResult<()> {
     if bh > 65535 {
         return Err(BackendError::Shape { op, msg: format!("B·H = {bh} exceeds the 65535 the fused attention grid supports") });
