@@ -46,7 +46,7 @@ use cudarc::driver::CudaStream;
 
 use super::device::{dev, kargs, CudaBuf, THREADS};
 use super::gemm::Ty;
-use super::options::{choose, env};
+use super::options::{choose, env, ON_OFF};
 use super::{libs, Cuda};
 use crate::backend::{BResult, BackendError};
 use crate::core::encoded::{EncodedBatch, Encoding};
@@ -531,7 +531,7 @@ impl JpegDecoder {
                 engines = e;
             }
         }
-        let windows = choose(&env, "VITSCALE_NVJPEG_ROI", false, &[("on", true), ("1", true), ("off", false), ("0", false)])?;
+        let windows = choose(&env, "VITSCALE_NVJPEG_ROI", false, &ON_OFF)?;
         let arena = || Arena { ptr: std::ptr::null_mut(), bytes: 0, done: None };
         Ok(JpegDecoder { api, hardware, hybrid, batched_for: 0, pooled: false, pixels: None, pixels_read: None, tmp: None, taps: None, jobs: None, stream, arenas: [arena(), arena()], next_arena: 0, engines, windows, params: Vec::new(), windowed_images: 0 })
     }

@@ -242,7 +242,7 @@ impl CudaOptions {
         Ok(CudaOptions {
             attention: choose(&get, ATTENTION_ENV, AttentionPath::Fused, &attention)?,
             fused_gemm: choose(&get, FUSED_GEMM_ENV, (true, true), &[("on", (true, true)), ("1", (true, true)), ("all", (true, true)), ("fwd", (true, false)), ("0", (false, false)), ("off", (false, false))])?,
-            wgmma_attention: choose(&get, WGMMA_ATTENTION_ENV, true, &[("on", true), ("1", true), ("0", false), ("off", false)])?,
+            wgmma_attention: choose(&get, WGMMA_ATTENTION_ENV, true, &ON_OFF)?,
             wide_gemm: choose(&get, WIDE_GEMM_ENV, (WideTiles::Auto, WideTiles::Auto), &[
                 ("auto", (WideTiles::Auto, WideTiles::Auto)),
                 ("fwd", (WideTiles::Auto, WideTiles::Off)),
@@ -250,14 +250,17 @@ impl CudaOptions {
                 ("0", (WideTiles::Off, WideTiles::Off)),
                 ("off", (WideTiles::Off, WideTiles::Off)),
             ])?,
-            gemm_cluster: choose(&get, GEMM_CLUSTER_ENV, false, &[("on", true), ("1", true), ("0", false), ("off", false)])?,
+            gemm_cluster: choose(&get, GEMM_CLUSTER_ENV, false, &ON_OFF)?,
             gemm_ring: choose(&get, GEMM_RING_ENV, GemmRing::Auto, &GemmRing::ALL.map(|r| (r.name(), r)))?,
-            wgrad_gemm: choose(&get, WGRAD_GEMM_ENV, false, &[("on", true), ("1", true), ("0", false), ("off", false)])?,
-            fold_keys: choose(&get, FOLD_KEYS_ENV, true, &[("on", true), ("1", true), ("0", false), ("off", false)])?,
+            wgrad_gemm: choose(&get, WGRAD_GEMM_ENV, false, &ON_OFF)?,
+            fold_keys: choose(&get, FOLD_KEYS_ENV, true, &ON_OFF)?,
             gemm_tune: choose(&get, GEMM_TUNE_ENV, GemmTune::Sustained, &[("sustained", GemmTune::Sustained), ("quick", GemmTune::Quick)])?,
         })
     }
 }
+
+/// The values of a variable that switches something on or off, as `choose` takes them.
+pub(super) const ON_OFF: [(&str, bool); 4] = [("on", true), ("1", true), ("0", false), ("off", false)];
 
 /// The process environment's value of `name` (`None`: unset or not valid Unicode), as
 /// `choose` looks variables up.
