@@ -12,7 +12,9 @@
 # CUDA_DEVICE_MAX_CONNECTIONS=8, instead of the 32 vitscale asks for; shards_cpu16, shards_gpu4,
 # shards_gpu2: cpu16, gpu4, gpu2 from tar shards that `data pack` makes of the folder; a mode
 # ending in lo, e.g. gpu2lo, runs the decode stream at normal priority, VITSCALE_DECODE_PRIORITY;
-# one ending in roi, e.g. gpu2roi, decodes only the crops' windows, VITSCALE_NVJPEG_ROI=on), SECS
+# one ending in roi, e.g. gpu2roi, decodes only the crops' windows, VITSCALE_NVJPEG_ROI=on; one
+# ending in c and two digits, e.g. gpu2c35, has the loader threads decode that share of the
+# JPEGs on the CPU, data.decode_cpu_share=0.35), SECS
 # (2) the seconds per bench point, PEER=0 skips the peer, DATA_BENCH=0 skips `bench --data`.
 BIN=$1; O=$2; P=$3; MODELS=${4:-"vit_small_patch16_224 vit_base_patch16_224"}; STEPS=${5:-60}
 export PYTHONUNBUFFERED=1
@@ -47,6 +49,8 @@ for model in $MODELS; do
     envs=(VITSCALE_NVJPEG_BATCHED=hardware)
     src=(--set data.dataset=folder --set data.path="$O/photos/folder")
     base=$mode
+    share=()
+    case $base in *c[0-9][0-9]) share=(--set data.decode_cpu_share=0.${base##*c}); base=${base%c[0-9][0-9]} ;; esac
     case $base in *lo) envs+=(VITSCALE_DECODE_PRIORITY=normal); base=${base%lo} ;; esac
     case $base in *roi) envs+=(VITSCALE_NVJPEG_ROI=on); base=${base%roi} ;; esac
     case $base in synthetic8|*q8) envs+=(CUDA_DEVICE_MAX_CONNECTIONS=8); base=${base%8}; base=${base%q} ;; esac
@@ -54,7 +58,7 @@ for model in $MODELS; do
     case $base in
       synthetic) extra=(--set data.dataset=synthetic --set data.train_size=6000 --set data.val_size=512) ;;
       cpu16) extra=("${src[@]}" --set data.decode=cpu --set data.num_workers=16) ;;
-      gpu4|gpu2) extra=("${src[@]}" --set data.decode=gpu --set data.num_workers=${base#gpu}) ;;
+      gpu4|gpu3|gpu2) extra=("${src[@]}" --set data.decode=gpu --set data.num_workers=${base#gpu} "${share[@]}") ;;
       gpu4h) extra=("${src[@]}" --set data.decode=gpu --set data.num_workers=4)
              envs=(VITSCALE_NVJPEG_BATCHED=gpu_hybrid) ;;
       *) echo "unknown mode $mode"; continue ;;

@@ -78,6 +78,7 @@ fn empty_config_gives_every_default() {
             prefetch: 2,
             decode: Decode::Cpu,
             decode_scale: DecodeScale::Auto,
+            decode_cpu_share: 0.0,
             aug: Default::default(),
         }
     );
@@ -832,6 +833,7 @@ fn resume_free_keys_are_the_run_length_logging_and_batch_split() {
         "train.epochs", "train.steps", "train.recompute", "train.pass_images", "train.eval_every", "train.checkpoint_every", "train.log_every",
         "train.eval_batch_size", "train.checkpoint_on_signal", "train.comm_timeout_s", "train.emulate_slowdown", "train.balance", "train.balance_every",
         "data.path", "data.num_workers", "data.prefetch", "data.decode", "data.decode_scale",
+        "data.decode_cpu_share",
     ];
     want.sort();
     assert_eq!(free, want);

@@ -14,7 +14,7 @@ use vitscale::config::{DataConfig, DatasetKind, Decode, DecodeScale, Interpolati
 use vitscale::core::encoded::{decode_rgb, Encoding};
 use vitscale::data::resize::{resample, Region};
 use vitscale::data::shards::{self, PackOptions};
-use vitscale::data::{open, resolve_decode, try_make_batch, DataError};
+use vitscale::data::{cpu_decodes, open, resolve_decode, try_make_batch, DataError};
 
 mod common;
 use common::{fixtures, fresh_seed, tmp};
@@ -129,6 +129,74 @@ fn encoded_batches_carry_what_the_cpu_path_draws() {
     }
 }
 
+/// `data.decode_cpu_share`: the JPEGs it picks are decoded by the loader as the CPU path
+/// decodes them, so the device, resampling the window it is handed with the crop and flip in
+/// the window's pixels, gives the CPU path's batch bit for bit. At share 1 with the partial
+/// decode (`decode_scale = "auto"`) every JPEG arrives as its window's pixels; at 0.5 with the
+/// full-size decode the images it picks are those `cpu_decodes` names, whatever the thread count.
+#[test]
+fn the_cpu_share_of_a_gpu_batch_is_decoded_as_the_cpu_path_decodes() {
+    let dir = tmp();
+    photo_folder(dir.path());
+    let seed = fresh_seed();
+    for (scale, share) in [(DecodeScale::Auto, 1.0), (DecodeScale::Full, 0.5)] {
+        let cpu_cfg = DataConfig { decode_scale: scale, ..cfg(dir.path(), Decode::Cpu) };
+        let d = open(&cpu_cfg, 48, 5, seed).unwrap();
+        let idx: Vec<usize> = (0..d.train.len()).chain([3, 1]).collect();
+        let jpeg = |i: usize| d.train.files[i].extension().unwrap() == "jpg";
+        let mut picked = 0;
+        for (train, epoch) in [(true, 0), (true, 5), (false, 0)] {
+            let want = try_make_batch(&d.train, &idx, &cpu_cfg, train, epoch, seed).unwrap();
+            let mut encs = Vec::new();
+            for workers in [1, 3] {
+                let gpu_cfg = DataConfig { decode: Decode::Gpu, decode_cpu_share: share, num_workers: workers, ..cpu_cfg.clone() };
+                let got = try_make_batch(&d.train, &idx, &gpu_cfg, train, epoch, seed).unwrap();
+                assert_eq!(got.labels, want.labels);
+                encs.push(got.encoded.unwrap());
+            }
+            assert_eq!(encs[0], encs[1], "the same batch with 1 and 3 loader threads");
+            let enc = &encs[0];
+            for (img, &i) in enc.images.iter().zip(&idx) {
+                let on_cpu = jpeg(i) && cpu_decodes(share, seed, epoch, i);
+                picked += usize::from(on_cpu);
+                match img.encoding {
+                    Encoding::Jpeg => assert!(!on_cpu && img.bytes == fs::read(&d.train.files[i]).unwrap(), "{}", img.source),
+                    Encoding::Rgb => {
+                        assert!(on_cpu || !jpeg(i), "{}: decoded by the loader, not picked", img.source);
+                        assert_eq!(img.bytes.len(), img.width * img.height * 3, "{}", img.source);
+                    }
+                }
+            }
+            let emulated = emulate_device(enc);
+            let same = emulated.iter().zip(&want.images).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "seed {seed}, share {share}, {scale:?}, train {train}, epoch {epoch}: the device's batch must be the CPU path's");
+        }
+        if share == 1.0 {
+            assert_eq!(picked, 3 * idx.iter().filter(|&&i| jpeg(i)).count(), "share 1 decodes every JPEG on the CPU");
+        }
+    }
+}
+
+/// The share is a per-image draw: about that share of images, none at 0, all at 1, other
+/// images under another seed or epoch.
+#[test]
+fn cpu_decodes_draws_its_share_per_image() {
+    let seed = fresh_seed();
+    let count = |share: f64, seed: u64, epoch: u64| (0..20_000).filter(|&i| cpu_decodes(share, seed, epoch, i)).count();
+    assert_eq!(count(0.0, seed, 0), 0);
+    assert_eq!(count(1.0, seed, 0), 20_000);
+    for share in [0.1, 0.35, 0.8] {
+        let got = count(share, seed, 2) as f64 / 20_000.0;
+        // 4.5 standard deviations of a binomial share of 20 000
+        let tol = 4.5 * (share * (1.0 - share) / 20_000.0).sqrt();
+        assert!((got - share).abs() < tol, "seed {seed}: share {share} drew {got}");
+    }
+    let same = (0..2_000).filter(|&i| cpu_decodes(0.5, seed, 0, i) == cpu_decodes(0.5, seed, 1, i)).count();
+    assert!((800..1200).contains(&same), "seed {seed}: epochs 0 and 1 agree on {same} of 2000 images");
+    let same = (0..2_000).filter(|&i| cpu_decodes(0.5, seed, 0, i) == cpu_decodes(0.5, seed ^ 1, 0, i)).count();
+    assert!((800..1200).contains(&same), "seed {seed}: two seeds agree on {same} of 2000 images");
+}
+
 #[test]
 fn shard_members_are_encoded_from_their_bytes() {
     let dir = tmp();
@@ -159,11 +227,19 @@ fn a_bad_file_is_named_or_skipped() {
     let e = try_make_batch(&d.train, &[bad], &c, true, 0, 0).unwrap_err();
     assert!(matches!(e, DataError::Decode { .. }), "{e}");
     assert!(e.to_string().contains("broken.jpg"), "{e}");
-    let skip = DataConfig { skip_bad: true, ..c };
+    let skip = DataConfig { skip_bad: true, ..c.clone() };
     let b = try_make_batch(&d.train, &[bad], &skip, true, 0, 0).unwrap();
     let enc = b.encoded.unwrap();
     assert!(!enc.images[0].source.contains("broken"), "replaced by the next readable image");
     assert_eq!(d.train.skipped.load(std::sync::atomic::Ordering::Relaxed), 1);
+    // the same where the loader decodes it (data.decode_cpu_share)
+    let on_cpu = DataConfig { decode_cpu_share: 1.0, ..c };
+    let e = try_make_batch(&d.train, &[bad], &on_cpu, true, 0, 0).unwrap_err();
+    assert!(matches!(e, DataError::Decode { .. }) && e.to_string().contains("broken.jpg"), "{e}");
+    let b = try_make_batch(&d.train, &[bad], &DataConfig { skip_bad: true, ..on_cpu }, true, 0, 0).unwrap();
+    let img = &b.encoded.unwrap().images[0];
+    assert!(!img.source.contains("broken") && img.encoding == Encoding::Rgb, "replaced by the next readable image, decoded");
+    assert_eq!(d.train.skipped.load(std::sync::atomic::Ordering::Relaxed), 2);
 }
 
 #[test]

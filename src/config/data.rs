@@ -53,13 +53,16 @@ const D_DECODE: KeyDef = key("decode", Ty::Choice(Decode::NAMES), Dflt::Str("cpu
     "Where JPEG files are decoded: cpu = the loader's threads; gpu = nvJPEG on the training GPU (its hardware JPEG engines where it has them), with RandomResizedCrop, flip and normalization as kernels, the loader's threads only reading files; auto = gpu where that can run (CUDA device, image files, no RandAugment, random erasing, mixup or CutMix), else cpu. docs/data.md says which augmentation runs where.")
     .resume_free();
 const D_DECODE_SCALE: KeyDef = key("decode_scale", Ty::Choice(DecodeScale::NAMES), Dflt::Str("auto"),
-    "How much of each JPEG the CPU path (data.decode = cpu) decodes: auto = libjpeg-turbo decodes only the rows and columns the crop's resampling reads, at the largest DCT reduction 1/2, 1/4 or 1/8 that still leaves the crop at least image_size px both ways (training crops and the evaluation resize alike), so the images equal a full decode's up to resampling differences (docs/data.md); full = the whole image at full size (zune-jpeg). Other formats, and JPEGs libjpeg-turbo rejects or warns about, are always decoded whole; a binary built without the turbojpeg cargo feature decodes whole under auto too.")
+    "How much of each JPEG the CPU decodes (data.decode = cpu, and data.decode_cpu_share of data.decode = gpu): auto = libjpeg-turbo decodes only the rows and columns the crop's resampling reads, at the largest DCT reduction 1/2, 1/4 or 1/8 that still leaves the crop at least image_size px both ways (training crops and the evaluation resize alike), so the images equal a full decode's up to resampling differences (docs/data.md); full = the whole image at full size (zune-jpeg). Other formats, and JPEGs libjpeg-turbo rejects or warns about, are always decoded whole; a binary built without the turbojpeg cargo feature decodes whole under auto too.")
+    .resume_free();
+const D_DECODE_CPU_SHARE: KeyDef = key("decode_cpu_share", UNIT, Dflt::Num(0.0),
+    "With data.decode = gpu: the share of JPEG images (0 to 1) the loader's threads decode on the CPU, as data.decode_scale says, instead of nvJPEG; the GPU resamples them like the rest. Which images is drawn from seed, epoch and index, so a rerun decodes the same ones. It moves decode work from the GPU, where it slows the step beside it, to loader cores that would otherwise wait; more than those cores can decode in a step makes the run wait for data (docs/data.md gives measured settings). Not used by the CPU path.")
     .resume_free();
 /// Keys of the `data` section (extend here).
 pub const DATA_KEYS: &[KeyDef] = &[
     D_DATASET, D_PATH, D_MEAN, D_STD, D_AUGMENT, D_SHUFFLE, D_WORKERS, D_TRAIN_SIZE, D_VAL_SIZE, D_LABEL, D_SKIP_BAD, D_VAL_SPLIT,
     D_CROP_PCT, D_SCALE, D_RATIO, D_INTERPOLATION, D_PREFETCH, D_AUTO_AUGMENT, D_MIXUP, D_CUTMIX, D_MIXUP_PROB, D_MIXUP_SWITCH, D_MIXUP_MODE,
-    D_REPROB, D_REMODE, D_RECOUNT, D_DECODE, D_DECODE_SCALE,
+    D_REPROB, D_REMODE, D_RECOUNT, D_DECODE, D_DECODE_SCALE, D_DECODE_CPU_SHARE,
 ];
 
 /// Parses a timm RandAugment string (`rand-m9-n2-mstd0.5-mmax10-inc1-p0.5`; sections in any
@@ -230,6 +233,7 @@ pub(super) fn parse(sec: Option<&Map<String, Value>>, cx: &mut Cx) -> Result<Dat
             "full" => DecodeScale::Full,
             _ => DecodeScale::Auto,
         },
+        decode_cpu_share: get_num(sec, p, &D_DECODE_CPU_SHARE, cx)?,
         aug,
     })
 }
@@ -266,6 +270,7 @@ pub(super) fn write(d: &DataConfig) -> Value {
     put(&mut out, &D_PREFETCH, json!(d.prefetch));
     put(&mut out, &D_DECODE, json!(d.decode.as_str()));
     put(&mut out, &D_DECODE_SCALE, json!(d.decode_scale.as_str()));
+    put(&mut out, &D_DECODE_CPU_SHARE, json!(d.decode_cpu_share));
     put(&mut out, &D_AUTO_AUGMENT, json!(d.aug.auto_augment.as_ref().map_or("none", |r| r.spec.as_str())));
     put(&mut out, &D_MIXUP, json!(d.aug.mixup));
     put(&mut out, &D_CUTMIX, json!(d.aug.cutmix));

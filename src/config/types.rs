@@ -318,6 +318,10 @@ pub struct DataConfig {
     /// `data.decode_scale` (default auto): on the CPU path, decode a JPEG only where its crop
     /// reads, at a reduced DCT scale when the crop is large enough (`data::jpeg`).
     pub decode_scale: DecodeScale,
+    /// `data.decode_cpu_share` (default 0, in [0, 1]): with `decode = gpu`, the share of JPEG
+    /// images the loader's threads decode on the CPU instead (drawn per image from seed, epoch
+    /// and index; `data::cpu_decodes`).
+    pub decode_cpu_share: f64,
     /// Extra training augmentations with timm names (all off by default).
     pub aug: AugmentOptions,
 }
@@ -452,6 +456,7 @@ impl DataConfig {
             prefetch: Self::DEFAULT_PREFETCH,
             decode: Decode::Cpu,
             decode_scale: DecodeScale::Auto,
+            decode_cpu_share: 0.0,
             aug: Default::default(),
         }
     }

@@ -604,8 +604,10 @@ pub fn fill_batches(batches: &mut [Batch], jobs: &[(&[usize], u64)], set: &Image
 /// [`fill_batches`] for `data.decode = "gpu"`: each image's file is read (a JPEG's header
 /// parsed for its size; another format decoded here to RGB) and its crop and flip drawn exactly
 /// as the CPU path draws them, so the device produces the same images up to decoding and
-/// resampling differences. Augmentations on decoded pixels (`cpu_only_augmentations`) are not
-/// available here (`resolve_decode` refuses them before a loader starts).
+/// resampling differences. The share `data.decode_cpu_share` of the JPEGs ([`cpu_decodes`]) is
+/// decoded here instead, as the CPU path decodes it. Augmentations on decoded pixels
+/// (`cpu_only_augmentations`) are not available here (`resolve_decode` refuses them before a
+/// loader starts).
 fn fill_encoded(batches: &mut [Batch], jobs: &[(&[usize], u64)], set: &ImageSet, cfg: &DataConfig, train: bool, seed: u64) -> Result<(), DataError> {
     let extra = train && cfg.augment == Augment::Default;
     let cpu_only = cpu_only_augmentations(cfg);
@@ -635,19 +637,31 @@ fn fill_encoded(batches: &mut [Batch], jobs: &[(&[usize], u64)], set: &ImageSet,
         }
     }
     tasks.into_par_iter().try_for_each(|(img, label, i, epoch)| {
-        let (j, (w, h)) = first_readable(set, i, cfg.skip_bad, |j| read_encoded(set, j, img))?;
-        let (region, flip) = if extra { resize::draw_rrc(seed, epoch, i, w, h, cfg.scale, cfg.ratio) } else { (resize::center_crop(w, h, side, cfg.crop_pct), false) };
-        img.crop = [region.x0, region.y0, region.w, region.h];
-        img.flip = flip;
+        // Randomness is keyed by the index asked for (as on the CPU path), not a replacement's.
+        let window = |w: usize, h: usize| if extra { resize::draw_rrc(seed, epoch, i, w, h, cfg.scale, cfg.ratio) } else { (resize::center_crop(w, h, side, cfg.crop_pct), false) };
+        let cpu = cpu_decodes(cfg.decode_cpu_share, seed, epoch, i).then_some((cfg.decode_scale, side));
+        let (j, ()) = first_readable(set, i, cfg.skip_bad, |j| read_encoded(set, j, img, &window, cpu))?;
         *label = set.labels[j] as u32;
         Ok(())
     })
 }
 
-/// Reads image `j` of the file-backed `set` into `img` (bytes, encoding, size, source) for the
-/// device to decode, returning its size. A JPEG is only parsed up to its frame header here; a
-/// file the header parser rejects is reported (or skipped) like an undecodable one.
-fn read_encoded(set: &ImageSet, j: usize, img: &mut EncodedImage) -> Result<(usize, usize), DataError> {
+/// Whether the loader decodes image `index` of `epoch` on the CPU when `data.decode = "gpu"`
+/// (`data.decode_cpu_share` = `share` of the JPEGs, drawn from a hash so that the same images
+/// go to the CPU in every run, whatever the thread count or batch split).
+pub fn cpu_decodes(share: f64, seed: u64, epoch: u64, index: usize) -> bool {
+    // the hash's top 53 bits as a uniform draw in [0, 1): 0 never, 1 always
+    let draw = (rng::hash(&[seed, rng::stream::DECODE, epoch, index as u64]) >> 11) as f64 / (1u64 << 53) as f64;
+    share > 0.0 && draw < share
+}
+
+/// Reads image `j` of the file-backed `set` into `img` (bytes, encoding, size, source, and the
+/// crop and flip `window` draws on its size) for the device to decode. A JPEG is only parsed up
+/// to its frame header here, unless `cpu` = (decode scale, output side) says to decode it here
+/// as the CPU path does (`decode_window`: the device then gets the window's RGB pixels and the
+/// crop in them). A file the header parser or the decoder rejects is reported (or skipped) like
+/// an undecodable one.
+fn read_encoded(set: &ImageSet, j: usize, img: &mut EncodedImage, window: &dyn Fn(usize, usize) -> (Region, bool), cpu: Option<(DecodeScale, usize)>) -> Result<(), DataError> {
     let (range, source, fail): (std::ops::Range<usize>, String, Box<dyn Fn(String) -> DataError>) = match &set.shards {
         Some(sh) => {
             let (range, name) = shards::read_image(sh, j, set.labels[j], set.num_classes, &mut img.bytes)?;
@@ -672,23 +686,41 @@ fn read_encoded(set: &ImageSet, j: usize, img: &mut EncodedImage) -> Result<(usi
         img.bytes.truncate(range.len());
     }
     img.source = source;
-    let (w, h) = if img.bytes.starts_with(&[0xff, 0xd8, 0xff]) {
-        img.encoding = Encoding::Jpeg;
-        crate::core::encoded::jpeg_size(&img.bytes).map_err(&fail)?
-    } else {
-        img.encoding = Encoding::Rgb;
-        let mut px = Vec::new();
-        let (w, h) = decode_bytes(&img.bytes, &mut px).map_err(&fail)?;
-        px.truncate(w * h * 3);
-        img.bytes = px;
-        (w, h)
+    let jpeg = img.bytes.starts_with(&[0xff, 0xd8, 0xff]);
+    // (width, height) of what the device gets, and the crop and flip when already drawn
+    let ((w, h), drawn) = match cpu {
+        Some((scale, side)) if jpeg => {
+            let d = with_buffers(|b| {
+                let d = decode_window(&img.bytes, scale, side, window, &mut b.decoded).map_err(&fail)?;
+                img.bytes.clear();
+                img.bytes.extend_from_slice(&b.decoded[..d.width * d.height * 3]);
+                Ok::<_, DataError>(d)
+            })?;
+            img.encoding = Encoding::Rgb;
+            ((d.width, d.height), Some((d.region, d.flip)))
+        }
+        _ if jpeg => {
+            img.encoding = Encoding::Jpeg;
+            (crate::core::encoded::jpeg_size(&img.bytes).map_err(&fail)?, None)
+        }
+        _ => {
+            img.encoding = Encoding::Rgb;
+            let mut px = Vec::new();
+            let (w, h) = decode_bytes(&img.bytes, &mut px).map_err(&fail)?;
+            px.truncate(w * h * 3);
+            img.bytes = px;
+            ((w, h), None)
+        }
     };
     if w == 0 || h == 0 {
         return Err(fail(format!("empty image ({w}×{h})")));
     }
+    let (region, flip) = drawn.unwrap_or_else(|| window(w, h));
     img.width = w;
     img.height = h;
-    Ok((w, h))
+    img.crop = [region.x0, region.y0, region.w, region.h];
+    img.flip = flip;
+    Ok(())
 }
 
 /// Per-thread buffers reused across images: file bytes, decoded pixels, augmented pixels,

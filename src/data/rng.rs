@@ -36,6 +36,7 @@ pub mod stream {
     pub const RANDAUG: u64 = 0x7261_6e64;
     pub const ERASE: u64 = 0x6572_6173;
     pub const MIX: u64 = 0x006d_6978;
+    pub const DECODE: u64 = 0x6465_636f;
 }
 
 /// A SplitMix64 generator.

@@ -13,6 +13,11 @@
 //! the whole-image decode within 0.1 level on average and 16 at most (the engines' pixels
 //! inside a window should be those of the whole image; the crop's taps are computed from the
 //! window's origin, an f32 rounding step apart), and the path must have run.
+//!
+//! And each JPEG batch once more as the loader hands it over with `data.decode_cpu_share`:
+//! every other photograph decoded on the CPU (its crop's window, at a reduced DCT scale where
+//! that applies) and sent as RGB beside the JPEGs. Those must match the CPU's resampling of the
+//! same window to float rounding, the JPEGs the first decode of the batch.
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -20,7 +25,7 @@ use rand_chacha::ChaCha8Rng;
 use super::Check;
 use crate::backend::{BResult, Backend};
 use crate::core::encoded::{decode_rgb, EncodedBatch, EncodedImage, Encoding};
-use crate::config::Interpolation;
+use crate::config::{DecodeScale, Interpolation};
 use crate::data::resize;
 
 const PHOTOS: [(&str, &[u8]); 5] = [
@@ -121,6 +126,9 @@ pub fn decode_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult<Vec<
             let (tol_mean, tol_max) = if jpeg { (1.5, 48.0) } else { (0.05, 0.05) };
             let (err, tol) = if jpeg { (avg, tol_mean) } else { (max, tol_max) };
             checks.push(Check { name, rel_err: err, tol, pass: avg.is_finite() && avg <= tol_mean && max <= tol_max });
+            if jpeg {
+                checks.push(cpu_share_check(be, &batch, &got, &sources, filter)?);
+            }
             if jpeg && engines > 0 {
                 // the same batch with only the crops' windows decoded on the engines
                 be.set_jpeg_windows(true).map_err(device)?;
@@ -142,4 +150,34 @@ pub fn decode_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult<Vec<
         }
     }
     Ok(checks)
+}
+
+/// The JPEG `batch` (whose device decode gave `whole`) with every other image decoded on the
+/// CPU as the loader does for `data.decode_cpu_share` (`data::decode_window`, crop and flip
+/// from `sources`), decoded again on the device: the CPU-decoded images against the CPU's
+/// resampling of the same pixels (≤ 0.05 level), the others against `whole` (≤ 0.05).
+fn cpu_share_check(be: &crate::backend::cuda::Cuda, batch: &EncodedBatch, whole: &[f32], sources: &[(Vec<u8>, usize, usize, resize::Region, bool)], filter: Interpolation) -> BResult<Check> {
+    let (side, count) = (batch.side, batch.len());
+    let per = 3 * side * side;
+    let mut mixed = batch.clone();
+    let mut want = whole.to_vec();
+    for k in (0..count).step_by(2) {
+        let img = &batch.images[k];
+        let (region, flip) = (sources[k].3, sources[k].4);
+        let mut px = Vec::new();
+        let d = crate::data::decode_window(&img.bytes, DecodeScale::Auto, side, |_, _| (region, flip), &mut px)
+            .map_err(|e| crate::backend::BackendError::Device(format!("{}: {e}", img.source)))?;
+        px.truncate(d.width * d.height * 3);
+        resize::resample(&px, d.width, d.height, d.region, side, d.flip, filter, batch.mean, batch.std, &mut want[k * per..(k + 1) * per]);
+        mixed.images[k] = EncodedImage { bytes: px, encoding: Encoding::Rgb, width: d.width, height: d.height, crop: [d.region.x0, d.region.y0, d.region.w, d.region.h], flip: d.flip, source: img.source.clone() };
+    }
+    let mut dev = be.alloc_f32(count * per)?;
+    be.fill(&mut dev, f32::NAN)?;
+    be.decode_input(&mut dev, &mixed, 0..count)?;
+    be.synchronize()?;
+    let got = be.download(&dev)?;
+    let (avg, max) = level_diff(&got, &want, batch.std, side);
+    let f = if batch.bicubic { "bicubic" } else { "bilinear" };
+    let name = format!("GPU decode, every other JPEG decoded by the loader (data.decode_cpu_share): {count} photographs → {side} px {f}: mean |Δ| {avg:.4}, max {max:.3} levels");
+    Ok(Check { name, rel_err: max, tol: 0.05, pass: avg.is_finite() && max <= 0.05 })
 }
