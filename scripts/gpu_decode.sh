@@ -58,7 +58,7 @@ for model in $MODELS; do
     case $base in
       synthetic) extra=(--set data.dataset=synthetic --set data.train_size=6000 --set data.val_size=512) ;;
       cpu16) extra=("${src[@]}" --set data.decode=cpu --set data.num_workers=16) ;;
-      gpu4|gpu3|gpu2) extra=("${src[@]}" --set data.decode=gpu --set data.num_workers=${base#gpu} "${share[@]}") ;;
+      gpu4|gpu2) extra=("${src[@]}" --set data.decode=gpu --set data.num_workers=${base#gpu} "${share[@]}") ;;
       gpu4h) extra=("${src[@]}" --set data.decode=gpu --set data.num_workers=4 "${share[@]}")
              envs=(VITSCALE_NVJPEG_BATCHED=gpu_hybrid) ;;
       *) echo "unknown mode $mode"; continue ;;
