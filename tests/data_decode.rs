@@ -14,7 +14,7 @@ use vitscale::config::{DataConfig, DatasetKind, Decode, DecodeScale, Interpolati
 use vitscale::core::encoded::{decode_rgb, Encoding};
 use vitscale::data::resize::{resample, Region};
 use vitscale::data::shards::{self, PackOptions};
-use vitscale::data::{cpu_decodes, open, resolve_decode, try_make_batch, DataError};
+use vitscale::data::{cpu_decodes, open, resolve_decode, try_make_batch, DataError, DecodeDevice};
 
 mod common;
 use common::{fixtures, fresh_seed, tmp};
@@ -41,27 +41,50 @@ fn cfg(root: &Path, decode: Decode) -> DataConfig {
 fn which_runs_decode_on_the_gpu() {
     let dir = tmp();
     let base = cfg(dir.path(), Decode::Auto);
-    assert_eq!(resolve_decode(&base, true).unwrap(), Decode::Gpu);
-    assert_eq!(resolve_decode(&base, false).unwrap(), Decode::Cpu);
-    assert_eq!(resolve_decode(&DataConfig { decode: Decode::Cpu, ..base.clone() }, true).unwrap(), Decode::Cpu);
+    let engines = || Ok(7);
+    let gpu = || DecodeDevice::Gpu { engines: &engines };
+    let decode = |c: &DataConfig, d: DecodeDevice| resolve_decode(c, d).map(|(decode, _)| decode);
+    assert_eq!(resolve_decode(&base, gpu()).unwrap(), (Decode::Gpu, None));
+    assert_eq!(resolve_decode(&base, DecodeDevice::Cpu).unwrap(), (Decode::Cpu, None));
+    assert_eq!(decode(&DataConfig { decode: Decode::Cpu, ..base.clone() }, gpu()).unwrap(), Decode::Cpu);
     // in-memory sets have nothing to decode
     let builtin = DataConfig { decode: Decode::Gpu, ..DataConfig::for_dataset(DatasetKind::Builtin, None, [0.5; 3], [0.5; 3]) };
-    assert_eq!(resolve_decode(&builtin, true).unwrap(), Decode::Cpu);
+    assert_eq!(decode(&builtin, gpu()).unwrap(), Decode::Cpu);
     // an augmentation on decoded CPU pixels: auto falls back, gpu refuses naming it
     let mut mixed = base.clone();
     mixed.aug.mixup = 0.8;
-    assert_eq!(resolve_decode(&mixed, true).unwrap(), Decode::Cpu);
+    assert_eq!(decode(&mixed, gpu()).unwrap(), Decode::Cpu);
     mixed.decode = Decode::Gpu;
     mixed.aug.reprob = 0.25;
-    let e = resolve_decode(&mixed, true).unwrap_err().to_string();
+    let e = resolve_decode(&mixed, gpu()).unwrap_err().to_string();
     assert!(e.contains("data.decode") && e.contains("data.mixup") && e.contains("data.reprob") && !e.contains("data.cutmix"), "{e}");
     // with augmentation off those options do nothing, so nothing stops the GPU
     let mut plain = mixed.clone();
     plain.augment = vitscale::config::Augment::None;
-    assert_eq!(resolve_decode(&plain, true).unwrap(), Decode::Gpu);
+    assert_eq!(decode(&plain, gpu()).unwrap(), Decode::Gpu);
+    // a GPU without JPEG engines, or without nvJPEG: auto stays on the CPU and says why; an
+    // explicit gpu still decodes there
+    let none = || Ok(0);
+    let (d, why) = resolve_decode(&base, DecodeDevice::Gpu { engines: &none }).unwrap();
+    assert!(d == Decode::Cpu && why.as_deref().is_some_and(|w| w.contains("no JPEG engines")), "{why:?}");
+    let missing = || Err("libnvjpeg.so.13: not found".to_string());
+    let (d, why) = resolve_decode(&base, DecodeDevice::Gpu { engines: &missing }).unwrap();
+    assert!(d == Decode::Cpu && why.as_deref().is_some_and(|w| w.contains("libnvjpeg.so.13")), "{why:?}");
+    assert_eq!(decode(&DataConfig { decode: Decode::Gpu, ..base.clone() }, DecodeDevice::Gpu { engines: &none }).unwrap(), Decode::Gpu);
+    // the engines are asked only where auto decides
+    let unasked = || -> Result<u32, String> { panic!("asked for the engines") };
+    assert_eq!(decode(&mixed_auto(&base), DecodeDevice::Gpu { engines: &unasked }).unwrap(), Decode::Cpu);
+    assert_eq!(decode(&DataConfig { decode: Decode::Gpu, ..base.clone() }, DecodeDevice::Gpu { engines: &unasked }).unwrap(), Decode::Gpu);
     // no GPU
-    let e = resolve_decode(&DataConfig { decode: Decode::Gpu, ..base }, false).unwrap_err().to_string();
+    let e = resolve_decode(&DataConfig { decode: Decode::Gpu, ..base }, DecodeDevice::Cpu).unwrap_err().to_string();
     assert!(e.contains("data.decode") && e.contains("--device cuda"), "{e}");
+}
+
+/// `base` with mixup on: `auto` decodes on the CPU without asking the GPU.
+fn mixed_auto(base: &DataConfig) -> DataConfig {
+    let mut c = base.clone();
+    c.aug.mixup = 0.8;
+    c
 }
 
 /// Decodes every encoded image with the CPU decoder and resamples it as the batch says.

@@ -169,7 +169,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         crate::metrics::trace::check_fresh(d, rank).map_err(|e| anyhow::anyhow!("--trace {}: {e}", d.display()))?;
     }
     let device = open_device(args.common.device, gpu_index(&env)?, rank == 0, &cfg.precision)?;
-    cfg.data.decode = crate::data::resolve_decode(&cfg.data, matches!(device, Device::Cuda(_)))?;
+    let decode_device = match &device {
+        Device::Cuda(be) => crate::data::DecodeDevice::Gpu { engines: &|| be.jpeg_engines() },
+        _ => crate::data::DecodeDevice::Cpu,
+    };
+    let (decode, why) = crate::data::resolve_decode(&cfg.data, decode_device)?;
+    cfg.data.decode = decode;
+    cfg.warnings.extend(why);
     cfg.warnings.extend(engine_warnings(&cfg, &device));
     let plan = plan_on(&cfg, &device);
     check_memory(&plan, &device, "this training run")?;

@@ -445,22 +445,39 @@ pub fn policy(cfg: &DataConfig, train: bool) -> Policy {
     }
 }
 
-/// Where this run decodes its images (`data.decode`), for a training run on a GPU (`on_gpu`)
-/// or not: `auto` becomes `gpu` when the images come from files, the device is a GPU and no
+/// What the training device offers the image decode ([`resolve_decode`]).
+pub enum DecodeDevice<'a> {
+    /// No GPU.
+    Cpu,
+    /// A GPU, and how to find out how many hardware JPEG engines its decoder has (0: nvJPEG
+    /// decodes on the SMs; an error: nvJPEG cannot be loaded), asked only when `auto` decides.
+    Gpu { engines: &'a dyn Fn() -> Result<u32, String> },
+}
+
+/// Where this run decodes its images (`data.decode`), and why `auto` stayed on the CPU where a
+/// GPU was there to take it. `auto` becomes `gpu` when the images come from files, no
 /// augmentation that works on decoded pixels on the CPU is on (RandAugment, random erasing,
-/// mixup, CutMix); else `cpu`. An explicit `gpu` that cannot run is an error naming why.
-pub fn resolve_decode(cfg: &DataConfig, on_gpu: bool) -> Result<Decode, DataError> {
+/// mixup, CutMix) and the GPU has JPEG engines; else `cpu`. Without engines nvJPEG decodes on
+/// the SMs, beside the step, and that costs the step more than the loader's threads take to
+/// decode on the CPU (docs/data.md). An explicit `gpu` that cannot run is an error naming why.
+pub fn resolve_decode(cfg: &DataConfig, device: DecodeDevice) -> Result<(Decode, Option<String>), DataError> {
     let cpu_only = cpu_only_augmentations(cfg);
     let files = matches!(cfg.dataset, DatasetKind::Folder | DatasetKind::Shards);
-    match cfg.decode {
-        Decode::Cpu => Ok(Decode::Cpu),
-        Decode::Auto => Ok(if on_gpu && files && cpu_only.is_empty() { Decode::Gpu } else { Decode::Cpu }),
-        Decode::Gpu if !on_gpu => Err(DataError::Invalid { key: "data.decode", msg: "\"gpu\" decodes on the training GPU: it needs --device cuda (use \"cpu\" or \"auto\")".into() }),
-        Decode::Gpu if !cpu_only.is_empty() => Err(DataError::Invalid {
+    let on_gpu = matches!(device, DecodeDevice::Gpu { .. });
+    match (cfg.decode, device) {
+        (Decode::Cpu, _) => Ok((Decode::Cpu, None)),
+        (Decode::Auto, DecodeDevice::Gpu { engines }) if files && cpu_only.is_empty() => Ok(match engines() {
+            Ok(n) if n > 0 => (Decode::Gpu, None),
+            Ok(_) => (Decode::Cpu, Some("data.decode = \"auto\" decodes on the CPU: this GPU has no JPEG engines, and nvJPEG's decode on its SMs would slow the step more (set \"gpu\" to use it anyway)".into())),
+            Err(e) => (Decode::Cpu, Some(format!("data.decode = \"auto\" decodes on the CPU: nvJPEG cannot be used ({e})"))),
+        }),
+        (Decode::Auto, _) => Ok((Decode::Cpu, None)),
+        (Decode::Gpu, _) if !on_gpu => Err(DataError::Invalid { key: "data.decode", msg: "\"gpu\" decodes on the training GPU: it needs --device cuda (use \"cpu\" or \"auto\")".into() }),
+        (Decode::Gpu, _) if !cpu_only.is_empty() => Err(DataError::Invalid {
             key: "data.decode",
             msg: format!("\"gpu\" cannot apply {} (they work on decoded pixels on the CPU): use \"cpu\", or \"auto\" to decode on the GPU only when nothing needs the CPU", cpu_only.join(", ")),
         }),
-        Decode::Gpu => Ok(if files { Decode::Gpu } else { Decode::Cpu }),
+        (Decode::Gpu, _) => Ok((if files { Decode::Gpu } else { Decode::Cpu }, None)),
     }
 }
 
