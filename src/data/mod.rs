@@ -468,7 +468,7 @@ pub fn resolve_decode(cfg: &DataConfig, device: DecodeDevice) -> Result<(Decode,
         (Decode::Cpu, _) => Ok((Decode::Cpu, None)),
         (Decode::Auto, DecodeDevice::Gpu { engines }) if files && cpu_only.is_empty() => Ok(match engines() {
             Ok(n) if n > 0 => (Decode::Gpu, None),
-            Ok(_) => (Decode::Cpu, Some("data.decode = \"auto\" decodes on the CPU: this GPU has no JPEG engines, and nvJPEG's decode on its SMs would slow the step more (set \"gpu\" to use it anyway)".into())),
+            Ok(_) => (Decode::Cpu, Some("data.decode = \"auto\" decodes on the CPU: nvJPEG has no JPEG engines to use here (the GPU has none, or VITSCALE_NVJPEG_BATCHED=gpu_hybrid), and its decode on the SMs would slow the step more (set \"gpu\" to use it anyway)".into())),
             Err(e) => (Decode::Cpu, Some(format!("data.decode = \"auto\" decodes on the CPU: nvJPEG cannot be used ({e})"))),
         }),
         (Decode::Auto, _) => Ok((Decode::Cpu, None)),
