@@ -44,8 +44,8 @@ fn which_runs_decode_on_the_gpu() {
     let engines = || Ok(7);
     let gpu = || DecodeDevice::Gpu { engines: &engines };
     let decode = |c: &DataConfig, d: DecodeDevice| resolve_decode(c, d).map(|(decode, _)| decode);
-    assert_eq!(resolve_decode(&base, gpu()).unwrap(), (Decode::Gpu, None));
-    assert_eq!(resolve_decode(&base, DecodeDevice::Cpu).unwrap(), (Decode::Cpu, None));
+    assert_eq!(resolve_decode(&base, gpu()).unwrap(), (Decode::Gpu, vec![]));
+    assert_eq!(resolve_decode(&base, DecodeDevice::Cpu).unwrap(), (Decode::Cpu, vec![]));
     assert_eq!(decode(&DataConfig { decode: Decode::Cpu, ..base.clone() }, gpu()).unwrap(), Decode::Cpu);
     // in-memory sets have nothing to decode
     let builtin = DataConfig { decode: Decode::Gpu, ..DataConfig::for_dataset(DatasetKind::Builtin, None, [0.5; 3], [0.5; 3]) };
@@ -66,10 +66,15 @@ fn which_runs_decode_on_the_gpu() {
     // explicit gpu still decodes there
     let none = || Ok(0);
     let (d, why) = resolve_decode(&base, DecodeDevice::Gpu { engines: &none }).unwrap();
-    assert!(d == Decode::Cpu && why.as_deref().is_some_and(|w| w.contains("no JPEG engines")), "{why:?}");
+    assert!(d == Decode::Cpu && why.len() == 1 && why[0].contains("no JPEG engines"), "{why:?}");
     let missing = || Err("libnvjpeg.so.13: not found".to_string());
     let (d, why) = resolve_decode(&base, DecodeDevice::Gpu { engines: &missing }).unwrap();
-    assert!(d == Decode::Cpu && why.as_deref().is_some_and(|w| w.contains("libnvjpeg.so.13")), "{why:?}");
+    assert!(d == Decode::Cpu && why.len() == 1 && why[0].contains("libnvjpeg.so.13"), "{why:?}");
+    // a CPU share the CPU path leaves unused is said so; on the GPU it is not
+    let shared = DataConfig { decode_cpu_share: 0.3, ..base.clone() };
+    let (d, why) = resolve_decode(&shared, DecodeDevice::Cpu).unwrap();
+    assert!(d == Decode::Cpu && why.len() == 1 && why[0].contains("data.decode_cpu_share"), "{why:?}");
+    assert_eq!(resolve_decode(&shared, gpu()).unwrap(), (Decode::Gpu, vec![]));
     assert_eq!(decode(&DataConfig { decode: Decode::Gpu, ..base.clone() }, DecodeDevice::Gpu { engines: &none }).unwrap(), Decode::Gpu);
     // the engines are asked only where auto decides
     let unasked = || -> Result<u32, String> { panic!("asked for the engines") };

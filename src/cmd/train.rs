@@ -173,9 +173,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         Device::Cuda(be) => crate::data::DecodeDevice::Gpu { engines: &|| be.jpeg_engines() },
         _ => crate::data::DecodeDevice::Cpu,
     };
-    let (decode, why) = crate::data::resolve_decode(&cfg.data, decode_device)?;
+    let (decode, warnings) = crate::data::resolve_decode(&cfg.data, decode_device)?;
     cfg.data.decode = decode;
-    cfg.warnings.extend(why);
+    cfg.warnings.extend(warnings);
     cfg.warnings.extend(engine_warnings(&cfg, &device));
     let plan = plan_on(&cfg, &device);
     check_memory(&plan, &device, "this training run")?;

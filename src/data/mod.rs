@@ -454,31 +454,45 @@ pub enum DecodeDevice<'a> {
     Gpu { engines: &'a dyn Fn() -> Result<u32, String> },
 }
 
-/// Where this run decodes its images (`data.decode`), and why `auto` stayed on the CPU where a
-/// GPU was there to take it. `auto` becomes `gpu` when the images come from files, no
-/// augmentation that works on decoded pixels on the CPU is on (RandAugment, random erasing,
-/// mixup, CutMix) and the GPU has JPEG engines; else `cpu`. Without engines nvJPEG decodes on
-/// the SMs, beside the step, and that costs the step more than the loader's threads take to
-/// decode on the CPU (docs/data.md). An explicit `gpu` that cannot run is an error naming why.
-pub fn resolve_decode(cfg: &DataConfig, device: DecodeDevice) -> Result<(Decode, Option<String>), DataError> {
+/// Where this run decodes its images (`data.decode`), with warnings: why `auto` stayed on the
+/// CPU where a GPU was there to take it, and a `data.decode_cpu_share` that the CPU path leaves
+/// unused. `auto` becomes `gpu` when the images come from files, no augmentation that works on
+/// decoded pixels on the CPU is on (RandAugment, random erasing, mixup, CutMix) and the GPU has
+/// JPEG engines; else `cpu`. Without engines nvJPEG decodes on the SMs, beside the step, and
+/// that costs the step more than the loader's threads take to decode on the CPU
+/// (docs/data.md). An explicit `gpu` that cannot run is an error naming why.
+pub fn resolve_decode(cfg: &DataConfig, device: DecodeDevice) -> Result<(Decode, Vec<String>), DataError> {
     let cpu_only = cpu_only_augmentations(cfg);
     let files = matches!(cfg.dataset, DatasetKind::Folder | DatasetKind::Shards);
     let on_gpu = matches!(device, DecodeDevice::Gpu { .. });
-    match (cfg.decode, device) {
-        (Decode::Cpu, _) => Ok((Decode::Cpu, None)),
-        (Decode::Auto, DecodeDevice::Gpu { engines }) if files && cpu_only.is_empty() => Ok(match engines() {
-            Ok(n) if n > 0 => (Decode::Gpu, None),
-            Ok(_) => (Decode::Cpu, Some("data.decode = \"auto\" decodes on the CPU: nvJPEG has no JPEG engines to use here (the GPU has none, or VITSCALE_NVJPEG_BATCHED=gpu_hybrid), and its decode on the SMs would slow the step more (set \"gpu\" to use it anyway)".into())),
-            Err(e) => (Decode::Cpu, Some(format!("data.decode = \"auto\" decodes on the CPU: nvJPEG cannot be used ({e})"))),
-        }),
-        (Decode::Auto, _) => Ok((Decode::Cpu, None)),
-        (Decode::Gpu, _) if !on_gpu => Err(DataError::Invalid { key: "data.decode", msg: "\"gpu\" decodes on the training GPU: it needs --device cuda (use \"cpu\" or \"auto\")".into() }),
-        (Decode::Gpu, _) if !cpu_only.is_empty() => Err(DataError::Invalid {
-            key: "data.decode",
-            msg: format!("\"gpu\" cannot apply {} (they work on decoded pixels on the CPU): use \"cpu\", or \"auto\" to decode on the GPU only when nothing needs the CPU", cpu_only.join(", ")),
-        }),
-        (Decode::Gpu, _) => Ok((if files { Decode::Gpu } else { Decode::Cpu }, None)),
+    let mut warnings = Vec::new();
+    let decode = match (cfg.decode, device) {
+        (Decode::Cpu, _) => Decode::Cpu,
+        (Decode::Auto, DecodeDevice::Gpu { engines }) if files && cpu_only.is_empty() => match engines() {
+            Ok(n) if n > 0 => Decode::Gpu,
+            Ok(_) => {
+                warnings.push("data.decode = \"auto\" decodes on the CPU: nvJPEG has no JPEG engines to use here (the GPU has none, or VITSCALE_NVJPEG_BATCHED=gpu_hybrid), and its decode on the SMs would slow the step more (set \"gpu\" to use it anyway)".into());
+                Decode::Cpu
+            }
+            Err(e) => {
+                warnings.push(format!("data.decode = \"auto\" decodes on the CPU: nvJPEG cannot be used ({e})"));
+                Decode::Cpu
+            }
+        },
+        (Decode::Auto, _) => Decode::Cpu,
+        (Decode::Gpu, _) if !on_gpu => return Err(DataError::Invalid { key: "data.decode", msg: "\"gpu\" decodes on the training GPU: it needs --device cuda (use \"cpu\" or \"auto\")".into() }),
+        (Decode::Gpu, _) if !cpu_only.is_empty() => {
+            return Err(DataError::Invalid {
+                key: "data.decode",
+                msg: format!("\"gpu\" cannot apply {} (they work on decoded pixels on the CPU): use \"cpu\", or \"auto\" to decode on the GPU only when nothing needs the CPU", cpu_only.join(", ")),
+            })
+        }
+        (Decode::Gpu, _) => if files { Decode::Gpu } else { Decode::Cpu },
+    };
+    if decode == Decode::Cpu && cfg.decode_cpu_share > 0.0 {
+        warnings.push(format!("data.decode_cpu_share = {} has no effect: this run decodes every image on the CPU", cfg.decode_cpu_share));
     }
+    Ok((decode, warnings))
 }
 
 /// The keys of the training augmentations that are on and work on decoded pixels on the
