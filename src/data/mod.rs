@@ -490,7 +490,7 @@ pub fn resolve_decode(cfg: &DataConfig, device: DecodeDevice) -> Result<(Decode,
         (Decode::Gpu, _) => if files { Decode::Gpu } else { Decode::Cpu },
     };
     if decode == Decode::Cpu && cfg.decode_cpu_share > 0.0 {
-        warnings.push(format!("data.decode_cpu_share = {} has no effect: this run decodes every image on the CPU", cfg.decode_cpu_share));
+        warnings.push(format!("data.decode_cpu_share = {} has no effect: this run decodes no image on the GPU", cfg.decode_cpu_share));
     }
     Ok((decode, warnings))
 }
