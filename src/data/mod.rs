@@ -464,7 +464,6 @@ pub enum DecodeDevice<'a> {
 pub fn resolve_decode(cfg: &DataConfig, device: DecodeDevice) -> Result<(Decode, Vec<String>), DataError> {
     let cpu_only = cpu_only_augmentations(cfg);
     let files = matches!(cfg.dataset, DatasetKind::Folder | DatasetKind::Shards);
-    let on_gpu = matches!(device, DecodeDevice::Gpu { .. });
     let mut warnings = Vec::new();
     let decode = match (cfg.decode, device) {
         (Decode::Cpu, _) => Decode::Cpu,
@@ -480,7 +479,7 @@ pub fn resolve_decode(cfg: &DataConfig, device: DecodeDevice) -> Result<(Decode,
             }
         },
         (Decode::Auto, _) => Decode::Cpu,
-        (Decode::Gpu, _) if !on_gpu => return Err(DataError::Invalid { key: "data.decode", msg: "\"gpu\" decodes on the training GPU: it needs --device cuda (use \"cpu\" or \"auto\")".into() }),
+        (Decode::Gpu, DecodeDevice::Cpu) => return Err(DataError::Invalid { key: "data.decode", msg: "\"gpu\" decodes on the training GPU: it needs --device cuda (use \"cpu\" or \"auto\")".into() }),
         (Decode::Gpu, _) if !cpu_only.is_empty() => {
             return Err(DataError::Invalid {
                 key: "data.decode",

@@ -475,8 +475,6 @@ mod tests {
         for (v, want) in [("on", true), ("1", true), ("0", false), ("off", false)] {
             assert_eq!(o(&[(GEMM_CLUSTER_ENV, v)]).gemm_cluster, want, "{v}");
             assert_eq!(o(&[(WGRAD_GEMM_ENV, v)]).wgrad_gemm, want, "{v}");
-        }
-        for (v, want) in [("on", true), ("1", true), ("0", false), ("off", false)] {
             assert_eq!(o(&[(FOLD_KEYS_ENV, v)]).fold_keys, want, "{v}");
         }
         for (v, want) in [("auto", GemmRing::Auto), ("3", GemmRing::Three), ("4", GemmRing::Four)] {
