@@ -107,7 +107,7 @@ fn check_grid(op: &'static str, bh: usize) -> BResult<()> {
 /// The blocks of the long-sequence wgmma forward (`fl_fwd_long_item` in hopper_flash_fwd.cu):
 /// `query_blocks` blocks of 64·CW queries a head, and where N ≡ 1 (mod 64) and `last_rows` is
 /// on, the last query row of every `last_g` heads (`last_g` = the block's warps, 4·(CW + 1))
-/// in one block after their query blocks; `last_g` 0 otherwise.
+/// in one block before their query blocks; `last_g` 0 otherwise.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct LongForwardItems {
     heads: usize,
@@ -681,7 +681,8 @@ mod tests {
 
     /// The grid `LongForwardItems::blocks` gives, walked block by block as `fl_fwd_long_item`
     /// in hopper_flash_fwd.cu decodes it, computes every query row of every head once: 64·CW
-    /// rows from each query block (below nq), row N − 1 from the last-rows block of its group.
+    /// rows from each query block (below nq), row N − 1 from the last-rows block that opens its
+    /// group.
     #[test]
     fn long_forward_blocks_cover_every_row_once() {
         for (n, cw) in [(257, 2), (577, 3), (1025, 3), (4097, 3), (4097, 2), (258, 3), (16384, 3), (384, 2)] {
@@ -704,11 +705,14 @@ mod tests {
                         }
                         let per = it.last_g * it.query_blocks + 1;
                         let (grp, r) = (x / per, x % per);
-                        if r == it.last_g * it.query_blocks {
+                        if r == 0 {
                             for bh in grp * it.last_g..((grp + 1) * it.last_g).min(heads) {
                                 cover(bh, n - 1..n);
                             }
-                        } else if grp * it.last_g + r / it.query_blocks < heads {
+                            continue;
+                        }
+                        let r = r - 1;
+                        if grp * it.last_g + r / it.query_blocks < heads {
                             let (qb, bh) = (r % it.query_blocks, grp * it.last_g + r / it.query_blocks);
                             cover(bh, 64 * cw * qb..(64 * cw * (qb + 1)).min(nq));
                         }

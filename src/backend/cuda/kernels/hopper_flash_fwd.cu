@@ -41,9 +41,9 @@
 // The last query row where N ≡ 1 (mod 64) (a class token over a patch grid whose side is a
 // multiple of 8: 257, 577, 1 025, 4 097 tokens): alone in its 64-row tile it would cost a
 // consumer warpgroup, at 257 and 577 tokens a whole block, a third or a quarter of the launch.
-// Instead the query blocks cover rows 0…N − 2, and after every G heads' query blocks comes one
+// Instead the query blocks cover rows 0…N − 2, and before every G heads' query blocks comes one
 // block whose G warps each compute one of those heads' last row on the CUDA cores
-// (`fl_last_rows`), while the heads' K and V are still in L2. The host asks for it with
+// (`fl_last_rows`); the query blocks then find the heads' K and V in L2. The host asks for it with
 // `last_g` = G = the block's warps (0: every row in the query blocks).
 #define FL_BN 128                           // keys per tile
 #define FL_ST 2                             // stages of the K, V ring
@@ -442,9 +442,11 @@ __device__ __forceinline__ void fl_last_rows(const bf16* __restrict__ qkv, bf16*
     if (lane == 0) lse2[(i64)bh * n + n - 1] = m + __log2f(l);
 }
 
-// The work of block blockIdx.x (1-D grid): with last_g = G > 0, groups of G heads, each its
-// heads' query blocks (nqb a head, rows 0…N − 2) and then one `fl_last_rows` block; with 0, the
-// query blocks of every head in turn (nqb a head, all N rows).
+// The work of block blockIdx.x (1-D grid): with last_g = G > 0, groups of G heads, each one
+// `fl_last_rows` block and then its heads' query blocks (nqb a head, rows 0…N − 2); with 0,
+// the query blocks of every head in turn (nqb a head, all N rows). The last rows go first: one
+// warp walks all N keys, for long sequences longer than a query block takes, and started first
+// it runs beside its group's query blocks instead of after the launch's last one.
 template <int CW, int D>
 __device__ __forceinline__ void fl_fwd_long_item(const HgTmap& tm_kv, const HgTmap& tm_q, const HgTmap& tm_out, const HgTmap& tm_kvt, const HgTmap& tm_qt,
                                                  const bf16* __restrict__ qkv, bf16* __restrict__ out, float* __restrict__ lse2,
@@ -454,8 +456,8 @@ __device__ __forceinline__ void fl_fwd_long_item(const HgTmap& tm_kv, const HgTm
         fl_fwd_long<CW, D>(tm_kv, tm_q, tm_out, tm_kvt, tm_qt, out, lse2, n, nq, h, x % nqb, x / nqb, scale_log2);
         return;
     }
-    const int per = last_g * nqb + 1, grp = x / per, r = x - grp * per;
-    if (r == last_g * nqb) {
+    const int per = last_g * nqb + 1, grp = x / per, r = x - grp * per - 1;
+    if (r < 0) {
         extern __shared__ unsigned char fl_raw[];
         fl_last_rows<D>(qkv, out, lse2, n, h, bhs, grp * last_g, scale_log2, (float*)fl_raw);
         return;
