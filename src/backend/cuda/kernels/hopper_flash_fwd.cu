@@ -366,10 +366,11 @@ __device__ __forceinline__ void fl_fwd_long(const HgTmap& tm_kv, const HgTmap& t
 
 // One warp a head, heads bh0… (at most the block's warps, below bhs): row N − 1's attention
 // over all N keys with an online softmax in chunks of 32 keys. Each lane scores one key of the
-// chunk (its K row in 16-byte loads against q·scale·log2(e) in shared memory); P·V then walks the
-// chunk's keys with each lane owning column pairs (lane, lane + 32 where D / 2 > 32) of V's rows,
-// coalesced, while the next chunk's K rows load. f32 throughout; out and lse2 as the query
-// blocks write them.
+// chunk (its K row in 16-byte loads against q·scale·log2(e) in shared memory); for P·V each lane
+// owns column pairs (lane, lane + 32 where D / 2 > 32) of V's rows, coalesced. A chunk's V
+// pairs are all loaded before its scores are formed, and the next chunk's K rows before its
+// softmax, so that each chunk waits for memory about once (loads left behind the shuffles of P
+// would each wait in turn). f32 throughout; out and lse2 as the query blocks write them.
 template <int D>
 __device__ __forceinline__ void fl_last_rows(const bf16* __restrict__ qkv, bf16* __restrict__ out, float* __restrict__ lse2,
                                              int n, int h, int bhs, int bh0, float scale_log2, float* qs_all) {
@@ -390,24 +391,20 @@ __device__ __forceinline__ void fl_last_rows(const bf16* __restrict__ qkv, bf16*
         #pragma unroll
         for (int ch = 0; ch < D / 8; ch++) kv[ch] = j < n ? ((const uint4*)(k + (i64)j * rs))[ch] : make_uint4(0u, 0u, 0u, 0u);
     };
-    // this lane's pairs of V row j, weighted by pj, into acc
-    auto add_v = [&](int j, float pj, float (&acc)[2 * PL]) {
-        const unsigned* vr = (const unsigned*)(v + (i64)j * rs);
-        #pragma unroll
-        for (int u = 0; u < PL; u++) {
-            if (lane + 32 * u < NP) {
-                const unsigned w = vr[lane + 32 * u];
-                acc[2 * u] = fmaf(pj, lo16(w), acc[2 * u]);
-                acc[2 * u + 1] = fmaf(pj, hi16(w), acc[2 * u + 1]);
-            }
-        }
-    };
     float m = -INFINITY, l = 0.f, acc[2 * PL];
     #pragma unroll
     for (int u = 0; u < 2 * PL; u++) acc[u] = 0.f;
     uint4 kv[D / 8];
     load_k(0, kv);
     for (int j0 = 0; j0 < n; j0 += 32) {
+        // this lane's pairs of the chunk's V rows (zeros past N: their P is 0)
+        unsigned vw[32][PL];
+        #pragma unroll
+        for (int jj = 0; jj < 32; jj++) {
+            const unsigned* vr = (const unsigned*)(v + (i64)(j0 + jj) * rs);
+            #pragma unroll
+            for (int u = 0; u < PL; u++) vw[jj][u] = j0 + jj < n && lane + 32 * u < NP ? vr[lane + 32 * u] : 0u;
+        }
         float s = 0.f;
         #pragma unroll
         for (int ch = 0; ch < D / 8; ch++) {
@@ -419,18 +416,21 @@ __device__ __forceinline__ void fl_last_rows(const bf16* __restrict__ qkv, bf16*
             }
         }
         if (j0 + lane >= n) s = -INFINITY;
-        if (j0 + 32 < n) load_k(j0 + 32, kv);  // the next chunk's keys, in flight during P·V
+        if (j0 + 32 < n) load_k(j0 + 32, kv);
         // chunk 0 holds key 0, so the new maximum is finite and the first rescale multiplies zeros
         const float mn = fmaxf(m, warp_max(s)), alpha = exp2f(m - mn), p = exp2f(s - mn);
         m = mn;
         l = fmaf(l, alpha, p);  // this lane's keys' share; summed over the warp at the end
         #pragma unroll
         for (int u = 0; u < 2 * PL; u++) acc[u] *= alpha;
-        if (j0 + 32 <= n) {
+        #pragma unroll
+        for (int jj = 0; jj < 32; jj++) {
+            const float pj = __shfl_sync(0xffffffffu, p, jj);
             #pragma unroll
-            for (int jj = 0; jj < 32; jj++) add_v(j0 + jj, __shfl_sync(0xffffffffu, p, jj), acc);
-        } else {
-            for (int jj = 0; jj < n - j0; jj++) add_v(j0 + jj, __shfl_sync(0xffffffffu, p, jj), acc);
+            for (int u = 0; u < PL; u++) {
+                acc[2 * u] = fmaf(pj, lo16(vw[jj][u]), acc[2 * u]);
+                acc[2 * u + 1] = fmaf(pj, hi16(vw[jj][u]), acc[2 * u + 1]);
+            }
         }
     }
     l = warp_sum(l);
