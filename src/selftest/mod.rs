@@ -1366,9 +1366,7 @@ fn attention_kernel_choice(launched: &[(String, f64, usize)], wgmma: bool, long_
 
 /// The attention checks on every attention path, whatever `VITSCALE_ATTENTION` chose (restored
 /// after): the fused path twice where the wgmma kernels exist, with them and with flash.cu's,
-/// and a third time where the long wgmma forward exists, with the last query row where
-/// N ≡ 1 (mod 64) in a 64-row tile instead of its own warps (`last_rows` off); on the fused
-/// path which kernels ran (`attention_kernel_choice`). Every path gets the
+/// and on the fused path which kernels ran (`attention_kernel_choice`). Every path gets the
 /// same inputs (drawn from `seed`) and one CPU reference; `progress` hears each run's label as
 /// it starts.
 pub fn attention_path_checks(be: &crate::backend::cuda::Cuda, seed: u64, progress: &dyn Fn(&str)) -> BResult<Vec<Check>> {
@@ -1382,28 +1380,18 @@ pub fn attention_path_checks(be: &crate::backend::cuda::Cuda, seed: u64, progres
             continue;
         }
         let fused = path == crate::backend::cuda::AttentionPath::Fused;
-        runs.push((path, fused && be.has_wgmma_attention(), true));
+        runs.push((path, fused && be.has_wgmma_attention()));
         if fused && be.has_wgmma_attention() {
-            runs.push((path, false, true));
-        }
-        // the long forward with the last query row where N ≡ 1 (mod 64) in a tile of its own
-        if fused && be.has_wgmma_attention() && (be.has_wgmma_long_attention(64) || be.has_wgmma_long_attention(80)) {
-            runs.push((path, true, false));
+            runs.push((path, false));
         }
     }
     // every path draws the same inputs, so the CPU computes each reference once
     let mut memo = ReferenceMemo::default();
-    let last_rows_chosen = be.last_rows();
-    for (path, wgmma, last_rows) in runs {
+    for (path, wgmma) in runs {
         be.set_attention(path);
         be.set_wgmma_attention(wgmma);
-        be.set_last_rows(last_rows);
         let fused = path == crate::backend::cuda::AttentionPath::Fused;
-        let label = if fused && be.has_wgmma_attention() {
-            format!(" {}{}{}", path.name(), if wgmma { " wgmma" } else { " mma.sync" }, if last_rows { "" } else { ", last rows in tiles" })
-        } else {
-            format!(" {}", path.name())
-        };
+        let label = if fused && be.has_wgmma_attention() { format!(" {}{}", path.name(), if wgmma { " wgmma" } else { " mma.sync" }) } else { format!(" {}", path.name()) };
         be.set_profiling(fused);
         progress(&format!("attention checks,{label} path"));
         let result = attention_checks_memo(be, seed.wrapping_add(1), &label, &mut memo);
@@ -1418,7 +1406,6 @@ pub fn attention_path_checks(be: &crate::backend::cuda::Cuda, seed: u64, progres
         }
     }
     be.set_wgmma_attention(wgmma_chosen);
-    be.set_last_rows(last_rows_chosen);
     be.set_attention(chosen);
     Ok(checks)
 }

@@ -104,34 +104,6 @@ fn check_grid(op: &'static str, bh: usize) -> BResult<()> {
     Ok(())
 }
 
-/// The blocks of the long-sequence wgmma forward (`fl_fwd_long_item` in hopper_flash_fwd.cu):
-/// `query_blocks` blocks of 64·CW queries a head, and where N ≡ 1 (mod 64) and `last_rows` is
-/// on, the last query row of every `last_g` heads (`last_g` = the block's warps, 4·(CW + 1))
-/// in one block before their query blocks; `last_g` 0 otherwise.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct LongForwardItems {
-    heads: usize,
-    query_blocks: usize,
-    last_g: usize,
-}
-
-impl LongForwardItems {
-    fn for_shape(n: usize, heads: usize, cw: usize, last_rows: bool) -> LongForwardItems {
-        let last_g = if last_rows && n % 64 == 1 { 4 * (cw + 1) } else { 0 };
-        let nq = if last_g > 0 { n - 1 } else { n };
-        LongForwardItems { heads, query_blocks: nq.div_ceil(64 * cw), last_g }
-    }
-
-    /// The launch's blocks (its 1-D grid).
-    fn blocks(&self) -> usize {
-        if self.last_g == 0 {
-            self.heads * self.query_blocks
-        } else {
-            self.heads.div_ceil(self.last_g) * (self.last_g * self.query_blocks + 1)
-        }
-    }
-}
-
 impl Cuda {
     /// Kernel-name suffix of the fused attention for head dim `d` and the dynamic shared
     /// memory (bytes) of its (forward, backward) kernels; None = the GEMM path.
@@ -286,17 +258,15 @@ impl Cuda {
                 let tm_kv = tensor_map_3d(qkv.ptr, 3 * c, n, b, 128)?;
                 let tm_q = tensor_map_3d(qkv.ptr, 3 * c, n, b, 64)?;
                 let tm_out = tensor_map_3d(out.ptr, c, n, b, 64)?;
-                let items = LongForwardItems::for_shape(n, b * h, cw, self.last_rows());
-                let grid = (items.blocks() as u32, 1, 1);
+                let grid = (n.div_ceil(64 * cw) as u32, (b * h) as u32, 1);
                 let block = (128 * (cw as u32 + 1), 1, 1);
-                let (bhs, last_g) = ((b * h) as i32, items.last_g as i32);
                 if d == 80 {
                     // columns 64…79 of each head through maps of their own (32-byte swizzle)
                     let tm_kvt = tensor_map_3d_cols16(qkv.ptr, 3 * c, n, b, 128)?;
                     let tm_qt = tensor_map_3d_cols16(qkv.ptr, 3 * c, n, b, 64)?;
-                    return self.launch_dyn("flash_fwd_wg_long_d80", grid, block, smem, &mut kargs![tm_kv, tm_q, tm_out, tm_kvt, tm_qt, qkv.ptr, out.ptr, probs.ptr, nn, hh, bhs, last_g, scale_log2]);
+                    return self.launch_dyn("flash_fwd_wg_long_d80", grid, block, smem, &mut kargs![tm_kv, tm_q, tm_out, tm_kvt, tm_qt, out.ptr, probs.ptr, nn, hh, scale_log2]);
                 }
-                return self.launch_dyn("flash_fwd_wg_long_d64", grid, block, smem, &mut kargs![tm_kv, tm_q, tm_out, qkv.ptr, out.ptr, probs.ptr, nn, hh, bhs, last_g, scale_log2]);
+                return self.launch_dyn("flash_fwd_wg_long_d64", grid, block, smem, &mut kargs![tm_kv, tm_q, tm_out, probs.ptr, nn, hh, scale_log2]);
             }
             if let Some((w, smem, _)) = self.small_attention(n, d) {
                 let block = (32 * w as u32, 1, 1);
@@ -674,50 +644,6 @@ mod tests {
                     assert!(f.splits >= 1 && f.splits * f.rows_per_split >= n && (f.splits - 1) * f.rows_per_split < n, "{f:?} N {n}");
                     assert_eq!((n - f.keys) % 128, 0);
                     assert!(f.rows_per_split >= 64 || f.splits == 1, "{f:?}");
-                }
-            }
-        }
-    }
-
-    /// The grid `LongForwardItems::blocks` gives, walked block by block as `fl_fwd_long_item`
-    /// in hopper_flash_fwd.cu decodes it, computes every query row of every head once: 64·CW
-    /// rows from each query block (below nq), row N − 1 from the last-rows block that opens its
-    /// group.
-    #[test]
-    fn long_forward_blocks_cover_every_row_once() {
-        for (n, cw) in [(257, 2), (577, 3), (1025, 3), (4097, 3), (4097, 2), (258, 3), (16384, 3), (384, 2)] {
-            for heads in [1, 11, 12, 16, 17, 1024] {
-                for last_rows in [true, false] {
-                    let it = LongForwardItems::for_shape(n, heads, cw, last_rows);
-                    assert_eq!(it.last_g > 0, last_rows && n % 64 == 1, "N {n}");
-                    let nq = if it.last_g > 0 { n - 1 } else { n };
-                    let mut seen = vec![0u8; heads * n];
-                    let mut cover = |bh: usize, rows: std::ops::Range<usize>| {
-                        for r in rows {
-                            seen[bh * n + r] += 1;
-                        }
-                    };
-                    for x in 0..it.blocks() {
-                        if it.last_g == 0 {
-                            let (qb, bh) = (x % it.query_blocks, x / it.query_blocks);
-                            cover(bh, 64 * cw * qb..(64 * cw * (qb + 1)).min(nq));
-                            continue;
-                        }
-                        let per = it.last_g * it.query_blocks + 1;
-                        let (grp, r) = (x / per, x % per);
-                        if r == 0 {
-                            for bh in grp * it.last_g..((grp + 1) * it.last_g).min(heads) {
-                                cover(bh, n - 1..n);
-                            }
-                            continue;
-                        }
-                        let r = r - 1;
-                        if grp * it.last_g + r / it.query_blocks < heads {
-                            let (qb, bh) = (r % it.query_blocks, grp * it.last_g + r / it.query_blocks);
-                            cover(bh, 64 * cw * qb..(64 * cw * (qb + 1)).min(nq));
-                        }
-                    }
-                    assert!(seen.iter().all(|&c| c == 1), "N {n}, CW {cw}, {heads} heads, {it:?}");
                 }
             }
         }

@@ -393,7 +393,6 @@ impl Backend for Cuda {
         m.insert("wide_tiles".into(), format!("{wide_fwd:?}/{wide_bwd:?}").to_lowercase().into());
         m.insert("gemm_ring".into(), self.gemm_ring().name().into());
         m.insert("fold_keys".into(), self.fold_keys().into());
-        m.insert("last_rows".into(), self.last_rows().into());
         m
     }
 

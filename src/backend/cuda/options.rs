@@ -26,8 +26,6 @@ pub const GEMM_RING_ENV: &str = "VITSCALE_GEMM_RING";
 pub const WGRAD_GEMM_ENV: &str = "VITSCALE_WGRAD_GEMM";
 /// The environment variable of [`CudaOptions::fold_keys`].
 pub const FOLD_KEYS_ENV: &str = "VITSCALE_FOLD_KEYS";
-/// The environment variable of [`CudaOptions::last_rows`].
-pub const LAST_ROWS_ENV: &str = "VITSCALE_LAST_ROWS";
 /// The environment variable of [`CudaOptions::gemm_tune`].
 pub const GEMM_TUNE_ENV: &str = "VITSCALE_GEMM_TUNE";
 
@@ -208,12 +206,6 @@ pub struct CudaOptions {
     /// (`flash_bwd_pre_fold` in flash.cu) instead of a block of their own (`set_fold_keys`
     /// changes it later). `VITSCALE_FOLD_KEYS`: `on` (the default; also `1`); `0` or `off`.
     pub fold_keys: bool,
-    /// Whether the long-sequence wgmma forward leaves the last query row where N ≡ 1 (mod 64)
-    /// (a class token over a patch grid whose side is a multiple of 8) to one warp a head on
-    /// the CUDA cores (`fl_last_rows` in hopper_flash_fwd.cu) instead of a 64-row tile of its
-    /// own (`set_last_rows` changes it later). `VITSCALE_LAST_ROWS`: `on` (the default; also
-    /// `1`); `0` or `off`.
-    pub last_rows: bool,
     /// How the GEMM tuner times cuBLASLt's candidates on first use; fixed when the backend
     /// opens, and part of the key of the choices kept on disk. `VITSCALE_GEMM_TUNE`:
     /// `sustained` (the default) or `quick` (`GemmTune`).
@@ -231,7 +223,6 @@ impl Default for CudaOptions {
             gemm_ring: GemmRing::Auto,
             wgrad_gemm: false,
             fold_keys: true,
-            last_rows: true,
             gemm_tune: GemmTune::Sustained,
         }
     }
@@ -263,7 +254,6 @@ impl CudaOptions {
             gemm_ring: choose(&get, GEMM_RING_ENV, GemmRing::Auto, &GemmRing::ALL.map(|r| (r.name(), r)))?,
             wgrad_gemm: choose(&get, WGRAD_GEMM_ENV, false, &ON_OFF)?,
             fold_keys: choose(&get, FOLD_KEYS_ENV, true, &ON_OFF)?,
-            last_rows: choose(&get, LAST_ROWS_ENV, true, &ON_OFF)?,
             gemm_tune: choose(&get, GEMM_TUNE_ENV, GemmTune::Sustained, &[("sustained", GemmTune::Sustained), ("quick", GemmTune::Quick)])?,
         })
     }
@@ -308,7 +298,6 @@ pub(super) struct Knobs {
     gemm_ring: AtomicU8,
     pub(super) wgrad_gemm: AtomicBool,
     pub(super) fold_keys: AtomicBool,
-    pub(super) last_rows: AtomicBool,
 }
 
 impl Knobs {
@@ -323,7 +312,6 @@ impl Knobs {
             gemm_cluster: AtomicBool::new(o.gemm_cluster),
             gemm_ring: AtomicU8::new(o.gemm_ring as u8),
             fold_keys: AtomicBool::new(o.fold_keys),
-            last_rows: AtomicBool::new(o.last_rows),
             wgrad_gemm: AtomicBool::new(o.wgrad_gemm),
         }
     }
@@ -449,17 +437,6 @@ impl Cuda {
     pub fn set_fold_keys(&self, on: bool) {
         self.knobs.fold_keys.store(on, Ordering::Relaxed);
     }
-
-    /// Whether the long-sequence wgmma forward leaves the last query row where N ≡ 1 (mod 64)
-    /// to warps of its own (`CudaOptions::last_rows`).
-    pub fn last_rows(&self) -> bool {
-        self.knobs.last_rows.load(Ordering::Relaxed)
-    }
-
-    /// Gives that row to warps of its own, or a 64-row tile in the query blocks.
-    pub fn set_last_rows(&self, on: bool) {
-        self.knobs.last_rows.store(on, Ordering::Relaxed);
-    }
 }
 
 #[cfg(test)]
@@ -474,7 +451,7 @@ mod tests {
     #[test]
     fn nothing_set_is_the_default() {
         assert_eq!(CudaOptions::from_vars(|_| None), Ok(CudaOptions::default()));
-        let empty = [ATTENTION_ENV, FUSED_GEMM_ENV, WGMMA_ATTENTION_ENV, WIDE_GEMM_ENV, GEMM_RING_ENV, WGRAD_GEMM_ENV, FOLD_KEYS_ENV, LAST_ROWS_ENV, GEMM_TUNE_ENV].map(|n| (n, " "));
+        let empty = [ATTENTION_ENV, FUSED_GEMM_ENV, WGMMA_ATTENTION_ENV, WIDE_GEMM_ENV, GEMM_RING_ENV, WGRAD_GEMM_ENV, FOLD_KEYS_ENV, GEMM_TUNE_ENV].map(|n| (n, " "));
         assert_eq!(CudaOptions::from_vars(vars(&empty)), Ok(CudaOptions::default()));
     }
 
@@ -499,7 +476,6 @@ mod tests {
             assert_eq!(o(&[(GEMM_CLUSTER_ENV, v)]).gemm_cluster, want, "{v}");
             assert_eq!(o(&[(WGRAD_GEMM_ENV, v)]).wgrad_gemm, want, "{v}");
             assert_eq!(o(&[(FOLD_KEYS_ENV, v)]).fold_keys, want, "{v}");
-            assert_eq!(o(&[(LAST_ROWS_ENV, v)]).last_rows, want, "{v}");
         }
         for (v, want) in [("auto", GemmRing::Auto), ("3", GemmRing::Three), ("4", GemmRing::Four)] {
             assert_eq!(o(&[(GEMM_RING_ENV, v)]).gemm_ring, want, "{v}");
@@ -522,7 +498,6 @@ mod tests {
         assert_eq!(err(WGRAD_GEMM_ENV, "yes"), "VITSCALE_WGRAD_GEMM=\"yes\": expected on, 1, 0 or off");
         assert_eq!(err(GEMM_RING_ENV, "5"), "VITSCALE_GEMM_RING=\"5\": expected auto, 3 or 4");
         assert_eq!(err(FOLD_KEYS_ENV, "yes"), "VITSCALE_FOLD_KEYS=\"yes\": expected on, 1, 0 or off");
-        assert_eq!(err(LAST_ROWS_ENV, "no"), "VITSCALE_LAST_ROWS=\"no\": expected on, 1, 0 or off");
         assert_eq!(err(GEMM_TUNE_ENV, "slow"), "VITSCALE_GEMM_TUNE=\"slow\": expected sustained or quick");
         // matching is exact after trimming
         assert!(CudaOptions::from_vars(vars(&[(ATTENTION_ENV, "Fused")])).is_err());
@@ -539,7 +514,7 @@ mod tests {
 
     #[test]
     fn knobs_start_from_the_options() {
-        let o = CudaOptions { attention: AttentionPath::FusedPipe, fused_gemm: (true, false), wgmma_attention: false, wide_gemm: (WideTiles::Always, WideTiles::Off), gemm_cluster: true, gemm_ring: GemmRing::Three, wgrad_gemm: true, fold_keys: false, last_rows: false, gemm_tune: GemmTune::Quick };
+        let o = CudaOptions { attention: AttentionPath::FusedPipe, fused_gemm: (true, false), wgmma_attention: false, wide_gemm: (WideTiles::Always, WideTiles::Off), gemm_cluster: true, gemm_ring: GemmRing::Three, wgrad_gemm: true, fold_keys: false, gemm_tune: GemmTune::Quick };
         let k = Knobs::new(&o);
         assert_eq!(AttentionPath::from_u8(k.attention.load(Ordering::Relaxed)), AttentionPath::FusedPipe);
         assert_eq!((k.fused_gemm.load(Ordering::Relaxed), k.fused_gemm_bwd.load(Ordering::Relaxed)), (true, false));
@@ -549,6 +524,5 @@ mod tests {
         assert_eq!(k.gemm_ring(), GemmRing::Three);
         assert!(k.wgrad_gemm.load(Ordering::Relaxed));
         assert!(!k.fold_keys.load(Ordering::Relaxed));
-        assert!(!k.last_rows.load(Ordering::Relaxed));
     }
 }

@@ -37,14 +37,6 @@
 // Output and saved state as flash_fwd_wg_d64: out (B, N, H·D) through each consumer's own Q
 // tile (stmatrix, then a TMA store), lse2 = m + log2(l) in base 2 with m the row maximum of
 // s·scale·log2(e).
-//
-// The last query row where N ≡ 1 (mod 64) (a class token over a patch grid whose side is a
-// multiple of 8: 257, 577, 1 025, 4 097 tokens): alone in its 64-row tile it would cost a
-// consumer warpgroup, at 257 and 577 tokens a whole block, a third or a quarter of the launch.
-// Instead the query blocks cover rows 0…N − 2, and before every G heads' query blocks comes one
-// block whose G warps each compute one of those heads' last row on the CUDA cores
-// (`fl_last_rows`); the query blocks then find the heads' K and V in L2. The host asks for it with
-// `last_g` = G = the block's warps (0: every row in the query blocks).
 #define FL_BN 128                           // keys per tile
 #define FL_ST 2                             // stages of the K, V ring
 #define FL_KV (FL_BN * 128)                 // one K or V tile (128 rows of 128 bytes)
@@ -226,23 +218,19 @@ __device__ __forceinline__ void fl_step(int j, float (&s)[64], float (&o)[32], f
     fl_pack_p<16>(pa, s);
 }
 
-// Grid: 1-D over the work items of `fl_fwd_long_item` (⌈nq / 64·CW⌉ query blocks a head, and
-// with last_g one `fl_last_rows` block every last_g heads), 128·(CW + 1) threads, FL_SMEM(CW, D)
-// bytes of dynamic shared memory:
+// Grid (⌈N / 64·CW⌉, B·H), 128·(CW + 1) threads, FL_SMEM(CW, D) bytes of dynamic shared memory:
 // CW = 3 at D = 64, 2 at D = 80 (whose consumers hold 8 more accumulators and the fifth step's
 // descriptors: 160 registers, all that three consumers can have, made ptxas serialize the
 // wgmmas; two get 240). Tensor maps
 // (`tensor_map_3d`, 64-column boxes, 128-byte swizzle): tm_kv over qkv (B, N, 3·H·D) with
 // 128-row boxes, tm_q the same with 64-row boxes, tm_out over out (B, N, H·D) with 64-row boxes;
 // at D = 80 tm_kvt and tm_qt as tm_kv and tm_q with 16-column boxes and the 32-byte swizzle
-// (`tensor_map_3d_cols16`; not read at D = 64); qkv and out also as plain pointers (the last
-// rows, and out's columns 64…79 at D = 80).
-// The query block's body for CW consumer warpgroups (64·CW queries per block; the producer's
-// registers go to the consumers: 24 against 160 at CW = 3, 240 at CW = 2): queries 64·CW·qb…
-// of head bh, below nq (N, or N − 1 where the last row goes to `fl_last_rows`).
+// (`tensor_map_3d_cols16`; not read at D = 64).
+// The kernel body for CW consumer warpgroups (64·CW queries per block; the producer's
+// registers go to the consumers: 24 against 160 at CW = 3, 240 at CW = 2).
 template <int CW, int D>
 __device__ __forceinline__ void fl_fwd_long(const HgTmap& tm_kv, const HgTmap& tm_q, const HgTmap& tm_out, const HgTmap& tm_kvt, const HgTmap& tm_qt,
-                                            bf16* __restrict__ out, float* __restrict__ lse2, int n, int nq, int h, int qb, int bh, float scale_log2) {
+                                            bf16* __restrict__ out, float* __restrict__ lse2, int n, int h, float scale_log2) {
     static_assert(D == 64 || D == 80, "head dims 64 and 80");
     extern __shared__ unsigned char fl_raw[];
     const unsigned sbase = (smem_u32(fl_raw) + 1023u) & ~1023u;  // swizzled tiles start 1024-byte aligned
@@ -252,9 +240,9 @@ __device__ __forceinline__ void fl_fwd_long(const HgTmap& tm_kv, const HgTmap& t
     const unsigned qfull = svt + (D > 64 ? FL_ST * FL_KVT : 0);
     const unsigned kfull0 = qfull + 8, vfull0 = kfull0 + 8 * FL_ST, empty0 = vfull0 + 8 * FL_ST;
     const int tid = threadIdx.x, wg = tid >> 7;
-    const int bi = bh / h, hi = bh - bi * h;
-    const int q0 = qb * 64 * CW;
-    const int nwg = min(CW, (nq - q0 + 63) / 64);  // consumer warpgroups with queries < nq
+    const int bh = blockIdx.y, bi = bh / h, hi = bh - bi * h;
+    const int q0 = blockIdx.x * 64 * CW;
+    const int nwg = min(CW, (n - q0 + 63) / 64);  // consumer warpgroups with queries < n
     // tile 0: keys 0…first − 1 (the ragged part, or 128); tile j ≥ 1: 128 keys from
     // first + 128(j − 1)
     const int first = n % FL_BN ? n % FL_BN : FL_BN, nkt = 1 + (n - first) / FL_BN;
@@ -297,7 +285,7 @@ __device__ __forceinline__ void fl_fwd_long(const HgTmap& tm_kv, const HgTmap& t
     if constexpr (CW == 3) asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n" ::: "memory");
     else asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
     const int cw = wg - 1;  // consumer cw: queries q0 + 64·cw…
-    if (cw >= nwg) return;  // in the last block, 64 queries that are all ≥ nq
+    if (cw >= nwg) return;  // in the last block, 64 queries that are all ≥ n
     const int ltid = tid & 127, wi = ltid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const FlTiles tl = {sq + cw * 64 * 128, sk, sv, sqt + cw * 64 * 32, skt, svt};
 
@@ -364,112 +352,10 @@ __device__ __forceinline__ void fl_fwd_long(const HgTmap& tm_kv, const HgTmap& t
     }
 }
 
-// One warp a head, heads bh0… (at most the block's warps, below bhs): row N − 1's attention
-// over all N keys with an online softmax in chunks of 32 keys. Each lane scores one key of the
-// chunk (its K row in 16-byte loads against q·scale·log2(e) in shared memory); for P·V each lane
-// owns column pairs (lane, lane + 32 where D / 2 > 32) of V's rows, coalesced. A chunk's V
-// pairs are all loaded before its scores are formed, and the next chunk's K rows before its
-// softmax, so that each chunk waits for memory about once (loads left behind the shuffles of P
-// would each wait in turn). f32 throughout; out and lse2 as the query blocks write them.
-template <int D>
-__device__ __forceinline__ void fl_last_rows(const bf16* __restrict__ qkv, bf16* __restrict__ out, float* __restrict__ lse2,
-                                             int n, int h, int bhs, int bh0, float scale_log2, float* qs_all) {
-    constexpr int NP = D / 2, PL = (NP + 31) / 32;  // column pairs of a row, and a lane's share
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, bh = bh0 + warp;
-    if (bh >= bhs) return;  // (no block-wide barrier follows)
-    const int bi = bh / h, hi = bh - bi * h;
-    const i64 c = (i64)h * D, rs = 3 * c;  // qkv's row stride
-    const bf16* rows = qkv + (i64)bi * n * rs;
-    const bf16* k = rows + (h + hi) * D;
-    const bf16* v = rows + (2 * h + hi) * D;
-    float* qs = qs_all + warp * D;
-    for (int e = lane; e < D; e += 32) qs[e] = bf2f(rows[(i64)(n - 1) * rs + hi * D + e]) * scale_log2;
-    __syncwarp();
-    // K row j0 + lane of a chunk (zeros past N)
-    auto load_k = [&](int j0, uint4 (&kv)[D / 8]) {
-        const int j = j0 + lane;
-        #pragma unroll
-        for (int ch = 0; ch < D / 8; ch++) kv[ch] = j < n ? ((const uint4*)(k + (i64)j * rs))[ch] : make_uint4(0u, 0u, 0u, 0u);
-    };
-    float m = -INFINITY, l = 0.f, acc[2 * PL];
-    #pragma unroll
-    for (int u = 0; u < 2 * PL; u++) acc[u] = 0.f;
-    uint4 kv[D / 8];
-    load_k(0, kv);
-    for (int j0 = 0; j0 < n; j0 += 32) {
-        // this lane's pairs of the chunk's V rows (zeros past N: their P is 0)
-        unsigned vw[32][PL];
-        #pragma unroll
-        for (int jj = 0; jj < 32; jj++) {
-            const unsigned* vr = (const unsigned*)(v + (i64)(j0 + jj) * rs);
-            #pragma unroll
-            for (int u = 0; u < PL; u++) vw[jj][u] = j0 + jj < n && lane + 32 * u < NP ? vr[lane + 32 * u] : 0u;
-        }
-        float s = 0.f;
-        #pragma unroll
-        for (int ch = 0; ch < D / 8; ch++) {
-            const unsigned w[4] = {kv[ch].x, kv[ch].y, kv[ch].z, kv[ch].w};
-            #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                s = fmaf(qs[8 * ch + 2 * i], lo16(w[i]), s);
-                s = fmaf(qs[8 * ch + 2 * i + 1], hi16(w[i]), s);
-            }
-        }
-        if (j0 + lane >= n) s = -INFINITY;
-        if (j0 + 32 < n) load_k(j0 + 32, kv);
-        // chunk 0 holds key 0, so the new maximum is finite and the first rescale multiplies zeros
-        const float mn = fmaxf(m, warp_max(s)), alpha = exp2f(m - mn), p = exp2f(s - mn);
-        m = mn;
-        l = fmaf(l, alpha, p);  // this lane's keys' share; summed over the warp at the end
-        #pragma unroll
-        for (int u = 0; u < 2 * PL; u++) acc[u] *= alpha;
-        #pragma unroll
-        for (int jj = 0; jj < 32; jj++) {
-            const float pj = __shfl_sync(0xffffffffu, p, jj);
-            #pragma unroll
-            for (int u = 0; u < PL; u++) {
-                acc[2 * u] = fmaf(pj, lo16(vw[jj][u]), acc[2 * u]);
-                acc[2 * u + 1] = fmaf(pj, hi16(vw[jj][u]), acc[2 * u + 1]);
-            }
-        }
-    }
-    l = warp_sum(l);
-    const float il = 1.f / l;
-    unsigned* o = (unsigned*)(out + ((i64)bi * n + n - 1) * c + hi * D);
-    #pragma unroll
-    for (int u = 0; u < PL; u++)
-        if (lane + 32 * u < NP) o[lane + 32 * u] = pk16(acc[2 * u] * il, acc[2 * u + 1] * il);
-    if (lane == 0) lse2[(i64)bh * n + n - 1] = m + __log2f(l);
+extern "C" __global__ void __launch_bounds__(512, 1) flash_fwd_wg_long_d64(const __grid_constant__ HgTmap tm_kv, const __grid_constant__ HgTmap tm_q, const __grid_constant__ HgTmap tm_out, float* __restrict__ lse2, int n, int h, float scale_log2) {
+    fl_fwd_long<3, 64>(tm_kv, tm_q, tm_out, tm_kv, tm_q, nullptr, lse2, n, h, scale_log2);
 }
 
-// The work of block blockIdx.x (1-D grid): with last_g = G > 0, groups of G heads, each one
-// `fl_last_rows` block and then its heads' query blocks (nqb a head, rows 0…N − 2); with 0,
-// the query blocks of every head in turn (nqb a head, all N rows). The last rows go first: one
-// warp walks all N keys, for long sequences longer than a query block takes, and started first
-// it runs beside its group's query blocks instead of after the launch's last one.
-template <int CW, int D>
-__device__ __forceinline__ void fl_fwd_long_item(const HgTmap& tm_kv, const HgTmap& tm_q, const HgTmap& tm_out, const HgTmap& tm_kvt, const HgTmap& tm_qt,
-                                                 const bf16* __restrict__ qkv, bf16* __restrict__ out, float* __restrict__ lse2,
-                                                 int n, int h, int bhs, int last_g, float scale_log2) {
-    const int nq = last_g ? n - 1 : n, nqb = (nq + 64 * CW - 1) / (64 * CW), x = blockIdx.x;
-    if (!last_g) {
-        fl_fwd_long<CW, D>(tm_kv, tm_q, tm_out, tm_kvt, tm_qt, out, lse2, n, nq, h, x % nqb, x / nqb, scale_log2);
-        return;
-    }
-    const int per = last_g * nqb + 1, grp = x / per, r = x - grp * per - 1;
-    if (r < 0) {
-        extern __shared__ unsigned char fl_raw[];
-        fl_last_rows<D>(qkv, out, lse2, n, h, bhs, grp * last_g, scale_log2, (float*)fl_raw);
-        return;
-    }
-    const int bh = grp * last_g + r / nqb;
-    if (bh < bhs) fl_fwd_long<CW, D>(tm_kv, tm_q, tm_out, tm_kvt, tm_qt, out, lse2, n, nq, h, r % nqb, bh, scale_log2);
-}
-
-extern "C" __global__ void __launch_bounds__(512, 1) flash_fwd_wg_long_d64(const __grid_constant__ HgTmap tm_kv, const __grid_constant__ HgTmap tm_q, const __grid_constant__ HgTmap tm_out, const bf16* __restrict__ qkv, bf16* __restrict__ out, float* __restrict__ lse2, int n, int h, int bhs, int last_g, float scale_log2) {
-    fl_fwd_long_item<3, 64>(tm_kv, tm_q, tm_out, tm_kv, tm_q, qkv, out, lse2, n, h, bhs, last_g, scale_log2);
-}
-
-extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_wg_long_d80(const __grid_constant__ HgTmap tm_kv, const __grid_constant__ HgTmap tm_q, const __grid_constant__ HgTmap tm_out, const __grid_constant__ HgTmap tm_kvt, const __grid_constant__ HgTmap tm_qt, const bf16* __restrict__ qkv, bf16* __restrict__ out, float* __restrict__ lse2, int n, int h, int bhs, int last_g, float scale_log2) {
-    fl_fwd_long_item<2, 80>(tm_kv, tm_q, tm_out, tm_kvt, tm_qt, qkv, out, lse2, n, h, bhs, last_g, scale_log2);
+extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_wg_long_d80(const __grid_constant__ HgTmap tm_kv, const __grid_constant__ HgTmap tm_q, const __grid_constant__ HgTmap tm_out, const __grid_constant__ HgTmap tm_kvt, const __grid_constant__ HgTmap tm_qt, bf16* __restrict__ out, float* __restrict__ lse2, int n, int h, float scale_log2) {
+    fl_fwd_long<2, 80>(tm_kv, tm_q, tm_out, tm_kvt, tm_qt, out, lse2, n, h, scale_log2);
 }
