@@ -4,7 +4,8 @@
 # ViT-S/16 and ViT-B/16 at 224 px, micro 256, trained from the folder with data.decode cpu
 # (all cores) and gpu (few loader threads) against the same model on synthetic data, and the
 # peer (PEERS/peer_realdata.py: torchvision + timm ViT-B/16 from the folder). Each run's img/s is the
-# median of its metrics windows after the first two; data_s is its time waiting for data.
+# median of its metrics windows after the first two; data_s is its time waiting for data; the
+# phases are those windows' device-timed milliseconds a step.
 #   scripts/gpu_decode.sh BIN OUT PEERS_DIR [MODELS] [STEPS]
 # MODES (default "synthetic cpu16 gpu4 gpu2") picks the runs per model (gpu4h: gpu4 with nvJPEG's
 # GPU-assisted Huffman decoder for the batched call, VITSCALE_NVJPEG_BATCHED=gpu_hybrid;
@@ -37,7 +38,10 @@ rows = [r for r in rows if "images_per_s" in r][2:]
 if not rows: print("n/a"); sys.exit()
 ips = statistics.median(r["images_per_s"] for r in rows)
 data = statistics.median(r["data_s"] / max(r["train_s"], 1e-9) for r in rows)
-print(f"{ips:.0f} img/s, data wait {100 * data:.0f} % of the step")
+# the device-timed phases per step (docs/lab.md): where a decode's cost lands
+steps = sum(r["steps"] for r in rows)
+ms = {k: 1e3 * sum(r.get(k + "_s", 0.0) for r in rows) / steps for k in ("data", "forward", "backward", "optimizer")}
+print(f"{ips:.0f} img/s, data wait {100 * data:.0f} % of the step; ms a step: " + ", ".join(f"{k} {v:.2f}" for k, v in ms.items()))
 PY
 }
 for model in $MODELS; do
