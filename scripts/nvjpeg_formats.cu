@@ -9,7 +9,7 @@
 #include <cuda_bf16.h>
 #include <cublas_v2.h>
 #include <nvjpeg.h>
-#include <dirent.h>
+#include "jpeg_files.h"
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,24 +30,9 @@ int main(int argc, char **argv) {
   const char *dir = argv[1];
   int B = atoi(argv[2]);
   bool only_alone = getenv("ONLY_ALONE") != nullptr;
-  std::vector<std::string> files;
-  DIR *d = opendir(dir);
-  if (!d) { printf("cannot open %s\n", dir); return 1; }
-  struct dirent *e;
-  while ((e = readdir(d))) if (strstr(e->d_name, ".jpg")) files.push_back(std::string(dir) + "/" + e->d_name);
-  closedir(d);
-  std::sort(files.begin(), files.end());
-  if ((int)files.size() < B) { printf("only %zu files\n", files.size()); return 1; }
-  files.resize(B);
-  std::vector<unsigned char *> data(B);
-  std::vector<size_t> lens(B);
-  for (int i = 0; i < B; i++) {
-    FILE *f = fopen(files[i].c_str(), "rb");
-    fseek(f, 0, SEEK_END); lens[i] = ftell(f); fseek(f, 0, SEEK_SET);
-    CK(cudaMallocHost(&data[i], lens[i]));
-    if (fread(data[i], 1, lens[i], f) != lens[i]) { printf("cannot read %s\n", files[i].c_str()); return 1; }
-    fclose(f);
-  }
+  std::vector<unsigned char *> data;
+  std::vector<size_t> lens;
+  if (!read_jpegs(dir, B, data, lens)) return 1;
   int lo, hi;
   CK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
   cudaStream_t A, S;
