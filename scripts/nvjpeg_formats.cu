@@ -13,7 +13,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <string>
 #include <vector>
 #include <algorithm>
 #include <chrono>
@@ -39,7 +38,7 @@ int main(int argc, char **argv) {
   CK(cudaStreamCreateWithFlags(&A, cudaStreamNonBlocking));
   CK(cudaStreamCreateWithPriority(&S, cudaStreamNonBlocking, hi));
 
-  // the work beside the decode: bf16 products of 4096 × 4096 × 2048, about 20 ms of them
+  // the work beside the decode: bf16 products of 4096 × 4096 × 2048, about 7 ms of them on an H100
   const int M = 4096, N = 4096, K = 2048, REPS = 80;
   cublasHandle_t cb; CB(cublasCreate(&cb)); CB(cublasSetStream(cb, A));
   __nv_bfloat16 *ga, *gb, *gc;
