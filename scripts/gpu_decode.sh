@@ -15,7 +15,9 @@
 # ending in lo, e.g. gpu2lo, runs the decode stream at normal priority, VITSCALE_DECODE_PRIORITY;
 # one ending in roi, e.g. gpu2roi, decodes only the crops' windows, VITSCALE_NVJPEG_ROI=on; one
 # ending in c and two digits, e.g. gpu2c35, has the loader threads decode that share of the
-# JPEGs on the CPU, data.decode_cpu_share=0.35), SECS
+# JPEGs on the CPU, data.decode_cpu_share=0.35; one ending in na, e.g. gpu2na, decodes each
+# batch only when it is staged instead of the batch after next ahead, VITSCALE_DECODE_AHEAD=off;
+# a mode may repeat, each run has a folder run-MODEL-MODE-K of its own), SECS
 # (2) the seconds per bench point, PEER=0 skips the peer, DATA_BENCH=0 skips `bench --data`.
 BIN=$1; O=$2; P=$3; MODELS=${4:-"vit_small_patch16_224 vit_base_patch16_224"}; STEPS=${5:-60}
 export PYTHONUNBUFFERED=1
@@ -47,7 +49,9 @@ PY
 for model in $MODELS; do
   common=(--device cuda --json --set model.preset=$model --set model.num_classes=100 --set train_micro_batch_size_per_gpu=256
           --set train.steps=$STEPS --set train.log_every=5 --set bf16.enabled=true --set train.eval_every=0)
+  k=0
   for mode in ${MODES:-synthetic cpu16 gpu4 gpu2}; do
+    k=$((k + 1))
     # a mode is a base run (synthetic, cpu16, gpu4, gpu2, gpu4h) with an optional source
     # (shards_) and queue count (…8 / …q8) around it
     envs=(VITSCALE_NVJPEG_BATCHED=hardware)
@@ -55,6 +59,7 @@ for model in $MODELS; do
     base=$mode
     share=()
     case $base in *c[0-9][0-9]) share=(--set data.decode_cpu_share=0.${base##*c}); base=${base%c[0-9][0-9]} ;; esac
+    case $base in *na) envs+=(VITSCALE_DECODE_AHEAD=off); base=${base%na} ;; esac
     case $base in *lo) envs+=(VITSCALE_DECODE_PRIORITY=normal); base=${base%lo} ;; esac
     case $base in *roi) envs+=(VITSCALE_NVJPEG_ROI=on); base=${base%roi} ;; esac
     case $base in synthetic8|*q8) envs+=(CUDA_DEVICE_MAX_CONNECTIONS=8); base=${base%8}; base=${base%q} ;; esac
@@ -67,11 +72,12 @@ for model in $MODELS; do
              envs=(VITSCALE_NVJPEG_BATCHED=gpu_hybrid) ;;
       *) echo "unknown mode $mode"; continue ;;
     esac
-    rm -rf "$O/run-$model-$mode"
-    env "${envs[@]}" timeout 150 "$BIN" train "${common[@]}" "${extra[@]}" --run-dir "$O/run-$model-$mode" > "$O/train-$model-$mode.log" 2>&1
+    run=$model-$mode-$k
+    rm -rf "$O/run-$run"
+    env "${envs[@]}" timeout 150 "$BIN" train "${common[@]}" "${extra[@]}" --run-dir "$O/run-$run" > "$O/train-$run.log" 2>&1
     rc=$?
-    echo "$model $mode rc $rc ($((SECONDS - t0)) s): $(median "$O/run-$model-$mode/metrics.jsonl" 2>/dev/null) | $(tail -1 "$O/train-$model-$mode.log" | cut -c1-160)"
-    [ $rc -ne 0 ] && grep -iE "error|panick" "$O/train-$model-$mode.log" | head -3
+    echo "$model $mode rc $rc ($((SECONDS - t0)) s): $(median "$O/run-$run/metrics.jsonl" 2>/dev/null) | $(tail -1 "$O/train-$run.log" | cut -c1-160)"
+    [ $rc -ne 0 ] && grep -iE "error|panick" "$O/train-$run.log" | head -3
   done
 done
 # the peer trains ViT-B/16 (15 loader workers)

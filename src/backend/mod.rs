@@ -196,6 +196,19 @@ pub trait Backend: Send + Sync {
             range.len()
         )))
     }
+    /// Starts decoding images `range` of an encoded batch that is staged after the next one,
+    /// so that the decode has a whole step to run beside the device's work; `decode_input` of
+    /// the same images then only finishes it. Any other `decode_input` in between drops it
+    /// (the batch is then decoded in full when it is staged). A backend that decodes nothing
+    /// ahead ignores it.
+    fn decode_ahead(&self, _batch: &crate::core::encoded::EncodedBatch, _range: std::ops::Range<usize>) -> BResult<()> {
+        Ok(())
+    }
+    /// Whether `decode_ahead` does anything: the trainer then takes one micro-batch more from
+    /// the loader ahead of the step.
+    fn decodes_ahead(&self) -> BResult<bool> {
+        Ok(false)
+    }
     /// Times each later `upload_input` copy on the device where it runs (a GPU's copy stream),
     /// for traces; off by default (the timing events cost a little per copy).
     fn time_input_copies(&self, _on: bool) -> BResult<()> {

@@ -14,6 +14,11 @@
 //! inside a window should be those of the whole image; the crop's taps are computed from the
 //! window's origin, an f32 rounding step apart), and the path must have run.
 //!
+//! Each JPEG batch decoded ahead (`Backend::decode_ahead`) as the trainer does it, the batch
+//! after next started before the next one is staged: bit for bit the batch decoded when
+//! staged, and a batch started ahead but then not the one staged (other images, another range)
+//! is dropped and the staged batch decoded whole.
+//!
 //! And each JPEG batch once more as the loader hands it over with `data.decode_cpu_share`:
 //! every other photograph decoded on the CPU (its crop's window, at a reduced DCT scale where
 //! that applies) and sent as RGB beside the JPEGs. Those must match the CPU's resampling of the
@@ -128,6 +133,7 @@ pub fn decode_checks(be: &crate::backend::cuda::Cuda, seed: u64) -> BResult<Vec<
             checks.push(Check { name, rel_err: err, tol, pass: avg.is_finite() && avg <= tol_mean && max <= tol_max });
             if jpeg {
                 checks.push(cpu_share_check(be, &batch, &got, &sources, filter)?);
+                checks.push(ahead_check(be, &batch, &got)?);
             }
             if jpeg && engines > 0 {
                 // the same batch with only the crops' windows decoded on the engines
@@ -180,4 +186,43 @@ fn cpu_share_check(be: &crate::backend::cuda::Cuda, batch: &EncodedBatch, whole:
     let f = if batch.bicubic { "bicubic" } else { "bilinear" };
     let name = format!("GPU decode, every other JPEG decoded by the loader (data.decode_cpu_share): {count} photographs → {side} px {f}: mean |Δ| {avg:.4}, max {max:.3} levels");
     Ok(Check { name, rel_err: max, tol: 0.05, pass: avg.is_finite() && max <= 0.05 })
+}
+
+/// The JPEG `batch` (whose plain device decode gave `whole`) decoded ahead, in the trainer's
+/// order: the reversed batch is staged plainly while `batch` starts ahead; `batch` is then
+/// staged (only its last pass left), and must equal `whole` bit for bit. Then a start ahead of
+/// images 1.. is followed by the staging of all of them, which must drop it and still give
+/// `whole`. The decoder's count of batches finished from a start ahead must grow by one.
+fn ahead_check(be: &crate::backend::cuda::Cuda, batch: &EncodedBatch, whole: &[f32]) -> BResult<Check> {
+    let (side, count) = (batch.side, batch.len());
+    let per = 3 * side * side;
+    let mut reversed = batch.clone();
+    reversed.images.reverse();
+    let before = be.jpeg_decoded_ahead();
+    let (mut first, mut second, mut third) = (be.alloc_f32(count * per)?, be.alloc_f32(count * per)?, be.alloc_f32(count * per)?);
+    for buf in [&mut first, &mut second, &mut third] {
+        be.fill(buf, f32::NAN)?;
+    }
+    be.decode_input(&mut first, &reversed, 0..count)?;
+    be.decode_ahead(batch, 0..count)?;
+    be.decode_input(&mut second, batch, 0..count)?;
+    let used = be.jpeg_decoded_ahead() - before;
+    be.decode_ahead(batch, 1..count)?;
+    be.decode_input(&mut third, batch, 0..count)?;
+    be.synchronize()?;
+    let unused = be.jpeg_decoded_ahead() - before - used;
+    let (first, second, third) = (be.download(&first)?, be.download(&second)?, be.download(&third)?);
+    // the reversed batch's images, put back in order, are the whole batch's
+    let mut reordered = vec![0f32; count * per];
+    for k in 0..count {
+        reordered[k * per..(k + 1) * per].copy_from_slice(&first[(count - 1 - k) * per..(count - k) * per]);
+    }
+    let (_, max_reversed) = level_diff(&reordered, whole, batch.std, side);
+    let (_, max_ahead) = level_diff(&second, whole, batch.std, side);
+    let (_, max_dropped) = level_diff(&third, whole, batch.std, side);
+    let name = format!(
+        "GPU decode ahead: {count} photographs → {side} px, finished from its start ahead (used {used}), a start ahead of other images dropped (used {unused}): max |Δ| vs the plain decode {max_ahead:.3} and {max_dropped:.3} levels, reversed batch {max_reversed:.3}"
+    );
+    let worst = max_ahead.max(max_dropped).max(max_reversed);
+    Ok(Check { name, rel_err: worst, tol: 0.0, pass: worst == 0.0 && used == 1 && unused == 0 })
 }

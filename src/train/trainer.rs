@@ -158,11 +158,14 @@ impl Gradients {
     }
 }
 
-/// This rank's stream of micro-batches: the loader, and the next micro-batch taken while the
-/// device still runs the current backward (its first pass possibly already on the device).
+/// This rank's stream of micro-batches: the loader, the next micro-batch taken while the
+/// device still runs the current backward (its first pass possibly already on the device), and
+/// where the backend decodes ahead (`Backend::decodes_ahead`), the one after it, whose first
+/// pass is already being decoded.
 struct Feed {
     loader: Loader,
     ahead: Option<Prepared>,
+    decoding: Option<Prepared>,
     first_pass_staged: bool,
     num_classes: usize,
     label_smoothing: f32,
@@ -209,8 +212,12 @@ impl Feed {
         Ok(())
     }
 
-    /// Blocks on the loader: the host's data wait (on the device timeline, part of `Data`).
+    /// The micro-batch being decoded ahead, else the loader's next (blocking on it: the host's
+    /// data wait, on the device timeline part of `Data`).
     fn wait_for_batch<B: Backend>(&mut self, st: &mut Step<B>, (step, m): (u64, usize)) -> Result<Prepared, TrainError> {
+        if let Some(p) = self.decoding.take() {
+            return Ok(p);
+        }
         let t_wait = Instant::now();
         let next = self.loader.next();
         if let Some(tr) = st.trace.as_mut() {
@@ -227,9 +234,17 @@ impl Feed {
     /// optimizer is done instead of waiting for the host to convert and copy. The backward
     /// never reads the staged inputs; a pass never grows past the current one's last pass, so
     /// staging allocates nothing.
+    /// Where the backend decodes ahead, the micro-batch after that one is taken too and its
+    /// first pass starts decoding (the one taken before is handed out first, so the batches
+    /// keep the loader's order).
     fn take_ahead<B: Backend>(&mut self, be: &B, st: &mut Step<B>, current_images: usize) -> Result<(), TrainError> {
-        let Some(next) = self.loader.next() else { return Ok(()) };
-        let next = next?;
+        let next = match self.decoding.take() {
+            Some(p) => p,
+            None => match self.loader.next() {
+                Some(p) => p?,
+                None => return Ok(()),
+            },
+        };
         let widest_pass = st.plan.passes(current_images).last().map_or(0, |p| p.1);
         if next.batch.len().min(st.plan.pass_images) <= widest_pass {
             let (k, smoothing) = (self.num_classes, self.label_smoothing);
@@ -242,6 +257,19 @@ impl Feed {
                 tr.span(Track::Data, what, t_stage, Instant::now(), serde_json::Map::new());
             }
             self.first_pass_staged = true;
+        }
+        if next.batch.encoded.is_some() && be.decodes_ahead()? {
+            if let Some(after) = self.loader.next() {
+                let after = after?;
+                if let Some(enc) = after.batch.encoded.as_ref() {
+                    let t_decode = Instant::now();
+                    be.decode_ahead(enc, 0..after.batch.len().min(st.plan.pass_images))?;
+                    if let Some(tr) = st.trace.as_mut() {
+                        tr.span(Track::Data, "decode the batch after next (device)", t_decode, Instant::now(), serde_json::Map::new());
+                    }
+                }
+                self.decoding = Some(after);
+            }
         }
         st.mark(be, Phase::Data)?;
         self.ahead = Some(next);
@@ -586,7 +614,7 @@ impl<'r, B: Backend> Trainer<'r, B> {
             },
             bal.schedule.clone(),
         )?;
-        let feed = Feed { loader, ahead: None, first_pass_staged: false, num_classes: cfg.model.num_classes, label_smoothing: cfg.train.label_smoothing };
+        let feed = Feed { loader, ahead: None, decoding: None, first_pass_staged: false, num_classes: cfg.model.num_classes, label_smoothing: cfg.train.label_smoothing };
         Ok(Trainer {
             be,
             cfg,

@@ -23,11 +23,19 @@
 //! kernel waits for the event that says the previous forward has read the input buffer, and
 //! the compute stream waits for the decode only where it first reads the input (`patchify`)
 //! or synchronizes (`order_decoded_input`), so the step still queued ahead of it runs on. The
-//! calling thread only lays the batch out and copies it into one of two pinned arenas (a
-//! pageable source would make each copy wait for the stream; an arena is refilled only after
-//! the decode that read it); the nvJPEG calls and the launches are made by a thread of their
-//! own (`DecodeThread`), because nvJPEG's batched hardware call holds its thread while the
-//! engines decode, and the training thread must go on launching the step meanwhile. The
+//! calling thread only lays the batch out and copies it into a pinned arena (a pageable source
+//! would make each copy wait for the stream; an arena is refilled only after the decode that
+//! read it); the nvJPEG calls and the launches are made by a thread of their own
+//! (`DecodeThread`), because nvJPEG's batched hardware call holds its thread while the
+//! engines decode, and the training thread must go on launching the step meanwhile.
+//!
+//! Two slots of buffers (arena, decoded pixels, resampled rows, taps, table) are used in turn,
+//! so the trainer can start the batch after next (`decode_ahead`, DALI's prefetch depth of 2):
+//! its thread enqueues everything up to the last pass, the one that writes the model's input,
+//! and `decode_input` of the same images enqueues only that pass, from the caller's thread.
+//! nvJPEG's call, whose time varies from batch to batch, then has a whole step to finish, and
+//! the training thread no longer waits for it before launching the forward that reads the
+//! batch. `VITSCALE_DECODE_AHEAD=off` decodes each batch only when it is staged. The
 //! process asks for 32 hardware queues (`libs::request_hardware_queues`): with the driver's
 //! default 8, nvJPEG's streams share the compute stream's queue and each batched call also
 //! waits for the whole queued step.
@@ -443,6 +451,31 @@ impl ImageJob {
     }
 }
 
+/// The buffers one batch's decode uses, from its bitstreams to its last pass.
+struct Slot {
+    /// The batch's table and bitstreams in pinned memory.
+    arena: Arena,
+    /// Decoded RGB8 images, one after another (bytes; allocated as bf16 words).
+    pixels: Option<CudaBuf>,
+    /// Recorded after the kernel that last read `pixels`. The hardware decoder writes its
+    /// output while it is called, not in the order of the stream it is given, so a batched
+    /// call first waits for this on the host: the resampling of the batch that used the slot
+    /// before may still be queued behind other work.
+    pixels_read: Option<cudarc::driver::CudaEvent>,
+    /// The horizontal pass's f32 rows.
+    tmp: Option<CudaBuf>,
+    /// The images' filter taps (`resample_taps`).
+    taps: Option<CudaBuf>,
+    /// The batch's `ImageJob`s (bytes; allocated as f32 words).
+    jobs: Option<CudaBuf>,
+}
+
+impl Slot {
+    fn new() -> Slot {
+        Slot { arena: Arena { ptr: std::ptr::null_mut(), bytes: 0, done: None }, pixels: None, pixels_read: None, tmp: None, taps: None, jobs: None }
+    }
+}
+
 /// The decoders and the device buffers they reuse from batch to batch.
 pub(super) struct JpegDecoder {
     api: Api,
@@ -452,24 +485,12 @@ pub(super) struct JpegDecoder {
     batched_for: usize,
     /// Whether the hardware decoder's memory pool was set up (`nvjpegDecodeBatchedPreAllocate`).
     pooled: bool,
-    /// Decoded RGB8 images, one after another (bytes; allocated as bf16 words).
-    pixels: Option<CudaBuf>,
-    /// Recorded after the kernel that last read `pixels`. The hardware decoder writes its
-    /// output while it is called, not in the order of the stream it is given, so a batched
-    /// call first waits for this on the host: the previous batch's resampling may still be
-    /// queued behind other work.
-    pixels_read: Option<cudarc::driver::CudaEvent>,
-    /// The horizontal pass's f32 rows.
-    tmp: Option<CudaBuf>,
-    /// The images' filter taps (`resample_taps`).
-    taps: Option<CudaBuf>,
-    /// The batch's `ImageJob`s (bytes; allocated as f32 words).
-    jobs: Option<CudaBuf>,
     /// The decode stream (highest priority unless `VITSCALE_DECODE_PRIORITY=normal`).
     stream: Arc<CudaStream>,
-    /// Two pinned arenas used in turn.
-    arenas: [Arena; 2],
-    next_arena: usize,
+    /// Two sets of buffers used in turn (`Slot`), so that one batch is decoded while the one
+    /// before it still waits for its last pass.
+    slots: [Slot; 2],
+    next_slot: usize,
     /// The hardware decoder's engines (0: none, hybrid only).
     pub engines: u32,
     /// Whether the engines decode only each crop's window (`VITSCALE_NVJPEG_ROI`); cleared
@@ -532,8 +553,7 @@ impl JpegDecoder {
             }
         }
         let windows = choose(&env, "VITSCALE_NVJPEG_ROI", false, &ON_OFF)?;
-        let arena = || Arena { ptr: std::ptr::null_mut(), bytes: 0, done: None };
-        Ok(JpegDecoder { api, hardware, hybrid, batched_for: 0, pooled: false, pixels: None, pixels_read: None, tmp: None, taps: None, jobs: None, stream, arenas: [arena(), arena()], next_arena: 0, engines, windows, params: Vec::new(), windowed_images: 0 })
+        Ok(JpegDecoder { api, hardware, hybrid, batched_for: 0, pooled: false, stream, slots: [Slot::new(), Slot::new()], next_slot: 0, engines, windows, params: Vec::new(), windowed_images: 0 })
     }
 }
 
@@ -554,10 +574,10 @@ fn ensure(be: &Cuda, stream: &CudaStream, slot: &mut Option<CudaBuf>, bytes: usi
 }
 
 /// What the decode thread needs for one batch, prepared by the caller: the table and the
-/// bitstreams are already in the pinned arena, the device buffers already sized.
+/// bitstreams are already in the pinned arena of slot `slot`, the device buffers already sized.
 struct Submission {
     arena_ptr: usize,
-    which: usize,
+    slot: usize,
     host_at: Vec<(usize, usize)>,
     jobs: Vec<ImageJob>,
     /// Each image's window to decode on the engines (`crop_window`), where one is worth it.
@@ -565,18 +585,50 @@ struct Submission {
     encodings: Vec<Encoding>,
     sources: Vec<String>,
     px: u64,
+    taps_kernel: cudarc::driver::CudaFunction,
+    rows_kernel: cudarc::driver::CudaFunction,
+    output: OutputPass,
+    /// The input buffer and its format, where the thread also enqueues the last pass; None for
+    /// a batch decoded ahead (`decode_ahead`), whose last pass waits for its staging.
+    dst: Option<(u64, i32)>,
+}
+
+/// The last pass of a batch's decode: the vertical resampling of the slot's rows into the
+/// model's input, normalized. It writes the input buffer, so it waits until the compute stream
+/// has read the previous batch from it.
+#[derive(Clone)]
+struct OutputPass {
+    images: usize,
     tmp: u64,
     taps: u64,
-    jobs_ptr: u64,
-    dst: u64,
-    dst_dt: i32,
+    jobs: u64,
     side: usize,
     bicubic: bool,
     mean: [f32; 3],
     std: [f32; 3],
-    taps_kernel: cudarc::driver::CudaFunction,
-    rows_kernel: cudarc::driver::CudaFunction,
-    cols_kernel: cudarc::driver::CudaFunction,
+    kernel: cudarc::driver::CudaFunction,
+}
+
+impl OutputPass {
+    /// Enqueues the pass on `stream` into `dst` (`dt`: its format), after the compute stream's
+    /// latest "inputs read" event; returns the event recorded after it.
+    fn enqueue(&self, ctx: &Arc<cudarc::driver::CudaContext>, stream: &CudaStream, inputs_read: &Mutex<Option<cudarc::driver::CudaEvent>>, (dst, dt): (u64, i32)) -> BResult<cudarc::driver::CudaEvent> {
+        let cu = stream.cu_stream();
+        // (the compute thread records a newer event only after it has settled this batch)
+        if let Some(ev) = inputs_read.lock().map_err(|_| BackendError::Device("decode_input: event lock poisoned".into()))?.as_ref() {
+            // SAFETY: a live event of this context; the wait is enqueued on the decode stream.
+            unsafe { cudarc::driver::result::stream::wait_event(cu, ev.cu_event(), cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+                .map_err(dev("cuStreamWaitEvent"))?;
+        }
+        let k: [f32; 3] = std::array::from_fn(|c| 1.0 / (255.0 * self.std[c]));
+        let o: [f32; 3] = std::array::from_fn(|c| self.mean[c] / self.std[c]);
+        let (tmp, jobs, taps, side, bicubic) = (self.tmp, self.jobs, self.taps, self.side as i32, i32::from(self.bicubic));
+        let grid = ((self.side * self.side).div_ceil(THREADS as usize).clamp(1, 1024) as u32, self.images as u32, 1);
+        launch(cu, &self.kernel, "resample_cols_norm", grid, &mut kargs![dst, dt, tmp, jobs, taps, side, bicubic, k[0], k[1], k[2], o[0], o[1], o[2]])?;
+        let ready = ctx.new_event(None).map_err(dev("cuEventCreate"))?;
+        ready.record(stream).map_err(dev("cuEventRecord"))?;
+        Ok(ready)
+    }
 }
 
 /// The decode thread's share of the backend: the decoder, the compute stream's "inputs read"
@@ -590,7 +642,7 @@ struct DecodeThread {
 /// The decoded batch's state: being enqueued by the decode thread, or enqueued with the event
 /// its last kernel recorded.
 pub(super) enum PendingDecode {
-    Running(std::thread::JoinHandle<BResult<cudarc::driver::CudaEvent>>),
+    Running(std::thread::JoinHandle<BResult<Option<cudarc::driver::CudaEvent>>>),
     Enqueued(cudarc::driver::CudaEvent),
 }
 
@@ -599,17 +651,61 @@ impl PendingDecode {
     pub(super) fn settle(self) -> BResult<cudarc::driver::CudaEvent> {
         match self {
             PendingDecode::Enqueued(ev) => Ok(ev),
-            PendingDecode::Running(h) => h.join().map_err(|_| BackendError::Device("the GPU decode thread panicked".into()))?,
+            PendingDecode::Running(h) => join(h)?.ok_or_else(|| BackendError::Device("the GPU decode thread enqueued no last pass".into())),
         }
+    }
+}
+
+/// The decode thread's result (a panic as an error).
+fn join(h: std::thread::JoinHandle<BResult<Option<cudarc::driver::CudaEvent>>>) -> BResult<Option<cudarc::driver::CudaEvent>> {
+    h.join().map_err(|_| BackendError::Device("the GPU decode thread panicked".into()))?
+}
+
+/// Which images a batch decoded ahead holds: each image's bytes (where they lie and how many),
+/// size, crop, flip and source, and the output's settings. The trainer keeps the batch alive
+/// from `decode_ahead` until it stages it, so no other batch's bytes can lie at the same
+/// addresses meanwhile.
+#[derive(PartialEq)]
+struct BatchKey {
+    images: Vec<(usize, usize, usize, usize, [u32; 4], bool, String)>,
+    side: usize,
+    bicubic: bool,
+    norm: [u32; 6],
+}
+
+impl BatchKey {
+    fn of(batch: &EncodedBatch, images: &[crate::core::encoded::EncodedImage]) -> BatchKey {
+        BatchKey {
+            images: images.iter().map(|m| (m.bytes.as_ptr() as usize, m.bytes.len(), m.width, m.height, m.crop.map(f32::to_bits), m.flip, m.source.clone())).collect(),
+            side: batch.side,
+            bicubic: batch.bicubic,
+            norm: [batch.mean[0], batch.mean[1], batch.mean[2], batch.std[0], batch.std[1], batch.std[2]].map(f32::to_bits),
+        }
+    }
+}
+
+/// A batch being decoded ahead (`Backend::decode_ahead`): which it is, its last pass, and the
+/// thread enqueuing everything before that pass.
+pub(super) struct AheadDecode {
+    key: BatchKey,
+    output: OutputPass,
+    thread: std::thread::JoinHandle<BResult<Option<cudarc::driver::CudaEvent>>>,
+}
+
+impl AheadDecode {
+    /// Waits for the thread; a batch dropped unused reports no error (it is decoded again if
+    /// it is staged later).
+    pub(super) fn discard(self) {
+        let _ = join(self.thread);
     }
 }
 
 impl DecodeThread {
     /// Enqueues one prepared batch on the decode stream: the decode (hardware, hybrid, CPU as
-    /// the module doc says), the copies of already-decoded images, then the two resampling
-    /// kernels, the second after the compute stream has read the previous inputs. Returns the
-    /// event recorded after the last kernel.
-    fn enqueue(self, sub: Submission) -> BResult<cudarc::driver::CudaEvent> {
+    /// the module doc says), the copies of already-decoded images, the table and the first two
+    /// resampling kernels, then, unless the batch is decoded ahead, the last pass. Returns the
+    /// event recorded after the last pass, if enqueued.
+    fn enqueue(self, sub: Submission) -> BResult<Option<cudarc::driver::CudaEvent>> {
         self.ctx.bind_to_thread().map_err(dev("the GPU decode thread"))?;
         let mut guard = self.jpeg.lock().map_err(|_| BackendError::Device("decode_input: decoder lock poisoned".into()))?;
         let dec = guard.as_mut().ok_or_else(|| BackendError::Device("the GPU image decoder is not open".into()))?;
@@ -617,8 +713,8 @@ impl DecodeThread {
         let cu = stream.cu_stream();
         let b = sub.jobs.len();
         // SAFETY: the arena is pinned memory of at least the laid-out bytes; it is not
-        // rewritten before the event recorded at the end of this decode (`Arena::prepare`),
-        // and not freed while this thread runs (the caller settles it first).
+        // rewritten before the event recorded after this decode's reads of it (`Arena::prepare`),
+        // and not freed while this thread runs (the backend joins it first).
         let arena_ptr = sub.arena_ptr as *const u8;
         let bytes_of = |i: usize| unsafe { std::slice::from_raw_parts(arena_ptr.add(sub.host_at[i].0), sub.host_at[i].1) };
         // Each image's job, moved into its window's coordinates where only the window is
@@ -655,8 +751,8 @@ impl DecodeThread {
                 dec.batched_for = if ok { jpegs.len() } else { 0 };
             }
             if ok {
-                if let Some(ev) = dec.pixels_read.take() {
-                    ev.synchronize().map_err(dev("waiting for the previous batch's resampling"))?;
+                if let Some(ev) = dec.slots[sub.slot].pixels_read.take() {
+                    ev.synchronize().map_err(dev("waiting for the resampling of the slot's previous batch"))?;
                 }
                 let data: Vec<*const u8> = jpegs.iter().map(|&i| bytes_of(i).as_ptr()).collect();
                 let lens: Vec<usize> = jpegs.iter().map(|&i| sub.host_at[i].1).collect();
@@ -752,36 +848,30 @@ impl DecodeThread {
             std::ptr::copy_nonoverlapping(jobs.as_ptr() as *const u8, arena_ptr as *mut u8, table_len);
             std::slice::from_raw_parts(arena_ptr, table_len)
         };
-        unsafe { dr::memcpy_htod_async(sub.jobs_ptr, table, cu) }.map_err(dev("copying the decode table"))?;
+        unsafe { dr::memcpy_htod_async(sub.output.jobs, table, cu) }.map_err(dev("copying the decode table"))?;
 
-        // Resample: the taps, the rows, then (after the previous forward has read the inputs)
-        // the output.
-        let (px, tmp, taps, jobs_ptr, dst, dt) = (sub.px, sub.tmp, sub.taps, sub.jobs_ptr, sub.dst, sub.dst_dt);
-        let bicubic = i32::from(sub.bicubic);
-        let side = sub.side;
+        // Resample: the taps and the rows; the output pass below or at the batch's staging.
+        let out = &sub.output;
+        let (px, tmp, taps, jobs_ptr) = (sub.px, out.tmp, out.taps, out.jobs);
+        let bicubic = i32::from(out.bicubic);
+        let side = out.side;
         let side_i = side as i32;
         let max_rows = sub.jobs.iter().map(|j| j.rows as usize).max().unwrap_or(1);
         let grid_x = |n: usize| (n.div_ceil(THREADS as usize).clamp(1, 1024)) as u32;
         launch(cu, &sub.taps_kernel, "resample_taps", (grid_x(2 * side), b as u32, 1), &mut kargs![taps, jobs_ptr, side_i, bicubic])?;
         launch(cu, &sub.rows_kernel, "resample_rows_rgb8", (grid_x(max_rows * side), b as u32, 1), &mut kargs![tmp, px, jobs_ptr, taps, side_i, bicubic])?;
+        // the last reads of the pixels and of the arena (the table's copy is before them)
+        let slot = &mut dec.slots[sub.slot];
         let read = self.ctx.new_event(None).map_err(dev("cuEventCreate"))?;
         read.record(&stream).map_err(dev("cuEventRecord"))?;
-        dec.pixels_read = Some(read);
-        // (the compute thread records a newer event only after it has settled this batch)
-        if let Some(ev) = self.inputs_read.lock().map_err(|_| BackendError::Device("decode_input: event lock poisoned".into()))?.as_ref() {
-            // SAFETY: a live event of this context; the wait is enqueued on the decode stream.
-            unsafe { cudarc::driver::result::stream::wait_event(cu, ev.cu_event(), cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-                .map_err(dev("cuStreamWaitEvent"))?;
-        }
-        let k: [f32; 3] = std::array::from_fn(|c| 1.0 / (255.0 * sub.std[c]));
-        let o: [f32; 3] = std::array::from_fn(|c| sub.mean[c] / sub.std[c]);
-        launch(cu, &sub.cols_kernel, "resample_cols_norm", (grid_x(side * side), b as u32, 1), &mut kargs![dst, dt, tmp, jobs_ptr, taps, side_i, bicubic, k[0], k[1], k[2], o[0], o[1], o[2]])?;
+        slot.pixels_read = Some(read);
         let done = self.ctx.new_event(None).map_err(dev("cuEventCreate"))?;
         done.record(&stream).map_err(dev("cuEventRecord"))?;
-        dec.arenas[sub.which].done = Some(done);
-        let ready = self.ctx.new_event(None).map_err(dev("cuEventCreate"))?;
-        ready.record(&stream).map_err(dev("cuEventRecord"))?;
-        Ok(ready)
+        slot.arena.done = Some(done);
+        match sub.dst {
+            Some(dst) => Ok(Some(out.enqueue(&self.ctx, &stream, &self.inputs_read, dst)?)),
+            None => Ok(None),
+        }
     }
 }
 
@@ -794,26 +884,83 @@ fn launch(stream: CUstream, f: &cudarc::driver::CudaFunction, name: &str, grid: 
 }
 
 impl Cuda {
-    /// `Backend::decode_input` (see the module doc). The caller's thread lays the batch out and
-    /// copies it into a pinned arena; a thread of its own then makes the nvJPEG calls, which
-    /// hold the calling thread for as long as the engines take (they would hold back the
-    /// launches of the step queued meanwhile), and enqueues the resampling.
+    /// `Backend::decode_input` (see the module doc). A batch `decode_ahead` started is only
+    /// finished: its last pass, enqueued from this thread. Any other is laid out here and
+    /// copied into a pinned arena; a thread of its own then makes the nvJPEG calls, which hold
+    /// the calling thread for as long as the engines take (they would hold back the launches of
+    /// the step queued meanwhile), and enqueues the resampling.
     pub(super) fn decode_input_impl(&self, dst: &mut CudaBuf, batch: &EncodedBatch, range: std::ops::Range<usize>) -> BResult<()> {
         let images = batch.images.get(range.clone()).ok_or_else(|| BackendError::Shape { op: "decode_input", msg: format!("images {range:?} of a batch of {}", batch.images.len()) })?;
-        let (b, side) = (images.len(), batch.side);
-        super::device::check_len("decode_input", "dst", dst, b * 3 * side * side)?;
-        if b == 0 {
+        super::device::check_len("decode_input", "dst", dst, images.len() * 3 * batch.side * batch.side)?;
+        if images.is_empty() {
             return Ok(());
         }
-        // The previous batch is enqueued before this one reuses the decoder and its buffers.
+        // The previous batch is enqueued before this one reuses the decoder or the input.
         self.settle_pending_decode()?;
+        let ahead = self.decode_ahead.lock().map_err(|_| BackendError::Device("decode_input: decode-ahead lock poisoned".into()))?.take();
+        if let Some(a) = ahead {
+            if a.key != BatchKey::of(batch, images) {
+                a.discard();
+            } else {
+                join(a.thread)?;
+                self.ctx.bind_to_thread().map_err(dev("decode_input"))?;
+                let stream = {
+                    let mut guard = self.jpeg.lock().map_err(|_| BackendError::Device("decode_input: decoder lock poisoned".into()))?;
+                    self.opened_decoder(&mut guard).map_err(BackendError::Device)?.stream.clone()
+                };
+                let ready = a.output.enqueue(&self.ctx, &stream, &self.inputs_read, (dst.ptr, dst.dt()))?;
+                self.decoded_ahead.fetch_add(1, Ordering::Relaxed);
+                *self.decoded_input.lock().map_err(|_| BackendError::Device("decode_input: event lock poisoned".into()))? = Some(PendingDecode::Enqueued(ready));
+                return Ok(());
+            }
+        }
+        let (handle, _) = self.submit(batch, images, Some((dst.ptr, dst.dt())))?;
+        *self.decoded_input.lock().map_err(|_| BackendError::Device("decode_input: event lock poisoned".into()))? = Some(PendingDecode::Running(handle));
+        Ok(())
+    }
+
+    /// `Backend::decode_ahead`: starts decoding images `range` of a batch that is staged after
+    /// the next one, into the slot the next one does not use; everything but the last pass,
+    /// which writes the input buffer and is left for `decode_input` of the same images.
+    pub(super) fn decode_ahead_impl(&self, batch: &EncodedBatch, range: std::ops::Range<usize>) -> BResult<()> {
+        let images = batch.images.get(range.clone()).ok_or_else(|| BackendError::Shape { op: "decode_ahead", msg: format!("images {range:?} of a batch of {}", batch.images.len()) })?;
+        if images.is_empty() {
+            return Ok(());
+        }
+        if let Some(a) = self.decode_ahead.lock().map_err(|_| BackendError::Device("decode_ahead: lock poisoned".into()))?.take() {
+            a.discard();
+        }
+        let (thread, output) = self.submit(batch, images, None)?;
+        *self.decode_ahead.lock().map_err(|_| BackendError::Device("decode_ahead: lock poisoned".into()))? = Some(AheadDecode { key: BatchKey::of(batch, images), output, thread });
+        Ok(())
+    }
+
+    /// Whether the trainer should decode ahead (`VITSCALE_DECODE_AHEAD`: on unless "off").
+    pub(super) fn decodes_ahead_impl(&self) -> BResult<bool> {
+        choose(&env, "VITSCALE_DECODE_AHEAD", true, &ON_OFF).map_err(BackendError::Device)
+    }
+
+    /// Waits for a batch decoded ahead and drops it (before anything that changes what the
+    /// decoder does).
+    fn discard_decode_ahead(&self) -> BResult<()> {
+        if let Some(a) = self.decode_ahead.lock().map_err(|_| BackendError::Device("decode-ahead lock poisoned".into()))?.take() {
+            a.discard();
+        }
+        Ok(())
+    }
+
+    /// Lays `images` out for the decoder's next slot, copies their bytes into its pinned arena
+    /// and starts the decode thread; with `dst`, the thread also enqueues the last pass into it.
+    /// Returns the thread and the last pass.
+    fn submit(&self, batch: &EncodedBatch, images: &[crate::core::encoded::EncodedImage], dst: Option<(u64, i32)>) -> BResult<(std::thread::JoinHandle<BResult<Option<cudarc::driver::CudaEvent>>>, OutputPass)> {
+        let (b, side) = (images.len(), batch.side);
         self.ctx.bind_to_thread().map_err(dev("decode_input"))?;
         let mut guard = self.jpeg.lock().map_err(|_| BackendError::Device("decode_input: decoder lock poisoned".into()))?;
         let dec = self.opened_decoder(&mut guard).map_err(BackendError::Device)?;
         let stream = dec.stream.clone();
-
         // Where each image goes: its pixels on the device, its horizontal-pass rows, and its
         // bytes in the pinned arena (after the table).
+        let windows_on = dec.windows;
         let mut jobs = Vec::with_capacity(b);
         let (mut px_bytes, mut tmp_floats, mut tap_words) = (0usize, 0usize, 0usize);
         let table_bytes = (std::mem::size_of::<ImageJob>() * b).div_ceil(256) * 256;
@@ -834,7 +981,7 @@ impl Cuda {
             host_at.push((host_bytes, n));
             host_bytes += n.div_ceil(64) * 64;
             let (row0, rows) = row_range(img.height, img.crop[1], img.crop[3], side, batch.bicubic);
-            windows.push(if dec.windows && img.encoding == Encoding::Jpeg { crop_window(img.width, img.height, img.crop, side, batch.bicubic) } else { None });
+            windows.push(if windows_on && img.encoding == Encoding::Jpeg { crop_window(img.width, img.height, img.crop, side, batch.bicubic) } else { None });
             let (kx, ky) = (taps_per_output(img.crop[2], side, batch.bicubic), taps_per_output(img.crop[3], side, batch.bicubic));
             jobs.push(ImageJob {
                 src: px_bytes as i64,
@@ -858,38 +1005,32 @@ impl Cuda {
             tmp_floats += rows * side * 3;
             tap_words += side * (4 + kx + ky);
         }
-        let px = ensure(self, &stream, &mut dec.pixels, px_bytes, Ty::Half, "the decoded images")?;
-        let tmp = ensure(self, &stream, &mut dec.tmp, tmp_floats * 4, Ty::F32, "the resampling rows")?;
-        let taps = ensure(self, &stream, &mut dec.taps, tap_words * 4, Ty::F32, "the resampling taps")?;
-        let jobs_ptr = ensure(self, &stream, &mut dec.jobs, table_bytes, Ty::F32, "the decode table")?;
-        let which = dec.next_arena;
-        dec.next_arena = 1 - which;
-        let arena = dec.arenas[which].prepare(host_bytes)?;
+        let which = dec.next_slot;
+        dec.next_slot = 1 - which;
+        let slot = &mut dec.slots[which];
+        let px = ensure(self, &stream, &mut slot.pixels, px_bytes, Ty::Half, "the decoded images")?;
+        let tmp = ensure(self, &stream, &mut slot.tmp, tmp_floats * 4, Ty::F32, "the resampling rows")?;
+        let taps = ensure(self, &stream, &mut slot.taps, tap_words * 4, Ty::F32, "the resampling taps")?;
+        let jobs_ptr = ensure(self, &stream, &mut slot.jobs, table_bytes, Ty::F32, "the decode table")?;
+        let arena = slot.arena.prepare(host_bytes)?;
         // (the table, at the arena's start, is written by the decode thread once it is final)
         for (img, &(at, n)) in images.iter().zip(&host_at) {
             arena[at..at + n].copy_from_slice(&img.bytes[..n]);
         }
+        let output = OutputPass { images: b, tmp, taps, jobs: jobs_ptr, side, bicubic: batch.bicubic, mean: batch.mean, std: batch.std, kernel: self.kernels.get("resample_cols_norm")?.clone() };
         let sub = Submission {
             arena_ptr: arena.as_ptr() as usize,
-            which,
+            slot: which,
             host_at,
             jobs,
             windows,
             encodings: images.iter().map(|m| m.encoding).collect(),
             sources: images.iter().map(|m| m.source.clone()).collect(),
             px,
-            tmp,
-            taps,
-            jobs_ptr,
-            dst: dst.ptr,
-            dst_dt: dst.dt(),
-            side,
-            bicubic: batch.bicubic,
-            mean: batch.mean,
-            std: batch.std,
             taps_kernel: self.kernels.get("resample_taps")?.clone(),
             rows_kernel: self.kernels.get("resample_rows_rgb8")?.clone(),
-            cols_kernel: self.kernels.get("resample_cols_norm")?.clone(),
+            output: output.clone(),
+            dst,
         };
         drop(guard);
         let thread = DecodeThread { ctx: self.ctx.clone(), jpeg: self.jpeg.clone(), inputs_read: self.inputs_read.clone() };
@@ -897,8 +1038,7 @@ impl Cuda {
             .name("gpu-decode".into())
             .spawn(move || thread.enqueue(sub))
             .map_err(|e| BackendError::Device(format!("starting the GPU decode thread: {e}")))?;
-        *self.decoded_input.lock().map_err(|_| BackendError::Device("decode_input: event lock poisoned".into()))? = Some(PendingDecode::Running(handle));
-        Ok(())
+        Ok((handle, output))
     }
 
     /// Waits (on the host) until the decode thread has enqueued the pending batch, keeping its
@@ -943,9 +1083,15 @@ impl Cuda {
     /// Decodes only each crop's window on the JPEG engines (`on`) or whole images.
     pub fn set_jpeg_windows(&self, on: bool) -> Result<(), String> {
         self.settle_pending_decode().map_err(|e| e.to_string())?;
+        self.discard_decode_ahead().map_err(|e| e.to_string())?;
         let mut guard = self.jpeg.lock().map_err(|_| "decoder lock poisoned".to_string())?;
         self.opened_decoder(&mut guard)?.windows = on;
         Ok(())
+    }
+
+    /// How many batches `decode_input` has finished from a start ahead (`decode_ahead`).
+    pub fn jpeg_decoded_ahead(&self) -> u64 {
+        self.decoded_ahead.load(Ordering::Relaxed)
     }
 
     /// The decoder in `slot`, opened on first use.

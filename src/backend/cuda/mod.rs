@@ -92,6 +92,10 @@ pub struct Cuda {
     /// it reads the input (`patchify`) or synchronizes, not when the decode is enqueued (that
     /// would hold back the current step's optimizer).
     decoded_input: Mutex<Option<jpeg::PendingDecode>>,
+    /// The batch after it, being decoded ahead into the decoder's other slot (`decode_ahead`).
+    decode_ahead: Mutex<Option<jpeg::AheadDecode>>,
+    /// Batches `decode_input` finished from a start ahead (the selftest checks the path ran).
+    decoded_ahead: std::sync::atomic::AtomicU64,
     /// Stream for batch-input copies (`upload_input`), so they overlap the compute stream.
     copy_stream: Arc<CudaStream>,
     /// When traced (`time_input_copies`): each input copy's start and end events on the copy
@@ -130,12 +134,17 @@ pub struct Cuda {
 }
 
 impl Drop for Cuda {
-    /// A decode thread still enqueuing a batch uses the context and the decoder: let it finish
-    /// before they go.
+    /// A decode thread still enqueuing a batch (the next one's, or one decoded ahead) uses the
+    /// context and the decoder: let it finish before they go.
     fn drop(&mut self) {
         if let Ok(mut slot) = self.decoded_input.lock() {
             if let Some(p) = slot.take() {
                 let _ = p.settle();
+            }
+        }
+        if let Ok(mut slot) = self.decode_ahead.lock() {
+            if let Some(a) = slot.take() {
+                a.discard();
             }
         }
     }
@@ -202,6 +211,8 @@ impl Cuda {
             next_staging: AtomicUsize::new(0),
             jpeg: Arc::new(Mutex::new(None)),
             decoded_input: Mutex::new(None),
+            decode_ahead: Mutex::new(None),
+            decoded_ahead: std::sync::atomic::AtomicU64::new(0),
             half,
         })
     }
@@ -322,6 +333,14 @@ impl Backend for Cuda {
 
     fn decode_input(&self, dst: &mut CudaBuf, batch: &crate::core::encoded::EncodedBatch, range: std::ops::Range<usize>) -> BResult<()> {
         self.decode_input_impl(dst, batch, range)
+    }
+
+    fn decode_ahead(&self, batch: &crate::core::encoded::EncodedBatch, range: std::ops::Range<usize>) -> BResult<()> {
+        self.decode_ahead_impl(batch, range)
+    }
+
+    fn decodes_ahead(&self) -> BResult<bool> {
+        self.decodes_ahead_impl()
     }
 
     fn download(&self, src: &CudaBuf) -> BResult<Vec<f32>> {
