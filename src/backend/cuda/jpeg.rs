@@ -1180,6 +1180,28 @@ mod tests {
         assert_eq!(crop_window(width, height, [0.0, 0.0, width as f32, height as f32], side, false), None);
     }
 
+    /// A batch decoded ahead is finished only for the same images of the same batch: another
+    /// range, a copy with equal contents in other buffers, another crop or flip, or other
+    /// output settings all differ from it.
+    #[test]
+    fn a_batch_key_is_the_batch_and_its_images() {
+        let image = |k: usize| crate::core::encoded::EncodedImage { bytes: vec![k as u8; 100 + k], encoding: Encoding::Jpeg, width: 40, height: 30, crop: [1.0, 2.0, 30.0, 20.0], flip: false, source: format!("f{k}.jpg") };
+        let mut batch = EncodedBatch { images: (0..4).map(image).collect(), side: 224, bicubic: true, mean: [0.5; 3], std: [0.25; 3] };
+        let key = BatchKey::of(&batch, &batch.images);
+        assert!(key == BatchKey::of(&batch, &batch.images[..]));
+        assert!(key != BatchKey::of(&batch, &batch.images[1..]));
+        let copy = batch.clone();
+        assert!(key != BatchKey::of(&copy, &copy.images), "equal contents in other buffers");
+        // each change made to the batch itself (its buffers stay), then undone
+        let changes: [fn(&mut EncodedBatch); 4] = [|b| b.images[2].crop[0] = if b.images[2].crop[0] == 1.0 { 1.5 } else { 1.0 }, |b| b.images[3].flip = !b.images[3].flip, |b| b.side = if b.side == 224 { 192 } else { 224 }, |b| b.std[1] = if b.std[1] == 0.25 { 0.3 } else { 0.25 }];
+        for (k, change) in changes.iter().enumerate() {
+            change(&mut batch);
+            assert!(key != BatchKey::of(&batch, &batch.images), "change {k}");
+            change(&mut batch);
+            assert!(key == BatchKey::of(&batch, &batch.images), "change {k} undone");
+        }
+    }
+
     /// The tap table's room per output: the filter's support each side of the center and the
     /// center (PIL's `ceil(support) * 2 + 1`), the support widening with the downscale factor.
     #[test]
