@@ -18,7 +18,7 @@
 # JPEGs on the CPU, data.decode_cpu_share=0.35; one ending in na, e.g. gpu2na, decodes each
 # batch only when it is staged instead of the batch after next ahead, VITSCALE_DECODE_AHEAD=off;
 # a mode may repeat, each run has a folder run-MODEL-MODE-K of its own), SECS
-# (2) the seconds per bench point, PEER=0 skips the peer, DATA_BENCH=0 skips `bench --data`.
+# (2) the seconds per bench point, TRAIN_TIMEOUT (150) the seconds a training run may take, PEER=0 skips the peer, DATA_BENCH=0 skips `bench --data`.
 BIN=$1; O=$2; P=$3; MODELS=${4:-"vit_small_patch16_224 vit_base_patch16_224"}; STEPS=${5:-60}
 export PYTHONUNBUFFERED=1
 mkdir -p "$O"
@@ -74,7 +74,7 @@ for model in $MODELS; do
     esac
     run=$model-$mode-$k
     rm -rf "$O/run-$run"
-    env "${envs[@]}" timeout 150 "$BIN" train "${common[@]}" "${extra[@]}" --run-dir "$O/run-$run" > "$O/train-$run.log" 2>&1
+    env "${envs[@]}" timeout "${TRAIN_TIMEOUT:-150}" "$BIN" train "${common[@]}" "${extra[@]}" --run-dir "$O/run-$run" > "$O/train-$run.log" 2>&1
     rc=$?
     echo "$model $mode rc $rc ($((SECONDS - t0)) s): $(median "$O/run-$run/metrics.jsonl" 2>/dev/null) | $(tail -1 "$O/train-$run.log" | cut -c1-160)"
     [ $rc -ne 0 ] && grep -iE "error|panick" "$O/train-$run.log" | head -3
