@@ -15,8 +15,8 @@
 # ending in lo, e.g. gpu2lo, runs the decode stream at normal priority, VITSCALE_DECODE_PRIORITY;
 # one ending in roi, e.g. gpu2roi, decodes only the crops' windows, VITSCALE_NVJPEG_ROI=on; one
 # ending in c and two digits, e.g. gpu2c35, has the loader threads decode that share of the
-# JPEGs on the CPU, data.decode_cpu_share=0.35; one ending in na, e.g. gpu2na, decodes each
-# batch only when it is staged instead of the batch after next ahead, VITSCALE_DECODE_AHEAD=off;
+# JPEGs on the CPU, data.decode_cpu_share=0.35; one ending in da, e.g. gpu2da, decodes the
+# batch after next ahead, VITSCALE_DECODE_AHEAD=on, one ending in na with it off;
 # a mode may repeat, each run has a folder run-MODEL-MODE-K of its own), SECS
 # (2) the seconds per bench point, TRAIN_TIMEOUT (150) the seconds a training run may take, PEER=0 skips the peer, DATA_BENCH=0 skips `bench --data`.
 BIN=$1; O=$2; P=$3; MODELS=${4:-"vit_small_patch16_224 vit_base_patch16_224"}; STEPS=${5:-60}
@@ -59,7 +59,7 @@ for model in $MODELS; do
     base=$mode
     share=()
     case $base in *c[0-9][0-9]) share=(--set data.decode_cpu_share=0.${base##*c}); base=${base%c[0-9][0-9]} ;; esac
-    case $base in *na) envs+=(VITSCALE_DECODE_AHEAD=off); base=${base%na} ;; esac
+    case $base in *da) envs+=(VITSCALE_DECODE_AHEAD=on); base=${base%da} ;; *na) envs+=(VITSCALE_DECODE_AHEAD=off); base=${base%na} ;; esac
     case $base in *lo) envs+=(VITSCALE_DECODE_PRIORITY=normal); base=${base%lo} ;; esac
     case $base in *roi) envs+=(VITSCALE_NVJPEG_ROI=on); base=${base%roi} ;; esac
     case $base in synthetic8|*q8) envs+=(CUDA_DEVICE_MAX_CONNECTIONS=8); base=${base%8}; base=${base%q} ;; esac

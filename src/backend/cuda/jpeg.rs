@@ -30,12 +30,12 @@
 //! engines decode, and the training thread must go on launching the step meanwhile.
 //!
 //! Two slots of buffers (arena, decoded pixels, resampled rows, taps, table) are used in turn,
-//! so the trainer can start the batch after next (`decode_ahead`, DALI's prefetch depth of 2):
-//! its thread enqueues everything up to the last pass, the one that writes the model's input,
-//! and `decode_input` of the same images enqueues only that pass, from the caller's thread.
-//! nvJPEG's call, whose time varies from batch to batch, then has a whole step to finish, and
-//! the training thread no longer waits for it before launching the forward that reads the
-//! batch. `VITSCALE_DECODE_AHEAD=off` decodes each batch only when it is staged. The
+//! so the trainer can start the batch after next (`decode_ahead`, DALI's prefetch depth of 2;
+//! with `VITSCALE_DECODE_AHEAD=on`, off by default): its thread enqueues everything up to the
+//! last pass, the one that writes the model's input, and `decode_input` of the same images
+//! enqueues only that pass, from the caller's thread. nvJPEG's call, whose time varies from
+//! batch to batch, then has a whole step to finish, and the training thread need not wait for
+//! it before launching the forward that reads the batch. The
 //! process asks for 32 hardware queues (`libs::request_hardware_queues`): with the driver's
 //! default 8, nvJPEG's streams share the compute stream's queue and each batched call also
 //! waits for the whole queued step.
@@ -935,9 +935,9 @@ impl Cuda {
         Ok(())
     }
 
-    /// Whether the trainer should decode ahead (`VITSCALE_DECODE_AHEAD`: on unless "off").
+    /// Whether the trainer should decode ahead (`VITSCALE_DECODE_AHEAD`: off unless "on").
     pub(super) fn decodes_ahead_impl(&self) -> BResult<bool> {
-        choose(&env, "VITSCALE_DECODE_AHEAD", true, &ON_OFF).map_err(BackendError::Device)
+        choose(&env, "VITSCALE_DECODE_AHEAD", false, &ON_OFF).map_err(BackendError::Device)
     }
 
     /// Waits for a batch decoded ahead and drops it (before anything that changes what the
