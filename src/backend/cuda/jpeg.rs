@@ -23,19 +23,21 @@
 //! kernel waits for the event that says the previous forward has read the input buffer, and
 //! the compute stream waits for the decode only where it first reads the input (`patchify`)
 //! or synchronizes (`order_decoded_input`), so the step still queued ahead of it runs on. The
-//! calling thread only lays the batch out and copies it into a pinned arena (a pageable source
-//! would make each copy wait for the stream; an arena is refilled only after the decode that
-//! read it); the nvJPEG calls and the launches are made by a thread of their own
+//! calling thread only lays the batch out and copies it into one of two pinned arenas (a
+//! pageable source would make each copy wait for the stream; an arena is refilled only after
+//! the decode that read it); the nvJPEG calls and the launches are made by a thread of their own
 //! (`DecodeThread`), because nvJPEG's batched hardware call holds its thread while the
 //! engines decode, and the training thread must go on launching the step meanwhile.
 //!
-//! Two slots of buffers (arena, decoded pixels, resampled rows, taps, table) are used in turn,
-//! so the trainer can start the batch after next (`decode_ahead`, DALI's prefetch depth of 2;
-//! with `VITSCALE_DECODE_AHEAD=on`, off by default): its thread enqueues everything up to the
-//! last pass, the one that writes the model's input, and `decode_input` of the same images
-//! enqueues only that pass, from the caller's thread. nvJPEG's call, whose time varies from
-//! batch to batch, then has a whole step to finish, and the training thread need not wait for
-//! it before launching the forward that reads the batch. The
+//! With `VITSCALE_DECODE_AHEAD=on` (off by default) the trainer starts the batch after next
+//! (`decode_ahead`, DALI's prefetch depth of 2): its thread enqueues everything up to the last
+//! pass, the one that writes the model's input, and `decode_input` of the same images enqueues
+//! only that pass, from the caller's thread. nvJPEG's call, whose time varies from batch to
+//! batch, then has a whole step to finish, and the training thread need not wait for it before
+//! launching the forward that reads the batch. One set of device buffers serves both ways: a
+//! batch's last pass is enqueued, or the batch dropped, before the next batch's decode is, so
+//! the decode stream orders every read and write of the rows, taps and table, and nvJPEG's own
+//! writes wait for `pixels_read` as above. The
 //! process asks for 32 hardware queues (`libs::request_hardware_queues`): with the driver's
 //! default 8, nvJPEG's streams share the compute stream's queue and each batched call also
 //! waits for the whole queued step.
@@ -451,31 +453,6 @@ impl ImageJob {
     }
 }
 
-/// The buffers one batch's decode uses, from its bitstreams to its last pass.
-struct Slot {
-    /// The batch's table and bitstreams in pinned memory.
-    arena: Arena,
-    /// Decoded RGB8 images, one after another (bytes; allocated as bf16 words).
-    pixels: Option<CudaBuf>,
-    /// Recorded after the kernel that last read `pixels`. The hardware decoder writes its
-    /// output while it is called, not in the order of the stream it is given, so a batched
-    /// call first waits for this on the host: the resampling of the batch that used the slot
-    /// before may still be queued behind other work.
-    pixels_read: Option<cudarc::driver::CudaEvent>,
-    /// The horizontal pass's f32 rows.
-    tmp: Option<CudaBuf>,
-    /// The images' filter taps (`resample_taps`).
-    taps: Option<CudaBuf>,
-    /// The batch's `ImageJob`s (bytes; allocated as f32 words).
-    jobs: Option<CudaBuf>,
-}
-
-impl Slot {
-    fn new() -> Slot {
-        Slot { arena: Arena { ptr: std::ptr::null_mut(), bytes: 0, done: None }, pixels: None, pixels_read: None, tmp: None, taps: None, jobs: None }
-    }
-}
-
 /// The decoders and the device buffers they reuse from batch to batch.
 pub(super) struct JpegDecoder {
     api: Api,
@@ -487,10 +464,22 @@ pub(super) struct JpegDecoder {
     pooled: bool,
     /// The decode stream (highest priority unless `VITSCALE_DECODE_PRIORITY=normal`).
     stream: Arc<CudaStream>,
-    /// Two sets of buffers used in turn (`Slot`), so that one batch is decoded while the one
-    /// before it still waits for its last pass.
-    slots: [Slot; 2],
-    next_slot: usize,
+    /// Decoded RGB8 images, one after another (bytes; allocated as bf16 words).
+    pixels: Option<CudaBuf>,
+    /// Recorded after the kernel that last read `pixels`. The hardware decoder writes its
+    /// output while it is called, not in the order of the stream it is given, so a batched
+    /// call first waits for this on the host: the previous batch's resampling may still be
+    /// queued behind other work.
+    pixels_read: Option<cudarc::driver::CudaEvent>,
+    /// The horizontal pass's f32 rows.
+    tmp: Option<CudaBuf>,
+    /// The images' filter taps (`resample_taps`).
+    taps: Option<CudaBuf>,
+    /// The batch's `ImageJob`s (bytes; allocated as f32 words).
+    jobs: Option<CudaBuf>,
+    /// Two pinned arenas used in turn.
+    arenas: [Arena; 2],
+    next_arena: usize,
     /// The hardware decoder's engines (0: none, hybrid only).
     pub engines: u32,
     /// Whether the engines decode only each crop's window (`VITSCALE_NVJPEG_ROI`); cleared
@@ -553,7 +542,8 @@ impl JpegDecoder {
             }
         }
         let windows = choose(&env, "VITSCALE_NVJPEG_ROI", false, &ON_OFF)?;
-        Ok(JpegDecoder { api, hardware, hybrid, batched_for: 0, pooled: false, stream, slots: [Slot::new(), Slot::new()], next_slot: 0, engines, windows, params: Vec::new(), windowed_images: 0 })
+        let arena = || Arena { ptr: std::ptr::null_mut(), bytes: 0, done: None };
+        Ok(JpegDecoder { api, hardware, hybrid, batched_for: 0, pooled: false, pixels: None, pixels_read: None, tmp: None, taps: None, jobs: None, stream, arenas: [arena(), arena()], next_arena: 0, engines, windows, params: Vec::new(), windowed_images: 0 })
     }
 }
 
@@ -574,10 +564,10 @@ fn ensure(be: &Cuda, stream: &CudaStream, slot: &mut Option<CudaBuf>, bytes: usi
 }
 
 /// What the decode thread needs for one batch, prepared by the caller: the table and the
-/// bitstreams are already in the pinned arena of slot `slot`, the device buffers already sized.
+/// bitstreams are already in pinned arena `which`, the device buffers already sized.
 struct Submission {
     arena_ptr: usize,
-    slot: usize,
+    which: usize,
     host_at: Vec<(usize, usize)>,
     jobs: Vec<ImageJob>,
     /// Each image's window to decode on the engines (`crop_window`), where one is worth it.
@@ -751,8 +741,8 @@ impl DecodeThread {
                 dec.batched_for = if ok { jpegs.len() } else { 0 };
             }
             if ok {
-                if let Some(ev) = dec.slots[sub.slot].pixels_read.take() {
-                    ev.synchronize().map_err(dev("waiting for the resampling of the slot's previous batch"))?;
+                if let Some(ev) = dec.pixels_read.take() {
+                    ev.synchronize().map_err(dev("waiting for the previous batch's resampling"))?;
                 }
                 let data: Vec<*const u8> = jpegs.iter().map(|&i| bytes_of(i).as_ptr()).collect();
                 let lens: Vec<usize> = jpegs.iter().map(|&i| sub.host_at[i].1).collect();
@@ -861,13 +851,12 @@ impl DecodeThread {
         launch(cu, &sub.taps_kernel, "resample_taps", (grid_x(2 * side), b as u32, 1), &mut kargs![taps, jobs_ptr, side_i, bicubic])?;
         launch(cu, &sub.rows_kernel, "resample_rows_rgb8", (grid_x(max_rows * side), b as u32, 1), &mut kargs![tmp, px, jobs_ptr, taps, side_i, bicubic])?;
         // the last reads of the pixels and of the arena (the table's copy is before them)
-        let slot = &mut dec.slots[sub.slot];
         let read = self.ctx.new_event(None).map_err(dev("cuEventCreate"))?;
         read.record(&stream).map_err(dev("cuEventRecord"))?;
-        slot.pixels_read = Some(read);
+        dec.pixels_read = Some(read);
         let done = self.ctx.new_event(None).map_err(dev("cuEventCreate"))?;
         done.record(&stream).map_err(dev("cuEventRecord"))?;
-        slot.arena.done = Some(done);
+        dec.arenas[sub.which].done = Some(done);
         match sub.dst {
             Some(dst) => Ok(Some(out.enqueue(&self.ctx, &stream, &self.inputs_read, dst)?)),
             None => Ok(None),
@@ -1005,14 +994,13 @@ impl Cuda {
             tmp_floats += rows * side * 3;
             tap_words += side * (4 + kx + ky);
         }
-        let which = dec.next_slot;
-        dec.next_slot = 1 - which;
-        let slot = &mut dec.slots[which];
-        let px = ensure(self, &stream, &mut slot.pixels, px_bytes, Ty::Half, "the decoded images")?;
-        let tmp = ensure(self, &stream, &mut slot.tmp, tmp_floats * 4, Ty::F32, "the resampling rows")?;
-        let taps = ensure(self, &stream, &mut slot.taps, tap_words * 4, Ty::F32, "the resampling taps")?;
-        let jobs_ptr = ensure(self, &stream, &mut slot.jobs, table_bytes, Ty::F32, "the decode table")?;
-        let arena = slot.arena.prepare(host_bytes)?;
+        let px = ensure(self, &stream, &mut dec.pixels, px_bytes, Ty::Half, "the decoded images")?;
+        let tmp = ensure(self, &stream, &mut dec.tmp, tmp_floats * 4, Ty::F32, "the resampling rows")?;
+        let taps = ensure(self, &stream, &mut dec.taps, tap_words * 4, Ty::F32, "the resampling taps")?;
+        let jobs_ptr = ensure(self, &stream, &mut dec.jobs, table_bytes, Ty::F32, "the decode table")?;
+        let which = dec.next_arena;
+        dec.next_arena = 1 - which;
+        let arena = dec.arenas[which].prepare(host_bytes)?;
         // (the table, at the arena's start, is written by the decode thread once it is final)
         for (img, &(at, n)) in images.iter().zip(&host_at) {
             arena[at..at + n].copy_from_slice(&img.bytes[..n]);
@@ -1020,7 +1008,7 @@ impl Cuda {
         let output = OutputPass { images: b, tmp, taps, jobs: jobs_ptr, side, bicubic: batch.bicubic, mean: batch.mean, std: batch.std, kernel: self.kernels.get("resample_cols_norm")?.clone() };
         let sub = Submission {
             arena_ptr: arena.as_ptr() as usize,
-            slot: which,
+            which,
             host_at,
             jobs,
             windows,
