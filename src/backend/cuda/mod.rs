@@ -92,7 +92,7 @@ pub struct Cuda {
     /// it reads the input (`patchify`) or synchronizes, not when the decode is enqueued (that
     /// would hold back the current step's optimizer).
     decoded_input: Mutex<Option<jpeg::PendingDecode>>,
-    /// The batch after it, being decoded ahead into the decoder's other slot (`decode_ahead`).
+    /// The batch after it, its decode started ahead (`decode_ahead`) up to the last pass.
     decode_ahead: Mutex<Option<jpeg::AheadDecode>>,
     /// Batches `decode_input` finished from a start ahead (the selftest checks the path ran).
     decoded_ahead: std::sync::atomic::AtomicU64,
