@@ -583,7 +583,7 @@ struct Submission {
     dst: Option<(u64, i32)>,
 }
 
-/// The last pass of a batch's decode: the vertical resampling of the slot's rows into the
+/// The last pass of a batch's decode: the vertical resampling of the decoder's rows into the
 /// model's input, normalized. It writes the input buffer, so it waits until the compute stream
 /// has read the previous batch from it.
 #[derive(Clone)]
@@ -909,8 +909,10 @@ impl Cuda {
     }
 
     /// `Backend::decode_ahead`: starts decoding images `range` of a batch that is staged after
-    /// the next one, into the slot the next one does not use; everything but the last pass,
-    /// which writes the input buffer and is left for `decode_input` of the same images.
+    /// the next one; everything but the last pass, which writes the input buffer and is left
+    /// for `decode_input` of the same images. A batch started ahead before and not yet finished
+    /// is dropped first; a batch decoded when staged has its last pass enqueued by its thread,
+    /// under the decoder's lock, before this one's decode.
     pub(super) fn decode_ahead_impl(&self, batch: &EncodedBatch, range: std::ops::Range<usize>) -> BResult<()> {
         let images = batch.images.get(range.clone()).ok_or_else(|| BackendError::Shape { op: "decode_ahead", msg: format!("images {range:?} of a batch of {}", batch.images.len()) })?;
         if images.is_empty() {
@@ -938,7 +940,7 @@ impl Cuda {
         Ok(())
     }
 
-    /// Lays `images` out for the decoder's next slot, copies their bytes into its pinned arena
+    /// Lays `images` out in the decoder's buffers, copies their bytes into the next pinned arena
     /// and starts the decode thread; with `dst`, the thread also enqueues the last pass into it.
     /// Returns the thread and the last pass.
     fn submit(&self, batch: &EncodedBatch, images: &[crate::core::encoded::EncodedImage], dst: Option<(u64, i32)>) -> BResult<(std::thread::JoinHandle<BResult<Option<cudarc::driver::CudaEvent>>>, OutputPass)> {
