@@ -652,12 +652,12 @@ fn join(h: std::thread::JoinHandle<BResult<Option<cudarc::driver::CudaEvent>>>) 
 }
 
 /// Which images a batch decoded ahead holds: each image's bytes (where they lie and how many),
-/// size, crop, flip and source, and the output's settings. The trainer keeps the batch alive
-/// from `decode_ahead` until it stages it, so no other batch's bytes can lie at the same
-/// addresses meanwhile.
+/// size, crop and flip, and the output's settings. The trainer keeps the batch alive from
+/// `decode_ahead` until it stages it, so no other batch's bytes can lie at the same addresses
+/// meanwhile.
 #[derive(PartialEq)]
 struct BatchKey {
-    images: Vec<(usize, usize, usize, usize, [u32; 4], bool, String)>,
+    images: Vec<(usize, usize, usize, usize, [u32; 4], bool)>,
     side: usize,
     bicubic: bool,
     norm: [u32; 6],
@@ -666,7 +666,7 @@ struct BatchKey {
 impl BatchKey {
     fn of(batch: &EncodedBatch, images: &[crate::core::encoded::EncodedImage]) -> BatchKey {
         BatchKey {
-            images: images.iter().map(|m| (m.bytes.as_ptr() as usize, m.bytes.len(), m.width, m.height, m.crop.map(f32::to_bits), m.flip, m.source.clone())).collect(),
+            images: images.iter().map(|m| (m.bytes.as_ptr() as usize, m.bytes.len(), m.width, m.height, m.crop.map(f32::to_bits), m.flip)).collect(),
             side: batch.side,
             bicubic: batch.bicubic,
             norm: [batch.mean[0], batch.mean[1], batch.mean[2], batch.std[0], batch.std[1], batch.std[2]].map(f32::to_bits),
@@ -918,17 +918,16 @@ impl Cuda {
         if images.is_empty() {
             return Ok(());
         }
-        if let Some(a) = self.decode_ahead.lock().map_err(|_| BackendError::Device("decode_ahead: lock poisoned".into()))?.take() {
-            a.discard();
-        }
+        self.discard_decode_ahead()?;
         let (thread, output) = self.submit(batch, images, None)?;
         *self.decode_ahead.lock().map_err(|_| BackendError::Device("decode_ahead: lock poisoned".into()))? = Some(AheadDecode { key: BatchKey::of(batch, images), output, thread });
         Ok(())
     }
 
-    /// Whether the trainer should decode ahead (`VITSCALE_DECODE_AHEAD`: off unless "on").
+    /// Whether the trainer should decode ahead (`VITSCALE_DECODE_AHEAD`: off unless "on"),
+    /// read once: the trainer asks at every micro-batch.
     pub(super) fn decodes_ahead_impl(&self) -> BResult<bool> {
-        choose(&env, "VITSCALE_DECODE_AHEAD", false, &ON_OFF).map_err(BackendError::Device)
+        self.decode_ahead_on.get_or_init(|| choose(&env, "VITSCALE_DECODE_AHEAD", false, &ON_OFF)).clone().map_err(BackendError::Device)
     }
 
     /// Waits for a batch decoded ahead and drops it (before anything that changes what the

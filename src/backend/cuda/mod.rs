@@ -96,6 +96,8 @@ pub struct Cuda {
     decode_ahead: Mutex<Option<jpeg::AheadDecode>>,
     /// Batches `decode_input` finished from a start ahead (the selftest checks the path ran).
     decoded_ahead: std::sync::atomic::AtomicU64,
+    /// `VITSCALE_DECODE_AHEAD`, once read (`decodes_ahead`).
+    decode_ahead_on: std::sync::OnceLock<Result<bool, String>>,
     /// Stream for batch-input copies (`upload_input`), so they overlap the compute stream.
     copy_stream: Arc<CudaStream>,
     /// When traced (`time_input_copies`): each input copy's start and end events on the copy
@@ -213,6 +215,7 @@ impl Cuda {
             decoded_input: Mutex::new(None),
             decode_ahead: Mutex::new(None),
             decoded_ahead: std::sync::atomic::AtomicU64::new(0),
+            decode_ahead_on: std::sync::OnceLock::new(),
             half,
         })
     }
