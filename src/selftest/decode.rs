@@ -189,40 +189,68 @@ fn cpu_share_check(be: &crate::backend::cuda::Cuda, batch: &EncodedBatch, whole:
 }
 
 /// The JPEG `batch` (whose plain device decode gave `whole`) decoded ahead, in the trainer's
-/// order: the reversed batch is staged plainly while `batch` starts ahead; `batch` is then
-/// staged (only its last pass left), and must equal `whole` bit for bit. Then a start ahead of
-/// images 1.. is followed by the staging of all of them, which must drop it and still give
-/// `whole`. The decoder's count of batches finished from a start ahead must grow by one.
+/// order, each of the three ways a start ahead can end, and each must equal `whole` bit for
+/// bit:
+/// - staged while its thread still runs (the decoder held meanwhile, so the thread cannot
+///   finish first), after the reversed batch was staged plainly: the thread enqueues the last
+///   pass;
+/// - staged after its thread finished: the staging enqueues the last pass;
+/// - a start ahead of images 1.. followed by the staging of all of them: dropped, the batch
+///   decoded whole.
+///
+/// The decoder's counts say which way each went.
 fn ahead_check(be: &crate::backend::cuda::Cuda, batch: &EncodedBatch, whole: &[f32]) -> BResult<Check> {
     let (side, count) = (batch.side, batch.len());
     let per = 3 * side * side;
     let mut reversed = batch.clone();
     reversed.images.reverse();
     let before = be.jpeg_decoded_ahead();
-    let (mut first, mut second, mut third) = (be.alloc_f32(count * per)?, be.alloc_f32(count * per)?, be.alloc_f32(count * per)?);
-    for buf in [&mut first, &mut second, &mut third] {
+    let mut bufs = [be.alloc_f32(count * per)?, be.alloc_f32(count * per)?, be.alloc_f32(count * per)?, be.alloc_f32(count * per)?];
+    for buf in bufs.iter_mut() {
         be.fill(buf, f32::NAN)?;
     }
-    be.decode_input(&mut first, &reversed, 0..count)?;
-    be.decode_ahead(batch, 0..count)?;
-    be.decode_input(&mut second, batch, 0..count)?;
-    let used = be.jpeg_decoded_ahead() - before;
-    be.decode_ahead(batch, 1..count)?;
-    be.decode_input(&mut third, batch, 0..count)?;
+    let [first, second, third, fourth] = &mut bufs;
+    be.decode_input(first, &reversed, 0..count)?;
     be.synchronize()?;
-    let unused = be.jpeg_decoded_ahead() - before - used;
-    let (first, second, third) = (be.download(&first)?, be.download(&second)?, be.download(&third)?);
+    be.jpeg_holding_decoder(|| -> BResult<()> {
+        be.decode_ahead(batch, 0..count)?;
+        be.decode_input(second, batch, 0..count)
+    })
+    .map_err(crate::backend::BackendError::Device)??;
+    let after_thread = be.jpeg_decoded_ahead();
+    be.decode_ahead(batch, 0..count)?;
+    let t0 = std::time::Instant::now();
+    while !be.jpeg_ahead_ready() {
+        if t0.elapsed().as_secs() > 30 {
+            return Err(crate::backend::BackendError::Device("GPU decode ahead: the batch's thread did not finish its first passes in 30 s".into()));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    be.decode_input(third, batch, 0..count)?;
+    let after_staging = be.jpeg_decoded_ahead();
+    be.decode_ahead(batch, 1..count)?;
+    be.decode_input(fourth, batch, 0..count)?;
+    be.synchronize()?;
+    let after_drop = be.jpeg_decoded_ahead();
+    let [first, second, third, fourth] = [&bufs[0], &bufs[1], &bufs[2], &bufs[3]].map(|b| be.download(b));
+    let (first, second, third, fourth) = (first?, second?, third?, fourth?);
     // the reversed batch's images, put back in order, are the whole batch's
     let mut reordered = vec![0f32; count * per];
     for k in 0..count {
         reordered[k * per..(k + 1) * per].copy_from_slice(&first[(count - 1 - k) * per..(count - k) * per]);
     }
     let (_, max_reversed) = level_diff(&reordered, whole, batch.std, side);
-    let (_, max_ahead) = level_diff(&second, whole, batch.std, side);
-    let (_, max_dropped) = level_diff(&third, whole, batch.std, side);
+    let (_, max_thread) = level_diff(&second, whole, batch.std, side);
+    let (_, max_staging) = level_diff(&third, whole, batch.std, side);
+    let (_, max_dropped) = level_diff(&fourth, whole, batch.std, side);
+    // (finished, of which by the thread) in each round
+    let round = |a: (u64, u64), b: (u64, u64)| (b.0 - a.0, b.1 - a.1);
+    let (by_thread, by_staging, dropped) = (round(before, after_thread), round(after_thread, after_staging), round(after_staging, after_drop));
     let name = format!(
-        "GPU decode ahead: {count} photographs → {side} px, finished from its start ahead (used {used}), a start ahead of other images dropped (used {unused}): max |Δ| vs the plain decode {max_ahead:.3} and {max_dropped:.3} levels, reversed batch {max_reversed:.3}"
+        "GPU decode ahead: {count} photographs → {side} px; max |Δ| vs the plain decode: last pass by the thread {max_thread:.3} (finished {}, by the thread {}), by the staging {max_staging:.3} (finished {}, by the thread {}), start dropped {max_dropped:.3} (finished {}), reversed batch {max_reversed:.3} levels",
+        by_thread.0, by_thread.1, by_staging.0, by_staging.1, dropped.0
     );
-    let worst = max_ahead.max(max_dropped).max(max_reversed);
-    Ok(Check { name, rel_err: worst, tol: 0.0, pass: worst == 0.0 && used == 1 && unused == 0 })
+    let worst = max_thread.max(max_staging).max(max_dropped).max(max_reversed);
+    let ways = by_thread == (1, 1) && by_staging == (1, 0) && dropped == (0, 0);
+    Ok(Check { name, rel_err: worst, tol: 0.0, pass: worst == 0.0 && ways })
 }

@@ -30,11 +30,14 @@
 //! engines decode, and the training thread must go on launching the step meanwhile.
 //!
 //! With `VITSCALE_DECODE_AHEAD=on` (off by default) the trainer starts the batch after next
-//! (`decode_ahead`, DALI's prefetch depth of 2): its thread enqueues everything up to the last
-//! pass, the one that writes the model's input, and `decode_input` of the same images enqueues
-//! only that pass, from the caller's thread. nvJPEG's call, whose time varies from batch to
-//! batch, then has a whole step to finish, and the training thread need not wait for it before
-//! launching the forward that reads the batch. One set of device buffers serves both ways: a
+//! (`decode_ahead`, DALI's prefetch depth of 2): a thread of its own lays it out from copies of
+//! its images, decodes it and enqueues everything up to the last pass, the one that writes the
+//! model's input, while the calling thread returns at once. When the batch is staged
+//! (`decode_input` of the same images), that pass is enqueued by the thread if it is still
+//! running, else by the caller (`Handoff`), and the compute stream waits for it only where the
+//! forward reads the batch: nvJPEG's call, whose time varies from batch to batch, has two steps
+//! to finish before the training thread waits for it. The decode threads take the decoder in
+//! the order they were started (`Finished`). One set of device buffers serves both ways: a
 //! batch's last pass is enqueued, or the batch dropped, before the next batch's decode is, so
 //! the decode stream orders every read and write of the rows, taps and table, and nvJPEG's own
 //! writes wait for `pixels_read` as above. The
@@ -489,6 +492,10 @@ pub(super) struct JpegDecoder {
     params: Vec<Params>,
     /// Images decoded as windows so far (the selftest checks that the path ran).
     pub(super) windowed_images: u64,
+    /// A batch decoded ahead has everything but its last pass on the stream, and nobody has
+    /// enqueued that pass yet: until it is enqueued or the batch dropped, no other batch may
+    /// use the buffers that pass reads.
+    awaiting_output: bool,
 }
 
 // SAFETY: the nvJPEG handles are used by one thread at a time (the backend keeps the decoder
@@ -543,13 +550,13 @@ impl JpegDecoder {
         }
         let windows = choose(&env, "VITSCALE_NVJPEG_ROI", false, &ON_OFF)?;
         let arena = || Arena { ptr: std::ptr::null_mut(), bytes: 0, done: None };
-        Ok(JpegDecoder { api, hardware, hybrid, batched_for: 0, pooled: false, pixels: None, pixels_read: None, tmp: None, taps: None, jobs: None, stream, arenas: [arena(), arena()], next_arena: 0, engines, windows, params: Vec::new(), windowed_images: 0 })
+        Ok(JpegDecoder { api, hardware, hybrid, batched_for: 0, pooled: false, pixels: None, pixels_read: None, tmp: None, taps: None, jobs: None, stream, arenas: [arena(), arena()], next_arena: 0, engines, windows, params: Vec::new(), windowed_images: 0, awaiting_output: false })
     }
 }
 
 /// Grows `slot` to at least `bytes` bytes (as `ty` words), first waiting for the decode stream
 /// so no queued kernel still reads the buffer being replaced.
-fn ensure(be: &Cuda, stream: &CudaStream, slot: &mut Option<CudaBuf>, bytes: usize, ty: Ty, what: &str) -> BResult<u64> {
+fn ensure(t: &DecodeThread, stream: &Arc<CudaStream>, slot: &mut Option<CudaBuf>, bytes: usize, ty: Ty, what: &str) -> BResult<u64> {
     let words = bytes.div_ceil(ty.size()).max(1);
     if slot.as_ref().is_none_or(|b| b.len < words) {
         if slot.is_some() {
@@ -558,7 +565,7 @@ fn ensure(be: &Cuda, stream: &CudaStream, slot: &mut Option<CudaBuf>, bytes: usi
         *slot = None;
         // room to grow: batches vary in their images' sizes
         let words = words + words / 4;
-        *slot = Some(be.raw_alloc(words, ty).map_err(|e| BackendError::Device(format!("{what}: {e}")))?);
+        *slot = Some(Cuda::raw_alloc_with(&t.ctx, stream, &t.mem, words, ty).map_err(|e| BackendError::Device(format!("{what}: {e}")))?);
     }
     Ok(slot.as_ref().map(|b| b.ptr).unwrap_or(0))
 }
@@ -621,12 +628,17 @@ impl OutputPass {
     }
 }
 
-/// The decode thread's share of the backend: the decoder, the compute stream's "inputs read"
-/// event and the context, each shared, so the thread never borrows the backend itself.
+/// The decode threads' share of the backend, so a thread never borrows the backend itself: the
+/// context, the decoder, the compute stream's "inputs read" event, and what laying a batch out
+/// needs (the memory count for the buffers' allocations, the resampling kernels: taps, rows,
+/// columns).
+#[derive(Clone)]
 struct DecodeThread {
     ctx: Arc<cudarc::driver::CudaContext>,
     jpeg: Arc<Mutex<Option<JpegDecoder>>>,
     inputs_read: Arc<Mutex<Option<cudarc::driver::CudaEvent>>>,
+    mem: Arc<super::MemStats>,
+    kernels: [cudarc::driver::CudaFunction; 3],
 }
 
 /// The decoded batch's state: being enqueued by the decode thread, or enqueued with the event
@@ -674,31 +686,183 @@ impl BatchKey {
     }
 }
 
-/// A batch being decoded ahead (`Backend::decode_ahead`): which it is, its last pass, and the
-/// thread enqueuing everything before that pass.
-pub(super) struct AheadDecode {
-    key: BatchKey,
-    output: OutputPass,
-    thread: std::thread::JoinHandle<BResult<Option<cudarc::driver::CudaEvent>>>,
+/// Between a batch decoded ahead and its staging, whichever comes second enqueues the last
+/// pass: the staging leaves the input buffer here for the thread if the thread is still
+/// running, and the thread, done first, leaves the pass here for the staging.
+#[derive(Default)]
+struct Handoff {
+    dst: Option<(u64, i32)>,
+    last_pass: Option<OutputPass>,
 }
 
-impl AheadDecode {
-    /// Waits for the thread; a batch dropped unused reports no error (it is decoded again if
-    /// it is staged later).
-    pub(super) fn discard(self) {
-        let _ = join(self.thread);
+/// Set once a decode thread is done with the decoder (or stopped). Each thread waits for the
+/// one started before it (`Cuda::decode_chain`), so that the batches take the decoder, and
+/// enqueue their work, in the order they were handed in, whichever thread the mutex would
+/// wake first.
+#[derive(Default)]
+pub(super) struct Finished {
+    flag: Mutex<bool>,
+    cv: std::sync::Condvar,
+}
+
+impl Finished {
+    fn wait(&self) -> BResult<()> {
+        let poisoned = |_| BackendError::Device("the GPU decode: order lock poisoned".into());
+        let mut done = self.flag.lock().map_err(poisoned)?;
+        while !*done {
+            done = self.cv.wait(done).map_err(poisoned)?;
+        }
+        Ok(())
     }
 }
 
+/// Sets its `Finished` when dropped: on every way out of a decode thread.
+struct SetOnDrop(Arc<Finished>);
+
+impl Drop for SetOnDrop {
+    fn drop(&mut self) {
+        if let Ok(mut done) = self.0.flag.lock() {
+            *done = true;
+        }
+        self.0.cv.notify_all();
+    }
+}
+
+/// A batch being decoded ahead (`Backend::decode_ahead`): which it is, its thread (which lays
+/// it out, decodes it and enqueues everything before the last pass) and their handoff.
+pub(super) struct AheadDecode {
+    key: BatchKey,
+    handoff: Arc<Mutex<Handoff>>,
+    thread: std::thread::JoinHandle<BResult<Option<cudarc::driver::CudaEvent>>>,
+}
+
 impl DecodeThread {
-    /// Enqueues one prepared batch on the decode stream: the decode (hardware, hybrid, CPU as
-    /// the module doc says), the copies of already-decoded images, the table and the first two
-    /// resampling kernels, then, unless the batch is decoded ahead, the last pass. Returns the
-    /// event recorded after the last pass, if enqueued.
-    fn enqueue(self, sub: Submission) -> BResult<Option<cudarc::driver::CudaEvent>> {
+    /// Enqueues one batch the caller laid out (`lay_out`): everything before the last pass
+    /// (`first_passes`), then the last pass into `sub.dst`. Returns the event recorded after it.
+    fn enqueue(self, sub: Submission, (before, mine): (Arc<Finished>, Arc<Finished>)) -> BResult<Option<cudarc::driver::CudaEvent>> {
+        let _finished = SetOnDrop(mine);
+        before.wait()?;
         self.ctx.bind_to_thread().map_err(dev("the GPU decode thread"))?;
         let mut guard = self.jpeg.lock().map_err(|_| BackendError::Device("decode_input: decoder lock poisoned".into()))?;
         let dec = guard.as_mut().ok_or_else(|| BackendError::Device("the GPU image decoder is not open".into()))?;
+        self.first_passes(dec, &sub)?;
+        match sub.dst {
+            Some(dst) => Ok(Some(sub.output.enqueue(&self.ctx, &dec.stream, &self.inputs_read, dst)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// A batch decoded ahead (`Cuda::decode_ahead_impl`; `batch` holds copies of its images):
+    /// lays it out, enqueues everything before the last pass, then the last pass too if the
+    /// batch was staged meanwhile (`handoff.dst`), else leaves that pass in the handoff for the
+    /// staging. Returns the event recorded after the last pass, if this thread enqueued it.
+    fn decode_ahead(self, batch: EncodedBatch, handoff: Arc<Mutex<Handoff>>, (before, mine): (Arc<Finished>, Arc<Finished>)) -> BResult<Option<cudarc::driver::CudaEvent>> {
+        let _finished = SetOnDrop(mine);
+        before.wait()?;
+        self.ctx.bind_to_thread().map_err(dev("the GPU decode thread"))?;
+        let mut guard = self.jpeg.lock().map_err(|_| BackendError::Device("decode_ahead: decoder lock poisoned".into()))?;
+        let dec = opened(&self.ctx, &mut guard).map_err(BackendError::Device)?;
+        let sub = self.lay_out(dec, &batch, &batch.images, None)?;
+        self.first_passes(dec, &sub)?;
+        let mut h = handoff.lock().map_err(|_| BackendError::Device("decode_ahead: handoff lock poisoned".into()))?;
+        match h.dst {
+            Some(dst) => Ok(Some(sub.output.enqueue(&self.ctx, &dec.stream, &self.inputs_read, dst)?)),
+            None => {
+                h.last_pass = Some(sub.output);
+                dec.awaiting_output = true;
+                Ok(None)
+            }
+        }
+    }
+
+    /// Lays `images` (of `batch`) out in the decoder's buffers, growing them where needed, and
+    /// copies their bytes into the next pinned arena; `dst`: where the last pass writes, None
+    /// for a batch decoded ahead.
+    fn lay_out(&self, dec: &mut JpegDecoder, batch: &EncodedBatch, images: &[crate::core::encoded::EncodedImage], dst: Option<(u64, i32)>) -> BResult<Submission> {
+        let (b, side) = (images.len(), batch.side);
+        if dec.awaiting_output {
+            return Err(BackendError::Device("the GPU decode: a batch decoded ahead was neither staged nor dropped before the next batch".into()));
+        }
+        let stream = dec.stream.clone();
+        // Where each image goes: its pixels on the device, its horizontal-pass rows, and its
+        // bytes in the pinned arena (after the table).
+        let windows_on = dec.windows;
+        let mut jobs = Vec::with_capacity(b);
+        let (mut px_bytes, mut tmp_floats, mut tap_words) = (0usize, 0usize, 0usize);
+        let table_bytes = (std::mem::size_of::<ImageJob>() * b).div_ceil(256) * 256;
+        let mut host_at = Vec::with_capacity(b);
+        let mut windows = Vec::with_capacity(b);
+        let mut host_bytes = table_bytes;
+        for img in images {
+            if img.width == 0 || img.height == 0 {
+                return Err(BackendError::Device(format!("{}: empty image", img.source)));
+            }
+            let n = match img.encoding {
+                Encoding::Jpeg => img.bytes.len(),
+                Encoding::Rgb => img.width * img.height * 3,
+            };
+            if img.bytes.len() < n {
+                return Err(BackendError::Device(format!("{}: {} bytes of pixels for {}×{} RGB", img.source, img.bytes.len(), img.width, img.height)));
+            }
+            host_at.push((host_bytes, n));
+            host_bytes += n.div_ceil(64) * 64;
+            let (row0, rows) = row_range(img.height, img.crop[1], img.crop[3], side, batch.bicubic);
+            windows.push(if windows_on && img.encoding == Encoding::Jpeg { crop_window(img.width, img.height, img.crop, side, batch.bicubic) } else { None });
+            let (kx, ky) = (taps_per_output(img.crop[2], side, batch.bicubic), taps_per_output(img.crop[3], side, batch.bicubic));
+            jobs.push(ImageJob {
+                src: px_bytes as i64,
+                w: img.width as i32,
+                h: img.height as i32,
+                x0: img.crop[0],
+                y0: img.crop[1],
+                cw: img.crop[2],
+                ch: img.crop[3],
+                flip: i32::from(img.flip),
+                row0: row0 as i32,
+                rows: rows as i32,
+                kx: kx as i32,
+                tmp: tmp_floats as i64,
+                ky: ky as i32,
+                pad: 0,
+                taps: tap_words as i64,
+            });
+            // 256-byte aligned starts, as nvJPEG's planes like them
+            px_bytes += (img.width * img.height * 3).div_ceil(256) * 256;
+            tmp_floats += rows * side * 3;
+            tap_words += side * (4 + kx + ky);
+        }
+        let px = ensure(self, &stream, &mut dec.pixels, px_bytes, Ty::Half, "the decoded images")?;
+        let tmp = ensure(self, &stream, &mut dec.tmp, tmp_floats * 4, Ty::F32, "the resampling rows")?;
+        let taps = ensure(self, &stream, &mut dec.taps, tap_words * 4, Ty::F32, "the resampling taps")?;
+        let jobs_ptr = ensure(self, &stream, &mut dec.jobs, table_bytes, Ty::F32, "the decode table")?;
+        let which = dec.next_arena;
+        dec.next_arena = 1 - which;
+        let arena = dec.arenas[which].prepare(host_bytes)?;
+        // (the table, at the arena's start, is written by the decode thread once it is final)
+        for (img, &(at, n)) in images.iter().zip(&host_at) {
+            arena[at..at + n].copy_from_slice(&img.bytes[..n]);
+        }
+        let output = OutputPass { images: b, tmp, taps, jobs: jobs_ptr, side, bicubic: batch.bicubic, mean: batch.mean, std: batch.std, kernel: self.kernels[2].clone() };
+        Ok(Submission {
+            arena_ptr: arena.as_ptr() as usize,
+            which,
+            host_at,
+            jobs,
+            windows,
+            encodings: images.iter().map(|m| m.encoding).collect(),
+            sources: images.iter().map(|m| m.source.clone()).collect(),
+            px,
+            taps_kernel: self.kernels[0].clone(),
+            rows_kernel: self.kernels[1].clone(),
+            output: output.clone(),
+            dst,
+        })
+    }
+
+    /// Enqueues one laid-out batch on the decode stream up to its last pass: the decode
+    /// (hardware, hybrid, CPU as the module doc says), the copies of already-decoded images,
+    /// the table and the first two resampling kernels.
+    fn first_passes(&self, dec: &mut JpegDecoder, sub: &Submission) -> BResult<()> {
         let stream = dec.stream.clone();
         let cu = stream.cu_stream();
         let b = sub.jobs.len();
@@ -857,10 +1021,7 @@ impl DecodeThread {
         let done = self.ctx.new_event(None).map_err(dev("cuEventCreate"))?;
         done.record(&stream).map_err(dev("cuEventRecord"))?;
         dec.arenas[sub.which].done = Some(done);
-        match sub.dst {
-            Some(dst) => Ok(Some(out.enqueue(&self.ctx, &stream, &self.inputs_read, dst)?)),
-            None => Ok(None),
-        }
+        Ok(())
     }
 }
 
@@ -874,10 +1035,11 @@ fn launch(stream: CUstream, f: &cudarc::driver::CudaFunction, name: &str, grid: 
 
 impl Cuda {
     /// `Backend::decode_input` (see the module doc). A batch `decode_ahead` started is only
-    /// finished: its last pass, enqueued from this thread. Any other is laid out here and
-    /// copied into a pinned arena; a thread of its own then makes the nvJPEG calls, which hold
-    /// the calling thread for as long as the engines take (they would hold back the launches of
-    /// the step queued meanwhile), and enqueues the resampling.
+    /// finished: its last pass, enqueued by its thread if that is still running, else from
+    /// this one. Any other is laid out here and copied into a pinned arena; a thread of its own
+    /// then makes the nvJPEG calls, which hold the calling thread for as long as the engines
+    /// take (they would hold back the launches of the step queued meanwhile), and enqueues the
+    /// resampling.
     pub(super) fn decode_input_impl(&self, dst: &mut CudaBuf, batch: &EncodedBatch, range: std::ops::Range<usize>) -> BResult<()> {
         let images = batch.images.get(range.clone()).ok_or_else(|| BackendError::Shape { op: "decode_input", msg: format!("images {range:?} of a batch of {}", batch.images.len()) })?;
         super::device::check_len("decode_input", "dst", dst, images.len() * 3 * batch.side * batch.side)?;
@@ -889,38 +1051,87 @@ impl Cuda {
         let ahead = self.decode_ahead.lock().map_err(|_| BackendError::Device("decode_input: decode-ahead lock poisoned".into()))?.take();
         if let Some(a) = ahead {
             if a.key != BatchKey::of(batch, images) {
-                a.discard();
+                self.drop_ahead(a)?;
             } else {
-                join(a.thread)?;
-                self.ctx.bind_to_thread().map_err(dev("decode_input"))?;
-                let stream = {
-                    let mut guard = self.jpeg.lock().map_err(|_| BackendError::Device("decode_input: decoder lock poisoned".into()))?;
-                    self.opened_decoder(&mut guard).map_err(BackendError::Device)?.stream.clone()
-                };
-                let ready = a.output.enqueue(&self.ctx, &stream, &self.inputs_read, (dst.ptr, dst.dt()))?;
+                let pending = self.finish_ahead(a, (dst.ptr, dst.dt()))?;
                 self.decoded_ahead.fetch_add(1, Ordering::Relaxed);
-                *self.decoded_input.lock().map_err(|_| BackendError::Device("decode_input: event lock poisoned".into()))? = Some(PendingDecode::Enqueued(ready));
+                *self.decoded_input.lock().map_err(|_| BackendError::Device("decode_input: event lock poisoned".into()))? = Some(pending);
                 return Ok(());
             }
         }
-        let (handle, _) = self.submit(batch, images, Some((dst.ptr, dst.dt())))?;
+        self.ctx.bind_to_thread().map_err(dev("decode_input"))?;
+        let t = self.decode_thread()?;
+        let sub = {
+            let mut guard = self.jpeg.lock().map_err(|_| BackendError::Device("decode_input: decoder lock poisoned".into()))?;
+            let dec = opened(&self.ctx, &mut guard).map_err(BackendError::Device)?;
+            t.lay_out(dec, batch, images, Some((dst.ptr, dst.dt())))?
+        };
+        let order = self.decode_order()?;
+        let handle = std::thread::Builder::new()
+            .name("gpu-decode".into())
+            .spawn(move || t.enqueue(sub, order))
+            .map_err(|e| BackendError::Device(format!("starting the GPU decode thread: {e}")))?;
         *self.decoded_input.lock().map_err(|_| BackendError::Device("decode_input: event lock poisoned".into()))? = Some(PendingDecode::Running(handle));
         Ok(())
     }
 
+    /// The last pass of batch `a`, decoded ahead, into `dst`: left to its thread if that is
+    /// still running (the thread is then the pending decode), else enqueued here.
+    fn finish_ahead(&self, a: AheadDecode, dst: (u64, i32)) -> BResult<PendingDecode> {
+        let last_pass = {
+            let mut h = a.handoff.lock().map_err(|_| BackendError::Device("decode_input: handoff lock poisoned".into()))?;
+            match h.last_pass.take() {
+                Some(pass) => pass,
+                None => {
+                    h.dst = Some(dst);
+                    self.ahead_handed_over.fetch_add(1, Ordering::Relaxed);
+                    return Ok(PendingDecode::Running(a.thread));
+                }
+            }
+        };
+        join(a.thread)?;
+        self.ctx.bind_to_thread().map_err(dev("decode_input"))?;
+        let mut guard = self.jpeg.lock().map_err(|_| BackendError::Device("decode_input: decoder lock poisoned".into()))?;
+        let dec = opened(&self.ctx, &mut guard).map_err(BackendError::Device)?;
+        let ready = last_pass.enqueue(&self.ctx, &dec.stream, &self.inputs_read, dst)?;
+        dec.awaiting_output = false;
+        Ok(PendingDecode::Enqueued(ready))
+    }
+
+    /// Waits for batch `a`, decoded ahead, and drops it: its buffers are free for the next
+    /// batch (it is decoded again if it is staged later; an error of its decode is not this
+    /// caller's).
+    pub(super) fn drop_ahead(&self, a: AheadDecode) -> BResult<()> {
+        let _ = join(a.thread);
+        if let Some(dec) = self.jpeg.lock().map_err(|_| BackendError::Device("decode_input: decoder lock poisoned".into()))?.as_mut() {
+            dec.awaiting_output = false;
+        }
+        Ok(())
+    }
+
     /// `Backend::decode_ahead`: starts decoding images `range` of a batch that is staged after
-    /// the next one; everything but the last pass, which writes the input buffer and is left
-    /// for `decode_input` of the same images. A batch started ahead before and not yet finished
-    /// is dropped first; a batch decoded when staged has its last pass enqueued by its thread,
-    /// under the decoder's lock, before this one's decode.
+    /// the next one. Its thread lays it out from copies of its images, waits for the decoder
+    /// (the batch before it still holds it while decoding), and enqueues everything but the
+    /// last pass, which writes the input buffer and is left for `decode_input` of the same
+    /// images (`finish_ahead`); this thread returns at once. A batch started ahead before and
+    /// not yet staged is dropped first; one staged has its last pass enqueued, or left to its
+    /// thread which enqueues it under the decoder's lock, before this one's decode.
     pub(super) fn decode_ahead_impl(&self, batch: &EncodedBatch, range: std::ops::Range<usize>) -> BResult<()> {
         let images = batch.images.get(range.clone()).ok_or_else(|| BackendError::Shape { op: "decode_ahead", msg: format!("images {range:?} of a batch of {}", batch.images.len()) })?;
         if images.is_empty() {
             return Ok(());
         }
         self.discard_decode_ahead()?;
-        let (thread, output) = self.submit(batch, images, None)?;
-        *self.decode_ahead.lock().map_err(|_| BackendError::Device("decode_ahead: lock poisoned".into()))? = Some(AheadDecode { key: BatchKey::of(batch, images), output, thread });
+        let t = self.decode_thread()?;
+        let owned = EncodedBatch { images: images.to_vec(), side: batch.side, bicubic: batch.bicubic, mean: batch.mean, std: batch.std };
+        let handoff = Arc::new(Mutex::new(Handoff::default()));
+        let h = handoff.clone();
+        let order = self.decode_order()?;
+        let thread = std::thread::Builder::new()
+            .name("gpu-decode-ahead".into())
+            .spawn(move || t.decode_ahead(owned, h, order))
+            .map_err(|e| BackendError::Device(format!("starting the GPU decode thread: {e}")))?;
+        *self.decode_ahead.lock().map_err(|_| BackendError::Device("decode_ahead: lock poisoned".into()))? = Some(AheadDecode { key: BatchKey::of(batch, images), handoff, thread });
         Ok(())
     }
 
@@ -933,101 +1144,32 @@ impl Cuda {
     /// Waits for a batch decoded ahead and drops it (before anything that changes what the
     /// decoder does).
     fn discard_decode_ahead(&self) -> BResult<()> {
-        if let Some(a) = self.decode_ahead.lock().map_err(|_| BackendError::Device("decode-ahead lock poisoned".into()))?.take() {
-            a.discard();
+        let ahead = self.decode_ahead.lock().map_err(|_| BackendError::Device("decode-ahead lock poisoned".into()))?.take();
+        match ahead {
+            Some(a) => self.drop_ahead(a),
+            None => Ok(()),
         }
-        Ok(())
     }
 
-    /// Lays `images` out in the decoder's buffers, copies their bytes into the next pinned arena
-    /// and starts the decode thread; with `dst`, the thread also enqueues the last pass into it.
-    /// Returns the thread and the last pass.
-    fn submit(&self, batch: &EncodedBatch, images: &[crate::core::encoded::EncodedImage], dst: Option<(u64, i32)>) -> BResult<(std::thread::JoinHandle<BResult<Option<cudarc::driver::CudaEvent>>>, OutputPass)> {
-        let (b, side) = (images.len(), batch.side);
-        self.ctx.bind_to_thread().map_err(dev("decode_input"))?;
-        let mut guard = self.jpeg.lock().map_err(|_| BackendError::Device("decode_input: decoder lock poisoned".into()))?;
-        let dec = self.opened_decoder(&mut guard).map_err(BackendError::Device)?;
-        let stream = dec.stream.clone();
-        // Where each image goes: its pixels on the device, its horizontal-pass rows, and its
-        // bytes in the pinned arena (after the table).
-        let windows_on = dec.windows;
-        let mut jobs = Vec::with_capacity(b);
-        let (mut px_bytes, mut tmp_floats, mut tap_words) = (0usize, 0usize, 0usize);
-        let table_bytes = (std::mem::size_of::<ImageJob>() * b).div_ceil(256) * 256;
-        let mut host_at = Vec::with_capacity(b);
-        let mut windows = Vec::with_capacity(b);
-        let mut host_bytes = table_bytes;
-        for img in images {
-            if img.width == 0 || img.height == 0 {
-                return Err(BackendError::Device(format!("{}: empty image", img.source)));
-            }
-            let n = match img.encoding {
-                Encoding::Jpeg => img.bytes.len(),
-                Encoding::Rgb => img.width * img.height * 3,
-            };
-            if img.bytes.len() < n {
-                return Err(BackendError::Device(format!("{}: {} bytes of pixels for {}×{} RGB", img.source, img.bytes.len(), img.width, img.height)));
-            }
-            host_at.push((host_bytes, n));
-            host_bytes += n.div_ceil(64) * 64;
-            let (row0, rows) = row_range(img.height, img.crop[1], img.crop[3], side, batch.bicubic);
-            windows.push(if windows_on && img.encoding == Encoding::Jpeg { crop_window(img.width, img.height, img.crop, side, batch.bicubic) } else { None });
-            let (kx, ky) = (taps_per_output(img.crop[2], side, batch.bicubic), taps_per_output(img.crop[3], side, batch.bicubic));
-            jobs.push(ImageJob {
-                src: px_bytes as i64,
-                w: img.width as i32,
-                h: img.height as i32,
-                x0: img.crop[0],
-                y0: img.crop[1],
-                cw: img.crop[2],
-                ch: img.crop[3],
-                flip: i32::from(img.flip),
-                row0: row0 as i32,
-                rows: rows as i32,
-                kx: kx as i32,
-                tmp: tmp_floats as i64,
-                ky: ky as i32,
-                pad: 0,
-                taps: tap_words as i64,
-            });
-            // 256-byte aligned starts, as nvJPEG's planes like them
-            px_bytes += (img.width * img.height * 3).div_ceil(256) * 256;
-            tmp_floats += rows * side * 3;
-            tap_words += side * (4 + kx + ky);
-        }
-        let px = ensure(self, &stream, &mut dec.pixels, px_bytes, Ty::Half, "the decoded images")?;
-        let tmp = ensure(self, &stream, &mut dec.tmp, tmp_floats * 4, Ty::F32, "the resampling rows")?;
-        let taps = ensure(self, &stream, &mut dec.taps, tap_words * 4, Ty::F32, "the resampling taps")?;
-        let jobs_ptr = ensure(self, &stream, &mut dec.jobs, table_bytes, Ty::F32, "the decode table")?;
-        let which = dec.next_arena;
-        dec.next_arena = 1 - which;
-        let arena = dec.arenas[which].prepare(host_bytes)?;
-        // (the table, at the arena's start, is written by the decode thread once it is final)
-        for (img, &(at, n)) in images.iter().zip(&host_at) {
-            arena[at..at + n].copy_from_slice(&img.bytes[..n]);
-        }
-        let output = OutputPass { images: b, tmp, taps, jobs: jobs_ptr, side, bicubic: batch.bicubic, mean: batch.mean, std: batch.std, kernel: self.kernels.get("resample_cols_norm")?.clone() };
-        let sub = Submission {
-            arena_ptr: arena.as_ptr() as usize,
-            which,
-            host_at,
-            jobs,
-            windows,
-            encodings: images.iter().map(|m| m.encoding).collect(),
-            sources: images.iter().map(|m| m.source.clone()).collect(),
-            px,
-            taps_kernel: self.kernels.get("resample_taps")?.clone(),
-            rows_kernel: self.kernels.get("resample_rows_rgb8")?.clone(),
-            output: output.clone(),
-            dst,
-        };
-        drop(guard);
-        let thread = DecodeThread { ctx: self.ctx.clone(), jpeg: self.jpeg.clone(), inputs_read: self.inputs_read.clone() };
-        let handle = std::thread::Builder::new()
-            .name("gpu-decode".into())
-            .spawn(move || thread.enqueue(sub))
-            .map_err(|e| BackendError::Device(format!("starting the GPU decode thread: {e}")))?;
-        Ok((handle, output))
+    /// The place of a decode thread about to start: the `Finished` of the one started before
+    /// it, to wait for, and its own.
+    fn decode_order(&self) -> BResult<(Arc<Finished>, Arc<Finished>)> {
+        let mine = Arc::new(Finished::default());
+        let before = self.decode_chain.lock().map_err(|_| BackendError::Device("the GPU decode: order lock poisoned".into()))?.replace(mine.clone());
+        let before = before.unwrap_or_else(|| Arc::new(Finished { flag: Mutex::new(true), cv: std::sync::Condvar::new() }));
+        Ok((before, mine))
+    }
+
+    /// What a decode thread needs of the backend.
+    fn decode_thread(&self) -> BResult<DecodeThread> {
+        let k = |name: &str| -> BResult<cudarc::driver::CudaFunction> { Ok(self.kernels.get(name)?.clone()) };
+        Ok(DecodeThread {
+            ctx: self.ctx.clone(),
+            jpeg: self.jpeg.clone(),
+            inputs_read: self.inputs_read.clone(),
+            mem: self.mem.clone(),
+            kernels: [k("resample_taps")?, k("resample_rows_rgb8")?, k("resample_cols_norm")?],
+        })
     }
 
     /// Waits (on the host) until the decode thread has enqueued the pending batch, keeping its
@@ -1058,14 +1200,14 @@ impl Cuda {
     /// when nvJPEG cannot be loaded (the error).
     pub fn jpeg_engines(&self) -> Result<u32, String> {
         let mut guard = self.jpeg.lock().map_err(|_| "decoder lock poisoned".to_string())?;
-        Ok(self.opened_decoder(&mut guard)?.engines)
+        Ok(opened(&self.ctx, &mut guard)?.engines)
     }
 
     /// Whether the JPEG engines decode only each crop's window (`VITSCALE_NVJPEG_ROI`), and
     /// how many images they have decoded so; `set_jpeg_windows` changes the first.
     pub fn jpeg_windows(&self) -> Result<(bool, u64), String> {
         let mut guard = self.jpeg.lock().map_err(|_| "decoder lock poisoned".to_string())?;
-        let dec = self.opened_decoder(&mut guard)?;
+        let dec = opened(&self.ctx, &mut guard)?;
         Ok((dec.windows, dec.windowed_images))
     }
 
@@ -1074,22 +1216,37 @@ impl Cuda {
         self.settle_pending_decode().map_err(|e| e.to_string())?;
         self.discard_decode_ahead().map_err(|e| e.to_string())?;
         let mut guard = self.jpeg.lock().map_err(|_| "decoder lock poisoned".to_string())?;
-        self.opened_decoder(&mut guard)?.windows = on;
+        opened(&self.ctx, &mut guard)?.windows = on;
         Ok(())
     }
 
-    /// How many batches `decode_input` has finished from a start ahead (`decode_ahead`).
-    pub fn jpeg_decoded_ahead(&self) -> u64 {
-        self.decoded_ahead.load(Ordering::Relaxed)
+    /// How many batches `decode_input` has finished from a start ahead (`decode_ahead`), and
+    /// of those, how many it left to their still-running thread to finish.
+    pub fn jpeg_decoded_ahead(&self) -> (u64, u64) {
+        (self.decoded_ahead.load(Ordering::Relaxed), self.ahead_handed_over.load(Ordering::Relaxed))
     }
 
-    /// The decoder in `slot`, opened on first use.
-    fn opened_decoder<'a>(&self, slot: &'a mut Option<JpegDecoder>) -> Result<&'a mut JpegDecoder, String> {
-        if slot.is_none() {
-            *slot = Some(JpegDecoder::new(&self.ctx)?);
-        }
-        slot.as_mut().ok_or_else(|| "the GPU image decoder could not be opened".to_string())
+    /// Runs `f` with the decoder held, so that no decode thread can make progress meanwhile
+    /// (the selftest stages a batch decoded ahead before its thread can finish).
+    pub fn jpeg_holding_decoder<R>(&self, f: impl FnOnce() -> R) -> Result<R, String> {
+        let _held = self.jpeg.lock().map_err(|_| "decoder lock poisoned".to_string())?;
+        Ok(f())
     }
+
+    /// Whether the batch decoded ahead, if any, has everything but its last pass enqueued (the
+    /// selftest waits for it to take the staging's side of the handoff).
+    pub fn jpeg_ahead_ready(&self) -> bool {
+        self.decode_ahead.lock().ok().is_some_and(|slot| slot.as_ref().is_some_and(|a| a.handoff.lock().is_ok_and(|h| h.last_pass.is_some())))
+    }
+
+}
+
+/// The decoder in `slot`, opened on first use.
+fn opened<'a>(ctx: &Arc<cudarc::driver::CudaContext>, slot: &'a mut Option<JpegDecoder>) -> Result<&'a mut JpegDecoder, String> {
+    if slot.is_none() {
+        *slot = Some(JpegDecoder::new(ctx)?);
+    }
+    slot.as_mut().ok_or_else(|| "the GPU image decoder could not be opened".to_string())
 }
 
 #[cfg(test)]

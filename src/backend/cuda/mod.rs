@@ -94,8 +94,12 @@ pub struct Cuda {
     decoded_input: Mutex<Option<jpeg::PendingDecode>>,
     /// The batch after it, its decode started ahead (`decode_ahead`) up to the last pass.
     decode_ahead: Mutex<Option<jpeg::AheadDecode>>,
-    /// Batches `decode_input` finished from a start ahead (the selftest checks the path ran).
+    /// The latest decode thread's `Finished`, which the next one waits for.
+    decode_chain: Mutex<Option<Arc<jpeg::Finished>>>,
+    /// Batches `decode_input` finished from a start ahead (the selftest checks the path ran),
+    /// and of those, the ones whose last pass it left to their still-running thread.
     decoded_ahead: std::sync::atomic::AtomicU64,
+    ahead_handed_over: std::sync::atomic::AtomicU64,
     /// `VITSCALE_DECODE_AHEAD`, once read (`decodes_ahead`).
     decode_ahead_on: std::sync::OnceLock<Result<bool, String>>,
     /// Stream for batch-input copies (`upload_input`), so they overlap the compute stream.
@@ -144,10 +148,9 @@ impl Drop for Cuda {
                 let _ = p.settle();
             }
         }
-        if let Ok(mut slot) = self.decode_ahead.lock() {
-            if let Some(a) = slot.take() {
-                a.discard();
-            }
+        let ahead = self.decode_ahead.lock().ok().and_then(|mut slot| slot.take());
+        if let Some(a) = ahead {
+            let _ = self.drop_ahead(a);
         }
     }
 }
@@ -214,7 +217,9 @@ impl Cuda {
             jpeg: Arc::new(Mutex::new(None)),
             decoded_input: Mutex::new(None),
             decode_ahead: Mutex::new(None),
+            decode_chain: Mutex::new(None),
             decoded_ahead: std::sync::atomic::AtomicU64::new(0),
+            ahead_handed_over: std::sync::atomic::AtomicU64::new(0),
             decode_ahead_on: std::sync::OnceLock::new(),
             half,
         })
