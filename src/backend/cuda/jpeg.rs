@@ -570,8 +570,9 @@ fn ensure(t: &DecodeThread, stream: &Arc<CudaStream>, slot: &mut Option<CudaBuf>
     Ok(slot.as_ref().map(|b| b.ptr).unwrap_or(0))
 }
 
-/// What the decode thread needs for one batch, prepared by the caller: the table and the
-/// bitstreams are already in pinned arena `which`, the device buffers already sized.
+/// What the decode thread needs for one batch, prepared by `lay_out` (in the calling thread for
+/// a plain decode, in the batch's own thread for one decoded ahead): the bitstreams are already
+/// in pinned arena `which`, the device buffers already sized.
 struct Submission {
     arena_ptr: usize,
     which: usize,
