@@ -740,10 +740,7 @@ pub(super) struct AheadDecode {
 impl DecodeThread {
     /// Enqueues one batch the caller laid out (`lay_out`): everything before the last pass
     /// (`first_passes`), then the last pass into `sub.dst`. Returns the event recorded after it.
-    fn enqueue(self, sub: Submission, (before, mine): (Arc<Finished>, Arc<Finished>)) -> BResult<Option<cudarc::driver::CudaEvent>> {
-        let _finished = SetOnDrop(mine);
-        before.wait()?;
-        self.ctx.bind_to_thread().map_err(dev("the GPU decode thread"))?;
+    fn enqueue(self, sub: Submission) -> BResult<Option<cudarc::driver::CudaEvent>> {
         let mut guard = self.jpeg.lock().map_err(|_| BackendError::Device("decode_input: decoder lock poisoned".into()))?;
         let dec = guard.as_mut().ok_or_else(|| BackendError::Device("the GPU image decoder is not open".into()))?;
         self.first_passes(dec, &sub)?;
@@ -757,10 +754,7 @@ impl DecodeThread {
     /// lays it out, enqueues everything before the last pass, then the last pass too if the
     /// batch was staged meanwhile (`handoff.dst`), else leaves that pass in the handoff for the
     /// staging. Returns the event recorded after the last pass, if this thread enqueued it.
-    fn decode_ahead(self, batch: EncodedBatch, handoff: Arc<Mutex<Handoff>>, (before, mine): (Arc<Finished>, Arc<Finished>)) -> BResult<Option<cudarc::driver::CudaEvent>> {
-        let _finished = SetOnDrop(mine);
-        before.wait()?;
-        self.ctx.bind_to_thread().map_err(dev("the GPU decode thread"))?;
+    fn decode_ahead(self, batch: EncodedBatch, handoff: Arc<Mutex<Handoff>>) -> BResult<Option<cudarc::driver::CudaEvent>> {
         let mut guard = self.jpeg.lock().map_err(|_| BackendError::Device("decode_ahead: decoder lock poisoned".into()))?;
         let dec = opened(&self.ctx, &mut guard).map_err(BackendError::Device)?;
         let sub = self.lay_out(dec, &batch, &batch.images, None)?;
@@ -1067,11 +1061,7 @@ impl Cuda {
             let dec = opened(&self.ctx, &mut guard).map_err(BackendError::Device)?;
             t.lay_out(dec, batch, images, Some((dst.ptr, dst.dt())))?
         };
-        let order = self.decode_order()?;
-        let handle = std::thread::Builder::new()
-            .name("gpu-decode".into())
-            .spawn(move || t.enqueue(sub, order))
-            .map_err(|e| BackendError::Device(format!("starting the GPU decode thread: {e}")))?;
+        let handle = self.spawn_decode(t, "gpu-decode", move |t| t.enqueue(sub))?;
         *self.decoded_input.lock().map_err(|_| BackendError::Device("decode_input: event lock poisoned".into()))? = Some(PendingDecode::Running(handle));
         Ok(())
     }
@@ -1127,11 +1117,7 @@ impl Cuda {
         let owned = EncodedBatch { images: images.to_vec(), side: batch.side, bicubic: batch.bicubic, mean: batch.mean, std: batch.std };
         let handoff = Arc::new(Mutex::new(Handoff::default()));
         let h = handoff.clone();
-        let order = self.decode_order()?;
-        let thread = std::thread::Builder::new()
-            .name("gpu-decode-ahead".into())
-            .spawn(move || t.decode_ahead(owned, h, order))
-            .map_err(|e| BackendError::Device(format!("starting the GPU decode thread: {e}")))?;
+        let thread = self.spawn_decode(t, "gpu-decode-ahead", move |t| t.decode_ahead(owned, h))?;
         *self.decode_ahead.lock().map_err(|_| BackendError::Device("decode_ahead: lock poisoned".into()))? = Some(AheadDecode { key: BatchKey::of(batch, images), handoff, thread });
         Ok(())
     }
@@ -1152,13 +1138,27 @@ impl Cuda {
         }
     }
 
-    /// The place of a decode thread about to start: the `Finished` of the one started before
-    /// it, to wait for, and its own.
-    fn decode_order(&self) -> BResult<(Arc<Finished>, Arc<Finished>)> {
+    /// Starts decode thread `name`, which runs `work` with the context bound once the decode
+    /// thread started before it is done (`Finished`).
+    fn spawn_decode(
+        &self,
+        t: DecodeThread,
+        name: &str,
+        work: impl FnOnce(DecodeThread) -> BResult<Option<cudarc::driver::CudaEvent>> + Send + 'static,
+    ) -> BResult<std::thread::JoinHandle<BResult<Option<cudarc::driver::CudaEvent>>>> {
         let mine = Arc::new(Finished::default());
         let before = self.decode_chain.lock().map_err(|_| BackendError::Device("the GPU decode: order lock poisoned".into()))?.replace(mine.clone());
-        let before = before.unwrap_or_else(|| Arc::new(Finished { flag: Mutex::new(true), cv: std::sync::Condvar::new() }));
-        Ok((before, mine))
+        std::thread::Builder::new()
+            .name(name.into())
+            .spawn(move || {
+                let _finished = SetOnDrop(mine);
+                if let Some(before) = before {
+                    before.wait()?;
+                }
+                t.ctx.bind_to_thread().map_err(dev("the GPU decode thread"))?;
+                work(t)
+            })
+            .map_err(|e| BackendError::Device(format!("starting the GPU decode thread: {e}")))
     }
 
     /// What a decode thread needs of the backend.
