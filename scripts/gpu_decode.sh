@@ -19,6 +19,7 @@
 # batch after next ahead, VITSCALE_DECODE_AHEAD=on, one ending in na with it off;
 # a mode may repeat, each run has a folder run-MODEL-MODE-K of its own), SECS
 # (2) the seconds per bench point, TRAIN_TIMEOUT (150) the seconds a training run may take, PEER=0 skips the peer, DATA_BENCH=0 skips `bench --data`.
+# TRACE=1 traces each run (--trace OUT/trace-RUN) and prints scripts/trace_spans.py's summary of it.
 BIN=$1; O=$2; P=$3; MODELS=${4:-"vit_small_patch16_224 vit_base_patch16_224"}; STEPS=${5:-60}
 export PYTHONUNBUFFERED=1
 mkdir -p "$O"
@@ -74,10 +75,12 @@ for model in $MODELS; do
     esac
     run=$model-$mode-$k
     rm -rf "$O/run-$run"
-    env "${envs[@]}" timeout "${TRAIN_TIMEOUT:-150}" "$BIN" train "${common[@]}" "${extra[@]}" --run-dir "$O/run-$run" > "$O/train-$run.log" 2>&1
+    trace=(); [ "${TRACE:-0}" = 1 ] && rm -rf "$O/trace-$run" && trace=(--trace "$O/trace-$run")
+    env "${envs[@]}" timeout "${TRAIN_TIMEOUT:-150}" "$BIN" train "${common[@]}" "${extra[@]}" "${trace[@]}" --run-dir "$O/run-$run" > "$O/train-$run.log" 2>&1
     rc=$?
     echo "$model $mode rc $rc ($((SECONDS - t0)) s): $(median "$O/run-$run/metrics.jsonl" 2>/dev/null) | $(tail -1 "$O/train-$run.log" | cut -c1-160)"
     [ $rc -ne 0 ] && grep -iE "error|panick" "$O/train-$run.log" | head -3
+    [ "${TRACE:-0}" = 1 ] && python3 "$(dirname "$0")/trace_spans.py" "$O/trace-$run/trace-rank0.json"
   done
 done
 # the peer trains ViT-B/16 (15 loader workers)

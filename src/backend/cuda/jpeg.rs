@@ -29,7 +29,8 @@
 //! (`DecodeThread`), because nvJPEG's batched hardware call holds its thread while the
 //! engines decode, and the training thread must go on launching the step meanwhile.
 //!
-//! With `VITSCALE_DECODE_AHEAD=on` (off by default) the trainer starts the batch after next
+//! With `VITSCALE_DECODE_AHEAD=on` (off by default: on an H100 it trained no faster than the
+//! plain path, BENCHMARKS.md) the trainer starts the batch after next
 //! (`decode_ahead`, DALI's prefetch depth of 2): a thread of its own lays it out from copies of
 //! its images, decodes it and enqueues everything up to the last pass, the one that writes the
 //! model's input, while the calling thread returns at once. When the batch is staged
