@@ -19,6 +19,8 @@
 # batch after next ahead, VITSCALE_DECODE_AHEAD=on, one ending in na with it off;
 # a mode may repeat, each run has a folder run-MODEL-MODE-K of its own), SECS
 # (2) the seconds per bench point, TRAIN_TIMEOUT (150) the seconds a training run may take, PEER=0 skips the peer, DATA_BENCH=0 skips `bench --data`.
+# Mode synthetic_w4 is synthetic with 4 loader threads instead of one a core (whether the
+# synthetic run's host copies wait for cores the loader holds).
 # TRACE=1 traces each run (--trace OUT/trace-RUN) and prints scripts/trace_spans.py's summary of it.
 BIN=$1; O=$2; P=$3; MODELS=${4:-"vit_small_patch16_224 vit_base_patch16_224"}; STEPS=${5:-60}
 export PYTHONUNBUFFERED=1
@@ -67,6 +69,7 @@ for model in $MODELS; do
     case $base in shards_*) src=(--set data.dataset=shards --set data.path="$O/photos/shards"); base=${base#shards_} ;; esac
     case $base in
       synthetic) extra=(--set data.dataset=synthetic --set data.train_size=6000 --set data.val_size=512) ;;
+      synthetic_w4) extra=(--set data.dataset=synthetic --set data.train_size=6000 --set data.val_size=512 --set data.num_workers=4) ;;
       cpu16) extra=("${src[@]}" --set data.decode=cpu --set data.num_workers=16) ;;
       gpu4|gpu2) extra=("${src[@]}" --set data.decode=gpu --set data.num_workers=${base#gpu} "${share[@]}") ;;
       gpu4h) extra=("${src[@]}" --set data.decode=gpu --set data.num_workers=4 "${share[@]}")
