@@ -584,8 +584,6 @@ struct Submission {
     encodings: Vec<Encoding>,
     sources: Vec<String>,
     px: u64,
-    taps_kernel: cudarc::driver::CudaFunction,
-    rows_kernel: cudarc::driver::CudaFunction,
     output: OutputPass,
     /// The input buffer and its format, where the thread also enqueues the last pass; None for
     /// a batch decoded ahead (`decode_ahead`), whose last pass waits for its staging.
@@ -595,7 +593,6 @@ struct Submission {
 /// The last pass of a batch's decode: the vertical resampling of the decoder's rows into the
 /// model's input, normalized. It writes the input buffer, so it waits until the compute stream
 /// has read the previous batch from it.
-#[derive(Clone)]
 struct OutputPass {
     images: usize,
     tmp: u64,
@@ -634,7 +631,6 @@ impl OutputPass {
 /// context, the decoder, the compute stream's "inputs read" event, and what laying a batch out
 /// needs (the memory count for the buffers' allocations, the resampling kernels: taps, rows,
 /// columns).
-#[derive(Clone)]
 struct DecodeThread {
     ctx: Arc<cudarc::driver::CudaContext>,
     jpeg: Arc<Mutex<Option<JpegDecoder>>>,
@@ -848,9 +844,7 @@ impl DecodeThread {
             encodings: images.iter().map(|m| m.encoding).collect(),
             sources: images.iter().map(|m| m.source.clone()).collect(),
             px,
-            taps_kernel: self.kernels[0].clone(),
-            rows_kernel: self.kernels[1].clone(),
-            output: output.clone(),
+            output,
             dst,
         })
     }
@@ -1008,8 +1002,8 @@ impl DecodeThread {
         let side_i = side as i32;
         let max_rows = sub.jobs.iter().map(|j| j.rows as usize).max().unwrap_or(1);
         let grid_x = |n: usize| (n.div_ceil(THREADS as usize).clamp(1, 1024)) as u32;
-        launch(cu, &sub.taps_kernel, "resample_taps", (grid_x(2 * side), b as u32, 1), &mut kargs![taps, jobs_ptr, side_i, bicubic])?;
-        launch(cu, &sub.rows_kernel, "resample_rows_rgb8", (grid_x(max_rows * side), b as u32, 1), &mut kargs![tmp, px, jobs_ptr, taps, side_i, bicubic])?;
+        launch(cu, &self.kernels[0], "resample_taps", (grid_x(2 * side), b as u32, 1), &mut kargs![taps, jobs_ptr, side_i, bicubic])?;
+        launch(cu, &self.kernels[1], "resample_rows_rgb8", (grid_x(max_rows * side), b as u32, 1), &mut kargs![tmp, px, jobs_ptr, taps, side_i, bicubic])?;
         // the last reads of the pixels and of the arena (the table's copy is before them)
         let read = self.ctx.new_event(None).map_err(dev("cuEventCreate"))?;
         read.record(&stream).map_err(dev("cuEventRecord"))?;
@@ -1240,7 +1234,6 @@ impl Cuda {
     pub fn jpeg_ahead_ready(&self) -> bool {
         self.decode_ahead.lock().ok().is_some_and(|slot| slot.as_ref().is_some_and(|a| a.handoff.lock().is_ok_and(|h| h.last_pass.is_some())))
     }
-
 }
 
 /// The decoder in `slot`, opened on first use.
