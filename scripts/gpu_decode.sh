@@ -22,7 +22,9 @@
 # Mode synthetic_w4 is synthetic with 4 loader threads instead of one a core (whether the
 # synthetic run's host copies wait for cores the loader holds).
 # With BIN_B set (another build, to compare with in the same call), a mode ending in _b, e.g.
-# gpu2_b, runs that binary instead of BIN.
+# gpu2_b, runs that binary instead of BIN. A mode ending in _t and a number (before any _b), e.g.
+# gpu4_t4, runs the whole process on that many cores (taskset -c 0-(N-1)): every thread of it,
+# not only the loader's.
 # TRACE=1 traces each run (--trace OUT/trace-RUN) and prints scripts/trace_spans.py's summary of it.
 BIN=$1; O=$2; P=$3; MODELS=${4:-"vit_small_patch16_224 vit_base_patch16_224"}; STEPS=${5:-60}
 export PYTHONUNBUFFERED=1
@@ -65,6 +67,8 @@ for model in $MODELS; do
     share=()
     bin=$BIN
     case $base in *_b) bin=${BIN_B:?a mode ending in _b needs BIN_B}; base=${base%_b} ;; esac
+    pin=()
+    case $base in *_t[0-9]*) pin=(taskset -c 0-$((${base##*_t} - 1))); base=${base%_t*} ;; esac
     case $base in *c[0-9][0-9]) share=(--set data.decode_cpu_share=0.${base##*c}); base=${base%c[0-9][0-9]} ;; esac
     case $base in *da) envs+=(VITSCALE_DECODE_AHEAD=on); base=${base%da} ;; *na) envs+=(VITSCALE_DECODE_AHEAD=off); base=${base%na} ;; esac
     case $base in *lo) envs+=(VITSCALE_DECODE_PRIORITY=normal); base=${base%lo} ;; esac
@@ -83,7 +87,7 @@ for model in $MODELS; do
     run=$model-$mode-$k
     rm -rf "$O/run-$run"
     trace=(); [ "${TRACE:-0}" = 1 ] && rm -rf "$O/trace-$run" && trace=(--trace "$O/trace-$run")
-    env "${envs[@]}" timeout "${TRAIN_TIMEOUT:-150}" "$bin" train "${common[@]}" "${extra[@]}" "${trace[@]}" --run-dir "$O/run-$run" > "$O/train-$run.log" 2>&1
+    env "${envs[@]}" timeout "${TRAIN_TIMEOUT:-150}" "${pin[@]}" "$bin" train "${common[@]}" "${extra[@]}" "${trace[@]}" --run-dir "$O/run-$run" > "$O/train-$run.log" 2>&1
     rc=$?
     echo "$model $mode rc $rc ($((SECONDS - t0)) s): $(median "$O/run-$run/metrics.jsonl" 2>/dev/null) | $(tail -1 "$O/train-$run.log" | cut -c1-160)"
     [ $rc -ne 0 ] && grep -iE "error|panick" "$O/train-$run.log" | head -3
