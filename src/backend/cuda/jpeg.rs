@@ -375,9 +375,6 @@ impl Decoder {
     }
 }
 
-/// Bytes of one horizontal-pass pixel in the resampling rows (four i16: kernels/image.cu).
-const TMP_PIXEL_BYTES: usize = 8;
-
 /// One image's place in the decode buffers, as `kernels/image.cu`'s `ImageJob`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -478,7 +475,7 @@ pub(super) struct JpegDecoder {
     /// call first waits for this on the host: the previous batch's resampling may still be
     /// queued behind other work.
     pixels_read: Option<cudarc::driver::CudaEvent>,
-    /// The horizontal pass's rows: pixels of four i16 (levels ·2^7: R, G, B, 0; kernels/image.cu).
+    /// The horizontal pass's f32 rows.
     tmp: Option<CudaBuf>,
     /// The images' filter taps (`resample_taps`).
     taps: Option<CudaBuf>,
@@ -783,7 +780,7 @@ impl DecodeThread {
         // bytes in the pinned arena (after the table).
         let windows_on = dec.windows;
         let mut jobs = Vec::with_capacity(b);
-        let (mut px_bytes, mut tmp_pixels, mut tap_words) = (0usize, 0usize, 0usize);
+        let (mut px_bytes, mut tmp_floats, mut tap_words) = (0usize, 0usize, 0usize);
         let table_bytes = (std::mem::size_of::<ImageJob>() * b).div_ceil(256) * 256;
         let mut host_at = Vec::with_capacity(b);
         let mut windows = Vec::with_capacity(b);
@@ -816,18 +813,18 @@ impl DecodeThread {
                 row0: row0 as i32,
                 rows: rows as i32,
                 kx: kx as i32,
-                tmp: tmp_pixels as i64,
+                tmp: tmp_floats as i64,
                 ky: ky as i32,
                 pad: 0,
                 taps: tap_words as i64,
             });
             // 256-byte aligned starts, as nvJPEG's planes like them
             px_bytes += (img.width * img.height * 3).div_ceil(256) * 256;
-            tmp_pixels += rows * side;
+            tmp_floats += rows * side * 3;
             tap_words += side * (4 + kx + ky);
         }
         let px = ensure(self, &stream, &mut dec.pixels, px_bytes, Ty::Half, "the decoded images")?;
-        let tmp = ensure(self, &stream, &mut dec.tmp, tmp_pixels * TMP_PIXEL_BYTES, Ty::F32, "the resampling rows")?;
+        let tmp = ensure(self, &stream, &mut dec.tmp, tmp_floats * 4, Ty::F32, "the resampling rows")?;
         let taps = ensure(self, &stream, &mut dec.taps, tap_words * 4, Ty::F32, "the resampling taps")?;
         let jobs_ptr = ensure(self, &stream, &mut dec.jobs, table_bytes, Ty::F32, "the decode table")?;
         let which = dec.next_arena;

@@ -4,15 +4,10 @@
 // as `data::resize` does on the CPU. Three kernels: `resample_taps` computes each image's
 // filter taps once per output column and output row (first source index, count, normalized
 // weights; the CPU's formulas, bilinear and bicubic in f32), then two separable passes read
-// them: the horizontal pass filters the source rows the crop needs into rows of S pixels
+// them: the horizontal pass filters the source rows the crop needs into f32 rows of S pixels
 // (`tmp`), the vertical pass filters those into the output, flips and normalizes. The taps
 // depend only on the column or the output row, so computing them in the passes would repeat
 // the same work for every row and every column.
-//
-// The horizontal pass's pixels are what the CPU's passes keep between them (data/resize.rs): a
-// level times 2^7, rounded, in an i16, 0 ..= 255·2^7 — R, G, B and a zero in 8 bytes, so each
-// pixel is one 8-byte store and each vertical tap one 8-byte load (as f32, three of each and
-// half again the bytes).
 
 // One image of the batch (the host's `ImageJob`, same layout).
 struct ImageJob {
@@ -24,7 +19,7 @@ struct ImageJob {
     int row0;       // first source row the vertical filter reads
     int rows;       // source rows the horizontal pass filters (row0 .. row0 + rows)
     int kx;         // taps per output column: room in the table, at least any column's count
-    i64 tmp;        // pixel offset of its rows × S horizontal-pass pixels in `tmp`
+    i64 tmp;        // float offset of its rows × S × 3 horizontal-pass values in `tmp`
     int ky;         // taps per output row
     int pad;
     i64 taps;       // word offset of its tap table in `taps` (layout: `tap_axis`)
@@ -105,20 +100,8 @@ extern "C" __global__ void resample_taps(float* __restrict__ taps, const ImageJo
     a.cnt[i] = n;
 }
 
-// Fractional bits of the horizontal pass's pixels (MID_BITS in data/resize.rs).
-#define MID_SCALE 128.f
-
-// A horizontal-pass pixel from its three filtered levels: clamped to 0 ..= 255 (bicubic's
-// lobes can leave the range; bilinear's sums cannot), times 2^7, rounded.
-__device__ __forceinline__ uint2 mid_pixel(float r, float g, float b) {
-    const unsigned qr = (unsigned)__float2int_rn(fminf(fmaxf(r, 0.f), 255.f) * MID_SCALE);
-    const unsigned qg = (unsigned)__float2int_rn(fminf(fmaxf(g, 0.f), 255.f) * MID_SCALE);
-    const unsigned qb = (unsigned)__float2int_rn(fminf(fmaxf(b, 0.f), 255.f) * MID_SCALE);
-    return make_uint2(qr | (qg << 16), qb);
-}
-
 // Horizontal pass: grid.y = image, threads over (row r < rows, output column x < S).
-extern "C" __global__ void resample_rows_rgb8(uint2* __restrict__ tmp, const unsigned char* __restrict__ src, const ImageJob* __restrict__ jobs,
+extern "C" __global__ void resample_rows_rgb8(float* __restrict__ tmp, const unsigned char* __restrict__ src, const ImageJob* __restrict__ jobs,
                                               float* __restrict__ taps, int side, int bicubic) {
     const ImageJob jb = jobs[blockIdx.y];
     const TapAxis a = tap_axis(taps, jb, side, 0);
@@ -132,13 +115,17 @@ extern "C" __global__ void resample_rows_rgb8(uint2* __restrict__ tmp, const uns
             const float wk = a.w[k * side + x];
             a0 += wk * p[3 * k]; a1 += wk * p[3 * k + 1]; a2 += wk * p[3 * k + 2];
         }
-        tmp[jb.tmp + t] = mid_pixel(a0, a1, a2);
+        if (bicubic) {
+            a0 = fminf(fmaxf(a0, 0.f), 255.f); a1 = fminf(fmaxf(a1, 0.f), 255.f); a2 = fminf(fmaxf(a2, 0.f), 255.f);
+        }
+        float* o = tmp + jb.tmp + (i64)t * 3;
+        o[0] = a0; o[1] = a1; o[2] = a2;
     }
 }
 
 // Vertical pass, flip and normalization: grid.y = image, threads over the S × S outputs; out
 // is (B, 3, S, S) of dtype dt, image b at blockIdx.y.
-extern "C" __global__ void resample_cols_norm(void* __restrict__ out, int dt, const uint2* __restrict__ tmp, const ImageJob* __restrict__ jobs,
+extern "C" __global__ void resample_cols_norm(void* __restrict__ out, int dt, const float* __restrict__ tmp, const ImageJob* __restrict__ jobs,
                                               float* __restrict__ taps, int side, int bicubic,
                                               float k0, float k1, float k2, float o0, float o1, float o2) {
     const ImageJob jb = jobs[blockIdx.y];
@@ -150,15 +137,13 @@ extern "C" __global__ void resample_cols_norm(void* __restrict__ out, int dt, co
         const int y = t / side, x = t - y * side;
         const int sx = jb.flip ? side - 1 - x : x;
         const int lo = a.lo[y], cnt = a.cnt[y];
-        const uint2* v = tmp + jb.tmp + (i64)lo * side + sx;
+        const float* v = tmp + jb.tmp + ((i64)lo * side + sx) * 3;
         float a0 = 0.f, a1 = 0.f, a2 = 0.f;
         for (int k = 0; k < cnt; k++) {
             const float wk = a.w[k * side + y];
-            const uint2 px = v[(i64)k * side];
-            a0 += wk * (float)(px.x & 0xffffu); a1 += wk * (float)(px.x >> 16); a2 += wk * (float)px.y;
+            a0 += wk * v[0]; a1 += wk * v[1]; a2 += wk * v[2];
+            v += (i64)side * 3;
         }
-        // back to levels (an exact power-of-two scale)
-        a0 *= 1.f / MID_SCALE; a1 *= 1.f / MID_SCALE; a2 *= 1.f / MID_SCALE;
         if (bicubic) {
             a0 = fminf(fmaxf(a0, 0.f), 255.f); a1 = fminf(fmaxf(a1, 0.f), 255.f); a2 = fminf(fmaxf(a2, 0.f), 255.f);
         }
