@@ -1,8 +1,9 @@
 //! Gradient buckets reduced while the backward goes on, on CPU ranks (`vitscale launch`, the
 //! TCP ring's worker thread does the reduction): N ranks equal 1 rank through the bucketed,
-//! overlapped path at GAS 1 and GAS 4; `--trace` shows a bucket whose reduction completed
-//! before the backward that produced it ended; every rank's metrics carry the exposed and the
-//! total communication.
+//! overlapped path at GAS 1 and GAS 4; `--trace` shows buckets whose reductions started while
+//! the backward that produced them ran, and (in one of a few runs: it is up to the scheduler on
+//! shared cores) one that completed before that backward ended; every rank's metrics carry the
+//! exposed and the total communication.
 //!
 //! Small buckets (`zero_optimization.reduce_bucket_size` = 20000 elements) cut the default
 //! model (155k parameters) into one bucket per block. Tolerance: SGD, 5e-6 relative per tensor
@@ -58,12 +59,35 @@ fn ranks_match_one_rank_through_the_bucketed_path_at_gas_1_and_4() {
     }
 }
 
+/// Attempts at a run in which each rank's trace shows a reduction completed inside its
+/// backward: whether a reduction finishes before the backward does is up to the scheduler
+/// when ranks share two loaded cores (a rank descheduled through its whole backward shows
+/// none), so one attempt without any is not a failure; three in a row are.
+const OVERLAP_ATTEMPTS: usize = 3;
+
 #[test]
 fn the_trace_shows_a_bucket_reduced_during_the_backward_and_metrics_carry_exposed_comm() {
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    for attempt in 1..=OVERLAP_ATTEMPTS {
+        let completed_inside = traced_run_checks();
+        if completed_inside.iter().all(|&n| n >= 1) {
+            return;
+        }
+        eprintln!("attempt {attempt}: reductions completed inside their backward, by rank: {completed_inside:?}");
+    }
+    panic!("in {OVERLAP_ATTEMPTS} runs, some rank's trace never showed a bucket's reduction completed during its backward");
+}
+
+/// One traced 2-rank run. Asserts what does not depend on timing: one backward per step,
+/// several buckets a step, a bucket whose reduction was started while its backward still ran
+/// (the backward hands each bucket over as its gradients are final, not at the step's end),
+/// and every rank's metrics. Returns, per rank, how many reductions also completed inside
+/// their backward.
+fn traced_run_checks() -> Vec<usize> {
     let t = tmp();
     let (run, trace_dir) = (t.path().join("run"), t.path().join("trace"));
     train(2, 16, 1, &run, &["--trace".into(), trace_dir.display().to_string()]);
+    let mut completed_inside = Vec::new();
     for rank in 0..2 {
         let trace = read_json(&trace_dir.join(format!("trace-rank{rank}.json")));
         let events = trace["traceEvents"].as_array().unwrap();
@@ -80,10 +104,14 @@ fn the_trace_shows_a_bucket_reduced_during_the_backward_and_metrics_carry_expose
         let (backward, buckets) = (on(1, "backward"), on(3, "bucket"));
         assert_eq!(backward.len(), 4, "rank {rank}: one backward per step");
         assert!(buckets.len() >= 4 * 3, "rank {rank}: several buckets per step, got {}", buckets.len());
-        // a reduction that started during a backward and was complete before that backward ended
-        let overlapped = buckets.iter().filter(|&&(s, e, step)| backward.iter().any(|&(bs, be, bstep)| bstep == step && s >= bs && e <= be)).count();
-        eprintln!("rank {rank}: {overlapped} of {} bucket reductions completed inside their backward", buckets.len());
-        assert!(overlapped >= 1, "rank {rank}: no bucket's reduction completed during the backward");
+        let inside = |at: f64, step: u64| backward.iter().any(|&(bs, be, bstep)| bstep == step && at >= bs && at <= be);
+        // started while the backward that produced it was still running
+        let started = buckets.iter().filter(|&&(s, _, step)| inside(s, step)).count();
+        // and complete before that backward ended
+        let completed = buckets.iter().filter(|&&(s, e, step)| inside(s, step) && inside(e, step)).count();
+        eprintln!("rank {rank}: of {} bucket reductions, {started} started and {completed} completed inside their backward", buckets.len());
+        assert!(started >= 1, "rank {rank}: no bucket's reduction started during the backward");
+        completed_inside.push(completed);
         // every rank's metrics: exposed (comm_s), total and overlap share
         let dir = if rank == 0 { run.clone() } else { run.join(format!("rank{rank}")) };
         let steps = metrics(&dir, None);
@@ -97,4 +125,5 @@ fn the_trace_shows_a_bucket_reduced_during_the_backward_and_metrics_carry_expose
             assert!(s["comm_bytes"].as_u64().unwrap() == 155018 * 4, "rank {rank}: every gradient reduced once per step: {s}");
         }
     }
+    completed_inside
 }
